@@ -1,0 +1,254 @@
+//! Making checkpoints visible, atomically, and removing old ones safely.
+//!
+//! Protocol for one rank (world size 1):
+//! 1. write `step-N.partial/<rank file>` (O_DIRECT), `ftruncate` + `fdatasync` it;
+//! 2. write `step-N.partial/manifest.json`, `fsync` it, `fsync` the partial directory;
+//! 3. `rename(step-N.partial, step-N)`, `fsync` the root.
+//!
+//! Only `step-N` directories holding a manifest are ever listed or loaded, so a crash at any
+//! point leaves either the previous set of checkpoints or the previous set plus step N.
+//!
+//! With several ranks, each writes its file and a manifest part
+//! (`rank-K.manifest.json`); the rank that finds every part present merges them into
+//! `manifest.json` and renames the directory (two ranks racing both succeed: the rename is
+//! atomic and the loser sees the committed directory).
+//!
+//! Retention renames `step-M` to `step-M.trash` (atomic: the checkpoint disappears from
+//! listings at once), fsyncs the root, then deletes the trash.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::io::file::{fsync_dir, write_durable};
+use crate::manifest::{
+    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
+    rank_manifest_name, step_dir_name, trash_dir_name,
+};
+
+/// Lock file name for a rank.
+fn lock_name(rank: u32) -> String {
+    format!(".shmckpt-rank-{rank}.lock")
+}
+
+/// An exclusive `flock` on `root/.shmckpt-rank-K.lock`, held for an engine's lifetime: two
+/// engines of the same rank cannot share a root, and cleanup knows who is alive.
+#[derive(Debug)]
+pub struct RootLock {
+    _file: File,
+}
+
+/// Check that `root` exists, is a directory, and is writable.
+pub fn check_root(root: &Path) -> Result<()> {
+    if !root.is_dir() {
+        return Err(Error::RootMissing {
+            path: root.to_owned(),
+        });
+    }
+    let probe = root.join(format!(".shmckpt-probe-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(source) => Err(Error::RootNotWritable {
+            path: root.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Take rank `rank`'s lock on `root`.
+pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
+    let path = root.join(lock_name(rank));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| Error::io("open", &path, e))?;
+    match rustix::fs::flock(file.as_fd(), rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(RootLock { _file: file }),
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => Err(Error::RootLocked {
+            path: root.to_owned(),
+            rank,
+        }),
+        Err(e) => Err(Error::io("flock", &path, e.into())),
+    }
+}
+
+/// Whether an engine of a rank other than `own_rank` holds a lock on `root`.
+fn other_engine_alive(root: &Path, own_rank: u32) -> bool {
+    let own = lock_name(own_rank);
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return false;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(".shmckpt-rank-") || !name.ends_with(".lock") || name == own {
+            continue;
+        }
+        let Ok(f) = File::open(e.path()) else {
+            continue;
+        };
+        match rustix::fs::flock(f.as_fd(), rustix::fs::FlockOperation::NonBlockingLockShared) {
+            Ok(()) => {
+                let _ = rustix::fs::flock(f.as_fd(), rustix::fs::FlockOperation::Unlock);
+            }
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// Remove leftovers of interrupted saves (`*.partial`) and retention (`*.trash`), unless
+/// another engine is working on this root. Returns what was removed.
+pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
+    if other_engine_alive(root, own_rank) {
+        tracing::info!(root = %root.display(), "another engine is active; not cleaning partial checkpoints");
+        return Ok(Vec::new());
+    }
+    let mut removed = Vec::new();
+    let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let stale = name.starts_with("step-")
+            && (name.ends_with(".partial") || name.ends_with(".trash"));
+        if stale && e.path().is_dir() {
+            tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
+            std::fs::remove_dir_all(e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
+            removed.push(e.path());
+        }
+    }
+    if !removed.is_empty() {
+        fsync_dir(root)?;
+    }
+    Ok(removed)
+}
+
+/// Prepare `root/step-N.partial/` for this rank's file. Fails if step N is committed.
+/// Returns the partial directory.
+pub fn prepare_partial(root: &Path, step: u64, file_name: &str, world_size: u32) -> Result<PathBuf> {
+    if root.join(step_dir_name(step)).exists() {
+        return Err(Error::StepExists {
+            step,
+            root: root.to_owned(),
+        });
+    }
+    let partial = root.join(partial_dir_name(step));
+    match std::fs::create_dir(&partial) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            if world_size == 1 {
+                // We hold the only rank lock: this is a leftover of an interrupted save.
+                tracing::warn!(dir = %partial.display(), "replacing stale partial directory");
+                std::fs::remove_dir_all(&partial)
+                    .map_err(|e| Error::io("remove", &partial, e))?;
+                std::fs::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
+            } else {
+                let stale = partial.join(file_name);
+                if stale.exists() {
+                    std::fs::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
+                }
+            }
+        }
+        Err(e) => return Err(Error::io("mkdir", &partial, e)),
+    }
+    Ok(partial)
+}
+
+/// Remove this rank's traces of a failed save: its file, and the partial directory if that
+/// leaves it empty (other ranks' files keep it).
+pub fn abort_partial(partial: &Path, file_name: &str) {
+    let _ = std::fs::remove_file(partial.join(file_name));
+    let _ = std::fs::remove_dir(partial);
+}
+
+/// Commit this rank's file (already durable) for `step`. Returns the committed directory
+/// when this call (or another rank) completed the commit, `None` when other ranks are
+/// still missing.
+pub fn commit(
+    root: &Path,
+    step: u64,
+    world_size: u32,
+    partial: &Path,
+    entry: FileEntry,
+    metadata: &Metadata,
+) -> Result<Option<PathBuf>> {
+    let final_dir = root.join(step_dir_name(step));
+    let mut files = vec![entry];
+    if world_size > 1 {
+        let part = partial.join(rank_manifest_name(files[0].rank));
+        let bytes = serde_json::to_vec(&files[0]).expect("manifest parts serialize");
+        let _ = std::fs::remove_file(&part);
+        write_durable(&part, &bytes)?;
+        fsync_dir(partial)?;
+        files.clear();
+        for r in 0..world_size {
+            let p = partial.join(rank_manifest_name(r));
+            match std::fs::read(&p) {
+                Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
+                    Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
+                })?),
+                Err(_) => return Ok(None), // another rank will finish the commit
+            }
+        }
+    }
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        step,
+        world_size,
+        created_unix_ms: crate::util::unix_ms(),
+        total_bytes: files.iter().map(|f| f.bytes).sum(),
+        metadata: metadata.clone(),
+        files,
+    };
+    let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+    let tmp = partial.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    write_durable(&tmp, &bytes)?;
+    let target = partial.join(MANIFEST);
+    std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+    fsync_dir(partial)?;
+    match std::fs::rename(partial, &final_dir) {
+        Ok(()) => {}
+        Err(_) if world_size > 1 && final_dir.join(MANIFEST).is_file() => {
+            return Ok(Some(final_dir)); // another rank committed it
+        }
+        Err(e) => return Err(Error::io("rename", partial, e)),
+    }
+    fsync_dir(root)?;
+    Ok(Some(final_dir))
+}
+
+/// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
+/// deletes the newest one. Returns the deleted steps.
+pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
+    let keep = keep.max(1);
+    let all = manifest::list_committed(root)?;
+    if all.len() <= keep {
+        return Ok(Vec::new());
+    }
+    let mut deleted = Vec::new();
+    for c in &all[..all.len() - keep] {
+        let trash = root.join(trash_dir_name(c.step));
+        match std::fs::rename(&c.dir, &trash) {
+            Ok(()) => deleted.push((c.step, trash)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it
+            Err(e) => return Err(Error::io("rename", &c.dir, e)),
+        }
+    }
+    fsync_dir(root)?;
+    for (_, trash) in &deleted {
+        std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
+    }
+    Ok(deleted.into_iter().map(|(s, _)| s).collect())
+}

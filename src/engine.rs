@@ -1,0 +1,1075 @@
+//! The engine: plan → stage → write → commit.
+//!
+//! `save` validates and lays out the tensors, creates the partial directory and file,
+//! copies every byte into staging chunks (several threads for host memory) and hands each
+//! chunk to the writer pool as soon as it is complete. It returns when the last byte is
+//! staged. Writers checksum and write the chunks; the commit thread, taking saves in order,
+//! waits for the last write, makes the file durable, writes the manifest and renames the
+//! directory.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::commit::{self, RootLock};
+use crate::error::{Error, Result};
+use crate::io::file::FileTarget;
+use crate::io::pool::{ChunkInfo, Outcome, WriteJob, WriteSink, WriterPool};
+use crate::io::{BackendKind, BackendOptions, align_up};
+use crate::manifest::{self, CheckpointInfo, FileEntry, Manifest, Metadata, TensorEntry};
+use crate::plan::{self, PieceSource, Plan, TensorSpec};
+use crate::restore::{self, Checkpoint};
+use crate::staging::{Arena, ArenaSpec, ChunkLease, NAME_PREFIX};
+use crate::tensor::{Source, Tensor};
+
+/// Default staging capacity: 2 GiB.
+pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
+/// Default chunk size: 8 MiB.
+pub const DEFAULT_CHUNK_SIZE: u64 = 8 << 20;
+/// Default number of writer threads.
+pub const DEFAULT_WRITER_THREADS: usize = 2;
+/// Default requests in flight per writer.
+pub const DEFAULT_QUEUE_DEPTH: u32 = 8;
+/// Default number of save slots (saves staged or draining at once).
+pub const DEFAULT_MAX_INFLIGHT_SAVES: u32 = 4;
+/// Saves smaller than this are staged by the calling thread alone.
+const PARALLEL_COPY_MIN: u64 = 64 << 20;
+
+/// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
+/// setter's documentation gives its default.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    root: PathBuf,
+    staging_capacity: u64,
+    chunk_size: u64,
+    writer_threads: usize,
+    queue_depth: u32,
+    copy_threads: usize,
+    direct_io: bool,
+    keep_last: Option<usize>,
+    rank: u32,
+    world_size: u32,
+    backend: BackendKind,
+    shm_name: Option<String>,
+    max_inflight_saves: u32,
+    #[cfg(feature = "fault-injection")]
+    faults: Option<Arc<crate::io::fault::FaultPlan>>,
+}
+
+impl EngineConfig {
+    /// Settings for checkpoints under `root` (an existing, writable directory), with all
+    /// defaults.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        EngineConfig {
+            root: root.into(),
+            staging_capacity: DEFAULT_STAGING_CAPACITY,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            writer_threads: DEFAULT_WRITER_THREADS,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            copy_threads: std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(1),
+            direct_io: true,
+            keep_last: None,
+            rank: 0,
+            world_size: 1,
+            backend: BackendKind::Auto,
+            shm_name: None,
+            max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
+            #[cfg(feature = "fault-injection")]
+            faults: None,
+        }
+    }
+
+    /// Bytes of shared-memory staging, reserved and pre-faulted when the engine is built
+    /// (rounded up to whole chunks). A checkpoint file larger than this is refused. Default
+    /// 2 GiB.
+    pub fn with_staging_capacity(mut self, bytes: u64) -> Self {
+        self.staging_capacity = bytes;
+        self
+    }
+
+    /// Unit of staging, writing and (for CUDA) copy events. A multiple of 4096 between
+    /// 64 KiB and 1 GiB. Default 8 MiB.
+    pub fn with_chunk_size(mut self, bytes: u64) -> Self {
+        self.chunk_size = bytes;
+        self
+    }
+
+    /// Writer threads, each with its own io_uring (or `pwrite` loop). Default 2.
+    pub fn with_writer_threads(mut self, n: usize) -> Self {
+        self.writer_threads = n;
+        self
+    }
+
+    /// Writes in flight per writer thread (io_uring submission queue depth). Default 8.
+    pub fn with_queue_depth(mut self, depth: u32) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// Threads copying host tensors into staging (saves under 64 MiB use one). Default: the
+    /// number of CPUs, at most 4.
+    pub fn with_copy_threads(mut self, n: usize) -> Self {
+        self.copy_threads = n;
+        self
+    }
+
+    /// Open files with `O_DIRECT` (falls back to buffered writes plus `fdatasync`, logged,
+    /// when the filesystem refuses it). Default true.
+    pub fn with_direct_io(mut self, on: bool) -> Self {
+        self.direct_io = on;
+        self
+    }
+
+    /// Keep only the newest `n` committed checkpoints (`None`: keep all). Older ones are
+    /// deleted only after a newer one is committed. Default `None`.
+    pub fn with_keep_last(mut self, n: Option<usize>) -> Self {
+        self.keep_last = n;
+        self
+    }
+
+    /// This process's rank and the number of ranks; they name the file
+    /// (`rank-00003-of-00008.safetensors`). Default 0 of 1.
+    pub fn with_rank(mut self, rank: u32, world_size: u32) -> Self {
+        self.rank = rank;
+        self.world_size = world_size;
+        self
+    }
+
+    /// Write backend. Default [`BackendKind::Auto`] (io_uring, else `pwrite` with a
+    /// warning).
+    pub fn with_backend(mut self, kind: BackendKind) -> Self {
+        self.backend = kind;
+        self
+    }
+
+    /// Name of the staging segment in `/dev/shm` (without slash). Default
+    /// `shmckpt.<pid>.r<rank>.<n>`.
+    pub fn with_shm_name(mut self, name: impl Into<String>) -> Self {
+        self.shm_name = Some(name.into());
+        self
+    }
+
+    /// Saves that may be staged or draining at once; a further `save` waits. Default 4.
+    pub fn with_max_inflight_saves(mut self, n: u32) -> Self {
+        self.max_inflight_saves = n;
+        self
+    }
+
+    /// Inject I/O faults (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_faults(mut self, plan: Arc<crate::io::fault::FaultPlan>) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+
+    /// The checkpoint root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn validate(&self) -> Result<()> {
+        let cs = self.chunk_size;
+        if cs % 4096 != 0 || !(64 << 10..=1 << 30).contains(&cs) {
+            return Err(Error::Config(format!(
+                "chunk_size {cs} must be a multiple of 4096 between 64 KiB and 1 GiB"
+            )));
+        }
+        if self.staging_capacity < cs {
+            return Err(Error::Config(format!(
+                "staging_capacity {} is smaller than one chunk ({cs})",
+                self.staging_capacity
+            )));
+        }
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(Error::Config(format!(
+                "rank {} is not below world_size {}",
+                self.rank, self.world_size
+            )));
+        }
+        if !(1..=256).contains(&self.writer_threads) {
+            return Err(Error::Config("writer_threads must be 1..=256".into()));
+        }
+        if !(1..=4096).contains(&self.queue_depth) {
+            return Err(Error::Config("queue_depth must be 1..=4096".into()));
+        }
+        if !(1..=256).contains(&self.max_inflight_saves) {
+            return Err(Error::Config("max_inflight_saves must be 1..=256".into()));
+        }
+        if let Some(n) = &self.shm_name
+            && (n.is_empty() || n.len() > 200 || n.contains('/'))
+        {
+            return Err(Error::Config(format!(
+                "shm name {n:?} must be 1..200 characters without '/'"
+            )));
+        }
+        if self.keep_last == Some(0) {
+            return Err(Error::Config(
+                "keep_last must be at least 1 (None keeps all)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Build the engine.
+    pub fn build(self) -> Result<Engine> {
+        Engine::open(self)
+    }
+}
+
+/// Which committed checkpoint to load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepSel {
+    /// The newest committed step.
+    Latest,
+    /// A given step.
+    Step(u64),
+}
+
+impl From<u64> for StepSel {
+    fn from(s: u64) -> Self {
+        StepSel::Step(s)
+    }
+}
+
+/// Timings of a save, measured from the moment `save` was called.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SaveTimings {
+    /// Until `save` returned: every byte staged (the trainer's stall).
+    pub staging: Duration,
+    /// Part of `staging` spent waiting for free staging chunks or save slots (backpressure
+    /// from earlier saves still draining).
+    pub backpressure: Duration,
+    /// Until the file was written and `fdatasync`ed.
+    pub durable: Duration,
+    /// Until the checkpoint directory was renamed into place and the root fsynced.
+    pub committed: Duration,
+}
+
+/// What a finished save did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveReport {
+    /// Step.
+    pub step: u64,
+    /// Committed directory (for multi-rank saves, set by whichever rank committed; `None`
+    /// while other ranks are still writing).
+    pub dir: Option<PathBuf>,
+    /// This rank's file (its final path once committed).
+    pub file: PathBuf,
+    /// Bytes of this rank's file.
+    pub bytes: u64,
+    /// Tensors saved.
+    pub tensors: usize,
+    /// Timings.
+    pub timings: SaveTimings,
+    /// Backend that wrote (`io_uring`, `pwrite`).
+    pub backend: &'static str,
+    /// Whether the file was written with O_DIRECT.
+    pub direct_io: bool,
+    /// Steps deleted by retention after this commit.
+    pub retired: Vec<u64>,
+}
+
+impl SaveReport {
+    /// Bytes over time-to-durable, in GB/s.
+    pub fn persist_gbps(&self) -> f64 {
+        crate::util::gbps(self.bytes, self.timings.durable)
+    }
+}
+
+/// What is known as soon as `save` returns.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StagedReport {
+    /// Step.
+    pub step: u64,
+    /// File bytes staged.
+    pub bytes: u64,
+    /// Time in `save` (stall).
+    pub staging: Duration,
+    /// Part of it spent waiting for staging space.
+    pub backpressure: Duration,
+}
+
+struct Shared {
+    cfg: EngineConfig,
+    arena: Arc<Arena>,
+    inflight: Mutex<BTreeSet<u64>>,
+    backend: &'static str,
+}
+
+/// The checkpoint engine. One per rank; `save` may be called from any thread (saves are
+/// serialized).
+pub struct Engine {
+    shared: Arc<Shared>,
+    pool: WriterPool,
+    commit_tx: Option<Sender<Arc<SaveState>>>,
+    commit_thread: Option<JoinHandle<()>>,
+    save_lock: Mutex<()>,
+    last_save: Mutex<Option<Arc<SaveState>>>,
+    _lock: RootLock,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("root", &self.shared.cfg.root)
+            .field("arena", &self.shared.arena.name())
+            .field("backend", &self.shared.backend)
+            .finish()
+    }
+}
+
+static ARENA_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Engine {
+    /// Open an engine: check the root, take the rank lock, remove stale partial
+    /// directories, create the staging arena and start the writers.
+    pub fn open(cfg: EngineConfig) -> Result<Engine> {
+        cfg.validate()?;
+        commit::check_root(&cfg.root)?;
+        let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        commit::clean_stale(&cfg.root, cfg.rank)?;
+        let name = cfg.shm_name.clone().unwrap_or_else(|| {
+            format!(
+                "{NAME_PREFIX}{}.r{}.{}",
+                std::process::id(),
+                cfg.rank,
+                ARENA_COUNTER.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
+        let t = Instant::now();
+        let arena = Arena::create(&ArenaSpec {
+            name: Some(name),
+            capacity: cfg.staging_capacity,
+            chunk_size: cfg.chunk_size,
+            slots: cfg.max_inflight_saves,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            root: root_abs,
+        })?;
+        tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
+        let opts = BackendOptions {
+            kind: cfg.backend,
+            queue_depth: cfg.queue_depth,
+            fixed: Some(Arc::clone(&arena)),
+            #[cfg(feature = "fault-injection")]
+            faults: cfg.faults.clone(),
+        };
+        let pool = WriterPool::start(cfg.writer_threads, &opts)?;
+        let shared = Arc::new(Shared {
+            backend: pool.backend(),
+            cfg,
+            arena,
+            inflight: Mutex::new(BTreeSet::new()),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
+        let commit_thread = std::thread::Builder::new()
+            .name("shmckpt-commit".into())
+            .spawn(move || {
+                for st in rx {
+                    st.wait_settled();
+                    let res = finalize(&st);
+                    st.complete(res);
+                }
+            })
+            .map_err(|e| Error::Config(format!("cannot spawn commit thread: {e}")))?;
+        Ok(Engine {
+            shared,
+            pool,
+            commit_tx: Some(tx),
+            commit_thread: Some(commit_thread),
+            save_lock: Mutex::new(()),
+            last_save: Mutex::new(None),
+            _lock: lock,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.cfg
+    }
+
+    /// Name of the staging segment in `/dev/shm`.
+    pub fn shm_name(&self) -> &str {
+        self.shared.arena.name().unwrap_or("")
+    }
+
+    /// Staging bytes available to one save.
+    pub fn staging_capacity(&self) -> u64 {
+        self.shared.arena.capacity()
+    }
+
+    /// Write backend in use (`io_uring` or `pwrite`).
+    pub fn backend(&self) -> &'static str {
+        self.shared.backend
+    }
+
+    /// The staging arena (for the CUDA source and tools).
+    pub(crate) fn arena(&self) -> &Arc<Arena> {
+        &self.shared.arena
+    }
+
+    /// Save `tensors` as checkpoint `step`.
+    ///
+    /// Returns as soon as every byte is in staging: the caller may then overwrite or free
+    /// its tensors. The returned handle reports when the checkpoint is durable and
+    /// committed. If earlier saves still occupy the staging arena, this waits for space
+    /// (reported as `backpressure`). Invalid input is rejected before anything is written.
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+    ) -> Result<SaveHandle> {
+        let started = Instant::now();
+        let _serial = lock(&self.save_lock);
+        let cfg = &self.shared.cfg;
+        let arena = &self.shared.arena;
+        let cs = arena.chunk_size();
+
+        // 1. Validate and lay out: nothing is touched before this succeeds.
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.name.to_string(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                len: t.source.len(),
+            })
+            .collect();
+        let system: Metadata = [
+            (plan::META_STEP.to_owned(), step.to_string()),
+            (plan::META_RANK.to_owned(), cfg.rank.to_string()),
+            (plan::META_WORLD.to_owned(), cfg.world_size.to_string()),
+        ]
+        .into();
+        let plan = Plan::new(&specs, &system, metadata)?;
+        let needed = plan.chunk_count(cs) * cs;
+        if needed > arena.capacity() {
+            return Err(Error::TooLarge {
+                needed,
+                capacity: arena.capacity(),
+            });
+        }
+        if tensors.iter().any(|t| matches!(t.source, Source::Cuda(_))) {
+            return Err(Error::Cuda(
+                "device tensors need the CUDA source, which this engine has not set up".into(),
+            ));
+        }
+        if !lock(&self.shared.inflight).insert(step) {
+            return Err(Error::StepExists {
+                step,
+                root: cfg.root.clone(),
+            });
+        }
+        let unmark = || {
+            lock(&self.shared.inflight).remove(&step);
+        };
+
+        // 2. Files.
+        let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
+        let partial = commit::prepare_partial(&cfg.root, step, &file_name, cfg.world_size)
+            .inspect_err(|_| unmark())?;
+        let setup = FileTarget::create(&partial.join(&file_name), cfg.direct_io).and_then(|t| {
+            t.preallocate(align_up(plan.file_len()))?;
+            Ok(t)
+        });
+        let target = match setup {
+            Ok(t) => t,
+            Err(e) => {
+                commit::abort_partial(&partial, &file_name);
+                unmark();
+                return Err(e);
+            }
+        };
+
+        // 3. A descriptor slot, so a crash from here on is recoverable.
+        let t_slot = Instant::now();
+        let slot = arena.acquire_slot();
+        let slot_wait = t_slot.elapsed();
+        let n_chunks = plan.chunk_count(cs);
+        arena.descriptor().begin(
+            slot,
+            step,
+            plan.file_len(),
+            plan.data_start(),
+            n_chunks,
+            &manifest::partial_dir_name(step),
+            &file_name,
+        );
+        let state = Arc::new(SaveState {
+            shared: Arc::clone(&self.shared),
+            step,
+            plan,
+            metadata: metadata.clone(),
+            direct: target.is_direct(),
+            target,
+            partial,
+            file_name,
+            slot,
+            started,
+            failed: AtomicBool::new(false),
+            progress: Mutex::new(Progress::default()),
+            changed: Condvar::new(),
+            crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+        });
+        let tx = self
+            .commit_tx
+            .as_ref()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        tx.send(Arc::clone(&state))
+            .map_err(|_| Error::Shutdown("commit thread is gone".into()))?;
+        *lock(&self.last_save) = Some(Arc::clone(&state));
+
+        // 4. Stage and dispatch.
+        let staged = self.stage(&state, tensors);
+        let backpressure = slot_wait + staged.as_ref().copied().unwrap_or_default();
+        let staging = started.elapsed();
+        match staged {
+            Ok(_) => {
+                state.shared.arena.descriptor().staged(slot);
+                let report = StagedReport {
+                    step,
+                    bytes: state.plan.file_len(),
+                    staging,
+                    backpressure,
+                };
+                state.staging_finished(Ok(report));
+                tracing::debug!(step, ?staging, ?backpressure, "save staged");
+                Ok(SaveHandle { state })
+            }
+            Err(e) => {
+                state.staging_finished(Err(()));
+                // Let the commit thread clean up, so a retry of this step can start at once.
+                state.wait_done();
+                Err(e)
+            }
+        }
+    }
+
+    /// Copy every chunk into staging and hand it to the writers. Returns the time spent
+    /// waiting for free chunks.
+    fn stage(&self, state: &Arc<SaveState>, tensors: &[Tensor<'_>]) -> Result<Duration> {
+        let cs = state.shared.arena.chunk_size();
+        let n = state.plan.chunk_count(cs);
+        let threads = if state.plan.file_len() < PARALLEL_COPY_MIN {
+            1
+        } else {
+            (self.shared.cfg.copy_threads as u64).clamp(1, n.max(1))
+        };
+        let waited = AtomicU64::new(0);
+        let run = |first: u64| -> Result<()> {
+            let mut c = first;
+            while c < n {
+                if state.failed() {
+                    return Err(state.error_copy());
+                }
+                let (mut lease, w) = state.shared.arena.acquire();
+                waited.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
+                let (len, write_len) = state.fill_host(&mut lease, c, tensors);
+                self.dispatch(state, lease, c, len, write_len)?;
+                c += threads;
+            }
+            Ok(())
+        };
+        if threads == 1 {
+            run(0)?;
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (1..threads).map(|t| s.spawn(move || run(t))).collect();
+                let mut res = run(0);
+                for h in handles {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(Error::Shutdown("a staging thread panicked".into()))
+                    });
+                    if res.is_ok() {
+                        res = r;
+                    }
+                }
+                res
+            })?;
+        }
+        Ok(Duration::from_nanos(waited.load(Ordering::Relaxed)))
+    }
+
+    /// Record file chunk `chunk` as staged and queue its write.
+    fn dispatch(
+        &self,
+        state: &Arc<SaveState>,
+        lease: ChunkLease,
+        chunk: u64,
+        len: usize,
+        write_len: usize,
+    ) -> Result<()> {
+        let cs = state.shared.arena.chunk_size();
+        state
+            .shared
+            .arena
+            .descriptor()
+            .chunk_staged(state.slot, chunk, lease.index());
+        lock(&state.progress).dispatched += 1;
+        let job = WriteJob {
+            sink: Arc::clone(state) as Arc<dyn WriteSink>,
+            lease,
+            info: ChunkInfo {
+                chunk,
+                offset: chunk * cs,
+                len,
+                write_len,
+            },
+        };
+        if let Err(job) = self.pool.submit(job) {
+            let err = Error::Shutdown("writer pool is gone".into());
+            job.sink.finished(&job.info, None, Outcome::Failed(err));
+            return Err(Error::Shutdown("writer pool is gone".into()));
+        }
+        Ok(())
+    }
+
+    /// Committed checkpoints, oldest first.
+    pub fn list(&self) -> Result<Vec<CheckpointInfo>> {
+        manifest::list_committed(&self.shared.cfg.root)
+    }
+
+    /// The newest committed step, if any.
+    pub fn latest(&self) -> Result<Option<u64>> {
+        Ok(self.list()?.last().map(|c| c.step))
+    }
+
+    fn resolve(&self, which: StepSel) -> Result<CheckpointInfo> {
+        let all = self.list()?;
+        let root = self.shared.cfg.root.clone();
+        match which {
+            StepSel::Latest => all.last().cloned().ok_or(Error::NotFound {
+                what: "(latest)".into(),
+                root,
+            }),
+            StepSel::Step(s) => {
+                all.into_iter()
+                    .find(|c| c.step == s)
+                    .ok_or_else(|| Error::NotFound {
+                        what: format!("step {s}"),
+                        root,
+                    })
+            }
+        }
+    }
+
+    /// Load this rank's tensors of a committed checkpoint, verifying every checksum.
+    pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
+        let info = self.resolve(which.into())?;
+        restore::load_owned(&info.dir, self.shared.cfg.rank, &self.read_options())
+    }
+
+    /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
+    /// Every tensor of the checkpoint must have a destination of exactly its size. Returns
+    /// the step loaded.
+    pub fn load_into(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<u64> {
+        let info = self.resolve(which.into())?;
+        restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options())?;
+        Ok(info.step)
+    }
+
+    /// Manifest of a committed checkpoint.
+    pub fn manifest(&self, which: impl Into<StepSel>) -> Result<Manifest> {
+        Manifest::read(&self.resolve(which.into())?.dir)
+    }
+
+    pub(crate) fn read_options(&self) -> restore::ReadOptions {
+        restore::ReadOptions {
+            backend: self.shared.cfg.backend,
+            queue_depth: self.shared.cfg.queue_depth.max(2),
+            direct_io: self.shared.cfg.direct_io,
+            arena: Some(Arc::clone(&self.shared.arena)),
+        }
+    }
+
+    /// Wait for every save in flight to be committed (or to fail).
+    pub fn flush(&self) {
+        let _serial = lock(&self.save_lock);
+        // The commit thread finishes saves in order: the last one done means all are.
+        if let Some(last) = lock(&self.last_save).clone() {
+            last.wait_done();
+        }
+    }
+
+    /// Finish every save in flight, stop the threads, and remove the staging segment.
+    /// Dropping the engine does the same.
+    pub fn close(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _serial = lock(&self.save_lock);
+        self.commit_tx = None;
+        if let Some(h) = self.commit_thread.take()
+            && h.join().is_err()
+        {
+            tracing::error!("commit thread panicked");
+        }
+        self.pool.shutdown();
+        self.shared.arena.close();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Default)]
+struct Progress {
+    dispatched: u64,
+    finished: u64,
+    staging_done: bool,
+    staged: Option<std::result::Result<StagedReport, ()>>,
+    error: Option<Error>,
+    result: Option<Result<SaveReport>>,
+    done: bool,
+}
+
+/// One save in flight; shared by the caller's handle, the writers and the commit thread.
+pub(crate) struct SaveState {
+    shared: Arc<Shared>,
+    step: u64,
+    plan: Plan,
+    metadata: Metadata,
+    target: FileTarget,
+    direct: bool,
+    partial: PathBuf,
+    file_name: String,
+    slot: u32,
+    started: Instant,
+    failed: AtomicBool,
+    progress: Mutex<Progress>,
+    changed: Condvar,
+    /// Per file chunk: (entry, crc32c, length) of each tensor piece in it.
+    crcs: Mutex<Vec<Vec<(u32, u32, u64)>>>,
+}
+
+impl SaveState {
+    fn error_copy(&self) -> Error {
+        match &lock(&self.progress).error {
+            Some(e) => Error::Shutdown(format!("save failed: {e}")),
+            None => Error::Shutdown("save failed".into()),
+        }
+    }
+
+    /// Fill `lease` with file chunk `c` from host sources. Returns (bytes of the file in
+    /// the chunk, bytes to write).
+    fn fill_host(&self, lease: &mut ChunkLease, c: u64, tensors: &[Tensor<'_>]) -> (usize, usize) {
+        let cs = self.shared.arena.chunk_size();
+        let range = self.plan.chunk_range(c, cs);
+        let len = (range.end - range.start) as usize;
+        let buf = lease.as_mut_slice();
+        for p in self.plan.pieces(range) {
+            let dst = &mut buf[p.dst..p.dst + p.len];
+            match p.source {
+                PieceSource::Header { at } => {
+                    dst.copy_from_slice(&self.plan.header()[at as usize..at as usize + p.len])
+                }
+                PieceSource::Tensor { entry, at } => {
+                    let input = self.plan.entries()[entry].input;
+                    match tensors[input].source {
+                        Source::Host(b) => dst.copy_from_slice(&b[at as usize..at as usize + p.len]),
+                        Source::Cuda(_) => unreachable!("device tensors are refused before staging"),
+                    }
+                }
+            }
+        }
+        let write_len = self.write_len(len);
+        buf[len..write_len].fill(0);
+        (len, write_len)
+    }
+
+    fn write_len(&self, len: usize) -> usize {
+        if self.direct {
+            align_up(len as u64) as usize
+        } else {
+            len
+        }
+    }
+
+    fn staging_finished(&self, r: std::result::Result<StagedReport, ()>) {
+        let mut p = lock(&self.progress);
+        if r.is_err() {
+            self.failed.store(true, Ordering::Release);
+        }
+        p.staging_done = true;
+        p.staged = Some(r);
+        drop(p);
+        self.changed.notify_all();
+    }
+
+    /// Block until staging ended and every dispatched chunk finished.
+    fn wait_settled(&self) {
+        let mut p = lock(&self.progress);
+        while !(p.staging_done && p.finished == p.dispatched) {
+            p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn wait_done(&self) {
+        let mut p = lock(&self.progress);
+        while !p.done {
+            p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn complete(&self, r: Result<SaveReport>) {
+        lock(&self.shared.inflight).remove(&self.step);
+        let mut p = lock(&self.progress);
+        p.result = Some(r);
+        p.done = true;
+        drop(p);
+        self.changed.notify_all();
+    }
+
+    fn tensor_crcs(&self) -> Vec<u32> {
+        let mut acc: Vec<Option<u32>> = vec![None; self.plan.entries().len()];
+        for chunk in lock(&self.crcs).iter() {
+            for &(e, crc, len) in chunk {
+                let a = &mut acc[e as usize];
+                *a = Some(match *a {
+                    None => crc,
+                    Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
+                });
+            }
+        }
+        acc.into_iter().map(|c| c.unwrap_or(0)).collect()
+    }
+}
+
+impl WriteSink for SaveState {
+    fn target(&self) -> &FileTarget {
+        &self.target
+    }
+
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    fn finished(&self, chunk: &ChunkInfo, bytes: Option<&[u8]>, outcome: Outcome) {
+        let mut failure = None;
+        match (outcome, bytes) {
+            (Outcome::Written, Some(bytes)) => {
+                // Checksum the staged bytes of each tensor piece, off the caller's path.
+                let cs = self.shared.arena.chunk_size();
+                let parts: Vec<(u32, u32, u64)> = self
+                    .plan
+                    .pieces(self.plan.chunk_range(chunk.chunk, cs))
+                    .into_iter()
+                    .filter_map(|p| match p.source {
+                        PieceSource::Tensor { entry, .. } => Some((
+                            entry as u32,
+                            crc32c::crc32c(&bytes[p.dst..p.dst + p.len]),
+                            p.len as u64,
+                        )),
+                        PieceSource::Header { .. } => None,
+                    })
+                    .collect();
+                lock(&self.crcs)[chunk.chunk as usize] = parts;
+                self.shared
+                    .arena
+                    .descriptor()
+                    .chunk_written(self.slot, chunk.chunk);
+            }
+            (Outcome::Written, None) => {
+                failure = Some(Error::Shutdown("chunk written without its bytes".into()))
+            }
+            (Outcome::Failed(e), _) => failure = Some(e),
+            (Outcome::Skipped, _) => {}
+        }
+        let mut p = lock(&self.progress);
+        if let Some(e) = failure {
+            self.failed.store(true, Ordering::Release);
+            if p.error.is_none() {
+                p.error = Some(e);
+            }
+        }
+        p.finished += 1;
+        drop(p);
+        self.changed.notify_all();
+    }
+}
+
+/// Runs on the commit thread once a save has settled.
+fn finalize(st: &SaveState) -> Result<SaveReport> {
+    let failure = {
+        let mut p = lock(&st.progress);
+        if st.failed() {
+            Some(p.error.take().unwrap_or_else(|| {
+                Error::Shutdown("staging failed before the save was complete".into())
+            }))
+        } else {
+            None
+        }
+    };
+    let result = match failure {
+        Some(e) => Err(e),
+        None => persist(st),
+    };
+    if result.is_err() {
+        commit::abort_partial(&st.partial, &st.file_name);
+    }
+    st.shared.arena.release_slot(st.slot);
+    if let Err(e) = &result {
+        tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
+    }
+    result
+}
+
+fn persist(st: &SaveState) -> Result<SaveReport> {
+    let cfg = &st.shared.cfg;
+    st.target.finish(st.plan.file_len())?;
+    let durable = st.started.elapsed();
+    let crcs = st.tensor_crcs();
+    let data_start = st.plan.data_start();
+    let entry = FileEntry {
+        rank: cfg.rank,
+        file: st.file_name.clone(),
+        bytes: st.plan.file_len(),
+        data_start,
+        tensors: st
+            .plan
+            .entries()
+            .iter()
+            .zip(&crcs)
+            .map(|(e, &crc)| TensorEntry {
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data_offsets: e.data_offsets(data_start),
+                crc32c: crc,
+            })
+            .collect(),
+    };
+    let dir = commit::commit(
+        &cfg.root,
+        st.step,
+        cfg.world_size,
+        &st.partial,
+        entry,
+        &st.metadata,
+    )?;
+    let committed = st.started.elapsed();
+    let mut retired = Vec::new();
+    if let (Some(keep), Some(_)) = (cfg.keep_last, &dir) {
+        match commit::apply_retention(&cfg.root, keep) {
+            Ok(r) => retired = r,
+            Err(e) => tracing::warn!(error = %e, "retention failed; older checkpoints kept"),
+        }
+    }
+    let (staging, backpressure) = match lock(&st.progress).staged {
+        Some(Ok(s)) => (s.staging, s.backpressure),
+        _ => (Duration::ZERO, Duration::ZERO),
+    };
+    let file = match &dir {
+        Some(d) => d.join(&st.file_name),
+        None => st.partial.join(&st.file_name),
+    };
+    Ok(SaveReport {
+        step: st.step,
+        dir,
+        file,
+        bytes: st.plan.file_len(),
+        tensors: st.plan.entries().len(),
+        timings: SaveTimings {
+            staging,
+            backpressure,
+            durable,
+            committed,
+        },
+        backend: st.shared.backend,
+        direct_io: st.direct,
+        retired,
+    })
+}
+
+/// A save in flight. Dropping it does not cancel the save.
+pub struct SaveHandle {
+    state: Arc<SaveState>,
+}
+
+impl std::fmt::Debug for SaveHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveHandle")
+            .field("step", &self.state.step)
+            .field("done", &self.is_done())
+            .finish()
+    }
+}
+
+impl SaveHandle {
+    /// The step.
+    pub fn step(&self) -> u64 {
+        self.state.step
+    }
+
+    /// Staging facts, known since `save` returned.
+    pub fn staged(&self) -> StagedReport {
+        match lock(&self.state.progress).staged {
+            Some(Ok(s)) => s,
+            _ => StagedReport {
+                step: self.state.step,
+                bytes: self.state.plan.file_len(),
+                staging: Duration::ZERO,
+                backpressure: Duration::ZERO,
+            },
+        }
+    }
+
+    /// True once the save is committed or has failed (`wait` then returns at once).
+    pub fn is_done(&self) -> bool {
+        lock(&self.state.progress).done
+    }
+
+    /// Block until the checkpoint is durable and committed, or failed.
+    pub fn wait(self) -> Result<SaveReport> {
+        let mut p = lock(&self.state.progress);
+        while !p.done {
+            p = self.state.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        p.result
+            .take()
+            .unwrap_or_else(|| Err(Error::Shutdown("result already taken".into())))
+    }
+
+    /// Like [`SaveHandle::wait`], giving up after `timeout` (returns the handle back).
+    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<SaveReport>, SaveHandle> {
+        let deadline = Instant::now() + timeout;
+        {
+            let mut p = lock(&self.state.progress);
+            while !p.done {
+                let now = Instant::now();
+                if now >= deadline {
+                    drop(p);
+                    return Err(self);
+                }
+                p = self
+                    .state
+                    .changed
+                    .wait_timeout(p, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        Ok(self.wait())
+    }
+}

@@ -1,0 +1,263 @@
+//! The one error type of shmckpt.
+//!
+//! Every variant carries the context a user needs to act on it: the tensor name, the file
+//! path, the byte offset, the errno. Input errors are detected before anything is staged or
+//! written, so an `Err` from validation means nothing changed on disk or in staging.
+
+use std::io;
+use std::path::PathBuf;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in shmckpt.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor has an empty name.
+    #[error("tensor #{index} has an empty name")]
+    EmptyName {
+        /// Position of the tensor in the list given to `save`.
+        index: usize,
+    },
+    /// Two tensors share a name.
+    #[error("duplicate tensor name {name:?}")]
+    DuplicateName {
+        /// The repeated name.
+        name: String,
+    },
+    /// A tensor name is longer than the format allows, or is reserved.
+    #[error("invalid tensor name {name:?}: {reason}")]
+    InvalidName {
+        /// The name (truncated to 80 characters when very long).
+        name: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A tensor's byte length does not equal dtype size × number of elements.
+    #[error("tensor {name:?}: {dtype} with shape {shape:?} needs {} bytes, got {actual}", .expected.map(|e| e.to_string()).unwrap_or_else(|| "a fractional or overflowing number of".into()))]
+    SizeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Its dtype, as the safetensors string.
+        dtype: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Bytes the dtype and shape require (`None` if the product overflows).
+        expected: Option<u64>,
+        /// Bytes the caller provided.
+        actual: u64,
+    },
+    /// The shape's element count does not fit in 64 bits.
+    #[error("tensor {name:?}: shape {shape:?} overflows the element count")]
+    ShapeOverflow {
+        /// Tensor name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A metadata key is reserved or invalid.
+    #[error("invalid metadata key {key:?}: {reason}")]
+    InvalidMetadata {
+        /// The key.
+        key: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// The safetensors header would exceed the format's limit.
+    #[error("safetensors header of {len} bytes exceeds the format limit of {max} bytes")]
+    HeaderTooLarge {
+        /// Header length that would be written.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The checkpoint file image is larger than the staging arena.
+    #[error("checkpoint needs {needed} bytes of staging but the arena holds {capacity} bytes; raise staging_capacity")]
+    TooLarge {
+        /// Staging bytes the checkpoint needs (file size rounded up to whole chunks).
+        needed: u64,
+        /// Staging capacity of the engine.
+        capacity: u64,
+    },
+    /// A checkpoint for this step already exists (committed or in flight).
+    #[error("step {step} already exists in {root}")]
+    StepExists {
+        /// The step.
+        step: u64,
+        /// Checkpoint root.
+        root: PathBuf,
+    },
+    /// No committed checkpoint matches the request.
+    #[error("no committed checkpoint {what} in {root}")]
+    NotFound {
+        /// What was asked for ("latest", "step 7").
+        what: String,
+        /// Checkpoint root.
+        root: PathBuf,
+    },
+    /// The checkpoint root does not exist or is not a directory.
+    #[error("checkpoint root {path} does not exist or is not a directory")]
+    RootMissing {
+        /// The root.
+        path: PathBuf,
+    },
+    /// The checkpoint root cannot be written.
+    #[error("checkpoint root {path} is not writable: {source}")]
+    RootNotWritable {
+        /// The root.
+        path: PathBuf,
+        /// What the probe write returned.
+        source: io::Error,
+    },
+    /// Another engine of the same rank holds this root.
+    #[error("checkpoint root {path} is already used by another engine of rank {rank} (lock held)")]
+    RootLocked {
+        /// The root.
+        path: PathBuf,
+        /// Rank.
+        rank: u32,
+    },
+    /// An invalid engine setting.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// `/dev/shm` cannot hold the staging arena.
+    #[error(
+        "shared memory {name} cannot hold {requested} bytes (free in {mount}: {available} bytes); \
+         lower staging_capacity or enlarge /dev/shm"
+    )]
+    ShmTooSmall {
+        /// Segment name.
+        name: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes free on the shm mount when it failed (0 when unknown).
+        available: u64,
+        /// The mount that was asked.
+        mount: String,
+    },
+    /// Creating, sizing or mapping the shared-memory arena failed.
+    #[error("shared memory {name}: {op} failed: {source}")]
+    Shm {
+        /// Segment name.
+        name: String,
+        /// The call that failed.
+        op: &'static str,
+        /// The errno.
+        source: io::Error,
+    },
+    /// An I/O call failed on a file. `offset` is set for reads and writes.
+    #[error("{op} {path}{}: {source} (errno {})", fmt_offset(*.offset), .source.raw_os_error().unwrap_or(0))]
+    Io {
+        /// The call (`open`, `write`, `fdatasync`, `rename`, ...).
+        op: &'static str,
+        /// File or directory.
+        path: PathBuf,
+        /// Byte offset in the file, for reads and writes.
+        offset: Option<u64>,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// A file ended before the bytes the header or manifest promise.
+    #[error("{path}: file is truncated: expected at least {expected} bytes, found {actual}")]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes present.
+        actual: u64,
+    },
+    /// A checkpoint file or manifest is malformed.
+    #[error("{path}: corrupt checkpoint{}: {reason}", .tensor.as_ref().map(|t| format!(" (tensor {t:?})")).unwrap_or_default())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The tensor concerned, when one is.
+        tensor: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor's bytes do not match the checksum in the manifest.
+    #[error("{path}: tensor {tensor:?} fails its checksum: crc32c {actual:#010x}, manifest says {expected:#010x}")]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// crc32c in the manifest.
+        expected: u32,
+        /// crc32c of the bytes read.
+        actual: u32,
+    },
+    /// A destination buffer given to `load_into` does not fit the tensor.
+    #[error("tensor {name:?}: {reason}")]
+    Destination {
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The CUDA driver reported an error or is unavailable.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// The engine was shut down, or a background thread died.
+    #[error("engine is shut down: {0}")]
+    Shutdown(String),
+}
+
+fn fmt_offset(offset: Option<u64>) -> String {
+    match offset {
+        Some(o) => format!(" at offset {o}"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// Wrap an OS error from a call on `path`.
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            offset: None,
+            source,
+        }
+    }
+
+    /// Wrap an OS error from a read or write at `offset` of `path`.
+    pub(crate) fn io_at(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+        offset: u64,
+        source: io::Error,
+    ) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            offset: Some(offset),
+            source,
+        }
+    }
+
+    pub(crate) fn corrupt(
+        path: impl Into<PathBuf>,
+        tensor: Option<&str>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::Corrupt {
+            path: path.into(),
+            tensor: tensor.map(str::to_owned),
+            reason: reason.into(),
+        }
+    }
+
+    /// The errno behind this error, if it came from the OS.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. }
+            | Error::Shm { source, .. }
+            | Error::RootNotWritable { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! Opening checkpoint files for direct I/O, with a buffered fallback, and fsync helpers.
+#![deny(unsafe_code)]
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
+
+use crate::error::{Error, Result};
+
+/// A file being written or read, with an O_DIRECT descriptor when the filesystem allows it
+/// and always a buffered one (for unaligned remainders and for the final `ftruncate`).
+#[derive(Debug)]
+pub struct FileTarget {
+    path: PathBuf,
+    direct: Option<OwnedFd>,
+    buffered: OwnedFd,
+}
+
+impl FileTarget {
+    /// Create `path` (it must not exist) for writing. With `direct`, try O_DIRECT first and
+    /// fall back (logged) when the filesystem refuses it.
+    pub fn create(path: &Path, direct: bool) -> Result<FileTarget> {
+        let base = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC;
+        let mode = Mode::from_raw_mode(0o644);
+        let buffered = rustix::fs::open(path, base, mode)
+            .map_err(|e| Error::io("create", path, e.into()))?;
+        let direct = if direct {
+            open_direct(path, OFlags::WRONLY | OFlags::CLOEXEC)?
+        } else {
+            None
+        };
+        Ok(FileTarget {
+            path: path.to_owned(),
+            direct,
+            buffered,
+        })
+    }
+
+    /// Open an existing file for reading, O_DIRECT when asked and allowed.
+    pub fn open_read(path: &Path, direct: bool) -> Result<FileTarget> {
+        let flags = OFlags::RDONLY | OFlags::CLOEXEC;
+        let buffered = rustix::fs::open(path, flags, Mode::empty())
+            .map_err(|e| Error::io("open", path, e.into()))?;
+        let direct = if direct {
+            open_direct(path, flags)?
+        } else {
+            None
+        };
+        Ok(FileTarget {
+            path: path.to_owned(),
+            direct,
+            buffered,
+        })
+    }
+
+    /// The path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether an O_DIRECT descriptor is open.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// The descriptor to use for a request at `offset` of `len` bytes from `buf`: the direct
+    /// one when everything is aligned, else the buffered one.
+    pub fn fd_for(&self, buf: *const u8, offset: u64, len: u64) -> RawFd {
+        let a = super::DIRECT_ALIGN;
+        match &self.direct {
+            Some(d) if (buf as u64) % a == 0 && offset % a == 0 && len % a == 0 => d.as_raw_fd(),
+            _ => self.buffered.as_raw_fd(),
+        }
+    }
+
+    /// The buffered descriptor.
+    pub fn buffered_fd(&self) -> RawFd {
+        self.buffered.as_raw_fd()
+    }
+
+    /// Reserve `len` bytes on disk, so a full disk fails here and not halfway through the
+    /// writes. Filesystems without `fallocate` are accepted silently.
+    pub fn preallocate(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match rustix::fs::fallocate(&self.buffered, rustix::fs::FallocateFlags::empty(), 0, len)
+        {
+            Ok(()) => Ok(()),
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
+            Err(e) => Err(Error::io("fallocate", &self.path, e.into())),
+        }
+    }
+
+    /// Set the exact length and make data and length durable (`ftruncate` + `fdatasync`).
+    pub fn finish(&self, len: u64) -> Result<()> {
+        rustix::fs::ftruncate(&self.buffered, len)
+            .map_err(|e| Error::io("ftruncate", &self.path, e.into()))?;
+        rustix::fs::fdatasync(&self.buffered)
+            .map_err(|e| Error::io("fdatasync", &self.path, e.into()))
+    }
+
+    /// Current file length.
+    pub fn len(&self) -> Result<u64> {
+        rustix::fs::fstat(&self.buffered)
+            .map(|s| s.st_size as u64)
+            .map_err(|e| Error::io("fstat", &self.path, e.into()))
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> Result<bool> {
+        self.len().map(|l| l == 0)
+    }
+}
+
+fn open_direct(path: &Path, flags: OFlags) -> Result<Option<OwnedFd>> {
+    match rustix::fs::open(path, flags | OFlags::DIRECT, Mode::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(e) if e == rustix::io::Errno::INVAL => {
+            tracing::warn!(path = %path.display(), "filesystem refuses O_DIRECT; using buffered I/O + fdatasync");
+            Ok(None)
+        }
+        Err(e) => Err(Error::io("open(O_DIRECT)", path, e.into())),
+    }
+}
+
+/// `fsync` a directory so that entries created, renamed or removed in it are durable.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    let f = File::open(dir).map_err(|e| Error::io("open", dir, e))?;
+    rustix::fs::fsync(f.as_fd()).map_err(|e| Error::io("fsync", dir, e.into()))
+}
+
+/// Write `bytes` to a new file `path` and make it durable (`fsync`).
+pub fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| Error::io("create", path, e))?;
+    f.write_all(bytes).map_err(|e| Error::io("write", path, e))?;
+    f.sync_all().map_err(|e| Error::io("fsync", path, e))
+}

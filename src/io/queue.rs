@@ -1,0 +1,155 @@
+//! A safe queue over an [`IoBackend`]: every request owns the chunk lease it reads into or
+//! writes from, and the lease comes back only with the request's completion. This is the
+//! one place that upholds the backend's buffer contract, so the writer pool and the reader
+//! contain no `unsafe`.
+#![allow(unsafe_code)]
+
+use std::io;
+
+use super::file::FileTarget;
+use super::{Completion, IoBackend, IoOp, OpKind};
+use crate::staging::ChunkLease;
+
+/// A finished request: the lease and tag that went in with it.
+#[derive(Debug)]
+pub struct Done<T> {
+    /// The buffer, free for the caller again.
+    pub lease: ChunkLease,
+    /// The caller's tag.
+    pub tag: T,
+    /// Bytes transferred, or a negated errno.
+    pub result: i32,
+}
+
+/// The backend broke with requests in flight. Their leases were leaked (the kernel may
+/// still use the buffers); their tags come back so the owners can be told.
+#[derive(Debug)]
+pub struct Broken<T> {
+    /// What the backend returned.
+    pub error: io::Error,
+    /// Tags of the requests that were in flight.
+    pub tags: Vec<T>,
+}
+
+/// A backend plus the requests in flight.
+pub struct LeaseQueue<T> {
+    backend: Box<dyn IoBackend>,
+    slots: Vec<Option<(ChunkLease, T)>>,
+    free: Vec<usize>,
+    completions: Vec<Completion>,
+}
+
+impl<T> LeaseQueue<T> {
+    /// Wrap `backend`.
+    pub fn new(backend: Box<dyn IoBackend>) -> Self {
+        let depth = backend.queue_depth();
+        LeaseQueue {
+            backend,
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth).rev().collect(),
+            completions: Vec::with_capacity(depth),
+        }
+    }
+
+    /// Backend name.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Whether another request fits.
+    pub fn has_room(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// Requests in flight.
+    pub fn in_flight(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Queue a read or write of `len` bytes at `at` inside `lease`'s chunk, at `offset` in
+    /// `file`. On failure lease and tag come back with the error.
+    #[allow(clippy::type_complexity, clippy::result_large_err)]
+    pub fn push(
+        &mut self,
+        lease: ChunkLease,
+        tag: T,
+        kind: OpKind,
+        file: &FileTarget,
+        at: usize,
+        len: usize,
+        offset: u64,
+    ) -> Result<(), (ChunkLease, T, io::Error)> {
+        if at.checked_add(len).is_none_or(|end| end > lease.len()) || len > u32::MAX as usize {
+            let e = io::Error::new(io::ErrorKind::InvalidInput, "request outside its chunk");
+            return Err((lease, tag, e));
+        }
+        let Some(idx) = self.free.pop() else {
+            return Err((lease, tag, io::Error::other("queue full")));
+        };
+        // SAFETY: `at + len <= lease.len()` was checked above, so the pointer and the range
+        // stay inside the leased chunk.
+        let buf = unsafe { lease.as_ptr().add(at) };
+        let op = IoOp {
+            kind,
+            fd: file.fd_for(buf, offset, len as u64),
+            buf,
+            len: len as u32,
+            offset,
+            user_data: idx as u64,
+        };
+        // SAFETY: the lease (the only handle to these bytes) moves into `slots[idx]` and
+        // leaves it only when this request's completion is reaped in `wait`, or never (it is
+        // leaked) if the backend breaks; the fd is resolved by the kernel at submission.
+        match unsafe { self.backend.push(op) } {
+            Ok(()) => {
+                self.slots[idx] = Some((lease, tag));
+                Ok(())
+            }
+            Err(e) => {
+                self.free.push(idx);
+                Err((lease, tag, e))
+            }
+        }
+    }
+
+    /// Submit, wait for at least `min` completions, and return the finished requests.
+    pub fn wait(&mut self, min: usize) -> Result<Vec<Done<T>>, Broken<T>> {
+        self.completions.clear();
+        if let Err(error) = self.backend.wait(min, &mut self.completions) {
+            let mut tags = Vec::new();
+            for (lease, tag) in self.slots.drain(..).flatten() {
+                std::mem::forget(lease);
+                tags.push(tag);
+            }
+            self.free.clear();
+            return Err(Broken { error, tags });
+        }
+        let mut out = Vec::with_capacity(self.completions.len());
+        for c in self.completions.drain(..) {
+            let idx = c.user_data as usize;
+            match self.slots.get_mut(idx).and_then(Option::take) {
+                Some((lease, tag)) => {
+                    self.free.push(idx);
+                    out.push(Done {
+                        lease,
+                        tag,
+                        result: c.result,
+                    });
+                }
+                None => tracing::error!(user_data = c.user_data, "completion for an empty slot"),
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<T> Drop for LeaseQueue<T> {
+    fn drop(&mut self) {
+        // Buffers in flight belong to the kernel until reaped.
+        while self.in_flight() > 0 {
+            if self.wait(1).is_err() {
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,511 @@
+//! From a tensor list to the exact image of the safetensors file: pure, no I/O.
+//!
+//! File layout (the safetensors format):
+//!
+//! ```text
+//! [u64 LE: n][n bytes: JSON header, padded with spaces][tensor bytes, no holes, no tail]
+//! ```
+//!
+//! `8 + n` is a multiple of [`DATA_ALIGN`], so the data section starts on a 4096-byte
+//! boundary. Tensors are ordered by decreasing element alignment (8, 4, 2, 1 bytes), keeping
+//! the caller's order within a class, so every tensor starts at a multiple of its element
+//! size (each tensor's length is a multiple of its own element size, and all that precede it
+//! are multiples of a larger power of two).
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
+
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+
+/// The data section starts at a multiple of this (the O_DIRECT alignment we use).
+pub const DATA_ALIGN: u64 = 4096;
+/// Largest header the safetensors reader accepts.
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+/// Longest tensor name accepted (bytes of UTF-8).
+pub const MAX_NAME_LEN: usize = 65_536;
+/// Prefix of the metadata keys shmckpt writes itself; user keys may not use it.
+pub const RESERVED_PREFIX: &str = "shmckpt.";
+/// Metadata key holding the step.
+pub const META_STEP: &str = "shmckpt.step";
+/// Metadata key holding the rank.
+pub const META_RANK: &str = "shmckpt.rank";
+/// Metadata key holding the world size.
+pub const META_WORLD: &str = "shmckpt.world_size";
+
+/// What the planner needs to know about one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Bytes the caller provides.
+    pub len: u64,
+}
+
+/// One tensor's place in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Index of the tensor in the list given to the planner.
+    pub input: usize,
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute offset of the first byte in the file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Entry {
+    /// Offsets relative to the data section, as the safetensors header writes them.
+    pub fn data_offsets(&self, data_start: u64) -> [u64; 2] {
+        let b = self.offset - data_start;
+        [b, b + self.len]
+    }
+}
+
+/// Where the bytes of a piece of a chunk come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PieceSource {
+    /// `len` bytes of the header, from this offset in [`Plan::header`].
+    Header {
+        /// Offset in the header bytes.
+        at: u64,
+    },
+    /// `len` bytes of tensor `entry` (index into [`Plan::entries`]) from this offset in it.
+    Tensor {
+        /// Index into `Plan::entries`.
+        entry: usize,
+        /// Offset inside the tensor.
+        at: u64,
+    },
+}
+
+/// A contiguous run of bytes of one chunk that come from one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Source of the bytes.
+    pub source: PieceSource,
+    /// Offset inside the chunk.
+    pub dst: usize,
+    /// Length.
+    pub len: usize,
+}
+
+/// The complete image of one safetensors file.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    header: Vec<u8>,
+    entries: Vec<Entry>,
+    file_len: u64,
+}
+
+impl Plan {
+    /// Validate `tensors` and lay them out. `metadata` goes into `__metadata__` after the
+    /// keys shmckpt adds (`shmckpt.step`, ...), which are passed in `system`.
+    pub fn new(
+        tensors: &[TensorSpec],
+        system: &BTreeMap<String, String>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Plan> {
+        validate(tensors, metadata)?;
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].dtype.alignment()));
+
+        // Data-relative offsets first; the header length depends on them.
+        let mut rel = Vec::with_capacity(tensors.len());
+        let mut at = 0u64;
+        for &i in &order {
+            rel.push(at);
+            at = at.checked_add(tensors[i].len).ok_or_else(|| {
+                Error::Config("total checkpoint size overflows 64 bits".to_owned())
+            })?;
+        }
+        let data_len = at;
+
+        let mut json = String::with_capacity(64 + tensors.len() * 96);
+        json.push_str("{\"__metadata__\":{");
+        let mut first = true;
+        for (k, v) in system.iter().chain(metadata.iter()) {
+            if !first {
+                json.push(',');
+            }
+            first = false;
+            push_json_str(&mut json, k);
+            json.push(':');
+            push_json_str(&mut json, v);
+        }
+        json.push('}');
+        for (slot, &i) in order.iter().enumerate() {
+            let t = &tensors[i];
+            json.push(',');
+            push_json_str(&mut json, &t.name);
+            json.push_str(":{\"dtype\":\"");
+            json.push_str(t.dtype.as_str());
+            json.push_str("\",\"shape\":[");
+            for (d, dim) in t.shape.iter().enumerate() {
+                if d > 0 {
+                    json.push(',');
+                }
+                json.push_str(&dim.to_string());
+            }
+            json.push_str("],\"data_offsets\":[");
+            json.push_str(&rel[slot].to_string());
+            json.push(',');
+            json.push_str(&(rel[slot] + t.len).to_string());
+            json.push_str("]}");
+        }
+        json.push('}');
+
+        let unpadded = 8 + json.len() as u64;
+        let data_start = unpadded.div_ceil(DATA_ALIGN) * DATA_ALIGN;
+        let n = data_start - 8;
+        if n > MAX_HEADER_LEN {
+            return Err(Error::HeaderTooLarge {
+                len: n,
+                max: MAX_HEADER_LEN,
+            });
+        }
+        let mut header = Vec::with_capacity(data_start as usize);
+        header.extend_from_slice(&n.to_le_bytes());
+        header.extend_from_slice(json.as_bytes());
+        header.resize(data_start as usize, b' ');
+
+        let entries = order
+            .iter()
+            .zip(&rel)
+            .map(|(&i, &r)| Entry {
+                input: i,
+                name: tensors[i].name.clone(),
+                dtype: tensors[i].dtype,
+                shape: tensors[i].shape.clone(),
+                offset: data_start + r,
+                len: tensors[i].len,
+            })
+            .collect();
+        let file_len = data_start.checked_add(data_len).ok_or_else(|| {
+            Error::Config("total checkpoint size overflows 64 bits".to_owned())
+        })?;
+        Ok(Plan {
+            header,
+            entries,
+            file_len,
+        })
+    }
+
+    /// Header bytes: the 8-byte length, the JSON and its padding. Its length is the offset
+    /// of the data section.
+    pub fn header(&self) -> &[u8] {
+        &self.header
+    }
+
+    /// Offset of the data section (a multiple of [`DATA_ALIGN`]).
+    pub fn data_start(&self) -> u64 {
+        self.header.len() as u64
+    }
+
+    /// Tensors in file order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Exact file length.
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
+    /// Number of chunks of `chunk_size` bytes the file image spans.
+    pub fn chunk_count(&self, chunk_size: u64) -> u64 {
+        self.file_len.div_ceil(chunk_size)
+    }
+
+    /// File range of chunk `index`.
+    pub fn chunk_range(&self, index: u64, chunk_size: u64) -> Range<u64> {
+        let start = index * chunk_size;
+        start..(start + chunk_size).min(self.file_len)
+    }
+
+    /// The pieces that make up file range `range`, in file order. Zero-length tensors
+    /// produce no piece.
+    pub fn pieces(&self, range: Range<u64>) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let base = range.start;
+        let hdr_end = self.data_start();
+        if range.start < hdr_end {
+            let end = range.end.min(hdr_end);
+            out.push(Piece {
+                source: PieceSource::Header { at: range.start },
+                dst: 0,
+                len: (end - range.start) as usize,
+            });
+        }
+        // First entry whose end lies past range.start.
+        let first = self
+            .entries
+            .partition_point(|e| e.offset + e.len <= range.start);
+        for (idx, e) in self.entries.iter().enumerate().skip(first) {
+            if e.offset >= range.end {
+                break;
+            }
+            if e.len == 0 {
+                continue;
+            }
+            let s = e.offset.max(range.start);
+            let t = (e.offset + e.len).min(range.end);
+            out.push(Piece {
+                source: PieceSource::Tensor {
+                    entry: idx,
+                    at: s - e.offset,
+                },
+                dst: (s - base) as usize,
+                len: (t - s) as usize,
+            });
+        }
+        out
+    }
+}
+
+fn validate(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<()> {
+    let mut seen = HashSet::with_capacity(tensors.len());
+    for (index, t) in tensors.iter().enumerate() {
+        if t.name.is_empty() {
+            return Err(Error::EmptyName { index });
+        }
+        if t.name.len() > MAX_NAME_LEN {
+            return Err(Error::InvalidName {
+                name: truncate(&t.name),
+                reason: format!(
+                    "{} bytes long, the limit is {MAX_NAME_LEN}",
+                    t.name.len()
+                ),
+            });
+        }
+        if t.name == "__metadata__" {
+            return Err(Error::InvalidName {
+                name: t.name.clone(),
+                reason: "reserved by the safetensors format".to_owned(),
+            });
+        }
+        if !seen.insert(t.name.as_str()) {
+            return Err(Error::DuplicateName {
+                name: t.name.clone(),
+            });
+        }
+        let expected = t.dtype.byte_len(&t.shape);
+        if expected.is_none() && t.dtype.bits() % 8 == 0 {
+            return Err(Error::ShapeOverflow {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+            });
+        }
+        if expected != Some(t.len) {
+            return Err(Error::SizeMismatch {
+                name: t.name.clone(),
+                dtype: t.dtype.as_str(),
+                shape: t.shape.clone(),
+                expected,
+                actual: t.len,
+            });
+        }
+    }
+    for key in metadata.keys() {
+        if key.starts_with(RESERVED_PREFIX) {
+            return Err(Error::InvalidMetadata {
+                key: key.clone(),
+                reason: format!("keys starting with {RESERVED_PREFIX:?} are reserved"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn truncate(s: &str) -> String {
+    let mut end = s.len().min(80);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    // serde_json escapes exactly as JSON requires; a String never fails to serialize.
+    out.push_str(&serde_json::to_string(s).expect("string serialization is infallible"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn spec(name: &str, dtype: Dtype, shape: &[usize]) -> TensorSpec {
+        TensorSpec {
+            name: name.to_owned(),
+            dtype,
+            shape: shape.to_vec(),
+            len: dtype.byte_len(shape).unwrap(),
+        }
+    }
+
+    fn no_meta() -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+
+    #[test]
+    fn header_pads_to_4096_and_validates_with_safetensors() {
+        let ts = vec![
+            spec("a", Dtype::U8, &[3]),
+            spec("b", Dtype::F64, &[2]),
+            spec("c", Dtype::BF16, &[5]),
+            spec("z", Dtype::F32, &[]),
+        ];
+        let p = Plan::new(&ts, &no_meta(), &no_meta()).unwrap();
+        assert_eq!(p.data_start() % DATA_ALIGN, 0);
+        let order: Vec<&str> = p.entries().iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(order, ["b", "z", "c", "a"]);
+        let mut file = p.header().to_vec();
+        file.resize(p.file_len() as usize, 0);
+        let (n, meta) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+        assert_eq!(8 + n as u64, p.data_start());
+        assert_eq!(meta.offset_keys(), ["b", "z", "c", "a"]);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        let m = no_meta();
+        let dup = [spec("x", Dtype::U8, &[1]), spec("x", Dtype::U8, &[1])];
+        assert!(matches!(
+            Plan::new(&dup, &m, &m),
+            Err(Error::DuplicateName { .. })
+        ));
+        let empty = [spec("", Dtype::U8, &[1])];
+        assert!(matches!(
+            Plan::new(&empty, &m, &m),
+            Err(Error::EmptyName { index: 0 })
+        ));
+        let mut bad = spec("x", Dtype::F32, &[3]);
+        bad.len = 11;
+        assert!(matches!(
+            Plan::new(&[bad], &m, &m),
+            Err(Error::SizeMismatch {
+                expected: Some(12),
+                actual: 11,
+                ..
+            })
+        ));
+        let over = TensorSpec {
+            name: "o".into(),
+            dtype: Dtype::F64,
+            shape: vec![usize::MAX, 4],
+            len: 8,
+        };
+        assert!(matches!(
+            Plan::new(&[over], &m, &m),
+            Err(Error::ShapeOverflow { .. })
+        ));
+        let long = spec(&"n".repeat(MAX_NAME_LEN + 1), Dtype::U8, &[1]);
+        assert!(matches!(
+            Plan::new(&[long], &m, &m),
+            Err(Error::InvalidName { .. })
+        ));
+        let reserved = spec("__metadata__", Dtype::U8, &[1]);
+        assert!(matches!(
+            Plan::new(&[reserved], &m, &m),
+            Err(Error::InvalidName { .. })
+        ));
+        let meta: BTreeMap<_, _> = [("shmckpt.step".to_owned(), "1".to_owned())].into();
+        assert!(matches!(
+            Plan::new(&[], &m, &meta),
+            Err(Error::InvalidMetadata { .. })
+        ));
+    }
+
+    #[test]
+    fn empty_list_is_a_valid_file() {
+        let p = Plan::new(&[], &no_meta(), &no_meta()).unwrap();
+        assert_eq!(p.file_len(), DATA_ALIGN);
+        let st = safetensors::SafeTensors::deserialize(p.header()).unwrap();
+        assert_eq!(st.len(), 0);
+    }
+
+    fn arb_dtype() -> impl Strategy<Value = Dtype> {
+        proptest::sample::select(Dtype::ALL.to_vec())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// The layout obeys the safetensors rules, every tensor is aligned to its element
+        /// size, and chunk pieces tile the file exactly.
+        #[test]
+        fn layout_rules_hold(
+            dims in proptest::collection::vec(
+                (arb_dtype(), proptest::collection::vec(0usize..40, 0..3)), 0..40),
+            chunk_pages in 1u64..6,
+            meta in proptest::collection::btree_map("[a-z\"\\\\é]{1,8}", ".{0,12}", 0..4),
+        ) {
+            let ts: Vec<TensorSpec> = dims.iter().enumerate().filter_map(|(i, (d, s))| {
+                let mut shape = s.clone();
+                if d.bits() < 8 { shape.push(8); } // whole bytes for sub-byte types
+                d.byte_len(&shape).map(|len| TensorSpec {
+                    name: format!("t{i}.\"q\""), dtype: *d, shape, len })
+            }).collect();
+            let p = Plan::new(&ts, &no_meta(), &meta).unwrap();
+            prop_assert_eq!(p.data_start() % DATA_ALIGN, 0);
+            let mut at = p.data_start();
+            for e in p.entries() {
+                prop_assert_eq!(e.offset, at, "no holes");
+                prop_assert_eq!(e.offset % e.dtype.alignment(), 0, "aligned");
+                at += e.len;
+            }
+            prop_assert_eq!(at, p.file_len(), "no trailing bytes");
+
+            // Build the file from pieces and compare with a naive image.
+            let mut naive = p.header().to_vec();
+            for e in p.entries() {
+                let t = e.input as u8;
+                naive.extend((0..e.len).map(|k| t.wrapping_mul(31).wrapping_add(k as u8)));
+            }
+            let chunk = chunk_pages * DATA_ALIGN / 2;
+            let mut built = vec![0xAAu8; p.file_len() as usize];
+            for c in 0..p.chunk_count(chunk) {
+                let r = p.chunk_range(c, chunk);
+                let mut covered = 0usize;
+                for piece in p.pieces(r.clone()) {
+                    prop_assert_eq!(piece.dst, covered, "pieces are contiguous");
+                    covered += piece.len;
+                    let dst = r.start as usize + piece.dst;
+                    for k in 0..piece.len {
+                        built[dst + k] = match piece.source {
+                            PieceSource::Header { at } => p.header()[at as usize + k],
+                            PieceSource::Tensor { entry, at } => {
+                                let t = p.entries()[entry].input as u8;
+                                t.wrapping_mul(31).wrapping_add((at as usize + k) as u8)
+                            }
+                        };
+                    }
+                }
+                prop_assert_eq!(covered as u64, r.end - r.start);
+            }
+            prop_assert_eq!(&built, &naive);
+            let st = safetensors::SafeTensors::deserialize(&built).unwrap();
+            prop_assert_eq!(st.len(), ts.len());
+            for t in &ts {
+                let v = st.tensor(&t.name).unwrap();
+                prop_assert_eq!(v.shape(), &t.shape[..]);
+                prop_assert_eq!(v.data().len() as u64, t.len);
+            }
+            let (_, header) = safetensors::SafeTensors::read_metadata(&built).unwrap();
+            let got = header.metadata().clone().unwrap_or_default();
+            for (k, v) in &meta {
+                prop_assert_eq!(got.get(k), Some(v));
+            }
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! The arena's self-description, kept in the first pages of the shared-memory segment so
+//! that another process can find out what a dead trainer had staged.
+//!
+//! ```text
+//! [page 0: ArenaHeader][slot 0: SlotHeader page + chunk map][slot 1 ...] ... [data chunks]
+//! ```
+//!
+//! Crash consistency rests on three rules, each a single aligned atomic store with
+//! `Release` ordering, read back with `Acquire`:
+//! 1. a slot's plain fields (step, sizes, names) are written while its `state` is `FREE`
+//!    and only then is `state` set to `STAGING`;
+//! 2. a chunk-map entry becomes `STAGED` only after the chunk's bytes are complete, and
+//!    `WRITTEN` only after the write to the file completed (and before the chunk is reused);
+//! 3. `state` becomes `STAGED` only after every chunk-map entry is `STAGED` or `WRITTEN`.
+//!
+//! A `SIGKILL` can stop the process between any two stores, never inside one, so a reader
+//! sees a prefix of this sequence: a consistent picture.
+#![allow(unsafe_code)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Magic at the start of every arena.
+pub const MAGIC: [u8; 8] = *b"SHMCKPT1";
+/// Layout version of the descriptor.
+pub const VERSION: u32 = 1;
+/// Size of the header page and of each slot header.
+pub const PAGE: usize = 4096;
+/// Longest checkpoint-root path recorded.
+pub const MAX_ROOT: usize = 3072;
+/// Longest file name recorded.
+pub const MAX_NAME: usize = 1024;
+
+/// Slot states.
+pub mod slot_state {
+    /// Unused.
+    pub const FREE: u32 = 0;
+    /// A save is copying into staging.
+    pub const STAGING: u32 = 1;
+    /// Every byte of the save is staged (or already written): `save` returned.
+    pub const STAGED: u32 = 2;
+}
+
+/// Chunk-map entry states (top two bits of the entry; the low 30 bits hold the arena
+/// chunk index).
+pub mod chunk_state {
+    /// Not staged yet.
+    pub const EMPTY: u32 = 0;
+    /// Bytes complete in the arena chunk.
+    pub const STAGED: u32 = 1;
+    /// Bytes written to the file; the arena chunk may hold other data now.
+    pub const WRITTEN: u32 = 2;
+}
+
+const INDEX_MASK: u32 = (1 << 30) - 1;
+
+/// Header page of an arena.
+#[repr(C)]
+pub struct ArenaHeader {
+    /// [`MAGIC`].
+    pub magic: [u8; 8],
+    /// [`VERSION`].
+    pub version: u32,
+    /// Number of slots.
+    pub n_slots: u32,
+    /// Offset of the first data chunk.
+    pub data_offset: u64,
+    /// Bytes per chunk.
+    pub chunk_size: u64,
+    /// Number of data chunks.
+    pub n_chunks: u64,
+    /// Bytes of one slot (header page + chunk map, page rounded).
+    pub slot_bytes: u64,
+    /// Process that created the arena.
+    pub owner_pid: AtomicU32,
+    /// Rank of the engine.
+    pub rank: u32,
+    /// World size of the engine.
+    pub world_size: u32,
+    /// Length of `root`.
+    pub root_len: u32,
+    /// Creation time, ms since the epoch.
+    pub created_unix_ms: u64,
+    /// Set to 1 on clean shutdown (before unlink), so a leftover is known not to be a crash.
+    pub closed: AtomicU32,
+    _pad: u32,
+    /// Checkpoint root (UTF-8 or raw bytes of the OS path).
+    pub root: [u8; MAX_ROOT],
+}
+
+/// Header of one slot; followed by its chunk map (`u32` per file chunk).
+#[repr(C)]
+pub struct SlotHeader {
+    /// [`slot_state`].
+    pub state: AtomicU32,
+    /// Number of file chunks (chunk-map entries in use).
+    pub n_file_chunks: u32,
+    /// Step of the save.
+    pub step: u64,
+    /// Exact file length.
+    pub file_len: u64,
+    /// Offset of the data section in the file.
+    pub data_start: u64,
+    /// Incremented for every save using the slot.
+    pub generation: u64,
+    /// Length of `partial_dir`.
+    pub partial_len: u32,
+    /// Length of `file_name`.
+    pub file_name_len: u32,
+    /// Name of the partial directory (relative to the root).
+    pub partial_dir: [u8; MAX_NAME],
+    /// File name inside the partial directory.
+    pub file_name: [u8; MAX_NAME],
+}
+
+const _: () = assert!(size_of::<ArenaHeader>() <= PAGE);
+const _: () = assert!(size_of::<SlotHeader>() <= PAGE);
+
+/// Geometry of an arena: where everything is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Slots.
+    pub n_slots: u32,
+    /// Data chunks.
+    pub n_chunks: u64,
+    /// Bytes per chunk.
+    pub chunk_size: u64,
+    /// Bytes of one slot.
+    pub slot_bytes: u64,
+    /// First data byte.
+    pub data_offset: u64,
+}
+
+impl Geometry {
+    /// Layout for `n_chunks` chunks of `chunk_size` bytes and `n_slots` slots.
+    pub fn new(n_chunks: u64, chunk_size: u64, n_slots: u32) -> Geometry {
+        let slot_bytes = (PAGE as u64 + n_chunks * 4).div_ceil(PAGE as u64) * PAGE as u64;
+        let data_offset = PAGE as u64 + slot_bytes * n_slots as u64;
+        Geometry {
+            n_slots,
+            n_chunks,
+            chunk_size,
+            slot_bytes,
+            data_offset,
+        }
+    }
+
+    /// Total segment length.
+    pub fn total_len(&self) -> u64 {
+        self.data_offset + self.n_chunks * self.chunk_size
+    }
+}
+
+/// Access to the descriptor of a mapped arena.
+///
+/// Holds a raw base pointer; the arena that owns the mapping keeps it alive.
+#[derive(Debug, Clone, Copy)]
+pub struct Descriptor {
+    base: *mut u8,
+    geo: Geometry,
+}
+
+// SAFETY: every field that can change after creation is an atomic or is written only by the
+// thread that owns the slot (rule 1 above); the pointer is valid for the arena's lifetime.
+unsafe impl Send for Descriptor {}
+// SAFETY: as above.
+unsafe impl Sync for Descriptor {}
+
+/// What a slot holds, read from shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotView {
+    /// Slot number.
+    pub slot: u32,
+    /// [`slot_state`].
+    pub state: u32,
+    /// Step.
+    pub step: u64,
+    /// File length.
+    pub file_len: u64,
+    /// Data section offset.
+    pub data_start: u64,
+    /// Partial directory name.
+    pub partial_dir: String,
+    /// File name.
+    pub file_name: String,
+    /// Per file chunk: (state, arena chunk index).
+    pub chunks: Vec<(u32, u32)>,
+}
+
+/// The arena header, read from shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderView {
+    /// Creating process.
+    pub owner_pid: u32,
+    /// Rank.
+    pub rank: u32,
+    /// World size.
+    pub world_size: u32,
+    /// Checkpoint root.
+    pub root: std::path::PathBuf,
+    /// Creation time.
+    pub created_unix_ms: u64,
+    /// Whether the owner shut down cleanly.
+    pub closed: bool,
+    /// Geometry.
+    pub geometry: Geometry,
+}
+
+impl Descriptor {
+    /// Initialise the descriptor of a freshly created, zero-filled arena.
+    ///
+    /// # Safety
+    /// - `base` is the start of a writable, page-aligned mapping of at least
+    ///   `geo.total_len()` bytes that stays mapped while the returned value is used;
+    /// - no other thread or process accesses the first `geo.data_offset` bytes during this
+    ///   call.
+    pub unsafe fn init(
+        base: *mut u8,
+        geo: Geometry,
+        pid: u32,
+        rank: u32,
+        world_size: u32,
+        root: &[u8],
+    ) -> Descriptor {
+        let root_len = root.len().min(MAX_ROOT);
+        // SAFETY: the caller guarantees `base` is valid, aligned and exclusively ours;
+        // `ArenaHeader` fits in the first page (checked at compile time) and all-zero bytes
+        // are a valid value for it.
+        let h = unsafe { &mut *base.cast::<ArenaHeader>() };
+        h.version = VERSION;
+        h.n_slots = geo.n_slots;
+        h.data_offset = geo.data_offset;
+        h.chunk_size = geo.chunk_size;
+        h.n_chunks = geo.n_chunks;
+        h.slot_bytes = geo.slot_bytes;
+        h.owner_pid.store(pid, Ordering::Relaxed);
+        h.rank = rank;
+        h.world_size = world_size;
+        h.root_len = root_len as u32;
+        h.root[..root_len].copy_from_slice(&root[..root_len]);
+        h.created_unix_ms = crate::util::unix_ms();
+        // The magic goes last: a reader that sees it sees the fields above.
+        std::sync::atomic::fence(Ordering::Release);
+        h.magic = MAGIC;
+        Descriptor { base, geo }
+    }
+
+    /// Read an existing descriptor, checking its magic, version and geometry against the
+    /// mapping length.
+    ///
+    /// # Safety
+    /// `base` must be the start of a page-aligned mapping of `len` bytes that stays mapped
+    /// while the returned value is used.
+    pub unsafe fn attach(base: *mut u8, len: usize) -> Result<Descriptor, String> {
+        if len < PAGE {
+            return Err(format!("segment of {len} bytes is smaller than a header"));
+        }
+        // SAFETY: `len >= PAGE >= size_of::<ArenaHeader>()`, the mapping is page aligned, and
+        // every bit pattern is a valid `ArenaHeader` (integers, arrays and atomics only).
+        let h = unsafe { &*base.cast::<ArenaHeader>() };
+        std::sync::atomic::fence(Ordering::Acquire);
+        if h.magic != MAGIC {
+            return Err("not a shmckpt arena (bad magic)".to_owned());
+        }
+        if h.version != VERSION {
+            return Err(format!("arena layout version {} is not {VERSION}", h.version));
+        }
+        if h.chunk_size == 0 || h.chunk_size % PAGE as u64 != 0 || h.n_slots > 4096 {
+            return Err("arena header is inconsistent".to_owned());
+        }
+        let geo = Geometry::new(h.n_chunks, h.chunk_size, h.n_slots);
+        if geo.data_offset != h.data_offset
+            || geo.slot_bytes != h.slot_bytes
+            || geo.total_len() > len as u64
+        {
+            return Err(format!(
+                "arena geometry does not fit the {len}-byte segment"
+            ));
+        }
+        Ok(Descriptor { base, geo })
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn header(&self) -> &ArenaHeader {
+        // SAFETY: established by `init`/`attach`: the first page holds an `ArenaHeader`.
+        unsafe { &*self.base.cast::<ArenaHeader>() }
+    }
+
+    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+        assert!(slot < self.geo.n_slots, "slot {slot} out of range");
+        // SAFETY: slot < n_slots, so the offset lies inside the descriptor region of the
+        // mapping (`Geometry::data_offset` counts all slots).
+        unsafe {
+            self.base
+                .add(PAGE + slot as usize * self.geo.slot_bytes as usize)
+        }
+    }
+
+    fn slot_header(&self, slot: u32) -> &SlotHeader {
+        // SAFETY: `slot_ptr` is page aligned inside the mapping and a `SlotHeader` fits in
+        // a page; every bit pattern is valid for it.
+        unsafe { &*self.slot_ptr(slot).cast::<SlotHeader>() }
+    }
+
+    fn chunk_entry(&self, slot: u32, k: u64) -> &AtomicU32 {
+        assert!(k < self.geo.n_chunks, "chunk-map entry {k} out of range");
+        // SAFETY: the chunk map follows the slot header page and has `n_chunks` u32 entries
+        // (`Geometry::slot_bytes`); `k < n_chunks`; u32 alignment holds (page + 4k).
+        unsafe { &*self.slot_ptr(slot).add(PAGE + 4 * k as usize).cast::<AtomicU32>() }
+    }
+
+    /// Header contents.
+    pub fn header_view(&self) -> HeaderView {
+        let h = self.header();
+        let root_len = (h.root_len as usize).min(MAX_ROOT);
+        HeaderView {
+            owner_pid: h.owner_pid.load(Ordering::Acquire),
+            rank: h.rank,
+            world_size: h.world_size,
+            root: bytes_to_path(&h.root[..root_len]),
+            created_unix_ms: h.created_unix_ms,
+            closed: h.closed.load(Ordering::Acquire) != 0,
+            geometry: self.geo,
+        }
+    }
+
+    /// Mark the arena as cleanly closed.
+    pub fn mark_closed(&self) {
+        self.header().closed.store(1, Ordering::Release);
+    }
+
+    /// Record a new save in `slot` and publish it as `STAGING` (rule 1).
+    ///
+    /// The caller must own the slot (it is `FREE` and no other thread uses it).
+    pub fn begin(
+        &self,
+        slot: u32,
+        step: u64,
+        file_len: u64,
+        data_start: u64,
+        n_file_chunks: u64,
+        partial_dir: &str,
+        file_name: &str,
+    ) {
+        assert!(n_file_chunks <= self.geo.n_chunks);
+        let p = self.slot_ptr(slot).cast::<SlotHeader>();
+        // SAFETY: the slot is FREE and owned by the caller, so no other thread writes these
+        // fields; readers in other processes ignore them until `state` says STAGING (rule 1).
+        // Fields are written through the raw pointer, never through a shared reference.
+        unsafe {
+            debug_assert_eq!((*p).state.load(Ordering::Acquire), slot_state::FREE);
+            (*p).step = step;
+            (*p).file_len = file_len;
+            (*p).data_start = data_start;
+            (*p).n_file_chunks = n_file_chunks as u32;
+            (*p).generation = (*p).generation.wrapping_add(1);
+            let d = partial_dir.as_bytes();
+            let d = &d[..d.len().min(MAX_NAME)];
+            (*p).partial_len = d.len() as u32;
+            (&mut (*p).partial_dir)[..d.len()].copy_from_slice(d);
+            let f = file_name.as_bytes();
+            let f = &f[..f.len().min(MAX_NAME)];
+            (*p).file_name_len = f.len() as u32;
+            (&mut (*p).file_name)[..f.len()].copy_from_slice(f);
+        }
+        for k in 0..n_file_chunks {
+            self.chunk_entry(slot, k)
+                .store(chunk_state::EMPTY, Ordering::Relaxed);
+        }
+        self.slot_header(slot)
+            .state
+            .store(slot_state::STAGING, Ordering::Release);
+    }
+
+    /// File chunk `k` of `slot` now lives complete in arena chunk `index` (rule 2).
+    pub fn chunk_staged(&self, slot: u32, k: u64, index: u32) {
+        self.chunk_entry(slot, k)
+            .store((chunk_state::STAGED << 30) | (index & INDEX_MASK), Ordering::Release);
+    }
+
+    /// File chunk `k` of `slot` is written to the file (rule 2).
+    pub fn chunk_written(&self, slot: u32, k: u64) {
+        let e = self.chunk_entry(slot, k);
+        let idx = e.load(Ordering::Relaxed) & INDEX_MASK;
+        e.store((chunk_state::WRITTEN << 30) | idx, Ordering::Release);
+    }
+
+    /// Every chunk of the save is staged (rule 3).
+    pub fn staged(&self, slot: u32) {
+        self.slot_header(slot)
+            .state
+            .store(slot_state::STAGED, Ordering::Release);
+    }
+
+    /// The slot is free again (committed, failed or recovered).
+    pub fn free(&self, slot: u32) {
+        self.slot_header(slot)
+            .state
+            .store(slot_state::FREE, Ordering::Release);
+    }
+
+    /// Read a slot.
+    pub fn slot_view(&self, slot: u32) -> SlotView {
+        let h = self.slot_header(slot);
+        let state = h.state.load(Ordering::Acquire);
+        let n = (h.n_file_chunks as u64).min(self.geo.n_chunks);
+        let chunks = (0..n)
+            .map(|k| {
+                let v = self.chunk_entry(slot, k).load(Ordering::Acquire);
+                (v >> 30, v & INDEX_MASK)
+            })
+            .collect();
+        let pl = (h.partial_len as usize).min(MAX_NAME);
+        let fl = (h.file_name_len as usize).min(MAX_NAME);
+        SlotView {
+            slot,
+            state,
+            step: h.step,
+            file_len: h.file_len,
+            data_start: h.data_start,
+            partial_dir: String::from_utf8_lossy(&h.partial_dir[..pl]).into_owned(),
+            file_name: String::from_utf8_lossy(&h.file_name[..fl]).into_owned(),
+            chunks,
+        }
+    }
+}
+
+fn bytes_to_path(b: &[u8]) -> std::path::PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b))
+}

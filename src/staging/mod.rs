@@ -1,0 +1,346 @@
+//! The staging arena: one shared-memory segment per engine, cut into fixed-size chunks.
+//!
+//! A save's file image is a sequence of chunks (file chunk `k` covers file bytes
+//! `k*chunk_size ..`), each held in some arena chunk. A chunk is leased ([`ChunkLease`])
+//! while it is being filled and written, and returns to the free pool when the lease drops,
+//! after its write completed. `acquire` blocks when no chunk is free: that is the
+//! backpressure a second save feels while an earlier one drains.
+#![allow(unsafe_code)]
+
+pub mod descriptor;
+pub mod shm;
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use descriptor::{Descriptor, Geometry};
+pub use shm::Segment;
+
+/// Prefix of every arena name in `/dev/shm`.
+pub const NAME_PREFIX: &str = "shmckpt.";
+
+/// Shape of an arena to create.
+#[derive(Debug, Clone)]
+pub struct ArenaSpec {
+    /// Name in `/dev/shm` (without slash); `None` for a private anonymous arena.
+    pub name: Option<String>,
+    /// Data bytes (rounded up to whole chunks).
+    pub capacity: u64,
+    /// Bytes per chunk, a multiple of 4096.
+    pub chunk_size: u64,
+    /// Save slots in the descriptor (saves in flight at once).
+    pub slots: u32,
+    /// Rank, recorded for recovery.
+    pub rank: u32,
+    /// World size, recorded for recovery.
+    pub world_size: u32,
+    /// Checkpoint root, recorded for recovery.
+    pub root: std::path::PathBuf,
+}
+
+/// The staging arena. Shared by the engine, its writer threads and chunk leases.
+#[derive(Debug)]
+pub struct Arena {
+    seg: Segment,
+    desc: Descriptor,
+    geo: Geometry,
+    free: Mutex<Vec<u32>>,
+    freed: Condvar,
+    slots: Mutex<Vec<u32>>,
+    slot_freed: Condvar,
+    /// Nanoseconds callers spent blocked in `acquire` (lifetime total).
+    waited_ns: AtomicU64,
+    unlinked: std::sync::atomic::AtomicBool,
+}
+
+impl Arena {
+    /// Create, size, pre-fault and describe a new arena.
+    pub fn create(spec: &ArenaSpec) -> Result<Arc<Arena>> {
+        if spec.chunk_size == 0 || spec.chunk_size % descriptor::PAGE as u64 != 0 {
+            return Err(Error::Config(format!(
+                "chunk size {} is not a positive multiple of 4096",
+                spec.chunk_size
+            )));
+        }
+        let n_chunks = spec.capacity.div_ceil(spec.chunk_size).max(1);
+        if n_chunks > (1 << 30) - 1 {
+            return Err(Error::Config(format!(
+                "{n_chunks} chunks exceed the arena's limit; use larger chunks"
+            )));
+        }
+        let geo = Geometry::new(n_chunks, spec.chunk_size, spec.slots.max(1));
+        let len = usize::try_from(geo.total_len())
+            .map_err(|_| Error::Config("staging capacity exceeds the address space".into()))?;
+        let seg = match &spec.name {
+            Some(n) => Segment::create(n, len)?,
+            None => Segment::anonymous(len)?,
+        };
+        use std::os::unix::ffi::OsStrExt;
+        // SAFETY: the segment was just created, zero-filled, page aligned and `len >=
+        // geo.total_len()` bytes long; nobody else has attached yet (the name is fresh,
+        // O_EXCL) and we hold the only reference.
+        let desc = unsafe {
+            Descriptor::init(
+                seg.as_ptr(),
+                geo,
+                std::process::id(),
+                spec.rank,
+                spec.world_size,
+                spec.root.as_os_str().as_bytes(),
+            )
+        };
+        Ok(Arc::new(Arena {
+            seg,
+            desc,
+            geo,
+            free: Mutex::new((0..n_chunks as u32).rev().collect()),
+            freed: Condvar::new(),
+            slots: Mutex::new((0..geo.n_slots).rev().collect()),
+            slot_freed: Condvar::new(),
+            waited_ns: AtomicU64::new(0),
+            unlinked: std::sync::atomic::AtomicBool::new(false),
+        }))
+    }
+
+    /// Bytes per chunk.
+    pub fn chunk_size(&self) -> u64 {
+        self.geo.chunk_size
+    }
+
+    /// Number of data chunks.
+    pub fn chunk_count(&self) -> u64 {
+        self.geo.n_chunks
+    }
+
+    /// Data capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.geo.n_chunks * self.geo.chunk_size
+    }
+
+    /// The segment name, `None` for anonymous arenas.
+    pub fn name(&self) -> Option<&str> {
+        self.seg.name()
+    }
+
+    /// The crash-recovery descriptor.
+    pub fn descriptor(&self) -> &Descriptor {
+        &self.desc
+    }
+
+    /// The data region: first chunk's address and total data bytes. Writers register it
+    /// with io_uring and the CUDA driver.
+    pub fn data_region(&self) -> (*mut u8, usize) {
+        // SAFETY: data_offset < total_len <= mapping length (Geometry).
+        let p = unsafe { self.seg.as_ptr().add(self.geo.data_offset as usize) };
+        (p, self.capacity() as usize)
+    }
+
+    /// Total nanoseconds callers have waited for free chunks.
+    pub fn waited(&self) -> Duration {
+        Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed))
+    }
+
+    /// Free chunks right now.
+    pub fn free_chunks(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Take a free chunk, blocking until one is released. Returns the lease and the time
+    /// spent waiting.
+    pub fn acquire(self: &Arc<Self>) -> (ChunkLease, Duration) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut waited = Duration::ZERO;
+        if free.is_empty() {
+            let t = Instant::now();
+            while free.is_empty() {
+                free = self.freed.wait(free).unwrap_or_else(|p| p.into_inner());
+            }
+            waited = t.elapsed();
+            self.waited_ns
+                .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+        }
+        let index = free.pop().expect("pool is non-empty");
+        drop(free);
+        (self.lease(index), waited)
+    }
+
+    fn lease(self: &Arc<Self>, index: u32) -> ChunkLease {
+        let (base, _) = self.data_region();
+        // SAFETY: index < n_chunks, so the chunk lies inside the data region.
+        let ptr = unsafe { base.add(index as usize * self.geo.chunk_size as usize) };
+        ChunkLease {
+            arena: Arc::clone(self),
+            index,
+            ptr: NonNull::new(ptr).expect("mapping is non-null"),
+        }
+    }
+
+    fn release(&self, index: u32) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.push(index);
+        drop(free);
+        self.freed.notify_one();
+    }
+
+    /// Take a free save slot, blocking until one is released.
+    pub fn acquire_slot(&self) -> u32 {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        while slots.is_empty() {
+            slots = self
+                .slot_freed
+                .wait(slots)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        slots.pop().expect("non-empty")
+    }
+
+    /// Mark a slot free in the descriptor and return it to the pool.
+    pub fn release_slot(&self, slot: u32) {
+        self.desc.free(slot);
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slot);
+        self.slot_freed.notify_one();
+    }
+
+    /// Mark the arena cleanly closed and remove its name from `/dev/shm`. The mapping
+    /// stays valid until the last reference drops.
+    pub fn close(&self) {
+        if !self.unlinked.swap(true, Ordering::AcqRel) {
+            self.desc.mark_closed();
+            if let Err(e) = self.seg.unlink() {
+                tracing::warn!(name = ?self.seg.name(), error = %e, "could not unlink staging arena");
+            }
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Exclusive use of one arena chunk. Dropping the lease returns the chunk to the pool, so a
+/// lease must live as long as anyone (a DMA engine, the kernel) may access the chunk.
+#[derive(Debug)]
+pub struct ChunkLease {
+    arena: Arc<Arena>,
+    index: u32,
+    ptr: NonNull<u8>,
+}
+
+// SAFETY: the lease is the only handle to its chunk's bytes; moving it between threads moves
+// that exclusive access along with it.
+unsafe impl Send for ChunkLease {}
+
+impl ChunkLease {
+    /// Arena chunk index.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Chunk length.
+    pub fn len(&self) -> usize {
+        self.arena.geo.chunk_size as usize
+    }
+
+    /// Always false (chunks are never empty).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Raw pointer to the chunk (for DMA and io_uring).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The chunk's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the lease is the unique owner of this chunk; the arena (kept alive by the
+        // `Arc`) maps `len` bytes at `ptr`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
+    }
+
+    /// The chunk's bytes, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
+    }
+
+    /// The arena this chunk belongs to.
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+}
+
+impl Drop for ChunkLease {
+    fn drop(&mut self) {
+        self.arena.release(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: Option<String>, capacity: u64) -> ArenaSpec {
+        ArenaSpec {
+            name,
+            capacity,
+            chunk_size: 65536,
+            slots: 2,
+            rank: 0,
+            world_size: 1,
+            root: "/tmp/x".into(),
+        }
+    }
+
+    #[test]
+    fn leases_are_distinct_and_return_to_the_pool() {
+        let a = Arena::create(&spec(None, 4 * 65536)).unwrap();
+        assert_eq!(a.chunk_count(), 4);
+        let leases: Vec<_> = (0..4).map(|_| a.acquire().0).collect();
+        let mut idx: Vec<u32> = leases.iter().map(|l| l.index()).collect();
+        idx.sort();
+        assert_eq!(idx, [0, 1, 2, 3]);
+        assert_eq!(a.free_chunks(), 0);
+        let a2 = Arc::clone(&a);
+        let waiter = std::thread::spawn(move || a2.acquire().0.index());
+        std::thread::sleep(Duration::from_millis(50));
+        drop(leases);
+        let got = waiter.join().unwrap();
+        assert!(got < 4);
+        assert_eq!(a.free_chunks(), 4);
+        assert!(a.waited() > Duration::ZERO);
+    }
+
+    #[test]
+    fn named_arena_is_attachable_and_unlinked_on_close() {
+        let name = format!("{NAME_PREFIX}unit.{}", std::process::id());
+        let a = Arena::create(&spec(Some(name.clone()), 2 * 65536)).unwrap();
+        let (mut l, _) = a.acquire();
+        l.as_mut_slice()[..5].copy_from_slice(b"hello");
+        a.descriptor().begin(1, 42, 100, 4096, 1, "step-42.partial", "f");
+        a.descriptor().chunk_staged(1, 0, l.index());
+        let other = Segment::open(&name).unwrap();
+        // SAFETY: `other` maps the whole segment and outlives `d`.
+        let d = unsafe { Descriptor::attach(other.as_ptr(), other.len()) }.unwrap();
+        let v = d.slot_view(1);
+        assert_eq!((v.state, v.step, v.partial_dir.as_str()), (1, 42, "step-42.partial"));
+        assert_eq!(v.chunks, [(descriptor::chunk_state::STAGED, l.index())]);
+        let off = d.geometry().data_offset as usize + l.index() as usize * 65536;
+        // SAFETY: offset inside the mapping.
+        let seen = unsafe { std::slice::from_raw_parts(other.as_ptr().add(off), 5) };
+        assert_eq!(seen, b"hello");
+        assert_eq!(d.header_view().owner_pid, std::process::id());
+        drop(l);
+        a.close();
+        assert!(Segment::open(&name).is_err());
+        assert!(d.header_view().closed);
+    }
+}

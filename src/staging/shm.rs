@@ -1,0 +1,228 @@
+//! POSIX shared-memory segments: the only place that maps staging memory.
+//!
+//! A segment is created with `shm_open(O_CREAT|O_EXCL)`, sized with `fallocate` (which
+//! reserves every page in tmpfs up front, so a too-small `/dev/shm` is an `ENOSPC` here and
+//! never a `SIGBUS` later), mapped `MAP_SHARED|MAP_POPULATE` (pre-faulted), and unlinked by
+//! its owner on clean shutdown.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+
+use rustix::fs::{FallocateFlags, Mode};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{Error, Result};
+
+/// Mount where POSIX shared memory lives on Linux.
+pub const SHM_MOUNT: &str = "/dev/shm";
+
+/// A mapped shared-memory segment (or an anonymous mapping for private buffers).
+#[derive(Debug)]
+pub struct Segment {
+    ptr: NonNull<u8>,
+    len: usize,
+    name: Option<String>,
+    _fd: Option<OwnedFd>,
+}
+
+// SAFETY: a `Segment` is an owned mapping; the raw pointer is not tied to the creating
+// thread. Access to the bytes is coordinated by the arena's chunk leases.
+unsafe impl Send for Segment {}
+// SAFETY: `&Segment` hands out only the pointer and length; writes go through leases that are
+// unique per chunk.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Create a new named segment of `len` bytes (a multiple of the page size), reserving
+    /// and pre-faulting all of it. `name` is the shm name without the leading slash.
+    pub fn create(name: &str, len: usize) -> Result<Segment> {
+        let shm_name = format!("/{name}");
+        let fd = rustix::shm::open(
+            shm_name.as_str(),
+            rustix::shm::OFlags::CREATE | rustix::shm::OFlags::EXCL | rustix::shm::OFlags::RDWR,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "shm_open",
+            source: e.into(),
+        })?;
+        // Any failure from here on must not leave the name behind.
+        let cleanup = |err: Error| {
+            let _ = rustix::shm::unlink(shm_name.as_str());
+            err
+        };
+        if let Err(e) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64) {
+            let err = if e == rustix::io::Errno::NOSPC || e == rustix::io::Errno::NOMEM {
+                Error::ShmTooSmall {
+                    name: name.to_owned(),
+                    requested: len as u64,
+                    available: shm_available(),
+                    mount: SHM_MOUNT.to_owned(),
+                }
+            } else {
+                Error::Shm {
+                    name: name.to_owned(),
+                    op: "fallocate",
+                    source: e.into(),
+                }
+            };
+            return Err(cleanup(err));
+        }
+        let ptr = map(&fd, len, true).map_err(|e| {
+            cleanup(Error::Shm {
+                name: name.to_owned(),
+                op: "mmap",
+                source: e,
+            })
+        })?;
+        Ok(Segment {
+            ptr,
+            len,
+            name: Some(name.to_owned()),
+            _fd: Some(fd),
+        })
+    }
+
+    /// Attach to an existing named segment (read-write), mapping its whole length.
+    pub fn open(name: &str) -> Result<Segment> {
+        let shm_name = format!("/{name}");
+        let fd = rustix::shm::open(
+            shm_name.as_str(),
+            rustix::shm::OFlags::RDWR,
+            Mode::empty(),
+        )
+        .map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "shm_open",
+            source: e.into(),
+        })?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "fstat",
+            source: e.into(),
+        })?;
+        let len = usize::try_from(st.st_size).unwrap_or(0);
+        if len == 0 {
+            return Err(Error::Shm {
+                name: name.to_owned(),
+                op: "attach",
+                source: io::Error::new(io::ErrorKind::InvalidData, "segment is empty"),
+            });
+        }
+        let ptr = map(&fd, len, false).map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "mmap",
+            source: e,
+        })?;
+        Ok(Segment {
+            ptr,
+            len,
+            name: Some(name.to_owned()),
+            _fd: Some(fd),
+        })
+    }
+
+    /// A private anonymous mapping of `len` bytes, pre-faulted; used where no other process
+    /// needs the bytes (standalone `verify`).
+    pub fn anonymous(len: usize) -> Result<Segment> {
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::POPULATE,
+            )
+        }
+        .map_err(|e| Error::Shm {
+            name: "(anonymous)".to_owned(),
+            op: "mmap",
+            source: e.into(),
+        })?;
+        Ok(Segment {
+            ptr: NonNull::new(raw.cast()).expect("mmap never returns null on success"),
+            len,
+            name: None,
+            _fd: None,
+        })
+    }
+
+    /// First byte of the mapping (page aligned).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length of the mapping.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The shm name (without slash), `None` for anonymous mappings.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// Remove the name from `/dev/shm`; the mapping stays valid until dropped.
+    pub fn unlink(&self) -> io::Result<()> {
+        match &self.name {
+            Some(n) => rustix::shm::unlink(format!("/{n}").as_str()).map_err(Into::into),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in the constructor, and every
+        // borrower of the bytes (chunk leases hold an `Arc` of the arena that owns this
+        // segment) is gone when the segment is dropped.
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len);
+        }
+    }
+}
+
+fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<NonNull<u8>> {
+    let mut flags = MapFlags::SHARED;
+    if populate {
+        flags |= MapFlags::POPULATE;
+    }
+    // SAFETY: mapping a file descriptor we own with a null hint creates new memory that
+    // aliases no Rust object; the segment's size was fixed (fallocate/fstat) before mapping,
+    // so every page of `len` is backed.
+    let raw = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            flags,
+            fd,
+            0,
+        )
+    }?;
+    Ok(NonNull::new(raw.cast()).expect("mmap never returns null on success"))
+}
+
+/// Bytes free on the shm mount, 0 when unknown.
+pub fn shm_available() -> u64 {
+    rustix::fs::statvfs(SHM_MOUNT)
+        .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+        .unwrap_or(0)
+}
+
+/// Names of segments in `/dev/shm` starting with `prefix`.
+pub fn list_segments(prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(SHM_MOUNT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}

@@ -1,0 +1,183 @@
+//! Tensor descriptions handed to `save`, and owned tensors returned by `load`.
+
+use std::borrow::Cow;
+
+use crate::dtype::Dtype;
+
+/// Where a tensor's bytes live when `save` is called.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum Source<'a> {
+    /// Bytes in host memory (any host memory: pageable, pinned, mapped).
+    Host(&'a [u8]),
+    /// Bytes in CUDA device memory.
+    Cuda(DeviceSlice),
+}
+
+impl Source<'_> {
+    /// Number of bytes the source holds.
+    pub fn len(&self) -> u64 {
+        match self {
+            Source::Host(b) => b.len() as u64,
+            Source::Cuda(d) => d.len as u64,
+        }
+    }
+
+    /// True when the source holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A range of CUDA device memory: a device pointer, its length and the device ordinal.
+///
+/// Building one is `unsafe`: the engine will read `len` bytes at `ptr` on device `device`
+/// during `save`, so the range must be valid device memory of that device for the whole
+/// call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSlice {
+    ptr: u64,
+    len: usize,
+    device: i32,
+}
+
+impl DeviceSlice {
+    /// Describe `len` bytes of device memory at `ptr` on device ordinal `device`.
+    ///
+    /// # Safety
+    /// - `ptr..ptr + len` must be memory allocated on device `device` in this process
+    ///   (`cuMemAlloc`, a framework allocator, or memory mapped into it), valid for reads;
+    /// - it must stay allocated until the `save` (or `load_into_device`) call that receives it
+    ///   returns, and, for `load`, nothing else may access it until then.
+    #[allow(unsafe_code)]
+    pub unsafe fn new(ptr: u64, len: usize, device: i32) -> Self {
+        DeviceSlice { ptr, len, device }
+    }
+
+    /// The device pointer (`CUdeviceptr`).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the slice holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+}
+
+/// One tensor to save: name, dtype, shape and where its bytes are.
+#[derive(Debug, Clone)]
+pub struct Tensor<'a> {
+    /// Name, unique within a save.
+    pub name: Cow<'a, str>,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape; empty for a scalar. A zero dimension makes a zero-size tensor.
+    pub shape: Vec<usize>,
+    /// Its bytes, row-major, little-endian as in memory.
+    pub source: Source<'a>,
+}
+
+impl<'a> Tensor<'a> {
+    /// A tensor whose bytes are in host memory.
+    pub fn host(
+        name: impl Into<Cow<'a, str>>,
+        dtype: Dtype,
+        shape: impl Into<Vec<usize>>,
+        bytes: &'a [u8],
+    ) -> Self {
+        Tensor {
+            name: name.into(),
+            dtype,
+            shape: shape.into(),
+            source: Source::Host(bytes),
+        }
+    }
+
+    /// A tensor whose bytes are in CUDA device memory.
+    pub fn cuda(
+        name: impl Into<Cow<'a, str>>,
+        dtype: Dtype,
+        shape: impl Into<Vec<usize>>,
+        slice: DeviceSlice,
+    ) -> Self {
+        Tensor {
+            name: name.into(),
+            dtype,
+            shape: shape.into(),
+            source: Source::Cuda(slice),
+        }
+    }
+}
+
+/// Bytes aligned to 8, so that typed views of any dtype are possible.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AlignedBytes {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedBytes {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        AlignedBytes {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// A typed view (`f32`, `u16` for bf16, ...). Fails when the length is not a multiple
+    /// of `size_of::<T>()`.
+    pub fn cast<T: bytemuck::Pod>(&self) -> Result<&[T], bytemuck::PodCastError> {
+        bytemuck::try_cast_slice(self.as_bytes())
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for AlignedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBytes({} bytes)", self.len)
+    }
+}
+
+/// A tensor read back by `load`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedTensor {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Bytes, 8-byte aligned.
+    pub data: AlignedBytes,
+}
