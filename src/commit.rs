@@ -73,7 +73,10 @@ pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
         .truncate(false)
         .open(&path)
         .map_err(|e| Error::io("open", &path, e))?;
-    match rustix::fs::flock(file.as_fd(), rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+    match rustix::fs::flock(
+        file.as_fd(),
+        rustix::fs::FlockOperation::NonBlockingLockExclusive,
+    ) {
         Ok(()) => Ok(RootLock { _file: file }),
         Err(e) if e == rustix::io::Errno::WOULDBLOCK => Err(Error::RootLocked {
             path: root.to_owned(),
@@ -120,8 +123,8 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
     for e in rd.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        let stale = name.starts_with("step-")
-            && (name.ends_with(".partial") || name.ends_with(".trash"));
+        let stale =
+            name.starts_with("step-") && (name.ends_with(".partial") || name.ends_with(".trash"));
         if stale && e.path().is_dir() {
             tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
             std::fs::remove_dir_all(e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
@@ -136,7 +139,12 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
 
 /// Prepare `root/step-N.partial/` for this rank's file. Fails if step N is committed.
 /// Returns the partial directory.
-pub fn prepare_partial(root: &Path, step: u64, file_name: &str, world_size: u32) -> Result<PathBuf> {
+pub fn prepare_partial(
+    root: &Path,
+    step: u64,
+    file_name: &str,
+    world_size: u32,
+) -> Result<PathBuf> {
     if root.join(step_dir_name(step)).exists() {
         return Err(Error::StepExists {
             step,
@@ -150,8 +158,7 @@ pub fn prepare_partial(root: &Path, step: u64, file_name: &str, world_size: u32)
             if world_size == 1 {
                 // We hold the only rank lock: this is a leftover of an interrupted save.
                 tracing::warn!(dir = %partial.display(), "replacing stale partial directory");
-                std::fs::remove_dir_all(&partial)
-                    .map_err(|e| Error::io("remove", &partial, e))?;
+                std::fs::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
                 std::fs::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
             } else {
                 let stale = partial.join(file_name);

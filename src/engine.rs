@@ -24,6 +24,7 @@ use crate::io::{BackendKind, BackendOptions, align_up};
 use crate::manifest::{self, CheckpointInfo, FileEntry, Manifest, Metadata, TensorEntry};
 use crate::plan::{self, PieceSource, Plan, TensorSpec};
 use crate::restore::{self, Checkpoint};
+use crate::staging::descriptor::SaveRecord;
 use crate::staging::{Arena, ArenaSpec, ChunkLease, NAME_PREFIX};
 use crate::tensor::{Source, Tensor};
 
@@ -176,7 +177,7 @@ impl EngineConfig {
 
     fn validate(&self) -> Result<()> {
         let cs = self.chunk_size;
-        if cs % 4096 != 0 || !(64 << 10..=1 << 30).contains(&cs) {
+        if !cs.is_multiple_of(4096) || !(64 << 10..=1 << 30).contains(&cs) {
             return Err(Error::Config(format!(
                 "chunk_size {cs} must be a multiple of 4096 between 64 KiB and 1 GiB"
             )));
@@ -411,11 +412,6 @@ impl Engine {
         self.shared.backend
     }
 
-    /// The staging arena (for the CUDA source and tools).
-    pub(crate) fn arena(&self) -> &Arc<Arena> {
-        &self.shared.arena
-    }
-
     /// Save `tensors` as checkpoint `step`.
     ///
     /// Returns as soon as every byte is in staging: the caller may then overwrite or free
@@ -497,12 +493,14 @@ impl Engine {
         let n_chunks = plan.chunk_count(cs);
         arena.descriptor().begin(
             slot,
-            step,
-            plan.file_len(),
-            plan.data_start(),
-            n_chunks,
-            &manifest::partial_dir_name(step),
-            &file_name,
+            &SaveRecord {
+                step,
+                file_len: plan.file_len(),
+                data_start: plan.data_start(),
+                n_file_chunks: n_chunks,
+                partial_dir: &manifest::partial_dir_name(step),
+                file_name: &file_name,
+            },
         );
         let state = Arc::new(SaveState {
             shared: Arc::clone(&self.shared),
@@ -787,8 +785,12 @@ impl SaveState {
                 PieceSource::Tensor { entry, at } => {
                     let input = self.plan.entries()[entry].input;
                     match tensors[input].source {
-                        Source::Host(b) => dst.copy_from_slice(&b[at as usize..at as usize + p.len]),
-                        Source::Cuda(_) => unreachable!("device tensors are refused before staging"),
+                        Source::Host(b) => {
+                            dst.copy_from_slice(&b[at as usize..at as usize + p.len])
+                        }
+                        Source::Cuda(_) => {
+                            unreachable!("device tensors are refused before staging")
+                        }
                     }
                 }
             }
@@ -1044,7 +1046,11 @@ impl SaveHandle {
     pub fn wait(self) -> Result<SaveReport> {
         let mut p = lock(&self.state.progress);
         while !p.done {
-            p = self.state.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
         }
         p.result
             .take()
@@ -1052,7 +1058,10 @@ impl SaveHandle {
     }
 
     /// Like [`SaveHandle::wait`], giving up after `timeout` (returns the handle back).
-    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<SaveReport>, SaveHandle> {
+    pub fn wait_timeout(
+        self,
+        timeout: Duration,
+    ) -> std::result::Result<Result<SaveReport>, SaveHandle> {
         let deadline = Instant::now() + timeout;
         {
             let mut p = lock(&self.state.progress);

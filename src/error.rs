@@ -73,7 +73,9 @@ pub enum Error {
         max: u64,
     },
     /// The checkpoint file image is larger than the staging arena.
-    #[error("checkpoint needs {needed} bytes of staging but the arena holds {capacity} bytes; raise staging_capacity")]
+    #[error(
+        "checkpoint needs {needed} bytes of staging but the arena holds {capacity} bytes; raise staging_capacity"
+    )]
     TooLarge {
         /// Staging bytes the checkpoint needs (file size rounded up to whole chunks).
         needed: u64,
@@ -179,7 +181,9 @@ pub enum Error {
         reason: String,
     },
     /// A tensor's bytes do not match the checksum in the manifest.
-    #[error("{path}: tensor {tensor:?} fails its checksum: crc32c {actual:#010x}, manifest says {expected:#010x}")]
+    #[error(
+        "{path}: tensor {tensor:?} fails its checksum: crc32c {actual:#010x}, manifest says {expected:#010x}"
+    )]
     Checksum {
         /// The file.
         path: PathBuf,

@@ -13,6 +13,7 @@ pub mod error;
 pub mod io;
 pub mod manifest;
 pub mod plan;
+pub mod reference;
 pub mod restore;
 pub mod staging;
 pub mod synthetic;
@@ -20,7 +21,9 @@ pub mod tensor;
 pub mod util;
 
 pub use dtype::Dtype;
-pub use engine::{Engine, EngineConfig, SaveHandle, SaveReport, SaveTimings, StagedReport, StepSel};
+pub use engine::{
+    Engine, EngineConfig, SaveHandle, SaveReport, SaveTimings, StagedReport, StepSel,
+};
 pub use error::{Error, Result};
 pub use io::BackendKind;
 pub use manifest::{CheckpointInfo, Manifest, Metadata};

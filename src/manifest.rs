@@ -108,7 +108,9 @@ impl Manifest {
                     return Err(Error::corrupt(
                         path,
                         Some(&t.name),
-                        format!("data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"),
+                        format!(
+                            "data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"
+                        ),
                     ));
                 }
                 if t.dtype.byte_len(&t.shape) != Some(e - b) {
@@ -283,10 +285,7 @@ mod tests {
         total.files[0].bytes = 1 << 40;
         for bad in [hole, size, path, total] {
             let b = serde_json::to_vec(&bad).unwrap();
-            assert!(matches!(
-                Manifest::parse(&b, p),
-                Err(Error::Corrupt { .. })
-            ));
+            assert!(matches!(Manifest::parse(&b, p), Err(Error::Corrupt { .. })));
         }
         assert!(Manifest::parse(b"{not json", p).is_err());
         assert!(Manifest::parse(&[0xff, 0xfe], p).is_err());

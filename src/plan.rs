@@ -190,9 +190,9 @@ impl Plan {
                 len: tensors[i].len,
             })
             .collect();
-        let file_len = data_start.checked_add(data_len).ok_or_else(|| {
-            Error::Config("total checkpoint size overflows 64 bits".to_owned())
-        })?;
+        let file_len = data_start
+            .checked_add(data_len)
+            .ok_or_else(|| Error::Config("total checkpoint size overflows 64 bits".to_owned()))?;
         Ok(Plan {
             header,
             entries,
@@ -281,10 +281,7 @@ fn validate(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Resu
         if t.name.len() > MAX_NAME_LEN {
             return Err(Error::InvalidName {
                 name: truncate(&t.name),
-                reason: format!(
-                    "{} bytes long, the limit is {MAX_NAME_LEN}",
-                    t.name.len()
-                ),
+                reason: format!("{} bytes long, the limit is {MAX_NAME_LEN}", t.name.len()),
             });
         }
         if t.name == "__metadata__" {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::io::file::FileTarget;
-use crate::io::queue::LeaseQueue;
+use crate::io::queue::{LeaseQueue, Request};
 use crate::io::{BackendKind, BackendOptions, OpKind, align_up, open_backend};
 use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::plan::MAX_HEADER_LEN;
@@ -161,10 +161,12 @@ pub fn load_into(
     }
     let mut order = Vec::with_capacity(entry.tensors.len());
     for t in &entry.tensors {
-        let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::Destination {
-            name: t.name.clone(),
-            reason: "no destination buffer given".into(),
-        })?;
+        let i = *by_name
+            .get(t.name.as_str())
+            .ok_or_else(|| Error::Destination {
+                name: t.name.clone(),
+                reason: "no destination buffer given".into(),
+            })?;
         if dest[i].1.len() as u64 != t.len() {
             return Err(Error::Destination {
                 name: t.name.clone(),
@@ -324,7 +326,10 @@ pub fn read_file(
         return Err(Error::corrupt(
             path,
             None,
-            format!("{} trailing bytes after the last tensor", actual - entry.bytes),
+            format!(
+                "{} trailing bytes after the last tensor",
+                actual - entry.bytes
+            ),
         ));
     }
     {
@@ -368,8 +373,18 @@ pub fn read_file(
         // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
         let rest = (p.want - p.got) as u64;
         let len = align_up(rest).min(cs - p.got as u64) as usize;
-        q.push(lease, p, OpKind::Read, &target, p.got, len, offset)
-            .map_err(|(_, _, e)| Error::io_at("read", path, offset, e))
+        q.push(
+            lease,
+            p,
+            &target,
+            Request {
+                kind: OpKind::Read,
+                at: p.got,
+                len,
+                offset,
+            },
+        )
+        .map_err(|(_, _, e)| Error::io_at("read", path, offset, e))
     };
 
     loop {
@@ -378,7 +393,15 @@ pub fn read_file(
             let (lease, _) = arena.acquire();
             let k = next_issue;
             let want = (data_len - k * cs).min(cs) as usize;
-            if let Err(e) = issue(&mut q, lease, Pending { chunk: k, want, got: 0 }) {
+            if let Err(e) = issue(
+                &mut q,
+                lease,
+                Pending {
+                    chunk: k,
+                    want,
+                    got: 0,
+                },
+            ) {
                 error = Some(e);
                 break;
             }
@@ -387,9 +410,7 @@ pub fn read_file(
         if q.in_flight() == 0 {
             break;
         }
-        let done = q
-            .wait(1)
-            .map_err(|b| Error::io("io wait", path, b.error))?;
+        let done = q.wait(1).map_err(|b| Error::io("io wait", path, b.error))?;
         for d in done {
             let mut p = d.tag;
             let offset = entry.data_start + p.chunk * cs + p.got as u64;
@@ -422,7 +443,14 @@ pub fn read_file(
         while error.is_none()
             && let Some((lease, p)) = ready.remove(&next_process)
         {
-            if let Err(e) = process_chunk(entry, cs, &lease.as_slice()[..p.want], p.chunk, &mut crcs, sink) {
+            if let Err(e) = process_chunk(
+                entry,
+                cs,
+                &lease.as_slice()[..p.want],
+                p.chunk,
+                &mut crcs,
+                sink,
+            ) {
                 error = Some(e);
             }
             next_process += 1;

@@ -127,18 +127,29 @@ pub fn mixed(total: u64, n: usize) -> Vec<LayoutEntry> {
 pub fn demo_model() -> Vec<LayoutEntry> {
     let (hidden, ffn, vocab, layers) = (1024usize, 4096usize, 32_768usize, 26usize);
     let mut v = Vec::new();
-    let mut push = |name: String, dtype: Dtype, shape: Vec<usize>| {
-        v.push(LayoutEntry { name, dtype, shape })
-    };
+    let mut push =
+        |name: String, dtype: Dtype, shape: Vec<usize>| v.push(LayoutEntry { name, dtype, shape });
     push("embed.weight".into(), Dtype::BF16, vec![vocab, hidden]);
     for l in 0..layers {
         let p = format!("layers.{l}");
         for w in ["q", "k", "v", "o"] {
-            push(format!("{p}.attn.{w}.weight"), Dtype::BF16, vec![hidden, hidden]);
+            push(
+                format!("{p}.attn.{w}.weight"),
+                Dtype::BF16,
+                vec![hidden, hidden],
+            );
         }
-        push(format!("{p}.mlp.gate.weight"), Dtype::BF16, vec![ffn, hidden]);
+        push(
+            format!("{p}.mlp.gate.weight"),
+            Dtype::BF16,
+            vec![ffn, hidden],
+        );
         push(format!("{p}.mlp.up.weight"), Dtype::BF16, vec![ffn, hidden]);
-        push(format!("{p}.mlp.down.weight"), Dtype::BF16, vec![hidden, ffn]);
+        push(
+            format!("{p}.mlp.down.weight"),
+            Dtype::BF16,
+            vec![hidden, ffn],
+        );
         push(format!("{p}.attn_norm.weight"), Dtype::F32, vec![hidden]);
         push(format!("{p}.mlp_norm.weight"), Dtype::F32, vec![hidden]);
         push(format!("{p}.attn.q.scale"), Dtype::F8_E4M3, vec![hidden]);

@@ -24,7 +24,11 @@ pub fn median(values: &[f64]) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 #[cfg(test)]

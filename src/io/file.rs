@@ -24,8 +24,8 @@ impl FileTarget {
     pub fn create(path: &Path, direct: bool) -> Result<FileTarget> {
         let base = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC;
         let mode = Mode::from_raw_mode(0o644);
-        let buffered = rustix::fs::open(path, base, mode)
-            .map_err(|e| Error::io("create", path, e.into()))?;
+        let buffered =
+            rustix::fs::open(path, base, mode).map_err(|e| Error::io("create", path, e.into()))?;
         let direct = if direct {
             open_direct(path, OFlags::WRONLY | OFlags::CLOEXEC)?
         } else {
@@ -70,7 +70,13 @@ impl FileTarget {
     pub fn fd_for(&self, buf: *const u8, offset: u64, len: u64) -> RawFd {
         let a = super::DIRECT_ALIGN;
         match &self.direct {
-            Some(d) if (buf as u64) % a == 0 && offset % a == 0 && len % a == 0 => d.as_raw_fd(),
+            Some(d)
+                if (buf as u64).is_multiple_of(a)
+                    && offset.is_multiple_of(a)
+                    && len.is_multiple_of(a) =>
+            {
+                d.as_raw_fd()
+            }
             _ => self.buffered.as_raw_fd(),
         }
     }
@@ -86,8 +92,7 @@ impl FileTarget {
         if len == 0 {
             return Ok(());
         }
-        match rustix::fs::fallocate(&self.buffered, rustix::fs::FallocateFlags::empty(), 0, len)
-        {
+        match rustix::fs::fallocate(&self.buffered, rustix::fs::FallocateFlags::empty(), 0, len) {
             Ok(()) => Ok(()),
             Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
             Err(e) => Err(Error::io("fallocate", &self.path, e.into())),
@@ -140,6 +145,7 @@ pub fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
         .create_new(true)
         .open(path)
         .map_err(|e| Error::io("create", path, e))?;
-    f.write_all(bytes).map_err(|e| Error::io("write", path, e))?;
+    f.write_all(bytes)
+        .map_err(|e| Error::io("write", path, e))?;
     f.sync_all().map_err(|e| Error::io("fsync", path, e))
 }

@@ -131,7 +131,10 @@ pub struct BackendOptions {
 pub fn open_backend(opts: &BackendOptions) -> io::Result<Box<dyn IoBackend>> {
     let base: Box<dyn IoBackend> = match opts.kind {
         BackendKind::Pwrite => Box::new(pwrite::PwriteBackend::new(opts.queue_depth as usize)),
-        BackendKind::IoUring => Box::new(uring::UringBackend::new(opts.queue_depth, opts.fixed.clone())?),
+        BackendKind::IoUring => Box::new(uring::UringBackend::new(
+            opts.queue_depth,
+            opts.fixed.clone(),
+        )?),
         BackendKind::Auto => match uring::UringBackend::new(opts.queue_depth, opts.fixed.clone()) {
             Ok(u) => Box::new(u),
             Err(e) => {

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::file::FileTarget;
-use super::queue::LeaseQueue;
+use super::queue::{LeaseQueue, Request};
 use super::{BackendOptions, OpKind, open_backend};
 use crate::error::{Error, Result};
 use crate::staging::ChunkLease;
@@ -68,7 +68,9 @@ pub struct WriteJob {
 
 impl std::fmt::Debug for WriteJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WriteJob").field("info", &self.info).finish()
+        f.debug_struct("WriteJob")
+            .field("info", &self.info)
+            .finish()
     }
 }
 
@@ -88,7 +90,10 @@ impl WriterPool {
         let mut queues = Vec::with_capacity(threads);
         for _ in 0..threads {
             let b = open_backend(opts).map_err(|e| {
-                Error::Config(format!("cannot set up the {:?} write backend: {e}", opts.kind))
+                Error::Config(format!(
+                    "cannot set up the {:?} write backend: {e}",
+                    opts.kind
+                ))
             })?;
             queues.push(LeaseQueue::<Tag>::new(b));
         }
@@ -236,7 +241,13 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
     let at = t.done;
     let len = t.info.write_len - t.done;
     let offset = t.info.offset + t.done as u64;
-    if let Err((lease, t, e)) = q.push(lease, t, OpKind::Write, sink.target(), at, len, offset) {
+    let req = Request {
+        kind: OpKind::Write,
+        at,
+        len,
+        offset,
+    };
+    if let Err((lease, t, e)) = q.push(lease, t, sink.target(), req) {
         fail(&lease, t, e);
     }
 }

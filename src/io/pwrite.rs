@@ -47,11 +47,18 @@ impl IoBackend for PwriteBackend {
             },
             // SAFETY: as above, and the buffer is writable for reads.
             OpKind::Read => unsafe {
-                libc::pread(op.fd, op.buf.cast(), op.len as usize, op.offset as libc::off_t)
+                libc::pread(
+                    op.fd,
+                    op.buf.cast(),
+                    op.len as usize,
+                    op.offset as libc::off_t,
+                )
             },
         };
         let result = if res < 0 {
-            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+            -io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO)
         } else {
             res as i32
         };

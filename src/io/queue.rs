@@ -31,6 +31,19 @@ pub struct Broken<T> {
     pub tags: Vec<T>,
 }
 
+/// A read or write of `len` bytes at `at` inside a chunk, at `offset` in a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Read or write.
+    pub kind: OpKind,
+    /// Offset inside the chunk.
+    pub at: usize,
+    /// Bytes.
+    pub len: usize,
+    /// File offset.
+    pub offset: u64,
+}
+
 /// A backend plus the requests in flight.
 pub struct LeaseQueue<T> {
     backend: Box<dyn IoBackend>,
@@ -66,19 +79,21 @@ impl<T> LeaseQueue<T> {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Queue a read or write of `len` bytes at `at` inside `lease`'s chunk, at `offset` in
-    /// `file`. On failure lease and tag come back with the error.
+    /// Queue `req` on `lease`'s chunk. On failure lease and tag come back with the error.
     #[allow(clippy::type_complexity, clippy::result_large_err)]
     pub fn push(
         &mut self,
         lease: ChunkLease,
         tag: T,
-        kind: OpKind,
         file: &FileTarget,
-        at: usize,
-        len: usize,
-        offset: u64,
+        req: Request,
     ) -> Result<(), (ChunkLease, T, io::Error)> {
+        let Request {
+            kind,
+            at,
+            len,
+            offset,
+        } = req;
         if at.checked_add(len).is_none_or(|end| end > lease.len()) || len > u32::MAX as usize {
             let e = io::Error::new(io::ErrorKind::InvalidInput, "request outside its chunk");
             return Err((lease, tag, e));

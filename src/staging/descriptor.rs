@@ -165,6 +165,23 @@ unsafe impl Send for Descriptor {}
 // SAFETY: as above.
 unsafe impl Sync for Descriptor {}
 
+/// What `begin` records about a save.
+#[derive(Debug, Clone, Copy)]
+pub struct SaveRecord<'a> {
+    /// Step.
+    pub step: u64,
+    /// Exact file length.
+    pub file_len: u64,
+    /// Offset of the data section.
+    pub data_start: u64,
+    /// Number of file chunks.
+    pub n_file_chunks: u64,
+    /// Partial directory name, relative to the root.
+    pub partial_dir: &'a str,
+    /// File name inside it.
+    pub file_name: &'a str,
+}
+
 /// What a slot holds, read from shared memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotView {
@@ -262,7 +279,10 @@ impl Descriptor {
             return Err("not a shmckpt arena (bad magic)".to_owned());
         }
         if h.version != VERSION {
-            return Err(format!("arena layout version {} is not {VERSION}", h.version));
+            return Err(format!(
+                "arena layout version {} is not {VERSION}",
+                h.version
+            ));
         }
         if h.chunk_size == 0 || h.chunk_size % PAGE as u64 != 0 || h.n_slots > 4096 {
             return Err("arena header is inconsistent".to_owned());
@@ -309,7 +329,12 @@ impl Descriptor {
         assert!(k < self.geo.n_chunks, "chunk-map entry {k} out of range");
         // SAFETY: the chunk map follows the slot header page and has `n_chunks` u32 entries
         // (`Geometry::slot_bytes`); `k < n_chunks`; u32 alignment holds (page + 4k).
-        unsafe { &*self.slot_ptr(slot).add(PAGE + 4 * k as usize).cast::<AtomicU32>() }
+        unsafe {
+            &*self
+                .slot_ptr(slot)
+                .add(PAGE + 4 * k as usize)
+                .cast::<AtomicU32>()
+        }
     }
 
     /// Header contents.
@@ -335,16 +360,15 @@ impl Descriptor {
     /// Record a new save in `slot` and publish it as `STAGING` (rule 1).
     ///
     /// The caller must own the slot (it is `FREE` and no other thread uses it).
-    pub fn begin(
-        &self,
-        slot: u32,
-        step: u64,
-        file_len: u64,
-        data_start: u64,
-        n_file_chunks: u64,
-        partial_dir: &str,
-        file_name: &str,
-    ) {
+    pub fn begin(&self, slot: u32, rec: &SaveRecord<'_>) {
+        let SaveRecord {
+            step,
+            file_len,
+            data_start,
+            n_file_chunks,
+            partial_dir,
+            file_name,
+        } = *rec;
         assert!(n_file_chunks <= self.geo.n_chunks);
         let p = self.slot_ptr(slot).cast::<SlotHeader>();
         // SAFETY: the slot is FREE and owned by the caller, so no other thread writes these
@@ -377,8 +401,10 @@ impl Descriptor {
 
     /// File chunk `k` of `slot` now lives complete in arena chunk `index` (rule 2).
     pub fn chunk_staged(&self, slot: u32, k: u64, index: u32) {
-        self.chunk_entry(slot, k)
-            .store((chunk_state::STAGED << 30) | (index & INDEX_MASK), Ordering::Release);
+        self.chunk_entry(slot, k).store(
+            (chunk_state::STAGED << 30) | (index & INDEX_MASK),
+            Ordering::Release,
+        );
     }
 
     /// File chunk `k` of `slot` is written to the file (rule 2).

@@ -59,7 +59,7 @@ pub struct Arena {
 impl Arena {
     /// Create, size, pre-fault and describe a new arena.
     pub fn create(spec: &ArenaSpec) -> Result<Arc<Arena>> {
-        if spec.chunk_size == 0 || spec.chunk_size % descriptor::PAGE as u64 != 0 {
+        if spec.chunk_size == 0 || !spec.chunk_size.is_multiple_of(descriptor::PAGE as u64) {
             return Err(Error::Config(format!(
                 "chunk size {} is not a positive multiple of 4096",
                 spec.chunk_size
@@ -325,13 +325,26 @@ mod tests {
         let a = Arena::create(&spec(Some(name.clone()), 2 * 65536)).unwrap();
         let (mut l, _) = a.acquire();
         l.as_mut_slice()[..5].copy_from_slice(b"hello");
-        a.descriptor().begin(1, 42, 100, 4096, 1, "step-42.partial", "f");
+        a.descriptor().begin(
+            1,
+            &descriptor::SaveRecord {
+                step: 42,
+                file_len: 100,
+                data_start: 4096,
+                n_file_chunks: 1,
+                partial_dir: "step-42.partial",
+                file_name: "f",
+            },
+        );
         a.descriptor().chunk_staged(1, 0, l.index());
         let other = Segment::open(&name).unwrap();
         // SAFETY: `other` maps the whole segment and outlives `d`.
         let d = unsafe { Descriptor::attach(other.as_ptr(), other.len()) }.unwrap();
         let v = d.slot_view(1);
-        assert_eq!((v.state, v.step, v.partial_dir.as_str()), (1, 42, "step-42.partial"));
+        assert_eq!(
+            (v.state, v.step, v.partial_dir.as_str()),
+            (1, 42, "step-42.partial")
+        );
         assert_eq!(v.chunks, [(descriptor::chunk_state::STAGED, l.index())]);
         let off = d.geometry().data_offset as usize + l.index() as usize * 65536;
         // SAFETY: offset inside the mapping.

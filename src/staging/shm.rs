@@ -90,16 +90,12 @@ impl Segment {
     /// Attach to an existing named segment (read-write), mapping its whole length.
     pub fn open(name: &str) -> Result<Segment> {
         let shm_name = format!("/{name}");
-        let fd = rustix::shm::open(
-            shm_name.as_str(),
-            rustix::shm::OFlags::RDWR,
-            Mode::empty(),
-        )
-        .map_err(|e| Error::Shm {
-            name: name.to_owned(),
-            op: "shm_open",
-            source: e.into(),
-        })?;
+        let fd = rustix::shm::open(shm_name.as_str(), rustix::shm::OFlags::RDWR, Mode::empty())
+            .map_err(|e| Error::Shm {
+                name: name.to_owned(),
+                op: "shm_open",
+                source: e.into(),
+            })?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
             name: name.to_owned(),
             op: "fstat",
@@ -159,6 +155,11 @@ impl Segment {
     /// Length of the mapping.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether the mapping is empty (never: segments have at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// The shm name (without slash), `None` for anonymous mappings.

@@ -1,0 +1,184 @@
+//! `inspect`, `verify`, `gc`.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use shmckpt::manifest::{self, MANIFEST, Manifest};
+use shmckpt::restore::{self, ReadOptions};
+use shmckpt::util::gbps;
+
+use super::{CliResult, human, secs};
+
+/// Arguments of `inspect`.
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// A checkpoint root or one checkpoint directory.
+    pub dir: PathBuf,
+    /// Tensors to list per file (0 for all).
+    #[arg(long, default_value_t = 20)]
+    pub tensors: usize,
+}
+
+/// Arguments of `verify`.
+#[derive(Debug, clap::Args)]
+pub struct VerifyArgs {
+    /// A checkpoint root or one checkpoint directory.
+    pub dir: PathBuf,
+    /// Step to verify when DIR is a root (default: the latest).
+    #[arg(long)]
+    pub step: Option<u64>,
+    /// Verify every committed checkpoint of the root.
+    #[arg(long, conflicts_with = "step")]
+    pub all: bool,
+}
+
+/// Arguments of `gc`.
+#[derive(Debug, clap::Args)]
+pub struct GcArgs {
+    /// A checkpoint root.
+    pub dir: PathBuf,
+    /// Committed checkpoints to keep (newest first).
+    #[arg(long)]
+    pub keep: usize,
+}
+
+fn is_checkpoint(dir: &Path) -> bool {
+    dir.join(MANIFEST).is_file()
+}
+
+pub fn inspect(a: InspectArgs) -> CliResult {
+    if is_checkpoint(&a.dir) {
+        return show(&a.dir, a.tensors);
+    }
+    let all = manifest::list_committed(&a.dir)?;
+    if all.is_empty() {
+        println!("{}: no committed checkpoints", a.dir.display());
+    }
+    println!(
+        "{:>10} {:>6} {:>9} {:>12}  dir",
+        "step", "ranks", "tensors", "bytes"
+    );
+    for c in &all {
+        match Manifest::read(&c.dir) {
+            Ok(m) => println!(
+                "{:>10} {:>6} {:>9} {:>12}  {}",
+                m.step,
+                m.world_size,
+                m.tensor_count(),
+                human(m.total_bytes),
+                c.dir.display()
+            ),
+            Err(e) => println!("{:>10} unreadable manifest: {e}", c.step),
+        }
+    }
+    for e in std::fs::read_dir(&a.dir)?.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if n.ends_with(".partial") || n.ends_with(".trash") {
+            println!("(not committed: {n})");
+        }
+    }
+    Ok(())
+}
+
+fn show(dir: &Path, limit: usize) -> CliResult {
+    let m = Manifest::read(dir)?;
+    println!("checkpoint {} (format {})", dir.display(), m.format_version);
+    println!("  step        {}", m.step);
+    println!("  world size  {}", m.world_size);
+    println!("  total       {}", human(m.total_bytes));
+    println!("  created     {} ms since epoch", m.created_unix_ms);
+    for (k, v) in &m.metadata {
+        println!("  meta {k} = {v}");
+    }
+    for f in &m.files {
+        println!(
+            "  rank {} file {} ({}, {} tensors, data at {})",
+            f.rank,
+            f.file,
+            human(f.bytes),
+            f.tensors.len(),
+            f.data_start
+        );
+        let n = if limit == 0 {
+            f.tensors.len()
+        } else {
+            limit.min(f.tensors.len())
+        };
+        for t in &f.tensors[..n] {
+            println!(
+                "    {:<40} {:>11} {:<18} {:>12} crc32c {:08x}",
+                t.name,
+                t.dtype.as_str(),
+                format!("{:?}", t.shape),
+                human(t.len()),
+                t.crc32c
+            );
+        }
+        if n < f.tensors.len() {
+            println!("    ... {} more", f.tensors.len() - n);
+        }
+    }
+    Ok(())
+}
+
+pub fn verify(a: VerifyArgs) -> CliResult {
+    let dirs: Vec<PathBuf> = if is_checkpoint(&a.dir) {
+        vec![a.dir.clone()]
+    } else {
+        let all = manifest::list_committed(&a.dir)?;
+        if a.all {
+            all.into_iter().map(|c| c.dir).collect()
+        } else {
+            let pick = match a.step {
+                Some(s) => all.into_iter().find(|c| c.step == s),
+                None => all.into_iter().last(),
+            };
+            let what = a
+                .step
+                .map_or("(latest)".to_owned(), |s| format!("step {s}"));
+            vec![
+                pick.ok_or_else(|| format!("{}: no committed checkpoint {what}", a.dir.display()))?
+                    .dir,
+            ]
+        }
+    };
+    let mut failed = 0;
+    for d in &dirs {
+        let t = Instant::now();
+        match restore::verify_dir(d, &ReadOptions::default()) {
+            Ok(bytes) => println!(
+                "OK   {} ({} in {}, {:.2} GB/s)",
+                d.display(),
+                human(bytes),
+                secs(t.elapsed()),
+                gbps(bytes, t.elapsed())
+            ),
+            Err(e) => {
+                failed += 1;
+                println!("FAIL {}: {e}", d.display());
+            }
+        }
+    }
+    if failed > 0 {
+        return Err(format!("{failed} of {} checkpoints failed verification", dirs.len()).into());
+    }
+    Ok(())
+}
+
+pub fn gc(a: GcArgs) -> CliResult {
+    if a.keep == 0 {
+        return Err("--keep must be at least 1".into());
+    }
+    let stale = shmckpt::commit::clean_stale(&a.dir, u32::MAX)?;
+    for s in &stale {
+        println!("removed stale {}", s.display());
+    }
+    let removed = shmckpt::commit::apply_retention(&a.dir, a.keep)?;
+    println!(
+        "removed {} checkpoint(s) {:?}; kept the newest {}",
+        removed.len(),
+        removed,
+        a.keep
+    );
+    Ok(())
+}
