@@ -196,7 +196,10 @@ pub fn commit(
         let part = partial.join(rank_manifest_name(files[0].rank));
         let bytes = serde_json::to_vec(&files[0]).expect("manifest parts serialize");
         let _ = std::fs::remove_file(&part);
-        write_durable(&part, &bytes)?;
+        write_durable(&part, &bytes).inspect_err(|_| {
+            // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
+            let _ = std::fs::remove_file(&part);
+        })?;
         fsync_dir(partial)?;
         files.clear();
         for r in 0..world_size {
@@ -221,7 +224,10 @@ pub fn commit(
     let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
     let tmp = partial.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
-    write_durable(&tmp, &bytes)?;
+    write_durable(&tmp, &bytes).inspect_err(|_| {
+        // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
+        let _ = std::fs::remove_file(&tmp);
+    })?;
     let target = partial.join(MANIFEST);
     std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
     fsync_dir(partial)?;

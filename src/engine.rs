@@ -10,13 +10,15 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
 use crate::commit::{self, RootLock};
+use crate::device::cuda::DeviceBuffer;
+use crate::device::{After, CudaStaging, DeviceSink, Sources, StageJob};
 use crate::error::{Error, Result};
 use crate::io::file::FileTarget;
 use crate::io::pool::{ChunkInfo, Outcome, WriteJob, WriteSink, WriterPool};
@@ -26,7 +28,7 @@ use crate::plan::{self, PieceSource, Plan, TensorSpec};
 use crate::restore::{self, Checkpoint};
 use crate::staging::descriptor::SaveRecord;
 use crate::staging::{Arena, ArenaSpec, ChunkLease, NAME_PREFIX};
-use crate::tensor::{Source, Tensor};
+use crate::tensor::{DeviceSlice, Source, Tensor};
 
 /// Default staging capacity: 2 GiB.
 pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
@@ -58,6 +60,7 @@ pub struct EngineConfig {
     backend: BackendKind,
     shm_name: Option<String>,
     max_inflight_saves: u32,
+    recover_on_open: bool,
     #[cfg(feature = "fault-injection")]
     faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
@@ -82,6 +85,7 @@ impl EngineConfig {
             backend: BackendKind::Auto,
             shm_name: None,
             max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
+            recover_on_open: false,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -160,6 +164,17 @@ impl EngineConfig {
     /// Saves that may be staged or draining at once; a further `save` waits. Default 4.
     pub fn with_max_inflight_saves(mut self, n: u32) -> Self {
         self.max_inflight_saves = n;
+        self
+    }
+
+    /// On open, before stale partial directories are removed, recover the staging arenas
+    /// that dead engines of this root and rank left in `/dev/shm`: commit every save they
+    /// had fully staged, refuse the others, remove the arenas, and log each step (see
+    /// [`crate::recover`]). Arenas of live processes are never touched. Default false:
+    /// leftovers are then kept for `shmckpt recover`, but partial files already written
+    /// are removed by the open.
+    pub fn with_recover_on_open(mut self, on: bool) -> Self {
+        self.recover_on_open = on;
         self
     }
 
@@ -295,6 +310,9 @@ pub struct StagedReport {
     pub staging: Duration,
     /// Part of it spent waiting for staging space.
     pub backpressure: Duration,
+    /// Part of it spent registering the staging arena with CUDA (the first device save of
+    /// an engine not prepared with [`Engine::prepare_cuda`]).
+    pub registration: Duration,
 }
 
 struct Shared {
@@ -302,6 +320,88 @@ struct Shared {
     arena: Arc<Arena>,
     inflight: Mutex<BTreeSet<u64>>,
     backend: &'static str,
+    gate: Gate,
+    cuda: OnceLock<Arc<CudaStaging>>,
+}
+
+impl Shared {
+    fn cuda(&self) -> &Arc<CudaStaging> {
+        self.cuda
+            .get_or_init(|| Arc::new(CudaStaging::new(Arc::clone(&self.arena))))
+    }
+}
+
+/// Lets one save stage at a time; the holder may be a background staging thread.
+#[derive(Debug, Default)]
+struct Gate {
+    busy: Mutex<bool>,
+    freed: Condvar,
+}
+
+impl Gate {
+    /// Wait until free, take it; returns the time waited.
+    fn enter(&self) -> Duration {
+        let t = Instant::now();
+        let mut b = lock(&self.busy);
+        while *b {
+            b = self.freed.wait(b).unwrap_or_else(|e| e.into_inner());
+        }
+        *b = true;
+        t.elapsed()
+    }
+
+    fn leave(&self) {
+        *lock(&self.busy) = false;
+        self.freed.notify_all();
+    }
+
+    /// Wait until no save is staging.
+    fn wait_idle(&self) {
+        let mut b = lock(&self.busy);
+        while *b {
+            b = self.freed.wait(b).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Options of [`Engine::save_with`] and [`Engine::save_async`].
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    after: Vec<(i32, After)>,
+}
+
+impl SaveOptions {
+    /// Default options: device copies start after the device is synchronized.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Copy device `device`'s tensors after the work queued on `stream` (a `CUstream`, 0
+    /// for the legacy default stream) when `save` is called, instead of synchronizing the
+    /// whole device. Use the stream the tensors were produced on.
+    ///
+    /// # Safety
+    /// `stream` must be a live `CUstream` of device `device` in this process until the save
+    /// has been staged.
+    #[allow(unsafe_code)]
+    pub unsafe fn after_stream(mut self, device: i32, stream: u64) -> Self {
+        self.after.retain(|(d, _)| *d != device);
+        self.after.push((device, After::Stream(stream)));
+        self
+    }
+
+    /// Copy device `device`'s tensors after `event` (a `CUevent` the caller recorded after
+    /// producing them) instead of synchronizing the whole device.
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` of device `device` in this process until the save
+    /// has been staged.
+    #[allow(unsafe_code)]
+    pub unsafe fn after_event(mut self, device: i32, event: u64) -> Self {
+        self.after.retain(|(d, _)| *d != device);
+        self.after.push((device, After::Event(event)));
+        self
+    }
 }
 
 /// The checkpoint engine. One per rank; `save` may be called from any thread (saves are
@@ -311,7 +411,6 @@ pub struct Engine {
     pool: WriterPool,
     commit_tx: Option<Sender<Arc<SaveState>>>,
     commit_thread: Option<JoinHandle<()>>,
-    save_lock: Mutex<()>,
     last_save: Mutex<Option<Arc<SaveState>>>,
     _lock: RootLock,
 }
@@ -335,6 +434,9 @@ impl Engine {
         cfg.validate()?;
         commit::check_root(&cfg.root)?;
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        if cfg.recover_on_open {
+            crate::recover::recover_on_open(&cfg.root, cfg.rank);
+        }
         commit::clean_stale(&cfg.root, cfg.rank)?;
         let name = cfg.shm_name.clone().unwrap_or_else(|| {
             format!(
@@ -369,6 +471,8 @@ impl Engine {
             cfg,
             arena,
             inflight: Mutex::new(BTreeSet::new()),
+            gate: Gate::default(),
+            cuda: OnceLock::new(),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -386,7 +490,6 @@ impl Engine {
             pool,
             commit_tx: Some(tx),
             commit_thread: Some(commit_thread),
-            save_lock: Mutex::new(()),
             last_save: Mutex::new(None),
             _lock: lock,
         })
@@ -415,17 +518,113 @@ impl Engine {
     /// Save `tensors` as checkpoint `step`.
     ///
     /// Returns as soon as every byte is in staging: the caller may then overwrite or free
-    /// its tensors. The returned handle reports when the checkpoint is durable and
-    /// committed. If earlier saves still occupy the staging arena, this waits for space
-    /// (reported as `backpressure`). Invalid input is rejected before anything is written.
+    /// its tensors (host or device). The returned handle reports when the checkpoint is
+    /// durable and committed. If earlier saves still occupy the staging arena, this waits
+    /// for space (reported as `backpressure`). Invalid input is rejected before anything is
+    /// written.
+    ///
+    /// Device tensors are copied after all work queued on their device has finished (the
+    /// device is synchronized); use [`Engine::save_with`] to wait for one stream or event
+    /// instead.
     pub fn save(
         &self,
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
     ) -> Result<SaveHandle> {
+        self.save_with(step, tensors, metadata, &SaveOptions::default())
+    }
+
+    /// [`Engine::save`] with options (ordering of device copies after the trainer's work).
+    pub fn save_with(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        let sources = Sources::new(tensors);
+        let state = self.begin(step, tensors, metadata)?;
+        let jobs = self
+            .pool
+            .sender()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        match stage_and_finish(&state, &sources, &opts.after, &jobs) {
+            Ok(()) => Ok(SaveHandle { state }),
+            Err(()) => Err(SaveHandle { state }
+                .wait()
+                .err()
+                .unwrap_or_else(|| Error::Shutdown("staging failed".into()))),
+        }
+    }
+
+    /// Start a save and return at once; staging runs on a background thread. The handle
+    /// reports staged ([`SaveHandle::wait_staged`]) and durable ([`SaveHandle::wait`])
+    /// separately. Validation errors are still returned here.
+    ///
+    /// # Safety
+    /// Every tensor's memory (host slices and device ranges) must stay valid and must not
+    /// be modified or freed until [`SaveHandle::wait_staged`] (or `wait`) has returned or
+    /// [`SaveHandle::is_staged`] is true. Trainers that order their own work after staging
+    /// (e.g. the next optimizer step waits on the handle) use this to overlap the copy
+    /// with other work.
+    #[allow(unsafe_code)]
+    pub unsafe fn save_async(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
+        // unmodified until the handle reports the save staged.
+        let sources = unsafe { Sources::new(tensors).into_static() };
+        let state = self.begin(step, tensors, metadata)?;
+        let jobs = self
+            .pool
+            .sender()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        let st = Arc::clone(&state);
+        let after = opts.after.clone();
+        let spawned = std::thread::Builder::new()
+            .name("shmckpt-stage".into())
+            .spawn(move || {
+                let _ = stage_and_finish(&st, &sources, &after, &jobs);
+            });
+        if let Err(e) = spawned {
+            let err = Error::Shutdown(format!("cannot spawn staging thread: {e}"));
+            state.staging_finished(Err(err));
+            return Err(SaveHandle { state }
+                .wait()
+                .err()
+                .unwrap_or_else(|| Error::Shutdown("staging failed".into())));
+        }
+        Ok(SaveHandle { state })
+    }
+
+    /// Set up CUDA for `devices` now (contexts, streams, and the one-time registration of
+    /// the staging arena) instead of at the first save that needs it. Returns the
+    /// registration time if this call registered.
+    pub fn prepare_cuda(&self, devices: &[i32]) -> Result<Option<Duration>> {
+        self.shared
+            .cuda()
+            .prepare(&devices.iter().copied().collect())
+    }
+
+    /// How long registering the staging arena with CUDA took, once it is registered.
+    pub fn cuda_registration_time(&self) -> Option<Duration> {
+        self.shared.cuda.get().and_then(|c| c.registration_time())
+    }
+
+    /// Validate, lay out, create the files and the descriptor slot, queue the save for
+    /// commit, and take the staging gate (released when staging ends).
+    fn begin(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+    ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
-        let _serial = lock(&self.save_lock);
         let cfg = &self.shared.cfg;
         let arena = &self.shared.arena;
         let cs = arena.chunk_size();
@@ -454,25 +653,35 @@ impl Engine {
                 capacity: arena.capacity(),
             });
         }
-        if tensors.iter().any(|t| matches!(t.source, Source::Cuda(_))) {
-            return Err(Error::Cuda(
-                "device tensors need the CUDA source, which this engine has not set up".into(),
-            ));
+        let devices: BTreeSet<i32> = tensors
+            .iter()
+            .filter_map(|t| match t.source {
+                Source::Cuda(d) if !d.is_empty() => Some(d.device()),
+                _ => None,
+            })
+            .collect();
+        if !devices.is_empty() {
+            crate::device::cuda::init()?;
         }
+
+        // One save stages at a time.
+        let gate_wait = self.shared.gate.enter();
         if !lock(&self.shared.inflight).insert(step) {
+            self.shared.gate.leave();
             return Err(Error::StepExists {
                 step,
                 root: cfg.root.clone(),
             });
         }
-        let unmark = || {
+        let undo = || {
             lock(&self.shared.inflight).remove(&step);
+            self.shared.gate.leave();
         };
 
         // 2. Files.
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
         let partial = commit::prepare_partial(&cfg.root, step, &file_name, cfg.world_size)
-            .inspect_err(|_| unmark())?;
+            .inspect_err(|_| undo())?;
         let setup = FileTarget::create(&partial.join(&file_name), cfg.direct_io).and_then(|t| {
             t.preallocate(align_up(plan.file_len()))?;
             Ok(t)
@@ -481,7 +690,7 @@ impl Engine {
             Ok(t) => t,
             Err(e) => {
                 commit::abort_partial(&partial, &file_name);
-                unmark();
+                undo();
                 return Err(e);
             }
         };
@@ -489,7 +698,7 @@ impl Engine {
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
         let slot = arena.acquire_slot();
-        let slot_wait = t_slot.elapsed();
+        let slot_wait = t_slot.elapsed() + gate_wait;
         let n_chunks = plan.chunk_count(cs);
         arena.descriptor().begin(
             slot,
@@ -513,122 +722,26 @@ impl Engine {
             file_name,
             slot,
             started,
+            slot_wait,
             failed: AtomicBool::new(false),
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
         });
-        let tx = self
+        let queued = self
             .commit_tx
             .as_ref()
-            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
-        tx.send(Arc::clone(&state))
-            .map_err(|_| Error::Shutdown("commit thread is gone".into()))?;
+            .map(|tx| tx.send(Arc::clone(&state)).is_ok())
+            .unwrap_or(false);
+        if !queued {
+            // No commit thread to clean up: do it here.
+            commit::abort_partial(&state.partial, &state.file_name);
+            arena.release_slot(slot);
+            undo();
+            return Err(Error::Shutdown("engine closed".into()));
+        }
         *lock(&self.last_save) = Some(Arc::clone(&state));
-
-        // 4. Stage and dispatch.
-        let staged = self.stage(&state, tensors);
-        let backpressure = slot_wait + staged.as_ref().copied().unwrap_or_default();
-        let staging = started.elapsed();
-        match staged {
-            Ok(_) => {
-                state.shared.arena.descriptor().staged(slot);
-                let report = StagedReport {
-                    step,
-                    bytes: state.plan.file_len(),
-                    staging,
-                    backpressure,
-                };
-                state.staging_finished(Ok(report));
-                tracing::debug!(step, ?staging, ?backpressure, "save staged");
-                Ok(SaveHandle { state })
-            }
-            Err(e) => {
-                state.staging_finished(Err(()));
-                // Let the commit thread clean up, so a retry of this step can start at once.
-                state.wait_done();
-                Err(e)
-            }
-        }
-    }
-
-    /// Copy every chunk into staging and hand it to the writers. Returns the time spent
-    /// waiting for free chunks.
-    fn stage(&self, state: &Arc<SaveState>, tensors: &[Tensor<'_>]) -> Result<Duration> {
-        let cs = state.shared.arena.chunk_size();
-        let n = state.plan.chunk_count(cs);
-        let threads = if state.plan.file_len() < PARALLEL_COPY_MIN {
-            1
-        } else {
-            (self.shared.cfg.copy_threads as u64).clamp(1, n.max(1))
-        };
-        let waited = AtomicU64::new(0);
-        let run = |first: u64| -> Result<()> {
-            let mut c = first;
-            while c < n {
-                if state.failed() {
-                    return Err(state.error_copy());
-                }
-                let (mut lease, w) = state.shared.arena.acquire();
-                waited.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
-                let (len, write_len) = state.fill_host(&mut lease, c, tensors);
-                self.dispatch(state, lease, c, len, write_len)?;
-                c += threads;
-            }
-            Ok(())
-        };
-        if threads == 1 {
-            run(0)?;
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (1..threads).map(|t| s.spawn(move || run(t))).collect();
-                let mut res = run(0);
-                for h in handles {
-                    let r = h.join().unwrap_or_else(|_| {
-                        Err(Error::Shutdown("a staging thread panicked".into()))
-                    });
-                    if res.is_ok() {
-                        res = r;
-                    }
-                }
-                res
-            })?;
-        }
-        Ok(Duration::from_nanos(waited.load(Ordering::Relaxed)))
-    }
-
-    /// Record file chunk `chunk` as staged and queue its write.
-    fn dispatch(
-        &self,
-        state: &Arc<SaveState>,
-        lease: ChunkLease,
-        chunk: u64,
-        len: usize,
-        write_len: usize,
-    ) -> Result<()> {
-        let cs = state.shared.arena.chunk_size();
-        state
-            .shared
-            .arena
-            .descriptor()
-            .chunk_staged(state.slot, chunk, lease.index());
-        lock(&state.progress).dispatched += 1;
-        let job = WriteJob {
-            sink: Arc::clone(state) as Arc<dyn WriteSink>,
-            lease,
-            info: ChunkInfo {
-                chunk,
-                offset: chunk * cs,
-                len,
-                write_len,
-            },
-        };
-        if let Err(job) = self.pool.submit(job) {
-            let err = Error::Shutdown("writer pool is gone".into());
-            job.sink.finished(&job.info, None, Outcome::Failed(err));
-            return Err(Error::Shutdown("writer pool is gone".into()));
-        }
-        Ok(())
+        Ok(state)
     }
 
     /// Committed checkpoints, oldest first.
@@ -679,6 +792,48 @@ impl Engine {
         Ok(info.step)
     }
 
+    /// Load this rank's tensors into device buffers, by name, verifying every checksum on
+    /// the host before the bytes go to the device. Every tensor needs a buffer of exactly
+    /// its size. Returns the step loaded.
+    #[allow(unsafe_code)]
+    pub fn load_into_device(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut DeviceBuffer)],
+    ) -> Result<u64> {
+        let slices: Vec<(&str, DeviceSlice)> = dest.iter().map(|(n, b)| (*n, b.slice())).collect();
+        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
+        // is valid for writes and nobody else uses it until we return.
+        unsafe { self.load_into_device_raw(which, &slices) }
+    }
+
+    /// [`Engine::load_into_device`] with raw device ranges.
+    ///
+    /// # Safety
+    /// Every range must be device memory of its device, valid for writes of its length and
+    /// not accessed by anyone else until this call returns.
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_raw(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice)],
+    ) -> Result<u64> {
+        let info = self.resolve(which.into())?;
+        let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
+        let order = restore::match_destinations(&entry, &named)?;
+        let ordered = order.iter().map(|&i| dest[i].1).collect();
+        // SAFETY: forwarded from this function's contract.
+        let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+        restore::read_file(
+            &info.dir.join(&entry.file),
+            &entry,
+            &self.read_options(),
+            &mut sink,
+        )?;
+        Ok(info.step)
+    }
+
     /// Manifest of a committed checkpoint.
     pub fn manifest(&self, which: impl Into<StepSel>) -> Result<Manifest> {
         Manifest::read(&self.resolve(which.into())?.dir)
@@ -695,7 +850,7 @@ impl Engine {
 
     /// Wait for every save in flight to be committed (or to fail).
     pub fn flush(&self) {
-        let _serial = lock(&self.save_lock);
+        self.shared.gate.wait_idle();
         // The commit thread finishes saves in order: the last one done means all are.
         if let Some(last) = lock(&self.last_save).clone() {
             last.wait_done();
@@ -709,7 +864,7 @@ impl Engine {
     }
 
     fn shutdown(&mut self) {
-        let _serial = lock(&self.save_lock);
+        self.shared.gate.wait_idle();
         self.commit_tx = None;
         if let Some(h) = self.commit_thread.take()
             && h.join().is_err()
@@ -736,7 +891,7 @@ struct Progress {
     dispatched: u64,
     finished: u64,
     staging_done: bool,
-    staged: Option<std::result::Result<StagedReport, ()>>,
+    staged: Option<std::result::Result<StagedReport, String>>,
     error: Option<Error>,
     result: Option<Result<SaveReport>>,
     done: bool,
@@ -754,6 +909,8 @@ pub(crate) struct SaveState {
     file_name: String,
     slot: u32,
     started: Instant,
+    /// Time spent waiting for the staging gate and a descriptor slot.
+    slot_wait: Duration,
     failed: AtomicBool,
     progress: Mutex<Progress>,
     changed: Condvar,
@@ -771,7 +928,7 @@ impl SaveState {
 
     /// Fill `lease` with file chunk `c` from host sources. Returns (bytes of the file in
     /// the chunk, bytes to write).
-    fn fill_host(&self, lease: &mut ChunkLease, c: u64, tensors: &[Tensor<'_>]) -> (usize, usize) {
+    fn fill_host(&self, lease: &mut ChunkLease, c: u64, sources: &Sources) -> (usize, usize) {
         let cs = self.shared.arena.chunk_size();
         let range = self.plan.chunk_range(c, cs);
         let len = (range.end - range.start) as usize;
@@ -784,14 +941,8 @@ impl SaveState {
                 }
                 PieceSource::Tensor { entry, at } => {
                     let input = self.plan.entries()[entry].input;
-                    match tensors[input].source {
-                        Source::Host(b) => {
-                            dst.copy_from_slice(&b[at as usize..at as usize + p.len])
-                        }
-                        Source::Cuda(_) => {
-                            unreachable!("device tensors are refused before staging")
-                        }
-                    }
+                    let b = sources.host(input).expect("host-only saves take this path");
+                    dst.copy_from_slice(&b[at as usize..at as usize + p.len]);
                 }
             }
         }
@@ -808,14 +959,22 @@ impl SaveState {
         }
     }
 
-    fn staging_finished(&self, r: std::result::Result<StagedReport, ()>) {
+    fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {
         let mut p = lock(&self.progress);
-        if r.is_err() {
-            self.failed.store(true, Ordering::Release);
+        match r {
+            Ok(rep) => p.staged = Some(Ok(rep)),
+            Err(e) => {
+                self.failed.store(true, Ordering::Release);
+                p.staged = Some(Err(e.to_string()));
+                // A write error that made staging stop is the root cause: keep it.
+                if p.error.is_none() {
+                    p.error = Some(e);
+                }
+            }
         }
         p.staging_done = true;
-        p.staged = Some(r);
         drop(p);
+        self.shared.gate.leave();
         self.changed.notify_all();
     }
 
@@ -898,6 +1057,14 @@ impl WriteSink for SaveState {
             (Outcome::Failed(e), _) => failure = Some(e),
             (Outcome::Skipped, _) => {}
         }
+        if failure.is_some() || self.failed() {
+            // The lease drops after this returns and its arena chunk may be refilled by
+            // another save: the descriptor must not point recovery at it any more.
+            self.shared
+                .arena
+                .descriptor()
+                .chunk_lost(self.slot, chunk.chunk);
+        }
         let mut p = lock(&self.progress);
         if let Some(e) = failure {
             self.failed.store(true, Ordering::Release);
@@ -909,6 +1076,150 @@ impl WriteSink for SaveState {
         drop(p);
         self.changed.notify_all();
     }
+}
+
+/// Stage every chunk of `state` (host or device sources) and record the outcome. On
+/// failure the save is marked failed (the commit thread cleans up) and `Err` is returned.
+fn stage_and_finish(
+    state: &Arc<SaveState>,
+    sources: &Sources<'_>,
+    after: &[(i32, After)],
+    jobs: &Sender<WriteJob>,
+) -> std::result::Result<(), ()> {
+    let step = state.step;
+    let dispatch = |lease: ChunkLease, chunk: u64, len: usize, write_len: usize| {
+        dispatch(state, jobs, lease, chunk, len, write_len)
+    };
+    let devices = sources.devices();
+    let mut registration = Duration::ZERO;
+    let staged = if devices.is_empty() {
+        stage_host(state, sources, &dispatch)
+    } else {
+        let cuda = state.shared.cuda();
+        match cuda.prepare(&devices) {
+            Ok(r) => {
+                registration = r.unwrap_or_default();
+                let write_len = |len: usize| state.write_len(len);
+                let failed = || state.failed();
+                cuda.stage(
+                    &StageJob {
+                        plan: &state.plan,
+                        sources,
+                        write_len: &write_len,
+                        failed: &failed,
+                        dispatch: &dispatch,
+                    },
+                    after,
+                )
+            }
+            Err(e) => Err(e),
+        }
+    };
+    match staged {
+        Ok(waited) => {
+            state.shared.arena.descriptor().staged(state.slot);
+            let report = StagedReport {
+                step,
+                bytes: state.plan.file_len(),
+                staging: state.started.elapsed(),
+                backpressure: state.slot_wait + waited,
+                registration,
+            };
+            tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
+            state.staging_finished(Ok(report));
+            Ok(())
+        }
+        Err(e) => {
+            state.staging_finished(Err(e));
+            // Let the commit thread clean up, so a retry of this step can start at once.
+            state.wait_done();
+            Err(())
+        }
+    }
+}
+
+/// Copy host sources into staging, with several threads for large saves. Returns the time
+/// spent waiting for free chunks.
+fn stage_host(
+    state: &Arc<SaveState>,
+    sources: &Sources,
+    dispatch: &(dyn Fn(ChunkLease, u64, usize, usize) -> Result<()> + Sync),
+) -> Result<Duration> {
+    let cs = state.shared.arena.chunk_size();
+    let n = state.plan.chunk_count(cs);
+    let threads = if state.plan.file_len() < PARALLEL_COPY_MIN {
+        1
+    } else {
+        (state.shared.cfg.copy_threads as u64).clamp(1, n.max(1))
+    };
+    let waited = AtomicU64::new(0);
+    let run = |first: u64| -> Result<()> {
+        let mut c = first;
+        while c < n {
+            if state.failed() {
+                return Err(state.error_copy());
+            }
+            let (mut lease, w) = state.shared.arena.acquire();
+            waited.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
+            let (len, write_len) = state.fill_host(&mut lease, c, sources);
+            dispatch(lease, c, len, write_len)?;
+            c += threads;
+        }
+        Ok(())
+    };
+    if threads == 1 {
+        run(0)?;
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (1..threads).map(|t| s.spawn(move || run(t))).collect();
+            let mut res = run(0);
+            for h in handles {
+                let r = h
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Shutdown("a staging thread panicked".into())));
+                if res.is_ok() {
+                    res = r;
+                }
+            }
+            res
+        })?;
+    }
+    Ok(Duration::from_nanos(waited.load(Ordering::Relaxed)))
+}
+
+/// Record file chunk `chunk` as staged and queue its write.
+fn dispatch(
+    state: &Arc<SaveState>,
+    jobs: &Sender<WriteJob>,
+    lease: ChunkLease,
+    chunk: u64,
+    len: usize,
+    write_len: usize,
+) -> Result<()> {
+    let cs = state.shared.arena.chunk_size();
+    state
+        .shared
+        .arena
+        .descriptor()
+        .chunk_staged(state.slot, chunk, lease.index());
+    lock(&state.progress).dispatched += 1;
+    let job = WriteJob {
+        sink: Arc::clone(state) as Arc<dyn WriteSink>,
+        lease,
+        info: ChunkInfo {
+            chunk,
+            offset: chunk * cs,
+            len,
+            write_len,
+        },
+    };
+    if let Err(e) = jobs.send(job) {
+        let job = e.0;
+        let err = Error::Shutdown("writer pool is gone".into());
+        job.sink.finished(&job.info, None, Outcome::Failed(err));
+        return Err(Error::Shutdown("writer pool is gone".into()));
+    }
+    Ok(())
 }
 
 /// Runs on the commit thread once a save has settled.
@@ -978,7 +1289,7 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
             Err(e) => tracing::warn!(error = %e, "retention failed; older checkpoints kept"),
         }
     }
-    let (staging, backpressure) = match lock(&st.progress).staged {
+    let (staging, backpressure) = match &lock(&st.progress).staged {
         Some(Ok(s)) => (s.staging, s.backpressure),
         _ => (Duration::ZERO, Duration::ZERO),
     };
@@ -1024,16 +1335,40 @@ impl SaveHandle {
         self.state.step
     }
 
-    /// Staging facts, known since `save` returned.
+    /// Staging facts (zeros until staged; `save` returns staged).
     pub fn staged(&self) -> StagedReport {
-        match lock(&self.state.progress).staged {
-            Some(Ok(s)) => s,
+        match &lock(&self.state.progress).staged {
+            Some(Ok(s)) => *s,
             _ => StagedReport {
                 step: self.state.step,
                 bytes: self.state.plan.file_len(),
                 staging: Duration::ZERO,
                 backpressure: Duration::ZERO,
+                registration: Duration::ZERO,
             },
+        }
+    }
+
+    /// True once every byte is staged (or staging failed): the caller's tensors are no
+    /// longer read.
+    pub fn is_staged(&self) -> bool {
+        lock(&self.state.progress).staging_done
+    }
+
+    /// Block until every byte is staged: from then on the caller may reuse its tensors.
+    pub fn wait_staged(&self) -> Result<StagedReport> {
+        let mut p = lock(&self.state.progress);
+        while !p.staging_done {
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        match &p.staged {
+            Some(Ok(s)) => Ok(*s),
+            Some(Err(m)) => Err(Error::Shutdown(format!("staging failed: {m}"))),
+            None => Err(Error::Shutdown("staging failed".into())),
         }
     }
 

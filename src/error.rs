@@ -208,6 +208,20 @@ pub enum Error {
     /// The engine was shut down, or a background thread died.
     #[error("engine is shut down: {0}")]
     Shutdown(String),
+    /// The IPC writer process (`--mode ipc`) could not be started, broke the protocol,
+    /// exited, or reported an error (its message, with the writer's pid).
+    #[error("IPC writer: {0}")]
+    Ipc(String),
+    /// A staging arena in `/dev/shm` cannot be recovered as a whole: it is not a shmckpt
+    /// arena, its owner is still alive, it belongs to another user, or an engine holds its
+    /// checkpoint root. Nothing was changed, and the arena was left in place.
+    #[error("staging arena {arena}: {reason}")]
+    Recovery {
+        /// Segment name in `/dev/shm`.
+        arena: String,
+        /// Why it was refused.
+        reason: String,
+    },
 }
 
 fn fmt_offset(offset: Option<u64>) -> String {

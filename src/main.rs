@@ -1,4 +1,4 @@
-//! The `shmckpt` command line: demo, bench, inspect, verify, gc.
+//! The `shmckpt` command line: demo, bench, inspect, verify, gc, recover.
 #![deny(unsafe_code)]
 
 mod cli;
@@ -31,6 +31,13 @@ enum Cmd {
     Verify(cli::tools::VerifyArgs),
     /// Delete all but the newest N committed checkpoints and stale partial directories.
     Gc(cli::tools::GcArgs),
+    /// Commit what a crashed trainer had fully staged in shared memory, or list the
+    /// staging arenas in /dev/shm (--list, changes nothing).
+    Recover(cli::recover::RecoverArgs),
+    /// The writer process of the CUDA IPC baseline (spawned by the trainer; not for
+    /// direct use).
+    #[command(name = "ipc-writer", hide = true)]
+    IpcWriter(cli::ipc_writer::IpcWriterArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +59,8 @@ fn main() -> ExitCode {
         Cmd::Inspect(a) => cli::tools::inspect(a),
         Cmd::Verify(a) => cli::tools::verify(a),
         Cmd::Gc(a) => cli::tools::gc(a),
+        Cmd::Recover(a) => cli::recover::run(a),
+        Cmd::IpcWriter(a) => cli::ipc_writer::run(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

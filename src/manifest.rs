@@ -93,6 +93,19 @@ impl Manifest {
                 format!("unsupported manifest format version {}", m.format_version),
             ));
         }
+        // One file per rank, in rank order: a manifest that leaves a rank out must not
+        // verify as complete.
+        let ranks: Vec<u32> = m.files.iter().map(|f| f.rank).collect();
+        if m.world_size == 0 || !ranks.iter().copied().eq(0..m.world_size) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "files of ranks {ranks:?} do not cover world size {}",
+                    m.world_size
+                ),
+            ));
+        }
         for f in &m.files {
             if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
                 return Err(Error::corrupt(

@@ -110,6 +110,19 @@ pub struct ReadStats {
 pub fn load_owned(dir: &Path, rank: u32, opts: &ReadOptions) -> Result<Checkpoint> {
     let manifest = Manifest::read(dir)?;
     let entry = rank_entry(&manifest, dir, rank)?;
+    // Check the size before allocating what the manifest claims: a lying manifest must be
+    // an error, not an allocation failure (the parser ties the tensors' sizes to `bytes`).
+    let path = dir.join(&entry.file);
+    let actual = std::fs::metadata(&path)
+        .map_err(|e| Error::io("stat", &path, e))?
+        .len();
+    if actual < entry.bytes {
+        return Err(Error::Truncated {
+            path,
+            expected: entry.bytes,
+            actual,
+        });
+    }
     let mut bufs: Vec<AlignedBytes> = entry
         .tensors
         .iter()
@@ -150,6 +163,23 @@ pub fn load_into(
 ) -> Result<()> {
     let manifest = Manifest::read(dir)?;
     let entry = rank_entry(&manifest, dir, rank)?;
+    let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
+    let order = match_destinations(entry, &named)?;
+    // Reorder the caller's buffers into file order.
+    let mut slots: Vec<Option<&mut [u8]>> = dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+    let ordered: Vec<&mut [u8]> = order
+        .iter()
+        .map(|&i| slots[i].take().expect("each destination used once"))
+        .collect();
+    let mut sink = HostSink { dest: ordered };
+    read_file(&dir.join(&entry.file), entry, opts, &mut sink)?;
+    Ok(())
+}
+
+/// Match caller destinations `(name, byte length)` with the tensors of `entry`: returns,
+/// for each tensor in file order, the index of its destination. Every tensor needs exactly
+/// one destination of exactly its size, and every destination a tensor.
+pub fn match_destinations(entry: &FileEntry, dest: &[(&str, u64)]) -> Result<Vec<usize>> {
     let mut by_name: BTreeMap<&str, usize> = BTreeMap::new();
     for (i, (name, _)) in dest.iter().enumerate() {
         if by_name.insert(*name, i).is_some() {
@@ -167,12 +197,12 @@ pub fn load_into(
                 name: t.name.clone(),
                 reason: "no destination buffer given".into(),
             })?;
-        if dest[i].1.len() as u64 != t.len() {
+        if dest[i].1 != t.len() {
             return Err(Error::Destination {
                 name: t.name.clone(),
                 reason: format!(
                     "buffer holds {} bytes, the tensor has {}",
-                    dest[i].1.len(),
+                    dest[i].1,
                     t.len()
                 ),
             });
@@ -192,15 +222,14 @@ pub fn load_into(
             reason: "not in the checkpoint".into(),
         });
     }
-    // Reorder the caller's buffers into file order.
-    let mut slots: Vec<Option<&mut [u8]>> = dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
-    let ordered: Vec<&mut [u8]> = order
-        .iter()
-        .map(|&i| slots[i].take().expect("each destination used once"))
-        .collect();
-    let mut sink = HostSink { dest: ordered };
-    read_file(&dir.join(&entry.file), entry, opts, &mut sink)?;
-    Ok(())
+    Ok(order)
+}
+
+/// Read and parse the manifest of `dir` and return `rank`'s file entry with it.
+pub fn rank_file(dir: &Path, rank: u32) -> Result<(Manifest, FileEntry)> {
+    let manifest = Manifest::read(dir)?;
+    let entry = rank_entry(&manifest, dir, rank)?.clone();
+    Ok((manifest, entry))
 }
 
 /// Verify every file of the checkpoint in `dir`: header against manifest, sizes, checksums.
@@ -501,7 +530,11 @@ fn process_chunk(
         let f = e.min(end);
         let piece = &bytes[(s - start) as usize..(f - start) as usize];
         crcs[i] = crc32c::crc32c_append(crcs[i], piece);
-        sink.piece(i, s - b, piece)?;
+        if let Err(e) = sink.piece(i, s - b, piece) {
+            // The sink may still be using earlier pieces of this buffer.
+            let _ = sink.chunk_end();
+            return Err(e);
+        }
     }
     sink.chunk_end()
 }

@@ -104,6 +104,17 @@ impl<'a> Tensor<'a> {
         }
     }
 
+    /// A tensor whose bytes are a whole [`DeviceBuffer`](crate::device::cuda::DeviceBuffer)
+    /// (the borrow keeps the memory alive while the tensor is in use).
+    pub fn device_buffer(
+        name: impl Into<Cow<'a, str>>,
+        dtype: Dtype,
+        shape: impl Into<Vec<usize>>,
+        buf: &'a crate::device::cuda::DeviceBuffer,
+    ) -> Self {
+        Tensor::cuda(name, dtype, shape, buf.slice())
+    }
+
     /// A tensor whose bytes are in CUDA device memory.
     pub fn cuda(
         name: impl Into<Cow<'a, str>>,

@@ -69,6 +69,15 @@ pub struct BenchArgs {
     /// Skip the reference write (then no ratio is reported).
     #[arg(long)]
     pub no_reference: bool,
+    /// With `--source cuda`: save through shmckpt (`shm`), through the CUDA IPC writer
+    /// process (`ipc`, the NVRx / Megatron design), or both alternated (`compare`).
+    #[arg(long, value_enum, default_value = "shm")]
+    pub mode: super::bench_ipc::Mode,
+    /// IPC handle cache of the writer (`--mode ipc|compare`): `on` keeps mapped handles
+    /// across saves, `off` opens and closes them every save, `both` (compare only, the
+    /// default there) runs one writer of each.
+    #[arg(long, value_enum)]
+    pub ipc_cache: Option<super::bench_ipc::IpcCache>,
 }
 
 pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error::Error>> {
@@ -129,12 +138,15 @@ pub struct Run {
 
 pub fn run(a: BenchArgs) -> CliResult {
     if a.source == SourceKind::Cuda {
-        return Err("--source cuda is not available in this build".into());
+        return super::bench_cuda::run(a);
+    }
+    if a.mode != super::bench_ipc::Mode::Shm {
+        return Err("--mode ipc and --mode compare need --source cuda".into());
     }
     std::fs::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut data = synthetic::materialize(&layout, 0, threads);
+    let data = synthetic::materialize(&layout, 0, threads);
     let bytes: u64 = data.iter().map(|d| d.len() as u64).sum();
     let engine = engine_for(&a, bytes)?;
     let first = engine.latest()?.map_or(1, |s| s + 1);
@@ -148,11 +160,6 @@ pub fn run(a: BenchArgs) -> CliResult {
         let mut reference = None;
         if !a.no_reference && reference_first {
             reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
-        }
-        for (k, d) in data.iter_mut().enumerate() {
-            if let Some(b) = d.first_mut() {
-                *b = (i as u8).wrapping_add(k as u8);
-            }
         }
         let tensors: Vec<Tensor<'_>> = layout
             .iter()

@@ -1,7 +1,11 @@
 //! Subcommands.
 
 pub mod bench;
+pub mod bench_cuda;
+pub mod bench_ipc;
 pub mod demo;
+pub mod ipc_writer;
+pub mod recover;
 pub mod tools;
 
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! The writer pool: N named threads (`shmckpt-writer-{i}`), each owning one backend, fed by
-//! one bounded channel. A disconnected channel means shut down once in-flight writes end.
+//! one channel. A disconnected channel means shut down once in-flight writes end.
 //!
 //! Every job's chunk lease stays in the [`LeaseQueue`] until the job's last completion is
 //! reaped: a buffer in flight belongs to the kernel, also on error and on shutdown.
@@ -98,8 +98,9 @@ impl WriterPool {
             queues.push(LeaseQueue::<Tag>::new(b));
         }
         let backend = queues[0].backend_name();
-        let cap = (opts.queue_depth as usize * threads).max(2);
-        let (tx, rx) = crossbeam_channel::bounded::<WriteJob>(cap);
+        // Unbounded: the staging arena already bounds the work outstanding (every job holds
+        // a chunk), and staging must never wait on the disk while chunks are free.
+        let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
         let mut handles = Vec::with_capacity(threads);
         for (i, q) in queues.into_iter().enumerate() {
             let rx = rx.clone();
@@ -121,7 +122,13 @@ impl WriterPool {
         self.backend
     }
 
-    /// Queue a job (blocks while the queue is full). Fails only after shutdown.
+    /// A sender for jobs (staging threads hold one while they dispatch; the writers stop
+    /// only after every sender is gone). `None` after shutdown.
+    pub fn sender(&self) -> Option<Sender<WriteJob>> {
+        self.tx.clone()
+    }
+
+    /// Queue a job. Fails only after shutdown.
     #[allow(clippy::result_large_err)]
     pub fn submit(&self, job: WriteJob) -> std::result::Result<(), WriteJob> {
         match &self.tx {

@@ -11,6 +11,8 @@
 //!    and only then is `state` set to `STAGING`;
 //! 2. a chunk-map entry becomes `STAGED` only after the chunk's bytes are complete, and
 //!    `WRITTEN` only after the write to the file completed (and before the chunk is reused);
+//!    a chunk whose write failed or was skipped goes back to `EMPTY`, also before the chunk
+//!    is reused, so no entry ever points at an arena chunk that holds other bytes;
 //! 3. `state` becomes `STAGED` only after every chunk-map entry is `STAGED` or `WRITTEN`.
 //!
 //! A `SIGKILL` can stop the process between any two stores, never inside one, so a reader
@@ -419,6 +421,15 @@ impl Descriptor {
         self.slot_header(slot)
             .state
             .store(slot_state::STAGED, Ordering::Release);
+    }
+
+    /// The write of file chunk `k` of `slot` failed or was skipped: its arena chunk is
+    /// about to return to the pool and may be refilled by another save, so the entry must
+    /// no longer claim to hold the chunk's bytes (rule 2). A `STAGED` slot with an `EMPTY`
+    /// entry is a failed save that recovery refuses. Call before the lease drops.
+    pub fn chunk_lost(&self, slot: u32, k: u64) {
+        self.chunk_entry(slot, k)
+            .store(chunk_state::EMPTY, Ordering::Release);
     }
 
     /// The slot is free again (committed, failed or recovered).

@@ -7,6 +7,7 @@
 //! backpressure a second save feels while an earlier one drains.
 #![allow(unsafe_code)]
 
+pub mod attach;
 pub mod descriptor;
 pub mod shm;
 
@@ -16,11 +17,26 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+pub use attach::AttachedArena;
 use descriptor::{Descriptor, Geometry};
 pub use shm::Segment;
 
 /// Prefix of every arena name in `/dev/shm`.
 pub const NAME_PREFIX: &str = "shmckpt.";
+
+/// Names of the arenas this process created and has not closed. Recovery asks it when an
+/// arena's recorded owner pid is this process's own (a restarted container's pid 1 finds the
+/// arenas of its predecessor under the same pid).
+static OPEN_HERE: Mutex<std::collections::BTreeSet<String>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+/// Whether this process created the named arena and has not closed it.
+pub fn created_here(name: &str) -> bool {
+    OPEN_HERE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(name)
+}
 
 /// Shape of an arena to create.
 #[derive(Debug, Clone)]
@@ -92,6 +108,12 @@ impl Arena {
                 spec.root.as_os_str().as_bytes(),
             )
         };
+        if let Some(n) = &spec.name {
+            OPEN_HERE
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(n.clone());
+        }
         Ok(Arc::new(Arena {
             seg,
             desc,
@@ -167,6 +189,12 @@ impl Arena {
         (self.lease(index), waited)
     }
 
+    /// Take a free chunk if one is available right now.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<ChunkLease> {
+        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        Some(self.lease(index))
+    }
+
     fn lease(self: &Arc<Self>, index: u32) -> ChunkLease {
         let (base, _) = self.data_region();
         // SAFETY: index < n_chunks, so the chunk lies inside the data region.
@@ -212,6 +240,12 @@ impl Arena {
     pub fn close(&self) {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
             self.desc.mark_closed();
+            if let Some(n) = self.seg.name() {
+                OPEN_HERE
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(n);
+            }
             if let Err(e) = self.seg.unlink() {
                 tracing::warn!(name = ?self.seg.name(), error = %e, "could not unlink staging arena");
             }

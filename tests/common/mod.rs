@@ -134,3 +134,222 @@ pub fn assert_loaded_equal(ck: &shmckpt::Checkpoint, state: &State) {
 pub fn path_of(dir: &Path, rel: &str) -> PathBuf {
     dir.join(rel)
 }
+
+// ---- Child processes, skips and shared-memory helpers (crash-recovery tests) ----
+
+/// Environment variable naming the child test a re-executed test binary must run.
+pub const CHILD_ENV: &str = "SHMCKPT_TEST_CHILD";
+
+/// Whether this process was started by [`child_command`] to run the child test `name`.
+/// Child tests return at once (cheaply) when this is false.
+pub fn is_child(name: &str) -> bool {
+    std::env::var(CHILD_ENV).as_deref() == Ok(name)
+}
+
+/// A command that re-runs this test binary with only the child test `name`, marked as a
+/// child by [`CHILD_ENV`].
+pub fn child_command(name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, name);
+    c
+}
+
+/// Kill this process with SIGKILL (no destructor, no clean shutdown runs).
+pub fn sigkill_self() -> ! {
+    rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL)
+        .unwrap();
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// Say visibly that a test did not run, and why.
+pub fn skip(reason: &str) {
+    eprintln!("SKIPPED: {reason}");
+}
+
+/// Whether we run as root (mount, loop devices, namespaces).
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Whether `/dev/shm/<name>` exists.
+pub fn shm_exists(name: &str) -> bool {
+    Path::new("/dev/shm").join(name).exists()
+}
+
+/// A unique arena name for a test.
+pub fn test_shm_name(tag: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{}test-{tag}.{}.{}",
+        shmckpt::staging::NAME_PREFIX,
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Removes a shared-memory segment on drop (test cleanup when an assertion fails).
+pub struct ShmGuard(pub String);
+
+impl Drop for ShmGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(Path::new("/dev/shm").join(&self.0));
+    }
+}
+
+/// A layout of ~210 KiB: four 64 KiB chunks, the last one partial.
+pub fn small_layout() -> Vec<LayoutEntry> {
+    vec![
+        LayoutEntry {
+            name: "layer.0.weight".into(),
+            dtype: Dtype::F32,
+            shape: vec![100, 257],
+        },
+        LayoutEntry {
+            name: "layer.0.bias".into(),
+            dtype: Dtype::BF16,
+            shape: vec![1000],
+        },
+        LayoutEntry {
+            name: "optimizer.step".into(),
+            dtype: Dtype::I64,
+            shape: vec![3000],
+        },
+        LayoutEntry {
+            name: "rng".into(),
+            dtype: Dtype::U8,
+            shape: vec![77777],
+        },
+    ]
+}
+
+/// The data every test saves as step `step`: deterministic, different for every step.
+pub fn step_state(step: u64) -> State {
+    State::new(small_layout(), 0x5eed_0000 + step)
+}
+
+/// Load and verify step `step` of `root` (rank 0) and compare it byte for byte with
+/// [`step_state`].
+pub fn assert_step_is_exact(root: &Path, step: u64) {
+    let dir = root.join(shmckpt::manifest::step_dir_name(step));
+    let ck = shmckpt::restore::load_owned(&dir, 0, &shmckpt::restore::ReadOptions::default())
+        .unwrap_or_else(|e| panic!("step {step} does not load: {e}"));
+    assert_eq!(ck.step, step);
+    assert_loaded_equal(&ck, &step_state(step));
+    shmckpt::restore::verify_dir(&dir, &shmckpt::restore::ReadOptions::default())
+        .unwrap_or_else(|e| panic!("step {step} does not verify: {e}"));
+}
+
+/// Committed steps of `root`, oldest first.
+pub fn committed(root: &Path) -> Vec<u64> {
+    shmckpt::manifest::list_committed(root)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.step)
+        .collect()
+}
+
+/// Names in `root` ending in `.partial`.
+pub fn partial_dirs(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".partial"))
+        .collect()
+}
+
+/// The exact safetensors file image the engine writes for `state` as `step` of rank 0 of 1
+/// with no user metadata: (bytes, data start).
+pub fn file_image(step: u64, state: &State) -> (Vec<u8>, u64) {
+    use shmckpt::plan::{self, Plan, TensorSpec};
+    let specs: Vec<TensorSpec> = state
+        .layout
+        .iter()
+        .zip(&state.data)
+        .map(|(e, d)| TensorSpec {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            len: d.len() as u64,
+        })
+        .collect();
+    let system: shmckpt::Metadata = [
+        (plan::META_STEP.to_owned(), step.to_string()),
+        (plan::META_RANK.to_owned(), "0".to_owned()),
+        (plan::META_WORLD.to_owned(), "1".to_owned()),
+    ]
+    .into();
+    let p = Plan::new(&specs, &system, &shmckpt::Metadata::new()).unwrap();
+    let mut image = p.header().to_vec();
+    for e in p.entries() {
+        assert_eq!(e.offset, image.len() as u64);
+        image.extend_from_slice(&state.data[e.input]);
+    }
+    assert_eq!(image.len() as u64, p.file_len());
+    (image, p.data_start())
+}
+
+/// Whether `prog` can be run (`prog --version` or `--help` exits at all).
+pub fn have_tool(prog: &str) -> bool {
+    std::process::Command::new(prog)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// Like [`child_command`], but the child runs in a private mount namespace
+/// (`unshare --mount --propagation private`): its mounts vanish with it. `None` (after
+/// saying why) when namespaces cannot be created here.
+pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
+    if !is_root() {
+        skip("mount namespaces need root");
+        return None;
+    }
+    let probe = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "true"])
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        skip("`unshare --mount` is not available or not permitted");
+        return None;
+    }
+    let mut c = std::process::Command::new("unshare");
+    c.args(["--mount", "--propagation", "private"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, name);
+    Some(c)
+}
+
+/// Run `prog args`; Ok(()) on success, else its output as the error.
+pub fn run_tool(prog: &str, args: &[&str]) -> Result<(), String> {
+    match std::process::Command::new(prog).args(args).output() {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "{prog} {args:?}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => Err(format!("{prog}: {e}")),
+    }
+}
+
+/// Re-print, on our stderr, every part of a child's output that starts with one of
+/// `markers` (libtest may print a child's message on the line of the test name). Returns
+/// whether any marker was seen.
+pub fn relay_markers(text: &str, markers: &[&str]) -> bool {
+    let mut seen = false;
+    for line in text.lines() {
+        if let Some(at) = markers.iter().filter_map(|m| line.find(m)).min() {
+            eprintln!("{}", &line[at..]);
+            seen = true;
+        }
+    }
+    seen
+}

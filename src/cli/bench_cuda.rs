@@ -1,0 +1,148 @@
+//! `shmckpt bench --source cuda`: the synthetic state lives on the GPU (allocated here with
+//! cudarc). In the same run it measures the plain pinned `cuMemcpyDtoH` of the same bytes
+//! (the PCIe limit) and the raw O_DIRECT write (the disk limit), alternated with the saves.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use shmckpt::Tensor;
+use shmckpt::device::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::synthetic;
+use shmckpt::util::{gbps, median};
+
+use super::CliResult;
+use super::bench::{BenchArgs, Run, engine_for, load_layout, report};
+
+pub fn run(a: BenchArgs) -> CliResult {
+    if a.mode != super::bench_ipc::Mode::Shm {
+        return super::bench_ipc::run(a);
+    }
+    cuda::init()?;
+    std::fs::create_dir_all(&a.dir)?;
+    let layout = load_layout(&a)?;
+    let ctx = Context::new(0)?;
+    let (free0, total) = ctx.mem_info()?;
+
+    // The state, on the device, with the documented deterministic content.
+    let t = Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut bufs = Vec::with_capacity(layout.len());
+    let mut host = Vec::new();
+    for (k, e) in layout.iter().enumerate() {
+        let len = e.len() as usize;
+        host.resize(len, 0u8);
+        synthetic::fill_parallel(&mut host, k as u64, 0, threads);
+        let mut b = DeviceBuffer::alloc(&ctx, len)?;
+        b.upload(&host)?;
+        bufs.push(b);
+    }
+    drop(host);
+    let bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    let fill_s = t.elapsed();
+    let (free_alloc, _) = ctx.mem_info()?;
+
+    let engine = engine_for(&a, bytes)?;
+    let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
+
+    // The PCIe reference: one plain pinned DtoH of the same buffers, same order.
+    let stream = Stream::new(&ctx)?;
+    let mut pinned = PinnedHost::alloc(&ctx, bytes as usize)?;
+    let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+    pinned.time_dtoh(&refs, &stream)?; // warm-up: first touch of the pinned pages
+
+    let first = engine.latest()?.map_or(1, |s| s + 1);
+    let mut runs = Vec::new();
+    let mut d2h = Vec::new();
+    let mut file_bytes = 0;
+    let mut last_dir = None;
+    let mut direct = false;
+    let mut gpu_free_delta: i64 = 0;
+    for i in 0..a.repeat.max(1) {
+        let swap = i % 2 == 1;
+        let mut reference = None;
+        if !swap {
+            d2h.push(pinned.time_dtoh(&refs, &stream)?);
+            if !a.no_reference {
+                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+            }
+        }
+        let tensors: Vec<Tensor<'_>> = layout
+            .iter()
+            .zip(&bufs)
+            .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+            .collect();
+        let (free_before, _) = ctx.mem_info()?;
+        let h = engine.save(first + i as u64, &tensors, &shmckpt::Metadata::new())?;
+        let staged = h.staged();
+        let (free_after, _) = ctx.mem_info()?;
+        gpu_free_delta = gpu_free_delta.min(free_after as i64 - free_before as i64);
+        let r = h.wait()?;
+        file_bytes = r.bytes;
+        direct = r.direct_io;
+        last_dir = r.dir.clone();
+        if swap {
+            if !a.no_reference {
+                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+            }
+            d2h.push(pinned.time_dtoh(&refs, &stream)?);
+        }
+        runs.push(Run {
+            stall: staged.staging,
+            backpressure: staged.backpressure,
+            durable: r.timings.durable,
+            reference,
+        });
+    }
+    let (free_after_saves, _) = ctx.mem_info()?;
+    let backend = engine.backend();
+    engine.close();
+    drop(pinned);
+    let (free_engine_closed, _) = ctx.mem_info()?;
+    drop(refs);
+    drop(bufs);
+    let (free_freed, _) = ctx.mem_info()?;
+
+    let kept_dir = if a.keep {
+        last_dir
+    } else {
+        if let Some(d) = &last_dir {
+            std::fs::remove_dir_all(d)?;
+        }
+        None
+    };
+    let d2h_s: Vec<f64> = d2h.iter().map(Duration::as_secs_f64).collect();
+    let stall_s: Vec<f64> = runs.iter().map(|r| r.stall.as_secs_f64()).collect();
+    let durable_s: Vec<f64> = runs.iter().map(|r| r.durable.as_secs_f64()).collect();
+    let ref_s: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.reference.map(|d| d.as_secs_f64()))
+        .collect();
+    let d2h_m = median(&d2h_s);
+    let extra = json!({
+        "device": ctx.name(),
+        "driver_version": cuda::driver_version().unwrap_or(0),
+        "fill_s": fill_s.as_secs_f64(),
+        "register_s": register.as_secs_f64(),
+        "d2h_s": d2h_m,
+        "d2h_gbps": gbps(bytes, Duration::from_secs_f64(d2h_m)),
+        "d2h_runs_s": d2h_s,
+        "stall_ratio": median(&stall_s) / d2h_m,
+        "stall_second_s": stall_s.get(1).copied(),
+        "durable_ratio": if ref_s.is_empty() { None } else { Some(median(&durable_s) / median(&ref_s)) },
+        "gpu_total_bytes": total,
+        "gpu_free_before_alloc_bytes": free0,
+        "gpu_free_after_alloc_bytes": free_alloc,
+        "gpu_free_change_during_save_bytes": gpu_free_delta,
+        "gpu_mem_used_after_bytes": total - free_after_saves,
+        "gpu_mem_retained_by_saves_bytes": free_alloc as i64 - free_after_saves as i64,
+        "gpu_free_after_engine_close_bytes": free_engine_closed,
+        "gpu_free_after_release_bytes": free_freed,
+    });
+    let extra = match extra {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("json! object"),
+    };
+    report(
+        &a, &layout, bytes, file_bytes, &runs, backend, direct, kept_dir, extra,
+    )
+}

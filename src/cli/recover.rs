@@ -1,0 +1,174 @@
+//! `recover`: list the staging arenas in `/dev/shm`, or commit what dead trainers had
+//! fully staged.
+
+use std::path::PathBuf;
+
+use shmckpt::Error;
+use shmckpt::recover::{self, ArenaInfo, RecoveryReport, SlotOutcome};
+
+use super::{CliResult, human};
+
+/// Arguments of `recover`.
+#[derive(Debug, clap::Args)]
+pub struct RecoverArgs {
+    /// Checkpoint root. Without --shm: recover every dead arena recorded for this root.
+    /// With --shm: commit into this root instead of the one recorded in the arena. With
+    /// --list: show only the arenas of this root.
+    pub dir: Option<PathBuf>,
+    /// Recover only this arena (its name in /dev/shm, e.g. shmckpt.1234.r0.0).
+    #[arg(long, value_name = "NAME")]
+    pub shm: Option<String>,
+    /// Show the arenas in /dev/shm and what they hold, changing nothing.
+    #[arg(long, conflicts_with = "shm")]
+    pub list: bool,
+}
+
+/// Exit status: success when every arena asked for was processed (saves that cannot be
+/// restored are reported, not failures); failure when an arena was refused as a whole
+/// (owner alive, not an arena, root locked) or kept after an I/O error.
+pub fn run(a: RecoverArgs) -> CliResult {
+    if a.list {
+        return list(a.dir);
+    }
+    let results: Vec<(String, Result<RecoveryReport, Error>)> = match (&a.shm, &a.dir) {
+        (Some(name), dir) => vec![(name.clone(), recover::recover_arena(name, dir.as_deref()))],
+        (None, Some(dir)) => recover::recover_root(dir, None),
+        (None, None) => {
+            return Err("give a checkpoint root DIR, --shm NAME, or --list".into());
+        }
+    };
+    if results.is_empty() {
+        println!("no staging arenas recorded for this root");
+        return Ok(());
+    }
+    let mut bad = 0;
+    for (name, r) in &results {
+        match r {
+            Ok(rep) => {
+                print_report(rep);
+                if rep.kept.is_some() {
+                    bad += 1;
+                }
+            }
+            Err(e) => {
+                bad += 1;
+                println!("arena {name}: not recovered: {e}");
+            }
+        }
+    }
+    if bad > 0 {
+        return Err(format!("{bad} of {} arena(s) not fully recovered", results.len()).into());
+    }
+    Ok(())
+}
+
+fn print_report(r: &RecoveryReport) {
+    println!(
+        "arena {} (pid {}, {}{}; rank {} of {}; root {})",
+        r.arena,
+        r.owner_pid,
+        r.owner,
+        if r.closed { ", closed cleanly" } else { "" },
+        r.rank,
+        r.world_size,
+        r.root.display()
+    );
+    if r.slots.is_empty() {
+        println!("  no saves staged");
+    }
+    for s in &r.slots {
+        match &s.outcome {
+            SlotOutcome::Committed {
+                dir,
+                bytes,
+                from_staging,
+                from_file,
+            } => println!(
+                "  step {}: committed {} ({}, {from_staging} chunk(s) from staging, {from_file} already on disk)",
+                s.step,
+                dir.display(),
+                human(*bytes)
+            ),
+            SlotOutcome::AwaitingRanks { partial } => println!(
+                "  step {}: this rank's file is durable in {}; waiting for the other ranks",
+                s.step,
+                partial.display()
+            ),
+            SlotOutcome::AlreadyCommitted { dir } => {
+                println!("  step {}: already committed ({})", s.step, dir.display())
+            }
+            SlotOutcome::Refused { reason } => {
+                println!("  step {}: NOT recovered ({}): {reason}", s.step, s.state)
+            }
+            SlotOutcome::Failed { error } => {
+                println!("  step {}: FAILED: {error}", s.step)
+            }
+        }
+    }
+    if r.removed {
+        println!("  removed arena {}", r.arena);
+    }
+    if let Some(k) = &r.kept {
+        println!("  kept arena {}: {k}", r.arena);
+    }
+}
+
+fn list(dir: Option<PathBuf>) -> CliResult {
+    let want = dir.map(|d| std::fs::canonicalize(&d).unwrap_or(d));
+    let all: Vec<ArenaInfo> = recover::list_arenas()
+        .into_iter()
+        .filter(|a| match (&want, &a.details) {
+            (None, _) => true,
+            (Some(w), Ok(d)) => &d.root == w,
+            (Some(_), Err(_)) => false,
+        })
+        .collect();
+    if all.is_empty() {
+        println!("no shmckpt staging arenas in /dev/shm");
+        return Ok(());
+    }
+    for a in &all {
+        let uid = a.uid.map(|u| format!(", uid {u}")).unwrap_or_default();
+        match &a.details {
+            Err(why) => println!("{}  {}{uid}  unreadable: {why}", a.name, human(a.bytes)),
+            Ok(d) => {
+                let verdict = if d.in_use() {
+                    "in use"
+                } else if d.slots.is_empty() {
+                    "stale, nothing staged"
+                } else {
+                    "stale"
+                };
+                println!(
+                    "{}  {}{uid}  pid {} {}{}  rank {} of {}  root {}  [{verdict}]",
+                    a.name,
+                    human(a.bytes),
+                    d.owner_pid,
+                    d.owner,
+                    if d.closed { ", closed" } else { "" },
+                    d.rank,
+                    d.world_size,
+                    d.root.display()
+                );
+                for s in &d.slots {
+                    println!(
+                        "  slot {}: step {} {}: {} chunk(s): {} on disk, {} in staging, {} missing -> {}",
+                        s.slot,
+                        s.step,
+                        s.state,
+                        s.chunks,
+                        s.written,
+                        s.staged,
+                        s.missing,
+                        if s.recoverable() {
+                            "recoverable"
+                        } else {
+                            "not recoverable"
+                        }
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,232 @@
+//! Injected write faults (feature `fault-injection`), on both write backends: ENOSPC and EIO
+//! at chosen offsets, short writes, slow writes. A failure reaches the `SaveHandle` with the
+//! file path and offset, nothing is committed, the staging space is released and the next
+//! save succeeds; short and slow writes still commit exact bytes.
+#![cfg(feature = "fault-injection")]
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use shmckpt::io::OpKind;
+use shmckpt::io::fault::{Fault, FaultPlan, Rule};
+use shmckpt::synthetic::LayoutEntry;
+use shmckpt::{BackendKind, Dtype, Engine, Error, Metadata};
+
+const CS: u64 = 64 << 10;
+/// Staging chunks of the engines here.
+const ARENA_CHUNKS: u64 = 8;
+
+fn engine(root: &Path, backend: BackendKind, plan: &Arc<FaultPlan>) -> Engine {
+    Engine::open(
+        small_config(root, backend)
+            .with_staging_capacity(ARENA_CHUNKS * CS)
+            .with_faults(Arc::clone(plan)),
+    )
+    .unwrap()
+}
+
+fn save_exact(e: &Engine, step: u64) {
+    let s = step_state(step);
+    let r = e.save(step, &s.tensors(), &Metadata::new()).unwrap().wait();
+    let r = r.unwrap_or_else(|err| panic!("step {step}: {err}"));
+    assert_eq!(
+        r.dir.as_deref(),
+        Some(e.config().root().join(format!("step-{step}")).as_path())
+    );
+    assert_loaded_equal(&e.load(step).unwrap(), &s);
+}
+
+/// A state whose file fills every staging chunk: it can only be staged if no chunk leaked.
+fn arena_filling_state(seed: u64) -> State {
+    State::new(
+        vec![LayoutEntry {
+            name: "all".into(),
+            dtype: Dtype::U8,
+            shape: vec![(ARENA_CHUNKS * CS - 4096 - 100) as usize],
+        }],
+        seed,
+    )
+}
+
+/// Every staging chunk and slot is free again: a save that needs the whole arena goes
+/// through (bounded wait instead of a hang if a chunk leaked).
+fn assert_staging_released(e: &Engine, step: u64) {
+    let info = shmckpt::recover::inspect_arena(e.shm_name());
+    assert!(
+        info.details.unwrap().slots.is_empty(),
+        "a descriptor slot is still in use"
+    );
+    let s = arena_filling_state(step);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let r = e
+                .save(step, &s.tensors(), &Metadata::new())
+                .and_then(|h| h.wait());
+            tx.send(r.map(|r| r.bytes)).unwrap();
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("staging space was not released: a full-arena save cannot start");
+        assert!(r.unwrap() > (ARENA_CHUNKS - 1) * CS);
+    });
+    assert_loaded_equal(&e.load(step).unwrap(), &s);
+}
+
+/// One failure case: rules added after step 1 committed; step 2 must fail with `errno` at
+/// `offset`.
+fn failing_case(backend: BackendKind, rules: &[Rule], errno: i32, offset: u64) {
+    let dir = real_dir("fault");
+    let root = dir.path();
+    let plan = Arc::new(FaultPlan::new());
+    let e = engine(root, backend, &plan);
+    save_exact(&e, 1);
+    for r in rules {
+        plan.add(r.clone());
+    }
+    let s2 = step_state(2);
+    // A write that fails while the save is still staging is returned by `save` itself,
+    // later ones by the handle: the same error either way.
+    let err = e
+        .save(2, &s2.tensors(), &Metadata::new())
+        .and_then(|h| h.wait())
+        .expect_err("the save must fail");
+    let file = root.join("step-2.partial/rank-00000-of-00001.safetensors");
+    match &err {
+        Error::Io {
+            op,
+            path,
+            offset: Some(at),
+            source,
+        } => {
+            assert_eq!(*op, "write");
+            assert_eq!(path, &file);
+            assert_eq!(*at, offset, "{err}");
+            assert_eq!(source.raw_os_error(), Some(errno));
+        }
+        other => panic!("{backend:?}: expected a write error, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&file.display().to_string()) && msg.contains(&format!("at offset {offset}")),
+        "{msg}"
+    );
+    assert!(plan.fired() >= 1);
+    // Nothing committed, nothing left behind.
+    assert_eq!(committed(root), [1]);
+    assert!(partial_dirs(root).is_empty(), "{:?}", partial_dirs(root));
+    assert_eq!(e.latest().unwrap(), Some(1));
+    assert_step_is_exact(root, 1);
+    // Staging released; the next saves succeed (the same step again, too).
+    plan.clear();
+    assert_staging_released(&e, 3);
+    save_exact(&e, 2);
+    assert_eq!(committed(root), [1, 2, 3]);
+}
+
+fn errno_at(offset: u64, errno: i32) -> Rule {
+    Rule {
+        kind: OpKind::Write,
+        offsets: offset..offset + 1,
+        fault: Fault::Errno(errno),
+        times: Some(1),
+    }
+}
+
+#[test]
+fn enospc_on_the_first_chunk() {
+    for b in BACKENDS {
+        failing_case(b, &[errno_at(0, libc::ENOSPC)], libc::ENOSPC, 0);
+    }
+}
+
+#[test]
+fn eio_on_a_middle_chunk() {
+    for b in BACKENDS {
+        failing_case(b, &[errno_at(2 * CS, libc::EIO)], libc::EIO, 2 * CS);
+    }
+}
+
+#[test]
+fn eio_on_the_last_partial_chunk() {
+    for b in BACKENDS {
+        failing_case(b, &[errno_at(3 * CS, libc::EIO)], libc::EIO, 3 * CS);
+    }
+}
+
+#[test]
+fn enospc_inside_a_chunk_after_a_short_write() {
+    // The first write of chunk 1 stops after 8 KiB; the rest of it fails with ENOSPC at the
+    // exact offset where it resumes.
+    let short = Rule {
+        kind: OpKind::Write,
+        offsets: CS..CS + 1,
+        fault: Fault::Short(8192),
+        times: Some(1),
+    };
+    for b in BACKENDS {
+        failing_case(
+            b,
+            &[short.clone(), errno_at(CS + 8192, libc::ENOSPC)],
+            libc::ENOSPC,
+            CS + 8192,
+        );
+    }
+}
+
+#[test]
+fn short_writes_are_resubmitted_until_complete() {
+    for b in BACKENDS {
+        for n in [4096u32, 3 * 4096 + 17] {
+            let dir = real_dir("short");
+            let plan = Arc::new(FaultPlan::new());
+            plan.add(Rule {
+                kind: OpKind::Write,
+                offsets: 0..u64::MAX,
+                fault: Fault::Short(n),
+                times: None,
+            });
+            let e = engine(dir.path(), b, &plan);
+            save_exact(&e, 1);
+            // 4 chunks of up to 64 KiB in pieces of at most 12 KiB: many resubmissions.
+            assert!(
+                plan.fired() >= 4 * 5,
+                "{b:?} {n}: only {} short writes",
+                plan.fired()
+            );
+            assert_safetensors_equal(
+                &dir.path().join("step-1/rank-00000-of-00001.safetensors"),
+                &step_state(1),
+            );
+        }
+    }
+}
+
+#[test]
+fn slow_writes_still_commit_exact_bytes() {
+    for b in BACKENDS {
+        let dir = real_dir("slow");
+        let plan = Arc::new(FaultPlan::new());
+        plan.add(Rule {
+            kind: OpKind::Write,
+            offsets: 0..u64::MAX,
+            fault: Fault::Delay(Duration::from_millis(20)),
+            times: None,
+        });
+        let e = engine(dir.path(), b, &plan);
+        // Overwrite the caller's buffers as soon as `save` returns: the slow writers must
+        // still write what was staged.
+        let mut s = step_state(1);
+        let h = e.save(1, &s.tensors(), &Metadata::new()).unwrap();
+        for d in &mut s.data {
+            d.fill(0xAB);
+        }
+        h.wait().unwrap();
+        assert!(plan.fired() >= 4);
+        assert_loaded_equal(&e.load(1).unwrap(), &step_state(1));
+    }
+}

@@ -1,0 +1,282 @@
+//! GPU integration tests. They need a CUDA GPU, so they are `#[ignore]`d: `cargo test`
+//! reports them as ignored. Run them with
+//! `SHMCKPT_REQUIRE_GPU=1 cargo test --release --test gpu -- --ignored`; with
+//! `SHMCKPT_REQUIRE_GPU=1` a missing driver or GPU is a failure, without it the tests print
+//! `SKIPPED` and return. `SHMCKPT_TEST_DIR` picks the checkpoint directory (default: the
+//! target directory's tmp, which must be on a real filesystem).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use shmckpt::device::cuda::{self, Context, DeviceBuffer, Stream};
+use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::{Dtype, EngineConfig, Metadata, SaveOptions, StepSel, Tensor};
+
+fn gpu() -> Option<Arc<Context>> {
+    let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
+    if !found {
+        assert!(
+            !require,
+            "SHMCKPT_REQUIRE_GPU=1 but no CUDA driver/GPU was found"
+        );
+        eprintln!("SKIPPED: no CUDA driver or GPU");
+        return None;
+    }
+    Some(Context::new(0).expect("device 0"))
+}
+
+fn test_dir(tag: &str) -> tempfile::TempDir {
+    match std::env::var_os("SHMCKPT_TEST_DIR") {
+        Some(d) => {
+            let base = PathBuf::from(d);
+            std::fs::create_dir_all(&base).unwrap();
+            tempfile::Builder::new()
+                .prefix(tag)
+                .tempdir_in(base)
+                .unwrap()
+        }
+        None => common::real_dir(tag),
+    }
+}
+
+/// ≥ 4 GiB in ≥ 100 device tensors of mixed dtypes and odd sizes, random content.
+fn big_layout() -> Vec<LayoutEntry> {
+    let dtypes = [
+        Dtype::BF16,
+        Dtype::F32,
+        Dtype::F16,
+        Dtype::U8,
+        Dtype::I64,
+        Dtype::F8_E4M3,
+        Dtype::F64,
+    ];
+    let mut v = Vec::new();
+    let mut total = 0u64;
+    let mut i = 0usize;
+    while i < 120 || total < (4 << 30) + (1 << 20) {
+        let d = dtypes[i % dtypes.len()];
+        // Odd element counts, 1 B .. ~80 MiB.
+        let elems = 1 + (i * 2_654_435_761) % (80 << 20) / d.alignment() as usize;
+        let elems = elems | 1;
+        let e = LayoutEntry {
+            name: format!("gpu.{i}"),
+            dtype: d,
+            shape: vec![elems],
+        };
+        total += e.len();
+        v.push(e);
+        i += 1;
+    }
+    v
+}
+
+fn upload(ctx: &Arc<Context>, layout: &[LayoutEntry], seed: u64) -> Vec<DeviceBuffer> {
+    let mut host = Vec::new();
+    layout
+        .iter()
+        .enumerate()
+        .map(|(k, e)| {
+            host.resize(e.len() as usize, 0);
+            synthetic::fill_parallel(&mut host, k as u64, seed, 8);
+            let mut b = DeviceBuffer::alloc(ctx, host.len()).unwrap();
+            b.upload(&host).unwrap();
+            b
+        })
+        .collect()
+}
+
+fn expected(layout: &[LayoutEntry], k: usize, seed: u64) -> Vec<u8> {
+    let mut host = vec![0u8; layout[k].len() as usize];
+    synthetic::fill_parallel(&mut host, k as u64, seed, 8);
+    host
+}
+
+fn tensors<'a>(layout: &'a [LayoutEntry], bufs: &'a [DeviceBuffer]) -> Vec<Tensor<'a>> {
+    layout
+        .iter()
+        .zip(bufs)
+        .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_round_trip_4gib_overwritten_after_save() {
+    let Some(ctx) = gpu() else { return };
+    let layout = big_layout();
+    let bytes: u64 = layout.iter().map(LayoutEntry::len).sum();
+    assert!(bytes >= 4 << 30 && layout.len() >= 100);
+    let seed = 0x5eed;
+    let mut bufs = upload(&ctx, &layout, seed);
+    let dir = test_dir("gpu-rt");
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(bytes + (256 << 20))
+        .build()
+        .unwrap();
+    let h = engine
+        .save(1, &tensors(&layout, &bufs), &Metadata::new())
+        .unwrap();
+    // The trainer overwrites its tensors the moment save returns.
+    for b in &mut bufs {
+        b.memset(0xEE).unwrap();
+    }
+    let report = h.wait().unwrap();
+    eprintln!(
+        "4 GiB round trip: {} bytes, stall {:?}, durable {:?}",
+        report.bytes, report.timings.staging, report.timings.durable
+    );
+    // Back to (fresh) device buffers, then compared on the host with what was saved.
+    let mut fresh: Vec<DeviceBuffer> = layout
+        .iter()
+        .map(|e| DeviceBuffer::alloc(&ctx, e.len() as usize).unwrap())
+        .collect();
+    for b in &mut fresh {
+        b.memset(0x11).unwrap();
+    }
+    {
+        let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
+            .iter()
+            .map(|e| e.name.as_str())
+            .zip(fresh.iter_mut())
+            .collect();
+        assert_eq!(
+            engine.load_into_device(StepSel::Latest, &mut dest).unwrap(),
+            1
+        );
+    }
+    let mut host = Vec::new();
+    for (k, b) in fresh.iter().enumerate() {
+        host.resize(b.len(), 0);
+        b.download(&mut host).unwrap();
+        assert!(
+            host == expected(&layout, k, seed),
+            "tensor {} differs after the round trip",
+            layout[k].name
+        );
+    }
+    // The overwritten buffers really were overwritten (the test would prove nothing otherwise).
+    host.resize(bufs[0].len(), 0);
+    bufs[0].download(&mut host).unwrap();
+    assert!(host.iter().all(|&b| b == 0xEE));
+    // And the file itself holds the saved bytes (host load, checksums verified).
+    let ck = engine.load(1).unwrap();
+    for (k, e) in layout.iter().enumerate().step_by(17) {
+        assert!(ck.get(&e.name).unwrap().data.as_bytes() == &expected(&layout, k, seed)[..]);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_memory_unchanged_by_save_and_returned_after_free() {
+    let Some(ctx) = gpu() else { return };
+    let layout = synthetic::uniform(512 << 20, 16, Dtype::BF16);
+    let dir = test_dir("gpu-mem");
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(600 << 20)
+        .build()
+        .unwrap();
+    engine.prepare_cuda(&[0]).unwrap();
+    let (free_start, _) = ctx.mem_info().unwrap();
+    let bufs = upload(&ctx, &layout, 3);
+    let (free_alloc, _) = ctx.mem_info().unwrap();
+    assert!(free_alloc < free_start, "the buffers take device memory");
+    // Warm-up save (creates the engine's reusable events), then the measured save.
+    engine
+        .save(1, &tensors(&layout, &bufs), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (free_before, _) = ctx.mem_info().unwrap();
+    let h = engine
+        .save(2, &tensors(&layout, &bufs), &Metadata::new())
+        .unwrap();
+    let (free_staged, _) = ctx.mem_info().unwrap();
+    h.wait().unwrap();
+    let (free_durable, _) = ctx.mem_info().unwrap();
+    eprintln!(
+        "free: start {free_start}, with buffers {free_alloc}, before save {free_before}, staged {free_staged}, durable {free_durable}"
+    );
+    assert_eq!(
+        free_staged, free_before,
+        "a save must not take device memory"
+    );
+    assert_eq!(free_durable, free_before);
+    drop(bufs);
+    let (free_end, _) = ctx.mem_info().unwrap();
+    eprintln!("free after the caller freed its buffers: {free_end}");
+    assert_eq!(
+        free_end, free_start,
+        "all device memory comes back once the caller frees it"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_copy_waits_for_the_callers_stream() {
+    let Some(ctx) = gpu() else { return };
+    let layout = synthetic::uniform(256 << 20, 4, Dtype::U8);
+    let mut bufs = upload(&ctx, &layout, 4);
+    let dir = test_dir("gpu-order");
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(300 << 20)
+        .build()
+        .unwrap();
+    let trainer = Stream::new(&ctx).unwrap();
+    // The "trainer" queues writes of 0x5A on its own stream and saves without waiting.
+    for b in &mut bufs {
+        trainer.memset_async(b, 0x5A).unwrap();
+    }
+    // SAFETY: `trainer` is a live stream of device 0 for the whole test.
+    let opts = unsafe { SaveOptions::new().after_stream(0, trainer.raw()) };
+    engine
+        .save_with(1, &tensors(&layout, &bufs), &Metadata::new(), &opts)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let ck = engine.load(1).unwrap();
+    for t in &ck.tensors {
+        assert!(
+            t.data.as_bytes().iter().all(|&b| b == 0x5A),
+            "{} missed the trainer's writes",
+            t.name
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_async_save_reports_staged_then_durable_and_mixed_sources_work() {
+    let Some(ctx) = gpu() else { return };
+    let layout = synthetic::mixed(300 << 20, 50);
+    let bufs = upload(&ctx, &layout, 5);
+    let host_extra = vec![7u8; 12345];
+    let dir = test_dir("gpu-async");
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(400 << 20)
+        .build()
+        .unwrap();
+    let mut ts = tensors(&layout, &bufs);
+    ts.push(Tensor::host(
+        "host.bytes",
+        Dtype::U8,
+        vec![host_extra.len()],
+        &host_extra,
+    ));
+    // SAFETY: `bufs` and `host_extra` outlive the wait below and are not modified.
+    let h = unsafe { engine.save_async(1, &ts, &Metadata::new(), &SaveOptions::new()) }.unwrap();
+    let staged = h.wait_staged().unwrap();
+    assert!(h.is_staged());
+    assert_eq!(staged.step, 1);
+    h.wait().unwrap();
+    let ck = engine.load(1).unwrap();
+    for (k, e) in layout.iter().enumerate() {
+        assert!(ck.get(&e.name).unwrap().data.as_bytes() == &expected(&layout, k, 5)[..]);
+    }
+    assert_eq!(
+        ck.get("host.bytes").unwrap().data.as_bytes(),
+        &host_extra[..]
+    );
+}

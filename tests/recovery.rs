@@ -1,0 +1,768 @@
+//! Crash recovery from the staging arena: a child process saves and dies by SIGKILL right
+//! after `save` returns; the parent recovers (library, CLI, engine option) and checks the
+//! committed bytes against what the child saved. Crafted arenas cover every refusal.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use shmckpt::recover::{self, Owner, SlotOutcome, SlotState};
+use shmckpt::staging::descriptor::SaveRecord;
+use shmckpt::staging::{Arena, ArenaSpec};
+use shmckpt::{BackendKind, Engine, Error, Metadata};
+
+const CS: u64 = 64 << 10;
+const ROOT_ENV: &str = "SHMCKPT_TEST_ROOT";
+const SHM_ENV: &str = "SHMCKPT_TEST_SHM";
+
+fn env_path(k: &str) -> PathBuf {
+    PathBuf::from(std::env::var(k).unwrap())
+}
+
+/// Poll `cond` every millisecond for at most `limit`; true if it became true.
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    cond()
+}
+
+/// Slot of `step` in arena `name`, as listed.
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+fn slot_of(name: &str, step: u64) -> Option<recover::SlotInfo> {
+    let info = recover::inspect_arena(name);
+    let d = info.details.ok()?;
+    d.slots.into_iter().find(|s| s.step == step)
+}
+
+fn assert_sigkilled(out: &Output) {
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "the child should have died by SIGKILL: {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn run_child(name: &str, root: &Path, shm: &str) {
+    let out = child_command(name)
+        .env(ROOT_ENV, root)
+        .env(SHM_ENV, shm)
+        .output()
+        .unwrap();
+    assert_sigkilled(&out);
+}
+
+/// Child: commit step 1, stage step 2, and die by SIGKILL as soon as `save` returned. With
+/// fault injection, writes past the second chunk are held back (and the child waits until
+/// the first two chunks are written), so recovery must take two chunks from the partial file
+/// and two from staging.
+#[test]
+fn child_saver() {
+    if !is_child("child_saver") {
+        return;
+    }
+    let root = env_path(ROOT_ENV);
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let cfg = small_config(&root, BackendKind::Auto)
+        .with_staging_capacity(1 << 20)
+        .with_queue_depth(1)
+        .with_shm_name(shm.clone());
+    #[cfg(feature = "fault-injection")]
+    let plan = Arc::new(shmckpt::io::fault::FaultPlan::new());
+    #[cfg(feature = "fault-injection")]
+    let cfg = cfg.with_faults(Arc::clone(&plan));
+    let engine = Engine::open(cfg).unwrap();
+    let s1 = step_state(1);
+    engine
+        .save(1, &s1.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    #[cfg(feature = "fault-injection")]
+    plan.add(shmckpt::io::fault::Rule {
+        kind: shmckpt::io::OpKind::Write,
+        offsets: 2 * CS..u64::MAX,
+        fault: shmckpt::io::fault::Fault::Delay(Duration::from_secs(60)),
+        times: None,
+    });
+    let s2 = step_state(2);
+    let meta: Metadata = [("run".to_owned(), "recovery test".to_owned())].into();
+    let handle = engine.save(2, &s2.tensors(), &meta).unwrap();
+    #[cfg(feature = "fault-injection")]
+    assert!(
+        wait_for(Duration::from_secs(20), || slot_of(&shm, 2)
+            .is_some_and(|s| s.written >= 2)),
+        "the first two chunks of step 2 were never written"
+    );
+    std::hint::black_box(&handle);
+    sigkill_self();
+}
+
+#[test]
+fn sigkilled_child_is_recovered_exactly() {
+    let dir = real_dir("recover-lib");
+    let root = dir.path();
+    let shm = test_shm_name("lib");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+
+    // Listing reports the arena and changes none of its bytes.
+    let seg = Path::new("/dev/shm").join(&shm);
+    let before = std::fs::read(&seg).unwrap();
+    let all = recover::list_arenas();
+    let info = all.iter().find(|a| a.name == shm).expect("arena listed");
+    let d = info.details.as_ref().expect("arena readable");
+    assert_eq!(d.owner, Owner::Dead);
+    assert!(!d.closed && !d.in_use());
+    assert_eq!(d.root, std::fs::canonicalize(root).unwrap());
+    assert_eq!((d.rank, d.world_size), (0, 1));
+    let already_committed = committed(root).contains(&2);
+    if !already_committed {
+        assert_eq!(d.slots.len(), 1, "{:?}", d.slots);
+        let s = &d.slots[0];
+        assert_eq!(
+            (s.step, s.state, s.chunks, s.missing),
+            (2, SlotState::Staged, 4, 0)
+        );
+        assert!(s.recoverable());
+        #[cfg(feature = "fault-injection")]
+        assert_eq!((s.written, s.staged), (2, 2));
+    }
+    assert!(
+        std::fs::read(&seg).unwrap() == before,
+        "listing changed the arena"
+    );
+    assert_eq!(committed(root)[0], 1);
+
+    let report = recover::recover_arena(&shm, None).unwrap();
+    assert_eq!(report.owner, Owner::Dead);
+    assert!(report.removed && report.kept.is_none(), "{report:?}");
+    assert!(!shm_exists(&shm), "the arena is removed after recovery");
+    assert_eq!(report.slots.len(), 1);
+    match &report.slots[0].outcome {
+        SlotOutcome::Committed {
+            dir: d,
+            bytes,
+            from_staging,
+            from_file,
+        } => {
+            assert_eq!(d, &root.join("step-2"));
+            assert_eq!(
+                *bytes,
+                std::fs::metadata(d.join("rank-00000-of-00001.safetensors"))
+                    .unwrap()
+                    .len()
+            );
+            assert_eq!(from_staging + from_file, 4);
+            #[cfg(feature = "fault-injection")]
+            assert_eq!((*from_staging, *from_file), (2, 2));
+        }
+        SlotOutcome::AlreadyCommitted { .. } => {
+            assert!(already_committed);
+            eprintln!("note: the child committed step 2 before it was killed");
+        }
+        other => panic!("step 2 not recovered: {other:?}"),
+    }
+    #[cfg(feature = "fault-injection")]
+    assert!(
+        !already_committed,
+        "writes were held back: step 2 cannot be committed"
+    );
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 1);
+    assert_step_is_exact(root, 2);
+    assert_safetensors_equal(
+        &root.join("step-2/rank-00000-of-00001.safetensors"),
+        &step_state(2),
+    );
+    let m = shmckpt::Manifest::read(&root.join("step-2")).unwrap();
+    assert_eq!(
+        m.metadata["run"], "recovery test",
+        "user metadata survives recovery"
+    );
+    assert!(partial_dirs(root).is_empty());
+    // A second attempt finds nothing.
+    assert!(matches!(
+        recover::recover_arena(&shm, None),
+        Err(Error::Shm { .. })
+    ));
+}
+
+fn cli(args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_shmckpt"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn cli_lists_without_touching_then_recovers_the_root() {
+    let dir = real_dir("recover-cli");
+    let root = dir.path();
+    let other = real_dir("recover-cli-other");
+    let shm = test_shm_name("cli");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+    let seg = Path::new("/dev/shm").join(&shm);
+    let before = std::fs::read(&seg).unwrap();
+
+    let out = cli(&["recover", "--list"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let listed = text(&out);
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with(&shm))
+        .unwrap_or_else(|| panic!("{shm} not listed:\n{listed}"));
+    assert!(line.contains("dead") && line.contains("[stale]"), "{line}");
+    if !committed(root).contains(&2) {
+        assert!(
+            listed.contains("step 2 STAGED") && listed.contains("-> recoverable"),
+            "{listed}"
+        );
+    }
+    let out = cli(&["recover", "--list", other.path().to_str().unwrap()]);
+    assert!(out.status.success());
+    assert!(
+        !text(&out).contains(&shm),
+        "--list DIR shows only that root"
+    );
+    assert!(shm_exists(&shm));
+    assert!(
+        std::fs::read(&seg).unwrap() == before,
+        "--list changed the arena"
+    );
+
+    let out = cli(&["recover", root.to_str().unwrap()]);
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("step 2: committed") || said.contains("step 2: already committed"),
+        "{said}"
+    );
+    assert!(said.contains(&format!("removed arena {shm}")), "{said}");
+    assert!(!shm_exists(&shm));
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 2);
+    // Nothing left to do: success, and it says so.
+    let out = cli(&["recover", root.to_str().unwrap()]);
+    assert!(out.status.success());
+    assert!(text(&out).contains("no staging arenas"), "{}", text(&out));
+    let out = cli(&["recover"]);
+    assert!(!out.status.success(), "recover needs DIR, --shm or --list");
+}
+
+#[test]
+fn engine_recovers_on_open() {
+    let dir = real_dir("recover-open");
+    let root = dir.path();
+    let shm = test_shm_name("open");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+    assert!(shm_exists(&shm));
+    let engine = Engine::open(
+        small_config(root, BackendKind::Auto)
+            .with_staging_capacity(1 << 20)
+            .with_recover_on_open(true),
+    )
+    .unwrap();
+    assert!(!shm_exists(&shm), "recover-on-open removes the dead arena");
+    assert_eq!(engine.latest().unwrap(), Some(2));
+    assert_loaded_equal(&engine.load(2).unwrap(), &step_state(2));
+    assert_loaded_equal(&engine.load(1).unwrap(), &step_state(1));
+    assert!(partial_dirs(root).is_empty());
+    // The engine keeps working after recovery.
+    let s3 = step_state(3);
+    engine
+        .save(3, &s3.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_loaded_equal(&engine.load(3).unwrap(), &s3);
+}
+
+#[test]
+fn live_arena_is_listed_and_left_alone() {
+    let dir = real_dir("recover-live");
+    let root = dir.path();
+    let engine =
+        Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20)).unwrap();
+    let s1 = step_state(1);
+    engine
+        .save(1, &s1.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let name = engine.shm_name().to_owned();
+    let info = recover::inspect_arena(&name);
+    let d = info.details.unwrap();
+    assert_eq!(d.owner, Owner::Alive);
+    assert!(d.in_use() && d.slots.is_empty());
+
+    let err = recover::recover_arena(&name, None).unwrap_err();
+    assert!(
+        matches!(&err, Error::Recovery { reason, .. } if reason.contains("alive")),
+        "{err}"
+    );
+    let results = recover::recover_root(root, None);
+    assert_eq!(results.len(), 1);
+    assert!(matches!(results[0].1, Err(Error::Recovery { .. })));
+    let out = cli(&["recover", root.to_str().unwrap()]);
+    assert!(
+        !out.status.success(),
+        "a live arena is a failure to recover"
+    );
+    assert!(text(&out).contains("alive"), "{}", text(&out));
+    let out = cli(&["recover", "--shm", &name]);
+    assert!(!out.status.success());
+    // Another engine with recover-on-open (other root) does not touch it either.
+    let other = real_dir("recover-live-other");
+    let e2 = Engine::open(
+        small_config(other.path(), BackendKind::Auto)
+            .with_staging_capacity(1 << 20)
+            .with_recover_on_open(true),
+    )
+    .unwrap();
+    drop(e2);
+    assert!(shm_exists(&name));
+    let s2 = step_state(2);
+    engine
+        .save(2, &s2.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_loaded_equal(&engine.load(2).unwrap(), &s2);
+    drop(engine);
+    assert!(!shm_exists(&name), "a clean shutdown removes the arena");
+}
+
+/// Stage `image` (file chunks of `CS`) in `slot` as `step`, each chunk in the state given by
+/// `states` (`b'S'` staged, `b'W'` written, `b'E'` never staged); `staged` sets the slot to
+/// STAGED. Leases are kept in `keep` so that their chunks are not reused.
+fn craft_slot(
+    arena: &Arc<Arena>,
+    slot: u32,
+    step: u64,
+    (image, data_start): &(Vec<u8>, u64),
+    states: &[u8],
+    staged: bool,
+    keep: &mut Vec<shmckpt::staging::ChunkLease>,
+) {
+    let n = (image.len() as u64).div_ceil(CS);
+    assert_eq!(states.len() as u64, n);
+    arena.descriptor().begin(
+        slot,
+        &SaveRecord {
+            step,
+            file_len: image.len() as u64,
+            data_start: *data_start,
+            n_file_chunks: n,
+            partial_dir: &shmckpt::manifest::partial_dir_name(step),
+            file_name: &shmckpt::manifest::rank_file_name(0, 1),
+        },
+    );
+    for (k, &s) in states.iter().enumerate() {
+        if s == b'E' {
+            continue;
+        }
+        let (mut lease, _) = arena.acquire();
+        let bytes = &image[k * CS as usize..((k + 1) * CS as usize).min(image.len())];
+        lease.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+        arena
+            .descriptor()
+            .chunk_staged(slot, k as u64, lease.index());
+        if s == b'W' {
+            arena.descriptor().chunk_written(slot, k as u64);
+        }
+        keep.push(lease);
+    }
+    if staged {
+        arena.descriptor().staged(slot);
+    }
+}
+
+/// Child: build arenas in every state recovery must handle, then die by SIGKILL.
+#[test]
+fn child_crafter() {
+    if !is_child("child_crafter") {
+        return;
+    }
+    let root = std::fs::canonicalize(env_path(ROOT_ENV)).unwrap();
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let arena = Arena::create(&ArenaSpec {
+        name: Some(shm.clone()),
+        capacity: 40 * CS,
+        chunk_size: CS,
+        slots: 8,
+        rank: 0,
+        world_size: 1,
+        root: root.clone(),
+    })
+    .unwrap();
+    let mut keep = Vec::new();
+    let img = |step: u64| file_image(step, &step_state(step));
+    // 7: died while staging.
+    craft_slot(&arena, 0, 7, &img(7), b"SEEE", false, &mut keep);
+    // 8: fully staged, nothing written yet.
+    craft_slot(&arena, 1, 8, &img(8), b"SSSS", true, &mut keep);
+    // 9: a chunk was written, but the partial file is gone.
+    craft_slot(&arena, 2, 9, &img(9), b"WSSS", true, &mut keep);
+    // 10: a chunk's write failed (entry back to EMPTY) after staging finished.
+    craft_slot(&arena, 3, 10, &img(10), b"SSES", true, &mut keep);
+    // 11: the staged bytes say they are step 12.
+    craft_slot(&arena, 4, 11, &img(12), b"SSSS", true, &mut keep);
+    // 13: two chunks already in the partial file, two in staging.
+    let im = img(13);
+    let partial = root.join("step-13.partial");
+    std::fs::create_dir(&partial).unwrap();
+    let f = std::fs::File::create(partial.join("rank-00000-of-00001.safetensors")).unwrap();
+    f.write_all_at(&im.0[..2 * CS as usize], 0).unwrap();
+    craft_slot(&arena, 5, 13, &im, b"WWSS", true, &mut keep);
+    // 14: chunk 1 was written, but the partial file is shorter than that.
+    let im = img(14);
+    let partial = root.join("step-14.partial");
+    std::fs::create_dir(&partial).unwrap();
+    let f = std::fs::File::create(partial.join("rank-00000-of-00001.safetensors")).unwrap();
+    f.write_all_at(&im.0[..CS as usize], 0).unwrap();
+    craft_slot(&arena, 6, 14, &im, b"WWSS", true, &mut keep);
+    // A second arena whose owner had shut down cleanly, but whose name stayed.
+    let closed = Arena::create(&ArenaSpec {
+        name: Some(format!("{shm}.closed")),
+        capacity: 2 * CS,
+        chunk_size: CS,
+        slots: 1,
+        rank: 0,
+        world_size: 1,
+        root: root.clone(),
+    })
+    .unwrap();
+    closed.descriptor().mark_closed();
+    std::hint::black_box((&arena, &closed, &keep));
+    sigkill_self();
+}
+
+fn outcome_of(report: &recover::RecoveryReport, step: u64) -> &SlotOutcome {
+    &report
+        .slots
+        .iter()
+        .find(|s| s.step == step)
+        .unwrap_or_else(|| panic!("step {step} not in the report"))
+        .outcome
+}
+
+fn refusal(report: &recover::RecoveryReport, step: u64) -> String {
+    match outcome_of(report, step) {
+        SlotOutcome::Refused { reason } => reason.clone(),
+        other => panic!("step {step} should be refused: {other:?}"),
+    }
+}
+
+#[test]
+fn crafted_arenas_are_recovered_or_refused_with_reasons() {
+    let dir = real_dir("recover-craft");
+    let root = dir.path();
+    let shm = test_shm_name("craft");
+    let closed = format!("{shm}.closed");
+    let _g = (ShmGuard(shm.clone()), ShmGuard(closed.clone()));
+    let foreign = test_shm_name("foreign");
+    let _gf = ShmGuard(foreign.clone());
+    std::fs::write(Path::new("/dev/shm").join(&foreign), vec![7u8; 8192]).unwrap();
+    run_child("child_crafter", root, &shm);
+
+    // The listing shows all three, and says what each slot holds.
+    let all = recover::list_arenas();
+    let f = all.iter().find(|a| a.name == foreign).unwrap();
+    assert!(
+        matches!(&f.details, Err(why) if why.contains("not a shmckpt arena")),
+        "{f:?}"
+    );
+    let c = all.iter().find(|a| a.name == closed).unwrap();
+    let cd = c.details.as_ref().unwrap();
+    assert!(cd.closed && cd.slots.is_empty() && !cd.in_use());
+    let a = all.iter().find(|a| a.name == shm).unwrap();
+    let ad = a.details.as_ref().unwrap();
+    let steps: Vec<(u64, bool)> = ad.slots.iter().map(|s| (s.step, s.recoverable())).collect();
+    assert_eq!(
+        steps,
+        [
+            (7, false),
+            (8, true),
+            (9, true),
+            (10, false),
+            (11, true),
+            (13, true),
+            (14, true)
+        ]
+    );
+    assert_eq!(ad.slots[0].state, SlotState::Staging);
+    assert_eq!(ad.slots[3].missing, 1);
+
+    // A foreign segment is refused and kept.
+    let err = recover::recover_arena(&foreign, None).unwrap_err();
+    assert!(matches!(err, Error::Recovery { .. }), "{err}");
+    assert!(shm_exists(&foreign));
+    let out = cli(&["recover", "--list"]);
+    assert!(
+        text(&out).contains(&format!("{foreign}  8.0 KiB")),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("unreadable: "), "{}", text(&out));
+
+    let report = recover::recover_arena(&shm, None).unwrap();
+    assert!(report.removed && !shm_exists(&shm), "{report:?}");
+    assert!(!report.has_failures());
+    assert_eq!(report.committed_steps(), [8, 13]);
+    assert!(refusal(&report, 7).contains("not fully staged"));
+    assert!(refusal(&report, 9).contains("the file is gone"));
+    assert!(refusal(&report, 10).contains("neither staged nor written"));
+    assert!(refusal(&report, 11).contains("shmckpt.step"));
+    assert!(refusal(&report, 14).contains("chunks written before the crash reach byte"));
+    match outcome_of(&report, 13) {
+        SlotOutcome::Committed {
+            from_staging,
+            from_file,
+            ..
+        } => assert_eq!((*from_staging, *from_file), (2, 2)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(committed(root), [8, 13]);
+    assert_step_is_exact(root, 8);
+    assert_step_is_exact(root, 13);
+    // Recovery removed what it created for the refused step 11; step 14's partial directory
+    // is the dead trainer's and goes with the next engine open.
+    assert_eq!(partial_dirs(root), ["step-14.partial"]);
+    drop(
+        Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20)).unwrap(),
+    );
+    assert!(partial_dirs(root).is_empty());
+
+    // The cleanly closed leftover is removed and reported, through the CLI.
+    let out = cli(&["recover", "--shm", &closed]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("closed cleanly"), "{}", text(&out));
+    assert!(text(&out).contains("no saves staged"), "{}", text(&out));
+    assert!(!shm_exists(&closed));
+}
+
+/// Child: one fully staged save (step 20) in an arena, then SIGKILL.
+#[test]
+fn child_single() {
+    if !is_child("child_single") {
+        return;
+    }
+    let root = std::fs::canonicalize(env_path(ROOT_ENV)).unwrap();
+    let arena = Arena::create(&ArenaSpec {
+        name: Some(std::env::var(SHM_ENV).unwrap()),
+        capacity: 8 * CS,
+        chunk_size: CS,
+        slots: 1,
+        rank: 0,
+        world_size: 1,
+        root,
+    })
+    .unwrap();
+    let mut keep = Vec::new();
+    let im = file_image(20, &step_state(20));
+    craft_slot(&arena, 0, 20, &im, b"SSSS", true, &mut keep);
+    std::hint::black_box((&arena, &keep));
+    sigkill_self();
+}
+
+/// The owner pid recorded in an arena (bytes 48..52 of the header).
+fn set_owner_pid(shm: &str, pid: u32) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(Path::new("/dev/shm").join(shm))
+        .unwrap();
+    f.write_all_at(&pid.to_ne_bytes(), 48).unwrap();
+}
+
+#[test]
+fn a_reused_owner_pid_is_not_mistaken_for_the_owner() {
+    let dir = real_dir("recover-pid");
+    let root = dir.path();
+    let shm = test_shm_name("pid");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_single", root, &shm);
+    let owner = |shm: &str| recover::inspect_arena(shm).details.unwrap().owner;
+    assert_eq!(owner(&shm), Owner::Dead);
+    // A live process that does not map the arena now has the owner's pid.
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    set_owner_pid(&shm, sleeper.id());
+    assert_eq!(owner(&shm), Owner::PidReused);
+    // Our own pid, but this process did not create the arena.
+    set_owner_pid(&shm, std::process::id());
+    assert_eq!(owner(&shm), Owner::PidReused);
+    set_owner_pid(&shm, sleeper.id());
+    let report = recover::recover_arena(&shm, None).unwrap();
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    assert_eq!(report.committed_steps(), [20]);
+    assert_step_is_exact(root, 20);
+    assert!(!shm_exists(&shm));
+}
+
+/// Child: once step 1 is staged, its chunk 2's write is held back (so the save cannot
+/// settle) and chunk 3's fails with EIO (chunks 0 and 1 are slow, so both writers are busy
+/// until staging has finished and chunk 2 is taken before chunk 3); once the failure is
+/// recorded, step 2 is staged, reusing the freed staging chunk, and the child dies by
+/// SIGKILL.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn child_reuser() {
+    use shmckpt::io::OpKind;
+    use shmckpt::io::fault::{Fault, FaultPlan, Rule};
+    if !is_child("child_reuser") {
+        return;
+    }
+    let root = env_path(ROOT_ENV);
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let plan = Arc::new(FaultPlan::new());
+    let at = |k: u64, fault| Rule {
+        kind: OpKind::Write,
+        offsets: k * CS..k * CS + 1,
+        fault,
+        times: Some(1),
+    };
+    plan.add(at(0, Fault::Delay(Duration::from_millis(300))));
+    plan.add(at(1, Fault::Delay(Duration::from_millis(300))));
+    plan.add(at(2, Fault::Delay(Duration::from_secs(60))));
+    plan.add(at(3, Fault::Errno(libc::EIO)));
+    let engine = Engine::open(
+        small_config(&root, BackendKind::Auto)
+            .with_staging_capacity(16 * CS)
+            .with_queue_depth(1)
+            .with_writer_threads(2)
+            .with_shm_name(shm.clone())
+            .with_faults(plan),
+    )
+    .unwrap();
+    let s1 = step_state(1);
+    let h1 = engine.save(1, &s1.tensors(), &Metadata::new()).unwrap();
+    // Without the descriptor fix this never happens; go on anyway, the parent then sees
+    // the damage.
+    let _ = wait_for(Duration::from_secs(5), || {
+        slot_of(&shm, 1).is_some_and(|s| s.missing > 0)
+    });
+    let s2 = step_state(2);
+    let h2 = engine.save(2, &s2.tensors(), &Metadata::new()).unwrap();
+    std::hint::black_box((&h1, &h2));
+    sigkill_self();
+}
+
+/// Regression: a chunk whose write failed must not stay `STAGED` in the descriptor once its
+/// staging chunk is free for reuse, or recovery would commit another save's bytes.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn failed_write_is_never_recovered_from_reused_staging() {
+    let dir = real_dir("recover-reuse");
+    let root = dir.path();
+    let shm = test_shm_name("reuse");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_reuser", root, &shm);
+    let s1 = slot_of(&shm, 1).expect("step 1 still in its slot");
+    let report = recover::recover_arena(&shm, None).unwrap();
+    if committed(root).contains(&1) {
+        let dir = root.join("step-1");
+        let ck = shmckpt::restore::load_owned(&dir, 0, &Default::default()).unwrap();
+        let same = ck
+            .tensors
+            .iter()
+            .zip(&step_state(1).data)
+            .all(|(t, d)| t.data.as_bytes() == &d[..]);
+        panic!(
+            "a failed save was committed by recovery (its bytes are step 1's: {same}); slot was {s1:?}"
+        );
+    }
+    assert_eq!(s1.state, SlotState::Staged);
+    assert!(s1.missing >= 1 && !s1.recoverable(), "{s1:?}");
+    assert!(
+        refusal(&report, 1).contains("neither staged nor written"),
+        "{report:?}"
+    );
+    assert_eq!(report.committed_steps(), [2]);
+    assert_eq!(committed(root), [2]);
+    assert_step_is_exact(root, 2);
+    assert!(!shm_exists(&shm));
+}
+
+#[test]
+fn io_failure_during_recovery_keeps_the_arena_for_a_retry() {
+    let dir = real_dir("recover-retry");
+    let root = dir.path();
+    let shm = test_shm_name("retry");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_single", root, &shm);
+    // Something in the way of the file: opening it fails with EISDIR.
+    let blocker = root.join("step-20.partial/rank-00000-of-00001.safetensors");
+    std::fs::create_dir_all(&blocker).unwrap();
+    let report = recover::recover_arena(&shm, None).unwrap();
+    match outcome_of(&report, 20) {
+        SlotOutcome::Failed { error } => {
+            assert_eq!(error.raw_os_error(), Some(libc::EISDIR), "{error}");
+            assert!(error.to_string().contains(&blocker.display().to_string()));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(report.has_failures() && !report.removed);
+    assert!(
+        report
+            .kept
+            .as_ref()
+            .unwrap()
+            .contains("run `shmckpt recover")
+    );
+    assert!(shm_exists(&shm), "kept for a retry");
+    assert!(committed(root).is_empty());
+    let out = cli(&["recover", "--shm", &shm]);
+    assert!(!out.status.success(), "a kept arena is a failure");
+    assert!(
+        text(&out).contains("FAILED") && text(&out).contains("kept arena"),
+        "{}",
+        text(&out)
+    );
+    // Cause removed: the retry commits the exact bytes and removes the arena.
+    std::fs::remove_dir(&blocker).unwrap();
+    let report = recover::recover_arena(&shm, None).unwrap();
+    assert_eq!(report.committed_steps(), [20]);
+    assert!(report.removed && !shm_exists(&shm));
+    assert_step_is_exact(root, 20);
+
+    // Another dead arena staging the same, now committed, step: reported and skipped.
+    let shm2 = test_shm_name("retry2");
+    let _g2 = ShmGuard(shm2.clone());
+    run_child("child_single", root, &shm2);
+    let report = recover::recover_arena(&shm2, None).unwrap();
+    assert!(
+        matches!(outcome_of(&report, 20), SlotOutcome::AlreadyCommitted { dir } if dir == &root.join("step-20")),
+        "{report:?}"
+    );
+    assert!(report.committed_steps().is_empty());
+    assert!(report.removed && !shm_exists(&shm2));
+    assert_step_is_exact(root, 20);
+}
