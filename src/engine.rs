@@ -678,22 +678,19 @@ impl Engine {
             self.shared.gate.leave();
         };
 
-        // 2. Files.
+        // 2. Files: a committed step is refused here; creating the partial directory and
+        // the file (metadata operations that can wait behind the filesystem's journal,
+        // e.g. discards of a deleted checkpoint) happens off the caller's path, on the
+        // opener thread below, while staging proceeds.
+        if cfg.root.join(manifest::step_dir_name(step)).exists() {
+            undo();
+            return Err(Error::StepExists {
+                step,
+                root: cfg.root.clone(),
+            });
+        }
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
-        let partial = commit::prepare_partial(&cfg.root, step, &file_name, cfg.world_size)
-            .inspect_err(|_| undo())?;
-        let setup = FileTarget::create(&partial.join(&file_name), cfg.direct_io).and_then(|t| {
-            t.preallocate(align_up(plan.file_len()))?;
-            Ok(t)
-        });
-        let target = match setup {
-            Ok(t) => t,
-            Err(e) => {
-                commit::abort_partial(&partial, &file_name);
-                undo();
-                return Err(e);
-            }
-        };
+        let partial = cfg.root.join(manifest::partial_dir_name(step));
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
@@ -716,8 +713,10 @@ impl Engine {
             step,
             plan,
             metadata: metadata.clone(),
-            direct: target.is_direct(),
-            target,
+            file: FileSlot {
+                path: partial.join(&file_name),
+                ..FileSlot::default()
+            },
             partial,
             file_name,
             slot,
@@ -735,10 +734,18 @@ impl Engine {
             .unwrap_or(false);
         if !queued {
             // No commit thread to clean up: do it here.
-            commit::abort_partial(&state.partial, &state.file_name);
             arena.release_slot(slot);
             undo();
             return Err(Error::Shutdown("engine closed".into()));
+        }
+        let st = Arc::clone(&state);
+        let opener = std::thread::Builder::new()
+            .name("shmckpt-open".into())
+            .spawn(move || st.open_file());
+        if let Err(e) = opener {
+            state.file_opened(Err(Error::Shutdown(format!(
+                "cannot spawn the file-opening thread: {e}"
+            ))));
         }
         *lock(&self.last_save) = Some(Arc::clone(&state));
         Ok(state)
@@ -897,14 +904,31 @@ struct Progress {
     done: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum FileState {
+    #[default]
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// The save's file, opened by the opener thread while staging runs.
+#[derive(Debug, Default)]
+struct FileSlot {
+    target: OnceLock<FileTarget>,
+    state: Mutex<FileState>,
+    changed: Condvar,
+    /// Where the file is being written (known before it exists, for errors).
+    path: PathBuf,
+}
+
 /// One save in flight; shared by the caller's handle, the writers and the commit thread.
 pub(crate) struct SaveState {
     shared: Arc<Shared>,
     step: u64,
     plan: Plan,
     metadata: Metadata,
-    target: FileTarget,
-    direct: bool,
+    file: FileSlot,
     partial: PathBuf,
     file_name: String,
     slot: u32,
@@ -951,13 +975,55 @@ impl SaveState {
         (len, write_len)
     }
 
+    /// Staged chunks are always zero-padded to 4096; the writer writes the padding only
+    /// when the file is open with O_DIRECT.
     fn write_len(&self, len: usize) -> usize {
-        if self.direct {
-            align_up(len as u64) as usize
-        } else {
-            len
-        }
+        align_up(len as u64) as usize
     }
+
+    /// Runs on the opener thread: create the partial directory and the file, reserve its
+    /// space. Failures fail the save (the handle reports them).
+    fn open_file(&self) {
+        let cfg = &self.shared.cfg;
+        let r = commit::prepare_partial(&cfg.root, self.step, &self.file_name, cfg.world_size)
+            .and_then(|partial| {
+                let t = FileTarget::create(&partial.join(&self.file_name), cfg.direct_io)?;
+                t.preallocate(align_up(self.plan.file_len()))?;
+                Ok(t)
+            });
+        self.file_opened(r);
+    }
+
+    fn file_opened(&self, r: Result<FileTarget>) {
+        let ok = match r {
+            Ok(t) => {
+                let _ = self.file.target.set(t);
+                true
+            }
+            Err(e) => {
+                self.failed.store(true, Ordering::Release);
+                let mut p = lock(&self.progress);
+                if p.error.is_none() {
+                    p.error = Some(e);
+                }
+                false
+            }
+        };
+        *lock(&self.file.state) = if ok { FileState::Ready } else { FileState::Failed };
+        self.file.changed.notify_all();
+        self.changed.notify_all();
+    }
+
+    /// The open file, waiting for the opener; `None` if opening failed.
+    fn file_target(&self) -> Option<&FileTarget> {
+        let mut s = lock(&self.file.state);
+        while *s == FileState::Pending {
+            s = self.file.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(s);
+        self.file.target.get()
+    }
+
 
     fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {
         let mut p = lock(&self.progress);
@@ -984,6 +1050,9 @@ impl SaveState {
         while !(p.staging_done && p.finished == p.dispatched) {
             p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
         }
+        drop(p);
+        // The opener must be done too, so a failed save's file can be removed.
+        let _ = self.file_target();
     }
 
     fn wait_done(&self) {
@@ -1018,8 +1087,12 @@ impl SaveState {
 }
 
 impl WriteSink for SaveState {
-    fn target(&self) -> &FileTarget {
-        &self.target
+    fn target(&self) -> Option<&FileTarget> {
+        self.file_target()
+    }
+
+    fn path(&self) -> &Path {
+        &self.file.path
     }
 
     fn failed(&self) -> bool {
@@ -1250,7 +1323,10 @@ fn finalize(st: &SaveState) -> Result<SaveReport> {
 
 fn persist(st: &SaveState) -> Result<SaveReport> {
     let cfg = &st.shared.cfg;
-    st.target.finish(st.plan.file_len())?;
+    let target = st
+        .file_target()
+        .ok_or_else(|| Error::Shutdown("the checkpoint file was never opened".into()))?;
+    target.finish(st.plan.file_len())?;
     let durable = st.started.elapsed();
     let crcs = st.tensor_crcs();
     let data_start = st.plan.data_start();
@@ -1310,7 +1386,7 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
             committed,
         },
         backend: st.shared.backend,
-        direct_io: st.direct,
+        direct_io: target.is_direct(),
         retired,
     })
 }

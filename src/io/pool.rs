@@ -21,8 +21,11 @@ use crate::staging::ChunkLease;
 
 /// The party that owns a write: a save in flight.
 pub trait WriteSink: Send + Sync {
-    /// The file written.
-    fn target(&self) -> &FileTarget;
+    /// The file written, waiting until it is open; `None` when opening it failed (the
+    /// save has failed then).
+    fn target(&self) -> Option<&FileTarget>;
+    /// Path of the file (for errors).
+    fn path(&self) -> &std::path::Path;
     /// True once the save has failed; later jobs are skipped.
     fn failed(&self) -> bool;
     /// The chunk's write ended. Runs on the writer thread; `bytes` is the staged chunk
@@ -51,8 +54,9 @@ pub struct ChunkInfo {
     pub offset: u64,
     /// Bytes of the chunk that belong to the file.
     pub len: usize,
-    /// Bytes to write: `len`, or `len` rounded up to 4096 for O_DIRECT (the padding is
-    /// zero and is cut off by the final `ftruncate`).
+    /// `len` rounded up to 4096: the staged chunk is zero-padded to here. With O_DIRECT
+    /// the padding is written too (and cut off by the final `ftruncate`); buffered files
+    /// get exactly `len` bytes.
     pub write_len: usize,
 }
 
@@ -158,6 +162,8 @@ impl Drop for WriterPool {
 struct Tag {
     sink: Arc<dyn WriteSink>,
     info: ChunkInfo,
+    /// Bytes to write (padded for O_DIRECT, exact otherwise).
+    total: usize,
     /// Bytes written so far.
     done: usize,
 }
@@ -190,9 +196,20 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
                     .finished(&job.info, Some(job.lease.as_slice()), Outcome::Skipped);
                 continue; // the lease drops here: nothing was handed to the kernel
             }
+            let total = match job.sink.target() {
+                Some(t) if t.is_direct() => job.info.write_len,
+                Some(_) => job.info.len,
+                None => {
+                    // Opening the file failed: the save has its error already.
+                    job.sink
+                        .finished(&job.info, Some(job.lease.as_slice()), Outcome::Skipped);
+                    continue;
+                }
+            };
             let tag = Tag {
                 sink: job.sink,
                 info: job.info,
+                total,
                 done: 0,
             };
             issue(&mut q, job.lease, tag);
@@ -210,7 +227,7 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
                 for t in broken.tags {
                     let err = Error::io_at(
                         "io_uring_enter",
-                        t.sink.target().path(),
+                        t.sink.path(),
                         t.info.offset + t.done as u64,
                         io::Error::new(broken.error.kind(), broken.error.to_string()),
                     );
@@ -230,8 +247,8 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
                 let e = io::Error::new(io::ErrorKind::WriteZero, "write returned 0 bytes");
                 fail(&d.lease, t, e);
             } else {
-                t.done = (t.done + r as usize).min(t.info.write_len);
-                if t.done == t.info.write_len {
+                t.done = (t.done + r as usize).min(t.total);
+                if t.done == t.total {
                     t.sink
                         .finished(&t.info, Some(d.lease.as_slice()), Outcome::Written);
                 } else {
@@ -246,7 +263,7 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
 fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
     let sink = Arc::clone(&t.sink);
     let at = t.done;
-    let len = t.info.write_len - t.done;
+    let len = t.total - t.done;
     let offset = t.info.offset + t.done as u64;
     let req = Request {
         kind: OpKind::Write,
@@ -254,7 +271,10 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
         len,
         offset,
     };
-    if let Err((lease, t, e)) = q.push(lease, t, sink.target(), req) {
+    let Some(target) = sink.target() else {
+        return fail(&lease, t, std::io::Error::other("file not open"));
+    };
+    if let Err((lease, t, e)) = q.push(lease, t, target, req) {
         fail(&lease, t, e);
     }
 }
@@ -262,7 +282,7 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
 fn fail(lease: &ChunkLease, t: Tag, e: io::Error) {
     let err = Error::io_at(
         "write",
-        t.sink.target().path(),
+        t.sink.path(),
         t.info.offset + t.done as u64,
         e,
     );
