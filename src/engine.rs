@@ -1009,7 +1009,11 @@ impl SaveState {
                 false
             }
         };
-        *lock(&self.file.state) = if ok { FileState::Ready } else { FileState::Failed };
+        *lock(&self.file.state) = if ok {
+            FileState::Ready
+        } else {
+            FileState::Failed
+        };
         self.file.changed.notify_all();
         self.changed.notify_all();
     }
@@ -1023,7 +1027,6 @@ impl SaveState {
         drop(s);
         self.file.target.get()
     }
-
 
     fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {
         let mut p = lock(&self.progress);

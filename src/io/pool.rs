@@ -280,12 +280,7 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
 }
 
 fn fail(lease: &ChunkLease, t: Tag, e: io::Error) {
-    let err = Error::io_at(
-        "write",
-        t.sink.path(),
-        t.info.offset + t.done as u64,
-        e,
-    );
+    let err = Error::io_at("write", t.sink.path(), t.info.offset + t.done as u64, e);
     tracing::error!(error = %err, "write failed");
     t.sink
         .finished(&t.info, Some(lease.as_slice()), Outcome::Failed(err));
