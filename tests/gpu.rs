@@ -7,40 +7,11 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use shmckpt::device::cuda::{self, Context, DeviceBuffer, Stream};
+use shmckpt::device::cuda::{Context, DeviceBuffer, Stream};
 use shmckpt::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, EngineConfig, Metadata, SaveOptions, StepSel, Tensor};
-
-fn gpu() -> Option<Arc<Context>> {
-    let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
-    if !found {
-        assert!(
-            !require,
-            "SHMCKPT_REQUIRE_GPU=1 but no CUDA driver/GPU was found"
-        );
-        eprintln!("SKIPPED: no CUDA driver or GPU");
-        return None;
-    }
-    Some(Context::new(0).expect("device 0"))
-}
-
-fn test_dir(tag: &str) -> tempfile::TempDir {
-    match std::env::var_os("SHMCKPT_TEST_DIR") {
-        Some(d) => {
-            let base = PathBuf::from(d);
-            std::fs::create_dir_all(&base).unwrap();
-            tempfile::Builder::new()
-                .prefix(tag)
-                .tempdir_in(base)
-                .unwrap()
-        }
-        None => common::real_dir(tag),
-    }
-}
 
 /// ≥ 4 GiB in ≥ 100 device tensors of mixed dtypes and odd sizes, random content.
 fn big_layout() -> Vec<LayoutEntry> {
@@ -105,13 +76,13 @@ fn tensors<'a>(layout: &'a [LayoutEntry], bufs: &'a [DeviceBuffer]) -> Vec<Tenso
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
 fn gpu_round_trip_4gib_overwritten_after_save() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     let layout = big_layout();
     let bytes: u64 = layout.iter().map(LayoutEntry::len).sum();
     assert!(bytes >= 4 << 30 && layout.len() >= 100);
     let seed = 0x5eed;
     let mut bufs = upload(&ctx, &layout, seed);
-    let dir = test_dir("gpu-rt");
+    let dir = common::gpu_test_dir("gpu-rt");
     let engine = EngineConfig::new(dir.path())
         .with_staging_capacity(bytes + (256 << 20))
         .build()
@@ -171,9 +142,9 @@ fn gpu_round_trip_4gib_overwritten_after_save() {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
 fn gpu_memory_unchanged_by_save_and_returned_after_free() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     let layout = synthetic::uniform(512 << 20, 16, Dtype::BF16);
-    let dir = test_dir("gpu-mem");
+    let dir = common::gpu_test_dir("gpu-mem");
     let engine = EngineConfig::new(dir.path())
         .with_staging_capacity(600 << 20)
         .build()
@@ -216,10 +187,10 @@ fn gpu_memory_unchanged_by_save_and_returned_after_free() {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
 fn gpu_copy_waits_for_the_callers_stream() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     let layout = synthetic::uniform(256 << 20, 4, Dtype::U8);
     let mut bufs = upload(&ctx, &layout, 4);
-    let dir = test_dir("gpu-order");
+    let dir = common::gpu_test_dir("gpu-order");
     let engine = EngineConfig::new(dir.path())
         .with_staging_capacity(300 << 20)
         .build()
@@ -249,11 +220,11 @@ fn gpu_copy_waits_for_the_callers_stream() {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
 fn gpu_async_save_reports_staged_then_durable_and_mixed_sources_work() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     let layout = synthetic::mixed(300 << 20, 50);
     let bufs = upload(&ctx, &layout, 5);
     let host_extra = vec![7u8; 12345];
-    let dir = test_dir("gpu-async");
+    let dir = common::gpu_test_dir("gpu-async");
     let engine = EngineConfig::new(dir.path())
         .with_staging_capacity(400 << 20)
         .build()

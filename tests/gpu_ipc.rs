@@ -23,34 +23,6 @@ fn exe() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_shmckpt")))
 }
 
-fn gpu() -> Option<Arc<Context>> {
-    let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
-    if !found {
-        assert!(
-            !require,
-            "SHMCKPT_REQUIRE_GPU=1 but no CUDA driver/GPU was found"
-        );
-        eprintln!("SKIPPED: no CUDA driver or GPU");
-        return None;
-    }
-    Some(Context::new(0).expect("device 0"))
-}
-
-fn test_dir(tag: &str) -> tempfile::TempDir {
-    match std::env::var_os("SHMCKPT_TEST_DIR") {
-        Some(d) => {
-            let base = PathBuf::from(d);
-            std::fs::create_dir_all(&base).unwrap();
-            tempfile::Builder::new()
-                .prefix(tag)
-                .tempdir_in(base)
-                .unwrap()
-        }
-        None => common::real_dir(tag),
-    }
-}
-
 fn client(root: &std::path::Path, cache: bool, staging: u64) -> IpcWriterClient {
     IpcConfig::new(root)
         .with_exe(exe())
@@ -214,11 +186,11 @@ fn check_step(root: &std::path::Path, step: u64, layout: &[LayoutEntry], seed: u
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu_ipc -- --ignored --test-threads=1"]
 fn ipc_round_trip_exact_bytes_cached_and_uncached() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     for cache in [true, false] {
         let mut st = State::new(&ctx, 11);
         assert!(st.bytes() > 32 << 20);
-        let dir = test_dir(if cache {
+        let dir = common::gpu_test_dir(if cache {
             "ipc-rt-cached"
         } else {
             "ipc-rt-uncached"
@@ -279,7 +251,7 @@ fn ipc_round_trip_exact_bytes_cached_and_uncached() {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu_ipc -- --ignored --test-threads=1"]
 fn ipc_save_waits_for_the_trainers_stream() {
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     let layout = synthetic::uniform(256 << 20, 4, Dtype::U8);
     let mut bufs: Vec<DeviceBuffer> = layout
         .iter()
@@ -288,7 +260,7 @@ fn ipc_save_waits_for_the_trainers_stream() {
     for b in &mut bufs {
         b.memset(0).unwrap();
     }
-    let dir = test_dir("ipc-order");
+    let dir = common::gpu_test_dir("ipc-order");
     let c = client(dir.path(), true, 300 << 20);
     let trainer = Stream::new(&ctx).unwrap();
     // Writes queued on the trainer's own stream, not waited for: `save` must order the
@@ -343,8 +315,8 @@ fn save_all(c: &IpcWriterClient, step: u64, bufs: &[DeviceBuffer]) {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu_ipc -- --ignored --test-threads=1"]
 fn ipc_cached_handles_keep_freed_memory_until_release() {
-    let Some(ctx) = gpu() else { return };
-    let dir = test_dir("ipc-mem");
+    let Some(ctx) = common::gpu() else { return };
+    let dir = common::gpu_test_dir("ipc-mem");
     let each = (GIB / 4) as usize;
     let c = client(dir.path(), true, GIB + (16 << 20));
     c.prepare(&[0]).unwrap();
@@ -414,8 +386,8 @@ fn tensors_of(bufs: &[DeviceBuffer]) -> Vec<Tensor<'_>> {
 #[test]
 #[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu_ipc -- --ignored --test-threads=1"]
 fn ipc_reallocated_buffer_and_the_stale_cache_failure_mode() {
-    let Some(ctx) = gpu() else { return };
-    let dir = test_dir("ipc-stale");
+    let Some(ctx) = common::gpu() else { return };
+    let dir = common::gpu_test_dir("ipc-stale");
     let len = 8 << 20;
     let c = client(dir.path(), true, 64 << 20);
     let uuid = cuda::device_uuid(0).unwrap();
@@ -514,8 +486,8 @@ fn ipc_gpu_trainer_role() {
     if std::env::var(ROLE_ENV).as_deref() != Ok("gpu-trainer") {
         return;
     }
-    let Some(ctx) = gpu() else { return };
-    let dir = test_dir("ipc-killed");
+    let Some(ctx) = common::gpu() else { return };
+    let dir = common::gpu_test_dir("ipc-killed");
     let c = client(dir.path(), true, GIB + (16 << 20));
     let bufs = alloc_state(&ctx, 4, (GIB / 4) as usize);
     save_all(&c, 1, &bufs);
@@ -532,7 +504,7 @@ fn ipc_gpu_trainer_role() {
 fn ipc_killed_trainer_leaves_no_writer_and_returns_device_memory() {
     use std::io::BufRead;
     use std::time::{Duration, Instant};
-    let Some(ctx) = gpu() else { return };
+    let Some(ctx) = common::gpu() else { return };
     // The orphaned writer is reparented to us: we see it die and reap it.
     rustix::process::set_child_subreaper(Some(rustix::process::getpid())).unwrap();
     let f0 = free(&ctx);

@@ -94,15 +94,15 @@ pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error
     Ok(synthetic::uniform(a.size, a.tensors, d))
 }
 
-/// Build the engine the benchmark measures.
-pub fn engine_for(a: &BenchArgs, bytes: u64) -> Result<Engine, shmckpt::Error> {
-    let mut cfg = EngineConfig::new(&a.dir)
-        .with_backend(a.backend)
-        .with_keep_last(Some(1));
+/// Settings of the engine the benchmark measures, rooted at `dir`: staging for one save's
+/// file image (header included) plus slack, newest checkpoint kept, tuning flags applied.
+pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> EngineConfig {
     let chunk = a.chunk_size.unwrap_or(shmckpt::engine::DEFAULT_CHUNK_SIZE);
-    cfg = cfg.with_chunk_size(chunk);
-    // One save's file image (header included) plus a chunk of slack.
-    cfg = cfg.with_staging_capacity(bytes + (64 << 20) + chunk);
+    let mut cfg = EngineConfig::new(dir)
+        .with_backend(a.backend)
+        .with_keep_last(Some(1))
+        .with_chunk_size(chunk)
+        .with_staging_capacity(bytes + (64 << 20) + chunk);
     if let Some(n) = a.writer_threads {
         cfg = cfg.with_writer_threads(n);
     }
@@ -112,7 +112,12 @@ pub fn engine_for(a: &BenchArgs, bytes: u64) -> Result<Engine, shmckpt::Error> {
     if let Some(n) = a.copy_threads {
         cfg = cfg.with_copy_threads(n);
     }
-    cfg.build()
+    cfg
+}
+
+/// Build the engine the benchmark measures, rooted at `--dir`.
+pub fn engine_for(a: &BenchArgs, bytes: u64) -> Result<Engine, shmckpt::Error> {
+    engine_config(a, &a.dir, bytes).build()
 }
 
 /// Peak resident set size of this process (VmHWM), bytes.

@@ -18,7 +18,7 @@ use shmckpt::device::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 use shmckpt::ipc::{IpcConfig, IpcWriterClient};
 use shmckpt::synthetic::{self, LayoutEntry};
 use shmckpt::util::{gbps, median};
-use shmckpt::{Engine, EngineConfig, Metadata, Tensor};
+use shmckpt::{Engine, Metadata, Tensor};
 
 use super::bench::{BenchArgs, Run, load_layout, peak_rss, report};
 use super::{CliResult, human};
@@ -83,25 +83,6 @@ struct Variant {
     last_dir: Option<PathBuf>,
 }
 
-fn engine_config(a: &BenchArgs, dir: &Path, bytes: u64) -> EngineConfig {
-    let chunk = a.chunk_size.unwrap_or(shmckpt::engine::DEFAULT_CHUNK_SIZE);
-    let mut cfg = EngineConfig::new(dir)
-        .with_backend(a.backend)
-        .with_keep_last(Some(1))
-        .with_chunk_size(chunk)
-        .with_staging_capacity(bytes + (64 << 20) + chunk);
-    if let Some(n) = a.writer_threads {
-        cfg = cfg.with_writer_threads(n);
-    }
-    if let Some(n) = a.queue_depth {
-        cfg = cfg.with_queue_depth(n);
-    }
-    if let Some(n) = a.copy_threads {
-        cfg = cfg.with_copy_threads(n);
-    }
-    cfg
-}
-
 /// The same settings for the writer process.
 fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
     let chunk = a.chunk_size.unwrap_or(shmckpt::engine::DEFAULT_CHUNK_SIZE);
@@ -136,7 +117,7 @@ fn free(ctx: &Context) -> Result<u64, shmckpt::Error> {
 impl Variant {
     fn shm(a: &BenchArgs, dir: PathBuf, bytes: u64) -> Result<Variant, Box<dyn std::error::Error>> {
         std::fs::create_dir_all(&dir)?;
-        let engine = engine_config(a, &dir, bytes).build()?;
+        let engine = super::bench::engine_config(a, &dir, bytes).build()?;
         let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
         let backend = engine.backend().to_owned();
         Ok(Variant {

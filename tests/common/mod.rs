@@ -353,3 +353,36 @@ pub fn relay_markers(text: &str, markers: &[&str]) -> bool {
     }
     seen
 }
+
+/// CUDA device 0 for GPU tests; `None` (after printing `SKIPPED`) when there is no driver
+/// or GPU, unless `SHMCKPT_REQUIRE_GPU=1`, which makes that a failure.
+pub fn gpu() -> Option<std::sync::Arc<shmckpt::device::cuda::Context>> {
+    use shmckpt::device::cuda;
+    let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
+    if !found {
+        assert!(
+            !require,
+            "SHMCKPT_REQUIRE_GPU=1 but no CUDA driver/GPU was found"
+        );
+        eprintln!("SKIPPED: no CUDA driver or GPU");
+        return None;
+    }
+    Some(cuda::Context::new(0).expect("device 0"))
+}
+
+/// Checkpoint directory of GPU tests: under `$SHMCKPT_TEST_DIR` when set (the GPU machine
+/// runs prebuilt test binaries away from this checkout), else [`real_dir`].
+pub fn gpu_test_dir(tag: &str) -> tempfile::TempDir {
+    match std::env::var_os("SHMCKPT_TEST_DIR") {
+        Some(d) => {
+            let base = PathBuf::from(d);
+            std::fs::create_dir_all(&base).unwrap();
+            tempfile::Builder::new()
+                .prefix(tag)
+                .tempdir_in(base)
+                .unwrap()
+        }
+        None => real_dir(tag),
+    }
+}
