@@ -122,6 +122,9 @@ impl IoBackend for FaultyBackend {
         self.inner.queue_depth()
     }
 
+    /// # Safety
+    /// The contract of [`IoBackend::push`]: the buffer stays valid (and untouched by
+    /// others) until this request's completion is returned by `wait`.
     unsafe fn push(&mut self, mut op: IoOp) -> io::Result<()> {
         match self.plan.take(&op) {
             Some(Fault::Errno(e)) => {

@@ -31,6 +31,9 @@ impl IoBackend for PwriteBackend {
         self.depth
     }
 
+    /// # Safety
+    /// The contract of [`IoBackend::push`]: the buffer stays valid (and untouched by
+    /// others) until this request's completion is returned by `wait`.
     unsafe fn push(&mut self, op: IoOp) -> io::Result<()> {
         if self.done.len() >= self.depth {
             return Err(io::Error::other("pwrite queue full"));

@@ -105,6 +105,9 @@ impl IoBackend for UringBackend {
         self.depth
     }
 
+    /// # Safety
+    /// The contract of [`IoBackend::push`]: the buffer stays valid (and untouched by
+    /// others) until this request's completion is returned by `wait`.
     unsafe fn push(&mut self, op: IoOp) -> io::Result<()> {
         if self.in_flight >= self.depth {
             return Err(io::Error::other("io_uring queue full"));
