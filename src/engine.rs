@@ -8,6 +8,7 @@
 //! directory.
 
 use std::collections::BTreeSet;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 
 use crate::commit::{self, RootLock};
-use crate::device::cuda::DeviceBuffer;
+use crate::device::cuda::{DeviceBuffer, EventRef, StreamRef};
 use crate::device::{After, CudaStaging, DeviceSink, Sources, StageJob};
 use crate::error::{Error, Result};
 use crate::io::file::FileTarget;
@@ -364,42 +365,37 @@ impl Gate {
     }
 }
 
-/// Options of [`Engine::save_with`] and [`Engine::save_async`].
+/// Options of [`Engine::save_with`] and [`Engine::save_async`]; borrows the streams and
+/// events it names for `'a`.
 #[derive(Debug, Clone, Default)]
-pub struct SaveOptions {
+pub struct SaveOptions<'a> {
     after: Vec<(i32, After)>,
+    _handles: PhantomData<&'a ()>,
 }
 
-impl SaveOptions {
+impl<'a> SaveOptions<'a> {
     /// Default options: device copies start after the device is synchronized.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Copy device `device`'s tensors after the work queued on `stream` (a `CUstream`, 0
-    /// for the legacy default stream) when `save` is called, instead of synchronizing the
-    /// whole device. Use the stream the tensors were produced on.
-    ///
-    /// # Safety
-    /// `stream` must be a live `CUstream` of device `device` in this process until the save
-    /// has been staged.
-    #[allow(unsafe_code)]
-    pub unsafe fn after_stream(mut self, device: i32, stream: u64) -> Self {
+    /// Copy the tensors of `stream`'s device after the work queued on `stream` when `save`
+    /// is called, instead of synchronizing the whole device. Use the stream the tensors
+    /// were produced on ([`Stream::handle`](crate::cuda::Stream::handle), or
+    /// [`StreamRef::from_raw`](crate::cuda::StreamRef::from_raw) for a framework's stream).
+    pub fn after_stream(mut self, stream: StreamRef<'a>) -> Self {
+        let device = stream.device();
         self.after.retain(|(d, _)| *d != device);
-        self.after.push((device, After::Stream(stream)));
+        self.after.push((device, After::Stream(stream.raw())));
         self
     }
 
-    /// Copy device `device`'s tensors after `event` (a `CUevent` the caller recorded after
+    /// Copy the tensors of `event`'s device after `event` (recorded by the caller after
     /// producing them) instead of synchronizing the whole device.
-    ///
-    /// # Safety
-    /// `event` must be a live `CUevent` of device `device` in this process until the save
-    /// has been staged.
-    #[allow(unsafe_code)]
-    pub unsafe fn after_event(mut self, device: i32, event: u64) -> Self {
+    pub fn after_event(mut self, event: EventRef<'a>) -> Self {
+        let device = event.device();
         self.after.retain(|(d, _)| *d != device);
-        self.after.push((device, After::Event(event)));
+        self.after.push((device, After::Event(event.raw())));
         self
     }
 }
@@ -541,7 +537,7 @@ impl Engine {
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
-        opts: &SaveOptions,
+        opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
         let state = self.begin(step, tensors, metadata)?;
@@ -574,7 +570,7 @@ impl Engine {
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
-        opts: &SaveOptions,
+        opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
         // unmodified until the handle reports the save staged.
@@ -808,7 +804,8 @@ impl Engine {
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut DeviceBuffer)],
     ) -> Result<u64> {
-        let slices: Vec<(&str, DeviceSlice)> = dest.iter().map(|(n, b)| (*n, b.slice())).collect();
+        let slices: Vec<(&str, DeviceSlice<'_>)> =
+            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
         // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
         // is valid for writes and nobody else uses it until we return.
         unsafe { self.load_into_device_raw(which, &slices) }
@@ -823,7 +820,7 @@ impl Engine {
     pub unsafe fn load_into_device_raw(
         &self,
         which: impl Into<StepSel>,
-        dest: &[(&str, DeviceSlice)],
+        dest: &[(&str, DeviceSlice<'_>)],
     ) -> Result<u64> {
         let info = self.resolve(which.into())?;
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;

@@ -19,6 +19,19 @@ pub mod synthetic;
 pub mod tensor;
 pub mod util;
 
+/// The CUDA façade: device memory, streams and events as typed values.
+pub mod cuda {
+    pub use crate::device::cuda::{
+        Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef, device_count,
+        driver_present, driver_version, init,
+    };
+    #[cfg(feature = "ipc")]
+    pub use crate::device::cuda::{
+        IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,
+    };
+    pub use crate::tensor::DeviceSlice;
+}
+
 pub use dtype::Dtype;
 pub use engine::{
     Engine, EngineConfig, SaveHandle, SaveOptions, SaveReport, SaveTimings, StagedReport, StepSel,

@@ -1,6 +1,7 @@
 //! Tensor descriptions handed to `save`, and owned tensors returned by `load`.
 
 use std::borrow::Cow;
+use std::marker::PhantomData;
 
 use crate::dtype::Dtype;
 
@@ -11,7 +12,7 @@ pub enum Source<'a> {
     /// Bytes in host memory (any host memory: pageable, pinned, mapped).
     Host(&'a [u8]),
     /// Bytes in CUDA device memory.
-    Cuda(DeviceSlice),
+    Cuda(DeviceSlice<'a>),
 }
 
 impl Source<'_> {
@@ -29,29 +30,51 @@ impl Source<'_> {
     }
 }
 
-/// A range of CUDA device memory: a device pointer, its length and the device ordinal.
+/// A range of CUDA device memory: a device pointer, its length and the device ordinal,
+/// borrowed for `'a` from whatever owns the memory.
 ///
-/// Building one is `unsafe`: the engine will read `len` bytes at `ptr` on device `device`
-/// during `save`, so the range must be valid device memory of that device for the whole
-/// call.
+/// Safe code gets one only from an owner that outlives it
+/// ([`DeviceBuffer::slice`](crate::cuda::DeviceBuffer::slice),
+/// [`IpcMapping::slice`](crate::cuda::IpcMapping::slice)), so a slice cannot outlive its
+/// buffer:
+///
+/// ```compile_fail,E0505
+/// # fn f(ctx: &std::sync::Arc<shmckpt::cuda::Context>) -> shmckpt::Result<()> {
+/// let buf = shmckpt::cuda::DeviceBuffer::alloc(ctx, 16)?;
+/// let slice = buf.slice();
+/// drop(buf); // error: `buf` is still borrowed by `slice`
+/// let _ = slice.len();
+/// # Ok(()) }
+/// ```
+///
+/// Memory owned elsewhere (a framework's tensor, a raw `CUdeviceptr` from FFI) is
+/// described with the `unsafe` [`DeviceSlice::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceSlice {
+pub struct DeviceSlice<'a> {
     ptr: u64,
     len: usize,
     device: i32,
+    _owner: PhantomData<&'a ()>,
 }
 
-impl DeviceSlice {
-    /// Describe `len` bytes of device memory at `ptr` on device ordinal `device`.
+impl DeviceSlice<'_> {
+    /// Describe `len` bytes of device memory at `ptr` on device ordinal `device`, for any
+    /// lifetime the caller picks (`DeviceSlice<'static>` for FFI callers).
     ///
     /// # Safety
     /// - `ptr..ptr + len` must be memory allocated on device `device` in this process
     ///   (`cuMemAlloc`, a framework allocator, or memory mapped into it), valid for reads;
     /// - it must stay allocated until the `save` (or `load_into_device`) call that receives it
-    ///   returns, and, for `load`, nothing else may access it until then.
+    ///   returns (for `save_async`, until the save is staged), and, for `load`, nothing else
+    ///   may access it until then.
     #[allow(unsafe_code)]
     pub unsafe fn new(ptr: u64, len: usize, device: i32) -> Self {
-        DeviceSlice { ptr, len, device }
+        DeviceSlice {
+            ptr,
+            len,
+            device,
+            _owner: PhantomData,
+        }
     }
 
     /// The device pointer (`CUdeviceptr`).
@@ -104,23 +127,12 @@ impl<'a> Tensor<'a> {
         }
     }
 
-    /// A tensor whose bytes are a whole [`DeviceBuffer`](crate::device::cuda::DeviceBuffer)
-    /// (the borrow keeps the memory alive while the tensor is in use).
-    pub fn device_buffer(
-        name: impl Into<Cow<'a, str>>,
-        dtype: Dtype,
-        shape: impl Into<Vec<usize>>,
-        buf: &'a crate::device::cuda::DeviceBuffer,
-    ) -> Self {
-        Tensor::cuda(name, dtype, shape, buf.slice())
-    }
-
     /// A tensor whose bytes are in CUDA device memory.
     pub fn cuda(
         name: impl Into<Cow<'a, str>>,
         dtype: Dtype,
         shape: impl Into<Vec<usize>>,
-        slice: DeviceSlice,
+        slice: DeviceSlice<'a>,
     ) -> Self {
         Tensor {
             name: name.into(),

@@ -69,7 +69,7 @@ fn tensors<'a>(layout: &'a [LayoutEntry], bufs: &'a [DeviceBuffer]) -> Vec<Tenso
     layout
         .iter()
         .zip(bufs)
-        .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+        .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
         .collect()
 }
 
@@ -201,7 +201,7 @@ fn gpu_copy_waits_for_the_callers_stream() {
         trainer.memset_async(b, 0x5A).unwrap();
     }
     // SAFETY: `trainer` is a live stream of device 0 for the whole test.
-    let opts = unsafe { SaveOptions::new().after_stream(0, trainer.raw()) };
+    let opts = SaveOptions::new().after_stream(trainer.handle());
     engine
         .save_with(1, &tensors(&layout, &bufs), &Metadata::new(), &opts)
         .unwrap()

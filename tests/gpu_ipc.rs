@@ -271,7 +271,7 @@ fn ipc_save_waits_for_the_trainers_stream() {
     let ts: Vec<Tensor<'_>> = layout
         .iter()
         .zip(&bufs)
-        .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+        .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
         .collect();
     c.save(1, &ts, &Metadata::new()).unwrap().wait().unwrap();
     c.shutdown().unwrap();
@@ -307,7 +307,7 @@ fn save_all(c: &IpcWriterClient, step: u64, bufs: &[DeviceBuffer]) {
     let ts: Vec<Tensor<'_>> = names
         .iter()
         .zip(bufs)
-        .map(|(n, b)| Tensor::device_buffer(n.as_str(), Dtype::U8, vec![b.len()], b))
+        .map(|(n, b)| b.tensor(n.as_str(), Dtype::U8, vec![b.len()]))
         .collect();
     c.save(step, &ts, &Metadata::new()).unwrap().wait().unwrap();
 }
@@ -374,7 +374,7 @@ fn ipc_cached_handles_keep_freed_memory_until_release() {
 fn tensors_of(bufs: &[DeviceBuffer]) -> Vec<Tensor<'_>> {
     bufs.iter()
         .enumerate()
-        .map(|(k, b)| Tensor::device_buffer(format!("m.{k}"), Dtype::U8, vec![b.len()], b))
+        .map(|(k, b)| b.tensor(format!("m.{k}"), Dtype::U8, vec![b.len()]))
         .collect()
 }
 

@@ -69,7 +69,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let tensors: Vec<Tensor<'_>> = layout
             .iter()
             .zip(&bufs)
-            .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+            .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
             .collect();
         let (free_before, _) = ctx.mem_info()?;
         let h = engine.save(first + i as u64, &tensors, &shmckpt::Metadata::new())?;

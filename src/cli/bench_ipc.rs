@@ -282,7 +282,7 @@ fn tensors<'a>(layout: &'a [LayoutEntry], bufs: &'a [DeviceBuffer]) -> Vec<Tenso
     layout
         .iter()
         .zip(bufs)
-        .map(|(e, b)| Tensor::device_buffer(e.name.as_str(), e.dtype, e.shape.clone(), b))
+        .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
         .collect()
 }
 

@@ -7,6 +7,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_void};
+use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,16 @@ use cudarc::driver::sys;
 use crate::error::{Error, Result};
 use crate::staging::Arena;
 use crate::tensor::DeviceSlice;
+
+fn length_matches(op: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!(
+            "{op}: host buffer of {got} bytes for a device buffer of {want} bytes"
+        )))
+    }
+}
 
 /// Whether `libcuda` can be loaded (no CUDA call is made).
 pub fn driver_present() -> bool {
@@ -236,9 +247,18 @@ impl Stream {
         &self.ctx
     }
 
-    /// The raw `CUstream` handle (for [`SaveOptions::after_stream`](crate::SaveOptions)).
+    /// The raw `CUstream` handle.
     pub fn raw(&self) -> u64 {
         self.raw as u64
+    }
+
+    /// This stream, borrowed, for [`SaveOptions::after_stream`](crate::SaveOptions).
+    pub fn handle(&self) -> StreamRef<'_> {
+        StreamRef {
+            raw: self.raw as u64,
+            device: self.ctx.ordinal(),
+            _owner: PhantomData,
+        }
     }
 
     /// Block until everything queued has run.
@@ -376,6 +396,15 @@ impl Event {
         )
     }
 
+    /// This event, borrowed, for [`SaveOptions::after_event`](crate::SaveOptions).
+    pub fn handle(&self) -> EventRef<'_> {
+        EventRef {
+            raw: self.raw as u64,
+            device: self.ctx.ordinal(),
+            _owner: PhantomData,
+        }
+    }
+
     /// True when the work before the record has completed.
     pub fn query(&self) -> Result<bool> {
         // SAFETY: live event.
@@ -405,6 +434,101 @@ impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: the event is ours.
         let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+    }
+}
+
+/// A `CUstream` the engine orders its copies after, borrowed for `'a`.
+///
+/// Safe code gets one from a [`Stream`] it holds ([`Stream::handle`]), so the stream
+/// cannot be destroyed while a save may still wait on it:
+///
+/// ```compile_fail,E0505
+/// # fn f(ctx: &std::sync::Arc<shmckpt::cuda::Context>) -> shmckpt::Result<()> {
+/// let stream = shmckpt::cuda::Stream::new(ctx)?;
+/// let opts = shmckpt::SaveOptions::new().after_stream(stream.handle());
+/// drop(stream); // error: `stream` is still borrowed by `opts`
+/// let _ = opts;
+/// # Ok(()) }
+/// ```
+///
+/// A raw handle from another library (PyTorch's `cudaStream_t`, passed as an integer)
+/// goes through the `unsafe` [`StreamRef::from_raw`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamRef<'a> {
+    raw: u64,
+    device: i32,
+    _owner: PhantomData<&'a ()>,
+}
+
+impl StreamRef<'_> {
+    /// Wrap a raw `CUstream` (`cudaStream_t`) of device ordinal `device`, for any lifetime
+    /// the caller picks.
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` (or 0, the legacy default stream) of the primary
+    /// context of device `device` in this process, and stay live until the save that
+    /// receives it has been staged.
+    #[allow(unsafe_code)]
+    pub unsafe fn from_raw(raw: u64, device: i32) -> Self {
+        StreamRef {
+            raw,
+            device,
+            _owner: PhantomData,
+        }
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+}
+
+/// A `CUevent` the engine orders its copies after, borrowed for `'a` (see [`StreamRef`]).
+///
+/// ```compile_fail,E0505
+/// # fn f(ctx: &std::sync::Arc<shmckpt::cuda::Context>) -> shmckpt::Result<()> {
+/// let event = shmckpt::cuda::Event::new(ctx)?;
+/// let opts = shmckpt::SaveOptions::new().after_event(event.handle());
+/// drop(event); // error: `event` is still borrowed by `opts`
+/// let _ = opts;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventRef<'a> {
+    raw: u64,
+    device: i32,
+    _owner: PhantomData<&'a ()>,
+}
+
+impl EventRef<'_> {
+    /// Wrap a raw `CUevent` (`cudaEvent_t`) of device ordinal `device`, for any lifetime
+    /// the caller picks.
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUevent` of device `device` in this process, and stay live
+    /// until the save that receives it has been staged.
+    #[allow(unsafe_code)]
+    pub unsafe fn from_raw(raw: u64, device: i32) -> Self {
+        EventRef {
+            raw,
+            device,
+            _owner: PhantomData,
+        }
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device
     }
 }
 
@@ -507,16 +631,27 @@ impl DeviceBuffer {
         &self.ctx
     }
 
-    /// The memory as a [`DeviceSlice`] for `save` and `load`.
-    pub fn slice(&self) -> DeviceSlice {
-        // SAFETY: the range is this allocation on this device; `Tensor::device_buffer`
-        // ties the slice's use to a borrow of the buffer.
+    /// The memory as a [`DeviceSlice`] for `save` and `load`, borrowed from the buffer.
+    pub fn slice(&self) -> DeviceSlice<'_> {
+        // SAFETY: the range is this allocation on this device; the returned slice borrows
+        // `self`, so the allocation outlives every use of it.
         unsafe { DeviceSlice::new(self.ptr, self.len, self.ctx.ordinal()) }
+    }
+
+    /// A tensor whose bytes are this whole buffer (the borrow keeps the memory alive while
+    /// the tensor is in use).
+    pub fn tensor<'a>(
+        &'a self,
+        name: impl Into<std::borrow::Cow<'a, str>>,
+        dtype: crate::Dtype,
+        shape: impl Into<Vec<usize>>,
+    ) -> crate::Tensor<'a> {
+        crate::Tensor::cuda(name, dtype, shape, self.slice())
     }
 
     /// Copy `src` (same length) to the device, synchronously.
     pub fn upload(&mut self, src: &[u8]) -> Result<()> {
-        assert_eq!(src.len(), self.len, "upload length");
+        length_matches("upload", src.len(), self.len)?;
         if self.len == 0 {
             return Ok(());
         }
@@ -530,7 +665,7 @@ impl DeviceBuffer {
 
     /// Copy the device bytes into `dst` (same length), synchronously.
     pub fn download(&self, dst: &mut [u8]) -> Result<()> {
-        assert_eq!(dst.len(), self.len, "download length");
+        length_matches("download", dst.len(), self.len)?;
         if self.len == 0 {
             return Ok(());
         }
@@ -590,6 +725,9 @@ impl PinnedHost {
             unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
             "cuMemAllocHost",
         )?;
+        // SAFETY: `p` is a fresh host allocation of at least `len` bytes that nothing else
+        // references; zeroing it makes every byte initialised, so `as_slice` is sound.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
         Ok(PinnedHost {
             ptr: p.cast(),
             len,
@@ -600,8 +738,15 @@ impl PinnedHost {
     /// Time one plain pinned device-to-host copy of each buffer in `srcs`, back to back on
     /// one stream, into this memory (which must be large enough).
     pub fn time_dtoh(&mut self, srcs: &[&DeviceBuffer], stream: &Stream) -> Result<Duration> {
-        let total: usize = srcs.iter().map(|b| b.len()).sum();
-        assert!(total <= self.len, "pinned buffer too small");
+        srcs.iter()
+            .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
+            .filter(|&t| t <= self.len)
+            .ok_or_else(|| {
+                Error::Cuda(format!(
+                    "pinned buffer of {} bytes is too small for the copy",
+                    self.len
+                ))
+            })?;
         stream.context().bind()?;
         let t = Instant::now();
         let mut at = 0;
@@ -615,9 +760,10 @@ impl PinnedHost {
         Ok(t.elapsed())
     }
 
-    /// The bytes.
+    /// The bytes (zero until a copy wrote them).
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: an owned allocation of `len` bytes.
+        // SAFETY: an owned allocation of `len` bytes, zeroed in `alloc` (so initialised)
+        // and written since only through `&mut self`.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -794,9 +940,8 @@ impl IpcMapping {
 
     /// The `len` bytes at `offset` of the mapped allocation, for `save`. `alloc_size` is
     /// the allocation size the exporter reported; the range must lie inside it and inside
-    /// the size the driver reports for the mapping. Like [`DeviceBuffer::slice`], the slice
-    /// must not be used after this mapping is dropped.
-    pub fn slice(&self, offset: u64, len: usize, alloc_size: usize) -> Result<DeviceSlice> {
+    /// the size the driver reports for the mapping. The slice borrows the mapping.
+    pub fn slice(&self, offset: u64, len: usize, alloc_size: usize) -> Result<DeviceSlice<'_>> {
         let end = offset.checked_add(len as u64);
         let bound = self.size.map_or(alloc_size, |s| s.min(alloc_size)) as u64;
         match end {
@@ -809,8 +954,7 @@ impl IpcMapping {
         }
         // SAFETY: `ptr + offset .. + len` lies inside the allocation mapped into this
         // process on this context's device (bounds checked above), which stays mapped
-        // while `self` lives; the caller keeps `self` until the save that reads the slice
-        // has been staged (this function's contract).
+        // while `self` lives; the returned slice borrows `self`.
         Ok(unsafe { DeviceSlice::new(self.ptr + offset, len, self.ctx.ordinal()) })
     }
 }

@@ -26,7 +26,7 @@ use cuda::{Context, CtxGuard, Event, HostRegistration, Stream};
 #[derive(Debug, Clone, Copy)]
 enum SrcPtr {
     Host { ptr: *const u8, len: usize },
-    Cuda(DeviceSlice),
+    Cuda(DeviceSlice<'static>),
 }
 
 /// The sources of one save; host bytes borrowed for `'a`.
@@ -53,7 +53,11 @@ impl<'a> Sources<'a> {
                     ptr: b.as_ptr(),
                     len: b.len(),
                 },
-                Source::Cuda(d) => SrcPtr::Cuda(d),
+                // SAFETY: the same range as `d`; `Sources<'a>` keeps the borrow for `'a`
+                // (or `into_static`'s contract keeps it valid), like `d` did.
+                Source::Cuda(d) => {
+                    SrcPtr::Cuda(unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
+                }
             })
             .collect();
         Sources {
@@ -95,7 +99,7 @@ impl<'a> Sources<'a> {
         }
     }
 
-    fn device(&self, i: usize) -> Option<DeviceSlice> {
+    fn device(&self, i: usize) -> Option<DeviceSlice<'static>> {
         match self.v[i] {
             SrcPtr::Cuda(d) => Some(d),
             SrcPtr::Host { .. } => None,
@@ -103,9 +107,11 @@ impl<'a> Sources<'a> {
     }
 }
 
-/// How device copies are ordered after the trainer's work on one device.
+/// How device copies are ordered after the trainer's work on one device. Built only from
+/// a [`cuda::StreamRef`] / [`cuda::EventRef`], whose lifetime (or `from_raw`'s contract)
+/// keeps the handle live while the save is staged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum After {
+pub(crate) enum After {
     /// Wait for everything queued on this `CUstream` when `save` is called.
     Stream(u64),
     /// Wait for this `CUevent` (recorded by the caller).
@@ -211,7 +217,7 @@ impl CudaStaging {
     /// Copy a save whose sources include device memory into staging, handing each chunk
     /// to `dispatch` as soon as its copies completed. Returns the time spent waiting for
     /// free chunks.
-    pub fn stage(&self, job: &StageJob<'_>, after: &[(i32, After)]) -> Result<Duration> {
+    pub(crate) fn stage(&self, job: &StageJob<'_>, after: &[(i32, After)]) -> Result<Duration> {
         let devices = job.sources.devices();
         self.prepare(&devices)?;
         let _guard = CtxGuard::save()?;
@@ -225,12 +231,15 @@ impl CudaStaging {
             match after.iter().find(|(dev, _)| *dev == d).map(|(_, a)| *a) {
                 Some(After::Stream(s)) => {
                     let e = st.event()?;
-                    // SAFETY: the caller of `save` vouches for its stream handle.
+                    // SAFETY: `After` values come only from a `StreamRef` (`SaveOptions`),
+                    // borrowed from a live `Stream` for the save, or from `from_raw`, whose
+                    // contract keeps the handle live until the save is staged.
                     unsafe { e.record_raw(s)? };
                     st.stream.wait_event(&e)?;
                     st.give_back(e);
                 }
-                // SAFETY: the caller of `save` vouches for its event handle.
+                // SAFETY: as for streams: an `EventRef` borrowed from a live `Event`, or
+                // `from_raw`'s contract.
                 Some(After::Event(e)) => unsafe { st.stream.wait_raw_event(e)? },
                 None => st.ctx.synchronize()?,
             }
@@ -351,7 +360,7 @@ pub struct StageJob<'a> {
 /// A [`ReadSink`] that copies restored bytes to device memory (`cuMemcpyHtoDAsync` from
 /// the staging chunk, synchronized before the chunk is reused).
 pub struct DeviceSink {
-    dest: Vec<DeviceSlice>,
+    dest: Vec<DeviceSlice<'static>>,
     streams: BTreeMap<i32, Arc<DeviceState>>,
     used: BTreeSet<i32>,
     _guard: CtxGuard,
@@ -363,7 +372,13 @@ impl DeviceSink {
     /// # Safety
     /// Every destination must be device memory of its device, valid for writes of its
     /// length, and not used by anyone else until the load returns.
-    pub unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice>) -> Result<DeviceSink> {
+    pub unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice<'_>>) -> Result<DeviceSink> {
+        // SAFETY: the same ranges; this function's contract keeps them valid until the
+        // load returns, and the sink does not outlive the load.
+        let dest: Vec<DeviceSlice<'static>> = dest
+            .iter()
+            .map(|d| unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
+            .collect();
         let devices: BTreeSet<i32> = dest.iter().map(|d| d.device()).collect();
         let guard = CtxGuard::save()?;
         cuda.prepare(&devices)?;
