@@ -912,7 +912,7 @@ enum FileState {
 /// The save's file, opened by the opener thread while staging runs.
 #[derive(Debug, Default)]
 struct FileSlot {
-    target: OnceLock<FileTarget>,
+    target: OnceLock<Arc<FileTarget>>,
     state: Mutex<FileState>,
     changed: Condvar,
     /// Where the file is being written (known before it exists, for errors).
@@ -994,7 +994,7 @@ impl SaveState {
     fn file_opened(&self, r: Result<FileTarget>) {
         let ok = match r {
             Ok(t) => {
-                let _ = self.file.target.set(t);
+                let _ = self.file.target.set(Arc::new(t));
                 true
             }
             Err(e) => {
@@ -1016,7 +1016,7 @@ impl SaveState {
     }
 
     /// The open file, waiting for the opener; `None` if opening failed.
-    fn file_target(&self) -> Option<&FileTarget> {
+    fn file_target(&self) -> Option<&Arc<FileTarget>> {
         let mut s = lock(&self.file.state);
         while *s == FileState::Pending {
             s = self.file.changed.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -1087,7 +1087,7 @@ impl SaveState {
 }
 
 impl WriteSink for SaveState {
-    fn target(&self) -> Option<&FileTarget> {
+    fn target(&self) -> Option<&Arc<FileTarget>> {
         self.file_target()
     }
 

@@ -342,7 +342,7 @@ pub fn read_file(
     opts: &ReadOptions,
     sink: &mut dyn ReadSink,
 ) -> Result<ReadStats> {
-    let target = FileTarget::open_read(path, opts.direct_io)?;
+    let target = Arc::new(FileTarget::open_read(path, opts.direct_io)?);
     let actual = target.len()?;
     if actual < entry.bytes {
         return Err(Error::Truncated {

@@ -23,7 +23,7 @@ use crate::staging::ChunkLease;
 pub trait WriteSink: Send + Sync {
     /// The file written, waiting until it is open; `None` when opening it failed (the
     /// save has failed then).
-    fn target(&self) -> Option<&FileTarget>;
+    fn target(&self) -> Option<&Arc<FileTarget>>;
     /// Path of the file (for errors).
     fn path(&self) -> &std::path::Path;
     /// True once the save has failed; later jobs are skipped.

@@ -5,6 +5,7 @@
 #![allow(unsafe_code)]
 
 use std::io;
+use std::sync::Arc;
 
 use super::file::FileTarget;
 use super::{Completion, IoBackend, IoOp, OpKind};
@@ -44,10 +45,18 @@ pub struct Request {
     pub offset: u64,
 }
 
+/// One request in flight: its buffer and its file, both owned until the completion.
+struct Slot<T> {
+    lease: ChunkLease,
+    /// Keeps the fd open until the kernel is done with the request.
+    _file: Arc<FileTarget>,
+    tag: T,
+}
+
 /// A backend plus the requests in flight.
 pub struct LeaseQueue<T> {
     backend: Box<dyn IoBackend>,
-    slots: Vec<Option<(ChunkLease, T)>>,
+    slots: Vec<Option<Slot<T>>>,
     free: Vec<usize>,
     completions: Vec<Completion>,
 }
@@ -79,13 +88,14 @@ impl<T> LeaseQueue<T> {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Queue `req` on `lease`'s chunk. On failure lease and tag come back with the error.
+    /// Queue `req` on `lease`'s chunk against `file`. The queue keeps the lease and a clone
+    /// of `file` until the completion. On failure lease and tag come back with the error.
     #[allow(clippy::type_complexity, clippy::result_large_err)]
     pub fn push(
         &mut self,
         lease: ChunkLease,
         tag: T,
-        file: &FileTarget,
+        file: &Arc<FileTarget>,
         req: Request,
     ) -> Result<(), (ChunkLease, T, io::Error)> {
         let Request {
@@ -112,12 +122,18 @@ impl<T> LeaseQueue<T> {
             offset,
             user_data: idx as u64,
         };
-        // SAFETY: the lease (the only handle to these bytes) moves into `slots[idx]` and
-        // leaves it only when this request's completion is reaped in `wait`, or never (it is
-        // leaked) if the backend breaks; the fd is resolved by the kernel at submission.
+        // SAFETY: the lease (the only handle to these bytes) and an `Arc` of the file (which
+        // keeps `op.fd` open) move into `slots[idx]` and leave it only when this request's
+        // completion is reaped in `wait`, or never (both are leaked) if the backend breaks.
+        // The io_uring backend submits to the kernel only in `wait`, so the fd must stay
+        // open past this call: the slot's `Arc` is what guarantees it.
         match unsafe { self.backend.push(op) } {
             Ok(()) => {
-                self.slots[idx] = Some((lease, tag));
+                self.slots[idx] = Some(Slot {
+                    lease,
+                    _file: Arc::clone(file),
+                    tag,
+                });
                 Ok(())
             }
             Err(e) => {
@@ -132,9 +148,10 @@ impl<T> LeaseQueue<T> {
         self.completions.clear();
         if let Err(error) = self.backend.wait(min, &mut self.completions) {
             let mut tags = Vec::new();
-            for (lease, tag) in self.slots.drain(..).flatten() {
-                std::mem::forget(lease);
-                tags.push(tag);
+            for slot in self.slots.drain(..).flatten() {
+                std::mem::forget(slot.lease);
+                std::mem::forget(slot._file);
+                tags.push(slot.tag);
             }
             self.free.clear();
             return Err(Broken { error, tags });
@@ -143,7 +160,7 @@ impl<T> LeaseQueue<T> {
         for c in self.completions.drain(..) {
             let idx = c.user_data as usize;
             match self.slots.get_mut(idx).and_then(Option::take) {
-                Some((lease, tag)) => {
+                Some(Slot { lease, tag, .. }) => {
                     self.free.push(idx);
                     out.push(Done {
                         lease,
