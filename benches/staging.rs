@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use shmckpt::synthetic;
+use shmckpt::testing::synthetic;
 use shmckpt::{Dtype, EngineConfig, Metadata, Tensor};
 
 const BYTES: u64 = 256 << 20;
@@ -37,7 +37,7 @@ fn staging(c: &mut Criterion) {
                 for _ in 0..iters {
                     step += 1;
                     let h = engine.save(step, &tensors, &Metadata::new()).unwrap();
-                    total += h.staged().staging;
+                    total += h.staged().unwrap().staging;
                     h.wait().unwrap();
                 }
                 total

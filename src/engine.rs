@@ -240,6 +240,29 @@ impl EngineConfig {
     }
 }
 
+/// A tensor whose memory is handed to the engine, for [`Engine::save_async_owned`].
+#[derive(Debug)]
+pub struct OwnedTensor {
+    /// Name, unique within a save.
+    pub name: String,
+    /// Element type.
+    pub dtype: crate::Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Its bytes.
+    pub data: OwnedData,
+}
+
+/// The memory of an [`OwnedTensor`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OwnedData {
+    /// Host bytes.
+    Host(Vec<u8>),
+    /// A whole device buffer.
+    Cuda(DeviceBuffer),
+}
+
 /// Which committed checkpoint to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepSel {
@@ -256,6 +279,7 @@ impl From<u64> for StepSel {
 }
 
 /// Timings of a save, measured from the moment `save` was called.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SaveTimings {
     /// Until `save` returned: every byte staged (the trainer's stall).
@@ -270,6 +294,7 @@ pub struct SaveTimings {
 }
 
 /// What a finished save did.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq)]
 pub struct SaveReport {
     /// Step.
@@ -301,6 +326,7 @@ impl SaveReport {
 }
 
 /// What is known as soon as `save` returns.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StagedReport {
     /// Step.
@@ -550,7 +576,7 @@ impl Engine {
             Err(()) => Err(SaveHandle { state }
                 .wait()
                 .err()
-                .unwrap_or_else(|| Error::Shutdown("staging failed".into()))),
+                .unwrap_or_else(|| Error::Internal("staging failed without an error".into()))),
         }
     }
 
@@ -576,24 +602,66 @@ impl Engine {
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
         let state = self.begin(step, tensors, metadata)?;
+        self.spawn_staging(state, sources, opts.after.clone(), Box::new(()))
+    }
+
+    /// [`Engine::save_async`] without `unsafe`: the engine takes ownership of the tensors'
+    /// memory and frees it once the save is staged (device buffers are dropped then, host
+    /// vectors deallocated). Device copies start after the device is synchronized.
+    #[allow(unsafe_code)]
+    pub fn save_async_owned(
+        &self,
+        step: u64,
+        tensors: Vec<OwnedTensor>,
+        metadata: &Metadata,
+    ) -> Result<SaveHandle> {
+        let views: Vec<Tensor<'_>> = tensors
+            .iter()
+            .map(|t| match &t.data {
+                OwnedData::Host(b) => {
+                    Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), b.as_slice())
+                }
+                OwnedData::Cuda(b) => b.tensor(t.name.as_str(), t.dtype, t.shape.clone()),
+            })
+            .collect();
+        // SAFETY: every tensor's memory is owned by `tensors`, which moves into the staging
+        // thread (moving a `Vec` or a `DeviceBuffer` does not move the memory it owns) and
+        // is dropped there only after staging has ended; nobody else can reach it, so it is
+        // neither modified nor freed while it is read.
+        let sources = unsafe { Sources::new(&views).into_static() };
+        let state = self.begin(step, &views, metadata)?;
+        drop(views);
+        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors))
+    }
+
+    /// Stage `state` on a background thread, dropping `sources` and then `keep` (which may
+    /// own the memory `sources` points to) once staging ended.
+    fn spawn_staging(
+        &self,
+        state: Arc<SaveState>,
+        sources: Sources<'static>,
+        after: Vec<(i32, After)>,
+        keep: Box<dyn Send>,
+    ) -> Result<SaveHandle> {
         let jobs = self
             .pool
             .sender()
             .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
         let st = Arc::clone(&state);
-        let after = opts.after.clone();
         let spawned = std::thread::Builder::new()
             .name("shmckpt-stage".into())
             .spawn(move || {
                 let _ = stage_and_finish(&st, &sources, &after, &jobs);
+                drop(sources);
+                drop(keep);
             });
         if let Err(e) = spawned {
-            let err = Error::Shutdown(format!("cannot spawn staging thread: {e}"));
+            let err = Error::Internal(format!("cannot spawn the staging thread: {e}"));
             state.staging_finished(Err(err));
             return Err(SaveHandle { state }
                 .wait()
                 .err()
-                .unwrap_or_else(|| Error::Shutdown("staging failed".into())));
+                .unwrap_or_else(|| Error::Internal("staging failed without an error".into())));
         }
         Ok(SaveHandle { state })
     }
@@ -852,13 +920,18 @@ impl Engine {
         }
     }
 
-    /// Wait for every save in flight to be committed (or to fail).
-    pub fn flush(&self) {
+    /// Wait for every save in flight to be committed (or to fail). Returns the error of
+    /// the last save started if it failed (earlier saves report through their handles).
+    pub fn flush(&self) -> Result<()> {
         self.shared.gate.wait_idle();
         // The commit thread finishes saves in order: the last one done means all are.
         if let Some(last) = lock(&self.last_save).clone() {
             last.wait_done();
+            if let Some(e) = last.failure() {
+                return Err(e);
+            }
         }
+        Ok(())
     }
 
     /// Finish every save in flight, stop the threads, and remove the staging segment.
@@ -895,9 +968,9 @@ struct Progress {
     dispatched: u64,
     finished: u64,
     staging_done: bool,
-    staged: Option<std::result::Result<StagedReport, String>>,
-    error: Option<Error>,
-    result: Option<Result<SaveReport>>,
+    staged: Option<std::result::Result<StagedReport, Arc<Error>>>,
+    error: Option<Arc<Error>>,
+    result: Option<std::result::Result<SaveReport, Arc<Error>>>,
     done: bool,
 }
 
@@ -942,8 +1015,23 @@ pub(crate) struct SaveState {
 impl SaveState {
     fn error_copy(&self) -> Error {
         match &lock(&self.progress).error {
-            Some(e) => Error::Shutdown(format!("save failed: {e}")),
-            None => Error::Shutdown("save failed".into()),
+            Some(e) => Error::SaveFailed {
+                step: self.step,
+                source: Arc::clone(e),
+            },
+            None => Error::Cancelled(format!("save of step {} failed", self.step)),
+        }
+    }
+
+    /// The first error of a failed save, for `flush`; `None` if it succeeded.
+    fn failure(&self) -> Option<Error> {
+        let p = lock(&self.progress);
+        match (&p.result, &p.error) {
+            (Some(Err(e)), _) | (None, Some(e)) => Some(Error::SaveFailed {
+                step: self.step,
+                source: Arc::clone(e),
+            }),
+            _ => None,
         }
     }
 
@@ -1001,7 +1089,7 @@ impl SaveState {
                 self.failed.store(true, Ordering::Release);
                 let mut p = lock(&self.progress);
                 if p.error.is_none() {
-                    p.error = Some(e);
+                    p.error = Some(Arc::new(e));
                 }
                 false
             }
@@ -1031,11 +1119,12 @@ impl SaveState {
             Ok(rep) => p.staged = Some(Ok(rep)),
             Err(e) => {
                 self.failed.store(true, Ordering::Release);
-                p.staged = Some(Err(e.to_string()));
+                let e = Arc::new(e);
                 // A write error that made staging stop is the root cause: keep it.
                 if p.error.is_none() {
-                    p.error = Some(e);
+                    p.error = Some(Arc::clone(&e));
                 }
+                p.staged = Some(Err(p.error.clone().unwrap_or(e)));
             }
         }
         p.staging_done = true;
@@ -1062,7 +1151,7 @@ impl SaveState {
         }
     }
 
-    fn complete(&self, r: Result<SaveReport>) {
+    fn complete(&self, r: std::result::Result<SaveReport, Arc<Error>>) {
         lock(&self.shared.inflight).remove(&self.step);
         let mut p = lock(&self.progress);
         p.result = Some(r);
@@ -1125,7 +1214,7 @@ impl WriteSink for SaveState {
                     .chunk_written(self.slot, chunk.chunk);
             }
             (Outcome::Written, None) => {
-                failure = Some(Error::Shutdown("chunk written without its bytes".into()))
+                failure = Some(Error::Internal("chunk written without its bytes".into()))
             }
             (Outcome::Failed(e), _) => failure = Some(e),
             (Outcome::Skipped, _) => {}
@@ -1142,7 +1231,7 @@ impl WriteSink for SaveState {
         if let Some(e) = failure {
             self.failed.store(true, Ordering::Release);
             if p.error.is_none() {
-                p.error = Some(e);
+                p.error = Some(Arc::new(e));
             }
         }
         p.finished += 1;
@@ -1249,7 +1338,7 @@ fn stage_host(
             for h in handles {
                 let r = h
                     .join()
-                    .unwrap_or_else(|_| Err(Error::Shutdown("a staging thread panicked".into())));
+                    .unwrap_or_else(|_| Err(Error::Internal("a staging thread panicked".into())));
                 if res.is_ok() {
                     res = r;
                 }
@@ -1296,12 +1385,14 @@ fn dispatch(
 }
 
 /// Runs on the commit thread once a save has settled.
-fn finalize(st: &SaveState) -> Result<SaveReport> {
+fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Error>> {
     let failure = {
         let mut p = lock(&st.progress);
         if st.failed() {
             Some(p.error.take().unwrap_or_else(|| {
-                Error::Shutdown("staging failed before the save was complete".into())
+                Arc::new(Error::Internal(
+                    "staging failed before the save was complete".into(),
+                ))
             }))
         } else {
             None
@@ -1309,7 +1400,7 @@ fn finalize(st: &SaveState) -> Result<SaveReport> {
     };
     let result = match failure {
         Some(e) => Err(e),
-        None => persist(st),
+        None => persist(st).map_err(Arc::new),
     };
     if result.is_err() {
         commit::abort_partial(&st.partial, &st.file_name);
@@ -1325,7 +1416,7 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
     let cfg = &st.shared.cfg;
     let target = st
         .file_target()
-        .ok_or_else(|| Error::Shutdown("the checkpoint file was never opened".into()))?;
+        .ok_or_else(|| Error::Internal("the checkpoint file was never opened".into()))?;
     target.finish(st.plan.file_len())?;
     let durable = st.started.elapsed();
     let crcs = st.tensor_crcs();
@@ -1411,17 +1502,12 @@ impl SaveHandle {
         self.state.step
     }
 
-    /// Staging facts (zeros until staged; `save` returns staged).
-    pub fn staged(&self) -> StagedReport {
+    /// Staging facts, once every byte is staged (`save` returns staged); `None` before,
+    /// or when staging failed.
+    pub fn staged(&self) -> Option<StagedReport> {
         match &lock(&self.state.progress).staged {
-            Some(Ok(s)) => *s,
-            _ => StagedReport {
-                step: self.state.step,
-                bytes: self.state.plan.file_len(),
-                staging: Duration::ZERO,
-                backpressure: Duration::ZERO,
-                registration: Duration::ZERO,
-            },
+            Some(Ok(s)) => Some(*s),
+            _ => None,
         }
     }
 
@@ -1443,8 +1529,11 @@ impl SaveHandle {
         }
         match &p.staged {
             Some(Ok(s)) => Ok(*s),
-            Some(Err(m)) => Err(Error::Shutdown(format!("staging failed: {m}"))),
-            None => Err(Error::Shutdown("staging failed".into())),
+            Some(Err(e)) => Err(Error::SaveFailed {
+                step: self.state.step,
+                source: Arc::clone(e),
+            }),
+            None => Err(Error::Internal("staging ended without a report".into())),
         }
     }
 
@@ -1463,9 +1552,20 @@ impl SaveHandle {
                 .wait(p)
                 .unwrap_or_else(|e| e.into_inner());
         }
-        p.result
-            .take()
-            .unwrap_or_else(|| Err(Error::Shutdown("result already taken".into())))
+        let step = self.state.step;
+        // The handle is consumed: its staging report (which may share the error) is no
+        // longer needed, so the caller can get the original error back.
+        if matches!(p.staged, Some(Err(_))) {
+            p.staged = None;
+        }
+        match p.result.take() {
+            Some(Ok(r)) => Ok(r),
+            // The original error, unless `flush` handed out a share of it.
+            Some(Err(e)) => {
+                Err(Arc::try_unwrap(e).unwrap_or_else(|e| Error::SaveFailed { step, source: e }))
+            }
+            None => Err(Error::Internal("result already taken".into())),
+        }
     }
 
     /// Like [`SaveHandle::wait`], giving up after `timeout` (returns the handle back).

@@ -6,6 +6,7 @@
 
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -205,9 +206,24 @@ pub enum Error {
     /// The CUDA driver reported an error or is unavailable.
     #[error("CUDA: {0}")]
     Cuda(String),
-    /// The engine was shut down, or a background thread died.
+    /// The engine was shut down (closed, or its writer threads are gone).
     #[error("engine is shut down: {0}")]
     Shutdown(String),
+    /// A save failed; `source` is the first error it hit (shared, because the save's
+    /// handle, `flush` and staging may all report it).
+    #[error("save of step {step} failed: {source}")]
+    SaveFailed {
+        /// The step.
+        step: u64,
+        /// What went wrong first.
+        source: Arc<Error>,
+    },
+    /// Work was stopped because another part of the same save had already failed.
+    #[error("stopped: {0}")]
+    Cancelled(String),
+    /// A broken internal invariant or a panicked thread (a bug in shmckpt: please report).
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The IPC writer process (`--mode ipc`) could not be started, broke the protocol,
     /// exited, or reported an error (its message, with the writer's pid).
     #[error("IPC writer: {0}")]
@@ -275,6 +291,7 @@ impl Error {
             Error::Io { source, .. }
             | Error::Shm { source, .. }
             | Error::RootNotWritable { source, .. } => source.raw_os_error(),
+            Error::SaveFailed { source, .. } => source.raw_os_error(),
             _ => None,
         }
     }

@@ -1853,7 +1853,9 @@ impl Writer {
             });
         }
         let h = self.engine.save(step, &list, metadata)?;
-        let s = h.staged();
+        let s = h
+            .staged()
+            .ok_or_else(|| Error::Internal("save returned before staging".into()))?;
         Ok((
             Reply::Staged {
                 id: 0,
@@ -2113,7 +2115,10 @@ pub fn run_writer(opts: WriterOptions) -> Result<()> {
     //    then let the saves in flight commit (their bytes are in staging already), report
     //    them, and say goodbye.
     w.close_all();
-    w.engine.flush();
+    // Each save's failure is reported to the trainer by the durable thread.
+    if let Err(e) = w.engine.flush() {
+        tracing::warn!(error = %e, "a save in flight failed");
+    }
     drop(dtx);
     if durable.join().is_err() {
         tracing::error!("IPC durable thread panicked");

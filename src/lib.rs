@@ -2,24 +2,43 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+//! # Features
+//! - `ipc` (off by default): the CUDA IPC writer process ([`ipc`]), the `--mode ipc`
+//!   baseline.
+//! - `testing` (off by default, hidden): synthetic data, the raw-write reference and the
+//!   crate's internals for the CLI, benchmarks and tests.
+//! - `cli` (on by default): what the `shmckpt` binary needs (`ipc` + `testing`). Library
+//!   users build with `default-features = false`.
+//! - `fault-injection` (tests only): I/O fault injection in the write backend.
+
 pub mod commit;
-pub mod device;
-pub mod dtype;
-pub mod engine;
-pub mod error;
-pub mod io;
+pub(crate) mod device;
+mod dtype;
+mod engine;
+mod error;
+pub(crate) mod io;
+#[cfg(feature = "ipc")]
 pub mod ipc;
 pub mod manifest;
-pub mod plan;
+pub(crate) mod plan;
 pub mod recover;
-pub mod reference;
 pub mod restore;
-pub mod staging;
-pub mod synthetic;
-pub mod tensor;
-pub mod util;
+pub(crate) mod staging;
+mod tensor;
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod testing;
+pub(crate) mod util;
 
 /// The CUDA façade: device memory, streams and events as typed values.
+///
+/// Streams and events reach a save only as borrowed [`StreamRef`]/[`EventRef`] values
+/// (or through their `unsafe` `from_raw`): the staging pipeline that takes raw handles is
+/// not reachable from outside the crate.
+///
+/// ```compile_fail,E0603
+/// use shmckpt::device::CudaStaging;
+/// ```
 pub mod cuda {
     pub use crate::device::cuda::{
         Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef, device_count,
@@ -34,10 +53,13 @@ pub mod cuda {
 
 pub use dtype::Dtype;
 pub use engine::{
-    Engine, EngineConfig, SaveHandle, SaveOptions, SaveReport, SaveTimings, StagedReport, StepSel,
+    DEFAULT_CHUNK_SIZE, DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
+    DEFAULT_WRITER_THREADS, Engine, EngineConfig, OwnedData, OwnedTensor, SaveHandle, SaveOptions,
+    SaveReport, SaveTimings, StagedReport, StepSel,
 };
 pub use error::{Error, Result};
 pub use io::BackendKind;
 pub use manifest::{CheckpointInfo, Manifest, Metadata};
+pub use plan::MAX_NAME_LEN;
 pub use restore::Checkpoint;
 pub use tensor::{AlignedBytes, DeviceSlice, LoadedTensor, Source, Tensor};

@@ -16,6 +16,7 @@ pub fn gbps(bytes: u64, d: Duration) -> f64 {
     if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 }
 }
 
+#[cfg(feature = "testing")]
 /// Median of a non-empty slice (mean of the middle two for even lengths).
 pub fn median(values: &[f64]) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
@@ -31,7 +32,7 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "testing"))]
 mod tests {
     use super::*;
 

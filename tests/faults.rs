@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use shmckpt::io::OpKind;
-use shmckpt::io::fault::{Fault, FaultPlan, Rule};
-use shmckpt::synthetic::LayoutEntry;
+use shmckpt::testing::io::OpKind;
+use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, Error, Metadata};
 
 const CS: u64 = 64 << 10;
@@ -229,4 +229,37 @@ fn slow_writes_still_commit_exact_bytes() {
         assert!(plan.fired() >= 4);
         assert_loaded_equal(&e.load(1).unwrap(), &step_state(1));
     }
+}
+
+#[test]
+fn flush_reports_a_failed_save_with_its_root_cause() {
+    let dir = real_dir("flushfail");
+    let root = dir.path();
+    let plan = Arc::new(FaultPlan::new());
+    let e = engine(root, BackendKind::Pwrite, &plan);
+    save_exact(&e, 1);
+    e.flush().unwrap();
+    plan.add(errno_at(8192, libc::EIO));
+    let s2 = step_state(2);
+    let h = e.save(2, &s2.tensors(), &Metadata::new());
+    let err = e.flush().expect_err("flush must report the failed save");
+    match &err {
+        Error::SaveFailed { step, source } => {
+            assert_eq!(*step, 2);
+            assert_eq!(source.raw_os_error(), Some(libc::EIO), "{err}");
+        }
+        other => panic!("expected SaveFailed, got {other:?}"),
+    }
+    assert_eq!(err.raw_os_error(), Some(libc::EIO));
+    drop(err);
+    // The handle (if `save` returned one) still hands out the original write error.
+    if let Ok(h) = h {
+        match h.wait() {
+            Err(Error::Io { op: "write", .. }) => {}
+            other => panic!("expected the write error, got {other:?}"),
+        }
+    }
+    plan.clear();
+    save_exact(&e, 3);
+    e.flush().unwrap();
 }

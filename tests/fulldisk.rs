@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 
 use common::*;
-use shmckpt::synthetic::LayoutEntry;
+use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, Metadata};
 
 const MIB: u64 = 1 << 20;

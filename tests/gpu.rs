@@ -9,8 +9,8 @@ mod common;
 
 use std::sync::Arc;
 
-use shmckpt::device::cuda::{Context, DeviceBuffer, Stream};
-use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::cuda::{Context, DeviceBuffer, Stream};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, EngineConfig, Metadata, SaveOptions, StepSel, Tensor};
 
 /// ≥ 4 GiB in ≥ 100 device tensors of mixed dtypes and odd sizes, random content.

@@ -11,9 +11,9 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use shmckpt::device::cuda::{self, Context, DeviceBuffer, Stream};
+use shmckpt::cuda::{self, Context, DeviceBuffer, Stream};
 use shmckpt::ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
-use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Tensor};
 
 /// The writer executable: `$SHMCKPT_EXE`, else the one cargo built.

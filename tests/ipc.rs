@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shmckpt::device::cuda::{self, IpcMemHandle};
+use shmckpt::cuda::{self, IpcMemHandle};
 use shmckpt::ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
 use shmckpt::{DeviceSlice, Dtype, Engine, EngineConfig, Error, Metadata, Tensor};
 

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use shmckpt::io::OpKind;
-use shmckpt::io::fault::{Fault, FaultPlan, Rule};
 use shmckpt::manifest::{MANIFEST, partial_dir_name, step_dir_name};
 use shmckpt::recover;
-use shmckpt::staging::AttachedArena;
-use shmckpt::staging::descriptor::{chunk_state, slot_state};
+use shmckpt::testing::io::OpKind;
+use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+use shmckpt::testing::staging::AttachedArena;
+use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
 use shmckpt::{BackendKind, Engine, Metadata};
 
 const CS: u64 = 64 << 10;
@@ -136,7 +136,7 @@ fn child_trainer() {
 /// splitmix64 step.
 fn next(rng: &mut u64) -> u64 {
     *rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    shmckpt::synthetic::splitmix64(*rng)
+    shmckpt::testing::synthetic::splitmix64(*rng)
 }
 
 /// Where the dead child was, judged from what it left.

@@ -3,7 +3,7 @@
 
 mod common;
 
-use shmckpt::device::cuda;
+use shmckpt::cuda;
 use shmckpt::{DeviceSlice, Dtype, Engine, Error, Metadata, Tensor};
 
 #[test]

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use shmckpt::recover::{self, Owner, SlotOutcome, SlotState};
-use shmckpt::staging::descriptor::SaveRecord;
-use shmckpt::staging::{Arena, ArenaSpec};
+use shmckpt::testing::staging::descriptor::SaveRecord;
+use shmckpt::testing::staging::{Arena, ArenaSpec};
 use shmckpt::{BackendKind, Engine, Error, Metadata};
 
 const CS: u64 = 64 << 10;
@@ -82,7 +82,7 @@ fn child_saver() {
         .with_queue_depth(1)
         .with_shm_name(shm.clone());
     #[cfg(feature = "fault-injection")]
-    let plan = Arc::new(shmckpt::io::fault::FaultPlan::new());
+    let plan = Arc::new(shmckpt::testing::io::fault::FaultPlan::new());
     #[cfg(feature = "fault-injection")]
     let cfg = cfg.with_faults(Arc::clone(&plan));
     let engine = Engine::open(cfg).unwrap();
@@ -93,10 +93,10 @@ fn child_saver() {
         .wait()
         .unwrap();
     #[cfg(feature = "fault-injection")]
-    plan.add(shmckpt::io::fault::Rule {
-        kind: shmckpt::io::OpKind::Write,
+    plan.add(shmckpt::testing::io::fault::Rule {
+        kind: shmckpt::testing::io::OpKind::Write,
         offsets: 2 * CS..u64::MAX,
-        fault: shmckpt::io::fault::Fault::Delay(Duration::from_secs(60)),
+        fault: shmckpt::testing::io::fault::Fault::Delay(Duration::from_secs(60)),
         times: None,
     });
     let s2 = step_state(2);
@@ -367,7 +367,7 @@ fn craft_slot(
     (image, data_start): &(Vec<u8>, u64),
     states: &[u8],
     staged: bool,
-    keep: &mut Vec<shmckpt::staging::ChunkLease>,
+    keep: &mut Vec<shmckpt::testing::staging::ChunkLease>,
 ) {
     let n = (image.len() as u64).div_ceil(CS);
     assert_eq!(states.len() as u64, n);
@@ -635,8 +635,8 @@ fn a_reused_owner_pid_is_not_mistaken_for_the_owner() {
 #[cfg(feature = "fault-injection")]
 #[test]
 fn child_reuser() {
-    use shmckpt::io::OpKind;
-    use shmckpt::io::fault::{Fault, FaultPlan, Rule};
+    use shmckpt::testing::io::OpKind;
+    use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
     if !is_child("child_reuser") {
         return;
     }

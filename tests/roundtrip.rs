@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, Engine, Error, Metadata, StepSel};
 
 #[test]
@@ -206,7 +206,7 @@ fn bad_input_is_refused_and_writes_nothing() {
             _ => panic!("{what}: unexpected {err:?}"),
         }
     }
-    let long = "x".repeat(shmckpt::plan::MAX_NAME_LEN + 1);
+    let long = "x".repeat(shmckpt::MAX_NAME_LEN + 1);
     let err = engine
         .save(
             1,
@@ -366,4 +366,31 @@ fn two_ranks_commit_one_directory() {
     let err = Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto).with_rank(1, 2))
         .unwrap_err();
     assert!(matches!(err, Error::RootLocked { rank: 1, .. }), "{err:?}");
+}
+
+#[test]
+fn owned_async_save_stages_in_the_background_and_flush_reports_success() {
+    let dir = real_dir("owned");
+    let engine = Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto)).unwrap();
+    let state = step_state(3);
+    let owned: Vec<shmckpt::OwnedTensor> = state
+        .layout
+        .iter()
+        .zip(&state.data)
+        .map(|(e, d)| shmckpt::OwnedTensor {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: shmckpt::OwnedData::Host(d.clone()),
+        })
+        .collect();
+    let h = engine.save_async_owned(3, owned, &Metadata::new()).unwrap();
+    let staged = h.wait_staged().unwrap();
+    assert_eq!(h.staged(), Some(staged));
+    assert_eq!(staged.step, 3);
+    engine.flush().unwrap();
+    assert!(h.is_done());
+    let r = h.wait().unwrap();
+    assert_eq!(r.bytes, staged.bytes);
+    assert_step_is_exact(dir.path(), 3);
 }

@@ -47,7 +47,7 @@ fn child_small_shm() {
             available,
             mount,
         } => {
-            assert!(name.starts_with(shmckpt::staging::NAME_PREFIX));
+            assert!(name.starts_with(shmckpt::testing::staging::NAME_PREFIX));
             assert!(*requested >= 16 << 20);
             assert!(*available <= 1 << 20, "{available}");
             assert_eq!(mount, "/dev/shm");

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use shmckpt::io::OpKind;
-use shmckpt::io::fault::{Fault, FaultPlan, Rule};
-use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::testing::io::OpKind;
+use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, Engine, Metadata, Tensor};
 
 const SAVES: u64 = 200;

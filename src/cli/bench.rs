@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::json;
-use shmckpt::synthetic::{self, LayoutEntry};
-use shmckpt::util::{gbps, median};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
+use shmckpt::testing::util::{gbps, median};
 use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, Tensor};
 
 use super::{CliResult, human, parse_size};
@@ -97,7 +97,7 @@ pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error
 /// Settings of the engine the benchmark measures, rooted at `dir`: staging for one save's
 /// file image (header included) plus slack, newest checkpoint kept, tuning flags applied.
 pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> EngineConfig {
-    let chunk = a.chunk_size.unwrap_or(shmckpt::engine::DEFAULT_CHUNK_SIZE);
+    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
     let mut cfg = EngineConfig::new(dir)
         .with_backend(a.backend)
         .with_keep_last(Some(1))
@@ -164,7 +164,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         let reference_first = i % 2 == 0;
         let mut reference = None;
         if !a.no_reference && reference_first {
-            reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+            reference = Some(shmckpt::testing::reference::raw_direct_write(
+                &a.dir, bytes,
+            )?);
         }
         let tensors: Vec<Tensor<'_>> = layout
             .iter()
@@ -172,13 +174,15 @@ pub fn run(a: BenchArgs) -> CliResult {
             .map(|(e, d)| Tensor::host(e.name.as_str(), e.dtype, e.shape.clone(), d))
             .collect();
         let h = engine.save(first + i as u64, &tensors, &Metadata::new())?;
-        let staged = h.staged();
+        let staged = h.staged().ok_or("save returned before staging")?;
         let r = h.wait()?;
         file_bytes = r.bytes;
         direct = r.direct_io;
         last_dir = r.dir.clone();
         if !a.no_reference && !reference_first {
-            reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+            reference = Some(shmckpt::testing::reference::raw_direct_write(
+                &a.dir, bytes,
+            )?);
         }
         runs.push(Run {
             stall: staged.staging,

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use shmckpt::Tensor;
-use shmckpt::device::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
-use shmckpt::synthetic;
-use shmckpt::util::{gbps, median};
+use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::testing::synthetic;
+use shmckpt::testing::util::{gbps, median};
 
 use super::CliResult;
 use super::bench::{BenchArgs, Run, engine_for, load_layout, report};
@@ -63,7 +63,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
             if !a.no_reference {
-                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                    &a.dir, bytes,
+                )?);
             }
         }
         let tensors: Vec<Tensor<'_>> = layout
@@ -73,7 +75,7 @@ pub fn run(a: BenchArgs) -> CliResult {
             .collect();
         let (free_before, _) = ctx.mem_info()?;
         let h = engine.save(first + i as u64, &tensors, &shmckpt::Metadata::new())?;
-        let staged = h.staged();
+        let staged = h.staged().ok_or("save returned before staging")?;
         let (free_after, _) = ctx.mem_info()?;
         gpu_free_delta = gpu_free_delta.min(free_after as i64 - free_before as i64);
         let r = h.wait()?;
@@ -82,7 +84,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         last_dir = r.dir.clone();
         if swap {
             if !a.no_reference {
-                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                    &a.dir, bytes,
+                )?);
             }
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }

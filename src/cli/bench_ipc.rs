@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
-use shmckpt::device::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 use shmckpt::ipc::{IpcConfig, IpcWriterClient};
-use shmckpt::synthetic::{self, LayoutEntry};
-use shmckpt::util::{gbps, median};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
+use shmckpt::testing::util::{gbps, median};
 use shmckpt::{Engine, Metadata, Tensor};
 
 use super::bench::{BenchArgs, Run, load_layout, peak_rss, report};
@@ -85,7 +85,7 @@ struct Variant {
 
 /// The same settings for the writer process.
 fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
-    let chunk = a.chunk_size.unwrap_or(shmckpt::engine::DEFAULT_CHUNK_SIZE);
+    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
     let mut cfg = IpcConfig::new(dir)
         .with_cache(cache)
         .with_backend(a.backend)
@@ -184,7 +184,7 @@ impl Variant {
         let run = match &self.saver {
             Saver::Shm(e) => {
                 let h = e.save(step, tensors, &Metadata::new())?;
-                let staged = h.staged();
+                let staged = h.staged().ok_or("save returned before staging")?;
                 let during = free(ctx)?;
                 self.gpu_free_delta = self.gpu_free_delta.min(during as i64 - before as i64);
                 let r = h.wait()?;
@@ -549,7 +549,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
             if !a.no_reference {
-                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                    &a.dir, bytes,
+                )?);
             }
         }
         let ts = tensors(&layout, &bufs);
@@ -559,7 +561,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         }
         if swap {
             if !a.no_reference {
-                reference = Some(shmckpt::reference::raw_direct_write(&a.dir, bytes)?);
+                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                    &a.dir, bytes,
+                )?);
             }
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use shmckpt::synthetic::{self, LayoutEntry};
-use shmckpt::util::gbps;
+use shmckpt::testing::synthetic::{self, LayoutEntry};
+use shmckpt::testing::util::gbps;
 use shmckpt::{EngineConfig, Metadata, StepSel, Tensor};
 
 use super::{CliResult, human, progress, secs};

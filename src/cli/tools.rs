@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use shmckpt::manifest::{self, MANIFEST, Manifest};
 use shmckpt::restore::{self, ReadOptions};
-use shmckpt::util::gbps;
+use shmckpt::testing::util::gbps;
 
 use super::{CliResult, human, secs};
 

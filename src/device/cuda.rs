@@ -780,6 +780,7 @@ impl Drop for PinnedHost {
 // CUDA IPC (the `--mode ipc` baseline: NVRx / Megatron's persistent writer process).
 // ---------------------------------------------------------------------------------------
 
+#[cfg(feature = "ipc")]
 /// The 16-byte UUID of device `ordinal` (stable across processes, unlike ordinals, which
 /// depend on `CUDA_VISIBLE_DEVICES`).
 pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
@@ -805,6 +806,7 @@ pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
+#[cfg(feature = "ipc")]
 /// The ordinal, in this process, of the device with UUID `uuid`.
 pub fn ordinal_of_uuid(uuid: &[u8; 16]) -> Result<i32> {
     for d in 0..device_count()? {
@@ -818,6 +820,7 @@ pub fn ordinal_of_uuid(uuid: &[u8; 16]) -> Result<i32> {
     )))
 }
 
+#[cfg(feature = "ipc")]
 /// Base address and size of the device allocation that contains `ptr`
 /// (`cuMemGetAddressRange`). For memory from a caching allocator this is the whole
 /// segment the allocator got from the driver, not the tensor.
@@ -832,12 +835,14 @@ pub fn allocation_range(ctx: &Context, ptr: u64) -> Result<(u64, usize)> {
     Ok((base, size))
 }
 
+#[cfg(feature = "ipc")]
 /// A CUDA IPC memory handle (`CUipcMemHandle`, 64 opaque bytes). The same allocation
 /// always exports the same bytes; a new allocation gets new bytes even at a reused
 /// address.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpcMemHandle(pub [u8; 64]);
 
+#[cfg(feature = "ipc")]
 impl std::fmt::Debug for IpcMemHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "IpcMemHandle(")?;
@@ -848,6 +853,7 @@ impl std::fmt::Debug for IpcMemHandle {
     }
 }
 
+#[cfg(feature = "ipc")]
 impl IpcMemHandle {
     fn to_sys(self) -> sys::CUipcMemHandle {
         sys::CUipcMemHandle {
@@ -856,6 +862,7 @@ impl IpcMemHandle {
     }
 }
 
+#[cfg(feature = "ipc")]
 /// Export the device allocation whose base address is `base` (`cuIpcGetMemHandle`) so
 /// another process can map it with [`IpcMapping::open`]. `base` must be the start of an
 /// allocation ([`allocation_range`] gives it).
@@ -877,6 +884,7 @@ pub fn ipc_export(ctx: &Context, base: u64) -> Result<IpcMemHandle> {
     Ok(IpcMemHandle(h.reserved.map(|b| b as u8)))
 }
 
+#[cfg(feature = "ipc")]
 /// Another process's device allocation mapped into this process
 /// (`cuIpcOpenMemHandle`, with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`). Unmapped with
 /// `cuIpcCloseMemHandle` on drop.
@@ -891,6 +899,7 @@ pub struct IpcMapping {
     ctx: Arc<Context>,
 }
 
+#[cfg(feature = "ipc")]
 impl IpcMapping {
     /// Map `handle` into `ctx` (which must be on the exporter's device; peer access to
     /// another device is enabled lazily).
@@ -959,6 +968,7 @@ impl IpcMapping {
     }
 }
 
+#[cfg(feature = "ipc")]
 impl Drop for IpcMapping {
     fn drop(&mut self) {
         if let Err(e) = self.ctx.bind() {

@@ -268,7 +268,7 @@ impl CudaStaging {
         let mut waited = Duration::ZERO;
         for c in 0..n {
             if (job.failed)() {
-                return Err(Error::Shutdown("the save failed while staging".into()));
+                return Err(Error::Cancelled("the save failed while staging".into()));
             }
             // Never block on the arena while chunks we filled are still waiting for their
             // copies: they are what the writers need to free space.

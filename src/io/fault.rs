@@ -104,7 +104,7 @@ pub struct FaultyBackend {
 
 impl FaultyBackend {
     /// Wrap `inner`.
-    pub fn new(inner: Box<dyn IoBackend>, plan: std::sync::Arc<FaultPlan>) -> Self {
+    pub(crate) fn new(inner: Box<dyn IoBackend>, plan: std::sync::Arc<FaultPlan>) -> Self {
         FaultyBackend {
             inner,
             plan,

@@ -55,11 +55,6 @@ impl FileTarget {
         })
     }
 
-    /// The path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Whether an O_DIRECT descriptor is open.
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
@@ -79,11 +74,6 @@ impl FileTarget {
             }
             _ => self.buffered.as_raw_fd(),
         }
-    }
-
-    /// The buffered descriptor.
-    pub fn buffered_fd(&self) -> RawFd {
-        self.buffered.as_raw_fd()
     }
 
     /// Reserve `len` bytes on disk, so a full disk fails here and not halfway through the
@@ -108,15 +98,11 @@ impl FileTarget {
     }
 
     /// Current file length.
+    #[allow(clippy::len_without_is_empty)] // a fallible fstat, not a container length
     pub fn len(&self) -> Result<u64> {
         rustix::fs::fstat(&self.buffered)
             .map(|s| s.st_size as u64)
             .map_err(|e| Error::io("fstat", &self.path, e.into()))
-    }
-
-    /// Whether the file is empty.
-    pub fn is_empty(&self) -> Result<bool> {
-        self.len().map(|l| l == 0)
     }
 }
 

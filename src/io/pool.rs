@@ -132,15 +132,6 @@ impl WriterPool {
         self.tx.clone()
     }
 
-    /// Queue a job. Fails only after shutdown.
-    #[allow(clippy::result_large_err)]
-    pub fn submit(&self, job: WriteJob) -> std::result::Result<(), WriteJob> {
-        match &self.tx {
-            Some(tx) => tx.send(job).map_err(|e| e.0),
-            None => Err(job),
-        }
-    }
-
     /// Stop accepting jobs, finish the queued and in-flight ones, join the threads.
     pub fn shutdown(&mut self) {
         self.tx = None;

@@ -63,7 +63,7 @@ pub struct LeaseQueue<T> {
 
 impl<T> LeaseQueue<T> {
     /// Wrap `backend`.
-    pub fn new(backend: Box<dyn IoBackend>) -> Self {
+    pub(crate) fn new(backend: Box<dyn IoBackend>) -> Self {
         let depth = backend.queue_depth();
         LeaseQueue {
             backend,

@@ -82,11 +82,6 @@ impl UringBackend {
         Ok(me)
     }
 
-    /// Whether fixed buffers are registered.
-    pub fn has_fixed_buffers(&self) -> bool {
-        !self.fixed.is_empty()
-    }
-
     fn fixed_index(&self, buf: *mut u8, len: u32) -> Option<u16> {
         let a = buf as usize;
         self.fixed

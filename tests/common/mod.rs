@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use shmckpt::synthetic::{self, LayoutEntry};
+use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{BackendKind, Dtype, EngineConfig, Tensor};
 
 /// A fresh directory on the real filesystem that holds `target/` (not tmpfs: O_DIRECT and
@@ -185,7 +185,7 @@ pub fn test_shm_name(tag: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
     format!(
         "{}test-{tag}.{}.{}",
-        shmckpt::staging::NAME_PREFIX,
+        shmckpt::testing::staging::NAME_PREFIX,
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
@@ -265,7 +265,7 @@ pub fn partial_dirs(root: &Path) -> Vec<String> {
 /// The exact safetensors file image the engine writes for `state` as `step` of rank 0 of 1
 /// with no user metadata: (bytes, data start).
 pub fn file_image(step: u64, state: &State) -> (Vec<u8>, u64) {
-    use shmckpt::plan::{self, Plan, TensorSpec};
+    use shmckpt::testing::plan::{self, Plan, TensorSpec};
     let specs: Vec<TensorSpec> = state
         .layout
         .iter()
@@ -356,8 +356,8 @@ pub fn relay_markers(text: &str, markers: &[&str]) -> bool {
 
 /// CUDA device 0 for GPU tests; `None` (after printing `SKIPPED`) when there is no driver
 /// or GPU, unless `SHMCKPT_REQUIRE_GPU=1`, which makes that a failure.
-pub fn gpu() -> Option<std::sync::Arc<shmckpt::device::cuda::Context>> {
-    use shmckpt::device::cuda;
+pub fn gpu() -> Option<std::sync::Arc<shmckpt::cuda::Context>> {
+    use shmckpt::cuda;
     let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
     if !found {

@@ -27,7 +27,7 @@ pub fn raw_direct_write(dir: &Path, bytes: u64) -> Result<Duration> {
         root: dir.to_owned(),
     })?;
     let (mut buf, _) = arena.acquire();
-    crate::synthetic::fill(buf.as_mut_slice(), 0xAB, 7, 0);
+    crate::testing::synthetic::fill(buf.as_mut_slice(), 0xAB, 7, 0);
     let path = dir.join(format!(".shmckpt-reference-{}.bin", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let t = Instant::now();
