@@ -19,7 +19,7 @@ use crossbeam_channel::Sender;
 
 use crate::commit::{self, RootLock};
 use crate::device::cuda::{DeviceBuffer, EventRef, StreamRef};
-use crate::device::{After, CudaStaging, DeviceSink, Sources, StageJob};
+use crate::device::{After, CudaStaging, DeviceSink, Sources, StageJob, host};
 use crate::error::{Error, Result};
 use crate::io::file::FileTarget;
 use crate::io::pool::{ChunkInfo, Outcome, WriteJob, WriteSink, WriterPool};
@@ -41,9 +41,6 @@ pub const DEFAULT_WRITER_THREADS: usize = 2;
 pub const DEFAULT_QUEUE_DEPTH: u32 = 8;
 /// Default number of save slots (saves staged or draining at once).
 pub const DEFAULT_MAX_INFLIGHT_SAVES: u32 = 4;
-/// Saves smaller than this are staged by the calling thread alone.
-const PARALLEL_COPY_MIN: u64 = 64 << 20;
-
 /// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
 /// setter's documentation gives its default.
 #[derive(Debug, Clone)]
@@ -1013,16 +1010,6 @@ pub(crate) struct SaveState {
 }
 
 impl SaveState {
-    fn error_copy(&self) -> Error {
-        match &lock(&self.progress).error {
-            Some(e) => Error::SaveFailed {
-                step: self.step,
-                source: Arc::clone(e),
-            },
-            None => Error::Cancelled(format!("save of step {} failed", self.step)),
-        }
-    }
-
     /// The first error of a failed save, for `flush`; `None` if it succeeded.
     fn failure(&self) -> Option<Error> {
         let p = lock(&self.progress);
@@ -1033,31 +1020,6 @@ impl SaveState {
             }),
             _ => None,
         }
-    }
-
-    /// Fill `lease` with file chunk `c` from host sources. Returns (bytes of the file in
-    /// the chunk, bytes to write).
-    fn fill_host(&self, lease: &mut ChunkLease, c: u64, sources: &Sources) -> (usize, usize) {
-        let cs = self.shared.arena.chunk_size();
-        let range = self.plan.chunk_range(c, cs);
-        let len = (range.end - range.start) as usize;
-        let buf = lease.as_mut_slice();
-        for p in self.plan.pieces(range) {
-            let dst = &mut buf[p.dst..p.dst + p.len];
-            match p.source {
-                PieceSource::Header { at } => {
-                    dst.copy_from_slice(&self.plan.header()[at as usize..at as usize + p.len])
-                }
-                PieceSource::Tensor { entry, at } => {
-                    let input = self.plan.entries()[entry].input;
-                    let b = sources.host(input).expect("host-only saves take this path");
-                    dst.copy_from_slice(&b[at as usize..at as usize + p.len]);
-                }
-            }
-        }
-        let write_len = self.write_len(len);
-        buf[len..write_len].fill(0);
-        (len, write_len)
     }
 
     /// Staged chunks are always zero-padded to 4096; the writer writes the padding only
@@ -1254,25 +1216,23 @@ fn stage_and_finish(
     };
     let devices = sources.devices();
     let mut registration = Duration::ZERO;
+    let write_len = |len: usize| state.write_len(len);
+    let failed = || state.failed();
+    let job = StageJob {
+        plan: &state.plan,
+        sources,
+        write_len: &write_len,
+        failed: &failed,
+        dispatch: &dispatch,
+    };
     let staged = if devices.is_empty() {
-        stage_host(state, sources, &dispatch)
+        host::stage_host(&state.shared.arena, &job, state.shared.cfg.copy_threads)
     } else {
         let cuda = state.shared.cuda();
         match cuda.prepare(&devices) {
             Ok(r) => {
                 registration = r.unwrap_or_default();
-                let write_len = |len: usize| state.write_len(len);
-                let failed = || state.failed();
-                cuda.stage(
-                    &StageJob {
-                        plan: &state.plan,
-                        sources,
-                        write_len: &write_len,
-                        failed: &failed,
-                        dispatch: &dispatch,
-                    },
-                    after,
-                )
+                cuda.stage(&job, after)
             }
             Err(e) => Err(e),
         }
@@ -1298,55 +1258,6 @@ fn stage_and_finish(
             Err(())
         }
     }
-}
-
-/// Copy host sources into staging, with several threads for large saves. Returns the time
-/// spent waiting for free chunks.
-fn stage_host(
-    state: &Arc<SaveState>,
-    sources: &Sources,
-    dispatch: &(dyn Fn(ChunkLease, u64, usize, usize) -> Result<()> + Sync),
-) -> Result<Duration> {
-    let cs = state.shared.arena.chunk_size();
-    let n = state.plan.chunk_count(cs);
-    let threads = if state.plan.file_len() < PARALLEL_COPY_MIN {
-        1
-    } else {
-        (state.shared.cfg.copy_threads as u64).clamp(1, n.max(1))
-    };
-    let waited = AtomicU64::new(0);
-    let run = |first: u64| -> Result<()> {
-        let mut c = first;
-        while c < n {
-            if state.failed() {
-                return Err(state.error_copy());
-            }
-            let (mut lease, w) = state.shared.arena.acquire();
-            waited.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
-            let (len, write_len) = state.fill_host(&mut lease, c, sources);
-            dispatch(lease, c, len, write_len)?;
-            c += threads;
-        }
-        Ok(())
-    };
-    if threads == 1 {
-        run(0)?;
-    } else {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (1..threads).map(|t| s.spawn(move || run(t))).collect();
-            let mut res = run(0);
-            for h in handles {
-                let r = h
-                    .join()
-                    .unwrap_or_else(|_| Err(Error::Internal("a staging thread panicked".into())));
-                if res.is_ok() {
-                    res = r;
-                }
-            }
-            res
-        })?;
-    }
-    Ok(Duration::from_nanos(waited.load(Ordering::Relaxed)))
 }
 
 /// Record file chunk `chunk` as staged and queue its write.

@@ -394,3 +394,47 @@ fn owned_async_save_stages_in_the_background_and_flush_reports_success() {
     assert_eq!(r.bytes, staged.bytes);
     assert_step_is_exact(dir.path(), 3);
 }
+
+/// Backpressure is part of the stall: with several copy threads all waiting for the
+/// chunks a previous save still occupies, their overlapping waits count once (issue 10,
+/// finding 10: the demo printed a backpressure larger than its stall).
+#[test]
+fn backpressure_never_exceeds_the_stall_with_parallel_copy_threads() {
+    let dir = real_dir("backpressure");
+    let engine = Engine::open(
+        small_config(dir.path(), shmckpt::BackendKind::Pwrite)
+            .with_staging_capacity(68 << 20)
+            .with_chunk_size(1 << 20)
+            .with_writer_threads(1)
+            .with_queue_depth(1)
+            .with_copy_threads(4),
+    )
+    .unwrap();
+    // Above the 64 MiB parallel-copy threshold and almost the whole arena: the second save
+    // can only stage as the first one's chunks are written, so every copy thread waits.
+    let state = |seed| {
+        State::new(
+            vec![LayoutEntry {
+                name: "w".into(),
+                dtype: Dtype::U8,
+                shape: vec![66 << 20],
+            }],
+            seed,
+        )
+    };
+    let (s1, s2) = (state(11), state(12));
+    let h1 = engine.save(1, &s1.tensors(), &Metadata::new()).unwrap();
+    let h2 = engine.save(2, &s2.tensors(), &Metadata::new()).unwrap();
+    let st = h2.staged().unwrap();
+    assert!(st.backpressure > std::time::Duration::ZERO, "{st:?}");
+    assert!(st.backpressure <= st.staging, "{st:?}");
+    h1.wait().unwrap();
+    let r = h2.wait().unwrap();
+    assert!(
+        r.timings.backpressure <= r.timings.staging,
+        "{:?}",
+        r.timings
+    );
+    assert_eq!(r.timings.backpressure, st.backpressure);
+    assert_loaded_equal(&engine.load(2).unwrap(), &s2);
+}

@@ -1,5 +1,6 @@
 //! Fault injection for tests (feature `fault-injection`): wraps a backend and, for requests
 //! that overlap chosen file offsets, returns an errno, shortens the request, or delays it.
+#![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::io;

@@ -1,4 +1,5 @@
 //! The portable backend: each request is a blocking `pwrite`/`pread` performed at `push`.
+#![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::io;

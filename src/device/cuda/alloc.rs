@@ -1,0 +1,203 @@
+//! Device and pinned host memory (benchmarks, tests, and owned saves).
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use super::{Context, check};
+use super::{Stream, length_matches};
+use crate::error::{Error, Result};
+use crate::tensor::DeviceSlice;
+
+/// Device memory allocated with `cuMemAlloc` (benchmarks and tests; the engine never
+/// allocates device memory). Freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: usize,
+    ctx: Arc<Context>,
+}
+
+impl DeviceBuffer {
+    /// Allocate `len` bytes (contents undefined).
+    pub fn alloc(ctx: &Arc<Context>, len: usize) -> Result<DeviceBuffer> {
+        ctx.bind()?;
+        let mut ptr = 0;
+        if len > 0 {
+            // SAFETY: writes one device pointer; freed in Drop.
+            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
+        }
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device pointer.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The memory as a [`DeviceSlice`] for `save` and `load`, borrowed from the buffer.
+    pub fn slice(&self) -> DeviceSlice<'_> {
+        // SAFETY: the range is this allocation on this device; the returned slice borrows
+        // `self`, so the allocation outlives every use of it.
+        unsafe { DeviceSlice::new(self.ptr, self.len, self.ctx.ordinal()) }
+    }
+
+    /// A tensor whose bytes are this whole buffer (the borrow keeps the memory alive while
+    /// the tensor is in use).
+    pub fn tensor<'a>(
+        &'a self,
+        name: impl Into<std::borrow::Cow<'a, str>>,
+        dtype: crate::Dtype,
+        shape: impl Into<Vec<usize>>,
+    ) -> crate::Tensor<'a> {
+        crate::Tensor::cuda(name, dtype, shape, self.slice())
+    }
+
+    /// Copy `src` (same length) to the device, synchronously.
+    pub fn upload(&mut self, src: &[u8]) -> Result<()> {
+        length_matches("upload", src.len(), self.len)?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.len) },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    /// Copy the device bytes into `dst` (same length), synchronously.
+    pub fn download(&self, dst: &mut [u8]) -> Result<()> {
+        length_matches("download", dst.len(), self.len)?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, self.len) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    /// Set every byte to `value` (synchronously).
+    pub fn memset(&mut self, value: u8) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: the range is this allocation.
+        check(
+            unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) },
+            "cuMemsetD8",
+        )?;
+        self.ctx.synchronize()
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let _ = self.ctx.bind();
+        // SAFETY: frees exactly the allocation made in `alloc`; no copy into or out of it
+        // can be pending because every engine call that used it returned.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Page-locked host memory from `cuMemAllocHost` (the reference for the PCIe limit).
+#[derive(Debug)]
+pub struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: owned memory; access goes through `&`/`&mut self`.
+unsafe impl Send for PinnedHost {}
+
+impl PinnedHost {
+    /// Allocate `len` pinned bytes.
+    pub fn alloc(ctx: &Arc<Context>, len: usize) -> Result<PinnedHost> {
+        ctx.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer; freed in Drop.
+        check(
+            unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
+            "cuMemAllocHost",
+        )?;
+        // SAFETY: `p` is a fresh host allocation of at least `len` bytes that nothing else
+        // references; zeroing it makes every byte initialised, so `as_slice` is sound.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
+        Ok(PinnedHost {
+            ptr: p.cast(),
+            len,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// Time one plain pinned device-to-host copy of each buffer in `srcs`, back to back on
+    /// one stream, into this memory (which must be large enough).
+    pub fn time_dtoh(&mut self, srcs: &[&DeviceBuffer], stream: &Stream) -> Result<Duration> {
+        srcs.iter()
+            .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
+            .filter(|&t| t <= self.len)
+            .ok_or_else(|| {
+                Error::Cuda(format!(
+                    "pinned buffer of {} bytes is too small for the copy",
+                    self.len
+                ))
+            })?;
+        stream.context().bind()?;
+        let t = Instant::now();
+        let mut at = 0;
+        for b in srcs {
+            // SAFETY: `at + len <= self.len` (checked total); `self` is borrowed mutably
+            // until the stream is synchronized below; `b` is a live allocation.
+            unsafe { stream.copy_dtoh(self.ptr.add(at), b.ptr(), b.len())? };
+            at += b.len();
+        }
+        stream.synchronize()?;
+        Ok(t.elapsed())
+    }
+
+    /// The bytes (zero until a copy wrote them).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: an owned allocation of `len` bytes, zeroed in `alloc` (so initialised)
+        // and written since only through `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: frees the allocation made in `alloc`.
+        let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+    }
+}

@@ -1,0 +1,321 @@
+//! The CUDA staging pipeline: device-to-host copies on the engine's own stream per device,
+//! one event per chunk and device, chunks handed to the writers as their events fire.
+#![allow(unsafe_code)]
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::StageJob;
+use super::cuda::{self, Context, CtxGuard, Event, HostRegistration, Stream};
+use crate::error::{Error, Result};
+use crate::plan::PieceSource;
+use crate::staging::{Arena, ChunkLease};
+
+/// How device copies are ordered after the trainer's work on one device. Built only from
+/// a [`cuda::StreamRef`] / [`cuda::EventRef`], whose lifetime (or `from_raw`'s contract)
+/// keeps the handle live while the save is staged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// Wait for everything queued on this `CUstream` when `save` is called.
+    Stream(u64),
+    /// Wait for this `CUevent` (recorded by the caller).
+    Event(u64),
+}
+
+/// Per-device CUDA state: the primary context, one copy stream, reusable events.
+#[derive(Debug)]
+pub(super) struct DeviceState {
+    pub(super) ctx: Arc<Context>,
+    pub(super) stream: Stream,
+    events: Mutex<Vec<Event>>,
+}
+
+impl DeviceState {
+    fn event(&self) -> Result<Event> {
+        match self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            Some(e) => Ok(e),
+            None => Event::new(&self.ctx),
+        }
+    }
+
+    fn give_back(&self, e: Event) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(e);
+    }
+}
+
+/// The engine's CUDA side: created on first use (or at open), reused by every save.
+#[derive(Debug)]
+pub struct CudaStaging {
+    arena: Arc<Arena>,
+    devices: Mutex<BTreeMap<i32, Arc<DeviceState>>>,
+    registration: Mutex<Option<HostRegistration>>,
+}
+
+impl CudaStaging {
+    /// Nothing set up yet.
+    pub fn new(arena: Arc<Arena>) -> Self {
+        CudaStaging {
+            arena,
+            devices: Mutex::new(BTreeMap::new()),
+            registration: Mutex::new(None),
+        }
+    }
+
+    /// Make `devices` ready: contexts, streams, and (once) the staging registration.
+    /// Returns the registration time when this call registered.
+    pub fn prepare(&self, devices: &BTreeSet<i32>) -> Result<Option<Duration>> {
+        if devices.is_empty() {
+            return Ok(None);
+        }
+        cuda::init()?;
+        let _guard = CtxGuard::save()?;
+        let mut first = None;
+        for &d in devices {
+            let st = self.device(d)?;
+            first.get_or_insert(st);
+        }
+        let mut reg = self.registration.lock().unwrap_or_else(|p| p.into_inner());
+        if reg.is_none() {
+            let st = first.expect("non-empty");
+            let r = HostRegistration::new(&self.arena, &st.ctx)?;
+            let took = r.took();
+            tracing::info!(
+                bytes = self.arena.capacity(),
+                ?took,
+                "staging arena registered with CUDA"
+            );
+            *reg = Some(r);
+            return Ok(Some(took));
+        }
+        Ok(None)
+    }
+
+    /// Registration time, if registered.
+    pub fn registration_time(&self) -> Option<Duration> {
+        self.registration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(HostRegistration::took)
+    }
+
+    pub(super) fn device(&self, d: i32) -> Result<Arc<DeviceState>> {
+        let mut m = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = m.get(&d) {
+            return Ok(Arc::clone(s));
+        }
+        let ctx = Context::new(d)?;
+        let stream = Stream::new(&ctx)?;
+        let st = Arc::new(DeviceState {
+            ctx,
+            stream,
+            events: Mutex::new(Vec::new()),
+        });
+        m.insert(d, Arc::clone(&st));
+        Ok(st)
+    }
+
+    /// Copy a save whose sources include device memory into staging, handing each chunk
+    /// to `dispatch` as soon as its copies completed. Returns the time spent waiting for
+    /// free chunks.
+    pub(crate) fn stage(&self, job: &StageJob<'_>, after: &[(i32, After)]) -> Result<Duration> {
+        let devices = job.sources.devices();
+        self.prepare(&devices)?;
+        let _guard = CtxGuard::save()?;
+        let states: BTreeMap<i32, Arc<DeviceState>> = devices
+            .iter()
+            .map(|&d| Ok((d, self.device(d)?)))
+            .collect::<Result<_>>()?;
+        // Order the copies after the trainer's work.
+        for (&d, st) in &states {
+            st.ctx.bind()?;
+            match after.iter().find(|(dev, _)| *dev == d).map(|(_, a)| *a) {
+                Some(After::Stream(s)) => {
+                    let e = st.event()?;
+                    // SAFETY: `After` values come only from a `StreamRef` (`SaveOptions`),
+                    // borrowed from a live `Stream` for the save, or from `from_raw`, whose
+                    // contract keeps the handle live until the save is staged.
+                    unsafe { e.record_raw(s)? };
+                    st.stream.wait_event(&e)?;
+                    st.give_back(e);
+                }
+                // SAFETY: as for streams: an `EventRef` borrowed from a live `Event`, or
+                // `from_raw`'s contract.
+                Some(After::Event(e)) => unsafe { st.stream.wait_raw_event(e)? },
+                None => st.ctx.synchronize()?,
+            }
+        }
+
+        let mut pipeline = Pipeline {
+            pending: VecDeque::new(),
+            states: &states,
+        };
+        let res = self.stage_chunks(job, &mut pipeline);
+        match res {
+            Ok(waited) => {
+                pipeline.drain(job)?;
+                Ok(waited)
+            }
+            Err(e) => {
+                pipeline.abandon();
+                Err(e)
+            }
+        }
+    }
+
+    fn stage_chunks(&self, job: &StageJob<'_>, pipe: &mut Pipeline<'_>) -> Result<Duration> {
+        let cs = self.arena.chunk_size();
+        let n = job.plan.chunk_count(cs);
+        let mut waited = Duration::ZERO;
+        for c in 0..n {
+            if (job.failed)() {
+                return Err(Error::Cancelled("the save failed while staging".into()));
+            }
+            // Never block on the arena while chunks we filled are still waiting for their
+            // copies: they are what the writers need to free space.
+            let mut lease = loop {
+                if let Some(l) = self.arena.try_acquire() {
+                    break l;
+                }
+                if pipe.pending.is_empty() {
+                    let (l, w) = self.arena.acquire();
+                    waited += w;
+                    break l;
+                }
+                let t = std::time::Instant::now();
+                pipe.complete_front(job)?;
+                waited += t.elapsed();
+            };
+            let range = job.plan.chunk_range(c, cs);
+            let len = (range.end - range.start) as usize;
+            let mut used: BTreeSet<i32> = BTreeSet::new();
+            let mut bound: Option<i32> = None;
+            let base = lease.as_ptr();
+            for p in job.plan.pieces(range) {
+                match p.source {
+                    PieceSource::Header { at } => lease.as_mut_slice()[p.dst..p.dst + p.len]
+                        .copy_from_slice(&job.plan.header()[at as usize..at as usize + p.len]),
+                    PieceSource::Tensor { entry, at } => {
+                        let input = job.plan.entries()[entry].input;
+                        if let Some(b) = job.sources.host(input) {
+                            lease.as_mut_slice()[p.dst..p.dst + p.len]
+                                .copy_from_slice(&b[at as usize..at as usize + p.len]);
+                        } else {
+                            let d = job.sources.device(input).expect("device source");
+                            let st = &pipe.states[&d.device()];
+                            used.insert(d.device());
+                            if bound != Some(d.device()) {
+                                st.ctx.bind()?;
+                                bound = Some(d.device());
+                            }
+                            // SAFETY: `dst..dst+len` lies in the leased chunk, which stays in
+                            // `pending` (not written, not released) until an event recorded
+                            // after this copy has completed; the source range is inside
+                            // the caller's device tensor (plan offsets are bounded by its
+                            // length, checked at validation) and valid until staging ends.
+                            unsafe { st.stream.copy_dtoh(base.add(p.dst), d.ptr() + at, p.len)? };
+                        }
+                    }
+                }
+            }
+            let write_len = (job.write_len)(len);
+            lease.as_mut_slice()[len..write_len].fill(0);
+            let mut events = Vec::with_capacity(used.len());
+            for d in &used {
+                let st = &pipe.states[d];
+                st.ctx.bind()?;
+                let e = st.event()?;
+                e.record(&st.stream)?;
+                events.push((*d, e));
+            }
+            pipe.pending.push_back(PendingChunk {
+                chunk: c,
+                lease,
+                len,
+                write_len,
+                events,
+            });
+            // Hand over every chunk whose copies are already done.
+            while pipe.front_ready()? {
+                pipe.complete_front(job)?;
+            }
+        }
+        Ok(waited)
+    }
+}
+
+struct PendingChunk {
+    chunk: u64,
+    lease: ChunkLease,
+    len: usize,
+    write_len: usize,
+    events: Vec<(i32, Event)>,
+}
+
+struct Pipeline<'s> {
+    pending: VecDeque<PendingChunk>,
+    states: &'s BTreeMap<i32, Arc<DeviceState>>,
+}
+
+impl Pipeline<'_> {
+    fn front_ready(&self) -> Result<bool> {
+        match self.pending.front() {
+            None => Ok(false),
+            Some(p) => {
+                for (_, e) in &p.events {
+                    if !e.query()? {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// Wait for the oldest chunk's copies and dispatch it.
+    fn complete_front(&mut self, job: &StageJob<'_>) -> Result<()> {
+        let p = self.pending.front().expect("pending chunk");
+        for (_, e) in &p.events {
+            e.synchronize()?;
+        }
+        let p = self.pending.pop_front().expect("pending chunk");
+        for (d, e) in p.events {
+            self.states[&d].give_back(e);
+        }
+        (job.dispatch)(p.lease, p.chunk, p.len, p.write_len)
+    }
+
+    fn drain(&mut self, job: &StageJob<'_>) -> Result<()> {
+        while !self.pending.is_empty() {
+            if let Err(e) = self.complete_front(job) {
+                self.abandon();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// After an error: wait for the copies in flight so their chunks can be reused; if the
+    /// device cannot confirm completion, leak the chunks instead of reusing memory a DMA
+    /// engine may still write.
+    fn abandon(&mut self) {
+        for p in self.pending.drain(..) {
+            let ok = p.events.iter().all(|(_, e)| e.synchronize().is_ok());
+            if ok {
+                for (d, e) in p.events {
+                    self.states[&d].give_back(e);
+                }
+            } else {
+                tracing::error!(
+                    chunk = p.chunk,
+                    "device copy state unknown; staging chunk leaked"
+                );
+                std::mem::forget(p.lease);
+            }
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Restoring into device memory: a [`ReadSink`] that copies verified bytes from staging
+//! chunks to the caller's device buffers.
+#![allow(unsafe_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use super::cuda::CtxGuard;
+use super::pipeline::{CudaStaging, DeviceState};
+use crate::error::{Error, Result};
+use crate::restore::ReadSink;
+use crate::tensor::DeviceSlice;
+
+/// A [`ReadSink`] that copies restored bytes to device memory (`cuMemcpyHtoDAsync` from
+/// the staging chunk, synchronized before the chunk is reused).
+pub struct DeviceSink {
+    dest: Vec<DeviceSlice<'static>>,
+    streams: BTreeMap<i32, Arc<DeviceState>>,
+    used: BTreeSet<i32>,
+    _guard: CtxGuard,
+}
+
+impl DeviceSink {
+    /// Copy tensor `i` (file order) to `dest[i]`.
+    ///
+    /// # Safety
+    /// Every destination must be device memory of its device, valid for writes of its
+    /// length, and not used by anyone else until the load returns.
+    pub unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice<'_>>) -> Result<DeviceSink> {
+        // SAFETY: the same ranges; this function's contract keeps them valid until the
+        // load returns, and the sink does not outlive the load.
+        let dest: Vec<DeviceSlice<'static>> = dest
+            .iter()
+            .map(|d| unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
+            .collect();
+        let devices: BTreeSet<i32> = dest.iter().map(|d| d.device()).collect();
+        let guard = CtxGuard::save()?;
+        cuda.prepare(&devices)?;
+        let streams = devices
+            .iter()
+            .map(|&d| Ok((d, cuda.device(d)?)))
+            .collect::<Result<_>>()?;
+        Ok(DeviceSink {
+            dest,
+            streams,
+            used: BTreeSet::new(),
+            _guard: guard,
+        })
+    }
+}
+
+impl ReadSink for DeviceSink {
+    fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
+        let d = self.dest[tensor];
+        if at + bytes.len() as u64 > d.len() as u64 {
+            return Err(Error::Destination {
+                name: format!("#{tensor}"),
+                reason: "device buffer too small".into(),
+            });
+        }
+        let st = &self.streams[&d.device()];
+        self.used.insert(d.device());
+        st.ctx.bind()?;
+        // SAFETY: the destination range lies in the caller's buffer (`DeviceSink::new`'s
+        // contract, length checked above); `bytes` stays valid until `chunk_end`, which
+        // synchronizes the stream before the staging chunk is reused.
+        unsafe {
+            st.stream
+                .copy_htod(d.ptr() + at, bytes.as_ptr(), bytes.len())
+        }
+    }
+
+    fn chunk_end(&mut self) -> Result<()> {
+        for d in std::mem::take(&mut self.used) {
+            self.streams[&d].stream.synchronize()?;
+        }
+        Ok(())
+    }
+}
