@@ -9,7 +9,7 @@ use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::testing::util::{gbps, median};
 use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, Tensor};
 
-use super::{CliResult, human, parse_size};
+use super::{CliResult, guard, human, parse_size};
 
 /// Where the benchmarked tensors live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -82,10 +82,7 @@ pub struct BenchArgs {
 
 pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error::Error>> {
     if let Some(p) = &a.layout {
-        let bytes = std::fs::read(p)?;
-        let l: Vec<LayoutEntry> = serde_json::from_slice(&bytes)
-            .map_err(|e| format!("{}: not a layout: {e}", p.display()))?;
-        return Ok(l);
+        return guard::read_layout_file(p);
     }
     if a.dtype.eq_ignore_ascii_case("mixed") {
         return Ok(synthetic::mixed(a.size, a.tensors));
@@ -120,17 +117,7 @@ pub fn engine_for(a: &BenchArgs, bytes: u64) -> Result<Engine, shmckpt::Error> {
     engine_config(a, &a.dir, bytes).build()
 }
 
-/// Peak resident set size of this process (VmHWM), bytes.
-pub fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
+pub use super::guard::peak_rss;
 
 /// One timed save.
 #[derive(Debug, Clone, Copy)]
@@ -141,14 +128,42 @@ pub struct Run {
     pub reference: Option<Duration>,
 }
 
-pub fn run(a: BenchArgs) -> CliResult {
-    if a.source == SourceKind::Cuda {
-        return super::bench_cuda::run(a);
+/// Run the benchmark in a fresh subdirectory of `--dir` (so it can never see, let alone
+/// delete, checkpoints it did not write), after checking that the state and its staging
+/// fit in memory. The subdirectory is removed at the end unless `--keep`.
+pub fn run(mut a: BenchArgs) -> CliResult {
+    let layout = load_layout(&a)?;
+    let bytes = guard::layout_bytes(&layout)?;
+    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
+    let staging = bytes
+        .checked_add((64 << 20) + chunk)
+        .ok_or("the requested size overflows 64 bits")?;
+    guard::check_memory(
+        if a.source == SourceKind::Host {
+            bytes
+        } else {
+            0
+        },
+        staging,
+    )?;
+    let work = guard::fresh_subdir(&a.dir, "shmckpt-bench")?;
+    a.dir = work.clone();
+    let keep = a.keep;
+    let res = if a.source == SourceKind::Cuda {
+        super::bench_cuda::run(a)
+    } else {
+        run_host(a)
+    };
+    if !keep || res.is_err() {
+        std::fs::remove_dir_all(&work).map_err(|e| guard::io_err("remove", &work, e))?;
     }
+    res
+}
+
+fn run_host(a: BenchArgs) -> CliResult {
     if a.mode != super::bench_ipc::Mode::Shm {
         return Err("--mode ipc and --mode compare need --source cuda".into());
     }
-    std::fs::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let data = synthetic::materialize(&layout, 0, threads);
@@ -193,14 +208,8 @@ pub fn run(a: BenchArgs) -> CliResult {
     }
     let backend = engine.backend();
     engine.close();
-    let kept_dir = if a.keep {
-        last_dir
-    } else {
-        if let Some(d) = &last_dir {
-            std::fs::remove_dir_all(d)?;
-        }
-        None
-    };
+    // Without --keep, `run` removes the whole run directory.
+    let kept_dir = if a.keep { last_dir } else { None };
     report(
         &a,
         &layout,

@@ -18,7 +18,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         return super::bench_ipc::run(a);
     }
     cuda::init()?;
-    std::fs::create_dir_all(&a.dir)?;
+    super::guard::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let ctx = Context::new(0)?;
     let (free0, total) = ctx.mem_info()?;
@@ -110,7 +110,8 @@ pub fn run(a: BenchArgs) -> CliResult {
         last_dir
     } else {
         if let Some(d) = &last_dir {
-            std::fs::remove_dir_all(d)?;
+            std::fs::remove_dir_all(d)
+                .map_err(|e| super::guard::io_err("remove", d.as_ref(), e))?;
         }
         None
     };

@@ -116,7 +116,7 @@ fn free(ctx: &Context) -> Result<u64, shmckpt::Error> {
 
 impl Variant {
     fn shm(a: &BenchArgs, dir: PathBuf, bytes: u64) -> Result<Variant, Box<dyn std::error::Error>> {
-        std::fs::create_dir_all(&dir)?;
+        super::guard::create_dir_all(&dir)?;
         let engine = super::bench::engine_config(a, &dir, bytes).build()?;
         let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
         let backend = engine.backend().to_owned();
@@ -143,7 +143,7 @@ impl Variant {
         bytes: u64,
         cache: bool,
     ) -> Result<Variant, Box<dyn std::error::Error>> {
-        std::fs::create_dir_all(&dir)?;
+        super::guard::create_dir_all(&dir)?;
         let before = free(ctx)?;
         let client = ipc_config(a, &dir, bytes, cache).spawn()?;
         let prep = client.prepare(&[0])?;
@@ -501,7 +501,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         return Err("--ipc-cache both needs --mode compare".into());
     }
     cuda::init()?;
-    std::fs::create_dir_all(&a.dir)?;
+    super::guard::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let modes = match (a.mode, cache) {
         (Mode::Compare, IpcCache::Both) => 3,
@@ -631,7 +631,8 @@ pub fn run(a: BenchArgs) -> CliResult {
             if a.keep {
                 kept.push(d.display().to_string());
             } else if d.exists() {
-                std::fs::remove_dir_all(&d)?;
+                std::fs::remove_dir_all(&d)
+                    .map_err(|e| super::guard::io_err("remove", d.as_ref(), e))?;
             }
         }
     }

@@ -7,7 +7,7 @@ use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::testing::util::gbps;
 use shmckpt::{EngineConfig, Metadata, StepSel, Tensor};
 
-use super::{CliResult, human, progress, secs};
+use super::{CliResult, guard, human, progress, secs};
 
 /// Arguments of `demo` (all optional).
 #[derive(Debug, clap::Args)]
@@ -18,11 +18,25 @@ pub struct DemoArgs {
     /// Number of saves.
     #[arg(long, default_value_t = 3)]
     pub steps: u64,
+    /// Replace the built-in model by a mixed state of this many bytes (tests).
+    #[arg(long, value_parser = super::parse_size, hide = true)]
+    pub model_bytes: Option<u64>,
 }
 
+/// Run the demo in `--dir`: a new or empty directory (marked as the demo's), or one an
+/// earlier demo marked, whose earlier output is replaced. Any other directory is refused
+/// untouched: the demo keeps only its last `--steps` checkpoints.
 pub fn run(a: DemoArgs) -> CliResult {
-    std::fs::create_dir_all(&a.dir)?;
-    let layout: Vec<LayoutEntry> = synthetic::demo_model();
+    let layout: Vec<LayoutEntry> = match a.model_bytes {
+        Some(b) => synthetic::mixed(b, 16),
+        None => synthetic::demo_model(),
+    };
+    let model = guard::layout_bytes(&layout)?;
+    let staging = model
+        .checked_add(64 << 20)
+        .ok_or("the model size overflows 64 bits")?;
+    guard::check_memory(model, staging)?;
+    guard::claim_demo_dir(&a.dir)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = Instant::now();
     let mut data = synthetic::materialize(&layout, 0, threads);
@@ -36,7 +50,7 @@ pub fn run(a: DemoArgs) -> CliResult {
 
     let t = Instant::now();
     let engine = EngineConfig::new(&a.dir)
-        .with_staging_capacity(bytes + (64 << 20))
+        .with_staging_capacity(staging)
         .with_keep_last(Some(a.steps.max(1) as usize))
         .build()?;
     println!(
