@@ -57,9 +57,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::{self, EngineConfig};
 use crate::device::cuda::{self, Context, CtxGuard, IpcMapping, IpcMemHandle};
 use crate::dtype::Dtype;
-use crate::engine::{self, Engine, EngineConfig, SaveHandle, SaveReport, SaveTimings};
+use crate::engine::{Engine, SaveHandle, SaveReport, SaveTimings};
 use crate::error::{Error, Result};
 use crate::io::BackendKind;
 use crate::manifest::Metadata;
@@ -443,17 +444,17 @@ impl IpcConfig {
             root: root.into(),
             exe: None,
             cache: true,
-            staging_capacity: engine::DEFAULT_STAGING_CAPACITY,
-            chunk_size: engine::DEFAULT_CHUNK_SIZE,
-            writer_threads: engine::DEFAULT_WRITER_THREADS,
-            queue_depth: engine::DEFAULT_QUEUE_DEPTH,
+            staging_capacity: config::DEFAULT_STAGING_CAPACITY,
+            chunk_size: config::DEFAULT_CHUNK_SIZE,
+            writer_threads: config::DEFAULT_WRITER_THREADS,
+            queue_depth: config::DEFAULT_QUEUE_DEPTH,
             copy_threads: None,
             backend: BackendKind::Auto,
             direct_io: true,
             keep_last: None,
             rank: 0,
             world_size: 1,
-            max_inflight_saves: engine::DEFAULT_MAX_INFLIGHT_SAVES,
+            max_inflight_saves: config::DEFAULT_MAX_INFLIGHT_SAVES,
             connect_timeout: Duration::from_secs(300),
             shutdown_timeout: Duration::from_secs(120),
         }

@@ -12,6 +12,7 @@
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 
 pub mod commit;
+mod config;
 pub(crate) mod device;
 mod dtype;
 mod engine;
@@ -51,11 +52,14 @@ pub mod cuda {
     pub use crate::tensor::DeviceSlice;
 }
 
+pub use config::{
+    DEFAULT_CHUNK_SIZE, DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
+    DEFAULT_WRITER_THREADS, EngineConfig,
+};
 pub use dtype::Dtype;
 pub use engine::{
-    DEFAULT_CHUNK_SIZE, DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
-    DEFAULT_WRITER_THREADS, Engine, EngineConfig, OwnedData, OwnedTensor, SaveHandle, SaveOptions,
-    SaveReport, SaveTimings, StagedReport, StepSel,
+    Engine, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport, SaveTimings, StagedReport,
+    StepSel,
 };
 pub use error::{Error, Result};
 pub use io::BackendKind;

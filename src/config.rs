@@ -1,0 +1,214 @@
+//! Engine settings: [`EngineConfig`] and its defaults.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::io::BackendKind;
+
+/// Default staging capacity: 2 GiB.
+pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
+/// Default chunk size: 8 MiB.
+pub const DEFAULT_CHUNK_SIZE: u64 = 8 << 20;
+/// Default number of writer threads.
+pub const DEFAULT_WRITER_THREADS: usize = 2;
+/// Default requests in flight per writer.
+pub const DEFAULT_QUEUE_DEPTH: u32 = 8;
+/// Default number of save slots (saves staged or draining at once).
+pub const DEFAULT_MAX_INFLIGHT_SAVES: u32 = 4;
+/// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
+/// setter's documentation gives its default.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub(crate) root: PathBuf,
+    pub(crate) staging_capacity: u64,
+    pub(crate) chunk_size: u64,
+    pub(crate) writer_threads: usize,
+    pub(crate) queue_depth: u32,
+    pub(crate) copy_threads: usize,
+    pub(crate) direct_io: bool,
+    pub(crate) keep_last: Option<usize>,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) backend: BackendKind,
+    pub(crate) shm_name: Option<String>,
+    pub(crate) max_inflight_saves: u32,
+    pub(crate) recover_on_open: bool,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
+}
+
+impl EngineConfig {
+    /// Settings for checkpoints under `root` (an existing, writable directory), with all
+    /// defaults.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        EngineConfig {
+            root: root.into(),
+            staging_capacity: DEFAULT_STAGING_CAPACITY,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            writer_threads: DEFAULT_WRITER_THREADS,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            copy_threads: std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(1),
+            direct_io: true,
+            keep_last: None,
+            rank: 0,
+            world_size: 1,
+            backend: BackendKind::Auto,
+            shm_name: None,
+            max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
+            recover_on_open: false,
+            #[cfg(feature = "fault-injection")]
+            faults: None,
+        }
+    }
+
+    /// Bytes of shared-memory staging, reserved and pre-faulted when the engine is built
+    /// (rounded up to whole chunks). A checkpoint file larger than this is refused. Default
+    /// 2 GiB.
+    pub fn with_staging_capacity(mut self, bytes: u64) -> Self {
+        self.staging_capacity = bytes;
+        self
+    }
+
+    /// Unit of staging, writing and (for CUDA) copy events. A multiple of 4096 between
+    /// 64 KiB and 1 GiB. Default 8 MiB.
+    pub fn with_chunk_size(mut self, bytes: u64) -> Self {
+        self.chunk_size = bytes;
+        self
+    }
+
+    /// Writer threads, each with its own io_uring (or `pwrite` loop). Default 2.
+    pub fn with_writer_threads(mut self, n: usize) -> Self {
+        self.writer_threads = n;
+        self
+    }
+
+    /// Writes in flight per writer thread (io_uring submission queue depth). Default 8.
+    pub fn with_queue_depth(mut self, depth: u32) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// Threads copying host tensors into staging (saves under 64 MiB use one). Default: the
+    /// number of CPUs, at most 4.
+    pub fn with_copy_threads(mut self, n: usize) -> Self {
+        self.copy_threads = n;
+        self
+    }
+
+    /// Open files with `O_DIRECT` (falls back to buffered writes plus `fdatasync`, logged,
+    /// when the filesystem refuses it). Default true.
+    pub fn with_direct_io(mut self, on: bool) -> Self {
+        self.direct_io = on;
+        self
+    }
+
+    /// Keep only the newest `n` committed checkpoints (`None`: keep all). Older ones are
+    /// deleted only after a newer one is committed. Default `None`.
+    pub fn with_keep_last(mut self, n: Option<usize>) -> Self {
+        self.keep_last = n;
+        self
+    }
+
+    /// This process's rank and the number of ranks; they name the file
+    /// (`rank-00003-of-00008.safetensors`). Default 0 of 1.
+    pub fn with_rank(mut self, rank: u32, world_size: u32) -> Self {
+        self.rank = rank;
+        self.world_size = world_size;
+        self
+    }
+
+    /// Write backend. Default [`BackendKind::Auto`] (io_uring, else `pwrite` with a
+    /// warning).
+    pub fn with_backend(mut self, kind: BackendKind) -> Self {
+        self.backend = kind;
+        self
+    }
+
+    /// Name of the staging segment in `/dev/shm` (without slash). Default
+    /// `shmckpt.<pid>.r<rank>.<n>`.
+    pub fn with_shm_name(mut self, name: impl Into<String>) -> Self {
+        self.shm_name = Some(name.into());
+        self
+    }
+
+    /// Saves that may be staged or draining at once; a further `save` waits. Default 4.
+    pub fn with_max_inflight_saves(mut self, n: u32) -> Self {
+        self.max_inflight_saves = n;
+        self
+    }
+
+    /// On open, before stale partial directories are removed, recover the staging arenas
+    /// that dead engines of this root and rank left in `/dev/shm`: commit every save they
+    /// had fully staged, refuse the others, remove the arenas, and log each step (see
+    /// [`crate::recover`]). Arenas of live processes are never touched. Default false:
+    /// leftovers are then kept for `shmckpt recover`, but partial files already written
+    /// are removed by the open.
+    pub fn with_recover_on_open(mut self, on: bool) -> Self {
+        self.recover_on_open = on;
+        self
+    }
+
+    /// Inject I/O faults (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_faults(mut self, plan: Arc<crate::io::fault::FaultPlan>) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+
+    /// The checkpoint root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let cs = self.chunk_size;
+        if !cs.is_multiple_of(4096) || !(64 << 10..=1 << 30).contains(&cs) {
+            return Err(Error::Config(format!(
+                "chunk_size {cs} must be a multiple of 4096 between 64 KiB and 1 GiB"
+            )));
+        }
+        if self.staging_capacity < cs {
+            return Err(Error::Config(format!(
+                "staging_capacity {} is smaller than one chunk ({cs})",
+                self.staging_capacity
+            )));
+        }
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(Error::Config(format!(
+                "rank {} is not below world_size {}",
+                self.rank, self.world_size
+            )));
+        }
+        if !(1..=256).contains(&self.writer_threads) {
+            return Err(Error::Config("writer_threads must be 1..=256".into()));
+        }
+        if !(1..=4096).contains(&self.queue_depth) {
+            return Err(Error::Config("queue_depth must be 1..=4096".into()));
+        }
+        if !(1..=256).contains(&self.max_inflight_saves) {
+            return Err(Error::Config("max_inflight_saves must be 1..=256".into()));
+        }
+        if let Some(n) = &self.shm_name
+            && (n.is_empty() || n.len() > 200 || n.contains('/'))
+        {
+            return Err(Error::Config(format!(
+                "shm name {n:?} must be 1..200 characters without '/'"
+            )));
+        }
+        if self.keep_last == Some(0) {
+            return Err(Error::Config(
+                "keep_last must be at least 1 (None keeps all)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Build the engine.
+    pub fn build(self) -> Result<Engine> {
+        Engine::open(self)
+    }
+}

@@ -1,0 +1,112 @@
+//! The end of a save, on the commit thread: make the file durable, write the manifest,
+//! commit, apply retention; or clean up after a failure.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::commit::{self};
+use crate::error::{Error, Result};
+use crate::io::pool::WriteSink;
+use crate::manifest::{FileEntry, TensorEntry};
+
+use super::handle::{SaveReport, SaveTimings};
+use super::lock;
+use super::state::SaveState;
+
+/// Runs on the commit thread once a save has settled.
+pub(super) fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Error>> {
+    let failure = {
+        let mut p = lock(&st.progress);
+        if st.failed() {
+            Some(p.error.take().unwrap_or_else(|| {
+                Arc::new(Error::Internal(
+                    "staging failed before the save was complete".into(),
+                ))
+            }))
+        } else {
+            None
+        }
+    };
+    let result = match failure {
+        Some(e) => Err(e),
+        None => persist(st).map_err(Arc::new),
+    };
+    if result.is_err() {
+        commit::abort_partial(&st.partial, &st.file_name);
+    }
+    st.shared.arena.release_slot(st.slot);
+    if let Err(e) = &result {
+        tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
+    }
+    result
+}
+
+fn persist(st: &SaveState) -> Result<SaveReport> {
+    let cfg = &st.shared.cfg;
+    let target = st
+        .file_target()
+        .ok_or_else(|| Error::Internal("the checkpoint file was never opened".into()))?;
+    target.finish(st.plan.file_len())?;
+    let durable = st.started.elapsed();
+    let crcs = st.tensor_crcs();
+    let data_start = st.plan.data_start();
+    let entry = FileEntry {
+        rank: cfg.rank,
+        file: st.file_name.clone(),
+        bytes: st.plan.file_len(),
+        data_start,
+        tensors: st
+            .plan
+            .entries()
+            .iter()
+            .zip(&crcs)
+            .map(|(e, &crc)| TensorEntry {
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data_offsets: e.data_offsets(data_start),
+                crc32c: crc,
+            })
+            .collect(),
+    };
+    let dir = commit::commit(
+        &cfg.root,
+        st.step,
+        cfg.world_size,
+        &st.partial,
+        entry,
+        &st.metadata,
+    )?;
+    let committed = st.started.elapsed();
+    let mut retired = Vec::new();
+    if let (Some(keep), Some(_)) = (cfg.keep_last, &dir) {
+        match commit::apply_retention(&cfg.root, keep) {
+            Ok(r) => retired = r,
+            Err(e) => tracing::warn!(error = %e, "retention failed; older checkpoints kept"),
+        }
+    }
+    let (staging, backpressure) = match &lock(&st.progress).staged {
+        Some(Ok(s)) => (s.staging, s.backpressure),
+        _ => (Duration::ZERO, Duration::ZERO),
+    };
+    let file = match &dir {
+        Some(d) => d.join(&st.file_name),
+        None => st.partial.join(&st.file_name),
+    };
+    Ok(SaveReport {
+        step: st.step,
+        dir,
+        file,
+        bytes: st.plan.file_len(),
+        tensors: st.plan.entries().len(),
+        timings: SaveTimings {
+            staging,
+            backpressure,
+            durable,
+            committed,
+        },
+        backend: st.shared.backend,
+        direct_io: target.is_direct(),
+        retired,
+    })
+}

@@ -1,0 +1,378 @@
+//! The engine: plan → stage → write → commit.
+//!
+//! `mod.rs` opens the engine and loads; `save` starts saves and stages them; `state`
+//! is one save in flight; `finalize` makes it durable and commits it on the commit
+//! thread; `handle` is what the caller holds.
+//!
+//! `save` validates and lays out the tensors, creates the partial directory and file,
+//! copies every byte into staging chunks (several threads for host memory) and hands each
+//! chunk to the writer pool as soon as it is complete. It returns when the last byte is
+//! staged. Writers checksum and write the chunks; the commit thread, taking saves in order,
+//! waits for the last write, makes the file durable, writes the manifest and renames the
+//! directory.
+
+mod finalize;
+mod handle;
+mod save;
+mod state;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::commit::{self, RootLock};
+use crate::config::EngineConfig;
+use crate::device::cuda::DeviceBuffer;
+use crate::device::{CudaStaging, DeviceSink};
+use crate::error::{Error, Result};
+use crate::io::BackendOptions;
+use crate::io::pool::WriterPool;
+use crate::manifest::{self, CheckpointInfo, Manifest};
+use crate::restore::{self, Checkpoint};
+use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
+use crate::tensor::DeviceSlice;
+
+pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
+pub use save::{OwnedData, OwnedTensor, SaveOptions};
+use state::SaveState;
+
+/// Which committed checkpoint to load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepSel {
+    /// The newest committed step.
+    Latest,
+    /// A given step.
+    Step(u64),
+}
+
+impl From<u64> for StepSel {
+    fn from(s: u64) -> Self {
+        StepSel::Step(s)
+    }
+}
+
+struct Shared {
+    cfg: EngineConfig,
+    arena: Arc<Arena>,
+    inflight: Mutex<BTreeSet<u64>>,
+    backend: &'static str,
+    gate: Gate,
+    cuda: OnceLock<Arc<CudaStaging>>,
+}
+
+impl Shared {
+    fn cuda(&self) -> &Arc<CudaStaging> {
+        self.cuda
+            .get_or_init(|| Arc::new(CudaStaging::new(Arc::clone(&self.arena))))
+    }
+}
+
+/// Lets one save stage at a time; the holder may be a background staging thread.
+#[derive(Debug, Default)]
+struct Gate {
+    busy: Mutex<bool>,
+    freed: Condvar,
+}
+
+impl Gate {
+    /// Wait until free, take it; returns the time waited.
+    fn enter(&self) -> Duration {
+        let t = Instant::now();
+        let mut b = lock(&self.busy);
+        while *b {
+            b = self.freed.wait(b).unwrap_or_else(|e| e.into_inner());
+        }
+        *b = true;
+        t.elapsed()
+    }
+
+    fn leave(&self) {
+        *lock(&self.busy) = false;
+        self.freed.notify_all();
+    }
+
+    /// Wait until no save is staging.
+    fn wait_idle(&self) {
+        let mut b = lock(&self.busy);
+        while *b {
+            b = self.freed.wait(b).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// The checkpoint engine. One per rank; `save` may be called from any thread (saves are
+/// serialized).
+pub struct Engine {
+    shared: Arc<Shared>,
+    pool: WriterPool,
+    commit_tx: Option<Sender<Arc<SaveState>>>,
+    commit_thread: Option<JoinHandle<()>>,
+    last_save: Mutex<Option<Arc<SaveState>>>,
+    _lock: RootLock,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("root", &self.shared.cfg.root)
+            .field("arena", &self.shared.arena.name())
+            .field("backend", &self.shared.backend)
+            .finish()
+    }
+}
+
+static ARENA_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Engine {
+    /// Open an engine: check the root, take the rank lock, remove stale partial
+    /// directories, create the staging arena and start the writers.
+    pub fn open(cfg: EngineConfig) -> Result<Engine> {
+        cfg.validate()?;
+        commit::check_root(&cfg.root)?;
+        let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        if cfg.recover_on_open {
+            crate::recover::recover_on_open(&cfg.root, cfg.rank);
+        }
+        commit::clean_stale(&cfg.root, cfg.rank)?;
+        let name = cfg.shm_name.clone().unwrap_or_else(|| {
+            format!(
+                "{NAME_PREFIX}{}.r{}.{}",
+                std::process::id(),
+                cfg.rank,
+                ARENA_COUNTER.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
+        let t = Instant::now();
+        let arena = Arena::create(&ArenaSpec {
+            name: Some(name),
+            capacity: cfg.staging_capacity,
+            chunk_size: cfg.chunk_size,
+            slots: cfg.max_inflight_saves,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            root: root_abs,
+        })?;
+        tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
+        let opts = BackendOptions {
+            kind: cfg.backend,
+            queue_depth: cfg.queue_depth,
+            fixed: Some(Arc::clone(&arena)),
+            #[cfg(feature = "fault-injection")]
+            faults: cfg.faults.clone(),
+        };
+        let pool = WriterPool::start(cfg.writer_threads, &opts)?;
+        let shared = Arc::new(Shared {
+            backend: pool.backend(),
+            cfg,
+            arena,
+            inflight: Mutex::new(BTreeSet::new()),
+            gate: Gate::default(),
+            cuda: OnceLock::new(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
+        let commit_thread = std::thread::Builder::new()
+            .name("shmckpt-commit".into())
+            .spawn(move || {
+                for st in rx {
+                    st.wait_settled();
+                    let res = finalize::finalize(&st);
+                    st.complete(res);
+                }
+            })
+            .map_err(|e| Error::Config(format!("cannot spawn commit thread: {e}")))?;
+        Ok(Engine {
+            shared,
+            pool,
+            commit_tx: Some(tx),
+            commit_thread: Some(commit_thread),
+            last_save: Mutex::new(None),
+            _lock: lock,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.cfg
+    }
+
+    /// Name of the staging segment in `/dev/shm`.
+    pub fn shm_name(&self) -> &str {
+        self.shared.arena.name().unwrap_or("")
+    }
+
+    /// Staging bytes available to one save.
+    pub fn staging_capacity(&self) -> u64 {
+        self.shared.arena.capacity()
+    }
+
+    /// Write backend in use (`io_uring` or `pwrite`).
+    pub fn backend(&self) -> &'static str {
+        self.shared.backend
+    }
+
+    /// Set up CUDA for `devices` now (contexts, streams, and the one-time registration of
+    /// the staging arena) instead of at the first save that needs it. Returns the
+    /// registration time if this call registered.
+    pub fn prepare_cuda(&self, devices: &[i32]) -> Result<Option<Duration>> {
+        self.shared
+            .cuda()
+            .prepare(&devices.iter().copied().collect())
+    }
+
+    /// How long registering the staging arena with CUDA took, once it is registered.
+    pub fn cuda_registration_time(&self) -> Option<Duration> {
+        self.shared.cuda.get().and_then(|c| c.registration_time())
+    }
+
+    /// Committed checkpoints, oldest first.
+    pub fn list(&self) -> Result<Vec<CheckpointInfo>> {
+        manifest::list_committed(&self.shared.cfg.root)
+    }
+
+    /// The newest committed step, if any.
+    pub fn latest(&self) -> Result<Option<u64>> {
+        Ok(self.list()?.last().map(|c| c.step))
+    }
+
+    fn resolve(&self, which: StepSel) -> Result<CheckpointInfo> {
+        let all = self.list()?;
+        let root = self.shared.cfg.root.clone();
+        match which {
+            StepSel::Latest => all.last().cloned().ok_or(Error::NotFound {
+                what: "(latest)".into(),
+                root,
+            }),
+            StepSel::Step(s) => {
+                all.into_iter()
+                    .find(|c| c.step == s)
+                    .ok_or_else(|| Error::NotFound {
+                        what: format!("step {s}"),
+                        root,
+                    })
+            }
+        }
+    }
+
+    /// Load this rank's tensors of a committed checkpoint, verifying every checksum.
+    pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
+        let info = self.resolve(which.into())?;
+        restore::load_owned(&info.dir, self.shared.cfg.rank, &self.read_options())
+    }
+
+    /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
+    /// Every tensor of the checkpoint must have a destination of exactly its size. Returns
+    /// the step loaded.
+    pub fn load_into(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<u64> {
+        let info = self.resolve(which.into())?;
+        restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options())?;
+        Ok(info.step)
+    }
+
+    /// Load this rank's tensors into device buffers, by name, verifying every checksum on
+    /// the host before the bytes go to the device. Every tensor needs a buffer of exactly
+    /// its size. Returns the step loaded.
+    #[allow(unsafe_code)]
+    pub fn load_into_device(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut DeviceBuffer)],
+    ) -> Result<u64> {
+        let slices: Vec<(&str, DeviceSlice<'_>)> =
+            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
+        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
+        // is valid for writes and nobody else uses it until we return.
+        unsafe { self.load_into_device_raw(which, &slices) }
+    }
+
+    /// [`Engine::load_into_device`] with raw device ranges.
+    ///
+    /// # Safety
+    /// Every range must be device memory of its device, valid for writes of its length and
+    /// not accessed by anyone else until this call returns.
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_raw(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<u64> {
+        let info = self.resolve(which.into())?;
+        let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
+        let order = restore::match_destinations(&entry, &named)?;
+        let ordered = order.iter().map(|&i| dest[i].1).collect();
+        // SAFETY: forwarded from this function's contract.
+        let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+        restore::read_file(
+            &info.dir.join(&entry.file),
+            &entry,
+            &self.read_options(),
+            &mut sink,
+        )?;
+        Ok(info.step)
+    }
+
+    /// Manifest of a committed checkpoint.
+    pub fn manifest(&self, which: impl Into<StepSel>) -> Result<Manifest> {
+        Manifest::read(&self.resolve(which.into())?.dir)
+    }
+
+    pub(crate) fn read_options(&self) -> restore::ReadOptions {
+        restore::ReadOptions {
+            backend: self.shared.cfg.backend,
+            queue_depth: self.shared.cfg.queue_depth.max(2),
+            direct_io: self.shared.cfg.direct_io,
+            arena: Some(Arc::clone(&self.shared.arena)),
+        }
+    }
+
+    /// Wait for every save in flight to be committed (or to fail). Returns the error of
+    /// the last save started if it failed (earlier saves report through their handles).
+    pub fn flush(&self) -> Result<()> {
+        self.shared.gate.wait_idle();
+        // The commit thread finishes saves in order: the last one done means all are.
+        if let Some(last) = lock(&self.last_save).clone() {
+            last.wait_done();
+            if let Some(e) = last.failure() {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Finish every save in flight, stop the threads, and remove the staging segment.
+    /// Dropping the engine does the same.
+    pub fn close(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.shared.gate.wait_idle();
+        self.commit_tx = None;
+        if let Some(h) = self.commit_thread.take()
+            && h.join().is_err()
+        {
+            tracing::error!("commit thread panicked");
+        }
+        self.pool.shutdown();
+        self.shared.arena.close();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

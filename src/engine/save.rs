@@ -1,0 +1,441 @@
+//! Starting a save: validate and lay out, take a slot, stage (on the caller's thread or a
+//! background one), dispatch chunks to the writers.
+
+use std::collections::BTreeSet;
+use std::marker::PhantomData;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::device::cuda::{DeviceBuffer, EventRef, StreamRef};
+use crate::device::{After, Sources, StageJob, host};
+use crate::error::{Error, Result};
+use crate::io::pool::{ChunkInfo, Outcome, WriteJob, WriteSink};
+use crate::manifest::{self, Metadata};
+use crate::plan::{self, Plan, TensorSpec};
+use crate::staging::ChunkLease;
+use crate::staging::descriptor::SaveRecord;
+use crate::tensor::{Source, Tensor};
+
+use super::handle::{SaveHandle, StagedReport};
+use super::state::{FileSlot, Progress, SaveState};
+use super::{Engine, lock};
+
+/// A tensor whose memory is handed to the engine, for [`Engine::save_async_owned`].
+#[derive(Debug)]
+pub struct OwnedTensor {
+    /// Name, unique within a save.
+    pub name: String,
+    /// Element type.
+    pub dtype: crate::Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Its bytes.
+    pub data: OwnedData,
+}
+
+/// The memory of an [`OwnedTensor`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OwnedData {
+    /// Host bytes.
+    Host(Vec<u8>),
+    /// A whole device buffer.
+    Cuda(DeviceBuffer),
+}
+
+/// Options of [`Engine::save_with`] and [`Engine::save_async`]; borrows the streams and
+/// events it names for `'a`.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions<'a> {
+    after: Vec<(i32, After)>,
+    _handles: PhantomData<&'a ()>,
+}
+
+impl<'a> SaveOptions<'a> {
+    /// Default options: device copies start after the device is synchronized.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Copy the tensors of `stream`'s device after the work queued on `stream` when `save`
+    /// is called, instead of synchronizing the whole device. Use the stream the tensors
+    /// were produced on ([`Stream::handle`](crate::cuda::Stream::handle), or
+    /// [`StreamRef::from_raw`](crate::cuda::StreamRef::from_raw) for a framework's stream).
+    pub fn after_stream(mut self, stream: StreamRef<'a>) -> Self {
+        let device = stream.device();
+        self.after.retain(|(d, _)| *d != device);
+        self.after.push((device, After::Stream(stream.raw())));
+        self
+    }
+
+    /// Copy the tensors of `event`'s device after `event` (recorded by the caller after
+    /// producing them) instead of synchronizing the whole device.
+    pub fn after_event(mut self, event: EventRef<'a>) -> Self {
+        let device = event.device();
+        self.after.retain(|(d, _)| *d != device);
+        self.after.push((device, After::Event(event.raw())));
+        self
+    }
+}
+
+impl Engine {
+    /// Save `tensors` as checkpoint `step`.
+    ///
+    /// Returns as soon as every byte is in staging: the caller may then overwrite or free
+    /// its tensors (host or device). The returned handle reports when the checkpoint is
+    /// durable and committed. If earlier saves still occupy the staging arena, this waits
+    /// for space (reported as `backpressure`). Invalid input is rejected before anything is
+    /// written.
+    ///
+    /// Device tensors are copied after all work queued on their device has finished (the
+    /// device is synchronized); use [`Engine::save_with`] to wait for one stream or event
+    /// instead.
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+    ) -> Result<SaveHandle> {
+        self.save_with(step, tensors, metadata, &SaveOptions::default())
+    }
+
+    /// [`Engine::save`] with options (ordering of device copies after the trainer's work).
+    pub fn save_with(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+        opts: &SaveOptions<'_>,
+    ) -> Result<SaveHandle> {
+        let sources = Sources::new(tensors);
+        let state = self.begin(step, tensors, metadata)?;
+        let jobs = self
+            .pool
+            .sender()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        match stage_and_finish(&state, &sources, &opts.after, &jobs) {
+            Ok(()) => Ok(SaveHandle { state }),
+            Err(()) => Err(SaveHandle { state }
+                .wait()
+                .err()
+                .unwrap_or_else(|| Error::Internal("staging failed without an error".into()))),
+        }
+    }
+
+    /// Start a save and return at once; staging runs on a background thread. The handle
+    /// reports staged ([`SaveHandle::wait_staged`]) and durable ([`SaveHandle::wait`])
+    /// separately. Validation errors are still returned here.
+    ///
+    /// # Safety
+    /// Every tensor's memory (host slices and device ranges) must stay valid and must not
+    /// be modified or freed until [`SaveHandle::wait_staged`] (or `wait`) has returned or
+    /// [`SaveHandle::is_staged`] is true. Trainers that order their own work after staging
+    /// (e.g. the next optimizer step waits on the handle) use this to overlap the copy
+    /// with other work.
+    #[allow(unsafe_code)]
+    pub unsafe fn save_async(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+        opts: &SaveOptions<'_>,
+    ) -> Result<SaveHandle> {
+        // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
+        // unmodified until the handle reports the save staged.
+        let sources = unsafe { Sources::new(tensors).into_static() };
+        let state = self.begin(step, tensors, metadata)?;
+        self.spawn_staging(state, sources, opts.after.clone(), Box::new(()))
+    }
+
+    /// [`Engine::save_async`] without `unsafe`: the engine takes ownership of the tensors'
+    /// memory and frees it once the save is staged (device buffers are dropped then, host
+    /// vectors deallocated). Device copies start after the device is synchronized.
+    #[allow(unsafe_code)]
+    pub fn save_async_owned(
+        &self,
+        step: u64,
+        tensors: Vec<OwnedTensor>,
+        metadata: &Metadata,
+    ) -> Result<SaveHandle> {
+        let views: Vec<Tensor<'_>> = tensors
+            .iter()
+            .map(|t| match &t.data {
+                OwnedData::Host(b) => {
+                    Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), b.as_slice())
+                }
+                OwnedData::Cuda(b) => b.tensor(t.name.as_str(), t.dtype, t.shape.clone()),
+            })
+            .collect();
+        // SAFETY: every tensor's memory is owned by `tensors`, which moves into the staging
+        // thread (moving a `Vec` or a `DeviceBuffer` does not move the memory it owns) and
+        // is dropped there only after staging has ended; nobody else can reach it, so it is
+        // neither modified nor freed while it is read.
+        let sources = unsafe { Sources::new(&views).into_static() };
+        let state = self.begin(step, &views, metadata)?;
+        drop(views);
+        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors))
+    }
+
+    /// Stage `state` on a background thread, dropping `sources` and then `keep` (which may
+    /// own the memory `sources` points to) once staging ended.
+    fn spawn_staging(
+        &self,
+        state: Arc<SaveState>,
+        sources: Sources<'static>,
+        after: Vec<(i32, After)>,
+        keep: Box<dyn Send>,
+    ) -> Result<SaveHandle> {
+        let jobs = self
+            .pool
+            .sender()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        let st = Arc::clone(&state);
+        let spawned = std::thread::Builder::new()
+            .name("shmckpt-stage".into())
+            .spawn(move || {
+                let _ = stage_and_finish(&st, &sources, &after, &jobs);
+                drop(sources);
+                drop(keep);
+            });
+        if let Err(e) = spawned {
+            let err = Error::Internal(format!("cannot spawn the staging thread: {e}"));
+            state.staging_finished(Err(err));
+            return Err(SaveHandle { state }
+                .wait()
+                .err()
+                .unwrap_or_else(|| Error::Internal("staging failed without an error".into())));
+        }
+        Ok(SaveHandle { state })
+    }
+
+    /// Validate, lay out, create the files and the descriptor slot, queue the save for
+    /// commit, and take the staging gate (released when staging ends).
+    pub(super) fn begin(
+        &self,
+        step: u64,
+        tensors: &[Tensor<'_>],
+        metadata: &Metadata,
+    ) -> Result<Arc<SaveState>> {
+        let started = Instant::now();
+        let cfg = &self.shared.cfg;
+        let arena = &self.shared.arena;
+        let cs = arena.chunk_size();
+
+        // 1. Validate and lay out: nothing is touched before this succeeds.
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.name.to_string(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                len: t.source.len(),
+            })
+            .collect();
+        let system: Metadata = [
+            (plan::META_STEP.to_owned(), step.to_string()),
+            (plan::META_RANK.to_owned(), cfg.rank.to_string()),
+            (plan::META_WORLD.to_owned(), cfg.world_size.to_string()),
+        ]
+        .into();
+        let plan = Plan::new(&specs, &system, metadata)?;
+        let needed = plan.chunk_count(cs) * cs;
+        if needed > arena.capacity() {
+            return Err(Error::TooLarge {
+                needed,
+                capacity: arena.capacity(),
+            });
+        }
+        let devices: BTreeSet<i32> = tensors
+            .iter()
+            .filter_map(|t| match t.source {
+                Source::Cuda(d) if !d.is_empty() => Some(d.device()),
+                _ => None,
+            })
+            .collect();
+        if !devices.is_empty() {
+            crate::device::cuda::init()?;
+        }
+
+        // One save stages at a time.
+        let gate_wait = self.shared.gate.enter();
+        if !lock(&self.shared.inflight).insert(step) {
+            self.shared.gate.leave();
+            return Err(Error::StepExists {
+                step,
+                root: cfg.root.clone(),
+            });
+        }
+        let undo = || {
+            lock(&self.shared.inflight).remove(&step);
+            self.shared.gate.leave();
+        };
+
+        // 2. Files: a committed step is refused here; creating the partial directory and
+        // the file (metadata operations that can wait behind the filesystem's journal,
+        // e.g. discards of a deleted checkpoint) happens off the caller's path, on the
+        // opener thread below, while staging proceeds.
+        if cfg.root.join(manifest::step_dir_name(step)).exists() {
+            undo();
+            return Err(Error::StepExists {
+                step,
+                root: cfg.root.clone(),
+            });
+        }
+        let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
+        let partial = cfg.root.join(manifest::partial_dir_name(step));
+
+        // 3. A descriptor slot, so a crash from here on is recoverable.
+        let t_slot = Instant::now();
+        let slot = arena.acquire_slot();
+        let slot_wait = t_slot.elapsed() + gate_wait;
+        let n_chunks = plan.chunk_count(cs);
+        arena.descriptor().begin(
+            slot,
+            &SaveRecord {
+                step,
+                file_len: plan.file_len(),
+                data_start: plan.data_start(),
+                n_file_chunks: n_chunks,
+                partial_dir: &manifest::partial_dir_name(step),
+                file_name: &file_name,
+            },
+        );
+        let state = Arc::new(SaveState {
+            shared: Arc::clone(&self.shared),
+            step,
+            plan,
+            metadata: metadata.clone(),
+            file: FileSlot {
+                path: partial.join(&file_name),
+                ..FileSlot::default()
+            },
+            partial,
+            file_name,
+            slot,
+            started,
+            slot_wait,
+            failed: AtomicBool::new(false),
+            progress: Mutex::new(Progress::default()),
+            changed: Condvar::new(),
+            crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+        });
+        let queued = self
+            .commit_tx
+            .as_ref()
+            .map(|tx| tx.send(Arc::clone(&state)).is_ok())
+            .unwrap_or(false);
+        if !queued {
+            // No commit thread to clean up: do it here.
+            arena.release_slot(slot);
+            undo();
+            return Err(Error::Shutdown("engine closed".into()));
+        }
+        let st = Arc::clone(&state);
+        let opener = std::thread::Builder::new()
+            .name("shmckpt-open".into())
+            .spawn(move || st.open_file());
+        if let Err(e) = opener {
+            state.file_opened(Err(Error::Shutdown(format!(
+                "cannot spawn the file-opening thread: {e}"
+            ))));
+        }
+        *lock(&self.last_save) = Some(Arc::clone(&state));
+        Ok(state)
+    }
+}
+
+/// Stage every chunk of `state` (host or device sources) and record the outcome. On
+/// failure the save is marked failed (the commit thread cleans up) and `Err` is returned.
+pub(super) fn stage_and_finish(
+    state: &Arc<SaveState>,
+    sources: &Sources<'_>,
+    after: &[(i32, After)],
+    jobs: &Sender<WriteJob>,
+) -> std::result::Result<(), ()> {
+    let step = state.step;
+    let dispatch = |lease: ChunkLease, chunk: u64, len: usize, write_len: usize| {
+        dispatch(state, jobs, lease, chunk, len, write_len)
+    };
+    let devices = sources.devices();
+    let mut registration = Duration::ZERO;
+    let write_len = |len: usize| state.write_len(len);
+    let failed = || state.failed();
+    let job = StageJob {
+        plan: &state.plan,
+        sources,
+        write_len: &write_len,
+        failed: &failed,
+        dispatch: &dispatch,
+    };
+    let staged = if devices.is_empty() {
+        host::stage_host(&state.shared.arena, &job, state.shared.cfg.copy_threads)
+    } else {
+        let cuda = state.shared.cuda();
+        match cuda.prepare(&devices) {
+            Ok(r) => {
+                registration = r.unwrap_or_default();
+                cuda.stage(&job, after)
+            }
+            Err(e) => Err(e),
+        }
+    };
+    match staged {
+        Ok(waited) => {
+            state.shared.arena.descriptor().staged(state.slot);
+            let report = StagedReport {
+                step,
+                bytes: state.plan.file_len(),
+                staging: state.started.elapsed(),
+                backpressure: state.slot_wait + waited,
+                registration,
+            };
+            tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
+            state.staging_finished(Ok(report));
+            Ok(())
+        }
+        Err(e) => {
+            state.staging_finished(Err(e));
+            // Let the commit thread clean up, so a retry of this step can start at once.
+            state.wait_done();
+            Err(())
+        }
+    }
+}
+
+/// Record file chunk `chunk` as staged and queue its write.
+fn dispatch(
+    state: &Arc<SaveState>,
+    jobs: &Sender<WriteJob>,
+    lease: ChunkLease,
+    chunk: u64,
+    len: usize,
+    write_len: usize,
+) -> Result<()> {
+    let cs = state.shared.arena.chunk_size();
+    state
+        .shared
+        .arena
+        .descriptor()
+        .chunk_staged(state.slot, chunk, lease.index());
+    lock(&state.progress).dispatched += 1;
+    let job = WriteJob {
+        sink: Arc::clone(state) as Arc<dyn WriteSink>,
+        lease,
+        info: ChunkInfo {
+            chunk,
+            offset: chunk * cs,
+            len,
+            write_len,
+        },
+    };
+    if let Err(e) = jobs.send(job) {
+        let job = e.0;
+        let err = Error::Shutdown("writer pool is gone".into());
+        job.sink.finished(&job.info, None, Outcome::Failed(err));
+        return Err(Error::Shutdown("writer pool is gone".into()));
+    }
+    Ok(())
+}

@@ -1,0 +1,259 @@
+//! One save in flight: its progress, its file, and the writers' side of it.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::commit::{self};
+use crate::error::{Error, Result};
+use crate::io::align_up;
+use crate::io::file::FileTarget;
+use crate::io::pool::{ChunkInfo, Outcome, WriteSink};
+use crate::manifest::Metadata;
+use crate::plan::{PieceSource, Plan};
+
+use super::handle::{SaveReport, StagedReport};
+use super::{Shared, lock};
+
+#[derive(Default)]
+pub(super) struct Progress {
+    pub(super) dispatched: u64,
+    pub(super) finished: u64,
+    pub(super) staging_done: bool,
+    pub(super) staged: Option<std::result::Result<StagedReport, Arc<Error>>>,
+    pub(super) error: Option<Arc<Error>>,
+    pub(super) result: Option<std::result::Result<SaveReport, Arc<Error>>>,
+    pub(super) done: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) enum FileState {
+    #[default]
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// The save's file, opened by the opener thread while staging runs.
+#[derive(Debug, Default)]
+pub(super) struct FileSlot {
+    pub(super) target: OnceLock<Arc<FileTarget>>,
+    pub(super) state: Mutex<FileState>,
+    pub(super) changed: Condvar,
+    /// Where the file is being written (known before it exists, for errors).
+    pub(super) path: PathBuf,
+}
+
+/// One save in flight; shared by the caller's handle, the writers and the commit thread.
+pub(crate) struct SaveState {
+    pub(super) shared: Arc<Shared>,
+    pub(super) step: u64,
+    pub(super) plan: Plan,
+    pub(super) metadata: Metadata,
+    pub(super) file: FileSlot,
+    pub(super) partial: PathBuf,
+    pub(super) file_name: String,
+    pub(super) slot: u32,
+    pub(super) started: Instant,
+    /// Time spent waiting for the staging gate and a descriptor slot.
+    pub(super) slot_wait: Duration,
+    pub(super) failed: AtomicBool,
+    pub(super) progress: Mutex<Progress>,
+    pub(super) changed: Condvar,
+    /// Per file chunk: (entry, crc32c, length) of each tensor piece in it.
+    pub(super) crcs: Mutex<Vec<Vec<(u32, u32, u64)>>>,
+}
+
+impl SaveState {
+    /// The first error of a failed save, for `flush`; `None` if it succeeded.
+    pub(super) fn failure(&self) -> Option<Error> {
+        let p = lock(&self.progress);
+        match (&p.result, &p.error) {
+            (Some(Err(e)), _) | (None, Some(e)) => Some(Error::SaveFailed {
+                step: self.step,
+                source: Arc::clone(e),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Staged chunks are always zero-padded to 4096; the writer writes the padding only
+    /// when the file is open with O_DIRECT.
+    pub(super) fn write_len(&self, len: usize) -> usize {
+        align_up(len as u64) as usize
+    }
+
+    /// Runs on the opener thread: create the partial directory and the file, reserve its
+    /// space. Failures fail the save (the handle reports them).
+    pub(super) fn open_file(&self) {
+        let cfg = &self.shared.cfg;
+        let r = commit::prepare_partial(&cfg.root, self.step, &self.file_name, cfg.world_size)
+            .and_then(|partial| {
+                let t = FileTarget::create(&partial.join(&self.file_name), cfg.direct_io)?;
+                t.preallocate(align_up(self.plan.file_len()))?;
+                Ok(t)
+            });
+        self.file_opened(r);
+    }
+
+    pub(super) fn file_opened(&self, r: Result<FileTarget>) {
+        let ok = match r {
+            Ok(t) => {
+                let _ = self.file.target.set(Arc::new(t));
+                true
+            }
+            Err(e) => {
+                self.failed.store(true, Ordering::Release);
+                let mut p = lock(&self.progress);
+                if p.error.is_none() {
+                    p.error = Some(Arc::new(e));
+                }
+                false
+            }
+        };
+        *lock(&self.file.state) = if ok {
+            FileState::Ready
+        } else {
+            FileState::Failed
+        };
+        self.file.changed.notify_all();
+        self.changed.notify_all();
+    }
+
+    /// The open file, waiting for the opener; `None` if opening failed.
+    pub(super) fn file_target(&self) -> Option<&Arc<FileTarget>> {
+        let mut s = lock(&self.file.state);
+        while *s == FileState::Pending {
+            s = self.file.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(s);
+        self.file.target.get()
+    }
+
+    pub(super) fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {
+        let mut p = lock(&self.progress);
+        match r {
+            Ok(rep) => p.staged = Some(Ok(rep)),
+            Err(e) => {
+                self.failed.store(true, Ordering::Release);
+                let e = Arc::new(e);
+                // A write error that made staging stop is the root cause: keep it.
+                if p.error.is_none() {
+                    p.error = Some(Arc::clone(&e));
+                }
+                p.staged = Some(Err(p.error.clone().unwrap_or(e)));
+            }
+        }
+        p.staging_done = true;
+        drop(p);
+        self.shared.gate.leave();
+        self.changed.notify_all();
+    }
+
+    /// Block until staging ended and every dispatched chunk finished.
+    pub(super) fn wait_settled(&self) {
+        let mut p = lock(&self.progress);
+        while !(p.staging_done && p.finished == p.dispatched) {
+            p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(p);
+        // The opener must be done too, so a failed save's file can be removed.
+        let _ = self.file_target();
+    }
+
+    pub(super) fn wait_done(&self) {
+        let mut p = lock(&self.progress);
+        while !p.done {
+            p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    pub(super) fn complete(&self, r: std::result::Result<SaveReport, Arc<Error>>) {
+        lock(&self.shared.inflight).remove(&self.step);
+        let mut p = lock(&self.progress);
+        p.result = Some(r);
+        p.done = true;
+        drop(p);
+        self.changed.notify_all();
+    }
+
+    pub(super) fn tensor_crcs(&self) -> Vec<u32> {
+        let mut acc: Vec<Option<u32>> = vec![None; self.plan.entries().len()];
+        for chunk in lock(&self.crcs).iter() {
+            for &(e, crc, len) in chunk {
+                let a = &mut acc[e as usize];
+                *a = Some(match *a {
+                    None => crc,
+                    Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
+                });
+            }
+        }
+        acc.into_iter().map(|c| c.unwrap_or(0)).collect()
+    }
+}
+
+impl WriteSink for SaveState {
+    fn target(&self) -> Option<&Arc<FileTarget>> {
+        self.file_target()
+    }
+
+    fn path(&self) -> &Path {
+        &self.file.path
+    }
+
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    fn finished(&self, chunk: &ChunkInfo, bytes: Option<&[u8]>, outcome: Outcome) {
+        let mut failure = None;
+        match (outcome, bytes) {
+            (Outcome::Written, Some(bytes)) => {
+                // Checksum the staged bytes of each tensor piece, off the caller's path.
+                let cs = self.shared.arena.chunk_size();
+                let parts: Vec<(u32, u32, u64)> = self
+                    .plan
+                    .pieces(self.plan.chunk_range(chunk.chunk, cs))
+                    .into_iter()
+                    .filter_map(|p| match p.source {
+                        PieceSource::Tensor { entry, .. } => Some((
+                            entry as u32,
+                            crc32c::crc32c(&bytes[p.dst..p.dst + p.len]),
+                            p.len as u64,
+                        )),
+                        PieceSource::Header { .. } => None,
+                    })
+                    .collect();
+                lock(&self.crcs)[chunk.chunk as usize] = parts;
+                self.shared
+                    .arena
+                    .descriptor()
+                    .chunk_written(self.slot, chunk.chunk);
+            }
+            (Outcome::Written, None) => {
+                failure = Some(Error::Internal("chunk written without its bytes".into()))
+            }
+            (Outcome::Failed(e), _) => failure = Some(e),
+            (Outcome::Skipped, _) => {}
+        }
+        if failure.is_some() || self.failed() {
+            // The lease drops after this returns and its arena chunk may be refilled by
+            // another save: the descriptor must not point recovery at it any more.
+            self.shared
+                .arena
+                .descriptor()
+                .chunk_lost(self.slot, chunk.chunk);
+        }
+        let mut p = lock(&self.progress);
+        if let Some(e) = failure {
+            self.failed.store(true, Ordering::Release);
+            if p.error.is_none() {
+                p.error = Some(Arc::new(e));
+            }
+        }
+        p.finished += 1;
+        drop(p);
+        self.changed.notify_all();
+    }
+}
