@@ -27,8 +27,7 @@ fn client(root: &std::path::Path, cache: bool, staging: u64) -> IpcWriterClient 
     IpcConfig::new(root)
         .with_exe(exe())
         .with_cache(cache)
-        .with_staging_capacity(staging)
-        .with_chunk_size(1 << 20)
+        .map_engine(|e| e.with_staging_capacity(staging).with_chunk_size(1 << 20))
         .spawn()
         .expect("spawn the IPC writer")
 }

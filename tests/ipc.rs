@@ -26,9 +26,11 @@ const ROLE_ENV: &str = "SHMCKPT_IPC_TEST_ROLE";
 fn config(root: &Path) -> IpcConfig {
     IpcConfig::new(root)
         .with_exe(exe())
-        .with_staging_capacity(1 << 20)
-        .with_chunk_size(64 << 10)
-        .with_writer_threads(1)
+        .map_engine(|e| {
+            e.with_staging_capacity(1 << 20)
+                .with_chunk_size(64 << 10)
+                .with_writer_threads(1)
+        })
         .with_connect_timeout(Duration::from_secs(60))
         .with_shutdown_timeout(Duration::from_secs(30))
 }
@@ -299,7 +301,7 @@ fn spawn_failures_are_clear_errors() {
         );
         // The writer's engine refuses its settings: the writer reports it and exits.
         let err = config(dir.path())
-            .with_chunk_size(1000)
+            .map_engine(|e| e.with_chunk_size(1000))
             .spawn()
             .unwrap_err();
         assert!(

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::testing::util::{gbps, median};
-use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, Tensor};
+use shmckpt::{Dtype, Engine, EngineConfig, Metadata, Tensor};
 
 use super::{CliResult, guard, human, parse_size};
 
@@ -39,9 +39,6 @@ pub struct BenchArgs {
     /// Checkpoint root (on the disk to measure; created if missing).
     #[arg(long, default_value = "shmckpt-bench")]
     pub dir: PathBuf,
-    /// Write backend: auto, io_uring, pwrite.
-    #[arg(long, default_value = "auto")]
-    pub backend: BackendKind,
     /// Saves to time (each alternated with one reference write).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
@@ -54,18 +51,9 @@ pub struct BenchArgs {
     /// Keep the last checkpoint (its directory is reported as `kept_dir`).
     #[arg(long)]
     pub keep: bool,
-    /// Chunk size (default 8MiB).
-    #[arg(long, value_parser = parse_size)]
-    pub chunk_size: Option<u64>,
-    /// Writer threads (default 2).
-    #[arg(long)]
-    pub writer_threads: Option<usize>,
-    /// Queue depth per writer (default 8).
-    #[arg(long)]
-    pub queue_depth: Option<u32>,
-    /// Host staging copy threads (default: CPUs, at most 4).
-    #[arg(long)]
-    pub copy_threads: Option<usize>,
+    /// Engine tuning.
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Skip the reference write (then no ratio is reported).
     #[arg(long)]
     pub no_reference: bool,
@@ -94,22 +82,10 @@ pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error
 /// Settings of the engine the benchmark measures, rooted at `dir`: staging for one save's
 /// file image (header included) plus slack, newest checkpoint kept, tuning flags applied.
 pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> EngineConfig {
-    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
-    let mut cfg = EngineConfig::new(dir)
-        .with_backend(a.backend)
+    a.engine
+        .apply(EngineConfig::new(dir))
         .with_keep_last(Some(1))
-        .with_chunk_size(chunk)
-        .with_staging_capacity(bytes + (64 << 20) + chunk);
-    if let Some(n) = a.writer_threads {
-        cfg = cfg.with_writer_threads(n);
-    }
-    if let Some(n) = a.queue_depth {
-        cfg = cfg.with_queue_depth(n);
-    }
-    if let Some(n) = a.copy_threads {
-        cfg = cfg.with_copy_threads(n);
-    }
-    cfg
+        .with_staging_capacity(bytes + (64 << 20) + a.engine.chunk_size())
 }
 
 /// Build the engine the benchmark measures, rooted at `--dir`.
@@ -134,7 +110,7 @@ pub struct Run {
 pub fn run(mut a: BenchArgs) -> CliResult {
     let layout = load_layout(&a)?;
     let bytes = guard::layout_bytes(&layout)?;
-    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
+    let chunk = a.engine.chunk_size();
     let staging = bytes
         .checked_add((64 << 20) + chunk)
         .ok_or("the requested size overflows 64 bits")?;

@@ -85,23 +85,7 @@ struct Variant {
 
 /// The same settings for the writer process.
 fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
-    let chunk = a.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
-    let mut cfg = IpcConfig::new(dir)
-        .with_cache(cache)
-        .with_backend(a.backend)
-        .with_keep_last(Some(1))
-        .with_chunk_size(chunk)
-        .with_staging_capacity(bytes + (64 << 20) + chunk);
-    if let Some(n) = a.writer_threads {
-        cfg = cfg.with_writer_threads(n);
-    }
-    if let Some(n) = a.queue_depth {
-        cfg = cfg.with_queue_depth(n);
-    }
-    if let Some(n) = a.copy_threads {
-        cfg = cfg.with_copy_threads(n);
-    }
-    cfg
+    IpcConfig::with_engine(super::bench::engine_config(a, dir, bytes)).with_cache(cache)
 }
 
 fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {

@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
+use shmckpt::EngineConfig;
 use shmckpt::ipc::{self, WriterOptions};
-use shmckpt::{BackendKind, EngineConfig};
 
 use super::{CliResult, parse_size};
 
@@ -24,21 +24,9 @@ pub struct IpcWriterArgs {
     /// Staging capacity.
     #[arg(long, value_parser = parse_size)]
     pub staging_capacity: Option<u64>,
-    /// Chunk size.
-    #[arg(long, value_parser = parse_size)]
-    pub chunk_size: Option<u64>,
-    /// Writer threads.
-    #[arg(long)]
-    pub writer_threads: Option<usize>,
-    /// Queue depth per writer.
-    #[arg(long)]
-    pub queue_depth: Option<u32>,
-    /// Host copy threads.
-    #[arg(long)]
-    pub copy_threads: Option<usize>,
-    /// Write backend: auto, io_uring, pwrite.
-    #[arg(long, default_value = "auto")]
-    pub backend: BackendKind,
+    /// Engine tuning.
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Saves staged or draining at once.
     #[arg(long)]
     pub max_inflight_saves: Option<u32>,
@@ -57,25 +45,14 @@ pub struct IpcWriterArgs {
 }
 
 pub fn run(a: IpcWriterArgs) -> CliResult {
-    let mut cfg = EngineConfig::new(&a.dir)
-        .with_backend(a.backend)
+    let mut cfg = a
+        .engine
+        .apply(EngineConfig::new(&a.dir))
         .with_rank(a.rank, a.world_size)
         .with_keep_last(a.keep_last)
         .with_direct_io(!a.no_direct_io);
     if let Some(n) = a.staging_capacity {
         cfg = cfg.with_staging_capacity(n);
-    }
-    if let Some(n) = a.chunk_size {
-        cfg = cfg.with_chunk_size(n);
-    }
-    if let Some(n) = a.writer_threads {
-        cfg = cfg.with_writer_threads(n);
-    }
-    if let Some(n) = a.queue_depth {
-        cfg = cfg.with_queue_depth(n);
-    }
-    if let Some(n) = a.copy_threads {
-        cfg = cfg.with_copy_threads(n);
     }
     if let Some(n) = a.max_inflight_saves {
         cfg = cfg.with_max_inflight_saves(n);

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_cuda;
 pub mod bench_ipc;
 pub mod demo;
+pub mod engine_args;
 pub mod guard;
 pub mod ipc_writer;
 pub mod recover;

@@ -1,0 +1,49 @@
+//! The engine tuning flags shared by `bench` and `ipc-writer` (flattened into both).
+
+use shmckpt::{BackendKind, EngineConfig};
+
+use super::parse_size;
+
+/// Engine tuning flags; each left out keeps the engine's default.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Write backend: auto, io_uring, pwrite.
+    #[arg(long, default_value = "auto")]
+    pub backend: BackendKind,
+    /// Chunk size (default 8MiB).
+    #[arg(long, value_parser = parse_size)]
+    pub chunk_size: Option<u64>,
+    /// Writer threads (default 2).
+    #[arg(long)]
+    pub writer_threads: Option<usize>,
+    /// Queue depth per writer (default 8).
+    #[arg(long)]
+    pub queue_depth: Option<u32>,
+    /// Host staging copy threads (default: CPUs).
+    #[arg(long)]
+    pub copy_threads: Option<usize>,
+}
+
+impl EngineArgs {
+    /// The chunk size the engine will use.
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE)
+    }
+
+    /// `cfg` with these flags applied.
+    pub fn apply(&self, cfg: EngineConfig) -> EngineConfig {
+        let mut cfg = cfg
+            .with_backend(self.backend)
+            .with_chunk_size(self.chunk_size());
+        if let Some(n) = self.writer_threads {
+            cfg = cfg.with_writer_threads(n);
+        }
+        if let Some(n) = self.queue_depth {
+            cfg = cfg.with_queue_depth(n);
+        }
+        if let Some(n) = self.copy_threads {
+            cfg = cfg.with_copy_threads(n);
+        }
+        cfg
+    }
+}
