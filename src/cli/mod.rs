@@ -1,8 +1,6 @@
 //! Subcommands.
 
 pub mod bench;
-pub mod bench_cuda;
-pub mod bench_ipc;
 pub mod demo;
 pub mod engine_args;
 pub mod guard;

@@ -7,9 +7,37 @@ use std::time::Duration;
 use serde_json::json;
 use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::testing::util::{gbps, median};
-use shmckpt::{Dtype, Engine, EngineConfig, Metadata, Tensor};
+use shmckpt::{Dtype, Engine, EngineConfig};
 
 use super::{CliResult, guard, human, parse_size};
+
+mod cuda;
+mod host;
+mod ipc;
+mod memory;
+mod variant;
+
+/// How `bench --source cuda` saves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// shmckpt: the trainer's engine copies into its pinned shared-memory staging.
+    Shm,
+    /// The CUDA IPC writer process (NVRx / Megatron design).
+    Ipc,
+    /// Both, alternated on the same tensors, plus the device-memory experiment.
+    Compare,
+}
+
+/// IPC handle caching of the writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IpcCache {
+    /// Keep mapped handles across saves.
+    On,
+    /// Open and close every handle each save.
+    Off,
+    /// One writer of each (compare only).
+    Both,
+}
 
 /// Where the benchmarked tensors live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -60,12 +88,12 @@ pub struct BenchArgs {
     /// With `--source cuda`: save through shmckpt (`shm`), through the CUDA IPC writer
     /// process (`ipc`, the NVRx / Megatron design), or both alternated (`compare`).
     #[arg(long, value_enum, default_value = "shm")]
-    pub mode: super::bench_ipc::Mode,
+    pub mode: Mode,
     /// IPC handle cache of the writer (`--mode ipc|compare`): `on` keeps mapped handles
     /// across saves, `off` opens and closes them every save, `both` (compare only, the
     /// default there) runs one writer of each.
     #[arg(long, value_enum)]
-    pub ipc_cache: Option<super::bench_ipc::IpcCache>,
+    pub ipc_cache: Option<IpcCache>,
 }
 
 pub fn load_layout(a: &BenchArgs) -> Result<Vec<LayoutEntry>, Box<dyn std::error::Error>> {
@@ -108,6 +136,9 @@ pub struct Run {
 /// delete, checkpoints it did not write), after checking that the state and its staging
 /// fit in memory. The subdirectory is removed at the end unless `--keep`.
 pub fn run(mut a: BenchArgs) -> CliResult {
+    if a.source == SourceKind::Host && a.mode != Mode::Shm {
+        return Err("--mode ipc and --mode compare need --source cuda".into());
+    }
     let layout = load_layout(&a)?;
     let bytes = guard::layout_bytes(&layout)?;
     let chunk = a.engine.chunk_size();
@@ -125,78 +156,16 @@ pub fn run(mut a: BenchArgs) -> CliResult {
     let work = guard::fresh_subdir(&a.dir, "shmckpt-bench")?;
     a.dir = work.clone();
     let keep = a.keep;
-    let res = if a.source == SourceKind::Cuda {
-        super::bench_cuda::run(a)
-    } else {
-        run_host(a)
+    // One dispatch on (source, mode).
+    let res = match (a.source, a.mode) {
+        (SourceKind::Host, _) => host::run(a),
+        (SourceKind::Cuda, Mode::Shm) => cuda::run(a),
+        (SourceKind::Cuda, Mode::Ipc | Mode::Compare) => ipc::run(a),
     };
     if !keep || res.is_err() {
         std::fs::remove_dir_all(&work).map_err(|e| guard::io_err("remove", &work, e))?;
     }
     res
-}
-
-fn run_host(a: BenchArgs) -> CliResult {
-    if a.mode != super::bench_ipc::Mode::Shm {
-        return Err("--mode ipc and --mode compare need --source cuda".into());
-    }
-    let layout = load_layout(&a)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let data = synthetic::materialize(&layout, 0, threads);
-    let bytes: u64 = data.iter().map(|d| d.len() as u64).sum();
-    let engine = engine_for(&a, bytes)?;
-    let first = engine.latest()?.map_or(1, |s| s + 1);
-    let mut runs = Vec::new();
-    let mut file_bytes = 0;
-    let mut last_dir = None;
-    let mut direct = false;
-    for i in 0..a.repeat.max(1) {
-        // Alternate which of the pair goes first, so drift in the disk hits both alike.
-        let reference_first = i % 2 == 0;
-        let mut reference = None;
-        if !a.no_reference && reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_write(
-                &a.dir, bytes,
-            )?);
-        }
-        let tensors: Vec<Tensor<'_>> = layout
-            .iter()
-            .zip(&data)
-            .map(|(e, d)| Tensor::host(e.name.as_str(), e.dtype, e.shape.clone(), d))
-            .collect();
-        let h = engine.save(first + i as u64, &tensors, &Metadata::new())?;
-        let staged = h.staged().ok_or("save returned before staging")?;
-        let r = h.wait()?;
-        file_bytes = r.bytes;
-        direct = r.direct_io;
-        last_dir = r.dir.clone();
-        if !a.no_reference && !reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_write(
-                &a.dir, bytes,
-            )?);
-        }
-        runs.push(Run {
-            stall: staged.staging,
-            backpressure: staged.backpressure,
-            durable: r.timings.durable,
-            reference,
-        });
-    }
-    let backend = engine.backend();
-    engine.close();
-    // Without --keep, `run` removes the whole run directory.
-    let kept_dir = if a.keep { last_dir } else { None };
-    report(
-        &a,
-        &layout,
-        bytes,
-        file_bytes,
-        &runs,
-        backend,
-        direct,
-        kept_dir,
-        serde_json::Map::new(),
-    )
 }
 
 /// Print the table or the JSON object. `extra` adds source-specific keys.

@@ -10,15 +10,12 @@ use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 use shmckpt::testing::synthetic;
 use shmckpt::testing::util::{gbps, median};
 
-use super::CliResult;
-use super::bench::{BenchArgs, Run, engine_for, load_layout, report};
+use super::{BenchArgs, Run, engine_for, load_layout, report};
+use crate::cli::CliResult;
 
 pub fn run(a: BenchArgs) -> CliResult {
-    if a.mode != super::bench_ipc::Mode::Shm {
-        return super::bench_ipc::run(a);
-    }
     cuda::init()?;
-    super::guard::create_dir_all(&a.dir)?;
+    crate::cli::guard::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let ctx = Context::new(0)?;
     let (free0, total) = ctx.mem_info()?;
@@ -111,7 +108,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     } else {
         if let Some(d) = &last_dir {
             std::fs::remove_dir_all(d)
-                .map_err(|e| super::guard::io_err("remove", d.as_ref(), e))?;
+                .map_err(|e| crate::cli::guard::io_err("remove", d.as_ref(), e))?;
         }
         None
     };

@@ -10,265 +10,18 @@
 //! freshly saved state and measures the device memory that comes back (`cuMemGetInfo`), what
 //! stays retained, and the time of the cleanup that returns it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
-use shmckpt::ipc::{IpcConfig, IpcWriterClient};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
+use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::testing::util::{gbps, median};
-use shmckpt::{Engine, Metadata, Tensor};
 
-use super::bench::{BenchArgs, Run, load_layout, peak_rss, report};
-use super::{CliResult, human};
-
-/// How `bench --source cuda` saves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// shmckpt: the trainer's engine copies into its pinned shared-memory staging.
-    Shm,
-    /// The CUDA IPC writer process (NVRx / Megatron design).
-    Ipc,
-    /// Both, alternated on the same tensors, plus the device-memory experiment.
-    Compare,
-}
-
-/// IPC handle caching of the writer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum IpcCache {
-    /// Keep mapped handles across saves.
-    On,
-    /// Open and close every handle each save.
-    Off,
-    /// One writer of each (compare only).
-    Both,
-}
-
-enum Saver {
-    Shm(Engine),
-    Ipc(Box<IpcWriterClient>),
-}
-
-/// IPC facts of one save.
-#[derive(Debug, Clone, Copy, Default)]
-struct IpcRun {
-    sync: Duration,
-    export: Duration,
-    allocations: usize,
-    open: Duration,
-    opened: usize,
-    reused: usize,
-    setup: Duration,
-    writer_staging: Duration,
-    request: Duration,
-    writer_handle: Duration,
-    close: Duration,
-    closed: usize,
-}
-
-struct Variant {
-    name: &'static str,
-    saver: Saver,
-    next_step: u64,
-    runs: Vec<Run>,
-    ipc: Vec<IpcRun>,
-    register: Duration,
-    /// Device memory the writer process's context took (free before spawn − after prepare).
-    writer_context_bytes: i64,
-    gpu_free_delta: i64,
-    file_bytes: u64,
-    direct: bool,
-    backend: String,
-    last_dir: Option<PathBuf>,
-}
-
-/// The same settings for the writer process.
-fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
-    IpcConfig::with_engine(super::bench::engine_config(a, dir, bytes)).with_cache(cache)
-}
-
-fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {
-    Ok(shmckpt::manifest::list_committed(dir)?
-        .last()
-        .map_or(1, |c| c.step + 1))
-}
-
-fn free(ctx: &Context) -> Result<u64, shmckpt::Error> {
-    Ok(ctx.mem_info()?.0)
-}
-
-impl Variant {
-    fn shm(a: &BenchArgs, dir: PathBuf, bytes: u64) -> Result<Variant, Box<dyn std::error::Error>> {
-        super::guard::create_dir_all(&dir)?;
-        let engine = super::bench::engine_config(a, &dir, bytes).build()?;
-        let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
-        let backend = engine.backend().to_owned();
-        Ok(Variant {
-            name: "shm",
-            next_step: next_step(&dir)?,
-            saver: Saver::Shm(engine),
-            runs: Vec::new(),
-            ipc: Vec::new(),
-            register,
-            writer_context_bytes: 0,
-            gpu_free_delta: 0,
-            file_bytes: 0,
-            direct: false,
-            backend,
-            last_dir: None,
-        })
-    }
-
-    fn ipc(
-        a: &BenchArgs,
-        ctx: &Context,
-        dir: PathBuf,
-        bytes: u64,
-        cache: bool,
-    ) -> Result<Variant, Box<dyn std::error::Error>> {
-        super::guard::create_dir_all(&dir)?;
-        let before = free(ctx)?;
-        let client = ipc_config(a, &dir, bytes, cache).spawn()?;
-        let prep = client.prepare(&[0])?;
-        let after = free(ctx)?;
-        let backend = client.backend().to_owned();
-        Ok(Variant {
-            name: if cache { "ipc_cached" } else { "ipc_uncached" },
-            next_step: next_step(&dir)?,
-            saver: Saver::Ipc(Box::new(client)),
-            runs: Vec::new(),
-            ipc: Vec::new(),
-            register: prep.registration.unwrap_or_default(),
-            writer_context_bytes: before as i64 - after as i64,
-            gpu_free_delta: 0,
-            file_bytes: 0,
-            direct: false,
-            backend,
-            last_dir: None,
-        })
-    }
-
-    fn client(&self) -> Option<&IpcWriterClient> {
-        match &self.saver {
-            Saver::Ipc(c) => Some(c),
-            Saver::Shm(_) => None,
-        }
-    }
-
-    /// One save, waited until durable. Returns the run (without reference).
-    fn save(
-        &mut self,
-        ctx: &Context,
-        tensors: &[Tensor<'_>],
-    ) -> Result<Run, Box<dyn std::error::Error>> {
-        let step = self.next_step;
-        self.next_step += 1;
-        let before = free(ctx)?;
-        let run = match &self.saver {
-            Saver::Shm(e) => {
-                let h = e.save(step, tensors, &Metadata::new())?;
-                let staged = h.staged().ok_or("save returned before staging")?;
-                let during = free(ctx)?;
-                self.gpu_free_delta = self.gpu_free_delta.min(during as i64 - before as i64);
-                let r = h.wait()?;
-                self.file_bytes = r.bytes;
-                self.direct = r.direct_io;
-                self.last_dir = r.dir.clone();
-                Run {
-                    stall: staged.staging,
-                    backpressure: staged.backpressure,
-                    durable: r.timings.durable,
-                    reference: None,
-                }
-            }
-            Saver::Ipc(c) => {
-                let h = c.save(step, tensors, &Metadata::new())?;
-                let st = h.staged();
-                let during = free(ctx)?;
-                self.gpu_free_delta = self.gpu_free_delta.min(during as i64 - before as i64);
-                let r = h.wait()?;
-                // The writer answers in order: its closing after this save is done now.
-                let stats = c.stats()?;
-                self.file_bytes = r.bytes;
-                self.direct = r.direct_io;
-                self.last_dir = r.dir.clone();
-                self.ipc.push(IpcRun {
-                    sync: st.sync,
-                    export: st.export,
-                    allocations: st.allocations,
-                    open: st.open,
-                    opened: st.opened,
-                    reused: st.reused,
-                    setup: st.setup,
-                    writer_staging: st.writer_staging,
-                    request: st.request,
-                    writer_handle: st.writer_handle,
-                    close: Duration::from_secs_f64(stats.last_close_s),
-                    closed: stats.last_closed,
-                });
-                Run {
-                    stall: st.stall,
-                    backpressure: st.backpressure,
-                    durable: r.durable,
-                    reference: None,
-                }
-            }
-        };
-        self.runs.push(run);
-        Ok(run)
-    }
-}
-
-/// Refuse to start when the disk cannot hold what the run writes: every mode keeps its
-/// newest checkpoint (retention keeps one, as in `--mode shm`, which deletes the older one
-/// after each commit) and writes the next beside it, and the raw reference writes one more
-/// file of the state's size.
-fn check_disk(dir: &Path, modes: usize, bytes: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let st = rustix::fs::statvfs(dir)?;
-    let free = st.f_bavail.saturating_mul(st.f_frsize);
-    let need = (modes as u64 + 1).saturating_mul(bytes + (64 << 20));
-    if free < need {
-        return Err(format!(
-            "{} has {} free but this run needs about {} ({} modes' checkpoints plus one being \
-             written); run fewer modes at once (--ipc-cache on, then --ipc-cache off) or use a \
-             larger disk",
-            dir.display(),
-            human(free),
-            human(need),
-            modes
-        )
-        .into());
-    }
-    Ok(())
-}
-
-fn alloc_state(
-    ctx: &std::sync::Arc<Context>,
-    layout: &[LayoutEntry],
-    seed: u64,
-) -> Result<Vec<DeviceBuffer>, Box<dyn std::error::Error>> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut bufs = Vec::with_capacity(layout.len());
-    let mut host = Vec::new();
-    for (k, e) in layout.iter().enumerate() {
-        let len = e.len() as usize;
-        host.resize(len, 0u8);
-        synthetic::fill_parallel(&mut host, k as u64, seed, threads);
-        let mut b = DeviceBuffer::alloc(ctx, len)?;
-        b.upload(&host)?;
-        bufs.push(b);
-    }
-    Ok(bufs)
-}
-
-fn tensors<'a>(layout: &'a [LayoutEntry], bufs: &'a [DeviceBuffer]) -> Vec<Tensor<'a>> {
-    layout
-        .iter()
-        .zip(bufs)
-        .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
-        .collect()
-}
+use super::memory::memory_experiment;
+use super::variant::{IpcRun, Saver, Variant, alloc_state, check_disk, tensors};
+use super::{BenchArgs, IpcCache, Mode, load_layout, peak_rss, report};
+use crate::cli::{CliResult, human};
 
 fn secs_of(v: &[Duration]) -> Vec<f64> {
     v.iter().map(Duration::as_secs_f64).collect()
@@ -405,77 +158,6 @@ fn mode_keys(v: &Variant, refs: &[Duration], d2h_m: f64, bytes: u64) -> Map<Stri
     m
 }
 
-/// Save a fresh copy of the state with `v`, free it on the trainer's side, and measure
-/// what comes back; for an IPC writer then release its handles and measure again.
-fn memory_experiment(
-    ctx: &std::sync::Arc<Context>,
-    layout: &[LayoutEntry],
-    v: &mut Variant,
-) -> Result<Value, Box<dyn std::error::Error>> {
-    if let Some(c) = v.client() {
-        c.release()?;
-    }
-    let f0 = free(ctx)?;
-    let mut bufs = Vec::with_capacity(layout.len());
-    for (k, e) in layout.iter().enumerate() {
-        let mut b = DeviceBuffer::alloc(ctx, e.len() as usize)?;
-        b.memset(k as u8 ^ 0x5A)?;
-        bufs.push(b);
-    }
-    let allocated: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-    let f_alloc = free(ctx)?;
-    let run = v.save(ctx, &tensors(layout, &bufs))?;
-    let f_saved = free(ctx)?;
-    let cached = match v.client() {
-        Some(c) => c.stats()?.cached_bytes,
-        None => 0,
-    };
-    // The trainer frees its tensors (as a colocated trainer does before generation).
-    let t = Instant::now();
-    drop(bufs);
-    let free_s = t.elapsed();
-    let f_freed = free(ctx)?;
-    let returned = f_freed as i64 - f_saved as i64;
-    let retained = f0 as i64 - f_freed as i64;
-    let mut out = json!({
-        "allocated_bytes": allocated,
-        "gpu_free_start_bytes": f0,
-        "gpu_taken_by_state_bytes": f0 as i64 - f_alloc as i64,
-        "gpu_free_change_during_save_bytes": f_saved as i64 - f_alloc as i64,
-        "stall_s": run.stall.as_secs_f64(),
-        "trainer_free_s": free_s.as_secs_f64(),
-        "returned_on_free_bytes": returned,
-        "retained_bytes": retained,
-        "writer_cached_bytes": cached,
-    });
-    let o = out.as_object_mut().expect("object");
-    match v.client() {
-        Some(c) => {
-            // The cleanup that gives the memory back: the writer closes its handles.
-            let rel = c.release()?;
-            let f_rel = free(ctx)?;
-            o.insert("release_s".into(), json!(rel.writer_took.as_secs_f64()));
-            o.insert("release_round_trip_s".into(), json!(rel.took.as_secs_f64()));
-            o.insert("release_closed".into(), json!(rel.closed));
-            o.insert(
-                "returned_on_release_bytes".into(),
-                json!(f_rel as i64 - f_freed as i64),
-            );
-            o.insert(
-                "retained_after_release_bytes".into(),
-                json!(f0 as i64 - f_rel as i64),
-            );
-        }
-        None => {
-            // Nothing to clean up: the engine holds no reference to device memory.
-            o.insert("release_s".into(), json!(0.0));
-            o.insert("returned_on_release_bytes".into(), json!(0));
-            o.insert("retained_after_release_bytes".into(), json!(retained));
-        }
-    }
-    Ok(out)
-}
-
 pub fn run(a: BenchArgs) -> CliResult {
     let cache = a.ipc_cache.unwrap_or(match a.mode {
         Mode::Compare => IpcCache::Both,
@@ -485,7 +167,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         return Err("--ipc-cache both needs --mode compare".into());
     }
     cuda::init()?;
-    super::guard::create_dir_all(&a.dir)?;
+    crate::cli::guard::create_dir_all(&a.dir)?;
     let layout = load_layout(&a)?;
     let modes = match (a.mode, cache) {
         (Mode::Compare, IpcCache::Both) => 3,
@@ -616,7 +298,7 @@ pub fn run(a: BenchArgs) -> CliResult {
                 kept.push(d.display().to_string());
             } else if d.exists() {
                 std::fs::remove_dir_all(&d)
-                    .map_err(|e| super::guard::io_err("remove", d.as_ref(), e))?;
+                    .map_err(|e| crate::cli::guard::io_err("remove", d.as_ref(), e))?;
             }
         }
     }

@@ -1,0 +1,68 @@
+//! `bench --source host`: host tensors, saves alternated with the raw O_DIRECT write.
+
+use shmckpt::testing::synthetic;
+use shmckpt::{Metadata, Tensor};
+
+use super::{BenchArgs, Run, engine_for, load_layout, report};
+use crate::cli::CliResult;
+
+/// `bench --source host`.
+pub fn run(a: BenchArgs) -> CliResult {
+    let layout = load_layout(&a)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let data = synthetic::materialize(&layout, 0, threads);
+    let bytes: u64 = data.iter().map(|d| d.len() as u64).sum();
+    let engine = engine_for(&a, bytes)?;
+    let first = engine.latest()?.map_or(1, |s| s + 1);
+    let mut runs = Vec::new();
+    let mut file_bytes = 0;
+    let mut last_dir = None;
+    let mut direct = false;
+    for i in 0..a.repeat.max(1) {
+        // Alternate which of the pair goes first, so drift in the disk hits both alike.
+        let reference_first = i % 2 == 0;
+        let mut reference = None;
+        if !a.no_reference && reference_first {
+            reference = Some(shmckpt::testing::reference::raw_direct_write(
+                &a.dir, bytes,
+            )?);
+        }
+        let tensors: Vec<Tensor<'_>> = layout
+            .iter()
+            .zip(&data)
+            .map(|(e, d)| Tensor::host(e.name.as_str(), e.dtype, e.shape.clone(), d))
+            .collect();
+        let h = engine.save(first + i as u64, &tensors, &Metadata::new())?;
+        let staged = h.staged().ok_or("save returned before staging")?;
+        let r = h.wait()?;
+        file_bytes = r.bytes;
+        direct = r.direct_io;
+        last_dir = r.dir.clone();
+        if !a.no_reference && !reference_first {
+            reference = Some(shmckpt::testing::reference::raw_direct_write(
+                &a.dir, bytes,
+            )?);
+        }
+        runs.push(Run {
+            stall: staged.staging,
+            backpressure: staged.backpressure,
+            durable: r.timings.durable,
+            reference,
+        });
+    }
+    let backend = engine.backend();
+    engine.close();
+    // Without --keep, `run` removes the whole run directory.
+    let kept_dir = if a.keep { last_dir } else { None };
+    report(
+        &a,
+        &layout,
+        bytes,
+        file_bytes,
+        &runs,
+        backend,
+        direct,
+        kept_dir,
+        serde_json::Map::new(),
+    )
+}
