@@ -203,9 +203,17 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
-    /// The CUDA driver reported an error or is unavailable.
-    #[error("CUDA: {0}")]
-    Cuda(String),
+    /// The CUDA driver reported an error (`code` is its `CUresult`), is unavailable, or a
+    /// CUDA request was invalid (`code` is `None`).
+    #[error("CUDA: {call}{}: {detail}", .code.map(|c| format!(" (CUresult {c})")).unwrap_or_default())]
+    Cuda {
+        /// The driver call, or what was being done.
+        call: String,
+        /// The `CUresult` the driver returned, if a call failed.
+        code: Option<i32>,
+        /// The error's name and context.
+        detail: String,
+    },
     /// The engine was shut down (closed, or its writer threads are gone).
     #[error("engine is shut down: {0}")]
     Shutdown(String),
@@ -248,6 +256,27 @@ fn fmt_offset(offset: Option<u64>) -> String {
 }
 
 impl Error {
+    /// A CUDA error that is not a failed driver call.
+    pub(crate) fn cuda(call: impl Into<String>, detail: impl Into<String>) -> Self {
+        Error::Cuda {
+            call: call.into(),
+            code: None,
+            detail: detail.into(),
+        }
+    }
+
+    /// Add context to a CUDA error's detail (other errors are returned unchanged).
+    pub(crate) fn with_cuda_context(self, context: &str) -> Self {
+        match self {
+            Error::Cuda { call, code, detail } => Error::Cuda {
+                call,
+                code,
+                detail: format!("{detail} ({context})"),
+            },
+            e => e,
+        }
+    }
+
     /// Wrap an OS error from a call on `path`.
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
         Error::Io {

@@ -25,12 +25,15 @@ fn device_tensor_without_driver_is_a_clear_error() {
         )
         .unwrap_err();
     match &err {
-        Error::Cuda(m) => assert!(m.contains("no CUDA driver"), "{m}"),
+        Error::Cuda { call, code, detail } => {
+            assert_eq!((call.as_str(), *code), ("cuInit", None));
+            assert!(detail.contains("no CUDA driver"), "{detail}");
+        }
         other => panic!("unexpected {other:?}"),
     }
-    assert!(matches!(engine.prepare_cuda(&[0]), Err(Error::Cuda(_))));
-    assert!(matches!(cuda::init(), Err(Error::Cuda(_))));
-    assert!(matches!(cuda::Context::new(0), Err(Error::Cuda(_))));
+    assert!(matches!(engine.prepare_cuda(&[0]), Err(Error::Cuda { .. })));
+    assert!(matches!(cuda::init(), Err(Error::Cuda { .. })));
+    assert!(matches!(cuda::Context::new(0), Err(Error::Cuda { .. })));
     // Nothing was written, and host saves still work.
     assert!(engine.list().unwrap().is_empty());
     assert!(!dir.path().join("step-1.partial").exists());

@@ -285,9 +285,9 @@ pub(super) fn to_wire(e: &Error) -> WireError {
         capacity: None,
     };
     match e {
-        Error::Cuda(m) => {
+        Error::Cuda { .. } => {
             w.kind = "cuda".into();
-            w.message = m.clone();
+            w.message = e.to_string();
         }
         Error::Config(m) => {
             w.kind = "config".into();
@@ -310,7 +310,7 @@ pub(super) fn to_wire(e: &Error) -> WireError {
 
 pub(super) fn from_wire(w: WireError, pid: u32) -> Error {
     match (w.kind.as_str(), w.step, w.root, w.needed, w.capacity) {
-        ("cuda", ..) => Error::Cuda(format!("in the IPC writer (pid {pid}): {}", w.message)),
+        ("cuda", ..) => Error::cuda(format!("IPC writer (pid {pid})"), w.message),
         ("config", ..) => Error::Config(w.message),
         ("step_exists", Some(step), Some(root), ..) => Error::StepExists { step, root },
         ("too_large", _, _, Some(needed), Some(capacity)) => Error::TooLarge { needed, capacity },

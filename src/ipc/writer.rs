@@ -155,10 +155,13 @@ impl Writer {
             if let Some(s) = mapping.size()
                 && (s as u64) < a.size
             {
-                return Err(Error::Cuda(format!(
-                    "IPC mapping is {s} bytes but the trainer's allocation is {} bytes",
-                    a.size
-                )));
+                return Err(Error::cuda(
+                    "cuIpcOpenMemHandle",
+                    format!(
+                        "IPC mapping is {s} bytes but the trainer's allocation is {} bytes",
+                        a.size
+                    ),
+                ));
             }
             opened += 1;
             self.cache.insert(

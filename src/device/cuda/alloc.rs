@@ -168,10 +168,13 @@ impl PinnedHost {
             .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
             .filter(|&t| t <= self.len)
             .ok_or_else(|| {
-                Error::Cuda(format!(
-                    "pinned buffer of {} bytes is too small for the copy",
-                    self.len
-                ))
+                Error::cuda(
+                    "time_dtoh",
+                    format!(
+                        "pinned buffer of {} bytes is too small for the copy",
+                        self.len
+                    ),
+                )
             })?;
         stream.context().bind()?;
         let t = Instant::now();

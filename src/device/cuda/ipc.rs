@@ -20,9 +20,10 @@ pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     init()?;
     let n = device_count()?;
     if ordinal < 0 || ordinal >= n {
-        return Err(Error::Cuda(format!(
-            "device {ordinal} does not exist ({n} devices)"
-        )));
+        return Err(Error::cuda(
+            "cuDeviceGet",
+            format!("device {ordinal} does not exist ({n} devices)"),
+        ));
     }
     let mut dev = 0;
     // SAFETY: writes one device handle; the ordinal is in range (checked above).
@@ -46,10 +47,13 @@ pub fn ordinal_of_uuid(uuid: &[u8; 16]) -> Result<i32> {
             return Ok(d);
         }
     }
-    Err(Error::Cuda(format!(
-        "no visible device has UUID {} (check CUDA_VISIBLE_DEVICES of both processes)",
-        uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    )))
+    Err(Error::cuda(
+        "cuDeviceGetUuid",
+        format!(
+            "no visible device has UUID {} (check CUDA_VISIBLE_DEVICES of both processes)",
+            uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ),
+    ))
 }
 
 /// Base address and size of the device allocation that contains `ptr`
@@ -62,7 +66,7 @@ pub fn allocation_range(ctx: &Context, ptr: u64) -> Result<(u64, usize)> {
     // (an address it did not allocate is CUDA_ERROR_NOT_FOUND, nothing is dereferenced).
     let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
     check(r, "cuMemGetAddressRange")
-        .map_err(|e| Error::Cuda(format!("{e} (device pointer {ptr:#x})")))?;
+        .map_err(|e| e.with_cuda_context(&format!("device pointer {ptr:#x}")))?;
     Ok((base, size))
 }
 
@@ -103,9 +107,9 @@ pub fn ipc_export(ctx: &Context, base: u64) -> Result<IpcMemHandle> {
     // SAFETY: writes one 64-byte handle into our local; the driver validates `base`.
     let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
     check(r, "cuIpcGetMemHandle").map_err(|e| {
-        Error::Cuda(format!(
-            "{e} (allocation {base:#x}: only cuMemAlloc-style allocations can be exported; \
-             stream-ordered and virtual-memory allocations cannot)"
+        e.with_cuda_context(&format!(
+            "allocation {base:#x}: only cuMemAlloc-style allocations can be exported; \
+             stream-ordered and virtual-memory allocations cannot"
         ))
     })?;
     Ok(IpcMemHandle(h.reserved.map(|b| b as u8)))
@@ -137,12 +141,11 @@ impl IpcMapping {
         // garbage bytes are errors, nothing is dereferenced). Closed in Drop.
         let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle.to_sys(), flags) };
         check(r, "cuIpcOpenMemHandle").map_err(|e| {
-            let hint = if r == sys::CUresult::CUDA_ERROR_ALREADY_MAPPED {
-                " (this handle is already open in this context)"
+            if r == sys::CUresult::CUDA_ERROR_ALREADY_MAPPED {
+                e.with_cuda_context("this handle is already open in this context")
             } else {
-                ""
-            };
-            Error::Cuda(format!("{e}{hint}"))
+                e
+            }
         })?;
         // The size of what was mapped, so that slices can be bounds-checked here and not
         // only against the exporter's word. Not every driver reports it for IPC mappings.
@@ -181,9 +184,12 @@ impl IpcMapping {
         match end {
             Some(end) if end <= bound => {}
             _ => {
-                return Err(Error::Cuda(format!(
-                    "range {offset}+{len} lies outside the mapped allocation of {bound} bytes"
-                )));
+                return Err(Error::cuda(
+                    "IpcMapping::slice",
+                    format!(
+                        "range {offset}+{len} lies outside the mapped allocation of {bound} bytes"
+                    ),
+                ));
             }
         }
         // SAFETY: `ptr + offset .. + len` lies inside the allocation mapped into this

@@ -31,9 +31,10 @@ fn length_matches(op: &str, got: usize, want: usize) -> Result<()> {
     if got == want {
         Ok(())
     } else {
-        Err(Error::Cuda(format!(
-            "{op}: host buffer of {got} bytes for a device buffer of {want} bytes"
-        )))
+        Err(Error::cuda(
+            op,
+            format!("host buffer of {got} bytes for a device buffer of {want} bytes"),
+        ))
     }
 }
 
@@ -59,7 +60,7 @@ pub fn init() -> Result<()> {
         check(r, "cuInit").map_err(|e| e.to_string())
     })
     .clone()
-    .map_err(Error::Cuda)
+    .map_err(|m| Error::cuda("cuInit", m))
 }
 
 fn error_name(r: sys::CUresult) -> String {
@@ -78,7 +79,11 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda(format!("{what} failed: {}", error_name(r))))
+        Err(Error::Cuda {
+            call: what.to_owned(),
+            code: Some(r as i32),
+            detail: error_name(r),
+        })
     }
 }
 
@@ -123,9 +128,10 @@ impl Context {
         init()?;
         let n = device_count()?;
         if ordinal < 0 || ordinal >= n {
-            return Err(Error::Cuda(format!(
-                "device {ordinal} does not exist ({n} devices)"
-            )));
+            return Err(Error::cuda(
+                "cuDeviceGet",
+                format!("device {ordinal} does not exist ({n} devices)"),
+            ));
         }
         let mut dev = 0;
         // SAFETY: writes one device handle.
