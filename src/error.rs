@@ -83,6 +83,12 @@ pub enum Error {
         /// Staging capacity of the engine.
         capacity: u64,
     },
+    /// A size computed from the caller's tensors does not fit in 64 bits.
+    #[error("{what} overflows 64 bits")]
+    SizeOverflow {
+        /// What was being computed.
+        what: &'static str,
+    },
     /// A checkpoint for this step already exists (committed or in flight).
     #[error("step {step} already exists in {root}")]
     StepExists {

@@ -124,8 +124,8 @@ impl Plan {
         let mut at = 0u64;
         for &i in &order {
             rel.push(at);
-            at = at.checked_add(tensors[i].len).ok_or_else(|| {
-                Error::Config("total checkpoint size overflows 64 bits".to_owned())
+            at = at.checked_add(tensors[i].len).ok_or(Error::SizeOverflow {
+                what: "the total size of the tensors",
             })?;
         }
         let data_len = at;
@@ -192,7 +192,9 @@ impl Plan {
             .collect();
         let file_len = data_start
             .checked_add(data_len)
-            .ok_or_else(|| Error::Config("total checkpoint size overflows 64 bits".to_owned()))?;
+            .ok_or(Error::SizeOverflow {
+                what: "the checkpoint file size",
+            })?;
         Ok(Plan {
             header,
             entries,
@@ -405,6 +407,14 @@ mod tests {
         assert!(matches!(
             Plan::new(&[over], &m, &m),
             Err(Error::ShapeOverflow { .. })
+        ));
+        // Each tensor fits in 64 bits, their total does not: an overflow, not a config error.
+        let parts: Vec<TensorSpec> = (0..16)
+            .map(|i| spec(&format!("p{i}"), Dtype::U8, &[1usize << 60]))
+            .collect();
+        assert!(matches!(
+            Plan::new(&parts, &m, &m),
+            Err(Error::SizeOverflow { .. })
         ));
         let long = spec(&"n".repeat(MAX_NAME_LEN + 1), Dtype::U8, &[1]);
         assert!(matches!(
