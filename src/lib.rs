@@ -62,7 +62,7 @@ pub use engine::{
     StepSel,
 };
 pub use error::{Error, Result};
-pub use io::BackendKind;
+pub use io::{Backend, BackendKind};
 pub use manifest::{CheckpointInfo, Manifest, Metadata};
 pub use plan::MAX_NAME_LEN;
 pub use restore::Checkpoint;

@@ -1,6 +1,13 @@
 //! Small helpers shared by the library and the CLI.
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Lock `m`, ignoring poisoning: every critical section in the crate leaves its data
+/// consistent before anything that can panic, so a panicked holder is no reason to fail.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms() -> u64 {

@@ -17,6 +17,11 @@ fn every_dtype_scalar_and_zero_size_round_trip_on_both_backends() {
         let h = engine.save(5, &state.tensors(), &meta).unwrap();
         let report = h.wait().unwrap();
         assert_eq!(report.backend, engine.backend());
+        let expected = match backend {
+            shmckpt::BackendKind::Pwrite => shmckpt::Backend::Pwrite,
+            _ => shmckpt::Backend::IoUring,
+        };
+        assert_eq!(engine.backend(), expected);
         let ckdir = report.dir.clone().unwrap();
         assert_eq!(ckdir, dir.path().join("step-5"));
         assert_safetensors_equal(&report.file, &state);

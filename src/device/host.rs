@@ -9,6 +9,7 @@ use super::StageJob;
 use crate::error::{Error, Result};
 use crate::plan::PieceSource;
 use crate::staging::{Arena, ChunkLease};
+use crate::util::lock;
 
 /// Saves smaller than this are copied by one thread.
 pub const PARALLEL_COPY_MIN: u64 = 64 << 20;
@@ -105,14 +106,14 @@ impl WaitClock {
     /// Run `f` (a blocking wait) and account for it.
     pub(crate) fn time<T>(&self, f: impl FnOnce() -> T) -> T {
         {
-            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = lock(&self.state);
             if s.0 == 0 {
                 s.1 = Some(Instant::now());
             }
             s.0 += 1;
         }
         let out = f();
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = lock(&self.state);
         s.0 -= 1;
         if s.0 == 0
             && let Some(t) = s.1.take()

@@ -11,6 +11,7 @@ use super::cuda::{self, Context, CtxGuard, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
 use crate::plan::PieceSource;
 use crate::staging::{Arena, ChunkLease};
+use crate::util::lock;
 
 /// How device copies are ordered after the trainer's work on one device. Built only from
 /// a [`cuda::StreamRef`] / [`cuda::EventRef`], whose lifetime (or `from_raw`'s contract)
@@ -33,17 +34,14 @@ pub(super) struct DeviceState {
 
 impl DeviceState {
     fn event(&self) -> Result<Event> {
-        match self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        match lock(&self.events).pop() {
             Some(e) => Ok(e),
             None => Event::new(&self.ctx),
         }
     }
 
     fn give_back(&self, e: Event) {
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(e);
+        lock(&self.events).push(e);
     }
 }
 
@@ -78,7 +76,7 @@ impl CudaStaging {
             let st = self.device(d)?;
             first.get_or_insert(st);
         }
-        let mut reg = self.registration.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = lock(&self.registration);
         if reg.is_none() {
             let st = first.expect("non-empty");
             let r = HostRegistration::new(&self.arena, &st.ctx)?;
@@ -96,15 +94,13 @@ impl CudaStaging {
 
     /// Registration time, if registered.
     pub fn registration_time(&self) -> Option<Duration> {
-        self.registration
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        lock(&self.registration)
             .as_ref()
             .map(HostRegistration::took)
     }
 
     pub(super) fn device(&self, d: i32) -> Result<Arc<DeviceState>> {
-        let mut m = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = lock(&self.devices);
         if let Some(s) = m.get(&d) {
             return Ok(Arc::clone(s));
         }

@@ -42,7 +42,7 @@ pub struct SaveReport {
     /// Timings.
     pub timings: SaveTimings,
     /// Backend that wrote (`io_uring`, `pwrite`).
-    pub backend: &'static str,
+    pub backend: crate::io::Backend,
     /// Whether the file was written with O_DIRECT.
     pub direct_io: bool,
     /// Steps deleted by retention after this commit.

@@ -18,7 +18,7 @@ mod state;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,8 +29,8 @@ use crate::config::EngineConfig;
 use crate::device::cuda::DeviceBuffer;
 use crate::device::{CudaStaging, DeviceSink};
 use crate::error::{Error, Result};
-use crate::io::BackendOptions;
 use crate::io::pool::WriterPool;
+use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
 use crate::restore::{self, Checkpoint};
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
@@ -59,7 +59,7 @@ struct Shared {
     cfg: EngineConfig,
     arena: Arc<Arena>,
     inflight: Mutex<BTreeSet<u64>>,
-    backend: &'static str,
+    backend: Backend,
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
 }
@@ -211,7 +211,7 @@ impl Engine {
     }
 
     /// Write backend in use (`io_uring` or `pwrite`).
-    pub fn backend(&self) -> &'static str {
+    pub fn backend(&self) -> Backend {
         self.shared.backend
     }
 
@@ -373,6 +373,4 @@ impl Drop for Engine {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::util::lock;

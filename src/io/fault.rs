@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::{Completion, IoBackend, IoOp, OpKind};
+use crate::util::lock;
 
 /// What happens to a matching request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,10 +53,7 @@ impl FaultPlan {
 
     /// Add a rule.
     pub fn add(&self, rule: Rule) -> &Self {
-        self.rules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(rule);
+        lock(&self.rules).push(rule);
         self
     }
 
@@ -71,7 +69,7 @@ impl FaultPlan {
 
     /// Remove every rule.
     pub fn clear(&self) {
-        self.rules.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        lock(&self.rules).clear();
     }
 
     /// Number of faults injected so far.
@@ -80,7 +78,7 @@ impl FaultPlan {
     }
 
     fn take(&self, op: &IoOp) -> Option<Fault> {
-        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rules = lock(&self.rules);
         let end = op.offset + op.len as u64;
         let r = rules.iter_mut().find(|r| {
             r.kind == op.kind
@@ -115,8 +113,8 @@ impl FaultyBackend {
 }
 
 impl IoBackend for FaultyBackend {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+    fn backend(&self) -> super::Backend {
+        self.inner.backend()
     }
 
     fn queue_depth(&self) -> usize {

@@ -47,6 +47,33 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
+/// The write backend an engine runs on (what [`BackendKind::Auto`] resolved to).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Backend {
+    /// io_uring.
+    #[serde(rename = "io_uring")]
+    IoUring,
+    /// Blocking `pwrite`/`pread`.
+    #[serde(rename = "pwrite")]
+    Pwrite,
+}
+
+impl Backend {
+    /// `io_uring` or `pwrite`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::IoUring => "io_uring",
+            Backend::Pwrite => "pwrite",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Read or write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
@@ -88,8 +115,8 @@ pub struct Completion {
 /// Completions may arrive in any order; callers track requests by `user_data`. Every
 /// request pushed produces exactly one completion.
 pub(crate) trait IoBackend: Send {
-    /// Short name for logs and reports (`io_uring`, `pwrite`).
-    fn name(&self) -> &'static str;
+    /// Which backend this is (for logs and reports).
+    fn backend(&self) -> Backend;
 
     /// Maximum requests in flight.
     fn queue_depth(&self) -> usize;

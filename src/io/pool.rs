@@ -83,7 +83,7 @@ impl std::fmt::Debug for WriteJob {
 pub struct WriterPool {
     tx: Option<Sender<WriteJob>>,
     threads: Vec<JoinHandle<()>>,
-    backend: &'static str,
+    backend: super::Backend,
 }
 
 impl WriterPool {
@@ -101,7 +101,7 @@ impl WriterPool {
             })?;
             queues.push(LeaseQueue::<Tag>::new(b));
         }
-        let backend = queues[0].backend_name();
+        let backend = queues[0].backend();
         // Unbounded: the staging arena already bounds the work outstanding (every job holds
         // a chunk), and staging must never wait on the disk while chunks are free.
         let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
@@ -122,7 +122,7 @@ impl WriterPool {
     }
 
     /// Name of the backend in use.
-    pub fn backend(&self) -> &'static str {
+    pub fn backend(&self) -> super::Backend {
         self.backend
     }
 

@@ -24,8 +24,8 @@ impl PwriteBackend {
 }
 
 impl IoBackend for PwriteBackend {
-    fn name(&self) -> &'static str {
-        "pwrite"
+    fn backend(&self) -> super::Backend {
+        super::Backend::Pwrite
     }
 
     fn queue_depth(&self) -> usize {

@@ -74,8 +74,8 @@ impl<T> LeaseQueue<T> {
     }
 
     /// Backend name.
-    pub fn backend_name(&self) -> &'static str {
-        self.backend.name()
+    pub fn backend(&self) -> super::Backend {
+        self.backend.backend()
     }
 
     /// Whether another request fits.

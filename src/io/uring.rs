@@ -92,8 +92,8 @@ impl UringBackend {
 }
 
 impl IoBackend for UringBackend {
-    fn name(&self) -> &'static str {
-        "io_uring"
+    fn backend(&self) -> super::Backend {
+        super::Backend::IoUring
     }
 
     fn queue_depth(&self) -> usize {

@@ -133,7 +133,7 @@ pub struct IpcWriterClient {
     pub(super) stream: UnixStream,
     pub(super) shm_name: String,
     pub(super) staging_bytes: u64,
-    pub(super) backend: String,
+    pub(super) backend: crate::io::Backend,
     pub(super) contexts: Mutex<BTreeMap<i32, DeviceCtx>>,
 }
 
@@ -167,8 +167,8 @@ impl IpcWriterClient {
     }
 
     /// The writer's write backend (`io_uring` or `pwrite`).
-    pub fn backend(&self) -> &str {
-        &self.backend
+    pub fn backend(&self) -> crate::io::Backend {
+        self.backend
     }
 
     /// The settings.

@@ -63,7 +63,7 @@ pub struct IpcSaveReport {
     /// Tensors saved.
     pub tensors: usize,
     /// Backend the writer used.
-    pub backend: String,
+    pub backend: crate::io::Backend,
     /// Whether the file was written with O_DIRECT.
     pub direct_io: bool,
     /// Steps deleted by retention after this commit.
@@ -95,11 +95,7 @@ impl IpcSaveReport {
                 durable: self.durable,
                 committed: self.committed,
             },
-            backend: match self.backend.as_str() {
-                "io_uring" => "io_uring",
-                "pwrite" => "pwrite",
-                _ => "unknown",
-            },
+            backend: self.backend,
             direct_io: self.direct_io,
             retired: self.retired.clone(),
         }

@@ -2,7 +2,6 @@
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -90,7 +89,7 @@ pub(super) struct WireReport {
     pub(super) backpressure_s: f64,
     pub(super) durable_s: f64,
     pub(super) committed_s: f64,
-    pub(super) backend: String,
+    pub(super) backend: crate::io::Backend,
     pub(super) direct_io: bool,
     pub(super) retired: Vec<u64>,
 }
@@ -103,7 +102,7 @@ pub(super) enum Reply {
         pid: u32,
         shm_name: String,
         staging_bytes: u64,
-        backend: String,
+        backend: crate::io::Backend,
     },
     Prepared {
         id: u64,
@@ -326,9 +325,7 @@ pub(super) fn dur(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()
 }
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+pub(super) use crate::util::lock;
 
 /// `VmHWM`, `VmRSS` and `RssShmem` of a process, in bytes (zeros when unreadable).
 pub fn process_memory(pid: u32) -> (u64, u64, u64) {

@@ -279,7 +279,7 @@ pub(super) fn wire_report(r: &SaveReport) -> WireReport {
         backpressure_s: secs(r.timings.backpressure),
         durable_s: secs(r.timings.durable),
         committed_s: secs(r.timings.committed),
-        backend: r.backend.to_owned(),
+        backend: r.backend,
         direct_io: r.direct_io,
         retired: r.retired.clone(),
     }
@@ -333,7 +333,7 @@ pub fn run_writer(opts: WriterOptions) -> Result<()> {
         pid,
         shm_name: engine.shm_name().to_owned(),
         staging_bytes: engine.staging_capacity(),
-        backend: engine.backend().to_owned(),
+        backend: engine.backend(),
     };
     if let Err(e) = send(&out, &ready) {
         return Err(Error::Ipc(format!("cannot greet the trainer: {e}")));

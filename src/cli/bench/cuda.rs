@@ -95,7 +95,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         });
     }
     let (free_after_saves, _) = ctx.mem_info()?;
-    let backend = engine.backend();
+    let backend = engine.backend().as_str();
     engine.close();
     drop(pinned);
     let (free_engine_closed, _) = ctx.mem_info()?;

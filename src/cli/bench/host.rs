@@ -50,7 +50,7 @@ pub fn run(a: BenchArgs) -> CliResult {
             reference,
         });
     }
-    let backend = engine.backend();
+    let backend = engine.backend().as_str();
     engine.close();
     // Without --keep, `run` removes the whole run directory.
     let kept_dir = if a.keep { last_dir } else { None };

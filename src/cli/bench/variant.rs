@@ -74,7 +74,7 @@ impl Variant {
         crate::cli::guard::create_dir_all(&dir)?;
         let engine = super::engine_config(a, &dir, bytes).build()?;
         let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
-        let backend = engine.backend().to_owned();
+        let backend = engine.backend().to_string();
         Ok(Variant {
             name: "shm",
             next_step: next_step(&dir)?,
@@ -103,7 +103,7 @@ impl Variant {
         let client = ipc_config(a, &dir, bytes, cache).spawn()?;
         let prep = client.prepare(&[0])?;
         let after = free(ctx)?;
-        let backend = client.backend().to_owned();
+        let backend = client.backend().to_string();
         Ok(Variant {
             name: if cache { "ipc_cached" } else { "ipc_uncached" },
             next_step: next_step(&dir)?,
