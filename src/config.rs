@@ -1,6 +1,7 @@
 //! Engine settings: [`EngineConfig`] and its defaults.
 
 use std::path::{Path, PathBuf};
+#[cfg(feature = "fault-injection")]
 use std::sync::Arc;
 
 use crate::engine::Engine;

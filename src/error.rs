@@ -272,6 +272,7 @@ impl Error {
     }
 
     /// Add context to a CUDA error's detail (other errors are returned unchanged).
+    #[cfg_attr(not(feature = "ipc"), allow(dead_code))]
     pub(crate) fn with_cuda_context(self, context: &str) -> Self {
         match self {
             Error::Cuda { call, code, detail } => Error::Cuda {

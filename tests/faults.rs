@@ -2,7 +2,6 @@
 //! at chosen offsets, short writes, slow writes. A failure reaches the `SaveHandle` with the
 //! file path and offset, nothing is committed, the staging space is released and the next
 //! save succeeds; short and slow writes still commit exact bytes.
-#![cfg(feature = "fault-injection")]
 
 mod common;
 

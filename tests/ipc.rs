@@ -100,6 +100,7 @@ fn writer_exits_and_is_reaped_when_the_client_drops() {
 /// The trainer of `writer_dies_with_a_killed_trainer`: runs only when re-executed with
 /// `SHMCKPT_IPC_TEST_ROLE=trainer`.
 #[test]
+#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn trainer_role() {
     if std::env::var(ROLE_ENV).as_deref() != Ok("trainer") {
         return;
@@ -130,7 +131,13 @@ fn writer_dies_with_a_killed_trainer() {
         let dir = common::real_dir("ipc-kill");
         let me = std::env::current_exe().unwrap();
         let mut trainer = Command::new(me)
-            .args(["--exact", "trainer_role", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "trainer_role",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(ROLE_ENV, "trainer")
             .env("SHMCKPT_IPC_TEST_ROOT", dir.path())
             .stdout(Stdio::piped())

@@ -2,7 +2,6 @@
 //! with the trainer's buffers overwritten in place as soon as each `save` returns and
 //! staging chunks reused across saves in flight. Every committed checkpoint must hold
 //! exactly the data of its own step: never a stale or mixed one.
-#![cfg(feature = "fault-injection")]
 
 mod common;
 

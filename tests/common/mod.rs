@@ -147,11 +147,18 @@ pub fn is_child(name: &str) -> bool {
 }
 
 /// A command that re-runs this test binary with only the child test `name`, marked as a
-/// child by [`CHILD_ENV`].
+/// child by [`CHILD_ENV`]. Child tests are `#[ignore]`d, so a normal run reports them as
+/// ignored, never as passed; the child run includes them explicitly.
 pub fn child_command(name: &str) -> std::process::Command {
     let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, name);
+    c.args([
+        "--exact",
+        name,
+        "--include-ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_ENV, name);
     c
 }
 
@@ -322,7 +329,13 @@ pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
     let mut c = std::process::Command::new("unshare");
     c.args(["--mount", "--propagation", "private"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            name,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, name);
     Some(c)
 }
