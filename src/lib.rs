@@ -3,7 +3,7 @@
 #![warn(missing_docs)]
 
 //! # Features
-//! - `ipc` (off by default): the CUDA IPC writer process ([`ipc`]), the `--mode ipc`
+//! - `ipc` (off by default): the CUDA IPC writer process, the `--mode ipc`
 //!   baseline.
 //! - `testing` (off by default, hidden): synthetic data, the raw-write reference and the
 //!   crate's internals for the CLI, benchmarks and tests.
@@ -33,7 +33,8 @@ pub(crate) mod util;
 
 /// The CUDA façade: device memory, streams and events as typed values.
 ///
-/// Streams and events reach a save only as borrowed [`StreamRef`]/[`EventRef`] values
+/// Streams and events reach a save only as borrowed [`StreamRef`](crate::cuda::StreamRef)/[`EventRef`](crate::cuda::EventRef)
+/// values
 /// (or through their `unsafe` `from_raw`): the staging pipeline that takes raw handles is
 /// not reachable from outside the crate.
 ///

@@ -177,7 +177,7 @@ impl ArenaDetails {
     }
 }
 
-/// A segment in `/dev/shm` whose name starts with [`NAME_PREFIX`].
+/// A segment in `/dev/shm` whose name starts with `shmckpt.` (`NAME_PREFIX`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArenaInfo {
     /// Segment name (without slash).
@@ -190,7 +190,7 @@ pub struct ArenaInfo {
     pub details: std::result::Result<ArenaDetails, String>,
 }
 
-/// Every segment in `/dev/shm` whose name starts with [`NAME_PREFIX`], by name. Nothing is
+/// Every segment in `/dev/shm` whose name starts with `shmckpt.` (`NAME_PREFIX`), by name. Nothing is
 /// written or removed; unreadable and foreign segments are listed with the reason.
 pub fn list_arenas() -> Vec<ArenaInfo> {
     let mut out = Vec::new();

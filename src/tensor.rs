@@ -35,7 +35,7 @@ impl Source<'_> {
 ///
 /// Safe code gets one only from an owner that outlives it
 /// ([`DeviceBuffer::slice`](crate::cuda::DeviceBuffer::slice),
-/// [`IpcMapping::slice`](crate::cuda::IpcMapping::slice)), so a slice cannot outlive its
+/// `IpcMapping::slice` with feature `ipc`), so a slice cannot outlive its
 /// buffer:
 ///
 /// ```compile_fail,E0505

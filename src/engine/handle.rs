@@ -69,7 +69,7 @@ pub struct StagedReport {
     /// Part of it spent waiting for staging space.
     pub backpressure: Duration,
     /// Part of it spent registering the staging arena with CUDA (the first device save of
-    /// an engine not prepared with [`Engine::prepare_cuda`]).
+    /// an engine not prepared with [`Engine::prepare_cuda`](crate::Engine::prepare_cuda)).
     pub registration: Duration,
 }
 

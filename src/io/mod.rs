@@ -142,7 +142,7 @@ pub(crate) trait IoBackend: Send {
     fn in_flight(&self) -> usize;
 }
 
-/// What [`open_backend`] builds a backend with.
+/// What `open_backend` builds a backend with.
 #[derive(Debug, Clone)]
 pub struct BackendOptions {
     /// Which backend.

@@ -1,4 +1,4 @@
-//! A safe queue over an [`IoBackend`]: every request owns the chunk lease it reads into or
+//! A safe queue over an `IoBackend`: every request owns the chunk lease it reads into or
 //! writes from, and the lease comes back only with the request's completion. This is the
 //! one place that upholds the backend's buffer contract, so the writer pool and the reader
 //! contain no `unsafe`.

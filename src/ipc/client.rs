@@ -123,7 +123,7 @@ impl Inner {
 }
 
 /// The trainer's side of the IPC baseline: owns the writer process (see the
-/// [module documentation](self)). `Send + Sync`; requests are serialized.
+/// [module documentation](crate::ipc)). `Send + Sync`; requests are serialized.
 pub struct IpcWriterClient {
     pub(super) inner: Arc<Inner>,
     pub(super) cfg: IpcConfig,

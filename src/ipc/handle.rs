@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use super::client::Inner;
 use super::wire::{WireAlloc, WireError, WireReport, dur, from_wire, hex, lock};
 
-/// What is known when [`IpcWriterClient::save`] returns.
+/// What is known when [`IpcWriterClient::save`](crate::ipc::IpcWriterClient::save) returns.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct IpcStaged {
     /// Step.
@@ -102,7 +102,7 @@ impl IpcSaveReport {
     }
 }
 
-/// What [`IpcWriterClient::prepare`] did.
+/// What [`IpcWriterClient::prepare`](crate::ipc::IpcWriterClient::prepare) did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IpcPrepared {
     /// Device ordinals in the writer.
@@ -113,7 +113,7 @@ pub struct IpcPrepared {
     pub took: Duration,
 }
 
-/// What [`IpcWriterClient::release`] did.
+/// What [`IpcWriterClient::release`](crate::ipc::IpcWriterClient::release) did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IpcReleased {
     /// Mappings closed.
@@ -126,7 +126,7 @@ pub struct IpcReleased {
     pub took: Duration,
 }
 
-/// A tensor already exported by the caller, for [`IpcWriterClient::save_exported`].
+/// A tensor already exported by the caller, for [`IpcWriterClient::save_exported`](crate::ipc::IpcWriterClient::save_exported).
 #[derive(Debug, Clone)]
 pub struct IpcTensor {
     /// Name.
@@ -143,14 +143,14 @@ pub struct IpcTensor {
     pub offset: u64,
 }
 
-/// An allocation already exported by the caller, for [`IpcWriterClient::save_exported`].
+/// An allocation already exported by the caller, for [`IpcWriterClient::save_exported`](crate::ipc::IpcWriterClient::save_exported).
 #[derive(Debug, Clone)]
 pub struct IpcAllocation {
     /// Device ordinal in the caller's process.
     pub ordinal: i32,
-    /// Device UUID ([`cuda::device_uuid`]).
+    /// Device UUID ([`cuda::device_uuid`](crate::cuda::device_uuid)).
     pub uuid: [u8; 16],
-    /// The handle ([`cuda::ipc_export`] of the allocation base).
+    /// The handle ([`cuda::ipc_export`](crate::cuda::ipc_export) of the allocation base).
     pub handle: IpcMemHandle,
     /// Allocation size.
     pub size: u64,

@@ -8,7 +8,7 @@
 //! allocation holding a tensor (`cuMemGetAddressRange` + `cuIpcGetMemHandle`) and sends the
 //! handles with each tensor's offset inside its allocation. The writer maps the handles
 //! (`cuIpcOpenMemHandle`, the "rebuild"), copies device to host into its own pinned staging
-//! arena with its own [`Engine`], and writes and commits the checkpoint exactly like
+//! arena with its own [`Engine`](crate::Engine), and writes and commits the checkpoint exactly like
 //! shmckpt (same writer pool, file format and commit). The trainer's `save` returns when
 //! the writer reports its device-to-host copies done; [`IpcSaveHandle::wait`] returns when
 //! the writer reports the checkpoint committed.
@@ -22,7 +22,7 @@
 //! # Ordering
 //! The writer copies on its own stream in its own context, which cannot wait on the
 //! trainer's streams. The trainer therefore synchronizes every device it saves from
-//! (`cuCtxSynchronize` of the primary context, as [`Engine::save`] does) before it exports
+//! (`cuCtxSynchronize` of the primary context, as [`Engine::save`](crate::Engine::save) does) before it exports
 //! the handles: every write queued before `save` has completed when the writer's copies
 //! start. The trainer must not write the tensors until `save` returns (the writer's copies
 //! have completed by then). Work queued in a context other than the device's primary

@@ -166,7 +166,7 @@ impl Reply {
     }
 }
 
-/// The writer process's own view of itself ([`IpcWriterClient::stats`]).
+/// The writer process's own view of itself ([`IpcWriterClient::stats`](crate::ipc::IpcWriterClient::stats)).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WriterStats {
     /// Writer pid.

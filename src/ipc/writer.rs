@@ -21,7 +21,7 @@ use super::wire::{
 };
 
 /// How the writer process runs (built by the `ipc-writer` subcommand from
-/// [`IpcConfig::writer_args`]).
+/// [`IpcConfig::writer_args`](crate::ipc::IpcConfig::writer_args)).
 #[derive(Debug, Clone)]
 pub struct WriterOptions {
     /// The trainer's listening socket.
@@ -289,7 +289,7 @@ pub(super) fn wire_report(r: &SaveReport) -> WireReport {
 /// `shutdown` or until the socket closes. Used by the hidden `ipc-writer` subcommand.
 ///
 /// No CUDA call is made before a request needs one, and every such request first checks
-/// the driver ([`cuda::init`]), so a machine without CUDA gets an error reply.
+/// the driver ([`cuda::init`](crate::cuda::init)), so a machine without CUDA gets an error reply.
 pub fn run_writer(opts: WriterOptions) -> Result<()> {
     // 1. Die with the trainer. The check after prctl closes the race with a trainer that
     //    died before it (we would have been reparented already).
