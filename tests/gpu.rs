@@ -5,6 +5,7 @@
 //! `SKIPPED` and return. `SHMCKPT_TEST_DIR` picks the checkpoint directory (default: the
 //! target directory's tmp, which must be on a real filesystem).
 
+#[path = "common/gpu.rs"]
 mod common;
 
 use std::sync::Arc;

@@ -6,6 +6,7 @@
 //! tests read `cuMemGetInfo`, which counts every process on the GPU: run them one at a time
 //! (`--test-threads=1`) on an otherwise idle GPU.
 
+#[path = "common/gpu.rs"]
 mod common;
 
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Exact-byte round trips through the real write paths (io_uring and pwrite) on a real
 //! filesystem.
 
-mod common;
+use crate::common;
 
 use common::*;
 use shmckpt::testing::synthetic::{self, LayoutEntry};

@@ -3,7 +3,7 @@
 //! clear error, never a panic or a hang, for a save on a machine without a CUDA driver.
 //! The GPU side is in tests/gpu_ipc.rs.
 
-mod common;
+use crate::common;
 
 use std::io::BufRead;
 use std::path::Path;
@@ -133,7 +133,7 @@ fn writer_dies_with_a_killed_trainer() {
         let mut trainer = Command::new(me)
             .args([
                 "--exact",
-                "trainer_role",
+                "ipc::trainer_role",
                 "--include-ignored",
                 "--nocapture",
                 "--test-threads=1",

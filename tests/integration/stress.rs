@@ -3,7 +3,7 @@
 //! staging chunks reused across saves in flight. Every committed checkpoint must hold
 //! exactly the data of its own step: never a stale or mixed one.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! with exactly the bytes of its step, no partial checkpoint is listed, recovery (three
 //! ways) commits only exact saves, and opening the root cleans the partial directories.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;

@@ -1,7 +1,7 @@
 //! The `shmckpt` binary's `bench` and `demo` against directories they did not create, and
 //! against sizes and files they must refuse (issue 9, items 6 and 10).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -1,7 +1,7 @@
 //! Device tensors on a machine without a CUDA driver: a clear error, never a panic. (On a
 //! machine with a driver this file checks nothing and says so; the GPU tests cover it.)
 
-mod common;
+use crate::common;
 
 use shmckpt::cuda;
 use shmckpt::{DeviceSlice, Dtype, Engine, Error, Metadata, Tensor};

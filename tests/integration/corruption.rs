@@ -2,7 +2,7 @@
 //! concerned) and never panic. Hand-made cases, a regression corpus (`tests/corpus/`), and
 //! property tests that mutate the manifest, the header and the file at random.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! after `save` returns; the parent recovers (library, CLI, engine option) and checks the
 //! committed bytes against what the child saved. Crafted arenas cover every refusal.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::ExitStatusExt;

@@ -4,7 +4,7 @@
 //! intact; a save hitting ENOSPC while committing (the manifest) does the same. Skips
 //! visibly (SKIPPED on stderr) when neither filesystem can be mounted.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -1,7 +1,6 @@
 //! Helpers shared by the integration tests.
-#![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{BackendKind, Dtype, EngineConfig, Tensor};
@@ -131,10 +130,6 @@ pub fn assert_loaded_equal(ck: &shmckpt::Checkpoint, state: &State) {
     }
 }
 
-pub fn path_of(dir: &Path, rel: &str) -> PathBuf {
-    dir.join(rel)
-}
-
 // ---- Child processes, skips and shared-memory helpers (crash-recovery tests) ----
 
 /// Environment variable naming the child test a re-executed test binary must run.
@@ -143,17 +138,29 @@ pub const CHILD_ENV: &str = "SHMCKPT_TEST_CHILD";
 /// Whether this process was started by [`child_command`] to run the child test `name`.
 /// Child tests return at once (cheaply) when this is false.
 pub fn is_child(name: &str) -> bool {
-    std::env::var(CHILD_ENV).as_deref() == Ok(name)
+    std::env::var(CHILD_ENV).is_ok_and(|v| v.rsplit("::").next() == Some(name))
+}
+
+/// The libtest name of test `name` defined in the test module (file) that calls the
+/// function taking this location: `module::name`.
+fn qualified(name: &str, caller: &std::panic::Location<'_>) -> String {
+    let module = Path::new(caller.file())
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .expect("test module file name");
+    format!("{module}::{name}")
 }
 
 /// A command that re-runs this test binary with only the child test `name`, marked as a
 /// child by [`CHILD_ENV`]. Child tests are `#[ignore]`d, so a normal run reports them as
 /// ignored, never as passed; the child run includes them explicitly.
+#[track_caller]
 pub fn child_command(name: &str) -> std::process::Command {
+    let full = qualified(name, std::panic::Location::caller());
     let mut c = std::process::Command::new(std::env::current_exe().unwrap());
     c.args([
         "--exact",
-        name,
+        &full,
         "--include-ignored",
         "--nocapture",
         "--test-threads=1",
@@ -313,7 +320,9 @@ pub fn have_tool(prog: &str) -> bool {
 /// Like [`child_command`], but the child runs in a private mount namespace
 /// (`unshare --mount --propagation private`): its mounts vanish with it. `None` (after
 /// saying why) when namespaces cannot be created here.
+#[track_caller]
 pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
+    let full = qualified(name, std::panic::Location::caller());
     if !is_root() {
         skip("mount namespaces need root");
         return None;
@@ -331,12 +340,12 @@ pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            name,
+            &full,
             "--include-ignored",
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(CHILD_ENV, name);
+        .env(CHILD_ENV, &full);
     Some(c)
 }
 
@@ -365,37 +374,4 @@ pub fn relay_markers(text: &str, markers: &[&str]) -> bool {
         }
     }
     seen
-}
-
-/// CUDA device 0 for GPU tests; `None` (after printing `SKIPPED`) when there is no driver
-/// or GPU, unless `SHMCKPT_REQUIRE_GPU=1`, which makes that a failure.
-pub fn gpu() -> Option<std::sync::Arc<shmckpt::cuda::Context>> {
-    use shmckpt::cuda;
-    let require = std::env::var("SHMCKPT_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let found = cuda::driver_present() && cuda::device_count().map(|n| n > 0).unwrap_or(false);
-    if !found {
-        assert!(
-            !require,
-            "SHMCKPT_REQUIRE_GPU=1 but no CUDA driver/GPU was found"
-        );
-        eprintln!("SKIPPED: no CUDA driver or GPU");
-        return None;
-    }
-    Some(cuda::Context::new(0).expect("device 0"))
-}
-
-/// Checkpoint directory of GPU tests: under `$SHMCKPT_TEST_DIR` when set (the GPU machine
-/// runs prebuilt test binaries away from this checkout), else [`real_dir`].
-pub fn gpu_test_dir(tag: &str) -> tempfile::TempDir {
-    match std::env::var_os("SHMCKPT_TEST_DIR") {
-        Some(d) => {
-            let base = PathBuf::from(d);
-            std::fs::create_dir_all(&base).unwrap();
-            tempfile::Builder::new()
-                .prefix(tag)
-                .tempdir_in(base)
-                .unwrap()
-        }
-        None => real_dir(tag),
-    }
 }

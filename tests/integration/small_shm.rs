@@ -3,7 +3,7 @@
 //! error (no SIGBUS later, no segment left behind); an arena that fits works, byte-exact.
 //! Skips visibly when mount namespaces are not available.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

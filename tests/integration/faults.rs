@@ -3,7 +3,7 @@
 //! file path and offset, nothing is committed, the staging space is released and the next
 //! save succeeds; short and slow writes still commit exact bytes.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::Arc;
