@@ -5,9 +5,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use shmckpt::Tensor;
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
-use shmckpt::testing::synthetic;
 use shmckpt::testing::util::{gbps, median};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};
@@ -22,18 +20,7 @@ pub fn run(a: BenchArgs) -> CliResult {
 
     // The state, on the device, with the documented deterministic content.
     let t = Instant::now();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut bufs = Vec::with_capacity(layout.len());
-    let mut host = Vec::new();
-    for (k, e) in layout.iter().enumerate() {
-        let len = e.len() as usize;
-        host.resize(len, 0u8);
-        synthetic::fill_parallel(&mut host, k as u64, 0, threads);
-        let mut b = DeviceBuffer::alloc(&ctx, len)?;
-        b.upload(&host)?;
-        bufs.push(b);
-    }
-    drop(host);
+    let bufs = super::variant::alloc_state(&ctx, &layout, 0)?;
     let bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     let fill_s = t.elapsed();
     let (free_alloc, _) = ctx.mem_info()?;
@@ -65,11 +52,7 @@ pub fn run(a: BenchArgs) -> CliResult {
                 )?);
             }
         }
-        let tensors: Vec<Tensor<'_>> = layout
-            .iter()
-            .zip(&bufs)
-            .map(|(e, b)| b.tensor(e.name.as_str(), e.dtype, e.shape.clone()))
-            .collect();
+        let tensors = super::variant::tensors(&layout, &bufs);
         let (free_before, _) = ctx.mem_info()?;
         let h = engine.save(first + i as u64, &tensors, &shmckpt::Metadata::new())?;
         let staged = h.staged().ok_or("save returned before staging")?;

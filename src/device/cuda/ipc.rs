@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
+use super::device_count;
 use super::{Context, check};
-use super::{device_count, init};
 use crate::error::{Error, Result};
 use crate::tensor::DeviceSlice;
 
@@ -17,20 +17,7 @@ use crate::tensor::DeviceSlice;
 /// The 16-byte UUID of device `ordinal` (stable across processes, unlike ordinals, which
 /// depend on `CUDA_VISIBLE_DEVICES`).
 pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
-    init()?;
-    let n = device_count()?;
-    if ordinal < 0 || ordinal >= n {
-        return Err(Error::cuda(
-            "cuDeviceGet",
-            format!("device {ordinal} does not exist ({n} devices)"),
-        ));
-    }
-    let mut dev = 0;
-    // SAFETY: writes one device handle; the ordinal is in range (checked above).
-    check(
-        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-        "cuDeviceGet",
-    )?;
+    let dev = super::device(ordinal)?;
     let mut uuid = sys::CUuuid { bytes: [0; 16] };
     // SAFETY: writes one 16-byte `CUuuid` into our local.
     check(

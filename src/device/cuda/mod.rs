@@ -87,6 +87,26 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
     }
 }
 
+/// The driver's handle of device `ordinal` (after `init`), or an error naming the number
+/// of devices when there is no such device.
+fn device(ordinal: i32) -> Result<sys::CUdevice> {
+    init()?;
+    let n = device_count()?;
+    if ordinal < 0 || ordinal >= n {
+        return Err(Error::cuda(
+            "cuDeviceGet",
+            format!("device {ordinal} does not exist ({n} devices)"),
+        ));
+    }
+    let mut dev = 0;
+    // SAFETY: writes one device handle into our local; the ordinal is in range.
+    check(
+        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
+        "cuDeviceGet",
+    )?;
+    Ok(dev)
+}
+
 /// Driver version (e.g. 13000 for CUDA 13.0).
 pub fn driver_version() -> Result<i32> {
     init()?;
@@ -125,20 +145,7 @@ unsafe impl Sync for Context {}
 impl Context {
     /// Retain device `ordinal`'s primary context.
     pub fn new(ordinal: i32) -> Result<Arc<Context>> {
-        init()?;
-        let n = device_count()?;
-        if ordinal < 0 || ordinal >= n {
-            return Err(Error::cuda(
-                "cuDeviceGet",
-                format!("device {ordinal} does not exist ({n} devices)"),
-            ));
-        }
-        let mut dev = 0;
-        // SAFETY: writes one device handle.
-        check(
-            unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-            "cuDeviceGet",
-        )?;
+        let dev = device(ordinal)?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: writes one context handle; released in Drop.
         check(
