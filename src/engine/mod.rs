@@ -127,6 +127,13 @@ impl std::fmt::Debug for Engine {
 
 static ARENA_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+impl EngineConfig {
+    /// Build the engine ([`Engine::open`]).
+    pub fn build(self) -> Result<Engine> {
+        Engine::open(self)
+    }
+}
+
 impl Engine {
     /// Open an engine: check the root, take the rank lock, remove stale partial
     /// directories, create the staging arena and start the writers.
