@@ -8,13 +8,12 @@
 //! ([`pipeline`]).
 //!
 //! `unsafe` is allowed only in the leaf files that need it: `cuda/`, `sources.rs`,
-//! `pipeline.rs`, `sink.rs`.
+//! `pipeline.rs`.
 #![deny(unsafe_code)]
 
 pub mod cuda;
 pub mod host;
 pub mod pipeline;
-pub mod sink;
 pub mod sources;
 
 use crate::error::Result;
@@ -22,7 +21,6 @@ use crate::plan::Plan;
 use crate::staging::ChunkLease;
 
 pub(crate) use pipeline::{After, CudaStaging};
-pub use sink::DeviceSink;
 pub use sources::Sources;
 
 /// What staging needs from the engine.

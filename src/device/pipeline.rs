@@ -26,9 +26,9 @@ pub(crate) enum After {
 
 /// Per-device CUDA state: the primary context, one copy stream, reusable events.
 #[derive(Debug)]
-pub(super) struct DeviceState {
-    pub(super) ctx: Arc<Context>,
-    pub(super) stream: Stream,
+pub(crate) struct DeviceState {
+    pub(crate) ctx: Arc<Context>,
+    pub(crate) stream: Stream,
     events: Mutex<Vec<Event>>,
 }
 
@@ -99,7 +99,7 @@ impl CudaStaging {
             .map(HostRegistration::took)
     }
 
-    pub(super) fn device(&self, d: i32) -> Result<Arc<DeviceState>> {
+    pub(crate) fn device(&self, d: i32) -> Result<Arc<DeviceState>> {
         let mut m = lock(&self.devices);
         if let Some(s) = m.get(&d) {
             return Ok(Arc::clone(s));

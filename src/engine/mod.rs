@@ -11,6 +11,7 @@
 //! waits for the last write, makes the file durable, writes the manifest and renames the
 //! directory.
 
+mod device_sink;
 mod finalize;
 mod handle;
 mod save;
@@ -26,8 +27,8 @@ use crossbeam_channel::Sender;
 
 use crate::commit::{self, RootLock};
 use crate::config::EngineConfig;
+use crate::device::CudaStaging;
 use crate::device::cuda::DeviceBuffer;
-use crate::device::{CudaStaging, DeviceSink};
 use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
@@ -35,6 +36,7 @@ use crate::manifest::{self, CheckpointInfo, Manifest};
 use crate::restore::{self, Checkpoint};
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
 use crate::tensor::DeviceSlice;
+use device_sink::DeviceSink;
 
 pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};

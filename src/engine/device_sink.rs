@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use super::cuda::CtxGuard;
-use super::pipeline::{CudaStaging, DeviceState};
+use crate::device::cuda::CtxGuard;
+use crate::device::pipeline::{CudaStaging, DeviceState};
 use crate::error::{Error, Result};
 use crate::restore::ReadSink;
 use crate::tensor::DeviceSlice;
