@@ -109,6 +109,17 @@ pub fn ipc_export(ctx: &Context, base: u64) -> Result<IpcMemHandle> {
 /// While a mapping is open, the exporter's allocation stays alive even after the exporter
 /// frees it: its device memory comes back only when every mapping is closed. A handle can
 /// be open only once per context: open it again only after the previous mapping dropped.
+///
+/// A slice of the mapping borrows it, so the mapping cannot be closed while a slice of it
+/// may still be saved:
+///
+/// ```compile_fail,E0505
+/// # fn f(mapping: shmckpt::cuda::IpcMapping) -> shmckpt::Result<()> {
+/// let slice = mapping.slice(0, 16, 16)?;
+/// drop(mapping); // error: `mapping` is still borrowed by `slice`
+/// let _ = slice.len();
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct IpcMapping {
     ptr: u64,
