@@ -7,6 +7,7 @@ pub mod device;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+mod fsx;
 pub mod io;
 pub mod ipc;
 pub mod manifest;
