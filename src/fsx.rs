@@ -11,7 +11,6 @@
 #![forbid(unsafe_code)]
 
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
@@ -193,21 +192,6 @@ fn split(path: &Path) -> Result<(PathBuf, String)> {
         _ => PathBuf::from("."),
     };
     Ok((dir, name))
-}
-
-/// Write `bytes` to the new file `name` in `dir` (which must not exist) and fsync it.
-/// The file is removed again if writing fails.
-pub(crate) fn write_new_durable(dir: BorrowedFd<'_>, dir_path: &Path, name: &str, bytes: &[u8]) -> Result<()> {
-    let path = dir_path.join(name);
-    let mut f = open_file(dir, dir_path, name, true, Create::New, None)?;
-    let r = f
-        .write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .map_err(|e| Error::io("write", &path, e));
-    if r.is_err() {
-        let _ = rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::empty());
-    }
-    r
 }
 
 /// Remove the entry `name` of `dir` if it is not a directory (a link is removed, never

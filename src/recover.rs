@@ -16,7 +16,8 @@
 //! checkpoint root, so it never runs next to a live engine of that rank.
 #![forbid(unsafe_code)]
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
+use std::os::fd::AsFd;
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 use crate::commit;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use crate::fsx;
 use crate::manifest::{
     FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, TensorEntry, partial_dir_name,
     rank_file_name, step_dir_name,
@@ -31,6 +33,7 @@ use crate::manifest::{
 use crate::plan::{DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_STEP, META_WORLD, RESERVED_PREFIX};
 use crate::staging::descriptor::{HeaderView, SlotView, chunk_state, slot_state};
 use crate::staging::shm::SHM_MOUNT;
+use crate::staging::attach::AttachOptions;
 use crate::staging::{self, AttachedArena, NAME_PREFIX};
 
 /// Bytes copied or read per call while rebuilding and checksumming a file.
@@ -186,12 +189,18 @@ pub struct ArenaInfo {
     pub bytes: u64,
     /// Owning user of the segment.
     pub uid: Option<u32>,
-    /// The descriptor, or why it cannot be read (foreign or damaged segment, no access).
+    /// Owned by another user than the caller's effective uid: never attached (its
+    /// descriptor is not read) and never recovered unless explicitly allowed
+    /// ([`RecoverOptions::allow_foreign`]).
+    pub foreign: bool,
+    /// The descriptor, or why it cannot be read (foreign, a link or not a regular file,
+    /// damaged segment, no access).
     pub details: std::result::Result<ArenaDetails, String>,
 }
 
 /// Every segment in `/dev/shm` whose name starts with [`NAME_PREFIX`], by name. Nothing is
-/// written or removed; unreadable and foreign segments are listed with the reason.
+/// written or removed; links, non-regular files and other users' segments are listed with
+/// the reason and never opened.
 pub fn list_arenas() -> Vec<ArenaInfo> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(SHM_MOUNT) else {
@@ -203,14 +212,13 @@ pub fn list_arenas() -> Vec<ArenaInfo> {
         if !lossy.starts_with(NAME_PREFIX) {
             continue;
         }
-        let meta = e.metadata().ok();
-        let (bytes, uid) = meta.map_or((0, None), |m| (m.len(), Some(m.uid())));
         let info = match raw.to_str() {
             Some(name) => inspect_arena(name),
             None => ArenaInfo {
                 name: lossy,
-                bytes,
-                uid,
+                bytes: 0,
+                uid: None,
+                foreign: false,
                 details: Err("name is not valid UTF-8".into()),
             },
         };
@@ -220,17 +228,39 @@ pub fn list_arenas() -> Vec<ArenaInfo> {
     out
 }
 
-/// Read the arena `/dev/shm/<name>` without changing it.
+/// Read the arena `/dev/shm/<name>` without changing it. A link, a non-regular file or a
+/// segment of another user is reported (with `lstat`'s owner and size) and not opened.
 pub fn inspect_arena(name: &str) -> ArenaInfo {
-    let meta = std::fs::metadata(Path::new(SHM_MOUNT).join(name)).ok();
-    let (bytes, uid) = meta.map_or((0, None), |m| (m.len(), Some(m.uid())));
-    let details = AttachedArena::open(name)
-        .map(|a| details_of(&a))
-        .map_err(|e| e.to_string());
+    let path = Path::new(SHM_MOUNT).join(name);
+    let meta = std::fs::symlink_metadata(&path).ok();
+    let (bytes, uid) = meta
+        .as_ref()
+        .map_or((0, None), |m| (m.len(), Some(m.uid())));
+    let me = rustix::process::geteuid().as_raw();
+    let foreign = uid.is_some_and(|u| u != me);
+    let details = match &meta {
+        Some(m) if m.file_type().is_symlink() => Err(format!(
+            "{} is a symbolic link; arenas are never opened through links",
+            path.display()
+        )),
+        Some(m) if !m.file_type().is_file() => {
+            Err(format!("{} is not a regular file", path.display()))
+        }
+        Some(m) if foreign => Err(format!(
+            "foreign arena: {} belongs to uid {}, not to uid {me}; not read (recover it as \
+             that user, or with --allow-foreign)",
+            path.display(),
+            m.uid()
+        )),
+        _ => AttachedArena::open(name)
+            .map(|a| details_of(&a))
+            .map_err(|e| e.to_string()),
+    };
     ArenaInfo {
         name: name.to_owned(),
         bytes,
         uid,
+        foreign,
         details,
     }
 }
@@ -399,6 +429,15 @@ impl RecoveryReport {
     }
 }
 
+/// Options of [`recover_arena_with`] and [`recover_root_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoverOptions {
+    /// Recover arenas owned by another uid too. Off by default: an arena in `/dev/shm` can
+    /// be planted by any local user, and committing it would inject a checkpoint into a
+    /// root the caller owns. Even with it, links and non-regular files are refused.
+    pub allow_foreign: bool,
+}
+
 /// Whether recovery takes the rank's root lock itself or runs under an engine that holds
 /// it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -412,18 +451,38 @@ enum LockPolicy {
 /// remove the arena, unless a save failed with an I/O error (then the arena is kept for a
 /// retry and the report says so).
 ///
-/// Refused as a whole, changing nothing ([`Error::Recovery`]): a segment that is not a
-/// shmckpt arena, an owner that is still alive, a segment of another user (unless we are
-/// root), a root held by a live engine of the same rank.
+/// Refused as a whole, changing nothing: a segment that is not a shmckpt arena, an owner
+/// that is still alive, a root held by a live engine of the same rank ([`Error::Recovery`]);
+/// a link, a non-regular file, or a segment of another user, root included
+/// ([`Error::UnsafePath`]; see [`recover_arena_with`]).
 pub fn recover_arena(name: &str, root_override: Option<&Path>) -> Result<RecoveryReport> {
-    recover_impl(name, root_override, LockPolicy::Take)
+    recover_arena_with(name, root_override, RecoverOptions::default())
+}
+
+/// [`recover_arena`] with options.
+pub fn recover_arena_with(
+    name: &str,
+    root_override: Option<&Path>,
+    opts: RecoverOptions,
+) -> Result<RecoveryReport> {
+    recover_impl(name, root_override, LockPolicy::Take, opts)
 }
 
 /// Recover every arena recorded for checkpoint root `root` (and `rank`, when given) whose
 /// owner is gone. Returns one result per such arena, by name; arenas still in use are
 /// included as [`Error::Recovery`] results and left alone.
 pub fn recover_root(root: &Path, rank: Option<u32>) -> Vec<(String, Result<RecoveryReport>)> {
-    arenas_of(root, rank)
+    recover_root_with(root, rank, RecoverOptions::default())
+}
+
+/// [`recover_root`] with options. Foreign arenas are only considered with
+/// [`RecoverOptions::allow_foreign`].
+pub fn recover_root_with(
+    root: &Path,
+    rank: Option<u32>,
+    opts: RecoverOptions,
+) -> Vec<(String, Result<RecoveryReport>)> {
+    arenas_of(root, rank, opts)
         .into_iter()
         .map(|(name, in_use)| {
             let r = if in_use {
@@ -432,7 +491,7 @@ pub fn recover_root(root: &Path, rank: Option<u32>) -> Vec<(String, Result<Recov
                     reason: "its owner is alive and uses it".into(),
                 })
             } else {
-                recover_impl(&name, Some(root), LockPolicy::Take)
+                recover_impl(&name, Some(root), LockPolicy::Take, opts)
             };
             (name, r)
         })
@@ -442,10 +501,27 @@ pub fn recover_root(root: &Path, rank: Option<u32>) -> Vec<(String, Result<Recov
 /// Arenas recorded for `root` (and `rank`), newest first: (name, in use). Newest first so
 /// that when two dead trainers staged the same step, the later attempt is the one committed
 /// and the earlier finds it committed.
-fn arenas_of(root: &Path, rank: Option<u32>) -> Vec<(String, bool)> {
+fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(String, bool)> {
     let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
     let mut found: Vec<(u64, String, bool)> = list_arenas()
         .into_iter()
+        .map(|a| {
+            if a.foreign && opts.allow_foreign && a.details.is_err() {
+                // Read the foreign arena's descriptor only now that it is allowed.
+                let details = AttachedArena::open_with(
+                    &a.name,
+                    AttachOptions {
+                        write: false,
+                        allow_foreign: true,
+                    },
+                )
+                .map(|x| details_of(&x))
+                .map_err(|e| e.to_string());
+                ArenaInfo { details, ..a }
+            } else {
+                a
+            }
+        })
         .filter_map(|a| {
             let d = a.details.as_ref().ok()?;
             let same = d.root == want || d.root == root;
@@ -462,12 +538,12 @@ fn arenas_of(root: &Path, rank: Option<u32>) -> Vec<(String, bool)> {
 /// log what happened.
 pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
     let mut out = Vec::new();
-    for (name, in_use) in arenas_of(root, Some(rank)) {
+    for (name, in_use) in arenas_of(root, Some(rank), RecoverOptions::default()) {
         if in_use {
             tracing::debug!(arena = %name, "staging arena of this root is in use; not recovering");
             continue;
         }
-        match recover_impl(&name, Some(root), LockPolicy::Held) {
+        match recover_impl(&name, Some(root), LockPolicy::Held, RecoverOptions::default()) {
             Ok(r) => out.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }
@@ -486,21 +562,16 @@ fn recover_impl(
     name: &str,
     root_override: Option<&Path>,
     lock: LockPolicy,
+    opts: RecoverOptions,
 ) -> Result<RecoveryReport> {
-    let att = AttachedArena::open(name)?;
+    let att = AttachedArena::open_with(
+        name,
+        AttachOptions {
+            write: true,
+            allow_foreign: opts.allow_foreign,
+        },
+    )?;
     let h = att.header();
-    if let Ok(m) = std::fs::metadata(Path::new(SHM_MOUNT).join(name)) {
-        let me = rustix::process::geteuid().as_raw();
-        if m.uid() != me {
-            if me != 0 {
-                return Err(refuse(
-                    name,
-                    format!("belongs to uid {}; run recovery as that user", m.uid()),
-                ));
-            }
-            tracing::warn!(arena = %name, uid = m.uid(), "recovering another user's staging arena as root");
-        }
-    }
     let owner = owner_status(h.owner_pid, name);
     if owner.is_alive() && !h.closed {
         return Err(refuse(
@@ -561,7 +632,9 @@ fn recover_impl(
                     | SlotOutcome::AwaitingRanks { .. }
             ) {
                 // A retry of this arena skips the slot.
-                att.release_slot(v.slot);
+                if let Err(e) = att.release_slot(v.slot) {
+                    tracing::warn!(arena = %name, slot = v.slot, error = %e, "could not mark the slot free");
+                }
             }
             report.slots.push(SlotRecovery {
                 slot: v.slot,
@@ -638,6 +711,10 @@ fn refused(reason: impl Into<String>) -> SlotOutcome {
     }
 }
 
+fn is_not_found(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
+}
+
 /// Errors from the OS are worth a retry; anything else is about the bytes themselves.
 fn classify(e: Error) -> SlotOutcome {
     match e {
@@ -680,15 +757,37 @@ fn recover_slot(att: &AttachedArena, h: &HeaderView, root: &Path, v: &SlotView) 
             v.chunks.len()
         ));
     }
-    let final_dir = root.join(step_dir_name(v.step));
-    if final_dir.join(MANIFEST).is_file() {
-        return SlotOutcome::AlreadyCommitted { dir: final_dir };
-    }
-    if final_dir.exists() {
-        return refused(format!(
-            "{} exists but holds no manifest",
-            final_dir.display()
-        ));
+    // Nothing under the root is trusted: every entry is looked at without following links,
+    // and a link or a non-directory where a step directory belongs is refused.
+    let root_fd = match fsx::open_dir(root) {
+        Ok(fd) => fd,
+        Err(e) => return classify(e),
+    };
+    let final_name = step_dir_name(v.step);
+    let final_dir = root.join(&final_name);
+    match fsx::entry_kind(root_fd.as_fd(), root, &final_name) {
+        Ok(None) => {}
+        Ok(Some(libc::S_IFDIR)) => {
+            let has_manifest = fsx::open_subdir(root_fd.as_fd(), root, &final_name)
+                .and_then(|d| fsx::entry_kind(d.as_fd(), &final_dir, MANIFEST))
+                .is_ok_and(|k| k == Some(libc::S_IFREG));
+            return if has_manifest {
+                SlotOutcome::AlreadyCommitted { dir: final_dir }
+            } else {
+                refused(format!(
+                    "{} exists but holds no manifest",
+                    final_dir.display()
+                ))
+            };
+        }
+        Ok(Some(_)) => {
+            return refused(format!(
+                "{} exists and is not a directory (a link or a file); refusing to commit \
+                 over it",
+                final_dir.display()
+            ));
+        }
+        Err(e) => return classify(e),
     }
     if let Some(k) = v
         .chunks
@@ -714,8 +813,32 @@ fn recover_slot(att: &AttachedArena, h: &HeaderView, root: &Path, v: &SlotView) 
 
     let partial = root.join(&v.partial_dir);
     let path = partial.join(&file_name);
-    let made_dir = !partial.exists();
-    let made_file = !path.exists();
+    let made_dir = match fsx::entry_kind(root_fd.as_fd(), root, &v.partial_dir) {
+        Ok(None) => true,
+        Ok(Some(libc::S_IFDIR)) => false,
+        Ok(Some(_)) => {
+            return refused(format!(
+                "{} is not a directory (a link or a file); recovery never writes through it",
+                partial.display()
+            ));
+        }
+        Err(e) => return classify(e),
+    };
+    let made_file = made_dir
+        || match fsx::open_subdir(root_fd.as_fd(), root, &v.partial_dir)
+            .and_then(|d| fsx::entry_kind(d.as_fd(), &partial, &file_name))
+        {
+            Ok(None) => true,
+            Ok(Some(libc::S_IFREG)) => false,
+            Ok(Some(_)) => {
+                return refused(format!(
+                    "{} is not a regular file (a link, FIFO or device); recovery never \
+                     writes through it",
+                    path.display()
+                ));
+            }
+            Err(e) => return classify(e),
+        };
     let outcome = rebuild_and_commit(att, h, root, v, &info, &partial, &path);
     if matches!(outcome, SlotOutcome::Refused { .. }) {
         // Leave no trace of a save that cannot be restored where there was none.
@@ -748,8 +871,55 @@ fn rebuild_and_commit(
         .filter(|(_, c)| c.0 == chunk_state::WRITTEN)
         .map(|(k, _)| chunk_end(k as u64))
         .max();
+    let root_fd = match fsx::open_dir(root) {
+        Ok(fd) => fd,
+        Err(e) => return classify(e),
+    };
+    let Some(partial_name) = partial.file_name().and_then(|n| n.to_str()) else {
+        return refused(format!("{} has no file name", partial.display()));
+    };
+    let file_name = v.file_name.as_str();
+    if written_end.is_none()
+        && let Err(e) = fsx::mkdir_in(root_fd.as_fd(), root, partial_name)
+        && !matches!(&e, Error::Io { source, .. } if source.kind() == io::ErrorKind::AlreadyExists)
+    {
+        return classify(e);
+    }
+    // The partial directory and the file are opened without following links, and must be
+    // a directory and a regular file (never a FIFO: opening does not block).
+    let partial_fd = match fsx::open_subdir(root_fd.as_fd(), root, partial_name) {
+        Ok(fd) => fd,
+        Err(e) if written_end.is_some() && is_not_found(&e) => {
+            return refused(format!(
+                "{} chunk(s) had been written to {} before the crash, but the file is gone \
+                 (an engine opened on this root since then removes partial directories) \
+                 and staging no longer holds them",
+                info.written,
+                path.display()
+            ));
+        }
+        Err(e) => return classify(e),
+    };
+    let create = if written_end.is_none() {
+        fsx::Create::IfMissing
+    } else {
+        fsx::Create::No
+    };
+    let file = match fsx::open_file(partial_fd.as_fd(), partial, file_name, true, create, None) {
+        Ok(f) => f,
+        Err(e) if is_not_found(&e) => {
+            return refused(format!(
+                "{} chunk(s) had been written to {} before the crash, but the file is gone \
+                 (an engine opened on this root since then removes partial directories) \
+                 and staging no longer holds them",
+                info.written,
+                path.display()
+            ));
+        }
+        Err(e) => return classify(e),
+    };
     if let Some(need) = written_end {
-        match std::fs::metadata(path) {
+        match file.metadata() {
             Ok(m) if m.len() >= need => {}
             Ok(m) => {
                 return refused(format!(
@@ -758,42 +928,13 @@ fn rebuild_and_commit(
                     m.len()
                 ));
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return refused(format!(
-                    "{} chunk(s) had been written to {} before the crash, but the file is gone \
-                     (an engine opened on this root since then removes partial directories) \
-                     and staging no longer holds them",
-                    info.written,
-                    path.display()
-                ));
-            }
             Err(e) => {
                 return SlotOutcome::Failed {
                     error: Error::io("stat", path, e),
                 };
             }
         }
-    } else if !partial.is_dir()
-        && let Err(e) = std::fs::create_dir(partial)
-    {
-        return SlotOutcome::Failed {
-            error: Error::io("mkdir", partial, e),
-        };
     }
-    let file = match OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(written_end.is_none())
-        .truncate(false)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) => {
-            return SlotOutcome::Failed {
-                error: Error::io("open", path, e),
-            };
-        }
-    };
 
     // Write what only staging holds, then make the file exact and durable.
     let mut buf = vec![0u8; IO_PIECE.min(cs as usize)];

@@ -105,9 +105,8 @@ fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
 }
 
 fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {
-    Ok(shmckpt::manifest::list_committed(dir)?
-        .last()
-        .map_or(1, |c| c.step + 1))
+    let latest = shmckpt::manifest::list_committed(dir)?.last().map(|c| c.step);
+    shmckpt::manifest::next_step(dir, latest)
 }
 
 fn free(ctx: &Context) -> Result<u64, shmckpt::Error> {
