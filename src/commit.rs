@@ -65,9 +65,7 @@ pub fn check_root(root: &Path) -> Result<()> {
                 fsx::unlink_in(dir.as_fd(), root, &name)?;
                 return Ok(());
             }
-            Err(Error::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::AlreadyExists =>
-            {
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::AlreadyExists => {
                 last = Some(source);
             }
             Err(Error::Io { source, .. }) => {

@@ -139,7 +139,9 @@ pub enum Error {
         root: PathBuf,
     },
     /// The checkpoint root's path is longer than the arena descriptor can record.
-    #[error("checkpoint root {path} is {len} bytes long; the staging descriptor records at most {max}")]
+    #[error(
+        "checkpoint root {path} is {len} bytes long; the staging descriptor records at most {max}"
+    )]
     RootTooLong {
         /// The root.
         path: PathBuf,

@@ -42,8 +42,7 @@ pub(crate) fn open_dir(path: &Path) -> Result<OwnedFd> {
 
 /// A name of one directory entry: not empty, no slash, not `.` or `..`.
 fn check_name(dir_path: &Path, name: &str) -> Result<()> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0')
-    {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
         return Err(Error::UnsafePath {
             path: dir_path.join(name),
             reason: "not a plain file name".into(),
@@ -53,8 +52,19 @@ fn check_name(dir_path: &Path, name: &str) -> Result<()> {
 }
 
 /// `openat` of the single entry `name` of `dir` that never follows a symbolic link.
-fn openat_nofollow(dir: BorrowedFd<'_>, name: &str, flags: OFlags, mode: Mode) -> rustix::io::Result<OwnedFd> {
+fn openat_nofollow(
+    dir: BorrowedFd<'_>,
+    name: &str,
+    flags: OFlags,
+    mode: Mode,
+) -> rustix::io::Result<OwnedFd> {
     let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY;
+    // openat2 refuses a mode without O_CREAT.
+    let mode = if flags.contains(OFlags::CREATE) {
+        mode
+    } else {
+        Mode::empty()
+    };
     match rustix::fs::openat2(
         dir,
         name,
@@ -62,7 +72,9 @@ fn openat_nofollow(dir: BorrowedFd<'_>, name: &str, flags: OFlags, mode: Mode) -
         mode,
         ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
     ) {
-        Err(Errno::NOSYS) | Err(Errno::PERM) => rustix::fs::openat(dir, name, flags, mode),
+        Err(Errno::NOSYS) | Err(Errno::PERM) | Err(Errno::INVAL) => {
+            rustix::fs::openat(dir, name, flags, mode)
+        }
         // openat2 retries on EAGAIN when the rename seqlock moved; fall back rather than spin.
         Err(Errno::AGAIN) => rustix::fs::openat(dir, name, flags, mode),
         other => other,
@@ -121,7 +133,11 @@ fn kind_of(mode: u32) -> &'static str {
 
 /// Check that `fd` (opened from `path`) is a regular file, owned by `uid` when given.
 /// Returns its size and the blocks it occupies, in bytes.
-pub(crate) fn check_regular(fd: BorrowedFd<'_>, path: &Path, uid: Option<u32>) -> Result<(u64, u64)> {
+pub(crate) fn check_regular(
+    fd: BorrowedFd<'_>,
+    path: &Path,
+    uid: Option<u32>,
+) -> Result<(u64, u64)> {
     let st = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat", path, e.into()))?;
     let mode = st.st_mode as u32;
     if mode & libc::S_IFMT != libc::S_IFREG {

@@ -170,7 +170,10 @@ impl Manifest {
             return Err(Error::corrupt(
                 &path,
                 None,
-                format!("manifest is of step {}, its directory of step {step}", m.step),
+                format!(
+                    "manifest is of step {}, its directory of step {step}",
+                    m.step
+                ),
             ));
         }
         Ok(m)
@@ -289,8 +292,7 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
-        if !name.starts_with("step-") || name.ends_with(".partial") || name.ends_with(".trash")
-        {
+        if !name.starts_with("step-") || name.ends_with(".partial") || name.ends_with(".trash") {
             continue;
         }
         let dir = entry.path();
@@ -339,7 +341,10 @@ mod tests {
         assert_eq!(parse_step_dir(&step_dir_name(7)), Some(7));
         assert_eq!(parse_step_dir("step-0"), Some(0));
         assert_eq!(parse_step_dir("step-18446744073709551615"), Some(u64::MAX));
-        assert_eq!(parse_step_with_suffix("step-3.partial", ".partial"), Some(3));
+        assert_eq!(
+            parse_step_with_suffix("step-3.partial", ".partial"),
+            Some(3)
+        );
         assert_eq!(parse_step_with_suffix("step-03.partial", ".partial"), None);
         let r = Path::new("/r");
         assert_eq!(next_step(r, None).unwrap(), 1);

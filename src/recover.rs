@@ -17,8 +17,8 @@
 #![forbid(unsafe_code)]
 
 use std::fs::File;
-use std::os::fd::AsFd;
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -31,9 +31,9 @@ use crate::manifest::{
     rank_file_name, step_dir_name,
 };
 use crate::plan::{DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_STEP, META_WORLD, RESERVED_PREFIX};
+use crate::staging::attach::AttachOptions;
 use crate::staging::descriptor::{HeaderView, SlotView, chunk_state, slot_state};
 use crate::staging::shm::SHM_MOUNT;
-use crate::staging::attach::AttachOptions;
 use crate::staging::{self, AttachedArena, NAME_PREFIX};
 
 /// Bytes copied or read per call while rebuilding and checksumming a file.
@@ -543,7 +543,12 @@ pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
             tracing::debug!(arena = %name, "staging arena of this root is in use; not recovering");
             continue;
         }
-        match recover_impl(&name, Some(root), LockPolicy::Held, RecoverOptions::default()) {
+        match recover_impl(
+            &name,
+            Some(root),
+            LockPolicy::Held,
+            RecoverOptions::default(),
+        ) {
             Ok(r) => out.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }

@@ -105,7 +105,9 @@ fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
 }
 
 fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {
-    let latest = shmckpt::manifest::list_committed(dir)?.last().map(|c| c.step);
+    let latest = shmckpt::manifest::list_committed(dir)?
+        .last()
+        .map(|c| c.step);
     shmckpt::manifest::next_step(dir, latest)
 }
 

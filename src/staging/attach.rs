@@ -252,7 +252,11 @@ impl AttachedArena {
         use std::os::unix::fs::MetadataExt;
         let mine = self.file.metadata()?;
         let dir = std::fs::File::open(SHM_MOUNT)?;
-        let now = rustix::fs::statat(&dir, self.name.as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)?;
+        let now = rustix::fs::statat(
+            &dir,
+            self.name.as_str(),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )?;
         if now.st_ino != mine.ino() || now.st_dev != mine.dev() {
             return Err(std::io::Error::other(format!(
                 "{} was replaced since it was opened; not removing it",
@@ -286,8 +290,10 @@ mod tests {
         use std::mem::offset_of;
         let mut h = vec![0u8; PAGE];
         h[..8].copy_from_slice(&MAGIC);
-        let put32 = |h: &mut Vec<u8>, o: usize, v: u32| h[o..o + 4].copy_from_slice(&v.to_ne_bytes());
-        let put64 = |h: &mut Vec<u8>, o: usize, v: u64| h[o..o + 8].copy_from_slice(&v.to_ne_bytes());
+        let put32 =
+            |h: &mut Vec<u8>, o: usize, v: u32| h[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+        let put64 =
+            |h: &mut Vec<u8>, o: usize, v: u64| h[o..o + 8].copy_from_slice(&v.to_ne_bytes());
         put32(&mut h, offset_of!(ArenaHeader, version), VERSION);
         put32(&mut h, offset_of!(ArenaHeader, n_slots), n_slots);
         put64(&mut h, offset_of!(ArenaHeader, data_offset), data_offset);

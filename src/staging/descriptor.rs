@@ -204,7 +204,11 @@ impl Descriptor {
         world_size: u32,
         root: &[u8],
     ) -> Descriptor {
-        assert_eq!(geo.root_len, root.len() as u64, "geometry made for another root");
+        assert_eq!(
+            geo.root_len,
+            root.len() as u64,
+            "geometry made for another root"
+        );
         let root_len = root.len();
         // SAFETY: the caller guarantees `base` is valid, aligned and exclusively ours;
         // `ArenaHeader` fits in the first page (checked at compile time) and all-zero bytes
@@ -283,9 +287,7 @@ impl Descriptor {
         } else {
             // SAFETY: the root region (see `init`) lies inside the mapping and is written
             // only by `init`, before the descriptor is shared.
-            unsafe {
-                std::slice::from_raw_parts(self.base.add(PAGE), self.geo.root_len as usize)
-            }
+            unsafe { std::slice::from_raw_parts(self.base.add(PAGE), self.geo.root_len as usize) }
         };
         HeaderView {
             owner_pid: h.owner_pid.load(Ordering::Acquire),

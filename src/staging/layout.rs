@@ -81,9 +81,7 @@ impl Geometry {
         let data_offset = slot_bytes
             .checked_mul(u64::from(n_slots))?
             .checked_add(slots_offset)?;
-        let total_len = n_chunks
-            .checked_mul(chunk_size)?
-            .checked_add(data_offset)?;
+        let total_len = n_chunks.checked_mul(chunk_size)?.checked_add(data_offset)?;
         // The mapping length and every offset must also fit the address space.
         usize::try_from(total_len).ok()?;
         Some(Geometry {
@@ -297,6 +295,9 @@ mod tests {
         assert_eq!(g.slot_offset(2), None);
         assert_eq!(g.entry_offset(1, 4), None);
         assert_eq!(g.chunk_range(3, 65535, 2), None);
-        assert_eq!(g.chunk_range(3, 65535, 1), Some(g.data_offset + 3 * 65536 + 65535));
+        assert_eq!(
+            g.chunk_range(3, 65535, 1),
+            Some(g.data_offset + 3 * 65536 + 65535)
+        );
     }
 }

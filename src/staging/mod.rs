@@ -104,13 +104,18 @@ impl Arena {
                 layout::MAX_SLOTS
             )));
         }
-        let geo = Geometry::new(n_chunks, spec.chunk_size, spec.slots.max(1), root.len() as u64)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "staging capacity of {n_chunks} chunks of {} bytes exceeds the address space",
-                    spec.chunk_size
-                ))
-            })?;
+        let geo = Geometry::new(
+            n_chunks,
+            spec.chunk_size,
+            spec.slots.max(1),
+            root.len() as u64,
+        )
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "staging capacity of {n_chunks} chunks of {} bytes exceeds the address space",
+                spec.chunk_size
+            ))
+        })?;
         let len = geo.total_len as usize;
         let seg = match &spec.name {
             Some(n) => Segment::create(n, len)?,
