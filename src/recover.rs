@@ -366,7 +366,9 @@ pub enum SlotOutcome {
         /// Why.
         reason: String,
     },
-    /// An I/O error stopped recovery of this save; the arena is kept so it can be retried.
+    /// An I/O error, or an entry in the way that recovery never writes through (a link, a
+    /// FIFO, a file where a directory belongs: [`Error::UnsafePath`]), stopped recovery of
+    /// this save; the arena is kept so it can be retried once the cause is removed.
     Failed {
         /// The error.
         error: Error,
@@ -656,7 +658,8 @@ fn recover_impl(
         .count();
     if failed > 0 {
         let why = format!(
-            "{failed} save(s) failed with I/O errors; the arena is kept: fix the cause and run \
+            "{failed} save(s) failed (I/O errors or unsafe entries in the way); the arena is kept: \
+             fix the cause and run \
              `shmckpt recover --shm {name}` again"
         );
         tracing::warn!(arena = %name, "{why}");
@@ -720,10 +723,23 @@ fn is_not_found(e: &Error) -> bool {
     matches!(e, Error::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
 }
 
-/// Errors from the OS are worth a retry; anything else is about the bytes themselves.
+/// A link, FIFO or other unexpected entry where recovery would write: nothing is written
+/// through it, and the arena is kept (like for an I/O error), so that recovery can be run
+/// again once the entry is removed; a planted link must not cost the user the staged save.
+fn unsafe_path(path: &Path, reason: &str) -> SlotOutcome {
+    SlotOutcome::Failed {
+        error: Error::UnsafePath {
+            path: path.to_owned(),
+            reason: reason.to_owned(),
+        },
+    }
+}
+
+/// Errors from the OS, and entries in the way that are not what shmckpt creates, are worth
+/// a retry; anything else is about the bytes themselves.
 fn classify(e: Error) -> SlotOutcome {
     match e {
-        Error::Io { .. } => SlotOutcome::Failed { error: e },
+        Error::Io { .. } | Error::UnsafePath { .. } => SlotOutcome::Failed { error: e },
         other => refused(other.to_string()),
     }
 }
@@ -786,11 +802,7 @@ fn recover_slot(att: &AttachedArena, h: &HeaderView, root: &Path, v: &SlotView) 
             };
         }
         Ok(Some(_)) => {
-            return refused(format!(
-                "{} exists and is not a directory (a link or a file); refusing to commit \
-                 over it",
-                final_dir.display()
-            ));
+            return unsafe_path(&final_dir, "is not a directory (a link or a file)");
         }
         Err(e) => return classify(e),
     }
@@ -822,26 +834,17 @@ fn recover_slot(att: &AttachedArena, h: &HeaderView, root: &Path, v: &SlotView) 
         Ok(None) => true,
         Ok(Some(libc::S_IFDIR)) => false,
         Ok(Some(_)) => {
-            return refused(format!(
-                "{} is not a directory (a link or a file); recovery never writes through it",
-                partial.display()
-            ));
+            return unsafe_path(&partial, "is not a directory (a link or a file)");
         }
         Err(e) => return classify(e),
     };
+    // What is in the way of the file itself (a link, FIFO, directory) is refused when it is
+    // opened (`O_NOFOLLOW | O_NONBLOCK`, then `fstat`).
     let made_file = made_dir
         || match fsx::open_subdir(root_fd.as_fd(), root, &v.partial_dir)
             .and_then(|d| fsx::entry_kind(d.as_fd(), &partial, &file_name))
         {
-            Ok(None) => true,
-            Ok(Some(libc::S_IFREG)) => false,
-            Ok(Some(_)) => {
-                return refused(format!(
-                    "{} is not a regular file (a link, FIFO or device); recovery never \
-                     writes through it",
-                    path.display()
-                ));
-            }
+            Ok(k) => k.is_none(),
             Err(e) => return classify(e),
         };
     let outcome = rebuild_and_commit(att, h, root, v, &info, &partial, &path);

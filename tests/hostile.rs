@@ -343,49 +343,64 @@ fn item2_body() {
     let partial = root.join("step-2.partial");
     let (arena, image) = craft_arena(&root, 2);
 
-    // (a) The rank file is a link out of the root.
+    // (a) The rank file is a link out of the root. Nothing is written through it, and the
+    // arena is kept: a planted link must not cost the user the staged save.
     std::fs::create_dir(&partial).unwrap();
     std::os::unix::fs::symlink("../../victim.txt", partial.join(RANK_FILE)).unwrap();
-    plant("shmckpt.r2a", &arena);
-    let rep = recover::recover_arena("shmckpt.r2a", None).unwrap();
+    let seg = plant("shmckpt.r2", &arena);
+    let rep = recover::recover_arena("shmckpt.r2", None).unwrap();
     match &rep.slots[0].outcome {
-        recover::SlotOutcome::Refused { reason } => {
-            assert!(reason.contains("not a regular file"), "{reason}");
-            assert!(reason.contains(RANK_FILE), "{reason}");
+        recover::SlotOutcome::Failed { error } => {
+            assert!(matches!(error, Error::UnsafePath { .. }), "{error:?}");
+            let msg = error.to_string();
+            assert!(msg.contains("symbolic link"), "{msg}");
+            assert!(
+                msg.contains(&partial.join(RANK_FILE).display().to_string()),
+                "{msg}"
+            );
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
+    assert!(!rep.removed && rep.kept.is_some() && seg.exists());
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     assert!(!root.join("step-2").exists());
     std::fs::remove_dir_all(&partial).unwrap();
 
     // (b) The partial directory is a link out of the root.
     std::os::unix::fs::symlink(&elsewhere, &partial).unwrap();
-    plant("shmckpt.r2b", &arena);
     let out = cli(&["recover", root.to_str().unwrap()]);
     let text = output_text(&out);
-    assert!(text.contains("NOT recovered"), "{text}");
-    assert!(text.contains("step-2.partial"), "{text}");
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("FAILED") && text.contains("kept arena"),
+        "{text}"
+    );
+    assert!(
+        text.contains("step-2.partial: is not a directory"),
+        "{text}"
+    );
     assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "{text}");
     assert!(!root.join("step-2").exists());
+    assert!(seg.exists());
+
     // (c) A link where the committed directory belongs.
     std::fs::remove_file(&partial).unwrap();
     std::os::unix::fs::symlink(&elsewhere, root.join("step-2")).unwrap();
-    plant("shmckpt.r2c", &arena);
-    let rep = recover::recover_arena("shmckpt.r2c", None).unwrap();
+    let rep = recover::recover_arena("shmckpt.r2", None).unwrap();
     assert!(
-        matches!(&rep.slots[0].outcome, recover::SlotOutcome::Refused { reason } if reason.contains("not a directory")),
+        matches!(&rep.slots[0].outcome, recover::SlotOutcome::Failed { error: Error::UnsafePath { path, .. } } if path == &root.join("step-2")),
         "{:?}",
         rep.slots[0].outcome
     );
     assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
     std::fs::remove_file(root.join("step-2")).unwrap();
 
-    // Control: the same arena without links is recovered, byte-exact.
-    plant("shmckpt.r2d", &arena);
-    let rep = recover::recover_arena("shmckpt.r2d", None).unwrap();
+    // The links removed, the kept arena is recovered, byte-exact.
+    let rep = recover::recover_arena("shmckpt.r2", None).unwrap();
     assert_eq!(rep.committed_steps(), [2], "{rep:?}");
+    assert!(rep.removed && !seg.exists());
     assert_eq!(std::fs::read(committed_file(&root, 2)).unwrap(), image);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     assert!(cli(&["verify", root.to_str().unwrap()]).status.success());
     println!("ITEM2: links refused, control recovered");
 }

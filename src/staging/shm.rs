@@ -196,7 +196,15 @@ pub fn open_existing(
     let mount = std::path::Path::new(SHM_MOUNT);
     let dir = crate::fsx::open_dir(mount)?;
     let uid = (!allow_foreign).then(|| rustix::process::geteuid().as_raw());
-    let f = crate::fsx::open_file(dir.as_fd(), mount, name, write, crate::fsx::Create::No, uid)?;
+    let f = crate::fsx::open_file(dir.as_fd(), mount, name, write, crate::fsx::Create::No, uid)
+        .map_err(|e| match e {
+            Error::Io { op, source, .. } => Error::Shm {
+                name: name.to_owned(),
+                op,
+                source,
+            },
+            other => other,
+        })?;
     let (size, blocks) = crate::fsx::check_regular(f.as_fd(), &mount.join(name), None)?;
     Ok((f, size, blocks))
 }
