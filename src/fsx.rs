@@ -139,7 +139,7 @@ pub(crate) fn check_regular(
     uid: Option<u32>,
 ) -> Result<(u64, u64)> {
     let st = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat", path, e.into()))?;
-    let mode = st.st_mode as u32;
+    let mode = st.st_mode;
     if mode & libc::S_IFMT != libc::S_IFREG {
         return Err(Error::UnsafePath {
             path: path.to_owned(),
@@ -224,7 +224,7 @@ pub(crate) fn unlink_in(dir: BorrowedFd<'_>, dir_path: &Path, name: &str) -> Res
 pub(crate) fn entry_kind(dir: BorrowedFd<'_>, dir_path: &Path, name: &str) -> Result<Option<u32>> {
     check_name(dir_path, name)?;
     match rustix::fs::statat(dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(st) => Ok(Some(st.st_mode as u32 & libc::S_IFMT)),
+        Ok(st) => Ok(Some(st.st_mode & libc::S_IFMT)),
         Err(Errno::NOENT) => Ok(None),
         Err(e) => Err(Error::io("stat", dir_path.join(name), e.into())),
     }
