@@ -228,11 +228,15 @@ pub fn commit(
         files.clear();
         for r in 0..world_size {
             let p = partial.join(rank_manifest_name(r));
-            match std::fs::read(&p) {
+            // Read without following a link or blocking on a FIFO, size-capped.
+            match manifest::read_manifest_bytes(&p) {
                 Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
                     Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
                 })?),
-                Err(_) => return Ok(None), // another rank will finish the commit
+                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                    return Ok(None); // another rank will finish the commit
+                }
+                Err(e) => return Err(e),
             }
         }
     }

@@ -192,7 +192,7 @@ impl Manifest {
 
 /// The bytes of the manifest file `path`: a regular file (no link, FIFO or device) of at
 /// most [`MAX_MANIFEST_LEN`] bytes.
-fn read_manifest_bytes(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_manifest_bytes(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     let f = crate::fsx::open_path(path, false)?;
     let len = f.metadata().map_err(|e| Error::io("stat", path, e))?.len();

@@ -51,9 +51,32 @@ impl AttachedArena {
     }
 
     /// [`AttachedArena::open`] with options.
+    ///
+    /// The segment is opened read-only first; only once the link, file-type, owner and
+    /// descriptor checks passed is it opened for writing (when `opts.write`), and that second
+    /// open must reach the same inode.
     pub fn open_with(name: &str, opts: AttachOptions) -> Result<AttachedArena> {
-        let (file, len, allocated) = open_existing(name, opts.write, opts.allow_foreign)?;
-        AttachedArena::from_file(file, name, len, allocated, opts.write)
+        use std::os::unix::fs::MetadataExt;
+        let (file, len, allocated) = open_existing(name, false, opts.allow_foreign)?;
+        let mut a = AttachedArena::from_file(file, name, len, allocated, false)?;
+        if opts.write {
+            let path = a.path();
+            let (rw, _, _) = open_existing(name, true, opts.allow_foreign)?;
+            let was = a
+                .file
+                .metadata()
+                .map_err(|e| Error::io("fstat", &path, e))?;
+            let now = rw.metadata().map_err(|e| Error::io("fstat", &path, e))?;
+            if (was.dev(), was.ino(), was.len()) != (now.dev(), now.ino(), now.len()) {
+                return Err(Error::Recovery {
+                    arena: name.to_owned(),
+                    reason: "the segment was replaced while it was being checked".into(),
+                });
+            }
+            a.file = rw;
+            a.writable = true;
+        }
+        Ok(a)
     }
 
     /// Check the descriptor of an already opened segment file of `len` bytes, of which
