@@ -846,6 +846,14 @@ class SysNVRxFSWA(_NVRxBase):
             pass
 
 
+def _jsonable(x):
+    try:
+        json.dumps(x)
+        return x
+    except Exception:
+        return repr(x)
+
+
 class ShmShared:
     """One shmckpt Checkpointer shared by shm-block and shm-async (one set of
     staging buffers), with guard(opt) installed on the optimizer from the start
@@ -857,15 +865,21 @@ class ShmShared:
         self.mod = shmckpt
         self.root = os.path.join(ctx.ckpt_dir, "shmckpt")
         os.makedirs(self.root, exist_ok=True)
+        # staging_capacity: the largest file a save can stage (default 2 GiB); the whole
+        # state goes in one file per rank, so: state + 256 MiB for the header and alignment
+        self.staging_capacity = ctx.args.shm_staging_bytes or (ctx.state_bytes + 256 * MiB)
+        self.kwargs = {"keep_last": ctx.keep_last, "staging_capacity": int(self.staging_capacity)}
         t = now()
-        self.ck = shmckpt.Checkpointer(self.root, keep_last=ctx.keep_last)
+        self.ck = shmckpt.Checkpointer(self.root, **self.kwargs)
         self.open_s = now() - t
-        self.guarded = None
+        self.guarded = None  # weakref: holding the optimizer would keep its tensors alive
 
     def guard(self, opt):
-        if self.guarded is not opt:
+        import weakref
+
+        if self.guarded is None or self.guarded() is not opt:
             self.ck.guard(opt)
-            self.guarded = opt
+            self.guarded = weakref.ref(opt)
 
     def close(self):
         self.ck.close()
@@ -878,7 +892,7 @@ class _Shm(System):
         super().__init__(ctx)
         self.shared = ctx.get_shm()
         self.api = (
-            f"ckpt = shmckpt.Checkpointer(root, keep_last={ctx.keep_last}); ckpt.guard(opt) once; "
+            f"ckpt = shmckpt.Checkpointer(root, **{self.shared.kwargs}); ckpt.guard(opt) once; "
             + ("h = ckpt.save(step, state)" if self.blocking else "h = ckpt.save(step, state, blocking=False)")
             + "; every iteration h.done(); at the end h.wait()"
         )
@@ -900,8 +914,9 @@ class _Shm(System):
         keep = []
         for rec, h in self.pending:
             if h.done():
-                h.wait()  # raises the save's error, if any
+                rep = h.wait()  # raises the save's error, if any
                 self.mark_durable(rec)
+                rec["report"] = _jsonable(rep)
             else:
                 keep.append((rec, h))
         self.pending = keep
@@ -911,8 +926,9 @@ class _Shm(System):
             if not self.blocking and "staged_s" not in rec:
                 h.wait_staged()
                 rec["staged_s_at_drain"] = now() - rec["t0"]
-            h.wait()
+            rep = h.wait()
             self.mark_durable(rec)
+            rec["report"] = _jsonable(rep)
         self.pending = []
 
     def segment_end_cleanup(self):
@@ -1259,6 +1275,14 @@ def summarize(ctx, results):
                 # per-segment overhead (vs the mean of all baseline segments): spread across rounds
                 r["segment_overhead_pct"] = [100.0 * (s["mean_iter_s"] / base_mean - 1.0) for s in segs if s.get("mean_iter_s") and base_mean]
                 r["segment_overhead_pct_median"] = med(r["segment_overhead_pct"])
+                # steady state: rounds after the first (the first pays worker spawns, first pinned allocations)
+                st_rows = [x for x in rows if x["round"] > 1]
+                st_base = [x["dt"] for x in ctx.iters if x["system"] == "none" and x["phase"] == phase and x["round"] > 1]
+                if st_rows and base_mean:
+                    r["mean_iter_steady_s"] = mean([x["dt"] for x in st_rows])
+                    r["overhead_steady_pct"] = 100.0 * (r["mean_iter_steady_s"] / base_mean - 1.0)
+                    if st_base:
+                        r["overhead_steady_vs_steady_base_pct"] = 100.0 * (r["mean_iter_steady_s"] / mean(st_base) - 1.0)
             ck = [c for c in ctx.ckpts if c["system"] == name and c["phase"] == phase and not c.get("skipped")]
             r["checkpoints_skipped_low_memory"] = sum(1 for c in ctx.ckpts if c["system"] == name and c["phase"] == phase and c.get("skipped"))
             if ck and base_med is not None:
@@ -1337,15 +1361,15 @@ def render_md(results):
         if not rows:
             continue
         out += ["", f"## {title}", ""]
-        out.append("| system | mean ms | p99 ms | overhead % | stall median s | stall max s | first stall s | durable median s | durable max s | max pending | drain s | GPU peak reserved vs base GiB | GPU peak alloc vs base GiB | GPU held after durable GiB (first / later) | host RSS tree peak Δ GiB | /dev/shm peak Δ GiB | host used peak Δ GiB |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("| system | mean ms | p99 ms | overhead % (all rounds) | overhead % (rounds 2+) | stall median s | stall max s | first stall s | durable median s | durable max s | max pending | drain s | GPU peak reserved vs base GiB | GPU peak alloc vs base GiB | GPU held after durable GiB (first / later) | host RSS tree peak Δ GiB | /dev/shm peak Δ GiB | host used peak Δ GiB |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             if r.get("mean_iter_s") is None:
-                out.append(f"| {name} | FAILED: {r.get('error', '')[:200]} |" + " |" * 15)
+                out.append(f"| {name} | FAILED: {r.get('error', '')[:200]} |" + " |" * 16)
                 continue
             held = f"{fmt_b(r.get('gpu_device_used_held_after_durable_first_bytes'))} / {fmt_b(r.get('gpu_device_used_held_after_durable_max_later_bytes'))}"
             out.append(
-                f"| {name} | {r['mean_iter_s'] * 1e3:.1f} | {r['p99_iter_s'] * 1e3:.1f} | {fmt_s(r.get('overhead_pct'), 1)} | {fmt_s(r.get('stall_median_s'))} | {fmt_s(r.get('stall_max_s'))} | "
+                f"| {name} | {r['mean_iter_s'] * 1e3:.1f} | {r['p99_iter_s'] * 1e3:.1f} | {fmt_s(r.get('overhead_pct'), 1)} | {fmt_s(r.get('overhead_steady_pct'), 1)} | {fmt_s(r.get('stall_median_s'))} | {fmt_s(r.get('stall_max_s'))} | "
                 f"{fmt_s(r.get('first_checkpoint_stall_s'))} | {fmt_s(r.get('durable_median_s'))} | {fmt_s(r.get('durable_max_s'))} | {r.get('max_pending_at_call', '-')} | {fmt_s(r.get('drain_max_s'))} | "
                 f"{fmt_b(r.get('gpu_peak_reserved_vs_base_bytes'))} | {fmt_b(r.get('gpu_peak_allocated_vs_base_bytes'))} | {held} | {fmt_gb(r.get('host_rss_tree_peak_delta_bytes'))} | "
                 f"{fmt_gb(r.get('dev_shm_peak_delta_bytes'))} | {fmt_gb(r.get('host_used_peak_delta_bytes'))} |"
@@ -1494,6 +1518,7 @@ def parse_args(argv=None):
     a("--raw-chunk-mib", type=int, default=8, help="write size of the in-flight raw measurement (single stream uses 64 MiB)")
     a("--timeout", type=float, default=240, help="seconds to wait for any one save to become durable")
     a("--shmckpt-path", default=None, help="directory prepended to sys.path before `import shmckpt`")
+    a("--shm-staging-bytes", type=int, default=0, help="shmckpt staging_capacity (0 = state bytes + 256 MiB)")
     a("--seed", type=int, default=1234)
     a("--mem-interval", type=float, default=0.1, help="host memory sampling interval, s")
     a("--plot-only", default=None, metavar="DIR", help="only (re)draw DIR/iters.png from DIR/iters.csv + results.json")
