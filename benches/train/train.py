@@ -1467,9 +1467,14 @@ def plot(out_dir):
             cy = [float(r["dt"]) * 1e3 for r in rs if r["ckpt"] == "1"]
             ax.scatter(cg, cy, marker="v", s=30, color=COLORS.get(name, "k"), zorder=3)
             ax.text(g[0], ax.get_ylim()[1] if False else max(y) * 1.05, name, fontsize=7, color=COLORS.get(name, "k"))
+        durable_marked = False
         for c in res.get("checkpoints", []):
-            if c.get("phase") == phase:
-                ax.axvline(c["global_iter"], color=COLORS.get(c["system"], "k"), lw=0.3, alpha=0.4)
+            if c.get("phase") == phase and c.get("durable_at_global_iter") is not None:
+                # a dot on the x axis where the poll first saw the save durable
+                ax.plot([c["global_iter"], c["durable_at_global_iter"]], [0.02, 0.02], transform=ax.get_xaxis_transform(), color=COLORS.get(c["system"], "k"), lw=1.5,
+                        label=None if durable_marked else "checkpoint call -> durable")
+                ax.plot([c["durable_at_global_iter"]], [0.02], "o", ms=3, transform=ax.get_xaxis_transform(), color=COLORS.get(c["system"], "k"))
+                durable_marked = True
         ax.set_yscale("log")
         ax.set_xlabel("global iteration (systems run in turn; triangles = checkpoint iterations)")
         ax.set_ylabel("iteration time, ms (log)")
@@ -1494,9 +1499,9 @@ def parse_args(argv=None):
     a("--state", default="8g", choices=list(SIZES), help="model size: 8g (~0.73 B params, ~8.2 GiB of state), 16g (~1.43 B, ~16 GiB), tiny (CPU smoke)")
     a("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS) + " (none is always run: it is the baseline)")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke test only (use with --state tiny)")
-    a("--dir", default="/tmp/trainbench-ckpt", help="checkpoint directory, on the real disk (cleared at start and end)")
+    a("--dir", default="/var/tmp/trainbench", help="checkpoint directory, on the real disk (cleared at start and end)")
     a("--out", default=None, help="results directory (default $OUT, else ./trainbench-out)")
-    a("--budget-s", type=float, default=470, help="wall-clock budget: phases/segments whose estimate would end after this are skipped (recorded)")
+    a("--budget-s", type=float, default=480, help="wall-clock budget: phases/segments whose estimate would end after this are skipped (recorded)")
     a("--rounds", type=int, default=2, help="main-phase rounds (each round runs every system once, order reversed every other round)")
     a("--ckpts", type=int, default=2, help="checkpoints per main segment")
     a("--k", type=int, default=0, help="main K (0 = auto: ceil(k-factor x state_bytes / raw disk limit / baseline iteration))")
