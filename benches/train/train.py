@@ -1496,7 +1496,7 @@ def plot(out_dir):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--state", default="8g", choices=list(SIZES), help="model size: 8g (~0.73 B params, ~8.2 GiB of state), 16g (~1.43 B, ~16 GiB), tiny (CPU smoke)")
+    a("--state", default="8g", choices=list(SIZES), help="model size: 8g (0.732 B params, 8.18 GiB of state, 1,168 tensors), 16g (1.429 B, 15.97 GiB, 1,312), tiny (CPU smoke)")
     a("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS) + " (none is always run: it is the baseline)")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke test only (use with --state tiny)")
     a("--dir", default="/var/tmp/trainbench", help="checkpoint directory, on the real disk (cleared at start and end)")
