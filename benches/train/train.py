@@ -913,6 +913,8 @@ class _Shm(System):
     def poll(self):
         keep = []
         for rec, h in self.pending:
+            if "staged_s" not in rec and h.staged():
+                rec["staged_s"] = now() - rec["t0"]  # resolution: one iteration
             if h.done():
                 rep = h.wait()  # raises the save's error, if any
                 self.mark_durable(rec)
@@ -981,16 +983,15 @@ class Ctx:
         self.state_bytes = 0
 
     def low_host_memory(self):
-        """True when MemAvailable < 2 x state + 8 GiB: one more save could get
-        the whole run OOM-killed (e.g. NVRx queueing saves in shared memory)."""
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 < 2 * self.state_bytes + 8 * GiB
-        except Exception:
-            pass
-        return False
+        """True when host used (MemTotal - MemAvailable) + 2 x state + 8 GiB
+        exceeds --host-mem-gib: one more save could get the whole run
+        OOM-killed (e.g. NVRx queueing saves in shared memory).  Not based on
+        MemAvailable alone: on the GPU machines memory can start small and grow
+        as it is used (KINDS.md), so MemTotal/MemAvailable understate the limit."""
+        used = host_used()
+        if used is None:
+            return False
+        return used + 2 * self.state_bytes + 8 * GiB > self.args.host_mem_gib * GiB
 
     def get_shm(self):
         if self.shm is None:
@@ -1062,7 +1063,7 @@ def run_segment(ctx, tr, sampler, name, phase, rnd, k, nckpt, lead):
             t3 = now()
             rec = None
             if i in ck_iters and ctx.low_host_memory():
-                rec = {"system": name, "phase": phase, "round": rnd, "step": tr.step_no, "global_iter": ctx.global_iter, "seg_iter": i, "k": k, "skipped": "host MemAvailable below 2 x state + 8 GiB"}
+                rec = {"system": name, "phase": phase, "round": rnd, "step": tr.step_no, "global_iter": ctx.global_iter, "seg_iter": i, "k": k, "skipped": "host used + 2 x state + 8 GiB > --host-mem-gib"}
                 ctx.ckpts.append(rec)
                 log(f"  {name}: checkpoint at step {tr.step_no} SKIPPED, host memory low")
                 rec = None
@@ -1526,6 +1527,7 @@ def parse_args(argv=None):
     a("--shm-staging-bytes", type=int, default=0, help="shmckpt staging_capacity (0 = state bytes + 256 MiB)")
     a("--seed", type=int, default=1234)
     a("--mem-interval", type=float, default=0.1, help="host memory sampling interval, s")
+    a("--host-mem-gib", type=float, default=120, help="host memory limit for the OOM guard: a checkpoint call is skipped (recorded) when host used + 2 x state + 8 GiB would exceed it (nvidia-h200: 128 GiB)")
     a("--plot-only", default=None, metavar="DIR", help="only (re)draw DIR/iters.png from DIR/iters.csv + results.json")
     return p.parse_args(argv)
 
