@@ -1234,7 +1234,9 @@ def colocated_trial(ctx, cfg, name, sampler, iters=3):
 # summary
 # ----------------------------------------------------------------------------
 def summarize(ctx, results):
-    base_rows = [r for r in ctx.iters if r["system"] == "none" and r["phase"] == "main"]
+    # baseline: the main phase's none segments (or, with --rounds 0, the fast phase's)
+    base_phase = "main" if any(r["system"] == "none" and r["phase"] == "main" for r in ctx.iters) else "fast"
+    base_rows = [r for r in ctx.iters if r["system"] == "none" and r["phase"] == base_phase]
     base_med = med([r["dt"] for r in base_rows])
     base_mean = mean([r["dt"] for r in base_rows])
     iters_by = collections.defaultdict(list)
@@ -1243,7 +1245,7 @@ def summarize(ctx, results):
     segs_by = collections.defaultdict(list)
     for s in ctx.segments:
         segs_by[(s["phase"], s["system"])].append(s)
-    base_segs = [s for s in ctx.segments if s["system"] == "none" and s["phase"] == "main" and s["ok"]]
+    base_segs = [s for s in ctx.segments if s["system"] == "none" and s["phase"] == base_phase and s["ok"]]
     base_reserved = med([s.get("gpu_peak_reserved") for s in base_segs])
     base_alloc = med([s.get("gpu_peak_allocated") for s in base_segs])
     first_ckpt_iter = {}
@@ -1331,6 +1333,7 @@ def summarize(ctx, results):
                 r["setup_s"] = getattr(sysobj, "setup_s", None)
             rows_out[name] = r
         summary[phase] = rows_out
+    summary["baseline_phase"] = base_phase
     summary["baseline_median_iter_s"] = base_med
     summary["baseline_mean_iter_s"] = base_mean
     results["summary"] = summary
@@ -1505,7 +1508,7 @@ def parse_args(argv=None):
     a("--dir", default="/var/tmp/trainbench", help="checkpoint directory, on the real disk (cleared at start and end)")
     a("--out", default=None, help="results directory (default $OUT, else ./trainbench-out)")
     a("--budget-s", type=float, default=480, help="wall-clock budget: phases/segments whose estimate would end after this are skipped (recorded)")
-    a("--rounds", type=int, default=2, help="main-phase rounds (each round runs every system once, order reversed every other round)")
+    a("--rounds", type=int, default=2, help="main-phase rounds (each round runs every system once, order reversed every other round; 0 = no main phase)")
     a("--ckpts", type=int, default=2, help="checkpoints per main segment")
     a("--k", type=int, default=0, help="main K (0 = auto: ceil(k-factor x state_bytes / raw disk limit / baseline iteration))")
     a("--k-factor", type=float, default=1.5, help="auto K margin over the raw-disk write time of the state")
