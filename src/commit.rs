@@ -21,6 +21,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::fsx;
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
     self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
@@ -40,39 +41,58 @@ pub struct RootLock {
 }
 
 /// Check that `root` exists, is a directory, and is writable.
+///
+/// The probe file is created with `O_CREAT | O_EXCL | O_NOFOLLOW` relative to the root, so
+/// a link or file planted under the probe's name is never followed, truncated or removed
+/// (another name is tried instead).
 pub fn check_root(root: &Path) -> Result<()> {
     if !root.is_dir() {
         return Err(Error::RootMissing {
             path: root.to_owned(),
         });
     }
-    let probe = root.join(format!(".shmckpt-probe-{}", std::process::id()));
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&probe)
-    {
-        Ok(_) => {
-            let _ = std::fs::remove_file(&probe);
-            Ok(())
+    let dir = fsx::open_dir(root)?;
+    let mut last = None;
+    for attempt in 0..16u32 {
+        let name = format!(
+            ".shmckpt-probe-{}-{}-{attempt}",
+            std::process::id(),
+            crate::util::unix_ms()
+        );
+        match fsx::open_file(dir.as_fd(), root, &name, true, fsx::Create::New, None) {
+            Ok(f) => {
+                drop(f);
+                fsx::unlink_in(dir.as_fd(), root, &name)?;
+                return Ok(());
+            }
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::AlreadyExists => {
+                last = Some(source);
+            }
+            Err(Error::Io { source, .. }) => {
+                return Err(Error::RootNotWritable {
+                    path: root.to_owned(),
+                    source,
+                });
+            }
+            Err(e) => return Err(e),
         }
-        Err(source) => Err(Error::RootNotWritable {
-            path: root.to_owned(),
-            source,
-        }),
     }
+    Err(Error::RootNotWritable {
+        path: root.to_owned(),
+        source: last.unwrap_or_else(|| std::io::Error::other("no free probe name")),
+    })
 }
 
 /// Take rank `rank`'s lock on `root`.
+///
+/// The lock file is opened relative to the root without following a link and without
+/// blocking, and must be a regular file: a planted `.shmckpt-rank-K.lock -> elsewhere`
+/// is refused ([`Error::UnsafePath`]), never created or locked through.
 pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
-    let path = root.join(lock_name(rank));
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| Error::io("open", &path, e))?;
+    let name = lock_name(rank);
+    let path = root.join(&name);
+    let dir = fsx::open_dir(root)?;
+    let file = fsx::open_file(dir.as_fd(), root, &name, true, fsx::Create::IfMissing, None)?;
     match rustix::fs::flock(
         file.as_fd(),
         rustix::fs::FlockOperation::NonBlockingLockExclusive,
@@ -89,6 +109,9 @@ pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
 /// Whether an engine of a rank other than `own_rank` holds a lock on `root`.
 fn other_engine_alive(root: &Path, own_rank: u32) -> bool {
     let own = lock_name(own_rank);
+    let Ok(dir) = fsx::open_dir(root) else {
+        return false;
+    };
     let Ok(rd) = std::fs::read_dir(root) else {
         return false;
     };
@@ -98,7 +121,7 @@ fn other_engine_alive(root: &Path, own_rank: u32) -> bool {
         if !name.starts_with(".shmckpt-rank-") || !name.ends_with(".lock") || name == own {
             continue;
         }
-        let Ok(f) = File::open(e.path()) else {
+        let Ok(f) = fsx::open_file(dir.as_fd(), root, name, false, fsx::Create::No, None) else {
             continue;
         };
         match rustix::fs::flock(f.as_fd(), rustix::fs::FlockOperation::NonBlockingLockShared) {
@@ -123,9 +146,10 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
     for e in rd.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        let stale =
-            name.starts_with("step-") && (name.ends_with(".partial") || name.ends_with(".trash"));
-        if stale && e.path().is_dir() {
+        let stale = manifest::parse_step_with_suffix(name, ".partial").is_some()
+            || manifest::parse_step_with_suffix(name, ".trash").is_some();
+        // `file_type` does not follow links: only real directories are removed.
+        if stale && e.file_type().is_ok_and(|t| t.is_dir()) {
             tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
             std::fs::remove_dir_all(e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
             removed.push(e.path());
@@ -204,11 +228,15 @@ pub fn commit(
         files.clear();
         for r in 0..world_size {
             let p = partial.join(rank_manifest_name(r));
-            match std::fs::read(&p) {
+            // Read without following a link or blocking on a FIFO, size-capped.
+            match manifest::read_manifest_bytes(&p) {
                 Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
                     Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
                 })?),
-                Err(_) => return Ok(None), // another rank will finish the commit
+                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                    return Ok(None); // another rank will finish the commit
+                }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -253,6 +281,12 @@ pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
     let mut deleted = Vec::new();
     for c in &all[..all.len() - keep] {
         let trash = root.join(trash_dir_name(c.step));
+        if std::fs::symlink_metadata(&trash).is_ok() {
+            // A leftover of an interrupted retention run (or a planted name): moving the
+            // checkpoint onto it could fail half-way; keep the checkpoint this time.
+            tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
+            continue;
+        }
         match std::fs::rename(&c.dir, &trash) {
             Ok(()) => deleted.push((c.step, trash)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it

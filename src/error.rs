@@ -127,6 +127,36 @@ pub enum Error {
         /// Rank.
         rank: u32,
     },
+    /// A path under the checkpoint root or in `/dev/shm` is not what shmckpt creates: a
+    /// symbolic link, a FIFO, a device, a directory where a file belongs, or a file of
+    /// another user. It was not opened, written or removed.
+    #[error("refusing {path}: {reason}")]
+    UnsafePath {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The next step number after `step` does not exist (`step` is `u64::MAX`).
+    #[error("checkpoint root {root} holds step {step}; there is no next step number")]
+    StepOverflow {
+        /// The latest step.
+        step: u64,
+        /// Checkpoint root.
+        root: PathBuf,
+    },
+    /// The checkpoint root's path is longer than the arena descriptor can record.
+    #[error(
+        "checkpoint root {path} is {len} bytes long; the staging descriptor records at most {max}"
+    )]
+    RootTooLong {
+        /// The root.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// An invalid engine setting.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -17,6 +17,7 @@ pub(crate) mod device;
 mod dtype;
 mod engine;
 mod error;
+mod fsx;
 pub(crate) mod io;
 #[cfg(feature = "ipc")]
 pub mod ipc;

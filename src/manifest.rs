@@ -155,14 +155,28 @@ impl Manifest {
     }
 
     /// Read and parse `dir/manifest.json`.
+    ///
+    /// The manifest is opened without following a link or blocking, and must be a regular
+    /// file. When `dir` is named like a step directory (`step-N`), the manifest must be of
+    /// step N.
     pub fn read(dir: &Path) -> Result<Manifest> {
         let path = dir.join(MANIFEST);
-        let meta = std::fs::metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
-        if meta.len() > MAX_MANIFEST_LEN {
-            return Err(Error::corrupt(&path, None, "manifest is implausibly large"));
+        let bytes = read_manifest_bytes(&path)?;
+        let m = Manifest::parse(&bytes, &path)?;
+        if let Some(name) = dir.file_name().and_then(|n| n.to_str())
+            && let Some(step) = parse_step_dir(name)
+            && step != m.step
+        {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!(
+                    "manifest is of step {}, its directory of step {step}",
+                    m.step
+                ),
+            ));
         }
-        let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
-        Manifest::parse(&bytes, &path)
+        Ok(m)
     }
 
     /// The file entry of `rank`.
@@ -173,6 +187,37 @@ impl Manifest {
     /// Number of tensors over all files.
     pub fn tensor_count(&self) -> usize {
         self.files.iter().map(|f| f.tensors.len()).sum()
+    }
+}
+
+/// The bytes of the manifest file `path`: a regular file (no link, FIFO or device) of at
+/// most [`MAX_MANIFEST_LEN`] bytes.
+pub(crate) fn read_manifest_bytes(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let f = crate::fsx::open_path(path, false)?;
+    let len = f.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+    if len > MAX_MANIFEST_LEN {
+        return Err(Error::corrupt(path, None, "manifest is implausibly large"));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    f.take(MAX_MANIFEST_LEN + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    if bytes.len() as u64 > MAX_MANIFEST_LEN {
+        return Err(Error::corrupt(path, None, "manifest is implausibly large"));
+    }
+    Ok(bytes)
+}
+
+/// The step after `latest` (1 when there is none), or [`Error::StepOverflow`] when
+/// `latest` is `u64::MAX`: step numbers never wrap.
+pub fn next_step(root: &Path, latest: Option<u64>) -> Result<u64> {
+    match latest {
+        None => Ok(1),
+        Some(s) => s.checked_add(1).ok_or_else(|| Error::StepOverflow {
+            step: s,
+            root: root.to_owned(),
+        }),
     }
 }
 
@@ -201,13 +246,24 @@ pub fn rank_manifest_name(rank: u32) -> String {
     format!("rank-{rank:05}.manifest.json")
 }
 
-/// Parse `step-<N>` (exactly: no suffix, no sign, no leading `+`).
+/// Parse a canonical `step-<N>`: decimal digits without leading zeros (`step-0` is the
+/// only name starting with `0`), within `u64`, no suffix, no sign. Exactly the names
+/// [`step_dir_name`] makes: `parse_step_dir(name) == Some(n)` implies
+/// `step_dir_name(n) == name`.
 pub fn parse_step_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    if digits.is_empty()
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+        || (digits.len() > 1 && digits.starts_with('0'))
+    {
         return None;
     }
     digits.parse().ok()
+}
+
+/// Parse a canonical `step-<N><suffix>` (e.g. `.partial`, `.trash`).
+pub fn parse_step_with_suffix(name: &str, suffix: &str) -> Option<u64> {
+    parse_step_dir(name.strip_suffix(suffix)?)
 }
 
 /// A committed checkpoint found on disk.
@@ -219,9 +275,16 @@ pub struct CheckpointInfo {
     pub dir: PathBuf,
 }
 
-/// Committed checkpoints under `root`, oldest first. Only `step-<N>` directories that hold
-/// a `manifest.json` count; partial and trash directories never do.
+/// Committed checkpoints under `root`, oldest first. Only real (not linked) directories
+/// with a canonical `step-<N>` name that hold a regular `manifest.json` of step N count;
+/// partial and trash directories never do. Anything else named like a step (`step-05`, a
+/// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is ignored
+/// with a warning: never listed, loaded or deleted.
 pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
+    #[derive(Deserialize)]
+    struct StepOnly {
+        step: u64,
+    }
     let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
     let mut out = Vec::new();
     for entry in rd {
@@ -229,12 +292,39 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
+        if !name.starts_with("step-") || name.ends_with(".partial") || name.ends_with(".trash") {
+            continue;
+        }
+        let dir = entry.path();
         let Some(step) = parse_step_dir(&name) else {
+            tracing::warn!(dir = %dir.display(), "ignoring a directory entry with a non-canonical step name");
             continue;
         };
-        let dir = entry.path();
-        if dir.is_dir() && dir.join(MANIFEST).is_file() {
-            out.push(CheckpointInfo { step, dir });
+        // `file_type` does not follow links.
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if !is_dir {
+            tracing::warn!(dir = %dir.display(), "ignoring a step name that is not a real directory (a link or a file)");
+            continue;
+        }
+        let path = dir.join(MANIFEST);
+        let bytes = match read_manifest_bytes(&path) {
+            Ok(b) => b,
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                continue; // not committed
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring a step directory whose manifest cannot be read");
+                continue;
+            }
+        };
+        match serde_json::from_slice::<StepOnly>(&bytes) {
+            Ok(m) if m.step == step => out.push(CheckpointInfo { step, dir }),
+            Ok(m) => {
+                tracing::warn!(dir = %dir.display(), manifest_step = m.step, "ignoring a step directory whose manifest is of another step");
+            }
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "ignoring a step directory whose manifest is not valid");
+            }
         }
     }
     out.sort_by_key(|c| c.step);
@@ -249,6 +339,20 @@ mod tests {
     fn step_dir_names_parse_strictly() {
         assert_eq!(parse_step_dir("step-12"), Some(12));
         assert_eq!(parse_step_dir(&step_dir_name(7)), Some(7));
+        assert_eq!(parse_step_dir("step-0"), Some(0));
+        assert_eq!(parse_step_dir("step-18446744073709551615"), Some(u64::MAX));
+        assert_eq!(
+            parse_step_with_suffix("step-3.partial", ".partial"),
+            Some(3)
+        );
+        assert_eq!(parse_step_with_suffix("step-03.partial", ".partial"), None);
+        let r = Path::new("/r");
+        assert_eq!(next_step(r, None).unwrap(), 1);
+        assert_eq!(next_step(r, Some(41)).unwrap(), 42);
+        assert!(matches!(
+            next_step(r, Some(u64::MAX)),
+            Err(Error::StepOverflow { step: u64::MAX, .. })
+        ));
         for bad in [
             "step-",
             "step-1.partial",
@@ -257,6 +361,11 @@ mod tests {
             "step-1a",
             "xstep-1",
             "step-99999999999999999999999",
+            "step-18446744073709551616",
+            "step-05",
+            "step-00",
+            "step- 5",
+            "step-5 ",
         ] {
             assert_eq!(parse_step_dir(bad), None, "{bad}");
         }

@@ -342,6 +342,9 @@ pub fn read_file(
     opts: &ReadOptions,
     sink: &mut dyn ReadSink,
 ) -> Result<ReadStats> {
+    // Opened first without following a link and without blocking, and refused unless it is
+    // a regular file: a FIFO or device in place of a rank file must not hang or be read.
+    let checked = crate::fsx::open_path(path, false)?;
     let target = Arc::new(FileTarget::open_read(path, opts.direct_io)?);
     let actual = target.len()?;
     if actual < entry.bytes {
@@ -361,10 +364,8 @@ pub fn read_file(
             ),
         ));
     }
-    {
-        let f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
-        check_header(&f, path, entry)?;
-    }
+    check_header(&checked, path, entry)?;
+    drop(checked);
 
     let qd = opts.queue_depth.max(1) as usize;
     let arena = match &opts.arena {

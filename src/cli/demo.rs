@@ -62,7 +62,7 @@ pub fn run(a: DemoArgs) -> CliResult {
         a.dir.display()
     );
 
-    let first = engine.latest()?.map_or(1, |s| s + 1);
+    let first = shmckpt::manifest::next_step(engine.config().root(), engine.latest()?)?;
     let pb = progress(a.steps, "saving");
     let mut handles = Vec::new();
     for i in 0..a.steps {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use shmckpt::Error;
-use shmckpt::recover::{self, ArenaInfo, RecoveryReport, SlotOutcome};
+use shmckpt::recover::{self, ArenaInfo, RecoverOptions, RecoveryReport, SlotOutcome};
 
 use super::{CliResult, human};
 
@@ -21,6 +21,11 @@ pub struct RecoverArgs {
     /// Show the arenas in /dev/shm and what they hold, changing nothing.
     #[arg(long, conflicts_with = "shm")]
     pub list: bool,
+    /// Also recover arenas owned by another user. Off by default: any local user can
+    /// create a segment in /dev/shm, and committing it would inject a checkpoint into a
+    /// root you own. Only use it for arenas you know a trusted job of that user left.
+    #[arg(long)]
+    pub allow_foreign: bool,
 }
 
 /// Exit status: success when every arena asked for was processed (saves that cannot be
@@ -30,9 +35,15 @@ pub fn run(a: RecoverArgs) -> CliResult {
     if a.list {
         return list(a.dir);
     }
+    let opts = RecoverOptions {
+        allow_foreign: a.allow_foreign,
+    };
     let results: Vec<(String, Result<RecoveryReport, Error>)> = match (&a.shm, &a.dir) {
-        (Some(name), dir) => vec![(name.clone(), recover::recover_arena(name, dir.as_deref()))],
-        (None, Some(dir)) => recover::recover_root(dir, None),
+        (Some(name), dir) => vec![(
+            name.clone(),
+            recover::recover_arena_with(name, dir.as_deref(), opts),
+        )],
+        (None, Some(dir)) => recover::recover_root_with(dir, None, opts),
         (None, None) => {
             return Err("give a checkpoint root DIR, --shm NAME, or --list".into());
         }
@@ -130,6 +141,9 @@ fn list(dir: Option<PathBuf>) -> CliResult {
     for a in &all {
         let uid = a.uid.map(|u| format!(", uid {u}")).unwrap_or_default();
         match &a.details {
+            Err(why) if a.foreign => {
+                println!("{}  {}{uid}  FOREIGN: {why}", a.name, human(a.bytes))
+            }
             Err(why) => println!("{}  {}{uid}  unreadable: {why}", a.name, human(a.bytes)),
             Ok(d) => {
                 let verdict = if d.in_use() {

@@ -42,8 +42,11 @@ pub struct GcArgs {
     pub keep: usize,
 }
 
+/// Whether `dir` is one checkpoint (it has a `manifest.json` entry, of whatever type: a
+/// link or FIFO there is then refused by name when the manifest is read, never followed
+/// or opened blocking).
 fn is_checkpoint(dir: &Path) -> bool {
-    dir.join(MANIFEST).is_file()
+    std::fs::symlink_metadata(dir.join(MANIFEST)).is_ok()
 }
 
 pub fn inspect(a: InspectArgs) -> CliResult {

@@ -1,108 +1,448 @@
 //! Attaching to an arena that another (usually dead) process created, to inspect its
 //! descriptor and copy staged chunks out of it: the staging side of crash recovery.
 //!
-//! The descriptor of an attached arena is never handed out (a [`Descriptor`] is a raw
-//! pointer that must not outlive the mapping); callers get owned views and copies.
-#![allow(unsafe_code)]
+//! Nothing in such a segment is trusted. It is opened without following links, only when it
+//! is a regular file of the caller's uid (unless the caller explicitly allows foreign
+//! arenas), never mapped: the descriptor is read with `pread` and parsed by
+//! [`super::layout`] with checked arithmetic against the segment's real (`fstat`) size, and
+//! a sparse segment (fewer bytes allocated than its geometry claims, which no engine ever
+//! creates) is refused before its slot tables are read. Reads past the end, a `SIGBUS` on a
+//! full tmpfs, or an allocation sized by a hostile count cannot happen.
+#![forbid(unsafe_code)]
 
-use super::Segment;
-use super::descriptor::{Descriptor, HeaderView, SlotView};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use super::descriptor::{HeaderView, SlotView, bytes_to_path, slot_state};
+use super::layout::{self, Geometry, PAGE, ParsedHeader};
+use super::shm::{SHM_MOUNT, open_existing};
 use crate::error::{Error, Result};
 
-/// A mapped arena of another process, with its descriptor checked.
+/// How to attach.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttachOptions {
+    /// Open for writing (recovery marks recovered slots free).
+    pub write: bool,
+    /// Accept a segment owned by another uid (an explicit, documented opt-in: the
+    /// `--allow-foreign` flag of `shmckpt recover`).
+    pub allow_foreign: bool,
+}
+
+/// An arena of another process, with its descriptor checked.
 #[derive(Debug)]
 pub struct AttachedArena {
-    // Field order: `desc` points into `seg`'s mapping and is dropped first.
-    desc: Descriptor,
-    seg: Segment,
+    file: File,
+    name: String,
+    len: u64,
+    header: HeaderView,
+    writable: bool,
 }
 
 impl AttachedArena {
-    /// Map `/dev/shm/<name>` and check its descriptor (magic, version, geometry against the
-    /// segment size). Nothing in the segment is written.
+    /// Open `/dev/shm/<name>` read-only and check its descriptor (magic, version, geometry
+    /// against the segment size). Nothing in the segment is written.
     ///
-    /// Fails with [`Error::Shm`] when the segment cannot be opened or mapped, and with
-    /// [`Error::Recovery`] when it is not a shmckpt arena of this layout version.
+    /// Fails with [`Error::UnsafePath`] for a link, a non-regular file or another user's
+    /// segment, [`Error::Io`] when it cannot be opened, and [`Error::Recovery`] when it is
+    /// not a shmckpt arena of this layout version or its descriptor does not fit it.
     pub fn open(name: &str) -> Result<AttachedArena> {
-        let seg = Segment::open(name)?;
-        // SAFETY: `seg` maps `seg.len()` bytes from a page-aligned address and is owned by the
-        // returned value next to `desc`, which is dropped first and never handed out, so the
-        // mapping outlives every use of the descriptor.
-        let desc = unsafe { Descriptor::attach(seg.as_ptr(), seg.len()) }.map_err(|reason| {
-            Error::Recovery {
-                arena: name.to_owned(),
-                reason,
+        AttachedArena::open_with(name, AttachOptions::default())
+    }
+
+    /// [`AttachedArena::open`] with options.
+    ///
+    /// The segment is opened read-only first; only once the link, file-type, owner and
+    /// descriptor checks passed is it opened for writing (when `opts.write`), and that second
+    /// open must reach the same inode.
+    pub fn open_with(name: &str, opts: AttachOptions) -> Result<AttachedArena> {
+        use std::os::unix::fs::MetadataExt;
+        let (file, len, allocated) = open_existing(name, false, opts.allow_foreign)?;
+        let mut a = AttachedArena::from_file(file, name, len, allocated, false)?;
+        if opts.write {
+            let path = a.path();
+            let (rw, _, _) = open_existing(name, true, opts.allow_foreign)?;
+            let was = a
+                .file
+                .metadata()
+                .map_err(|e| Error::io("fstat", &path, e))?;
+            let now = rw.metadata().map_err(|e| Error::io("fstat", &path, e))?;
+            if (was.dev(), was.ino(), was.len()) != (now.dev(), now.ino(), now.len()) {
+                return Err(Error::Recovery {
+                    arena: name.to_owned(),
+                    reason: "the segment was replaced while it was being checked".into(),
+                });
             }
-        })?;
-        Ok(AttachedArena { desc, seg })
+            a.file = rw;
+            a.writable = true;
+        }
+        Ok(a)
+    }
+
+    /// Check the descriptor of an already opened segment file of `len` bytes, of which
+    /// `allocated` are backed.
+    pub(crate) fn from_file(
+        file: File,
+        name: &str,
+        len: u64,
+        allocated: u64,
+        writable: bool,
+    ) -> Result<AttachedArena> {
+        let refuse = |reason: String| Error::Recovery {
+            arena: name.to_owned(),
+            reason,
+        };
+        let path = PathBuf::from(SHM_MOUNT).join(name);
+        let mut page = vec![0u8; PAGE];
+        if len < PAGE as u64 {
+            return Err(refuse(format!(
+                "segment of {len} bytes is smaller than a header"
+            )));
+        }
+        file.read_exact_at(&mut page, 0)
+            .map_err(|e| Error::io_at("read", &path, 0, e))?;
+        let h: ParsedHeader = layout::parse_header(&page, len).map_err(refuse)?;
+        let geo = h.geometry;
+        // An engine reserves every page of its arena (fallocate); a hole could be backed
+        // by nothing on a full tmpfs. Sizes are rounded to pages by the kernel.
+        if allocated < geo.data_offset {
+            return Err(refuse(format!(
+                "sparse segment: {allocated} of the {} descriptor bytes are allocated",
+                geo.data_offset
+            )));
+        }
+        let root = match h.inline_root {
+            Some(r) => r,
+            None => {
+                let mut r = vec![0u8; geo.root_len as usize];
+                file.read_exact_at(&mut r, PAGE as u64)
+                    .map_err(|e| Error::io_at("read", &path, PAGE as u64, e))?;
+                r
+            }
+        };
+        let header = HeaderView {
+            owner_pid: h.owner_pid,
+            rank: h.rank,
+            world_size: h.world_size,
+            root: bytes_to_path(&root),
+            created_unix_ms: h.created_unix_ms,
+            closed: h.closed,
+            geometry: geo,
+        };
+        Ok(AttachedArena {
+            file,
+            name: name.to_owned(),
+            len,
+            header,
+            writable,
+        })
+    }
+
+    fn path(&self) -> PathBuf {
+        PathBuf::from(SHM_MOUNT).join(&self.name)
+    }
+
+    fn geo(&self) -> &Geometry {
+        &self.header.geometry
     }
 
     /// The segment name.
     pub fn name(&self) -> &str {
-        self.seg.name().unwrap_or("")
+        &self.name
     }
 
     /// Bytes of the segment.
     pub fn len(&self) -> usize {
-        self.seg.len()
+        usize::try_from(self.len).unwrap_or(usize::MAX)
     }
 
-    /// Whether the segment is empty (never: `open` refuses segments without a header).
+    /// Whether the segment is empty (never: opening refuses segments without a header).
     pub fn is_empty(&self) -> bool {
-        self.seg.is_empty()
+        self.len == 0
     }
 
     /// The arena header.
     pub fn header(&self) -> HeaderView {
-        self.desc.header_view()
+        self.header.clone()
     }
 
     /// Number of save slots.
     pub fn slot_count(&self) -> u32 {
-        self.desc.geometry().n_slots
+        self.geo().n_slots
     }
 
-    /// Read slot `slot` (`< slot_count()`).
+    /// Read slot `slot` (`< slot_count()`). A slot that cannot be read (out of range, I/O
+    /// error) reads as a slot in an unknown state with no chunks, which recovery refuses.
     pub fn slot(&self, slot: u32) -> SlotView {
-        self.desc.slot_view(slot)
+        self.try_slot(slot).unwrap_or_else(|e| {
+            tracing::warn!(arena = %self.name, slot, error = %e, "slot cannot be read");
+            SlotView {
+                slot,
+                state: u32::MAX,
+                step: 0,
+                file_len: 0,
+                data_start: 0,
+                partial_dir: String::new(),
+                file_name: String::new(),
+                chunks: Vec::new(),
+            }
+        })
+    }
+
+    /// Read slot `slot`, with the reason when it cannot be read.
+    pub fn try_slot(&self, slot: u32) -> Result<SlotView> {
+        let path = self.path();
+        let Some(off) = self.geo().slot_offset(slot) else {
+            return Err(Error::Recovery {
+                arena: self.name.clone(),
+                reason: format!("slot {slot} out of range"),
+            });
+        };
+        let mut page = vec![0u8; PAGE];
+        self.file
+            .read_exact_at(&mut page, off)
+            .map_err(|e| Error::io_at("read", &path, off, e))?;
+        let s = layout::parse_slot(&page, self.geo()).map_err(|reason| Error::Recovery {
+            arena: self.name.clone(),
+            reason,
+        })?;
+        let mut chunks = Vec::new();
+        if s.state != slot_state::FREE && s.n_file_chunks > 0 {
+            // `n_file_chunks <= n_chunks`, and the chunk map lies inside the segment and is
+            // allocated (checked at open), so this is bounded by memory the segment holds.
+            let map_at = off + PAGE as u64;
+            let mut raw = vec![0u8; 4 * s.n_file_chunks as usize];
+            self.file
+                .read_exact_at(&mut raw, map_at)
+                .map_err(|e| Error::io_at("read", &path, map_at, e))?;
+            chunks = raw
+                .chunks_exact(4)
+                .map(|b| {
+                    let v = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                    (v >> 30, v & ((1 << 30) - 1))
+                })
+                .collect();
+        }
+        Ok(SlotView {
+            slot,
+            state: s.state,
+            step: s.step,
+            file_len: s.file_len,
+            data_start: s.data_start,
+            partial_dir: String::from_utf8_lossy(&s.partial_dir).into_owned(),
+            file_name: String::from_utf8_lossy(&s.file_name).into_owned(),
+            chunks,
+        })
     }
 
     /// Mark slot `slot` free (its save was recovered or found committed), so that a retry
-    /// skips it.
-    pub fn release_slot(&self, slot: u32) {
-        self.desc.free(slot);
+    /// skips it. Needs an arena opened for writing.
+    pub fn release_slot(&self, slot: u32) -> Result<()> {
+        let path = self.path();
+        if !self.writable {
+            return Err(Error::Recovery {
+                arena: self.name.clone(),
+                reason: "opened read-only".into(),
+            });
+        }
+        let Some(off) = self.geo().slot_offset(slot) else {
+            return Err(Error::Recovery {
+                arena: self.name.clone(),
+                reason: format!("slot {slot} out of range"),
+            });
+        };
+        let at = off + layout::SLOT_STATE_OFFSET;
+        self.file
+            .write_all_at(&slot_state::FREE.to_ne_bytes(), at)
+            .map_err(|e| Error::io_at("write", &path, at, e))
     }
 
     /// Copy `out.len()` bytes of arena chunk `index`, starting `at` bytes into the chunk,
-    /// into `out`. Returns `None` (copying nothing) when `index` is not a chunk of this
-    /// arena or the range runs past the end of the chunk.
+    /// into `out`. Returns `None` (copying nothing useful) when `index` is not a chunk of
+    /// this arena, the range runs past the end of the chunk, or the read fails.
     ///
     /// The copy is only meaningful while nobody writes the chunk, i.e. after its owner
     /// died; bytes changing underneath would only make the copy torn.
     pub fn read_chunk(&self, index: u32, at: u64, out: &mut [u8]) -> Option<()> {
-        let geo = self.desc.geometry();
-        let end = at.checked_add(out.len() as u64)?;
-        if u64::from(index) >= geo.n_chunks || end > geo.chunk_size {
-            return None;
-        }
-        let offset = geo.data_offset + u64::from(index) * geo.chunk_size + at;
-        // SAFETY: `attach` checked `geo.total_len() <= seg.len()`; with `index < n_chunks`
-        // and `at + out.len() <= chunk_size`, `offset + out.len() <= total_len` lies inside
-        // the mapping, which `self` keeps alive. The source is shared memory that no Rust
-        // reference points to and `out` is a distinct exclusive borrow, so the ranges do not
-        // overlap; every byte value is a valid `u8`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.seg.as_ptr().add(offset as usize),
-                out.as_mut_ptr(),
-                out.len(),
-            );
-        }
-        Some(())
+        let off = self
+            .geo()
+            .chunk_range(u64::from(index), at, out.len() as u64)?;
+        self.file.read_exact_at(out, off).ok()
     }
 
-    /// Remove the name from `/dev/shm` (the mapping stays valid until `self` drops).
+    /// Remove the name from `/dev/shm`, if it still names the segment that was opened.
     pub fn unlink(&self) -> std::io::Result<()> {
-        self.seg.unlink()
+        use std::os::unix::fs::MetadataExt;
+        let mine = self.file.metadata()?;
+        let dir = std::fs::File::open(SHM_MOUNT)?;
+        let now = rustix::fs::statat(
+            &dir,
+            self.name.as_str(),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )?;
+        if now.st_ino != mine.ino() || now.st_dev != mine.dev() {
+            return Err(std::io::Error::other(format!(
+                "{} was replaced since it was opened; not removing it",
+                self.path().display()
+            )));
+        }
+        rustix::fs::unlinkat(&dir, self.name.as_str(), rustix::fs::AtFlags::empty())?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Random descriptor headers and slot tables: attaching and listing never panic, never
+    //! read out of bounds (overflow checks are on in test builds), and accept only what
+    //! fits the file.
+    use super::*;
+    use crate::staging::descriptor::{MAGIC, VERSION};
+    use proptest::prelude::*;
+    use std::io::Write;
+
+    fn header_bytes(
+        n_slots: u32,
+        data_offset: u64,
+        chunk_size: u64,
+        n_chunks: u64,
+        slot_bytes: u64,
+        root_len: u32,
+    ) -> Vec<u8> {
+        use super::super::descriptor::ArenaHeader;
+        use std::mem::offset_of;
+        let mut h = vec![0u8; PAGE];
+        h[..8].copy_from_slice(&MAGIC);
+        let put32 =
+            |h: &mut Vec<u8>, o: usize, v: u32| h[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+        let put64 =
+            |h: &mut Vec<u8>, o: usize, v: u64| h[o..o + 8].copy_from_slice(&v.to_ne_bytes());
+        put32(&mut h, offset_of!(ArenaHeader, version), VERSION);
+        put32(&mut h, offset_of!(ArenaHeader, n_slots), n_slots);
+        put64(&mut h, offset_of!(ArenaHeader, data_offset), data_offset);
+        put64(&mut h, offset_of!(ArenaHeader, chunk_size), chunk_size);
+        put64(&mut h, offset_of!(ArenaHeader, n_chunks), n_chunks);
+        put64(&mut h, offset_of!(ArenaHeader, slot_bytes), slot_bytes);
+        put32(&mut h, offset_of!(ArenaHeader, root_len), root_len);
+        h
+    }
+
+    fn attach_bytes(bytes: &[u8]) -> Result<AttachedArena> {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(bytes).unwrap();
+        let len = bytes.len() as u64;
+        AttachedArena::from_file(f, "proptest", len, len, false)
+    }
+
+    /// Everything a listing does with an arena.
+    fn list_all(a: &AttachedArena) {
+        let h = a.header();
+        let g = h.geometry;
+        assert!(g.total_len <= a.len() as u64);
+        for s in 0..a.slot_count() {
+            let v = a.slot(s);
+            assert!(v.chunks.len() as u64 <= g.n_chunks);
+            for &(_, idx) in &v.chunks {
+                let mut b = [0u8; 16];
+                let _ = a.read_chunk(idx, 0, &mut b);
+                let _ = a.read_chunk(idx, g.chunk_size.saturating_sub(8), &mut b);
+            }
+        }
+        assert!(a.try_slot(a.slot_count()).is_err());
+    }
+
+    #[test]
+    fn the_issue_repro_is_refused() {
+        // n_chunks = 2^62 with 4 KiB chunks: wrapped to a tiny size before.
+        let mut h = header_bytes(1, 32700, 4096, 1 << 62, 4096, 0);
+        h.resize(8192, 0);
+        h[4096 + 4..4096 + 8].copy_from_slice(&100_000u32.to_ne_bytes());
+        let e = attach_bytes(&h).unwrap_err().to_string();
+        assert!(e.contains("proptest") && e.contains("inconsistent"), "{e}");
+    }
+
+    #[test]
+    fn a_consistent_small_arena_attaches() {
+        let g = Geometry::new(2, 4096, 1, 5).unwrap();
+        let mut b = header_bytes(1, g.data_offset, 4096, 2, g.slot_bytes, 5);
+        let ro = std::mem::offset_of!(super::super::descriptor::ArenaHeader, root);
+        b[ro..ro + 5].copy_from_slice(b"/ckpt");
+        b.resize(g.total_len as usize, 0);
+        let so = g.slot_offset(0).unwrap() as usize;
+        b[so..so + 4].copy_from_slice(&slot_state::STAGED.to_ne_bytes());
+        b[so + 4..so + 8].copy_from_slice(&7u32.to_ne_bytes()); // clamped to 2 chunks
+        let e = g.entry_offset(0, 1).unwrap() as usize;
+        b[e..e + 4].copy_from_slice(&((1u32 << 30) | 1).to_ne_bytes());
+        let d = g.chunk_range(1, 0, 3).unwrap() as usize;
+        b[d..d + 3].copy_from_slice(b"abc");
+        let a = attach_bytes(&b).unwrap();
+        assert_eq!(a.header().root, std::path::Path::new("/ckpt"));
+        let v = a.slot(0);
+        assert_eq!(v.chunks, [(0, 0), (1, 1)]);
+        let mut out = [0u8; 3];
+        a.read_chunk(1, 0, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert!(a.read_chunk(2, 0, &mut out).is_none());
+        assert!(a.read_chunk(1, 4094, &mut out).is_none());
+        assert!(a.release_slot(0).is_err(), "read-only");
+        // One byte short of the geometry: refused.
+        b.pop();
+        assert!(attach_bytes(&b).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Arbitrary header fields: no panic, and an arena is accepted only when its geometry
+        /// is exactly consistent and fits the file.
+        #[test]
+        fn random_headers_never_panic(
+            n_slots in prop_oneof![0u32..4, any::<u32>()],
+            chunk_size in prop_oneof![Just(4096u64), Just(8192), any::<u64>()],
+            n_chunks in prop_oneof![0u64..8, any::<u64>(), Just(1 << 62), Just(1 << 32)],
+            root_len in prop_oneof![0u32..5000, any::<u32>()],
+            consistent in any::<bool>(),
+            data_offset in any::<u64>(),
+            slot_bytes in any::<u64>(),
+            file_len in 0usize..(64 << 10),
+            fill in any::<u8>(),
+        ) {
+            let (d, s) = match Geometry::new(n_chunks, chunk_size, n_slots, u64::from(root_len)) {
+                Some(g) if consistent => (g.data_offset, g.slot_bytes),
+                _ => (data_offset, slot_bytes),
+            };
+            let mut b = header_bytes(n_slots, d, chunk_size, n_chunks, s, root_len);
+            b.resize(file_len.max(PAGE), fill);
+            match attach_bytes(&b) {
+                Ok(a) => {
+                    let g = a.header().geometry;
+                    prop_assert!(g.total_len <= b.len() as u64);
+                    prop_assert_eq!((g.n_chunks, g.chunk_size, g.n_slots), (n_chunks, chunk_size, n_slots));
+                    list_all(&a);
+                }
+                Err(e) => prop_assert!(e.to_string().contains("proptest"), "{}", e),
+            }
+        }
+
+        /// A valid header over random slot tables and chunk maps: every slot reads, every
+        /// chunk-map entry is bounded, and reading chunks named by random entries stays
+        /// inside the file.
+        #[test]
+        fn random_slot_tables_never_panic(
+            n_slots in 1u32..4,
+            n_chunks in 1u64..6,
+            root_len in prop_oneof![0u32..10, 3000u32..9000],
+            slots in proptest::collection::vec(any::<u8>(), 0..(4 * 4096)),
+        ) {
+            let g = Geometry::new(n_chunks, 4096, n_slots, u64::from(root_len)).unwrap();
+            let mut b = header_bytes(n_slots, g.data_offset, 4096, n_chunks, g.slot_bytes, root_len);
+            b.resize(g.total_len as usize, 0);
+            let so = g.slots_offset as usize;
+            let n = slots.len().min(g.data_offset as usize - so);
+            b[so..so + n].copy_from_slice(&slots[..n]);
+            let a = attach_bytes(&b).unwrap();
+            prop_assert_eq!(a.header().root.as_os_str().len(), root_len as usize);
+            list_all(&a);
+        }
     }
 }

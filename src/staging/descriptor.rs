@@ -25,12 +25,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub const MAGIC: [u8; 8] = *b"SHMCKPT1";
 /// Layout version of the descriptor.
 pub const VERSION: u32 = 1;
-/// Size of the header page and of each slot header.
-pub const PAGE: usize = 4096;
-/// Longest checkpoint-root path recorded.
-pub const MAX_ROOT: usize = 3072;
-/// Longest file name recorded.
-pub const MAX_NAME: usize = 1024;
+pub use super::layout::{Geometry, MAX_NAME, MAX_ROOT_INLINE as MAX_ROOT, PAGE};
 
 /// Slot states.
 pub mod slot_state {
@@ -78,7 +73,8 @@ pub struct ArenaHeader {
     pub rank: u32,
     /// World size of the engine.
     pub world_size: u32,
-    /// Length of `root`.
+    /// Length of the root: inline in `root` when at most [`MAX_ROOT`] bytes, else in the
+    /// root region after this page (see [`super::layout`]).
     pub root_len: u32,
     /// Creation time, ms since the epoch.
     pub created_unix_ms: u64,
@@ -117,44 +113,11 @@ pub struct SlotHeader {
 const _: () = assert!(size_of::<ArenaHeader>() <= PAGE);
 const _: () = assert!(size_of::<SlotHeader>() <= PAGE);
 
-/// Geometry of an arena: where everything is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Geometry {
-    /// Slots.
-    pub n_slots: u32,
-    /// Data chunks.
-    pub n_chunks: u64,
-    /// Bytes per chunk.
-    pub chunk_size: u64,
-    /// Bytes of one slot.
-    pub slot_bytes: u64,
-    /// First data byte.
-    pub data_offset: u64,
-}
-
-impl Geometry {
-    /// Layout for `n_chunks` chunks of `chunk_size` bytes and `n_slots` slots.
-    pub fn new(n_chunks: u64, chunk_size: u64, n_slots: u32) -> Geometry {
-        let slot_bytes = (PAGE as u64 + n_chunks * 4).div_ceil(PAGE as u64) * PAGE as u64;
-        let data_offset = PAGE as u64 + slot_bytes * n_slots as u64;
-        Geometry {
-            n_slots,
-            n_chunks,
-            chunk_size,
-            slot_bytes,
-            data_offset,
-        }
-    }
-
-    /// Total segment length.
-    pub fn total_len(&self) -> u64 {
-        self.data_offset + self.n_chunks * self.chunk_size
-    }
-}
-
-/// Access to the descriptor of a mapped arena.
+/// Access to the descriptor of an arena this process created and maps.
 ///
-/// Holds a raw base pointer; the arena that owns the mapping keeps it alive.
+/// Holds a raw base pointer; the arena that owns the mapping keeps it alive. Arenas of other
+/// processes are never accessed through it: [`super::attach`] reads them with `pread` and
+/// [`super::layout`]'s checked parsing.
 #[derive(Debug, Clone, Copy)]
 pub struct Descriptor {
     base: *mut u8,
@@ -229,7 +192,8 @@ impl Descriptor {
     ///
     /// # Safety
     /// - `base` is the start of a writable, page-aligned mapping of at least
-    ///   `geo.total_len()` bytes that stays mapped while the returned value is used;
+    ///   `geo.total_len` bytes that stays mapped while the returned value is used;
+    /// - `geo` was made for `root.len()` (`geo.root_len == root.len()`);
     /// - no other thread or process accesses the first `geo.data_offset` bytes during this
     ///   call.
     pub unsafe fn init(
@@ -240,7 +204,12 @@ impl Descriptor {
         world_size: u32,
         root: &[u8],
     ) -> Descriptor {
-        let root_len = root.len().min(MAX_ROOT);
+        assert_eq!(
+            geo.root_len,
+            root.len() as u64,
+            "geometry made for another root"
+        );
+        let root_len = root.len();
         // SAFETY: the caller guarantees `base` is valid, aligned and exclusively ours;
         // `ArenaHeader` fits in the first page (checked at compile time) and all-zero bytes
         // are a valid value for it.
@@ -255,50 +224,21 @@ impl Descriptor {
         h.rank = rank;
         h.world_size = world_size;
         h.root_len = root_len as u32;
-        h.root[..root_len].copy_from_slice(&root[..root_len]);
+        if geo.root_bytes == 0 {
+            h.root[..root_len].copy_from_slice(root);
+        } else {
+            // SAFETY: the root region (`root_bytes >= root_len` bytes from offset PAGE) lies
+            // inside the mapping (`slots_offset = PAGE + root_bytes <= total_len`), does not
+            // overlap the header page, and is ours exclusively (caller's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(root.as_ptr(), base.add(PAGE), root_len);
+            }
+        }
         h.created_unix_ms = crate::util::unix_ms();
         // The magic goes last: a reader that sees it sees the fields above.
         std::sync::atomic::fence(Ordering::Release);
         h.magic = MAGIC;
         Descriptor { base, geo }
-    }
-
-    /// Read an existing descriptor, checking its magic, version and geometry against the
-    /// mapping length.
-    ///
-    /// # Safety
-    /// `base` must be the start of a page-aligned mapping of `len` bytes that stays mapped
-    /// while the returned value is used.
-    pub unsafe fn attach(base: *mut u8, len: usize) -> Result<Descriptor, String> {
-        if len < PAGE {
-            return Err(format!("segment of {len} bytes is smaller than a header"));
-        }
-        // SAFETY: `len >= PAGE >= size_of::<ArenaHeader>()`, the mapping is page aligned, and
-        // every bit pattern is a valid `ArenaHeader` (integers, arrays and atomics only).
-        let h = unsafe { &*base.cast::<ArenaHeader>() };
-        std::sync::atomic::fence(Ordering::Acquire);
-        if h.magic != MAGIC {
-            return Err("not a shmckpt arena (bad magic)".to_owned());
-        }
-        if h.version != VERSION {
-            return Err(format!(
-                "arena layout version {} is not {VERSION}",
-                h.version
-            ));
-        }
-        if h.chunk_size == 0 || h.chunk_size % PAGE as u64 != 0 || h.n_slots > 4096 {
-            return Err("arena header is inconsistent".to_owned());
-        }
-        let geo = Geometry::new(h.n_chunks, h.chunk_size, h.n_slots);
-        if geo.data_offset != h.data_offset
-            || geo.slot_bytes != h.slot_bytes
-            || geo.total_len() > len as u64
-        {
-            return Err(format!(
-                "arena geometry does not fit the {len}-byte segment"
-            ));
-        }
-        Ok(Descriptor { base, geo })
     }
 
     /// The geometry.
@@ -312,13 +252,13 @@ impl Descriptor {
     }
 
     fn slot_ptr(&self, slot: u32) -> *mut u8 {
-        assert!(slot < self.geo.n_slots, "slot {slot} out of range");
-        // SAFETY: slot < n_slots, so the offset lies inside the descriptor region of the
-        // mapping (`Geometry::data_offset` counts all slots).
-        unsafe {
-            self.base
-                .add(PAGE + slot as usize * self.geo.slot_bytes as usize)
-        }
+        let off = self
+            .geo
+            .slot_offset(slot)
+            .unwrap_or_else(|| panic!("slot {slot} out of range"));
+        // SAFETY: `slot_offset` is `Some` only for slot < n_slots, so the offset lies inside
+        // the descriptor region of the mapping (`Geometry::data_offset` counts all slots).
+        unsafe { self.base.add(off as usize) }
     }
 
     fn slot_header(&self, slot: u32) -> &SlotHeader {
@@ -342,12 +282,18 @@ impl Descriptor {
     /// Header contents.
     pub fn header_view(&self) -> HeaderView {
         let h = self.header();
-        let root_len = (h.root_len as usize).min(MAX_ROOT);
+        let root = if self.geo.root_bytes == 0 {
+            &h.root[..self.geo.root_len as usize]
+        } else {
+            // SAFETY: the root region (see `init`) lies inside the mapping and is written
+            // only by `init`, before the descriptor is shared.
+            unsafe { std::slice::from_raw_parts(self.base.add(PAGE), self.geo.root_len as usize) }
+        };
         HeaderView {
             owner_pid: h.owner_pid.load(Ordering::Acquire),
             rank: h.rank,
             world_size: h.world_size,
-            root: bytes_to_path(&h.root[..root_len]),
+            root: bytes_to_path(root),
             created_unix_ms: h.created_unix_ms,
             closed: h.closed.load(Ordering::Acquire) != 0,
             geometry: self.geo,
@@ -465,7 +411,7 @@ impl Descriptor {
     }
 }
 
-fn bytes_to_path(b: &[u8]) -> std::path::PathBuf {
+pub(crate) fn bytes_to_path(b: &[u8]) -> std::path::PathBuf {
     use std::os::unix::ffi::OsStrExt;
     std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b))
 }

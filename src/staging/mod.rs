@@ -9,6 +9,7 @@
 
 pub mod attach;
 pub mod descriptor;
+pub mod layout;
 pub mod shm;
 
 use std::ptr::NonNull;
@@ -82,21 +83,46 @@ impl Arena {
             )));
         }
         let n_chunks = spec.capacity.div_ceil(spec.chunk_size).max(1);
-        if n_chunks > (1 << 30) - 1 {
+        if n_chunks > layout::MAX_CHUNKS {
             return Err(Error::Config(format!(
                 "{n_chunks} chunks exceed the arena's limit; use larger chunks"
             )));
         }
-        let geo = Geometry::new(n_chunks, spec.chunk_size, spec.slots.max(1));
-        let len = usize::try_from(geo.total_len())
-            .map_err(|_| Error::Config("staging capacity exceeds the address space".into()))?;
+        use std::os::unix::ffi::OsStrExt;
+        let root = spec.root.as_os_str().as_bytes();
+        if root.len() > layout::MAX_ROOT_LEN {
+            return Err(Error::RootTooLong {
+                path: spec.root.clone(),
+                len: root.len(),
+                max: layout::MAX_ROOT_LEN,
+            });
+        }
+        if spec.slots > layout::MAX_SLOTS {
+            return Err(Error::Config(format!(
+                "{} save slots exceed the arena's limit of {}",
+                spec.slots,
+                layout::MAX_SLOTS
+            )));
+        }
+        let geo = Geometry::new(
+            n_chunks,
+            spec.chunk_size,
+            spec.slots.max(1),
+            root.len() as u64,
+        )
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "staging capacity of {n_chunks} chunks of {} bytes exceeds the address space",
+                spec.chunk_size
+            ))
+        })?;
+        let len = geo.total_len as usize;
         let seg = match &spec.name {
             Some(n) => Segment::create(n, len)?,
             None => Segment::anonymous(len)?,
         };
-        use std::os::unix::ffi::OsStrExt;
-        // SAFETY: the segment was just created, zero-filled, page aligned and `len >=
-        // geo.total_len()` bytes long; nobody else has attached yet (the name is fresh,
+        // SAFETY: the segment was just created, zero-filled, page aligned and `len ==
+        // geo.total_len` bytes long, and `geo` was made for this root; nobody else has attached yet (the name is fresh,
         // O_EXCL) and we hold the only reference.
         let desc = unsafe {
             Descriptor::init(
@@ -105,7 +131,7 @@ impl Arena {
                 std::process::id(),
                 spec.rank,
                 spec.world_size,
-                spec.root.as_os_str().as_bytes(),
+                root,
             )
         };
         if let Some(n) = &spec.name {
@@ -139,7 +165,7 @@ impl Arena {
 
     /// Data capacity in bytes.
     pub fn capacity(&self) -> u64 {
-        self.geo.n_chunks * self.geo.chunk_size
+        self.geo.capacity()
     }
 
     /// The segment name, `None` for anonymous arenas.
@@ -371,23 +397,21 @@ mod tests {
             },
         );
         a.descriptor().chunk_staged(1, 0, l.index());
-        let other = Segment::open(&name).unwrap();
-        // SAFETY: `other` maps the whole segment and outlives `d`.
-        let d = unsafe { Descriptor::attach(other.as_ptr(), other.len()) }.unwrap();
-        let v = d.slot_view(1);
+        let other = AttachedArena::open(&name).unwrap();
+        let v = other.slot(1);
         assert_eq!(
             (v.state, v.step, v.partial_dir.as_str()),
             (1, 42, "step-42.partial")
         );
         assert_eq!(v.chunks, [(descriptor::chunk_state::STAGED, l.index())]);
-        let off = d.geometry().data_offset as usize + l.index() as usize * 65536;
-        // SAFETY: offset inside the mapping.
-        let seen = unsafe { std::slice::from_raw_parts(other.as_ptr().add(off), 5) };
-        assert_eq!(seen, b"hello");
-        assert_eq!(d.header_view().owner_pid, std::process::id());
+        let mut seen = [0u8; 5];
+        other.read_chunk(l.index(), 0, &mut seen).unwrap();
+        assert_eq!(&seen, b"hello");
+        assert_eq!(other.header().owner_pid, std::process::id());
+        assert_eq!(other.header().root, std::path::Path::new("/tmp/x"));
         drop(l);
         a.close();
-        assert!(Segment::open(&name).is_err());
-        assert!(d.header_view().closed);
+        assert!(AttachedArena::open(&name).is_err());
+        assert!(a.descriptor().header_view().closed);
     }
 }

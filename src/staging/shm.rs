@@ -87,41 +87,6 @@ impl Segment {
         })
     }
 
-    /// Attach to an existing named segment (read-write), mapping its whole length.
-    pub fn open(name: &str) -> Result<Segment> {
-        let shm_name = format!("/{name}");
-        let fd = rustix::shm::open(shm_name.as_str(), rustix::shm::OFlags::RDWR, Mode::empty())
-            .map_err(|e| Error::Shm {
-                name: name.to_owned(),
-                op: "shm_open",
-                source: e.into(),
-            })?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
-            name: name.to_owned(),
-            op: "fstat",
-            source: e.into(),
-        })?;
-        let len = usize::try_from(st.st_size).unwrap_or(0);
-        if len == 0 {
-            return Err(Error::Shm {
-                name: name.to_owned(),
-                op: "attach",
-                source: io::Error::new(io::ErrorKind::InvalidData, "segment is empty"),
-            });
-        }
-        let ptr = map(&fd, len, false).map_err(|e| Error::Shm {
-            name: name.to_owned(),
-            op: "mmap",
-            source: e,
-        })?;
-        Ok(Segment {
-            ptr,
-            len,
-            name: Some(name.to_owned()),
-            _fd: Some(fd),
-        })
-    }
-
     /// A private anonymous mapping of `len` bytes, pre-faulted; used where no other process
     /// needs the bytes (standalone `verify`).
     pub fn anonymous(len: usize) -> Result<Segment> {
@@ -213,6 +178,35 @@ pub fn shm_available() -> u64 {
     rustix::fs::statvfs(SHM_MOUNT)
         .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
         .unwrap_or(0)
+}
+
+/// Open the existing segment `/dev/shm/<name>` for reading (and writing when `write`),
+/// without following a symbolic link, without blocking, and only if it is a regular file
+/// owned by the caller's effective uid (or by anyone, when `allow_foreign`). Returns the
+/// file, its real size and the bytes it occupies (less than the size for a sparse file).
+///
+/// Nothing is mapped: callers read the descriptor with `pread` (no `SIGBUS` on a truncated
+/// or sparse segment of a full tmpfs, no reference to memory another process writes).
+pub fn open_existing(
+    name: &str,
+    write: bool,
+    allow_foreign: bool,
+) -> Result<(std::fs::File, u64, u64)> {
+    use std::os::fd::AsFd;
+    let mount = std::path::Path::new(SHM_MOUNT);
+    let dir = crate::fsx::open_dir(mount)?;
+    let uid = (!allow_foreign).then(|| rustix::process::geteuid().as_raw());
+    let f = crate::fsx::open_file(dir.as_fd(), mount, name, write, crate::fsx::Create::No, uid)
+        .map_err(|e| match e {
+            Error::Io { op, source, .. } => Error::Shm {
+                name: name.to_owned(),
+                op,
+                source,
+            },
+            other => other,
+        })?;
+    let (size, blocks) = crate::fsx::check_regular(f.as_fd(), &mount.join(name), None)?;
+    Ok((f, size, blocks))
 }
 
 /// Names of segments in `/dev/shm` starting with `prefix`.

@@ -6,6 +6,7 @@ mod common;
 mod cli;
 mod corruption;
 mod fulldisk;
+mod hostile;
 mod ipc;
 mod no_gpu;
 mod recovery;

@@ -34,7 +34,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
     pinned.time_dtoh(&refs, &stream)?; // warm-up: first touch of the pinned pages
 
-    let first = engine.latest()?.map_or(1, |s| s + 1);
+    let first = shmckpt::manifest::next_step(engine.config().root(), engine.latest()?)?;
     let mut runs = Vec::new();
     let mut d2h = Vec::new();
     let mut file_bytes = 0;

@@ -13,7 +13,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     let data = synthetic::materialize(&layout, 0, threads);
     let bytes: u64 = data.iter().map(|d| d.len() as u64).sum();
     let engine = engine_for(&a, bytes)?;
-    let first = engine.latest()?.map_or(1, |s| s + 1);
+    let first = shmckpt::manifest::next_step(engine.config().root(), engine.latest()?)?;
     let mut runs = Vec::new();
     let mut file_bytes = 0;
     let mut last_dir = None;

@@ -56,9 +56,10 @@ pub(super) fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> 
 }
 
 pub(super) fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {
-    Ok(shmckpt::manifest::list_committed(dir)?
+    let latest = shmckpt::manifest::list_committed(dir)?
         .last()
-        .map_or(1, |c| c.step + 1))
+        .map(|c| c.step);
+    shmckpt::manifest::next_step(dir, latest)
 }
 
 pub(super) fn free(ctx: &Context) -> Result<u64, shmckpt::Error> {

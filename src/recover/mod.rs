@@ -1,0 +1,322 @@
+//! Crash recovery from staging.
+//!
+//! When a trainer dies after `save` returned but before the checkpoint was committed, the
+//! staged bytes are still in its named arena in `/dev/shm`, and the arena's descriptor
+//! says which save each slot held and where every file chunk is: still in staging
+//! (`STAGED`, with the arena chunk that holds it) or already in the partial file
+//! (`WRITTEN`). This module finds such arenas, rebuilds the file of every fully staged save
+//! in `root/step-N.partial/`, makes it durable and commits it with the engine's own
+//! protocol ([`commit::commit`]), refuses what was not fully staged, and removes the arena
+//! afterwards. Every arena it removes is reported first (in the returned report and in the
+//! log).
+//!
+//! An arena is left alone while its owner may still use it: the owner process exists and
+//! maps the arena (checked in `/proc/<pid>/maps`, so a reused pid is not mistaken for the
+//! owner), unless the owner marked it closed. Recovery also takes the rank's lock on the
+//! checkpoint root, so it never runs next to a live engine of that rank.
+//!
+//! The module is split by concern: `inspect` reads arenas without changing them (listing,
+//! owner liveness), `rebuild` turns one staged slot into a committed checkpoint, and
+//! `report` holds what recovery returns.
+#![forbid(unsafe_code)]
+
+mod inspect;
+mod rebuild;
+mod report;
+
+use std::path::Path;
+
+use crate::commit;
+use crate::error::{Error, Result};
+use crate::staging::AttachedArena;
+use crate::staging::attach::AttachOptions;
+
+pub use inspect::{
+    ArenaDetails, ArenaInfo, Owner, SlotInfo, SlotState, inspect_arena, list_arenas,
+};
+pub use report::{RecoveryReport, SlotOutcome, SlotRecovery};
+
+use inspect::{details_of, owner_status, used_slots};
+use rebuild::recover_slot;
+
+/// Options of [`recover_arena_with`] and [`recover_root_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoverOptions {
+    /// Recover arenas owned by another uid too. Off by default: an arena in `/dev/shm` can
+    /// be planted by any local user, and committing it would inject a checkpoint into a
+    /// root the caller owns. Even with it, links and non-regular files are refused.
+    pub allow_foreign: bool,
+}
+
+/// Whether recovery takes the rank's root lock itself or runs under an engine that holds
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LockPolicy {
+    Take,
+    Held,
+}
+
+/// Recover the arena `/dev/shm/<name>`: commit every fully staged save into its checkpoint
+/// root (`root_override`, else the root recorded in the arena), refuse the others, and
+/// remove the arena, unless a save failed with an I/O error (then the arena is kept for a
+/// retry and the report says so).
+///
+/// Refused as a whole, changing nothing: a segment that is not a shmckpt arena, an owner
+/// that is still alive, a root held by a live engine of the same rank ([`Error::Recovery`]);
+/// a link, a non-regular file, or a segment of another user, root included
+/// ([`Error::UnsafePath`]; see [`recover_arena_with`]).
+pub fn recover_arena(name: &str, root_override: Option<&Path>) -> Result<RecoveryReport> {
+    recover_arena_with(name, root_override, RecoverOptions::default())
+}
+
+/// [`recover_arena`] with options.
+pub fn recover_arena_with(
+    name: &str,
+    root_override: Option<&Path>,
+    opts: RecoverOptions,
+) -> Result<RecoveryReport> {
+    recover_impl(name, root_override, LockPolicy::Take, opts)
+}
+
+/// Recover every arena recorded for checkpoint root `root` (and `rank`, when given) whose
+/// owner is gone. Returns one result per such arena, by name; arenas still in use are
+/// included as [`Error::Recovery`] results and left alone.
+pub fn recover_root(root: &Path, rank: Option<u32>) -> Vec<(String, Result<RecoveryReport>)> {
+    recover_root_with(root, rank, RecoverOptions::default())
+}
+
+/// [`recover_root`] with options. Foreign arenas are only considered with
+/// [`RecoverOptions::allow_foreign`].
+pub fn recover_root_with(
+    root: &Path,
+    rank: Option<u32>,
+    opts: RecoverOptions,
+) -> Vec<(String, Result<RecoveryReport>)> {
+    arenas_of(root, rank, opts)
+        .into_iter()
+        .map(|(name, in_use)| {
+            let r = if in_use {
+                Err(Error::Recovery {
+                    arena: name.clone(),
+                    reason: "its owner is alive and uses it".into(),
+                })
+            } else {
+                recover_impl(&name, Some(root), LockPolicy::Take, opts)
+            };
+            (name, r)
+        })
+        .collect()
+}
+
+/// Arenas recorded for `root` (and `rank`), newest first: (name, in use). Newest first so
+/// that when two dead trainers staged the same step, the later attempt is the one committed
+/// and the earlier finds it committed.
+fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(String, bool)> {
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    let mut found: Vec<(u64, String, bool)> = list_arenas()
+        .into_iter()
+        .map(|a| {
+            if a.foreign && opts.allow_foreign && a.details.is_err() {
+                // Read the foreign arena's descriptor only now that it is allowed.
+                let details = AttachedArena::open_with(
+                    &a.name,
+                    AttachOptions {
+                        write: false,
+                        allow_foreign: true,
+                    },
+                )
+                .map(|x| details_of(&x))
+                .map_err(|e| e.to_string());
+                ArenaInfo { details, ..a }
+            } else {
+                a
+            }
+        })
+        .filter_map(|a| {
+            let d = a.details.as_ref().ok()?;
+            let same = d.root == want || d.root == root;
+            (same && rank.is_none_or(|r| r == d.rank))
+                .then(|| (d.created_unix_ms, a.name.clone(), d.in_use()))
+        })
+        .collect();
+    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    found.into_iter().map(|(_, n, u)| (n, u)).collect()
+}
+
+/// Run by [`crate::Engine::open`] (with the rank's root lock held) before stale partial
+/// directories are cleaned: recover the arenas of dead engines of this root and rank, and
+/// log what happened.
+pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
+    let mut out = Vec::new();
+    for (name, in_use) in arenas_of(root, Some(rank), RecoverOptions::default()) {
+        if in_use {
+            tracing::debug!(arena = %name, "staging arena of this root is in use; not recovering");
+            continue;
+        }
+        match recover_impl(
+            &name,
+            Some(root),
+            LockPolicy::Held,
+            RecoverOptions::default(),
+        ) {
+            Ok(r) => out.push(r),
+            Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
+        }
+    }
+    out
+}
+
+fn refuse(name: &str, reason: impl Into<String>) -> Error {
+    Error::Recovery {
+        arena: name.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn recover_impl(
+    name: &str,
+    root_override: Option<&Path>,
+    lock: LockPolicy,
+    opts: RecoverOptions,
+) -> Result<RecoveryReport> {
+    let att = AttachedArena::open_with(
+        name,
+        AttachOptions {
+            write: true,
+            allow_foreign: opts.allow_foreign,
+        },
+    )?;
+    let h = att.header();
+    let owner = owner_status(h.owner_pid, name);
+    if owner.is_alive() && !h.closed {
+        return Err(refuse(
+            name,
+            format!("its owner, pid {}, is {owner}", h.owner_pid),
+        ));
+    }
+    let root = root_override.map_or_else(|| h.root.clone(), Path::to_owned);
+    let mut slots = used_slots(&att);
+    slots.sort_by_key(|v| (v.step, v.slot));
+    let mut report = RecoveryReport {
+        arena: name.to_owned(),
+        owner_pid: h.owner_pid,
+        owner,
+        closed: h.closed,
+        root: root.clone(),
+        rank: h.rank,
+        world_size: h.world_size,
+        slots: Vec::new(),
+        removed: false,
+        kept: None,
+    };
+    if !slots.is_empty() {
+        if root.as_os_str().is_empty() || !root.is_dir() {
+            return Err(refuse(
+                name,
+                format!(
+                    "checkpoint root {:?} is not a directory; give the root explicitly",
+                    root.display()
+                ),
+            ));
+        }
+        let _lock = match lock {
+            LockPolicy::Held => None,
+            LockPolicy::Take => match commit::lock_root(&root, h.rank) {
+                Ok(l) => Some(l),
+                Err(Error::RootLocked { .. }) => {
+                    return Err(refuse(
+                        name,
+                        format!(
+                            "an engine of rank {} holds {}; stop it, or recover from it with \
+                             EngineConfig::with_recover_on_open",
+                            h.rank,
+                            root.display()
+                        ),
+                    ));
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        for v in &slots {
+            let outcome = recover_slot(&att, &h, &root, v);
+            log_outcome(name, v.step, &outcome);
+            if matches!(
+                outcome,
+                SlotOutcome::Committed { .. }
+                    | SlotOutcome::AlreadyCommitted { .. }
+                    | SlotOutcome::AwaitingRanks { .. }
+            ) {
+                // A retry of this arena skips the slot.
+                if let Err(e) = att.release_slot(v.slot) {
+                    tracing::warn!(arena = %name, slot = v.slot, error = %e, "could not mark the slot free");
+                }
+            }
+            report.slots.push(SlotRecovery {
+                slot: v.slot,
+                step: v.step,
+                state: SlotState::from_raw(v.state),
+                outcome,
+            });
+        }
+    }
+    let failed = report
+        .slots
+        .iter()
+        .filter(|s| matches!(s.outcome, SlotOutcome::Failed { .. }))
+        .count();
+    if failed > 0 {
+        let why = format!(
+            "{failed} save(s) failed (I/O errors or unsafe entries in the way); the arena is kept: \
+             fix the cause and run \
+             `shmckpt recover --shm {name}` again"
+        );
+        tracing::warn!(arena = %name, "{why}");
+        report.kept = Some(why);
+    } else {
+        match att.unlink() {
+            Ok(()) => {
+                report.removed = true;
+                tracing::warn!(
+                    arena = %name,
+                    owner_pid = h.owner_pid,
+                    owner = %owner,
+                    closed = h.closed,
+                    saves = report.slots.len(),
+                    committed = ?report.committed_steps(),
+                    "removed stale staging arena"
+                );
+            }
+            Err(e) => {
+                let why = format!("could not remove it: {e}");
+                tracing::warn!(arena = %name, "{why}");
+                report.kept = Some(why);
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn log_outcome(arena: &str, step: u64, o: &SlotOutcome) {
+    match o {
+        SlotOutcome::Committed {
+            dir,
+            from_staging,
+            from_file,
+            ..
+        } => {
+            tracing::warn!(arena, step, dir = %dir.display(), from_staging, from_file, "recovered and committed a staged save")
+        }
+        SlotOutcome::AwaitingRanks { partial } => {
+            tracing::warn!(arena, step, partial = %partial.display(), "recovered this rank's file; other ranks are missing")
+        }
+        SlotOutcome::AlreadyCommitted { dir } => {
+            tracing::info!(arena, step, dir = %dir.display(), "step was already committed")
+        }
+        SlotOutcome::Refused { reason } => {
+            tracing::warn!(arena, step, reason = %reason, "staged save cannot be recovered")
+        }
+        SlotOutcome::Failed { error } => {
+            tracing::error!(arena, step, error = %error, "recovery of a staged save failed")
+        }
+    }
+}
