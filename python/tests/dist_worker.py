@@ -1,0 +1,92 @@
+"""Child process of the multi-process tests (not a test module).
+
+    python dist_worker.py gloo ROOT RANK WORLD PORT OUT   # save and load over gloo
+    python dist_worker.py kill ROOT STEP                  # SIGKILL itself once staged
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch
+
+
+def rank_state(rank, world, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "model": {"w": torch.randn(64, 33, generator=g), "b": torch.arange(rank + 1, dtype=torch.int64)},
+        "shared": torch.full((5,), float(step)),
+        "step": step,
+        "who": f"rank {rank} of {world}",
+    }
+
+
+def big_state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randint(-(2**31), 2**31 - 1, (32 << 20,), dtype=torch.int32, generator=g), "step": step}
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def gloo(root, rank, world, port, out):
+    import torch.distributed as dist
+
+    import shmckpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    assert (ck.rank, ck.world_size) == (rank, world)
+    ck.save(5, rank_state(rank, world, 5)).wait()
+    h = ck.save(6, rank_state(rank, world, 6), blocking=False)
+    h.wait()
+    dist.barrier()  # every rank's file durable: the steps are committed
+    res = {"latest": ck.latest(), "list": ck.list(), "ok": []}
+    for step in (5, 6):
+        want = rank_state(rank, world, step)
+        got = ck.load(step)
+        same = (
+            got["step"] == step
+            and got["who"] == want["who"]
+            and digest(got["model"]["w"]) == digest(want["model"]["w"])
+            and digest(got["model"]["b"]) == digest(want["model"]["b"])
+            and digest(got["shared"]) == digest(want["shared"])
+        )
+        res["ok"].append(same)
+        dest = {k: torch.zeros_like(v) for k, v in want["model"].items()}
+        ck.load_into({"model": dest, "shared": torch.zeros(5)}, step=step)
+        res["ok"].append(all(digest(dest[k]) == digest(want["model"][k]) for k in dest))
+    res["world_in_manifest"] = ck.manifest(6)["world_size"]
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def kill(root, step):
+    import shmckpt
+
+    ck = shmckpt.Checkpointer(
+        root, staging_capacity=160 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1
+    )
+    if not ck.list():
+        ck.save(1, {"w": torch.arange(10), "step": 1}).wait()
+    h = ck.save(step, big_state(step), blocking=False)
+    h.wait_staged()
+    print(ck.shm_name, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "gloo":
+        gloo(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif mode == "kill":
+        kill(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit(f"unknown mode {mode}")
