@@ -367,17 +367,33 @@ class Checkpointer:
                             out.add((str(v.device), v.untyped_storage().data_ptr()))
         return out
 
+    def _forget(self, h: SaveHandle) -> None:
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not h]
+
     def wait_staged(self) -> None:
-        """Wait until every save in flight has copied its bytes."""
+        """Wait until every save in flight has copied its bytes. A failed save raises its
+        error here once (and is then forgotten)."""
         for h in list(self._pending):
-            h.wait_staged()
+            try:
+                h.wait_staged()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
         self._reap()
 
     def wait(self) -> None:
-        """Wait until every save in flight is committed (raises the first error)."""
-        pending = list(self._pending)
-        for h in pending:
-            h.wait()
+        """Wait until every save in flight is committed (raises the first error, once)."""
+        for h in list(self._pending):
+            try:
+                h.wait()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
         self._reap()
 
     def _reap(self) -> None:
@@ -480,26 +496,30 @@ class Checkpointer:
             h = self._engine.save(step, [e.tuple() for e in entries], meta, after, True)
             handle._set_rust(h)
             handle._release()
-        elif not finishes:
-            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
-            handle._set_rust(h)
         else:
-            # Host copies of device tensors are in flight on the trainer's streams: record an
-            # event per device now (work queued at the call), wait for it off the caller's
-            # thread, then start the save with device copies ordered after the same events.
+            # Order the device copies after the work queued at this call: an event recorded
+            # now on each device's current stream. (A stream handed to the engine would be
+            # recorded by its staging thread, later, after the trainer's next kernels.)
             events = {}
             for d, s in devices.items():
                 ev = torch.cuda.Event()
                 ev.record(s)
                 events[d] = ev
             keep.extend(events.values())
+            after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
+            if not finishes:
+                h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+                handle._set_rust(h)
+                with self._lock:
+                    self._pending.append(handle)
+                return handle
 
+            # Host copies of device tensors are in flight on the trainer's streams: wait for
+            # the events off the caller's thread, then start the save.
             def submit() -> Any:
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
                 return self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
 
             if self._submitter is None:

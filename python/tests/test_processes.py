@@ -48,6 +48,7 @@ def test_gloo_ranks_save_and_load(root, tmp_path, world):
         assert res["latest"] == 6 and res["list"] == [5, 6]
         assert res["ok"] == [True] * 4, (r, res)
         assert res["world_in_manifest"] == world
+        assert res["dtensor_ok"] is True
     # Each rank's file is a plain safetensors file with that rank's tensors.
     for r in range(world):
         f = load_file(str(root / "step-6" / f"rank-{r:05d}-of-{world:05d}.safetensors"))
