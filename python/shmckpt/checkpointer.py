@@ -29,6 +29,15 @@ __all__ = ["Checkpointer", "SaveHandle", "LoadResult"]
 StepArg = Union[int, str, None]
 
 
+def _dist_barrier() -> None:
+    """All ranks' engines are open before any rank saves: opening an engine removes stale
+    partial directories of the root when it sees no other live engine, which must not
+    race with another rank's first save."""
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def _dist_rank_world() -> Tuple[int, int]:
     if torch is not None:
         try:
@@ -237,7 +246,8 @@ class Checkpointer:
 
     ``root`` must be an existing, writable directory (shared by all ranks). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
-    give them). Other keyword arguments are the engine settings (``staging_capacity``:
+    give them; with ``torch.distributed``, every rank must then build its checkpointer, as
+    the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
     bytes of shared-memory staging, the largest checkpoint file a rank can write, default
     2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
     """
@@ -278,6 +288,8 @@ class Checkpointer:
             max_inflight_saves=max_inflight_saves,
             recover_on_open=recover_on_open,
         )
+        if rank is None and world_size is None and self.world_size > 1:
+            _dist_barrier()
         self._pending: List[SaveHandle] = []
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
