@@ -23,6 +23,7 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
+export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
 for mod in torch numpy safetensors pytest maturin; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
-from .errors import DestinationError, NotFound
+from .errors import CorruptError, DestinationError, NotFound
 
 try:
     import torch
@@ -227,17 +227,22 @@ def _read_header_metadata(path: str) -> Dict[str, str]:
     with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
         head = f.read(8)
         if len(head) != 8:
-            raise DestinationError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > 100_000_000:
-            raise DestinationError(f"{path}: safetensors header of {n} bytes is too large")
+            raise CorruptError(f"{path}: safetensors header of {n} bytes is too large")
         raw = f.read(n)
         if len(raw) != n:
-            raise DestinationError(f"{path}: safetensors header is truncated")
-    hdr = json.loads(raw.decode("utf-8"))
-    meta = hdr.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise DestinationError(f"{path}: __metadata__ is not an object")
+            raise CorruptError(f"{path}: safetensors header is truncated")
+    try:
+        hdr = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
+    meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        if meta is None and isinstance(hdr, dict):
+            return {}
+        raise CorruptError(f"{path}: __metadata__ is not an object of strings")
     return meta
 
 
@@ -586,9 +591,15 @@ class Checkpointer:
 
     def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
         d = os.path.join(self.root, f"step-{step}")
-        meta = _read_header_metadata(os.path.join(d, entry["file"]))
+        path = os.path.join(d, entry["file"])
+        meta = _read_header_metadata(path)
         text = meta.get(_state.STATE_KEY)
-        return None if text is None else _state.decode(text)
+        if text is None:
+            return None
+        try:
+            return _state.decode(text)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
 
     # -- load --------------------------------------------------------------------------
     def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
@@ -635,15 +646,24 @@ class Checkpointer:
                 ],
             )
 
+        file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
+
         def host_tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
             o = objs[name]
+            if node is not None and node.get("t") == "ndarray":
+                ndt = np.dtype(str(node.get("dtype")))
+                if _state.NUMPY_TO_ST.get(ndt) != file_dtype.get(name):
+                    raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+                if not isinstance(o, tuple):  # loaded to a device: arrays live on the host
+                    shape = list(o.shape)
+                    a = o.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                else:
+                    _, shape, buf = o
+                    a = np.asarray(buf)
+                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
             if not isinstance(o, tuple):
                 return o
             dtype, shape, buf = o
-            if node is not None and node.get("t") == "ndarray":
-                ndt = np.dtype(node["dtype"])
-                a = np.asarray(buf)
-                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
             tdt = _torch_dtype_for(node, dtype)
             n = len(buf)
             if n == 0:
@@ -660,11 +680,17 @@ class Checkpointer:
             name = node.get("alias") or node["n"]
             if name not in made:
                 if name not in objs:
-                    raise DestinationError(f"tensor {name!r} of the state is not in the file")
+                    raise ValueError(f"tensor {name!r} is not in the file")
                 made[name] = _finish_tensor(host_tensor(name, node), node)
             return made[name]
 
-        return _state.unflatten(tree, lookup)
+        try:
+            return _state.unflatten(tree, lookup)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
+                f"does not describe the file: {e}"
+            ) from None
 
     def load_into(
         self,
