@@ -192,6 +192,13 @@ class _Staged:
         return (self.name, self.dtype, self.shape, self.ptr, self.nbytes, self.device)
 
 
+def _storage_key(t: Any) -> Tuple[str, int]:
+    """Identifies the memory a tensor (or a DTensor's local shard) lives in."""
+    if _state._is_dtensor(t):
+        t = t.to_local()
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
 def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
     """A contiguous CPU tensor or array as an engine tuple."""
     if isinstance(t, np.ndarray):
@@ -376,12 +383,12 @@ class Checkpointer:
                 continue
             for g in opt.param_groups:
                 for p in g["params"]:
-                    out.add((str(p.device), p.untyped_storage().data_ptr()))
+                    out.add(_storage_key(p))
             for st in opt.state.values():
                 if isinstance(st, Mapping):
                     for v in st.values():
                         if isinstance(v, torch.Tensor):
-                            out.add((str(v.device), v.untyped_storage().data_ptr()))
+                            out.add(_storage_key(v))
         return out
 
     def _forget(self, h: SaveHandle) -> None:
@@ -467,7 +474,7 @@ class Checkpointer:
                 continue
             t = x.detach()
             if t.device.type == "cpu":
-                is_guarded = (str(t.device), t.untyped_storage().data_ptr()) in guarded
+                is_guarded = _storage_key(t) in guarded
                 if not blocking and not is_guarded:
                     t = t.clone(memory_format=torch.contiguous_format)
                 elif not t.is_contiguous():
@@ -477,7 +484,7 @@ class Checkpointer:
             dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
             if dev not in devices:
                 devices[dev] = torch.cuda.current_stream(dev)
-            is_guarded = (str(t.device), t.untyped_storage().data_ptr()) in guarded
+            is_guarded = _storage_key(t) in guarded
             if t.numel() == 0:
                 entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, t))
             elif t.is_contiguous() and (blocking or is_guarded):
