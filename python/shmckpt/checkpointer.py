@@ -221,12 +221,19 @@ def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
         return h, (lambda: h)
     # Copy the whole storage span the view covers (contiguous, so no device temporary),
     # then gather on the host.
+    base, gather = _span(t)
+    h = torch.empty(base.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(base, non_blocking=True)
+    return h, (lambda: gather(h))
+
+
+def _span(t: Any) -> Tuple[Any, Any]:
+    """A contiguous 1-D view of the storage range a (non-empty) strided tensor covers, and
+    the function that rebuilds the tensor's logical contents from a copy of it."""
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     base = t.as_strided((span,), (1,), t.storage_offset())
-    h = torch.empty((span,), dtype=t.dtype, pin_memory=True)
-    h.copy_(base, non_blocking=True)
     shape, stride = tuple(t.shape), tuple(t.stride())
-    return h, (lambda: h.as_strided(shape, stride, 0).contiguous())
+    return base, (lambda copy: copy.as_strided(shape, stride, 0).contiguous())
 
 
 def _read_header_metadata(path: str) -> Dict[str, str]:

@@ -363,3 +363,30 @@ def test_tampered_skeleton_is_a_corrupt_error(ck, root, old, new):
         f.write(data.replace(old, new))
     with pytest.raises(shmckpt.CorruptError):
         ck.load(1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b.t(),
+        lambda b: b[::2, 1::3],
+        lambda b: b[1:, 2:7].t(),
+        lambda b: b[:, 3],
+        lambda b: b.narrow(0, 2, 3)[:, ::4],
+        lambda b: b[0:1, 0:1],
+        lambda b: b[2].expand(3, 10),
+    ],
+)
+def test_span_copy_of_non_contiguous_views_gives_the_logical_contents(make):
+    """The host route of non-contiguous CUDA tensors (copy the covered storage span, which
+    is contiguous, then gather on the host), checked on CPU tensors."""
+    from shmckpt.checkpointer import _span
+
+    b = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    t = make(b)
+    base, gather = _span(t)
+    assert base.is_contiguous() and base.dim() == 1
+    assert base.data_ptr() >= b.data_ptr()
+    assert base.data_ptr() + base.numel() * 8 <= b.data_ptr() + b.numel() * 8
+    out = gather(base.clone())
+    assert torch.equal(out, t.contiguous()) and out.is_contiguous()
