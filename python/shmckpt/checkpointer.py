@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import operator
 import os
@@ -770,9 +771,7 @@ class Checkpointer:
                 )
                 continue
             plan.setdefault(src, []).append((lf, lf.obj))
-        unexpected = [n for n in ck_names if n not in used and not (n in aliases)]
-        unexpected += [n for n in aliases if n not in used and aliases[n] not in stored]
-        unexpected = sorted(set(unexpected))
+        unexpected = sorted({n for n in ck_names if n not in used})
         if strict:
             problems += [f"{n}: in the destination, not in the checkpoint" for n in missing]
             problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
@@ -854,7 +853,7 @@ class Checkpointer:
                 dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
             torch.cuda.current_stream(cuda_dev).synchronize()
             self._engine.load_into_device(s, dest)
-        with torch.no_grad() if torch is not None else _nullctx():
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):
                     d[...] = src.cpu().numpy() if not isinstance(src, np.ndarray) else src
@@ -862,14 +861,6 @@ class Checkpointer:
                     d.copy_(torch.from_numpy(src))
                 else:
                     d.copy_(src)
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 Leaf = _state.Leaf

@@ -227,6 +227,14 @@ def test_tied_weights_saved_once_and_restored_as_one(ck, root):
     assert raw(m2.head.weight) == raw(m.embed.weight)
     assert m2.head.weight.data_ptr() == m2.embed.weight.data_ptr()
 
+    # Only the first key given: the alias is an unexpected key.
+    only = {"model": {"embed.weight": torch.zeros(10, 4)}}
+    with pytest.raises(shmckpt.DestinationError, match="model.head.weight: in the checkpoint"):
+        ck.load_into(only)
+    r = ck.load_into(only, strict=False)
+    assert r.unexpected_keys == ["model.head.weight"] and r.missing_keys == []
+    assert raw(only["model"]["embed.weight"]) == raw(m.embed.weight)
+
     # Into an untied model: both get the bytes.
     m3 = Tied()
     m3.head.weight = torch.nn.Parameter(torch.zeros(10, 4))
