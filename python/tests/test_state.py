@@ -398,3 +398,17 @@ def test_span_copy_of_non_contiguous_views_gives_the_logical_contents(make):
     assert base.data_ptr() + base.numel() * 8 <= b.data_ptr() + b.numel() * 8
     out = gather(base.clone())
     assert torch.equal(out, t.contiguous()) and out.is_contiguous()
+
+
+def test_closed_checkpointer_is_a_shutdown_error(root):
+    c = shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20)
+    name = c.shm_name
+    assert os.path.exists(f"/dev/shm/{name}")
+    c.save(1, {"a": torch.ones(2)}, blocking=False)
+    c.close()  # waits for the save in flight
+    c.close()  # idempotent
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(shmckpt.ShutdownError, match="closed"):
+        c.save(2, {"a": torch.ones(2)})
+    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c2:
+        assert c2.list() == [1] and raw(c2.load(1)["a"]) == raw(torch.ones(2))
