@@ -1,0 +1,887 @@
+"""``Checkpointer``: save and restore nested PyTorch training state through the engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import operator
+import os
+import struct
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _shmckpt
+from . import _state
+from .errors import CorruptError, DestinationError, NotFound
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+__all__ = ["Checkpointer", "SaveHandle", "LoadResult"]
+
+StepArg = Union[int, str, None]
+
+
+def _dist_barrier() -> None:
+    """All ranks' engines are open before any rank saves: opening an engine removes stale
+    partial directories of the root when it sees no other live engine, which must not
+    race with another rank's first save."""
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _dist_rank_world() -> Tuple[int, int]:
+    if torch is not None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return dist.get_rank(), dist.get_world_size()
+        except Exception:  # pragma: no cover
+            pass
+    return 0, 1
+
+
+def _step_sel(step: StepArg) -> Optional[int]:
+    if step is None or step == "latest":
+        return None
+    if isinstance(step, bool):
+        raise TypeError("step must be an int or 'latest'")
+    return operator.index(step)
+
+
+class SaveHandle:
+    """A save in flight (returned by :meth:`Checkpointer.save`).
+
+    ``wait_staged()``: every byte is copied out of the caller's tensors (they may then
+    change). ``wait()``: the checkpoint is durable and committed; returns the save report
+    (a dict of sizes and timings in seconds). ``done()``: committed or failed. All waits
+    release the GIL and are interruptible (Ctrl-C raises ``KeyboardInterrupt``; the save
+    itself carries on and can be waited for again).
+    """
+
+    def __init__(self, step: int, keep: List[Any]):
+        self.step = step
+        self._keep: Optional[List[Any]] = keep  # torch objects read by the engine
+        self._future: Optional[concurrent.futures.Future] = None
+        self._rust: Optional[Any] = None
+        self._lock = threading.Lock()
+
+    # -- internals ---------------------------------------------------------------------
+    def _set_rust(self, h: Any) -> None:
+        self._rust = h
+
+    def _get_rust(self) -> Any:
+        if self._rust is not None:
+            return self._rust
+        fut = self._future
+        assert fut is not None
+        while True:
+            try:
+                self._rust = fut.result(timeout=0.05)
+                return self._rust
+            except concurrent.futures.TimeoutError:
+                continue
+            except BaseException:
+                # Submission failed: nothing reads the tensors any more.
+                self._release()
+                raise
+
+    def _release(self) -> None:
+        with self._lock:
+            self._keep = None
+
+    def _poll(self) -> None:
+        """Drop the references once staged."""
+        if self._keep is None:
+            return
+        if self._rust is None and self._future is not None:
+            if not self._future.done():
+                return
+            try:
+                self._rust = self._future.result()
+            except BaseException:
+                self._release()
+                return
+        if self._rust is not None and self._rust.is_staged():
+            self._release()
+
+    # -- public ------------------------------------------------------------------------
+    def staged(self) -> bool:
+        """True once every byte is staged (or the save failed)."""
+        self._poll()
+        return self._keep is None
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or the save failed."""
+        if self._rust is None and self._future is not None:
+            if not self._future.done():
+                return False
+            if self._future.exception() is not None:
+                return True
+            self._rust = self._future.result()
+        done = bool(self._rust.is_done())
+        if done:
+            self._poll()
+        return done
+
+    def wait_staged(self) -> Optional[Dict[str, Any]]:
+        """Block until every byte is staged; returns the staging report."""
+        h = self._get_rust()
+        try:
+            rep = h.wait_staged()
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+        return rep
+
+    def wait(self) -> Dict[str, Any]:
+        """Block until the checkpoint is durable and committed; returns the report."""
+        h = self._get_rust()
+        try:
+            rep = h.wait()
+        except KeyboardInterrupt:
+            raise
+        finally:
+            self._poll()
+        self._release()
+        return rep
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
+
+
+@dataclass
+class LoadResult:
+    """What :meth:`Checkpointer.load_into` did."""
+
+    step: int
+    #: Destination keys (flat names) the checkpoint has no tensor for.
+    missing_keys: List[str] = field(default_factory=list)
+    #: Checkpoint tensors no destination was given for (read and checked, not stored).
+    unexpected_keys: List[str] = field(default_factory=list)
+
+
+def _canonical(name: str) -> str:
+    """A flat name without the ``_orig_mod.`` components ``torch.compile`` adds."""
+    parts = [p for p in name.split(".") if p != "_orig_mod"]
+    return ".".join(parts)
+
+
+class _Staged:
+    """One tensor as handed to the engine, with what keeps its memory alive."""
+
+    __slots__ = ("name", "dtype", "shape", "ptr", "nbytes", "device", "keep")
+
+    def __init__(self, name, dtype, shape, ptr, nbytes, device, keep):
+        self.name, self.dtype, self.shape = name, dtype, shape
+        self.ptr, self.nbytes, self.device, self.keep = ptr, nbytes, device, keep
+
+    def tuple(self):
+        return (self.name, self.dtype, self.shape, self.ptr, self.nbytes, self.device)
+
+
+def _storage_key(t: Any) -> Tuple[str, int]:
+    """Identifies the memory a tensor (or a DTensor's local shard) lives in."""
+    if _state._is_dtensor(t):
+        t = t.to_local()
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
+    """A contiguous CPU tensor or array as an engine tuple."""
+    if isinstance(t, np.ndarray):
+        nbytes = int(t.nbytes)
+        ptr = int(t.ctypes.data) if nbytes else 0
+        return _Staged(name, st_dtype, list(t.shape), ptr, nbytes, -1, t)
+    nbytes = t.numel() * t.element_size()
+    ptr = int(t.data_ptr()) if nbytes else 0
+    return _Staged(name, st_dtype, list(t.shape), ptr, nbytes, -1, t)
+
+
+def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
+    """Queue a copy of a CUDA tensor's bytes into pinned host memory on the current stream,
+    allocating no device memory. Returns (pinned, finish): ``finish()`` (after the stream
+    has reached the copy) gives the contiguous host tensor."""
+    if t.is_contiguous():
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if t.numel():
+            h.copy_(t, non_blocking=True)
+        return h, (lambda: h)
+    # Copy the whole storage span the view covers (contiguous, so no device temporary),
+    # then gather on the host.
+    base, gather = _span(t)
+    h = torch.empty(base.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(base, non_blocking=True)
+    return h, (lambda: gather(h))
+
+
+def _span(t: Any) -> Tuple[Any, Any]:
+    """A contiguous 1-D view of the storage range a (non-empty) strided tensor covers, and
+    the function that rebuilds the tensor's logical contents from a copy of it."""
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    base = t.as_strided((span,), (1,), t.storage_offset())
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    return base, (lambda copy: copy.as_strided(shape, stride, 0).contiguous())
+
+
+def _read_header_metadata(path: str) -> Dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (bounded, untrusted input)."""
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:
+            raise CorruptError(f"{path}: safetensors header of {n} bytes is too large")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise CorruptError(f"{path}: safetensors header is truncated")
+    try:
+        hdr = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
+    meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        if meta is None and isinstance(hdr, dict):
+            return {}
+        raise CorruptError(f"{path}: __metadata__ is not an object of strings")
+    return meta
+
+
+class Checkpointer:
+    """Checkpoints of one rank under ``root``.
+
+    ``root`` must be an existing, writable directory (shared by all ranks). The rank and
+    world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
+    give them; with ``torch.distributed``, every rank must then build its checkpointer, as
+    the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
+    bytes of shared-memory staging, the largest checkpoint file a rank can write, default
+    2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
+    """
+
+    def __init__(
+        self,
+        root: Union[str, os.PathLike],
+        *,
+        keep_last: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+        recover_on_open: Optional[bool] = None,
+        shm_name: Optional[str] = None,
+    ):
+        r, w = _dist_rank_world()
+        self.rank = r if rank is None else int(rank)
+        self.world_size = w if world_size is None else int(world_size)
+        self.root = os.fspath(root)
+        self._engine = _shmckpt.Engine(
+            self.root,
+            rank=self.rank,
+            world_size=self.world_size,
+            staging_capacity=staging_capacity,
+            chunk_size=chunk_size,
+            writer_threads=writer_threads,
+            queue_depth=queue_depth,
+            copy_threads=copy_threads,
+            direct_io=direct_io,
+            keep_last=keep_last,
+            shm_name=shm_name,
+            max_inflight_saves=max_inflight_saves,
+            recover_on_open=recover_on_open,
+        )
+        if rank is None and world_size is None and self.world_size > 1:
+            _dist_barrier()
+        self._pending: List[SaveHandle] = []
+        self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
+        self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the saves in flight, then release the staging memory. Idempotent."""
+        for h in list(self._pending):
+            try:
+                h._get_rust()
+            except BaseException:
+                pass
+        if self._submitter is not None:
+            self._submitter.shutdown(wait=True)
+            self._submitter = None
+        for _, hook in self._guards:
+            hook.remove()
+        self._guards.clear()
+        self._engine.close()
+        for h in self._pending:
+            h._release()
+        self._pending.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def shm_name(self) -> str:
+        """Name of this engine's staging segment in ``/dev/shm``."""
+        return self._engine.describe()[0]
+
+    @property
+    def staging_capacity(self) -> int:
+        """Largest checkpoint file (bytes) a save can stage."""
+        return self._engine.describe()[1]
+
+    # -- guard -------------------------------------------------------------------------
+    def guard(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` first wait until every save of this checkpointer has
+        copied its bytes (``wait_staged``).
+
+        With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
+        state in the background while the trainer runs its next forward and backward; every
+        other tensor of the state (buffers such as BatchNorm running statistics, tensors of
+        unguarded optimizers, numpy arrays) is captured at the call. Parameters and state of
+        a guarded optimizer must not be changed other than by its ``step()`` (or after the
+        handle's ``wait_staged()``).
+        """
+        ref = weakref.ref(optimizer)
+        me = weakref.ref(self)
+
+        def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
+            ck = me()
+            if ck is not None:
+                ck.wait_staged()
+
+        hook = optimizer.register_step_pre_hook(pre_hook)
+        self._guards.append((ref, hook))
+
+    def unguard(self, optimizer: Any) -> None:
+        """Remove the guard of ``optimizer``."""
+        keep = []
+        for ref, hook in self._guards:
+            if ref() is optimizer:
+                hook.remove()
+            else:
+                keep.append((ref, hook))
+        self._guards = keep
+
+    def _guarded_storages(self) -> set:
+        out = set()
+        for ref, _ in self._guards:
+            opt = ref()
+            if opt is None:
+                continue
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    out.add(_storage_key(p))
+            for st in opt.state.values():
+                if isinstance(st, Mapping):
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            out.add(_storage_key(v))
+        return out
+
+    def _forget(self, h: SaveHandle) -> None:
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not h]
+
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its bytes. A failed save raises its
+        error here once (and is then forgotten)."""
+        for h in list(self._pending):
+            try:
+                h.wait_staged()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
+        self._reap()
+
+    def wait(self) -> None:
+        """Wait until every save in flight is committed (raises the first error, once)."""
+        for h in list(self._pending):
+            try:
+                h.wait()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
+        self._reap()
+
+    def _reap(self) -> None:
+        with self._lock:
+            keep = []
+            for h in self._pending:
+                h._poll()
+                if not (h.staged() and h.done()):
+                    keep.append(h)
+            self._pending = keep
+
+    # -- save --------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        blocking: bool = True,
+        metadata: Optional[Mapping[str, str]] = None,
+    ) -> SaveHandle:
+        """Save ``state`` (nested dict/list/tuple of tensors, arrays and plain values) as
+        checkpoint ``step``.
+
+        ``blocking=True`` returns once every byte is staged (the caller may then change its
+        tensors); ``blocking=False`` returns at once (see :meth:`guard`). The checkpoint is
+        committed in the background; ``handle.wait()`` waits for it. Unsupported values
+        raise ``TypeError`` naming their key path before anything is written.
+        """
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        meta: Dict[str, str] = {}
+        for k, v in (metadata or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
+            meta[k] = v
+        flat = _state.flatten(state)
+        if _state.STATE_KEY in meta:
+            raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
+        meta[_state.STATE_KEY] = _state.encode(flat)
+        self._reap()
+
+        guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+        entries: List[_Staged] = []
+        devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
+        finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+        for lf in flat.stored():
+            x = lf.obj
+            if lf.kind == "ndarray":
+                a = np.ascontiguousarray(x)
+                if not blocking:
+                    a = a.copy()  # captured at the call
+                entries.append(_host_entry(lf.name, lf.dtype, a))
+                continue
+            t = x.detach()
+            if t.device.type == "cpu":
+                is_guarded = _storage_key(t) in guarded
+                if not blocking and not is_guarded:
+                    t = t.clone(memory_format=torch.contiguous_format)
+                elif not t.is_contiguous():
+                    t = t.contiguous()
+                entries.append(_host_entry(lf.name, lf.dtype, t))
+                continue
+            dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            if dev not in devices:
+                devices[dev] = torch.cuda.current_stream(dev)
+            is_guarded = _storage_key(t) in guarded
+            if t.numel() == 0:
+                entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, t))
+            elif t.is_contiguous() and (blocking or is_guarded):
+                nbytes = t.numel() * t.element_size()
+                entries.append(
+                    _Staged(lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev, t)
+                )
+            else:
+                with torch.cuda.device(dev):
+                    pinned, finish = _cuda_span_copy(t)
+                entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, [t, pinned]))
+                finishes.append((len(entries) - 1, finish))
+
+        keep: List[Any] = [e.keep for e in entries]
+        keep.extend(devices.values())
+        handle = SaveHandle(step, keep)
+
+        def finish_host_copies() -> None:
+            for i, fin in finishes:
+                e = entries[i]
+                h = fin()
+                ne = _host_entry(e.name, e.dtype, h)
+                ne.keep = [e.keep, h]
+                entries[i] = ne
+                keep.append(h)
+
+        if blocking:
+            if finishes:
+                for s in devices.values():
+                    s.synchronize()  # this stream only, not the device
+                finish_host_copies()
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, [e.tuple() for e in entries], meta, after, True)
+            handle._set_rust(h)
+            handle._release()
+        else:
+            # Order the device copies after the work queued at this call: an event recorded
+            # now on each device's current stream. (A stream handed to the engine would be
+            # recorded by its staging thread, later, after the trainer's next kernels.)
+            events = {}
+            for d, s in devices.items():
+                ev = torch.cuda.Event()
+                ev.record(s)
+                events[d] = ev
+            keep.extend(events.values())
+            after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
+            if not finishes:
+                h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+                handle._set_rust(h)
+                with self._lock:
+                    self._pending.append(handle)
+                return handle
+
+            # Host copies of device tensors are in flight on the trainer's streams: wait for
+            # the events off the caller's thread, then start the save.
+            def submit() -> Any:
+                for ev in events.values():
+                    ev.synchronize()
+                finish_host_copies()
+                return self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+
+            if self._submitter is None:
+                self._submitter = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="shmckpt-submit"
+                )
+            handle._future = self._submitter.submit(submit)
+        with self._lock:
+            self._pending.append(handle)
+        return handle
+
+    # -- queries -----------------------------------------------------------------------
+    def latest(self) -> Optional[int]:
+        """The newest committed step, or ``None``."""
+        return self._engine.latest()
+
+    def list(self) -> List[int]:
+        """Committed steps, oldest first."""
+        return [s for s, _ in self._engine.list()]
+
+    def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
+        """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
+        return json.loads(self._engine.manifest(self._resolve(step)))
+
+    def flush(self) -> None:
+        """Wait for every save in flight to be committed or to fail."""
+        self._engine.flush()
+        self._reap()
+
+    def prepare_cuda(self, devices: Optional[Sequence[int]] = None) -> Optional[float]:
+        """Register the staging memory with CUDA now (otherwise the first device save does
+        it). Returns the registration time in seconds when this call did it."""
+        if devices is None:
+            devices = [torch.cuda.current_device()]
+        return self._engine.prepare_cuda(list(devices))
+
+    def _resolve(self, step: StepArg) -> int:
+        sel = _step_sel(step)
+        if sel is not None:
+            return sel
+        latest = self._engine.latest()
+        if latest is None:
+            raise NotFound(f"no committed checkpoint (latest) in {self.root}")
+        return latest
+
+    def _rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        m = json.loads(self._engine.manifest(step))
+        for f in m["files"]:
+            if f["rank"] == self.rank:
+                return m, f
+        raise NotFound(f"checkpoint step {step} in {self.root} has no file of rank {self.rank}")
+
+    def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
+        d = os.path.join(self.root, f"step-{step}")
+        path = os.path.join(d, entry["file"])
+        meta = _read_header_metadata(path)
+        text = meta.get(_state.STATE_KEY)
+        if text is None:
+            return None
+        try:
+            return _state.decode(text)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
+
+    # -- load --------------------------------------------------------------------------
+    def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
+        """Load a checkpoint: the nested state as saved (tensors, arrays, plain values).
+
+        ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
+        copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
+        the file is read. Checkpoints not written by this package come back as a flat dict
+        of tensors. Every CRC-32C is verified.
+        """
+        s = self._resolve(step)
+        dev = None
+        if map_location is not None:
+            dev = torch.device(map_location) if torch is not None else None
+            if dev is not None and dev.type == "cpu":
+                dev = None
+            elif dev is not None and dev.type != "cuda":
+                raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
+        _, entry = self._rank_entry(s)
+        tree = self._skeleton(s, entry)
+        objs: Dict[str, Any] = {}
+        if dev is None:
+            got_step, _, _, tensors = self._engine.load(s)
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+        else:
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            dest = []
+            for t in entry["tensors"]:
+                tdt = _state.ST_TO_TORCH.get(t["dtype"])
+                if tdt is None:
+                    raise DestinationError(f"tensor {t['name']!r}: dtype {t['dtype']} has no torch dtype")
+                x = torch.empty(t["shape"], dtype=tdt, device=dev)
+                objs[t["name"]] = x
+                dest.append(x)
+            # The memory may come from blocks freed by work still queued on this stream.
+            torch.cuda.current_stream(dev).synchronize()
+            self._engine.load_into_device(
+                s,
+                [
+                    (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
+                    for n, x in objs.items()
+                ],
+            )
+
+        file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
+
+        def host_tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
+            o = objs[name]
+            if node is not None and node.get("t") == "ndarray":
+                ndt = np.dtype(str(node.get("dtype")))
+                if _state.NUMPY_TO_ST.get(ndt) != file_dtype.get(name):
+                    raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+                if not isinstance(o, tuple):  # loaded to a device: arrays live on the host
+                    shape = list(o.shape)
+                    a = o.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                else:
+                    _, shape, buf = o
+                    a = np.asarray(buf)
+                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
+            if not isinstance(o, tuple):
+                return o
+            dtype, shape, buf = o
+            tdt = _torch_dtype_for(node, dtype)
+            n = len(buf)
+            if n == 0:
+                return torch.empty(shape, dtype=tdt)
+            u8 = torch.from_numpy(np.asarray(buf))
+            return u8.view(tdt).reshape(shape)
+
+        if tree is None:
+            return {name: host_tensor(name, None) for name in objs}
+
+        made: Dict[str, Any] = {}
+
+        def lookup(node: Dict[str, Any]) -> Any:
+            name = node.get("alias") or node["n"]
+            if name not in made:
+                if name not in objs:
+                    raise ValueError(f"tensor {name!r} is not in the file")
+                made[name] = _finish_tensor(host_tensor(name, node), node)
+            return made[name]
+
+        try:
+            return _state.unflatten(tree, lookup)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
+                f"does not describe the file: {e}"
+            ) from None
+
+    def load_into(
+        self,
+        target: Any,
+        step: StepArg = "latest",
+        *,
+        strict: bool = True,
+    ) -> LoadResult:
+        """Load a checkpoint in place into the tensors of ``target`` (e.g.
+        ``{"model": model.state_dict(), "optim": opt.state_dict()}``), matched by flat
+        name (``_orig_mod.`` components ignored on both sides).
+
+        Names, dtypes and shapes are checked before anything is read; a mismatch raises
+        ``DestinationError`` listing every one. With ``strict=False`` missing and
+        unexpected keys are reported in the result instead. Plain values of ``target`` are
+        not changed. Contiguous CPU destinations are read into directly; CUDA destinations
+        through the staging memory with no host copy of your own.
+        """
+        s = self._resolve(step)
+        _, entry = self._rank_entry(s)
+        tree = self._skeleton(s, entry)
+        aliases: Dict[str, str] = {}
+        if tree is not None:
+            for node in _state.tensor_nodes(tree):
+                if node.get("alias"):
+                    aliases[node["n"]] = node["alias"]
+        flat = _state.flatten(target)
+        stored = {t["name"]: t for t in entry["tensors"]}
+        # Checkpoint names (stored and aliases) by canonical name.
+        ck_names = list(stored) + list(aliases)
+        canon: Dict[str, List[str]] = {}
+        for n in ck_names:
+            canon.setdefault(_canonical(n), []).append(n)
+
+        def match(dname: str) -> Optional[str]:
+            if dname in stored or dname in aliases:
+                return dname
+            c = canon.get(_canonical(dname))
+            if c and len(c) == 1:
+                return c[0]
+            return None
+
+        problems: List[str] = []
+        missing: List[str] = []
+        plan: Dict[str, List[Tuple[Leaf, Any]]] = {}  # stored name -> destinations
+        used: set = set()
+        for lf in flat.leaves:
+            ck = match(lf.name)
+            if ck is None:
+                missing.append(lf.name)
+                continue
+            used.add(ck)
+            src = aliases.get(ck, ck)
+            t = stored.get(src)
+            if t is None:
+                problems.append(f"{lf.name}: alias of {src!r}, which is not in the file")
+                continue
+            want = _dest_dtype_name(lf)
+            if want != t["dtype"] or list(lf.obj.shape) != list(t["shape"]):
+                problems.append(
+                    f"{lf.name}: checkpoint has {t['dtype']} {list(t['shape'])}, destination "
+                    f"is {want} {list(lf.obj.shape)}"
+                )
+                continue
+            plan.setdefault(src, []).append((lf, lf.obj))
+        unexpected = sorted({n for n in ck_names if n not in used})
+        if strict:
+            problems += [f"{n}: in the destination, not in the checkpoint" for n in missing]
+            problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
+        if problems:
+            raise DestinationError(
+                f"cannot load step {s} of {self.root} into the given state "
+                f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+            )
+        self._read_into(s, entry, plan)
+        return LoadResult(s, missing, unexpected)
+
+    def _read_into(self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:
+        cuda_dev = None
+        for dests in plan.values():
+            for _, d in dests:
+                if torch is not None and isinstance(d, torch.Tensor) and d.device.type == "cuda":
+                    cuda_dev = d.device
+                    break
+            if cuda_dev is not None:
+                break
+        direct: Dict[str, Any] = {}  # stored name -> destination read into directly
+        copies: List[Tuple[Any, Any]] = []  # (destination, source) after the read
+        scratch: Dict[str, Any] = {}
+        ranges: List[Tuple[int, int]] = []
+
+        def free_range(p: int, n: int) -> bool:
+            for a, b in ranges:
+                if p < b and a < p + n:
+                    return False
+            ranges.append((p, p + n))
+            return True
+
+        for t in entry["tensors"]:
+            name = t["name"]
+            dests = plan.get(name, [])
+            chosen = None
+            for _, d in dests:
+                if isinstance(d, np.ndarray):
+                    ok = cuda_dev is None and d.flags.c_contiguous and d.flags.writeable
+                    p, n = (int(d.ctypes.data), int(d.nbytes))
+                else:
+                    dd = d.detach()
+                    on = dd.device.type
+                    ok = dd.is_contiguous() and (
+                        (cuda_dev is None and on == "cpu") or (cuda_dev is not None and dd.device == cuda_dev)
+                    )
+                    p, n = (int(dd.data_ptr()), dd.numel() * dd.element_size())
+                if ok and (n == 0 or free_range(p, n)):
+                    chosen = d
+                    break
+            if chosen is None:
+                tdt = _state.ST_TO_TORCH.get(t["dtype"])
+                if cuda_dev is None:
+                    if tdt is not None:
+                        buf = torch.empty(t["shape"], dtype=tdt)
+                    else:
+                        buf = np.empty(t["shape"], dtype=_state.ST_TO_NUMPY[t["dtype"]])
+                else:
+                    buf = torch.empty(t["shape"], dtype=tdt, device=cuda_dev)
+                scratch[name] = buf
+                chosen = buf
+            direct[name] = chosen
+            for _, d in dests:
+                if d is not chosen:
+                    copies.append((d, chosen))
+        if cuda_dev is None:
+            dest = []
+            for name, d in direct.items():
+                if isinstance(d, np.ndarray):
+                    dest.append((name, int(d.ctypes.data) if d.nbytes else 0, int(d.nbytes)))
+                else:
+                    nb = d.numel() * d.element_size()
+                    dest.append((name, int(d.data_ptr()) if nb else 0, nb))
+            self._engine.load_into(s, dest)
+        else:
+            dest = []
+            for name, d in direct.items():
+                nb = d.numel() * d.element_size()
+                dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
+            torch.cuda.current_stream(cuda_dev).synchronize()
+            self._engine.load_into_device(s, dest)
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():
+            for d, src in copies:
+                if isinstance(d, np.ndarray):
+                    d[...] = src.cpu().numpy() if not isinstance(src, np.ndarray) else src
+                elif isinstance(src, np.ndarray):
+                    d.copy_(torch.from_numpy(src))
+                else:
+                    d.copy_(src)
+
+
+Leaf = _state.Leaf
+
+
+def _dest_dtype_name(lf: Any) -> str:
+    return lf.dtype
+
+
+def _torch_dtype_for(node: Optional[Dict[str, Any]], st_dtype: str) -> Any:
+    if node is not None and node.get("dtype"):
+        dt = getattr(torch, node["dtype"], None)
+        if dt is not None and _state.TORCH_TO_ST.get(dt) == st_dtype:
+            return dt
+    dt = _state.ST_TO_TORCH.get(st_dtype)
+    if dt is None:
+        raise DestinationError(f"dtype {st_dtype} has no torch equivalent")
+    return dt
+
+
+def _finish_tensor(x: Any, node: Dict[str, Any]) -> Any:
+    if node.get("param") and torch is not None:
+        return torch.nn.Parameter(x, requires_grad=bool(node.get("requires_grad", True)))
+    return x

@@ -1,0 +1,164 @@
+"""Exceptions of shmckpt: one class per error of the Rust engine, under ``ShmckptError``.
+
+Every exception raised by the engine carries the Rust message (which names the file, tensor,
+offset or errno concerned), ``kind`` (the class name) and ``errno_code`` (the OS error
+number when the error came from the OS, else ``None``).
+
+Input errors (``InvalidInput`` and its subclasses) are raised before anything is staged or
+written. Errors the Python layer detects itself in the state given to ``save`` (an
+unsupported type or dtype) are ``TypeError``/``ValueError`` naming the key path, also
+raised before a byte is written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "ShmckptError",
+    "InvalidInput",
+    "EmptyName",
+    "DuplicateName",
+    "InvalidName",
+    "SizeMismatch",
+    "ShapeOverflow",
+    "InvalidMetadata",
+    "HeaderTooLarge",
+    "TooLarge",
+    "StepExists",
+    "NotFound",
+    "RootMissing",
+    "RootNotWritable",
+    "RootLocked",
+    "ConfigError",
+    "ShmTooSmall",
+    "ShmError",
+    "IoError",
+    "CorruptError",
+    "Truncated",
+    "ChecksumError",
+    "DestinationError",
+    "CudaError",
+    "ShutdownError",
+    "IpcError",
+    "RecoveryError",
+]
+
+
+class ShmckptError(Exception):
+    """Base class of every error the shmckpt engine reports."""
+
+    kind: str = "ShmckptError"
+    errno_code: Optional[int] = None
+
+
+class InvalidInput(ShmckptError, ValueError):
+    """The tensors or metadata given to ``save`` are invalid; nothing was written."""
+
+
+class EmptyName(InvalidInput):
+    """A tensor has an empty name (Rust ``Error::EmptyName``)."""
+
+
+class DuplicateName(InvalidInput):
+    """Two tensors share a name (Rust ``Error::DuplicateName``)."""
+
+
+class InvalidName(InvalidInput):
+    """A tensor name is too long or reserved (Rust ``Error::InvalidName``)."""
+
+
+class SizeMismatch(InvalidInput):
+    """A tensor's byte length does not match its dtype and shape (``Error::SizeMismatch``)."""
+
+
+class ShapeOverflow(InvalidInput):
+    """A shape's element count overflows 64 bits (``Error::ShapeOverflow``)."""
+
+
+class InvalidMetadata(InvalidInput):
+    """A metadata key is reserved (``shmckpt.`` prefix) or invalid."""
+
+
+class HeaderTooLarge(InvalidInput):
+    """The safetensors header would exceed the format's 100 MB limit."""
+
+
+class TooLarge(ShmckptError, ValueError):
+    """The checkpoint file is larger than the staging arena: raise ``staging_capacity``."""
+
+
+class StepExists(ShmckptError, FileExistsError):
+    """A checkpoint of this step already exists (committed or in flight)."""
+
+
+class NotFound(ShmckptError, LookupError):
+    """No committed checkpoint matches the request."""
+
+
+class RootMissing(ShmckptError, FileNotFoundError):
+    """The checkpoint root does not exist or is not a directory."""
+
+
+class RootNotWritable(ShmckptError, PermissionError):
+    """The checkpoint root cannot be written."""
+
+
+class RootLocked(ShmckptError):
+    """Another engine of the same rank holds this checkpoint root."""
+
+
+class ConfigError(ShmckptError, ValueError):
+    """An invalid engine setting."""
+
+
+class ShmTooSmall(ShmckptError, MemoryError):
+    """``/dev/shm`` cannot hold the staging arena."""
+
+
+class ShmError(ShmckptError, OSError):
+    """Creating, sizing or mapping the shared-memory arena failed."""
+
+
+class IoError(ShmckptError, OSError):
+    """An I/O call failed on a file (the message names the call, path, offset, errno)."""
+
+
+class CorruptError(ShmckptError):
+    """A checkpoint file or manifest is malformed."""
+
+
+class Truncated(CorruptError):
+    """A checkpoint file is shorter than its header or manifest promise."""
+
+
+class ChecksumError(CorruptError):
+    """A tensor's bytes do not match the CRC-32C in the manifest."""
+
+
+class DestinationError(ShmckptError, ValueError):
+    """A destination given to ``load_into`` does not fit the checkpoint."""
+
+
+class CudaError(ShmckptError, RuntimeError):
+    """The CUDA driver reported an error or is unavailable."""
+
+
+class ShutdownError(ShmckptError, RuntimeError):
+    """The engine was closed, a background thread died, or staging failed."""
+
+
+class IpcError(ShmckptError, RuntimeError):
+    """The IPC writer process failed."""
+
+
+class RecoveryError(ShmckptError):
+    """A staging arena in ``/dev/shm`` cannot be recovered."""
+
+
+def _init_kind() -> None:
+    for name in __all__:
+        globals()[name].kind = name
+
+
+_init_kind()

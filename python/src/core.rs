@@ -1,0 +1,338 @@
+//! Every call into the `shmckpt` crate made by the binding, in one place.
+//!
+//! The rest of the extension (`lib.rs`) deals with Python objects only; when the crate's API
+//! changes, this file is the one to adapt. Nothing here touches Python.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use shmckpt::{
+    Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Result, SaveHandle,
+    SaveOptions, SaveReport, StagedReport, StepSel, Tensor,
+};
+
+/// Engine settings as the Python constructor passes them (`None`: the crate's default).
+#[derive(Debug, Default)]
+pub struct EngineOpts {
+    pub root: PathBuf,
+    pub staging_capacity: Option<u64>,
+    pub chunk_size: Option<u64>,
+    pub writer_threads: Option<usize>,
+    pub queue_depth: Option<u32>,
+    pub copy_threads: Option<usize>,
+    pub direct_io: Option<bool>,
+    pub keep_last: Option<usize>,
+    pub rank: u32,
+    pub world_size: u32,
+    pub shm_name: Option<String>,
+    pub max_inflight_saves: Option<u32>,
+    pub recover_on_open: Option<bool>,
+}
+
+/// Open an engine.
+pub fn open(o: EngineOpts) -> Result<Engine> {
+    let mut cfg = EngineConfig::new(o.root).with_rank(o.rank, o.world_size);
+    if let Some(v) = o.staging_capacity {
+        cfg = cfg.with_staging_capacity(v);
+    }
+    if let Some(v) = o.chunk_size {
+        cfg = cfg.with_chunk_size(v);
+    }
+    if let Some(v) = o.writer_threads {
+        cfg = cfg.with_writer_threads(v);
+    }
+    if let Some(v) = o.queue_depth {
+        cfg = cfg.with_queue_depth(v);
+    }
+    if let Some(v) = o.copy_threads {
+        cfg = cfg.with_copy_threads(v);
+    }
+    if let Some(v) = o.direct_io {
+        cfg = cfg.with_direct_io(v);
+    }
+    if o.keep_last.is_some() {
+        cfg = cfg.with_keep_last(o.keep_last);
+    }
+    if let Some(v) = o.shm_name {
+        cfg = cfg.with_shm_name(v);
+    }
+    if let Some(v) = o.max_inflight_saves {
+        cfg = cfg.with_max_inflight_saves(v);
+    }
+    if let Some(v) = o.recover_on_open {
+        cfg = cfg.with_recover_on_open(v);
+    }
+    cfg.build()
+}
+
+/// The device that a raw tensor's bytes are on: host memory or a CUDA ordinal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Host,
+    Cuda(i32),
+}
+
+/// One tensor as the Python side describes it: an address and a length, no ownership.
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub ptr: u64,
+    pub len: usize,
+    pub place: Place,
+}
+
+/// What device copies are ordered after: a `CUstream` or a `CUevent` of a device.
+#[derive(Debug, Clone, Copy)]
+pub enum After {
+    Stream { device: i32, stream: u64 },
+    Event { device: i32, event: u64 },
+}
+
+/// Build the crate's tensor list over raw memory.
+///
+/// # Safety
+/// Every host tensor's `ptr..ptr + len` must be readable host memory and every CUDA
+/// tensor's range device memory of its device, for as long as the returned tensors (and
+/// any save that receives them) use them.
+unsafe fn tensors(raw: &[RawTensor]) -> Vec<Tensor<'_>> {
+    raw.iter()
+        .map(|t| match t.place {
+            Place::Host => {
+                let bytes: &[u8] = if t.len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: the caller guarantees `ptr..ptr + len` is readable host memory
+                    // for the lifetime of the result; `len > 0` so `ptr` is not dangling.
+                    unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.len) }
+                };
+                Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), bytes)
+            }
+            Place::Cuda(device) => {
+                // SAFETY: the caller guarantees the range is device memory of `device` that
+                // stays allocated while it is used.
+                let slice = unsafe { DeviceSlice::new(t.ptr, t.len, device) };
+                Tensor::cuda(t.name.as_str(), t.dtype, t.shape.clone(), slice)
+            }
+        })
+        .collect()
+}
+
+/// # Safety
+/// Every stream or event must be live, of its device, until the save is staged.
+unsafe fn options(after: &[After]) -> SaveOptions {
+    let mut o = SaveOptions::new();
+    for a in after {
+        o = match *a {
+            // SAFETY: forwarded from this function's contract.
+            After::Stream { device, stream } => unsafe { o.after_stream(device, stream) },
+            // SAFETY: forwarded from this function's contract.
+            After::Event { device, event } => unsafe { o.after_event(device, event) },
+        };
+    }
+    o
+}
+
+/// Save and return once staged.
+///
+/// # Safety
+/// As [`tensors`] and [`options`], for the duration of this call.
+pub unsafe fn save(
+    engine: &Engine,
+    step: u64,
+    raw: &[RawTensor],
+    meta: &Metadata,
+    after: &[After],
+) -> Result<SaveHandle> {
+    // SAFETY: forwarded from this function's contract.
+    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    engine.save_with(step, &t, meta, &o)
+}
+
+/// Start a save and return at once.
+///
+/// # Safety
+/// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
+/// the returned handle reports the save staged.
+pub unsafe fn save_async(
+    engine: &Engine,
+    step: u64,
+    raw: &[RawTensor],
+    meta: &Metadata,
+    after: &[After],
+) -> Result<SaveHandle> {
+    // SAFETY: forwarded from this function's contract.
+    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    // SAFETY: forwarded from this function's contract (memory valid until staged).
+    unsafe { engine.save_async(step, &t, meta, &o) }
+}
+
+fn sel(step: Option<u64>) -> StepSel {
+    step.map_or(StepSel::Latest, StepSel::Step)
+}
+
+/// Load this rank's tensors into owned buffers.
+pub fn load(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
+    engine.load(sel(step))
+}
+
+/// Load into host memory given as `(name, address, length)`.
+///
+/// # Safety
+/// Every range must be writable host memory, not accessed by anyone else during the call,
+/// and no two ranges may overlap.
+pub unsafe fn load_into_host(
+    engine: &Engine,
+    step: Option<u64>,
+    dest: &[(String, u64, usize)],
+) -> Result<u64> {
+    let mut slices: Vec<(&str, &mut [u8])> = dest
+        .iter()
+        .map(|(n, p, l)| {
+            let s: &mut [u8] = if *l == 0 {
+                &mut []
+            } else {
+                // SAFETY: the caller guarantees an exclusive, writable, non-overlapping range.
+                unsafe { std::slice::from_raw_parts_mut(*p as *mut u8, *l) }
+            };
+            (n.as_str(), s)
+        })
+        .collect();
+    engine.load_into(sel(step), &mut slices)
+}
+
+/// Load into device memory given as `(name, device pointer, length, device)`.
+///
+/// # Safety
+/// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid for
+/// writes and not accessed by anyone else during the call.
+pub unsafe fn load_into_device(
+    engine: &Engine,
+    step: Option<u64>,
+    dest: &[(String, u64, usize, i32)],
+) -> Result<u64> {
+    let slices: Vec<(&str, DeviceSlice)> = dest
+        .iter()
+        // SAFETY: forwarded from this function's contract.
+        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
+        .collect();
+    // SAFETY: forwarded from this function's contract.
+    unsafe { engine.load_into_device_raw(sel(step), &slices) }
+}
+
+/// Committed steps, oldest first, with their directories.
+pub fn list(engine: &Engine) -> Result<Vec<(u64, PathBuf)>> {
+    Ok(engine
+        .list()?
+        .into_iter()
+        .map(|c| (c.step, c.dir))
+        .collect())
+}
+
+/// The newest committed step.
+pub fn latest(engine: &Engine) -> Result<Option<u64>> {
+    engine.latest()
+}
+
+/// A committed checkpoint's manifest, as JSON.
+pub fn manifest_json(engine: &Engine, step: Option<u64>) -> Result<String> {
+    let m = engine.manifest(sel(step))?;
+    Ok(serde_json::to_string(&m).expect("a manifest serializes"))
+}
+
+/// Set up CUDA for `devices` now.
+pub fn prepare_cuda(engine: &Engine, devices: &[i32]) -> Result<Option<Duration>> {
+    engine.prepare_cuda(devices)
+}
+
+/// Wait for every save in flight.
+pub fn flush(engine: &Engine) {
+    engine.flush()
+}
+
+/// Finish the saves in flight and release the engine's resources.
+pub fn close(engine: Engine) {
+    engine.close()
+}
+
+/// Facts about an engine, for Python properties.
+pub fn describe(engine: &Engine) -> (String, u64, &'static str, PathBuf) {
+    (
+        engine.shm_name().to_owned(),
+        engine.staging_capacity(),
+        engine.backend(),
+        engine.config().root().to_owned(),
+    )
+}
+
+/// Parse a dtype name (`"BF16"`).
+pub fn dtype(s: &str) -> Option<Dtype> {
+    s.parse().ok()
+}
+
+/// The safetensors name of a dtype.
+pub fn dtype_name(d: Dtype) -> &'static str {
+    d.as_str()
+}
+
+/// Whether the save's bytes are all staged (or staging failed).
+pub fn is_staged(h: &SaveHandle) -> bool {
+    h.is_staged()
+}
+
+/// Staging result (returns at once when [`is_staged`]).
+pub fn wait_staged(h: &SaveHandle) -> Result<StagedReport> {
+    h.wait_staged()
+}
+
+/// Whether the save is committed or failed.
+pub fn is_done(h: &SaveHandle) -> bool {
+    h.is_done()
+}
+
+/// Wait up to `timeout` for the save to be durable and committed; the handle back if not.
+pub fn wait_timeout(
+    h: SaveHandle,
+    timeout: Duration,
+) -> std::result::Result<Result<SaveReport>, SaveHandle> {
+    h.wait_timeout(timeout)
+}
+
+/// The Python exception class (in `shmckpt.errors`) for an error: one per variant.
+pub fn error_class(e: &shmckpt::Error) -> &'static str {
+    use shmckpt::Error as E;
+    match e {
+        E::EmptyName { .. } => "EmptyName",
+        E::DuplicateName { .. } => "DuplicateName",
+        E::InvalidName { .. } => "InvalidName",
+        E::SizeMismatch { .. } => "SizeMismatch",
+        E::ShapeOverflow { .. } => "ShapeOverflow",
+        E::InvalidMetadata { .. } => "InvalidMetadata",
+        E::HeaderTooLarge { .. } => "HeaderTooLarge",
+        E::TooLarge { .. } => "TooLarge",
+        E::StepExists { .. } => "StepExists",
+        E::NotFound { .. } => "NotFound",
+        E::RootMissing { .. } => "RootMissing",
+        E::RootNotWritable { .. } => "RootNotWritable",
+        E::RootLocked { .. } => "RootLocked",
+        E::Config(_) => "ConfigError",
+        E::ShmTooSmall { .. } => "ShmTooSmall",
+        E::Shm { .. } => "ShmError",
+        E::Io { .. } => "IoError",
+        E::Truncated { .. } => "Truncated",
+        E::Corrupt { .. } => "CorruptError",
+        E::Checksum { .. } => "ChecksumError",
+        E::Destination { .. } => "DestinationError",
+        E::Cuda(_) => "CudaError",
+        E::Shutdown(_) => "ShutdownError",
+        E::Ipc(_) => "IpcError",
+        E::Recovery { .. } => "RecoveryError",
+        _ => "ShmckptError",
+    }
+}
+
+/// Every dtype name the engine knows.
+pub fn all_dtype_names() -> Vec<&'static str> {
+    Dtype::ALL.iter().map(|d| d.as_str()).collect()
+}

@@ -1,0 +1,59 @@
+"""Shared fixtures of the shmckpt Python tests.
+
+GPU tests carry the ``gpu`` marker: they are skipped without a CUDA GPU, and with
+``SHMCKPT_REQUIRE_GPU=1`` a missing GPU fails them instead.
+"""
+
+import os
+import pathlib
+import shutil
+
+import pytest
+
+import shmckpt
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SMALL = 32 << 20  # staging capacity of most tests (the default 2 GiB is pre-faulted)
+
+
+def pytest_runtest_setup(item):
+    if "gpu" not in item.keywords:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("SHMCKPT_REQUIRE_GPU") == "1":
+        pytest.fail("SHMCKPT_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+    pytest.skip("no CUDA GPU (set SHMCKPT_REQUIRE_GPU=1 to make this a failure)")
+
+
+@pytest.fixture
+def root(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def ck(root):
+    c = shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20)
+    yield c
+    c.close()
+
+
+def shmckpt_bin():
+    """The `shmckpt` command line (SHMCKPT_BIN, else target/{debug,release}/shmckpt)."""
+    env = os.environ.get("SHMCKPT_BIN")
+    if env:
+        return env
+    for p in (REPO / "target" / "debug" / "shmckpt", REPO / "target" / "release" / "shmckpt"):
+        if p.is_file():
+            return str(p)
+    return shutil.which("shmckpt")
+
+
+def listing(root):
+    """Every path under root (relative), to compare before/after."""
+    root = pathlib.Path(root)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
