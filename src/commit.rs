@@ -215,16 +215,34 @@ pub fn commit(
     metadata: &Metadata,
 ) -> Result<Option<PathBuf>> {
     let final_dir = root.join(step_dir_name(step));
+    let own_rank = entry.rank;
     let mut files = vec![entry];
     if world_size > 1 {
         let part = partial.join(rank_manifest_name(files[0].rank));
         let bytes = serde_json::to_vec(&files[0]).expect("manifest parts serialize");
-        let _ = std::fs::remove_file(&part);
-        write_durable(&part, &bytes).inspect_err(|_| {
+        // Written under a temporary name and renamed into place: another rank reading the
+        // parts must never see a half-written one.
+        let part_tmp = partial.join(format!(
+            "{}.tmp-{}",
+            rank_manifest_name(own_rank),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&part_tmp);
+        write_durable(&part_tmp, &bytes).inspect_err(|_| {
             // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = std::fs::remove_file(&part);
+            let _ = std::fs::remove_file(&part_tmp);
         })?;
-        fsync_dir(partial)?;
+        std::fs::rename(&part_tmp, &part).map_err(|e| {
+            let _ = std::fs::remove_file(&part_tmp);
+            Error::io("rename", &part_tmp, e)
+        })?;
+        if let Err(e) = fsync_dir(partial) {
+            // Another rank may have merged every part and renamed the directory already.
+            if final_dir.join(MANIFEST).is_file() {
+                return Ok(Some(final_dir));
+            }
+            return Err(e);
+        }
         files.clear();
         for r in 0..world_size {
             let p = partial.join(rank_manifest_name(r));
@@ -250,21 +268,30 @@ pub fn commit(
         files,
     };
     let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    let tmp = partial.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    write_durable(&tmp, &bytes).inspect_err(|_| {
-        // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
+    let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
+    let tmp = partial.join(&tmp_name);
+    let merged = (|| {
         let _ = std::fs::remove_file(&tmp);
-    })?;
-    let target = partial.join(MANIFEST);
-    std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
-    fsync_dir(partial)?;
-    match std::fs::rename(partial, &final_dir) {
-        Ok(()) => {}
-        Err(_) if world_size > 1 && final_dir.join(MANIFEST).is_file() => {
-            return Ok(Some(final_dir)); // another rank committed it
+        write_durable(&tmp, &bytes).inspect_err(|_| {
+            // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
+            let _ = std::fs::remove_file(&tmp);
+        })?;
+        let target = partial.join(MANIFEST);
+        std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+        fsync_dir(partial)?;
+        std::fs::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
+    })();
+    if let Err(e) = merged {
+        // With several ranks, every rank that sees all parts merges them, and all but one
+        // lose the race to rename the directory: any step above can then fail because the
+        // partial directory is gone. That is success if the step is committed.
+        if world_size > 1 && final_dir.join(MANIFEST).is_file() {
+            // A manifest written by this rank may have been carried into the committed
+            // directory by the winner's rename.
+            let _ = std::fs::remove_file(final_dir.join(&tmp_name));
+            return Ok(Some(final_dir));
         }
-        Err(e) => return Err(Error::io("rename", partial, e)),
+        return Err(e);
     }
     fsync_dir(root)?;
     Ok(Some(final_dir))
@@ -298,4 +325,68 @@ pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
         std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
     }
     Ok(deleted.into_iter().map(|(s, _)| s).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(rank: u32) -> FileEntry {
+        FileEntry {
+            rank,
+            file: manifest::rank_file_name(rank, 2),
+            bytes: 4096,
+            data_start: 4096,
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Two ranks that finish together both see every part and both merge: the one that
+    /// loses the rename race must report the commit, not an error about the vanished
+    /// partial directory (a flaky `open step-N.partial: ENOENT` from multi-rank saves).
+    #[test]
+    fn racing_ranks_both_report_the_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let meta = Metadata::new();
+        for step in 1..=200u64 {
+            let partial = prepare_partial(root, step, &entry(0).file, 2).unwrap();
+            let barrier = std::sync::Barrier::new(2);
+            let results: Vec<Result<Option<PathBuf>>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2u32)
+                    .map(|r| {
+                        let (partial, barrier, meta) = (&partial, &barrier, &meta);
+                        s.spawn(move || {
+                            barrier.wait();
+                            commit(root, step, 2, partial, entry(r), meta)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let final_dir = root.join(step_dir_name(step));
+            let committed: Vec<_> = results
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("step {step}: {e}")))
+                .collect();
+            // At least the last rank to write its part sees both parts and commits.
+            assert!(committed.iter().any(|c| c.as_deref() == Some(&final_dir)));
+            assert!(
+                !partial.exists(),
+                "step {step}: partial directory left behind"
+            );
+            let m = Manifest::read(&final_dir).unwrap();
+            assert_eq!(m.step, step);
+            assert_eq!(
+                m.files.iter().map(|f| f.rank).collect::<Vec<_>>(),
+                vec![0, 1]
+            );
+            let stray: Vec<_> = std::fs::read_dir(&final_dir)
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+                .collect();
+            assert!(stray.is_empty(), "step {step}: {stray:?}");
+        }
+    }
 }

@@ -42,6 +42,12 @@ __all__ = [
     "ShutdownError",
     "IpcError",
     "RecoveryError",
+    "SaveFailed",
+    "Cancelled",
+    "SizeOverflow",
+    "UnsafePath",
+    "StepOverflow",
+    "RootTooLong",
 ]
 
 
@@ -145,7 +151,33 @@ class CudaError(ShmckptError, RuntimeError):
 
 
 class ShutdownError(ShmckptError, RuntimeError):
-    """The engine was closed, a background thread died, or staging failed."""
+    """The engine was closed or a background thread died."""
+
+
+class SaveFailed(ShmckptError, RuntimeError):
+    """A save failed after it was accepted; the message names the step and the root cause
+    (a write error, a CUDA error, ...). Nothing of that step was committed."""
+
+
+class Cancelled(ShmckptError, RuntimeError):
+    """A save was abandoned because the engine shut down before it finished."""
+
+
+class SizeOverflow(InvalidInput):
+    """A size computed from the input overflows 64 bits (Rust ``Error::SizeOverflow``)."""
+
+
+class UnsafePath(ShmckptError, OSError):
+    """A path under the root or in ``/dev/shm`` is a symbolic link, not a regular file or
+    directory, or otherwise unsafe to use: it was refused, never followed."""
+
+
+class StepOverflow(ShmckptError, ValueError):
+    """The next step number would not fit in 64 bits."""
+
+
+class RootTooLong(ConfigError):
+    """The checkpoint root's path is too long to be recorded for crash recovery."""
 
 
 class IpcError(ShmckptError, RuntimeError):

@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use shmckpt::cuda::{EventRef, StreamRef};
 use shmckpt::{
     Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Result, SaveHandle,
     SaveOptions, SaveReport, StagedReport, StepSel, Tensor,
@@ -121,14 +122,20 @@ unsafe fn tensors(raw: &[RawTensor]) -> Vec<Tensor<'_>> {
 
 /// # Safety
 /// Every stream or event must be live, of its device, until the save is staged.
-unsafe fn options(after: &[After]) -> SaveOptions {
+unsafe fn options(after: &[After]) -> SaveOptions<'static> {
     let mut o = SaveOptions::new();
     for a in after {
         o = match *a {
-            // SAFETY: forwarded from this function's contract.
-            After::Stream { device, stream } => unsafe { o.after_stream(device, stream) },
-            // SAFETY: forwarded from this function's contract.
-            After::Event { device, event } => unsafe { o.after_event(device, event) },
+            // SAFETY: forwarded from this function's contract: the stream is a live
+            // `CUstream` of `device` for as long as the save uses it.
+            After::Stream { device, stream } => {
+                o.after_stream(unsafe { StreamRef::from_raw(stream, device) })
+            }
+            // SAFETY: forwarded from this function's contract: the event is a live
+            // `CUevent` of `device` for as long as the save uses it.
+            After::Event { device, event } => {
+                o.after_event(unsafe { EventRef::from_raw(event, device) })
+            }
         };
     }
     o
@@ -247,7 +254,7 @@ pub fn prepare_cuda(engine: &Engine, devices: &[i32]) -> Result<Option<Duration>
 }
 
 /// Wait for every save in flight.
-pub fn flush(engine: &Engine) {
+pub fn flush(engine: &Engine) -> Result<()> {
     engine.flush()
 }
 
@@ -257,11 +264,11 @@ pub fn close(engine: Engine) {
 }
 
 /// Facts about an engine, for Python properties.
-pub fn describe(engine: &Engine) -> (String, u64, &'static str, PathBuf) {
+pub fn describe(engine: &Engine) -> (String, u64, String, PathBuf) {
     (
         engine.shm_name().to_owned(),
         engine.staging_capacity(),
-        engine.backend(),
+        engine.backend().to_string(),
         engine.config().root().to_owned(),
     )
 }
@@ -324,8 +331,14 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::Corrupt { .. } => "CorruptError",
         E::Checksum { .. } => "ChecksumError",
         E::Destination { .. } => "DestinationError",
-        E::Cuda(_) => "CudaError",
+        E::Cuda { .. } => "CudaError",
         E::Shutdown(_) => "ShutdownError",
+        E::SaveFailed { .. } => "SaveFailed",
+        E::Cancelled(_) => "Cancelled",
+        E::SizeOverflow { .. } => "SizeOverflow",
+        E::UnsafePath { .. } => "UnsafePath",
+        E::StepOverflow { .. } => "StepOverflow",
+        E::RootTooLong { .. } => "RootTooLong",
         E::Ipc(_) => "IpcError",
         E::Recovery { .. } => "RecoveryError",
         _ => "ShmckptError",

@@ -299,8 +299,7 @@ impl PyEngine {
     /// Wait for every save in flight to be committed or to fail.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.get()?;
-        py.detach(|| core::flush(&engine));
-        Ok(())
+        py.detach(|| core::flush(&engine)).map_err(|e| to_py(py, e))
     }
 
     /// Finish the saves in flight, stop the threads and remove the staging segment.
@@ -323,7 +322,7 @@ impl PyEngine {
     }
 
     /// `(shm_name, staging_capacity, backend, root)`.
-    fn describe(&self) -> PyResult<(String, u64, &'static str, String)> {
+    fn describe(&self) -> PyResult<(String, u64, String, String)> {
         let engine = self.get()?;
         let (n, c, b, r) = core::describe(&engine);
         Ok((n, c, b, r.to_string_lossy().into_owned()))
@@ -386,7 +385,7 @@ fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<
     d.set_item("backpressure", secs(r.timings.backpressure))?;
     d.set_item("durable", secs(r.timings.durable))?;
     d.set_item("committed", secs(r.timings.committed))?;
-    d.set_item("backend", r.backend)?;
+    d.set_item("backend", r.backend.to_string())?;
     d.set_item("direct_io", r.direct_io)?;
     d.set_item("retired", PyList::new(py, &r.retired)?)?;
     Ok(d)
