@@ -125,16 +125,16 @@ class ShmckptStorageInfo(_StorageInfo):
 
 
 class _EngineSlot:
-    def __init__(self, engine: Any, capacity: int):
+    def __init__(self, engine: Any, capacity: int, root: str):
         self.engine = engine
         self.capacity = capacity
-        self.seq = 0  # saves started through this slot's key (all ranks count alike)
+        self.root = root
 
 
 _ENGINES: Dict[Tuple[str, int, int], _EngineSlot] = {}
 _ENGINES_LOCK = threading.Lock()
 _SEQ: Dict[Tuple[str, int, int], int] = {}
-_CLEANED: set = set()
+_GEN: Dict[Tuple[str, int, int], int] = {}
 
 
 def release() -> None:
@@ -170,21 +170,38 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _clean_spool(spool: str) -> None:
-    """Committed ``step-*`` directories in the spool are leftovers of a run that died
-    between the engine's commit and the publishing rename (a live run publishes each one
-    before its next save; no rank of this run can have committed anything before this
-    rank's first save, which writes a part of it)."""
-    for name in os.listdir(spool):
-        if re.fullmatch(r"step-\d+", name) or ".trash-" in name:
+def _rank_dir(spool: str, rank: int) -> str:
+    return os.path.join(spool, f"rank-{rank:05d}")
+
+
+def _clean_spool(spool: str, rank: int) -> None:
+    """Leftovers of runs that died before publishing: this rank's engine roots of other
+    processes, and assembly directories. Runs once per process, at this rank's first
+    save: no rank of this run can have written anything the coordinator still needs
+    (the first save needs this rank's file before anything is assembled)."""
+    mine = f"{os.getpid()}-"
+    rd = _rank_dir(spool, rank)
+    if os.path.isdir(rd):
+        for name in os.listdir(rd):
+            p = os.path.join(rd, name)
+            if not name.startswith(mine) and os.path.isdir(p) and not os.path.islink(p):
+                _remove_tree(p)
+    if rank == 0:
+        for name in os.listdir(spool):
             p = os.path.join(spool, name)
-            if os.path.isdir(p) and not os.path.islink(p):
+            if (re.fullmatch(r"step-\d+", name) or ".trash-" in name) and os.path.isdir(p) and not os.path.islink(p):
                 _remove_tree(p)
 
 
 def _open_engine(
     spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]
 ) -> _EngineSlot:
+    """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
+
+    Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
+    (re)opened later never cleans up a directory another save still needs, and ranks
+    never share a directory (the engine's own multi-rank commit is not used: see
+    ``ShmckptWriter.finish``)."""
     key = (spool, rank, world)
     with _ENGINES_LOCK:
         slot = _ENGINES.get(key)
@@ -192,17 +209,20 @@ def _open_engine(
             return slot
         if slot is not None:
             del _ENGINES[key]
+        gen = _GEN.get(key, 0)
+        _GEN[key] = gen + 1
     if slot is not None:
-        slot.engine.close()  # finishes its saves in flight first
-    os.makedirs(spool, exist_ok=True)
-    if key not in _CLEANED:
-        _clean_spool(spool)
-        _CLEANED.add(key)
+        slot.engine.close()  # finishes its saves in flight; their files stay for finish()
+    if gen == 0:
+        os.makedirs(spool, exist_ok=True)
+        _clean_spool(spool, rank)
+    root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
+    os.makedirs(root, exist_ok=True)
     chunk = opts.get("chunk_size") or (8 << 20)
     cap = opts.get("staging_capacity") or 0
     cap = max(cap, -(-need // chunk) * chunk)
     engine = _shmckpt.Engine(
-        spool,
+        root,
         rank=rank,
         world_size=world,
         staging_capacity=cap,
@@ -214,7 +234,7 @@ def _open_engine(
         keep_last=None,
         max_inflight_saves=opts.get("max_inflight_saves"),
     )
-    slot = _EngineSlot(engine, int(engine.describe()[1]))
+    slot = _EngineSlot(engine, int(engine.describe()[1]), root)
     with _ENGINES_LOCK:
         _ENGINES[key] = slot
     return slot
@@ -245,7 +265,8 @@ class _Save:
         self.items: Dict[MetadataIndex, _Item] = {}
         self.handle: Any = None
         self.file = ""
-        self.keep: List[Any] = []
+        self.rank = 0
+        self.world = 1
 
     @property
     def step_dir(self) -> str:
@@ -380,7 +401,9 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         with _ENGINES_LOCK:
             seq = _SEQ.get(key, 0)
             _SEQ[key] = seq + 1
-        return _Save(spool, _engine_step(spool, world, seq), self.path), rank, world
+        save = _Save(spool, _engine_step(spool, world, seq), self.path)
+        save.rank, save.world = rank, world
+        return save, rank, world
 
     def _submit(self, save: _Save, rank: int, world: int, objs: List[Tuple[MetadataIndex, Any]]) -> None:
         """Hand ``objs`` (tensors, or bytes of non-tensor items) to the engine and return
@@ -455,8 +478,6 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 entries[i] = ne
         after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
         tuples = [e.tuple() for e in entries]
-        if os.path.isdir(save.step_dir):
-            _remove_tree(save.step_dir)  # a leftover of a run that died (see _clean_spool)
         try:
             h = slot.engine.save(save.step, tuples, meta, after, True)
         except TooLarge:
@@ -519,7 +540,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 objs.append((wi.index, data))
             self._submit(save, rank, world, objs)
         self._current = save
-        report = save.handle.wait()  # durable (and committed when this rank was the last)
+        report = save.handle.wait()  # this rank's file and manifest part are durable
         self.last_report = report
         save.file = os.path.basename(report["file"])
         results = []
@@ -555,16 +576,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         save = self._current
         if save is None:
             raise RuntimeError("ShmckptWriter.finish called before write_data")
-        step_dir = save.step_dir
+        step_dir, manifest = _assemble(save)
         man_path = os.path.join(step_dir, MANIFEST_FILE)
-        try:
-            with open(man_path, "rb") as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise RuntimeError(
-                f"{man_path}: the engine has not committed this save: not every rank's file "
-                "is durable (did every rank save with a ShmckptWriter on the same spool?)"
-            ) from None
         by_file = {fe["file"]: {t["name"]: (fe["data_start"], t) for t in fe["tensors"]} for fe in manifest["files"]}
         storage_md: Dict[MetadataIndex, ShmckptStorageInfo] = {}
         for wr_list in results:
@@ -606,6 +619,76 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         if os.path.realpath(save.spool) != os.path.realpath(parent):
             _fsync_dir(save.spool)
         self._current = None
+        for k in range(save.world):  # the ranks' emptied partial directories
+            for d in _sources(save, k):
+                _remove_tree(d)
+
+
+def _sources(save: _Save, rank: int) -> List[str]:
+    """Where ``rank``'s engine left its file of ``save``: ``step-N.partial`` (several
+    ranks: the engine waits for the other parts, which never come to its own root) or the
+    committed ``step-N`` (one rank)."""
+    rd = _rank_dir(save.spool, rank)
+    name = f"step-{save.step}.partial" if save.world > 1 else f"step-{save.step}"
+    try:
+        roots = sorted(os.listdir(rd))
+    except FileNotFoundError:
+        return []
+    return [os.path.join(rd, r, name) for r in roots if os.path.isdir(os.path.join(rd, r, name))]
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def _assemble(save: _Save) -> Tuple[str, Dict[str, Any]]:
+    """Gather every rank's durable file of ``save`` into ``spool/step-N`` with one
+    ``manifest.json`` (the engine's format, version 1): the engine's multi-rank commit,
+    done once, by DCP's coordinator. Returns the directory and the manifest."""
+    import time
+
+    W = save.world
+    out = save.step_dir
+    files: List[Dict[str, Any]] = []
+    if os.path.isdir(out):
+        _remove_tree(out)  # a leftover of an attempt that failed
+    os.mkdir(out)
+    for k in range(W):
+        src = _sources(save, k)
+        if len(src) != 1:
+            raise RuntimeError(
+                f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} "
+                f"({src}); did every rank save with a ShmckptWriter on the same spool?"
+            )
+        if W == 1:
+            with open(os.path.join(src[0], MANIFEST_FILE), "rb") as f:
+                entry = json.load(f)["files"][0]
+        else:
+            part = os.path.join(src[0], f"rank-{k:05d}.manifest.json")
+            with open(part, "rb") as f:
+                entry = json.load(f)
+        expected = f"rank-{k:05d}-of-{W:05d}.safetensors"
+        if entry.get("rank") != k or entry.get("file") != expected:
+            raise CorruptError(f"{src[0]}: manifest part of rank {k} names {entry.get('file')!r}")
+        os.rename(os.path.join(src[0], expected), os.path.join(out, expected))
+        files.append(entry)
+    manifest = {
+        "format_version": 1,
+        "step": save.step,
+        "world_size": W,
+        "created_unix_ms": int(time.time() * 1000),
+        "total_bytes": sum(int(f["bytes"]) for f in files),
+        "metadata": {_FORMAT_KEY: "1"},
+        "files": files,
+    }
+    _write_durable(os.path.join(out, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())
+    _fsync_dir(out)
+    return out, manifest
 
 
 def _copy_containers(x: Any) -> Any:
@@ -631,6 +714,8 @@ _ALLOWED_GLOBALS = {
     ("torch", "Size"),
     ("torch", "device"),
     ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
