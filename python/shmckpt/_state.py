@@ -145,6 +145,7 @@ def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
     coord = mesh.get_coordinate()
     if coord is None:
         raise TypeError(f"{render_path(path)}: DTensor not on this rank's mesh")
+    sharded = set()
     for mesh_dim, pl in enumerate(x.placements):
         if isinstance(pl, Replicate):
             continue
@@ -154,6 +155,11 @@ def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
                 "Replicate are)"
             )
         d = pl.dim
+        if d in sharded:
+            raise TypeError(
+                f"{render_path(path)}: DTensor sharded twice along dim {d} is not supported"
+            )
+        sharded.add(d)
         n = mesh.size(mesh_dim)
         c = coord[mesh_dim]
         # torch.chunk semantics (what Shard uses): ceil-sized pieces, the last ones smaller.

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
-from .errors import DestinationError, NotFound
+from .errors import CorruptError, DestinationError, NotFound
 
 try:
     import torch
@@ -27,6 +27,15 @@ except ImportError:  # pragma: no cover
 __all__ = ["Checkpointer", "SaveHandle", "LoadResult"]
 
 StepArg = Union[int, str, None]
+
+
+def _dist_barrier() -> None:
+    """All ranks' engines are open before any rank saves: opening an engine removes stale
+    partial directories of the root when it sees no other live engine, which must not
+    race with another rank's first save."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _dist_rank_world() -> Tuple[int, int]:
@@ -218,17 +227,22 @@ def _read_header_metadata(path: str) -> Dict[str, str]:
     with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
         head = f.read(8)
         if len(head) != 8:
-            raise DestinationError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > 100_000_000:
-            raise DestinationError(f"{path}: safetensors header of {n} bytes is too large")
+            raise CorruptError(f"{path}: safetensors header of {n} bytes is too large")
         raw = f.read(n)
         if len(raw) != n:
-            raise DestinationError(f"{path}: safetensors header is truncated")
-    hdr = json.loads(raw.decode("utf-8"))
-    meta = hdr.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise DestinationError(f"{path}: __metadata__ is not an object")
+            raise CorruptError(f"{path}: safetensors header is truncated")
+    try:
+        hdr = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
+        raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
+    meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        if meta is None and isinstance(hdr, dict):
+            return {}
+        raise CorruptError(f"{path}: __metadata__ is not an object of strings")
     return meta
 
 
@@ -237,7 +251,8 @@ class Checkpointer:
 
     ``root`` must be an existing, writable directory (shared by all ranks). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
-    give them). Other keyword arguments are the engine settings (``staging_capacity``:
+    give them; with ``torch.distributed``, every rank must then build its checkpointer, as
+    the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
     bytes of shared-memory staging, the largest checkpoint file a rank can write, default
     2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
     """
@@ -278,6 +293,8 @@ class Checkpointer:
             max_inflight_saves=max_inflight_saves,
             recover_on_open=recover_on_open,
         )
+        if rank is None and world_size is None and self.world_size > 1:
+            _dist_barrier()
         self._pending: List[SaveHandle] = []
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -367,17 +384,33 @@ class Checkpointer:
                             out.add((str(v.device), v.untyped_storage().data_ptr()))
         return out
 
+    def _forget(self, h: SaveHandle) -> None:
+        with self._lock:
+            self._pending = [p for p in self._pending if p is not h]
+
     def wait_staged(self) -> None:
-        """Wait until every save in flight has copied its bytes."""
+        """Wait until every save in flight has copied its bytes. A failed save raises its
+        error here once (and is then forgotten)."""
         for h in list(self._pending):
-            h.wait_staged()
+            try:
+                h.wait_staged()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
         self._reap()
 
     def wait(self) -> None:
-        """Wait until every save in flight is committed (raises the first error)."""
-        pending = list(self._pending)
-        for h in pending:
-            h.wait()
+        """Wait until every save in flight is committed (raises the first error, once)."""
+        for h in list(self._pending):
+            try:
+                h.wait()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._forget(h)
+                raise
         self._reap()
 
     def _reap(self) -> None:
@@ -480,26 +513,30 @@ class Checkpointer:
             h = self._engine.save(step, [e.tuple() for e in entries], meta, after, True)
             handle._set_rust(h)
             handle._release()
-        elif not finishes:
-            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
-            handle._set_rust(h)
         else:
-            # Host copies of device tensors are in flight on the trainer's streams: record an
-            # event per device now (work queued at the call), wait for it off the caller's
-            # thread, then start the save with device copies ordered after the same events.
+            # Order the device copies after the work queued at this call: an event recorded
+            # now on each device's current stream. (A stream handed to the engine would be
+            # recorded by its staging thread, later, after the trainer's next kernels.)
             events = {}
             for d, s in devices.items():
                 ev = torch.cuda.Event()
                 ev.record(s)
                 events[d] = ev
             keep.extend(events.values())
+            after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
+            if not finishes:
+                h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+                handle._set_rust(h)
+                with self._lock:
+                    self._pending.append(handle)
+                return handle
 
+            # Host copies of device tensors are in flight on the trainer's streams: wait for
+            # the events off the caller's thread, then start the save.
             def submit() -> Any:
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
                 return self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
 
             if self._submitter is None:
@@ -554,9 +591,15 @@ class Checkpointer:
 
     def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
         d = os.path.join(self.root, f"step-{step}")
-        meta = _read_header_metadata(os.path.join(d, entry["file"]))
+        path = os.path.join(d, entry["file"])
+        meta = _read_header_metadata(path)
         text = meta.get(_state.STATE_KEY)
-        return None if text is None else _state.decode(text)
+        if text is None:
+            return None
+        try:
+            return _state.decode(text)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
 
     # -- load --------------------------------------------------------------------------
     def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
@@ -603,15 +646,24 @@ class Checkpointer:
                 ],
             )
 
+        file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
+
         def host_tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
             o = objs[name]
+            if node is not None and node.get("t") == "ndarray":
+                ndt = np.dtype(str(node.get("dtype")))
+                if _state.NUMPY_TO_ST.get(ndt) != file_dtype.get(name):
+                    raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+                if not isinstance(o, tuple):  # loaded to a device: arrays live on the host
+                    shape = list(o.shape)
+                    a = o.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                else:
+                    _, shape, buf = o
+                    a = np.asarray(buf)
+                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
             if not isinstance(o, tuple):
                 return o
             dtype, shape, buf = o
-            if node is not None and node.get("t") == "ndarray":
-                ndt = np.dtype(node["dtype"])
-                a = np.asarray(buf)
-                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
             tdt = _torch_dtype_for(node, dtype)
             n = len(buf)
             if n == 0:
@@ -628,11 +680,17 @@ class Checkpointer:
             name = node.get("alias") or node["n"]
             if name not in made:
                 if name not in objs:
-                    raise DestinationError(f"tensor {name!r} of the state is not in the file")
+                    raise ValueError(f"tensor {name!r} is not in the file")
                 made[name] = _finish_tensor(host_tensor(name, node), node)
             return made[name]
 
-        return _state.unflatten(tree, lookup)
+        try:
+            return _state.unflatten(tree, lookup)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
+                f"does not describe the file: {e}"
+            ) from None
 
     def load_into(
         self,

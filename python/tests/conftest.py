@@ -16,23 +16,16 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SMALL = 32 << 20  # staging capacity of most tests (the default 2 GiB is pre-faulted)
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_runtest_setup(item):
+    if "gpu" not in item.keywords:
+        return
     import torch
 
-    require = os.environ.get("SHMCKPT_REQUIRE_GPU") == "1"
-    have = torch.cuda.is_available()
-    for item in items:
-        if "gpu" in item.keywords and not have:
-            if require:
-                # A setup error: the run fails.
-                item.add_marker(pytest.mark.usefixtures("_fail_no_gpu"))
-            else:
-                item.add_marker(pytest.mark.skip(reason="no CUDA GPU (set SHMCKPT_REQUIRE_GPU=1 to fail)"))
-
-
-@pytest.fixture
-def _fail_no_gpu():
-    pytest.fail("SHMCKPT_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("SHMCKPT_REQUIRE_GPU") == "1":
+        pytest.fail("SHMCKPT_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+    pytest.skip("no CUDA GPU (set SHMCKPT_REQUIRE_GPU=1 to make this a failure)")
 
 
 @pytest.fixture

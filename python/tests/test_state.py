@@ -341,3 +341,25 @@ def test_user_metadata_and_manifest(ck):
     assert [t["name"] for t in m["files"][0]["tensors"]] == ["a"]
     with pytest.raises(TypeError):
         ck.save(3, {"a": torch.ones(3)}, metadata={"run": 1})
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (b'"n":"zz"', b'"n":"qq"'),  # a tensor the file does not have
+        (b'"t":"int","v":"7"', b'"t":"int","v":"x"'),  # not an int
+        (b'"t":"dict"', b'"t":"diet"'),  # unknown node type
+        (b'"format":1', b'"format":9'),  # unknown format
+    ],
+)
+def test_tampered_skeleton_is_a_corrupt_error(ck, root, old, new):
+    ck.save(1, {"zz": torch.ones(3), "n": 7}).wait()
+    path = file_of(root, 1)
+    data = open(path, "rb").read()
+    # The skeleton is a JSON string inside the header JSON: its quotes are escaped.
+    old, new = (json.dumps(x.decode())[1:-1].encode() for x in (old, new))
+    assert data.count(old) == 1, data[:400]
+    with open(path, "r+b") as f:
+        f.write(data.replace(old, new))
+    with pytest.raises(shmckpt.CorruptError):
+        ck.load(1)

@@ -235,3 +235,37 @@ def test_ctrl_c_during_wait_leaves_the_save_intact(root):
         assert rep["step"] == 1
         back = c.load(1)
         assert raw(back["w"]) == raw(state["w"])
+
+
+def test_gil_is_released_while_staging_and_waiting(root):
+    """Another Python thread runs during the engine's save (staging) and wait (writing):
+    a call holding the GIL would freeze it for the whole call (0 ticks)."""
+    import threading
+
+    from shmckpt import _shmckpt
+
+    e = _shmckpt.Engine(str(root), staging_capacity=160 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1)
+    w = torch.ones(32 << 20, dtype=torch.int32)  # 128 MiB
+    tensors = [("w", "I32", [w.numel()], w.data_ptr(), w.numel() * 4, -1)]
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        time.sleep(0.01)
+        before = ticks[0]
+        h = e.save(1, tensors, {}, [], True)  # one call: staging 128 MiB
+        mid = ticks[0]
+        h.wait()  # one call: until durable
+        after = ticks[0]
+    finally:
+        stop.set()
+        th.join()
+        e.close()
+    assert mid - before > 100, mid - before
+    assert after - mid > 100, after - mid

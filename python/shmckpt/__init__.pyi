@@ -1,0 +1,107 @@
+"""Public API of shmckpt (see docs/python.md)."""
+
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from . import errors as errors
+from .errors import (
+    ChecksumError as ChecksumError,
+    ConfigError as ConfigError,
+    CorruptError as CorruptError,
+    CudaError as CudaError,
+    DestinationError as DestinationError,
+    DuplicateName as DuplicateName,
+    EmptyName as EmptyName,
+    HeaderTooLarge as HeaderTooLarge,
+    InvalidInput as InvalidInput,
+    InvalidMetadata as InvalidMetadata,
+    InvalidName as InvalidName,
+    IoError as IoError,
+    IpcError as IpcError,
+    NotFound as NotFound,
+    RecoveryError as RecoveryError,
+    RootLocked as RootLocked,
+    RootMissing as RootMissing,
+    RootNotWritable as RootNotWritable,
+    ShapeOverflow as ShapeOverflow,
+    ShmckptError as ShmckptError,
+    ShmError as ShmError,
+    ShmTooSmall as ShmTooSmall,
+    ShutdownError as ShutdownError,
+    SizeMismatch as SizeMismatch,
+    StepExists as StepExists,
+    TooLarge as TooLarge,
+    Truncated as Truncated,
+)
+
+__version__: str
+STATE_KEY: str
+
+StepArg = Union[int, str, None]
+
+class SaveHandle:
+    step: int
+    def staged(self) -> bool: ...
+    def done(self) -> bool: ...
+    def wait_staged(self) -> Optional[Dict[str, Any]]: ...
+    def wait(self) -> Dict[str, Any]: ...
+
+class LoadResult:
+    step: int
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+class Checkpointer:
+    rank: int
+    world_size: int
+    root: str
+    def __init__(
+        self,
+        root: Union[str, os.PathLike],
+        *,
+        keep_last: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+        recover_on_open: Optional[bool] = None,
+        shm_name: Optional[str] = None,
+    ) -> None: ...
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        blocking: bool = True,
+        metadata: Optional[Mapping[str, str]] = None,
+    ) -> SaveHandle: ...
+    def guard(self, optimizer: Any) -> None: ...
+    def unguard(self, optimizer: Any) -> None: ...
+    def wait_staged(self) -> None: ...
+    def wait(self) -> None: ...
+    def flush(self) -> None: ...
+    def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any: ...
+    def load_into(self, target: Any, step: StepArg = "latest", *, strict: bool = True) -> LoadResult: ...
+    def latest(self) -> Optional[int]: ...
+    def list(self) -> List[int]: ...
+    def manifest(self, step: StepArg = "latest") -> Dict[str, Any]: ...
+    def prepare_cuda(self, devices: Optional[Sequence[int]] = None) -> Optional[float]: ...
+    @property
+    def shm_name(self) -> str: ...
+    @property
+    def staging_capacity(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Checkpointer": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+class Flat:
+    tree: Any
+    leaves: List[Any]
+
+def flatten(state: Any) -> Flat: ...
+def unflatten(tree: Any, lookup: Any) -> Any: ...

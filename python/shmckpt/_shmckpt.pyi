@@ -1,0 +1,76 @@
+"""Type stub of the compiled extension ``shmckpt._shmckpt`` (bytes-level engine calls).
+
+Tensors are passed as ``(name, dtype, shape, address, nbytes, device)`` with ``device`` -1
+for host memory, else the CUDA ordinal. The caller keeps that memory alive (and, for
+non-blocking saves, unmodified) as documented on each method; use
+``shmckpt.Checkpointer``, which does.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+TensorTuple = Tuple[str, str, Sequence[int], int, int, int]
+__version__: str
+
+def dtypes() -> List[str]: ...
+
+class Buffer:
+    """Bytes of one loaded tensor, owned by the engine; numpy views them without a copy."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+
+class SaveHandle:
+    @property
+    def step(self) -> int: ...
+    def is_staged(self) -> bool: ...
+    def is_done(self) -> bool: ...
+    def wait_staged(self) -> Optional[Dict[str, object]]: ...
+    def wait(self) -> Dict[str, object]: ...
+
+class Engine:
+    def __init__(
+        self,
+        root: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        keep_last: Optional[int] = None,
+        shm_name: Optional[str] = None,
+        max_inflight_saves: Optional[int] = None,
+        recover_on_open: Optional[bool] = None,
+    ) -> None: ...
+    def save(
+        self,
+        step: int,
+        tensors: Sequence[TensorTuple],
+        metadata: Dict[str, str],
+        after: Sequence[Tuple[int, str, int]],
+        blocking: bool,
+    ) -> SaveHandle: ...
+    def load(
+        self, step: Optional[int] = None
+    ) -> Tuple[int, str, Dict[str, str], List[Tuple[str, str, List[int], Buffer]]]: ...
+    def load_into(self, step: Optional[int], dest: Sequence[Tuple[str, int, int]]) -> int: ...
+    def load_into_device(
+        self, step: Optional[int], dest: Sequence[Tuple[str, int, int, int]]
+    ) -> int: ...
+    def list(self) -> List[Tuple[int, str]]: ...
+    def latest(self) -> Optional[int]: ...
+    def manifest(self, step: Optional[int] = None) -> str: ...
+    def prepare_cuda(self, devices: Sequence[int]) -> Optional[float]: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    def describe(self) -> Tuple[str, int, str, str]: ...

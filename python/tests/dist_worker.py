@@ -1,0 +1,133 @@
+"""Child process of the multi-process tests (not a test module).
+
+    python dist_worker.py gloo ROOT RANK WORLD PORT OUT   # save and load over gloo (CPU)
+    python dist_worker.py nccl ROOT RANK WORLD PORT OUT   # the same over NCCL, cuda:RANK
+    python dist_worker.py kill ROOT STEP                  # SIGKILL itself once staged
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch
+
+
+def rank_state(rank, world, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "model": {"w": torch.randn(64, 33, generator=g), "b": torch.arange(rank + 1, dtype=torch.int64)},
+        "shared": torch.full((5,), float(step)),
+        "step": step,
+        "who": f"rank {rank} of {world}",
+    }
+
+
+def big_state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randint(-(2**31), 2**31 - 1, (32 << 20,), dtype=torch.int32, generator=g), "step": step}
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def to(state, device):
+    if isinstance(state, dict):
+        return {k: to(v, device) for k, v in state.items()}
+    return state.to(device) if isinstance(state, torch.Tensor) else state
+
+
+def gloo(root, rank, world, port, out, backend="gloo"):
+    import torch.distributed as dist
+
+    import shmckpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    assert (ck.rank, ck.world_size) == (rank, world)
+    ck.save(5, to(rank_state(rank, world, 5), device)).wait()
+    h = ck.save(6, to(rank_state(rank, world, 6), device), blocking=False)
+    h.wait()
+    dist.barrier()  # every rank's file durable: the steps are committed
+    res = {"latest": ck.latest(), "list": ck.list(), "ok": []}
+    for step in (5, 6):
+        want = rank_state(rank, world, step)
+        got = ck.load(step)
+        same = (
+            got["step"] == step
+            and got["who"] == want["who"]
+            and digest(got["model"]["w"]) == digest(want["model"]["w"])
+            and digest(got["model"]["b"]) == digest(want["model"]["b"])
+            and digest(got["shared"]) == digest(want["shared"])
+        )
+        res["ok"].append(same)
+        dest = {k: torch.zeros_like(v) for k, v in want["model"].items()}
+        ck.load_into({"model": dest, "shared": torch.zeros(5)}, step=step)
+        res["ok"].append(all(digest(dest[k]) == digest(want["model"][k]) for k in dest))
+    res["world_in_manifest"] = ck.manifest(6)["world_size"]
+    if backend == "gloo":
+        res["dtensor_ok"] = dtensor_round_trip(ck, rank, world)
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def dtensor_round_trip(ck, rank, world):
+    """A DTensor sharded on dim 0: each rank saves its local shard with its global offset
+    and shape in the skeleton, and loads the same shard back."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shmckpt import _state
+    from shmckpt.checkpointer import _read_header_metadata
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    ck.save(7, {"dt": dt, "step": 7}).wait()
+    dist.barrier()
+    piece = -(-10 // world)
+    lo, hi = min(rank * piece, 10), min((rank + 1) * piece, 10)
+    got = ck.load(7)["dt"]
+    entry = [f for f in ck.manifest(7)["files"] if f["rank"] == rank][0]
+    meta = _read_header_metadata(os.path.join(ck.root, "step-7", entry["file"]))
+    node = [n for n in _state.tensor_nodes(_state.decode(meta[_state.STATE_KEY])) if n["n"] == "dt"][0]
+    return (
+        torch.equal(got, full[lo:hi])
+        and node["dtensor"]["global_shape"] == [10, 3]
+        and node["dtensor"]["global_offset"] == [lo, 0]
+    )
+
+
+def kill(root, step):
+    import shmckpt
+
+    ck = shmckpt.Checkpointer(
+        root, staging_capacity=160 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1
+    )
+    if not ck.list():
+        ck.save(1, {"w": torch.arange(10), "step": 1}).wait()
+    h = ck.save(step, big_state(step), blocking=False)
+    h.wait_staged()
+    print(ck.shm_name, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode in ("gloo", "nccl"):
+        gloo(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], mode)
+    elif mode == "kill":
+        kill(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit(f"unknown mode {mode}")

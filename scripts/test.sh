@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every test of the repository: the Rust suite, then the Python package's pytest suite.
+#
+#   scripts/test.sh                           # venv in .venv (created on first use)
+#   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
+#
+# The venv gets torch, numpy, safetensors, pytest and maturin if it lacks them (CPU is
+# enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
+# Exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+
+echo "== cargo test --all-features"
+cargo test --all-features
+# The recovery test of the Python suite runs the command line.
+cargo build --bin shmckpt
+export SHMCKPT_BIN="$repo/target/debug/shmckpt"
+
+venv="${SHMCKPT_VENV:-$repo/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    echo "== creating $venv"
+    python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
+missing=()
+for mod in torch numpy safetensors pytest maturin; do
+    "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "== installing ${missing[*]} into $venv"
+    "$py" -m pip install --quiet "${missing[@]}"
+fi
+
+echo "== pip install ./python"
+# maturin is in the venv: build without an isolated build environment (no download).
+"$py" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+
+echo "== pytest python/tests"
+"$py" -m pytest python/tests -q -p no:cacheprovider "$@"
