@@ -354,6 +354,9 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         self._current: Optional[_Save] = None
         self._lock = threading.Lock()
         self.last_report: Optional[Dict[str, Any]] = None
+        # True once DCP gave a checkpoint_id: stage() then does not know the next target
+        # (DCP resets the writer after staging) and leaves the check to the coordinator.
+        self._path_from_reset = False
 
     def __getstate__(self) -> Any:
         raise TypeError(
@@ -365,6 +368,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self._path_from_reset = True
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -498,7 +502,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         from torch.distributed.checkpoint.utils import find_state_dict_object
         from torch.distributed.tensor import DTensor
 
-        _check_target(self.path)
+        if not self._path_from_reset:
+            _check_target(self.path)  # early: before anything is staged
         save, rank, world = self._begin()
         flat, _ = flatten_state_dict(state_dict)
         flat = _flatten_sharded_tensors(flat)

@@ -292,3 +292,53 @@ def test_unsupported_dtype_is_a_type_error(tmp_path):
         dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
     assert "complex128" in str(ei.value)
     assert not (tmp_path / "c").exists()
+
+
+def _result(resp):
+    return (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+
+
+def test_checkpoint_id_given_to_async_save_is_where_it_is_published(tmp_path):
+    w = ShmckptWriter(tmp_path / "ctor", chunk_size=CHUNK)
+    _result(dcp.async_save(state(), checkpoint_id=tmp_path / "a", storage_writer=w))
+    # The same writer again, for another checkpoint.
+    _result(dcp.async_save(state(), checkpoint_id=tmp_path / "b", storage_writer=w))
+    assert not (tmp_path / "ctor").exists()
+    for name in ("a", "b"):
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(tmp_path / name))
+        assert torch.equal(dst["w"], state()["w"]) and dst["meta"]["epoch"] == 3
+
+
+def test_overlapping_async_saves_each_keep_their_own_snapshot(tmp_path):
+    """A second async_save while the first one still uploads; each checkpoint holds the
+    values at its own call."""
+    s = state()
+    r1 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "one", chunk_size=CHUNK))
+    s["w"].add_(1.0)
+    s["meta"]["epoch"] = 4
+    r2 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "two", chunk_size=CHUNK))
+    s["w"].add_(1.0)
+    _result(r1)
+    _result(r2)
+    base = state()["w"]
+    for name, add, epoch in (("one", 0.0, 3), ("two", 1.0, 4)):
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(tmp_path / name))
+        assert torch.equal(dst["w"], base + add), name
+        assert dst["meta"]["epoch"] == epoch
+
+
+def test_a_larger_state_grows_the_arena_and_older_files_survive(tmp_path):
+    small = state()
+    r1 = dcp.async_save(small, storage_writer=ShmckptWriter(tmp_path / "small", chunk_size=CHUNK))
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: needs a bigger arena
+    r2 = dcp.async_save(big, storage_writer=ShmckptWriter(tmp_path / "big", chunk_size=CHUNK))
+    _result(r1)
+    _result(r2)
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(tmp_path / "small"))
+    assert torch.equal(dst["w"], small["w"])
+    d2 = {"w": torch.zeros(3 << 20)}
+    dcp.load(d2, storage_reader=ShmckptReader(tmp_path / "big"))
+    assert torch.equal(d2["w"], big["w"])
