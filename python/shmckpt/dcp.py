@@ -74,7 +74,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,

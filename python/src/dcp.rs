@@ -63,7 +63,14 @@ fn read_rank_file(
         };
         let offset = entry.data_start.saturating_add(e.data_offsets[0]);
         let dtype = core::dtype_name(t.dtype).to_owned();
-        tensors.push((t.name, dtype, t.shape, e.crc32c, offset, PyBuffer::new(t.data)));
+        tensors.push((
+            t.name,
+            dtype,
+            t.shape,
+            e.crc32c,
+            offset,
+            PyBuffer::new(t.data),
+        ));
     }
     Ok((entry.file, ck.metadata, tensors))
 }

@@ -296,7 +296,82 @@ def sc_gpu(rank, world, workdir):
     dist.destroy_process_group()
 
 
+def fsdp2_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6), torch.nn.LayerNorm(6))
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def full_state(model, opt):
+    """Every model and optimizer tensor gathered whole (a collective), as CPU tensors."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim.{pid}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v
+    return {k: v.detach().cpu().clone() for k, v in out.items()}
+
+
+def sc_fsdp2_save(rank, world, workdir):
+    """A real FSDP2 model (fully_shard on a CPU mesh) + AdamW after two steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp2_model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = full_state(model, opt)  # (collectives: before the save uploads)
+    msd, osd = get_state_dict(model, opt)
+    r = dcp.async_save({"model": msd, "optim": osd}, storage_writer=ShmckptWriter(os.path.join(workdir, "ckpt", "fsdp2"), chunk_size=CHUNK))
+    (r.upload_completion if hasattr(r, "upload_completion") else r).result()
+    if rank == 0:
+        torch.save(ref, os.path.join(workdir, "fsdp2-ref.pt"))
+    result(workdir, "fsdp2_save", rank, {"tensors": len(ref)})
+    release()
+    dist.destroy_process_group()
+
+
+def sc_fsdp2_load(rank, world, workdir):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(123)  # other initial values than the saved model
+    model = fsdp2_model(mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().uniform_(-3, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=ShmckptReader(os.path.join(workdir, "ckpt", "fsdp2")))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = full_state(model, opt)
+    ref = torch.load(os.path.join(workdir, "fsdp2-ref.pt"))
+    assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
+    for k in ref:
+        assert same(got[k], ref[k]), k
+    result(workdir, "fsdp2_load", rank, {"checked": len(ref)})
+    release()
+    dist.destroy_process_group()
+
+
 SCENARIOS = {
+    "fsdp2_save": sc_fsdp2_save,
+    "fsdp2_load": sc_fsdp2_load,
     "roundtrip": sc_roundtrip,
     "reshard_save": sc_reshard_save,
     "reshard_load": sc_reshard_load,

@@ -99,6 +99,18 @@ def test_dtensor_saved_on_4_ranks_loads_on_2(tmp_path):
         assert r == {"checks": 14, "full": 4}
 
 
+def test_fsdp2_model_and_adamw_saved_on_4_ranks_resume_on_2(tmp_path):
+    """fully_shard (FSDP2) on a CPU mesh, AdamW after two steps, saved with
+    async_save on 4 ranks; a fresh model and optimizer on 2 ranks load it through
+    get_state_dict / set_state_dict and hold the same full tensors, byte for byte."""
+    saved = spawn("fsdp2_save", 4, tmp_path)
+    n = saved[0]["tensors"]
+    # 3 modules with weight + bias (6 parameters), 3 AdamW tensors each (step, exp_avg, exp_avg_sq)
+    assert n == 6 + 6 * 3 and all(s["tensors"] == n for s in saved)
+    loaded = spawn("fsdp2_load", 2, tmp_path)
+    assert [r["checked"] for r in loaded] == [n, n]
+
+
 def test_100_saves_keep_host_memory_flat(tmp_path):
     res = spawn("flat", 2, tmp_path, "100", timeout=300)
     for r in res:
