@@ -99,9 +99,12 @@ def bench_mode(mode, args, sd, rank):
     ck = None
     rss0, shm0 = rss_tree(), shm_used()  # before any stager, arena or writer process
     if mode == "default":
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stager = DefaultStager(StagingOptions(True, True, True, True))
+            stager = DefaultStager(StagingOptions(True, True, True, True))
+        except ImportError:  # torch < 2.9: FileSystemWriter stages itself (below)
+            stager = None
     if mode == "native":
         import shmckpt
 
@@ -113,20 +116,19 @@ def bench_mode(mode, args, sd, rank):
         dist.barrier()
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        if mode == "default":
-            try:
-                resp = dcp.async_save(
-                    sd,
-                    storage_writer=dcp.FileSystemWriter(path),
-                    async_stager=stager,
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                )
-            except TypeError:  # torch without async_stager: FileSystemWriter stages itself
-                resp = dcp.async_save(
-                    sd,
-                    storage_writer=dcp.FileSystemWriter(path, cache_staged_state_dict=True),
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                )
+        if mode == "default" and stager is not None:
+            resp = dcp.async_save(
+                sd,
+                storage_writer=dcp.FileSystemWriter(path),
+                async_stager=stager,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
+        elif mode == "default":
+            resp = dcp.async_save(
+                sd,
+                storage_writer=dcp.FileSystemWriter(path, cache_staged_state_dict=True),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
         elif mode == "shmckpt":
             from shmckpt.dcp import ShmckptWriter
 
