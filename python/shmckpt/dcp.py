@@ -266,6 +266,16 @@ class _Save:
         self.file = ""
         self.rank = 0
         self.world = 1
+        #: The flattened tensors stage() was given (identity check in write_data).
+        self.leaves: Dict[str, Any] = {}
+
+    def matches(self, planned: Any) -> bool:
+        """Whether DCP is saving the state this save staged: the planner's flattened
+        state dict holds the very tensor objects stage() saw."""
+        if not isinstance(planned, dict):
+            return True  # a planner without a flat state dict: cannot tell
+        common = [k for k in self.leaves if k in planned]
+        return bool(common) and all(planned[k] is self.leaves[k] for k in common)
 
     @property
     def step_dir(self) -> str:
@@ -508,6 +518,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         flat = _flatten_sharded_tensors(flat)
         objs: List[Tuple[MetadataIndex, Any]] = []
         for fqn, obj in flat.items():
+            if isinstance(obj, torch.Tensor):
+                save.leaves[fqn] = obj
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
             for wi in _create_write_items(fqn, obj):
@@ -529,9 +541,35 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         """Nothing to release per writer (the engine is shared; see ``release()``)."""
 
     # -- writing ---------------------------------------------------------------------------
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+    def _take_staged(self, planned: Any) -> Optional[_Save]:
+        """The staged save DCP is now writing. Saves staged before it whose upload failed
+        before reaching write_data (DCP raised in planning) are dropped, with their files,
+        so a reused writer never publishes an older snapshot under a newer name."""
         with self._lock:
-            save = self._staged.popleft() if self._staged else None
+            staged = list(self._staged)
+            pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
+            if pick is None:
+                if staged:
+                    raise RuntimeError(
+                        "ShmckptWriter: DCP is saving tensors that stage() did not stage (a "
+                        "planner that replaces them?); stage() supports DCP's default planning"
+                    )
+                stale, save = [], None
+            else:
+                for _ in range(pick + 1):
+                    self._staged.popleft()
+                stale, save = staged[:pick], staged[pick]
+        for sv in stale:
+            try:
+                sv.handle.wait()
+            except BaseException:
+                pass
+            for d in _sources(sv, sv.rank):
+                _remove_tree(d)
+        return save
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        save = self._take_staged(getattr(planner, "state_dict", None))
         if save is None:
             # dcp.save (no stage): resolve the planned items now and stage them.
             _check_target(self.path)

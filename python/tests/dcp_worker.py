@@ -187,7 +187,9 @@ def sc_reshard_save(rank, world, workdir):
     src = make_state(mesh)
     r = dcp.async_save(src, storage_writer=ShmckptWriter(os.path.join(workdir, "ckpt", "r"), chunk_size=CHUNK))
     (r.upload_completion if hasattr(r, "upload_completion") else r).result()
-    result(workdir, "reshard_save", rank, {"local_rows": {k: v.to_local().shape[0] for k, v in src["model"].items()}})
+    rows = {k: v.to_local().shape[0] for k, v in src["model"].items()}
+    fsdp2 = fsdp2_save(rank, world, workdir)
+    result(workdir, "reshard_save", rank, {"local_rows": rows, "fsdp2_tensors": fsdp2})
     release()
     dist.destroy_process_group()
 
@@ -204,7 +206,7 @@ def sc_reshard_load(rank, world, workdir):
     dcp.load(full, storage_reader=ShmckptReader(os.path.join(workdir, "ckpt", "r")))
     for k, (shape, dt) in GLOBALS.items():
         assert same(full["model"][k], global_tensor(k, shape, dt)), k
-    result(workdir, "reshard_load", rank, {"checks": n, "full": len(GLOBALS)})
+    result(workdir, "reshard_load", rank, {"checks": n, "full": len(GLOBALS), "fsdp2_checked": fsdp2_load(rank, world, workdir)})
     release()
     dist.destroy_process_group()
 
@@ -320,11 +322,11 @@ def full_state(model, opt):
     return {k: v.detach().cpu().clone() for k, v in out.items()}
 
 
-def sc_fsdp2_save(rank, world, workdir):
-    """A real FSDP2 model (fully_shard on a CPU mesh) + AdamW after two steps."""
+def fsdp2_save(rank, world, workdir):
+    """A real FSDP2 model (fully_shard on a CPU mesh) + AdamW after two steps, saved with
+    async_save; returns the number of tensors of its full state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    init(rank, world, workdir)
     mesh = init_device_mesh("cpu", (world,))
     model = fsdp2_model(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -339,15 +341,14 @@ def sc_fsdp2_save(rank, world, workdir):
     (r.upload_completion if hasattr(r, "upload_completion") else r).result()
     if rank == 0:
         torch.save(ref, os.path.join(workdir, "fsdp2-ref.pt"))
-    result(workdir, "fsdp2_save", rank, {"tensors": len(ref)})
-    release()
-    dist.destroy_process_group()
+    return len(ref)
 
 
-def sc_fsdp2_load(rank, world, workdir):
+def fsdp2_load(rank, world, workdir):
+    """A fresh FSDP2 model and AdamW load the checkpoint of fsdp2_save (another world
+    size) through get_state_dict / set_state_dict; every full tensor is compared."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    init(rank, world, workdir)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(123)  # other initial values than the saved model
     model = fsdp2_model(mesh)
@@ -364,14 +365,10 @@ def sc_fsdp2_load(rank, world, workdir):
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     for k in ref:
         assert same(got[k], ref[k]), k
-    result(workdir, "fsdp2_load", rank, {"checked": len(ref)})
-    release()
-    dist.destroy_process_group()
+    return len(ref)
 
 
 SCENARIOS = {
-    "fsdp2_save": sc_fsdp2_save,
-    "fsdp2_load": sc_fsdp2_load,
     "roundtrip": sc_roundtrip,
     "reshard_save": sc_reshard_save,
     "reshard_load": sc_reshard_load,

@@ -90,25 +90,20 @@ def test_save_async_save_load_roundtrip(tmp_path, world):
         assert len(raw) == info.length
 
 
-def test_dtensor_saved_on_4_ranks_loads_on_2(tmp_path):
+def test_saved_on_4_ranks_loads_on_2(tmp_path):
+    """DTensor Shard(0) state, and a real FSDP2 model (fully_shard on a CPU mesh) with
+    AdamW after two steps, saved with async_save on 4 ranks, loaded on 2: the DTensors
+    resharded and as whole tensors; the FSDP2 model and optimizer fresh on 2 ranks through
+    get_state_dict / set_state_dict, every full tensor byte-exact."""
     saved = spawn("reshard_save", 4, tmp_path)
     # Uneven Shard(0): 10 rows over 4 ranks.
     assert [s["local_rows"]["model.layers.0.w"] for s in saved] == [3, 3, 3, 1]
+    # 3 modules with weight + bias (6 parameters), 3 AdamW tensors each (step, exp_avg, exp_avg_sq)
+    n = 6 + 6 * 3
+    assert [s["fsdp2_tensors"] for s in saved] == [n] * 4
     loaded = spawn("reshard_load", 2, tmp_path)
     for r in loaded:
-        assert r == {"checks": 14, "full": 4}
-
-
-def test_fsdp2_model_and_adamw_saved_on_4_ranks_resume_on_2(tmp_path):
-    """fully_shard (FSDP2) on a CPU mesh, AdamW after two steps, saved with
-    async_save on 4 ranks; a fresh model and optimizer on 2 ranks load it through
-    get_state_dict / set_state_dict and hold the same full tensors, byte for byte."""
-    saved = spawn("fsdp2_save", 4, tmp_path)
-    n = saved[0]["tensors"]
-    # 3 modules with weight + bias (6 parameters), 3 AdamW tensors each (step, exp_avg, exp_avg_sq)
-    assert n == 6 + 6 * 3 and all(s["tensors"] == n for s in saved)
-    loaded = spawn("fsdp2_load", 2, tmp_path)
-    assert [r["checked"] for r in loaded] == [n, n]
+        assert r == {"checks": 14, "full": 4, "fsdp2_checked": n}
 
 
 def test_100_saves_keep_host_memory_flat(tmp_path):
@@ -354,3 +349,21 @@ def test_a_larger_state_grows_the_arena_and_older_files_survive(tmp_path):
     d2 = {"w": torch.zeros(3 << 20)}
     dcp.load(d2, storage_reader=ShmckptReader(tmp_path / "big"))
     assert torch.equal(d2["w"], big["w"])
+
+
+def test_a_reused_writer_never_publishes_an_older_snapshot(tmp_path):
+    """The first async_save fails in DCP's upload (its target is not empty) after
+    stage(); the next one through the same writer must publish its own values."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x").write_bytes(b"1")
+    w = ShmckptWriter(tmp_path / "unused", chunk_size=CHUNK)
+    first = state()
+    with pytest.raises(FAIL):
+        _result(dcp.async_save(first, checkpoint_id=bad, storage_writer=w))
+    second = {"w": first["w"] + 5.0, "b": first["b"], "meta": {"epoch": 9, "tag": "y"}}
+    _result(dcp.async_save(second, checkpoint_id=tmp_path / "good", storage_writer=w))
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(tmp_path / "good"))
+    assert torch.equal(dst["w"], second["w"]) and dst["meta"] == {"epoch": 9, "tag": "y"}
+    assert sorted(os.listdir(bad)) == ["x"]
