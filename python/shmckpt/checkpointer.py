@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import operator
 import os
@@ -192,6 +193,13 @@ class _Staged:
         return (self.name, self.dtype, self.shape, self.ptr, self.nbytes, self.device)
 
 
+def _storage_key(t: Any) -> Tuple[str, int]:
+    """Identifies the memory a tensor (or a DTensor's local shard) lives in."""
+    if _state._is_dtensor(t):
+        t = t.to_local()
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
 def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
     """A contiguous CPU tensor or array as an engine tuple."""
     if isinstance(t, np.ndarray):
@@ -214,12 +222,19 @@ def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
         return h, (lambda: h)
     # Copy the whole storage span the view covers (contiguous, so no device temporary),
     # then gather on the host.
+    base, gather = _span(t)
+    h = torch.empty(base.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(base, non_blocking=True)
+    return h, (lambda: gather(h))
+
+
+def _span(t: Any) -> Tuple[Any, Any]:
+    """A contiguous 1-D view of the storage range a (non-empty) strided tensor covers, and
+    the function that rebuilds the tensor's logical contents from a copy of it."""
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     base = t.as_strided((span,), (1,), t.storage_offset())
-    h = torch.empty((span,), dtype=t.dtype, pin_memory=True)
-    h.copy_(base, non_blocking=True)
     shape, stride = tuple(t.shape), tuple(t.stride())
-    return h, (lambda: h.as_strided(shape, stride, 0).contiguous())
+    return base, (lambda copy: copy.as_strided(shape, stride, 0).contiguous())
 
 
 def _read_header_metadata(path: str) -> Dict[str, str]:
@@ -376,12 +391,12 @@ class Checkpointer:
                 continue
             for g in opt.param_groups:
                 for p in g["params"]:
-                    out.add((str(p.device), p.untyped_storage().data_ptr()))
+                    out.add(_storage_key(p))
             for st in opt.state.values():
                 if isinstance(st, Mapping):
                     for v in st.values():
                         if isinstance(v, torch.Tensor):
-                            out.add((str(v.device), v.untyped_storage().data_ptr()))
+                            out.add(_storage_key(v))
         return out
 
     def _forget(self, h: SaveHandle) -> None:
@@ -467,7 +482,7 @@ class Checkpointer:
                 continue
             t = x.detach()
             if t.device.type == "cpu":
-                is_guarded = (str(t.device), t.untyped_storage().data_ptr()) in guarded
+                is_guarded = _storage_key(t) in guarded
                 if not blocking and not is_guarded:
                     t = t.clone(memory_format=torch.contiguous_format)
                 elif not t.is_contiguous():
@@ -477,7 +492,7 @@ class Checkpointer:
             dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
             if dev not in devices:
                 devices[dev] = torch.cuda.current_stream(dev)
-            is_guarded = (str(t.device), t.untyped_storage().data_ptr()) in guarded
+            is_guarded = _storage_key(t) in guarded
             if t.numel() == 0:
                 entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, t))
             elif t.is_contiguous() and (blocking or is_guarded):
@@ -756,9 +771,7 @@ class Checkpointer:
                 )
                 continue
             plan.setdefault(src, []).append((lf, lf.obj))
-        unexpected = [n for n in ck_names if n not in used and not (n in aliases)]
-        unexpected += [n for n in aliases if n not in used and aliases[n] not in stored]
-        unexpected = sorted(set(unexpected))
+        unexpected = sorted({n for n in ck_names if n not in used})
         if strict:
             problems += [f"{n}: in the destination, not in the checkpoint" for n in missing]
             problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
@@ -840,7 +853,7 @@ class Checkpointer:
                 dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
             torch.cuda.current_stream(cuda_dev).synchronize()
             self._engine.load_into_device(s, dest)
-        with torch.no_grad() if torch is not None else _nullctx():
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):
                     d[...] = src.cpu().numpy() if not isinstance(src, np.ndarray) else src
@@ -848,14 +861,6 @@ class Checkpointer:
                     d.copy_(torch.from_numpy(src))
                 else:
                     d.copy_(src)
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 Leaf = _state.Leaf

@@ -126,13 +126,25 @@ def test_interchange_with_safetensors_on_cuda(root):
 
 
 def test_mixed_cpu_and_cuda_load_into(root):
-    state = {"w": torch.arange(12.0, device="cuda").reshape(3, 4), "step": torch.tensor(5.0), "n": torch.arange(3)}
+    state = {
+        "w": torch.arange(12.0, device="cuda").reshape(3, 4),
+        "step": torch.tensor(5.0),
+        "n": torch.arange(3),
+        "empty": torch.empty(0, 3, device="cuda"),
+    }
     with shmckpt.Checkpointer(root, staging_capacity=16 << 20) as ck:
         ck.save(1, state).wait()
-        dest = {"w": torch.zeros(4, 3, device="cuda").t(), "step": torch.tensor(0.0), "n": torch.zeros(3, dtype=torch.int64)}
+        dest = {
+            "w": torch.zeros(4, 3, device="cuda").t(),
+            "step": torch.tensor(0.0),
+            "n": torch.zeros(3, dtype=torch.int64),
+            "empty": torch.empty(0, 3, device="cuda"),
+        }
         ck.load_into(dest)
+        back = ck.load(1, map_location="cuda:0")
     for k in state:
         assert raw(dest[k]) == raw(state[k]), k
+        assert back[k].device.type == "cuda" and raw(back[k]) == raw(state[k]), k
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -227,6 +227,14 @@ def test_tied_weights_saved_once_and_restored_as_one(ck, root):
     assert raw(m2.head.weight) == raw(m.embed.weight)
     assert m2.head.weight.data_ptr() == m2.embed.weight.data_ptr()
 
+    # Only the first key given: the alias is an unexpected key.
+    only = {"model": {"embed.weight": torch.zeros(10, 4)}}
+    with pytest.raises(shmckpt.DestinationError, match="model.head.weight: in the checkpoint"):
+        ck.load_into(only)
+    r = ck.load_into(only, strict=False)
+    assert r.unexpected_keys == ["model.head.weight"] and r.missing_keys == []
+    assert raw(only["model"]["embed.weight"]) == raw(m.embed.weight)
+
     # Into an untied model: both get the bytes.
     m3 = Tied()
     m3.head.weight = torch.nn.Parameter(torch.zeros(10, 4))
@@ -363,3 +371,44 @@ def test_tampered_skeleton_is_a_corrupt_error(ck, root, old, new):
         f.write(data.replace(old, new))
     with pytest.raises(shmckpt.CorruptError):
         ck.load(1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b.t(),
+        lambda b: b[::2, 1::3],
+        lambda b: b[1:, 2:7].t(),
+        lambda b: b[:, 3],
+        lambda b: b.narrow(0, 2, 3)[:, ::4],
+        lambda b: b[0:1, 0:1],
+        lambda b: b[2].expand(3, 10),
+    ],
+)
+def test_span_copy_of_non_contiguous_views_gives_the_logical_contents(make):
+    """The host route of non-contiguous CUDA tensors (copy the covered storage span, which
+    is contiguous, then gather on the host), checked on CPU tensors."""
+    from shmckpt.checkpointer import _span
+
+    b = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    t = make(b)
+    base, gather = _span(t)
+    assert base.is_contiguous() and base.dim() == 1
+    assert base.data_ptr() >= b.data_ptr()
+    assert base.data_ptr() + base.numel() * 8 <= b.data_ptr() + b.numel() * 8
+    out = gather(base.clone())
+    assert torch.equal(out, t.contiguous()) and out.is_contiguous()
+
+
+def test_closed_checkpointer_is_a_shutdown_error(root):
+    c = shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20)
+    name = c.shm_name
+    assert os.path.exists(f"/dev/shm/{name}")
+    c.save(1, {"a": torch.ones(2)}, blocking=False)
+    c.close()  # waits for the save in flight
+    c.close()  # idempotent
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(shmckpt.ShutdownError, match="closed"):
+        c.save(2, {"a": torch.ones(2)})
+    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c2:
+        assert c2.list() == [1] and raw(c2.load(1)["a"]) == raw(torch.ones(2))
