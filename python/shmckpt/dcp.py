@@ -870,6 +870,9 @@ class ShmckptReader(StorageReader):
             m = _FILE_RE.fullmatch(rel)
             assert m is not None  # checked in set_up_storage_reader
             rank = int(m.group(1))
+            for name in (rel, MANIFEST_FILE):
+                if os.path.islink(os.path.join(self.path, name)):
+                    raise CorruptError(f"{os.path.join(self.path, name)}: is a symbolic link; refusing to follow it")
             file, _meta, tensors = _shmckpt.read_rank_file(self.path, rank, direct_io=self.direct_io)
             if file != rel:
                 raise CorruptError(

@@ -367,3 +367,18 @@ def test_a_reused_writer_never_publishes_an_older_snapshot(tmp_path):
     dcp.load(dst, storage_reader=ShmckptReader(tmp_path / "good"))
     assert torch.equal(dst["w"], second["w"]) and dst["meta"] == {"epoch": 9, "tag": "y"}
     assert sorted(os.listdir(bad)) == ["x"]
+
+
+def test_a_symlinked_rank_file_is_refused(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    f = p / "rank-00000-of-00001.safetensors"
+    real = tmp_path / "elsewhere.safetensors"
+    f.rename(real)
+    f.symlink_to(real)
+    dst = zeros()
+    with pytest.raises(FAIL) as ei:
+        dcp.load(dst, storage_reader=ShmckptReader(p))
+    c = cause(ei.value)
+    assert isinstance(c, errors.CorruptError) and "symbolic link" in str(c) and str(f) in str(c)
+    assert not dst["w"].any()
