@@ -74,3 +74,12 @@ class Engine:
     @property
     def closed(self) -> bool: ...
     def describe(self) -> Tuple[str, int, str, str]: ...
+
+def read_rank_file(
+    dir: str, rank: int, *, direct_io: bool = True, queue_depth: int = 4
+) -> Tuple[str, Dict[str, str], List[Tuple[str, str, List[int], int, int, Buffer]]]:
+    """Read ``rank``'s file of the committed step directory ``dir`` (used by
+    ``shmckpt.dcp.ShmckptReader``): header checked against the manifest, every CRC-32C
+    verified. Returns ``(file name, metadata, [(name, dtype, shape, crc32c, file offset,
+    Buffer)])`` in file order."""
+    ...

@@ -9,6 +9,7 @@
 //! All calls into the `shmckpt` crate are in `core.rs`.
 
 mod core;
+mod dcp;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -566,5 +567,6 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBuffer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    dcp::register(m)?;
     Ok(())
 }

@@ -1,0 +1,917 @@
+"""PyTorch Distributed Checkpoint (DCP) storage through shmckpt.
+
+    import torch.distributed.checkpoint as dcp
+    from shmckpt.dcp import ShmckptWriter, ShmckptReader
+
+    resp = dcp.async_save(state_dict, storage_writer=ShmckptWriter("/ckpt/step-100"))
+    ...
+    dcp.load(state_dict, storage_reader=ShmckptReader("/ckpt/step-100"))
+
+DCP keeps doing what it does (planning, de-duplication of replicated tensors, DTensor /
+FSDP2 / ShardedTensor shards, ``Stateful`` objects, resharding on load); shmckpt replaces
+the staging and the storage:
+
+* ``ShmckptWriter`` is a ``StorageWriter`` and DCP's ``AsyncStager``, so ``async_save``
+  uses it as its stager. ``stage()`` hands every tensor (the local shard of a DTensor) to
+  the engine of this rank, which copies it into its shared-memory arena (device tensors
+  with ``cuMemcpyDtoHAsync`` on the engine's own stream, ordered after the caller's
+  current stream; no device memory is allocated) and returns once everything is staged.
+  The engine's io_uring writers write the file while DCP plans in its upload thread;
+  ``write_data`` waits for it to be durable. Non-tensor values are serialized at the call
+  (``torch.save``, as DCP's planner does) and stored as ``U8`` tensors.
+* Layout: a checkpoint directory ``P`` is a committed shmckpt step directory plus DCP's
+  ``.metadata``::
+
+      P/rank-00000-of-00004.safetensors   one safetensors file per rank (CRC-32C in the manifest)
+      P/manifest.json                     shmckpt's manifest (per tensor: offsets, CRC-32C)
+      P/.metadata                         DCP's metadata; storage_data = ShmckptStorageInfo
+                                          (file, offset, length, tensor name, CRC-32C)
+
+* Commit: each rank's engine writes into the spool ``dirname(P)/.shmckpt-dcp/step-N``
+  (``N`` is a private number the ranks agree on). The engine commits that directory when
+  every rank's file is durable (the engine's multi-rank protocol). Then DCP's coordinator
+  (``finish``) writes ``.metadata`` into it (temporary name, ``fsync``, ``rename``,
+  directory ``fsync``) and publishes the whole directory as ``P`` with one ``rename`` (and
+  ``fsync`` of both parents). Before that rename nothing exists at ``P``; after it, ``P``
+  is complete and durable. ``P`` must not exist, or be an empty directory.
+* One engine (one arena) per rank and spool directory is kept for the life of the process
+  and reused by every save, so host memory stays flat across saves; it is reopened only
+  when a save needs more staging than it has. ``release()`` frees it.
+
+``ShmckptReader`` reads ``.metadata`` (with a restricted unpickler: only DCP's metadata
+classes), then each rank file the load plan needs through the engine's reader (O_DIRECT
+where possible, header checked against the manifest, every CRC-32C verified) and copies
+the requested regions into the planner's destination tensors, so DCP's resharding
+(loading on another world size) works as with its own files.
+
+Interchange: every rank file is a plain safetensors file whose tensors carry their DCP
+names and whose ``__metadata__`` has DCP's ``DCP_SHARDING_INFO``, so DCP's own
+``HuggingFaceStorageReader`` reads the tensors of a shmckpt checkpoint (``dcp.load`` with
+``storage_reader=HuggingFaceStorageReader(P)``). DCP's ``FileSystemReader`` cannot: it
+expects every item to be a ``torch.save`` stream, and fails on these files with
+``ValueError: Unknown extension name='shmckpt-safetensors'`` (from the transform
+descriptor every ``ShmckptStorageInfo`` carries) instead of reading wrong bytes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _shmckpt, _state
+from .checkpointer import _cuda_span_copy, _host_entry, _Staged
+from .errors import CorruptError, TooLarge
+
+__all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "release"]
+
+METADATA_FILE = ".metadata"
+MANIFEST_FILE = "manifest.json"
+#: Spool directory (next to the checkpoint directories) where the engines write.
+SPOOL_NAME = ".shmckpt-dcp"
+#: Transform descriptor of every item: DCP's FileSystemReader names it in its error.
+DESCRIPTOR = "shmckpt-safetensors/1"
+#: Keys of the safetensors ``__metadata__`` that DCP's HuggingFaceStorageReader reads.
+_HF_SHARDING_KEY = "DCP_SHARDING_INFO"
+_FORMAT_KEY = "shmckpt_dcp.format"
+_FILE_RE = re.compile(r"rank-(\d{5,10})-of-(\d{5,10})\.safetensors")
+#: Largest ``.metadata`` this reader accepts.
+MAX_METADATA_BYTES = 1 << 30
+
+
+@dataclass
+class ShmckptStorageInfo(_StorageInfo):
+    """Where one DCP item is: ``relative_path`` (a rank file in the checkpoint directory),
+    ``offset``/``length`` (its bytes in that file), ``tensor`` (its name in the file) and
+    ``crc32c`` (CRC-32C of its bytes, as in ``manifest.json``)."""
+
+    tensor: str = ""
+    crc32c: Optional[int] = None
+
+
+# -- engines ------------------------------------------------------------------------------
+
+
+class _EngineSlot:
+    def __init__(self, engine: Any, capacity: int, root: str):
+        self.engine = engine
+        self.capacity = capacity
+        self.root = root
+
+
+_ENGINES: Dict[Tuple[str, int, int], _EngineSlot] = {}
+_ENGINES_LOCK = threading.Lock()
+_SEQ: Dict[Tuple[str, int, int], int] = {}
+_GEN: Dict[Tuple[str, int, int], int] = {}
+
+
+def release() -> None:
+    """Finish the saves in flight and free every engine (arena) ``ShmckptWriter`` opened
+    in this process. The next save opens a new one."""
+    with _ENGINES_LOCK:
+        slots = list(_ENGINES.values())
+        _ENGINES.clear()
+    for s in slots:
+        s.engine.close()
+
+
+atexit.register(release)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a directory of ours (rename first, so it vanishes at once)."""
+    import shutil
+
+    trash = f"{path}.trash-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rank_dir(spool: str, rank: int) -> str:
+    return os.path.join(spool, f"rank-{rank:05d}")
+
+
+def _clean_spool(spool: str, rank: int) -> None:
+    """Leftovers of runs that died before publishing: this rank's engine roots of other
+    processes, and assembly directories. Runs once per process, at this rank's first
+    save: no rank of this run can have written anything the coordinator still needs
+    (the first save needs this rank's file before anything is assembled)."""
+    mine = f"{os.getpid()}-"
+    rd = _rank_dir(spool, rank)
+    if os.path.isdir(rd):
+        for name in os.listdir(rd):
+            p = os.path.join(rd, name)
+            if not name.startswith(mine) and os.path.isdir(p) and not os.path.islink(p):
+                _remove_tree(p)
+    if rank == 0:
+        for name in os.listdir(spool):
+            p = os.path.join(spool, name)
+            if (re.fullmatch(r"step-\d+", name) or ".trash-" in name) and os.path.isdir(p) and not os.path.islink(p):
+                _remove_tree(p)
+
+
+def _open_engine(
+    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]
+) -> _EngineSlot:
+    """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
+
+    Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
+    (re)opened later never cleans up a directory another save still needs, and ranks
+    never share a directory (the engine's own multi-rank commit is not used: see
+    ``ShmckptWriter.finish``)."""
+    key = (spool, rank, world)
+    with _ENGINES_LOCK:
+        slot = _ENGINES.get(key)
+        if slot is not None and slot.capacity >= need:
+            return slot
+        if slot is not None:
+            del _ENGINES[key]
+        gen = _GEN.get(key, 0)
+        _GEN[key] = gen + 1
+    if slot is not None:
+        slot.engine.close()  # finishes its saves in flight; their files stay for finish()
+    if gen == 0:
+        os.makedirs(spool, exist_ok=True)
+        _clean_spool(spool, rank)
+    root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
+    os.makedirs(root, exist_ok=True)
+    chunk = opts.get("chunk_size") or (8 << 20)
+    cap = opts.get("staging_capacity") or 0
+    cap = max(cap, -(-need // chunk) * chunk)
+    engine = _shmckpt.Engine(
+        root,
+        rank=rank,
+        world_size=world,
+        staging_capacity=cap,
+        chunk_size=opts.get("chunk_size"),
+        writer_threads=opts.get("writer_threads"),
+        queue_depth=opts.get("queue_depth"),
+        copy_threads=opts.get("copy_threads"),
+        direct_io=opts.get("direct_io"),
+        keep_last=None,
+        max_inflight_saves=opts.get("max_inflight_saves"),
+    )
+    slot = _EngineSlot(engine, int(engine.describe()[1]), root)
+    with _ENGINES_LOCK:
+        _ENGINES[key] = slot
+    return slot
+
+
+def _engine_step(path: str, world: int, seq: int) -> int:
+    h = hashlib.blake2b(f"{path}\0{world}\0{seq}".encode(), digest_size=7).digest()
+    return int.from_bytes(h, "little")
+
+
+# -- staging ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    index: MetadataIndex
+    name: str
+    nbytes: int
+
+
+class _Save:
+    """One save of one rank: what the engine was given and its handle."""
+
+    def __init__(self, spool: str, step: int, path: str):
+        self.spool = spool
+        self.step = step
+        self.path = path
+        self.items: Dict[MetadataIndex, _Item] = {}
+        self.handle: Any = None
+        self.file = ""
+        self.rank = 0
+        self.world = 1
+        #: The flattened tensors stage() was given (identity check in write_data).
+        self.leaves: Dict[str, Any] = {}
+
+    def matches(self, planned: Any) -> bool:
+        """Whether DCP is saving the state this save staged: the planner's flattened
+        state dict holds the very tensor objects stage() saw."""
+        if not isinstance(planned, dict):
+            return True  # a planner without a flat state dict: cannot tell
+        common = [k for k in self.leaves if k in planned]
+        return bool(common) and all(planned[k] is self.leaves[k] for k in common)
+
+    @property
+    def step_dir(self) -> str:
+        return os.path.join(self.spool, f"step-{self.step}")
+
+
+def _offsets_of(index: MetadataIndex) -> List[int]:
+    return [int(x) for x in index.offset] if index.offset is not None else []
+
+
+def _check_target(path: str) -> None:
+    if os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
+            raise FileExistsError(
+                f"{path}: the checkpoint directory exists and is not empty; ShmckptWriter "
+                "publishes a checkpoint with one rename and never overwrites one"
+            )
+
+
+def _rank_world(group: Any) -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _estimate_file(items: Sequence[Tuple[str, Any, int]], meta: Dict[str, str]) -> int:
+    """An upper bound of the safetensors file the engine will lay out."""
+    header = 8 + 4096 + len(json.dumps(meta)) * 2
+    data = 0
+    for name, obj, nbytes in items:
+        ndim = obj.dim() if isinstance(obj, torch.Tensor) else 1
+        header += 2 * len(name.encode()) + 96 + 24 * ndim
+        data += nbytes
+    return data + -(-header // 4096) * 4096
+
+
+class ShmckptWriter(StorageWriter, AsyncStager):
+    """DCP ``StorageWriter`` and ``AsyncStager`` writing through shmckpt's engine.
+
+    ``path``: the checkpoint directory (must not exist, or be empty; its parent must be
+    writable and on the same filesystem as the spool). Keyword arguments are engine
+    settings (``staging_capacity``: at least this many bytes of shared-memory staging,
+    default the size of the rank's file; ``chunk_size``, ``writer_threads``,
+    ``queue_depth``, ``copy_threads``, ``direct_io``, ``max_inflight_saves``).
+    ``spool``: where the engines write before publishing (default
+    ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
+    the default one.
+
+    Use ``async_checkpointer_type=THREAD`` (DCP's default): the engine already writes off
+    the trainer's thread, and an engine cannot move to another process.
+    """
+
+    _synchronize_after_execute: bool = False  # stage() returns once staged
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        spool: Optional[Union[str, os.PathLike]] = None,
+        process_group: Any = None,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+    ):
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
+        self._group = process_group
+        self._opts = dict(
+            staging_capacity=staging_capacity,
+            chunk_size=chunk_size,
+            writer_threads=writer_threads,
+            queue_depth=queue_depth,
+            copy_threads=copy_threads,
+            direct_io=direct_io,
+            max_inflight_saves=max_inflight_saves,
+        )
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._staged: Deque[_Save] = collections.deque()
+        self._current: Optional[_Save] = None
+        self._lock = threading.Lock()
+        self.last_report: Optional[Dict[str, Any]] = None
+        # True once DCP gave a checkpoint_id: stage() then does not know the next target
+        # (DCP resets the writer after staging) and leaves the check to the coordinator.
+        self._path_from_reset = False
+
+    def __getstate__(self) -> Any:
+        raise TypeError(
+            "ShmckptWriter cannot be pickled (its engine and staged data live in this "
+            "process): use async_save's default THREAD checkpointer type"
+        )
+
+    # -- StorageWriter ---------------------------------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self._path_from_reset = True
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if is_coordinator:
+            _check_target(self.path)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        try:
+            os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return True
+
+    # -- staging ---------------------------------------------------------------------------
+    def _begin(self) -> Tuple[_Save, int, int]:
+        rank, world = _rank_world(self._group)
+        spool = self._spool or os.path.join(os.path.dirname(self.path), SPOOL_NAME)
+        key = (spool, rank, world)
+        with _ENGINES_LOCK:
+            seq = _SEQ.get(key, 0)
+            _SEQ[key] = seq + 1
+        save = _Save(spool, _engine_step(spool, world, seq), self.path)
+        save.rank, save.world = rank, world
+        return save, rank, world
+
+    def _submit(self, save: _Save, rank: int, world: int, objs: List[Tuple[MetadataIndex, Any]]) -> None:
+        """Hand ``objs`` (tensors, or bytes of non-tensor items) to the engine and return
+        once they are staged."""
+        names: Dict[str, MetadataIndex] = {}
+        sharding: Dict[str, Any] = {}
+        items: List[Tuple[str, Any, int]] = []
+        for index, obj in objs:
+            name = index.fqn
+            if name in names:  # a second shard of one tensor on this rank
+                name = f"{index.fqn}@{','.join(map(str, _offsets_of(index)))}"
+                if name in names:
+                    raise ValueError(f"ShmckptWriter: item {index} is planned twice")
+            names[name] = index
+            if isinstance(obj, torch.Tensor):
+                nbytes = obj.numel() * obj.element_size()
+                offs = _offsets_of(index) or [0] * obj.dim()
+            else:
+                nbytes = len(obj)
+                offs = [0]
+            sharding[name] = {"saved_offsets": offs}
+            items.append((name, obj, nbytes))
+            save.items[index] = _Item(index, name, nbytes)
+        meta = {
+            _HF_SHARDING_KEY: json.dumps(sharding, separators=(",", ":")),
+            "DCP_VERSION": "1.0",
+            "format": "pt",
+            _FORMAT_KEY: "1",
+        }
+        need = _estimate_file(items, meta)
+        slot = _open_engine(save.spool, rank, world, need, self._opts)
+
+        entries: List[_Staged] = []
+        streams: Dict[int, Any] = {}
+        finishes: List[Tuple[int, Any]] = []
+        for name, obj, nbytes in items:
+            if not isinstance(obj, torch.Tensor):
+                a = np.frombuffer(obj, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+                entries.append(_host_entry(name, "U8", a))
+                continue
+            t = obj.detach()
+            st = _state.TORCH_TO_ST.get(t.dtype)
+            if st is None:
+                raise TypeError(f"ShmckptWriter: {name!r} has dtype {t.dtype}, which safetensors cannot store")
+            if t.device.type == "cpu":
+                entries.append(_host_entry(name, st, t if t.is_contiguous() else t.contiguous()))
+            elif t.device.type == "cuda":
+                dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+                if dev not in streams:
+                    streams[dev] = torch.cuda.current_stream(dev)
+                if nbytes == 0:
+                    entries.append(_Staged(name, st, list(t.shape), 0, 0, -1, t))
+                elif t.is_contiguous():
+                    entries.append(_Staged(name, st, list(t.shape), int(t.data_ptr()), nbytes, dev, t))
+                else:
+                    # A strided view: copy its storage span to pinned host memory (no
+                    # device memory), then gather on the host.
+                    with torch.cuda.device(dev):
+                        pinned, fin = _cuda_span_copy(t)
+                    entries.append(_Staged(name, st, list(t.shape), 0, 0, -1, [t, pinned]))
+                    finishes.append((len(entries) - 1, fin))
+            else:
+                raise TypeError(f"ShmckptWriter: {name!r} is on {t.device}; only CPU and CUDA tensors are supported")
+        if finishes:
+            for s in streams.values():
+                s.synchronize()  # those streams only, not the device
+            for i, fin in finishes:
+                e = entries[i]
+                h = fin()
+                ne = _host_entry(e.name, e.dtype, h)
+                ne.keep = [e.keep, h]
+                entries[i] = ne
+        after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
+        tuples = [e.tuple() for e in entries]
+        try:
+            h = slot.engine.save(save.step, tuples, meta, after, True)
+        except TooLarge:
+            # The header estimate was short: reopen with twice the room and retry once.
+            slot = _open_engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
+            h = slot.engine.save(save.step, tuples, meta, after, True)
+        # save() returned: every byte is staged, `entries` (our references) may go.
+        save.handle = h
+
+    def stage(self, state_dict: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
+        """Copy every tensor of ``state_dict`` (local shards of DTensors) into the engine's
+        shared-memory arena and start writing; return once staged. Non-tensor values are
+        serialized now. Returns the state dict for DCP's planning (its tensors are not read
+        again)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+        from torch.distributed.checkpoint.utils import find_state_dict_object
+        from torch.distributed.tensor import DTensor
+
+        if not self._path_from_reset:
+            _check_target(self.path)  # early: before anything is staged
+        save, rank, world = self._begin()
+        flat, _ = flatten_state_dict(state_dict)
+        flat = _flatten_sharded_tensors(flat)
+        objs: List[Tuple[MetadataIndex, Any]] = []
+        for fqn, obj in flat.items():
+            if isinstance(obj, torch.Tensor):
+                save.leaves[fqn] = obj
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            for wi in _create_write_items(fqn, obj):
+                data = find_state_dict_object(flat, wi.index)
+                if wi.type == WriteItemType.BYTE_IO:
+                    buf = io.BytesIO()
+                    torch.save(data, buf)
+                    data = buf.getvalue()
+                objs.append((wi.index, data))
+        self._submit(save, rank, world, objs)
+        with self._lock:
+            self._staged.append(save)
+        return _copy_containers(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once staged."""
+
+    def close(self) -> None:
+        """Nothing to release per writer (the engine is shared; see ``release()``)."""
+
+    # -- writing ---------------------------------------------------------------------------
+    def _take_staged(self, planned: Any) -> Optional[_Save]:
+        """The staged save DCP is now writing. Saves staged before it whose upload failed
+        before reaching write_data (DCP raised in planning) are dropped, with their files,
+        so a reused writer never publishes an older snapshot under a newer name."""
+        with self._lock:
+            staged = list(self._staged)
+            pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
+            if pick is None:
+                if staged:
+                    raise RuntimeError(
+                        "ShmckptWriter: DCP is saving tensors that stage() did not stage (a "
+                        "planner that replaces them?); stage() supports DCP's default planning"
+                    )
+                stale, save = [], None
+            else:
+                for _ in range(pick + 1):
+                    self._staged.popleft()
+                stale, save = staged[:pick], staged[pick]
+        for sv in stale:
+            try:
+                sv.handle.wait()
+            except BaseException:
+                pass
+            for d in _sources(sv, sv.rank):
+                _remove_tree(d)
+        return save
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        save = self._take_staged(getattr(planner, "state_dict", None))
+        if save is None:
+            # dcp.save (no stage): resolve the planned items now and stage them.
+            _check_target(self.path)
+            save, rank, world = self._begin()
+            objs = []
+            for wi in plan.items:
+                data = planner.resolve_data(wi)
+                if wi.type == WriteItemType.BYTE_IO:
+                    data = data.getvalue()
+                objs.append((wi.index, data))
+            self._submit(save, rank, world, objs)
+        self._current = save
+        report = save.handle.wait()  # this rank's file and manifest part are durable
+        self.last_report = report
+        save.file = os.path.basename(report["file"])
+        results = []
+        missing = []
+        for wi in plan.items:
+            it = save.items.get(wi.index)
+            if it is None:
+                missing.append(wi.index)
+                continue
+            results.append(
+                WriteResult(
+                    index=wi.index,
+                    size_in_bytes=it.nbytes,
+                    storage_data=ShmckptStorageInfo(
+                        relative_path=save.file,
+                        offset=0,
+                        length=it.nbytes,
+                        transform_descriptors=[DESCRIPTOR],
+                        tensor=it.name,
+                    ),
+                )
+            )
+        if missing:
+            raise RuntimeError(
+                f"ShmckptWriter: the save plan writes items that stage() did not stage "
+                f"(a planner other than DCP's default layout?): {missing[:5]}"
+            )
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        save = self._current
+        if save is None:
+            raise RuntimeError("ShmckptWriter.finish called before write_data")
+        step_dir, manifest = _assemble(save)
+        man_path = os.path.join(step_dir, MANIFEST_FILE)
+        by_file = {fe["file"]: {t["name"]: (fe["data_start"], t) for t in fe["tensors"]} for fe in manifest["files"]}
+        storage_md: Dict[MetadataIndex, ShmckptStorageInfo] = {}
+        for wr_list in results:
+            for wr in wr_list:
+                info = wr.storage_data
+                ent = by_file.get(info.relative_path, {}).get(info.tensor)
+                if ent is None:
+                    raise RuntimeError(f"{man_path}: no tensor {info.tensor!r} in {info.relative_path}")
+                start, t = ent
+                b, e = t["data_offsets"]
+                storage_md[wr.index] = dataclasses.replace(
+                    info, offset=start + b, length=e - b, crc32c=int(t["crc32c"])
+                )
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        try:
+            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+            metadata.version = CURRENT_DCP_VERSION
+        except ImportError:  # pragma: no cover - older torch
+            pass
+        tmp = os.path.join(step_dir, METADATA_FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(step_dir, METADATA_FILE))
+        _fsync_dir(step_dir)
+        # Publish: one rename makes the complete checkpoint appear at self.path.
+        target = self.path
+        parent = os.path.dirname(target)
+        os.makedirs(parent, exist_ok=True)
+        _check_target(target)
+        try:
+            os.rename(step_dir, target)
+        except OSError as e:
+            raise OSError(e.errno, f"publishing {step_dir} as {target}: {e.strerror}") from e
+        _fsync_dir(parent)
+        if os.path.realpath(save.spool) != os.path.realpath(parent):
+            _fsync_dir(save.spool)
+        self._current = None
+        for k in range(save.world):  # the ranks' emptied partial directories
+            for d in _sources(save, k):
+                _remove_tree(d)
+
+
+def _sources(save: _Save, rank: int) -> List[str]:
+    """Where ``rank``'s engine left its file of ``save``: ``step-N.partial`` (several
+    ranks: the engine waits for the other parts, which never come to its own root) or the
+    committed ``step-N`` (one rank)."""
+    rd = _rank_dir(save.spool, rank)
+    name = f"step-{save.step}.partial" if save.world > 1 else f"step-{save.step}"
+    try:
+        roots = sorted(os.listdir(rd))
+    except FileNotFoundError:
+        return []
+    return [os.path.join(rd, r, name) for r in roots if os.path.isdir(os.path.join(rd, r, name))]
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def _assemble(save: _Save) -> Tuple[str, Dict[str, Any]]:
+    """Gather every rank's durable file of ``save`` into ``spool/step-N`` with one
+    ``manifest.json`` (the engine's format, version 1): the engine's multi-rank commit,
+    done once, by DCP's coordinator. Returns the directory and the manifest."""
+    import time
+
+    W = save.world
+    out = save.step_dir
+    files: List[Dict[str, Any]] = []
+    if os.path.isdir(out):
+        _remove_tree(out)  # a leftover of an attempt that failed
+    os.mkdir(out)
+    for k in range(W):
+        src = _sources(save, k)
+        if len(src) != 1:
+            raise RuntimeError(
+                f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} "
+                f"({src}); did every rank save with a ShmckptWriter on the same spool?"
+            )
+        if W == 1:
+            with open(os.path.join(src[0], MANIFEST_FILE), "rb") as f:
+                entry = json.load(f)["files"][0]
+        else:
+            part = os.path.join(src[0], f"rank-{k:05d}.manifest.json")
+            with open(part, "rb") as f:
+                entry = json.load(f)
+        expected = f"rank-{k:05d}-of-{W:05d}.safetensors"
+        if entry.get("rank") != k or entry.get("file") != expected:
+            raise CorruptError(f"{src[0]}: manifest part of rank {k} names {entry.get('file')!r}")
+        os.rename(os.path.join(src[0], expected), os.path.join(out, expected))
+        files.append(entry)
+    manifest = {
+        "format_version": 1,
+        "step": save.step,
+        "world_size": W,
+        "created_unix_ms": int(time.time() * 1000),
+        "total_bytes": sum(int(f["bytes"]) for f in files),
+        "metadata": {_FORMAT_KEY: "1"},
+        "files": files,
+    }
+    _write_durable(os.path.join(out, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())
+    _fsync_dir(out)
+    return out, manifest
+
+
+def _copy_containers(x: Any) -> Any:
+    """New dicts and lists around the same leaves (DCP plans from this copy while the
+    trainer may change its own containers)."""
+    if isinstance(x, dict):
+        return {k: _copy_containers(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_copy_containers(v) for v in x]
+    return x
+
+
+# -- reading ------------------------------------------------------------------------------
+
+#: Globals a DCP ``.metadata`` pickle may name.
+_ALLOWED_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_ALLOWED_GLOBALS = {
+    ("shmckpt.dcp", "ShmckptStorageInfo"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f: Any, path: str):
+        super().__init__(f)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        ok = (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            ok = True
+        if not ok:
+            raise CorruptError(f"{self._path}: refuses to load global {module}.{name} (not DCP metadata)")
+        return super().find_class(module, name)
+
+
+def _load_metadata(path: str) -> Metadata:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path}: no DCP metadata: not a checkpoint directory, or its save did not finish"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CorruptError(f"{path}: {size} bytes of metadata is more than this reader accepts")
+        try:
+            md = _MetadataUnpickler(f, path).load()
+        except CorruptError:
+            raise
+        except Exception as e:
+            raise CorruptError(f"{path}: not valid DCP metadata ({type(e).__name__}: {e})") from e
+    if not isinstance(md, Metadata):
+        raise CorruptError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class ShmckptReader(StorageReader):
+    """DCP ``StorageReader`` for checkpoints written by :class:`ShmckptWriter`.
+
+    ``direct_io``: read with O_DIRECT where the filesystem allows (default). Each rank
+    file the load plan needs is read whole (verified), then the planned regions are copied
+    into the destination tensors (any device)."""
+
+    def __init__(self, path: Union[str, os.PathLike], *, direct_io: bool = True):
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.direct_io = direct_io
+        self.storage_data: Dict[MetadataIndex, ShmckptStorageInfo] = {}
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = _load_metadata(os.path.join(self.path, METADATA_FILE))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        sd = metadata.storage_data
+        if not isinstance(sd, dict):
+            raise CorruptError(f"{self.path}/{METADATA_FILE}: storage_data is not a mapping")
+        for k, v in sd.items():
+            if not isinstance(v, ShmckptStorageInfo):
+                raise CorruptError(
+                    f"{self.path}: item {k.fqn!r} was not written by ShmckptWriter "
+                    f"({type(v).__name__}); read this checkpoint with DCP's FileSystemReader"
+                )
+            if not _FILE_RE.fullmatch(v.relative_path or ""):
+                raise CorruptError(f"{self.path}: item {k.fqn!r} names file {v.relative_path!r}, not a rank file")
+        self.storage_data = sd
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        try:
+            p = os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return os.path.isfile(os.path.join(p, METADATA_FILE)) and os.path.isfile(os.path.join(p, MANIFEST_FILE))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: Dict[str, List[Any]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise CorruptError(f"{self.path}: the metadata has no storage entry for {req.storage_index}")
+            per_file.setdefault(info.relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            m = _FILE_RE.fullmatch(rel)
+            assert m is not None  # checked in set_up_storage_reader
+            rank = int(m.group(1))
+            for name in (rel, MANIFEST_FILE):
+                if os.path.islink(os.path.join(self.path, name)):
+                    raise CorruptError(f"{os.path.join(self.path, name)}: is a symbolic link; refusing to follow it")
+            file, _meta, tensors = _shmckpt.read_rank_file(self.path, rank, direct_io=self.direct_io)
+            if file != rel:
+                raise CorruptError(
+                    f"{self.path}: the manifest names {file!r} for rank {rank}, the DCP metadata {rel!r}"
+                )
+            by_name = {t[0]: t for t in tensors}
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                t = by_name.get(info.tensor)
+                where = f"{os.path.join(self.path, rel)}: {req.storage_index.fqn!r}"
+                if t is None:
+                    raise CorruptError(f"{where}: tensor {info.tensor!r} is not in the file")
+                name, st, shape, crc, offset, buf = t
+                if (info.crc32c is not None and info.crc32c != crc) or info.offset != offset or info.length != len(buf):
+                    raise CorruptError(
+                        f"{where}: the DCP metadata (offset {info.offset}, {info.length} bytes, "
+                        f"CRC {info.crc32c}) disagrees with the manifest (offset {offset}, "
+                        f"{len(buf)} bytes, CRC {crc})"
+                    )
+                if req.type == LoadItemType.BYTE_IO:
+                    data = bytes(np.asarray(buf)) if len(buf) else b""
+                    planner.load_bytes(req, io.BytesIO(data))
+                    continue
+                dt = _state.ST_TO_TORCH.get(st)
+                if dt is None:
+                    raise CorruptError(f"{where}: dtype {st} has no torch dtype")
+                if len(buf) == 0:
+                    src = torch.empty(shape, dtype=dt)
+                else:
+                    src = torch.from_numpy(np.asarray(buf)).view(dt).reshape(shape)
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    src = src.narrow(d, int(o), int(n))
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != src.size():
+                    raise CorruptError(
+                        f"{where}: the plan wants a region of {tuple(target.size())}, the file holds {tuple(src.size())}"
+                    )
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut

@@ -1,0 +1,384 @@
+"""shmckpt.dcp: PyTorch Distributed Checkpoint through shmckpt (CPU torch, gloo).
+
+Multi-process tests spawn real ranks (tests/dcp_worker.py), check every exit status and
+read what each rank verified; single-process tests cover errors and bad input."""
+
+import io
+import json
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shmckpt import errors
+from shmckpt.dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter, release
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "dcp_worker.py"
+CHUNK = 1 << 20
+#: DCP wraps each rank's exception in CheckpointException (a BaseException).
+FAIL = (Exception, CheckpointException)
+
+
+def spawn(scenario, world, workdir, *args, timeout=240, run="0"):
+    """Run `world` ranks of `scenario`; every one must exit 0. Returns their results."""
+    env = dict(os.environ)
+    env["DCP_RUN"] = f"{scenario}-{run}"
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(r), str(world), str(workdir), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out.decode(errors="replace"))
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} of {scenario} exited {p.returncode}:\n{out[-6000:]}"
+    res = []
+    for r in range(world):
+        with open(os.path.join(workdir, f"result-{scenario}-{r}.json")) as f:
+            res.append(json.load(f))
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_save_async_save_load_roundtrip(tmp_path, world):
+    res = spawn("roundtrip", world, tmp_path)
+    for r in res:
+        # 4 DTensors + 6 plain tensors + step, sched, counter n, counter hist
+        assert r["checks"] == {"sync": 14, "async": 14, "interchange": 4, "hf": 4}
+    files = res[0]["files"]
+    assert files == [".metadata", "manifest.json"] + [f"rank-{k:05d}-of-{world:05d}.safetensors" for k in range(world)]
+    ck = tmp_path / "ckpt"
+    # Nothing else is left next to the checkpoints but the (empty) spool.
+    assert sorted(os.listdir(ck)) == [".shmckpt-dcp", "async", "sync"]
+    spool = ck / ".shmckpt-dcp"
+    assert sorted(os.listdir(spool)) == [f"rank-{k:05d}" for k in range(world)]
+    for k in range(world):
+        (root,) = os.listdir(spool / f"rank-{k:05d}")  # one engine root per rank process
+        assert os.listdir(spool / f"rank-{k:05d}" / root) == [f".shmckpt-rank-{k}.lock"]
+    # .metadata points every item at (file, offset, length, CRC) that the manifest confirms.
+    man = json.loads((ck / "sync" / "manifest.json").read_text())
+    md = ShmckptReader(ck / "sync").read_metadata()
+    by = {(f["file"], t["name"]): (f["data_start"] + t["data_offsets"][0], t) for f in man["files"] for t in f["tensors"]}
+    assert len(md.storage_data) >= 14
+    for idx, info in md.storage_data.items():
+        assert isinstance(info, ShmckptStorageInfo)
+        off, t = by[(info.relative_path, info.tensor)]
+        assert (info.offset, info.length, info.crc32c) == (off, t["data_offsets"][1] - t["data_offsets"][0], t["crc32c"])
+        raw = (ck / "sync" / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        assert len(raw) == info.length
+
+
+def test_saved_on_4_ranks_loads_on_2(tmp_path):
+    """DTensor Shard(0) state, and a real FSDP2 model (fully_shard on a CPU mesh) with
+    AdamW after two steps, saved with async_save on 4 ranks, loaded on 2: the DTensors
+    resharded and as whole tensors; the FSDP2 model and optimizer fresh on 2 ranks through
+    get_state_dict / set_state_dict, every full tensor byte-exact."""
+    saved = spawn("reshard_save", 4, tmp_path)
+    # Uneven Shard(0): 10 rows over 4 ranks.
+    assert [s["local_rows"]["model.layers.0.w"] for s in saved] == [3, 3, 3, 1]
+    # 3 modules with weight + bias (6 parameters), 3 AdamW tensors each (step, exp_avg, exp_avg_sq)
+    n = 6 + 6 * 3
+    assert [s["fsdp2_tensors"] for s in saved] == [n] * 4
+    loaded = spawn("reshard_load", 2, tmp_path)
+    for r in loaded:
+        assert r == {"checks": 14, "full": 4, "fsdp2_checked": n}
+
+
+def test_100_saves_keep_host_memory_flat(tmp_path):
+    res = spawn("flat", 2, tmp_path, "100", timeout=300)
+    for r in res:
+        s = r["samples"]
+        assert len(s) == 100
+        # One arena per rank, its size fixed after the first save.
+        assert {x["segs"] for x in s} == {1}
+        assert len({x["shm"] for x in s}) == 1 and s[0]["shm"] >= 2 << 20
+        # RSS after warm-up: no growth per save (a leaked staging copy would be 2 MiB each).
+        grow = s[-1]["rss"] - s[9]["rss"]
+        assert grow < 24 << 20, f"RSS grew {grow} bytes over 90 saves: {[x['rss'] for x in s[::10]]}"
+        assert s[-1]["fds"] <= s[9]["fds"] + 2, [x["fds"] for x in s[::10]]
+
+
+# -- single process -------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    release()
+
+
+def state():
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(64, 32, generator=g),
+        "b": torch.randn(32, generator=g).to(torch.bfloat16),
+        "meta": {"epoch": 3, "tag": "x"},
+    }
+
+
+def zeros():
+    return {"w": torch.zeros(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16), "meta": {"epoch": 0, "tag": ""}}
+
+
+def cause(e):
+    """The first rank's original exception inside DCP's CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def save(path, **kw):
+    dcp.save(state(), storage_writer=ShmckptWriter(path, chunk_size=CHUNK, **kw))
+
+
+def test_single_process_roundtrip_and_layout(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(p))
+    src = state()
+    assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["b"], src["b"])
+    assert dst["meta"] == {"epoch": 3, "tag": "x"}
+    assert sorted(os.listdir(p)) == [".metadata", "manifest.json", "rank-00000-of-00001.safetensors"]
+    assert ShmckptReader.validate_checkpoint_id(p) and not ShmckptReader.validate_checkpoint_id(tmp_path)
+
+
+def test_existing_target_is_refused_before_writing(tmp_path):
+    p = tmp_path / "c"
+    p.mkdir()
+    (p / "x").write_bytes(b"1")
+    with pytest.raises(FAIL) as ei:
+        save(p)
+    assert isinstance(cause(ei.value), FileExistsError)
+    assert "exists and is not empty" in str(cause(ei.value))
+    assert sorted(os.listdir(p)) == ["x"]
+    # An empty directory is fine (the rename replaces it).
+    q = tmp_path / "empty"
+    q.mkdir()
+    save(q)
+    assert (q / ".metadata").is_file()
+
+
+def test_missing_metadata_is_a_clear_error(tmp_path):
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(tmp_path / "nothing"))
+    assert "no DCP metadata" in str(ei.value) and "nothing/.metadata" in str(ei.value)
+
+
+def test_missing_rank_file_names_it(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    f = p / "rank-00000-of-00001.safetensors"
+    f.unlink()
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    c = cause(ei.value)
+    assert isinstance(c, errors.ShmckptError), repr(c)
+    assert str(f) in str(c)
+
+
+def test_corrupted_bytes_fail_the_checksum(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    md = ShmckptReader(p).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
+    f = p / info.relative_path
+    data = bytearray(f.read_bytes())
+    data[info.offset + 100] ^= 0x40
+    f.write_bytes(bytes(data))
+    dst = zeros()
+    with pytest.raises(FAIL) as ei:
+        dcp.load(dst, storage_reader=ShmckptReader(p))
+    c = cause(ei.value)
+    assert isinstance(c, errors.ChecksumError), repr(c)
+    assert "'w'" in str(c) or '"w"' in str(c)
+    assert str(f) in str(c)
+    # Nothing was copied into the destination.
+    assert not dst["w"].any()
+
+
+def test_truncated_file_is_an_error(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    f = p / "rank-00000-of-00001.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-10])
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    assert isinstance(cause(ei.value), (errors.Truncated, errors.CorruptError)), repr(cause(ei.value))
+
+
+def test_metadata_disagreeing_with_manifest_is_refused(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    md = ShmckptReader(p).read_metadata()
+    for v in md.storage_data.values():
+        v.crc32c = (v.crc32c or 0) ^ 1
+    with open(p / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    c = cause(ei.value)
+    assert isinstance(c, errors.CorruptError) and "disagrees with the manifest" in str(c)
+
+
+def test_hostile_metadata_pickle_is_refused(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (p / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    assert "refuses to load global" in str(ei.value)
+    assert not (tmp_path / "pwned").exists()
+    (p / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    assert "not valid DCP metadata" in str(ei.value)
+
+
+def test_filesystem_reader_refuses_clearly(tmp_path):
+    """DCP's FileSystemReader expects a torch.save stream per item: it cannot read these
+    safetensors files, and says so through the transform descriptor instead of loading
+    wrong bytes."""
+    p = tmp_path / "c"
+    save(p)
+    dst = zeros()
+    with pytest.raises(FAIL) as ei:
+        dcp.load(dst, storage_reader=dcp.FileSystemReader(p))
+    assert "shmckpt-safetensors" in str(ei.value)
+    assert not dst["w"].any()
+
+
+def test_reader_refuses_a_filesystemwriter_checkpoint(tmp_path):
+    p = tmp_path / "fs"
+    dcp.save(state(), storage_writer=dcp.FileSystemWriter(p))
+    with pytest.raises(FAIL) as ei:
+        dcp.load(zeros(), storage_reader=ShmckptReader(p))
+    assert "not written by ShmckptWriter" in str(ei.value)
+
+
+def test_writer_cannot_go_to_another_process(tmp_path):
+    with pytest.raises(TypeError, match="THREAD"):
+        pickle.dumps(ShmckptWriter(tmp_path / "c"))
+
+
+def test_unsupported_dtype_is_a_type_error(tmp_path):
+    st = {"c": torch.zeros(3, dtype=torch.complex128)}
+    with pytest.raises(FAIL) as ei:
+        dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
+    assert "complex128" in str(ei.value)
+    assert not (tmp_path / "c").exists()
+
+
+def _result(resp):
+    return (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+
+
+def test_checkpoint_id_given_to_async_save_is_where_it_is_published(tmp_path):
+    w = ShmckptWriter(tmp_path / "ctor", chunk_size=CHUNK)
+    _result(dcp.async_save(state(), checkpoint_id=tmp_path / "a", storage_writer=w))
+    # The same writer again, for another checkpoint.
+    _result(dcp.async_save(state(), checkpoint_id=tmp_path / "b", storage_writer=w))
+    assert not (tmp_path / "ctor").exists()
+    for name in ("a", "b"):
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(tmp_path / name))
+        assert torch.equal(dst["w"], state()["w"]) and dst["meta"]["epoch"] == 3
+
+
+def test_overlapping_async_saves_each_keep_their_own_snapshot(tmp_path):
+    """A second async_save while the first one still uploads; each checkpoint holds the
+    values at its own call."""
+    s = state()
+    r1 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "one", chunk_size=CHUNK))
+    s["w"].add_(1.0)
+    s["meta"]["epoch"] = 4
+    r2 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "two", chunk_size=CHUNK))
+    s["w"].add_(1.0)
+    _result(r1)
+    _result(r2)
+    base = state()["w"]
+    for name, add, epoch in (("one", 0.0, 3), ("two", 1.0, 4)):
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(tmp_path / name))
+        assert torch.equal(dst["w"], base + add), name
+        assert dst["meta"]["epoch"] == epoch
+
+
+def test_a_larger_state_grows_the_arena_and_older_files_survive(tmp_path):
+    small = state()
+    r1 = dcp.async_save(small, storage_writer=ShmckptWriter(tmp_path / "small", chunk_size=CHUNK))
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: needs a bigger arena
+    r2 = dcp.async_save(big, storage_writer=ShmckptWriter(tmp_path / "big", chunk_size=CHUNK))
+    _result(r1)
+    _result(r2)
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(tmp_path / "small"))
+    assert torch.equal(dst["w"], small["w"])
+    d2 = {"w": torch.zeros(3 << 20)}
+    dcp.load(d2, storage_reader=ShmckptReader(tmp_path / "big"))
+    assert torch.equal(d2["w"], big["w"])
+
+
+def test_a_reused_writer_never_publishes_an_older_snapshot(tmp_path):
+    """The first async_save fails in DCP's upload (its target is not empty) after
+    stage(); the next one through the same writer must publish its own values."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x").write_bytes(b"1")
+    w = ShmckptWriter(tmp_path / "unused", chunk_size=CHUNK)
+    first = state()
+    with pytest.raises(FAIL):
+        _result(dcp.async_save(first, checkpoint_id=bad, storage_writer=w))
+    second = {"w": first["w"] + 5.0, "b": first["b"], "meta": {"epoch": 9, "tag": "y"}}
+    _result(dcp.async_save(second, checkpoint_id=tmp_path / "good", storage_writer=w))
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(tmp_path / "good"))
+    assert torch.equal(dst["w"], second["w"]) and dst["meta"] == {"epoch": 9, "tag": "y"}
+    assert sorted(os.listdir(bad)) == ["x"]
+
+
+def test_a_symlinked_rank_file_is_refused(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    f = p / "rank-00000-of-00001.safetensors"
+    real = tmp_path / "elsewhere.safetensors"
+    f.rename(real)
+    f.symlink_to(real)
+    dst = zeros()
+    with pytest.raises(FAIL) as ei:
+        dcp.load(dst, storage_reader=ShmckptReader(p))
+    c = cause(ei.value)
+    assert isinstance(c, errors.CorruptError) and "symbolic link" in str(c) and str(f) in str(c)
+    assert not dst["w"].any()
