@@ -672,7 +672,8 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
             sync(dev)
             for rep in range(a.guard_reps):
                 for with_save in ((False, True) if rep % 2 == 0 else (True, False)):
-                    if with_save and not bud.allows(save_est + 1):
+                    last_it = max([x["iteration_s"] for x in case["without"]] or [target_ms / 1e3])
+                    if not bud.allows(last_it + (save_est if with_save else 0) + 1):
                         rec.setdefault("skipped", []).append(f"target {target_ms} rep {rep}: budget")
                         continue
                     sync(dev)
@@ -782,13 +783,33 @@ def render_markdown(doc: Dict[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
+def build_entry(ctx: Ctx, sname: str, srec: Dict[str, Any]) -> Dict[str, Any]:
+    a, dev = ctx.args, ctx.device
+    layout = STATES[sname]()
+    nbytes = layout_bytes(layout)
+    dts = "/".join(sorted({e["dtype"] for e in layout}))
+    srec["desc"] = f"{nbytes / GiB:.2f} GiB in {len(layout)} tensors ({dts}) on {dev}"
+    lp = os.path.join(a.out, f"layout-{sname}.json")
+    with open(lp, "w") as f:
+        json.dump(layout, f)
+    t = time.perf_counter()
+    state = build_state(layout, dev)
+    sync(dev)
+    srec["fill_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pinned = Pinned(state, dev)
+    srec["pinned_alloc_s"] = time.perf_counter() - t
+    srec["memory_after_alloc"] = mem_snapshot(dev)
+    return {"state": state, "nbytes": nbytes, "layout_path": lp, "pinned": pinned}
+
+
 # ----------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--state", "--states", dest="states", default="8g,16g", help="comma list of " + ",".join(STATES))
     ap.add_argument("--sections", default="stall,load,guard", help="comma list of stall,load,guard (memory is recorded in stall)")
-    ap.add_argument("--guard-states", default="8g,tiny", help="states the guard section runs on")
+    ap.add_argument("--guard-states", default="8g,tiny,1g", help="states the guard section runs on")
     ap.add_argument("--load-states", default="8g,16g,tiny,1g", help="states the load section runs on")
     ap.add_argument("--root", default=None, help="checkpoint root on the disk to measure (default: ./py-bench-root)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "py-bench-out")
@@ -799,15 +820,20 @@ def main() -> int:
     ap.add_argument("--cli-blocks", type=int, default=1)
     ap.add_argument("--load-reps", type=int, default=2)
     ap.add_argument("--guard-reps", type=int, default=3)
-    ap.add_argument("--fwd-ms", default="80", help="fake forward/backward targets, ms (comma list)")
-    ap.add_argument("--no-fwd-covering", dest="fwd_covering", action="store_false",
-                    help="skip the case whose forward/backward is 1.3 x the pinned copy")
+    ap.add_argument("--fwd-ms", default=None, help="fake forward/backward targets, ms (comma list; default 80 on cuda, 10 on cpu)")
+    ap.add_argument("--fwd-covering", dest="fwd_covering", action="store_true", default=None,
+                    help="also a case whose forward/backward is 1.3 x the pinned copy (default on cuda)")
+    ap.add_argument("--no-fwd-covering", dest="fwd_covering", action="store_false")
     ap.add_argument("--mm-size", type=int, default=0, help="matmul side (default 8192 cuda, 256 cpu)")
     ap.add_argument("--no-torch-load", dest="torch_load", action="store_false")
     ap.add_argument("--no-safetensors-fast", dest="safetensors_fast", action="store_false")
     ap.add_argument("--disk-gbps", type=float, default=2.0, help="write speed assumed by the budget")
     ap.add_argument("--read-gbps", type=float, default=2.0, help="read speed assumed by the budget")
     a = ap.parse_args()
+    if a.fwd_ms is None:
+        a.fwd_ms = "80" if a.device == "cuda" else "10"
+    if a.fwd_covering is None:
+        a.fwd_covering = a.device == "cuda"
     if not a.mm_size:
         a.mm_size = 8192 if a.device == "cuda" else 256
     a.root = os.path.abspath(a.root or "py-bench-root")
@@ -850,60 +876,65 @@ def main() -> int:
                                "safetensors fast CUDA path): --device cpu; the references are plain host copies")
     res.flush()
 
-    for sname in [s.strip() for s in a.states.split(",") if s.strip()]:
+    # The plan: first the stall (and guard) of every state, then the loads, so the
+    # budget goes to the stalls first. States stay allocated between their items; each
+    # item opens its own checkpointer (fresh root) and removes it after, so the disk
+    # holds at most one state's checkpoints plus the CLI's.
+    states = [x.strip() for x in a.states.split(",") if x.strip()]
+    plan: List[Any] = []
+    for sname in states:
+        secs = [x for x in ("stall", "guard") if x in sections and (x != "guard" or sname in a.guard_states.split(","))]
+        if secs:
+            plan.append((sname, secs))
+    for sname in states:
+        if "load" in sections and sname in a.load_states.split(","):
+            plan.append((sname, ["load"]))
+    meta["plan"] = plan
+    last_use = {sname: i for i, (sname, _) in enumerate(plan)}
+    cache: Dict[str, Dict[str, Any]] = {}
+    for idx, (sname, secs) in enumerate(plan):
+        srec = res.state(sname)
         if budget.left() < 10:
-            res.state(sname)["skipped"] = "budget"
+            srec.setdefault("skipped", []).append(f"{','.join(secs)}: budget")
             res.flush()
             continue
-        st: Dict[str, Any] = {}
+        st = cache.get(sname)
         try:
-            layout = STATES[sname]()
-            nbytes = layout_bytes(layout)
-            srec = res.state(sname)
-            srec["desc"] = f"{nbytes / GiB:.2f} GiB in {len(layout)} tensors ({'/'.join(sorted({e['dtype'] for e in layout}))}) on {dev}"
-            lp = os.path.join(a.out, f"layout-{sname}.json")
-            with open(lp, "w") as f:
-                json.dump(layout, f)
-            t = time.perf_counter()
-            state = build_state(layout, dev)
-            sync(dev)
-            srec["fill_s"] = time.perf_counter() - t
+            if st is None:
+                st = cache[sname] = build_entry(ctx, sname, srec)
             root = os.path.join(a.root, f"py-{sname}")
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
-            chunk = 8 * MiB
             t = time.perf_counter()
-            ckpt = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=nbytes + 64 * MiB + chunk)
-            srec["checkpointer_open_s"] = time.perf_counter() - t
-            st = {"state": state, "ckpt": ckpt, "nbytes": nbytes, "layout_path": lp,
-                  "pinned": Pinned(state, dev), "next_step": 1, "last_step": None}
-            srec["memory_after_alloc"] = mem_snapshot(dev)
+            st["ckpt"] = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=st["nbytes"] + 64 * MiB + 8 * MiB)
+            srec.setdefault("checkpointer_open_s", []).append(time.perf_counter() - t)
+            st.update(next_step=1, last_step=None, last_file=None, dirty=False)
             res.flush()
         except Exception:
-            res.state(sname)["error"] = traceback.format_exc()
-            log(f"{sname}: setup FAILED\n{res.state(sname)['error']}")
+            srec.setdefault("setup_errors", []).append(traceback.format_exc())
+            log(f"{sname}: setup FAILED\n{srec['setup_errors'][-1]}")
             res.flush()
-            st.clear()
+            cache.pop(sname, None)
+            st = None
             gc.collect()
             continue
         try:
-            if "stall" in sections:
-                run_section(ctx, sname, "stall", lambda r: section_stall(ctx, sname, st, r))
-            if "guard" in sections and sname in a.guard_states.split(","):
-                run_section(ctx, sname, "guard", lambda r: section_guard(ctx, sname, st, r))
-            if "load" in sections and sname in a.load_states.split(","):
-                run_section(ctx, sname, "load", lambda r: section_load(ctx, sname, st, r))
+            for sec in secs:
+                fn = {"stall": section_stall, "guard": section_guard, "load": section_load}[sec]
+                run_section(ctx, sname, sec, lambda r, fn=fn: fn(ctx, sname, st, r))
         finally:
             try:
-                st["ckpt"].close()
+                st.pop("ckpt").close()
             except Exception:
-                res.state(sname)["close_error"] = traceback.format_exc()
+                srec.setdefault("close_errors", []).append(traceback.format_exc())
             shutil.rmtree(os.path.join(a.root, f"py-{sname}"), ignore_errors=True)
-            st.clear()
-            gc.collect()
-            if dev.startswith("cuda"):
-                torch.cuda.empty_cache()
-                res.state(sname)["memory_after_free"] = mem_snapshot(dev)
+            if last_use[sname] == idx:
+                cache.pop(sname, None)
+                st = None
+                gc.collect()
+                if dev.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                    srec["memory_after_free"] = mem_snapshot(dev)
             res.flush()
     res.doc["meta"]["wall_s"] = budget.seconds - budget.left()
     res.flush()
