@@ -633,6 +633,9 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
     params = {k: v for k, v in state.items() if v.is_floating_point()}
     pbytes = sum(v.numel() * v.element_size() for v in params.values())
     save_est = pbytes / (a.disk_gbps * 1e9) + 0.5
+    if not bud.allows(3 * save_est + 10):
+        rec.setdefault("skipped", []).append(f"guard: budget (needs ~{3 * save_est + 10:.0f} s)")
+        return
     # The pinned copy of exactly the saved bytes (the guarded parameters).
     ref = st["pinned"] if len(params) == len(state) else Pinned(params, dev)
     ref.d2h(dev)
