@@ -628,7 +628,7 @@ def locate_file(ckpt: Any, step: int) -> str:
 # ----------------------------------------------------------------------------- 2. guard
 def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any]) -> None:
     a, dev, bud = ctx.args, ctx.device, ctx.budget
-    state, ckpt, pinned = st["state"], st["ckpt"], st["pinned"]
+    state = st["state"]
     cuda = dev.startswith("cuda")
     params = {k: v for k, v in state.items() if v.is_floating_point()}
     pbytes = sum(v.numel() * v.element_size() for v in params.values())
@@ -644,6 +644,17 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
     rec.update(saved_bytes=pbytes, saved_tensors=len(params), pinned_copy_runs_s=copies, pinned_copy_s=copy_s)
     del ref
     st["dirty"] = True  # opt.step() changes the state after its last save
+    try:
+        _guard_body(ctx, st, rec, params, pbytes, save_est, copy_s, cuda)
+    finally:
+        for p in params.values():
+            p.grad = None
+            p.requires_grad_(False)
+
+
+def _guard_body(ctx: Ctx, st: Dict[str, Any], rec: Dict[str, Any], params: Dict[str, torch.Tensor],
+                pbytes: int, save_est: float, copy_s: Optional[float], cuda: bool) -> None:
+    a, dev, bud, ckpt = ctx.args, ctx.device, ctx.budget, st["ckpt"]
     for p in params.values():
         p.requires_grad_(True)
         p.grad = torch.randn_like(p) * 1e-3
@@ -664,16 +675,17 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
             g.mul_(0.5)
 
     # Calibrate matmuls per fake forward/backward.
-    fwd_bwd(2)
-    sync(dev)
-    per10 = []
-    for _ in range(3):
+    def timed(k: int) -> float:
         t = time.perf_counter()
-        fwd_bwd(10)
+        fwd_bwd(k)
         sync(dev)
-        per10.append(time.perf_counter() - t)
-    per_mm = max(min(per10) / 10, 1e-6)
-    rec["calibration_10_matmuls_s"] = per10
+        return time.perf_counter() - t
+
+    timed(2)
+    t_grads = min(timed(0) for _ in range(3))
+    t_10 = min(timed(10) for _ in range(3))
+    per_mm = max((t_10 - t_grads) / 10, 1e-6)
+    rec["calibration"] = {"grads_only_s": t_grads, "ten_matmuls_s": t_10, "per_matmul_s": per_mm}
     hook_t: List[float] = []
     ckpt.guard(opt)
     h_mine = opt.register_step_pre_hook(lambda *_: hook_t.append(time.perf_counter()))
@@ -682,7 +694,7 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
     rec["cases"] = []
     try:
         for target_ms in targets:
-            k = max(1, round(target_ms / 1e3 / per_mm))
+            k = max(1, round((target_ms / 1e3 - t_grads) / per_mm))
             case: Dict[str, Any] = {"target_fwd_ms": target_ms, "matmuls": k, "matmul_n": n, "with": [], "without": []}
             rec["cases"].append(case)
             fwd_bwd(k)  # warm
@@ -697,12 +709,14 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
                     sync(dev)
                     hook_t.clear()
                     h = None
+                    m0 = mem_snapshot(dev) if with_save else None
                     t0 = time.perf_counter()
                     if with_save:
                         step = st["next_step"]
                         st["next_step"] += 1
                         h = ckpt.save(step, params, blocking=False)
                     t1 = time.perf_counter()
+                    m1 = mem_snapshot(dev) if with_save else None
                     fwd_bwd(k)
                     stream_sync()  # e.g. loss.item(): the host sees the end of the backward
                     t2 = time.perf_counter()
@@ -719,6 +733,8 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
                         "iteration_s": t4 - t0,
                         "staged_before_step": staged_before_step,
                     }
+                    if m0 is not None:
+                        r["memory_at_save_call"] = {"before": m0, "after": m1}
                     if h is not None:
                         rep_ = h.wait()
                         st["last_step"] = step
@@ -731,7 +747,11 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
             step_with, step_without = w("opt_step_host_s", "with"), w("opt_step_host_s", "without")
             fwd = w("fwd_bwd_s", "without")
             stall = None if step_with is None or step_without is None else max(0.0, step_with - step_without)
+            mems = [x["memory_at_save_call"] for x in case["with"] if "memory_at_save_call" in x]
             case["summary"] = {
+                "memory_unchanged_by_save_call": None if not mems else all(
+                    m["before"]["allocated"] == m["after"]["allocated"] and m["before"]["reserved"] == m["after"]["reserved"]
+                    for m in mems),
                 "step_wait_s": wait_with,
                 "step_wait_no_save_s": wait_without,
                 "opt_step_extra_s": stall,
@@ -748,9 +768,6 @@ def section_guard(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any])
     finally:
         h_mine.remove()
         ckpt.unguard(opt)
-        for p in params.values():
-            p.grad = None
-            p.requires_grad_(False)
         del opt, A, B, C, grads
 
 
