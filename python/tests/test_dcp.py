@@ -32,7 +32,8 @@ def spawn(scenario, world, workdir, *args, timeout=240, run="0"):
     """Run `world` ranks of `scenario`; every one must exit 0. Returns their results."""
     env = dict(os.environ)
     env["DCP_RUN"] = f"{scenario}-{run}"
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
+    # The workers import the installed package, like the test process (never the source
+    # tree's python/shmckpt, which has no compiled extension).
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = [
         subprocess.Popen(
