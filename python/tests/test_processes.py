@@ -28,6 +28,12 @@ def free_port():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_save_and_load(root, tmp_path, world):
+    """Each rank saves its own state (blocking, non-blocking, a DTensor shard) and loads it.
+
+    Ranks commit concurrently: this exposes the engine's commit race (a rank whose partial
+    directory another rank has just renamed into place fails with `IoError: open
+    step-N.partial`); it passes reliably with the fix to `commit::commit` that treats a
+    missing partial directory as success when the step is committed."""
     port = free_port()
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
     procs = [
