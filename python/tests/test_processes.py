@@ -135,3 +135,19 @@ def test_rss_fds_and_dev_shm_flat_across_100_saves(root):
     assert after[2] == base[2]
     assert after[0] - base[0] < 8 << 20, f"RSS grew by {(after[0] - base[0]) >> 20} MiB"
     assert not [n for n in shm_entries() if n not in base[2]]
+
+
+def test_interpreter_exit_finishes_a_non_blocking_save(root):
+    code = (
+        "import sys, torch, shmckpt\n"
+        "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=64 << 20, chunk_size=1 << 20)\n"
+        "ck.save(3, {'w': torch.arange(4 << 20, dtype=torch.int32)}, blocking=False)\n"
+        "print(ck.shm_name)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    shm = p.stdout.strip()
+    assert shm.startswith("shmckpt.") and not os.path.exists(f"/dev/shm/{shm}")
+    with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20) as c:
+        assert c.list() == [3]
+        assert digest(c.load(3)["w"]) == digest(torch.arange(4 << 20, dtype=torch.int32))
