@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import json
@@ -261,6 +262,19 @@ def _read_header_metadata(path: str) -> Dict[str, str]:
     return meta
 
 
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, finish the saves in flight and remove the staging segments."""
+    for ck in list(_OPEN):
+        try:
+            ck.close()
+        except BaseException:  # pragma: no cover - best effort at exit
+            pass
+
+
 class Checkpointer:
     """Checkpoints of one rank under ``root``.
 
@@ -314,10 +328,13 @@ class Checkpointer:
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        _OPEN.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the saves in flight, then release the staging memory. Idempotent."""
+        """Wait for the saves in flight, then release the staging memory. Idempotent (also
+        done at interpreter exit for checkpointers still open)."""
+        _OPEN.discard(self)
         for h in list(self._pending):
             try:
                 h._get_rust()

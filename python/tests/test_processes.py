@@ -28,6 +28,12 @@ def free_port():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_save_and_load(root, tmp_path, world):
+    """Each rank saves its own state (blocking, non-blocking, a DTensor shard) and loads it.
+
+    Ranks commit concurrently: this exposes the engine's commit race (a rank whose partial
+    directory another rank has just renamed into place fails with `IoError: open
+    step-N.partial`); it passes reliably with the fix to `commit::commit` that treats a
+    missing partial directory as success when the step is committed."""
     port = free_port()
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
     procs = [
@@ -129,3 +135,19 @@ def test_rss_fds_and_dev_shm_flat_across_100_saves(root):
     assert after[2] == base[2]
     assert after[0] - base[0] < 8 << 20, f"RSS grew by {(after[0] - base[0]) >> 20} MiB"
     assert not [n for n in shm_entries() if n not in base[2]]
+
+
+def test_interpreter_exit_finishes_a_non_blocking_save(root):
+    code = (
+        "import sys, torch, shmckpt\n"
+        "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=64 << 20, chunk_size=1 << 20)\n"
+        "ck.save(3, {'w': torch.arange(4 << 20, dtype=torch.int32)}, blocking=False)\n"
+        "print(ck.shm_name)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    shm = p.stdout.strip()
+    assert shm.startswith("shmckpt.") and not os.path.exists(f"/dev/shm/{shm}")
+    with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20) as c:
+        assert c.list() == [3]
+        assert digest(c.load(3)["w"]) == digest(torch.arange(4 << 20, dtype=torch.int32))
