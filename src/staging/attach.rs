@@ -151,16 +151,6 @@ impl AttachedArena {
         &self.name
     }
 
-    /// Bytes of the segment.
-    pub fn len(&self) -> usize {
-        usize::try_from(self.len).unwrap_or(usize::MAX)
-    }
-
-    /// Whether the segment is empty (never: opening refuses segments without a header).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The arena header.
     pub fn header(&self) -> HeaderView {
         self.header.clone()
@@ -267,6 +257,11 @@ impl AttachedArena {
         let off = self
             .geo()
             .chunk_range(u64::from(index), at, out.len() as u64)?;
+        // The geometry was checked against the size at open; check the read against it too
+        // (defence in depth: a range past the checked size is never read).
+        if off.checked_add(out.len() as u64)? > self.len {
+            return None;
+        }
         self.file.read_exact_at(out, off).ok()
     }
 
@@ -338,7 +333,7 @@ mod tests {
     fn list_all(a: &AttachedArena) {
         let h = a.header();
         let g = h.geometry;
-        assert!(g.total_len <= a.len() as u64);
+        assert!(g.total_len <= a.len);
         for s in 0..a.slot_count() {
             let v = a.slot(s);
             assert!(v.chunks.len() as u64 <= g.n_chunks);

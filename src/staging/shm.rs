@@ -117,16 +117,6 @@ impl Segment {
         self.ptr.as_ptr()
     }
 
-    /// Length of the mapping.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the mapping is empty (never: segments have at least one page).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The shm name (without slash), `None` for anonymous mappings.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
@@ -207,17 +197,4 @@ pub fn open_existing(
         })?;
     let (size, blocks) = crate::fsx::check_regular(f.as_fd(), &mount.join(name), None)?;
     Ok((f, size, blocks))
-}
-
-/// Names of segments in `/dev/shm` starting with `prefix`.
-pub fn list_segments(prefix: &str) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(SHM_MOUNT)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with(prefix))
-        .collect();
-    names.sort();
-    names
 }
