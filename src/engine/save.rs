@@ -56,6 +56,13 @@ pub struct SaveOptions<'a> {
 
 impl<'a> SaveOptions<'a> {
     /// Default options: device copies start after the device is synchronized.
+    ///
+    /// With [`Engine::save`]/[`Engine::save_with`] the synchronization and the
+    /// [`after_stream`](Self::after_stream) event happen inside the call. With
+    /// [`Engine::save_async`] they happen on the staging thread, once it starts: the copies
+    /// then also wait for work queued after the call. To order them after exactly the work
+    /// queued at the call (and let the next kernels overlap the copy), record an event at the
+    /// call and pass it with [`after_event`](Self::after_event), as the Python package does.
     pub fn new() -> Self {
         Self::default()
     }
