@@ -25,6 +25,7 @@ pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
 pub mod restore;
+pub(crate) mod slab;
 pub(crate) mod staging;
 mod tensor;
 #[cfg(feature = "testing")]
