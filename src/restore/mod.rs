@@ -72,8 +72,9 @@ pub trait ReadSink {
     /// `bytes` are the bytes of tensor `tensor` (index in the manifest's file entry)
     /// starting at offset `at` inside the tensor.
     fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()>;
-    /// The staging buffer that held the last pieces is about to be reused: finish any
-    /// asynchronous use of it.
+    /// The staging buffers that held the pieces given so far are about to be reused:
+    /// finish any asynchronous use of them. Called after every few chunks, at the end, and
+    /// before an error returns; buffers are reused only after it returned `Ok`.
     fn chunk_end(&mut self) -> Result<()> {
         Ok(())
     }

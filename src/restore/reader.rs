@@ -42,7 +42,7 @@ pub fn read_file(
         Some(a) => Arc::clone(a),
         None => Arena::create(&ArenaSpec {
             name: None,
-            capacity: PRIVATE_CHUNK * qd as u64,
+            capacity: PRIVATE_CHUNK * (qd + HAND_OFF) as u64,
             chunk_size: PRIVATE_CHUNK,
             slots: 1,
             rank: 0,
@@ -67,6 +67,7 @@ pub fn read_file(
     let mut ready: BTreeMap<u64, (ChunkLease, Pending)> = BTreeMap::new();
     let mut next_issue = 0u64;
     let mut next_process = 0u64;
+    let mut handed: Vec<ChunkLease> = Vec::with_capacity(HAND_OFF);
     let mut error: Option<Error> = None;
     let issue = |q: &mut LeaseQueue<Pending>, lease: ChunkLease, p: Pending| {
         let offset = entry.data_start + p.chunk * cs + p.got as u64;
@@ -90,7 +91,17 @@ pub fn read_file(
     loop {
         // Hold at most `qd` buffers, in flight or waiting for an earlier chunk.
         while error.is_none() && next_issue < n && ready.len() + q.in_flight() < qd {
-            let (lease, _) = arena.acquire();
+            let lease = match arena.try_acquire() {
+                Some(l) => l,
+                None => {
+                    // Buffers handed to the sink come back once its copies finished.
+                    if let Err(e) = release(sink, &mut handed) {
+                        error = Some(e);
+                        break;
+                    }
+                    arena.acquire().0
+                }
+            };
             let k = next_issue;
             let want = (data_len - k * cs).min(cs) as usize;
             if let Err(e) = issue(
@@ -110,7 +121,13 @@ pub fn read_file(
         if q.in_flight() == 0 {
             break;
         }
-        let done = q.wait(1).map_err(|b| Error::io("io wait", path, b.error))?;
+        let done = match q.wait(1) {
+            Ok(d) => d,
+            Err(b) => {
+                error.get_or_insert(Error::io("io wait", path, b.error));
+                break;
+            }
+        };
         for d in done {
             let mut p = d.tag;
             let offset = entry.data_start + p.chunk * cs + p.got as u64;
@@ -154,7 +171,19 @@ pub fn read_file(
                 error = Some(e);
             }
             next_process += 1;
+            // The sink may still copy from this buffer (device copies run asynchronously):
+            // keep it until `chunk_end`, called once for several chunks so that their
+            // copies overlap each other and the reads.
+            handed.push(lease);
+            if handed.len() >= HAND_OFF
+                && let Err(e) = release(sink, &mut handed)
+            {
+                error.get_or_insert(e);
+            }
         }
+    }
+    if let Err(e) = release(sink, &mut handed) {
+        error.get_or_insert(e);
     }
     if let Some(e) = error {
         return Err(e);
@@ -201,13 +230,30 @@ fn process_chunk(
         let f = e.min(end);
         let piece = &bytes[(s - start) as usize..(f - start) as usize];
         crcs[i] = crc32c::crc32c_append(crcs[i], piece);
-        if let Err(e) = sink.piece(i, s - b, piece) {
-            // The sink may still be using earlier pieces of this buffer.
-            let _ = sink.chunk_end();
-            return Err(e);
-        }
+        sink.piece(i, s - b, piece)?;
     }
-    sink.chunk_end()
+    Ok(())
+}
+
+/// Processed chunks whose buffers the sink may still read (asynchronous device copies)
+/// before `chunk_end` says it is done with them.
+const HAND_OFF: usize = 4;
+
+/// Let the sink finish with every buffer handed to it, then free them.
+fn release(sink: &mut dyn ReadSink, handed: &mut Vec<ChunkLease>) -> Result<()> {
+    if handed.is_empty() {
+        return Ok(());
+    }
+    let r = sink.chunk_end();
+    if r.is_err() {
+        // A sink that failed to finish may still use the buffers: never reuse them.
+        for l in handed.drain(..) {
+            std::mem::forget(l);
+        }
+        return r;
+    }
+    handed.clear();
+    Ok(())
 }
 
 /// Size of each read of [`read_to_slab`].
