@@ -5,14 +5,15 @@
 //! while it is being filled and written, and returns to the free pool when the lease drops,
 //! after its write completed. `acquire` blocks when no chunk is free: that is the
 //! backpressure a second save feels while an earlier one drains.
-#![allow(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod attach;
 pub mod descriptor;
 pub mod layout;
+mod lease;
+mod mapped;
 pub mod shm;
 
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 pub use attach::AttachedArena;
 use descriptor::{Descriptor, Geometry};
+pub use lease::ChunkLease;
+use mapped::Mapped;
 pub use shm::Segment;
 
 /// Prefix of every arena name in `/dev/shm`.
@@ -61,8 +64,7 @@ pub struct ArenaSpec {
 /// The staging arena. Shared by the engine, its writer threads and chunk leases.
 #[derive(Debug)]
 pub struct Arena {
-    seg: Segment,
-    desc: Descriptor,
+    map: Mapped,
     geo: Geometry,
     free: Mutex<Vec<u32>>,
     freed: Condvar,
@@ -121,19 +123,7 @@ impl Arena {
             Some(n) => Segment::create(n, len)?,
             None => Segment::anonymous(len)?,
         };
-        // SAFETY: the segment was just created, zero-filled, page aligned and `len ==
-        // geo.total_len` bytes long, and `geo` was made for this root; nobody else has attached yet (the name is fresh,
-        // O_EXCL) and we hold the only reference.
-        let desc = unsafe {
-            Descriptor::init(
-                seg.as_ptr(),
-                geo,
-                std::process::id(),
-                spec.rank,
-                spec.world_size,
-                root,
-            )
-        };
+        let map = Mapped::init(seg, geo, spec.rank, spec.world_size, root)?;
         if let Some(n) = &spec.name {
             OPEN_HERE
                 .lock()
@@ -141,8 +131,7 @@ impl Arena {
                 .insert(n.clone());
         }
         Ok(Arc::new(Arena {
-            seg,
-            desc,
+            map,
             geo,
             free: Mutex::new((0..n_chunks as u32).rev().collect()),
             freed: Condvar::new(),
@@ -170,20 +159,18 @@ impl Arena {
 
     /// The segment name, `None` for anonymous arenas.
     pub fn name(&self) -> Option<&str> {
-        self.seg.name()
+        self.map.segment().name()
     }
 
     /// The crash-recovery descriptor.
-    pub fn descriptor(&self) -> &Descriptor {
-        &self.desc
+    pub fn descriptor(&self) -> Descriptor<'_> {
+        self.map.descriptor()
     }
 
     /// The data region: first chunk's address and total data bytes. Writers register it
     /// with io_uring and the CUDA driver.
     pub fn data_region(&self) -> (*mut u8, usize) {
-        // SAFETY: data_offset < total_len <= mapping length (Geometry).
-        let p = unsafe { self.seg.as_ptr().add(self.geo.data_offset as usize) };
-        (p, self.capacity() as usize)
+        self.map.data_region()
     }
 
     /// Total nanoseconds callers have waited for free chunks.
@@ -222,17 +209,17 @@ impl Arena {
     }
 
     fn lease(self: &Arc<Self>, index: u32) -> ChunkLease {
-        let (base, _) = self.data_region();
-        // SAFETY: index < n_chunks, so the chunk lies inside the data region.
-        let ptr = unsafe { base.add(index as usize * self.geo.chunk_size as usize) };
         ChunkLease {
             arena: Arc::clone(self),
             index,
-            ptr: NonNull::new(ptr).expect("mapping is non-null"),
+            ptr: self
+                .map
+                .chunk_ptr(index)
+                .expect("indices in the free list are < n_chunks"),
         }
     }
 
-    fn release(&self, index: u32) {
+    pub(super) fn release(&self, index: u32) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         free.push(index);
         drop(free);
@@ -253,7 +240,7 @@ impl Arena {
 
     /// Mark a slot free in the descriptor and return it to the pool.
     pub fn release_slot(&self, slot: u32) {
-        self.desc.free(slot);
+        self.descriptor().free(slot);
         self.slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -265,15 +252,15 @@ impl Arena {
     /// stays valid until the last reference drops.
     pub fn close(&self) {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
-            self.desc.mark_closed();
-            if let Some(n) = self.seg.name() {
+            self.descriptor().mark_closed();
+            if let Some(n) = self.map.segment().name() {
                 OPEN_HERE
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(n);
             }
-            if let Err(e) = self.seg.unlink() {
-                tracing::warn!(name = ?self.seg.name(), error = %e, "could not unlink staging arena");
+            if let Err(e) = self.map.segment().unlink() {
+                tracing::warn!(name = ?self.map.segment().name(), error = %e, "could not unlink staging arena");
             }
         }
     }
@@ -282,65 +269,6 @@ impl Arena {
 impl Drop for Arena {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-/// Exclusive use of one arena chunk. Dropping the lease returns the chunk to the pool, so a
-/// lease must live as long as anyone (a DMA engine, the kernel) may access the chunk.
-#[derive(Debug)]
-pub struct ChunkLease {
-    arena: Arc<Arena>,
-    index: u32,
-    ptr: NonNull<u8>,
-}
-
-// SAFETY: the lease is the only handle to its chunk's bytes; moving it between threads moves
-// that exclusive access along with it.
-unsafe impl Send for ChunkLease {}
-
-impl ChunkLease {
-    /// Arena chunk index.
-    pub fn index(&self) -> u32 {
-        self.index
-    }
-
-    /// Chunk length.
-    pub fn len(&self) -> usize {
-        self.arena.geo.chunk_size as usize
-    }
-
-    /// Always false (chunks are never empty).
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// Raw pointer to the chunk (for DMA and io_uring).
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    /// The chunk's bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the lease is the unique owner of this chunk; the arena (kept alive by the
-        // `Arc`) maps `len` bytes at `ptr`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
-    }
-
-    /// The chunk's bytes, mutable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live borrow.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
-    }
-
-    /// The arena this chunk belongs to.
-    pub fn arena(&self) -> &Arc<Arena> {
-        &self.arena
-    }
-}
-
-impl Drop for ChunkLease {
-    fn drop(&mut self) {
-        self.arena.release(self.index);
     }
 }
 
