@@ -143,11 +143,13 @@ impl<'a> Tensor<'a> {
     }
 }
 
-/// Bytes aligned to 8, so that typed views of any dtype are possible.
+/// A tensor's bytes, aligned for typed views of its dtype.
 ///
-/// `load` returns tensors whose bytes are views into one allocation per file (read there
-/// with O_DIRECT, no copy); the allocation is freed, or kept by the engine for its next
-/// load, when the last of them is dropped. Cloning copies the bytes.
+/// [`AlignedBytes::zeroed`] (and a clone) is aligned to 8. `load` returns tensors whose
+/// bytes are views into one allocation per file (read there with O_DIRECT, no copy),
+/// aligned to their dtype's element size (the file stores each tensor at a multiple of
+/// it), so `cast` to the tensor's own element type always succeeds; the allocation is
+/// freed, or kept by the engine for its next load, when the last view is dropped.
 pub struct AlignedBytes {
     repr: Repr,
 }
@@ -168,7 +170,7 @@ impl AlignedBytes {
         }
     }
 
-    /// A view into a load's slab (its offset is a multiple of 8, checked by the slab).
+    /// A view into a load's slab.
     pub(crate) fn view(v: crate::slab::SlabView) -> Self {
         AlignedBytes {
             repr: Repr::View(v),
@@ -242,6 +244,6 @@ pub struct LoadedTensor {
     pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<usize>,
-    /// Bytes, 8-byte aligned.
+    /// Bytes, aligned to the dtype's element size.
     pub data: AlignedBytes,
 }

@@ -265,8 +265,8 @@ const SLAB_DEPTH: u32 = 16;
 /// Read the data section of `path` (described by `entry`) with O_DIRECT straight into one
 /// slab (reused from `pool` when it holds one that fits), `max(queue_depth, 16)` reads of
 /// 4 MiB in flight, every tensor's CRC-32C computed on a second thread as the reads
-/// complete, and return the tensors' bytes (in file order) as views of the slab. Tensors
-/// whose offset is not a multiple of 8 are copied out, so every tensor stays 8-aligned.
+/// complete, and return the tensors' bytes (in file order) as views of the slab, each
+/// aligned to its dtype's element size (a tensor whose offset is not is copied out).
 pub(crate) fn read_to_slab(
     path: &Path,
     entry: &FileEntry,
@@ -441,7 +441,9 @@ pub(crate) fn read_to_slab(
         for t in &entry.tensors {
             let [b, e] = t.data_offsets;
             let (b, e) = (b as usize, e as usize);
-            if b.is_multiple_of(8) {
+            // The file orders tensors by decreasing element size, so each starts at a
+            // multiple of its own alignment: a view then (the copy is for hostile files).
+            if b.is_multiple_of(t.dtype.alignment() as usize) {
                 ranges.push((b, e));
                 copies.push(None);
             } else {

@@ -445,8 +445,8 @@ fn backpressure_never_exceeds_the_stall_with_parallel_copy_threads() {
 }
 
 /// Host `load` reads straight into one allocation whose ranges are the tensors: the bytes
-/// are exact, every tensor is 8-aligned (those at odd offsets are copied out), each tensor
-/// is its own mutable buffer, and the allocation comes back to the engine for the next
+/// are exact, every tensor is aligned to its element size, each tensor is its own mutable
+/// buffer, and the allocation comes back to the engine for the next
 /// load when the tensors are dropped (and the next load is exact in reused memory).
 #[test]
 fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
@@ -455,11 +455,12 @@ fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
         dtype,
         shape: shape.to_vec(),
     };
-    // U8 tensors of 3 and 5 bytes put `odd` at data offset ...+3: not 8-aligned.
+    // U8 tensors of 3 and 5 bytes put `odd` at data offset ...+3 and `half` (F16) at +8+4099.
     let layout = vec![
         e("big", Dtype::F32, &[3 << 20]),
         e("three", Dtype::U8, &[3]),
         e("odd", Dtype::U8, &[5]),
+        e("half", Dtype::F16, &[3]),
         e("tail", Dtype::U8, &[4099]),
     ];
     for backend in BACKENDS {
@@ -481,27 +482,28 @@ fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
         let mut ck = engine.load(1).unwrap();
         assert_loaded_equal(&ck, &s1);
         for t in &ck.tensors {
-            assert_eq!(
-                t.data.as_bytes().as_ptr() as usize % 8,
-                0,
-                "{} unaligned",
-                t.name
-            );
+            let align = t.dtype.alignment() as usize;
+            assert_eq!(t.data.as_bytes().as_ptr() as usize % align, 0, "{}", t.name);
         }
+        assert_eq!(ck.get("half").unwrap().data.cast::<u16>().unwrap().len(), 3);
         // Writing one tensor leaves the others (neighbours in the same allocation) alone.
+        assert_eq!(ck.tensors[0].name, "big");
         ck.tensors[0].data.as_bytes_mut().fill(0xEE);
         let c = ck.clone();
         assert_eq!(c, ck);
         assert!(c.tensors[0].data.as_bytes().iter().all(|&b| b == 0xEE));
-        let mut rest = s1.data.clone();
-        rest[0].fill(0xEE);
-        for (t, d) in ck.tensors.iter().zip(&rest) {
-            assert_eq!(t.data.as_bytes(), &d[..], "{}", t.name);
+        for (e, d) in s1.layout.iter().zip(&s1.data) {
+            let got = ck.get(&e.name).unwrap().data.as_bytes();
+            if e.name == "big" {
+                assert!(got.len() == d.len() && got.iter().all(|&b| b == 0xEE));
+            } else {
+                assert_eq!(got, &d[..], "{}", e.name);
+            }
         }
         drop(c);
         drop(ck);
         let held = engine.load_buffer_bytes();
-        assert!(held >= (12 << 20) + 4099 + 8, "allocation kept: {held}");
+        assert!(held >= (12 << 20) + 4099 + 8 + 6, "allocation kept: {held}");
         // Step 2 into the reused memory (which still holds step 1's bytes): exact.
         let ck2 = engine.load(2).unwrap();
         assert_eq!(engine.load_buffer_bytes(), 0, "reused, not held twice");
