@@ -242,6 +242,12 @@ impl SlabRegion {
         // the allocation and is initialized; `&self` prevents writes through it meanwhile.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
     }
+
+    /// The bytes, mutable.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
+    }
 }
 
 /// A tensor's bytes inside a slab: the only handle to its range.

@@ -12,6 +12,7 @@
 //! directory.
 
 mod finalize;
+mod flash;
 mod handle;
 mod save;
 mod state;
@@ -37,6 +38,7 @@ use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
 use crate::tensor::DeviceSlice;
+pub use flash::{KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept};
 
 pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
@@ -60,6 +62,10 @@ impl From<u64> for StepSel {
 struct Shared {
     cfg: EngineConfig,
     arena: Arc<Arena>,
+    /// A previous engine's kept image (flash restore), until the first save.
+    kept_image: Mutex<Option<flash::KeptImage>>,
+    /// Why there is no kept image to serve from (flash restore on).
+    kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
     backend: Backend,
     gate: Gate,
@@ -150,17 +156,36 @@ impl Engine {
             crate::recover::recover_on_open(&cfg.root, cfg.rank);
         }
         commit::clean_stale(&cfg.root, cfg.rank)?;
-        let name = cfg.shm_name.clone().unwrap_or_else(|| {
+        let private_name = || {
             format!(
                 "{NAME_PREFIX}{}.r{}.{}",
                 std::process::id(),
                 cfg.rank,
                 ARENA_COUNTER.fetch_add(1, Ordering::Relaxed)
             )
-        });
+        };
         let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
+        // Flash restore: take over what a previous engine of this root and rank kept.
+        let mut keep = false;
+        let mut kept_image = None;
+        let mut kept_note = None;
+        let name = if cfg.keep_in_memory {
+            let stable = crate::staging::kept_name(&root_abs, cfg.rank);
+            let taken = flash::take_kept(&stable, &root_abs, cfg.rank);
+            kept_image = taken.image;
+            kept_note = taken.reason;
+            if taken.name_free {
+                keep = true;
+                stable
+            } else {
+                tracing::warn!(arena = %stable, "the kept arena's name is taken: this engine keeps nothing in memory");
+                private_name()
+            }
+        } else {
+            cfg.shm_name.clone().unwrap_or_else(private_name)
+        };
         let t = Instant::now();
-        let arena = Arena::create(&ArenaSpec {
+        let spec = ArenaSpec {
             name: Some(name),
             capacity: cfg.staging_capacity,
             chunk_size: cfg.chunk_size,
@@ -168,7 +193,23 @@ impl Engine {
             rank: cfg.rank,
             world_size: cfg.world_size,
             root: root_abs,
-        })?;
+        };
+        let arena = match Arena::create(&spec) {
+            Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
+                // Room for both the previous image and the new arena is missing: the new
+                // arena comes first.
+                tracing::warn!(
+                    "no room in /dev/shm for the kept image and a new arena: dropping the image"
+                );
+                kept_image = None;
+                kept_note = Some("dropped: /dev/shm has no room for it and a new arena".into());
+                Arena::create(&spec)?
+            }
+            r => r?,
+        };
+        if keep {
+            arena.enable_keep();
+        }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
         let opts = BackendOptions {
             kind: cfg.backend,
@@ -182,6 +223,8 @@ impl Engine {
             backend: pool.backend(),
             cfg,
             arena,
+            kept_image: Mutex::new(kept_image),
+            kept_note,
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
             cuda: OnceLock::new(),
@@ -279,14 +322,73 @@ impl Engine {
     /// tensors of a loaded checkpoint are dropped, the engine keeps that allocation (one
     /// file's size) for its next `load`, so repeated loads do not pay the first touch of
     /// fresh memory again; [`Engine::release_load_buffers`] frees it.
+    ///
+    /// With [`EngineConfig::with_keep_in_memory`], a step that a previous engine kept in
+    /// shared memory is served from there once checked; [`Engine::load_with_report`] says
+    /// which path served the load.
     pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
+        self.load_with_report(which).map(|(ck, _)| ck)
+    }
+
+    /// [`Engine::load`], also reporting which path served the load and, when flash restore
+    /// is on but the disk served it, why.
+    pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
         let info = self.resolve(which.into())?;
-        restore::load_owned_pooled(
+        let mut fallback_reason = None;
+        if self.shared.cfg.keep_in_memory {
+            let kept = lock(&self.shared.kept_image);
+            match kept.as_ref() {
+                None => {
+                    fallback_reason = Some(
+                        self.shared
+                            .kept_note
+                            .clone()
+                            .unwrap_or_else(|| "no kept image (a save started since)".into()),
+                    );
+                }
+                Some(image) => {
+                    let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+                    let latest = self.latest()?;
+                    match flash::serve(
+                        image,
+                        &info.dir,
+                        &manifest,
+                        &entry,
+                        latest,
+                        &self.load_buffers,
+                    ) {
+                        Ok(ck) => {
+                            tracing::info!(
+                                step = info.step,
+                                "load served from the kept arena (flash restore)"
+                            );
+                            let report = LoadReport {
+                                step: info.step,
+                                source: LoadSource::Memory,
+                                fallback_reason: None,
+                            };
+                            return Ok((ck, report));
+                        }
+                        Err(why) => {
+                            tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+                            fallback_reason = Some(why);
+                        }
+                    }
+                }
+            }
+        }
+        let ck = restore::load_owned_pooled(
             &info.dir,
             self.shared.cfg.rank,
             &self.read_options(),
             Some(&self.load_buffers),
-        )
+        )?;
+        let report = LoadReport {
+            step: info.step,
+            source: LoadSource::Disk,
+            fallback_reason,
+        };
+        Ok((ck, report))
     }
 
     /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
@@ -366,7 +468,8 @@ impl Engine {
             backend: self.shared.cfg.backend,
             queue_depth: self.shared.cfg.queue_depth.max(2),
             direct_io: self.shared.cfg.direct_io,
-            arena: Some(Arc::clone(&self.shared.arena)),
+            // A kept image lives in the arena's chunks: loads must not overwrite it.
+            arena: (!self.shared.arena.keeps()).then(|| Arc::clone(&self.shared.arena)),
         }
     }
 

@@ -35,6 +35,9 @@ pub mod slot_state {
     pub const STAGING: u32 = 1;
     /// Every byte of the save is staged (or already written): `save` returned.
     pub const STAGED: u32 = 2;
+    /// Committed, and every chunk of its chunk map still holds the file's bytes (flash
+    /// restore keeps it until the next save starts).
+    pub const KEPT: u32 = 3;
 }
 
 /// Chunk-map entry states (top two bits of the entry; the low 30 bits hold the arena
@@ -403,6 +406,13 @@ impl<'a> Descriptor<'a> {
     pub fn chunk_lost(&self, slot: u32, k: u64) {
         self.chunk_entry(slot, k)
             .store(chunk_state::EMPTY, Ordering::Release);
+    }
+
+    /// The slot's save committed and its chunks stay untouched until the next save starts.
+    pub fn keep(&self, slot: u32) {
+        self.slot_header(slot)
+            .state
+            .store(slot_state::KEPT, Ordering::Release);
     }
 
     /// The slot is free again (committed, failed or recovered).

@@ -28,6 +28,36 @@ pub use shm::Segment;
 /// Prefix of every arena name in `/dev/shm`.
 pub const NAME_PREFIX: &str = "shmckpt.";
 
+/// Prefix of the arenas kept for flash restore (`EngineConfig::with_keep_in_memory`).
+pub const KEEP_PREFIX: &str = "shmckpt.keep-";
+
+/// The stable name of the kept arena of `root` (canonical) and `rank`: FNV-1a 64 of the
+/// root's bytes, so one root and rank always map to the same name.
+pub fn kept_name(root: &std::path::Path, rank: u32) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in root.as_os_str().as_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{KEEP_PREFIX}{h:016x}.r{rank}")
+}
+
+/// Whether `name` is a kept arena's name.
+pub fn is_kept_name(name: &str) -> bool {
+    name.starts_with(KEEP_PREFIX)
+}
+
+/// Flash-restore bookkeeping of an arena: which slot holds the last committed image, and
+/// how many saves began (a save that is not the latest to begin never becomes the image:
+/// a later save may already be overwriting its chunks).
+#[derive(Debug, Default)]
+struct Keep {
+    enabled: bool,
+    slot: Option<u32>,
+    begun: u64,
+}
+
 /// Names of the arenas this process created and has not closed. Recovery asks it when an
 /// arena's recorded owner pid is this process's own (a restarted container's pid 1 finds the
 /// arenas of its predecessor under the same pid).
@@ -66,13 +96,18 @@ pub struct ArenaSpec {
 pub struct Arena {
     map: Mapped,
     geo: Geometry,
-    free: Mutex<Vec<u32>>,
+    /// Free chunks: taken from the back (the most recently freed, warm) normally, from
+    /// the front (the longest free) when keeping, so that a save never reuses a chunk it
+    /// filled itself while other chunks are free and the kept image stays whole.
+    free: Mutex<std::collections::VecDeque<u32>>,
+    fifo: std::sync::atomic::AtomicBool,
     freed: Condvar,
     slots: Mutex<Vec<u32>>,
     slot_freed: Condvar,
     /// Nanoseconds callers spent blocked in `acquire` (lifetime total).
     waited_ns: AtomicU64,
     unlinked: std::sync::atomic::AtomicBool,
+    keep: Mutex<Keep>,
 }
 
 impl Arena {
@@ -134,11 +169,13 @@ impl Arena {
             map,
             geo,
             free: Mutex::new((0..n_chunks as u32).rev().collect()),
+            fifo: std::sync::atomic::AtomicBool::new(false),
             freed: Condvar::new(),
             slots: Mutex::new((0..geo.n_slots).rev().collect()),
             slot_freed: Condvar::new(),
             waited_ns: AtomicU64::new(0),
             unlinked: std::sync::atomic::AtomicBool::new(false),
+            keep: Mutex::new(Keep::default()),
         }))
     }
 
@@ -197,14 +234,22 @@ impl Arena {
             self.waited_ns
                 .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
         }
-        let index = free.pop().expect("pool is non-empty");
+        let index = self.pop(&mut free).expect("pool is non-empty");
         drop(free);
         (self.lease(index), waited)
     }
 
+    fn pop(&self, free: &mut std::collections::VecDeque<u32>) -> Option<u32> {
+        if self.fifo.load(Ordering::Relaxed) {
+            free.pop_front()
+        } else {
+            free.pop_back()
+        }
+    }
+
     /// Take a free chunk if one is available right now.
     pub fn try_acquire(self: &Arc<Self>) -> Option<ChunkLease> {
-        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let index = self.pop(&mut self.free.lock().unwrap_or_else(|p| p.into_inner()))?;
         Some(self.lease(index))
     }
 
@@ -221,7 +266,7 @@ impl Arena {
 
     pub(super) fn release(&self, index: u32) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.push(index);
+        free.push_back(index);
         drop(free);
         self.freed.notify_one();
     }
@@ -248,11 +293,72 @@ impl Arena {
         self.slot_freed.notify_one();
     }
 
-    /// Mark the arena cleanly closed and remove its name from `/dev/shm`. The mapping
-    /// stays valid until the last reference drops.
+    /// Keep the arena in `/dev/shm` when it closes, with its last committed save marked
+    /// `KEPT` in the descriptor (flash restore).
+    pub fn enable_keep(&self) {
+        crate::util::lock(&self.keep).enabled = true;
+        self.fifo.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the arena is kept when it closes.
+    pub fn keeps(&self) -> bool {
+        crate::util::lock(&self.keep).enabled
+    }
+
+    /// A save begins: the kept image (if any) is given up before any of its chunks can be
+    /// reused. Returns the save's sequence number for [`Arena::finish_slot`].
+    pub fn begin_save(&self) -> u64 {
+        let mut k = crate::util::lock(&self.keep);
+        if let Some(slot) = k.slot.take() {
+            self.release_slot(slot);
+        }
+        k.begun += 1;
+        k.begun
+    }
+
+    /// The save with sequence `seq` in `slot` ended. With keeping on, a committed save
+    /// that is still the latest to have begun becomes the kept image (its slot stays out
+    /// of the pool until the next save begins); otherwise the slot is freed.
+    pub fn finish_slot(&self, slot: u32, seq: u64, committed: bool) {
+        let mut k = crate::util::lock(&self.keep);
+        if k.enabled && committed && seq == k.begun && self.slot_chunks_distinct(slot) {
+            self.descriptor().keep(slot);
+            k.slot = Some(slot);
+        } else {
+            drop(k);
+            self.release_slot(slot);
+        }
+    }
+
+    /// Whether every file chunk of `slot` lives in its own arena chunk: a save larger than
+    /// the arena reuses chunks it already wrote, and then its image is not whole.
+    fn slot_chunks_distinct(&self, slot: u32) -> bool {
+        let v = self.descriptor().slot_view(slot);
+        let mut seen = std::collections::BTreeSet::new();
+        let ok = v.chunks.iter().all(|&(_, i)| seen.insert(i));
+        if !ok {
+            tracing::info!(
+                step = v.step,
+                "the save reused staging chunks (arena smaller than the file): nothing kept in memory"
+            );
+        }
+        ok
+    }
+
+    /// Mark the arena cleanly closed and remove its name from `/dev/shm` (unless it is
+    /// kept). The mapping stays valid until the last reference drops.
     pub fn close(&self) {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
             self.descriptor().mark_closed();
+            if self.keeps() {
+                if let Some(n) = self.map.segment().name() {
+                    OPEN_HERE
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(n);
+                }
+                return;
+            }
             if let Some(n) = self.map.segment().name() {
                 OPEN_HERE
                     .lock()
