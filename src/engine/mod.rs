@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
+use crate::restore::ReadSink;
 use crate::restore::sink::DeviceSink;
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
@@ -334,48 +335,14 @@ impl Engine {
     /// is on but the disk served it, why.
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
         let info = self.resolve(which.into())?;
-        let mut fallback_reason = None;
-        if self.shared.cfg.keep_in_memory {
-            let kept = lock(&self.shared.kept_image);
-            match kept.as_ref() {
-                None => {
-                    fallback_reason = Some(
-                        self.shared
-                            .kept_note
-                            .clone()
-                            .unwrap_or_else(|| "no kept image (a save started since)".into()),
-                    );
-                }
-                Some(image) => {
-                    let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-                    let latest = self.latest()?;
-                    match flash::serve(
-                        image,
-                        &info.dir,
-                        &manifest,
-                        &entry,
-                        latest,
-                        &self.load_buffers,
-                    ) {
-                        Ok(ck) => {
-                            tracing::info!(
-                                step = info.step,
-                                "load served from the kept arena (flash restore)"
-                            );
-                            let report = LoadReport {
-                                step: info.step,
-                                source: LoadSource::Memory,
-                                fallback_reason: None,
-                            };
-                            return Ok((ck, report));
-                        }
-                        Err(why) => {
-                            tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
-                            fallback_reason = Some(why);
-                        }
-                    }
-                }
-            }
+        let (memory, fallback_reason) = self.try_memory(&info)?;
+        if let Some(ck) = memory {
+            let report = LoadReport {
+                step: info.step,
+                source: LoadSource::Memory,
+                fallback_reason: None,
+            };
+            return Ok((ck, report));
         }
         let ck = restore::load_owned_pooled(
             &info.dir,
@@ -389,6 +356,45 @@ impl Engine {
             fallback_reason,
         };
         Ok((ck, report))
+    }
+
+    /// Flash restore: `info`'s step from the kept image, if it can serve it (else why not;
+    /// `(None, None)` with the option off).
+    fn try_memory(&self, info: &CheckpointInfo) -> Result<(Option<Checkpoint>, Option<String>)> {
+        if !self.shared.cfg.keep_in_memory {
+            return Ok((None, None));
+        }
+        let kept = lock(&self.shared.kept_image);
+        let Some(image) = kept.as_ref() else {
+            let why = self
+                .shared
+                .kept_note
+                .clone()
+                .unwrap_or_else(|| "no kept image (a save started since)".into());
+            return Ok((None, Some(why)));
+        };
+        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let latest = self.latest()?;
+        match flash::serve(
+            image,
+            &info.dir,
+            &manifest,
+            &entry,
+            latest,
+            &self.load_buffers,
+        ) {
+            Ok(ck) => {
+                tracing::info!(
+                    step = info.step,
+                    "load served from the kept arena (flash restore)"
+                );
+                Ok((Some(ck), None))
+            }
+            Err(why) => {
+                tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+                Ok((None, Some(why)))
+            }
+        }
     }
 
     /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
@@ -442,6 +448,37 @@ impl Engine {
         which: impl Into<StepSel>,
         dest: &[(&str, DeviceSlice<'_>)],
     ) -> Result<u64> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.load_into_device_raw_with_report(which, dest) }.map(|r| r.step)
+    }
+
+    /// [`Engine::load_into_device`], also reporting which path served the load (flash
+    /// restore: the kept image is checked completely on the host before any byte goes to
+    /// the device).
+    #[allow(unsafe_code)]
+    pub fn load_into_device_with_report(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut DeviceBuffer)],
+    ) -> Result<LoadReport> {
+        let slices: Vec<(&str, DeviceSlice<'_>)> =
+            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
+        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
+        // is valid for writes and nobody else uses it until we return.
+        unsafe { self.load_into_device_raw_with_report(which, &slices) }
+    }
+
+    /// [`Engine::load_into_device_raw`] with the report of
+    /// [`Engine::load_into_device_with_report`].
+    ///
+    /// # Safety
+    /// As [`Engine::load_into_device_raw`].
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_raw_with_report(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<LoadReport> {
         let info = self.resolve(which.into())?;
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
@@ -449,13 +486,33 @@ impl Engine {
         let ordered = order.iter().map(|&i| dest[i].1).collect();
         // SAFETY: forwarded from this function's contract.
         let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+        let (memory, fallback_reason) = self.try_memory(&info)?;
+        if let Some(ck) = memory {
+            // Every checksum matched on the host: now to the device, in file order.
+            for (i, t) in ck.tensors.iter().enumerate() {
+                if let Err(e) = sink.piece(i, 0, t.data.as_bytes()) {
+                    let _ = sink.chunk_end();
+                    return Err(e);
+                }
+            }
+            sink.chunk_end()?;
+            return Ok(LoadReport {
+                step: info.step,
+                source: LoadSource::Memory,
+                fallback_reason: None,
+            });
+        }
         restore::read_file(
             &info.dir.join(&entry.file),
             &entry,
             &self.read_options(),
             &mut sink,
         )?;
-        Ok(info.step)
+        Ok(LoadReport {
+            step: info.step,
+            source: LoadSource::Disk,
+            fallback_reason,
+        })
     }
 
     /// Manifest of a committed checkpoint.
