@@ -257,6 +257,7 @@ fn bench_load_reports_load_and_raw_read_references() {
         "--repeat",
         "2",
         "--load",
+        "--flash",
         "--json",
         "--chunk-size",
         "1MiB",
@@ -265,6 +266,15 @@ fn bench_load_reports_load_and_raw_read_references() {
     ]);
     assert!(o.status.success(), "bench failed: {}", stderr(&o));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // --flash: a new engine served every load from the kept arena (the bench fails
+    // otherwise), and removed the arena afterwards.
+    assert!(r["flash_load_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert_eq!(r["flash_load_runs_s"].as_array().unwrap().len(), 2);
+    assert!(shmckpt::flash::list_kept().iter().all(|k| {
+        k.root
+            .as_ref()
+            .is_none_or(|p| !p.starts_with(std::fs::canonicalize(root).unwrap()))
+    }));
     let f = |k: &str| {
         r[k].as_f64()
             .unwrap_or_else(|| panic!("{k} missing or not a number in {r}"))

@@ -100,10 +100,36 @@ pub fn run(a: BenchArgs) -> CliResult {
             Ok(t.elapsed())
         })?;
         load_extra = super::load_keys(file_bytes, &runs);
+        // The PCIe limit of a restore: one plain pinned HtoD of the same bytes.
+        let mut dsts: Vec<&mut DeviceBuffer> = bufs.iter_mut().collect();
+        pinned.time_htod(&mut dsts, &stream)?; // warm-up
+        let h2d: Vec<f64> = (0..a.repeat.max(1))
+            .map(|_| {
+                pinned
+                    .time_htod(&mut dsts, &stream)
+                    .map(|d| d.as_secs_f64())
+            })
+            .collect::<Result<_, _>>()?;
+        load_extra.insert("h2d_s".into(), json!(median(&h2d)));
+        load_extra.insert("h2d_runs_s".into(), json!(h2d));
     }
     let backend = engine.backend().as_str();
     engine.close();
     drop(pinned);
+    if a.flash {
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
+            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
+                .iter()
+                .map(|e| e.name.as_str())
+                .zip(bufs.iter_mut())
+                .collect();
+            let t = Instant::now();
+            let r = e.load_into_device_with_report(step, &mut dest)?;
+            Ok((t.elapsed(), r))
+        })?;
+        load_extra.extend(flash);
+    }
     let (free_engine_closed, _) = ctx.mem_info()?;
     drop(bufs);
     let (free_freed, _) = ctx.mem_info()?;

@@ -78,6 +78,17 @@ pub fn run(a: BenchArgs) -> CliResult {
     }
     let backend = engine.backend().as_str();
     engine.close();
+    if a.flash {
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
+            let t = std::time::Instant::now();
+            let (ck, r) = e.load_with_report(step)?;
+            let took = t.elapsed();
+            drop(ck);
+            Ok((took, r))
+        })?;
+        extra.extend(flash);
+    }
     // Without --keep, `run` removes the whole run directory.
     let kept_dir = if a.keep { last_dir } else { None };
     report(

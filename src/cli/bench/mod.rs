@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// `load_ratio`).
     #[arg(long)]
     pub load: bool,
+    /// With --load: keep the arena in shared memory (flash restore), then time loads that
+    /// a new engine serves from it (`flash_load_s`, `flash_load_runs_s`).
+    #[arg(long, requires = "load")]
+    pub flash: bool,
     /// Skip the reference write (then no ratio is reported).
     #[arg(long)]
     pub no_reference: bool,
@@ -120,6 +124,48 @@ pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> Engine
         .apply(EngineConfig::new(dir))
         .with_keep_last(Some(1))
         .with_staging_capacity(bytes + (64 << 20) + a.engine.chunk_size())
+        .with_keep_in_memory(a.flash)
+}
+
+/// `--flash`: open a new engine on the run's root (it takes over the arena the closed one
+/// kept), time `repeat` loads with `load` (each must be served from memory), then remove
+/// the kept arena. Returns the JSON keys.
+pub fn flash_loads(
+    a: &BenchArgs,
+    bytes: u64,
+    file_bytes: u64,
+    mut load: impl FnMut(&Engine) -> Result<(Duration, shmckpt::LoadReport), Box<dyn std::error::Error>>,
+) -> Result<serde_json::Map<String, serde_json::Value>, Box<dyn std::error::Error>> {
+    let engine = engine_for(a, bytes)?;
+    let kept = engine.shm_name().to_owned();
+    let res = (|| {
+        let mut runs = Vec::new();
+        for _ in 0..a.repeat.max(1) {
+            let (t, r) = load(&engine)?;
+            if r.source != shmckpt::LoadSource::Memory {
+                return Err(format!(
+                    "flash restore did not serve the load: {}",
+                    r.fallback_reason.unwrap_or_default()
+                )
+                .into());
+            }
+            runs.push(t.as_secs_f64());
+        }
+        Ok::<_, Box<dyn std::error::Error>>(runs)
+    })();
+    engine.close();
+    let _ = shmckpt::flash::remove_kept(&kept);
+    let runs = res?;
+    let m = median(&runs);
+    let v = json!({
+        "flash_load_s": m,
+        "flash_load_gbps": gbps(file_bytes, Duration::from_secs_f64(m)),
+        "flash_load_runs_s": runs,
+    });
+    match v {
+        serde_json::Value::Object(m) => Ok(m),
+        _ => unreachable!("json! object"),
+    }
 }
 
 /// Build the engine the benchmark measures, rooted at `--dir`.
