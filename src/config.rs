@@ -159,7 +159,8 @@ impl EngineConfig {
     /// step's bytes. A later engine of the same root and rank with this option attaches to
     /// it (same owner only), checks it (a committed step, equal to the disk's latest, every
     /// tensor's CRC-32C against the manifest) and `load` serves that step from memory;
-    /// otherwise it reads the disk and logs why.
+    /// otherwise it reads the disk and logs why. [`EngineConfig::with_shm_name`] is ignored
+    /// then (the name must be stable).
     ///
     /// Memory cost: the arena (`staging_capacity`) stays in `/dev/shm` after the process
     /// exits, until `shmckpt shm rm` or the next engine replaces it; while a new engine

@@ -229,6 +229,9 @@ pub(crate) fn serve(
     for t in &entry.tensors {
         let [b, e] = t.data_offsets;
         let (b, e) = (b as usize, e as usize);
+        if b > e || e > bytes.len() {
+            return Err(format!("tensor {:?} lies outside the data section", t.name));
+        }
         let crc = crc32c::crc32c(&bytes[b..e]);
         if crc != t.crc32c {
             return Err(format!(
