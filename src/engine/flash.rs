@@ -206,9 +206,23 @@ pub(crate) fn serve(
     }
     let data_len = v.file_len - v.data_start;
     let len = usize::try_from(data_len).map_err(|_| "image larger than memory".to_owned())?;
+    let tensors = &entry.tensors;
+    for t in tensors {
+        let [b, e] = t.data_offsets;
+        if b > e || e > data_len {
+            return Err(format!("tensor {:?} lies outside the data section", t.name));
+        }
+        if !b.is_multiple_of(t.dtype.alignment()) {
+            return Err(format!("tensor {:?} is not aligned in the file", t.name));
+        }
+    }
     let mut slab = SlabBuilder::new(Some(pool), len).ok_or("cannot allocate the tensors")?;
+    // Per file chunk: the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
+    let mut pieces: Vec<Vec<(usize, u32, u64)>> = Vec::new();
     if let Some(mut region) = slab.carve(slab.capacity()) {
-        let out = region.as_mut_slice();
+        // One job per file chunk: its disjoint slice of the tensors' memory.
+        let mut jobs = Vec::with_capacity(v.chunks.len());
+        let mut rest: &mut [u8] = &mut region.as_mut_slice()[..len];
         for (k, &(_, index)) in v.chunks.iter().enumerate() {
             let fs = k as u64 * cs;
             let fe = (fs + cs).min(v.file_len);
@@ -216,33 +230,70 @@ pub(crate) fn serve(
             if s >= fe {
                 continue;
             }
-            let dst = (s - v.data_start) as usize;
-            let n = (fe - s) as usize;
-            image
-                .att
-                .read_chunk(index, s - fs, &mut out[dst..dst + n])
-                .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))?;
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut((fe - s) as usize);
+            rest = tail;
+            jobs.push((k, index, s - fs, s - v.data_start, mine));
         }
+        // Copy and checksum on several threads: the copy out of the segment and the
+        // CRC-32C are the cost of a load from memory.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8)
+            .min(jobs.len().max(1));
+        let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, j) in jobs.into_iter().enumerate() {
+            lanes[i % threads].push(j);
+        }
+        let results: Vec<std::result::Result<Vec<ChunkCrcs>, String>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = lanes
+                    .into_iter()
+                    .map(|lane| {
+                        scope.spawn(move || {
+                            let mut out = Vec::with_capacity(lane.len());
+                            for (k, index, at, dst, buf) in lane {
+                                image.att.read_chunk(index, at, buf).ok_or_else(|| {
+                                    format!("chunk {k} of the kept image cannot be read")
+                                })?;
+                                out.push((k, crc_pieces(tensors, dst, buf)));
+                            }
+                            Ok(out)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err("a copy thread panicked".into()))
+                    })
+                    .collect()
+            });
+        let mut by_chunk = Vec::new();
+        for r in results {
+            by_chunk.extend(r?);
+        }
+        by_chunk.sort_by_key(|(k, _)| *k);
+        pieces = by_chunk.into_iter().map(|(_, p)| p).collect();
     }
-    let bytes = slab.bytes().ok_or("the image buffer is still in use")?;
-    let mut ranges = Vec::with_capacity(entry.tensors.len());
-    for t in &entry.tensors {
-        let [b, e] = t.data_offsets;
-        let (b, e) = (b as usize, e as usize);
-        if b > e || e > bytes.len() {
-            return Err(format!("tensor {:?} lies outside the data section", t.name));
-        }
-        let crc = crc32c::crc32c(&bytes[b..e]);
+    let mut crcs: Vec<Option<u32>> = vec![None; tensors.len()];
+    for (t, crc, n) in pieces.into_iter().flatten() {
+        crcs[t] = Some(match crcs[t] {
+            None => crc,
+            Some(prev) => crc32c::crc32c_combine(prev, crc, n as usize),
+        });
+    }
+    let mut ranges = Vec::with_capacity(tensors.len());
+    for (t, crc) in tensors.iter().zip(crcs) {
+        let crc = crc.unwrap_or(0);
         if crc != t.crc32c {
             return Err(format!(
                 "tensor {:?}: CRC-32C {crc:08x} in memory, {:08x} in the manifest (damaged image)",
                 t.name, t.crc32c
             ));
         }
-        if !b.is_multiple_of(t.dtype.alignment() as usize) {
-            return Err(format!("tensor {:?} is not aligned in the file", t.name));
-        }
-        ranges.push((b, e));
+        let [b, e] = t.data_offsets;
+        ranges.push((b as usize, e as usize));
     }
     let views = slab.finish(&ranges).ok_or("tensor ranges overlap")?;
     let tensors = entry
@@ -262,6 +313,34 @@ pub(crate) fn serve(
         metadata: manifest.metadata.clone(),
         tensors,
     })
+}
+
+/// A file chunk's index and the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
+type ChunkCrcs = (usize, Vec<(usize, u32, u64)>);
+
+/// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
+fn crc_pieces(
+    tensors: &[crate::manifest::TensorEntry],
+    dst: u64,
+    buf: &[u8],
+) -> Vec<(usize, u32, u64)> {
+    let end = dst + buf.len() as u64;
+    let first = tensors.partition_point(|t| t.data_offsets[1] <= dst);
+    let mut out = Vec::new();
+    for (i, t) in tensors.iter().enumerate().skip(first) {
+        let [b, e] = t.data_offsets;
+        if b >= end {
+            break;
+        }
+        if e == b {
+            continue;
+        }
+        let s = b.max(dst);
+        let f = e.min(end);
+        let piece = &buf[(s - dst) as usize..(f - dst) as usize];
+        out.push((i, crc32c::crc32c(piece), piece.len() as u64));
+    }
+    out
 }
 
 /// Kept arenas in `/dev/shm`: name, size, owner uid, and (when it can be read: this user's

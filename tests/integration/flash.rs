@@ -269,3 +269,36 @@ fn shm_cli_lists_and_removes_kept_arenas() {
         .unwrap();
     assert!(!o.status.success());
 }
+
+#[test]
+fn clean_close_keeps_the_image_and_every_dtype_loads_from_memory_exactly() {
+    let dir = real_dir("flash-close");
+    let root = dir.path();
+    let _guard = ShmGuard(kept_name(root));
+    let state = State::new(every_dtype(), 9);
+    let e = Engine::open(keep_config(root)).unwrap();
+    e.save(4, &state.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    // In the same process, the disk serves (only a previous engine's image is served).
+    let (_, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Disk);
+    e.close();
+    let e = Engine::open(keep_config(root)).unwrap();
+    let (ck, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Memory, "{r:?}");
+    assert_loaded_equal(&ck, &state);
+    // Served again (the image stays until the first save), then dropped by a save.
+    let (ck2, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Memory);
+    assert_eq!(ck2, ck);
+    let s5 = step_state(5);
+    e.save(5, &s5.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (_, r) = e.load_with_report(5).unwrap();
+    assert_eq!(r.source, LoadSource::Disk);
+    assert!(r.fallback_reason.unwrap().contains("a save started since"));
+}
