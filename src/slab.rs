@@ -12,7 +12,6 @@
 //! cloning one copies the bytes.
 #![allow(unsafe_code)]
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -30,20 +29,31 @@ struct Alloc {
 unsafe impl Send for Alloc {}
 
 impl Alloc {
+    /// Anonymous private memory: zero pages, faulted in on first touch (no `memset`: for
+    /// a load, the first touch is the read itself, or [`Populator`] ahead of it).
     fn new(cap: usize) -> Option<Alloc> {
-        let layout = Layout::from_size_align(cap.max(1), SLAB_ALIGN).ok()?;
-        // SAFETY: the layout has a non-zero size. Zeroed, so every byte is initialized
-        // (large sizes come from `mmap`: zero pages, faulted in on first touch).
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        NonNull::new(p).map(|ptr| Alloc { ptr, cap })
+        let len = cap.max(SLAB_ALIGN);
+        // SAFETY: a fresh anonymous mapping with a null hint aliases nothing.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .ok()?;
+        NonNull::new(p.cast()).map(|ptr| Alloc { ptr, cap })
     }
 }
 
 impl Drop for Alloc {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.cap.max(1), SLAB_ALIGN).expect("checked in new");
-        // SAFETY: allocated in `Alloc::new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        // SAFETY: the mapping made in `Alloc::new` with this length, unmapped once; every
+        // region and view of it is gone (they hold the `Arc<Slab>` that owns this).
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.as_ptr().cast(), self.cap.max(SLAB_ALIGN));
+        }
     }
 }
 
@@ -130,6 +140,36 @@ pub(crate) struct SlabBuilder {
     slab: Arc<Slab>,
     len: usize,
     next: usize,
+    fresh: bool,
+}
+
+/// Faults in a fresh slab's pages ahead of the reads (`MADV_POPULATE_WRITE`), on another
+/// thread, so that the first touch overlaps the I/O. Contents are never changed.
+pub(crate) struct Populator {
+    slab: Arc<Slab>,
+    cap: usize,
+}
+
+impl Populator {
+    /// Fault in `[off, off + len)` (clipped to the slab). False when the kernel refuses
+    /// (older than 5.14): stop then.
+    pub(crate) fn populate(&self, off: usize, len: usize) -> bool {
+        if off >= self.cap {
+            return true;
+        }
+        let len = len.min(self.cap - off);
+        // SAFETY: the range lies inside the allocation, which the `Arc` keeps mapped;
+        // MADV_POPULATE_WRITE only faults pages in (a present page is left as it is), so
+        // no byte that a region or the kernel is writing changes.
+        unsafe {
+            rustix::mm::madvise(
+                self.slab.base().add(off).cast(),
+                len,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        }
+        .is_ok()
+    }
 }
 
 impl SlabBuilder {
@@ -137,9 +177,9 @@ impl SlabBuilder {
     /// else freshly allocated (`None` when the allocation fails).
     pub(crate) fn new(pool: Option<&Arc<SlabPool>>, len: usize) -> Option<SlabBuilder> {
         let cap = len.checked_next_multiple_of(SLAB_ALIGN)?;
-        let alloc = match pool.and_then(|p| p.take(cap)) {
-            Some(a) => a,
-            None => Alloc::new(cap)?,
+        let (alloc, fresh) = match pool.and_then(|p| p.take(cap)) {
+            Some(a) => (a, false),
+            None => (Alloc::new(cap)?, true),
         };
         Some(SlabBuilder {
             slab: Arc::new(Slab {
@@ -148,6 +188,16 @@ impl SlabBuilder {
             }),
             len,
             next: 0,
+            fresh,
+        })
+    }
+
+    /// A populator for a freshly allocated slab (`None` when it was reused: its pages are
+    /// already there).
+    pub(crate) fn populator(&self) -> Option<Populator> {
+        self.fresh.then(|| Populator {
+            slab: Arc::clone(&self.slab),
+            cap: self.capacity(),
         })
     }
 

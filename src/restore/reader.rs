@@ -300,7 +300,26 @@ pub(crate) fn read_to_slab(
     let n = data_len.div_ceil(cs);
 
     let (tx, rx) = std::sync::mpsc::channel::<(u64, usize, SlabRegion)>();
+    let populator = slab.populator();
+    let reads_done = std::sync::atomic::AtomicBool::new(false);
     let (crcs, error) = std::thread::scope(|scope| {
+        // A fresh allocation's pages are faulted in ahead of the reads on another thread:
+        // the first touch of fresh memory (slow in VMs) then overlaps the I/O.
+        if let Some(p) = populator {
+            let done = &reads_done;
+            let _ = std::thread::Builder::new()
+                .name("shmckpt-load-fault".into())
+                .spawn_scoped(scope, move || {
+                    const STEP: usize = 32 << 20;
+                    let mut off = 0;
+                    while off < len && !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        if !p.populate(off, STEP) {
+                            break;
+                        }
+                        off += STEP;
+                    }
+                });
+        }
         // The checksums, in file order, on a second thread: the reads do not wait for them.
         let crc_thread = std::thread::Builder::new()
             .name("shmckpt-load-crc".into())
@@ -405,6 +424,7 @@ pub(crate) fn read_to_slab(
         }
         drop(q);
         drop(tx);
+        reads_done.store(true, std::sync::atomic::Ordering::Relaxed);
         match crc_thread.join() {
             Ok((crcs, done)) if error.is_none() && done == n => (Some(crcs), None),
             Ok(_) => (None, error),
