@@ -34,6 +34,7 @@ pub struct EngineConfig {
     pub(crate) shm_name: Option<String>,
     pub(crate) max_inflight_saves: u32,
     pub(crate) recover_on_open: bool,
+    pub(crate) keep_in_memory: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
@@ -59,6 +60,7 @@ impl EngineConfig {
             shm_name: None,
             max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
             recover_on_open: false,
+            keep_in_memory: false,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -149,6 +151,32 @@ impl EngineConfig {
     pub fn with_recover_on_open(mut self, on: bool) -> Self {
         self.recover_on_open = on;
         self
+    }
+
+    /// Flash restore (default off). The staging arena is named after the root and rank
+    /// (`shmckpt.keep-<hash of the canonical root>.r<rank>`, owner-only) and stays in
+    /// `/dev/shm` when the engine closes or its process dies, holding the last committed
+    /// step's bytes. A later engine of the same root and rank with this option attaches to
+    /// it (same owner only), checks it (a committed step, equal to the disk's latest, every
+    /// tensor's CRC-32C against the manifest) and `load` serves that step from memory;
+    /// otherwise it reads the disk and logs why. [`EngineConfig::with_shm_name`] is ignored
+    /// then (the name must be stable).
+    ///
+    /// Memory cost: the arena (`staging_capacity`) stays in `/dev/shm` after the process
+    /// exits, until `shmckpt shm rm` or the next engine replaces it; while a new engine
+    /// holds a previous image for its first load, both arenas exist (the previous one is
+    /// dropped at the first save). `load_into` and `load_into_device` then read through
+    /// private buffers, so that they never overwrite the kept image. A save invalidates the
+    /// kept image when it starts; a crash during a save leaves nothing to restore from
+    /// memory (the disk still has the last committed step).
+    pub fn with_keep_in_memory(mut self, on: bool) -> Self {
+        self.keep_in_memory = on;
+        self
+    }
+
+    /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
+    pub fn keep_in_memory(&self) -> bool {
+        self.keep_in_memory
     }
 
     /// Inject I/O faults (tests only).

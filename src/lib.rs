@@ -25,6 +25,7 @@ pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
 pub mod restore;
+pub(crate) mod slab;
 pub(crate) mod staging;
 mod tensor;
 #[cfg(feature = "testing")]
@@ -59,9 +60,15 @@ pub use config::{
     DEFAULT_WRITER_THREADS, EngineConfig,
 };
 pub use dtype::Dtype;
+/// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):
+/// listing and removal, as `shmckpt shm list|rm` does.
+pub mod flash {
+    pub use crate::engine::{KeptArenaInfo, list_kept, remove_kept};
+}
+
 pub use engine::{
-    Engine, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport, SaveTimings, StagedReport,
-    StepSel,
+    Engine, LoadReport, LoadSource, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport,
+    SaveTimings, StagedReport, StepSel,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

@@ -34,6 +34,8 @@ enum Cmd {
     /// Commit what a crashed trainer had fully staged in shared memory, or list the
     /// staging arenas in /dev/shm (--list, changes nothing).
     Recover(cli::recover::RecoverArgs),
+    /// List or remove the arenas flash restore keeps in /dev/shm.
+    Shm(cli::shm::ShmArgs),
     /// The writer process of the CUDA IPC baseline (spawned by the trainer; not for
     /// direct use).
     #[command(name = "ipc-writer", hide = true)]
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Cmd::Verify(a) => cli::tools::verify(a),
         Cmd::Gc(a) => cli::tools::gc(a),
         Cmd::Recover(a) => cli::recover::run(a),
+        Cmd::Shm(a) => cli::shm::run(a),
         Cmd::IpcWriter(a) => cli::ipc_writer::run(a),
     };
     match res {

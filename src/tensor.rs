@@ -143,30 +143,54 @@ impl<'a> Tensor<'a> {
     }
 }
 
-/// Bytes aligned to 8, so that typed views of any dtype are possible.
-#[derive(Clone, PartialEq, Eq)]
+/// A tensor's bytes, aligned for typed views of its dtype.
+///
+/// [`AlignedBytes::zeroed`] (and a clone) is aligned to 8. `load` returns tensors whose
+/// bytes are views into one allocation per file (read there with O_DIRECT, no copy),
+/// aligned to their dtype's element size (the file stores each tensor at a multiple of
+/// it), so `cast` to the tensor's own element type always succeeds; the allocation is
+/// freed, or kept by the engine for its next load, when the last view is dropped.
 pub struct AlignedBytes {
-    words: Vec<u64>,
-    len: usize,
+    repr: Repr,
+}
+
+enum Repr {
+    Owned { words: Vec<u64>, len: usize },
+    View(crate::slab::SlabView),
 }
 
 impl AlignedBytes {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
         AlignedBytes {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
+            repr: Repr::Owned {
+                words: vec![0u64; len.div_ceil(8)],
+                len,
+            },
+        }
+    }
+
+    /// A view into a load's slab.
+    pub(crate) fn view(v: crate::slab::SlabView) -> Self {
+        AlignedBytes {
+            repr: Repr::View(v),
         }
     }
 
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.repr {
+            Repr::Owned { words, len } => &bytemuck::cast_slice(words)[..*len],
+            Repr::View(v) => v.as_bytes(),
+        }
     }
 
     /// The bytes, mutable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        match &mut self.repr {
+            Repr::Owned { words, len } => &mut bytemuck::cast_slice_mut(words)[..*len],
+            Repr::View(v) => v.as_bytes_mut(),
+        }
     }
 
     /// A typed view (`f32`, `u16` for bf16, ...). Fails when the length is not a multiple
@@ -177,18 +201,37 @@ impl AlignedBytes {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        match &self.repr {
+            Repr::Owned { len, .. } => *len,
+            Repr::View(v) => v.len(),
+        }
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 }
 
+impl Clone for AlignedBytes {
+    fn clone(&self) -> Self {
+        let mut c = AlignedBytes::zeroed(self.len());
+        c.as_bytes_mut().copy_from_slice(self.as_bytes());
+        c
+    }
+}
+
+impl PartialEq for AlignedBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for AlignedBytes {}
+
 impl std::fmt::Debug for AlignedBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AlignedBytes({} bytes)", self.len)
+        write!(f, "AlignedBytes({} bytes)", self.len())
     }
 }
 
@@ -201,6 +244,6 @@ pub struct LoadedTensor {
     pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<usize>,
-    /// Bytes, 8-byte aligned.
+    /// Bytes, aligned to the dtype's element size.
     pub data: AlignedBytes,
 }

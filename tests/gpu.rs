@@ -252,3 +252,75 @@ fn gpu_async_save_reports_staged_then_durable_and_mixed_sources_work() {
         &host_extra[..]
     );
 }
+
+/// Restore to device memory from disk, then (flash restore) from the arena a closed engine
+/// kept in shared memory: both byte-exact, and each reports the path that served it.
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_restore_from_disk_and_from_memory_byte_exact() {
+    let Some(ctx) = common::gpu() else { return };
+    let layout: Vec<LayoutEntry> = big_layout().into_iter().take(40).collect();
+    let bytes: u64 = layout.iter().map(LayoutEntry::len).sum();
+    let seed = 0xf1a5;
+    let bufs = upload(&ctx, &layout, seed);
+    let dir = common::gpu_test_dir("gpu-flash");
+    let cfg = || {
+        EngineConfig::new(dir.path())
+            .with_staging_capacity(bytes + (256 << 20))
+            .with_keep_in_memory(true)
+    };
+    let engine = cfg().build().unwrap();
+    engine
+        .save(1, &tensors(&layout, &bufs), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let kept = engine.shm_name().to_owned();
+    engine.close();
+    let check = |engine: &shmckpt::Engine, want: shmckpt::LoadSource| {
+        let mut fresh: Vec<DeviceBuffer> = layout
+            .iter()
+            .map(|e| DeviceBuffer::alloc(&ctx, e.len() as usize).unwrap())
+            .collect();
+        for b in &mut fresh {
+            b.memset(0x11).unwrap();
+        }
+        let t = std::time::Instant::now();
+        let report = {
+            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
+                .iter()
+                .map(|e| e.name.as_str())
+                .zip(fresh.iter_mut())
+                .collect();
+            engine.load_into_device_with_report(1, &mut dest).unwrap()
+        };
+        eprintln!(
+            "{bytes} bytes to the device from {:?} in {:?}",
+            report.source,
+            t.elapsed()
+        );
+        assert_eq!(report.source, want, "{report:?}");
+        let mut host = Vec::new();
+        for (k, b) in fresh.iter().enumerate() {
+            host.resize(b.len(), 0);
+            b.download(&mut host).unwrap();
+            assert!(
+                host == expected(&layout, k, seed),
+                "{} differs",
+                layout[k].name
+            );
+        }
+    };
+    // A new engine attaches the kept arena: memory serves step 1.
+    let engine = cfg().build().unwrap();
+    check(&engine, shmckpt::LoadSource::Memory);
+    engine.close();
+    // Without the option, the disk serves it.
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(bytes + (256 << 20))
+        .build()
+        .unwrap();
+    check(&engine, shmckpt::LoadSource::Disk);
+    engine.close();
+    shmckpt::flash::remove_kept(&kept).unwrap();
+}

@@ -34,7 +34,9 @@ pub(super) fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Er
     if result.is_err() {
         commit::abort_partial(&st.partial, &st.file_name);
     }
-    st.shared.arena.release_slot(st.slot);
+    st.shared
+        .arena
+        .finish_slot(st.slot, st.keep_seq, result.is_ok());
     if let Err(e) = &result {
         tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
     }

@@ -11,8 +11,8 @@
 //! waits for the last write, makes the file durable, writes the manifest and renames the
 //! directory.
 
-mod device_sink;
 mod finalize;
+mod flash;
 mod handle;
 mod save;
 mod state;
@@ -33,10 +33,13 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
+use crate::restore::ReadSink;
+use crate::restore::sink::DeviceSink;
 use crate::restore::{self, Checkpoint};
+use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
 use crate::tensor::DeviceSlice;
-use device_sink::DeviceSink;
+pub use flash::{KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept};
 
 pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
@@ -60,6 +63,10 @@ impl From<u64> for StepSel {
 struct Shared {
     cfg: EngineConfig,
     arena: Arc<Arena>,
+    /// A previous engine's kept image (flash restore), until the first save.
+    kept_image: Mutex<Option<flash::KeptImage>>,
+    /// Why there is no kept image to serve from (flash restore on).
+    kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
     backend: Backend,
     gate: Gate,
@@ -114,6 +121,9 @@ pub struct Engine {
     commit_tx: Option<Sender<Arc<SaveState>>>,
     commit_thread: Option<JoinHandle<()>>,
     last_save: Mutex<Option<Arc<SaveState>>>,
+    /// The allocation of the last loaded checkpoint, given back when its tensors were
+    /// dropped, for the next `load`.
+    load_buffers: Arc<SlabPool>,
     _lock: RootLock,
 }
 
@@ -147,17 +157,36 @@ impl Engine {
             crate::recover::recover_on_open(&cfg.root, cfg.rank);
         }
         commit::clean_stale(&cfg.root, cfg.rank)?;
-        let name = cfg.shm_name.clone().unwrap_or_else(|| {
+        let private_name = || {
             format!(
                 "{NAME_PREFIX}{}.r{}.{}",
                 std::process::id(),
                 cfg.rank,
                 ARENA_COUNTER.fetch_add(1, Ordering::Relaxed)
             )
-        });
+        };
         let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
+        // Flash restore: take over what a previous engine of this root and rank kept.
+        let mut keep = false;
+        let mut kept_image = None;
+        let mut kept_note = None;
+        let name = if cfg.keep_in_memory {
+            let stable = crate::staging::kept_name(&root_abs, cfg.rank);
+            let taken = flash::take_kept(&stable, &root_abs, cfg.rank);
+            kept_image = taken.image;
+            kept_note = taken.reason;
+            if taken.name_free {
+                keep = true;
+                stable
+            } else {
+                tracing::warn!(arena = %stable, "the kept arena's name is taken: this engine keeps nothing in memory");
+                private_name()
+            }
+        } else {
+            cfg.shm_name.clone().unwrap_or_else(private_name)
+        };
         let t = Instant::now();
-        let arena = Arena::create(&ArenaSpec {
+        let spec = ArenaSpec {
             name: Some(name),
             capacity: cfg.staging_capacity,
             chunk_size: cfg.chunk_size,
@@ -165,7 +194,23 @@ impl Engine {
             rank: cfg.rank,
             world_size: cfg.world_size,
             root: root_abs,
-        })?;
+        };
+        let arena = match Arena::create(&spec) {
+            Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
+                // Room for both the previous image and the new arena is missing: the new
+                // arena comes first.
+                tracing::warn!(
+                    "no room in /dev/shm for the kept image and a new arena: dropping the image"
+                );
+                kept_image = None;
+                kept_note = Some("dropped: /dev/shm has no room for it and a new arena".into());
+                Arena::create(&spec)?
+            }
+            r => r?,
+        };
+        if keep {
+            arena.enable_keep();
+        }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
         let opts = BackendOptions {
             kind: cfg.backend,
@@ -179,6 +224,8 @@ impl Engine {
             backend: pool.backend(),
             cfg,
             arena,
+            kept_image: Mutex::new(kept_image),
+            kept_note,
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
             cuda: OnceLock::new(),
@@ -200,6 +247,7 @@ impl Engine {
             commit_tx: Some(tx),
             commit_thread: Some(commit_thread),
             last_save: Mutex::new(None),
+            load_buffers: SlabPool::new(),
             _lock: lock,
         })
     }
@@ -268,9 +316,96 @@ impl Engine {
     }
 
     /// Load this rank's tensors of a committed checkpoint, verifying every checksum.
+    ///
+    /// The file's data section is read with O_DIRECT (`max(queue_depth, 16)` reads of
+    /// 4 MiB in flight) straight into one allocation, and the tensors' bytes are views of
+    /// it (no copy; checksums computed on a second thread as the reads complete). When all
+    /// tensors of a loaded checkpoint are dropped, the engine keeps that allocation (one
+    /// file's size) for its next `load`, so repeated loads do not pay the first touch of
+    /// fresh memory again; [`Engine::release_load_buffers`] frees it.
+    ///
+    /// With [`EngineConfig::with_keep_in_memory`], a step that a previous engine kept in
+    /// shared memory is served from there once checked; [`Engine::load_with_report`] says
+    /// which path served the load.
     pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
+        self.load_with_report(which).map(|(ck, _)| ck)
+    }
+
+    /// [`Engine::load`], also reporting which path served the load and, when flash restore
+    /// is on but the disk served it, why.
+    pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
         let info = self.resolve(which.into())?;
-        restore::load_owned(&info.dir, self.shared.cfg.rank, &self.read_options())
+        let (memory, fallback_reason) = self.try_memory(&info)?;
+        if let Some(ck) = memory {
+            let report = LoadReport {
+                step: info.step,
+                source: LoadSource::Memory,
+                fallback_reason: None,
+            };
+            return Ok((ck, report));
+        }
+        let ck = restore::load_owned_pooled(
+            &info.dir,
+            self.shared.cfg.rank,
+            &self.read_options(),
+            Some(&self.load_buffers),
+        )?;
+        let report = LoadReport {
+            step: info.step,
+            source: LoadSource::Disk,
+            fallback_reason,
+        };
+        Ok((ck, report))
+    }
+
+    /// Flash restore: `info`'s step from the kept image, if it can serve it (else why not;
+    /// `(None, None)` with the option off).
+    fn try_memory(&self, info: &CheckpointInfo) -> Result<(Option<Checkpoint>, Option<String>)> {
+        if !self.shared.cfg.keep_in_memory {
+            return Ok((None, None));
+        }
+        let kept = lock(&self.shared.kept_image);
+        let Some(image) = kept.as_ref() else {
+            let why = self
+                .shared
+                .kept_note
+                .clone()
+                .unwrap_or_else(|| "no kept image (a save started since)".into());
+            return Ok((None, Some(why)));
+        };
+        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let latest = self.latest()?;
+        match flash::serve(
+            image,
+            &info.dir,
+            &manifest,
+            &entry,
+            latest,
+            &self.load_buffers,
+        ) {
+            Ok(ck) => {
+                tracing::info!(
+                    step = info.step,
+                    "load served from the kept arena (flash restore)"
+                );
+                Ok((Some(ck), None))
+            }
+            Err(why) => {
+                tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+                Ok((None, Some(why)))
+            }
+        }
+    }
+
+    /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
+    /// checkpoint whose tensors were all dropped).
+    pub fn load_buffer_bytes(&self) -> usize {
+        self.load_buffers.held_bytes()
+    }
+
+    /// Free the memory kept for the next [`Engine::load`].
+    pub fn release_load_buffers(&self) {
+        self.load_buffers.clear();
     }
 
     /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
@@ -313,6 +448,37 @@ impl Engine {
         which: impl Into<StepSel>,
         dest: &[(&str, DeviceSlice<'_>)],
     ) -> Result<u64> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.load_into_device_raw_with_report(which, dest) }.map(|r| r.step)
+    }
+
+    /// [`Engine::load_into_device`], also reporting which path served the load (flash
+    /// restore: the kept image is checked completely on the host before any byte goes to
+    /// the device).
+    #[allow(unsafe_code)]
+    pub fn load_into_device_with_report(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut DeviceBuffer)],
+    ) -> Result<LoadReport> {
+        let slices: Vec<(&str, DeviceSlice<'_>)> =
+            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
+        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
+        // is valid for writes and nobody else uses it until we return.
+        unsafe { self.load_into_device_raw_with_report(which, &slices) }
+    }
+
+    /// [`Engine::load_into_device_raw`] with the report of
+    /// [`Engine::load_into_device_with_report`].
+    ///
+    /// # Safety
+    /// As [`Engine::load_into_device_raw`].
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_raw_with_report(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<LoadReport> {
         let info = self.resolve(which.into())?;
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
@@ -320,13 +486,33 @@ impl Engine {
         let ordered = order.iter().map(|&i| dest[i].1).collect();
         // SAFETY: forwarded from this function's contract.
         let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+        let (memory, fallback_reason) = self.try_memory(&info)?;
+        if let Some(ck) = memory {
+            // Every checksum matched on the host: now to the device, in file order.
+            for (i, t) in ck.tensors.iter().enumerate() {
+                if let Err(e) = sink.piece(i, 0, t.data.as_bytes()) {
+                    let _ = sink.chunk_end();
+                    return Err(e);
+                }
+            }
+            sink.chunk_end()?;
+            return Ok(LoadReport {
+                step: info.step,
+                source: LoadSource::Memory,
+                fallback_reason: None,
+            });
+        }
         restore::read_file(
             &info.dir.join(&entry.file),
             &entry,
             &self.read_options(),
             &mut sink,
         )?;
-        Ok(info.step)
+        Ok(LoadReport {
+            step: info.step,
+            source: LoadSource::Disk,
+            fallback_reason,
+        })
     }
 
     /// Manifest of a committed checkpoint.
@@ -339,7 +525,8 @@ impl Engine {
             backend: self.shared.cfg.backend,
             queue_depth: self.shared.cfg.queue_depth.max(2),
             direct_io: self.shared.cfg.direct_io,
-            arena: Some(Arc::clone(&self.shared.arena)),
+            // A kept image lives in the arena's chunks: loads must not overwrite it.
+            arena: (!self.shared.arena.keeps()).then(|| Arc::clone(&self.shared.arena)),
         }
     }
 

@@ -296,6 +296,10 @@ impl Engine {
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
+        // A kept image (flash restore) is given up before this save can reuse its chunks,
+        // and so is a previous engine's image held for a first load.
+        let keep_seq = arena.begin_save();
+        lock(&self.shared.kept_image).take();
         let slot = arena.acquire_slot();
         let slot_wait = t_slot.elapsed() + gate_wait;
         let n_chunks = plan.chunk_count(cs);
@@ -322,6 +326,7 @@ impl Engine {
             partial,
             file_name,
             slot,
+            keep_seq,
             started,
             slot_wait,
             failed: AtomicBool::new(false),

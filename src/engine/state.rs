@@ -55,6 +55,8 @@ pub(crate) struct SaveState {
     pub(super) partial: PathBuf,
     pub(super) file_name: String,
     pub(super) slot: u32,
+    /// Sequence number from `Arena::begin_save` (flash restore).
+    pub(super) keep_seq: u64,
     pub(super) started: Instant,
     /// Time spent waiting for the staging gate and a descriptor slot.
     pub(super) slot_wait: Duration,

@@ -9,13 +9,49 @@ use std::sync::Arc;
 
 use super::file::FileTarget;
 use super::{Completion, IoBackend, IoOp, OpKind};
+use crate::slab::SlabRegion;
 use crate::staging::ChunkLease;
+
+/// A buffer a request can own while the kernel uses it.
+///
+/// # Safety
+/// `io_ptr()` must be valid for reads and writes of `io_len()` bytes, those bytes must be
+/// reachable through no other handle while the value lives, and they must not move or be
+/// freed while it lives (moving the value itself is fine).
+pub unsafe trait IoBuf: Send {
+    /// Start of the buffer.
+    fn io_ptr(&self) -> *mut u8;
+    /// Its length.
+    fn io_len(&self) -> usize;
+}
+
+// SAFETY: a lease is the only handle to its chunk, which lives in the arena's mapping; the
+// lease keeps the arena alive (`Arc`) and frees nothing while it lives.
+unsafe impl IoBuf for ChunkLease {
+    fn io_ptr(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: a region is the only handle to its range of the slab (carved disjointly by the
+// slab's sole owner), and keeps the slab allocation alive (`Arc`).
+unsafe impl IoBuf for SlabRegion {
+    fn io_ptr(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
 
 /// A finished request: the lease and tag that went in with it.
 #[derive(Debug)]
-pub struct Done<T> {
+pub struct Done<T, B = ChunkLease> {
     /// The buffer, free for the caller again.
-    pub lease: ChunkLease,
+    pub lease: B,
     /// The caller's tag.
     pub tag: T,
     /// Bytes transferred, or a negated errno.
@@ -46,22 +82,22 @@ pub struct Request {
 }
 
 /// One request in flight: its buffer and its file, both owned until the completion.
-struct Slot<T> {
-    lease: ChunkLease,
+struct Slot<T, B> {
+    lease: B,
     /// Keeps the fd open until the kernel is done with the request.
     _file: Arc<FileTarget>,
     tag: T,
 }
 
 /// A backend plus the requests in flight.
-pub struct LeaseQueue<T> {
+pub struct LeaseQueue<T, B: IoBuf = ChunkLease> {
     backend: Box<dyn IoBackend>,
-    slots: Vec<Option<Slot<T>>>,
+    slots: Vec<Option<Slot<T, B>>>,
     free: Vec<usize>,
     completions: Vec<Completion>,
 }
 
-impl<T> LeaseQueue<T> {
+impl<T, B: IoBuf> LeaseQueue<T, B> {
     /// Wrap `backend`.
     pub(crate) fn new(backend: Box<dyn IoBackend>) -> Self {
         let depth = backend.queue_depth();
@@ -93,27 +129,27 @@ impl<T> LeaseQueue<T> {
     #[allow(clippy::type_complexity, clippy::result_large_err)]
     pub fn push(
         &mut self,
-        lease: ChunkLease,
+        lease: B,
         tag: T,
         file: &Arc<FileTarget>,
         req: Request,
-    ) -> Result<(), (ChunkLease, T, io::Error)> {
+    ) -> Result<(), (B, T, io::Error)> {
         let Request {
             kind,
             at,
             len,
             offset,
         } = req;
-        if at.checked_add(len).is_none_or(|end| end > lease.len()) || len > u32::MAX as usize {
+        if at.checked_add(len).is_none_or(|end| end > lease.io_len()) || len > u32::MAX as usize {
             let e = io::Error::new(io::ErrorKind::InvalidInput, "request outside its chunk");
             return Err((lease, tag, e));
         }
         let Some(idx) = self.free.pop() else {
             return Err((lease, tag, io::Error::other("queue full")));
         };
-        // SAFETY: `at + len <= lease.len()` was checked above, so the pointer and the range
-        // stay inside the leased chunk.
-        let buf = unsafe { lease.as_ptr().add(at) };
+        // SAFETY: `at + len <= lease.io_len()` was checked above, so the pointer and the
+        // range stay inside the owned buffer.
+        let buf = unsafe { lease.io_ptr().add(at) };
         let op = IoOp {
             kind,
             fd: file.fd_for(buf, offset, len as u64),
@@ -144,7 +180,7 @@ impl<T> LeaseQueue<T> {
     }
 
     /// Submit, wait for at least `min` completions, and return the finished requests.
-    pub fn wait(&mut self, min: usize) -> Result<Vec<Done<T>>, Broken<T>> {
+    pub fn wait(&mut self, min: usize) -> Result<Vec<Done<T, B>>, Broken<T>> {
         self.completions.clear();
         if let Err(error) = self.backend.wait(min, &mut self.completions) {
             let mut tags = Vec::new();
@@ -175,7 +211,7 @@ impl<T> LeaseQueue<T> {
     }
 }
 
-impl<T> Drop for LeaseQueue<T> {
+impl<T, B: IoBuf> Drop for LeaseQueue<T, B> {
     fn drop(&mut self) {
         // Buffers in flight belong to the kernel until reaped.
         while self.in_flight() > 0 {

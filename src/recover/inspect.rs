@@ -255,7 +255,7 @@ pub(super) fn details_of(a: &AttachedArena) -> ArenaDetails {
 pub(super) fn used_slots(a: &AttachedArena) -> Vec<SlotView> {
     (0..a.slot_count())
         .map(|s| a.slot(s))
-        .filter(|v| v.state != slot_state::FREE)
+        .filter(|v| v.state != slot_state::FREE && v.state != slot_state::KEPT)
         .collect()
 }
 

@@ -272,6 +272,10 @@ fn recover_impl(
         );
         tracing::warn!(arena = %name, "{why}");
         report.kept = Some(why);
+    } else if crate::staging::is_kept_name(name) {
+        // Flash restore's arena: its committed image stays for the next engine (`shmckpt
+        // shm rm` removes it).
+        report.kept = Some("kept for flash restore (`shmckpt shm rm` removes it)".into());
     } else {
         match att.unlink() {
             Ok(()) => {

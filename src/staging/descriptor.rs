@@ -35,6 +35,9 @@ pub mod slot_state {
     pub const STAGING: u32 = 1;
     /// Every byte of the save is staged (or already written): `save` returned.
     pub const STAGED: u32 = 2;
+    /// Committed, and every chunk of its chunk map still holds the file's bytes (flash
+    /// restore keeps it until the next save starts).
+    pub const KEPT: u32 = 3;
 }
 
 /// Chunk-map entry states (top two bits of the entry; the low 30 bits hold the arena
@@ -113,22 +116,34 @@ pub struct SlotHeader {
 const _: () = assert!(size_of::<ArenaHeader>() <= PAGE);
 const _: () = assert!(size_of::<SlotHeader>() <= PAGE);
 
-/// Access to the descriptor of an arena this process created and maps.
+/// Access to the descriptor of an arena this process created and maps, borrowed from the
+/// mapping (`'a`): it cannot outlive the arena, and it is neither `Clone` nor `Copy`.
 ///
-/// Holds a raw base pointer; the arena that owns the mapping keeps it alive. Arenas of other
-/// processes are never accessed through it: [`super::attach`] reads them with `pread` and
-/// [`super::layout`]'s checked parsing.
-#[derive(Debug, Clone, Copy)]
-pub struct Descriptor {
+/// ```compile_fail,E0505
+/// use shmckpt::testing::staging::{Arena, ArenaSpec};
+/// let arena = Arena::create(&ArenaSpec {
+///     name: None, capacity: 4096, chunk_size: 4096, slots: 1, rank: 0, world_size: 1,
+///     root: "/tmp".into(),
+/// }).unwrap();
+/// let d = arena.descriptor();
+/// drop(arena); // the mapping goes while the descriptor borrows it: refused
+/// d.free(0);
+/// ```
+///
+/// Arenas of other processes are never accessed through it: [`super::attach`] reads them
+/// with `pread` and [`super::layout`]'s checked parsing.
+#[derive(Debug)]
+pub struct Descriptor<'a> {
     base: *mut u8,
     geo: Geometry,
+    _mapping: std::marker::PhantomData<&'a [u8]>,
 }
 
 // SAFETY: every field that can change after creation is an atomic or is written only by the
-// thread that owns the slot (rule 1 above); the pointer is valid for the arena's lifetime.
-unsafe impl Send for Descriptor {}
+// thread that owns the slot (rule 1 above); the pointer is valid for `'a` (the mapping).
+unsafe impl Send for Descriptor<'_> {}
 // SAFETY: as above.
-unsafe impl Sync for Descriptor {}
+unsafe impl Sync for Descriptor<'_> {}
 
 /// What `begin` records about a save.
 #[derive(Debug, Clone, Copy)]
@@ -187,12 +202,26 @@ pub struct HeaderView {
     pub geometry: Geometry,
 }
 
-impl Descriptor {
+impl<'a> Descriptor<'a> {
+    /// The descriptor of a mapping that [`Descriptor::init`] initialised.
+    ///
+    /// # Safety
+    /// `base` is the start of a writable, page-aligned mapping of at least
+    /// `geo.total_len` bytes, initialised by [`Descriptor::init`] with `geo`, that stays
+    /// mapped for `'a`.
+    pub unsafe fn from_mapping(base: *mut u8, geo: Geometry) -> Descriptor<'a> {
+        Descriptor {
+            base,
+            geo,
+            _mapping: std::marker::PhantomData,
+        }
+    }
+
     /// Initialise the descriptor of a freshly created, zero-filled arena.
     ///
     /// # Safety
     /// - `base` is the start of a writable, page-aligned mapping of at least
-    ///   `geo.total_len` bytes that stays mapped while the returned value is used;
+    ///   `geo.total_len` bytes that stays mapped for `'a`;
     /// - `geo` was made for `root.len()` (`geo.root_len == root.len()`);
     /// - no other thread or process accesses the first `geo.data_offset` bytes during this
     ///   call.
@@ -203,7 +232,7 @@ impl Descriptor {
         rank: u32,
         world_size: u32,
         root: &[u8],
-    ) -> Descriptor {
+    ) -> Descriptor<'a> {
         assert_eq!(
             geo.root_len,
             root.len() as u64,
@@ -238,7 +267,8 @@ impl Descriptor {
         // The magic goes last: a reader that sees it sees the fields above.
         std::sync::atomic::fence(Ordering::Release);
         h.magic = MAGIC;
-        Descriptor { base, geo }
+        // SAFETY: initialised just above; the mapping stays for `'a` (caller's contract).
+        unsafe { Descriptor::from_mapping(base, geo) }
     }
 
     /// The geometry.
@@ -376,6 +406,13 @@ impl Descriptor {
     pub fn chunk_lost(&self, slot: u32, k: u64) {
         self.chunk_entry(slot, k)
             .store(chunk_state::EMPTY, Ordering::Release);
+    }
+
+    /// The slot's save committed and its chunks stay untouched until the next save starts.
+    pub fn keep(&self, slot: u32) {
+        self.slot_header(slot)
+            .state
+            .store(slot_state::KEPT, Ordering::Release);
     }
 
     /// The slot is free again (committed, failed or recovered).

@@ -5,14 +5,15 @@
 //! while it is being filled and written, and returns to the free pool when the lease drops,
 //! after its write completed. `acquire` blocks when no chunk is free: that is the
 //! backpressure a second save feels while an earlier one drains.
-#![allow(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod attach;
 pub mod descriptor;
 pub mod layout;
+mod lease;
+mod mapped;
 pub mod shm;
 
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -20,10 +21,42 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 pub use attach::AttachedArena;
 use descriptor::{Descriptor, Geometry};
+pub use lease::ChunkLease;
+use mapped::Mapped;
 pub use shm::Segment;
 
 /// Prefix of every arena name in `/dev/shm`.
 pub const NAME_PREFIX: &str = "shmckpt.";
+
+/// Prefix of the arenas kept for flash restore (`EngineConfig::with_keep_in_memory`).
+pub const KEEP_PREFIX: &str = "shmckpt.keep-";
+
+/// The stable name of the kept arena of `root` (canonical) and `rank`: FNV-1a 64 of the
+/// root's bytes, so one root and rank always map to the same name.
+pub fn kept_name(root: &std::path::Path, rank: u32) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in root.as_os_str().as_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{KEEP_PREFIX}{h:016x}.r{rank}")
+}
+
+/// Whether `name` is a kept arena's name.
+pub fn is_kept_name(name: &str) -> bool {
+    name.starts_with(KEEP_PREFIX)
+}
+
+/// Flash-restore bookkeeping of an arena: which slot holds the last committed image, and
+/// how many saves began (a save that is not the latest to begin never becomes the image:
+/// a later save may already be overwriting its chunks).
+#[derive(Debug, Default)]
+struct Keep {
+    enabled: bool,
+    slot: Option<u32>,
+    begun: u64,
+}
 
 /// Names of the arenas this process created and has not closed. Recovery asks it when an
 /// arena's recorded owner pid is this process's own (a restarted container's pid 1 finds the
@@ -61,16 +94,20 @@ pub struct ArenaSpec {
 /// The staging arena. Shared by the engine, its writer threads and chunk leases.
 #[derive(Debug)]
 pub struct Arena {
-    seg: Segment,
-    desc: Descriptor,
+    map: Mapped,
     geo: Geometry,
-    free: Mutex<Vec<u32>>,
+    /// Free chunks: taken from the back (the most recently freed, warm) normally, from
+    /// the front (the longest free) when keeping, so that a save never reuses a chunk it
+    /// filled itself while other chunks are free and the kept image stays whole.
+    free: Mutex<std::collections::VecDeque<u32>>,
+    fifo: std::sync::atomic::AtomicBool,
     freed: Condvar,
     slots: Mutex<Vec<u32>>,
     slot_freed: Condvar,
     /// Nanoseconds callers spent blocked in `acquire` (lifetime total).
     waited_ns: AtomicU64,
     unlinked: std::sync::atomic::AtomicBool,
+    keep: Mutex<Keep>,
 }
 
 impl Arena {
@@ -121,19 +158,7 @@ impl Arena {
             Some(n) => Segment::create(n, len)?,
             None => Segment::anonymous(len)?,
         };
-        // SAFETY: the segment was just created, zero-filled, page aligned and `len ==
-        // geo.total_len` bytes long, and `geo` was made for this root; nobody else has attached yet (the name is fresh,
-        // O_EXCL) and we hold the only reference.
-        let desc = unsafe {
-            Descriptor::init(
-                seg.as_ptr(),
-                geo,
-                std::process::id(),
-                spec.rank,
-                spec.world_size,
-                root,
-            )
-        };
+        let map = Mapped::init(seg, geo, spec.rank, spec.world_size, root)?;
         if let Some(n) = &spec.name {
             OPEN_HERE
                 .lock()
@@ -141,15 +166,16 @@ impl Arena {
                 .insert(n.clone());
         }
         Ok(Arc::new(Arena {
-            seg,
-            desc,
+            map,
             geo,
             free: Mutex::new((0..n_chunks as u32).rev().collect()),
+            fifo: std::sync::atomic::AtomicBool::new(false),
             freed: Condvar::new(),
             slots: Mutex::new((0..geo.n_slots).rev().collect()),
             slot_freed: Condvar::new(),
             waited_ns: AtomicU64::new(0),
             unlinked: std::sync::atomic::AtomicBool::new(false),
+            keep: Mutex::new(Keep::default()),
         }))
     }
 
@@ -170,20 +196,18 @@ impl Arena {
 
     /// The segment name, `None` for anonymous arenas.
     pub fn name(&self) -> Option<&str> {
-        self.seg.name()
+        self.map.segment().name()
     }
 
     /// The crash-recovery descriptor.
-    pub fn descriptor(&self) -> &Descriptor {
-        &self.desc
+    pub fn descriptor(&self) -> Descriptor<'_> {
+        self.map.descriptor()
     }
 
     /// The data region: first chunk's address and total data bytes. Writers register it
     /// with io_uring and the CUDA driver.
     pub fn data_region(&self) -> (*mut u8, usize) {
-        // SAFETY: data_offset < total_len <= mapping length (Geometry).
-        let p = unsafe { self.seg.as_ptr().add(self.geo.data_offset as usize) };
-        (p, self.capacity() as usize)
+        self.map.data_region()
     }
 
     /// Total nanoseconds callers have waited for free chunks.
@@ -210,31 +234,39 @@ impl Arena {
             self.waited_ns
                 .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
         }
-        let index = free.pop().expect("pool is non-empty");
+        let index = self.pop(&mut free).expect("pool is non-empty");
         drop(free);
         (self.lease(index), waited)
     }
 
+    fn pop(&self, free: &mut std::collections::VecDeque<u32>) -> Option<u32> {
+        if self.fifo.load(Ordering::Relaxed) {
+            free.pop_front()
+        } else {
+            free.pop_back()
+        }
+    }
+
     /// Take a free chunk if one is available right now.
     pub fn try_acquire(self: &Arc<Self>) -> Option<ChunkLease> {
-        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let index = self.pop(&mut self.free.lock().unwrap_or_else(|p| p.into_inner()))?;
         Some(self.lease(index))
     }
 
     fn lease(self: &Arc<Self>, index: u32) -> ChunkLease {
-        let (base, _) = self.data_region();
-        // SAFETY: index < n_chunks, so the chunk lies inside the data region.
-        let ptr = unsafe { base.add(index as usize * self.geo.chunk_size as usize) };
         ChunkLease {
             arena: Arc::clone(self),
             index,
-            ptr: NonNull::new(ptr).expect("mapping is non-null"),
+            ptr: self
+                .map
+                .chunk_ptr(index)
+                .expect("indices in the free list are < n_chunks"),
         }
     }
 
-    fn release(&self, index: u32) {
+    pub(super) fn release(&self, index: u32) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.push(index);
+        free.push_back(index);
         drop(free);
         self.freed.notify_one();
     }
@@ -253,7 +285,7 @@ impl Arena {
 
     /// Mark a slot free in the descriptor and return it to the pool.
     pub fn release_slot(&self, slot: u32) {
-        self.desc.free(slot);
+        self.descriptor().free(slot);
         self.slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -261,19 +293,80 @@ impl Arena {
         self.slot_freed.notify_one();
     }
 
-    /// Mark the arena cleanly closed and remove its name from `/dev/shm`. The mapping
-    /// stays valid until the last reference drops.
+    /// Keep the arena in `/dev/shm` when it closes, with its last committed save marked
+    /// `KEPT` in the descriptor (flash restore).
+    pub fn enable_keep(&self) {
+        crate::util::lock(&self.keep).enabled = true;
+        self.fifo.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the arena is kept when it closes.
+    pub fn keeps(&self) -> bool {
+        crate::util::lock(&self.keep).enabled
+    }
+
+    /// A save begins: the kept image (if any) is given up before any of its chunks can be
+    /// reused. Returns the save's sequence number for [`Arena::finish_slot`].
+    pub fn begin_save(&self) -> u64 {
+        let mut k = crate::util::lock(&self.keep);
+        if let Some(slot) = k.slot.take() {
+            self.release_slot(slot);
+        }
+        k.begun += 1;
+        k.begun
+    }
+
+    /// The save with sequence `seq` in `slot` ended. With keeping on, a committed save
+    /// that is still the latest to have begun becomes the kept image (its slot stays out
+    /// of the pool until the next save begins); otherwise the slot is freed.
+    pub fn finish_slot(&self, slot: u32, seq: u64, committed: bool) {
+        let mut k = crate::util::lock(&self.keep);
+        if k.enabled && committed && seq == k.begun && self.slot_chunks_distinct(slot) {
+            self.descriptor().keep(slot);
+            k.slot = Some(slot);
+        } else {
+            drop(k);
+            self.release_slot(slot);
+        }
+    }
+
+    /// Whether every file chunk of `slot` lives in its own arena chunk: a save larger than
+    /// the arena reuses chunks it already wrote, and then its image is not whole.
+    fn slot_chunks_distinct(&self, slot: u32) -> bool {
+        let v = self.descriptor().slot_view(slot);
+        let mut seen = std::collections::BTreeSet::new();
+        let ok = v.chunks.iter().all(|&(_, i)| seen.insert(i));
+        if !ok {
+            tracing::info!(
+                step = v.step,
+                "the save reused staging chunks (arena smaller than the file): nothing kept in memory"
+            );
+        }
+        ok
+    }
+
+    /// Mark the arena cleanly closed and remove its name from `/dev/shm` (unless it is
+    /// kept). The mapping stays valid until the last reference drops.
     pub fn close(&self) {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
-            self.desc.mark_closed();
-            if let Some(n) = self.seg.name() {
+            self.descriptor().mark_closed();
+            if self.keeps() {
+                if let Some(n) = self.map.segment().name() {
+                    OPEN_HERE
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(n);
+                }
+                return;
+            }
+            if let Some(n) = self.map.segment().name() {
                 OPEN_HERE
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(n);
             }
-            if let Err(e) = self.seg.unlink() {
-                tracing::warn!(name = ?self.seg.name(), error = %e, "could not unlink staging arena");
+            if let Err(e) = self.map.segment().unlink() {
+                tracing::warn!(name = ?self.map.segment().name(), error = %e, "could not unlink staging arena");
             }
         }
     }
@@ -282,65 +375,6 @@ impl Arena {
 impl Drop for Arena {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-/// Exclusive use of one arena chunk. Dropping the lease returns the chunk to the pool, so a
-/// lease must live as long as anyone (a DMA engine, the kernel) may access the chunk.
-#[derive(Debug)]
-pub struct ChunkLease {
-    arena: Arc<Arena>,
-    index: u32,
-    ptr: NonNull<u8>,
-}
-
-// SAFETY: the lease is the only handle to its chunk's bytes; moving it between threads moves
-// that exclusive access along with it.
-unsafe impl Send for ChunkLease {}
-
-impl ChunkLease {
-    /// Arena chunk index.
-    pub fn index(&self) -> u32 {
-        self.index
-    }
-
-    /// Chunk length.
-    pub fn len(&self) -> usize {
-        self.arena.geo.chunk_size as usize
-    }
-
-    /// Always false (chunks are never empty).
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// Raw pointer to the chunk (for DMA and io_uring).
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    /// The chunk's bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the lease is the unique owner of this chunk; the arena (kept alive by the
-        // `Arc`) maps `len` bytes at `ptr`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
-    }
-
-    /// The chunk's bytes, mutable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live borrow.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
-    }
-
-    /// The arena this chunk belongs to.
-    pub fn arena(&self) -> &Arc<Arena> {
-        &self.arena
-    }
-}
-
-impl Drop for ChunkLease {
-    fn drop(&mut self) {
-        self.arena.release(self.index);
     }
 }
 

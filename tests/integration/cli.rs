@@ -241,3 +241,72 @@ fn io_errors_name_their_path() {
         stderr(&o)
     );
 }
+
+/// `bench --load` times loads of the checkpoint it saved against raw O_DIRECT reads of its
+/// file, and the raw write reference is the better of one stream and 16 requests in flight.
+#[test]
+fn bench_load_reports_load_and_raw_read_references() {
+    let dir = real_dir("cli-bench-load");
+    let root = dir.path();
+    let o = shmckpt(&[
+        "bench",
+        "--size",
+        "8MiB",
+        "--tensors",
+        "5",
+        "--repeat",
+        "2",
+        "--load",
+        "--flash",
+        "--json",
+        "--chunk-size",
+        "1MiB",
+        "--dir",
+        root.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "bench failed: {}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // --flash: a new engine served every load from the kept arena (the bench fails
+    // otherwise), and removed the arena afterwards.
+    assert!(r["flash_load_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert_eq!(r["flash_load_runs_s"].as_array().unwrap().len(), 2);
+    assert!(shmckpt::flash::list_kept().iter().all(|k| {
+        k.root
+            .as_ref()
+            .is_none_or(|p| !p.starts_with(std::fs::canonicalize(root).unwrap()))
+    }));
+    let f = |k: &str| {
+        r[k].as_f64()
+            .unwrap_or_else(|| panic!("{k} missing or not a number in {r}"))
+    };
+    let (load, read, ratio) = (f("load_s"), f("reference_read_s"), f("load_ratio"));
+    assert!(load > 0.0 && read > 0.0, "{r}");
+    assert!((ratio - read / load).abs() < 1e-9 * ratio.max(1.0), "{r}");
+    // The raw read is the better of its two measurements, and so is the raw write.
+    let runs = r["load_runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in runs {
+        assert!(run["load_s"].as_f64().unwrap() > 0.0);
+        assert!(run["reference_read_single_s"].as_f64().unwrap() > 0.0);
+    }
+    let single = f("reference_read_single_s");
+    assert!(read <= single, "{r}");
+    if let Some(u) = r["reference_read_uring_s"].as_f64() {
+        assert!(read <= u, "{r}");
+    }
+    let w = f("reference_write_s");
+    assert!(w <= f("reference_write_single_s"), "{r}");
+    if let Some(u) = r["reference_write_uring_s"].as_f64() {
+        assert!(w <= u, "{r}");
+    }
+    for run in r["runs"].as_array().unwrap() {
+        let best = run["reference_s"].as_f64().unwrap();
+        let s = run["reference_single_s"].as_f64().unwrap();
+        assert!(best <= s);
+        if let Some(u) = run["reference_uring_s"].as_f64() {
+            assert_eq!(best, s.min(u));
+        }
+    }
+    // Nothing of the run is left behind.
+    assert!(names(root).is_empty(), "{:?}", names(root));
+}

@@ -5,6 +5,7 @@ mod common;
 
 mod cli;
 mod corruption;
+mod flash;
 mod fulldisk;
 mod hostile;
 mod ipc;

@@ -443,3 +443,77 @@ fn backpressure_never_exceeds_the_stall_with_parallel_copy_threads() {
     assert_eq!(r.timings.backpressure, st.backpressure);
     assert_loaded_equal(&engine.load(2).unwrap(), &s2);
 }
+
+/// Host `load` reads straight into one allocation whose ranges are the tensors: the bytes
+/// are exact, every tensor is aligned to its element size, each tensor is its own mutable
+/// buffer, and the allocation comes back to the engine for the next
+/// load when the tensors are dropped (and the next load is exact in reused memory).
+#[test]
+fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
+    let e = |name: &str, dtype, shape: &[usize]| LayoutEntry {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    // U8 tensors of 3 and 5 bytes put `odd` at data offset ...+3 and `half` (F16) at +8+4099.
+    let layout = vec![
+        e("big", Dtype::F32, &[3 << 20]),
+        e("three", Dtype::U8, &[3]),
+        e("odd", Dtype::U8, &[5]),
+        e("half", Dtype::F16, &[3]),
+        e("tail", Dtype::U8, &[4099]),
+    ];
+    for backend in BACKENDS {
+        let dir = real_dir("views");
+        let engine = Engine::open(small_config(dir.path(), backend)).unwrap();
+        let s1 = State::new(layout.clone(), 1);
+        let s2 = State::new(layout.clone(), 2);
+        engine
+            .save(1, &s1.tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        engine
+            .save(2, &s2.tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(engine.load_buffer_bytes(), 0);
+        let mut ck = engine.load(1).unwrap();
+        assert_loaded_equal(&ck, &s1);
+        for t in &ck.tensors {
+            let align = t.dtype.alignment() as usize;
+            assert_eq!(t.data.as_bytes().as_ptr() as usize % align, 0, "{}", t.name);
+        }
+        assert_eq!(ck.get("half").unwrap().data.cast::<u16>().unwrap().len(), 3);
+        // Writing one tensor leaves the others (neighbours in the same allocation) alone.
+        assert_eq!(ck.tensors[0].name, "big");
+        ck.tensors[0].data.as_bytes_mut().fill(0xEE);
+        let c = ck.clone();
+        assert_eq!(c, ck);
+        assert!(c.tensors[0].data.as_bytes().iter().all(|&b| b == 0xEE));
+        for (e, d) in s1.layout.iter().zip(&s1.data) {
+            let got = ck.get(&e.name).unwrap().data.as_bytes();
+            if e.name == "big" {
+                assert!(got.len() == d.len() && got.iter().all(|&b| b == 0xEE));
+            } else {
+                assert_eq!(got, &d[..], "{}", e.name);
+            }
+        }
+        drop(c);
+        drop(ck);
+        let held = engine.load_buffer_bytes();
+        assert!(held >= (12 << 20) + 4099 + 8 + 6, "allocation kept: {held}");
+        // Step 2 into the reused memory (which still holds step 1's bytes): exact.
+        let ck2 = engine.load(2).unwrap();
+        assert_eq!(engine.load_buffer_bytes(), 0, "reused, not held twice");
+        assert_loaded_equal(&ck2, &s2);
+        drop(ck2);
+        engine.release_load_buffers();
+        assert_eq!(engine.load_buffer_bytes(), 0);
+        // The library function (no engine pool) gives the same result.
+        let opts = shmckpt::restore::ReadOptions::default();
+        let ck = shmckpt::restore::load_owned(&dir.path().join("step-2"), 0, &opts).unwrap();
+        assert_loaded_equal(&ck, &s2);
+    }
+}

@@ -20,7 +20,7 @@ pub fn run(a: BenchArgs) -> CliResult {
 
     // The state, on the device, with the documented deterministic content.
     let t = Instant::now();
-    let bufs = super::variant::alloc_state(&ctx, &layout, 0)?;
+    let mut bufs = super::variant::alloc_state(&ctx, &layout, 0)?;
     let bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     let fill_s = t.elapsed();
     let (free_alloc, _) = ctx.mem_info()?;
@@ -47,7 +47,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
             if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                reference = Some(shmckpt::testing::reference::raw_direct_writes(
                     &a.dir, bytes,
                 )?);
             }
@@ -64,7 +64,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         last_dir = r.dir.clone();
         if swap {
             if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                reference = Some(shmckpt::testing::reference::raw_direct_writes(
                     &a.dir, bytes,
                 )?);
             }
@@ -78,11 +78,59 @@ pub fn run(a: BenchArgs) -> CliResult {
         });
     }
     let (free_after_saves, _) = ctx.mem_info()?;
+    drop(refs);
+    let mut load_extra = serde_json::Map::new();
+    if a.load {
+        // Load the last checkpoint back into the state's own buffers (same bytes), timed
+        // to the end of the device copies (`load_into_device` returns after they finished).
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let m = engine.manifest(step)?;
+        let dir = last_dir
+            .clone()
+            .ok_or("the last save reported no directory")?;
+        let file = dir.join(&m.files.first().ok_or("manifest without files")?.file);
+        let runs = super::time_loads(a.repeat, &file, |_| {
+            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
+                .iter()
+                .map(|e| e.name.as_str())
+                .zip(bufs.iter_mut())
+                .collect();
+            let t = Instant::now();
+            engine.load_into_device(step, &mut dest)?;
+            Ok(t.elapsed())
+        })?;
+        load_extra = super::load_keys(file_bytes, &runs);
+        // The PCIe limit of a restore: one plain pinned HtoD of the same bytes.
+        let mut dsts: Vec<&mut DeviceBuffer> = bufs.iter_mut().collect();
+        pinned.time_htod(&mut dsts, &stream)?; // warm-up
+        let h2d: Vec<f64> = (0..a.repeat.max(1))
+            .map(|_| {
+                pinned
+                    .time_htod(&mut dsts, &stream)
+                    .map(|d| d.as_secs_f64())
+            })
+            .collect::<Result<_, _>>()?;
+        load_extra.insert("h2d_s".into(), json!(median(&h2d)));
+        load_extra.insert("h2d_runs_s".into(), json!(h2d));
+    }
     let backend = engine.backend().as_str();
     engine.close();
     drop(pinned);
+    if a.flash {
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
+            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
+                .iter()
+                .map(|e| e.name.as_str())
+                .zip(bufs.iter_mut())
+                .collect();
+            let t = Instant::now();
+            let r = e.load_into_device_with_report(step, &mut dest)?;
+            Ok((t.elapsed(), r))
+        })?;
+        load_extra.extend(flash);
+    }
     let (free_engine_closed, _) = ctx.mem_info()?;
-    drop(refs);
     drop(bufs);
     let (free_freed, _) = ctx.mem_info()?;
 
@@ -100,7 +148,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     let durable_s: Vec<f64> = runs.iter().map(|r| r.durable.as_secs_f64()).collect();
     let ref_s: Vec<f64> = runs
         .iter()
-        .filter_map(|r| r.reference.map(|d| d.as_secs_f64()))
+        .filter_map(|r| r.reference.map(|d| d.best().as_secs_f64()))
         .collect();
     let d2h_m = median(&d2h_s);
     let extra = json!({
@@ -123,10 +171,11 @@ pub fn run(a: BenchArgs) -> CliResult {
         "gpu_free_after_engine_close_bytes": free_engine_closed,
         "gpu_free_after_release_bytes": free_freed,
     });
-    let extra = match extra {
+    let mut extra = match extra {
         serde_json::Value::Object(m) => m,
         _ => unreachable!("json! object"),
     };
+    extra.extend(load_extra);
     report(
         &a, &layout, bytes, file_bytes, &runs, backend, direct, kept_dir, extra,
     )

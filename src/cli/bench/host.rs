@@ -23,7 +23,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let reference_first = i % 2 == 0;
         let mut reference = None;
         if !a.no_reference && reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_write(
+            reference = Some(shmckpt::testing::reference::raw_direct_writes(
                 &a.dir, bytes,
             )?);
         }
@@ -39,7 +39,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         direct = r.direct_io;
         last_dir = r.dir.clone();
         if !a.no_reference && !reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_write(
+            reference = Some(shmckpt::testing::reference::raw_direct_writes(
                 &a.dir, bytes,
             )?);
         }
@@ -50,19 +50,48 @@ pub fn run(a: BenchArgs) -> CliResult {
             reference,
         });
     }
+    let mut extra = serde_json::Map::new();
+    if a.load {
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let m = engine.manifest(step)?;
+        let dir = last_dir
+            .clone()
+            .ok_or("the last save reported no directory")?;
+        let file = dir.join(&m.files.first().ok_or("manifest without files")?.file);
+        let runs = super::time_loads(a.repeat, &file, |i| {
+            let t = std::time::Instant::now();
+            let ck = engine.load(step)?;
+            let took = t.elapsed();
+            if i == 0 {
+                // Check the bytes once, outside the timing: a fast wrong load is no result.
+                for (e, d) in layout.iter().zip(&data) {
+                    let got = ck.get(&e.name).ok_or("tensor missing from the load")?;
+                    if got.data.as_bytes() != &d[..] {
+                        return Err(format!("load returned wrong bytes for {}", e.name).into());
+                    }
+                }
+            }
+            drop(ck);
+            Ok(took)
+        })?;
+        extra = super::load_keys(file_bytes, &runs);
+    }
     let backend = engine.backend().as_str();
     engine.close();
+    if a.flash {
+        let step = first + (a.repeat.max(1) - 1) as u64;
+        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
+            let t = std::time::Instant::now();
+            let (ck, r) = e.load_with_report(step)?;
+            let took = t.elapsed();
+            drop(ck);
+            Ok((took, r))
+        })?;
+        extra.extend(flash);
+    }
     // Without --keep, `run` removes the whole run directory.
     let kept_dir = if a.keep { last_dir } else { None };
     report(
-        &a,
-        &layout,
-        bytes,
-        file_bytes,
-        &runs,
-        backend,
-        direct,
-        kept_dir,
-        serde_json::Map::new(),
+        &a, &layout, bytes, file_bytes, &runs, backend, direct, kept_dir, extra,
     )
 }

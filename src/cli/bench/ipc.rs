@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::testing::reference::RawTimes;
 use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::testing::util::{gbps, median};
 
@@ -208,14 +209,14 @@ pub fn run(a: BenchArgs) -> CliResult {
     let n = variants.len();
     let mut d2h = Vec::new();
     let mut references: Vec<Duration> = Vec::new();
-    let mut single_refs: Vec<Option<Duration>> = Vec::new();
+    let mut single_refs: Vec<Option<RawTimes>> = Vec::new();
     for i in 0..a.repeat.max(1) {
         let swap = i % 2 == 1;
         let mut reference = None;
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
             if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                reference = Some(shmckpt::testing::reference::raw_direct_writes(
                     &a.dir, bytes,
                 )?);
             }
@@ -227,13 +228,13 @@ pub fn run(a: BenchArgs) -> CliResult {
         }
         if swap {
             if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_write(
+                reference = Some(shmckpt::testing::reference::raw_direct_writes(
                     &a.dir, bytes,
                 )?);
             }
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }
-        references.extend(reference);
+        references.extend(reference.map(|r| r.best()));
         single_refs.push(reference);
     }
     let (free_after_saves, _) = ctx.mem_info()?;

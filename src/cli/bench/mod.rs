@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::json;
+use shmckpt::testing::reference::{RawTimes, raw_direct_reads};
 use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::testing::util::{gbps, median};
 use shmckpt::{Dtype, Engine, EngineConfig};
@@ -82,6 +83,15 @@ pub struct BenchArgs {
     /// Engine tuning.
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
+    /// Also time loading the last checkpoint saved (to the device with `--source cuda`),
+    /// alternated with raw O_DIRECT reads of its file (`load_s`, `reference_read_s`,
+    /// `load_ratio`).
+    #[arg(long)]
+    pub load: bool,
+    /// With --load: keep the arena in shared memory (flash restore), then time loads that
+    /// a new engine serves from it (`flash_load_s`, `flash_load_runs_s`).
+    #[arg(long, requires = "load")]
+    pub flash: bool,
     /// Skip the reference write (then no ratio is reported).
     #[arg(long)]
     pub no_reference: bool,
@@ -114,6 +124,48 @@ pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> Engine
         .apply(EngineConfig::new(dir))
         .with_keep_last(Some(1))
         .with_staging_capacity(bytes + (64 << 20) + a.engine.chunk_size())
+        .with_keep_in_memory(a.flash)
+}
+
+/// `--flash`: open a new engine on the run's root (it takes over the arena the closed one
+/// kept), time `repeat` loads with `load` (each must be served from memory), then remove
+/// the kept arena. Returns the JSON keys.
+pub fn flash_loads(
+    a: &BenchArgs,
+    bytes: u64,
+    file_bytes: u64,
+    mut load: impl FnMut(&Engine) -> Result<(Duration, shmckpt::LoadReport), Box<dyn std::error::Error>>,
+) -> Result<serde_json::Map<String, serde_json::Value>, Box<dyn std::error::Error>> {
+    let engine = engine_for(a, bytes)?;
+    let kept = engine.shm_name().to_owned();
+    let res = (|| {
+        let mut runs = Vec::new();
+        for _ in 0..a.repeat.max(1) {
+            let (t, r) = load(&engine)?;
+            if r.source != shmckpt::LoadSource::Memory {
+                return Err(format!(
+                    "flash restore did not serve the load: {}",
+                    r.fallback_reason.unwrap_or_default()
+                )
+                .into());
+            }
+            runs.push(t.as_secs_f64());
+        }
+        Ok::<_, Box<dyn std::error::Error>>(runs)
+    })();
+    engine.close();
+    let _ = shmckpt::flash::remove_kept(&kept);
+    let runs = res?;
+    let m = median(&runs);
+    let v = json!({
+        "flash_load_s": m,
+        "flash_load_gbps": gbps(file_bytes, Duration::from_secs_f64(m)),
+        "flash_load_runs_s": runs,
+    });
+    match v {
+        serde_json::Value::Object(m) => Ok(m),
+        _ => unreachable!("json! object"),
+    }
 }
 
 /// Build the engine the benchmark measures, rooted at `--dir`.
@@ -129,7 +181,75 @@ pub struct Run {
     pub stall: Duration,
     pub backpressure: Duration,
     pub durable: Duration,
-    pub reference: Option<Duration>,
+    /// The raw O_DIRECT writes of the same bytes, measured beside this save.
+    pub reference: Option<RawTimes>,
+}
+
+/// One timed load of the last checkpoint, with the raw O_DIRECT reads of its file beside it.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadRun {
+    pub load: Duration,
+    pub reference: RawTimes,
+}
+
+/// Time `repeat` loads (`load(i)` returns the time of the i-th), each alternated with the
+/// raw O_DIRECT reads of `file` (the reads first on even runs, after on odd ones, so drift
+/// in the disk hits both alike).
+pub fn time_loads(
+    repeat: usize,
+    file: &std::path::Path,
+    mut load: impl FnMut(usize) -> Result<Duration, Box<dyn std::error::Error>>,
+) -> Result<Vec<LoadRun>, Box<dyn std::error::Error>> {
+    let mut out = Vec::new();
+    for i in 0..repeat.max(1) {
+        let reads_first = i % 2 == 0;
+        let mut reference = None;
+        if reads_first {
+            reference = Some(raw_direct_reads(file)?);
+        }
+        let t = load(i)?;
+        if !reads_first {
+            reference = Some(raw_direct_reads(file)?);
+        }
+        out.push(LoadRun {
+            load: t,
+            reference: reference.expect("measured before or after"),
+        });
+    }
+    Ok(out)
+}
+
+/// The `--load` keys of the JSON report: `load_s`, `reference_read_s` (the better of one
+/// stream and 16 requests in flight, median), `load_ratio` (raw read time over load time:
+/// above 1 is faster than the raw read) and the details.
+pub fn load_keys(file_bytes: u64, runs: &[LoadRun]) -> serde_json::Map<String, serde_json::Value> {
+    let secs = |f: &dyn Fn(&LoadRun) -> Option<Duration>| -> Vec<f64> {
+        runs.iter().filter_map(f).map(|d| d.as_secs_f64()).collect()
+    };
+    let load = secs(&|r| Some(r.load));
+    let best = secs(&|r| Some(r.reference.best()));
+    let single = secs(&|r| Some(r.reference.single));
+    let uring = secs(&|r| r.reference.uring);
+    let med = |v: &[f64]| if v.is_empty() { None } else { Some(median(v)) };
+    let (load_m, ref_m) = (median(&load), median(&best));
+    let v = json!({
+        "load_s": load_m,
+        "load_gbps": gbps(file_bytes, Duration::from_secs_f64(load_m)),
+        "reference_read_s": ref_m,
+        "reference_read_gbps": gbps(file_bytes, Duration::from_secs_f64(ref_m)),
+        "reference_read_single_s": med(&single),
+        "reference_read_uring_s": med(&uring),
+        "load_ratio": ref_m / load_m,
+        "load_runs": runs.iter().map(|r| json!({
+            "load_s": r.load.as_secs_f64(),
+            "reference_read_single_s": r.reference.single.as_secs_f64(),
+            "reference_read_uring_s": r.reference.uring.map(|d| d.as_secs_f64()),
+        })).collect::<Vec<_>>(),
+    });
+    match v {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("json! object"),
+    }
 }
 
 /// Run the benchmark in a fresh subdirectory of `--dir` (so it can never see, let alone
@@ -138,6 +258,9 @@ pub struct Run {
 pub fn run(mut a: BenchArgs) -> CliResult {
     if a.source == SourceKind::Host && a.mode != Mode::Shm {
         return Err("--mode ipc and --mode compare need --source cuda".into());
+    }
+    if a.load && a.mode != Mode::Shm {
+        return Err("--load needs --mode shm".into());
     }
     let layout = load_layout(&a)?;
     let bytes = guard::layout_bytes(&layout)?;
@@ -187,12 +310,21 @@ pub fn report(
     let persist: Vec<f64> = runs.iter().map(|r| gbps(file_bytes, r.durable)).collect();
     let refs: Vec<f64> = runs
         .iter()
-        .filter_map(|r| r.reference.map(|d| gbps(bytes, d)))
+        .filter_map(|r| r.reference.map(|d| gbps(bytes, d.best())))
         .collect();
     let ref_s: Vec<f64> = runs
         .iter()
-        .filter_map(|r| r.reference.map(|d| d.as_secs_f64()))
+        .filter_map(|r| r.reference.map(|d| d.best().as_secs_f64()))
         .collect();
+    let ref_single: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.reference.map(|d| d.single.as_secs_f64()))
+        .collect();
+    let ref_uring: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.reference.and_then(|d| d.uring).map(|d| d.as_secs_f64()))
+        .collect();
+    let med_or_nan = |v: &[f64]| if v.is_empty() { f64::NAN } else { median(v) };
     let persist_m = median(&persist);
     let ref_m = if refs.is_empty() {
         f64::NAN
@@ -221,7 +353,9 @@ pub fn report(
         "durable_first_s": num(durable[0]),
         "persist_gbps": num(persist_m),
         "reference_write_gbps": num(ref_m),
-        "reference_write_s": num(if ref_s.is_empty() { f64::NAN } else { median(&ref_s) }),
+        "reference_write_s": num(med_or_nan(&ref_s)),
+        "reference_write_single_s": num(med_or_nan(&ref_single)),
+        "reference_write_uring_s": num(med_or_nan(&ref_uring)),
         "ratio": num(ratio),
         "peak_rss_bytes": peak_rss(),
         "kept_dir": kept_dir.as_ref().map(|d| d.display().to_string()),
@@ -229,7 +363,9 @@ pub fn report(
             "stall_s": r.stall.as_secs_f64(),
             "backpressure_s": r.backpressure.as_secs_f64(),
             "durable_s": r.durable.as_secs_f64(),
-            "reference_s": r.reference.map(|d| d.as_secs_f64()),
+            "reference_s": r.reference.map(|d| d.best().as_secs_f64()),
+            "reference_single_s": r.reference.map(|d| d.single.as_secs_f64()),
+            "reference_uring_s": r.reference.and_then(|d| d.uring).map(|d| d.as_secs_f64()),
         })).collect::<Vec<_>>(),
     });
     obj.as_object_mut().expect("object").extend(extra.clone());
@@ -259,13 +395,13 @@ pub fn report(
             r.durable.as_secs_f64(),
             gbps(file_bytes, r.durable),
             r.reference
-                .map_or("-".into(), |d| format!("{:.3}", d.as_secs_f64())),
+                .map_or("-".into(), |d| format!("{:.3}", d.best().as_secs_f64())),
             r.reference
-                .map_or("-".into(), |d| format!("{:.2}", gbps(bytes, d))),
+                .map_or("-".into(), |d| format!("{:.2}", gbps(bytes, d.best()))),
         );
     }
     println!(
-        "median: stall {:.3} s, durable {:.3} s, persist {:.2} GB/s, raw O_DIRECT write {:.2} GB/s, ratio {:.3}",
+        "median: stall {:.3} s, durable {:.3} s, persist {:.2} GB/s, raw O_DIRECT write {:.2} GB/s (best of 1 stream and 16 in flight), ratio {:.3}",
         median(&stall),
         median(&durable),
         persist_m,

@@ -189,6 +189,35 @@ impl PinnedHost {
         Ok(t.elapsed())
     }
 
+    /// Time one plain pinned host-to-device copy from this memory into each buffer of
+    /// `dsts`, back to back on one stream (the PCIe limit of a restore).
+    pub fn time_htod(&self, dsts: &mut [&mut DeviceBuffer], stream: &Stream) -> Result<Duration> {
+        dsts.iter()
+            .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
+            .filter(|&t| t <= self.len)
+            .ok_or_else(|| {
+                Error::cuda(
+                    "time_htod",
+                    format!(
+                        "pinned buffer of {} bytes is too small for the copy",
+                        self.len
+                    ),
+                )
+            })?;
+        stream.context().bind()?;
+        let t = Instant::now();
+        let mut at = 0;
+        for b in dsts.iter_mut() {
+            // SAFETY: `at + len <= self.len` (checked total), initialised memory (zeroed
+            // at allocation) that `&self` keeps alive and unwritten until the stream is
+            // synchronized below; `b` is a live allocation borrowed mutably.
+            unsafe { stream.copy_htod(b.ptr(), self.ptr.add(at), b.len())? };
+            at += b.len();
+        }
+        stream.synchronize()?;
+        Ok(t.elapsed())
+    }
+
     /// The bytes (zero until a copy wrote them).
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: an owned allocation of `len` bytes, zeroed in `alloc` (so initialised)

@@ -1,19 +1,33 @@
-//! Restoring into device memory: a [`ReadSink`] that copies verified bytes from staging
-//! chunks to the caller's device buffers.
+//! Where restored bytes go when they pass through staging chunks: caller host buffers
+//! ([`HostSink`]) or device memory ([`DeviceSink`], the one place that joins `device` and
+//! `restore`).
 #![allow(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use super::ReadSink;
 use crate::device::cuda::CtxGuard;
 use crate::device::pipeline::{CudaStaging, DeviceState};
 use crate::error::{Error, Result};
-use crate::restore::ReadSink;
 use crate::tensor::DeviceSlice;
+
+/// Copies each piece into the caller's buffer of its tensor (file order).
+pub(crate) struct HostSink<'a> {
+    pub(crate) dest: Vec<&'a mut [u8]>,
+}
+
+impl ReadSink for HostSink<'_> {
+    fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
+        let at = at as usize;
+        self.dest[tensor][at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+}
 
 /// A [`ReadSink`] that copies restored bytes to device memory (`cuMemcpyHtoDAsync` from
 /// the staging chunk, synchronized before the chunk is reused).
-pub struct DeviceSink {
+pub(crate) struct DeviceSink {
     dest: Vec<DeviceSlice<'static>>,
     streams: BTreeMap<i32, Arc<DeviceState>>,
     used: BTreeSet<i32>,
@@ -26,7 +40,7 @@ impl DeviceSink {
     /// # Safety
     /// Every destination must be device memory of its device, valid for writes of its
     /// length, and not used by anyone else until the load returns.
-    pub unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice<'_>>) -> Result<DeviceSink> {
+    pub(crate) unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice<'_>>) -> Result<DeviceSink> {
         // SAFETY: the same ranges; this function's contract keeps them valid until the
         // load returns, and the sink does not outlive the load.
         let dest: Vec<DeviceSlice<'static>> = dest

@@ -1,0 +1,418 @@
+//! Flash restore: at open, take over the arena a previous engine of the same root and rank
+//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), and serve `load` of its
+//! committed step from it after checking every tensor against the manifest.
+//!
+//! The previous arena is read only through [`AttachedArena`] (no link followed, owner uid
+//! checked, never mapped: `pread` and checked parsing), so nothing in it is trusted. Its
+//! name is unlinked at once (the open descriptor keeps its memory) so that this engine can
+//! create its own arena under the same stable name.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::manifest::{FileEntry, Manifest};
+use crate::restore::Checkpoint;
+use crate::slab::{SlabBuilder, SlabPool};
+use crate::staging::AttachedArena;
+use crate::staging::descriptor::{SlotView, chunk_state, slot_state};
+use crate::staging::shm::SHM_MOUNT;
+use crate::tensor::{AlignedBytes, LoadedTensor};
+
+/// Which path served a load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LoadSource {
+    /// The checkpoint files on disk.
+    Disk,
+    /// The arena a previous engine kept in shared memory (flash restore).
+    Memory,
+}
+
+/// What [`crate::Engine::load_with_report`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadReport {
+    /// Step loaded.
+    pub step: u64,
+    /// Which path served it.
+    pub source: LoadSource,
+    /// With flash restore on and the disk serving: why memory could not.
+    pub fallback_reason: Option<String>,
+}
+
+/// A previous engine's committed image, attached read-only.
+#[derive(Debug)]
+pub(crate) struct KeptImage {
+    att: AttachedArena,
+    slot: SlotView,
+}
+
+/// What [`take_kept`] found.
+pub(crate) struct Taken {
+    /// The image to serve loads from, if one looks complete.
+    pub image: Option<KeptImage>,
+    /// Why there is none (logged already).
+    pub reason: Option<String>,
+    /// Whether the stable name is free for this engine's arena.
+    pub name_free: bool,
+}
+
+/// Look at the kept arena `name` of `root` (canonical) and `rank`.
+pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
+    let path = Path::new(SHM_MOUNT).join(name);
+    let none = |reason: String, name_free: bool| Taken {
+        image: None,
+        reason: Some(reason),
+        name_free,
+    };
+    if std::fs::symlink_metadata(&path).is_err() {
+        return none(format!("no kept arena {name}"), true);
+    }
+    let att = match AttachedArena::open(name) {
+        Ok(a) => a,
+        Err(e @ Error::UnsafePath { .. }) => {
+            let why = format!("kept arena {name} refused, left untouched: {e}");
+            tracing::warn!("{why}");
+            return none(why, false);
+        }
+        Err(e) => {
+            let why = format!("kept arena {name} is unusable: {e}");
+            tracing::warn!("{why}; removing it");
+            let free = remove_own(name);
+            return none(why, free);
+        }
+    };
+    let h = att.header();
+    let reason = if h.rank != rank {
+        Some(format!(
+            "kept arena {name} is of rank {}, not {rank}",
+            h.rank
+        ))
+    } else if h.root != root {
+        Some(format!(
+            "kept arena {name} is of root {}, not {}",
+            h.root.display(),
+            root.display()
+        ))
+    } else {
+        None
+    };
+    let mut image = None;
+    let reason = reason.or_else(|| {
+        let mut best: Option<SlotView> = None;
+        for s in 0..att.slot_count() {
+            match att.try_slot(s) {
+                Ok(v) if v.state == slot_state::KEPT => {
+                    if best.as_ref().is_none_or(|b| b.step < v.step) {
+                        best = Some(v);
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => return Some(format!("kept arena {name}: {e}")),
+            }
+        }
+        match best {
+            Some(slot) => {
+                image = Some(slot);
+                None
+            }
+            None => Some(format!(
+                "kept arena {name} holds no committed image (a save was in flight or failed)"
+            )),
+        }
+    });
+    // The name goes now (the open descriptor keeps the memory of the image).
+    let name_free = match att.unlink() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(arena = %name, error = %e, "could not remove the kept arena");
+            false
+        }
+    };
+    match (image, reason) {
+        (Some(slot), None) => {
+            tracing::info!(arena = %name, step = slot.step, "kept arena attached for flash restore");
+            Taken {
+                image: Some(KeptImage { att, slot }),
+                reason: None,
+                name_free,
+            }
+        }
+        (_, reason) => {
+            let why = reason.unwrap_or_default();
+            tracing::warn!("{why}");
+            none(why, name_free)
+        }
+    }
+}
+
+/// Remove `/dev/shm/name` if it is this user's (never following a link).
+fn remove_own(name: &str) -> bool {
+    let path = Path::new(SHM_MOUNT).join(name);
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.uid() == rustix::process::geteuid().as_raw() => {
+            std::fs::remove_file(&path).is_ok()
+        }
+        _ => false,
+    }
+}
+
+/// Serve `step` (whose manifest and this rank's entry are given) from `image`, if it holds
+/// exactly that step, the disk's latest, complete and with every tensor's CRC-32C equal to
+/// the manifest's. The error is the reason it cannot.
+pub(crate) fn serve(
+    image: &KeptImage,
+    dir: &Path,
+    manifest: &Manifest,
+    entry: &FileEntry,
+    latest: Option<u64>,
+    pool: &Arc<SlabPool>,
+) -> std::result::Result<Checkpoint, String> {
+    let v = &image.slot;
+    let step = manifest.step;
+    if v.step != step {
+        return Err(format!(
+            "the kept image holds step {}, not step {step}",
+            v.step
+        ));
+    }
+    if latest != Some(step) {
+        return Err(format!(
+            "stale: the kept image holds step {step}, the disk's latest committed step is {latest:?}"
+        ));
+    }
+    if v.file_len != entry.bytes || v.data_start != entry.data_start {
+        return Err(format!(
+            "the kept image describes a file of {} bytes with data at {}, the manifest {} at {}",
+            v.file_len, v.data_start, entry.bytes, entry.data_start
+        ));
+    }
+    let cs = image.att.header().geometry.chunk_size;
+    let n = v.file_len.div_ceil(cs);
+    if v.chunks.len() as u64 != n {
+        return Err(format!(
+            "the kept image maps {} chunks, the file needs {n}",
+            v.chunks.len()
+        ));
+    }
+    if let Some(k) = v.chunks.iter().position(|c| c.0 != chunk_state::WRITTEN) {
+        return Err(format!("chunk {k} of the kept image is not complete"));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if !v.chunks.iter().all(|&(_, i)| seen.insert(i)) {
+        return Err("the kept image maps two file chunks to one arena chunk".into());
+    }
+    let data_len = v.file_len - v.data_start;
+    let len = usize::try_from(data_len).map_err(|_| "image larger than memory".to_owned())?;
+    let tensors = &entry.tensors;
+    for t in tensors {
+        let [b, e] = t.data_offsets;
+        if b > e || e > data_len {
+            return Err(format!("tensor {:?} lies outside the data section", t.name));
+        }
+        if !b.is_multiple_of(t.dtype.alignment()) {
+            return Err(format!("tensor {:?} is not aligned in the file", t.name));
+        }
+    }
+    let mut slab = SlabBuilder::new(Some(pool), len).ok_or("cannot allocate the tensors")?;
+    // Per file chunk: the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
+    let mut pieces: Vec<Vec<(usize, u32, u64)>> = Vec::new();
+    if let Some(mut region) = slab.carve(slab.capacity()) {
+        // One job per file chunk: its disjoint slice of the tensors' memory.
+        let mut jobs = Vec::with_capacity(v.chunks.len());
+        let mut rest: &mut [u8] = &mut region.as_mut_slice()[..len];
+        for (k, &(_, index)) in v.chunks.iter().enumerate() {
+            let fs = k as u64 * cs;
+            let fe = (fs + cs).min(v.file_len);
+            let s = fs.max(v.data_start);
+            if s >= fe {
+                continue;
+            }
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut((fe - s) as usize);
+            rest = tail;
+            jobs.push((k, index, s - fs, s - v.data_start, mine));
+        }
+        // Copy and checksum on several threads: the copy out of the segment and the
+        // CRC-32C are the cost of a load from memory.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8)
+            .min(jobs.len().max(1));
+        let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, j) in jobs.into_iter().enumerate() {
+            lanes[i % threads].push(j);
+        }
+        let results: Vec<std::result::Result<Vec<ChunkCrcs>, String>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = lanes
+                    .into_iter()
+                    .map(|lane| {
+                        scope.spawn(move || {
+                            let mut out = Vec::with_capacity(lane.len());
+                            for (k, index, at, dst, buf) in lane {
+                                image.att.read_chunk(index, at, buf).ok_or_else(|| {
+                                    format!("chunk {k} of the kept image cannot be read")
+                                })?;
+                                out.push((k, crc_pieces(tensors, dst, buf)));
+                            }
+                            Ok(out)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err("a copy thread panicked".into()))
+                    })
+                    .collect()
+            });
+        let mut by_chunk = Vec::new();
+        for r in results {
+            by_chunk.extend(r?);
+        }
+        by_chunk.sort_by_key(|(k, _)| *k);
+        pieces = by_chunk.into_iter().map(|(_, p)| p).collect();
+    }
+    let mut crcs: Vec<Option<u32>> = vec![None; tensors.len()];
+    for (t, crc, n) in pieces.into_iter().flatten() {
+        crcs[t] = Some(match crcs[t] {
+            None => crc,
+            Some(prev) => crc32c::crc32c_combine(prev, crc, n as usize),
+        });
+    }
+    let mut ranges = Vec::with_capacity(tensors.len());
+    for (t, crc) in tensors.iter().zip(crcs) {
+        let crc = crc.unwrap_or(0);
+        if crc != t.crc32c {
+            return Err(format!(
+                "tensor {:?}: CRC-32C {crc:08x} in memory, {:08x} in the manifest (damaged image)",
+                t.name, t.crc32c
+            ));
+        }
+        let [b, e] = t.data_offsets;
+        ranges.push((b as usize, e as usize));
+    }
+    let views = slab.finish(&ranges).ok_or("tensor ranges overlap")?;
+    let tensors = entry
+        .tensors
+        .iter()
+        .zip(views)
+        .map(|(t, view)| LoadedTensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            data: AlignedBytes::view(view),
+        })
+        .collect();
+    Ok(Checkpoint {
+        step,
+        dir: dir.to_owned(),
+        metadata: manifest.metadata.clone(),
+        tensors,
+    })
+}
+
+/// A file chunk's index and the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
+type ChunkCrcs = (usize, Vec<(usize, u32, u64)>);
+
+/// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
+fn crc_pieces(
+    tensors: &[crate::manifest::TensorEntry],
+    dst: u64,
+    buf: &[u8],
+) -> Vec<(usize, u32, u64)> {
+    let end = dst + buf.len() as u64;
+    let first = tensors.partition_point(|t| t.data_offsets[1] <= dst);
+    let mut out = Vec::new();
+    for (i, t) in tensors.iter().enumerate().skip(first) {
+        let [b, e] = t.data_offsets;
+        if b >= end {
+            break;
+        }
+        if e == b {
+            continue;
+        }
+        let s = b.max(dst);
+        let f = e.min(end);
+        let piece = &buf[(s - dst) as usize..(f - dst) as usize];
+        out.push((i, crc32c::crc32c(piece), piece.len() as u64));
+    }
+    out
+}
+
+/// Kept arenas in `/dev/shm`: name, size, owner uid, and (when it can be read: this user's
+/// and well formed) root, rank and kept step.
+pub fn list_kept() -> Vec<KeptArenaInfo> {
+    let mut out = Vec::new();
+    for name in crate::staging::shm::list_segments(crate::staging::KEEP_PREFIX) {
+        let path = Path::new(SHM_MOUNT).join(&name);
+        let Ok(m) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let mut info = KeptArenaInfo {
+            name: name.clone(),
+            bytes: m.len(),
+            owner_uid: m.uid(),
+            root: None,
+            rank: None,
+            step: None,
+            problem: None,
+        };
+        match AttachedArena::open(&name) {
+            Ok(att) => {
+                let h = att.header();
+                info.root = Some(h.root.clone());
+                info.rank = Some(h.rank);
+                info.step = (0..att.slot_count())
+                    .filter_map(|s| att.try_slot(s).ok())
+                    .filter(|v| v.state == slot_state::KEPT)
+                    .map(|v| v.step)
+                    .max();
+            }
+            Err(e) => info.problem = Some(e.to_string()),
+        }
+        out.push(info);
+    }
+    out
+}
+
+/// Remove the kept arena `name` (this user's only; never following a link).
+pub fn remove_kept(name: &str) -> Result<()> {
+    if !crate::staging::is_kept_name(name) || name.contains('/') {
+        return Err(Error::Config(format!(
+            "{name:?} is not a kept arena's name"
+        )));
+    }
+    let path = Path::new(SHM_MOUNT).join(name);
+    let m = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+    if !m.file_type().is_file() || m.uid() != rustix::process::geteuid().as_raw() {
+        return Err(Error::UnsafePath {
+            path,
+            reason: "not a regular file of this user".into(),
+        });
+    }
+    std::fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))
+}
+
+/// A kept arena, as `shmckpt shm list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeptArenaInfo {
+    /// Name in `/dev/shm`.
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Owner uid.
+    pub owner_uid: u32,
+    /// Checkpoint root, when readable.
+    pub root: Option<std::path::PathBuf>,
+    /// Rank, when readable.
+    pub rank: Option<u32>,
+    /// Step of the kept image, if it holds one.
+    pub step: Option<u64>,
+    /// Why it could not be read.
+    pub problem: Option<String>,
+}

@@ -1,0 +1,117 @@
+//! The checks every read starts with: the file is a regular file of exactly the size the
+//! manifest says, and its safetensors header describes exactly the manifest's tensors.
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::io::file::FileTarget;
+use crate::manifest::FileEntry;
+use crate::plan::MAX_HEADER_LEN;
+
+/// Open `path` for reading (O_DIRECT when `direct` and allowed) after checking it against
+/// `entry`: a regular file (no link followed, never blocking on a FIFO), of exactly
+/// `entry.bytes`, with a header that matches.
+pub(crate) fn open_checked(
+    path: &Path,
+    entry: &FileEntry,
+    direct: bool,
+) -> Result<Arc<FileTarget>> {
+    // Opened first without following a link and without blocking, and refused unless it is
+    // a regular file: a FIFO or device in place of a rank file must not hang or be read.
+    let checked = crate::fsx::open_path(path, false)?;
+    let target = Arc::new(FileTarget::open_read(path, direct)?);
+    let actual = target.len()?;
+    if actual < entry.bytes {
+        return Err(Error::Truncated {
+            path: path.to_owned(),
+            expected: entry.bytes,
+            actual,
+        });
+    }
+    if actual > entry.bytes {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "{} trailing bytes after the last tensor",
+                actual - entry.bytes
+            ),
+        ));
+    }
+    check_header(&checked, path, entry)?;
+    Ok(target)
+}
+
+/// Read and check the safetensors header of `path` against `entry`.
+pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Result<()> {
+    let mut n8 = [0u8; 8];
+    file.read_exact_at(&mut n8, 0)
+        .map_err(|e| Error::io_at("read", path, 0, e))?;
+    let n = u64::from_le_bytes(n8);
+    if n > MAX_HEADER_LEN {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("header length {n} exceeds the safetensors limit of {MAX_HEADER_LEN}"),
+        ));
+    }
+    if 8 + n != entry.data_start {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "header ends at {} but the manifest says data starts at {}",
+                8 + n,
+                entry.data_start
+            ),
+        ));
+    }
+    let mut hdr = vec![0u8; n as usize];
+    file.read_exact_at(&mut hdr, 8)
+        .map_err(|e| Error::io_at("read", path, 8, e))?;
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&hdr)
+        .map_err(|e| Error::corrupt(path, None, format!("invalid safetensors header: {e}")))?;
+    let data_len = entry.bytes - entry.data_start;
+    if meta.data_len() as u64 != data_len {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "header describes {} data bytes, the manifest {data_len}",
+                meta.data_len()
+            ),
+        ));
+    }
+    if meta.tensors().len() != entry.tensors.len() {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "header lists {} tensors, the manifest {}",
+                meta.tensors().len(),
+                entry.tensors.len()
+            ),
+        ));
+    }
+    for t in &entry.tensors {
+        let info = meta
+            .info(&t.name)
+            .ok_or_else(|| Error::corrupt(path, Some(&t.name), "missing from the header"))?;
+        let same = format!("{:?}", info.dtype) == t.dtype.as_str()
+            && info.shape == t.shape
+            && [info.data_offsets.0 as u64, info.data_offsets.1 as u64] == t.data_offsets;
+        if !same {
+            return Err(Error::corrupt(
+                path,
+                Some(&t.name),
+                format!(
+                    "header says {:?} {:?} at {:?}, the manifest {} {:?} at {:?}",
+                    info.dtype, info.shape, info.data_offsets, t.dtype, t.shape, t.data_offsets
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,491 @@
+//! Reading a file's data section through the I/O backend: chunk by chunk through staging
+//! buffers to a [`ReadSink`] (caller buffers, device memory), or straight into one slab
+//! whose ranges become the loaded tensors (host `load`), with CRC-32C verified as the
+//! bytes pass.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::header::open_checked;
+use super::{ReadOptions, ReadSink, ReadStats};
+use crate::error::{Error, Result};
+use crate::io::queue::{LeaseQueue, Request};
+use crate::io::{BackendOptions, OpKind, align_up, open_backend};
+use crate::manifest::FileEntry;
+use crate::staging::{Arena, ArenaSpec, ChunkLease};
+
+/// Chunk size of the private buffers used when no engine arena is given.
+const PRIVATE_CHUNK: u64 = 4 << 20;
+
+/// A chunk being read.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    chunk: u64,
+    want: usize,
+    got: usize,
+}
+
+/// Read the data section of `path` (described by `entry`) chunk by chunk, handing every
+/// tensor's bytes to `sink` in file order, and verify every checksum. Fails with an error
+/// naming file and tensor on any mismatch.
+pub fn read_file(
+    path: &Path,
+    entry: &FileEntry,
+    opts: &ReadOptions,
+    sink: &mut dyn ReadSink,
+) -> Result<ReadStats> {
+    let target = open_checked(path, entry, opts.direct_io)?;
+
+    let qd = opts.queue_depth.max(1) as usize;
+    let arena = match &opts.arena {
+        Some(a) => Arc::clone(a),
+        None => Arena::create(&ArenaSpec {
+            name: None,
+            capacity: PRIVATE_CHUNK * (qd + HAND_OFF) as u64,
+            chunk_size: PRIVATE_CHUNK,
+            slots: 1,
+            rank: 0,
+            world_size: 1,
+            root: PathBuf::new(),
+        })?,
+    };
+    let cs = arena.chunk_size();
+    let backend = open_backend(&BackendOptions {
+        kind: opts.backend,
+        queue_depth: qd as u32,
+        fixed: None,
+        #[cfg(feature = "fault-injection")]
+        faults: None,
+    })
+    .map_err(|e| Error::io("io setup", path, e))?;
+    let mut q: LeaseQueue<Pending> = LeaseQueue::new(backend);
+
+    let data_len = entry.bytes - entry.data_start;
+    let n = data_len.div_ceil(cs);
+    let mut crcs = vec![0u32; entry.tensors.len()];
+    let mut ready: BTreeMap<u64, (ChunkLease, Pending)> = BTreeMap::new();
+    let mut next_issue = 0u64;
+    let mut next_process = 0u64;
+    let mut handed: Vec<ChunkLease> = Vec::with_capacity(HAND_OFF);
+    let mut error: Option<Error> = None;
+    let issue = |q: &mut LeaseQueue<Pending>, lease: ChunkLease, p: Pending| {
+        let offset = entry.data_start + p.chunk * cs + p.got as u64;
+        // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
+        let rest = (p.want - p.got) as u64;
+        let len = align_up(rest).min(cs - p.got as u64) as usize;
+        q.push(
+            lease,
+            p,
+            &target,
+            Request {
+                kind: OpKind::Read,
+                at: p.got,
+                len,
+                offset,
+            },
+        )
+        .map_err(|(_, _, e)| Error::io_at("read", path, offset, e))
+    };
+
+    loop {
+        // Hold at most `qd` buffers, in flight or waiting for an earlier chunk.
+        while error.is_none() && next_issue < n && ready.len() + q.in_flight() < qd {
+            let lease = match arena.try_acquire() {
+                Some(l) => l,
+                None => {
+                    // Buffers handed to the sink come back once its copies finished.
+                    if let Err(e) = release(sink, &mut handed) {
+                        error = Some(e);
+                        break;
+                    }
+                    arena.acquire().0
+                }
+            };
+            let k = next_issue;
+            let want = (data_len - k * cs).min(cs) as usize;
+            if let Err(e) = issue(
+                &mut q,
+                lease,
+                Pending {
+                    chunk: k,
+                    want,
+                    got: 0,
+                },
+            ) {
+                error = Some(e);
+                break;
+            }
+            next_issue += 1;
+        }
+        if q.in_flight() == 0 {
+            break;
+        }
+        let done = match q.wait(1) {
+            Ok(d) => d,
+            Err(b) => {
+                error.get_or_insert(Error::io("io wait", path, b.error));
+                break;
+            }
+        };
+        for d in done {
+            let mut p = d.tag;
+            let offset = entry.data_start + p.chunk * cs + p.got as u64;
+            let r = d.result;
+            if r == -libc::EINTR || r == -libc::EAGAIN {
+            } else if r < 0 {
+                let e = std::io::Error::from_raw_os_error(-r);
+                error.get_or_insert(Error::io_at("read", path, offset, e));
+                continue;
+            } else if r == 0 {
+                error.get_or_insert(Error::Truncated {
+                    path: path.to_owned(),
+                    expected: entry.bytes,
+                    actual: offset,
+                });
+                continue;
+            } else {
+                p.got += r as usize;
+                if p.got >= p.want {
+                    ready.insert(p.chunk, (d.lease, p));
+                    continue;
+                }
+            }
+            if error.is_none()
+                && let Err(e) = issue(&mut q, d.lease, p)
+            {
+                error = Some(e);
+            }
+        }
+        while error.is_none()
+            && let Some((lease, p)) = ready.remove(&next_process)
+        {
+            if let Err(e) = process_chunk(
+                entry,
+                cs,
+                &lease.as_slice()[..p.want],
+                p.chunk,
+                &mut crcs,
+                sink,
+            ) {
+                error = Some(e);
+            }
+            next_process += 1;
+            // The sink may still copy from this buffer (device copies run asynchronously):
+            // keep it until `chunk_end`, called once for several chunks so that their
+            // copies overlap each other and the reads.
+            handed.push(lease);
+            if handed.len() >= HAND_OFF
+                && let Err(e) = release(sink, &mut handed)
+            {
+                error.get_or_insert(e);
+            }
+        }
+    }
+    if let Err(e) = release(sink, &mut handed) {
+        error.get_or_insert(e);
+    }
+    if let Some(e) = error {
+        return Err(e);
+    }
+    debug_assert_eq!(next_process, n);
+    for (t, &crc) in entry.tensors.iter().zip(&crcs) {
+        if crc != t.crc32c {
+            return Err(Error::Checksum {
+                path: path.to_owned(),
+                tensor: t.name.clone(),
+                expected: t.crc32c,
+                actual: crc,
+            });
+        }
+    }
+    Ok(ReadStats {
+        bytes: data_len,
+        direct_io: target.is_direct(),
+    })
+}
+
+fn process_chunk(
+    entry: &FileEntry,
+    cs: u64,
+    bytes: &[u8],
+    chunk: u64,
+    crcs: &mut [u32],
+    sink: &mut dyn ReadSink,
+) -> Result<()> {
+    let start = chunk * cs; // relative to the data section
+    let end = start + bytes.len() as u64;
+    let first = entry
+        .tensors
+        .partition_point(|t| t.data_offsets[1] <= start);
+    for (i, t) in entry.tensors.iter().enumerate().skip(first) {
+        let [b, e] = t.data_offsets;
+        if b >= end {
+            break;
+        }
+        if e == b {
+            continue;
+        }
+        let s = b.max(start);
+        let f = e.min(end);
+        let piece = &bytes[(s - start) as usize..(f - start) as usize];
+        crcs[i] = crc32c::crc32c_append(crcs[i], piece);
+        sink.piece(i, s - b, piece)?;
+    }
+    Ok(())
+}
+
+/// Processed chunks whose buffers the sink may still read (asynchronous device copies)
+/// before `chunk_end` says it is done with them.
+const HAND_OFF: usize = 4;
+
+/// Let the sink finish with every buffer handed to it, then free them.
+fn release(sink: &mut dyn ReadSink, handed: &mut Vec<ChunkLease>) -> Result<()> {
+    if handed.is_empty() {
+        return Ok(());
+    }
+    let r = sink.chunk_end();
+    if r.is_err() {
+        // A sink that failed to finish may still use the buffers: never reuse them.
+        for l in handed.drain(..) {
+            std::mem::forget(l);
+        }
+        return r;
+    }
+    handed.clear();
+    Ok(())
+}
+
+/// Size of each read of [`read_to_slab`].
+const SLAB_READ: u64 = 4 << 20;
+
+/// Reads in flight of [`read_to_slab`], at least.
+const SLAB_DEPTH: u32 = 16;
+
+/// Read the data section of `path` (described by `entry`) with O_DIRECT straight into one
+/// slab (reused from `pool` when it holds one that fits), `max(queue_depth, 16)` reads of
+/// 4 MiB in flight, every tensor's CRC-32C computed on a second thread as the reads
+/// complete, and return the tensors' bytes (in file order) as views of the slab, each
+/// aligned to its dtype's element size (a tensor whose offset is not is copied out).
+pub(crate) fn read_to_slab(
+    path: &Path,
+    entry: &FileEntry,
+    opts: &ReadOptions,
+    pool: Option<&Arc<crate::slab::SlabPool>>,
+) -> Result<(Vec<crate::tensor::AlignedBytes>, ReadStats)> {
+    use crate::slab::{SlabBuilder, SlabRegion};
+    use crate::tensor::AlignedBytes;
+
+    let target = open_checked(path, entry, opts.direct_io)?;
+    let data_len = entry.bytes - entry.data_start;
+    let len = usize::try_from(data_len)
+        .map_err(|_| Error::corrupt(path, None, "data section larger than the address space"))?;
+    let mut slab = SlabBuilder::new(pool, len).ok_or_else(|| {
+        Error::io(
+            "allocate",
+            path,
+            std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        )
+    })?;
+    let qd = opts.queue_depth.max(SLAB_DEPTH);
+    let backend = open_backend(&BackendOptions {
+        kind: opts.backend,
+        queue_depth: qd,
+        fixed: None,
+        #[cfg(feature = "fault-injection")]
+        faults: None,
+    })
+    .map_err(|e| Error::io("io setup", path, e))?;
+    let cs = SLAB_READ;
+    let n = data_len.div_ceil(cs);
+
+    let (tx, rx) = std::sync::mpsc::channel::<(u64, usize, SlabRegion)>();
+    let populator = slab.populator();
+    let reads_done = std::sync::atomic::AtomicBool::new(false);
+    let (crcs, error) = std::thread::scope(|scope| {
+        // A fresh allocation's pages are faulted in ahead of the reads on another thread:
+        // the first touch of fresh memory (slow in VMs) then overlaps the I/O.
+        if let Some(p) = populator {
+            let done = &reads_done;
+            let _ = std::thread::Builder::new()
+                .name("shmckpt-load-fault".into())
+                .spawn_scoped(scope, move || {
+                    const STEP: usize = 32 << 20;
+                    let mut off = 0;
+                    while off < len && !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        if !p.populate(off, STEP) {
+                            break;
+                        }
+                        off += STEP;
+                    }
+                });
+        }
+        // The checksums, in file order, on a second thread: the reads do not wait for them.
+        let crc_thread = std::thread::Builder::new()
+            .name("shmckpt-load-crc".into())
+            .spawn_scoped(scope, move || {
+                let mut crcs = vec![0u32; entry.tensors.len()];
+                let mut ready: BTreeMap<u64, (usize, SlabRegion)> = BTreeMap::new();
+                let mut next = 0u64;
+                for (k, want, r) in rx {
+                    ready.insert(k, (want, r));
+                    while let Some((want, r)) = ready.remove(&next) {
+                        let bytes = &r.as_slice()[..want];
+                        // `Discard` never fails.
+                        let _ =
+                            process_chunk(entry, cs, bytes, next, &mut crcs, &mut super::Discard);
+                        next += 1;
+                    }
+                }
+                (crcs, next)
+            });
+        let crc_thread = match crc_thread {
+            Ok(t) => t,
+            Err(e) => return (None, Some(Error::io("spawn", path, e))),
+        };
+
+        let mut q: LeaseQueue<Pending, SlabRegion> = LeaseQueue::new(backend);
+        let mut next_issue = 0u64;
+        let mut error: Option<Error> = None;
+        let issue = |q: &mut LeaseQueue<Pending, SlabRegion>, r: SlabRegion, p: Pending| {
+            let offset = entry.data_start + p.chunk * cs + p.got as u64;
+            // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
+            let rest = (p.want - p.got) as u64;
+            let len = align_up(rest).min((r.len() - p.got) as u64) as usize;
+            let req = Request {
+                kind: OpKind::Read,
+                at: p.got,
+                len,
+                offset,
+            };
+            q.push(r, p, &target, req)
+                .map_err(|(_, _, e)| Error::io_at("read", path, offset, e))
+        };
+        loop {
+            while error.is_none() && next_issue < n && q.has_room() {
+                let k = next_issue;
+                let want = (data_len - k * cs).min(cs) as usize;
+                let Some(r) = slab.carve(cs as usize) else {
+                    error = Some(Error::corrupt(path, None, "read past the slab"));
+                    break;
+                };
+                let p = Pending {
+                    chunk: k,
+                    want,
+                    got: 0,
+                };
+                if let Err(e) = issue(&mut q, r, p) {
+                    error = Some(e);
+                    break;
+                }
+                next_issue += 1;
+            }
+            if q.in_flight() == 0 {
+                break;
+            }
+            let done = match q.wait(1) {
+                Ok(d) => d,
+                Err(b) => {
+                    error.get_or_insert(Error::io("io wait", path, b.error));
+                    break;
+                }
+            };
+            for d in done {
+                let mut p = d.tag;
+                let offset = entry.data_start + p.chunk * cs + p.got as u64;
+                let r = d.result;
+                if r == -libc::EINTR || r == -libc::EAGAIN {
+                } else if r < 0 {
+                    let e = std::io::Error::from_raw_os_error(-r);
+                    error.get_or_insert(Error::io_at("read", path, offset, e));
+                    continue;
+                } else if r == 0 {
+                    error.get_or_insert(Error::Truncated {
+                        path: path.to_owned(),
+                        expected: entry.bytes,
+                        actual: offset,
+                    });
+                    continue;
+                } else {
+                    p.got += r as usize;
+                    if p.got >= p.want {
+                        // The CRC thread may have ended only if it panicked; the join
+                        // below reports that.
+                        let _ = tx.send((p.chunk, p.want, d.lease));
+                        continue;
+                    }
+                }
+                if error.is_none()
+                    && let Err(e) = issue(&mut q, d.lease, p)
+                {
+                    error = Some(e);
+                }
+            }
+        }
+        drop(q);
+        drop(tx);
+        reads_done.store(true, std::sync::atomic::Ordering::Relaxed);
+        match crc_thread.join() {
+            Ok((crcs, done)) if error.is_none() && done == n => (Some(crcs), None),
+            Ok(_) => (None, error),
+            Err(_) => (
+                None,
+                Some(
+                    error.unwrap_or_else(|| Error::corrupt(path, None, "checksum thread panicked")),
+                ),
+            ),
+        }
+    });
+    if let Some(e) = error {
+        return Err(e);
+    }
+    let crcs = crcs.ok_or_else(|| Error::corrupt(path, None, "not every chunk was read"))?;
+    for (t, &crc) in entry.tensors.iter().zip(&crcs) {
+        if crc != t.crc32c {
+            return Err(Error::Checksum {
+                path: path.to_owned(),
+                tensor: t.name.clone(),
+                expected: t.crc32c,
+                actual: crc,
+            });
+        }
+    }
+
+    // Every region is gone (the queue and the CRC thread dropped theirs): hand out views.
+    let mut copies: Vec<Option<AlignedBytes>> = Vec::with_capacity(entry.tensors.len());
+    let mut ranges = Vec::with_capacity(entry.tensors.len());
+    {
+        let bytes = slab
+            .bytes()
+            .ok_or_else(|| Error::corrupt(path, None, "a read buffer is still in use"))?;
+        for t in &entry.tensors {
+            let [b, e] = t.data_offsets;
+            let (b, e) = (b as usize, e as usize);
+            // The file orders tensors by decreasing element size, so each starts at a
+            // multiple of its own alignment: a view then (the copy is for hostile files).
+            if b.is_multiple_of(t.dtype.alignment() as usize) {
+                ranges.push((b, e));
+                copies.push(None);
+            } else {
+                let mut c = AlignedBytes::zeroed(e - b);
+                c.as_bytes_mut().copy_from_slice(&bytes[b..e]);
+                copies.push(Some(c));
+            }
+        }
+    }
+    let mut views = slab
+        .finish(&ranges)
+        .ok_or_else(|| Error::corrupt(path, None, "tensor ranges overlap"))?
+        .into_iter();
+    let data = copies
+        .into_iter()
+        .map(|c| c.unwrap_or_else(|| AlignedBytes::view(views.next().expect("one view per range"))))
+        .collect();
+    Ok((
+        data,
+        ReadStats {
+            bytes: data_len,
+            direct_io: target.is_direct(),
+        },
+    ))
+}

@@ -1,0 +1,81 @@
+//! An arena's mapping with its descriptor initialised: the one place that turns the
+//! segment's base address into the descriptor and chunk addresses (checked offsets).
+#![allow(unsafe_code)]
+
+use std::ptr::NonNull;
+
+use super::descriptor::{Descriptor, Geometry};
+use super::shm::Segment;
+use crate::error::{Error, Result};
+
+/// A segment whose first `geo.data_offset` bytes hold an initialised descriptor.
+#[derive(Debug)]
+pub struct Mapped {
+    seg: Segment,
+    geo: Geometry,
+}
+
+impl Mapped {
+    /// Initialise the descriptor of the freshly created, zero-filled segment `seg` (not
+    /// shared with anyone yet: its name is fresh, `O_EXCL`, or it is anonymous).
+    pub fn init(
+        seg: Segment,
+        geo: Geometry,
+        rank: u32,
+        world_size: u32,
+        root: &[u8],
+    ) -> Result<Mapped> {
+        if (seg.len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
+            return Err(Error::Config(format!(
+                "segment of {} bytes does not fit geometry {:?}",
+                seg.len(),
+                geo
+            )));
+        }
+        // SAFETY: the segment is page aligned, writable, zero-filled and at least
+        // `geo.total_len` bytes long (checked above), `geo` was made for this root (checked
+        // above), nobody else maps it yet (the caller's fresh segment), and it stays mapped
+        // for as long as the returned descriptor (dropped at once) is used.
+        let _ = unsafe {
+            Descriptor::init(
+                seg.as_ptr(),
+                geo,
+                std::process::id(),
+                rank,
+                world_size,
+                root,
+            )
+        };
+        Ok(Mapped { seg, geo })
+    }
+
+    /// The segment.
+    pub fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
+    /// The descriptor, borrowed from the mapping.
+    pub fn descriptor(&self) -> Descriptor<'_> {
+        // SAFETY: `init` initialised the descriptor at the start of the segment with
+        // `self.geo`; the segment stays mapped while `self` lives, which the returned value
+        // borrows.
+        unsafe { Descriptor::from_mapping(self.seg.as_ptr(), self.geo) }
+    }
+
+    /// The data region: first chunk's address and total data bytes.
+    pub fn data_region(&self) -> (*mut u8, usize) {
+        // SAFETY: data_offset < total_len <= mapping length (Geometry, checked in `init`).
+        let p = unsafe { self.seg.as_ptr().add(self.geo.data_offset as usize) };
+        (p, (self.geo.n_chunks * self.geo.chunk_size) as usize)
+    }
+
+    /// Address of chunk `index` (`None` when out of range).
+    pub fn chunk_ptr(&self, index: u32) -> Option<NonNull<u8>> {
+        if u64::from(index) >= self.geo.n_chunks {
+            return None;
+        }
+        let (base, _) = self.data_region();
+        // SAFETY: index < n_chunks, so the chunk lies inside the data region.
+        NonNull::new(unsafe { base.add(index as usize * self.geo.chunk_size as usize) })
+    }
+}

@@ -1,0 +1,304 @@
+//! Flash restore (issue 12, item 2): an arena kept in `/dev/shm` after the engine's
+//! process died serves the next engine's `load`, checked against the disk's manifest;
+//! stale, damaged or foreign arenas fall back to the disk (with the reason), and nothing
+//! in shared memory is looked at with the option off.
+
+use crate::common;
+
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use shmckpt::{BackendKind, Engine, LoadSource, Metadata};
+
+const ROOT_ENV: &str = "SHMCKPT_TEST_FLASH_ROOT";
+
+fn kept_name(root: &Path) -> String {
+    let canon = std::fs::canonicalize(root).unwrap();
+    shmckpt::testing::staging::kept_name(&canon, 0)
+}
+
+fn keep_config(root: &Path) -> shmckpt::EngineConfig {
+    small_config(root, BackendKind::Auto).with_keep_in_memory(true)
+}
+
+/// Child: commit steps 1 and 2 with flash restore on, then die by SIGKILL.
+#[test]
+#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+fn child_keeper() {
+    if !is_child("child_keeper") {
+        return;
+    }
+    let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
+    let engine = Engine::open(keep_config(&root)).unwrap();
+    for s in [1, 2] {
+        let st = step_state(s);
+        engine
+            .save(s, &st.tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    std::hint::black_box(&engine);
+    sigkill_self();
+}
+
+/// Run [`child_keeper`] on `root` and check it died by SIGKILL leaving its arena.
+fn killed_keeper(root: &Path) -> ShmGuard {
+    let out = child_command("child_keeper")
+        .env(ROOT_ENV, root)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "child: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let name = kept_name(root);
+    assert!(shm_exists(&name), "the kept arena {name} did not survive");
+    ShmGuard(name)
+}
+
+#[test]
+fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
+    let dir = real_dir("flash-kill");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
+    assert_eq!(report.fallback_reason, None);
+    assert_eq!(ck.step, 2);
+    assert_loaded_equal(&ck, &step_state(2));
+    // Step 1 is not in memory: the disk serves it, and says why.
+    let (ck1, r1) = engine.load_with_report(1).unwrap();
+    assert_eq!(r1.source, LoadSource::Disk);
+    assert!(r1.fallback_reason.unwrap().contains("holds step 2"));
+    assert_loaded_equal(&ck1, &step_state(1));
+    // The new engine keeps its own arena under the same name; after a save and a clean
+    // close, the next engine serves that save from memory.
+    let s3 = step_state(3);
+    engine
+        .save(3, &s3.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close();
+    assert!(shm_exists(&guard.0));
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let (ck, report) = engine.load_with_report(3).unwrap();
+    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
+    assert_loaded_equal(&ck, &s3);
+    // The kept arena is listed with its step, root and owner, and `remove_kept` removes it
+    // (after this engine replaced it with its own under the same name).
+    let listed = shmckpt::flash::list_kept();
+    let mine = listed.iter().find(|k| k.name == guard.0).unwrap();
+    assert_eq!(mine.owner_uid, rustix::process::geteuid().as_raw());
+    assert_eq!(
+        mine.root.as_deref(),
+        Some(std::fs::canonicalize(root).unwrap().as_path())
+    );
+    engine.close();
+    shmckpt::flash::remove_kept(&guard.0).unwrap();
+    assert!(!shm_exists(&guard.0));
+}
+
+#[test]
+fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
+    let dir = real_dir("flash-stale");
+    let root = dir.path();
+    let _guard = killed_keeper(root);
+    // An engine without flash restore commits step 3: the kept step 2 is now stale.
+    let e = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
+    let s3 = step_state(3);
+    e.save(3, &s3.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    e.close();
+    let engine = Engine::open(keep_config(root)).unwrap();
+    // Even asked for step 2 exactly, a stale image is never used.
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    let why = report.fallback_reason.unwrap();
+    assert!(why.contains("stale"), "{why}");
+    assert_loaded_equal(&ck, &step_state(2));
+    let (ck, report) = engine.load_with_report(3).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    assert!(report.fallback_reason.unwrap().contains("holds step 2"));
+    assert_loaded_equal(&ck, &s3);
+}
+
+#[test]
+fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
+    let dir = real_dir("flash-flip");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    // Flip one byte of the first data chunk of the kept image.
+    let att = shmckpt::testing::staging::AttachedArena::open(&guard.0).unwrap();
+    let slot = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .find(|v| v.state == shmckpt::testing::staging::descriptor::slot_state::KEPT)
+        .expect("a kept slot");
+    assert_eq!(slot.step, 2);
+    let geo = att.header().geometry;
+    let (_, index) = slot.chunks[1];
+    let at = geo.data_offset + u64::from(index) * geo.chunk_size + 100;
+    drop(att);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(Path::new("/dev/shm").join(&guard.0))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0xFF], at).unwrap();
+    drop(f);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    let why = report.fallback_reason.unwrap();
+    assert!(why.contains("CRC-32C"), "{why}");
+    assert_loaded_equal(&ck, &step_state(2));
+}
+
+#[test]
+fn foreign_kept_arena_is_refused_and_left_alone() {
+    if !is_root() {
+        skip("chown to another user needs root");
+        return;
+    }
+    let dir = real_dir("flash-foreign");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    let path = Path::new("/dev/shm").join(&guard.0);
+    std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    let why = report.fallback_reason.unwrap();
+    assert!(why.contains("refused"), "{why}");
+    assert_loaded_equal(&ck, &step_state(2));
+    // Saves still work (in a private arena), and the foreign segment is untouched.
+    let s3 = step_state(3);
+    engine
+        .save(3, &s3.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close();
+    let m = std::fs::symlink_metadata(&path).unwrap();
+    assert_eq!((m.uid(), m.gid()), (65534, 65534));
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "the foreign arena was modified"
+    );
+}
+
+#[test]
+fn with_the_option_off_shared_memory_is_never_looked_at() {
+    let dir = real_dir("flash-off");
+    let root = dir.path();
+    // A segment under the kept name holding garbage: an engine without the option must
+    // neither read it nor remove it nor replace it, and keeps nothing after closing.
+    let name = kept_name(root);
+    let _guard = ShmGuard(name.clone());
+    let path = Path::new("/dev/shm").join(&name);
+    std::fs::write(&path, b"not an arena").unwrap();
+    let atime = std::fs::metadata(&path).unwrap().atime_nsec();
+    let e = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
+    let s1 = step_state(1);
+    e.save(1, &s1.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (ck, report) = e.load_with_report(1).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    assert_eq!(report.fallback_reason, None);
+    assert_loaded_equal(&ck, &s1);
+    let shm_name = e.shm_name().to_owned();
+    assert_ne!(shm_name, name);
+    e.close();
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().atime_nsec(),
+        atime,
+        "read"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"not an arena");
+    assert!(!shm_exists(&shm_name), "nothing kept with the option off");
+}
+
+#[test]
+fn shm_cli_lists_and_removes_kept_arenas() {
+    let dir = real_dir("flash-cli");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_shmckpt"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let list: serde_json::Value = serde_json::from_str(&run(&["shm", "list", "--json"])).unwrap();
+    let mine = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == guard.0.as_str())
+        .unwrap_or_else(|| panic!("{} not listed: {list}", guard.0));
+    assert_eq!(mine["step"], 2);
+    assert_eq!(mine["rank"], 0);
+    assert_eq!(
+        mine["root"],
+        std::fs::canonicalize(root).unwrap().to_str().unwrap()
+    );
+    assert_eq!(mine["owner_uid"], rustix::process::geteuid().as_raw());
+    assert!(mine["bytes"].as_u64().unwrap() >= 16 << 20);
+    run(&["shm", "rm", &guard.0]);
+    assert!(!shm_exists(&guard.0));
+    // Names that are not kept arenas are refused.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_shmckpt"))
+        .args(["shm", "rm", "shmckpt.1.r0.0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+}
+
+#[test]
+fn clean_close_keeps_the_image_and_every_dtype_loads_from_memory_exactly() {
+    let dir = real_dir("flash-close");
+    let root = dir.path();
+    let _guard = ShmGuard(kept_name(root));
+    let state = State::new(every_dtype(), 9);
+    let e = Engine::open(keep_config(root)).unwrap();
+    e.save(4, &state.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    // In the same process, the disk serves (only a previous engine's image is served).
+    let (_, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Disk);
+    e.close();
+    let e = Engine::open(keep_config(root)).unwrap();
+    let (ck, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Memory, "{r:?}");
+    assert_loaded_equal(&ck, &state);
+    // Served again (the image stays until the first save), then dropped by a save.
+    let (ck2, r) = e.load_with_report(4).unwrap();
+    assert_eq!(r.source, LoadSource::Memory);
+    assert_eq!(ck2, ck);
+    let s5 = step_state(5);
+    e.save(5, &s5.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (_, r) = e.load_with_report(5).unwrap();
+    assert_eq!(r.source, LoadSource::Disk);
+    assert!(r.fallback_reason.unwrap().contains("a save started since"));
+}
