@@ -25,10 +25,10 @@ impl Mapped {
         world_size: u32,
         root: &[u8],
     ) -> Result<Mapped> {
-        if (seg.len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
+        if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
             return Err(Error::Config(format!(
                 "segment of {} bytes does not fit geometry {:?}",
-                seg.len(),
+                seg.mapped_len(),
                 geo
             )));
         }

@@ -117,6 +117,11 @@ impl Segment {
         self.ptr.as_ptr()
     }
 
+    /// Length of the mapping in bytes.
+    pub fn mapped_len(&self) -> usize {
+        self.len
+    }
+
     /// The shm name (without slash), `None` for anonymous mappings.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
@@ -197,4 +202,17 @@ pub fn open_existing(
         })?;
     let (size, blocks) = crate::fsx::check_regular(f.as_fd(), &mount.join(name), None)?;
     Ok((f, size, blocks))
+}
+
+/// Names of segments in `/dev/shm` starting with `prefix`.
+pub fn list_segments(prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(SHM_MOUNT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
 }
