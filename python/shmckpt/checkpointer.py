@@ -284,6 +284,14 @@ class Checkpointer:
     the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
     bytes of shared-memory staging, the largest checkpoint file a rank can write, default
     2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
+
+    ``keep_in_memory=True`` turns on flash restore: the staging arena (as large as
+    ``staging_capacity``, in ``/dev/shm``) outlives the process, a crash included, holding
+    the last committed checkpoint; the next ``Checkpointer`` of the same root and rank loads
+    that step from memory when it is still the newest on disk and every CRC-32C matches the
+    committed manifest, else from disk (the reason is logged). :attr:`last_load_source`
+    says which path served a load. ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept
+    arenas. Off by default: nothing is kept.
     """
 
     def __init__(
@@ -302,6 +310,7 @@ class Checkpointer:
         max_inflight_saves: Optional[int] = None,
         recover_on_open: Optional[bool] = None,
         shm_name: Optional[str] = None,
+        keep_in_memory: bool = False,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -321,6 +330,7 @@ class Checkpointer:
             shm_name=shm_name,
             max_inflight_saves=max_inflight_saves,
             recover_on_open=recover_on_open,
+            keep_in_memory=bool(keep_in_memory),
         )
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
@@ -329,6 +339,13 @@ class Checkpointer:
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         _OPEN.add(self)
+
+    @property
+    def last_load_source(self) -> Optional[Tuple[str, Optional[str]]]:
+        """Which path served the last :meth:`load` (or device :meth:`load_into`): ``("disk", reason)``
+        or ``("memory", None)``; ``reason`` says why shared memory could not serve it when
+        ``keep_in_memory`` is on (else ``None``). ``None`` before the first load."""
+        return self._engine.last_load_source()
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:

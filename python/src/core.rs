@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use shmckpt::cuda::{EventRef, StreamRef};
 use shmckpt::{
-    Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Result, SaveHandle,
-    SaveOptions, SaveReport, StagedReport, StepSel, Tensor,
+    Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, LoadReport, LoadSource, Metadata, Result,
+    SaveHandle, SaveOptions, SaveReport, StagedReport, StepSel, Tensor,
 };
 
 /// Engine settings as the Python constructor passes them (`None`: the crate's default).
@@ -28,6 +28,7 @@ pub struct EngineOpts {
     pub shm_name: Option<String>,
     pub max_inflight_saves: Option<u32>,
     pub recover_on_open: Option<bool>,
+    pub keep_in_memory: Option<bool>,
 }
 
 /// Open an engine.
@@ -62,6 +63,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     }
     if let Some(v) = o.recover_on_open {
         cfg = cfg.with_recover_on_open(v);
+    }
+    if let Some(v) = o.keep_in_memory {
+        cfg = cfg.with_keep_in_memory(v);
     }
     cfg.build()
 }
@@ -180,8 +184,20 @@ fn sel(step: Option<u64>) -> StepSel {
 }
 
 /// Load this rank's tensors into owned buffers.
-pub fn load(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
-    engine.load(sel(step))
+/// Which path served a load: `("disk" | "memory", why memory could not)`.
+pub type Served = (&'static str, Option<String>);
+
+fn served(r: &LoadReport) -> Served {
+    let source = match r.source {
+        LoadSource::Memory => "memory",
+        _ => "disk",
+    };
+    (source, r.fallback_reason.clone())
+}
+
+pub fn load(engine: &Engine, step: Option<u64>) -> Result<(Checkpoint, Served)> {
+    let (ck, report) = engine.load_with_report(sel(step))?;
+    Ok((ck, served(&report)))
 }
 
 /// Load into host memory given as `(name, address, length)`.
@@ -218,14 +234,15 @@ pub unsafe fn load_into_device(
     engine: &Engine,
     step: Option<u64>,
     dest: &[(String, u64, usize, i32)],
-) -> Result<u64> {
+) -> Result<(u64, Served)> {
     let slices: Vec<(&str, DeviceSlice)> = dest
         .iter()
         // SAFETY: forwarded from this function's contract.
         .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
         .collect();
     // SAFETY: forwarded from this function's contract.
-    unsafe { engine.load_into_device_raw(sel(step), &slices) }
+    let report = unsafe { engine.load_into_device_raw_with_report(sel(step), &slices) }?;
+    Ok((report.step, served(&report)))
 }
 
 /// Committed steps, oldest first, with their directories.

@@ -53,6 +53,8 @@ fn err(e: shmckpt::Error) -> PyErr {
 #[pyclass(module = "shmckpt._shmckpt", name = "Engine", frozen)]
 struct PyEngine {
     inner: Mutex<Option<Arc<Engine>>>,
+    /// Which path served the last load (`"disk"` or `"memory"`) and why memory could not.
+    last_load: Mutex<Option<core::Served>>,
 }
 
 impl PyEngine {
@@ -109,7 +111,8 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
-        keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None))]
+        keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
+        keep_in_memory=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -126,6 +129,7 @@ impl PyEngine {
         shm_name: Option<String>,
         max_inflight_saves: Option<u32>,
         recover_on_open: Option<bool>,
+        keep_in_memory: Option<bool>,
     ) -> PyResult<Self> {
         let opts = EngineOpts {
             root,
@@ -141,10 +145,12 @@ impl PyEngine {
             shm_name,
             max_inflight_saves,
             recover_on_open,
+            keep_in_memory,
         };
         let engine = py.detach(|| core::open(opts)).map_err(|e| to_py(py, e))?;
         Ok(PyEngine {
             inner: Mutex::new(Some(Arc::new(engine))),
+            last_load: Mutex::new(None),
         })
     }
 
@@ -206,9 +212,10 @@ impl PyEngine {
         Vec<(String, String, Vec<usize>, PyBuffer)>,
     )> {
         let engine = self.get()?;
-        let ck = py
+        let (ck, served) = py
             .detach(|| core::load(&engine, step))
             .map_err(|e| to_py(py, e))?;
+        *lock(&self.last_load) = Some(served);
         let tensors = ck
             .tensors
             .into_iter()
@@ -254,12 +261,25 @@ impl PyEngine {
         dest: Vec<(String, u64, usize, i32)>,
     ) -> PyResult<u64> {
         let engine = self.get()?;
-        py.detach(|| {
-            // SAFETY: the Python caller holds the destination tensors for the whole call,
-            // synchronized their streams before the call and does not use them meanwhile.
-            unsafe { core::load_into_device(&engine, step, &dest) }
-        })
-        .map_err(|e| to_py(py, e))
+        let (step, served) = py
+            .detach(|| {
+                // SAFETY: the Python caller holds the destination tensors for the whole
+                // call, synchronized their streams before the call and does not use them
+                // meanwhile.
+                unsafe { core::load_into_device(&engine, step, &dest) }
+            })
+            .map_err(|e| to_py(py, e))?;
+        *lock(&self.last_load) = Some(served);
+        Ok(step)
+    }
+
+    /// Which path served the last `load` or `load_into_device` of this engine:
+    /// `("disk" | "memory", reason)`, the reason saying why shared memory could not serve
+    /// it when flash restore (`keep_in_memory`) is on. `None` before the first load.
+    fn last_load_source(&self) -> Option<(String, Option<String>)> {
+        lock(&self.last_load)
+            .as_ref()
+            .map(|(s, r)| ((*s).to_owned(), r.clone()))
     }
 
     /// Committed checkpoints, oldest first: `[(step, dir)]`.
