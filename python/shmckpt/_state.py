@@ -226,10 +226,9 @@ def flatten(state: Any) -> Flat:
                 node["dtensor"] = info
             if x.layout != strided:
                 raise TypeError(f"{render_path(path)}: {x.layout} tensors are not supported")
-            dev = x.device
-            if dev.type not in ("cpu", "cuda"):
+            if not (x.is_cpu or x.is_cuda):  # (faster than reading device.type)
                 raise TypeError(
-                    f"{render_path(path)}: tensors on {dev} are not supported (cpu, cuda)"
+                    f"{render_path(path)}: tensors on {x.device} are not supported (cpu, cuda)"
                 )
             xdt = x.dtype
             di = dtype_info.get(xdt)
@@ -247,12 +246,17 @@ def flatten(state: Any) -> Flat:
             node["t"] = "tensor"
             node["n"] = name
             node["dtype"] = di[1]
-            if isinstance(x, param_cls):
+            # isinstance(x, Parameter) runs Python code (_ParameterMeta.__instancecheck__):
+            # a plain tensor is a Parameter only if it has ``_is_param`` set.
+            if t is param_cls or (
+                (t is not tensor_cls or getattr(x, "_is_param", False))
+                and isinstance(x, param_cls)
+            ):
                 node["param"] = True
                 node["requires_grad"] = bool(x.requires_grad)
             alias = None
             if x.numel() > 0:
-                key = (dev, x.data_ptr(), xdt, tuple(x.shape), tuple(x.stride()))
+                key = (x.device, x.data_ptr(), xdt, tuple(x.shape), tuple(x.stride()))
                 alias = seen.get(key)
                 if alias is None:
                     seen[key] = name

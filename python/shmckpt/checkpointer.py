@@ -501,23 +501,24 @@ class Checkpointer:
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
             meta[k] = v
+        # No cyclic GC while the per-tensor objects are built: the flattened tree is
+        # freed (by reference counting) before collections are allowed again.
         with _gc_paused():
             flat = _state.flatten(state)
             if _state.STATE_KEY in meta:
                 raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
             meta[_state.STATE_KEY] = _state.encode(flat)
-        self._reap()
+            self._reap()
 
-        guarded = self._guarded_storages() if (not blocking and self._guards) else set()
-        # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
-        # memory) and, at the same index, what keeps each one's memory alive.
-        entries: List[Tuple[str, str, List[int], int, int, int]] = []
-        keep: List[Any] = []
-        devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
-        finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
-        add_entry = entries.append
-        add_keep = keep.append
-        with _gc_paused():  # the loop allocates a few objects per tensor
+            guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
+            # memory) and, at the same index, what keeps each one's memory alive.
+            entries: List[Tuple[str, str, List[int], int, int, int]] = []
+            keep: List[Any] = []
+            devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
+            finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+            add_entry = entries.append
+            add_keep = keep.append
             for lf in flat.leaves:
                 if lf.alias_of is not None:
                     continue  # an alias: its bytes are those of an earlier leaf
@@ -529,8 +530,7 @@ class Checkpointer:
                     add_entry(_host_tuple(lf.name, lf.dtype, a))
                     add_keep(a)
                     continue
-                dev_type = x.device.type
-                if dev_type == "cpu":
+                if x.is_cpu:  # (device.type == "cpu", faster)
                     if blocking:
                         # Contiguous: staged from the caller's tensor as it is (no detach
                         # needed to read its address); else a contiguous copy.
@@ -565,6 +565,7 @@ class Checkpointer:
                     add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
                     add_keep([t, pinned])
                     finishes.append((len(entries) - 1, finish))
+            del flat
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
