@@ -220,10 +220,12 @@ def flatten(state: Any) -> Flat:
         # ``name`` is ``".".join(str(k) for k in path)``, built incrementally.
         t = type(x)
         if tensor_cls is not None and isinstance(x, tensor_cls):
-            node: Dict[str, Any] = {}
+            node: Dict[str, Any]
             if _is_dtensor(x):
                 x, info = _dtensor_local(x, path)
-                node["dtensor"] = info
+                node = {"dtensor": info}
+            else:
+                node = {}
             if x.layout != strided:
                 raise TypeError(f"{render_path(path)}: {x.layout} tensors are not supported")
             if not (x.is_cpu or x.is_cuda):  # (faster than reading device.type)
@@ -242,7 +244,9 @@ def flatten(state: Any) -> Flat:
                 di = dtype_info[xdt] = (st, torch_dtype_name(xdt))
             if not path:
                 raise TypeError("state: the top level must be a dict, list or tuple")
-            claim(name, path)
+            if name in names:
+                claim(name, path)  # raises
+            names[name] = path
             node["t"] = "tensor"
             node["n"] = name
             node["dtype"] = di[1]
