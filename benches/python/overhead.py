@@ -8,7 +8,7 @@ engine's own staging time is small and what remains is Python-side work.
 
 Reported per tensor count (medians over ``--reps`` saves, in microseconds per tensor):
 
-* ``flatten``: ``_state.flatten`` + ``_state.encode`` alone (no engine);
+* ``flatten``: ``_state.flatten`` + ``_state.encode`` alone (no engine, cyclic GC off);
 * ``save - staging``: the wall time of a blocking ``save()`` minus the engine's reported
   ``staging`` (what the Python package adds around the engine);
 * ``nb save()``: the wall time of a non-blocking ``save()`` call (includes the CPU
@@ -20,6 +20,7 @@ Example: ``python benches/python/overhead.py --tensors 1000,10000 --reps 15``
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -79,7 +80,7 @@ def main() -> int:
         f"# python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} cpus, numel {args.numel}, reps {args.reps}"
     )
-    print("| tensors | flatten+encode µs/t | save - staging µs/t | save wall ms | staging ms | nb save() µs/t |")
+    print("| tensors | flatten+encode (no GC) µs/t | save - staging µs/t | save wall ms | staging ms | nb save() µs/t |")
     print("|---|---|---|---|---|---|")
     tmp = None
     root = args.root
@@ -91,10 +92,15 @@ def main() -> int:
         state = make_state(n, args.numel)
         ntens = len(_state.flatten(state).leaves)
         fl = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            _state.encode(_state.flatten(state))
-            fl.append(time.perf_counter() - t0)
+        gc.collect()
+        gc.disable()  # the code alone: collections here depend on the heap's history
+        try:
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                _state.encode(_state.flatten(state))
+                fl.append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
         with shmckpt.Checkpointer(root, keep_last=2, rank=0, world_size=1) as ck:
             ck.save(step, state).wait()  # warm-up
             step += 1
