@@ -121,17 +121,34 @@ class Flat:
         return [lf for lf in self.leaves if lf.alias_of is None]
 
 
+_PLAIN_TENSOR: Any = torch.Tensor if torch is not None else None
+_PARAMETER: Any = torch.nn.Parameter if torch is not None else None
+_DTENSOR_CLS: Any = None  # the DTensor class once imported; False when unavailable
+
+
+def _dtensor_cls() -> Any:
+    global _DTENSOR_CLS
+    cls = _DTENSOR_CLS
+    if cls is None:
+        cls = False
+        if torch is not None:
+            try:
+                from torch.distributed.tensor import DTensor as cls  # torch >= 2.4
+            except Exception:  # pragma: no cover
+                try:
+                    from torch.distributed._tensor import DTensor as cls  # type: ignore[no-redef]
+                except Exception:
+                    cls = False
+        _DTENSOR_CLS = cls
+    return cls
+
+
 def _is_dtensor(x: Any) -> bool:
-    if torch is None:
-        return False
-    try:
-        from torch.distributed.tensor import DTensor  # torch >= 2.4
-    except Exception:  # pragma: no cover
-        try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-        except Exception:
-            return False
-    return isinstance(x, DTensor)
+    tx = type(x)
+    if tx is _PLAIN_TENSOR or tx is _PARAMETER:
+        return False  # neither is a DTensor subclass (isinstance is slow for tensors)
+    cls = _DTENSOR_CLS if _DTENSOR_CLS is not None else _dtensor_cls()
+    return cls is not False and isinstance(x, cls)
 
 
 def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
@@ -193,42 +210,63 @@ def flatten(state: Any) -> Flat:
             )
         names[name] = path
 
-    def walk(x: Any, path: Tuple[Any, ...]) -> Any:
-        name = ".".join(str(k) for k in path)
+    # Per-dtype (safetensors name, torch name), filled on first use.
+    dtype_info: Dict[Any, Tuple[str, str]] = {}
+    tensor_cls = torch.Tensor if torch is not None else None
+    param_cls = torch.nn.Parameter if torch is not None else None
+    strided = torch.strided if torch is not None else None
+
+    def walk(x: Any, path: Tuple[Any, ...], name: str) -> Any:
+        # ``name`` is ``".".join(str(k) for k in path)``, built incrementally.
         t = type(x)
-        if torch is not None and isinstance(x, torch.Tensor):
-            node: Dict[str, Any] = {}
+        if tensor_cls is not None and isinstance(x, tensor_cls):
+            node: Dict[str, Any]
             if _is_dtensor(x):
                 x, info = _dtensor_local(x, path)
-                node["dtensor"] = info
-            if x.layout != torch.strided:
+                node = {"dtensor": info}
+            else:
+                node = {}
+            if x.layout != strided:
                 raise TypeError(f"{render_path(path)}: {x.layout} tensors are not supported")
-            if x.device.type not in ("cpu", "cuda"):
+            if not (x.is_cpu or x.is_cuda):  # (faster than reading device.type)
                 raise TypeError(
                     f"{render_path(path)}: tensors on {x.device} are not supported (cpu, cuda)"
                 )
-            st = TORCH_TO_ST.get(x.dtype)
-            if st is None:
-                raise TypeError(
-                    f"{render_path(path)}: dtype {x.dtype} has no safetensors equivalent; "
-                    f"supported: {', '.join(sorted(torch_dtype_name(d) for d in TORCH_TO_ST))}"
-                )
+            xdt = x.dtype
+            di = dtype_info.get(xdt)
+            if di is None:
+                st = TORCH_TO_ST.get(xdt)
+                if st is None:
+                    raise TypeError(
+                        f"{render_path(path)}: dtype {xdt} has no safetensors equivalent; "
+                        f"supported: {', '.join(sorted(torch_dtype_name(d) for d in TORCH_TO_ST))}"
+                    )
+                di = dtype_info[xdt] = (st, torch_dtype_name(xdt))
             if not path:
                 raise TypeError("state: the top level must be a dict, list or tuple")
-            claim(name, path)
-            node.update({"t": "tensor", "n": name, "dtype": torch_dtype_name(x.dtype)})
-            if isinstance(x, torch.nn.Parameter):
+            if name in names:
+                claim(name, path)  # raises
+            names[name] = path
+            node["t"] = "tensor"
+            node["n"] = name
+            node["dtype"] = di[1]
+            # isinstance(x, Parameter) runs Python code (_ParameterMeta.__instancecheck__):
+            # a plain tensor is a Parameter only if it has ``_is_param`` set.
+            if t is param_cls or (
+                (t is not tensor_cls or getattr(x, "_is_param", False))
+                and isinstance(x, param_cls)
+            ):
                 node["param"] = True
                 node["requires_grad"] = bool(x.requires_grad)
             alias = None
             if x.numel() > 0:
-                key = (str(x.device), x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
+                key = (x.device, x.data_ptr(), xdt, tuple(x.shape), tuple(x.stride()))
                 alias = seen.get(key)
                 if alias is None:
                     seen[key] = name
                 else:
                     node["alias"] = alias
-            leaves.append(Leaf(name, path, x, "tensor", st, alias))
+            leaves.append(Leaf(name, path, x, "tensor", di[0], alias))
             return node
         if isinstance(x, np.ndarray):
             if not path:
@@ -247,9 +285,10 @@ def flatten(state: Any) -> Flat:
             for k, v in x.items():
                 kt = type(k)
                 if kt is str:
-                    items.append(["s", k, walk(v, path + (k,))])
+                    items.append(["s", k, walk(v, path + (k,), f"{name}.{k}" if path else k)])
                 elif kt is int:
-                    items.append(["i", str(k), walk(v, path + (k,))])
+                    sk = str(k)
+                    items.append(["i", sk, walk(v, path + (k,), f"{name}.{sk}" if path else sk)])
                 else:
                     raise TypeError(
                         f"{render_path(path)}: key {k!r} of type {kt.__name__} is not "
@@ -259,7 +298,10 @@ def flatten(state: Any) -> Flat:
         if t is list or t is tuple:
             return {
                 "t": t.__name__,
-                "v": [walk(v, path + (i,)) for i, v in enumerate(x)],
+                "v": [
+                    walk(v, path + (i,), f"{name}.{i}" if path else str(i))
+                    for i, v in enumerate(x)
+                ],
             }
         if x is None:
             return {"t": "none"}
@@ -280,7 +322,7 @@ def flatten(state: Any) -> Flat:
         raise TypeError(
             f"state must be a dict, list or tuple, not {type(state).__qualname__}"
         )
-    tree = walk(state, ())
+    tree = walk(state, (), "")
     for lf in leaves:
         if lf.name == "":
             raise ValueError(f"{render_path(lf.path)}: empty tensor name")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import gc
 import json
 import operator
 import os
@@ -182,7 +183,8 @@ def _canonical(name: str) -> str:
 
 
 class _Staged:
-    """One tensor as handed to the engine, with what keeps its memory alive."""
+    """One tensor as handed to the engine, with what keeps its memory alive (used by the
+    DCP writer; ``Checkpointer.save`` builds plain tuples)."""
 
     __slots__ = ("name", "dtype", "shape", "ptr", "nbytes", "device", "keep")
 
@@ -194,6 +196,21 @@ class _Staged:
         return (self.name, self.dtype, self.shape, self.ptr, self.nbytes, self.device)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """No cyclic garbage collection inside: flattening a large state allocates a few
+    objects per tensor, all kept, which otherwise triggers repeated collections (of the
+    whole heap, tensors included) costing more than the flattening itself."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _storage_key(t: Any) -> Tuple[str, int]:
     """Identifies the memory a tensor (or a DTensor's local shard) lives in."""
     if _state._is_dtensor(t):
@@ -201,15 +218,20 @@ def _storage_key(t: Any) -> Tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
-    """A contiguous CPU tensor or array as an engine tuple."""
+def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], int, int, int]:
+    """The engine tuple of a contiguous CPU tensor or array (the caller keeps ``t``)."""
     if isinstance(t, np.ndarray):
         nbytes = int(t.nbytes)
         ptr = int(t.ctypes.data) if nbytes else 0
-        return _Staged(name, st_dtype, list(t.shape), ptr, nbytes, -1, t)
+        return (name, st_dtype, list(t.shape), ptr, nbytes, -1)
     nbytes = t.numel() * t.element_size()
     ptr = int(t.data_ptr()) if nbytes else 0
-    return _Staged(name, st_dtype, list(t.shape), ptr, nbytes, -1, t)
+    return (name, st_dtype, list(t.shape), ptr, nbytes, -1)
+
+
+def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
+    """A contiguous CPU tensor or array as an engine tuple."""
+    return _Staged(*_host_tuple(name, st_dtype, t), t)
 
 
 def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
@@ -496,51 +518,72 @@ class Checkpointer:
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
             meta[k] = v
-        flat = _state.flatten(state)
-        if _state.STATE_KEY in meta:
-            raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
-        meta[_state.STATE_KEY] = _state.encode(flat)
-        self._reap()
+        # No cyclic GC while the per-tensor objects are built: the flattened tree is
+        # freed (by reference counting) before collections are allowed again.
+        with _gc_paused():
+            flat = _state.flatten(state)
+            if _state.STATE_KEY in meta:
+                raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
+            meta[_state.STATE_KEY] = _state.encode(flat)
+            self._reap()
 
-        guarded = self._guarded_storages() if (not blocking and self._guards) else set()
-        entries: List[_Staged] = []
-        devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
-        finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
-        for lf in flat.stored():
-            x = lf.obj
-            if lf.kind == "ndarray":
-                a = np.ascontiguousarray(x)
-                if not blocking:
-                    a = a.copy()  # captured at the call
-                entries.append(_host_entry(lf.name, lf.dtype, a))
-                continue
-            t = x.detach()
-            if t.device.type == "cpu":
-                is_guarded = _storage_key(t) in guarded
-                if not blocking and not is_guarded:
-                    t = t.clone(memory_format=torch.contiguous_format)
-                elif not t.is_contiguous():
-                    t = t.contiguous()
-                entries.append(_host_entry(lf.name, lf.dtype, t))
-                continue
-            dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-            if dev not in devices:
-                devices[dev] = torch.cuda.current_stream(dev)
-            is_guarded = _storage_key(t) in guarded
-            if t.numel() == 0:
-                entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, t))
-            elif t.is_contiguous() and (blocking or is_guarded):
-                nbytes = t.numel() * t.element_size()
-                entries.append(
-                    _Staged(lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev, t)
-                )
-            else:
-                with torch.cuda.device(dev):
-                    pinned, finish = _cuda_span_copy(t)
-                entries.append(_Staged(lf.name, lf.dtype, list(t.shape), 0, 0, -1, [t, pinned]))
-                finishes.append((len(entries) - 1, finish))
+            guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
+            # memory) and, at the same index, what keeps each one's memory alive.
+            entries: List[Tuple[str, str, List[int], int, int, int]] = []
+            keep: List[Any] = []
+            devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
+            finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+            add_entry = entries.append
+            add_keep = keep.append
+            for lf in flat.leaves:
+                if lf.alias_of is not None:
+                    continue  # an alias: its bytes are those of an earlier leaf
+                x = lf.obj
+                if lf.kind == "ndarray":
+                    a = np.ascontiguousarray(x)
+                    if not blocking:
+                        a = a.copy()  # captured at the call
+                    add_entry(_host_tuple(lf.name, lf.dtype, a))
+                    add_keep(a)
+                    continue
+                if x.is_cpu:  # (device.type == "cpu", faster)
+                    if blocking:
+                        # Contiguous: staged from the caller's tensor as it is (no detach
+                        # needed to read its address); else a contiguous copy.
+                        t = x if x.is_contiguous() else x.detach().contiguous()
+                    else:
+                        t = x.detach()
+                        if not (guarded and _storage_key(t) in guarded):
+                            t = t.clone(memory_format=torch.contiguous_format)
+                        elif not t.is_contiguous():
+                            t = t.contiguous()
+                    nbytes = t.numel() * t.element_size()
+                    add_entry(
+                        (lf.name, lf.dtype, list(t.shape), t.data_ptr() if nbytes else 0, nbytes, -1)
+                    )
+                    add_keep(t)
+                    continue
+                t = x.detach()
+                dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+                if dev not in devices:
+                    devices[dev] = torch.cuda.current_stream(dev)
+                is_guarded = bool(guarded) and _storage_key(t) in guarded
+                if t.numel() == 0:
+                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
+                    add_keep(t)
+                elif t.is_contiguous() and (blocking or is_guarded):
+                    nbytes = t.numel() * t.element_size()
+                    add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
+                    add_keep(t)
+                else:
+                    with torch.cuda.device(dev):
+                        pinned, finish = _cuda_span_copy(t)
+                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
+                    add_keep([t, pinned])
+                    finishes.append((len(entries) - 1, finish))
+            del flat
 
-        keep: List[Any] = [e.keep for e in entries]
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
 
@@ -548,9 +591,7 @@ class Checkpointer:
             for i, fin in finishes:
                 e = entries[i]
                 h = fin()
-                ne = _host_entry(e.name, e.dtype, h)
-                ne.keep = [e.keep, h]
-                entries[i] = ne
+                entries[i] = _host_tuple(e[0], e[1], h)
                 keep.append(h)
 
         if blocking:
@@ -559,7 +600,7 @@ class Checkpointer:
                     s.synchronize()  # this stream only, not the device
                 finish_host_copies()
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, [e.tuple() for e in entries], meta, after, True)
+            h = self._engine.save(step, entries, meta, after, True)
             handle._set_rust(h)
             handle._release()
         else:
@@ -574,7 +615,7 @@ class Checkpointer:
             keep.extend(events.values())
             after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
             if not finishes:
-                h = self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+                h = self._engine.save(step, entries, meta, after, False)
                 handle._set_rust(h)
                 with self._lock:
                     self._pending.append(handle)
@@ -586,7 +627,7 @@ class Checkpointer:
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                return self._engine.save(step, [e.tuple() for e in entries], meta, after, False)
+                return self._engine.save(step, entries, meta, after, False)
 
             if self._submitter is None:
                 self._submitter = concurrent.futures.ThreadPoolExecutor(
