@@ -134,9 +134,30 @@ fn other_engine_alive(root: &Path, own_rank: u32) -> bool {
     false
 }
 
+/// A `flock` on the root directory itself. Cleaning stale partial directories holds it
+/// exclusively and creating a partial directory holds it shared, so the decision "no other
+/// engine is alive, clean" and the removal are atomic against another rank creating its
+/// partial directory meanwhile: a rank whose engine opens while another rank's engine is
+/// cleaning cannot lose the directory of its first save.
+struct RootDirLock {
+    _dir: std::os::fd::OwnedFd,
+}
+
+fn lock_root_dir(root: &Path, exclusive: bool) -> Result<RootDirLock> {
+    let dir = fsx::open_dir(root)?;
+    let op = if exclusive {
+        rustix::fs::FlockOperation::LockExclusive
+    } else {
+        rustix::fs::FlockOperation::LockShared
+    };
+    rustix::fs::flock(dir.as_fd(), op).map_err(|e| Error::io("flock", root, e.into()))?;
+    Ok(RootDirLock { _dir: dir })
+}
+
 /// Remove leftovers of interrupted saves (`*.partial`) and retention (`*.trash`), unless
 /// another engine is working on this root. Returns what was removed.
 pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
+    let _cleaning = lock_root_dir(root, true)?;
     if other_engine_alive(root, own_rank) {
         tracing::info!(root = %root.display(), "another engine is active; not cleaning partial checkpoints");
         return Ok(Vec::new());
@@ -169,6 +190,8 @@ pub fn prepare_partial(
     file_name: &str,
     world_size: u32,
 ) -> Result<PathBuf> {
+    // Never while another engine's `clean_stale` is deciding what is stale.
+    let _creating = lock_root_dir(root, false)?;
     if root.join(step_dir_name(step)).exists() {
         return Err(Error::StepExists {
             step,
@@ -339,6 +362,35 @@ mod tests {
             data_start: 4096,
             tensors: Vec::new(),
         }
+    }
+
+    /// A partial directory is never created while a cleaning holds the root: the cleaning
+    /// engine's "nobody else is alive" decision cannot be overtaken by another rank.
+    #[test]
+    fn partial_directories_wait_for_a_cleaning_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_owned();
+        let cleaning = lock_root_dir(&root, true).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r = root.clone();
+        let t = std::thread::spawn(move || {
+            let p = prepare_partial(&r, 7, &manifest::rank_file_name(1, 2), 2);
+            tx.send(()).unwrap();
+            p
+        });
+        // Still blocked while the cleaning holds the root (if it were not, the channel
+        // would have a message and the directory would exist).
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300))
+                .is_err()
+        );
+        assert!(!root.join(partial_dir_name(7)).exists());
+        drop(cleaning);
+        let partial = t.join().unwrap().unwrap();
+        assert!(partial.is_dir());
+        // And a cleaning waits for nothing once creation is over: another engine's lock is
+        // absent here, so the (now stale-looking) directory is removed.
+        assert_eq!(clean_stale(&root, 0).unwrap(), vec![partial]);
     }
 
     /// Two ranks that finish together both see every part and both merge: the one that
