@@ -59,11 +59,13 @@ import atexit
 import collections
 import dataclasses
 import hashlib
+import importlib
 import io
 import json
 import os
 import pickle
 import re
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -770,7 +772,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        ok = (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES
+        ok = (module, name) in _ALLOWED_GLOBALS
+        if module in _ALLOWED_MODULES:
+            # Only the classes these modules define (DCP's metadata dataclasses and enums),
+            # never a function or anything they import: a hostile pickle must not be able
+            # to call, say, a writer helper of DCP's filesystem module.
+            obj = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
+            ok = isinstance(obj, type) and getattr(obj, "__module__", None) == module
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             ok = True
         if not ok:

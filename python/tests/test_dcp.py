@@ -262,6 +262,15 @@ def test_hostile_metadata_pickle_is_refused(tmp_path):
         dcp.load(zeros(), storage_reader=ShmckptReader(p))
     assert "refuses to load global" in str(ei.value)
     assert not (tmp_path / "pwned").exists()
+    # A function of an allowed module (here DCP's own filesystem writer module) is refused
+    # too: only the metadata classes those modules define may be named.
+    for fn in ("_generate_uuid", "_write_files_from_queue", "dataclass"):
+        (p / ".metadata").write_bytes(
+            b"ctorch.distributed.checkpoint.filesystem\n" + fn.encode() + b"\n)R."
+        )
+        with pytest.raises(FAIL) as ei:
+            dcp.load(zeros(), storage_reader=ShmckptReader(p))
+        assert "refuses to load global" in str(ei.value), fn
     (p / ".metadata").write_bytes(b"garbage")
     with pytest.raises(FAIL) as ei:
         dcp.load(zeros(), storage_reader=ShmckptReader(p))
