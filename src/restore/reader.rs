@@ -26,6 +26,36 @@ struct Pending {
     got: usize,
 }
 
+/// Account one read completion (`result`: bytes read or `-errno`) to chunk `p`: `Ok(true)`
+/// once the chunk is complete, `Ok(false)` when the rest must be asked for again (a short
+/// read, `EINTR`, `EAGAIN`), else an error naming the file and offset (end of file before
+/// the chunk's end is `Truncated`).
+fn read_completed(
+    p: &mut Pending,
+    result: i32,
+    path: &Path,
+    entry: &FileEntry,
+    cs: u64,
+) -> Result<bool> {
+    let offset = entry.data_start + p.chunk * cs + p.got as u64;
+    if result == -libc::EINTR || result == -libc::EAGAIN {
+        return Ok(false);
+    }
+    if result < 0 {
+        let e = std::io::Error::from_raw_os_error(-result);
+        return Err(Error::io_at("read", path, offset, e));
+    }
+    if result == 0 {
+        return Err(Error::Truncated {
+            path: path.to_owned(),
+            expected: entry.bytes,
+            actual: offset,
+        });
+    }
+    p.got += result as usize;
+    Ok(p.got >= p.want)
+}
+
 /// Read the data section of `path` (described by `entry`) chunk by chunk, handing every
 /// tensor's bytes to `sink` in file order, and verify every checksum. Fails with an error
 /// naming file and tensor on any mismatch.
@@ -130,24 +160,14 @@ pub fn read_file(
         };
         for d in done {
             let mut p = d.tag;
-            let offset = entry.data_start + p.chunk * cs + p.got as u64;
-            let r = d.result;
-            if r == -libc::EINTR || r == -libc::EAGAIN {
-            } else if r < 0 {
-                let e = std::io::Error::from_raw_os_error(-r);
-                error.get_or_insert(Error::io_at("read", path, offset, e));
-                continue;
-            } else if r == 0 {
-                error.get_or_insert(Error::Truncated {
-                    path: path.to_owned(),
-                    expected: entry.bytes,
-                    actual: offset,
-                });
-                continue;
-            } else {
-                p.got += r as usize;
-                if p.got >= p.want {
+            match read_completed(&mut p, d.result, path, entry, cs) {
+                Ok(true) => {
                     ready.insert(p.chunk, (d.lease, p));
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    error.get_or_insert(e);
                     continue;
                 }
             }
@@ -392,26 +412,16 @@ pub(crate) fn read_to_slab(
             };
             for d in done {
                 let mut p = d.tag;
-                let offset = entry.data_start + p.chunk * cs + p.got as u64;
-                let r = d.result;
-                if r == -libc::EINTR || r == -libc::EAGAIN {
-                } else if r < 0 {
-                    let e = std::io::Error::from_raw_os_error(-r);
-                    error.get_or_insert(Error::io_at("read", path, offset, e));
-                    continue;
-                } else if r == 0 {
-                    error.get_or_insert(Error::Truncated {
-                        path: path.to_owned(),
-                        expected: entry.bytes,
-                        actual: offset,
-                    });
-                    continue;
-                } else {
-                    p.got += r as usize;
-                    if p.got >= p.want {
+                match read_completed(&mut p, d.result, path, entry, cs) {
+                    Ok(true) => {
                         // The CRC thread may have ended only if it panicked; the join
                         // below reports that.
                         let _ = tx.send((p.chunk, p.want, d.lease));
+                        continue;
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        error.get_or_insert(e);
                         continue;
                     }
                 }
