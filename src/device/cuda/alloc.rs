@@ -161,21 +161,26 @@ impl PinnedHost {
         })
     }
 
-    /// Time one plain pinned device-to-host copy of each buffer in `srcs`, back to back on
-    /// one stream, into this memory (which must be large enough).
-    pub fn time_dtoh(&mut self, srcs: &[&DeviceBuffer], stream: &Stream) -> Result<Duration> {
-        srcs.iter()
-            .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
+    /// Whether buffers of `lens` bytes, back to back, fit in this memory (checked sum).
+    fn check_fits(&self, call: &'static str, mut lens: impl Iterator<Item = usize>) -> Result<()> {
+        lens.try_fold(0usize, |acc, l| acc.checked_add(l))
             .filter(|&t| t <= self.len)
+            .map(drop)
             .ok_or_else(|| {
                 Error::cuda(
-                    "time_dtoh",
+                    call,
                     format!(
                         "pinned buffer of {} bytes is too small for the copy",
                         self.len
                     ),
                 )
-            })?;
+            })
+    }
+
+    /// Time one plain pinned device-to-host copy of each buffer in `srcs`, back to back on
+    /// one stream, into this memory (which must be large enough).
+    pub fn time_dtoh(&mut self, srcs: &[&DeviceBuffer], stream: &Stream) -> Result<Duration> {
+        self.check_fits("time_dtoh", srcs.iter().map(|b| b.len()))?;
         stream.context().bind()?;
         let t = Instant::now();
         let mut at = 0;
@@ -192,18 +197,7 @@ impl PinnedHost {
     /// Time one plain pinned host-to-device copy from this memory into each buffer of
     /// `dsts`, back to back on one stream (the PCIe limit of a restore).
     pub fn time_htod(&self, dsts: &mut [&mut DeviceBuffer], stream: &Stream) -> Result<Duration> {
-        dsts.iter()
-            .try_fold(0usize, |acc, b| acc.checked_add(b.len()))
-            .filter(|&t| t <= self.len)
-            .ok_or_else(|| {
-                Error::cuda(
-                    "time_htod",
-                    format!(
-                        "pinned buffer of {} bytes is too small for the copy",
-                        self.len
-                    ),
-                )
-            })?;
+        self.check_fits("time_htod", dsts.iter().map(|b| b.len()))?;
         stream.context().bind()?;
         let t = Instant::now();
         let mut at = 0;
