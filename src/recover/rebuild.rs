@@ -210,18 +210,21 @@ fn rebuild_and_commit(
     {
         return classify(e);
     }
+    let file_gone = || {
+        refused(format!(
+            "{} chunk(s) had been written to {} before the crash, but the file is gone \
+             (an engine opened on this root since then removes partial directories) \
+             and staging no longer holds them",
+            info.written,
+            path.display()
+        ))
+    };
     // The partial directory and the file are opened without following links, and must be
     // a directory and a regular file (never a FIFO: opening does not block).
     let partial_fd = match fsx::open_subdir(root_fd.as_fd(), root, partial_name) {
         Ok(fd) => fd,
         Err(e) if written_end.is_some() && is_not_found(&e) => {
-            return refused(format!(
-                "{} chunk(s) had been written to {} before the crash, but the file is gone \
-                 (an engine opened on this root since then removes partial directories) \
-                 and staging no longer holds them",
-                info.written,
-                path.display()
-            ));
+            return file_gone();
         }
         Err(e) => return classify(e),
     };
@@ -233,13 +236,7 @@ fn rebuild_and_commit(
     let file = match fsx::open_file(partial_fd.as_fd(), partial, file_name, true, create, None) {
         Ok(f) => f,
         Err(e) if is_not_found(&e) => {
-            return refused(format!(
-                "{} chunk(s) had been written to {} before the crash, but the file is gone \
-                 (an engine opened on this root since then removes partial directories) \
-                 and staging no longer holds them",
-                info.written,
-                path.display()
-            ));
+            return file_gone();
         }
         Err(e) => return classify(e),
     };
