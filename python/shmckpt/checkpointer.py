@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -459,12 +459,12 @@ class Checkpointer:
         with self._lock:
             self._pending = [p for p in self._pending if p is not h]
 
-    def wait_staged(self) -> None:
-        """Wait until every save in flight has copied its bytes. A failed save raises its
-        error here once (and is then forgotten)."""
+    def _wait_all(self, wait: Callable[[SaveHandle], Any]) -> None:
+        """``wait`` on every save in flight; a failed save raises its error once (and is
+        then forgotten), a Ctrl-C leaves the saves pending."""
         for h in list(self._pending):
             try:
-                h.wait_staged()
+                wait(h)
             except KeyboardInterrupt:
                 raise
             except BaseException:
@@ -472,17 +472,14 @@ class Checkpointer:
                 raise
         self._reap()
 
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its bytes. A failed save raises its
+        error here once (and is then forgotten)."""
+        self._wait_all(SaveHandle.wait_staged)
+
     def wait(self) -> None:
         """Wait until every save in flight is committed (raises the first error, once)."""
-        for h in list(self._pending):
-            try:
-                h.wait()
-            except KeyboardInterrupt:
-                raise
-            except BaseException:
-                self._forget(h)
-                raise
-        self._reap()
+        self._wait_all(SaveHandle.wait)
 
     def _reap(self) -> None:
         with self._lock:
