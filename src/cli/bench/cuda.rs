@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::testing::util::{gbps, median};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};
@@ -84,17 +85,9 @@ pub fn run(a: BenchArgs) -> CliResult {
         // Load the last checkpoint back into the state's own buffers (same bytes), timed
         // to the end of the device copies (`load_into_device` returns after they finished).
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let m = engine.manifest(step)?;
-        let dir = last_dir
-            .clone()
-            .ok_or("the last save reported no directory")?;
-        let file = dir.join(&m.files.first().ok_or("manifest without files")?.file);
+        let file = super::last_saved_file(&engine, step, last_dir.as_deref())?;
         let runs = super::time_loads(a.repeat, &file, |_| {
-            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
-                .iter()
-                .map(|e| e.name.as_str())
-                .zip(bufs.iter_mut())
-                .collect();
+            let mut dest = device_dests(&layout, &mut bufs);
             let t = Instant::now();
             engine.load_into_device(step, &mut dest)?;
             Ok(t.elapsed())
@@ -119,11 +112,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     if a.flash {
         let step = first + (a.repeat.max(1) - 1) as u64;
         let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
-            let mut dest: Vec<(&str, &mut DeviceBuffer)> = layout
-                .iter()
-                .map(|e| e.name.as_str())
-                .zip(bufs.iter_mut())
-                .collect();
+            let mut dest = device_dests(&layout, &mut bufs);
             let t = Instant::now();
             let r = e.load_into_device_with_report(step, &mut dest)?;
             Ok((t.elapsed(), r))
@@ -179,4 +168,16 @@ pub fn run(a: BenchArgs) -> CliResult {
     report(
         &a, &layout, bytes, file_bytes, &runs, backend, direct, kept_dir, extra,
     )
+}
+
+/// The state's device buffers as load destinations, under their layout names.
+fn device_dests<'a>(
+    layout: &'a [LayoutEntry],
+    bufs: &'a mut [DeviceBuffer],
+) -> Vec<(&'a str, &'a mut DeviceBuffer)> {
+    layout
+        .iter()
+        .map(|e| e.name.as_str())
+        .zip(bufs.iter_mut())
+        .collect()
 }

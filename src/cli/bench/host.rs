@@ -53,11 +53,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     let mut extra = serde_json::Map::new();
     if a.load {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let m = engine.manifest(step)?;
-        let dir = last_dir
-            .clone()
-            .ok_or("the last save reported no directory")?;
-        let file = dir.join(&m.files.first().ok_or("manifest without files")?.file);
+        let file = super::last_saved_file(&engine, step, last_dir.as_deref())?;
         let runs = super::time_loads(a.repeat, &file, |i| {
             let t = std::time::Instant::now();
             let ck = engine.load(step)?;

@@ -192,6 +192,18 @@ pub struct LoadRun {
     pub reference: RawTimes,
 }
 
+/// The rank file of the last save of a bench (`step`, committed in `last_dir`), for
+/// `--load`.
+pub fn last_saved_file(
+    engine: &Engine,
+    step: u64,
+    last_dir: Option<&std::path::Path>,
+) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
+    let m = engine.manifest(step)?;
+    let dir = last_dir.ok_or("the last save reported no directory")?;
+    Ok(dir.join(&m.files.first().ok_or("manifest without files")?.file))
+}
+
 /// Time `repeat` loads (`load(i)` returns the time of the i-th), each alternated with the
 /// raw O_DIRECT reads of `file` (the reads first on even runs, after on odd ones, so drift
 /// in the disk hits both alike).
