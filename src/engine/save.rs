@@ -119,16 +119,10 @@ impl Engine {
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
         let state = self.begin(step, tensors, metadata)?;
-        let jobs = self
-            .pool
-            .sender()
-            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        let jobs = self.jobs()?;
         match stage_and_finish(&state, &sources, &opts.after, &jobs) {
             Ok(()) => Ok(SaveHandle { state }),
-            Err(()) => Err(SaveHandle { state }
-                .wait()
-                .err()
-                .unwrap_or_else(|| Error::Internal("staging failed without an error".into()))),
+            Err(()) => Err(failed_save_error(state)),
         }
     }
 
@@ -195,10 +189,7 @@ impl Engine {
         after: Vec<(i32, After)>,
         keep: Box<dyn Send>,
     ) -> Result<SaveHandle> {
-        let jobs = self
-            .pool
-            .sender()
-            .ok_or_else(|| Error::Shutdown("engine closed".into()))?;
+        let jobs = self.jobs()?;
         let st = Arc::clone(&state);
         let spawned = std::thread::Builder::new()
             .name("shmckpt-stage".into())
@@ -210,12 +201,16 @@ impl Engine {
         if let Err(e) = spawned {
             let err = Error::Internal(format!("cannot spawn the staging thread: {e}"));
             state.staging_finished(Err(err));
-            return Err(SaveHandle { state }
-                .wait()
-                .err()
-                .unwrap_or_else(|| Error::Internal("staging failed without an error".into())));
+            return Err(failed_save_error(state));
         }
         Ok(SaveHandle { state })
+    }
+
+    /// The writers' job queue, or `Shutdown` once the engine is closed.
+    fn jobs(&self) -> Result<Sender<WriteJob>> {
+        self.pool
+            .sender()
+            .ok_or_else(|| Error::Shutdown("engine closed".into()))
     }
 
     /// Validate, lay out, create the files and the descriptor slot, queue the save for
@@ -450,4 +445,13 @@ fn dispatch(
         return Err(Error::Shutdown("writer pool is gone".into()));
     }
     Ok(())
+}
+
+/// The error of a save whose staging failed: the one its commit reports (the first error,
+/// with path and errno) once everything it started has finished.
+fn failed_save_error(state: Arc<SaveState>) -> Error {
+    SaveHandle { state }
+        .wait()
+        .err()
+        .unwrap_or_else(|| Error::Internal("staging failed without an error".into()))
 }
