@@ -47,11 +47,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let mut reference = None;
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
-            if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                    &a.dir, bytes,
-                )?);
-            }
+            reference = super::write_reference(&a, bytes)?;
         }
         let tensors = super::variant::tensors(&layout, &bufs);
         let (free_before, _) = ctx.mem_info()?;
@@ -64,11 +60,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         direct = r.direct_io;
         last_dir = r.dir.clone();
         if swap {
-            if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                    &a.dir, bytes,
-                )?);
-            }
+            reference = super::write_reference(&a, bytes)?;
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }
         runs.push(Run {

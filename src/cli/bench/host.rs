@@ -22,10 +22,8 @@ pub fn run(a: BenchArgs) -> CliResult {
         // Alternate which of the pair goes first, so drift in the disk hits both alike.
         let reference_first = i % 2 == 0;
         let mut reference = None;
-        if !a.no_reference && reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                &a.dir, bytes,
-            )?);
+        if reference_first {
+            reference = super::write_reference(&a, bytes)?;
         }
         let tensors: Vec<Tensor<'_>> = layout
             .iter()
@@ -38,10 +36,8 @@ pub fn run(a: BenchArgs) -> CliResult {
         file_bytes = r.bytes;
         direct = r.direct_io;
         last_dir = r.dir.clone();
-        if !a.no_reference && !reference_first {
-            reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                &a.dir, bytes,
-            )?);
+        if !reference_first {
+            reference = super::write_reference(&a, bytes)?;
         }
         runs.push(Run {
             stall: staged.staging,

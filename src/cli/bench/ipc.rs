@@ -215,11 +215,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let mut reference = None;
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
-            if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                    &a.dir, bytes,
-                )?);
-            }
+            reference = super::write_reference(&a, bytes)?;
         }
         let ts = tensors(&layout, &bufs);
         // Rotate which mode goes first, so drift hits all alike.
@@ -227,11 +223,7 @@ pub fn run(a: BenchArgs) -> CliResult {
             variants[(i + k) % n].save(&ctx, &ts)?;
         }
         if swap {
-            if !a.no_reference {
-                reference = Some(shmckpt::testing::reference::raw_direct_writes(
-                    &a.dir, bytes,
-                )?);
-            }
+            reference = super::write_reference(&a, bytes)?;
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }
         references.extend(reference.map(|r| r.best()));

@@ -192,6 +192,20 @@ pub struct LoadRun {
     pub reference: RawTimes,
 }
 
+/// The raw O_DIRECT write reference of one run (the better of one stream and 16 requests
+/// in flight, both kept), unless `--no-reference`.
+pub fn write_reference(
+    a: &BenchArgs,
+    bytes: u64,
+) -> Result<Option<RawTimes>, Box<dyn std::error::Error>> {
+    if a.no_reference {
+        return Ok(None);
+    }
+    Ok(Some(shmckpt::testing::reference::raw_direct_writes(
+        &a.dir, bytes,
+    )?))
+}
+
 /// The rank file of the last save of a bench (`step`, committed in `last_dir`), for
 /// `--load`.
 pub fn last_saved_file(
