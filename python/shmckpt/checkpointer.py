@@ -9,6 +9,7 @@ import gc
 import json
 import operator
 import os
+import stat
 import struct
 import threading
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
-from .errors import CorruptError, DestinationError, NotFound
+from .errors import CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
     import torch
@@ -262,7 +263,10 @@ def _span(t: Any) -> Tuple[Any, Any]:
 
 def _read_header_metadata(path: str) -> Dict[str, str]:
     """The ``__metadata__`` of a safetensors file (bounded, untrusted input)."""
-    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+    # Like the engine's reader: no link followed, never blocked by a FIFO, regular files only.
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UnsafePath(f"{path}: not a regular file; refusing to read it")
         head = f.read(8)
         if len(head) != 8:
             raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")

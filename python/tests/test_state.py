@@ -412,3 +412,26 @@ def test_closed_checkpointer_is_a_shutdown_error(root):
         c.save(2, {"a": torch.ones(2)})
     with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c2:
         assert c2.list() == [1] and raw(c2.load(1)["a"]) == raw(torch.ones(2))
+
+
+def test_a_fifo_in_place_of_the_rank_file_is_refused_without_blocking(ck, root):
+    """Reading the per-rank skeleton never opens a FIFO blocking (as the engine's reader)."""
+    import signal
+
+    ck.save(1, {"w": torch.arange(4)}).wait()
+    d = root / "step-1"
+    (f,) = [p for p in d.iterdir() if p.name.endswith(".safetensors")]
+    f.unlink()
+    os.mkfifo(f)
+
+    def hung(*_):
+        raise AssertionError("load blocked on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(shmckpt.UnsafePath, match="not a regular file"):
+            ck.load(1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
