@@ -261,12 +261,19 @@ def _span(t: Any) -> Tuple[Any, Any]:
     return base, (lambda copy: copy.as_strided(shape, stride, 0).contiguous())
 
 
+def _open_untrusted(path: str) -> Any:
+    """Open a file of a checkpoint for reading as the engine's reader does: no link
+    followed, never blocked by a FIFO, regular files only (``UnsafePath`` otherwise)."""
+    f = open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK))
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise UnsafePath(f"{path}: not a regular file; refusing to read it")
+    return f
+
+
 def _read_header_metadata(path: str) -> Dict[str, str]:
     """The ``__metadata__`` of a safetensors file (bounded, untrusted input)."""
-    # Like the engine's reader: no link followed, never blocked by a FIFO, regular files only.
-    with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise UnsafePath(f"{path}: not a regular file; refusing to read it")
+    with _open_untrusted(path) as f:
         head = f.read(8)
         if len(head) != 8:
             raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")

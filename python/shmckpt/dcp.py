@@ -93,7 +93,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _shmckpt, _state
-from .checkpointer import _cuda_span_copy, _host_entry, _Staged
+from .checkpointer import _cuda_span_copy, _host_entry, _open_untrusted, _Staged
 from .errors import CorruptError, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "release"]
@@ -788,12 +788,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _load_metadata(path: str) -> Metadata:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        f = _open_untrusted(path)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{path}: no DCP metadata: not a checkpoint directory, or its save did not finish"
         ) from None
-    with os.fdopen(fd, "rb") as f:
+    with f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_METADATA_BYTES:
             raise CorruptError(f"{path}: {size} bytes of metadata is more than this reader accepts")

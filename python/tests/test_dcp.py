@@ -392,3 +392,25 @@ def test_a_symlinked_rank_file_is_refused(tmp_path):
     c = cause(ei.value)
     assert isinstance(c, errors.CorruptError) and "symbolic link" in str(c) and str(f) in str(c)
     assert not dst["w"].any()
+
+
+def test_fifo_metadata_is_refused_without_blocking(tmp_path):
+    import signal
+
+    p = tmp_path / "c"
+    save(p)
+    (p / ".metadata").unlink()
+    os.mkfifo(p / ".metadata")
+
+    def hung(*_):
+        raise AssertionError("the reader blocked on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(FAIL) as ei:
+            dcp.load(zeros(), storage_reader=ShmckptReader(p))
+        assert "not a regular file" in str(ei.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
