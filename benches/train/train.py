@@ -1378,8 +1378,13 @@ def summarize(ctx, results):
         goals["shm_async_lowest_overhead"] = ov is not None and all(o is None or ov <= o for o in others)
         goals["shm_async_gpu_peak_reserved_vs_base_bytes"] = sa.get("gpu_peak_reserved_vs_base_bytes")
     d2h = (results.get("d2h") or {}).get("seconds")
-    if sb.get("mean_iter_s") is not None and d2h and k and base_mean:
-        pred = 100.0 * d2h / (k * base_mean)
+    # The overhead is measured over whole segments (lead iterations and the tail after the
+    # last checkpoint included), so the prediction uses the same iterations per checkpoint.
+    bsegs = [s for s in results.get("segments") or [] if s.get("system") == "shm-block" and s.get("phase") == "main" and s.get("ok") and s.get("checkpoints")]
+    per_ck = (sum(s["n_iters"] for s in bsegs) / sum(s["checkpoints"] for s in bsegs)) if bsegs else k
+    if sb.get("mean_iter_s") is not None and d2h and per_ck and base_mean:
+        pred = 100.0 * d2h / (per_ck * base_mean)
+        goals["shm_block_iters_per_checkpoint"] = per_ck
         meas = sb.get("overhead_steady_pct", sb.get("overhead_pct"))
         goals["shm_block_predicted_overhead_pct"] = pred
         goals["shm_block_measured_overhead_pct"] = meas
