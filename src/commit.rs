@@ -323,12 +323,45 @@ pub fn commit(
 /// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
 /// deletes the newest one. Returns the deleted steps.
 pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
+    let retired = retire_old(root, keep)?;
+    let steps = retired.steps.clone();
+    retired.remove()?;
+    Ok(steps)
+}
+
+/// Checkpoints taken out of the root by [`retire_old`], whose files are still to be
+/// deleted ([`Retired::remove`]).
+#[derive(Debug, Default)]
+#[must_use = "the retired checkpoints' files stay on disk until `remove` is called"]
+pub struct Retired {
+    /// The retired steps, oldest first.
+    pub steps: Vec<u64>,
+    trash: Vec<PathBuf>,
+}
+
+impl Retired {
+    /// Delete the retired checkpoints' files. Deleting large files can take seconds (a
+    /// filesystem mounted with `discard` trims them as it frees them): the engine does it
+    /// after the save that retired them is reported committed.
+    pub fn remove(self) -> Result<()> {
+        for trash in &self.trash {
+            std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Retention's quick half: move the committed checkpoints beyond the newest `keep` to
+/// trash names (a metadata operation, made durable), so that they are no longer listed
+/// or loadable. Their files are deleted by [`Retired::remove`]; a crash in between leaves
+/// trash directories, which the next engine of the root removes at open.
+pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
     let keep = keep.max(1);
     let all = manifest::list_committed(root)?;
     if all.len() <= keep {
-        return Ok(Vec::new());
+        return Ok(Retired::default());
     }
-    let mut deleted = Vec::new();
+    let mut retired = Retired::default();
     for c in &all[..all.len() - keep] {
         let trash = root.join(trash_dir_name(c.step));
         if std::fs::symlink_metadata(&trash).is_ok() {
@@ -338,16 +371,16 @@ pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
             continue;
         }
         match std::fs::rename(&c.dir, &trash) {
-            Ok(()) => deleted.push((c.step, trash)),
+            Ok(()) => {
+                retired.steps.push(c.step);
+                retired.trash.push(trash);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it
             Err(e) => return Err(Error::io("rename", &c.dir, e)),
         }
     }
     fsync_dir(root)?;
-    for (_, trash) in &deleted {
-        std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
-    }
-    Ok(deleted.into_iter().map(|(s, _)| s).collect())
+    Ok(retired)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The end of a save, on the commit thread: make the file durable, write the manifest,
-//! commit, apply retention; or clean up after a failure.
+//! commit, retire older checkpoints; or clean up after a failure.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +13,12 @@ use super::handle::{SaveReport, SaveTimings};
 use super::lock;
 use super::state::SaveState;
 
-/// Runs on the commit thread once a save has settled.
-pub(super) fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Error>> {
+/// Runs on the commit thread once a save has settled. Returns the save's result and the
+/// checkpoints its retention took out of the root, whose files the caller deletes once the
+/// result is reported (deleting gigabytes can take seconds).
+pub(super) fn finalize(
+    st: &SaveState,
+) -> (std::result::Result<SaveReport, Arc<Error>>, commit::Retired) {
     let failure = {
         let mut p = lock(&st.progress);
         if st.failed() {
@@ -27,9 +31,12 @@ pub(super) fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Er
             None
         }
     };
-    let result = match failure {
-        Some(e) => Err(e),
-        None => persist(st).map_err(Arc::new),
+    let (result, retired) = match failure {
+        Some(e) => (Err(e), commit::Retired::default()),
+        None => match persist(st) {
+            Ok((report, retired)) => (Ok(report), retired),
+            Err(e) => (Err(Arc::new(e)), commit::Retired::default()),
+        },
     };
     if result.is_err() {
         commit::abort_partial(&st.partial, &st.file_name);
@@ -40,10 +47,10 @@ pub(super) fn finalize(st: &SaveState) -> std::result::Result<SaveReport, Arc<Er
     if let Err(e) = &result {
         tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
     }
-    result
+    (result, retired)
 }
 
-fn persist(st: &SaveState) -> Result<SaveReport> {
+fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
     let cfg = &st.shared.cfg;
     let target = st
         .file_target()
@@ -80,9 +87,9 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
         &st.metadata,
     )?;
     let committed = st.started.elapsed();
-    let mut retired = Vec::new();
+    let mut retired = commit::Retired::default();
     if let (Some(keep), Some(_)) = (cfg.keep_last, &dir) {
-        match commit::apply_retention(&cfg.root, keep) {
+        match commit::retire_old(&cfg.root, keep) {
             Ok(r) => retired = r,
             Err(e) => tracing::warn!(error = %e, "retention failed; older checkpoints kept"),
         }
@@ -95,7 +102,7 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
         Some(d) => d.join(&st.file_name),
         None => st.partial.join(&st.file_name),
     };
-    Ok(SaveReport {
+    let report = SaveReport {
         step: st.step,
         dir,
         file,
@@ -109,6 +116,7 @@ fn persist(st: &SaveState) -> Result<SaveReport> {
         },
         backend: st.shared.backend,
         direct_io: target.is_direct(),
-        retired,
-    })
+        retired: retired.steps.clone(),
+    };
+    Ok((report, retired))
 }

@@ -45,7 +45,9 @@ pub struct SaveReport {
     pub backend: crate::io::Backend,
     /// Whether the file was written with O_DIRECT.
     pub direct_io: bool,
-    /// Steps deleted by retention after this commit.
+    /// Steps retired by this commit's retention (`keep_last`): no longer listed or
+    /// loadable when the save is reported committed; their files are deleted right after
+    /// (by the time [`crate::Engine::close`] returns).
     pub retired: Vec<u64>,
 }
 

@@ -236,8 +236,14 @@ impl Engine {
             .spawn(move || {
                 for st in rx {
                     st.wait_settled();
-                    let res = finalize::finalize(&st);
+                    let (res, retired) = finalize::finalize(&st);
                     st.complete(res);
+                    // The save is reported committed first: deleting the retired
+                    // checkpoints' files can take seconds and delays nothing but the
+                    // next commit on this thread.
+                    if let Err(e) = retired.remove() {
+                        tracing::warn!(error = %e, "could not delete a retired checkpoint; the next engine removes it at open");
+                    }
                 }
             })
             .map_err(|e| Error::Config(format!("cannot spawn commit thread: {e}")))?;

@@ -328,17 +328,39 @@ fn retention_keeps_the_newest_n_after_each_commit() {
         Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto).with_keep_last(Some(2)))
             .unwrap();
     let state = State::new(every_dtype(), 6);
+    let mut retired = Vec::new();
     for step in [10, 20, 30, 40] {
-        engine
+        let report = engine
             .save(step, &state.tensors(), &Metadata::new())
             .unwrap()
             .wait()
             .unwrap();
+        // Reported committed: the retired step is already out of the root's listing (its
+        // files are deleted after the report, on the commit thread).
+        let steps: Vec<u64> = engine.list().unwrap().iter().map(|c| c.step).collect();
+        assert_eq!(steps.first(), Some(&step.saturating_sub(10).max(10)));
+        assert!(
+            report
+                .retired
+                .iter()
+                .all(|r| !dir.path().join(format!("step-{r}")).exists())
+        );
+        retired.push(report.retired);
     }
+    assert_eq!(retired, [vec![], vec![], vec![10], vec![20]]);
     let steps: Vec<u64> = engine.list().unwrap().iter().map(|c| c.step).collect();
     assert_eq!(steps, [30, 40]);
     assert!(!dir.path().join("step-10").exists());
     assert_loaded_equal(&engine.load(30).unwrap(), &state);
+    // Once the engine is closed, the retired files are gone too (no trash left behind).
+    engine.close();
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    left.sort();
+    assert_eq!(left, ["step-30", "step-40"]);
 }
 
 #[test]
