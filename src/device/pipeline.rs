@@ -92,6 +92,11 @@ impl CudaStaging {
         Ok(None)
     }
 
+    /// The arena whose memory this staging registers.
+    pub(crate) fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
     /// Registration time, if registered.
     pub fn registration_time(&self) -> Option<Duration> {
         lock(&self.registration)

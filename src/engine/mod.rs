@@ -124,6 +124,8 @@ pub struct Engine {
     /// The allocation of the last loaded checkpoint, given back when its tensors were
     /// dropped, for the next `load`.
     load_buffers: Arc<SlabPool>,
+    /// Registered read buffers of device loads from disk (made at the first one).
+    device_ring: Mutex<Option<Arc<CudaStaging>>>,
     _lock: RootLock,
 }
 
@@ -138,6 +140,15 @@ impl std::fmt::Debug for Engine {
 }
 
 static ARENA_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Size of each O_DIRECT read of a device load from disk. On the H200 machine's virtio
+/// disk one stream of 16 MiB reads outran 16 reads of 4 MiB in flight (5.26 s against
+/// 6.49 s for 8 GiB), and the first device loader, 8 reads of 8 MiB, ran at 0.81 × the
+/// faster one.
+const DEVICE_READ: u64 = 16 << 20;
+
+/// Reads in flight of a device load from disk.
+const DEVICE_READ_DEPTH: u32 = 4;
 
 impl EngineConfig {
     /// Build the engine ([`Engine::open`]).
@@ -254,6 +265,7 @@ impl Engine {
             commit_thread: Some(commit_thread),
             last_save: Mutex::new(None),
             load_buffers: SlabPool::new(),
+            device_ring: Mutex::new(None),
             _lock: lock,
         })
     }
@@ -412,6 +424,7 @@ impl Engine {
     /// Free the memory kept for the next [`Engine::load`].
     pub fn release_load_buffers(&self) {
         self.load_buffers.clear();
+        lock(&self.device_ring).take();
     }
 
     /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
@@ -490,10 +503,10 @@ impl Engine {
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = restore::match_destinations(&entry, &named)?;
         let ordered = order.iter().map(|&i| dest[i].1).collect();
-        // SAFETY: forwarded from this function's contract.
-        let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
         let (memory, fallback_reason) = self.try_memory(&info)?;
         if let Some(ck) = memory {
+            // SAFETY: forwarded from this function's contract.
+            let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
             // Every checksum matched on the host: now to the device, in file order.
             for (i, t) in ck.tensors.iter().enumerate() {
                 if let Err(e) = sink.piece(i, 0, t.data.as_bytes()) {
@@ -508,12 +521,19 @@ impl Engine {
                 fallback_reason: None,
             });
         }
-        restore::read_file(
-            &info.dir.join(&entry.file),
-            &entry,
-            &self.read_options(),
-            &mut sink,
-        )?;
+        // From disk: O_DIRECT reads of `DEVICE_READ` bytes, `DEVICE_READ_DEPTH` in flight,
+        // into a small ring of registered buffers, each copied to the device as soon as
+        // it is read and checksummed (the staging arena is not used: it may hold a kept
+        // image, and its chunks are sized for writes).
+        let ring = self.device_ring()?;
+        // SAFETY: forwarded from this function's contract.
+        let mut sink = unsafe { DeviceSink::new(&ring, ordered)? };
+        let opts = restore::ReadOptions {
+            queue_depth: DEVICE_READ_DEPTH,
+            arena: Some(Arc::clone(ring.arena())),
+            ..self.read_options()
+        };
+        restore::read_file(&info.dir.join(&entry.file), &entry, &opts, &mut sink)?;
         Ok(LoadReport {
             step: info.step,
             source: LoadSource::Disk,
@@ -524,6 +544,28 @@ impl Engine {
     /// Manifest of a committed checkpoint.
     pub fn manifest(&self, which: impl Into<StepSel>) -> Result<Manifest> {
         Manifest::read(&self.resolve(which.into())?.dir)
+    }
+
+    /// The registered read buffers of device loads from disk, made at the first one:
+    /// `DEVICE_READ_DEPTH` reads in flight plus as many chunks whose copies to the device
+    /// may still run.
+    fn device_ring(&self) -> Result<Arc<CudaStaging>> {
+        let mut ring = lock(&self.device_ring);
+        if let Some(r) = &*ring {
+            return Ok(Arc::clone(r));
+        }
+        let arena = Arena::create(&ArenaSpec {
+            name: None,
+            capacity: DEVICE_READ * u64::from(DEVICE_READ_DEPTH) * 2,
+            chunk_size: DEVICE_READ,
+            slots: 1,
+            rank: self.shared.cfg.rank,
+            world_size: self.shared.cfg.world_size,
+            root: std::path::PathBuf::new(),
+        })?;
+        let r = Arc::new(CudaStaging::new(arena));
+        *ring = Some(Arc::clone(&r));
+        Ok(r)
     }
 
     pub(crate) fn read_options(&self) -> restore::ReadOptions {
