@@ -14,7 +14,8 @@ Needs torch with CUDA and the shmckpt package (``pip install ./python``). Modes:
 ``default`` = ``dcp.async_save(sd, storage_writer=FileSystemWriter(p),
 async_stager=DefaultStager(StagingOptions(True, True, True, True)),
 async_checkpointer_type=PROCESS)`` (DCP's recommended fast path: pinned shared-memory
-staging on a side stream, a writer process; the stager is reused across saves);
+staging on a side stream, a writer process; a new stager per save, because torch 2.11's
+cannot stage twice);
 ``shmckpt`` = ``dcp.async_save(sd, storage_writer=ShmckptWriter(p))``; ``native`` =
 ``shmckpt.Checkpointer(dir).save(step, sd)`` then ``wait()`` (the goal is DCP-through-
 shmckpt within 1.10x of it). The first save of each mode is warm-up (process start,
@@ -98,13 +99,19 @@ def bench_mode(mode, args, sd, rank):
     stager = None
     ck = None
     rss0, shm0 = rss_tree(), shm_used()  # before any stager, arena or writer process
+    new_stager = None
     if mode == "default":
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            stager = DefaultStager(StagingOptions(True, True, True, True))
+            # A new stager per save: torch 2.11's DefaultStager._stage() closes its
+            # StateDictStager, and a second stage() on it raises KeyError (see
+            # benches/anchors/README.md). So DCP pins a fresh buffer every save, as
+            # trainers on 2.11 get it.
+            def new_stager():
+                return DefaultStager(StagingOptions(True, True, True, True))
         except ImportError:  # torch < 2.9: FileSystemWriter stages itself (below)
-            stager = None
+            new_stager = None
     if mode == "native":
         import shmckpt
 
@@ -116,7 +123,10 @@ def bench_mode(mode, args, sd, rank):
         dist.barrier()
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        if mode == "default" and stager is not None:
+        if mode == "default" and new_stager is not None:
+            if stager is not None:
+                stager.close()
+            stager = new_stager()
             resp = dcp.async_save(
                 sd,
                 storage_writer=dcp.FileSystemWriter(path),
@@ -183,10 +193,12 @@ def main():
     ap.add_argument("--gib", type=float, default=8.0, help="state size over all ranks (GiB)")
     ap.add_argument("--tensors", type=int, default=64, help="tensors per rank")
     ap.add_argument("--saves", type=int, default=4, help="saves per mode (the first is warm-up)")
-    ap.add_argument("--modes", default="default,shmckpt,native")
+    ap.add_argument("--modes", default=None, help="comma list of default,shmckpt,native (default: all; with --cpu: shmckpt,native)")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--cpu", action="store_true", help="smoke run without a GPU (modes shmckpt,native)")
     args = ap.parse_args()
+    if args.modes is None:
+        args.modes = "shmckpt,native" if args.cpu else "default,shmckpt,native"
     if args.cpu:
         torch.cuda.synchronize = lambda *a: None
         torch.cuda.memory_allocated = torch.cuda.memory_reserved = lambda *a: 0
