@@ -56,9 +56,9 @@ if os.environ.get("TRAINBENCH_CPU_SMOKE") == "1":
 
 GiB = 1 << 30
 MiB = 1 << 20
-SYSTEMS = ["none", "torch", "dcp", "nvrx", "nvrx-fswa", "shm-block", "shm-async"]
+SYSTEMS = ["none", "torch", "dcp", "dcp-shm", "nvrx", "nvrx-fswa", "shm-block", "shm-async"]
 CUDA_ONLY = {}  # every system runs on CPU in the smoke mode; filled if one cannot
-COLOCATED_ORDER = ["none", "shm-async", "nvrx-fswa", "nvrx", "dcp", "shm-block", "torch"]
+COLOCATED_ORDER = ["none", "shm-async", "nvrx-fswa", "nvrx", "dcp", "dcp-shm", "shm-block", "torch"]
 
 # model sizes: state = 12 bytes/param (fp32 weights, exp_avg, exp_avg_sq) + AdamW step scalars
 SIZES = {
@@ -692,6 +692,54 @@ class SysDCP(System):
             ape._CHECKPOINT_PROCESS = None
 
 
+class SysDCPShm(SysDCP):
+    """DCP async_save with shmckpt as its stager and storage (issue 13): the same calls as
+    `dcp`, with ShmckptWriter in place of FileSystemWriter + DefaultStager + a process."""
+
+    name = "dcp-shm"
+
+    def __init__(self, ctx):
+        System.__init__(self, ctx)
+        from shmckpt.dcp import ShmckptWriter  # noqa: F401  (fails early if missing)
+
+        self.staging = None
+        self.last_upload = None
+        self.capacity = int(ctx.state_bytes + 256 * MiB)
+        self.api = (
+            f"dcp.async_save(state, storage_writer=ShmckptWriter(dir, staging_capacity={self.capacity})) "
+            "(DCP's default THREAD checkpointer; ShmckptWriter is the AsyncStager: the call returns once staged); "
+            "before the next async_save: the previous upload_completion.result()"
+        )
+        self.notes.append("staging_capacity = state + 256 MiB (one arena per process, reused by every save; shmckpt.dcp.release() at close)")
+
+    def save(self, step, state, rec):
+        import torch.distributed.checkpoint as dcp
+        from shmckpt.dcp import ShmckptWriter
+
+        t = now()
+        if self.last_upload is not None and not self.last_upload.done():
+            self.last_upload.result(timeout=self.ctx.timeout)
+        rec["waited_previous_s"] = now() - t
+        self._poll_uploads()
+        d = self.path_for(step)
+        rec["dir"] = d
+        resp = dcp.async_save(state, storage_writer=ShmckptWriter(d, staging_capacity=self.capacity))
+        rec["return_s"] = now() - rec["t0"]
+        if hasattr(resp, "staging_completion"):
+            self.staging = (rec, resp.staging_completion)
+            up = resp.upload_completion
+        else:
+            rec["staged_s"] = rec["return_s"]
+            up = resp
+        self.last_upload = up
+        self.pending.append((rec, up))
+
+    def close(self):
+        from shmckpt.dcp import release
+
+        release()
+
+
 def _nvrx_close(queue, close_fn):
     caller = getattr(queue, "persistent_caller", None)
     proc = getattr(caller, "process", None)
@@ -983,6 +1031,7 @@ SYSTEM_CLASSES = {
     "none": SysNone,
     "torch": SysTorch,
     "dcp": SysDCP,
+    "dcp-shm": SysDCPShm,
     "nvrx": SysNVRx,
     "nvrx-fswa": SysNVRxFSWA,
     "shm-block": SysShmBlock,
@@ -1389,6 +1438,16 @@ def summarize(ctx, results):
         goals["shm_block_predicted_overhead_pct"] = pred
         goals["shm_block_measured_overhead_pct"] = meas
         goals["shm_block_within_10pct_of_prediction"] = meas is not None and abs(meas - pred) <= 0.1 * pred
+    # issue 13: DCP through shmckpt within 1.10 x shmckpt's native (blocking) Python path
+    ds = mainrows.get("dcp-shm") or {}
+    if ds.get("mean_iter_s") is not None and sb.get("mean_iter_s") is not None:
+        ratios = {}
+        for key in ("mean_iter_s", "stall_median_s", "durable_median_s", "host_rss_tree_peak_delta_bytes", "dev_shm_peak_delta_bytes"):
+            a, b = ds.get(key), sb.get(key)
+            if a is not None and b:
+                ratios[key] = a / b
+        goals["dcp_shm_over_shm_block"] = ratios
+        goals["dcp_shm_within_1_10x_of_native"] = all(v <= 1.10 for v in ratios.values()) if ratios else None
     col = {c["system"]: c for c in results.get("colocated") or [] if c.get("ok")}
     if "shm-async" in col:
         goals["shm_async_colocated_not_returned_bytes"] = col["shm-async"].get("not_returned_bytes")
@@ -1500,7 +1559,7 @@ def write_outputs(ctx, results, final=False):
         plot(ctx.out_dir)
 
 
-COLORS = {"none": "#444444", "torch": "#d62728", "dcp": "#ff7f0e", "nvrx": "#9467bd", "nvrx-fswa": "#8c564b", "shm-block": "#1f77b4", "shm-async": "#2ca02c"}
+COLORS = {"none": "#444444", "torch": "#d62728", "dcp": "#ff7f0e", "dcp-shm": "#e6ab02", "nvrx": "#9467bd", "nvrx-fswa": "#8c564b", "shm-block": "#1f77b4", "shm-async": "#2ca02c"}
 
 
 def plot(out_dir):
@@ -1683,7 +1742,7 @@ def main(argv=None):
             return 2
     if "none" not in systems:
         systems.insert(0, "none")
-    fast_order = ["shm-async", "shm-block", "nvrx-fswa", "nvrx", "dcp", "torch"]
+    fast_order = ["shm-async", "shm-block", "dcp-shm", "nvrx-fswa", "nvrx", "dcp", "torch"]
     fast_systems = [s.strip() for s in (args.fast_systems or ",".join(sorted(systems, key=lambda x: fast_order.index(x) if x in fast_order else -1))).split(",") if s.strip() and s.strip() != "none"]
     colocated = [s.strip() for s in args.colocated.split(",") if s.strip()]
     ctx = Ctx(args, out_dir)
@@ -1702,7 +1761,7 @@ def main(argv=None):
     except Exception as e:
         shm_ver = f"import failed: {type(e).__name__}: {e}"
         ctx.shm_error = shm_ver
-        for s in ("shm-block", "shm-async"):
+        for s in ("shm-block", "shm-async", "dcp-shm"):
             if s in systems:
                 ctx.failed[s] = {"error": f"import shmckpt: {type(e).__name__}: {e}"}
     m["versions"] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "nvidia-resiliency-ext": pkg_version("nvidia-resiliency-ext"), "shmckpt": shm_ver, "numpy": pkg_version("numpy")}
@@ -1717,7 +1776,7 @@ def main(argv=None):
     log(f"versions {m['versions']}; ckpt dir {m['ckpt_fs']} free {m['ckpt_free_bytes'] / GiB:.1f} GiB; /dev/shm {(m['dev_shm_total_bytes'] or 0) / GiB:.1f} GiB")
     if (m["ckpt_fs"].get("fstype") or "") in ("tmpfs", "ramfs", "overlay"):
         log(f"WARNING: {ctx.ckpt_dir} is on {m['ckpt_fs']['fstype']}, not a real disk")
-    need_pg = any(s in ("dcp", "nvrx", "nvrx-fswa") for s in systems)
+    need_pg = any(s in ("dcp", "dcp-shm", "nvrx", "nvrx-fswa") for s in systems)
     if need_pg and not dist.is_initialized():
         port = free_port()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
