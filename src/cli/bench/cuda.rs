@@ -103,12 +103,21 @@ pub fn run(a: BenchArgs) -> CliResult {
     drop(pinned);
     if a.flash {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
-            let mut dest = device_dests(&layout, &mut bufs);
-            let t = Instant::now();
-            let r = e.load_into_device_with_report(step, &mut dest)?;
-            Ok((t.elapsed(), r))
-        })?;
+        let flash = super::flash_loads(
+            &a,
+            bytes,
+            file_bytes,
+            |e| {
+                e.prepare_cuda(&[0])?;
+                Ok(())
+            },
+            |e| {
+                let mut dest = device_dests(&layout, &mut bufs);
+                let t = Instant::now();
+                let r = e.load_into_device_with_report(step, &mut dest)?;
+                Ok((t.elapsed(), r))
+            },
+        )?;
         load_extra.extend(flash);
     }
     let (free_engine_closed, _) = ctx.mem_info()?;

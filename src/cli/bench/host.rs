@@ -72,13 +72,19 @@ pub fn run(a: BenchArgs) -> CliResult {
     engine.close();
     if a.flash {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let flash = super::flash_loads(&a, bytes, file_bytes, |e| {
-            let t = std::time::Instant::now();
-            let (ck, r) = e.load_with_report(step)?;
-            let took = t.elapsed();
-            drop(ck);
-            Ok((took, r))
-        })?;
+        let flash = super::flash_loads(
+            &a,
+            bytes,
+            file_bytes,
+            |_| Ok(()),
+            |e| {
+                let t = std::time::Instant::now();
+                let (ck, r) = e.load_with_report(step)?;
+                let took = t.elapsed();
+                drop(ck);
+                Ok((took, r))
+            },
+        )?;
         extra.extend(flash);
     }
     // Without --keep, `run` removes the whole run directory.

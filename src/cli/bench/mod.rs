@@ -89,7 +89,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub load: bool,
     /// With --load: keep the arena in shared memory (flash restore), then time loads that
-    /// a new engine serves from it (`flash_load_s`, `flash_load_runs_s`).
+    /// a new engine serves from it (`flash_load_s`, `flash_load_runs_s`; the new
+    /// engine's open, which adopts the kept image, in `flash_open_s`, and with
+    /// `--source cuda` its arena's CUDA registration in `flash_prepare_s`).
     #[arg(long, requires = "load")]
     pub flash: bool,
     /// Skip the reference write (then no ratio is reported).
@@ -128,17 +130,25 @@ pub fn engine_config(a: &BenchArgs, dir: &std::path::Path, bytes: u64) -> Engine
 }
 
 /// `--flash`: open a new engine on the run's root (it takes over the arena the closed one
-/// kept), time `repeat` loads with `load` (each must be served from memory), then remove
-/// the kept arena. Returns the JSON keys.
+/// kept: `flash_open_s`), `prepare` it (for device loads: register its arena with CUDA,
+/// as a restarting trainer's first device load or `prepare_cuda` does:
+/// `flash_prepare_s`), time `repeat` loads with `load` (each must be served from memory),
+/// then remove the kept arena. Returns the JSON keys.
 pub fn flash_loads(
     a: &BenchArgs,
     bytes: u64,
     file_bytes: u64,
+    prepare: impl FnOnce(&Engine) -> Result<(), Box<dyn std::error::Error>>,
     mut load: impl FnMut(&Engine) -> Result<(Duration, shmckpt::LoadReport), Box<dyn std::error::Error>>,
 ) -> Result<serde_json::Map<String, serde_json::Value>, Box<dyn std::error::Error>> {
+    let t = std::time::Instant::now();
     let engine = engine_for(a, bytes)?;
+    let open_s = t.elapsed().as_secs_f64();
     let kept = engine.shm_name().to_owned();
     let res = (|| {
+        let t = std::time::Instant::now();
+        prepare(&engine)?;
+        let prepare_s = t.elapsed().as_secs_f64();
         let mut runs = Vec::new();
         for _ in 0..a.repeat.max(1) {
             let (t, r) = load(&engine)?;
@@ -151,13 +161,15 @@ pub fn flash_loads(
             }
             runs.push(t.as_secs_f64());
         }
-        Ok::<_, Box<dyn std::error::Error>>(runs)
+        Ok::<_, Box<dyn std::error::Error>>((prepare_s, runs))
     })();
     engine.close();
     let _ = shmckpt::flash::remove_kept(&kept);
-    let runs = res?;
+    let (prepare_s, runs) = res?;
     let m = median(&runs);
     let v = json!({
+        "flash_open_s": open_s,
+        "flash_prepare_s": prepare_s,
         "flash_load_s": m,
         "flash_load_gbps": gbps(file_bytes, Duration::from_secs_f64(m)),
         "flash_load_runs_s": runs,
