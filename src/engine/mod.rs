@@ -33,7 +33,6 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
-use crate::restore::ReadSink;
 use crate::restore::sink::DeviceSink;
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
@@ -63,9 +62,10 @@ impl From<u64> for StepSel {
 struct Shared {
     cfg: EngineConfig,
     arena: Arc<Arena>,
-    /// A previous engine's kept image (flash restore), until the first save.
-    kept_image: Mutex<Option<flash::KeptImage>>,
-    /// Why there is no kept image to serve from (flash restore on).
+    /// A previous engine's kept image, adopted into `arena` at open (flash restore),
+    /// until the first save.
+    adopted: Mutex<Option<flash::Adopted>>,
+    /// Why there is no adopted image to serve from (flash restore on).
     kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
     backend: Backend,
@@ -193,7 +193,7 @@ impl Engine {
             slots: cfg.max_inflight_saves,
             rank: cfg.rank,
             world_size: cfg.world_size,
-            root: root_abs,
+            root: root_abs.clone(),
         };
         let arena = match Arena::create(&spec) {
             Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
@@ -212,6 +212,23 @@ impl Engine {
             arena.enable_keep();
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
+        // Adopt the kept image into the new arena (checked once here; the previous segment
+        // is freed when `image` drops, at the end of this block).
+        let mut adopted = None;
+        if let Some(image) = kept_image {
+            let r = if keep {
+                flash::adopt(image, &arena, &root_abs, cfg.rank)
+            } else {
+                Err("the kept arena's name could not be freed for this engine's arena".into())
+            };
+            match r {
+                Ok(a) => adopted = Some(a),
+                Err(why) => {
+                    tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
+                    kept_note = Some(why);
+                }
+            }
+        }
         let opts = BackendOptions {
             kind: cfg.backend,
             queue_depth: cfg.queue_depth,
@@ -224,7 +241,7 @@ impl Engine {
             backend: pool.backend(),
             cfg,
             arena,
-            kept_image: Mutex::new(kept_image),
+            adopted: Mutex::new(adopted),
             kept_note,
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
@@ -358,35 +375,19 @@ impl Engine {
         Ok((ck, report))
     }
 
-    /// Flash restore: `info`'s step from the kept image, if it can serve it (else why not;
-    /// `(None, None)` with the option off).
+    /// Flash restore: `info`'s step from the adopted image, if it can serve it (else why
+    /// not; `(None, None)` with the option off).
     fn try_memory(&self, info: &CheckpointInfo) -> Result<(Option<Checkpoint>, Option<String>)> {
-        if !self.shared.cfg.keep_in_memory {
-            return Ok((None, None));
-        }
-        let kept = lock(&self.shared.kept_image);
-        let Some(image) = kept.as_ref() else {
-            let why = self
-                .shared
-                .kept_note
-                .clone()
-                .unwrap_or_else(|| "no kept image (a save started since)".into());
-            return Ok((None, Some(why)));
+        let (image, manifest, _) = match self.memory_image(info)? {
+            Ok(found) => found,
+            Err(why) => return Ok((None, why)),
         };
-        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-        let latest = self.latest()?;
-        match flash::serve(
-            image,
-            &info.dir,
-            &manifest,
-            &entry,
-            latest,
-            &self.load_buffers,
-        ) {
+        let a = image.as_ref().expect("memory_image returns a held image");
+        match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
             Ok(ck) => {
                 tracing::info!(
                     step = info.step,
-                    "load served from the kept arena (flash restore)"
+                    "load served from the kept image (flash restore)"
                 );
                 Ok((Some(ck), None))
             }
@@ -395,6 +396,45 @@ impl Engine {
                 Ok((None, Some(why)))
             }
         }
+    }
+
+    /// Flash restore: the adopted image, locked (a save waits to give it up until the
+    /// caller is done with its chunks), with `info`'s manifest and this rank's entry, if it
+    /// can serve `info`'s step: else why not (`None` with the option off). The guard always
+    /// holds an image when `Ok(Ok)`.
+    #[allow(clippy::type_complexity)]
+    fn memory_image(
+        &self,
+        info: &CheckpointInfo,
+    ) -> Result<
+        std::result::Result<
+            (
+                std::sync::MutexGuard<'_, Option<flash::Adopted>>,
+                Manifest,
+                manifest::FileEntry,
+            ),
+            Option<String>,
+        >,
+    > {
+        if !self.shared.cfg.keep_in_memory {
+            return Ok(Err(None));
+        }
+        let image = lock(&self.shared.adopted);
+        let Some(a) = image.as_ref() else {
+            let why = self
+                .shared
+                .kept_note
+                .clone()
+                .unwrap_or_else(|| "no kept image (a save started since)".into());
+            return Ok(Err(Some(why)));
+        };
+        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let latest = self.latest()?;
+        if let Err(why) = a.check(info.step, &entry, latest) {
+            tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+            return Ok(Err(Some(why)));
+        }
+        Ok(Ok((image, manifest, entry)))
     }
 
     /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
@@ -486,22 +526,29 @@ impl Engine {
         let ordered = order.iter().map(|&i| dest[i].1).collect();
         // SAFETY: forwarded from this function's contract.
         let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
-        let (memory, fallback_reason) = self.try_memory(&info)?;
-        if let Some(ck) = memory {
-            // Every checksum matched on the host: now to the device, in file order.
-            for (i, t) in ck.tensors.iter().enumerate() {
-                if let Err(e) = sink.piece(i, 0, t.data.as_bytes()) {
-                    let _ = sink.chunk_end();
-                    return Err(e);
-                }
+        let fallback_reason = match self.memory_image(&info)? {
+            Ok((image, _, mem_entry)) if mem_entry == entry => {
+                // Every checksum was verified when the image was adopted: straight from the
+                // engine's own (CUDA-registered) arena chunks to the device, in file order;
+                // the image stays locked (its chunks untouched) until the copies finished.
+                let a = image.as_ref().expect("memory_image returns a held image");
+                a.send(&mut sink)?;
+                tracing::info!(
+                    step = info.step,
+                    "device load served from the kept image (flash restore)"
+                );
+                return Ok(LoadReport {
+                    step: info.step,
+                    source: LoadSource::Memory,
+                    fallback_reason: None,
+                });
             }
-            sink.chunk_end()?;
-            return Ok(LoadReport {
-                step: info.step,
-                source: LoadSource::Memory,
-                fallback_reason: None,
-            });
-        }
+            Ok(_) => Some(format!(
+                "the manifest of step {} changed during the load",
+                info.step
+            )),
+            Err(why) => why,
+        };
         restore::read_file(
             &info.dir.join(&entry.file),
             &entry,

@@ -330,6 +330,52 @@ impl Arena {
         }
     }
 
+    /// Record a committed image that this process copied into `leases` (file chunk `k` in
+    /// `leases[k]`, each a lease of this arena) as the kept image, exactly as a committed
+    /// save would leave it: a descriptor slot in state `KEPT` whose chunk map names the
+    /// leases' chunks, all `WRITTEN`. So if the process dies before its first save, the
+    /// image is still there for the next engine. The slot is given up by the next
+    /// [`Arena::begin_save`]; the caller holds the leases until then (the chunks must not be
+    /// reused while the descriptor names them: drop them only after `begin_save`).
+    ///
+    /// Returns the slot, or `None` (nothing recorded) when keeping is off, a save has begun
+    /// or an image is already kept, the leases are not this arena's or do not match
+    /// `rec` (one per file chunk, distinct), or no slot is free.
+    pub fn adopt_kept(
+        &self,
+        rec: &descriptor::SaveRecord<'_>,
+        leases: &[ChunkLease],
+    ) -> Option<u32> {
+        let mut k = crate::util::lock(&self.keep);
+        if !k.enabled || k.slot.is_some() || k.begun != 0 {
+            return None;
+        }
+        if rec.file_len.div_ceil(self.geo.chunk_size) != rec.n_file_chunks
+            || leases.len() as u64 != rec.n_file_chunks
+            || !leases
+                .iter()
+                .all(|l| std::ptr::eq(Arc::as_ptr(&l.arena), self))
+        {
+            return None;
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if !leases.iter().all(|l| seen.insert(l.index)) {
+            return None;
+        }
+        let slot = self.slots.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let d = self.descriptor();
+        // STAGING, then every entry WRITTEN, then KEPT: a crash in between leaves a slot
+        // that was never `STAGED`, which recovery refuses (it never re-commits the step).
+        d.begin(slot, rec);
+        for (i, l) in leases.iter().enumerate() {
+            d.chunk_staged(slot, i as u64, l.index);
+            d.chunk_written(slot, i as u64);
+        }
+        d.keep(slot);
+        k.slot = Some(slot);
+        Some(slot)
+    }
+
     /// Whether every file chunk of `slot` lives in its own arena chunk: a save larger than
     /// the arena reuses chunks it already wrote, and then its image is not whole.
     fn slot_chunks_distinct(&self, slot: u32) -> bool {
