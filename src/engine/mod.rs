@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
-use crate::restore::sink::DeviceSink;
+use crate::restore::sink::{DeviceSink, HostSink};
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
@@ -451,12 +451,32 @@ impl Engine {
     /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
     /// Every tensor of the checkpoint must have a destination of exactly its size. Returns
     /// the step loaded.
+    ///
+    /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
+    /// is copied from memory (verified at adoption), like [`Engine::load`].
     pub fn load_into(
         &self,
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
         let info = self.resolve(which.into())?;
+        if let Ok((image, _, entry)) = self.memory_image(&info)? {
+            let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
+            let order = restore::match_destinations(&entry, &named)?;
+            let mut slots: Vec<Option<&mut [u8]>> =
+                dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+            let ordered = order
+                .iter()
+                .map(|&i| slots[i].take().expect("each destination used once"))
+                .collect();
+            let a = image.as_ref().expect("memory_image returns a held image");
+            a.send(&mut HostSink { dest: ordered })?;
+            tracing::info!(
+                step = info.step,
+                "load_into served from the kept image (flash restore)"
+            );
+            return Ok(info.step);
+        }
         restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options())?;
         Ok(info.step)
     }

@@ -455,3 +455,50 @@ fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
     assert!(why.contains("smaller than the kept image"), "{why}");
     assert_loaded_equal(&ck, &step_state(2));
 }
+
+#[test]
+fn load_into_host_buffers_is_served_from_the_adopted_image() {
+    let dir = real_dir("flash-into");
+    let root = dir.path();
+    let _guard = killed_keeper(root);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    // Damage the file on disk after adoption: a disk read of step 2 now fails its
+    // checksum, so a correct result can only come from memory.
+    let step_dir = root.join(shmckpt::manifest::step_dir_name(2));
+    let file = step_dir.join(shmckpt::manifest::rank_file_name(0, 1));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let at = f.metadata().unwrap().len() - 1000;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0xFF], at).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(
+        shmckpt::restore::load_owned(&step_dir, 0, &shmckpt::restore::ReadOptions::default())
+            .is_err(),
+        "the damaged file still loads from disk"
+    );
+    let state = step_state(2);
+    let mut bufs: Vec<Vec<u8>> = state.data.iter().map(|d| vec![0u8; d.len()]).collect();
+    // Destinations in reverse order: matched by name, not position.
+    let mut dest: Vec<(&str, &mut [u8])> = state
+        .layout
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
+        .rev()
+        .collect();
+    assert_eq!(engine.load_into(2, &mut dest).unwrap(), 2);
+    drop(dest);
+    for ((e, got), want) in state.layout.iter().zip(&bufs).zip(&state.data) {
+        assert!(got == want, "tensor {} differs", e.name);
+    }
+    // A destination of the wrong size is refused, as from disk.
+    let mut short = vec![0u8; 3];
+    let mut dest: Vec<(&str, &mut [u8])> = vec![(state.layout[0].name.as_str(), &mut short)];
+    assert!(engine.load_into(2, &mut dest).is_err());
+}
