@@ -494,4 +494,59 @@ mod tests {
         assert!(AttachedArena::open(&name).is_err());
         assert!(a.descriptor().header_view().closed);
     }
+
+    #[test]
+    fn an_adopted_image_is_recorded_kept_until_the_next_save_begins() {
+        let name = format!("{NAME_PREFIX}unit-adopt.{}", std::process::id());
+        let rec = descriptor::SaveRecord {
+            step: 7,
+            file_len: 65536 + 100,
+            data_start: 4096,
+            n_file_chunks: 2,
+            partial_dir: "step-7.partial",
+            file_name: "f",
+        };
+        let a = Arena::create(&spec(Some(name.clone()), 4 * 65536)).unwrap();
+        let other = Arena::create(&spec(None, 4 * 65536)).unwrap();
+        let leases: Vec<_> = (0..2).map(|_| a.try_acquire().unwrap()).collect();
+        // Keeping off: nothing recorded.
+        assert_eq!(a.adopt_kept(&rec, &leases), None);
+        a.enable_keep();
+        // Leases of another arena, too few leases, or a record that does not match them.
+        let foreign: Vec<_> = (0..2).map(|_| other.try_acquire().unwrap()).collect();
+        assert_eq!(a.adopt_kept(&rec, &foreign), None);
+        assert_eq!(a.adopt_kept(&rec, &leases[..1]), None);
+        let wrong = descriptor::SaveRecord {
+            file_len: 3 * 65536,
+            ..rec
+        };
+        assert_eq!(a.adopt_kept(&wrong, &leases), None);
+        let slot = a.adopt_kept(&rec, &leases).unwrap();
+        // Only once.
+        assert_eq!(a.adopt_kept(&rec, &leases), None);
+        let att = AttachedArena::open(&name).unwrap();
+        let v = att.slot(slot);
+        assert_eq!(
+            (v.state, v.step, v.file_len, v.data_start),
+            (descriptor::slot_state::KEPT, 7, 65536 + 100, 4096)
+        );
+        assert_eq!(
+            (v.partial_dir.as_str(), v.file_name.as_str()),
+            ("step-7.partial", "f")
+        );
+        let want: Vec<_> = leases
+            .iter()
+            .map(|l| (descriptor::chunk_state::WRITTEN, l.index()))
+            .collect();
+        assert_eq!(v.chunks, want);
+        // The next save gives it up (slot freed in the descriptor, back in the pool).
+        a.begin_save();
+        assert_eq!(att.slot(slot).state, descriptor::slot_state::FREE);
+        drop(leases);
+        assert_eq!(a.free_chunks(), 4);
+        // Keeping survives close: remove the name by hand.
+        a.close();
+        drop(att);
+        let _ = std::fs::remove_file(std::path::Path::new(shm::SHM_MOUNT).join(&name));
+    }
 }
