@@ -1,11 +1,13 @@
 //! Flash restore: at open, take over the arena a previous engine of the same root and rank
-//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), and serve `load` of its
-//! committed step from it after checking every tensor against the manifest.
+//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), adopt its committed image into
+//! this engine's own arena (copied and checked against the manifest once, then recorded as
+//! that arena's kept image), and serve loads of that step from there.
 //!
 //! The previous arena is read only through [`AttachedArena`] (no link followed, owner uid
 //! checked, never mapped: `pread` and checked parsing), so nothing in it is trusted. Its
 //! name is unlinked at once (the open descriptor keeps its memory) so that this engine can
-//! create its own arena under the same stable name.
+//! create its own arena under the same stable name; the descriptor is closed (the memory
+//! freed) once the image is adopted or refused.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -42,7 +44,7 @@ pub struct LoadReport {
     pub fallback_reason: Option<String>,
 }
 
-/// A previous engine's committed image, attached read-only.
+/// A previous engine's committed image, attached read-only, until [`adopt`] consumes it.
 #[derive(Debug)]
 pub(crate) struct KeptImage {
     att: AttachedArena,
@@ -51,7 +53,7 @@ pub(crate) struct KeptImage {
 
 /// What [`take_kept`] found.
 pub(crate) struct Taken {
-    /// The image to serve loads from, if one looks complete.
+    /// The image to adopt, if one looks complete.
     pub image: Option<KeptImage>,
     /// Why there is none (logged already).
     pub reason: Option<String>,

@@ -341,9 +341,9 @@ impl Engine {
     /// file's size) for its next `load`, so repeated loads do not pay the first touch of
     /// fresh memory again; [`Engine::release_load_buffers`] frees it.
     ///
-    /// With [`EngineConfig::with_keep_in_memory`], a step that a previous engine kept in
-    /// shared memory is served from there once checked; [`Engine::load_with_report`] says
-    /// which path served the load.
+    /// With [`EngineConfig::with_keep_in_memory`], the step that a previous engine kept in
+    /// shared memory, adopted (copied and checked) at open, is served from this engine's
+    /// arena; [`Engine::load_with_report`] says which path served the load.
     pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
         self.load_with_report(which).map(|(ck, _)| ck)
     }
@@ -513,8 +513,8 @@ impl Engine {
     }
 
     /// [`Engine::load_into_device`], also reporting which path served the load (flash
-    /// restore: the kept image is checked completely on the host before any byte goes to
-    /// the device).
+    /// restore: the image adopted at open, checked completely then, is copied to the
+    /// device straight from the engine's CUDA-registered arena).
     #[allow(unsafe_code)]
     pub fn load_into_device_with_report(
         &self,
