@@ -407,8 +407,10 @@ impl Adopted {
     }
 
     /// Hand every tensor piece to `sink` (tensor index in file order, offset in the tensor,
-    /// the bytes in the arena chunk), then `chunk_end` once. The bytes were verified at
-    /// adoption; the caller holds the image (and so its chunks) until this returns.
+    /// the bytes in the arena chunk), then `chunk_end` once (also before an error returns),
+    /// so that no asynchronous copy from the chunks is left when the caller releases the
+    /// image. The bytes were verified at adoption; the caller holds the image (and so its
+    /// chunks, which no save can take meanwhile) until this returns.
     pub(crate) fn send(&self, sink: &mut dyn ReadSink) -> Result<()> {
         let tensors = &self.entry.tensors;
         for (dst, buf) in self.data_chunks() {
