@@ -157,18 +157,23 @@ impl EngineConfig {
     /// (`shmckpt.keep-<hash of the canonical root>.r<rank>`, owner-only) and stays in
     /// `/dev/shm` when the engine closes or its process dies, holding the last committed
     /// step's bytes. A later engine of the same root and rank with this option attaches to
-    /// it (same owner only), checks it (a committed step, equal to the disk's latest, every
-    /// tensor's CRC-32C against the manifest) and `load` serves that step from memory;
-    /// otherwise it reads the disk and logs why. [`EngineConfig::with_shm_name`] is ignored
-    /// then (the name must be stable).
+    /// it at open (same owner only), checks it (a committed step, equal to the disk's
+    /// latest, every tensor's CRC-32C against the manifest) while copying it into its own
+    /// new arena (the image is adopted: recorded as that arena's kept image, so it survives
+    /// a second crash before any save), and closes the previous segment, freeing its memory.
+    /// `load`, `load_into` and `load_into_device` then serve that step from the engine's own
+    /// arena (not checked again: it is this process's memory from then on; device loads
+    /// copy from it directly, it being registered with CUDA), as long as it is the disk's
+    /// latest; otherwise they read the disk and log why. [`EngineConfig::with_shm_name`] is
+    /// ignored then (the name must be stable).
     ///
     /// Memory cost: the arena (`staging_capacity`) stays in `/dev/shm` after the process
-    /// exits, until `shmckpt shm rm` or the next engine replaces it; while a new engine
-    /// holds a previous image for its first load, both arenas exist (the previous one is
-    /// dropped at the first save). `load_into` and `load_into_device` then read through
-    /// private buffers, so that they never overwrite the kept image. A save invalidates the
-    /// kept image when it starts; a crash during a save leaves nothing to restore from
-    /// memory (the disk still has the last committed step).
+    /// exits, until `shmckpt shm rm` or the next engine replaces it; during a new engine's
+    /// open both arenas exist (the previous one is freed before `open` returns). Disk reads
+    /// of `load_into` and `load_into_device` go through private buffers, so that they never
+    /// overwrite the kept image. A save gives the kept image up when it starts; a crash
+    /// during a save leaves nothing to restore from memory (the disk still has the last
+    /// committed step).
     pub fn with_keep_in_memory(mut self, on: bool) -> Self {
         self.keep_in_memory = on;
         self

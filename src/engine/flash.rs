@@ -1,11 +1,13 @@
 //! Flash restore: at open, take over the arena a previous engine of the same root and rank
-//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), and serve `load` of its
-//! committed step from it after checking every tensor against the manifest.
+//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), adopt its committed image into
+//! this engine's own arena (copied and checked against the manifest once, then recorded as
+//! that arena's kept image), and serve loads of that step from there.
 //!
 //! The previous arena is read only through [`AttachedArena`] (no link followed, owner uid
 //! checked, never mapped: `pread` and checked parsing), so nothing in it is trusted. Its
 //! name is unlinked at once (the open descriptor keeps its memory) so that this engine can
-//! create its own arena under the same stable name.
+//! create its own arena under the same stable name; the descriptor is closed (the memory
+//! freed) once the image is adopted or refused.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -13,11 +15,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest};
-use crate::restore::Checkpoint;
+use crate::restore::{Checkpoint, ReadSink};
 use crate::slab::{SlabBuilder, SlabPool};
-use crate::staging::AttachedArena;
-use crate::staging::descriptor::{SlotView, chunk_state, slot_state};
+use crate::staging::descriptor::{SaveRecord, SlotView, chunk_state, slot_state};
 use crate::staging::shm::SHM_MOUNT;
+use crate::staging::{Arena, AttachedArena, ChunkLease};
 use crate::tensor::{AlignedBytes, LoadedTensor};
 
 /// Which path served a load.
@@ -42,7 +44,7 @@ pub struct LoadReport {
     pub fallback_reason: Option<String>,
 }
 
-/// A previous engine's committed image, attached read-only.
+/// A previous engine's committed image, attached read-only, until [`adopt`] consumes it.
 #[derive(Debug)]
 pub(crate) struct KeptImage {
     att: AttachedArena,
@@ -51,7 +53,7 @@ pub(crate) struct KeptImage {
 
 /// What [`take_kept`] found.
 pub(crate) struct Taken {
-    /// The image to serve loads from, if one looks complete.
+    /// The image to adopt, if one looks complete.
     pub image: Option<KeptImage>,
     /// Why there is none (logged already).
     pub reason: Option<String>,
@@ -159,37 +161,35 @@ fn remove_own(name: &str) -> bool {
     }
 }
 
-/// Serve `step` (whose manifest and this rank's entry are given) from `image`, if it holds
-/// exactly that step, the disk's latest, complete and with every tensor's CRC-32C equal to
-/// the manifest's. The error is the reason it cannot.
-pub(crate) fn serve(
-    image: &KeptImage,
-    dir: &Path,
-    manifest: &Manifest,
-    entry: &FileEntry,
-    latest: Option<u64>,
-    pool: &Arc<SlabPool>,
-) -> std::result::Result<Checkpoint, String> {
-    let v = &image.slot;
-    let step = manifest.step;
-    if v.step != step {
-        return Err(format!(
-            "the kept image holds step {}, not step {step}",
-            v.step
-        ));
-    }
-    if latest != Some(step) {
-        return Err(format!(
-            "stale: the kept image holds step {step}, the disk's latest committed step is {latest:?}"
-        ));
-    }
+/// A previous engine's committed image, copied into this engine's own arena at open and
+/// checked there once: every tensor's CRC-32C equal to the manifest's. From then on the
+/// chunks are this process's memory, held by the leases (nobody else writes them: another
+/// process never maps this user's arena for writing, and the chunks are out of the pool),
+/// so loads copy from them without checking again. The first save drops it.
+#[derive(Debug)]
+pub(crate) struct Adopted {
+    /// File chunk `k` of the image in `leases[k]`.
+    leases: Vec<ChunkLease>,
+    step: u64,
+    file_len: u64,
+    data_start: u64,
+    chunk_size: u64,
+    /// This rank's manifest entry the image was checked against.
+    entry: FileEntry,
+}
+
+/// The checks of a kept image's slot against this rank's manifest entry: complete, one
+/// arena chunk per file chunk, tensors inside the data section and aligned.
+fn check_slot(v: &SlotView, cs: u64, entry: &FileEntry) -> std::result::Result<(), String> {
     if v.file_len != entry.bytes || v.data_start != entry.data_start {
         return Err(format!(
             "the kept image describes a file of {} bytes with data at {}, the manifest {} at {}",
             v.file_len, v.data_start, entry.bytes, entry.data_start
         ));
     }
-    let cs = image.att.header().geometry.chunk_size;
+    if v.data_start > v.file_len {
+        return Err("the kept image's data section starts past its end".into());
+    }
     let n = v.file_len.div_ceil(cs);
     if v.chunks.len() as u64 != n {
         return Err(format!(
@@ -205,9 +205,8 @@ pub(crate) fn serve(
         return Err("the kept image maps two file chunks to one arena chunk".into());
     }
     let data_len = v.file_len - v.data_start;
-    let len = usize::try_from(data_len).map_err(|_| "image larger than memory".to_owned())?;
-    let tensors = &entry.tensors;
-    for t in tensors {
+    usize::try_from(data_len).map_err(|_| "image larger than memory".to_owned())?;
+    for t in &entry.tensors {
         let [b, e] = t.data_offsets;
         if b > e || e > data_len {
             return Err(format!("tensor {:?} lies outside the data section", t.name));
@@ -216,74 +215,117 @@ pub(crate) fn serve(
             return Err(format!("tensor {:?} is not aligned in the file", t.name));
         }
     }
-    let mut slab = SlabBuilder::new(Some(pool), len).ok_or("cannot allocate the tensors")?;
-    // Per file chunk: the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
-    let mut pieces: Vec<Vec<(usize, u32, u64)>> = Vec::new();
-    if let Some(mut region) = slab.carve(slab.capacity()) {
-        // One job per file chunk: its disjoint slice of the tensors' memory.
-        let mut jobs = Vec::with_capacity(v.chunks.len());
-        let mut rest: &mut [u8] = &mut region.as_mut_slice()[..len];
-        for (k, &(_, index)) in v.chunks.iter().enumerate() {
-            let fs = k as u64 * cs;
-            let fe = (fs + cs).min(v.file_len);
-            let s = fs.max(v.data_start);
-            if s >= fe {
-                continue;
-            }
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut((fe - s) as usize);
-            rest = tail;
-            jobs.push((k, index, s - fs, s - v.data_start, mine));
-        }
-        // Copy and checksum on several threads: the copy out of the segment and the
-        // CRC-32C are the cost of a load from memory.
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, 8)
-            .min(jobs.len().max(1));
-        let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
-        for (i, j) in jobs.into_iter().enumerate() {
-            lanes[i % threads].push(j);
-        }
-        let results: Vec<std::result::Result<Vec<ChunkCrcs>, String>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = lanes
-                    .into_iter()
-                    .map(|lane| {
-                        scope.spawn(move || {
-                            let mut out = Vec::with_capacity(lane.len());
-                            for (k, index, at, dst, buf) in lane {
-                                image.att.read_chunk(index, at, buf).ok_or_else(|| {
-                                    format!("chunk {k} of the kept image cannot be read")
-                                })?;
-                                out.push((k, crc_pieces(tensors, dst, buf)));
-                            }
-                            Ok(out)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err("a copy thread panicked".into()))
-                    })
-                    .collect()
-            });
-        let mut by_chunk = Vec::new();
-        for r in results {
-            by_chunk.extend(r?);
-        }
-        by_chunk.sort_by_key(|(k, _)| *k);
-        pieces = by_chunk.into_iter().map(|(_, p)| p).collect();
+    Ok(())
+}
+
+/// How many threads copy `jobs` chunks (at most 8).
+fn copy_threads(jobs: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(jobs.max(1))
+}
+
+/// Adopt `image` into `arena` (this engine's new, kept arena): check it against the disk's
+/// latest committed step under `root` and this rank's manifest entry, copy every chunk of
+/// its file into leases of `arena` on several threads, verify every tensor's CRC-32C, and
+/// record it in `arena`'s descriptor as the kept image. `image` is dropped on return (its
+/// segment, unlinked already, is freed now). The error is why it could not be adopted (the
+/// leases taken are back in the pool then).
+pub(crate) fn adopt(
+    image: KeptImage,
+    arena: &Arc<Arena>,
+    root: &Path,
+    rank: u32,
+) -> std::result::Result<Adopted, String> {
+    let v = &image.slot;
+    let step = v.step;
+    let latest = crate::manifest::list_committed(root)
+        .map_err(|e| format!("cannot list the committed steps: {e}"))?
+        .pop();
+    let latest_step = latest.as_ref().map(|c| c.step);
+    let Some(info) = latest.filter(|c| c.step == step) else {
+        return Err(format!(
+            "stale: the kept image holds step {step}, the disk's latest committed step is {latest_step:?}"
+        ));
+    };
+    let (_, entry) = crate::restore::rank_file(&info.dir, rank)
+        .map_err(|e| format!("the manifest of step {step} cannot be read: {e}"))?;
+    let cs = image.att.header().geometry.chunk_size;
+    check_slot(v, cs, &entry)?;
+    if cs != arena.chunk_size() {
+        return Err(format!(
+            "the kept image has chunks of {cs} bytes, this engine's arena of {}",
+            arena.chunk_size()
+        ));
     }
+    let n = v.chunks.len();
+    if (arena.chunk_count() as usize) < n {
+        return Err(format!(
+            "the new arena is smaller than the kept image ({} chunks, the image needs {n})",
+            arena.chunk_count()
+        ));
+    }
+    let mut leases = Vec::with_capacity(n);
+    for _ in 0..n {
+        match arena.try_acquire() {
+            Some(l) => leases.push(l),
+            None => return Err("the new arena is smaller than the kept image".into()),
+        }
+    }
+    let tensors = &entry.tensors;
+    // One job per file chunk: read the old chunk into the lease, checksum its tensor pieces.
+    let threads = copy_threads(n);
+    let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+    for (k, (lease, &(_, old))) in leases.iter_mut().zip(&v.chunks).enumerate() {
+        lanes[k % threads].push((k, old, lease));
+    }
+    let (file_len, data_start) = (v.file_len, v.data_start);
+    let att = &image.att;
+    let results: Vec<std::result::Result<Vec<ChunkCrcs>, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = lanes
+            .into_iter()
+            .map(|lane| {
+                scope.spawn(move || {
+                    let mut out = Vec::with_capacity(lane.len());
+                    for (k, old, lease) in lane {
+                        let fs = k as u64 * cs;
+                        let fe = (fs + cs).min(file_len);
+                        let buf = &mut lease.as_mut_slice()[..(fe - fs) as usize];
+                        att.read_chunk(old, 0, buf)
+                            .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))?;
+                        let s = fs.max(data_start);
+                        let crcs = if s < fe {
+                            crc_pieces(tensors, s - data_start, &buf[(s - fs) as usize..])
+                        } else {
+                            Vec::new()
+                        };
+                        out.push((k, crcs));
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a copy thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut by_chunk = Vec::new();
+    for r in results {
+        by_chunk.extend(r?);
+    }
+    by_chunk.sort_by_key(|(k, _)| *k);
     let mut crcs: Vec<Option<u32>> = vec![None; tensors.len()];
-    for (t, crc, n) in pieces.into_iter().flatten() {
+    for (t, crc, len) in by_chunk.into_iter().flat_map(|(_, p)| p) {
         crcs[t] = Some(match crcs[t] {
             None => crc,
-            Some(prev) => crc32c::crc32c_combine(prev, crc, n as usize),
+            Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
         });
     }
-    let mut ranges = Vec::with_capacity(tensors.len());
     for (t, crc) in tensors.iter().zip(crcs) {
         let crc = crc.unwrap_or(0);
         if crc != t.crc32c {
@@ -292,41 +334,170 @@ pub(crate) fn serve(
                 t.name, t.crc32c
             ));
         }
-        let [b, e] = t.data_offsets;
-        ranges.push((b as usize, e as usize));
     }
-    let views = slab.finish(&ranges).ok_or("tensor ranges overlap")?;
-    let tensors = entry
-        .tensors
-        .iter()
-        .zip(views)
-        .map(|(t, view)| LoadedTensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data: AlignedBytes::view(view),
-        })
-        .collect();
-    Ok(Checkpoint {
+    let rec = SaveRecord {
         step,
-        dir: dir.to_owned(),
-        metadata: manifest.metadata.clone(),
-        tensors,
+        file_len,
+        data_start,
+        n_file_chunks: n as u64,
+        partial_dir: &v.partial_dir,
+        file_name: &v.file_name,
+    };
+    if arena.adopt_kept(&rec, &leases).is_none() {
+        return Err("the new arena cannot record the kept image".into());
+    }
+    tracing::info!(
+        step,
+        chunks = n,
+        "kept image adopted into the new arena (flash restore)"
+    );
+    Ok(Adopted {
+        leases,
+        step,
+        file_len,
+        data_start,
+        chunk_size: cs,
+        entry,
     })
+}
+
+impl Adopted {
+    /// Whether the image can serve `step` (whose manifest entry of this rank is `entry`):
+    /// the same step, still the disk's `latest`, and the same entry it was checked against
+    /// at adoption. The error is why not.
+    pub(crate) fn check(
+        &self,
+        step: u64,
+        entry: &FileEntry,
+        latest: Option<u64>,
+    ) -> std::result::Result<(), String> {
+        if self.step != step {
+            return Err(format!(
+                "the kept image holds step {}, not step {step}",
+                self.step
+            ));
+        }
+        if latest != Some(step) {
+            return Err(format!(
+                "stale: the kept image holds step {step}, the disk's latest committed step is {latest:?}"
+            ));
+        }
+        if *entry != self.entry {
+            return Err(format!(
+                "the manifest of step {step} changed since the kept image was adopted"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Each file chunk's data bytes: `(offset in the data section, bytes)`, in file order.
+    fn data_chunks(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        let cs = self.chunk_size;
+        self.leases.iter().enumerate().filter_map(move |(k, l)| {
+            let fs = k as u64 * cs;
+            let fe = (fs + cs).min(self.file_len);
+            let s = fs.max(self.data_start);
+            (s < fe).then(|| {
+                (
+                    s - self.data_start,
+                    &l.as_slice()[(s - fs) as usize..(fe - fs) as usize],
+                )
+            })
+        })
+    }
+
+    /// Hand every tensor piece to `sink` (tensor index in file order, offset in the tensor,
+    /// the bytes in the arena chunk), then `chunk_end` once (also before an error returns),
+    /// so that no asynchronous copy from the chunks is left when the caller releases the
+    /// image. The bytes were verified at adoption; the caller holds the image (and so its
+    /// chunks, which no save can take meanwhile) until this returns.
+    pub(crate) fn send(&self, sink: &mut dyn ReadSink) -> Result<()> {
+        let tensors = &self.entry.tensors;
+        for (dst, buf) in self.data_chunks() {
+            if let Err(e) = for_pieces(tensors, dst, buf, |i, at, piece| sink.piece(i, at, piece)) {
+                let _ = sink.chunk_end();
+                return Err(e);
+            }
+        }
+        sink.chunk_end()
+    }
+
+    /// The image's tensors copied into one slab (several threads), as a checkpoint of
+    /// `dir` with `manifest`'s metadata. The bytes were verified at adoption. The error is
+    /// why it cannot (no memory).
+    pub(crate) fn to_checkpoint(
+        &self,
+        dir: &Path,
+        manifest: &Manifest,
+        pool: &Arc<SlabPool>,
+    ) -> std::result::Result<Checkpoint, String> {
+        let len = usize::try_from(self.file_len - self.data_start)
+            .map_err(|_| "image larger than memory".to_owned())?;
+        let mut slab = SlabBuilder::new(Some(pool), len).ok_or("cannot allocate the tensors")?;
+        if let Some(mut region) = slab.carve(slab.capacity()) {
+            let mut jobs = Vec::with_capacity(self.leases.len());
+            let mut rest: &mut [u8] = &mut region.as_mut_slice()[..len];
+            for (_, src) in self.data_chunks() {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(src.len());
+                rest = tail;
+                jobs.push((mine, src));
+            }
+            let threads = copy_threads(jobs.len());
+            let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+            for (i, j) in jobs.into_iter().enumerate() {
+                lanes[i % threads].push(j);
+            }
+            std::thread::scope(|scope| {
+                for lane in lanes {
+                    scope.spawn(move || {
+                        for (dst, src) in lane {
+                            dst.copy_from_slice(src);
+                        }
+                    });
+                }
+            });
+        }
+        let ranges: Vec<(usize, usize)> = self
+            .entry
+            .tensors
+            .iter()
+            .map(|t| (t.data_offsets[0] as usize, t.data_offsets[1] as usize))
+            .collect();
+        let views = slab.finish(&ranges).ok_or("tensor ranges overlap")?;
+        let tensors = self
+            .entry
+            .tensors
+            .iter()
+            .zip(views)
+            .map(|(t, view)| LoadedTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: AlignedBytes::view(view),
+            })
+            .collect();
+        Ok(Checkpoint {
+            step: self.step,
+            dir: dir.to_owned(),
+            metadata: manifest.metadata.clone(),
+            tensors,
+        })
+    }
 }
 
 /// A file chunk's index and the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
 type ChunkCrcs = (usize, Vec<(usize, u32, u64)>);
 
-/// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
-fn crc_pieces(
+/// Call `f(tensor, offset in the tensor, piece)` for each non-empty tensor piece in `buf`,
+/// which holds data-section bytes from `dst` (tensors sorted by offset, as in a manifest).
+fn for_pieces<E>(
     tensors: &[crate::manifest::TensorEntry],
     dst: u64,
     buf: &[u8],
-) -> Vec<(usize, u32, u64)> {
+    mut f: impl FnMut(usize, u64, &[u8]) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
     let end = dst + buf.len() as u64;
     let first = tensors.partition_point(|t| t.data_offsets[1] <= dst);
-    let mut out = Vec::new();
     for (i, t) in tensors.iter().enumerate().skip(first) {
         let [b, e] = t.data_offsets;
         if b >= end {
@@ -336,10 +507,23 @@ fn crc_pieces(
             continue;
         }
         let s = b.max(dst);
-        let f = e.min(end);
-        let piece = &buf[(s - dst) as usize..(f - dst) as usize];
-        out.push((i, crc32c::crc32c(piece), piece.len() as u64));
+        let fin = e.min(end);
+        f(i, s - b, &buf[(s - dst) as usize..(fin - dst) as usize])?;
     }
+    Ok(())
+}
+
+/// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
+fn crc_pieces(
+    tensors: &[crate::manifest::TensorEntry],
+    dst: u64,
+    buf: &[u8],
+) -> Vec<(usize, u32, u64)> {
+    let mut out = Vec::new();
+    let _ = for_pieces::<()>(tensors, dst, buf, |i, _, piece| {
+        out.push((i, crc32c::crc32c(piece), piece.len() as u64));
+        Ok(())
+    });
     out
 }
 

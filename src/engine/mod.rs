@@ -33,8 +33,7 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
 use crate::manifest::{self, CheckpointInfo, Manifest};
-use crate::restore::ReadSink;
-use crate::restore::sink::DeviceSink;
+use crate::restore::sink::{DeviceSink, HostSink};
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
@@ -63,9 +62,10 @@ impl From<u64> for StepSel {
 struct Shared {
     cfg: EngineConfig,
     arena: Arc<Arena>,
-    /// A previous engine's kept image (flash restore), until the first save.
-    kept_image: Mutex<Option<flash::KeptImage>>,
-    /// Why there is no kept image to serve from (flash restore on).
+    /// A previous engine's kept image, adopted into `arena` at open (flash restore),
+    /// until the first save.
+    adopted: Mutex<Option<flash::Adopted>>,
+    /// Why there is no adopted image to serve from (flash restore on).
     kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
     backend: Backend,
@@ -204,7 +204,7 @@ impl Engine {
             slots: cfg.max_inflight_saves,
             rank: cfg.rank,
             world_size: cfg.world_size,
-            root: root_abs,
+            root: root_abs.clone(),
         };
         let arena = match Arena::create(&spec) {
             Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
@@ -223,6 +223,23 @@ impl Engine {
             arena.enable_keep();
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
+        // Adopt the kept image into the new arena (checked once here; the previous segment
+        // is freed when `image` drops, at the end of this block).
+        let mut adopted = None;
+        if let Some(image) = kept_image {
+            let r = if keep {
+                flash::adopt(image, &arena, &root_abs, cfg.rank)
+            } else {
+                Err("the kept arena's name could not be freed for this engine's arena".into())
+            };
+            match r {
+                Ok(a) => adopted = Some(a),
+                Err(why) => {
+                    tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
+                    kept_note = Some(why);
+                }
+            }
+        }
         let opts = BackendOptions {
             kind: cfg.backend,
             queue_depth: cfg.queue_depth,
@@ -235,7 +252,7 @@ impl Engine {
             backend: pool.backend(),
             cfg,
             arena,
-            kept_image: Mutex::new(kept_image),
+            adopted: Mutex::new(adopted),
             kept_note,
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
@@ -342,9 +359,9 @@ impl Engine {
     /// file's size) for its next `load`, so repeated loads do not pay the first touch of
     /// fresh memory again; [`Engine::release_load_buffers`] frees it.
     ///
-    /// With [`EngineConfig::with_keep_in_memory`], a step that a previous engine kept in
-    /// shared memory is served from there once checked; [`Engine::load_with_report`] says
-    /// which path served the load.
+    /// With [`EngineConfig::with_keep_in_memory`], the step that a previous engine kept in
+    /// shared memory, adopted (copied and checked) at open, is served from this engine's
+    /// arena; [`Engine::load_with_report`] says which path served the load.
     pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
         self.load_with_report(which).map(|(ck, _)| ck)
     }
@@ -376,35 +393,19 @@ impl Engine {
         Ok((ck, report))
     }
 
-    /// Flash restore: `info`'s step from the kept image, if it can serve it (else why not;
-    /// `(None, None)` with the option off).
+    /// Flash restore: `info`'s step from the adopted image, if it can serve it (else why
+    /// not; `(None, None)` with the option off).
     fn try_memory(&self, info: &CheckpointInfo) -> Result<(Option<Checkpoint>, Option<String>)> {
-        if !self.shared.cfg.keep_in_memory {
-            return Ok((None, None));
-        }
-        let kept = lock(&self.shared.kept_image);
-        let Some(image) = kept.as_ref() else {
-            let why = self
-                .shared
-                .kept_note
-                .clone()
-                .unwrap_or_else(|| "no kept image (a save started since)".into());
-            return Ok((None, Some(why)));
+        let (image, manifest, _) = match self.memory_image(info)? {
+            Ok(found) => found,
+            Err(why) => return Ok((None, why)),
         };
-        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-        let latest = self.latest()?;
-        match flash::serve(
-            image,
-            &info.dir,
-            &manifest,
-            &entry,
-            latest,
-            &self.load_buffers,
-        ) {
+        let a = image.as_ref().expect("memory_image returns a held image");
+        match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
             Ok(ck) => {
                 tracing::info!(
                     step = info.step,
-                    "load served from the kept arena (flash restore)"
+                    "load served from the kept image (flash restore)"
                 );
                 Ok((Some(ck), None))
             }
@@ -413,6 +414,45 @@ impl Engine {
                 Ok((None, Some(why)))
             }
         }
+    }
+
+    /// Flash restore: the adopted image, locked (a save waits to give it up until the
+    /// caller is done with its chunks), with `info`'s manifest and this rank's entry, if it
+    /// can serve `info`'s step: else why not (`None` with the option off). The guard always
+    /// holds an image when `Ok(Ok)`.
+    #[allow(clippy::type_complexity)]
+    fn memory_image(
+        &self,
+        info: &CheckpointInfo,
+    ) -> Result<
+        std::result::Result<
+            (
+                std::sync::MutexGuard<'_, Option<flash::Adopted>>,
+                Manifest,
+                manifest::FileEntry,
+            ),
+            Option<String>,
+        >,
+    > {
+        if !self.shared.cfg.keep_in_memory {
+            return Ok(Err(None));
+        }
+        let image = lock(&self.shared.adopted);
+        let Some(a) = image.as_ref() else {
+            let why = self
+                .shared
+                .kept_note
+                .clone()
+                .unwrap_or_else(|| "no kept image (a save started since)".into());
+            return Ok(Err(Some(why)));
+        };
+        let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        let latest = self.latest()?;
+        if let Err(why) = a.check(info.step, &entry, latest) {
+            tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+            return Ok(Err(Some(why)));
+        }
+        Ok(Ok((image, manifest, entry)))
     }
 
     /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
@@ -430,12 +470,32 @@ impl Engine {
     /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
     /// Every tensor of the checkpoint must have a destination of exactly its size. Returns
     /// the step loaded.
+    ///
+    /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
+    /// is copied from memory (verified at adoption), like [`Engine::load`].
     pub fn load_into(
         &self,
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
         let info = self.resolve(which.into())?;
+        if let Ok((image, _, entry)) = self.memory_image(&info)? {
+            let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
+            let order = restore::match_destinations(&entry, &named)?;
+            let mut slots: Vec<Option<&mut [u8]>> =
+                dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+            let ordered = order
+                .iter()
+                .map(|&i| slots[i].take().expect("each destination used once"))
+                .collect();
+            let a = image.as_ref().expect("memory_image returns a held image");
+            a.send(&mut HostSink { dest: ordered })?;
+            tracing::info!(
+                step = info.step,
+                "load_into served from the kept image (flash restore)"
+            );
+            return Ok(info.step);
+        }
         restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options())?;
         Ok(info.step)
     }
@@ -472,8 +532,8 @@ impl Engine {
     }
 
     /// [`Engine::load_into_device`], also reporting which path served the load (flash
-    /// restore: the kept image is checked completely on the host before any byte goes to
-    /// the device).
+    /// restore: the image adopted at open, checked completely then, is copied to the
+    /// device straight from the engine's CUDA-registered arena).
     #[allow(unsafe_code)]
     pub fn load_into_device_with_report(
         &self,
@@ -503,24 +563,31 @@ impl Engine {
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = restore::match_destinations(&entry, &named)?;
         let ordered = order.iter().map(|&i| dest[i].1).collect();
-        let (memory, fallback_reason) = self.try_memory(&info)?;
-        if let Some(ck) = memory {
-            // SAFETY: forwarded from this function's contract.
-            let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
-            // Every checksum matched on the host: now to the device, in file order.
-            for (i, t) in ck.tensors.iter().enumerate() {
-                if let Err(e) = sink.piece(i, 0, t.data.as_bytes()) {
-                    let _ = sink.chunk_end();
-                    return Err(e);
-                }
+        let fallback_reason = match self.memory_image(&info)? {
+            Ok((image, _, mem_entry)) if mem_entry == entry => {
+                // SAFETY: forwarded from this function's contract.
+                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+                // Every checksum was verified when the image was adopted: straight from the
+                // engine's own (CUDA-registered) arena chunks to the device, in file order;
+                // the image stays locked (its chunks untouched) until the copies finished.
+                let a = image.as_ref().expect("memory_image returns a held image");
+                a.send(&mut sink)?;
+                tracing::info!(
+                    step = info.step,
+                    "device load served from the kept image (flash restore)"
+                );
+                return Ok(LoadReport {
+                    step: info.step,
+                    source: LoadSource::Memory,
+                    fallback_reason: None,
+                });
             }
-            sink.chunk_end()?;
-            return Ok(LoadReport {
-                step: info.step,
-                source: LoadSource::Memory,
-                fallback_reason: None,
-            });
-        }
+            Ok(_) => Some(format!(
+                "the manifest of step {} changed during the load",
+                info.step
+            )),
+            Err(why) => why,
+        };
         // From disk: O_DIRECT reads of `DEVICE_READ` bytes, `DEVICE_READ_DEPTH` in flight,
         // into a small ring of registered buffers, each copied to the device as soon as
         // it is read and checksummed (the staging arena is not used: it may hold a kept

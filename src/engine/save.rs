@@ -291,10 +291,12 @@ impl Engine {
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
-        // A kept image (flash restore) is given up before this save can reuse its chunks,
-        // and so is a previous engine's image held for a first load.
+        // A kept image (flash restore) is given up before this save can reuse its chunks:
+        // `begin_save` frees its descriptor slot, then the image adopted at open (if any)
+        // drops its leases, so its chunks return to the pool before this save takes any
+        // (waiting first for a load still copying from them; loads never wait for saves).
         let keep_seq = arena.begin_save();
-        lock(&self.shared.kept_image).take();
+        drop(lock(&self.shared.adopted).take());
         let slot = arena.acquire_slot();
         let slot_wait = t_slot.elapsed() + gate_wait;
         let n_chunks = plan.chunk_count(cs);

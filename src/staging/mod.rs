@@ -330,6 +330,52 @@ impl Arena {
         }
     }
 
+    /// Record a committed image that this process copied into `leases` (file chunk `k` in
+    /// `leases[k]`, each a lease of this arena) as the kept image, exactly as a committed
+    /// save would leave it: a descriptor slot in state `KEPT` whose chunk map names the
+    /// leases' chunks, all `WRITTEN`. So if the process dies before its first save, the
+    /// image is still there for the next engine. The slot is given up by the next
+    /// [`Arena::begin_save`]; the caller holds the leases until then (the chunks must not be
+    /// reused while the descriptor names them: drop them only after `begin_save`).
+    ///
+    /// Returns the slot, or `None` (nothing recorded) when keeping is off, a save has begun
+    /// or an image is already kept, the leases are not this arena's or do not match
+    /// `rec` (one per file chunk, distinct), or no slot is free.
+    pub fn adopt_kept(
+        &self,
+        rec: &descriptor::SaveRecord<'_>,
+        leases: &[ChunkLease],
+    ) -> Option<u32> {
+        let mut k = crate::util::lock(&self.keep);
+        if !k.enabled || k.slot.is_some() || k.begun != 0 {
+            return None;
+        }
+        if rec.file_len.div_ceil(self.geo.chunk_size) != rec.n_file_chunks
+            || leases.len() as u64 != rec.n_file_chunks
+            || !leases
+                .iter()
+                .all(|l| std::ptr::eq(Arc::as_ptr(&l.arena), self))
+        {
+            return None;
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if !leases.iter().all(|l| seen.insert(l.index)) {
+            return None;
+        }
+        let slot = self.slots.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let d = self.descriptor();
+        // STAGING, then every entry WRITTEN, then KEPT: a crash in between leaves a slot
+        // that was never `STAGED`, which recovery refuses (it never re-commits the step).
+        d.begin(slot, rec);
+        for (i, l) in leases.iter().enumerate() {
+            d.chunk_staged(slot, i as u64, l.index);
+            d.chunk_written(slot, i as u64);
+        }
+        d.keep(slot);
+        k.slot = Some(slot);
+        Some(slot)
+    }
+
     /// Whether every file chunk of `slot` lives in its own arena chunk: a save larger than
     /// the arena reuses chunks it already wrote, and then its image is not whole.
     fn slot_chunks_distinct(&self, slot: u32) -> bool {
@@ -447,5 +493,60 @@ mod tests {
         a.close();
         assert!(AttachedArena::open(&name).is_err());
         assert!(a.descriptor().header_view().closed);
+    }
+
+    #[test]
+    fn an_adopted_image_is_recorded_kept_until_the_next_save_begins() {
+        let name = format!("{NAME_PREFIX}unit-adopt.{}", std::process::id());
+        let rec = descriptor::SaveRecord {
+            step: 7,
+            file_len: 65536 + 100,
+            data_start: 4096,
+            n_file_chunks: 2,
+            partial_dir: "step-7.partial",
+            file_name: "f",
+        };
+        let a = Arena::create(&spec(Some(name.clone()), 4 * 65536)).unwrap();
+        let other = Arena::create(&spec(None, 4 * 65536)).unwrap();
+        let leases: Vec<_> = (0..2).map(|_| a.try_acquire().unwrap()).collect();
+        // Keeping off: nothing recorded.
+        assert_eq!(a.adopt_kept(&rec, &leases), None);
+        a.enable_keep();
+        // Leases of another arena, too few leases, or a record that does not match them.
+        let foreign: Vec<_> = (0..2).map(|_| other.try_acquire().unwrap()).collect();
+        assert_eq!(a.adopt_kept(&rec, &foreign), None);
+        assert_eq!(a.adopt_kept(&rec, &leases[..1]), None);
+        let wrong = descriptor::SaveRecord {
+            file_len: 3 * 65536,
+            ..rec
+        };
+        assert_eq!(a.adopt_kept(&wrong, &leases), None);
+        let slot = a.adopt_kept(&rec, &leases).unwrap();
+        // Only once.
+        assert_eq!(a.adopt_kept(&rec, &leases), None);
+        let att = AttachedArena::open(&name).unwrap();
+        let v = att.slot(slot);
+        assert_eq!(
+            (v.state, v.step, v.file_len, v.data_start),
+            (descriptor::slot_state::KEPT, 7, 65536 + 100, 4096)
+        );
+        assert_eq!(
+            (v.partial_dir.as_str(), v.file_name.as_str()),
+            ("step-7.partial", "f")
+        );
+        let want: Vec<_> = leases
+            .iter()
+            .map(|l| (descriptor::chunk_state::WRITTEN, l.index()))
+            .collect();
+        assert_eq!(v.chunks, want);
+        // The next save gives it up (slot freed in the descriptor, back in the pool).
+        a.begin_save();
+        assert_eq!(att.slot(slot).state, descriptor::slot_state::FREE);
+        drop(leases);
+        assert_eq!(a.free_chunks(), 4);
+        // Keeping survives close: remove the name by hand.
+        a.close();
+        drop(att);
+        let _ = std::fs::remove_file(std::path::Path::new(shm::SHM_MOUNT).join(&name));
     }
 }
