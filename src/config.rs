@@ -157,10 +157,13 @@ impl EngineConfig {
     /// (`shmckpt.keep-<hash of the canonical root>.r<rank>`, owner-only) and stays in
     /// `/dev/shm` when the engine closes or its process dies, holding the last committed
     /// step's bytes. A later engine of the same root and rank with this option attaches to
-    /// it at open (same owner only), checks it (a committed step, equal to the disk's
-    /// latest, every tensor's CRC-32C against the manifest) while copying it into its own
-    /// new arena (the image is adopted: recorded as that arena's kept image, so it survives
-    /// a second crash before any save), and closes the previous segment, freeing its memory.
+    /// it at open (same owner only) and adopts its image: with the same staging settings
+    /// (chunk size, capacity, `max_inflight_saves`) it takes the segment over as its own
+    /// arena, image in place (no copy, no second arena); otherwise it copies the image into
+    /// a new arena and frees the previous segment. Either way it checks the image (a
+    /// committed step, equal to the disk's latest, every tensor's CRC-32C against the
+    /// manifest) and records it as the arena's kept image, so it survives a second crash
+    /// before any save.
     /// `load`, `load_into` and `load_into_device` then serve that step from the engine's own
     /// arena (not checked again: it is this process's memory from then on; device loads
     /// copy from it directly, it being registered with CUDA), as long as it is the disk's
@@ -168,8 +171,9 @@ impl EngineConfig {
     /// ignored then (the name must be stable).
     ///
     /// Memory cost: the arena (`staging_capacity`) stays in `/dev/shm` after the process
-    /// exits, until `shmckpt shm rm` or the next engine replaces it; during a new engine's
-    /// open both arenas exist (the previous one is freed before `open` returns). Disk reads
+    /// exits, until `shmckpt shm rm` or the next engine takes it over or replaces it; when
+    /// the settings differ, both arenas exist during the new engine's open (the previous
+    /// one is freed before `open` returns). Disk reads
     /// of `load_into` and `load_into_device` go through private buffers, so that they never
     /// overwrite the kept image. A save gives the kept image up when it starts; a crash
     /// during a save leaves nothing to restore from memory (the disk still has the last

@@ -1,13 +1,16 @@
 //! Flash restore: at open, take over the arena a previous engine of the same root and rank
-//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), adopt its committed image into
-//! this engine's own arena (copied and checked against the manifest once, then recorded as
-//! that arena's kept image), and serve loads of that step from there.
+//! kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`), adopt its committed image
+//! (checked against the manifest once, then recorded as the arena's kept image), and serve
+//! loads of that step from there.
 //!
-//! The previous arena is read only through [`AttachedArena`] (no link followed, owner uid
-//! checked, never mapped: `pread` and checked parsing), so nothing in it is trusted. Its
-//! name is unlinked at once (the open descriptor keeps its memory) so that this engine can
-//! create its own arena under the same stable name; the descriptor is closed (the memory
-//! freed) once the image is adopted or refused.
+//! The previous arena is first read only through [`AttachedArena`] (no link followed,
+//! owner uid checked, not mapped: `pread` and checked parsing), so nothing in it is trusted
+//! before the checks. When its layout is this engine's, [`take_over`] maps it as this
+//! engine's arena (same inode, whole and allocated, descriptor initialised anew) and checks
+//! the image in place; otherwise its name is unlinked (the open descriptor keeps its
+//! memory), this engine creates its own arena under the same stable name, and [`adopt`]
+//! copies the image into it; the old descriptor is closed (the memory freed) once the image
+//! is adopted or refused.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -57,7 +60,8 @@ pub(crate) struct Taken {
     pub image: Option<KeptImage>,
     /// Why there is none (logged already).
     pub reason: Option<String>,
-    /// Whether the stable name is free for this engine's arena.
+    /// Whether the stable name is free for this engine's arena (with an image: once the
+    /// image is taken over under it, or gives it up with [`KeptImage::release_name`]).
     pub name_free: bool,
 }
 
@@ -125,28 +129,41 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
             )),
         }
     });
-    // The name goes now (the open descriptor keeps the memory of the image).
-    let name_free = match att.unlink() {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::warn!(arena = %name, error = %e, "could not remove the kept arena");
-            false
-        }
-    };
     match (image, reason) {
         (Some(slot), None) => {
+            // The name stays: the engine takes the segment over under it, or frees it
+            // (`KeptImage::release_name`) to copy the image into a new arena.
             tracing::info!(arena = %name, step = slot.step, "kept arena attached for flash restore");
             Taken {
                 image: Some(KeptImage { att, slot }),
                 reason: None,
-                name_free,
+                name_free: true,
             }
         }
         (_, reason) => {
             let why = reason.unwrap_or_default();
             tracing::warn!("{why}");
-            none(why, name_free)
+            none(why, unlink_kept(&att))
         }
+    }
+}
+
+/// Remove a kept arena's name (the open descriptor keeps its memory while needed).
+fn unlink_kept(att: &AttachedArena) -> bool {
+    match att.unlink() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(arena = %att.name(), error = %e, "could not remove the kept arena");
+            false
+        }
+    }
+}
+
+impl KeptImage {
+    /// Free the kept arena's name for a new arena (the image stays readable through the
+    /// open descriptor until it is dropped). False when it could not be removed.
+    pub(crate) fn release_name(&self) -> bool {
+        unlink_kept(&self.att)
     }
 }
 
@@ -226,19 +243,8 @@ fn copy_threads(jobs: usize) -> usize {
         .min(jobs.max(1))
 }
 
-/// Adopt `image` into `arena` (this engine's new, kept arena): check it against the disk's
-/// latest committed step under `root` and this rank's manifest entry, copy every chunk of
-/// its file into leases of `arena` on several threads, verify every tensor's CRC-32C, and
-/// record it in `arena`'s descriptor as the kept image. `image` is dropped on return (its
-/// segment, unlinked already, is freed now). The error is why it could not be adopted (the
-/// leases taken are back in the pool then).
-pub(crate) fn adopt(
-    image: KeptImage,
-    arena: &Arc<Arena>,
-    root: &Path,
-    rank: u32,
-) -> std::result::Result<Adopted, String> {
-    let v = &image.slot;
+/// The disk's latest committed step must be the image's: this rank's manifest entry of it.
+fn latest_entry(v: &SlotView, root: &Path, rank: u32) -> std::result::Result<FileEntry, String> {
     let step = v.step;
     let latest = crate::manifest::list_committed(root)
         .map_err(|e| format!("cannot list the committed steps: {e}"))?
@@ -251,49 +257,39 @@ pub(crate) fn adopt(
     };
     let (_, entry) = crate::restore::rank_file(&info.dir, rank)
         .map_err(|e| format!("the manifest of step {step} cannot be read: {e}"))?;
-    let cs = image.att.header().geometry.chunk_size;
-    check_slot(v, cs, &entry)?;
-    if cs != arena.chunk_size() {
-        return Err(format!(
-            "the kept image has chunks of {cs} bytes, this engine's arena of {}",
-            arena.chunk_size()
-        ));
-    }
-    let n = v.chunks.len();
-    if (arena.chunk_count() as usize) < n {
-        return Err(format!(
-            "the new arena is smaller than the kept image ({} chunks, the image needs {n})",
-            arena.chunk_count()
-        ));
-    }
-    let mut leases = Vec::with_capacity(n);
-    for _ in 0..n {
-        match arena.try_acquire() {
-            Some(l) => leases.push(l),
-            None => return Err("the new arena is smaller than the kept image".into()),
-        }
-    }
-    let tensors = &entry.tensors;
-    // One job per file chunk: read the old chunk into the lease, checksum its tensor pieces.
-    let threads = copy_threads(n);
+    Ok(entry)
+}
+
+/// Puts file chunk `k` of a kept image into a buffer (or leaves it: already there).
+type FillChunk<'a> = dyn Fn(usize, &mut [u8]) -> std::result::Result<(), String> + Sync + 'a;
+
+/// On several threads, `fill` file chunk `k` of the image into `leases[k]` (the bytes of
+/// the file, `cs` per chunk) and checksum its tensor pieces; then check every tensor's
+/// CRC-32C against `tensors`. The error says which tensor or chunk failed.
+fn fill_and_verify(
+    leases: &mut [ChunkLease],
+    v: &SlotView,
+    cs: u64,
+    tensors: &[crate::manifest::TensorEntry],
+    fill: &FillChunk<'_>,
+) -> std::result::Result<(), String> {
+    let threads = copy_threads(leases.len());
     let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
-    for (k, (lease, &(_, old))) in leases.iter_mut().zip(&v.chunks).enumerate() {
-        lanes[k % threads].push((k, old, lease));
+    for (k, lease) in leases.iter_mut().enumerate() {
+        lanes[k % threads].push((k, lease));
     }
     let (file_len, data_start) = (v.file_len, v.data_start);
-    let att = &image.att;
     let results: Vec<std::result::Result<Vec<ChunkCrcs>, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = lanes
             .into_iter()
             .map(|lane| {
                 scope.spawn(move || {
                     let mut out = Vec::with_capacity(lane.len());
-                    for (k, old, lease) in lane {
+                    for (k, lease) in lane {
                         let fs = k as u64 * cs;
                         let fe = (fs + cs).min(file_len);
                         let buf = &mut lease.as_mut_slice()[..(fe - fs) as usize];
-                        att.read_chunk(old, 0, buf)
-                            .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))?;
+                        fill(k, buf)?;
                         let s = fs.max(data_start);
                         let crcs = if s < fe {
                             crc_pieces(tensors, s - data_start, &buf[(s - fs) as usize..])
@@ -310,7 +306,7 @@ pub(crate) fn adopt(
             .into_iter()
             .map(|h| {
                 h.join()
-                    .unwrap_or_else(|_| Err("a copy thread panicked".into()))
+                    .unwrap_or_else(|_| Err("a checksum thread panicked".into()))
             })
             .collect()
     });
@@ -335,30 +331,157 @@ pub(crate) fn adopt(
             ));
         }
     }
+    Ok(())
+}
+
+/// Record the verified image (file chunk `k` in `leases[k]`) in `arena`'s descriptor as its
+/// kept image.
+fn record(
+    arena: &Arc<Arena>,
+    leases: Vec<ChunkLease>,
+    v: &SlotView,
+    cs: u64,
+    entry: FileEntry,
+    how: &'static str,
+) -> std::result::Result<Adopted, String> {
     let rec = SaveRecord {
-        step,
-        file_len,
-        data_start,
-        n_file_chunks: n as u64,
+        step: v.step,
+        file_len: v.file_len,
+        data_start: v.data_start,
+        n_file_chunks: leases.len() as u64,
         partial_dir: &v.partial_dir,
         file_name: &v.file_name,
     };
     if arena.adopt_kept(&rec, &leases).is_none() {
-        return Err("the new arena cannot record the kept image".into());
+        return Err("the arena cannot record the kept image".into());
     }
     tracing::info!(
-        step,
-        chunks = n,
-        "kept image adopted into the new arena (flash restore)"
+        step = v.step,
+        chunks = leases.len(),
+        how,
+        "kept image adopted (flash restore)"
     );
     Ok(Adopted {
         leases,
-        step,
-        file_len,
-        data_start,
+        step: v.step,
+        file_len: v.file_len,
+        data_start: v.data_start,
         chunk_size: cs,
         entry,
     })
+}
+
+/// Adopt `image` into `arena` (this engine's new, kept arena) by copying: check it against
+/// the disk's latest committed step under `root` and this rank's manifest entry, copy
+/// every chunk of its file into leases of `arena` on several threads, verify every
+/// tensor's CRC-32C, and record it in `arena`'s descriptor as the kept image. `image` is
+/// dropped on return (its segment, unlinked already, is freed now). The error is why it
+/// could not be adopted (the leases taken are back in the pool then). Used when the kept
+/// arena cannot be taken over ([`take_over`]).
+pub(crate) fn adopt(
+    image: KeptImage,
+    arena: &Arc<Arena>,
+    root: &Path,
+    rank: u32,
+) -> std::result::Result<Adopted, String> {
+    let v = &image.slot;
+    let entry = latest_entry(v, root, rank)?;
+    let cs = image.att.header().geometry.chunk_size;
+    check_slot(v, cs, &entry)?;
+    if cs != arena.chunk_size() {
+        return Err(format!(
+            "the kept image has chunks of {cs} bytes, this engine's arena of {}",
+            arena.chunk_size()
+        ));
+    }
+    let n = v.chunks.len();
+    if (arena.chunk_count() as usize) < n {
+        return Err(format!(
+            "the new arena is smaller than the kept image ({} chunks, the image needs {n})",
+            arena.chunk_count()
+        ));
+    }
+    let mut leases = Vec::with_capacity(n);
+    for _ in 0..n {
+        match arena.try_acquire() {
+            Some(l) => leases.push(l),
+            None => return Err("the new arena is smaller than the kept image".into()),
+        }
+    }
+    let att = &image.att;
+    let chunks = &v.chunks;
+    fill_and_verify(&mut leases, v, cs, &entry.tensors, &|k, buf| {
+        att.read_chunk(chunks[k].1, 0, buf)
+            .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))
+    })?;
+    record(arena, leases, v, cs, entry, "copied")
+}
+
+/// Take the kept arena itself over as this engine's arena (`spec`, named as it is), when
+/// its layout is the one `spec` asks for: no new segment, no copy, no second arena's worth
+/// of `/dev/shm`. The segment is opened for writing only after the read-only checks of
+/// [`take_kept`], and must be the same file; it must be a whole, allocated segment of
+/// exactly the layout's size (never a `SIGBUS`). Its descriptor is initialised anew; then
+/// the image's chunks are taken out of the pool and every tensor's CRC-32C checked there
+/// against the disk's latest manifest, as [`adopt`] does after its copy.
+///
+/// Returns the arena and whether the image was adopted (the error: why not; the arena is
+/// then an empty arena like a new one). [`NotTaken`] gives the image back, untouched, with
+/// why the arena could not be taken over.
+pub(crate) fn take_over(
+    image: KeptImage,
+    spec: &crate::staging::ArenaSpec,
+    root: &Path,
+    rank: u32,
+) -> std::result::Result<TakenOver, Box<NotTaken>> {
+    let not = |image, why: String| Box::new(NotTaken { image, why });
+    let Some(name) = spec.name.as_deref() else {
+        return Err(not(image, "this engine's arena has no name".into()));
+    };
+    let file = match crate::staging::shm::open_existing(name, true, false) {
+        Ok((f, _, _)) => f,
+        Err(e) => return Err(not(image, format!("cannot open it for writing: {e}"))),
+    };
+    if !image.att.is_same_file(&file) {
+        return Err(not(
+            image,
+            "the segment was replaced while it was checked".into(),
+        ));
+    }
+    let arena = match Arena::take_over(spec, image.att.header().geometry, file) {
+        Ok(a) => a,
+        Err(e) => return Err(not(image, e.to_string())),
+    };
+    arena.enable_keep();
+    let v = &image.slot;
+    let adopted = (|| {
+        let entry = latest_entry(v, root, rank)?;
+        let cs = arena.chunk_size();
+        check_slot(v, cs, &entry)?;
+        let mut leases = Vec::with_capacity(v.chunks.len());
+        for &(_, index) in &v.chunks {
+            leases.push(arena.take_chunk(index).ok_or_else(|| {
+                format!("the kept image names arena chunk {index}, which the arena does not have")
+            })?);
+        }
+        fill_and_verify(&mut leases, v, cs, &entry.tensors, &|_, _| Ok(()))?;
+        record(&arena, leases, v, cs, entry, "taken over in place")
+    })();
+    Ok(TakenOver { arena, adopted })
+}
+
+/// A kept arena taken over by [`take_over`].
+pub(crate) struct TakenOver {
+    /// This engine's arena now.
+    pub arena: Arc<Arena>,
+    /// Its image, adopted, or why not.
+    pub adopted: std::result::Result<Adopted, String>,
+}
+
+/// Why [`take_over`] could not, with the image given back.
+pub(crate) struct NotTaken {
+    pub image: KeptImage,
+    pub why: String,
 }
 
 impl Adopted {

@@ -197,7 +197,7 @@ impl Engine {
             cfg.shm_name.clone().unwrap_or_else(private_name)
         };
         let t = Instant::now();
-        let spec = ArenaSpec {
+        let mut spec = ArenaSpec {
             name: Some(name),
             capacity: cfg.staging_capacity,
             chunk_size: cfg.chunk_size,
@@ -206,7 +206,40 @@ impl Engine {
             world_size: cfg.world_size,
             root: root_abs.clone(),
         };
-        let arena = match Arena::create(&spec) {
+        // A kept arena of this engine's layout becomes this engine's arena, image in place;
+        // otherwise its image is copied into a new arena below.
+        let mut adopted = None;
+        let mut taken_over = None;
+        if let Some(image) = kept_image.take() {
+            match flash::take_over(image, &spec, &root_abs, cfg.rank) {
+                Ok(t) => {
+                    taken_over = Some(t.arena);
+                    match t.adopted {
+                        Ok(a) => adopted = Some(a),
+                        Err(why) => {
+                            tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
+                            kept_note = Some(why);
+                        }
+                    }
+                }
+                Err(not) => {
+                    let flash::NotTaken { image, why } = *not;
+                    tracing::info!(reason = %why, "the kept arena is not taken over: its image is copied into a new arena");
+                    if image.release_name() {
+                        kept_image = Some(image);
+                    } else {
+                        keep = false;
+                        spec.name = Some(private_name());
+                        kept_note = Some("the kept arena's name could not be freed".into());
+                    }
+                }
+            }
+        }
+        let arena = match taken_over {
+            Some(a) => Ok(a),
+            None => Arena::create(&spec),
+        };
+        let arena = match arena {
             Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
                 // Room for both the previous image and the new arena is missing: the new
                 // arena comes first.
@@ -223,9 +256,8 @@ impl Engine {
             arena.enable_keep();
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
-        // Adopt the kept image into the new arena (checked once here; the previous segment
-        // is freed when `image` drops, at the end of this block).
-        let mut adopted = None;
+        // Adopt the kept image into the new arena by copying (checked once here; the
+        // previous segment is freed when `image` drops, at the end of this block).
         if let Some(image) = kept_image {
             let r = if keep {
                 flash::adopt(image, &arena, &root_abs, cfg.rank)

@@ -138,6 +138,15 @@ impl AttachedArena {
         })
     }
 
+    /// Whether `other` is an open descriptor of this same segment (device and inode).
+    pub(crate) fn is_same_file(&self, other: &File) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (self.file.metadata(), other.metadata()) {
+            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+            _ => false,
+        }
+    }
+
     fn path(&self) -> PathBuf {
         PathBuf::from(SHM_MOUNT).join(&self.name)
     }

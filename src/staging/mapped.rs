@@ -49,6 +49,43 @@ impl Mapped {
         Ok(Mapped { seg, geo })
     }
 
+    /// Take over `seg`, a kept arena of this user whose geometry is `geo` (checked by the
+    /// caller against its descriptor and size): its descriptor is zeroed and initialised
+    /// anew for this engine; the data region, which holds the kept image, is left as it
+    /// is.
+    pub fn take_over(
+        seg: Segment,
+        geo: Geometry,
+        rank: u32,
+        world_size: u32,
+        root: &[u8],
+    ) -> Result<Mapped> {
+        if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
+            return Err(Error::Config(format!(
+                "segment of {} bytes does not fit geometry {:?}",
+                seg.mapped_len(),
+                geo
+            )));
+        }
+        // SAFETY: `data_offset <= total_len <= mapped_len` (checked above, and by
+        // `Geometry`), the mapping is writable and stays alive for this call.
+        unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, geo.data_offset as usize) };
+        // SAFETY: as in `init`, the header region now zero-filled. The segment's previous
+        // owner is gone: every engine using a kept arena's name holds the root and rank
+        // lock, which the caller holds; `shmckpt shm list` only reads it with `pread`.
+        let _ = unsafe {
+            Descriptor::init(
+                seg.as_ptr(),
+                geo,
+                std::process::id(),
+                rank,
+                world_size,
+                root,
+            )
+        };
+        Ok(Mapped { seg, geo })
+    }
+
     /// The segment.
     pub fn segment(&self) -> &Segment {
         &self.seg

@@ -72,6 +72,12 @@ pub fn created_here(name: &str) -> bool {
         .contains(name)
 }
 
+/// The root as recorded in an arena's descriptor.
+fn root_bytes(spec: &ArenaSpec) -> &[u8] {
+    use std::os::unix::ffi::OsStrExt;
+    spec.root.as_os_str().as_bytes()
+}
+
 /// Shape of an arena to create.
 #[derive(Debug, Clone)]
 pub struct ArenaSpec {
@@ -113,6 +119,40 @@ pub struct Arena {
 impl Arena {
     /// Create, size, pre-fault and describe a new arena.
     pub fn create(spec: &ArenaSpec) -> Result<Arc<Arena>> {
+        let geo = Arena::geometry(spec)?;
+        let len = geo.total_len as usize;
+        let seg = match &spec.name {
+            Some(n) => Segment::create(n, len)?,
+            None => Segment::anonymous(len)?,
+        };
+        let map = Mapped::init(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
+        Ok(Arena::from_mapped(map, geo, spec))
+    }
+
+    /// Take over the kept arena `file` (opened read-write, this user's, named
+    /// `spec.name`) as this engine's arena, when its geometry `kept` is exactly the one
+    /// `spec` asks for (so its data region, which holds the kept image, stays where it is):
+    /// no new segment, no copy. Its descriptor is initialised anew; the chunks keep their
+    /// bytes. Fails (the file dropped, the segment untouched) when the geometry differs or
+    /// the segment is not a whole, allocated arena of that size.
+    pub fn take_over(spec: &ArenaSpec, kept: Geometry, file: std::fs::File) -> Result<Arc<Arena>> {
+        let geo = Arena::geometry(spec)?;
+        if geo != kept {
+            return Err(Error::Config(format!(
+                "the kept arena's layout {kept:?} is not this engine's {geo:?}"
+            )));
+        }
+        let name = spec
+            .name
+            .as_deref()
+            .ok_or_else(|| Error::Config("only a named arena can be taken over".into()))?;
+        let seg = Segment::map_existing(name, file, geo.total_len as usize)?;
+        let map = Mapped::take_over(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
+        Ok(Arena::from_mapped(map, geo, spec))
+    }
+
+    /// The layout `spec` asks for, checked.
+    fn geometry(spec: &ArenaSpec) -> Result<Geometry> {
         if spec.chunk_size == 0 || !spec.chunk_size.is_multiple_of(descriptor::PAGE as u64) {
             return Err(Error::Config(format!(
                 "chunk size {} is not a positive multiple of 4096",
@@ -125,8 +165,7 @@ impl Arena {
                 "{n_chunks} chunks exceed the arena's limit; use larger chunks"
             )));
         }
-        use std::os::unix::ffi::OsStrExt;
-        let root = spec.root.as_os_str().as_bytes();
+        let root = root_bytes(spec);
         if root.len() > layout::MAX_ROOT_LEN {
             return Err(Error::RootTooLong {
                 path: spec.root.clone(),
@@ -141,7 +180,7 @@ impl Arena {
                 layout::MAX_SLOTS
             )));
         }
-        let geo = Geometry::new(
+        Geometry::new(
             n_chunks,
             spec.chunk_size,
             spec.slots.max(1),
@@ -152,20 +191,18 @@ impl Arena {
                 "staging capacity of {n_chunks} chunks of {} bytes exceeds the address space",
                 spec.chunk_size
             ))
-        })?;
-        let len = geo.total_len as usize;
-        let seg = match &spec.name {
-            Some(n) => Segment::create(n, len)?,
-            None => Segment::anonymous(len)?,
-        };
-        let map = Mapped::init(seg, geo, spec.rank, spec.world_size, root)?;
+        })
+    }
+
+    fn from_mapped(map: Mapped, geo: Geometry, spec: &ArenaSpec) -> Arc<Arena> {
         if let Some(n) = &spec.name {
             OPEN_HERE
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(n.clone());
         }
-        Ok(Arc::new(Arena {
+        let n_chunks = geo.n_chunks;
+        Arc::new(Arena {
             map,
             geo,
             free: Mutex::new((0..n_chunks as u32).rev().collect()),
@@ -176,7 +213,17 @@ impl Arena {
             waited_ns: AtomicU64::new(0),
             unlinked: std::sync::atomic::AtomicBool::new(false),
             keep: Mutex::new(Keep::default()),
-        }))
+        })
+    }
+
+    /// Take chunk `index` out of the pool, if it is free (flash restore: the chunks of a
+    /// kept image in an arena taken over).
+    pub fn take_chunk(self: &Arc<Self>, index: u32) -> Option<ChunkLease> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let at = free.iter().position(|&i| i == index)?;
+        free.remove(at);
+        drop(free);
+        Some(self.lease(index))
     }
 
     /// Bytes per chunk.

@@ -87,6 +87,44 @@ impl Segment {
         })
     }
 
+    /// Map the existing segment `name` (opened read-write as `file`, a regular file of this
+    /// user, checked by the caller) to take it over as an arena: only when it is exactly
+    /// `len` bytes and every page is allocated (no hole that a full tmpfs could leave
+    /// unbacked), then pre-faulted like a new one.
+    pub fn map_existing(name: &str, file: std::fs::File, len: usize) -> Result<Segment> {
+        let fd: OwnedFd = file.into();
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "fstat",
+            source: e.into(),
+        })?;
+        let size = u64::try_from(st.st_size).unwrap_or(0);
+        let allocated = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+        if size != len as u64 || allocated < size {
+            return Err(Error::Shm {
+                name: name.to_owned(),
+                op: "take over",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{size} bytes, {allocated} allocated: not a whole arena of {len} bytes"
+                    ),
+                ),
+            });
+        }
+        let ptr = map(&fd, len, true).map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "mmap",
+            source: e,
+        })?;
+        Ok(Segment {
+            ptr,
+            len,
+            name: Some(name.to_owned()),
+            _fd: Some(fd),
+        })
+    }
+
     /// A private anonymous mapping of `len` bytes, pre-faulted; used where no other process
     /// needs the bytes (standalone `verify`).
     pub fn anonymous(len: usize) -> Result<Segment> {
@@ -153,8 +191,9 @@ fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<NonNull<u8>> {
         flags |= MapFlags::POPULATE;
     }
     // SAFETY: mapping a file descriptor we own with a null hint creates new memory that
-    // aliases no Rust object; the segment's size was fixed (fallocate/fstat) before mapping,
-    // so every page of `len` is backed.
+    // aliases no Rust object; the segment's size was fixed before mapping (`fallocate` of a
+    // new segment, or `fstat` size and allocated blocks of one taken over), so every page
+    // of `len` is backed.
     let raw = unsafe {
         rustix::mm::mmap(
             std::ptr::null_mut(),

@@ -502,3 +502,102 @@ fn load_into_host_buffers_is_served_from_the_adopted_image() {
     let mut dest: Vec<(&str, &mut [u8])> = vec![(state.layout[0].name.as_str(), &mut short)];
     assert!(engine.load_into(2, &mut dest).is_err());
 }
+
+/// (device, inode) of a segment in `/dev/shm`.
+fn shm_inode(name: &str) -> (u64, u64) {
+    let m = std::fs::symlink_metadata(Path::new("/dev/shm").join(name)).unwrap();
+    (m.dev(), m.ino())
+}
+
+#[test]
+fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
+    let dir = real_dir("flash-inplace");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    let before = shm_inode(&guard.0);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    // The very same segment is this engine's arena now: no second segment, no copy.
+    assert_eq!(engine.shm_name(), guard.0);
+    assert_eq!(shm_inode(&guard.0), before);
+    assert_eq!(deleted_segments_open(&guard.0), 0);
+    assert_eq!(kept_owner(&guard.0), std::process::id());
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
+    assert_loaded_equal(&ck, &step_state(2));
+    // It works as a staging arena: a save gives the image up, commits, and is kept.
+    let s3 = step_state(3);
+    engine
+        .save(3, &s3.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(engine);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    assert_eq!(shm_inode(&guard.0), before);
+    let (ck, report) = engine.load_with_report(3).unwrap();
+    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
+    assert_loaded_equal(&ck, &s3);
+}
+
+#[test]
+fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
+    let dir = real_dir("flash-layout");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    let before = shm_inode(&guard.0);
+    // Twice the staging: another layout, so the image is copied into a new segment of
+    // the same name and the old one is freed.
+    let engine = Engine::open(keep_config(root).with_staging_capacity(2 * (4 << 20))).unwrap();
+    assert_eq!(engine.shm_name(), guard.0);
+    assert_ne!(shm_inode(&guard.0), before);
+    assert_eq!(deleted_segments_open(&guard.0), 0);
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
+    assert_loaded_equal(&ck, &step_state(2));
+}
+
+#[test]
+fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
+    let dir = real_dir("flash-hole");
+    let root = dir.path();
+    let guard = killed_keeper(root);
+    // Punch a hole into a data chunk of the kept image: a segment that is not wholly
+    // allocated could leave mapped pages unbacked (SIGBUS on a full tmpfs).
+    let att = shmckpt::testing::staging::AttachedArena::open(&guard.0).unwrap();
+    let slot = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .find(|v| v.state == shmckpt::testing::staging::descriptor::slot_state::KEPT)
+        .expect("a kept slot");
+    let geo = att.header().geometry;
+    let (_, index) = slot.chunks[1];
+    let at = geo.data_offset + u64::from(index) * geo.chunk_size;
+    drop(att);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(Path::new("/dev/shm").join(&guard.0))
+        .unwrap();
+    // SAFETY: `fallocate` on an open descriptor of our own file, with plain integers; no
+    // memory is passed.
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            at as libc::off_t,
+            4096,
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    assert!(f.metadata().unwrap().blocks() * 512 < f.metadata().unwrap().len());
+    drop(f);
+    let before = shm_inode(&guard.0);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    // Not taken over (a new segment); the copy read the hole as zeros, which the checksums
+    // caught: the load comes from the disk, saying why.
+    assert_ne!(shm_inode(&guard.0), before);
+    let (ck, report) = engine.load_with_report(2).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    let why = report.fallback_reason.unwrap();
+    assert!(why.contains("CRC-32C"), "{why}");
+    assert_loaded_equal(&ck, &step_state(2));
+}
