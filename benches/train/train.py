@@ -622,6 +622,15 @@ class SysDCP(System):
         from torch.distributed.checkpoint.staging import DefaultStager
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        def call(d):
+            writer = dcp.FileSystemWriter(d, thread_count=self.ctx.threads, sync_files=True, overwrite=True)
+            return dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=DefaultStager(self.opts))
+
+        self._save_with(step, rec, call)
+
+    def _save_with(self, step, rec, call):
+        """Wait for the previous upload (backpressure), then `call(dir)` (an async_save)
+        and track its staging and upload futures."""
         t = now()
         if self.last_upload is not None and not self.last_upload.done():
             self.last_upload.result(timeout=self.ctx.timeout)
@@ -629,8 +638,7 @@ class SysDCP(System):
         self._poll_uploads()
         d = self.path_for(step)
         rec["dir"] = d
-        writer = dcp.FileSystemWriter(d, thread_count=self.ctx.threads, sync_files=True, overwrite=True)
-        resp = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=DefaultStager(self.opts))
+        resp = call(d)
         rec["return_s"] = now() - rec["t0"]
         if hasattr(resp, "staging_completion"):
             self.staging = (rec, resp.staging_completion)
@@ -716,23 +724,7 @@ class SysDCPShm(SysDCP):
         import torch.distributed.checkpoint as dcp
         from shmckpt.dcp import ShmckptWriter
 
-        t = now()
-        if self.last_upload is not None and not self.last_upload.done():
-            self.last_upload.result(timeout=self.ctx.timeout)
-        rec["waited_previous_s"] = now() - t
-        self._poll_uploads()
-        d = self.path_for(step)
-        rec["dir"] = d
-        resp = dcp.async_save(state, storage_writer=ShmckptWriter(d, staging_capacity=self.capacity))
-        rec["return_s"] = now() - rec["t0"]
-        if hasattr(resp, "staging_completion"):
-            self.staging = (rec, resp.staging_completion)
-            up = resp.upload_completion
-        else:
-            rec["staged_s"] = rec["return_s"]
-            up = resp
-        self.last_upload = up
-        self.pending.append((rec, up))
+        self._save_with(step, rec, lambda d: dcp.async_save(state, storage_writer=ShmckptWriter(d, staging_capacity=self.capacity)))
 
     def close(self):
         from shmckpt.dcp import release

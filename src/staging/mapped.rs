@@ -25,40 +25,34 @@ impl Mapped {
         world_size: u32,
         root: &[u8],
     ) -> Result<Mapped> {
-        if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
-            return Err(Error::Config(format!(
-                "segment of {} bytes does not fit geometry {:?}",
-                seg.mapped_len(),
-                geo
-            )));
-        }
-        // SAFETY: the segment is page aligned, writable, zero-filled and at least
-        // `geo.total_len` bytes long (checked above), `geo` was made for this root (checked
-        // above), nobody else maps it yet (the caller's fresh segment), and it stays mapped
-        // for as long as the returned descriptor (dropped at once) is used.
-        let _ = unsafe {
-            Descriptor::init(
-                seg.as_ptr(),
-                geo,
-                std::process::id(),
-                rank,
-                world_size,
-                root,
-            )
-        };
-        Ok(Mapped { seg, geo })
+        Mapped::describe(seg, geo, rank, world_size, root, false)
     }
 
     /// Take over `seg`, a kept arena of this user whose geometry is `geo` (checked by the
     /// caller against its descriptor and size): its descriptor is zeroed and initialised
     /// anew for this engine; the data region, which holds the kept image, is left as it
-    /// is.
+    /// is. The segment's previous owner is gone: every engine using a kept arena's name
+    /// holds the root and rank lock, which the caller holds; `shmckpt shm list` only reads
+    /// it with `pread`.
     pub fn take_over(
         seg: Segment,
         geo: Geometry,
         rank: u32,
         world_size: u32,
         root: &[u8],
+    ) -> Result<Mapped> {
+        Mapped::describe(seg, geo, rank, world_size, root, true)
+    }
+
+    /// Check that `seg` fits `geo` and `root`, zero its descriptor region when `zero` (a
+    /// segment taken over; a new one is zero-filled already), and initialise it.
+    fn describe(
+        seg: Segment,
+        geo: Geometry,
+        rank: u32,
+        world_size: u32,
+        root: &[u8],
+        zero: bool,
     ) -> Result<Mapped> {
         if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
             return Err(Error::Config(format!(
@@ -67,12 +61,17 @@ impl Mapped {
                 geo
             )));
         }
-        // SAFETY: `data_offset <= total_len <= mapped_len` (checked above, and by
-        // `Geometry`), the mapping is writable and stays alive for this call.
-        unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, geo.data_offset as usize) };
-        // SAFETY: as in `init`, the header region now zero-filled. The segment's previous
-        // owner is gone: every engine using a kept arena's name holds the root and rank
-        // lock, which the caller holds; `shmckpt shm list` only reads it with `pread`.
+        if zero {
+            // SAFETY: `data_offset <= total_len <= mapped_len` (checked above, and by
+            // `Geometry`); the mapping is writable and stays alive for this call.
+            unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, geo.data_offset as usize) };
+        }
+        // SAFETY: the segment is page aligned, writable and at least `geo.total_len` bytes
+        // long (checked above); its descriptor region is zero-filled (a new segment, or
+        // zeroed just above); `geo` was made for this root (checked above); nobody else
+        // uses the descriptor during this call (a fresh segment, or one whose previous
+        // owner is gone: `take_over`); and it stays mapped for as long as the returned
+        // descriptor (dropped at once) is used.
         let _ = unsafe {
             Descriptor::init(
                 seg.as_ptr(),

@@ -44,6 +44,19 @@ fn child_keeper() {
     sigkill_self();
 }
 
+/// Offset in the kept arena `name` of byte `at` of file chunk `k` of its kept image.
+fn kept_chunk_offset(name: &str, k: usize, at: u64) -> u64 {
+    let att = shmckpt::testing::staging::AttachedArena::open(name).unwrap();
+    let slot = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .find(|v| v.state == shmckpt::testing::staging::descriptor::slot_state::KEPT)
+        .expect("a kept slot");
+    assert_eq!(slot.step, 2);
+    let geo = att.header().geometry;
+    let (_, index) = slot.chunks[k];
+    geo.data_offset + u64::from(index) * geo.chunk_size + at
+}
+
 /// Run [`child_keeper`] on `root` and check it died by SIGKILL leaving its arena.
 fn killed_keeper(root: &Path) -> ShmGuard {
     let out = child_command("child_keeper")
@@ -138,16 +151,7 @@ fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
     let root = dir.path();
     let guard = killed_keeper(root);
     // Flip one byte of the first data chunk of the kept image.
-    let att = shmckpt::testing::staging::AttachedArena::open(&guard.0).unwrap();
-    let slot = (0..att.slot_count())
-        .map(|s| att.slot(s))
-        .find(|v| v.state == shmckpt::testing::staging::descriptor::slot_state::KEPT)
-        .expect("a kept slot");
-    assert_eq!(slot.step, 2);
-    let geo = att.header().geometry;
-    let (_, index) = slot.chunks[1];
-    let at = geo.data_offset + u64::from(index) * geo.chunk_size + 100;
-    drop(att);
+    let at = kept_chunk_offset(&guard.0, 1, 100);
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -563,15 +567,7 @@ fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
     let guard = killed_keeper(root);
     // Punch a hole into a data chunk of the kept image: a segment that is not wholly
     // allocated could leave mapped pages unbacked (SIGBUS on a full tmpfs).
-    let att = shmckpt::testing::staging::AttachedArena::open(&guard.0).unwrap();
-    let slot = (0..att.slot_count())
-        .map(|s| att.slot(s))
-        .find(|v| v.state == shmckpt::testing::staging::descriptor::slot_state::KEPT)
-        .expect("a kept slot");
-    let geo = att.header().geometry;
-    let (_, index) = slot.chunks[1];
-    let at = geo.data_offset + u64::from(index) * geo.chunk_size;
-    drop(att);
+    let at = kept_chunk_offset(&guard.0, 1, 0);
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
