@@ -44,6 +44,15 @@ fn child_keeper() {
     sigkill_self();
 }
 
+/// The kept arena `name`, opened for reading and writing (to damage it).
+fn kept_file(name: &str) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(Path::new("/dev/shm").join(name))
+        .unwrap()
+}
+
 /// Offset in the kept arena `name` of byte `at` of file chunk `k` of its kept image.
 fn kept_chunk_offset(name: &str, k: usize, at: u64) -> u64 {
     let att = shmckpt::testing::staging::AttachedArena::open(name).unwrap();
@@ -152,11 +161,7 @@ fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
     let guard = killed_keeper(root);
     // Flip one byte of the first data chunk of the kept image.
     let at = kept_chunk_offset(&guard.0, 1, 100);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(Path::new("/dev/shm").join(&guard.0))
-        .unwrap();
+    let f = kept_file(&guard.0);
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[b[0] ^ 0xFF], at).unwrap();
@@ -568,11 +573,7 @@ fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
     // Punch a hole into a data chunk of the kept image: a segment that is not wholly
     // allocated could leave mapped pages unbacked (SIGBUS on a full tmpfs).
     let at = kept_chunk_offset(&guard.0, 1, 0);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(Path::new("/dev/shm").join(&guard.0))
-        .unwrap();
+    let f = kept_file(&guard.0);
     // SAFETY: `fallocate` on an open descriptor of our own file, with plain integers; no
     // memory is passed.
     let rc = unsafe {
