@@ -99,6 +99,12 @@ pub fn read_file(
     let mut next_process = 0u64;
     let mut handed: Vec<ChunkLease> = Vec::with_capacity(HAND_OFF);
     let mut error: Option<Error> = None;
+    // Where the time goes (logged at the end, `debug`): blocked waiting for reads,
+    // checksumming and handing pieces to the sink, and waiting for the sink (device copies).
+    let started = std::time::Instant::now();
+    let mut t_wait = std::time::Duration::ZERO;
+    let mut t_process = std::time::Duration::ZERO;
+    let mut t_release = std::time::Duration::ZERO;
     let issue = |q: &mut LeaseQueue<Pending>, lease: ChunkLease, p: Pending| {
         let offset = entry.data_start + p.chunk * cs + p.got as u64;
         // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
@@ -125,7 +131,10 @@ pub fn read_file(
                 Some(l) => l,
                 None => {
                     // Buffers handed to the sink come back once its copies finished.
-                    if let Err(e) = release(sink, &mut handed) {
+                    let t = std::time::Instant::now();
+                    let r = release(sink, &mut handed);
+                    t_release += t.elapsed();
+                    if let Err(e) = r {
                         error = Some(e);
                         break;
                     }
@@ -151,6 +160,7 @@ pub fn read_file(
         if q.in_flight() == 0 {
             break;
         }
+        let t = std::time::Instant::now();
         let done = match q.wait(1) {
             Ok(d) => d,
             Err(b) => {
@@ -158,6 +168,7 @@ pub fn read_file(
                 break;
             }
         };
+        t_wait += t.elapsed();
         for d in done {
             let mut p = d.tag;
             match read_completed(&mut p, d.result, path, entry, cs) {
@@ -180,6 +191,7 @@ pub fn read_file(
         while error.is_none()
             && let Some((lease, p)) = ready.remove(&next_process)
         {
+            let t = std::time::Instant::now();
             if let Err(e) = process_chunk(
                 entry,
                 cs,
@@ -190,21 +202,38 @@ pub fn read_file(
             ) {
                 error = Some(e);
             }
+            t_process += t.elapsed();
             next_process += 1;
             // The sink may still copy from this buffer (device copies run asynchronously):
             // keep it until `chunk_end`, called once for several chunks so that their
             // copies overlap each other and the reads.
             handed.push(lease);
-            if handed.len() >= HAND_OFF
-                && let Err(e) = release(sink, &mut handed)
-            {
-                error.get_or_insert(e);
+            if handed.len() >= HAND_OFF {
+                let t = std::time::Instant::now();
+                let r = release(sink, &mut handed);
+                t_release += t.elapsed();
+                if let Err(e) = r {
+                    error.get_or_insert(e);
+                }
             }
         }
     }
+    let t = std::time::Instant::now();
     if let Err(e) = release(sink, &mut handed) {
         error.get_or_insert(e);
     }
+    t_release += t.elapsed();
+    tracing::debug!(
+        file = %path.display(),
+        bytes = data_len,
+        chunk = cs,
+        depth = qd,
+        elapsed = ?started.elapsed(),
+        waiting_for_reads = ?t_wait,
+        checksums_and_sink = ?t_process,
+        waiting_for_sink = ?t_release,
+        "data section read"
+    );
     if let Some(e) = error {
         return Err(e);
     }
