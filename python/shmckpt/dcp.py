@@ -270,6 +270,9 @@ class _Save:
         self.world = 1
         #: The flattened tensors stage() was given (identity check in write_data).
         self.leaves: Dict[str, Any] = {}
+        #: With several ranks: which rank writes each planned item (see ``_assign_owners``);
+        #: this rank staged only its own. ``None``: every item of this rank was staged.
+        self.owners: Optional[Dict[Tuple[str, Any], int]] = None
 
     def matches(self, planned: Any) -> bool:
         """Whether DCP is saving the state this save staged: the planner's flattened
@@ -286,6 +289,54 @@ class _Save:
 
 def _offsets_of(index: MetadataIndex) -> List[int]:
     return [int(x) for x in index.offset] if index.offset is not None else []
+
+
+def _key(index: MetadataIndex) -> Tuple[str, Any]:
+    """What identifies a planned item across ranks (``MetadataIndex`` equality: fqn and
+    offset)."""
+    return (index.fqn, tuple(int(x) for x in index.offset) if index.offset is not None else None)
+
+
+#: ranks -> (the default group it was made under, the gloo group)
+_GATHER_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+_GATHER_LOCK = threading.Lock()
+
+
+def _gather_group(group: Any) -> Any:
+    """A gloo group of the same ranks as ``group`` (DCP's), for ``stage()``'s exchange of
+    item lists: a collective on DCP's own group could interleave with the collectives of
+    a previous save still uploading in DCP's thread. Made once per set of ranks (and
+    again after the default group was destroyed and made anew), by those ranks only
+    (``use_local_synchronization``)."""
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+    with _GATHER_LOCK:
+        made = _GATHER_GROUPS.get(ranks)
+        if made is None or made[0] is not world:
+            made = (world, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
+            _GATHER_GROUPS[ranks] = made
+        return made[1]
+
+
+def _assign_owners(gathered: Sequence[Sequence[Tuple[Tuple[str, Any], int]]]) -> Dict[Tuple[str, Any], int]:
+    """Given every rank's items (key, bytes), in rank order, pick the one rank that writes
+    each item: an item on several ranks (a replicated tensor or value) goes to the rank
+    with the fewest bytes assigned so far (the lowest such rank on a tie), the way DCP's
+    planner de-duplicates. Deterministic: every rank computes the same from the same
+    lists."""
+    ranks_of: Dict[Tuple[str, Any], List[int]] = {}
+    size_of: Dict[Tuple[str, Any], int] = {}
+    for r, items in enumerate(gathered):
+        for key, nbytes in items:
+            ranks_of.setdefault(key, []).append(r)
+            size_of[key] = nbytes
+    assigned = [0] * len(gathered)
+    owners: Dict[Tuple[str, Any], int] = {}
+    for key, ranks in ranks_of.items():
+        pick = min(ranks, key=lambda r: (assigned[r], r))
+        assigned[pick] += size_of[key] or 1
+        owners[key] = pick
+    return owners
 
 
 def _check_target(path: str) -> None:
@@ -391,7 +442,24 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        return plans
+        """With ``async_save`` on several ranks, each replicated item was staged by one
+        rank only (``stage``): give every planned item to the plan of the rank that staged
+        it. Plans that do not match a staged save (``dcp.save``) are left as DCP made
+        them."""
+        planned: Dict[Tuple[str, Any], Any] = {}
+        for p in plans:
+            for wi in p.items:
+                planned.setdefault(_key(wi.index), wi)
+        with self._lock:
+            owners = next(
+                (sv.owners for sv in self._staged if sv.owners is not None and set(sv.owners) == set(planned)),
+                None,
+            )
+        if owners is None or any(r >= len(plans) for r in owners.values()):
+            return plans
+        return [
+            dataclasses.replace(p, items=[wi for k, wi in planned.items() if owners[k] == r]) for r, p in enumerate(plans)
+        ]
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -531,6 +599,16 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                     torch.save(data, buf)
                     data = buf.getvalue()
                 objs.append((wi.index, data))
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            # Planning (and DCP's de-duplication of replicated items) comes after staging:
+            # agree now on which rank writes each item, so that a replicated tensor is
+            # staged and written once, not once per rank (prepare_global_plan then gives
+            # the planned items to the same ranks).
+            mine = [(_key(i), int(d.numel() * d.element_size()) if isinstance(d, torch.Tensor) else len(d)) for i, d in objs]
+            gathered: List[Any] = [None] * world
+            dist.all_gather_object(gathered, mine, group=_gather_group(self._group))
+            save.owners = _assign_owners(gathered)
+            objs = [(i, d) for i, d in objs if save.owners[_key(i)] == rank]
         self._submit(save, rank, world, objs)
         with self._lock:
             self._staged.append(save)

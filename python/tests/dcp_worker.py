@@ -162,7 +162,20 @@ def sc_roundtrip(rank, world, workdir):
         out[tag] = compare(ref, dst)
     files = sorted(os.listdir(os.path.join(ck, "sync")))
     # Interchange: the rank file is plain safetensors with the local shards under DCP names.
+    from safetensors import safe_open
     from safetensors.torch import load_file
+
+    # Replicated plain tensors are written once, by one rank, by dcp.save (DCP's planner
+    # de-duplicates) and by async_save alike (stage() agrees on one rank for each).
+    for tag in ("sync", "async"):
+        holders = {}
+        for r in range(world):
+            with safe_open(os.path.join(ck, tag, f"rank-{r:05d}-of-{world:05d}.safetensors"), "pt") as f:
+                for k in f.keys():
+                    holders.setdefault(k, []).append(r)
+        for k in src["plain"]:
+            assert len(holders.get(f"plain.{k}", [])) == 1, (tag, k, holders.get(f"plain.{k}"))
+        out[f"{tag}_single_copies"] = len(src["plain"])
 
     mine = load_file(os.path.join(ck, "sync", f"rank-{rank:05d}-of-{world:05d}.safetensors"))
     for k, v in src["model"].items():

@@ -67,7 +67,7 @@ def test_save_async_save_load_roundtrip(tmp_path, world):
     res = spawn("roundtrip", world, tmp_path)
     for r in res:
         # 4 DTensors + 6 plain tensors + step, sched, counter n, counter hist
-        assert r["checks"] == {"sync": 14, "async": 14, "interchange": 4, "hf": 4}
+        assert r["checks"] == {"sync": 14, "async": 14, "interchange": 4, "hf": 4, "sync_single_copies": 6, "async_single_copies": 6}
     files = res[0]["files"]
     assert files == [".metadata", "manifest.json"] + [f"rank-{k:05d}-of-{world:05d}.safetensors" for k in range(world)]
     ck = tmp_path / "ckpt"
