@@ -181,7 +181,16 @@ fn writer_dies_with_a_killed_trainer() {
             "writer {wpid} gone {:?} after the trainer's SIGKILL: {status:?}",
             t.elapsed()
         );
-        assert_eq!(status.terminating_signal(), Some(libc::SIGKILL));
+        // Killed by the kernel with its trainer (PR_SET_PDEATHSIG), or, when it saw the
+        // trainer's socket close first (the kernel closes a dying process's descriptors
+        // before it signals the children), exited cleanly on its own (documented in
+        // `ipc`): either way it did not outlive the trainer.
+        let killed = status.terminating_signal() == Some(libc::SIGKILL);
+        let exited_on_close = status.exit_status() == Some(0);
+        assert!(
+            killed || exited_on_close,
+            "writer {wpid} ended with {status:?}: neither killed with its trainer nor exited on the closed socket"
+        );
         assert_eq!(proc_state(wpid), None, "no zombie left");
         // A killed writer leaves its staging arena for recovery; this test cleans it up.
         remove_shm(&shm);
