@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest};
-use crate::restore::{Checkpoint, ReadSink};
+use crate::restore::{Checkpoint, ReadSink, for_pieces};
 use crate::slab::{SlabBuilder, SlabPool};
 use crate::staging::descriptor::{SaveRecord, SlotView, chunk_state, slot_state};
 use crate::staging::shm::SHM_MOUNT;
@@ -610,31 +610,6 @@ impl Adopted {
 
 /// A file chunk's index and the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
 type ChunkCrcs = (usize, Vec<(usize, u32, u64)>);
-
-/// Call `f(tensor, offset in the tensor, piece)` for each non-empty tensor piece in `buf`,
-/// which holds data-section bytes from `dst` (tensors sorted by offset, as in a manifest).
-fn for_pieces<E>(
-    tensors: &[crate::manifest::TensorEntry],
-    dst: u64,
-    buf: &[u8],
-    mut f: impl FnMut(usize, u64, &[u8]) -> std::result::Result<(), E>,
-) -> std::result::Result<(), E> {
-    let end = dst + buf.len() as u64;
-    let first = tensors.partition_point(|t| t.data_offsets[1] <= dst);
-    for (i, t) in tensors.iter().enumerate().skip(first) {
-        let [b, e] = t.data_offsets;
-        if b >= end {
-            break;
-        }
-        if e == b {
-            continue;
-        }
-        let s = b.max(dst);
-        let fin = e.min(end);
-        f(i, s - b, &buf[(s - dst) as usize..(fin - dst) as usize])?;
-    }
-    Ok(())
-}
 
 /// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
 fn crc_pieces(

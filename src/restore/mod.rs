@@ -20,6 +20,7 @@ mod reader;
 pub(crate) mod sink;
 
 pub use header::check_header;
+pub(crate) use reader::for_pieces;
 pub use reader::read_file;
 use sink::HostSink;
 

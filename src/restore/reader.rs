@@ -56,6 +56,35 @@ fn read_completed(
     Ok(p.got >= p.want)
 }
 
+/// Handle read completions: a chunk read whole goes to `complete`; a short read (or
+/// `EINTR`, `EAGAIN`) is asked for again with `reissue` (unless an error is recorded
+/// already); an error is recorded in `error` (the first one wins) and its buffer dropped.
+/// The tuple: the path, entry and chunk size the reads belong to.
+fn completions<B>(
+    done: Vec<crate::io::queue::Done<Pending, B>>,
+    (path, entry, cs): (&Path, &FileEntry, u64),
+    error: &mut Option<Error>,
+    mut reissue: impl FnMut(B, Pending) -> Result<()>,
+    mut complete: impl FnMut(B, Pending),
+) {
+    for d in done {
+        let mut p = d.tag;
+        match read_completed(&mut p, d.result, path, entry, cs) {
+            Ok(true) => complete(d.lease, p),
+            Ok(false) => {
+                if error.is_none()
+                    && let Err(e) = reissue(d.lease, p)
+                {
+                    *error = Some(e);
+                }
+            }
+            Err(e) => {
+                error.get_or_insert(e);
+            }
+        }
+    }
+}
+
 /// Read the data section of `path` (described by `entry`) chunk by chunk, handing every
 /// tensor's bytes to `sink` in file order, and verify every checksum. Fails with an error
 /// naming file and tensor on any mismatch.
@@ -169,25 +198,15 @@ pub fn read_file(
             }
         };
         t_wait += t.elapsed();
-        for d in done {
-            let mut p = d.tag;
-            match read_completed(&mut p, d.result, path, entry, cs) {
-                Ok(true) => {
-                    ready.insert(p.chunk, (d.lease, p));
-                    continue;
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    error.get_or_insert(e);
-                    continue;
-                }
-            }
-            if error.is_none()
-                && let Err(e) = issue(&mut q, d.lease, p)
-            {
-                error = Some(e);
-            }
-        }
+        completions(
+            done,
+            (path, entry, cs),
+            &mut error,
+            |lease, p| issue(&mut q, lease, p),
+            |lease, p| {
+                ready.insert(p.chunk, (lease, p));
+            },
+        );
         while error.is_none()
             && let Some((lease, p)) = ready.remove(&next_process)
         {
@@ -262,12 +281,24 @@ fn process_chunk(
     crcs: &mut [u32],
     sink: &mut dyn ReadSink,
 ) -> Result<()> {
-    let start = chunk * cs; // relative to the data section
-    let end = start + bytes.len() as u64;
-    let first = entry
-        .tensors
-        .partition_point(|t| t.data_offsets[1] <= start);
-    for (i, t) in entry.tensors.iter().enumerate().skip(first) {
+    // `chunk * cs`: the chunk's offset in the data section.
+    for_pieces(&entry.tensors, chunk * cs, bytes, |i, at, piece| {
+        crcs[i] = crc32c::crc32c_append(crcs[i], piece);
+        sink.piece(i, at, piece)
+    })
+}
+
+/// Call `f(tensor, offset in the tensor, piece)` for each non-empty tensor piece in `buf`,
+/// which holds data-section bytes from `dst` (tensors sorted by offset, as in a manifest).
+pub(crate) fn for_pieces<E>(
+    tensors: &[crate::manifest::TensorEntry],
+    dst: u64,
+    buf: &[u8],
+    mut f: impl FnMut(usize, u64, &[u8]) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let end = dst + buf.len() as u64;
+    let first = tensors.partition_point(|t| t.data_offsets[1] <= dst);
+    for (i, t) in tensors.iter().enumerate().skip(first) {
         let [b, e] = t.data_offsets;
         if b >= end {
             break;
@@ -275,11 +306,9 @@ fn process_chunk(
         if e == b {
             continue;
         }
-        let s = b.max(start);
-        let f = e.min(end);
-        let piece = &bytes[(s - start) as usize..(f - start) as usize];
-        crcs[i] = crc32c::crc32c_append(crcs[i], piece);
-        sink.piece(i, s - b, piece)?;
+        let s = b.max(dst);
+        let fin = e.min(end);
+        f(i, s - b, &buf[(s - dst) as usize..(fin - dst) as usize])?;
     }
     Ok(())
 }
@@ -439,27 +468,17 @@ pub(crate) fn read_to_slab(
                     break;
                 }
             };
-            for d in done {
-                let mut p = d.tag;
-                match read_completed(&mut p, d.result, path, entry, cs) {
-                    Ok(true) => {
-                        // The CRC thread may have ended only if it panicked; the join
-                        // below reports that.
-                        let _ = tx.send((p.chunk, p.want, d.lease));
-                        continue;
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        error.get_or_insert(e);
-                        continue;
-                    }
-                }
-                if error.is_none()
-                    && let Err(e) = issue(&mut q, d.lease, p)
-                {
-                    error = Some(e);
-                }
-            }
+            completions(
+                done,
+                (path, entry, cs),
+                &mut error,
+                |r, p| issue(&mut q, r, p),
+                |r, p| {
+                    // The CRC thread may have ended only if it panicked; the join below
+                    // reports that.
+                    let _ = tx.send((p.chunk, p.want, r));
+                },
+            );
         }
         drop(q);
         drop(tx);
