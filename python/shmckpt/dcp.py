@@ -291,6 +291,11 @@ def _offsets_of(index: MetadataIndex) -> List[int]:
     return [int(x) for x in index.offset] if index.offset is not None else []
 
 
+def _item_bytes(obj: Any) -> int:
+    """Bytes of a planned item's data: a tensor, or the serialized bytes of a value."""
+    return int(obj.numel() * obj.element_size()) if isinstance(obj, torch.Tensor) else len(obj)
+
+
 def _key(index: MetadataIndex) -> Tuple[str, Any]:
     """What identifies a planned item across ranks (``MetadataIndex`` equality: fqn and
     offset)."""
@@ -501,12 +506,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 if name in names:
                     raise ValueError(f"ShmckptWriter: item {index} is planned twice")
             names[name] = index
-            if isinstance(obj, torch.Tensor):
-                nbytes = obj.numel() * obj.element_size()
-                offs = _offsets_of(index) or [0] * obj.dim()
-            else:
-                nbytes = len(obj)
-                offs = [0]
+            nbytes = _item_bytes(obj)
+            offs = (_offsets_of(index) or [0] * obj.dim()) if isinstance(obj, torch.Tensor) else [0]
             sharding[name] = {"saved_offsets": offs}
             items.append((name, obj, nbytes))
             save.items[index] = _Item(index, name, nbytes)
@@ -604,7 +605,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             # agree now on which rank writes each item, so that a replicated tensor is
             # staged and written once, not once per rank (prepare_global_plan then gives
             # the planned items to the same ranks).
-            mine = [(_key(i), int(d.numel() * d.element_size()) if isinstance(d, torch.Tensor) else len(d)) for i, d in objs]
+            mine = [(_key(i), _item_bytes(d)) for i, d in objs]
             gathered: List[Any] = [None] * world
             dist.all_gather_object(gathered, mine, group=_gather_group(self._group))
             save.owners = _assign_owners(gathered)
