@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use common::*;
-use shmckpt::{BackendKind, Engine, Metadata};
+use shmckpt::{BackendKind, Engine};
 
 fn shmckpt(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shmckpt"))
@@ -26,10 +26,7 @@ fn checkpoints(root: &Path, steps: &[u64]) {
     let e = Engine::open(small_config(root, BackendKind::Pwrite)).unwrap();
     for &s in steps {
         let st = step_state(s);
-        e.save(s, &st.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&e, s, &st);
     }
     e.close();
 }

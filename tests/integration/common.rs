@@ -247,6 +247,15 @@ pub fn step_state(step: u64) -> State {
 
 /// Load and verify step `step` of `root` (rank 0) and compare it byte for byte with
 /// [`step_state`].
+/// Save `state` as `step` with no metadata and wait until it is committed.
+pub fn save_committed(engine: &shmckpt::Engine, step: u64, state: &State) -> shmckpt::SaveReport {
+    engine
+        .save(step, &state.tensors(), &shmckpt::Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap()
+}
+
 pub fn assert_step_is_exact(root: &Path, step: u64) {
     let dir = root.join(shmckpt::manifest::step_dir_name(step));
     let ck = shmckpt::restore::load_owned(&dir, 0, &shmckpt::restore::ReadOptions::default())

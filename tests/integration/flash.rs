@@ -34,11 +34,7 @@ fn child_keeper() {
     let engine = Engine::open(keep_config(&root)).unwrap();
     for s in [1, 2] {
         let st = step_state(s);
-        engine
-            .save(s, &st.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&engine, s, &st);
     }
     std::hint::black_box(&engine);
     sigkill_self();
@@ -103,11 +99,7 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
     // The new engine keeps its own arena under the same name; after a save and a clean
     // close, the next engine serves that save from memory.
     let s3 = step_state(3);
-    engine
-        .save(3, &s3.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 3, &s3);
     engine.close();
     assert!(shm_exists(&guard.0));
     let engine = Engine::open(keep_config(root)).unwrap();
@@ -136,10 +128,7 @@ fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
     // An engine without flash restore commits step 3: the kept step 2 is now stale.
     let e = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
     let s3 = step_state(3);
-    e.save(3, &s3.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&e, 3, &s3);
     e.close();
     let engine = Engine::open(keep_config(root)).unwrap();
     // Even asked for step 2 exactly, a stale image is never used.
@@ -194,11 +183,7 @@ fn foreign_kept_arena_is_refused_and_left_alone() {
     assert_loaded_equal(&ck, &step_state(2));
     // Saves still work (in a private arena), and the foreign segment is untouched.
     let s3 = step_state(3);
-    engine
-        .save(3, &s3.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 3, &s3);
     engine.close();
     let m = std::fs::symlink_metadata(&path).unwrap();
     assert_eq!((m.uid(), m.gid()), (65534, 65534));
@@ -221,10 +206,7 @@ fn with_the_option_off_shared_memory_is_never_looked_at() {
     let atime = std::fs::metadata(&path).unwrap().atime_nsec();
     let e = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
     let s1 = step_state(1);
-    e.save(1, &s1.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&e, 1, &s1);
     let (ck, report) = e.load_with_report(1).unwrap();
     assert_eq!(report.source, LoadSource::Disk);
     assert_eq!(report.fallback_reason, None);
@@ -286,10 +268,7 @@ fn clean_close_keeps_the_image_and_every_dtype_loads_from_memory_exactly() {
     let _guard = ShmGuard(kept_name(root));
     let state = State::new(every_dtype(), 9);
     let e = Engine::open(keep_config(root)).unwrap();
-    e.save(4, &state.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&e, 4, &state);
     // In the same process, the disk serves (only a previous engine's image is served).
     let (_, r) = e.load_with_report(4).unwrap();
     assert_eq!(r.source, LoadSource::Disk);
@@ -303,10 +282,7 @@ fn clean_close_keeps_the_image_and_every_dtype_loads_from_memory_exactly() {
     assert_eq!(r.source, LoadSource::Memory);
     assert_eq!(ck2, ck);
     let s5 = step_state(5);
-    e.save(5, &s5.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&e, 5, &s5);
     let (_, r) = e.load_with_report(5).unwrap();
     assert_eq!(r.source, LoadSource::Disk);
     assert!(r.fallback_reason.unwrap().contains("a save started since"));
@@ -535,11 +511,7 @@ fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
     assert_loaded_equal(&ck, &step_state(2));
     // It works as a staging arena: a save gives the image up, commits, and is kept.
     let s3 = step_state(3);
-    engine
-        .save(3, &s3.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 3, &s3);
     drop(engine);
     let engine = Engine::open(keep_config(root)).unwrap();
     assert_eq!(shm_inode(&guard.0), before);

@@ -68,11 +68,7 @@ fn fill_the_disk(root: &Path) {
         Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(big + 2 * MIB))
             .unwrap();
     let s1 = step_state(1);
-    engine
-        .save(1, &s1.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 1, &s1);
     assert_step_is_exact(root, 1);
 
     // 1. A checkpoint larger than the free space.
@@ -143,11 +139,7 @@ fn fill_the_disk(root: &Path) {
 
     // With space again, the same engine saves; a new engine finds a clean root.
     let s4 = step_state(4);
-    engine
-        .save(4, &s4.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 4, &s4);
     drop(engine);
     let e = Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(MIB)).unwrap();
     assert!(partial_dirs(root).is_empty());

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 use shmckpt::recover;
-use shmckpt::{BackendKind, Engine, Error, Metadata};
+use shmckpt::{BackendKind, Engine, Error};
 
 const BIN: &str = env!("CARGO_BIN_EXE_shmckpt");
 const NOBODY: u32 = 65534;
@@ -436,11 +436,7 @@ fn item3_engine_open_follows_no_link_in_the_root() {
     .unwrap();
     let engine = Engine::open(small_config(&root, BackendKind::Auto)).unwrap();
     let s = step_state(1);
-    engine
-        .save(1, &s.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 1, &s);
     assert_step_is_exact(&root, 1);
     drop(engine);
     assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
@@ -562,11 +558,7 @@ fn item7_verify_refuses_a_fifo_without_blocking() {
     let root = dir.path();
     let engine = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
     let s = step_state(1);
-    engine
-        .save(1, &s.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 1, &s);
     drop(engine);
     let file = committed_file(root, 1);
     assert!(cli(&["verify", root.to_str().unwrap()]).status.success());
@@ -637,11 +629,7 @@ fn save_steps(root: &Path, steps: &[u64]) {
     let engine = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
     for &step in steps {
         let s = step_state(step % 7);
-        engine
-            .save(step, &s.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&engine, step, &s);
     }
 }
 

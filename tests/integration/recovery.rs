@@ -88,11 +88,7 @@ fn child_saver() {
     let cfg = cfg.with_faults(Arc::clone(&plan));
     let engine = Engine::open(cfg).unwrap();
     let s1 = step_state(1);
-    engine
-        .save(1, &s1.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 1, &s1);
     #[cfg(feature = "fault-injection")]
     plan.add(shmckpt::testing::io::fault::Rule {
         kind: shmckpt::testing::io::OpKind::Write,
@@ -295,11 +291,7 @@ fn engine_recovers_on_open() {
     assert!(partial_dirs(root).is_empty());
     // The engine keeps working after recovery.
     let s3 = step_state(3);
-    engine
-        .save(3, &s3.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 3, &s3);
     assert_loaded_equal(&engine.load(3).unwrap(), &s3);
 }
 
@@ -310,11 +302,7 @@ fn live_arena_is_listed_and_left_alone() {
     let engine =
         Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20)).unwrap();
     let s1 = step_state(1);
-    engine
-        .save(1, &s1.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 1, &s1);
     let name = engine.shm_name().to_owned();
     let info = recover::inspect_arena(&name);
     let d = info.details.unwrap();
@@ -348,11 +336,7 @@ fn live_arena_is_listed_and_left_alone() {
     drop(e2);
     assert!(shm_exists(&name));
     let s2 = step_state(2);
-    engine
-        .save(2, &s2.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_committed(&engine, 2, &s2);
     assert_loaded_equal(&engine.load(2).unwrap(), &s2);
     drop(engine);
     assert!(!shm_exists(&name), "a clean shutdown removes the arena");

@@ -65,11 +65,7 @@ fn thousands_of_small_tensors_round_trip_on_both_backends() {
             })
             .collect();
         let state = State::new(layout, 2);
-        let r = engine
-            .save(1, &state.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        let r = save_committed(&engine, 1, &state);
         assert!(r.bytes > 64 << 10, "spans several chunks");
         assert_safetensors_equal(&r.file, &state);
         assert_loaded_equal(&engine.load(1).unwrap(), &state);
@@ -107,11 +103,7 @@ fn one_gibibyte_tensor_round_trips() {
         },
     ];
     let state = State::new(layout, 3);
-    let r = engine
-        .save(9, &state.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    let r = save_committed(&engine, 9, &state);
     assert_eq!(r.bytes, 4096 + (1 << 30) + 3);
     assert!(r.direct_io, "a real filesystem takes O_DIRECT");
     let mut huge = vec![0u8; 1 << 30];
@@ -296,11 +288,7 @@ fn partial_directories_are_never_listed_or_loaded_and_are_cleaned_on_open() {
     {
         let engine = Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto)).unwrap();
         let state = State::new(every_dtype(), 5);
-        engine
-            .save(1, &state.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&engine, 1, &state);
     }
     // Fake an interrupted save of step 2: a partial directory with a full copy of step 1
     // (even a manifest) inside.
@@ -330,11 +318,7 @@ fn retention_keeps_the_newest_n_after_each_commit() {
     let state = State::new(every_dtype(), 6);
     let mut retired = Vec::new();
     for step in [10, 20, 30, 40] {
-        let report = engine
-            .save(step, &state.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        let report = save_committed(&engine, step, &state);
         // Reported committed: the retired step is already out of the root's listing (its
         // files are deleted after the report, on the commit thread).
         let steps: Vec<u64> = engine.list().unwrap().iter().map(|c| c.step).collect();
@@ -379,11 +363,7 @@ fn two_ranks_commit_one_directory() {
         e0.latest().unwrap().is_none(),
         "not committed until every rank wrote"
     );
-    let r1 = e1
-        .save(3, &s1.tensors(), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
+    let r1 = save_committed(&e1, 3, &s1);
     assert_eq!(r1.dir.unwrap(), dir.path().join("step-3"));
     let m = e0.manifest(3).unwrap();
     assert_eq!(m.files.len(), 2);
@@ -490,16 +470,8 @@ fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
         let engine = Engine::open(small_config(dir.path(), backend)).unwrap();
         let s1 = State::new(layout.clone(), 1);
         let s2 = State::new(layout.clone(), 2);
-        engine
-            .save(1, &s1.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
-        engine
-            .save(2, &s2.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&engine, 1, &s1);
+        save_committed(&engine, 2, &s2);
         assert_eq!(engine.load_buffer_bytes(), 0);
         let mut ck = engine.load(1).unwrap();
         assert_loaded_equal(&ck, &s1);

@@ -8,7 +8,7 @@ use crate::common;
 use std::path::Path;
 
 use common::*;
-use shmckpt::{BackendKind, Engine, Error, Metadata};
+use shmckpt::{BackendKind, Engine, Error};
 
 fn shm_entries() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
@@ -77,11 +77,7 @@ fn child_small_shm() {
     assert!(matches!(second, Error::ShmTooSmall { .. }), "{second}");
     for step in 1..=3 {
         let s = step_state(step);
-        engine
-            .save(step, &s.tensors(), &Metadata::new())
-            .unwrap()
-            .wait()
-            .unwrap();
+        save_committed(&engine, step, &s);
         assert_loaded_equal(&engine.load(step).unwrap(), &s);
     }
     drop(engine);
