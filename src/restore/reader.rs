@@ -56,6 +56,22 @@ fn read_completed(
     Ok(p.got >= p.want)
 }
 
+/// Every tensor's CRC-32C computed from the bytes read (`crcs`, file order) must be the
+/// manifest's; the error names the file and the first tensor that differs.
+fn check_crcs(path: &Path, entry: &FileEntry, crcs: &[u32]) -> Result<()> {
+    for (t, &crc) in entry.tensors.iter().zip(crcs) {
+        if crc != t.crc32c {
+            return Err(Error::Checksum {
+                path: path.to_owned(),
+                tensor: t.name.clone(),
+                expected: t.crc32c,
+                actual: crc,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Handle read completions: a chunk read whole goes to `complete`; a short read (or
 /// `EINTR`, `EAGAIN`) is asked for again with `reissue` (unless an error is recorded
 /// already); an error is recorded in `error` (the first one wins) and its buffer dropped.
@@ -257,16 +273,7 @@ pub fn read_file(
         return Err(e);
     }
     debug_assert_eq!(next_process, n);
-    for (t, &crc) in entry.tensors.iter().zip(&crcs) {
-        if crc != t.crc32c {
-            return Err(Error::Checksum {
-                path: path.to_owned(),
-                tensor: t.name.clone(),
-                expected: t.crc32c,
-                actual: crc,
-            });
-        }
-    }
+    check_crcs(path, entry, &crcs)?;
     Ok(ReadStats {
         bytes: data_len,
         direct_io: target.is_direct(),
@@ -498,16 +505,7 @@ pub(crate) fn read_to_slab(
         return Err(e);
     }
     let crcs = crcs.ok_or_else(|| Error::corrupt(path, None, "not every chunk was read"))?;
-    for (t, &crc) in entry.tensors.iter().zip(&crcs) {
-        if crc != t.crc32c {
-            return Err(Error::Checksum {
-                path: path.to_owned(),
-                tensor: t.name.clone(),
-                expected: t.crc32c,
-                actual: crc,
-            });
-        }
-    }
+    check_crcs(path, entry, &crcs)?;
 
     // Every region is gone (the queue and the CRC thread dropped theirs): hand out views.
     let mut copies: Vec<Option<AlignedBytes>> = Vec::with_capacity(entry.tensors.len());
