@@ -40,6 +40,20 @@ fn child_keeper() {
     sigkill_self();
 }
 
+/// Load `step` from `engine`: it must come from `source` and equal `state` byte for byte.
+/// Returns the report (for the fallback reason).
+fn load_exact(
+    engine: &Engine,
+    step: u64,
+    state: &State,
+    source: LoadSource,
+) -> shmckpt::LoadReport {
+    let (ck, report) = engine.load_with_report(step).unwrap();
+    assert_eq!(report.source, source, "{report:?}");
+    assert_loaded_equal(&ck, state);
+    report
+}
+
 /// The kept arena `name`, opened for reading and writing (to damage it).
 fn kept_file(name: &str) -> std::fs::File {
     std::fs::OpenOptions::new()
@@ -103,9 +117,7 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
     engine.close();
     assert!(shm_exists(&guard.0));
     let engine = Engine::open(keep_config(root)).unwrap();
-    let (ck, report) = engine.load_with_report(3).unwrap();
-    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
-    assert_loaded_equal(&ck, &s3);
+    load_exact(&engine, 3, &s3, LoadSource::Memory);
     // The kept arena is listed with its step, root and owner, and `remove_kept` removes it
     // (after this engine replaced it with its own under the same name).
     let listed = shmckpt::flash::list_kept();
@@ -156,11 +168,10 @@ fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
     f.write_all_at(&[b[0] ^ 0xFF], at).unwrap();
     drop(f);
     let engine = Engine::open(keep_config(root)).unwrap();
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Disk);
-    let why = report.fallback_reason.unwrap();
+    let why = load_exact(&engine, 2, &step_state(2), LoadSource::Disk)
+        .fallback_reason
+        .unwrap();
     assert!(why.contains("CRC-32C"), "{why}");
-    assert_loaded_equal(&ck, &step_state(2));
 }
 
 #[test]
@@ -176,11 +187,10 @@ fn foreign_kept_arena_is_refused_and_left_alone() {
     std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
     let before = std::fs::read(&path).unwrap();
     let engine = Engine::open(keep_config(root)).unwrap();
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Disk);
-    let why = report.fallback_reason.unwrap();
+    let why = load_exact(&engine, 2, &step_state(2), LoadSource::Disk)
+        .fallback_reason
+        .unwrap();
     assert!(why.contains("refused"), "{why}");
-    assert_loaded_equal(&ck, &step_state(2));
     // Saves still work (in a private arena), and the foreign segment is untouched.
     let s3 = step_state(3);
     save_committed(&engine, 3, &s3);
@@ -349,9 +359,7 @@ fn child_adopter() {
     }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let engine = Engine::open(keep_config(&root)).unwrap();
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
-    assert_loaded_equal(&ck, &step_state(2));
+    load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
     std::hint::black_box(&engine);
     sigkill_self();
 }
@@ -421,9 +429,7 @@ fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
     std::sync::Arc::into_inner(engine).unwrap().close();
     assert!(shm_exists(&guard.0));
     let engine = Engine::open(cfg()).unwrap();
-    let (ck, report) = engine.load_with_report(3).unwrap();
-    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
-    assert_loaded_equal(&ck, &step_state(3));
+    load_exact(&engine, 3, &step_state(3), LoadSource::Memory);
 }
 
 #[test]
@@ -434,11 +440,10 @@ fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
     // Two chunks of 64 KiB; the kept file needs four.
     let engine = Engine::open(keep_config(root).with_staging_capacity(2 * (64 << 10))).unwrap();
     assert_eq!(deleted_segments_open(&guard.0), 0);
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Disk);
-    let why = report.fallback_reason.unwrap();
+    let why = load_exact(&engine, 2, &step_state(2), LoadSource::Disk)
+        .fallback_reason
+        .unwrap();
     assert!(why.contains("smaller than the kept image"), "{why}");
-    assert_loaded_equal(&ck, &step_state(2));
 }
 
 #[test]
@@ -515,9 +520,7 @@ fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
     drop(engine);
     let engine = Engine::open(keep_config(root)).unwrap();
     assert_eq!(shm_inode(&guard.0), before);
-    let (ck, report) = engine.load_with_report(3).unwrap();
-    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
-    assert_loaded_equal(&ck, &s3);
+    load_exact(&engine, 3, &s3, LoadSource::Memory);
 }
 
 #[test]
@@ -532,9 +535,7 @@ fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
     assert_eq!(engine.shm_name(), guard.0);
     assert_ne!(shm_inode(&guard.0), before);
     assert_eq!(deleted_segments_open(&guard.0), 0);
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Memory, "{report:?}");
-    assert_loaded_equal(&ck, &step_state(2));
+    load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
 }
 
 #[test]
@@ -564,9 +565,8 @@ fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
     // Not taken over (a new segment); the copy read the hole as zeros, which the checksums
     // caught: the load comes from the disk, saying why.
     assert_ne!(shm_inode(&guard.0), before);
-    let (ck, report) = engine.load_with_report(2).unwrap();
-    assert_eq!(report.source, LoadSource::Disk);
-    let why = report.fallback_reason.unwrap();
+    let why = load_exact(&engine, 2, &step_state(2), LoadSource::Disk)
+        .fallback_reason
+        .unwrap();
     assert!(why.contains("CRC-32C"), "{why}");
-    assert_loaded_equal(&ck, &step_state(2));
 }
