@@ -210,33 +210,15 @@ fn io_errors_name_their_path() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
     let under = file.join("sub");
-    let o = shmckpt(&[
-        "bench",
-        "--size",
-        "1MiB",
-        "--no-reference",
-        "--dir",
-        under.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(under.to_str().unwrap()),
-        "{}",
-        stderr(&o)
-    );
-    let o = shmckpt(&[
-        "demo",
-        "--model-bytes",
-        "1MiB",
-        "--dir",
-        under.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(under.to_str().unwrap()),
-        "{}",
-        stderr(&o)
-    );
+    let at = under.to_str().unwrap();
+    for args in [
+        &["bench", "--size", "1MiB", "--no-reference", "--dir", at][..],
+        &["demo", "--model-bytes", "1MiB", "--dir", at][..],
+    ] {
+        let o = shmckpt(args);
+        assert!(!o.status.success(), "{args:?}");
+        assert!(stderr(&o).contains(at), "{args:?}: {}", stderr(&o));
+    }
 }
 
 /// `bench --load` times loads of the checkpoint it saved against raw O_DIRECT reads of its
