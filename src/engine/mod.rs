@@ -208,19 +208,13 @@ impl Engine {
         };
         // A kept arena of this engine's layout becomes this engine's arena, image in place;
         // otherwise its image is copied into a new arena below.
-        let mut adopted = None;
+        let mut adoption = None;
         let mut taken_over = None;
         if let Some(image) = kept_image.take() {
             match flash::take_over(image, &spec, &root_abs, cfg.rank) {
                 Ok(t) => {
                     taken_over = Some(t.arena);
-                    match t.adopted {
-                        Ok(a) => adopted = Some(a),
-                        Err(why) => {
-                            tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
-                            kept_note = Some(why);
-                        }
-                    }
+                    adoption = Some(t.adopted);
                 }
                 Err(not) => {
                     let flash::NotTaken { image, why } = *not;
@@ -256,22 +250,21 @@ impl Engine {
             arena.enable_keep();
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
-        // Adopt the kept image into the new arena by copying (checked once here; the
-        // previous segment is freed when `image` drops, at the end of this block).
+        // Otherwise adopt the kept image into the new arena by copying (a kept image is
+        // left only when its name was freed for this arena, so keeping is on; the previous
+        // segment is freed when `image` drops, in `adopt`).
         if let Some(image) = kept_image {
-            let r = if keep {
-                flash::adopt(image, &arena, &root_abs, cfg.rank)
-            } else {
-                Err("the kept arena's name could not be freed for this engine's arena".into())
-            };
-            match r {
-                Ok(a) => adopted = Some(a),
-                Err(why) => {
-                    tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
-                    kept_note = Some(why);
-                }
-            }
+            adoption = Some(flash::adopt(image, &arena, &root_abs, cfg.rank));
         }
+        let adopted = match adoption {
+            Some(Ok(a)) => Some(a),
+            Some(Err(why)) => {
+                tracing::warn!(reason = %why, "kept image not adopted; loads read the disk");
+                kept_note = Some(why);
+                None
+            }
+            None => None,
+        };
         let opts = BackendOptions {
             kind: cfg.backend,
             queue_depth: cfg.queue_depth,
