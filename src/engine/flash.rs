@@ -76,7 +76,13 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
     if std::fs::symlink_metadata(&path).is_err() {
         return none(format!("no kept arena {name}"), true);
     }
-    let att = match AttachedArena::open(name) {
+    // Read-only checks first; opened for writing only once they passed, and then the
+    // same inode (`open_with`): the engine may take the segment over.
+    let opts = crate::staging::attach::AttachOptions {
+        write: true,
+        allow_foreign: false,
+    };
+    let att = match AttachedArena::open_with(name, opts) {
         Ok(a) => a,
         Err(e @ Error::UnsafePath { .. }) => {
             let why = format!("kept arena {name} refused, left untouched: {e}");
@@ -419,8 +425,8 @@ pub(crate) fn adopt(
 
 /// Take the kept arena itself over as this engine's arena (`spec`, named as it is), when
 /// its layout is the one `spec` asks for: no new segment, no copy, no second arena's worth
-/// of `/dev/shm`. The segment is opened for writing only after the read-only checks of
-/// [`take_kept`], and must be the same file; it must be a whole, allocated segment of
+/// of `/dev/shm`. The segment was opened for writing only after the read-only checks of
+/// [`take_kept`], on the same inode; it must be a whole, allocated segment of
 /// exactly the layout's size (never a `SIGBUS`). Its descriptor is initialised anew; then
 /// the image's chunks are taken out of the pool and every tensor's CRC-32C checked there
 /// against the disk's latest manifest, as [`adopt`] does after its copy.
@@ -435,19 +441,11 @@ pub(crate) fn take_over(
     rank: u32,
 ) -> std::result::Result<TakenOver, Box<NotTaken>> {
     let not = |image, why: String| Box::new(NotTaken { image, why });
-    let Some(name) = spec.name.as_deref() else {
-        return Err(not(image, "this engine's arena has no name".into()));
-    };
-    let file = match crate::staging::shm::open_existing(name, true, false) {
-        Ok((f, _, _)) => f,
+    // The descriptor `take_kept` opened for writing after its checks (the same inode).
+    let file = match image.att.writable_file() {
+        Ok(f) => f,
         Err(e) => return Err(not(image, format!("cannot open it for writing: {e}"))),
     };
-    if !image.att.is_same_file(&file) {
-        return Err(not(
-            image,
-            "the segment was replaced while it was checked".into(),
-        ));
-    }
     let arena = match Arena::take_over(spec, image.att.header().geometry, file) {
         Ok(a) => a,
         Err(e) => return Err(not(image, e.to_string())),

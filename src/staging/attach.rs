@@ -138,13 +138,15 @@ impl AttachedArena {
         })
     }
 
-    /// Whether `other` is an open descriptor of this same segment (device and inode).
-    pub(crate) fn is_same_file(&self, other: &File) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        match (self.file.metadata(), other.metadata()) {
-            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-            _ => false,
+    /// A second descriptor of the segment, for writing (attached with `write`).
+    pub(crate) fn writable_file(&self) -> std::io::Result<File> {
+        if !self.writable {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "attached read-only",
+            ));
         }
+        self.file.try_clone()
     }
 
     fn path(&self) -> PathBuf {
