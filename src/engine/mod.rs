@@ -638,9 +638,8 @@ impl Engine {
         Manifest::read(&self.resolve(which.into())?.dir)
     }
 
-    /// The registered read buffers of device loads from disk, made at the first one:
-    /// `DEVICE_READ_DEPTH` reads in flight plus as many chunks whose copies to the device
-    /// may still run.
+    /// The registered read buffers of device loads from disk, made at the first one: as
+    /// many as `read_file` holds with `DEVICE_READ_DEPTH` reads in flight.
     fn device_ring(&self) -> Result<Arc<CudaStaging>> {
         let mut ring = lock(&self.device_ring);
         if let Some(r) = &*ring {
@@ -648,7 +647,7 @@ impl Engine {
         }
         let arena = Arena::create(&ArenaSpec {
             name: None,
-            capacity: DEVICE_READ * u64::from(DEVICE_READ_DEPTH) * 2,
+            capacity: DEVICE_READ * restore::buffers_needed(DEVICE_READ_DEPTH),
             chunk_size: DEVICE_READ,
             slots: 1,
             rank: self.shared.cfg.rank,

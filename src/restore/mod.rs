@@ -20,8 +20,8 @@ mod reader;
 pub(crate) mod sink;
 
 pub use header::check_header;
-pub(crate) use reader::for_pieces;
 pub use reader::read_file;
+pub(crate) use reader::{buffers_needed, for_pieces};
 use sink::HostSink;
 
 /// How to read.

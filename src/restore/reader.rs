@@ -117,7 +117,7 @@ pub fn read_file(
         Some(a) => Arc::clone(a),
         None => Arena::create(&ArenaSpec {
             name: None,
-            capacity: PRIVATE_CHUNK * (qd + HAND_OFF) as u64,
+            capacity: PRIVATE_CHUNK * buffers_needed(qd as u32),
             chunk_size: PRIVATE_CHUNK,
             slots: 1,
             rank: 0,
@@ -323,6 +323,13 @@ pub(crate) fn for_pieces<E>(
 /// Processed chunks whose buffers the sink may still read (asynchronous device copies)
 /// before `chunk_end` says it is done with them.
 const HAND_OFF: usize = 4;
+
+/// Buffers [`read_file`] holds at most with `queue_depth` reads in flight: the reads, and
+/// the chunks handed to the sink whose copies may still run. An arena given in
+/// [`ReadOptions::arena`] with fewer chunks makes reads wait for the sink.
+pub(crate) fn buffers_needed(queue_depth: u32) -> u64 {
+    u64::from(queue_depth.max(1)) + HAND_OFF as u64
+}
 
 /// Let the sink finish with every buffer handed to it, then free them.
 fn release(sink: &mut dyn ReadSink, handed: &mut Vec<ChunkLease>) -> Result<()> {
