@@ -16,6 +16,12 @@ pub const DEFAULT_WRITER_THREADS: usize = 2;
 pub const DEFAULT_QUEUE_DEPTH: u32 = 8;
 /// Default number of save slots (saves staged or draining at once).
 pub const DEFAULT_MAX_INFLIGHT_SAVES: u32 = 4;
+/// Default size of each O_DIRECT read of a device load from disk: 16 MiB. On the H200
+/// machine's disk, reads of 16 MiB with 4 in flight were in the fastest group of a sweep of
+/// request sizes and depths (`benches/disk/read_sweep.py`, docs/benchmarks.md).
+pub const DEFAULT_DEVICE_READ: u64 = 16 << 20;
+/// Default reads in flight of a device load from disk: 4.
+pub const DEFAULT_DEVICE_READ_DEPTH: u32 = 4;
 /// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
 /// setter's documentation gives its default.
 #[derive(Debug, Clone)]
@@ -35,6 +41,8 @@ pub struct EngineConfig {
     pub(crate) max_inflight_saves: u32,
     pub(crate) recover_on_open: bool,
     pub(crate) keep_in_memory: bool,
+    pub(crate) device_read: u64,
+    pub(crate) device_read_depth: u32,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
@@ -61,6 +69,8 @@ impl EngineConfig {
             max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
             recover_on_open: false,
             keep_in_memory: false,
+            device_read: DEFAULT_DEVICE_READ,
+            device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -183,6 +193,20 @@ impl EngineConfig {
         self
     }
 
+    /// How device loads from disk ([`crate::Engine::load_into_device`]) read: O_DIRECT
+    /// reads of `bytes` each (a multiple of 4096 between 1 MiB and 1 GiB), `depth` of them
+    /// in flight (1..=64), into a ring of CUDA-registered buffers of their own (`depth` + 4
+    /// buffers, made and registered at the first device load; the staging arena is not
+    /// used). Each buffer is checksummed and copied to the device as soon as its read
+    /// completes. Disks differ in which pattern they serve fastest (`shmckpt bench --load
+    /// --source cuda --device-read SIZE --device-read-depth N` measures one against the raw
+    /// read). Default 16 MiB × 4.
+    pub fn with_device_read(mut self, bytes: u64, depth: u32) -> Self {
+        self.device_read = bytes;
+        self.device_read_depth = depth;
+        self
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory
@@ -234,6 +258,15 @@ impl EngineConfig {
             return Err(Error::Config(format!(
                 "shm name {n:?} must be 1..200 characters without '/'"
             )));
+        }
+        let dr = self.device_read;
+        if !dr.is_multiple_of(4096) || !(1 << 20..=1 << 30).contains(&dr) {
+            return Err(Error::Config(format!(
+                "device read size {dr} must be a multiple of 4096 between 1 MiB and 1 GiB"
+            )));
+        }
+        if !(1..=64).contains(&self.device_read_depth) {
+            return Err(Error::Config("device read depth must be 1..=64".into()));
         }
         if self.keep_last == Some(0) {
             return Err(Error::Config(

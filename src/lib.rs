@@ -56,8 +56,8 @@ pub mod cuda {
 }
 
 pub use config::{
-    DEFAULT_CHUNK_SIZE, DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
-    DEFAULT_WRITER_THREADS, EngineConfig,
+    DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH, DEFAULT_MAX_INFLIGHT_SAVES,
+    DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY, DEFAULT_WRITER_THREADS, EngineConfig,
 };
 pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):

@@ -324,3 +324,98 @@ fn gpu_restore_from_disk_and_from_memory_byte_exact() {
     engine.close();
     shmckpt::flash::remove_kept(&kept).unwrap();
 }
+
+/// `DeviceRing::load_split` (the DCP reader's path): every other tensor to the device
+/// through the registered ring, the rest back in host memory, one read of the file; then a
+/// flipped byte makes it fail with the checksum error naming the tensor.
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_split_load_device_and_host_byte_exact() {
+    let Some(ctx) = common::gpu() else { return };
+    let layout: Vec<LayoutEntry> = big_layout().into_iter().take(24).collect();
+    let bytes: u64 = layout.iter().map(LayoutEntry::len).sum();
+    let seed = 0x5b1d;
+    let bufs = upload(&ctx, &layout, seed);
+    let dir = common::gpu_test_dir("gpu-split");
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(bytes + (256 << 20))
+        .build()
+        .unwrap();
+    engine
+        .save(1, &tensors(&layout, &bufs), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close();
+    let step_dir = dir.path().join(shmckpt::manifest::step_dir_name(1));
+    let ring = shmckpt::restore::DeviceRing::new(16 << 20, 4).unwrap();
+    let opts = shmckpt::restore::ReadOptions::default();
+    let mut fresh: Vec<DeviceBuffer> = layout
+        .iter()
+        .step_by(2)
+        .map(|e| DeviceBuffer::alloc(&ctx, e.len() as usize).unwrap())
+        .collect();
+    for b in &mut fresh {
+        b.memset(0x11).unwrap();
+    }
+    let dest: Vec<(&str, shmckpt::DeviceSlice<'_>)> = layout
+        .iter()
+        .step_by(2)
+        .zip(&fresh)
+        .map(|(e, b)| (e.name.as_str(), b.slice()))
+        .collect();
+    // Tensor 1 into a host buffer of the caller's, the other odd ones returned.
+    let mut mine = vec![0u8; layout[1].len() as usize];
+    let got = {
+        let mut host: Vec<(&str, &mut [u8])> = vec![(layout[1].name.as_str(), &mut mine)];
+        // SAFETY: each range is a whole live `DeviceBuffer` nobody else uses during the call.
+        unsafe { ring.load_split(&step_dir, 0, &dest, &mut host, &opts) }.unwrap()
+    };
+    assert!(
+        mine == expected(&layout, 1, seed),
+        "{} differs",
+        layout[1].name
+    );
+    let mut host = Vec::new();
+    for (k, b) in fresh.iter().enumerate() {
+        host.resize(b.len(), 0);
+        b.download(&mut host).unwrap();
+        assert!(
+            host == expected(&layout, 2 * k, seed),
+            "{} differs",
+            layout[2 * k].name
+        );
+    }
+    for (t, h) in got.entry.tensors.iter().zip(&got.host) {
+        let k = layout.iter().position(|e| e.name == t.name).unwrap();
+        match h {
+            Some(h) => {
+                assert!(k % 2 == 1 && k != 1, "{} came back to the host", t.name);
+                assert!(
+                    h.as_bytes() == expected(&layout, k, seed),
+                    "{} differs",
+                    t.name
+                );
+            }
+            None => assert!(k % 2 == 0 || k == 1, "{} went to a destination", t.name),
+        }
+    }
+    // Damage one byte of a device-bound tensor: the load fails naming it.
+    let victim = &got
+        .entry
+        .tensors
+        .iter()
+        .find(|t| t.name == layout[0].name)
+        .unwrap();
+    let file = step_dir.join(&got.entry.file);
+    let at = got.entry.data_start + victim.data_offsets[0] + 1;
+    let mut img = std::fs::read(&file).unwrap();
+    img[at as usize] ^= 0x40;
+    std::fs::write(&file, &img).unwrap();
+    // SAFETY: as above.
+    let err = unsafe { ring.load_split(&step_dir, 0, &dest, &mut [], &opts) }.unwrap_err();
+    match err {
+        shmckpt::Error::Checksum { tensor, .. } => assert_eq!(tensor, layout[0].name),
+        other => panic!("unexpected {other:?}"),
+    }
+}

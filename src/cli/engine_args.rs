@@ -22,6 +22,12 @@ pub struct EngineArgs {
     /// Host staging copy threads (default: CPUs).
     #[arg(long)]
     pub copy_threads: Option<usize>,
+    /// Size of each O_DIRECT read of a device load from disk (default 16MiB).
+    #[arg(long, value_parser = parse_size)]
+    pub device_read: Option<u64>,
+    /// Reads in flight of a device load from disk (default 4).
+    #[arg(long)]
+    pub device_read_depth: Option<u32>,
 }
 
 impl EngineArgs {
@@ -43,6 +49,13 @@ impl EngineArgs {
         }
         if let Some(n) = self.copy_threads {
             cfg = cfg.with_copy_threads(n);
+        }
+        if self.device_read.is_some() || self.device_read_depth.is_some() {
+            cfg = cfg.with_device_read(
+                self.device_read.unwrap_or(shmckpt::DEFAULT_DEVICE_READ),
+                self.device_read_depth
+                    .unwrap_or(shmckpt::DEFAULT_DEVICE_READ_DEPTH),
+            );
         }
         cfg
     }

@@ -125,7 +125,7 @@ pub struct Engine {
     /// dropped, for the next `load`.
     load_buffers: Arc<SlabPool>,
     /// Registered read buffers of device loads from disk (made at the first one).
-    device_ring: Mutex<Option<Arc<CudaStaging>>>,
+    device_ring: Mutex<Option<Arc<restore::DeviceRing>>>,
     _lock: RootLock,
 }
 
@@ -140,15 +140,6 @@ impl std::fmt::Debug for Engine {
 }
 
 static ARENA_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// Size of each O_DIRECT read of a device load from disk. On the H200 machine's virtio
-/// disk one stream of 16 MiB reads outran 16 reads of 4 MiB in flight (5.26 s against
-/// 6.49 s for 8 GiB), and the first device loader, 8 reads of 8 MiB, ran at 0.81 × the
-/// faster one.
-const DEVICE_READ: u64 = 16 << 20;
-
-/// Reads in flight of a device load from disk.
-const DEVICE_READ_DEPTH: u32 = 4;
 
 impl EngineConfig {
     /// Build the engine ([`Engine::open`]).
@@ -587,11 +578,13 @@ impl Engine {
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = restore::match_destinations(&entry, &named)?;
-        let ordered = order.iter().map(|&i| dest[i].1).collect();
+        let ordered: Vec<DeviceSlice<'_>> = order.iter().map(|&i| dest[i].1).collect();
         let fallback_reason = match self.memory_image(&info)? {
             Ok((image, _, mem_entry)) if mem_entry == entry => {
                 // SAFETY: forwarded from this function's contract.
-                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+                let mut sink = unsafe {
+                    DeviceSink::new(self.shared.cuda(), ordered.into_iter().map(Some).collect())?
+                };
                 // Every checksum was verified when the image was adopted: straight from the
                 // engine's own (CUDA-registered) arena chunks to the device, in file order;
                 // the image stays locked (its chunks untouched) until the copies finished.
@@ -613,19 +606,21 @@ impl Engine {
             )),
             Err(why) => why,
         };
-        // From disk: O_DIRECT reads of `DEVICE_READ` bytes, `DEVICE_READ_DEPTH` in flight,
-        // into a small ring of registered buffers, each copied to the device as soon as
-        // it is read and checksummed (the staging arena is not used: it may hold a kept
-        // image, and its chunks are sized for writes).
+        // From disk: O_DIRECT reads into a small ring of registered buffers of their own
+        // (`EngineConfig::with_device_read`), each copied to the device as soon as it is
+        // read and checksummed (the staging arena is not used: it may hold a kept image,
+        // and its chunks are sized for writes).
         let ring = self.device_ring()?;
         // SAFETY: forwarded from this function's contract.
-        let mut sink = unsafe { DeviceSink::new(&ring, ordered)? };
-        let opts = restore::ReadOptions {
-            queue_depth: DEVICE_READ_DEPTH,
-            arena: Some(Arc::clone(ring.arena())),
-            ..self.read_options()
+        unsafe {
+            ring.read_to_device(
+                &info.dir.join(&entry.file),
+                &entry,
+                ordered.into_iter().map(Some).collect(),
+                &self.read_options(),
+                None,
+            )?
         };
-        restore::read_file(&info.dir.join(&entry.file), &entry, &opts, &mut sink)?;
         Ok(LoadReport {
             step: info.step,
             source: LoadSource::Disk,
@@ -638,23 +633,17 @@ impl Engine {
         Manifest::read(&self.resolve(which.into())?.dir)
     }
 
-    /// The registered read buffers of device loads from disk, made at the first one: as
-    /// many as `read_file` holds with `DEVICE_READ_DEPTH` reads in flight.
-    fn device_ring(&self) -> Result<Arc<CudaStaging>> {
+    /// The registered read buffers of device loads from disk, made at the first one.
+    fn device_ring(&self) -> Result<Arc<restore::DeviceRing>> {
         let mut ring = lock(&self.device_ring);
         if let Some(r) = &*ring {
             return Ok(Arc::clone(r));
         }
-        let arena = Arena::create(&ArenaSpec {
-            name: None,
-            capacity: DEVICE_READ * restore::buffers_needed(DEVICE_READ_DEPTH),
-            chunk_size: DEVICE_READ,
-            slots: 1,
-            rank: self.shared.cfg.rank,
-            world_size: self.shared.cfg.world_size,
-            root: std::path::PathBuf::new(),
-        })?;
-        let r = Arc::new(CudaStaging::new(arena));
+        let cfg = &self.shared.cfg;
+        let r = Arc::new(restore::DeviceRing::new(
+            cfg.device_read,
+            cfg.device_read_depth,
+        )?);
         *ring = Some(Arc::clone(&r));
         Ok(r)
     }

@@ -15,13 +15,15 @@ use crate::slab::SlabPool;
 use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
+mod device;
 mod header;
 mod reader;
 pub(crate) mod sink;
 
+pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::check_header;
+pub(crate) use reader::for_pieces;
 pub use reader::read_file;
-pub(crate) use reader::{buffers_needed, for_pieces};
 use sink::HostSink;
 
 /// How to read.
@@ -229,7 +231,7 @@ pub fn verify_dir(dir: &Path, opts: &ReadOptions) -> Result<u64> {
     Ok(total)
 }
 
-fn rank_entry<'m>(m: &'m Manifest, dir: &Path, rank: u32) -> Result<&'m FileEntry> {
+pub(crate) fn rank_entry<'m>(m: &'m Manifest, dir: &Path, rank: u32) -> Result<&'m FileEntry> {
     m.file_of_rank(rank).ok_or_else(|| {
         Error::corrupt(
             dir.join(crate::manifest::MANIFEST),

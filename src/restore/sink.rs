@@ -28,27 +28,38 @@ impl ReadSink for HostSink<'_> {
 /// A [`ReadSink`] that copies restored bytes to device memory (`cuMemcpyHtoDAsync` from
 /// the staging chunk, synchronized before the chunk is reused).
 pub(crate) struct DeviceSink {
-    dest: Vec<DeviceSlice<'static>>,
+    dest: Vec<Option<DeviceSlice<'static>>>,
     streams: BTreeMap<i32, Arc<DeviceState>>,
     used: BTreeSet<i32>,
-    _guard: CtxGuard,
+    _guard: Option<CtxGuard>,
 }
 
 impl DeviceSink {
-    /// Copy tensor `i` (file order) to `dest[i]`.
+    /// Copy tensor `i` (file order) to `dest[i]` (a piece of a tensor without a
+    /// destination is an error).
     ///
     /// # Safety
     /// Every destination must be device memory of its device, valid for writes of its
     /// length, and not used by anyone else until the load returns.
-    pub(crate) unsafe fn new(cuda: &CudaStaging, dest: Vec<DeviceSlice<'_>>) -> Result<DeviceSink> {
-        // SAFETY: the same ranges; this function's contract keeps them valid until the
-        // load returns, and the sink does not outlive the load.
-        let dest: Vec<DeviceSlice<'static>> = dest
+    pub(crate) unsafe fn new(
+        cuda: &CudaStaging,
+        dest: Vec<Option<DeviceSlice<'_>>>,
+    ) -> Result<DeviceSink> {
+        let dest: Vec<Option<DeviceSlice<'static>>> = dest
             .iter()
-            .map(|d| unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
+            .map(|d| {
+                // SAFETY: the same ranges; this function's contract keeps them valid until
+                // the load returns, and the sink does not outlive the load.
+                d.map(|d| unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
+            })
             .collect();
-        let devices: BTreeSet<i32> = dest.iter().map(|d| d.device()).collect();
-        let guard = CtxGuard::save()?;
+        let devices: BTreeSet<i32> = dest.iter().flatten().map(|d| d.device()).collect();
+        // No device destination (host buffers only): never touch the driver.
+        let guard = if devices.is_empty() {
+            None
+        } else {
+            Some(CtxGuard::save()?)
+        };
         cuda.prepare(&devices)?;
         let streams = devices
             .iter()
@@ -65,7 +76,12 @@ impl DeviceSink {
 
 impl ReadSink for DeviceSink {
     fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
-        let d = self.dest[tensor];
+        let Some(d) = self.dest.get(tensor).copied().flatten() else {
+            return Err(Error::Destination {
+                name: format!("#{tensor}"),
+                reason: "no device destination".into(),
+            });
+        };
         if at + bytes.len() as u64 > d.len() as u64 {
             return Err(Error::Destination {
                 name: format!("#{tensor}"),
