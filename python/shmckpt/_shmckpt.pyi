@@ -78,10 +78,24 @@ class Engine:
     def describe(self) -> Tuple[str, int, str, str]: ...
 
 def read_rank_file(
-    dir: str, rank: int, *, direct_io: bool = True, queue_depth: int = 4
-) -> Tuple[str, Dict[str, str], List[Tuple[str, str, List[int], int, int, Buffer]]]:
-    """Read ``rank``'s file of the committed step directory ``dir`` (used by
+    dir: str,
+    rank: int,
+    *,
+    direct_io: bool = True,
+    queue_depth: int = 4,
+    device: Optional[Sequence[Tuple[str, int, int, int]]] = None,
+    host: Optional[Sequence[Tuple[str, int, int]]] = None,
+) -> Tuple[str, Dict[str, str], List[Tuple[str, str, List[int], int, int, int, Optional[Buffer]]]]:
+    """Read ``rank``'s file of the committed step directory ``dir`` once (used by
     ``shmckpt.dcp.ShmckptReader``): header checked against the manifest, every CRC-32C
-    verified. Returns ``(file name, metadata, [(name, dtype, shape, crc32c, file offset,
-    Buffer)])`` in file order."""
+    verified. ``device`` lists ``(tensor name, device pointer, nbytes, device)`` and
+    ``host`` ``(tensor name, address, nbytes)``: those tensors are copied into that memory
+    (exactly their size, through registered read buffers) as the file is read; the caller
+    keeps the memory alive and unused meanwhile. Returns ``(file name, metadata, [(name,
+    dtype, shape, crc32c, file offset, nbytes, Buffer or None)])`` in file order, ``None``
+    for a tensor copied to a destination."""
+    ...
+
+def release_device_ring() -> None:
+    """Free the registered read buffers of device reads (made again by the next one)."""
     ...

@@ -2,7 +2,7 @@
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -22,7 +22,30 @@ class ShmckptStorageInfo(_StorageInfo):
     tensor: str = ...
     crc32c: Optional[int] = ...
 
-def release() -> None: ...
+def release() -> None:
+    """Finish the saves in flight and free every engine ``ShmckptWriter`` opened in this
+    process, and the registered read buffers of ``ShmckptReader``'s device loads."""
+    ...
+
+def prepare(
+    parent: Union[str, os.PathLike],
+    *,
+    staging_capacity: int,
+    devices: Optional[Sequence[int]] = None,
+    spool: Optional[Union[str, os.PathLike]] = None,
+    process_group: Any = None,
+    chunk_size: Optional[int] = None,
+    writer_threads: Optional[int] = None,
+    queue_depth: Optional[int] = None,
+    copy_threads: Optional[int] = None,
+    direct_io: Optional[bool] = None,
+    max_inflight_saves: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Open this rank's engine for checkpoints published under ``parent`` at start-up
+    (arena created, pre-faulted and registered with CUDA for ``devices``), so that the
+    first save does not pay for it. Returns ``{"open_s", "cuda_registration_s",
+    "staging_capacity", "shm_name"}``."""
+    ...
 
 class ShmckptWriter(StorageWriter, AsyncStager):
     path: str
@@ -62,6 +85,8 @@ class ShmckptReader(StorageReader):
     path: str
     direct_io: bool
     load_id: str
+    #: What the last read_data did: {"files", "device_items", "direct_host_items", "host_items"}.
+    last_read: Optional[Dict[str, int]]
     def __init__(self, path: Union[str, os.PathLike], *, direct_io: bool = True) -> None: ...
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None: ...
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata: ...

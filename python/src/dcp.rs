@@ -5,31 +5,57 @@
 //! through the ordinary `Engine`; loading on another world size needs any rank's file, not
 //! only the reader's own, which `Engine::load` does not offer: `read_rank_file` reads one
 //! rank's file of a step directory through `shmckpt::restore` (the engine's reader:
-//! O_DIRECT where the filesystem allows, every CRC-32C verified against the manifest).
+//! O_DIRECT where the filesystem allows, every CRC-32C verified against the manifest),
+//! sending the tensors it is given device destinations for straight to the device through
+//! one process-wide ring of CUDA-registered read buffers (host destinations through the
+//! same buffers, never registering them).
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
-use shmckpt::BackendKind;
-use shmckpt::restore::{ReadOptions, load_owned, rank_file};
+use shmckpt::restore::{DeviceRing, ReadOptions};
+use shmckpt::{BackendKind, DeviceSlice};
 
-use crate::{PyBuffer, core, to_py};
+use crate::{PyBuffer, core, lock, to_py};
 
-/// `(name, dtype, shape, crc32c, absolute file offset, Buffer)`.
-type ReadTensor = (String, String, Vec<usize>, u32, u64, PyBuffer);
+/// `(name, dtype, shape, crc32c, absolute file offset, nbytes, Buffer or None)`.
+type ReadTensor = (String, String, Vec<usize>, u32, u64, u64, Option<PyBuffer>);
 
-/// Read the file of `rank` in the committed step directory `dir` into owned buffers,
-/// verifying the header against the manifest and every tensor's CRC-32C. Returns
-/// `(file name, metadata, [(name, dtype, shape, crc32c, file offset, Buffer)])` in file
-/// order (CRC and offset as the manifest records them).
+/// The registered read buffers of device reads (made at the first one; 8 × 16 MiB).
+static RING: Mutex<Option<Arc<DeviceRing>>> = Mutex::new(None);
+
+fn ring() -> shmckpt::Result<Arc<DeviceRing>> {
+    let mut r = lock(&RING);
+    if let Some(r) = &*r {
+        return Ok(Arc::clone(r));
+    }
+    let made = Arc::new(DeviceRing::new(
+        shmckpt::DEFAULT_DEVICE_READ,
+        shmckpt::DEFAULT_DEVICE_READ_DEPTH,
+    )?);
+    *r = Some(Arc::clone(&made));
+    Ok(made)
+}
+
+/// Read the file of `rank` in the committed step directory `dir` once, verifying the
+/// header against the manifest and every tensor's CRC-32C. `device` lists `(tensor name,
+/// device pointer, nbytes, device)` and `host` `(tensor name, address, nbytes)`: those
+/// tensors are copied to that memory (exactly their size) as the file is read, the others
+/// come back in buffers of their own. Returns `(file name, metadata, [(name, dtype, shape,
+/// crc32c, file offset, nbytes, Buffer or None)])` in file order (CRC and offset as the
+/// manifest records them; `None` for a tensor copied to a destination).
 #[pyfunction]
-#[pyo3(signature = (dir, rank, *, direct_io=true, queue_depth=4))]
+#[pyo3(signature = (dir, rank, *, direct_io=true, queue_depth=4, device=None, host=None))]
+#[allow(clippy::too_many_arguments)]
 fn read_rank_file(
     py: Python<'_>,
     dir: PathBuf,
     rank: u32,
     direct_io: bool,
     queue_depth: u32,
+    device: Option<Vec<(String, u64, usize, i32)>>,
+    host: Option<Vec<(String, u64, usize)>>,
 ) -> PyResult<(
     String,
     std::collections::BTreeMap<String, String>,
@@ -41,41 +67,77 @@ fn read_rank_file(
         direct_io,
         arena: None,
     };
-    let (entry, ck) = py
+    let device = device.unwrap_or_default();
+    let host = host.unwrap_or_default();
+    crate::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
+    crate::check_disjoint(host.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
+    if let Some((n, _, _)) = host.iter().find(|(_, p, l)| *p == 0 && *l > 0) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "destination {n:?} has a null address"
+        )));
+    }
+    let loaded = py
         .detach(|| {
-            let (_, entry) = rank_file(&dir, rank)?;
-            let ck = load_owned(&dir, rank, &opts)?;
-            Ok::<_, shmckpt::Error>((entry, ck))
+            if device.is_empty() && host.is_empty() {
+                return shmckpt::restore::load_split_host(&dir, rank, &opts);
+            }
+            let ring = ring()?;
+            let slices: Vec<(&str, DeviceSlice<'_>)> = device
+                .iter()
+                .map(|(n, p, l, d)| {
+                    // SAFETY: the Python caller holds the destination tensors for the
+                    // whole call, synchronized their streams before it and does not use
+                    // them meanwhile; the ranges were checked not to overlap above.
+                    (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) })
+                })
+                .collect();
+            let mut bufs: Vec<(&str, &mut [u8])> = host
+                .iter()
+                .map(|(n, p, l)| {
+                    let b: &mut [u8] = if *l == 0 {
+                        &mut []
+                    } else {
+                        // SAFETY: as for the device ranges: live host memory of the
+                        // caller's tensors, `l` bytes each from a non-null address (checked
+                        // above), not overlapping, used by nobody else until the call
+                        // returns.
+                        unsafe { std::slice::from_raw_parts_mut(*p as *mut u8, *l) }
+                    };
+                    (n.as_str(), b)
+                })
+                .collect();
+            // SAFETY: as above, for every range in `slices`.
+            unsafe { ring.load_split(&dir, rank, &slices, &mut bufs, &opts) }
         })
         .map_err(|e| to_py(py, e))?;
-    let mut tensors = Vec::with_capacity(ck.tensors.len());
-    for t in ck.tensors {
-        // Both lists come from one parse of the same manifest (read twice): match by name.
-        let Some(e) = entry.tensors.iter().find(|e| e.name == t.name) else {
-            return Err(to_py(
-                py,
-                shmckpt::Error::Corrupt {
-                    path: dir.join(&entry.file),
-                    tensor: Some(t.name.clone()),
-                    reason: "the manifest changed while the file was read".into(),
-                },
-            ));
-        };
+    let entry = loaded.entry;
+    let mut tensors = Vec::with_capacity(entry.tensors.len());
+    for (e, data) in entry.tensors.into_iter().zip(loaded.host) {
         let offset = entry.data_start.saturating_add(e.data_offsets[0]);
-        let dtype = core::dtype_name(t.dtype).to_owned();
+        let nbytes = e.len();
+        let dtype = core::dtype_name(e.dtype).to_owned();
         tensors.push((
-            t.name,
+            e.name,
             dtype,
-            t.shape,
+            e.shape,
             e.crc32c,
             offset,
-            PyBuffer::new(t.data),
+            nbytes,
+            data.map(PyBuffer::new),
         ));
     }
-    Ok((entry.file, ck.metadata, tensors))
+    Ok((entry.file, loaded.manifest.metadata, tensors))
+}
+
+/// Free the registered read buffers of device reads (the next device read makes them
+/// again).
+#[pyfunction]
+fn release_device_ring(py: Python<'_>) {
+    py.detach(|| drop(lock(&RING).take()));
 }
 
 /// Add this file's functions to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(read_rank_file, m)?)
+    m.add_function(wrap_pyfunction!(read_rank_file, m)?)?;
+    m.add_function(wrap_pyfunction!(release_device_ring, m)?)
 }

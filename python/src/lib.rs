@@ -351,7 +351,9 @@ impl PyEngine {
 }
 
 /// Overlapping destinations would alias mutable memory: refuse them.
-fn check_disjoint<'a>(ranges: impl Iterator<Item = (&'a str, u64, usize)>) -> PyResult<()> {
+pub(crate) fn check_disjoint<'a>(
+    ranges: impl Iterator<Item = (&'a str, u64, usize)>,
+) -> PyResult<()> {
     let mut v: Vec<(u64, u64, &str)> = ranges
         .filter(|(_, _, l)| *l > 0)
         .map(|(n, p, l)| (p, p.saturating_add(l as u64), n))

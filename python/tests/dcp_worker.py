@@ -293,8 +293,20 @@ def sc_gpu(rank, world, workdir):
     (r.upload_completion if hasattr(r, "upload_completion") else r).result()
     dst = zero_state(mesh, device="cuda")
     dst["plain"]["big"] = torch.zeros_like(big)
-    dcp.load(dst, storage_reader=ShmckptReader(os.path.join(workdir, "ckpt", "g")))
-    assert bool((dst["plain"]["big"] == 7.0).all()), "the save did not wait for the caller's stream"
+    # Which items can go straight to the device (whole, contiguous, non-empty CUDA
+    # tensors): the reader must send exactly those through its registered buffers.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in dst.items()})
+    local = [v.to_local() if isinstance(v, DTensor) else v for v in flat.values()]
+    want_device = sum(1 for v in local if isinstance(v, torch.Tensor) and v.is_cuda and v.is_contiguous() and v.numel() > 0)
+    # Slow work queued on the current stream that writes a destination: the load's copies
+    # must come after it (the loaded bytes are the saved 7s, not these 3s).
+    torch.cuda._sleep(200_000_000)
+    dst["plain"]["big"].fill_(3.0)
+    reader = ShmckptReader(os.path.join(workdir, "ckpt", "g"))
+    dcp.load(dst, storage_reader=reader)
+    assert bool((dst["plain"]["big"] == 7.0).all()), "the save did not wait for the caller's stream, or the load for the destination's"
     ref["plain"]["big"] = torch.full_like(big, 7.0)
     n = compare(ref, dst)
     result(
@@ -305,6 +317,9 @@ def sc_gpu(rank, world, workdir):
             "checks": n,
             "alloc": [alloc, stage_alloc],
             "reserved": [reserved, stage_reserved],
+            "last_read": reader.last_read,
+            "want_device": want_device,
+            "items": len(flat),
         },
     )
     release()

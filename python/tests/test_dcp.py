@@ -220,8 +220,15 @@ def test_corrupted_bytes_fail_the_checksum(tmp_path):
     assert isinstance(c, errors.ChecksumError), repr(c)
     assert "'w'" in str(c) or '"w"' in str(c)
     assert str(f) in str(c)
-    # Nothing was copied into the destination.
-    assert not dst["w"].any()
+    # Whole contiguous destinations are filled as the file is read, so a failed load may
+    # have written into them (documented: never use the state of a failed load); a
+    # destination that needs a copy (strided here) is written only after every checksum of
+    # its file passed.
+    strided = {"w": torch.zeros(32, 64).t(), "b": torch.zeros(32, dtype=torch.bfloat16), "meta": {"epoch": 0, "tag": ""}}
+    with pytest.raises(FAIL) as ei:
+        dcp.load(strided, storage_reader=ShmckptReader(p))
+    assert isinstance(cause(ei.value), errors.ChecksumError)
+    assert not strided["w"].any()
 
 
 def test_truncated_file_is_an_error(tmp_path):
@@ -414,3 +421,66 @@ def test_fifo_metadata_is_refused_without_blocking(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _arenas_of_this_process():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"shmckpt.{os.getpid()}."))
+
+
+def test_prepare_opens_the_engine_every_later_writer_reuses(tmp_path):
+    from shmckpt.dcp import prepare
+
+    assert _arenas_of_this_process() == []
+    info = prepare(tmp_path, staging_capacity=8 << 20, devices=[], chunk_size=CHUNK)
+    assert info["cuda_registration_s"] is None
+    assert info["staging_capacity"] == 8 << 20
+    assert info["open_s"] > 0
+    assert _arenas_of_this_process() == [info["shm_name"]]
+    src = state()
+    dcp.save(src, storage_writer=ShmckptWriter(tmp_path / "a"))
+    _result(dcp.async_save(src, storage_writer=ShmckptWriter(tmp_path / "b", chunk_size=CHUNK)))
+    # Both saves went through the prepared arena: no other arena was made.
+    assert _arenas_of_this_process() == [info["shm_name"]]
+    for name in ("a", "b"):
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(tmp_path / name))
+        assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["b"], src["b"]), name
+        assert dst["meta"] == {"epoch": 3, "tag": "x"}
+    # Another parent directory is another spool, hence another engine.
+    other = tmp_path / "other"
+    other.mkdir()
+    dcp.save(src, storage_writer=ShmckptWriter(other / "c", chunk_size=CHUNK))
+    assert len(_arenas_of_this_process()) == 2
+    release()
+    assert _arenas_of_this_process() == []
+
+
+def test_prepare_too_small_is_grown_by_the_first_save_that_needs_more(tmp_path):
+    from shmckpt.dcp import prepare
+
+    info = prepare(tmp_path, staging_capacity=1 << 20, devices=[], chunk_size=CHUNK)
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB
+    dcp.save(big, storage_writer=ShmckptWriter(tmp_path / "big"))
+    arenas = _arenas_of_this_process()
+    assert len(arenas) == 1 and arenas != [info["shm_name"]]
+    d = {"w": torch.zeros(3 << 20)}
+    dcp.load(d, storage_reader=ShmckptReader(tmp_path / "big"))
+    assert torch.equal(d["w"], big["w"])
+
+
+def test_reader_reports_the_path_each_item_took_on_cpu(tmp_path):
+    p = tmp_path / "c"
+    save(p)
+    reader = ShmckptReader(p)
+    assert reader.last_read is None
+    dcp.load(zeros(), storage_reader=reader)
+    # Contiguous CPU destinations of the same dtype (w, b) are filled as the file is read;
+    # the two values of meta come back as bytes.
+    assert reader.last_read == {"files": 1, "device_items": 0, "direct_host_items": 2, "host_items": 2}
+    # A strided destination, and one of another dtype, come through buffers of their own
+    # and are copied (converted) into place.
+    dst = {"w": torch.zeros(32, 64).t(), "b": torch.zeros(32, dtype=torch.float32), "meta": {"epoch": 0, "tag": ""}}
+    dcp.load(dst, storage_reader=reader)
+    src = state()
+    assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["b"], src["b"].float())
+    assert reader.last_read == {"files": 1, "device_items": 0, "direct_host_items": 0, "host_items": 4}

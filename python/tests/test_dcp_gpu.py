@@ -3,7 +3,9 @@ failure). One rank with NCCL (plus gloo for DCP's CPU collectives), in a child p
 DTensor shards and plain tensors on the GPU, ``dcp.async_save`` through ShmckptWriter
 ordered after the caller's stream (a slow kernel queued just before the save rewrites a
 256 MiB tensor: the checkpoint must hold the new values), no device memory allocated by
-staging, and a byte-exact ``dcp.load`` into CUDA tensors with ShmckptReader."""
+staging, and a byte-exact ``dcp.load`` into CUDA tensors with ShmckptReader, whole
+tensors straight to the device through registered read buffers, ordered after work
+queued on the destinations."""
 
 import pytest
 import torch
@@ -22,3 +24,8 @@ def test_dcp_async_save_and_load_on_cuda(tmp_path):
     assert after == before, f"staging allocated {after - before} bytes of device memory"
     before, after = r["reserved"]
     assert after == before, f"staging reserved {after - before} bytes of device memory"
+    # Whole, contiguous CUDA destinations came straight from the file through the
+    # registered read buffers (4 DTensor shards, step_t, mask, i32, f16, big, hist); the
+    # empty and strided tensors and the values came through host memory.
+    assert r["want_device"] == 10
+    assert r["last_read"] == {"files": 1, "device_items": 10, "direct_host_items": 0, "host_items": r["items"] - 10}
