@@ -4,6 +4,7 @@
 # machine has no Rust): BIN holds shmckpt and the test binaries `gpu`, `gpu_ipc`
 # (`cargo test --release --no-run --test gpu --test gpu_ipc`, copied and stripped).
 # Results go to OUT. Usage: benches/gpu/h200.sh BIN OUT DISKDIR [steps...]
+# (pytests needs the shmckpt wheel importable, e.g. pip install --target and PYTHONPATH.)
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$2; DISK=$3; shift 3
 steps=${*:-"env tests c8 c16c c16u"}
@@ -29,6 +30,14 @@ for s in $steps; do
       "$BIN/gpu" --ignored --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1; log "gpu exit $?"
       "$BIN/gpu_ipc" --ignored --test-threads=1 --nocapture >> "$OUT/tests.log" 2>&1; log "gpu_ipc exit $?"
       rm -rf "${DISK:?}/tests" ;;
+    pytests)
+      log "pytest -m gpu"
+      python3 -m pytest -m gpu python/tests -q -p no:cacheprovider > "$OUT/pytests.log" 2>&1; log "pytest exit $?"
+      rm -rf "${DISK:?}/tests" ;;
+    # Restore: loads to the GPU from disk alternated with raw O_DIRECT reads, then from
+    # the kept arena (flash restore); -vv logs where each file read spends its time.
+    l8)   bench l8  -vv --size 8GiB  --tensors 64 --repeat 7 --no-reference --load --flash ;;
+    l16)  bench l16 -vv --size 16GiB --tensors 1000 --dtype mixed --repeat 3 --no-reference --load --flash ;;
     c8)   bench c8   --mode compare --size 8GiB  --tensors 64 --repeat 3 ;;
     c16c) bench c16c --mode compare --ipc-cache on  --size 16GiB --tensors 1000 --dtype mixed --repeat 3 ;;
     c16u) bench c16u --mode compare --ipc-cache off --size 16GiB --tensors 1000 --dtype mixed --repeat 3 ;;

@@ -508,7 +508,49 @@ def section_load(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any]) 
         methods["torch_load"] = lambda: torch.load(tpath, map_location=map_loc, weights_only=True)
     else:
         rec.setdefault("skipped", []).append("torch.load: budget or --no-torch-load")
-    files_of = {"torch_load": tpath}
+    files_of: Dict[str, List[str]] = {"torch_load": [tpath]}
+    dcp_dirs: List[str] = []
+    if a.dcp_load and bud.allows(4 * read_est + 3 * nbytes / (a.disk_gbps * 1e9)):
+        # The same state as a DCP checkpoint: DCP's own FileSystemWriter (torch.save
+        # streams, fsynced) read back by FileSystemReader, and shmckpt's ShmckptWriter read
+        # back by ShmckptReader; both loaded into existing tensors on the device.
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from shmckpt.dcp import ShmckptReader, ShmckptWriter
+
+        fs_dir = os.path.join(a.root, f"dcp-fs-{sname}")
+        sh_dir = os.path.join(a.root, f"dcp-shm-{sname}")
+        for d in (fs_dir, sh_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        t = time.perf_counter()
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(fs_dir, sync_files=True))
+        rec["dcp_filesystemwriter_save_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        dcp.save(state, storage_writer=ShmckptWriter(sh_dir))
+        rec["dcp_shmckptwriter_save_s"] = time.perf_counter() - t
+        dcp_dirs += [fs_dir, sh_dir]
+        fs_target = {k: torch.empty_like(v) for k, v in state.items()}
+        sh_target = {k: torch.empty_like(v) for k, v in state.items()}
+        readers: Dict[str, Any] = {}
+
+        def dcp_fs() -> Any:
+            dcp.load(fs_target, storage_reader=dcp.FileSystemReader(fs_dir))
+            return fs_target
+
+        def dcp_shm() -> Any:
+            r = ShmckptReader(sh_dir)
+            dcp.load(sh_target, storage_reader=r)
+            readers["last"] = r.last_read
+            return sh_target
+
+        methods["dcp_load_filesystemreader"] = dcp_fs
+        methods["dcp_load_shmckptreader"] = dcp_shm
+        files_of["dcp_load_filesystemreader"] = [os.path.join(fs_dir, f) for f in sorted(os.listdir(fs_dir))]
+        files_of["dcp_load_shmckptreader"] = [os.path.join(sh_dir, f) for f in sorted(os.listdir(sh_dir))]
+        rec["shmckptreader_last_read"] = readers
+    else:
+        rec.setdefault("skipped", []).append("dcp loads: budget or --no-dcp-load")
 
     verified: Dict[str, Any] = {}
 
@@ -532,7 +574,7 @@ def section_load(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any]) 
             # only if the page cache really was dropped.
             seq = ["buffered_read_1"] + seq
         for name in seq:
-            est = 0.5 if name == "h2d_pinned" else read_est * (2 if name == "torch_load" else 1)
+            est = 0.5 if name == "h2d_pinned" else read_est * (2 if name in ("torch_load", "dcp_load_filesystemreader") else 1)
             if not bud.allows(est):
                 rec.setdefault("skipped", []).append(f"{name} rep {rep}: budget")
                 continue
@@ -540,7 +582,7 @@ def section_load(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any]) 
                 if name == "h2d_pinned":
                     rec["runs"].setdefault(name, []).append(pinned.h2d(dev_flat, dev))
                     continue
-                ctx.evictor.evict(files_of.get(name, path))
+                ctx.evictor.evict(*files_of.get(name, [path]))
                 if name.startswith(("raw_read", "buffered_read")):
                     r = raw_read(path, int(name.rsplit("_", 1)[1]), want_direct=name.startswith("raw"))
                     if name.startswith("buffered_read"):
@@ -575,12 +617,18 @@ def section_load(ctx: Ctx, sname: str, st: Dict[str, Any], rec: Dict[str, Any]) 
             s[f"{k}_over_raw_read"] = ratio(s[k], s["raw_read_best_s"])
     s.pop("buffered_read_1_over_raw_read", None)
     for k in ("shmckpt_load", "shmckpt_load_into"):
-        for o in ("safetensors_load_file", "torch_load", "safetensors_fast_cuda_env"):
+        for o in ("safetensors_load_file", "torch_load", "safetensors_fast_cuda_env", "dcp_load_filesystemreader"):
             if s.get(k) and s.get(o):
                 s[f"{k}_over_{o}"] = s[k] / s[o]
     rec["summary"] = s
+    if s.get("dcp_load_shmckptreader") and s.get("dcp_load_filesystemreader"):
+        s["dcp_load_shmckptreader_over_dcp_load_filesystemreader"] = s["dcp_load_shmckptreader"] / s["dcp_load_filesystemreader"]
     if os.path.exists(tpath):
         os.remove(tpath)
+    import shutil
+
+    for d in dcp_dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def parse_cli_json(out: str) -> Dict[str, Any]:
@@ -863,6 +911,7 @@ def main() -> int:
     ap.add_argument("--no-fwd-covering", dest="fwd_covering", action="store_false")
     ap.add_argument("--mm-size", type=int, default=0, help="matmul side (default 8192 cuda, 256 cpu)")
     ap.add_argument("--no-torch-load", dest="torch_load", action="store_false")
+    ap.add_argument("--no-dcp-load", dest="dcp_load", action="store_false", help="skip the DCP loads (FileSystemReader, ShmckptReader)")
     ap.add_argument("--no-safetensors-fast", dest="safetensors_fast", action="store_false")
     ap.add_argument("--disk-gbps", type=float, default=2.0, help="write speed assumed by the budget")
     ap.add_argument("--read-gbps", type=float, default=2.0, help="read speed assumed by the budget")
