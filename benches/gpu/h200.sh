@@ -36,7 +36,7 @@ for s in $steps; do
       rm -rf "${DISK:?}/tests" ;;
     # Restore: loads to the GPU from disk alternated with raw O_DIRECT reads, then from
     # the kept arena (flash restore); -vv logs where each file read spends its time.
-    l8)   bench l8  -vv --size 8GiB  --tensors 64 --repeat 7 --no-reference --load --flash ;;
+    l8)   bench l8  -vv --size 8GiB  --tensors 64 --repeat "${L8_REPEAT:-7}" --no-reference --load --flash ;;
     l16)  bench l16 -vv --size 16GiB --tensors 1000 --dtype mixed --repeat 3 --no-reference --load --flash ;;
     c8)   bench c8   --mode compare --size 8GiB  --tensors 64 --repeat 3 ;;
     c16c) bench c16c --mode compare --ipc-cache on  --size 16GiB --tensors 1000 --dtype mixed --repeat 3 ;;

@@ -481,6 +481,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         self._current: Optional[_Save] = None
         self._lock = threading.Lock()
         self.last_report: Optional[Dict[str, Any]] = None
+        #: Where the last ``stage()`` spent its time: ``items_s`` (flattening the state and
+        #: listing its items, with the owner exchange on several ranks), ``submit_s`` (the
+        #: engine's staging call, device-to-host copies included), ``total_s``, and
+        #: ``engine`` (the engine's own staged report: ``staging``, ``backpressure``,
+        #: ``registration`` seconds).
+        self.last_stage: Dict[str, Any] = {}
         # True once DCP gave a checkpoint_id: stage() then does not know the next target
         # (DCP resets the writer after staging) and leaves the check to the coordinator.
         self._path_from_reset = False
@@ -630,6 +636,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             h = slot.engine.save(save.step, tuples, meta, after, True)
         # save() returned: every byte is staged, `entries` (our references) may go.
         save.handle = h
+        self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
 
     def stage(self, state_dict: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
         """Copy every tensor of ``state_dict`` (local shards of DTensors) into the engine's
@@ -642,6 +649,10 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         from torch.distributed.checkpoint.utils import find_state_dict_object
         from torch.distributed.tensor import DTensor
 
+        import time
+
+        t0 = time.perf_counter()
+        self.last_stage = {}
         if not self._path_from_reset:
             _check_target(self.path)  # early: before anything is staged
         save, rank, world = self._begin()
@@ -680,10 +691,14 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             dist.all_gather_object(gathered, mine, group=_gather_group(self._group))
             save.owners = _assign_owners(gathered)
             objs = [(i, d) for i, d in objs if save.owners[_key(i)] == rank]
+        t1 = time.perf_counter()
         self._submit(save, rank, world, objs)
+        t2 = time.perf_counter()
         with self._lock:
             self._staged.append(save)
-        return _copy_containers(state_dict)
+        out = _copy_containers(state_dict)
+        self.last_stage.update(items_s=t1 - t0, submit_s=t2 - t1, total_s=time.perf_counter() - t0)
+        return out
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once staged."""

@@ -52,6 +52,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
     save_id: str
     is_coordinator: bool
     last_report: Optional[Dict[str, Any]]
+    #: Where the last stage() spent its time: items_s, submit_s, total_s, engine.
+    last_stage: Dict[str, Any]
     def __init__(
         self,
         path: Union[str, os.PathLike],

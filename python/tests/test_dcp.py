@@ -438,7 +438,14 @@ def test_prepare_opens_the_engine_every_later_writer_reuses(tmp_path):
     assert _arenas_of_this_process() == [info["shm_name"]]
     src = state()
     dcp.save(src, storage_writer=ShmckptWriter(tmp_path / "a"))
-    _result(dcp.async_save(src, storage_writer=ShmckptWriter(tmp_path / "b", chunk_size=CHUNK)))
+    w = ShmckptWriter(tmp_path / "b", chunk_size=CHUNK)
+    _result(dcp.async_save(src, storage_writer=w))
+    # stage() said where its time went; the prepared arena needed no registration.
+    st = w.last_stage
+    assert set(st) == {"items_s", "submit_s", "total_s", "engine"}
+    assert 0 <= st["items_s"] + st["submit_s"] <= st["total_s"]
+    assert st["engine"]["bytes"] == os.path.getsize(tmp_path / "b" / "rank-00000-of-00001.safetensors")
+    assert st["engine"]["registration"] == 0.0
     # Both saves went through the prepared arena: no other arena was made.
     assert _arenas_of_this_process() == [info["shm_name"]]
     for name in ("a", "b"):
@@ -484,3 +491,11 @@ def test_reader_reports_the_path_each_item_took_on_cpu(tmp_path):
     src = state()
     assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["b"], src["b"].float())
     assert reader.last_read == {"files": 1, "device_items": 0, "direct_host_items": 0, "host_items": 4}
+    # DCP plans no read for an empty tensor.
+    q = tmp_path / "e"
+    dcp.save({"a": torch.ones(3), "e": torch.empty(0, 3)}, storage_writer=ShmckptWriter(q, chunk_size=CHUNK))
+    dst = {"a": torch.zeros(3), "e": torch.empty(0, 3)}
+    r2 = ShmckptReader(q)
+    dcp.load(dst, storage_reader=r2)
+    assert torch.equal(dst["a"], torch.ones(3)) and dst["e"].shape == (0, 3)
+    assert r2.last_read == {"files": 1, "device_items": 0, "direct_host_items": 1, "host_items": 0}

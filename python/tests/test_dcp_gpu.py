@@ -26,6 +26,7 @@ def test_dcp_async_save_and_load_on_cuda(tmp_path):
     assert after == before, f"staging reserved {after - before} bytes of device memory"
     # Whole, contiguous CUDA destinations came straight from the file through the
     # registered read buffers (4 DTensor shards, step_t, mask, i32, f16, big, hist); the
-    # empty and strided tensors and the values came through host memory.
+    # strided tensor and the values came through host memory (DCP plans no read of the
+    # empty tensor).
     assert r["want_device"] == 10
     assert r["last_read"] == {"files": 1, "device_items": 10, "direct_host_items": 0, "host_items": r["items"] - 10}
