@@ -210,8 +210,20 @@ pub unsafe fn load_into_host(
     step: Option<u64>,
     dest: &[(String, u64, usize)],
 ) -> Result<u64> {
-    let mut slices: Vec<(&str, &mut [u8])> = dest
-        .iter()
+    // SAFETY: forwarded from this function's contract.
+    let mut slices = unsafe { host_slices(dest) };
+    engine.load_into(sel(step), &mut slices)
+}
+
+/// `(name, address, nbytes)` ranges as named byte slices (an empty one for `nbytes` 0,
+/// whatever its address).
+///
+/// # Safety
+/// Every range of non-zero length must be writable host memory at a non-null address,
+/// valid for the slices' lifetime `'m` (the caller picks it: the memory is not `dest`'s),
+/// not accessed by anyone else meanwhile, and no two ranges may overlap.
+pub unsafe fn host_slices<'m>(dest: &[(String, u64, usize)]) -> Vec<(&str, &'m mut [u8])> {
+    dest.iter()
         .map(|(n, p, l)| {
             let s: &mut [u8] = if *l == 0 {
                 &mut []
@@ -221,8 +233,7 @@ pub unsafe fn load_into_host(
             };
             (n.as_str(), s)
         })
-        .collect();
-    engine.load_into(sel(step), &mut slices)
+        .collect()
 }
 
 /// Load into device memory given as `(name, device pointer, length, device)`.

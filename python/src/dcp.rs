@@ -91,21 +91,10 @@ fn read_rank_file(
                     (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) })
                 })
                 .collect();
-            let mut bufs: Vec<(&str, &mut [u8])> = host
-                .iter()
-                .map(|(n, p, l)| {
-                    let b: &mut [u8] = if *l == 0 {
-                        &mut []
-                    } else {
-                        // SAFETY: as for the device ranges: live host memory of the
-                        // caller's tensors, `l` bytes each from a non-null address (checked
-                        // above), not overlapping, used by nobody else until the call
-                        // returns.
-                        unsafe { std::slice::from_raw_parts_mut(*p as *mut u8, *l) }
-                    };
-                    (n.as_str(), b)
-                })
-                .collect();
+            // SAFETY: as for the device ranges: live host memory of the caller's tensors,
+            // each at a non-null address (checked above), not overlapping, used by nobody
+            // else until the call returns.
+            let mut bufs = unsafe { core::host_slices(&host) };
             // SAFETY: as above, for every range in `slices`.
             unsafe { ring.load_split(&dir, rank, &slices, &mut bufs, &opts) }
         })
