@@ -72,12 +72,15 @@ impl Segment {
             };
             return Err(cleanup(err));
         }
-        let ptr = map(&fd, len, true).map_err(|e| {
-            cleanup(Error::Shm {
-                name: name.to_owned(),
-                op: "mmap",
-                source: e,
-            })
+        Segment::map_named(name, fd, len).map_err(cleanup)
+    }
+
+    /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`.
+    fn map_named(name: &str, fd: OwnedFd, len: usize) -> Result<Segment> {
+        let ptr = map(&fd, len, true).map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "mmap",
+            source: e,
         })?;
         Ok(Segment {
             ptr,
@@ -112,17 +115,7 @@ impl Segment {
                 ),
             });
         }
-        let ptr = map(&fd, len, true).map_err(|e| Error::Shm {
-            name: name.to_owned(),
-            op: "mmap",
-            source: e,
-        })?;
-        Ok(Segment {
-            ptr,
-            len,
-            name: Some(name.to_owned()),
-            _fd: Some(fd),
-        })
+        Segment::map_named(name, fd, len)
     }
 
     /// A private anonymous mapping of `len` bytes, pre-faulted; used where no other process
