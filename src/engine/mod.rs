@@ -578,13 +578,12 @@ impl Engine {
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = restore::match_destinations(&entry, &named)?;
-        let ordered: Vec<DeviceSlice<'_>> = order.iter().map(|&i| dest[i].1).collect();
+        let ordered: Vec<Option<DeviceSlice<'_>>> =
+            order.iter().map(|&i| Some(dest[i].1)).collect();
         let fallback_reason = match self.memory_image(&info)? {
             Ok((image, _, mem_entry)) if mem_entry == entry => {
                 // SAFETY: forwarded from this function's contract.
-                let mut sink = unsafe {
-                    DeviceSink::new(self.shared.cuda(), ordered.into_iter().map(Some).collect())?
-                };
+                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
                 // Every checksum was verified when the image was adopted: straight from the
                 // engine's own (CUDA-registered) arena chunks to the device, in file order;
                 // the image stays locked (its chunks untouched) until the copies finished.
@@ -616,7 +615,7 @@ impl Engine {
             ring.read_to_device(
                 &info.dir.join(&entry.file),
                 &entry,
-                ordered.into_iter().map(Some).collect(),
+                ordered,
                 &self.read_options(),
                 None,
             )?

@@ -27,7 +27,6 @@ use crate::tensor::{AlignedBytes, DeviceSlice};
 /// [`Error::Cuda`], as do loads to device memory anywhere else.
 pub struct DeviceRing {
     staging: CudaStaging,
-    read_size: u64,
     depth: u32,
     busy: std::sync::Mutex<()>,
 }
@@ -35,7 +34,7 @@ pub struct DeviceRing {
 impl std::fmt::Debug for DeviceRing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceRing")
-            .field("read_size", &self.read_size)
+            .field("read_size", &self.read_size())
             .field("depth", &self.depth)
             .field("bytes", &self.bytes())
             .finish()
@@ -80,7 +79,6 @@ impl DeviceRing {
         })?;
         Ok(DeviceRing {
             staging: CudaStaging::new(arena),
-            read_size,
             depth,
             busy: std::sync::Mutex::new(()),
         })
@@ -91,9 +89,9 @@ impl DeviceRing {
         self.staging.arena().capacity()
     }
 
-    /// Size of each read.
+    /// Size of each read (the ring's buffer size).
     pub fn read_size(&self) -> u64 {
-        self.read_size
+        self.staging.arena().chunk_size()
     }
 
     /// Reads in flight.

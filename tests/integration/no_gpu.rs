@@ -75,6 +75,7 @@ fn split_load_without_device_destinations_is_host_only_and_exact() {
     // same bytes.
     let ring = shmckpt::restore::DeviceRing::new(1 << 20, 2).unwrap();
     assert_eq!(ring.bytes(), (1 << 20) * (2 + 4));
+    assert_eq!((ring.read_size(), ring.depth()), (1 << 20, 2));
     // SAFETY: no device ranges.
     let again = unsafe { ring.load_split(&step_dir, 0, &[], &mut [], &opts) }.unwrap();
     assert_eq!(again.host, got.host);
