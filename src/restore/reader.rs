@@ -170,12 +170,14 @@ pub fn read_file(
     };
 
     loop {
-        // Hold at most `qd` buffers, in flight or waiting for an earlier chunk.
-        while error.is_none() && next_issue < n && ready.len() + q.in_flight() < qd {
+        // Keep `qd` reads in flight while buffers last (the arena bounds the chunks held:
+        // in flight, read ahead of an earlier chunk, or handed to the sink). The disk gets
+        // its next request before a completed chunk is checksummed, not after.
+        while error.is_none() && next_issue < n && q.in_flight() < qd {
             let lease = match arena.try_acquire() {
                 Some(l) => l,
-                None => {
-                    // Buffers handed to the sink come back once its copies finished.
+                // Buffers handed to the sink come back once its copies finished.
+                None if !handed.is_empty() => {
                     let t = std::time::Instant::now();
                     let r = release(sink, &mut handed);
                     t_release += t.elapsed();
@@ -185,6 +187,11 @@ pub fn read_file(
                     }
                     arena.acquire().0
                 }
+                // Nothing of ours to wait for: the buffers are someone else's (a shared
+                // arena) and come back when they are done with them.
+                None if q.in_flight() == 0 && ready.is_empty() => arena.acquire().0,
+                // Ours are in flight or read ahead: their completions free one.
+                None => break,
             };
             let k = next_issue;
             let want = (data_len - k * cs).min(cs) as usize;
@@ -202,28 +209,9 @@ pub fn read_file(
             }
             next_issue += 1;
         }
-        if q.in_flight() == 0 {
-            break;
-        }
-        let t = std::time::Instant::now();
-        let done = match q.wait(1) {
-            Ok(d) => d,
-            Err(b) => {
-                error.get_or_insert(Error::io("io wait", path, b.error));
-                break;
-            }
-        };
-        t_wait += t.elapsed();
-        completions(
-            done,
-            (path, entry, cs),
-            &mut error,
-            |lease, p| issue(&mut q, lease, p),
-            |lease, p| {
-                ready.insert(p.chunk, (lease, p));
-            },
-        );
-        while error.is_none()
+        // The next chunk in file order, if read: checksum it and hand it to the sink, then
+        // refill the queue before the one after.
+        if error.is_none()
             && let Some((lease, p)) = ready.remove(&next_process)
         {
             let t = std::time::Instant::now();
@@ -251,7 +239,29 @@ pub fn read_file(
                     error.get_or_insert(e);
                 }
             }
+            continue;
         }
+        if q.in_flight() == 0 {
+            break;
+        }
+        let t = std::time::Instant::now();
+        let done = match q.wait(1) {
+            Ok(d) => d,
+            Err(b) => {
+                error.get_or_insert(Error::io("io wait", path, b.error));
+                break;
+            }
+        };
+        t_wait += t.elapsed();
+        completions(
+            done,
+            (path, entry, cs),
+            &mut error,
+            |lease, p| issue(&mut q, lease, p),
+            |lease, p| {
+                ready.insert(p.chunk, (lease, p));
+            },
+        );
     }
     let t = std::time::Instant::now();
     if let Err(e) = release(sink, &mut handed) {
