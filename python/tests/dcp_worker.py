@@ -398,11 +398,63 @@ def fsdp2_load(rank, world, workdir):
     return len(ref)
 
 
+def sc_plan_cache(rank, world, workdir, saves="3"):
+    """async_save with DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)):
+    from the second save on, DCP sends no plans and every rank reuses its cached final
+    plan, which ShmckptWriter's prepare_global_plan made (each replicated item given to
+    the rank that staged it). Every save loads byte-exact, each replicated tensor in one
+    rank's file."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import logging
+
+    hits = []
+
+    class Hits(logging.Handler):
+        def emit(self, record):
+            if "No change in the local plan" in record.getMessage():
+                hits.append(record)
+
+    log = logging.getLogger("torch.distributed.checkpoint.default_planner")
+    log.addHandler(Hits())
+    log.setLevel(logging.INFO)
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    ck = os.path.join(workdir, "ckpt")
+    checked = 0
+    for i in range(int(saves)):
+        src = make_state(mesh, seed_shift=float(i))
+        src["step"] = 1000 + i
+        ref = make_state(mesh, seed_shift=float(i))
+        ref["step"] = 1000 + i
+        path = os.path.join(ck, f"s{i}")
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        r = dcp.async_save(src, storage_writer=ShmckptWriter(path, chunk_size=CHUNK), planner=planner)
+        (r.upload_completion if hasattr(r, "upload_completion") else r).result()
+        dist.barrier()
+        dst = zero_state(mesh)
+        dcp.load(dst, storage_reader=ShmckptReader(path))
+        checked += compare(ref, dst)
+        holders = {}
+        for k in range(world):
+            with safe_open(os.path.join(path, f"rank-{k:05d}-of-{world:05d}.safetensors"), "pt") as f:
+                for name in f.keys():
+                    holders.setdefault(name, []).append(k)
+        for k in src["plain"]:
+            assert len(holders.get(f"plain.{k}", [])) == 1, (i, k, holders.get(f"plain.{k}"))
+        dist.barrier()
+    result(workdir, "plan_cache", rank, {"checks": checked, "saves": int(saves), "cached_plans_used": len(hits)})
+    release()
+    dist.destroy_process_group()
+
+
 SCENARIOS = {
     "roundtrip": sc_roundtrip,
     "reshard_save": sc_reshard_save,
     "reshard_load": sc_reshard_load,
     "flat": sc_flat,
+    "plan_cache": sc_plan_cache,
     "gpu": sc_gpu,
 }
 

@@ -107,6 +107,13 @@ def test_saved_on_4_ranks_loads_on_2(tmp_path):
         assert r == {"checks": 14, "full": 4, "fsdp2_checked": n}
 
 
+def test_dcp_plan_caching_reuses_the_writers_global_plan(tmp_path):
+    """Three async_saves on 2 ranks with DCP's plan caching: the later ones reuse the
+    cached plans (DCP logs each hit); every one loads byte-exact (14 checks each)."""
+    res = spawn("plan_cache", 2, tmp_path, "3")
+    assert res == [{"checks": 3 * 14, "saves": 3, "cached_plans_used": 2}] * 2
+
+
 def test_100_saves_keep_host_memory_flat(tmp_path):
     res = spawn("flat", 2, tmp_path, "100", timeout=300)
     for r in res:
