@@ -596,6 +596,16 @@ class SysTorch(System):
         self.mark_durable(rec)
 
 
+def dcp_planner(ctx):
+    """The save planner of the DCP systems: DCP's default, with its plan caching when
+    --dcp-plan-caching on (the same for dcp and dcp-shm)."""
+    if ctx.args.dcp_plan_caching != "on":
+        return None
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
 class SysDCP(System):
     name = "dcp"
 
@@ -616,6 +626,8 @@ class SysDCP(System):
         self.notes.append("a new DefaultStager per save (torch 2.11: a second stage() on one DefaultStager raises KeyError(<class 'type'>)), closed on the trainer thread once its upload is done (stager_close_s)")
         if not cuda:
             self.notes.append("--device cpu: StagingOptions(pinned=False, shared=True, async=False, non_blocking=False)")
+        if ctx.args.dcp_plan_caching == "on":
+            self.notes.append("planner=DefaultSavePlanner(enable_plan_caching=True) (--dcp-plan-caching on)")
 
     def save(self, step, state, rec):
         import torch.distributed.checkpoint as dcp
@@ -626,7 +638,9 @@ class SysDCP(System):
             writer = dcp.FileSystemWriter(d, thread_count=self.ctx.threads, sync_files=True, overwrite=True)
             stager = DefaultStager(self.opts)
             rec["_stager"] = stager  # closed once its upload is done (see _close_stager)
-            return dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
+            return dcp.async_save(
+                state, storage_writer=writer, planner=dcp_planner(self.ctx), async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager
+            )
 
         self._save_with(step, rec, call)
 
@@ -746,6 +760,8 @@ class SysDCPShm(SysDCP):
             f"prepare at start-up, outside the timed loop: open {self.prepared['open_s']:.2f} s, "
             f"CUDA registration {self.prepared['cuda_registration_s'] or 0.0:.2f} s"
         )
+        if ctx.args.dcp_plan_caching == "on":
+            self.notes.append("planner=DefaultSavePlanner(enable_plan_caching=True) (--dcp-plan-caching on)")
 
     def save(self, step, state, rec):
         import torch.distributed.checkpoint as dcp
@@ -755,7 +771,7 @@ class SysDCPShm(SysDCP):
 
         def call(d):
             w["writer"] = ShmckptWriter(d, staging_capacity=self.capacity)
-            return dcp.async_save(state, storage_writer=w["writer"])
+            return dcp.async_save(state, storage_writer=w["writer"], planner=dcp_planner(self.ctx))
 
         self._save_with(step, rec, call)
         # Where the call's time went (DCP's own work is the rest of return_s).
@@ -1681,6 +1697,7 @@ def parse_args(argv=None):
     a("--layers", type=int, default=None, help="override the size's layer count")
     a("--fused", default="auto", choices=["auto", "fused", "foreach", "single"], help="AdamW implementation (auto: fused on CUDA, foreach on CPU)")
     a("--keep-last", type=int, default=2, help="checkpoints kept per system (older ones deleted in a background thread; shmckpt: keep_last)")
+    a("--dcp-plan-caching", default="on", choices=["on", "off"], help="dcp and dcp-shm: DefaultSavePlanner(enable_plan_caching=True), DCP's own option (torch >= 2.7): from the second save on no plans are exchanged")
     a("--threads", type=int, default=4, help="writer threads for DCP FileSystemWriter and NVRx FileSystemWriterAsync")
     a("--raw-bytes", type=float, default=0, help="bytes for each raw-disk write (0 = the state size)")
     a("--raw-inflight", type=int, default=16, help="in-flight writes for the second raw-disk measurement")
