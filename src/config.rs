@@ -16,12 +16,14 @@ pub const DEFAULT_WRITER_THREADS: usize = 2;
 pub const DEFAULT_QUEUE_DEPTH: u32 = 8;
 /// Default number of save slots (saves staged or draining at once).
 pub const DEFAULT_MAX_INFLIGHT_SAVES: u32 = 4;
-/// Default size of each O_DIRECT read of a device load from disk: 16 MiB. On the H200
-/// machine's disk, reads of 16 MiB with 4 in flight were in the fastest group of a sweep of
-/// request sizes and depths (`benches/disk/read_sweep.py`, docs/benchmarks.md).
-pub const DEFAULT_DEVICE_READ: u64 = 16 << 20;
-/// Default reads in flight of a device load from disk: 4.
-pub const DEFAULT_DEVICE_READ_DEPTH: u32 = 4;
+/// Default size of each O_DIRECT read of a device load from disk: 32 MiB. On the H200
+/// machine, 8 GiB disk-to-GPU loads with 32 MiB × 8 were the fastest of the settings
+/// swept against raw reads of the same runs (16 MiB × 4 and × 8, 4 MiB × 16, 32 MiB × 8;
+/// `benches/gpu/load_sweep.sh`, docs/benchmarks.md).
+pub const DEFAULT_DEVICE_READ: u64 = 32 << 20;
+/// Default reads in flight of a device load from disk: 8 (with the ring's 4 spare
+/// buffers, 12 × 32 MiB = 384 MiB of registered host memory).
+pub const DEFAULT_DEVICE_READ_DEPTH: u32 = 8;
 /// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
 /// setter's documentation gives its default.
 #[derive(Debug, Clone)]
@@ -200,7 +202,7 @@ impl EngineConfig {
     /// used). Each buffer is checksummed and copied to the device as soon as its read
     /// completes. Disks differ in which pattern they serve fastest (`shmckpt bench --load
     /// --source cuda --device-read SIZE --device-read-depth N` measures one against the raw
-    /// read). Default 16 MiB × 4.
+    /// read). Default 32 MiB × 8 (384 MiB of buffers).
     pub fn with_device_read(mut self, bytes: u64, depth: u32) -> Self {
         self.device_read = bytes;
         self.device_read_depth = depth;

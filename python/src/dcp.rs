@@ -22,7 +22,7 @@ use crate::{PyBuffer, core, lock, to_py};
 /// `(name, dtype, shape, crc32c, absolute file offset, nbytes, Buffer or None)`.
 type ReadTensor = (String, String, Vec<usize>, u32, u64, u64, Option<PyBuffer>);
 
-/// The registered read buffers of device reads (made at the first one; 8 × 16 MiB).
+/// The registered read buffers of device reads (made at the first one; the engine defaults, 12 × 32 MiB).
 static RING: Mutex<Option<Arc<DeviceRing>>> = Mutex::new(None);
 
 fn ring() -> shmckpt::Result<Arc<DeviceRing>> {

@@ -22,10 +22,10 @@ pub struct EngineArgs {
     /// Host staging copy threads (default: CPUs).
     #[arg(long)]
     pub copy_threads: Option<usize>,
-    /// Size of each O_DIRECT read of a device load from disk (default 16MiB).
+    /// Size of each O_DIRECT read of a device load from disk (default 32MiB).
     #[arg(long, value_parser = parse_size)]
     pub device_read: Option<u64>,
-    /// Reads in flight of a device load from disk (default 4).
+    /// Reads in flight of a device load from disk (default 8).
     #[arg(long)]
     pub device_read_depth: Option<u32>,
 }
