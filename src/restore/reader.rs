@@ -174,19 +174,20 @@ pub fn read_file(
         // in flight, read ahead of an earlier chunk, or handed to the sink). The disk gets
         // its next request before a completed chunk is checksummed, not after.
         while error.is_none() && next_issue < n && q.in_flight() < qd {
-            let lease = match arena.try_acquire() {
-                Some(l) => l,
+            let mut lease = arena.try_acquire();
+            if lease.is_none() && !handed.is_empty() {
                 // Buffers handed to the sink come back once its copies finished.
-                None if !handed.is_empty() => {
-                    let t = std::time::Instant::now();
-                    let r = release(sink, &mut handed);
-                    t_release += t.elapsed();
-                    if let Err(e) = r {
-                        error = Some(e);
-                        break;
-                    }
-                    arena.acquire().0
+                let t = std::time::Instant::now();
+                let r = release(sink, &mut handed);
+                t_release += t.elapsed();
+                if let Err(e) = r {
+                    error = Some(e);
+                    break;
                 }
+                lease = arena.try_acquire();
+            }
+            let lease = match lease {
+                Some(l) => l,
                 // Nothing of ours to wait for: the buffers are someone else's (a shared
                 // arena) and come back when they are done with them.
                 None if q.in_flight() == 0 && ready.is_empty() => arena.acquire().0,
@@ -561,4 +562,133 @@ pub(crate) fn read_to_slab(
             direct_io: target.is_direct(),
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, Engine, EngineConfig, Metadata, Tensor};
+
+    /// Collects every tensor's bytes (file order), checking that pieces come in order.
+    struct Collect(Vec<Vec<u8>>);
+
+    impl ReadSink for Collect {
+        fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
+            let t = &mut self.0[tensor];
+            assert_eq!(t.len() as u64, at, "tensor {tensor}: pieces out of order");
+            t.extend_from_slice(bytes);
+            Ok(())
+        }
+    }
+
+    /// A committed checkpoint of four u8 tensors of odd sizes (about 3.3 MiB, so several
+    /// 1 MiB chunks, with tensors straddling their boundaries): its directory, file entry
+    /// and each tensor's bytes by name.
+    fn saved() -> (
+        tempfile::TempDir,
+        PathBuf,
+        FileEntry,
+        Vec<(String, Vec<u8>)>,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<(String, Vec<u8>)> = [300_001usize, 1 << 20, 4097, 2_000_000]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let bytes = (0..n)
+                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 13) as u8 ^ k as u8)
+                    .collect();
+                (format!("t{k}"), bytes)
+            })
+            .collect();
+        let engine = Engine::open(
+            EngineConfig::new(dir.path())
+                .with_staging_capacity(8 << 20)
+                .with_chunk_size(1 << 20),
+        )
+        .unwrap();
+        let tensors: Vec<Tensor<'_>> = data
+            .iter()
+            .map(|(n, d)| Tensor::host(n.as_str(), Dtype::U8, vec![d.len()], d))
+            .collect();
+        engine
+            .save(1, &tensors, &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        drop(engine);
+        let step = dir.path().join(crate::manifest::step_dir_name(1));
+        let (_, entry) = super::super::rank_file(&step, 0).unwrap();
+        let path = step.join(&entry.file);
+        (dir, path, entry, data)
+    }
+
+    fn arena(chunks: u64) -> Arc<Arena> {
+        Arena::create(&ArenaSpec {
+            name: None,
+            capacity: chunks << 20,
+            chunk_size: 1 << 20,
+            slots: 1,
+            rank: 0,
+            world_size: 1,
+            root: PathBuf::new(),
+        })
+        .unwrap()
+    }
+
+    /// `read_file` on another thread; a read that has not finished in 60 s fails the
+    /// test (the reader this replaced waited forever in both tests below, on a chunk that
+    /// only its own unprocessed reads could free).
+    fn read_with(path: &Path, entry: &FileEntry, arena: Arc<Arena>, depth: u32) -> Vec<Vec<u8>> {
+        let opts = ReadOptions {
+            queue_depth: depth,
+            arena: Some(arena),
+            ..ReadOptions::default()
+        };
+        let (path, entry) = (path.to_owned(), entry.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sink = Collect(vec![Vec::new(); entry.tensors.len()]);
+            let r = read_file(&path, &entry, &opts, &mut sink).map(|_| sink.0);
+            let _ = tx.send(r);
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("the read did not finish in 60 s (depth {depth})"),
+        }
+    }
+
+    fn assert_exact(entry: &FileEntry, got: &[Vec<u8>], data: &[(String, Vec<u8>)]) {
+        for (t, bytes) in entry.tensors.iter().zip(got) {
+            let want = &data.iter().find(|(n, _)| *n == t.name).unwrap().1;
+            assert!(bytes == want, "{}: bytes differ", t.name);
+        }
+    }
+
+    /// Fewer buffers than reads in flight: the reader issues what the arena allows, frees
+    /// the buffers it handed to the sink when it needs one, and reads every byte.
+    #[test]
+    fn fewer_buffers_than_the_depth_still_read_every_byte() {
+        let (_d, path, entry, data) = saved();
+        for (chunks, depth) in [(1, 4), (2, 8), (8, 4), (12, 8)] {
+            let got = read_with(&path, &entry, arena(chunks), depth);
+            assert_exact(&entry, &got, &data);
+        }
+    }
+
+    /// A shared arena whose other chunks are held by someone else (a save, in an engine):
+    /// the reader gets by with the one left.
+    #[test]
+    fn a_shared_arena_with_one_free_chunk_is_enough() {
+        let (_d, path, entry, data) = saved();
+        let a = arena(4);
+        let held: Vec<ChunkLease> = (0..3).map(|_| a.try_acquire().unwrap()).collect();
+        let got = read_with(&path, &entry, Arc::clone(&a), 4);
+        assert_exact(&entry, &got, &data);
+        drop(held);
+        // Every chunk came back.
+        let all: Vec<ChunkLease> = (0..4).map(|_| a.try_acquire().unwrap()).collect();
+        assert!(a.try_acquire().is_none());
+        drop(all);
+    }
 }
