@@ -60,14 +60,7 @@ impl DeviceRing {
     /// A ring for reads of `read_size` bytes (a multiple of 4096, 1 MiB to 1 GiB), `depth`
     /// in flight (1 to 64).
     pub fn new(read_size: u64, depth: u32) -> Result<DeviceRing> {
-        if !read_size.is_multiple_of(4096) || !(1 << 20..=1 << 30).contains(&read_size) {
-            return Err(Error::Config(format!(
-                "device read size {read_size} must be a multiple of 4096 between 1 MiB and 1 GiB"
-            )));
-        }
-        if !(1..=64).contains(&depth) {
-            return Err(Error::Config("device read depth must be 1..=64".into()));
-        }
+        crate::config::check_device_read(read_size, depth)?;
         let arena = Arena::create(&ArenaSpec {
             name: None,
             capacity: read_size * reader::buffers_needed(depth),
