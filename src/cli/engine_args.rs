@@ -36,6 +36,15 @@ impl EngineArgs {
         self.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE)
     }
 
+    /// The device-load read size and depth the engine will use.
+    pub fn device_read(&self) -> (u64, u32) {
+        (
+            self.device_read.unwrap_or(shmckpt::DEFAULT_DEVICE_READ),
+            self.device_read_depth
+                .unwrap_or(shmckpt::DEFAULT_DEVICE_READ_DEPTH),
+        )
+    }
+
     /// `cfg` with these flags applied.
     pub fn apply(&self, cfg: EngineConfig) -> EngineConfig {
         let mut cfg = cfg
@@ -51,11 +60,8 @@ impl EngineArgs {
             cfg = cfg.with_copy_threads(n);
         }
         if self.device_read.is_some() || self.device_read_depth.is_some() {
-            cfg = cfg.with_device_read(
-                self.device_read.unwrap_or(shmckpt::DEFAULT_DEVICE_READ),
-                self.device_read_depth
-                    .unwrap_or(shmckpt::DEFAULT_DEVICE_READ_DEPTH),
-            );
+            let (bytes, depth) = self.device_read();
+            cfg = cfg.with_device_read(bytes, depth);
         }
         cfg
     }

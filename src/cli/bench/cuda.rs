@@ -85,18 +85,9 @@ pub fn run(a: BenchArgs) -> CliResult {
             Ok(t.elapsed())
         })?;
         load_extra = super::load_keys(file_bytes, &runs);
-        load_extra.insert(
-            "device_read".into(),
-            json!(a.engine.device_read.unwrap_or(shmckpt::DEFAULT_DEVICE_READ)),
-        );
-        load_extra.insert(
-            "device_read_depth".into(),
-            json!(
-                a.engine
-                    .device_read_depth
-                    .unwrap_or(shmckpt::DEFAULT_DEVICE_READ_DEPTH)
-            ),
-        );
+        let (read, depth) = a.engine.device_read();
+        load_extra.insert("device_read".into(), json!(read));
+        load_extra.insert("device_read_depth".into(), json!(depth));
         // The PCIe limit of a restore: one plain pinned HtoD of the same bytes.
         let mut dsts: Vec<&mut DeviceBuffer> = bufs.iter_mut().collect();
         pinned.time_htod(&mut dsts, &stream)?; // warm-up
