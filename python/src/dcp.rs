@@ -70,12 +70,7 @@ fn read_rank_file(
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();
     crate::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
-    crate::check_disjoint(host.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
-    if let Some((n, _, _)) = host.iter().find(|(_, p, l)| *p == 0 && *l > 0) {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "destination {n:?} has a null address"
-        )));
-    }
+    crate::check_host_ranges(&host)?;
     let loaded = py
         .detach(|| {
             if device.is_empty() && host.is_empty() {

@@ -242,10 +242,11 @@ impl PyEngine {
         dest: Vec<(String, u64, usize)>,
     ) -> PyResult<u64> {
         let engine = self.get()?;
-        check_disjoint(dest.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
+        check_host_ranges(&dest)?;
         py.detach(|| {
             // SAFETY: the Python caller holds the destination tensors for the whole call and
-            // does not use them meanwhile; the ranges were checked not to overlap above.
+            // does not use them meanwhile; the ranges were checked above not to overlap and
+            // to have non-null addresses.
             unsafe { core::load_into_host(&engine, step, &dest) }
         })
         .map_err(|e| to_py(py, e))
@@ -348,6 +349,19 @@ impl PyEngine {
         let (n, c, b, r) = core::describe(&engine);
         Ok((n, c, b, r.to_string_lossy().into_owned()))
     }
+}
+
+/// Host destinations `(name, address, nbytes)`: none may overlap another
+/// ([`check_disjoint`]) or have a null address and bytes (`core::host_slices` makes slices
+/// of them).
+pub(crate) fn check_host_ranges(dest: &[(String, u64, usize)]) -> PyResult<()> {
+    check_disjoint(dest.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
+    if let Some((n, _, _)) = dest.iter().find(|(_, p, l)| *p == 0 && *l > 0) {
+        return Err(PyValueError::new_err(format!(
+            "destination {n:?} has a null address"
+        )));
+    }
+    Ok(())
 }
 
 /// Overlapping destinations would alias mutable memory: refuse them.

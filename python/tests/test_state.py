@@ -435,3 +435,23 @@ def test_a_fifo_in_place_of_the_rank_file_is_refused_without_blocking(ck, root):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_host_destinations_with_a_null_address_or_overlapping_are_refused(ck, root):
+    """The extension makes byte slices of host destinations: a null address with bytes,
+    or two ranges sharing memory, is refused before anything is read, by the engine's
+    load_into and by the DCP reader's read_rank_file alike."""
+    from shmckpt import _shmckpt
+
+    ck.save(1, {"w": torch.arange(4)}).wait()
+    buf = torch.zeros(4, dtype=torch.int64)
+    p = buf.data_ptr()
+    for load in (
+        lambda dest: ck._engine.load_into(1, dest),
+        lambda dest: _shmckpt.read_rank_file(str(root / "step-1"), 0, host=dest),
+    ):
+        with pytest.raises(ValueError, match='destination "w" has a null address'):
+            load([("w", 0, 32)])
+        with pytest.raises(ValueError, match="overlap in memory"):
+            load([("w", p, 32), ("v", p + 8, 8)])
+    assert buf.tolist() == [0, 0, 0, 0]  # nothing was written
