@@ -57,3 +57,19 @@ def listing(root):
     """Every path under root (relative), to compare before/after."""
     root = pathlib.Path(root)
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def descriptors_under(root):
+    """Files under root this process holds a descriptor of (deleted ones too), except the
+    engines' root locks (`.shmckpt-rank-N.lock`, held while an engine is open)."""
+    root = os.path.realpath(root)
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing (e.g. the listing's own descriptor)
+            continue
+        name = os.path.basename(target.removesuffix(" (deleted)"))
+        if target.startswith(root + os.sep) and not (name.startswith(".shmckpt-rank-") and name.endswith(".lock")):
+            found.append(target)
+    return sorted(found)

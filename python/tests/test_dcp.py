@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shmckpt import errors
 from shmckpt.dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter, release
+
+from conftest import descriptors_under
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "dcp_worker.py"
@@ -175,6 +178,20 @@ def test_single_process_roundtrip_and_layout(tmp_path):
     assert dst["meta"] == {"epoch": 3, "tag": "x"}
     assert sorted(os.listdir(p)) == [".metadata", "manifest.json", "rank-00000-of-00001.safetensors"]
     assert ShmckptReader.validate_checkpoint_id(p) and not ShmckptReader.validate_checkpoint_id(tmp_path)
+
+
+def test_a_finished_save_keeps_no_descriptor_of_its_files(tmp_path):
+    # Deleting a checkpoint must free it in the deleting thread, never in the next save's
+    # staging (the engine once held its last file open until the next save).
+    for i in range(3):
+        p = tmp_path / f"c{i}"
+        save(p)
+        assert descriptors_under(tmp_path) == []
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(p))
+        assert torch.equal(dst["w"], state()["w"])
+        shutil.rmtree(p)
+        assert descriptors_under(tmp_path) == []
 
 
 def test_existing_target_is_refused_before_writing(tmp_path):

@@ -4,6 +4,7 @@ import collections
 import json
 import math
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 import shmckpt
 from shmckpt import _state
 
-from conftest import SMALL, listing
+from conftest import SMALL, descriptors_under, listing
 
 
 def raw(t):
@@ -455,3 +456,18 @@ def test_host_destinations_with_a_null_address_or_overlapping_are_refused(ck, ro
         with pytest.raises(ValueError, match="overlap in memory"):
             load([("w", p, 32), ("v", p + 8, 8)])
     assert buf.tolist() == [0, 0, 0, 0]  # nothing was written
+
+
+def test_a_durable_save_keeps_no_descriptor_of_its_file(ck, root):
+    # Closing the last descriptor of a deleted file frees its blocks (seconds for
+    # gigabytes with `discard`): the engine once held its last file open until the next
+    # save, which then paid for the user's deletion of that checkpoint.
+    state = {"w": torch.arange(300_000, dtype=torch.int32)}
+    for step in (1, 2, 3):
+        handle = ck.save(step, state)
+        handle.wait()
+        assert descriptors_under(root) == []
+        assert raw(load_file(file_of(root, step))["w"]) == raw(state["w"])
+        shutil.rmtree(os.path.join(root, f"step-{step}"))
+        assert descriptors_under(root) == []
+    assert ck.list() == []

@@ -38,6 +38,10 @@ pub(super) fn finalize(
             Err(e) => (Err(Arc::new(e)), commit::Retired::default()),
         },
     };
+    // Closed before anything is reported (and before a failed save's file is removed):
+    // deleting the checkpoint later frees its blocks in the deleting thread, never in a
+    // later save of this engine.
+    st.close_file();
     if result.is_err() {
         commit::abort_partial(&st.partial, &st.file_name);
     }

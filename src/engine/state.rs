@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::commit::{self};
@@ -35,10 +35,11 @@ pub(super) enum FileState {
     Failed,
 }
 
-/// The save's file, opened by the opener thread while staging runs.
+/// The save's file, opened by the opener thread while staging runs, and closed by the
+/// commit thread as soon as the save has ended (see `SaveState::close_file`).
 #[derive(Debug, Default)]
 pub(super) struct FileSlot {
-    pub(super) target: OnceLock<Arc<FileTarget>>,
+    pub(super) target: Mutex<Option<Arc<FileTarget>>>,
     pub(super) state: Mutex<FileState>,
     pub(super) changed: Condvar,
     /// Where the file is being written (known before it exists, for errors).
@@ -102,7 +103,7 @@ impl SaveState {
     pub(super) fn file_opened(&self, r: Result<FileTarget>) {
         let ok = match r {
             Ok(t) => {
-                let _ = self.file.target.set(Arc::new(t));
+                *lock(&self.file.target) = Some(Arc::new(t));
                 true
             }
             Err(e) => {
@@ -123,14 +124,27 @@ impl SaveState {
         self.changed.notify_all();
     }
 
-    /// The open file, waiting for the opener; `None` if opening failed.
-    pub(super) fn file_target(&self) -> Option<&Arc<FileTarget>> {
+    /// The open file, waiting for the opener; `None` if opening failed or the file was
+    /// closed (`close_file`).
+    pub(super) fn file_target(&self) -> Option<Arc<FileTarget>> {
         let mut s = lock(&self.file.state);
         while *s == FileState::Pending {
             s = self.file.changed.wait(s).unwrap_or_else(|e| e.into_inner());
         }
         drop(s);
-        self.file.target.get()
+        lock(&self.file.target).clone()
+    }
+
+    /// Close the save's file (once the opener is done). Runs on the commit thread when the
+    /// save has settled and the file is durable or given up, before the result is
+    /// reported: no descriptor of the engine outlives the save. Whoever holds the last
+    /// descriptor of a deleted file pays for freeing its blocks when closing it (seconds
+    /// for gigabytes on a filesystem mounted with `discard`): held until the next save
+    /// replaced this one, it made the caller of that save pay (docs/benchmarks.md).
+    pub(super) fn close_file(&self) {
+        let _ = self.file_target();
+        let file = lock(&self.file.target).take();
+        drop(file);
     }
 
     pub(super) fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {
@@ -196,7 +210,7 @@ impl SaveState {
 }
 
 impl WriteSink for SaveState {
-    fn target(&self) -> Option<&Arc<FileTarget>> {
+    fn target(&self) -> Option<Arc<FileTarget>> {
         self.file_target()
     }
 

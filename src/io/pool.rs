@@ -22,8 +22,8 @@ use crate::staging::ChunkLease;
 /// The party that owns a write: a save in flight.
 pub trait WriteSink: Send + Sync {
     /// The file written, waiting until it is open; `None` when opening it failed (the
-    /// save has failed then).
-    fn target(&self) -> Option<&Arc<FileTarget>>;
+    /// save has failed then) or the save has ended.
+    fn target(&self) -> Option<Arc<FileTarget>>;
     /// Path of the file (for errors).
     fn path(&self) -> &std::path::Path;
     /// True once the save has failed; later jobs are skipped.
@@ -265,7 +265,7 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
     let Some(target) = sink.target() else {
         return fail(&lease, t, std::io::Error::other("file not open"));
     };
-    if let Err((lease, t, e)) = q.push(lease, t, target, req) {
+    if let Err((lease, t, e)) = q.push(lease, t, &target, req) {
         fail(&lease, t, e);
     }
 }

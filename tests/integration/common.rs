@@ -384,3 +384,25 @@ pub fn relay_markers(text: &str, markers: &[&str]) -> bool {
     }
     seen
 }
+
+/// The files under checkpoint root `dir` that this process holds a descriptor of
+/// (`/proc/self/fd`), deleted ones included (the kernel marks them " (deleted)"), except
+/// the engines' root locks (`.shmckpt-rank-N.lock`, held while an engine is open).
+pub fn descriptors_under(dir: &Path) -> Vec<String> {
+    let dir = dir.display().to_string();
+    let mut found = Vec::new();
+    for fd in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        // A descriptor closed between the listing and this read has no link any more.
+        if let Ok(target) = std::fs::read_link(fd.path()) {
+            let t = target.display().to_string();
+            let lock = target
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".shmckpt-rank-") && n.ends_with(".lock"));
+            if t.starts_with(&dir) && !lock {
+                found.push(t);
+            }
+        }
+    }
+    found
+}

@@ -115,7 +115,8 @@ fn failing_case(backend: BackendKind, rules: &[Rule], errno: i32, offset: u64) {
         "{msg}"
     );
     assert!(plan.fired() >= 1);
-    // Nothing committed, nothing left behind.
+    // Nothing committed, nothing left behind, no descriptor of the removed file kept.
+    assert_eq!(descriptors_under(root), Vec::<String>::new());
     assert_eq!(committed(root), [1]);
     assert!(partial_dirs(root).is_empty(), "{:?}", partial_dirs(root));
     assert_eq!(e.latest().unwrap(), Some(1));

@@ -143,6 +143,40 @@ fn caller_may_overwrite_tensors_as_soon_as_save_returns() {
 }
 
 #[test]
+fn a_finished_save_holds_no_descriptor_of_its_file() {
+    // Whoever closes the last descriptor of a deleted file frees its blocks (seconds for
+    // gigabytes on a filesystem mounted with `discard`). The engine once kept the file of
+    // its last save open until the next save replaced it, so deleting a checkpoint made
+    // the next `save` call pay for it: 2.5-3x the staging time here, seconds on the H200.
+    for backend in BACKENDS {
+        let dir = real_dir("closed");
+        let root = dir.path();
+        let engine = Engine::open(small_config(root, backend)).unwrap();
+        for step in 1..=3u64 {
+            let state = step_state(step);
+            let handle = engine
+                .save(step, &state.tensors(), &Metadata::new())
+                .unwrap();
+            let report = handle.wait().unwrap();
+            // The report (and the engine's record of its last save) are still held.
+            assert_eq!(
+                descriptors_under(root),
+                Vec::<String>::new(),
+                "{backend:?} step {step}"
+            );
+            assert_safetensors_equal(&report.file, &state);
+            std::fs::remove_dir_all(report.dir.unwrap()).unwrap();
+            assert_eq!(
+                descriptors_under(root),
+                Vec::<String>::new(),
+                "{backend:?} step {step}"
+            );
+        }
+        assert_eq!(committed(root), Vec::<u64>::new());
+    }
+}
+
+#[test]
 fn back_to_back_saves_each_hold_their_own_step() {
     for backend in BACKENDS {
         let dir = real_dir("b2b");
