@@ -69,6 +69,7 @@ import pickle
 import re
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
@@ -95,7 +96,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _shmckpt, _state
-from .checkpointer import _cuda_span_copy, _host_entry, _open_untrusted, _Staged
+from .checkpointer import _cuda_span_copy, _gc_paused, _open_untrusted
 from .errors import CorruptError, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
@@ -419,14 +420,11 @@ def _rank_world(group: Any) -> Tuple[int, int]:
     return 0, 1
 
 
-def _estimate_file(items: Sequence[Tuple[str, Any, int]], meta: Dict[str, str]) -> int:
-    """An upper bound of the safetensors file the engine will lay out."""
-    header = 8 + 4096 + len(json.dumps(meta)) * 2
-    data = 0
-    for name, obj, nbytes in items:
-        ndim = obj.dim() if isinstance(obj, torch.Tensor) else 1
-        header += 2 * len(name.encode()) + 96 + 24 * ndim
-        data += nbytes
+def _estimate_file(items_header: int, data: int, meta: Dict[str, str]) -> int:
+    """An upper bound of the safetensors file the engine will lay out: ``data`` bytes of
+    items, whose header entries take at most ``items_header`` bytes (per item: twice its
+    name's bytes, 96, and 24 a dimension), and the metadata ``meta``."""
+    header = 8 + 4096 + len(json.dumps(meta)) * 2 + items_header
     return data + -(-header // 4096) * 4096
 
 
@@ -561,10 +559,19 @@ class ShmckptWriter(StorageWriter, AsyncStager):
 
     def _submit(self, save: _Save, rank: int, world: int, objs: List[Tuple[MetadataIndex, Any]]) -> None:
         """Hand ``objs`` (tensors, or bytes of non-tensor items) to the engine and return
-        once they are staged."""
+        once they are staged. One pass over the items builds the engine's tuples, the
+        header's sharding entries and the file estimate (the caller's stall)."""
         names: Dict[str, MetadataIndex] = {}
         sharding: Dict[str, Any] = {}
-        items: List[Tuple[str, Any, int]] = []
+        # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
+        # memory) and, at the same index, what keeps each one's memory alive.
+        tuples: List[Tuple[str, str, List[int], int, int, int]] = []
+        keep: List[Any] = []
+        streams: Dict[int, Any] = {}
+        finishes: List[Tuple[int, Any]] = []  # (index in tuples, finish) for host copies
+        header = 0  # the header estimate's per-item part (see _estimate_file)
+        data = 0
+        cuda_index = -1  # the device of the last CUDA item, and its current stream
         for index, obj in objs:
             name = index.fqn
             if name in names:  # a second shard of one tensor on this rank
@@ -572,69 +579,77 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 if name in names:
                     raise ValueError(f"ShmckptWriter: item {index} is planned twice")
             names[name] = index
-            nbytes = _item_bytes(obj)
-            offs = (_offsets_of(index) or [0] * obj.dim()) if isinstance(obj, torch.Tensor) else [0]
-            sharding[name] = {"saved_offsets": offs}
-            items.append((name, obj, nbytes))
+            if not isinstance(obj, torch.Tensor):
+                nbytes = len(obj)
+                sharding[name] = {"saved_offsets": [0]}
+                save.items[index] = _Item(index, name, nbytes)
+                header += 2 * len(name.encode()) + 120
+                data += nbytes
+                a = np.frombuffer(obj, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+                tuples.append((name, "U8", [nbytes], int(a.ctypes.data) if nbytes else 0, nbytes, -1))
+                keep.append(a)
+                continue
+            t = obj.detach()
+            shape = list(t.shape)
+            nbytes = t.numel() * t.element_size()
+            sharding[name] = {"saved_offsets": _offsets_of(index) or [0] * len(shape)}
             save.items[index] = _Item(index, name, nbytes)
+            header += 2 * len(name.encode()) + 96 + 24 * len(shape)
+            data += nbytes
+            st = _state.TORCH_TO_ST.get(t.dtype)
+            if st is None:
+                raise TypeError(f"ShmckptWriter: {name!r} has dtype {t.dtype}, which safetensors cannot store")
+            if t.is_cpu:
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                tuples.append((name, st, shape, int(t.data_ptr()) if nbytes else 0, nbytes, -1))
+                keep.append(t)
+            elif t.is_cuda:
+                dev = t.get_device()
+                if dev != cuda_index and dev not in streams:
+                    streams[dev] = torch.cuda.current_stream(dev)
+                cuda_index = dev
+                if nbytes == 0:
+                    tuples.append((name, st, shape, 0, 0, -1))
+                    keep.append(t)
+                elif t.is_contiguous():
+                    tuples.append((name, st, shape, int(t.data_ptr()), nbytes, dev))
+                    keep.append(t)
+                else:
+                    # A strided view: copy its storage span to pinned host memory (no
+                    # device memory), then gather on the host.
+                    with torch.cuda.device(dev):
+                        pinned, fin = _cuda_span_copy(t)
+                    tuples.append((name, st, shape, 0, 0, -1))
+                    keep.append([t, pinned])
+                    finishes.append((len(tuples) - 1, fin))
+            else:
+                raise TypeError(f"ShmckptWriter: {name!r} is on {t.device}; only CPU and CUDA tensors are supported")
         meta = {
             _HF_SHARDING_KEY: json.dumps(sharding, separators=(",", ":")),
             "DCP_VERSION": "1.0",
             "format": "pt",
             _FORMAT_KEY: "1",
         }
-        need = _estimate_file(items, meta)
+        need = _estimate_file(header, data, meta)
         slot = _open_engine(save.spool, rank, world, need, self._opts)
-
-        entries: List[_Staged] = []
-        streams: Dict[int, Any] = {}
-        finishes: List[Tuple[int, Any]] = []
-        for name, obj, nbytes in items:
-            if not isinstance(obj, torch.Tensor):
-                a = np.frombuffer(obj, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-                entries.append(_host_entry(name, "U8", a))
-                continue
-            t = obj.detach()
-            st = _state.TORCH_TO_ST.get(t.dtype)
-            if st is None:
-                raise TypeError(f"ShmckptWriter: {name!r} has dtype {t.dtype}, which safetensors cannot store")
-            if t.device.type == "cpu":
-                entries.append(_host_entry(name, st, t if t.is_contiguous() else t.contiguous()))
-            elif t.device.type == "cuda":
-                dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-                if dev not in streams:
-                    streams[dev] = torch.cuda.current_stream(dev)
-                if nbytes == 0:
-                    entries.append(_Staged(name, st, list(t.shape), 0, 0, -1, t))
-                elif t.is_contiguous():
-                    entries.append(_Staged(name, st, list(t.shape), int(t.data_ptr()), nbytes, dev, t))
-                else:
-                    # A strided view: copy its storage span to pinned host memory (no
-                    # device memory), then gather on the host.
-                    with torch.cuda.device(dev):
-                        pinned, fin = _cuda_span_copy(t)
-                    entries.append(_Staged(name, st, list(t.shape), 0, 0, -1, [t, pinned]))
-                    finishes.append((len(entries) - 1, fin))
-            else:
-                raise TypeError(f"ShmckptWriter: {name!r} is on {t.device}; only CPU and CUDA tensors are supported")
         if finishes:
             for s in streams.values():
                 s.synchronize()  # those streams only, not the device
             for i, fin in finishes:
-                e = entries[i]
                 h = fin()
-                ne = _host_entry(e.name, e.dtype, h)
-                ne.keep = [e.keep, h]
-                entries[i] = ne
+                name, st, shape = tuples[i][:3]
+                tuples[i] = (name, st, shape, int(h.data_ptr()) if h.numel() else 0, h.numel() * h.element_size(), -1)
+                keep[i] = [keep[i], h]
         after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
-        tuples = [e.tuple() for e in entries]
         try:
             h = slot.engine.save(save.step, tuples, meta, after, True)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
             slot = _open_engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
             h = slot.engine.save(save.step, tuples, meta, after, True)
-        # save() returned: every byte is staged, `entries` (our references) may go.
+        # save() returned: every byte is staged, `keep` (our references) may go.
+        del keep
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
 
@@ -643,18 +658,23 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         shared-memory arena and start writing; return once staged. Non-tensor values are
         serialized now. Returns the state dict for DCP's planning (its tensors are not read
         again)."""
+        t0 = time.perf_counter()
+        self.last_stage = {}
+        if not self._path_from_reset:
+            _check_target(self.path)  # early: before anything is staged
+        # No cyclic GC while the per-item objects are built (as in Checkpointer.save):
+        # collections of the trainer's whole heap would land in the caller's stall.
+        with _gc_paused():
+            return self._stage(state_dict, t0)
+
+    def _stage(self, state_dict: Dict[str, Any], t0: float) -> Dict[str, Any]:
+        """``stage`` with collections paused; ``t0``: when ``stage`` was called."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
         from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
         from torch.distributed.checkpoint.planner_helpers import _create_write_items
         from torch.distributed.checkpoint.utils import find_state_dict_object
         from torch.distributed.tensor import DTensor
 
-        import time
-
-        t0 = time.perf_counter()
-        self.last_stage = {}
-        if not self._path_from_reset:
-            _check_target(self.path)  # early: before anything is staged
         save, rank, world = self._begin()
         flat, _ = flatten_state_dict(state_dict)
         from torch.distributed._shard.sharded_tensor import ShardedTensor
