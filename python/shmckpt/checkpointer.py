@@ -183,20 +183,6 @@ def _canonical(name: str) -> str:
     return ".".join(parts)
 
 
-class _Staged:
-    """One tensor as handed to the engine, with what keeps its memory alive (used by the
-    DCP writer; ``Checkpointer.save`` builds plain tuples)."""
-
-    __slots__ = ("name", "dtype", "shape", "ptr", "nbytes", "device", "keep")
-
-    def __init__(self, name, dtype, shape, ptr, nbytes, device, keep):
-        self.name, self.dtype, self.shape = name, dtype, shape
-        self.ptr, self.nbytes, self.device, self.keep = ptr, nbytes, device, keep
-
-    def tuple(self):
-        return (self.name, self.dtype, self.shape, self.ptr, self.nbytes, self.device)
-
-
 @contextlib.contextmanager
 def _gc_paused() -> Any:
     """No cyclic garbage collection inside: flattening a large state allocates a few
@@ -228,11 +214,6 @@ def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], 
     nbytes = t.numel() * t.element_size()
     ptr = int(t.data_ptr()) if nbytes else 0
     return (name, st_dtype, list(t.shape), ptr, nbytes, -1)
-
-
-def _host_entry(name: str, st_dtype: str, t: Any) -> _Staged:
-    """A contiguous CPU tensor or array as an engine tuple."""
-    return _Staged(*_host_tuple(name, st_dtype, t), t)
 
 
 def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
