@@ -4,7 +4,10 @@ One native Checkpointer (no keep_last) saves STATE GiB of CPU bf16 tensors (1,31
 default) four times, each durable before the next; after each save, per --mode: `keep`
 (nothing deleted), `delete` (the step directory just written is removed), `delete-sync`
 (removed, then os.sync()), `delete-sleep` (removed, then 6 s). Prints each save's
-blocking time (the stall). Found with benches/dcp/idle_stall.py (docs/benchmarks.md).
+blocking time (the stall). Found with benches/dcp/idle_stall.py: until 54acafb a save
+right after a deletion paid for it (the engine held the deleted file's last descriptor,
+and closing it in save() trimmed the freed blocks synchronously on a `discard` mount);
+kept as the check that it does not come back (docs/benchmarks.md).
 
 python3 benches/host/delete_then_save.py --dir DIR [--gib 2] --mode delete
 """
