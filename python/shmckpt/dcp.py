@@ -96,7 +96,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _shmckpt, _state
-from .checkpointer import _cuda_span_copy, _gc_paused, _open_untrusted
+from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
 from .errors import CorruptError, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
@@ -420,10 +420,15 @@ def _rank_world(group: Any) -> Tuple[int, int]:
     return 0, 1
 
 
+def _entry_bound(name: str, ndim: int) -> int:
+    """An upper bound of one item's entry in the safetensors header."""
+    return 2 * len(name.encode()) + 96 + 24 * ndim
+
+
 def _estimate_file(items_header: int, data: int, meta: Dict[str, str]) -> int:
     """An upper bound of the safetensors file the engine will lay out: ``data`` bytes of
-    items, whose header entries take at most ``items_header`` bytes (per item: twice its
-    name's bytes, 96, and 24 a dimension), and the metadata ``meta``."""
+    items, whose header entries take at most ``items_header`` bytes (the sum of their
+    ``_entry_bound``), and the metadata ``meta``."""
     header = 8 + 4096 + len(json.dumps(meta)) * 2 + items_header
     return data + -(-header // 4096) * 4096
 
@@ -571,7 +576,6 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         finishes: List[Tuple[int, Any]] = []  # (index in tuples, finish) for host copies
         header = 0  # the header estimate's per-item part (see _estimate_file)
         data = 0
-        cuda_index = -1  # the device of the last CUDA item, and its current stream
         for index, obj in objs:
             name = index.fqn
             if name in names:  # a second shard of one tensor on this rank
@@ -583,10 +587,10 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 nbytes = len(obj)
                 sharding[name] = {"saved_offsets": [0]}
                 save.items[index] = _Item(index, name, nbytes)
-                header += 2 * len(name.encode()) + 120
+                header += _entry_bound(name, 1)
                 data += nbytes
                 a = np.frombuffer(obj, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-                tuples.append((name, "U8", [nbytes], int(a.ctypes.data) if nbytes else 0, nbytes, -1))
+                tuples.append(_host_tuple(name, "U8", a))
                 keep.append(a)
                 continue
             t = obj.detach()
@@ -594,7 +598,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             nbytes = t.numel() * t.element_size()
             sharding[name] = {"saved_offsets": _offsets_of(index) or [0] * len(shape)}
             save.items[index] = _Item(index, name, nbytes)
-            header += 2 * len(name.encode()) + 96 + 24 * len(shape)
+            header += _entry_bound(name, len(shape))
             data += nbytes
             st = _state.TORCH_TO_ST.get(t.dtype)
             if st is None:
@@ -602,13 +606,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             if t.is_cpu:
                 if not t.is_contiguous():
                     t = t.contiguous()
-                tuples.append((name, st, shape, int(t.data_ptr()) if nbytes else 0, nbytes, -1))
+                tuples.append(_host_tuple(name, st, t))
                 keep.append(t)
             elif t.is_cuda:
                 dev = t.get_device()
-                if dev != cuda_index and dev not in streams:
+                if dev not in streams:
                     streams[dev] = torch.cuda.current_stream(dev)
-                cuda_index = dev
                 if nbytes == 0:
                     tuples.append((name, st, shape, 0, 0, -1))
                     keep.append(t)
@@ -638,8 +641,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 s.synchronize()  # those streams only, not the device
             for i, fin in finishes:
                 h = fin()
-                name, st, shape = tuples[i][:3]
-                tuples[i] = (name, st, shape, int(h.data_ptr()) if h.numel() else 0, h.numel() * h.element_size(), -1)
+                tuples[i] = _host_tuple(tuples[i][0], tuples[i][1], h)
                 keep[i] = [keep[i], h]
         after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
         try:
@@ -649,7 +651,6 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             slot = _open_engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
             h = slot.engine.save(save.step, tuples, meta, after, True)
         # save() returned: every byte is staged, `keep` (our references) may go.
-        del keep
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
 
