@@ -650,9 +650,13 @@ class SysDCP(System):
         self.notes.append("a new DefaultStager per save (torch 2.11: a second stage() on one DefaultStager raises KeyError(<class 'type'>)), closed on the trainer thread once its upload is done (stager_close_s)")
         if not cuda:
             self.notes.append("--device cpu: StagingOptions(pinned=False, shared=True, async=False, non_blocking=False)")
-        if ctx.args.dcp_plan_caching == "on":
+        self._note_dcp_call()
+
+    def _note_dcp_call(self):
+        """Notes of how both DCP systems call async_save (planner, state form)."""
+        if self.ctx.args.dcp_plan_caching == "on":
             self.notes.append("planner=DefaultSavePlanner(enable_plan_caching=True) (--dcp-plan-caching on)")
-        self.notes.append(f"state passed to async_save: --dcp-state {ctx.args.dcp_state}")
+        self.notes.append(f"state passed to async_save: --dcp-state {self.ctx.args.dcp_state}")
 
     def save(self, step, state, rec):
         import torch.distributed.checkpoint as dcp
@@ -787,9 +791,7 @@ class SysDCPShm(SysDCP):
             f"prepare at start-up, outside the timed loop: open {self.prepared['open_s']:.2f} s, "
             f"CUDA registration {self.prepared['cuda_registration_s'] or 0.0:.2f} s"
         )
-        if ctx.args.dcp_plan_caching == "on":
-            self.notes.append("planner=DefaultSavePlanner(enable_plan_caching=True) (--dcp-plan-caching on)")
-        self.notes.append(f"state passed to async_save: --dcp-state {ctx.args.dcp_state}")
+        self._note_dcp_call()
 
     def save(self, step, state, rec):
         import torch.distributed.checkpoint as dcp
