@@ -31,7 +31,6 @@ import mmap
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,30 +51,26 @@ if os.environ.get("ANCHORS_CPU_SMOKE") == "1":
     except Exception:  # pragma: no cover
         pass
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from peers import (  # noqa: E402  (benches/common/peers.py, shared by the drivers)
+    elapsed,
+    free_port,
+    fs_type_of,
+    fsync_path,
+    log,
+    now,
+    nvrx_close,
+    pkg_version,
+    raise_nofile,
+    set_log_file,
+)
+
 GiB = 1 << 30
 MiB = 1 << 20
 
 # ----------------------------------------------------------------------------
 # logging
 # ----------------------------------------------------------------------------
-_T0 = time.monotonic()
-_LOG_FILE = None
-
-
-def log(msg):
-    now = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
-    line = f"[{now} +{time.monotonic() - _T0:7.1f}s] {msg}"
-    print(line, flush=True)
-    if _LOG_FILE is not None:
-        try:
-            _LOG_FILE.write(line + "\n")
-            _LOG_FILE.flush()
-        except Exception:
-            pass
-
-
-def now():
-    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------
@@ -383,56 +378,6 @@ def rmtree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def fs_type_of(path):
-    path = os.path.realpath(path)
-    best, best_type, best_dev = "", None, None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                dev, mnt, typ = parts[0], parts[1].replace("\\040", " "), parts[2]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/") or mnt == "/") and len(mnt) >= len(best):
-                    best, best_type, best_dev = mnt, typ, dev
-    except Exception:
-        pass
-    return {"mount": best, "fstype": best_type, "device": best_dev}
-
-
-def raise_nofile():
-    """torch.multiprocessing passes every shared CPU storage as a file descriptor
-    (default 'file_descriptor' strategy); the 1,000-tensor state needs more
-    than the usual soft limit of 1,024. Raise the soft limit to the hard one."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
-        target = min(target, 1 << 20)
-        if soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        return {"before": soft, "after": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "hard": hard}
-    except Exception as e:
-        return {"error": repr(e)}
-
-
 def gbps(nbytes, secs):
     if not secs or secs <= 0 or nbytes is None:
         return None
@@ -442,17 +387,6 @@ def gbps(nbytes, secs):
 def median_or_none(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-def pkg_version(*names):
-    from importlib import metadata
-
-    for n in names:
-        try:
-            return metadata.version(n)
-        except Exception:
-            continue
-    return None
 
 
 def grep_package(modname, needle):
@@ -852,32 +786,6 @@ def _nvrx_wait(queue, timeout, poll=0.01):
         time.sleep(poll)
 
 
-def _nvrx_close(queue, close_fn):
-    """Normal close when every save was finalized. After a failure (a timeout,
-    or a dead worker) the library's blocking close would wait forever for the
-    unfinished save, so the worker is terminated instead."""
-    caller = getattr(queue, "persistent_caller", None)
-    proc = getattr(caller, "process", None)
-    if queue.get_num_unfinalized_calls() == 0:
-        close_fn()
-        return
-    log("    NVRx: unfinalized save left after a failure; terminating the worker")
-    if proc is not None:
-        proc.terminate()
-        proc.join(timeout=10)
-        caller.process = None
-    # a feeder thread may be stuck writing into a pipe nobody reads any more;
-    # without this, interpreter exit would join it forever
-    for qname in ("queue", "preload_q", "comp_q"):
-        mpq = getattr(caller, qname, None)
-        if mpq is not None and hasattr(mpq, "cancel_join_thread"):
-            try:
-                mpq.cancel_join_thread()
-            except Exception:
-                pass
-    queue.async_calls.clear()
-
-
 def sys_nvrx(ctx, r):
     from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
@@ -914,7 +822,7 @@ def sys_nvrx(ctx, r):
         r["gpu_after"] = gpu_mem(ctx)
     finally:
         try:
-            _nvrx_close(
+            nvrx_close(
                 ck._async_calls_queue,
                 lambda: ck.finalize_async_save(blocking=True, no_dist=True, terminate=True),
             )
@@ -993,7 +901,7 @@ def sys_nvrx_fswa(ctx, r):
         r["gpu_after"] = gpu_mem(ctx)
     finally:
         try:
-            _nvrx_close(q, q.close)
+            nvrx_close(q, q.close)
         except Exception as e:
             log(f"    nvrx-fswa close: {e!r}")
         try:  # 0.6.0 keeps class-level shm/identifier caches
@@ -1460,11 +1368,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    global _LOG_FILE
     args = parse_args(argv)
     out_dir = args.out or os.environ.get("OUT") or "./anchors-out"
     os.makedirs(out_dir, exist_ok=True)
-    _LOG_FILE = open(os.path.join(out_dir, "anchors.log"), "a")
+    set_log_file(open(os.path.join(out_dir, "anchors.log"), "a"))
     cuda = args.device == "cuda"
     if not cuda:
         os.environ["ANCHORS_CPU_SMOKE"] = "1"
@@ -1659,10 +1566,10 @@ def main(argv=None):
         write_results(ctx, results)
 
         for name in systems:
-            elapsed = time.monotonic() - _T0
+            spent = elapsed()
             est = EST_FIXED_S[name] + EST_S_PER_GIB[name] * ctx.saves * ctx.nbytes / GiB
-            if elapsed + est > args.budget_s:
-                log(f"  -- {name}: SKIPPED (elapsed {elapsed:.0f}s + estimated {est:.0f}s > budget {args.budget_s:.0f}s)")
+            if spent + est > args.budget_s:
+                log(f"  -- {name}: SKIPPED (elapsed {spent:.0f}s + estimated {est:.0f}s > budget {args.budget_s:.0f}s)")
                 st_res["systems"][name] = {"system": name, "ok": False, "error": f"skipped: time budget (estimated {est:.0f}s)", "notes": []}
                 write_results(ctx, results)
                 continue
@@ -1715,7 +1622,7 @@ def main(argv=None):
         except Exception:
             pass
     meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-    meta["total_s"] = time.monotonic() - _T0
+    meta["total_s"] = elapsed()
     write_results(ctx, results)
     rows = table_rows(results)
     print("", flush=True)

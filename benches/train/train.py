@@ -36,7 +36,6 @@ import mmap
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -54,6 +53,20 @@ if os.environ.get("TRAINBENCH_CPU_SMOKE") == "1":
     except Exception:  # pragma: no cover
         pass
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from peers import (  # noqa: E402  (benches/common/peers.py, shared by the drivers)
+    elapsed,
+    free_port,
+    fs_type_of,
+    fsync_path,
+    log,
+    now,
+    nvrx_close,
+    pkg_version,
+    raise_nofile,
+    set_log_file,
+)
+
 GiB = 1 << 30
 MiB = 1 << 20
 SYSTEMS = ["none", "torch", "dcp", "dcp-shm", "nvrx", "nvrx-fswa", "shm-block", "shm-async"]
@@ -66,29 +79,6 @@ SIZES = {
     "8g": dict(d=1536, layers=24, heads=12, vocab=32768, seq=1024, batch=4),
     "16g": dict(d=2048, layers=27, heads=16, vocab=32768, seq=1024, batch=4),
 }
-
-_T0 = time.monotonic()
-_LOG = None
-
-
-def log(msg):
-    ts = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
-    line = f"[{ts} +{time.monotonic() - _T0:6.1f}s] {msg}"
-    print(line, flush=True)
-    if _LOG is not None:
-        try:
-            _LOG.write(line + "\n")
-            _LOG.flush()
-        except Exception:
-            pass
-
-
-def now():
-    return time.perf_counter()
-
-
-def elapsed():
-    return time.monotonic() - _T0
 
 
 def med(xs):
@@ -480,12 +470,6 @@ def d2h_ref(state, repeats=3):
 # ----------------------------------------------------------------------------
 # systems
 # ----------------------------------------------------------------------------
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dir_bytes(path):
@@ -814,27 +798,6 @@ class SysDCPShm(SysDCP):
         release()
 
 
-def _nvrx_close(queue, close_fn):
-    caller = getattr(queue, "persistent_caller", None)
-    proc = getattr(caller, "process", None)
-    if queue.get_num_unfinalized_calls() == 0:
-        close_fn()
-        return
-    log("    NVRx: unfinalized save left after a failure; terminating the worker")
-    if proc is not None:
-        proc.terminate()
-        proc.join(timeout=10)
-        caller.process = None
-    for qname in ("queue", "preload_q", "comp_q"):
-        mpq = getattr(caller, qname, None)
-        if mpq is not None and hasattr(mpq, "cancel_join_thread"):
-            try:
-                mpq.cancel_join_thread()
-            except Exception:
-                pass
-    queue.async_calls.clear()
-
-
 class _NVRxBase(System):
     def _queue(self):
         raise NotImplementedError
@@ -926,7 +889,7 @@ class SysNVRx(_NVRxBase):
         self._poll_fsyncs()
 
     def close(self):
-        _nvrx_close(self._queue(), lambda: self.ck.finalize_async_save(blocking=True, no_dist=True, terminate=True))
+        nvrx_close(self._queue(), lambda: self.ck.finalize_async_save(blocking=True, no_dist=True, terminate=True))
         self.fsync_ex.shutdown(wait=True)
 
 
@@ -990,7 +953,7 @@ class SysNVRxFSWA(_NVRxBase):
         self.pending.remove(rec)
 
     def close(self):
-        _nvrx_close(self.q, self.q.close)
+        nvrx_close(self.q, self.q.close)
         try:
             from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
@@ -1751,59 +1714,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def fs_type_of(path):
-    path = os.path.realpath(path)
-    best, typ = "", None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) and len(parts[1]) >= len(best):
-                    best, typ = parts[1], parts[2]
-    except Exception:
-        pass
-    return {"mount": best, "fstype": typ}
-
-
-def raise_nofile():
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
-        if soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except Exception as e:
-        return repr(e)
-
-
-def pkg_version(name):
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except Exception:
-        return None
-
-
 def main(argv=None):
-    global _LOG
     args = parse_args(argv)
     if args.plot_only:
         plot(args.plot_only)
         return 0
     out_dir = args.out or os.environ.get("OUT") or "./trainbench-out"
     os.makedirs(out_dir, exist_ok=True)
-    _LOG = open(os.path.join(out_dir, "train.log"), "a")
+    set_log_file(open(os.path.join(out_dir, "train.log"), "a"))
     cuda = args.device == "cuda"
     if not cuda:
         os.environ["TRAINBENCH_CPU_SMOKE"] = "1"
