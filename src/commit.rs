@@ -29,7 +29,7 @@ use crate::manifest::{
 };
 
 /// Lock file name for a rank.
-fn lock_name(rank: u32) -> String {
+pub(crate) fn lock_name(rank: u32) -> String {
     format!(".shmckpt-rank-{rank}.lock")
 }
 
@@ -103,6 +103,47 @@ pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
             rank,
         }),
         Err(e) => Err(Error::io("flock", &path, e.into())),
+    }
+}
+
+/// What [`probe_rank_lock`] found.
+#[derive(Debug)]
+pub(crate) enum LockProbe {
+    /// An engine of this root and rank is open: it holds the lock.
+    Held,
+    /// No engine holds it. The shared lock taken to tell is held until this is dropped: an
+    /// engine of this root and rank cannot open meanwhile (its open fails with
+    /// [`Error::RootLocked`]), so what the caller does now cannot race one.
+    Free(#[allow(dead_code)] File),
+    /// The root or its lock file does not exist: no engine of this rank holds the root.
+    Missing,
+    /// The root or the lock file cannot be opened or probed: why.
+    Unknown(String),
+}
+
+/// Whether an engine holds rank `rank`'s lock on `root`, probed without blocking, without
+/// creating anything and without following a link to the lock file (`root` is followed as
+/// given).
+pub(crate) fn probe_rank_lock(root: &Path, rank: u32) -> LockProbe {
+    let missing = |e: &Error| matches!(e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound);
+    let dir = match fsx::open_dir(root) {
+        Ok(d) => d,
+        Err(e) if missing(&e) => return LockProbe::Missing,
+        Err(e) => return LockProbe::Unknown(e.to_string()),
+    };
+    let name = lock_name(rank);
+    let file = match fsx::open_file(dir.as_fd(), root, &name, false, fsx::Create::No, None) {
+        Ok(f) => f,
+        Err(e) if missing(&e) => return LockProbe::Missing,
+        Err(e) => return LockProbe::Unknown(e.to_string()),
+    };
+    match rustix::fs::flock(
+        file.as_fd(),
+        rustix::fs::FlockOperation::NonBlockingLockShared,
+    ) {
+        Ok(()) => LockProbe::Free(file),
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => LockProbe::Held,
+        Err(e) => LockProbe::Unknown(Error::io("flock", root.join(&name), e.into()).to_string()),
     }
 }
 
