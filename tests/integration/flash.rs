@@ -24,12 +24,7 @@ fn keep_config(root: &Path) -> shmckpt::EngineConfig {
 }
 
 /// Child: commit steps 1 and 2 with flash restore on, then die by SIGKILL.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_keeper() {
-    if !is_child("child_keeper") {
-        return;
-    }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let engine = Engine::open(keep_config(&root)).unwrap();
     for s in [1, 2] {
@@ -94,8 +89,17 @@ fn killed_keeper(root: &Path) -> ShmGuard {
     ShmGuard(name)
 }
 
+/// The child roles of this module's tests.
+const ROLES: &[Role] = &[
+    ("child_keeper", child_keeper),
+    ("child_adopter", child_adopter),
+];
+
 #[test]
 fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-kill");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -135,6 +139,9 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
 
 #[test]
 fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-stale");
     let root = dir.path();
     let _guard = killed_keeper(root);
@@ -158,6 +165,9 @@ fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
 
 #[test]
 fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-flip");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -187,6 +197,9 @@ fn rank_file_of(root: &Path, step: u64) -> PathBuf {
 /// header) reports what is wrong; damage in the data section only the full check finds.
 #[test]
 fn a_damaged_disk_copy_under_a_good_kept_image_is_reported() {
+    if run_role(ROLES) {
+        return;
+    }
     #[derive(Debug, Clone, Copy)]
     enum Damage {
         Truncated,
@@ -283,8 +296,11 @@ fn a_damaged_disk_copy_under_a_good_kept_image_is_reported() {
 
 #[test]
 fn foreign_kept_arena_is_refused_and_left_alone() {
+    if run_role(ROLES) {
+        return;
+    }
     if !is_root() {
-        skip("chown to another user needs root");
+        skip(REQUIRE_ROOT, "chown to another user needs root");
         return;
     }
     let dir = real_dir("flash-foreign");
@@ -342,6 +358,9 @@ fn with_the_option_off_shared_memory_is_never_looked_at() {
 
 #[test]
 fn shm_cli_lists_and_removes_kept_arenas() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-cli");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -426,6 +445,9 @@ fn deleted_segments_open(name: &str) -> usize {
 
 #[test]
 fn adoption_frees_the_previous_segment_and_records_the_image_in_the_new_arena() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-adopt");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -459,12 +481,7 @@ fn adoption_frees_the_previous_segment_and_records_the_image_in_the_new_arena() 
 
 /// Child: adopt the image [`child_keeper`] left (and serve a load from it), then die by
 /// SIGKILL before any save.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_adopter() {
-    if !is_child("child_adopter") {
-        return;
-    }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let engine = Engine::open(keep_config(&root)).unwrap();
     load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
@@ -474,6 +491,9 @@ fn child_adopter() {
 
 #[test]
 fn an_adopted_image_survives_a_second_crash_before_any_save() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-twice");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -504,6 +524,9 @@ fn an_adopted_image_survives_a_second_crash_before_any_save() {
 
 #[test]
 fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-save");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -542,6 +565,9 @@ fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
 
 #[test]
 fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-small");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -556,6 +582,9 @@ fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
 
 #[test]
 fn load_into_host_buffers_is_served_from_the_adopted_image() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-into");
     let root = dir.path();
     let _guard = killed_keeper(root);
@@ -609,6 +638,9 @@ fn shm_inode(name: &str) -> (u64, u64) {
 
 #[test]
 fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-inplace");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -633,6 +665,9 @@ fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
 
 #[test]
 fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-layout");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -648,6 +683,9 @@ fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
 
 #[test]
 fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-hole");
     let root = dir.path();
     let guard = killed_keeper(root);
