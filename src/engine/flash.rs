@@ -759,7 +759,7 @@ pub fn list_kept() -> Vec<KeptArenaInfo> {
 /// header records holds the root's rank lock, or when that cannot be told (the header
 /// cannot be read, the lock cannot be probed). The lock is held (shared) from the probe
 /// until the name is removed, so an engine of that root and rank cannot start using the
-/// arena in between (one opening in that instant fails with [`Error::RootLocked`]).
+/// arena in between (one opening in that instant waits for the removal).
 /// [`remove_kept_forced`] removes it whatever its owner.
 pub fn remove_kept(name: &str) -> Result<()> {
     let path = own_kept_path(name)?;
