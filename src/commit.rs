@@ -29,7 +29,7 @@ use crate::manifest::{
 };
 
 /// Lock file name for a rank.
-fn lock_name(rank: u32) -> String {
+pub(crate) fn lock_name(rank: u32) -> String {
     format!(".shmckpt-rank-{rank}.lock")
 }
 
@@ -83,26 +83,82 @@ pub fn check_root(root: &Path) -> Result<()> {
     })
 }
 
+/// How long [`lock_root`] retries a lock held by someone else before it reports
+/// [`Error::RootLocked`]: probes ([`probe_rank_lock`], [`other_engine_alive`]) hold a shared
+/// lock for microseconds, an engine for its whole life.
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Take rank `rank`'s lock on `root`.
 ///
 /// The lock file is opened relative to the root without following a link and without
 /// blocking, and must be a regular file: a planted `.shmckpt-rank-K.lock -> elsewhere`
-/// is refused ([`Error::UnsafePath`]), never created or locked through.
+/// is refused ([`Error::UnsafePath`]), never created or locked through. A lock held by
+/// another is retried for [`LOCK_PATIENCE`] (a probe's shared lock is let go within it).
 pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
     let name = lock_name(rank);
     let path = root.join(&name);
     let dir = fsx::open_dir(root)?;
     let file = fsx::open_file(dir.as_fd(), root, &name, true, fsx::Create::IfMissing, None)?;
+    let start = std::time::Instant::now();
+    loop {
+        match rustix::fs::flock(
+            file.as_fd(),
+            rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        ) {
+            Ok(()) => return Ok(RootLock { _file: file }),
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                if start.elapsed() >= LOCK_PATIENCE {
+                    return Err(Error::RootLocked {
+                        path: root.to_owned(),
+                        rank,
+                    });
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            Err(e) => return Err(Error::io("flock", &path, e.into())),
+        }
+    }
+}
+
+/// What [`probe_rank_lock`] found.
+#[derive(Debug)]
+pub(crate) enum LockProbe {
+    /// An engine of this root and rank is open: it holds the lock.
+    Held,
+    /// No engine holds it. The shared lock taken to tell is held until this is dropped: an
+    /// engine of this root and rank cannot open meanwhile ([`lock_root`] waits, and fails
+    /// with [`Error::RootLocked`] after [`LOCK_PATIENCE`]), so what the caller does now
+    /// cannot race one. Hold it only for a moment.
+    Free(#[allow(dead_code)] File),
+    /// The root or its lock file does not exist: no engine of this rank holds the root.
+    Missing,
+    /// The root or the lock file cannot be opened or probed: why.
+    Unknown(String),
+}
+
+/// Whether an engine holds rank `rank`'s lock on `root`, probed without blocking, without
+/// creating anything and without following a link to the lock file (`root` is followed as
+/// given).
+pub(crate) fn probe_rank_lock(root: &Path, rank: u32) -> LockProbe {
+    let missing = |e: &Error| matches!(e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound);
+    let dir = match fsx::open_dir(root) {
+        Ok(d) => d,
+        Err(e) if missing(&e) => return LockProbe::Missing,
+        Err(e) => return LockProbe::Unknown(e.to_string()),
+    };
+    let name = lock_name(rank);
+    let file = match fsx::open_file(dir.as_fd(), root, &name, false, fsx::Create::No, None) {
+        Ok(f) => f,
+        Err(e) if missing(&e) => return LockProbe::Missing,
+        Err(e) => return LockProbe::Unknown(e.to_string()),
+    };
     match rustix::fs::flock(
         file.as_fd(),
-        rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        rustix::fs::FlockOperation::NonBlockingLockShared,
     ) {
-        Ok(()) => Ok(RootLock { _file: file }),
-        Err(e) if e == rustix::io::Errno::WOULDBLOCK => Err(Error::RootLocked {
-            path: root.to_owned(),
-            rank,
-        }),
-        Err(e) => Err(Error::io("flock", &path, e.into())),
+        Ok(()) => LockProbe::Free(file),
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => LockProbe::Held,
+        Err(e) => LockProbe::Unknown(Error::io("flock", root.join(&name), e.into()).to_string()),
     }
 }
 
@@ -395,6 +451,38 @@ mod tests {
             data_start: 4096,
             tensors: Vec::new(),
         }
+    }
+
+    /// A liveness probe's shared lock never fails an engine's open: the open waits for it
+    /// (a probe holds it for a moment), while an engine's lock still refuses a second one.
+    #[test]
+    fn a_probe_never_fails_an_open_and_an_engine_lock_still_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_owned();
+        assert!(matches!(probe_rank_lock(&root, 0), LockProbe::Missing));
+        drop(lock_root(&root, 0).unwrap());
+        let LockProbe::Free(probe) = probe_rank_lock(&root, 0) else {
+            panic!("a free lock")
+        };
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            drop(probe);
+        });
+        let engine = lock_root(&root, 0).expect("the open waits for the probe");
+        t.join().unwrap();
+        assert!(matches!(probe_rank_lock(&root, 0), LockProbe::Held));
+        let start = std::time::Instant::now();
+        assert!(matches!(
+            lock_root(&root, 0),
+            Err(Error::RootLocked { rank: 0, .. })
+        ));
+        assert!(start.elapsed() >= LOCK_PATIENCE);
+        drop(engine);
+        assert!(matches!(probe_rank_lock(&root, 0), LockProbe::Free(_)));
+        assert!(matches!(
+            probe_rank_lock(&root.join("gone"), 0),
+            LockProbe::Missing
+        ));
     }
 
     /// A partial directory is never created while a cleaning holds the root: the cleaning

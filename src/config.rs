@@ -194,11 +194,14 @@ impl EngineConfig {
     /// `load`, `load_into` and `load_into_device` then serve that step from the engine's own
     /// arena (not checked again: it is this process's memory from then on; device loads
     /// copy from it directly, it being registered with CUDA), as long as it is the disk's
-    /// latest; otherwise they read the disk and log why. [`EngineConfig::with_shm_name`] is
-    /// ignored then (the name must be stable).
+    /// latest; otherwise they read the disk and log why. The disk copy's size and header
+    /// are checked before each load the image serves (a mismatch is logged and returned in
+    /// `LoadReport::disk_problem`); `Engine::verify_disk_copy` checks every byte.
+    /// [`EngineConfig::with_shm_name`] is ignored then (the name must be stable).
     ///
     /// Memory cost: the arena (`staging_capacity`) stays in `/dev/shm` after the process
-    /// exits, until `shmckpt shm rm` or the next engine takes it over or replaces it; when
+    /// exits, until `shmckpt shm rm` (which refuses it while this engine runs, unless
+    /// `--force`) or the next engine takes it over or replaces it; when
     /// the settings differ, both arenas exist during the new engine's open (the previous
     /// one is freed before `open` returns). Disk reads
     /// of `load_into` and `load_into_device` go through private buffers, so that they never

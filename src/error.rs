@@ -127,6 +127,16 @@ pub enum Error {
         /// Rank.
         rank: u32,
     },
+    /// A kept arena was not removed: the engine that owns it (the engine of its root and
+    /// rank) is running, or whether it runs cannot be told. `remove_kept_forced` (`shmckpt
+    /// shm rm --force`) removes it anyway.
+    #[error("kept arena {name} not removed: {reason} (--force removes it anyway)")]
+    ArenaInUse {
+        /// The arena's name in `/dev/shm`.
+        name: String,
+        /// Why its owner counts as alive.
+        reason: String,
+    },
     /// A path under the checkpoint root or in `/dev/shm` is not what shmckpt creates: a
     /// symbolic link, a FIFO, a device, a directory where a file belongs, or a file of
     /// another user. It was not opened, written or removed.

@@ -63,7 +63,9 @@ pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):
 /// listing and removal, as `shmckpt shm list|rm` does.
 pub mod flash {
-    pub use crate::engine::{KeptArenaInfo, list_kept, remove_kept};
+    pub use crate::engine::{
+        ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced,
+    };
 }
 
 pub use engine::{

@@ -478,15 +478,11 @@ fn ipc_reallocated_buffer_and_the_stale_cache_failure_mode() {
 
 const ROLE_ENV: &str = "SHMCKPT_IPC_TEST_ROLE";
 
-/// The trainer of `ipc_killed_trainer_leaves_no_writer_and_returns_device_memory`: runs
-/// only when re-executed with `SHMCKPT_IPC_TEST_ROLE=gpu-trainer`.
-#[test]
-#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu_ipc -- --ignored --test-threads=1"]
-fn ipc_gpu_trainer_role() {
-    if std::env::var(ROLE_ENV).as_deref() != Ok("gpu-trainer") {
-        return;
-    }
-    let Some(ctx) = common::gpu() else { return };
+/// The trainer of `ipc_killed_trainer_leaves_no_writer_and_returns_device_memory`: a child
+/// role, not a test. That test re-executes this binary with only itself and
+/// `SHMCKPT_IPC_TEST_ROLE=gpu-trainer`, and its first statement runs this instead.
+fn gpu_trainer_role() {
+    let ctx = common::gpu().expect("the trainer child has the parent's GPU");
     let dir = common::gpu_test_dir("ipc-killed");
     let c = client(dir.path(), true, GIB + (16 << 20));
     let bufs = alloc_state(&ctx, 4, (GIB / 4) as usize);
@@ -504,6 +500,10 @@ fn ipc_gpu_trainer_role() {
 fn ipc_killed_trainer_leaves_no_writer_and_returns_device_memory() {
     use std::io::BufRead;
     use std::time::{Duration, Instant};
+    if std::env::var(ROLE_ENV).as_deref() == Ok("gpu-trainer") {
+        gpu_trainer_role();
+        return;
+    }
     let Some(ctx) = common::gpu() else { return };
     // The orphaned writer is reparented to us: we see it die and reap it.
     rustix::process::set_child_subreaper(Some(rustix::process::getpid())).unwrap();
@@ -511,7 +511,7 @@ fn ipc_killed_trainer_leaves_no_writer_and_returns_device_memory() {
     let mut trainer = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "ipc_gpu_trainer_role",
+            "ipc_killed_trainer_leaves_no_writer_and_returns_device_memory",
             "--ignored",
             "--nocapture",
             "--test-threads=1",

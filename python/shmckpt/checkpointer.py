@@ -357,8 +357,11 @@ class Checkpointer:
     @property
     def last_load_source(self) -> Optional[Tuple[str, Optional[str]]]:
         """Which path served the last :meth:`load` (or device :meth:`load_into`): ``("disk", reason)``
-        or ``("memory", None)``; ``reason`` says why shared memory could not serve it when
-        ``keep_in_memory`` is on (else ``None``). ``None`` before the first load."""
+        or ``("memory", problem)``; ``reason`` says why shared memory could not serve it when
+        ``keep_in_memory`` is on (else ``None``); ``problem`` is ``None`` unless the check of
+        the checkpoint file on disk (its size and header, against the kept image) failed: the
+        load's bytes are right, but a load from disk would fail (``shmckpt verify`` checks
+        every byte). ``None`` before the first load."""
         return self._engine.last_load_source()
 
     # -- lifecycle ---------------------------------------------------------------------

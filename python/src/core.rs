@@ -184,15 +184,15 @@ fn sel(step: Option<u64>) -> StepSel {
 }
 
 /// Load this rank's tensors into owned buffers.
-/// Which path served a load: `("disk" | "memory", why memory could not)`.
+/// Which path served a load: `("disk", why memory could not)` or `("memory", what the
+/// cheap check of the disk copy found wrong)`.
 pub type Served = (&'static str, Option<String>);
 
 fn served(r: &LoadReport) -> Served {
-    let source = match r.source {
-        LoadSource::Memory => "memory",
-        _ => "disk",
-    };
-    (source, r.fallback_reason.clone())
+    match r.source {
+        LoadSource::Memory => ("memory", r.disk_problem.clone()),
+        _ => ("disk", r.fallback_reason.clone()),
+    }
 }
 
 pub fn load(engine: &Engine, step: Option<u64>) -> Result<(Checkpoint, Served)> {

@@ -275,8 +275,10 @@ impl PyEngine {
     }
 
     /// Which path served the last `load` or `load_into_device` of this engine:
-    /// `("disk" | "memory", reason)`, the reason saying why shared memory could not serve
-    /// it when flash restore (`keep_in_memory`) is on. `None` before the first load.
+    /// `("disk", reason)`, the reason saying why shared memory could not serve it when
+    /// flash restore (`keep_in_memory`) is on, or `("memory", problem)`, the problem being
+    /// what the check of the disk copy's size and header found wrong (`None`: nothing).
+    /// `None` before the first load.
     fn last_load_source(&self) -> Option<(String, Option<String>)> {
         lock(&self.last_load)
             .as_ref()

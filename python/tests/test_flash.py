@@ -61,3 +61,28 @@ def test_option_off_keeps_nothing_and_loads_from_disk(tmp_path):
     assert torch.equal(got["model"]["w"], _state(1)["model"]["w"])
     ck.close()
     assert _kept_names() == before
+
+
+def test_a_damaged_disk_copy_is_reported_by_a_load_from_memory(tmp_path):
+    """Issue 21, item 7: the kept image serves the load (its bytes are the manifest's), and
+    the truncated file on disk is reported, not hidden."""
+    root = str(tmp_path)
+    before = _kept_names()
+    ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck.save(4, _state(4)).wait()
+    ck.close()
+    try:
+        path = os.path.join(root, "step-4", "rank-00000-of-00001.safetensors")
+        size = os.path.getsize(path)
+        os.truncate(path, size - 1)
+        ck2 = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+        got = ck2.load()
+        source, problem = ck2.last_load_source
+        assert source == "memory", (source, problem)
+        assert problem is not None and f"is {size - 1} bytes, the manifest says {size}" in problem, problem
+        assert got["model"]["w"].numpy().tobytes() == _state(4)["model"]["w"].numpy().tobytes()
+        ck2.close()
+    finally:
+        for n in _kept_names():
+            if n not in before:
+                os.unlink(os.path.join("/dev/shm", n))

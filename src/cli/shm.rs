@@ -6,19 +6,27 @@ use super::{CliResult, human};
 /// What to do with kept arenas.
 #[derive(Debug, clap::Subcommand)]
 pub enum ShmCmd {
-    /// List kept arenas: name, size, owner uid, root, rank and kept step.
+    /// List kept arenas: name, size, owner uid, root, rank, kept step, and whether the
+    /// engine that owns it is running (`owner alive`: an engine of its root and rank holds
+    /// the root's rank lock).
     List {
         /// Print a JSON array.
         #[arg(long)]
         json: bool,
     },
-    /// Remove kept arenas (only this user's, never following a link).
+    /// Remove kept arenas (only this user's, never following a link). An arena whose
+    /// engine is running (or may be: its header cannot be read) is refused, and left in
+    /// place, unless --force; the command then fails after removing the others.
     Rm {
         /// Names to remove (as `list` shows them).
         names: Vec<String>,
         /// Remove every kept arena of this user.
         #[arg(long, conflicts_with = "names")]
         all: bool,
+        /// Remove arenas whose engine is running too (that engine saves on, but nothing is
+        /// kept under the name for the next engine's flash restore).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -44,6 +52,7 @@ pub fn run(a: ShmArgs) -> CliResult {
                             "root": k.root.as_ref().map(|r| r.display().to_string()),
                             "rank": k.rank,
                             "step": k.step,
+                            "owner": k.owner.as_str(),
                             "problem": k.problem,
                         })
                     })
@@ -62,13 +71,14 @@ pub fn run(a: ShmArgs) -> CliResult {
                     .map_or_else(|| "?".into(), |r| r.display().to_string());
                 let rank = k.rank.map_or("?".into(), |r| r.to_string());
                 print!(
-                    "{}  {}  uid {}  root {}  rank {}  step {}",
+                    "{}  {}  uid {}  root {}  rank {}  step {}  owner {}",
                     k.name,
                     human(k.bytes),
                     k.owner_uid,
                     root,
                     rank,
-                    step
+                    step,
+                    k.owner.as_str()
                 );
                 match &k.problem {
                     Some(p) => println!("  ({p})"),
@@ -77,7 +87,7 @@ pub fn run(a: ShmArgs) -> CliResult {
             }
             Ok(())
         }
-        ShmCmd::Rm { names, all } => {
+        ShmCmd::Rm { names, all, force } => {
             let names: Vec<String> = if all {
                 let uid = rustix::process::geteuid().as_raw();
                 shmckpt::flash::list_kept()
@@ -91,9 +101,27 @@ pub fn run(a: ShmArgs) -> CliResult {
             if names.is_empty() {
                 return Err("nothing to remove: give names or --all".into());
             }
+            let mut refused = 0usize;
             for n in &names {
-                shmckpt::flash::remove_kept(n)?;
-                println!("removed {n}");
+                let r = if force {
+                    shmckpt::flash::remove_kept_forced(n)
+                } else {
+                    shmckpt::flash::remove_kept(n)
+                };
+                match r {
+                    Ok(()) => println!("removed {n}"),
+                    Err(e @ shmckpt::Error::ArenaInUse { .. }) => {
+                        eprintln!("{e}");
+                        refused += 1;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if refused > 0 {
+                return Err(format!(
+                    "{refused} kept arena(s) in use left in place (--force removes them)"
+                )
+                .into());
             }
             Ok(())
         }

@@ -45,6 +45,13 @@ pub struct LoadReport {
     pub source: LoadSource,
     /// With flash restore on and the disk serving: why memory could not.
     pub fallback_reason: Option<String>,
+    /// With memory serving: what the cheap check of this rank's file on disk found wrong
+    /// (its size, or its header bytes against the kept image's), also logged as an error.
+    /// The bytes served are the manifest's all the same (checked by CRC-32C at adoption),
+    /// but the disk copy is damaged: a load from disk would fail. `None` when the check
+    /// passed or memory did not serve. Damage inside the data section is not seen by this
+    /// check: `shmckpt verify` reads every byte.
+    pub disk_problem: Option<String>,
 }
 
 /// A previous engine's committed image, attached read-only, until [`adopt`] consumes it.
@@ -511,6 +518,58 @@ impl Adopted {
         Ok(())
     }
 
+    /// The step the image holds.
+    pub(crate) fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The cheap check of the disk copy of the image's step, in the committed directory
+    /// `dir`: this rank's file is a regular file (no link followed, never blocking) of the
+    /// manifest's size whose header, every byte before the data section, equals the
+    /// image's. The error says what is wrong. Reads `data_start` bytes.
+    pub(crate) fn check_disk_copy(&self, dir: &Path) -> std::result::Result<(), String> {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::FileExt;
+        let name = &self.entry.file;
+        let path = dir.join(name);
+        let file = crate::fsx::open_dir(dir)
+            .and_then(|d| {
+                crate::fsx::open_file(d.as_fd(), dir, name, false, crate::fsx::Create::No, None)
+            })
+            .map_err(|e| format!("the disk copy {} cannot be opened: {e}", path.display()))?;
+        let len = file
+            .metadata()
+            .map_err(|e| format!("the disk copy {} cannot be examined: {e}", path.display()))?
+            .len();
+        if len != self.file_len {
+            return Err(format!(
+                "the disk copy {} is {len} bytes, the manifest says {}",
+                path.display(),
+                self.file_len
+            ));
+        }
+        let mut want = Vec::new();
+        let cs = self.chunk_size;
+        for (k, l) in self.leases.iter().enumerate() {
+            let fs = k as u64 * cs;
+            if fs >= self.data_start {
+                break;
+            }
+            let fe = (fs + cs).min(self.data_start);
+            want.extend_from_slice(&l.as_slice()[..(fe - fs) as usize]);
+        }
+        let mut have = vec![0u8; want.len()];
+        file.read_exact_at(&mut have, 0)
+            .map_err(|e| format!("the disk copy {} cannot be read: {e}", path.display()))?;
+        if let Some(at) = have.iter().zip(&want).position(|(a, b)| a != b) {
+            return Err(format!(
+                "the header of the disk copy {} differs from the kept image's at byte {at}",
+                path.display()
+            ));
+        }
+        Ok(())
+    }
+
     /// Each file chunk's data bytes: `(offset in the data section, bytes)`, in file order.
     fn data_chunks(&self) -> impl Iterator<Item = (u64, &[u8])> {
         let cs = self.chunk_size;
@@ -623,8 +682,42 @@ fn crc_pieces(
     out
 }
 
+/// Whether the engine that owns a kept arena, the engine of the root and rank its header
+/// records, is running. The root's rank lock tells (`ROOT/.shmckpt-rank-N.lock`, held by an
+/// engine for its whole life, whatever process it is in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ArenaOwner {
+    /// An engine of the arena's root and rank holds the rank lock: the arena is in use.
+    Alive,
+    /// No engine holds that lock (or the root or its lock file no longer exist).
+    Gone,
+    /// The arena's header cannot be read, or the lock cannot be probed.
+    Unknown,
+}
+
+impl ArenaOwner {
+    /// `"alive"`, `"gone"` or `"unknown"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ArenaOwner::Alive => "alive",
+            ArenaOwner::Gone => "gone",
+            ArenaOwner::Unknown => "unknown",
+        }
+    }
+}
+
+/// Whether `root`'s engine of `rank` runs (the lock probe is released at once).
+fn owner_state(root: &Path, rank: u32) -> ArenaOwner {
+    match crate::commit::probe_rank_lock(root, rank) {
+        crate::commit::LockProbe::Held => ArenaOwner::Alive,
+        crate::commit::LockProbe::Free(_) | crate::commit::LockProbe::Missing => ArenaOwner::Gone,
+        crate::commit::LockProbe::Unknown(_) => ArenaOwner::Unknown,
+    }
+}
+
 /// Kept arenas in `/dev/shm`: name, size, owner uid, and (when it can be read: this user's
-/// and well formed) root, rank and kept step.
+/// and well formed) root, rank, kept step and whether its owning engine is running.
 pub fn list_kept() -> Vec<KeptArenaInfo> {
     let mut out = Vec::new();
     for name in crate::staging::shm::list_segments(crate::staging::KEEP_PREFIX) {
@@ -639,6 +732,7 @@ pub fn list_kept() -> Vec<KeptArenaInfo> {
             root: None,
             rank: None,
             step: None,
+            owner: ArenaOwner::Unknown,
             problem: None,
         };
         match AttachedArena::open(&name) {
@@ -651,6 +745,7 @@ pub fn list_kept() -> Vec<KeptArenaInfo> {
                     .filter(|v| v.state == slot_state::KEPT)
                     .map(|v| v.step)
                     .max();
+                info.owner = owner_state(&h.root, h.rank);
             }
             Err(e) => info.problem = Some(e.to_string()),
         }
@@ -659,8 +754,59 @@ pub fn list_kept() -> Vec<KeptArenaInfo> {
     out
 }
 
-/// Remove the kept arena `name` (this user's only; never following a link).
+/// Remove the kept arena `name` (this user's only; never following a link), unless its
+/// owner may be running: [`Error::ArenaInUse`] when an engine of the root and rank its
+/// header records holds the root's rank lock, or when that cannot be told (the header
+/// cannot be read, the lock cannot be probed). The lock is held (shared) from the probe
+/// until the name is removed, so an engine of that root and rank cannot start using the
+/// arena in between (one opening in that instant waits for the removal).
+/// [`remove_kept_forced`] removes it whatever its owner.
 pub fn remove_kept(name: &str) -> Result<()> {
+    let path = own_kept_path(name)?;
+    let in_use = |reason: String| Error::ArenaInUse {
+        name: name.to_owned(),
+        reason,
+    };
+    let att = AttachedArena::open(name).map_err(|e| {
+        in_use(format!(
+            "whether its engine is running cannot be told (its header cannot be read: {e})"
+        ))
+    })?;
+    let h = att.header();
+    let lock_path = h.root.join(crate::commit::lock_name(h.rank));
+    let _probe = match crate::commit::probe_rank_lock(&h.root, h.rank) {
+        crate::commit::LockProbe::Held => {
+            return Err(in_use(format!(
+                "its engine (root {}, rank {}) is running: it holds {}",
+                h.root.display(),
+                h.rank,
+                lock_path.display()
+            )));
+        }
+        crate::commit::LockProbe::Unknown(why) => {
+            return Err(in_use(format!(
+                "whether its engine (root {}, rank {}) is running cannot be told: {why}",
+                h.root.display(),
+                h.rank
+            )));
+        }
+        crate::commit::LockProbe::Missing => None,
+        crate::commit::LockProbe::Free(lock) => Some(lock),
+    };
+    std::fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))
+}
+
+/// Remove the kept arena `name` (this user's only; never following a link) even when the
+/// engine that owns it is running ([`remove_kept`] refuses that). That engine keeps its
+/// memory (its mapping stays) and saves on, but nothing is kept under the name for the next
+/// engine's flash restore.
+pub fn remove_kept_forced(name: &str) -> Result<()> {
+    let path = own_kept_path(name)?;
+    std::fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))
+}
+
+/// `/dev/shm/name` when `name` is a kept arena's name and a regular file of this user.
+fn own_kept_path(name: &str) -> Result<std::path::PathBuf> {
     if !crate::staging::is_kept_name(name) || name.contains('/') {
         return Err(Error::Config(format!(
             "{name:?} is not a kept arena's name"
@@ -674,7 +820,7 @@ pub fn remove_kept(name: &str) -> Result<()> {
             reason: "not a regular file of this user".into(),
         });
     }
-    std::fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))
+    Ok(path)
 }
 
 /// A kept arena, as `shmckpt shm list` shows it.
@@ -693,6 +839,8 @@ pub struct KeptArenaInfo {
     pub rank: Option<u32>,
     /// Step of the kept image, if it holds one.
     pub step: Option<u64>,
+    /// Whether the engine that owns it is running ([`remove_kept`] refuses it then).
+    pub owner: ArenaOwner,
     /// Why it could not be read.
     pub problem: Option<String>,
 }

@@ -38,7 +38,9 @@ use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
 use crate::tensor::DeviceSlice;
-pub use flash::{KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept};
+pub use flash::{
+    ArenaOwner, KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept, remove_kept_forced,
+};
 
 pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
@@ -256,6 +258,14 @@ impl Engine {
             }
             None => None,
         };
+        if let Some(a) = &adopted {
+            // The cheap check of the disk copy, once at open (again before every load the
+            // image serves, where the report carries it).
+            let dir = cfg.root.join(manifest::step_dir_name(a.step()));
+            if let Err(why) = a.check_disk_copy(&dir) {
+                tracing::error!(step = a.step(), problem = %why, "the disk copy of the kept image's step is damaged: a load from disk would fail (`shmckpt verify` checks every byte)");
+            }
+        }
         let opts = BackendOptions {
             kind: cfg.backend,
             queue_depth: cfg.queue_depth,
@@ -386,15 +396,18 @@ impl Engine {
     /// is on but the disk served it, why.
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
         let info = self.resolve(which.into())?;
-        let (memory, fallback_reason) = self.try_memory(&info)?;
-        if let Some(ck) = memory {
-            let report = LoadReport {
-                step: info.step,
-                source: LoadSource::Memory,
-                fallback_reason: None,
-            };
-            return Ok((ck, report));
-        }
+        let fallback_reason = match self.try_memory(&info)? {
+            Memory::Served(ck, disk_problem) => {
+                let report = LoadReport {
+                    step: info.step,
+                    source: LoadSource::Memory,
+                    fallback_reason: None,
+                    disk_problem,
+                };
+                return Ok((ck, report));
+            }
+            Memory::Not(why) => why,
+        };
         let ck = restore::load_owned_pooled(
             &info.dir,
             self.shared.cfg.rank,
@@ -405,16 +418,17 @@ impl Engine {
             step: info.step,
             source: LoadSource::Disk,
             fallback_reason,
+            disk_problem: None,
         };
         Ok((ck, report))
     }
 
-    /// Flash restore: `info`'s step from the adopted image, if it can serve it (else why
-    /// not; `(None, None)` with the option off).
-    fn try_memory(&self, info: &CheckpointInfo) -> Result<(Option<Checkpoint>, Option<String>)> {
-        let (image, manifest, _) = match self.memory_image(info)? {
+    /// Flash restore: `info`'s step from the adopted image, if it can serve it, with what
+    /// the cheap check of the disk copy found; else why not (`None` with the option off).
+    fn try_memory(&self, info: &CheckpointInfo) -> Result<Memory> {
+        let (image, manifest, _, disk_problem) = match self.memory_image(info)? {
             Ok(found) => found,
-            Err(why) => return Ok((None, why)),
+            Err(why) => return Ok(Memory::Not(why)),
         };
         let a = image.as_ref().expect("memory_image returns a held image");
         match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
@@ -423,19 +437,20 @@ impl Engine {
                     step = info.step,
                     "load served from the kept image (flash restore)"
                 );
-                Ok((Some(ck), None))
+                Ok(Memory::Served(ck, disk_problem))
             }
             Err(why) => {
                 tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
-                Ok((None, Some(why)))
+                Ok(Memory::Not(Some(why)))
             }
         }
     }
 
     /// Flash restore: the adopted image, locked (a save waits to give it up until the
-    /// caller is done with its chunks), with `info`'s manifest and this rank's entry, if it
-    /// can serve `info`'s step: else why not (`None` with the option off). The guard always
-    /// holds an image when `Ok(Ok)`.
+    /// caller is done with its chunks), with `info`'s manifest, this rank's entry and what
+    /// the cheap check of the disk copy found wrong (logged as an error), if it can serve
+    /// `info`'s step: else why not (`None` with the option off). The guard always holds an
+    /// image when `Ok(Ok)`.
     #[allow(clippy::type_complexity)]
     fn memory_image(
         &self,
@@ -446,6 +461,7 @@ impl Engine {
                 std::sync::MutexGuard<'_, Option<flash::Adopted>>,
                 Manifest,
                 manifest::FileEntry,
+                Option<String>,
             ),
             Option<String>,
         >,
@@ -468,7 +484,11 @@ impl Engine {
             tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
             return Ok(Err(Some(why)));
         }
-        Ok(Ok((image, manifest, entry)))
+        let disk_problem = a.check_disk_copy(&info.dir).err();
+        if let Some(why) = &disk_problem {
+            tracing::error!(step = info.step, problem = %why, "the disk copy of the step served from memory is damaged: a load from disk would fail (`shmckpt verify` checks every byte)");
+        }
+        Ok(Ok((image, manifest, entry, disk_problem)))
     }
 
     /// Bytes the engine holds for its next [`Engine::load`] (the allocation of a loaded
@@ -495,7 +515,7 @@ impl Engine {
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
         let info = self.resolve(which.into())?;
-        if let Ok((image, _, entry)) = self.memory_image(&info)? {
+        if let Ok((image, _, entry, _)) = self.memory_image(&info)? {
             let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
             let order = restore::match_destinations(&entry, &named)?;
             let mut slots: Vec<Option<&mut [u8]>> =
@@ -581,7 +601,7 @@ impl Engine {
         let ordered: Vec<Option<DeviceSlice<'_>>> =
             order.iter().map(|&i| Some(dest[i].1)).collect();
         let fallback_reason = match self.memory_image(&info)? {
-            Ok((image, _, mem_entry)) if mem_entry == entry => {
+            Ok((image, _, mem_entry, disk_problem)) if mem_entry == entry => {
                 // SAFETY: forwarded from this function's contract.
                 let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
                 // Every checksum was verified when the image was adopted: straight from the
@@ -597,6 +617,7 @@ impl Engine {
                     step: info.step,
                     source: LoadSource::Memory,
                     fallback_reason: None,
+                    disk_problem,
                 });
             }
             Ok(_) => Some(format!(
@@ -624,7 +645,31 @@ impl Engine {
             step: info.step,
             source: LoadSource::Disk,
             fallback_reason,
+            disk_problem: None,
         })
+    }
+
+    /// Flash restore: check the disk copy of the step the adopted image holds completely,
+    /// as `shmckpt verify` does for this rank's file (every byte read, header against the
+    /// manifest, every tensor's CRC-32C). Loads served from memory only check the disk
+    /// copy's size and header ([`LoadReport::disk_problem`]); call this (on a thread of
+    /// your own: it reads the whole file, with the engine's read settings) to learn of
+    /// damage inside the data section too. Returns the step checked, `None` when no image
+    /// is adopted (none was, or a save dropped it); the error names the file and tensor.
+    pub fn verify_disk_copy(&self) -> Result<Option<u64>> {
+        let step = lock(&self.shared.adopted).as_ref().map(|a| a.step());
+        let Some(step) = step else {
+            return Ok(None);
+        };
+        let info = self.resolve(StepSel::Step(step))?;
+        let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
+        restore::read_file(
+            &info.dir.join(&entry.file),
+            &entry,
+            &self.read_options(),
+            &mut restore::Discard,
+        )?;
+        Ok(Some(step))
     }
 
     /// Manifest of a committed checkpoint.
@@ -694,6 +739,14 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// What flash restore did for a load.
+enum Memory {
+    /// Served it, with what the cheap check of the disk copy found wrong.
+    Served(Checkpoint, Option<String>),
+    /// Did not: why (`None` with the option off).
+    Not(Option<String>),
 }
 
 use crate::util::lock;

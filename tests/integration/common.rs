@@ -132,41 +132,67 @@ pub fn assert_loaded_equal(ck: &shmckpt::Checkpoint, state: &State) {
 
 // ---- Child processes, skips and shared-memory helpers (crash-recovery tests) ----
 
-/// Environment variable naming the child test a re-executed test binary must run.
+/// Environment variable naming the child role a re-executed test binary must run.
 pub const CHILD_ENV: &str = "SHMCKPT_TEST_CHILD";
 
-/// Whether this process was started by [`child_command`] to run the child test `name`.
-/// Child tests return at once (cheaply) when this is false.
+/// A child-process role: a plain function, never a `#[test]` (so never collected, listed
+/// or counted as a test), run in a child process that [`child_command`] started.
+pub type Role = (&'static str, fn());
+
+/// Whether this process was started by [`child_command`] to run the role `name`.
 pub fn is_child(name: &str) -> bool {
-    std::env::var(CHILD_ENV).is_ok_and(|v| v.rsplit("::").next() == Some(name))
+    std::env::var(CHILD_ENV).is_ok_and(|v| v == name)
 }
 
-/// The libtest name of test `name` defined in the test module (file) that calls the
-/// function taking this location: `module::name`.
-fn qualified(name: &str, caller: &std::panic::Location<'_>) -> String {
-    let module = Path::new(caller.file())
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .expect("test module file name");
-    format!("{module}::{name}")
+/// The first statement of every test that starts children with [`child_command`]:
+/// `if run_role(ROLES) { return; }`. In such a child (the test binary re-executed with only
+/// this test, and [`CHILD_ENV`] naming a role) it runs that role, one of `roles`, and
+/// returns true; in the test itself it returns false.
+pub fn run_role(roles: &[Role]) -> bool {
+    let Ok(want) = std::env::var(CHILD_ENV) else {
+        return false;
+    };
+    let (_, role) = roles
+        .iter()
+        .find(|(n, _)| *n == want)
+        .unwrap_or_else(|| panic!("{CHILD_ENV}={want:?} names no role of this test"));
+    role();
+    true
 }
 
-/// A command that re-runs this test binary with only the child test `name`, marked as a
-/// child by [`CHILD_ENV`]. Child tests are `#[ignore]`d, so a normal run reports them as
-/// ignored, never as passed; the child run includes them explicitly.
-#[track_caller]
-pub fn child_command(name: &str) -> std::process::Command {
-    let full = qualified(name, std::panic::Location::caller());
+/// The libtest name of the running test (`module::name`): libtest names each test's
+/// thread after it. Panics elsewhere (a thread of the test's own, `main`).
+pub fn current_test() -> String {
+    let t = std::thread::current();
+    match t.name() {
+        Some(n) if n != "main" && n.contains("::") => n.to_owned(),
+        other => panic!("not on a test's own thread (thread {other:?})"),
+    }
+}
+
+/// A command that re-runs this test binary with only the test `test` (see
+/// [`current_test`]), in which [`run_role`] runs the role `role` instead of the test.
+pub fn child_command_of(test: &str, role: &str) -> std::process::Command {
+    assert!(
+        std::env::var_os(CHILD_ENV).is_none(),
+        "a child ({}) would start another: does {test} begin with `run_role`?",
+        std::env::var(CHILD_ENV).unwrap_or_default()
+    );
     let mut c = std::process::Command::new(std::env::current_exe().unwrap());
     c.args([
         "--exact",
-        &full,
+        test,
         "--include-ignored",
         "--nocapture",
         "--test-threads=1",
     ])
-    .env(CHILD_ENV, name);
+    .env(CHILD_ENV, role);
     c
+}
+
+/// [`child_command_of`] the running test (call it on the test's own thread).
+pub fn child_command(role: &str) -> std::process::Command {
+    child_command_of(&current_test(), role)
 }
 
 /// Kill this process with SIGKILL (no destructor, no clean shutdown runs).
@@ -178,9 +204,28 @@ pub fn sigkill_self() -> ! {
     }
 }
 
-/// Say visibly that a test did not run, and why.
-pub fn skip(reason: &str) {
-    eprintln!("SKIPPED: {reason}");
+/// Switch that makes a missing mount namespace (root, `unshare --mount`, a tmpfs mount
+/// in it) a failure. `.ci/run` sets it.
+pub const REQUIRE_NS: &str = "SHMCKPT_REQUIRE_NS";
+/// Switch that makes not running as root a failure. `.ci/run` sets it when it runs as root.
+pub const REQUIRE_ROOT: &str = "SHMCKPT_REQUIRE_ROOT";
+/// Switch that makes a missing ext4 image on a loop device (`mkfs.ext4`, `losetup`, loop
+/// devices) a failure. `.ci/run` sets it.
+pub const REQUIRE_LOOP: &str = "SHMCKPT_REQUIRE_LOOP";
+/// Switch that makes the presence of a CUDA driver a failure for the tests of the no-GPU
+/// paths. `.ci/run` sets it (CI has no GPU).
+pub const REQUIRE_NO_GPU: &str = "SHMCKPT_REQUIRE_NO_GPU";
+
+/// A capability this test needs is missing: a failure when the switch `require` is `1`
+/// (CI sets it where the capability exists), else a visible `SKIPPED` line (Rust has no
+/// runtime skip: the caller then returns).
+#[track_caller]
+pub fn skip(require: &str, reason: &str) {
+    assert!(
+        std::env::var(require).as_deref() != Ok("1"),
+        "{require}=1 but {reason}"
+    );
+    eprintln!("SKIPPED: {reason} (set {require}=1 to make this a failure)");
 }
 
 /// Whether we run as root (mount, loop devices, namespaces).
@@ -328,12 +373,12 @@ pub fn have_tool(prog: &str) -> bool {
 
 /// Like [`child_command`], but the child runs in a private mount namespace
 /// (`unshare --mount --propagation private`): its mounts vanish with it. `None` (after
-/// saying why) when namespaces cannot be created here.
-#[track_caller]
-pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
-    let full = qualified(name, std::panic::Location::caller());
+/// [`skip`] said why: a failure under [`REQUIRE_NS`]) when namespaces cannot be created
+/// here.
+pub fn child_command_in_mount_ns(role: &str) -> Option<std::process::Command> {
+    let test = current_test();
     if !is_root() {
-        skip("mount namespaces need root");
+        skip(REQUIRE_NS, "mount namespaces need root");
         return None;
     }
     let probe = std::process::Command::new("unshare")
@@ -341,20 +386,18 @@ pub fn child_command_in_mount_ns(name: &str) -> Option<std::process::Command> {
         .stderr(std::process::Stdio::null())
         .status();
     if !probe.is_ok_and(|s| s.success()) {
-        skip("`unshare --mount` is not available or not permitted");
+        skip(
+            REQUIRE_NS,
+            "`unshare --mount` is not available or not permitted",
+        );
         return None;
     }
+    let inner = child_command_of(&test, role);
     let mut c = std::process::Command::new("unshare");
     c.args(["--mount", "--propagation", "private"])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &full,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, &full);
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .env(CHILD_ENV, role);
     Some(c)
 }
 

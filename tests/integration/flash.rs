@@ -24,12 +24,7 @@ fn keep_config(root: &Path) -> shmckpt::EngineConfig {
 }
 
 /// Child: commit steps 1 and 2 with flash restore on, then die by SIGKILL.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_keeper() {
-    if !is_child("child_keeper") {
-        return;
-    }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let engine = Engine::open(keep_config(&root)).unwrap();
     for s in [1, 2] {
@@ -94,8 +89,17 @@ fn killed_keeper(root: &Path) -> ShmGuard {
     ShmGuard(name)
 }
 
+/// The child roles of this module's tests.
+const ROLES: &[Role] = &[
+    ("child_keeper", child_keeper),
+    ("child_adopter", child_adopter),
+];
+
 #[test]
 fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-kill");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -123,6 +127,7 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
     let listed = shmckpt::flash::list_kept();
     let mine = listed.iter().find(|k| k.name == guard.0).unwrap();
     assert_eq!(mine.owner_uid, rustix::process::geteuid().as_raw());
+    assert_eq!(mine.owner, shmckpt::flash::ArenaOwner::Alive);
     assert_eq!(
         mine.root.as_deref(),
         Some(std::fs::canonicalize(root).unwrap().as_path())
@@ -134,6 +139,9 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
 
 #[test]
 fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-stale");
     let root = dir.path();
     let _guard = killed_keeper(root);
@@ -157,6 +165,9 @@ fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
 
 #[test]
 fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-flip");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -174,10 +185,122 @@ fn damaged_kept_arena_falls_back_to_disk_with_the_reason() {
     assert!(why.contains("CRC-32C"), "{why}");
 }
 
+/// This rank's file of `step` under `root`.
+fn rank_file_of(root: &Path, step: u64) -> PathBuf {
+    let dir = root.join(shmckpt::manifest::step_dir_name(step));
+    let m = shmckpt::Manifest::read(&dir).unwrap();
+    dir.join(&m.file_of_rank(0).unwrap().file)
+}
+
+/// Issue 21, item 7: a disk copy damaged under a good kept image. The load is served from
+/// memory (its bytes are the manifest's), and the cheap check of the disk copy (size,
+/// header) reports what is wrong; damage in the data section only the full check finds.
+#[test]
+fn a_damaged_disk_copy_under_a_good_kept_image_is_reported() {
+    if run_role(ROLES) {
+        return;
+    }
+    #[derive(Debug, Clone, Copy)]
+    enum Damage {
+        Truncated,
+        Header,
+        Data,
+    }
+    for damage in [Damage::Truncated, Damage::Header, Damage::Data] {
+        let dir = real_dir("flash-diskcopy");
+        let root = dir.path();
+        let _guard = killed_keeper(root);
+        let file = rank_file_of(root, 2);
+        let len = std::fs::metadata(&file).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        match damage {
+            Damage::Truncated => f.set_len(len - 1).unwrap(),
+            // Inside the JSON header.
+            Damage::Header => f.write_all_at(b"#", 10).unwrap(),
+            // The last byte of the last tensor.
+            Damage::Data => {
+                let mut b = [0u8; 1];
+                std::fs::File::open(&file)
+                    .unwrap()
+                    .read_exact_at(&mut b, len - 1)
+                    .unwrap();
+                f.write_all_at(&[b[0] ^ 0xFF], len - 1).unwrap();
+            }
+        }
+        drop(f);
+        // The disk copy really is damaged: a load from disk fails.
+        let from_disk = shmckpt::restore::load_owned(
+            file.parent().unwrap(),
+            0,
+            &shmckpt::restore::ReadOptions::default(),
+        );
+        assert!(from_disk.is_err(), "{damage:?}: the disk copy still loads");
+        let engine = Engine::open(keep_config(root)).unwrap();
+        let report = load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
+        let problem = report.disk_problem.clone();
+        match damage {
+            Damage::Truncated => {
+                let p = problem
+                    .as_deref()
+                    .expect("a truncated disk copy is reported");
+                assert!(
+                    p.contains(&format!("is {} bytes, the manifest says {len}", len - 1)),
+                    "{p}"
+                );
+            }
+            Damage::Header => {
+                let p = problem
+                    .as_deref()
+                    .expect("a damaged header on disk is reported");
+                assert!(
+                    p.contains("differs from the kept image's at byte 10"),
+                    "{p}"
+                );
+            }
+            Damage::Data => assert_eq!(problem, None, "the cheap check reads the header only"),
+        }
+        // load_into is served from memory too.
+        let s2 = step_state(2);
+        let mut bufs: Vec<Vec<u8>> = s2.data.iter().map(|d| vec![0u8; d.len()]).collect();
+        let mut dest: Vec<(&str, &mut [u8])> = s2
+            .layout
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(e, b)| (e.name.as_str(), &mut b[..]))
+            .collect();
+        assert_eq!(engine.load_into(2, &mut dest).unwrap(), 2);
+        assert_eq!(bufs, s2.data);
+        // The full check finds every kind of damage, the data section's included.
+        let err = engine.verify_disk_copy().unwrap_err();
+        match damage {
+            Damage::Truncated => {
+                assert!(matches!(err, shmckpt::Error::Truncated { .. }), "{err:?}")
+            }
+            Damage::Header => assert!(matches!(err, shmckpt::Error::Corrupt { .. }), "{err:?}"),
+            Damage::Data => assert!(matches!(err, shmckpt::Error::Checksum { .. }), "{err:?}"),
+        }
+        eprintln!("{damage:?}: {problem:?}; full check: {err}");
+    }
+    // An intact disk copy: nothing reported, and the full check passes.
+    let dir = real_dir("flash-diskcopy-ok");
+    let root = dir.path();
+    let _guard = killed_keeper(root);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let report = load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
+    assert_eq!(report.disk_problem, None);
+    assert_eq!(engine.verify_disk_copy().unwrap(), Some(2));
+    // A save drops the image: nothing to check then.
+    save_committed(&engine, 3, &step_state(3));
+    assert_eq!(engine.verify_disk_copy().unwrap(), None);
+}
+
 #[test]
 fn foreign_kept_arena_is_refused_and_left_alone() {
+    if run_role(ROLES) {
+        return;
+    }
     if !is_root() {
-        skip("chown to another user needs root");
+        skip(REQUIRE_ROOT, "chown to another user needs root");
         return;
     }
     let dir = real_dir("flash-foreign");
@@ -235,6 +358,9 @@ fn with_the_option_off_shared_memory_is_never_looked_at() {
 
 #[test]
 fn shm_cli_lists_and_removes_kept_arenas() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-cli");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -260,6 +386,7 @@ fn shm_cli_lists_and_removes_kept_arenas() {
         std::fs::canonicalize(root).unwrap().to_str().unwrap()
     );
     assert_eq!(mine["owner_uid"], rustix::process::geteuid().as_raw());
+    assert_eq!(mine["owner"], "gone", "its engine was killed");
     assert!(mine["bytes"].as_u64().unwrap() >= 16 << 20);
     run(&["shm", "rm", &guard.0]);
     assert!(!shm_exists(&guard.0));
@@ -318,6 +445,9 @@ fn deleted_segments_open(name: &str) -> usize {
 
 #[test]
 fn adoption_frees_the_previous_segment_and_records_the_image_in_the_new_arena() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-adopt");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -351,12 +481,7 @@ fn adoption_frees_the_previous_segment_and_records_the_image_in_the_new_arena() 
 
 /// Child: adopt the image [`child_keeper`] left (and serve a load from it), then die by
 /// SIGKILL before any save.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_adopter() {
-    if !is_child("child_adopter") {
-        return;
-    }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let engine = Engine::open(keep_config(&root)).unwrap();
     load_exact(&engine, 2, &step_state(2), LoadSource::Memory);
@@ -366,6 +491,9 @@ fn child_adopter() {
 
 #[test]
 fn an_adopted_image_survives_a_second_crash_before_any_save() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-twice");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -396,6 +524,9 @@ fn an_adopted_image_survives_a_second_crash_before_any_save() {
 
 #[test]
 fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-save");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -434,6 +565,9 @@ fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
 
 #[test]
 fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-small");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -448,6 +582,9 @@ fn an_arena_smaller_than_the_kept_image_falls_back_to_disk_with_the_reason() {
 
 #[test]
 fn load_into_host_buffers_is_served_from_the_adopted_image() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-into");
     let root = dir.path();
     let _guard = killed_keeper(root);
@@ -501,6 +638,9 @@ fn shm_inode(name: &str) -> (u64, u64) {
 
 #[test]
 fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-inplace");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -525,6 +665,9 @@ fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
 
 #[test]
 fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-layout");
     let root = dir.path();
     let guard = killed_keeper(root);
@@ -540,6 +683,9 @@ fn a_kept_arena_of_another_layout_is_copied_into_a_new_arena() {
 
 #[test]
 fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("flash-hole");
     let root = dir.path();
     let guard = killed_keeper(root);

@@ -2,7 +2,9 @@
 //! mounted in a private mount namespace by a child process. A save that does not fit fails
 //! with ENOSPC, commits nothing, leaves no partial directory, and earlier checkpoints stay
 //! intact; a save hitting ENOSPC while committing (the manifest) does the same. Skips
-//! visibly (SKIPPED on stderr) when neither filesystem can be mounted.
+//! visibly (SKIPPED on stderr) when neither filesystem can be mounted; `SHMCKPT_REQUIRE_NS=1`
+//! makes that a failure, and `SHMCKPT_REQUIRE_LOOP=1` the fallback to tmpfs (`.ci/run` sets
+//! both).
 
 use crate::common;
 
@@ -154,13 +156,8 @@ fn align(n: u64) -> u64 {
     n.div_ceil(4096) * 4096
 }
 
-/// Child (in its own mount namespace): mount a small filesystem and fill it.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+/// Child role (in its own mount namespace): mount a small filesystem and fill it.
 fn child_fulldisk() {
-    if !is_child("child_fulldisk") {
-        return;
-    }
     let work = tempfile::Builder::new()
         .prefix("fulldisk-")
         .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
@@ -170,13 +167,20 @@ fn child_fulldisk() {
     let kind = match mount_ext4(&work.path().join("disk.img"), &mnt) {
         Ok(()) => "ext4 on a loop device",
         Err(e) => {
-            eprintln!("cannot mount an ext4 image ({e}); trying tmpfs");
+            assert!(
+                std::env::var(REQUIRE_LOOP).as_deref() != Ok("1"),
+                "{REQUIRE_LOOP}=1 but an ext4 image cannot be mounted on a loop device: {e}"
+            );
+            eprintln!(
+                "cannot mount an ext4 image ({e}); trying tmpfs (set {REQUIRE_LOOP}=1 to make this a failure)"
+            );
             match mount_tmpfs(&mnt) {
                 Ok(()) => "size-limited tmpfs",
                 Err(e2) => {
-                    skip(&format!(
-                        "full-disk test: cannot mount ext4 ({e}) nor tmpfs ({e2})"
-                    ));
+                    skip(
+                        REQUIRE_NS,
+                        &format!("full-disk test: cannot mount ext4 ({e}) nor tmpfs ({e2})"),
+                    );
                     return;
                 }
             }
@@ -189,6 +193,9 @@ fn child_fulldisk() {
 
 #[test]
 fn a_full_disk_fails_the_save_and_keeps_earlier_checkpoints() {
+    if run_role(&[("child_fulldisk", child_fulldisk)]) {
+        return;
+    }
     let Some(mut cmd) = child_command_in_mount_ns("child_fulldisk") else {
         return;
     };

@@ -7,7 +7,7 @@ use crate::common;
 
 use std::io::BufRead;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,6 @@ fn exe() -> std::path::PathBuf {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_shmckpt").into())
 }
-const ROLE_ENV: &str = "SHMCKPT_IPC_TEST_ROLE";
 
 fn config(root: &Path) -> IpcConfig {
     IpcConfig::new(root)
@@ -97,14 +96,8 @@ fn writer_exits_and_is_reaped_when_the_client_drops() {
     });
 }
 
-/// The trainer of `writer_dies_with_a_killed_trainer`: runs only when re-executed with
-/// `SHMCKPT_IPC_TEST_ROLE=trainer`.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+/// Child role of `writer_dies_with_a_killed_trainer`: the trainer.
 fn trainer_role() {
-    if std::env::var(ROLE_ENV).as_deref() != Ok("trainer") {
-        return;
-    }
     let root = std::env::var("SHMCKPT_IPC_TEST_ROOT").unwrap();
     // Spawned from a short-lived thread on purpose: the writer must not die when that
     // thread ends (PR_SET_PDEATHSIG follows the spawning thread).
@@ -124,21 +117,16 @@ fn trainer_role() {
 
 #[test]
 fn writer_dies_with_a_killed_trainer() {
+    if common::run_role(&[("trainer", trainer_role)]) {
+        return;
+    }
+    let test = common::current_test();
     // Orphans are reparented to us, so we can see the writer exit and reap it ourselves
     // (whatever pid 1 of this container does with orphans).
     rustix::process::set_child_subreaper(Some(rustix::process::getpid())).unwrap();
-    within(Duration::from_secs(120), || {
+    within(Duration::from_secs(120), move || {
         let dir = common::real_dir("ipc-kill");
-        let me = std::env::current_exe().unwrap();
-        let mut trainer = Command::new(me)
-            .args([
-                "--exact",
-                "ipc::trainer_role",
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE_ENV, "trainer")
+        let mut trainer = common::child_command_of(&test, "trainer")
             .env("SHMCKPT_IPC_TEST_ROOT", dir.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -148,7 +136,7 @@ fn writer_dies_with_a_killed_trainer() {
         let mut writer = None;
         for line in out.lines() {
             let line = line.unwrap();
-            // libtest prints "test trainer_role ... " on the same line.
+            // libtest prints "test ipc::writer_dies_with_a_killed_trainer ... " on the same line.
             if let Some((_, rest)) = line.split_once("WRITER_PID=") {
                 let (pid, shm) = rest.split_once(" SHM=").unwrap();
                 writer = Some((pid.parse::<u32>().unwrap(), shm.to_owned()));
@@ -200,7 +188,10 @@ fn writer_dies_with_a_killed_trainer() {
 #[test]
 fn save_without_a_cuda_driver_is_a_clear_error() {
     if cuda::driver_present() {
-        eprintln!("SKIPPED: a CUDA driver is present; tests/gpu_ipc.rs covers this machine");
+        common::skip(
+            common::REQUIRE_NO_GPU,
+            "a CUDA driver is present; tests/gpu_ipc.rs covers this machine",
+        );
         return;
     }
     let dir = common::real_dir("ipc-nocuda");

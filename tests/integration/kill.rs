@@ -81,12 +81,7 @@ fn watcher(shm: String, root: PathBuf, phase: String, target: u64, param: u64, s
 /// Child: a trainer saving three steps back to back through slow writes (3 ms each) and a
 /// staging arena of one file (so every save but the first waits for the previous one's
 /// writes while staging), killed by its watcher thread or by the parent.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_trainer() {
-    if !is_child("child_trainer") {
-        return;
-    }
     let root = PathBuf::from(var("KILL_ROOT"));
     let shm = var("KILL_SHM");
     let base: u64 = var("KILL_BASE").parse().unwrap();
@@ -199,8 +194,14 @@ fn check_latest(root: &Path) {
     }
 }
 
+/// The child roles of this module's tests.
+const ROLES: &[Role] = &[("child_trainer", child_trainer)];
+
 #[test]
 fn sigkill_at_random_points_never_breaks_the_root() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("kill");
     let root = dir.path();
     let seed: u64 = std::env::var("SHMCKPT_KILL_SEED")

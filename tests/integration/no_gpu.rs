@@ -1,5 +1,6 @@
 //! Device tensors on a machine without a CUDA driver: a clear error, never a panic. (On a
-//! machine with a driver this file checks nothing and says so; the GPU tests cover it.)
+//! machine with a driver this file checks nothing and says so, a failure under
+//! `SHMCKPT_REQUIRE_NO_GPU=1`, which `.ci/run` sets; the GPU tests cover it.)
 
 use crate::common;
 
@@ -9,7 +10,10 @@ use shmckpt::{DeviceSlice, Dtype, Engine, Error, Metadata, Tensor};
 #[test]
 fn device_tensor_without_driver_is_a_clear_error() {
     if cuda::driver_present() {
-        eprintln!("SKIPPED: a CUDA driver is present; tests/gpu.rs covers this machine");
+        common::skip(
+            common::REQUIRE_NO_GPU,
+            "a CUDA driver is present; tests/gpu.rs covers this machine",
+        );
         return;
     }
     let dir = common::real_dir("nogpu");
@@ -144,7 +148,10 @@ fn split_load_refuses_bad_device_destinations_before_any_device_call() {
         }
     }
     if cuda::driver_present() {
-        eprintln!("SKIPPED (driver check): a CUDA driver is present; tests/gpu.rs covers it");
+        common::skip(
+            common::REQUIRE_NO_GPU,
+            "the driver check: a CUDA driver is present; tests/gpu.rs covers it",
+        );
         return;
     }
     // A well-formed destination on a machine without a driver: a clear error, no panic.

@@ -70,12 +70,7 @@ fn run_child(name: &str, root: &Path, shm: &str) {
 /// fault injection, writes past the second chunk are held back (and the child waits until
 /// the first two chunks are written), so recovery must take two chunks from the partial file
 /// and two from staging.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_saver() {
-    if !is_child("child_saver") {
-        return;
-    }
     let root = env_path(ROOT_ENV);
     let shm = std::env::var(SHM_ENV).unwrap();
     let cfg = small_config(&root, BackendKind::Auto)
@@ -109,8 +104,18 @@ fn child_saver() {
     sigkill_self();
 }
 
+/// The child roles of this module's tests.
+const ROLES: &[Role] = &[
+    ("child_saver", child_saver),
+    ("child_crafter", child_crafter),
+    ("child_single", child_single),
+];
+
 #[test]
 fn sigkilled_child_is_recovered_exactly() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-lib");
     let root = dir.path();
     let shm = test_shm_name("lib");
@@ -216,6 +221,9 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn cli_lists_without_touching_then_recovers_the_root() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-cli");
     let root = dir.path();
     let other = real_dir("recover-cli-other");
@@ -272,6 +280,9 @@ fn cli_lists_without_touching_then_recovers_the_root() {
 
 #[test]
 fn engine_recovers_on_open() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-open");
     let root = dir.path();
     let shm = test_shm_name("open");
@@ -388,12 +399,7 @@ fn craft_slot(
 }
 
 /// Child: build arenas in every state recovery must handle, then die by SIGKILL.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_crafter() {
-    if !is_child("child_crafter") {
-        return;
-    }
     let root = std::fs::canonicalize(env_path(ROOT_ENV)).unwrap();
     let shm = std::env::var(SHM_ENV).unwrap();
     let arena = Arena::create(&ArenaSpec {
@@ -466,6 +472,9 @@ fn refusal(report: &recover::RecoveryReport, step: u64) -> String {
 
 #[test]
 fn crafted_arenas_are_recovered_or_refused_with_reasons() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-craft");
     let root = dir.path();
     let shm = test_shm_name("craft");
@@ -553,12 +562,7 @@ fn crafted_arenas_are_recovered_or_refused_with_reasons() {
 }
 
 /// Child: one fully staged save (step 20) in an arena, then SIGKILL.
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_single() {
-    if !is_child("child_single") {
-        return;
-    }
     let root = std::fs::canonicalize(env_path(ROOT_ENV)).unwrap();
     let arena = Arena::create(&ArenaSpec {
         name: Some(std::env::var(SHM_ENV).unwrap()),
@@ -588,6 +592,9 @@ fn set_owner_pid(shm: &str, pid: u32) {
 
 #[test]
 fn a_reused_owner_pid_is_not_mistaken_for_the_owner() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-pid");
     let root = dir.path();
     let shm = test_shm_name("pid");
@@ -620,14 +627,9 @@ fn a_reused_owner_pid_is_not_mistaken_for_the_owner() {
 /// recorded, step 2 is staged, reusing the freed staging chunk, and the child dies by
 /// SIGKILL.
 #[cfg(feature = "fault-injection")]
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_reuser() {
     use shmckpt::testing::io::OpKind;
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-    if !is_child("child_reuser") {
-        return;
-    }
     let root = env_path(ROOT_ENV);
     let shm = std::env::var(SHM_ENV).unwrap();
     let plan = Arc::new(FaultPlan::new());
@@ -668,6 +670,9 @@ fn child_reuser() {
 #[cfg(feature = "fault-injection")]
 #[test]
 fn failed_write_is_never_recovered_from_reused_staging() {
+    if run_role(&[("child_reuser", child_reuser)]) {
+        return;
+    }
     let dir = real_dir("recover-reuse");
     let root = dir.path();
     let shm = test_shm_name("reuse");
@@ -701,6 +706,9 @@ fn failed_write_is_never_recovered_from_reused_staging() {
 
 #[test]
 fn io_failure_during_recovery_keeps_the_arena_for_a_retry() {
+    if run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("recover-retry");
     let root = dir.path();
     let shm = test_shm_name("retry");

@@ -295,8 +295,24 @@ fn err_text(e: &Error) -> String {
     e.to_string()
 }
 
+/// Child role of `missing_or_unwritable_root_is_refused` when run as root (who ignores
+/// directory permissions): in a private mount namespace, `$SHMCKPT_TEST_RO_ROOT` is made
+/// read-only by a read-only bind mount of itself.
+fn child_read_only_root() {
+    let ro = std::env::var("SHMCKPT_TEST_RO_ROOT").unwrap();
+    run_tool("mount", &["--bind", &ro, &ro]).unwrap();
+    run_tool("mount", &["-o", "remount,bind,ro", &ro, &ro]).unwrap();
+    assert!(std::fs::File::create(std::path::Path::new(&ro).join("probe")).is_err());
+    let err = Engine::open(shmckpt::EngineConfig::new(&ro)).unwrap_err();
+    assert!(matches!(err, Error::RootNotWritable { .. }), "{err:?}");
+    println!("READ-ONLY-ROOT: {err}");
+}
+
 #[test]
 fn missing_or_unwritable_root_is_refused() {
+    if run_role(&[("child_read_only_root", child_read_only_root)]) {
+        return;
+    }
     let dir = real_dir("root");
     let missing = dir.path().join("nope");
     let err = Engine::open(shmckpt::EngineConfig::new(&missing)).unwrap_err();
@@ -308,8 +324,25 @@ fn missing_or_unwritable_root_is_refused() {
     std::fs::set_permissions(&ro, perm).unwrap();
     let writable = std::fs::File::create(ro.join("probe")).is_ok();
     if writable {
-        // root ignores permissions: use a read-only bind? Just report the check as skipped.
-        eprintln!("SKIPPED unwritable-root check: running as root ignores directory permissions");
+        // Root ignores permissions: a read-only bind mount, in a private mount namespace.
+        let Some(mut cmd) = child_command_in_mount_ns("child_read_only_root") else {
+            return;
+        };
+        let out = cmd.env("SHMCKPT_TEST_RO_ROOT", &ro).output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "child failed ({:?}):\n{text}",
+            out.status
+        );
+        assert!(
+            relay_markers(&text, &["READ-ONLY-ROOT"]),
+            "the child did not run:\n{text}"
+        );
     } else {
         let err = Engine::open(shmckpt::EngineConfig::new(&ro)).unwrap_err();
         assert!(matches!(err, Error::RootNotWritable { .. }), "{err:?}");

@@ -1,7 +1,8 @@
 //! A too small `/dev/shm`: a child process in a private mount namespace mounts a 1 MiB tmpfs
 //! on `/dev/shm`. Creating an engine whose arena does not fit fails at once with a clear
 //! error (no SIGBUS later, no segment left behind); an arena that fits works, byte-exact.
-//! Skips visibly when mount namespaces are not available.
+//! Skips visibly when mount namespaces are not available (a failure under
+//! `SHMCKPT_REQUIRE_NS=1`, which `.ci/run` sets).
 
 use crate::common;
 
@@ -18,20 +19,16 @@ fn shm_entries() -> Vec<String> {
         .collect()
 }
 
-/// Child (own mount namespace, 1 MiB `/dev/shm`).
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+/// Child role (own mount namespace, 1 MiB `/dev/shm`).
 fn child_small_shm() {
-    if !is_child("child_small_shm") {
-        return;
-    }
     if let Err(e) = run_tool(
         "mount",
         &["-t", "tmpfs", "-o", "size=1m", "tmpfs", "/dev/shm"],
     ) {
-        skip(&format!(
-            "small /dev/shm test: cannot mount a tmpfs on /dev/shm: {e}"
-        ));
+        skip(
+            REQUIRE_NS,
+            &format!("small /dev/shm test: cannot mount a tmpfs on /dev/shm: {e}"),
+        );
         return;
     }
     assert!(shm_entries().is_empty(), "a fresh /dev/shm");
@@ -87,6 +84,9 @@ fn child_small_shm() {
 
 #[test]
 fn too_small_dev_shm_is_a_clear_error_at_engine_creation() {
+    if run_role(&[("child_small_shm", child_small_shm)]) {
+        return;
+    }
     let Some(mut cmd) = child_command_in_mount_ns("child_small_shm") else {
         return;
     };
