@@ -522,3 +522,96 @@ def test_a_bool_step_is_refused_by_save_and_load(ck, root, step):
 def test_numpy_integer_steps_are_steps(ck):
     ck.save(np.int64(4), {"a": torch.ones(2)}).wait()
     assert ck.list() == [4] and torch.equal(ck.load(np.int32(4))["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda z, f: z.conj(),
+        lambda z, f: torch._neg_view(z.conj()),
+        lambda z, f: z.conj().t(),
+        lambda z, f: torch._neg_view(f)[::3],
+        lambda z, f: torch._neg_view(f.reshape(10, 10)).t()[2:5],
+    ],
+)
+def test_host_route_of_lazy_cuda_views_gives_their_values(monkeypatch, make):
+    """The host route of conjugate / negative CUDA views (copy the memory as it is into
+    pinned memory, apply the bits on the host), checked on CPU tensors: pinning (which
+    needs CUDA) is left out, everything else is the CUDA code path."""
+    from shmckpt import checkpointer
+
+    real_empty = torch.empty
+    monkeypatch.setattr(checkpointer.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    z = torch.complex(torch.arange(100.0), torch.arange(100.0) * -2).reshape(10, 10)
+    f = torch.arange(100.0) - 50
+    t = make(z, f)
+    assert _state.is_lazy(t)
+    pinned, finish = checkpointer._cuda_span_copy(t)
+    assert not _state.is_lazy(pinned)  # the memory as it is
+    out = finish()
+    assert not _state.is_lazy(out) and out.is_contiguous() and out.shape == t.shape
+    assert bits(out) == bits(_state.resolved(t))
+
+
+# -- CUDA: lazy views on the device (marker gpu) -------------------------------------------
+
+
+def cuda_lazy_state():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    z = torch.complex(torch.randn(64, 32, device="cuda", generator=g), torch.randn(64, 32, device="cuda", generator=g))
+    f = torch.randn(1000, device="cuda", generator=g)
+    return {
+        "z": z,
+        "zc": z.conj(),
+        "zn": torch._neg_view(z),
+        "zcn": torch._neg_view(z.conj()),
+        "zc_t": z.conj().t(),  # lazy and not contiguous
+        "fn": torch._neg_view(f),
+        "fn_strided": torch._neg_view(f)[::3],
+    }
+
+
+@pytest.mark.gpu
+def test_cuda_lazy_views_are_saved_by_value_with_no_device_memory(root):
+    state = cuda_lazy_state()
+    expect = {k: _state.resolved(v).cpu() for k, v in state.items()}
+    torch.cuda.synchronize()
+    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+        ck.prepare_cuda([torch.cuda.current_device()])
+        before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        ck.save(1, state).wait()
+        ck.save(2, state, blocking=False).wait()
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == before
+        for s in (1, 2):
+            back = ck.load(s)
+            on_disk = torch_load_file(file_of(root, s))
+            for k, e in expect.items():
+                assert bits(back[k]) == bits(e) and bits(on_disk[k]) == bits(e), (s, k)
+            assert {t["name"] for t in ck.manifest(s)["files"][0]["tensors"]} == set(expect)
+        # load_into conjugate / negative CUDA destinations (through the device path).
+        zmem = torch.zeros(64, 32, dtype=torch.complex64, device="cuda")
+        fmem = torch.zeros(1000, device="cuda")
+        ck.save(3, {"z": expect["z"].cuda(), "f": expect["fn"].cuda()}).wait()
+        dst = {"z": zmem.conj(), "f": torch._neg_view(fmem)}
+        ck.load_into(dst, 3)
+        assert bits(dst["z"].cpu()) == bits(expect["z"]) and bits(dst["f"].cpu()) == bits(expect["fn"])
+        assert bits(fmem.cpu()) == bits(-expect["fn"])
+
+
+@pytest.mark.gpu
+def test_cuda_lazy_views_through_the_dcp_writer(tmp_path):
+    state = cuda_lazy_state()
+    expect = {k: _state.resolved(v).cpu() for k, v in state.items()}
+    torch.cuda.synchronize()
+    for mode in ("save", "async_save"):
+        p = tmp_path / mode
+        w = ShmckptWriter(p, chunk_size=CHUNK)
+        if mode == "save":
+            dcp.save(state, storage_writer=w)
+        else:
+            r = dcp.async_save(state, storage_writer=w)
+            (r.upload_completion if hasattr(r, "upload_completion") else r).result()
+        on_disk = torch_load_file(p / "rank-00000-of-00001.safetensors")
+        for k, e in expect.items():
+            assert bits(on_disk[k]) == bits(e), (mode, k)
+
