@@ -615,3 +615,15 @@ def test_cuda_lazy_views_through_the_dcp_writer(tmp_path):
         for k, e in expect.items():
             assert bits(on_disk[k]) == bits(e), (mode, k)
 
+
+def test_the_extension_refuses_a_null_address_with_bytes_in_a_save(ck, root):
+    """The last check under the package's own refusals: the extension makes byte slices of
+    host tensors, and a null address with bytes (what a freed tensor gave before) is
+    refused, not read."""
+    before = listing(root)
+    for dev in (-1, 0):
+        with pytest.raises(ValueError, match='tensor "w" has a null address'):
+            ck._engine.save(1, [("w", "F32", [4], 0, 16, dev)], {}, [], True)
+    assert listing(root) == before
+    ck._engine.save(1, [("w", "F32", [0], 0, 0, -1)], {}, [], True).wait()  # empty: fine
+    assert ck.list() == [1]
