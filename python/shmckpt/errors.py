@@ -13,7 +13,7 @@ give one name are a ``ValueError``. Both are raised before a byte is written.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = [
     "ShmckptError",
@@ -193,6 +193,10 @@ class UnsupportedValue(ShmckptError, TypeError):
     def __init__(self, message: str, key: Optional[str] = None):
         super().__init__(message)
         self.key = key
+
+    def __reduce__(self) -> Any:
+        # (DCP sends a rank's exception to the others pickled: keep ``key``.)
+        return (type(self), (str(self), self.key))
 
 
 class IpcError(ShmckptError, RuntimeError):

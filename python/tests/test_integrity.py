@@ -262,6 +262,14 @@ def test_tensors_whose_memory_is_not_their_values_are_refused(ck, root, make, wh
     assert torch.equal(dst["ok"], torch.zeros(100))
 
 
+def test_unsupported_value_keeps_its_key_through_pickle():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(shmckpt.UnsupportedValue("state['a']: no", key="state['a']")))
+    assert type(e) is shmckpt.UnsupportedValue and str(e) == "state['a']: no" and e.key == "state['a']"
+    assert e.kind == "UnsupportedValue" and isinstance(e, TypeError) and isinstance(e, shmckpt.ShmckptError)
+
+
 def test_plain_subclasses_and_expanded_views_are_saved_by_value(ck, root):
     class Mine(torch.Tensor):  # no __torch_dispatch__: its memory holds its values
         pass
