@@ -38,6 +38,7 @@ from .errors import (
     StepExists as StepExists,
     TooLarge as TooLarge,
     Truncated as Truncated,
+    UnsupportedValue as UnsupportedValue,
 )
 
 __version__: str

@@ -11,6 +11,12 @@ Everything else (the containers and plain values: ``int``, ``float`` incl. inf/n
 ``__metadata__`` under :data:`STATE_KEY`, never pickle. Loading rebuilds the exact nested
 structure with the same Python types (dict / OrderedDict with str or int keys, list,
 tuple).
+
+Values are stored by value (see docs/guarantees.md, "Byte order and lazy tensors"): numpy
+arrays of big-endian dtypes are converted to little-endian (safetensors' byte order),
+conjugate and negative views are resolved, and tensors whose memory does not hold their
+values (sparse, nested, meta, fake, functional or freed tensors, subclasses with their own
+``__torch_dispatch__``) are refused with :class:`~shmckpt.errors.UnsupportedValue`.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from __future__ import annotations
 import collections
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .errors import UnsupportedValue
 
 try:  # torch is optional: numpy-only states work without it.
     import torch
@@ -32,6 +41,10 @@ except ImportError:  # pragma: no cover - exercised only without torch
 STATE_KEY = "shmckpt_py.state"
 #: Version of the skeleton format.
 FORMAT_VERSION = 1
+#: Deepest nesting of containers a state may have (``save`` refuses deeper states, a
+#: skeleton nested deeper is corrupt): bounds every recursion over a state or skeleton
+#: well below Python's recursion limit, including the JSON codec's (3 JSON levels a level).
+MAX_DEPTH = 100
 
 
 def _torch_dtypes() -> Dict[Any, str]:
@@ -71,21 +84,21 @@ TORCH_TO_ST: Dict[Any, str] = _torch_dtypes()
 #: safetensors dtype name -> torch dtype (the first torch dtype for each name).
 ST_TO_TORCH: Dict[str, Any] = {v: k for k, v in TORCH_TO_ST.items()}
 
-#: numpy dtype (native byte order) -> safetensors dtype name.
+#: numpy dtype (little-endian, the byte order of safetensors) -> safetensors dtype name.
 NUMPY_TO_ST: Dict[np.dtype, str] = {
-    np.dtype(np.float64): "F64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.complex64): "C64",
+    np.dtype("<f8"): "F64",
+    np.dtype("<f4"): "F32",
+    np.dtype("<f2"): "F16",
+    np.dtype("<i8"): "I64",
+    np.dtype("<i4"): "I32",
+    np.dtype("<i2"): "I16",
+    np.dtype("i1"): "I8",
+    np.dtype("<u8"): "U64",
+    np.dtype("<u4"): "U32",
+    np.dtype("<u2"): "U16",
+    np.dtype("u1"): "U8",
+    np.dtype("?"): "BOOL",
+    np.dtype("<c8"): "C64",
 }
 ST_TO_NUMPY: Dict[str, np.dtype] = {v: k for k, v in NUMPY_TO_ST.items()}
 
@@ -99,6 +112,104 @@ def render_path(path: Tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
+def _unsupported(path: Tuple[Any, ...], what: str) -> UnsupportedValue:
+    where = render_path(path)
+    return UnsupportedValue(f"{where}: {what}", key=where)
+
+
+def little_endian(dt: np.dtype) -> np.dtype:
+    """``dt`` in little-endian byte order (itself when it already is or has no order)."""
+    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
+        return dt.newbyteorder("<")
+    return dt
+
+
+def host_array(a: np.ndarray, fresh: bool = False) -> np.ndarray:
+    """The bytes to store of ``a``: a C-contiguous, little-endian base ndarray of the same
+    shape (0-d stays 0-d) and values; ``a`` itself when it already is one, unless ``fresh``
+    asks for a copy the caller owns."""
+    le = little_endian(a.dtype)
+    if le is not a.dtype or not a.flags.c_contiguous or type(a) is not np.ndarray:
+        return np.array(a, dtype=le, order="C", subok=False, copy=True)
+    return a.copy() if fresh else a
+
+
+def tensor_problem(x: Any) -> Optional[str]:
+    """Why the memory of tensor ``x`` does not hold its values (so it cannot be saved or
+    loaded into by address), or ``None``. Conjugate and negative views are not problems
+    (they are resolved, see :func:`resolved`); an unsupported dtype is checked apart."""
+    if x.layout != torch.strided:
+        return f"{x.layout} tensors are not supported"
+    if not (x.is_cpu or x.is_cuda):
+        return f"tensors on {x.device} are not supported (cpu, cuda)"
+    tx = type(x)
+    if tx is not _PLAIN_TENSOR and tx is not _PARAMETER:
+        if getattr(tx, "__torch_dispatch__", _TENSOR_DISPATCH) is not _TENSOR_DISPATCH:
+            return (
+                f"tensor subclass {tx.__module__}.{tx.__qualname__} has its own "
+                "__torch_dispatch__: its memory is not its values (save its inner tensors)"
+            )
+    if x.is_nested:
+        return "nested tensors are not supported"
+    n = x.numel()
+    if n == 0:
+        return None
+    # (A functional tensor's storage, like a freed one's, has a null address.)
+    if x.data_ptr() == 0:
+        return (
+            "the tensor has no data in memory (a functional, fake or freed tensor, such as "
+            "a parameter whose storage was resized to 0)"
+        )
+    span = n if x.is_contiguous() else 1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride()))
+    if (x.storage_offset() + span) * x.element_size() > x.untyped_storage().nbytes():
+        return "the tensor's storage is smaller than its shape and strides need (resized?)"
+    return None
+
+
+def check_tensor(x: Any, key: str, context: str = "") -> None:
+    """Raise :class:`~shmckpt.errors.UnsupportedValue` (``context``, ``key`` and the reason)
+    when :func:`tensor_problem` finds one in ``x``."""
+    problem = tensor_problem(x)
+    if problem is not None:
+        raise UnsupportedValue(f"{context}{key}: {problem}", key=key)
+
+
+def is_lazy(x: Any) -> bool:
+    """Whether ``x`` is a conjugate or negative view: its memory holds the values of the
+    tensor it views, and the bit says to conjugate or negate them when read."""
+    return bool(x.is_conj() or x.is_neg())
+
+
+def resolved(x: Any) -> Any:
+    """``x`` with its conjugate and negative bits applied (a new tensor when one is set)."""
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
+
+
+def raw_view(x: Any) -> Tuple[Any, Any]:
+    """For a conjugate or negative view ``x``: a view of the same memory with neither bit
+    (what the memory holds), and the function that turns a copy of that view (on any
+    device) into ``x``'s values. Lets a device tensor's values be made on the host, with
+    no device memory allocated."""
+    conj, neg = bool(x.is_conj()), bool(x.is_neg())
+    if conj:
+        x = x.conj()  # toggles the bit: a view of the memory as it is
+    if neg:
+        x = torch._neg_view(x)
+
+    def apply(copy: Any) -> Any:
+        if conj:
+            copy = copy.conj()
+        if neg:
+            copy = torch._neg_view(copy)
+        return resolved(copy)
+
+    return x, apply
+
+
 @dataclass
 class Leaf:
     """One tensor or array of the state."""
@@ -109,6 +220,9 @@ class Leaf:
     kind: str  # "tensor" or "ndarray"
     dtype: str  # safetensors name
     alias_of: Optional[str] = None  # set for a second key of the same tensor
+    #: A tensor whose memory holds other values than it reads as (a conjugate or negative
+    #: view): its bytes are those of :func:`resolved`, never its memory.
+    lazy: bool = False
 
 
 @dataclass
@@ -123,6 +237,7 @@ class Flat:
 
 _PLAIN_TENSOR: Any = torch.Tensor if torch is not None else None
 _PARAMETER: Any = torch.nn.Parameter if torch is not None else None
+_TENSOR_DISPATCH: Any = torch.Tensor.__torch_dispatch__ if torch is not None else None
 _DTENSOR_CLS: Any = None  # the DTensor class once imported; False when unavailable
 
 
@@ -161,21 +276,16 @@ def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
     mesh = x.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
-        raise TypeError(f"{render_path(path)}: DTensor not on this rank's mesh")
+        raise _unsupported(path, "DTensor not on this rank's mesh")
     sharded = set()
     for mesh_dim, pl in enumerate(x.placements):
         if isinstance(pl, Replicate):
             continue
         if not isinstance(pl, Shard):
-            raise TypeError(
-                f"{render_path(path)}: DTensor placement {pl} is not supported (Shard and "
-                "Replicate are)"
-            )
+            raise _unsupported(path, f"DTensor placement {pl} is not supported (Shard and Replicate are)")
         d = pl.dim
         if d in sharded:
-            raise TypeError(
-                f"{render_path(path)}: DTensor sharded twice along dim {d} is not supported"
-            )
+            raise _unsupported(path, f"DTensor sharded twice along dim {d} is not supported")
         sharded.add(d)
         n = mesh.size(mesh_dim)
         c = coord[mesh_dim]
@@ -195,8 +305,8 @@ def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
 def flatten(state: Any) -> Flat:
     """Split ``state`` into tensor leaves and a JSON-able skeleton.
 
-    Raises ``TypeError`` (naming the key path) for anything unsupported and ``ValueError``
-    when two key paths give the same flat name.
+    Raises :class:`~shmckpt.errors.UnsupportedValue` (a ``TypeError`` naming the key path)
+    for anything unsupported and ``ValueError`` when two key paths give the same flat name.
     """
     leaves: List[Leaf] = []
     names: Dict[str, Tuple[Any, ...]] = {}
@@ -214,7 +324,6 @@ def flatten(state: Any) -> Flat:
     dtype_info: Dict[Any, Tuple[str, str]] = {}
     tensor_cls = torch.Tensor if torch is not None else None
     param_cls = torch.nn.Parameter if torch is not None else None
-    strided = torch.strided if torch is not None else None
 
     def walk(x: Any, path: Tuple[Any, ...], name: str) -> Any:
         # ``name`` is ``".".join(str(k) for k in path)``, built incrementally.
@@ -226,24 +335,22 @@ def flatten(state: Any) -> Flat:
                 node = {"dtensor": info}
             else:
                 node = {}
-            if x.layout != strided:
-                raise TypeError(f"{render_path(path)}: {x.layout} tensors are not supported")
-            if not (x.is_cpu or x.is_cuda):  # (faster than reading device.type)
-                raise TypeError(
-                    f"{render_path(path)}: tensors on {x.device} are not supported (cpu, cuda)"
-                )
+            problem = tensor_problem(x)
+            if problem is not None:
+                raise _unsupported(path, problem)
             xdt = x.dtype
             di = dtype_info.get(xdt)
             if di is None:
                 st = TORCH_TO_ST.get(xdt)
                 if st is None:
-                    raise TypeError(
-                        f"{render_path(path)}: dtype {xdt} has no safetensors equivalent; "
-                        f"supported: {', '.join(sorted(torch_dtype_name(d) for d in TORCH_TO_ST))}"
+                    raise _unsupported(
+                        path,
+                        f"dtype {xdt} has no safetensors equivalent; supported: "
+                        f"{', '.join(sorted(torch_dtype_name(d) for d in TORCH_TO_ST))}",
                     )
                 di = dtype_info[xdt] = (st, torch_dtype_name(xdt))
             if not path:
-                raise TypeError("state: the top level must be a dict, list or tuple")
+                raise UnsupportedValue("state: the top level must be a dict, list or tuple", key="state")
             if name in names:
                 claim(name, path)  # raises
             names[name] = path
@@ -259,27 +366,34 @@ def flatten(state: Any) -> Flat:
                 node["param"] = True
                 node["requires_grad"] = bool(x.requires_grad)
             alias = None
+            # A conjugate or negative view reads as other values than its memory holds.
+            conj, neg = bool(x.is_conj()), bool(x.is_neg())
+            lazy = conj or neg
             if x.numel() > 0:
-                key = (x.device, x.data_ptr(), xdt, tuple(x.shape), tuple(x.stride()))
+                # Same memory, layout and dtype, and the same lazy bits: the same values.
+                key = (x.device, x.data_ptr(), xdt, tuple(x.shape), tuple(x.stride()), conj, neg)
                 alias = seen.get(key)
                 if alias is None:
                     seen[key] = name
                 else:
                     node["alias"] = alias
-            leaves.append(Leaf(name, path, x, "tensor", di[0], alias))
+            leaves.append(Leaf(name, path, x, "tensor", di[0], alias, lazy))
             return node
         if isinstance(x, np.ndarray):
             if not path:
-                raise TypeError("state: the top level must be a dict, list or tuple")
-            dt = x.dtype.newbyteorder("=") if x.dtype.byteorder not in ("=", "|") else x.dtype
+                raise UnsupportedValue("state: the top level must be a dict, list or tuple", key="state")
+            if isinstance(x, np.ma.MaskedArray):
+                raise _unsupported(path, "masked arrays are not supported (their mask would be lost)")
+            # Stored little-endian, by value (host_array converts a big-endian array).
+            dt = little_endian(x.dtype)
             st = NUMPY_TO_ST.get(dt)
             if st is None:
-                raise TypeError(
-                    f"{render_path(path)}: numpy dtype {x.dtype} is not supported"
-                )
+                raise _unsupported(path, f"numpy dtype {x.dtype} is not supported")
             claim(name, path)
             leaves.append(Leaf(name, path, x, "ndarray", st))
             return {"t": "ndarray", "n": name, "dtype": dt.str}
+        if len(path) >= MAX_DEPTH:
+            raise _unsupported(path, f"the state is nested deeper than {MAX_DEPTH} levels")
         if t is dict or t is collections.OrderedDict:
             items = []
             for k, v in x.items():
@@ -290,9 +404,8 @@ def flatten(state: Any) -> Flat:
                     sk = str(k)
                     items.append(["i", sk, walk(v, path + (k,), f"{name}.{sk}" if path else sk)])
                 else:
-                    raise TypeError(
-                        f"{render_path(path)}: key {k!r} of type {kt.__name__} is not "
-                        "supported (str and int keys are)"
+                    raise _unsupported(
+                        path, f"key {k!r} of type {kt.__name__} is not supported (str and int keys are)"
                     )
             return {"t": "odict" if t is collections.OrderedDict else "dict", "v": items}
         if t is list or t is tuple:
@@ -313,14 +426,15 @@ def flatten(state: Any) -> Flat:
             return {"t": "float", "v": repr(x) if math.isfinite(x) else str(x)}
         if t is str:
             return {"t": "str", "v": x}
-        raise TypeError(
-            f"{render_path(path)}: values of type {t.__module__}.{t.__qualname__} cannot be "
-            "saved (tensors, numpy arrays, dict/list/tuple, int, float, bool, str and None can)"
+        raise _unsupported(
+            path,
+            f"values of type {t.__module__}.{t.__qualname__} cannot be saved (tensors, numpy "
+            "arrays, dict/list/tuple, int, float, bool, str and None can)",
         )
 
     if type(state) not in (dict, collections.OrderedDict, list, tuple):
-        raise TypeError(
-            f"state must be a dict, list or tuple, not {type(state).__qualname__}"
+        raise UnsupportedValue(
+            f"state must be a dict, list or tuple, not {type(state).__qualname__}", key="state"
         )
     tree = walk(state, (), "")
     for lf in leaves:
@@ -339,14 +453,75 @@ def encode(flat: Flat) -> str:
 
 
 def decode(text: str) -> Any:
-    doc = json.loads(text)
+    """The skeleton of an encoded state, checked by :func:`check_tree`. Raises
+    ``ValueError`` for anything malformed (nesting too deep for the JSON parser included)."""
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError("the skeleton JSON is nested too deeply") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
-        raise ValueError(f"unknown shmckpt state format {doc.get('format') if isinstance(doc, dict) else doc!r}")
-    return doc["tree"]
+        raise ValueError(f"unknown shmckpt state format {doc.get('format') if isinstance(doc, dict) else doc!r:.80}")
+    tree = doc.get("tree")
+    check_tree(tree)
+    return tree
+
+
+_LEAF_FIELDS = {
+    "none": (),
+    "bool": (("v", bool),),
+    "int": (("v", str),),
+    "float": (("v", str),),
+    "str": (("v", str),),
+    "ndarray": (("n", str), ("dtype", str)),
+    "tensor": (("n", str),),
+}
+#: Optional fields of tensor nodes and their types.
+_TENSOR_OPTIONAL = (("alias", str), ("dtype", str), ("param", bool), ("requires_grad", bool), ("dtensor", dict))
+
+
+def check_tree(tree: Any) -> None:
+    """Check that ``tree`` (read from a file: untrusted) is a well-formed skeleton, nested
+    at most :data:`MAX_DEPTH` levels, so that :func:`unflatten` and :func:`tensor_nodes`
+    meet only nodes they know. Iterative (no recursion); raises ``ValueError``."""
+    stack: List[Tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the skeleton is nested deeper than {MAX_DEPTH} levels")
+        t = n.get("t") if isinstance(n, dict) else None
+        if not isinstance(t, str):
+            raise ValueError(f"malformed state skeleton node {n!r:.80}")
+        if t in ("dict", "odict", "list", "tuple"):
+            v = n.get("v")
+            if not isinstance(v, list):
+                raise ValueError(f"state skeleton {t} node without a list of items: {n!r:.80}")
+            if t in ("dict", "odict"):
+                for item in v:
+                    if not (
+                        isinstance(item, list)
+                        and len(item) == 3
+                        and item[0] in ("s", "i")
+                        and isinstance(item[1], str)
+                    ):
+                        raise ValueError(f"malformed state skeleton dict item {item!r:.80}")
+                    stack.append((item[2], depth + 1))
+            else:
+                stack.extend((c, depth + 1) for c in v)
+            continue
+        fields = _LEAF_FIELDS.get(t)
+        if fields is None:
+            raise ValueError(f"unknown state skeleton node type {t!r:.80}")
+        for k, typ in fields:
+            if type(n.get(k)) is not typ:
+                raise ValueError(f"state skeleton {t} node without a valid {k!r}: {n!r:.80}")
+        if t == "tensor":
+            for k, typ in _TENSOR_OPTIONAL:
+                if k in n and type(n[k]) is not typ:
+                    raise ValueError(f"state skeleton tensor node with an invalid {k!r}: {n!r:.80}")
 
 
 def tensor_nodes(tree: Any) -> List[Dict[str, Any]]:
-    """Every tensor/ndarray node of a skeleton, in order."""
+    """Every tensor/ndarray node of a skeleton (checked by :func:`check_tree`), in order."""
     out: List[Dict[str, Any]] = []
 
     def walk(n: Any) -> None:

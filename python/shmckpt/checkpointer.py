@@ -54,10 +54,18 @@ def _dist_rank_world() -> Tuple[int, int]:
     return 0, 1
 
 
+def _step_int(step: Any) -> int:
+    """``step`` as an int: any integer (numpy's included), never a bool (``True`` is not
+    step 1)."""
+    if isinstance(step, (bool, np.bool_)):
+        raise TypeError(f"step must be an int, not {type(step).__name__} {step!r}")
+    return operator.index(step)
+
+
 def _step_sel(step: StepArg) -> Optional[int]:
     if step is None or step == "latest":
         return None
-    if isinstance(step, bool):
+    if isinstance(step, (bool, np.bool_)):
         raise TypeError("step must be an int or 'latest'")
     return operator.index(step)
 
@@ -219,7 +227,12 @@ def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], 
 def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
     """Queue a copy of a CUDA tensor's bytes into pinned host memory on the current stream,
     allocating no device memory. Returns (pinned, finish): ``finish()`` (after the stream
-    has reached the copy) gives the contiguous host tensor."""
+    has reached the copy) gives the contiguous host tensor of ``t``'s values. A conjugate or
+    negative view's memory is copied as it is and its bits are applied on the host."""
+    if _state.is_lazy(t):
+        raw, apply = _state.raw_view(t)
+        pinned, finish = _cuda_span_copy(raw)
+        return pinned, (lambda: apply(finish()))
     if t.is_contiguous():
         h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         if t.numel():
@@ -266,8 +279,10 @@ def _read_header_metadata(path: str) -> Dict[str, str]:
             raise CorruptError(f"{path}: safetensors header is truncated")
     try:
         hdr = json.loads(raw.decode("utf-8"))
-    except ValueError as e:
+    except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
+    except RecursionError:
+        raise CorruptError(f"{path}: safetensors header JSON is nested too deeply") from None
     meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         if meta is None and isinstance(hdr, dict):
@@ -500,9 +515,12 @@ class Checkpointer:
         ``blocking=True`` returns once every byte is staged (the caller may then change its
         tensors); ``blocking=False`` returns at once (see :meth:`guard`). The checkpoint is
         committed in the background; ``handle.wait()`` waits for it. Unsupported values
-        raise ``TypeError`` naming their key path before anything is written.
+        raise :class:`~shmckpt.errors.UnsupportedValue` (a ``TypeError``) naming their key
+        path before anything is written. Values are saved, never bytes that read otherwise:
+        big-endian arrays are stored little-endian, conjugate and negative views resolved.
+        ``step`` is an int (never a bool).
         """
-        step = operator.index(step)
+        step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         meta: Dict[str, str] = {}
@@ -533,12 +551,17 @@ class Checkpointer:
                     continue  # an alias: its bytes are those of an earlier leaf
                 x = lf.obj
                 if lf.kind == "ndarray":
-                    a = np.ascontiguousarray(x)
-                    if not blocking:
-                        a = a.copy()  # captured at the call
+                    # C-contiguous and little-endian (a big-endian array is converted: its
+                    # values are stored, never its bytes); captured at the call unless
+                    # blocking.
+                    a = _state.host_array(x, fresh=not blocking)
                     add_entry(_host_tuple(lf.name, lf.dtype, a))
                     add_keep(a)
                     continue
+                if lf.lazy and x.is_cpu:
+                    # A conjugate or negative view: its memory is not its values. Store the
+                    # values (a new tensor, so nothing of the caller's is read later).
+                    x = _state.resolved(x.detach())
                 if x.is_cpu:  # (device.type == "cpu", faster)
                     if blocking:
                         # Contiguous: staged from the caller's tensor as it is (no detach
@@ -564,7 +587,7 @@ class Checkpointer:
                 if t.numel() == 0:
                     add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
                     add_keep(t)
-                elif t.is_contiguous() and (blocking or is_guarded):
+                elif t.is_contiguous() and (blocking or is_guarded) and not lf.lazy:
                     nbytes = t.numel() * t.element_size()
                     add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
                     add_keep(t)
@@ -785,9 +808,9 @@ class Checkpointer:
         ``{"model": model.state_dict(), "optim": opt.state_dict()}``), matched by flat
         name (``_orig_mod.`` components ignored on both sides).
 
-        Names, dtypes and shapes are checked before anything is read; a mismatch raises
-        ``DestinationError`` listing every one. With ``strict=False`` missing and
-        unexpected keys are reported in the result instead. Plain values of ``target`` are
+        Names, dtypes, shapes and writability are checked before anything is read or
+        written; a problem raises ``DestinationError`` listing every one. With
+        ``strict=False`` missing and unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
         through the staging memory with no host copy of your own.
         """
@@ -837,6 +860,10 @@ class Checkpointer:
                     f"is {want} {list(lf.obj.shape)}"
                 )
                 continue
+            bad = _unwritable(lf.obj)
+            if bad is not None:
+                problems.append(f"{lf.name}: the destination {bad}")
+                continue
             plan.setdefault(src, []).append((lf, lf.obj))
         unexpected = sorted({n for n in ck_names if n not in used})
         if strict:
@@ -876,14 +903,24 @@ class Checkpointer:
             dests = plan.get(name, [])
             chosen = None
             for _, d in dests:
+                # Read into directly only where the memory holds the values as stored:
+                # a little-endian array, a tensor with no conjugate or negative bit. The
+                # others get a scratch buffer and a copy (which converts).
                 if isinstance(d, np.ndarray):
-                    ok = cuda_dev is None and d.flags.c_contiguous and d.flags.writeable
+                    ok = (
+                        cuda_dev is None
+                        and d.flags.c_contiguous
+                        and d.flags.writeable
+                        and _state.little_endian(d.dtype) is d.dtype
+                    )
                     p, n = (int(d.ctypes.data), int(d.nbytes))
                 else:
                     dd = d.detach()
                     on = dd.device.type
-                    ok = dd.is_contiguous() and (
-                        (cuda_dev is None and on == "cpu") or (cuda_dev is not None and dd.device == cuda_dev)
+                    ok = (
+                        dd.is_contiguous()
+                        and not _state.is_lazy(dd)
+                        and ((cuda_dev is None and on == "cpu") or (cuda_dev is not None and dd.device == cuda_dev))
                     )
                     p, n = (int(dd.data_ptr()), dd.numel() * dd.element_size())
                 if ok and (n == 0 or free_range(p, n)):
@@ -923,9 +960,14 @@ class Checkpointer:
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):
+                    # (numpy converts to the destination's byte order)
                     d[...] = src.cpu().numpy() if not isinstance(src, np.ndarray) else src
-                elif isinstance(src, np.ndarray):
-                    d.copy_(torch.from_numpy(src))
+                    continue
+                if isinstance(src, np.ndarray):
+                    src = torch.from_numpy(src)
+                if d.is_inference():  # (updated in place only in inference mode)
+                    with torch.inference_mode():
+                        d.copy_(src)
                 else:
                     d.copy_(src)
 
@@ -935,6 +977,18 @@ Leaf = _state.Leaf
 
 def _dest_dtype_name(lf: Any) -> str:
     return lf.dtype
+
+
+def _unwritable(d: Any) -> Optional[str]:
+    """Why ``load_into`` cannot write destination ``d`` (checked before any byte is written),
+    or ``None``."""
+    if isinstance(d, np.ndarray):
+        if not d.flags.writeable:
+            return "is a read-only numpy array"
+        return None
+    if torch._debug_has_internal_overlap(d) == 1:  # 1: MemOverlap::Yes
+        return "has elements that share memory (an expanded view): it cannot be written"
+    return None
 
 
 def _torch_dtype_for(node: Optional[Dict[str, Any]], st_dtype: str) -> Any:
@@ -949,6 +1003,14 @@ def _torch_dtype_for(node: Optional[Dict[str, Any]], st_dtype: str) -> Any:
 
 
 def _finish_tensor(x: Any, node: Dict[str, Any]) -> Any:
+    """The loaded tensor ``x`` as its skeleton node says (an ``nn.Parameter``). Raises
+    ``ValueError`` for a node that cannot describe ``x`` (``load`` makes it a
+    ``CorruptError``)."""
     if node.get("param") and torch is not None:
-        return torch.nn.Parameter(x, requires_grad=bool(node.get("requires_grad", True)))
+        rg = bool(node.get("requires_grad", True))
+        if rg and not (x.is_floating_point() or x.is_complex()):
+            raise ValueError(
+                f"tensor {node.get('n')!r:.80}: a {x.dtype} parameter cannot require gradients"
+            )
+        return torch.nn.Parameter(x, requires_grad=rg)
     return x

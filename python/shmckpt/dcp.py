@@ -594,6 +594,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 keep.append(a)
                 continue
             t = obj.detach()
+            # Refuse what has no values in memory; a conjugate or negative view is staged
+            # by value (resolved on the host: its memory is not its values).
+            _state.check_tensor(t, name, "ShmckptWriter: ")
+            lazy = _state.is_lazy(t)
+            if lazy and t.is_cpu:
+                t = _state.resolved(t)
             shape = list(t.shape)
             nbytes = t.numel() * t.element_size()
             sharding[name] = {"saved_offsets": _offsets_of(index) or [0] * len(shape)}
@@ -615,12 +621,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
                 if nbytes == 0:
                     tuples.append((name, st, shape, 0, 0, -1))
                     keep.append(t)
-                elif t.is_contiguous():
+                elif t.is_contiguous() and not lazy:
                     tuples.append((name, st, shape, int(t.data_ptr()), nbytes, dev))
                     keep.append(t)
                 else:
-                    # A strided view: copy its storage span to pinned host memory (no
-                    # device memory), then gather on the host.
+                    # A strided or lazy view: copy its storage span to pinned host memory
+                    # (no device memory), then gather (and apply the bits) on the host.
                     with torch.cuda.device(dev):
                         pinned, fin = _cuda_span_copy(t)
                     tuples.append((name, st, shape, 0, 0, -1))

@@ -5,14 +5,15 @@ offset or errno concerned), ``kind`` (the class name) and ``errno_code`` (the OS
 number when the error came from the OS, else ``None``).
 
 Input errors (``InvalidInput`` and its subclasses) are raised before anything is staged or
-written. Errors the Python layer detects itself in the state given to ``save`` (an
-unsupported type or dtype) are ``TypeError``/``ValueError`` naming the key path, also
-raised before a byte is written.
+written. A value of the state given to ``save`` (or a destination of ``load_into``) that
+cannot be stored faithfully (an unsupported type, dtype, tensor kind or nesting depth) is
+``UnsupportedValue``, a ``TypeError`` naming the key path (``e.key``); two key paths that
+give one name are a ``ValueError``. Both are raised before a byte is written.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = [
     "ShmckptError",
@@ -48,6 +49,7 @@ __all__ = [
     "UnsafePath",
     "StepOverflow",
     "RootTooLong",
+    "UnsupportedValue",
 ]
 
 
@@ -178,6 +180,23 @@ class StepOverflow(ShmckptError, ValueError):
 
 class RootTooLong(ConfigError):
     """The checkpoint root's path is too long to be recorded for crash recovery."""
+
+
+class UnsupportedValue(ShmckptError, TypeError):
+    """A value of the state given to ``save`` (or ``ShmckptWriter``), or a destination of
+    ``load_into``, cannot be stored or filled faithfully: an unsupported type or dtype, a
+    sparse, nested, meta, fake, functional or freed tensor, a tensor subclass with its own
+    ``__torch_dispatch__``, a masked array, or a state nested too deeply. ``key`` names the
+    value (its key path, e.g. ``state['optim']['f']``, or a DCP item's name). Raised before a
+    byte is written."""
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self) -> Any:
+        # (DCP sends a rank's exception to the others pickled: keep ``key``.)
+        return (type(self), (str(self), self.key))
 
 
 class IpcError(ShmckptError, RuntimeError):

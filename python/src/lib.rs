@@ -69,12 +69,20 @@ impl PyEngine {
 
 type TensorTuple = (String, String, Vec<usize>, u64, usize, i32);
 
+/// The tensors of a save. A null address with bytes is refused (`core::tensors` makes
+/// slices of host ranges, and a null one would be undefined behaviour): the Python package
+/// never passes one (it refuses tensors with no data in memory), this is the last check.
 fn raw_tensors(list: Vec<TensorTuple>) -> PyResult<Vec<RawTensor>> {
     list.into_iter()
         .map(|(name, dtype, shape, ptr, len, device)| {
             let dt = core::dtype(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("tensor {name:?}: unknown dtype {dtype:?}"))
             })?;
+            if ptr == 0 && len > 0 {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name:?} has a null address"
+                )));
+            }
             let place = if device < 0 {
                 Place::Host
             } else {
