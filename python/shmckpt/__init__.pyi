@@ -22,6 +22,7 @@ from .errors import (
     RecoveryError as RecoveryError,
     RootLocked as RootLocked,
     RootMissing as RootMissing,
+    RootCreateFailed as RootCreateFailed,
     RootNotWritable as RootNotWritable,
     ShapeOverflow as ShapeOverflow,
     ShmckptError as ShmckptError,
