@@ -220,8 +220,12 @@ def test_load_into_a_flat_state_dict_stays_fully_strict(ck):
 def public_objects():
     import shmckpt.errors as errors
 
+    import shmckpt.lightning as lightning_io  # lightning is installed by scripts/test.sh
+
+    mods = [("shmckpt", shmckpt), ("shmckpt.errors", errors), ("shmckpt.dcp", shmckpt.dcp),
+            ("shmckpt.lightning", lightning_io)]
     out = []
-    for modname, mod in (("shmckpt", shmckpt), ("shmckpt.errors", errors), ("shmckpt.dcp", shmckpt.dcp)):
+    for modname, mod in mods:
         for name in mod.__all__:
             obj = getattr(mod, name)
             if inspect.isclass(obj) or inspect.isfunction(obj):

@@ -1,0 +1,272 @@
+"""PyTorch Lightning: ``ShmckptCheckpointIO``, a ``CheckpointIO`` plugin that saves
+Lightning's checkpoints through shmckpt.
+
+    trainer = lightning.Trainer(plugins=[ShmckptCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model, ckpt_path="last")
+
+Each checkpoint Lightning asks for at ``DIR/NAME.ckpt`` is saved as a shmckpt checkpoint
+``DIR/step-N/`` (committed atomically by the engine, one safetensors file and
+``manifest.json``), and ``DIR/NAME.ckpt`` becomes a symbolic link to ``step-N`` once that
+checkpoint is committed. Lightning's ``ModelCheckpoint`` keeps deciding which paths exist
+(top-k, ``last``) and removes them through :meth:`ShmckptCheckpointIO.remove_checkpoint`,
+which removes the link and the step. See ``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "shmckpt.lightning needs PyTorch Lightning: pip install lightning"
+    ) from e
+
+from .checkpointer import Checkpointer
+from .errors import NotFound, UnsafePath
+
+__all__ = ["ShmckptCheckpointIO"]
+
+_STEP_LINK = re.compile(r"step-(0|[1-9][0-9]{0,19})")
+#: Metadata key recording the Lightning file name a shmckpt step was saved for.
+PATH_KEY = "lightning.path"
+_MAX_LINKS = 8
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _split(path: Any) -> Tuple[str, str]:
+    p = os.path.abspath(os.fspath(path))
+    d, name = os.path.split(p)
+    if not name or name.startswith("step-") or name.startswith(".shmckpt"):
+        raise ValueError(
+            f"{p}: a Lightning checkpoint name may not be empty, start with 'step-' or "
+            "'.shmckpt' (shmckpt's own names in that directory)"
+        )
+    return d, name
+
+
+def _linked_step(d: str, name: str) -> Optional[int]:
+    """The step ``d/name`` links to (directly, or through links to other names in ``d``,
+    as ``save_last="link"`` makes), ``None`` when it is not such a link. Links are read,
+    never followed: only a target that is a bare ``step-N`` or a sibling's name counts."""
+    for _ in range(_MAX_LINKS):
+        p = os.path.join(d, name)
+        if not os.path.islink(p):
+            return None
+        target = os.readlink(p)
+        m = _STEP_LINK.fullmatch(target)
+        if m:
+            return int(m.group(1))
+        if "/" in target or target in (".", ".."):
+            return None
+        name = target
+    return None
+
+
+class ShmckptCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through shmckpt without blocking the
+    training loop: ``Trainer(plugins=[ShmckptCheckpointIO()])``.
+
+    ``save_checkpoint`` captures the checkpoint dict at the call (tensors copied to host
+    memory, plain values serialized) and returns; the engine writes and commits it in the
+    background, and a worker thread of this plugin then publishes ``DIR/NAME.ckpt`` as a
+    link to the committed ``DIR/step-N`` (replacing, then removing, the step an earlier
+    save of the same name published). ``remove_checkpoint`` runs on the same worker, after
+    every save queued before it. ``load_checkpoint`` waits for that worker, then loads the
+    step the link names (every CRC-32C verified); a path that is a regular file is loaded
+    with Lightning's ``TorchCheckpointIO`` (checkpoints written before the switch).
+    ``teardown`` (Lightning calls it at the end of ``fit``) waits for every save to be
+    committed and published, closes the engines and raises the first error of a save
+    (an error is also raised by the next ``save_checkpoint``).
+
+    Keyword arguments are :class:`shmckpt.Checkpointer` settings (``staging_capacity``,
+    ``chunk_size``, ``writer_threads``, ...); the checkpointer of a directory is opened on
+    its first save or load (rank 0 of 1: Lightning saves on global rank zero only).
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        for k in ("rank", "world_size", "keep_last"):
+            if k in settings:
+                raise TypeError(
+                    f"ShmckptCheckpointIO: {k!r} is not a setting of this plugin (Lightning saves on "
+                    "rank zero and decides retention through ModelCheckpoint)"
+                )
+        self._settings = settings
+        self._cks: Dict[str, Checkpointer] = {}
+        self._next: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._queued: list = []
+        self._error: Optional[BaseException] = None
+
+    # -- internals ------------------------------------------------------------------------
+    def _checkpointer(self, d: str) -> Checkpointer:
+        with self._lock:
+            ck = self._cks.get(d)
+            if ck is None:
+                ck = Checkpointer(d, rank=0, world_size=1, **self._settings)
+                self._cks[d] = ck
+                latest = ck.latest()
+                self._next[d] = 0 if latest is None else latest + 1
+            return ck
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="shmckpt-lightning"
+            )
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # kept and raised on the trainer's thread
+                if self._error is None:
+                    self._error = e
+                raise
+
+        self._queued.append(self._worker.submit(run))
+
+    def _raise_error(self) -> None:
+        e = self._error
+        if e is not None:
+            self._error = None
+            raise e
+
+    def _drain(self) -> None:
+        """Wait for everything queued on the worker (errors are kept in ``_error``)."""
+        queued, self._queued = self._queued, []
+        for f in queued:
+            try:
+                f.result()
+            except BaseException:
+                pass
+
+    def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
+        handle.wait()  # durable and committed
+        old = _linked_step(d, name)
+        path = os.path.join(d, name)
+        if os.path.lexists(path) and not os.path.islink(path) and os.path.isdir(path):
+            raise UnsafePath(f"{path}: a directory where the checkpoint link belongs; left as it is")
+        tmp = os.path.join(d, f".shmckpt-link-{os.getpid()}-{threading.get_ident()}-{name}")
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(f"step-{step}", tmp)
+        os.replace(tmp, path)
+        _fsync_dir(d)
+        if old is not None and old != step and old not in self._linked_steps(d):
+            try:
+                ck.remove(old)
+            except NotFound:
+                pass
+
+    @staticmethod
+    def _linked_steps(d: str) -> set:
+        out = set()
+        for e in os.scandir(d):
+            if e.is_symlink() and not e.name.startswith(".shmckpt"):
+                s = _linked_step(d, e.name)
+                if s is not None:
+                    out.add(s)
+        return out
+
+    def _remove(self, d: str, name: str) -> None:
+        path = os.path.join(d, name)
+        if not os.path.lexists(path):
+            return
+        step = _linked_step(d, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise UnsafePath(f"{path}: a directory, not a checkpoint this plugin wrote; left as it is")
+        os.unlink(path)
+        _fsync_dir(d)
+        if step is not None and step not in self._linked_steps(d):
+            try:
+                self._checkpointer(d).remove(step)
+            except NotFound:
+                pass
+
+    # -- CheckpointIO -----------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Save Lightning's checkpoint dict as ``path`` without waiting for the disk.
+
+        Returns once the state is captured; ``path`` appears (a link to the committed
+        ``step-N`` beside it) when the checkpoint is durable. Values the shmckpt format
+        cannot hold raise ``TypeError`` naming their key path before anything is written
+        (see ``docs/lightning.md``). ``storage_options`` is not supported.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported by ShmckptCheckpointIO"
+            )
+        self._raise_error()
+        d, name = _split(path)
+        ck = self._checkpointer(d)
+        with self._lock:
+            step = self._next[d]
+            self._next[d] = step + 1
+        handle = ck.save(step, checkpoint, blocking=False, metadata={PATH_KEY: name})
+        self._submit(self._publish, ck, d, name, step, handle)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        """Load the checkpoint saved as ``path`` (after the saves queued before it are
+        published). ``map_location`` ``"cuda:N"`` / a CUDA ``torch.device`` loads tensors
+        there; anything else loads them on the CPU (Lightning moves them). A regular file
+        is loaded by Lightning's ``TorchCheckpointIO``. ``FileNotFoundError`` when ``path``
+        does not exist."""
+        self._drain()
+        self._raise_error()
+        p = os.path.abspath(os.fspath(path))
+        d, name = os.path.split(p)
+        if not os.path.lexists(p):
+            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+        step = _linked_step(d, name)
+        if step is None:
+            if os.path.isfile(p) and not os.path.islink(p):
+                from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+                kw: Dict[str, Any] = {"weights_only": weights_only}
+                if map_location is not None:
+                    kw["map_location"] = map_location
+                return TorchCheckpointIO().load_checkpoint(p, **kw)
+            raise UnsafePath(f"{p}: not a checkpoint of ShmckptCheckpointIO (a link to step-N) nor a file")
+        loc = None
+        if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+            import torch
+
+            dev = torch.device(map_location)
+            loc = dev if dev.type == "cuda" else None
+        return self._checkpointer(d).load(step, map_location=loc)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint saved as ``path``: the link, then its step (unless another
+        link still names it), on the worker after the saves queued before."""
+        self._raise_error()
+        d, name = _split(path)
+        self._submit(self._remove, d, name)
+
+    def teardown(self) -> None:
+        """Wait until every save is committed and published, close the engines, and raise
+        the first error a save or removal met."""
+        self._drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        with self._lock:
+            cks, self._cks = self._cks, {}
+            self._next.clear()
+        for ck in cks.values():
+            ck.close()
+        self._raise_error()
