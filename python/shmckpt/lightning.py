@@ -27,8 +27,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "shmckpt.lightning needs PyTorch Lightning: pip install lightning"
     ) from e
 
-from .checkpointer import Checkpointer
-from .errors import NotFound, UnsafePath
+import numpy as np
+
+from . import _shmckpt, _state
+from .checkpointer import Checkpointer, _finish_tensor, _read_header_metadata, _torch_dtype_for
+from .errors import CorruptError, NotFound, UnsafePath
 
 __all__ = ["ShmckptCheckpointIO"]
 
@@ -75,6 +78,51 @@ def _linked_step(d: str, name: str) -> Optional[int]:
     return None
 
 
+def _load_step(d: str, step: int) -> Any:
+    """The nested state of committed checkpoint ``d/step-N`` (rank 0 of 1), read without an
+    engine (so without the root's rank lock: every process of a DDP job can load at once),
+    header checked against the manifest and every CRC-32C verified. Tensors are CPU
+    tensors backed by the buffers read (no copy)."""
+    sdir = os.path.join(d, f"step-{step}")
+    if os.path.islink(sdir) or not os.path.isdir(sdir):
+        raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)")
+    file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0)
+    header = _read_header_metadata(os.path.join(sdir, file))
+    objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
+    text = header.get(_state.STATE_KEY)
+    import torch
+
+    def tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
+        if name not in objs:
+            raise ValueError(f"tensor {name!r} is not in the file")
+        dtype, shape, buf = objs[name]
+        if node is not None and node.get("t") == "ndarray":
+            ndt = np.dtype(str(node.get("dtype")))
+            if _state.NUMPY_TO_ST.get(ndt) != dtype:
+                raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+            a = np.asarray(buf) if buf is not None and len(buf) else np.empty(0, dtype=np.uint8)
+            return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
+        tdt = _torch_dtype_for(node, dtype)
+        if buf is None or len(buf) == 0:
+            return torch.empty(shape, dtype=tdt)
+        return torch.from_numpy(np.asarray(buf)).view(tdt).reshape(shape)
+
+    if text is None:
+        return {name: tensor(name, None) for name in objs}
+    made: Dict[str, Any] = {}
+
+    def lookup(node: Dict[str, Any]) -> Any:
+        name = node.get("alias") or node["n"]
+        if name not in made:
+            made[name] = _finish_tensor(tensor(name, node), node)
+        return made[name]
+
+    try:
+        return _state.unflatten(_state.decode(text), lookup)
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise CorruptError(f"{sdir}: the {_state.STATE_KEY} metadata does not describe the file: {e}") from None
+
+
 class ShmckptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through shmckpt without blocking the
     training loop: ``Trainer(plugins=[ShmckptCheckpointIO()])``.
@@ -93,7 +141,8 @@ class ShmckptCheckpointIO(CheckpointIO):
 
     Keyword arguments are :class:`shmckpt.Checkpointer` settings (``staging_capacity``,
     ``chunk_size``, ``writer_threads``, ...); the checkpointer of a directory is opened on
-    its first save or load (rank 0 of 1: Lightning saves on global rank zero only).
+    its first save (rank 0 of 1: Lightning saves on global rank zero only). Loads open no
+    engine, so every rank of a DDP job loads at once.
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -222,10 +271,11 @@ class ShmckptCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
         """Load the checkpoint saved as ``path`` (after the saves queued before it are
-        published). ``map_location`` ``"cuda:N"`` / a CUDA ``torch.device`` loads tensors
-        there; anything else loads them on the CPU (Lightning moves them). A regular file
+        published), every CRC-32C verified. A regular file
         is loaded by Lightning's ``TorchCheckpointIO``. ``FileNotFoundError`` when ``path``
-        does not exist."""
+        does not exist. Tensors come back on the CPU (Lightning moves them where the model
+        is); ``map_location`` applies to ``TorchCheckpointIO`` files only. No engine is
+        opened: every process of a DDP job loads at once."""
         self._drain()
         self._raise_error()
         p = os.path.abspath(os.fspath(path))
@@ -242,13 +292,7 @@ class ShmckptCheckpointIO(CheckpointIO):
                     kw["map_location"] = map_location
                 return TorchCheckpointIO().load_checkpoint(p, **kw)
             raise UnsafePath(f"{p}: not a checkpoint of ShmckptCheckpointIO (a link to step-N) nor a file")
-        loc = None
-        if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
-            import torch
-
-            dev = torch.device(map_location)
-            loc = dev if dev.type == "cuda" else None
-        return self._checkpointer(d).load(step, map_location=loc)
+        return _load_step(d, step)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint saved as ``path``: the link, then its step (unless another

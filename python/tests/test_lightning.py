@@ -196,3 +196,38 @@ def test_overwrite_remove_and_errors(tmp_path):
     torch.save({"w": torch.arange(2.0)}, tmp_path / "old.ckpt")
     assert raw(io.load_checkpoint(tmp_path / "old.ckpt")["w"]) == raw(torch.arange(2.0))
     io.teardown()
+
+
+def test_ddp_two_processes_resume_from_last_bit_identically(tmp_path):
+    """DDP over gloo, 2 processes under torchrun: rank zero saves, every rank loads `last`
+    at once (no engine, so no root lock in the way) and continues exactly."""
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "lightning_ddp_worker.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+
+    def torchrun(*args):
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, *args],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+        assert p.returncode == 0, p.stderr[-4000:]
+
+    def read(prefix, rank):
+        lines = (tmp_path / f"{prefix}.rank{rank}").read_text().splitlines()
+        return [ln.split() for ln in lines[:-1]], lines[-1]
+
+    torchrun(str(tmp_path / "ref"), "4", str(tmp_path / "ref"))
+    torchrun(str(tmp_path / "run"), "2", str(tmp_path / "a"))
+    torchrun(str(tmp_path / "run"), "4", str(tmp_path / "b"), "resume")
+    for r in range(2):
+        ref_losses, ref_final = read("ref", r)
+        a, _ = read("a", r)
+        b, final = read("b", r)
+        assert [int(s) for s, _ in ref_losses] == list(range(16))
+        assert a + b == ref_losses, r  # steps 0-7 then 8-15, every loss bit for bit
+        assert final == ref_final, r
+    assert read("ref", 0)[1] == read("ref", 1)[1]
+    # Epoch scores 0, 2, 4, 1: top-2 are epochs 1 and 2, and `last` is epoch 3.
+    assert sorted(links(tmp_path / "run")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
