@@ -208,7 +208,8 @@ class ShmckptCheckpointIO(CheckpointIO):
         path = os.path.join(d, name)
         if os.path.lexists(path) and not os.path.islink(path) and os.path.isdir(path):
             raise UnsafePath(f"{path}: a directory where the checkpoint link belongs; left as it is")
-        tmp = os.path.join(d, f".shmckpt-link-{os.getpid()}-{threading.get_ident()}-{name}")
+        # (A short temporary name: NAME may be close to the 255-byte limit.)
+        tmp = os.path.join(d, f".shmckpt-link-{os.getpid()}-{step}")
         if os.path.lexists(tmp):
             os.unlink(tmp)
         os.symlink(f"step-{step}", tmp)

@@ -192,6 +192,11 @@ def test_overwrite_remove_and_errors(tmp_path):
         io.save_checkpoint({"w": torch.ones(1)}, p, storage_options={})
     with pytest.raises(TypeError, match="keep_last"):
         ShmckptCheckpointIO(keep_last=2)
+    # A name close to the 255-byte limit is published (the temporary link name is short).
+    long = tmp_path / ("x" * 245 + ".ckpt")
+    io.save_checkpoint({"w": torch.arange(5.0)}, long)
+    io.teardown()
+    assert os.readlink(long) == "step-0" and raw(io.load_checkpoint(long)["w"]) == raw(torch.arange(5.0))
     # A torch.save checkpoint from before the switch still loads.
     torch.save({"w": torch.arange(2.0)}, tmp_path / "old.ckpt")
     assert raw(io.load_checkpoint(tmp_path / "old.ckpt")["w"]) == raw(torch.arange(2.0))
