@@ -21,6 +21,7 @@ mod fsx;
 pub(crate) mod io;
 #[cfg(feature = "ipc")]
 pub mod ipc;
+pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;

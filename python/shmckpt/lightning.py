@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -35,47 +34,13 @@ from .errors import CorruptError, NotFound, UnsafePath
 
 __all__ = ["ShmckptCheckpointIO"]
 
-_STEP_LINK = re.compile(r"step-(0|[1-9][0-9]{0,19})")
 #: Metadata key recording the Lightning file name a shmckpt step was saved for.
 PATH_KEY = "lightning.path"
-_MAX_LINKS = 8
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _split(path: Any) -> Tuple[str, str]:
-    p = os.path.abspath(os.fspath(path))
-    d, name = os.path.split(p)
-    if not name or name.startswith("step-") or name.startswith(".shmckpt"):
-        raise ValueError(
-            f"{p}: a Lightning checkpoint name may not be empty, start with 'step-' or "
-            "'.shmckpt' (shmckpt's own names in that directory)"
-        )
-    return d, name
-
-
-def _linked_step(d: str, name: str) -> Optional[int]:
-    """The step ``d/name`` links to (directly, or through links to other names in ``d``,
-    as ``save_last="link"`` makes), ``None`` when it is not such a link. Links are read,
-    never followed: only a target that is a bare ``step-N`` or a sibling's name counts."""
-    for _ in range(_MAX_LINKS):
-        p = os.path.join(d, name)
-        if not os.path.islink(p):
-            return None
-        target = os.readlink(p)
-        m = _STEP_LINK.fullmatch(target)
-        if m:
-            return int(m.group(1))
-        if "/" in target or target in (".", ".."):
-            return None
-        name = target
-    return None
+    """(directory, name) of a Lightning checkpoint path, absolute."""
+    return os.path.split(os.path.abspath(os.fspath(path)))
 
 
 def _load_step(d: str, step: int) -> Any:
@@ -204,43 +169,16 @@ class ShmckptCheckpointIO(CheckpointIO):
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         handle.wait()  # durable and committed
-        old = _linked_step(d, name)
-        path = os.path.join(d, name)
-        if os.path.lexists(path) and not os.path.islink(path) and os.path.isdir(path):
-            raise UnsafePath(f"{path}: a directory where the checkpoint link belongs; left as it is")
-        # (A short temporary name: NAME may be close to the 255-byte limit.)
-        tmp = os.path.join(d, f".shmckpt-link-{os.getpid()}-{step}")
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        os.symlink(f"step-{step}", tmp)
-        os.replace(tmp, path)
-        _fsync_dir(d)
-        if old is not None and old != step and old not in self._linked_steps(d):
+        old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
+        if old is not None and old != step and old not in _shmckpt.linked_steps(d):
             try:
                 ck.remove(old)
             except NotFound:
                 pass
 
-    @staticmethod
-    def _linked_steps(d: str) -> set:
-        out = set()
-        for e in os.scandir(d):
-            if e.is_symlink() and not e.name.startswith(".shmckpt"):
-                s = _linked_step(d, e.name)
-                if s is not None:
-                    out.add(s)
-        return out
-
     def _remove(self, d: str, name: str) -> None:
-        path = os.path.join(d, name)
-        if not os.path.lexists(path):
-            return
-        step = _linked_step(d, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            raise UnsafePath(f"{path}: a directory, not a checkpoint this plugin wrote; left as it is")
-        os.unlink(path)
-        _fsync_dir(d)
-        if step is not None and step not in self._linked_steps(d):
+        step = _shmckpt.unlink_name(d, name)
+        if step is not None and step not in _shmckpt.linked_steps(d):
             try:
                 self._checkpointer(d).remove(step)
             except NotFound:
@@ -261,6 +199,7 @@ class ShmckptCheckpointIO(CheckpointIO):
             )
         self._raise_error()
         d, name = _split(path)
+        _shmckpt.linked_step(d, name)  # refuses a name that is not one of ours to give
         ck = self._checkpointer(d)
         with self._lock:
             step = self._next[d]
@@ -283,7 +222,7 @@ class ShmckptCheckpointIO(CheckpointIO):
         d, name = os.path.split(p)
         if not os.path.lexists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")
-        step = _linked_step(d, name)
+        step = _shmckpt.linked_step(d, name)
         if step is None:
             if os.path.isfile(p) and not os.path.islink(p):
                 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO

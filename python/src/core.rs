@@ -100,6 +100,27 @@ pub fn remove(engine: &Engine, step: u64) -> Result<()> {
     engine.remove(step)
 }
 
+/// `root/name -> step-N`, published for committed `step` ([`shmckpt::links::link_step`]);
+/// the step it named before.
+pub fn link_step(root: &std::path::Path, name: &str, step: u64) -> Result<Option<u64>> {
+    shmckpt::links::link_step(root, name, step)
+}
+
+/// The step `root/name` names ([`shmckpt::links::linked_step`]).
+pub fn linked_step(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::linked_step(root, name)
+}
+
+/// Every step a link of `root` names.
+pub fn linked_steps(root: &std::path::Path) -> Result<Vec<u64>> {
+    shmckpt::links::linked_steps(root).map(|s| s.into_iter().collect())
+}
+
+/// Remove `root/name`; the step it named.
+pub fn unlink_name(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::unlink_name(root, name)
+}
+
 /// Staging bytes available to one save.
 pub fn staging_capacity(engine: &Engine) -> u64 {
     engine.staging_capacity()
