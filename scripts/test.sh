@@ -4,7 +4,7 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest and maturin if it lacks them (CPU is
+# The venv gets torch, numpy, safetensors, pytest, maturin and lightning if it lacks them (CPU is
 # enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
@@ -25,7 +25,7 @@ fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
-for mod in torch numpy safetensors pytest maturin; do
+for mod in torch numpy safetensors pytest maturin lightning; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if [ ${#missing[@]} -gt 0 ]; then

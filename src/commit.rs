@@ -40,6 +40,23 @@ pub struct RootLock {
     _file: File,
 }
 
+/// Create `root` and its missing parents (`mkdir -p`, mode 0o777 less the umask) unless it
+/// is a directory already. Ranks racing to create it all succeed. The root is the caller's
+/// setting, not untrusted input: links in the components that exist are followed, as the
+/// root itself is everywhere else.
+pub fn create_root(root: &Path) -> Result<()> {
+    if root.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .create(root)
+        .map_err(|source| Error::RootCreateFailed {
+            path: root.to_owned(),
+            source,
+        })
+}
+
 /// Check that `root` exists, is a directory, and is writable.
 ///
 /// The probe file is created with `O_CREAT | O_EXCL | O_NOFOLLOW` relative to the root, so
@@ -383,6 +400,46 @@ pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
     let steps = retired.steps.clone();
     retired.remove()?;
     Ok(steps)
+}
+
+/// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
+/// renamed to its trash name and the root `fsync`ed (from then on it is not listed or
+/// loadable, even after a crash: the next engine of the root removes the trash at open),
+/// then its files are deleted. [`Error::NotFound`] when `step` is not a committed
+/// checkpoint (a link or a file under its name is never touched); [`Error::UnsafePath`]
+/// when its trash name is taken.
+pub fn remove_step(root: &Path, step: u64) -> Result<()> {
+    let all = manifest::list_committed(root)?;
+    let Some(c) = all.into_iter().find(|c| c.step == step) else {
+        return Err(Error::NotFound {
+            what: format!("step {step}"),
+            root: root.to_owned(),
+        });
+    };
+    let trash = root.join(trash_dir_name(step));
+    if std::fs::symlink_metadata(&trash).is_ok() {
+        return Err(Error::UnsafePath {
+            path: trash,
+            reason: "the trash name of the checkpoint to remove is taken; nothing was removed"
+                .into(),
+        });
+    }
+    match std::fs::rename(&c.dir, &trash) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound {
+                what: format!("step {step}"),
+                root: root.to_owned(),
+            });
+        }
+        Err(e) => return Err(Error::io("rename", &c.dir, e)),
+    }
+    fsync_dir(root)?;
+    Retired {
+        steps: vec![step],
+        trash: vec![trash],
+    }
+    .remove()
 }
 
 /// Checkpoints taken out of the root by [`retire_old`], whose files are still to be

@@ -8,6 +8,55 @@ use crate::error::{Error, Result};
 
 /// Default staging capacity: 2 GiB.
 pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
+/// First staging capacity of an engine whose capacity is sized from its saves (the Python
+/// `Checkpointer` without `staging_capacity`): 64 MiB, grown with
+/// [`auto_staging_capacity`] by the first save that needs more.
+pub const AUTO_STAGING_INITIAL: u64 = 64 << 20;
+
+/// The staging capacity that fits a save needing `needed` bytes of staging (what
+/// [`Error::TooLarge`] reports): `needed` plus 1/16 of headroom, so that a state that
+/// grows a little does not resize again, rounded up to whole chunks of `chunk_size`
+/// bytes; only `needed` (rounded up to chunks) when `/dev/shm` cannot hold the headroom.
+/// `reclaimable`: bytes of `/dev/shm` that are freed before the new arena is made (the
+/// arena being replaced, unless it is kept in memory).
+///
+/// [`Error::ShmTooSmall`], naming `staging_capacity`, when `/dev/shm` (its free bytes plus
+/// `reclaimable`) cannot hold `needed`. No memory is allocated here.
+pub fn auto_staging_capacity(needed: u64, chunk_size: u64, reclaimable: u64) -> Result<u64> {
+    auto_capacity_within(
+        needed,
+        chunk_size,
+        crate::staging::shm::shm_available().saturating_add(reclaimable),
+    )
+}
+
+/// [`auto_staging_capacity`] against `room` bytes of `/dev/shm`.
+pub(crate) fn auto_capacity_within(needed: u64, chunk_size: u64, room: u64) -> Result<u64> {
+    let chunk = chunk_size.max(1);
+    let round = |b: u64| b.div_ceil(chunk).checked_mul(chunk);
+    let overflow = || Error::SizeOverflow {
+        what: "staging capacity",
+    };
+    let base = needed.max(chunk);
+    let exact = round(base).ok_or_else(overflow)?;
+    let roomy = base
+        .checked_add(needed / 16)
+        .and_then(round)
+        .ok_or_else(overflow)?;
+    if roomy <= room {
+        Ok(roomy)
+    } else if exact <= room {
+        Ok(exact)
+    } else {
+        Err(Error::ShmTooSmall {
+            name: "(staging_capacity unset: sized from the save)".into(),
+            requested: exact,
+            available: room,
+            mount: crate::staging::shm::SHM_MOUNT.to_owned(),
+        })
+    }
+}
+
 /// Default chunk size: 8 MiB.
 pub const DEFAULT_CHUNK_SIZE: u64 = 8 << 20;
 /// Default number of writer threads.
@@ -60,13 +109,14 @@ pub struct EngineConfig {
     pub(crate) keep_in_memory: bool,
     pub(crate) device_read: u64,
     pub(crate) device_read_depth: u32,
+    pub(crate) create_root: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
 
 impl EngineConfig {
-    /// Settings for checkpoints under `root` (an existing, writable directory), with all
-    /// defaults.
+    /// Settings for checkpoints under `root` (an existing, writable directory unless
+    /// [`EngineConfig::with_create_root`] is on), with all defaults.
     pub fn new(root: impl Into<PathBuf>) -> Self {
         EngineConfig {
             root: root.into(),
@@ -88,6 +138,7 @@ impl EngineConfig {
             keep_in_memory: false,
             device_read: DEFAULT_DEVICE_READ,
             device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
+            create_root: false,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -227,6 +278,17 @@ impl EngineConfig {
         self
     }
 
+    /// Create the root (and its missing parents, like `mkdir -p`: mode 0o777 less the
+    /// umask) when it does not exist; a failure is [`Error::RootCreateFailed`] with the OS
+    /// error. Default false: the Rust API and the command line refuse a missing root
+    /// ([`Error::RootMissing`]), so a mistyped path is an error rather than a new
+    /// directory. The Python `Checkpointer` turns it on (as PyTorch DCP's
+    /// `FileSystemWriter` creates its directory).
+    pub fn with_create_root(mut self, on: bool) -> Self {
+        self.create_root = on;
+        self
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory
@@ -310,5 +372,61 @@ impl std::str::FromStr for BackendKind {
             "pwrite" => Ok(BackendKind::Pwrite),
             _ => Err(format!("unknown backend {s:?} (auto, io_uring, pwrite)")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn auto_capacity_adds_a_sixteenth_in_whole_chunks() {
+        // 100 MiB + 6.25 MiB = 106.25 MiB, rounded up to 8 MiB chunks: 112 MiB.
+        assert_eq!(
+            auto_capacity_within(100 * MIB, 8 * MIB, 1 << 40).unwrap(),
+            112 * MIB
+        );
+        // A save smaller than one chunk still gets one chunk (and its sixteenth).
+        assert_eq!(auto_capacity_within(1, 8 * MIB, 1 << 40).unwrap(), 8 * MIB);
+        assert_eq!(
+            auto_capacity_within(0, 64 << 10, 1 << 40).unwrap(),
+            64 << 10
+        );
+    }
+
+    #[test]
+    fn auto_capacity_is_bounded_by_shared_memory() {
+        // Room for the save but not the headroom: exactly the save, in whole chunks.
+        assert_eq!(
+            auto_capacity_within(100 * MIB, 8 * MIB, 105 * MIB).unwrap(),
+            104 * MIB
+        );
+        // No room: ShmTooSmall with the numbers, naming the setting and the remedy.
+        let e = auto_capacity_within(100 * MIB, 8 * MIB, 103 * MIB).unwrap_err();
+        match &e {
+            Error::ShmTooSmall {
+                requested,
+                available,
+                mount,
+                ..
+            } => {
+                assert_eq!(*requested, 104 * MIB);
+                assert_eq!(*available, 103 * MIB);
+                assert_eq!(mount, "/dev/shm");
+            }
+            other => panic!("expected ShmTooSmall, got {other:?}"),
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.contains("staging_capacity") && msg.contains("enlarge /dev/shm"),
+            "{msg}"
+        );
+        // Sizes near u64::MAX are an error, not a wrap.
+        assert!(matches!(
+            auto_capacity_within(u64::MAX - 1, 8 * MIB, u64::MAX),
+            Err(Error::SizeOverflow { .. })
+        ));
     }
 }

@@ -111,6 +111,15 @@ pub enum Error {
         /// The root.
         path: PathBuf,
     },
+    /// The checkpoint root is missing and could not be created
+    /// ([`crate::EngineConfig::with_create_root`]).
+    #[error("cannot create checkpoint root {path}: {source}")]
+    RootCreateFailed {
+        /// The root.
+        path: PathBuf,
+        /// What `mkdir` returned (for the root or one of its parents).
+        source: io::Error,
+    },
     /// The checkpoint root cannot be written.
     #[error("checkpoint root {path} is not writable: {source}")]
     RootNotWritable {
@@ -173,7 +182,9 @@ pub enum Error {
     /// `/dev/shm` cannot hold the staging arena.
     #[error(
         "shared memory {name} cannot hold {requested} bytes (free in {mount}: {available} bytes); \
-         lower staging_capacity or enlarge /dev/shm"
+         staging_capacity (the largest checkpoint file of a rank) must fit in /dev/shm: \
+         enlarge /dev/shm (e.g. `docker run --shm-size`), or lower staging_capacity if it is \
+         larger than the state"
     )]
     ShmTooSmall {
         /// Segment name.
@@ -366,7 +377,8 @@ impl Error {
         match self {
             Error::Io { source, .. }
             | Error::Shm { source, .. }
-            | Error::RootNotWritable { source, .. } => source.raw_os_error(),
+            | Error::RootNotWritable { source, .. }
+            | Error::RootCreateFailed { source, .. } => source.raw_os_error(),
             Error::SaveFailed { source, .. } => source.raw_os_error(),
             _ => None,
         }

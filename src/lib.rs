@@ -21,6 +21,7 @@ mod fsx;
 pub(crate) mod io;
 #[cfg(feature = "ipc")]
 pub mod ipc;
+pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
@@ -56,8 +57,9 @@ pub mod cuda {
 }
 
 pub use config::{
-    DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH, DEFAULT_MAX_INFLIGHT_SAVES,
-    DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY, DEFAULT_WRITER_THREADS, EngineConfig,
+    AUTO_STAGING_INITIAL, DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH,
+    DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
+    DEFAULT_WRITER_THREADS, EngineConfig, auto_staging_capacity,
 };
 pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):

@@ -307,12 +307,19 @@ def _close_all() -> None:
 class Checkpointer:
     """Checkpoints of one rank under ``root``.
 
-    ``root`` must be an existing, writable directory (shared by all ranks). The rank and
+    ``root`` is a writable directory (shared by all ranks), created with its missing parents
+    when it does not exist (``RootCreateFailed`` says why when it cannot be). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
     give them; with ``torch.distributed``, every rank must then build its checkpointer, as
-    the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
-    bytes of shared-memory staging, the largest checkpoint file a rank can write, default
-    2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
+    the constructor ends with a barrier). Other keyword arguments are the engine settings
+    (``keep_last``: retention, default keep all; see ``docs/python.md``).
+
+    ``staging_capacity``: bytes of shared-memory staging, the largest checkpoint file this
+    rank can write. Not given (``None``), it sizes itself: the arena starts at 64 MiB and the
+    first save that needs more reopens the engine with an arena of that save's size plus
+    1/16 (after the saves in flight are committed), bounded by the free space of
+    ``/dev/shm`` (``ShmTooSmall``, naming ``staging_capacity``, when that cannot hold the
+    save). Give it to reserve the arena here instead of in the first save.
 
     ``keep_in_memory=True`` turns on flash restore: the staging arena (as large as
     ``staging_capacity``, in ``/dev/shm``) outlives the process, a crash included, holding
@@ -360,6 +367,7 @@ class Checkpointer:
             max_inflight_saves=max_inflight_saves,
             recover_on_open=recover_on_open,
             keep_in_memory=bool(keep_in_memory),
+            create_root=True,
         )
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
@@ -666,6 +674,14 @@ class Checkpointer:
         """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
         return json.loads(self._engine.manifest(self._resolve(step)))
 
+    def remove(self, step: int) -> None:
+        """Delete committed checkpoint ``step`` (all ranks' files): it leaves the listing at
+        once, durably (renamed to a trash name), then its files are deleted. ``NotFound``
+        when it is not committed, or when its save is still in flight (wait for that
+        handle first). For retention driven by the caller (``keep_last`` does it
+        automatically otherwise)."""
+        self._engine.remove(operator.index(step))
+
     def flush(self) -> None:
         """Wait for every save in flight to be committed or to fail."""
         self._engine.flush()
@@ -809,7 +825,11 @@ class Checkpointer:
         name (``_orig_mod.`` components ignored on both sides).
 
         Names, dtypes, shapes and writability are checked before anything is read or
-        written; a problem raises ``DestinationError`` listing every one. With
+        written; a problem raises ``DestinationError`` listing every one. When ``target``
+        is a dict, the checkpoint's top-level sub-trees (dicts, lists, tuples) whose key
+        ``target`` does not have are left out: ``load_into({"model": sd})`` on a checkpoint
+        that also holds ``optim``, ``sched`` and ``rng`` compares the ``model.*`` names
+        exactly and ignores the rest (top-level tensors are always compared). With
         ``strict=False`` missing and unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
         through the staging memory with no host copy of your own.
@@ -865,7 +885,15 @@ class Checkpointer:
                 problems.append(f"{lf.name}: the destination {bad}")
                 continue
             plan.setdefault(src, []).append((lf, lf.obj))
-        unexpected = sorted({n for n in ck_names if n not in used})
+        # Sub-trees of the checkpoint the target does not name are not compared.
+        try:
+            ignored = _unnamed_subtrees(tree, target)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: malformed {_state.STATE_KEY} "
+                f"metadata: {e}"
+            ) from None
+        unexpected = sorted({n for n in ck_names if n not in used and n not in ignored})
         if strict:
             problems += [f"{n}: in the destination, not in the checkpoint" for n in missing]
             problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
@@ -973,6 +1001,30 @@ class Checkpointer:
 
 
 Leaf = _state.Leaf
+
+
+def _unnamed_subtrees(tree: Any, target: Any) -> set:
+    """The checkpoint names (stored and aliases) under top-level containers of the saved
+    state whose key ``target`` (a mapping) does not have: ``load_into`` does not report
+    them as unexpected. Empty when either side is not a dict (or the checkpoint has no
+    skeleton: a flat file's tensors are all top-level)."""
+    if not isinstance(target, Mapping) or not isinstance(tree, dict):
+        return set()
+    if tree.get("t") not in ("dict", "odict"):
+        return set()
+    named = set()
+    for k in target.keys():
+        if isinstance(k, int) and not isinstance(k, bool):
+            named.add(("i", str(k)))
+        elif isinstance(k, str):
+            named.add(("s", k))
+    out: set = set()
+    for kt, k, child in tree.get("v", []):
+        if (kt, str(k)) in named or not isinstance(child, dict):
+            continue
+        if child.get("t") in ("dict", "odict", "list", "tuple"):
+            out.update(n["n"] for n in _state.tensor_nodes(child))
+    return out
 
 
 def _dest_dtype_name(lf: Any) -> str:

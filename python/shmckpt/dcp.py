@@ -540,10 +540,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
         return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether ``checkpoint_id`` is a path this writer can save to (DCP asks)."""
         try:
             os.fspath(checkpoint_id)
         except TypeError:
@@ -1062,10 +1064,13 @@ class ShmckptReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
         return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether ``checkpoint_id`` is a directory holding a DCP checkpoint written by
+        :class:`ShmckptWriter` (its metadata and the committed manifest; DCP asks)."""
         try:
             p = os.fspath(checkpoint_id)
         except TypeError:

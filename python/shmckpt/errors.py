@@ -30,6 +30,7 @@ __all__ = [
     "NotFound",
     "RootMissing",
     "RootNotWritable",
+    "RootCreateFailed",
     "RootLocked",
     "ConfigError",
     "ShmTooSmall",
@@ -110,6 +111,11 @@ class RootMissing(ShmckptError, FileNotFoundError):
 
 class RootNotWritable(ShmckptError, PermissionError):
     """The checkpoint root cannot be written."""
+
+
+class RootCreateFailed(RootMissing):
+    """The checkpoint root does not exist and could not be created (the OS error is in the
+    message and ``errno_code``)."""
 
 
 class RootLocked(ShmckptError):

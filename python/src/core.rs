@@ -13,7 +13,7 @@ use shmckpt::{
 };
 
 /// Engine settings as the Python constructor passes them (`None`: the crate's default).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct EngineOpts {
     pub root: PathBuf,
     pub staging_capacity: Option<u64>,
@@ -29,6 +29,7 @@ pub struct EngineOpts {
     pub max_inflight_saves: Option<u32>,
     pub recover_on_open: Option<bool>,
     pub keep_in_memory: Option<bool>,
+    pub create_root: Option<bool>,
 }
 
 /// Open an engine.
@@ -67,7 +68,62 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     if let Some(v) = o.keep_in_memory {
         cfg = cfg.with_keep_in_memory(v);
     }
+    if let Some(v) = o.create_root {
+        cfg = cfg.with_create_root(v);
+    }
     cfg.build()
+}
+
+/// The staging capacity an engine opens with when the caller gives none: 64 MiB, or the
+/// crate's 2 GiB default with `keep_in_memory` (so that a kept arena has one size from
+/// process to process and the next process takes it over).
+pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
+    if keep_in_memory {
+        shmckpt::DEFAULT_STAGING_CAPACITY
+    } else {
+        shmckpt::AUTO_STAGING_INITIAL
+    }
+}
+
+/// The capacity to reopen `engine` (opened with `o`) with for a save needing `needed`
+/// bytes of staging, checked against `/dev/shm` (its arena is freed first unless kept in
+/// memory).
+pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
+    let keep = o.keep_in_memory == Some(true);
+    let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
+    let reclaimable = if keep { 0 } else { engine.staging_capacity() };
+    shmckpt::auto_staging_capacity(needed, chunk, reclaimable)
+}
+
+/// Delete committed checkpoint `step`.
+pub fn remove(engine: &Engine, step: u64) -> Result<()> {
+    engine.remove(step)
+}
+
+/// `root/name -> step-N`, published for committed `step` ([`shmckpt::links::link_step`]);
+/// the step it named before.
+pub fn link_step(root: &std::path::Path, name: &str, step: u64) -> Result<Option<u64>> {
+    shmckpt::links::link_step(root, name, step)
+}
+
+/// The step `root/name` names ([`shmckpt::links::linked_step`]).
+pub fn linked_step(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::linked_step(root, name)
+}
+
+/// Every step a link of `root` names.
+pub fn linked_steps(root: &std::path::Path) -> Result<Vec<u64>> {
+    shmckpt::links::linked_steps(root).map(|s| s.into_iter().collect())
+}
+
+/// Remove `root/name`; the step it named.
+pub fn unlink_name(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::unlink_name(root, name)
+}
+
+/// Staging bytes available to one save.
+pub fn staging_capacity(engine: &Engine) -> u64 {
+    engine.staging_capacity()
 }
 
 /// The device that a raw tensor's bytes are on: host memory or a CUDA ordinal.
@@ -350,6 +406,7 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::NotFound { .. } => "NotFound",
         E::RootMissing { .. } => "RootMissing",
         E::RootNotWritable { .. } => "RootNotWritable",
+        E::RootCreateFailed { .. } => "RootCreateFailed",
         E::RootLocked { .. } => "RootLocked",
         E::Config(_) => "ConfigError",
         E::ShmTooSmall { .. } => "ShmTooSmall",

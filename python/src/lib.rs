@@ -53,6 +53,11 @@ fn err(e: shmckpt::Error) -> PyErr {
 #[pyclass(module = "shmckpt._shmckpt", name = "Engine", frozen)]
 struct PyEngine {
     inner: Mutex<Option<Arc<Engine>>>,
+    /// The settings it was opened with (the staging capacity as first opened).
+    opts: EngineOpts,
+    /// `staging_capacity` was not given: a save that needs more staging reopens the engine
+    /// with a larger arena ([`PyEngine::grow`]).
+    auto_staging: bool,
     /// Which path served the last load (`"disk"` or `"memory"`) and why memory could not.
     last_load: Mutex<Option<core::Served>>,
 }
@@ -64,6 +69,55 @@ impl PyEngine {
                 "the engine was closed (Checkpointer.close)".into(),
             ))
         })
+    }
+
+    /// Replace the engine by one whose staging holds `needed` bytes
+    /// ([`shmckpt::auto_staging_capacity`]): checked against `/dev/shm` first, then the
+    /// engine is closed (every save in flight is committed first) and opened again with
+    /// the same settings. If the new one cannot be opened, the previous capacity is
+    /// reopened and the error returned. Concurrent calls of other threads wait on `inner`.
+    fn grow(&self, needed: u64) -> shmckpt::Result<()> {
+        let mut slot = lock(&self.inner);
+        let Some(cur) = slot.as_ref() else {
+            return Err(shmckpt::Error::Shutdown(
+                "the engine was closed (Checkpointer.close)".into(),
+            ));
+        };
+        let old_cap = core::staging_capacity(cur);
+        if old_cap >= needed {
+            return Ok(()); // another thread grew it meanwhile
+        }
+        let cap = core::auto_capacity(cur, &self.opts, needed)?;
+        let Some(mut shared) = slot.take() else {
+            return Ok(()); // (checked above; the lock is held)
+        };
+        // Calls of other threads that took the engine before this lock finish first.
+        let engine = loop {
+            match Arc::try_unwrap(shared) {
+                Ok(e) => break e,
+                Err(s) => {
+                    shared = s;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        };
+        core::close(engine);
+        let mut opts = self.opts.clone();
+        opts.staging_capacity = Some(cap);
+        match core::open(opts) {
+            Ok(e) => {
+                *slot = Some(Arc::new(e));
+                Ok(())
+            }
+            Err(e) => {
+                let mut back = self.opts.clone();
+                back.staging_capacity = Some(old_cap);
+                if let Ok(b) = core::open(back) {
+                    *slot = Some(Arc::new(b));
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -114,13 +168,16 @@ fn afters(list: Vec<(i32, String, u64)>) -> PyResult<Vec<After>> {
 
 #[pymethods]
 impl PyEngine {
-    /// Open an engine for checkpoints under `root` (an existing, writable directory).
-    /// `None` settings take the Rust defaults.
+    /// Open an engine for checkpoints under `root` (an existing, writable directory, or
+    /// one it creates with `create_root=True`). `None` settings take the Rust defaults,
+    /// except `staging_capacity=None`: the arena then opens at `AUTO_STAGING_INITIAL`
+    /// (64 MiB; the 2 GiB default with `keep_in_memory`) and a save that needs more
+    /// reopens the engine with an arena sized from that save.
     #[new]
     #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
-        keep_in_memory=None))]
+        keep_in_memory=None, create_root=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -138,7 +195,12 @@ impl PyEngine {
         max_inflight_saves: Option<u32>,
         recover_on_open: Option<bool>,
         keep_in_memory: Option<bool>,
+        create_root: Option<bool>,
     ) -> PyResult<Self> {
+        let auto_staging = staging_capacity.is_none();
+        let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
+            keep_in_memory == Some(true),
+        )));
         let opts = EngineOpts {
             root,
             staging_capacity,
@@ -154,10 +216,15 @@ impl PyEngine {
             max_inflight_saves,
             recover_on_open,
             keep_in_memory,
+            create_root,
         };
-        let engine = py.detach(|| core::open(opts)).map_err(|e| to_py(py, e))?;
+        let engine = py
+            .detach(|| core::open(opts.clone()))
+            .map_err(|e| to_py(py, e))?;
         Ok(PyEngine {
             inner: Mutex::new(Some(Arc::new(engine))),
+            opts,
+            auto_staging,
             last_load: Mutex::new(None),
         })
     }
@@ -180,20 +247,36 @@ impl PyEngine {
         after: Vec<(i32, String, u64)>,
         blocking: bool,
     ) -> PyResult<PySaveHandle> {
-        let engine = self.get()?;
+        let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
         let after = afters(after)?;
         let res = py.detach(|| {
-            if blocking {
-                // SAFETY: the Python caller (shmckpt.checkpointer) holds a reference to
-                // every tensor and stream for the whole call, so each address range stays
-                // allocated; it passes only contiguous ranges of the tensors' storage.
-                unsafe { core::save(&engine, step, &raw, &metadata, &after) }
-            } else {
-                // SAFETY: the Python caller keeps the tensors (and streams/events) in the
-                // returned handle until it reports staged, and orders every writer of
-                // them after staging (guard) or gives copies it owns.
-                unsafe { core::save_async(&engine, step, &raw, &metadata, &after) }
+            let mut grown = false;
+            loop {
+                let r = if blocking {
+                    // SAFETY: the Python caller (shmckpt.checkpointer) holds a reference to
+                    // every tensor and stream for the whole call, so each address range
+                    // stays allocated; it passes only contiguous ranges of the tensors'
+                    // storage.
+                    unsafe { core::save(&engine, step, &raw, &metadata, &after) }
+                } else {
+                    // SAFETY: the Python caller keeps the tensors (and streams/events) in
+                    // the returned handle until it reports staged, and orders every writer
+                    // of them after staging (guard) or gives copies it owns.
+                    unsafe { core::save_async(&engine, step, &raw, &metadata, &after) }
+                };
+                match r {
+                    // Nothing was staged: size the arena from this save and try once more.
+                    Err(shmckpt::Error::TooLarge { needed, .. }) if self.auto_staging && !grown => {
+                        drop(engine);
+                        self.grow(needed)?;
+                        grown = true;
+                        engine = lock(&self.inner).clone().ok_or_else(|| {
+                            shmckpt::Error::Shutdown("the engine was closed".into())
+                        })?;
+                    }
+                    r => return r,
+                }
             }
         });
         let h = res.map_err(|e| to_py(py, e))?;
@@ -345,6 +428,14 @@ impl PyEngine {
                 Err(shared) => drop(shared),
             });
         }
+    }
+
+    /// Delete committed checkpoint `step` (renamed out of the listing durably, then its
+    /// files deleted); a step still being saved is refused with `NotFound`.
+    fn remove(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::remove(&engine, step))
+            .map_err(|e| to_py(py, e))
     }
 
     /// True once `close` was called.
@@ -606,12 +697,54 @@ fn dtypes() -> Vec<&'static str> {
     core::all_dtype_names()
 }
 
+/// Publish `root/name` as a link to committed checkpoint `step` (atomically, durably);
+/// returns the step the name linked to before, if any. `NotFound` when `step` is not
+/// committed, `UnsafePath` for a name that is not one path component, is shmckpt's own
+/// (`step-*`, `.shmckpt*`) or is a directory.
+#[pyfunction]
+fn link_step(
+    py: Python<'_>,
+    root: std::path::PathBuf,
+    name: String,
+    step: u64,
+) -> PyResult<Option<u64>> {
+    py.detach(|| core::link_step(&root, &name, step))
+        .map_err(|e| to_py(py, e))
+}
+
+/// The step `root/name` links to (directly, or through links to other names of `root`),
+/// `None` when it is missing or not such a link. Links are read, never followed.
+#[pyfunction]
+fn linked_step(py: Python<'_>, root: std::path::PathBuf, name: String) -> PyResult<Option<u64>> {
+    py.detach(|| core::linked_step(&root, &name))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Every step some link of `root` names, ascending.
+#[pyfunction]
+fn linked_steps(py: Python<'_>, root: std::path::PathBuf) -> PyResult<Vec<u64>> {
+    py.detach(|| core::linked_steps(&root))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Remove `root/name` (a link or a regular file), durably; returns the step it linked to.
+/// The step itself stays (`Engine.remove`).
+#[pyfunction]
+fn unlink_name(py: Python<'_>, root: std::path::PathBuf, name: String) -> PyResult<Option<u64>> {
+    py.detach(|| core::unlink_name(&root, &name))
+        .map_err(|e| to_py(py, e))
+}
+
 #[pymodule]
 fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySaveHandle>()?;
     m.add_class::<PyBuffer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(link_step, m)?)?;
+    m.add_function(wrap_pyfunction!(linked_step, m)?)?;
+    m.add_function(wrap_pyfunction!(linked_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(unlink_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
     Ok(())

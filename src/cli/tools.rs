@@ -83,13 +83,42 @@ pub fn inspect(a: InspectArgs) -> CliResult {
     Ok(())
 }
 
+/// `ms` milliseconds since the Unix epoch as a UTC ISO-8601 date and time with
+/// milliseconds (`2026-12-01T15:41:58.307Z`), for every `u64`.
+fn utc_iso8601(ms: u64) -> String {
+    let (secs, milli) = (ms / 1000, ms % 1000);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, mo, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}.{milli:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The proleptic Gregorian (year, month, day) of `days` after 1970-01-01 (H. Hinnant's
+/// `civil_from_days`, for non-negative days; in u64, so no overflow for any input).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    (y, m, d)
+}
+
 fn show(dir: &Path, limit: usize) -> CliResult {
     let m = Manifest::read(dir)?;
     println!("checkpoint {} (format {})", dir.display(), m.format_version);
     println!("  step        {}", m.step);
     println!("  world size  {}", m.world_size);
     println!("  total       {}", human(m.total_bytes));
-    println!("  created     {} ms since epoch", m.created_unix_ms);
+    println!("  created     {}", utc_iso8601(m.created_unix_ms));
     for (k, v) in &m.metadata {
         println!("  meta {k} = {v}");
     }
@@ -184,4 +213,21 @@ pub fn gc(a: GcArgs) -> CliResult {
         a.keep
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utc_iso8601;
+
+    #[test]
+    fn creation_time_prints_as_a_utc_date() {
+        assert_eq!(utc_iso8601(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc_iso8601(1_796_139_718_307), "2026-12-01T15:41:58.307Z");
+        // Leap days, the end of a century year that is not a leap year, and 2000's.
+        assert_eq!(utc_iso8601(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(utc_iso8601(4_107_542_399_999), "2100-02-28T23:59:59.999Z");
+        assert_eq!(utc_iso8601(4_107_542_400_000), "2100-03-01T00:00:00.000Z");
+        // Any u64 from a manifest formats without overflow.
+        assert_eq!(utc_iso8601(u64::MAX), "584556019-04-03T14:25:51.615Z");
+    }
 }

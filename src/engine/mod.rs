@@ -151,10 +151,14 @@ impl EngineConfig {
 }
 
 impl Engine {
-    /// Open an engine: check the root, take the rank lock, remove stale partial
+    /// Open an engine: check the root (creating it first with
+    /// [`EngineConfig::with_create_root`]), take the rank lock, remove stale partial
     /// directories, create the staging arena and start the writers.
     pub fn open(cfg: EngineConfig) -> Result<Engine> {
         cfg.validate()?;
+        if cfg.create_root {
+            commit::create_root(&cfg.root)?;
+        }
         commit::check_root(&cfg.root)?;
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
         if cfg.recover_on_open {
@@ -350,6 +354,20 @@ impl Engine {
     /// Committed checkpoints, oldest first.
     pub fn list(&self) -> Result<Vec<CheckpointInfo>> {
         manifest::list_committed(&self.shared.cfg.root)
+    }
+
+    /// Delete committed checkpoint `step` ([`commit::remove_step`]: renamed out of the
+    /// listing durably, then its files deleted). A step this engine is still saving is
+    /// refused ([`Error::NotFound`], nothing touched); wait for its handle first.
+    pub fn remove(&self, step: u64) -> Result<()> {
+        let root = &self.shared.cfg.root;
+        if lock(&self.shared.inflight).contains(&step) {
+            return Err(Error::NotFound {
+                what: format!("step {step} (its save is still in flight)"),
+                root: root.clone(),
+            });
+        }
+        commit::remove_step(root, step)
     }
 
     /// The newest committed step, if any.

@@ -350,6 +350,120 @@ fn missing_or_unwritable_root_is_refused() {
 }
 
 #[test]
+fn create_root_makes_the_root_and_its_parents_or_says_why_not() {
+    let dir = real_dir("mkroot");
+    let root = dir.path().join("a").join("b").join("c");
+    // Off by default: a missing root is refused and nothing is created.
+    let err = Engine::open(small_config(&root, shmckpt::BackendKind::Auto)).unwrap_err();
+    assert!(matches!(err, Error::RootMissing { .. }), "{err:?}");
+    assert!(!dir.path().join("a").exists());
+    // On: created with its parents, and used.
+    let engine =
+        Engine::open(small_config(&root, shmckpt::BackendKind::Auto).with_create_root(true))
+            .unwrap();
+    assert!(root.is_dir());
+    let state = State::new(every_dtype(), 3);
+    save_committed(&engine, 1, &state);
+    drop(engine);
+    assert_eq!(
+        shmckpt::manifest::list_committed(&root).unwrap().len(),
+        1,
+        "the checkpoint is under the created root"
+    );
+    // An existing root is fine with the option on.
+    drop(
+        Engine::open(small_config(&root, shmckpt::BackendKind::Auto).with_create_root(true))
+            .unwrap(),
+    );
+    // A regular file in the way: RootCreateFailed with the OS error, the file untouched.
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    for (path, errno) in [
+        (file.join("sub"), libc_enotdir()),
+        (file.clone(), libc_eexist()),
+    ] {
+        let err =
+            Engine::open(small_config(&path, shmckpt::BackendKind::Auto).with_create_root(true))
+                .unwrap_err();
+        match &err {
+            Error::RootCreateFailed { path: p, .. } => assert_eq!(p, &path),
+            other => panic!("expected RootCreateFailed, got {other:?}"),
+        }
+        assert_eq!(err.raw_os_error(), Some(errno), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot create checkpoint root {}: {}",
+                path.display(),
+                std::io::Error::from_raw_os_error(errno)
+            )
+        );
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}
+
+#[test]
+fn remove_deletes_one_committed_step_and_nothing_else() {
+    let dir = real_dir("remove");
+    let root = dir.path();
+    let engine = Engine::open(small_config(root, shmckpt::BackendKind::Auto)).unwrap();
+    let states: Vec<State> = (1..=3).map(|s| State::new(every_dtype(), s)).collect();
+    for (i, st) in states.iter().enumerate() {
+        save_committed(&engine, i as u64 + 1, st);
+    }
+    engine.remove(2).unwrap();
+    let steps: Vec<u64> = engine.list().unwrap().iter().map(|c| c.step).collect();
+    assert_eq!(steps, vec![1, 3]);
+    assert!(!root.join("step-2").exists() && !root.join("step-2.trash").exists());
+    // The others are intact, byte for byte.
+    for (step, st) in [(1u64, &states[0]), (3, &states[2])] {
+        let ck = engine.load(step).unwrap();
+        for (e, d) in st.layout.iter().zip(&st.data) {
+            assert!(
+                ck.get(&e.name).unwrap().data.as_bytes() == &d[..],
+                "{step} {}",
+                e.name
+            );
+        }
+    }
+    // Not committed: NotFound, and a link under a step name is never followed or removed.
+    assert!(matches!(engine.remove(2), Err(Error::NotFound { .. })));
+    let outside = real_dir("remove-outside");
+    std::fs::create_dir(outside.path().join("keep")).unwrap();
+    std::fs::write(
+        outside
+            .path()
+            .join("keep")
+            .join(shmckpt::manifest::MANIFEST),
+        b"{}",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.path().join("keep"), root.join("step-9")).unwrap();
+    assert!(matches!(engine.remove(9), Err(Error::NotFound { .. })));
+    assert!(
+        std::fs::symlink_metadata(root.join("step-9"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(
+        outside
+            .path()
+            .join("keep")
+            .join(shmckpt::manifest::MANIFEST)
+            .is_file()
+    );
+}
+
+fn libc_enotdir() -> i32 {
+    rustix::io::Errno::NOTDIR.raw_os_error()
+}
+
+fn libc_eexist() -> i32 {
+    rustix::io::Errno::EXIST.raw_os_error()
+}
+
+#[test]
 fn partial_directories_are_never_listed_or_loaded_and_are_cleaned_on_open() {
     let dir = real_dir("partial");
     {
