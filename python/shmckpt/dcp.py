@@ -61,13 +61,11 @@ import atexit
 import collections
 import dataclasses
 import hashlib
-import importlib
 import io
 import json
 import os
 import pickle
 import re
-import sys
 import threading
 import time
 import uuid
@@ -97,6 +95,8 @@ from torch.futures import Future
 
 from . import _shmckpt, _state
 from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
+from ._dcp_metadata import MAX_METADATA_BYTES as MAX_METADATA_BYTES
+from ._dcp_metadata import load_metadata
 from .errors import CorruptError, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
@@ -111,8 +111,6 @@ DESCRIPTOR = "shmckpt-safetensors/1"
 _HF_SHARDING_KEY = "DCP_SHARDING_INFO"
 _FORMAT_KEY = "shmckpt_dcp.format"
 _FILE_RE = re.compile(r"rank-(\d{5,10})-of-(\d{5,10})\.safetensors")
-#: Largest ``.metadata`` this reader accepts.
-MAX_METADATA_BYTES = 1 << 30
 
 
 @dataclass
@@ -934,46 +932,10 @@ def _copy_containers(x: Any) -> Any:
 
 # -- reading ------------------------------------------------------------------------------
 
-#: Globals a DCP ``.metadata`` pickle may name.
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_ALLOWED_GLOBALS = {
-    ("shmckpt.dcp", "ShmckptStorageInfo"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: Any, path: str):
-        super().__init__(f)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        ok = (module, name) in _ALLOWED_GLOBALS
-        if module in _ALLOWED_MODULES:
-            # Only the classes these modules define (DCP's metadata dataclasses and enums),
-            # never a function or anything they import: a hostile pickle must not be able
-            # to call, say, a writer helper of DCP's filesystem module.
-            obj = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
-            ok = isinstance(obj, type) and getattr(obj, "__module__", None) == module
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            ok = True
-        if not ok:
-            raise CorruptError(f"{self._path}: refuses to load global {module}.{name} (not DCP metadata)")
-        return super().find_class(module, name)
-
-
 def _load_metadata(path: str) -> Metadata:
+    """DCP's Metadata from ``path``, through the restricted unpickler of
+    ``_dcp_metadata`` (a crafted pickle can neither name nor change anything outside
+    DCP's metadata classes)."""
     try:
         f = _open_untrusted(path)
     except FileNotFoundError:
@@ -981,18 +943,7 @@ def _load_metadata(path: str) -> Metadata:
             f"{path}: no DCP metadata: not a checkpoint directory, or its save did not finish"
         ) from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_METADATA_BYTES:
-            raise CorruptError(f"{path}: {size} bytes of metadata is more than this reader accepts")
-        try:
-            md = _MetadataUnpickler(f, path).load()
-        except CorruptError:
-            raise
-        except Exception as e:
-            raise CorruptError(f"{path}: not valid DCP metadata ({type(e).__name__}: {e})") from e
-    if not isinstance(md, Metadata):
-        raise CorruptError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
+        return load_metadata(path, f, (ShmckptStorageInfo,))
 
 
 class ShmckptReader(StorageReader):
