@@ -977,7 +977,15 @@ class ShmckptReader(StorageReader):
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.load_id = uuid.uuid4().hex
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        """DCP's Metadata of this checkpoint (the one ``.metadata`` every rank reads).
+
+        Takes no ``rank``/``**kwargs`` on purpose: DCP's ``load`` calls a reader whose
+        ``read_metadata`` accepts ``kwargs`` a second time with ``rank=`` when the first
+        call failed, and a rank whose second call succeeds then leaves DCP's collectives
+        (``use_collectives=False``: it ends with a barrier where the other ranks
+        all-gather), which hangs every rank. Without it a failed read fails the load on
+        every rank."""
         md = _load_metadata(os.path.join(self.path, METADATA_FILE))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()

@@ -66,6 +66,9 @@ fn read_rank_file(
         queue_depth: queue_depth.max(1),
         direct_io,
         arena: None,
+        // A DCP checkpoint directory is named by its trainer (`step-100`,
+        // `checkpoint-500`): its manifest's step is the writer's own number.
+        any_dir_name: true,
     };
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();

@@ -117,6 +117,40 @@ def test_dcp_plan_caching_reuses_the_writers_global_plan(tmp_path):
     assert res == [{"checks": 3 * 14, "saves": 3, "cached_plans_used": 2}] * 2
 
 
+def test_a_checkpoint_loads_whatever_its_directory_is_called(tmp_path):
+    """Issue 21 item 8: a directory named step-100 made the reader compare the manifest's
+    step (the writer's private number) with the name, and fail."""
+    res = spawn("dirnames", 2, tmp_path, timeout=200)
+    names = ["step-100", "checkpoint-500", "global_step1000", "epoch=3-step=900", "plain"]
+    assert res == [{"checks": {n: 14 for n in names}}] * 2
+
+
+def test_a_load_that_fails_on_one_rank_raises_on_every_rank_promptly(tmp_path):
+    """A corrupted rank file read by one rank only, then a .metadata read that fails once
+    on one rank: every rank raises within seconds (a hang is killed by the worker's
+    faulthandler and the subprocess timeout, failing the test), and the group still loads
+    a good checkpoint afterwards."""
+    env_timeout = os.environ.get("DCP_WORKER_TIMEOUT")
+    os.environ["DCP_WORKER_TIMEOUT"] = "90"
+    try:
+        res = spawn("failed_load", 2, tmp_path, timeout=120)
+    finally:
+        if env_timeout is None:
+            del os.environ["DCP_WORKER_TIMEOUT"]
+        else:
+            os.environ["DCP_WORKER_TIMEOUT"] = env_timeout
+    for r in res:
+        c = r["corrupt"]
+        assert (c["raised"], c["failures"]) == ("CheckpointException", {"1": "ChecksumError"}), c
+        f = r["flaky_metadata"]
+        # DCP reports the failed read as an AssertionError ("metadata is None; global
+        # metadata read failed: ...") of rank 0, and is not asked to read it again.
+        assert (f["raised"], f["failures"]) == ("CheckpointException", {"0": "AssertionError"}), f
+        assert c["secs"] < 30 and f["secs"] < 30, r
+        assert r["after"]["raised"] is None and r["after_checked"] == 4, r
+    assert [r["metadata_reads"] for r in res] == [1, 1]
+
+
 def test_100_saves_keep_host_memory_flat(tmp_path):
     res = spawn("flat", 2, tmp_path, "100", timeout=300)
     for r in res:
