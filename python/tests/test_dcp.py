@@ -123,6 +123,10 @@ def test_a_checkpoint_loads_whatever_its_directory_is_called(tmp_path):
     res = spawn("dirnames", 2, tmp_path, timeout=200)
     names = ["step-100", "checkpoint-500", "global_step1000", "epoch=3-step=900", "plain"]
     assert res == [{"checks": {n: 14 for n in names}}] * 2
+    # The commit (Rust's assemble_ranks) records the step a step-N directory is named by,
+    # so the engine's own tools (Manifest::read: `shmckpt verify DIR`) accept it too.
+    man = json.loads((tmp_path / "ckpt" / "step-100" / "manifest.json").read_text())
+    assert (man["step"], man["world_size"], man["metadata"]) == (100, 2, {"shmckpt_dcp.format": "1"})
 
 
 def test_a_load_that_fails_on_one_rank_raises_on_every_rank_promptly(tmp_path):
