@@ -93,16 +93,6 @@ class _Rules:
         }
 
 
-_RULES: Dict[Tuple[type, ...], _Rules] = {}
-
-
-def _rules(storage_classes: Tuple[type, ...]) -> _Rules:
-    r = _RULES.get(storage_classes)
-    if r is None:
-        r = _RULES[storage_classes] = _Rules(storage_classes)
-    return r
-
-
 def _properties_state(state: Any) -> bool:
     """Whether ``state`` is what ``TensorProperties.__getstate__`` makes."""
     if type(state) is not tuple or len(state) not in (5, 6):
@@ -360,7 +350,7 @@ def load_metadata(path: str, f: Any, storage_classes: Tuple[type, ...] = ()) -> 
         # No cyclic GC while the objects are made (it would scan the whole heap again and
         # again: most of the time of a load of 1,300 tensors' metadata).
         with _gc_paused():
-            md = _MetadataUnpickler(data, _rules(tuple(storage_classes))).load()
+            md = _MetadataUnpickler(data, _Rules(storage_classes)).load()
     except _Refused as e:
         raise CorruptError(f"{path}: {e}") from None
     except RecursionError:
