@@ -253,8 +253,8 @@ mod tests {
         assert!(out.join(MANIFEST).is_file());
     }
 
-    /// A part that names another rank or file, or a file of another size, fails before
-    /// anything moves.
+    /// A part that names another rank or file, a file of another size or a link fails
+    /// before anything moves.
     #[test]
     fn a_lying_part_moves_nothing() {
         let dir = tempfile::tempdir().unwrap();
@@ -282,5 +282,19 @@ mod tests {
             part.rank = 0;
             part.bytes = 5;
         }
+        // A link where the rank file belongs is never moved into a checkpoint.
+        let file = src.join(rank_file_name(0, 2));
+        std::fs::rename(&file, dir.path().join("real")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("real"), &file).unwrap();
+        part.bytes = 4;
+        std::fs::write(
+            src.join(rank_manifest_name(0)),
+            serde_json::to_vec(&part).unwrap(),
+        )
+        .unwrap();
+        let e = assemble_ranks(&[src.clone(), src.clone()], &out, 1, None, &Metadata::new())
+            .unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+        assert!(file.is_symlink() && !out.exists());
     }
 }
