@@ -13,8 +13,15 @@
 //! `manifest.json` and renames the directory (two ranks racing both succeed: the rename is
 //! atomic and the loser sees the committed directory).
 //!
+//! When each rank's engine writes in a root of its own (the DCP backend), one caller
+//! that has every rank's durable part assembles them instead ([`assemble_ranks`]) and
+//! publishes the directory under its user's name ([`publish_dir`]).
+//!
 //! Retention renames `step-M` to `step-M.trash` (atomic: the checkpoint disappears from
 //! listings at once), fsyncs the root, then deletes the trash.
+
+mod assemble;
+pub use assemble::{assemble_ranks, publish_dir};
 
 use std::fs::File;
 use std::os::fd::AsFd;

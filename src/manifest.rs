@@ -160,9 +160,8 @@ impl Manifest {
     /// file. When `dir` is named like a step directory (`step-N`), the manifest must be of
     /// step N.
     pub fn read(dir: &Path) -> Result<Manifest> {
+        let m = Manifest::read_any_name(dir)?;
         let path = dir.join(MANIFEST);
-        let bytes = read_manifest_bytes(&path)?;
-        let m = Manifest::parse(&bytes, &path)?;
         if let Some(name) = dir.file_name().and_then(|n| n.to_str())
             && let Some(step) = parse_step_dir(name)
             && step != m.step
@@ -177,6 +176,16 @@ impl Manifest {
             ));
         }
         Ok(m)
+    }
+
+    /// Read and parse `dir/manifest.json` like [`Manifest::read`], without binding the
+    /// name of `dir` to the manifest's step: for a checkpoint directory its user named
+    /// (a DCP checkpoint: `step-100`, `checkpoint-500`, `epoch=3-step=900`), whose
+    /// manifest's step is not the name's.
+    pub fn read_any_name(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(MANIFEST);
+        let bytes = read_manifest_bytes(&path)?;
+        Manifest::parse(&bytes, &path)
     }
 
     /// The file entry of `rank`.
@@ -368,6 +377,47 @@ mod tests {
             "step-5 ",
         ] {
             assert_eq!(parse_step_dir(bad), None, "{bad}");
+        }
+    }
+
+    /// A directory named `step-N` must hold a manifest of step N for `read`, whatever
+    /// step for `read_any_name` (a DCP checkpoint directory its trainer named).
+    #[test]
+    fn only_read_binds_the_directory_name_to_the_step() {
+        let root = tempfile::tempdir().unwrap();
+        let m = Manifest {
+            format_version: 1,
+            step: 15_258_825_091_006_987,
+            world_size: 1,
+            created_unix_ms: 0,
+            total_bytes: 0,
+            metadata: Metadata::new(),
+            files: vec![FileEntry {
+                rank: 0,
+                file: "f.safetensors".into(),
+                bytes: 0,
+                data_start: 0,
+                tensors: Vec::new(),
+            }],
+        };
+        for name in [
+            "step-100",
+            "checkpoint-500",
+            "global_step1000",
+            "epoch=3-step=900",
+            "plain",
+        ] {
+            let dir = root.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+            assert_eq!(Manifest::read_any_name(&dir).unwrap(), m, "{name}");
+            let strict = Manifest::read(&dir);
+            if name == "step-100" {
+                let e = strict.unwrap_err().to_string();
+                assert!(e.contains("its directory of step 100"), "{e}");
+            } else {
+                assert_eq!(strict.unwrap(), m, "{name}");
+            }
         }
     }
 

@@ -102,6 +102,24 @@ def read_rank_file(
     for a tensor copied to a destination."""
     ...
 
+def assemble_ranks(
+    sources: Sequence[str],
+    out: str,
+    step: int,
+    target: str,
+    metadata: Dict[str, str],
+) -> Tuple[int, List[Tuple[str, int, List[Tuple[str, int, int, int]]]]]:
+    """Commit the ranks of one DCP save (``shmckpt::commit::assemble_ranks``): move rank
+    K's durable file from ``sources[K]`` into the new directory ``out`` and write its
+    ``manifest.json`` (of ``step``, or N when ``target`` is named ``step-N``). Returns
+    ``(step, [(file, data_start, [(tensor, begin, end, crc32c)])])`` in rank order."""
+    ...
+
+def publish_dir(dir: str, files: Sequence[Tuple[str, bytes]], target: str) -> None:
+    """Write ``files`` (``(name, bytes)``) durably into the assembled directory ``dir`` and
+    publish it as ``target`` (which must not exist, or be empty) with one rename."""
+    ...
+
 def release_device_ring() -> None:
     """Free the registered read buffers of device reads (made again by the next one)."""
     ...

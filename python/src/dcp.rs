@@ -66,6 +66,9 @@ fn read_rank_file(
         queue_depth: queue_depth.max(1),
         direct_io,
         arena: None,
+        // A DCP checkpoint directory is named by its trainer (`step-100`,
+        // `checkpoint-500`): its manifest's step is the writer's own number.
+        any_dir_name: true,
     };
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();
@@ -113,6 +116,62 @@ fn read_rank_file(
     Ok((entry.file, loaded.manifest.metadata, tensors))
 }
 
+/// `(file, data_start, [(tensor, begin, end, crc32c)])` of one rank file of an assembled
+/// manifest (offsets relative to the data section, as in the manifest).
+type AssembledFile = (String, u64, Vec<(String, u64, u64, u32)>);
+
+/// Commit the ranks of one DCP save (`shmckpt::commit::assemble_ranks`): move rank K's
+/// durable file from `sources[K]` (where its engine left it) into the new directory `out`
+/// and write `out/manifest.json` (of step `step`, or N when `target` is named `step-N`).
+/// Returns `(step, [(file, data_start, [(tensor, begin, end, crc32c)])])` in rank order.
+#[pyfunction]
+#[pyo3(signature = (sources, out, step, target, metadata))]
+fn assemble_ranks(
+    py: Python<'_>,
+    sources: Vec<PathBuf>,
+    out: PathBuf,
+    step: u64,
+    target: PathBuf,
+    metadata: std::collections::BTreeMap<String, String>,
+) -> PyResult<(u64, Vec<AssembledFile>)> {
+    let m = py
+        .detach(|| shmckpt::commit::assemble_ranks(&sources, &out, step, Some(&target), &metadata))
+        .map_err(|e| to_py(py, e))?;
+    let files = m
+        .files
+        .into_iter()
+        .map(|f| {
+            let tensors = f
+                .tensors
+                .into_iter()
+                .map(|t| (t.name, t.data_offsets[0], t.data_offsets[1], t.crc32c))
+                .collect();
+            (f.file, f.data_start, tensors)
+        })
+        .collect();
+    Ok((m.step, files))
+}
+
+/// Write `files` (`(name, bytes)`: DCP's `.metadata`) durably into the assembled
+/// directory `dir` and publish it as `target` with one rename
+/// (`shmckpt::commit::publish_dir`).
+#[pyfunction]
+fn publish_dir(
+    py: Python<'_>,
+    dir: PathBuf,
+    files: Vec<(String, Vec<u8>)>,
+    target: PathBuf,
+) -> PyResult<()> {
+    py.detach(|| {
+        let named: Vec<(&str, &[u8])> = files
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        shmckpt::commit::publish_dir(&dir, &named, &target)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
 /// Free the registered read buffers of device reads (the next device read makes them
 /// again).
 #[pyfunction]
@@ -123,5 +182,7 @@ fn release_device_ring(py: Python<'_>) {
 /// Add this file's functions to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_rank_file, m)?)?;
+    m.add_function(wrap_pyfunction!(assemble_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(publish_dir, m)?)?;
     m.add_function(wrap_pyfunction!(release_device_ring, m)?)
 }

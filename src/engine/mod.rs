@@ -717,6 +717,7 @@ impl Engine {
             direct_io: self.shared.cfg.direct_io,
             // A kept image lives in the arena's chunks: loads must not overwrite it.
             arena: (!self.shared.arena.keeps()).then(|| Arc::clone(&self.shared.arena)),
+            any_dir_name: false,
         }
     }
 
