@@ -974,8 +974,11 @@ class ShmckptReader(StorageReader):
     def _direct(self, req: Any, target: torch.Tensor) -> bool:
         """Whether ``req`` can go straight from the file into ``target``: a whole stored
         item (no resharding region) of the same dtype into a contiguous CPU or CUDA tensor
-        of exactly its bytes."""
+        of exactly its bytes. Never a conjugate or negative view: its memory holds other
+        values than it reads as, so such targets are filled through ``copy_``."""
         if req.type != LoadItemType.TENSOR or target.device.type not in ("cpu", "cuda") or not target.is_contiguous():
+            return False
+        if _state.is_lazy(target):
             return False
         if target.numel() == 0 or any(int(o) != 0 for o in req.storage_offsets):
             return False

@@ -305,6 +305,24 @@ def test_dcp_writer_stores_lazy_views_by_value(tmp_path):
         assert bits(on_disk["zcn"]) == bits(-zc), mode
 
 
+def test_dcp_reader_fills_lazy_views_with_the_checkpoints_values(tmp_path):
+    """A conjugate or negative view as a DCP load destination gets the checkpoint's
+    values (it was filled with raw bytes, so it read back conjugated or negated)."""
+    from shmckpt.dcp import ShmckptReader
+
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    f = torch.arange(5.0) + 1
+    dcp.save({"z": z, "f": f}, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
+    zmem, fmem = torch.zeros(4, dtype=torch.complex64), torch.zeros(5)
+    out = {"z": zmem.conj(), "f": torch._neg_view(fmem)}
+    dcp.load(out, storage_reader=ShmckptReader(tmp_path / "c"))
+    assert bits(out["z"].resolve_conj()) == bits(z)
+    assert bits(out["f"].resolve_neg()) == bits(f)
+    # The memory under the views holds what makes them read as the saved values.
+    assert bits(zmem) == bits(torch.complex(z.real, -z.imag))
+    assert bits(fmem) == bits(-f)
+
+
 class Rewrap(Wrapper):
     """A wrapper subclass whose operations return wrappers (``detach()`` included)."""
 
