@@ -645,12 +645,35 @@ class Checkpointer:
         self._engine.flush()
         self._reap()
 
-    def prepare_cuda(self, devices: Optional[Sequence[int]] = None) -> Optional[float]:
+    def prepare_cuda(
+        self, devices: Optional[Sequence[int]] = None, *, background: bool = False
+    ) -> Optional[float]:
         """Register the staging memory with CUDA now (otherwise the first device save does
-        it). Returns the registration time in seconds when this call did it."""
+        it). Returns the registration time in seconds when this call did it.
+
+        The registration needs the whole staging arena allocated, which the constructor
+        leaves to background threads: this call waits for them first. With
+        ``background=True`` it returns at once (``None``) and the registration runs on a
+        background thread as soon as the arena is allocated; a device save started before
+        then waits for it. :meth:`wait_staging_ready` waits for both.
+        """
         if devices is None:
             devices = [torch.cuda.current_device()]
+        if background:
+            self._engine.prepare_cuda_background(list(devices))
+            return None
         return self._engine.prepare_cuda(list(devices))
+
+    def staging_ready(self) -> bool:
+        """True once the staging memory is wholly allocated (the constructor allocates it
+        in the background) and no background CUDA registration is running: a save then
+        pays no one-time cost."""
+        return self._engine.staging_ready()
+
+    def wait_staging_ready(self) -> None:
+        """Wait until the staging memory is wholly allocated and registered. Raises
+        ``ShmTooSmall`` if ``/dev/shm`` filled up before it was."""
+        self._engine.wait_staging_ready()
 
     def _resolve(self, step: StepArg) -> int:
         sel = _step_sel(step)

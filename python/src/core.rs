@@ -281,6 +281,21 @@ pub fn prepare_cuda(engine: &Engine, devices: &[i32]) -> Result<Option<Duration>
     engine.prepare_cuda(devices)
 }
 
+/// Set up CUDA for `devices`, registering the staging arena in the background.
+pub fn prepare_cuda_background(engine: &Engine, devices: &[i32]) -> Result<()> {
+    engine.prepare_cuda_background(devices)
+}
+
+/// Whether the staging arena is allocated and registered (no background set-up left).
+pub fn staging_ready(engine: &Engine) -> bool {
+    engine.staging_ready()
+}
+
+/// Wait until the staging arena is allocated and registered.
+pub fn wait_staging_ready(engine: &Engine) -> Result<()> {
+    engine.wait_staging_ready()
+}
+
 /// Wait for every save in flight.
 pub fn flush(engine: &Engine) -> Result<()> {
     engine.flush()

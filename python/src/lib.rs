@@ -318,6 +318,28 @@ impl PyEngine {
             .map_err(|e| to_py(py, e))
     }
 
+    /// Set up CUDA for `devices` now and register the staging arena on a background
+    /// thread, once the arena is allocated (a device save started before waits for it).
+    fn prepare_cuda_background(&self, py: Python<'_>, devices: Vec<i32>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::prepare_cuda_background(&engine, &devices))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// True once the staging arena is wholly allocated and no background registration is
+    /// running.
+    fn staging_ready(&self) -> PyResult<bool> {
+        let engine = self.get()?;
+        Ok(core::staging_ready(&engine))
+    }
+
+    /// Block (GIL released) until the staging arena is wholly allocated and registered.
+    fn wait_staging_ready(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::wait_staging_ready(&engine))
+            .map_err(|e| to_py(py, e))
+    }
+
     /// Wait for every save in flight to be committed or to fail.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.get()?;

@@ -63,7 +63,21 @@ impl CudaStaging {
         }
     }
 
-    /// Make `devices` ready: contexts, streams, and (once) the staging registration.
+    /// Contexts and streams of `devices`, without the registration.
+    pub fn prepare_devices(&self, devices: &BTreeSet<i32>) -> Result<()> {
+        if devices.is_empty() {
+            return Ok(());
+        }
+        cuda::init()?;
+        let _guard = CtxGuard::save()?;
+        for &d in devices {
+            self.device(d)?;
+        }
+        Ok(())
+    }
+
+    /// Make `devices` ready: contexts, streams, and (once) the staging registration, which
+    /// first waits until the whole arena is allocated (its background prefault).
     /// Returns the registration time when this call registered.
     pub fn prepare(&self, devices: &BTreeSet<i32>) -> Result<Option<Duration>> {
         if devices.is_empty() {
@@ -78,6 +92,9 @@ impl CudaStaging {
         }
         let mut reg = lock(&self.registration);
         if reg.is_none() {
+            // Registering pins every page: unallocated ones would be faulted in here, on
+            // one thread, in the save's stall.
+            self.arena.wait_filled()?;
             let st = first.expect("non-empty");
             let r = HostRegistration::new(&self.arena, &st.ctx)?;
             let took = r.took();

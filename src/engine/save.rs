@@ -243,6 +243,10 @@ impl Engine {
         ]
         .into();
         let plan = Plan::new(&specs, &system, metadata)?;
+        if let Some(e) = arena.fill_error() {
+            // Allocating the arena in the background failed (`/dev/shm` filled up).
+            return Err(e);
+        }
         let needed = plan.chunk_count(cs) * cs;
         if needed > arena.capacity() {
             return Err(Error::TooLarge {
