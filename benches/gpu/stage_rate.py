@@ -183,7 +183,19 @@ def main() -> None:
         e1.synchronize()
         return e0.elapsed_time(e1) / 1e3
 
+    small = torch.randn(1 << 16, device=dev)
+
+    def launches(n: int = 3000) -> float:
+        """Host seconds to queue and run n small element-wise kernels."""
+        torch.cuda.current_stream().synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            small.mul_(1.0001)
+        torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t
+
     busy(20)
+    launches()
     samples = {v: [] for v in variants}
     extra = {}
     step = 1000
@@ -217,6 +229,11 @@ def main() -> None:
                 t = time.perf_counter()
                 h = ck.save(step, state)
                 dt = time.perf_counter() - t
+                # While the writers drain this save, then once it is durable: host time of
+                # a launch-bound loop of small kernels (a short training step's CPU side).
+                extra.setdefault("launch_drain", []).append(launches())
+                h.wait()
+                extra.setdefault("launch_idle", []).append(launches())
             elif v in ("nb_ws_guard", "nb_ws_noguard"):
                 set_guard(v == "nb_ws_guard")
                 t = time.perf_counter()

@@ -58,6 +58,7 @@ class Engine:
         metadata: Dict[str, str],
         after: Sequence[Tuple[int, str, int]],
         blocking: bool,
+        hold: bool = False,
     ) -> SaveHandle: ...
     def load(
         self, step: Optional[int] = None

@@ -517,6 +517,20 @@ class Checkpointer:
             self._reap()
 
             guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # A non-blocking save with no guard captures CUDA tensors by holding the
+            # trainer's streams: the engine queues its copies (into its registered staging)
+            # before the call returns, and the streams wait for them on the device, so the
+            # next kernels run after them. One device-to-host copy, no pinned host copy, and
+            # the trainer's thread waits only while the copies are queued. Only when every
+            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
+            # span, below, which the engine can read only after it finished).
+            hold = not blocking and not guarded and all(
+                lf.alias_of is not None
+                or lf.kind == "ndarray"
+                or lf.obj.is_cpu
+                or lf.obj.is_contiguous()
+                for lf in flat.leaves
+            )
             # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
             # memory) and, at the same index, what keeps each one's memory alive.
             entries: List[Tuple[str, str, List[int], int, int, int]] = []
@@ -561,7 +575,7 @@ class Checkpointer:
                 if t.numel() == 0:
                     add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
                     add_keep(t)
-                elif t.is_contiguous() and (blocking or is_guarded):
+                elif t.is_contiguous() and (blocking or is_guarded or hold):
                     nbytes = t.numel() * t.element_size()
                     add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
                     add_keep(t)
@@ -592,6 +606,15 @@ class Checkpointer:
             h = self._engine.save(step, entries, meta, after, True)
             handle._set_rust(h)
             handle._release()
+        elif hold:
+            # The engine records each stream when it starts (it returns only once its copies
+            # are queued and the streams wait for them, so nothing was queued after the call).
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, entries, meta, after, False, True)
+            handle._set_rust(h)
+            with self._lock:
+                self._pending.append(handle)
+            return handle
         else:
             # Order the device copies after the work queued at this call: an event recorded
             # now on each device's current stream. (A stream handed to the engine would be

@@ -161,20 +161,26 @@ pub unsafe fn save(
     engine.save_with(step, &t, meta, &o)
 }
 
-/// Start a save and return at once.
+/// Start a save and return at once (with `hold`: once every device copy is queued and
+/// the `after` streams wait for them, `SaveOptions::hold_streams`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
-/// the returned handle reports the save staged.
+/// the returned handle reports the save staged (with `hold`, work queued afterwards on
+/// the `after` streams is ordered after the copies and may modify it).
 pub unsafe fn save_async(
     engine: &Engine,
     step: u64,
     raw: &[RawTensor],
     meta: &Metadata,
     after: &[After],
+    hold: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
+    if hold {
+        o = o.hold_streams();
+    }
     // SAFETY: forwarded from this function's contract (memory valid until staged).
     unsafe { engine.save_async(step, &t, meta, &o) }
 }

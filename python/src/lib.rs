@@ -161,8 +161,12 @@ impl PyEngine {
     ///
     /// `blocking=True` returns once every byte is staged. `blocking=False` returns at
     /// once: the caller must keep every tensor alive and unmodified, and every stream or
-    /// event alive, until the handle reports the save staged.
-    #[pyo3(signature = (step, tensors, metadata, after, blocking))]
+    /// event alive, until the handle reports the save staged. `hold=True` (with
+    /// `blocking=False`) returns once every device copy is queued and the `"stream"`
+    /// streams of `after` wait for them on the device: work queued there afterwards may
+    /// modify the tensors.
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false))]
+    #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         py: Python<'_>,
@@ -171,6 +175,7 @@ impl PyEngine {
         metadata: BTreeMap<String, String>,
         after: Vec<(i32, String, u64)>,
         blocking: bool,
+        hold: bool,
     ) -> PyResult<PySaveHandle> {
         let engine = self.get()?;
         let raw = raw_tensors(tensors)?;
@@ -184,8 +189,9 @@ impl PyEngine {
             } else {
                 // SAFETY: the Python caller keeps the tensors (and streams/events) in the
                 // returned handle until it reports staged, and orders every writer of
-                // them after staging (guard) or gives copies it owns.
-                unsafe { core::save_async(&engine, step, &raw, &metadata, &after) }
+                // them after staging (guard), gives copies it owns, or (with `hold`)
+                // passes only tensors whose writers run on the held streams.
+                unsafe { core::save_async(&engine, step, &raw, &metadata, &after, hold) }
             }
         });
         let h = res.map_err(|e| to_py(py, e))?;

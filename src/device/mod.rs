@@ -35,4 +35,10 @@ pub struct StageJob<'a> {
     pub failed: &'a (dyn Fn() -> bool + Sync),
     /// Hand a complete chunk to the writers.
     pub dispatch: &'a (dyn Fn(ChunkLease, u64, usize, usize) -> Result<()> + Sync),
+    /// Make the `After::Stream` streams wait (on the device) for the save's copies, and
+    /// call `queued` once every copy is queued and they wait ([`crate::SaveOptions::hold_streams`]).
+    pub hold: bool,
+    /// Called once every copy is queued (with `hold`: and the streams wait for them), or
+    /// when staging ended (host sources, or failure).
+    pub queued: &'a (dyn Fn() + Sync),
 }

@@ -172,7 +172,13 @@ impl CudaStaging {
             pending: VecDeque::new(),
             states: &states,
         };
-        let res = self.stage_chunks(job, &mut pipeline);
+        let res = self.stage_chunks(job, &mut pipeline).and_then(|waited| {
+            if job.hold {
+                self.hold(&states, after)?;
+            }
+            (job.queued)();
+            Ok(waited)
+        });
         match res {
             Ok(waited) => {
                 pipeline.drain(job)?;
@@ -183,6 +189,27 @@ impl CudaStaging {
                 Err(e)
             }
         }
+    }
+
+    /// Make every `After::Stream` stream wait for all copies queued so far on its
+    /// device's engine stream: work the caller queues there later runs after them.
+    fn hold(&self, states: &BTreeMap<i32, Arc<DeviceState>>, after: &[(i32, After)]) -> Result<()> {
+        for (&d, st) in states {
+            let Some(After::Stream(s)) = after.iter().find(|(dev, _)| *dev == d).map(|(_, a)| *a)
+            else {
+                continue;
+            };
+            st.ctx.bind()?;
+            let e = st.event()?;
+            e.record(&st.stream)?;
+            // SAFETY: `After::Stream` values come only from a `StreamRef` borrowed for the
+            // save, or from `from_raw`, whose contract keeps the handle live until the save
+            // is staged; it is a stream of this device's context.
+            unsafe { e.hold_raw(s)? };
+            // The wait took the event as recorded now: it may be recorded again.
+            st.give_back(e);
+        }
+        Ok(())
     }
 
     fn stage_chunks(&self, job: &StageJob<'_>, pipe: &mut Pipeline<'_>) -> Result<Duration> {

@@ -195,6 +195,19 @@ impl Event {
         )
     }
 
+    /// Make later work on a caller's raw `CUstream` wait for this event (as recorded now).
+    ///
+    /// # Safety
+    /// `stream` must be a live `CUstream` (or 0, the legacy default stream) of this
+    /// event's context.
+    pub unsafe fn hold_raw(&self, stream: u64) -> Result<()> {
+        // SAFETY: the caller guarantees the stream handle; the event is live.
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
     /// This event, borrowed, for [`SaveOptions::after_event`](crate::SaveOptions).
     pub fn handle(&self) -> EventRef<'_> {
         EventRef {
