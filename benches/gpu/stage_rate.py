@@ -249,6 +249,8 @@ def main() -> None:
                 t = time.perf_counter()
                 h = ck.save(step, state, blocking=False)
                 opt.step()
+                extra.setdefault("nb_step_host_returned", []).append(time.perf_counter() - t)
+                torch.cuda.current_stream().synchronize()
                 dt = time.perf_counter() - t
             elif v == "nb_busy":
                 set_guard(True)

@@ -78,6 +78,8 @@ class SaveHandle:
         self._future: Optional[concurrent.futures.Future] = None
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
+        # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
+        self._devices: List[int] = []
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -401,7 +403,10 @@ class Checkpointer:
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` first wait until every save of this checkpointer has
-        copied its bytes (``wait_staged``).
+        copied its bytes. For saves of CUDA tensors the wait is on the device: the hook
+        returns once the engine has queued its copies, and the current stream of each
+        device waits for them, so the optimizer's kernels run after the copies while the
+        trainer's thread goes on; other saves are waited for on the host (``wait_staged``).
 
         With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
         state in the background while the trainer runs its next forward and backward; every
@@ -416,7 +421,7 @@ class Checkpointer:
         def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
             ck = me()
             if ck is not None:
-                ck.wait_staged()
+                ck._guard_wait()
 
         hook = optimizer.register_step_pre_hook(pre_hook)
         self._guards.append((ref, hook))
@@ -468,6 +473,25 @@ class Checkpointer:
         """Wait until every save in flight has copied its bytes. A failed save raises its
         error here once (and is then forgotten)."""
         self._wait_all(SaveHandle.wait_staged)
+
+    def _guard_wait(self) -> None:
+        """The guard's wait before an optimizer step. A save whose bytes the engine copies
+        itself from CUDA tensors is waited for on the device: once its host bytes are copied
+        and its device copies queued (normally milliseconds after the call), the current
+        stream of each of its devices waits for those copies (``cuStreamWaitEvent``), and
+        the trainer's thread goes on queueing the optimizer step and the next forward. Other
+        saves are waited for on the host (``wait_staged``)."""
+
+        def wait(h: SaveHandle) -> Any:
+            if not h._devices or h._future is not None or h._keep is None:
+                return h.wait_staged()
+            h._get_rust().hold_streams(
+                [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            )
+            h._poll()
+            return None
+
+        self._wait_all(wait)
 
     def wait(self) -> None:
         """Wait until every save in flight is committed (raises the first error, once)."""
@@ -589,6 +613,8 @@ class Checkpointer:
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
+        if not finishes:
+            handle._devices = sorted(devices)
 
         def finish_host_copies() -> None:
             for i, fin in finishes:

@@ -521,6 +521,19 @@ impl PySaveHandle {
         }
     }
 
+    /// Make each `(device, stream)` wait, on the device, for this save's copies on that
+    /// device, blocking (GIL released) only until every copy is queued: work queued on those
+    /// streams afterwards may change the tensors. Raises the save's error if staging failed.
+    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
+        let r = py.detach(|| match &*lock(&self.inner) {
+            // SAFETY: the Python caller passes the current streams of torch devices, which
+            // stay alive for the call.
+            Some(h) => unsafe { core::hold_streams(h, &streams) },
+            None => Ok(()),
+        });
+        r.map_err(|e| to_py(py, e))
+    }
+
     /// Block (GIL released, interruptible) until the checkpoint is durable and committed.
     /// Returns the save report (a dict); raises the save's error. May be called again.
     fn wait(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {

@@ -31,3 +31,29 @@ def test_kernels_after_an_unguarded_non_blocking_save_do_not_change_it(root):
         assert torch.equal(x, torch.ones_like(x))
         # No pinned host copy of the state (the path before took 261 MiB here).
         assert host_during - host_before < (1 << 20)
+
+
+@pytest.mark.gpu
+def test_the_guard_orders_the_optimizer_step_after_the_copies(root):
+    torch.manual_seed(24)
+    params = [torch.nn.Parameter(torch.randn(8 << 20, device="cuda")) for _ in range(4)]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with shmckpt.Checkpointer(root, staging_capacity=512 << 20) as ck:
+        ck.prepare_cuda()
+        ck.guard(opt)
+        state = {"p": params, "o": opt.state_dict()}
+        torch.cuda.synchronize()
+        ref = {"p": [p.detach().cpu() for p in params],
+               "m": [opt.state[p]["exp_avg"].cpu() for p in params]}
+        h = ck.save(1, state, blocking=False)
+        opt.step()  # the guard's hook: this step's kernels run after the save's copies
+        after = [p.detach().cpu() for p in params]
+        h.wait()
+        back = ck.load(1)
+        for i in range(4):
+            assert torch.equal(back["p"][i], ref["p"][i])
+            assert torch.equal(back["o"]["state"][i]["exp_avg"], ref["m"][i])
+            assert not torch.equal(after[i], ref["p"][i])  # the step did run

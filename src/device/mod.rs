@@ -38,7 +38,8 @@ pub struct StageJob<'a> {
     /// Make the `After::Stream` streams wait (on the device) for the save's copies, and
     /// call `queued` once every copy is queued and they wait ([`crate::SaveOptions::hold_streams`]).
     pub hold: bool,
-    /// Called once every copy is queued (with `hold`: and the streams wait for them), or
-    /// when staging ended (host sources, or failure).
-    pub queued: &'a (dyn Fn() + Sync),
+    /// Called once every host byte is copied and every device copy is queued (with
+    /// `hold`: and the streams wait for them), with one event per device recorded after
+    /// that device's copies; for host-only saves when staging ended (no events).
+    pub queued: &'a (dyn Fn(Vec<(i32, cuda::Event)>) + Sync),
 }

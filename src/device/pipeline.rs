@@ -173,10 +173,11 @@ impl CudaStaging {
             states: &states,
         };
         let res = self.stage_chunks(job, &mut pipeline).and_then(|waited| {
+            let marks = self.mark(&states)?;
             if job.hold {
-                self.hold(&states, after)?;
+                self.hold(&marks, after)?;
             }
-            (job.queued)();
+            (job.queued)(marks);
             Ok(waited)
         });
         match res {
@@ -191,23 +192,31 @@ impl CudaStaging {
         }
     }
 
-    /// Make every `After::Stream` stream wait for all copies queued so far on its
-    /// device's engine stream: work the caller queues there later runs after them.
-    fn hold(&self, states: &BTreeMap<i32, Arc<DeviceState>>, after: &[(i32, After)]) -> Result<()> {
+    /// One new event per device, recorded on its engine stream after every copy queued so
+    /// far: whoever waits for it waits for the save's copies on that device.
+    fn mark(&self, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<Vec<(i32, Event)>> {
+        let mut marks = Vec::with_capacity(states.len());
         for (&d, st) in states {
-            let Some(After::Stream(s)) = after.iter().find(|(dev, _)| *dev == d).map(|(_, a)| *a)
+            st.ctx.bind()?;
+            let e = Event::new(&st.ctx)?;
+            e.record(&st.stream)?;
+            marks.push((d, e));
+        }
+        Ok(marks)
+    }
+
+    /// Make every `After::Stream` stream wait for its device's mark.
+    fn hold(&self, marks: &[(i32, Event)], after: &[(i32, After)]) -> Result<()> {
+        for (d, e) in marks {
+            let Some(After::Stream(s)) = after.iter().find(|(dev, _)| dev == d).map(|(_, a)| *a)
             else {
                 continue;
             };
-            st.ctx.bind()?;
-            let e = st.event()?;
-            e.record(&st.stream)?;
+            e.context().bind()?;
             // SAFETY: `After::Stream` values come only from a `StreamRef` borrowed for the
             // save, or from `from_raw`, whose contract keeps the handle live until the save
             // is staged; it is a stream of this device's context.
             unsafe { e.hold_raw(s)? };
-            // The wait took the event as recorded now: it may be recorded again.
-            st.give_back(e);
         }
         Ok(())
     }

@@ -415,6 +415,10 @@ pub(super) fn stage_and_finish(
     let mut registration = Duration::ZERO;
     let write_len = |len: usize| state.write_len(len);
     let failed = || state.failed();
+    let queued = |marks: Vec<(i32, crate::device::cuda::Event)>| {
+        state.copies_queued(marks);
+        queued();
+    };
     let job = StageJob {
         plan: &state.plan,
         sources,
@@ -422,7 +426,7 @@ pub(super) fn stage_and_finish(
         failed: &failed,
         dispatch: &dispatch,
         hold,
-        queued,
+        queued: &queued,
     };
     let staged = if devices.is_empty() {
         host::stage_host(&state.shared.arena, &job, state.shared.cfg.copy_threads)
