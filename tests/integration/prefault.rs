@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use shmckpt::testing::synthetic::LayoutEntry;
-use shmckpt::{BackendKind, Dtype, Engine, StepSel};
+use shmckpt::{BackendKind, Dtype, Engine, Error, StepSel};
 
 fn big_layout() -> Vec<LayoutEntry> {
     vec![
@@ -82,4 +82,72 @@ fn closing_while_the_arena_is_being_allocated_stops_it() {
     let engine = Engine::open(small_config(dir.path(), BackendKind::Auto)).unwrap();
     assert_eq!(engine.list().unwrap().len(), 1);
     engine.close();
+}
+
+/// Child (own mount namespace, a 200 MiB `/dev/shm` that another file fills while the arena
+/// is still being allocated).
+#[test]
+#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+fn child_dev_shm_fills_up_during_prefault() {
+    if !is_child("child_dev_shm_fills_up_during_prefault") {
+        return;
+    }
+    if let Err(e) = run_tool(
+        "mount",
+        &["-t", "tmpfs", "-o", "size=200m", "tmpfs", "/dev/shm"],
+    ) {
+        skip(&format!(
+            "prefault ENOSPC test: cannot mount a tmpfs on /dev/shm: {e}"
+        ));
+        return;
+    }
+    let dir = real_dir("prefault-enospc");
+    let root = dir.path();
+    // 192 MiB in 1 MiB chunks: the first 64 MiB at open, 2 batches in the background, each
+    // paused 500 ms: time enough to take the rest of /dev/shm first.
+    let cfg = small_config(root, BackendKind::Auto)
+        .with_staging_capacity(192 << 20)
+        .with_chunk_size(1 << 20)
+        .with_prefault_pause(Duration::from_millis(500));
+    let engine = Engine::open(cfg).unwrap();
+    let name = engine.shm_name().to_owned();
+    let filler = std::fs::File::create("/dev/shm/filler").unwrap();
+    let free = rustix::fs::statvfs("/dev/shm").unwrap();
+    let free = free.f_bavail * free.f_frsize;
+    rustix::fs::fallocate(&filler, rustix::fs::FallocateFlags::empty(), 0, free).unwrap();
+    // The background allocation fails: a typed error, no SIGBUS, nothing handed out.
+    let err = engine.wait_staging_ready().unwrap_err();
+    assert!(matches!(err, Error::ShmTooSmall { .. }), "{err}");
+    assert!(!engine.staging_ready());
+    let err = engine
+        .save(1, &step_state(1).tensors(), &shmckpt::Metadata::new())
+        .unwrap_err();
+    assert!(matches!(err, Error::ShmTooSmall { .. }), "{err}");
+    assert!(engine.list().unwrap().is_empty());
+    println!("PREFAULTENOSPC: {err}");
+    engine.close();
+    assert!(!shm_exists(&name));
+}
+
+#[test]
+fn dev_shm_filling_up_during_prefault_is_a_typed_error() {
+    let Some(mut cmd) = child_command_in_mount_ns("child_dev_shm_fills_up_during_prefault") else {
+        return;
+    };
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A SIGBUS would show as a signal here, not as a failed assertion.
+    assert!(
+        out.status.success(),
+        "prefault ENOSPC child failed ({:?}):\n{text}",
+        out.status
+    );
+    assert!(
+        relay_markers(&text, &["SKIPPED", "PREFAULTENOSPC"]),
+        "the child neither ran nor skipped:\n{text}"
+    );
 }
