@@ -114,6 +114,16 @@ impl CudaStaging {
         &self.arena
     }
 
+    /// Whether the arena is registered, or a registration is under way (without waiting
+    /// for one: `try_lock`).
+    pub fn registered_or_busy(&self) -> bool {
+        match self.registration.try_lock() {
+            Ok(r) => r.is_some(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        }
+    }
+
     /// Registration time, if registered.
     pub fn registration_time(&self) -> Option<Duration> {
         lock(&self.registration)

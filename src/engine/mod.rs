@@ -365,7 +365,9 @@ impl Engine {
         let set: BTreeSet<i32> = devices.iter().copied().collect();
         let cuda = Arc::clone(self.shared.cuda());
         cuda.prepare_devices(&set)?;
-        if set.is_empty() || cuda.registration_time().is_some() {
+        // Registered already, or being registered (a device save or an earlier call): that
+        // one does it (and a device save retries if it fails).
+        if set.is_empty() || cuda.registered_or_busy() {
             return Ok(());
         }
         let h = std::thread::Builder::new()
