@@ -112,6 +112,8 @@ pub struct EngineConfig {
     pub(crate) create_root: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) prefault_pause: std::time::Duration,
 }
 
 impl EngineConfig {
@@ -141,12 +143,16 @@ impl EngineConfig {
             create_root: false,
             #[cfg(feature = "fault-injection")]
             faults: None,
+            #[cfg(feature = "fault-injection")]
+            prefault_pause: std::time::Duration::ZERO,
         }
     }
 
-    /// Bytes of shared-memory staging, reserved and pre-faulted when the engine is built
-    /// (rounded up to whole chunks). A checkpoint file larger than this is refused. Default
-    /// 2 GiB.
+    /// Bytes of shared-memory staging (rounded up to whole chunks). A checkpoint file
+    /// larger than this is refused. Default 2 GiB. Building the engine checks that
+    /// `/dev/shm` has this much free and allocates the first 64 MiB; the rest is allocated
+    /// (pre-faulted) by background threads, a save taking only chunks already allocated
+    /// ([`Engine::wait_staging_ready`](crate::Engine::wait_staging_ready)).
     pub fn with_staging_capacity(mut self, bytes: u64) -> Self {
         self.staging_capacity = bytes;
         self
@@ -299,6 +305,22 @@ impl EngineConfig {
     pub fn with_faults(mut self, plan: Arc<crate::io::fault::FaultPlan>) -> Self {
         self.faults = Some(plan);
         self
+    }
+
+    /// Delay every background prefault batch of the staging arena by `pause` (tests
+    /// only: a slow prefault).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_prefault_pause(mut self, pause: std::time::Duration) -> Self {
+        self.prefault_pause = pause;
+        self
+    }
+
+    /// The delay of every background prefault batch (zero unless a test set one).
+    pub(crate) fn prefault_pause(&self) -> std::time::Duration {
+        #[cfg(feature = "fault-injection")]
+        return self.prefault_pause;
+        #[cfg(not(feature = "fault-injection"))]
+        std::time::Duration::ZERO
     }
 
     /// The checkpoint root.

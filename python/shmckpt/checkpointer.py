@@ -86,6 +86,8 @@ class SaveHandle:
         self._future: Optional[concurrent.futures.Future] = None
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
+        # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
+        self._devices: List[int] = []
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -427,7 +429,10 @@ class Checkpointer:
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` first wait until every save of this checkpointer has
-        copied its bytes (``wait_staged``).
+        copied its bytes. For saves of CUDA tensors the wait is on the device: the hook
+        returns once the engine has queued its copies, and the current stream of each
+        device waits for them, so the optimizer's kernels run after the copies while the
+        trainer's thread goes on; other saves are waited for on the host (``wait_staged``).
 
         With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
         state in the background while the trainer runs its next forward and backward; every
@@ -442,7 +447,7 @@ class Checkpointer:
         def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
             ck = me()
             if ck is not None:
-                ck.wait_staged()
+                ck._guard_wait()
 
         hook = optimizer.register_step_pre_hook(pre_hook)
         self._guards.append((ref, hook))
@@ -495,6 +500,25 @@ class Checkpointer:
         error here once (and is then forgotten)."""
         self._wait_all(SaveHandle.wait_staged)
 
+    def _guard_wait(self) -> None:
+        """The guard's wait before an optimizer step. A save whose bytes the engine copies
+        itself from CUDA tensors is waited for on the device: once its host bytes are copied
+        and its device copies queued (normally milliseconds after the call), the current
+        stream of each of its devices waits for those copies (``cuStreamWaitEvent``), and
+        the trainer's thread goes on queueing the optimizer step and the next forward. Other
+        saves are waited for on the host (``wait_staged``)."""
+
+        def wait(h: SaveHandle) -> Any:
+            if not h._devices or h._future is not None or h._keep is None:
+                return h.wait_staged()
+            h._get_rust().hold_streams(
+                [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            )
+            h._poll()
+            return None
+
+        self._wait_all(wait)
+
     def wait(self) -> None:
         """Wait until every save in flight is committed (raises the first error, once)."""
         self._wait_all(SaveHandle.wait)
@@ -546,6 +570,20 @@ class Checkpointer:
             self._reap()
 
             guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # A non-blocking save with no guard captures CUDA tensors by holding the
+            # trainer's streams: the engine queues its copies (into its registered staging)
+            # before the call returns, and the streams wait for them on the device, so the
+            # next kernels run after them. One device-to-host copy, no pinned host copy, and
+            # the trainer's thread waits only while the copies are queued. Only when every
+            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
+            # span, below, which the engine can read only after it finished).
+            hold = not blocking and not guarded and all(
+                lf.alias_of is not None
+                or lf.kind == "ndarray"
+                or lf.obj.is_cpu
+                or lf.obj.is_contiguous()
+                for lf in flat.leaves
+            )
             # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
             # memory) and, at the same index, what keeps each one's memory alive.
             entries: List[Tuple[str, str, List[int], int, int, int]] = []
@@ -595,7 +633,7 @@ class Checkpointer:
                 if t.numel() == 0:
                     add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
                     add_keep(t)
-                elif t.is_contiguous() and (blocking or is_guarded) and not lf.lazy:
+                elif t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
                     nbytes = t.numel() * t.element_size()
                     add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
                     add_keep(t)
@@ -609,6 +647,8 @@ class Checkpointer:
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
+        if not finishes:
+            handle._devices = sorted(devices)
 
         def finish_host_copies() -> None:
             for i, fin in finishes:
@@ -626,6 +666,15 @@ class Checkpointer:
             h = self._engine.save(step, entries, meta, after, True)
             handle._set_rust(h)
             handle._release()
+        elif hold:
+            # The engine records each stream when it starts (it returns only once its copies
+            # are queued and the streams wait for them, so nothing was queued after the call).
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, entries, meta, after, False, True)
+            handle._set_rust(h)
+            with self._lock:
+                self._pending.append(handle)
+            return handle
         else:
             # Order the device copies after the work queued at this call: an event recorded
             # now on each device's current stream. (A stream handed to the engine would be
@@ -687,12 +736,35 @@ class Checkpointer:
         self._engine.flush()
         self._reap()
 
-    def prepare_cuda(self, devices: Optional[Sequence[int]] = None) -> Optional[float]:
+    def prepare_cuda(
+        self, devices: Optional[Sequence[int]] = None, *, background: bool = False
+    ) -> Optional[float]:
         """Register the staging memory with CUDA now (otherwise the first device save does
-        it). Returns the registration time in seconds when this call did it."""
+        it). Returns the registration time in seconds when this call did it.
+
+        The registration needs the whole staging arena allocated, which the constructor
+        leaves to background threads: this call waits for them first. With
+        ``background=True`` it returns at once (``None``) and the registration runs on a
+        background thread as soon as the arena is allocated; a device save started before
+        then waits for it. :meth:`wait_staging_ready` waits for both.
+        """
         if devices is None:
             devices = [torch.cuda.current_device()]
+        if background:
+            self._engine.prepare_cuda_background(list(devices))
+            return None
         return self._engine.prepare_cuda(list(devices))
+
+    def staging_ready(self) -> bool:
+        """True once the staging memory is wholly allocated (the constructor allocates it
+        in the background) and no background CUDA registration is running: a save then
+        pays no one-time cost."""
+        return self._engine.staging_ready()
+
+    def wait_staging_ready(self) -> None:
+        """Wait until the staging memory is wholly allocated and registered. Raises
+        ``ShmTooSmall`` if ``/dev/shm`` filled up before it was."""
+        self._engine.wait_staging_ready()
 
     def _resolve(self, step: StepArg) -> int:
         sel = _step_sel(step)

@@ -217,20 +217,26 @@ pub unsafe fn save(
     engine.save_with(step, &t, meta, &o)
 }
 
-/// Start a save and return at once.
+/// Start a save and return at once (with `hold`: once every device copy is queued and
+/// the `after` streams wait for them, `SaveOptions::hold_streams`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
-/// the returned handle reports the save staged.
+/// the returned handle reports the save staged (with `hold`, work queued afterwards on
+/// the `after` streams is ordered after the copies and may modify it).
 pub unsafe fn save_async(
     engine: &Engine,
     step: u64,
     raw: &[RawTensor],
     meta: &Metadata,
     after: &[After],
+    hold: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
+    if hold {
+        o = o.hold_streams();
+    }
     // SAFETY: forwarded from this function's contract (memory valid until staged).
     unsafe { engine.save_async(step, &t, meta, &o) }
 }
@@ -337,6 +343,21 @@ pub fn prepare_cuda(engine: &Engine, devices: &[i32]) -> Result<Option<Duration>
     engine.prepare_cuda(devices)
 }
 
+/// Set up CUDA for `devices`, registering the staging arena in the background.
+pub fn prepare_cuda_background(engine: &Engine, devices: &[i32]) -> Result<()> {
+    engine.prepare_cuda_background(devices)
+}
+
+/// Whether the staging arena is allocated and registered (no background set-up left).
+pub fn staging_ready(engine: &Engine) -> bool {
+    engine.staging_ready()
+}
+
+/// Wait until the staging arena is allocated and registered.
+pub fn wait_staging_ready(engine: &Engine) -> Result<()> {
+    engine.wait_staging_ready()
+}
+
 /// Wait for every save in flight.
 pub fn flush(engine: &Engine) -> Result<()> {
     engine.flush()
@@ -375,6 +396,19 @@ pub fn is_staged(h: &SaveHandle) -> bool {
 /// Staging result (returns at once when [`is_staged`]).
 pub fn wait_staged(h: &SaveHandle) -> Result<StagedReport> {
     h.wait_staged()
+}
+
+/// Order later work on each `(device, stream)` after the save's copies on that device,
+/// waiting on the host only until they are queued (`SaveHandle::hold_stream`).
+///
+/// # Safety
+/// Every stream handle must be a live `CUstream` of its device for the duration of the call.
+pub unsafe fn hold_streams(h: &SaveHandle, streams: &[(i32, u64)]) -> Result<()> {
+    for &(device, stream) in streams {
+        // SAFETY: forwarded from this function's contract.
+        h.hold_stream(unsafe { StreamRef::from_raw(stream, device) })?;
+    }
+    Ok(())
 }
 
 /// Whether the save is committed or failed.

@@ -236,8 +236,12 @@ impl PyEngine {
     ///
     /// `blocking=True` returns once every byte is staged. `blocking=False` returns at
     /// once: the caller must keep every tensor alive and unmodified, and every stream or
-    /// event alive, until the handle reports the save staged.
-    #[pyo3(signature = (step, tensors, metadata, after, blocking))]
+    /// event alive, until the handle reports the save staged. `hold=True` (with
+    /// `blocking=False`) returns once every device copy is queued and the `"stream"`
+    /// streams of `after` wait for them on the device: work queued there afterwards may
+    /// modify the tensors.
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false))]
+    #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         py: Python<'_>,
@@ -246,6 +250,7 @@ impl PyEngine {
         metadata: BTreeMap<String, String>,
         after: Vec<(i32, String, u64)>,
         blocking: bool,
+        hold: bool,
     ) -> PyResult<PySaveHandle> {
         let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
@@ -262,8 +267,9 @@ impl PyEngine {
                 } else {
                     // SAFETY: the Python caller keeps the tensors (and streams/events) in
                     // the returned handle until it reports staged, and orders every writer
-                    // of them after staging (guard) or gives copies it owns.
-                    unsafe { core::save_async(&engine, step, &raw, &metadata, &after) }
+                    // of them after staging (guard), gives copies it owns, or (with `hold`)
+                    // passes only tensors whose writers run on the held streams.
+                    unsafe { core::save_async(&engine, step, &raw, &metadata, &after, hold) }
                 };
                 match r {
                     // Nothing was staged: size the arena from this save and try once more.
@@ -408,6 +414,28 @@ impl PyEngine {
         let engine = self.get()?;
         py.detach(|| core::prepare_cuda(&engine, &devices))
             .map(|d| d.map(|d| d.as_secs_f64()))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Set up CUDA for `devices` now and register the staging arena on a background
+    /// thread, once the arena is allocated (a device save started before waits for it).
+    fn prepare_cuda_background(&self, py: Python<'_>, devices: Vec<i32>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::prepare_cuda_background(&engine, &devices))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// True once the staging arena is wholly allocated and no background registration is
+    /// running.
+    fn staging_ready(&self) -> PyResult<bool> {
+        let engine = self.get()?;
+        Ok(core::staging_ready(&engine))
+    }
+
+    /// Block (GIL released) until the staging arena is wholly allocated and registered.
+    fn wait_staging_ready(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::wait_staging_ready(&engine))
             .map_err(|e| to_py(py, e))
     }
 
@@ -592,6 +620,19 @@ impl PySaveHandle {
                 }
             }
         }
+    }
+
+    /// Make each `(device, stream)` wait, on the device, for this save's copies on that
+    /// device, blocking (GIL released) only until every copy is queued: work queued on those
+    /// streams afterwards may change the tensors. Raises the save's error if staging failed.
+    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
+        let r = py.detach(|| match &*lock(&self.inner) {
+            // SAFETY: the Python caller passes the current streams of torch devices, which
+            // stay alive for the call.
+            Some(h) => unsafe { core::hold_streams(h, &streams) },
+            None => Ok(()),
+        });
+        r.map_err(|e| to_py(py, e))
     }
 
     /// Block (GIL released, interruptible) until the checkpoint is durable and committed.

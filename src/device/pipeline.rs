@@ -63,7 +63,21 @@ impl CudaStaging {
         }
     }
 
-    /// Make `devices` ready: contexts, streams, and (once) the staging registration.
+    /// Contexts and streams of `devices`, without the registration.
+    pub fn prepare_devices(&self, devices: &BTreeSet<i32>) -> Result<()> {
+        if devices.is_empty() {
+            return Ok(());
+        }
+        cuda::init()?;
+        let _guard = CtxGuard::save()?;
+        for &d in devices {
+            self.device(d)?;
+        }
+        Ok(())
+    }
+
+    /// Make `devices` ready: contexts, streams, and (once) the staging registration, which
+    /// first waits until the whole arena is allocated (its background prefault).
     /// Returns the registration time when this call registered.
     pub fn prepare(&self, devices: &BTreeSet<i32>) -> Result<Option<Duration>> {
         if devices.is_empty() {
@@ -78,6 +92,9 @@ impl CudaStaging {
         }
         let mut reg = lock(&self.registration);
         if reg.is_none() {
+            // Registering pins every page: unallocated ones would be faulted in here, on
+            // one thread, in the save's stall.
+            self.arena.wait_filled()?;
             let st = first.expect("non-empty");
             let r = HostRegistration::new(&self.arena, &st.ctx)?;
             let took = r.took();
@@ -95,6 +112,16 @@ impl CudaStaging {
     /// The arena whose memory this staging registers.
     pub(crate) fn arena(&self) -> &Arc<Arena> {
         &self.arena
+    }
+
+    /// Whether the arena is registered, or a registration is under way (without waiting
+    /// for one: `try_lock`).
+    pub fn registered_or_busy(&self) -> bool {
+        match self.registration.try_lock() {
+            Ok(r) => r.is_some(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        }
     }
 
     /// Registration time, if registered.
@@ -155,7 +182,14 @@ impl CudaStaging {
             pending: VecDeque::new(),
             states: &states,
         };
-        let res = self.stage_chunks(job, &mut pipeline);
+        let res = self.stage_chunks(job, &mut pipeline).and_then(|waited| {
+            let marks = self.mark(&states)?;
+            if job.hold {
+                self.hold(&marks, after)?;
+            }
+            (job.queued)(marks);
+            Ok(waited)
+        });
         match res {
             Ok(waited) => {
                 pipeline.drain(job)?;
@@ -166,6 +200,35 @@ impl CudaStaging {
                 Err(e)
             }
         }
+    }
+
+    /// One new event per device, recorded on its engine stream after every copy queued so
+    /// far: whoever waits for it waits for the save's copies on that device.
+    fn mark(&self, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<Vec<(i32, Event)>> {
+        let mut marks = Vec::with_capacity(states.len());
+        for (&d, st) in states {
+            st.ctx.bind()?;
+            let e = Event::new(&st.ctx)?;
+            e.record(&st.stream)?;
+            marks.push((d, e));
+        }
+        Ok(marks)
+    }
+
+    /// Make every `After::Stream` stream wait for its device's mark.
+    fn hold(&self, marks: &[(i32, Event)], after: &[(i32, After)]) -> Result<()> {
+        for (d, e) in marks {
+            let Some(After::Stream(s)) = after.iter().find(|(dev, _)| dev == d).map(|(_, a)| *a)
+            else {
+                continue;
+            };
+            e.context().bind()?;
+            // SAFETY: `After::Stream` values come only from a `StreamRef` borrowed for the
+            // save, or from `from_raw`, whose contract keeps the handle live until the save
+            // is staged; it is a stream of this device's context.
+            unsafe { e.hold_raw(s)? };
+        }
+        Ok(())
     }
 
     fn stage_chunks(&self, job: &StageJob<'_>, pipe: &mut Pipeline<'_>) -> Result<Duration> {

@@ -130,6 +130,42 @@ impl SaveHandle {
         }
     }
 
+    /// Order `stream`'s later work after this save's copies, on the device, instead of
+    /// waiting for them on the host: blocks only until every host byte of the save is
+    /// copied and every device copy is queued (normally milliseconds after the call; longer
+    /// when the save waits for staging chunks), then makes `stream` wait for the copies of
+    /// its device (`cuStreamWaitEvent`). Work queued on `stream` afterwards may then
+    /// overwrite the tensors; work on other streams and host code must still
+    /// [`wait_staged`](Self::wait_staged). Returns at once when the save is staged
+    /// already; raises the save's error when staging failed.
+    pub fn hold_stream(&self, stream: crate::cuda::StreamRef<'_>) -> Result<()> {
+        let mut p = lock(&self.state.progress);
+        loop {
+            match &p.staged {
+                Some(Ok(_)) => return Ok(()),
+                Some(Err(e)) => {
+                    return Err(Error::SaveFailed {
+                        step: self.state.step,
+                        source: Arc::clone(e),
+                    });
+                }
+                None if p.queued => break,
+                None => {}
+            }
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        for (d, e) in &p.marks {
+            if *d == stream.device() {
+                e.hold(stream)?;
+            }
+        }
+        Ok(())
+    }
+
     /// True once the save is committed or has failed (`wait` then returns at once).
     pub fn is_done(&self) -> bool {
         lock(&self.state.progress).done

@@ -36,7 +36,7 @@ use crate::manifest::{self, CheckpointInfo, Manifest};
 use crate::restore::sink::{DeviceSink, HostSink};
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
-use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
+use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
 pub use flash::{
     ArenaOwner, KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept, remove_kept_forced,
@@ -73,6 +73,7 @@ struct Shared {
     backend: Backend,
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
+    setup: Mutex<Setup>,
 }
 
 impl Shared {
@@ -129,6 +130,15 @@ pub struct Engine {
     /// Registered read buffers of device loads from disk (made at the first one).
     device_ring: Mutex<Option<Arc<restore::DeviceRing>>>,
     _lock: RootLock,
+}
+
+/// Set-up running in the background after `Engine::open`.
+#[derive(Debug, Default)]
+struct Setup {
+    /// The threads allocating the arena's pages, until they are done (stopped at close).
+    prefault: Prefault,
+    /// Registration threads ([`Engine::prepare_cuda_background`]), joined at close.
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -226,11 +236,17 @@ impl Engine {
                 }
             }
         }
-        let arena = match taken_over {
-            Some(a) => Ok(a),
-            None => Arena::create(&spec),
+        // A new arena's pages are allocated in the background (`prefault`); a save takes
+        // only chunks already backed.
+        let pause = cfg.prefault_pause();
+        let create = |spec: &ArenaSpec| {
+            Arena::create_prefaulting(spec, crate::staging::prefault_threads(), pause)
         };
-        let arena = match arena {
+        let made = match taken_over {
+            Some(a) => Ok((a, Prefault::default())),
+            None => create(&spec),
+        };
+        let (arena, prefault) = match made {
             Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
                 // Room for both the previous image and the new arena is missing: the new
                 // arena comes first.
@@ -239,7 +255,7 @@ impl Engine {
                 );
                 kept_image = None;
                 kept_note = Some("dropped: /dev/shm has no room for it and a new arena".into());
-                Arena::create(&spec)?
+                create(&spec)?
             }
             r => r?,
         };
@@ -251,6 +267,8 @@ impl Engine {
         // left only when its name was freed for this arena, so keeping is on; the previous
         // segment is freed when `image` drops, in `adopt`).
         if let Some(image) = kept_image {
+            // The image goes into chunks of the new arena: all of it backed first.
+            arena.wait_filled()?;
             adoption = Some(flash::adopt(image, &arena, &root_abs, cfg.rank));
         }
         let adopted = match adoption {
@@ -287,6 +305,10 @@ impl Engine {
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
             cuda: OnceLock::new(),
+            setup: Mutex::new(Setup {
+                prefault,
+                threads: Vec::new(),
+            }),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -339,11 +361,64 @@ impl Engine {
 
     /// Set up CUDA for `devices` now (contexts, streams, and the one-time registration of
     /// the staging arena) instead of at the first save that needs it. Returns the
-    /// registration time if this call registered.
+    /// registration time if this call registered. The registration needs the whole arena
+    /// allocated: this waits for the background prefault first
+    /// ([`Engine::wait_staging_ready`]).
     pub fn prepare_cuda(&self, devices: &[i32]) -> Result<Option<Duration>> {
         self.shared
             .cuda()
             .prepare(&devices.iter().copied().collect())
+    }
+
+    /// [`Engine::prepare_cuda`] without waiting: contexts and streams are set up now (their
+    /// errors returned), the registration of the staging arena runs on a background thread
+    /// once the arena is allocated. A device save started before it is done waits for it;
+    /// [`Engine::wait_staging_ready`] waits for it too. A failed registration is logged
+    /// and tried again by the next device save (which then reports its error).
+    pub fn prepare_cuda_background(&self, devices: &[i32]) -> Result<()> {
+        let set: BTreeSet<i32> = devices.iter().copied().collect();
+        let cuda = Arc::clone(self.shared.cuda());
+        cuda.prepare_devices(&set)?;
+        // Registered already, or being registered (a device save or an earlier call): that
+        // one does it (and a device save retries if it fails).
+        if set.is_empty() || cuda.registered_or_busy() {
+            return Ok(());
+        }
+        let h = std::thread::Builder::new()
+            .name("shmckpt-cuda-register".into())
+            .spawn(move || {
+                if let Err(e) = cuda.prepare(&set) {
+                    tracing::warn!(error = %e, "background CUDA registration of the staging arena failed");
+                }
+            })
+            .map_err(|e| Error::Config(format!("cannot spawn a registration thread: {e}")))?;
+        lock(&self.shared.setup).threads.push(h);
+        Ok(())
+    }
+
+    /// Whether the staging arena is wholly allocated (the background prefault of
+    /// [`Engine::open`] is done) and no background registration is still running.
+    pub fn staging_ready(&self) -> bool {
+        self.shared.arena.is_filled()
+            && lock(&self.shared.setup)
+                .threads
+                .iter()
+                .all(|h| h.is_finished())
+    }
+
+    /// Wait until the staging arena is wholly allocated and every background set-up
+    /// ([`Engine::prepare_cuda_background`]) has ended. From then on a save's stall has no
+    /// one-time cost left. Fails when the allocation failed (`/dev/shm` filled up:
+    /// `ShmTooSmall`).
+    pub fn wait_staging_ready(&self) -> Result<()> {
+        self.shared.arena.wait_filled()?;
+        let done = std::mem::take(&mut lock(&self.shared.setup).threads);
+        for h in done {
+            if h.join().is_err() {
+                tracing::error!("a background set-up thread panicked");
+            }
+        }
+        Ok(())
     }
 
     /// How long registering the staging arena with CUDA took, once it is registered.
@@ -750,6 +825,20 @@ impl Engine {
             tracing::error!("commit thread panicked");
         }
         self.pool.shutdown();
+        // Saves are done: stop allocating (a registration waiting for it then gives up).
+        let (mut prefault, threads) = {
+            let mut s = lock(&self.shared.setup);
+            (
+                std::mem::take(&mut s.prefault),
+                std::mem::take(&mut s.threads),
+            )
+        };
+        prefault.stop();
+        for h in threads {
+            if h.join().is_err() {
+                tracing::error!("a background set-up thread panicked");
+            }
+        }
         self.shared.arena.close();
     }
 }

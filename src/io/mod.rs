@@ -118,6 +118,13 @@ pub(crate) trait IoBackend: Send {
     /// wrapper needs it; the queue keeps its own count).
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     fn in_flight(&self) -> usize;
+
+    /// Set-up left for an idle moment (nothing in flight): the io_uring backend registers
+    /// the staging arena as fixed buffers once the arena is wholly allocated. Returns
+    /// whether some is still left (then it is called again later).
+    fn idle_setup(&mut self) -> bool {
+        false
+    }
 }
 
 /// What `open_backend` builds a backend with.

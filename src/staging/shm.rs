@@ -1,9 +1,11 @@
 //! POSIX shared-memory segments: the only place that maps staging memory.
 //!
-//! A segment is created with `shm_open(O_CREAT|O_EXCL)`, sized with `fallocate` (which
-//! reserves every page in tmpfs up front, so a too-small `/dev/shm` is an `ENOSPC` here and
-//! never a `SIGBUS` later), mapped `MAP_SHARED|MAP_POPULATE` (pre-faulted), and unlinked by
-//! its owner on clean shutdown.
+//! A segment is created with `shm_open(O_CREAT|O_EXCL)` and either sized with `fallocate`
+//! (which reserves every page in tmpfs up front, so a too-small `/dev/shm` is an `ENOSPC`
+//! here and never a `SIGBUS` later) and mapped `MAP_SHARED|MAP_POPULATE` (pre-faulted), or
+//! sized with `ftruncate`, mapped without pre-faulting and allocated range by range with
+//! [`Segment::populate`] before anything touches it (the background prefault of
+//! `Arena::create_prefaulting`). Unlinked by its owner on clean shutdown.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
@@ -73,6 +75,91 @@ impl Segment {
             return Err(cleanup(err));
         }
         Segment::map_named(name, fd, len).map_err(cleanup)
+    }
+
+    /// Create a new named segment of `len` bytes (a multiple of the page size) with no page
+    /// allocated yet: it is sized with `ftruncate` and mapped without pre-faulting. The
+    /// caller allocates pages with [`Segment::populate`] before anything touches them (a
+    /// page touched without it could raise `SIGBUS` on a full tmpfs). Fails with
+    /// `ShmTooSmall` when `/dev/shm` has less than `len` bytes free right now.
+    pub fn create_sparse(name: &str, len: usize) -> Result<Segment> {
+        let available = shm_available();
+        if available < len as u64 {
+            return Err(Error::ShmTooSmall {
+                name: name.to_owned(),
+                requested: len as u64,
+                available,
+                mount: SHM_MOUNT.to_owned(),
+            });
+        }
+        let shm_name = format!("/{name}");
+        let fd = rustix::shm::open(
+            shm_name.as_str(),
+            rustix::shm::OFlags::CREATE | rustix::shm::OFlags::EXCL | rustix::shm::OFlags::RDWR,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| Error::Shm {
+            name: name.to_owned(),
+            op: "shm_open",
+            source: e.into(),
+        })?;
+        let made = rustix::fs::ftruncate(&fd, len as u64)
+            .map_err(|e| Error::Shm {
+                name: name.to_owned(),
+                op: "ftruncate",
+                source: e.into(),
+            })
+            .and_then(|()| {
+                let ptr = map(&fd, len, false).map_err(|e| Error::Shm {
+                    name: name.to_owned(),
+                    op: "mmap",
+                    source: e,
+                })?;
+                Ok(Segment {
+                    ptr,
+                    len,
+                    name: Some(name.to_owned()),
+                    _fd: Some(fd),
+                })
+            });
+        if made.is_err() {
+            let _ = rustix::shm::unlink(shm_name.as_str());
+        }
+        made
+    }
+
+    /// Allocate and map every page of bytes `offset .. offset + len` of the mapping
+    /// (`MADV_POPULATE_WRITE`, which never changes their contents). A full tmpfs is an
+    /// error here (`EFAULT` or `ENOMEM`), never a `SIGBUS`. `EINVAL` means the kernel has
+    /// no `MADV_POPULATE_WRITE` (before Linux 5.14).
+    pub fn populate(&self, offset: usize, len: usize) -> io::Result<()> {
+        let in_range = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.len && offset.is_multiple_of(4096));
+        if !in_range {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "populate {offset}+{len} outside the mapping of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `offset..offset+len` lies inside this mapping (checked above) and
+        // `offset` is page aligned (the mapping's base is); MADV_POPULATE_WRITE only faults
+        // pages in for writing, without changing their contents, so no Rust reference to
+        // these bytes is affected.
+        unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().add(offset).cast::<c_void>(),
+                len,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        }
+        .map_err(Into::into)
     }
 
     /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`.

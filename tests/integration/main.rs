@@ -19,11 +19,13 @@ mod faults;
 #[cfg(feature = "fault-injection")]
 mod kill;
 #[cfg(feature = "fault-injection")]
+mod prefault;
+#[cfg(feature = "fault-injection")]
 mod stress;
 
 /// Reported (as ignored) when the fault-injection tests are compiled out, so a run without
 /// the feature says what it did not test.
 #[cfg(not(feature = "fault-injection"))]
 #[test]
-#[ignore = "the faults, kill and stress tests need --features fault-injection"]
+#[ignore = "the faults, kill, prefault and stress tests need --features fault-injection"]
 fn fault_injection_tests_need_the_feature() {}

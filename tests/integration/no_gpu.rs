@@ -36,6 +36,12 @@ fn device_tensor_without_driver_is_a_clear_error() {
         other => panic!("unexpected {other:?}"),
     }
     assert!(matches!(engine.prepare_cuda(&[0]), Err(Error::Cuda { .. })));
+    // The background registration reports the missing driver at the call, spawns nothing.
+    assert!(matches!(
+        engine.prepare_cuda_background(&[0]),
+        Err(Error::Cuda { .. })
+    ));
+    assert!(engine.staging_ready());
     assert!(matches!(cuda::init(), Err(Error::Cuda { .. })));
     assert!(matches!(cuda::Context::new(0), Err(Error::Cuda { .. })));
     // Nothing was written, and host saves still work.

@@ -195,6 +195,29 @@ impl Event {
         )
     }
 
+    /// Make later work on a caller's raw `CUstream` wait for this event (as recorded now).
+    ///
+    /// # Safety
+    /// `stream` must be a live `CUstream` (or 0, the legacy default stream) of this
+    /// event's context.
+    pub unsafe fn hold_raw(&self, stream: u64) -> Result<()> {
+        // SAFETY: the caller guarantees the stream handle; the event is live.
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    /// Make later work on `stream` (of this event's device) wait for this event as
+    /// recorded now. The calling thread's current context is left as it was.
+    pub fn hold(&self, stream: StreamRef<'_>) -> Result<()> {
+        let _restore = super::CtxGuard::save()?;
+        self.ctx.bind()?;
+        // SAFETY: a `StreamRef` is borrowed from a live stream, or made with `from_raw`,
+        // whose contract is that the handle is live while it is used.
+        unsafe { self.hold_raw(stream.raw()) }
+    }
+
     /// This event, borrowed, for [`SaveOptions::after_event`](crate::SaveOptions).
     pub fn handle(&self) -> EventRef<'_> {
         EventRef {
