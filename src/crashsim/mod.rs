@@ -6,14 +6,18 @@
 //!    `pwrite` alike, with their bytes), `fdatasync`/`fsync` of files and directories,
 //!    `mkdir`, file creation, `rename`, `unlink`, `rmdir`, `fallocate`, `ftruncate`, and a
 //!    marker each time a save is reported committed to its caller.
-//! 2. [`model::Model`]: a filesystem state that recorded operations replay onto, and
-//!    that [`model::Model::materialize`] writes into a directory.
+//! 2. [`states`]: from a [`Log`], the states a power loss at any point of it could leave on a
+//!    POSIX filesystem with ext4/xfs-like semantics ([`states::crash_state`]).
+//! 3. [`model::Model::materialize`] writes such a state into a directory, where the test
+//!    runs what a restarted trainer runs and checks the invariants
+//!    (`tests/integration/crash.rs`).
 //!
 //! Files and directories are identified by [`Id`]s that the recorder gives to inodes
 //! (a reused inode number gets a new id), so renames and unlinks are followed exactly.
 
 pub mod model;
 pub mod record;
+pub mod states;
 
 use std::sync::Arc;
 
