@@ -17,7 +17,7 @@ use std::path::Path;
 use crate::crashsim::record as rec;
 
 /// `mkdir path` (mode 0755 less the umask).
-pub(crate) fn create_dir(path: &Path) -> io::Result<()> {
+pub fn create_dir(path: &Path) -> io::Result<()> {
     let f = || std::fs::create_dir(path);
     #[cfg(feature = "crash-record")]
     let f = || rec::create_path(path, true, f);
@@ -25,11 +25,7 @@ pub(crate) fn create_dir(path: &Path) -> io::Result<()> {
 }
 
 /// `mkdirat(dir, name, mode)`.
-pub(crate) fn mkdir_at(
-    dir: BorrowedFd<'_>,
-    name: &str,
-    mode: rustix::fs::Mode,
-) -> rustix::io::Result<()> {
+pub fn mkdir_at(dir: BorrowedFd<'_>, name: &str, mode: rustix::fs::Mode) -> rustix::io::Result<()> {
     let f = || rustix::fs::mkdirat(dir, name, mode);
     #[cfg(feature = "crash-record")]
     let f = || rec::create_at(dir, name, true, f);
@@ -37,7 +33,7 @@ pub(crate) fn mkdir_at(
 }
 
 /// Open `path` with `flags`, which include `O_CREAT` (the creation is what is funnelled).
-pub(crate) fn open_create(
+pub fn open_create(
     path: &Path,
     flags: rustix::fs::OFlags,
     mode: rustix::fs::Mode,
@@ -49,7 +45,7 @@ pub(crate) fn open_create(
 }
 
 /// Open the entry `name` of `dir` with `open`, which may create it (`O_CREAT`).
-pub(crate) fn open_create_at<T, E>(
+pub fn open_create_at<T, E>(
     dir: BorrowedFd<'_>,
     name: &str,
     open: impl FnOnce() -> Result<T, E>,
@@ -62,7 +58,7 @@ pub(crate) fn open_create_at<T, E>(
 }
 
 /// Create the new file `path` (`O_CREAT | O_EXCL`, write-only).
-pub(crate) fn create_new_file(path: &Path) -> io::Result<File> {
+pub fn create_new_file(path: &Path) -> io::Result<File> {
     let f = || {
         std::fs::OpenOptions::new()
             .write(true)
@@ -75,7 +71,7 @@ pub(crate) fn create_new_file(path: &Path) -> io::Result<File> {
 }
 
 /// `unlinkat(dir, name, 0)`.
-pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &str) -> rustix::io::Result<()> {
+pub fn unlink_at(dir: BorrowedFd<'_>, name: &str) -> rustix::io::Result<()> {
     let f = || rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::empty());
     #[cfg(feature = "crash-record")]
     let f = || rec::remove_at(dir, name, f);
@@ -83,7 +79,7 @@ pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &str) -> rustix::io::Result<(
 }
 
 /// `unlink path`.
-pub(crate) fn remove_file(path: &Path) -> io::Result<()> {
+pub fn remove_file(path: &Path) -> io::Result<()> {
     let f = || std::fs::remove_file(path);
     #[cfg(feature = "crash-record")]
     let f = || rec::remove_path(path, f);
@@ -91,7 +87,7 @@ pub(crate) fn remove_file(path: &Path) -> io::Result<()> {
 }
 
 /// `rmdir path`.
-pub(crate) fn remove_dir(path: &Path) -> io::Result<()> {
+pub fn remove_dir(path: &Path) -> io::Result<()> {
     let f = || std::fs::remove_dir(path);
     #[cfg(feature = "crash-record")]
     let f = || rec::remove_path(path, f);
@@ -99,7 +95,7 @@ pub(crate) fn remove_dir(path: &Path) -> io::Result<()> {
 }
 
 /// Remove the tree `path` (links inside are removed, never followed).
-pub(crate) fn remove_dir_all(path: &Path) -> io::Result<()> {
+pub fn remove_dir_all(path: &Path) -> io::Result<()> {
     let f = || std::fs::remove_dir_all(path);
     #[cfg(feature = "crash-record")]
     let f = || rec::remove_tree(path, f);
@@ -107,7 +103,7 @@ pub(crate) fn remove_dir_all(path: &Path) -> io::Result<()> {
 }
 
 /// `rename(from, to)`.
-pub(crate) fn rename(from: &Path, to: &Path) -> io::Result<()> {
+pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
     let f = || std::fs::rename(from, to);
     #[cfg(feature = "crash-record")]
     let f = || rec::rename(from, to, f);
@@ -115,7 +111,7 @@ pub(crate) fn rename(from: &Path, to: &Path) -> io::Result<()> {
 }
 
 /// `fsync(fd)`: a file's data and metadata, or a directory's entries.
-pub(crate) fn fsync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
+pub fn fsync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
     let f = || rustix::fs::fsync(fd);
     #[cfg(feature = "crash-record")]
     let f = || rec::sync_fd(fd, false, f);
@@ -123,7 +119,7 @@ pub(crate) fn fsync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
 }
 
 /// `fdatasync(fd)`: a file's data and size.
-pub(crate) fn fdatasync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
+pub fn fdatasync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
     let f = || rustix::fs::fdatasync(fd);
     #[cfg(feature = "crash-record")]
     let f = || rec::sync_fd(fd, true, f);
@@ -131,7 +127,7 @@ pub(crate) fn fdatasync(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
 }
 
 /// `ftruncate(fd, len)`.
-pub(crate) fn ftruncate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> {
+pub fn ftruncate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> {
     let f = || rustix::fs::ftruncate(fd, len);
     #[cfg(feature = "crash-record")]
     let f = || rec::truncate_fd(fd, len, f);
@@ -139,7 +135,7 @@ pub(crate) fn ftruncate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> 
 }
 
 /// `fallocate(fd, 0, 0, len)`.
-pub(crate) fn fallocate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> {
+pub fn fallocate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> {
     let f = || rustix::fs::fallocate(fd, rustix::fs::FallocateFlags::empty(), 0, len);
     #[cfg(feature = "crash-record")]
     let f = || rec::fallocate_fd(fd, 0, len, f);
@@ -147,7 +143,7 @@ pub(crate) fn fallocate(fd: BorrowedFd<'_>, len: u64) -> rustix::io::Result<()> 
 }
 
 /// Write all of `buf` at `offset` of `file` (`pwrite`, repeated until done).
-pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+pub fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
     let f = || file.write_all_at(buf, offset);
     #[cfg(feature = "crash-record")]
     let f = || rec::write_fd(file.as_fd(), offset, buf, f);
@@ -155,16 +151,16 @@ pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<(
 }
 
 /// `fsync` of the open directory or file `file`.
-pub(crate) fn fsync_file(file: &File) -> io::Result<()> {
+pub fn fsync_file(file: &File) -> io::Result<()> {
     fsync(file.as_fd()).map_err(io::Error::from)
 }
 
 /// `fdatasync` of the open file `file`.
-pub(crate) fn fdatasync_file(file: &File) -> io::Result<()> {
+pub fn fdatasync_file(file: &File) -> io::Result<()> {
     fdatasync(file.as_fd()).map_err(io::Error::from)
 }
 
 /// `ftruncate` of the open file `file`.
-pub(crate) fn set_len(file: &File, len: u64) -> io::Result<()> {
+pub fn set_len(file: &File, len: u64) -> io::Result<()> {
     ftruncate(file.as_fd(), len).map_err(io::Error::from)
 }

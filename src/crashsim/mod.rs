@@ -21,6 +21,12 @@ pub mod states;
 
 use std::sync::Arc;
 
+/// The engine's filesystem funnel (recorded operations), for tests that stage a scene the
+/// recorder must see.
+pub mod fsops {
+    pub use crate::fsops::{create_dir, remove_dir_all, rename};
+}
+
 /// A file or directory of a recorded root (an inode, as first seen by the recorder).
 pub type Id = u32;
 

@@ -18,6 +18,10 @@ pub struct Model {
     pub dirs: BTreeMap<Id, BTreeMap<String, Id>>,
     /// Regular files: contents (the length is the file size).
     pub files: BTreeMap<Id, Vec<u8>>,
+    /// How a file's contents were made from the log, where the crash-state generator made
+    /// them (equal origins, equal contents): [`Model::digest`] hashes this instead of the
+    /// bytes.
+    pub origin: BTreeMap<Id, u64>,
 }
 
 impl Model {
@@ -75,21 +79,29 @@ impl Model {
         }
     }
 
-    /// The relative paths of every reachable file and directory, with a digest of the
-    /// reachable state (two states with the same digest look the same to a reader).
+    /// A digest of the reachable tree: names, kinds and contents (a file's origin, where
+    /// known, stands for its bytes). States with equal digests look the same to a reader;
+    /// states with different digests may still be the same.
     pub fn digest(&self) -> u64 {
-        let mut h = Fnv::default();
+        let mut h = Digest::default();
         self.walk(&mut |path, node| {
             h.write(path.as_bytes());
             match node {
                 Node::Dir => h.write(b"/"),
-                Node::File(d) => {
-                    h.write(&(d.len() as u64).to_le_bytes());
-                    h.write(d);
-                }
+                Node::File(id, d) => match self.origin.get(&id) {
+                    Some(&o) => {
+                        h.word(1);
+                        h.word(u64::from(id));
+                        h.word(o);
+                    }
+                    None => {
+                        h.word(0);
+                        h.write(d);
+                    }
+                },
             }
         });
-        h.0
+        h.finish()
     }
 
     fn walk(&self, f: &mut dyn FnMut(&str, Node<'_>)) {
@@ -116,7 +128,7 @@ impl Model {
                 f(&path, Node::Dir);
                 self.walk_dir(*id, &format!("{path}/"), seen, f);
             } else if let Some(d) = self.files.get(id) {
-                f(&path, Node::File(d));
+                f(&path, Node::File(*id, d));
             }
         }
     }
@@ -131,7 +143,7 @@ impl Model {
             let p = dir.join(path);
             let r = match node {
                 Node::Dir => std::fs::create_dir(&p),
-                Node::File(d) => std::fs::write(&p, d),
+                Node::File(_, d) => std::fs::write(&p, d),
             };
             if let Err(e) = r {
                 err = Some(e);
@@ -146,7 +158,7 @@ impl Model {
         let mut out = Vec::new();
         self.walk(&mut |path, node| match node {
             Node::Dir => out.push(format!("{path}/")),
-            Node::File(d) => out.push(format!("{path} ({} B)", d.len())),
+            Node::File(_, d) => out.push(format!("{path} ({} B)", d.len())),
         });
         out
     }
@@ -191,23 +203,43 @@ impl Model {
 
 enum Node<'a> {
     Dir,
-    File(&'a [u8]),
+    File(Id, &'a [u8]),
 }
 
-/// FNV-1a, for digests of states (no dependency, stable across runs).
-struct Fnv(u64);
+/// The digest of states: a 64-bit multiply-xorshift over 8-byte words (fast in a debug
+/// build, where std's SipHash checks every copy; the same in every run). Digests only
+/// decide which states are the same: a collision would skip one state's check.
+pub(crate) struct Digest(u64);
 
-impl Default for Fnv {
+impl Default for Digest {
     fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
+        Digest(0x243f_6a88_85a3_08d3)
     }
 }
 
-impl Fnv {
+impl Digest {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+
+    pub(crate) fn word(&mut self, w: u64) {
+        self.0 = (self.0 ^ w).wrapping_mul(Self::K);
+        self.0 ^= self.0 >> 29;
+    }
+
     fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        self.word(bytes.len() as u64);
+        let words = bytes.chunks_exact(8);
+        let tail = words.remainder();
+        for w in words {
+            self.word(u64::from_le_bytes([
+                w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+            ]));
         }
+        let mut last = [0u8; 8];
+        last[..tail.len()].copy_from_slice(tail);
+        self.word(u64::from_le_bytes(last));
+    }
+
+    pub(crate) fn finish(&self) -> u64 {
+        self.0
     }
 }

@@ -177,6 +177,11 @@ fn record_new(st: &mut [Active], parent: Option<Key>, k: Option<Key>, name: Stri
     let (Some(pk), Some(k)) = (parent, k) else {
         return;
     };
+    // A new inode: a number another recording saw before belongs to this file now (inode
+    // numbers are reused once freed, on every root of the filesystem).
+    for a in st.iter_mut() {
+        a.ids.remove(&k);
+    }
     if let Some((a, parent)) = find(st, pk) {
         let id = a.track(k);
         a.ops.push(if dir {
@@ -190,7 +195,7 @@ fn record_new(st: &mut [Active], parent: Option<Key>, k: Option<Key>, name: Stri
 fn record_removed(st: &mut [Active], parent: Option<Key>, k: Key, name: String, dir: bool) {
     let Some(pk) = parent else { return };
     if let Some((a, parent)) = find(st, pk)
-        && let Some(&id) = a.ids.get(&k)
+        && let Some(id) = a.ids.remove(&k)
     {
         a.ops.push(if dir {
             Op::Rmdir { parent, name, id }
