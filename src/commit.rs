@@ -260,8 +260,11 @@ pub fn commit(
             Error::io("rename", &part_tmp, e)
         })?;
         if let Err(e) = fsync_dir(partial) {
-            // Another rank may have merged every part and renamed the directory already.
+            // Another rank may have merged every part and renamed the directory already:
+            // committed, once that rename is durable (the other rank may not have synced
+            // the root yet).
             if final_dir.join(MANIFEST).is_file() {
+                fsync_dir(root)?;
                 return Ok(Some(final_dir));
             }
             return Err(e);
@@ -312,6 +315,9 @@ pub fn commit(
             // A manifest written by this rank may have been carried into the committed
             // directory by the winner's rename.
             let _ = fsops::remove_file(&final_dir.join(&tmp_name));
+            // The winner's rename is durable only once the root is synced, which the
+            // winner may not have done yet: never report a commit a power loss can undo.
+            fsync_dir(root)?;
             return Ok(Some(final_dir));
         }
         return Err(e);
