@@ -12,7 +12,8 @@
 //!   already retired it; `latest` is at least the newest reported step;
 //! - opening the engine leaves no partial or trash directory;
 //! - `gc` keeps exactly the newest `KEEP` listed steps (never a valid step newer than the
-//!   ones it retains), and they still verify.
+//!   ones it retains), and they still verify;
+//! - (one rank) the trainer's next save commits on top, and is `latest` with its bytes.
 //!
 //! The number of random states per crash point is `SHMCKPT_CRASH_RANDOM` (default
 //! below); the seed is `SHMCKPT_CRASH_SEED` (default fixed), printed with every failure.
@@ -198,7 +199,7 @@ fn check_state(
     let cfg = config(root, 0, world, BackendKind::Pwrite)
         .with_direct_io(false)
         .with_writer_threads(1);
-    let engine = Engine::open(cfg).map_err(|e| format!("Engine::open: {e}"))?;
+    let engine = Engine::open(cfg.clone()).map_err(|e| format!("Engine::open: {e}"))?;
     let steps = listed(root)?;
     for &s in &steps {
         if !saved.contains(&s) {
@@ -250,6 +251,32 @@ fn check_state(
     }
     for &s in &after {
         step_exact(&root.join(format!("step-{s}")), s, world)?;
+    }
+    if world == 1 {
+        // The trainer goes on: its next save commits on top of what the crash left.
+        let next = saved.last().map_or(1, |s| s + 1);
+        let engine = Engine::open(cfg).map_err(|e| format!("second Engine::open: {e}"))?;
+        let st = state(next, 0);
+        engine
+            .save(next, &st.tensors(), &Metadata::new())
+            .and_then(|h| h.wait())
+            .map_err(|e| format!("save of step {next} after the crash: {e}"))?;
+        let now = listed(root)?;
+        let mut want = after.clone();
+        want.push(next);
+        let want = want[want.len().saturating_sub(KEEP)..].to_vec();
+        if now != want {
+            return Err(format!(
+                "after saving step {next}: listed {now:?}, expected {want:?}"
+            ));
+        }
+        let ck = engine
+            .load(StepSel::Latest)
+            .map_err(|e| format!("load(latest) after saving step {next}: {e}"))?;
+        if ck.step != next {
+            return Err(format!("latest is {} after saving step {next}", ck.step));
+        }
+        same(&ck, next, 0)?;
     }
     Ok(())
 }
