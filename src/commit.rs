@@ -28,12 +28,12 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::fsx;
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
     self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
     rank_manifest_name, step_dir_name, trash_dir_name,
 };
+use crate::{fsops, fsx};
 
 /// Lock file name for a rank.
 pub(crate) fn lock_name(rank: u32) -> String {
@@ -252,7 +252,7 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
         // `file_type` does not follow links: only real directories are removed.
         if stale && e.file_type().is_ok_and(|t| t.is_dir()) {
             tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
-            std::fs::remove_dir_all(e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
+            fsops::remove_dir_all(&e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
             removed.push(e.path());
         }
     }
@@ -279,18 +279,18 @@ pub fn prepare_partial(
         });
     }
     let partial = root.join(partial_dir_name(step));
-    match std::fs::create_dir(&partial) {
+    match fsops::create_dir(&partial) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
             if world_size == 1 {
                 // We hold the only rank lock: this is a leftover of an interrupted save.
                 tracing::warn!(dir = %partial.display(), "replacing stale partial directory");
-                std::fs::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
-                std::fs::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
+                fsops::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
+                fsops::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
             } else {
                 let stale = partial.join(file_name);
                 if stale.exists() {
-                    std::fs::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
+                    fsops::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
                 }
             }
         }
@@ -302,8 +302,8 @@ pub fn prepare_partial(
 /// Remove this rank's traces of a failed save: its file, and the partial directory if that
 /// leaves it empty (other ranks' files keep it).
 pub fn abort_partial(partial: &Path, file_name: &str) {
-    let _ = std::fs::remove_file(partial.join(file_name));
-    let _ = std::fs::remove_dir(partial);
+    let _ = fsops::remove_file(&partial.join(file_name));
+    let _ = fsops::remove_dir(partial);
 }
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
@@ -330,18 +330,21 @@ pub fn commit(
             rank_manifest_name(own_rank),
             std::process::id()
         ));
-        let _ = std::fs::remove_file(&part_tmp);
+        let _ = fsops::remove_file(&part_tmp);
         write_durable(&part_tmp, &bytes).inspect_err(|_| {
             // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = std::fs::remove_file(&part_tmp);
+            let _ = fsops::remove_file(&part_tmp);
         })?;
-        std::fs::rename(&part_tmp, &part).map_err(|e| {
-            let _ = std::fs::remove_file(&part_tmp);
+        fsops::rename(&part_tmp, &part).map_err(|e| {
+            let _ = fsops::remove_file(&part_tmp);
             Error::io("rename", &part_tmp, e)
         })?;
         if let Err(e) = fsync_dir(partial) {
-            // Another rank may have merged every part and renamed the directory already.
+            // Another rank may have merged every part and renamed the directory already:
+            // committed, once that rename is durable (the other rank may not have synced
+            // the root yet).
             if final_dir.join(MANIFEST).is_file() {
+                fsync_dir(root)?;
                 return Ok(Some(final_dir));
             }
             return Err(e);
@@ -374,15 +377,15 @@ pub fn commit(
     let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
     let tmp = partial.join(&tmp_name);
     let merged = (|| {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = fsops::remove_file(&tmp);
         write_durable(&tmp, &bytes).inspect_err(|_| {
             // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = std::fs::remove_file(&tmp);
+            let _ = fsops::remove_file(&tmp);
         })?;
         let target = partial.join(MANIFEST);
-        std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+        fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
         fsync_dir(partial)?;
-        std::fs::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
+        fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
     })();
     if let Err(e) = merged {
         // With several ranks, every rank that sees all parts merges them, and all but one
@@ -391,7 +394,10 @@ pub fn commit(
         if world_size > 1 && final_dir.join(MANIFEST).is_file() {
             // A manifest written by this rank may have been carried into the committed
             // directory by the winner's rename.
-            let _ = std::fs::remove_file(final_dir.join(&tmp_name));
+            let _ = fsops::remove_file(&final_dir.join(&tmp_name));
+            // The winner's rename is durable only once the root is synced, which the
+            // winner may not have done yet: never report a commit a power loss can undo.
+            fsync_dir(root)?;
             return Ok(Some(final_dir));
         }
         return Err(e);
@@ -465,7 +471,7 @@ impl Retired {
     /// after the save that retired them is reported committed.
     pub fn remove(self) -> Result<()> {
         for trash in &self.trash {
-            std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
+            fsops::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
         }
         Ok(())
     }
@@ -490,7 +496,7 @@ pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
             tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
             continue;
         }
-        match std::fs::rename(&c.dir, &trash) {
+        match fsops::rename(&c.dir, &trash) {
             Ok(()) => {
                 retired.steps.push(c.step);
                 retired.trash.push(trash);

@@ -13,10 +13,14 @@
 
 pub mod commit;
 mod config;
+#[cfg(feature = "crash-record")]
+#[doc(hidden)]
+pub mod crashsim;
 pub(crate) mod device;
 mod dtype;
 mod engine;
 mod error;
+mod fsops;
 mod fsx;
 pub(crate) mod io;
 #[cfg(feature = "ipc")]

@@ -317,6 +317,13 @@ impl Engine {
                 for st in rx {
                     st.wait_settled();
                     let (res, retired) = finalize::finalize(&st);
+                    // Power-loss tests: the report's place among the recorded operations.
+                    #[cfg(feature = "crash-record")]
+                    if let Ok(r) = &res
+                        && r.dir.is_some()
+                    {
+                        crate::crashsim::record::committed(&st.shared.cfg.root, st.step);
+                    }
                     st.complete(res);
                     // The save is reported committed first: deleting the retired
                     // checkpoints' files can take seconds and delays nothing but the

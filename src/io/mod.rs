@@ -3,7 +3,7 @@
 //! fallback).
 //!
 //! `unsafe` is confined to the backend contract ([`IoBackend::push`]), its
-//! implementations (`uring.rs`, `pwrite.rs`, `fault.rs`) and [`queue::LeaseQueue`], the
+//! implementations (`uring.rs`, `pwrite.rs`, `fault.rs`, `record.rs`) and [`queue::LeaseQueue`], the
 //! safe wrapper the rest of the crate uses: those files alone allow `unsafe_code`.
 #![deny(unsafe_code)]
 
@@ -15,6 +15,8 @@ pub mod uring;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(feature = "crash-record")]
+pub mod record;
 
 use std::io;
 use std::os::fd::RawFd;
@@ -159,6 +161,9 @@ pub(crate) fn open_backend(opts: &BackendOptions) -> io::Result<Box<dyn IoBacken
             }
         },
     };
+    // Recording sees what reaches the file: faults wrap it (an injected error never does).
+    #[cfg(feature = "crash-record")]
+    let base: Box<dyn IoBackend> = Box::new(record::RecordingBackend::new(base));
     #[cfg(feature = "fault-injection")]
     if let Some(plan) = &opts.faults {
         return Ok(Box::new(fault::FaultyBackend::new(base, plan.clone())));

@@ -14,6 +14,8 @@ mod recovery;
 mod roundtrip;
 mod small_shm;
 
+#[cfg(feature = "crash-record")]
+mod crash;
 #[cfg(feature = "fault-injection")]
 mod faults;
 #[cfg(feature = "fault-injection")]
