@@ -519,6 +519,7 @@ mod tests {
             file: manifest::rank_file_name(rank, 2),
             bytes: 4096,
             data_start: 4096,
+            header_crc32c: None,
             tensors: Vec::new(),
         }
     }

@@ -49,6 +49,12 @@ pub struct FileEntry {
     pub bytes: u64,
     /// Offset of the data section (8 + header length).
     pub data_start: u64,
+    /// CRC-32C of the file's header bytes (`[0, data_start)`: the length, the JSON with its
+    /// `__metadata__`, the padding). Checked by every read, so a header whose metadata was
+    /// damaged (the Python package's state skeleton lives there) is refused, not trusted.
+    /// Absent in manifests written before it existed (nothing is checked then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_crc32c: Option<u32>,
     /// Tensors in file order.
     pub tensors: Vec<TensorEntry>,
 }
@@ -397,6 +403,7 @@ mod tests {
                 file: "f.safetensors".into(),
                 bytes: 0,
                 data_start: 0,
+                header_crc32c: None,
                 tensors: Vec::new(),
             }],
         };
@@ -435,6 +442,7 @@ mod tests {
                 file: "f.safetensors".into(),
                 bytes: 4104,
                 data_start: 4096,
+                header_crc32c: None,
                 tensors: vec![TensorEntry {
                     name: "a".into(),
                     dtype: Dtype::F32,

@@ -10,12 +10,10 @@ import json
 import operator
 import os
 import stat
-import struct
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -265,32 +263,6 @@ def _open_untrusted(path: str) -> Any:
         f.close()
         raise UnsafePath(f"{path}: not a regular file; refusing to read it")
     return f
-
-
-def _read_header_metadata(path: str) -> Dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (bounded, untrusted input)."""
-    with _open_untrusted(path) as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            raise CorruptError(f"{path}: safetensors header of {n} bytes is too large")
-        raw = f.read(n)
-        if len(raw) != n:
-            raise CorruptError(f"{path}: safetensors header is truncated")
-    try:
-        hdr = json.loads(raw.decode("utf-8"))
-    except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-        raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
-    except RecursionError:
-        raise CorruptError(f"{path}: safetensors header JSON is nested too deeply") from None
-    meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        if meta is None and isinstance(hdr, dict):
-            return {}
-        raise CorruptError(f"{path}: __metadata__ is not an object of strings")
-    return meta
 
 
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
@@ -785,7 +757,9 @@ class Checkpointer:
     def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
         d = os.path.join(self.root, f"step-{step}")
         path = os.path.join(d, entry["file"])
-        meta = _read_header_metadata(path)
+        # Read by the engine after the header is checked against the manifest (its tensors
+        # and its CRC-32C): a damaged header is an error, never a skeleton read wrongly.
+        meta = self._engine.file_metadata(step)
         text = meta.get(_state.STATE_KEY)
         if text is None:
             return None

@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from . import _shmckpt, _state
-from .checkpointer import Checkpointer, _finish_tensor, _read_header_metadata, _torch_dtype_for
+from .checkpointer import Checkpointer, _finish_tensor, _torch_dtype_for
 from .errors import CorruptError, NotFound, UnsafePath
 
 __all__ = ["ShmckptCheckpointIO"]
@@ -52,7 +52,7 @@ def _load_step(d: str, step: int) -> Any:
     if os.path.islink(sdir) or not os.path.isdir(sdir):
         raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)")
     file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0)
-    header = _read_header_metadata(os.path.join(sdir, file))
+    header = _shmckpt.rank_file_metadata(sdir, 0)
     objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
     text = header.get(_state.STATE_KEY)
     import torch

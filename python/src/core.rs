@@ -332,6 +332,15 @@ pub fn latest(engine: &Engine) -> Result<Option<u64>> {
     engine.latest()
 }
 
+/// This rank's file metadata of a committed checkpoint, its header checked against the
+/// manifest.
+pub fn file_metadata(
+    engine: &Engine,
+    step: Option<u64>,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    engine.file_metadata(sel(step))
+}
+
 /// A committed checkpoint's manifest, as JSON.
 pub fn manifest_json(engine: &Engine, step: Option<u64>) -> Result<String> {
     let m = engine.manifest(sel(step))?;

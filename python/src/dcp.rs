@@ -172,6 +172,31 @@ fn publish_dir(
     .map_err(|e| to_py(py, e))
 }
 
+/// The `__metadata__` of the file of `rank` in the committed step directory `dir`, read
+/// after its header is checked against the manifest (tensors, and the header's CRC-32C
+/// where the manifest records one). The file is opened without following a link.
+#[pyfunction]
+fn rank_file_metadata(
+    py: Python<'_>,
+    dir: PathBuf,
+    rank: u32,
+) -> PyResult<std::collections::BTreeMap<String, String>> {
+    py.detach(|| {
+        let m = shmckpt::Manifest::read_any_name(&dir)?;
+        let entry =
+            m.files
+                .iter()
+                .find(|f| f.rank == rank)
+                .ok_or_else(|| shmckpt::Error::Corrupt {
+                    path: dir.join(shmckpt::manifest::MANIFEST),
+                    tensor: None,
+                    reason: format!("the manifest has no file of rank {rank}"),
+                })?;
+        shmckpt::restore::read_file_metadata(&dir.join(&entry.file), entry)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
 /// Free the registered read buffers of device reads (the next device read makes them
 /// again).
 #[pyfunction]
@@ -182,6 +207,7 @@ fn release_device_ring(py: Python<'_>) {
 /// Add this file's functions to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_rank_file, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_file_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(assemble_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(publish_dir, m)?)?;
     m.add_function(wrap_pyfunction!(release_device_ring, m)?)

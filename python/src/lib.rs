@@ -400,6 +400,19 @@ impl PyEngine {
             .map_err(|e| to_py(py, e))
     }
 
+    /// The `__metadata__` of this rank's file of `step` (`None`: the latest), read after
+    /// its header is checked against the manifest (tensors, header CRC-32C).
+    #[pyo3(signature = (step=None))]
+    fn file_metadata(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+    ) -> PyResult<BTreeMap<String, String>> {
+        let engine = self.get()?;
+        py.detach(|| core::file_metadata(&engine, step))
+            .map_err(|e| to_py(py, e))
+    }
+
     /// The manifest of `step` (`None`: the latest) as a JSON string.
     #[pyo3(signature = (step=None))]
     fn manifest(&self, py: Python<'_>, step: Option<u64>) -> PyResult<String> {

@@ -216,6 +216,7 @@ mod tests {
                 file,
                 bytes: 8,
                 data_start: 8,
+                header_crc32c: None,
                 tensors: Vec::new(),
             };
             std::fs::write(
@@ -266,6 +267,7 @@ mod tests {
             file: rank_file_name(0, 2),
             bytes: 4,
             data_start: 4,
+            header_crc32c: None,
             tensors: Vec::new(),
         };
         let out = dir.path().join("out");

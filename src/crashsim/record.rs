@@ -487,6 +487,7 @@ mod tests {
             file: "f".into(),
             bytes: 10,
             data_start: 0,
+            header_crc32c: None,
             tensors: Vec::new(),
         };
         crate::commit::commit(root, 1, 1, &partial, entry, &Metadata::new()).unwrap();

@@ -68,6 +68,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
         file: st.file_name.clone(),
         bytes: st.plan.file_len(),
         data_start,
+        header_crc32c: Some(crc32c::crc32c(st.plan.header())),
         tensors: st
             .plan
             .entries()

@@ -777,6 +777,24 @@ impl Engine {
         Manifest::read(&self.resolve(which.into())?.dir)
     }
 
+    /// The `__metadata__` of this rank's file of a committed checkpoint, read from the
+    /// file's header after the header is checked against the manifest (its tensors, and
+    /// its CRC-32C where the manifest records one): each rank's own metadata, which the
+    /// manifest (the committing rank's) does not hold for the other ranks.
+    pub fn file_metadata(&self, which: impl Into<StepSel>) -> Result<manifest::Metadata> {
+        let dir = self.resolve(which.into())?.dir;
+        let m = Manifest::read(&dir)?;
+        let rank = self.shared.cfg.rank;
+        let entry = m.files.iter().find(|f| f.rank == rank).ok_or_else(|| {
+            Error::corrupt(
+                dir.join(manifest::MANIFEST),
+                None,
+                format!("the manifest has no file of rank {rank}"),
+            )
+        })?;
+        restore::read_file_metadata(&dir.join(&entry.file), entry)
+    }
+
     /// The registered read buffers of device loads from disk, made at the first one.
     fn device_ring(&self) -> Result<Arc<restore::DeviceRing>> {
         let mut ring = lock(&self.device_ring);

@@ -405,6 +405,7 @@ fn describe(
         file: v.file_name.clone(),
         bytes: v.file_len,
         data_start: v.data_start,
+        header_crc32c: Some(crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr)),
         tensors,
     };
     // The manifest built from this entry must pass the reader's own checks.

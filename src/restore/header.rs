@@ -46,6 +46,28 @@ pub(crate) fn open_checked(
 
 /// Read and check the safetensors header of `path` against `entry`.
 pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Result<()> {
+    read_checked_header(file, path, entry).map(|_| ())
+}
+
+/// The `__metadata__` of this rank file's header, after every check of [`check_header`]
+/// (its CRC-32C against the manifest's included): what the Python package reads its state
+/// skeleton from. The file is opened without following a link.
+pub fn read_file_metadata(path: &Path, entry: &FileEntry) -> Result<crate::manifest::Metadata> {
+    let file = crate::fsx::open_path(path, false)?;
+    let meta = read_checked_header(&file, path, entry)?;
+    Ok(meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect())
+}
+
+fn read_checked_header(
+    file: &std::fs::File,
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<safetensors::tensor::Metadata> {
     let mut n8 = [0u8; 8];
     file.read_exact_at(&mut n8, 0)
         .map_err(|e| Error::io_at("read", path, 0, e))?;
@@ -113,5 +135,18 @@ pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Res
             ));
         }
     }
-    Ok(())
+    // Last, so that a header that disagrees with the manifest's tensors is reported as
+    // such (naming the tensor); what is left for the CRC is the rest: `__metadata__`, the
+    // JSON's spelling, the padding.
+    if let Some(want) = entry.header_crc32c {
+        let have = crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr);
+        if have != want {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("header CRC-32C {have:08x}, the manifest says {want:08x} (damaged header)"),
+            ));
+        }
+    }
+    Ok(meta)
 }

@@ -21,7 +21,7 @@ mod reader;
 pub(crate) mod sink;
 
 pub use device::{DeviceRing, SplitLoad, load_split_host};
-pub use header::check_header;
+pub use header::{check_header, read_file_metadata};
 pub(crate) use reader::for_pieces;
 pub use reader::read_file;
 use sink::HostSink;

@@ -142,6 +142,45 @@ fn flipped_data_byte_fails_the_checksum_of_that_tensor() {
     );
 }
 
+/// The header's `__metadata__` (user metadata, and the Python package's state skeleton)
+/// is covered by the manifest's header CRC-32C: a header edited so that it still parses
+/// and still lists exactly the manifest's tensors is refused by every read (before, a lost
+/// or altered `__metadata__` went unnoticed), and `Engine::file_metadata` never returns it.
+#[test]
+fn a_header_whose_metadata_was_edited_fails_its_crc() {
+    let p = Pristine::new();
+    assert!(p.manifest.files[0].header_crc32c.is_some());
+    for (tag, edit) in [("meta-gone", "drop"), ("meta-changed", "change")] {
+        let f = p.with_header(|h| {
+            let o = h.as_object_mut().unwrap();
+            if edit == "drop" {
+                o.remove("__metadata__");
+            } else {
+                o["__metadata__"]["k"] = serde_json::Value::from("w");
+            }
+        });
+        let d = p.variant(tag, &p.manifest_bytes, &f);
+        assert_fails(&d, |e| {
+            names_file(e, &d, None);
+            assert!(e.to_string().contains("header CRC-32C"), "{e}");
+        });
+        let err = restore::read_file_metadata(&d.join(FILE), &p.manifest.files[0]).unwrap_err();
+        assert!(err.to_string().contains("header CRC-32C"), "{err}");
+    }
+    // The pristine file's metadata is read back as saved.
+    let d = p.variant("pristine-meta", &p.manifest_bytes, &p.file_bytes);
+    let meta = restore::read_file_metadata(&d.join(FILE), &p.manifest.files[0]).unwrap();
+    assert_eq!(meta.get("k").map(String::as_str), Some("v"));
+    // A manifest written before the field existed checks nothing more than before.
+    let old = p.with_manifest(|m| m.files[0].header_crc32c = None);
+    assert!(!String::from_utf8_lossy(&old).contains("header_crc32c"));
+    let f = p.with_header(|h| {
+        h["__metadata__"]["k"] = serde_json::Value::from("w");
+    });
+    let d = p.variant("old-manifest", &old, &f);
+    restore::load_owned(&d, 0, &opts()).unwrap();
+}
+
 #[test]
 fn truncated_file_is_reported_with_sizes() {
     let p = Pristine::new();

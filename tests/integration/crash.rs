@@ -167,6 +167,7 @@ fn read_options() -> ReadOptions {
         queue_depth: 2,
         direct_io: false,
         arena: Some(ARENA.with(Arc::clone)),
+        any_dir_name: false,
     }
 }
 
@@ -405,6 +406,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         file: shmckpt::manifest::rank_file_name(rank, 2),
         bytes: 4096,
         data_start: 4096,
+        header_crc32c: None,
         tensors: Vec::new(),
     };
     let rec = Recording::start(root).unwrap();
@@ -446,16 +448,12 @@ const SHM_ENV: &str = "SHMCKPT_CRASH_SHM";
 #[ignore = "the recovery crash states need --features fault-injection"]
 fn recovery_crash_states_need_fault_injection() {}
 
-/// Child: commit steps 1 and 2, stage step 3 with its writes past the first chunk held
-/// back, and die by SIGKILL, leaving the arena for recovery.
+/// Child role (a plain function, never collected as a test): commit steps 1 and 2, stage
+/// step 3 with its writes past the first chunk held back, and die by SIGKILL, leaving the
+/// arena for recovery.
 #[cfg(feature = "fault-injection")]
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
 fn child_dies_with_a_staged_save() {
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-    if !crate::common::is_child("child_dies_with_a_staged_save") {
-        return;
-    }
     let root = PathBuf::from(std::env::var(ROOT_ENV).unwrap());
     let shm = std::env::var(SHM_ENV).unwrap();
     let plan = Arc::new(FaultPlan::new());
@@ -488,9 +486,18 @@ fn child_dies_with_a_staged_save() {
 /// arena (recorded: its writes, `fdatasync`, manifest and renames), then saves steps 4
 /// and 5 with retention. Every crash state of that run, recovery included, is checked.
 #[cfg(feature = "fault-injection")]
+const ROLES: &[crate::common::Role] = &[(
+    "child_dies_with_a_staged_save",
+    child_dies_with_a_staged_save,
+)];
+
+#[cfg(feature = "fault-injection")]
 #[test]
 fn recovery_and_later_saves_survive_every_crash_state() {
     use std::os::unix::process::ExitStatusExt;
+    if crate::common::run_role(ROLES) {
+        return;
+    }
     let dir = real_dir("crash-recover");
     let root = dir.path();
     let shm = crate::common::test_shm_name("crash");

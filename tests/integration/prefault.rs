@@ -84,21 +84,17 @@ fn closing_while_the_arena_is_being_allocated_stops_it() {
     engine.close();
 }
 
-/// Child (own mount namespace, a 200 MiB `/dev/shm` that another file fills while the arena
-/// is still being allocated).
-#[test]
-#[ignore = "subprocess role: started by its parent test, checks nothing on its own"]
+/// Child role (own mount namespace, a 200 MiB `/dev/shm` that another file fills while the
+/// arena is still being allocated): a plain function, never collected as a test.
 fn child_dev_shm_fills_up_during_prefault() {
-    if !is_child("child_dev_shm_fills_up_during_prefault") {
-        return;
-    }
     if let Err(e) = run_tool(
         "mount",
         &["-t", "tmpfs", "-o", "size=200m", "tmpfs", "/dev/shm"],
     ) {
-        skip(&format!(
-            "prefault ENOSPC test: cannot mount a tmpfs on /dev/shm: {e}"
-        ));
+        skip(
+            REQUIRE_NS,
+            &format!("prefault ENOSPC test: cannot mount a tmpfs on /dev/shm: {e}"),
+        );
         return;
     }
     let dir = real_dir("prefault-enospc");
@@ -129,8 +125,16 @@ fn child_dev_shm_fills_up_during_prefault() {
     assert!(!shm_exists(&name));
 }
 
+const ROLES: &[Role] = &[(
+    "child_dev_shm_fills_up_during_prefault",
+    child_dev_shm_fills_up_during_prefault,
+)];
+
 #[test]
 fn dev_shm_filling_up_during_prefault_is_a_typed_error() {
+    if run_role(ROLES) {
+        return;
+    }
     let Some(mut cmd) = child_command_in_mount_ns("child_dev_shm_fills_up_during_prefault") else {
         return;
     };
