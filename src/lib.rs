@@ -3,12 +3,12 @@
 #![warn(missing_docs)]
 
 //! # Features
-//! - `ipc` (off by default): the CUDA IPC writer process, the `--mode ipc`
-//!   baseline.
-//! - `testing` (off by default, hidden): synthetic data, the raw-write reference and the
-//!   crate's internals for the CLI, benchmarks and tests.
-//! - `cli` (on by default): what the `shmckpt` binary needs (`ipc` + `testing`). Library
-//!   users build with `default-features = false`.
+//! - `ipc`: the CUDA IPC writer process, the `--mode ipc` baseline.
+//! - `testing` (hidden): synthetic data, the raw-write reference and the crate's
+//!   internals for the CLI, benchmarks and tests.
+//! - `cli` (on by default, so `ipc` and `testing` are on by default too): what the
+//!   `shmckpt` binary needs (`ipc` + `testing`). Library users build with
+//!   `default-features = false`.
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 
 pub mod commit;

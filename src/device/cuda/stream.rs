@@ -75,9 +75,21 @@ impl Stream {
         if buf.is_empty() {
             return Ok(());
         }
+        if buf.context().ordinal() != self.ctx.ordinal() {
+            return Err(crate::error::Error::cuda(
+                "memset_async",
+                format!(
+                    "buffer of device {} on a stream of device {}",
+                    buf.context().ordinal(),
+                    self.ctx.ordinal()
+                ),
+            ));
+        }
         self.ctx.bind()?;
-        // SAFETY: the range is `buf`'s allocation on this context; `cuMemFree` (on drop)
-        // waits for pending work on the memory.
+        // SAFETY: the range is `buf`'s allocation on this context (same device, checked
+        // above: one primary context per device), a live allocation
+        // (borrowed here); dropping the buffer later synchronizes its context before
+        // `cuMemFree`, so the memset never runs on freed memory.
         check(
             unsafe { sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw) },
             "cuMemsetD8Async",
