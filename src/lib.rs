@@ -4,13 +4,17 @@
 
 //! # Features
 //! - `ipc`: the CUDA IPC writer process, the `--mode ipc` baseline.
-//! - `testing` (hidden): synthetic data, the raw-write reference and the crate's
-//!   internals for the CLI, benchmarks and tests.
-//! - `cli` (on by default, so `ipc` and `testing` are on by default too): what the
-//!   `shmckpt` binary needs (`ipc` + `testing`). Library users build with
-//!   `default-features = false`.
+//! - `bench` (hidden): synthetic workloads and the raw-write reference for the CLI's
+//!   `demo` and `bench` and the benchmarks (no internals).
+//! - `testing` (hidden): `bench`, plus the few internals the crate's tests inspect, each
+//!   named.
+//! - `cli` (on by default, so `ipc`, `bench` and `testing` are on by default too): what
+//!   the `shmckpt` binary needs. Library users build with `default-features = false`.
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 
+#[cfg(feature = "bench")]
+#[doc(hidden)]
+pub mod bench;
 pub mod commit;
 mod config;
 pub(crate) mod device;
