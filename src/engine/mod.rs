@@ -14,6 +14,7 @@
 mod finalize;
 mod flash;
 mod handle;
+mod report;
 mod save;
 mod state;
 
@@ -40,7 +41,8 @@ use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
 use crate::tensor::DeviceSlice;
 pub use flash::{KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept};
 
-pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
+pub use handle::SaveHandle;
+pub use report::{SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 

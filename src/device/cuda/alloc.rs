@@ -135,6 +135,37 @@ impl Drop for DeviceBuffer {
     }
 }
 
+impl Stream {
+    /// Queue a memset of all of `buf` to `value` (tests use it to model a trainer that keeps
+    /// writing its tensors on its own stream).
+    pub fn memset_async(&self, buf: &mut DeviceBuffer, value: u8) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let ordinal = self.context().ordinal();
+        if buf.context().ordinal() != ordinal {
+            return Err(Error::cuda(
+                "memset_async",
+                format!(
+                    "buffer of device {} on a stream of device {ordinal}",
+                    buf.context().ordinal()
+                ),
+            ));
+        }
+        self.context().bind()?;
+        // SAFETY: the range is `buf`'s allocation on this stream's context (same device,
+        // checked above: one primary context per device), a live allocation (borrowed
+        // here); dropping the buffer later synchronizes its context before `cuMemFree`, so
+        // the memset never runs on freed memory; `self.raw()` is this live stream.
+        check(
+            unsafe {
+                sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw() as sys::CUstream)
+            },
+            "cuMemsetD8Async",
+        )
+    }
+}
+
 /// Page-locked host memory from `cuMemAllocHost` (the reference for the PCIe limit).
 #[derive(Debug)]
 pub struct PinnedHost {
