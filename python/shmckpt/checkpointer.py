@@ -364,13 +364,19 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the saves in flight, then release the staging memory. Idempotent (also
-        done at interpreter exit for checkpointers still open)."""
+        done at interpreter exit for checkpointers still open).
+
+        Safe to call while another thread uses this checkpointer: the engine's ``close``
+        returns only once every save it started is committed or failed (it waits for a
+        call in progress on another thread, and a second ``close`` waits for the first),
+        so the tensors kept for non-blocking saves are dropped only when nothing reads
+        them any more. Calls that begin after it raise ``ShutdownError``."""
         _OPEN.discard(self)
         for h in list(self._pending):
             try:
                 h._get_rust()
-            except BaseException:
-                pass
+            except Exception:
+                pass  # a submission that failed: its handle reports the error
         if self._submitter is not None:
             self._submitter.shutdown(wait=True)
             self._submitter = None
@@ -378,9 +384,10 @@ class Checkpointer:
             hook.remove()
         self._guards.clear()
         self._engine.close()
-        for h in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for h in pending:
             h._release()
-        self._pending.clear()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -52,12 +52,16 @@ fn err(e: shmckpt::Error) -> PyErr {
 /// The engine of one rank: owns the staging arena, the writers and the commit thread.
 #[pyclass(module = "shmckpt._shmckpt", name = "Engine", frozen)]
 struct PyEngine {
+    /// The engine until `close` takes it. Every call clones the `Arc` for its duration.
     inner: Mutex<Option<Arc<Engine>>>,
     /// The settings it was opened with (the staging capacity as first opened).
     opts: EngineOpts,
     /// `staging_capacity` was not given: a save that needs more staging reopens the engine
     /// with a larger arena ([`PyEngine::grow`]).
     auto_staging: bool,
+    /// Held through the whole of `close`: a second `close` returns only once the first
+    /// has closed the engine.
+    closing: Mutex<()>,
     /// Which path served the last load (`"disk"` or `"memory"`) and why memory could not.
     last_load: Mutex<Option<core::Served>>,
 }
@@ -225,6 +229,7 @@ impl PyEngine {
             inner: Mutex::new(Some(Arc::new(engine))),
             opts,
             auto_staging,
+            closing: Mutex::new(()),
             last_load: Mutex::new(None),
         })
     }
@@ -459,16 +464,31 @@ impl PyEngine {
     }
 
     /// Finish the saves in flight, stop the threads and remove the staging segment.
-    /// Idempotent.
+    /// Returns only once every save this engine started is committed or failed, also
+    /// when another thread is inside a call of this engine (`close` waits for that call
+    /// to return; calls that begin after `close` raise `ShutdownError`) or closing it
+    /// too. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let taken = lock(&self.inner).take();
-        if let Some(engine) = taken {
-            py.detach(move || match Arc::try_unwrap(engine) {
-                Ok(e) => core::close(e),
-                // Another thread is inside a call: the last reference closes it on drop.
-                Err(shared) => drop(shared),
-            });
-        }
+        py.detach(|| {
+            let _one = lock(&self.closing);
+            let Some(mut shared) = lock(&self.inner).take() else {
+                return;
+            };
+            // Calls that got the engine before it was taken still hold a reference; each
+            // ends (a save stages, a load reads, a flush waits for saves already begun).
+            let mut nap = Duration::from_micros(50);
+            let engine = loop {
+                match Arc::try_unwrap(shared) {
+                    Ok(e) => break e,
+                    Err(again) => {
+                        shared = again;
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(Duration::from_millis(5));
+                    }
+                }
+            };
+            core::close(engine);
+        });
     }
 
     /// Delete committed checkpoint `step` (renamed out of the listing durably, then its
@@ -570,6 +590,34 @@ fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<
     Ok(d)
 }
 
+impl PySaveHandle {
+    /// `test` of the Rust handle, looked at under the lock for just that; `true` once
+    /// `wait` has taken the handle (the save is over).
+    fn looks(&self, test: fn(&SaveHandle) -> bool) -> bool {
+        match &*lock(&self.inner) {
+            Some(h) => test(h),
+            None => true,
+        }
+    }
+}
+
+/// Poll `ready` for at most one [`SLICE`], napping 20 µs at first, then up to 500 µs,
+/// between looks. Call it with the GIL released.
+fn poll_slice(ready: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + SLICE;
+    let mut nap = Duration::from_micros(20);
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_micros(500));
+    }
+}
+
 #[pymethods]
 impl PySaveHandle {
     /// The step.
@@ -580,58 +628,31 @@ impl PySaveHandle {
 
     /// True once every byte is staged (or staging failed): the tensors are no longer read.
     fn is_staged(&self) -> bool {
-        match &*lock(&self.inner) {
-            Some(h) => core::is_staged(h),
-            None => true,
-        }
+        self.looks(core::is_staged)
     }
 
     /// True once the save is committed or failed.
     fn is_done(&self) -> bool {
-        match &*lock(&self.inner) {
-            Some(h) => core::is_done(h),
-            None => true,
-        }
+        self.looks(core::is_done)
     }
 
     /// Block (GIL released, interruptible) until every byte is staged. Returns the staging
     /// report; raises if staging failed.
     fn wait_staged<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        loop {
-            let staged = py.detach(|| {
-                let deadline = Instant::now() + SLICE;
-                let mut nap = Duration::from_micros(20);
-                loop {
-                    let s = match &*lock(&self.inner) {
-                        Some(h) => core::is_staged(h),
-                        None => true,
-                    };
-                    if s || Instant::now() >= deadline {
-                        return s;
-                    }
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(Duration::from_micros(500));
-                }
-            });
-            if staged {
-                break;
-            }
+        while !py.detach(|| poll_slice(|| self.looks(core::is_staged))) {
             py.check_signals()?;
         }
-        let g = lock(&self.inner);
-        match &*g {
-            Some(h) => match core::wait_staged(h) {
-                Ok(s) => Ok(Some(staged_dict(py, &s)?)),
-                Err(e) => Err(to_py(py, e)),
+        // Staged: `wait_staged` returns at once. No Python code runs under the lock (it
+        // could switch threads to one that waits for the lock with the GIL held).
+        let staged = lock(&self.inner).as_ref().map(core::wait_staged);
+        match staged {
+            Some(Ok(s)) => Ok(Some(staged_dict(py, &s)?)),
+            Some(Err(e)) => Err(to_py(py, e)),
+            // Already waited to completion: staging succeeded if the save did.
+            None => match &*lock(&self.result) {
+                Some(Err(e)) => Err(e.clone_ref(py)),
+                _ => Ok(None),
             },
-            None => {
-                drop(g);
-                // Already waited to completion: staging succeeded if the save did.
-                match &*lock(&self.result) {
-                    Some(Err(e)) => Err(e.clone_ref(py)),
-                    _ => Ok(None),
-                }
-            }
         }
     }
 
@@ -658,18 +679,26 @@ impl PySaveHandle {
                     Err(e) => Err(e.clone_ref(py)),
                 };
             }
-            let out = py.detach(|| {
+            // Wait in slices, GIL released, taking the handle's lock only to look: a
+            // thread asking `is_staged` or `is_done` (with the GIL) never waits for it.
+            if !py.detach(|| poll_slice(|| self.looks(core::is_done))) {
+                py.check_signals()?;
+                continue;
+            }
+            // Done (or taken by another waiter): take the result without blocking, under
+            // the lock only for that (no Python code runs under it).
+            let taken = {
                 let mut g = lock(&self.inner);
-                let h = g.take()?;
-                match core::wait_timeout(h, SLICE) {
-                    Ok(res) => Some(res),
-                    Err(h) => {
+                match g.take().map(|h| core::wait_timeout(h, Duration::ZERO)) {
+                    Some(Ok(res)) => Some(res),
+                    Some(Err(h)) => {
                         *g = Some(h);
                         None
                     }
+                    None => None,
                 }
-            });
-            match out {
+            };
+            match taken {
                 Some(res) => {
                     let stored = match res {
                         Ok(rep) => Ok(report_dict(py, &rep)?.unbind()),
@@ -677,7 +706,8 @@ impl PySaveHandle {
                     };
                     *lock(&self.result) = Some(stored);
                 }
-                None => py.check_signals()?,
+                // Another waiter took it and is storing the result: let it finish.
+                None => py.detach(|| std::thread::sleep(Duration::from_micros(100))),
             }
         }
     }

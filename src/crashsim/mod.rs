@@ -17,6 +17,8 @@
 
 pub mod model;
 pub mod record;
+#[cfg(test)]
+mod record_tests;
 pub mod states;
 
 use std::sync::Arc;

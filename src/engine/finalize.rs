@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriteSink;
 use crate::manifest::{FileEntry, TensorEntry};
 
-use super::handle::{SaveReport, SaveTimings};
 use super::lock;
+use super::report::{SaveReport, SaveTimings};
 use super::state::SaveState;
 
 /// Runs on the commit thread once a save has settled. Returns the save's result and the

@@ -14,6 +14,7 @@
 mod finalize;
 mod flash;
 mod handle;
+mod report;
 mod save;
 mod state;
 
@@ -42,7 +43,8 @@ pub use flash::{
     ArenaOwner, KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept, remove_kept_forced,
 };
 
-pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
+pub use handle::SaveHandle;
+pub use report::{SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 

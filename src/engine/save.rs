@@ -19,7 +19,8 @@ use crate::staging::ChunkLease;
 use crate::staging::descriptor::SaveRecord;
 use crate::tensor::{Source, Tensor};
 
-use super::handle::{SaveHandle, StagedReport};
+use super::handle::SaveHandle;
+use super::report::StagedReport;
 use super::state::{FileSlot, Progress, SaveState};
 use super::{Engine, lock};
 

@@ -13,7 +13,7 @@ use crate::io::pool::{ChunkInfo, Outcome, WriteSink};
 use crate::manifest::Metadata;
 use crate::plan::{PieceSource, Plan};
 
-use super::handle::{SaveReport, StagedReport};
+use super::report::{SaveReport, StagedReport};
 use super::{Shared, lock};
 
 #[derive(Default)]

@@ -388,8 +388,12 @@ impl Arena {
     /// `spec.name`) as this engine's arena, when its geometry `kept` is exactly the one
     /// `spec` asks for (so its data region, which holds the kept image, stays where it is):
     /// no new segment, no copy. Its descriptor is initialised anew; the chunks keep their
-    /// bytes. Fails (the file dropped, the segment untouched) when the geometry differs or
-    /// the segment is not a whole, allocated arena of that size.
+    /// bytes. Fails (the file dropped, the segment untouched) when the geometry differs,
+    /// the segment is not a whole, allocated arena of that size, or this process maps it
+    /// already (a live arena of this process: two arenas over one mapping would hand out
+    /// two `&mut` of one chunk). No other process may write the segment meanwhile: the
+    /// engine, its only caller, holds the root and rank lock that every engine of a kept
+    /// arena's name holds.
     pub fn take_over(spec: &ArenaSpec, kept: Geometry, file: std::fs::File) -> Result<Arc<Arena>> {
         let geo = Arena::geometry(spec)?;
         if geo != kept {
@@ -871,6 +875,38 @@ mod tests {
         assert_eq!(Arc::strong_count(&a), 1);
         a.close();
         assert!(!shm_exists(&name));
+    }
+
+    /// Regression: taking over a segment that a live arena of this process maps gave two
+    /// arenas over one mapping (two `&mut` of chunk 0). Refused now; allowed once the
+    /// first arena is gone.
+    #[test]
+    fn a_segment_mapped_here_cannot_be_taken_over_twice() {
+        let name = format!("{NAME_PREFIX}unit-twice.{}", std::process::id());
+        let sp = spec(Some(name.clone()), 2 * 65536);
+        let geo = Arena::geometry(&sp).unwrap();
+        let first = Arena::create(&sp).unwrap();
+        first.enable_keep(); // closing leaves the segment in /dev/shm
+        let (file, _, _) = shm::open_existing(&name, true, false).unwrap();
+        let err = Arena::take_over(&sp, geo, file).unwrap_err();
+        assert!(
+            matches!(&err, Error::Shm { op: "map", source, .. }
+                if source.kind() == std::io::ErrorKind::AlreadyExists),
+            "{err}"
+        );
+        {
+            let mut l = first.take_chunk(0).unwrap();
+            l.as_mut_slice()[..4].copy_from_slice(b"kept");
+        }
+        drop(first);
+        let (file, _, _) = shm::open_existing(&name, true, false).unwrap();
+        let second = Arena::take_over(&sp, geo, file).unwrap();
+        assert_eq!(second.name(), Some(name.as_str()));
+        let mut l = second.take_chunk(0).unwrap();
+        assert_eq!(&l.as_mut_slice()[..4], b"kept");
+        drop(l);
+        second.close(); // not kept: unlinks the name
+        assert!(shm::open_existing(&name, false, false).is_err());
     }
 
     #[test]

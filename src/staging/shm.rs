@@ -22,13 +22,27 @@ use crate::error::{Error, Result};
 pub const SHM_MOUNT: &str = "/dev/shm";
 
 /// A mapped shared-memory segment (or an anonymous mapping for private buffers).
+///
+/// A named segment is mapped at most once in a process at a time (see [`MAPPED_HERE`]): the
+/// arena built on it, and the chunk leases it hands out, are then the only Rust handles to
+/// its bytes in this process.
 #[derive(Debug)]
 pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     name: Option<String>,
+    /// `(device, inode)` of a named segment, registered in [`MAPPED_HERE`] while mapped.
+    id: Option<(u64, u64)>,
     _fd: Option<OwnedFd>,
 }
+
+/// `(device, inode)` of every named segment this process maps now, from its mapping until
+/// the `Segment` drops. Mapping one segment twice in one process would give two arenas over
+/// the same bytes, each handing out a unique `&mut` to the same chunk: `map_named` refuses
+/// a segment already here. (The unlinked name of a segment still mapped cannot be reused
+/// for the same inode, so a new segment of the same name is a different key.)
+static MAPPED_HERE: std::sync::Mutex<std::collections::BTreeSet<(u64, u64)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 // SAFETY: a `Segment` is an owned mapping; the raw pointer is not tied to the creating
 // thread. Access to the bytes is coordinated by the arena's chunk leases.
@@ -110,15 +124,28 @@ impl Segment {
                 source: e.into(),
             })
             .and_then(|()| {
-                let ptr = map(&fd, len, false).map_err(|e| Error::Shm {
+                let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
                     name: name.to_owned(),
-                    op: "mmap",
-                    source: e,
+                    op: "fstat",
+                    source: e.into(),
+                })?;
+                // A new inode: never in the set yet; registered so that no second mapping
+                // of it can be made in this process while this one lives.
+                let id = (st.st_dev, st.st_ino);
+                mapped_here().insert(id);
+                let ptr = map(&fd, len, false).map_err(|e| {
+                    mapped_here().remove(&id);
+                    Error::Shm {
+                        name: name.to_owned(),
+                        op: "mmap",
+                        source: e,
+                    }
                 })?;
                 Ok(Segment {
                     ptr,
                     len,
                     name: Some(name.to_owned()),
+                    id: Some(id),
                     _fd: Some(fd),
                 })
             });
@@ -162,17 +189,37 @@ impl Segment {
         .map_err(Into::into)
     }
 
-    /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`.
+    /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`,
+    /// unless this process maps it already ([`MAPPED_HERE`]).
     fn map_named(name: &str, fd: OwnedFd, len: usize) -> Result<Segment> {
-        let ptr = map(&fd, len, true).map_err(|e| Error::Shm {
+        let shm_err = |op: &'static str, source: io::Error| Error::Shm {
             name: name.to_owned(),
-            op: "mmap",
-            source: e,
-        })?;
+            op,
+            source,
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| shm_err("fstat", e.into()))?;
+        let id = (st.st_dev, st.st_ino);
+        if !mapped_here().insert(id) {
+            return Err(shm_err(
+                "map",
+                io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "this process maps the segment already (an engine of this process uses it)",
+                ),
+            ));
+        }
+        let ptr = match map(&fd, len, true) {
+            Ok(p) => p,
+            Err(e) => {
+                mapped_here().remove(&id);
+                return Err(shm_err("mmap", e));
+            }
+        };
         Ok(Segment {
             ptr,
             len,
             name: Some(name.to_owned()),
+            id: Some(id),
             _fd: Some(fd),
         })
     }
@@ -180,7 +227,8 @@ impl Segment {
     /// Map the existing segment `name` (opened read-write as `file`, a regular file of this
     /// user, checked by the caller) to take it over as an arena: only when it is exactly
     /// `len` bytes and every page is allocated (no hole that a full tmpfs could leave
-    /// unbacked), then pre-faulted like a new one.
+    /// unbacked), then pre-faulted like a new one. Fails when this process maps the
+    /// segment already (a live arena of this process: a second mapping would alias it).
     pub fn map_existing(name: &str, file: std::fs::File, len: usize) -> Result<Segment> {
         let fd: OwnedFd = file.into();
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
@@ -226,6 +274,7 @@ impl Segment {
             ptr: NonNull::new(raw.cast()).expect("mmap never returns null on success"),
             len,
             name: None,
+            id: None,
             _fd: None,
         })
     }
@@ -262,7 +311,14 @@ impl Drop for Segment {
         unsafe {
             let _ = rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len);
         }
+        if let Some(id) = self.id {
+            mapped_here().remove(&id);
+        }
     }
+}
+
+fn mapped_here() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<(u64, u64)>> {
+    MAPPED_HERE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<NonNull<u8>> {

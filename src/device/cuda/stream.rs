@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::DeviceBuffer;
 use super::{Context, check};
 use crate::error::Result;
 
@@ -66,21 +65,6 @@ impl Stream {
         check(
             unsafe { sys::cuStreamSynchronize(self.raw) },
             "cuStreamSynchronize",
-        )
-    }
-
-    /// Queue a memset of all of `buf` to `value` (tests use it to model a trainer that keeps
-    /// writing its tensors on its own stream).
-    pub fn memset_async(&self, buf: &mut DeviceBuffer, value: u8) -> Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        self.ctx.bind()?;
-        // SAFETY: the range is `buf`'s allocation on this context; `cuMemFree` (on drop)
-        // waits for pending work on the memory.
-        check(
-            unsafe { sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw) },
-            "cuMemsetD8Async",
         )
     }
 

@@ -86,7 +86,7 @@ pub fn raw_direct_reads(path: &Path) -> Result<RawTimes> {
 pub fn raw_direct_write(dir: &Path, bytes: u64) -> Result<Duration> {
     let arena = buffers(REFERENCE_BLOCK, 1)?;
     let (mut buf, _) = arena.acquire();
-    crate::testing::synthetic::fill(buf.as_mut_slice(), 0xAB, 7, 0);
+    crate::bench::synthetic::fill(buf.as_mut_slice(), 0xAB, 7, 0);
     let path = scratch_path(dir, "write");
     let _ = std::fs::remove_file(&path);
     let t = Instant::now();
@@ -149,7 +149,7 @@ fn uring_pass(
         let mut all = Vec::new();
         while let Some(mut l) = arena.try_acquire() {
             let k = u64::from(l.index());
-            crate::testing::synthetic::fill(l.as_mut_slice(), 0xAB + k, 7, 0);
+            crate::bench::synthetic::fill(l.as_mut_slice(), 0xAB + k, 7, 0);
             all.push(l);
         }
     }

@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use shmckpt::bench::synthetic::{self, LayoutEntry};
 use shmckpt::cuda::{Context, DeviceBuffer};
 use shmckpt::ipc::{IpcConfig, IpcWriterClient};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Engine, Metadata, Tensor};
 
 use super::{BenchArgs, Run};

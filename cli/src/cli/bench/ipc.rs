@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
+use shmckpt::bench::reference::RawTimes;
+use shmckpt::bench::synthetic::LayoutEntry;
+use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
-use shmckpt::testing::reference::RawTimes;
-use shmckpt::testing::synthetic::LayoutEntry;
-use shmckpt::testing::util::{gbps, median};
 
 use super::memory::memory_experiment;
 use super::variant::{IpcRun, Saver, Variant, alloc_state, check_disk, tensors};

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use shmckpt::testing::synthetic::{self, LayoutEntry};
-use shmckpt::testing::util::gbps;
+use shmckpt::bench::gbps;
+use shmckpt::bench::synthetic::{self, LayoutEntry};
 use shmckpt::{EngineConfig, Metadata, StepSel, Tensor};
 
 use super::{CliResult, guard, human, progress, secs};

@@ -1,6 +1,6 @@
 //! `bench --source host`: host tensors, saves alternated with the raw O_DIRECT write.
 
-use shmckpt::testing::synthetic;
+use shmckpt::bench::synthetic;
 use shmckpt::{Metadata, Tensor};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};

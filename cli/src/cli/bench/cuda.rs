@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use shmckpt::bench::synthetic::LayoutEntry;
+use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
-use shmckpt::testing::synthetic::LayoutEntry;
-use shmckpt::testing::util::{gbps, median};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};
 use crate::cli::CliResult;

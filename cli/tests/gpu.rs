@@ -419,3 +419,61 @@ fn gpu_split_load_device_and_host_byte_exact() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+/// The pinned reference copies of `shmckpt bench`: device → pinned → device, exact bytes
+/// (each call synchronizes its stream before it returns, on every exit); a pinned buffer
+/// too small is refused before any copy; a buffer dropped with a memset still queued on
+/// a stream waits for it (its drop synchronizes before `cuMemFree`).
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn pinned_timing_copies_round_trip_exact_bytes() {
+    let Some(ctx) = common::gpu() else { return };
+    let sizes = [1usize, 4096, (3 << 20) | 7];
+    let want: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let mut v = vec![0u8; n];
+            synthetic::fill(&mut v, k as u64, 9, 0);
+            v
+        })
+        .collect();
+    let srcs: Vec<DeviceBuffer> = want
+        .iter()
+        .map(|w| {
+            let mut b = DeviceBuffer::alloc(&ctx, w.len()).unwrap();
+            b.upload(w).unwrap();
+            b
+        })
+        .collect();
+    let total: usize = sizes.iter().sum();
+    let stream = Stream::new(&ctx).unwrap();
+    let mut pinned = shmckpt::cuda::PinnedHost::alloc(&ctx, total).unwrap();
+    let refs: Vec<&DeviceBuffer> = srcs.iter().collect();
+    pinned.time_dtoh(&refs, &stream).unwrap();
+    assert!(pinned.as_slice() == want.concat().as_slice());
+
+    let mut dsts: Vec<DeviceBuffer> = sizes
+        .iter()
+        .map(|&n| DeviceBuffer::alloc(&ctx, n).unwrap())
+        .collect();
+    let mut drefs: Vec<&mut DeviceBuffer> = dsts.iter_mut().collect();
+    pinned.time_htod(&mut drefs, &stream).unwrap();
+    for (b, w) in dsts.iter().zip(&want) {
+        let mut got = vec![0u8; w.len()];
+        b.download(&mut got).unwrap();
+        assert!(got == *w);
+    }
+
+    let mut small = shmckpt::cuda::PinnedHost::alloc(&ctx, total - 1).unwrap();
+    match small.time_dtoh(&refs, &stream) {
+        Err(shmckpt::Error::Cuda { call, .. }) => assert_eq!(call, "time_dtoh"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(small.as_slice().iter().all(|&b| b == 0));
+
+    let mut b = DeviceBuffer::alloc(&ctx, 256 << 20).unwrap();
+    stream.memset_async(&mut b, 0x11).unwrap();
+    drop(b);
+    stream.synchronize().unwrap();
+}

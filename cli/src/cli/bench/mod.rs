@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::json;
-use shmckpt::testing::reference::{RawTimes, raw_direct_reads};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
-use shmckpt::testing::util::{gbps, median};
+use shmckpt::bench::reference::{RawTimes, raw_direct_reads};
+use shmckpt::bench::synthetic::{self, LayoutEntry};
+use shmckpt::bench::{gbps, median};
 use shmckpt::{Dtype, Engine, EngineConfig};
 
 use super::{CliResult, guard, human, parse_size};
@@ -213,7 +213,7 @@ pub fn write_reference(
     if a.no_reference {
         return Ok(None);
     }
-    Ok(Some(shmckpt::testing::reference::raw_direct_writes(
+    Ok(Some(shmckpt::bench::reference::raw_direct_writes(
         &a.dir, bytes,
     )?))
 }

@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use shmckpt::bench::gbps;
 use shmckpt::manifest::{self, MANIFEST, Manifest};
 use shmckpt::restore::{self, ReadOptions};
-use shmckpt::testing::util::gbps;
 
 use super::{CliResult, human, secs};
 
