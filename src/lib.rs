@@ -9,6 +9,8 @@
 //!   crate's internals for the CLI, benchmarks and tests.
 //! - `cli` (on by default): what the `shmckpt` binary needs (`ipc` + `testing`). Library
 //!   users build with `default-features = false`.
+//! - `s3` (off by default; on with `cli` and in the Python extension): the object-storage
+//!   tier ([`remote`], [`EngineConfig::with_remote`]) on the `object_store` crate.
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 
 pub mod commit;
@@ -24,6 +26,8 @@ pub mod ipc;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
+#[cfg(feature = "s3")]
+pub mod remote;
 pub mod restore;
 pub(crate) mod slab;
 pub(crate) mod staging;

@@ -14,6 +14,8 @@
 mod finalize;
 mod flash;
 mod handle;
+#[cfg(feature = "s3")]
+mod remote_ops;
 mod save;
 mod state;
 
@@ -71,6 +73,9 @@ struct Shared {
     backend: Backend,
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
+    /// The remote tier's uploader (`EngineConfig::with_remote`).
+    #[cfg(feature = "s3")]
+    remote: Option<Arc<crate::remote::tier::RemoteTier>>,
 }
 
 impl Shared {
@@ -155,6 +160,21 @@ impl Engine {
         cfg.validate()?;
         commit::check_root(&cfg.root)?;
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        // The bucket is checked before anything else is set up: a missing bucket or
+        // refused credentials fail the open.
+        #[cfg(feature = "s3")]
+        let remote = match &cfg.remote {
+            Some(target) => {
+                let r = Arc::new(target.open(cfg.remote_options.clone())?);
+                Some(Arc::new(crate::remote::tier::RemoteTier::start(
+                    r,
+                    cfg.world_size,
+                    cfg.remote_keep_last,
+                    cfg.remote_max_pending,
+                )?))
+            }
+            None => None,
+        };
         if cfg.recover_on_open {
             crate::recover::recover_on_open(&cfg.root, cfg.rank);
         }
@@ -273,6 +293,8 @@ impl Engine {
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
             cuda: OnceLock::new(),
+            #[cfg(feature = "s3")]
+            remote,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -384,8 +406,18 @@ impl Engine {
 
     /// [`Engine::load`], also reporting which path served the load and, when flash restore
     /// is on but the disk served it, why.
+    ///
+    /// With a remote tier ([`EngineConfig::with_remote`]), a step the disk does not hold
+    /// (or "latest" with no step on disk) is loaded from the bucket
+    /// ([`LoadSource::Remote`]).
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            #[cfg(feature = "s3")]
+            Err(e @ Error::NotFound { .. }) => return self.load_fallback_remote(which, e),
+            Err(e) => return Err(e),
+        };
         let (memory, fallback_reason) = self.try_memory(&info)?;
         if let Some(ck) = memory {
             let report = LoadReport {
@@ -686,6 +718,11 @@ impl Engine {
             tracing::error!("commit thread panicked");
         }
         self.pool.shutdown();
+        // Uploads read committed files, not the arena: finished after the writers.
+        #[cfg(feature = "s3")]
+        if let Some(r) = &self.shared.remote {
+            r.close();
+        }
         self.shared.arena.close();
     }
 }
