@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
+from . import remote as _remote
 from .errors import CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
@@ -161,6 +162,13 @@ class SaveHandle:
             self._poll()
         self._release()
         return rep
+
+    def wait_remote(self) -> Dict[str, Any]:
+        """Block until the step is committed in the bucket (``remote=...``); returns the
+        remote report (``bytes``, ``upload`` and ``remote_durable`` seconds,
+        ``committed_here``, ``retired``). Raises ``RemoteFailed`` (nothing of the step is
+        visible in the bucket) or ``RemoteSkipped`` (the uploader was behind)."""
+        return self._get_rust().wait_remote()
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
@@ -325,11 +333,16 @@ class Checkpointer:
         recover_on_open: Optional[bool] = None,
         shm_name: Optional[str] = None,
         keep_in_memory: bool = False,
+        remote: Optional[str] = None,
+        remote_keep_last: Optional[int] = None,
+        remote_max_pending: Optional[int] = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
         self.world_size = w if world_size is None else int(world_size)
         self.root = os.fspath(root)
+        #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
+        self.remote = remote
         self._engine = _shmckpt.Engine(
             self.root,
             rank=self.rank,
@@ -345,6 +358,9 @@ class Checkpointer:
             max_inflight_saves=max_inflight_saves,
             recover_on_open=recover_on_open,
             keep_in_memory=bool(keep_in_memory),
+            remote=remote,
+            remote_keep_last=remote_keep_last,
+            remote_max_pending=remote_max_pending,
         )
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
@@ -632,8 +648,10 @@ class Checkpointer:
         """The newest committed step, or ``None``."""
         return self._engine.latest()
 
-    def list(self) -> List[int]:
-        """Committed steps, oldest first."""
+    def list(self, remote: bool = False) -> List[int]:
+        """Committed steps, oldest first (``remote=True``: those committed in the bucket)."""
+        if remote:
+            return list(self._engine.list_remote())
         return [s for s, _ in self._engine.list()]
 
     def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
@@ -681,15 +699,22 @@ class Checkpointer:
             raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
 
     # -- load --------------------------------------------------------------------------
-    def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
+    def load(
+        self, step: StepArg = "latest", *, map_location: Any = None, source: Optional[str] = None
+    ) -> Any:
         """Load a checkpoint: the nested state as saved (tensors, arrays, plain values).
 
         ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
         copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
         the file is read. Checkpoints not written by this package come back as a flat dict
         of tensors. Every CRC-32C is verified.
+
+        ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
+        local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
+        the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
+        the bucket. :attr:`last_load_source` says which served it.
         """
-        s = self._resolve(step)
+        s, where = _remote.resolve(self, _step_sel(step), source)
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None
@@ -697,10 +722,26 @@ class Checkpointer:
                 dev = None
             elif dev is not None and dev.type != "cuda":
                 raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        if where == "remote":
+            m, entry = _remote.rank_entry(self, s)
+            tree = _remote.skeleton(self, s, m)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         objs: Dict[str, Any] = {}
-        if dev is None:
+        if where == "remote":
+            # Read into host buffers (checked), then copied to the device if asked.
+            _, _, _, tensors = self._engine.load_remote(s)
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+            if dev is not None:
+                for name, (dtype, shape, buf) in list(objs.items()):
+                    tdt = _state.ST_TO_TORCH.get(dtype)
+                    if tdt is None:
+                        raise DestinationError(f"tensor {name!r}: dtype {dtype} has no torch dtype")
+                    u8 = torch.from_numpy(np.asarray(buf)) if len(buf) else torch.empty(0, dtype=torch.uint8)
+                    objs[name] = u8.view(tdt).reshape(shape).to(dev)
+        elif dev is None:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)

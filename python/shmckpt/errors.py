@@ -48,6 +48,9 @@ __all__ = [
     "UnsafePath",
     "StepOverflow",
     "RootTooLong",
+    "RemoteError",
+    "RemoteFailed",
+    "RemoteSkipped",
 ]
 
 
@@ -186,6 +189,22 @@ class IpcError(ShmckptError, RuntimeError):
 
 class RecoveryError(ShmckptError):
     """A staging arena in ``/dev/shm`` cannot be recovered."""
+
+
+class RemoteError(ShmckptError, OSError):
+    """An object-store request failed (a missing bucket, refused credentials, an
+    unreachable endpoint, a server error that outlasted the retries); the message names the
+    bucket URL, the request and the server's answer."""
+
+
+class RemoteFailed(RemoteError):
+    """A save's copy to the bucket failed (``SaveHandle.wait_remote``): nothing of that
+    step is visible in the bucket; the local checkpoint is unaffected."""
+
+
+class RemoteSkipped(RemoteError):
+    """A save's copy to the bucket was skipped because the uploader was behind
+    (``remote_max_pending`` newer saves were waiting); newer steps go to the bucket."""
 
 
 def _init_kind() -> None:

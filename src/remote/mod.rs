@@ -637,20 +637,29 @@ impl Remote {
 
 /// A typed error for an object-store failure, naming the likely cause.
 fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
-    let hint = match e {
-        object_store::Error::NotFound { .. } if op == "list" => {
-            " (does the bucket exist? check the URL and AWS_ENDPOINT_URL)"
-        }
-        object_store::Error::PermissionDenied { .. }
-        | object_store::Error::Unauthenticated { .. } => {
-            " (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy)"
-        }
-        _ => "",
+    let text = e.to_string();
+    let denied = matches!(
+        e,
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+    ) || [
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403 Forbidden",
+    ]
+    .iter()
+    .any(|c| text.contains(c));
+    let cause = if text.contains("NoSuchBucket") {
+        "the bucket does not exist (check the URL and AWS_ENDPOINT_URL): "
+    } else if denied {
+        "access refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy): "
+    } else {
+        ""
     };
     Error::Remote {
         url: url.to_owned(),
         op,
-        reason: format!("{e}{hint}"),
+        reason: format!("{cause}{text}"),
     }
 }
 

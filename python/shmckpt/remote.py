@@ -1,0 +1,86 @@
+"""The object-storage tier seen from Python: which tier serves a load, and the bucket's
+manifests and skeletons. The protocol (uploads, the commit rule, retention, checks of what
+the bucket returns) is the Rust engine's (``EngineConfig::with_remote``); this module only
+chooses between the local disk and the bucket.
+
+``Checkpointer(root, remote="s3://bucket/prefix", remote_keep_last=N)`` mirrors every
+committed save to the bucket; ``SaveHandle.wait_remote()`` waits for the step to be
+committed there; ``Checkpointer.list(remote=True)`` lists the bucket;
+``Checkpointer.load(step, source="remote")`` reads from it, and ``load("latest")`` falls
+back to it when the local disk holds no checkpoint (or not the requested step).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from . import _state
+from .errors import ConfigError, CorruptError, NotFound
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpointer import Checkpointer
+
+__all__ = ["SOURCES", "resolve", "rank_entry", "skeleton"]
+
+#: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
+#: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
+#: reads the bucket only.
+SOURCES = (None, "local", "remote")
+
+
+def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> Tuple[int, str]:
+    """The step to load (``None``: the latest) and where from: ``"local"`` (memory or
+    disk, the engine picks) or ``"remote"``. Without ``source``, a step the local disk
+    holds is loaded locally, else from the bucket when there is one."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be None, 'local' or 'remote', not {source!r}")
+    has_remote = ck.remote is not None
+    if source == "remote":
+        if not has_remote:
+            raise ConfigError("this Checkpointer has no remote tier (remote=...)")
+        return _remote_step(ck, step), "remote"
+    local = ck._engine.list()
+    local_steps = [s for s, _ in local]
+    if step is None:
+        if local_steps:
+            return local_steps[-1], "local"
+    elif step in local_steps:
+        return step, "local"
+    if source == "local" or not has_remote:
+        what = "(latest)" if step is None else f"step {step}"
+        raise NotFound(f"no committed checkpoint {what} in {ck.root}")
+    return _remote_step(ck, step), "remote"
+
+
+def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
+    if step is not None:
+        return step
+    steps = ck._engine.list_remote()
+    if not steps:
+        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}")
+    return steps[-1]
+
+
+def rank_entry(ck: "Checkpointer", step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The bucket's manifest of ``step`` and this rank's file entry in it."""
+    m = json.loads(ck._engine.remote_manifest(step))
+    for f in m["files"]:
+        if f["rank"] == ck.rank:
+            return m, f
+    raise NotFound(f"checkpoint step {step} in {ck.remote} has no file of rank {ck.rank}")
+
+
+def skeleton(ck: "Checkpointer", step: int, manifest: Dict[str, Any]) -> Optional[Any]:
+    """The state skeleton saved with ``step`` (the manifest keeps the save's metadata,
+    the same text as the file header's), or ``None`` for a checkpoint not written by this
+    package."""
+    text = manifest.get("metadata", {}).get(_state.STATE_KEY)
+    if text is None:
+        return None
+    try:
+        return _state.decode(text)
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CorruptError(
+            f"{ck.remote}/step-{step}: malformed {_state.STATE_KEY} metadata: {e}"
+        ) from None

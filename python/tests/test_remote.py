@@ -1,0 +1,304 @@
+"""The object-storage tier against a real S3-protocol server: moto's server, started by
+these tests (``python -m moto.server``), reached through the standard AWS environment
+variables. Without moto the tests are skipped; ``SHMCKPT_REQUIRE_S3=1`` (CI) makes that a
+failure."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+
+import numpy as np
+import pytest
+
+import shmckpt
+from shmckpt.errors import RemoteError, RemoteFailed
+
+from conftest import SMALL
+
+torch = pytest.importorskip("torch")
+
+
+def _require_moto():
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("SHMCKPT_REQUIRE_S3") == "1":
+            pytest.fail(f"SHMCKPT_REQUIRE_S3=1 but moto[server] is not installed: {e}")
+        pytest.skip(f"moto[server] is not installed ({e}); set SHMCKPT_REQUIRE_S3=1 to fail instead")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    """A moto S3 server process on a free port."""
+
+    def __init__(self, extra_env=None):
+        self.port = _free_port()
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.1)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    _require_moto()
+    m = Moto()
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    """Environment for `moto`, a fresh bucket; yields (boto3 client, bucket name)."""
+    import boto3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto.url,
+        "AWS_ALLOW_HTTP": "true",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def keys(client, bucket, prefix=""):
+    out = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def state(seed: int, n: int = 1 << 16):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64) + seed},
+        "step": seed,
+        "note": "hi",
+    }
+
+
+def same(a, b):
+    assert a["step"] == b["step"] and a["note"] == b["note"]
+    for k in ("w", "b"):
+        assert a["model"][k].dtype == b["model"][k].dtype
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def open_ck(root, url, **kw):
+    return shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, **kw)
+
+
+def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/run1"
+    with open_ck(root, url) as ck:
+        st = state(3)
+        h = ck.save(3, st)
+        local = h.wait()
+        rep = h.wait_remote()
+        assert rep["step"] == 3 and rep["bytes"] == local["bytes"]
+        assert rep["committed_here"] is True
+        assert rep["remote_durable"] >= rep["upload"] > 0
+        assert h.wait_remote() == rep  # may be called again
+        assert ck.list(remote=True) == [3]
+        assert keys(client, bucket) == [
+            "run1/step-3/manifest.json",
+            "run1/step-3/rank-00000-of-00001.safetensors",
+            "run1/step-3/rank-00000.manifest.json",
+        ]
+        # The object is the local safetensors file, byte for byte (`aws s3 cp` gives it).
+        obj = client.get_object(Bucket=bucket, Key="run1/step-3/rank-00000-of-00001.safetensors")["Body"].read()
+        assert obj == (root / "step-3" / "rank-00000-of-00001.safetensors").read_bytes()
+        # Served locally while the disk has it.
+        same(ck.load("latest"), st)
+        assert ck.last_load_source[0] == "disk"
+        # From the bucket on request.
+        same(ck.load(3, source="remote"), st)
+        assert ck.last_load_source == ("remote", None)
+
+    shutil.rmtree(root)
+    root.mkdir()
+    with open_ck(root, url) as ck:
+        assert ck.list() == [] and ck.list(remote=True) == [3]
+        got = ck.load("latest")
+        same(got, st)
+        assert ck.last_load_source == ("remote", None)
+        with pytest.raises(shmckpt.NotFound):
+            ck.load("latest", source="local")
+        # The loaded tensors own their memory.
+        assert got["model"]["w"].sum().item() == pytest.approx(st["model"]["w"].sum().item())
+
+
+def test_remote_retention_keeps_the_newest(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/ret"
+    with open_ck(root, url, keep_last=1, remote_keep_last=2) as ck:
+        retired = []
+        for step in range(1, 5):
+            h = ck.save(step, state(step, 1024))
+            h.wait()
+            retired += h.wait_remote()["retired"]
+        assert retired == [1, 2]
+        assert ck.list(remote=True) == [3, 4]
+        assert ck.list() == [4]
+        assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-3", "step-4"}
+        same(ck.load(3), state(3, 1024))
+        assert ck.last_load_source == ("remote", None)
+
+
+def test_missing_bucket_is_a_clear_error(s3, root):
+    _, bucket = s3
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, f"s3://{bucket}-missing/x")
+    msg = str(e.value)
+    assert f"s3://{bucket}-missing/x" in msg and "the bucket does not exist" in msg, msg
+
+
+def test_bad_credentials_are_a_clear_error(root, monkeypatch):
+    """A server that checks credentials (moto with INITIAL_NO_AUTH_ACTION_COUNT=0 refuses
+    keys it does not know)."""
+    _require_moto()
+    m = Moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0",
+            "AWS_SECRET_ACCESS_KEY": "wrong",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": m.url,
+            "AWS_ALLOW_HTTP": "true",
+        }.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(RemoteError) as e:
+            open_ck(root, "s3://some-bucket/x")
+        msg = str(e.value)
+        assert "s3://some-bucket/x" in msg and "AWS_ACCESS_KEY_ID" in msg, msg
+    finally:
+        m.stop()
+
+
+class FaultProxy:
+    """An HTTP proxy in front of moto that answers 503 to every upload of a multipart
+    part numbered `fail_part` or more, while armed."""
+
+    def __init__(self, upstream_port: int, fail_part: int):
+        self.fail_part = fail_part
+        self.armed = True
+        self.failed = 0
+        proxy = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                part = int(q.get("partNumber", ["0"])[0])
+                if self.command == "PUT" and proxy.armed and part >= proxy.fail_part:
+                    proxy.failed += 1
+                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                c = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items()}
+                c.request(self.command, self.path, body=body, headers=headers)
+                r = c.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                head = self.command == "HEAD"
+                for k, v in r.getheaders():
+                    # A HEAD answer keeps the object's length; other answers carry `data`.
+                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+                c.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, root, monkeypatch):
+    client, bucket = s3
+    proxy = FaultProxy(moto.port, fail_part=2)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/f"
+        # 20 MiB of float32: two 16 MiB parts, the second refused.
+        big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            h = ck.save(1, big)
+            h.wait()  # the local tier is not held back
+            with pytest.raises(RemoteFailed) as e:
+                h.wait_remote()
+            assert "remote copy of step 1 failed" in str(e.value), str(e.value)
+            assert proxy.failed >= 1
+            assert ck.list() == [1]
+            assert ck.list(remote=True) == []
+            assert keys(client, bucket) == []
+            # The multipart upload was aborted.
+            assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+            proxy.armed = False
+            h = ck.save(2, big)
+            h.wait()
+            assert h.wait_remote()["step"] == 2
+            assert ck.list(remote=True) == [2]
+            got = ck.load(2, source="remote")
+            assert torch.equal(got["w"], big["w"])
+    finally:
+        proxy.stop()
