@@ -723,15 +723,16 @@ class Checkpointer:
             elif dev is not None and dev.type != "cuda":
                 raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
         if where == "remote":
-            m, entry = _remote.rank_entry(self, s)
-            tree = _remote.skeleton(self, s, m)
+            # Read into host buffers (checked); the skeleton is the rank file's header's.
+            _, _, file_meta, tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = {"tensors": [{"name": n, "dtype": d} for n, d, _, _ in tensors]}
         else:
             _, entry = self._rank_entry(s)
             tree = self._skeleton(s, entry)
         objs: Dict[str, Any] = {}
         if where == "remote":
-            # Read into host buffers (checked), then copied to the device if asked.
-            _, _, _, tensors = self._engine.load_remote(s)
+            # Copied to the device if asked.
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
             if dev is not None:

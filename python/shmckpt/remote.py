@@ -12,7 +12,6 @@ back to it when the local disk holds no checkpoint (or not the requested step).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from . import _state
@@ -21,7 +20,7 @@ from .errors import ConfigError, CorruptError, NotFound
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
-__all__ = ["SOURCES", "resolve", "rank_entry", "skeleton"]
+__all__ = ["SOURCES", "resolve", "skeleton"]
 
 #: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
 #: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
@@ -62,20 +61,11 @@ def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
     return steps[-1]
 
 
-def rank_entry(ck: "Checkpointer", step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """The bucket's manifest of ``step`` and this rank's file entry in it."""
-    m = json.loads(ck._engine.remote_manifest(step))
-    for f in m["files"]:
-        if f["rank"] == ck.rank:
-            return m, f
-    raise NotFound(f"checkpoint step {step} in {ck.remote} has no file of rank {ck.rank}")
-
-
-def skeleton(ck: "Checkpointer", step: int, manifest: Dict[str, Any]) -> Optional[Any]:
-    """The state skeleton saved with ``step`` (the manifest keeps the save's metadata,
-    the same text as the file header's), or ``None`` for a checkpoint not written by this
+def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Optional[Any]:
+    """The state skeleton this rank saved with ``step``, from its file's header metadata
+    (as a local load reads it), or ``None`` for a checkpoint not written by this
     package."""
-    text = manifest.get("metadata", {}).get(_state.STATE_KEY)
+    text = file_meta.get(_state.STATE_KEY)
     if text is None:
         return None
     try:

@@ -302,3 +302,159 @@ def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, r
             assert torch.equal(got["w"], big["w"])
     finally:
         proxy.stop()
+
+
+def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path):
+    """Each rank uploads its own file; the step is committed in the bucket once, after
+    both objects are complete (exactly one rank writes the manifest)."""
+    import json
+
+    client, bucket = s3
+    url = f"s3://{bucket}/dist"
+    world = 2
+    port = _free_port()
+    outs = [tmp_path / f"out{r}.json" for r in range(world)]
+    worker = str(os.path.join(os.path.dirname(__file__), "remote_worker.py"))
+    procs = [
+        subprocess.Popen([sys.executable, worker, str(root), url, str(r), str(world), str(port), str(outs[r])])
+        for r in range(world)
+    ]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * world
+    res = [json.loads(o.read_text()) for o in outs]
+    for r in res:
+        assert r["remote"] == [5, 6] and r["ok"] == [True, True] and r["source"] == "remote", r
+    # Per step, exactly one rank created the manifest.
+    for i in range(2):
+        assert sorted(r["committed_here"][i] for r in res) == [False, True], res
+    assert keys(client, bucket, "dist/step-6/") == [
+        "dist/step-6/manifest.json",
+        "dist/step-6/rank-00000-of-00002.safetensors",
+        "dist/step-6/rank-00000.manifest.json",
+        "dist/step-6/rank-00001-of-00002.safetensors",
+        "dist/step-6/rank-00001.manifest.json",
+    ]
+    import json as _json
+
+    m = _json.loads(client.get_object(Bucket=bucket, Key="dist/step-6/manifest.json")["Body"].read())
+    assert m["world_size"] == 2 and [f["rank"] for f in m["files"]] == [0, 1]
+
+
+def _cli(*args):
+    from conftest import shmckpt_bin
+
+    exe = shmckpt_bin()
+    if exe is None:
+        pytest.fail("no shmckpt binary: cargo build --bin shmckpt, or set SHMCKPT_BIN")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_inspect_verify_gc_on_a_bucket(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/cli"
+    with open_ck(root, url) as ck:
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step, 4096))
+            h.wait()
+            h.wait_remote()
+    r = _cli("inspect", url)
+    assert r.returncode == 0, r.stderr
+    lines = [l.split() for l in r.stdout.splitlines()[1:]]
+    assert [l[0] for l in lines] == ["1", "2", "3"] and all(l[-1] == f"{url}/step-{l[0]}" for l in lines), r.stdout
+    r = _cli("inspect", f"{url}/step-2", "--tensors", "0")
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint {url}/step-2" in r.stdout and "model.w" in r.stdout, r.stdout
+    r = _cli("verify", url, "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [l.split()[0:2] for l in r.stdout.splitlines()] == [["OK", f"{url}/step-{s}"] for s in (1, 2, 3)]
+    # A flipped byte in step 2's object: verify names it and fails.
+    key = "cli/step-2/rank-00000-of-00001.safetensors"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-3] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    r = _cli("verify", url, "--step", "2")
+    assert r.returncode != 0
+    assert r.stdout.startswith(f"FAIL {url}/step-2:") and "fails its checksum" in r.stdout, r.stdout
+    # Leftovers of an interrupted upload (no manifest): gc removes them, and retention.
+    client.put_object(Bucket=bucket, Key="cli/step-9/rank-00000-of-00001.safetensors", Body=b"x" * 100)
+    client.put_object(Bucket=bucket, Key="cli/step-9/rank-00000.manifest.json", Body=b"{}")
+    r = _cli("gc", url, "--keep", "2")
+    assert r.returncode == 0, r.stderr
+    assert "removed 0 object(s)" in r.stdout  # younger than --min-age (1 h)
+    assert "removed 1 checkpoint(s) [1]; kept the newest 2" in r.stdout, r.stdout
+    assert "cli/step-9/rank-00000.manifest.json" in keys(client, bucket)
+    r = _cli("gc", url, "--keep", "2", "--min-age", "0")
+    assert r.returncode == 0, r.stderr
+    assert f"removed uncommitted {url}/step-9" in r.stdout, r.stdout
+    assert "removed 2 object(s), 102 B" in r.stdout and "removed 0 checkpoint(s)" in r.stdout, r.stdout
+    assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-2", "step-3"}
+
+
+KILL_CHILD = r"""
+import sys, torch, shmckpt
+root, url = sys.argv[1], sys.argv[2]
+ck = shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url)
+h = ck.save(1, {"w": torch.arange(5 << 20, dtype=torch.float32)})
+h.wait()
+print("committed", flush=True)
+h.wait_remote()
+print("uploaded?!", flush=True)
+"""
+
+
+def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkeypatch):
+    """SIGKILL while the second part of the upload is held by the server: nothing of the
+    step is visible in the bucket, and the next trainer's save of the same step commits.
+    (The multipart upload the killed process opened stays open on the server: object_store
+    cannot list those; a bucket lifecycle rule removes them.)"""
+    client, bucket = s3
+    hold = threading.Event()
+    release = threading.Event()
+    # A proxy that fails nothing, and holds part 2 until released (the child is killed
+    # meanwhile).
+    proxy = FaultProxy(moto.port, fail_part=10**9)
+    orig = proxy.server.RequestHandlerClass._any
+
+    def held(self):
+        q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if self.command == "PUT" and q.get("partNumber") == ["2"] and not release.is_set():
+            hold.set()
+            release.wait(60)
+        return orig(self)
+
+    proxy.server.RequestHandlerClass.do_PUT = held
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    url = f"s3://{bucket}/kill"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(root), url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout.readline().strip() == "committed"
+        assert hold.wait(60), "the upload never reached part 2"
+        child.kill()
+        child.wait(30)
+    finally:
+        release.set()
+        if child.poll() is None:
+            child.kill()
+    try:
+        assert keys(client, bucket, "kill/") == []
+        uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        assert [u["Key"] for u in uploads] == ["kill/step-1/rank-00000-of-00001.safetensors"]
+        # The next trainer: the local step 1 exists, so it saves step 2, which commits.
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            assert ck.list() == [1] and ck.list(remote=True) == []
+            h = ck.save(2, {"w": torch.ones(1 << 20)})
+            h.wait()
+            assert h.wait_remote()["step"] == 2
+            assert ck.list(remote=True) == [2]
+    finally:
+        proxy.stop()

@@ -10,7 +10,7 @@ use object_store::ObjectStoreExt;
 
 use super::Remote;
 use crate::error::{Error, Result};
-use crate::manifest::{FileEntry, Manifest};
+use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::restore::header::{check_header_json, header_len};
 use crate::restore::{Checkpoint, Discard, ReadSink, for_pieces};
 use crate::tensor::{AlignedBytes, LoadedTensor};
@@ -59,7 +59,7 @@ impl Remote {
                 format!("no file for rank {rank}"),
             )
         })?;
-        let bytes = self.read_entry(step, entry, sink)?;
+        let (bytes, _) = self.read_entry(step, entry, sink)?;
         let load = RemoteLoad {
             step,
             bytes,
@@ -68,7 +68,13 @@ impl Remote {
         Ok((m, load))
     }
 
-    fn read_entry(&self, step: u64, entry: &FileEntry, sink: &mut dyn ReadSink) -> Result<u64> {
+    /// Read one rank's object; returns its bytes and its header's `__metadata__`.
+    fn read_entry(
+        &self,
+        step: u64,
+        entry: &FileEntry,
+        sink: &mut dyn ReadSink,
+    ) -> Result<(u64, Metadata)> {
         let key = self.key(step, &entry.file);
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
@@ -111,7 +117,12 @@ impl Remote {
             if hdr.len() as u64 != n {
                 return Err(Error::corrupt(&path, None, "short read of the header"));
             }
-            check_header_json(&hdr, &path, entry)?;
+            let header = check_header_json(&hdr, &path, entry)?;
+            let file_meta: Metadata = header
+                .metadata()
+                .as_ref()
+                .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+                .unwrap_or_default();
             // The data section, in order, `concurrency` ranges in flight.
             let data_len = entry.bytes - entry.data_start;
             let ranges: Vec<_> = (0..data_len.div_ceil(part))
@@ -158,12 +169,13 @@ impl Remote {
                     });
                 }
             }
-            Ok(entry.bytes)
+            Ok((entry.bytes, file_meta))
         })
     }
 
     /// Load `rank`'s tensors of committed step `step` into owned buffers, every checksum
-    /// verified.
+    /// verified. The checkpoint's metadata is the rank file's (its safetensors header's
+    /// `__metadata__`).
     pub fn load(&self, step: u64, rank: u32) -> Result<(Checkpoint, RemoteLoad)> {
         let m = self.manifest(step)?;
         let entry = m.file_of_rank(rank).ok_or_else(|| {
@@ -194,7 +206,7 @@ impl Remote {
                 .collect::<Result<_>>()?,
         };
         let t = Instant::now();
-        let bytes = self.read_entry(step, entry, &mut sink)?;
+        let (bytes, file_meta) = self.read_entry(step, entry, &mut sink)?;
         let tensors = entry
             .tensors
             .iter()
@@ -213,7 +225,9 @@ impl Remote {
                 self.url.trim_end_matches('/'),
                 crate::manifest::step_dir_name(step)
             )),
-            metadata: m.metadata.clone(),
+            // This rank's file's metadata (its header's): with several ranks, the manifest
+            // holds the committing rank's.
+            metadata: file_meta,
             tensors,
         };
         Ok((
@@ -252,7 +266,7 @@ impl Remote {
             .map(|&i| slots[i].take().expect("each destination used once"))
             .collect();
         let mut sink = crate::restore::sink::HostSink { dest: ordered };
-        let bytes = self.read_entry(step, entry, &mut sink)?;
+        let (bytes, _) = self.read_entry(step, entry, &mut sink)?;
         Ok(RemoteLoad {
             step,
             bytes,
@@ -266,7 +280,7 @@ impl Remote {
         let m = self.manifest(step)?;
         let mut total = 0u64;
         for f in &m.files {
-            total = total.saturating_add(self.read_entry(step, f, &mut Discard)?);
+            total = total.saturating_add(self.read_entry(step, f, &mut Discard)?.0);
         }
         Ok(total)
     }

@@ -53,7 +53,7 @@ pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Res
     let mut hdr = vec![0u8; n as usize];
     file.read_exact_at(&mut hdr, 8)
         .map_err(|e| Error::io_at("read", path, 8, e))?;
-    check_header_json(&hdr, path, entry)
+    check_header_json(&hdr, path, entry).map(|_| ())
 }
 
 /// The header length that the file's first 8 bytes give, checked against the format's
@@ -81,8 +81,13 @@ pub(crate) fn header_len(n8: [u8; 8], path: &Path, entry: &FileEntry) -> Result<
     Ok(n)
 }
 
-/// Check a safetensors header's JSON (the bytes after the length) against `entry`.
-pub(crate) fn check_header_json(hdr: &[u8], path: &Path, entry: &FileEntry) -> Result<()> {
+/// Check a safetensors header's JSON (the bytes after the length) against `entry`;
+/// returns the parsed header.
+pub(crate) fn check_header_json(
+    hdr: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<safetensors::tensor::Metadata> {
     let meta: safetensors::tensor::Metadata = serde_json::from_slice(hdr)
         .map_err(|e| Error::corrupt(path, None, format!("invalid safetensors header: {e}")))?;
     let data_len = entry.bytes - entry.data_start;
@@ -125,5 +130,5 @@ pub(crate) fn check_header_json(hdr: &[u8], path: &Path, entry: &FileEntry) -> R
             ));
         }
     }
-    Ok(())
+    Ok(meta)
 }
