@@ -53,7 +53,7 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 pub const DEFAULT_RETRIES: usize = 3;
 
 /// How the remote tier talks to the bucket.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RemoteOptions {
     /// Bytes per multipart part and per ranged GET: 5 MiB (S3's smallest part) to 1 GiB.
     /// Default 16 MiB.
@@ -65,6 +65,30 @@ pub struct RemoteOptions {
     pub retries: usize,
     /// Time after which a request is no longer retried. Default 30 s.
     pub retry_timeout: Duration,
+    /// Settings applied over the environment's, as object_store's `AmazonS3ConfigKey`
+    /// names (`aws_endpoint`, `aws_access_key_id`, `aws_secret_access_key`, `aws_region`,
+    /// `aws_allow_http`, ...). Default none.
+    pub config: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for RemoteOptions {
+    /// The `config` keys only: their values may be secrets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteOptions")
+            .field("part_size", &self.part_size)
+            .field("concurrency", &self.concurrency)
+            .field("retries", &self.retries)
+            .field("retry_timeout", &self.retry_timeout)
+            .field(
+                "config",
+                &self
+                    .config
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 impl Default for RemoteOptions {
@@ -74,6 +98,7 @@ impl Default for RemoteOptions {
             concurrency: DEFAULT_CONCURRENCY,
             retries: DEFAULT_RETRIES,
             retry_timeout: Duration::from_secs(30),
+            config: Vec::new(),
         }
     }
 }
@@ -136,14 +161,13 @@ impl RemoteUrl {
             .strip_prefix("s3://")
             .ok_or_else(|| bad("must start with s3://"))?;
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        if bucket.is_empty()
-            || bucket.len() > 63
+        if !(3..=63).contains(&bucket.len())
             || !bucket
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
         {
             return Err(bad(
-                "the bucket name must be 1..=63 lowercase letters, digits, '-' or '.'",
+                "the bucket name must be 3..=63 lowercase letters, digits, '-' or '.'",
             ));
         }
         let prefix = prefix.trim_end_matches('/');
@@ -249,6 +273,12 @@ impl Remote {
         // `AWS_DEFAULT_REGION` and `AWS_REGION` alike, but be explicit.
         if let Ok(region) = std::env::var("AWS_REGION") {
             builder = builder.with_region(region);
+        }
+        for (k, v) in &opts.config {
+            let key = k
+                .parse::<object_store::aws::AmazonS3ConfigKey>()
+                .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
+            builder = builder.with_config(key, v);
         }
         let store = builder
             .build()

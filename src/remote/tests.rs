@@ -440,15 +440,16 @@ fn urls_are_parsed_strictly() {
         ("bucket-1", "run/a")
     );
     assert_eq!(u.to_string(), "s3://bucket-1/run/a");
-    assert_eq!(RemoteUrl::parse("s3://b").unwrap().prefix, "");
+    assert_eq!(RemoteUrl::parse("s3://bkt").unwrap().prefix, "");
     for bad in [
         "/tmp/x",
         "s3://",
+        "s3://bk/x",
         "s3://Bucket/x",
-        "s3://b/a//c",
-        "s3://b/../x",
-        "s3://b/step-3",
-        "gs://b/x",
+        "s3://bkt/a//c",
+        "s3://bkt/../x",
+        "s3://bkt/step-3",
+        "gs://bkt/x",
     ] {
         assert!(
             matches!(RemoteUrl::parse(bad), Err(Error::Config(_))),

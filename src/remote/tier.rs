@@ -324,6 +324,13 @@ impl RemoteTier {
     }
 }
 
+impl Drop for RemoteTier {
+    /// An engine whose open failed after the tier started never calls `close`.
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 fn run(
     remote: &Remote,
     job: &Job,
