@@ -68,6 +68,8 @@ pub struct EngineConfig {
     pub(crate) remote_options: crate::remote::RemoteOptions,
     #[cfg(feature = "s3")]
     pub(crate) remote_max_pending: usize,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_only: bool,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
@@ -104,6 +106,8 @@ impl EngineConfig {
             remote_options: crate::remote::RemoteOptions::default(),
             #[cfg(feature = "s3")]
             remote_max_pending: crate::remote::tier::DEFAULT_MAX_PENDING,
+            #[cfg(feature = "s3")]
+            remote_only: false,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -295,6 +299,17 @@ impl EngineConfig {
         self
     }
 
+    /// Remote only: the root is this rank's private scratch directory, not a checkpoint
+    /// tier. Each save's file is still written there (the upload reads it: it is not yet
+    /// fed from the staging arena), and removed from it as soon as the uploader holds it
+    /// open, so the disk keeps no checkpoint and its space is freed when the upload ends;
+    /// loads come from the bucket. Needs [`EngineConfig::with_remote`]. Default false.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_only(mut self, on: bool) -> Self {
+        self.remote_only = on;
+        self
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory
@@ -348,6 +363,12 @@ impl EngineConfig {
             )));
         }
         check_device_read(self.device_read, self.device_read_depth)?;
+        #[cfg(feature = "s3")]
+        if self.remote_only && self.remote.is_none() {
+            return Err(Error::Config(
+                "remote_only needs a remote (with_remote)".into(),
+            ));
+        }
         #[cfg(feature = "s3")]
         if self.remote.is_some() {
             if self.remote_keep_last == Some(0) {

@@ -55,6 +55,7 @@ class Engine:
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
+        remote_only: bool = False,
     ) -> None: ...
     def save(
         self,

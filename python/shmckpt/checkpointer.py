@@ -343,25 +343,36 @@ class Checkpointer:
         self.root = os.fspath(root)
         #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
         self.remote = remote
-        self._engine = _shmckpt.Engine(
-            self.root,
-            rank=self.rank,
-            world_size=self.world_size,
-            staging_capacity=staging_capacity,
-            chunk_size=chunk_size,
-            writer_threads=writer_threads,
-            queue_depth=queue_depth,
-            copy_threads=copy_threads,
-            direct_io=direct_io,
-            keep_last=keep_last,
-            shm_name=shm_name,
-            max_inflight_saves=max_inflight_saves,
-            recover_on_open=recover_on_open,
-            keep_in_memory=bool(keep_in_memory),
-            remote=remote,
-            remote_keep_last=remote_keep_last,
-            remote_max_pending=remote_max_pending,
-        )
+        # Remote only (`Checkpointer("s3://...")`): a private scratch directory as the
+        # engine's root, emptied after each upload started (see shmckpt.remote).
+        self._scratch, engine_root, remote_only = _remote.scratch_for(self.root, remote)
+        if remote_only:
+            self.remote = self.root
+        try:
+            self._engine = _shmckpt.Engine(
+                engine_root,
+                rank=self.rank,
+                world_size=self.world_size,
+                staging_capacity=staging_capacity,
+                chunk_size=chunk_size,
+                writer_threads=writer_threads,
+                queue_depth=queue_depth,
+                copy_threads=copy_threads,
+                direct_io=direct_io,
+                keep_last=keep_last,
+                shm_name=shm_name,
+                max_inflight_saves=max_inflight_saves,
+                recover_on_open=recover_on_open,
+                keep_in_memory=bool(keep_in_memory),
+                remote=self.remote,
+                remote_keep_last=remote_keep_last,
+                remote_max_pending=remote_max_pending,
+                remote_only=remote_only,
+            )
+        except BaseException:
+            if self._scratch is not None:
+                _remote.remove_scratch(self._scratch)
+            raise
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
         self._pending: List[SaveHandle] = []
@@ -397,6 +408,9 @@ class Checkpointer:
         for h in self._pending:
             h._release()
         self._pending.clear()
+        if self._scratch is not None:
+            _remote.remove_scratch(self._scratch)
+            self._scratch = None
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -8,10 +8,18 @@ committed save to the bucket; ``SaveHandle.wait_remote()`` waits for the step to
 committed there; ``Checkpointer.list(remote=True)`` lists the bucket;
 ``Checkpointer.load(step, source="remote")`` reads from it, and ``load("latest")`` falls
 back to it when the local disk holds no checkpoint (or not the requested step).
+
+``Checkpointer("s3://bucket/prefix")`` is remote only: the engine writes each save's file
+to a private scratch directory (the upload reads it there: the upload is not yet fed from
+the staging arena) and removes it as soon as the uploader holds it open, so no checkpoint
+stays on disk; loads come from the bucket. The scratch directory is made with
+``tempfile.mkdtemp`` (``TMPDIR``) and removed by ``close``.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from . import _state
@@ -20,7 +28,7 @@ from .errors import ConfigError, CorruptError, NotFound
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
-__all__ = ["SOURCES", "resolve", "skeleton"]
+__all__ = ["SOURCES", "resolve", "skeleton", "scratch_for", "remove_scratch"]
 
 #: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
 #: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
@@ -74,3 +82,20 @@ def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Option
         raise CorruptError(
             f"{ck.remote}/step-{step}: malformed {_state.STATE_KEY} metadata: {e}"
         ) from None
+
+
+def scratch_for(root: str, remote: Optional[str]) -> Tuple[Optional[str], str, bool]:
+    """For a ``Checkpointer`` root: ``(scratch directory or None, the engine's root,
+    remote only)``. A root of ``s3://...`` is remote only (``remote`` must then be
+    unset)."""
+    if not root.startswith("s3://"):
+        return None, root, False
+    if remote is not None:
+        raise ConfigError(f"root {root!r} is a bucket: give remote=... only with a local root")
+    scratch = tempfile.mkdtemp(prefix="shmckpt-scratch-")
+    return scratch, scratch, True
+
+
+def remove_scratch(path: str) -> None:
+    """Remove a remote-only checkpointer's scratch directory (and what is left in it)."""
+    shutil.rmtree(path, ignore_errors=True)

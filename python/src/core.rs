@@ -32,6 +32,7 @@ pub struct EngineOpts {
     pub remote: Option<String>,
     pub remote_keep_last: Option<usize>,
     pub remote_max_pending: Option<usize>,
+    pub remote_only: bool,
 }
 
 /// Open an engine.
@@ -77,6 +78,7 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if let Some(n) = o.remote_max_pending {
             cfg = cfg.with_remote_max_pending(n);
         }
+        cfg = cfg.with_remote_only(o.remote_only);
     }
     cfg.build()
 }

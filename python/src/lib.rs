@@ -113,7 +113,8 @@ impl PyEngine {
     #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
-        keep_in_memory=None, remote=None, remote_keep_last=None, remote_max_pending=None))]
+        keep_in_memory=None, remote=None, remote_keep_last=None, remote_max_pending=None,
+        remote_only=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -134,6 +135,7 @@ impl PyEngine {
         remote: Option<String>,
         remote_keep_last: Option<usize>,
         remote_max_pending: Option<usize>,
+        remote_only: bool,
     ) -> PyResult<Self> {
         let opts = EngineOpts {
             root,
@@ -153,6 +155,7 @@ impl PyEngine {
             remote,
             remote_keep_last,
             remote_max_pending,
+            remote_only,
         };
         let engine = py.detach(|| core::open(opts)).map_err(|e| to_py(py, e))?;
         Ok(PyEngine {

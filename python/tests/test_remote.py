@@ -458,3 +458,34 @@ def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkey
             assert ck.list(remote=True) == [2]
     finally:
         proxy.stop()
+
+
+def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_path):
+    """`Checkpointer("s3://...")`: every save goes to the bucket; the scratch directory
+    holds no checkpoint after the upload started and is removed by close."""
+    client, bucket = s3
+    scratch_parent = tmp_path / "tmp"
+    scratch_parent.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch_parent))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    url = f"s3://{bucket}/only"
+    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20, remote_keep_last=2) as ck:
+        assert ck.remote == url
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step, 2048))
+            h.wait()
+            assert h.wait_remote()["step"] == step
+        scratch = ck._scratch
+        assert [p.name for p in scratch_parent.iterdir()] == [os.path.basename(scratch)]
+        left = sorted(os.listdir(scratch))
+        assert all(n.startswith(".shmckpt-rank-") for n in left), left
+        assert ck.list() == [] and ck.list(remote=True) == [2, 3]
+        same(ck.load("latest"), state(3, 2048))
+        assert ck.last_load_source == ("remote", None)
+    assert list(scratch_parent.iterdir()) == []
+    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+        same(ck.load(2), state(2, 2048))
+    with pytest.raises(shmckpt.ConfigError):
+        shmckpt.Checkpointer(url, remote=url)

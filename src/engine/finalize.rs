@@ -96,7 +96,16 @@ fn remote_copy(
     let opened = crate::fsx::open_path(&report.file, false)
         .or_else(|_| crate::fsx::open_path(&committed, false));
     match opened {
-        Ok(f) => tier.submit(progress.clone(), f, entry, st.metadata.clone()),
+        Ok(f) => {
+            if st.shared.cfg.remote_only {
+                // The uploader reads through its descriptor: the scratch copy goes now.
+                let dir = report.dir.clone().unwrap_or_else(|| st.partial.clone());
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "could not remove the scratch copy of a remote-only save");
+                }
+            }
+            tier.submit(progress.clone(), f, entry, st.metadata.clone())
+        }
         Err(e) => progress.fail(e),
     }
 }
