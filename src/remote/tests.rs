@@ -457,3 +457,52 @@ fn urls_are_parsed_strictly() {
         );
     }
 }
+
+/// Backpressure: with one save allowed to wait behind a slow upload, a burst of saves
+/// skips the intermediate steps (reported on their progress), uploads the first and the
+/// newest, and the local tier commits all of them without waiting.
+#[test]
+fn a_slow_bucket_skips_intermediate_steps() {
+    use object_store::throttle::{ThrottleConfig, ThrottledStore};
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let slow = ThrottledStore::new(
+        Arc::clone(&mem),
+        ThrottleConfig {
+            wait_put_per_call: std::time::Duration::from_millis(400),
+            ..ThrottleConfig::default()
+        },
+    );
+    let engine = small(dir.path(), Arc::new(slow))
+        .with_remote_max_pending(1)
+        .build()
+        .unwrap();
+    let s = state(9);
+    let t = std::time::Instant::now();
+    let mut progress = Vec::new();
+    for step in 1..=4 {
+        let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
+        progress.push(h.remote().unwrap());
+        h.wait().unwrap();
+    }
+    // The local tier did not wait for the bucket (one upload takes >= 4 throttled puts).
+    let local = t.elapsed();
+    let results: Vec<_> = progress.iter().map(|p| p.wait()).collect();
+    assert!(
+        local < std::time::Duration::from_millis(1600),
+        "local saves took {local:?}"
+    );
+    assert_eq!(results[0].as_ref().unwrap().step, 1);
+    for (i, r) in results.iter().enumerate().take(3).skip(1) {
+        match r {
+            Err(Error::RemoteSkipped { step, reason }) => {
+                assert_eq!(*step, i as u64 + 1);
+                assert!(reason.contains("remote_max_pending"), "{reason}");
+            }
+            other => panic!("step {}: {other:?}", i + 1),
+        }
+    }
+    assert_eq!(results[3].as_ref().unwrap().step, 4);
+    assert_eq!(engine.list_remote().unwrap(), vec![1, 4]);
+    engine.close();
+}

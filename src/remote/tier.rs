@@ -117,7 +117,8 @@ impl RemoteProgress {
 
     /// Block until the step is committed in the bucket (or this rank's upload failed or
     /// was skipped). With several ranks, a rank whose upload was not the last waits for
-    /// the manifest to appear, up to [`COMMIT_WAIT`].
+    /// the manifest to appear, up to [`COMMIT_WAIT`]. Errors: [`Error::RemoteFailed`] (its
+    /// source says why), [`Error::RemoteSkipped`] (backpressure).
     pub fn wait(&self) -> Result<RemoteReport> {
         match self.wait_timeout(None) {
             Some(r) => r,
@@ -129,7 +130,14 @@ impl RemoteProgress {
     pub fn wait_timeout(&self, timeout: Option<Duration>) -> Option<Result<RemoteReport>> {
         let deadline = timeout.map(|d| Instant::now() + d);
         let step = self.t.step;
-        let fail = |source: Arc<Error>| Error::RemoteFailed { step, source };
+        // A skipped copy is reported as such; anything else as a failed copy.
+        let fail = |source: Arc<Error>| match &*source {
+            Error::RemoteSkipped { step, reason } => Error::RemoteSkipped {
+                step: *step,
+                reason: reason.clone(),
+            },
+            _ => Error::RemoteFailed { step, source },
+        };
         let mut rep = match self.own_result(timeout)? {
             Ok(r) => r,
             Err(e) => return Some(Err(fail(e))),
