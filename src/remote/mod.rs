@@ -353,9 +353,22 @@ impl Remote {
     /// Upload one rank's committed file (`len` bytes of `file`) as
     /// `step-N/<entry.file>` (a multipart upload, `part_size` parts, `concurrency` in
     /// flight; aborted on failure), then its manifest part. Returns the bytes uploaded.
+    ///
+    /// A step already committed in the bucket is never written to
+    /// ([`Error::StepExists`]): its objects would no longer match its manifest.
     pub fn upload_rank(&self, step: u64, file: &std::fs::File, entry: &FileEntry) -> Result<u64> {
         let key = self.key(step, &entry.file);
         self.rt.block_on(async {
+            match self.store.head(&self.key(step, MANIFEST)).await {
+                Ok(_) => {
+                    return Err(Error::StepExists {
+                        step,
+                        root: PathBuf::from(&self.url),
+                    });
+                }
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("head manifest", &e)),
+            }
             let upload = self
                 .store
                 .put_multipart(&key)

@@ -68,6 +68,35 @@ impl Remote {
         Ok((m, load))
     }
 
+    /// The object `key` has exactly the size `entry` says (checked before anything is
+    /// allocated or read on the manifest's word).
+    async fn check_size(&self, key: &object_store::path::Path, entry: &FileEntry) -> Result<()> {
+        let path = self.display(key);
+        let meta = self
+            .store
+            .head(key)
+            .await
+            .map_err(|e| self.err("head", &e))?;
+        if meta.size < entry.bytes {
+            return Err(Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual: meta.size,
+            });
+        }
+        if meta.size > entry.bytes {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!(
+                    "{} trailing bytes after the last tensor",
+                    meta.size - entry.bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Read one rank's object; returns its bytes and its header's `__metadata__`.
     fn read_entry(
         &self,
@@ -79,28 +108,7 @@ impl Remote {
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
         self.rt.block_on(async {
-            let meta = self
-                .store
-                .head(&key)
-                .await
-                .map_err(|e| self.err("head", &e))?;
-            if meta.size < entry.bytes {
-                return Err(Error::Truncated {
-                    path: path.clone(),
-                    expected: entry.bytes,
-                    actual: meta.size,
-                });
-            }
-            if meta.size > entry.bytes {
-                return Err(Error::corrupt(
-                    &path,
-                    None,
-                    format!(
-                        "{} trailing bytes after the last tensor",
-                        meta.size - entry.bytes
-                    ),
-                ));
-            }
+            self.check_size(&key, entry).await?;
             // The header: its length, then its JSON, against the manifest.
             let get = |r: std::ops::Range<u64>| {
                 let key = &key;
@@ -186,8 +194,10 @@ impl Remote {
             )
         })?;
         // Sizes come from a parsed manifest (offsets contiguous, each equal to its dtype and
-        // shape's size, summing to the object size): still, never allocate on a size that
-        // does not fit.
+        // shape's size, summing to the file size): the object must have that size before
+        // anything is allocated on the manifest's word.
+        self.rt
+            .block_on(self.check_size(&self.key(step, &entry.file), entry))?;
         let mut sink = Owned {
             bufs: entry
                 .tensors
