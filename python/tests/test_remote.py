@@ -215,11 +215,13 @@ def test_bad_credentials_are_a_clear_error(root, monkeypatch):
 
 
 class FaultProxy:
-    """An HTTP proxy in front of moto that answers 503 to every upload of a multipart
-    part numbered `fail_part` or more, while armed."""
+    """An HTTP proxy in front of moto that fails every upload of a multipart part
+    numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the
+    connection without an answer (`mode="reset"`)."""
 
-    def __init__(self, upstream_port: int, fail_part: int):
+    def __init__(self, upstream_port: int, fail_part: int, mode: str = "503"):
         self.fail_part = fail_part
+        self.mode = mode
         self.armed = True
         self.failed = 0
         proxy = self
@@ -237,6 +239,10 @@ class FaultProxy:
                 part = int(q.get("partNumber", ["0"])[0])
                 if self.command == "PUT" and proxy.armed and part >= proxy.fail_part:
                     proxy.failed += 1
+                    if proxy.mode == "reset":
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                     msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(msg)))
@@ -273,9 +279,10 @@ class FaultProxy:
         self.server.server_close()
 
 
-def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, root, monkeypatch):
+@pytest.mark.parametrize("mode", ["503", "reset"])
+def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, root, monkeypatch, mode):
     client, bucket = s3
-    proxy = FaultProxy(moto.port, fail_part=2)
+    proxy = FaultProxy(moto.port, fail_part=2, mode=mode)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     try:
         url = f"s3://{bucket}/f"
