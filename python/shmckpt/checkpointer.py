@@ -740,7 +740,7 @@ class Checkpointer:
             # Read into host buffers (checked); the skeleton is the rank file's header's.
             _, _, file_meta, tensors = self._engine.load_remote(s)
             tree = _remote.skeleton(self, s, file_meta)
-            entry = {"tensors": [{"name": n, "dtype": d} for n, d, _, _ in tensors]}
+            entry = _remote.entry_of(tensors)
         else:
             _, entry = self._rank_entry(s)
             tree = self._skeleton(s, entry)
@@ -842,11 +842,19 @@ class Checkpointer:
         ``DestinationError`` listing every one. With ``strict=False`` missing and
         unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
-        through the staging memory with no host copy of your own.
+        through the staging memory with no host copy of your own. A step the local disk
+        does not hold is read from the bucket (``remote=...``) into host memory, checked,
+        then copied into the destinations.
         """
-        s = self._resolve(step)
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        s, where = _remote.resolve(self, _step_sel(step), None)
+        if where == "remote":
+            # Read (and checked) first; copied into the destinations after the planning.
+            _, _, file_meta, remote_tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(remote_tensors)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         aliases: Dict[str, str] = {}
         if tree is not None:
             for node in _state.tensor_nodes(tree):
@@ -900,7 +908,10 @@ class Checkpointer:
                 f"cannot load step {s} of {self.root} into the given state "
                 f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
-        self._read_into(s, entry, plan)
+        if where == "remote":
+            _remote.copy_into(remote_tensors, plan)
+        else:
+            self._read_into(s, entry, plan)
         return LoadResult(s, missing, unexpected)
 
     def _read_into(self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:

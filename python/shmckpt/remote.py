@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from . import _state
 from .errors import ConfigError, CorruptError, NotFound
@@ -28,7 +30,7 @@ from .errors import ConfigError, CorruptError, NotFound
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
-__all__ = ["SOURCES", "resolve", "skeleton", "scratch_for", "remove_scratch"]
+__all__ = ["SOURCES", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
 
 #: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
 #: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
@@ -99,3 +101,27 @@ def scratch_for(root: str, remote: Optional[str]) -> Tuple[Optional[str], str, b
 def remove_scratch(path: str) -> None:
     """Remove a remote-only checkpointer's scratch directory (and what is left in it)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def entry_of(tensors: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
+    """A file entry (names, dtypes, shapes) for tensors loaded from the bucket."""
+    return {"tensors": [{"name": n, "dtype": d, "shape": list(sh)} for n, d, sh, _ in tensors]}
+
+
+def copy_into(tensors: Sequence[Tuple[str, str, List[int], Any]], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:
+    """Copy tensors loaded from the bucket into ``load_into``'s destinations (``plan``:
+    stored name -> [(leaf, destination)], dtypes and shapes already matched)."""
+    import torch
+
+    with torch.no_grad():
+        for name, dtype, shape, buf in tensors:
+            dests = plan.get(name)
+            if not dests:
+                continue
+            raw = np.asarray(buf)
+            for _, d in dests:
+                if isinstance(d, np.ndarray):
+                    d[...] = raw.view(_state.ST_TO_NUMPY[dtype]).reshape(shape)
+                else:
+                    u8 = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
+                    d.copy_(u8.view(_state.ST_TO_TORCH[dtype]).reshape(shape))

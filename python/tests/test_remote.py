@@ -496,3 +496,21 @@ def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_pat
         same(ck.load(2), state(2, 2048))
     with pytest.raises(shmckpt.ConfigError):
         shmckpt.Checkpointer(url, remote=url)
+
+
+def test_load_into_falls_back_to_the_bucket(s3, root):
+    _, bucket = s3
+    url = f"s3://{bucket}/li"
+    st = state(5)
+    with open_ck(root, url) as ck:
+        h = ck.save(5, st)
+        h.wait()
+        h.wait_remote()
+    shutil.rmtree(root / "step-5")
+    with open_ck(root, url) as ck:
+        dest = {"model": {"w": torch.zeros_like(st["model"]["w"]), "b": torch.zeros(7, dtype=torch.int64)}}
+        res = ck.load_into(dest, strict=False)
+        assert res.step == 5 and res.missing_keys == [] and res.unexpected_keys == []
+        assert torch.equal(dest["model"]["w"], st["model"]["w"]) and torch.equal(dest["model"]["b"], st["model"]["b"])
+        with pytest.raises(shmckpt.DestinationError):
+            ck.load_into({"model": {"w": torch.zeros(3)}})

@@ -520,13 +520,23 @@ impl Engine {
     /// the step loaded.
     ///
     /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
-    /// is copied from memory (verified at adoption), like [`Engine::load`].
+    /// is copied from memory (verified at adoption), like [`Engine::load`]; with a remote
+    /// tier, a step not on disk is read from the bucket.
     pub fn load_into(
         &self,
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            // Not on disk: from the bucket, with a remote tier.
+            #[cfg(feature = "s3")]
+            Err(Error::NotFound { .. }) if self.remote().is_some() => {
+                return self.load_into_remote(which, dest).map(|r| r.step);
+            }
+            Err(e) => return Err(e),
+        };
         if let Ok((image, _, entry)) = self.memory_image(&info)? {
             let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
             let order = restore::match_destinations(&entry, &named)?;

@@ -230,6 +230,17 @@ fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     for (b, (_, d, _)) in bufs.iter().zip(&s) {
         assert_eq!(b, d);
     }
+    // And `load_into` falls back to the bucket.
+    let mut bufs: Vec<Vec<u8>> = s.iter().map(|(_, d, _)| vec![0x55; d.len()]).collect();
+    let mut dest: Vec<(&str, &mut [u8])> = s
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|((n, _, _), b)| (n.as_str(), b.as_mut_slice()))
+        .collect();
+    assert_eq!(engine.load_into(StepSel::Latest, &mut dest).unwrap(), 5);
+    for (b, (_, d, _)) in bufs.iter().zip(&s) {
+        assert_eq!(b, d);
+    }
     assert_eq!(engine.remote().unwrap().verify(5).unwrap(), local.bytes);
     engine.close();
 }
