@@ -70,6 +70,8 @@ pub struct EngineConfig {
     pub(crate) remote_max_pending: usize,
     #[cfg(feature = "s3")]
     pub(crate) remote_only: bool,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_session: Option<String>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
 }
@@ -108,6 +110,8 @@ impl EngineConfig {
             remote_max_pending: crate::remote::tier::DEFAULT_MAX_PENDING,
             #[cfg(feature = "s3")]
             remote_only: false,
+            #[cfg(feature = "s3")]
+            remote_session: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }
@@ -296,6 +300,18 @@ impl EngineConfig {
     #[cfg(feature = "s3")]
     pub fn with_remote_max_pending(mut self, n: usize) -> Self {
         self.remote_max_pending = n;
+        self
+    }
+
+    /// An identity shared by every rank of one run (e.g. a random id that rank 0
+    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`). It is
+    /// recorded in each rank's manifest part in the bucket, and a part of another session
+    /// does not count toward a commit: a step number re-used after an interrupted upload
+    /// never commits with a rank's stale object from the earlier run. Default `None`: any
+    /// part counts.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_session(mut self, session: Option<String>) -> Self {
+        self.remote_session = session;
         self
     }
 

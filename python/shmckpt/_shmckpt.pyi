@@ -56,6 +56,7 @@ class Engine:
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
         remote_only: bool = False,
+        remote_session: Optional[str] = None,
     ) -> None: ...
     def save(
         self,

@@ -348,6 +348,11 @@ class Checkpointer:
         self._scratch, engine_root, remote_only = _remote.scratch_for(self.root, remote)
         if remote_only:
             self.remote = self.root
+        # Ranks of one run share a session id, so that a rank's upload of an earlier run
+        # of the same step number never counts toward a commit in the bucket.
+        session = None
+        if self.remote is not None and self.world_size > 1 and rank is None and world_size is None:
+            session = _remote.shared_session()
         try:
             self._engine = _shmckpt.Engine(
                 engine_root,
@@ -368,6 +373,7 @@ class Checkpointer:
                 remote_keep_last=remote_keep_last,
                 remote_max_pending=remote_max_pending,
                 remote_only=remote_only,
+                remote_session=session,
             )
         except BaseException:
             if self._scratch is not None:

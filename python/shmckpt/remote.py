@@ -30,7 +30,7 @@ from .errors import ConfigError, CorruptError, NotFound
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
-__all__ = ["SOURCES", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
+__all__ = ["SOURCES", "shared_session", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
 
 #: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
 #: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
@@ -125,3 +125,15 @@ def copy_into(tensors: Sequence[Tuple[str, str, List[int], Any]], plan: Dict[str
                 else:
                     u8 = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
                     d.copy_(u8.view(_state.ST_TO_TORCH[dtype]).reshape(shape))
+
+
+def shared_session() -> str:
+    """A random id chosen by rank 0 and broadcast to every rank (``torch.distributed``
+    must be initialized): the remote session of this run's checkpointers."""
+    import uuid
+
+    import torch.distributed as dist
+
+    obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return str(obj[0])

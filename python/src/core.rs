@@ -33,6 +33,7 @@ pub struct EngineOpts {
     pub remote_keep_last: Option<usize>,
     pub remote_max_pending: Option<usize>,
     pub remote_only: bool,
+    pub remote_session: Option<String>,
 }
 
 /// Open an engine.
@@ -78,7 +79,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if let Some(n) = o.remote_max_pending {
             cfg = cfg.with_remote_max_pending(n);
         }
-        cfg = cfg.with_remote_only(o.remote_only);
+        cfg = cfg
+            .with_remote_only(o.remote_only)
+            .with_remote_session(o.remote_session);
     }
     cfg.build()
 }

@@ -114,7 +114,7 @@ impl PyEngine {
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
         keep_in_memory=None, remote=None, remote_keep_last=None, remote_max_pending=None,
-        remote_only=false))]
+        remote_only=false, remote_session=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -136,6 +136,7 @@ impl PyEngine {
         remote_keep_last: Option<usize>,
         remote_max_pending: Option<usize>,
         remote_only: bool,
+        remote_session: Option<String>,
     ) -> PyResult<Self> {
         let opts = EngineOpts {
             root,
@@ -156,6 +157,7 @@ impl PyEngine {
             remote_keep_last,
             remote_max_pending,
             remote_only,
+            remote_session,
         };
         let engine = py.detach(|| core::open(opts)).map_err(|e| to_py(py, e))?;
         Ok(PyEngine {

@@ -350,6 +350,14 @@ def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path):
 
     m = _json.loads(client.get_object(Bucket=bucket, Key="dist/step-6/manifest.json")["Body"].read())
     assert m["world_size"] == 2 and [f["rank"] for f in m["files"]] == [0, 1]
+    # Both ranks' parts carry the session rank 0 broadcast.
+    sessions = {
+        _json.loads(client.get_object(Bucket=bucket, Key=f"dist/step-6/rank-0000{r}.manifest.json")["Body"].read())[
+            "session"
+        ]
+        for r in range(2)
+    }
+    assert len(sessions) == 1 and len(sessions.pop()) == 32
 
 
 def _cli(*args):

@@ -171,6 +171,7 @@ impl Engine {
                     cfg.world_size,
                     cfg.remote_keep_last,
                     cfg.remote_max_pending,
+                    cfg.remote_session.clone(),
                 )?))
             }
             None => None,

@@ -197,6 +197,15 @@ impl std::fmt::Display for RemoteUrl {
     }
 }
 
+/// A rank's manifest part: its file entry, and the session of the run that wrote it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Part {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    session: Option<String>,
+    #[serde(flatten)]
+    entry: FileEntry,
+}
+
 /// Whether `root` names a bucket (`s3://...`) rather than a directory.
 pub fn is_remote(root: &str) -> bool {
     root.starts_with("s3://")
@@ -356,7 +365,16 @@ impl Remote {
     ///
     /// A step already committed in the bucket is never written to
     /// ([`Error::StepExists`]): its objects would no longer match its manifest.
-    pub fn upload_rank(&self, step: u64, file: &std::fs::File, entry: &FileEntry) -> Result<u64> {
+    ///
+    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_remote_session`])
+    /// is recorded in the manifest part.
+    pub fn upload_rank(
+        &self,
+        step: u64,
+        file: &std::fs::File,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<u64> {
         let key = self.key(step, &entry.file);
         self.rt.block_on(async {
             match self.store.head(&self.key(step, MANIFEST)).await {
@@ -406,7 +424,11 @@ impl Remote {
                     return Err(e);
                 }
             }
-            let part_json = serde_json::to_vec(entry).expect("manifest parts serialize");
+            let part = Part {
+                session: session.map(str::to_owned),
+                entry: entry.clone(),
+            };
+            let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
             let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
             self.store
                 .put(&pkey, PutPayload::from(part_json))
@@ -419,12 +441,14 @@ impl Remote {
     /// Commit `step` if every rank's part and object are present: write `manifest.json`
     /// with a conditional create. Returns the manifest when the step is committed (by this
     /// call or another rank's), `None` while a rank is missing. `created` is true when this
-    /// call wrote the manifest.
+    /// call wrote the manifest. With a `session`, a part recorded by another session (a
+    /// rank's upload of an earlier run that used the same step number) counts as missing.
     pub fn try_commit(
         &self,
         step: u64,
         world_size: u32,
         metadata: &Metadata,
+        session: Option<&str>,
     ) -> Result<Option<(Manifest, bool)>> {
         self.rt.block_on(async {
             let mkey = self.key(step, MANIFEST);
@@ -439,9 +463,13 @@ impl Remote {
                     Err(object_store::Error::NotFound { .. }) => return Ok(None),
                     Err(e) => return Err(self.err("get manifest part", &e)),
                 };
-                let f: FileEntry = serde_json::from_slice(&bytes).map_err(|e| {
+                let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
                     Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
                 })?;
+                if session.is_some() && part.session.as_deref() != session {
+                    return Ok(None); // that rank's part of this run is not there yet
+                }
+                let f = part.entry;
                 if f.rank != r || f.file != manifest::rank_file_name(r, world_size) {
                     return Err(Error::corrupt(
                         self.display(&pkey),

@@ -581,3 +581,50 @@ fn a_committed_step_is_never_overwritten() {
     assert_eq!(ck.tensors[0].data.as_bytes(), &s[0].1[..]);
     engine.close();
 }
+
+/// Two ranks on separate roots sharing one bucket. An earlier run ("old") had rank 1
+/// upload step 7 and died before rank 0 did; a new run ("new") saves step 7 again, rank 0
+/// first: rank 1's stale part must not count, so the step commits only with both of the
+/// new run's objects. Without sessions, rank 0 committed the stale rank-1 object.
+#[test]
+fn a_stale_part_of_an_earlier_run_never_commits() {
+    let mem = Arc::new(InMemory::new());
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let open = |rank: u32, session: &str| {
+        small(dirs[rank as usize].path(), mem.clone())
+            .with_rank(rank, 2)
+            .with_remote_session(Some(session.to_owned()))
+            .build()
+            .unwrap()
+    };
+    let save = |e: &crate::Engine, seed: u32| {
+        let s = state(seed);
+        let h = e.save(7, &tensors(&s), &Metadata::new()).unwrap();
+        let p = h.remote().unwrap();
+        h.wait().unwrap();
+        p
+    };
+    // The earlier run: only rank 1's object and part reach the bucket.
+    let old1 = open(1, "old");
+    let p = save(&old1, 100);
+    assert!(
+        p.wait_timeout(Some(std::time::Duration::from_millis(300)))
+            .is_none()
+    );
+    old1.close();
+    // The new run, rank 0 first: not committed (rank 1's part is of another session).
+    let (new0, new1) = (open(0, "new"), open(1, "new"));
+    let p0 = save(&new0, 1);
+    assert!(
+        p0.wait_timeout(Some(std::time::Duration::from_millis(300)))
+            .is_none()
+    );
+    assert_eq!(new0.list_remote().unwrap(), Vec::<u64>::new());
+    let p1 = save(&new1, 2);
+    let (r0, r1) = (p0.wait().unwrap(), p1.wait().unwrap());
+    assert!(!r0.committed_here && r1.committed_here);
+    let (ck, _) = new1.load_remote(7).unwrap();
+    assert_eq!(ck.tensors[0].data.as_bytes(), &state(2)[0].1[..]);
+    let (ck, _) = new0.load_remote(7).unwrap();
+    assert_eq!(ck.tensors[0].data.as_bytes(), &state(1)[0].1[..]);
+}

@@ -213,6 +213,7 @@ impl RemoteTier {
         world_size: u32,
         keep_last: Option<usize>,
         max_pending: usize,
+        session: Option<String>,
     ) -> Result<RemoteTier> {
         let queue: Arc<(Mutex<Queue>, Condvar)> = Arc::default();
         let q = Arc::clone(&queue);
@@ -235,7 +236,7 @@ impl RemoteTier {
                         }
                     };
                     let Some(job) = job else { return };
-                    let res = run(&r, &job, world_size, keep_last);
+                    let res = run(&r, &job, world_size, keep_last, session.as_deref());
                     if let Err(e) = &res {
                         tracing::error!(step = job.progress.step(), error = %e, "remote copy failed; nothing of this step is visible in the bucket");
                     }
@@ -344,24 +345,26 @@ fn run(
     job: &Job,
     world_size: u32,
     keep_last: Option<usize>,
+    session: Option<&str>,
 ) -> Result<RemoteReport> {
     let step = job.progress.step();
     let t = Instant::now();
-    let bytes = remote.upload_rank(step, &job.file, &job.entry)?;
+    let bytes = remote.upload_rank(step, &job.file, &job.entry, session)?;
     let upload = t.elapsed();
-    let (committed_here, retired) = match remote.try_commit(step, world_size, &job.metadata)? {
-        Some((_, true)) => {
-            let retired = match keep_last {
-                Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "bucket retention failed; older steps kept");
-                    Vec::new()
-                }),
-                None => Vec::new(),
-            };
-            (true, retired)
-        }
-        Some((_, false)) | None => (false, Vec::new()),
-    };
+    let (committed_here, retired) =
+        match remote.try_commit(step, world_size, &job.metadata, session)? {
+            Some((_, true)) => {
+                let retired = match keep_last {
+                    Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "bucket retention failed; older steps kept");
+                        Vec::new()
+                    }),
+                    None => Vec::new(),
+                };
+                (true, retired)
+            }
+            Some((_, false)) | None => (false, Vec::new()),
+        };
     Ok(RemoteReport {
         step,
         bytes,
