@@ -314,6 +314,13 @@ class Checkpointer:
     committed manifest, else from disk (the reason is logged). :attr:`last_load_source`
     says which path served a load. ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept
     arenas. Off by default: nothing is kept.
+
+    ``remote="s3://bucket/prefix"`` mirrors every committed save to a bucket (credentials
+    and endpoint from the AWS environment variables): ``handle.wait_remote()`` waits for
+    the step to be committed there, ``remote_keep_last`` is the bucket's retention,
+    ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
+    oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
+    back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
     """
 
     def __init__(
