@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -219,9 +220,10 @@ class FaultProxy:
     numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the
     connection without an answer (`mode="reset"`)."""
 
-    def __init__(self, upstream_port: int, fail_part: int, mode: str = "503"):
+    def __init__(self, upstream_port: int, fail_part: int, mode: str = "503", budget: Optional[int] = None):
         self.fail_part = fail_part
         self.mode = mode
+        self.budget = budget  # fail at most this many requests (None: every one)
         self.armed = True
         self.failed = 0
         proxy = self
@@ -237,7 +239,12 @@ class FaultProxy:
                 body = self.rfile.read(n) if n else None
                 q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                 part = int(q.get("partNumber", ["0"])[0])
-                if self.command == "PUT" and proxy.armed and part >= proxy.fail_part:
+                if (
+                    self.command == "PUT"
+                    and proxy.armed
+                    and part >= proxy.fail_part
+                    and (proxy.budget is None or proxy.failed < proxy.budget)
+                ):
                     proxy.failed += 1
                     if proxy.mode == "reset":
                         self.close_connection = True
@@ -522,3 +529,24 @@ def test_load_into_falls_back_to_the_bucket(s3, root):
         assert torch.equal(dest["model"]["w"], st["model"]["w"]) and torch.equal(dest["model"]["b"], st["model"]["b"])
         with pytest.raises(shmckpt.DestinationError):
             ck.load_into({"model": {"w": torch.zeros(3)}})
+
+
+@pytest.mark.parametrize("mode", ["503", "reset"])
+def test_transient_server_errors_are_retried(s3, moto, root, monkeypatch, mode):
+    """Two failed part uploads (the server briefly down or overloaded) are retried by
+    object_store: the step commits, byte for byte."""
+    client, bucket = s3
+    proxy = FaultProxy(moto.port, fail_part=1, mode=mode, budget=2)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/t"
+        big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            h = ck.save(1, big)
+            h.wait()
+            assert h.wait_remote()["step"] == 1
+            assert proxy.failed == 2
+            assert ck.list(remote=True) == [1]
+            assert torch.equal(ck.load(1, source="remote")["w"], big["w"])
+    finally:
+        proxy.stop()
