@@ -1,6 +1,7 @@
 """Child process of the multi-rank S3 test in test_remote.py (not a test module).
 
     python remote_worker.py ROOT URL RANK WORLD PORT OUT   # save to the bucket over gloo
+                                                          # (ROOT "-": remote only)
 """
 
 import json
@@ -17,7 +18,10 @@ from dist_worker import digest, rank_state
 def main(root, url, rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, remote=url)
+    if root == "-":
+        ck = shmckpt.Checkpointer(url, staging_capacity=8 << 20, chunk_size=1 << 20)
+    else:
+        ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, remote=url)
     res = {"committed_here": [], "ok": []}
     for step in (5, 6):
         h = ck.save(step, rank_state(rank, world, step))

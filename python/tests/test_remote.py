@@ -318,9 +318,11 @@ def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, r
         proxy.stop()
 
 
-def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path):
+@pytest.mark.parametrize("remote_only", [False, True])
+def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path, remote_only):
     """Each rank uploads its own file; the step is committed in the bucket once, after
-    both objects are complete (exactly one rank writes the manifest)."""
+    both objects are complete (exactly one rank writes the manifest). Remote only, each
+    rank has its own scratch directory: no shared disk at all."""
     import json
 
     client, bucket = s3
@@ -330,7 +332,9 @@ def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path):
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
     worker = str(os.path.join(os.path.dirname(__file__), "remote_worker.py"))
     procs = [
-        subprocess.Popen([sys.executable, worker, str(root), url, str(r), str(world), str(port), str(outs[r])])
+        subprocess.Popen(
+            [sys.executable, worker, "-" if remote_only else str(root), url, str(r), str(world), str(port), str(outs[r])]
+        )
         for r in range(world)
     ]
     try:
