@@ -330,10 +330,25 @@ impl Remote {
     /// List the prefix once: a missing bucket, refused credentials or an unreachable
     /// endpoint become a [`Error::Remote`] naming the cause.
     pub fn check(&self) -> Result<()> {
-        self.rt
-            .block_on(self.store.list_with_delimiter(Some(&self.prefix)))
-            .map(|_| ())
-            .map_err(|e| self.err("list", &e))
+        self.block(async {
+            self.store
+                .list_with_delimiter(Some(&self.prefix))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.err("list", &e))
+        })
+    }
+
+    /// Run `f` on the remote's runtime, blocking this thread; inside another tokio
+    /// runtime (where a nested `block_on` would panic) a [`Error::Config`] instead.
+    fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(Error::Config(format!(
+                "{}: the remote tier's calls block; call them from a plain thread, not from inside a tokio runtime",
+                self.url
+            )));
+        }
+        self.rt.block_on(f)
     }
 
     fn step_prefix(&self, step: u64) -> ObjPath {
@@ -376,7 +391,7 @@ impl Remote {
         session: Option<&str>,
     ) -> Result<u64> {
         let key = self.key(step, &entry.file);
-        self.rt.block_on(async {
+        self.block(async {
             match self.store.head(&self.key(step, MANIFEST)).await {
                 Ok(_) => {
                     return Err(Error::StepExists {
@@ -450,7 +465,7 @@ impl Remote {
         metadata: &Metadata,
         session: Option<&str>,
     ) -> Result<Option<(Manifest, bool)>> {
-        self.rt.block_on(async {
+        self.block(async {
             let mkey = self.key(step, MANIFEST);
             if let Some(m) = self.read_manifest_async(step).await? {
                 return Ok(Some((m, false)));
@@ -572,8 +587,7 @@ impl Remote {
 
     /// The manifest of committed step `step`.
     pub fn manifest(&self, step: u64) -> Result<Manifest> {
-        self.rt
-            .block_on(self.read_manifest_async(step))?
+        self.block(self.read_manifest_async(step))?
             .ok_or_else(|| Error::NotFound {
                 what: format!("step {step}"),
                 root: PathBuf::from(&self.url),
@@ -602,7 +616,7 @@ impl Remote {
 
     /// Committed steps (those with a manifest), oldest first.
     pub fn list(&self) -> Result<Vec<u64>> {
-        self.rt.block_on(async {
+        self.block(async {
             let by = self.objects_by_step().await?;
             Ok(by
                 .into_iter()
@@ -633,7 +647,7 @@ impl Remote {
             .copied()
             .filter(|&s| s < newest)
             .collect();
-        self.rt.block_on(async {
+        self.block(async {
             let by = self.objects_by_step().await?;
             for &s in &doomed {
                 self.store
@@ -662,7 +676,7 @@ impl Remote {
     pub fn gc(&self, min_age: Duration) -> Result<GcReport> {
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
-        self.rt.block_on(async {
+        self.block(async {
             let by = self.objects_by_step().await?;
             let mut rep = GcReport::default();
             for (step, objs) in by {

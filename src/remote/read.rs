@@ -107,7 +107,7 @@ impl Remote {
         let key = self.key(step, &entry.file);
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
-        self.rt.block_on(async {
+        self.block(async {
             self.check_size(&key, entry).await?;
             // The header: its length, then its JSON, against the manifest.
             let get = |r: std::ops::Range<u64>| {
@@ -196,8 +196,7 @@ impl Remote {
         // Sizes come from a parsed manifest (offsets contiguous, each equal to its dtype and
         // shape's size, summing to the file size): the object must have that size before
         // anything is allocated on the manifest's word.
-        self.rt
-            .block_on(self.check_size(&self.key(step, &entry.file), entry))?;
+        self.block(self.check_size(&self.key(step, &entry.file), entry))?;
         let mut sink = Owned {
             bufs: entry
                 .tensors

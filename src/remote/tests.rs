@@ -628,3 +628,20 @@ fn a_stale_part_of_an_earlier_run_never_commits() {
     let (ck, _) = new0.load_remote(7).unwrap();
     assert_eq!(ck.tensors[0].data.as_bytes(), &state(1)[0].1[..]);
 }
+
+/// Called from inside a tokio runtime (where tokio panics on a nested `block_on`), the
+/// remote's calls return an error.
+#[test]
+fn calls_from_inside_a_tokio_runtime_are_an_error_not_a_panic() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem, "p", "mem://p", RemoteOptions::default()).unwrap();
+    let outer = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let got = outer.block_on(async { r.list() });
+    match got {
+        Err(Error::Config(m)) => assert!(m.contains("not from inside a tokio runtime"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.list().unwrap(), Vec::<u64>::new());
+}
