@@ -110,6 +110,18 @@ pub struct EngineConfig {
     pub(crate) device_read: u64,
     pub(crate) device_read_depth: u32,
     pub(crate) create_root: bool,
+    #[cfg(feature = "s3")]
+    pub(crate) remote: Option<crate::remote::RemoteTarget>,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_keep_last: Option<usize>,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_options: crate::remote::RemoteOptions,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_max_pending: usize,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_only: bool,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_session: Option<String>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
     #[cfg(feature = "fault-injection")]
@@ -141,6 +153,18 @@ impl EngineConfig {
             device_read: DEFAULT_DEVICE_READ,
             device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
             create_root: false,
+            #[cfg(feature = "s3")]
+            remote: None,
+            #[cfg(feature = "s3")]
+            remote_keep_last: None,
+            #[cfg(feature = "s3")]
+            remote_options: crate::remote::RemoteOptions::default(),
+            #[cfg(feature = "s3")]
+            remote_max_pending: crate::remote::tier::DEFAULT_MAX_PENDING,
+            #[cfg(feature = "s3")]
+            remote_only: false,
+            #[cfg(feature = "s3")]
+            remote_session: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
             #[cfg(feature = "fault-injection")]
@@ -295,6 +319,84 @@ impl EngineConfig {
         self
     }
 
+    /// Mirror every committed save to object storage at `url` (`s3://bucket/prefix`,
+    /// feature `s3`): after the save is committed locally, this rank's file is uploaded to
+    /// `prefix/step-N/` (a multipart upload), and the step is committed in the bucket by a
+    /// conditionally created `manifest.json` once every rank's object is there
+    /// ([`crate::remote`]). Credentials and endpoint come from the standard AWS
+    /// environment variables; the engine checks the bucket when it opens. Loads fall back
+    /// to the bucket for steps not on disk. Default: no remote tier.
+    #[cfg(feature = "s3")]
+    pub fn with_remote(mut self, url: impl Into<String>) -> Self {
+        self.remote = Some(crate::remote::RemoteTarget::Url(url.into()));
+        self
+    }
+
+    /// [`EngineConfig::with_remote`] on any `object_store` store (another cloud, a local
+    /// directory, `InMemory` in tests), under key prefix `prefix` (may be empty); the
+    /// store is not checked at open.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_store(
+        mut self,
+        store: std::sync::Arc<dyn object_store::ObjectStore>,
+        prefix: impl Into<String>,
+    ) -> Self {
+        self.remote = Some(crate::remote::RemoteTarget::Store {
+            store,
+            prefix: prefix.into(),
+        });
+        self
+    }
+
+    /// Keep only the newest `n` committed steps in the bucket (`None`: keep all); a step
+    /// not older than the newest committed one is never deleted. Default `None`.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_keep_last(mut self, n: Option<usize>) -> Self {
+        self.remote_keep_last = n;
+        self
+    }
+
+    /// Part size, parallelism and retries of the remote tier's requests
+    /// ([`crate::remote::RemoteOptions`]; default 16 MiB parts, 8 in flight, 3 retries).
+    #[cfg(feature = "s3")]
+    pub fn with_remote_options(mut self, opts: crate::remote::RemoteOptions) -> Self {
+        self.remote_options = opts;
+        self
+    }
+
+    /// Saves that may wait for the remote uploader besides the one it uploads; when a
+    /// further save is committed locally, the oldest waiting one's remote copy is skipped
+    /// (its [`crate::remote::RemoteProgress`] reports [`Error::RemoteSkipped`]). At least 1.
+    /// Default 2.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_max_pending(mut self, n: usize) -> Self {
+        self.remote_max_pending = n;
+        self
+    }
+
+    /// An identity shared by every rank of one run (e.g. a random id that rank 0
+    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`). It is
+    /// recorded in each rank's manifest part in the bucket, and a part of another session
+    /// does not count toward a commit: a step number re-used after an interrupted upload
+    /// never commits with a rank's stale object from the earlier run. Default `None`: any
+    /// part counts.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_session(mut self, session: Option<String>) -> Self {
+        self.remote_session = session;
+        self
+    }
+
+    /// Remote only: the root is this rank's private scratch directory, not a checkpoint
+    /// tier. Each save's file is still written there (the upload reads it: it is not yet
+    /// fed from the staging arena), and removed from it as soon as the uploader holds it
+    /// open, so the disk keeps no checkpoint and its space is freed when the upload ends;
+    /// loads come from the bucket. Needs [`EngineConfig::with_remote`]. Default false.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_only(mut self, on: bool) -> Self {
+        self.remote_only = on;
+        self
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory
@@ -364,6 +466,26 @@ impl EngineConfig {
             )));
         }
         check_device_read(self.device_read, self.device_read_depth)?;
+        #[cfg(feature = "s3")]
+        if self.remote_only && self.remote.is_none() {
+            return Err(Error::Config(
+                "remote_only needs a remote (with_remote)".into(),
+            ));
+        }
+        #[cfg(feature = "s3")]
+        if self.remote.is_some() {
+            if self.remote_keep_last == Some(0) {
+                return Err(Error::Config(
+                    "remote_keep_last must be at least 1 (None keeps all)".into(),
+                ));
+            }
+            if self.remote_max_pending == 0 {
+                return Err(Error::Config(
+                    "remote_max_pending must be at least 1".into(),
+                ));
+            }
+            self.remote_options.validate()?;
+        }
         if self.keep_last == Some(0) {
             return Err(Error::Config(
                 "keep_last must be at least 1 (None keeps all)".into(),

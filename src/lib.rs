@@ -10,6 +10,8 @@
 //!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
 //! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
 //!   inspect, each named (the staging arena, its descriptor's records, the file layout).
+//! - `s3`: the object-storage tier ([`remote`], [`EngineConfig::with_remote`]) on the
+//!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 //!
 //! `testing` never re-exports a whole module: the segment mapping, the CUDA staging
@@ -53,6 +55,8 @@ pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
+#[cfg(feature = "s3")]
+pub mod remote;
 pub mod restore;
 pub(crate) mod slab;
 pub(crate) mod staging;

@@ -58,9 +58,19 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Demo(a) => cli::demo::run(a),
         Cmd::Bench(a) => cli::bench::run(a),
-        Cmd::Inspect(a) => cli::tools::inspect(a),
-        Cmd::Verify(a) => cli::tools::verify(a),
-        Cmd::Gc(a) => cli::tools::gc(a),
+        // A root `s3://bucket/prefix[/step-N]` is a bucket (cli/remote.rs).
+        Cmd::Inspect(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, step)) => cli::remote::inspect(&url, step, &a),
+            None => cli::tools::inspect(a),
+        },
+        Cmd::Verify(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, step)) => cli::remote::verify(&url, step, &a),
+            None => cli::tools::verify(a),
+        },
+        Cmd::Gc(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, _)) => cli::remote::gc(&url, &a),
+            None => cli::tools::gc(a),
+        },
         Cmd::Recover(a) => cli::recover::run(a),
         Cmd::Shm(a) => cli::shm::run(a),
         Cmd::IpcWriter(a) => cli::ipc_writer::run(a),

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
+from . import remote as _remote
 from .errors import CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
@@ -170,6 +171,13 @@ class SaveHandle:
         self._release()
         return rep
 
+    def wait_remote(self) -> Dict[str, Any]:
+        """Block until the step is committed in the bucket (``remote=...``); returns the
+        remote report (``bytes``, ``upload`` and ``remote_durable`` seconds,
+        ``committed_here``, ``retired``). Raises ``RemoteFailed`` (nothing of the step is
+        visible in the bucket) or ``RemoteSkipped`` (the uploader was behind)."""
+        return self._get_rust().wait_remote()
+
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
 
@@ -302,6 +310,13 @@ class Checkpointer:
     committed manifest, else from disk (the reason is logged). :attr:`last_load_source`
     says which path served a load. ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept
     arenas. Off by default: nothing is kept.
+
+    ``remote="s3://bucket/prefix"`` mirrors every committed save to a bucket (credentials
+    and endpoint from the AWS environment variables): ``handle.wait_remote()`` waits for
+    the step to be committed there, ``remote_keep_last`` is the bucket's retention,
+    ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
+    oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
+    back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
     """
 
     def __init__(
@@ -321,28 +336,53 @@ class Checkpointer:
         recover_on_open: Optional[bool] = None,
         shm_name: Optional[str] = None,
         keep_in_memory: bool = False,
+        remote: Optional[str] = None,
+        remote_keep_last: Optional[int] = None,
+        remote_max_pending: Optional[int] = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
         self.world_size = w if world_size is None else int(world_size)
         self.root = os.fspath(root)
-        self._engine = _shmckpt.Engine(
-            self.root,
-            rank=self.rank,
-            world_size=self.world_size,
-            staging_capacity=staging_capacity,
-            chunk_size=chunk_size,
-            writer_threads=writer_threads,
-            queue_depth=queue_depth,
-            copy_threads=copy_threads,
-            direct_io=direct_io,
-            keep_last=keep_last,
-            shm_name=shm_name,
-            max_inflight_saves=max_inflight_saves,
-            recover_on_open=recover_on_open,
-            keep_in_memory=bool(keep_in_memory),
-            create_root=True,
-        )
+        #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
+        self.remote = remote
+        # Remote only (`Checkpointer("s3://...")`): a private scratch directory as the
+        # engine's root, emptied after each upload started (see shmckpt.remote).
+        self._scratch, engine_root, remote_only = _remote.scratch_for(self.root, remote)
+        if remote_only:
+            self.remote = self.root
+        # Ranks of one run share a session id, so that a rank's upload of an earlier run
+        # of the same step number never counts toward a commit in the bucket.
+        session = None
+        if self.remote is not None and self.world_size > 1 and rank is None and world_size is None:
+            session = _remote.shared_session()
+        try:
+            self._engine = _shmckpt.Engine(
+                engine_root,
+                rank=self.rank,
+                world_size=self.world_size,
+                staging_capacity=staging_capacity,
+                chunk_size=chunk_size,
+                writer_threads=writer_threads,
+                queue_depth=queue_depth,
+                copy_threads=copy_threads,
+                direct_io=direct_io,
+                keep_last=keep_last,
+                shm_name=shm_name,
+                max_inflight_saves=max_inflight_saves,
+                recover_on_open=recover_on_open,
+                keep_in_memory=bool(keep_in_memory),
+                create_root=True,
+                remote=self.remote,
+                remote_keep_last=remote_keep_last,
+                remote_max_pending=remote_max_pending,
+                remote_only=remote_only,
+                remote_session=session,
+            )
+        except BaseException:
+            if self._scratch is not None:
+                _remote.remove_scratch(self._scratch)
+            raise
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
         self._pending: List[SaveHandle] = []
@@ -388,6 +428,9 @@ class Checkpointer:
             pending, self._pending = self._pending, []
         for h in pending:
             h._release()
+        if self._scratch is not None:
+            _remote.remove_scratch(self._scratch)
+            self._scratch = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -694,8 +737,10 @@ class Checkpointer:
         """The newest committed step, or ``None``."""
         return self._engine.latest()
 
-    def list(self) -> List[int]:
-        """Committed steps, oldest first."""
+    def list(self, remote: bool = False) -> List[int]:
+        """Committed steps, oldest first (``remote=True``: those committed in the bucket)."""
+        if remote:
+            return list(self._engine.list_remote())
         return [s for s, _ in self._engine.list()]
 
     def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
@@ -776,15 +821,22 @@ class Checkpointer:
             raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
 
     # -- load --------------------------------------------------------------------------
-    def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
+    def load(
+        self, step: StepArg = "latest", *, map_location: Any = None, source: Optional[str] = None
+    ) -> Any:
         """Load a checkpoint: the nested state as saved (tensors, arrays, plain values).
 
         ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
         copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
         the file is read. Checkpoints not written by this package come back as a flat dict
         of tensors. Every CRC-32C is verified.
+
+        ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
+        local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
+        the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
+        the bucket. :attr:`last_load_source` says which served it.
         """
-        s = self._resolve(step)
+        s, where = _remote.resolve(self, _step_sel(step), source)
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None
@@ -792,10 +844,27 @@ class Checkpointer:
                 dev = None
             elif dev is not None and dev.type != "cuda":
                 raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        if where == "remote":
+            # Read into host buffers (checked); the skeleton is the rank file's header's.
+            _, _, file_meta, tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(tensors)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         objs: Dict[str, Any] = {}
-        if dev is None:
+        if where == "remote":
+            # Copied to the device if asked.
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+            if dev is not None:
+                for name, (dtype, shape, buf) in list(objs.items()):
+                    tdt = _state.ST_TO_TORCH.get(dtype)
+                    if tdt is None:
+                        raise DestinationError(f"tensor {name!r}: dtype {dtype} has no torch dtype")
+                    u8 = torch.from_numpy(np.asarray(buf)) if len(buf) else torch.empty(0, dtype=torch.uint8)
+                    objs[name] = u8.view(tdt).reshape(shape).to(dev)
+        elif dev is None:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
@@ -885,11 +954,19 @@ class Checkpointer:
         exactly and ignores the rest (top-level tensors are always compared). With
         ``strict=False`` missing and unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
-        through the staging memory with no host copy of your own.
+        through the staging memory with no host copy of your own. A step the local disk
+        does not hold is read from the bucket (``remote=...``) into host memory, checked,
+        then copied into the destinations.
         """
-        s = self._resolve(step)
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        s, where = _remote.resolve(self, _step_sel(step), None)
+        if where == "remote":
+            # Read (and checked) first; copied into the destinations after the planning.
+            _, _, file_meta, remote_tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(remote_tensors)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         aliases: Dict[str, str] = {}
         if tree is not None:
             for node in _state.tensor_nodes(tree):
@@ -955,7 +1032,10 @@ class Checkpointer:
                 f"cannot load step {s} of {self.root} into the given state "
                 f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
-        self._read_into(s, entry, plan)
+        if where == "remote":
+            _remote.copy_into(remote_tensors, plan)
+        else:
+            self._read_into(s, entry, plan)
         return LoadResult(s, missing, unexpected)
 
     def _read_into(self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:

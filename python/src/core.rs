@@ -30,6 +30,11 @@ pub struct EngineOpts {
     pub recover_on_open: Option<bool>,
     pub keep_in_memory: Option<bool>,
     pub create_root: Option<bool>,
+    pub remote: Option<String>,
+    pub remote_keep_last: Option<usize>,
+    pub remote_max_pending: Option<usize>,
+    pub remote_only: bool,
+    pub remote_session: Option<String>,
 }
 
 /// Open an engine.
@@ -70,6 +75,17 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     }
     if let Some(v) = o.create_root {
         cfg = cfg.with_create_root(v);
+    }
+    if let Some(url) = o.remote {
+        cfg = cfg
+            .with_remote(url)
+            .with_remote_keep_last(o.remote_keep_last);
+        if let Some(n) = o.remote_max_pending {
+            cfg = cfg.with_remote_max_pending(n);
+        }
+        cfg = cfg
+            .with_remote_only(o.remote_only)
+            .with_remote_session(o.remote_session);
     }
     cfg.build()
 }
@@ -253,6 +269,7 @@ pub type Served = (&'static str, Option<String>);
 fn served(r: &LoadReport) -> Served {
     match r.source {
         LoadSource::Memory => ("memory", r.disk_problem.clone()),
+        LoadSource::Remote => ("remote", r.fallback_reason.clone()),
         _ => ("disk", r.fallback_reason.clone()),
     }
 }
@@ -469,6 +486,9 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::RootTooLong { .. } => "RootTooLong",
         E::Ipc(_) => "IpcError",
         E::Recovery { .. } => "RecoveryError",
+        E::Remote { .. } => "RemoteError",
+        E::RemoteFailed { .. } => "RemoteFailed",
+        E::RemoteSkipped { .. } => "RemoteSkipped",
         _ => "ShmckptError",
     }
 }
@@ -476,4 +496,36 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
 /// Every dtype name the engine knows.
 pub fn all_dtype_names() -> Vec<&'static str> {
     Dtype::ALL.iter().map(|d| d.as_str()).collect()
+}
+
+/// The save's remote copy, if the engine has a remote tier.
+pub fn remote_progress(h: &SaveHandle) -> Option<shmckpt::remote::RemoteProgress> {
+    h.remote()
+}
+
+/// Wait up to `timeout` for a save's remote copy (`None`: not yet).
+pub fn wait_remote(
+    p: &shmckpt::remote::RemoteProgress,
+    timeout: Duration,
+) -> Option<Result<shmckpt::remote::RemoteReport>> {
+    p.wait_timeout(Some(timeout))
+}
+
+/// Committed steps in the engine's bucket.
+pub fn list_remote(engine: &Engine) -> Result<Vec<u64>> {
+    engine.list_remote()
+}
+
+/// A step of the engine's bucket, loaded into owned buffers.
+pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
+    engine.load_remote(sel(step)).map(|(ck, _)| ck)
+}
+
+/// A manifest of the engine's bucket, as JSON.
+pub fn remote_manifest_json(engine: &Engine, step: u64) -> Result<String> {
+    let r = engine.remote().ok_or_else(|| {
+        shmckpt::Error::Config("this engine has no remote tier (remote=...)".into())
+    })?;
+    let m = r.manifest(step)?;
+    Ok(serde_json::to_string(&m).expect("a manifest serializes"))
 }

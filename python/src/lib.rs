@@ -10,6 +10,7 @@
 
 mod core;
 mod dcp;
+mod remote;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -181,7 +182,8 @@ impl PyEngine {
     #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
-        keep_in_memory=None, create_root=None))]
+        keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
+        remote_max_pending=None, remote_only=false, remote_session=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -200,6 +202,11 @@ impl PyEngine {
         recover_on_open: Option<bool>,
         keep_in_memory: Option<bool>,
         create_root: Option<bool>,
+        remote: Option<String>,
+        remote_keep_last: Option<usize>,
+        remote_max_pending: Option<usize>,
+        remote_only: bool,
+        remote_session: Option<String>,
     ) -> PyResult<Self> {
         let auto_staging = staging_capacity.is_none();
         let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
@@ -221,6 +228,11 @@ impl PyEngine {
             recover_on_open,
             keep_in_memory,
             create_root,
+            remote,
+            remote_keep_last,
+            remote_max_pending,
+            remote_only,
+            remote_session,
         };
         let engine = py
             .detach(|| core::open(opts.clone()))
@@ -293,6 +305,8 @@ impl PyEngine {
         let h = res.map_err(|e| to_py(py, e))?;
         Ok(PySaveHandle {
             step,
+            remote: core::remote_progress(&h),
+            remote_result: Mutex::new(None),
             inner: Mutex::new(Some(h)),
             result: Mutex::new(None),
         })
@@ -385,6 +399,22 @@ impl PyEngine {
         lock(&self.last_load)
             .as_ref()
             .map(|(s, r)| ((*s).to_owned(), r.clone()))
+    }
+
+    /// Committed steps in the bucket of the remote tier, oldest first.
+    fn list_remote(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        remote::list_remote(self, py)
+    }
+
+    /// Load this rank's tensors of a step in the bucket (`None`: its latest), as `load`.
+    #[pyo3(signature = (step=None))]
+    fn load_remote(&self, py: Python<'_>, step: Option<u64>) -> PyResult<remote::Loaded> {
+        remote::load_remote(self, py, step)
+    }
+
+    /// The manifest (JSON) of a step committed in the bucket.
+    fn remote_manifest(&self, py: Python<'_>, step: u64) -> PyResult<String> {
+        remote::remote_manifest(self, py, step)
     }
 
     /// Committed checkpoints, oldest first: `[(step, dir)]`.
@@ -554,6 +584,10 @@ struct PySaveHandle {
     inner: Mutex<Option<SaveHandle>>,
     /// The final result once known: a report dict or the error.
     result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
+    /// The save's remote copy (remote tier on).
+    remote: Option<shmckpt::remote::RemoteProgress>,
+    /// Its result once known.
+    remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -710,6 +744,18 @@ impl PySaveHandle {
                 None => py.detach(|| std::thread::sleep(Duration::from_micros(100))),
             }
         }
+    }
+
+    /// Block (GIL released, interruptible) until the step is committed in the bucket.
+    /// Returns the remote report (`bytes`, `upload` and `remote_durable` seconds, ...);
+    /// raises `RemoteFailed`/`RemoteSkipped`. May be called again.
+    fn wait_remote(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        remote::wait_remote(self, py)
+    }
+
+    /// True once this rank's remote copy is over (or there is no remote tier).
+    fn is_remote_done(&self) -> bool {
+        remote::is_remote_done(self)
     }
 
     fn __repr__(&self) -> String {

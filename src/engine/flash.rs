@@ -33,6 +33,8 @@ pub enum LoadSource {
     Disk,
     /// The arena a previous engine kept in shared memory (flash restore).
     Memory,
+    /// The bucket of the remote tier (a step not on the local disk).
+    Remote,
 }
 
 /// What [`crate::Engine::load_with_report`] did.

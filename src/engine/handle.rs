@@ -100,6 +100,26 @@ impl SaveHandle {
         Ok(())
     }
 
+    /// The save's remote copy (`None` without a remote tier): keep it to wait for the
+    /// bucket after [`SaveHandle::wait`] consumed the handle.
+    #[cfg(feature = "s3")]
+    pub fn remote(&self) -> Option<crate::remote::RemoteProgress> {
+        self.state.remote.clone()
+    }
+
+    /// Block until the step is committed in the bucket (after the local commit); returns
+    /// the remote report, or [`Error::RemoteFailed`] / a config error without a remote
+    /// tier.
+    #[cfg(feature = "s3")]
+    pub fn wait_remote(&self) -> Result<crate::remote::RemoteReport> {
+        match &self.state.remote {
+            Some(p) => p.wait(),
+            None => Err(Error::Config(
+                "this engine has no remote tier (with_remote)".into(),
+            )),
+        }
+    }
+
     /// True once the save is committed or has failed (`wait` then returns at once).
     pub fn is_done(&self) -> bool {
         lock(&self.state.progress).done

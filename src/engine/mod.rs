@@ -14,6 +14,8 @@
 mod finalize;
 mod flash;
 mod handle;
+#[cfg(feature = "s3")]
+mod remote_ops;
 mod report;
 mod save;
 mod state;
@@ -76,6 +78,9 @@ struct Shared {
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
     setup: Mutex<Setup>,
+    /// The remote tier's uploader (`EngineConfig::with_remote`).
+    #[cfg(feature = "s3")]
+    remote: Option<Arc<crate::remote::tier::RemoteTier>>,
 }
 
 impl Shared {
@@ -173,6 +178,22 @@ impl Engine {
         }
         commit::check_root(&cfg.root)?;
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        // The bucket is checked before anything else is set up: a missing bucket or
+        // refused credentials fail the open.
+        #[cfg(feature = "s3")]
+        let remote = match &cfg.remote {
+            Some(target) => {
+                let r = Arc::new(target.open(cfg.remote_options.clone())?);
+                Some(Arc::new(crate::remote::tier::RemoteTier::start(
+                    r,
+                    cfg.world_size,
+                    cfg.remote_keep_last,
+                    cfg.remote_max_pending,
+                    cfg.remote_session.clone(),
+                )?))
+            }
+            None => None,
+        };
         if cfg.recover_on_open {
             crate::recover::recover_on_open(&cfg.root, cfg.rank);
         }
@@ -311,6 +332,8 @@ impl Engine {
                 prefault,
                 threads: Vec::new(),
             }),
+            #[cfg(feature = "s3")]
+            remote,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -496,8 +519,18 @@ impl Engine {
 
     /// [`Engine::load`], also reporting which path served the load and, when flash restore
     /// is on but the disk served it, why.
+    ///
+    /// With a remote tier ([`EngineConfig::with_remote`]), a step the disk does not hold
+    /// (or "latest" with no step on disk) is loaded from the bucket
+    /// ([`LoadSource::Remote`]).
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            #[cfg(feature = "s3")]
+            Err(e @ Error::NotFound { .. }) => return self.load_fallback_remote(which, e),
+            Err(e) => return Err(e),
+        };
         let fallback_reason = match self.try_memory(&info)? {
             Memory::Served(ck, disk_problem) => {
                 let report = LoadReport {
@@ -610,13 +643,23 @@ impl Engine {
     /// the step loaded.
     ///
     /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
-    /// is copied from memory (verified at adoption), like [`Engine::load`].
+    /// is copied from memory (verified at adoption), like [`Engine::load`]; with a remote
+    /// tier, a step not on disk is read from the bucket.
     pub fn load_into(
         &self,
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            // Not on disk: from the bucket, with a remote tier.
+            #[cfg(feature = "s3")]
+            Err(Error::NotFound { .. }) if self.remote().is_some() => {
+                return self.load_into_remote(which, dest).map(|r| r.step);
+            }
+            Err(e) => return Err(e),
+        };
         if let Ok((image, _, entry, _)) = self.memory_image(&info)? {
             let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
             let order = restore::match_destinations(&entry, &named)?;
@@ -865,6 +908,11 @@ impl Engine {
             if h.join().is_err() {
                 tracing::error!("a background set-up thread panicked");
             }
+        }
+        // Uploads read committed files, not the arena: finished after the writers.
+        #[cfg(feature = "s3")]
+        if let Some(r) = &self.shared.remote {
+            r.close();
         }
         self.shared.arena.close();
     }

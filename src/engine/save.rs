@@ -372,6 +372,8 @@ impl Engine {
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+            #[cfg(feature = "s3")]
+            remote: self.shared.remote.as_ref().map(|t| t.progress(step)),
         });
         let queued = self
             .commit_tx

@@ -70,6 +70,9 @@ pub(crate) struct SaveState {
     pub(super) changed: Condvar,
     /// Per file chunk: (entry, crc32c, length) of each tensor piece in it.
     pub(super) crcs: Mutex<Vec<Vec<(u32, u32, u64)>>>,
+    /// The save's remote copy (remote tier on).
+    #[cfg(feature = "s3")]
+    pub(super) remote: Option<crate::remote::RemoteProgress>,
 }
 
 impl SaveState {

@@ -71,6 +71,16 @@ fn read_checked_header(
     let mut n8 = [0u8; 8];
     file.read_exact_at(&mut n8, 0)
         .map_err(|e| Error::io_at("read", path, 0, e))?;
+    let n = header_len(n8, path, entry)?;
+    let mut hdr = vec![0u8; n as usize];
+    file.read_exact_at(&mut hdr, 8)
+        .map_err(|e| Error::io_at("read", path, 8, e))?;
+    check_header_json(&hdr, path, entry)
+}
+
+/// The header length that the file's first 8 bytes give, checked against the format's
+/// limit and `entry`'s data start.
+pub(crate) fn header_len(n8: [u8; 8], path: &Path, entry: &FileEntry) -> Result<u64> {
     let n = u64::from_le_bytes(n8);
     if n > MAX_HEADER_LEN {
         return Err(Error::corrupt(
@@ -90,10 +100,17 @@ fn read_checked_header(
             ),
         ));
     }
-    let mut hdr = vec![0u8; n as usize];
-    file.read_exact_at(&mut hdr, 8)
-        .map_err(|e| Error::io_at("read", path, 8, e))?;
-    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&hdr)
+    Ok(n)
+}
+
+/// Check a safetensors header's JSON (the bytes after the length) against `entry`;
+/// returns the parsed header.
+pub(crate) fn check_header_json(
+    hdr: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<safetensors::tensor::Metadata> {
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(hdr)
         .map_err(|e| Error::corrupt(path, None, format!("invalid safetensors header: {e}")))?;
     let data_len = entry.bytes - entry.data_start;
     if meta.data_len() as u64 != data_len {
@@ -139,7 +156,7 @@ fn read_checked_header(
     // such (naming the tensor); what is left for the CRC is the rest: `__metadata__`, the
     // JSON's spelling, the padding.
     if let Some(want) = entry.header_crc32c {
-        let have = crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr);
+        let have = crc32c::crc32c_append(crc32c::crc32c(&(hdr.len() as u64).to_le_bytes()), hdr);
         if have != want {
             return Err(Error::corrupt(
                 path,

@@ -16,7 +16,7 @@ use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
 mod device;
-mod header;
+pub(crate) mod header;
 mod reader;
 pub(crate) mod sink;
 

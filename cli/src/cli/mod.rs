@@ -6,6 +6,7 @@ pub mod engine_args;
 pub mod guard;
 pub mod ipc_writer;
 pub mod recover;
+pub mod remote;
 pub mod shm;
 pub mod tools;
 

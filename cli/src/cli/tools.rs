@@ -12,7 +12,8 @@ use super::{CliResult, human, secs};
 /// Arguments of `inspect`.
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
-    /// A checkpoint root or one checkpoint directory.
+    /// A checkpoint root or one checkpoint directory; or a bucket root
+    /// (`s3://bucket/prefix`, or `.../step-N` for one step).
     pub dir: PathBuf,
     /// Tensors to list per file (0 for all).
     #[arg(long, default_value_t = 20)]
@@ -22,7 +23,8 @@ pub struct InspectArgs {
 /// Arguments of `verify`.
 #[derive(Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// A checkpoint root or one checkpoint directory.
+    /// A checkpoint root or one checkpoint directory; or a bucket root
+    /// (`s3://bucket/prefix`, or `.../step-N` for one step).
     pub dir: PathBuf,
     /// Step to verify when DIR is a root (default: the latest).
     #[arg(long)]
@@ -35,11 +37,15 @@ pub struct VerifyArgs {
 /// Arguments of `gc`.
 #[derive(Debug, clap::Args)]
 pub struct GcArgs {
-    /// A checkpoint root.
+    /// A checkpoint root, or a bucket root (`s3://bucket/prefix`).
     pub dir: PathBuf,
     /// Committed checkpoints to keep (newest first).
     #[arg(long)]
     pub keep: usize,
+    /// Bucket roots only: remove uncommitted steps (no manifest) whose newest object is at
+    /// least this many seconds old (younger ones may be uploads in progress).
+    #[arg(long, default_value_t = 3600)]
+    pub min_age: u64,
 }
 
 /// Whether `dir` is one checkpoint (it has a `manifest.json` entry, of whatever type: a
@@ -114,7 +120,12 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 
 fn show(dir: &Path, limit: usize) -> CliResult {
     let m = Manifest::read(dir)?;
-    println!("checkpoint {} (format {})", dir.display(), m.format_version);
+    show_manifest(&dir.display().to_string(), &m, limit)
+}
+
+/// Print a manifest (`where` names the checkpoint: a directory or a bucket prefix).
+pub fn show_manifest(at: &str, m: &Manifest, limit: usize) -> CliResult {
+    println!("checkpoint {at} (format {})", m.format_version);
     println!("  step        {}", m.step);
     println!("  world size  {}", m.world_size);
     println!("  total       {}", human(m.total_bytes));

@@ -11,6 +11,7 @@ mod hostile;
 mod ipc;
 mod no_gpu;
 mod recovery;
+mod remote;
 mod roundtrip;
 mod small_shm;
 
