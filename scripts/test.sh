@@ -4,7 +4,7 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest and maturin if it lacks them (CPU is
+# The venv gets torch, numpy, safetensors, pytest, maturin and megatron-core if it lacks them (CPU is
 # enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
@@ -28,6 +28,8 @@ missing=()
 for mod in torch numpy safetensors pytest maturin; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
+# megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
+"$py" -c "import megatron.core" 2>/dev/null || missing+=("megatron-core")
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]} into $venv"
     "$py" -m pip install --quiet "${missing[@]}"

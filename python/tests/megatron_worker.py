@@ -206,6 +206,160 @@ def scenario_fail(rank, world, workdir):
     return res
 
 
+def tiny_gpt(seed, device):
+    """A tiny megatron-core GPT with the local layer spec (no TransformerEngine), its
+    weights drawn from ``seed``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    if device == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True, perform_initialization=True
+    )
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+    return model.to(device)
+
+
+def model_digests(model):
+    return {k: [str(v.dtype), list(v.shape), digest(v)] for k, v in model.state_dict().items() if v is not None}
+
+
+def scenario_gpt_cpu(rank, world, workdir):
+    """A tiny GPT (local spec) on CPU, data parallel over ``world`` gloo ranks: its
+    sharded state dict saved through Megatron's queue, the weights changed right after
+    async_save returned (as a training step would), finalized, then loaded into a fresh
+    GPT of another seed: bit-exact to the weights at the save."""
+    from megatron.core import parallel_state
+
+    _cpu_stand_ins()
+    init(rank, world, workdir, "gpt")
+    parallel_state.initialize_model_parallel(1, 1)
+    model = tiny_gpt(1, "cpu")
+    want = model_digests(model)
+    d = os.path.join(workdir, "ckpt", "iter_0000005")
+    if rank == 0:
+        os.makedirs(d)
+    dist.barrier()
+    q = AsyncCallsQueue()
+    strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
+    req = dist_checkpointing.save(
+        {"model": model.sharded_state_dict(), "iteration": 5}, d, strategy, async_sharded_save=True
+    )
+    q.schedule_async_request(req)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    q.maybe_finalize_async_calls(blocking=True)
+    fresh = tiny_gpt(2, "cpu")
+    res = {"differs_before_load": model_digests(fresh) != want}
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
+    fresh.load_state_dict(loaded["model"])
+    got = model_digests(fresh)
+    res["tensors"] = len(want)
+    res["bit_exact"] = got == want
+    res["iteration"] = loaded["iteration"]
+    res["written_bytes"] = smg_bytes(strategy)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    return res
+
+
+def scenario_gpu_train(rank, world, workdir):
+    """A tiny GPT (local spec) trained on the GPU (NCCL, one rank per GPU) with Adam;
+    at step 3 an async save through Megatron's AsyncCallsQueue, training on while it
+    writes (the queue polled each step, as Megatron-LM's loop does); device memory
+    reserved is measured right before and after the save call, and after moving the
+    model to the CPU while the save is still unfinalized (nothing of shmckpt's holds its
+    device memory); then finalize, and load into a fresh GPT of another seed: bit-exact
+    to the weights at the save, through the device path of shmckpt's reader."""
+    from megatron.core import parallel_state
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{os.path.join(workdir, 'store-gpu')}", rank=rank, world_size=world
+    )
+    parallel_state.initialize_model_parallel(1, 1)
+    model = tiny_gpt(1, "cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(7 + rank)
+    seq = 32
+    pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(4, -1)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, device="cuda", dtype=torch.bool), diagonal=1)
+
+    def step():
+        ids = torch.randint(0, 128, (4, seq), device="cuda", generator=g)
+        loss = model(ids, pos, mask, labels=ids).float().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    d = os.path.join(workdir, "ckpt", "iter_0000003")
+    if rank == 0:
+        os.makedirs(d)
+    dist.barrier()
+    q = AsyncCallsQueue()
+    strategy = smg.ShmckptSaveShardedStrategy()
+    res = {"losses": []}
+    want = None
+    for it in range(8):
+        res["losses"].append(step())
+        if it == 3:
+            want = model_digests(model)
+            torch.cuda.synchronize()
+            reserved0, allocated0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+            req = dist_checkpointing.save(
+                {"model": model.sharded_state_dict(), "iteration": it}, d, strategy, async_sharded_save=True
+            )
+            q.schedule_async_request(req)
+            torch.cuda.synchronize()
+            res["reserved_before_after_save"] = [reserved0, torch.cuda.memory_reserved()]
+            res["allocated_before_after_save"] = [allocated0, torch.cuda.memory_allocated()]
+            res["stage_s"] = strategy.last_writer.last_stage.get("total_s")
+        q.maybe_finalize_async_calls(blocking=False)
+    res["unfinalized_at_end_of_training"] = q.get_num_unfinalized_calls()
+    # Offload while the save may still be unfinalized: the model's device memory is
+    # freed (nothing of the save references it), as NeMo-RL needs before offloading.
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt.state.clear()
+    opt.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated()
+    model.cpu()
+    res["freed_by_offload_vs_param_bytes"] = [before - torch.cuda.memory_allocated(), param_bytes]
+    q.maybe_finalize_async_calls(blocking=True)
+    q.close()
+    fresh = tiny_gpt(2, "cuda")
+    res["differs_before_load"] = model_digests(fresh) != want
+    reader_stats = {}
+    orig = smg.ShmckptLoadShardedStrategy._reader
+
+    def spy(self, checkpoint_dir):
+        r = orig(self, checkpoint_dir)
+        reader_stats["reader"] = r
+        return r
+
+    smg.ShmckptLoadShardedStrategy._reader = spy
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
+    fresh.load_state_dict(loaded["model"])
+    res["bit_exact"] = model_digests(fresh) == want
+    res["tensors"] = len(want)
+    res["iteration"] = loaded["iteration"]
+    res["last_read"] = reader_stats["reader"].last_read
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    return res
+
+
+def smg_bytes(strategy):
+    rep = strategy.last_writer.last_report if strategy.last_writer is not None else None
+    return int(rep.get("bytes", -1)) if rep else -1
+
+
 def main():
     faulthandler.dump_traceback_later(200, exit=True)  # a hung rank fails, with its stacks
     scenario, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
