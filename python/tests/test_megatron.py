@@ -234,6 +234,47 @@ def test_async_fn_in_a_forked_child_follows_the_trainer(how):
     assert p.exitcode == {"ok": 0, "failed": 3, "trainer_gone": 3}[how]
 
 
+def _persistent_worker(queue, done):
+    """What Megatron's persistent worker (PersistentAsyncCaller.async_loop) does with
+    each request, minus its torch.cuda.set_device: take it from the queue, run its
+    async_fn; report each outcome."""
+    for _ in range(2):
+        req = queue.get()
+        done.put("got")
+        try:
+            req.async_fn(*req.async_fn_args, **req.async_fn_kwargs)
+            done.put("ok")
+        except errors.SaveFailed as e:
+            done.put(f"SaveFailed: {e}")
+
+
+def test_request_travels_to_a_spawned_persistent_worker():
+    """Requests as Megatron's persistent worker receives them (pickled through a
+    spawn-context queue; the pipe's read end is duplicated into the worker when the
+    queue's feeder thread pickles it): the first one's async_fn returns once the trainer
+    reports durable; the second's fails when the trainer's end closes without a report."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_persistent_worker, args=(queue, done))
+    p.start()
+    got = []
+    for how in ("ok", "trainer_gone"):
+        reader, writer = multiprocessing.Pipe(duplex=False)
+        st = os.fstat(writer.fileno())
+        queue.put(AsyncRequest(smg._wait_durable, (reader, writer.fileno(), (st.st_dev, st.st_ino), os.getpid()), []))
+        assert done.get(timeout=180) == "got"
+        if how == "ok":
+            writer.send_bytes(b"ok")
+        writer.close()
+        got.append(done.get(timeout=60))
+        reader.close()  # as retrieve_write_results does, after the worker reported
+    p.join(30)
+    assert p.exitcode == 0
+    assert got == ["ok", "SaveFailed: shmckpt.megatron: the trainer went away before this rank's file was durable"]
+
+
 def test_load_strategy_refuses_a_torch_dist_checkpoint(tmp_path):
     """A checkpoint of Megatron's own torch_dist writer is not shmckpt's: a clear error."""
     from torch.distributed.checkpoint import FileSystemWriter
