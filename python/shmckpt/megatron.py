@@ -192,7 +192,7 @@ class _MegatronWriter(ShmckptWriter):
         """Megatron's ``(async_fn, preload_fn, args)``: the async function waits for this
         rank's file to be durable; there is nothing to preload (staged already)."""
         if self._reader is None or self._pipe is None:
-            raise RuntimeError("get_save_function_and_args called before prepare_write_data")
+            raise SaveFailed("get_save_function_and_args called before prepare_write_data")
         return _wait_durable, None, [self._reader, self._pipe[0], self._pipe[1], os.getpid()]
 
     def retrieve_write_results(self) -> List[WriteResult]:
@@ -200,7 +200,7 @@ class _MegatronWriter(ShmckptWriter):
         raised if the save failed)."""
         save = self._current
         if save is None or self._watcher is None or self._plan is None:
-            raise RuntimeError("retrieve_write_results called before prepare_write_data")
+            raise SaveFailed("retrieve_write_results called before prepare_write_data")
         self._watcher.join()
         if self._reader is not None:
             self._reader.close()  # the in-process copy (async_fn ran elsewhere)
@@ -250,7 +250,7 @@ class _MegatronWriter(ShmckptWriter):
         function, is what makes the directory a checkpoint to Megatron."""
         save = self._current
         if save is None:
-            raise RuntimeError("finish called before prepare_write_data")
+            raise SaveFailed("finish called before prepare_write_data")
         step_dir, manifest = _dcp._assemble(save)
         man_path = os.path.join(step_dir, _dcp.MANIFEST_FILE)
         by_file = {fe["file"]: {t["name"]: (fe["data_start"], t) for t in fe["tensors"]} for fe in manifest["files"]}
@@ -315,7 +315,7 @@ def _finalize(writer: _MegatronWriter, global_metadata: Optional[Metadata], dist
         if not failures:
             try:
                 if global_metadata is None:
-                    raise RuntimeError("shmckpt.megatron: the coordinator has no global metadata")
+                    raise SaveFailed("shmckpt.megatron: the coordinator has no global metadata")
                 writer.finish(global_metadata, all_results)
             except Exception as e:
                 failures = {dist_wrapper.coordinator_rank: _wrap_exception(e)}
