@@ -4,8 +4,9 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest, maturin, lightning and moto[server] if it lacks them (CPU is
-# enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, moto[server] and
+# megatron-core if it lacks them (CPU is enough: GPU tests skip without a GPU;
+# SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,8 @@ missing=()
 for mod in torch numpy safetensors pytest maturin lightning; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
+# megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
+"$py" -c "import megatron.core" 2>/dev/null || missing+=("megatron-core")
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]} into $venv"
     "$py" -m pip install --quiet "${missing[@]}"

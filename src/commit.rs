@@ -21,7 +21,7 @@
 //! listings at once), fsyncs the root, then deletes the trash.
 
 mod assemble;
-pub use assemble::{assemble_ranks, publish_dir};
+pub use assemble::{assemble_ranks, publish_dir, publish_into};
 
 use std::fs::File;
 use std::os::fd::AsFd;

@@ -172,6 +172,26 @@ fn publish_dir(
     .map_err(|e| to_py(py, e))
 }
 
+/// Write `files` durably into the assembled directory `dir`, then move its rank files,
+/// `manifest.json` and, last, `files` into the existing directory `target`
+/// (`shmckpt::commit::publish_into`: Megatron's checkpoint directory).
+#[pyfunction]
+fn publish_into(
+    py: Python<'_>,
+    dir: PathBuf,
+    files: Vec<(String, Vec<u8>)>,
+    target: PathBuf,
+) -> PyResult<()> {
+    py.detach(|| {
+        let named: Vec<(&str, &[u8])> = files
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        shmckpt::commit::publish_into(&dir, &named, &target)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
 /// The `__metadata__` of the file of `rank` in the committed step directory `dir`, read
 /// after its header is checked against the manifest (tensors, and the header's CRC-32C
 /// where the manifest records one). The file is opened without following a link.
@@ -210,5 +230,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rank_file_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(assemble_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(publish_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(publish_into, m)?)?;
     m.add_function(wrap_pyfunction!(release_device_ring, m)?)
 }

@@ -194,6 +194,96 @@ pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result
     Ok(())
 }
 
+/// Whether `name` is a rank file's name (`rank-RRRRR-of-WWWWW.safetensors`).
+fn is_rank_file_name(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix("rank-")
+        .and_then(|r| r.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    let mut parts = rest.split("-of-");
+    matches!(
+        (parts.next(), parts.next(), parts.next()),
+        (Some(r), Some(w), None)
+            if r.len() == 5 && w.len() == 5
+                && r.bytes().chain(w.bytes()).all(|b| b.is_ascii_digit())
+    )
+}
+
+/// Publish the assembled directory `dir` into `target`, an existing directory that already
+/// holds other files of the checkpoint (Megatron's: `common.pt`, later `metadata.json`):
+/// `files` (`(name, bytes)`, plain names: DCP's `.metadata`) are written into `dir`
+/// durably, then every rank file and `manifest.json` of `dir` is renamed into `target`,
+/// then `files` in their order (DCP readers look for `.metadata`: it comes last); rank
+/// files of an earlier attempt in `target` that this one does not have are removed;
+/// `target` is `fsync`ed and the emptied `dir` removed. `target` must be a directory (no
+/// link followed); anything else in `dir` is refused before anything moves.
+pub fn publish_into(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result<()> {
+    for (name, _) in files {
+        if name.is_empty() || name.contains('/') || *name == "." || *name == ".." {
+            return Err(Error::Internal(format!(
+                "{name:?} is not a plain file name"
+            )));
+        }
+    }
+    match std::fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_dir() => {}
+        Ok(_) => {
+            return Err(Error::UnsafePath {
+                path: target.to_owned(),
+                reason: "is not a directory (or is a link); nothing is published into it".into(),
+            });
+        }
+        Err(e) => return Err(Error::io("stat", target, e)),
+    }
+    let mut first = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io("read_dir", dir, e))? {
+        let entry = entry.map_err(|e| Error::io("read_dir", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ft = entry
+            .file_type()
+            .map_err(|e| Error::io("stat", entry.path(), e))?;
+        if !ft.is_file() || !(is_rank_file_name(&name) || name == MANIFEST) {
+            return Err(Error::UnsafePath {
+                path: entry.path(),
+                reason: "not a rank file or manifest of the assembled checkpoint".into(),
+            });
+        }
+        first.push(name);
+    }
+    first.sort();
+    // The manifest after the rank files it describes.
+    first.sort_by_key(|n| n == MANIFEST);
+    for (name, bytes) in files {
+        write_file(dir, name, bytes)?;
+    }
+    fsync_dir(dir)?;
+    let names: Vec<&str> = first
+        .iter()
+        .map(String::as_str)
+        .chain(files.iter().map(|(n, _)| *n))
+        .collect();
+    for name in &names {
+        let (from, to) = (dir.join(name), target.join(name));
+        std::fs::rename(&from, &to).map_err(|e| Error::io("rename", &from, e))?;
+    }
+    for entry in std::fs::read_dir(target).map_err(|e| Error::io("read_dir", target, e))? {
+        let entry = entry.map_err(|e| Error::io("read_dir", target, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+        if is_file && is_rank_file_name(&name) && !names.contains(&name.as_str()) {
+            std::fs::remove_file(entry.path()).map_err(|e| Error::io("unlink", entry.path(), e))?;
+        }
+    }
+    fsync_dir(target)?;
+    std::fs::remove_dir(dir).map_err(|e| Error::io("rmdir", dir, e))?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fsync_dir(parent)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +342,55 @@ mod tests {
         let e = publish_dir(&out, &[], &taken).unwrap_err();
         assert!(e.to_string().contains("step-100"), "{e}");
         assert!(out.join(MANIFEST).is_file());
+    }
+
+    /// Published into an existing directory (Megatron's, with `common.pt`): rank files and
+    /// manifest, then `.metadata`; a stale rank file of an earlier attempt goes, other
+    /// files stay; anything unexpected in the assembled directory moves nothing.
+    #[test]
+    fn publish_into_an_existing_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("spool-step-3");
+        let target = dir.path().join("iter_0000003");
+        std::fs::create_dir(&out).unwrap();
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(out.join(rank_file_name(0, 1)), b"r0").unwrap();
+        std::fs::write(out.join(MANIFEST), b"{}").unwrap();
+        std::fs::write(target.join("common.pt"), b"c").unwrap();
+        std::fs::write(target.join(rank_file_name(0, 2)), b"old").unwrap();
+        publish_into(&out, &[(".metadata", b"md")], &target).unwrap();
+        assert!(!out.exists());
+        let mut names: Vec<String> = std::fs::read_dir(&target)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                ".metadata",
+                "common.pt",
+                "manifest.json",
+                "rank-00000-of-00001.safetensors"
+            ]
+        );
+        assert_eq!(std::fs::read(target.join(".metadata")).unwrap(), b"md");
+        assert_eq!(
+            std::fs::read(target.join(rank_file_name(0, 1))).unwrap(),
+            b"r0"
+        );
+        // Something else in the assembled directory: refused, nothing moved.
+        std::fs::create_dir(&out).unwrap();
+        std::fs::write(out.join(rank_file_name(0, 1)), b"r1").unwrap();
+        std::fs::write(out.join("stray"), b"x").unwrap();
+        let e = publish_into(&out, &[], &target).unwrap_err();
+        assert!(e.to_string().contains("stray"), "{e}");
+        assert_eq!(
+            std::fs::read(target.join(rank_file_name(0, 1))).unwrap(),
+            b"r0"
+        );
+        assert!(!is_rank_file_name("rank-0-of-1.safetensors"));
+        assert!(is_rank_file_name("rank-00001-of-00002.safetensors"));
     }
 
     /// A part that names another rank or file, a file of another size or a link fails
