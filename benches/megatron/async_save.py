@@ -65,8 +65,9 @@ def build(args: argparse.Namespace, device: str) -> torch.nn.Module:
         hidden_size=args.hidden,
         num_attention_heads=max(1, args.hidden // 128),
         use_cpu_initialization=True,
-        params_dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        bf16=device == "cuda",
+        # fp32 weights, bf16 autocast in the step (megatron-core without TransformerEngine
+        # or Apex has no bf16 path of its own for the local layer spec).
+        params_dtype=torch.float32,
     )
     model = GPTModel(
         config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq
@@ -141,7 +142,8 @@ def main() -> None:
                     p.add_(1e-3)
             return
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device, generator=g)
-        loss = model(ids, pos, mask, labels=ids).float().mean()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, pos, mask, labels=ids).float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -88,8 +88,7 @@ def dtensor_round_trip(ck, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from shmckpt import _state
-    from shmckpt.checkpointer import _read_header_metadata
+    from shmckpt import _shmckpt, _state
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
@@ -99,8 +98,7 @@ def dtensor_round_trip(ck, rank, world):
     piece = -(-10 // world)
     lo, hi = min(rank * piece, 10), min((rank + 1) * piece, 10)
     got = ck.load(7)["dt"]
-    entry = [f for f in ck.manifest(7)["files"] if f["rank"] == rank][0]
-    meta = _read_header_metadata(os.path.join(ck.root, "step-7", entry["file"]))
+    meta = _shmckpt.rank_file_metadata(os.path.join(ck.root, "step-7"), rank)
     node = [n for n in _state.tensor_nodes(_state.decode(meta[_state.STATE_KEY])) if n["n"] == "dt"][0]
     return (
         torch.equal(got, full[lo:hi])

@@ -4,6 +4,7 @@ crafted checkpoints and bad destinations, bool steps. Every check is on exact va
 bytes: what ``load`` returns, what a destination holds, and what a plain safetensors
 reader finds in the rank file."""
 
+import gc
 import json
 import os
 import struct
@@ -636,6 +637,10 @@ def test_cuda_lazy_views_are_saved_by_value_with_no_device_memory(root):
     torch.cuda.synchronize()
     with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
         ck.prepare_cuda([torch.cuda.current_device()])
+        # Garbage of earlier tests (CUDA tensors in reference cycles) would be freed by a
+        # collection during the saves and move the counters: collect it first.
+        gc.collect()
+        torch.cuda.synchronize()
         before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         ck.save(1, state).wait()
         ck.save(2, state, blocking=False).wait()

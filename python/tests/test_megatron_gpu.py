@@ -41,7 +41,8 @@ def test_async_save_during_training_on_gpu(tmp_path):
     assert r["bit_exact"] is True, r
     assert r["tensors"] == 29
     assert r["iteration"] == 3
-    # Every stored tensor went straight from the file to the device.
-    assert r["last_read"]["device_items"] > 0 and r["last_read"]["host_items"] == 0, r["last_read"]
+    # Every stored tensor went straight from the file to the device (the host items are
+    # Megatron's non-tensor entries, such as the layers' `_extra_state` bytes).
+    assert r["last_read"]["device_items"] == r["tensors"], r["last_read"]
     assert len(r["losses"]) == 8
     print(json.dumps({k: v for k, v in r.items() if k != "losses"}))
