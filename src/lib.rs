@@ -24,6 +24,7 @@ pub mod ipc;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
+pub mod replica;
 pub mod restore;
 pub(crate) mod slab;
 pub(crate) mod staging;

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _shmckpt
 from . import _state
-from .errors import CorruptError, DestinationError, NotFound, UnsafePath
+from .errors import ConfigError, CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
     import torch
@@ -86,6 +86,7 @@ class SaveHandle:
         self._future: Optional[concurrent.futures.Future] = None
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
+        self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -169,6 +170,15 @@ class SaveHandle:
             self._poll()
         self._release()
         return rep
+
+    def wait_replicated(self) -> Dict[str, Any]:
+        """Collective (every rank, same steps, same order): wait for the step to be
+        committed, then until every rank's image is held and CRC-checked by ``replicas``
+        ranks on other machines; returns the replication report (``docs/replicas.md``).
+        :class:`~shmckpt.errors.ReplicationError` when it is not."""
+        if self._replicator is None:
+            raise ConfigError("wait_replicated() needs a Checkpointer made with replicas > 0")
+        return self._replicator.wait_replicated(self)
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
@@ -340,6 +350,9 @@ class Checkpointer:
         recover_on_open: Optional[bool] = None,
         shm_name: Optional[str] = None,
         keep_in_memory: bool = False,
+        replicas: int = 0,
+        node: Optional[str] = None,
+        replica_group: Any = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -367,17 +380,26 @@ class Checkpointer:
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        self._replicator: Optional[Any] = None
+        if replicas:
+            from .replicas import Replicator
+
+            self._replicator = Replicator(self, replicas, node, replica_group)
         _OPEN.add(self)
 
     @property
-    def last_load_source(self) -> Optional[Tuple[str, Optional[str]]]:
+    def last_load_source(self) -> Optional[Tuple[str, Any]]:
         """Which path served the last :meth:`load` (or device :meth:`load_into`): ``("disk", reason)``
         or ``("memory", problem)``; ``reason`` says why shared memory could not serve it when
         ``keep_in_memory`` is on (else ``None``); ``problem`` is ``None`` unless the check of
         the checkpoint file on disk (its size and header, against the kept image) failed: the
         load's bytes are right, but a load from disk would fail (``shmckpt verify`` checks
-        every byte). ``None`` before the first load."""
-        return self._engine.last_load_source()
+        every byte). ``None`` before the first load. With ``replicas > 0``: ``("peer", rank)``
+        when this rank's file was restored from that rank's replica for the load."""
+        src = self._engine.last_load_source()
+        if self._replicator is not None:
+            return self._replicator.source(src)
+        return src
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -601,6 +623,7 @@ class Checkpointer:
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
+        handle._replicator = self._replicator
 
         def finish_host_copies() -> None:
             for i, fin in finishes:
@@ -716,6 +739,8 @@ class Checkpointer:
         of tensors. Every CRC-32C is verified.
         """
         s = self._resolve(step)
+        if self._replicator is not None:
+            self._replicator.before_load(s)  # collective: a lost file comes from a peer
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None

@@ -50,6 +50,7 @@ __all__ = [
     "StepOverflow",
     "RootTooLong",
     "UnsupportedValue",
+    "ReplicationError",
 ]
 
 
@@ -205,6 +206,11 @@ class IpcError(ShmckptError, RuntimeError):
 
 class RecoveryError(ShmckptError):
     """A staging arena in ``/dev/shm`` cannot be recovered."""
+
+
+class ReplicationError(ShmckptError, RuntimeError):
+    """A step is not held by as many peer replicas as asked (``replicas=``), or the ranks
+    disagree on the step to load (``shmckpt.replicas``)."""
 
 
 def _init_kind() -> None:

@@ -10,6 +10,7 @@
 
 mod core;
 mod dcp;
+mod replica;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -614,5 +615,6 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
+    replica::register(m)?;
     Ok(())
 }

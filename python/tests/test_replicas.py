@@ -1,0 +1,307 @@
+"""Peer replicas (docs/replicas.md): 4 ranks over gloo on one host, simulating 2 machines
+with ``node=`` (ranks 0-1 on "m0", 2-3 on "m1"; partners 0->2, 1->3, 2->0, 3->1).
+
+These runs share the host's /dev/shm: "losing" machine 1 removes its ranks' kept arenas,
+the replicas it held and its ranks' files under the root, each by its exact name. The
+arenas and replicas of each test's own root are removed at its end.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shmckpt
+from shmckpt import _shmckpt
+from shmckpt.replicas import list_replicas, remove_replica
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = str(HERE / "replica_worker.py")
+WORLD = 4
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kept_name(root, rank):
+    """The kept arena's name of ``root`` and ``rank`` (FNV-1a 64 of the canonical root)."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(os.path.realpath(root)):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"shmckpt.keep-{h:016x}.r{rank}"
+
+
+def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None):
+    """Run the 4 ranks (rank r under the command prefix ``prefix(r)``: e.g. ``nsenter``
+    into its machine's mount namespace) to completion; their JSON reports."""
+    port = str(free_port())
+    outs = [tmp_path / f"{tag}-{mode}-{r}.json" for r in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            (prefix(r) if prefix else [])
+            + [sys.executable, WORKER, mode, str(root), str(r), str(WORLD), port, str(outs[r]), str(replicas)]
+            + [str(s) for s in steps]
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * WORLD
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.fixture
+def droot(root):
+    """The test's root; at the end its kept arenas and replicas are removed (exact names)."""
+    yield root
+    for r in range(WORLD):
+        p = pathlib.Path("/dev/shm") / kept_name(root, r)
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    tag = _shmckpt.replica_tag(str(root))
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+
+
+def our_replicas(root):
+    tag = _shmckpt.replica_tag(str(root))
+    return sorted((r["source_rank"], r["step"]) for r in list_replicas() if r["root_tag"] == tag)
+
+
+def lose_machine_1(root, steps, keep_replicas_of=(2, 3)):
+    """Machine 1 (ranks 2, 3) is gone: its kept arenas, the replicas it held (of ranks 0
+    and 1) and its ranks' files of every step."""
+    for r in (2, 3):
+        (pathlib.Path("/dev/shm") / kept_name(root, r)).unlink()
+    last = max(steps)
+    for src in (0, 1):
+        remove_replica(_shmckpt.replica_name(str(root), src, last))
+    m = json.loads((root / f"step-{last}" / "manifest.json").read_text())
+    names = {f["rank"]: f["file"] for f in m["files"]}
+    for s in steps:
+        for r in (2, 3):
+            (root / f"step-{s}" / names[r]).unlink()
+    assert our_replicas(root) == [(q, last) for q in keep_replicas_of]
+    return names
+
+
+def test_plan_is_a_ring_across_machines():
+    assert _shmckpt.replica_plan(["m0", "m0", "m1", "m1"], 1) == [[2], [3], [0], [1]]
+    assert _shmckpt.replica_plan(["a", "b", "c", "a", "b", "c"], 2) == [[1, 2], [2, 0], [0, 1], [4, 5], [5, 3], [3, 4]]
+    with pytest.raises(shmckpt.ConfigError, match="needs at least 2 machines"):
+        _shmckpt.replica_plan(["m0", "m0", "m0", "m0"], 1)
+
+
+def test_lost_machine_is_restored_from_peers(tmp_path, droot):
+    root = droot
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3)
+    for r, res in enumerate(saved):
+        assert res["shm_name"] == kept_name(root, r)
+        assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
+        for rep in res["reports"]:
+            assert rep["k_safe"] is True
+            assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            assert rep["problems"] == []
+    # Only the newest step's replica of each rank is kept.
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+
+    names = lose_machine_1(root, [1, 2, 3])
+    loaded = run_world(tmp_path, root, "load", 1)
+    for r, res in enumerate(loaded):
+        assert "error" not in res, res
+        assert res["step"] == 3
+        assert res["exact"] is True
+    assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    # The lost ranks' files of the loaded step are back, byte for byte what was committed.
+    m = json.loads((root / "step-3" / "manifest.json").read_text())
+    for f in m["files"]:
+        assert (root / "step-3" / names[f["rank"]]).stat().st_size == f["bytes"]
+    out = subprocess.run(
+        [os.environ.get("SHMCKPT_BIN", "shmckpt"), "verify", str(root), "--step", "3"],
+        capture_output=True,
+        text=True,
+    ) if os.environ.get("SHMCKPT_BIN") else None
+    if out is not None:
+        assert out.returncode == 0, out.stderr
+
+
+def test_tampered_replica_is_refused(tmp_path, droot):
+    root = droot
+    run_world(tmp_path, root, "save", 1, 4, 5)
+    names = lose_machine_1(root, [4, 5])
+    # Damage one byte of the data section of rank 2's replica (held on machine 0).
+    bad = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 2, 5)
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_load(str(root), 5, 2)
+
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res.get("source") for res in loaded[:2]] == [["memory", None], ["memory", None]]
+    assert loaded[3]["source"] == ["peer", 1] and loaded[3]["exact"] is True
+    # Rank 2: no partner holds a replica that passes the checks, and its disk file is gone.
+    assert "source" not in loaded[2]
+    assert loaded[2]["error"] == "ReplicationError"
+    assert names[2] in loaded[2]["message"] and "passes the checks" in loaded[2]["message"]
+    assert not (root / "step-5" / names[2]).exists()
+
+
+def test_images_are_checked_on_every_path(droot):
+    """Stored, served and written back only when size, header and every CRC-32C match the
+    committed manifest; never through a link."""
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(9, rank_state(0, 9)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 9, 0)).tobytes()
+    fname = json.loads((root / "step-9" / "manifest.json").read_text())["files"][0]["file"]
+    assert good == (root / "step-9" / fname).read_bytes()
+    tampered = bytearray(good)
+    tampered[len(good) // 2] ^= 0x80
+    name = _shmckpt.replica_name(str(root), 0, 9)
+    shm = pathlib.Path("/dev/shm") / name
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_store(str(root), 9, 0, bytes(tampered))
+    assert not shm.exists()
+    with pytest.raises(shmckpt.Truncated):
+        _shmckpt.replica_store(str(root), 9, 0, good[:-1])
+    with pytest.raises(shmckpt.CorruptError):
+        _shmckpt.replica_store(str(root), 9, 0, good + b"\0")
+    header_bad = bytearray(good)
+    header_bad[10] = ord("#")  # inside the JSON header
+    with pytest.raises(shmckpt.CorruptError):
+        _shmckpt.replica_store(str(root), 9, 0, bytes(header_bad))
+    with pytest.raises(shmckpt.NotFound):
+        _shmckpt.replica_store(str(root), 10, 0, good)
+    assert not shm.exists()
+
+    assert _shmckpt.replica_store(str(root), 9, 0, good) == name
+    assert np.asarray(_shmckpt.replica_load(str(root), 9, 0)).tobytes() == good
+    # A link in the replica's place is never followed.
+    shm.unlink()
+    target = root / "elsewhere"
+    target.write_bytes(good)
+    shm.symlink_to(target)
+    try:
+        with pytest.raises(shmckpt.UnsafePath):
+            _shmckpt.replica_load(str(root), 9, 0)
+    finally:
+        shm.unlink()
+    # A damaged image is never written back as the rank's file.
+    (root / "step-9" / fname).unlink()
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_restore_file(str(root), 9, 0, bytes(tampered))
+    assert sorted(p.name for p in (root / "step-9").iterdir()) == ["manifest.json"]
+    assert _shmckpt.replica_restore_file(str(root), 9, 0, good) == str(root / "step-9" / fname)
+    assert (root / "step-9" / fname).read_bytes() == good
+
+
+def test_replicas_zero_is_unchanged(tmp_path, droot):
+    root = droot
+    saved = run_world(tmp_path, root, "save", 0, 1, 2)
+    assert [res["wait_replicated"] for res in saved] == ["ConfigError"] * WORLD
+    assert our_replicas(root) == []
+    loaded = run_world(tmp_path, root, "load", 0)
+    for res in loaded:
+        assert res["exact"] is True and res["step"] == 2
+        assert res["source"] == ["memory", None]
+    assert our_replicas(root) == []
+
+
+class Machine:
+    """A simulated machine: a process holding a mount namespace with its own tmpfs on
+    /dev/shm (``unshare --mount``), which ranks join with ``nsenter``; killing the holder
+    frees that /dev/shm and everything in it."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs -o size=256m tmpfs /dev/shm && echo ready && exec sleep 900"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.kill()
+            raise AssertionError(f"the namespace holder did not start: {line!r}")
+
+    def prefix(self):
+        return ["nsenter", "-t", str(self.proc.pid), "-m", f"--wd={os.getcwd()}", "--"]
+
+    def shm(self):
+        out = subprocess.run(self.prefix() + ["ls", "-A", "/dev/shm"], capture_output=True, text=True, check=True)
+        return sorted(out.stdout.split())
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def namespaces_or_skip():
+    why = None
+    if os.geteuid() != 0:
+        why = "mount namespaces need root"
+    elif subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode != 0:
+        why = "`unshare --mount` is not available or not permitted"
+    elif subprocess.run(["nsenter", "--version"], capture_output=True).returncode != 0:
+        why = "nsenter is not available"
+    if why is None:
+        return
+    if os.environ.get("SHMCKPT_REQUIRE_NS") == "1":
+        pytest.fail(f"SHMCKPT_REQUIRE_NS=1 but {why}")
+    pytest.skip(f"{why} (SHMCKPT_REQUIRE_NS=1 makes this a failure)")
+
+
+def test_drill_private_shm_per_machine(tmp_path, root):
+    """The failure drill with a private /dev/shm per machine: machine 1 is lost (its
+    namespace, so its /dev/shm, is gone; its ranks' files are removed) and replaced by a
+    fresh one; all 4 ranks restart and load the latest step bit-exactly."""
+    namespaces_or_skip()
+    machines = [Machine(), Machine()]
+    try:
+        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
+        saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, prefix=prefix)
+        assert all(rep["k_safe"] for res in saved for rep in res["reports"])
+        tag = _shmckpt.replica_tag(str(root))
+        rep = lambda q: f"shmckpt-replica.{tag}.r{q}.s3"  # noqa: E731
+        assert machines[0].shm() == sorted([kept_name(root, 0), kept_name(root, 1), rep(2), rep(3)])
+        assert machines[1].shm() == sorted([kept_name(root, 2), kept_name(root, 3), rep(0), rep(1)])
+        assert our_replicas(root) == []  # nothing in the host's /dev/shm
+
+        machines[1].kill()
+        m = json.loads((root / "step-3" / "manifest.json").read_text())
+        for s in (1, 2, 3):
+            for f in m["files"]:
+                if f["rank"] in (2, 3):
+                    (root / f"step-{s}" / f["file"]).unlink()
+        machines[1] = Machine()
+        assert machines[1].shm() == []
+
+        loaded = run_world(tmp_path, root, "load", 1, prefix=prefix)
+        for res in loaded:
+            assert "error" not in res, res
+            assert res["step"] == 3 and res["exact"] is True
+        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    finally:
+        for mach in machines:
+            mach.kill()
