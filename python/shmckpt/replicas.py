@@ -126,15 +126,34 @@ class Replicator:
         its partners, store (checked) the images sent to this rank, and return the step's
         replication report once every rank's image is held by ``replicas`` ranks on other
         machines. Raises :class:`~shmckpt.errors.ReplicationError` (on every rank) when
-        some image is not."""
+        some image is not, when some rank's save failed, or when the group fails (a rank
+        died: the group is then unusable; a hung rank stalls this call until the group's
+        timeout)."""
         step = int(handle.step)
         done = self._reports.get(step)
         if done is not None:
             return done
         t0 = time.monotonic()
-        handle.wait()
+        failure: Optional[str] = None
+        try:
+            handle.wait()
+        except ShmckptError as e:
+            failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        try:
+            return self._replicate(step, failure, t0)
+        except ShmckptError:
+            raise
+        except RuntimeError as e:  # torch.distributed: a partner died, or the group timed out
+            raise ReplicationError(
+                f"step {step} is not {self.replicas}-safe: the replication group failed "
+                f"(a rank died or timed out; the group cannot be used again): {e}"
+            ) from e
+
+    def _replicate(self, step: int, failure: Optional[str], t0: float) -> Dict[str, Any]:
         # Every rank's file is durable once every rank's wait returned: the step is committed.
-        self._dist.barrier(group=self.group)
+        failures = [f for f in self._gather(failure) if f is not None]
+        if failures:
+            raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None

@@ -2,7 +2,9 @@
 over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``node=``).
 
     python replica_worker.py save ROOT RANK WORLD PORT OUT REPLICAS STEP...
-        save each STEP (non-blocking) and wait_replicated() after it (REPLICAS > 0)
+        save each STEP (non-blocking) and wait_replicated() after it (REPLICAS > 0);
+        with REPLICA_WORKER_DIE=RANK:STEP that rank kills itself once its save of STEP is
+        durable, before replicating it
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" and compare it with the state saved, bit for bit
 
@@ -67,10 +69,23 @@ def main():
     res["shm_name"] = ck.shm_name
     if mode == "save":
         res["reports"] = []
+        die = os.environ.get("REPLICA_WORKER_DIE")  # "RANK:STEP": killed after its save
         for step in [int(s) for s in sys.argv[8:]]:
             h = ck.save(step, rank_state(rank, step), blocking=False)
+            if die == f"{rank}:{step}":
+                h.wait()
+                os.kill(os.getpid(), 9)
             if replicas > 0:
-                rep = h.wait_replicated()
+                try:
+                    rep = h.wait_replicated()
+                except shmckpt.ReplicationError as e:
+                    # The group is broken: report and leave without another collective.
+                    res["error"] = type(e).__name__
+                    res["failed_step"] = step
+                    ck.close()
+                    with open(out, "w") as f:
+                        json.dump(res, f)
+                    os._exit(0)
                 rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
                 res["reports"].append(rep)
             else:

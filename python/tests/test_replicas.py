@@ -20,6 +20,8 @@ import shmckpt
 from shmckpt import _shmckpt
 from shmckpt.replicas import list_replicas, remove_replica
 
+from conftest import shmckpt_bin
+
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
 WORLD = 4
@@ -39,7 +41,7 @@ def kept_name(root, rank):
     return f"shmckpt.keep-{h:016x}.r{rank}"
 
 
-def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None):
+def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, env=None, codes_want=None):
     """Run the 4 ranks (rank r under the command prefix ``prefix(r)``: e.g. ``nsenter``
     into its machine's mount namespace) to completion; their JSON reports."""
     port = str(free_port())
@@ -48,7 +50,8 @@ def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None):
         subprocess.Popen(
             (prefix(r) if prefix else [])
             + [sys.executable, WORKER, mode, str(root), str(r), str(WORLD), port, str(outs[r]), str(replicas)]
-            + [str(s) for s in steps]
+            + [str(s) for s in steps],
+            env=None if env is None else {**os.environ, **env},
         )
         for r in range(WORLD)
     ]
@@ -59,8 +62,8 @@ def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert codes == [0] * WORLD
-    return [json.loads(o.read_text()) for o in outs]
+    assert codes == (codes_want or [0] * WORLD)
+    return [json.loads(o.read_text()) if o.exists() else None for o in outs]
 
 
 @pytest.fixture
@@ -82,20 +85,21 @@ def our_replicas(root):
     return sorted((r["source_rank"], r["step"]) for r in list_replicas() if r["root_tag"] == tag)
 
 
-def lose_machine_1(root, steps, keep_replicas_of=(2, 3)):
+def lose_machine_1(root, steps, replica_step=None):
     """Machine 1 (ranks 2, 3) is gone: its kept arenas, the replicas it held (of ranks 0
-    and 1) and its ranks' files of every step."""
+    and 1, of ``replica_step``, default the last step) and its ranks' files of every step."""
     for r in (2, 3):
         (pathlib.Path("/dev/shm") / kept_name(root, r)).unlink()
     last = max(steps)
+    held = last if replica_step is None else replica_step
     for src in (0, 1):
-        remove_replica(_shmckpt.replica_name(str(root), src, last))
+        remove_replica(_shmckpt.replica_name(str(root), src, held))
     m = json.loads((root / f"step-{last}" / "manifest.json").read_text())
     names = {f["rank"]: f["file"] for f in m["files"]}
     for s in steps:
         for r in (2, 3):
             (root / f"step-{s}" / names[r]).unlink()
-    assert our_replicas(root) == [(q, last) for q in keep_replicas_of]
+    assert our_replicas(root) == [(2, held), (3, held)]
     return names
 
 
@@ -213,6 +217,67 @@ def test_images_are_checked_on_every_path(droot):
     assert sorted(p.name for p in (root / "step-9").iterdir()) == ["manifest.json"]
     assert _shmckpt.replica_restore_file(str(root), 9, 0, good) == str(root / "step-9" / fname)
     assert (root / "step-9" / fname).read_bytes() == good
+
+
+def test_partner_killed_before_replicating(tmp_path, droot):
+    """Rank 3 dies once its save of step 2 is durable, before replicating it: every other
+    rank's wait_replicated() raises ReplicationError (step 2 is never reported 2-safe), the
+    replicas held stay step 1's, and after machine 1 is lost nothing of step 1 is served
+    for step 2."""
+    root = droot
+    saved = run_world(
+        tmp_path, root, "save", 1, 1, 2, env={"REPLICA_WORKER_DIE": "3:2"}, codes_want=[0, 0, 0, -9]
+    )
+    assert saved[3] is None
+    for res in saved[:3]:
+        assert [rep["step"] for rep in res["reports"]] == [1]
+        assert res["reports"][0]["k_safe"] is True
+        assert (res["error"], res["failed_step"]) == ("ReplicationError", 2)
+    assert our_replicas(root) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "manifest.json").exists()) == [1, 2]
+
+    lose_machine_1(root, [1, 2], replica_step=1)
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res["source"] for res in loaded[:2]] == [["memory", None], ["memory", None]]
+    for res in loaded[2:]:
+        assert res["error"] == "ReplicationError" and "step 2" in res["message"]
+    assert our_replicas(root) == [(2, 1), (3, 1)]
+
+
+def test_cli_lists_and_removes_replicas(droot):
+    """`shmckpt shm replicas` lists a replica with its source rank and step; `shmckpt shm
+    rm NAME` removes it."""
+    exe = shmckpt_bin()
+    if exe is None:
+        pytest.skip("no shmckpt binary (cargo build --bin shmckpt, or SHMCKPT_BIN)")
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(4, rank_state(0, 4)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 4, 0)).tobytes()
+    name = _shmckpt.replica_store(str(root), 4, 0, good)
+    out = subprocess.run([exe, "shm", "replicas", "--json"], capture_output=True, text=True, check=True)
+    mine = [r for r in json.loads(out.stdout) if r["name"] == name]
+    assert mine == [
+        {
+            "name": name,
+            "bytes": len(good),
+            "owner_uid": os.geteuid(),
+            "root_tag": _shmckpt.replica_tag(str(root)),
+            "source_rank": 0,
+            "step": 4,
+        }
+    ]
+    text = subprocess.run([exe, "shm", "replicas"], capture_output=True, text=True, check=True).stdout
+    assert any(line.startswith(name) and "source rank 0  step 4" in line for line in text.splitlines())
+    rm = subprocess.run([exe, "shm", "rm", name], capture_output=True, text=True)
+    assert rm.returncode == 0, rm.stderr
+    assert rm.stdout.strip() == f"removed {name}"
+    assert our_replicas(root) == []
 
 
 def test_replicas_zero_is_unchanged(tmp_path, droot):
