@@ -172,9 +172,9 @@ class SaveHandle:
         return rep
 
     def wait_replicated(self) -> Dict[str, Any]:
-        """Collective (every rank, same steps, same order): wait for the step to be
-        committed, then until every rank's image is held and CRC-checked by ``replicas``
-        ranks on other machines; returns the replication report (``docs/replicas.md``).
+        """Wait until the step, replicated in the background once committed, is held and
+        CRC-checked by ``replicas`` ranks on other machines for every rank; returns the
+        replication report (``docs/replicas.md``).
         :class:`~shmckpt.errors.ReplicationError` when it is not."""
         if self._replicator is None:
             raise ConfigError("wait_replicated() needs a Checkpointer made with replicas > 0")
@@ -406,6 +406,8 @@ class Checkpointer:
         """Wait for the saves in flight, then release the staging memory. Idempotent (also
         done at interpreter exit for checkpointers still open)."""
         _OPEN.discard(self)
+        if self._replicator is not None:
+            self._replicator.close()  # the queued replications finish first
         for h in list(self._pending):
             try:
                 h._get_rust()
@@ -657,6 +659,8 @@ class Checkpointer:
                 handle._set_rust(h)
                 with self._lock:
                     self._pending.append(handle)
+                if self._replicator is not None:
+                    self._replicator.enqueue(handle)
                 return handle
 
             # Host copies of device tensors are in flight on the trainer's streams: wait for
@@ -674,6 +678,8 @@ class Checkpointer:
             handle._future = self._submitter.submit(submit)
         with self._lock:
             self._pending.append(handle)
+        if self._replicator is not None:
+            self._replicator.enqueue(handle)
         return handle
 
     # -- queries -----------------------------------------------------------------------

@@ -4,8 +4,8 @@ on other machines, moved over ``torch.distributed`` (``docs/replicas.md``).
 The protocol (partner plan, replica names, the checks of every image against the committed
 manifest) is the Rust crate's (``shmckpt::replica``); this module is the transport: a
 dedicated gloo process group (or the user's) on which every collective is issued in the
-same order on every rank, from the thread that calls :meth:`SaveHandle.wait_replicated`
-or :meth:`Checkpointer.load`.
+same order on every rank: by a background thread that replicates every save in order once
+it is committed, and by :meth:`Checkpointer.load` once that thread is idle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -85,8 +86,15 @@ class Replicator:
         self.nodes: List[str] = [str(n) for n in nodes]
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
-        self._reports: Dict[int, Dict[str, Any]] = {}
         self._peer: Optional[int] = None
+        # The replication thread: it alone uses the group while saves are queued or in
+        # replication (`_drain` before any other collective on it).
+        self._cv = threading.Condition()
+        self._queue: List["SaveHandle"] = []
+        self._busy = False
+        self._closing = False
+        self._results: Dict[int, Any] = {}  # step -> report dict or the exception
+        self._thread: Optional[threading.Thread] = None
 
     # -- helpers -----------------------------------------------------------------------
     def _gather(self, obj: Any) -> List[Any]:
@@ -120,19 +128,81 @@ class Replicator:
         del keep
         return got
 
-    # -- replication -------------------------------------------------------------------
+    # -- the replication thread --------------------------------------------------------
+    def enqueue(self, handle: "SaveHandle") -> None:
+        """Replicate ``handle``'s step in the background once it is committed (called by
+        :meth:`Checkpointer.save` for every save, so every rank queues the same steps in the
+        same order and the thread's collectives match)."""
+        with self._cv:
+            if self._closing:
+                raise ConfigError("the checkpointer is closed")
+            self._queue.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shmckpt-replicate", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                handle = self._queue.pop(0)
+                self._busy = True
+            result: Any
+            try:
+                result = self._replicate_handle(handle)
+            except Exception as e:  # handed to wait_replicated(); BaseException propagates
+                result = e
+            with self._cv:
+                self._results[int(handle.step)] = result
+                for s in sorted(self._results)[:-16]:
+                    del self._results[s]
+                self._busy = False
+                self._cv.notify_all()
+
+    def _drain(self) -> None:
+        """Wait until the thread has replicated every queued save."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait(0.05)
+
+    def close(self) -> None:
+        """Finish the queued replications, then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join()
+
     def wait_replicated(self, handle: "SaveHandle") -> Dict[str, Any]:
-        """Collective: wait for ``handle``'s step to be committed, send this rank's image to
-        its partners, store (checked) the images sent to this rank, and return the step's
-        replication report once every rank's image is held by ``replicas`` ranks on other
-        machines. Raises :class:`~shmckpt.errors.ReplicationError` (on every rank) when
-        some image is not, when some rank's save failed, or when the group fails (a rank
-        died: the group is then unusable; a hung rank stalls this call until the group's
-        timeout)."""
+        """Wait for the background replication of ``handle``'s step (see
+        :meth:`_replicate_handle`) and return its report, or raise its error."""
         step = int(handle.step)
-        done = self._reports.get(step)
-        if done is not None:
-            return done
+        with self._cv:
+            while step not in self._results:
+                queued = any(int(h.step) == step for h in self._queue)
+                if not queued and not self._busy:
+                    raise ReplicationError(f"step {step} was not replicated by this checkpointer (or is too old)")
+                self._cv.wait(0.05)
+            result = self._results[step]
+        if isinstance(result, Exception):
+            raise result
+        return dict(result)
+
+    # -- replication -------------------------------------------------------------------
+    def _replicate_handle(self, handle: "SaveHandle") -> Dict[str, Any]:
+        """Collective on the group (the replication thread only): wait for ``handle``'s
+        step to be committed, send this rank's image to its partners, store (checked) the
+        images sent to this rank, and return the step's replication report once every
+        rank's image is held by ``replicas`` ranks on other machines. Raises
+        :class:`~shmckpt.errors.ReplicationError` (on every rank) when some image is not,
+        when some rank's save failed, or when the group fails (a rank died: the group is
+        then unusable; a hung rank stalls replication until the group's timeout)."""
+        step = int(handle.step)
         t0 = time.monotonic()
         failure: Optional[str] = None
         try:
@@ -202,9 +272,6 @@ class Replicator:
             raise ReplicationError(
                 f"step {step} is not {self.replicas}-safe: held by {short}; " + "; ".join(all_problems)
             )
-        self._reports[step] = report
-        for s in [s for s in self._reports if s < step]:
-            del self._reports[s]
         return report
 
     # -- load --------------------------------------------------------------------------
@@ -228,8 +295,20 @@ class Replicator:
         that passes every check; it is checked again on arrival and written back as the
         rank's file, which the load then reads (checked in full). A rank that needs one and
         that no partner can serve gets :class:`~shmckpt.errors.ReplicationError` (after every collective, so
-        the other ranks load on); the others load as without replicas."""
+        the other ranks load on); the others load as without replicas. A failure of the
+        group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
         self._peer = None
+        self._drain()
+        try:
+            self._before_load(step)
+        except ShmckptError:
+            raise
+        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
+            raise ReplicationError(
+                f"load of step {step}: the replication group failed (a rank died or timed out): {e}"
+            ) from e
+
+    def _before_load(self, step: int) -> None:
         me = self.ckpt.rank
         root = self.ckpt.root
         steps = self._gather(step)

@@ -4,9 +4,11 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
     python replica_worker.py save ROOT RANK WORLD PORT OUT REPLICAS STEP...
         save each STEP (non-blocking) and wait_replicated() after it (REPLICAS > 0);
         with REPLICA_WORKER_DIE=RANK:STEP that rank kills itself once its save of STEP is
-        durable, before replicating it
+        durable, before replicating it; with REPLICA_WORKER_NOWAIT=1 every step is saved
+        first and wait_replicated() called afterwards, newest step first
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
-        load "latest" and compare it with the state saved, bit for bit
+        load "latest" and compare it with the state saved, bit for bit (with
+        REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
 
 OUT receives a JSON report.
 """
@@ -70,7 +72,16 @@ def main():
     if mode == "save":
         res["reports"] = []
         die = os.environ.get("REPLICA_WORKER_DIE")  # "RANK:STEP": killed after its save
-        for step in [int(s) for s in sys.argv[8:]]:
+        steps = [int(s) for s in sys.argv[8:]]
+        if os.environ.get("REPLICA_WORKER_NOWAIT") == "1":
+            # Save every step without waiting, then wait for the replications, newest first.
+            hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]
+            steps = []
+            for h in reversed(hs):
+                rep = h.wait_replicated()
+                rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+                res["reports"].append(rep)
+        for step in steps:
             h = ck.save(step, rank_state(rank, step), blocking=False)
             if die == f"{rank}:{step}":
                 h.wait()
@@ -97,6 +108,8 @@ def main():
                     res["wait_replicated"] = type(e).__name__
             dist.barrier()
     else:
+        if os.environ.get("REPLICA_WORKER_DIE") == f"{rank}:load":
+            os.kill(os.getpid(), 9)
         try:
             state = ck.load("latest")
             step = ck.latest()
@@ -107,6 +120,11 @@ def main():
         except shmckpt.ShmckptError as e:
             res["error"] = type(e).__name__
             res["message"] = str(e)
+            if os.environ.get("REPLICA_WORKER_DIE"):  # a rank is dead: no more collectives
+                ck.close()
+                with open(out, "w") as f:
+                    json.dump(res, f)
+                os._exit(0)
     ck.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -140,6 +140,22 @@ def test_lost_machine_is_restored_from_peers(tmp_path, droot):
         assert not (root / f"step-{s}" / names[2]).exists()
 
 
+def test_replication_runs_in_the_background(tmp_path, droot):
+    """Saves return at once and are replicated in order by the replication thread;
+    wait_replicated() of any step, in any order (newest first here), returns its report."""
+    root = droot
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, env={"REPLICA_WORKER_NOWAIT": "1"})
+    for res in saved:
+        assert [rep["step"] for rep in res["reports"]] == [3, 2, 1]
+        for rep in res["reports"]:
+            assert rep["k_safe"] is True and rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    lose_machine_1(root, [1, 2, 3])
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    assert all(res["exact"] is True and res["step"] == 3 for res in loaded)
+
+
 def test_tampered_replica_is_refused(tmp_path, droot):
     root = droot
     run_world(tmp_path, root, "save", 1, 4, 5)
@@ -275,6 +291,19 @@ def test_cli_lists_and_removes_replicas(droot):
     assert rm.returncode == 0, rm.stderr
     assert rm.stdout.strip() == f"removed {name}"
     assert our_replicas(root) == []
+
+
+def test_rank_dead_during_load(tmp_path, droot):
+    """A rank that dies instead of joining the collective load: the others get
+    ReplicationError (not a bare torch error), nothing is restored."""
+    root = droot
+    run_world(tmp_path, root, "save", 1, 1)
+    names = lose_machine_1(root, [1])
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DIE": "3:load"}, codes_want=[0, 0, 0, -9])
+    assert loaded[3] is None
+    for res in loaded[:3]:
+        assert res["error"] == "ReplicationError" and "replication group failed" in res["message"]
+    assert not (root / "step-1" / names[2]).exists()
 
 
 def test_replicas_zero_is_unchanged(tmp_path, droot):
