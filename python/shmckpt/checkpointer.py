@@ -384,7 +384,11 @@ class Checkpointer:
         if replicas:
             from .replicas import Replicator
 
-            self._replicator = Replicator(self, replicas, node, replica_group)
+            try:
+                self._replicator = Replicator(self, replicas, node, replica_group)
+            except BaseException:
+                self._engine.close()
+                raise
         _OPEN.add(self)
 
     @property

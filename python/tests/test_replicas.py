@@ -110,6 +110,22 @@ def test_plan_is_a_ring_across_machines():
         _shmckpt.replica_plan(["m0", "m0", "m0", "m0"], 1)
 
 
+def test_refused_replication_settings_close_the_engine(root):
+    """replicas=1 on a world of one machine is a ConfigError, and the engine opened before
+    the check is closed (its root lock released), even while the error is still held."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(shmckpt.ConfigError, match="needs at least 2 machines") as held:
+            shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
+        ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+        ck.close()
+        del held
+    finally:
+        dist.destroy_process_group()
+
+
 def test_lost_machine_is_restored_from_peers(tmp_path, droot):
     root = droot
     saved = run_world(tmp_path, root, "save", 1, 1, 2, 3)
