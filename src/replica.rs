@@ -248,21 +248,20 @@ fn euid() -> u32 {
 }
 
 /// Write `bytes` as the regular file `name` of `dir` (opened as a directory fd): first to
-/// a new temporary name (never through a link), flushed, then renamed over `name`, so
-/// `name` never holds a partial image.
-fn write_atomic(dir: &Path, name: &str, bytes: &[u8], durable: bool) -> Result<PathBuf> {
+/// the new temporary name `tmp` (never through a link), flushed, then renamed over `name`,
+/// so `name` never holds a partial image.
+fn write_atomic(dir: &Path, name: &str, tmp: &str, bytes: &[u8], durable: bool) -> Result<PathBuf> {
     let dfd = fsx::open_dir(dir)?;
-    let tmp = format!(".{name}.tmp{}", std::process::id());
-    fsx::unlink_in(dfd.as_fd(), dir, &tmp)?;
-    let path = dir.join(&tmp);
+    fsx::unlink_in(dfd.as_fd(), dir, tmp)?;
+    let path = dir.join(tmp);
     let res = (|| {
-        let mut f = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
+        let mut f = fsx::open_file(dfd.as_fd(), dir, tmp, true, Create::New, Some(euid()))?;
         f.write_all(bytes)
             .map_err(|e| Error::io("write", &path, e))?;
         if durable {
             f.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
         }
-        rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name)
+        rustix::fs::renameat(dfd.as_fd(), tmp, dfd.as_fd(), name)
             .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
         if durable {
             rustix::fs::fsync(&dfd).map_err(|e| Error::io("fsync", dir, e.into()))?;
@@ -270,7 +269,7 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8], durable: bool) -> Result<P
         Ok(dir.join(name))
     })();
     if res.is_err() {
-        let _ = fsx::unlink_in(dfd.as_fd(), dir, &tmp);
+        let _ = fsx::unlink_in(dfd.as_fd(), dir, tmp);
     }
     res
 }
@@ -281,16 +280,28 @@ fn write_atomic(dir: &Path, name: &str, bytes: &[u8], durable: bool) -> Result<P
 /// fails (the error says why).
 pub fn store(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<String> {
     verify_image(root, step, rank, bytes)?;
-    let name = replica_name(root, rank, step)?;
-    write_atomic(Path::new(SHM_MOUNT), &name, bytes, false)?;
-    let (tag, _, _) = parse_replica_name(&name).expect("a name made by replica_name parses");
+    let tag = tag_of(root)?;
+    let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
+    let pid = std::process::id();
+    write_atomic(
+        Path::new(SHM_MOUNT),
+        &name,
+        &format!("{name}.tmp{pid}"),
+        bytes,
+        false,
+    )?;
     for old in list_names() {
-        if let Some((t, r, s)) = parse_replica_name(&old)
-            && t == tag
-            && r == rank
-            && s != step
-            && let Err(e) = remove(&old)
-        {
+        // Older replicas of this root and rank, and temporary files of writers that died
+        // (`<replica name>.tmp<pid>` of a process that no longer exists).
+        let stale = match parse_replica_name(&old) {
+            Some((t, r, s)) => t == tag && r == rank && s != step,
+            None => old.rsplit_once(".tmp").is_some_and(|(base, p)| {
+                parse_replica_name(base).is_some_and(|(t, r, _)| t == tag && r == rank)
+                    && p.parse::<u32>()
+                        .is_ok_and(|p| p != pid && !Path::new("/proc").join(p.to_string()).exists())
+            }),
+        };
+        if stale && let Err(e) = remove_own(&old) {
             tracing::warn!(replica = %old, error = %e, "could not remove an older replica");
         }
     }
@@ -314,7 +325,8 @@ pub fn restore_file(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<P
     let (dir, entry) = committed_entry(root, step, rank)?;
     let what = PathBuf::from(format!("<image of rank {rank}, step {step}>"));
     check_bytes(bytes, &entry, &what)?;
-    write_atomic(&dir, &entry.file, bytes, true)
+    let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+    write_atomic(&dir, &entry.file, &tmp, bytes, true)
 }
 
 /// Names in `/dev/shm` that start with [`REPLICA_PREFIX`], sorted.
@@ -376,10 +388,15 @@ pub fn tag_of(root: &Path) -> Result<String> {
 /// Remove the replica `name` from `/dev/shm`: this user's regular files only, never
 /// following a link.
 pub fn remove(name: &str) -> Result<()> {
-    let dir = Path::new(SHM_MOUNT);
     if parse_replica_name(name).is_none() {
         return Err(Error::Config(format!("{name:?} is not a replica's name")));
     }
+    remove_own(name)
+}
+
+/// Remove `/dev/shm/name` if it is a regular file of this user (never following a link).
+fn remove_own(name: &str) -> Result<()> {
+    let dir = Path::new(SHM_MOUNT);
     let dfd = fsx::open_dir(dir)?;
     // Checked on an fd opened without following a link, then the name removed.
     let f = fsx::open_file(dfd.as_fd(), dir, name, false, Create::No, Some(euid()))?;

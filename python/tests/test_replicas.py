@@ -227,13 +227,33 @@ def test_images_are_checked_on_every_path(droot):
         _shmckpt.replica_store(str(root), 10, 0, good)
     assert not shm.exists()
 
-    assert _shmckpt.replica_store(str(root), 9, 0, good) == name
+    # Temporary files of writers that died are removed by the next store of that rank's
+    # replica; those of live processes (pid 1) are not.
+    dead = shm.parent / f"{name}.tmp999999999"
+    live = shm.parent / f"{name}.tmp1"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    try:
+        assert _shmckpt.replica_store(str(root), 9, 0, good) == name
+        assert not dead.exists() and live.read_bytes() == b"partial"
+        assert [r["name"] for r in list_replicas() if r["name"].startswith(name)] == [name]
+    finally:
+        live.unlink()
+        if dead.exists():
+            dead.unlink()
     assert np.asarray(_shmckpt.replica_load(str(root), 9, 0)).tobytes() == good
     # A link in the replica's place is never followed.
     shm.unlink()
     target = root / "elsewhere"
     target.write_bytes(good)
     shm.symlink_to(target)
+    try:
+        with pytest.raises(shmckpt.UnsafePath):
+            _shmckpt.replica_load(str(root), 9, 0)
+    finally:
+        shm.unlink()
+    # Nor a FIFO (opened without blocking, refused as not a regular file).
+    os.mkfifo(shm)
     try:
         with pytest.raises(shmckpt.UnsafePath):
             _shmckpt.replica_load(str(root), 9, 0)
@@ -246,6 +266,35 @@ def test_images_are_checked_on_every_path(droot):
     assert sorted(p.name for p in (root / "step-9").iterdir()) == ["manifest.json"]
     assert _shmckpt.replica_restore_file(str(root), 9, 0, good) == str(root / "step-9" / fname)
     assert (root / "step-9" / fname).read_bytes() == good
+
+
+def test_replica_of_another_user_is_refused(droot):
+    """A replica under the right name but owned by another user is never served, and
+    `remove_replica` leaves it alone."""
+    if os.geteuid() != 0:
+        if os.environ.get("SHMCKPT_REQUIRE_ROOT") == "1":
+            pytest.fail("SHMCKPT_REQUIRE_ROOT=1 but not root (chown needs it)")
+        pytest.skip("needs root to give a file to another user (SHMCKPT_REQUIRE_ROOT=1 makes this a failure)")
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(2, rank_state(0, 2)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 2, 0)).tobytes()
+    name = _shmckpt.replica_store(str(root), 2, 0, good)
+    shm = pathlib.Path("/dev/shm") / name
+    os.chown(shm, 65534, 65534)
+    try:
+        with pytest.raises(shmckpt.UnsafePath, match="uid 65534"):
+            _shmckpt.replica_load(str(root), 2, 0)
+        with pytest.raises(shmckpt.UnsafePath):
+            remove_replica(name)
+        assert shm.exists()
+    finally:
+        shm.unlink()
 
 
 def test_partner_killed_before_replicating(tmp_path, droot):
