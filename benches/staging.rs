@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use shmckpt::testing::synthetic;
+use shmckpt::bench::synthetic;
 use shmckpt::{Dtype, EngineConfig, Metadata, Tensor};
 
 const BYTES: u64 = 256 << 20;

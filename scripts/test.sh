@@ -4,18 +4,13 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest and maturin if it lacks them (CPU is
-# enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, moto[server] and
+# megatron-core if it lacks them (CPU is enough: GPU tests skip without a GPU;
+# SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-
-echo "== cargo test --all-features"
-cargo test --all-features
-# The recovery test of the Python suite runs the command line.
-cargo build --bin shmckpt
-export SHMCKPT_BIN="$repo/target/debug/shmckpt"
 
 venv="${SHMCKPT_VENV:-$repo/.venv}"
 if [ ! -x "$venv/bin/python" ]; then
@@ -25,13 +20,30 @@ fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
-for mod in torch numpy safetensors pytest maturin; do
+for mod in torch numpy safetensors pytest maturin lightning; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
+# megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
+"$py" -c "import megatron.core" 2>/dev/null || missing+=("megatron-core")
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]} into $venv"
     "$py" -m pip install --quiet "${missing[@]}"
 fi
+
+# The object-storage tests run against moto's S3 server (python/tests/test_remote.py,
+# tests/integration/remote.rs).
+if ! "$py" -c "import moto.server, boto3" 2>/dev/null; then
+    echo "== installing moto[server] into $venv"
+    "$py" -m pip install --quiet 'moto[server]'
+fi
+# The Rust integration tests find moto through this interpreter.
+export SHMCKPT_MOTO_PYTHON="$py"
+
+echo "== cargo test --all-features (after the venv: the S3 tests start moto from it)"
+cargo test --all-features
+# The recovery test of the Python suite runs the command line.
+cargo build --bin shmckpt
+export SHMCKPT_BIN="$repo/target/debug/shmckpt"
 
 echo "== pip install ./python"
 # maturin is in the venv: build without an isolated build environment (no download).

@@ -13,20 +13,27 @@
 //! `manifest.json` and renames the directory (two ranks racing both succeed: the rename is
 //! atomic and the loser sees the committed directory).
 //!
+//! When each rank's engine writes in a root of its own (the DCP backend), one caller
+//! that has every rank's durable part assembles them instead ([`assemble_ranks`]) and
+//! publishes the directory under its user's name ([`publish_dir`]).
+//!
 //! Retention renames `step-M` to `step-M.trash` (atomic: the checkpoint disappears from
 //! listings at once), fsyncs the root, then deletes the trash.
+
+mod assemble;
+pub use assemble::{assemble_ranks, publish_dir, publish_into};
 
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::fsx;
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
     self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
     rank_manifest_name, step_dir_name, trash_dir_name,
 };
+use crate::{fsops, fsx};
 
 /// Lock file name for a rank.
 pub(crate) fn lock_name(rank: u32) -> String {
@@ -38,6 +45,23 @@ pub(crate) fn lock_name(rank: u32) -> String {
 #[derive(Debug)]
 pub struct RootLock {
     _file: File,
+}
+
+/// Create `root` and its missing parents (`mkdir -p`, mode 0o777 less the umask) unless it
+/// is a directory already. Ranks racing to create it all succeed. The root is the caller's
+/// setting, not untrusted input: links in the components that exist are followed, as the
+/// root itself is everywhere else.
+pub fn create_root(root: &Path) -> Result<()> {
+    if root.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .create(root)
+        .map_err(|source| Error::RootCreateFailed {
+            path: root.to_owned(),
+            source,
+        })
 }
 
 /// Check that `root` exists, is a directory, and is writable.
@@ -228,7 +252,7 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
         // `file_type` does not follow links: only real directories are removed.
         if stale && e.file_type().is_ok_and(|t| t.is_dir()) {
             tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
-            std::fs::remove_dir_all(e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
+            fsops::remove_dir_all(&e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
             removed.push(e.path());
         }
     }
@@ -255,18 +279,18 @@ pub fn prepare_partial(
         });
     }
     let partial = root.join(partial_dir_name(step));
-    match std::fs::create_dir(&partial) {
+    match fsops::create_dir(&partial) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
             if world_size == 1 {
                 // We hold the only rank lock: this is a leftover of an interrupted save.
                 tracing::warn!(dir = %partial.display(), "replacing stale partial directory");
-                std::fs::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
-                std::fs::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
+                fsops::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
+                fsops::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
             } else {
                 let stale = partial.join(file_name);
                 if stale.exists() {
-                    std::fs::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
+                    fsops::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
                 }
             }
         }
@@ -278,8 +302,8 @@ pub fn prepare_partial(
 /// Remove this rank's traces of a failed save: its file, and the partial directory if that
 /// leaves it empty (other ranks' files keep it).
 pub fn abort_partial(partial: &Path, file_name: &str) {
-    let _ = std::fs::remove_file(partial.join(file_name));
-    let _ = std::fs::remove_dir(partial);
+    let _ = fsops::remove_file(&partial.join(file_name));
+    let _ = fsops::remove_dir(partial);
 }
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
@@ -306,18 +330,21 @@ pub fn commit(
             rank_manifest_name(own_rank),
             std::process::id()
         ));
-        let _ = std::fs::remove_file(&part_tmp);
+        let _ = fsops::remove_file(&part_tmp);
         write_durable(&part_tmp, &bytes).inspect_err(|_| {
             // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = std::fs::remove_file(&part_tmp);
+            let _ = fsops::remove_file(&part_tmp);
         })?;
-        std::fs::rename(&part_tmp, &part).map_err(|e| {
-            let _ = std::fs::remove_file(&part_tmp);
+        fsops::rename(&part_tmp, &part).map_err(|e| {
+            let _ = fsops::remove_file(&part_tmp);
             Error::io("rename", &part_tmp, e)
         })?;
         if let Err(e) = fsync_dir(partial) {
-            // Another rank may have merged every part and renamed the directory already.
+            // Another rank may have merged every part and renamed the directory already:
+            // committed, once that rename is durable (the other rank may not have synced
+            // the root yet).
             if final_dir.join(MANIFEST).is_file() {
+                fsync_dir(root)?;
                 return Ok(Some(final_dir));
             }
             return Err(e);
@@ -350,15 +377,15 @@ pub fn commit(
     let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
     let tmp = partial.join(&tmp_name);
     let merged = (|| {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = fsops::remove_file(&tmp);
         write_durable(&tmp, &bytes).inspect_err(|_| {
             // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = std::fs::remove_file(&tmp);
+            let _ = fsops::remove_file(&tmp);
         })?;
         let target = partial.join(MANIFEST);
-        std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+        fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
         fsync_dir(partial)?;
-        std::fs::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
+        fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
     })();
     if let Err(e) = merged {
         // With several ranks, every rank that sees all parts merges them, and all but one
@@ -367,7 +394,10 @@ pub fn commit(
         if world_size > 1 && final_dir.join(MANIFEST).is_file() {
             // A manifest written by this rank may have been carried into the committed
             // directory by the winner's rename.
-            let _ = std::fs::remove_file(final_dir.join(&tmp_name));
+            let _ = fsops::remove_file(&final_dir.join(&tmp_name));
+            // The winner's rename is durable only once the root is synced, which the
+            // winner may not have done yet: never report a commit a power loss can undo.
+            fsync_dir(root)?;
             return Ok(Some(final_dir));
         }
         return Err(e);
@@ -383,6 +413,46 @@ pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
     let steps = retired.steps.clone();
     retired.remove()?;
     Ok(steps)
+}
+
+/// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
+/// renamed to its trash name and the root `fsync`ed (from then on it is not listed or
+/// loadable, even after a crash: the next engine of the root removes the trash at open),
+/// then its files are deleted. [`Error::NotFound`] when `step` is not a committed
+/// checkpoint (a link or a file under its name is never touched); [`Error::UnsafePath`]
+/// when its trash name is taken.
+pub fn remove_step(root: &Path, step: u64) -> Result<()> {
+    let all = manifest::list_committed(root)?;
+    let Some(c) = all.into_iter().find(|c| c.step == step) else {
+        return Err(Error::NotFound {
+            what: format!("step {step}"),
+            root: root.to_owned(),
+        });
+    };
+    let trash = root.join(trash_dir_name(step));
+    if std::fs::symlink_metadata(&trash).is_ok() {
+        return Err(Error::UnsafePath {
+            path: trash,
+            reason: "the trash name of the checkpoint to remove is taken; nothing was removed"
+                .into(),
+        });
+    }
+    match std::fs::rename(&c.dir, &trash) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound {
+                what: format!("step {step}"),
+                root: root.to_owned(),
+            });
+        }
+        Err(e) => return Err(Error::io("rename", &c.dir, e)),
+    }
+    fsync_dir(root)?;
+    Retired {
+        steps: vec![step],
+        trash: vec![trash],
+    }
+    .remove()
 }
 
 /// Checkpoints taken out of the root by [`retire_old`], whose files are still to be
@@ -401,7 +471,7 @@ impl Retired {
     /// after the save that retired them is reported committed.
     pub fn remove(self) -> Result<()> {
         for trash in &self.trash {
-            std::fs::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
+            fsops::remove_dir_all(trash).map_err(|e| Error::io("remove", trash, e))?;
         }
         Ok(())
     }
@@ -426,7 +496,7 @@ pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
             tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
             continue;
         }
-        match std::fs::rename(&c.dir, &trash) {
+        match fsops::rename(&c.dir, &trash) {
             Ok(()) => {
                 retired.steps.push(c.step);
                 retired.trash.push(trash);
@@ -449,6 +519,7 @@ mod tests {
             file: manifest::rank_file_name(rank, 2),
             bytes: 4096,
             data_start: 4096,
+            header_crc32c: None,
             tensors: Vec::new(),
         }
     }

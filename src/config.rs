@@ -8,6 +8,55 @@ use crate::error::{Error, Result};
 
 /// Default staging capacity: 2 GiB.
 pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
+/// First staging capacity of an engine whose capacity is sized from its saves (the Python
+/// `Checkpointer` without `staging_capacity`): 64 MiB, grown with
+/// [`auto_staging_capacity`] by the first save that needs more.
+pub const AUTO_STAGING_INITIAL: u64 = 64 << 20;
+
+/// The staging capacity that fits a save needing `needed` bytes of staging (what
+/// [`Error::TooLarge`] reports): `needed` plus 1/16 of headroom, so that a state that
+/// grows a little does not resize again, rounded up to whole chunks of `chunk_size`
+/// bytes; only `needed` (rounded up to chunks) when `/dev/shm` cannot hold the headroom.
+/// `reclaimable`: bytes of `/dev/shm` that are freed before the new arena is made (the
+/// arena being replaced, unless it is kept in memory).
+///
+/// [`Error::ShmTooSmall`], naming `staging_capacity`, when `/dev/shm` (its free bytes plus
+/// `reclaimable`) cannot hold `needed`. No memory is allocated here.
+pub fn auto_staging_capacity(needed: u64, chunk_size: u64, reclaimable: u64) -> Result<u64> {
+    auto_capacity_within(
+        needed,
+        chunk_size,
+        crate::staging::shm::shm_available().saturating_add(reclaimable),
+    )
+}
+
+/// [`auto_staging_capacity`] against `room` bytes of `/dev/shm`.
+pub(crate) fn auto_capacity_within(needed: u64, chunk_size: u64, room: u64) -> Result<u64> {
+    let chunk = chunk_size.max(1);
+    let round = |b: u64| b.div_ceil(chunk).checked_mul(chunk);
+    let overflow = || Error::SizeOverflow {
+        what: "staging capacity",
+    };
+    let base = needed.max(chunk);
+    let exact = round(base).ok_or_else(overflow)?;
+    let roomy = base
+        .checked_add(needed / 16)
+        .and_then(round)
+        .ok_or_else(overflow)?;
+    if roomy <= room {
+        Ok(roomy)
+    } else if exact <= room {
+        Ok(exact)
+    } else {
+        Err(Error::ShmTooSmall {
+            name: "(staging_capacity unset: sized from the save)".into(),
+            requested: exact,
+            available: room,
+            mount: crate::staging::shm::SHM_MOUNT.to_owned(),
+        })
+    }
+}
+
 /// Default chunk size: 8 MiB.
 pub const DEFAULT_CHUNK_SIZE: u64 = 8 << 20;
 /// Default number of writer threads.
@@ -60,13 +109,28 @@ pub struct EngineConfig {
     pub(crate) keep_in_memory: bool,
     pub(crate) device_read: u64,
     pub(crate) device_read_depth: u32,
+    pub(crate) create_root: bool,
+    #[cfg(feature = "s3")]
+    pub(crate) remote: Option<crate::remote::RemoteTarget>,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_keep_last: Option<usize>,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_options: crate::remote::RemoteOptions,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_max_pending: usize,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_only: bool,
+    #[cfg(feature = "s3")]
+    pub(crate) remote_session: Option<String>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) prefault_pause: std::time::Duration,
 }
 
 impl EngineConfig {
-    /// Settings for checkpoints under `root` (an existing, writable directory), with all
-    /// defaults.
+    /// Settings for checkpoints under `root` (an existing, writable directory unless
+    /// [`EngineConfig::with_create_root`] is on), with all defaults.
     pub fn new(root: impl Into<PathBuf>) -> Self {
         EngineConfig {
             root: root.into(),
@@ -88,14 +152,31 @@ impl EngineConfig {
             keep_in_memory: false,
             device_read: DEFAULT_DEVICE_READ,
             device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
+            create_root: false,
+            #[cfg(feature = "s3")]
+            remote: None,
+            #[cfg(feature = "s3")]
+            remote_keep_last: None,
+            #[cfg(feature = "s3")]
+            remote_options: crate::remote::RemoteOptions::default(),
+            #[cfg(feature = "s3")]
+            remote_max_pending: crate::remote::tier::DEFAULT_MAX_PENDING,
+            #[cfg(feature = "s3")]
+            remote_only: false,
+            #[cfg(feature = "s3")]
+            remote_session: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
+            #[cfg(feature = "fault-injection")]
+            prefault_pause: std::time::Duration::ZERO,
         }
     }
 
-    /// Bytes of shared-memory staging, reserved and pre-faulted when the engine is built
-    /// (rounded up to whole chunks). A checkpoint file larger than this is refused. Default
-    /// 2 GiB.
+    /// Bytes of shared-memory staging (rounded up to whole chunks). A checkpoint file
+    /// larger than this is refused. Default 2 GiB. Building the engine checks that
+    /// `/dev/shm` has this much free and allocates the first 64 MiB; the rest is allocated
+    /// (pre-faulted) by background threads, a save taking only chunks already allocated
+    /// ([`Engine::wait_staging_ready`](crate::Engine::wait_staging_ready)).
     pub fn with_staging_capacity(mut self, bytes: u64) -> Self {
         self.staging_capacity = bytes;
         self
@@ -227,6 +308,95 @@ impl EngineConfig {
         self
     }
 
+    /// Create the root (and its missing parents, like `mkdir -p`: mode 0o777 less the
+    /// umask) when it does not exist; a failure is [`Error::RootCreateFailed`] with the OS
+    /// error. Default false: the Rust API and the command line refuse a missing root
+    /// ([`Error::RootMissing`]), so a mistyped path is an error rather than a new
+    /// directory. The Python `Checkpointer` turns it on (as PyTorch DCP's
+    /// `FileSystemWriter` creates its directory).
+    pub fn with_create_root(mut self, on: bool) -> Self {
+        self.create_root = on;
+        self
+    }
+
+    /// Mirror every committed save to object storage at `url` (`s3://bucket/prefix`,
+    /// feature `s3`): after the save is committed locally, this rank's file is uploaded to
+    /// `prefix/step-N/` (a multipart upload), and the step is committed in the bucket by a
+    /// conditionally created `manifest.json` once every rank's object is there
+    /// ([`crate::remote`]). Credentials and endpoint come from the standard AWS
+    /// environment variables; the engine checks the bucket when it opens. Loads fall back
+    /// to the bucket for steps not on disk. Default: no remote tier.
+    #[cfg(feature = "s3")]
+    pub fn with_remote(mut self, url: impl Into<String>) -> Self {
+        self.remote = Some(crate::remote::RemoteTarget::Url(url.into()));
+        self
+    }
+
+    /// [`EngineConfig::with_remote`] on any `object_store` store (another cloud, a local
+    /// directory, `InMemory` in tests), under key prefix `prefix` (may be empty); the
+    /// store is not checked at open.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_store(
+        mut self,
+        store: std::sync::Arc<dyn object_store::ObjectStore>,
+        prefix: impl Into<String>,
+    ) -> Self {
+        self.remote = Some(crate::remote::RemoteTarget::Store {
+            store,
+            prefix: prefix.into(),
+        });
+        self
+    }
+
+    /// Keep only the newest `n` committed steps in the bucket (`None`: keep all); a step
+    /// not older than the newest committed one is never deleted. Default `None`.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_keep_last(mut self, n: Option<usize>) -> Self {
+        self.remote_keep_last = n;
+        self
+    }
+
+    /// Part size, parallelism and retries of the remote tier's requests
+    /// ([`crate::remote::RemoteOptions`]; default 16 MiB parts, 8 in flight, 3 retries).
+    #[cfg(feature = "s3")]
+    pub fn with_remote_options(mut self, opts: crate::remote::RemoteOptions) -> Self {
+        self.remote_options = opts;
+        self
+    }
+
+    /// Saves that may wait for the remote uploader besides the one it uploads; when a
+    /// further save is committed locally, the oldest waiting one's remote copy is skipped
+    /// (its [`crate::remote::RemoteProgress`] reports [`Error::RemoteSkipped`]). At least 1.
+    /// Default 2.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_max_pending(mut self, n: usize) -> Self {
+        self.remote_max_pending = n;
+        self
+    }
+
+    /// An identity shared by every rank of one run (e.g. a random id that rank 0
+    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`). It is
+    /// recorded in each rank's manifest part in the bucket, and a part of another session
+    /// does not count toward a commit: a step number re-used after an interrupted upload
+    /// never commits with a rank's stale object from the earlier run. Default `None`: any
+    /// part counts.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_session(mut self, session: Option<String>) -> Self {
+        self.remote_session = session;
+        self
+    }
+
+    /// Remote only: the root is this rank's private scratch directory, not a checkpoint
+    /// tier. Each save's file is still written there (the upload reads it: it is not yet
+    /// fed from the staging arena), and removed from it as soon as the uploader holds it
+    /// open, so the disk keeps no checkpoint and its space is freed when the upload ends;
+    /// loads come from the bucket. Needs [`EngineConfig::with_remote`]. Default false.
+    #[cfg(feature = "s3")]
+    pub fn with_remote_only(mut self, on: bool) -> Self {
+        self.remote_only = on;
+        self
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory
@@ -237,6 +407,22 @@ impl EngineConfig {
     pub fn with_faults(mut self, plan: Arc<crate::io::fault::FaultPlan>) -> Self {
         self.faults = Some(plan);
         self
+    }
+
+    /// Delay every background prefault batch of the staging arena by `pause` (tests
+    /// only: a slow prefault).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_prefault_pause(mut self, pause: std::time::Duration) -> Self {
+        self.prefault_pause = pause;
+        self
+    }
+
+    /// The delay of every background prefault batch (zero unless a test set one).
+    pub(crate) fn prefault_pause(&self) -> std::time::Duration {
+        #[cfg(feature = "fault-injection")]
+        return self.prefault_pause;
+        #[cfg(not(feature = "fault-injection"))]
+        std::time::Duration::ZERO
     }
 
     /// The checkpoint root.
@@ -280,6 +466,26 @@ impl EngineConfig {
             )));
         }
         check_device_read(self.device_read, self.device_read_depth)?;
+        #[cfg(feature = "s3")]
+        if self.remote_only && self.remote.is_none() {
+            return Err(Error::Config(
+                "remote_only needs a remote (with_remote)".into(),
+            ));
+        }
+        #[cfg(feature = "s3")]
+        if self.remote.is_some() {
+            if self.remote_keep_last == Some(0) {
+                return Err(Error::Config(
+                    "remote_keep_last must be at least 1 (None keeps all)".into(),
+                ));
+            }
+            if self.remote_max_pending == 0 {
+                return Err(Error::Config(
+                    "remote_max_pending must be at least 1".into(),
+                ));
+            }
+            self.remote_options.validate()?;
+        }
         if self.keep_last == Some(0) {
             return Err(Error::Config(
                 "keep_last must be at least 1 (None keeps all)".into(),
@@ -310,5 +516,61 @@ impl std::str::FromStr for BackendKind {
             "pwrite" => Ok(BackendKind::Pwrite),
             _ => Err(format!("unknown backend {s:?} (auto, io_uring, pwrite)")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn auto_capacity_adds_a_sixteenth_in_whole_chunks() {
+        // 100 MiB + 6.25 MiB = 106.25 MiB, rounded up to 8 MiB chunks: 112 MiB.
+        assert_eq!(
+            auto_capacity_within(100 * MIB, 8 * MIB, 1 << 40).unwrap(),
+            112 * MIB
+        );
+        // A save smaller than one chunk still gets one chunk (and its sixteenth).
+        assert_eq!(auto_capacity_within(1, 8 * MIB, 1 << 40).unwrap(), 8 * MIB);
+        assert_eq!(
+            auto_capacity_within(0, 64 << 10, 1 << 40).unwrap(),
+            64 << 10
+        );
+    }
+
+    #[test]
+    fn auto_capacity_is_bounded_by_shared_memory() {
+        // Room for the save but not the headroom: exactly the save, in whole chunks.
+        assert_eq!(
+            auto_capacity_within(100 * MIB, 8 * MIB, 105 * MIB).unwrap(),
+            104 * MIB
+        );
+        // No room: ShmTooSmall with the numbers, naming the setting and the remedy.
+        let e = auto_capacity_within(100 * MIB, 8 * MIB, 103 * MIB).unwrap_err();
+        match &e {
+            Error::ShmTooSmall {
+                requested,
+                available,
+                mount,
+                ..
+            } => {
+                assert_eq!(*requested, 104 * MIB);
+                assert_eq!(*available, 103 * MIB);
+                assert_eq!(mount, "/dev/shm");
+            }
+            other => panic!("expected ShmTooSmall, got {other:?}"),
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.contains("staging_capacity") && msg.contains("enlarge /dev/shm"),
+            "{msg}"
+        );
+        // Sizes near u64::MAX are an error, not a wrap.
+        assert!(matches!(
+            auto_capacity_within(u64::MAX - 1, 8 * MIB, u64::MAX),
+            Err(Error::SizeOverflow { .. })
+        ));
     }
 }

@@ -111,6 +111,15 @@ pub enum Error {
         /// The root.
         path: PathBuf,
     },
+    /// The checkpoint root is missing and could not be created
+    /// ([`crate::EngineConfig::with_create_root`]).
+    #[error("cannot create checkpoint root {path}: {source}")]
+    RootCreateFailed {
+        /// The root.
+        path: PathBuf,
+        /// What `mkdir` returned (for the root or one of its parents).
+        source: io::Error,
+    },
     /// The checkpoint root cannot be written.
     #[error("checkpoint root {path} is not writable: {source}")]
     RootNotWritable {
@@ -173,7 +182,9 @@ pub enum Error {
     /// `/dev/shm` cannot hold the staging arena.
     #[error(
         "shared memory {name} cannot hold {requested} bytes (free in {mount}: {available} bytes); \
-         lower staging_capacity or enlarge /dev/shm"
+         staging_capacity (the largest checkpoint file of a rank) must fit in /dev/shm: \
+         enlarge /dev/shm (e.g. `docker run --shm-size`), or lower staging_capacity if it is \
+         larger than the state"
     )]
     ShmTooSmall {
         /// Segment name.
@@ -282,6 +293,36 @@ pub enum Error {
     /// exited, or reported an error (its message, with the writer's pid).
     #[error("IPC writer: {0}")]
     Ipc(String),
+    /// An object-store request failed (the remote tier, `s3://` roots): a missing bucket,
+    /// refused credentials, an unreachable endpoint or a server error that outlasted the
+    /// retries. `reason` is the server's answer with a hint.
+    #[error("object store {url}: {op} failed: {reason}")]
+    Remote {
+        /// The bucket URL (`s3://bucket/prefix`).
+        url: String,
+        /// What was being done.
+        op: &'static str,
+        /// The error and its likely cause.
+        reason: String,
+    },
+    /// A save's remote copy failed: nothing of this step is visible in the bucket (its
+    /// multipart upload was aborted). The local checkpoint is unaffected.
+    #[error("remote copy of step {step} failed: {source}")]
+    RemoteFailed {
+        /// The step.
+        step: u64,
+        /// What went wrong.
+        source: Arc<Error>,
+    },
+    /// A save's remote copy was skipped because the uploader was behind (bounded queue:
+    /// `remote_max_pending`); newer steps go to the bucket instead.
+    #[error("remote copy of step {step} skipped: {reason}")]
+    RemoteSkipped {
+        /// The step.
+        step: u64,
+        /// Why.
+        reason: String,
+    },
     /// A staging arena in `/dev/shm` cannot be recovered as a whole: it is not a shmckpt
     /// arena, its owner is still alive, it belongs to another user, or an engine holds its
     /// checkpoint root. Nothing was changed, and the arena was left in place.
@@ -366,7 +407,8 @@ impl Error {
         match self {
             Error::Io { source, .. }
             | Error::Shm { source, .. }
-            | Error::RootNotWritable { source, .. } => source.raw_os_error(),
+            | Error::RootNotWritable { source, .. }
+            | Error::RootCreateFailed { source, .. } => source.raw_os_error(),
             Error::SaveFailed { source, .. } => source.raw_os_error(),
             _ => None,
         }

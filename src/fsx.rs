@@ -113,7 +113,7 @@ pub(crate) fn open_subdir(dir: BorrowedFd<'_>, dir_path: &Path, name: &str) -> R
 /// Create the directory `name` inside `dir` (fails if anything of that name exists).
 pub(crate) fn mkdir_in(dir: BorrowedFd<'_>, dir_path: &Path, name: &str) -> Result<()> {
     check_name(dir_path, name)?;
-    rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(0o755))
+    crate::fsops::mkdir_at(dir, name, Mode::from_raw_mode(0o755))
         .map_err(|e| Error::io("mkdir", dir_path.join(name), e.into()))
 }
 
@@ -177,8 +177,13 @@ pub(crate) fn open_file(
         Create::IfMissing => flags |= OFlags::CREATE,
         Create::New => flags |= OFlags::CREATE | OFlags::EXCL,
     }
-    let fd = openat_nofollow(dir, name, flags, Mode::from_raw_mode(0o644))
-        .map_err(|e| open_error("open", path.clone(), e))?;
+    let open = || openat_nofollow(dir, name, flags, Mode::from_raw_mode(0o644));
+    let fd = if create == Create::No {
+        open()
+    } else {
+        crate::fsops::open_create_at(dir, name, open)
+    }
+    .map_err(|e| open_error("open", path.clone(), e))?;
     check_regular(fd.as_fd(), &path, uid)?;
     // Regular files ignore O_NONBLOCK for reads and writes, but clear it all the same.
     if let Ok(fl) = rustix::fs::fcntl_getfl(&fd) {
@@ -214,7 +219,7 @@ fn split(path: &Path) -> Result<(PathBuf, String)> {
 /// followed). Missing is fine.
 pub(crate) fn unlink_in(dir: BorrowedFd<'_>, dir_path: &Path, name: &str) -> Result<()> {
     check_name(dir_path, name)?;
-    match rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::empty()) {
+    match crate::fsops::unlink_at(dir, name) {
         Ok(()) | Err(Errno::NOENT) => Ok(()),
         Err(e) => Err(Error::io("unlink", dir_path.join(name), e.into())),
     }

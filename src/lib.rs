@@ -3,27 +3,60 @@
 #![warn(missing_docs)]
 
 //! # Features
-//! - `ipc` (off by default): the CUDA IPC writer process, the `--mode ipc`
-//!   baseline.
-//! - `testing` (off by default, hidden): synthetic data, the raw-write reference and the
-//!   crate's internals for the CLI, benchmarks and tests.
-//! - `cli` (on by default): what the `shmckpt` binary needs (`ipc` + `testing`). Library
-//!   users build with `default-features = false`.
+//! No feature is on by default: a plain dependency gets the public API below and nothing
+//! else.
+//! - `ipc`: the CUDA IPC writer process, the `--mode ipc` baseline.
+//! - `bench` (hidden): synthetic workloads and the raw-write reference for the `shmckpt`
+//!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
+//! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
+//!   inspect, each named (the staging arena, its descriptor's records, the file layout).
+//! - `s3`: the object-storage tier ([`remote`], [`EngineConfig::with_remote`]) on the
+//!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
+//!
+//! `testing` never re-exports a whole module: the segment mapping, the CUDA staging
+//! pipeline and the I/O queues stay unreachable with every feature on:
+//!
+//! ```compile_fail,E0432
+//! // The shared-memory segment (the one place that maps staging memory).
+//! use shmckpt::testing::staging::Segment;
+//! ```
+//! ```compile_fail,E0432
+//! // Opening an arena's segment for writing, to map it a second time.
+//! use shmckpt::testing::staging::shm::open_existing;
+//! ```
+//! ```compile_fail,E0432
+//! // The staging pipeline that takes raw device pointers and stream handles.
+//! use shmckpt::testing::device::CudaStaging;
+//! ```
+//! ```compile_fail,E0432
+//! // The I/O request queue that hands raw buffers to the kernel.
+//! use shmckpt::testing::io::queue::LeaseQueue;
+//! ```
 
+#[cfg(feature = "bench")]
+#[doc(hidden)]
+pub mod bench;
 pub mod commit;
 mod config;
+#[cfg(feature = "crash-record")]
+#[doc(hidden)]
+pub mod crashsim;
 pub(crate) mod device;
 mod dtype;
 mod engine;
 mod error;
+mod fsops;
 mod fsx;
 pub(crate) mod io;
 #[cfg(feature = "ipc")]
 pub mod ipc;
+pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
+#[cfg(feature = "s3")]
+pub mod remote;
 pub mod replica;
 pub mod restore;
 pub(crate) mod slab;
@@ -57,8 +90,9 @@ pub mod cuda {
 }
 
 pub use config::{
-    DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH, DEFAULT_MAX_INFLIGHT_SAVES,
-    DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY, DEFAULT_WRITER_THREADS, EngineConfig,
+    AUTO_STAGING_INITIAL, DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH,
+    DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
+    DEFAULT_WRITER_THREADS, EngineConfig, auto_staging_capacity,
 };
 pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):

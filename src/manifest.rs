@@ -49,6 +49,12 @@ pub struct FileEntry {
     pub bytes: u64,
     /// Offset of the data section (8 + header length).
     pub data_start: u64,
+    /// CRC-32C of the file's header bytes (`[0, data_start)`: the length, the JSON with its
+    /// `__metadata__`, the padding). Checked by every read, so a header whose metadata was
+    /// damaged (the Python package's state skeleton lives there) is refused, not trusted.
+    /// Absent in manifests written before it existed (nothing is checked then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_crc32c: Option<u32>,
     /// Tensors in file order.
     pub tensors: Vec<TensorEntry>,
 }
@@ -160,9 +166,8 @@ impl Manifest {
     /// file. When `dir` is named like a step directory (`step-N`), the manifest must be of
     /// step N.
     pub fn read(dir: &Path) -> Result<Manifest> {
+        let m = Manifest::read_any_name(dir)?;
         let path = dir.join(MANIFEST);
-        let bytes = read_manifest_bytes(&path)?;
-        let m = Manifest::parse(&bytes, &path)?;
         if let Some(name) = dir.file_name().and_then(|n| n.to_str())
             && let Some(step) = parse_step_dir(name)
             && step != m.step
@@ -177,6 +182,16 @@ impl Manifest {
             ));
         }
         Ok(m)
+    }
+
+    /// Read and parse `dir/manifest.json` like [`Manifest::read`], without binding the
+    /// name of `dir` to the manifest's step: for a checkpoint directory its user named
+    /// (a DCP checkpoint: `step-100`, `checkpoint-500`, `epoch=3-step=900`), whose
+    /// manifest's step is not the name's.
+    pub fn read_any_name(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(MANIFEST);
+        let bytes = read_manifest_bytes(&path)?;
+        Manifest::parse(&bytes, &path)
     }
 
     /// The file entry of `rank`.
@@ -371,6 +386,48 @@ mod tests {
         }
     }
 
+    /// A directory named `step-N` must hold a manifest of step N for `read`, whatever
+    /// step for `read_any_name` (a DCP checkpoint directory its trainer named).
+    #[test]
+    fn only_read_binds_the_directory_name_to_the_step() {
+        let root = tempfile::tempdir().unwrap();
+        let m = Manifest {
+            format_version: 1,
+            step: 15_258_825_091_006_987,
+            world_size: 1,
+            created_unix_ms: 0,
+            total_bytes: 0,
+            metadata: Metadata::new(),
+            files: vec![FileEntry {
+                rank: 0,
+                file: "f.safetensors".into(),
+                bytes: 0,
+                data_start: 0,
+                header_crc32c: None,
+                tensors: Vec::new(),
+            }],
+        };
+        for name in [
+            "step-100",
+            "checkpoint-500",
+            "global_step1000",
+            "epoch=3-step=900",
+            "plain",
+        ] {
+            let dir = root.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+            assert_eq!(Manifest::read_any_name(&dir).unwrap(), m, "{name}");
+            let strict = Manifest::read(&dir);
+            if name == "step-100" {
+                let e = strict.unwrap_err().to_string();
+                assert!(e.contains("its directory of step 100"), "{e}");
+            } else {
+                assert_eq!(strict.unwrap(), m, "{name}");
+            }
+        }
+    }
+
     #[test]
     fn parse_rejects_lies() {
         let good = Manifest {
@@ -385,6 +442,7 @@ mod tests {
                 file: "f.safetensors".into(),
                 bytes: 4104,
                 data_start: 4096,
+                header_crc32c: None,
                 tensors: vec![TensorEntry {
                     name: "a".into(),
                     dtype: Dtype::F32,

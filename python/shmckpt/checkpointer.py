@@ -10,17 +10,16 @@ import json
 import operator
 import os
 import stat
-import struct
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _shmckpt
 from . import _state
+from . import remote as _remote
 from .errors import ConfigError, CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
@@ -87,6 +86,8 @@ class SaveHandle:
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
+        # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
+        self._devices: List[int] = []
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -179,6 +180,13 @@ class SaveHandle:
         if self._replicator is None:
             raise ConfigError("wait_replicated() needs a Checkpointer made with replicas > 0")
         return self._replicator.wait_replicated(self)
+
+    def wait_remote(self) -> Dict[str, Any]:
+        """Block until the step is committed in the bucket (``remote=...``); returns the
+        remote report (``bytes``, ``upload`` and ``remote_durable`` seconds,
+        ``committed_here``, ``retired``). Raises ``RemoteFailed`` (nothing of the step is
+        visible in the bucket) or ``RemoteSkipped`` (the uploader was behind)."""
+        return self._get_rust().wait_remote()
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
@@ -275,32 +283,6 @@ def _open_untrusted(path: str) -> Any:
     return f
 
 
-def _read_header_metadata(path: str) -> Dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (bounded, untrusted input)."""
-    with _open_untrusted(path) as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            raise CorruptError(f"{path}: safetensors header of {n} bytes is too large")
-        raw = f.read(n)
-        if len(raw) != n:
-            raise CorruptError(f"{path}: safetensors header is truncated")
-    try:
-        hdr = json.loads(raw.decode("utf-8"))
-    except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-        raise CorruptError(f"{path}: safetensors header is not JSON: {e}") from None
-    except RecursionError:
-        raise CorruptError(f"{path}: safetensors header JSON is nested too deeply") from None
-    meta = hdr.get("__metadata__") if isinstance(hdr, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        if meta is None and isinstance(hdr, dict):
-            return {}
-        raise CorruptError(f"{path}: __metadata__ is not an object of strings")
-    return meta
-
-
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
@@ -317,12 +299,19 @@ def _close_all() -> None:
 class Checkpointer:
     """Checkpoints of one rank under ``root``.
 
-    ``root`` must be an existing, writable directory (shared by all ranks). The rank and
+    ``root`` is a writable directory (shared by all ranks), created with its missing parents
+    when it does not exist (``RootCreateFailed`` says why when it cannot be). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
     give them; with ``torch.distributed``, every rank must then build its checkpointer, as
-    the constructor ends with a barrier). Other keyword arguments are the engine settings (``staging_capacity``:
-    bytes of shared-memory staging, the largest checkpoint file a rank can write, default
-    2 GiB; ``keep_last``: retention, default keep all; see ``docs/python.md``).
+    the constructor ends with a barrier). Other keyword arguments are the engine settings
+    (``keep_last``: retention, default keep all; see ``docs/python.md``).
+
+    ``staging_capacity``: bytes of shared-memory staging, the largest checkpoint file this
+    rank can write. Not given (``None``), it sizes itself: the arena starts at 64 MiB and the
+    first save that needs more reopens the engine with an arena of that save's size plus
+    1/16 (after the saves in flight are committed), bounded by the free space of
+    ``/dev/shm`` (``ShmTooSmall``, naming ``staging_capacity``, when that cannot hold the
+    save). Give it to reserve the arena here instead of in the first save.
 
     ``keep_in_memory=True`` turns on flash restore: the staging arena (as large as
     ``staging_capacity``, in ``/dev/shm``) outlives the process, a crash included, holding
@@ -331,6 +320,13 @@ class Checkpointer:
     committed manifest, else from disk (the reason is logged). :attr:`last_load_source`
     says which path served a load. ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept
     arenas. Off by default: nothing is kept.
+
+    ``remote="s3://bucket/prefix"`` mirrors every committed save to a bucket (credentials
+    and endpoint from the AWS environment variables): ``handle.wait_remote()`` waits for
+    the step to be committed there, ``remote_keep_last`` is the bucket's retention,
+    ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
+    oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
+    back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
     """
 
     def __init__(
@@ -353,27 +349,53 @@ class Checkpointer:
         replicas: int = 0,
         node: Optional[str] = None,
         replica_group: Any = None,
+        remote: Optional[str] = None,
+        remote_keep_last: Optional[int] = None,
+        remote_max_pending: Optional[int] = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
         self.world_size = w if world_size is None else int(world_size)
         self.root = os.fspath(root)
-        self._engine = _shmckpt.Engine(
-            self.root,
-            rank=self.rank,
-            world_size=self.world_size,
-            staging_capacity=staging_capacity,
-            chunk_size=chunk_size,
-            writer_threads=writer_threads,
-            queue_depth=queue_depth,
-            copy_threads=copy_threads,
-            direct_io=direct_io,
-            keep_last=keep_last,
-            shm_name=shm_name,
-            max_inflight_saves=max_inflight_saves,
-            recover_on_open=recover_on_open,
-            keep_in_memory=bool(keep_in_memory),
-        )
+        #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
+        self.remote = remote
+        # Remote only (`Checkpointer("s3://...")`): a private scratch directory as the
+        # engine's root, emptied after each upload started (see shmckpt.remote).
+        self._scratch, engine_root, remote_only = _remote.scratch_for(self.root, remote)
+        if remote_only:
+            self.remote = self.root
+        # Ranks of one run share a session id, so that a rank's upload of an earlier run
+        # of the same step number never counts toward a commit in the bucket.
+        session = None
+        if self.remote is not None and self.world_size > 1 and rank is None and world_size is None:
+            session = _remote.shared_session()
+        try:
+            self._engine = _shmckpt.Engine(
+                engine_root,
+                rank=self.rank,
+                world_size=self.world_size,
+                staging_capacity=staging_capacity,
+                chunk_size=chunk_size,
+                writer_threads=writer_threads,
+                queue_depth=queue_depth,
+                copy_threads=copy_threads,
+                direct_io=direct_io,
+                keep_last=keep_last,
+                shm_name=shm_name,
+                max_inflight_saves=max_inflight_saves,
+                recover_on_open=recover_on_open,
+                keep_in_memory=bool(keep_in_memory),
+                create_root=True,
+                remote=self.remote,
+                remote_keep_last=remote_keep_last,
+                remote_max_pending=remote_max_pending,
+                remote_only=remote_only,
+                remote_session=session,
+            )
+        except BaseException:
+            if self._scratch is not None:
+                _remote.remove_scratch(self._scratch)
+            raise
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
         self._pending: List[SaveHandle] = []
@@ -408,15 +430,21 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the saves in flight, then release the staging memory. Idempotent (also
-        done at interpreter exit for checkpointers still open)."""
+        done at interpreter exit for checkpointers still open).
+
+        Safe to call while another thread uses this checkpointer: the engine's ``close``
+        returns only once every save it started is committed or failed (it waits for a
+        call in progress on another thread, and a second ``close`` waits for the first),
+        so the tensors kept for non-blocking saves are dropped only when nothing reads
+        them any more. Calls that begin after it raise ``ShutdownError``."""
         _OPEN.discard(self)
         if self._replicator is not None:
             self._replicator.close()  # the queued replications finish first
         for h in list(self._pending):
             try:
                 h._get_rust()
-            except BaseException:
-                pass
+            except Exception:
+                pass  # a submission that failed: its handle reports the error
         if self._submitter is not None:
             self._submitter.shutdown(wait=True)
             self._submitter = None
@@ -424,9 +452,13 @@ class Checkpointer:
             hook.remove()
         self._guards.clear()
         self._engine.close()
-        for h in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for h in pending:
             h._release()
-        self._pending.clear()
+        if self._scratch is not None:
+            _remote.remove_scratch(self._scratch)
+            self._scratch = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -447,7 +479,10 @@ class Checkpointer:
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` first wait until every save of this checkpointer has
-        copied its bytes (``wait_staged``).
+        copied its bytes. For saves of CUDA tensors the wait is on the device: the hook
+        returns once the engine has queued its copies, and the current stream of each
+        device waits for them, so the optimizer's kernels run after the copies while the
+        trainer's thread goes on; other saves are waited for on the host (``wait_staged``).
 
         With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
         state in the background while the trainer runs its next forward and backward; every
@@ -462,7 +497,7 @@ class Checkpointer:
         def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
             ck = me()
             if ck is not None:
-                ck.wait_staged()
+                ck._guard_wait()
 
         hook = optimizer.register_step_pre_hook(pre_hook)
         self._guards.append((ref, hook))
@@ -515,6 +550,25 @@ class Checkpointer:
         error here once (and is then forgotten)."""
         self._wait_all(SaveHandle.wait_staged)
 
+    def _guard_wait(self) -> None:
+        """The guard's wait before an optimizer step. A save whose bytes the engine copies
+        itself from CUDA tensors is waited for on the device: once its host bytes are copied
+        and its device copies queued (normally milliseconds after the call), the current
+        stream of each of its devices waits for those copies (``cuStreamWaitEvent``), and
+        the trainer's thread goes on queueing the optimizer step and the next forward. Other
+        saves are waited for on the host (``wait_staged``)."""
+
+        def wait(h: SaveHandle) -> Any:
+            if not h._devices or h._future is not None or h._keep is None:
+                return h.wait_staged()
+            h._get_rust().hold_streams(
+                [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            )
+            h._poll()
+            return None
+
+        self._wait_all(wait)
+
     def wait(self) -> None:
         """Wait until every save in flight is committed (raises the first error, once)."""
         self._wait_all(SaveHandle.wait)
@@ -566,6 +620,20 @@ class Checkpointer:
             self._reap()
 
             guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # A non-blocking save with no guard captures CUDA tensors by holding the
+            # trainer's streams: the engine queues its copies (into its registered staging)
+            # before the call returns, and the streams wait for them on the device, so the
+            # next kernels run after them. One device-to-host copy, no pinned host copy, and
+            # the trainer's thread waits only while the copies are queued. Only when every
+            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
+            # span, below, which the engine can read only after it finished).
+            hold = not blocking and not guarded and all(
+                lf.alias_of is not None
+                or lf.kind == "ndarray"
+                or lf.obj.is_cpu
+                or lf.obj.is_contiguous()
+                for lf in flat.leaves
+            )
             # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
             # memory) and, at the same index, what keeps each one's memory alive.
             entries: List[Tuple[str, str, List[int], int, int, int]] = []
@@ -615,7 +683,7 @@ class Checkpointer:
                 if t.numel() == 0:
                     add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
                     add_keep(t)
-                elif t.is_contiguous() and (blocking or is_guarded) and not lf.lazy:
+                elif t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
                     nbytes = t.numel() * t.element_size()
                     add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
                     add_keep(t)
@@ -630,6 +698,8 @@ class Checkpointer:
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
         handle._replicator = self._replicator
+        if not finishes:
+            handle._devices = sorted(devices)
 
         def finish_host_copies() -> None:
             for i, fin in finishes:
@@ -647,6 +717,17 @@ class Checkpointer:
             h = self._engine.save(step, entries, meta, after, True)
             handle._set_rust(h)
             handle._release()
+        elif hold:
+            # The engine records each stream when it starts (it returns only once its copies
+            # are queued and the streams wait for them, so nothing was queued after the call).
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, entries, meta, after, False, True)
+            handle._set_rust(h)
+            with self._lock:
+                self._pending.append(handle)
+            if self._replicator is not None:
+                self._replicator.enqueue(handle)
+            return handle
         else:
             # Order the device copies after the work queued at this call: an event recorded
             # now on each device's current stream. (A stream handed to the engine would be
@@ -691,25 +772,58 @@ class Checkpointer:
         """The newest committed step, or ``None``."""
         return self._engine.latest()
 
-    def list(self) -> List[int]:
-        """Committed steps, oldest first."""
+    def list(self, remote: bool = False) -> List[int]:
+        """Committed steps, oldest first (``remote=True``: those committed in the bucket)."""
+        if remote:
+            return list(self._engine.list_remote())
         return [s for s, _ in self._engine.list()]
 
     def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
         """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
         return json.loads(self._engine.manifest(self._resolve(step)))
 
+    def remove(self, step: int) -> None:
+        """Delete committed checkpoint ``step`` (all ranks' files): it leaves the listing at
+        once, durably (renamed to a trash name), then its files are deleted. ``NotFound``
+        when it is not committed, or when its save is still in flight (wait for that
+        handle first). For retention driven by the caller (``keep_last`` does it
+        automatically otherwise)."""
+        self._engine.remove(operator.index(step))
+
     def flush(self) -> None:
         """Wait for every save in flight to be committed or to fail."""
         self._engine.flush()
         self._reap()
 
-    def prepare_cuda(self, devices: Optional[Sequence[int]] = None) -> Optional[float]:
+    def prepare_cuda(
+        self, devices: Optional[Sequence[int]] = None, *, background: bool = False
+    ) -> Optional[float]:
         """Register the staging memory with CUDA now (otherwise the first device save does
-        it). Returns the registration time in seconds when this call did it."""
+        it). Returns the registration time in seconds when this call did it.
+
+        The registration needs the whole staging arena allocated, which the constructor
+        leaves to background threads: this call waits for them first. With
+        ``background=True`` it returns at once (``None``) and the registration runs on a
+        background thread as soon as the arena is allocated; a device save started before
+        then waits for it. :meth:`wait_staging_ready` waits for both.
+        """
         if devices is None:
             devices = [torch.cuda.current_device()]
+        if background:
+            self._engine.prepare_cuda_background(list(devices))
+            return None
         return self._engine.prepare_cuda(list(devices))
+
+    def staging_ready(self) -> bool:
+        """True once the staging memory is wholly allocated (the constructor allocates it
+        in the background) and no background CUDA registration is running: a save then
+        pays no one-time cost."""
+        return self._engine.staging_ready()
+
+    def wait_staging_ready(self) -> None:
+        """Wait until the staging memory is wholly allocated and registered. Raises
+        ``ShmTooSmall`` if ``/dev/shm`` filled up before it was."""
+        self._engine.wait_staging_ready()
 
     def _resolve(self, step: StepArg) -> int:
         sel = _step_sel(step)
@@ -730,7 +844,9 @@ class Checkpointer:
     def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
         d = os.path.join(self.root, f"step-{step}")
         path = os.path.join(d, entry["file"])
-        meta = _read_header_metadata(path)
+        # Read by the engine after the header is checked against the manifest (its tensors
+        # and its CRC-32C): a damaged header is an error, never a skeleton read wrongly.
+        meta = self._engine.file_metadata(step)
         text = meta.get(_state.STATE_KEY)
         if text is None:
             return None
@@ -740,16 +856,23 @@ class Checkpointer:
             raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
 
     # -- load --------------------------------------------------------------------------
-    def load(self, step: StepArg = "latest", *, map_location: Any = None) -> Any:
+    def load(
+        self, step: StepArg = "latest", *, map_location: Any = None, source: Optional[str] = None
+    ) -> Any:
         """Load a checkpoint: the nested state as saved (tensors, arrays, plain values).
 
         ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
         copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
         the file is read. Checkpoints not written by this package come back as a flat dict
         of tensors. Every CRC-32C is verified.
+
+        ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
+        local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
+        the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
+        the bucket. :attr:`last_load_source` says which served it.
         """
-        s = self._resolve(step)
-        if self._replicator is not None:
+        s, where = _remote.resolve(self, _step_sel(step), source)
+        if self._replicator is not None and where != "remote":
             self._replicator.before_load(s)  # collective: a lost file comes from a peer
         dev = None
         if map_location is not None:
@@ -758,10 +881,27 @@ class Checkpointer:
                 dev = None
             elif dev is not None and dev.type != "cuda":
                 raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        if where == "remote":
+            # Read into host buffers (checked); the skeleton is the rank file's header's.
+            _, _, file_meta, tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(tensors)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         objs: Dict[str, Any] = {}
-        if dev is None:
+        if where == "remote":
+            # Copied to the device if asked.
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+            if dev is not None:
+                for name, (dtype, shape, buf) in list(objs.items()):
+                    tdt = _state.ST_TO_TORCH.get(dtype)
+                    if tdt is None:
+                        raise DestinationError(f"tensor {name!r}: dtype {dtype} has no torch dtype")
+                    u8 = torch.from_numpy(np.asarray(buf)) if len(buf) else torch.empty(0, dtype=torch.uint8)
+                    objs[name] = u8.view(tdt).reshape(shape).to(dev)
+        elif dev is None:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
@@ -844,14 +984,26 @@ class Checkpointer:
         name (``_orig_mod.`` components ignored on both sides).
 
         Names, dtypes, shapes and writability are checked before anything is read or
-        written; a problem raises ``DestinationError`` listing every one. With
+        written; a problem raises ``DestinationError`` listing every one. When ``target``
+        is a dict, the checkpoint's top-level sub-trees (dicts, lists, tuples) whose key
+        ``target`` does not have are left out: ``load_into({"model": sd})`` on a checkpoint
+        that also holds ``optim``, ``sched`` and ``rng`` compares the ``model.*`` names
+        exactly and ignores the rest (top-level tensors are always compared). With
         ``strict=False`` missing and unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
-        through the staging memory with no host copy of your own.
+        through the staging memory with no host copy of your own. A step the local disk
+        does not hold is read from the bucket (``remote=...``) into host memory, checked,
+        then copied into the destinations.
         """
-        s = self._resolve(step)
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        s, where = _remote.resolve(self, _step_sel(step), None)
+        if where == "remote":
+            # Read (and checked) first; copied into the destinations after the planning.
+            _, _, file_meta, remote_tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(remote_tensors)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
         aliases: Dict[str, str] = {}
         if tree is not None:
             for node in _state.tensor_nodes(tree):
@@ -900,7 +1052,15 @@ class Checkpointer:
                 problems.append(f"{lf.name}: the destination {bad}")
                 continue
             plan.setdefault(src, []).append((lf, lf.obj))
-        unexpected = sorted({n for n in ck_names if n not in used})
+        # Sub-trees of the checkpoint the target does not name are not compared.
+        try:
+            ignored = _unnamed_subtrees(tree, target)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: malformed {_state.STATE_KEY} "
+                f"metadata: {e}"
+            ) from None
+        unexpected = sorted({n for n in ck_names if n not in used and n not in ignored})
         if strict:
             problems += [f"{n}: in the destination, not in the checkpoint" for n in missing]
             problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
@@ -909,7 +1069,10 @@ class Checkpointer:
                 f"cannot load step {s} of {self.root} into the given state "
                 f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
-        self._read_into(s, entry, plan)
+        if where == "remote":
+            _remote.copy_into(remote_tensors, plan)
+        else:
+            self._read_into(s, entry, plan)
         return LoadResult(s, missing, unexpected)
 
     def _read_into(self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:
@@ -1008,6 +1171,30 @@ class Checkpointer:
 
 
 Leaf = _state.Leaf
+
+
+def _unnamed_subtrees(tree: Any, target: Any) -> set:
+    """The checkpoint names (stored and aliases) under top-level containers of the saved
+    state whose key ``target`` (a mapping) does not have: ``load_into`` does not report
+    them as unexpected. Empty when either side is not a dict (or the checkpoint has no
+    skeleton: a flat file's tensors are all top-level)."""
+    if not isinstance(target, Mapping) or not isinstance(tree, dict):
+        return set()
+    if tree.get("t") not in ("dict", "odict"):
+        return set()
+    named = set()
+    for k in target.keys():
+        if isinstance(k, int) and not isinstance(k, bool):
+            named.add(("i", str(k)))
+        elif isinstance(k, str):
+            named.add(("s", k))
+    out: set = set()
+    for kt, k, child in tree.get("v", []):
+        if (kt, str(k)) in named or not isinstance(child, dict):
+            continue
+        if child.get("t") in ("dict", "odict", "list", "tuple"):
+            out.update(n["n"] for n in _state.tensor_nodes(child))
+    return out
 
 
 def _dest_dtype_name(lf: Any) -> str:

@@ -27,13 +27,15 @@ the staging and the storage:
       P/.metadata                         DCP's metadata; storage_data = ShmckptStorageInfo
                                           (file, offset, length, tensor name, CRC-32C)
 
-* Commit: each rank's engine writes into the spool ``dirname(P)/.shmckpt-dcp/step-N``
-  (``N`` is a private number the ranks agree on). The engine commits that directory when
-  every rank's file is durable (the engine's multi-rank protocol). Then DCP's coordinator
-  (``finish``) writes ``.metadata`` into it (temporary name, ``fsync``, ``rename``,
-  directory ``fsync``) and publishes the whole directory as ``P`` with one ``rename`` (and
-  ``fsync`` of both parents). Before that rename nothing exists at ``P``; after it, ``P``
-  is complete and durable. ``P`` must not exist, or be an empty directory.
+* Commit: each rank's engine writes its file and manifest part into its own root in the
+  spool ``dirname(P)/.shmckpt-dcp`` (``step-N.partial``; ``N`` is a private number the
+  ranks agree on). DCP's coordinator (``finish``) then commits through the engine's
+  commit protocol in Rust: ``assemble_ranks`` moves every rank's durable file into
+  ``spool/step-N`` and writes ``manifest.json``; ``publish_dir`` writes ``.metadata``
+  (temporary name, ``fsync``, ``rename``, directory ``fsync``) and publishes the whole
+  directory as ``P`` with one ``rename`` (and ``fsync`` of both parents). Before that
+  rename nothing exists at ``P``; after it, ``P`` is complete and durable. ``P`` must not
+  exist, or be an empty directory.
 * One engine (one arena) per rank and spool directory is kept for the life of the process
   and reused by every save, so host memory stays flat across saves; it is reopened only
   when a save needs more staging than it has. ``prepare(parent, staging_capacity=...)``
@@ -61,13 +63,11 @@ import atexit
 import collections
 import dataclasses
 import hashlib
-import importlib
 import io
 import json
 import os
 import pickle
 import re
-import sys
 import threading
 import time
 import uuid
@@ -97,7 +97,9 @@ from torch.futures import Future
 
 from . import _shmckpt, _state
 from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
-from .errors import CorruptError, TooLarge
+from ._dcp_metadata import MAX_METADATA_BYTES as MAX_METADATA_BYTES
+from ._dcp_metadata import load_metadata
+from .errors import CorruptError, SaveFailed, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
 
@@ -111,8 +113,6 @@ DESCRIPTOR = "shmckpt-safetensors/1"
 _HF_SHARDING_KEY = "DCP_SHARDING_INFO"
 _FORMAT_KEY = "shmckpt_dcp.format"
 _FILE_RE = re.compile(r"rank-(\d{5,10})-of-(\d{5,10})\.safetensors")
-#: Largest ``.metadata`` this reader accepts.
-MAX_METADATA_BYTES = 1 << 30
 
 
 @dataclass
@@ -210,14 +210,6 @@ def prepare(
 
 
 atexit.register(release)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: str) -> None:
@@ -540,10 +532,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
         return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether ``checkpoint_id`` is a path this writer can save to (DCP asks)."""
         try:
             os.fspath(checkpoint_id)
         except TypeError:
@@ -808,24 +802,38 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """DCP's coordinator, once every rank's file is durable: commit the ranks and
+        publish the checkpoint, through the engine's commit protocol in Rust
+        (``shmckpt::commit::assemble_ranks`` moves every rank's file into
+        ``spool/step-N`` and writes ``manifest.json``; ``publish_dir`` writes
+        ``.metadata`` and renames the directory to ``self.path``). Python writes no
+        manifest and renames no file of the checkpoint."""
         save = self._current
         if save is None:
-            raise RuntimeError("ShmckptWriter.finish called before write_data")
-        step_dir, manifest = _assemble(save)
-        man_path = os.path.join(step_dir, MANIFEST_FILE)
-        by_file = {fe["file"]: {t["name"]: (fe["data_start"], t) for t in fe["tensors"]} for fe in manifest["files"]}
+            raise SaveFailed("ShmckptWriter.finish called before write_data")
+        sources = []
+        for k in range(save.world):
+            src = _sources(save, k)
+            if len(src) != 1:
+                raise SaveFailed(
+                    f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} "
+                    f"({src}); did every rank save with a ShmckptWriter on the same spool?"
+                )
+            sources.append(src[0])
+        step_dir = save.step_dir
+        _step, files = _shmckpt.assemble_ranks(sources, step_dir, save.step, self.path, {_FORMAT_KEY: "1"})
+        by_file = {f: {name: (start, b, e, crc) for name, b, e, crc in tensors} for f, start, tensors in files}
         storage_md: Dict[MetadataIndex, ShmckptStorageInfo] = {}
         for wr_list in results:
             for wr in wr_list:
                 info = wr.storage_data
                 ent = by_file.get(info.relative_path, {}).get(info.tensor)
                 if ent is None:
-                    raise RuntimeError(f"{man_path}: no tensor {info.tensor!r} in {info.relative_path}")
-                start, t = ent
-                b, e = t["data_offsets"]
-                storage_md[wr.index] = dataclasses.replace(
-                    info, offset=start + b, length=e - b, crc32c=int(t["crc32c"])
-                )
+                    raise CorruptError(
+                        f"{os.path.join(step_dir, MANIFEST_FILE)}: no tensor {info.tensor!r} in {info.relative_path}"
+                    )
+                start, b, e, crc = ent
+                storage_md[wr.index] = dataclasses.replace(info, offset=start + b, length=e - b, crc32c=int(crc))
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         try:
@@ -834,29 +842,12 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             metadata.version = CURRENT_DCP_VERSION
         except ImportError:  # pragma: no cover - older torch
             pass
-        tmp = os.path.join(step_dir, METADATA_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(step_dir, METADATA_FILE))
-        _fsync_dir(step_dir)
-        # Publish: one rename makes the complete checkpoint appear at self.path.
-        target = self.path
-        parent = os.path.dirname(target)
-        os.makedirs(parent, exist_ok=True)
-        _check_target(target)
-        try:
-            os.rename(step_dir, target)
-        except OSError as e:
-            raise OSError(e.errno, f"publishing {step_dir} as {target}: {e.strerror}") from e
-        _fsync_dir(parent)
-        if os.path.realpath(save.spool) != os.path.realpath(parent):
-            _fsync_dir(save.spool)
+        _check_target(self.path)
+        # One rename makes the complete checkpoint appear at self.path.
+        _shmckpt.publish_dir(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], self.path)
         self._current = None
-        for k in range(save.world):  # the ranks' emptied partial directories
-            for d in _sources(save, k):
-                _remove_tree(d)
+        for d in sources:  # the ranks' emptied partial directories
+            _remove_tree(d)
 
 
 def _sources(save: _Save, rank: int) -> List[str]:
@@ -872,62 +863,6 @@ def _sources(save: _Save, rank: int) -> List[str]:
     return [os.path.join(rd, r, name) for r in roots if os.path.isdir(os.path.join(rd, r, name))]
 
 
-def _write_durable(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-
-
-def _assemble(save: _Save) -> Tuple[str, Dict[str, Any]]:
-    """Gather every rank's durable file of ``save`` into ``spool/step-N`` with one
-    ``manifest.json`` (the engine's format, version 1): the engine's multi-rank commit,
-    done once, by DCP's coordinator. Returns the directory and the manifest."""
-    import time
-
-    W = save.world
-    out = save.step_dir
-    files: List[Dict[str, Any]] = []
-    if os.path.isdir(out):
-        _remove_tree(out)  # a leftover of an attempt that failed
-    os.mkdir(out)
-    for k in range(W):
-        src = _sources(save, k)
-        if len(src) != 1:
-            raise RuntimeError(
-                f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} "
-                f"({src}); did every rank save with a ShmckptWriter on the same spool?"
-            )
-        if W == 1:
-            with open(os.path.join(src[0], MANIFEST_FILE), "rb") as f:
-                entry = json.load(f)["files"][0]
-        else:
-            part = os.path.join(src[0], f"rank-{k:05d}.manifest.json")
-            with open(part, "rb") as f:
-                entry = json.load(f)
-        expected = f"rank-{k:05d}-of-{W:05d}.safetensors"
-        if entry.get("rank") != k or entry.get("file") != expected:
-            raise CorruptError(f"{src[0]}: manifest part of rank {k} names {entry.get('file')!r}")
-        os.rename(os.path.join(src[0], expected), os.path.join(out, expected))
-        files.append(entry)
-    manifest = {
-        "format_version": 1,
-        "step": save.step,
-        "world_size": W,
-        "created_unix_ms": int(time.time() * 1000),
-        "total_bytes": sum(int(f["bytes"]) for f in files),
-        "metadata": {_FORMAT_KEY: "1"},
-        "files": files,
-    }
-    # Compact: `indent` would take json's pure-Python encoder (~0.1 s for 1,300 tensors,
-    # in DCP's thread, holding the GIL against the training loop).
-    _write_durable(os.path.join(out, MANIFEST_FILE), json.dumps(manifest, separators=(",", ":")).encode())
-    _fsync_dir(out)
-    return out, manifest
-
-
 def _copy_containers(x: Any) -> Any:
     """New dicts and lists around the same leaves (DCP plans from this copy while the
     trainer may change its own containers)."""
@@ -940,46 +875,10 @@ def _copy_containers(x: Any) -> Any:
 
 # -- reading ------------------------------------------------------------------------------
 
-#: Globals a DCP ``.metadata`` pickle may name.
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_ALLOWED_GLOBALS = {
-    ("shmckpt.dcp", "ShmckptStorageInfo"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: Any, path: str):
-        super().__init__(f)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        ok = (module, name) in _ALLOWED_GLOBALS
-        if module in _ALLOWED_MODULES:
-            # Only the classes these modules define (DCP's metadata dataclasses and enums),
-            # never a function or anything they import: a hostile pickle must not be able
-            # to call, say, a writer helper of DCP's filesystem module.
-            obj = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
-            ok = isinstance(obj, type) and getattr(obj, "__module__", None) == module
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            ok = True
-        if not ok:
-            raise CorruptError(f"{self._path}: refuses to load global {module}.{name} (not DCP metadata)")
-        return super().find_class(module, name)
-
-
 def _load_metadata(path: str) -> Metadata:
+    """DCP's Metadata from ``path``, through the restricted unpickler of
+    ``_dcp_metadata`` (a crafted pickle can neither name nor change anything outside
+    DCP's metadata classes)."""
     try:
         f = _open_untrusted(path)
     except FileNotFoundError:
@@ -987,18 +886,7 @@ def _load_metadata(path: str) -> Metadata:
             f"{path}: no DCP metadata: not a checkpoint directory, or its save did not finish"
         ) from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_METADATA_BYTES:
-            raise CorruptError(f"{path}: {size} bytes of metadata is more than this reader accepts")
-        try:
-            md = _MetadataUnpickler(f, path).load()
-        except CorruptError:
-            raise
-        except Exception as e:
-            raise CorruptError(f"{path}: not valid DCP metadata ({type(e).__name__}: {e})") from e
-    if not isinstance(md, Metadata):
-        raise CorruptError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
+        return load_metadata(path, f, (ShmckptStorageInfo,))
 
 
 class ShmckptReader(StorageReader):
@@ -1032,7 +920,15 @@ class ShmckptReader(StorageReader):
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.load_id = uuid.uuid4().hex
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        """DCP's Metadata of this checkpoint (the one ``.metadata`` every rank reads).
+
+        Takes no ``rank``/``**kwargs`` on purpose: DCP's ``load`` calls a reader whose
+        ``read_metadata`` accepts ``kwargs`` a second time with ``rank=`` when the first
+        call failed, and a rank whose second call succeeds then leaves DCP's collectives
+        (``use_collectives=False``: it ends with a barrier where the other ranks
+        all-gather), which hangs every rank. Without it a failed read fails the load on
+        every rank."""
         md = _load_metadata(os.path.join(self.path, METADATA_FILE))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -1062,10 +958,13 @@ class ShmckptReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
         return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether ``checkpoint_id`` is a directory holding a DCP checkpoint written by
+        :class:`ShmckptWriter` (its metadata and the committed manifest; DCP asks)."""
         try:
             p = os.fspath(checkpoint_id)
         except TypeError:
@@ -1075,8 +974,11 @@ class ShmckptReader(StorageReader):
     def _direct(self, req: Any, target: torch.Tensor) -> bool:
         """Whether ``req`` can go straight from the file into ``target``: a whole stored
         item (no resharding region) of the same dtype into a contiguous CPU or CUDA tensor
-        of exactly its bytes."""
+        of exactly its bytes. Never a conjugate or negative view: its memory holds other
+        values than it reads as, so such targets are filled through ``copy_``."""
         if req.type != LoadItemType.TENSOR or target.device.type not in ("cpu", "cuda") or not target.is_contiguous():
+            return False
+        if _state.is_lazy(target):
             return False
         if target.numel() == 0 or any(int(o) != 0 for o in req.storage_offsets):
             return False

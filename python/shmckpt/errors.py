@@ -30,6 +30,7 @@ __all__ = [
     "NotFound",
     "RootMissing",
     "RootNotWritable",
+    "RootCreateFailed",
     "RootLocked",
     "ConfigError",
     "ShmTooSmall",
@@ -50,6 +51,9 @@ __all__ = [
     "StepOverflow",
     "RootTooLong",
     "UnsupportedValue",
+    "RemoteError",
+    "RemoteFailed",
+    "RemoteSkipped",
     "ReplicationError",
 ]
 
@@ -111,6 +115,11 @@ class RootMissing(ShmckptError, FileNotFoundError):
 
 class RootNotWritable(ShmckptError, PermissionError):
     """The checkpoint root cannot be written."""
+
+
+class RootCreateFailed(RootMissing):
+    """The checkpoint root does not exist and could not be created (the OS error is in the
+    message and ``errno_code``)."""
 
 
 class RootLocked(ShmckptError):
@@ -206,6 +215,22 @@ class IpcError(ShmckptError, RuntimeError):
 
 class RecoveryError(ShmckptError):
     """A staging arena in ``/dev/shm`` cannot be recovered."""
+
+
+class RemoteError(ShmckptError, OSError):
+    """An object-store request failed (a missing bucket, refused credentials, an
+    unreachable endpoint, a server error that outlasted the retries); the message names the
+    bucket URL, the request and the server's answer."""
+
+
+class RemoteFailed(RemoteError):
+    """A save's copy to the bucket failed (``SaveHandle.wait_remote``): nothing of that
+    step is visible in the bucket; the local checkpoint is unaffected."""
+
+
+class RemoteSkipped(RemoteError):
+    """A save's copy to the bucket was skipped because the uploader was behind
+    (``remote_max_pending`` newer saves were waiting); newer steps go to the bucket."""
 
 
 class ReplicationError(ShmckptError, RuntimeError):

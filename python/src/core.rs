@@ -13,7 +13,7 @@ use shmckpt::{
 };
 
 /// Engine settings as the Python constructor passes them (`None`: the crate's default).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct EngineOpts {
     pub root: PathBuf,
     pub staging_capacity: Option<u64>,
@@ -29,6 +29,12 @@ pub struct EngineOpts {
     pub max_inflight_saves: Option<u32>,
     pub recover_on_open: Option<bool>,
     pub keep_in_memory: Option<bool>,
+    pub create_root: Option<bool>,
+    pub remote: Option<String>,
+    pub remote_keep_last: Option<usize>,
+    pub remote_max_pending: Option<usize>,
+    pub remote_only: bool,
+    pub remote_session: Option<String>,
 }
 
 /// Open an engine.
@@ -67,7 +73,73 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     if let Some(v) = o.keep_in_memory {
         cfg = cfg.with_keep_in_memory(v);
     }
+    if let Some(v) = o.create_root {
+        cfg = cfg.with_create_root(v);
+    }
+    if let Some(url) = o.remote {
+        cfg = cfg
+            .with_remote(url)
+            .with_remote_keep_last(o.remote_keep_last);
+        if let Some(n) = o.remote_max_pending {
+            cfg = cfg.with_remote_max_pending(n);
+        }
+        cfg = cfg
+            .with_remote_only(o.remote_only)
+            .with_remote_session(o.remote_session);
+    }
     cfg.build()
+}
+
+/// The staging capacity an engine opens with when the caller gives none: 64 MiB, or the
+/// crate's 2 GiB default with `keep_in_memory` (so that a kept arena has one size from
+/// process to process and the next process takes it over).
+pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
+    if keep_in_memory {
+        shmckpt::DEFAULT_STAGING_CAPACITY
+    } else {
+        shmckpt::AUTO_STAGING_INITIAL
+    }
+}
+
+/// The capacity to reopen `engine` (opened with `o`) with for a save needing `needed`
+/// bytes of staging, checked against `/dev/shm` (its arena is freed first unless kept in
+/// memory).
+pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
+    let keep = o.keep_in_memory == Some(true);
+    let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
+    let reclaimable = if keep { 0 } else { engine.staging_capacity() };
+    shmckpt::auto_staging_capacity(needed, chunk, reclaimable)
+}
+
+/// Delete committed checkpoint `step`.
+pub fn remove(engine: &Engine, step: u64) -> Result<()> {
+    engine.remove(step)
+}
+
+/// `root/name -> step-N`, published for committed `step` ([`shmckpt::links::link_step`]);
+/// the step it named before.
+pub fn link_step(root: &std::path::Path, name: &str, step: u64) -> Result<Option<u64>> {
+    shmckpt::links::link_step(root, name, step)
+}
+
+/// The step `root/name` names ([`shmckpt::links::linked_step`]).
+pub fn linked_step(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::linked_step(root, name)
+}
+
+/// Every step a link of `root` names.
+pub fn linked_steps(root: &std::path::Path) -> Result<Vec<u64>> {
+    shmckpt::links::linked_steps(root).map(|s| s.into_iter().collect())
+}
+
+/// Remove `root/name`; the step it named.
+pub fn unlink_name(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
+    shmckpt::links::unlink_name(root, name)
+}
+
+/// Staging bytes available to one save.
+pub fn staging_capacity(engine: &Engine) -> u64 {
+    engine.staging_capacity()
 }
 
 /// The device that a raw tensor's bytes are on: host memory or a CUDA ordinal.
@@ -161,20 +233,26 @@ pub unsafe fn save(
     engine.save_with(step, &t, meta, &o)
 }
 
-/// Start a save and return at once.
+/// Start a save and return at once (with `hold`: once every device copy is queued and
+/// the `after` streams wait for them, `SaveOptions::hold_streams`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
-/// the returned handle reports the save staged.
+/// the returned handle reports the save staged (with `hold`, work queued afterwards on
+/// the `after` streams is ordered after the copies and may modify it).
 pub unsafe fn save_async(
     engine: &Engine,
     step: u64,
     raw: &[RawTensor],
     meta: &Metadata,
     after: &[After],
+    hold: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
+    if hold {
+        o = o.hold_streams();
+    }
     // SAFETY: forwarded from this function's contract (memory valid until staged).
     unsafe { engine.save_async(step, &t, meta, &o) }
 }
@@ -191,6 +269,7 @@ pub type Served = (&'static str, Option<String>);
 fn served(r: &LoadReport) -> Served {
     match r.source {
         LoadSource::Memory => ("memory", r.disk_problem.clone()),
+        LoadSource::Remote => ("remote", r.fallback_reason.clone()),
         _ => ("disk", r.fallback_reason.clone()),
     }
 }
@@ -270,6 +349,15 @@ pub fn latest(engine: &Engine) -> Result<Option<u64>> {
     engine.latest()
 }
 
+/// This rank's file metadata of a committed checkpoint, its header checked against the
+/// manifest.
+pub fn file_metadata(
+    engine: &Engine,
+    step: Option<u64>,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    engine.file_metadata(sel(step))
+}
+
 /// A committed checkpoint's manifest, as JSON.
 pub fn manifest_json(engine: &Engine, step: Option<u64>) -> Result<String> {
     let m = engine.manifest(sel(step))?;
@@ -279,6 +367,21 @@ pub fn manifest_json(engine: &Engine, step: Option<u64>) -> Result<String> {
 /// Set up CUDA for `devices` now.
 pub fn prepare_cuda(engine: &Engine, devices: &[i32]) -> Result<Option<Duration>> {
     engine.prepare_cuda(devices)
+}
+
+/// Set up CUDA for `devices`, registering the staging arena in the background.
+pub fn prepare_cuda_background(engine: &Engine, devices: &[i32]) -> Result<()> {
+    engine.prepare_cuda_background(devices)
+}
+
+/// Whether the staging arena is allocated and registered (no background set-up left).
+pub fn staging_ready(engine: &Engine) -> bool {
+    engine.staging_ready()
+}
+
+/// Wait until the staging arena is allocated and registered.
+pub fn wait_staging_ready(engine: &Engine) -> Result<()> {
+    engine.wait_staging_ready()
 }
 
 /// Wait for every save in flight.
@@ -321,6 +424,19 @@ pub fn wait_staged(h: &SaveHandle) -> Result<StagedReport> {
     h.wait_staged()
 }
 
+/// Order later work on each `(device, stream)` after the save's copies on that device,
+/// waiting on the host only until they are queued (`SaveHandle::hold_stream`).
+///
+/// # Safety
+/// Every stream handle must be a live `CUstream` of its device for the duration of the call.
+pub unsafe fn hold_streams(h: &SaveHandle, streams: &[(i32, u64)]) -> Result<()> {
+    for &(device, stream) in streams {
+        // SAFETY: forwarded from this function's contract.
+        h.hold_stream(unsafe { StreamRef::from_raw(stream, device) })?;
+    }
+    Ok(())
+}
+
 /// Whether the save is committed or failed.
 pub fn is_done(h: &SaveHandle) -> bool {
     h.is_done()
@@ -350,6 +466,7 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::NotFound { .. } => "NotFound",
         E::RootMissing { .. } => "RootMissing",
         E::RootNotWritable { .. } => "RootNotWritable",
+        E::RootCreateFailed { .. } => "RootCreateFailed",
         E::RootLocked { .. } => "RootLocked",
         E::Config(_) => "ConfigError",
         E::ShmTooSmall { .. } => "ShmTooSmall",
@@ -369,6 +486,9 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::RootTooLong { .. } => "RootTooLong",
         E::Ipc(_) => "IpcError",
         E::Recovery { .. } => "RecoveryError",
+        E::Remote { .. } => "RemoteError",
+        E::RemoteFailed { .. } => "RemoteFailed",
+        E::RemoteSkipped { .. } => "RemoteSkipped",
         _ => "ShmckptError",
     }
 }
@@ -376,4 +496,36 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
 /// Every dtype name the engine knows.
 pub fn all_dtype_names() -> Vec<&'static str> {
     Dtype::ALL.iter().map(|d| d.as_str()).collect()
+}
+
+/// The save's remote copy, if the engine has a remote tier.
+pub fn remote_progress(h: &SaveHandle) -> Option<shmckpt::remote::RemoteProgress> {
+    h.remote()
+}
+
+/// Wait up to `timeout` for a save's remote copy (`None`: not yet).
+pub fn wait_remote(
+    p: &shmckpt::remote::RemoteProgress,
+    timeout: Duration,
+) -> Option<Result<shmckpt::remote::RemoteReport>> {
+    p.wait_timeout(Some(timeout))
+}
+
+/// Committed steps in the engine's bucket.
+pub fn list_remote(engine: &Engine) -> Result<Vec<u64>> {
+    engine.list_remote()
+}
+
+/// A step of the engine's bucket, loaded into owned buffers.
+pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
+    engine.load_remote(sel(step)).map(|(ck, _)| ck)
+}
+
+/// A manifest of the engine's bucket, as JSON.
+pub fn remote_manifest_json(engine: &Engine, step: u64) -> Result<String> {
+    let r = engine.remote().ok_or_else(|| {
+        shmckpt::Error::Config("this engine has no remote tier (remote=...)".into())
+    })?;
+    let m = r.manifest(step)?;
+    Ok(serde_json::to_string(&m).expect("a manifest serializes"))
 }

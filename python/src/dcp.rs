@@ -66,6 +66,9 @@ fn read_rank_file(
         queue_depth: queue_depth.max(1),
         direct_io,
         arena: None,
+        // A DCP checkpoint directory is named by its trainer (`step-100`,
+        // `checkpoint-500`): its manifest's step is the writer's own number.
+        any_dir_name: true,
     };
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();
@@ -113,6 +116,107 @@ fn read_rank_file(
     Ok((entry.file, loaded.manifest.metadata, tensors))
 }
 
+/// `(file, data_start, [(tensor, begin, end, crc32c)])` of one rank file of an assembled
+/// manifest (offsets relative to the data section, as in the manifest).
+type AssembledFile = (String, u64, Vec<(String, u64, u64, u32)>);
+
+/// Commit the ranks of one DCP save (`shmckpt::commit::assemble_ranks`): move rank K's
+/// durable file from `sources[K]` (where its engine left it) into the new directory `out`
+/// and write `out/manifest.json` (of step `step`, or N when `target` is named `step-N`).
+/// Returns `(step, [(file, data_start, [(tensor, begin, end, crc32c)])])` in rank order.
+#[pyfunction]
+#[pyo3(signature = (sources, out, step, target, metadata))]
+fn assemble_ranks(
+    py: Python<'_>,
+    sources: Vec<PathBuf>,
+    out: PathBuf,
+    step: u64,
+    target: PathBuf,
+    metadata: std::collections::BTreeMap<String, String>,
+) -> PyResult<(u64, Vec<AssembledFile>)> {
+    let m = py
+        .detach(|| shmckpt::commit::assemble_ranks(&sources, &out, step, Some(&target), &metadata))
+        .map_err(|e| to_py(py, e))?;
+    let files = m
+        .files
+        .into_iter()
+        .map(|f| {
+            let tensors = f
+                .tensors
+                .into_iter()
+                .map(|t| (t.name, t.data_offsets[0], t.data_offsets[1], t.crc32c))
+                .collect();
+            (f.file, f.data_start, tensors)
+        })
+        .collect();
+    Ok((m.step, files))
+}
+
+/// Write `files` (`(name, bytes)`: DCP's `.metadata`) durably into the assembled
+/// directory `dir` and publish it as `target` with one rename
+/// (`shmckpt::commit::publish_dir`).
+#[pyfunction]
+fn publish_dir(
+    py: Python<'_>,
+    dir: PathBuf,
+    files: Vec<(String, Vec<u8>)>,
+    target: PathBuf,
+) -> PyResult<()> {
+    py.detach(|| {
+        let named: Vec<(&str, &[u8])> = files
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        shmckpt::commit::publish_dir(&dir, &named, &target)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
+/// Write `files` durably into the assembled directory `dir`, then move its rank files,
+/// `manifest.json` and, last, `files` into the existing directory `target`
+/// (`shmckpt::commit::publish_into`: Megatron's checkpoint directory).
+#[pyfunction]
+fn publish_into(
+    py: Python<'_>,
+    dir: PathBuf,
+    files: Vec<(String, Vec<u8>)>,
+    target: PathBuf,
+) -> PyResult<()> {
+    py.detach(|| {
+        let named: Vec<(&str, &[u8])> = files
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        shmckpt::commit::publish_into(&dir, &named, &target)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
+/// The `__metadata__` of the file of `rank` in the committed step directory `dir`, read
+/// after its header is checked against the manifest (tensors, and the header's CRC-32C
+/// where the manifest records one). The file is opened without following a link.
+#[pyfunction]
+fn rank_file_metadata(
+    py: Python<'_>,
+    dir: PathBuf,
+    rank: u32,
+) -> PyResult<std::collections::BTreeMap<String, String>> {
+    py.detach(|| {
+        let m = shmckpt::Manifest::read_any_name(&dir)?;
+        let entry =
+            m.files
+                .iter()
+                .find(|f| f.rank == rank)
+                .ok_or_else(|| shmckpt::Error::Corrupt {
+                    path: dir.join(shmckpt::manifest::MANIFEST),
+                    tensor: None,
+                    reason: format!("the manifest has no file of rank {rank}"),
+                })?;
+        shmckpt::restore::read_file_metadata(&dir.join(&entry.file), entry)
+    })
+    .map_err(|e| to_py(py, e))
+}
+
 /// Free the registered read buffers of device reads (the next device read makes them
 /// again).
 #[pyfunction]
@@ -123,5 +227,9 @@ fn release_device_ring(py: Python<'_>) {
 /// Add this file's functions to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_rank_file, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_file_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(assemble_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(publish_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(publish_into, m)?)?;
     m.add_function(wrap_pyfunction!(release_device_ring, m)?)
 }

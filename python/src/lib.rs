@@ -10,6 +10,7 @@
 
 mod core;
 mod dcp;
+mod remote;
 mod replica;
 
 use std::collections::BTreeMap;
@@ -53,7 +54,16 @@ fn err(e: shmckpt::Error) -> PyErr {
 /// The engine of one rank: owns the staging arena, the writers and the commit thread.
 #[pyclass(module = "shmckpt._shmckpt", name = "Engine", frozen)]
 struct PyEngine {
+    /// The engine until `close` takes it. Every call clones the `Arc` for its duration.
     inner: Mutex<Option<Arc<Engine>>>,
+    /// The settings it was opened with (the staging capacity as first opened).
+    opts: EngineOpts,
+    /// `staging_capacity` was not given: a save that needs more staging reopens the engine
+    /// with a larger arena ([`PyEngine::grow`]).
+    auto_staging: bool,
+    /// Held through the whole of `close`: a second `close` returns only once the first
+    /// has closed the engine.
+    closing: Mutex<()>,
     /// Which path served the last load (`"disk"` or `"memory"`) and why memory could not.
     last_load: Mutex<Option<core::Served>>,
 }
@@ -65,6 +75,55 @@ impl PyEngine {
                 "the engine was closed (Checkpointer.close)".into(),
             ))
         })
+    }
+
+    /// Replace the engine by one whose staging holds `needed` bytes
+    /// ([`shmckpt::auto_staging_capacity`]): checked against `/dev/shm` first, then the
+    /// engine is closed (every save in flight is committed first) and opened again with
+    /// the same settings. If the new one cannot be opened, the previous capacity is
+    /// reopened and the error returned. Concurrent calls of other threads wait on `inner`.
+    fn grow(&self, needed: u64) -> shmckpt::Result<()> {
+        let mut slot = lock(&self.inner);
+        let Some(cur) = slot.as_ref() else {
+            return Err(shmckpt::Error::Shutdown(
+                "the engine was closed (Checkpointer.close)".into(),
+            ));
+        };
+        let old_cap = core::staging_capacity(cur);
+        if old_cap >= needed {
+            return Ok(()); // another thread grew it meanwhile
+        }
+        let cap = core::auto_capacity(cur, &self.opts, needed)?;
+        let Some(mut shared) = slot.take() else {
+            return Ok(()); // (checked above; the lock is held)
+        };
+        // Calls of other threads that took the engine before this lock finish first.
+        let engine = loop {
+            match Arc::try_unwrap(shared) {
+                Ok(e) => break e,
+                Err(s) => {
+                    shared = s;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        };
+        core::close(engine);
+        let mut opts = self.opts.clone();
+        opts.staging_capacity = Some(cap);
+        match core::open(opts) {
+            Ok(e) => {
+                *slot = Some(Arc::new(e));
+                Ok(())
+            }
+            Err(e) => {
+                let mut back = self.opts.clone();
+                back.staging_capacity = Some(old_cap);
+                if let Ok(b) = core::open(back) {
+                    *slot = Some(Arc::new(b));
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -115,13 +174,17 @@ fn afters(list: Vec<(i32, String, u64)>) -> PyResult<Vec<After>> {
 
 #[pymethods]
 impl PyEngine {
-    /// Open an engine for checkpoints under `root` (an existing, writable directory).
-    /// `None` settings take the Rust defaults.
+    /// Open an engine for checkpoints under `root` (an existing, writable directory, or
+    /// one it creates with `create_root=True`). `None` settings take the Rust defaults,
+    /// except `staging_capacity=None`: the arena then opens at `AUTO_STAGING_INITIAL`
+    /// (64 MiB; the 2 GiB default with `keep_in_memory`) and a save that needs more
+    /// reopens the engine with an arena sized from that save.
     #[new]
     #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
-        keep_in_memory=None))]
+        keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
+        remote_max_pending=None, remote_only=false, remote_session=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -139,7 +202,17 @@ impl PyEngine {
         max_inflight_saves: Option<u32>,
         recover_on_open: Option<bool>,
         keep_in_memory: Option<bool>,
+        create_root: Option<bool>,
+        remote: Option<String>,
+        remote_keep_last: Option<usize>,
+        remote_max_pending: Option<usize>,
+        remote_only: bool,
+        remote_session: Option<String>,
     ) -> PyResult<Self> {
+        let auto_staging = staging_capacity.is_none();
+        let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
+            keep_in_memory == Some(true),
+        )));
         let opts = EngineOpts {
             root,
             staging_capacity,
@@ -155,10 +228,21 @@ impl PyEngine {
             max_inflight_saves,
             recover_on_open,
             keep_in_memory,
+            create_root,
+            remote,
+            remote_keep_last,
+            remote_max_pending,
+            remote_only,
+            remote_session,
         };
-        let engine = py.detach(|| core::open(opts)).map_err(|e| to_py(py, e))?;
+        let engine = py
+            .detach(|| core::open(opts.clone()))
+            .map_err(|e| to_py(py, e))?;
         Ok(PyEngine {
             inner: Mutex::new(Some(Arc::new(engine))),
+            opts,
+            auto_staging,
+            closing: Mutex::new(()),
             last_load: Mutex::new(None),
         })
     }
@@ -170,8 +254,12 @@ impl PyEngine {
     ///
     /// `blocking=True` returns once every byte is staged. `blocking=False` returns at
     /// once: the caller must keep every tensor alive and unmodified, and every stream or
-    /// event alive, until the handle reports the save staged.
-    #[pyo3(signature = (step, tensors, metadata, after, blocking))]
+    /// event alive, until the handle reports the save staged. `hold=True` (with
+    /// `blocking=False`) returns once every device copy is queued and the `"stream"`
+    /// streams of `after` wait for them on the device: work queued there afterwards may
+    /// modify the tensors.
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false))]
+    #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         py: Python<'_>,
@@ -180,26 +268,46 @@ impl PyEngine {
         metadata: BTreeMap<String, String>,
         after: Vec<(i32, String, u64)>,
         blocking: bool,
+        hold: bool,
     ) -> PyResult<PySaveHandle> {
-        let engine = self.get()?;
+        let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
         let after = afters(after)?;
         let res = py.detach(|| {
-            if blocking {
-                // SAFETY: the Python caller (shmckpt.checkpointer) holds a reference to
-                // every tensor and stream for the whole call, so each address range stays
-                // allocated; it passes only contiguous ranges of the tensors' storage.
-                unsafe { core::save(&engine, step, &raw, &metadata, &after) }
-            } else {
-                // SAFETY: the Python caller keeps the tensors (and streams/events) in the
-                // returned handle until it reports staged, and orders every writer of
-                // them after staging (guard) or gives copies it owns.
-                unsafe { core::save_async(&engine, step, &raw, &metadata, &after) }
+            let mut grown = false;
+            loop {
+                let r = if blocking {
+                    // SAFETY: the Python caller (shmckpt.checkpointer) holds a reference to
+                    // every tensor and stream for the whole call, so each address range
+                    // stays allocated; it passes only contiguous ranges of the tensors'
+                    // storage.
+                    unsafe { core::save(&engine, step, &raw, &metadata, &after) }
+                } else {
+                    // SAFETY: the Python caller keeps the tensors (and streams/events) in
+                    // the returned handle until it reports staged, and orders every writer
+                    // of them after staging (guard), gives copies it owns, or (with `hold`)
+                    // passes only tensors whose writers run on the held streams.
+                    unsafe { core::save_async(&engine, step, &raw, &metadata, &after, hold) }
+                };
+                match r {
+                    // Nothing was staged: size the arena from this save and try once more.
+                    Err(shmckpt::Error::TooLarge { needed, .. }) if self.auto_staging && !grown => {
+                        drop(engine);
+                        self.grow(needed)?;
+                        grown = true;
+                        engine = lock(&self.inner).clone().ok_or_else(|| {
+                            shmckpt::Error::Shutdown("the engine was closed".into())
+                        })?;
+                    }
+                    r => return r,
+                }
             }
         });
         let h = res.map_err(|e| to_py(py, e))?;
         Ok(PySaveHandle {
             step,
+            remote: core::remote_progress(&h),
+            remote_result: Mutex::new(None),
             inner: Mutex::new(Some(h)),
             result: Mutex::new(None),
         })
@@ -294,6 +402,22 @@ impl PyEngine {
             .map(|(s, r)| ((*s).to_owned(), r.clone()))
     }
 
+    /// Committed steps in the bucket of the remote tier, oldest first.
+    fn list_remote(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        remote::list_remote(self, py)
+    }
+
+    /// Load this rank's tensors of a step in the bucket (`None`: its latest), as `load`.
+    #[pyo3(signature = (step=None))]
+    fn load_remote(&self, py: Python<'_>, step: Option<u64>) -> PyResult<remote::Loaded> {
+        remote::load_remote(self, py, step)
+    }
+
+    /// The manifest (JSON) of a step committed in the bucket.
+    fn remote_manifest(&self, py: Python<'_>, step: u64) -> PyResult<String> {
+        remote::remote_manifest(self, py, step)
+    }
+
     /// Committed checkpoints, oldest first: `[(step, dir)]`.
     fn list(&self, py: Python<'_>) -> PyResult<Vec<(u64, String)>> {
         let engine = self.get()?;
@@ -309,6 +433,19 @@ impl PyEngine {
     fn latest(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let engine = self.get()?;
         py.detach(|| core::latest(&engine))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The `__metadata__` of this rank's file of `step` (`None`: the latest), read after
+    /// its header is checked against the manifest (tensors, header CRC-32C).
+    #[pyo3(signature = (step=None))]
+    fn file_metadata(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+    ) -> PyResult<BTreeMap<String, String>> {
+        let engine = self.get()?;
+        py.detach(|| core::file_metadata(&engine, step))
             .map_err(|e| to_py(py, e))
     }
 
@@ -329,6 +466,28 @@ impl PyEngine {
             .map_err(|e| to_py(py, e))
     }
 
+    /// Set up CUDA for `devices` now and register the staging arena on a background
+    /// thread, once the arena is allocated (a device save started before waits for it).
+    fn prepare_cuda_background(&self, py: Python<'_>, devices: Vec<i32>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::prepare_cuda_background(&engine, &devices))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// True once the staging arena is wholly allocated and no background registration is
+    /// running.
+    fn staging_ready(&self) -> PyResult<bool> {
+        let engine = self.get()?;
+        Ok(core::staging_ready(&engine))
+    }
+
+    /// Block (GIL released) until the staging arena is wholly allocated and registered.
+    fn wait_staging_ready(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::wait_staging_ready(&engine))
+            .map_err(|e| to_py(py, e))
+    }
+
     /// Wait for every save in flight to be committed or to fail.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.get()?;
@@ -336,16 +495,39 @@ impl PyEngine {
     }
 
     /// Finish the saves in flight, stop the threads and remove the staging segment.
-    /// Idempotent.
+    /// Returns only once every save this engine started is committed or failed, also
+    /// when another thread is inside a call of this engine (`close` waits for that call
+    /// to return; calls that begin after `close` raise `ShutdownError`) or closing it
+    /// too. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let taken = lock(&self.inner).take();
-        if let Some(engine) = taken {
-            py.detach(move || match Arc::try_unwrap(engine) {
-                Ok(e) => core::close(e),
-                // Another thread is inside a call: the last reference closes it on drop.
-                Err(shared) => drop(shared),
-            });
-        }
+        py.detach(|| {
+            let _one = lock(&self.closing);
+            let Some(mut shared) = lock(&self.inner).take() else {
+                return;
+            };
+            // Calls that got the engine before it was taken still hold a reference; each
+            // ends (a save stages, a load reads, a flush waits for saves already begun).
+            let mut nap = Duration::from_micros(50);
+            let engine = loop {
+                match Arc::try_unwrap(shared) {
+                    Ok(e) => break e,
+                    Err(again) => {
+                        shared = again;
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(Duration::from_millis(5));
+                    }
+                }
+            };
+            core::close(engine);
+        });
+    }
+
+    /// Delete committed checkpoint `step` (renamed out of the listing durably, then its
+    /// files deleted); a step still being saved is refused with `NotFound`.
+    fn remove(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        let engine = self.get()?;
+        py.detach(|| core::remove(&engine, step))
+            .map_err(|e| to_py(py, e))
     }
 
     /// True once `close` was called.
@@ -403,6 +585,10 @@ struct PySaveHandle {
     inner: Mutex<Option<SaveHandle>>,
     /// The final result once known: a report dict or the error.
     result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
+    /// The save's remote copy (remote tier on).
+    remote: Option<shmckpt::remote::RemoteProgress>,
+    /// Its result once known.
+    remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -439,6 +625,34 @@ fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<
     Ok(d)
 }
 
+impl PySaveHandle {
+    /// `test` of the Rust handle, looked at under the lock for just that; `true` once
+    /// `wait` has taken the handle (the save is over).
+    fn looks(&self, test: fn(&SaveHandle) -> bool) -> bool {
+        match &*lock(&self.inner) {
+            Some(h) => test(h),
+            None => true,
+        }
+    }
+}
+
+/// Poll `ready` for at most one [`SLICE`], napping 20 µs at first, then up to 500 µs,
+/// between looks. Call it with the GIL released.
+fn poll_slice(ready: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + SLICE;
+    let mut nap = Duration::from_micros(20);
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_micros(500));
+    }
+}
+
 #[pymethods]
 impl PySaveHandle {
     /// The step.
@@ -449,59 +663,45 @@ impl PySaveHandle {
 
     /// True once every byte is staged (or staging failed): the tensors are no longer read.
     fn is_staged(&self) -> bool {
-        match &*lock(&self.inner) {
-            Some(h) => core::is_staged(h),
-            None => true,
-        }
+        self.looks(core::is_staged)
     }
 
     /// True once the save is committed or failed.
     fn is_done(&self) -> bool {
-        match &*lock(&self.inner) {
-            Some(h) => core::is_done(h),
-            None => true,
-        }
+        self.looks(core::is_done)
     }
 
     /// Block (GIL released, interruptible) until every byte is staged. Returns the staging
     /// report; raises if staging failed.
     fn wait_staged<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        loop {
-            let staged = py.detach(|| {
-                let deadline = Instant::now() + SLICE;
-                let mut nap = Duration::from_micros(20);
-                loop {
-                    let s = match &*lock(&self.inner) {
-                        Some(h) => core::is_staged(h),
-                        None => true,
-                    };
-                    if s || Instant::now() >= deadline {
-                        return s;
-                    }
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(Duration::from_micros(500));
-                }
-            });
-            if staged {
-                break;
-            }
+        while !py.detach(|| poll_slice(|| self.looks(core::is_staged))) {
             py.check_signals()?;
         }
-        let g = lock(&self.inner);
-        match &*g {
-            Some(h) => match core::wait_staged(h) {
-                Ok(s) => Ok(Some(staged_dict(py, &s)?)),
-                Err(e) => Err(to_py(py, e)),
+        // Staged: `wait_staged` returns at once. No Python code runs under the lock (it
+        // could switch threads to one that waits for the lock with the GIL held).
+        let staged = lock(&self.inner).as_ref().map(core::wait_staged);
+        match staged {
+            Some(Ok(s)) => Ok(Some(staged_dict(py, &s)?)),
+            Some(Err(e)) => Err(to_py(py, e)),
+            // Already waited to completion: staging succeeded if the save did.
+            None => match &*lock(&self.result) {
+                Some(Err(e)) => Err(e.clone_ref(py)),
+                _ => Ok(None),
             },
-            None => {
-                drop(g);
-                // Already waited to completion: staging succeeded if the save did.
-                match &*lock(&self.result) {
-                    Some(Err(e)) => Err(e.clone_ref(py)),
-                    _ => Ok(None),
-                }
-            }
         }
+    }
+
+    /// Make each `(device, stream)` wait, on the device, for this save's copies on that
+    /// device, blocking (GIL released) only until every copy is queued: work queued on those
+    /// streams afterwards may change the tensors. Raises the save's error if staging failed.
+    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
+        let r = py.detach(|| match &*lock(&self.inner) {
+            // SAFETY: the Python caller passes the current streams of torch devices, which
+            // stay alive for the call.
+            Some(h) => unsafe { core::hold_streams(h, &streams) },
+            None => Ok(()),
+        });
+        r.map_err(|e| to_py(py, e))
     }
 
     /// Block (GIL released, interruptible) until the checkpoint is durable and committed.
@@ -514,18 +714,26 @@ impl PySaveHandle {
                     Err(e) => Err(e.clone_ref(py)),
                 };
             }
-            let out = py.detach(|| {
+            // Wait in slices, GIL released, taking the handle's lock only to look: a
+            // thread asking `is_staged` or `is_done` (with the GIL) never waits for it.
+            if !py.detach(|| poll_slice(|| self.looks(core::is_done))) {
+                py.check_signals()?;
+                continue;
+            }
+            // Done (or taken by another waiter): take the result without blocking, under
+            // the lock only for that (no Python code runs under it).
+            let taken = {
                 let mut g = lock(&self.inner);
-                let h = g.take()?;
-                match core::wait_timeout(h, SLICE) {
-                    Ok(res) => Some(res),
-                    Err(h) => {
+                match g.take().map(|h| core::wait_timeout(h, Duration::ZERO)) {
+                    Some(Ok(res)) => Some(res),
+                    Some(Err(h)) => {
                         *g = Some(h);
                         None
                     }
+                    None => None,
                 }
-            });
-            match out {
+            };
+            match taken {
                 Some(res) => {
                     let stored = match res {
                         Ok(rep) => Ok(report_dict(py, &rep)?.unbind()),
@@ -533,9 +741,22 @@ impl PySaveHandle {
                     };
                     *lock(&self.result) = Some(stored);
                 }
-                None => py.check_signals()?,
+                // Another waiter took it and is storing the result: let it finish.
+                None => py.detach(|| std::thread::sleep(Duration::from_micros(100))),
             }
         }
+    }
+
+    /// Block (GIL released, interruptible) until the step is committed in the bucket.
+    /// Returns the remote report (`bytes`, `upload` and `remote_durable` seconds, ...);
+    /// raises `RemoteFailed`/`RemoteSkipped`. May be called again.
+    fn wait_remote(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        remote::wait_remote(self, py)
+    }
+
+    /// True once this rank's remote copy is over (or there is no remote tier).
+    fn is_remote_done(&self) -> bool {
+        remote::is_remote_done(self)
     }
 
     fn __repr__(&self) -> String {
@@ -607,12 +828,54 @@ fn dtypes() -> Vec<&'static str> {
     core::all_dtype_names()
 }
 
+/// Publish `root/name` as a link to committed checkpoint `step` (atomically, durably);
+/// returns the step the name linked to before, if any. `NotFound` when `step` is not
+/// committed, `UnsafePath` for a name that is not one path component, is shmckpt's own
+/// (`step-*`, `.shmckpt*`) or is a directory.
+#[pyfunction]
+fn link_step(
+    py: Python<'_>,
+    root: std::path::PathBuf,
+    name: String,
+    step: u64,
+) -> PyResult<Option<u64>> {
+    py.detach(|| core::link_step(&root, &name, step))
+        .map_err(|e| to_py(py, e))
+}
+
+/// The step `root/name` links to (directly, or through links to other names of `root`),
+/// `None` when it is missing or not such a link. Links are read, never followed.
+#[pyfunction]
+fn linked_step(py: Python<'_>, root: std::path::PathBuf, name: String) -> PyResult<Option<u64>> {
+    py.detach(|| core::linked_step(&root, &name))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Every step some link of `root` names, ascending.
+#[pyfunction]
+fn linked_steps(py: Python<'_>, root: std::path::PathBuf) -> PyResult<Vec<u64>> {
+    py.detach(|| core::linked_steps(&root))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Remove `root/name` (a link or a regular file), durably; returns the step it linked to.
+/// The step itself stays (`Engine.remove`).
+#[pyfunction]
+fn unlink_name(py: Python<'_>, root: std::path::PathBuf, name: String) -> PyResult<Option<u64>> {
+    py.detach(|| core::unlink_name(&root, &name))
+        .map_err(|e| to_py(py, e))
+}
+
 #[pymodule]
 fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySaveHandle>()?;
     m.add_class::<PyBuffer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(link_step, m)?)?;
+    m.add_function(wrap_pyfunction!(linked_step, m)?)?;
+    m.add_function(wrap_pyfunction!(linked_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(unlink_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
     replica::register(m)?;

@@ -449,6 +449,108 @@ def sc_plan_cache(rank, world, workdir, saves="3"):
     dist.destroy_process_group()
 
 
+#: Names trainers give their checkpoint directories.
+DIR_NAMES = ["step-100", "checkpoint-500", "global_step1000", "epoch=3-step=900", "plain"]
+
+
+def sc_dirnames(rank, world, workdir):
+    """A checkpoint loads whatever its directory is called: async_save (and dcp.save for
+    one name) into each of DIR_NAMES, then dcp.load of each, byte-exact."""
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    ck = os.path.join(workdir, "ckpt")
+    checks = {}
+    for i, name in enumerate(DIR_NAMES):
+        src = make_state(mesh, seed_shift=float(i))
+        w = ShmckptWriter(os.path.join(ck, name), chunk_size=CHUNK)
+        if name == "plain":
+            dcp.save(src, storage_writer=w)
+        else:
+            r = dcp.async_save(src, storage_writer=w)
+            (r.upload_completion if hasattr(r, "upload_completion") else r).result()
+        dist.barrier()
+    for i, name in enumerate(DIR_NAMES):
+        ref = make_state(mesh, seed_shift=float(i))
+        dst = zero_state(mesh)
+        dcp.load(dst, storage_reader=ShmckptReader(os.path.join(ck, name)))
+        checks[name] = compare(ref, dst)
+    result(workdir, "dirnames", rank, {"checks": checks})
+    release()
+    dist.destroy_process_group()
+
+
+def _sharded_only(mesh, shift=0.0):
+    """Only Shard(0) DTensors: rank r's load reads rank r's file only."""
+    return {
+        "model": {
+            k: distribute_tensor(global_tensor(k, shape, dt) + torch.tensor(shift, dtype=dt), mesh, [Shard(0)])
+            for k, (shape, dt) in GLOBALS.items()
+        }
+    }
+
+
+def _load_outcome(path, mesh, dst=None):
+    """dcp.load of ``path``: ("ok", seconds) or (the failure's description, seconds)."""
+    t = time.monotonic()
+    dst = dst if dst is not None else _sharded_only(mesh, 0.0)
+    try:
+        dcp.load(dst, storage_reader=ShmckptReader(path))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        failures = getattr(e, "failures", None) or {}
+        inner = {int(r): type(f[0] if isinstance(f, tuple) else f).__name__ for r, f in failures.items()}
+        return {"raised": type(e).__name__, "failures": inner, "secs": time.monotonic() - t}
+    return {"raised": None, "secs": time.monotonic() - t}
+
+
+def sc_failed_load(rank, world, workdir):
+    """A load that fails on one rank raises on every rank, promptly, and leaves the group
+    usable: (1) rank 1's file is corrupted (only rank 1 reads it); (2) rank 0's first
+    read of .metadata fails once (a transient failure: DCP's fallback to "rank local
+    metadata" must not split the ranks into different collectives). After each, every
+    rank loads a good checkpoint through the same group."""
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    ck = os.path.join(workdir, "ckpt")
+    good, bad = os.path.join(ck, "step-1"), os.path.join(ck, "step-2")
+    for path, shift in ((good, 1.0), (bad, 2.0)):
+        dcp.save(_sharded_only(mesh, shift), storage_writer=ShmckptWriter(path, chunk_size=CHUNK))
+    dist.barrier()
+    if rank == 0:
+        f = os.path.join(bad, f"rank-00001-of-{world:05d}.safetensors")
+        data = bytearray(open(f, "rb").read())
+        data[-3] ^= 0x10  # in the last tensor's bytes
+        with open(f, "wb") as fh:
+            fh.write(data)
+    dist.barrier()
+    out = {"corrupt": _load_outcome(bad, mesh)}
+    dist.barrier()
+    import shmckpt.dcp as sd
+
+    real = sd._load_metadata
+    calls = []
+
+    def flaky(path):
+        calls.append(path)
+        if rank == 0 and len(calls) == 1:
+            raise FileNotFoundError(f"{path}: (injected) not visible yet")
+        return real(path)
+
+    sd._load_metadata = flaky
+    try:
+        out["flaky_metadata"] = _load_outcome(good, mesh)
+    finally:
+        sd._load_metadata = real
+    out["metadata_reads"] = len(calls)
+    dist.barrier()
+    dst = _sharded_only(mesh, 0.0)
+    out["after"] = _load_outcome(good, mesh, dst)
+    ref = _sharded_only(mesh, 1.0)
+    out["after_checked"] = sum(same(ref["model"][k].to_local(), dst["model"][k].to_local()) for k in GLOBALS)
+    result(workdir, "failed_load", rank, out)
+    release()
+    dist.destroy_process_group()
+
+
 SCENARIOS = {
     "roundtrip": sc_roundtrip,
     "reshard_save": sc_reshard_save,
@@ -456,6 +558,8 @@ SCENARIOS = {
     "flat": sc_flat,
     "plan_cache": sc_plan_cache,
     "gpu": sc_gpu,
+    "dirnames": sc_dirnames,
+    "failed_load": sc_failed_load,
 }
 
 if __name__ == "__main__":

@@ -305,6 +305,24 @@ def test_dcp_writer_stores_lazy_views_by_value(tmp_path):
         assert bits(on_disk["zcn"]) == bits(-zc), mode
 
 
+def test_dcp_reader_fills_lazy_views_with_the_checkpoints_values(tmp_path):
+    """A conjugate or negative view as a DCP load destination gets the checkpoint's
+    values (it was filled with raw bytes, so it read back conjugated or negated)."""
+    from shmckpt.dcp import ShmckptReader
+
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    f = torch.arange(5.0) + 1
+    dcp.save({"z": z, "f": f}, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
+    zmem, fmem = torch.zeros(4, dtype=torch.complex64), torch.zeros(5)
+    out = {"z": zmem.conj(), "f": torch._neg_view(fmem)}
+    dcp.load(out, storage_reader=ShmckptReader(tmp_path / "c"))
+    assert bits(out["z"].resolve_conj()) == bits(z)
+    assert bits(out["f"].resolve_neg()) == bits(f)
+    # The memory under the views holds what makes them read as the saved values.
+    assert bits(zmem) == bits(torch.complex(z.real, -z.imag))
+    assert bits(fmem) == bits(-f)
+
+
 class Rewrap(Wrapper):
     """A wrapper subclass whose operations return wrappers (``detach()`` included)."""
 
@@ -357,6 +375,38 @@ def rewrite_header(path, edit=None, raw_pad=None):
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(new + b" " * (n - len(new)))
+    # A crafted checkpoint comes with a manifest that vouches for its header: record the
+    # new header's CRC-32C there, so that the checks after it are what is tested.
+    head = data[:8] + new + b" " * (n - len(new))
+    mpath = os.path.join(os.path.dirname(path), "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    for e in m["files"]:
+        if e["file"] == os.path.basename(path):
+            e["header_crc32c"] = crc32c(head)
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+
+
+def _crc32c_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def crc32c(data):
+    """CRC-32C (Castagnoli), as the manifest records it."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
 
 
 def set_skeleton(text):
@@ -635,3 +685,45 @@ def test_the_extension_refuses_a_null_address_with_bytes_in_a_save(ck, root):
     assert listing(root) == before
     ck._engine.save(1, [("w", "F32", [0], 0, 0, -1)], {}, [], True).wait()  # empty: fine
     assert ck.list() == [1]
+
+
+# -- the state skeleton: read only from a header the manifest vouches for ------------------
+def _damage_metadata_key(path):
+    """Rename the state skeleton's key inside ``__metadata__`` (one byte): the header still
+    parses and lists the same tensors, but the file has no state skeleton any more."""
+    with open(path, "r+b") as f:
+        head = f.read(4096)
+        at = head.index(b'"' + STATE_KEY.encode() + b'"') + 1
+        f.seek(at)
+        f.write(b"x" if head[at : at + 1] != b"x" else b"y")
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["disk", "memory"])
+def test_a_damaged_header_skeleton_is_an_error_not_a_flat_dict(tmp_path, keep):
+    """A header edited so that it still parses and still lists the manifest's tensors, but
+    has lost its ``__metadata__`` (the nested state's skeleton), loaded as a flat dict of
+    ``model.w`` tensors without any error. The manifest now records the header's CRC-32C,
+    and the skeleton is read only after that check, from disk and under a flash restore."""
+    root = str(tmp_path / "r")
+    state = {"model": {"w": torch.arange(6.0)}, "step": 5}
+    before = set(os.listdir("/dev/shm"))
+    kw = dict(staging_capacity=16 << 20, chunk_size=CHUNK, keep_in_memory=keep)
+    ck = shmckpt.Checkpointer(root, **kw)
+    try:
+        ck.save(5, state).wait()
+        back = ck.load(5)
+        assert back["step"] == 5 and bits(back["model"]["w"]) == bits(state["model"]["w"])
+        ck.close()
+        _damage_metadata_key(file_of(root, 5))
+        ck = shmckpt.Checkpointer(root, **kw)
+        with pytest.raises(shmckpt.CorruptError, match="header CRC-32C"):
+            ck.load(5)
+        with pytest.raises(shmckpt.CorruptError, match="header CRC-32C"):
+            ck.load_into({"model": {"w": torch.zeros(6)}}, 5)
+        if keep:
+            assert ck.last_load_source is None or ck.last_load_source[0] != "disk"
+    finally:
+        ck.close()
+        for n in set(os.listdir("/dev/shm")) - before:
+            if n.startswith("shmckpt."):
+                os.unlink(os.path.join("/dev/shm", n))

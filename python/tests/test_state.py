@@ -317,8 +317,11 @@ def test_errors_mirror_the_engine(ck, root):
         ck.save(2, {"big": torch.zeros(SMALL // 4 + 1)})
     with pytest.raises(shmckpt.InvalidMetadata):
         ck.save(3, {"a": torch.ones(1)}, metadata={"shmckpt.step": "x"})
+    # A missing root is created (test_firstday.py); one under a regular file cannot be.
+    with open(os.path.join(root, "afile"), "wb"):
+        pass
     with pytest.raises(shmckpt.RootMissing):
-        shmckpt.Checkpointer(os.path.join(root, "nope"), staging_capacity=SMALL)
+        shmckpt.Checkpointer(os.path.join(root, "afile", "nope"), staging_capacity=SMALL)
     with pytest.raises(shmckpt.RootLocked):
         shmckpt.Checkpointer(root, staging_capacity=SMALL)
     with pytest.raises(shmckpt.ConfigError):

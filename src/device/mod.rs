@@ -35,4 +35,11 @@ pub struct StageJob<'a> {
     pub failed: &'a (dyn Fn() -> bool + Sync),
     /// Hand a complete chunk to the writers.
     pub dispatch: &'a (dyn Fn(ChunkLease, u64, usize, usize) -> Result<()> + Sync),
+    /// Make the `After::Stream` streams wait (on the device) for the save's copies, and
+    /// call `queued` once every copy is queued and they wait ([`crate::SaveOptions::hold_streams`]).
+    pub hold: bool,
+    /// Called once every host byte is copied and every device copy is queued (with
+    /// `hold`: and the streams wait for them), with one event per device recorded after
+    /// that device's copies; for host-only saves when staging ended (no events).
+    pub queued: &'a (dyn Fn(Vec<(i32, cuda::Event)>) + Sync),
 }

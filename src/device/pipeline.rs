@@ -63,7 +63,21 @@ impl CudaStaging {
         }
     }
 
-    /// Make `devices` ready: contexts, streams, and (once) the staging registration.
+    /// Contexts and streams of `devices`, without the registration.
+    pub fn prepare_devices(&self, devices: &BTreeSet<i32>) -> Result<()> {
+        if devices.is_empty() {
+            return Ok(());
+        }
+        cuda::init()?;
+        let _guard = CtxGuard::save()?;
+        for &d in devices {
+            self.device(d)?;
+        }
+        Ok(())
+    }
+
+    /// Make `devices` ready: contexts, streams, and (once) the staging registration, which
+    /// first waits until the whole arena is allocated (its background prefault).
     /// Returns the registration time when this call registered.
     pub fn prepare(&self, devices: &BTreeSet<i32>) -> Result<Option<Duration>> {
         if devices.is_empty() {
@@ -78,6 +92,9 @@ impl CudaStaging {
         }
         let mut reg = lock(&self.registration);
         if reg.is_none() {
+            // Registering pins every page: unallocated ones would be faulted in here, on
+            // one thread, in the save's stall.
+            self.arena.wait_filled()?;
             let st = first.expect("non-empty");
             let r = HostRegistration::new(&self.arena, &st.ctx)?;
             let took = r.took();
@@ -95,6 +112,16 @@ impl CudaStaging {
     /// The arena whose memory this staging registers.
     pub(crate) fn arena(&self) -> &Arc<Arena> {
         &self.arena
+    }
+
+    /// Whether the arena is registered, or a registration is under way (without waiting
+    /// for one: `try_lock`).
+    pub fn registered_or_busy(&self) -> bool {
+        match self.registration.try_lock() {
+            Ok(r) => r.is_some(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        }
     }
 
     /// Registration time, if registered.
@@ -155,7 +182,14 @@ impl CudaStaging {
             pending: VecDeque::new(),
             states: &states,
         };
-        let res = self.stage_chunks(job, &mut pipeline);
+        let res = self.stage_chunks(job, &mut pipeline).and_then(|waited| {
+            let marks = self.mark(&states)?;
+            if job.hold {
+                self.hold(&marks, after)?;
+            }
+            (job.queued)(marks);
+            Ok(waited)
+        });
         match res {
             Ok(waited) => {
                 pipeline.drain(job)?;
@@ -168,6 +202,35 @@ impl CudaStaging {
         }
     }
 
+    /// One new event per device, recorded on its engine stream after every copy queued so
+    /// far: whoever waits for it waits for the save's copies on that device.
+    fn mark(&self, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<Vec<(i32, Event)>> {
+        let mut marks = Vec::with_capacity(states.len());
+        for (&d, st) in states {
+            st.ctx.bind()?;
+            let e = Event::new(&st.ctx)?;
+            e.record(&st.stream)?;
+            marks.push((d, e));
+        }
+        Ok(marks)
+    }
+
+    /// Make every `After::Stream` stream wait for its device's mark.
+    fn hold(&self, marks: &[(i32, Event)], after: &[(i32, After)]) -> Result<()> {
+        for (d, e) in marks {
+            let Some(After::Stream(s)) = after.iter().find(|(dev, _)| dev == d).map(|(_, a)| *a)
+            else {
+                continue;
+            };
+            e.context().bind()?;
+            // SAFETY: `After::Stream` values come only from a `StreamRef` borrowed for the
+            // save, or from `from_raw`, whose contract keeps the handle live until the save
+            // is staged; it is a stream of this device's context.
+            unsafe { e.hold_raw(s)? };
+        }
+        Ok(())
+    }
+
     fn stage_chunks(&self, job: &StageJob<'_>, pipe: &mut Pipeline<'_>) -> Result<Duration> {
         let cs = self.arena.chunk_size();
         let n = job.plan.chunk_count(cs);
@@ -178,7 +241,7 @@ impl CudaStaging {
             }
             // Never block on the arena while chunks we filled are still waiting for their
             // copies: they are what the writers need to free space.
-            let mut lease = loop {
+            let lease = loop {
                 if let Some(l) = self.arena.try_acquire() {
                     break l;
                 }
@@ -194,45 +257,26 @@ impl CudaStaging {
             let range = job.plan.chunk_range(c, cs);
             let len = (range.end - range.start) as usize;
             let mut used: BTreeSet<i32> = BTreeSet::new();
-            let mut bound: Option<i32> = None;
-            let base = lease.as_ptr();
-            for p in job.plan.pieces(range) {
-                match p.source {
-                    PieceSource::Header { at } => lease.as_mut_slice()[p.dst..p.dst + p.len]
-                        .copy_from_slice(&job.plan.header()[at as usize..at as usize + p.len]),
-                    PieceSource::Tensor { entry, at } => {
-                        let input = job.plan.entries()[entry].input;
-                        if let Some(b) = job.sources.host(input) {
-                            lease.as_mut_slice()[p.dst..p.dst + p.len]
-                                .copy_from_slice(&b[at as usize..at as usize + p.len]);
-                        } else {
-                            let d = job.sources.device(input).expect("device source");
-                            let st = &pipe.states[&d.device()];
-                            used.insert(d.device());
-                            if bound != Some(d.device()) {
-                                st.ctx.bind()?;
-                                bound = Some(d.device());
-                            }
-                            // SAFETY: `dst..dst+len` lies in the leased chunk, which stays in
-                            // `pending` (not written, not released) until an event recorded
-                            // after this copy has completed; the source range is inside
-                            // the caller's device tensor (plan offsets are bounded by its
-                            // length, checked at validation) and valid until staging ends.
-                            unsafe { st.stream.copy_dtoh(base.add(p.dst), d.ptr() + at, p.len)? };
-                        }
+            // Fill the chunk and record its events; on an error part way, copies into the
+            // lease may be queued on the streams of `used`: the lease must not go back to
+            // the pool (its `Drop`) before they complete.
+            let filled = self.fill_chunk(job, pipe, &lease, range, len, &mut used);
+            let (write_len, events) = match filled {
+                Ok(f) => f,
+                Err(e) => {
+                    let done = used
+                        .iter()
+                        .all(|d| pipe.states[d].stream.synchronize().is_ok());
+                    if !done {
+                        tracing::error!(
+                            chunk = c,
+                            "device copy state unknown; staging chunk leaked"
+                        );
+                        std::mem::forget(lease);
                     }
+                    return Err(e);
                 }
-            }
-            let write_len = (job.write_len)(len);
-            lease.as_mut_slice()[len..write_len].fill(0);
-            let mut events = Vec::with_capacity(used.len());
-            for d in &used {
-                let st = &pipe.states[d];
-                st.ctx.bind()?;
-                let e = st.event()?;
-                e.record(&st.stream)?;
-                events.push((*d, e));
-            }
+            };
             pipe.pending.push_back(PendingChunk {
                 chunk: c,
                 lease,
@@ -246,6 +290,81 @@ impl CudaStaging {
             }
         }
         Ok(waited)
+    }
+
+    /// Copy the pieces of file chunk `range` into `lease` (host bytes now, device bytes
+    /// queued on each device's stream, the devices added to `used`), zero its tail up to
+    /// the write length, and record an event after the copies on each stream used.
+    /// Returns the write length and the events.
+    fn fill_chunk(
+        &self,
+        job: &StageJob<'_>,
+        pipe: &Pipeline<'_>,
+        lease: &ChunkLease,
+        range: std::ops::Range<u64>,
+        len: usize,
+        used: &mut BTreeSet<i32>,
+    ) -> Result<(usize, Vec<(i32, Event)>)> {
+        let mut bound: Option<i32> = None;
+        let base = lease.as_ptr();
+        let chunk_len = lease.len();
+        // Host bytes are written through `base`, never through a `&mut` of the whole chunk:
+        // device copies into other bytes of it may be queued meanwhile.
+        let put = |dst: usize, src: &[u8]| {
+            assert!(dst + src.len() <= chunk_len, "plan piece outside its chunk");
+            // SAFETY: `dst..dst+len` lies in the leased chunk (asserted); the lease makes it
+            // ours, and no queued device copy writes these bytes (a plan's pieces are
+            // disjoint); `src` is a different allocation (the caller's tensor or the plan's
+            // header), so the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(dst), src.len()) };
+        };
+        for p in job.plan.pieces(range) {
+            match p.source {
+                PieceSource::Header { at } => {
+                    put(p.dst, &job.plan.header()[at as usize..at as usize + p.len]);
+                }
+                PieceSource::Tensor { entry, at } => {
+                    let input = job.plan.entries()[entry].input;
+                    if let Some(b) = job.sources.host(input) {
+                        put(p.dst, &b[at as usize..at as usize + p.len]);
+                    } else {
+                        let d = job.sources.device(input).expect("device source");
+                        let st = &pipe.states[&d.device()];
+                        used.insert(d.device());
+                        if bound != Some(d.device()) {
+                            st.ctx.bind()?;
+                            bound = Some(d.device());
+                        }
+                        // SAFETY: `dst..dst+len` lies in the leased chunk, which is not
+                        // read, written or released until this copy has completed: it
+                        // goes to `pending` until an event recorded after the copy
+                        // completes, and on an error before that `stage_chunks`
+                        // synchronizes this stream (or leaks the chunk) before the lease
+                        // can drop; the source range is inside the caller's device
+                        // tensor (plan offsets are bounded by its length, checked at
+                        // validation) and valid until staging ends.
+                        unsafe { st.stream.copy_dtoh(base.add(p.dst), d.ptr() + at, p.len)? };
+                    }
+                }
+            }
+        }
+        let write_len = (job.write_len)(len);
+        assert!(
+            len <= write_len && write_len <= chunk_len,
+            "write length outside its chunk"
+        );
+        // SAFETY: `len..write_len` lies in the leased chunk (asserted) and past every piece,
+        // so no queued device copy writes it.
+        unsafe { std::ptr::write_bytes(base.add(len), 0, write_len - len) };
+        let mut events = Vec::with_capacity(used.len());
+        for d in used.iter() {
+            let st = &pipe.states[d];
+            st.ctx.bind()?;
+            let e = st.event()?;
+            e.record(&st.stream)?;
+            events.push((*d, e));
+        }
+        Ok((write_len, events))
     }
 }
 

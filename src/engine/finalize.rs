@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use crate::io::pool::WriteSink;
 use crate::manifest::{FileEntry, TensorEntry};
 
-use super::handle::{SaveReport, SaveTimings};
 use super::lock;
+use super::report::{SaveReport, SaveTimings};
 use super::state::SaveState;
 
 /// Runs on the commit thread once a save has settled. Returns the save's result and the
@@ -31,13 +31,17 @@ pub(super) fn finalize(
             None
         }
     };
-    let (result, retired) = match failure {
-        Some(e) => (Err(e), commit::Retired::default()),
+    let (result, retired, entry) = match failure {
+        Some(e) => (Err(e), commit::Retired::default(), None),
         None => match persist(st) {
-            Ok((report, retired)) => (Ok(report), retired),
-            Err(e) => (Err(Arc::new(e)), commit::Retired::default()),
+            Ok((report, retired, entry)) => (Ok(report), retired, Some(entry)),
+            Err(e) => (Err(Arc::new(e)), commit::Retired::default(), None),
         },
     };
+    #[cfg(feature = "s3")]
+    remote_copy(st, &result, entry);
+    #[cfg(not(feature = "s3"))]
+    let _ = entry;
     // Closed before anything is reported (and before a failed save's file is removed):
     // deleting the checkpoint later frees its blocks in the deleting thread, never in a
     // later save of this engine.
@@ -54,7 +58,59 @@ pub(super) fn finalize(
     (result, retired)
 }
 
-fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
+/// Hand a committed save to the remote uploader (its file opened now, before retention or
+/// another rank can move it), or report a failed one on its remote progress.
+#[cfg(feature = "s3")]
+fn remote_copy(
+    st: &SaveState,
+    result: &std::result::Result<SaveReport, Arc<Error>>,
+    entry: Option<FileEntry>,
+) {
+    let (Some(tier), Some(progress)) = (&st.shared.remote, &st.remote) else {
+        return;
+    };
+    let (report, entry) = match (result, entry) {
+        (Ok(r), Some(e)) => (r, e),
+        (Err(e), _) => {
+            progress.fail(Error::SaveFailed {
+                step: st.step,
+                source: Arc::clone(e),
+            });
+            return;
+        }
+        (Ok(_), None) => {
+            progress.fail(Error::Internal(
+                "committed save without a file entry".into(),
+            ));
+            return;
+        }
+    };
+    // With several ranks, another rank may rename the partial directory at any time: the
+    // file is then in the committed one.
+    let committed = st
+        .shared
+        .cfg
+        .root
+        .join(crate::manifest::step_dir_name(st.step))
+        .join(&st.file_name);
+    let opened = crate::fsx::open_path(&report.file, false)
+        .or_else(|_| crate::fsx::open_path(&committed, false));
+    match opened {
+        Ok(f) => {
+            if st.shared.cfg.remote_only {
+                // The uploader reads through its descriptor: the scratch copy goes now.
+                let dir = report.dir.clone().unwrap_or_else(|| st.partial.clone());
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "could not remove the scratch copy of a remote-only save");
+                }
+            }
+            tier.submit(progress.clone(), f, entry, st.metadata.clone())
+        }
+        Err(e) => progress.fail(e),
+    }
+}
+
+fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
     let cfg = &st.shared.cfg;
     let target = st
         .file_target()
@@ -68,6 +124,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
         file: st.file_name.clone(),
         bytes: st.plan.file_len(),
         data_start,
+        header_crc32c: Some(crc32c::crc32c(st.plan.header())),
         tensors: st
             .plan
             .entries()
@@ -87,7 +144,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
         st.step,
         cfg.world_size,
         &st.partial,
-        entry,
+        entry.clone(),
         &st.metadata,
     )?;
     let committed = st.started.elapsed();
@@ -122,5 +179,5 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired)> {
         direct_io: target.is_direct(),
         retired: retired.steps.clone(),
     };
-    Ok((report, retired))
+    Ok((report, retired, entry))
 }

@@ -33,6 +33,8 @@ pub enum LoadSource {
     Disk,
     /// The arena a previous engine kept in shared memory (flash restore).
     Memory,
+    /// The bucket of the remote tier (a step not on the local disk).
+    Remote,
 }
 
 /// What [`crate::Engine::load_with_report`] did.
@@ -278,12 +280,14 @@ type FillChunk<'a> = dyn Fn(usize, &mut [u8]) -> std::result::Result<(), String>
 
 /// On several threads, `fill` file chunk `k` of the image into `leases[k]` (the bytes of
 /// the file, `cs` per chunk) and checksum its tensor pieces; then check every tensor's
-/// CRC-32C against `tensors`. The error says which tensor or chunk failed.
+/// CRC-32C against `tensors`, and the header's against `header_crc` (when the manifest has
+/// one). The error says which tensor or chunk failed.
 fn fill_and_verify(
     leases: &mut [ChunkLease],
     v: &SlotView,
     cs: u64,
     tensors: &[crate::manifest::TensorEntry],
+    header_crc: Option<u32>,
     fill: &FillChunk<'_>,
 ) -> std::result::Result<(), String> {
     let threads = copy_threads(leases.len());
@@ -334,6 +338,22 @@ fn fill_and_verify(
             None => crc,
             Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
         });
+    }
+    if let Some(want) = header_crc {
+        let mut have = 0u32;
+        for (k, lease) in leases.iter().enumerate() {
+            let fs = k as u64 * cs;
+            if fs >= data_start {
+                break;
+            }
+            let fe = (fs + cs).min(data_start);
+            have = crc32c::crc32c_append(have, &lease.as_slice()[..(fe - fs) as usize]);
+        }
+        if have != want {
+            return Err(format!(
+                "header: CRC-32C {have:08x} in memory, {want:08x} in the manifest (damaged image)"
+            ));
+        }
     }
     for (t, crc) in tensors.iter().zip(crcs) {
         let crc = crc.unwrap_or(0);
@@ -423,10 +443,17 @@ pub(crate) fn adopt(
     }
     let att = &image.att;
     let chunks = &v.chunks;
-    fill_and_verify(&mut leases, v, cs, &entry.tensors, &|k, buf| {
-        att.read_chunk(chunks[k].1, 0, buf)
-            .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))
-    })?;
+    fill_and_verify(
+        &mut leases,
+        v,
+        cs,
+        &entry.tensors,
+        entry.header_crc32c,
+        &|k, buf| {
+            att.read_chunk(chunks[k].1, 0, buf)
+                .ok_or_else(|| format!("chunk {k} of the kept image cannot be read"))
+        },
+    )?;
     record(arena, leases, v, cs, entry, "copied")
 }
 
@@ -469,7 +496,14 @@ pub(crate) fn take_over(
                 format!("the kept image names arena chunk {index}, which the arena does not have")
             })?);
         }
-        fill_and_verify(&mut leases, v, cs, &entry.tensors, &|_, _| Ok(()))?;
+        fill_and_verify(
+            &mut leases,
+            v,
+            cs,
+            &entry.tensors,
+            entry.header_crc32c,
+            &|_, _| Ok(()),
+        )?;
         record(&arena, leases, v, cs, entry, "taken over in place")
     })();
     Ok(TakenOver { arena, adopted })

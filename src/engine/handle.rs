@@ -1,79 +1,13 @@
-//! What a caller holds while a save runs, and what it reports.
+//! What a caller holds while a save runs.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
 use super::lock;
+use super::report::{SaveReport, StagedReport};
 use super::state::SaveState;
-
-/// Timings of a save, measured from the moment `save` was called.
-#[non_exhaustive]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SaveTimings {
-    /// Until `save` returned: every byte staged (the trainer's stall).
-    pub staging: Duration,
-    /// Part of `staging` spent waiting for free staging chunks or save slots (backpressure
-    /// from earlier saves still draining).
-    pub backpressure: Duration,
-    /// Until the file was written and `fdatasync`ed.
-    pub durable: Duration,
-    /// Until the checkpoint directory was renamed into place and the root fsynced.
-    pub committed: Duration,
-}
-
-/// What a finished save did.
-#[non_exhaustive]
-#[derive(Debug, Clone, PartialEq)]
-pub struct SaveReport {
-    /// Step.
-    pub step: u64,
-    /// Committed directory (for multi-rank saves, set by whichever rank committed; `None`
-    /// while other ranks are still writing).
-    pub dir: Option<PathBuf>,
-    /// This rank's file (its final path once committed).
-    pub file: PathBuf,
-    /// Bytes of this rank's file.
-    pub bytes: u64,
-    /// Tensors saved.
-    pub tensors: usize,
-    /// Timings.
-    pub timings: SaveTimings,
-    /// Backend that wrote (`io_uring`, `pwrite`).
-    pub backend: crate::io::Backend,
-    /// Whether the file was written with O_DIRECT.
-    pub direct_io: bool,
-    /// Steps retired by this commit's retention (`keep_last`): no longer listed or
-    /// loadable when the save is reported committed; their files are deleted right after
-    /// (by the time [`crate::Engine::close`] returns).
-    pub retired: Vec<u64>,
-}
-
-impl SaveReport {
-    /// Bytes over time-to-durable, in GB/s.
-    pub fn persist_gbps(&self) -> f64 {
-        crate::util::gbps(self.bytes, self.timings.durable)
-    }
-}
-
-/// What is known as soon as `save` returns.
-#[non_exhaustive]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StagedReport {
-    /// Step.
-    pub step: u64,
-    /// File bytes staged.
-    pub bytes: u64,
-    /// Time in `save` (stall).
-    pub staging: Duration,
-    /// Part of it spent waiting for staging space.
-    pub backpressure: Duration,
-    /// Part of it spent registering the staging arena with CUDA (the first device save of
-    /// an engine not prepared with [`Engine::prepare_cuda`](crate::Engine::prepare_cuda)).
-    pub registration: Duration,
-}
 
 /// A save in flight. Dropping it does not cancel the save.
 pub struct SaveHandle {
@@ -127,6 +61,62 @@ impl SaveHandle {
                 source: Arc::clone(e),
             }),
             None => Err(Error::Internal("staging ended without a report".into())),
+        }
+    }
+
+    /// Order `stream`'s later work after this save's copies, on the device, instead of
+    /// waiting for them on the host: blocks only until every host byte of the save is
+    /// copied and every device copy is queued (normally milliseconds after the call; longer
+    /// when the save waits for staging chunks), then makes `stream` wait for the copies of
+    /// its device (`cuStreamWaitEvent`). Work queued on `stream` afterwards may then
+    /// overwrite the tensors; work on other streams and host code must still
+    /// [`wait_staged`](Self::wait_staged). Returns at once when the save is staged
+    /// already; raises the save's error when staging failed.
+    pub fn hold_stream(&self, stream: crate::cuda::StreamRef<'_>) -> Result<()> {
+        let mut p = lock(&self.state.progress);
+        loop {
+            match &p.staged {
+                Some(Ok(_)) => return Ok(()),
+                Some(Err(e)) => {
+                    return Err(Error::SaveFailed {
+                        step: self.state.step,
+                        source: Arc::clone(e),
+                    });
+                }
+                None if p.queued => break,
+                None => {}
+            }
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        for (d, e) in &p.marks {
+            if *d == stream.device() {
+                e.hold(stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The save's remote copy (`None` without a remote tier): keep it to wait for the
+    /// bucket after [`SaveHandle::wait`] consumed the handle.
+    #[cfg(feature = "s3")]
+    pub fn remote(&self) -> Option<crate::remote::RemoteProgress> {
+        self.state.remote.clone()
+    }
+
+    /// Block until the step is committed in the bucket (after the local commit); returns
+    /// the remote report, or [`Error::RemoteFailed`] / a config error without a remote
+    /// tier.
+    #[cfg(feature = "s3")]
+    pub fn wait_remote(&self) -> Result<crate::remote::RemoteReport> {
+        match &self.state.remote {
+            Some(p) => p.wait(),
+            None => Err(Error::Config(
+                "this engine has no remote tier (with_remote)".into(),
+            )),
         }
     }
 

@@ -14,6 +14,9 @@
 mod finalize;
 mod flash;
 mod handle;
+#[cfg(feature = "s3")]
+mod remote_ops;
+mod report;
 mod save;
 mod state;
 
@@ -36,13 +39,14 @@ use crate::manifest::{self, CheckpointInfo, Manifest};
 use crate::restore::sink::{DeviceSink, HostSink};
 use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
-use crate::staging::{Arena, ArenaSpec, NAME_PREFIX};
+use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
 pub use flash::{
     ArenaOwner, KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept, remove_kept_forced,
 };
 
-pub use handle::{SaveHandle, SaveReport, SaveTimings, StagedReport};
+pub use handle::SaveHandle;
+pub use report::{SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 
@@ -73,6 +77,10 @@ struct Shared {
     backend: Backend,
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
+    setup: Mutex<Setup>,
+    /// The remote tier's uploader (`EngineConfig::with_remote`).
+    #[cfg(feature = "s3")]
+    remote: Option<Arc<crate::remote::tier::RemoteTier>>,
 }
 
 impl Shared {
@@ -131,6 +139,15 @@ pub struct Engine {
     _lock: RootLock,
 }
 
+/// Set-up running in the background after `Engine::open`.
+#[derive(Debug, Default)]
+struct Setup {
+    /// The threads allocating the arena's pages, until they are done (stopped at close).
+    prefault: Prefault,
+    /// Registration threads ([`Engine::prepare_cuda_background`]), joined at close.
+    threads: Vec<JoinHandle<()>>,
+}
+
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
@@ -151,12 +168,32 @@ impl EngineConfig {
 }
 
 impl Engine {
-    /// Open an engine: check the root, take the rank lock, remove stale partial
+    /// Open an engine: check the root (creating it first with
+    /// [`EngineConfig::with_create_root`]), take the rank lock, remove stale partial
     /// directories, create the staging arena and start the writers.
     pub fn open(cfg: EngineConfig) -> Result<Engine> {
         cfg.validate()?;
+        if cfg.create_root {
+            commit::create_root(&cfg.root)?;
+        }
         commit::check_root(&cfg.root)?;
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
+        // The bucket is checked before anything else is set up: a missing bucket or
+        // refused credentials fail the open.
+        #[cfg(feature = "s3")]
+        let remote = match &cfg.remote {
+            Some(target) => {
+                let r = Arc::new(target.open(cfg.remote_options.clone())?);
+                Some(Arc::new(crate::remote::tier::RemoteTier::start(
+                    r,
+                    cfg.world_size,
+                    cfg.remote_keep_last,
+                    cfg.remote_max_pending,
+                    cfg.remote_session.clone(),
+                )?))
+            }
+            None => None,
+        };
         if cfg.recover_on_open {
             crate::recover::recover_on_open(&cfg.root, cfg.rank);
         }
@@ -222,11 +259,17 @@ impl Engine {
                 }
             }
         }
-        let arena = match taken_over {
-            Some(a) => Ok(a),
-            None => Arena::create(&spec),
+        // A new arena's pages are allocated in the background (`prefault`); a save takes
+        // only chunks already backed.
+        let pause = cfg.prefault_pause();
+        let create = |spec: &ArenaSpec| {
+            Arena::create_prefaulting(spec, crate::staging::prefault_threads(), pause)
         };
-        let arena = match arena {
+        let made = match taken_over {
+            Some(a) => Ok((a, Prefault::default())),
+            None => create(&spec),
+        };
+        let (arena, prefault) = match made {
             Err(Error::ShmTooSmall { .. }) if kept_image.is_some() => {
                 // Room for both the previous image and the new arena is missing: the new
                 // arena comes first.
@@ -235,7 +278,7 @@ impl Engine {
                 );
                 kept_image = None;
                 kept_note = Some("dropped: /dev/shm has no room for it and a new arena".into());
-                Arena::create(&spec)?
+                create(&spec)?
             }
             r => r?,
         };
@@ -247,6 +290,8 @@ impl Engine {
         // left only when its name was freed for this arena, so keeping is on; the previous
         // segment is freed when `image` drops, in `adopt`).
         if let Some(image) = kept_image {
+            // The image goes into chunks of the new arena: all of it backed first.
+            arena.wait_filled()?;
             adoption = Some(flash::adopt(image, &arena, &root_abs, cfg.rank));
         }
         let adopted = match adoption {
@@ -283,6 +328,12 @@ impl Engine {
             inflight: Mutex::new(BTreeSet::new()),
             gate: Gate::default(),
             cuda: OnceLock::new(),
+            setup: Mutex::new(Setup {
+                prefault,
+                threads: Vec::new(),
+            }),
+            #[cfg(feature = "s3")]
+            remote,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -291,6 +342,13 @@ impl Engine {
                 for st in rx {
                     st.wait_settled();
                     let (res, retired) = finalize::finalize(&st);
+                    // Power-loss tests: the report's place among the recorded operations.
+                    #[cfg(feature = "crash-record")]
+                    if let Ok(r) = &res
+                        && r.dir.is_some()
+                    {
+                        crate::crashsim::record::committed(&st.shared.cfg.root, st.step);
+                    }
                     st.complete(res);
                     // The save is reported committed first: deleting the retired
                     // checkpoints' files can take seconds and delays nothing but the
@@ -335,11 +393,64 @@ impl Engine {
 
     /// Set up CUDA for `devices` now (contexts, streams, and the one-time registration of
     /// the staging arena) instead of at the first save that needs it. Returns the
-    /// registration time if this call registered.
+    /// registration time if this call registered. The registration needs the whole arena
+    /// allocated: this waits for the background prefault first
+    /// ([`Engine::wait_staging_ready`]).
     pub fn prepare_cuda(&self, devices: &[i32]) -> Result<Option<Duration>> {
         self.shared
             .cuda()
             .prepare(&devices.iter().copied().collect())
+    }
+
+    /// [`Engine::prepare_cuda`] without waiting: contexts and streams are set up now (their
+    /// errors returned), the registration of the staging arena runs on a background thread
+    /// once the arena is allocated. A device save started before it is done waits for it;
+    /// [`Engine::wait_staging_ready`] waits for it too. A failed registration is logged
+    /// and tried again by the next device save (which then reports its error).
+    pub fn prepare_cuda_background(&self, devices: &[i32]) -> Result<()> {
+        let set: BTreeSet<i32> = devices.iter().copied().collect();
+        let cuda = Arc::clone(self.shared.cuda());
+        cuda.prepare_devices(&set)?;
+        // Registered already, or being registered (a device save or an earlier call): that
+        // one does it (and a device save retries if it fails).
+        if set.is_empty() || cuda.registered_or_busy() {
+            return Ok(());
+        }
+        let h = std::thread::Builder::new()
+            .name("shmckpt-cuda-register".into())
+            .spawn(move || {
+                if let Err(e) = cuda.prepare(&set) {
+                    tracing::warn!(error = %e, "background CUDA registration of the staging arena failed");
+                }
+            })
+            .map_err(|e| Error::Config(format!("cannot spawn a registration thread: {e}")))?;
+        lock(&self.shared.setup).threads.push(h);
+        Ok(())
+    }
+
+    /// Whether the staging arena is wholly allocated (the background prefault of
+    /// [`Engine::open`] is done) and no background registration is still running.
+    pub fn staging_ready(&self) -> bool {
+        self.shared.arena.is_filled()
+            && lock(&self.shared.setup)
+                .threads
+                .iter()
+                .all(|h| h.is_finished())
+    }
+
+    /// Wait until the staging arena is wholly allocated and every background set-up
+    /// ([`Engine::prepare_cuda_background`]) has ended. From then on a save's stall has no
+    /// one-time cost left. Fails when the allocation failed (`/dev/shm` filled up:
+    /// `ShmTooSmall`).
+    pub fn wait_staging_ready(&self) -> Result<()> {
+        self.shared.arena.wait_filled()?;
+        let done = std::mem::take(&mut lock(&self.shared.setup).threads);
+        for h in done {
+            if h.join().is_err() {
+                tracing::error!("a background set-up thread panicked");
+            }
+        }
+        Ok(())
     }
 
     /// How long registering the staging arena with CUDA took, once it is registered.
@@ -350,6 +461,20 @@ impl Engine {
     /// Committed checkpoints, oldest first.
     pub fn list(&self) -> Result<Vec<CheckpointInfo>> {
         manifest::list_committed(&self.shared.cfg.root)
+    }
+
+    /// Delete committed checkpoint `step` ([`commit::remove_step`]: renamed out of the
+    /// listing durably, then its files deleted). A step this engine is still saving is
+    /// refused ([`Error::NotFound`], nothing touched); wait for its handle first.
+    pub fn remove(&self, step: u64) -> Result<()> {
+        let root = &self.shared.cfg.root;
+        if lock(&self.shared.inflight).contains(&step) {
+            return Err(Error::NotFound {
+                what: format!("step {step} (its save is still in flight)"),
+                root: root.clone(),
+            });
+        }
+        commit::remove_step(root, step)
     }
 
     /// The newest committed step, if any.
@@ -394,8 +519,18 @@ impl Engine {
 
     /// [`Engine::load`], also reporting which path served the load and, when flash restore
     /// is on but the disk served it, why.
+    ///
+    /// With a remote tier ([`EngineConfig::with_remote`]), a step the disk does not hold
+    /// (or "latest" with no step on disk) is loaded from the bucket
+    /// ([`LoadSource::Remote`]).
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            #[cfg(feature = "s3")]
+            Err(e @ Error::NotFound { .. }) => return self.load_fallback_remote(which, e),
+            Err(e) => return Err(e),
+        };
         let fallback_reason = match self.try_memory(&info)? {
             Memory::Served(ck, disk_problem) => {
                 let report = LoadReport {
@@ -508,13 +643,23 @@ impl Engine {
     /// the step loaded.
     ///
     /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
-    /// is copied from memory (verified at adoption), like [`Engine::load`].
+    /// is copied from memory (verified at adoption), like [`Engine::load`]; with a remote
+    /// tier, a step not on disk is read from the bucket.
     pub fn load_into(
         &self,
         which: impl Into<StepSel>,
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            // Not on disk: from the bucket, with a remote tier.
+            #[cfg(feature = "s3")]
+            Err(Error::NotFound { .. }) if self.remote().is_some() => {
+                return self.load_into_remote(which, dest).map(|r| r.step);
+            }
+            Err(e) => return Err(e),
+        };
         if let Ok((image, _, entry, _)) = self.memory_image(&info)? {
             let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
             let order = restore::match_destinations(&entry, &named)?;
@@ -677,6 +822,24 @@ impl Engine {
         Manifest::read(&self.resolve(which.into())?.dir)
     }
 
+    /// The `__metadata__` of this rank's file of a committed checkpoint, read from the
+    /// file's header after the header is checked against the manifest (its tensors, and
+    /// its CRC-32C where the manifest records one): each rank's own metadata, which the
+    /// manifest (the committing rank's) does not hold for the other ranks.
+    pub fn file_metadata(&self, which: impl Into<StepSel>) -> Result<manifest::Metadata> {
+        let dir = self.resolve(which.into())?.dir;
+        let m = Manifest::read(&dir)?;
+        let rank = self.shared.cfg.rank;
+        let entry = m.files.iter().find(|f| f.rank == rank).ok_or_else(|| {
+            Error::corrupt(
+                dir.join(manifest::MANIFEST),
+                None,
+                format!("the manifest has no file of rank {rank}"),
+            )
+        })?;
+        restore::read_file_metadata(&dir.join(&entry.file), entry)
+    }
+
     /// The registered read buffers of device loads from disk, made at the first one.
     fn device_ring(&self) -> Result<Arc<restore::DeviceRing>> {
         let mut ring = lock(&self.device_ring);
@@ -699,6 +862,7 @@ impl Engine {
             direct_io: self.shared.cfg.direct_io,
             // A kept image lives in the arena's chunks: loads must not overwrite it.
             arena: (!self.shared.arena.keeps()).then(|| Arc::clone(&self.shared.arena)),
+            any_dir_name: false,
         }
     }
 
@@ -731,6 +895,25 @@ impl Engine {
             tracing::error!("commit thread panicked");
         }
         self.pool.shutdown();
+        // Saves are done: stop allocating (a registration waiting for it then gives up).
+        let (mut prefault, threads) = {
+            let mut s = lock(&self.shared.setup);
+            (
+                std::mem::take(&mut s.prefault),
+                std::mem::take(&mut s.threads),
+            )
+        };
+        prefault.stop();
+        for h in threads {
+            if h.join().is_err() {
+                tracing::error!("a background set-up thread panicked");
+            }
+        }
+        // Uploads read committed files, not the arena: finished after the writers.
+        #[cfg(feature = "s3")]
+        if let Some(r) = &self.shared.remote {
+            r.close();
+        }
         self.shared.arena.close();
     }
 }

@@ -19,7 +19,8 @@ use crate::staging::ChunkLease;
 use crate::staging::descriptor::SaveRecord;
 use crate::tensor::{Source, Tensor};
 
-use super::handle::{SaveHandle, StagedReport};
+use super::handle::SaveHandle;
+use super::report::StagedReport;
 use super::state::{FileSlot, Progress, SaveState};
 use super::{Engine, lock};
 
@@ -51,6 +52,7 @@ pub enum OwnedData {
 #[derive(Debug, Clone, Default)]
 pub struct SaveOptions<'a> {
     after: Vec<(i32, After)>,
+    hold: bool,
     _handles: PhantomData<&'a ()>,
 }
 
@@ -75,6 +77,22 @@ impl<'a> SaveOptions<'a> {
         let device = stream.device();
         self.after.retain(|(d, _)| *d != device);
         self.after.push((device, After::Stream(stream.raw())));
+        self
+    }
+
+    /// With [`Engine::save_async`]: make the streams given with
+    /// [`after_stream`](Self::after_stream) wait, on the device, for the save's copies.
+    /// `save_async` then returns once every device copy is queued (on the engine's own
+    /// stream, after the work queued on those streams at the call; waiting for free
+    /// staging chunks first if earlier saves still hold them), and work the caller queues
+    /// on those streams afterwards runs only after the copies: it may overwrite the
+    /// tensors at once. The caller's thread does not wait for the device copies; the
+    /// device does. Host sources are copied before `save_async` returns. Work on other
+    /// streams is not ordered: it still waits for [`SaveHandle::wait_staged`]. Has no
+    /// effect on [`Engine::save`] (which returns once staged) or on devices ordered with
+    /// [`after_event`](Self::after_event).
+    pub fn hold_streams(mut self) -> Self {
+        self.hold = true;
         self
     }
 
@@ -120,7 +138,7 @@ impl Engine {
         let sources = Sources::new(tensors);
         let state = self.begin(step, tensors, metadata)?;
         let jobs = self.jobs()?;
-        match stage_and_finish(&state, &sources, &opts.after, &jobs) {
+        match stage_and_finish(&state, &sources, &opts.after, &jobs, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
             Err(()) => Err(failed_save_error(state)),
         }
@@ -148,7 +166,15 @@ impl Engine {
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
         let state = self.begin(step, tensors, metadata)?;
-        self.spawn_staging(state, sources, opts.after.clone(), Box::new(()))
+        if !opts.hold {
+            return self.spawn_staging(state, sources, opts.after.clone(), Box::new(()), None);
+        }
+        let (tx, rx) = crossbeam_channel::bounded::<()>(1);
+        let handle =
+            self.spawn_staging(state, sources, opts.after.clone(), Box::new(()), Some(tx))?;
+        // Every copy queued and the streams holding (or staging ended: the sender dropped).
+        let _ = rx.recv();
+        Ok(handle)
     }
 
     /// [`Engine::save_async`] without `unsafe`: the engine takes ownership of the tensors'
@@ -177,24 +203,36 @@ impl Engine {
         let sources = unsafe { Sources::new(&views).into_static() };
         let state = self.begin(step, &views, metadata)?;
         drop(views);
-        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors))
+        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None)
     }
 
     /// Stage `state` on a background thread, dropping `sources` and then `keep` (which may
-    /// own the memory `sources` points to) once staging ended.
+    /// own the memory `sources` points to) once staging ended. With `queued`, the streams
+    /// of `after` are held ([`SaveOptions::hold_streams`]) and `queued` is sent to once
+    /// every copy is queued (or dropped when staging ended without).
     fn spawn_staging(
         &self,
         state: Arc<SaveState>,
         sources: Sources<'static>,
         after: Vec<(i32, After)>,
         keep: Box<dyn Send>,
+        queued: Option<Sender<()>>,
     ) -> Result<SaveHandle> {
         let jobs = self.jobs()?;
         let st = Arc::clone(&state);
         let spawned = std::thread::Builder::new()
             .name("shmckpt-stage".into())
             .spawn(move || {
-                let _ = stage_and_finish(&st, &sources, &after, &jobs);
+                let hold = queued.is_some();
+                let signal = Mutex::new(queued);
+                let queued = || {
+                    if let Some(tx) = lock(&signal).take() {
+                        let _ = tx.send(());
+                    }
+                };
+                let _ = stage_and_finish(&st, &sources, &after, &jobs, hold, &queued);
+                // Also when staging failed before every copy was queued: the caller waits.
+                queued();
                 drop(sources);
                 drop(keep);
             });
@@ -243,6 +281,10 @@ impl Engine {
         ]
         .into();
         let plan = Plan::new(&specs, &system, metadata)?;
+        if let Some(e) = arena.fill_error() {
+            // Allocating the arena in the background failed (`/dev/shm` filled up).
+            return Err(e);
+        }
         let needed = plan.chunk_count(cs) * cs;
         if needed > arena.capacity() {
             return Err(Error::TooLarge {
@@ -330,6 +372,8 @@ impl Engine {
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+            #[cfg(feature = "s3")]
+            remote: self.shared.remote.as_ref().map(|t| t.progress(step)),
         });
         let queued = self
             .commit_tx
@@ -363,6 +407,8 @@ pub(super) fn stage_and_finish(
     sources: &Sources<'_>,
     after: &[(i32, After)],
     jobs: &Sender<WriteJob>,
+    hold: bool,
+    queued: &(dyn Fn() + Sync),
 ) -> std::result::Result<(), ()> {
     let step = state.step;
     let dispatch = |lease: ChunkLease, chunk: u64, len: usize, write_len: usize| {
@@ -372,12 +418,18 @@ pub(super) fn stage_and_finish(
     let mut registration = Duration::ZERO;
     let write_len = |len: usize| state.write_len(len);
     let failed = || state.failed();
+    let queued = |marks: Vec<(i32, crate::device::cuda::Event)>| {
+        state.copies_queued(marks);
+        queued();
+    };
     let job = StageJob {
         plan: &state.plan,
         sources,
         write_len: &write_len,
         failed: &failed,
         dispatch: &dispatch,
+        hold,
+        queued: &queued,
     };
     let staged = if devices.is_empty() {
         host::stage_host(&state.shared.arena, &job, state.shared.cfg.copy_threads)

@@ -13,7 +13,7 @@ use crate::io::pool::{ChunkInfo, Outcome, WriteSink};
 use crate::manifest::Metadata;
 use crate::plan::{PieceSource, Plan};
 
-use super::handle::{SaveReport, StagedReport};
+use super::report::{SaveReport, StagedReport};
 use super::{Shared, lock};
 
 #[derive(Default)]
@@ -25,6 +25,10 @@ pub(super) struct Progress {
     pub(super) error: Option<Arc<Error>>,
     pub(super) result: Option<std::result::Result<SaveReport, Arc<Error>>>,
     pub(super) done: bool,
+    /// Every host byte copied and every device copy queued (`SaveHandle::hold_stream`).
+    pub(super) queued: bool,
+    /// One event per device, recorded after that device's copies of this save.
+    pub(super) marks: Vec<(i32, crate::device::cuda::Event)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -66,6 +70,9 @@ pub(crate) struct SaveState {
     pub(super) changed: Condvar,
     /// Per file chunk: (entry, crc32c, length) of each tensor piece in it.
     pub(super) crcs: Mutex<Vec<Vec<(u32, u32, u64)>>>,
+    /// The save's remote copy (remote tier on).
+    #[cfg(feature = "s3")]
+    pub(super) remote: Option<crate::remote::RemoteProgress>,
 }
 
 impl SaveState {
@@ -145,6 +152,15 @@ impl SaveState {
         let _ = self.file_target();
         let file = lock(&self.file.target).take();
         drop(file);
+    }
+
+    /// Every host byte is copied and every device copy queued; `marks` complete with them.
+    pub(super) fn copies_queued(&self, marks: Vec<(i32, crate::device::cuda::Event)>) {
+        let mut p = lock(&self.progress);
+        p.queued = true;
+        p.marks = marks;
+        drop(p);
+        self.changed.notify_all();
     }
 
     pub(super) fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {

@@ -157,4 +157,8 @@ impl IoBackend for FaultyBackend {
     fn in_flight(&self) -> usize {
         self.inner.in_flight() + self.synthetic.len()
     }
+
+    fn idle_setup(&mut self) -> bool {
+        self.inner.idle_setup()
+    }
 }

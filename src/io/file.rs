@@ -24,8 +24,8 @@ impl FileTarget {
     pub fn create(path: &Path, direct: bool) -> Result<FileTarget> {
         let base = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC;
         let mode = Mode::from_raw_mode(0o644);
-        let buffered =
-            rustix::fs::open(path, base, mode).map_err(|e| Error::io("create", path, e.into()))?;
+        let buffered = crate::fsops::open_create(path, base, mode)
+            .map_err(|e| Error::io("create", path, e.into()))?;
         let direct = if direct {
             open_direct(path, OFlags::WRONLY | OFlags::CLOEXEC)?
         } else {
@@ -82,7 +82,7 @@ impl FileTarget {
         if len == 0 {
             return Ok(());
         }
-        match rustix::fs::fallocate(&self.buffered, rustix::fs::FallocateFlags::empty(), 0, len) {
+        match crate::fsops::fallocate(self.buffered.as_fd(), len) {
             Ok(()) => Ok(()),
             Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
             Err(e) => Err(Error::io("fallocate", &self.path, e.into())),
@@ -91,9 +91,9 @@ impl FileTarget {
 
     /// Set the exact length and make data and length durable (`ftruncate` + `fdatasync`).
     pub fn finish(&self, len: u64) -> Result<()> {
-        rustix::fs::ftruncate(&self.buffered, len)
+        crate::fsops::ftruncate(self.buffered.as_fd(), len)
             .map_err(|e| Error::io("ftruncate", &self.path, e.into()))?;
-        rustix::fs::fdatasync(&self.buffered)
+        crate::fsops::fdatasync(self.buffered.as_fd())
             .map_err(|e| Error::io("fdatasync", &self.path, e.into()))
     }
 
@@ -120,18 +120,12 @@ fn open_direct(path: &Path, flags: OFlags) -> Result<Option<OwnedFd>> {
 /// `fsync` a directory so that entries created, renamed or removed in it are durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let f = File::open(dir).map_err(|e| Error::io("open", dir, e))?;
-    rustix::fs::fsync(f.as_fd()).map_err(|e| Error::io("fsync", dir, e.into()))
+    crate::fsops::fsync(f.as_fd()).map_err(|e| Error::io("fsync", dir, e.into()))
 }
 
 /// Write `bytes` to a new file `path` and make it durable (`fsync`).
 pub fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(|e| Error::io("create", path, e))?;
-    f.write_all(bytes)
-        .map_err(|e| Error::io("write", path, e))?;
-    f.sync_all().map_err(|e| Error::io("fsync", path, e))
+    let f = crate::fsops::create_new_file(path).map_err(|e| Error::io("create", path, e))?;
+    crate::fsops::write_all_at(&f, bytes, 0).map_err(|e| Error::io("write", path, e))?;
+    crate::fsops::fsync_file(&f).map_err(|e| Error::io("fsync", path, e))
 }

@@ -3,7 +3,7 @@
 //! fallback).
 //!
 //! `unsafe` is confined to the backend contract ([`IoBackend::push`]), its
-//! implementations (`uring.rs`, `pwrite.rs`, `fault.rs`) and [`queue::LeaseQueue`], the
+//! implementations (`uring.rs`, `pwrite.rs`, `fault.rs`, `record.rs`) and [`queue::LeaseQueue`], the
 //! safe wrapper the rest of the crate uses: those files alone allow `unsafe_code`.
 #![deny(unsafe_code)]
 
@@ -15,6 +15,8 @@ pub mod uring;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(feature = "crash-record")]
+pub mod record;
 
 use std::io;
 use std::os::fd::RawFd;
@@ -118,6 +120,13 @@ pub(crate) trait IoBackend: Send {
     /// wrapper needs it; the queue keeps its own count).
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     fn in_flight(&self) -> usize;
+
+    /// Set-up left for an idle moment (nothing in flight): the io_uring backend registers
+    /// the staging arena as fixed buffers once the arena is wholly allocated. Returns
+    /// whether some is still left (then it is called again later).
+    fn idle_setup(&mut self) -> bool {
+        false
+    }
 }
 
 /// What `open_backend` builds a backend with.
@@ -152,6 +161,9 @@ pub(crate) fn open_backend(opts: &BackendOptions) -> io::Result<Box<dyn IoBacken
             }
         },
     };
+    // Recording sees what reaches the file: faults wrap it (an injected error never does).
+    #[cfg(feature = "crash-record")]
+    let base: Box<dyn IoBackend> = Box::new(record::RecordingBackend::new(base));
     #[cfg(feature = "fault-injection")]
     if let Some(plan) = &opts.faults {
         return Ok(Box::new(fault::FaultyBackend::new(base, plan.clone())));

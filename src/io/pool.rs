@@ -11,7 +11,7 @@ use std::io;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use super::file::FileTarget;
 use super::queue::{LeaseQueue, Request};
@@ -159,15 +159,31 @@ struct Tag {
     done: usize,
 }
 
+/// How often an idle writer checks whether its backend's late set-up can run.
+const SETUP_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
     let mut closed = false;
+    let mut setup = true;
     loop {
         // Take new jobs while there is room; block only when nothing is in flight.
         while !closed && q.has_room() {
             let job = if q.in_flight() == 0 {
-                match rx.recv() {
+                if setup {
+                    setup = q.idle_setup();
+                }
+                let got = if setup {
+                    match rx.recv_timeout(SETUP_POLL) {
+                        Ok(j) => Ok(j),
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => Err(()),
+                    }
+                } else {
+                    rx.recv().map_err(|_| ())
+                };
+                match got {
                     Ok(j) => j,
-                    Err(_) => {
+                    Err(()) => {
                         closed = true;
                         break;
                     }

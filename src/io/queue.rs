@@ -119,6 +119,13 @@ impl<T, B: IoBuf> LeaseQueue<T, B> {
         !self.free.is_empty()
     }
 
+    /// The backend's set-up left for an idle moment ([`IoBackend::idle_setup`]); call only
+    /// with nothing in flight. Returns whether some is still left.
+    pub fn idle_setup(&mut self) -> bool {
+        debug_assert_eq!(self.in_flight(), 0);
+        self.backend.idle_setup()
+    }
+
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()

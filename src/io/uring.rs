@@ -24,6 +24,8 @@ pub struct UringBackend {
     fixed: Vec<(usize, usize)>,
     /// Keeps the registered memory mapped while the registration exists.
     _arena: Option<Arc<Arena>>,
+    /// An arena still being allocated: registered once it is whole ([`IoBackend::idle_setup`]).
+    pending: Option<Arc<Arena>>,
 }
 
 impl std::fmt::Debug for UringBackend {
@@ -51,8 +53,21 @@ impl UringBackend {
             in_flight: 0,
             fixed: Vec::new(),
             _arena: arena.clone(),
+            pending: None,
         };
-        if let Some(arena) = &arena {
+        match arena {
+            // Registering pins every page: pages not yet allocated would be faulted in here,
+            // on one thread. Plain writes until the arena is whole.
+            Some(a) if !a.fill_finished() => me.pending = Some(a),
+            Some(a) if a.is_filled() => me.register(&a),
+            _ => {}
+        }
+        Ok(me)
+    }
+
+    /// Register `arena`'s data region as fixed buffers (logged and skipped on failure).
+    fn register(&mut self, arena: &Arc<Arena>) {
+        {
             let (base, len) = arena.data_region();
             let mut iovs = Vec::new();
             let mut at = 0;
@@ -67,9 +82,9 @@ impl UringBackend {
             }
             // SAFETY: the region is the arena's data region, which stays mapped while this
             // ring exists: `_arena` holds an `Arc` of it.
-            match unsafe { me.ring.submitter().register_buffers(&iovs) } {
+            match unsafe { self.ring.submitter().register_buffers(&iovs) } {
                 Ok(()) => {
-                    me.fixed = iovs
+                    self.fixed = iovs
                         .iter()
                         .map(|v| (v.iov_base as usize, v.iov_len))
                         .collect()
@@ -79,7 +94,6 @@ impl UringBackend {
                 }
             }
         }
-        Ok(me)
     }
 
     fn fixed_index(&self, buf: *mut u8, len: u32) -> Option<u16> {
@@ -158,5 +172,20 @@ impl IoBackend for UringBackend {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    fn idle_setup(&mut self) -> bool {
+        let Some(a) = self.pending.take() else {
+            return false;
+        };
+        if !a.fill_finished() {
+            self.pending = Some(a);
+            return true;
+        }
+        // A prefault that failed or was stopped leaves pages unallocated: no registration.
+        if a.is_filled() {
+            self.register(&a);
+        }
+        false
     }
 }

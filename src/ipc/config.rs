@@ -5,10 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::EngineConfig;
-use crate::error::Result;
 use crate::io::BackendKind;
 
-use super::client::IpcWriterClient;
 use super::{EXE_ENV, WRITER_SUBCOMMAND};
 
 /// Settings of the IPC writer: the [`EngineConfig`] of the engine that runs in the writer
@@ -96,11 +94,6 @@ impl IpcConfig {
     /// Whether handles are cached.
     pub fn cache(&self) -> bool {
         self.cache
-    }
-
-    /// Spawn the writer and connect to it.
-    pub fn spawn(self) -> Result<IpcWriterClient> {
-        IpcWriterClient::spawn(self)
     }
 
     pub(super) fn exe(&self) -> PathBuf {

@@ -9,7 +9,7 @@ use crate::dtype::Dtype;
 use crate::engine::{SaveReport, SaveTimings};
 use crate::error::{Error, Result};
 
-use super::client::Inner;
+use super::conn::Inner;
 use super::wire::{WireAlloc, WireError, WireReport, dur, from_wire, hex, lock};
 
 /// What is known when [`IpcWriterClient::save`](crate::ipc::IpcWriterClient::save) returns.

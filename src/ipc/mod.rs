@@ -45,6 +45,7 @@
 
 mod client;
 mod config;
+mod conn;
 mod handle;
 mod spawn;
 mod wire;

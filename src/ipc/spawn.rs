@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-use super::client::{ClientState, Inner, IpcWriterClient};
+use super::client::IpcWriterClient;
 use super::config::IpcConfig;
+use super::conn::{ClientState, Inner};
 use super::wire::{Reply, from_wire, read_frame};
 use super::{EXE_ENV, PROTOCOL_VERSION, WRITER_SUBCOMMAND};
 

@@ -151,7 +151,7 @@ impl ArenaDetails {
     }
 }
 
-/// A segment in `/dev/shm` whose name starts with [`NAME_PREFIX`].
+/// A segment in `/dev/shm` whose name starts with `shmckpt.`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArenaInfo {
     /// Segment name (without slash).
@@ -169,7 +169,7 @@ pub struct ArenaInfo {
     pub details: std::result::Result<ArenaDetails, String>,
 }
 
-/// Every segment in `/dev/shm` whose name starts with [`NAME_PREFIX`], by name. Nothing is
+/// Every segment in `/dev/shm` whose name starts with `shmckpt.`, by name. Nothing is
 /// written or removed; links, non-regular files and other users' segments are listed with
 /// the reason and never opened.
 pub fn list_arenas() -> Vec<ArenaInfo> {

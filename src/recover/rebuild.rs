@@ -170,7 +170,7 @@ pub(super) fn recover_slot(
         if made_dir {
             commit::abort_partial(&partial, &file_name);
         } else if made_file {
-            let _ = std::fs::remove_file(&path);
+            let _ = crate::fsops::remove_file(&path);
         }
     }
     outcome
@@ -272,7 +272,7 @@ fn rebuild_and_commit(
             if att.read_chunk(idx, at, &mut buf[..n]).is_none() {
                 return refused(format!("arena chunk {idx} cannot be read"));
             }
-            if let Err(e) = file.write_all_at(&buf[..n], start + at) {
+            if let Err(e) = crate::fsops::write_all_at(&file, &buf[..n], start + at) {
                 return SlotOutcome::Failed {
                     error: Error::io_at("write", path, start + at, e),
                 };
@@ -280,12 +280,12 @@ fn rebuild_and_commit(
             at += n as u64;
         }
     }
-    if let Err(e) = file.set_len(v.file_len) {
+    if let Err(e) = crate::fsops::set_len(&file, v.file_len) {
         return SlotOutcome::Failed {
             error: Error::io("ftruncate", path, e),
         };
     }
-    if let Err(e) = file.sync_data() {
+    if let Err(e) = crate::fsops::fdatasync_file(&file) {
         return SlotOutcome::Failed {
             error: Error::io("fdatasync", path, e),
         };
@@ -405,6 +405,7 @@ fn describe(
         file: v.file_name.clone(),
         bytes: v.file_len,
         data_start: v.data_start,
+        header_crc32c: Some(crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr)),
         tensors,
     };
     // The manifest built from this entry must pass the reader's own checks.

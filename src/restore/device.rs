@@ -165,7 +165,7 @@ impl DeviceRing {
         if device.is_empty() && host.is_empty() {
             return load_split_host(dir, rank, opts);
         }
-        let manifest = Manifest::read(dir)?;
+        let manifest = opts.read_manifest(dir)?;
         let entry = super::rank_entry(&manifest, dir, rank)?.clone();
         let path = dir.join(&entry.file);
         let mut by_name: BTreeMap<&str, Target<'_, '_>> = BTreeMap::new();
@@ -257,7 +257,7 @@ pub(crate) enum Buf<'b> {
 /// one allocation (as [`super::load_owned`]), every CRC-32C verified; the manifest is read
 /// once.
 pub fn load_split_host(dir: &Path, rank: u32, opts: &ReadOptions) -> Result<SplitLoad> {
-    let manifest = Manifest::read(dir)?;
+    let manifest = opts.read_manifest(dir)?;
     let entry = super::rank_entry(&manifest, dir, rank)?.clone();
     let (data, stats) = reader::read_to_slab(&dir.join(&entry.file), &entry, opts, None)?;
     Ok(SplitLoad {

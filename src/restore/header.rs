@@ -46,9 +46,41 @@ pub(crate) fn open_checked(
 
 /// Read and check the safetensors header of `path` against `entry`.
 pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Result<()> {
+    read_checked_header(file, path, entry).map(|_| ())
+}
+
+/// The `__metadata__` of this rank file's header, after every check of [`check_header`]
+/// (its CRC-32C against the manifest's included): what the Python package reads its state
+/// skeleton from. The file is opened without following a link.
+pub fn read_file_metadata(path: &Path, entry: &FileEntry) -> Result<crate::manifest::Metadata> {
+    let file = crate::fsx::open_path(path, false)?;
+    let meta = read_checked_header(&file, path, entry)?;
+    Ok(meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect())
+}
+
+fn read_checked_header(
+    file: &std::fs::File,
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<safetensors::tensor::Metadata> {
     let mut n8 = [0u8; 8];
     file.read_exact_at(&mut n8, 0)
         .map_err(|e| Error::io_at("read", path, 0, e))?;
+    let n = header_len(n8, path, entry)?;
+    let mut hdr = vec![0u8; n as usize];
+    file.read_exact_at(&mut hdr, 8)
+        .map_err(|e| Error::io_at("read", path, 8, e))?;
+    check_header_json(&hdr, path, entry)
+}
+
+/// The header length that the file's first 8 bytes give, checked against the format's
+/// limit and `entry`'s data start.
+pub(crate) fn header_len(n8: [u8; 8], path: &Path, entry: &FileEntry) -> Result<u64> {
     let n = u64::from_le_bytes(n8);
     if n > MAX_HEADER_LEN {
         return Err(Error::corrupt(
@@ -68,10 +100,17 @@ pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Res
             ),
         ));
     }
-    let mut hdr = vec![0u8; n as usize];
-    file.read_exact_at(&mut hdr, 8)
-        .map_err(|e| Error::io_at("read", path, 8, e))?;
-    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&hdr)
+    Ok(n)
+}
+
+/// Check a safetensors header's JSON (the bytes after the length) against `entry`;
+/// returns the parsed header.
+pub(crate) fn check_header_json(
+    hdr: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<safetensors::tensor::Metadata> {
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(hdr)
         .map_err(|e| Error::corrupt(path, None, format!("invalid safetensors header: {e}")))?;
     let data_len = entry.bytes - entry.data_start;
     if meta.data_len() as u64 != data_len {
@@ -113,5 +152,18 @@ pub fn check_header(file: &std::fs::File, path: &Path, entry: &FileEntry) -> Res
             ));
         }
     }
-    Ok(())
+    // Last, so that a header that disagrees with the manifest's tensors is reported as
+    // such (naming the tensor); what is left for the CRC is the rest: `__metadata__`, the
+    // JSON's spelling, the padding.
+    if let Some(want) = entry.header_crc32c {
+        let have = crc32c::crc32c_append(crc32c::crc32c(&(hdr.len() as u64).to_le_bytes()), hdr);
+        if have != want {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("header CRC-32C {have:08x}, the manifest says {want:08x} (damaged header)"),
+            ));
+        }
+    }
+    Ok(meta)
 }

@@ -16,12 +16,12 @@ use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
 mod device;
-mod header;
+pub(crate) mod header;
 mod reader;
 pub(crate) mod sink;
 
 pub use device::{DeviceRing, SplitLoad, load_split_host};
-pub use header::check_header;
+pub use header::{check_header, read_file_metadata};
 pub(crate) use reader::for_pieces;
 pub use reader::read_file;
 use sink::HostSink;
@@ -37,6 +37,21 @@ pub struct ReadOptions {
     pub direct_io: bool,
     /// Staging arena to borrow buffers from; `None` allocates private buffers.
     pub arena: Option<Arc<Arena>>,
+    /// Read a checkpoint directory whatever its name ([`Manifest::read_any_name`]): a
+    /// directory its user named, like a DCP checkpoint's. `false` (the default): a
+    /// directory named `step-N` must hold a manifest of step N ([`Manifest::read`]).
+    pub any_dir_name: bool,
+}
+
+impl ReadOptions {
+    /// The manifest of `dir`, read as [`ReadOptions::any_dir_name`] says.
+    pub fn read_manifest(&self, dir: &Path) -> Result<Manifest> {
+        if self.any_dir_name {
+            Manifest::read_any_name(dir)
+        } else {
+            Manifest::read(dir)
+        }
+    }
 }
 
 impl Default for ReadOptions {
@@ -46,6 +61,7 @@ impl Default for ReadOptions {
             queue_depth: 4,
             direct_io: true,
             arena: None,
+            any_dir_name: false,
         }
     }
 }

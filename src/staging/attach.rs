@@ -5,8 +5,9 @@
 //! is a regular file of the caller's uid (unless the caller explicitly allows foreign
 //! arenas), never mapped: the descriptor is read with `pread` and parsed by
 //! [`super::layout`] with checked arithmetic against the segment's real (`fstat`) size, and
-//! a sparse segment (fewer bytes allocated than its geometry claims, which no engine ever
-//! creates) is refused before its slot tables are read. Reads past the end, a `SIGBUS` on a
+//! a sparse descriptor (fewer bytes allocated than its geometry claims, which no engine
+//! ever creates: an arena's data pages are allocated in the background, its descriptor's
+//! before it is written) is refused before its slot tables are read. Reads past the end, a `SIGBUS` on a
 //! full tmpfs, or an allocation sized by a hostile count cannot happen.
 #![forbid(unsafe_code)]
 
@@ -103,8 +104,9 @@ impl AttachedArena {
             .map_err(|e| Error::io_at("read", &path, 0, e))?;
         let h: ParsedHeader = layout::parse_header(&page, len).map_err(refuse)?;
         let geo = h.geometry;
-        // An engine reserves every page of its arena (fallocate); a hole could be backed
-        // by nothing on a full tmpfs. Sizes are rounded to pages by the kernel.
+        // An engine allocates its descriptor's pages before writing it (its data pages may
+        // still be allocating, in the background); a hole there could be backed by nothing
+        // on a full tmpfs. Sizes are rounded to pages by the kernel.
         if allocated < geo.data_offset {
             return Err(refuse(format!(
                 "sparse segment: {allocated} of the {} descriptor bytes are allocated",

@@ -15,8 +15,7 @@
 #![forbid(unsafe_code)]
 
 use std::mem::offset_of;
-
-use super::descriptor::{ArenaHeader, MAGIC, SlotHeader, VERSION};
+use std::sync::atomic::AtomicU32;
 
 /// Size of the header page and of each slot header.
 pub const PAGE: usize = 4096;
@@ -32,6 +31,71 @@ pub const MAX_SLOTS: u32 = 4096;
 pub const MAX_CHUNKS: u64 = (1 << 30) - 1;
 
 const PAGE_U64: u64 = PAGE as u64;
+
+/// Magic at the start of every arena.
+pub const MAGIC: [u8; 8] = *b"SHMCKPT1";
+/// Layout version of the descriptor.
+pub const VERSION: u32 = 1;
+
+/// Header page of an arena.
+#[repr(C)]
+pub struct ArenaHeader {
+    /// [`MAGIC`].
+    pub magic: [u8; 8],
+    /// [`VERSION`].
+    pub version: u32,
+    /// Number of slots.
+    pub n_slots: u32,
+    /// Offset of the first data chunk.
+    pub data_offset: u64,
+    /// Bytes per chunk.
+    pub chunk_size: u64,
+    /// Number of data chunks.
+    pub n_chunks: u64,
+    /// Bytes of one slot (header page + chunk map, page rounded).
+    pub slot_bytes: u64,
+    /// Process that created the arena.
+    pub owner_pid: AtomicU32,
+    /// Rank of the engine.
+    pub rank: u32,
+    /// World size of the engine.
+    pub world_size: u32,
+    /// Length of the root: inline in `root` when at most [`MAX_ROOT_INLINE`] bytes, else in the
+    /// root region after this page (see the module's documentation).
+    pub root_len: u32,
+    /// Creation time, ms since the epoch.
+    pub created_unix_ms: u64,
+    /// Set to 1 on clean shutdown (before unlink), so a leftover is known not to be a crash.
+    pub closed: AtomicU32,
+    _pad: u32,
+    /// Checkpoint root (UTF-8 or raw bytes of the OS path).
+    pub root: [u8; MAX_ROOT_INLINE],
+}
+
+/// Header of one slot; followed by its chunk map (`u32` per file chunk).
+#[repr(C)]
+pub struct SlotHeader {
+    /// [`slot_state`](super::descriptor::slot_state).
+    pub state: AtomicU32,
+    /// Number of file chunks (chunk-map entries in use).
+    pub n_file_chunks: u32,
+    /// Step of the save.
+    pub step: u64,
+    /// Exact file length.
+    pub file_len: u64,
+    /// Offset of the data section in the file.
+    pub data_start: u64,
+    /// Incremented for every save using the slot.
+    pub generation: u64,
+    /// Length of `partial_dir`.
+    pub partial_len: u32,
+    /// Length of `file_name`.
+    pub file_name_len: u32,
+    /// Name of the partial directory (relative to the root).
+    pub partial_dir: [u8; MAX_NAME],
+    /// File name inside the partial directory.
+    pub file_name: [u8; MAX_NAME],
+}
 
 /// Geometry of an arena: where everything is. Only [`Geometry::new`] makes one, so every
 /// value is consistent and `total_len` did not overflow.

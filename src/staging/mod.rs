@@ -114,6 +114,68 @@ pub struct Arena {
     waited_ns: AtomicU64,
     unlinked: std::sync::atomic::AtomicBool,
     keep: Mutex<Keep>,
+    /// Pages of the data region allocated so far ([`Arena::create_prefaulting`]); done at
+    /// once for the other constructors.
+    fill: Mutex<Fill>,
+    filled: Condvar,
+    /// Set to stop a background prefault (close).
+    stop_fill: std::sync::atomic::AtomicBool,
+}
+
+/// Progress of an arena's prefault: its chunks enter the free pool batch by batch, as
+/// their pages are allocated, so a save takes only chunks that are backed.
+#[derive(Debug, Default)]
+struct Fill {
+    /// Batches whose chunks are in the pool.
+    batches_done: u64,
+    /// Batches in the data region.
+    batches: u64,
+    /// No prefault thread runs any more.
+    finished: bool,
+    /// The errno of a failed allocation (the rest of the arena stays out of the pool).
+    errno: Option<i32>,
+}
+
+/// Bytes whose pages one prefault step allocates before its chunks enter the pool.
+const PREFAULT_BATCH: u64 = 64 << 20;
+
+/// Threads that allocate a new arena's pages in the background: half the cores, 1 to 8
+/// (page allocation in tmpfs scales with threads; the trainer keeps the other half).
+pub fn prefault_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get() / 2)
+        .unwrap_or(1)
+        .clamp(1, 8)
+}
+
+/// The threads prefaulting an arena in the background. Dropping it (or
+/// [`Prefault::stop`]) stops them after their current batch and joins them: the chunks
+/// not yet allocated then stay out of the pool.
+#[derive(Debug, Default)]
+pub struct Prefault {
+    arena: Option<Arc<Arena>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Prefault {
+    /// Stop the threads and join them.
+    pub fn stop(&mut self) {
+        if let Some(a) = &self.arena {
+            a.stop_fill.store(true, Ordering::Release);
+        }
+        for h in self.threads.drain(..) {
+            if h.join().is_err() {
+                tracing::error!("a prefault thread panicked");
+            }
+        }
+        self.arena = None;
+    }
+}
+
+impl Drop for Prefault {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 impl Arena {
@@ -126,15 +188,212 @@ impl Arena {
             None => Segment::anonymous(len)?,
         };
         let map = Mapped::init(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
-        Ok(Arena::from_mapped(map, geo, spec))
+        Ok(Arena::from_mapped(map, geo, spec, true))
+    }
+
+    /// Create a named arena whose pages are allocated in the background: the segment is
+    /// sized without allocating, the descriptor's pages and the first batch of chunks
+    /// (64 MiB) are allocated here, and `threads` threads allocate the rest
+    /// (`MADV_POPULATE_WRITE`, in order), each batch's chunks entering the free pool once
+    /// backed. So construction costs milliseconds, not seconds for many GiB, and a save
+    /// started meanwhile waits only for the chunks it takes ([`Arena::acquire`]).
+    /// `/dev/shm` must have the whole size free at the call (`ShmTooSmall` otherwise); if
+    /// it fills up meanwhile, the rest of the arena stays out of the pool and
+    /// [`Arena::fill_error`] reports it. `pause` delays every background batch (tests: a
+    /// slow prefault). Anonymous arenas, and kernels without `MADV_POPULATE_WRITE`, are
+    /// created as [`Arena::create`] does, all at once.
+    pub fn create_prefaulting(
+        spec: &ArenaSpec,
+        threads: usize,
+        pause: Duration,
+    ) -> Result<(Arc<Arena>, Prefault)> {
+        let Some(name) = spec.name.as_deref() else {
+            return Ok((Arena::create(spec)?, Prefault::default()));
+        };
+        let geo = Arena::geometry(spec)?;
+        let len = geo.total_len as usize;
+        let seg = Segment::create_sparse(name, len)?;
+        if let Err(e) = seg.populate(0, geo.data_offset as usize) {
+            let _ = seg.unlink();
+            drop(seg);
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                tracing::debug!("no MADV_POPULATE_WRITE: the arena is allocated at once");
+                return Ok((Arena::create(spec)?, Prefault::default()));
+            }
+            return Err(fill_error(
+                name,
+                geo.total_len,
+                e.raw_os_error().unwrap_or(0),
+            ));
+        }
+        let map = match Mapped::init(seg, geo, spec.rank, spec.world_size, root_bytes(spec)) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = rustix::shm::unlink(format!("/{name}").as_str());
+                return Err(e);
+            }
+        };
+        let arena = Arena::from_mapped(map, geo, spec, false);
+        let per = (PREFAULT_BATCH / geo.chunk_size).max(1);
+        let batches = geo.n_chunks.div_ceil(per);
+        crate::util::lock(&arena.fill).batches = batches;
+        if let Err(e) = arena.fill_batch(0, per) {
+            let errno = e.raw_os_error().unwrap_or(0);
+            arena.close();
+            return Err(fill_error(name, geo.total_len, errno));
+        }
+        if batches == 1 {
+            arena.fill_ended();
+            return Ok((arena, Prefault::default()));
+        }
+        let next = Arc::new(AtomicU64::new(1));
+        let threads = threads.clamp(1, usize::try_from(batches - 1).unwrap_or(usize::MAX));
+        let live = Arc::new(std::sync::atomic::AtomicUsize::new(threads));
+        let mut handles = Vec::with_capacity(threads);
+        for i in 0..threads {
+            let (a, next, live) = (Arc::clone(&arena), Arc::clone(&next), Arc::clone(&live));
+            let spawned = std::thread::Builder::new()
+                .name(format!("shmckpt-prefault-{i}"))
+                .spawn(move || {
+                    a.fill_loop(&next, batches, per, pause);
+                    if live.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        a.fill_ended();
+                    }
+                });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // The threads started so far stop; the arena is not used.
+                    arena.stop_fill.store(true, Ordering::Release);
+                    drop(Prefault {
+                        arena: Some(Arc::clone(&arena)),
+                        threads: handles,
+                    });
+                    arena.close();
+                    return Err(Error::Config(format!(
+                        "cannot spawn a prefault thread: {e}"
+                    )));
+                }
+            }
+        }
+        let pf = Prefault {
+            arena: Some(Arc::clone(&arena)),
+            threads: handles,
+        };
+        Ok((arena, pf))
+    }
+
+    /// One prefault thread: take the next batch, allocate it, put its chunks in the pool.
+    fn fill_loop(&self, next: &AtomicU64, batches: u64, per: u64, pause: Duration) {
+        loop {
+            if self.stop_fill.load(Ordering::Acquire) {
+                return;
+            }
+            let b = next.fetch_add(1, Ordering::Relaxed);
+            if b >= batches {
+                return;
+            }
+            // Tests: a slow prefault (in slices, so a stop is seen at once).
+            let until = Instant::now() + pause;
+            while Instant::now() < until {
+                if self.stop_fill.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5).min(pause));
+            }
+            if let Err(e) = self.fill_batch(b, per) {
+                let errno = e.raw_os_error().unwrap_or(0);
+                tracing::error!(error = %e, "allocating the staging arena failed: the rest of it stays unused");
+                crate::util::lock(&self.fill).errno.get_or_insert(errno);
+                self.stop_fill.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// Allocate the pages of chunk batch `b` (`per` chunks) and put its chunks in the pool.
+    fn fill_batch(&self, b: u64, per: u64) -> std::io::Result<()> {
+        let first = b * per;
+        let end = (first + per).min(self.geo.n_chunks);
+        let cs = self.geo.chunk_size;
+        let offset = self.geo.data_offset + first * cs;
+        self.map
+            .segment()
+            .populate(offset as usize, ((end - first) * cs) as usize)?;
+        // Pooled and counted under the fill lock: whoever took one of these chunks and then
+        // asks `is_filled` sees the batch counted, and `wait_filled` returns only once every
+        // chunk is in the pool (or in use).
+        let mut fill = crate::util::lock(&self.fill);
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        // Lowest index last: `pop` takes from the back.
+        free.extend((first as u32..end as u32).rev());
+        drop(free);
+        fill.batches_done += 1;
+        drop(fill);
+        self.freed.notify_all();
+        self.filled.notify_all();
+        Ok(())
+    }
+
+    fn fill_ended(&self) {
+        crate::util::lock(&self.fill).finished = true;
+        self.filled.notify_all();
+    }
+
+    /// Whether every chunk is allocated and in use or in the pool.
+    pub fn is_filled(&self) -> bool {
+        let f = crate::util::lock(&self.fill);
+        f.batches_done == f.batches
+    }
+
+    /// Whether the background prefault has ended (all allocated, failed or stopped).
+    pub fn fill_finished(&self) -> bool {
+        let f = crate::util::lock(&self.fill);
+        f.finished || f.batches_done == f.batches
+    }
+
+    /// Wait until every chunk is allocated. Fails when the prefault failed (`/dev/shm`
+    /// filled up: `ShmTooSmall`) or was stopped (`Shutdown`).
+    pub fn wait_filled(&self) -> Result<()> {
+        let mut f = crate::util::lock(&self.fill);
+        while !(f.finished || f.batches_done == f.batches) {
+            f = self.filled.wait(f).unwrap_or_else(|p| p.into_inner());
+        }
+        if f.batches_done == f.batches {
+            return Ok(());
+        }
+        match f.errno {
+            Some(errno) => Err(fill_error(
+                self.name().unwrap_or("(anonymous)"),
+                self.geo.total_len,
+                errno,
+            )),
+            None => Err(Error::Shutdown(
+                "the staging arena was closed before it was allocated".into(),
+            )),
+        }
+    }
+
+    /// The error of a failed prefault, if it failed: saves refuse to start then.
+    pub fn fill_error(&self) -> Option<Error> {
+        let errno = crate::util::lock(&self.fill).errno?;
+        Some(fill_error(
+            self.name().unwrap_or("(anonymous)"),
+            self.geo.total_len,
+            errno,
+        ))
     }
 
     /// Take over the kept arena `file` (opened read-write, this user's, named
     /// `spec.name`) as this engine's arena, when its geometry `kept` is exactly the one
     /// `spec` asks for (so its data region, which holds the kept image, stays where it is):
     /// no new segment, no copy. Its descriptor is initialised anew; the chunks keep their
-    /// bytes. Fails (the file dropped, the segment untouched) when the geometry differs or
-    /// the segment is not a whole, allocated arena of that size.
+    /// bytes. Fails (the file dropped, the segment untouched) when the geometry differs,
+    /// the segment is not a whole, allocated arena of that size, or this process maps it
+    /// already (a live arena of this process: two arenas over one mapping would hand out
+    /// two `&mut` of one chunk). No other process may write the segment meanwhile: the
+    /// engine, its only caller, holds the root and rank lock that every engine of a kept
+    /// arena's name holds.
     pub fn take_over(spec: &ArenaSpec, kept: Geometry, file: std::fs::File) -> Result<Arc<Arena>> {
         let geo = Arena::geometry(spec)?;
         if geo != kept {
@@ -148,7 +407,7 @@ impl Arena {
             .ok_or_else(|| Error::Config("only a named arena can be taken over".into()))?;
         let seg = Segment::map_existing(name, file, geo.total_len as usize)?;
         let map = Mapped::take_over(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
-        Ok(Arena::from_mapped(map, geo, spec))
+        Ok(Arena::from_mapped(map, geo, spec, true))
     }
 
     /// The layout `spec` asks for, checked.
@@ -194,7 +453,9 @@ impl Arena {
         })
     }
 
-    fn from_mapped(map: Mapped, geo: Geometry, spec: &ArenaSpec) -> Arc<Arena> {
+    /// The arena over `map`; with `filled`, every chunk is backed and in the pool,
+    /// otherwise the pool starts empty ([`Arena::fill_batch`] fills it).
+    fn from_mapped(map: Mapped, geo: Geometry, spec: &ArenaSpec, filled: bool) -> Arc<Arena> {
         if let Some(n) = &spec.name {
             OPEN_HERE
                 .lock()
@@ -205,7 +466,11 @@ impl Arena {
         Arc::new(Arena {
             map,
             geo,
-            free: Mutex::new((0..n_chunks as u32).rev().collect()),
+            free: Mutex::new(if filled {
+                (0..n_chunks as u32).rev().collect()
+            } else {
+                std::collections::VecDeque::new()
+            }),
             fifo: std::sync::atomic::AtomicBool::new(false),
             freed: Condvar::new(),
             slots: Mutex::new((0..geo.n_slots).rev().collect()),
@@ -213,6 +478,14 @@ impl Arena {
             waited_ns: AtomicU64::new(0),
             unlinked: std::sync::atomic::AtomicBool::new(false),
             keep: Mutex::new(Keep::default()),
+            fill: Mutex::new(Fill {
+                batches_done: u64::from(filled),
+                batches: 1,
+                finished: filled,
+                errno: None,
+            }),
+            filled: Condvar::new(),
+            stop_fill: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -471,6 +744,25 @@ impl Drop for Arena {
     }
 }
 
+/// The error of an allocation of arena pages that failed with `errno`: a full tmpfs
+/// (`EFAULT`, `ENOMEM`, `ENOSPC`) is `ShmTooSmall`.
+fn fill_error(name: &str, requested: u64, errno: i32) -> Error {
+    if matches!(errno, libc::EFAULT | libc::ENOMEM | libc::ENOSPC) {
+        Error::ShmTooSmall {
+            name: name.to_owned(),
+            requested,
+            available: shm::shm_available(),
+            mount: shm::SHM_MOUNT.to_owned(),
+        }
+    } else {
+        Error::Shm {
+            name: name.to_owned(),
+            op: "madvise(MADV_POPULATE_WRITE)",
+            source: std::io::Error::from_raw_os_error(errno),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,6 +796,117 @@ mod tests {
         assert!(got < 4);
         assert_eq!(a.free_chunks(), 4);
         assert!(a.waited() > Duration::ZERO);
+    }
+
+    fn shm_exists(name: &str) -> bool {
+        std::path::Path::new(shm::SHM_MOUNT).join(name).exists()
+    }
+
+    #[test]
+    fn a_prefaulting_arena_hands_out_chunks_as_they_are_allocated() {
+        let name = format!("{NAME_PREFIX}unit-prefault.{}", std::process::id());
+        // 1 MiB chunks: 64 per batch, 4 batches; each background batch waits 100 ms.
+        let mut sp = spec(Some(name.clone()), 256 << 20);
+        sp.chunk_size = 1 << 20;
+        let (a, mut pf) = Arena::create_prefaulting(&sp, 2, Duration::from_millis(100)).unwrap();
+        assert_eq!(a.chunk_count(), 256);
+        // The first batch is allocated by the constructor, the rest not yet.
+        assert!(!a.is_filled());
+        assert!(!a.fill_finished());
+        assert_eq!(a.free_chunks(), 64);
+        // A save takes what it needs and waits for the rest: all 256 chunks, distinct,
+        // writable; the last ones only once the background threads allocated them.
+        let mut leases: Vec<ChunkLease> = (0..256).map(|_| a.acquire().0).collect();
+        assert!(a.is_filled());
+        for (i, l) in leases.iter_mut().enumerate() {
+            l.as_mut_slice().fill(i as u8);
+        }
+        let mut idx: Vec<u32> = leases.iter().map(|l| l.index()).collect();
+        idx.sort_unstable();
+        assert_eq!(idx, (0..256).collect::<Vec<u32>>());
+        for (i, l) in leases.iter().enumerate() {
+            assert!(l.as_slice().iter().all(|&b| b == i as u8));
+        }
+        a.wait_filled().unwrap();
+        assert!(a.fill_error().is_none());
+        drop(leases);
+        assert_eq!(a.free_chunks(), 256);
+        // Every page is allocated: the segment has no hole left.
+        let (_, size, blocks) = shm::open_existing(&name, false, false).unwrap();
+        assert!(blocks >= size, "{blocks} bytes allocated of {size}");
+        pf.stop();
+        a.close();
+        assert!(!shm_exists(&name));
+    }
+
+    #[test]
+    fn stopping_a_prefault_ends_its_threads_and_leaves_the_rest_unused() {
+        let name = format!("{NAME_PREFIX}unit-prefault-stop.{}", std::process::id());
+        let mut sp = spec(Some(name.clone()), 64 << 20);
+        sp.chunk_size = 1 << 20;
+        // 1 MiB chunks, 64 per batch: one batch only, nothing in the background.
+        let (a, _pf) = Arena::create_prefaulting(&sp, 2, Duration::from_secs(3600)).unwrap();
+        assert!(a.is_filled());
+        a.close();
+        drop(a);
+        assert!(!shm_exists(&name));
+
+        // 16 batches, each background one paused 200 ms: stopped at once, the threads end
+        // after the batch they are in, long before the 3 s the rest would take.
+        let mut sp = spec(Some(name.clone()), 1 << 30);
+        sp.chunk_size = 1 << 20;
+        let (a, mut pf) = Arena::create_prefaulting(&sp, 2, Duration::from_millis(200)).unwrap();
+        assert_eq!(a.free_chunks(), 64);
+        let waiter = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || a.wait_filled())
+        };
+        pf.stop();
+        // Stopped: the waiter is told (no hang), the chunks allocated stay usable, the
+        // others never enter the pool.
+        let r = waiter.join().unwrap();
+        assert!(matches!(r, Err(Error::Shutdown(_))), "{r:?}");
+        assert!(a.fill_finished());
+        assert!(!a.is_filled());
+        assert!(a.fill_error().is_none());
+        let n = a.free_chunks();
+        assert!((64..1024).contains(&n), "{n} chunks in the pool");
+        // Only the prefault threads' references are gone: ours is the last one.
+        assert_eq!(Arc::strong_count(&a), 1);
+        a.close();
+        assert!(!shm_exists(&name));
+    }
+
+    /// Regression: taking over a segment that a live arena of this process maps gave two
+    /// arenas over one mapping (two `&mut` of chunk 0). Refused now; allowed once the
+    /// first arena is gone.
+    #[test]
+    fn a_segment_mapped_here_cannot_be_taken_over_twice() {
+        let name = format!("{NAME_PREFIX}unit-twice.{}", std::process::id());
+        let sp = spec(Some(name.clone()), 2 * 65536);
+        let geo = Arena::geometry(&sp).unwrap();
+        let first = Arena::create(&sp).unwrap();
+        first.enable_keep(); // closing leaves the segment in /dev/shm
+        let (file, _, _) = shm::open_existing(&name, true, false).unwrap();
+        let err = Arena::take_over(&sp, geo, file).unwrap_err();
+        assert!(
+            matches!(&err, Error::Shm { op: "map", source, .. }
+                if source.kind() == std::io::ErrorKind::AlreadyExists),
+            "{err}"
+        );
+        {
+            let mut l = first.take_chunk(0).unwrap();
+            l.as_mut_slice()[..4].copy_from_slice(b"kept");
+        }
+        drop(first);
+        let (file, _, _) = shm::open_existing(&name, true, false).unwrap();
+        let second = Arena::take_over(&sp, geo, file).unwrap();
+        assert_eq!(second.name(), Some(name.as_str()));
+        let mut l = second.take_chunk(0).unwrap();
+        assert_eq!(&l.as_mut_slice()[..4], b"kept");
+        drop(l);
+        second.close(); // not kept: unlinks the name
+        assert!(shm::open_existing(&name, false, false).is_err());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! POSIX shared-memory segments: the only place that maps staging memory.
 //!
-//! A segment is created with `shm_open(O_CREAT|O_EXCL)`, sized with `fallocate` (which
-//! reserves every page in tmpfs up front, so a too-small `/dev/shm` is an `ENOSPC` here and
-//! never a `SIGBUS` later), mapped `MAP_SHARED|MAP_POPULATE` (pre-faulted), and unlinked by
-//! its owner on clean shutdown.
+//! A segment is created with `shm_open(O_CREAT|O_EXCL)` and either sized with `fallocate`
+//! (which reserves every page in tmpfs up front, so a too-small `/dev/shm` is an `ENOSPC`
+//! here and never a `SIGBUS` later) and mapped `MAP_SHARED|MAP_POPULATE` (pre-faulted), or
+//! sized with `ftruncate`, mapped without pre-faulting and allocated range by range with
+//! [`Segment::populate`] before anything touches it (the background prefault of
+//! `Arena::create_prefaulting`). Unlinked by its owner on clean shutdown.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
@@ -20,13 +22,27 @@ use crate::error::{Error, Result};
 pub const SHM_MOUNT: &str = "/dev/shm";
 
 /// A mapped shared-memory segment (or an anonymous mapping for private buffers).
+///
+/// A named segment is mapped at most once in a process at a time (see [`MAPPED_HERE`]): the
+/// arena built on it, and the chunk leases it hands out, are then the only Rust handles to
+/// its bytes in this process.
 #[derive(Debug)]
 pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     name: Option<String>,
+    /// `(device, inode)` of a named segment, registered in [`MAPPED_HERE`] while mapped.
+    id: Option<(u64, u64)>,
     _fd: Option<OwnedFd>,
 }
+
+/// `(device, inode)` of every named segment this process maps now, from its mapping until
+/// the `Segment` drops. Mapping one segment twice in one process would give two arenas over
+/// the same bytes, each handing out a unique `&mut` to the same chunk: `map_named` refuses
+/// a segment already here. (The unlinked name of a segment still mapped cannot be reused
+/// for the same inode, so a new segment of the same name is a different key.)
+static MAPPED_HERE: std::sync::Mutex<std::collections::BTreeSet<(u64, u64)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 // SAFETY: a `Segment` is an owned mapping; the raw pointer is not tied to the creating
 // thread. Access to the bytes is coordinated by the arena's chunk leases.
@@ -75,17 +91,135 @@ impl Segment {
         Segment::map_named(name, fd, len).map_err(cleanup)
     }
 
-    /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`.
-    fn map_named(name: &str, fd: OwnedFd, len: usize) -> Result<Segment> {
-        let ptr = map(&fd, len, true).map_err(|e| Error::Shm {
+    /// Create a new named segment of `len` bytes (a multiple of the page size) with no page
+    /// allocated yet: it is sized with `ftruncate` and mapped without pre-faulting. The
+    /// caller allocates pages with [`Segment::populate`] before anything touches them (a
+    /// page touched without it could raise `SIGBUS` on a full tmpfs). Fails with
+    /// `ShmTooSmall` when `/dev/shm` has less than `len` bytes free right now.
+    pub fn create_sparse(name: &str, len: usize) -> Result<Segment> {
+        let available = shm_available();
+        if available < len as u64 {
+            return Err(Error::ShmTooSmall {
+                name: name.to_owned(),
+                requested: len as u64,
+                available,
+                mount: SHM_MOUNT.to_owned(),
+            });
+        }
+        let shm_name = format!("/{name}");
+        let fd = rustix::shm::open(
+            shm_name.as_str(),
+            rustix::shm::OFlags::CREATE | rustix::shm::OFlags::EXCL | rustix::shm::OFlags::RDWR,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| Error::Shm {
             name: name.to_owned(),
-            op: "mmap",
-            source: e,
+            op: "shm_open",
+            source: e.into(),
         })?;
+        let made = rustix::fs::ftruncate(&fd, len as u64)
+            .map_err(|e| Error::Shm {
+                name: name.to_owned(),
+                op: "ftruncate",
+                source: e.into(),
+            })
+            .and_then(|()| {
+                let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
+                    name: name.to_owned(),
+                    op: "fstat",
+                    source: e.into(),
+                })?;
+                // A new inode: never in the set yet; registered so that no second mapping
+                // of it can be made in this process while this one lives.
+                let id = (st.st_dev, st.st_ino);
+                mapped_here().insert(id);
+                let ptr = map(&fd, len, false).map_err(|e| {
+                    mapped_here().remove(&id);
+                    Error::Shm {
+                        name: name.to_owned(),
+                        op: "mmap",
+                        source: e,
+                    }
+                })?;
+                Ok(Segment {
+                    ptr,
+                    len,
+                    name: Some(name.to_owned()),
+                    id: Some(id),
+                    _fd: Some(fd),
+                })
+            });
+        if made.is_err() {
+            let _ = rustix::shm::unlink(shm_name.as_str());
+        }
+        made
+    }
+
+    /// Allocate and map every page of bytes `offset .. offset + len` of the mapping
+    /// (`MADV_POPULATE_WRITE`, which never changes their contents). A full tmpfs is an
+    /// error here (`EFAULT` or `ENOMEM`), never a `SIGBUS`. `EINVAL` means the kernel has
+    /// no `MADV_POPULATE_WRITE` (before Linux 5.14).
+    pub fn populate(&self, offset: usize, len: usize) -> io::Result<()> {
+        let in_range = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.len && offset.is_multiple_of(4096));
+        if !in_range {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "populate {offset}+{len} outside the mapping of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `offset..offset+len` lies inside this mapping (checked above) and
+        // `offset` is page aligned (the mapping's base is); MADV_POPULATE_WRITE only faults
+        // pages in for writing, without changing their contents, so no Rust reference to
+        // these bytes is affected.
+        unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().add(offset).cast::<c_void>(),
+                len,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        }
+        .map_err(Into::into)
+    }
+
+    /// Map the named segment open as `fd` (`len` bytes, pre-faulted) as a `Segment`,
+    /// unless this process maps it already ([`MAPPED_HERE`]).
+    fn map_named(name: &str, fd: OwnedFd, len: usize) -> Result<Segment> {
+        let shm_err = |op: &'static str, source: io::Error| Error::Shm {
+            name: name.to_owned(),
+            op,
+            source,
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| shm_err("fstat", e.into()))?;
+        let id = (st.st_dev, st.st_ino);
+        if !mapped_here().insert(id) {
+            return Err(shm_err(
+                "map",
+                io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "this process maps the segment already (an engine of this process uses it)",
+                ),
+            ));
+        }
+        let ptr = match map(&fd, len, true) {
+            Ok(p) => p,
+            Err(e) => {
+                mapped_here().remove(&id);
+                return Err(shm_err("mmap", e));
+            }
+        };
         Ok(Segment {
             ptr,
             len,
             name: Some(name.to_owned()),
+            id: Some(id),
             _fd: Some(fd),
         })
     }
@@ -93,7 +227,8 @@ impl Segment {
     /// Map the existing segment `name` (opened read-write as `file`, a regular file of this
     /// user, checked by the caller) to take it over as an arena: only when it is exactly
     /// `len` bytes and every page is allocated (no hole that a full tmpfs could leave
-    /// unbacked), then pre-faulted like a new one.
+    /// unbacked), then pre-faulted like a new one. Fails when this process maps the
+    /// segment already (a live arena of this process: a second mapping would alias it).
     pub fn map_existing(name: &str, file: std::fs::File, len: usize) -> Result<Segment> {
         let fd: OwnedFd = file.into();
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::Shm {
@@ -139,6 +274,7 @@ impl Segment {
             ptr: NonNull::new(raw.cast()).expect("mmap never returns null on success"),
             len,
             name: None,
+            id: None,
             _fd: None,
         })
     }
@@ -175,7 +311,14 @@ impl Drop for Segment {
         unsafe {
             let _ = rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len);
         }
+        if let Some(id) = self.id {
+            mapped_here().remove(&id);
+        }
     }
+}
+
+fn mapped_here() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<(u64, u64)>> {
+    MAPPED_HERE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<NonNull<u8>> {

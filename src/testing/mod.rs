@@ -1,28 +1,40 @@
-//! Support for the bundled CLI, the benchmarks and the integration tests (feature
-//! `testing`, hidden from the documentation): synthetic tensors, the raw-write reference,
-//! and the crate's internals under their own names. Not part of the stable API.
-#![allow(missing_docs)]
+//! Support for the crate's own tests (feature `testing`, hidden from the documentation):
+//! the benchmark support of [`crate::bench`] under its old names, and the few internals
+//! the tests inspect, each named (no glob re-exports: nothing reaches the internals but
+//! these items). Not part of the stable API.
 
-pub mod reference;
-pub mod synthetic;
+pub use crate::bench::{reference, synthetic};
 
-/// The CUDA staging pipeline.
-pub mod device {
-    pub use crate::device::*;
-}
-/// Disk I/O.
-pub mod io {
-    pub use crate::io::*;
-}
-/// File layout.
-pub mod plan {
-    pub use crate::plan::*;
-}
-/// The shared-memory staging arena.
-pub mod staging {
-    pub use crate::staging::*;
-}
 /// Small helpers.
 pub mod util {
-    pub use crate::util::*;
+    pub use crate::bench::{gbps, median};
+}
+
+/// The write backend's operation kinds, the durable-write helpers the crash tests stage
+/// files with and, with `fault-injection`, its fault plans.
+pub mod io {
+    pub use crate::io::OpKind;
+    /// Durable writes (`fdatasync` of the file, `fsync` of its directory).
+    pub mod file {
+        pub use crate::io::file::{fsync_dir, write_durable};
+    }
+    /// Fault injection into the write backend.
+    #[cfg(feature = "fault-injection")]
+    pub mod fault {
+        pub use crate::io::fault::{Fault, FaultPlan, Rule};
+    }
+}
+
+/// The file layout, to build the exact image a save writes.
+pub mod plan {
+    pub use crate::plan::{META_RANK, META_STEP, META_WORLD, Plan, TensorSpec};
+}
+
+/// The shared-memory staging arena, its names and its crash descriptor.
+pub mod staging {
+    pub use crate::staging::{Arena, ArenaSpec, AttachedArena, ChunkLease, NAME_PREFIX, kept_name};
+    /// The crash-recovery descriptor's records and states.
+    pub mod descriptor {
+        pub use crate::staging::descriptor::{SaveRecord, chunk_state, slot_state};
+    }
 }

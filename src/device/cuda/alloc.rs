@@ -124,9 +124,45 @@ impl Drop for DeviceBuffer {
             return;
         }
         let _ = self.ctx.bind();
-        // SAFETY: frees exactly the allocation made in `alloc`; no copy into or out of it
-        // can be pending because every engine call that used it returned.
+        // Work queued on the memory through safe calls may still be pending (a
+        // `Stream::memset_async` of it, a copy of a timing call that failed part way):
+        // wait for all of the context's work before the memory goes back to the driver.
+        let _ = self.ctx.synchronize();
+        // SAFETY: frees exactly the allocation made in `alloc`, once; the context's queued
+        // work has completed (synchronized above; if that failed, the context has a sticky
+        // error and runs nothing more), and no borrow of `self` outlives this drop.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+impl Stream {
+    /// Queue a memset of all of `buf` to `value` (tests use it to model a trainer that keeps
+    /// writing its tensors on its own stream).
+    pub fn memset_async(&self, buf: &mut DeviceBuffer, value: u8) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let ordinal = self.context().ordinal();
+        if buf.context().ordinal() != ordinal {
+            return Err(Error::cuda(
+                "memset_async",
+                format!(
+                    "buffer of device {} on a stream of device {ordinal}",
+                    buf.context().ordinal()
+                ),
+            ));
+        }
+        self.context().bind()?;
+        // SAFETY: the range is `buf`'s allocation on this stream's context (same device,
+        // checked above: one primary context per device), a live allocation (borrowed
+        // here); dropping the buffer later synchronizes its context before `cuMemFree`, so
+        // the memset never runs on freed memory; `self.raw()` is this live stream.
+        check(
+            unsafe {
+                sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw() as sys::CUstream)
+            },
+            "cuMemsetD8Async",
+        )
     }
 }
 
@@ -138,8 +174,46 @@ pub struct PinnedHost {
     ctx: Arc<Context>,
 }
 
-// SAFETY: owned memory; access goes through `&`/`&mut self`.
+// SAFETY: the allocation is owned by the value and not tied to the allocating thread
+// (pinned memory is usable from any thread); every copy into or out of it completes before
+// the call that queued it returns (`SyncOnDrop`), so no access outlives the borrow of
+// `self` that made it. Not `Sync`: `time_htod` reads it through `&self` while the DMA runs.
 unsafe impl Send for PinnedHost {}
+
+/// Synchronizes a stream when dropped: every exit of a call that queued copies into or out
+/// of borrowed memory (an error returned by `?` as much as the normal end) waits for them,
+/// so no copy outlives the borrow.
+struct SyncOnDrop<'a> {
+    stream: Option<&'a Stream>,
+}
+
+impl<'a> SyncOnDrop<'a> {
+    fn new(stream: &'a Stream) -> SyncOnDrop<'a> {
+        SyncOnDrop {
+            stream: Some(stream),
+        }
+    }
+
+    /// Synchronize now and report the error, if any.
+    fn finish(mut self) -> Result<()> {
+        match self.stream.take() {
+            Some(s) => s.synchronize(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SyncOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.stream.take()
+            && let Err(e) = s.synchronize()
+        {
+            // A failed synchronize leaves a sticky context error: the context runs nothing
+            // more, so no copy can still be writing.
+            tracing::error!(error = %e, "could not synchronize a stream after a failed copy");
+        }
+    }
+}
 
 impl PinnedHost {
     /// Allocate `len` pinned bytes.
@@ -184,13 +258,18 @@ impl PinnedHost {
         stream.context().bind()?;
         let t = Instant::now();
         let mut at = 0;
+        // Declared after the borrows of `self` and `srcs` it protects and before the first
+        // copy: every exit from here on (the `?` below too) synchronizes the stream first.
+        let sync = SyncOnDrop::new(stream);
         for b in srcs {
-            // SAFETY: `at + len <= self.len` (checked total); `self` is borrowed mutably
-            // until the stream is synchronized below; `b` is a live allocation.
+            // SAFETY: `at + len <= self.len` (checked total), so the destination is inside
+            // this allocation; `self` is borrowed mutably (nobody else reads or writes it)
+            // and `b` is borrowed (a live allocation) until `sync` synchronizes the stream,
+            // which happens on every exit of this function, the error return included.
             unsafe { stream.copy_dtoh(self.ptr.add(at), b.ptr(), b.len())? };
             at += b.len();
         }
-        stream.synchronize()?;
+        sync.finish()?;
         Ok(t.elapsed())
     }
 
@@ -201,21 +280,26 @@ impl PinnedHost {
         stream.context().bind()?;
         let t = Instant::now();
         let mut at = 0;
+        // Every exit from here on (the `?` below too) synchronizes the stream first.
+        let sync = SyncOnDrop::new(stream);
         for b in dsts.iter_mut() {
-            // SAFETY: `at + len <= self.len` (checked total), initialised memory (zeroed
-            // at allocation) that `&self` keeps alive and unwritten until the stream is
-            // synchronized below; `b` is a live allocation borrowed mutably.
+            // SAFETY: `at + len <= self.len` (checked total): initialised memory (zeroed at
+            // allocation) inside this allocation, which `&self` keeps alive and unwritten
+            // (`PinnedHost` is not `Sync`, writes need `&mut self`); `b` is a live
+            // allocation borrowed mutably. Both borrows last until `sync` synchronizes the
+            // stream, on every exit of this function, the error return included.
             unsafe { stream.copy_htod(b.ptr(), self.ptr.add(at), b.len())? };
             at += b.len();
         }
-        stream.synchronize()?;
+        sync.finish()?;
         Ok(t.elapsed())
     }
 
     /// The bytes (zero until a copy wrote them).
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: an owned allocation of `len` bytes, zeroed in `alloc` (so initialised)
-        // and written since only through `&mut self`.
+        // and written since only by copies queued through `&mut self` (`time_dtoh`), each
+        // complete before that call returned; so nothing writes it while `&self` is lent.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -223,7 +307,8 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
-        // SAFETY: frees the allocation made in `alloc`.
+        // SAFETY: frees the allocation made in `alloc`, once; no copy into or out of it is
+        // pending (each completed before the call that queued it returned).
         let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
     }
 }

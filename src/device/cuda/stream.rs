@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::DeviceBuffer;
 use super::{Context, check};
 use crate::error::Result;
 
@@ -66,21 +65,6 @@ impl Stream {
         check(
             unsafe { sys::cuStreamSynchronize(self.raw) },
             "cuStreamSynchronize",
-        )
-    }
-
-    /// Queue a memset of all of `buf` to `value` (tests use it to model a trainer that keeps
-    /// writing its tensors on its own stream).
-    pub fn memset_async(&self, buf: &mut DeviceBuffer, value: u8) -> Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        self.ctx.bind()?;
-        // SAFETY: the range is `buf`'s allocation on this context; `cuMemFree` (on drop)
-        // waits for pending work on the memory.
-        check(
-            unsafe { sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw) },
-            "cuMemsetD8Async",
         )
     }
 
@@ -193,6 +177,29 @@ impl Event {
             unsafe { sys::cuEventRecord(self.raw, stream as sys::CUstream) },
             "cuEventRecord",
         )
+    }
+
+    /// Make later work on a caller's raw `CUstream` wait for this event (as recorded now).
+    ///
+    /// # Safety
+    /// `stream` must be a live `CUstream` (or 0, the legacy default stream) of this
+    /// event's context.
+    pub unsafe fn hold_raw(&self, stream: u64) -> Result<()> {
+        // SAFETY: the caller guarantees the stream handle; the event is live.
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    /// Make later work on `stream` (of this event's device) wait for this event as
+    /// recorded now. The calling thread's current context is left as it was.
+    pub fn hold(&self, stream: StreamRef<'_>) -> Result<()> {
+        let _restore = super::CtxGuard::save()?;
+        self.ctx.bind()?;
+        // SAFETY: a `StreamRef` is borrowed from a live stream, or made with `from_raw`,
+        // whose contract is that the handle is live while it is used.
+        unsafe { self.hold_raw(stream.raw()) }
     }
 
     /// This event, borrowed, for [`SaveOptions::after_event`](crate::SaveOptions).

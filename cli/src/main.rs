@@ -1,0 +1,85 @@
+//! The `shmckpt` command line: demo, bench, inspect, verify, gc, recover.
+#![deny(unsafe_code)]
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// shmckpt: checkpoints without stalling the trainer.
+#[derive(Debug, Parser)]
+#[command(name = "shmckpt", version, about, long_about = None)]
+struct Cli {
+    /// More logging (-v info, -vv debug). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Save a built-in ~1 GiB model state three times, load the latest back, verify it,
+    /// and print the timings.
+    Demo(cli::demo::DemoArgs),
+    /// Benchmark saves of a synthetic state against a raw O_DIRECT write of the same bytes.
+    Bench(cli::bench::BenchArgs),
+    /// Show the checkpoints of a root, or one checkpoint's manifest.
+    Inspect(cli::tools::InspectArgs),
+    /// Verify a checkpoint: header against manifest, sizes and every CRC-32C.
+    Verify(cli::tools::VerifyArgs),
+    /// Delete all but the newest N committed checkpoints and stale partial directories.
+    Gc(cli::tools::GcArgs),
+    /// Commit what a crashed trainer had fully staged in shared memory, or list the
+    /// staging arenas in /dev/shm (--list, changes nothing).
+    Recover(cli::recover::RecoverArgs),
+    /// List or remove the arenas flash restore keeps in /dev/shm.
+    Shm(cli::shm::ShmArgs),
+    /// The writer process of the CUDA IPC baseline (spawned by the trainer; not for
+    /// direct use).
+    #[command(name = "ipc-writer", hide = true)]
+    IpcWriter(cli::ipc_writer::IpcWriterArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let res = match cli.cmd {
+        Cmd::Demo(a) => cli::demo::run(a),
+        Cmd::Bench(a) => cli::bench::run(a),
+        // A root `s3://bucket/prefix[/step-N]` is a bucket (cli/remote.rs).
+        Cmd::Inspect(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, step)) => cli::remote::inspect(&url, step, &a),
+            None => cli::tools::inspect(a),
+        },
+        Cmd::Verify(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, step)) => cli::remote::verify(&url, step, &a),
+            None => cli::tools::verify(a),
+        },
+        Cmd::Gc(a) => match cli::remote::remote_root(&a.dir) {
+            Some((url, _)) => cli::remote::gc(&url, &a),
+            None => cli::tools::gc(a),
+        },
+        Cmd::Recover(a) => cli::recover::run(a),
+        Cmd::Shm(a) => cli::shm::run(a),
+        Cmd::IpcWriter(a) => cli::ipc_writer::run(a),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,256 @@
+"""PyTorch Lightning: ``ShmckptCheckpointIO``, a ``CheckpointIO`` plugin that saves
+Lightning's checkpoints through shmckpt.
+
+    trainer = lightning.Trainer(plugins=[ShmckptCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model, ckpt_path="last")
+
+Each checkpoint Lightning asks for at ``DIR/NAME.ckpt`` is saved as a shmckpt checkpoint
+``DIR/step-N/`` (committed atomically by the engine, one safetensors file and
+``manifest.json``), and ``DIR/NAME.ckpt`` becomes a symbolic link to ``step-N`` once that
+checkpoint is committed. Lightning's ``ModelCheckpoint`` keeps deciding which paths exist
+(top-k, ``last``) and removes them through :meth:`ShmckptCheckpointIO.remove_checkpoint`,
+which removes the link and the step. See ``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "shmckpt.lightning needs PyTorch Lightning: pip install lightning"
+    ) from e
+
+import numpy as np
+
+from . import _shmckpt, _state
+from .checkpointer import Checkpointer, _finish_tensor, _torch_dtype_for
+from .errors import CorruptError, NotFound, UnsafePath
+
+__all__ = ["ShmckptCheckpointIO"]
+
+#: Metadata key recording the Lightning file name a shmckpt step was saved for.
+PATH_KEY = "lightning.path"
+
+
+def _split(path: Any) -> Tuple[str, str]:
+    """(directory, name) of a Lightning checkpoint path, absolute."""
+    return os.path.split(os.path.abspath(os.fspath(path)))
+
+
+def _load_step(d: str, step: int) -> Any:
+    """The nested state of committed checkpoint ``d/step-N`` (rank 0 of 1), read without an
+    engine (so without the root's rank lock: every process of a DDP job can load at once),
+    header checked against the manifest and every CRC-32C verified. Tensors are CPU
+    tensors backed by the buffers read (no copy)."""
+    sdir = os.path.join(d, f"step-{step}")
+    if os.path.islink(sdir) or not os.path.isdir(sdir):
+        raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)")
+    file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0)
+    header = _shmckpt.rank_file_metadata(sdir, 0)
+    objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
+    text = header.get(_state.STATE_KEY)
+    import torch
+
+    def tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
+        if name not in objs:
+            raise ValueError(f"tensor {name!r} is not in the file")
+        dtype, shape, buf = objs[name]
+        if node is not None and node.get("t") == "ndarray":
+            ndt = np.dtype(str(node.get("dtype")))
+            if _state.NUMPY_TO_ST.get(ndt) != dtype:
+                raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+            a = np.asarray(buf) if buf is not None and len(buf) else np.empty(0, dtype=np.uint8)
+            return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
+        tdt = _torch_dtype_for(node, dtype)
+        if buf is None or len(buf) == 0:
+            return torch.empty(shape, dtype=tdt)
+        return torch.from_numpy(np.asarray(buf)).view(tdt).reshape(shape)
+
+    if text is None:
+        return {name: tensor(name, None) for name in objs}
+    made: Dict[str, Any] = {}
+
+    def lookup(node: Dict[str, Any]) -> Any:
+        name = node.get("alias") or node["n"]
+        if name not in made:
+            made[name] = _finish_tensor(tensor(name, node), node)
+        return made[name]
+
+    try:
+        return _state.unflatten(_state.decode(text), lookup)
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise CorruptError(f"{sdir}: the {_state.STATE_KEY} metadata does not describe the file: {e}") from None
+
+
+class ShmckptCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through shmckpt without blocking the
+    training loop: ``Trainer(plugins=[ShmckptCheckpointIO()])``.
+
+    ``save_checkpoint`` captures the checkpoint dict at the call (tensors copied to host
+    memory, plain values serialized) and returns; the engine writes and commits it in the
+    background, and a worker thread of this plugin then publishes ``DIR/NAME.ckpt`` as a
+    link to the committed ``DIR/step-N`` (replacing, then removing, the step an earlier
+    save of the same name published). ``remove_checkpoint`` runs on the same worker, after
+    every save queued before it. ``load_checkpoint`` waits for that worker, then loads the
+    step the link names (every CRC-32C verified); a path that is a regular file is loaded
+    with Lightning's ``TorchCheckpointIO`` (checkpoints written before the switch).
+    ``teardown`` (Lightning calls it at the end of ``fit``) waits for every save to be
+    committed and published, closes the engines and raises the first error of a save
+    (an error is also raised by the next ``save_checkpoint``).
+
+    Keyword arguments are :class:`shmckpt.Checkpointer` settings (``staging_capacity``,
+    ``chunk_size``, ``writer_threads``, ...); the checkpointer of a directory is opened on
+    its first save (rank 0 of 1: Lightning saves on global rank zero only). Loads open no
+    engine, so every rank of a DDP job loads at once.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        for k in ("rank", "world_size", "keep_last"):
+            if k in settings:
+                raise TypeError(
+                    f"ShmckptCheckpointIO: {k!r} is not a setting of this plugin (Lightning saves on "
+                    "rank zero and decides retention through ModelCheckpoint)"
+                )
+        self._settings = settings
+        self._cks: Dict[str, Checkpointer] = {}
+        self._next: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._queued: list = []
+        self._error: Optional[BaseException] = None
+
+    # -- internals ------------------------------------------------------------------------
+    def _checkpointer(self, d: str) -> Checkpointer:
+        with self._lock:
+            ck = self._cks.get(d)
+            if ck is None:
+                ck = Checkpointer(d, rank=0, world_size=1, **self._settings)
+                self._cks[d] = ck
+                latest = ck.latest()
+                self._next[d] = 0 if latest is None else latest + 1
+            return ck
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="shmckpt-lightning"
+            )
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # kept and raised on the trainer's thread
+                if self._error is None:
+                    self._error = e
+                raise
+
+        self._queued.append(self._worker.submit(run))
+
+    def _raise_error(self) -> None:
+        e = self._error
+        if e is not None:
+            self._error = None
+            raise e
+
+    def _drain(self) -> None:
+        """Wait for everything queued on the worker (errors are kept in ``_error``)."""
+        queued, self._queued = self._queued, []
+        for f in queued:
+            try:
+                f.result()
+            except BaseException:
+                pass
+
+    def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
+        handle.wait()  # durable and committed
+        old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
+        if old is not None and old != step and old not in _shmckpt.linked_steps(d):
+            try:
+                ck.remove(old)
+            except NotFound:
+                pass
+
+    def _remove(self, d: str, name: str) -> None:
+        step = _shmckpt.unlink_name(d, name)
+        if step is not None and step not in _shmckpt.linked_steps(d):
+            try:
+                self._checkpointer(d).remove(step)
+            except NotFound:
+                pass
+
+    # -- CheckpointIO -----------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Save Lightning's checkpoint dict as ``path`` without waiting for the disk.
+
+        Returns once the state is captured; ``path`` appears (a link to the committed
+        ``step-N`` beside it) when the checkpoint is durable. Values the shmckpt format
+        cannot hold raise ``TypeError`` naming their key path before anything is written
+        (see ``docs/lightning.md``). ``storage_options`` is not supported.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported by ShmckptCheckpointIO"
+            )
+        self._raise_error()
+        d, name = _split(path)
+        _shmckpt.linked_step(d, name)  # refuses a name that is not one of ours to give
+        ck = self._checkpointer(d)
+        with self._lock:
+            step = self._next[d]
+            self._next[d] = step + 1
+        handle = ck.save(step, checkpoint, blocking=False, metadata={PATH_KEY: name})
+        self._submit(self._publish, ck, d, name, step, handle)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        """Load the checkpoint saved as ``path`` (after the saves queued before it are
+        published), every CRC-32C verified. A regular file
+        is loaded by Lightning's ``TorchCheckpointIO``. ``FileNotFoundError`` when ``path``
+        does not exist. Tensors come back on the CPU (Lightning moves them where the model
+        is); ``map_location`` applies to ``TorchCheckpointIO`` files only. No engine is
+        opened: every process of a DDP job loads at once."""
+        self._drain()
+        self._raise_error()
+        p = os.path.abspath(os.fspath(path))
+        d, name = os.path.split(p)
+        if not os.path.lexists(p):
+            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+        step = _shmckpt.linked_step(d, name)
+        if step is None:
+            if os.path.isfile(p) and not os.path.islink(p):
+                from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+                kw: Dict[str, Any] = {"weights_only": weights_only}
+                if map_location is not None:
+                    kw["map_location"] = map_location
+                return TorchCheckpointIO().load_checkpoint(p, **kw)
+            raise UnsafePath(f"{p}: not a checkpoint of ShmckptCheckpointIO (a link to step-N) nor a file")
+        return _load_step(d, step)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint saved as ``path``: the link, then its step (unless another
+        link still names it), on the worker after the saves queued before."""
+        self._raise_error()
+        d, name = _split(path)
+        self._submit(self._remove, d, name)
+
+    def teardown(self) -> None:
+        """Wait until every save is committed and published, close the engines, and raise
+        the first error a save or removal met."""
+        self._drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        with self._lock:
+            cks, self._cks = self._cks, {}
+            self._next.clear()
+        for ck in cks.values():
+            ck.close()
+        self._raise_error()

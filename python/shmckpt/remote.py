@@ -1,0 +1,139 @@
+"""The object-storage tier seen from Python: which tier serves a load, and the bucket's
+manifests and skeletons. The protocol (uploads, the commit rule, retention, checks of what
+the bucket returns) is the Rust engine's (``EngineConfig::with_remote``); this module only
+chooses between the local disk and the bucket.
+
+``Checkpointer(root, remote="s3://bucket/prefix", remote_keep_last=N)`` mirrors every
+committed save to the bucket; ``SaveHandle.wait_remote()`` waits for the step to be
+committed there; ``Checkpointer.list(remote=True)`` lists the bucket;
+``Checkpointer.load(step, source="remote")`` reads from it, and ``load("latest")`` falls
+back to it when the local disk holds no checkpoint (or not the requested step).
+
+``Checkpointer("s3://bucket/prefix")`` is remote only: the engine writes each save's file
+to a private scratch directory (the upload reads it there: the upload is not yet fed from
+the staging arena) and removes it as soon as the uploader holds it open, so no checkpoint
+stays on disk; loads come from the bucket. The scratch directory is made with
+``tempfile.mkdtemp`` (``TMPDIR``) and removed by ``close``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _state
+from .errors import ConfigError, CorruptError, NotFound
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpointer import Checkpointer
+
+__all__ = ["SOURCES", "shared_session", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
+
+#: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
+#: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
+#: reads the bucket only.
+SOURCES = (None, "local", "remote")
+
+
+def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> Tuple[int, str]:
+    """The step to load (``None``: the latest) and where from: ``"local"`` (memory or
+    disk, the engine picks) or ``"remote"``. Without ``source``, a step the local disk
+    holds is loaded locally, else from the bucket when there is one."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be None, 'local' or 'remote', not {source!r}")
+    has_remote = ck.remote is not None
+    if source == "remote":
+        if not has_remote:
+            raise ConfigError("this Checkpointer has no remote tier (remote=...)")
+        return _remote_step(ck, step), "remote"
+    local = ck._engine.list()
+    local_steps = [s for s, _ in local]
+    if step is None:
+        if local_steps:
+            return local_steps[-1], "local"
+    elif step in local_steps:
+        return step, "local"
+    if source == "local" or not has_remote:
+        what = "(latest)" if step is None else f"step {step}"
+        raise NotFound(f"no committed checkpoint {what} in {ck.root}")
+    return _remote_step(ck, step), "remote"
+
+
+def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
+    if step is not None:
+        return step
+    steps = ck._engine.list_remote()
+    if not steps:
+        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}")
+    return steps[-1]
+
+
+def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Optional[Any]:
+    """The state skeleton this rank saved with ``step``, from its file's header metadata
+    (as a local load reads it), or ``None`` for a checkpoint not written by this
+    package."""
+    text = file_meta.get(_state.STATE_KEY)
+    if text is None:
+        return None
+    try:
+        return _state.decode(text)
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CorruptError(
+            f"{ck.remote}/step-{step}: malformed {_state.STATE_KEY} metadata: {e}"
+        ) from None
+
+
+def scratch_for(root: str, remote: Optional[str]) -> Tuple[Optional[str], str, bool]:
+    """For a ``Checkpointer`` root: ``(scratch directory or None, the engine's root,
+    remote only)``. A root of ``s3://...`` is remote only (``remote`` must then be
+    unset)."""
+    if not root.startswith("s3://"):
+        return None, root, False
+    if remote is not None:
+        raise ConfigError(f"root {root!r} is a bucket: give remote=... only with a local root")
+    scratch = tempfile.mkdtemp(prefix="shmckpt-scratch-")
+    return scratch, scratch, True
+
+
+def remove_scratch(path: str) -> None:
+    """Remove a remote-only checkpointer's scratch directory (and what is left in it)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def entry_of(tensors: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
+    """A file entry (names, dtypes, shapes) for tensors loaded from the bucket."""
+    return {"tensors": [{"name": n, "dtype": d, "shape": list(sh)} for n, d, sh, _ in tensors]}
+
+
+def copy_into(tensors: Sequence[Tuple[str, str, List[int], Any]], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:
+    """Copy tensors loaded from the bucket into ``load_into``'s destinations (``plan``:
+    stored name -> [(leaf, destination)], dtypes and shapes already matched)."""
+    import torch
+
+    with torch.no_grad():
+        for name, dtype, shape, buf in tensors:
+            dests = plan.get(name)
+            if not dests:
+                continue
+            raw = np.asarray(buf)
+            for _, d in dests:
+                if isinstance(d, np.ndarray):
+                    d[...] = raw.view(_state.ST_TO_NUMPY[dtype]).reshape(shape)
+                else:
+                    u8 = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
+                    d.copy_(u8.view(_state.ST_TO_TORCH[dtype]).reshape(shape))
+
+
+def shared_session() -> str:
+    """A random id chosen by rank 0 and broadcast to every rank (``torch.distributed``
+    must be initialized): the remote session of this run's checkpointers."""
+    import uuid
+
+    import torch.distributed as dist
+
+    obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return str(obj[0])

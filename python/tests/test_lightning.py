@@ -1,0 +1,238 @@
+"""``shmckpt.lightning.ShmckptCheckpointIO``: Lightning's checkpoints through shmckpt, with
+ModelCheckpoint's top-k and ``last``, resumed bit-identically with ``ckpt_path="last"``."""
+
+import collections
+import os
+import threading
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install lightning)")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import shmckpt  # noqa: E402
+from shmckpt.lightning import ShmckptCheckpointIO  # noqa: E402
+
+MIB = 1 << 20
+
+
+def raw(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Net(L.LightningModule):
+    def __init__(self, lr: float = 0.05, width: int = 16, tag: str = "tiny"):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+        self.losses = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.body(x), y)
+        self.losses.append((self.global_step, loss.detach().clone()))
+        # A score that differs per epoch, so that top-k keeps a real choice.
+        self.log("score", float((self.current_epoch * 7) % 5), on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=False)
+
+
+def trainer(tmp, epochs, plugins, callbacks):
+    return L.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, plugins=plugins, callbacks=callbacks,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp), deterministic=True,
+    )
+
+
+def links(d):
+    return {n: os.readlink(os.path.join(d, n)) for n in sorted(os.listdir(d)) if os.path.islink(os.path.join(d, n))}
+
+
+def test_topk_last_and_resume_continue_bit_identically(tmp_path):
+    # Uninterrupted: 6 epochs (24 steps), no checkpoints.
+    ref = Net()
+    trainer(tmp_path / "ref", 6, [], []).fit(ref, data())
+
+    # Interrupted after 3 epochs, checkpointed every epoch through shmckpt.
+    d = tmp_path / "ckpts"
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    waits = []
+    orig_wait = shmckpt.SaveHandle.wait
+
+    def recording_wait(self):
+        waits.append(threading.current_thread().name)
+        return orig_wait(self)
+
+    shmckpt.SaveHandle.wait = recording_wait
+    try:
+        a = Net()
+        mc = ModelCheckpoint(dirpath=str(d), monitor="score", mode="max", save_top_k=2, save_last=True)
+        trainer(tmp_path, 3, [io], [mc]).fit(a, data())
+    finally:
+        shmckpt.SaveHandle.wait = orig_wait
+    # Non-blocking: the trainer's thread never waited for a save; the plugin's worker did.
+    assert waits and all(n.startswith("shmckpt-lightning") for n in waits), waits
+    # Scores by epoch: 0, 2, 4 -> top-2 are epochs 1 and 2; `last` is epoch 2.
+    ls = links(d)
+    assert sorted(ls) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"], ls
+    steps = sorted(int(t.split("-")[1]) for t in ls.values())
+    on_disk = sorted(n for n in os.listdir(d) if n.startswith("step-"))
+    assert on_disk == [f"step-{s}" for s in steps], (on_disk, ls)  # removed ones are gone
+    assert mc.best_model_path == str(d / "epoch=2-step=12.ckpt")
+
+    # Resume from `last` for 3 more epochs: same losses, same weights, bit for bit.
+    b = Net(lr=0.05)
+    torch.manual_seed(1234)  # a different init, overwritten by the checkpoint
+    b.body[0].weight.data.normal_()
+    io2 = ShmckptCheckpointIO(chunk_size=MIB)
+    mc2 = ModelCheckpoint(dirpath=str(d), monitor="score", mode="max", save_top_k=2, save_last=True)
+    trainer(tmp_path, 6, [io2], [mc2]).fit(b, data(), ckpt_path="last")
+    ref_losses = dict((s, raw(v)) for s, v in ref.losses)
+    got = [(s, raw(v)) for s, v in a.losses] + [(s, raw(v)) for s, v in b.losses]
+    assert [s for s, _ in got] == list(range(24))
+    assert all(ref_losses[s] == v for s, v in got), [s for s, v in got if ref_losses[s] != v]
+    for (k, v), (k2, v2) in zip(ref.state_dict().items(), b.state_dict().items()):
+        assert k == k2 and raw(v) == raw(v2), k
+    opt_ref, opt_b = ref.optimizers().optimizer.state_dict(), b.optimizers().optimizer.state_dict()
+    for i in opt_ref["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert raw(opt_ref["state"][i][key]) == raw(opt_b["state"][i][key]), (i, key)
+    assert ref.lr_schedulers().state_dict() == b.lr_schedulers().state_dict()
+    # Epoch scores 0,2,4,1,3,0: top-2 are now epochs 2 and 4.
+    ls = links(d)
+    assert sorted(ls) == ["epoch=2-step=12.ckpt", "epoch=4-step=20.ckpt", "last.ckpt"], ls
+    assert sorted(n for n in os.listdir(d) if n.startswith("step-")) == sorted(ls.values())
+
+
+def test_checkpoint_dict_round_trips_with_its_types_and_no_pickle(tmp_path):
+    saved = {}
+
+    class Capture(ShmckptCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            import copy
+
+            saved[os.path.basename(path)] = copy.deepcopy(checkpoint)
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    io = Capture(chunk_size=MIB)
+    d = tmp_path / "ck"
+    trainer(tmp_path, 2, [io], [ModelCheckpoint(dirpath=str(d), save_top_k=-1)]).fit(Net(tag="x"), data())
+    assert sorted(saved) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    for name, want in saved.items():
+        got = io.load_checkpoint(d / name)
+        same(want, got, name)
+        assert got["hyper_parameters"] == {"lr": 0.05, "width": 16, "tag": "x"}
+        assert got["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
+        # The file: a safetensors header of JSON (no pickle anywhere), every tensor named.
+        step = os.readlink(d / name)
+        f = d / step / "rank-00000-of-00001.safetensors"
+        head = f.read_bytes()[:4096]
+        assert b"pytorch-lightning_version" in head and b"\x80\x04" not in f.read_bytes()[: 8 + int.from_bytes(head[:8], "little")]
+    io.teardown()
+
+
+def same(a, b, path):
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), (path, a, b)
+
+
+def test_values_the_format_cannot_hold_are_refused_naming_their_key(tmp_path):
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    ck = {"state_dict": collections.OrderedDict(w=torch.ones(2)), "hyper_parameters": {"classes": {"a", "b"}}}
+    with pytest.raises(TypeError, match=r"state\['hyper_parameters'\]\['classes'\]"):
+        io.save_checkpoint(ck, tmp_path / "x.ckpt")
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == [".shmckpt-rank-0.lock"]
+
+
+def test_overwrite_remove_and_errors(tmp_path):
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    p = tmp_path / "last.ckpt"
+    io.save_checkpoint({"w": torch.arange(3.0), "n": 1}, p)
+    io.save_checkpoint({"w": torch.arange(4.0), "n": 2}, p)  # overwrites: the first step goes
+    got = io.load_checkpoint(p)
+    assert got["n"] == 2 and raw(got["w"]) == raw(torch.arange(4.0))
+    assert os.readlink(p) == "step-1" and not (tmp_path / "step-0").exists()
+    io.remove_checkpoint(p)
+    io.teardown()
+    assert not os.path.lexists(p) and not (tmp_path / "step-1").exists()
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(p)
+    # A link that does not name a step beside it is refused, not followed.
+    os.symlink("/etc", tmp_path / "evil.ckpt")
+    with pytest.raises(shmckpt.UnsafePath):
+        io.load_checkpoint(tmp_path / "evil.ckpt")
+    with pytest.raises(shmckpt.UnsafePath, match="shmckpt's own"):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "step-3")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"w": torch.ones(1)}, p, storage_options={})
+    with pytest.raises(TypeError, match="keep_last"):
+        ShmckptCheckpointIO(keep_last=2)
+    # A name close to the 255-byte limit is published (the temporary link name is short).
+    long = tmp_path / ("x" * 245 + ".ckpt")
+    io.save_checkpoint({"w": torch.arange(5.0)}, long)
+    io.teardown()
+    assert os.readlink(long) == "step-0" and raw(io.load_checkpoint(long)["w"]) == raw(torch.arange(5.0))
+    # A torch.save checkpoint from before the switch still loads.
+    torch.save({"w": torch.arange(2.0)}, tmp_path / "old.ckpt")
+    assert raw(io.load_checkpoint(tmp_path / "old.ckpt")["w"]) == raw(torch.arange(2.0))
+    io.teardown()
+
+
+def test_ddp_two_processes_resume_from_last_bit_identically(tmp_path):
+    """DDP over gloo, 2 processes under torchrun: rank zero saves, every rank loads `last`
+    at once (no engine, so no root lock in the way) and continues exactly."""
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "lightning_ddp_worker.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+
+    def torchrun(*args):
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, *args],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+        assert p.returncode == 0, p.stderr[-4000:]
+
+    def read(prefix, rank):
+        lines = (tmp_path / f"{prefix}.rank{rank}").read_text().splitlines()
+        return [ln.split() for ln in lines[:-1]], lines[-1]
+
+    torchrun(str(tmp_path / "ref"), "4", str(tmp_path / "ref"))
+    torchrun(str(tmp_path / "run"), "2", str(tmp_path / "a"))
+    torchrun(str(tmp_path / "run"), "4", str(tmp_path / "b"), "resume")
+    for r in range(2):
+        ref_losses, ref_final = read("ref", r)
+        a, _ = read("a", r)
+        b, final = read("b", r)
+        assert [int(s) for s, _ in ref_losses] == list(range(16))
+        assert a + b == ref_losses, r  # steps 0-7 then 8-15, every loss bit for bit
+        assert final == ref_final, r
+    assert read("ref", 0)[1] == read("ref", 1)[1]
+    # Epoch scores 0, 2, 4, 1: top-2 are epochs 1 and 2, and `last` is epoch 3.
+    assert sorted(links(tmp_path / "run")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]

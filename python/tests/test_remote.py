@@ -1,0 +1,556 @@
+"""The object-storage tier against a real S3-protocol server: moto's server, started by
+these tests (``python -m moto.server``), reached through the standard AWS environment
+variables. Without moto the tests are skipped; ``SHMCKPT_REQUIRE_S3=1`` (CI) makes that a
+failure."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from typing import Optional
+
+import numpy as np
+import pytest
+
+import shmckpt
+from shmckpt.errors import RemoteError, RemoteFailed
+
+from conftest import SMALL
+
+torch = pytest.importorskip("torch")
+
+
+def _require_moto():
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("SHMCKPT_REQUIRE_S3") == "1":
+            pytest.fail(f"SHMCKPT_REQUIRE_S3=1 but moto[server] is not installed: {e}")
+        pytest.skip(f"moto[server] is not installed ({e}); set SHMCKPT_REQUIRE_S3=1 to fail instead")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    """A moto S3 server process on a free port."""
+
+    def __init__(self, extra_env=None):
+        self.port = _free_port()
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.1)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    _require_moto()
+    m = Moto()
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    """Environment for `moto`, a fresh bucket; yields (boto3 client, bucket name)."""
+    import boto3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto.url,
+        "AWS_ALLOW_HTTP": "true",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def keys(client, bucket, prefix=""):
+    out = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def state(seed: int, n: int = 1 << 16):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64) + seed},
+        "step": seed,
+        "note": "hi",
+    }
+
+
+def same(a, b):
+    assert a["step"] == b["step"] and a["note"] == b["note"]
+    for k in ("w", "b"):
+        assert a["model"][k].dtype == b["model"][k].dtype
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def open_ck(root, url, **kw):
+    return shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, **kw)
+
+
+def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/run1"
+    with open_ck(root, url) as ck:
+        st = state(3)
+        h = ck.save(3, st)
+        local = h.wait()
+        rep = h.wait_remote()
+        assert rep["step"] == 3 and rep["bytes"] == local["bytes"]
+        assert rep["committed_here"] is True
+        assert rep["remote_durable"] >= rep["upload"] > 0
+        assert h.wait_remote() == rep  # may be called again
+        assert ck.list(remote=True) == [3]
+        assert keys(client, bucket) == [
+            "run1/step-3/manifest.json",
+            "run1/step-3/rank-00000-of-00001.safetensors",
+            "run1/step-3/rank-00000.manifest.json",
+        ]
+        # The object is the local safetensors file, byte for byte (`aws s3 cp` gives it).
+        obj = client.get_object(Bucket=bucket, Key="run1/step-3/rank-00000-of-00001.safetensors")["Body"].read()
+        assert obj == (root / "step-3" / "rank-00000-of-00001.safetensors").read_bytes()
+        # Served locally while the disk has it.
+        same(ck.load("latest"), st)
+        assert ck.last_load_source[0] == "disk"
+        # From the bucket on request.
+        same(ck.load(3, source="remote"), st)
+        assert ck.last_load_source == ("remote", None)
+
+    shutil.rmtree(root)
+    root.mkdir()
+    with open_ck(root, url) as ck:
+        assert ck.list() == [] and ck.list(remote=True) == [3]
+        got = ck.load("latest")
+        same(got, st)
+        assert ck.last_load_source == ("remote", None)
+        with pytest.raises(shmckpt.NotFound):
+            ck.load("latest", source="local")
+        # The loaded tensors own their memory.
+        assert got["model"]["w"].sum().item() == pytest.approx(st["model"]["w"].sum().item())
+
+
+def test_remote_retention_keeps_the_newest(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/ret"
+    with open_ck(root, url, keep_last=1, remote_keep_last=2) as ck:
+        retired = []
+        for step in range(1, 5):
+            h = ck.save(step, state(step, 1024))
+            h.wait()
+            retired += h.wait_remote()["retired"]
+        assert retired == [1, 2]
+        assert ck.list(remote=True) == [3, 4]
+        assert ck.list() == [4]
+        assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-3", "step-4"}
+        same(ck.load(3), state(3, 1024))
+        assert ck.last_load_source == ("remote", None)
+
+
+def test_missing_bucket_is_a_clear_error(s3, root):
+    _, bucket = s3
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, f"s3://{bucket}-missing/x")
+    msg = str(e.value)
+    assert f"s3://{bucket}-missing/x" in msg and "the bucket does not exist" in msg, msg
+
+
+def test_bad_credentials_are_a_clear_error(root, monkeypatch):
+    """A server that checks credentials (moto with INITIAL_NO_AUTH_ACTION_COUNT=0 refuses
+    keys it does not know)."""
+    _require_moto()
+    m = Moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0",
+            "AWS_SECRET_ACCESS_KEY": "wrong",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": m.url,
+            "AWS_ALLOW_HTTP": "true",
+        }.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(RemoteError) as e:
+            open_ck(root, "s3://some-bucket/x")
+        msg = str(e.value)
+        assert "s3://some-bucket/x" in msg and "AWS_ACCESS_KEY_ID" in msg, msg
+    finally:
+        m.stop()
+
+
+class FaultProxy:
+    """An HTTP proxy in front of moto that fails every upload of a multipart part
+    numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the
+    connection without an answer (`mode="reset"`)."""
+
+    def __init__(self, upstream_port: int, fail_part: int, mode: str = "503", budget: Optional[int] = None):
+        self.fail_part = fail_part
+        self.mode = mode
+        self.budget = budget  # fail at most this many requests (None: every one)
+        self.armed = True
+        self.failed = 0
+        proxy = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                part = int(q.get("partNumber", ["0"])[0])
+                if (
+                    self.command == "PUT"
+                    and proxy.armed
+                    and part >= proxy.fail_part
+                    and (proxy.budget is None or proxy.failed < proxy.budget)
+                ):
+                    proxy.failed += 1
+                    if proxy.mode == "reset":
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                c = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items()}
+                c.request(self.command, self.path, body=body, headers=headers)
+                r = c.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                head = self.command == "HEAD"
+                for k, v in r.getheaders():
+                    # A HEAD answer keeps the object's length; other answers carry `data`.
+                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+                c.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["503", "reset"])
+def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, root, monkeypatch, mode):
+    client, bucket = s3
+    proxy = FaultProxy(moto.port, fail_part=2, mode=mode)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/f"
+        # 20 MiB of float32: two 16 MiB parts, the second refused.
+        big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            h = ck.save(1, big)
+            h.wait()  # the local tier is not held back
+            with pytest.raises(RemoteFailed) as e:
+                h.wait_remote()
+            assert "remote copy of step 1 failed" in str(e.value), str(e.value)
+            assert proxy.failed >= 1
+            assert ck.list() == [1]
+            assert ck.list(remote=True) == []
+            assert keys(client, bucket) == []
+            # The multipart upload was aborted.
+            assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+            proxy.armed = False
+            h = ck.save(2, big)
+            h.wait()
+            assert h.wait_remote()["step"] == 2
+            assert ck.list(remote=True) == [2]
+            got = ck.load(2, source="remote")
+            assert torch.equal(got["w"], big["w"])
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("remote_only", [False, True])
+def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path, remote_only):
+    """Each rank uploads its own file; the step is committed in the bucket once, after
+    both objects are complete (exactly one rank writes the manifest). Remote only, each
+    rank has its own scratch directory: no shared disk at all."""
+    import json
+
+    client, bucket = s3
+    url = f"s3://{bucket}/dist"
+    world = 2
+    port = _free_port()
+    outs = [tmp_path / f"out{r}.json" for r in range(world)]
+    worker = str(os.path.join(os.path.dirname(__file__), "remote_worker.py"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, "-" if remote_only else str(root), url, str(r), str(world), str(port), str(outs[r])]
+        )
+        for r in range(world)
+    ]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * world
+    res = [json.loads(o.read_text()) for o in outs]
+    for r in res:
+        assert r["remote"] == [5, 6] and r["ok"] == [True, True] and r["source"] == "remote", r
+    # Per step, exactly one rank created the manifest.
+    for i in range(2):
+        assert sorted(r["committed_here"][i] for r in res) == [False, True], res
+    assert keys(client, bucket, "dist/step-6/") == [
+        "dist/step-6/manifest.json",
+        "dist/step-6/rank-00000-of-00002.safetensors",
+        "dist/step-6/rank-00000.manifest.json",
+        "dist/step-6/rank-00001-of-00002.safetensors",
+        "dist/step-6/rank-00001.manifest.json",
+    ]
+    import json as _json
+
+    m = _json.loads(client.get_object(Bucket=bucket, Key="dist/step-6/manifest.json")["Body"].read())
+    assert m["world_size"] == 2 and [f["rank"] for f in m["files"]] == [0, 1]
+    # Both ranks' parts carry the session rank 0 broadcast.
+    sessions = {
+        _json.loads(client.get_object(Bucket=bucket, Key=f"dist/step-6/rank-0000{r}.manifest.json")["Body"].read())[
+            "session"
+        ]
+        for r in range(2)
+    }
+    assert len(sessions) == 1 and len(sessions.pop()) == 32
+
+
+def _cli(*args):
+    from conftest import shmckpt_bin
+
+    exe = shmckpt_bin()
+    if exe is None:
+        pytest.fail("no shmckpt binary: cargo build --bin shmckpt, or set SHMCKPT_BIN")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_inspect_verify_gc_on_a_bucket(s3, root):
+    client, bucket = s3
+    url = f"s3://{bucket}/cli"
+    with open_ck(root, url) as ck:
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step, 4096))
+            h.wait()
+            h.wait_remote()
+    r = _cli("inspect", url)
+    assert r.returncode == 0, r.stderr
+    lines = [l.split() for l in r.stdout.splitlines()[1:]]
+    assert [l[0] for l in lines] == ["1", "2", "3"] and all(l[-1] == f"{url}/step-{l[0]}" for l in lines), r.stdout
+    r = _cli("inspect", f"{url}/step-2", "--tensors", "0")
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint {url}/step-2" in r.stdout and "model.w" in r.stdout, r.stdout
+    r = _cli("verify", url, "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [l.split()[0:2] for l in r.stdout.splitlines()] == [["OK", f"{url}/step-{s}"] for s in (1, 2, 3)]
+    # A flipped byte in step 2's object: verify names it and fails.
+    key = "cli/step-2/rank-00000-of-00001.safetensors"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-3] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    r = _cli("verify", url, "--step", "2")
+    assert r.returncode != 0
+    assert r.stdout.startswith(f"FAIL {url}/step-2:") and "fails its checksum" in r.stdout, r.stdout
+    # Leftovers of an interrupted upload (no manifest): gc removes them, and retention.
+    client.put_object(Bucket=bucket, Key="cli/step-9/rank-00000-of-00001.safetensors", Body=b"x" * 100)
+    client.put_object(Bucket=bucket, Key="cli/step-9/rank-00000.manifest.json", Body=b"{}")
+    r = _cli("gc", url, "--keep", "2")
+    assert r.returncode == 0, r.stderr
+    assert "removed 0 object(s)" in r.stdout  # younger than --min-age (1 h)
+    assert "removed 1 checkpoint(s) [1]; kept the newest 2" in r.stdout, r.stdout
+    assert "cli/step-9/rank-00000.manifest.json" in keys(client, bucket)
+    r = _cli("gc", url, "--keep", "2", "--min-age", "0")
+    assert r.returncode == 0, r.stderr
+    assert f"removed uncommitted {url}/step-9" in r.stdout, r.stdout
+    assert "removed 2 object(s), 102 B" in r.stdout and "removed 0 checkpoint(s)" in r.stdout, r.stdout
+    assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-2", "step-3"}
+
+
+KILL_CHILD = r"""
+import sys, torch, shmckpt
+root, url = sys.argv[1], sys.argv[2]
+ck = shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url)
+h = ck.save(1, {"w": torch.arange(5 << 20, dtype=torch.float32)})
+h.wait()
+print("committed", flush=True)
+h.wait_remote()
+print("uploaded?!", flush=True)
+"""
+
+
+def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkeypatch):
+    """SIGKILL while the second part of the upload is held by the server: nothing of the
+    step is visible in the bucket, and the next trainer's save of the same step commits.
+    (The multipart upload the killed process opened stays open on the server: object_store
+    cannot list those; a bucket lifecycle rule removes them.)"""
+    client, bucket = s3
+    hold = threading.Event()
+    release = threading.Event()
+    # A proxy that fails nothing, and holds part 2 until released (the child is killed
+    # meanwhile).
+    proxy = FaultProxy(moto.port, fail_part=10**9)
+    orig = proxy.server.RequestHandlerClass._any
+
+    def held(self):
+        q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if self.command == "PUT" and q.get("partNumber") == ["2"] and not release.is_set():
+            hold.set()
+            release.wait(60)
+        return orig(self)
+
+    proxy.server.RequestHandlerClass.do_PUT = held
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    url = f"s3://{bucket}/kill"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(root), url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout.readline().strip() == "committed"
+        assert hold.wait(60), "the upload never reached part 2"
+        child.kill()
+        child.wait(30)
+    finally:
+        release.set()
+        if child.poll() is None:
+            child.kill()
+    try:
+        assert keys(client, bucket, "kill/") == []
+        uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        assert [u["Key"] for u in uploads] == ["kill/step-1/rank-00000-of-00001.safetensors"]
+        # The next trainer: the local step 1 exists, so it saves step 2, which commits.
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            assert ck.list() == [1] and ck.list(remote=True) == []
+            h = ck.save(2, {"w": torch.ones(1 << 20)})
+            h.wait()
+            assert h.wait_remote()["step"] == 2
+            assert ck.list(remote=True) == [2]
+    finally:
+        proxy.stop()
+
+
+def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_path):
+    """`Checkpointer("s3://...")`: every save goes to the bucket; the scratch directory
+    holds no checkpoint after the upload started and is removed by close."""
+    client, bucket = s3
+    scratch_parent = tmp_path / "tmp"
+    scratch_parent.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch_parent))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    url = f"s3://{bucket}/only"
+    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20, remote_keep_last=2) as ck:
+        assert ck.remote == url
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step, 2048))
+            h.wait()
+            assert h.wait_remote()["step"] == step
+        scratch = ck._scratch
+        assert [p.name for p in scratch_parent.iterdir()] == [os.path.basename(scratch)]
+        left = sorted(os.listdir(scratch))
+        assert all(n.startswith(".shmckpt-rank-") for n in left), left
+        assert ck.list() == [] and ck.list(remote=True) == [2, 3]
+        same(ck.load("latest"), state(3, 2048))
+        assert ck.last_load_source == ("remote", None)
+    assert list(scratch_parent.iterdir()) == []
+    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+        same(ck.load(2), state(2, 2048))
+    with pytest.raises(shmckpt.ConfigError):
+        shmckpt.Checkpointer(url, remote=url)
+
+
+def test_load_into_falls_back_to_the_bucket(s3, root):
+    _, bucket = s3
+    url = f"s3://{bucket}/li"
+    st = state(5)
+    with open_ck(root, url) as ck:
+        h = ck.save(5, st)
+        h.wait()
+        h.wait_remote()
+    shutil.rmtree(root / "step-5")
+    with open_ck(root, url) as ck:
+        dest = {"model": {"w": torch.zeros_like(st["model"]["w"]), "b": torch.zeros(7, dtype=torch.int64)}}
+        res = ck.load_into(dest, strict=False)
+        assert res.step == 5 and res.missing_keys == [] and res.unexpected_keys == []
+        assert torch.equal(dest["model"]["w"], st["model"]["w"]) and torch.equal(dest["model"]["b"], st["model"]["b"])
+        with pytest.raises(shmckpt.DestinationError):
+            ck.load_into({"model": {"w": torch.zeros(3)}})
+
+
+@pytest.mark.parametrize("mode", ["503", "reset"])
+def test_transient_server_errors_are_retried(s3, moto, root, monkeypatch, mode):
+    """Two failed part uploads (the server briefly down or overloaded) are retried by
+    object_store: the step commits, byte for byte."""
+    client, bucket = s3
+    proxy = FaultProxy(moto.port, fail_part=1, mode=mode, budget=2)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/t"
+        big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+            h = ck.save(1, big)
+            h.wait()
+            assert h.wait_remote()["step"] == 1
+            assert proxy.failed == 2
+            assert ck.list(remote=True) == [1]
+            assert torch.equal(ck.load(1, source="remote")["w"], big["w"])
+    finally:
+        proxy.stop()

@@ -1,0 +1,78 @@
+//! The engine's side of the remote tier: listing, loading and verifying the bucket's
+//! steps (`EngineConfig::with_remote`).
+
+use std::sync::Arc;
+
+use super::{Engine, LoadReport, LoadSource, StepSel};
+use crate::error::{Error, Result};
+use crate::remote::{Remote, RemoteLoad};
+use crate::restore::Checkpoint;
+
+impl Engine {
+    /// The bucket of the remote tier, if the engine has one.
+    pub fn remote(&self) -> Option<&Arc<Remote>> {
+        self.shared.remote.as_ref().map(|t| t.remote())
+    }
+
+    fn remote_or_err(&self) -> Result<&Arc<Remote>> {
+        self.remote()
+            .ok_or_else(|| Error::Config("this engine has no remote tier (with_remote)".into()))
+    }
+
+    /// Committed steps in the bucket, oldest first.
+    pub fn list_remote(&self) -> Result<Vec<u64>> {
+        self.remote_or_err()?.list()
+    }
+
+    fn resolve_remote(&self, which: StepSel) -> Result<u64> {
+        let r = self.remote_or_err()?;
+        match which {
+            StepSel::Step(s) => Ok(s),
+            StepSel::Latest => r.latest()?.ok_or_else(|| Error::NotFound {
+                what: "(latest)".into(),
+                root: r.url().into(),
+            }),
+        }
+    }
+
+    /// Load this rank's tensors of a step committed in the bucket (ranged GETs in
+    /// parallel, every checksum verified), whatever the local disk holds.
+    pub fn load_remote(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, RemoteLoad)> {
+        let step = self.resolve_remote(which.into())?;
+        self.remote_or_err()?.load(step, self.shared.cfg.rank)
+    }
+
+    /// [`Engine::load_remote`] into caller buffers by name (each exactly its tensor's size).
+    pub fn load_into_remote(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<RemoteLoad> {
+        let step = self.resolve_remote(which.into())?;
+        self.remote_or_err()?
+            .load_into(step, self.shared.cfg.rank, dest)
+    }
+
+    /// The load fallback: a step the disk does not hold, from the bucket.
+    pub(super) fn load_fallback_remote(
+        &self,
+        which: StepSel,
+        local: Error,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        if self.remote().is_none() {
+            return Err(local);
+        }
+        let (ck, _) = self.load_remote(which)?;
+        tracing::info!(
+            step = ck.step,
+            "load served from the bucket (not on the local disk)"
+        );
+        let report = LoadReport {
+            step: ck.step,
+            source: LoadSource::Remote,
+            fallback_reason: Some(local.to_string()),
+            disk_problem: None,
+        };
+        Ok((ck, report))
+    }
+}

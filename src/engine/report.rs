@@ -1,0 +1,70 @@
+//! What a save reports: once staged, and once committed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Timings of a save, measured from the moment `save` was called.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SaveTimings {
+    /// Until `save` returned: every byte staged (the trainer's stall).
+    pub staging: Duration,
+    /// Part of `staging` spent waiting for free staging chunks or save slots (backpressure
+    /// from earlier saves still draining).
+    pub backpressure: Duration,
+    /// Until the file was written and `fdatasync`ed.
+    pub durable: Duration,
+    /// Until the checkpoint directory was renamed into place and the root fsynced.
+    pub committed: Duration,
+}
+
+/// What a finished save did.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveReport {
+    /// Step.
+    pub step: u64,
+    /// Committed directory (for multi-rank saves, set by whichever rank committed; `None`
+    /// while other ranks are still writing).
+    pub dir: Option<PathBuf>,
+    /// This rank's file (its final path once committed).
+    pub file: PathBuf,
+    /// Bytes of this rank's file.
+    pub bytes: u64,
+    /// Tensors saved.
+    pub tensors: usize,
+    /// Timings.
+    pub timings: SaveTimings,
+    /// Backend that wrote (`io_uring`, `pwrite`).
+    pub backend: crate::io::Backend,
+    /// Whether the file was written with O_DIRECT.
+    pub direct_io: bool,
+    /// Steps retired by this commit's retention (`keep_last`): no longer listed or
+    /// loadable when the save is reported committed; their files are deleted right after
+    /// (by the time [`crate::Engine::close`] returns).
+    pub retired: Vec<u64>,
+}
+
+impl SaveReport {
+    /// Bytes over time-to-durable, in GB/s.
+    pub fn persist_gbps(&self) -> f64 {
+        crate::util::gbps(self.bytes, self.timings.durable)
+    }
+}
+
+/// What is known as soon as `save` returns.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StagedReport {
+    /// Step.
+    pub step: u64,
+    /// File bytes staged.
+    pub bytes: u64,
+    /// Time in `save` (stall).
+    pub staging: Duration,
+    /// Part of it spent waiting for staging space.
+    pub backpressure: Duration,
+    /// Part of it spent registering the staging arena with CUDA (the first device save of
+    /// an engine not prepared with [`Engine::prepare_cuda`](crate::Engine::prepare_cuda)).
+    pub registration: Duration,
+}

@@ -1,0 +1,752 @@
+//! The object-storage tier: committed checkpoints mirrored to a bucket (S3 or any
+//! `object_store` backend), committed there by the same rule as on disk, and read back.
+//!
+//! Layout, mirroring the local one under the URL's prefix:
+//! ```text
+//! prefix/step-N/rank-00000-of-00002.safetensors   one object per rank (multipart upload)
+//! prefix/step-N/rank-00000.manifest.json          each rank's manifest part
+//! prefix/step-N/manifest.json                     written last: the commit
+//! ```
+//! A step is committed in the bucket when `manifest.json` exists: it is created (with
+//! [`PutMode::Create`], `If-None-Match: *` on S3) only after every rank's object is
+//! complete and its part is present, by whichever rank sees all parts first; a rank that
+//! loses that race finds the manifest present and reports the commit. Nothing else is ever
+//! listed or loaded, so a failed or killed upload leaves no visible step; a failed
+//! multipart upload is aborted.
+//!
+//! The rank objects are uploaded from the committed local file (one read of it, in
+//! `part_size` pieces with `concurrency` parts in flight): the upload is not yet fed from
+//! the staging arena.
+//!
+//! Everything read from the bucket is untrusted: the manifest is size-capped and parsed by
+//! [`Manifest::parse`], each object's size and safetensors header are checked against it,
+//! and every tensor's CRC-32C is verified ([`Remote::read_rank`]).
+
+mod read;
+pub(crate) mod tier;
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path as ObjPath;
+use object_store::{
+    ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig, WriteMultipart,
+};
+
+use crate::error::{Error, Result};
+use crate::manifest::{
+    self, FORMAT_VERSION, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata,
+};
+
+pub use read::RemoteLoad;
+pub use tier::{RemoteProgress, RemoteReport};
+
+/// Default size of each multipart part and ranged read: 16 MiB.
+pub const DEFAULT_PART_SIZE: usize = 16 << 20;
+/// Default parts (uploads) or ranged reads (loads) in flight: 8.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Default retries of one request (object_store's retry with backoff): 3.
+pub const DEFAULT_RETRIES: usize = 3;
+
+/// How the remote tier talks to the bucket.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Bytes per multipart part and per ranged GET: 5 MiB (S3's smallest part) to 1 GiB.
+    /// Default 16 MiB.
+    pub part_size: usize,
+    /// Parts uploaded, or ranges read, at once: 1..=256. Default 8.
+    pub concurrency: usize,
+    /// Retries of a failed request (server errors, timeouts, connection resets), with
+    /// exponential backoff, within `retry_timeout`. Default 3.
+    pub retries: usize,
+    /// Time after which a request is no longer retried. Default 30 s.
+    pub retry_timeout: Duration,
+    /// Settings applied over the environment's, as object_store's `AmazonS3ConfigKey`
+    /// names (`aws_endpoint`, `aws_access_key_id`, `aws_secret_access_key`, `aws_region`,
+    /// `aws_allow_http`, ...). Default none.
+    pub config: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for RemoteOptions {
+    /// The `config` keys only: their values may be secrets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteOptions")
+            .field("part_size", &self.part_size)
+            .field("concurrency", &self.concurrency)
+            .field("retries", &self.retries)
+            .field("retry_timeout", &self.retry_timeout)
+            .field(
+                "config",
+                &self
+                    .config
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            part_size: DEFAULT_PART_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            retries: DEFAULT_RETRIES,
+            retry_timeout: Duration::from_secs(30),
+            config: Vec::new(),
+        }
+    }
+}
+
+impl RemoteOptions {
+    pub(crate) fn validate(&self) -> Result<()> {
+        if !(5 << 20..=1 << 30).contains(&self.part_size) {
+            return Err(Error::Config(format!(
+                "remote part size {} must be between 5 MiB and 1 GiB",
+                self.part_size
+            )));
+        }
+        if !(1..=256).contains(&self.concurrency) {
+            return Err(Error::Config("remote concurrency must be 1..=256".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Where an engine's remote tier goes ([`crate::EngineConfig::with_remote`],
+/// [`crate::EngineConfig::with_remote_store`]).
+#[derive(Debug, Clone)]
+pub(crate) enum RemoteTarget {
+    /// `s3://bucket/prefix`, configured from the environment.
+    Url(String),
+    /// A store given by the caller, and a key prefix.
+    Store {
+        store: Arc<dyn ObjectStore>,
+        prefix: String,
+    },
+}
+
+impl RemoteTarget {
+    pub(crate) fn open(&self, opts: RemoteOptions) -> Result<Remote> {
+        match self {
+            RemoteTarget::Url(u) => Remote::open(u, opts),
+            RemoteTarget::Store { store, prefix } => {
+                let url = format!("{store}/{prefix}");
+                Remote::with_store(Arc::clone(store), prefix, url, opts)
+            }
+        }
+    }
+}
+
+/// A parsed `s3://bucket/prefix` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteUrl {
+    /// Bucket name.
+    pub bucket: String,
+    /// Key prefix without leading or trailing `/` (may be empty).
+    pub prefix: String,
+}
+
+impl RemoteUrl {
+    /// Parse `s3://bucket[/prefix]`. The prefix's segments must be plain names (no `.`,
+    /// `..` or empty segment).
+    pub fn parse(url: &str) -> Result<RemoteUrl> {
+        let bad = |why: &str| Error::Config(format!("remote URL {url:?}: {why}"));
+        let rest = url
+            .strip_prefix("s3://")
+            .ok_or_else(|| bad("must start with s3://"))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if !(3..=63).contains(&bucket.len())
+            || !bucket
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        {
+            return Err(bad(
+                "the bucket name must be 3..=63 lowercase letters, digits, '-' or '.'",
+            ));
+        }
+        let prefix = prefix.trim_end_matches('/');
+        if !prefix.is_empty()
+            && prefix
+                .split('/')
+                .any(|s| s.is_empty() || s == "." || s == ".." || s.starts_with("step-"))
+        {
+            return Err(bad(
+                "the prefix's segments must be non-empty names other than '.', '..' and step-*",
+            ));
+        }
+        Ok(RemoteUrl {
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for RemoteUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.prefix.is_empty() {
+            write!(f, "s3://{}", self.bucket)
+        } else {
+            write!(f, "s3://{}/{}", self.bucket, self.prefix)
+        }
+    }
+}
+
+/// A rank's manifest part: its file entry, and the session of the run that wrote it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Part {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    session: Option<String>,
+    #[serde(flatten)]
+    entry: FileEntry,
+}
+
+/// Whether `root` names a bucket (`s3://...`) rather than a directory.
+pub fn is_remote(root: &str) -> bool {
+    root.starts_with("s3://")
+}
+
+/// A committed step in the bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteStep {
+    /// The step.
+    pub step: u64,
+    /// Its manifest's total bytes (every rank's object).
+    pub total_bytes: u64,
+}
+
+/// What [`Remote::gc`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Steps whose objects were all removed because they had no manifest (an interrupted
+    /// or failed upload), oldest first.
+    pub uncommitted_steps: Vec<u64>,
+    /// Objects removed.
+    pub objects: usize,
+    /// Bytes removed.
+    pub bytes: u64,
+}
+
+/// One bucket prefix holding checkpoints: uploads, commits, listings, reads, retention.
+/// Blocking methods (each runs on the remote's own small tokio runtime; never call them
+/// from inside another tokio runtime).
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    prefix: ObjPath,
+    url: String,
+    opts: RemoteOptions,
+    rt: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("url", &self.url)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("shmckpt-remote-io")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Config(format!("cannot start the remote tier's runtime: {e}")))
+}
+
+impl Remote {
+    /// Open `s3://bucket/prefix` with credentials, region and endpoint from the standard
+    /// AWS environment variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+    /// `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL`,
+    /// `AWS_ALLOW_HTTP=true` for a plain-http endpoint), and check that the bucket can be
+    /// listed: a missing bucket or refused credentials fail here, with the server's answer.
+    pub fn open(url: &str, opts: RemoteOptions) -> Result<Remote> {
+        opts.validate()?;
+        let parsed = RemoteUrl::parse(url)?;
+        let retry = RetryConfig {
+            max_retries: opts.retries,
+            retry_timeout: opts.retry_timeout,
+            ..RetryConfig::default()
+        };
+        let mut builder = object_store::aws::AmazonS3Builder::from_env()
+            .with_bucket_name(&parsed.bucket)
+            .with_retry(retry);
+        // `AWS_REGION` is what the AWS CLI and SDKs read; object_store reads
+        // `AWS_DEFAULT_REGION` and `AWS_REGION` alike, but be explicit.
+        if let Ok(region) = std::env::var("AWS_REGION") {
+            builder = builder.with_region(region);
+        }
+        for (k, v) in &opts.config {
+            let key = k
+                .parse::<object_store::aws::AmazonS3ConfigKey>()
+                .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
+            builder = builder.with_config(key, v);
+        }
+        let store = builder
+            .build()
+            .map_err(|e| remote_err(&parsed.to_string(), "configure", &e))?;
+        let remote = Remote::with_store(Arc::new(store), &parsed.prefix, parsed.to_string(), opts)?;
+        remote.check()?;
+        Ok(remote)
+    }
+
+    /// A remote over any `object_store` store (tests use `InMemory`); `prefix` as in
+    /// [`RemoteUrl`], `url` names it in messages.
+    pub fn with_store(
+        store: Arc<dyn ObjectStore>,
+        prefix: &str,
+        url: impl Into<String>,
+        opts: RemoteOptions,
+    ) -> Result<Remote> {
+        opts.validate()?;
+        let prefix = ObjPath::parse(prefix)
+            .map_err(|e| Error::Config(format!("remote prefix {prefix:?}: {e}")))?;
+        Ok(Remote {
+            store,
+            prefix,
+            url: url.into(),
+            opts,
+            rt: runtime()?,
+        })
+    }
+
+    /// The URL, for messages.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The options.
+    pub fn options(&self) -> &RemoteOptions {
+        &self.opts
+    }
+
+    /// List the prefix once: a missing bucket, refused credentials or an unreachable
+    /// endpoint become a [`Error::Remote`] naming the cause.
+    pub fn check(&self) -> Result<()> {
+        self.block(async {
+            self.store
+                .list_with_delimiter(Some(&self.prefix))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.err("list", &e))
+        })
+    }
+
+    /// Run `f` on the remote's runtime, blocking this thread; inside another tokio
+    /// runtime (where a nested `block_on` would panic) a [`Error::Config`] instead.
+    fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(Error::Config(format!(
+                "{}: the remote tier's calls block; call them from a plain thread, not from inside a tokio runtime",
+                self.url
+            )));
+        }
+        self.rt.block_on(f)
+    }
+
+    fn step_prefix(&self, step: u64) -> ObjPath {
+        self.prefix.clone().join(manifest::step_dir_name(step))
+    }
+
+    fn key(&self, step: u64, name: &str) -> ObjPath {
+        self.step_prefix(step).join(name)
+    }
+
+    /// The object's URL, for messages and errors.
+    fn display(&self, key: &ObjPath) -> PathBuf {
+        let base = self.url.trim_end_matches('/');
+        let rel = key
+            .as_ref()
+            .strip_prefix(self.prefix.as_ref())
+            .unwrap_or(key.as_ref())
+            .trim_start_matches('/');
+        PathBuf::from(format!("{base}/{rel}"))
+    }
+
+    fn err(&self, op: &'static str, e: &object_store::Error) -> Error {
+        remote_err(&self.url, op, e)
+    }
+
+    /// Upload one rank's committed file (`len` bytes of `file`) as
+    /// `step-N/<entry.file>` (a multipart upload, `part_size` parts, `concurrency` in
+    /// flight; aborted on failure), then its manifest part. Returns the bytes uploaded.
+    ///
+    /// A step already committed in the bucket is never written to
+    /// ([`Error::StepExists`]): its objects would no longer match its manifest.
+    ///
+    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_remote_session`])
+    /// is recorded in the manifest part.
+    pub fn upload_rank(
+        &self,
+        step: u64,
+        file: &std::fs::File,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<u64> {
+        let key = self.key(step, &entry.file);
+        self.block(async {
+            match self.store.head(&self.key(step, MANIFEST)).await {
+                Ok(_) => {
+                    return Err(Error::StepExists {
+                        step,
+                        root: PathBuf::from(&self.url),
+                    });
+                }
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("head manifest", &e)),
+            }
+            let upload = self
+                .store
+                .put_multipart(&key)
+                .await
+                .map_err(|e| self.err("create multipart upload", &e))?;
+            let part = self.opts.part_size;
+            let mut w = WriteMultipart::new_with_chunk_size(upload, part);
+            let mut at = 0u64;
+            let res: Result<()> = async {
+                while at < entry.bytes {
+                    w.wait_for_capacity(self.opts.concurrency)
+                        .await
+                        .map_err(|e| self.err("upload part", &e))?;
+                    let n = (entry.bytes - at).min(part as u64) as usize;
+                    let mut buf = vec![0u8; n];
+                    std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, at).map_err(
+                        |e| Error::io_at("read", self.display(&key), at, e),
+                    )?;
+                    w.put(Bytes::from(buf));
+                    at += n as u64;
+                }
+                Ok(())
+            }
+            .await;
+            match res {
+                Ok(()) => {
+                    w.finish()
+                        .await
+                        .map_err(|e| self.err("complete multipart upload", &e))?;
+                }
+                Err(e) => {
+                    if let Err(a) = w.abort().await {
+                        tracing::warn!(error = %a, object = %self.display(&key).display(), "could not abort a failed multipart upload; `shmckpt gc` or a bucket lifecycle rule removes it");
+                    }
+                    return Err(e);
+                }
+            }
+            let part = Part {
+                session: session.map(str::to_owned),
+                entry: entry.clone(),
+            };
+            let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
+            let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
+            self.store
+                .put(&pkey, PutPayload::from(part_json))
+                .await
+                .map_err(|e| self.err("put manifest part", &e))?;
+            Ok(entry.bytes)
+        })
+    }
+
+    /// Commit `step` if every rank's part and object are present: write `manifest.json`
+    /// with a conditional create. Returns the manifest when the step is committed (by this
+    /// call or another rank's), `None` while a rank is missing. `created` is true when this
+    /// call wrote the manifest. With a `session`, a part recorded by another session (a
+    /// rank's upload of an earlier run that used the same step number) counts as missing.
+    pub fn try_commit(
+        &self,
+        step: u64,
+        world_size: u32,
+        metadata: &Metadata,
+        session: Option<&str>,
+    ) -> Result<Option<(Manifest, bool)>> {
+        self.block(async {
+            let mkey = self.key(step, MANIFEST);
+            if let Some(m) = self.read_manifest_async(step).await? {
+                return Ok(Some((m, false)));
+            }
+            let mut files = Vec::with_capacity(world_size as usize);
+            for r in 0..world_size {
+                let pkey = self.key(step, &manifest::rank_manifest_name(r));
+                let bytes = match self.get_capped(&pkey, 1 << 30).await {
+                    Ok(b) => b,
+                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(e) => return Err(self.err("get manifest part", &e)),
+                };
+                let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
+                    Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
+                })?;
+                if session.is_some() && part.session.as_deref() != session {
+                    return Ok(None); // that rank's part of this run is not there yet
+                }
+                let f = part.entry;
+                if f.rank != r || f.file != manifest::rank_file_name(r, world_size) {
+                    return Err(Error::corrupt(
+                        self.display(&pkey),
+                        None,
+                        format!("manifest part of rank {} for file {:?}", f.rank, f.file),
+                    ));
+                }
+                let okey = self.key(step, &f.file);
+                match self.store.head(&okey).await {
+                    Ok(meta) if meta.size == f.bytes => {}
+                    Ok(meta) => {
+                        return Err(Error::corrupt(
+                            self.display(&okey),
+                            None,
+                            format!("object holds {} bytes, its part says {}", meta.size, f.bytes),
+                        ));
+                    }
+                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(e) => return Err(self.err("head", &e)),
+                }
+                files.push(f);
+            }
+            let m = Manifest {
+                format_version: FORMAT_VERSION,
+                step,
+                world_size,
+                created_unix_ms: crate::util::unix_ms(),
+                total_bytes: files.iter().map(|f| f.bytes).sum(),
+                metadata: metadata.clone(),
+                files,
+            };
+            let bytes = serde_json::to_vec_pretty(&m).expect("manifest serializes");
+            // Checked as any manifest read back would be.
+            let m = Manifest::parse(&bytes, &self.display(&mkey))?;
+            let put = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
+            match self.store.put_opts(&mkey, PutPayload::from(bytes), put).await {
+                Ok(_) => Ok(Some((m, true))),
+                Err(object_store::Error::AlreadyExists { .. })
+                | Err(object_store::Error::Precondition { .. }) => {
+                    // Another rank committed first.
+                    match self.read_manifest_async(step).await? {
+                        Some(m) => Ok(Some((m, false))),
+                        None => Err(Error::Remote {
+                            url: self.url.clone(),
+                            op: "commit",
+                            reason: format!(
+                                "the manifest of step {step} exists per the server but cannot be read"
+                            ),
+                        }),
+                    }
+                }
+                Err(e) => Err(self.err("put manifest (conditional create)", &e)),
+            }
+        })
+    }
+
+    async fn get_capped(&self, key: &ObjPath, cap: u64) -> object_store::Result<Bytes> {
+        let r = self.store.get(key).await?;
+        if r.meta.size > cap {
+            return Err(object_store::Error::Generic {
+                store: "shmckpt",
+                source: format!("{} is {} bytes, more than {cap}", key, r.meta.size).into(),
+            });
+        }
+        let mut out = Vec::with_capacity(r.meta.size as usize);
+        let mut s = r.into_stream();
+        while let Some(b) = s.next().await {
+            let b = b?;
+            if out.len() as u64 + b.len() as u64 > cap {
+                return Err(object_store::Error::Generic {
+                    store: "shmckpt",
+                    source: format!("{key} is larger than {cap} bytes").into(),
+                });
+            }
+            out.extend_from_slice(&b);
+        }
+        Ok(Bytes::from(out))
+    }
+
+    async fn read_manifest_async(&self, step: u64) -> Result<Option<Manifest>> {
+        let key = self.key(step, MANIFEST);
+        let bytes = match self.get_capped(&key, MAX_MANIFEST_LEN).await {
+            Ok(b) => b,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(self.err("get manifest", &e)),
+        };
+        let m = Manifest::parse(&bytes, &self.display(&key))?;
+        if m.step != step {
+            return Err(Error::corrupt(
+                self.display(&key),
+                None,
+                format!("manifest is of step {}, its prefix of step {step}", m.step),
+            ));
+        }
+        Ok(Some(m))
+    }
+
+    /// The manifest of committed step `step`.
+    pub fn manifest(&self, step: u64) -> Result<Manifest> {
+        self.block(self.read_manifest_async(step))?
+            .ok_or_else(|| Error::NotFound {
+                what: format!("step {step}"),
+                root: PathBuf::from(&self.url),
+            })
+    }
+
+    /// Every object under the prefix's `step-N/` names, grouped by step (steps sorted).
+    async fn objects_by_step(
+        &self,
+    ) -> Result<std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>> {
+        let mut by = std::collections::BTreeMap::<u64, Vec<_>>::new();
+        let mut s = self.store.list(Some(&self.prefix));
+        while let Some(o) = s.try_next().await.map_err(|e| self.err("list", &e))? {
+            let step = match o.location.prefix_match(&self.prefix) {
+                Some(mut rest) => rest
+                    .next()
+                    .and_then(|first| manifest::parse_step_dir(first.as_ref())),
+                None => None,
+            };
+            if let Some(step) = step {
+                by.entry(step).or_default().push(o);
+            }
+        }
+        Ok(by)
+    }
+
+    /// Committed steps (those with a manifest), oldest first.
+    pub fn list(&self) -> Result<Vec<u64>> {
+        self.block(async {
+            let by = self.objects_by_step().await?;
+            Ok(by
+                .into_iter()
+                .filter(|(_, objs)| objs.iter().any(|o| o.location.filename() == Some(MANIFEST)))
+                .map(|(s, _)| s)
+                .collect())
+        })
+    }
+
+    /// The newest committed step.
+    pub fn latest(&self) -> Result<Option<u64>> {
+        Ok(self.list()?.last().copied())
+    }
+
+    /// Keep the newest `keep` committed steps; delete older ones (manifest first, so a
+    /// step disappears from listings before its objects go). Never deletes the newest
+    /// committed step, nor any step not older than it (uploads in progress). Returns the
+    /// deleted steps.
+    pub fn apply_retention(&self, keep: usize) -> Result<Vec<u64>> {
+        let keep = keep.max(1);
+        let committed = self.list()?;
+        if committed.len() <= keep {
+            return Ok(Vec::new());
+        }
+        let newest = *committed.last().expect("non-empty");
+        let doomed: Vec<u64> = committed[..committed.len() - keep]
+            .iter()
+            .copied()
+            .filter(|&s| s < newest)
+            .collect();
+        self.block(async {
+            let by = self.objects_by_step().await?;
+            for &s in &doomed {
+                self.store
+                    .delete(&self.key(s, MANIFEST))
+                    .await
+                    .map_err(|e| self.err("delete", &e))?;
+                for o in by.get(&s).into_iter().flatten() {
+                    if o.location.filename() == Some(MANIFEST) {
+                        continue;
+                    }
+                    match self.store.delete(&o.location).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(self.err("delete", &e)),
+                    }
+                }
+            }
+            Ok(doomed)
+        })
+    }
+
+    /// Remove the objects of uncommitted steps (no manifest) whose newest object is older
+    /// than `min_age`: what an interrupted or failed upload left. A step younger than that
+    /// may be an upload in progress and is kept. Multipart uploads that a killed process
+    /// left open are not visible through `object_store`: a bucket lifecycle rule
+    /// (`AbortIncompleteMultipartUpload`) removes those.
+    pub fn gc(&self, min_age: Duration) -> Result<GcReport> {
+        let now_ms = crate::util::unix_ms() as i64;
+        let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
+        self.block(async {
+            let by = self.objects_by_step().await?;
+            let mut rep = GcReport::default();
+            for (step, objs) in by {
+                if objs.iter().any(|o| o.location.filename() == Some(MANIFEST)) {
+                    continue;
+                }
+                let newest = objs
+                    .iter()
+                    .map(|o| o.last_modified.timestamp_millis())
+                    .max()
+                    .unwrap_or(i64::MIN);
+                if now_ms.saturating_sub(newest) < min_ms {
+                    continue;
+                }
+                for o in &objs {
+                    match self.store.delete(&o.location).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(self.err("delete", &e)),
+                    }
+                    rep.objects += 1;
+                    rep.bytes = rep.bytes.saturating_add(o.size);
+                }
+                rep.uncommitted_steps.push(step);
+            }
+            Ok(rep)
+        })
+    }
+
+    /// Ranged GETs of `key`, `concurrency` in flight, yielded in order.
+    fn ranges<'a>(
+        &'a self,
+        key: &'a ObjPath,
+        ranges: Vec<Range<u64>>,
+    ) -> impl futures::Stream<Item = (Range<u64>, object_store::Result<Bytes>)> + 'a {
+        futures::stream::iter(ranges)
+            .map(move |r| async move {
+                let got = self.store.get_range(key, r.clone()).await;
+                (r, got)
+            })
+            .buffered(self.opts.concurrency)
+    }
+}
+
+/// A typed error for an object-store failure, naming the likely cause.
+fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
+    let text = e.to_string();
+    let denied = matches!(
+        e,
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+    ) || [
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403 Forbidden",
+    ]
+    .iter()
+    .any(|c| text.contains(c));
+    let cause = if text.contains("NoSuchBucket") {
+        "the bucket does not exist (check the URL and AWS_ENDPOINT_URL): "
+    } else if denied {
+        "access refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy): "
+    } else {
+        ""
+    };
+    Error::Remote {
+        url: url.to_owned(),
+        op,
+        reason: format!("{cause}{text}"),
+    }
+}
+
+#[cfg(test)]
+mod tests;

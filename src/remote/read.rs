@@ -1,0 +1,296 @@
+//! Reading a committed step back from the bucket: ranged GETs in parallel, every check of
+//! a local read (object size, safetensors header against the manifest, CRC-32C of every
+//! tensor), never trusting what the bucket returns.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+
+use super::Remote;
+use crate::error::{Error, Result};
+use crate::manifest::{FileEntry, Manifest, Metadata};
+use crate::restore::header::{check_header_json, header_len};
+use crate::restore::{Checkpoint, Discard, ReadSink, for_pieces};
+use crate::tensor::{AlignedBytes, LoadedTensor};
+
+/// What a read from the bucket did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteLoad {
+    /// Step read.
+    pub step: u64,
+    /// Bytes read (header and data).
+    pub bytes: u64,
+    /// Time taken.
+    pub elapsed: Duration,
+}
+
+/// Fills one owned buffer per tensor.
+struct Owned {
+    bufs: Vec<AlignedBytes>,
+}
+
+impl ReadSink for Owned {
+    fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
+        // `at + len` is within the tensor: `for_pieces` cuts pieces at tensor bounds.
+        let at = at as usize;
+        self.bufs[tensor].as_bytes_mut()[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+impl Remote {
+    /// Read `rank`'s object of committed step `step` into `sink` (file order), checking
+    /// the object's size and header against the manifest and every tensor's CRC-32C.
+    /// Returns the manifest and what was read.
+    pub fn read_rank(
+        &self,
+        step: u64,
+        rank: u32,
+        sink: &mut dyn ReadSink,
+    ) -> Result<(Manifest, RemoteLoad)> {
+        let t = Instant::now();
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        let (bytes, _) = self.read_entry(step, entry, sink)?;
+        let load = RemoteLoad {
+            step,
+            bytes,
+            elapsed: t.elapsed(),
+        };
+        Ok((m, load))
+    }
+
+    /// The object `key` has exactly the size `entry` says (checked before anything is
+    /// allocated or read on the manifest's word).
+    async fn check_size(&self, key: &object_store::path::Path, entry: &FileEntry) -> Result<()> {
+        let path = self.display(key);
+        let meta = self
+            .store
+            .head(key)
+            .await
+            .map_err(|e| self.err("head", &e))?;
+        if meta.size < entry.bytes {
+            return Err(Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual: meta.size,
+            });
+        }
+        if meta.size > entry.bytes {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!(
+                    "{} trailing bytes after the last tensor",
+                    meta.size - entry.bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read one rank's object; returns its bytes and its header's `__metadata__`.
+    fn read_entry(
+        &self,
+        step: u64,
+        entry: &FileEntry,
+        sink: &mut dyn ReadSink,
+    ) -> Result<(u64, Metadata)> {
+        let key = self.key(step, &entry.file);
+        let path: PathBuf = self.display(&key);
+        let part = self.opts.part_size as u64;
+        self.block(async {
+            self.check_size(&key, entry).await?;
+            // The header: its length, then its JSON, against the manifest.
+            let get = |r: std::ops::Range<u64>| {
+                let key = &key;
+                async move { self.store.get_range(key, r).await }
+            };
+            let n8 = get(0..8).await.map_err(|e| self.err("get", &e))?;
+            let n8: [u8; 8] = n8[..]
+                .try_into()
+                .map_err(|_| Error::corrupt(&path, None, "short read of the header length"))?;
+            let n = header_len(n8, &path, entry)?;
+            let hdr = get(8..entry.data_start)
+                .await
+                .map_err(|e| self.err("get", &e))?;
+            if hdr.len() as u64 != n {
+                return Err(Error::corrupt(&path, None, "short read of the header"));
+            }
+            let header = check_header_json(&hdr, &path, entry)?;
+            let file_meta: Metadata = header
+                .metadata()
+                .as_ref()
+                .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+                .unwrap_or_default();
+            // The data section, in order, `concurrency` ranges in flight.
+            let data_len = entry.bytes - entry.data_start;
+            let ranges: Vec<_> = (0..data_len.div_ceil(part))
+                .map(|k| {
+                    let b = k * part;
+                    let e = (b + part).min(data_len);
+                    entry.data_start + b..entry.data_start + e
+                })
+                .collect();
+            let mut crcs = vec![0u32; entry.tensors.len()];
+            let mut s = std::pin::pin!(self.ranges(&key, ranges));
+            while let Some((r, got)) = s.next().await {
+                let got = got.map_err(|e| self.err("get", &e))?;
+                if got.len() as u64 != r.end - r.start {
+                    return Err(Error::corrupt(
+                        &path,
+                        None,
+                        format!(
+                            "ranged read of {}..{} returned {} bytes",
+                            r.start,
+                            r.end,
+                            got.len()
+                        ),
+                    ));
+                }
+                for_pieces(
+                    &entry.tensors,
+                    r.start - entry.data_start,
+                    &got,
+                    |i, at, p| {
+                        crcs[i] = crc32c::crc32c_append(crcs[i], p);
+                        sink.piece(i, at, p)
+                    },
+                )?;
+                sink.chunk_end()?;
+            }
+            for (t, &crc) in entry.tensors.iter().zip(&crcs) {
+                if crc != t.crc32c {
+                    return Err(Error::Checksum {
+                        path: path.clone(),
+                        tensor: t.name.clone(),
+                        expected: t.crc32c,
+                        actual: crc,
+                    });
+                }
+            }
+            Ok((entry.bytes, file_meta))
+        })
+    }
+
+    /// Load `rank`'s tensors of committed step `step` into owned buffers, every checksum
+    /// verified. The checkpoint's metadata is the rank file's (its safetensors header's
+    /// `__metadata__`).
+    pub fn load(&self, step: u64, rank: u32) -> Result<(Checkpoint, RemoteLoad)> {
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        // Sizes come from a parsed manifest (offsets contiguous, each equal to its dtype and
+        // shape's size, summing to the file size): the object must have that size before
+        // anything is allocated on the manifest's word.
+        self.block(self.check_size(&self.key(step, &entry.file), entry))?;
+        let mut sink = Owned {
+            bufs: entry
+                .tensors
+                .iter()
+                .map(|t| {
+                    usize::try_from(t.len())
+                        .map(AlignedBytes::zeroed)
+                        .map_err(|_| {
+                            Error::corrupt(
+                                self.display(&self.key(step, &entry.file)),
+                                Some(&t.name),
+                                "larger than the address space",
+                            )
+                        })
+                })
+                .collect::<Result<_>>()?,
+        };
+        let t = Instant::now();
+        let (bytes, file_meta) = self.read_entry(step, entry, &mut sink)?;
+        let tensors = entry
+            .tensors
+            .iter()
+            .zip(sink.bufs)
+            .map(|(t, data)| LoadedTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data,
+            })
+            .collect();
+        let ck = Checkpoint {
+            step,
+            dir: PathBuf::from(format!(
+                "{}/{}",
+                self.url.trim_end_matches('/'),
+                crate::manifest::step_dir_name(step)
+            )),
+            // This rank's file's metadata (its header's): with several ranks, the manifest
+            // holds the committing rank's.
+            metadata: file_meta,
+            tensors,
+        };
+        Ok((
+            ck,
+            RemoteLoad {
+                step,
+                bytes,
+                elapsed: t.elapsed(),
+            },
+        ))
+    }
+
+    /// Load `rank`'s tensors of `step` into caller buffers by name (each exactly its
+    /// tensor's size), every checksum verified.
+    pub fn load_into(
+        &self,
+        step: u64,
+        rank: u32,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<RemoteLoad> {
+        let t = Instant::now();
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
+        let order = crate::restore::match_destinations(entry, &named)?;
+        let mut slots: Vec<Option<&mut [u8]>> =
+            dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+        let ordered = order
+            .iter()
+            .map(|&i| slots[i].take().expect("each destination used once"))
+            .collect();
+        let mut sink = crate::restore::sink::HostSink { dest: ordered };
+        let (bytes, _) = self.read_entry(step, entry, &mut sink)?;
+        Ok(RemoteLoad {
+            step,
+            bytes,
+            elapsed: t.elapsed(),
+        })
+    }
+
+    /// Verify every rank's object of committed step `step` (sizes, headers, checksums).
+    /// Returns the bytes read.
+    pub fn verify(&self, step: u64) -> Result<u64> {
+        let m = self.manifest(step)?;
+        let mut total = 0u64;
+        for f in &m.files {
+            total = total.saturating_add(self.read_entry(step, f, &mut Discard)?.0);
+        }
+        Ok(total)
+    }
+}

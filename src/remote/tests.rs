@@ -1,0 +1,647 @@
+//! The remote tier against object_store's `InMemory` (and a wrapper of it that fails
+//! chosen requests, as object_store's `throttle.rs` wraps a store to slow it).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::path::Path as ObjPath;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
+};
+
+use super::*;
+use crate::{Dtype, EngineConfig, LoadSource, StepSel, Tensor};
+
+/// Fails the `n`-th multipart part (counting from 1) and every later one while armed.
+#[derive(Debug)]
+struct FailParts {
+    inner: Arc<InMemory>,
+    fail_from: Arc<AtomicUsize>,
+    parts: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Display for FailParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FailParts({})", self.inner)
+    }
+}
+
+#[derive(Debug)]
+struct FailUpload {
+    inner: Box<dyn MultipartUpload>,
+    fail_from: Arc<AtomicUsize>,
+    parts: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl MultipartUpload for FailUpload {
+    fn put_part(&mut self, data: PutPayload) -> UploadPart {
+        let n = self.parts.fetch_add(1, Ordering::SeqCst) + 1;
+        let from = self.fail_from.load(Ordering::SeqCst);
+        if from != 0 && n >= from {
+            return Box::pin(async move {
+                Err(object_store::Error::Generic {
+                    store: "FailParts",
+                    source: format!("injected failure of part {n} (503 Slow Down)").into(),
+                })
+            });
+        }
+        self.inner.put_part(data)
+    }
+    async fn complete(&mut self) -> object_store::Result<PutResult> {
+        self.inner.complete().await
+    }
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.inner.abort().await
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for FailParts {
+    async fn put_opts(
+        &self,
+        location: &ObjPath,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjPath,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        Ok(Box::new(FailUpload {
+            inner: self.inner.put_multipart_opts(location, opts).await?,
+            fail_from: Arc::clone(&self.fail_from),
+            parts: Arc::clone(&self.parts),
+        }))
+    }
+    async fn get_opts(
+        &self,
+        location: &ObjPath,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<ObjPath>>,
+    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
+        self.inner.delete_stream(locations)
+    }
+    fn list(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(
+        &self,
+        from: &ObjPath,
+        to: &ObjPath,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+fn small(root: &std::path::Path, store: Arc<dyn ObjectStore>) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_staging_capacity(16 << 20)
+        .with_chunk_size(1 << 20)
+        .with_writer_threads(1)
+        .with_direct_io(false)
+        .with_backend(crate::BackendKind::Pwrite)
+        .with_remote_store(store, "run1")
+        .with_remote_options(RemoteOptions {
+            part_size: 5 << 20,
+            concurrency: 4,
+            ..RemoteOptions::default()
+        })
+}
+
+/// 11 MiB of f32 over three tensors (three 5 MiB parts) plus an empty one.
+fn state(seed: u32) -> Vec<(String, Vec<u8>, Vec<usize>)> {
+    let mk = |n: usize, k: u32| -> Vec<u8> {
+        (0..n as u32)
+            .flat_map(|i| (i.wrapping_mul(2654435761) ^ k).to_le_bytes())
+            .collect()
+    };
+    vec![
+        ("a".into(), mk(1 << 20, seed), vec![1 << 20]),
+        ("b".into(), mk(3 << 19, seed + 1), vec![3 << 19]),
+        ("c".into(), mk(1000, seed + 2), vec![10, 100]),
+        ("empty".into(), Vec::new(), vec![0]),
+    ]
+}
+
+fn tensors(s: &[(String, Vec<u8>, Vec<usize>)]) -> Vec<Tensor<'_>> {
+    s.iter()
+        .map(|(n, d, sh)| Tensor::host(n.as_str(), Dtype::F32, sh.clone(), d))
+        .collect()
+}
+
+fn objects(store: &InMemory) -> Vec<String> {
+    let rt = runtime().unwrap();
+    let mut v: Vec<String> = rt.block_on(async {
+        store
+            .list(None)
+            .map(|o| o.unwrap().location.to_string())
+            .collect()
+            .await
+    });
+    v.sort();
+    v
+}
+
+#[test]
+fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone()).build().unwrap();
+    let s = state(7);
+    let h = engine.save(5, &tensors(&s), &Metadata::new()).unwrap();
+    let progress = h.remote().unwrap();
+    let local = h.wait().unwrap();
+    let rep = progress.wait().unwrap();
+    assert_eq!(rep.step, 5);
+    assert_eq!(rep.bytes, local.bytes);
+    assert!(rep.committed_here);
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "run1/step-5/manifest.json",
+            "run1/step-5/rank-00000-of-00001.safetensors",
+            "run1/step-5/rank-00000.manifest.json",
+        ]
+    );
+    // The object is the local file, byte for byte.
+    let file = std::fs::read(dir.path().join("step-5/rank-00000-of-00001.safetensors")).unwrap();
+    let rt = runtime().unwrap();
+    let obj = rt
+        .block_on(async {
+            mem.get(&ObjPath::from(
+                "run1/step-5/rank-00000-of-00001.safetensors",
+            ))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+        })
+        .unwrap();
+    assert_eq!(&obj[..], &file[..]);
+    assert_eq!(engine.list_remote().unwrap(), vec![5]);
+    // The bucket's manifest is the local one but for its commit time.
+    let mut remote_m = engine.remote().unwrap().manifest(5).unwrap();
+    let local_m = engine.manifest(5).unwrap();
+    remote_m.created_unix_ms = local_m.created_unix_ms;
+    assert_eq!(remote_m, local_m);
+
+    // Local copy deleted: `load` falls back to the bucket and says so.
+    std::fs::remove_dir_all(dir.path().join("step-5")).unwrap();
+    let (ck, report) = engine.load_with_report(StepSel::Latest).unwrap();
+    assert_eq!(report.source, LoadSource::Remote);
+    assert_eq!(ck.step, 5);
+    let names: Vec<&str> = ck.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, vec!["a", "b", "c", "empty"]);
+    for (t, (_, d, sh)) in ck.tensors.iter().zip(&s) {
+        assert_eq!(t.data.as_bytes(), &d[..], "tensor {}", t.name);
+        assert_eq!(&t.shape, sh);
+    }
+    // load_into from the bucket.
+    let mut bufs: Vec<Vec<u8>> = s.iter().map(|(_, d, _)| vec![0xAA; d.len()]).collect();
+    let mut dest: Vec<(&str, &mut [u8])> = s
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|((n, _, _), b)| (n.as_str(), b.as_mut_slice()))
+        .collect();
+    let got = engine.load_into_remote(5, &mut dest).unwrap();
+    assert_eq!(got.bytes, local.bytes);
+    for (b, (_, d, _)) in bufs.iter().zip(&s) {
+        assert_eq!(b, d);
+    }
+    // And `load_into` falls back to the bucket.
+    let mut bufs: Vec<Vec<u8>> = s.iter().map(|(_, d, _)| vec![0x55; d.len()]).collect();
+    let mut dest: Vec<(&str, &mut [u8])> = s
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|((n, _, _), b)| (n.as_str(), b.as_mut_slice()))
+        .collect();
+    assert_eq!(engine.load_into(StepSel::Latest, &mut dest).unwrap(), 5);
+    for (b, (_, d, _)) in bufs.iter().zip(&s) {
+        assert_eq!(b, d);
+    }
+    assert_eq!(engine.remote().unwrap().verify(5).unwrap(), local.bytes);
+    engine.close();
+}
+
+#[test]
+fn retention_keeps_the_newest_steps_in_the_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone())
+        .with_remote_keep_last(Some(2))
+        .with_keep_last(Some(1))
+        .build()
+        .unwrap();
+    let s = state(1);
+    let mut retired = Vec::new();
+    for step in 1..=4 {
+        let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
+        let p = h.remote().unwrap();
+        h.wait().unwrap();
+        retired.extend(p.wait().unwrap().retired);
+    }
+    assert_eq!(retired, vec![1, 2]);
+    assert_eq!(engine.list_remote().unwrap(), vec![3, 4]);
+    assert_eq!(
+        engine
+            .list()
+            .unwrap()
+            .iter()
+            .map(|c| c.step)
+            .collect::<Vec<_>>(),
+        vec![4]
+    );
+    // Nothing of the retired steps is left.
+    assert!(
+        objects(&mem)
+            .iter()
+            .all(|k| k.starts_with("run1/step-3/") || k.starts_with("run1/step-4/"))
+    );
+    // Step 3 is only in the bucket now: loaded from there.
+    let (ck, report) = engine.load_with_report(3).unwrap();
+    assert_eq!(report.source, LoadSource::Remote);
+    assert_eq!(ck.tensors[0].data.as_bytes(), &s[0].1[..]);
+    engine.close();
+}
+
+#[test]
+fn retention_never_deletes_the_newest_step() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem.clone(), "p", "mem://p", RemoteOptions::default()).unwrap();
+    let rt = runtime().unwrap();
+    for step in [3u64, 9] {
+        rt.block_on(mem.put(
+            &ObjPath::from(format!("p/step-{step}/manifest.json")),
+            PutPayload::from("{}"),
+        ))
+        .unwrap();
+    }
+    // An upload in progress (no manifest) of a step newer than the newest committed one.
+    rt.block_on(mem.put(
+        &ObjPath::from("p/step-12/rank-00000.manifest.json"),
+        PutPayload::from("{}"),
+    ))
+    .unwrap();
+    assert_eq!(r.apply_retention(1).unwrap(), vec![3]);
+    assert_eq!(r.list().unwrap(), vec![9]);
+    assert_eq!(r.apply_retention(1).unwrap(), Vec::<u64>::new());
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "p/step-12/rank-00000.manifest.json",
+            "p/step-9/manifest.json"
+        ]
+    );
+}
+
+#[test]
+fn a_failed_part_aborts_the_upload_and_leaves_no_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let fail_from = Arc::new(AtomicUsize::new(2));
+    let store = Arc::new(FailParts {
+        inner: mem.clone(),
+        fail_from: Arc::clone(&fail_from),
+        parts: Arc::default(),
+    });
+    let engine = small(dir.path(), store).build().unwrap();
+    let s = state(3);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    // The local tier is not held back: committed.
+    h.wait().unwrap();
+    let e = p.wait().unwrap_err();
+    assert!(matches!(&e, Error::RemoteFailed { step: 1, .. }), "{e}");
+    // Part 2 fails, and part 3 too if it was started: either is reported.
+    assert!(e.to_string().contains("injected failure of part "), "{e}");
+    assert!(objects(&mem).is_empty(), "{:?}", objects(&mem));
+    assert_eq!(engine.list_remote().unwrap(), Vec::<u64>::new());
+    // The next save works.
+    fail_from.store(0, Ordering::SeqCst);
+    let h = engine.save(2, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    assert_eq!(p.wait().unwrap().step, 2);
+    assert_eq!(engine.list_remote().unwrap(), vec![2]);
+    engine.close();
+}
+
+/// What a bucket returns is not trusted: a flipped byte, a truncated object, a manifest
+/// claiming a larger object, a manifest of another step are typed errors.
+#[test]
+fn hostile_bucket_contents_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone()).build().unwrap();
+    let s = state(5);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    p.wait().unwrap();
+    let r = engine.remote().unwrap();
+    let rt = runtime().unwrap();
+    let key = ObjPath::from("run1/step-1/rank-00000-of-00001.safetensors");
+    let good = rt
+        .block_on(async { mem.get(&key).await.unwrap().bytes().await })
+        .unwrap();
+
+    let mut flipped = good.to_vec();
+    let last = flipped.len() - 10;
+    flipped[last] ^= 1;
+    rt.block_on(mem.put(&key, PutPayload::from(flipped)))
+        .unwrap();
+    match r.load(1, 0) {
+        Err(Error::Checksum { tensor, .. }) => assert_eq!(tensor, "c"),
+        other => panic!("{other:?}"),
+    }
+    rt.block_on(mem.put(&key, PutPayload::from(good.slice(..good.len() - 1))))
+        .unwrap();
+    assert!(matches!(r.verify(1), Err(Error::Truncated { .. })));
+    let mut longer = good.to_vec();
+    longer.push(0);
+    rt.block_on(mem.put(&key, PutPayload::from(longer)))
+        .unwrap();
+    assert!(matches!(r.load(1, 0), Err(Error::Corrupt { .. })));
+    // A header that disagrees with the manifest.
+    let mut hdr = good.to_vec();
+    let pos = hdr.windows(3).position(|w| w == b"F32").unwrap();
+    hdr[pos..pos + 3].copy_from_slice(b"I32");
+    rt.block_on(mem.put(&key, PutPayload::from(hdr))).unwrap();
+    assert!(matches!(r.load(1, 0), Err(Error::Corrupt { .. })));
+    // A manifest of another step, and garbage.
+    let mkey = ObjPath::from("run1/step-1/manifest.json");
+    let m = rt
+        .block_on(async { mem.get(&mkey).await.unwrap().bytes().await })
+        .unwrap();
+    let other = String::from_utf8(m.to_vec())
+        .unwrap()
+        .replacen("\"step\": 1", "\"step\": 2", 1);
+    rt.block_on(mem.put(&mkey, PutPayload::from(other)))
+        .unwrap();
+    assert!(matches!(r.manifest(1), Err(Error::Corrupt { .. })));
+    rt.block_on(mem.put(
+        &mkey,
+        PutPayload::from("{\"format_version\": 1, \"step\": 18446744073709551615"),
+    ))
+    .unwrap();
+    assert!(matches!(r.manifest(1), Err(Error::Corrupt { .. })));
+    assert!(matches!(r.manifest(77), Err(Error::NotFound { .. })));
+    engine.close();
+}
+
+#[test]
+fn gc_removes_uncommitted_steps_only() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem.clone(), "", "mem://", RemoteOptions::default()).unwrap();
+    let rt = runtime().unwrap();
+    for k in [
+        "step-1/manifest.json",
+        "step-1/rank-00000-of-00001.safetensors",
+        "step-2/rank-00000-of-00001.safetensors",
+        "step-2/rank-00000.manifest.json",
+        "other/file",
+    ] {
+        rt.block_on(mem.put(&ObjPath::from(k), PutPayload::from("xyz")))
+            .unwrap();
+    }
+    // Younger than the minimum age: kept (it may be an upload in progress).
+    assert_eq!(
+        r.gc(std::time::Duration::from_secs(3600)).unwrap(),
+        GcReport::default()
+    );
+    let rep = r.gc(std::time::Duration::ZERO).unwrap();
+    assert_eq!(rep.uncommitted_steps, vec![2]);
+    assert_eq!((rep.objects, rep.bytes), (2, 6));
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "other/file",
+            "step-1/manifest.json",
+            "step-1/rank-00000-of-00001.safetensors"
+        ]
+    );
+}
+
+#[test]
+fn urls_are_parsed_strictly() {
+    let u = RemoteUrl::parse("s3://bucket-1/run/a/").unwrap();
+    assert_eq!(
+        (u.bucket.as_str(), u.prefix.as_str()),
+        ("bucket-1", "run/a")
+    );
+    assert_eq!(u.to_string(), "s3://bucket-1/run/a");
+    assert_eq!(RemoteUrl::parse("s3://bkt").unwrap().prefix, "");
+    for bad in [
+        "/tmp/x",
+        "s3://",
+        "s3://bk/x",
+        "s3://Bucket/x",
+        "s3://bkt/a//c",
+        "s3://bkt/../x",
+        "s3://bkt/step-3",
+        "gs://bkt/x",
+    ] {
+        assert!(
+            matches!(RemoteUrl::parse(bad), Err(Error::Config(_))),
+            "{bad}"
+        );
+    }
+}
+
+/// Backpressure: with one save allowed to wait behind a slow upload, a burst of saves
+/// skips the intermediate steps (reported on their progress), uploads the first and the
+/// newest, and the local tier commits all of them without waiting.
+#[test]
+fn a_slow_bucket_skips_intermediate_steps() {
+    use object_store::throttle::{ThrottleConfig, ThrottledStore};
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let slow = ThrottledStore::new(
+        Arc::clone(&mem),
+        ThrottleConfig {
+            wait_put_per_call: std::time::Duration::from_millis(400),
+            ..ThrottleConfig::default()
+        },
+    );
+    let engine = small(dir.path(), Arc::new(slow))
+        .with_remote_max_pending(1)
+        .build()
+        .unwrap();
+    let s = state(9);
+    let t = std::time::Instant::now();
+    let mut progress = Vec::new();
+    for step in 1..=4 {
+        let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
+        progress.push(h.remote().unwrap());
+        h.wait().unwrap();
+    }
+    // The local tier did not wait for the bucket (one upload takes >= 4 throttled puts).
+    let local = t.elapsed();
+    let results: Vec<_> = progress.iter().map(|p| p.wait()).collect();
+    assert!(
+        local < std::time::Duration::from_millis(1600),
+        "local saves took {local:?}"
+    );
+    assert_eq!(results[0].as_ref().unwrap().step, 1);
+    for (i, r) in results.iter().enumerate().take(3).skip(1) {
+        match r {
+            Err(Error::RemoteSkipped { step, reason }) => {
+                assert_eq!(*step, i as u64 + 1);
+                assert!(reason.contains("remote_max_pending"), "{reason}");
+            }
+            other => panic!("step {}: {other:?}", i + 1),
+        }
+    }
+    assert_eq!(results[3].as_ref().unwrap().step, 4);
+    assert_eq!(engine.list_remote().unwrap(), vec![1, 4]);
+    engine.close();
+}
+
+/// A manifest that claims more bytes than the object holds is an error before anything
+/// is allocated on its word (`load` allocated a tensor of 2^60 bytes before it looked at
+/// the object, and the process aborted).
+#[test]
+fn a_manifest_claiming_a_huge_tensor_is_an_error_not_an_allocation() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem.clone(), "", "mem://", RemoteOptions::default()).unwrap();
+    let rt = runtime().unwrap();
+    let len: u64 = 1 << 60;
+    let m = format!(
+        r#"{{"format_version":1,"step":1,"world_size":1,"created_unix_ms":0,"total_bytes":{},
+        "metadata":{{}},"files":[{{"rank":0,"file":"rank-00000-of-00001.safetensors",
+        "bytes":{},"data_start":4096,"tensors":[{{"name":"t","dtype":"U8","shape":[{len}],
+        "data_offsets":[0,{len}],"crc32c":0}}]}}]}}"#,
+        len + 4096,
+        len + 4096
+    );
+    rt.block_on(mem.put(&ObjPath::from("step-1/manifest.json"), PutPayload::from(m)))
+        .unwrap();
+    rt.block_on(mem.put(
+        &ObjPath::from("step-1/rank-00000-of-00001.safetensors"),
+        PutPayload::from(vec![0u8; 4096 + 16]),
+    ))
+    .unwrap();
+    match r.load(1, 0) {
+        Err(Error::Truncated {
+            expected, actual, ..
+        }) => assert_eq!((expected, actual), (len + 4096, 4096 + 16)),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A step already committed in the bucket is never overwritten by a later save of the
+/// same step number (its objects would no longer match its manifest).
+#[test]
+fn a_committed_step_is_never_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone()).build().unwrap();
+    let s = state(1);
+    let h = engine.save(2, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    p.wait().unwrap();
+    std::fs::remove_dir_all(dir.path().join("step-2")).unwrap();
+    let other = state(2);
+    let h = engine.save(2, &tensors(&other), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    match p.wait() {
+        Err(Error::RemoteFailed { step: 2, source }) => {
+            assert!(
+                matches!(&*source, Error::StepExists { step: 2, .. }),
+                "{source}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let (ck, _) = engine.load_remote(2).unwrap();
+    assert_eq!(ck.tensors[0].data.as_bytes(), &s[0].1[..]);
+    engine.close();
+}
+
+/// Two ranks on separate roots sharing one bucket. An earlier run ("old") had rank 1
+/// upload step 7 and died before rank 0 did; a new run ("new") saves step 7 again, rank 0
+/// first: rank 1's stale part must not count, so the step commits only with both of the
+/// new run's objects. Without sessions, rank 0 committed the stale rank-1 object.
+#[test]
+fn a_stale_part_of_an_earlier_run_never_commits() {
+    let mem = Arc::new(InMemory::new());
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let open = |rank: u32, session: &str| {
+        small(dirs[rank as usize].path(), mem.clone())
+            .with_rank(rank, 2)
+            .with_remote_session(Some(session.to_owned()))
+            .build()
+            .unwrap()
+    };
+    let save = |e: &crate::Engine, seed: u32| {
+        let s = state(seed);
+        let h = e.save(7, &tensors(&s), &Metadata::new()).unwrap();
+        let p = h.remote().unwrap();
+        h.wait().unwrap();
+        p
+    };
+    // The earlier run: only rank 1's object and part reach the bucket.
+    let old1 = open(1, "old");
+    let p = save(&old1, 100);
+    assert!(
+        p.wait_timeout(Some(std::time::Duration::from_millis(300)))
+            .is_none()
+    );
+    old1.close();
+    // The new run, rank 0 first: not committed (rank 1's part is of another session).
+    let (new0, new1) = (open(0, "new"), open(1, "new"));
+    let p0 = save(&new0, 1);
+    assert!(
+        p0.wait_timeout(Some(std::time::Duration::from_millis(300)))
+            .is_none()
+    );
+    assert_eq!(new0.list_remote().unwrap(), Vec::<u64>::new());
+    let p1 = save(&new1, 2);
+    let (r0, r1) = (p0.wait().unwrap(), p1.wait().unwrap());
+    assert!(!r0.committed_here && r1.committed_here);
+    let (ck, _) = new1.load_remote(7).unwrap();
+    assert_eq!(ck.tensors[0].data.as_bytes(), &state(2)[0].1[..]);
+    let (ck, _) = new0.load_remote(7).unwrap();
+    assert_eq!(ck.tensors[0].data.as_bytes(), &state(1)[0].1[..]);
+}
+
+/// Called from inside a tokio runtime (where tokio panics on a nested `block_on`), the
+/// remote's calls return an error.
+#[test]
+fn calls_from_inside_a_tokio_runtime_are_an_error_not_a_panic() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem, "p", "mem://p", RemoteOptions::default()).unwrap();
+    let outer = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let got = outer.block_on(async { r.list() });
+    match got {
+        Err(Error::Config(m)) => assert!(m.contains("not from inside a tokio runtime"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.list().unwrap(), Vec::<u64>::new());
+}
