@@ -57,6 +57,7 @@ pub(crate) mod plan;
 pub mod recover;
 #[cfg(feature = "s3")]
 pub mod remote;
+pub mod replica;
 pub mod restore;
 pub(crate) mod slab;
 pub(crate) mod staging;

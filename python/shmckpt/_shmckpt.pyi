@@ -151,3 +151,41 @@ def publish_dir(dir: str, files: Sequence[Tuple[str, bytes]], target: str) -> No
 def release_device_ring() -> None:
     """Free the registered read buffers of device reads (made again by the next one)."""
     ...
+
+# Peer replicas (shmckpt.replicas; the protocol is the crate's shmckpt::replica).
+def replica_plan(nodes: Sequence[str], replicas: int) -> List[List[int]]:
+    """For each rank, the ranks on other machines that hold its replicas (``nodes[r]``:
+    rank r's machine). ``ConfigError`` when ``replicas`` is not below the machine count."""
+    ...
+
+def replica_name(root: str, rank: int, step: int) -> str:
+    """The ``/dev/shm`` name of the replica of ``rank``'s image of ``step`` of ``root``."""
+    ...
+
+def replica_tag(root: str) -> str:
+    """The tag replica names carry for ``root`` (FNV-1a 64 of the canonical path)."""
+    ...
+
+def replica_read_committed(root: str, step: int, rank: int) -> Buffer:
+    """``rank``'s committed file of ``step``, read and checked against the manifest."""
+    ...
+
+def replica_store(root: str, step: int, rank: int, data: bytes) -> str:
+    """Check ``data`` as ``rank``'s image of ``step`` and store it as a replica; its name."""
+    ...
+
+def replica_load(root: str, step: int, rank: int) -> Buffer:
+    """This user's replica of ``rank``'s image of ``step``, checked in full."""
+    ...
+
+def replica_restore_file(root: str, step: int, rank: int, data: bytes) -> str:
+    """Check ``data`` as ``rank``'s image of ``step``; write it back as that rank's file."""
+    ...
+
+def replica_list() -> List[Tuple[str, str, int, int, int, int]]:
+    """Every replica in ``/dev/shm``: ``(name, root tag, rank, step, bytes, owner uid)``."""
+    ...
+
+def replica_remove(name: str) -> None:
+    """Remove this user's replica ``name`` (never through a link)."""
+    ...

@@ -20,7 +20,7 @@ import numpy as np
 from . import _shmckpt
 from . import _state
 from . import remote as _remote
-from .errors import CorruptError, DestinationError, NotFound, UnsafePath
+from .errors import ConfigError, CorruptError, DestinationError, NotFound, UnsafePath
 
 try:
     import torch
@@ -85,6 +85,7 @@ class SaveHandle:
         self._future: Optional[concurrent.futures.Future] = None
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
+        self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
         # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
         self._devices: List[int] = []
 
@@ -170,6 +171,15 @@ class SaveHandle:
             self._poll()
         self._release()
         return rep
+
+    def wait_replicated(self) -> Dict[str, Any]:
+        """Wait until the step, replicated in the background once committed, is held and
+        CRC-checked by ``replicas`` ranks on other machines for every rank; returns the
+        replication report (``docs/replicas.md``).
+        :class:`~shmckpt.errors.ReplicationError` when it is not."""
+        if self._replicator is None:
+            raise ConfigError("wait_replicated() needs a Checkpointer made with replicas > 0")
+        return self._replicator.wait_replicated(self)
 
     def wait_remote(self) -> Dict[str, Any]:
         """Block until the step is committed in the bucket (``remote=...``); returns the
@@ -336,6 +346,9 @@ class Checkpointer:
         recover_on_open: Optional[bool] = None,
         shm_name: Optional[str] = None,
         keep_in_memory: bool = False,
+        replicas: int = 0,
+        node: Optional[str] = None,
+        replica_group: Any = None,
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
@@ -389,17 +402,30 @@ class Checkpointer:
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        self._replicator: Optional[Any] = None
+        if replicas:
+            from .replicas import Replicator
+
+            try:
+                self._replicator = Replicator(self, replicas, node, replica_group)
+            except BaseException:
+                self._engine.close()
+                raise
         _OPEN.add(self)
 
     @property
-    def last_load_source(self) -> Optional[Tuple[str, Optional[str]]]:
+    def last_load_source(self) -> Optional[Tuple[str, Any]]:
         """Which path served the last :meth:`load` (or device :meth:`load_into`): ``("disk", reason)``
         or ``("memory", problem)``; ``reason`` says why shared memory could not serve it when
         ``keep_in_memory`` is on (else ``None``); ``problem`` is ``None`` unless the check of
         the checkpoint file on disk (its size and header, against the kept image) failed: the
         load's bytes are right, but a load from disk would fail (``shmckpt verify`` checks
-        every byte). ``None`` before the first load."""
-        return self._engine.last_load_source()
+        every byte). ``None`` before the first load. With ``replicas > 0``: ``("peer", rank)``
+        when this rank's file was restored from that rank's replica for the load."""
+        src = self._engine.last_load_source()
+        if self._replicator is not None:
+            return self._replicator.source(src)
+        return src
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -412,6 +438,8 @@ class Checkpointer:
         so the tensors kept for non-blocking saves are dropped only when nothing reads
         them any more. Calls that begin after it raise ``ShutdownError``."""
         _OPEN.discard(self)
+        if self._replicator is not None:
+            self._replicator.close()  # the queued replications finish first
         for h in list(self._pending):
             try:
                 h._get_rust()
@@ -669,6 +697,7 @@ class Checkpointer:
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
+        handle._replicator = self._replicator
         if not finishes:
             handle._devices = sorted(devices)
 
@@ -696,6 +725,8 @@ class Checkpointer:
             handle._set_rust(h)
             with self._lock:
                 self._pending.append(handle)
+            if self._replicator is not None:
+                self._replicator.enqueue(handle)
             return handle
         else:
             # Order the device copies after the work queued at this call: an event recorded
@@ -713,6 +744,8 @@ class Checkpointer:
                 handle._set_rust(h)
                 with self._lock:
                     self._pending.append(handle)
+                if self._replicator is not None:
+                    self._replicator.enqueue(handle)
                 return handle
 
             # Host copies of device tensors are in flight on the trainer's streams: wait for
@@ -730,6 +763,8 @@ class Checkpointer:
             handle._future = self._submitter.submit(submit)
         with self._lock:
             self._pending.append(handle)
+        if self._replicator is not None:
+            self._replicator.enqueue(handle)
         return handle
 
     # -- queries -----------------------------------------------------------------------
@@ -837,6 +872,8 @@ class Checkpointer:
         the bucket. :attr:`last_load_source` says which served it.
         """
         s, where = _remote.resolve(self, _step_sel(step), source)
+        if self._replicator is not None and where != "remote":
+            self._replicator.before_load(s)  # collective: a lost file comes from a peer
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None

@@ -54,6 +54,7 @@ __all__ = [
     "RemoteError",
     "RemoteFailed",
     "RemoteSkipped",
+    "ReplicationError",
 ]
 
 
@@ -230,6 +231,11 @@ class RemoteFailed(RemoteError):
 class RemoteSkipped(RemoteError):
     """A save's copy to the bucket was skipped because the uploader was behind
     (``remote_max_pending`` newer saves were waiting); newer steps go to the bucket."""
+
+
+class ReplicationError(ShmckptError, RuntimeError):
+    """A step is not held by as many peer replicas as asked (``replicas=``), or the ranks
+    disagree on the step to load (``shmckpt.replicas``)."""
 
 
 def _init_kind() -> None:

@@ -11,6 +11,7 @@
 mod core;
 mod dcp;
 mod remote;
+mod replica;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -877,5 +878,6 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unlink_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
+    replica::register(m)?;
     Ok(())
 }

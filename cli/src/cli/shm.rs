@@ -1,5 +1,5 @@
-//! `shmckpt shm list|rm`: the arenas flash restore keeps in `/dev/shm`
-//! (`EngineConfig::with_keep_in_memory`).
+//! `shmckpt shm list|replicas|rm`: the arenas flash restore keeps in `/dev/shm`
+//! (`EngineConfig::with_keep_in_memory`) and the peer replicas (`shmckpt::replica`).
 
 use super::{CliResult, human};
 
@@ -14,7 +14,15 @@ pub enum ShmCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Remove kept arenas (only this user's, never following a link). An arena whose
+    /// List peer replicas (`docs/replicas.md`): name, size, owner uid, tag of the root
+    /// (FNV-1a 64 of its canonical path), source rank and step.
+    Replicas {
+        /// Print a JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove kept arenas (only this user's, never following a link); a peer replica's
+    /// name (`shmckpt-replica.*`, as `replicas` shows it) removes that replica. An arena whose
     /// engine is running (or may be: its header cannot be read) is refused, and left in
     /// place, unless --force; the command then fails after removing the others.
     Rm {
@@ -87,6 +95,41 @@ pub fn run(a: ShmArgs) -> CliResult {
             }
             Ok(())
         }
+        ShmCmd::Replicas { json } => {
+            let reps = shmckpt::replica::list();
+            if json {
+                let v: Vec<serde_json::Value> = reps
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "name": r.name,
+                            "bytes": r.bytes,
+                            "owner_uid": r.owner_uid,
+                            "root_tag": r.root_tag,
+                            "source_rank": r.source_rank,
+                            "step": r.step,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+                return Ok(());
+            }
+            if reps.is_empty() {
+                println!("no replicas");
+            }
+            for r in &reps {
+                println!(
+                    "{}  {}  uid {}  root tag {}  source rank {}  step {}",
+                    r.name,
+                    human(r.bytes),
+                    r.owner_uid,
+                    r.root_tag,
+                    r.source_rank,
+                    r.step
+                );
+            }
+            Ok(())
+        }
         ShmCmd::Rm { names, all, force } => {
             let names: Vec<String> = if all {
                 let uid = rustix::process::geteuid().as_raw();
@@ -103,7 +146,9 @@ pub fn run(a: ShmArgs) -> CliResult {
             }
             let mut refused = 0usize;
             for n in &names {
-                let r = if force {
+                let r = if shmckpt::replica::parse_replica_name(n).is_some() {
+                    shmckpt::replica::remove(n)
+                } else if force {
                     shmckpt::flash::remove_kept_forced(n)
                 } else {
                     shmckpt::flash::remove_kept(n)

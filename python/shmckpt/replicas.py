@@ -1,0 +1,362 @@
+"""Peer replicas: each rank's committed checkpoint file held in the shared memory of ranks
+on other machines, moved over ``torch.distributed`` (``docs/replicas.md``).
+
+The protocol (partner plan, replica names, the checks of every image against the committed
+manifest) is the Rust crate's (``shmckpt::replica``); this module is the transport: a
+dedicated gloo process group (or the user's) on which every collective is issued in the
+same order on every rank: by a background thread that replicates every save in order once
+it is committed, and by :meth:`Checkpointer.load` once that thread is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _shmckpt
+from .errors import ConfigError, ReplicationError, ShmckptError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpointer import Checkpointer, SaveHandle
+
+__all__ = ["Replicator", "node_of", "list_replicas", "remove_replica"]
+
+log = logging.getLogger("shmckpt.replicas")
+
+
+def node_of(rank: int, node: Optional[str] = None) -> str:
+    """The machine of ``rank``: ``node`` when given, else the block of ``LOCAL_WORLD_SIZE``
+    ranks it falls in (torchrun's numbering), else the host name."""
+    if node is not None:
+        return f"node:{node}"
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    if lws is not None:
+        try:
+            n = int(lws)
+        except ValueError:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={lws!r} is not an integer") from None
+        if n <= 0:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={lws!r} must be positive")
+        return f"block:{rank // n}"
+    return f"host:{socket.gethostname()}"
+
+
+def list_replicas() -> List[Dict[str, Any]]:
+    """Every replica in ``/dev/shm``: name, root tag, source rank, step, bytes, owner uid."""
+    keys = ("name", "root_tag", "source_rank", "step", "bytes", "owner_uid")
+    return [dict(zip(keys, r)) for r in _shmckpt.replica_list()]
+
+
+def remove_replica(name: str) -> None:
+    """Remove this user's replica ``name`` from ``/dev/shm`` (never through a link)."""
+    _shmckpt.replica_remove(name)
+
+
+class Replicator:
+    """The replication of one :class:`~shmckpt.Checkpointer` (built by it when
+    ``replicas > 0``). Construction is collective over the group."""
+
+    def __init__(self, ckpt: "Checkpointer", replicas: int, node: Optional[str], group: Any):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("replicas > 0 needs torch.distributed initialized")
+        self._dist = dist
+        self.ckpt = ckpt
+        self.replicas = int(replicas)
+        if group is None:
+            group = dist.new_group(backend="gloo")
+        self.group = group
+        if dist.get_world_size(group) != ckpt.world_size or dist.get_rank(group) != ckpt.rank:
+            raise ConfigError(
+                "replica_group must hold every rank, in the world's order "
+                f"(group rank {dist.get_rank(group)} of {dist.get_world_size(group)}, "
+                f"checkpointer rank {ckpt.rank} of {ckpt.world_size})"
+            )
+        self.node = node_of(ckpt.rank, node)
+        nodes: List[Any] = [None] * ckpt.world_size
+        dist.all_gather_object(nodes, self.node, group=group)
+        self.nodes: List[str] = [str(n) for n in nodes]
+        #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
+        self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
+        self._peer: Optional[int] = None
+        # The replication thread: it alone uses the group while saves are queued or in
+        # replication (`_drain` before any other collective on it).
+        self._cv = threading.Condition()
+        self._queue: List["SaveHandle"] = []
+        self._busy = False
+        self._closing = False
+        self._results: Dict[int, Any] = {}  # step -> report dict or the exception
+        self._thread: Optional[threading.Thread] = None
+
+    # -- helpers -----------------------------------------------------------------------
+    def _gather(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.ckpt.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _sizes(self, step: int) -> Dict[int, int]:
+        m = self.ckpt.manifest(step)
+        return {int(f["rank"]): int(f["bytes"]) for f in m["files"]}
+
+    def _exchange(self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]]) -> Dict[int, Any]:
+        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)``, all posted at once;
+        returns the received uint8 tensors by source."""
+        import torch
+
+        dist = self._dist
+        works = []
+        keep = []
+        for dst, buf in sends:
+            t = torch.from_numpy(np.asarray(buf))
+            keep.append((buf, t))
+            works.append(dist.isend(t, dst=dst, group=self.group))
+        got: Dict[int, Any] = {}
+        for src, n in recvs:
+            t = torch.empty(n, dtype=torch.uint8)
+            got[src] = t
+            works.append(dist.irecv(t, src=src, group=self.group))
+        for w in works:
+            w.wait()
+        del keep
+        return got
+
+    # -- the replication thread --------------------------------------------------------
+    def enqueue(self, handle: "SaveHandle") -> None:
+        """Replicate ``handle``'s step in the background once it is committed (called by
+        :meth:`Checkpointer.save` for every save, so every rank queues the same steps in the
+        same order and the thread's collectives match)."""
+        with self._cv:
+            if self._closing:
+                raise ConfigError("the checkpointer is closed")
+            self._queue.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shmckpt-replicate", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                handle = self._queue.pop(0)
+                self._busy = True
+            result: Any
+            try:
+                result = self._replicate_handle(handle)
+            except Exception as e:  # handed to wait_replicated(); BaseException propagates
+                result = e
+            with self._cv:
+                self._results[int(handle.step)] = result
+                for s in sorted(self._results)[:-16]:
+                    del self._results[s]
+                self._busy = False
+                self._cv.notify_all()
+
+    def _drain(self) -> None:
+        """Wait until the thread has replicated every queued save."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait(0.05)
+
+    def close(self) -> None:
+        """Finish the queued replications, then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join()
+
+    def wait_replicated(self, handle: "SaveHandle") -> Dict[str, Any]:
+        """Wait for the background replication of ``handle``'s step (see
+        :meth:`_replicate_handle`) and return its report, or raise its error."""
+        step = int(handle.step)
+        with self._cv:
+            while step not in self._results:
+                queued = any(int(h.step) == step for h in self._queue)
+                if not queued and not self._busy:
+                    raise ReplicationError(f"step {step} was not replicated by this checkpointer (or is too old)")
+                self._cv.wait(0.05)
+            result = self._results[step]
+        if isinstance(result, Exception):
+            raise result
+        return dict(result)
+
+    # -- replication -------------------------------------------------------------------
+    def _replicate_handle(self, handle: "SaveHandle") -> Dict[str, Any]:
+        """Collective on the group (the replication thread only): wait for ``handle``'s
+        step to be committed, send this rank's image to its partners, store (checked) the
+        images sent to this rank, and return the step's replication report once every
+        rank's image is held by ``replicas`` ranks on other machines. Raises
+        :class:`~shmckpt.errors.ReplicationError` (on every rank) when some image is not,
+        when some rank's save failed, or when the group fails (a rank died: the group is
+        then unusable; a hung rank stalls replication until the group's timeout)."""
+        step = int(handle.step)
+        t0 = time.monotonic()
+        failure: Optional[str] = None
+        try:
+            handle.wait()
+        except ShmckptError as e:
+            failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        try:
+            return self._replicate(step, failure, t0)
+        except ShmckptError:
+            raise
+        except RuntimeError as e:  # torch.distributed: a partner died, or the group timed out
+            raise ReplicationError(
+                f"step {step} is not {self.replicas}-safe: the replication group failed "
+                f"(a rank died or timed out; the group cannot be used again): {e}"
+            ) from e
+
+    def _replicate(self, step: int, failure: Optional[str], t0: float) -> Dict[str, Any]:
+        # Every rank's file is durable once every rank's wait returned: the step is committed.
+        failures = [f for f in self._gather(failure) if f is not None]
+        if failures:
+            raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
+        me = self.ckpt.rank
+        root = self.ckpt.root
+        problem: Optional[str] = None
+        image = None
+        try:
+            image = _shmckpt.replica_read_committed(root, step, me)
+        except ShmckptError as e:
+            problem = f"rank {me} cannot read its image of step {step}: {e}"
+            log.warning("%s", problem)
+        readable = self._gather(image is not None)
+        sizes = self._sizes(step)
+        sources = [q for q in range(self.ckpt.world_size) if me in self.plan[q] and readable[q]]
+        sends = [(t, image) for t in self.plan[me]] if image is not None else []
+        got = self._exchange(sends, [(q, sizes[q]) for q in sources])
+        del image
+        held: List[int] = []
+        problems: Dict[int, str] = {}
+        for q, t in got.items():
+            try:
+                _shmckpt.replica_store(root, step, q, t.numpy().tobytes())
+                held.append(q)
+            except ShmckptError as e:
+                problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
+                log.warning("%s", problems[q])
+        got.clear()
+        everyone = self._gather((held, problems, problem))
+        holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
+        all_problems: List[str] = []
+        for r, (h, probs, p) in enumerate(everyone):
+            for q in h:
+                holders[q].append(r)
+            all_problems.extend(probs.values())
+            if p is not None:
+                all_problems.append(p)
+        k_safe = all(len(v) >= self.replicas for v in holders.values())
+        report = {
+            "step": step,
+            "replicas": self.replicas,
+            "holders": holders,
+            "k_safe": k_safe,
+            "seconds": time.monotonic() - t0,
+            "problems": all_problems,
+        }
+        if not k_safe:
+            short = {q: v for q, v in holders.items() if len(v) < self.replicas}
+            raise ReplicationError(
+                f"step {step} is not {self.replicas}-safe: held by {short}; " + "; ".join(all_problems)
+            )
+        return report
+
+    # -- load --------------------------------------------------------------------------
+    def _local_ok(self, step: int) -> bool:
+        """Whether this rank's own file of ``step`` is there: a regular file (not followed
+        through a link) of the manifest's size. The load checks every byte of it."""
+        try:
+            _, entry = self.ckpt._rank_entry(step)
+        except ShmckptError:
+            return False
+        path = os.path.join(self.ckpt.root, f"step-{step}", entry["file"])
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == int(entry["bytes"])
+
+    def before_load(self, step: int) -> None:
+        """Collective, before a load of ``step``: ranks whose own file of the step is
+        missing (or of the wrong size) get their image from a partner that holds a replica
+        that passes every check; it is checked again on arrival and written back as the
+        rank's file, which the load then reads (checked in full). A rank that needs one and
+        that no partner can serve gets :class:`~shmckpt.errors.ReplicationError` (after every collective, so
+        the other ranks load on); the others load as without replicas. A failure of the
+        group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
+        self._peer = None
+        self._drain()
+        try:
+            self._before_load(step)
+        except ShmckptError:
+            raise
+        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
+            raise ReplicationError(
+                f"load of step {step}: the replication group failed (a rank died or timed out): {e}"
+            ) from e
+
+    def _before_load(self, step: int) -> None:
+        me = self.ckpt.rank
+        root = self.ckpt.root
+        steps = self._gather(step)
+        if len(set(steps)) != 1:
+            raise ReplicationError(f"the ranks load different steps: {steps}")
+        needs = self._gather(not self._local_ok(step))
+        needy = [q for q, n in enumerate(needs) if n]
+        if not needy:
+            return
+        can: Dict[int, Any] = {}
+        for q in needy:
+            if q == me or me not in self.plan[q]:
+                continue
+            try:
+                can[q] = _shmckpt.replica_load(root, step, q)
+            except ShmckptError as e:
+                log.warning("replica of rank %d, step %d not served: %s", q, step, e)
+        offers = self._gather(sorted(can))
+        server: Dict[int, int] = {}
+        for q in needy:
+            for r in self.plan[q]:
+                if q in offers[r]:
+                    server[q] = r
+                    break
+        sends = [(q, buf) for q, buf in can.items() if server.get(q) == me]
+        recvs = []
+        if me in server:
+            recvs.append((server[me], self._sizes(step)[me]))
+        got = self._exchange(sends, recvs)
+        can.clear()
+        why = "no partner holds a replica of it that passes the checks"
+        for src, t in got.items():
+            try:
+                _shmckpt.replica_restore_file(root, step, me, t.numpy().tobytes())
+                self._peer = src
+                log.info("rank %d: step %d restored from rank %d's replica", me, step, src)
+            except ShmckptError as e:
+                why = f"the image rank {src} sent was refused: {e}"
+                log.warning("rank %d: %s", me, why)
+        if me in needy and self._peer is None:
+            _, entry = self.ckpt._rank_entry(step)
+            path = os.path.join(root, f"step-{step}", entry["file"])
+            raise ReplicationError(
+                f"rank {me}: its file of step {step} ({path}) is missing or of the wrong size and {why}"
+            )
+
+    def source(self, engine_source: Optional[Tuple[str, Any]]) -> Optional[Tuple[str, Any]]:
+        """``("peer", rank)`` when the last load read the file a partner's replica restored."""
+        if self._peer is not None and engine_source is not None and engine_source[0] == "disk":
+            return ("peer", self._peer)
+        return engine_source

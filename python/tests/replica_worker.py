@@ -1,0 +1,136 @@
+"""Child process of test_replicas.py (not a test module): one rank of a world of 4 ranks
+over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``node=``).
+
+    python replica_worker.py save ROOT RANK WORLD PORT OUT REPLICAS STEP...
+        save each STEP (non-blocking) and wait_replicated() after it (REPLICAS > 0);
+        with REPLICA_WORKER_DIE=RANK:STEP that rank kills itself once its save of STEP is
+        durable, before replicating it; with REPLICA_WORKER_NOWAIT=1 every step is saved
+        first and wait_replicated() called afterwards, newest step first
+    python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
+        load "latest" and compare it with the state saved, bit for bit (with
+        REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
+
+OUT receives a JSON report.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+
+def rank_state(rank, step):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return {
+        "model": {
+            "w": torch.randn(256, 130, generator=g),
+            "h": torch.randn(77, generator=g).to(torch.bfloat16),
+            "i": torch.randint(-(2**40), 2**40, (rank + 3,), generator=g),
+        },
+        "step": step,
+        "who": f"rank {rank}",
+    }
+
+
+def digest(state):
+    h = hashlib.sha256()
+    for k in ("w", "h", "i"):
+        t = state["model"][k]
+        h.update(str((k, t.dtype, tuple(t.shape))).encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(repr((state["step"], state["who"])).encode())
+    return h.hexdigest()
+
+
+def open_ckpt(root, rank, replicas):
+    import shmckpt
+
+    return shmckpt.Checkpointer(
+        root,
+        staging_capacity=8 << 20,
+        chunk_size=1 << 20,
+        keep_in_memory=True,
+        replicas=replicas,
+        node=f"m{rank // 2}",
+    )
+
+
+def main():
+    mode, root, rank, world, port, out, replicas = sys.argv[1:8]
+    rank, world, replicas = int(rank), int(world), int(replicas)
+    import torch.distributed as dist
+
+    import shmckpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {"rank": rank}
+    ck = open_ckpt(root, rank, replicas)
+    res["shm_name"] = ck.shm_name
+    if mode == "save":
+        res["reports"] = []
+        die = os.environ.get("REPLICA_WORKER_DIE")  # "RANK:STEP": killed after its save
+        steps = [int(s) for s in sys.argv[8:]]
+        if os.environ.get("REPLICA_WORKER_NOWAIT") == "1":
+            # Save every step without waiting, then wait for the replications, newest first.
+            hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]
+            steps = []
+            for h in reversed(hs):
+                rep = h.wait_replicated()
+                rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+                res["reports"].append(rep)
+        for step in steps:
+            h = ck.save(step, rank_state(rank, step), blocking=False)
+            if die == f"{rank}:{step}":
+                h.wait()
+                os.kill(os.getpid(), 9)
+            if replicas > 0:
+                try:
+                    rep = h.wait_replicated()
+                except shmckpt.ReplicationError as e:
+                    # The group is broken: report and leave without another collective.
+                    res["error"] = type(e).__name__
+                    res["failed_step"] = step
+                    ck.close()
+                    with open(out, "w") as f:
+                        json.dump(res, f)
+                    os._exit(0)
+                rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+                res["reports"].append(rep)
+            else:
+                h.wait()
+                try:
+                    h.wait_replicated()
+                    res["wait_replicated"] = "returned"
+                except shmckpt.ConfigError as e:
+                    res["wait_replicated"] = type(e).__name__
+            dist.barrier()
+    else:
+        if os.environ.get("REPLICA_WORKER_DIE") == f"{rank}:load":
+            os.kill(os.getpid(), 9)
+        try:
+            state = ck.load("latest")
+            step = ck.latest()
+            res["step"] = step
+            res["exact"] = digest(state) == digest(rank_state(rank, step))
+            src = ck.last_load_source
+            res["source"] = [src[0], src[1]]
+        except shmckpt.ShmckptError as e:
+            res["error"] = type(e).__name__
+            res["message"] = str(e)
+            if os.environ.get("REPLICA_WORKER_DIE"):  # a rank is dead: no more collectives
+                ck.close()
+                with open(out, "w") as f:
+                    json.dump(res, f)
+                os._exit(0)
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()

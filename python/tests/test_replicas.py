@@ -1,0 +1,463 @@
+"""Peer replicas (docs/replicas.md): 4 ranks over gloo on one host, simulating 2 machines
+with ``node=`` (ranks 0-1 on "m0", 2-3 on "m1"; partners 0->2, 1->3, 2->0, 3->1).
+
+These runs share the host's /dev/shm: "losing" machine 1 removes its ranks' kept arenas,
+the replicas it held and its ranks' files under the root, each by its exact name. The
+arenas and replicas of each test's own root are removed at its end.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shmckpt
+from shmckpt import _shmckpt
+from shmckpt.replicas import list_replicas, remove_replica
+
+from conftest import shmckpt_bin
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = str(HERE / "replica_worker.py")
+WORLD = 4
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kept_name(root, rank):
+    """The kept arena's name of ``root`` and ``rank`` (FNV-1a 64 of the canonical root)."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(os.path.realpath(root)):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"shmckpt.keep-{h:016x}.r{rank}"
+
+
+def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, env=None, codes_want=None):
+    """Run the 4 ranks (rank r under the command prefix ``prefix(r)``: e.g. ``nsenter``
+    into its machine's mount namespace) to completion; their JSON reports."""
+    port = str(free_port())
+    outs = [tmp_path / f"{tag}-{mode}-{r}.json" for r in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            (prefix(r) if prefix else [])
+            + [sys.executable, WORKER, mode, str(root), str(r), str(WORLD), port, str(outs[r]), str(replicas)]
+            + [str(s) for s in steps],
+            env=None if env is None else {**os.environ, **env},
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == (codes_want or [0] * WORLD)
+    return [json.loads(o.read_text()) if o.exists() else None for o in outs]
+
+
+@pytest.fixture
+def droot(root):
+    """The test's root; at the end its kept arenas and replicas are removed (exact names)."""
+    yield root
+    for r in range(WORLD):
+        p = pathlib.Path("/dev/shm") / kept_name(root, r)
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    tag = _shmckpt.replica_tag(str(root))
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+
+
+def our_replicas(root):
+    tag = _shmckpt.replica_tag(str(root))
+    return sorted((r["source_rank"], r["step"]) for r in list_replicas() if r["root_tag"] == tag)
+
+
+def lose_machine_1(root, steps, replica_step=None):
+    """Machine 1 (ranks 2, 3) is gone: its kept arenas, the replicas it held (of ranks 0
+    and 1, of ``replica_step``, default the last step) and its ranks' files of every step."""
+    for r in (2, 3):
+        (pathlib.Path("/dev/shm") / kept_name(root, r)).unlink()
+    last = max(steps)
+    held = last if replica_step is None else replica_step
+    for src in (0, 1):
+        remove_replica(_shmckpt.replica_name(str(root), src, held))
+    m = json.loads((root / f"step-{last}" / "manifest.json").read_text())
+    names = {f["rank"]: f["file"] for f in m["files"]}
+    for s in steps:
+        for r in (2, 3):
+            (root / f"step-{s}" / names[r]).unlink()
+    assert our_replicas(root) == [(2, held), (3, held)]
+    return names
+
+
+def test_plan_is_a_ring_across_machines():
+    assert _shmckpt.replica_plan(["m0", "m0", "m1", "m1"], 1) == [[2], [3], [0], [1]]
+    assert _shmckpt.replica_plan(["a", "b", "c", "a", "b", "c"], 2) == [[1, 2], [2, 0], [0, 1], [4, 5], [5, 3], [3, 4]]
+    with pytest.raises(shmckpt.ConfigError, match="needs at least 2 machines"):
+        _shmckpt.replica_plan(["m0", "m0", "m0", "m0"], 1)
+
+
+def test_refused_replication_settings_close_the_engine(root):
+    """replicas=1 on a world of one machine is a ConfigError, and the engine opened before
+    the check is closed (its root lock released), even while the error is still held."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(shmckpt.ConfigError, match="needs at least 2 machines") as held:
+            shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
+        ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+        ck.close()
+        del held
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lost_machine_is_restored_from_peers(tmp_path, droot):
+    root = droot
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3)
+    for r, res in enumerate(saved):
+        assert res["shm_name"] == kept_name(root, r)
+        assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
+        for rep in res["reports"]:
+            assert rep["k_safe"] is True
+            assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            assert rep["problems"] == []
+    # Only the newest step's replica of each rank is kept.
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+
+    names = lose_machine_1(root, [1, 2, 3])
+    loaded = run_world(tmp_path, root, "load", 1)
+    for r, res in enumerate(loaded):
+        assert "error" not in res, res
+        assert res["step"] == 3
+        assert res["exact"] is True
+    assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    # The lost ranks' files of the loaded step are back: the manifest's size, header and
+    # every CRC-32C (read and checked by the same code that checks replicas).
+    m = json.loads((root / "step-3" / "manifest.json").read_text())
+    for f in m["files"]:
+        assert (root / "step-3" / names[f["rank"]]).stat().st_size == f["bytes"]
+        assert np.asarray(_shmckpt.replica_read_committed(str(root), 3, f["rank"])).size == f["bytes"]
+    for s in (1, 2):
+        assert not (root / f"step-{s}" / names[2]).exists()
+
+
+def test_replication_runs_in_the_background(tmp_path, droot):
+    """Saves return at once and are replicated in order by the replication thread;
+    wait_replicated() of any step, in any order (newest first here), returns its report."""
+    root = droot
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, env={"REPLICA_WORKER_NOWAIT": "1"})
+    for res in saved:
+        assert [rep["step"] for rep in res["reports"]] == [3, 2, 1]
+        for rep in res["reports"]:
+            assert rep["k_safe"] is True and rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    lose_machine_1(root, [1, 2, 3])
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    assert all(res["exact"] is True and res["step"] == 3 for res in loaded)
+
+
+def test_tampered_replica_is_refused(tmp_path, droot):
+    root = droot
+    run_world(tmp_path, root, "save", 1, 4, 5)
+    names = lose_machine_1(root, [4, 5])
+    # Damage one byte of the data section of rank 2's replica (held on machine 0).
+    bad = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 2, 5)
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_load(str(root), 5, 2)
+
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res.get("source") for res in loaded[:2]] == [["memory", None], ["memory", None]]
+    assert loaded[3]["source"] == ["peer", 1] and loaded[3]["exact"] is True
+    # Rank 2: no partner holds a replica that passes the checks, and its disk file is gone.
+    assert "source" not in loaded[2]
+    assert loaded[2]["error"] == "ReplicationError"
+    assert names[2] in loaded[2]["message"] and "passes the checks" in loaded[2]["message"]
+    assert not (root / "step-5" / names[2]).exists()
+
+
+def test_images_are_checked_on_every_path(droot):
+    """Stored, served and written back only when size, header and every CRC-32C match the
+    committed manifest; never through a link."""
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(9, rank_state(0, 9)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 9, 0)).tobytes()
+    fname = json.loads((root / "step-9" / "manifest.json").read_text())["files"][0]["file"]
+    assert good == (root / "step-9" / fname).read_bytes()
+    tampered = bytearray(good)
+    tampered[len(good) // 2] ^= 0x80
+    name = _shmckpt.replica_name(str(root), 0, 9)
+    shm = pathlib.Path("/dev/shm") / name
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_store(str(root), 9, 0, bytes(tampered))
+    assert not shm.exists()
+    with pytest.raises(shmckpt.Truncated):
+        _shmckpt.replica_store(str(root), 9, 0, good[:-1])
+    with pytest.raises(shmckpt.CorruptError):
+        _shmckpt.replica_store(str(root), 9, 0, good + b"\0")
+    header_bad = bytearray(good)
+    header_bad[10] = ord("#")  # inside the JSON header
+    with pytest.raises(shmckpt.CorruptError):
+        _shmckpt.replica_store(str(root), 9, 0, bytes(header_bad))
+    with pytest.raises(shmckpt.NotFound):
+        _shmckpt.replica_store(str(root), 10, 0, good)
+    assert not shm.exists()
+
+    # Temporary files of writers that died are removed by the next store of that rank's
+    # replica; those of live processes (pid 1) are not.
+    dead = shm.parent / f"{name}.tmp999999999"
+    live = shm.parent / f"{name}.tmp1"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    try:
+        assert _shmckpt.replica_store(str(root), 9, 0, good) == name
+        assert not dead.exists() and live.read_bytes() == b"partial"
+        assert [r["name"] for r in list_replicas() if r["name"].startswith(name)] == [name]
+    finally:
+        live.unlink()
+        if dead.exists():
+            dead.unlink()
+    assert np.asarray(_shmckpt.replica_load(str(root), 9, 0)).tobytes() == good
+    # A link in the replica's place is never followed.
+    shm.unlink()
+    target = root / "elsewhere"
+    target.write_bytes(good)
+    shm.symlink_to(target)
+    try:
+        with pytest.raises(shmckpt.UnsafePath):
+            _shmckpt.replica_load(str(root), 9, 0)
+    finally:
+        shm.unlink()
+    # Nor a FIFO (opened without blocking, refused as not a regular file).
+    os.mkfifo(shm)
+    try:
+        with pytest.raises(shmckpt.UnsafePath):
+            _shmckpt.replica_load(str(root), 9, 0)
+    finally:
+        shm.unlink()
+    # A damaged image is never written back as the rank's file.
+    (root / "step-9" / fname).unlink()
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_restore_file(str(root), 9, 0, bytes(tampered))
+    assert sorted(p.name for p in (root / "step-9").iterdir()) == ["manifest.json"]
+    assert _shmckpt.replica_restore_file(str(root), 9, 0, good) == str(root / "step-9" / fname)
+    assert (root / "step-9" / fname).read_bytes() == good
+
+
+def test_replica_of_another_user_is_refused(droot):
+    """A replica under the right name but owned by another user is never served, and
+    `remove_replica` leaves it alone."""
+    if os.geteuid() != 0:
+        if os.environ.get("SHMCKPT_REQUIRE_ROOT") == "1":
+            pytest.fail("SHMCKPT_REQUIRE_ROOT=1 but not root (chown needs it)")
+        pytest.skip("needs root to give a file to another user (SHMCKPT_REQUIRE_ROOT=1 makes this a failure)")
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(2, rank_state(0, 2)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 2, 0)).tobytes()
+    name = _shmckpt.replica_store(str(root), 2, 0, good)
+    shm = pathlib.Path("/dev/shm") / name
+    os.chown(shm, 65534, 65534)
+    try:
+        with pytest.raises(shmckpt.UnsafePath, match="uid 65534"):
+            _shmckpt.replica_load(str(root), 2, 0)
+        with pytest.raises(shmckpt.UnsafePath):
+            remove_replica(name)
+        assert shm.exists()
+    finally:
+        shm.unlink()
+
+
+def test_partner_killed_before_replicating(tmp_path, droot):
+    """Rank 3 dies once its save of step 2 is durable, before replicating it: every other
+    rank's wait_replicated() raises ReplicationError (step 2 is never reported 2-safe), the
+    replicas held stay step 1's, and after machine 1 is lost nothing of step 1 is served
+    for step 2."""
+    root = droot
+    saved = run_world(
+        tmp_path, root, "save", 1, 1, 2, env={"REPLICA_WORKER_DIE": "3:2"}, codes_want=[0, 0, 0, -9]
+    )
+    assert saved[3] is None
+    for res in saved[:3]:
+        assert [rep["step"] for rep in res["reports"]] == [1]
+        assert res["reports"][0]["k_safe"] is True
+        assert (res["error"], res["failed_step"]) == ("ReplicationError", 2)
+    assert our_replicas(root) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "manifest.json").exists()) == [1, 2]
+
+    lose_machine_1(root, [1, 2], replica_step=1)
+    loaded = run_world(tmp_path, root, "load", 1)
+    assert [res["source"] for res in loaded[:2]] == [["memory", None], ["memory", None]]
+    for res in loaded[2:]:
+        assert res["error"] == "ReplicationError" and "step 2" in res["message"]
+    assert our_replicas(root) == [(2, 1), (3, 1)]
+
+
+def test_cli_lists_and_removes_replicas(droot):
+    """`shmckpt shm replicas` lists a replica with its source rank and step; `shmckpt shm
+    rm NAME` removes it."""
+    exe = shmckpt_bin()
+    if exe is None:
+        pytest.skip("no shmckpt binary (cargo build --bin shmckpt, or SHMCKPT_BIN)")
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(4, rank_state(0, 4)).wait()
+    finally:
+        ck.close()
+    good = np.asarray(_shmckpt.replica_read_committed(str(root), 4, 0)).tobytes()
+    name = _shmckpt.replica_store(str(root), 4, 0, good)
+    out = subprocess.run([exe, "shm", "replicas", "--json"], capture_output=True, text=True, check=True)
+    mine = [r for r in json.loads(out.stdout) if r["name"] == name]
+    assert mine == [
+        {
+            "name": name,
+            "bytes": len(good),
+            "owner_uid": os.geteuid(),
+            "root_tag": _shmckpt.replica_tag(str(root)),
+            "source_rank": 0,
+            "step": 4,
+        }
+    ]
+    text = subprocess.run([exe, "shm", "replicas"], capture_output=True, text=True, check=True).stdout
+    assert any(line.startswith(name) and "source rank 0  step 4" in line for line in text.splitlines())
+    rm = subprocess.run([exe, "shm", "rm", name], capture_output=True, text=True)
+    assert rm.returncode == 0, rm.stderr
+    assert rm.stdout.strip() == f"removed {name}"
+    assert our_replicas(root) == []
+
+
+def test_rank_dead_during_load(tmp_path, droot):
+    """A rank that dies instead of joining the collective load: the others get
+    ReplicationError (not a bare torch error), nothing is restored."""
+    root = droot
+    run_world(tmp_path, root, "save", 1, 1)
+    names = lose_machine_1(root, [1])
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DIE": "3:load"}, codes_want=[0, 0, 0, -9])
+    assert loaded[3] is None
+    for res in loaded[:3]:
+        assert res["error"] == "ReplicationError" and "replication group failed" in res["message"]
+    assert not (root / "step-1" / names[2]).exists()
+
+
+def test_replicas_zero_is_unchanged(tmp_path, droot):
+    root = droot
+    saved = run_world(tmp_path, root, "save", 0, 1, 2)
+    assert [res["wait_replicated"] for res in saved] == ["ConfigError"] * WORLD
+    assert our_replicas(root) == []
+    loaded = run_world(tmp_path, root, "load", 0)
+    for res in loaded:
+        assert res["exact"] is True and res["step"] == 2
+        assert res["source"] == ["memory", None]
+    assert our_replicas(root) == []
+
+
+class Machine:
+    """A simulated machine: a process holding a mount namespace with its own tmpfs on
+    /dev/shm (``unshare --mount``), which ranks join with ``nsenter``; killing the holder
+    frees that /dev/shm and everything in it."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs -o size=256m tmpfs /dev/shm && echo ready && exec sleep 900"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.kill()
+            raise AssertionError(f"the namespace holder did not start: {line!r}")
+
+    def prefix(self):
+        return ["nsenter", "-t", str(self.proc.pid), "-m", f"--wd={os.getcwd()}", "--"]
+
+    def shm(self):
+        out = subprocess.run(self.prefix() + ["ls", "-A", "/dev/shm"], capture_output=True, text=True, check=True)
+        return sorted(out.stdout.split())
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def namespaces_or_skip():
+    why = None
+    if os.geteuid() != 0:
+        why = "mount namespaces need root"
+    elif subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode != 0:
+        why = "`unshare --mount` is not available or not permitted"
+    elif subprocess.run(["nsenter", "--version"], capture_output=True).returncode != 0:
+        why = "nsenter is not available"
+    if why is None:
+        return
+    if os.environ.get("SHMCKPT_REQUIRE_NS") == "1":
+        pytest.fail(f"SHMCKPT_REQUIRE_NS=1 but {why}")
+    pytest.skip(f"{why} (SHMCKPT_REQUIRE_NS=1 makes this a failure)")
+
+
+def test_drill_private_shm_per_machine(tmp_path, root):
+    """The failure drill with a private /dev/shm per machine: machine 1 is lost (its
+    namespace, so its /dev/shm, is gone; its ranks' files are removed) and replaced by a
+    fresh one; all 4 ranks restart and load the latest step bit-exactly."""
+    namespaces_or_skip()
+    machines = [Machine(), Machine()]
+    try:
+        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
+        saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, prefix=prefix)
+        assert all(rep["k_safe"] for res in saved for rep in res["reports"])
+        tag = _shmckpt.replica_tag(str(root))
+        rep = lambda q: f"shmckpt-replica.{tag}.r{q}.s3"  # noqa: E731
+        assert machines[0].shm() == sorted([kept_name(root, 0), kept_name(root, 1), rep(2), rep(3)])
+        assert machines[1].shm() == sorted([kept_name(root, 2), kept_name(root, 3), rep(0), rep(1)])
+        assert our_replicas(root) == []  # nothing in the host's /dev/shm
+
+        machines[1].kill()
+        m = json.loads((root / "step-3" / "manifest.json").read_text())
+        for s in (1, 2, 3):
+            for f in m["files"]:
+                if f["rank"] in (2, 3):
+                    (root / f"step-{s}" / f["file"]).unlink()
+        machines[1] = Machine()
+        assert machines[1].shm() == []
+
+        loaded = run_world(tmp_path, root, "load", 1, prefix=prefix)
+        for res in loaded:
+            assert "error" not in res, res
+            assert res["step"] == 3 and res["exact"] is True
+        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    finally:
+        for mach in machines:
+            mach.kill()

@@ -1,0 +1,474 @@
+//! Peer replicas: a rank's committed checkpoint file held in the shared memory of ranks on
+//! other machines, so that losing a machine does not lose its ranks' latest step
+//! (`docs/replicas.md`).
+//!
+//! This module is the protocol: which ranks hold whose image ([`plan`]), what a replica is
+//! called in `/dev/shm` ([`replica_name`]), and the checks every image passes before it is
+//! stored, served or written back ([`verify_image`]: exactly the size the committed
+//! manifest of its step says, a safetensors header describing exactly the manifest's
+//! tensors, every tensor's CRC-32C equal to the manifest's). The transport
+//! (torch.distributed) is the Python package's (`shmckpt/replicas.py`).
+//!
+//! Nothing read from `/dev/shm` or received from a peer is trusted: replica files are
+//! opened without following a link, must be regular files of this user of exactly the
+//! manifest's size, and are checked in full on every read.
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::fsx::{self, Create};
+use crate::manifest::{FileEntry, list_committed};
+use crate::staging::shm::SHM_MOUNT;
+use crate::tensor::AlignedBytes;
+
+/// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena
+/// listings and recovery never take a replica for a staging arena).
+pub const REPLICA_PREFIX: &str = "shmckpt-replica.";
+
+/// Which ranks hold each rank's image: `plan(nodes, k)[r]` lists the `k` ranks that
+/// hold rank `r`'s replicas, in the order a load asks them.
+///
+/// `nodes[r]` names rank `r`'s machine. Machines are ordered by their lowest rank, the
+/// ranks of a machine by rank (the local index). The ring: rank `r`, at local index `i`
+/// of machine `m`, sends its `j`-th replica (`j` = 1..=k) to the rank at local index
+/// `i mod n` of machine `(m + j) mod M` (`n` that machine's rank count, `M` the machine
+/// count). Deterministic for a given world; the partners are always on other machines.
+/// [`Error::Config`] when `k` is not below the number of machines.
+pub fn plan(nodes: &[String], replicas: u32) -> Result<Vec<Vec<u32>>> {
+    let mut machines: Vec<(&str, Vec<u32>)> = Vec::new();
+    let mut of_rank = Vec::with_capacity(nodes.len());
+    for (r, n) in nodes.iter().enumerate() {
+        let r = u32::try_from(r).map_err(|_| Error::Config("too many ranks".into()))?;
+        let m = match machines.iter().position(|(name, _)| *name == n.as_str()) {
+            Some(m) => m,
+            None => {
+                machines.push((n.as_str(), Vec::new()));
+                machines.len() - 1
+            }
+        };
+        of_rank.push((m, machines[m].1.len()));
+        machines[m].1.push(r);
+    }
+    if replicas == 0 {
+        return Ok(vec![Vec::new(); nodes.len()]);
+    }
+    let count = machines.len();
+    if replicas as usize >= count {
+        return Err(Error::Config(format!(
+            "replicas={replicas} needs at least {} machines, the world has {count} ({})",
+            replicas as usize + 1,
+            machines
+                .iter()
+                .map(|(n, _)| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(of_rank
+        .iter()
+        .map(|&(m, i)| {
+            (1..=replicas as usize)
+                .map(|j| {
+                    let ranks = &machines[(m + j) % count].1;
+                    ranks[i % ranks.len()]
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// FNV-1a 64 of the canonical root's bytes, as 16 hex digits.
+fn root_tag(root: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in root.as_os_str().as_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn canonical(root: &Path) -> Result<PathBuf> {
+    std::fs::canonicalize(root).map_err(|e| Error::io("canonicalize", root, e))
+}
+
+/// The name in `/dev/shm` of the replica of `rank`'s image of `step` of `root`:
+/// `shmckpt-replica.<FNV-1a 64 of the canonical root>.r<rank>.s<step>`.
+pub fn replica_name(root: &Path, rank: u32, step: u64) -> Result<String> {
+    let tag = root_tag(&canonical(root)?);
+    Ok(format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}"))
+}
+
+/// `(root tag, source rank, step)` of a replica's name; `None` for any other name.
+pub fn parse_replica_name(name: &str) -> Option<(String, u32, u64)> {
+    let rest = name.strip_prefix(REPLICA_PREFIX)?;
+    let mut parts = rest.split('.');
+    let tag = parts.next()?;
+    let rank = parts.next()?.strip_prefix('r')?;
+    let step = parts.next()?.strip_prefix('s')?;
+    if parts.next().is_some()
+        || tag.len() != 16
+        || !tag.bytes().all(|b| b.is_ascii_hexdigit())
+        || rank.is_empty()
+        || step.is_empty()
+        || !rank.bytes().all(|b| b.is_ascii_digit())
+        || !step.bytes().all(|b| b.is_ascii_digit())
+        || (rank.len() > 1 && rank.starts_with('0'))
+        || (step.len() > 1 && step.starts_with('0'))
+    {
+        return None;
+    }
+    Some((tag.to_owned(), rank.parse().ok()?, step.parse().ok()?))
+}
+
+/// The committed directory of `step` under `root` and `rank`'s entry in its manifest.
+fn committed_entry(root: &Path, step: u64, rank: u32) -> Result<(PathBuf, FileEntry)> {
+    let info = list_committed(root)?
+        .into_iter()
+        .find(|c| c.step == step)
+        .ok_or_else(|| Error::NotFound {
+            what: format!("committed step {step}"),
+            root: root.to_owned(),
+        })?;
+    let (_, entry) = crate::restore::rank_file(&info.dir, rank)?;
+    Ok((info.dir, entry))
+}
+
+/// The bytes of `len` as a `usize`, or why not.
+fn mem_len(len: u64, what: &Path) -> Result<usize> {
+    usize::try_from(len).map_err(|_| Error::corrupt(what, None, "larger than memory"))
+}
+
+/// Check `bytes`, labelled `what` in errors, against `entry`: exactly `entry.bytes` long,
+/// a safetensors header describing exactly the manifest's tensors (the check every read
+/// from disk makes, [`crate::restore::check_header`]), every tensor's CRC-32C equal to
+/// the manifest's.
+fn check_bytes(bytes: &[u8], entry: &FileEntry, what: &Path) -> Result<()> {
+    let len = bytes.len() as u64;
+    if len < entry.bytes {
+        return Err(Error::Truncated {
+            path: what.to_owned(),
+            expected: entry.bytes,
+            actual: len,
+        });
+    }
+    if len > entry.bytes {
+        return Err(Error::corrupt(
+            what,
+            None,
+            format!("{} bytes, the manifest says {}", len, entry.bytes),
+        ));
+    }
+    // The header check reads a file: give it the header bytes in an anonymous one.
+    let hdr_len = mem_len(entry.data_start.min(len), what)?;
+    let fd = rustix::fs::memfd_create("shmckpt-replica-header", rustix::fs::MemfdFlags::CLOEXEC)
+        .map_err(|e| Error::io("memfd_create", what, e.into()))?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(&bytes[..hdr_len])
+        .map_err(|e| Error::io("write", what, e))?;
+    crate::restore::check_header(&file, what, entry)?;
+    // `check_header` proved 8 + header length == data_start and the data section's length
+    // equals the header's; the offsets are still taken with checks.
+    let data = &bytes[hdr_len..];
+    for t in &entry.tensors {
+        let [b, e] = t.data_offsets;
+        let piece = (b <= e)
+            .then(|| data.get(mem_len(b, what).ok()?..mem_len(e, what).ok()?))
+            .flatten()
+            .ok_or_else(|| Error::corrupt(what, Some(&t.name), "lies outside the data section"))?;
+        let actual = crc32c::crc32c(piece);
+        if actual != t.crc32c {
+            return Err(Error::Checksum {
+                path: what.to_owned(),
+                tensor: t.name.clone(),
+                expected: t.crc32c,
+                actual,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Check `bytes` as `rank`'s image of the committed `step` of `root` (see the module).
+pub fn verify_image(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<()> {
+    let (_, entry) = committed_entry(root, step, rank)?;
+    let what = PathBuf::from(format!("<image of rank {rank}, step {step}>"));
+    check_bytes(bytes, &entry, &what)
+}
+
+/// Read the regular file `name` of the directory `dir` (never through a link; owned by
+/// `uid` when given), which must be exactly `entry.bytes` long, and check it.
+fn read_checked(
+    dir: &Path,
+    name: &str,
+    uid: Option<u32>,
+    entry: &FileEntry,
+) -> Result<AlignedBytes> {
+    let dfd = fsx::open_dir(dir)?;
+    let path = dir.join(name);
+    let file = fsx::open_file(dfd.as_fd(), dir, name, false, Create::No, uid)?;
+    let actual = file
+        .metadata()
+        .map_err(|e| Error::io("stat", &path, e))?
+        .len();
+    if actual != entry.bytes {
+        return Err(if actual < entry.bytes {
+            Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual,
+            }
+        } else {
+            Error::corrupt(
+                &path,
+                None,
+                format!("{actual} bytes, the manifest says {}", entry.bytes),
+            )
+        });
+    }
+    let mut out = AlignedBytes::zeroed(mem_len(entry.bytes, &path)?);
+    file.read_exact_at(out.as_bytes_mut(), 0)
+        .map_err(|e| Error::io_at("read", &path, 0, e))?;
+    check_bytes(out.as_bytes(), entry, &path)?;
+    Ok(out)
+}
+
+/// `rank`'s committed file of `step` under `root`, read and checked against the manifest:
+/// the image a rank sends to its partners.
+pub fn read_committed(root: &Path, step: u64, rank: u32) -> Result<AlignedBytes> {
+    let (dir, entry) = committed_entry(root, step, rank)?;
+    read_checked(&dir, &entry.file.clone(), None, &entry)
+}
+
+fn euid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// Write `bytes` as the regular file `name` of `dir` (opened as a directory fd): first to
+/// the new temporary name `tmp` (never through a link), flushed, then renamed over `name`,
+/// so `name` never holds a partial image.
+fn write_atomic(dir: &Path, name: &str, tmp: &str, bytes: &[u8], durable: bool) -> Result<PathBuf> {
+    let dfd = fsx::open_dir(dir)?;
+    fsx::unlink_in(dfd.as_fd(), dir, tmp)?;
+    let path = dir.join(tmp);
+    let res = (|| {
+        let mut f = fsx::open_file(dfd.as_fd(), dir, tmp, true, Create::New, Some(euid()))?;
+        f.write_all(bytes)
+            .map_err(|e| Error::io("write", &path, e))?;
+        if durable {
+            f.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
+        }
+        rustix::fs::renameat(dfd.as_fd(), tmp, dfd.as_fd(), name)
+            .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
+        if durable {
+            rustix::fs::fsync(&dfd).map_err(|e| Error::io("fsync", dir, e.into()))?;
+        }
+        Ok(dir.join(name))
+    })();
+    if res.is_err() {
+        let _ = fsx::unlink_in(dfd.as_fd(), dir, tmp);
+    }
+    res
+}
+
+/// Store `bytes`, received from a peer as `rank`'s image of `step` of `root`, as a replica
+/// in `/dev/shm` once it passes [`verify_image`]; then remove this user's older replicas
+/// of the same root and rank. Returns the replica's name. Nothing is stored when the check
+/// fails (the error says why).
+pub fn store(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<String> {
+    verify_image(root, step, rank, bytes)?;
+    let tag = tag_of(root)?;
+    let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
+    let pid = std::process::id();
+    write_atomic(
+        Path::new(SHM_MOUNT),
+        &name,
+        &format!("{name}.tmp{pid}"),
+        bytes,
+        false,
+    )?;
+    for old in list_names() {
+        // Older replicas of this root and rank, and temporary files of writers that died
+        // (`<replica name>.tmp<pid>` of a process that no longer exists).
+        let stale = match parse_replica_name(&old) {
+            Some((t, r, s)) => t == tag && r == rank && s != step,
+            None => old.rsplit_once(".tmp").is_some_and(|(base, p)| {
+                parse_replica_name(base).is_some_and(|(t, r, _)| t == tag && r == rank)
+                    && p.parse::<u32>()
+                        .is_ok_and(|p| p != pid && !Path::new("/proc").join(p.to_string()).exists())
+            }),
+        };
+        if stale && let Err(e) = remove_own(&old) {
+            tracing::warn!(replica = %old, error = %e, "could not remove an older replica");
+        }
+    }
+    Ok(name)
+}
+
+/// This user's replica of `rank`'s image of `step` of `root`, read from `/dev/shm` and
+/// checked in full against the committed manifest of `step` (see the module). An error when
+/// there is none or it does not match: a replica that fails the check is never served.
+pub fn load(root: &Path, step: u64, rank: u32) -> Result<AlignedBytes> {
+    let (_, entry) = committed_entry(root, step, rank)?;
+    let name = replica_name(root, rank, step)?;
+    read_checked(Path::new(SHM_MOUNT), &name, Some(euid()), &entry)
+}
+
+/// Write `bytes`, `rank`'s image of the committed `step` of `root` (from a peer), back as
+/// that rank's file in the step's directory once it passes [`verify_image`]: written to a
+/// temporary name, fsynced, renamed over the file's name (replacing a damaged copy), the
+/// directory fsynced. Returns the file's path.
+pub fn restore_file(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<PathBuf> {
+    let (dir, entry) = committed_entry(root, step, rank)?;
+    let what = PathBuf::from(format!("<image of rank {rank}, step {step}>"));
+    check_bytes(bytes, &entry, &what)?;
+    let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+    write_atomic(&dir, &entry.file, &tmp, bytes, true)
+}
+
+/// Names in `/dev/shm` that start with [`REPLICA_PREFIX`], sorted.
+fn list_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(SHM_MOUNT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(REPLICA_PREFIX))
+        .collect();
+    names.sort();
+    names
+}
+
+/// A replica in `/dev/shm`, as `shmckpt shm list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReplicaInfo {
+    /// Name in `/dev/shm`.
+    pub name: String,
+    /// FNV-1a 64 of the canonical root, as in the name.
+    pub root_tag: String,
+    /// The rank whose image it is.
+    pub source_rank: u32,
+    /// The step.
+    pub step: u64,
+    /// Size in bytes (not followed through a link).
+    pub bytes: u64,
+    /// Owner uid.
+    pub owner_uid: u32,
+}
+
+/// Every replica in `/dev/shm` (any user's; names that do not parse are left out).
+pub fn list() -> Vec<ReplicaInfo> {
+    use std::os::unix::fs::MetadataExt;
+    list_names()
+        .into_iter()
+        .filter_map(|name| {
+            let (root_tag, source_rank, step) = parse_replica_name(&name)?;
+            let m = std::fs::symlink_metadata(Path::new(SHM_MOUNT).join(&name)).ok()?;
+            Some(ReplicaInfo {
+                name,
+                root_tag,
+                source_rank,
+                step,
+                bytes: m.len(),
+                owner_uid: m.uid(),
+            })
+        })
+        .collect()
+}
+
+/// The tag of `root` as replica names carry it (to pick one root's replicas from [`list`]).
+pub fn tag_of(root: &Path) -> Result<String> {
+    Ok(root_tag(&canonical(root)?))
+}
+
+/// Remove the replica `name` from `/dev/shm`: this user's regular files only, never
+/// following a link.
+pub fn remove(name: &str) -> Result<()> {
+    if parse_replica_name(name).is_none() {
+        return Err(Error::Config(format!("{name:?} is not a replica's name")));
+    }
+    remove_own(name)
+}
+
+/// Remove `/dev/shm/name` if it is a regular file of this user (never following a link).
+fn remove_own(name: &str) -> Result<()> {
+    let dir = Path::new(SHM_MOUNT);
+    let dfd = fsx::open_dir(dir)?;
+    // Checked on an fd opened without following a link, then the name removed.
+    let f = fsx::open_file(dfd.as_fd(), dir, name, false, Create::No, Some(euid()))?;
+    drop(f);
+    fsx::unlink_in(dfd.as_fd(), dir, name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn ring_across_machines() {
+        let nodes = names(&["a", "a", "b", "b"]);
+        assert_eq!(
+            plan(&nodes, 1).unwrap(),
+            vec![vec![2], vec![3], vec![0], vec![1]]
+        );
+        assert_eq!(plan(&nodes, 0).unwrap(), vec![Vec::<u32>::new(); 4]);
+        let three = names(&["x", "y", "z", "x", "y", "z"]);
+        assert_eq!(
+            plan(&three, 2).unwrap(),
+            vec![
+                vec![1, 2],
+                vec![2, 0],
+                vec![0, 1],
+                vec![4, 5],
+                vec![5, 3],
+                vec![3, 4]
+            ]
+        );
+        // Unequal machines: the local index wraps.
+        let uneven = names(&["a", "a", "a", "b"]);
+        assert_eq!(
+            plan(&uneven, 1).unwrap(),
+            vec![vec![3], vec![3], vec![3], vec![0]]
+        );
+    }
+
+    #[test]
+    fn too_few_machines_is_a_config_error() {
+        assert!(matches!(
+            plan(&names(&["a", "a"]), 1),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            plan(&names(&["a", "b"]), 2),
+            Err(Error::Config(_))
+        ));
+    }
+
+    #[test]
+    fn names_round_trip_and_refuse_others() {
+        let n = format!("{REPLICA_PREFIX}0123456789abcdef.r3.s42");
+        assert_eq!(
+            parse_replica_name(&n),
+            Some(("0123456789abcdef".into(), 3, 42))
+        );
+        for bad in [
+            "shmckpt-replica.0123456789abcdef.r3.s42.tmp1",
+            "shmckpt-replica.0123456789abcdef.r03.s42",
+            "shmckpt-replica.0123456789abcdef.r3.s",
+            "shmckpt-replica.0123.r3.s4",
+            "shmckpt-replica.0123456789abcdeg.r3.s4",
+            "shmckpt-replica.0123456789abcdef.r99999999999.s4",
+            "shmckpt.keep-0123456789abcdef.r3",
+        ] {
+            assert_eq!(parse_replica_name(bad), None, "{bad}");
+        }
+    }
+}
