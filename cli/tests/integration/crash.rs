@@ -36,7 +36,7 @@ const CHUNK: u64 = 64 << 10;
 /// Retention of every engine here.
 const KEEP: usize = 2;
 /// Random states per crash point (besides the durable-only and everything states).
-const RANDOM_PER_POINT: usize = 24;
+const RANDOM_PER_POINT: usize = 160;
 const SEED: u64 = 0x00c0_ffee_2026_1201;
 
 fn random_per_point() -> usize {
