@@ -4,8 +4,8 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, moto[server] and
-# megatron-core if it lacks them (CPU is enough: GPU tests skip without a GPU;
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, moto[server]
+# and megatron-core if it lacks them (CPU is enough: GPU tests skip without a GPU;
 # SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
@@ -20,7 +20,7 @@ fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
-for mod in torch numpy safetensors pytest maturin lightning; do
+for mod in torch numpy safetensors pytest maturin lightning mypy; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
@@ -48,6 +48,11 @@ export SHMCKPT_BIN="$repo/target/debug/shmckpt"
 echo "== pip install ./python"
 # maturin is in the venv: build without an isolated build environment (no download).
 "$py" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+
+echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
+# Run from the repository root, where `shmckpt` is the installed package (python/ would
+# shadow it with the source tree, which has no compiled module in a clean checkout).
+"$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
 
 echo "== pytest python/tests"
 "$py" -m pytest python/tests -q -p no:cacheprovider "$@"

@@ -6,13 +6,44 @@ non-blocking saves, unmodified) as documented on each method; use
 ``shmckpt.Checkpointer``, which does.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, final
 
-TensorTuple = Tuple[str, str, Sequence[int], int, int, int]
+from typing_extensions import TypeAlias
+
+__all__ = [
+    "Buffer",
+    "Engine",
+    "SaveHandle",
+    "__version__",
+    "assemble_ranks",
+    "dtypes",
+    "link_step",
+    "linked_step",
+    "linked_steps",
+    "publish_dir",
+    "publish_into",
+    "rank_file_metadata",
+    "read_rank_file",
+    "release_device_ring",
+    "replica_list",
+    "replica_load",
+    "replica_name",
+    "replica_plan",
+    "replica_read_committed",
+    "replica_remove",
+    "replica_restore_file",
+    "replica_store",
+    "replica_tag",
+    "unlink_name",
+]
+
+# (name, dtype, shape, address, nbytes, device): a type of this stub, not a runtime name.
+TensorTuple: TypeAlias = Tuple[str, str, Sequence[int], int, int, int]
 __version__: str
 
 def dtypes() -> List[str]: ...
 
+@final
 class Buffer:
     """Bytes of one loaded tensor, owned by the engine; numpy views them without a copy."""
 
@@ -24,6 +55,7 @@ class Buffer:
     def __array_interface__(self) -> Dict[str, object]: ...
     def __len__(self) -> int: ...
 
+@final
 class SaveHandle:
     @property
     def step(self) -> int: ...
@@ -35,9 +67,10 @@ class SaveHandle:
     def wait_remote(self) -> Dict[str, object]: ...
     def is_remote_done(self) -> bool: ...
 
+@final
 class Engine:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         root: str,
         *,
         rank: int = 0,
@@ -59,7 +92,7 @@ class Engine:
         remote_max_pending: Optional[int] = None,
         remote_only: bool = False,
         remote_session: Optional[str] = None,
-    ) -> None: ...
+    ) -> "Engine": ...
     def save(
         self,
         step: int,
