@@ -140,7 +140,9 @@ def test_handle_queries_do_not_wait_for_a_thread_waiting_on_the_handle(tmp_path)
             step += 1
         if waited < 1.0:
             pytest.skip(f"saves too fast to observe the handle's lock ({waited:.2f} s of waiting)")
-        # Holding the lock through the slices blocked ~10-20 calls a second here.
-        assert slow <= 4 * waited + 2 * noise + 2, (slow, noise, waited)
+        # Holding the lock through the slices blocked ~16-20 calls a second here (23 in
+        # 1.42 s); without it, 1-5 a second on a loaded 2-core machine. The bound sits
+        # between the two with room for scheduling noise.
+        assert slow <= 8 * waited + 2 * noise + 2, (slow, noise, waited)
     finally:
         ck.close()
