@@ -119,7 +119,7 @@ def test_handle_queries_do_not_wait_for_a_thread_waiting_on_the_handle(tmp_path)
         state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 64 MiB
         waited = slow = noise = 0.0
         step = 0
-        while waited < 1.0 and step < 6:
+        while waited < 1.0 and step < 16:
             h = ck.save(step, state, blocking=False)
             done = threading.Event()
             w = threading.Thread(target=lambda: (h.wait(), done.set()))
