@@ -10,7 +10,6 @@
 //! Arenas are crafted byte by byte here, from the documented descriptor layout, like the
 //! issue's Python reproductions: nothing of the crate's staging internals is used.
 
-use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -28,7 +27,7 @@ const NOBODY: u32 = 65534;
 
 /// Run `body` in a child in a private mount namespace with a fresh 64 MiB tmpfs on
 /// `/dev/shm`. `test` must be the name of the calling `#[test]` function.
-fn in_private_shm(test: &str, body: fn()) {
+pub(crate) fn in_private_shm(test: &str, body: fn()) {
     if is_child(test) {
         run_tool(
             "mount",
@@ -57,7 +56,7 @@ fn in_private_shm(test: &str, body: fn()) {
     relay_markers(&text, &["ITEM", "HOSTILE-PASSED"]);
 }
 
-fn shm_names() -> Vec<String> {
+pub(crate) fn shm_names() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
         .unwrap()
         .flatten()
@@ -67,7 +66,7 @@ fn shm_names() -> Vec<String> {
     v
 }
 
-fn output_text(out: &Output) -> String {
+pub(crate) fn output_text(out: &Output) -> String {
     format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -76,7 +75,7 @@ fn output_text(out: &Output) -> String {
 }
 
 /// Run the CLI, with a time limit (a hang is a failure, not a stuck test run).
-fn cli(args: &[&str]) -> Output {
+pub(crate) fn cli(args: &[&str]) -> Output {
     let mut child = Command::new(BIN)
         .args(args)
         .stdin(Stdio::null())
@@ -103,7 +102,7 @@ fn cli(args: &[&str]) -> Output {
 }
 
 /// The CLI exited normally (no signal: no SIGSEGV, SIGBUS or abort).
-fn assert_no_signal(out: &Output, what: &str) {
+pub(crate) fn assert_no_signal(out: &Output, what: &str) {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(
         out.status.signal(),
@@ -125,7 +124,7 @@ fn assert_no_signal(out: &Output, what: &str) {
 const PAGE: usize = 4096;
 const CS: usize = 65536;
 const N_CHUNKS: usize = 2;
-const RANK_FILE: &str = "rank-00000-of-00001.safetensors";
+pub(crate) const RANK_FILE: &str = "rank-00000-of-00001.safetensors";
 
 fn put32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
@@ -203,7 +202,7 @@ fn craft_arena(root: &Path, step: u64) -> (Vec<u8>, Vec<u8>) {
     (a, image)
 }
 
-fn plant(name: &str, bytes: &[u8]) -> PathBuf {
+pub(crate) fn plant(name: &str, bytes: &[u8]) -> PathBuf {
     let p = Path::new("/dev/shm").join(name);
     std::fs::write(&p, bytes).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
@@ -615,228 +614,4 @@ fn item8_body() {
 #[test]
 fn item8_long_roots_are_recorded_and_recovered() {
     in_private_shm("item8_long_roots_are_recorded_and_recovered", item8_body);
-}
-
-// ---------------------------------------------------------------------------------------
-// Item 9: odd step names
-
-fn save_steps(root: &Path, steps: &[u64]) {
-    let engine = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
-    for &step in steps {
-        let s = step_state(step % 7);
-        save_committed(&engine, step, &s);
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
-fn names(root: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(root)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    v.sort();
-    v
-}
-
-#[test]
-fn item9_odd_step_names_are_never_deleted_or_loaded() {
-    // (a) u64::MAX: there is no next step, and it says so.
-    let d = real_dir("hostile9a");
-    save_steps(d.path(), &[u64::MAX]);
-    let engine = Engine::open(small_config(d.path(), BackendKind::Auto)).unwrap();
-    assert_eq!(engine.latest().unwrap(), Some(u64::MAX));
-    let err = shmckpt::manifest::next_step(d.path(), engine.latest().unwrap()).unwrap_err();
-    assert!(
-        matches!(err, Error::StepOverflow { step: u64::MAX, .. }),
-        "{err:?}"
-    );
-    assert!(err.to_string().contains(&d.path().display().to_string()));
-    drop(engine);
-
-    // (b) step-5 beside step-05: gc keeps going, never touches the odd name.
-    let d = real_dir("hostile9b");
-    let root = d.path();
-    save_steps(root, &[1, 2, 5]);
-    copy_dir(&root.join("step-5"), &root.join("step-05"));
-    let before = std::fs::read(root.join("step-05").join(RANK_FILE)).unwrap();
-    let out = cli(&["gc", root.to_str().unwrap(), "--keep", "1"]);
-    assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(names(root), ["step-05", "step-5"]);
-    assert_eq!(
-        std::fs::read(root.join("step-05").join(RANK_FILE)).unwrap(),
-        before
-    );
-    assert_step_is_exact(root, 5);
-
-    // (c) step-9 -> step-4: the link is never counted, step-4 never deleted.
-    let d = real_dir("hostile9c");
-    let root = d.path();
-    save_steps(root, &[4]);
-    std::os::unix::fs::symlink("step-4", root.join("step-9")).unwrap();
-    let out = cli(&["gc", root.to_str().unwrap(), "--keep", "1"]);
-    assert!(out.status.success(), "{}", output_text(&out));
-    assert_eq!(names(root), ["step-4", "step-9"]);
-    assert_step_is_exact(root, 4);
-    let engine = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
-    assert_eq!(engine.latest().unwrap(), Some(4));
-    drop(engine);
-
-    // (d) step-1 holding the manifest of step 2: not listed, not verified, not loaded.
-    let d = real_dir("hostile9d");
-    let root = d.path();
-    save_steps(root, &[2]);
-    std::fs::rename(root.join("step-2"), root.join("step-1")).unwrap();
-    let out = cli(&["verify", root.join("step-1").to_str().unwrap()]);
-    let text = output_text(&out);
-    assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("of step 2") && text.contains("step-1"),
-        "{text}"
-    );
-    assert!(!cli(&["verify", root.to_str().unwrap()]).status.success());
-    let engine = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
-    assert_eq!(engine.latest().unwrap(), None);
-    assert!(engine.load(1).is_err());
-    drop(engine);
-    assert_eq!(names(root), ["step-1"], "nothing deleted");
-    let mut m = String::new();
-    std::fs::File::open(root.join("step-1").join("manifest.json"))
-        .unwrap()
-        .read_to_string(&mut m)
-        .unwrap();
-    assert!(m.contains("\"step\": 2"));
-}
-
-// ---------------------------------------------------------------------------------------
-// Issue 21, item 4: a live engine's kept arena is never removed without --force
-
-fn kept_arena_of(root: &Path) -> String {
-    let canon = std::fs::canonicalize(root).unwrap();
-    shmckpt::testing::staging::kept_name(&canon, 0)
-}
-
-fn listed_owner(name: &str) -> String {
-    let out = cli(&["shm", "list", "--json"]);
-    assert!(out.status.success(), "{}", output_text(&out));
-    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let entry = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["name"] == name)
-        .unwrap_or_else(|| panic!("{name} not listed: {list}"));
-    entry["owner"].as_str().unwrap().to_owned()
-}
-
-fn live_arena_body() {
-    let dir = real_dir("hostile21-4");
-    let live_root = dir.path().join("live");
-    let dead_root = dir.path().join("dead");
-    std::fs::create_dir(&live_root).unwrap();
-    std::fs::create_dir(&dead_root).unwrap();
-    let keep = |root: &Path| small_config(root, BackendKind::Auto).with_keep_in_memory(true);
-    // A dead engine's kept arena: its engine closed, its lock is free.
-    let dead = Engine::open(keep(&dead_root)).unwrap();
-    save_committed(&dead, 1, &step_state(1));
-    dead.close();
-    let dead_name = kept_arena_of(&dead_root);
-    // A live engine (this process) keeping its arena.
-    let live = Engine::open(keep(&live_root)).unwrap();
-    save_committed(&live, 1, &step_state(1));
-    let live_name = kept_arena_of(&live_root);
-    assert_eq!(live.shm_name(), live_name);
-    assert_eq!(shm_names(), {
-        let mut v = vec![dead_name.clone(), live_name.clone()];
-        v.sort();
-        v
-    });
-
-    // Listing says whose owner runs, in the library and in the CLI.
-    let owners: Vec<(String, shmckpt::flash::ArenaOwner)> = shmckpt::flash::list_kept()
-        .into_iter()
-        .map(|k| (k.name, k.owner))
-        .collect();
-    assert!(owners.contains(&(live_name.clone(), shmckpt::flash::ArenaOwner::Alive)));
-    assert!(owners.contains(&(dead_name.clone(), shmckpt::flash::ArenaOwner::Gone)));
-    assert_eq!(listed_owner(&live_name), "alive");
-    assert_eq!(listed_owner(&dead_name), "gone");
-    let text = output_text(&cli(&["shm", "list"]));
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with(&live_name) && l.ends_with("owner alive")),
-        "{text}"
-    );
-
-    // The library refuses the live one with a typed error naming the lock.
-    match shmckpt::flash::remove_kept(&live_name) {
-        Err(Error::ArenaInUse { name, reason }) => {
-            assert_eq!(name, live_name);
-            assert!(reason.contains(".shmckpt-rank-0.lock"), "{reason}");
-        }
-        other => panic!("expected ArenaInUse, got {other:?}"),
-    }
-    assert!(shm_exists(&live_name));
-
-    // `shm rm --all` removes the dead one, refuses the live one (which stays), and fails.
-    let out = cli(&["shm", "rm", "--all"]);
-    let text = output_text(&out);
-    assert_no_signal(&out, "shm rm --all");
-    assert!(!out.status.success(), "{text}");
-    assert!(text.contains(&format!("removed {dead_name}")), "{text}");
-    assert!(
-        text.contains(&format!("kept arena {live_name} not removed"))
-            && text.contains("is running")
-            && text.contains("--force"),
-        "{text}"
-    );
-    assert_eq!(shm_names(), vec![live_name.clone()]);
-    // Named explicitly: refused the same way.
-    let out = cli(&["shm", "rm", &live_name]);
-    assert!(!out.status.success(), "{}", output_text(&out));
-    assert_eq!(shm_names(), vec![live_name.clone()]);
-
-    // --force removes it; the live engine saves and loads on, exactly.
-    let out = cli(&["shm", "rm", "--all", "--force"]);
-    let text = output_text(&out);
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains(&format!("removed {live_name}")), "{text}");
-    assert!(shm_names().is_empty());
-    let s2 = step_state(2);
-    save_committed(&live, 2, &s2);
-    assert_loaded_equal(&live.load(2).unwrap(), &s2);
-    live.close();
-
-    // A kept-named file whose header cannot be read: its owner cannot be told, so it is
-    // refused too; the forced removal takes it.
-    plant(&dead_name, b"not an arena");
-    assert!(matches!(
-        shmckpt::flash::remove_kept(&dead_name),
-        Err(Error::ArenaInUse { .. })
-    ));
-    assert_eq!(
-        shmckpt::flash::list_kept()
-            .iter()
-            .find(|k| k.name == dead_name)
-            .map(|k| k.owner),
-        Some(shmckpt::flash::ArenaOwner::Unknown)
-    );
-    shmckpt::flash::remove_kept_forced(&dead_name).unwrap();
-    assert!(shm_names().is_empty());
-    println!("ISSUE21-ITEM4: live kept arena refused, dead one removed, --force removes");
-}
-
-#[test]
-fn issue21_item4_a_live_engines_kept_arena_is_not_removed_without_force() {
-    in_private_shm(
-        "issue21_item4_a_live_engines_kept_arena_is_not_removed_without_force",
-        live_arena_body,
-    );
 }
