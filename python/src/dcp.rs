@@ -152,6 +152,14 @@ fn assemble_ranks(
     Ok((m.step, files))
 }
 
+/// `(name, bytes)` pairs as the commit protocol takes them.
+fn borrowed(files: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
+    files
+        .iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect()
+}
+
 /// Write `files` (`(name, bytes)`: DCP's `.metadata`) durably into the assembled
 /// directory `dir` and publish it as `target` with one rename
 /// (`shmckpt::commit::publish_dir`).
@@ -162,14 +170,8 @@ fn publish_dir(
     files: Vec<(String, Vec<u8>)>,
     target: PathBuf,
 ) -> PyResult<()> {
-    py.detach(|| {
-        let named: Vec<(&str, &[u8])> = files
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
-        shmckpt::commit::publish_dir(&dir, &named, &target)
-    })
-    .map_err(|e| to_py(py, e))
+    py.detach(|| shmckpt::commit::publish_dir(&dir, &borrowed(&files), &target))
+        .map_err(|e| to_py(py, e))
 }
 
 /// Write `files` durably into the assembled directory `dir`, then move its rank files,
@@ -182,14 +184,8 @@ fn publish_into(
     files: Vec<(String, Vec<u8>)>,
     target: PathBuf,
 ) -> PyResult<()> {
-    py.detach(|| {
-        let named: Vec<(&str, &[u8])> = files
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
-        shmckpt::commit::publish_into(&dir, &named, &target)
-    })
-    .map_err(|e| to_py(py, e))
+    py.detach(|| shmckpt::commit::publish_into(&dir, &borrowed(&files), &target))
+        .map_err(|e| to_py(py, e))
 }
 
 /// The `__metadata__` of the file of `rank` in the committed step directory `dir`, read

@@ -138,17 +138,26 @@ fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Every name of `files` is a plain file name (no `/`, not `.` or `..`, not empty).
+fn check_plain_names(files: &[(&str, &[u8])]) -> Result<()> {
+    match files
+        .iter()
+        .find(|(n, _)| n.is_empty() || n.contains('/') || *n == "." || *n == "..")
+    {
+        Some((name, _)) => Err(Error::Internal(format!(
+            "{name:?} is not a plain file name"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Add `files` (`(name, bytes)`, plain names) to the assembled directory `dir`, durably,
 /// then publish it as `target` with one `rename` and `fsync` the parents. `target` must
 /// not exist or be an empty directory (the rename replaces it); anything else is refused
 /// and nothing is published.
 pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result<()> {
+    check_plain_names(files)?;
     for (name, bytes) in files {
-        if name.is_empty() || name.contains('/') || *name == "." || *name == ".." {
-            return Err(Error::Internal(format!(
-                "{name:?} is not a plain file name"
-            )));
-        }
         write_file(dir, name, bytes)?;
     }
     fsync_dir(dir)?;
@@ -220,13 +229,7 @@ fn is_rank_file_name(name: &str) -> bool {
 /// `target` is `fsync`ed and the emptied `dir` removed. `target` must be a directory (no
 /// link followed); anything else in `dir` is refused before anything moves.
 pub fn publish_into(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result<()> {
-    for (name, _) in files {
-        if name.is_empty() || name.contains('/') || *name == "." || *name == ".." {
-            return Err(Error::Internal(format!(
-                "{name:?} is not a plain file name"
-            )));
-        }
-    }
+    check_plain_names(files)?;
     match std::fs::symlink_metadata(target) {
         Ok(m) if m.file_type().is_dir() => {}
         Ok(_) => {
