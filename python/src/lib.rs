@@ -51,6 +51,25 @@ fn err(e: shmckpt::Error) -> PyErr {
     Python::attach(|py| to_py(py, e))
 }
 
+/// A loaded checkpoint as `load` and `load_remote` return it: `(step, dir, metadata,
+/// [(name, dtype, shape, Buffer)])`, each tensor's bytes owned by its buffer.
+fn loaded(ck: shmckpt::Checkpoint) -> remote::Loaded {
+    let tensors = ck
+        .tensors
+        .into_iter()
+        .map(|t| {
+            let dtype = core::dtype_name(t.dtype).to_owned();
+            (t.name, dtype, t.shape, PyBuffer::new(t.data))
+        })
+        .collect();
+    (
+        ck.step,
+        ck.dir.to_string_lossy().into_owned(),
+        ck.metadata,
+        tensors,
+    )
+}
+
 /// The engine of one rank: owns the staging arena, the writers and the commit thread.
 #[pyclass(module = "shmckpt._shmckpt", name = "Engine", frozen)]
 struct PyEngine {
@@ -333,20 +352,7 @@ impl PyEngine {
             .detach(|| core::load(&engine, step))
             .map_err(|e| to_py(py, e))?;
         *lock(&self.last_load) = Some(served);
-        let tensors = ck
-            .tensors
-            .into_iter()
-            .map(|t| {
-                let dtype = core::dtype_name(t.dtype).to_owned();
-                (t.name, dtype, t.shape, PyBuffer::new(t.data))
-            })
-            .collect();
-        Ok((
-            ck.step,
-            ck.dir.to_string_lossy().into_owned(),
-            ck.metadata,
-            tensors,
-        ))
+        Ok(loaded(ck))
     }
 
     /// Load into host memory: `dest` lists `(name, address, nbytes)`, one per tensor of

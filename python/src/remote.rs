@@ -42,20 +42,7 @@ pub(crate) fn load_remote(e: &PyEngine, py: Python<'_>, step: Option<u64>) -> Py
         .detach(|| core::load_remote(&engine, step))
         .map_err(|err| to_py(py, err))?;
     *lock(&e.last_load) = Some(("remote", None));
-    let tensors = ck
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let dtype = core::dtype_name(t.dtype).to_owned();
-            (t.name, dtype, t.shape, PyBuffer::new(t.data))
-        })
-        .collect();
-    Ok((
-        ck.step,
-        ck.dir.to_string_lossy().into_owned(),
-        ck.metadata,
-        tensors,
-    ))
+    Ok(crate::loaded(ck))
 }
 
 pub(crate) fn remote_manifest(e: &PyEngine, py: Python<'_>, step: u64) -> PyResult<String> {
