@@ -14,6 +14,7 @@
 mod finalize;
 mod flash;
 mod handle;
+mod kept;
 mod load;
 #[cfg(feature = "s3")]
 mod remote_ops;
@@ -42,12 +43,10 @@ use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
-pub use flash::{
-    ArenaOwner, KeptArenaInfo, LoadReport, LoadSource, list_kept, remove_kept, remove_kept_forced,
-};
+pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced};
 
 pub use handle::SaveHandle;
-pub use report::{SaveReport, SaveTimings, StagedReport};
+pub use report::{LoadReport, LoadSource, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 

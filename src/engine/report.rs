@@ -68,3 +68,34 @@ pub struct StagedReport {
     /// an engine not prepared with [`Engine::prepare_cuda`](crate::Engine::prepare_cuda)).
     pub registration: Duration,
 }
+
+/// Which path served a load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LoadSource {
+    /// The checkpoint files on disk.
+    Disk,
+    /// The arena a previous engine kept in shared memory (flash restore).
+    Memory,
+    /// The bucket of the remote tier (a step not on the local disk).
+    Remote,
+}
+
+/// What [`crate::Engine::load_with_report`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadReport {
+    /// Step loaded.
+    pub step: u64,
+    /// Which path served it.
+    pub source: LoadSource,
+    /// With flash restore on and the disk serving: why memory could not.
+    pub fallback_reason: Option<String>,
+    /// With memory serving: what the cheap check of this rank's file on disk found wrong
+    /// (its size, or its header bytes against the kept image's), also logged as an error.
+    /// The bytes served are the manifest's all the same (checked by CRC-32C at adoption),
+    /// but the disk copy is damaged: a load from disk would fail. `None` when the check
+    /// passed or memory did not serve. Damage inside the data section is not seen by this
+    /// check: `shmckpt verify` reads every byte.
+    pub disk_problem: Option<String>,
+}
