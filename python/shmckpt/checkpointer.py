@@ -1149,12 +1149,12 @@ class Checkpointer:
                     dest.append((name, int(d.data_ptr()) if nb else 0, nb))
             self._engine.load_into(s, dest)
         else:
-            dest = []
+            device_dest: List[Tuple[str, int, int, int]] = []
             for name, d in direct.items():
                 nb = d.numel() * d.element_size()
-                dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
+                device_dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
             torch.cuda.current_stream(cuda_dev).synchronize()
-            self._engine.load_into_device(s, dest)
+            self._engine.load_into_device(s, device_dest)
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):

@@ -8,21 +8,24 @@
 //!
 //! All calls into the `shmckpt` crate are in `core.rs`.
 
+mod buffer;
 mod core;
 mod dcp;
+mod handle;
 mod remote;
 mod replica;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
-use shmckpt::{Engine, SaveHandle};
+use shmckpt::Engine;
 
+use crate::buffer::PyBuffer;
 use crate::core::{After, EngineOpts, Place, RawTensor};
+use crate::handle::PySaveHandle;
 
 /// How long one slice of a wait lasts before signals are checked.
 const SLICE: Duration = Duration::from_millis(50);
@@ -581,251 +584,6 @@ pub(crate) fn check_disjoint<'a>(
         }
     }
     Ok(())
-}
-
-/// A save in flight.
-#[pyclass(module = "shmckpt._shmckpt", name = "SaveHandle", frozen)]
-struct PySaveHandle {
-    step: u64,
-    /// The Rust handle, until `wait` has taken its result.
-    inner: Mutex<Option<SaveHandle>>,
-    /// The final result once known: a report dict or the error.
-    result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
-    /// The save's remote copy (remote tier on).
-    remote: Option<shmckpt::remote::RemoteProgress>,
-    /// Its result once known.
-    remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
-}
-
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
-}
-
-fn staged_dict<'py>(py: Python<'py>, s: &shmckpt::StagedReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("step", s.step)?;
-    d.set_item("bytes", s.bytes)?;
-    d.set_item("staging", secs(s.staging))?;
-    d.set_item("backpressure", secs(s.backpressure))?;
-    d.set_item("registration", secs(s.registration))?;
-    Ok(d)
-}
-
-fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("step", r.step)?;
-    d.set_item(
-        "dir",
-        r.dir.as_ref().map(|p| p.to_string_lossy().into_owned()),
-    )?;
-    d.set_item("file", r.file.to_string_lossy().into_owned())?;
-    d.set_item("bytes", r.bytes)?;
-    d.set_item("tensors", r.tensors)?;
-    d.set_item("staging", secs(r.timings.staging))?;
-    d.set_item("backpressure", secs(r.timings.backpressure))?;
-    d.set_item("durable", secs(r.timings.durable))?;
-    d.set_item("committed", secs(r.timings.committed))?;
-    d.set_item("backend", r.backend.to_string())?;
-    d.set_item("direct_io", r.direct_io)?;
-    d.set_item("retired", PyList::new(py, &r.retired)?)?;
-    Ok(d)
-}
-
-impl PySaveHandle {
-    /// `test` of the Rust handle, looked at under the lock for just that; `true` once
-    /// `wait` has taken the handle (the save is over).
-    fn looks(&self, test: fn(&SaveHandle) -> bool) -> bool {
-        match &*lock(&self.inner) {
-            Some(h) => test(h),
-            None => true,
-        }
-    }
-}
-
-/// Poll `ready` for at most one [`SLICE`], napping 20 µs at first, then up to 500 µs,
-/// between looks. Call it with the GIL released.
-fn poll_slice(ready: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + SLICE;
-    let mut nap = Duration::from_micros(20);
-    loop {
-        if ready() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_micros(500));
-    }
-}
-
-#[pymethods]
-impl PySaveHandle {
-    /// The step.
-    #[getter]
-    fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// True once every byte is staged (or staging failed): the tensors are no longer read.
-    fn is_staged(&self) -> bool {
-        self.looks(core::is_staged)
-    }
-
-    /// True once the save is committed or failed.
-    fn is_done(&self) -> bool {
-        self.looks(core::is_done)
-    }
-
-    /// Block (GIL released, interruptible) until every byte is staged. Returns the staging
-    /// report; raises if staging failed.
-    fn wait_staged<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        while !py.detach(|| poll_slice(|| self.looks(core::is_staged))) {
-            py.check_signals()?;
-        }
-        // Staged: `wait_staged` returns at once. No Python code runs under the lock (it
-        // could switch threads to one that waits for the lock with the GIL held).
-        let staged = lock(&self.inner).as_ref().map(core::wait_staged);
-        match staged {
-            Some(Ok(s)) => Ok(Some(staged_dict(py, &s)?)),
-            Some(Err(e)) => Err(to_py(py, e)),
-            // Already waited to completion: staging succeeded if the save did.
-            None => match &*lock(&self.result) {
-                Some(Err(e)) => Err(e.clone_ref(py)),
-                _ => Ok(None),
-            },
-        }
-    }
-
-    /// Make each `(device, stream)` wait, on the device, for this save's copies on that
-    /// device, blocking (GIL released) only until every copy is queued: work queued on those
-    /// streams afterwards may change the tensors. Raises the save's error if staging failed.
-    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
-        let r = py.detach(|| match &*lock(&self.inner) {
-            // SAFETY: the Python caller passes the current streams of torch devices, which
-            // stay alive for the call.
-            Some(h) => unsafe { core::hold_streams(h, &streams) },
-            None => Ok(()),
-        });
-        r.map_err(|e| to_py(py, e))
-    }
-
-    /// Block (GIL released, interruptible) until the checkpoint is durable and committed.
-    /// Returns the save report (a dict); raises the save's error. May be called again.
-    fn wait(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        loop {
-            if let Some(r) = &*lock(&self.result) {
-                return match r {
-                    Ok(d) => Ok(d.clone_ref(py)),
-                    Err(e) => Err(e.clone_ref(py)),
-                };
-            }
-            // Wait in slices, GIL released, taking the handle's lock only to look: a
-            // thread asking `is_staged` or `is_done` (with the GIL) never waits for it.
-            if !py.detach(|| poll_slice(|| self.looks(core::is_done))) {
-                py.check_signals()?;
-                continue;
-            }
-            // Done (or taken by another waiter): take the result without blocking, under
-            // the lock only for that (no Python code runs under it).
-            let taken = {
-                let mut g = lock(&self.inner);
-                match g.take().map(|h| core::wait_timeout(h, Duration::ZERO)) {
-                    Some(Ok(res)) => Some(res),
-                    Some(Err(h)) => {
-                        *g = Some(h);
-                        None
-                    }
-                    None => None,
-                }
-            };
-            match taken {
-                Some(res) => {
-                    let stored = match res {
-                        Ok(rep) => Ok(report_dict(py, &rep)?.unbind()),
-                        Err(e) => Err(to_py(py, e)),
-                    };
-                    *lock(&self.result) = Some(stored);
-                }
-                // Another waiter took it and is storing the result: let it finish.
-                None => py.detach(|| std::thread::sleep(Duration::from_micros(100))),
-            }
-        }
-    }
-
-    /// Block (GIL released, interruptible) until the step is committed in the bucket.
-    /// Returns the remote report (`bytes`, `upload` and `remote_durable` seconds, ...);
-    /// raises `RemoteFailed`/`RemoteSkipped`. May be called again.
-    fn wait_remote(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        remote::wait_remote(self, py)
-    }
-
-    /// True once this rank's remote copy is over (or there is no remote tier).
-    fn is_remote_done(&self) -> bool {
-        remote::is_remote_done(self)
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "SaveHandle(step={}, staged={}, done={})",
-            self.step,
-            self.is_staged(),
-            self.is_done()
-        )
-    }
-}
-
-/// Bytes of one loaded tensor, owned by Rust, exposed without a copy through
-/// `__array_interface__` (numpy keeps this object alive as the array's base).
-#[pyclass(module = "shmckpt._shmckpt", name = "Buffer", frozen)]
-struct PyBuffer {
-    /// Owns the memory; never read or written by Rust after construction (only dropped).
-    _data: shmckpt::AlignedBytes,
-    /// Address of the first byte, taken from a mutable borrow at construction.
-    ptr: usize,
-    len: usize,
-}
-
-impl PyBuffer {
-    fn new(mut data: shmckpt::AlignedBytes) -> Self {
-        let bytes = data.as_bytes_mut();
-        let (ptr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
-        PyBuffer {
-            _data: data,
-            ptr,
-            len,
-        }
-    }
-}
-
-#[pymethods]
-impl PyBuffer {
-    /// Length in bytes.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.len
-    }
-
-    /// Address of the first byte (8-byte aligned).
-    #[getter]
-    fn address(&self) -> usize {
-        self.ptr
-    }
-
-    /// The numpy array interface: a writable 1-D uint8 view of the bytes.
-    #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("version", 3)?;
-        d.set_item("shape", (self.len,))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.ptr, false))?;
-        Ok(d)
-    }
-
-    fn __len__(&self) -> usize {
-        self.len
-    }
 }
 
 /// The dtype names (safetensors spelling) the engine knows.
