@@ -1,0 +1,163 @@
+//! The remote tier's settings: part size, parallelism and retries, where the bucket is
+//! (`s3://bucket/prefix`, or any `object_store` store), and the URL's parsing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::ObjectStore;
+
+use super::Remote;
+
+use crate::error::{Error, Result};
+
+/// Default size of each multipart part and ranged read: 16 MiB.
+pub const DEFAULT_PART_SIZE: usize = 16 << 20;
+/// Default parts (uploads) or ranged reads (loads) in flight: 8.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Default retries of one request (object_store's retry with backoff): 3.
+pub const DEFAULT_RETRIES: usize = 3;
+
+/// How the remote tier talks to the bucket.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Bytes per multipart part and per ranged GET: 5 MiB (S3's smallest part) to 1 GiB.
+    /// Default 16 MiB.
+    pub part_size: usize,
+    /// Parts uploaded, or ranges read, at once: 1..=256. Default 8.
+    pub concurrency: usize,
+    /// Retries of a failed request (server errors, timeouts, connection resets), with
+    /// exponential backoff, within `retry_timeout`. Default 3.
+    pub retries: usize,
+    /// Time after which a request is no longer retried. Default 30 s.
+    pub retry_timeout: Duration,
+    /// Settings applied over the environment's, as object_store's `AmazonS3ConfigKey`
+    /// names (`aws_endpoint`, `aws_access_key_id`, `aws_secret_access_key`, `aws_region`,
+    /// `aws_allow_http`, ...). Default none.
+    pub config: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for RemoteOptions {
+    /// The `config` keys only: their values may be secrets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteOptions")
+            .field("part_size", &self.part_size)
+            .field("concurrency", &self.concurrency)
+            .field("retries", &self.retries)
+            .field("retry_timeout", &self.retry_timeout)
+            .field(
+                "config",
+                &self
+                    .config
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            part_size: DEFAULT_PART_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            retries: DEFAULT_RETRIES,
+            retry_timeout: Duration::from_secs(30),
+            config: Vec::new(),
+        }
+    }
+}
+
+impl RemoteOptions {
+    pub(crate) fn validate(&self) -> Result<()> {
+        if !(5 << 20..=1 << 30).contains(&self.part_size) {
+            return Err(Error::Config(format!(
+                "remote part size {} must be between 5 MiB and 1 GiB",
+                self.part_size
+            )));
+        }
+        if !(1..=256).contains(&self.concurrency) {
+            return Err(Error::Config("remote concurrency must be 1..=256".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Where an engine's remote tier goes ([`crate::EngineConfig::with_remote`],
+/// [`crate::EngineConfig::with_remote_store`]).
+#[derive(Debug, Clone)]
+pub(crate) enum RemoteTarget {
+    /// `s3://bucket/prefix`, configured from the environment.
+    Url(String),
+    /// A store given by the caller, and a key prefix.
+    Store {
+        store: Arc<dyn ObjectStore>,
+        prefix: String,
+    },
+}
+
+impl RemoteTarget {
+    pub(crate) fn open(&self, opts: RemoteOptions) -> Result<Remote> {
+        match self {
+            RemoteTarget::Url(u) => Remote::open(u, opts),
+            RemoteTarget::Store { store, prefix } => {
+                let url = format!("{store}/{prefix}");
+                Remote::with_store(Arc::clone(store), prefix, url, opts)
+            }
+        }
+    }
+}
+
+/// A parsed `s3://bucket/prefix` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteUrl {
+    /// Bucket name.
+    pub bucket: String,
+    /// Key prefix without leading or trailing `/` (may be empty).
+    pub prefix: String,
+}
+
+impl RemoteUrl {
+    /// Parse `s3://bucket[/prefix]`. The prefix's segments must be plain names (no `.`,
+    /// `..` or empty segment).
+    pub fn parse(url: &str) -> Result<RemoteUrl> {
+        let bad = |why: &str| Error::Config(format!("remote URL {url:?}: {why}"));
+        let rest = url
+            .strip_prefix("s3://")
+            .ok_or_else(|| bad("must start with s3://"))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if !(3..=63).contains(&bucket.len())
+            || !bucket
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        {
+            return Err(bad(
+                "the bucket name must be 3..=63 lowercase letters, digits, '-' or '.'",
+            ));
+        }
+        let prefix = prefix.trim_end_matches('/');
+        if !prefix.is_empty()
+            && prefix
+                .split('/')
+                .any(|s| s.is_empty() || s == "." || s == ".." || s.starts_with("step-"))
+        {
+            return Err(bad(
+                "the prefix's segments must be non-empty names other than '.', '..' and step-*",
+            ));
+        }
+        Ok(RemoteUrl {
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for RemoteUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.prefix.is_empty() {
+            write!(f, "s3://{}", self.bucket)
+        } else {
+            write!(f, "s3://{}/{}", self.bucket, self.prefix)
+        }
+    }
+}
