@@ -811,6 +811,20 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         save = self._current
         if save is None:
             raise SaveFailed("ShmckptWriter.finish called before write_data")
+        step_dir, sources = self._assemble(save, metadata, results)
+        _check_target(self.path)
+        # One rename makes the complete checkpoint appear at self.path.
+        _shmckpt.publish_dir(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], self.path)
+        self._current = None
+        for d in sources:  # the ranks' emptied partial directories
+            _remove_tree(d)
+
+    def _assemble(self, save: "_Save", metadata: Metadata, results: List[List[WriteResult]]) -> Tuple[str, List[str]]:
+        """The coordinator's half of a commit before publishing: every rank's durable part
+        of ``save`` assembled into ``save.step_dir`` by the Rust protocol
+        (``shmckpt::commit::assemble_ranks``: parts checked, files moved, ``manifest.json``
+        written), and ``metadata`` given each item's offset, length and CRC-32C from it.
+        Returns the assembled directory and the ranks' emptied partial directories."""
         sources = []
         for k in range(save.world):
             src = _sources(save, k)
@@ -842,12 +856,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             metadata.version = CURRENT_DCP_VERSION
         except ImportError:  # pragma: no cover - older torch
             pass
-        _check_target(self.path)
-        # One rename makes the complete checkpoint appear at self.path.
-        _shmckpt.publish_dir(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], self.path)
-        self._current = None
-        for d in sources:  # the ranks' emptied partial directories
-            _remove_tree(d)
+        return step_dir, sources
 
 
 def _sources(save: _Save, rank: int) -> List[str]:

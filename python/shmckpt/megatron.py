@@ -38,7 +38,6 @@ Importing this module registers the strategies as Megatron's defaults for the
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
@@ -82,7 +81,7 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 from . import _shmckpt
 from . import dcp as _dcp
 from .dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter
-from .errors import CorruptError, SaveFailed
+from .errors import SaveFailed
 
 __all__ = [
     "BACKEND",
@@ -252,38 +251,9 @@ class _MegatronWriter(ShmckptWriter):
         save = self._current
         if save is None:
             raise SaveFailed("finish called before prepare_write_data")
-        sources = []
-        for k in range(save.world):
-            src = _dcp._sources(save, k)
-            if len(src) != 1:
-                raise SaveFailed(
-                    f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} ({src})"
-                )
-            sources.append(src[0])
-        step_dir = save.step_dir
         # The commit protocol in Rust: every rank's part checked, the files moved into
         # spool/step-N, manifest.json written (shmckpt::commit::assemble_ranks).
-        _step, files = _shmckpt.assemble_ranks(sources, step_dir, save.step, self.path, {_dcp._FORMAT_KEY: "1"})
-        by_file = {f: {name: (start, b, e, crc) for name, b, e, crc in tensors} for f, start, tensors in files}
-        storage_md: Dict[MetadataIndex, ShmckptStorageInfo] = {}
-        for wr_list in results:
-            for wr in wr_list:
-                info = wr.storage_data
-                ent = by_file.get(info.relative_path, {}).get(info.tensor)
-                if ent is None:
-                    raise CorruptError(
-                        f"{os.path.join(step_dir, _dcp.MANIFEST_FILE)}: no tensor {info.tensor!r} in {info.relative_path}"
-                    )
-                start, b, e, crc = ent
-                storage_md[wr.index] = dataclasses.replace(info, offset=start + b, length=e - b, crc32c=int(crc))
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
-        try:
-            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-            metadata.version = CURRENT_DCP_VERSION
-        except ImportError:  # pragma: no cover - older torch
-            pass
+        step_dir, sources = self._assemble(save, metadata, results)
         target = self.path
         if os.path.islink(target) or not os.path.isdir(target):
             raise FileNotFoundError(f"{target}: Megatron's checkpoint directory is missing (or a symbolic link)")
