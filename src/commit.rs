@@ -331,14 +331,23 @@ pub fn commit(
             std::process::id()
         ));
         let _ = fsops::remove_file(&part_tmp);
-        write_durable(&part_tmp, &bytes).inspect_err(|_| {
+        let written = write_durable(&part_tmp, &bytes).and_then(|()| {
+            fsops::rename(&part_tmp, &part).map_err(|e| Error::io("rename", &part_tmp, e))
+        });
+        if let Err(e) = written {
             // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
             let _ = fsops::remove_file(&part_tmp);
-        })?;
-        fsops::rename(&part_tmp, &part).map_err(|e| {
-            let _ = fsops::remove_file(&part_tmp);
-            Error::io("rename", &part_tmp, e)
-        })?;
+            // This rank's part was there already (a recovery re-committing a save whose
+            // part an earlier run wrote) and another rank merged every part and renamed
+            // the directory meanwhile: committed with exactly this entry, once that
+            // rename is durable.
+            let mine = &files[0];
+            if Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == mine)) {
+                fsync_dir(root)?;
+                return Ok(Some(final_dir));
+            }
+            return Err(e);
+        }
         if let Err(e) = fsync_dir(partial) {
             // Another rank may have merged every part and renamed the directory already:
             // committed, once that rename is durable (the other rank may not have synced
