@@ -343,6 +343,28 @@ impl EngineConfig {
     ) -> Self {
         self.remote = Some(crate::remote::RemoteTarget::Store {
             store,
+            mp: None,
+            prefix: prefix.into(),
+        });
+        self
+    }
+
+    /// [`EngineConfig::with_remote_store`] on a store with multipart upload ids (S3,
+    /// GCS, Azure, `InMemory`): each upload is journaled in the bucket so that `gc` can
+    /// abort the ones a killed process left open (`with_remote` does this for S3).
+    #[cfg(feature = "s3")]
+    pub fn with_remote_multipart_store<S>(
+        mut self,
+        store: std::sync::Arc<S>,
+        prefix: impl Into<String>,
+    ) -> Self
+    where
+        S: object_store::ObjectStore + object_store::multipart::MultipartStore,
+    {
+        let mp: std::sync::Arc<dyn object_store::multipart::MultipartStore> = store.clone();
+        self.remote = Some(crate::remote::RemoteTarget::Store {
+            store,
+            mp: Some(mp),
             prefix: prefix.into(),
         });
         self
@@ -386,11 +408,11 @@ impl EngineConfig {
         self
     }
 
-    /// Remote only: the root is this rank's private scratch directory, not a checkpoint
-    /// tier. Each save's file is still written there (the upload reads it: it is not yet
-    /// fed from the staging arena), and removed from it as soon as the uploader holds it
-    /// open, so the disk keeps no checkpoint and its space is freed when the upload ends;
-    /// loads come from the bucket. Needs [`EngineConfig::with_remote`]. Default false.
+    /// Remote only: the root is this rank's private directory (it holds the engine's lock
+    /// file), not a checkpoint tier. Saves write no file: each staged chunk is checksummed
+    /// and uploaded from the staging arena, whose chunks the upload alone releases (a save
+    /// waits for staging memory that earlier uploads still hold); loads come from the
+    /// bucket. Needs [`EngineConfig::with_remote`]. Default false.
     #[cfg(feature = "s3")]
     pub fn with_remote_only(mut self, on: bool) -> Self {
         self.remote_only = on;

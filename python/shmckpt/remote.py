@@ -9,11 +9,10 @@ committed there; ``Checkpointer.list(remote=True)`` lists the bucket;
 ``Checkpointer.load(step, source="remote")`` reads from it, and ``load("latest")`` falls
 back to it when the local disk holds no checkpoint (or not the requested step).
 
-``Checkpointer("s3://bucket/prefix")`` is remote only: the engine writes each save's file
-to a private scratch directory (the upload reads it there: the upload is not yet fed from
-the staging arena) and removes it as soon as the uploader holds it open, so no checkpoint
-stays on disk; loads come from the bucket. The scratch directory is made with
-``tempfile.mkdtemp`` (``TMPDIR``) and removed by ``close``.
+``Checkpointer("s3://bucket/prefix")`` is remote only: the engine writes no file; each
+save is uploaded from the staging memory, which the upload alone releases; loads come from
+the bucket. The engine's root is a private scratch directory holding only its lock file,
+made with ``tempfile.mkdtemp`` (``TMPDIR``) and removed by ``close``.
 """
 
 from __future__ import annotations

@@ -214,6 +214,15 @@ fn remote_report_dict<'py>(
     d.set_item("remote_durable", secs(r.remote_durable))?;
     d.set_item("committed_here", r.committed_here)?;
     d.set_item("retired", PyList::new(py, &r.retired)?)?;
+    d.set_item("read_from_file", r.read_from_file)?;
+    // An earlier failed step this save uploaded again: (step, None) when it is in the
+    // bucket now, (step, why) when it was not uploaded again or failed again.
+    let retried = match &r.retried {
+        Some((s, Ok(()))) => Some((*s, None)),
+        Some((s, Err(why))) => Some((*s, Some(why.clone()))),
+        None => None,
+    };
+    d.set_item("retried", retried)?;
     Ok(d)
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -435,9 +436,9 @@ print("uploaded?!", flush=True)
 
 def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkeypatch):
     """SIGKILL while the second part of the upload is held by the server: nothing of the
-    step is visible in the bucket, and the next trainer's save of the same step commits.
-    (The multipart upload the killed process opened stays open on the server: object_store
-    cannot list those; a bucket lifecycle rule removes them.)"""
+    step is visible in the bucket; the upload the killed process opened is journaled in the
+    bucket, and `shmckpt gc` aborts it (the server lists no upload after) and removes the
+    journal; the next trainer's save commits."""
     client, bucket = s3
     hold = threading.Event()
     release = threading.Event()
@@ -472,9 +473,24 @@ def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkey
         if child.poll() is None:
             child.kill()
     try:
-        assert keys(client, bucket, "kill/") == []
+        left = keys(client, bucket, "kill/")
+        assert len(left) == 1 and left[0].startswith("kill/.shmckpt/uploads/nosession-0-1-"), left
+        journal = json.loads(client.get_object(Bucket=bucket, Key=left[0])["Body"].read())
         uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-        assert [u["Key"] for u in uploads] == ["kill/step-1/rank-00000-of-00001.safetensors"]
+        assert [(u["Key"], u["UploadId"]) for u in uploads] == [
+            ("kill/step-1/rank-00000-of-00001.safetensors", journal["upload_id"])
+        ]
+        assert journal["object"] == "kill/step-1/rank-00000-of-00001.safetensors"
+        # gc: younger than --min-age, kept (may be in progress); with --min-age 0, aborted.
+        r = _cli("gc", url, "--keep", "1")
+        assert r.returncode == 0, r.stderr
+        assert "aborted 0 multipart upload(s)" in r.stdout, r.stdout
+        assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
+        r = _cli("gc", url, "--keep", "1", "--min-age", "0")
+        assert r.returncode == 0, r.stderr
+        assert "aborted 1 multipart upload(s)" in r.stdout, r.stdout
+        assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+        assert keys(client, bucket, "kill/") == []
         # The next trainer: the local step 1 exists, so it saves step 2, which commits.
         with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
             assert ck.list() == [1] and ck.list(remote=True) == []

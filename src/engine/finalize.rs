@@ -72,6 +72,7 @@ fn remote_copy(
     let (report, entry) = match (result, entry) {
         (Ok(r), Some(e)) => (r, e),
         (Err(e), _) => {
+            close_feed(st);
             progress.fail(Error::SaveFailed {
                 step: st.step,
                 source: Arc::clone(e),
@@ -79,12 +80,25 @@ fn remote_copy(
             return;
         }
         (Ok(_), None) => {
+            close_feed(st);
             progress.fail(Error::Internal(
                 "committed save without a file entry".into(),
             ));
             return;
         }
     };
+    if st.shared.cfg.remote_only {
+        // No file: the feed holds every chunk.
+        tier.submit(
+            progress.clone(),
+            None,
+            entry,
+            st.metadata.clone(),
+            st.feed.clone(),
+        );
+        return;
+    }
+    // Opened for the chunks given back to staging under pressure (read from the file).
     // With several ranks, another rank may rename the partial directory at any time: the
     // file is then in the committed one.
     let committed = st
@@ -96,26 +110,38 @@ fn remote_copy(
     let opened = crate::fsx::open_path(&report.file, false)
         .or_else(|_| crate::fsx::open_path(&committed, false));
     match opened {
-        Ok(f) => {
-            if st.shared.cfg.remote_only {
-                // The uploader reads through its descriptor: the scratch copy goes now.
-                let dir = report.dir.clone().unwrap_or_else(|| st.partial.clone());
-                if let Err(e) = std::fs::remove_dir_all(&dir) {
-                    tracing::warn!(dir = %dir.display(), error = %e, "could not remove the scratch copy of a remote-only save");
-                }
-            }
-            tier.submit(progress.clone(), f, entry, st.metadata.clone())
+        Ok(f) => tier.submit(
+            progress.clone(),
+            Some(f),
+            entry,
+            st.metadata.clone(),
+            st.feed.clone(),
+        ),
+        Err(e) => {
+            close_feed(st);
+            progress.fail(e)
         }
-        Err(e) => progress.fail(e),
+    }
+}
+
+#[cfg(feature = "s3")]
+fn close_feed(st: &SaveState) {
+    if let Some(f) = &st.feed {
+        f.close();
     }
 }
 
 fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
     let cfg = &st.shared.cfg;
-    let target = st
-        .file_target()
-        .ok_or_else(|| Error::Internal("the checkpoint file was never opened".into()))?;
-    target.finish(st.plan.file_len())?;
+    let target = if cfg.remote_only {
+        None // no file: every chunk is checksummed and held for the upload
+    } else {
+        let t = st
+            .file_target()
+            .ok_or_else(|| Error::Internal("the checkpoint file was never opened".into()))?;
+        t.finish(st.plan.file_len())?;
+        Some(t)
+    };
     let durable = st.started.elapsed();
     let crcs = st.tensor_crcs();
     let data_start = st.plan.data_start();
@@ -139,14 +165,17 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
             })
             .collect(),
     };
-    let dir = commit::commit(
-        &cfg.root,
-        st.step,
-        cfg.world_size,
-        &st.partial,
-        entry.clone(),
-        &st.metadata,
-    )?;
+    let dir = match target {
+        Some(_) => commit::commit(
+            &cfg.root,
+            st.step,
+            cfg.world_size,
+            &st.partial,
+            entry.clone(),
+            &st.metadata,
+        )?,
+        None => None,
+    };
     let committed = st.started.elapsed();
     let mut retired = commit::Retired::default();
     if let (Some(keep), Some(_)) = (cfg.keep_last, &dir) {
@@ -176,7 +205,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
             committed,
         },
         backend: st.shared.backend,
-        direct_io: target.is_direct(),
+        direct_io: target.as_ref().is_some_and(|t| t.is_direct()),
         retired: retired.steps.clone(),
     };
     Ok((report, retired, entry))

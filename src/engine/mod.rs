@@ -190,6 +190,7 @@ impl Engine {
                     cfg.remote_keep_last,
                     cfg.remote_max_pending,
                     cfg.remote_session.clone(),
+                    (!cfg.remote_only).then(|| cfg.root.clone()),
                 )?))
             }
             None => None,
@@ -284,6 +285,17 @@ impl Engine {
         };
         if keep {
             arena.enable_keep();
+        }
+        // Chunks held for uploads are given back when staging runs out (read from the
+        // local file instead): the local tier never waits on the bucket beyond that.
+        #[cfg(feature = "s3")]
+        if let Some(t) = &remote {
+            let feeds = Arc::downgrade(t.feeds());
+            arena.set_reclaim(crate::staging::Reclaim(Box::new(move || {
+                if let Some(f) = feeds.upgrade() {
+                    f.spill_all();
+                }
+            })));
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
         // Otherwise adopt the kept image into the new arena by copying (a kept image is
@@ -544,7 +556,8 @@ impl Engine {
                 tracing::error!("a background set-up thread panicked");
             }
         }
-        // Uploads read committed files, not the arena: finished after the writers.
+        // Uploads hold arena chunks (leases keep the mapping alive) or read committed
+        // files: finished after the writers, before the arena is marked closed.
         #[cfg(feature = "s3")]
         if let Some(r) = &self.shared.remote {
             r.close();

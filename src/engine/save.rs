@@ -374,6 +374,12 @@ impl Engine {
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
             #[cfg(feature = "s3")]
             remote: self.shared.remote.as_ref().map(|t| t.progress(step)),
+            #[cfg(feature = "s3")]
+            feed: self
+                .shared
+                .remote
+                .as_ref()
+                .map(|t| t.feed(n_chunks, cs, !cfg.remote_only)),
         });
         let queued = self
             .commit_tx
@@ -387,9 +393,16 @@ impl Engine {
             return Err(Error::Shutdown("engine closed".into()));
         }
         let st = Arc::clone(&state);
-        let opener = std::thread::Builder::new()
-            .name("shmckpt-open".into())
-            .spawn(move || st.open_file());
+        let opener = if cfg.remote_only {
+            // No file: the bucket is the save's only copy.
+            state.no_file_opened();
+            Ok(())
+        } else {
+            std::thread::Builder::new()
+                .name("shmckpt-open".into())
+                .spawn(move || st.open_file())
+                .map(drop)
+        };
         if let Err(e) = opener {
             state.file_opened(Err(Error::Shutdown(format!(
                 "cannot spawn the file-opening thread: {e}"

@@ -12,6 +12,7 @@ use crate::io::file::FileTarget;
 use crate::io::pool::{ChunkInfo, Outcome, WriteSink};
 use crate::manifest::Metadata;
 use crate::plan::{PieceSource, Plan};
+use crate::staging::ChunkLease;
 
 use super::report::{SaveReport, StagedReport};
 use super::{Shared, lock};
@@ -73,6 +74,9 @@ pub(crate) struct SaveState {
     /// The save's remote copy (remote tier on).
     #[cfg(feature = "s3")]
     pub(super) remote: Option<crate::remote::RemoteProgress>,
+    /// Its staged chunks, held for the upload (remote tier on).
+    #[cfg(feature = "s3")]
+    pub(super) feed: Option<Arc<crate::remote::feed::Feed>>,
 }
 
 impl SaveState {
@@ -105,6 +109,13 @@ impl SaveState {
                 Ok(t)
             });
         self.file_opened(r);
+    }
+
+    /// A remote-only save writes no file: the opener's part is done at once.
+    pub(super) fn no_file_opened(&self) {
+        *lock(&self.file.state) = FileState::Ready;
+        self.file.changed.notify_all();
+        self.changed.notify_all();
     }
 
     pub(super) fn file_opened(&self, r: Result<FileTarget>) {
@@ -239,7 +250,39 @@ impl WriteSink for SaveState {
     }
 
     fn finished(&self, chunk: &ChunkInfo, bytes: Option<&[u8]>, outcome: Outcome) {
+        self.record(chunk, bytes, outcome);
+        self.count_finished();
+    }
+
+    fn finished_lease(&self, chunk: &ChunkInfo, lease: ChunkLease, outcome: Outcome) {
+        let _written = self.record(chunk, Some(lease.as_slice()), outcome);
+        // Held for the upload before the chunk counts as finished: the commit thread
+        // hands the feed to the uploader only after every chunk finished.
+        #[cfg(feature = "s3")]
+        if _written && let Some(f) = &self.feed {
+            f.offer(chunk.chunk, lease, chunk.len);
+        }
+        self.count_finished();
+    }
+
+    fn no_file(&self) -> bool {
+        self.shared.cfg.remote_only
+    }
+}
+
+impl SaveState {
+    fn count_finished(&self) {
+        let mut p = lock(&self.progress);
+        p.finished += 1;
+        drop(p);
+        self.changed.notify_all();
+    }
+
+    /// A chunk's write ended: checksum it, record it in the descriptor, or record the
+    /// failure. Returns whether it was written and the save has not failed.
+    fn record(&self, chunk: &ChunkInfo, bytes: Option<&[u8]>, outcome: Outcome) -> bool {
         let mut failure = None;
+        let written = matches!((&outcome, bytes), (Outcome::Written, Some(_)));
         match (outcome, bytes) {
             (Outcome::Written, Some(bytes)) => {
                 // Checksum the staged bytes of each tensor piece, off the caller's path.
@@ -278,14 +321,13 @@ impl WriteSink for SaveState {
                 .chunk_lost(self.slot, chunk.chunk);
         }
         let mut p = lock(&self.progress);
+        let ok = failure.is_none() && written;
         if let Some(e) = failure {
             self.failed.store(true, Ordering::Release);
             if p.error.is_none() {
                 p.error = Some(Arc::new(e));
             }
         }
-        p.finished += 1;
-        drop(p);
-        self.changed.notify_all();
+        ok && !self.failed()
     }
 }

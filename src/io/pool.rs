@@ -32,6 +32,17 @@ pub trait WriteSink: Send + Sync {
     /// (still leased, so it can be checksummed), `None` when the buffer was lost with a
     /// broken backend.
     fn finished(&self, chunk: &ChunkInfo, bytes: Option<&[u8]>, outcome: Outcome);
+    /// [`WriteSink::finished`] with the chunk's lease, which the sink may keep (the
+    /// remote tier uploads from it) or drop (the chunk returns to the arena). Runs on the
+    /// writer thread. By default: `finished` with the lease's bytes, then the lease drops.
+    fn finished_lease(&self, chunk: &ChunkInfo, lease: ChunkLease, outcome: Outcome) {
+        self.finished(chunk, Some(lease.as_slice()), outcome);
+    }
+    /// True when the save writes no file (remote only: the bucket is its only copy): the
+    /// writers hand each chunk straight to [`WriteSink::finished_lease`] as written.
+    fn no_file(&self) -> bool {
+        false
+    }
 }
 
 /// How a job ended.
@@ -200,8 +211,13 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
             };
             if job.sink.failed() {
                 job.sink
-                    .finished(&job.info, Some(job.lease.as_slice()), Outcome::Skipped);
-                continue; // the lease drops here: nothing was handed to the kernel
+                    .finished_lease(&job.info, job.lease, Outcome::Skipped);
+                continue; // the lease was never handed to the kernel
+            }
+            if job.sink.no_file() {
+                job.sink
+                    .finished_lease(&job.info, job.lease, Outcome::Written);
+                continue;
             }
             let total = match job.sink.target() {
                 Some(t) if t.is_direct() => job.info.write_len,
@@ -209,7 +225,7 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
                 None => {
                     // Opening the file failed: the save has its error already.
                     job.sink
-                        .finished(&job.info, Some(job.lease.as_slice()), Outcome::Skipped);
+                        .finished_lease(&job.info, job.lease, Outcome::Skipped);
                     continue;
                 }
             };
@@ -249,15 +265,14 @@ fn writer_loop(mut q: LeaseQueue<Tag>, rx: Receiver<WriteJob>) {
             if r == -libc::EINTR || r == -libc::EAGAIN {
                 issue(&mut q, d.lease, t);
             } else if r < 0 {
-                fail(&d.lease, t, io::Error::from_raw_os_error(-r));
+                fail(d.lease, t, io::Error::from_raw_os_error(-r));
             } else if r == 0 {
                 let e = io::Error::new(io::ErrorKind::WriteZero, "write returned 0 bytes");
-                fail(&d.lease, t, e);
+                fail(d.lease, t, e);
             } else {
                 t.done = (t.done + r as usize).min(t.total);
                 if t.done == t.total {
-                    t.sink
-                        .finished(&t.info, Some(d.lease.as_slice()), Outcome::Written);
+                    t.sink.finished_lease(&t.info, d.lease, Outcome::Written);
                 } else {
                     issue(&mut q, d.lease, t); // short write: the rest
                 }
@@ -279,16 +294,15 @@ fn issue(q: &mut LeaseQueue<Tag>, lease: ChunkLease, t: Tag) {
         offset,
     };
     let Some(target) = sink.target() else {
-        return fail(&lease, t, std::io::Error::other("file not open"));
+        return fail(lease, t, std::io::Error::other("file not open"));
     };
     if let Err((lease, t, e)) = q.push(lease, t, &target, req) {
-        fail(&lease, t, e);
+        fail(lease, t, e);
     }
 }
 
-fn fail(lease: &ChunkLease, t: Tag, e: io::Error) {
+fn fail(lease: ChunkLease, t: Tag, e: io::Error) {
     let err = Error::io_at("write", t.sink.path(), t.info.offset + t.done as u64, e);
     tracing::error!(error = %err, "write failed");
-    t.sink
-        .finished(&t.info, Some(lease.as_slice()), Outcome::Failed(err));
+    t.sink.finished_lease(&t.info, lease, Outcome::Failed(err));
 }

@@ -14,17 +14,20 @@
 //! listed or loaded, so a failed or killed upload leaves no visible step; a failed
 //! multipart upload is aborted.
 //!
-//! The rank objects are uploaded from the committed local file (one read of it, in
-//! `part_size` pieces with `concurrency` parts in flight): the upload is not yet fed from
-//! the staging arena.
+//! The rank objects are uploaded from the staging arena (`feed.rs`: each chunk stays
+//! pinned until its local write and its part's upload are both done), in `part_size` parts
+//! with `concurrency` in flight; bytes whose chunks were given back under staging pressure
+//! are read from the committed local file (`upload.rs`).
 //!
 //! Everything read from the bucket is untrusted: the manifest is size-capped and parsed by
 //! [`Manifest::parse`], each object's size and safetensors header are checked against it,
 //! and every tensor's CRC-32C is verified ([`Remote::read_rank`]).
 
+pub(crate) mod feed;
 mod options;
 mod read;
 pub(crate) mod tier;
+mod upload;
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -33,10 +36,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
-use object_store::{
-    ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig, WriteMultipart,
-};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
 
 use crate::error::{Error, Result};
 use crate::manifest::{
@@ -81,6 +83,9 @@ pub struct GcReport {
     pub uncommitted_steps: Vec<u64>,
     /// Objects removed.
     pub objects: usize,
+    /// Multipart uploads aborted: those a killed process left open (their journal under
+    /// `prefix/.shmckpt/uploads/` at least `min_age` old).
+    pub aborted_uploads: usize,
     /// Bytes removed.
     pub bytes: u64,
 }
@@ -90,6 +95,8 @@ pub struct GcReport {
 /// from inside another tokio runtime).
 pub struct Remote {
     store: Arc<dyn ObjectStore>,
+    /// The same store's multipart API (upload ids, journaled), when it has one.
+    mp: Option<Arc<dyn MultipartStore>>,
     prefix: ObjPath,
     url: String,
     opts: RemoteOptions,
@@ -142,10 +149,12 @@ impl Remote {
                 .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
             builder = builder.with_config(key, v);
         }
-        let store = builder
-            .build()
-            .map_err(|e| remote_err(&parsed.to_string(), "configure", &e))?;
-        let remote = Remote::with_store(Arc::new(store), &parsed.prefix, parsed.to_string(), opts)?;
+        let store = Arc::new(
+            builder
+                .build()
+                .map_err(|e| remote_err(&parsed.to_string(), "configure", &e))?,
+        );
+        let remote = Remote::with_multipart_store(store, &parsed.prefix, parsed.to_string(), opts)?;
         remote.check()?;
         Ok(remote)
     }
@@ -158,13 +167,37 @@ impl Remote {
         url: impl Into<String>,
         opts: RemoteOptions,
     ) -> Result<Remote> {
+        Remote::build(store, None, prefix, url.into(), opts)
+    }
+
+    /// [`Remote::with_store`] over a store with upload ids (S3, GCS, Azure, `InMemory`):
+    /// each multipart upload is journaled, so [`Remote::gc`] can abort the ones a killed
+    /// process left open.
+    pub fn with_multipart_store<S: ObjectStore + MultipartStore>(
+        store: Arc<S>,
+        prefix: &str,
+        url: impl Into<String>,
+        opts: RemoteOptions,
+    ) -> Result<Remote> {
+        let mp: Arc<dyn MultipartStore> = store.clone();
+        Remote::build(store, Some(mp), prefix, url.into(), opts)
+    }
+
+    pub(crate) fn build(
+        store: Arc<dyn ObjectStore>,
+        mp: Option<Arc<dyn MultipartStore>>,
+        prefix: &str,
+        url: String,
+        opts: RemoteOptions,
+    ) -> Result<Remote> {
         opts.validate()?;
         let prefix = ObjPath::parse(prefix)
             .map_err(|e| Error::Config(format!("remote prefix {prefix:?}: {e}")))?;
         Ok(Remote {
             store,
+            mp,
             prefix,
-            url: url.into(),
+            url,
             opts,
             rt: runtime()?,
         })
@@ -225,85 +258,6 @@ impl Remote {
 
     fn err(&self, op: &'static str, e: &object_store::Error) -> Error {
         remote_err(&self.url, op, e)
-    }
-
-    /// Upload one rank's committed file (`len` bytes of `file`) as
-    /// `step-N/<entry.file>` (a multipart upload, `part_size` parts, `concurrency` in
-    /// flight; aborted on failure), then its manifest part. Returns the bytes uploaded.
-    ///
-    /// A step already committed in the bucket is never written to
-    /// ([`Error::StepExists`]): its objects would no longer match its manifest.
-    ///
-    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_remote_session`])
-    /// is recorded in the manifest part.
-    pub fn upload_rank(
-        &self,
-        step: u64,
-        file: &std::fs::File,
-        entry: &FileEntry,
-        session: Option<&str>,
-    ) -> Result<u64> {
-        let key = self.key(step, &entry.file);
-        self.block(async {
-            match self.store.head(&self.key(step, MANIFEST)).await {
-                Ok(_) => {
-                    return Err(Error::StepExists {
-                        step,
-                        root: PathBuf::from(&self.url),
-                    });
-                }
-                Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(self.err("head manifest", &e)),
-            }
-            let upload = self
-                .store
-                .put_multipart(&key)
-                .await
-                .map_err(|e| self.err("create multipart upload", &e))?;
-            let part = self.opts.part_size;
-            let mut w = WriteMultipart::new_with_chunk_size(upload, part);
-            let mut at = 0u64;
-            let res: Result<()> = async {
-                while at < entry.bytes {
-                    w.wait_for_capacity(self.opts.concurrency)
-                        .await
-                        .map_err(|e| self.err("upload part", &e))?;
-                    let n = (entry.bytes - at).min(part as u64) as usize;
-                    let mut buf = vec![0u8; n];
-                    std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, at).map_err(
-                        |e| Error::io_at("read", self.display(&key), at, e),
-                    )?;
-                    w.put(Bytes::from(buf));
-                    at += n as u64;
-                }
-                Ok(())
-            }
-            .await;
-            match res {
-                Ok(()) => {
-                    w.finish()
-                        .await
-                        .map_err(|e| self.err("complete multipart upload", &e))?;
-                }
-                Err(e) => {
-                    if let Err(a) = w.abort().await {
-                        tracing::warn!(error = %a, object = %self.display(&key).display(), "could not abort a failed multipart upload; `shmckpt gc` or a bucket lifecycle rule removes it");
-                    }
-                    return Err(e);
-                }
-            }
-            let part = Part {
-                session: session.map(str::to_owned),
-                entry: entry.clone(),
-            };
-            let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
-            let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
-            self.store
-                .put(&pkey, PutPayload::from(part_json))
-                .await
-                .map_err(|e| self.err("put manifest part", &e))?;
-            Ok(entry.bytes)
-        })
     }
 
     /// Commit `step` if every rank's part and object are present: write `manifest.json`
@@ -523,9 +477,9 @@ impl Remote {
 
     /// Remove the objects of uncommitted steps (no manifest) whose newest object is older
     /// than `min_age`: what an interrupted or failed upload left. A step younger than that
-    /// may be an upload in progress and is kept. Multipart uploads that a killed process
-    /// left open are not visible through `object_store`: a bucket lifecycle rule
-    /// (`AbortIncompleteMultipartUpload`) removes those.
+    /// may be an upload in progress and is kept. Then abort the multipart uploads whose
+    /// journal is at least `min_age` old (uploads a killed process left open; object_store
+    /// cannot list a bucket's uploads, so the uploader journals each one: `upload.rs`).
     pub fn gc(&self, min_age: Duration) -> Result<GcReport> {
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
@@ -554,6 +508,7 @@ impl Remote {
                 }
                 rep.uncommitted_steps.push(step);
             }
+            rep.aborted_uploads = self.gc_uploads(min_age).await?;
             Ok(rep)
         })
     }
@@ -603,3 +558,5 @@ fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_feed;

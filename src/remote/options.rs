@@ -85,24 +85,40 @@ impl RemoteOptions {
 
 /// Where an engine's remote tier goes ([`crate::EngineConfig::with_remote`],
 /// [`crate::EngineConfig::with_remote_store`]).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) enum RemoteTarget {
     /// `s3://bucket/prefix`, configured from the environment.
     Url(String),
     /// A store given by the caller, and a key prefix.
     Store {
         store: Arc<dyn ObjectStore>,
+        /// The same store's multipart API, when given (uploads are then journaled).
+        mp: Option<Arc<dyn object_store::multipart::MultipartStore>>,
         prefix: String,
     },
+}
+
+impl std::fmt::Debug for RemoteTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RemoteTarget::Url(u) => f.debug_tuple("Url").field(u).finish(),
+            RemoteTarget::Store { store, mp, prefix } => f
+                .debug_struct("Store")
+                .field("store", store)
+                .field("multipart", &mp.is_some())
+                .field("prefix", prefix)
+                .finish(),
+        }
+    }
 }
 
 impl RemoteTarget {
     pub(crate) fn open(&self, opts: RemoteOptions) -> Result<Remote> {
         match self {
             RemoteTarget::Url(u) => Remote::open(u, opts),
-            RemoteTarget::Store { store, prefix } => {
+            RemoteTarget::Store { store, mp, prefix } => {
                 let url = format!("{store}/{prefix}");
-                Remote::with_store(Arc::clone(store), prefix, url, opts)
+                Remote::build(Arc::clone(store), mp.clone(), prefix, url, opts)
             }
         }
     }

@@ -115,7 +115,7 @@ impl ObjectStore for FailParts {
     }
 }
 
-fn small(root: &std::path::Path, store: Arc<dyn ObjectStore>) -> EngineConfig {
+pub(super) fn small(root: &std::path::Path, store: Arc<dyn ObjectStore>) -> EngineConfig {
     EngineConfig::new(root)
         .with_staging_capacity(16 << 20)
         .with_chunk_size(1 << 20)
@@ -131,7 +131,7 @@ fn small(root: &std::path::Path, store: Arc<dyn ObjectStore>) -> EngineConfig {
 }
 
 /// 11 MiB of f32 over three tensors (three 5 MiB parts) plus an empty one.
-fn state(seed: u32) -> Vec<(String, Vec<u8>, Vec<usize>)> {
+pub(super) fn state(seed: u32) -> Vec<(String, Vec<u8>, Vec<usize>)> {
     let mk = |n: usize, k: u32| -> Vec<u8> {
         (0..n as u32)
             .flat_map(|i| (i.wrapping_mul(2654435761) ^ k).to_le_bytes())
@@ -145,13 +145,13 @@ fn state(seed: u32) -> Vec<(String, Vec<u8>, Vec<usize>)> {
     ]
 }
 
-fn tensors(s: &[(String, Vec<u8>, Vec<usize>)]) -> Vec<Tensor<'_>> {
+pub(super) fn tensors(s: &[(String, Vec<u8>, Vec<usize>)]) -> Vec<Tensor<'_>> {
     s.iter()
         .map(|(n, d, sh)| Tensor::host(n.as_str(), Dtype::F32, sh.clone(), d))
         .collect()
 }
 
-fn objects(store: &InMemory) -> Vec<String> {
+pub(super) fn objects(store: &InMemory) -> Vec<String> {
     let rt = runtime().unwrap();
     let mut v: Vec<String> = rt.block_on(async {
         store
@@ -343,7 +343,45 @@ fn a_failed_part_aborts_the_upload_and_leaves_no_step() {
     let h = engine.save(2, &tensors(&s), &Metadata::new()).unwrap();
     let p = h.remote().unwrap();
     h.wait().unwrap();
-    assert_eq!(p.wait().unwrap().step, 2);
+    let rep = p.wait().unwrap();
+    assert_eq!(rep.step, 2);
+    // Step 1, still the newest on the local disk and not in the bucket, was uploaded
+    // again (from the local file) before step 2.
+    assert_eq!(rep.retried, Some((1, Ok(()))));
+    assert_eq!(engine.list_remote().unwrap(), vec![1, 2]);
+    let r = engine.remote().unwrap();
+    assert_eq!(r.verify(1).unwrap(), r.manifest(1).unwrap().total_bytes);
+    engine.close();
+}
+
+/// The next save does not upload a failed step again once a newer step is committed in
+/// the bucket, or when the failed step left the local disk: it reports why.
+#[test]
+fn a_failed_step_gone_from_the_disk_is_reported_not_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let fail_from = Arc::new(AtomicUsize::new(1));
+    let store = Arc::new(FailParts {
+        inner: mem.clone(),
+        fail_from: Arc::clone(&fail_from),
+        parts: Arc::default(),
+    });
+    let engine = small(dir.path(), store).build().unwrap();
+    let s = state(4);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    assert!(matches!(p.wait(), Err(Error::RemoteFailed { step: 1, .. })));
+    std::fs::remove_dir_all(dir.path().join("step-1")).unwrap();
+    fail_from.store(0, Ordering::SeqCst);
+    let h = engine.save(2, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    let rep = p.wait().unwrap();
+    match &rep.retried {
+        Some((1, Err(why))) => assert!(why.contains("no longer on the local disk"), "{why}"),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(engine.list_remote().unwrap(), vec![2]);
     engine.close();
 }

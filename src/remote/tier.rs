@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Remote;
+use super::feed::{Feed, Feeds};
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Metadata};
 use crate::util::lock;
@@ -43,6 +44,13 @@ pub struct RemoteReport {
     pub committed_here: bool,
     /// Steps removed from the bucket by this commit's retention (`remote_keep_last`).
     pub retired: Vec<u64>,
+    /// Bytes of this rank's object read from the local file rather than the staging
+    /// arena (chunks given back to staging under pressure; 0 normally).
+    pub read_from_file: u64,
+    /// An earlier step whose upload had failed, uploaded again by this save before its
+    /// own (from the local disk), as `(step, outcome)`: `Ok(())` when this rank's object
+    /// of it is in the bucket now, else why it was not re-uploaded or failed again.
+    pub retried: Option<(u64, std::result::Result<(), String>)>,
 }
 
 #[derive(Debug)]
@@ -178,7 +186,17 @@ impl RemoteProgress {
 
 struct Job {
     progress: RemoteProgress,
-    file: File,
+    /// The committed local file (`None` for a remote-only save).
+    file: Option<File>,
+    entry: FileEntry,
+    metadata: Metadata,
+    /// The save's chunks held in the staging arena.
+    feed: Option<Arc<Feed>>,
+}
+
+/// A step whose upload failed, for the next save to retry.
+struct Failed {
+    step: u64,
     entry: FileEntry,
     metadata: Metadata,
 }
@@ -192,6 +210,7 @@ struct Queue {
 /// The uploader of one engine.
 pub(crate) struct RemoteTier {
     remote: Arc<Remote>,
+    feeds: Arc<Feeds>,
     world_size: u32,
     max_pending: usize,
     queue: Arc<(Mutex<Queue>, Condvar)>,
@@ -207,17 +226,26 @@ impl std::fmt::Debug for RemoteTier {
 }
 
 impl RemoteTier {
-    /// Start the uploader thread.
+    /// Start the uploader thread. `root`: the local checkpoint root, where a failed
+    /// step's file is read again by the next save (`None`: remote only, nothing to retry).
     pub(crate) fn start(
         remote: Arc<Remote>,
         world_size: u32,
         keep_last: Option<usize>,
         max_pending: usize,
         session: Option<String>,
+        root: Option<std::path::PathBuf>,
     ) -> Result<RemoteTier> {
         let queue: Arc<(Mutex<Queue>, Condvar)> = Arc::default();
         let q = Arc::clone(&queue);
         let r = Arc::clone(&remote);
+        let ctx = Ctx {
+            world_size,
+            keep_last,
+            session,
+            root,
+        };
+        let mut failed: Option<Failed> = None;
         let thread = std::thread::Builder::new()
             .name("shmckpt-remote".into())
             .spawn(move || {
@@ -236,9 +264,27 @@ impl RemoteTier {
                         }
                     };
                     let Some(job) = job else { return };
-                    let res = run(&r, &job, world_size, keep_last, session.as_deref());
+                    let retried = failed
+                        .take()
+                        .filter(|f| f.step < job.progress.step())
+                        .map(|f| (f.step, retry(&r, &ctx, &f)));
+                    let res = run(&r, &job, &ctx);
+                    if let Some(f) = &job.feed {
+                        f.close();
+                    }
+                    let res = res.map(|mut rep| {
+                        rep.retried = retried;
+                        rep
+                    });
                     if let Err(e) = &res {
                         tracing::error!(step = job.progress.step(), error = %e, "remote copy failed; nothing of this step is visible in the bucket");
+                        if !matches!(e, Error::StepExists { .. }) {
+                            failed = Some(Failed {
+                                step: job.progress.step(),
+                                entry: job.entry.clone(),
+                                metadata: job.metadata.clone(),
+                            });
+                        }
                     }
                     job.progress.finish(res.map_err(Arc::new));
                 }
@@ -246,6 +292,7 @@ impl RemoteTier {
             .map_err(|e| Error::Config(format!("cannot spawn the remote uploader: {e}")))?;
         Ok(RemoteTier {
             remote,
+            feeds: Arc::default(),
             world_size,
             max_pending: max_pending.max(1),
             queue,
@@ -256,6 +303,17 @@ impl RemoteTier {
     /// The remote.
     pub(crate) fn remote(&self) -> &Arc<Remote> {
         &self.remote
+    }
+
+    /// The feeds of this engine's saves (the arena's reclaim hook spills them).
+    pub(crate) fn feeds(&self) -> &Arc<Feeds> {
+        &self.feeds
+    }
+
+    /// A new save's feed: its staged chunks held for the upload (`spillable`: they may be
+    /// given back under staging pressure and read from the local file instead).
+    pub(crate) fn feed(&self, n_chunks: u64, chunk_size: u64, spillable: bool) -> Arc<Feed> {
+        self.feeds.feed(n_chunks, chunk_size, spillable)
     }
 
     /// A new save's remote progress (reported when the uploader is done with it).
@@ -277,14 +335,18 @@ impl RemoteTier {
     pub(crate) fn submit(
         &self,
         progress: RemoteProgress,
-        file: File,
+        file: Option<File>,
         entry: FileEntry,
         metadata: Metadata,
+        feed: Option<Arc<Feed>>,
     ) {
         let (m, cv) = &*self.queue;
         let mut g = lock(m);
         if g.closed {
             drop(g);
+            if let Some(f) = &feed {
+                f.close();
+            }
             progress.fail(Error::Shutdown("the remote uploader has stopped".into()));
             return;
         }
@@ -299,11 +361,15 @@ impl RemoteTier {
             file,
             entry,
             metadata,
+            feed,
         });
         drop(g);
         cv.notify_all();
         for old in skipped {
             let step = old.progress.step();
+            if let Some(f) = &old.feed {
+                f.close(); // its staged chunks go back to the arena at once
+            }
             tracing::warn!(
                 step,
                 "remote tier behind: skipping the remote copy of an intermediate step"
@@ -340,21 +406,21 @@ impl Drop for RemoteTier {
     }
 }
 
-fn run(
-    remote: &Remote,
-    job: &Job,
+/// What the uploader thread knows of its engine.
+struct Ctx {
     world_size: u32,
     keep_last: Option<usize>,
-    session: Option<&str>,
-) -> Result<RemoteReport> {
-    let step = job.progress.step();
-    let t = Instant::now();
-    let bytes = remote.upload_rank(step, &job.file, &job.entry, session)?;
-    let upload = t.elapsed();
-    let (committed_here, retired) =
-        match remote.try_commit(step, world_size, &job.metadata, session)? {
+    session: Option<String>,
+    root: Option<std::path::PathBuf>,
+}
+
+/// Commit `step` in the bucket if every rank's object is there; with retention when this
+/// rank committed it.
+fn commit(remote: &Remote, step: u64, metadata: &Metadata, ctx: &Ctx) -> Result<(bool, Vec<u64>)> {
+    Ok(
+        match remote.try_commit(step, ctx.world_size, metadata, ctx.session.as_deref())? {
             Some((_, true)) => {
-                let retired = match keep_last {
+                let retired = match ctx.keep_last {
                     Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
                         tracing::warn!(error = %e, "bucket retention failed; older steps kept");
                         Vec::new()
@@ -364,7 +430,26 @@ fn run(
                 (true, retired)
             }
             Some((_, false)) | None => (false, Vec::new()),
-        };
+        },
+    )
+}
+
+fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
+    let step = job.progress.step();
+    let t = Instant::now();
+    let bytes = remote.upload_from(
+        step,
+        job.file.as_ref(),
+        job.feed.as_deref(),
+        &job.entry,
+        ctx.session.as_deref(),
+    )?;
+    let upload = t.elapsed();
+    let read_from_file = match &job.feed {
+        Some(f) => (f.spilled() * f.chunk_size()).min(bytes),
+        None => bytes,
+    };
+    let (committed_here, retired) = commit(remote, step, &job.metadata, ctx)?;
     Ok(RemoteReport {
         step,
         bytes,
@@ -372,5 +457,38 @@ fn run(
         remote_durable: job.progress.t.started.elapsed(),
         committed_here,
         retired,
+        read_from_file,
+        retried: None,
     })
+}
+
+/// Upload again, from the local disk, a step whose upload failed, when it is still newer
+/// than the bucket's newest committed step and still on the local disk.
+fn retry(remote: &Remote, ctx: &Ctx, f: &Failed) -> std::result::Result<(), String> {
+    let step = f.step;
+    let Some(root) = &ctx.root else {
+        return Err("remote only: no local copy to upload again".into());
+    };
+    match remote.latest() {
+        Ok(Some(l)) if l >= step => {
+            return Err(format!(
+                "step {l} is committed in the bucket already: not uploaded again"
+            ));
+        }
+        Ok(_) => {}
+        Err(e) => return Err(format!("the bucket cannot be listed: {e}")),
+    }
+    let path = root
+        .join(crate::manifest::step_dir_name(step))
+        .join(&f.entry.file);
+    let file = crate::fsx::open_path(&path, false)
+        .map_err(|e| format!("no longer on the local disk ({e})"))?;
+    tracing::info!(step, "uploading again a step whose upload failed");
+    match remote.upload_rank(step, &file, &f.entry, ctx.session.as_deref()) {
+        Ok(_) | Err(Error::StepExists { .. }) => {}
+        Err(e) => return Err(format!("failed again: {e}")),
+    }
+    commit(remote, step, &f.metadata, ctx)
+        .map(|_| ())
+        .map_err(|e| format!("uploaded, but the commit failed: {e}"))
 }

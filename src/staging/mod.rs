@@ -122,6 +122,18 @@ pub struct Arena {
     filled: Condvar,
     /// Set to stop a background prefault (close).
     stop_fill: std::sync::atomic::AtomicBool,
+    /// Called by [`Arena::acquire`] before it waits for a chunk: the remote tier gives
+    /// back the chunks it holds for uploads that can read them from the local file instead.
+    reclaim: Mutex<Option<Reclaim>>,
+}
+
+/// A hook that frees chunks held beyond their write ([`Arena::set_reclaim`]).
+pub struct Reclaim(pub Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Reclaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reclaim")
+    }
 }
 
 /// Progress of an arena's prefault: its chunks enter the free pool batch by batch, as
@@ -253,6 +265,7 @@ impl Arena {
             }),
             filled: Condvar::new(),
             stop_fill: std::sync::atomic::AtomicBool::new(false),
+            reclaim: Mutex::new(None),
         })
     }
 
@@ -313,6 +326,15 @@ impl Arena {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let mut waited = Duration::ZERO;
         if free.is_empty() {
+            // Chunks held only for uploads come back first (they drop their leases, which
+            // takes this lock: call the hook without it).
+            drop(free);
+            if let Some(r) = &*crate::util::lock(&self.reclaim) {
+                (r.0)();
+            }
+            free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        }
+        if free.is_empty() {
             let t = Instant::now();
             while free.is_empty() {
                 free = self.freed.wait(free).unwrap_or_else(|p| p.into_inner());
@@ -356,6 +378,13 @@ impl Arena {
         free.push_back(index);
         drop(free);
         self.freed.notify_one();
+    }
+
+    /// Install the hook [`Arena::acquire`] calls before it waits for a free chunk. The hook
+    /// must not acquire chunks itself, and must not hold a strong reference to this arena
+    /// (the arena owns it).
+    pub fn set_reclaim(&self, hook: Reclaim) {
+        *crate::util::lock(&self.reclaim) = Some(hook);
     }
 
     /// Take a free save slot, blocking until one is released.

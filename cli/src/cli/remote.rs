@@ -120,8 +120,8 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
         a.keep
     );
     println!(
-        "note: multipart uploads left open by a killed process are not listed through object_store; \
-         a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes them"
+        "aborted {} multipart upload(s) left open by a stopped process (journal older than {} s)",
+        rep.aborted_uploads, a.min_age
     );
     Ok(())
 }

@@ -1,0 +1,295 @@
+//! Uploads fed from the staging arena, chunks given back under staging pressure, remote
+//! only without a file, and the journal of multipart uploads that `gc` aborts.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::multipart::MultipartStore;
+use object_store::path::Path as ObjPath;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+
+use super::tests::{objects, small, state, tensors};
+use super::*;
+use crate::EngineConfig;
+
+/// Holds every multipart upload at its start until `open` is set (an uploader that is
+/// behind), over `InMemory`.
+#[derive(Debug)]
+struct Gate {
+    inner: Arc<InMemory>,
+    open: Arc<AtomicBool>,
+}
+
+impl std::fmt::Display for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gate({})", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for Gate {
+    async fn put_opts(
+        &self,
+        location: &ObjPath,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjPath,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        // Runs on the uploader's own thread (inside its `block_on`): blocking it is the
+        // point.
+        while !self.open.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.inner.put_multipart_opts(location, opts).await
+    }
+    async fn get_opts(
+        &self,
+        location: &ObjPath,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<ObjPath>>,
+    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
+        self.inner.delete_stream(locations)
+    }
+    fn list(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(
+        &self,
+        from: &ObjPath,
+        to: &ObjPath,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+fn object(mem: &InMemory, key: &str) -> Vec<u8> {
+    let rt = runtime().unwrap();
+    rt.block_on(async { mem.get(&ObjPath::from(key)).await.unwrap().bytes().await })
+        .unwrap()
+        .to_vec()
+}
+
+const RANK_FILE: &str = "rank-00000-of-00001.safetensors";
+
+/// The upload reads the staged chunks, not the local file: the committed file is
+/// overwritten with zeros before the (held back) upload starts, and the bucket still gets
+/// the checkpoint's bytes.
+#[test]
+fn the_upload_comes_from_the_staging_arena_not_the_local_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let open = Arc::new(AtomicBool::new(false));
+    let gate = Gate {
+        inner: mem.clone(),
+        open: Arc::clone(&open),
+    };
+    let engine = small(dir.path(), Arc::new(gate)).build().unwrap();
+    let s = state(11);
+    let h = engine.save(3, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    let local = h.wait().unwrap();
+    let path = dir.path().join("step-3").join(RANK_FILE);
+    let good = std::fs::read(&path).unwrap();
+    assert_eq!(good.len() as u64, local.bytes);
+    // Same inode (the uploader holds it open): zeros in place.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, &vec![0u8; good.len()], 0))
+        .unwrap();
+    open.store(true, Ordering::SeqCst);
+    let rep = p.wait().unwrap();
+    assert_eq!(rep.read_from_file, 0);
+    assert_eq!(object(&mem, &format!("run1/step-3/{RANK_FILE}")), good);
+    assert_eq!(engine.remote().unwrap().verify(3).unwrap(), local.bytes);
+    engine.close();
+}
+
+/// A save that needs the staging chunks an earlier save's upload still holds does not
+/// wait for the bucket: the held chunks are given back and that upload reads the rest
+/// from its local file. Both steps reach the bucket byte for byte.
+#[test]
+fn staging_pressure_gives_held_chunks_back_to_the_next_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let open = Arc::new(AtomicBool::new(false));
+    let gate = Gate {
+        inner: mem.clone(),
+        open: Arc::clone(&open),
+    };
+    // 16 MiB of staging, two saves of 11 MiB: the second needs chunks the first's upload
+    // holds while the bucket is held back.
+    let engine = small(dir.path(), Arc::new(gate)).build().unwrap();
+    // A safety valve, so a regression hangs for 60 s and fails instead of hanging forever.
+    let valve = {
+        let open = Arc::clone(&open);
+        let fired = Arc::new(AtomicBool::new(false));
+        let f = Arc::clone(&fired);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(60));
+            if !open.swap(true, Ordering::SeqCst) {
+                f.store(true, Ordering::SeqCst);
+            }
+        });
+        fired
+    };
+    let (s1, s2) = (state(21), state(22));
+    let h1 = engine.save(1, &tensors(&s1), &Metadata::new()).unwrap();
+    let p1 = h1.remote().unwrap();
+    h1.wait().unwrap();
+    let h2 = engine.save(2, &tensors(&s2), &Metadata::new()).unwrap();
+    let p2 = h2.remote().unwrap();
+    h2.wait().unwrap();
+    // Both saves staged and committed locally while the bucket was still held back.
+    assert!(
+        !valve.load(Ordering::SeqCst),
+        "the second save waited for the bucket"
+    );
+    assert!(!open.load(Ordering::SeqCst));
+    let f1 = std::fs::read(dir.path().join("step-1").join(RANK_FILE)).unwrap();
+    let f2 = std::fs::read(dir.path().join("step-2").join(RANK_FILE)).unwrap();
+    open.store(true, Ordering::SeqCst);
+    let r1 = p1.wait().unwrap();
+    let r2 = p2.wait().unwrap();
+    // Step 1's chunks were all given back: its upload read the file.
+    assert_eq!(r1.read_from_file, r1.bytes);
+    assert_eq!(r2.bytes, f2.len() as u64);
+    assert_eq!(object(&mem, &format!("run1/step-1/{RANK_FILE}")), f1);
+    assert_eq!(object(&mem, &format!("run1/step-2/{RANK_FILE}")), f2);
+    assert_eq!(engine.list_remote().unwrap(), vec![1, 2]);
+    engine.close();
+}
+
+/// Remote only writes no file: the root holds only the engine's lock, and the bucket
+/// gets the checkpoint (checked by loading it back, every CRC verified).
+#[test]
+fn remote_only_writes_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone())
+        .with_remote_only(true)
+        .build()
+        .unwrap();
+    let s = state(31);
+    for step in [1, 2] {
+        let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
+        let p = h.remote().unwrap();
+        let local = h.wait().unwrap();
+        assert_eq!(local.dir, None);
+        let rep = p.wait().unwrap();
+        assert_eq!(rep.bytes, local.bytes);
+        assert_eq!(rep.read_from_file, 0);
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec![".shmckpt-rank-0.lock"]);
+    assert_eq!(engine.list_remote().unwrap(), vec![1, 2]);
+    let (ck, _) = engine.load_remote(2).unwrap();
+    for (t, (_, d, _)) in ck.tensors.iter().zip(&s) {
+        assert_eq!(t.data.as_bytes(), &d[..], "tensor {}", t.name);
+    }
+    engine.close();
+}
+
+/// Every multipart upload is journaled while open; a completed one leaves no journal, and
+/// `gc` aborts an upload whose process died (its journal remains) and removes the journal.
+#[test]
+fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(16 << 20)
+        .with_chunk_size(1 << 20)
+        .with_direct_io(false)
+        .with_remote_multipart_store(mem.clone(), "run1")
+        .with_remote_options(RemoteOptions {
+            part_size: 5 << 20,
+            concurrency: 4,
+            ..RemoteOptions::default()
+        })
+        .build()
+        .unwrap();
+    let s = state(41);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    p.wait().unwrap();
+    // Completed: no journal left.
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "run1/step-1/manifest.json",
+            format!("run1/step-1/{RANK_FILE}").as_str(),
+            "run1/step-1/rank-00000.manifest.json",
+        ]
+    );
+    engine.close();
+
+    // A process that died mid-upload: the upload was created and journaled, one part sent.
+    let r =
+        Remote::with_multipart_store(mem.clone(), "run1", "mem://run1", RemoteOptions::default())
+            .unwrap();
+    let key = ObjPath::from(format!("run1/step-2/{RANK_FILE}"));
+    let id = r
+        .block(async {
+            let mut up = r.begin(&key, 2, 0, Some("sess")).await?;
+            up.put_part(PutPayload::from(vec![7u8; 5 << 20]));
+            up.wait_for_capacity(0)
+                .await
+                .map_err(|e| r.err("part", &e))?;
+            // Dropped, neither completed nor aborted: the process died.
+            Ok(up.id().expect("InMemory has upload ids"))
+        })
+        .unwrap();
+    let journals: Vec<String> = objects(&mem)
+        .into_iter()
+        .filter(|o| o.starts_with("run1/.shmckpt/uploads/sess-0-2-"))
+        .collect();
+    assert_eq!(journals.len(), 1, "{:?}", objects(&mem));
+    // Younger than min_age: an upload in progress, kept.
+    assert_eq!(r.gc(Duration::from_secs(3600)).unwrap().aborted_uploads, 0);
+    let rep = r.gc(Duration::ZERO).unwrap();
+    assert_eq!(rep.aborted_uploads, 1);
+    assert!(
+        !objects(&mem).iter().any(|o| o.contains(".shmckpt")),
+        "{:?}",
+        objects(&mem)
+    );
+    // The upload is gone: it can no longer be completed.
+    let rt = runtime().unwrap();
+    let done = rt.block_on(mem.complete_multipart(&key, &id, Vec::new()));
+    assert!(done.is_err(), "{done:?}");
+    // And a second gc finds nothing to do; committed step 1 is untouched.
+    assert_eq!(r.gc(Duration::ZERO).unwrap(), GcReport::default());
+    assert_eq!(r.list().unwrap(), vec![1]);
+}

@@ -1,0 +1,473 @@
+//! Uploading one rank's object: parts from the staging arena ([`Feed`]) or the local file,
+//! `concurrency` parts in flight, and the journal of open multipart uploads that lets
+//! `gc` abort the uploads a killed process left open.
+//!
+//! object_store cannot list a bucket's multipart uploads, so before the first part of an
+//! upload its id is recorded in a small journal object,
+//! `prefix/.shmckpt/uploads/<session>-<rank>-<step>-<ms>.json` (the object's key and the
+//! upload id), removed once the upload is completed or aborted. [`Remote::gc`] aborts the
+//! uploads of the journals older than its `min_age` (through object_store's
+//! [`MultipartStore::abort_multipart`]) and removes those journals. Only a store that
+//! implements [`MultipartStore`] (S3, GCS, Azure, `InMemory`) has upload ids; other stores
+//! upload through `put_multipart` with no journal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as ObjPath;
+use object_store::{MultipartId, MultipartUpload, ObjectStoreExt, PutPayload};
+use tokio::task::JoinSet;
+
+use super::feed::Feed;
+use super::{Part, Remote};
+use crate::error::{Error, Result};
+use crate::manifest::{self, FileEntry, MANIFEST};
+
+/// Where the journals of open multipart uploads live, under the prefix.
+pub(crate) const JOURNAL_DIR: &str = ".shmckpt/uploads";
+
+/// Largest journal object read back (it is untrusted).
+const MAX_JOURNAL_LEN: u64 = 64 << 10;
+
+/// One open multipart upload, as its journal records it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Journal {
+    /// The object's key.
+    object: String,
+    /// The multipart upload id.
+    upload_id: String,
+    step: u64,
+    rank: u32,
+    #[serde(default)]
+    session: Option<String>,
+    created_unix_ms: u64,
+}
+
+/// An upload in progress, with its parts in flight.
+pub(super) enum Upload {
+    /// Through [`MultipartStore`]: the upload id is journaled.
+    Ids {
+        mp: Arc<dyn MultipartStore>,
+        path: ObjPath,
+        id: MultipartId,
+        journal: ObjPath,
+        tasks: JoinSet<(usize, object_store::Result<PartId>)>,
+        parts: Vec<Option<PartId>>,
+    },
+    /// Through `put_multipart` (stores without upload ids): nothing journaled.
+    Plain {
+        up: Box<dyn MultipartUpload>,
+        tasks: JoinSet<object_store::Result<()>>,
+        parts: usize,
+    },
+}
+
+impl Upload {
+    pub(super) fn put_part(&mut self, payload: PutPayload) {
+        match self {
+            Upload::Ids {
+                mp,
+                path,
+                id,
+                tasks,
+                parts,
+                ..
+            } => {
+                let idx = parts.len();
+                parts.push(None);
+                let (mp, path, id) = (Arc::clone(mp), path.clone(), id.clone());
+                tasks.spawn(async move { (idx, mp.put_part(&path, &id, idx, payload).await) });
+            }
+            Upload::Plain { up, tasks, parts } => {
+                *parts += 1;
+                tasks.spawn(up.put_part(payload));
+            }
+        }
+    }
+
+    /// Wait until fewer than `n` parts are in flight (`0`: none).
+    pub(super) async fn wait_for_capacity(&mut self, n: usize) -> object_store::Result<()> {
+        match self {
+            Upload::Ids { tasks, parts, .. } => {
+                while !tasks.is_empty() && tasks.len() >= n.max(1) {
+                    if let Some(j) = tasks.join_next().await {
+                        let (idx, r) = j.map_err(join_err)?;
+                        parts[idx] = Some(r?);
+                    }
+                }
+            }
+            Upload::Plain { tasks, .. } => {
+                while !tasks.is_empty() && tasks.len() >= n.max(1) {
+                    if let Some(j) = tasks.join_next().await {
+                        j.map_err(join_err)??;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The upload id (uploads through [`MultipartStore`]).
+    #[cfg(test)]
+    pub(super) fn id(&self) -> Option<MultipartId> {
+        match self {
+            Upload::Ids { id, .. } => Some(id.clone()),
+            Upload::Plain { .. } => None,
+        }
+    }
+
+    fn parts(&self) -> usize {
+        match self {
+            Upload::Ids { parts, .. } => parts.len(),
+            Upload::Plain { parts, .. } => *parts,
+        }
+    }
+}
+
+fn join_err(e: tokio::task::JoinError) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "shmckpt",
+        source: format!("upload task: {e}").into(),
+    }
+}
+
+/// Builds `part_size` parts from pieces (arena chunks or file reads) without copying.
+struct Parts {
+    size: usize,
+    cur: Vec<Bytes>,
+    len: usize,
+}
+
+impl Parts {
+    /// Add `piece`; returns the parts it completed.
+    fn push(&mut self, mut piece: Bytes) -> Vec<PutPayload> {
+        let mut out = Vec::new();
+        while !piece.is_empty() {
+            let room = self.size - self.len;
+            if piece.len() < room {
+                self.len += piece.len();
+                self.cur.push(piece);
+                break;
+            }
+            self.cur.push(piece.split_to(room));
+            self.len = 0;
+            out.push(self.cur.drain(..).collect());
+        }
+        out
+    }
+
+    fn rest(&mut self) -> Option<PutPayload> {
+        if self.cur.is_empty() {
+            return None;
+        }
+        self.len = 0;
+        Some(self.cur.drain(..).collect())
+    }
+}
+
+impl Remote {
+    fn journal_prefix(&self) -> ObjPath {
+        let mut p = self.prefix.clone();
+        for seg in JOURNAL_DIR.split('/') {
+            p = p.join(seg);
+        }
+        p
+    }
+
+    pub(super) async fn begin(
+        &self,
+        key: &ObjPath,
+        step: u64,
+        rank: u32,
+        session: Option<&str>,
+    ) -> Result<Upload> {
+        let Some(mp) = &self.mp else {
+            let up = self
+                .store
+                .put_multipart(key)
+                .await
+                .map_err(|e| self.err("create multipart upload", &e))?;
+            return Ok(Upload::Plain {
+                up,
+                tasks: JoinSet::new(),
+                parts: 0,
+            });
+        };
+        let id = mp
+            .create_multipart(key)
+            .await
+            .map_err(|e| self.err("create multipart upload", &e))?;
+        let now = crate::util::unix_ms();
+        let j = Journal {
+            object: key.to_string(),
+            upload_id: id.clone(),
+            step,
+            rank,
+            session: session.map(str::to_owned),
+            created_unix_ms: now,
+        };
+        let name = format!(
+            "{}-{rank}-{step}-{now}.json",
+            session.unwrap_or("nosession")
+        );
+        let journal = self.journal_prefix().join(name);
+        let body = serde_json::to_vec(&j).expect("journals serialize");
+        if let Err(e) = self.store.put(&journal, PutPayload::from(body)).await {
+            // Nothing uploaded yet: abort at once rather than leave an unjournaled upload.
+            let _ = mp.abort_multipart(key, &id).await;
+            return Err(self.err("put upload journal", &e));
+        }
+        Ok(Upload::Ids {
+            mp: Arc::clone(mp),
+            path: key.clone(),
+            id,
+            journal,
+            tasks: JoinSet::new(),
+            parts: Vec::new(),
+        })
+    }
+
+    async fn complete(&self, up: Upload) -> Result<()> {
+        let mut up = up;
+        up.wait_for_capacity(0)
+            .await
+            .map_err(|e| self.err("upload part", &e))?;
+        match up {
+            Upload::Ids {
+                mp,
+                path,
+                id,
+                journal,
+                parts,
+                ..
+            } => {
+                let parts: Vec<PartId> = parts.into_iter().flatten().collect();
+                mp.complete_multipart(&path, &id, parts)
+                    .await
+                    .map_err(|e| self.err("complete multipart upload", &e))?;
+                self.drop_journal(&journal).await;
+            }
+            Upload::Plain { mut up, .. } => {
+                up.complete()
+                    .await
+                    .map_err(|e| self.err("complete multipart upload", &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn abort(&self, up: Upload) {
+        let (r, journal) = match up {
+            Upload::Ids {
+                mp,
+                path,
+                id,
+                journal,
+                mut tasks,
+                ..
+            } => {
+                tasks.shutdown().await;
+                (mp.abort_multipart(&path, &id).await, Some(journal))
+            }
+            Upload::Plain {
+                mut up, mut tasks, ..
+            } => {
+                tasks.shutdown().await;
+                (up.abort().await, None)
+            }
+        };
+        match r {
+            Ok(()) => {
+                if let Some(j) = journal {
+                    self.drop_journal(&j).await;
+                }
+            }
+            Err(a) => {
+                tracing::warn!(error = %a, url = %self.url, "could not abort a failed multipart upload; `shmckpt gc` (or a bucket lifecycle rule) removes it")
+            }
+        }
+    }
+
+    async fn drop_journal(&self, journal: &ObjPath) {
+        if let Err(e) = self.store.delete(journal).await {
+            tracing::warn!(error = %e, journal = %journal, "could not remove an upload journal; `shmckpt gc` removes it");
+        }
+    }
+
+    /// Upload one rank's committed file (`len` bytes of `file`) as
+    /// `step-N/<entry.file>` (a multipart upload, `part_size` parts, `concurrency` in
+    /// flight; aborted on failure), then its manifest part. Returns the bytes uploaded.
+    ///
+    /// A step already committed in the bucket is never written to
+    /// ([`Error::StepExists`]): its objects would no longer match its manifest.
+    ///
+    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_remote_session`])
+    /// is recorded in the manifest part.
+    pub fn upload_rank(
+        &self,
+        step: u64,
+        file: &std::fs::File,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<u64> {
+        self.upload_from(step, Some(file), None, entry, session)
+    }
+
+    /// [`Remote::upload_rank`] with the bytes taken from the staging arena where `feed`
+    /// still holds them, from `file` otherwise.
+    pub(crate) fn upload_from(
+        &self,
+        step: u64,
+        file: Option<&std::fs::File>,
+        feed: Option<&Feed>,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<u64> {
+        let key = self.key(step, &entry.file);
+        self.block(async {
+            match self.store.head(&self.key(step, MANIFEST)).await {
+                Ok(_) => {
+                    return Err(Error::StepExists {
+                        step,
+                        root: std::path::PathBuf::from(&self.url),
+                    });
+                }
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("head manifest", &e)),
+            }
+            let mut up = self.begin(&key, step, entry.rank, session).await?;
+            let res = self.send(&mut up, &key, file, feed, entry).await;
+            match res {
+                Ok(()) => self.complete(up).await?,
+                Err(e) => {
+                    self.abort(up).await;
+                    return Err(e);
+                }
+            }
+            let part = Part {
+                session: session.map(str::to_owned),
+                entry: entry.clone(),
+            };
+            let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
+            let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
+            self.store
+                .put(&pkey, PutPayload::from(part_json))
+                .await
+                .map_err(|e| self.err("put manifest part", &e))?;
+            Ok(entry.bytes)
+        })
+    }
+
+    /// Every byte of the object, in order, into parts.
+    async fn send(
+        &self,
+        up: &mut Upload,
+        key: &ObjPath,
+        file: Option<&std::fs::File>,
+        feed: Option<&Feed>,
+        entry: &FileEntry,
+    ) -> Result<()> {
+        let total = entry.bytes;
+        // Pieces: the feed's chunks, else `part_size` reads of the file.
+        let step_len = feed.map_or(self.opts.part_size as u64, Feed::chunk_size);
+        let mut parts = Parts {
+            size: self.opts.part_size,
+            cur: Vec::new(),
+            len: 0,
+        };
+        let mut at = 0u64;
+        while at < total {
+            let n = (total - at).min(step_len);
+            let held = feed.and_then(|f| f.take(at / f.chunk_size()));
+            let piece = match held {
+                Some(b) if b.len() as u64 == n => b,
+                Some(b) => {
+                    return Err(Error::Internal(format!(
+                        "staged chunk at {at} holds {} bytes, the file {n}",
+                        b.len()
+                    )));
+                }
+                None => {
+                    let Some(file) = file else {
+                        return Err(Error::Internal(format!(
+                            "the bytes at {at} of a save without a local file are not staged"
+                        )));
+                    };
+                    // Bounded memory: read only when a part can be sent.
+                    up.wait_for_capacity(self.opts.concurrency)
+                        .await
+                        .map_err(|e| self.err("upload part", &e))?;
+                    let mut buf = vec![0u8; n as usize];
+                    std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, at)
+                        .map_err(|e| Error::io_at("read", self.display(key), at, e))?;
+                    Bytes::from(buf)
+                }
+            };
+            for p in parts.push(piece) {
+                up.wait_for_capacity(self.opts.concurrency)
+                    .await
+                    .map_err(|e| self.err("upload part", &e))?;
+                up.put_part(p);
+            }
+            at += n;
+        }
+        if let Some(p) = parts.rest() {
+            up.put_part(p);
+        }
+        if up.parts() == 0 {
+            return Err(Error::Internal("an upload of no bytes".into()));
+        }
+        Ok(())
+    }
+
+    /// Abort the multipart uploads whose journal is at least `min_age` old (what a killed
+    /// process left open) and remove their journals. Returns how many were aborted.
+    pub(crate) async fn gc_uploads(&self, min_age: Duration) -> Result<usize> {
+        let Some(mp) = &self.mp else {
+            return Ok(0);
+        };
+        let now_ms = crate::util::unix_ms() as i64;
+        let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
+        let jp = self.journal_prefix();
+        let objs: Vec<_> = self
+            .store
+            .list(Some(&jp))
+            .try_collect()
+            .await
+            .map_err(|e| self.err("list upload journals", &e))?;
+        let mut aborted = 0;
+        for o in objs {
+            if now_ms.saturating_sub(o.last_modified.timestamp_millis()) < min_ms {
+                continue; // may be an upload in progress
+            }
+            let bytes = match self.get_capped(&o.location, MAX_JOURNAL_LEN).await {
+                Ok(b) => b,
+                Err(object_store::Error::NotFound { .. }) => continue,
+                Err(e) => return Err(self.err("get upload journal", &e)),
+            };
+            let j: Option<(ObjPath, String)> = serde_json::from_slice::<Journal>(&bytes)
+                .ok()
+                .and_then(|j| Some((ObjPath::parse(&j.object).ok()?, j.upload_id)))
+                // Only uploads under this prefix: the journal is untrusted.
+                .filter(|(p, _)| p.prefix_match(&self.prefix).is_some() && *p != self.prefix);
+            match j {
+                Some((path, id)) => match mp.abort_multipart(&path, &id).await {
+                    Ok(()) => aborted += 1,
+                    // Already completed or aborted.
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) if e.to_string().contains("NoSuchUpload") => {}
+                    Err(e) => return Err(self.err("abort multipart upload", &e)),
+                },
+                None => tracing::warn!(journal = %o.location, "unreadable upload journal removed"),
+            }
+            match self.store.delete(&o.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("delete upload journal", &e)),
+            }
+        }
+        Ok(aborted)
+    }
+}
