@@ -31,6 +31,9 @@ enum Cmd {
     Verify(cli::tools::VerifyArgs),
     /// Delete all but the newest N committed checkpoints and stale partial directories.
     Gc(cli::tools::GcArgs),
+    /// Upload a committed local checkpoint to a bucket (s3://bucket/prefix) and commit it
+    /// there; progress on stderr when it is a terminal.
+    Push(cli::remote::PushArgs),
     /// Commit what a crashed trainer had fully staged in shared memory, or list the
     /// staging arenas in /dev/shm (--list, changes nothing).
     Recover(cli::recover::RecoverArgs),
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
             Some((url, _)) => cli::remote::gc(&url, &a),
             None => cli::tools::gc(a),
         },
+        Cmd::Push(a) => cli::remote::push(&a),
         Cmd::Recover(a) => cli::recover::run(a),
         Cmd::Shm(a) => cli::shm::run(a),
         Cmd::IpcWriter(a) => cli::ipc_writer::run(a),

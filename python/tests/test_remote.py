@@ -311,10 +311,16 @@ def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, r
             proxy.armed = False
             h = ck.save(2, big)
             h.wait()
-            assert h.wait_remote()["step"] == 2
-            assert ck.list(remote=True) == [2]
-            got = ck.load(2, source="remote")
-            assert torch.equal(got["w"], big["w"])
+            rep = h.wait_remote()
+            assert rep["step"] == 2 and rep["read_from_file"] == 0
+            # Step 1, still the newest on the local disk and not in the bucket, was
+            # uploaded again (from the local file) by this save, before step 2.
+            assert rep["retried"] == (1, None)
+            assert ck.list(remote=True) == [1, 2]
+            for step in (1, 2):
+                got = ck.load(step, source="remote")
+                assert torch.equal(got["w"], big["w"])
+            assert [k for k in keys(client, bucket) if ".shmckpt" in k] == []
     finally:
         proxy.stop()
 
@@ -420,6 +426,36 @@ def test_cli_inspect_verify_gc_on_a_bucket(s3, root):
     assert f"removed uncommitted {url}/step-9" in r.stdout, r.stdout
     assert "removed 2 object(s), 102 B" in r.stdout and "removed 0 checkpoint(s)" in r.stdout, r.stdout
     assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-2", "step-3"}
+
+
+def test_cli_push_uploads_a_local_checkpoint_and_commits_it(s3, root):
+    """`shmckpt push ROOT/step-N s3://...`: every rank file uploaded byte for byte, the step
+    committed in the bucket (verify passes), no journal left; a second push is refused."""
+    client, bucket = s3
+    url = f"s3://{bucket}/pushed"
+    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+        ck.save(4, state(4, 3 << 20)).wait()
+    step_dir = os.path.join(root, "step-4")
+    r = _cli("push", step_dir, url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"pushed {step_dir} to {url}/step-4: "), r.stdout
+    name = "rank-00000-of-00001.safetensors"
+    with open(os.path.join(step_dir, name), "rb") as f:
+        local = f.read()
+    assert client.get_object(Bucket=bucket, Key=f"pushed/step-4/{name}")["Body"].read() == local
+    assert keys(client, bucket, "pushed/") == [
+        "pushed/step-4/manifest.json",
+        f"pushed/step-4/{name}",
+        "pushed/step-4/rank-00000.manifest.json",
+    ]
+    r = _cli("verify", url, "--step", "4")
+    assert r.returncode == 0 and r.stdout.startswith(f"OK   {url}/step-4"), r.stdout + r.stderr
+    r = _cli("inspect", url)
+    assert r.returncode == 0 and "open upload" not in r.stdout, r.stdout
+    r = _cli("push", step_dir, url)
+    assert r.returncode != 0 and "exists" in r.stderr, r.stderr
+    r = _cli("push", step_dir, f"{url}/step-4")
+    assert r.returncode != 0 and "not a bucket root" in r.stderr, r.stderr
 
 
 KILL_CHILD = r"""

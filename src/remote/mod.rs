@@ -51,6 +51,7 @@ pub use options::{
 };
 pub use read::RemoteLoad;
 pub use tier::{RemoteProgress, RemoteReport};
+pub use upload::OpenUpload;
 
 /// A rank's manifest part: its file entry, and the session of the run that wrote it.
 #[derive(serde::Serialize, serde::Deserialize)]

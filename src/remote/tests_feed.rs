@@ -262,7 +262,7 @@ fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
     let key = ObjPath::from(format!("run1/step-2/{RANK_FILE}"));
     let id = r
         .block(async {
-            let mut up = r.begin(&key, 2, 0, Some("sess")).await?;
+            let mut up = r.begin(&key, 2, 0, Some("sess"), Arc::default()).await?;
             up.put_part(PutPayload::from(vec![7u8; 5 << 20]));
             up.wait_for_capacity(0)
                 .await
@@ -276,6 +276,10 @@ fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
         .filter(|o| o.starts_with("run1/.shmckpt/uploads/sess-0-2-"))
         .collect();
     assert_eq!(journals.len(), 1, "{:?}", objects(&mem));
+    let open = r.open_uploads().unwrap();
+    assert_eq!(open.len(), 1);
+    assert_eq!((open[0].step, open[0].rank), (2, 0));
+    assert_eq!(open[0].session.as_deref(), Some("sess"));
     // Younger than min_age: an upload in progress, kept.
     assert_eq!(r.gc(Duration::from_secs(3600)).unwrap().aborted_uploads, 0);
     let rep = r.gc(Duration::ZERO).unwrap();
@@ -285,6 +289,7 @@ fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
         "{:?}",
         objects(&mem)
     );
+    assert_eq!(r.open_uploads().unwrap(), Vec::new());
     // The upload is gone: it can no longer be completed.
     let rt = runtime().unwrap();
     let done = rt.block_on(mem.complete_multipart(&key, &id, Vec::new()));

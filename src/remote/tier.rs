@@ -59,6 +59,8 @@ struct Ticket {
     started: Instant,
     world_size: u32,
     remote: Arc<Remote>,
+    /// Bytes of this rank's object the server has accepted so far.
+    sent: Arc<std::sync::atomic::AtomicU64>,
     result: Mutex<Option<std::result::Result<RemoteReport, Arc<Error>>>>,
     changed: Condvar,
 }
@@ -74,6 +76,12 @@ impl RemoteProgress {
     /// The step.
     pub fn step(&self) -> u64 {
         self.t.step
+    }
+
+    /// Bytes of this rank's object uploaded so far (parts the server accepted; bytes
+    /// uploaded again after a retried part count once).
+    pub fn uploaded_bytes(&self) -> u64 {
+        self.t.sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether this rank's part is over (uploaded, failed or skipped).
@@ -324,6 +332,7 @@ impl RemoteTier {
                 started: Instant::now(),
                 world_size: self.world_size,
                 remote: Arc::clone(&self.remote),
+                sent: Arc::default(),
                 result: Mutex::new(None),
                 changed: Condvar::new(),
             }),
@@ -443,6 +452,7 @@ fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
         job.feed.as_deref(),
         &job.entry,
         ctx.session.as_deref(),
+        &job.progress.t.sent,
     )?;
     let upload = t.elapsed();
     let read_from_file = match &job.feed {

@@ -12,6 +12,7 @@
 //! upload through `put_multipart` with no journal.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -46,8 +47,28 @@ struct Journal {
     created_unix_ms: u64,
 }
 
-/// An upload in progress, with its parts in flight.
-pub(super) enum Upload {
+/// A multipart upload in progress, or left open by a stopped process, as its journal
+/// records it ([`Remote::open_uploads`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenUpload {
+    /// Step.
+    pub step: u64,
+    /// Rank.
+    pub rank: u32,
+    /// Session of the run that opened it.
+    pub session: Option<String>,
+    /// Time since its journal was written.
+    pub age: Duration,
+}
+
+/// An upload in progress, with its parts in flight; `sent` counts the bytes of the parts
+/// the server accepted.
+pub(super) struct Upload {
+    kind: UploadKind,
+    sent: Arc<AtomicU64>,
+}
+
+enum UploadKind {
     /// Through [`MultipartStore`]: the upload id is journaled.
     Ids {
         mp: Arc<dyn MultipartStore>,
@@ -67,8 +88,10 @@ pub(super) enum Upload {
 
 impl Upload {
     pub(super) fn put_part(&mut self, payload: PutPayload) {
-        match self {
-            Upload::Ids {
+        let n = payload.content_length() as u64;
+        let sent = Arc::clone(&self.sent);
+        match &mut self.kind {
+            UploadKind::Ids {
                 mp,
                 path,
                 id,
@@ -79,19 +102,30 @@ impl Upload {
                 let idx = parts.len();
                 parts.push(None);
                 let (mp, path, id) = (Arc::clone(mp), path.clone(), id.clone());
-                tasks.spawn(async move { (idx, mp.put_part(&path, &id, idx, payload).await) });
+                tasks.spawn(async move {
+                    let r = mp.put_part(&path, &id, idx, payload).await;
+                    if r.is_ok() {
+                        sent.fetch_add(n, Ordering::Relaxed);
+                    }
+                    (idx, r)
+                });
             }
-            Upload::Plain { up, tasks, parts } => {
+            UploadKind::Plain { up, tasks, parts } => {
                 *parts += 1;
-                tasks.spawn(up.put_part(payload));
+                let part = up.put_part(payload);
+                tasks.spawn(async move {
+                    part.await?;
+                    sent.fetch_add(n, Ordering::Relaxed);
+                    Ok(())
+                });
             }
         }
     }
 
     /// Wait until fewer than `n` parts are in flight (`0`: none).
     pub(super) async fn wait_for_capacity(&mut self, n: usize) -> object_store::Result<()> {
-        match self {
-            Upload::Ids { tasks, parts, .. } => {
+        match &mut self.kind {
+            UploadKind::Ids { tasks, parts, .. } => {
                 while !tasks.is_empty() && tasks.len() >= n.max(1) {
                     if let Some(j) = tasks.join_next().await {
                         let (idx, r) = j.map_err(join_err)?;
@@ -99,7 +133,7 @@ impl Upload {
                     }
                 }
             }
-            Upload::Plain { tasks, .. } => {
+            UploadKind::Plain { tasks, .. } => {
                 while !tasks.is_empty() && tasks.len() >= n.max(1) {
                     if let Some(j) = tasks.join_next().await {
                         j.map_err(join_err)??;
@@ -113,16 +147,16 @@ impl Upload {
     /// The upload id (uploads through [`MultipartStore`]).
     #[cfg(test)]
     pub(super) fn id(&self) -> Option<MultipartId> {
-        match self {
-            Upload::Ids { id, .. } => Some(id.clone()),
-            Upload::Plain { .. } => None,
+        match &self.kind {
+            UploadKind::Ids { id, .. } => Some(id.clone()),
+            UploadKind::Plain { .. } => None,
         }
     }
 
     fn parts(&self) -> usize {
-        match self {
-            Upload::Ids { parts, .. } => parts.len(),
-            Upload::Plain { parts, .. } => *parts,
+        match &self.kind {
+            UploadKind::Ids { parts, .. } => parts.len(),
+            UploadKind::Plain { parts, .. } => *parts,
         }
     }
 }
@@ -183,6 +217,7 @@ impl Remote {
         step: u64,
         rank: u32,
         session: Option<&str>,
+        sent: Arc<AtomicU64>,
     ) -> Result<Upload> {
         let Some(mp) = &self.mp else {
             let up = self
@@ -190,10 +225,13 @@ impl Remote {
                 .put_multipart(key)
                 .await
                 .map_err(|e| self.err("create multipart upload", &e))?;
-            return Ok(Upload::Plain {
-                up,
-                tasks: JoinSet::new(),
-                parts: 0,
+            return Ok(Upload {
+                kind: UploadKind::Plain {
+                    up,
+                    tasks: JoinSet::new(),
+                    parts: 0,
+                },
+                sent,
             });
         };
         let id = mp
@@ -220,48 +258,77 @@ impl Remote {
             let _ = mp.abort_multipart(key, &id).await;
             return Err(self.err("put upload journal", &e));
         }
-        Ok(Upload::Ids {
-            mp: Arc::clone(mp),
-            path: key.clone(),
-            id,
-            journal,
-            tasks: JoinSet::new(),
-            parts: Vec::new(),
+        Ok(Upload {
+            kind: UploadKind::Ids {
+                mp: Arc::clone(mp),
+                path: key.clone(),
+                id,
+                journal,
+                tasks: JoinSet::new(),
+                parts: Vec::new(),
+            },
+            sent,
         })
     }
 
+    /// Wait for the parts in flight and complete the upload; on any failure, abort it.
     async fn complete(&self, up: Upload) -> Result<()> {
         let mut up = up;
-        up.wait_for_capacity(0)
-            .await
-            .map_err(|e| self.err("upload part", &e))?;
-        match up {
-            Upload::Ids {
+        if let Err(e) = up.wait_for_capacity(0).await {
+            self.abort(up).await;
+            return Err(self.err("upload part", &e));
+        }
+        let sent = Arc::clone(&up.sent);
+        match up.kind {
+            UploadKind::Ids {
                 mp,
                 path,
                 id,
                 journal,
                 parts,
-                ..
+                tasks,
             } => {
-                let parts: Vec<PartId> = parts.into_iter().flatten().collect();
-                mp.complete_multipart(&path, &id, parts)
-                    .await
-                    .map_err(|e| self.err("complete multipart upload", &e))?;
-                self.drop_journal(&journal).await;
+                let ids: Vec<PartId> = parts.iter().flatten().cloned().collect();
+                match mp.complete_multipart(&path, &id, ids).await {
+                    Ok(_) => self.drop_journal(&journal).await,
+                    Err(e) => {
+                        let up = Upload {
+                            kind: UploadKind::Ids {
+                                mp,
+                                path,
+                                id,
+                                journal,
+                                parts,
+                                tasks,
+                            },
+                            sent,
+                        };
+                        self.abort(up).await;
+                        return Err(self.err("complete multipart upload", &e));
+                    }
+                }
             }
-            Upload::Plain { mut up, .. } => {
-                up.complete()
-                    .await
-                    .map_err(|e| self.err("complete multipart upload", &e))?;
+            UploadKind::Plain {
+                mut up,
+                tasks,
+                parts,
+            } => {
+                if let Err(e) = up.complete().await {
+                    let up = Upload {
+                        kind: UploadKind::Plain { up, tasks, parts },
+                        sent,
+                    };
+                    self.abort(up).await;
+                    return Err(self.err("complete multipart upload", &e));
+                }
             }
         }
         Ok(())
     }
 
     async fn abort(&self, up: Upload) {
-        let (r, journal) = match up {
-            Upload::Ids {
+        let (r, journal) = match up.kind {
+            UploadKind::Ids {
                 mp,
                 path,
                 id,
@@ -272,7 +339,7 @@ impl Remote {
                 tasks.shutdown().await;
                 (mp.abort_multipart(&path, &id).await, Some(journal))
             }
-            Upload::Plain {
+            UploadKind::Plain {
                 mut up, mut tasks, ..
             } => {
                 tasks.shutdown().await;
@@ -313,7 +380,20 @@ impl Remote {
         entry: &FileEntry,
         session: Option<&str>,
     ) -> Result<u64> {
-        self.upload_from(step, Some(file), None, entry, session)
+        self.upload_from(step, Some(file), None, entry, session, &Arc::default())
+    }
+
+    /// [`Remote::upload_rank`] counting in `sent` the bytes of the parts the server has
+    /// accepted so far (for progress displays).
+    pub fn upload_rank_counted(
+        &self,
+        step: u64,
+        file: &std::fs::File,
+        entry: &FileEntry,
+        session: Option<&str>,
+        sent: &Arc<AtomicU64>,
+    ) -> Result<u64> {
+        self.upload_from(step, Some(file), None, entry, session, sent)
     }
 
     /// [`Remote::upload_rank`] with the bytes taken from the staging arena where `feed`
@@ -325,6 +405,7 @@ impl Remote {
         feed: Option<&Feed>,
         entry: &FileEntry,
         session: Option<&str>,
+        sent: &Arc<AtomicU64>,
     ) -> Result<u64> {
         let key = self.key(step, &entry.file);
         self.block(async {
@@ -338,7 +419,9 @@ impl Remote {
                 Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(self.err("head manifest", &e)),
             }
-            let mut up = self.begin(&key, step, entry.rank, session).await?;
+            let mut up = self
+                .begin(&key, step, entry.rank, session, Arc::clone(sent))
+                .await?;
             let res = self.send(&mut up, &key, file, feed, entry).await;
             match res {
                 Ok(()) => self.complete(up).await?,
@@ -421,6 +504,40 @@ impl Remote {
             return Err(Error::Internal("an upload of no bytes".into()));
         }
         Ok(())
+    }
+
+    /// The journaled multipart uploads: in progress, or left open by a stopped process
+    /// (`gc` aborts those), oldest first. Unreadable journals are left out.
+    pub fn open_uploads(&self) -> Result<Vec<OpenUpload>> {
+        self.block(async {
+            let now_ms = crate::util::unix_ms() as i64;
+            let jp = self.journal_prefix();
+            let objs: Vec<_> = self
+                .store
+                .list(Some(&jp))
+                .try_collect()
+                .await
+                .map_err(|e| self.err("list upload journals", &e))?;
+            let mut out = Vec::new();
+            for o in objs {
+                let bytes = match self.get_capped(&o.location, MAX_JOURNAL_LEN).await {
+                    Ok(b) => b,
+                    Err(object_store::Error::NotFound { .. }) => continue,
+                    Err(e) => return Err(self.err("get upload journal", &e)),
+                };
+                if let Ok(j) = serde_json::from_slice::<Journal>(&bytes) {
+                    let age = now_ms.saturating_sub(o.last_modified.timestamp_millis());
+                    out.push(OpenUpload {
+                        step: j.step,
+                        rank: j.rank,
+                        session: j.session,
+                        age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    });
+                }
+            }
+            out.sort_by_key(|u| std::cmp::Reverse(u.age));
+            Ok(out)
+        })
     }
 
     /// Abort the multipart uploads whose journal is at least `min_age` old (what a killed

@@ -1,7 +1,9 @@
 //! `inspect`, `verify` and `gc` of a bucket root (`s3://bucket/prefix`), through the
 //! library's remote tier (credentials and endpoint from the AWS environment variables).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use shmckpt::bench::gbps;
@@ -39,6 +41,19 @@ pub fn inspect(url: &str, step: Option<u64>, a: &InspectArgs) -> CliResult {
     let steps = r.list()?;
     if steps.is_empty() {
         println!("{url}: no committed checkpoints");
+    }
+    // Uploads in progress, or left open by a stopped process (`gc` aborts those).
+    for u in r.open_uploads()? {
+        println!(
+            "open upload: step {} rank {}{}, journaled {} ago",
+            u.step,
+            u.rank,
+            u.session
+                .as_deref()
+                .map(|s| format!(" (session {s})"))
+                .unwrap_or_default(),
+            secs(u.age)
+        );
     }
     println!(
         "{:>10} {:>6} {:>9} {:>12}  prefix",
@@ -123,5 +138,88 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
         "aborted {} multipart upload(s) left open by a stopped process (journal older than {} s)",
         rep.aborted_uploads, a.min_age
     );
+    Ok(())
+}
+
+/// Arguments of `push`.
+#[derive(Debug, clap::Args)]
+pub struct PushArgs {
+    /// A committed local checkpoint (`ROOT/step-N`): every rank's file is uploaded.
+    pub dir: PathBuf,
+    /// The bucket root (`s3://bucket/prefix`); the step is committed there as
+    /// `prefix/step-N` (refused if it is committed there already).
+    pub url: String,
+    /// Session recorded in the manifest parts (default none).
+    #[arg(long)]
+    pub session: Option<String>,
+}
+
+/// Upload a committed local checkpoint to a bucket and commit it there, with progress
+/// (bytes, total, rate) on stderr when it is a terminal.
+pub fn push(a: &PushArgs) -> CliResult {
+    let url = match remote_root(Path::new(&a.url)) {
+        Some((url, None)) => url,
+        _ => return Err(format!("{}: not a bucket root (s3://bucket/prefix)", a.url).into()),
+    };
+    let m = shmckpt::Manifest::read(&a.dir)?;
+    let r = open(&url)?;
+    let sent = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let pb = super::progress(m.total_bytes, &format!("step-{}", m.step));
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let ticker = {
+        let (sent, done, pb) = (Arc::clone(&sent), Arc::clone(&done), pb.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                pb.set_position(sent.load(Ordering::Relaxed));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let t = Instant::now();
+    let res = (|| -> CliResult {
+        for f in &m.files {
+            let path = a.dir.join(&f.file);
+            // The manifest names plain files of the step; never follow a link.
+            let file = {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?
+            };
+            r.upload_rank_counted(m.step, &file, f, a.session.as_deref(), &sent)?;
+        }
+        Ok(())
+    })();
+    done.store(true, Ordering::Relaxed);
+    let _ = ticker.join();
+    pb.finish_and_clear();
+    res?;
+    let took = t.elapsed();
+    match r.try_commit(m.step, m.world_size, &m.metadata, a.session.as_deref())? {
+        Some(_) => println!(
+            "pushed {} to {url}/step-{}: {} in {} ({:.2} GB/s)",
+            a.dir.display(),
+            m.step,
+            human(m.total_bytes),
+            secs(took),
+            gbps(m.total_bytes, took)
+        ),
+        None => {
+            return Err(format!(
+                "{url}/step-{}: uploaded, but a rank's object is missing: not committed",
+                m.step
+            )
+            .into());
+        }
+    }
     Ok(())
 }
