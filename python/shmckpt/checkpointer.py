@@ -184,8 +184,11 @@ class SaveHandle:
     def wait_remote(self) -> Dict[str, Any]:
         """Block until the step is committed in the bucket (``remote=...``); returns the
         remote report (``bytes``, ``upload`` and ``remote_durable`` seconds,
-        ``committed_here``, ``retired``). Raises ``RemoteFailed`` (nothing of the step is
-        visible in the bucket) or ``RemoteSkipped`` (the uploader was behind)."""
+        ``committed_here``, ``retired``, ``read_from_file``: bytes read from the local
+        file rather than the staging memory, ``retried``: ``(step, None)`` when this save
+        uploaded an earlier failed step again, ``(step, why)`` when it did not, else
+        ``None``). Raises ``RemoteFailed`` (nothing of the step is visible in the bucket;
+        the next save retries it) or ``RemoteSkipped`` (the uploader was behind)."""
         return self._get_rust().wait_remote()
 
     def __repr__(self) -> str:

@@ -7,7 +7,8 @@
 //! when that part's upload ends. Under pressure ([`crate::staging::Arena::acquire`] finding
 //! no free chunk) every *spillable* feed gives its held chunks back: the upload then reads
 //! those bytes from the local file. Only the chunks inside parts in flight stay pinned
-//! (`concurrency x part_size`), so the local tier never waits on the remote one beyond that.
+//! (at most `(concurrency + 1) x part_size`: the parts in flight and the one being
+//! filled), so the local tier never waits on the remote one beyond that.
 //! A remote-only save has no local file: its feed is not spillable, and its upload is the
 //! only drain of its chunks.
 

@@ -198,8 +198,13 @@ fn remote_only_writes_no_file() {
         .build()
         .unwrap();
     let s = state(31);
-    for step in [1, 2] {
-        let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
+    // Back to back: 16 MiB of staging holds one 11 MiB save, so the second save's staging
+    // waits for the chunks the first one's upload releases (the only drain).
+    let hs: Vec<_> = [1, 2]
+        .into_iter()
+        .map(|step| engine.save(step, &tensors(&s), &Metadata::new()).unwrap())
+        .collect();
+    for h in hs {
         let p = h.remote().unwrap();
         let local = h.wait().unwrap();
         assert_eq!(local.dir, None);
