@@ -24,6 +24,41 @@ use crate::EngineConfig;
 struct Gate {
     inner: Arc<InMemory>,
     open: Arc<AtomicBool>,
+    /// Through [`MultipartStore`]: fail the part of this index (0-based), if set.
+    fail_part: Option<usize>,
+}
+
+#[async_trait::async_trait]
+impl MultipartStore for Gate {
+    async fn create_multipart(&self, path: &ObjPath) -> object_store::Result<String> {
+        self.inner.create_multipart(path).await
+    }
+    async fn put_part(
+        &self,
+        path: &ObjPath,
+        id: &String,
+        part_idx: usize,
+        data: PutPayload,
+    ) -> object_store::Result<object_store::multipart::PartId> {
+        if self.fail_part == Some(part_idx) {
+            return Err(object_store::Error::Generic {
+                store: "Gate",
+                source: format!("injected failure of part {part_idx}").into(),
+            });
+        }
+        self.inner.put_part(path, id, part_idx, data).await
+    }
+    async fn complete_multipart(
+        &self,
+        path: &ObjPath,
+        id: &String,
+        parts: Vec<object_store::multipart::PartId>,
+    ) -> object_store::Result<PutResult> {
+        self.inner.complete_multipart(path, id, parts).await
+    }
+    async fn abort_multipart(&self, path: &ObjPath, id: &String) -> object_store::Result<()> {
+        self.inner.abort_multipart(path, id).await
+    }
 }
 
 impl std::fmt::Display for Gate {
@@ -109,6 +144,7 @@ fn the_upload_comes_from_the_staging_arena_not_the_local_file() {
     let gate = Gate {
         inner: mem.clone(),
         open: Arc::clone(&open),
+        fail_part: None,
     };
     let engine = small(dir.path(), Arc::new(gate)).build().unwrap();
     let s = state(11);
@@ -143,6 +179,7 @@ fn staging_pressure_gives_held_chunks_back_to_the_next_save() {
     let gate = Gate {
         inner: mem.clone(),
         open: Arc::clone(&open),
+        fail_part: None,
     };
     // 16 MiB of staging, two saves of 11 MiB: the second needs chunks the first's upload
     // holds while the bucket is held back.
@@ -302,4 +339,42 @@ fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
     // And a second gc finds nothing to do; committed step 1 is untouched.
     assert_eq!(r.gc(Duration::ZERO).unwrap(), GcReport::default());
     assert_eq!(r.list().unwrap(), vec![1]);
+}
+
+/// A failure of the last part surfaces when the upload completes: the upload is aborted
+/// then too, and its journal removed (it stayed open, journal and all, when only failures
+/// while sending aborted).
+#[test]
+fn a_failed_last_part_aborts_the_upload_and_removes_its_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    // 11 MiB in 5 MiB parts: parts 0, 1 and the last, 2, sent when the upload completes.
+    let store = Arc::new(Gate {
+        inner: mem.clone(),
+        open: Arc::new(AtomicBool::new(true)),
+        fail_part: Some(2),
+    });
+    let engine = EngineConfig::new(dir.path())
+        .with_staging_capacity(16 << 20)
+        .with_chunk_size(1 << 20)
+        .with_direct_io(false)
+        .with_remote_multipart_store(store, "run1")
+        .with_remote_options(RemoteOptions {
+            part_size: 5 << 20,
+            concurrency: 4,
+            ..RemoteOptions::default()
+        })
+        .build()
+        .unwrap();
+    let s = state(51);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    let e = p.wait().unwrap_err();
+    assert!(matches!(&e, Error::RemoteFailed { step: 1, .. }), "{e}");
+    assert!(e.to_string().contains("injected failure of part 2"), "{e}");
+    // Aborted (its journal goes only after a successful abort): nothing in the bucket.
+    assert_eq!(objects(&mem), Vec::<String>::new());
+    assert_eq!(engine.remote().unwrap().open_uploads().unwrap(), Vec::new());
+    engine.close();
 }
