@@ -73,6 +73,8 @@ pub(crate) struct SaveState {
     /// The save's remote copy (remote tier on).
     #[cfg(feature = "s3")]
     pub(super) remote: Option<crate::remote::RemoteProgress>,
+    /// Its device snapshot request (`SaveOptions::snapshot_on_request`).
+    pub(super) snapshot: crate::device::SnapshotRequest,
 }
 
 impl SaveState {
