@@ -22,6 +22,7 @@ COLORS = {
     "nvrx-fswa": "tab:pink",
     "shm-block": "tab:blue",
     "shm-async": "tab:green",
+    "shm-snap": "tab:olive",
 }
 
 

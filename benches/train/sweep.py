@@ -62,6 +62,7 @@ from peers import elapsed, free_port, fs_type_of, log, now, pkg_version, raise_n
 from train_measure import raw_write  # noqa: E402
 from train_model import GiB, MiB, SYSTEMS, Trainer, mean, med, state_nbytes  # noqa: E402
 from train_run import Ctx, run_segment  # noqa: E402
+from train_systems import SYSTEM_CLASSES  # noqa: E402
 
 #: The sweep's model: d 1024, 12 layers, 0.186 B parameters, 2.08 GiB of fp32 weights +
 #: AdamW moments (12 bytes per parameter); its batch sets the step length.
@@ -75,7 +76,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--quick", action="store_true", help="CPU smoke test: tiny model, CPU tensors, 2 intervals, short segments")
-    a("--systems", default=None, help="comma list of " + ",".join(SYSTEMS) + " (default " + ",".join(DEFAULT_SYSTEMS) + "; none is always run)")
+    a("--systems", default=None, help="comma list of " + ",".join(SYSTEMS) + ",shm-snap (default " + ",".join(DEFAULT_SYSTEMS) + "; none is always run)")
     a("--steps-ms", default="60,140", help="target step lengths, ms (set by the batch size)")
     a("--batches", default=None, help="batch size per step length instead of calibrating (comma list)")
     a("--layers", type=int, default=None, help="override the model's layer count (state size)")
@@ -280,6 +281,11 @@ def summarize(results):
                 "cost_per_checkpoint_s": {"median": cost, "min": min(costs) if costs else None, "max": max(costs) if costs else None, "windows": len(costs)},
                 "fitted_interval_at_1pct_s": (max(cost, 0.0) / (TARGET_PCT / 100.0)) if cost is not None else None,
                 "failed": results["failed"].get(name, {}).get("error"),
+                # shm-snap: the device snapshot's size per save (its peak extra device memory)
+                "snapshot_bytes_max": max(
+                    [r["report"].get("snapshot_bytes") or 0 for r in results.get("checkpoints", []) if r.get("system") == name and isinstance(r.get("report"), dict)],
+                    default=None,
+                ),
             }
         summ[str(sm)] = per
     return summ
@@ -324,7 +330,10 @@ def write_outputs(ctx, results, out_dir):
             for k in ks:
                 x = byk.get(k)
                 cells.append("-" if x is None else f"{x['overhead_pct_median']:+.2f} % [{x['overhead_pct_min']:+.1f}, {x['overhead_pct_max']:+.1f}]" + ("" if x["kept_up"] else " (disk behind)"))
-            lines.append(f"| {name} | {shs} | {fit} | {cs} | " + " | ".join(cells) + " |")
+            label = name
+            if s.get("snapshot_bytes_max"):
+                label += f" (snapshot up to {s['snapshot_bytes_max'] / GiB:.2f} GiB)"
+            lines.append(f"| {label} | {shs} | {fit} | {cs} | " + " | ".join(cells) + " |")
         lines.append("")
     if results.get("skipped"):
         lines += ["Skipped (budget): " + "; ".join(results["skipped"]), ""]
@@ -355,7 +364,7 @@ def main(argv=None):
         return 2
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
-        if s not in SYSTEMS:
+        if s not in SYSTEM_CLASSES:
             log(f"unknown system {s!r}")
             return 2
     if "none" not in systems:
@@ -375,7 +384,7 @@ def main(argv=None):
     except Exception as e:
         shm_ver = f"import failed: {type(e).__name__}: {e}"
         ctx.shm_error = shm_ver
-        for s in ("shm-block", "shm-async", "dcp-shm"):
+        for s in ("shm-block", "shm-async", "shm-snap", "dcp-shm"):
             ctx.failed[s] = {"error": f"import shmckpt: {type(e).__name__}: {e}"}
     m["versions"] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "nvidia-resiliency-ext": pkg_version("nvidia-resiliency-ext"), "shmckpt": shm_ver}
     m["host"], m["cpus"] = platform.node(), os.cpu_count()
@@ -410,7 +419,7 @@ def main(argv=None):
                 ctx.shm.ck.prepare_cuda()
                 m["shmckpt_prepare_cuda_s"] = now() - t
         except Exception as e:
-            for s in ("shm-block", "shm-async"):
+            for s in ("shm-block", "shm-async", "shm-snap"):
                 ctx.failed[s] = {"error": f"Checkpointer/guard: {type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             log(f"shmckpt unavailable: {e!r}")
 
