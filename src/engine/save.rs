@@ -108,6 +108,8 @@ impl<'a> SaveOptions<'a> {
     /// only (and the copies queued before them), not after the whole device-to-host copy.
     /// When the buffer cannot be allocated the save goes on without it (a warning is
     /// logged) and `hold_stream` waits for every copy to be queued, as without this.
+    /// Without a request, `hold_stream` blocks until the last copies are queued (most of
+    /// the copy's time): this mode is for callers that request the snapshot.
     pub fn snapshot_on_request(mut self) -> Self {
         self.snapshot = true;
         self
