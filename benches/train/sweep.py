@@ -469,6 +469,13 @@ def main(argv=None):
         deadline = now() + (args.budget_s - (now() - t_start)) / (n_lengths - li)
         log(f"== step ~{step_ms} ms (batch {ch['batch']}, {step_s * 1e3:.1f} ms): K = {ks} ({', '.join(f'{k * step_s:.2f}' for k in ks)} s); until +{deadline - t_start:.0f}s")
         order = [s for s in systems if s != "none"]
+        plan_s = 0.0
+        for k in ks:
+            nck = 2 if k * step_s / i_min <= args.two_ckpt_below else 1
+            nk = max(2, min(k, int(args.none_s / step_s)))
+            plan_s += sum(est(n, k, nck, step_s, nk) for n in ["none"] + order if n not in ctx.failed)
+        L["planned_s"] = plan_s
+        log(f"  planned {plan_s:.0f}s of segments (estimates) for {deadline - now():.0f}s of budget")
         for gi, ii in enumerate(interleaved(len(ks))):
             k = ks[ii]
             f = k * step_s / i_min
