@@ -13,6 +13,14 @@ One process, one GPU. A state like a trainer's (fp32 weights plus fused-AdamW mo
 * ``nb_busy``: ``save(..., blocking=False)``, then ``--busy-ms`` of matrix products on the
   trainer's stream, then ``opt.step()``: time to staged, and how much longer the products
   took than the same products without a save in flight (``busy_base``).
+* ``nb_win`` / ``nb_win_snap`` (not in the default list): ``save(..., blocking=False)``
+  (``nb_win_snap``: ``snapshot="device"``), then ``--busy-ms`` of products (the forward and
+  backward window), then ``opt.step()`` under the guard; the sample is the device time of
+  the step (CUDA events around ``opt.step()`` on the trainer's stream: the guard's wait on
+  the copies plus the step's kernels), against ``step_base``, the same step without a save.
+  The floor of the default mode is max(0, copy - window); ``nb_win_snap_bytes`` is the
+  snapshot's size and ``*_host`` the host time of ``opt.step()`` (the hook). (Their
+  "GB/s" and "x pinned" columns mean nothing: the sample is a step time.)
 
 Each save is waited for (durable) before the next variant, so the disk never overlaps a
 timed copy. Prints a table of medians (min-max) and writes every sample to ``--out``.
@@ -252,6 +260,28 @@ def main() -> None:
                 extra.setdefault("nb_step_host_returned", []).append(time.perf_counter() - t)
                 torch.cuda.current_stream().synchronize()
                 dt = time.perf_counter() - t
+            elif v in ("nb_win", "nb_win_snap"):
+                set_guard(True)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                busy(args.busy_ms)  # untimed: the same window without a save
+                e0.record()
+                opt.step()
+                e1.record()
+                e1.synchronize()
+                extra.setdefault("step_base", []).append(e0.elapsed_time(e1) / 1e3)
+                torch.cuda.synchronize()
+                snap = "device" if v == "nb_win_snap" else None
+                h = ck.save(step, state, blocking=False, snapshot=snap)
+                busy(args.busy_ms)  # the copy runs meanwhile, on the engine's stream
+                t = time.perf_counter()
+                e0.record()
+                opt.step()
+                extra.setdefault(v + "_host", []).append(time.perf_counter() - t)
+                e1.record()
+                e1.synchronize()
+                dt = e0.elapsed_time(e1) / 1e3
+                if snap:
+                    extra.setdefault(v + "_bytes", []).append(h.snapshot_bytes)
             elif v == "nb_busy":
                 set_guard(True)
                 extra.setdefault("busy_base", []).append(busy(args.busy_ms))

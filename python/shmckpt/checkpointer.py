@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _shmckpt
+from . import _snapshot
 from . import _state
 from . import remote as _remote
 from .errors import ConfigError, CorruptError, DestinationError, NotFound, UnsafePath
@@ -88,6 +89,9 @@ class SaveHandle:
         self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
         # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
         self._devices: List[int] = []
+        self._snapshot = False  # save(..., snapshot="device"): the guard takes a snapshot
+        #: Device bytes of the save's snapshot (``snapshot="device"``; 0 when none was taken).
+        self.snapshot_bytes = 0
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -163,6 +167,8 @@ class SaveHandle:
     def wait(self) -> Dict[str, Any]:
         """Block until the checkpoint is durable and committed; returns the report."""
         h = self._get_rust()
+        if self._snapshot:
+            self.snapshot_bytes = max(self.snapshot_bytes, int(h.snapshot_bytes()))
         try:
             rep = h.wait()
         except KeyboardInterrupt:
@@ -170,7 +176,7 @@ class SaveHandle:
         finally:
             self._poll()
         self._release()
-        return rep
+        return dict(rep, snapshot_bytes=self.snapshot_bytes)
 
     def wait_replicated(self) -> Dict[str, Any]:
         """Wait until the step, replicated in the background once committed, is held and
@@ -564,9 +570,9 @@ class Checkpointer:
         def wait(h: SaveHandle) -> Any:
             if not h._devices or h._future is not None or h._keep is None:
                 return h.wait_staged()
-            h._get_rust().hold_streams(
-                [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
-            )
+            streams = [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            n = _snapshot.hold(h._get_rust(), h._snapshot, streams)
+            h.snapshot_bytes = max(h.snapshot_bytes, n)
             h._poll()
             return None
 
@@ -593,6 +599,7 @@ class Checkpointer:
         *,
         blocking: bool = True,
         metadata: Optional[Mapping[str, str]] = None,
+        snapshot: Optional[str] = None,
     ) -> SaveHandle:
         """Save ``state`` (nested dict/list/tuple of tensors, arrays and plain values) as
         checkpoint ``step``.
@@ -604,10 +611,16 @@ class Checkpointer:
         path before anything is written. Values are saved, never bytes that read otherwise:
         big-endian arrays are stored little-endian, conjugate and negative views resolved.
         ``step`` is an int (never a bool).
+
+        ``snapshot="device"`` (with ``blocking=False`` and :meth:`guard`): what is still
+        being copied when the optimizer step starts is snapshotted device-to-device into a
+        transient buffer outside torch's allocator, freed once copied
+        (``handle.snapshot_bytes``; docs/python.md). The default allocates no device memory.
         """
         step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        snap = _snapshot.device_mode(snapshot, blocking, bool(self._guards))
         meta: Dict[str, str] = {}
         for k, v in (metadata or {}).items():
             if not isinstance(k, str) or not isinstance(v, str):
@@ -743,7 +756,8 @@ class Checkpointer:
             keep.extend(events.values())
             after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
             if not finishes:
-                h = self._engine.save(step, entries, meta, after, False)
+                handle._snapshot = snap and bool(devices)
+                h = self._engine.save(step, entries, meta, after, False, False, handle._snapshot)
                 handle._set_rust(h)
                 with self._lock:
                     self._pending.append(handle)

@@ -234,7 +234,8 @@ pub unsafe fn save(
 }
 
 /// Start a save and return at once (with `hold`: once every device copy is queued and
-/// the `after` streams wait for them, `SaveOptions::hold_streams`).
+/// the `after` streams wait for them, `SaveOptions::hold_streams`; with `snapshot`:
+/// `SaveOptions::snapshot_on_request`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
@@ -247,11 +248,15 @@ pub unsafe fn save_async(
     meta: &Metadata,
     after: &[After],
     hold: bool,
+    snapshot: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
     let (t, mut o) = unsafe { (tensors(raw), options(after)) };
     if hold {
         o = o.hold_streams();
+    }
+    if snapshot {
+        o = o.snapshot_on_request();
     }
     // SAFETY: forwarded from this function's contract (memory valid until staged).
     unsafe { engine.save_async(step, &t, meta, &o) }

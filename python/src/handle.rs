@@ -35,6 +35,7 @@ fn staged_dict<'py>(py: Python<'py>, s: &shmckpt::StagedReport) -> PyResult<Boun
     d.set_item("staging", secs(s.staging))?;
     d.set_item("backpressure", secs(s.backpressure))?;
     d.set_item("registration", secs(s.registration))?;
+    d.set_item("snapshot_bytes", s.snapshot_bytes)?;
     Ok(d)
 }
 
@@ -135,6 +136,22 @@ impl PySaveHandle {
             None => Ok(()),
         });
         r.map_err(|e| to_py(py, e))
+    }
+
+    /// Ask a save started with `snapshot=True` for its device snapshot (returns at once;
+    /// `hold_streams` then orders the streams after the snapshot's copies only).
+    fn request_snapshot(&self) {
+        if let Some(h) = &*lock(&self.inner) {
+            h.request_snapshot();
+        }
+    }
+
+    /// Device bytes of the save's snapshot (0 when none was taken, or once `wait` took
+    /// the handle).
+    fn snapshot_bytes(&self) -> u64 {
+        lock(&self.inner)
+            .as_ref()
+            .map_or(0, SaveHandle::snapshot_bytes)
     }
 
     /// Block (GIL released, interruptible) until the checkpoint is durable and committed.

@@ -279,8 +279,10 @@ impl PyEngine {
     /// event alive, until the handle reports the save staged. `hold=True` (with
     /// `blocking=False`) returns once every device copy is queued and the `"stream"`
     /// streams of `after` wait for them on the device: work queued there afterwards may
-    /// modify the tensors.
-    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false))]
+    /// modify the tensors. `snapshot=True` (with `blocking=False`, not `hold`): the save
+    /// takes a device snapshot of what it has not copied yet when its handle's
+    /// `request_snapshot()` is called (`SaveOptions::snapshot_on_request`).
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -291,6 +293,7 @@ impl PyEngine {
         after: Vec<(i32, String, u64)>,
         blocking: bool,
         hold: bool,
+        snapshot: bool,
     ) -> PyResult<PySaveHandle> {
         let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
@@ -309,7 +312,9 @@ impl PyEngine {
                     // the returned handle until it reports staged, and orders every writer
                     // of them after staging (guard), gives copies it owns, or (with `hold`)
                     // passes only tensors whose writers run on the held streams.
-                    unsafe { core::save_async(&engine, step, &raw, &metadata, &after, hold) }
+                    unsafe {
+                        core::save_async(&engine, step, &raw, &metadata, &after, hold, snapshot)
+                    }
                 };
                 match r {
                     // Nothing was staged: size the arena from this save and try once more.

@@ -14,6 +14,7 @@
 pub mod cuda;
 pub mod host;
 pub mod pipeline;
+pub mod snapshot;
 pub mod sources;
 
 use crate::error::Result;
@@ -21,6 +22,7 @@ use crate::plan::Plan;
 use crate::staging::ChunkLease;
 
 pub(crate) use pipeline::{After, CudaStaging};
+pub use snapshot::SnapshotRequest;
 pub use sources::Sources;
 
 /// What staging needs from the engine.
@@ -42,4 +44,10 @@ pub struct StageJob<'a> {
     /// `hold`: and the streams wait for them), with one event per device recorded after
     /// that device's copies; for host-only saves when staging ended (no events).
     pub queued: &'a (dyn Fn(Vec<(i32, cuda::Event)>) + Sync),
+    /// Snapshot mode ([`crate::SaveOptions::snapshot_on_request`]; not with `hold`):
+    /// device copies are queued at most [`snapshot::LOOKAHEAD_BYTES`] ahead, and once the
+    /// request is set the bytes not queued yet are copied into a transient device buffer;
+    /// `queued` is then called with the events after those copies (the caller's device
+    /// memory is no longer read once they complete), and not again at the end.
+    pub snapshot: Option<&'a SnapshotRequest>,
 }

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::StageJob;
-use super::cuda::{self, Context, CtxGuard, Event, HostRegistration, Stream};
+use super::cuda::{self, Context, CtxGuard, DeviceBuffer, Event, HostRegistration, Stream};
+use super::snapshot::{LOOKAHEAD_BYTES, Layout};
 use crate::error::{Error, Result};
 use crate::plan::PieceSource;
 use crate::staging::{Arena, ChunkLease};
@@ -182,17 +183,27 @@ impl CudaStaging {
             pending: VecDeque::new(),
             states: &states,
         };
-        let res = self.stage_chunks(job, &mut pipeline).and_then(|waited| {
-            let marks = self.mark(&states)?;
-            if job.hold {
-                self.hold(&marks, after)?;
-            }
-            (job.queued)(marks);
-            Ok(waited)
-        });
+        let mut snap = SnapshotState::Ready;
+        let res = self
+            .stage_chunks(job, &mut pipeline, &mut snap)
+            .and_then(|waited| {
+                if let SnapshotState::Taken(_) = snap {
+                    // `queued` was called when the snapshot was taken.
+                    return Ok(waited);
+                }
+                let marks = self.mark(&states)?;
+                if job.hold {
+                    self.hold(&marks, after)?;
+                }
+                (job.queued)(marks);
+                Ok(waited)
+            });
         match res {
             Ok(waited) => {
                 pipeline.drain(job)?;
+                // Every copy from the snapshot completed: its memory goes back now
+                // (`DeviceBuffer`'s drop synchronizes the context, then `cuMemFree`).
+                drop(snap);
                 Ok(waited)
             }
             Err(e) => {
@@ -231,13 +242,35 @@ impl CudaStaging {
         Ok(())
     }
 
-    fn stage_chunks(&self, job: &StageJob<'_>, pipe: &mut Pipeline<'_>) -> Result<Duration> {
+    fn stage_chunks(
+        &self,
+        job: &StageJob<'_>,
+        pipe: &mut Pipeline<'_>,
+        snap: &mut SnapshotState,
+    ) -> Result<Duration> {
         let cs = self.arena.chunk_size();
         let n = job.plan.chunk_count(cs);
+        let lookahead = (LOOKAHEAD_BYTES / cs.max(1)).max(2) as usize;
         let mut waited = Duration::ZERO;
         for c in 0..n {
             if (job.failed)() {
                 return Err(Error::Cancelled("the save failed while staging".into()));
+            }
+            if let (Some(req), SnapshotState::Ready) = (job.snapshot, &*snap) {
+                if req.is_requested() {
+                    *snap = self.take_snapshot(job, pipe, c)?;
+                    if let SnapshotState::Taken(s) = &*snap {
+                        req.set_bytes(s.layout.bytes());
+                        let marks = self.mark(pipe.states)?;
+                        (job.queued)(marks);
+                    }
+                } else {
+                    // Keep most device bytes unqueued, for a snapshot asked for later
+                    // (waiting for our own copies here is not backpressure: not counted).
+                    while pipe.pending.len() >= lookahead {
+                        pipe.complete_front(job)?;
+                    }
+                }
             }
             // Never block on the arena while chunks we filled are still waiting for their
             // copies: they are what the writers need to free space.
@@ -260,7 +293,11 @@ impl CudaStaging {
             // Fill the chunk and record its events; on an error part way, copies into the
             // lease may be queued on the streams of `used`: the lease must not go back to
             // the pool (its `Drop`) before they complete.
-            let filled = self.fill_chunk(job, pipe, &lease, range, len, &mut used);
+            let taken = match &*snap {
+                SnapshotState::Taken(s) => Some(s),
+                _ => None,
+            };
+            let filled = self.fill_chunk(job, pipe, &lease, range, len, &mut used, taken);
             let (write_len, events) = match filled {
                 Ok(f) => f,
                 Err(e) => {
@@ -296,6 +333,7 @@ impl CudaStaging {
     /// queued on each device's stream, the devices added to `used`), zero its tail up to
     /// the write length, and record an event after the copies on each stream used.
     /// Returns the write length and the events.
+    #[allow(clippy::too_many_arguments)]
     fn fill_chunk(
         &self,
         job: &StageJob<'_>,
@@ -304,6 +342,7 @@ impl CudaStaging {
         range: std::ops::Range<u64>,
         len: usize,
         used: &mut BTreeSet<i32>,
+        snap: Option<&Snapshot>,
     ) -> Result<(usize, Vec<(i32, Event)>)> {
         let mut bound: Option<i32> = None;
         let base = lease.as_ptr();
@@ -335,15 +374,25 @@ impl CudaStaging {
                             st.ctx.bind()?;
                             bound = Some(d.device());
                         }
+                        let held = snap.and_then(|s| {
+                            let (dev, off) = s.layout.locate(input, at, p.len as u64)?;
+                            Some(s.buffers.get(&dev)?.ptr() + off)
+                        });
                         // SAFETY: `dst..dst+len` lies in the leased chunk, which is not
                         // read, written or released until this copy has completed: it
                         // goes to `pending` until an event recorded after the copy
                         // completes, and on an error before that `stage_chunks`
                         // synchronizes this stream (or leaks the chunk) before the lease
-                        // can drop; the source range is inside the caller's device
+                        // can drop. The source range is inside the caller's device
                         // tensor (plan offsets are bounded by its length, checked at
-                        // validation) and valid until staging ends.
-                        unsafe { st.stream.copy_dtoh(base.add(p.dst), d.ptr() + at, p.len)? };
+                        // validation) and valid until staging ends, or, once a snapshot
+                        // holds these bytes (`locate` checked the whole range), inside
+                        // the snapshot buffer of this device: written by a copy queued
+                        // earlier on this same stream (so complete before this one
+                        // starts), and freed only after `drain` saw every copy complete
+                        // (`stage`; on an error, its drop synchronizes the context first).
+                        let src = held.unwrap_or(d.ptr() + at);
+                        unsafe { st.stream.copy_dtoh(base.add(p.dst), src, p.len)? };
                     }
                 }
             }
@@ -365,6 +414,96 @@ impl CudaStaging {
             events.push((*d, e));
         }
         Ok((write_len, events))
+    }
+}
+
+/// A save's device snapshot ([`super::snapshot`]).
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    layout: Layout,
+    /// One buffer per device of `layout.totals`.
+    buffers: BTreeMap<i32, DeviceBuffer>,
+}
+
+/// Where a save is with its snapshot.
+#[derive(Debug)]
+pub(crate) enum SnapshotState {
+    /// None taken (or not snapshot mode).
+    Ready,
+    /// Taken: the rest is copied from its buffers.
+    Taken(Snapshot),
+    /// Asked for, but the buffers could not be allocated: the save goes on copying from
+    /// the caller's tensors, and `queued` is called at the end as without a snapshot.
+    Declined,
+}
+
+impl CudaStaging {
+    /// Copy every device byte of file chunks `from..` (none queued yet) into new device
+    /// buffers, on each device's engine stream after the copies queued so far.
+    fn take_snapshot(
+        &self,
+        job: &StageJob<'_>,
+        pipe: &Pipeline<'_>,
+        from: u64,
+    ) -> Result<SnapshotState> {
+        let cs = self.arena.chunk_size();
+        let start = job.plan.chunk_range(from, cs).start;
+        let mut pieces = Vec::new();
+        for p in job.plan.pieces(start..job.plan.file_len()) {
+            if let PieceSource::Tensor { entry, at } = p.source {
+                let input = job.plan.entries()[entry].input;
+                if let Some(d) = job.sources.device(input) {
+                    pieces.push((input, d.device(), at, p.len as u64));
+                }
+            }
+        }
+        let layout = Layout::new(pieces)?;
+        let mut buffers = BTreeMap::new();
+        for (&dev, &total) in &layout.totals {
+            let st = &pipe.states[&dev];
+            let len = usize::try_from(total)
+                .map_err(|_| Error::Internal("snapshot larger than the address space".into()))?;
+            match DeviceBuffer::alloc(&st.ctx, len) {
+                Ok(b) => {
+                    buffers.insert(dev, b);
+                }
+                Err(e) => {
+                    tracing::warn!(bytes = total, device = dev, error = %e, "device snapshot declined: cannot allocate its buffer");
+                    return Ok(SnapshotState::Declined);
+                }
+            }
+        }
+        let mut bound = None;
+        for (&input, p) in &layout.inputs {
+            let d = job.sources.device(input).expect("device source");
+            let st = &pipe.states[&p.device];
+            if bound != Some(p.device) {
+                st.ctx.bind()?;
+                bound = Some(p.device);
+            }
+            let buf = &buffers[&p.device];
+            // SAFETY: the source `from..end` lies inside the caller's device tensor (plan
+            // offsets are bounded by its length, checked at validation), valid and not
+            // modified until the event recorded after this copy completes (the caller's
+            // writers wait for it: `queued`); the destination `offset..offset+end-from`
+            // lies inside `buf` (the layout's total for this device bounds every range
+            // placed in it), a fresh allocation of this device that nothing else uses
+            // and that outlives every copy from it (`Snapshot` is dropped after `drain`);
+            // the two are different allocations, so they do not overlap.
+            unsafe {
+                st.stream.copy_dtod(
+                    buf.ptr() + p.offset,
+                    d.ptr() + p.from,
+                    (p.end - p.from) as usize,
+                )?
+            };
+        }
+        tracing::debug!(
+            bytes = layout.bytes(),
+            chunk = from,
+            "device snapshot taken"
+        );
+        Ok(SnapshotState::Taken(Snapshot { layout, buffers }))
     }
 }
 

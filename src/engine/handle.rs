@@ -100,6 +100,23 @@ impl SaveHandle {
         Ok(())
     }
 
+    /// Ask a save started with [`SaveOptions::snapshot_on_request`](crate::SaveOptions::snapshot_on_request)
+    /// for its device snapshot: the bytes not yet queued for copying are copied
+    /// device-to-device into a transient buffer, after which
+    /// [`hold_stream`](Self::hold_stream) orders a stream after those copies only.
+    /// Returns at once (the staging thread takes the snapshot before its next chunk); has
+    /// no effect on other saves, nor once every copy is queued.
+    pub fn request_snapshot(&self) {
+        self.state.snapshot.request();
+    }
+
+    /// Device bytes of the save's snapshot (0 when none was taken yet, or none at all).
+    /// Known once [`hold_stream`](Self::hold_stream) returned after
+    /// [`request_snapshot`](Self::request_snapshot).
+    pub fn snapshot_bytes(&self) -> u64 {
+        self.state.snapshot.bytes()
+    }
+
     /// The save's remote copy (`None` without a remote tier): keep it to wait for the
     /// bucket after [`SaveHandle::wait`] consumed the handle.
     #[cfg(feature = "s3")]

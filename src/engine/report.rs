@@ -67,6 +67,9 @@ pub struct StagedReport {
     /// Part of it spent registering the staging arena with CUDA (the first device save of
     /// an engine not prepared with [`Engine::prepare_cuda`](crate::Engine::prepare_cuda)).
     pub registration: Duration,
+    /// Device bytes of the save's snapshot (its peak; 0 when none was taken:
+    /// [`SaveOptions::snapshot_on_request`](crate::SaveOptions::snapshot_on_request)).
+    pub snapshot_bytes: u64,
 }
 
 /// Which path served a load.

@@ -53,6 +53,7 @@ pub enum OwnedData {
 pub struct SaveOptions<'a> {
     after: Vec<(i32, After)>,
     hold: bool,
+    snapshot: bool,
     _handles: PhantomData<&'a ()>,
 }
 
@@ -93,6 +94,24 @@ impl<'a> SaveOptions<'a> {
     /// [`after_event`](Self::after_event).
     pub fn hold_streams(mut self) -> Self {
         self.hold = true;
+        self
+    }
+
+    /// With [`Engine::save_async`] (not with [`hold_streams`](Self::hold_streams)): keep
+    /// the save's device bytes ready for a device snapshot. Device copies are then queued
+    /// at most 256 MiB ahead of their completion instead of all at once, and
+    /// [`SaveHandle::request_snapshot`] makes the staging thread copy every device byte
+    /// it has not queued yet into a transient device buffer (`cuMemAlloc`, freed with
+    /// `cuMemFree` once its host copies completed; its size is
+    /// [`StagedReport::snapshot_bytes`](crate::StagedReport)), after which
+    /// [`SaveHandle::hold_stream`] orders a stream after those device-to-device copies
+    /// only (and the copies queued before them), not after the whole device-to-host copy.
+    /// When the buffer cannot be allocated the save goes on without it (a warning is
+    /// logged) and `hold_stream` waits for every copy to be queued, as without this.
+    /// Without a request, `hold_stream` blocks until the last copies are queued (most of
+    /// the copy's time): this mode is for callers that request the snapshot.
+    pub fn snapshot_on_request(mut self) -> Self {
+        self.snapshot = true;
         self
     }
 
@@ -138,7 +157,7 @@ impl Engine {
         let sources = Sources::new(tensors);
         let state = self.begin(step, tensors, metadata)?;
         let jobs = self.jobs()?;
-        match stage_and_finish(&state, &sources, &opts.after, &jobs, false, &|| {}) {
+        match stage_and_finish(&state, &sources, &opts.after, &jobs, false, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
             Err(()) => Err(failed_save_error(state)),
         }
@@ -167,11 +186,12 @@ impl Engine {
         let sources = unsafe { Sources::new(tensors).into_static() };
         let state = self.begin(step, tensors, metadata)?;
         if !opts.hold {
-            return self.spawn_staging(state, sources, opts.after.clone(), Box::new(()), None);
+            let after = opts.after.clone();
+            return self.spawn_staging(state, sources, after, Box::new(()), None, opts.snapshot);
         }
         let (tx, rx) = crossbeam_channel::bounded::<()>(1);
-        let handle =
-            self.spawn_staging(state, sources, opts.after.clone(), Box::new(()), Some(tx))?;
+        let after = opts.after.clone();
+        let handle = self.spawn_staging(state, sources, after, Box::new(()), Some(tx), false)?;
         // Every copy queued and the streams holding (or staging ended: the sender dropped).
         let _ = rx.recv();
         Ok(handle)
@@ -203,13 +223,14 @@ impl Engine {
         let sources = unsafe { Sources::new(&views).into_static() };
         let state = self.begin(step, &views, metadata)?;
         drop(views);
-        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None)
+        self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None, false)
     }
 
     /// Stage `state` on a background thread, dropping `sources` and then `keep` (which may
     /// own the memory `sources` points to) once staging ended. With `queued`, the streams
     /// of `after` are held ([`SaveOptions::hold_streams`]) and `queued` is sent to once
-    /// every copy is queued (or dropped when staging ended without).
+    /// every copy is queued (or dropped when staging ended without). `snapshot`: see
+    /// [`SaveOptions::snapshot_on_request`].
     fn spawn_staging(
         &self,
         state: Arc<SaveState>,
@@ -217,6 +238,7 @@ impl Engine {
         after: Vec<(i32, After)>,
         keep: Box<dyn Send>,
         queued: Option<Sender<()>>,
+        snapshot: bool,
     ) -> Result<SaveHandle> {
         let jobs = self.jobs()?;
         let st = Arc::clone(&state);
@@ -230,7 +252,7 @@ impl Engine {
                         let _ = tx.send(());
                     }
                 };
-                let _ = stage_and_finish(&st, &sources, &after, &jobs, hold, &queued);
+                let _ = stage_and_finish(&st, &sources, &after, &jobs, hold, snapshot, &queued);
                 // Also when staging failed before every copy was queued: the caller waits.
                 queued();
                 drop(sources);
@@ -380,6 +402,7 @@ impl Engine {
                 .remote
                 .as_ref()
                 .map(|t| t.feed(n_chunks, cs, !cfg.remote_only)),
+            snapshot: crate::device::SnapshotRequest::default(),
         });
         let queued = self
             .commit_tx
@@ -421,6 +444,7 @@ pub(super) fn stage_and_finish(
     after: &[(i32, After)],
     jobs: &Sender<WriteJob>,
     hold: bool,
+    snapshot: bool,
     queued: &(dyn Fn() + Sync),
 ) -> std::result::Result<(), ()> {
     let step = state.step;
@@ -443,6 +467,7 @@ pub(super) fn stage_and_finish(
         dispatch: &dispatch,
         hold,
         queued: &queued,
+        snapshot: (snapshot && !hold).then_some(&state.snapshot),
     };
     let staged = if devices.is_empty() {
         host::stage_host(&state.shared.arena, &job, state.shared.cfg.copy_threads)
@@ -465,6 +490,7 @@ pub(super) fn stage_and_finish(
                 staging: state.started.elapsed(),
                 backpressure: state.slot_wait + waited,
                 registration,
+                snapshot_bytes: state.snapshot.bytes(),
             };
             tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
             state.staging_finished(Ok(report));

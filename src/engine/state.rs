@@ -77,6 +77,8 @@ pub(crate) struct SaveState {
     /// Its staged chunks, held for the upload (remote tier on).
     #[cfg(feature = "s3")]
     pub(super) feed: Option<Arc<crate::remote::feed::Feed>>,
+    /// Its device snapshot request (`SaveOptions::snapshot_on_request`).
+    pub(super) snapshot: crate::device::SnapshotRequest,
 }
 
 impl SaveState {

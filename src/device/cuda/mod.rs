@@ -2,8 +2,9 @@
 //!
 //! Every call checks its `CUresult`. Nothing here runs before [`init`] has checked that
 //! `libcuda` can be loaded: cudarc panics on a missing library, we return
-//! [`Error::Cuda`] instead. The engine allocates no device memory: [`DeviceBuffer`] and
-//! [`PinnedHost`] exist for benchmarks and tests.
+//! [`Error::Cuda`] instead. The engine allocates no device memory, except the transient
+//! buffer of the opt-in device snapshot ([`crate::SaveOptions::snapshot_on_request`],
+//! a [`DeviceBuffer`]); [`DeviceBuffer`] and [`PinnedHost`] also serve benchmarks and tests.
 #![allow(unsafe_code)]
 
 mod alloc;

@@ -103,6 +103,21 @@ impl Stream {
         )
     }
 
+    /// Queue a device-to-device copy.
+    ///
+    /// # Safety
+    /// - `src..src+len` is device memory of this stream's device, valid and unmodified
+    ///   until an event recorded after this copy has completed;
+    /// - `dst..dst+len` is device memory of this stream's device, not read or written by
+    ///   anyone else until then, and not overlapping `src..src+len`.
+    pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: the caller upholds the buffer contract above.
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw) },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
     /// Queue a host-to-device copy.
     ///
     /// # Safety

@@ -1,0 +1,54 @@
+"""The opt-in device snapshot of a guarded non-blocking save (``save(..., snapshot="device")``).
+
+A guarded non-blocking save of CUDA tensors copies them to the host while the trainer runs
+its next forward and backward; the guard makes the optimizer step wait (on the device) for
+those copies. With ``snapshot="device"`` the engine keeps most of the copy unqueued (at most
+256 MiB ahead of completion), and the guard, when the optimizer step starts, asks it to copy
+what is left device-to-device (at device-memory speed) into a transient buffer allocated
+with ``cuMemAlloc``, outside torch's caching allocator; the optimizer's kernels then wait for
+those device-to-device copies only, and the rest goes to the host from the buffer, which is
+freed with ``cuMemFree`` as soon as its host copies completed. Its size (the peak extra
+device memory of the save) is ``SaveHandle.snapshot_bytes`` and ``snapshot_bytes`` in the
+staging and save reports. The default (``snapshot=None``) allocates nothing on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+from .errors import ConfigError
+
+#: The values ``save(..., snapshot=...)`` accepts.
+MODES = (None, "none", "device")
+
+
+def device_mode(snapshot: Optional[str], blocking: bool, guarded: bool) -> bool:
+    """Whether ``snapshot`` asks for the device snapshot, after checking it: ``None`` or
+    ``"none"`` (default: no device memory) or ``"device"``, which needs a non-blocking save
+    (``blocking=False``) and a guarded optimizer (:meth:`Checkpointer.guard`: the guard is
+    what asks for the snapshot when the optimizer step starts)."""
+    if snapshot is not None and not isinstance(snapshot, str):
+        raise TypeError(f"snapshot must be None, 'none' or 'device', not {type(snapshot).__name__}")
+    if snapshot not in MODES:
+        raise ValueError(f"snapshot must be None, 'none' or 'device', not {snapshot!r}")
+    if snapshot != "device":
+        return False
+    if blocking:
+        raise ValueError("snapshot='device' applies to non-blocking saves (blocking=False)")
+    if not guarded:
+        raise ConfigError(
+            "snapshot='device' needs a guarded optimizer (Checkpointer.guard(optimizer)): "
+            "the guard takes the snapshot when the optimizer step starts"
+        )
+    return True
+
+
+def hold(rust: Any, snapshot: bool, streams: Sequence[Tuple[int, int]]) -> int:
+    """The guard's device wait for one save: with ``snapshot``, ask the engine for the
+    snapshot first, so the streams wait only for its device-to-device copies (and the few
+    device-to-host copies queued before it); then hold the streams. Returns the snapshot's
+    device bytes (0 without one)."""
+    if snapshot:
+        rust.request_snapshot()
+    rust.hold_streams(list(streams))
+    return int(rust.snapshot_bytes()) if snapshot else 0
