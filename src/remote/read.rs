@@ -12,8 +12,8 @@ use super::Remote;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::restore::header::{check_header_json, header_len};
-use crate::restore::{Checkpoint, Discard, ReadSink, for_pieces};
-use crate::tensor::{AlignedBytes, LoadedTensor};
+use crate::restore::{Checkpoint, DeviceRing, Discard, ReadSink, for_pieces};
+use crate::tensor::{AlignedBytes, DeviceSlice, LoadedTensor};
 
 /// What a read from the bucket did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +24,13 @@ pub struct RemoteLoad {
     pub bytes: u64,
     /// Time taken.
     pub elapsed: Duration,
+    /// Data bytes sent to the device through registered staging buffers (loads into
+    /// device memory; 0 for loads into host memory).
+    pub staged: u64,
+    /// Registered staging memory the load held (its two buffers; 0 for loads into host
+    /// memory): with `concurrency` ranged GETs of `part_size` in flight, the most host
+    /// memory a device load holds for data, never a copy of the whole object.
+    pub staging: u64,
 }
 
 /// Fills one owned buffer per tensor.
@@ -64,6 +71,8 @@ impl Remote {
             step,
             bytes,
             elapsed: t.elapsed(),
+            staged: 0,
+            staging: 0,
         };
         Ok((m, load))
     }
@@ -245,6 +254,8 @@ impl Remote {
                 step,
                 bytes,
                 elapsed: t.elapsed(),
+                staged: 0,
+                staging: 0,
             },
         ))
     }
@@ -280,6 +291,53 @@ impl Remote {
             step,
             bytes,
             elapsed: t.elapsed(),
+            staged: 0,
+            staging: 0,
+        })
+    }
+
+    /// Load `rank`'s tensors of committed step `step` into device memory by name (each
+    /// range exactly its tensor's size): the ranged GETs' bodies are copied into two of
+    /// `ring`'s CUDA-registered buffers and sent to the device from there
+    /// ([`DeviceRing::staged_sink`]), so no host copy of the whole object is made; every
+    /// CRC-32C is verified (a load that fails with [`Error::Checksum`] may have written
+    /// some bytes to the destinations).
+    ///
+    /// # Safety
+    /// Every range must be device memory of its device, valid for writes of its length and
+    /// not accessed by anyone else until this call returns.
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn load_into_device(
+        &self,
+        step: u64,
+        rank: u32,
+        ring: &DeviceRing,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<RemoteLoad> {
+        let t = Instant::now();
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
+        let order = crate::restore::match_destinations(entry, &named)?;
+        let ordered: Vec<Option<DeviceSlice<'_>>> =
+            order.iter().map(|&i| Some(dest[i].1)).collect();
+        // SAFETY: forwarded from this function's contract; the sink is dropped (its copies
+        // waited for) before this function returns.
+        let mut ring_sink = unsafe { ring.staged_sink(entry, ordered)? };
+        let (bytes, _) = self.read_entry(step, entry, &mut ring_sink.sink)?;
+        ring_sink.sink.finish()?;
+        Ok(RemoteLoad {
+            step,
+            bytes,
+            elapsed: t.elapsed(),
+            staged: ring_sink.sink.forwarded(),
+            staging: ring_sink.sink.staging_bytes(),
         })
     }
 
