@@ -54,6 +54,17 @@ impl Engine {
             .load_into(step, self.shared.cfg.rank, dest)
     }
 
+    /// The `__metadata__` of this rank's object of a step committed in the bucket, from
+    /// its header (checked against the manifest, as a load checks it).
+    pub fn remote_file_metadata(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<crate::manifest::Metadata> {
+        let step = self.resolve_remote(which.into())?;
+        self.remote_or_err()?
+            .file_metadata(step, self.shared.cfg.rank)
+    }
+
     /// [`Engine::load_remote`] into device ranges by name (each exactly its tensor's
     /// size): ranged GETs in parallel, each body copied into the engine's CUDA-registered
     /// device-read buffers (`EngineConfig::with_device_read`; two of them, one filled

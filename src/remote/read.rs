@@ -106,6 +106,51 @@ impl Remote {
         Ok(())
     }
 
+    /// Check `key`'s size and read its header, checked against `entry`; returns the
+    /// header's `__metadata__`.
+    async fn read_header(
+        &self,
+        key: &object_store::path::Path,
+        entry: &FileEntry,
+    ) -> Result<Metadata> {
+        let path: PathBuf = self.display(key);
+        self.check_size(key, entry).await?;
+        // The header: its length, then its JSON, against the manifest.
+        let get = |r: std::ops::Range<u64>| async move { self.store.get_range(key, r).await };
+        let n8 = get(0..8).await.map_err(|e| self.err("get", &e))?;
+        let n8: [u8; 8] = n8[..]
+            .try_into()
+            .map_err(|_| Error::corrupt(&path, None, "short read of the header length"))?;
+        let n = header_len(n8, &path, entry)?;
+        let hdr = get(8..entry.data_start)
+            .await
+            .map_err(|e| self.err("get", &e))?;
+        if hdr.len() as u64 != n {
+            return Err(Error::corrupt(&path, None, "short read of the header"));
+        }
+        let header = check_header_json(&hdr, &path, entry)?;
+        let file_meta: Metadata = header
+            .metadata()
+            .as_ref()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        Ok(file_meta)
+    }
+
+    /// The `__metadata__` of `rank`'s object of committed step `step`, from its header
+    /// (the object's size and header checked against the manifest).
+    pub fn file_metadata(&self, step: u64, rank: u32) -> Result<Metadata> {
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        self.block(self.read_header(&self.key(step, &entry.file), entry))
+    }
+
     /// Read one rank's object; returns its bytes and its header's `__metadata__`.
     fn read_entry(
         &self,
@@ -117,29 +162,7 @@ impl Remote {
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
         self.block(async {
-            self.check_size(&key, entry).await?;
-            // The header: its length, then its JSON, against the manifest.
-            let get = |r: std::ops::Range<u64>| {
-                let key = &key;
-                async move { self.store.get_range(key, r).await }
-            };
-            let n8 = get(0..8).await.map_err(|e| self.err("get", &e))?;
-            let n8: [u8; 8] = n8[..]
-                .try_into()
-                .map_err(|_| Error::corrupt(&path, None, "short read of the header length"))?;
-            let n = header_len(n8, &path, entry)?;
-            let hdr = get(8..entry.data_start)
-                .await
-                .map_err(|e| self.err("get", &e))?;
-            if hdr.len() as u64 != n {
-                return Err(Error::corrupt(&path, None, "short read of the header"));
-            }
-            let header = check_header_json(&hdr, &path, entry)?;
-            let file_meta: Metadata = header
-                .metadata()
-                .as_ref()
-                .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-                .unwrap_or_default();
+            let file_meta = self.read_header(&key, entry).await?;
             // The data section, in order, `concurrency` ranges in flight.
             let data_len = entry.bytes - entry.data_start;
             let ranges: Vec<_> = (0..data_len.div_ceil(part))
