@@ -905,7 +905,7 @@ class Checkpointer:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
-        elif where != "remote":
+        elif where != "remote" and dev is not None:
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             dest = []
