@@ -550,3 +550,93 @@ fn gpu_snapshot_on_request_keeps_the_values_and_gives_its_memory_back() {
     bufs[0].download(&mut host).unwrap();
     assert!(host.iter().all(|&b| b == 0xA5), "the trainer's writes ran");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
+fn gpu_load_from_the_bucket_goes_through_two_registered_buffers() {
+    let Some(ctx) = common::gpu() else { return };
+    // ~40 MiB in tensors of odd sizes (one empty) through two 4 MiB registered buffers
+    // and 5 MiB ranged GETs: ranges, buffers and tensors all straddle each other.
+    let sizes: [usize; 5] = [17 << 20, 3, 0, (9 << 20) + 5, (14 << 20) + 4093];
+    let host: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let mut v = vec![0u8; n];
+            synthetic::fill_parallel(&mut v, k as u64, 0xb0c4e7, 8);
+            v
+        })
+        .collect();
+    let names: Vec<String> = (0..sizes.len()).map(|k| format!("t{k}")).collect();
+    let dir = common::gpu_test_dir("gpu-remote");
+    let engine = shmckpt::testing::remote::with_memory_bucket(
+        EngineConfig::new(dir.path())
+            .with_staging_capacity(64 << 20)
+            .with_device_read(4 << 20, 2),
+        "run",
+        5 << 20,
+    )
+    .build()
+    .unwrap();
+    let tensors: Vec<Tensor<'_>> = names
+        .iter()
+        .zip(&host)
+        .map(|(n, d)| Tensor::host(n.as_str(), Dtype::U8, vec![d.len()], d))
+        .collect();
+    let h = engine.save(2, &tensors, &Metadata::new()).unwrap();
+    let progress = h.remote().unwrap();
+    h.wait().unwrap();
+    progress.wait().unwrap();
+    // Not on disk any more: the device load falls back to the bucket.
+    std::fs::remove_dir_all(dir.path().join("step-2")).unwrap();
+    let mut fresh: Vec<DeviceBuffer> = sizes
+        .iter()
+        .map(|&n| {
+            let mut b = DeviceBuffer::alloc(&ctx, n).unwrap();
+            b.memset(0x11).unwrap();
+            b
+        })
+        .collect();
+    {
+        let mut dest: Vec<(&str, &mut DeviceBuffer)> = names
+            .iter()
+            .map(String::as_str)
+            .zip(fresh.iter_mut())
+            .collect();
+        let report = engine
+            .load_into_device_with_report(StepSel::Latest, &mut dest)
+            .unwrap();
+        assert_eq!(report.step, 2);
+        assert_eq!(report.source, shmckpt::LoadSource::Remote);
+    }
+    for (k, b) in fresh.iter().enumerate() {
+        let mut got = vec![0u8; sizes[k]];
+        b.download(&mut got).unwrap();
+        assert!(
+            got == host[k],
+            "tensor t{k} differs after the load from the bucket"
+        );
+    }
+    // What went through the registered buffers: every data byte, from 8 MiB of staging.
+    for b in &mut fresh {
+        b.memset(0x22).unwrap();
+    }
+    let slices: Vec<(&str, shmckpt::DeviceSlice<'_>)> = names
+        .iter()
+        .map(String::as_str)
+        .zip(fresh.iter().map(|b| b.slice()))
+        .collect();
+    // SAFETY: each slice is a whole buffer of `fresh`, which nothing else uses until the
+    // call returns.
+    #[allow(unsafe_code)]
+    let load = unsafe { engine.load_into_device_remote_raw(2, &slices) }.unwrap();
+    let data: u64 = sizes.iter().map(|&n| n as u64).sum();
+    assert_eq!(load.staged, data);
+    assert_eq!(load.staging, 8 << 20);
+    for (k, b) in fresh.iter().enumerate() {
+        let mut got = vec![0u8; sizes[k]];
+        b.download(&mut got).unwrap();
+        assert!(got == host[k], "tensor t{k} differs after the second load");
+    }
+    engine.close();
+}

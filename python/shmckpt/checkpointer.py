@@ -880,8 +880,9 @@ class Checkpointer:
 
         ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
         copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
-        the file is read. Checkpoints not written by this package come back as a flat dict
-        of tensors. Every CRC-32C is verified.
+        the file is read (from the bucket: each ranged GET's body through CUDA-registered
+        staging buffers, no host copy of the file). Checkpoints not written by this package
+        come back as a flat dict of tensors. Every CRC-32C is verified.
 
         ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
         local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
@@ -898,31 +899,27 @@ class Checkpointer:
                 dev = None
             elif dev is not None and dev.type != "cuda":
                 raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
-        if where == "remote":
+        objs: Dict[str, Any] = {}
+        if where == "remote" and dev is not None:
+            # Bucket -> registered staging buffers -> device (no host copy of the file).
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            objs, tree, entry = _remote.load_to_device(self, s, dev)
+        elif where == "remote":
             # Read into host buffers (checked); the skeleton is the rank file's header's.
             _, _, file_meta, tensors = self._engine.load_remote(s)
             tree = _remote.skeleton(self, s, file_meta)
             entry = _remote.entry_of(tensors)
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
         else:
             _, entry = self._rank_entry(s)
             tree = self._skeleton(s, entry)
-        objs: Dict[str, Any] = {}
-        if where == "remote":
-            # Copied to the device if asked.
-            for name, dtype, shape, buf in tensors:
-                objs[name] = (dtype, shape, buf)
-            if dev is not None:
-                for name, (dtype, shape, buf) in list(objs.items()):
-                    tdt = _state.ST_TO_TORCH.get(dtype)
-                    if tdt is None:
-                        raise DestinationError(f"tensor {name!r}: dtype {dtype} has no torch dtype")
-                    u8 = torch.from_numpy(np.asarray(buf)) if len(buf) else torch.empty(0, dtype=torch.uint8)
-                    objs[name] = u8.view(tdt).reshape(shape).to(dev)
-        elif dev is None:
+        if where != "remote" and dev is None:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
-        else:
+        elif where != "remote" and dev is not None:
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             dest = []
@@ -1009,15 +1006,15 @@ class Checkpointer:
         ``strict=False`` missing and unexpected keys are reported in the result instead. Plain values of ``target`` are
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
         through the staging memory with no host copy of your own. A step the local disk
-        does not hold is read from the bucket (``remote=...``) into host memory, checked,
-        then copied into the destinations.
+        does not hold is read from the bucket (``remote=...``): into CUDA destinations
+        through CUDA-registered staging buffers (no host copy of the file), else into host
+        memory, checked, then copied into the destinations.
         """
         s, where = _remote.resolve(self, _step_sel(step), None)
         if where == "remote":
-            # Read (and checked) first; copied into the destinations after the planning.
-            _, _, file_meta, remote_tensors = self._engine.load_remote(s)
-            tree = _remote.skeleton(self, s, file_meta)
-            entry = _remote.entry_of(remote_tensors)
+            # The manifest's entry and the header's skeleton; the data after the planning.
+            entry = _remote.rank_entry(self, s)
+            tree = _remote.skeleton(self, s, self._engine.remote_file_metadata(s))
         else:
             _, entry = self._rank_entry(s)
             tree = self._skeleton(s, entry)
@@ -1086,13 +1083,22 @@ class Checkpointer:
                 f"cannot load step {s} of {self.root} into the given state "
                 f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
-        if where == "remote":
+        on_cuda = any(
+            torch is not None and isinstance(d, torch.Tensor) and d.device.type == "cuda"
+            for dests in plan.values()
+            for _, d in dests
+        )
+        if where == "remote" and not on_cuda:
+            _, _, _, remote_tensors = self._engine.load_remote(s)
             _remote.copy_into(remote_tensors, plan)
         else:
-            self._read_into(s, entry, plan)
+            # (CUDA destinations from the bucket: through the registered staging buffers.)
+            self._read_into(s, entry, plan, remote=where == "remote")
         return LoadResult(s, missing, unexpected)
 
-    def _read_into(self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]]) -> None:
+    def _read_into(
+        self, s: int, entry: Dict[str, Any], plan: Dict[str, List[Tuple[Any, Any]]], remote: bool = False
+    ) -> None:
         cuda_dev = None
         for dests in plan.values():
             for _, d in dests:
@@ -1171,7 +1177,10 @@ class Checkpointer:
                 nb = d.numel() * d.element_size()
                 device_dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
             torch.cuda.current_stream(cuda_dev).synchronize()
-            self._engine.load_into_device(s, device_dest)
+            if remote:
+                _remote.read_into_device(self, s, device_dest)
+            else:
+                self._engine.load_into_device(s, device_dest)
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):

@@ -17,6 +17,7 @@ made with ``tempfile.mkdtemp`` (``TMPDIR``) and removed by ``close``.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -24,12 +25,24 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _state
-from .errors import ConfigError, CorruptError, NotFound
+from .errors import ConfigError, CorruptError, DestinationError, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
-__all__ = ["SOURCES", "shared_session", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
+__all__ = [
+    "SOURCES",
+    "shared_session",
+    "resolve",
+    "skeleton",
+    "entry_of",
+    "copy_into",
+    "scratch_for",
+    "remove_scratch",
+    "rank_entry",
+    "load_to_device",
+    "read_into_device",
+]
 
 #: Accepted values of ``Checkpointer.load(..., source=...)``: ``None`` picks (memory, then
 #: the local disk, then the bucket), ``"local"`` reads memory or disk only, ``"remote"``
@@ -83,6 +96,49 @@ def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Option
         raise CorruptError(
             f"{ck.remote}/step-{step}: malformed {_state.STATE_KEY} metadata: {e}"
         ) from None
+
+
+def rank_entry(ck: "Checkpointer", step: int) -> Dict[str, Any]:
+    """This rank's file entry (names, dtypes, shapes, in file order) of ``step``'s manifest
+    in the bucket (parsed and checked by the engine)."""
+    m = json.loads(ck._engine.remote_manifest(step))
+    for f in m["files"]:
+        if f["rank"] == ck.rank:
+            return dict(f)
+    raise NotFound(f"{ck.remote}/step-{step} has no file of rank {ck.rank}")
+
+
+def read_into_device(ck: "Checkpointer", step: int, dest: Sequence[Tuple[str, int, int, int]]) -> None:
+    """Read ``step`` from the bucket into device ranges ``(name, pointer, nbytes,
+    device)`` (every tensor of this rank's file, each exactly its size): ranged GETs in
+    parallel, each body copied into the engine's CUDA-registered staging buffers and sent
+    to the device from there (no host copy of the file), every CRC-32C verified. The
+    caller synchronized the destinations' streams."""
+    ck._engine.load_into_device_remote(step, list(dest))
+
+
+def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
+    """``Checkpointer.load(step, map_location=dev)`` from the bucket: new tensors on CUDA
+    device ``dev`` (an index set), filled by :func:`read_into_device`. Returns ``(tensors
+    by name, the skeleton or None, this rank's file entry)``."""
+    import torch
+
+    entry = rank_entry(ck, step)
+    tree = skeleton(ck, step, ck._engine.remote_file_metadata(step))
+    objs: Dict[str, Any] = {}
+    for t in entry["tensors"]:
+        tdt = _state.ST_TO_TORCH.get(t["dtype"])
+        if tdt is None:
+            raise DestinationError(f"tensor {t['name']!r}: dtype {t['dtype']} has no torch dtype")
+        objs[t["name"]] = torch.empty(t["shape"], dtype=tdt, device=dev)
+    # The memory may come from blocks freed by work still queued on this stream.
+    torch.cuda.current_stream(dev).synchronize()
+    dest = []
+    for n, x in objs.items():
+        nb = x.numel() * x.element_size()
+        dest.append((n, int(x.data_ptr()) if nb else 0, nb, dev.index))
+    read_into_device(ck, step, dest)
+    return objs, tree, entry
 
 
 def scratch_for(root: str, remote: Optional[str]) -> Tuple[Optional[str], str, bool]:

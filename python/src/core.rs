@@ -526,6 +526,36 @@ pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
     engine.load_remote(sel(step)).map(|(ck, _)| ck)
 }
 
+/// Load this rank's tensors of a step of the engine's bucket into device memory given as
+/// `(name, device pointer, length, device)`, through the engine's registered device-read
+/// buffers (no host copy of the object).
+///
+/// # Safety
+/// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid for
+/// writes and not accessed by anyone else during the call.
+pub unsafe fn load_into_device_remote(
+    engine: &Engine,
+    step: Option<u64>,
+    dest: &[(String, u64, usize, i32)],
+) -> Result<shmckpt::remote::RemoteLoad> {
+    let slices: Vec<(&str, DeviceSlice)> = dest
+        .iter()
+        // SAFETY: forwarded from this function's contract.
+        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
+        .collect();
+    // SAFETY: forwarded from this function's contract.
+    unsafe { engine.load_into_device_remote_raw(sel(step), &slices) }
+}
+
+/// This rank's file metadata of a step of the engine's bucket (its header checked against
+/// the manifest).
+pub fn remote_file_metadata(
+    engine: &Engine,
+    step: u64,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    engine.remote_file_metadata(step)
+}
+
 /// A manifest of the engine's bucket, as JSON.
 pub fn remote_manifest_json(engine: &Engine, step: u64) -> Result<String> {
     let r = engine.remote().ok_or_else(|| {

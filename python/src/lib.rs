@@ -88,6 +88,8 @@ struct PyEngine {
     closing: Mutex<()>,
     /// Which path served the last load (`"disk"` or `"memory"`) and why memory could not.
     last_load: Mutex<Option<core::Served>>,
+    /// What the last device load from the bucket did.
+    last_remote_device_load: Mutex<Option<remote::DeviceLoaded>>,
 }
 
 impl PyEngine {
@@ -266,6 +268,7 @@ impl PyEngine {
             auto_staging,
             closing: Mutex::new(()),
             last_load: Mutex::new(None),
+            last_remote_device_load: Mutex::new(None),
         })
     }
 
@@ -425,6 +428,37 @@ impl PyEngine {
     #[pyo3(signature = (step=None))]
     fn load_remote(&self, py: Python<'_>, step: Option<u64>) -> PyResult<remote::Loaded> {
         remote::load_remote(self, py, step)
+    }
+
+    /// Load this rank's tensors of a step in the bucket into device memory (`dest` as
+    /// `load_into_device`), through registered staging buffers (no host copy of the
+    /// object). The caller makes sure no queued device work uses the memory. Returns
+    /// `(step, bytes, staged, staging, seconds)`.
+    #[pyo3(signature = (step, dest))]
+    fn load_into_device_remote(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+        dest: Vec<(String, u64, usize, i32)>,
+    ) -> PyResult<remote::DeviceLoaded> {
+        remote::load_into_device_remote(self, py, step, dest)
+    }
+
+    /// What the last `load_into_device_remote` of this engine did: `(step, bytes, staged,
+    /// staging, seconds)` (`staged`: data bytes that went to the device through the
+    /// registered staging buffers; `staging`: the bytes of those buffers), `None` before
+    /// the first.
+    fn last_remote_device_load(&self) -> Option<remote::DeviceLoaded> {
+        *lock(&self.last_remote_device_load)
+    }
+
+    /// This rank's file metadata of a step committed in the bucket (its header checked).
+    fn remote_file_metadata(
+        &self,
+        py: Python<'_>,
+        step: u64,
+    ) -> PyResult<BTreeMap<String, String>> {
+        remote::remote_file_metadata(self, py, step)
     }
 
     /// The manifest (JSON) of a step committed in the bucket.

@@ -1,5 +1,6 @@
 //! The remote tier's side of the extension: the bodies of `Engine.list_remote`,
-//! `Engine.load_remote` and `Engine.remote_manifest` (`SaveHandle.wait_remote` is in
+//! `Engine.load_remote`, `Engine.load_into_device_remote`, `Engine.remote_file_metadata` and
+//! `Engine.remote_manifest` (`SaveHandle.wait_remote` is in
 //! `handle.rs`).
 
 use std::collections::BTreeMap;
@@ -34,5 +35,45 @@ pub(crate) fn load_remote(e: &PyEngine, py: Python<'_>, step: Option<u64>) -> Py
 pub(crate) fn remote_manifest(e: &PyEngine, py: Python<'_>, step: u64) -> PyResult<String> {
     let engine = e.get()?;
     py.detach(|| core::remote_manifest_json(&engine, step))
+        .map_err(|err| to_py(py, err))
+}
+
+/// What `Engine.load_into_device_remote` returns: `(step, bytes, staged, staging,
+/// seconds)`.
+pub(crate) type DeviceLoaded = (u64, u64, u64, u64, f64);
+
+pub(crate) fn load_into_device_remote(
+    e: &PyEngine,
+    py: Python<'_>,
+    step: Option<u64>,
+    dest: Vec<(String, u64, usize, i32)>,
+) -> PyResult<DeviceLoaded> {
+    let engine = e.get()?;
+    let got = py
+        .detach(|| {
+            // SAFETY: the Python caller holds the destination tensors for the whole call,
+            // synchronized their streams before the call and does not use them meanwhile.
+            unsafe { core::load_into_device_remote(&engine, step, &dest) }
+        })
+        .map_err(|err| to_py(py, err))?;
+    *lock(&e.last_load) = Some(("remote", None));
+    let r = (
+        got.step,
+        got.bytes,
+        got.staged,
+        got.staging,
+        got.elapsed.as_secs_f64(),
+    );
+    *lock(&e.last_remote_device_load) = Some(r);
+    Ok(r)
+}
+
+pub(crate) fn remote_file_metadata(
+    e: &PyEngine,
+    py: Python<'_>,
+    step: u64,
+) -> PyResult<BTreeMap<String, String>> {
+    let engine = e.get()?;
+    py.detach(|| core::remote_file_metadata(&engine, step))
         .map_err(|err| to_py(py, err))
 }

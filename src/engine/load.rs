@@ -242,7 +242,24 @@ impl Engine {
         which: impl Into<StepSel>,
         dest: &[(&str, DeviceSlice<'_>)],
     ) -> Result<LoadReport> {
-        let info = self.resolve(which.into())?;
+        let which = which.into();
+        let info = match self.resolve(which) {
+            Ok(info) => info,
+            // Not on disk: from the bucket, with a remote tier (through registered
+            // buffers, no host copy of the file).
+            #[cfg(feature = "s3")]
+            Err(e @ Error::NotFound { .. }) if self.remote().is_some() => {
+                // SAFETY: forwarded from this function's contract.
+                let got = unsafe { self.load_into_device_remote_raw(which, dest)? };
+                return Ok(LoadReport {
+                    step: got.step,
+                    source: LoadSource::Remote,
+                    fallback_reason: Some(e.to_string()),
+                    disk_problem: None,
+                });
+            }
+            Err(e) => return Err(e),
+        };
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = restore::match_destinations(&entry, &named)?;

@@ -7,6 +7,7 @@ use super::{Engine, LoadReport, LoadSource, StepSel};
 use crate::error::{Error, Result};
 use crate::remote::{Remote, RemoteLoad};
 use crate::restore::Checkpoint;
+use crate::tensor::DeviceSlice;
 
 impl Engine {
     /// The bucket of the remote tier, if the engine has one.
@@ -51,6 +52,40 @@ impl Engine {
         let step = self.resolve_remote(which.into())?;
         self.remote_or_err()?
             .load_into(step, self.shared.cfg.rank, dest)
+    }
+
+    /// The `__metadata__` of this rank's object of a step committed in the bucket, from
+    /// its header (checked against the manifest, as a load checks it).
+    pub fn remote_file_metadata(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<crate::manifest::Metadata> {
+        let step = self.resolve_remote(which.into())?;
+        self.remote_or_err()?
+            .file_metadata(step, self.shared.cfg.rank)
+    }
+
+    /// [`Engine::load_remote`] into device ranges by name (each exactly its tensor's
+    /// size): ranged GETs in parallel, each body copied into the engine's CUDA-registered
+    /// device-read buffers (`EngineConfig::with_device_read`; two of them, one filled
+    /// while the other is copied to the device), every checksum verified on the host. No
+    /// host copy of the whole object is made ([`RemoteLoad::staged`] and
+    /// [`RemoteLoad::staging`] say what went through the registered buffers).
+    ///
+    /// # Safety
+    /// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid
+    /// for writes of its length and not accessed by anyone else until this call returns.
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_remote_raw(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<RemoteLoad> {
+        let step = self.resolve_remote(which.into())?;
+        let remote = self.remote_or_err()?;
+        let ring = self.device_ring()?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { remote.load_into_device(step, self.shared.cfg.rank, &ring, dest) }
     }
 
     /// The load fallback: a step the disk does not hold, from the bucket.

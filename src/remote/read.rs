@@ -12,8 +12,8 @@ use super::Remote;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::restore::header::{check_header_json, header_len};
-use crate::restore::{Checkpoint, Discard, ReadSink, for_pieces};
-use crate::tensor::{AlignedBytes, LoadedTensor};
+use crate::restore::{Checkpoint, DeviceRing, Discard, ReadSink, for_pieces};
+use crate::tensor::{AlignedBytes, DeviceSlice, LoadedTensor};
 
 /// What a read from the bucket did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +24,13 @@ pub struct RemoteLoad {
     pub bytes: u64,
     /// Time taken.
     pub elapsed: Duration,
+    /// Data bytes sent to the device through registered staging buffers (loads into
+    /// device memory; 0 for loads into host memory).
+    pub staged: u64,
+    /// Registered staging memory the load held (its two buffers; 0 for loads into host
+    /// memory): with `concurrency` ranged GETs of `part_size` in flight, the most host
+    /// memory a device load holds for data, never a copy of the whole object.
+    pub staging: u64,
 }
 
 /// Fills one owned buffer per tensor.
@@ -64,6 +71,8 @@ impl Remote {
             step,
             bytes,
             elapsed: t.elapsed(),
+            staged: 0,
+            staging: 0,
         };
         Ok((m, load))
     }
@@ -97,6 +106,51 @@ impl Remote {
         Ok(())
     }
 
+    /// Check `key`'s size and read its header, checked against `entry`; returns the
+    /// header's `__metadata__`.
+    async fn read_header(
+        &self,
+        key: &object_store::path::Path,
+        entry: &FileEntry,
+    ) -> Result<Metadata> {
+        let path: PathBuf = self.display(key);
+        self.check_size(key, entry).await?;
+        // The header: its length, then its JSON, against the manifest.
+        let get = |r: std::ops::Range<u64>| async move { self.store.get_range(key, r).await };
+        let n8 = get(0..8).await.map_err(|e| self.err("get", &e))?;
+        let n8: [u8; 8] = n8[..]
+            .try_into()
+            .map_err(|_| Error::corrupt(&path, None, "short read of the header length"))?;
+        let n = header_len(n8, &path, entry)?;
+        let hdr = get(8..entry.data_start)
+            .await
+            .map_err(|e| self.err("get", &e))?;
+        if hdr.len() as u64 != n {
+            return Err(Error::corrupt(&path, None, "short read of the header"));
+        }
+        let header = check_header_json(&hdr, &path, entry)?;
+        let file_meta: Metadata = header
+            .metadata()
+            .as_ref()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        Ok(file_meta)
+    }
+
+    /// The `__metadata__` of `rank`'s object of committed step `step`, from its header
+    /// (the object's size and header checked against the manifest).
+    pub fn file_metadata(&self, step: u64, rank: u32) -> Result<Metadata> {
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        self.block(self.read_header(&self.key(step, &entry.file), entry))
+    }
+
     /// Read one rank's object; returns its bytes and its header's `__metadata__`.
     fn read_entry(
         &self,
@@ -108,29 +162,7 @@ impl Remote {
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
         self.block(async {
-            self.check_size(&key, entry).await?;
-            // The header: its length, then its JSON, against the manifest.
-            let get = |r: std::ops::Range<u64>| {
-                let key = &key;
-                async move { self.store.get_range(key, r).await }
-            };
-            let n8 = get(0..8).await.map_err(|e| self.err("get", &e))?;
-            let n8: [u8; 8] = n8[..]
-                .try_into()
-                .map_err(|_| Error::corrupt(&path, None, "short read of the header length"))?;
-            let n = header_len(n8, &path, entry)?;
-            let hdr = get(8..entry.data_start)
-                .await
-                .map_err(|e| self.err("get", &e))?;
-            if hdr.len() as u64 != n {
-                return Err(Error::corrupt(&path, None, "short read of the header"));
-            }
-            let header = check_header_json(&hdr, &path, entry)?;
-            let file_meta: Metadata = header
-                .metadata()
-                .as_ref()
-                .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-                .unwrap_or_default();
+            let file_meta = self.read_header(&key, entry).await?;
             // The data section, in order, `concurrency` ranges in flight.
             let data_len = entry.bytes - entry.data_start;
             let ranges: Vec<_> = (0..data_len.div_ceil(part))
@@ -245,6 +277,8 @@ impl Remote {
                 step,
                 bytes,
                 elapsed: t.elapsed(),
+                staged: 0,
+                staging: 0,
             },
         ))
     }
@@ -280,6 +314,53 @@ impl Remote {
             step,
             bytes,
             elapsed: t.elapsed(),
+            staged: 0,
+            staging: 0,
+        })
+    }
+
+    /// Load `rank`'s tensors of committed step `step` into device memory by name (each
+    /// range exactly its tensor's size): the ranged GETs' bodies are copied into two of
+    /// `ring`'s CUDA-registered buffers and sent to the device from there
+    /// ([`DeviceRing::staged_sink`]), so no host copy of the whole object is made; every
+    /// CRC-32C is verified (a load that fails with [`Error::Checksum`] may have written
+    /// some bytes to the destinations).
+    ///
+    /// # Safety
+    /// Every range must be device memory of its device, valid for writes of its length and
+    /// not accessed by anyone else until this call returns.
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn load_into_device(
+        &self,
+        step: u64,
+        rank: u32,
+        ring: &DeviceRing,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<RemoteLoad> {
+        let t = Instant::now();
+        let m = self.manifest(step)?;
+        let entry = m.file_of_rank(rank).ok_or_else(|| {
+            Error::corrupt(
+                self.display(&self.key(step, crate::manifest::MANIFEST)),
+                None,
+                format!("no file for rank {rank}"),
+            )
+        })?;
+        let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
+        let order = crate::restore::match_destinations(entry, &named)?;
+        let ordered: Vec<Option<DeviceSlice<'_>>> =
+            order.iter().map(|&i| Some(dest[i].1)).collect();
+        // SAFETY: forwarded from this function's contract; the sink is dropped (its copies
+        // waited for) before this function returns.
+        let mut ring_sink = unsafe { ring.staged_sink(entry, ordered)? };
+        let (bytes, _) = self.read_entry(step, entry, &mut ring_sink.sink)?;
+        ring_sink.sink.finish()?;
+        Ok(RemoteLoad {
+            step,
+            bytes,
+            elapsed: t.elapsed(),
+            staged: ring_sink.sink.forwarded(),
+            staging: ring_sink.sink.staging_bytes(),
         })
     }
 

@@ -683,3 +683,38 @@ fn calls_from_inside_a_tokio_runtime_are_an_error_not_a_panic() {
     }
     assert_eq!(r.list().unwrap(), Vec::<u64>::new());
 }
+
+#[test]
+fn a_bucket_load_through_two_staging_chunks_gives_exact_bytes_in_file_order() {
+    use crate::restore::sink::Staged;
+    use crate::restore::sink::tests::{ByRef, Checked, assert_from_chunks, chunks};
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    let engine = small(dir.path(), mem.clone()).build().unwrap();
+    let s = state(11);
+    let h = engine.save(3, &tensors(&s), &Metadata::new()).unwrap();
+    let progress = h.remote().unwrap();
+    h.wait().unwrap();
+    progress.wait().unwrap();
+    let remote = engine.remote().unwrap();
+    let entry = remote.manifest(3).unwrap().files[0].clone();
+    let lens: Vec<usize> = entry.tensors.iter().map(|t| t.len() as usize).collect();
+    // 5 MiB ranged GETs through two 1 MiB + 4 KiB chunks (ranges and tensors straddle
+    // chunks).
+    let ch = chunks((1 << 20) + 4096);
+    let ranges: Vec<(usize, usize)> = ch.iter().map(|c| (c.as_ptr() as usize, c.len())).collect();
+    let mut c = Checked::new(&lens);
+    let mut sink = Staged::new(ByRef(&mut c), ch).unwrap();
+    let (_, load) = remote.read_rank(3, 0, &mut sink).unwrap();
+    sink.finish().unwrap();
+    let data_len: u64 = lens.iter().map(|&n| n as u64).sum();
+    assert_eq!(sink.forwarded(), data_len);
+    assert_eq!(load.bytes, entry.bytes);
+    assert_eq!((load.staged, load.staging), (0, 0));
+    drop(sink);
+    assert_from_chunks(&c, &ranges);
+    for (got, (name, d, _)) in c.out.iter().zip(&s) {
+        assert_eq!(got, d, "tensor {name}");
+    }
+    engine.close();
+}
