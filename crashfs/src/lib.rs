@@ -791,7 +791,16 @@ impl Mounted {
         if let Some(s) = self.session.take()
             && let Err(e) = s.umount_and_join()
         {
-            eprintln!("crashfs: unmounting {}: {e}", self.mountpoint.display());
+            // Busy (a dying process's files not yet released): detach it lazily, so that
+            // no dead mount stays under the next one.
+            eprintln!(
+                "crashfs: unmounting {}: {e}; detaching it",
+                self.mountpoint.display()
+            );
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.mountpoint)
+                .status();
         }
     }
 }

@@ -25,6 +25,7 @@ def state(step: int, rank: int) -> dict:
 
 
 def open_ck(root: str, rank: int, world: int) -> shmckpt.Checkpointer:
+    """Rank `rank`'s checkpointer (retention, recovery on open, small chunks)."""
     return shmckpt.Checkpointer(
         root,
         rank=rank,
@@ -37,6 +38,7 @@ def open_ck(root: str, rank: int, world: int) -> shmckpt.Checkpointer:
 
 
 def arrive(where: str, rank: int) -> None:
+    """Mark rank `rank` as past its open."""
     open(os.path.join(where, f"open-{rank}"), "w").close()
 
 
@@ -74,6 +76,7 @@ def save(root: str, rank: int, world: int, steps: int, where: str) -> None:
 
 
 def same(ck: shmckpt.Checkpointer, step: object, want: dict) -> bool:
+    """Whether `step` loads as exactly `want` (same names, dtypes, shapes and values)."""
     got = ck.load(step)
     return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -92,7 +95,10 @@ def restart(root: str, world: int, nxt: int, cli: str) -> dict:
     out["leftovers"] = sorted(n for n in os.listdir(root) if n.endswith((".partial", ".trash")))
     for ck in cks:
         ck.close()
-    run = lambda *a: subprocess.run([cli, *a], capture_output=True, text=True, timeout=120)  # noqa: E731
+
+    def run(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cli, *a], capture_output=True, text=True, timeout=120)
+
     v = run("verify", root, "--all") if out["list"] else None
     out["verify"] = None if v is None else [v.returncode, v.stdout + v.stderr]
     g = run("gc", root, "--keep", str(KEEP))

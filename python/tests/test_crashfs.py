@@ -74,6 +74,7 @@ class Fs:
     """A running crashfs serving `image` at `mnt`."""
 
     def __init__(self, mnt: pathlib.Path, image: pathlib.Path, cut_at: Optional[int] = None):
+        self.mnt = mnt
         args = [str(crashfs_bin()), str(mnt), str(image)]
         if cut_at is not None:
             args += ["--cut-at", str(cut_at)]
@@ -91,8 +92,9 @@ class Fs:
 
     def stop(self) -> Tuple[int, bool]:
         """Unmount: the image keeps what survives. Returns (mutations, whether cut)."""
-        out, _ = self.p.communicate("stop\n", timeout=60)
+        out, _ = self.p.communicate("stop\n", timeout=300)
         assert self.p.returncode == 0, out
+        assert not os.path.ismount(self.mnt), f"{self.mnt} is still mounted after stop"
         words = out.split()
         assert words[0] == "mutations" and words[2] == "cut", out
         return int(words[1]), words[3] == "true"
@@ -190,6 +192,7 @@ def test_two_python_ranks_survive_power_cuts_through_fuse(fuse_ok: None, tmp_pat
             fs.kill(mnt)
             raise
         _, cut = fs.stop()
+        assert cut or all(e == "done" for e in ends.values()), ("a rank failed with the power on", ends)
         cuts += cut
         commits += len(reported)
         check(restart(mnt, image), reported, f"iteration {i}: cut at request {n} of {total}, ranks ended {ends}")
