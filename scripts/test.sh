@@ -41,9 +41,10 @@ export SHMCKPT_MOTO_PYTHON="$py"
 
 echo "== cargo test --all-features (after the venv: the S3 tests start moto from it)"
 cargo test --all-features
-# The recovery test of the Python suite runs the command line.
-cargo build --bin shmckpt
-export SHMCKPT_BIN="$repo/target/debug/shmckpt"
+# The recovery test of the Python suite runs the command line; the power-cut test
+# (python/tests/test_crashfs.py) the crashfs FUSE server (crashfs/).
+cargo build --bin shmckpt --bin crashfs
+export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
 
 echo "== pip install ./python"
 # maturin is in the venv: build without an isolated build environment (no download).

@@ -15,6 +15,7 @@ mod no_gpu;
 mod odd_names;
 mod recovery;
 mod remote;
+mod remote_crash;
 mod roundtrip;
 mod small_shm;
 

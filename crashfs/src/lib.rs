@@ -1,0 +1,832 @@
+//! crashfs: an in-memory FUSE filesystem (on the `fuser` crate) that loses power on
+//! command, for the end-to-end power-loss tests of shmckpt (issue 28; docs/crash.md).
+//!
+//! The model (ext4-like, stricter where POSIX is):
+//!
+//! - every inode has a **live** state (what the running system reads) and a **durable**
+//!   one (what survives a power loss);
+//! - a file's data and size become durable at its `fsync`/`fdatasync` (all of them: no
+//!   tearing, no reordering here; the simulated harness in `src/crashsim/` covers those);
+//!   a file created and never synced is durable as an empty file, if its name is;
+//! - a directory's entries (create, mkdir, rename, unlink, rmdir) become durable at the
+//!   directory's own `fsync` (all of them at once, as a journal commit); a file's `fsync`
+//!   does not make its name durable (ext4 would, POSIX does not promise it);
+//! - a **power cut** ([`Power::cut`], or the `n`-th mutating request with
+//!   [`Power::cut_at_mutation`]) fails that request and every later one with `EIO` (the
+//!   trainer's process is as good as dead), and [`Power::durable_image`] is what a reboot
+//!   finds: the tree reachable from the root through durable entries, each inode with its
+//!   durable contents. [`Mounted::mount`] serves any [`Image`] again.
+//!
+//! Nothing is cached by the kernel that this filesystem does not see: no writeback cache,
+//! so every `write` (buffered or `O_DIRECT`) reaches it before the call returns, and every
+//! `fsync` is a request (implemented; `ENOSYS` would make the kernel skip them).
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+};
+
+const TTL: Duration = Duration::from_secs(1);
+const ROOT: u64 = 1;
+
+#[derive(Clone, Debug)]
+enum Body {
+    File(Vec<u8>),
+    Dir(BTreeMap<OsString, u64>),
+}
+
+impl Body {
+    fn kind(&self) -> FileType {
+        match self {
+            Body::File(_) => FileType::RegularFile,
+            Body::Dir(_) => FileType::Directory,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Inode {
+    live: Body,
+    durable: Body,
+    perm: u16,
+}
+
+/// The contents of a crashfs: every inode's live and durable state.
+#[derive(Clone, Debug)]
+pub struct Image {
+    inodes: HashMap<u64, Inode>,
+    next_ino: u64,
+}
+
+impl Default for Image {
+    fn default() -> Self {
+        Image::empty()
+    }
+}
+
+impl Image {
+    /// An empty root directory, durable.
+    pub fn empty() -> Image {
+        let root = Inode {
+            live: Body::Dir(BTreeMap::new()),
+            durable: Body::Dir(BTreeMap::new()),
+            perm: 0o755,
+        };
+        Image {
+            inodes: HashMap::from([(ROOT, root)]),
+            next_ino: ROOT + 1,
+        }
+    }
+
+    /// A copy of the directory tree at `dir` (regular files and directories only), all of
+    /// it durable.
+    pub fn from_dir(dir: &Path) -> io::Result<Image> {
+        let mut img = Image::empty();
+        img.load_dir(dir, ROOT)?;
+        Ok(img)
+    }
+
+    fn load_dir(&mut self, dir: &Path, ino: u64) -> io::Result<()> {
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            let t = e.file_type()?;
+            let body = if t.is_dir() {
+                Body::Dir(BTreeMap::new())
+            } else if t.is_file() {
+                Body::File(std::fs::read(e.path())?)
+            } else {
+                return Err(io::Error::other(format!(
+                    "{}: only files and directories",
+                    e.path().display()
+                )));
+            };
+            let child = self.add(body);
+            let parent = self.inodes.get_mut(&ino).expect("parent");
+            for b in [&mut parent.live, &mut parent.durable] {
+                if let Body::Dir(m) = b {
+                    m.insert(e.file_name(), child);
+                }
+            }
+            if t.is_dir() {
+                self.load_dir(&e.path(), child)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, body: Body) -> u64 {
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        let perm = if matches!(body, Body::Dir(_)) {
+            0o755
+        } else {
+            0o644
+        };
+        self.inodes.insert(
+            ino,
+            Inode {
+                durable: body.clone(),
+                live: body,
+                perm,
+            },
+        );
+        ino
+    }
+
+    /// Write the live tree into the empty directory `dir`.
+    pub fn write_to(&self, dir: &Path) -> io::Result<()> {
+        self.write_dir(ROOT, dir)
+    }
+
+    fn write_dir(&self, ino: u64, dir: &Path) -> io::Result<()> {
+        let Some(Body::Dir(m)) = self.inodes.get(&ino).map(|i| &i.live) else {
+            return Err(io::Error::other("not a directory"));
+        };
+        for (name, &child) in m {
+            let path = dir.join(name);
+            match &self.inodes[&child].live {
+                Body::File(d) => std::fs::write(&path, d)?,
+                Body::Dir(_) => {
+                    std::fs::create_dir(&path)?;
+                    self.write_dir(child, &path)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What a reboot finds: the tree reachable from the root through durable entries,
+    /// each inode with its durable contents (live and durable alike).
+    pub fn durable(&self) -> Image {
+        let mut out = Image {
+            inodes: HashMap::new(),
+            next_ino: self.next_ino,
+        };
+        let mut todo = vec![ROOT];
+        while let Some(ino) = todo.pop() {
+            if out.inodes.contains_key(&ino) {
+                continue; // no hard links are made, but never loop
+            }
+            let i = &self.inodes[&ino];
+            if let Body::Dir(m) = &i.durable {
+                todo.extend(m.values().copied());
+            }
+            out.inodes.insert(
+                ino,
+                Inode {
+                    live: i.durable.clone(),
+                    durable: i.durable.clone(),
+                    perm: i.perm,
+                },
+            );
+        }
+        out
+    }
+
+    /// Every live path (relative, `/`-separated) with `None` for a directory and the bytes
+    /// of a file.
+    pub fn tree(&self) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
+        let mut out = BTreeMap::new();
+        let mut todo = vec![(ROOT, PathBuf::new())];
+        while let Some((ino, path)) = todo.pop() {
+            if let Body::Dir(m) = &self.inodes[&ino].live {
+                for (name, &child) in m {
+                    let p = path.join(name);
+                    match &self.inodes[&child].live {
+                        Body::File(d) => {
+                            out.insert(p, Some(d.clone()));
+                        }
+                        Body::Dir(_) => {
+                            out.insert(p.clone(), None);
+                            todo.push((child, p));
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    img: Image,
+    dead: bool,
+    mutations: u64,
+    cut_at: Option<u64>,
+    next_fh: u64,
+    uid: u32,
+    gid: u32,
+    born: SystemTime,
+}
+
+impl State {
+    /// Admit one mutating request, or fail it: the power is off, or goes off now.
+    fn mutate(&mut self) -> Result<(), Errno> {
+        if self.dead {
+            return Err(Errno::EIO);
+        }
+        if self.cut_at == Some(self.mutations) {
+            self.dead = true;
+            return Err(Errno::EIO);
+        }
+        self.mutations += 1;
+        Ok(())
+    }
+
+    fn alive(&self) -> Result<(), Errno> {
+        if self.dead { Err(Errno::EIO) } else { Ok(()) }
+    }
+
+    fn inode(&self, ino: INodeNo) -> Result<&Inode, Errno> {
+        self.img.inodes.get(&ino.0).ok_or(Errno::ENOENT)
+    }
+
+    fn inode_mut(&mut self, ino: INodeNo) -> Result<&mut Inode, Errno> {
+        self.img.inodes.get_mut(&ino.0).ok_or(Errno::ENOENT)
+    }
+
+    fn dir_mut(&mut self, ino: INodeNo) -> Result<&mut BTreeMap<OsString, u64>, Errno> {
+        match &mut self.inode_mut(ino)?.live {
+            Body::Dir(m) => Ok(m),
+            Body::File(_) => Err(Errno::ENOTDIR),
+        }
+    }
+
+    fn file_mut(&mut self, ino: INodeNo) -> Result<&mut Vec<u8>, Errno> {
+        match &mut self.inode_mut(ino)?.live {
+            Body::File(d) => Ok(d),
+            Body::Dir(_) => Err(Errno::EISDIR),
+        }
+    }
+
+    fn child(&self, parent: INodeNo, name: &OsStr) -> Result<u64, Errno> {
+        match &self.inode(parent)?.live {
+            Body::Dir(m) => m.get(name).copied().ok_or(Errno::ENOENT),
+            Body::File(_) => Err(Errno::ENOTDIR),
+        }
+    }
+
+    fn attr(&self, ino: u64) -> Result<FileAttr, Errno> {
+        let i = self.img.inodes.get(&ino).ok_or(Errno::ENOENT)?;
+        let (size, nlink) = match &i.live {
+            Body::File(d) => (d.len() as u64, 1),
+            Body::Dir(_) => (4096, 2),
+        };
+        Ok(FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.born,
+            mtime: self.born,
+            ctime: self.born,
+            crtime: self.born,
+            kind: i.live.kind(),
+            perm: i.perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        })
+    }
+
+    fn new_node(&mut self, parent: INodeNo, name: &OsStr, body: Body) -> Result<u64, Errno> {
+        if self.child(parent, name).is_ok() {
+            return Err(Errno::EEXIST);
+        }
+        self.dir_mut(parent)?; // a directory, before anything changes
+        self.mutate()?;
+        let ino = self.img.add(body.clone());
+        // Not durable until synced: a new file's durable contents are empty, a new
+        // directory's durable entries none.
+        self.img.inodes.get_mut(&ino).expect("just added").durable = match body {
+            Body::File(_) => Body::File(Vec::new()),
+            Body::Dir(_) => Body::Dir(BTreeMap::new()),
+        };
+        self.dir_mut(parent)?.insert(name.to_owned(), ino);
+        Ok(ino)
+    }
+}
+
+/// The power switch of a mounted crashfs (cloneable, usable from any thread).
+#[derive(Clone, Debug)]
+pub struct Power(Arc<Mutex<State>>);
+
+impl Power {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Cut the power now: every later request fails with `EIO`.
+    pub fn cut(&self) {
+        self.lock().dead = true;
+    }
+
+    /// Cut the power at the `n`-th mutating request from the mount on (0: the first), which
+    /// fails, as every later one does.
+    pub fn cut_at_mutation(&self, n: u64) {
+        self.lock().cut_at = Some(n);
+    }
+
+    /// Whether the power is off.
+    pub fn is_cut(&self) -> bool {
+        self.lock().dead
+    }
+
+    /// Mutating requests served so far (creates, mkdirs, writes, truncates, fallocates,
+    /// renames, unlinks, rmdirs, fsyncs).
+    pub fn mutations(&self) -> u64 {
+        self.lock().mutations
+    }
+
+    /// What a reboot would find now.
+    pub fn durable_image(&self) -> Image {
+        self.lock().img.durable()
+    }
+
+    /// Everything, synced or not (what a clean unmount keeps).
+    pub fn live_image(&self) -> Image {
+        self.lock().img.clone()
+    }
+}
+
+struct CrashFs(Power);
+
+macro_rules! tri {
+    ($reply:ident, $e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(e) => return $reply.error(e),
+        }
+    };
+}
+
+impl Filesystem for CrashFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let s = self.0.lock();
+        tri!(reply, s.alive());
+        let ino = tri!(reply, s.child(parent, name));
+        let attr = tri!(reply, s.attr(ino));
+        reply.entry(&TTL, &attr, Generation(0));
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let s = self.0.lock();
+        tri!(reply, s.alive());
+        let attr = tri!(reply, s.attr(ino.0));
+        reply.attr(&TTL, &attr);
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        if let Some(size) = size {
+            tri!(reply, s.file_mut(ino));
+            tri!(reply, s.mutate());
+            let len = tri!(reply, usize::try_from(size).map_err(|_| Errno::EFBIG));
+            tri!(reply, s.file_mut(ino)).resize(len, 0);
+        }
+        if let Some(mode) = mode {
+            tri!(reply, s.inode_mut(ino)).perm = (mode & 0o7777) as u16;
+        }
+        let attr = tri!(reply, s.attr(ino.0));
+        reply.attr(&TTL, &attr);
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        let ino = tri!(reply, s.new_node(parent, name, Body::Dir(BTreeMap::new())));
+        let attr = tri!(reply, s.attr(ino));
+        reply.entry(&TTL, &attr, Generation(0));
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        let ino = match s.child(parent, name) {
+            Ok(_) if flags & libc::O_EXCL != 0 => return reply.error(Errno::EEXIST),
+            Ok(ino) => {
+                if flags & libc::O_TRUNC != 0 {
+                    tri!(reply, s.mutate());
+                    tri!(reply, s.file_mut(INodeNo(ino))).clear();
+                }
+                ino
+            }
+            Err(_) => tri!(reply, s.new_node(parent, name, Body::File(Vec::new()))),
+        };
+        s.next_fh += 1;
+        let fh = FileHandle(s.next_fh);
+        let attr = tri!(reply, s.attr(ino));
+        reply.created(&TTL, &attr, Generation(0), fh, FopenFlags::empty());
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        tri!(reply, s.inode(ino));
+        if flags.0 & libc::O_TRUNC != 0 {
+            tri!(reply, s.mutate());
+            tri!(reply, s.file_mut(ino)).clear();
+        }
+        s.next_fh += 1;
+        reply.opened(FileHandle(s.next_fh), FopenFlags::empty());
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: ReplyData,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        let d = tri!(reply, s.file_mut(ino));
+        let from = usize::try_from(offset).unwrap_or(usize::MAX).min(d.len());
+        let to = from.saturating_add(size as usize).min(d.len());
+        reply.data(&d[from..to]);
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.file_mut(ino));
+        tri!(reply, s.mutate());
+        let d = tri!(reply, s.file_mut(ino));
+        let at = tri!(reply, usize::try_from(offset).map_err(|_| Errno::EFBIG));
+        let end = tri!(reply, at.checked_add(data.len()).ok_or(Errno::EFBIG));
+        if d.len() < end {
+            d.resize(end, 0);
+        }
+        d[at..end].copy_from_slice(data);
+        reply.written(data.len() as u32);
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: fuser::LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.inode(ino));
+        tri!(reply, s.mutate());
+        let i = tri!(reply, s.inode_mut(ino));
+        i.durable = i.live.clone();
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.fsync(req, ino, fh, datasync, reply);
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let s = self.0.lock();
+        tri!(reply, s.alive());
+        let Body::Dir(m) = &tri!(reply, s.inode(ino)).live else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        let mut all = vec![
+            (ino.0, FileType::Directory, OsString::from(".")),
+            (ino.0, FileType::Directory, OsString::from("..")),
+        ];
+        for (name, &child) in m {
+            all.push((child, s.img.inodes[&child].live.kind(), name.clone()));
+        }
+        for (i, (child, kind, name)) in all.into_iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(child), (i + 1) as u64, kind, &name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        let ino = tri!(reply, s.child(parent, name));
+        if matches!(s.img.inodes[&ino].live, Body::Dir(_)) {
+            return reply.error(Errno::EISDIR);
+        }
+        tri!(reply, s.mutate());
+        tri!(reply, s.dir_mut(parent)).remove(name);
+        reply.ok();
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        let ino = tri!(reply, s.child(parent, name));
+        match &s.img.inodes[&ino].live {
+            Body::Dir(m) if m.is_empty() => {}
+            Body::Dir(_) => return reply.error(Errno::ENOTEMPTY),
+            Body::File(_) => return reply.error(Errno::ENOTDIR),
+        }
+        tri!(reply, s.mutate());
+        tri!(reply, s.dir_mut(parent)).remove(name);
+        reply.ok();
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.alive());
+        if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
+            return reply.error(Errno::EINVAL);
+        }
+        let ino = tri!(reply, s.child(parent, name));
+        tri!(reply, s.dir_mut(newparent));
+        if let Ok(old) = s.child(newparent, newname) {
+            if old == ino {
+                return reply.ok();
+            }
+            if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+                return reply.error(Errno::EEXIST);
+            }
+            match (&s.img.inodes[&ino].live, &s.img.inodes[&old].live) {
+                (Body::Dir(_), Body::Dir(m)) if !m.is_empty() => {
+                    return reply.error(Errno::ENOTEMPTY);
+                }
+                (Body::Dir(_), Body::File(_)) => return reply.error(Errno::ENOTDIR),
+                (Body::File(_), Body::Dir(_)) => return reply.error(Errno::EISDIR),
+                _ => {}
+            }
+        }
+        if matches!(s.img.inodes[&ino].live, Body::Dir(_)) {
+            // Never move a directory under itself.
+            let mut up = newparent.0;
+            let parents = parents(&s.img);
+            loop {
+                if up == ino {
+                    return reply.error(Errno::EINVAL);
+                }
+                match parents.get(&up) {
+                    Some(&p) if p != up => up = p,
+                    _ => break,
+                }
+            }
+        }
+        tri!(reply, s.mutate());
+        tri!(reply, s.dir_mut(parent)).remove(name);
+        tri!(reply, s.dir_mut(newparent)).insert(newname.to_owned(), ino);
+        reply.ok();
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let mut s = self.0.lock();
+        tri!(reply, s.file_mut(ino));
+        if mode & !libc::FALLOC_FL_KEEP_SIZE != 0 {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
+        tri!(reply, s.mutate());
+        if mode & libc::FALLOC_FL_KEEP_SIZE == 0 {
+            let end = tri!(reply, offset.checked_add(length).ok_or(Errno::EFBIG));
+            let end = tri!(reply, usize::try_from(end).map_err(|_| Errno::EFBIG));
+            let d = tri!(reply, s.file_mut(ino));
+            if d.len() < end {
+                d.resize(end, 0);
+            }
+        }
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.0.lock();
+        tri!(reply, s.alive());
+        // 64 GiB of 4 KiB blocks, all free: the data lives in this process's memory.
+        reply.statfs(1 << 24, 1 << 24, 1 << 24, 1 << 20, 1 << 20, 4096, 255, 4096);
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        reply.ok();
+    }
+}
+
+/// Each inode's parent in the live tree.
+fn parents(img: &Image) -> HashMap<u64, u64> {
+    let mut out = HashMap::new();
+    for (&ino, i) in &img.inodes {
+        if let Body::Dir(m) = &i.live {
+            for &c in m.values() {
+                out.insert(c, ino);
+            }
+        }
+    }
+    out
+}
+
+/// A mounted crashfs. Dropping it unmounts.
+pub struct Mounted {
+    session: Option<fuser::BackgroundSession>,
+    power: Power,
+    mountpoint: PathBuf,
+}
+
+impl std::fmt::Debug for Mounted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mounted")
+            .field("mountpoint", &self.mountpoint)
+            .finish()
+    }
+}
+
+impl Mounted {
+    /// Serve `image` at `mountpoint` (an existing directory). Needs `/dev/fuse` and the
+    /// right to mount (root: the `mount` system call; fuser falls back to `fusermount3`
+    /// otherwise).
+    pub fn mount(image: Image, mountpoint: &Path) -> io::Result<Mounted> {
+        let meta = std::fs::metadata(mountpoint)?;
+        let power = Power(Arc::new(Mutex::new(State {
+            img: image,
+            dead: false,
+            mutations: 0,
+            cut_at: None,
+            next_fh: 0,
+            uid: meta.uid(),
+            gid: meta.gid(),
+            born: SystemTime::now(),
+        })));
+        let mut config = fuser::Config::default();
+        config.mount_options = vec![
+            MountOption::FSName("crashfs".into()),
+            MountOption::Subtype("crashfs".into()),
+        ];
+        let session = fuser::spawn_mount(CrashFs(power.clone()), mountpoint, &config)?;
+        Ok(Mounted {
+            session: Some(session),
+            power,
+            mountpoint: mountpoint.to_owned(),
+        })
+    }
+
+    /// The power switch.
+    pub fn power(&self) -> &Power {
+        &self.power
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Cut the power (if it is not already off), unmount, and return what a reboot finds.
+    /// Close every descriptor of the mount first (a busy mount is detached lazily).
+    pub fn crash(mut self) -> Image {
+        self.power.cut();
+        self.unmount_now();
+        self.power.durable_image()
+    }
+
+    /// Unmount cleanly and return everything written (a clean unmount syncs it all).
+    pub fn unmount(mut self) -> Image {
+        self.unmount_now();
+        self.power.live_image()
+    }
+
+    fn unmount_now(&mut self) {
+        if let Some(s) = self.session.take()
+            && let Err(e) = s.umount_and_join()
+        {
+            // Busy (a dying process's files not yet released): detach it lazily, so that
+            // no dead mount stays under the next one.
+            eprintln!(
+                "crashfs: unmounting {}: {e}; detaching it",
+                self.mountpoint.display()
+            );
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.mountpoint)
+                .status();
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        self.unmount_now();
+    }
+}
+
+/// Whether this process can mount a FUSE filesystem here: `/dev/fuse` opens read-write
+/// and the process is root (the `mount` system call; without root fuser needs the
+/// setuid `fusermount3`). `Err` says what is missing.
+pub fn can_mount() -> Result<(), String> {
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+    {
+        return Err(format!("/dev/fuse: {e}"));
+    }
+    let uid = std::fs::metadata("/proc/self")
+        .map_err(|e| format!("/proc/self: {e}"))?
+        .uid();
+    if uid != 0 {
+        return Err(format!("not root (uid {uid})"));
+    }
+    Ok(())
+}
