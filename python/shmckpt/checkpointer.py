@@ -327,6 +327,12 @@ class Checkpointer:
     ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
     oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
     back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
+
+    ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
+    second each rank sends replicas at, at most, default 1 GiB/s, ``None`` unbounded;
+    ``replica_timeout``: seconds a replication step waits for a peer, default 300) keeps
+    each rank's committed file in the memory of ``k`` ranks on other machines; see
+    ``docs/replicas.md``.
     """
 
     def __init__(
@@ -349,6 +355,8 @@ class Checkpointer:
         replicas: int = 0,
         node: Optional[str] = None,
         replica_group: Any = None,
+        replica_bandwidth: Optional[float] = float(1 << 30),
+        replica_timeout: float = 300.0,
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
@@ -407,7 +415,9 @@ class Checkpointer:
             from .replicas import Replicator
 
             try:
-                self._replicator = Replicator(self, replicas, node, replica_group)
+                self._replicator = Replicator(
+                    self, replicas, node, replica_group, bandwidth=replica_bandwidth, timeout=replica_timeout
+                )
             except BaseException:
                 self._engine.close()
                 raise

@@ -26,9 +26,20 @@ from .errors import ConfigError, ReplicationError, ShmckptError
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer, SaveHandle
 
-__all__ = ["Replicator", "node_of", "list_replicas", "remove_replica"]
+__all__ = ["Replicator", "node_of", "list_replicas", "remove_replica", "DEFAULT_BANDWIDTH", "DEFAULT_TIMEOUT"]
 
 log = logging.getLogger("shmckpt.replicas")
+
+#: Default ``replica_bandwidth``: bytes per second each rank sends its replicas at, at most
+#: (1 GiB/s; ``None``: unbounded).
+DEFAULT_BANDWIDTH: Optional[float] = float(1 << 30)
+#: Default ``replica_timeout``: seconds a step of the replication exchange waits for a peer.
+DEFAULT_TIMEOUT = 300.0
+#: Pacing: a paced send is cut in pieces of this many seconds of the bandwidth...
+_PACE_SECONDS = 0.05
+#: ...of at least this many bytes and at most this many (unbounded: the largest).
+_PIECE_MIN = 64 << 10
+_PIECE_MAX = 64 << 20
 
 
 def node_of(rank: int, node: Optional[str] = None) -> str:
@@ -59,20 +70,50 @@ def remove_replica(name: str) -> None:
     _shmckpt.replica_remove(name)
 
 
+class _GroupFailed(Exception):
+    """The replication group failed (internal: turned into
+    :class:`~shmckpt.errors.ReplicationError`, and replication stops)."""
+
+    def __init__(self, message: str, peers: Sequence[int] = ()):
+        super().__init__(message)
+        self.peers = list(peers)
+
+
 class Replicator:
     """The replication of one :class:`~shmckpt.Checkpointer` (built by it when
     ``replicas > 0``). Construction is collective over the group."""
 
-    def __init__(self, ckpt: "Checkpointer", replicas: int, node: Optional[str], group: Any):
+    def __init__(
+        self,
+        ckpt: "Checkpointer",
+        replicas: int,
+        node: Optional[str],
+        group: Any,
+        bandwidth: Optional[float] = DEFAULT_BANDWIDTH,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        import datetime
+
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("replicas > 0 needs torch.distributed initialized")
+        if bandwidth is not None and not (float(bandwidth) > 0):
+            raise ConfigError(f"replica_bandwidth must be a positive number of bytes per second or None, not {bandwidth!r}")
+        if not (float(timeout) > 0):
+            raise ConfigError(f"replica_timeout must be a positive number of seconds, not {timeout!r}")
         self._dist = dist
         self.ckpt = ckpt
         self.replicas = int(replicas)
+        #: Bytes per second this rank sends replicas at, at most (None: unbounded).
+        self.bandwidth: Optional[float] = None if bandwidth is None else float(bandwidth)
+        #: Seconds any step of the replication exchange may wait for a peer (the timeout of
+        #: the group made here; a ``replica_group`` given keeps its own timeout).
+        self.timeout = float(timeout)
+        #: Why replication stopped (the group failed: a rank died or timed out), or None.
+        self.broken: Optional[str] = None
         if group is None:
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self.group = group
         if dist.get_world_size(group) != ckpt.world_size or dist.get_rank(group) != ckpt.rank:
             raise ConfigError(
@@ -81,9 +122,11 @@ class Replicator:
                 f"checkpointer rank {ckpt.rank} of {ckpt.world_size})"
             )
         self.node = node_of(ckpt.rank, node)
-        nodes: List[Any] = [None] * ckpt.world_size
-        dist.all_gather_object(nodes, self.node, group=group)
-        self.nodes: List[str] = [str(n) for n in nodes]
+        mine: List[Any] = [None] * ckpt.world_size
+        dist.all_gather_object(mine, (self.node, self.bandwidth), group=group)
+        self.nodes: List[str] = [str(n) for n, _ in mine]
+        #: Every rank's ``replica_bandwidth`` (the pieces its images travel in follow it).
+        self.bandwidths: List[Optional[float]] = [None if b is None else float(b) for _, b in mine]
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
@@ -97,36 +140,88 @@ class Replicator:
         self._thread: Optional[threading.Thread] = None
 
     # -- helpers -----------------------------------------------------------------------
-    def _gather(self, obj: Any) -> List[Any]:
+    def _gather(self, obj: Any, what: str) -> List[Any]:
         out: List[Any] = [None] * self.ckpt.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
+            raise _GroupFailed(
+                f"the replication group failed while gathering {what} (a rank died, or was "
+                f"silent for more than the group's timeout, {self.timeout:g} s by default): {e}"
+            ) from e
         return out
 
     def _sizes(self, step: int) -> Dict[int, int]:
         m = self.ckpt.manifest(step)
         return {int(f["rank"]): int(f["bytes"]) for f in m["files"]}
 
-    def _exchange(self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]]) -> Dict[int, Any]:
-        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)``, all posted at once;
-        returns the received uint8 tensors by source."""
+    def _pieces(self, n: int, sender: int) -> List[Tuple[int, int]]:
+        """The ``(start, end)`` pieces an image of ``n`` bytes from ``sender`` travels in
+        (from the sender's bandwidth setting, which every rank knows: both ends cut alike)."""
+        bw = self.bandwidths[sender]
+        size = _PIECE_MAX if bw is None else max(_PIECE_MIN, min(_PIECE_MAX, int(bw * _PACE_SECONDS)))
+        return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
+
+    def _exchange(
+        self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]], paced: bool
+    ) -> Tuple[Dict[int, Any], int, float]:
+        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)`` (receives posted first,
+        then the sends, piece by piece, one destination after the other in turn, no faster
+        than :attr:`bandwidth` when ``paced``); returns the received uint8 tensors by
+        source, the bytes sent and the seconds the exchange took. A transfer that fails (the
+        peer died, or was silent for the group's timeout) raises :class:`_GroupFailed`
+        naming the peers, once every other transfer has finished or failed."""
         import torch
 
         dist = self._dist
-        works = []
-        keep = []
-        for dst, buf in sends:
-            t = torch.from_numpy(np.asarray(buf))
-            keep.append((buf, t))
-            works.append(dist.isend(t, dst=dst, group=self.group))
+        me = self.ckpt.rank
+        t0 = time.monotonic()
+        works: List[Tuple[int, str, Any]] = []
+        failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
         for src, n in recvs:
             t = torch.empty(n, dtype=torch.uint8)
             got[src] = t
-            works.append(dist.irecv(t, src=src, group=self.group))
-        for w in works:
-            w.wait()
+            for a, b in self._pieces(n, src):
+                try:
+                    works.append((src, "receiving from", dist.irecv(t[a:b], src=src, group=self.group)))
+                except RuntimeError as e:
+                    failed.setdefault(src, f"receiving from rank {src}: {e}")
+        keep = [(dst, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
+        todo = [(dst, t, self._pieces(t.numel(), me)) for dst, t in keep]
+        sent = 0
+        bw = self.bandwidth if paced else None
+        while any(p for _, _, p in todo):
+            for dst, t, pieces in todo:
+                if not pieces:
+                    continue
+                a, b = pieces.pop(0)
+                if dst in failed:
+                    continue
+                if bw is not None:
+                    ahead = t0 + sent / bw - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                try:
+                    works.append((dst, "sending to", dist.isend(t[a:b], dst=dst, group=self.group)))
+                except RuntimeError as e:
+                    failed.setdefault(dst, f"sending to rank {dst}: {e}")
+                sent += b - a
+        for peer, what, w in works:
+            try:
+                w.wait()
+            except RuntimeError as e:
+                failed.setdefault(peer, f"{what} rank {peer}: {e}")
         del keep
-        return got
+        if failed:
+            got.clear()
+            peers = ", ".join(f"rank {p}" for p in sorted(failed))
+            raise _GroupFailed(
+                f"the transfer with partner {peers} failed (it died, or was silent for more "
+                f"than the group's timeout, {self.timeout:g} s by default): " + "; ".join(failed.values()),
+                peers=sorted(failed),
+            )
+        return got, sent, time.monotonic() - t0
 
     # -- the replication thread --------------------------------------------------------
     def enqueue(self, handle: "SaveHandle") -> None:
@@ -209,19 +304,21 @@ class Replicator:
             handle.wait()
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        if self.broken is not None:
+            msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
+            log.warning("%s", msg)
+            raise ReplicationError(msg)
         try:
             return self._replicate(step, failure, t0)
-        except ShmckptError:
-            raise
-        except RuntimeError as e:  # torch.distributed: a partner died, or the group timed out
-            raise ReplicationError(
-                f"step {step} is not {self.replicas}-safe: the replication group failed "
-                f"(a rank died or timed out; the group cannot be used again): {e}"
-            ) from e
+        except _GroupFailed as e:
+            # The group cannot be used again (gloo): later steps are skipped, not hung on.
+            self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
+            log.warning("rank %d: %s", self.ckpt.rank, self.broken)
+            raise ReplicationError(f"step {step} is not {self.replicas}-safe: {e}") from None
 
     def _replicate(self, step: int, failure: Optional[str], t0: float) -> Dict[str, Any]:
         # Every rank's file is durable once every rank's wait returned: the step is committed.
-        failures = [f for f in self._gather(failure) if f is not None]
+        failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
         if failures:
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
         me = self.ckpt.rank
@@ -233,11 +330,11 @@ class Replicator:
         except ShmckptError as e:
             problem = f"rank {me} cannot read its image of step {step}: {e}"
             log.warning("%s", problem)
-        readable = self._gather(image is not None)
+        readable = self._gather(image is not None, "who can send its image")
         sizes = self._sizes(step)
         sources = [q for q in range(self.ckpt.world_size) if me in self.plan[q] and readable[q]]
         sends = [(t, image) for t in self.plan[me]] if image is not None else []
-        got = self._exchange(sends, [(q, sizes[q]) for q in sources])
+        got, sent, transfer = self._exchange(sends, [(q, sizes[q]) for q in sources], paced=True)
         del image
         held: List[int] = []
         problems: Dict[int, str] = {}
@@ -249,7 +346,7 @@ class Replicator:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
         got.clear()
-        everyone = self._gather((held, problems, problem))
+        everyone = self._gather((held, problems, problem), "who holds which image")
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
         for r, (h, probs, p) in enumerate(everyone):
@@ -265,6 +362,9 @@ class Replicator:
             "holders": holders,
             "k_safe": k_safe,
             "seconds": time.monotonic() - t0,
+            "bytes_sent": sent,
+            "transfer_seconds": transfer,
+            "bandwidth": self.bandwidth,
             "problems": all_problems,
         }
         if not k_safe:
@@ -299,22 +399,29 @@ class Replicator:
         group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
         self._peer = None
         self._drain()
+        if self.broken is not None:
+            # No collective on a failed group: a rank with its own file loads it; one
+            # without raises (no partner can be asked).
+            if self._local_ok(step):
+                log.warning("rank %d: load of step %d without peers: replication stopped, %s", self.ckpt.rank, step, self.broken)
+                return
+            raise ReplicationError(
+                f"rank {self.ckpt.rank}: its file of step {step} is missing or of the wrong size, and "
+                f"no partner can be asked: replication stopped, {self.broken}"
+            )
         try:
             self._before_load(step)
-        except ShmckptError:
-            raise
-        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
-            raise ReplicationError(
-                f"load of step {step}: the replication group failed (a rank died or timed out): {e}"
-            ) from e
+        except _GroupFailed as e:
+            self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load of step {step}: {e}") from None
 
     def _before_load(self, step: int) -> None:
         me = self.ckpt.rank
         root = self.ckpt.root
-        steps = self._gather(step)
+        steps = self._gather(step, "the step every rank loads")
         if len(set(steps)) != 1:
             raise ReplicationError(f"the ranks load different steps: {steps}")
-        needs = self._gather(not self._local_ok(step))
+        needs = self._gather(not self._local_ok(step), "who needs a replica")
         needy = [q for q, n in enumerate(needs) if n]
         if not needy:
             return
@@ -326,7 +433,7 @@ class Replicator:
                 can[q] = _shmckpt.replica_load(root, step, q)
             except ShmckptError as e:
                 log.warning("replica of rank %d, step %d not served: %s", q, step, e)
-        offers = self._gather(sorted(can))
+        offers = self._gather(sorted(can), "who can serve a replica")
         server: Dict[int, int] = {}
         for q in needy:
             for r in self.plan[q]:
@@ -337,7 +444,7 @@ class Replicator:
         recvs = []
         if me in server:
             recvs.append((server[me], self._sizes(step)[me]))
-        got = self._exchange(sends, recvs)
+        got, _, _ = self._exchange(sends, recvs, paced=False)
         can.clear()
         why = "no partner holds a replica of it that passes the checks"
         for src, t in got.items():

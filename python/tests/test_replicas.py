@@ -461,3 +461,60 @@ def test_drill_private_shm_per_machine(tmp_path, root):
     finally:
         for mach in machines:
             mach.kill()
+
+
+def test_partner_killed_mid_transfer(tmp_path, droot):
+    """Replication at 256 KiB/s per rank (pieces of 64 KiB) with a 5 s group timeout; rank 3
+    dies once the first piece of its image of step 2 is sent. Step 2 is never reported
+    1-safe: rank 1 (its partner) gets a ReplicationError naming rank 3, every survivor's
+    within the timeout; the survivors' save of step 3 completes and its replication is
+    skipped at once (ReplicationError saying why). After machine 1 is lost, rank 2 loads
+    step 2 bit-exactly from the replica rank 0 stored (that pair's transfer completed), ranks
+    0-1 from disk (their kept arenas hold the uncommitted step 3), and
+    rank 3 gets ReplicationError: its cut transfer was never stored, and its step 1
+    replica is never served for step 2."""
+    root = droot
+    bw = 256 << 10
+    saved = run_world(
+        tmp_path, root, "save", 1, 1, 2, 3,
+        env={"REPLICA_WORKER_DIE": "3:2:mid", "REPLICA_WORKER_GOON": "1",
+             "REPLICA_WORKER_BW": str(bw), "REPLICA_WORKER_TIMEOUT": "5"},
+        codes_want=[0, 0, 0, -9],
+    )
+    assert saved[3] is None
+    m1 = json.loads((root / "step-1" / "manifest.json").read_text())
+    size = {f["rank"]: f["bytes"] for f in m1["files"]}
+    for r, res in enumerate(saved[:3]):
+        (rep,) = res["reports"]
+        assert rep["step"] == 1 and rep["k_safe"] is True and rep["bandwidth"] == bw
+        # Paced: the first 64 KiB piece goes at once, the rest no faster than 256 KiB/s.
+        assert rep["bytes_sent"] == size[r] and size[r] > 2 * (64 << 10)
+        assert rep["transfer_seconds"] >= (size[r] - (64 << 10)) / bw
+        assert [f["step"] for f in res["failures"]] == [2, 3]
+        f2, f3 = res["failures"]
+        assert "step 2 is not 1-safe" in f2["message"]
+        assert f2["seconds"] < 5 + 25  # bounded by the group timeout, never hung
+        assert "step 3 is not replicated (skipped): replication stopped, since step 2" in f3["message"]
+        assert f3["seconds"] < 5  # the save returns, its replication is skipped at once
+    assert "partner rank 3" in saved[1]["failures"][0]["message"]
+    # Step 3 never committed (rank 3 died); rank 0 and 2 swapped step 2; 1 and 3 did not.
+    assert not (root / "step-3" / "manifest.json").exists()
+    assert our_replicas(root) == [(0, 2), (1, 1), (2, 2), (3, 1)]
+
+    # Lose machine 1: its kept arenas, the replicas it held, its ranks' files.
+    for r in (2, 3):
+        (pathlib.Path("/dev/shm") / kept_name(root, r)).unlink()
+    remove_replica(_shmckpt.replica_name(str(root), 0, 2))
+    remove_replica(_shmckpt.replica_name(str(root), 1, 1))
+    m2 = json.loads((root / "step-2" / "manifest.json").read_text())
+    for s in (1, 2):
+        for f in m2["files"]:
+            if f["rank"] in (2, 3):
+                (root / f"step-{s}" / f["file"]).unlink()
+    loaded = run_world(tmp_path, root, "load", 1)
+    # Ranks 0-1 read their disk files: their kept arenas hold step 3, never committed.
+    assert [res["source"][0] for res in loaded[:2]] == ["disk", "disk"]
+    assert loaded[2]["source"] == ["peer", 0]
+    assert all(res["step"] == 2 and res["exact"] is True for res in loaded[:3])
+    assert loaded[3]["error"] == "ReplicationError" and "step 2" in loaded[3]["message"]
+    assert our_replicas(root) == [(2, 2), (3, 1)]
