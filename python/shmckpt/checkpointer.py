@@ -86,6 +86,7 @@ class SaveHandle:
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
+        self._metadata: Dict[str, str] = {}
         # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
         self._devices: List[int] = []
 
@@ -331,7 +332,10 @@ class Checkpointer:
     ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
     second each rank sends replicas at, at most, default 1 GiB/s, ``None`` unbounded;
     ``replica_timeout``: seconds a replication step waits for a peer, default 300) keeps
-    each rank's committed file in the memory of ``k`` ranks on other machines; see
+    each rank's committed file in the memory of ``k`` ranks on other machines;
+    ``node_local_root=True`` (with ``replicas > 0``): ``root`` is this machine's own disk,
+    not shared, and every step commits through the process group (in the replication
+    thread: ``wait_replicated()``, not ``wait()``, says it is committed); see
     ``docs/replicas.md``.
     """
 
@@ -357,6 +361,7 @@ class Checkpointer:
         replica_group: Any = None,
         replica_bandwidth: Optional[float] = float(1 << 30),
         replica_timeout: float = 300.0,
+        node_local_root: bool = False,
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
@@ -411,12 +416,18 @@ class Checkpointer:
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None
-        if replicas:
+        if replicas or node_local_root:
             from .replicas import Replicator
 
             try:
                 self._replicator = Replicator(
-                    self, replicas, node, replica_group, bandwidth=replica_bandwidth, timeout=replica_timeout
+                    self,
+                    replicas,
+                    node,
+                    replica_group,
+                    bandwidth=replica_bandwidth,
+                    timeout=replica_timeout,
+                    node_local=node_local_root,
                 )
             except BaseException:
                 self._engine.close()
@@ -708,6 +719,7 @@ class Checkpointer:
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
         handle._replicator = self._replicator
+        handle._metadata = meta  # node-local roots: the manifest's, committed through the group
         if not finishes:
             handle._devices = sorted(devices)
 
@@ -881,6 +893,8 @@ class Checkpointer:
         the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
         the bucket. :attr:`last_load_source` says which served it.
         """
+        if self._replicator is not None and source != "remote":
+            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), source)
         if self._replicator is not None and where != "remote":
             self._replicator.before_load(s)  # collective: a lost file comes from a peer

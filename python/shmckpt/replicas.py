@@ -91,11 +91,14 @@ class Replicator:
         group: Any,
         bandwidth: Optional[float] = DEFAULT_BANDWIDTH,
         timeout: float = DEFAULT_TIMEOUT,
+        node_local: bool = False,
     ):
         import datetime
 
         import torch.distributed as dist
 
+        if node_local and int(replicas) <= 0:
+            raise ConfigError("node_local_root=True needs replicas > 0 (a lost machine's files come from its partners)")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("replicas > 0 needs torch.distributed initialized")
         if bandwidth is not None and not (float(bandwidth) > 0):
@@ -110,6 +113,8 @@ class Replicator:
         #: Seconds any step of the replication exchange may wait for a peer (the timeout of
         #: the group made here; a ``replica_group`` given keeps its own timeout).
         self.timeout = float(timeout)
+        #: Node-local roots: ``ckpt.root`` is this machine's own; steps commit through the group.
+        self.node_local = bool(node_local)
         #: Why replication stopped (the group failed: a rank died or timed out), or None.
         self.broken: Optional[str] = None
         if group is None:
@@ -309,18 +314,21 @@ class Replicator:
             log.warning("%s", msg)
             raise ReplicationError(msg)
         try:
-            return self._replicate(step, failure, t0)
+            return self._replicate(step, failure, t0, dict(getattr(handle, "_metadata", {})))
         except _GroupFailed as e:
             # The group cannot be used again (gloo): later steps are skipped, not hung on.
             self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
             log.warning("rank %d: %s", self.ckpt.rank, self.broken)
             raise ReplicationError(f"step {step} is not {self.replicas}-safe: {e}") from None
 
-    def _replicate(self, step: int, failure: Optional[str], t0: float) -> Dict[str, Any]:
-        # Every rank's file is durable once every rank's wait returned: the step is committed.
+    def _replicate(self, step: int, failure: Optional[str], t0: float, metadata: Dict[str, str]) -> Dict[str, Any]:
+        # Every rank's file is durable once every rank's wait returned: the step is committed
+        # (a shared root), or can be (node-local roots: committed here, through the group).
         failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
         if failures:
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
+        if self.node_local:
+            self._commit_through_group(step, metadata)
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None
@@ -338,14 +346,15 @@ class Replicator:
         del image
         held: List[int] = []
         problems: Dict[int, str] = {}
-        for q, t in got.items():
+        for q in sorted(got):
+            data = got.pop(q).numpy().tobytes()  # the tensor freed before the store
             try:
-                _shmckpt.replica_store(root, step, q, t.numpy().tobytes())
+                _shmckpt.replica_store(root, step, q, data)
                 held.append(q)
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
-        got.clear()
+            del data
         everyone = self._gather((held, problems, problem), "who holds which image")
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
@@ -374,7 +383,88 @@ class Replicator:
             )
         return report
 
+    def _commit_through_group(self, step: int, metadata: Dict[str, str]) -> None:
+        """Node-local roots: every rank's file of ``step`` is durable on its machine; the
+        ranks gather every manifest part, and the lowest rank of each machine commits its
+        root with all of them (``shmckpt::commit::commit_with_parts``: the one commit
+        protocol). :class:`~shmckpt.errors.ReplicationError` on every rank when a part is
+        missing or some machine could not commit."""
+        me = self.ckpt.rank
+        part: Optional[bytes] = None
+        problem: Optional[str] = None
+        try:
+            part = bytes(_shmckpt.group_own_part(self.ckpt.root, step, me))
+        except ShmckptError as e:
+            problem = f"rank {me} has no manifest part of step {step}: {e}"
+        parts = self._gather((part, problem), "every rank's manifest part")
+        missing = [p for _, p in parts if p is not None]
+        if missing:
+            raise ReplicationError(f"step {step} is not committed: " + "; ".join(missing))
+        committer = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
+        err: Optional[str] = None
+        if committer:
+            try:
+                _shmckpt.group_commit(self.ckpt.root, step, me, [p for p, _ in parts], metadata)
+            except ShmckptError as e:
+                err = f"rank {me} could not commit step {step} in its machine's root {self.ckpt.root}: {e}"
+                log.warning("%s", err)
+        errs = [e for e in self._gather(err, "every machine's commit") if e is not None]
+        if errs:
+            raise ReplicationError(f"step {step} is not committed on every machine: " + "; ".join(errs))
+
     # -- load --------------------------------------------------------------------------
+    def agree_step(self, sel: Optional[int]) -> None:
+        """Collective before a load with node-local roots (nothing otherwise): the ranks
+        agree on the step (``sel``, or the newest any machine committed), and each rank
+        whose root lacks that step's manifest (its machine was replaced) adopts a peer's
+        (``shmckpt::commit::adopt_manifest``: checked, published as ``step-N/`` holding
+        the manifest; the rank's file then comes from its partner's replica)."""
+        if not self.node_local:
+            return
+        self._drain()
+        if self.broken is not None:
+            return  # no collective on a failed group: each rank loads what its root holds
+        try:
+            self._agree_step(sel)
+        except _GroupFailed as e:
+            self.broken = f"in a load: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load: {e}") from None
+
+    def _agree_step(self, sel: Optional[int]) -> None:
+        me = self.ckpt.rank
+        mine = sel if sel is not None else self.ckpt.latest()
+        have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
+        seen = self._gather((mine, have), "the step every rank has")
+        steps = [s for s, _ in seen if s is not None]
+        if sel is not None and any(s != sel for s, _ in seen):
+            raise ReplicationError(f"the ranks load different steps: {[s for s, _ in seen]}")
+        if not steps:
+            return
+        target = max(steps)
+        holders = [r for r, (s, h) in enumerate(seen) if s == target and h]
+        if len(holders) == len(seen):
+            return
+        if not holders:
+            raise ReplicationError(f"no rank's root holds the manifest of step {target}")
+        src = holders[0]
+        obj: List[Any] = [str(self.ckpt._engine.manifest(target)).encode() if me == src else None]
+        try:
+            self._dist.broadcast_object_list(obj, src=src, group=self.group)
+        except RuntimeError as e:
+            raise _GroupFailed(f"the replication group failed while sending the manifest of step {target}: {e}") from e
+        # One rank per machine (its lowest) adopts it: the machine's ranks share its root.
+        err: Optional[str] = None
+        if me not in holders and me == min(r for r, n in enumerate(self.nodes) if n == self.node):
+            try:
+                _shmckpt.group_adopt_manifest(self.ckpt.root, target, obj[0])
+                log.info("rank %d: adopted rank %d's manifest of step %d", me, src, target)
+            except ShmckptError as e:
+                err = f"rank {me} could not adopt rank {src}'s manifest of step {target} in {self.ckpt.root}: {e}"
+                log.warning("%s", err)
+        errs = [e for e in self._gather(err, "every machine's adoption of the manifest") if e is not None]
+        if errs:
+            raise ReplicationError("; ".join(errs))
+
     def _local_ok(self, step: int) -> bool:
         """Whether this rank's own file of ``step`` is there: a regular file (not followed
         through a link) of the manifest's size. The load checks every byte of it."""

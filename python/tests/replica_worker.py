@@ -9,7 +9,9 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         with REPLICA_WORKER_NOWAIT=1 every step is saved first and wait_replicated() called
         afterwards, newest step first; with REPLICA_WORKER_GOON=1 the ranks go on saving
         after a failed replication (no barrier after it), recording each failure;
-        REPLICA_WORKER_BW / REPLICA_WORKER_TIMEOUT: replica_bandwidth / replica_timeout
+        REPLICA_WORKER_BW / REPLICA_WORKER_TIMEOUT: replica_bandwidth / replica_timeout;
+        REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
+        machine's number (a root per machine)
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" and compare it with the state saved, bit for bit (with
         REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
@@ -56,6 +58,9 @@ def open_ckpt(root, rank, replicas):
     if os.environ.get("REPLICA_WORKER_BW"):
         bw = os.environ["REPLICA_WORKER_BW"]
         extra["replica_bandwidth"] = None if bw == "none" else float(bw)
+    if os.environ.get("REPLICA_WORKER_NODE_LOCAL") == "1":
+        extra["node_local_root"] = True
+        root = root.format(m=rank // 2)
     if os.environ.get("REPLICA_WORKER_TIMEOUT"):
         extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     return shmckpt.Checkpointer(

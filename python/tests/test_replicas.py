@@ -9,6 +9,7 @@ arenas and replicas of each test's own root are removed at its end.
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -518,3 +519,55 @@ def test_partner_killed_mid_transfer(tmp_path, droot):
     assert all(res["step"] == 2 and res["exact"] is True for res in loaded[:3])
     assert loaded[3]["error"] == "ReplicationError" and "step 2" in loaded[3]["message"]
     assert our_replicas(root) == [(2, 2), (3, 1)]
+
+
+def test_drill_node_local_roots(tmp_path):
+    """The drill with a machine's all: each simulated machine has its own /dev/shm and its
+    own root (``node_local_root=True``, no shared filesystem): every step commits through
+    the group, each machine's root holding its ranks' files and the step's manifest of all
+    4 ranks. Machine 1 is lost with its /dev/shm and its whole root; a fresh machine 1
+    restarts with an empty root; all 4 ranks load step 3 bit-exactly, ranks 2-3 from their
+    partners' replicas (their machine's root adopts the manifest from a peer)."""
+    namespaces_or_skip()
+    roots = [tmp_path / "m0" / "root", tmp_path / "m1" / "root"]
+    template = str(tmp_path / "m{m}" / "root")
+    env = {"REPLICA_WORKER_NODE_LOCAL": "1"}
+    machines = [Machine(), Machine()]
+    try:
+        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
+        saved = run_world(tmp_path, template, "save", 1, 1, 2, 3, prefix=prefix, env=env)
+        for res in saved:
+            assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
+            assert all(rep["k_safe"] and rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]} for rep in res["reports"])
+        files = {}
+        for m, root in enumerate(roots):
+            assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-2", "step-3"]
+            for s in (1, 2, 3):
+                man = json.loads((root / f"step-{s}" / "manifest.json").read_text())
+                assert man["step"] == s and [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
+                files.setdefault(s, man["files"])
+                assert man["files"] == files[s]  # the same entries on both machines
+                mine = sorted(f["file"] for f in man["files"] if f["rank"] // 2 == m)
+                parts = [f"rank-{r:05d}.manifest.json" for r in range(4)]  # as a shared root keeps them
+                assert sorted(p.name for p in (root / f"step-{s}").iterdir()) == sorted(mine + parts + ["manifest.json"])
+        tags = [_shmckpt.replica_tag(str(r)) for r in roots]
+        rep = lambda m, q: f"shmckpt-replica.{tags[m]}.r{q}.s3"  # noqa: E731
+        assert machines[0].shm() == sorted([kept_name(roots[0], 0), kept_name(roots[0], 1), rep(0, 2), rep(0, 3)])
+        assert machines[1].shm() == sorted([kept_name(roots[1], 2), kept_name(roots[1], 3), rep(1, 0), rep(1, 1)])
+
+        machines[1].kill()
+        shutil.rmtree(tmp_path / "m1")
+        machines[1] = Machine()
+        loaded = run_world(tmp_path, template, "load", 1, prefix=prefix, env=env)
+        for res in loaded:
+            assert "error" not in res, res
+            assert res["step"] == 3 and res["exact"] is True
+        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+        # Machine 1's new root: step 3 with the adopted manifest and its ranks' files.
+        man = json.loads((roots[1] / "step-3" / "manifest.json").read_text())
+        assert man["files"] == files[3]
+        mine = sorted(f["file"] for f in files[3] if f["rank"] >= 2)
+        assert sorted(p.name for p in (roots[1] / "step-3").iterdir()) == sorted(mine + ["manifest.json"])
+    finally:
+        for mach in machines:
+            mach.kill()
