@@ -1017,9 +1017,14 @@ class Checkpointer:
         not changed. Contiguous CPU destinations are read into directly; CUDA destinations
         through the staging memory with no host copy of your own. A step the local disk
         does not hold is read from the bucket (``remote=...``) into host memory, checked,
-        then copied into the destinations.
+        then copied into the destinations. With ``replicas > 0`` it is collective, as
+        :meth:`load` is: a rank whose file is lost gets it from a partner's replica first.
         """
+        if self._replicator is not None:
+            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), None)
+        if self._replicator is not None and where != "remote":
+            self._replicator.before_load(s)  # collective: a lost file comes from a peer
         if where == "remote":
             # Read (and checked) first; copied into the destinations after the planning.
             _, _, file_meta, remote_tensors = self._engine.load_remote(s)

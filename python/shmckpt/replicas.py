@@ -553,7 +553,8 @@ class Replicator:
             )
 
     def source(self, engine_source: Optional[Tuple[str, Any]]) -> Optional[Tuple[str, Any]]:
-        """``("peer", rank)`` when the last load read the file a partner's replica restored."""
-        if self._peer is not None and engine_source is not None and engine_source[0] == "disk":
+        """``("peer", rank)`` when the last load (or ``load_into``, which sets no source of
+        its own) read the file a partner's replica restored."""
+        if self._peer is not None and (engine_source is None or engine_source[0] == "disk"):
             return ("peer", self._peer)
         return engine_source

@@ -13,7 +13,8 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
         machine's number (a root per machine)
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
-        load "latest" and compare it with the state saved, bit for bit (with
+        load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors) and compare
+        it with the state saved, bit for bit (with
         REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
 
 OUT receives a JSON report.
@@ -162,12 +163,20 @@ def main():
         if os.environ.get("REPLICA_WORKER_DIE") == f"{rank}:load":
             os.kill(os.getpid(), 9)
         try:
-            state = ck.load("latest")
+            if os.environ.get("REPLICA_WORKER_LOAD_INTO") == "1":
+                # In place into zeroed tensors of the saved shapes (the step is "latest").
+                step = ck.latest()
+                state = rank_state(rank, step)
+                for t in state["model"].values():
+                    t.zero_()
+                ck.load_into({"model": state["model"]})
+            else:
+                state = ck.load("latest")
             step = ck.latest()
             res["step"] = step
             res["exact"] = digest(state) == digest(rank_state(rank, step))
             src = ck.last_load_source
-            res["source"] = [src[0], src[1]]
+            res["source"] = None if src is None else [src[0], src[1]]
         except shmckpt.ShmckptError as e:
             res["error"] = type(e).__name__
             res["message"] = str(e)

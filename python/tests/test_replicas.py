@@ -157,6 +157,21 @@ def test_lost_machine_is_restored_from_peers(tmp_path, droot):
         assert not (root / f"step-{s}" / names[2]).exists()
 
 
+def test_lost_machine_load_into_from_peers(tmp_path, droot):
+    """``load_into`` is collective with replicas, as ``load`` is: machine 1's ranks get
+    their files from their partners' replicas, then fill the caller's tensors (every
+    CRC-32C checked) bit-exactly."""
+    root = droot
+    run_world(tmp_path, root, "save", 1, 1, 2)
+    lose_machine_1(root, [1, 2])
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_LOAD_INTO": "1"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert res["step"] == 2 and res["exact"] is True
+    # load_into sets no source of its own; the peer's is said.
+    assert [res["source"] for res in loaded] == [None, None, ["peer", 0], ["peer", 1]]
+
+
 def test_replication_runs_in_the_background(tmp_path, droot):
     """Saves return at once and are replicated in order by the replication thread;
     wait_replicated() of any step, in any order (newest first here), returns its report."""
