@@ -33,7 +33,7 @@ last step saved:
      "disk"; the slowest rank).
 
 The checkpointer keeps nothing in memory (``keep_in_memory=False``), so C and D read
-files; the root is on local disk shared by the ranks (node-local roots are not built yet).
+files; the ranks share one root on local disk (``--root``, default a new temporary directory).
 ``--bandwidth`` is ``replica_bandwidth`` (bytes/s, or ``none``: unbounded, the default
 here, to set replication against the transport's limit; the library's default is 1 GiB/s).
 
@@ -265,8 +265,8 @@ def main() -> None:
     n, s = int(res["image_bytes"]), res["samples"]
     print(f"world {a.world} (2 simulated machines, gloo on 127.0.0.1), image {n / (1 << 20):.1f} MiB per rank, "
           f"replica_bandwidth {a.bandwidth}, {a.rounds} rounds (alternated), median (min-max)")
-    print(f"| measure | seconds | GiB/s per rank | x transport limit |")
-    print(f"| --- | --- | --- | --- |")
+    print("| measure | seconds | GiB/s per rank | x transport limit |")
+    print("| --- | --- | --- | --- |")
     print(f"| transport limit: plain isend/irecv, same bytes, same group | {med(s['transport_s'])} | {rate(n, s['transport_s'])} | 1 |")
     print(f"| replication exchange | {med(s['replication_exchange_s'])} | {rate(n, s['replication_exchange_s'])} | "
           f"{ratio(s['replication_exchange_s'], s['transport_s'])} |")
