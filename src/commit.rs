@@ -17,11 +17,17 @@
 //! that has every rank's durable part assembles them instead ([`assemble_ranks`]) and
 //! publishes the directory under its user's name ([`publish_dir`]).
 //!
+//! Node-local roots (a root per machine, peer replicas): the ranks move their parts through
+//! their process group and one rank of each machine commits its root with every part
+//! ([`commit_with_parts`]); a replaced machine adopts a peer's manifest ([`adopt_manifest`]).
+//!
 //! Retention renames `step-M` to `step-M.trash` (atomic: the checkpoint disappears from
 //! listings at once), fsyncs the root, then deletes the trash.
 
 mod assemble;
+mod group;
 pub use assemble::{assemble_ranks, publish_dir, publish_into};
+pub use group::{adopt_manifest, commit_with_parts, own_part};
 
 use std::fs::File;
 use std::os::fd::AsFd;

@@ -17,6 +17,9 @@ __all__ = [
     "__version__",
     "assemble_ranks",
     "dtypes",
+    "group_adopt_manifest",
+    "group_commit",
+    "group_own_part",
     "link_step",
     "linked_step",
     "linked_steps",
@@ -229,4 +232,16 @@ def replica_list() -> List[Tuple[str, str, int, int, int, int]]:
 
 def replica_remove(name: str) -> None:
     """Remove this user's replica ``name`` (never through a link)."""
+    ...
+
+def group_own_part(root: str, step: int, rank: int) -> bytes:
+    """This rank's manifest part of ``step`` (JSON), for a commit through the group."""
+    ...
+
+def group_commit(root: str, step: int, rank: int, parts: List[bytes], metadata: Dict[str, str]) -> str:
+    """Commit ``step`` in this machine's ``root`` from every rank's part; the directory."""
+    ...
+
+def group_adopt_manifest(root: str, step: int, manifest: bytes) -> str:
+    """Publish a peer's committed manifest of ``step`` in this machine's ``root``."""
     ...

@@ -87,6 +87,7 @@ class SaveHandle:
         self._rust: Optional[Any] = None
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None  # shmckpt.replicas.Replicator with replicas > 0
+        self._metadata: Dict[str, str] = {}
         # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
         self._devices: List[int] = []
         self._snapshot = False  # save(..., snapshot="device"): the guard takes a snapshot
@@ -336,6 +337,15 @@ class Checkpointer:
     ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
     oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
     back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
+
+    ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
+    second each rank sends replicas at, at most, default 1 GiB/s, ``None`` unbounded;
+    ``replica_timeout``: seconds a replication step waits for a peer, default 300) keeps
+    each rank's committed file in the memory of ``k`` ranks on other machines;
+    ``node_local_root=True`` (with ``replicas > 0``): ``root`` is this machine's own disk,
+    not shared, and every step commits through the process group (in the replication
+    thread: ``wait_replicated()``, not ``wait()``, says it is committed); see
+    ``docs/replicas.md``.
     """
 
     def __init__(
@@ -358,6 +368,9 @@ class Checkpointer:
         replicas: int = 0,
         node: Optional[str] = None,
         replica_group: Any = None,
+        replica_bandwidth: Optional[float] = float(1 << 30),
+        replica_timeout: float = 300.0,
+        node_local_root: bool = False,
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
@@ -412,11 +425,19 @@ class Checkpointer:
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None
-        if replicas:
+        if replicas or node_local_root:
             from .replicas import Replicator
 
             try:
-                self._replicator = Replicator(self, replicas, node, replica_group)
+                self._replicator = Replicator(
+                    self,
+                    replicas,
+                    node,
+                    replica_group,
+                    bandwidth=replica_bandwidth,
+                    timeout=replica_timeout,
+                    node_local=node_local_root,
+                )
             except BaseException:
                 self._engine.close()
                 raise
@@ -714,6 +735,7 @@ class Checkpointer:
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
         handle._replicator = self._replicator
+        handle._metadata = meta  # node-local roots: the manifest's, committed through the group
         if not finishes:
             handle._devices = sorted(devices)
 
@@ -889,6 +911,8 @@ class Checkpointer:
         the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
         the bucket. :attr:`last_load_source` says which served it.
         """
+        if self._replicator is not None and source != "remote":
+            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), source)
         if self._replicator is not None and where != "remote":
             self._replicator.before_load(s)  # collective: a lost file comes from a peer
@@ -1008,9 +1032,15 @@ class Checkpointer:
         through the staging memory with no host copy of your own. A step the local disk
         does not hold is read from the bucket (``remote=...``): into CUDA destinations
         through CUDA-registered staging buffers (no host copy of the file), else into host
-        memory, checked, then copied into the destinations.
+        memory, checked, then copied into the destinations. With ``replicas > 0`` it is
+        collective, as :meth:`load` is: a rank whose file is lost gets it from a partner's
+        replica first.
         """
+        if self._replicator is not None:
+            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), None)
+        if self._replicator is not None and where != "remote":
+            self._replicator.before_load(s)  # collective: a lost file comes from a peer
         if where == "remote":
             # The manifest's entry and the header's skeleton; the data after the planning.
             entry = _remote.rank_entry(self, s)

@@ -26,9 +26,20 @@ from .errors import ConfigError, ReplicationError, ShmckptError
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer, SaveHandle
 
-__all__ = ["Replicator", "node_of", "list_replicas", "remove_replica"]
+__all__ = ["Replicator", "node_of", "list_replicas", "remove_replica", "DEFAULT_BANDWIDTH", "DEFAULT_TIMEOUT"]
 
 log = logging.getLogger("shmckpt.replicas")
+
+#: Default ``replica_bandwidth``: bytes per second each rank sends its replicas at, at most
+#: (1 GiB/s; ``None``: unbounded).
+DEFAULT_BANDWIDTH: Optional[float] = float(1 << 30)
+#: Default ``replica_timeout``: seconds a step of the replication exchange waits for a peer.
+DEFAULT_TIMEOUT = 300.0
+#: Pacing: a paced send is cut in pieces of this many seconds of the bandwidth...
+_PACE_SECONDS = 0.05
+#: ...of at least this many bytes and at most this many (unbounded: the largest).
+_PIECE_MIN = 64 << 10
+_PIECE_MAX = 64 << 20
 
 
 def node_of(rank: int, node: Optional[str] = None) -> str:
@@ -59,20 +70,55 @@ def remove_replica(name: str) -> None:
     _shmckpt.replica_remove(name)
 
 
+class _GroupFailed(Exception):
+    """The replication group failed (internal: turned into
+    :class:`~shmckpt.errors.ReplicationError`, and replication stops)."""
+
+    def __init__(self, message: str, peers: Sequence[int] = ()):
+        super().__init__(message)
+        self.peers = list(peers)
+
+
 class Replicator:
     """The replication of one :class:`~shmckpt.Checkpointer` (built by it when
     ``replicas > 0``). Construction is collective over the group."""
 
-    def __init__(self, ckpt: "Checkpointer", replicas: int, node: Optional[str], group: Any):
+    def __init__(
+        self,
+        ckpt: "Checkpointer",
+        replicas: int,
+        node: Optional[str],
+        group: Any,
+        bandwidth: Optional[float] = DEFAULT_BANDWIDTH,
+        timeout: float = DEFAULT_TIMEOUT,
+        node_local: bool = False,
+    ):
+        import datetime
+
         import torch.distributed as dist
 
+        if node_local and int(replicas) <= 0:
+            raise ConfigError("node_local_root=True needs replicas > 0 (a lost machine's files come from its partners)")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("replicas > 0 needs torch.distributed initialized")
+        if bandwidth is not None and not (float(bandwidth) > 0):
+            raise ConfigError(f"replica_bandwidth must be a positive number of bytes per second or None, not {bandwidth!r}")
+        if not (float(timeout) > 0):
+            raise ConfigError(f"replica_timeout must be a positive number of seconds, not {timeout!r}")
         self._dist = dist
         self.ckpt = ckpt
         self.replicas = int(replicas)
+        #: Bytes per second this rank sends replicas at, at most (None: unbounded).
+        self.bandwidth: Optional[float] = None if bandwidth is None else float(bandwidth)
+        #: Seconds any step of the replication exchange may wait for a peer (the timeout of
+        #: the group made here; a ``replica_group`` given keeps its own timeout).
+        self.timeout = float(timeout)
+        #: Node-local roots: ``ckpt.root`` is this machine's own; steps commit through the group.
+        self.node_local = bool(node_local)
+        #: Why replication stopped (the group failed: a rank died or timed out), or None.
+        self.broken: Optional[str] = None
         if group is None:
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self.group = group
         if dist.get_world_size(group) != ckpt.world_size or dist.get_rank(group) != ckpt.rank:
             raise ConfigError(
@@ -81,9 +127,11 @@ class Replicator:
                 f"checkpointer rank {ckpt.rank} of {ckpt.world_size})"
             )
         self.node = node_of(ckpt.rank, node)
-        nodes: List[Any] = [None] * ckpt.world_size
-        dist.all_gather_object(nodes, self.node, group=group)
-        self.nodes: List[str] = [str(n) for n in nodes]
+        mine: List[Any] = [None] * ckpt.world_size
+        dist.all_gather_object(mine, (self.node, self.bandwidth), group=group)
+        self.nodes: List[str] = [str(n) for n, _ in mine]
+        #: Every rank's ``replica_bandwidth`` (the pieces its images travel in follow it).
+        self.bandwidths: List[Optional[float]] = [None if b is None else float(b) for _, b in mine]
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
@@ -97,36 +145,88 @@ class Replicator:
         self._thread: Optional[threading.Thread] = None
 
     # -- helpers -----------------------------------------------------------------------
-    def _gather(self, obj: Any) -> List[Any]:
+    def _gather(self, obj: Any, what: str) -> List[Any]:
         out: List[Any] = [None] * self.ckpt.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
+            raise _GroupFailed(
+                f"the replication group failed while gathering {what} (a rank died, or was "
+                f"silent for more than the group's timeout, {self.timeout:g} s by default): {e}"
+            ) from e
         return out
 
     def _sizes(self, step: int) -> Dict[int, int]:
         m = self.ckpt.manifest(step)
         return {int(f["rank"]): int(f["bytes"]) for f in m["files"]}
 
-    def _exchange(self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]]) -> Dict[int, Any]:
-        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)``, all posted at once;
-        returns the received uint8 tensors by source."""
+    def _pieces(self, n: int, sender: int) -> List[Tuple[int, int]]:
+        """The ``(start, end)`` pieces an image of ``n`` bytes from ``sender`` travels in
+        (from the sender's bandwidth setting, which every rank knows: both ends cut alike)."""
+        bw = self.bandwidths[sender]
+        size = _PIECE_MAX if bw is None else max(_PIECE_MIN, min(_PIECE_MAX, int(bw * _PACE_SECONDS)))
+        return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
+
+    def _exchange(
+        self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]], paced: bool
+    ) -> Tuple[Dict[int, Any], int, float]:
+        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)`` (receives posted first,
+        then the sends, piece by piece, one destination after the other in turn, no faster
+        than :attr:`bandwidth` when ``paced``); returns the received uint8 tensors by
+        source, the bytes sent and the seconds the exchange took. A transfer that fails (the
+        peer died, or was silent for the group's timeout) raises :class:`_GroupFailed`
+        naming the peers, once every other transfer has finished or failed."""
         import torch
 
         dist = self._dist
-        works = []
-        keep = []
-        for dst, buf in sends:
-            t = torch.from_numpy(np.asarray(buf))
-            keep.append((buf, t))
-            works.append(dist.isend(t, dst=dst, group=self.group))
+        me = self.ckpt.rank
+        t0 = time.monotonic()
+        works: List[Tuple[int, str, Any]] = []
+        failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
         for src, n in recvs:
             t = torch.empty(n, dtype=torch.uint8)
             got[src] = t
-            works.append(dist.irecv(t, src=src, group=self.group))
-        for w in works:
-            w.wait()
+            for a, b in self._pieces(n, src):
+                try:
+                    works.append((src, "receiving from", dist.irecv(t[a:b], src=src, group=self.group)))
+                except RuntimeError as e:
+                    failed.setdefault(src, f"receiving from rank {src}: {e}")
+        keep = [(dst, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
+        todo = [(dst, t, self._pieces(t.numel(), me)) for dst, t in keep]
+        sent = 0
+        bw = self.bandwidth if paced else None
+        while any(p for _, _, p in todo):
+            for dst, t, pieces in todo:
+                if not pieces:
+                    continue
+                a, b = pieces.pop(0)
+                if dst in failed:
+                    continue
+                if bw is not None:
+                    ahead = t0 + sent / bw - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                try:
+                    works.append((dst, "sending to", dist.isend(t[a:b], dst=dst, group=self.group)))
+                except RuntimeError as e:
+                    failed.setdefault(dst, f"sending to rank {dst}: {e}")
+                sent += b - a
+        for peer, what, w in works:
+            try:
+                w.wait()
+            except RuntimeError as e:
+                failed.setdefault(peer, f"{what} rank {peer}: {e}")
         del keep
-        return got
+        if failed:
+            got.clear()
+            peers = ", ".join(f"rank {p}" for p in sorted(failed))
+            raise _GroupFailed(
+                f"the transfer with partner {peers} failed (it died, or was silent for more "
+                f"than the group's timeout, {self.timeout:g} s by default): " + "; ".join(failed.values()),
+                peers=sorted(failed),
+            )
+        return got, sent, time.monotonic() - t0
 
     # -- the replication thread --------------------------------------------------------
     def enqueue(self, handle: "SaveHandle") -> None:
@@ -209,21 +309,26 @@ class Replicator:
             handle.wait()
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        if self.broken is not None:
+            msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
+            log.warning("%s", msg)
+            raise ReplicationError(msg)
         try:
-            return self._replicate(step, failure, t0)
-        except ShmckptError:
-            raise
-        except RuntimeError as e:  # torch.distributed: a partner died, or the group timed out
-            raise ReplicationError(
-                f"step {step} is not {self.replicas}-safe: the replication group failed "
-                f"(a rank died or timed out; the group cannot be used again): {e}"
-            ) from e
+            return self._replicate(step, failure, t0, dict(getattr(handle, "_metadata", {})))
+        except _GroupFailed as e:
+            # The group cannot be used again (gloo): later steps are skipped, not hung on.
+            self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
+            log.warning("rank %d: %s", self.ckpt.rank, self.broken)
+            raise ReplicationError(f"step {step} is not {self.replicas}-safe: {e}") from None
 
-    def _replicate(self, step: int, failure: Optional[str], t0: float) -> Dict[str, Any]:
-        # Every rank's file is durable once every rank's wait returned: the step is committed.
-        failures = [f for f in self._gather(failure) if f is not None]
+    def _replicate(self, step: int, failure: Optional[str], t0: float, metadata: Dict[str, str]) -> Dict[str, Any]:
+        # Every rank's file is durable once every rank's wait returned: the step is committed
+        # (a shared root), or can be (node-local roots: committed here, through the group).
+        failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
         if failures:
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
+        if self.node_local:
+            self._commit_through_group(step, metadata)
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None
@@ -233,23 +338,24 @@ class Replicator:
         except ShmckptError as e:
             problem = f"rank {me} cannot read its image of step {step}: {e}"
             log.warning("%s", problem)
-        readable = self._gather(image is not None)
+        readable = self._gather(image is not None, "who can send its image")
         sizes = self._sizes(step)
         sources = [q for q in range(self.ckpt.world_size) if me in self.plan[q] and readable[q]]
         sends = [(t, image) for t in self.plan[me]] if image is not None else []
-        got = self._exchange(sends, [(q, sizes[q]) for q in sources])
+        got, sent, transfer = self._exchange(sends, [(q, sizes[q]) for q in sources], paced=True)
         del image
         held: List[int] = []
         problems: Dict[int, str] = {}
-        for q, t in got.items():
+        for q in sorted(got):
+            data = got.pop(q).numpy().tobytes()  # the tensor freed before the store
             try:
-                _shmckpt.replica_store(root, step, q, t.numpy().tobytes())
+                _shmckpt.replica_store(root, step, q, data)
                 held.append(q)
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
-        got.clear()
-        everyone = self._gather((held, problems, problem))
+            del data
+        everyone = self._gather((held, problems, problem), "who holds which image")
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
         for r, (h, probs, p) in enumerate(everyone):
@@ -265,6 +371,9 @@ class Replicator:
             "holders": holders,
             "k_safe": k_safe,
             "seconds": time.monotonic() - t0,
+            "bytes_sent": sent,
+            "transfer_seconds": transfer,
+            "bandwidth": self.bandwidth,
             "problems": all_problems,
         }
         if not k_safe:
@@ -274,7 +383,88 @@ class Replicator:
             )
         return report
 
+    def _commit_through_group(self, step: int, metadata: Dict[str, str]) -> None:
+        """Node-local roots: every rank's file of ``step`` is durable on its machine; the
+        ranks gather every manifest part, and the lowest rank of each machine commits its
+        root with all of them (``shmckpt::commit::commit_with_parts``: the one commit
+        protocol). :class:`~shmckpt.errors.ReplicationError` on every rank when a part is
+        missing or some machine could not commit."""
+        me = self.ckpt.rank
+        part: Optional[bytes] = None
+        problem: Optional[str] = None
+        try:
+            part = bytes(_shmckpt.group_own_part(self.ckpt.root, step, me))
+        except ShmckptError as e:
+            problem = f"rank {me} has no manifest part of step {step}: {e}"
+        parts = self._gather((part, problem), "every rank's manifest part")
+        missing = [p for _, p in parts if p is not None]
+        if missing:
+            raise ReplicationError(f"step {step} is not committed: " + "; ".join(missing))
+        committer = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
+        err: Optional[str] = None
+        if committer:
+            try:
+                _shmckpt.group_commit(self.ckpt.root, step, me, [p for p, _ in parts], metadata)
+            except ShmckptError as e:
+                err = f"rank {me} could not commit step {step} in its machine's root {self.ckpt.root}: {e}"
+                log.warning("%s", err)
+        errs = [e for e in self._gather(err, "every machine's commit") if e is not None]
+        if errs:
+            raise ReplicationError(f"step {step} is not committed on every machine: " + "; ".join(errs))
+
     # -- load --------------------------------------------------------------------------
+    def agree_step(self, sel: Optional[int]) -> None:
+        """Collective before a load with node-local roots (nothing otherwise): the ranks
+        agree on the step (``sel``, or the newest any machine committed), and each rank
+        whose root lacks that step's manifest (its machine was replaced) adopts a peer's
+        (``shmckpt::commit::adopt_manifest``: checked, published as ``step-N/`` holding
+        the manifest; the rank's file then comes from its partner's replica)."""
+        if not self.node_local:
+            return
+        self._drain()
+        if self.broken is not None:
+            return  # no collective on a failed group: each rank loads what its root holds
+        try:
+            self._agree_step(sel)
+        except _GroupFailed as e:
+            self.broken = f"in a load: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load: {e}") from None
+
+    def _agree_step(self, sel: Optional[int]) -> None:
+        me = self.ckpt.rank
+        mine = sel if sel is not None else self.ckpt.latest()
+        have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
+        seen = self._gather((mine, have), "the step every rank has")
+        steps = [s for s, _ in seen if s is not None]
+        if sel is not None and any(s != sel for s, _ in seen):
+            raise ReplicationError(f"the ranks load different steps: {[s for s, _ in seen]}")
+        if not steps:
+            return
+        target = max(steps)
+        holders = [r for r, (s, h) in enumerate(seen) if s == target and h]
+        if len(holders) == len(seen):
+            return
+        if not holders:
+            raise ReplicationError(f"no rank's root holds the manifest of step {target}")
+        src = holders[0]
+        obj: List[Any] = [str(self.ckpt._engine.manifest(target)).encode() if me == src else None]
+        try:
+            self._dist.broadcast_object_list(obj, src=src, group=self.group)
+        except RuntimeError as e:
+            raise _GroupFailed(f"the replication group failed while sending the manifest of step {target}: {e}") from e
+        # One rank per machine (its lowest) adopts it: the machine's ranks share its root.
+        err: Optional[str] = None
+        if me not in holders and me == min(r for r, n in enumerate(self.nodes) if n == self.node):
+            try:
+                _shmckpt.group_adopt_manifest(self.ckpt.root, target, obj[0])
+                log.info("rank %d: adopted rank %d's manifest of step %d", me, src, target)
+            except ShmckptError as e:
+                err = f"rank {me} could not adopt rank {src}'s manifest of step {target} in {self.ckpt.root}: {e}"
+                log.warning("%s", err)
+        errs = [e for e in self._gather(err, "every machine's adoption of the manifest") if e is not None]
+        if errs:
+            raise ReplicationError("; ".join(errs))
+
     def _local_ok(self, step: int) -> bool:
         """Whether this rank's own file of ``step`` is there: a regular file (not followed
         through a link) of the manifest's size. The load checks every byte of it."""
@@ -299,22 +489,29 @@ class Replicator:
         group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
         self._peer = None
         self._drain()
+        if self.broken is not None:
+            # No collective on a failed group: a rank with its own file loads it; one
+            # without raises (no partner can be asked).
+            if self._local_ok(step):
+                log.warning("rank %d: load of step %d without peers: replication stopped, %s", self.ckpt.rank, step, self.broken)
+                return
+            raise ReplicationError(
+                f"rank {self.ckpt.rank}: its file of step {step} is missing or of the wrong size, and "
+                f"no partner can be asked: replication stopped, {self.broken}"
+            )
         try:
             self._before_load(step)
-        except ShmckptError:
-            raise
-        except RuntimeError as e:  # torch.distributed: a rank died, or the group timed out
-            raise ReplicationError(
-                f"load of step {step}: the replication group failed (a rank died or timed out): {e}"
-            ) from e
+        except _GroupFailed as e:
+            self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load of step {step}: {e}") from None
 
     def _before_load(self, step: int) -> None:
         me = self.ckpt.rank
         root = self.ckpt.root
-        steps = self._gather(step)
+        steps = self._gather(step, "the step every rank loads")
         if len(set(steps)) != 1:
             raise ReplicationError(f"the ranks load different steps: {steps}")
-        needs = self._gather(not self._local_ok(step))
+        needs = self._gather(not self._local_ok(step), "who needs a replica")
         needy = [q for q, n in enumerate(needs) if n]
         if not needy:
             return
@@ -326,7 +523,7 @@ class Replicator:
                 can[q] = _shmckpt.replica_load(root, step, q)
             except ShmckptError as e:
                 log.warning("replica of rank %d, step %d not served: %s", q, step, e)
-        offers = self._gather(sorted(can))
+        offers = self._gather(sorted(can), "who can serve a replica")
         server: Dict[int, int] = {}
         for q in needy:
             for r in self.plan[q]:
@@ -337,7 +534,7 @@ class Replicator:
         recvs = []
         if me in server:
             recvs.append((server[me], self._sizes(step)[me]))
-        got = self._exchange(sends, recvs)
+        got, _, _ = self._exchange(sends, recvs, paced=False)
         can.clear()
         why = "no partner holds a replica of it that passes the checks"
         for src, t in got.items():
@@ -356,7 +553,8 @@ class Replicator:
             )
 
     def source(self, engine_source: Optional[Tuple[str, Any]]) -> Optional[Tuple[str, Any]]:
-        """``("peer", rank)`` when the last load read the file a partner's replica restored."""
-        if self._peer is not None and engine_source is not None and engine_source[0] == "disk":
+        """``("peer", rank)`` when the last load (or ``load_into``, which sets no source of
+        its own) read the file a partner's replica restored."""
+        if self._peer is not None and (engine_source is None or engine_source[0] == "disk"):
             return ("peer", self._peer)
         return engine_source

@@ -3,6 +3,7 @@
 //! crate's `shmckpt::replica`. The transport (torch.distributed) is the Python module's.
 //! Every call that reads or writes an image releases the GIL.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -100,7 +101,49 @@ fn replica_remove(py: Python<'_>, name: &str) -> PyResult<()> {
     shmckpt::replica::remove(name).map_err(|e| to_py(py, e))
 }
 
+/// This rank's manifest part of `step` (JSON), for a commit through the process group
+/// (node-local roots; `shmckpt::commit::own_part`).
+#[pyfunction]
+fn group_own_part(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResult<Vec<u8>> {
+    py.detach(|| shmckpt::commit::own_part(&root, step, rank))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Commit `step` in this machine's `root` from every rank's part
+/// (`shmckpt::commit::commit_with_parts`); returns the committed directory.
+#[pyfunction]
+fn group_commit(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    parts: Vec<PyBackedBytes>,
+    metadata: BTreeMap<String, String>,
+) -> PyResult<String> {
+    let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+    py.detach(|| shmckpt::commit::commit_with_parts(&root, step, rank, &borrowed, &metadata))
+        .map(|p| p.display().to_string())
+        .map_err(|e| to_py(py, e))
+}
+
+/// Publish a peer's committed manifest of `step` in this machine's `root`
+/// (`shmckpt::commit::adopt_manifest`); returns the step directory.
+#[pyfunction]
+fn group_adopt_manifest(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    manifest: PyBackedBytes,
+) -> PyResult<String> {
+    py.detach(|| shmckpt::commit::adopt_manifest(&root, step, &manifest))
+        .map(|p| p.display().to_string())
+        .map_err(|e| to_py(py, e))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(group_own_part, m)?)?;
+    m.add_function(wrap_pyfunction!(group_commit, m)?)?;
+    m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(replica_plan, m)?)?;
     m.add_function(wrap_pyfunction!(replica_name, m)?)?;
     m.add_function(wrap_pyfunction!(replica_tag, m)?)?;

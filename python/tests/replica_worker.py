@@ -4,10 +4,17 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
     python replica_worker.py save ROOT RANK WORLD PORT OUT REPLICAS STEP...
         save each STEP (non-blocking) and wait_replicated() after it (REPLICAS > 0);
         with REPLICA_WORKER_DIE=RANK:STEP that rank kills itself once its save of STEP is
-        durable, before replicating it; with REPLICA_WORKER_NOWAIT=1 every step is saved
-        first and wait_replicated() called afterwards, newest step first
+        durable, before replicating it, and with RANK:STEP:mid once it has sent the first
+        piece of its image of STEP (its second ``isend``: the middle of the transfer);
+        with REPLICA_WORKER_NOWAIT=1 every step is saved first and wait_replicated() called
+        afterwards, newest step first; with REPLICA_WORKER_GOON=1 the ranks go on saving
+        after a failed replication (no barrier after it), recording each failure;
+        REPLICA_WORKER_BW / REPLICA_WORKER_TIMEOUT: replica_bandwidth / replica_timeout;
+        REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
+        machine's number (a root per machine)
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
-        load "latest" and compare it with the state saved, bit for bit (with
+        load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors) and compare
+        it with the state saved, bit for bit (with
         REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
 
 OUT receives a JSON report.
@@ -17,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -47,6 +55,15 @@ def digest(state):
 def open_ckpt(root, rank, replicas):
     import shmckpt
 
+    extra = {}
+    if os.environ.get("REPLICA_WORKER_BW"):
+        bw = os.environ["REPLICA_WORKER_BW"]
+        extra["replica_bandwidth"] = None if bw == "none" else float(bw)
+    if os.environ.get("REPLICA_WORKER_NODE_LOCAL") == "1":
+        extra["node_local_root"] = True
+        root = root.format(m=rank // 2)
+    if os.environ.get("REPLICA_WORKER_TIMEOUT"):
+        extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     return shmckpt.Checkpointer(
         root,
         staging_capacity=8 << 20,
@@ -54,7 +71,24 @@ def open_ckpt(root, rank, replicas):
         keep_in_memory=True,
         replicas=replicas,
         node=f"m{rank // 2}",
+        **extra,
     )
+
+
+def die_mid_transfer():
+    """Kill this process at its second ``isend`` (after the first piece of its image went)."""
+    import torch.distributed as dist
+
+    real = dist.isend
+    calls = []
+
+    def isend(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), 9)
+        return real(*args, **kwargs)
+
+    dist.isend = isend
 
 
 def main():
@@ -81,22 +115,34 @@ def main():
                 rep = h.wait_replicated()
                 rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
                 res["reports"].append(rep)
+        goon = os.environ.get("REPLICA_WORKER_GOON") == "1"
+        broken = False
         for step in steps:
+            t0 = time.monotonic()
             h = ck.save(step, rank_state(rank, step), blocking=False)
             if die == f"{rank}:{step}":
                 h.wait()
                 os.kill(os.getpid(), 9)
+            if die == f"{rank}:{step}:mid":
+                die_mid_transfer()
             if replicas > 0:
                 try:
                     rep = h.wait_replicated()
                 except shmckpt.ReplicationError as e:
-                    # The group is broken: report and leave without another collective.
-                    res["error"] = type(e).__name__
-                    res["failed_step"] = step
-                    ck.close()
-                    with open(out, "w") as f:
-                        json.dump(res, f)
-                    os._exit(0)
+                    h.wait()
+                    res.setdefault("error", type(e).__name__)
+                    res.setdefault("failed_step", step)
+                    res.setdefault("failures", []).append(
+                        {"step": step, "message": str(e), "seconds": time.monotonic() - t0}
+                    )
+                    if not goon:
+                        # The group is broken: report and leave without another collective.
+                        ck.close()
+                        with open(out, "w") as f:
+                            json.dump(res, f)
+                        os._exit(0)
+                    broken = True
+                    continue
                 rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
                 res["reports"].append(rep)
             else:
@@ -106,17 +152,31 @@ def main():
                     res["wait_replicated"] = "returned"
                 except shmckpt.ConfigError as e:
                     res["wait_replicated"] = type(e).__name__
-            dist.barrier()
+            if not broken:
+                dist.barrier()
+        if broken:  # a rank is dead: no more collectives
+            ck.close()
+            with open(out, "w") as f:
+                json.dump(res, f)
+            os._exit(0)
     else:
         if os.environ.get("REPLICA_WORKER_DIE") == f"{rank}:load":
             os.kill(os.getpid(), 9)
         try:
-            state = ck.load("latest")
+            if os.environ.get("REPLICA_WORKER_LOAD_INTO") == "1":
+                # In place into zeroed tensors of the saved shapes (the step is "latest").
+                step = ck.latest()
+                state = rank_state(rank, step)
+                for t in state["model"].values():
+                    t.zero_()
+                ck.load_into({"model": state["model"]})
+            else:
+                state = ck.load("latest")
             step = ck.latest()
             res["step"] = step
             res["exact"] = digest(state) == digest(rank_state(rank, step))
             src = ck.last_load_source
-            res["source"] = [src[0], src[1]]
+            res["source"] = None if src is None else [src[0], src[1]]
         except shmckpt.ShmckptError as e:
             res["error"] = type(e).__name__
             res["message"] = str(e)

@@ -9,6 +9,7 @@ arenas and replicas of each test's own root are removed at its end.
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -154,6 +155,21 @@ def test_lost_machine_is_restored_from_peers(tmp_path, droot):
         assert np.asarray(_shmckpt.replica_read_committed(str(root), 3, f["rank"])).size == f["bytes"]
     for s in (1, 2):
         assert not (root / f"step-{s}" / names[2]).exists()
+
+
+def test_lost_machine_load_into_from_peers(tmp_path, droot):
+    """``load_into`` is collective with replicas, as ``load`` is: machine 1's ranks get
+    their files from their partners' replicas, then fill the caller's tensors (every
+    CRC-32C checked) bit-exactly."""
+    root = droot
+    run_world(tmp_path, root, "save", 1, 1, 2)
+    lose_machine_1(root, [1, 2])
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_LOAD_INTO": "1"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert res["step"] == 2 and res["exact"] is True
+    # load_into sets no source of its own; the peer's is said.
+    assert [res["source"] for res in loaded] == [None, None, ["peer", 0], ["peer", 1]]
 
 
 def test_replication_runs_in_the_background(tmp_path, droot):
@@ -458,6 +474,115 @@ def test_drill_private_shm_per_machine(tmp_path, root):
             assert "error" not in res, res
             assert res["step"] == 3 and res["exact"] is True
         assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    finally:
+        for mach in machines:
+            mach.kill()
+
+
+def test_partner_killed_mid_transfer(tmp_path, droot):
+    """Replication at 256 KiB/s per rank (pieces of 64 KiB) with a 5 s group timeout; rank 3
+    dies once the first piece of its image of step 2 is sent. Step 2 is never reported
+    1-safe: rank 1 (its partner) gets a ReplicationError naming rank 3, every survivor's
+    within the timeout; the survivors' save of step 3 completes and its replication is
+    skipped at once (ReplicationError saying why). After machine 1 is lost, rank 2 loads
+    step 2 bit-exactly from the replica rank 0 stored (that pair's transfer completed), ranks
+    0-1 from disk (their kept arenas hold the uncommitted step 3), and
+    rank 3 gets ReplicationError: its cut transfer was never stored, and its step 1
+    replica is never served for step 2."""
+    root = droot
+    bw = 256 << 10
+    saved = run_world(
+        tmp_path, root, "save", 1, 1, 2, 3,
+        env={"REPLICA_WORKER_DIE": "3:2:mid", "REPLICA_WORKER_GOON": "1",
+             "REPLICA_WORKER_BW": str(bw), "REPLICA_WORKER_TIMEOUT": "5"},
+        codes_want=[0, 0, 0, -9],
+    )
+    assert saved[3] is None
+    m1 = json.loads((root / "step-1" / "manifest.json").read_text())
+    size = {f["rank"]: f["bytes"] for f in m1["files"]}
+    for r, res in enumerate(saved[:3]):
+        (rep,) = res["reports"]
+        assert rep["step"] == 1 and rep["k_safe"] is True and rep["bandwidth"] == bw
+        # Paced: the first 64 KiB piece goes at once, the rest no faster than 256 KiB/s.
+        assert rep["bytes_sent"] == size[r] and size[r] > 2 * (64 << 10)
+        assert rep["transfer_seconds"] >= (size[r] - (64 << 10)) / bw
+        assert [f["step"] for f in res["failures"]] == [2, 3]
+        f2, f3 = res["failures"]
+        assert "step 2 is not 1-safe" in f2["message"]
+        assert f2["seconds"] < 5 + 25  # bounded by the group timeout, never hung
+        assert "step 3 is not replicated (skipped): replication stopped, since step 2" in f3["message"]
+        assert f3["seconds"] < 5  # the save returns, its replication is skipped at once
+    assert "partner rank 3" in saved[1]["failures"][0]["message"]
+    # Step 3 never committed (rank 3 died); rank 0 and 2 swapped step 2; 1 and 3 did not.
+    assert not (root / "step-3" / "manifest.json").exists()
+    assert our_replicas(root) == [(0, 2), (1, 1), (2, 2), (3, 1)]
+
+    # Lose machine 1: its kept arenas, the replicas it held, its ranks' files.
+    for r in (2, 3):
+        (pathlib.Path("/dev/shm") / kept_name(root, r)).unlink()
+    remove_replica(_shmckpt.replica_name(str(root), 0, 2))
+    remove_replica(_shmckpt.replica_name(str(root), 1, 1))
+    m2 = json.loads((root / "step-2" / "manifest.json").read_text())
+    for s in (1, 2):
+        for f in m2["files"]:
+            if f["rank"] in (2, 3):
+                (root / f"step-{s}" / f["file"]).unlink()
+    loaded = run_world(tmp_path, root, "load", 1)
+    # Ranks 0-1 read their disk files: their kept arenas hold step 3, never committed.
+    assert [res["source"][0] for res in loaded[:2]] == ["disk", "disk"]
+    assert loaded[2]["source"] == ["peer", 0]
+    assert all(res["step"] == 2 and res["exact"] is True for res in loaded[:3])
+    assert loaded[3]["error"] == "ReplicationError" and "step 2" in loaded[3]["message"]
+    assert our_replicas(root) == [(2, 2), (3, 1)]
+
+
+def test_drill_node_local_roots(tmp_path):
+    """The drill with a machine's all: each simulated machine has its own /dev/shm and its
+    own root (``node_local_root=True``, no shared filesystem): every step commits through
+    the group, each machine's root holding its ranks' files and the step's manifest of all
+    4 ranks. Machine 1 is lost with its /dev/shm and its whole root; a fresh machine 1
+    restarts with an empty root; all 4 ranks load step 3 bit-exactly, ranks 2-3 from their
+    partners' replicas (their machine's root adopts the manifest from a peer)."""
+    namespaces_or_skip()
+    roots = [tmp_path / "m0" / "root", tmp_path / "m1" / "root"]
+    template = str(tmp_path / "m{m}" / "root")
+    env = {"REPLICA_WORKER_NODE_LOCAL": "1"}
+    machines = [Machine(), Machine()]
+    try:
+        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
+        saved = run_world(tmp_path, template, "save", 1, 1, 2, 3, prefix=prefix, env=env)
+        for res in saved:
+            assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
+            assert all(rep["k_safe"] and rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]} for rep in res["reports"])
+        files = {}
+        for m, root in enumerate(roots):
+            assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-2", "step-3"]
+            for s in (1, 2, 3):
+                man = json.loads((root / f"step-{s}" / "manifest.json").read_text())
+                assert man["step"] == s and [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
+                files.setdefault(s, man["files"])
+                assert man["files"] == files[s]  # the same entries on both machines
+                mine = sorted(f["file"] for f in man["files"] if f["rank"] // 2 == m)
+                parts = [f"rank-{r:05d}.manifest.json" for r in range(4)]  # as a shared root keeps them
+                assert sorted(p.name for p in (root / f"step-{s}").iterdir()) == sorted(mine + parts + ["manifest.json"])
+        tags = [_shmckpt.replica_tag(str(r)) for r in roots]
+        rep = lambda m, q: f"shmckpt-replica.{tags[m]}.r{q}.s3"  # noqa: E731
+        assert machines[0].shm() == sorted([kept_name(roots[0], 0), kept_name(roots[0], 1), rep(0, 2), rep(0, 3)])
+        assert machines[1].shm() == sorted([kept_name(roots[1], 2), kept_name(roots[1], 3), rep(1, 0), rep(1, 1)])
+
+        machines[1].kill()
+        shutil.rmtree(tmp_path / "m1")
+        machines[1] = Machine()
+        loaded = run_world(tmp_path, template, "load", 1, prefix=prefix, env=env)
+        for res in loaded:
+            assert "error" not in res, res
+            assert res["step"] == 3 and res["exact"] is True
+        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+        # Machine 1's new root: step 3 with the adopted manifest and its ranks' files.
+        man = json.loads((roots[1] / "step-3" / "manifest.json").read_text())
+        assert man["files"] == files[3]
+        mine = sorted(f["file"] for f in files[3] if f["rank"] >= 2)
+        assert sorted(p.name for p in (roots[1] / "step-3").iterdir()) == sorted(mine + ["manifest.json"])
     finally:
         for mach in machines:
             mach.kill()

@@ -1,0 +1,291 @@
+"""Peer replicas (docs/replicas.md): time to k-safe and replication bandwidth against the
+transport's own limit, and the restore of a lost machine's ranks from peers against the
+transport limit and against a restore from local disk, all measured in the same run.
+
+    python benches/replicas/replica_bench.py --world 2 --size-mib 64 --rounds 5 \
+        --root /tmp/replica-bench [--bandwidth none] [--json out.json]
+
+It starts ``--world`` ranks (this script, ``--role rank``) over gloo on 127.0.0.1, the
+first half on simulated machine "m0", the second on "m1" (``node=``; ``replicas=1``:
+partners i <-> i + world/2). Each rank holds ``--size-mib`` MiB of float32 tensors (pieces
+of at most 256 MiB). Every round does, in alternated order (even rounds A then B, odd
+rounds B then A):
+
+  A  replication: ``save(step)`` (non-blocking), ``wait()`` (durable), ``wait_replicated()``
+     (k-safe: every rank's image held and CRC-checked by its partner). Reported: save to
+     k-safe (the slowest rank), durable to k-safe, and the replication bandwidth: this
+     rank's image bytes / its exchange's seconds (the report's ``transfer_seconds``; the
+     slowest rank).
+  B  the transport's limit: a plain ``isend``/``irecv`` of the same number of bytes between
+     the same partners over the same gloo group (the replication group), posted at once,
+     waited; seconds of the slowest rank.
+
+then the restore rounds, again alternated (even rounds C then D, odd D then C), on the
+last step saved:
+
+  C  restore from peers: the ranks of machine m1 remove their file of the step (the lost
+     machine); the collective fetch (``before_load``: the partner reads its replica from
+     /dev/shm and checks it, sends it, the lost rank checks it and writes it back as its
+     file, fsync) is timed, then the load of the written file (every byte checked);
+     reported: fetch, and fetch + load (the slowest of the lost ranks); the bandwidth of the
+     fetch is set against B's.
+  D  restore from local disk: every rank loads the step from its file (``load``; source
+     "disk"; the slowest rank).
+
+The checkpointer keeps nothing in memory (``keep_in_memory=False``), so C and D read
+files; the ranks share one root on local disk (``--root``, default a new temporary directory).
+``--bandwidth`` is ``replica_bandwidth`` (bytes/s, or ``none``: unbounded, the default
+here, to set replication against the transport's limit; the library's default is 1 GiB/s).
+
+Prints a table (medians with min-max over the rounds) and writes every sample as JSON
+with ``--json``. Needs torch, numpy and shmckpt; CPU only (no GPU is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_state(rank: int, nbytes: int) -> Dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    piece = 256 << 20
+    state: Dict[str, Any] = {}
+    left, i = nbytes, 0
+    while left > 0:
+        n = min(piece, left) // 4
+        state[f"t{i:03d}"] = torch.rand(n, generator=g)
+        left -= n * 4
+        i += 1
+    return state
+
+
+def rank_main(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shmckpt
+    from shmckpt.replicas import list_replicas, remove_replica
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
+    me, world = a.rank, a.world
+    half = world // 2
+    bw = None if a.bandwidth == "none" else float(a.bandwidth)
+    state = make_state(me, a.size_mib << 20)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    ck = shmckpt.Checkpointer(
+        a.root,
+        keep_in_memory=False,
+        staging_capacity=nbytes + (64 << 20),
+        replicas=1,
+        node=f"m{me // half}",
+        replica_bandwidth=bw,
+        replica_timeout=600.0,
+    )
+    rep = ck._replicator
+    assert rep is not None
+    group = rep.group
+    partner = rep.plan[me][0]
+    source = [q for q in range(world) if me in rep.plan[q]]
+
+    def gather_max(x: float) -> float:
+        out: List[Any] = [None] * world
+        dist.all_gather_object(out, x, group=group)
+        return max(float(v) for v in out)
+
+    def gather_lost_max(x: float, lost: bool) -> float:
+        out: List[Any] = [None] * world
+        dist.all_gather_object(out, (x, lost), group=group)
+        return max(float(v) for v, lo in out if lo)
+
+    samples: Dict[str, List[float]] = {}
+
+    def put(k: str, v: float) -> None:
+        samples.setdefault(k, []).append(v)
+
+    image = None  # the image size in bytes (the committed file), known after the first save
+
+    def replicate(step: int) -> None:
+        nonlocal image
+        dist.barrier(group=group)
+        t0 = time.monotonic()
+        h = ck.save(step, state, blocking=False)
+        h.wait()
+        t1 = time.monotonic()
+        r = h.wait_replicated()
+        t2 = time.monotonic()
+        assert r["k_safe"], r
+        image = int(r["bytes_sent"])
+        put("save_to_k_safe_s", gather_max(t2 - t0))
+        put("durable_to_k_safe_s", gather_max(t2 - t1))
+        put("replication_exchange_s", gather_max(float(r["transfer_seconds"])))
+
+    def transport() -> None:
+        assert image is not None
+        out = torch.zeros(image, dtype=torch.uint8)
+        inn = {q: torch.empty(image, dtype=torch.uint8) for q in source}
+        dist.barrier(group=group)
+        t0 = time.monotonic()
+        works = [dist.irecv(inn[q], src=q, group=group) for q in source]
+        works.append(dist.isend(out, dst=partner, group=group))
+        for w in works:
+            w.wait()
+        put("transport_s", gather_max(time.monotonic() - t0))
+
+    step = 0
+    for rnd in range(a.rounds + 1):  # round 0 warms up (arena, files, connections)
+        step += 1
+        order = (replicate, transport) if rnd % 2 == 0 else (transport, replicate)
+        for f in order:
+            if f is replicate:
+                f(step)
+            else:
+                f()  # type: ignore[call-arg]
+        if rnd == 0:
+            samples.clear()
+
+    last = step
+    lost = me >= half
+    entry = ck._rank_entry(last)[1]
+    path = os.path.join(a.root, f"step-{last}", entry["file"])
+
+    def from_peers() -> None:
+        dist.barrier(group=group)
+        if lost:
+            os.unlink(path)
+        dist.barrier(group=group)
+        t0 = time.monotonic()
+        rep.before_load(last)
+        t1 = time.monotonic()
+        assert (rep._peer == partner) if lost else (rep._peer is None), rep._peer
+        got = ck.load(last)  # its own fetch finds every file: it makes no transfer
+        t2 = time.monotonic()
+        src = ck.last_load_source
+        assert src is not None and src[0] == "disk", src
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        put("peer_fetch_s", gather_lost_max(t1 - t0, lost))
+        put("peer_restore_s", gather_lost_max(t2 - t0, lost))
+
+    def from_disk() -> None:
+        dist.barrier(group=group)
+        t0 = time.monotonic()
+        got = ck.load(last)
+        t1 = time.monotonic()
+        src = ck.last_load_source
+        assert src is not None and src[0] in ("disk", "peer"), src
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        put("disk_restore_s", gather_lost_max(t1 - t0, lost))
+
+    for rnd in range(a.rounds + 1):
+        order = (from_peers, from_disk) if rnd % 2 == 0 else (from_disk, from_peers)
+        for f in order:
+            f()
+        if rnd == 0:
+            for k in ("peer_fetch_s", "peer_restore_s", "disk_restore_s"):
+                samples.pop(k, None)
+
+    ck.close()
+    dist.barrier()
+    tag = shmckpt._shmckpt.replica_tag(a.root)
+    for r in list_replicas():
+        if r["root_tag"] == tag and r["source_rank"] in source:
+            remove_replica(r["name"])
+    if me == 0:
+        with open(a.out, "w") as f:
+            json.dump({"image_bytes": image, "samples": samples}, f)
+    dist.destroy_process_group()
+
+
+def med(xs: List[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def rate(n: int, xs: List[float]) -> str:
+    rs = [n / x / (1 << 30) for x in xs]
+    return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
+
+
+def ratio(num: List[float], den: List[float]) -> str:
+    """Per round: limit seconds / measured seconds (1.0: at the limit)."""
+    rs = [d / n for n, d in zip(num, den)]
+    return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="ranks (even: half on each simulated machine)")
+    p.add_argument("--size-mib", type=int, default=64, help="MiB of tensors per rank")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (plus one warm-up)")
+    p.add_argument("--root", default=None, help="checkpoint root (local disk; emptied first)")
+    p.add_argument("--bandwidth", default="none", help="replica_bandwidth in bytes/s, or none")
+    p.add_argument("--json", default=None, help="write every sample here")
+    p.add_argument("--role", default="launch", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.role == "rank":
+        rank_main(a)
+        return
+    if a.world < 2 or a.world % 2:
+        p.error("--world must be even and at least 2")
+    made = a.root is None
+    root = a.root or tempfile.mkdtemp(prefix="replica-bench-")
+    if os.path.isdir(root):
+        shutil.rmtree(root)
+    out = os.path.join(tempfile.mkdtemp(prefix="replica-bench-out-"), "r0.json")
+    port = free_port()
+    base = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--world", str(a.world),
+            "--size-mib", str(a.size_mib), "--rounds", str(a.rounds), "--root", root,
+            "--bandwidth", a.bandwidth, "--port", str(port), "--out", out]
+    procs = [subprocess.Popen(base + ["--rank", str(r)]) for r in range(a.world)]
+    codes = [pr.wait() for pr in procs]
+    if any(codes):
+        sys.exit(f"a rank failed: exit codes {codes}")
+    with open(out) as f:
+        res = json.load(f)
+    n, s = int(res["image_bytes"]), res["samples"]
+    print(f"world {a.world} (2 simulated machines, gloo on 127.0.0.1), image {n / (1 << 20):.1f} MiB per rank, "
+          f"replica_bandwidth {a.bandwidth}, {a.rounds} rounds (alternated), median (min-max)")
+    print("| measure | seconds | GiB/s per rank | x transport limit |")
+    print("| --- | --- | --- | --- |")
+    print(f"| transport limit: plain isend/irecv, same bytes, same group | {med(s['transport_s'])} | {rate(n, s['transport_s'])} | 1 |")
+    print(f"| replication exchange | {med(s['replication_exchange_s'])} | {rate(n, s['replication_exchange_s'])} | "
+          f"{ratio(s['replication_exchange_s'], s['transport_s'])} |")
+    print(f"| durable to k-safe | {med(s['durable_to_k_safe_s'])} | {rate(n, s['durable_to_k_safe_s'])} | "
+          f"{ratio(s['durable_to_k_safe_s'], s['transport_s'])} |")
+    print(f"| save to k-safe | {med(s['save_to_k_safe_s'])} | | |")
+    print(f"| lost ranks: fetch from peers (checked, written back) | {med(s['peer_fetch_s'])} | {rate(n, s['peer_fetch_s'])} | "
+          f"{ratio(s['peer_fetch_s'], s['transport_s'])} |")
+    print(f"| lost ranks: restore from peers (fetch + load) | {med(s['peer_restore_s'])} | {rate(n, s['peer_restore_s'])} | "
+          f"{ratio(s['peer_restore_s'], s['transport_s'])} |")
+    print(f"| restore from local disk (load) | {med(s['disk_restore_s'])} | {rate(n, s['disk_restore_s'])} | "
+          f"{ratio(s['disk_restore_s'], s['transport_s'])} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), **res}, f, indent=1)
+    shutil.rmtree(os.path.dirname(out))
+    if made:
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()

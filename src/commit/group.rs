@@ -1,0 +1,263 @@
+//! Commit through a process group, for node-local roots (each machine its own root, no
+//! shared filesystem; `docs/replicas.md`): every rank's file and manifest part are
+//! durable in its machine's partial directory ([`super::commit`] found the other
+//! machines' parts missing); the caller moves every rank's part ([`own_part`]) through
+//! the group, and one rank of each machine then writes the parts of the other machines'
+//! ranks into its partial directory and commits it with [`super::commit`]: the same merge,
+//! manifest and renames as a shared root. A machine that lost its root gets the committed
+//! manifest from a peer ([`adopt_manifest`]).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::fsops;
+use crate::io::file::{fsync_dir, write_durable};
+use crate::manifest::{
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
+    step_dir_name,
+};
+
+/// This rank's manifest part of `step` under `root` (JSON): the part its save wrote in the
+/// partial directory, or its entry of the committed manifest when the step is committed.
+pub fn own_part(root: &Path, step: u64, rank: u32) -> Result<Vec<u8>> {
+    let part = root
+        .join(partial_dir_name(step))
+        .join(rank_manifest_name(rank));
+    match manifest::read_manifest_bytes(&part) {
+        Ok(b) => return Ok(b),
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let m = Manifest::read(&root.join(step_dir_name(step)))?;
+    let entry = m.files.iter().find(|f| f.rank == rank).ok_or_else(|| {
+        Error::corrupt(
+            &part,
+            None,
+            format!("step {step} has no file of rank {rank}"),
+        )
+    })?;
+    Ok(serde_json::to_vec(entry).expect("manifest entries serialize"))
+}
+
+/// Parse every rank's part (`parts[r]`: rank r's), refusing one that is not valid or not
+/// that rank's.
+fn parse_parts(root: &Path, step: u64, parts: &[&[u8]]) -> Result<Vec<FileEntry>> {
+    let at = root.join(partial_dir_name(step));
+    parts
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let e: FileEntry = serde_json::from_slice(b).map_err(|e| {
+                Error::corrupt(
+                    &at,
+                    None,
+                    format!("rank {r}'s manifest part is not valid: {e}"),
+                )
+            })?;
+            if usize::try_from(e.rank).ok() != Some(r) {
+                return Err(Error::corrupt(
+                    &at,
+                    None,
+                    format!("part {r} is rank {}'s, not rank {r}'s", e.rank),
+                ));
+            }
+            Ok(e)
+        })
+        .collect()
+}
+
+/// Whether `step` is committed under `root` with exactly `entries`.
+fn committed_with(root: &Path, step: u64, entries: &[FileEntry]) -> bool {
+    Manifest::read(&root.join(step_dir_name(step))).is_ok_and(|m| m.files == entries)
+}
+
+/// Commit `step` in this machine's `root` from every rank's part (`parts[r]`: rank r's, as
+/// [`own_part`] returned it on its machine): the parts this root lacks are written
+/// (durably, under a temporary name, renamed), then [`super::commit`] merges them with
+/// `rank`'s own (which its save wrote here) and publishes `step-N`. Returns the committed
+/// directory; a step already committed here with exactly these parts is success.
+pub fn commit_with_parts(
+    root: &Path,
+    step: u64,
+    rank: u32,
+    parts: &[&[u8]],
+    metadata: &Metadata,
+) -> Result<PathBuf> {
+    let world_size = u32::try_from(parts.len())
+        .map_err(|_| Error::Internal(format!("{} manifest parts", parts.len())))?;
+    let entries = parse_parts(root, step, parts)?;
+    let own = entries
+        .get(rank as usize)
+        .cloned()
+        .ok_or_else(|| Error::Internal(format!("rank {rank} of {world_size}")))?;
+    let final_dir = root.join(step_dir_name(step));
+    if committed_with(root, step, &entries) {
+        fsync_dir(root)?;
+        return Ok(final_dir);
+    }
+    let partial = root.join(partial_dir_name(step));
+    let written = (|| {
+        for (e, bytes) in entries.iter().zip(parts) {
+            if e.rank == rank {
+                continue;
+            }
+            let part = partial.join(rank_manifest_name(e.rank));
+            let tmp = partial.join(format!(
+                "{}.tmp-{}-peer",
+                rank_manifest_name(e.rank),
+                std::process::id()
+            ));
+            write_durable(&tmp, bytes).inspect_err(|_| {
+                let _ = fsops::remove_file(&tmp);
+            })?;
+            fsops::rename(&tmp, &part).map_err(|err| Error::io("rename", &tmp, err))?;
+        }
+        fsync_dir(&partial)?;
+        super::commit(root, step, world_size, &partial, own, metadata)
+    })();
+    match written {
+        Ok(Some(d)) => Ok(d),
+        Ok(None) => Err(Error::Internal(format!(
+            "step {step}: a manifest part is missing in {} after every part was written",
+            partial.display()
+        ))),
+        // Another rank of this machine committed it meanwhile.
+        Err(_) if committed_with(root, step, &entries) => {
+            fsync_dir(root)?;
+            Ok(final_dir)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Publish a peer's committed manifest of `step` (`bytes`) in this machine's `root`, which
+/// holds no checkpoint of that step (the machine was replaced): `step-N/` with the manifest
+/// alone (the rank's file comes from its partner's replica). A step already committed here
+/// with the same manifest is success; any other is refused, as is a manifest of another
+/// step. Returns the step directory.
+pub fn adopt_manifest(root: &Path, step: u64, bytes: &[u8]) -> Result<PathBuf> {
+    let final_dir = root.join(step_dir_name(step));
+    // The checks every manifest read makes (size, fields, names).
+    let m = Manifest::parse(bytes, &final_dir.join(MANIFEST))?;
+    if m.step != step {
+        return Err(Error::corrupt(
+            &final_dir,
+            None,
+            format!(
+                "the peer's manifest is step {}'s, not step {step}'s",
+                m.step
+            ),
+        ));
+    }
+    if let Ok(here) = Manifest::read(&final_dir) {
+        if here == m {
+            return Ok(final_dir);
+        }
+        return Err(Error::StepExists {
+            step,
+            root: root.to_owned(),
+        });
+    }
+    let partial = root.join(partial_dir_name(step));
+    {
+        // Never while another engine's `clean_stale` is deciding what is stale.
+        let _creating = super::lock_root_dir(root, false)?;
+        // A partial save of this step here (this machine was not replaced) is left alone.
+        fsops::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
+    }
+    super::publish_dir(&partial, &[(MANIFEST, bytes)], &final_dir).inspect_err(|_| {
+        let _ = fsops::remove_file(&partial.join(MANIFEST));
+        let _ = fsops::remove_dir(&partial);
+    })?;
+    Ok(final_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::rank_file_name;
+
+    fn entry(rank: u32) -> FileEntry {
+        FileEntry {
+            rank,
+            file: rank_file_name(rank, 4),
+            bytes: 10,
+            data_start: 10,
+            header_crc32c: None,
+            tensors: Vec::new(),
+        }
+    }
+
+    /// A machine of ranks 0-1 (of 4) whose saves are durable: their files and parts.
+    fn machine0(root: &Path, step: u64) -> Vec<Vec<u8>> {
+        let mut parts = Vec::new();
+        for r in 0..4 {
+            let e = entry(r);
+            if r < 2 {
+                let partial = super::super::prepare_partial(root, step, &e.file, 4).unwrap();
+                std::fs::write(partial.join(&e.file), b"0123456789").unwrap();
+                let done =
+                    super::super::commit(root, step, 4, &partial, e.clone(), &Metadata::new());
+                assert_eq!(done.unwrap(), None); // ranks 2-3's parts are on the other machine
+            }
+            parts.push(serde_json::to_vec(&e).unwrap());
+        }
+        parts
+    }
+
+    #[test]
+    fn a_machine_commits_with_every_part_and_adopts_a_peer_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let parts = machine0(root, 7);
+        assert_eq!(own_part(root, 7, 1).unwrap(), parts[1]);
+        let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        let meta: Metadata = [("k".to_owned(), "v".to_owned())].into();
+        let d = commit_with_parts(root, 7, 0, &borrowed, &meta).unwrap();
+        assert_eq!(d, root.join("step-7"));
+        let m = Manifest::read(&d).unwrap();
+        assert_eq!(m.files, (0..4).map(entry).collect::<Vec<_>>());
+        assert_eq!(m.metadata, meta);
+        assert!(!root.join(partial_dir_name(7)).exists());
+        // Again (another rank of the machine): success, nothing changes.
+        assert_eq!(commit_with_parts(root, 7, 1, &borrowed, &meta).unwrap(), d);
+        // Committed: its part comes from the manifest.
+        assert_eq!(own_part(root, 7, 1).unwrap(), parts[1]);
+
+        // A replaced machine adopts it: step-7/ holding the manifest alone.
+        let other = tempfile::tempdir().unwrap();
+        let bytes = std::fs::read(d.join(MANIFEST)).unwrap();
+        let a = adopt_manifest(other.path(), 7, &bytes).unwrap();
+        assert_eq!(Manifest::read(&a).unwrap(), m);
+        let names: Vec<_> = std::fs::read_dir(&a)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(MANIFEST)]);
+        assert_eq!(adopt_manifest(other.path(), 7, &bytes).unwrap(), a); // same: success
+        // Another step's manifest, or damaged bytes, are refused; nothing is published.
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            adopt_manifest(empty.path(), 8, &bytes),
+            Err(Error::Corrupt { .. })
+        ));
+        assert!(adopt_manifest(empty.path(), 7, &bytes[..bytes.len() - 2]).is_err());
+        assert_eq!(std::fs::read_dir(empty.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn parts_that_are_not_every_ranks_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let mut parts = machine0(root, 3);
+        parts.swap(2, 3);
+        let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        let e = commit_with_parts(root, 3, 0, &borrowed, &Metadata::new()).unwrap_err();
+        assert!(e.to_string().contains("part 2 is rank 3's"), "{e}");
+        parts[2] = b"{not json".to_vec();
+        let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        let e = commit_with_parts(root, 3, 0, &borrowed, &Metadata::new()).unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+        assert!(!root.join("step-3").exists());
+    }
+}
