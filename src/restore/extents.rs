@@ -309,10 +309,11 @@ fn process_chunk(
     out: &mut ChunksRead,
     sink: &mut dyn ReadSink,
 ) -> Result<()> {
-    let skip = entry
-        .data_start
-        .saturating_sub(offset)
-        .min(bytes.len() as u64);
+    let skip = entry.data_start.saturating_sub(offset);
+    if skip >= bytes.len() as u64 {
+        // Header bytes only (a chunk that ends before the data section).
+        return Ok(());
+    }
     let dst = offset + skip - entry.data_start;
     for_pieces(
         &entry.tensors,
