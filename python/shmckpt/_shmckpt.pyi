@@ -27,6 +27,7 @@ __all__ = [
     "publish_into",
     "rank_file_metadata",
     "read_rank_file",
+    "read_rank_ranges",
     "release_device_ring",
     "replica_list",
     "replica_load",
@@ -172,6 +173,35 @@ def read_rank_file(
     keeps the memory alive and unused meanwhile. Returns ``(file name, metadata, [(name,
     dtype, shape, crc32c, file offset, nbytes, Buffer or None)])`` in file order, ``None``
     for a tensor copied to a destination."""
+    ...
+
+def read_rank_ranges(
+    dir: str,
+    rank: int,
+    names: Sequence[str],
+    *,
+    direct_io: bool = True,
+    queue_depth: int = 4,
+    gap: Optional[int] = None,
+    device: Optional[Sequence[Tuple[str, int, int, int]]] = None,
+    host: Optional[Sequence[Tuple[str, int, int, int]]] = None,
+) -> Tuple[
+    str, Dict[str, str], List[Tuple[str, str, List[int], int, int, int, Optional[Buffer]]], Dict[str, int]
+]:
+    """Read only the requested tensors of ``rank``'s file of the committed checkpoint
+    directory ``dir`` (used by ``shmckpt.dcp.ShmckptReader``): ``names`` come back in
+    buffers of their own; ``host`` lists ``(tensor name, address, nbytes, begin)``: bytes
+    ``[begin, begin + nbytes)`` of the tensor are copied to that writable host memory;
+    ``device`` lists ``(tensor name, device pointer, nbytes, device)``: the whole tensor is
+    copied to that device memory (through registered read buffers). The caller keeps the
+    memory alive and unused meanwhile; ranges must not overlap. Each requested tensor is
+    read whole, once, its CRC-32C verified against the manifest (a sub-range cannot be
+    verified alone); tensors at most ``gap`` bytes apart (``None``: 128 KiB) are read
+    together. A tensor the file does not hold is a ``DestinationError``. Returns ``(file
+    name, metadata, [(name, dtype, shape, crc32c, file offset, nbytes, Buffer or None)],
+    stats)``, one tuple per requested tensor in file order (``None`` unless it was in
+    ``names``); ``stats``: ``bytes`` (read from the file, gaps and O_DIRECT page padding
+    included), ``reads``, ``tensors``, ``direct_io`` (1 when O_DIRECT was used)."""
     ...
 
 def assemble_ranks(

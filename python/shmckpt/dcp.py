@@ -43,8 +43,9 @@ the staging and the storage:
   for it; ``release()`` frees it.
 
 ``ShmckptReader`` reads ``.metadata`` (with a restricted unpickler: only DCP's metadata
-classes), then each rank file the load plan needs through the engine's reader (O_DIRECT
-where possible, header checked against the manifest, every CRC-32C verified) and copies
+classes), then the tensors the load plan needs of each rank file, and only those, through
+the engine's ranged reader (O_DIRECT where possible, header checked against the manifest,
+the CRC-32C of every tensor read verified) and copies
 the requested regions into the planner's destination tensors, so DCP's resharding
 (loading on another world size) works as with its own files.
 
@@ -95,7 +96,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _shmckpt, _state
+from . import _ranged, _shmckpt, _state
 from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
 from ._dcp_metadata import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from ._dcp_metadata import load_metadata
@@ -901,8 +902,9 @@ def _load_metadata(path: str) -> Metadata:
 class ShmckptReader(StorageReader):
     """DCP ``StorageReader`` for checkpoints written by :class:`ShmckptWriter`.
 
-    ``direct_io``: read with O_DIRECT where the filesystem allows (default). Each rank
-    file the load plan needs is read once, whole, every CRC-32C verified. A planned item
+    ``direct_io``: read with O_DIRECT where the filesystem allows (default). Of each rank
+    file the load plan needs, only the tensors of the plan are read (each whole, once, its
+    CRC-32C verified; ``shmckpt._ranged``). A planned item
     that is a whole stored tensor of the same dtype bound for a contiguous tensor (the
     usual case when the world size is unchanged) is copied into it as the file is read:
     from registered read buffers for a CUDA tensor (O_DIRECT reads and host-to-device
@@ -922,6 +924,10 @@ class ShmckptReader(StorageReader):
         #: CUDA tensors (registered read buffers) and into CPU tensors, items that came
         #: through buffers of their own.
         self.last_read: Optional[Dict[str, int]] = None
+        #: What the last ``read_data`` read: ``bytes`` from the rank files' data sections
+        #: (only the plan's tensors, gaps of at most 128 KiB between them and O_DIRECT page
+        #: padding included) and ``reads`` issued.
+        self.last_read_io: Optional[Dict[str, int]] = None
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self.storage_data = {}
@@ -1008,6 +1014,7 @@ class ShmckptReader(StorageReader):
                 raise CorruptError(f"{self.path}: the metadata has no storage entry for {req.storage_index}")
             per_file.setdefault(info.relative_path, []).append(req)
         stats = {"files": 0, "device_items": 0, "direct_host_items": 0, "host_items": 0}
+        io_totals = {"bytes": 0, "reads": 0}
         for rel, reqs in per_file.items():
             m = _FILE_RE.fullmatch(rel)
             assert m is not None  # checked in set_up_storage_reader
@@ -1038,8 +1045,15 @@ class ShmckptReader(StorageReader):
             if device:
                 for dev in {d for *_, d in device}:
                     torch.cuda.current_stream(dev).synchronize()  # queued work on the targets
-            file, _meta, tensors = _shmckpt.read_rank_file(
-                self.path, rank, direct_io=self.direct_io, device=device or None, host=host or None
+            # Only the tensors of this plan are read (each whole, CRC-32C verified).
+            file, tensors = _ranged.read_plan_items(
+                self.path,
+                rank,
+                (self.storage_data[r.storage_index].tensor for r in reqs),
+                device,
+                host,
+                direct_io=self.direct_io,
+                totals=io_totals,
             )
             if file != rel:
                 raise CorruptError(
@@ -1094,6 +1108,7 @@ class ShmckptReader(StorageReader):
                 target.copy_(src)
                 planner.commit_tensor(req, target)
         self.last_read = stats
+        self.last_read_io = io_totals
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -25,7 +25,7 @@ type ReadTensor = (String, String, Vec<usize>, u32, u64, u64, Option<PyBuffer>);
 /// The registered read buffers of device reads (made at the first one; the engine defaults, 12 × 32 MiB).
 static RING: Mutex<Option<Arc<DeviceRing>>> = Mutex::new(None);
 
-fn ring() -> shmckpt::Result<Arc<DeviceRing>> {
+pub(crate) fn ring() -> shmckpt::Result<Arc<DeviceRing>> {
     let mut r = lock(&RING);
     if let Some(r) = &*r {
         return Ok(Arc::clone(r));

@@ -12,6 +12,7 @@ mod buffer;
 mod core;
 mod dcp;
 mod handle;
+mod ranged;
 mod remote;
 mod replica;
 
@@ -681,6 +682,7 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unlink_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
+    ranged::register(m)?;
     replica::register(m)?;
     Ok(())
 }

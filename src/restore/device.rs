@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::sink::{DeviceSink, Staged};
-use super::{ReadOptions, ReadSink, ReadStats, read_file, reader};
+use super::{ReadOptions, ReadSink, ReadStats, extents, read_file, reader};
 use crate::device::pipeline::CudaStaging;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest};
@@ -26,9 +26,9 @@ use crate::tensor::{AlignedBytes, DeviceSlice};
 /// touching the driver: a machine without CUDA can build one, and its loads then fail with
 /// [`Error::Cuda`], as do loads to device memory anywhere else.
 pub struct DeviceRing {
-    staging: CudaStaging,
-    depth: u32,
-    busy: std::sync::Mutex<()>,
+    pub(super) staging: CudaStaging,
+    pub(super) depth: u32,
+    pub(super) busy: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for DeviceRing {
@@ -63,7 +63,7 @@ impl DeviceRing {
         crate::config::check_device_read(read_size, depth)?;
         let arena = Arena::create(&ArenaSpec {
             name: None,
-            capacity: read_size * reader::buffers_needed(depth),
+            capacity: read_size * extents::buffers_needed(depth),
             chunk_size: read_size,
             slots: 1,
             rank: 0,

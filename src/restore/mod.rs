@@ -1,8 +1,10 @@
 //! Reading checkpoints back through the same I/O backend (O_DIRECT where possible),
 //! checking the safetensors header against the manifest and every tensor's CRC-32C:
 //! `header.rs` (file and header checks), `reader.rs` (the read loops: into one slab whose
-//! ranges become the loaded tensors, or chunk by chunk to a [`ReadSink`]), `sink.rs`
-//! (caller host buffers, device memory).
+//! ranges become the loaded tensors, or chunk by chunk to a [`ReadSink`]), `extents.rs`
+//! (the chunk-by-chunk loop, over the whole data section or chosen extents), `ranged.rs`
+//! (only the requested tensors: [`load_ranges`]), `sink.rs` (caller host buffers, device
+//! memory).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,12 +18,18 @@ use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
 mod device;
+mod extents;
 pub(crate) mod header;
+mod ranged;
 mod reader;
 pub(crate) mod sink;
 
 pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::{check_header, read_file_metadata};
+pub use ranged::{
+    DEFAULT_GAP, RangeDest, RangeRequest, RangedLoad, RangedOptions, RangedStats, coalesce,
+    load_ranges, read_ranges,
+};
 pub(crate) use reader::for_pieces;
 pub use reader::read_file;
 use sink::HostSink;

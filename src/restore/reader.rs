@@ -1,43 +1,36 @@
 //! Reading a file's data section through the I/O backend: chunk by chunk through staging
-//! buffers to a [`ReadSink`] (caller buffers, device memory), or straight into one slab
-//! whose ranges become the loaded tensors (host `load`), with CRC-32C verified as the
-//! bytes pass.
+//! buffers to a [`ReadSink`] (caller buffers, device memory; the loop is
+//! [`super::extents::read_chunks`]), or straight into one slab whose ranges become the
+//! loaded tensors (host `load`), with CRC-32C verified as the bytes pass.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
+use super::extents::{check_wanted, chunks_of, read_chunks, whole_section};
 use super::header::open_checked;
 use super::{ReadOptions, ReadSink, ReadStats};
 use crate::error::{Error, Result};
 use crate::io::queue::{LeaseQueue, Request};
 use crate::io::{BackendOptions, OpKind, align_up, open_backend};
 use crate::manifest::FileEntry;
-use crate::staging::{Arena, ArenaSpec, ChunkLease};
 
-/// Chunk size of the private buffers used when no engine arena is given.
-const PRIVATE_CHUNK: u64 = 4 << 20;
-
-/// A chunk being read.
+/// A chunk being read: its index (the order it is processed in), file offset, length, and
+/// the bytes read so far.
 #[derive(Debug, Clone, Copy)]
-struct Pending {
-    chunk: u64,
-    want: usize,
-    got: usize,
+pub(super) struct Pending {
+    pub(super) chunk: u64,
+    pub(super) offset: u64,
+    pub(super) want: usize,
+    pub(super) got: usize,
 }
 
 /// Account one read completion (`result`: bytes read or `-errno`) to chunk `p`: `Ok(true)`
 /// once the chunk is complete, `Ok(false)` when the rest must be asked for again (a short
 /// read, `EINTR`, `EAGAIN`), else an error naming the file and offset (end of file before
 /// the chunk's end is `Truncated`).
-fn read_completed(
-    p: &mut Pending,
-    result: i32,
-    path: &Path,
-    entry: &FileEntry,
-    cs: u64,
-) -> Result<bool> {
-    let offset = entry.data_start + p.chunk * cs + p.got as u64;
+fn read_completed(p: &mut Pending, result: i32, path: &Path, entry: &FileEntry) -> Result<bool> {
+    let offset = p.offset + p.got as u64;
     if result == -libc::EINTR || result == -libc::EAGAIN {
         return Ok(false);
     }
@@ -75,17 +68,17 @@ fn check_crcs(path: &Path, entry: &FileEntry, crcs: &[u32]) -> Result<()> {
 /// Handle read completions: a chunk read whole goes to `complete`; a short read (or
 /// `EINTR`, `EAGAIN`) is asked for again with `reissue` (unless an error is recorded
 /// already); an error is recorded in `error` (the first one wins) and its buffer dropped.
-/// The tuple: the path, entry and chunk size the reads belong to.
-fn completions<B>(
+/// The tuple: the path and entry the reads belong to.
+pub(super) fn completions<B>(
     done: Vec<crate::io::queue::Done<Pending, B>>,
-    (path, entry, cs): (&Path, &FileEntry, u64),
+    (path, entry): (&Path, &FileEntry),
     error: &mut Option<Error>,
     mut reissue: impl FnMut(B, Pending) -> Result<()>,
     mut complete: impl FnMut(B, Pending),
 ) {
     for d in done {
         let mut p = d.tag;
-        match read_completed(&mut p, d.result, path, entry, cs) {
+        match read_completed(&mut p, d.result, path, entry) {
             Ok(true) => complete(d.lease, p),
             Ok(false) => {
                 if error.is_none()
@@ -111,199 +104,28 @@ pub fn read_file(
     sink: &mut dyn ReadSink,
 ) -> Result<ReadStats> {
     let target = open_checked(path, entry, opts.direct_io)?;
-
-    let qd = opts.queue_depth.max(1) as usize;
-    let arena = match &opts.arena {
-        Some(a) => Arc::clone(a),
-        None => Arena::create(&ArenaSpec {
-            name: None,
-            capacity: PRIVATE_CHUNK * buffers_needed(qd as u32),
-            chunk_size: PRIVATE_CHUNK,
-            slots: 1,
-            rank: 0,
-            world_size: 1,
-            root: PathBuf::new(),
-        })?,
+    let cs = match &opts.arena {
+        Some(a) => a.chunk_size(),
+        None => super::extents::PRIVATE_CHUNK,
     };
-    let cs = arena.chunk_size();
-    let backend = open_backend(&BackendOptions {
-        kind: opts.backend,
-        queue_depth: qd as u32,
-        fixed: None,
-        #[cfg(feature = "fault-injection")]
-        faults: None,
-    })
-    .map_err(|e| Error::io("io setup", path, e))?;
-    let mut q: LeaseQueue<Pending> = LeaseQueue::new(backend);
-
-    let data_len = entry.bytes - entry.data_start;
-    let n = data_len.div_ceil(cs);
-    let mut crcs = vec![0u32; entry.tensors.len()];
-    let mut ready: BTreeMap<u64, (ChunkLease, Pending)> = BTreeMap::new();
-    let mut next_issue = 0u64;
-    let mut next_process = 0u64;
-    let mut handed: Vec<ChunkLease> = Vec::with_capacity(HAND_OFF);
-    let mut error: Option<Error> = None;
-    // Where the time goes (logged at the end, `debug`): blocked waiting for reads,
-    // checksumming and handing pieces to the sink, and waiting for the sink (device copies).
-    let started = std::time::Instant::now();
-    let mut t_wait = std::time::Duration::ZERO;
-    let mut t_process = std::time::Duration::ZERO;
-    let mut t_release = std::time::Duration::ZERO;
-    let issue = |q: &mut LeaseQueue<Pending>, lease: ChunkLease, p: Pending| {
-        let offset = entry.data_start + p.chunk * cs + p.got as u64;
-        // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
-        let rest = (p.want - p.got) as u64;
-        let len = align_up(rest).min(cs - p.got as u64) as usize;
-        q.push(
-            lease,
-            p,
-            &target,
-            Request {
-                kind: OpKind::Read,
-                at: p.got,
-                len,
-                offset,
-            },
-        )
-        .map_err(|(_, _, e)| Error::io_at("read", path, offset, e))
-    };
-
-    loop {
-        // Keep `qd` reads in flight while buffers last (the arena bounds the chunks held:
-        // in flight, read ahead of an earlier chunk, or handed to the sink). The disk gets
-        // its next request before a completed chunk is checksummed, not after.
-        while error.is_none() && next_issue < n && q.in_flight() < qd {
-            let mut lease = arena.try_acquire();
-            if lease.is_none() && !handed.is_empty() {
-                // Buffers handed to the sink come back once its copies finished.
-                let t = std::time::Instant::now();
-                let r = release(sink, &mut handed);
-                t_release += t.elapsed();
-                if let Err(e) = r {
-                    error = Some(e);
-                    break;
-                }
-                lease = arena.try_acquire();
-            }
-            let lease = match lease {
-                Some(l) => l,
-                // Nothing of ours to wait for: the buffers are someone else's (a shared
-                // arena) and come back when they are done with them.
-                None if q.in_flight() == 0 && ready.is_empty() => arena.acquire().0,
-                // Ours are in flight or read ahead: their completions free one.
-                None => break,
-            };
-            let k = next_issue;
-            let want = (data_len - k * cs).min(cs) as usize;
-            if let Err(e) = issue(
-                &mut q,
-                lease,
-                Pending {
-                    chunk: k,
-                    want,
-                    got: 0,
-                },
-            ) {
-                error = Some(e);
-                break;
-            }
-            next_issue += 1;
-        }
-        // The next chunk in file order, if read: checksum it and hand it to the sink, then
-        // refill the queue before the one after.
-        if error.is_none()
-            && let Some((lease, p)) = ready.remove(&next_process)
-        {
-            let t = std::time::Instant::now();
-            if let Err(e) = process_chunk(
-                entry,
-                cs,
-                &lease.as_slice()[..p.want],
-                p.chunk,
-                &mut crcs,
-                sink,
-            ) {
-                error = Some(e);
-            }
-            t_process += t.elapsed();
-            next_process += 1;
-            // The sink may still copy from this buffer (device copies run asynchronously):
-            // keep it until `chunk_end`, called once for several chunks so that their
-            // copies overlap each other and the reads.
-            handed.push(lease);
-            if handed.len() >= HAND_OFF {
-                let t = std::time::Instant::now();
-                let r = release(sink, &mut handed);
-                t_release += t.elapsed();
-                if let Err(e) = r {
-                    error.get_or_insert(e);
-                }
-            }
-            continue;
-        }
-        if q.in_flight() == 0 {
-            break;
-        }
-        let t = std::time::Instant::now();
-        let done = match q.wait(1) {
-            Ok(d) => d,
-            Err(b) => {
-                error.get_or_insert(Error::io("io wait", path, b.error));
-                break;
-            }
-        };
-        t_wait += t.elapsed();
-        completions(
-            done,
-            (path, entry, cs),
-            &mut error,
-            |lease, p| issue(&mut q, lease, p),
-            |lease, p| {
-                ready.insert(p.chunk, (lease, p));
-            },
-        );
-    }
-    let t = std::time::Instant::now();
-    if let Err(e) = release(sink, &mut handed) {
-        error.get_or_insert(e);
-    }
-    t_release += t.elapsed();
-    tracing::debug!(
-        file = %path.display(),
-        bytes = data_len,
-        chunk = cs,
-        depth = qd,
-        elapsed = ?started.elapsed(),
-        waiting_for_reads = ?t_wait,
-        checksums_and_sink = ?t_process,
-        waiting_for_sink = ?t_release,
-        "data section read"
-    );
-    if let Some(e) = error {
-        return Err(e);
-    }
-    debug_assert_eq!(next_process, n);
-    check_crcs(path, entry, &crcs)?;
+    let chunks = chunks_of(&whole_section(entry), cs);
+    let wanted = vec![true; entry.tensors.len()];
+    let read = read_chunks(path, &target, entry, &chunks, &wanted, opts, sink)?;
+    check_wanted(path, entry, &wanted, &read)?;
     Ok(ReadStats {
-        bytes: data_len,
+        bytes: read.bytes,
         direct_io: target.is_direct(),
     })
 }
 
-fn process_chunk(
-    entry: &FileEntry,
-    cs: u64,
-    bytes: &[u8],
-    chunk: u64,
-    crcs: &mut [u32],
-    sink: &mut dyn ReadSink,
-) -> Result<()> {
+/// The CRC-32C of every tensor piece in `bytes` (data-section bytes of chunk `chunk` of
+/// `cs` bytes) appended to `crcs` (file order).
+fn crc_chunk(entry: &FileEntry, cs: u64, bytes: &[u8], chunk: u64, crcs: &mut [u32]) {
     // `chunk * cs`: the chunk's offset in the data section.
-    for_pieces(&entry.tensors, chunk * cs, bytes, |i, at, piece| {
+    let _ = for_pieces::<()>(&entry.tensors, chunk * cs, bytes, |i, _, piece| {
         crcs[i] = crc32c::crc32c_append(crcs[i], piece);
-        sink.piece(i, at, piece)
-    })
+        Ok(())
+    });
 }
 
 /// Call `f(tensor, offset in the tensor, piece)` for each non-empty tensor piece in `buf`,
@@ -328,34 +150,6 @@ pub(crate) fn for_pieces<E>(
         let fin = e.min(end);
         f(i, s - b, &buf[(s - dst) as usize..(fin - dst) as usize])?;
     }
-    Ok(())
-}
-
-/// Processed chunks whose buffers the sink may still read (asynchronous device copies)
-/// before `chunk_end` says it is done with them.
-const HAND_OFF: usize = 4;
-
-/// Buffers [`read_file`] holds at most with `queue_depth` reads in flight: the reads, and
-/// the chunks handed to the sink whose copies may still run. An arena given in
-/// [`ReadOptions::arena`] with fewer chunks makes reads wait for the sink.
-pub(crate) fn buffers_needed(queue_depth: u32) -> u64 {
-    u64::from(queue_depth.max(1)) + HAND_OFF as u64
-}
-
-/// Let the sink finish with every buffer handed to it, then free them.
-fn release(sink: &mut dyn ReadSink, handed: &mut Vec<ChunkLease>) -> Result<()> {
-    if handed.is_empty() {
-        return Ok(());
-    }
-    let r = sink.chunk_end();
-    if r.is_err() {
-        // A sink that failed to finish may still use the buffers: never reuse them.
-        for l in handed.drain(..) {
-            std::mem::forget(l);
-        }
-        return r;
-    }
-    handed.clear();
     Ok(())
 }
 
@@ -434,9 +228,7 @@ pub(crate) fn read_to_slab(
                     ready.insert(k, (want, r));
                     while let Some((want, r)) = ready.remove(&next) {
                         let bytes = &r.as_slice()[..want];
-                        // `Discard` never fails.
-                        let _ =
-                            process_chunk(entry, cs, bytes, next, &mut crcs, &mut super::Discard);
+                        crc_chunk(entry, cs, bytes, next, &mut crcs);
                         next += 1;
                     }
                 }
@@ -451,7 +243,7 @@ pub(crate) fn read_to_slab(
         let mut next_issue = 0u64;
         let mut error: Option<Error> = None;
         let issue = |q: &mut LeaseQueue<Pending, SlabRegion>, r: SlabRegion, p: Pending| {
-            let offset = entry.data_start + p.chunk * cs + p.got as u64;
+            let offset = p.offset + p.got as u64;
             // Whole pages when possible (O_DIRECT); a tail past EOF just comes back short.
             let rest = (p.want - p.got) as u64;
             let len = align_up(rest).min((r.len() - p.got) as u64) as usize;
@@ -474,6 +266,7 @@ pub(crate) fn read_to_slab(
                 };
                 let p = Pending {
                     chunk: k,
+                    offset: entry.data_start + k * cs,
                     want,
                     got: 0,
                 };
@@ -495,7 +288,7 @@ pub(crate) fn read_to_slab(
             };
             completions(
                 done,
-                (path, entry, cs),
+                (path, entry),
                 &mut error,
                 |r, p| issue(&mut q, r, p),
                 |r, p| {
@@ -567,7 +360,9 @@ pub(crate) fn read_to_slab(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::staging::{Arena, ArenaSpec, ChunkLease};
     use crate::{Dtype, Engine, EngineConfig, Metadata, Tensor};
+    use std::path::PathBuf;
 
     /// Collects every tensor's bytes (file order), checking that pieces come in order.
     struct Collect(Vec<Vec<u8>>);
