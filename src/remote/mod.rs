@@ -22,6 +22,7 @@
 //! [`Manifest::parse`], each object's size and safetensors header are checked against it,
 //! and every tensor's CRC-32C is verified ([`Remote::read_rank`]).
 
+mod extra;
 mod options;
 mod read;
 pub(crate) mod tier;
