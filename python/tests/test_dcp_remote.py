@@ -183,3 +183,32 @@ def test_a_bucket_path_must_name_a_step(bad):
         ShmckptWriter(bad)
     with pytest.raises(ConfigError, match="step-N"):
         ShmckptReader(bad)
+
+
+def test_a_failed_upload_fails_the_save_and_leaves_nothing_visible(s3, moto, monkeypatch):
+    """Every part refused (503, after object_store's retries): the save raises
+    ``RemoteFailed`` on the rank, no object of the step is visible, the multipart upload
+    is aborted; once the server answers again, a save of the same step commits and
+    loads exactly."""
+    from shmckpt.errors import RemoteFailed
+
+    from test_remote import FaultProxy
+
+    client, bucket = s3
+    proxy = FaultProxy(moto.port, fail_part=1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/fail/step-4"
+        sd = {"w": torch.arange(1 << 16, dtype=torch.float32), "v": 3}
+        err = _dcp_error(lambda: dcp.save(sd, storage_writer=ShmckptWriter(url)))
+        assert isinstance(err, RemoteFailed) and "remote copy of step 4 failed" in str(err), err
+        assert proxy.failed >= 1
+        assert keys(client, bucket, "fail/") == []
+        assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+        proxy.armed = False
+        dcp.save(sd, storage_writer=ShmckptWriter(url))
+        got = {"w": torch.zeros(1 << 16), "v": 0}
+        dcp.load(got, storage_reader=ShmckptReader(url))
+        assert torch.equal(got["w"], sd["w"]) and got["v"] == 3
+    finally:
+        proxy.stop()
