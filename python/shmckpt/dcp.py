@@ -99,7 +99,7 @@ from . import _dcp_remote, _shmckpt, _state
 from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
 from ._dcp_metadata import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from ._dcp_metadata import load_metadata
-from .errors import CorruptError, SaveFailed, TooLarge
+from .errors import ConfigError, CorruptError, SaveFailed, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
 
@@ -179,6 +179,8 @@ def prepare(
     A save that needs more staging than this still reopens a larger engine."""
     import time
 
+    if _dcp_remote.is_remote(parent):
+        raise ConfigError(f"prepare({parent!r}): an s3:// checkpoint's engine opens at its first save")
     rank, world = _rank_world(process_group)
     parent_abs = os.path.abspath(os.fspath(parent))
     sp = os.path.abspath(os.fspath(spool)) if spool is not None else os.path.join(parent_abs, SPOOL_NAME)

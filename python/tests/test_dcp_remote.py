@@ -185,6 +185,13 @@ def test_a_bucket_path_must_name_a_step(bad):
         ShmckptReader(bad)
 
 
+def test_prepare_refuses_a_bucket():
+    from shmckpt.dcp import prepare
+
+    with pytest.raises(ConfigError, match="opens at its first save"):
+        prepare("s3://b/p", staging_capacity=1 << 20)
+
+
 def test_a_failed_upload_fails_the_save_and_leaves_nothing_visible(s3, moto, monkeypatch):
     """Every part refused (503, after object_store's retries): the save raises
     ``RemoteFailed`` on the rank, no object of the step is visible, the multipart upload
