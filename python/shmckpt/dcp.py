@@ -96,11 +96,11 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _ranged, _shmckpt, _state
+from . import _dcp_remote, _ranged, _shmckpt, _state
 from .checkpointer import _cuda_span_copy, _gc_paused, _host_tuple, _open_untrusted
 from ._dcp_metadata import MAX_METADATA_BYTES as MAX_METADATA_BYTES
 from ._dcp_metadata import load_metadata
-from .errors import CorruptError, SaveFailed, TooLarge
+from .errors import ConfigError, CorruptError, SaveFailed, TooLarge
 
 __all__ = ["ShmckptWriter", "ShmckptReader", "ShmckptStorageInfo", "prepare", "release"]
 
@@ -180,6 +180,8 @@ def prepare(
     A save that needs more staging than this still reopens a larger engine."""
     import time
 
+    if _dcp_remote.is_remote(parent):
+        raise ConfigError(f"prepare({parent!r}): an s3:// checkpoint's engine opens at its first save")
     rank, world = _rank_world(process_group)
     parent_abs = os.path.abspath(os.fspath(parent))
     sp = os.path.abspath(os.fspath(spool)) if spool is not None else os.path.join(parent_abs, SPOOL_NAME)
@@ -268,11 +270,15 @@ def _open_engine(
         _GEN[key] = gen + 1
     if slot is not None:
         slot.engine.close()  # finishes its saves in flight; their files stay for finish()
-    if gen == 0:
-        os.makedirs(spool, exist_ok=True)
-        _clean_spool(spool, rank)
-    root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
-    os.makedirs(root, exist_ok=True)
+    remote: Dict[str, Any] = {}
+    if _dcp_remote.is_remote(spool):  # `spool` is a bucket root: a remote-only engine
+        root, remote = _dcp_remote.engine_root(spool, world)
+    else:
+        if gen == 0:
+            os.makedirs(spool, exist_ok=True)
+            _clean_spool(spool, rank)
+        root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
+        os.makedirs(root, exist_ok=True)
     chunk = opts.get("chunk_size") or (8 << 20)
     cap = opts.get("staging_capacity") or 0
     cap = max(cap, -(-need // chunk) * chunk)
@@ -288,6 +294,7 @@ def _open_engine(
         direct_io=opts.get("direct_io"),
         keep_last=None,
         max_inflight_saves=opts.get("max_inflight_saves"),
+        **remote,
     )
     slot = _EngineSlot(engine, int(engine.describe()[1]), root)
     with _ENGINES_LOCK:
@@ -399,6 +406,9 @@ def _assign_owners(gathered: Sequence[Sequence[Tuple[Tuple[str, Any], int]]]) ->
 
 
 def _check_target(path: str) -> None:
+    if _dcp_remote.is_remote(path):
+        _dcp_remote.check_target(path)
+        return
     if os.path.lexists(path):
         if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
             raise FileExistsError(
@@ -459,7 +469,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         max_inflight_saves: Optional[int] = None,
     ):
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = _dcp_remote.norm(path)
         self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
         self._group = process_group
         self._opts = dict(
@@ -496,7 +506,7 @@ class ShmckptWriter(StorageWriter, AsyncStager):
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = _dcp_remote.norm(checkpoint_id)
             self._path_from_reset = True
         self.save_id = uuid.uuid4().hex
 
@@ -548,6 +558,13 @@ class ShmckptWriter(StorageWriter, AsyncStager):
     # -- staging ---------------------------------------------------------------------------
     def _begin(self) -> Tuple[_Save, int, int]:
         rank, world = _rank_world(self._group)
+        if _dcp_remote.is_remote(self.path):
+            # The bucket root is the engine's "spool"; the engine step is the path's N.
+            spool, step = _dcp_remote.split(self.path)
+            _dcp_remote.agree_session(spool, world, self._group)
+            save = _Save(spool, step, self.path)
+            save.rank, save.world = rank, world
+            return save, rank, world
         spool = self._spool or os.path.join(os.path.dirname(self.path), SPOOL_NAME)
         key = (spool, rank, world)
         with _ENGINES_LOCK:
@@ -771,6 +788,8 @@ class ShmckptWriter(StorageWriter, AsyncStager):
             self._submit(save, rank, world, objs)
         self._current = save
         report = save.handle.wait()  # this rank's file and manifest part are durable
+        if _dcp_remote.is_remote(save.path):
+            report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
         self.last_report = report
         save.file = os.path.basename(report["file"])
         results = []
@@ -812,6 +831,13 @@ class ShmckptWriter(StorageWriter, AsyncStager):
         save = self._current
         if save is None:
             raise SaveFailed("ShmckptWriter.finish called before write_data")
+        if _dcp_remote.is_remote(save.path):
+            # Committed in the bucket (write_data waited); .metadata completes it.
+            metadata.storage_data = _dcp_remote.storage_entries(save.path, results, ShmckptStorageInfo)
+            metadata.storage_meta = self.storage_meta()
+            _dcp_remote.publish_metadata(save.path, pickle.dumps(metadata))
+            self._current = None
+            return
         step_dir, sources = self._assemble(save, metadata, results)
         _check_target(self.path)
         # One rename makes the complete checkpoint appear at self.path.
@@ -915,7 +941,7 @@ class ShmckptReader(StorageReader):
 
     def __init__(self, path: Union[str, os.PathLike], *, direct_io: bool = True):
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = _dcp_remote.norm(path)
         self.direct_io = direct_io
         self.storage_data: Dict[MetadataIndex, ShmckptStorageInfo] = {}
         self._md: Optional[Metadata] = None
@@ -932,7 +958,7 @@ class ShmckptReader(StorageReader):
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = _dcp_remote.norm(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self) -> Metadata:
@@ -944,7 +970,11 @@ class ShmckptReader(StorageReader):
         (``use_collectives=False``: it ends with a barrier where the other ranks
         all-gather), which hangs every rank. Without it a failed read fails the load on
         every rank."""
-        md = _load_metadata(os.path.join(self.path, METADATA_FILE))
+        if _dcp_remote.is_remote(self.path):
+            with _dcp_remote.read_metadata_bytes(self.path, MAX_METADATA_BYTES) as f:
+                md = load_metadata(f"{self.path}/{METADATA_FILE}", f, (ShmckptStorageInfo,))
+        else:
+            md = _load_metadata(os.path.join(self.path, METADATA_FILE))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -984,6 +1014,8 @@ class ShmckptReader(StorageReader):
             p = os.fspath(checkpoint_id)
         except TypeError:
             return False
+        if _dcp_remote.is_remote(p):
+            return _dcp_remote.is_checkpoint(p, MAX_METADATA_BYTES)
         return os.path.isfile(os.path.join(p, METADATA_FILE)) and os.path.isfile(os.path.join(p, MANIFEST_FILE))
 
     def _direct(self, req: Any, target: torch.Tensor) -> bool:
@@ -993,6 +1025,8 @@ class ShmckptReader(StorageReader):
         values than it reads as, so such targets are filled through ``copy_``."""
         if req.type != LoadItemType.TENSOR or target.device.type not in ("cpu", "cuda") or not target.is_contiguous():
             return False
+        if _dcp_remote.is_remote(self.path):
+            return False  # bucket reads come back in buffers of their own
         if _state.is_lazy(target):
             return False
         if target.numel() == 0 or any(int(o) != 0 for o in req.storage_offsets):
@@ -1015,6 +1049,7 @@ class ShmckptReader(StorageReader):
             per_file.setdefault(info.relative_path, []).append(req)
         stats = {"files": 0, "device_items": 0, "direct_host_items": 0, "host_items": 0}
         io_totals = {"bytes": 0, "reads": 0}
+        bucket = _dcp_remote.RankReader(self.path) if _dcp_remote.is_remote(self.path) else None
         for rel, reqs in per_file.items():
             m = _FILE_RE.fullmatch(rel)
             assert m is not None  # checked in set_up_storage_reader
@@ -1045,16 +1080,19 @@ class ShmckptReader(StorageReader):
             if device:
                 for dev in {d for *_, d in device}:
                     torch.cuda.current_stream(dev).synchronize()  # queued work on the targets
-            # Only the tensors of this plan are read (each whole, CRC-32C verified).
-            file, tensors = _ranged.read_plan_items(
-                self.path,
-                rank,
-                (self.storage_data[r.storage_index].tensor for r in reqs),
-                device,
-                host,
-                direct_io=self.direct_io,
-                totals=io_totals,
-            )
+            if bucket is not None:
+                file, _meta, tensors = bucket.read(rank)
+            else:
+                # Only the tensors of this plan are read (each whole, CRC-32C verified).
+                file, tensors = _ranged.read_plan_items(
+                    self.path,
+                    rank,
+                    (self.storage_data[r.storage_index].tensor for r in reqs),
+                    device,
+                    host,
+                    direct_io=self.direct_io,
+                    totals=io_totals,
+                )
             if file != rel:
                 raise CorruptError(
                     f"{self.path}: the manifest names {file!r} for rank {rank}, the DCP metadata {rel!r}"

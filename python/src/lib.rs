@@ -8,6 +8,7 @@
 //!
 //! All calls into the `shmckpt` crate are in `core.rs`.
 
+mod bucket;
 mod buffer;
 mod core;
 mod dcp;
@@ -675,6 +676,7 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySaveHandle>()?;
     m.add_class::<PyBuffer>()?;
+    m.add_class::<bucket::PyBucket>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(link_step, m)?)?;
     m.add_function(wrap_pyfunction!(linked_step, m)?)?;

@@ -24,6 +24,7 @@
 //! and every tensor's CRC-32C is verified ([`Remote::read_rank`]).
 
 pub(crate) mod feed;
+mod extra;
 mod options;
 mod read;
 pub(crate) mod tier;

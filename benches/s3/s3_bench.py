@@ -1,0 +1,665 @@
+#!/usr/bin/env python3
+"""Checkpoints to an S3-protocol server: shmckpt's remote tier against the server's raw
+multipart PUT / ranged GET (the limit) and the peers, on one machine, same server, same
+state, alternated rounds (issue 23, "Benchmarks"; docs/benchmarks.md "Checkpoints to S3").
+
+The driver starts the server itself: ``--server PATH`` is an ``s3s-fs`` binary (the
+``s3s-fs`` crate's ``binary`` feature: an S3 server on a directory; moto's server is too
+slow for throughput, ~40-65 MiB/s) serving ``--dir``/server. ``--endpoint URL`` uses a
+server already running instead (objects are then deleted with boto3).
+
+Systems (``--systems``, default all; a system whose package is missing prints one
+``SKIP name: reason`` line and the run goes on):
+
+save (time from the call to committed in the bucket; GB/s = bytes of the state / time):
+  shmckpt_local_remote  ``Checkpointer(local, remote=s3://...)``: ``save`` -> ``h.wait()``
+                        -> ``h.wait_remote()`` (local disk durable first, then uploaded from
+                        the staging arena and committed); also its stall (``save`` return)
+  shmckpt_remote_only   ``Checkpointer("s3://...")``: ``save`` -> ``h.wait_remote()``
+  shmckpt_local         ``Checkpointer(local)`` (no bucket): stall and time to durable, the
+                        reference for the stall with the remote tier on
+  shmckpt_stall_uploading   the stall of a save issued while the previous save's upload
+                        runs (``Checkpointer(local, remote=...)``; its time column is from
+                        that save to both committed in the bucket; not a throughput row)
+  raw_put               the limit: one multipart upload of the same bytes, same part size
+                        and parts in flight, with object_store (``--raw-bin``: the
+                        ``s3_raw`` example, ``cargo build --release --features s3 --example
+                        s3_raw``); without it, boto3's low-level multipart (create/upload_part
+                        from a thread pool/complete) from one in-memory buffer
+  s3torch_dcp           ``dcp.save`` with s3torchconnector's ``S3StorageWriter``
+                        (``thread_count`` = parts in flight; its public constructor takes no
+                        endpoint: the writer's ``fs`` is replaced by an ``S3FileSystem`` over
+                        ``S3Client(region, endpoint=...)`` with ``force_path_style``)
+  fsspec_dcp            ``dcp.save`` with DCP's ``FsspecWriter`` on ``s3://`` (s3fs)
+  boto3_file            ``torch.save`` to a local file (fsync) then boto3 ``upload_file``
+                        (``TransferConfig``: same part size and concurrency); timed from the
+                        ``torch.save`` call
+
+restore (time from the call to the tensors in memory, each system reading the object(s)
+its save wrote in the same round):
+  shmckpt_restore       ``Checkpointer(...).load(step, source="remote")`` (ranged GETs in
+                        parallel, every CRC-32C checked)
+  raw_get               the limit: parallel ranged GETs of the raw object into one buffer
+                        (``s3_raw get``, or boto3 ``get_object(Range=...)`` from a pool)
+  s3torch_dcp_load, fsspec_dcp_load   ``dcp.load`` with the peers' readers
+
+Every round runs every system once, in an order rotated each round; objects of a round
+are removed after it (not timed). Results: medians with (min-max) over the rounds, and
+each system's ratio to ``raw_put`` (save) or ``raw_get`` (restore) measured in the same
+run. Output: a table on stdout and ``--out``/s3_bench.json with every sample.
+
+    python3 benches/s3/s3_bench.py --server .dev/s3s/bin/s3s-fs --dir /var/tmp/s3b \\
+        --raw-bin target/release/examples/s3_raw --sizes 1GiB:64,1GiB:1000 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+BUCKET = "bench"
+ACCESS, SECRET, REGION = "shmckptbench", "shmckptbenchsecret", "us-east-1"
+SAVE_SYSTEMS = [
+    "shmckpt_local_remote",
+    "shmckpt_remote_only",
+    "shmckpt_local",
+    "shmckpt_stall_uploading",
+    "raw_put",
+    "s3torch_dcp",
+    "fsspec_dcp",
+    "boto3_file",
+]
+LOAD_SYSTEMS = ["shmckpt_restore", "raw_get", "s3torch_dcp_load", "fsspec_dcp_load"]
+ALL = SAVE_SYSTEMS + LOAD_SYSTEMS
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {msg}", flush=True)
+
+
+def parse_size(s: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for u, m in units.items():
+        if s.endswith(u):
+            return int(float(s[: -len(u)]) * m)
+    return int(s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Skip(Exception):
+    """A system that cannot run here (a package missing): reported, never fatal."""
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+class Server:
+    """``s3s-fs`` serving ``root`` on a free port (or an endpoint already running)."""
+
+    def __init__(self, binary: Optional[str], root: str, endpoint: Optional[str]):
+        self.proc: Optional[subprocess.Popen] = None
+        self.root = root
+        if endpoint:
+            self.url = endpoint.rstrip("/")
+            import boto3  # an external server: the bucket is made and emptied with boto3
+
+            c = boto3.client("s3", endpoint_url=self.url, region_name=REGION)
+            if BUCKET not in [b["Name"] for b in c.list_buckets().get("Buckets", [])]:
+                c.create_bucket(Bucket=BUCKET)
+            return
+        assert binary is not None
+        if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+            sys.exit(f"s3_bench: --server {binary!r} is not an executable file (an s3s-fs binary)")
+        os.makedirs(root, exist_ok=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(os.path.join(os.path.dirname(root.rstrip("/")), "s3s-fs.log"), "ab")
+        self.proc = subprocess.Popen(
+            [binary, "--host", "127.0.0.1", "--port", str(port), "--access-key", ACCESS, "--secret-key", SECRET, root],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RUST_LOG": "error"},
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"s3_bench: the server {binary} did not start (see s3s-fs.log)")
+                time.sleep(0.05)
+        os.makedirs(os.path.join(root, BUCKET), exist_ok=True)  # s3s-fs: a bucket is a directory
+
+    def clear(self, prefix: str) -> None:
+        """Remove every object under ``prefix`` (not timed)."""
+        if self.proc is not None:
+            shutil.rmtree(os.path.join(self.root, BUCKET, prefix), ignore_errors=True)
+            return
+        import boto3
+
+        c = boto3.client("s3", endpoint_url=self.url, region_name=REGION)
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+            objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objs:
+                c.delete_objects(Bucket=BUCKET, Delete={"Objects": objs})
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- the state ------------------------------------------------------------------------------
+
+
+def make_state(total: int, n: int, device: str) -> Dict[str, Any]:
+    """``n`` fp32 tensors of ``total`` bytes in all (random values: nothing compresses)."""
+    import torch
+
+    per = max(1, total // n // 4)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for i in range(n):
+        t = torch.empty(per, dtype=torch.float32)
+        t.uniform_(generator=g)
+        state[f"layer{i:05d}.weight"] = t.to(device) if device != "cpu" else t
+    return state
+
+
+def state_bytes(state: Dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# -- systems ---------------------------------------------------------------------------------
+
+
+class Ctx:
+    def __init__(self, args: argparse.Namespace, server: Server, state: Dict[str, Any], label: str):
+        self.args = args
+        self.server = server
+        self.state = state
+        self.nbytes = state_bytes(state)
+        self.label = label
+        self.local = os.path.join(args.dir, "local", label)
+        self.part = args.part_size
+        self.conc = args.concurrency
+        self.cks: Dict[str, Any] = {}
+        self.step = 0
+        #: What each save of a round left for the restores: system -> (url or key, step)
+        self.saved: Dict[str, Any] = {}
+
+    def prefix(self, system: str, rnd: int) -> str:
+        return f"{self.label}/{system}/r{rnd}"
+
+    def s3url(self, system: str, rnd: int) -> str:
+        return f"s3://{BUCKET}/{self.prefix(system, rnd)}"
+
+
+def _checkpointer(ctx: Ctx, kind: str) -> Any:
+    """One Checkpointer per kind and size, opened once (as a trainer does) and reused."""
+    import shmckpt
+
+    ck = ctx.cks.get(kind)
+    if ck is not None:
+        return ck
+    cap = ctx.nbytes + (64 << 20)
+    root = os.path.join(ctx.local, kind)
+    os.makedirs(root, exist_ok=True)
+    url = f"s3://{BUCKET}/{ctx.label}/{kind}"
+    if kind == "shmckpt_local":
+        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap)
+    elif kind == "shmckpt_local_remote":
+        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap, remote=url, remote_keep_last=1)
+    else:
+        ck = shmckpt.Checkpointer(url, staging_capacity=cap, remote_keep_last=1)
+    if ctx.args.device.startswith("cuda"):
+        ck.prepare_cuda()
+    ctx.cks[kind] = ck
+    return ck
+
+
+def run_shmckpt(ctx: Ctx, kind: str, rnd: int) -> Dict[str, float]:
+    ck = _checkpointer(ctx, kind)
+    ctx.step += 1
+    step = ctx.step
+    sync(ctx.args.device)
+    t0 = time.perf_counter()
+    h = ck.save(step, ctx.state)
+    stall = time.perf_counter() - t0
+    out: Dict[str, float] = {"stall": stall}
+    if kind != "shmckpt_remote_only":
+        h.wait()
+        out["local_durable"] = time.perf_counter() - t0
+    if kind == "shmckpt_local":
+        out["seconds"] = out["local_durable"]
+        return out
+    rep = h.wait_remote()
+    out["seconds"] = time.perf_counter() - t0
+    out["upload"] = float(rep["upload"])
+    if int(rep["bytes"]) < ctx.nbytes:
+        raise RuntimeError(f"{kind}: uploaded {rep['bytes']} bytes, fewer than the state's {ctx.nbytes}")
+    out["bytes"] = float(rep["bytes"])
+    if kind == "shmckpt_remote_only":
+        ctx.saved["shmckpt"] = (kind, step)
+    return out
+
+
+def run_stall_uploading(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    """The trainer's stall while the remote tier is busy: a save issued as soon as the
+    previous one is durable on the local disk, i.e. while its upload is running (the
+    ``stall`` of this row is that second ``save``'s return time)."""
+    ck = _checkpointer(ctx, "shmckpt_local_remote")
+    ctx.step += 2
+    sync(ctx.args.device)
+    h1 = ck.save(ctx.step - 1, ctx.state)
+    h1.wait()
+    t0 = time.perf_counter()
+    h2 = ck.save(ctx.step, ctx.state)
+    stall = time.perf_counter() - t0
+    out = {"stall": stall}
+    for name, h in (("first_committed_after", h1), ("second_committed_after", h2)):
+        try:
+            h.wait_remote()
+        except Exception as e:  # RemoteSkipped: the documented backpressure policy
+            if type(e).__name__ != "RemoteSkipped":
+                raise
+            name = name.replace("committed", "skipped")
+        out[name] = time.perf_counter() - t0
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _raw_bin(ctx: Ctx, op: str, key: str) -> float:
+    r = subprocess.run(
+        [ctx.args.raw_bin, op, f"s3://{BUCKET}/{key}", str(ctx.nbytes), str(ctx.part), str(ctx.conc)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"s3_raw {op}: {r.stderr.strip()}")
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["seconds"])
+
+
+def _boto3(ctx: Ctx) -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as e:
+        raise Skip(f"boto3 is not installed ({e})")
+    cfg = Config(
+        max_pool_connections=max(ctx.conc, 10) * 2,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"},
+    )
+    return boto3.client("s3", endpoint_url=ctx.server.url, region_name=REGION, config=cfg)
+
+
+#: The raw upload's parts (random bytes, made once per size, outside the timing: botocore
+#: takes bytes, not memoryviews).
+_RAW_PARTS: Dict[Tuple[int, int], List[bytes]] = {}
+
+
+def run_raw_put(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    key = f"{ctx.prefix('raw', rnd)}/object"
+    if ctx.args.raw_bin:
+        secs = _raw_bin(ctx, "put", key)
+        ctx.saved["raw"] = key
+        return {"seconds": secs}
+    c = _boto3(ctx)
+    chunks = _RAW_PARTS.get((ctx.nbytes, ctx.part))
+    if chunks is None:
+        _RAW_PARTS.clear()
+        chunks = [os.urandom(min(ctx.part, ctx.nbytes - a)) for a in range(0, ctx.nbytes, ctx.part)]
+        _RAW_PARTS[(ctx.nbytes, ctx.part)] = chunks
+    t0 = time.perf_counter()
+    up = c.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+
+    def part(i: int) -> Dict[str, Any]:
+        r = c.upload_part(Bucket=BUCKET, Key=key, UploadId=up, PartNumber=i + 1, Body=chunks[i])
+        return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+    with ThreadPoolExecutor(ctx.conc) as ex:
+        parts = list(ex.map(part, range(len(chunks))))
+    c.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=up, MultipartUpload={"Parts": parts})
+    secs = time.perf_counter() - t0
+    ctx.saved["raw"] = key
+    return {"seconds": secs}
+
+
+def run_raw_get(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    key = ctx.saved.get("raw")
+    if key is None:
+        raise Skip("raw_put did not run in this round")
+    if ctx.args.raw_bin:
+        return {"seconds": _raw_bin(ctx, "get", key)}
+    c = _boto3(ctx)
+    out = bytearray(ctx.nbytes)
+    mv = memoryview(out)
+    t0 = time.perf_counter()
+
+    def get(i: int) -> None:
+        a = i * ctx.part
+        e = min(a + ctx.part, ctx.nbytes)
+        body = c.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={a}-{e - 1}")["Body"].read()
+        mv[a : a + len(body)] = body
+
+    with ThreadPoolExecutor(ctx.conc) as ex:
+        list(ex.map(get, range(-(-ctx.nbytes // ctx.part))))
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run_shmckpt_restore(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    got = ctx.saved.get("shmckpt")
+    if got is None:
+        raise Skip("shmckpt_remote_only did not run in this round")
+    kind, step = got
+    ck = _checkpointer(ctx, kind)
+    t0 = time.perf_counter()
+    sd = ck.load(step, source="remote")
+    secs = time.perf_counter() - t0
+    if ck.last_load_source[0] != "remote" or len(sd) != len(ctx.state):
+        raise RuntimeError(f"shmckpt_restore: loaded {len(sd)} tensors from {ck.last_load_source}")
+    return {"seconds": secs}
+
+
+def _s3torch(ctx: Ctx) -> Tuple[Any, Any, Any, Any]:
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+        from s3torchconnector.dcp.s3_file_system import S3FileSystem
+    except ImportError as e:
+        raise Skip(f"s3torchconnector is not installed ({e})")
+    cfg = S3ClientConfig(force_path_style=True, part_size=ctx.part)
+
+    def fs() -> Any:
+        return S3FileSystem(REGION, s3_client=S3Client(REGION, endpoint=ctx.server.url, s3client_config=cfg))
+
+    return S3StorageWriter, S3StorageReader, fs, cfg
+
+
+def run_s3torch(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+
+    W, _, fs, cfg = _s3torch(ctx)
+    url = ctx.s3url("s3torch", rnd)
+    sync(ctx.args.device)
+    t0 = time.perf_counter()
+    w = W(REGION, url, s3client_config=cfg, thread_count=ctx.conc)
+    w.fs = fs()
+    w.path = w.fs.init_path(url)
+    dcp.save(ctx.state, storage_writer=w)
+    ctx.saved["s3torch"] = url
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _zeros(ctx: Ctx) -> Dict[str, Any]:
+    import torch
+
+    return {k: torch.empty_like(v) for k, v in ctx.state.items()}
+
+
+def run_s3torch_load(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+
+    _, R, fs, cfg = _s3torch(ctx)
+    url = ctx.saved.get("s3torch")
+    if url is None:
+        raise Skip("s3torch_dcp did not run in this round")
+    dest = _zeros(ctx)
+    t0 = time.perf_counter()
+    r = R(REGION, url, s3client_config=cfg)
+    f = fs()
+    f._reader_constructor = r.fs._reader_constructor
+    r.fs = f
+    r.path = f.init_path(url)
+    dcp.load(dest, storage_reader=r)
+    sync(ctx.args.device)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _fsspec_kwargs(ctx: Ctx) -> Dict[str, Any]:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"s3fs is not installed ({e})")
+    return dict(
+        key=os.environ["AWS_ACCESS_KEY_ID"],
+        secret=os.environ["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": ctx.server.url, "region_name": REGION},
+    )
+
+
+def run_fsspec(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FsspecWriter
+
+    kw = _fsspec_kwargs(ctx)
+    url = ctx.s3url("fsspec", rnd)
+    sync(ctx.args.device)
+    t0 = time.perf_counter()
+    w = FsspecWriter(url, sync_files=False, thread_count=ctx.conc, **kw)
+    dcp.save(ctx.state, storage_writer=w)
+    ctx.saved["fsspec"] = url
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run_fsspec_load(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FsspecReader
+
+    kw = _fsspec_kwargs(ctx)
+    url = ctx.saved.get("fsspec")
+    if url is None:
+        raise Skip("fsspec_dcp did not run in this round")
+    dest = _zeros(ctx)
+    t0 = time.perf_counter()
+    dcp.load(dest, storage_reader=FsspecReader(url, **kw))
+    sync(ctx.args.device)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run_boto3_file(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    import torch
+    from boto3.s3.transfer import TransferConfig
+
+    c = _boto3(ctx)
+    path = os.path.join(ctx.local, "torch_save.pt")
+    os.makedirs(ctx.local, exist_ok=True)
+    sync(ctx.args.device)
+    t0 = time.perf_counter()
+    torch.save(ctx.state, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t1 = time.perf_counter()
+    cfg = TransferConfig(multipart_threshold=ctx.part, multipart_chunksize=ctx.part, max_concurrency=ctx.conc)
+    c.upload_file(path, BUCKET, f"{ctx.prefix('boto3', rnd)}/state.pt", Config=cfg)
+    t2 = time.perf_counter()
+    os.unlink(path)
+    return {"seconds": t2 - t0, "torch_save": t1 - t0, "upload": t2 - t1}
+
+
+RUNNERS: Dict[str, Callable[[Ctx, int], Dict[str, float]]] = {
+    "shmckpt_local_remote": lambda c, r: run_shmckpt(c, "shmckpt_local_remote", r),
+    "shmckpt_remote_only": lambda c, r: run_shmckpt(c, "shmckpt_remote_only", r),
+    "shmckpt_local": lambda c, r: run_shmckpt(c, "shmckpt_local", r),
+    "shmckpt_stall_uploading": run_stall_uploading,
+    "raw_put": run_raw_put,
+    "s3torch_dcp": run_s3torch,
+    "fsspec_dcp": run_fsspec,
+    "boto3_file": run_boto3_file,
+    "shmckpt_restore": run_shmckpt_restore,
+    "raw_get": run_raw_get,
+    "s3torch_dcp_load": run_s3torch_load,
+    "fsspec_dcp_load": run_fsspec_load,
+}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def med(xs: List[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def report(label: str, nbytes: int, samples: Dict[str, List[Dict[str, float]]], skipped: Dict[str, str]) -> List[str]:
+    lines = [f"### {label}: {nbytes / 1e9:.3f} GB", ""]
+    lines.append("| system | s to committed / loaded, median (min-max) | GB/s median | × limit | stall s (save returns) |")
+    lines.append("|---|---|---|---|---|")
+
+    def gbps(s: Dict[str, float]) -> float:
+        return nbytes / s["seconds"] / 1e9
+
+    limits = {
+        "save": statistics.median([gbps(s) for s in samples.get("raw_put", [])]) if samples.get("raw_put") else None,
+        "load": statistics.median([gbps(s) for s in samples.get("raw_get", [])]) if samples.get("raw_get") else None,
+    }
+    for name in ALL:
+        if name in skipped:
+            lines.append(f"| {name} | SKIP: {skipped[name]} | | | |")
+            continue
+        ss = samples.get(name)
+        if not ss:
+            continue
+        g = statistics.median([gbps(s) for s in ss])
+        lim = limits["load" if name in LOAD_SYSTEMS else "save"]
+        ratio = f"{g / lim:.2f}" if lim and name not in ("shmckpt_local", "shmckpt_stall_uploading") else "-"
+        stall = med([s["stall"] for s in ss if "stall" in s])
+        rate = "-" if name == "shmckpt_stall_uploading" else f"{g:.3f}"
+        lines.append(f"| {name} | {med([s['seconds'] for s in ss])} | {rate} | {ratio} | {stall} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--server", help="an s3s-fs binary: the driver starts it on --dir/server")
+    src.add_argument("--endpoint", help="an S3 endpoint already running (credentials from the environment)")
+    ap.add_argument("--dir", required=True, help="working directory: the server's data, local checkpoint roots")
+    ap.add_argument("--sizes", default="1GiB:64,1GiB:1000", help="comma-separated BYTES:TENSORS (e.g. 8GiB:64)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--systems", default=",".join(ALL))
+    ap.add_argument("--raw-bin", help="the s3_raw example binary (object_store); without it raw_put/raw_get use boto3")
+    ap.add_argument("--part-size", default="16MiB", help="part size of the raw and peer uploads (shmckpt's default)")
+    ap.add_argument("--concurrency", type=int, default=8, help="parts in flight (shmckpt's default)")
+    ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
+    ap.add_argument("--out", help="directory for s3_bench.json (default --dir)")
+    args = ap.parse_args()
+    args.part_size = parse_size(args.part_size)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in RUNNERS]
+    if bad:
+        sys.exit(f"s3_bench: unknown systems {bad}; known: {ALL}")
+    if args.part_size != 16 << 20 or args.concurrency != 8:
+        log("note: shmckpt's remote tier uses its defaults (16 MiB parts, 8 in flight); --part-size/--concurrency apply to the others")
+    os.makedirs(args.dir, exist_ok=True)
+    out_dir = args.out or args.dir
+    os.makedirs(out_dir, exist_ok=True)
+
+    server = Server(args.server, os.path.join(args.dir, "server"), args.endpoint)
+    if args.server:
+        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET)
+    os.environ.update(AWS_REGION=REGION, AWS_ENDPOINT_URL=server.url, AWS_ALLOW_HTTP="true")
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    log(f"server {server.url} ({'s3s-fs ' + args.server if args.server else 'external'}), dir {args.dir}")
+    import torch
+
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} cpus, device {args.device}")
+    raw = f"object_store ({args.raw_bin})" if args.raw_bin else "boto3 low-level multipart, thread pool"
+    log(f"the limit (raw_put/raw_get): {raw}; {args.part_size} B parts, {args.concurrency} in flight")
+    results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "raw": raw, "sizes": {}}
+    tables: List[str] = []
+    try:
+        for spec in args.sizes.split(","):
+            size_s, _, n_s = spec.partition(":")
+            total, n = parse_size(size_s), int(n_s or 64)
+            label = f"s{total >> 20}m-n{n}-{uuid.uuid4().hex[:6]}"
+            state = make_state(total, n, args.device)
+            ctx = Ctx(args, server, state, label)
+            log(f"== {spec}: {ctx.nbytes} bytes in {n} tensors ({label})")
+            samples: Dict[str, List[Dict[str, float]]] = {}
+            skipped: Dict[str, str] = {}
+            saves = [s for s in systems if s in SAVE_SYSTEMS]
+            loads = [s for s in systems if s in LOAD_SYSTEMS]
+            for rnd in range(args.rounds):
+                k = rnd % max(1, len(saves))
+                order = saves[k:] + saves[:k]
+                k = rnd % max(1, len(loads))
+                order += loads[k:] + loads[:k]
+                ctx.saved = {}
+                for name in order:
+                    if name in skipped:
+                        continue
+                    try:
+                        r = RUNNERS[name](ctx, rnd)
+                    except Skip as e:
+                        if "did not run" not in str(e):
+                            skipped[name] = str(e)
+                            print(f"SKIP {name}: {e}", flush=True)
+                        continue
+                    except Exception as e:  # a peer failing is reported, the run goes on
+                        skipped[name] = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                        print(f"SKIP {name}: failed:\n{traceback.format_exc()}", flush=True)
+                        continue
+                    samples.setdefault(name, []).append(r)
+                    log(f"round {rnd} {name}: {r['seconds']:.3f} s, {ctx.nbytes / r['seconds'] / 1e9:.3f} GB/s"
+                        + "".join(f", {k} {v:.3f}" for k, v in r.items() if k not in ("seconds", "bytes")))
+                for sysname in ("raw", "s3torch", "fsspec", "boto3"):
+                    server.clear(ctx.prefix(sysname, rnd))
+            for ck in ctx.cks.values():
+                ck.close()
+            server.clear(label)
+            shutil.rmtree(ctx.local, ignore_errors=True)
+            t = report(f"{spec} ({n} tensors, {args.device})", ctx.nbytes, samples, skipped)
+            tables += t + [""]
+            print("\n".join(t), flush=True)
+            results["sizes"][spec] = {"bytes": ctx.nbytes, "tensors": n, "samples": samples, "skipped": skipped}
+            del state, ctx
+    finally:
+        server.stop()
+    with open(os.path.join(out_dir, "s3_bench.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "s3_bench.md"), "w") as f:
+        f.write("\n".join(tables))
+    log(f"wrote {out_dir}/s3_bench.json and s3_bench.md")
+
+
+if __name__ == "__main__":
+    main()
