@@ -29,7 +29,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from . import _shmckpt, _state
-from .checkpointer import Checkpointer, _finish_tensor, _torch_dtype_for
+from .checkpointer import Checkpointer
+from .checkpointer.load import _finish_tensor, _torch_dtype_for
 from .errors import CorruptError, NotFound, UnsafePath
 
 __all__ = ["ShmckptCheckpointIO"]

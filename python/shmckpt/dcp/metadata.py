@@ -41,8 +41,8 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from .checkpointer import _gc_paused
-from .errors import CorruptError
+from .._util import _gc_paused
+from ..errors import CorruptError
 
 __all__ = ["load_metadata", "MAX_METADATA_BYTES"]
 

@@ -1,0 +1,213 @@
+"""The engines (shared-memory arenas) ``ShmckptWriter`` opens in this process, one per
+rank and spool directory, reused by every save; ``prepare``/``release``; the spool's
+layout (each engine's root, the parts a save left)."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import re
+import threading
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import _shmckpt
+from .items import _Save
+from .storage import SPOOL_NAME
+
+
+# -- engines ------------------------------------------------------------------------------
+
+
+class _EngineSlot:
+    def __init__(self, engine: Any, capacity: int, root: str):
+        self.engine = engine
+        self.capacity = capacity
+        self.root = root
+
+
+_ENGINES: Dict[Tuple[str, int, int], _EngineSlot] = {}
+_ENGINES_LOCK = threading.Lock()
+_SEQ: Dict[Tuple[str, int, int], int] = {}
+_GEN: Dict[Tuple[str, int, int], int] = {}
+
+
+def release() -> None:
+    """Finish the saves in flight and free every engine (arena) ``ShmckptWriter`` opened
+    in this process, and the registered read buffers of ``ShmckptReader``'s device loads.
+    The next save opens a new engine."""
+    with _ENGINES_LOCK:
+        slots = list(_ENGINES.values())
+        _ENGINES.clear()
+    for s in slots:
+        s.engine.close()
+    _shmckpt.release_device_ring()
+
+
+def prepare(
+    parent: Union[str, os.PathLike],
+    *,
+    staging_capacity: int,
+    devices: Optional[Sequence[int]] = None,
+    spool: Optional[Union[str, os.PathLike]] = None,
+    process_group: Any = None,
+    chunk_size: Optional[int] = None,
+    writer_threads: Optional[int] = None,
+    queue_depth: Optional[int] = None,
+    copy_threads: Optional[int] = None,
+    direct_io: Optional[bool] = None,
+    max_inflight_saves: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Open this rank's engine for checkpoints published under ``parent`` now, at start-up,
+    instead of in the first save: create and pre-fault its shared-memory arena of
+    ``staging_capacity`` bytes (at least the rank's share of the state, plus a few MiB of
+    header room) and register it with CUDA for ``devices`` (default: the current device
+    when CUDA is available; ``[]`` for none). Every later ``ShmckptWriter(path)`` whose
+    ``path`` is in ``parent`` (same ``spool`` and process group) reuses it, so no save
+    pays these costs (seconds for many GiB: the first save of a process otherwise stalls
+    that much longer). Call it on every rank, with the same arguments ``ShmckptWriter``
+    gets. Returns ``{"open_s", "cuda_registration_s", "staging_capacity", "shm_name"}``.
+    A save that needs more staging than this still reopens a larger engine."""
+    import time
+
+    rank, world = _rank_world(process_group)
+    parent_abs = os.path.abspath(os.fspath(parent))
+    sp = os.path.abspath(os.fspath(spool)) if spool is not None else os.path.join(parent_abs, SPOOL_NAME)
+    opts = dict(
+        staging_capacity=staging_capacity,
+        chunk_size=chunk_size,
+        writer_threads=writer_threads,
+        queue_depth=queue_depth,
+        copy_threads=copy_threads,
+        direct_io=direct_io,
+        max_inflight_saves=max_inflight_saves,
+    )
+    t = time.perf_counter()
+    slot = _open_engine(sp, rank, world, int(staging_capacity), opts)
+    open_s = time.perf_counter() - t
+    if devices is None:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    reg = None
+    if devices:
+        t = time.perf_counter()
+        slot.engine.prepare_cuda([int(d) for d in devices])
+        reg = time.perf_counter() - t
+    return {
+        "open_s": open_s,
+        "cuda_registration_s": reg,
+        "staging_capacity": slot.capacity,
+        "shm_name": slot.engine.describe()[0],
+    }
+
+
+atexit.register(release)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a directory of ours (rename first, so it vanishes at once)."""
+    import shutil
+
+    trash = f"{path}.trash-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rank_dir(spool: str, rank: int) -> str:
+    return os.path.join(spool, f"rank-{rank:05d}")
+
+
+def _clean_spool(spool: str, rank: int) -> None:
+    """Leftovers of runs that died before publishing: this rank's engine roots of other
+    processes, and assembly directories. Runs once per process, at this rank's first
+    save: no rank of this run can have written anything the coordinator still needs
+    (the first save needs this rank's file before anything is assembled)."""
+    mine = f"{os.getpid()}-"
+    rd = _rank_dir(spool, rank)
+    if os.path.isdir(rd):
+        for name in os.listdir(rd):
+            p = os.path.join(rd, name)
+            if not name.startswith(mine) and os.path.isdir(p) and not os.path.islink(p):
+                _remove_tree(p)
+    if rank == 0:
+        for name in os.listdir(spool):
+            p = os.path.join(spool, name)
+            if (re.fullmatch(r"step-\d+", name) or ".trash-" in name) and os.path.isdir(p) and not os.path.islink(p):
+                _remove_tree(p)
+
+
+def _open_engine(
+    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]
+) -> _EngineSlot:
+    """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
+
+    Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
+    (re)opened later never cleans up a directory another save still needs, and ranks
+    never share a directory (the engine's own multi-rank commit is not used: see
+    ``ShmckptWriter.finish``)."""
+    key = (spool, rank, world)
+    with _ENGINES_LOCK:
+        slot = _ENGINES.get(key)
+        if slot is not None and slot.capacity >= need:
+            return slot
+        if slot is not None:
+            del _ENGINES[key]
+        gen = _GEN.get(key, 0)
+        _GEN[key] = gen + 1
+    if slot is not None:
+        slot.engine.close()  # finishes its saves in flight; their files stay for finish()
+    if gen == 0:
+        os.makedirs(spool, exist_ok=True)
+        _clean_spool(spool, rank)
+    root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
+    os.makedirs(root, exist_ok=True)
+    chunk = opts.get("chunk_size") or (8 << 20)
+    cap = opts.get("staging_capacity") or 0
+    cap = max(cap, -(-need // chunk) * chunk)
+    engine = _shmckpt.Engine(
+        root,
+        rank=rank,
+        world_size=world,
+        staging_capacity=cap,
+        chunk_size=opts.get("chunk_size"),
+        writer_threads=opts.get("writer_threads"),
+        queue_depth=opts.get("queue_depth"),
+        copy_threads=opts.get("copy_threads"),
+        direct_io=opts.get("direct_io"),
+        keep_last=None,
+        max_inflight_saves=opts.get("max_inflight_saves"),
+    )
+    slot = _EngineSlot(engine, int(engine.describe()[1]), root)
+    with _ENGINES_LOCK:
+        _ENGINES[key] = slot
+    return slot
+
+
+def _engine_step(path: str, world: int, seq: int) -> int:
+    h = hashlib.blake2b(f"{path}\0{world}\0{seq}".encode(), digest_size=7).digest()
+    return int.from_bytes(h, "little")
+
+
+def _rank_world(group: Any) -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _sources(save: _Save, rank: int) -> List[str]:
+    """Where ``rank``'s engine left its file of ``save``: ``step-N.partial`` (several
+    ranks: the engine waits for the other parts, which never come to its own root) or the
+    committed ``step-N`` (one rank)."""
+    rd = _rank_dir(save.spool, rank)
+    name = f"step-{save.step}.partial" if save.world > 1 else f"step-{save.step}"
+    try:
+        roots = sorted(os.listdir(rd))
+    except FileNotFoundError:
+        return []
+    return [os.path.join(rd, r, name) for r in roots if os.path.isdir(os.path.join(rd, r, name))]
