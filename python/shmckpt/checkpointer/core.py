@@ -26,17 +26,41 @@ except ImportError:  # pragma: no cover
     torch = None  # type: ignore[assignment]
 
 
-_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+class _OpenCheckpointers:
+    """The checkpointers of this process not yet closed, held weakly.
+
+    Process-wide because the interpreter's exit must find them: its ``atexit`` hook
+    (:meth:`close_all`) finishes their saves in flight and removes their staging segments
+    from ``/dev/shm``, which a checkpointer never closed would otherwise leave there. One
+    instance, :data:`OPEN_CHECKPOINTERS`; a checkpointer adds itself when its constructor
+    succeeds and removes itself in ``close``."""
+
+    def __init__(self) -> None:
+        self._open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, ck: "Checkpointer") -> None:
+        with self._lock:
+            self._open.add(ck)
+
+    def discard(self, ck: "Checkpointer") -> None:
+        with self._lock:
+            self._open.discard(ck)
+
+    def close_all(self) -> None:
+        """Close every open checkpointer (best effort: the interpreter is exiting)."""
+        with self._lock:
+            open_now = list(self._open)
+        for ck in open_now:
+            try:
+                ck.close()
+            except Exception:  # pragma: no cover - best effort at exit
+                pass
 
 
-@atexit.register
-def _close_all() -> None:
-    """At interpreter exit, finish the saves in flight and remove the staging segments."""
-    for ck in list(_OPEN):
-        try:
-            ck.close()
-        except BaseException:  # pragma: no cover - best effort at exit
-            pass
+#: The open checkpointers of this process (see :class:`_OpenCheckpointers` for why).
+OPEN_CHECKPOINTERS = _OpenCheckpointers()
+atexit.register(OPEN_CHECKPOINTERS.close_all)
 
 
 class Checkpointer(SaveMixin, LoadIntoMixin):
@@ -154,7 +178,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
             except BaseException:
                 self._engine.close()
                 raise
-        _OPEN.add(self)
+        OPEN_CHECKPOINTERS.add(self)
 
     @property
     def last_load_source(self) -> Optional[Tuple[str, Any]]:
@@ -180,7 +204,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         call in progress on another thread, and a second ``close`` waits for the first),
         so the tensors kept for non-blocking saves are dropped only when nothing reads
         them any more. Calls that begin after it raise ``ShutdownError``."""
-        _OPEN.discard(self)
+        OPEN_CHECKPOINTERS.discard(self)
         if self._replicator is not None:
             self._replicator.close()  # the queued replications finish first
         for h in list(self._pending):

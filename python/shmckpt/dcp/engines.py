@@ -20,31 +20,114 @@ from .items import _Save
 from .storage import SPOOL_NAME
 
 
-# -- engines ------------------------------------------------------------------------------
-
-
 class _EngineSlot:
+    """One open engine: its capacity (bytes of staging) and its own root in the spool."""
+
     def __init__(self, engine: Any, capacity: int, root: str):
         self.engine = engine
         self.capacity = capacity
         self.root = root
 
 
-_ENGINES: Dict[Tuple[str, int, int], _EngineSlot] = {}
-_ENGINES_LOCK = threading.Lock()
-_SEQ: Dict[Tuple[str, int, int], int] = {}
-_GEN: Dict[Tuple[str, int, int], int] = {}
+#: (spool directory, rank, world size): what one engine serves.
+_Key = Tuple[str, int, int]
+
+
+class DcpSession:
+    """The DCP storage state of this process: the engines ``ShmckptWriter`` opened (one
+    per spool directory, rank and world size), the number of saves each began (the private
+    step numbers the ranks agree on), each engine's generation (its root's name), and the
+    gloo groups ``stage()`` exchanges item lists on.
+
+    Why one per process and not per writer: DCP (and torchtitan, Megatron, Lightning
+    through them) builds a new ``ShmckptWriter`` for every save, while an engine, whose
+    arena is seconds of page faults and CUDA registration for many GiB, must outlive
+    writers to keep host memory flat and saves fast; ``prepare()`` opens one before any
+    writer exists, and ``release()`` and the interpreter's exit (``atexit``) must find
+    them all. That instance is :data:`SESSION`; every writer holds a reference to it
+    (``ShmckptWriter._session``), and a test or a program may give one its own. All
+    methods are thread-safe (DCP stages and uploads on different threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: Dict[_Key, _EngineSlot] = {}
+        self._seq: Dict[_Key, int] = {}
+        self._gen: Dict[_Key, int] = {}
+        #: ranks -> (the default group it was made under, the gloo group)
+        self._gather_groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+    def next_step(self, spool: str, rank: int, world: int) -> int:
+        """The private step number of the next save of this rank on ``spool``: the same
+        on every rank of the save (a hash of the spool, the world size and how many saves
+        this process began there)."""
+        key = (spool, rank, world)
+        with self._lock:
+            seq = self._seq.get(key, 0)
+            self._seq[key] = seq + 1
+        return _engine_step(spool, world, seq)
+
+    def generations(self) -> Dict[_Key, int]:
+        """How many engines were opened for each (spool, rank, world), a copy."""
+        with self._lock:
+            return dict(self._gen)
+
+    def engine(self, spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]) -> _EngineSlot:
+        """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
+
+        Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
+        (re)opened later never cleans up a directory another save still needs, and ranks
+        never share a directory (the engine's own multi-rank commit is not used: see
+        ``ShmckptWriter.finish``)."""
+        key = (spool, rank, world)
+        with self._lock:
+            slot = self._engines.get(key)
+            if slot is not None and slot.capacity >= need:
+                return slot
+            if slot is not None:
+                del self._engines[key]
+            gen = self._gen.get(key, 0)
+            self._gen[key] = gen + 1
+        if slot is not None:
+            slot.engine.close()  # finishes its saves in flight; their files stay for finish()
+        slot = _open_engine(spool, rank, world, need, opts, gen)
+        with self._lock:
+            self._engines[key] = slot
+        return slot
+
+    def gather_group(self, group: Any) -> Any:
+        """A gloo group of the same ranks as ``group`` (DCP's), for ``stage()``'s exchange of
+        item lists: a collective on DCP's own group could interleave with the collectives of
+        a previous save still uploading in DCP's thread. Made once per set of ranks (and
+        again after the default group was destroyed and made anew), by those ranks only
+        (``use_local_synchronization``)."""
+        world = dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+        with self._lock:
+            made = self._gather_groups.get(ranks)
+            if made is None or made[0] is not world:
+                made = (world, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
+                self._gather_groups[ranks] = made
+            return made[1]
+
+    def release(self) -> None:
+        """Finish the saves in flight and free every engine of this session. The next save
+        opens a new engine."""
+        with self._lock:
+            slots = list(self._engines.values())
+            self._engines.clear()
+        for s in slots:
+            s.engine.close()
+
+
+#: The process's DCP session (see :class:`DcpSession` for why there is one).
+SESSION = DcpSession()
 
 
 def release() -> None:
     """Finish the saves in flight and free every engine (arena) ``ShmckptWriter`` opened
     in this process, and the registered read buffers of ``ShmckptReader``'s device loads.
     The next save opens a new engine."""
-    with _ENGINES_LOCK:
-        slots = list(_ENGINES.values())
-        _ENGINES.clear()
-    for s in slots:
-        s.engine.close()
+    SESSION.release()
     _shmckpt.release_device_ring()
 
 
@@ -87,7 +170,7 @@ def prepare(
         max_inflight_saves=max_inflight_saves,
     )
     t = time.perf_counter()
-    slot = _open_engine(sp, rank, world, int(staging_capacity), opts)
+    slot = SESSION.engine(sp, rank, world, int(staging_capacity), opts)
     open_s = time.perf_counter() - t
     if devices is None:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -143,25 +226,11 @@ def _clean_spool(spool: str, rank: int) -> None:
 
 
 def _open_engine(
-    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]
+    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], gen: int
 ) -> _EngineSlot:
-    """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
-
-    Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
-    (re)opened later never cleans up a directory another save still needs, and ranks
-    never share a directory (the engine's own multi-rank commit is not used: see
-    ``ShmckptWriter.finish``)."""
-    key = (spool, rank, world)
-    with _ENGINES_LOCK:
-        slot = _ENGINES.get(key)
-        if slot is not None and slot.capacity >= need:
-            return slot
-        if slot is not None:
-            del _ENGINES[key]
-        gen = _GEN.get(key, 0)
-        _GEN[key] = gen + 1
-    if slot is not None:
-        slot.engine.close()  # finishes its saves in flight; their files stay for finish()
+    """Open engine number ``gen`` of this process for ``rank`` on ``spool`` (at its root
+    ``spool/rank-KKKKK/<pid>-<gen>``), with at least ``need`` bytes of staging; the first
+    one (``gen`` 0) removes the leftovers of dead runs first (``_clean_spool``)."""
     if gen == 0:
         os.makedirs(spool, exist_ok=True)
         _clean_spool(spool, rank)
@@ -183,10 +252,7 @@ def _open_engine(
         keep_last=None,
         max_inflight_saves=opts.get("max_inflight_saves"),
     )
-    slot = _EngineSlot(engine, int(engine.describe()[1]), root)
-    with _ENGINES_LOCK:
-        _ENGINES[key] = slot
-    return slot
+    return _EngineSlot(engine, int(engine.describe()[1]), root)
 
 
 def _engine_step(path: str, world: int, seq: int) -> int:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 
@@ -68,27 +66,6 @@ def _key(index: MetadataIndex) -> Tuple[str, Any]:
     """What identifies a planned item across ranks (``MetadataIndex`` equality: fqn and
     offset)."""
     return (index.fqn, tuple(int(x) for x in index.offset) if index.offset is not None else None)
-
-
-#: ranks -> (the default group it was made under, the gloo group)
-_GATHER_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
-_GATHER_LOCK = threading.Lock()
-
-
-def _gather_group(group: Any) -> Any:
-    """A gloo group of the same ranks as ``group`` (DCP's), for ``stage()``'s exchange of
-    item lists: a collective on DCP's own group could interleave with the collectives of
-    a previous save still uploading in DCP's thread. Made once per set of ranks (and
-    again after the default group was destroyed and made anew), by those ranks only
-    (``use_local_synchronization``)."""
-    world = dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
-    with _GATHER_LOCK:
-        made = _GATHER_GROUPS.get(ranks)
-        if made is None or made[0] is not world:
-            made = (world, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
-            _GATHER_GROUPS[ranks] = made
-        return made[1]
 
 
 def _assign_owners(gathered: Sequence[Sequence[Tuple[Tuple[str, Any], int]]]) -> Dict[Tuple[str, Any], int]:

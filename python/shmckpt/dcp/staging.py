@@ -19,14 +19,13 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from .. import _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple
 from ..errors import TooLarge
-from .engines import _ENGINES_LOCK, _SEQ, _engine_step, _open_engine, _rank_world
+from .engines import DcpSession, _rank_world
 from .items import (
     _assign_owners,
     _check_target,
     _copy_containers,
     _entry_bound,
     _estimate_file,
-    _gather_group,
     _item_bytes,
     _Item,
     _key,
@@ -48,16 +47,14 @@ class StagingMixin:
     _lock: threading.Lock
     last_stage: Dict[str, Any]
     _path_from_reset: bool
+    _session: DcpSession
 
     # -- staging ---------------------------------------------------------------------------
     def _begin(self) -> Tuple[_Save, int, int]:
         rank, world = _rank_world(self._group)
         spool = self._spool or os.path.join(os.path.dirname(self.path), SPOOL_NAME)
         key = (spool, rank, world)
-        with _ENGINES_LOCK:
-            seq = _SEQ.get(key, 0)
-            _SEQ[key] = seq + 1
-        save = _Save(spool, _engine_step(spool, world, seq), self.path)
+        save = _Save(spool, self._session.next_step(*key), self.path)
         save.rank, save.world = rank, world
         return save, rank, world
 
@@ -140,7 +137,7 @@ class StagingMixin:
             _FORMAT_KEY: "1",
         }
         need = _estimate_file(header, data, meta)
-        slot = _open_engine(save.spool, rank, world, need, self._opts)
+        slot = self._session.engine(save.spool, rank, world, need, self._opts)
         if finishes:
             for s in streams.values():
                 s.synchronize()  # those streams only, not the device
@@ -153,7 +150,7 @@ class StagingMixin:
             h = slot.engine.save(save.step, tuples, meta, after, True)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
-            slot = _open_engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
+            slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
             h = slot.engine.save(save.step, tuples, meta, after, True)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
@@ -214,7 +211,7 @@ class StagingMixin:
             # the planned items to the same ranks).
             mine = [(_key(i), _item_bytes(d)) for i, d in objs]
             gathered: List[Any] = [None] * world
-            dist.all_gather_object(gathered, mine, group=_gather_group(self._group))
+            dist.all_gather_object(gathered, mine, group=self._session.gather_group(self._group))
             save.owners = _assign_owners(gathered)
             objs = [(i, d) for i, d in objs if save.owners[_key(i)] == rank]
         t1 = time.perf_counter()

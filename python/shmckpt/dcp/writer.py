@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from .. import _shmckpt
 from ..errors import CorruptError, SaveFailed
-from .engines import _remove_tree, _sources
+from .engines import SESSION, _remove_tree, _sources
 from .items import _check_target, _key, _Save
 from .staging import StagingMixin
 from .storage import _FORMAT_KEY, DESCRIPTOR, MANIFEST_FILE, METADATA_FILE, ShmckptStorageInfo
@@ -74,6 +74,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         self._staged: Deque[_Save] = collections.deque()
         self._current: Optional[_Save] = None
         self._lock = threading.Lock()
+        #: The engines this writer stages through (shared by the process's writers).
+        self._session = SESSION
         self.last_report: Optional[Dict[str, Any]] = None
         #: Where the last ``stage()`` spent its time: ``items_s`` (flattening the state and
         #: listing its items, with the owner exchange on several ranks), ``submit_s`` (the
