@@ -162,11 +162,7 @@ class ShmckptCheckpointIO(CheckpointIO):
     def _drain(self) -> None:
         """Wait for everything queued on the worker (errors are kept in ``_error``)."""
         queued, self._queued = self._queued, []
-        for f in queued:
-            try:
-                f.result()
-            except BaseException:
-                pass
+        concurrent.futures.wait(queued)
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         handle.wait()  # durable and committed

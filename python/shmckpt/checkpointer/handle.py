@@ -61,11 +61,11 @@ class SaveHandle:
         if self._rust is None and self._future is not None:
             if not self._future.done():
                 return
-            try:
-                self._rust = self._future.result()
-            except BaseException:
+            if self._future.exception() is not None:
+                # Submission failed (its handle raises the error): nothing reads the tensors.
                 self._release()
                 return
+            self._rust = self._future.result()
         if self._rust is not None and self._rust.is_staged():
             self._release()
 

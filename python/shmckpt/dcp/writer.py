@@ -161,7 +161,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
             if pick is None:
                 if staged:
-                    raise RuntimeError(
+                    raise SaveFailed(
                         "ShmckptWriter: DCP is saving tensors that stage() did not stage (a "
                         "planner that replaces them?); stage() supports DCP's default planning"
                     )
@@ -173,7 +173,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         for sv in stale:
             try:
                 sv.handle.wait()
-            except BaseException:
+            except Exception:  # the error of a save DCP abandoned: its files are removed below
                 pass
             for d in _sources(sv, sv.rank):
                 _remove_tree(d)
@@ -217,7 +217,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 )
             )
         if missing:
-            raise RuntimeError(
+            raise SaveFailed(
                 f"ShmckptWriter: the save plan writes items that stage() did not stage "
                 f"(a planner other than DCP's default layout?): {missing[:5]}"
             )
