@@ -91,5 +91,5 @@ def _open_untrusted(path: str) -> Any:
     f = open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK))
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
         f.close()
-        raise UnsafePath(f"{path}: not a regular file; refusing to read it")
+        raise UnsafePath(f"{path}: not a regular file; refusing to read it", path=path)
     return f

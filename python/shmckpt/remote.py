@@ -58,7 +58,7 @@ def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> T
         return step, "local"
     if source == "local" or not has_remote:
         what = "(latest)" if step is None else f"step {step}"
-        raise NotFound(f"no committed checkpoint {what} in {ck.root}")
+        raise NotFound(f"no committed checkpoint {what} in {ck.root}", path=ck.root, step=step)
     return _remote_step(ck, step), "remote"
 
 
@@ -67,7 +67,7 @@ def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
         return step
     steps = ck._engine.list_remote()
     if not steps:
-        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}")
+        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}", path=ck.remote)
     return steps[-1]
 
 

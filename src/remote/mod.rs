@@ -443,6 +443,7 @@ impl Remote {
         self.block(self.read_manifest_async(step))?
             .ok_or_else(|| Error::NotFound {
                 what: format!("step {step}"),
+                step: Some(step),
                 root: PathBuf::from(&self.url),
             })
     }

@@ -307,5 +307,5 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
             return sel
         latest = self._engine.latest()
         if latest is None:
-            raise NotFound(f"no committed checkpoint (latest) in {self.root}")
+            raise NotFound(f"no committed checkpoint (latest) in {self.root}", path=self.root)
         return latest

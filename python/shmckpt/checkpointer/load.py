@@ -27,7 +27,9 @@ class LoadMixin(CheckpointerBase):
         for f in m["files"]:
             if f["rank"] == self.rank:
                 return m, f
-        raise NotFound(f"checkpoint step {step} in {self.root} has no file of rank {self.rank}")
+        raise NotFound(
+            f"checkpoint step {step} in {self.root} has no file of rank {self.rank}", path=self.root, step=step
+        )
 
     def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
         d = os.path.join(self.root, f"step-{step}")
@@ -41,7 +43,9 @@ class LoadMixin(CheckpointerBase):
         try:
             return _state.decode(text)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CorruptError(f"{path}: malformed {_state.STATE_KEY} metadata: {e}") from None
+            raise CorruptError(
+                f"{path}: malformed {_state.STATE_KEY} metadata: {e}", path=path, step=step
+            ) from None
 
     # -- load --------------------------------------------------------------------------
     def load(
