@@ -158,7 +158,7 @@ class _MegatronWriter(ShmckptWriter):
         save, rank, world = self._begin()
         objs: List[Tuple[MetadataIndex, Any]] = []
         for wi in plan.items:
-            data = planner.resolve_data(wi)
+            data: Any = planner.resolve_data(wi)
             if wi.type == WriteItemType.BYTE_IO:
                 data = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             objs.append((wi.index, data))

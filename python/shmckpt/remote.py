@@ -28,7 +28,7 @@ from . import _state
 from .errors import ConfigError, CorruptError, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer import Checkpointer
+    from .checkpointer.base import CheckpointerBase as Checkpointer
 
 __all__ = ["SOURCES", "shared_session", "resolve", "skeleton", "entry_of", "copy_into", "scratch_for", "remove_scratch"]
 

@@ -53,7 +53,7 @@ def _step_int(step: Any) -> int:
 def _step_sel(step: StepArg) -> Optional[int]:
     if step is None or step == "latest":
         return None
-    if isinstance(step, (bool, np.bool_)):
+    if isinstance(step, (bool, np.bool_, str)):
         raise TypeError("step must be an int or 'latest'")
     return operator.index(step)
 

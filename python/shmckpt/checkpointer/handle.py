@@ -83,7 +83,9 @@ class SaveHandle:
             if self._future.exception() is not None:
                 return True
             self._rust = self._future.result()
-        done = bool(self._rust.is_done())
+        rust = self._rust
+        assert rust is not None  # a handle gets its Rust handle or a future when made
+        done = bool(rust.is_done())
         if done:
             self._poll()
         return done

@@ -182,6 +182,7 @@ class LoadIntoMixin(LoadMixin):
                     chosen = d
                     break
             if chosen is None:
+                buf: Any
                 tdt = _state.ST_TO_TORCH.get(t["dtype"])
                 if cuda_dev is None:
                     if tdt is not None:

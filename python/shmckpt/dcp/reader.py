@@ -76,9 +76,10 @@ class ShmckptReader(StorageReader):
         all-gather), which hangs every rank. Without it a failed read fails the load on
         every rank."""
         md = _load_metadata(os.path.join(self.path, METADATA_FILE))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        sm = getattr(md, "storage_meta", None)
+        if sm is None:
+            sm = md.storage_meta = StorageMeta()
+        sm.load_id = self.load_id
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

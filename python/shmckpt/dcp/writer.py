@@ -187,7 +187,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             save, rank, world = self._begin()
             objs = []
             for wi in plan.items:
-                data = planner.resolve_data(wi)
+                data: Any = planner.resolve_data(wi)
                 if wi.type == WriteItemType.BYTE_IO:
                     data = data.getvalue()
                 objs.append((wi.index, data))
