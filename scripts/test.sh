@@ -50,6 +50,9 @@ echo "== pip install ./python"
 # maturin is in the venv: build without an isolated build environment (no download).
 "$py" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 
+echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
+"$py" -m mypy --config-file python/pyproject.toml python/shmckpt
+
 echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
 # Run from the repository root, where `shmckpt` is the installed package (python/ would
 # shadow it with the source tree, which has no compiled module in a clean checkout).

@@ -441,6 +441,7 @@ pub fn remove_step(root: &Path, step: u64) -> Result<()> {
     let Some(c) = all.into_iter().find(|c| c.step == step) else {
         return Err(Error::NotFound {
             what: format!("step {step}"),
+            step: Some(step),
             root: root.to_owned(),
         });
     };
@@ -457,6 +458,7 @@ pub fn remove_step(root: &Path, step: u64) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::NotFound {
                 what: format!("step {step}"),
+                step: Some(step),
                 root: root.to_owned(),
             });
         }

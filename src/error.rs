@@ -5,7 +5,7 @@
 //! written, so an `Err` from validation means nothing changed on disk or in staging.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Result alias used throughout the crate.
@@ -102,6 +102,8 @@ pub enum Error {
     NotFound {
         /// What was asked for ("latest", "step 7").
         what: String,
+        /// The step asked for, when one was (`None` for "latest").
+        step: Option<u64>,
         /// Checkpoint root.
         root: PathBuf,
     },
@@ -402,6 +404,73 @@ impl Error {
         }
     }
 
+    /// The file or directory this error is about, when it names one: the file of an I/O,
+    /// corruption, truncation or checksum error, the refused path, the checkpoint root (a
+    /// missing step, a root that cannot be used). A failed save's is its cause's.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Error::RootMissing { path }
+            | Error::RootCreateFailed { path, .. }
+            | Error::RootNotWritable { path, .. }
+            | Error::RootLocked { path, .. }
+            | Error::UnsafePath { path, .. }
+            | Error::RootTooLong { path, .. }
+            | Error::Io { path, .. }
+            | Error::Truncated { path, .. }
+            | Error::Corrupt { path, .. }
+            | Error::Checksum { path, .. } => Some(path),
+            Error::StepExists { root, .. }
+            | Error::NotFound { root, .. }
+            | Error::StepOverflow { root, .. } => Some(root),
+            Error::SaveFailed { source, .. } | Error::RemoteFailed { source, .. } => source.path(),
+            _ => None,
+        }
+    }
+
+    /// The tensor this error is about, when it names one. A failed save's is its cause's.
+    pub fn tensor(&self) -> Option<&str> {
+        match self {
+            Error::DuplicateName { name }
+            | Error::InvalidName { name, .. }
+            | Error::SizeMismatch { name, .. }
+            | Error::ShapeOverflow { name, .. }
+            | Error::Destination { name, .. }
+            | Error::Checksum { tensor: name, .. } => Some(name),
+            Error::Corrupt { tensor, .. } => tensor.as_deref(),
+            Error::SaveFailed { source, .. } | Error::RemoteFailed { source, .. } => {
+                source.tensor()
+            }
+            _ => None,
+        }
+    }
+
+    /// The checkpoint step this error is about, when it names one (a step that exists
+    /// already or is not committed, a failed or skipped save, the latest step of a root
+    /// with no next step number).
+    pub fn step(&self) -> Option<u64> {
+        match self {
+            Error::StepExists { step, .. }
+            | Error::StepOverflow { step, .. }
+            | Error::SaveFailed { step, .. }
+            | Error::RemoteFailed { step, .. }
+            | Error::RemoteSkipped { step, .. } => Some(*step),
+            Error::NotFound { step, .. } => *step,
+            _ => None,
+        }
+    }
+
+    /// The byte offset in [`Error::path`] of a failed read or write. A failed save's is
+    /// its cause's.
+    pub fn offset(&self) -> Option<u64> {
+        match self {
+            Error::Io { offset, .. } => *offset,
+            Error::SaveFailed { source, .. } | Error::RemoteFailed { source, .. } => {
+                source.offset()
+            }
+            _ => None,
+        }
+    }
+
     /// The errno behind this error, if it came from the OS.
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
@@ -412,5 +481,60 @@ impl Error {
             Error::SaveFailed { source, .. } => source.raw_os_error(),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accessors_give_the_fields_of_each_variant() {
+        let io = Error::io_at("read", "/r/step-3/f", 4096, io::Error::from_raw_os_error(5));
+        assert_eq!(io.path(), Some(Path::new("/r/step-3/f")));
+        assert_eq!(
+            (io.tensor(), io.step(), io.offset()),
+            (None, None, Some(4096))
+        );
+        assert_eq!(io.raw_os_error(), Some(5));
+
+        let sum = Error::Checksum {
+            path: "/r/step-3/f".into(),
+            tensor: "model.w".into(),
+            expected: 1,
+            actual: 2,
+        };
+        assert_eq!(sum.path(), Some(Path::new("/r/step-3/f")));
+        assert_eq!(
+            (sum.tensor(), sum.step(), sum.offset()),
+            (Some("model.w"), None, None)
+        );
+
+        let nf = Error::NotFound {
+            what: "step 7".into(),
+            step: Some(7),
+            root: "/r".into(),
+        };
+        assert_eq!(
+            (nf.path(), nf.step(), nf.tensor()),
+            (Some(Path::new("/r")), Some(7), None)
+        );
+
+        // A failed save: its own step, its cause's path, tensor and offset.
+        let failed = Error::SaveFailed {
+            step: 9,
+            source: Arc::new(io),
+        };
+        assert_eq!(failed.path(), Some(Path::new("/r/step-3/f")));
+        assert_eq!(
+            (failed.step(), failed.offset(), failed.tensor()),
+            (Some(9), Some(4096), None)
+        );
+
+        let cfg = Error::Config("x".into());
+        assert_eq!(
+            (cfg.path(), cfg.tensor(), cfg.step(), cfg.offset()),
+            (None, None, None, None)
+        );
     }
 }

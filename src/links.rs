@@ -106,6 +106,7 @@ pub fn link_step(root: &Path, name: &str, step: u64) -> Result<Option<u64>> {
     {
         return Err(Error::NotFound {
             what: format!("step {step}"),
+            step: Some(step),
             root: root.to_owned(),
         });
     }

@@ -131,6 +131,7 @@ fn committed_entry(root: &Path, step: u64, rank: u32) -> Result<(PathBuf, FileEn
         .find(|c| c.step == step)
         .ok_or_else(|| Error::NotFound {
             what: format!("committed step {step}"),
+            step: Some(step),
             root: root.to_owned(),
         })?;
     let (_, entry) = crate::restore::rank_file(&info.dir, rank)?;

@@ -7,7 +7,7 @@ per segment (docs/benchmarks-journal.md). One GPU:
 """
 import os, sys, time, socket, shutil
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-import shmckpt, shmckpt.dcp as sd
+import shmckpt, shmckpt.dcp as sd, shmckpt.dcp.engines as sd_engines
 from shmckpt.dcp import ShmckptWriter
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -16,10 +16,11 @@ D = "/var/tmp/diag"; shutil.rmtree(D, ignore_errors=True); os.makedirs(D)
 n, per = 600, (4 << 30) // 600 // 4
 state = {f"t{i}": torch.randn(per, device="cuda") for i in range(n)}
 nbytes = sum(t.numel() * 4 for t in state.values())
-orig = sd._open_engine
+session = sd_engines.SESSION
+orig = session.engine
 def wrapped(*a, **k):
-    t = time.perf_counter(); r = orig(*a, **k); print(f"    _open_engine {time.perf_counter()-t:.3f}s need={a[3]} cap={r.capacity} gen={sd._GEN}", flush=True); return r
-sd._open_engine = wrapped
+    t = time.perf_counter(); r = orig(*a, **k); print(f"    engine {time.perf_counter()-t:.3f}s need={a[3]} cap={r.capacity} gen={session.generations()}", flush=True); return r
+session.engine = wrapped
 os.makedirs(os.path.join(D, "ck")); ck = shmckpt.Checkpointer(os.path.join(D, "ck"), keep_last=1, staging_capacity=nbytes + (256 << 20)); ck.prepare_cuda()
 step = 0
 def native():

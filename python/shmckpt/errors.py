@@ -1,8 +1,13 @@
 """Exceptions of shmckpt: one class per error of the Rust engine, under ``ShmckptError``.
 
 Every exception raised by the engine carries the Rust message (which names the file, tensor,
-offset or errno concerned), ``kind`` (the class name) and ``errno_code`` (the OS error
-number when the error came from the OS, else ``None``).
+offset or errno concerned), ``kind`` (the class name), ``errno_code`` (the OS error
+number when the error came from the OS, else ``None``) and the Rust error's fields:
+``path`` (the file or directory concerned, a ``str``), ``tensor`` (the tensor's name),
+``step`` (the checkpoint step) and ``offset`` (the byte offset of a failed read or write),
+each ``None`` when the error has no such field. A failed save's ``path``, ``tensor`` and
+``offset`` are those of its cause. They survive pickling (DCP sends a rank's exception to
+the others pickled).
 
 Input errors (``InvalidInput`` and its subclasses) are raised before anything is staged or
 written. A value of the state given to ``save`` (or a destination of ``load_into``) that
@@ -59,10 +64,34 @@ __all__ = [
 
 
 class ShmckptError(Exception):
-    """Base class of every error the shmckpt engine reports."""
+    """Base class of every error the shmckpt engine reports. The keyword arguments set the
+    fields of the same names (the engine sets them on the errors it raises)."""
 
     kind: str = "ShmckptError"
     errno_code: Optional[int] = None
+    #: The file or directory the error is about, or ``None``.
+    path: Optional[str] = None
+    #: The tensor the error is about, or ``None``.
+    tensor: Optional[str] = None
+    #: The checkpoint step the error is about, or ``None``.
+    step: Optional[int] = None
+    #: The byte offset in ``path`` of a failed read or write, or ``None``.
+    offset: Optional[int] = None
+
+    def __init__(
+        self,
+        *args: Any,
+        path: Optional[str] = None,
+        tensor: Optional[str] = None,
+        step: Optional[int] = None,
+        offset: Optional[int] = None,
+    ):
+        super().__init__(*args)
+        # Instance attributes only when given: pickling (``BaseException.__reduce__``
+        # keeps ``args`` and ``__dict__``) restores exactly what was set.
+        for name, value in (("path", path), ("tensor", tensor), ("step", step), ("offset", offset)):
+            if value is not None:
+                setattr(self, name, value)
 
 
 class InvalidInput(ShmckptError, ValueError):
@@ -205,8 +234,8 @@ class UnsupportedValue(ShmckptError, TypeError):
         self.key = key
 
     def __reduce__(self) -> Any:
-        # (DCP sends a rank's exception to the others pickled: keep ``key``.)
-        return (type(self), (str(self), self.key))
+        # (DCP sends a rank's exception to the others pickled: keep ``key`` and the fields.)
+        return (type(self), (str(self), self.key), dict(self.__dict__))
 
 
 class IpcError(ShmckptError, RuntimeError):

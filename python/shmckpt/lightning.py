@@ -29,7 +29,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from . import _shmckpt, _state
-from .checkpointer import Checkpointer, _finish_tensor, _torch_dtype_for
+from .checkpointer import Checkpointer
+from .checkpointer.load import _finish_tensor, _torch_dtype_for
 from .errors import CorruptError, NotFound, UnsafePath
 
 __all__ = ["ShmckptCheckpointIO"]
@@ -161,11 +162,7 @@ class ShmckptCheckpointIO(CheckpointIO):
     def _drain(self) -> None:
         """Wait for everything queued on the worker (errors are kept in ``_error``)."""
         queued, self._queued = self._queued, []
-        for f in queued:
-            try:
-                f.result()
-            except BaseException:
-                pass
+        concurrent.futures.wait(queued)
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         handle.wait()  # durable and committed

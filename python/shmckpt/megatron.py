@@ -79,8 +79,10 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
     ) from e
 
 from . import _shmckpt
-from . import dcp as _dcp
+from ._util import _gc_paused
 from .dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter
+from .dcp.engines import _remove_tree, _sources
+from .dcp.storage import DESCRIPTOR, METADATA_FILE
 from .errors import SaveFailed
 
 __all__ = [
@@ -156,11 +158,11 @@ class _MegatronWriter(ShmckptWriter):
         save, rank, world = self._begin()
         objs: List[Tuple[MetadataIndex, Any]] = []
         for wi in plan.items:
-            data = planner.resolve_data(wi)
+            data: Any = planner.resolve_data(wi)
             if wi.type == WriteItemType.BYTE_IO:
                 data = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             objs.append((wi.index, data))
-        with _dcp._gc_paused():
+        with _gc_paused():
             self._submit(save, rank, world, objs)
         self._current = save
         self._plan = plan
@@ -221,7 +223,7 @@ class _MegatronWriter(ShmckptWriter):
                         relative_path=save.file,
                         offset=0,
                         length=it.nbytes,
-                        transform_descriptors=[_dcp.DESCRIPTOR],
+                        transform_descriptors=[DESCRIPTOR],
                         tensor=it.name,
                     ),
                 )
@@ -236,10 +238,10 @@ class _MegatronWriter(ShmckptWriter):
         if save is None:
             return
         self._current = None
-        for d in _dcp._sources(save, save.rank):
-            _dcp._remove_tree(d)
+        for d in _sources(save, save.rank):
+            _remove_tree(d)
         if os.path.isdir(save.step_dir) and not os.path.islink(save.step_dir):
-            _dcp._remove_tree(save.step_dir)
+            _remove_tree(save.step_dir)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Commit (coordinator): gather every rank's durable file and ``manifest.json``
@@ -260,10 +262,10 @@ class _MegatronWriter(ShmckptWriter):
         # Into Megatron's existing directory (it holds common.pt): rank files and
         # manifest.json, then .metadata last; stale rank files of an earlier attempt go
         # (shmckpt::commit::publish_into).
-        _shmckpt.publish_into(step_dir, [(_dcp.METADATA_FILE, pickle.dumps(metadata))], target)
+        _shmckpt.publish_into(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], target)
         self._current = None
         for d in sources:  # the ranks' emptied partial directories
-            _dcp._remove_tree(d)
+            _remove_tree(d)
 
 
 def _finalize(writer: _MegatronWriter, global_metadata: Optional[Metadata], dist_wrapper: Any) -> None:

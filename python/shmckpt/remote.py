@@ -28,7 +28,7 @@ from . import _state
 from .errors import ConfigError, CorruptError, DestinationError, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer import Checkpointer
+    from .checkpointer.base import CheckpointerBase as Checkpointer
 
 __all__ = [
     "SOURCES",
@@ -70,7 +70,7 @@ def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> T
         return step, "local"
     if source == "local" or not has_remote:
         what = "(latest)" if step is None else f"step {step}"
-        raise NotFound(f"no committed checkpoint {what} in {ck.root}")
+        raise NotFound(f"no committed checkpoint {what} in {ck.root}", path=ck.root, step=step)
     return _remote_step(ck, step), "remote"
 
 
@@ -79,7 +79,7 @@ def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
         return step
     steps = ck._engine.list_remote()
     if not steps:
-        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}")
+        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}", path=ck.remote)
     return steps[-1]
 
 

@@ -47,6 +47,10 @@ fn to_py(py: Python<'_>, e: shmckpt::Error) -> PyErr {
         let obj = cls.call1((msg.clone(),))?;
         obj.setattr("kind", class)?;
         obj.setattr("errno_code", errno)?;
+        obj.setattr("path", e.path().map(|p| p.as_os_str()))?;
+        obj.setattr("tensor", e.tensor())?;
+        obj.setattr("step", e.step())?;
+        obj.setattr("offset", e.offset())?;
         Ok(PyErr::from_value(obj))
     };
     build().unwrap_or_else(|_| PyRuntimeError::new_err(msg))

@@ -524,7 +524,7 @@ def sc_failed_load(rank, world, workdir):
     dist.barrier()
     out = {"corrupt": _load_outcome(bad, mesh)}
     dist.barrier()
-    import shmckpt.dcp as sd
+    import shmckpt.dcp.reader as sd  # where ShmckptReader looks _load_metadata up
 
     real = sd._load_metadata
     calls = []

@@ -144,7 +144,7 @@ def test_real_dcp_metadata_of_this_torch_still_loads(tmp_path):
     """What DCP writes (FileSystemWriter: _StorageInfo, a PosixPath checkpoint id,
     planner data) and what ShmckptWriter writes load through the restricted unpickler to
     exactly what pickle itself loads."""
-    from shmckpt.dcp import _load_metadata
+    from shmckpt.dcp.reader import _load_metadata
 
     st = state()
     st["nested"] = {"cl": torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last), "i": torch.arange(5)}

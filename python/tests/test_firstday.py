@@ -231,11 +231,19 @@ def public_objects():
             if inspect.isclass(obj) or inspect.isfunction(obj):
                 out.append((f"{modname}.{name}", obj))
                 if inspect.isclass(obj) and not issubclass(obj, BaseException):
-                    for mname, m in vars(obj).items():
-                        if isinstance(m, (classmethod, staticmethod)):
-                            m = m.__func__
-                        if not mname.startswith("_") and (inspect.isfunction(m) or isinstance(m, property)):
-                            out.append((f"{modname}.{name}.{mname}", m))
+                    # The class and its shmckpt bases (Checkpointer's methods live in mixins).
+                    seen = set()
+                    for klass in obj.__mro__:
+                        if not klass.__module__.startswith("shmckpt"):
+                            continue
+                        for mname, m in vars(klass).items():
+                            if mname in seen:
+                                continue
+                            seen.add(mname)
+                            if isinstance(m, (classmethod, staticmethod)):
+                                m = m.__func__
+                            if not mname.startswith("_") and (inspect.isfunction(m) or isinstance(m, property)):
+                                out.append((f"{modname}.{name}.{mname}", m))
     return out
 
 

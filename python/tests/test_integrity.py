@@ -597,15 +597,15 @@ def test_host_route_of_lazy_cuda_views_gives_their_values(monkeypatch, make):
     """The host route of conjugate / negative CUDA views (copy the memory as it is into
     pinned memory, apply the bits on the host), checked on CPU tensors: pinning (which
     needs CUDA) is left out, everything else is the CUDA code path."""
-    from shmckpt import checkpointer
+    from shmckpt import _util
 
     real_empty = torch.empty
-    monkeypatch.setattr(checkpointer.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(_util.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     z = torch.complex(torch.arange(100.0), torch.arange(100.0) * -2).reshape(10, 10)
     f = torch.arange(100.0) - 50
     t = make(z, f)
     assert _state.is_lazy(t)
-    pinned, finish = checkpointer._cuda_span_copy(t)
+    pinned, finish = _util._cuda_span_copy(t)
     assert not _state.is_lazy(pinned)  # the memory as it is
     out = finish()
     assert not _state.is_lazy(out) and out.is_contiguous() and out.shape == t.shape

@@ -392,7 +392,7 @@ def test_tampered_skeleton_is_a_corrupt_error(ck, root, old, new):
 def test_span_copy_of_non_contiguous_views_gives_the_logical_contents(make):
     """The host route of non-contiguous CUDA tensors (copy the covered storage span, which
     is contiguous, then gather on the host), checked on CPU tensors."""
-    from shmckpt.checkpointer import _span
+    from shmckpt._util import _span
 
     b = torch.arange(60, dtype=torch.float64).reshape(6, 10)
     t = make(b)

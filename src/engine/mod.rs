@@ -483,6 +483,7 @@ impl Engine {
         if lock(&self.shared.inflight).contains(&step) {
             return Err(Error::NotFound {
                 what: format!("step {step} (its save is still in flight)"),
+                step: Some(step),
                 root: root.clone(),
             });
         }
@@ -500,6 +501,7 @@ impl Engine {
         match which {
             StepSel::Latest => all.last().cloned().ok_or(Error::NotFound {
                 what: "(latest)".into(),
+                step: None,
                 root,
             }),
             StepSel::Step(s) => {
@@ -507,6 +509,7 @@ impl Engine {
                     .find(|c| c.step == s)
                     .ok_or_else(|| Error::NotFound {
                         what: format!("step {s}"),
+                        step: Some(s),
                         root,
                     })
             }

@@ -31,6 +31,7 @@ impl Engine {
             StepSel::Step(s) => Ok(s),
             StepSel::Latest => r.latest()?.ok_or_else(|| Error::NotFound {
                 what: "(latest)".into(),
+                step: None,
                 root: r.url().into(),
             }),
         }

@@ -41,6 +41,7 @@ impl Remote {
             return Err(Error::NotFound {
                 what: format!("step {step} (committed)"),
                 root: std::path::PathBuf::from(&self.url),
+                step: Some(step),
             });
         }
         let key = self.key(step, name);

@@ -23,8 +23,8 @@
 //! [`Manifest::parse`], each object's size and safetensors header are checked against it,
 //! and every tensor's CRC-32C is verified ([`Remote::read_rank`]).
 
-pub(crate) mod feed;
 mod extra;
+pub(crate) mod feed;
 mod options;
 mod read;
 pub(crate) mod tier;
@@ -399,6 +399,7 @@ impl Remote {
         self.block(self.read_manifest_async(step))?
             .ok_or_else(|| Error::NotFound {
                 what: format!("step {step}"),
+                step: Some(step),
                 root: PathBuf::from(&self.url),
             })
     }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::reader::{Pending, completions, for_pieces};
+use super::completion::{Pending, completions, for_pieces};
 use super::{ReadOptions, ReadSink};
 use crate::error::{Error, Result};
 use crate::io::file::FileTarget;

@@ -17,6 +17,7 @@ use crate::slab::SlabPool;
 use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
+mod completion;
 mod device;
 mod extents;
 pub(crate) mod header;
@@ -24,13 +25,13 @@ mod ranged;
 mod reader;
 pub(crate) mod sink;
 
+pub(crate) use completion::for_pieces;
 pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::{check_header, read_file_metadata};
 pub use ranged::{
     DEFAULT_GAP, RangeDest, RangeRequest, RangedLoad, RangedOptions, RangedStats, coalesce,
     load_ranges, read_ranges,
 };
-pub(crate) use reader::for_pieces;
 pub use reader::read_file;
 use sink::HostSink;
 

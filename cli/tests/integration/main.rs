@@ -14,6 +14,7 @@ mod live_arena;
 mod no_gpu;
 mod odd_names;
 mod recovery;
+mod recovery_arenas;
 mod remote;
 mod remote_crash;
 mod roundtrip;

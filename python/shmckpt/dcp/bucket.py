@@ -39,21 +39,68 @@ import threading
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from . import _shmckpt
-from .errors import ConfigError, CorruptError, NotFound
+from .. import _shmckpt
+from ..errors import ConfigError, CorruptError, NotFound
 
 __all__ = ["is_remote", "split", "norm"]
 
 _STEP_RE = re.compile(r"step-(\d{1,19})")
 METADATA_NAME = ".metadata"
 
-_LOCK = threading.Lock()
-#: Open buckets by root URL (opening one lists the bucket).
-_BUCKETS: Dict[str, Any] = {}
-#: (root URL, world size) -> the session id the ranks agreed on.
-_SESSIONS: Dict[Tuple[str, int], str] = {}
-#: Scratch directories of the remote-only engines this process opened.
-_SCRATCH: List[str] = []
+
+
+class BucketSession:
+    """What this process knows of the buckets DCP saves to and loads from: the open
+    buckets (opening one lists the bucket), the session id the ranks agreed on per (root,
+    world size), and the scratch directories of the remote-only engines it opened (removed
+    at exit). One instance, :data:`BUCKETS`, exists per process, for the reasons
+    :class:`shmckpt.dcp.engines.DcpSession` gives: DCP builds a new writer and reader per
+    save and load, and the ranks' session id must outlive them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: Dict[str, Any] = {}
+        self._sessions: Dict[Tuple[str, int], str] = {}
+        self._scratch: List[str] = []
+
+    def bucket(self, root: str) -> Any:
+        """The open bucket of ``root`` (``_shmckpt.Bucket``), opened once per process."""
+        with self._lock:
+            b = self._buckets.get(root)
+        if b is None:
+            b = _shmckpt.Bucket(root)
+            with self._lock:
+                b = self._buckets.setdefault(root, b)
+        return b
+
+    def session(self, key: Tuple[str, int]) -> Optional[str]:
+        """The agreed session id of (root, world size), if any yet."""
+        with self._lock:
+            return self._sessions.get(key)
+
+    def set_session(self, key: Tuple[str, int], s: str) -> None:
+        """Record the session id the ranks agreed on for (root, world size)."""
+        with self._lock:
+            self._sessions[key] = s
+
+    def new_scratch(self) -> str:
+        """A new scratch directory, removed at exit."""
+        scratch = tempfile.mkdtemp(prefix="shmckpt-dcp-scratch-")
+        with self._lock:
+            self._scratch.append(scratch)
+        return scratch
+
+    def remove_scratch(self) -> None:
+        """Remove every scratch directory made so far."""
+        with self._lock:
+            dirs = list(self._scratch)
+            self._scratch.clear()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+#: The process's one :class:`BucketSession`.
+BUCKETS = BucketSession()
 
 
 def is_remote(path: Union[str, os.PathLike, None]) -> bool:
@@ -85,13 +132,7 @@ def split(url: str) -> Tuple[str, int]:
 
 def bucket(root: str) -> Any:
     """The open bucket of ``root`` (``_shmckpt.Bucket``), opened once per process."""
-    with _LOCK:
-        b = _BUCKETS.get(root)
-    if b is None:
-        b = _shmckpt.Bucket(root)
-        with _LOCK:
-            b = _BUCKETS.setdefault(root, b)
-    return b
+    return BUCKETS.bucket(root)
 
 
 def check_target(url: str) -> None:
@@ -112,42 +153,29 @@ def agree_session(root: str, world: int, group: Any) -> Optional[str]:
     if world <= 1:
         return None
     key = (root, world)
-    with _LOCK:
-        s = _SESSIONS.get(key)
+    s = BUCKETS.session(key)
     if s is not None:
         return s
     import torch.distributed as dist
 
-    from .dcp import _gather_group
+    from .engines import SESSION
 
-    g = _gather_group(group)
+    g = SESSION.gather_group(group)
     obj = [uuid.uuid4().hex if dist.get_rank(g) == 0 else None]
     dist.broadcast_object_list(obj, src=dist.get_global_rank(g, 0), group=g)
     s = str(obj[0])
-    with _LOCK:
-        _SESSIONS[key] = s
+    BUCKETS.set_session(key, s)
     return s
 
 
 def engine_root(root: str, world: int) -> Tuple[str, Dict[str, Any]]:
     """A new scratch directory for a remote-only engine of bucket root ``root``, and the
     engine's remote settings."""
-    scratch = tempfile.mkdtemp(prefix="shmckpt-dcp-scratch-")
-    with _LOCK:
-        _SCRATCH.append(scratch)
-        session = _SESSIONS.get((root, world))
-    return scratch, dict(remote=root, remote_only=True, remote_session=session)
+    scratch = BUCKETS.new_scratch()
+    return scratch, dict(remote=root, remote_only=True, remote_session=BUCKETS.session((root, world)))
 
 
-def _remove_scratch() -> None:
-    with _LOCK:
-        dirs = list(_SCRATCH)
-        _SCRATCH.clear()
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-atexit.register(_remove_scratch)  # registered before dcp.release: runs after it
+atexit.register(BUCKETS.remove_scratch)  # registered before dcp.release: runs after it
 
 
 def wait_committed(handle: Any) -> Dict[str, Any]:

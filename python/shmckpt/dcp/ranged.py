@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import _shmckpt
-from .errors import CorruptError, DestinationError
+from .. import _shmckpt
+from ..errors import CorruptError, DestinationError
 
 #: ``(name, dtype, shape, crc32c, file offset, nbytes, Buffer or None)``, as
 #: ``_shmckpt.read_rank_file`` returns them.

@@ -35,14 +35,14 @@ import io
 import os
 import pathlib
 import pickle
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, Iterable, List, Tuple
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from .checkpointer import _gc_paused
-from .errors import CorruptError
+from .._util import _gc_paused
+from ..errors import CorruptError
 
 __all__ = ["load_metadata", "MAX_METADATA_BYTES"]
 
@@ -67,7 +67,7 @@ class _Rules:
         classes = [getattr(_md, n) for n in _md.__all__] + [_StorageInfo, *storage_classes]
         #: dataclass -> its field names (what BUILD may set)
         self.fields: Dict[type, FrozenSet[str]] = {
-            c: frozenset(f.name for f in dataclasses.fields(c)) for c in classes if dataclasses.is_dataclass(c)
+            c: frozenset(f.name for f in dataclasses.fields(c)) for c in classes if isinstance(c, type) and dataclasses.is_dataclass(c)
         }
         self.globals: Dict[Tuple[str, str], Any] = {}
         for c in [*self.fields, _md._MEM_FORMAT_ENCODING]:
@@ -112,7 +112,9 @@ def _properties_state(state: Any) -> bool:
 class _MetadataUnpickler(_P):
     """``pickle._Unpickler`` with the opcode table described in the module docstring."""
 
-    dispatch: Dict[int, Callable[[Any], None]] = {}
+    dispatch: ClassVar[Dict[int, Callable[[Any], None]]] = {}
+    #: pickle._Unpickler's (not in its type stubs): the items above the topmost mark.
+    pop_mark: Callable[[], List[Any]]
 
     def __init__(self, data: bytes, rules: _Rules):
         self._bio = io.BytesIO(data)
@@ -141,7 +143,7 @@ class _MetadataUnpickler(_P):
         self.read = self._bio.read
         self.readinto = self._bio.readinto
         self.readline = self._bio.readline
-        self.metastack = []
+        self.metastack: List[Any] = []
         self.stack: list = []
         self.append = self.stack.append
         self.proto = 0
@@ -166,7 +168,8 @@ class _MetadataUnpickler(_P):
             raise _Refused(f"refuses to construct {cls!r} with {args!r}, {kwargs!r} (not DCP metadata)")
         if type(kwargs) is not dict or len(kwargs) != 0:
             raise _Refused(f"refuses to construct {cls!r} with {args!r}, {kwargs!r} (not DCP metadata)")
-        obj = cls.__new__(cls)
+        new: Any = cls.__new__  # (a dataclass checked above; mypy reads type.__new__)
+        obj = new(cls)
         self._mark(obj)
         self.append(obj)
 

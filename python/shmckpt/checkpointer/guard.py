@@ -1,0 +1,91 @@
+"""``Checkpointer.guard``: an optimizer's ``step()`` waits for the saves still staging."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping
+
+from .._util import _storage_key
+from .base import CheckpointerBase
+from .handle import SaveHandle
+from .. import _snapshot
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+
+class GuardMixin(CheckpointerBase):
+    """The guard methods of :class:`~shmckpt.Checkpointer`."""
+
+    # -- guard -------------------------------------------------------------------------
+    def guard(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` first wait until every save of this checkpointer has
+        copied its bytes. For saves of CUDA tensors the wait is on the device: the hook
+        returns once the engine has queued its copies, and the current stream of each
+        device waits for them, so the optimizer's kernels run after the copies while the
+        trainer's thread goes on; other saves are waited for on the host (``wait_staged``).
+
+        With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
+        state in the background while the trainer runs its next forward and backward; every
+        other tensor of the state (buffers such as BatchNorm running statistics, tensors of
+        unguarded optimizers, numpy arrays) is captured at the call. Parameters and state of
+        a guarded optimizer must not be changed other than by its ``step()`` (or after the
+        handle's ``wait_staged()``).
+        """
+        ref = weakref.ref(optimizer)
+        me = weakref.ref(self)
+
+        def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
+            ck = me()
+            if ck is not None:
+                ck._guard_wait()
+
+        hook = optimizer.register_step_pre_hook(pre_hook)
+        self._guards.append((ref, hook))
+
+    def unguard(self, optimizer: Any) -> None:
+        """Remove the guard of ``optimizer``."""
+        keep = []
+        for ref, hook in self._guards:
+            if ref() is optimizer:
+                hook.remove()
+            else:
+                keep.append((ref, hook))
+        self._guards = keep
+
+    def _guarded_storages(self) -> set:
+        out = set()
+        for ref, _ in self._guards:
+            opt = ref()
+            if opt is None:
+                continue
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    out.add(_storage_key(p))
+            for st in opt.state.values():
+                if isinstance(st, Mapping):
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            out.add(_storage_key(v))
+        return out
+
+    def _guard_wait(self) -> None:
+        """The guard's wait before an optimizer step. A save whose bytes the engine copies
+        itself from CUDA tensors is waited for on the device: once its host bytes are copied
+        and its device copies queued (normally milliseconds after the call), the current
+        stream of each of its devices waits for those copies (``cuStreamWaitEvent``), and
+        the trainer's thread goes on queueing the optimizer step and the next forward. Other
+        saves are waited for on the host (``wait_staged``)."""
+
+        def wait(h: SaveHandle) -> Any:
+            if not h._devices or h._future is not None or h._keep is None:
+                return h.wait_staged()
+            streams = [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            n = _snapshot.hold(h._get_rust(), h._snapshot, streams)
+            h.snapshot_bytes = max(h.snapshot_bytes, n)
+            h._poll()
+            return None
+
+        self._wait_all(wait)

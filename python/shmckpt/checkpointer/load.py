@@ -1,0 +1,189 @@
+"""``Checkpointer.load``: a checkpoint back as the nested state it was saved as."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import _state
+from .. import remote as _remote
+from ..errors import CorruptError, DestinationError, NotFound
+from .base import CheckpointerBase, StepArg, _step_sel
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+
+class LoadMixin(CheckpointerBase):
+    """The load methods of :class:`~shmckpt.Checkpointer`."""
+
+    def _rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        m = json.loads(self._engine.manifest(step))
+        for f in m["files"]:
+            if f["rank"] == self.rank:
+                return m, f
+        raise NotFound(
+            f"checkpoint step {step} in {self.root} has no file of rank {self.rank}", path=self.root, step=step
+        )
+
+    def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
+        d = os.path.join(self.root, f"step-{step}")
+        path = os.path.join(d, entry["file"])
+        # Read by the engine after the header is checked against the manifest (its tensors
+        # and its CRC-32C): a damaged header is an error, never a skeleton read wrongly.
+        meta = self._engine.file_metadata(step)
+        text = meta.get(_state.STATE_KEY)
+        if text is None:
+            return None
+        try:
+            return _state.decode(text)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptError(
+                f"{path}: malformed {_state.STATE_KEY} metadata: {e}", path=path, step=step
+            ) from None
+
+    # -- load --------------------------------------------------------------------------
+    def load(
+        self, step: StepArg = "latest", *, map_location: Any = None, source: Optional[str] = None
+    ) -> Any:
+        """Load a checkpoint: the nested state as saved (tensors, arrays, plain values).
+
+        ``map_location=None`` or ``"cpu"``: CPU tensors backed by the loaded buffers (no
+        copy). ``"cuda:N"``: tensors on that device, copied from the staging memory while
+        the file is read (from the bucket: each ranged GET's body through CUDA-registered
+        staging buffers, no host copy of the file). Checkpoints not written by this package
+        come back as a flat dict of tensors. Every CRC-32C is verified.
+
+        ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
+        local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
+        the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
+        the bucket. :attr:`last_load_source` says which served it.
+        """
+        if self._replicator is not None and source != "remote":
+            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
+        s, where = _remote.resolve(self, _step_sel(step), source)
+        if self._replicator is not None and where != "remote":
+            self._replicator.before_load(s)  # collective: a lost file comes from a peer
+        dev = None
+        if map_location is not None:
+            dev = torch.device(map_location) if torch is not None else None
+            if dev is not None and dev.type == "cpu":
+                dev = None
+            elif dev is not None and dev.type != "cuda":
+                raise ValueError(f"map_location {map_location!r}: only cpu and cuda are supported")
+        objs: Dict[str, Any] = {}
+        if where == "remote" and dev is not None:
+            # Bucket -> registered staging buffers -> device (no host copy of the file).
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            objs, tree, entry = _remote.load_to_device(self, s, dev)
+        elif where == "remote":
+            # Read into host buffers (checked); the skeleton is the rank file's header's.
+            _, _, file_meta, tensors = self._engine.load_remote(s)
+            tree = _remote.skeleton(self, s, file_meta)
+            entry = _remote.entry_of(tensors)
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+        else:
+            _, entry = self._rank_entry(s)
+            tree = self._skeleton(s, entry)
+        if where != "remote" and dev is None:
+            got_step, _, _, tensors = self._engine.load(s)
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+        elif where != "remote" and dev is not None:
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            dest = []
+            for t in entry["tensors"]:
+                tdt = _state.ST_TO_TORCH.get(t["dtype"])
+                if tdt is None:
+                    raise DestinationError(f"tensor {t['name']!r}: dtype {t['dtype']} has no torch dtype")
+                x = torch.empty(t["shape"], dtype=tdt, device=dev)
+                objs[t["name"]] = x
+                dest.append(x)
+            # The memory may come from blocks freed by work still queued on this stream.
+            torch.cuda.current_stream(dev).synchronize()
+            self._engine.load_into_device(
+                s,
+                [
+                    (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
+                    for n, x in objs.items()
+                ],
+            )
+
+        file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
+
+        def host_tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
+            o = objs[name]
+            if node is not None and node.get("t") == "ndarray":
+                ndt = np.dtype(str(node.get("dtype")))
+                if _state.NUMPY_TO_ST.get(ndt) != file_dtype.get(name):
+                    raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
+                if not isinstance(o, tuple):  # loaded to a device: arrays live on the host
+                    shape = list(o.shape)
+                    a = o.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                else:
+                    _, shape, buf = o
+                    a = np.asarray(buf)
+                return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
+            if not isinstance(o, tuple):
+                return o
+            dtype, shape, buf = o
+            tdt = _torch_dtype_for(node, dtype)
+            n = len(buf)
+            if n == 0:
+                return torch.empty(shape, dtype=tdt)
+            u8 = torch.from_numpy(np.asarray(buf))
+            return u8.view(tdt).reshape(shape)
+
+        if tree is None:
+            return {name: host_tensor(name, None) for name in objs}
+
+        made: Dict[str, Any] = {}
+
+        def lookup(node: Dict[str, Any]) -> Any:
+            name = node.get("alias") or node["n"]
+            if name not in made:
+                if name not in objs:
+                    raise ValueError(f"tensor {name!r} is not in the file")
+                made[name] = _finish_tensor(host_tensor(name, node), node)
+            return made[name]
+
+        try:
+            return _state.unflatten(tree, lookup)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+            raise CorruptError(
+                f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
+                f"does not describe the file: {e}"
+            ) from None
+
+
+def _torch_dtype_for(node: Optional[Dict[str, Any]], st_dtype: str) -> Any:
+    if node is not None and node.get("dtype"):
+        dt = getattr(torch, node["dtype"], None)
+        if dt is not None and _state.TORCH_TO_ST.get(dt) == st_dtype:
+            return dt
+    dt = _state.ST_TO_TORCH.get(st_dtype)
+    if dt is None:
+        raise DestinationError(f"dtype {st_dtype} has no torch equivalent")
+    return dt
+
+
+def _finish_tensor(x: Any, node: Dict[str, Any]) -> Any:
+    """The loaded tensor ``x`` as its skeleton node says (an ``nn.Parameter``). Raises
+    ``ValueError`` for a node that cannot describe ``x`` (``load`` makes it a
+    ``CorruptError``)."""
+    if node.get("param") and torch is not None:
+        rg = bool(node.get("requires_grad", True))
+        if rg and not (x.is_floating_point() or x.is_complex()):
+            raise ValueError(
+                f"tensor {node.get('n')!r:.80}: a {x.dtype} parameter cannot require gradients"
+            )
+        return torch.nn.Parameter(x, requires_grad=rg)
+    return x

@@ -1,0 +1,225 @@
+"""``Checkpointer.save``: flatten the state and hand its tensors to the engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .. import _state
+from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key
+from .base import _step_int
+from .guard import GuardMixin
+from .handle import SaveHandle
+from .. import _snapshot
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+
+class SaveMixin(GuardMixin):
+    """The save and wait methods of :class:`~shmckpt.Checkpointer`."""
+
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its bytes. A failed save raises its
+        error here once (and is then forgotten)."""
+        self._wait_all(SaveHandle.wait_staged)
+
+    def wait(self) -> None:
+        """Wait until every save in flight is committed (raises the first error, once)."""
+        self._wait_all(SaveHandle.wait)
+
+    # -- save --------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        blocking: bool = True,
+        metadata: Optional[Mapping[str, str]] = None,
+        snapshot: Optional[str] = None,
+    ) -> SaveHandle:
+        """Save ``state`` (nested dict/list/tuple of tensors, arrays and plain values) as
+        checkpoint ``step``.
+
+        ``blocking=True`` returns once every byte is staged (the caller may then change its
+        tensors); ``blocking=False`` returns at once (see :meth:`guard`). The checkpoint is
+        committed in the background; ``handle.wait()`` waits for it. Unsupported values
+        raise :class:`~shmckpt.errors.UnsupportedValue` (a ``TypeError``) naming their key
+        path before anything is written. Values are saved, never bytes that read otherwise:
+        big-endian arrays are stored little-endian, conjugate and negative views resolved.
+        ``step`` is an int (never a bool).
+
+        ``snapshot="device"`` (with ``blocking=False`` and :meth:`guard`): what is still
+        being copied when the optimizer step starts is snapshotted device-to-device into a
+        transient buffer outside torch's allocator, freed once copied
+        (``handle.snapshot_bytes``; docs/python.md). The default allocates no device memory.
+        """
+        step = _step_int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        snap = _snapshot.device_mode(snapshot, blocking, bool(self._guards))
+        meta: Dict[str, str] = {}
+        for k, v in (metadata or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
+            meta[k] = v
+        # No cyclic GC while the per-tensor objects are built: the flattened tree is
+        # freed (by reference counting) before collections are allowed again.
+        with _gc_paused():
+            flat = _state.flatten(state)
+            if _state.STATE_KEY in meta:
+                raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
+            meta[_state.STATE_KEY] = _state.encode(flat)
+            self._reap()
+
+            guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            # A non-blocking save with no guard captures CUDA tensors by holding the
+            # trainer's streams: the engine queues its copies (into its registered staging)
+            # before the call returns, and the streams wait for them on the device, so the
+            # next kernels run after them. One device-to-host copy, no pinned host copy, and
+            # the trainer's thread waits only while the copies are queued. Only when every
+            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
+            # span, below, which the engine can read only after it finished).
+            hold = not blocking and not guarded and all(
+                lf.alias_of is not None
+                or lf.kind == "ndarray"
+                or lf.obj.is_cpu
+                or lf.obj.is_contiguous()
+                for lf in flat.leaves
+            )
+            # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
+            # memory) and, at the same index, what keeps each one's memory alive.
+            entries: List[Tuple[str, str, List[int], int, int, int]] = []
+            keep: List[Any] = []
+            devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
+            finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+            add_entry = entries.append
+            add_keep = keep.append
+            for lf in flat.leaves:
+                if lf.alias_of is not None:
+                    continue  # an alias: its bytes are those of an earlier leaf
+                x = lf.obj
+                if lf.kind == "ndarray":
+                    # C-contiguous and little-endian (a big-endian array is converted: its
+                    # values are stored, never its bytes); captured at the call unless
+                    # blocking.
+                    a = _state.host_array(x, fresh=not blocking)
+                    add_entry(_host_tuple(lf.name, lf.dtype, a))
+                    add_keep(a)
+                    continue
+                if lf.lazy and x.is_cpu:
+                    # A conjugate or negative view: its memory is not its values. Store the
+                    # values (a new tensor, so nothing of the caller's is read later).
+                    x = _state.resolved(x.detach())
+                if x.is_cpu:  # (device.type == "cpu", faster)
+                    if blocking:
+                        # Contiguous: staged from the caller's tensor as it is (no detach
+                        # needed to read its address); else a contiguous copy.
+                        t = x if x.is_contiguous() else x.detach().contiguous()
+                    else:
+                        t = x.detach()
+                        if not (guarded and _storage_key(t) in guarded):
+                            t = t.clone(memory_format=torch.contiguous_format)
+                        elif not t.is_contiguous():
+                            t = t.contiguous()
+                    nbytes = t.numel() * t.element_size()
+                    add_entry(
+                        (lf.name, lf.dtype, list(t.shape), t.data_ptr() if nbytes else 0, nbytes, -1)
+                    )
+                    add_keep(t)
+                    continue
+                t = x.detach()
+                dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+                if dev not in devices:
+                    devices[dev] = torch.cuda.current_stream(dev)
+                is_guarded = bool(guarded) and _storage_key(t) in guarded
+                if t.numel() == 0:
+                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
+                    add_keep(t)
+                elif t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
+                    nbytes = t.numel() * t.element_size()
+                    add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
+                    add_keep(t)
+                else:
+                    with torch.cuda.device(dev):
+                        pinned, finish = _cuda_span_copy(t)
+                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
+                    add_keep([t, pinned])
+                    finishes.append((len(entries) - 1, finish))
+            del flat
+
+        keep.extend(devices.values())
+        handle = SaveHandle(step, keep)
+        handle._replicator = self._replicator
+        handle._metadata = meta  # node-local roots: the manifest's, committed through the group
+        if not finishes:
+            handle._devices = sorted(devices)
+
+        def finish_host_copies() -> None:
+            for i, fin in finishes:
+                e = entries[i]
+                h = fin()
+                entries[i] = _host_tuple(e[0], e[1], h)
+                keep.append(h)
+
+        if blocking:
+            if finishes:
+                for s in devices.values():
+                    s.synchronize()  # this stream only, not the device
+                finish_host_copies()
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, entries, meta, after, True)
+            handle._set_rust(h)
+            handle._release()
+        elif hold:
+            # The engine records each stream when it starts (it returns only once its copies
+            # are queued and the streams wait for them, so nothing was queued after the call).
+            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            h = self._engine.save(step, entries, meta, after, False, True)
+            handle._set_rust(h)
+            with self._lock:
+                self._pending.append(handle)
+            if self._replicator is not None:
+                self._replicator.enqueue(handle)
+            return handle
+        else:
+            # Order the device copies after the work queued at this call: an event recorded
+            # now on each device's current stream. (A stream handed to the engine would be
+            # recorded by its staging thread, later, after the trainer's next kernels.)
+            events = {}
+            for d, s in devices.items():
+                ev = torch.cuda.Event()
+                ev.record(s)
+                events[d] = ev
+            keep.extend(events.values())
+            after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
+            if not finishes:
+                handle._snapshot = snap and bool(devices)
+                h = self._engine.save(step, entries, meta, after, False, False, handle._snapshot)
+                handle._set_rust(h)
+                with self._lock:
+                    self._pending.append(handle)
+                if self._replicator is not None:
+                    self._replicator.enqueue(handle)
+                return handle
+
+            # Host copies of device tensors are in flight on the trainer's streams: wait for
+            # the events off the caller's thread, then start the save.
+            def submit() -> Any:
+                for ev in events.values():
+                    ev.synchronize()
+                finish_host_copies()
+                return self._engine.save(step, entries, meta, after, False)
+
+            if self._submitter is None:
+                self._submitter = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="shmckpt-submit"
+                )
+            handle._future = self._submitter.submit(submit)
+        with self._lock:
+            self._pending.append(handle)
+        if self._replicator is not None:
+            self._replicator.enqueue(handle)
+        return handle

@@ -1,0 +1,293 @@
+"""``ShmckptWriter``: DCP's ``StorageWriter`` and ``AsyncStager`` through shmckpt's engine."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+import threading
+import uuid
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import _shmckpt
+from ..errors import CorruptError, SaveFailed
+from .engines import SESSION, _remove_tree, _sources
+from .items import _check_target, _key, _Save
+from .staging import StagingMixin
+from .storage import _FORMAT_KEY, DESCRIPTOR, MANIFEST_FILE, METADATA_FILE, ShmckptStorageInfo
+from . import bucket as _dcp_remote
+
+
+class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
+    """DCP ``StorageWriter`` and ``AsyncStager`` writing through shmckpt's engine.
+
+    ``path``: the checkpoint directory (must not exist, or be empty; its parent must be
+    writable and on the same filesystem as the spool). Keyword arguments are engine
+    settings (``staging_capacity``: at least this many bytes of shared-memory staging,
+    default the size of the rank's file; ``chunk_size``, ``writer_threads``,
+    ``queue_depth``, ``copy_threads``, ``direct_io``, ``max_inflight_saves``).
+    ``spool``: where the engines write before publishing (default
+    ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
+    the default one.
+
+    Use ``async_checkpointer_type=THREAD`` (DCP's default): the engine already writes off
+    the trainer's thread, and an engine cannot move to another process.
+    """
+
+    _synchronize_after_execute: bool = False  # stage() returns once staged
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        spool: Optional[Union[str, os.PathLike]] = None,
+        process_group: Any = None,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+    ):
+        super().__init__()
+        self.path = _dcp_remote.norm(path)
+        self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
+        self._group = process_group
+        self._opts = dict(
+            staging_capacity=staging_capacity,
+            chunk_size=chunk_size,
+            writer_threads=writer_threads,
+            queue_depth=queue_depth,
+            copy_threads=copy_threads,
+            direct_io=direct_io,
+            max_inflight_saves=max_inflight_saves,
+        )
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._staged: Deque[_Save] = collections.deque()
+        self._current: Optional[_Save] = None
+        self._lock = threading.Lock()
+        #: The engines this writer stages through (shared by the process's writers).
+        self._session = SESSION
+        self.last_report: Optional[Dict[str, Any]] = None
+        #: Where the last ``stage()`` spent its time: ``items_s`` (flattening the state and
+        #: listing its items, with the owner exchange on several ranks), ``submit_s`` (the
+        #: engine's staging call, device-to-host copies included), ``total_s``, and
+        #: ``engine`` (the engine's own staged report: ``staging``, ``backpressure``,
+        #: ``registration`` seconds).
+        self.last_stage: Dict[str, Any] = {}
+        # True once DCP gave a checkpoint_id: stage() then does not know the next target
+        # (DCP resets the writer after staging) and leaves the check to the coordinator.
+        self._path_from_reset = False
+
+    def __getstate__(self) -> Any:
+        raise TypeError(
+            "ShmckptWriter cannot be pickled (its engine and staged data live in this "
+            "process): use async_save's default THREAD checkpointer type"
+        )
+
+    # -- StorageWriter ---------------------------------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id:
+            self.path = _dcp_remote.norm(checkpoint_id)
+            self._path_from_reset = True
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if is_coordinator:
+            _check_target(self.path)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        """With ``async_save`` on several ranks, each replicated item was staged by one
+        rank only (``stage``): give every planned item to the plan of the rank that staged
+        it. Plans that do not match a staged save (``dcp.save``) are left as DCP made
+        them."""
+        planned: Dict[Tuple[str, Any], Any] = {}
+        for p in plans:
+            for wi in p.items:
+                planned.setdefault(_key(wi.index), wi)
+        with self._lock:
+            owners = next(
+                (sv.owners for sv in self._staged if sv.owners is not None and set(sv.owners) == set(planned)),
+                None,
+            )
+        if owners is None or any(r >= len(plans) for r in owners.values()):
+            return plans
+        return [
+            dataclasses.replace(p, items=[wi for k, wi in planned.items() if owners[k] == r]) for r, p in enumerate(plans)
+        ]
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (DCP's ``checkpoint_id``)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        """Whether ``checkpoint_id`` is a path this writer can save to (DCP asks)."""
+        try:
+            os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return True
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once staged."""
+
+    def close(self) -> None:
+        """Nothing to release per writer (the engine is shared; see ``release()``)."""
+
+    # -- writing ---------------------------------------------------------------------------
+    def _take_staged(self, planned: Any) -> Optional[_Save]:
+        """The staged save DCP is now writing. Saves staged before it whose upload failed
+        before reaching write_data (DCP raised in planning) are dropped, with their files,
+        so a reused writer never publishes an older snapshot under a newer name."""
+        with self._lock:
+            staged = list(self._staged)
+            pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
+            if pick is None:
+                if staged:
+                    raise SaveFailed(
+                        "ShmckptWriter: DCP is saving tensors that stage() did not stage (a "
+                        "planner that replaces them?); stage() supports DCP's default planning"
+                    )
+                stale, save = [], None
+            else:
+                for _ in range(pick + 1):
+                    self._staged.popleft()
+                stale, save = staged[:pick], staged[pick]
+        for sv in stale:
+            try:
+                sv.handle.wait()
+            except Exception:  # the error of a save DCP abandoned: its files are removed below
+                pass
+            for d in _sources(sv, sv.rank):
+                _remove_tree(d)
+        return save
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        save = self._take_staged(getattr(planner, "state_dict", None))
+        if save is None:
+            # dcp.save (no stage): resolve the planned items now and stage them.
+            _check_target(self.path)
+            save, rank, world = self._begin()
+            objs = []
+            for wi in plan.items:
+                data: Any = planner.resolve_data(wi)
+                if wi.type == WriteItemType.BYTE_IO:
+                    data = data.getvalue()
+                objs.append((wi.index, data))
+            self._submit(save, rank, world, objs)
+        self._current = save
+        report = save.handle.wait()  # this rank's file and manifest part are durable
+        if _dcp_remote.is_remote(save.path):
+            report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
+        self.last_report = report
+        save.file = os.path.basename(report["file"])
+        results = []
+        missing = []
+        for wi in plan.items:
+            it = save.items.get(wi.index)
+            if it is None:
+                missing.append(wi.index)
+                continue
+            results.append(
+                WriteResult(
+                    index=wi.index,
+                    size_in_bytes=it.nbytes,
+                    storage_data=ShmckptStorageInfo(
+                        relative_path=save.file,
+                        offset=0,
+                        length=it.nbytes,
+                        transform_descriptors=[DESCRIPTOR],
+                        tensor=it.name,
+                    ),
+                )
+            )
+        if missing:
+            raise SaveFailed(
+                f"ShmckptWriter: the save plan writes items that stage() did not stage "
+                f"(a planner other than DCP's default layout?): {missing[:5]}"
+            )
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """DCP's coordinator, once every rank's file is durable: commit the ranks and
+        publish the checkpoint, through the engine's commit protocol in Rust
+        (``shmckpt::commit::assemble_ranks`` moves every rank's file into
+        ``spool/step-N`` and writes ``manifest.json``; ``publish_dir`` writes
+        ``.metadata`` and renames the directory to ``self.path``). Python writes no
+        manifest and renames no file of the checkpoint."""
+        save = self._current
+        if save is None:
+            raise SaveFailed("ShmckptWriter.finish called before write_data")
+        if _dcp_remote.is_remote(save.path):
+            # Committed in the bucket (write_data waited); .metadata completes it.
+            metadata.storage_data = _dcp_remote.storage_entries(save.path, results, ShmckptStorageInfo)
+            metadata.storage_meta = self.storage_meta()
+            _dcp_remote.publish_metadata(save.path, pickle.dumps(metadata))
+            self._current = None
+            return
+        step_dir, sources = self._assemble(save, metadata, results)
+        _check_target(self.path)
+        # One rename makes the complete checkpoint appear at self.path.
+        _shmckpt.publish_dir(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], self.path)
+        self._current = None
+        for d in sources:  # the ranks' emptied partial directories
+            _remove_tree(d)
+
+    def _assemble(self, save: "_Save", metadata: Metadata, results: List[List[WriteResult]]) -> Tuple[str, List[str]]:
+        """The coordinator's half of a commit before publishing: every rank's durable part
+        of ``save`` assembled into ``save.step_dir`` by the Rust protocol
+        (``shmckpt::commit::assemble_ranks``: parts checked, files moved, ``manifest.json``
+        written), and ``metadata`` given each item's offset, length and CRC-32C from it.
+        Returns the assembled directory and the ranks' emptied partial directories."""
+        sources = []
+        for k in range(save.world):
+            src = _sources(save, k)
+            if len(src) != 1:
+                raise SaveFailed(
+                    f"{save.spool}: rank {k}'s file of this save is {'missing' if not src else 'ambiguous'} "
+                    f"({src}); did every rank save with a ShmckptWriter on the same spool?"
+                )
+            sources.append(src[0])
+        step_dir = save.step_dir
+        _step, files = _shmckpt.assemble_ranks(sources, step_dir, save.step, self.path, {_FORMAT_KEY: "1"})
+        by_file = {f: {name: (start, b, e, crc) for name, b, e, crc in tensors} for f, start, tensors in files}
+        storage_md: Dict[MetadataIndex, ShmckptStorageInfo] = {}
+        for wr_list in results:
+            for wr in wr_list:
+                info = wr.storage_data
+                ent = by_file.get(info.relative_path, {}).get(info.tensor)
+                if ent is None:
+                    raise CorruptError(
+                        f"{os.path.join(step_dir, MANIFEST_FILE)}: no tensor {info.tensor!r} in {info.relative_path}"
+                    )
+                start, b, e, crc = ent
+                storage_md[wr.index] = dataclasses.replace(info, offset=start + b, length=e - b, crc32c=int(crc))
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        try:
+            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+            metadata.version = CURRENT_DCP_VERSION
+        except ImportError:  # pragma: no cover - older torch
+            pass
+        return step_dir, sources
