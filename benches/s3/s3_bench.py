@@ -213,6 +213,8 @@ class Ctx:
         self.local = os.path.join(args.dir, "local", label)
         self.part = args.part_size
         self.conc = args.concurrency
+        #: shmckpt's remote settings: the same part size and concurrency as the others.
+        self.shm_remote = dict(remote_part_size=args.part_size, remote_concurrency=args.concurrency)
         self.cks: Dict[str, Any] = {}
         self.step = 0
         #: What each save of a round left for the restores: system -> (url or key, step)
@@ -239,9 +241,9 @@ def _checkpointer(ctx: Ctx, kind: str) -> Any:
     if kind == "shmckpt_local":
         ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap)
     elif kind == "shmckpt_local_remote":
-        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap, remote=url, remote_keep_last=1)
+        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap, remote=url, remote_keep_last=1, **ctx.shm_remote)
     else:
-        ck = shmckpt.Checkpointer(url, staging_capacity=cap, remote_keep_last=1)
+        ck = shmckpt.Checkpointer(url, staging_capacity=cap, remote_keep_last=1, **ctx.shm_remote)
     if ctx.args.device.startswith("cuda"):
         ck.prepare_cuda()
     ctx.cks[kind] = ck
@@ -462,9 +464,19 @@ def _fsspec_kwargs(ctx: Ctx) -> Dict[str, Any]:
     )
 
 
+def _fsspec_dcp() -> Tuple[Any, Any]:
+    """DCP's fsspec writer and reader: top-level exports in older torch, only in
+    ``torch.distributed.checkpoint.fsspec_filesystem`` in newer ones (2.11)."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined,no-redef]
+    return FsspecWriter, FsspecReader
+
+
 def run_fsspec(ctx: Ctx, rnd: int) -> Dict[str, float]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FsspecWriter
+    FsspecWriter = _fsspec_dcp()[0]
 
     kw = _fsspec_kwargs(ctx)
     url = ctx.s3url("fsspec", rnd)
@@ -478,7 +490,7 @@ def run_fsspec(ctx: Ctx, rnd: int) -> Dict[str, float]:
 
 def run_fsspec_load(ctx: Ctx, rnd: int) -> Dict[str, float]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FsspecReader
+    FsspecReader = _fsspec_dcp()[1]
 
     kw = _fsspec_kwargs(ctx)
     url = ctx.saved.get("fsspec")
@@ -587,8 +599,6 @@ def main() -> None:
     bad = [s for s in systems if s not in RUNNERS]
     if bad:
         sys.exit(f"s3_bench: unknown systems {bad}; known: {ALL}")
-    if args.part_size != 16 << 20 or args.concurrency != 8:
-        log("note: shmckpt's remote tier uses its defaults (16 MiB parts, 8 in flight); --part-size/--concurrency apply to the others")
     os.makedirs(args.dir, exist_ok=True)
     out_dir = args.out or args.dir
     os.makedirs(out_dir, exist_ok=True)

@@ -113,6 +113,8 @@ class Engine:
         remote_max_pending: Optional[int] = None,
         remote_only: bool = False,
         remote_session: Optional[str] = None,
+        remote_part_size: Optional[int] = None,
+        remote_concurrency: Optional[int] = None,
     ) -> "Engine": ...
     def save(
         self,

@@ -33,6 +33,8 @@ pub struct EngineOpts {
     pub remote: Option<String>,
     pub remote_keep_last: Option<usize>,
     pub remote_max_pending: Option<usize>,
+    pub remote_part_size: Option<usize>,
+    pub remote_concurrency: Option<usize>,
     pub remote_only: bool,
     pub remote_session: Option<String>,
 }
@@ -82,6 +84,16 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
             .with_remote_keep_last(o.remote_keep_last);
         if let Some(n) = o.remote_max_pending {
             cfg = cfg.with_remote_max_pending(n);
+        }
+        if o.remote_part_size.is_some() || o.remote_concurrency.is_some() {
+            let mut ro = shmckpt::remote::RemoteOptions::default();
+            if let Some(n) = o.remote_part_size {
+                ro.part_size = n;
+            }
+            if let Some(n) = o.remote_concurrency {
+                ro.concurrency = n;
+            }
+            cfg = cfg.with_remote_options(ro);
         }
         cfg = cfg
             .with_remote_only(o.remote_only)

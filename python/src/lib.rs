@@ -214,7 +214,8 @@ impl PyEngine {
         writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
         keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
-        remote_max_pending=None, remote_only=false, remote_session=None))]
+        remote_max_pending=None, remote_only=false, remote_session=None,
+        remote_part_size=None, remote_concurrency=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -238,6 +239,8 @@ impl PyEngine {
         remote_max_pending: Option<usize>,
         remote_only: bool,
         remote_session: Option<String>,
+        remote_part_size: Option<usize>,
+        remote_concurrency: Option<usize>,
     ) -> PyResult<Self> {
         let auto_staging = staging_capacity.is_none();
         let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
@@ -262,6 +265,8 @@ impl PyEngine {
             remote,
             remote_keep_last,
             remote_max_pending,
+            remote_part_size,
+            remote_concurrency,
             remote_only,
             remote_session,
         };

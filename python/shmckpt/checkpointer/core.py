@@ -92,7 +92,10 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     and endpoint from the AWS environment variables): ``handle.wait_remote()`` waits for
     the step to be committed there, ``remote_keep_last`` is the bucket's retention,
     ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
-    oldest waiting one is skipped, ``list(remote=True)`` lists the bucket, and loads fall
+    oldest waiting one is skipped, ``remote_part_size`` (bytes, 5 MiB to 1 GiB, default
+    16 MiB) and ``remote_concurrency`` (1 to 256, default 8) the multipart part size and
+    the parts or ranged GETs in flight (the upload pins at most ``(concurrency + 1) x
+    part_size`` of staging), ``list(remote=True)`` lists the bucket, and loads fall
     back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
 
     ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
@@ -131,6 +134,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         remote: Optional[str] = None,
         remote_keep_last: Optional[int] = None,
         remote_max_pending: Optional[int] = None,
+        remote_part_size: Optional[int] = None,
+        remote_concurrency: Optional[int] = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -168,6 +173,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 remote=self.remote,
                 remote_keep_last=remote_keep_last,
                 remote_max_pending=remote_max_pending,
+                remote_part_size=remote_part_size,
+                remote_concurrency=remote_concurrency,
                 remote_only=remote_only,
                 remote_session=session,
             )
