@@ -419,6 +419,19 @@ impl EngineConfig {
         self
     }
 
+    /// Whether saves write no local file (remote only; always false without the `s3`
+    /// feature).
+    pub(crate) fn is_remote_only(&self) -> bool {
+        #[cfg(feature = "s3")]
+        {
+            self.remote_only
+        }
+        #[cfg(not(feature = "s3"))]
+        {
+            false
+        }
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory

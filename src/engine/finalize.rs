@@ -87,7 +87,7 @@ fn remote_copy(
             return;
         }
     };
-    if st.shared.cfg.remote_only {
+    if st.shared.cfg.is_remote_only() {
         // No file: the feed holds every chunk.
         tier.submit(
             progress.clone(),
@@ -133,7 +133,7 @@ fn close_feed(st: &SaveState) {
 
 fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
     let cfg = &st.shared.cfg;
-    let target = if cfg.remote_only {
+    let target = if cfg.is_remote_only() {
         None // no file: every chunk is checksummed and held for the upload
     } else {
         let t = st

@@ -190,7 +190,7 @@ impl Engine {
                     cfg.remote_keep_last,
                     cfg.remote_max_pending,
                     cfg.remote_session.clone(),
-                    (!cfg.remote_only).then(|| cfg.root.clone()),
+                    (!cfg.is_remote_only()).then(|| cfg.root.clone()),
                 )?))
             }
             None => None,

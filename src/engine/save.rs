@@ -401,7 +401,7 @@ impl Engine {
                 .shared
                 .remote
                 .as_ref()
-                .map(|t| t.feed(n_chunks, cs, !cfg.remote_only)),
+                .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only())),
             snapshot: crate::device::SnapshotRequest::default(),
         });
         let queued = self
@@ -416,7 +416,7 @@ impl Engine {
             return Err(Error::Shutdown("engine closed".into()));
         }
         let st = Arc::clone(&state);
-        let opener = if cfg.remote_only {
+        let opener = if cfg.is_remote_only() {
             // No file: the bucket is the save's only copy.
             state.no_file_opened();
             Ok(())

@@ -268,7 +268,7 @@ impl WriteSink for SaveState {
     }
 
     fn no_file(&self) -> bool {
-        self.shared.cfg.remote_only
+        self.shared.cfg.is_remote_only()
     }
 }
 

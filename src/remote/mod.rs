@@ -563,3 +563,5 @@ fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
 mod tests;
 #[cfg(test)]
 mod tests_feed;
+#[cfg(test)]
+mod tests_more;

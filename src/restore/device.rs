@@ -129,6 +129,7 @@ impl DeviceRing {
         }
     }
 
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
     /// A sink for bytes that arrive in memory of any kind (the bodies of ranged GETs):
     /// tensor `i` (file order) goes to `dest[i]` (exactly its size), each piece copied
     /// into one of two of the ring's CUDA-registered buffers and sent to the device from
@@ -255,6 +256,7 @@ impl DeviceRing {
     }
 }
 
+#[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
 /// [`DeviceRing::staged_sink`]'s sink, holding the ring (dropped after the sink, which
 /// waits for its copies).
 pub(crate) struct RingSink<'r> {

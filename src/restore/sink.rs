@@ -108,6 +108,7 @@ impl ReadSink for DeviceSink {
     }
 }
 
+#[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
 /// Forwards bytes that arrive in memory the device cannot copy from at the pinned rate
 /// (HTTP bodies of ranged GETs) through two leased chunks of a staging arena (registered
 /// with CUDA when `inner` is a [`DeviceSink`]): each piece is copied into the chunk being
@@ -130,6 +131,7 @@ pub(crate) struct Staged<S: ReadSink> {
     forwarded: u64,
 }
 
+#[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
 impl<S: ReadSink> Staged<S> {
     /// Stage through `chunks` (two leases of one arena, each at least one byte).
     pub(crate) fn new(inner: S, chunks: [crate::staging::ChunkLease; 2]) -> Result<Staged<S>> {
