@@ -69,13 +69,33 @@ fn read_checked_header(
     entry: &FileEntry,
 ) -> Result<safetensors::tensor::Metadata> {
     let mut n8 = [0u8; 8];
-    file.read_exact_at(&mut n8, 0)
-        .map_err(|e| Error::io_at("read", path, 0, e))?;
+    read_exact(file, &mut n8, 0, path, entry)?;
     let n = header_len(n8, path, entry)?;
     let mut hdr = vec![0u8; n as usize];
-    file.read_exact_at(&mut hdr, 8)
-        .map_err(|e| Error::io_at("read", path, 8, e))?;
+    read_exact(file, &mut hdr, 8, path, entry)?;
     check_header_json(&hdr, path, entry)
+}
+
+/// `read_exact_at`, with a file that ends early reported as [`Error::Truncated`] (against
+/// the manifest's size), not as an I/O error.
+fn read_exact(
+    file: &std::fs::File,
+    buf: &mut [u8],
+    at: u64,
+    path: &Path,
+    entry: &FileEntry,
+) -> Result<()> {
+    file.read_exact_at(buf, at).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::Truncated {
+                path: path.to_owned(),
+                expected: entry.bytes,
+                actual: file.metadata().map(|m| m.len()).unwrap_or(0),
+            }
+        } else {
+            Error::io_at("read", path, at, e)
+        }
+    })
 }
 
 /// The header length that the file's first 8 bytes give, checked against the format's
@@ -166,4 +186,38 @@ pub(crate) fn check_header_json(
         }
     }
     Ok(meta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank file cut short inside its header is `Truncated` with both sizes, not an
+    /// `Io` error without an errno (what reading the state skeleton reported).
+    #[test]
+    fn a_file_cut_inside_its_header_is_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rank-00000-of-00001.safetensors");
+        let mut bytes = 4088u64.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[b' '; 92]);
+        std::fs::write(&path, &bytes).unwrap();
+        let entry = FileEntry {
+            rank: 0,
+            file: "rank-00000-of-00001.safetensors".into(),
+            bytes: 4096 + 64,
+            data_start: 4096,
+            header_crc32c: None,
+            tensors: Vec::new(),
+        };
+        match read_file_metadata(&path, &entry) {
+            Err(Error::Truncated {
+                path: p,
+                expected,
+                actual,
+            }) => {
+                assert_eq!((p, expected, actual), (path.clone(), 4160, 100));
+            }
+            other => panic!("expected Truncated, got {other:?}"),
+        }
+    }
 }
