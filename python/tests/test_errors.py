@@ -81,3 +81,31 @@ def test_errors_made_in_python_take_the_fields_and_pickle():
     u.path = "/p"
     back = pickle.loads(pickle.dumps(u))
     assert (type(back), str(back), back.key, back.path) == (errors.UnsupportedValue, "no", "state['a']", "/p")
+
+
+def test_ctrl_c_while_a_submission_runs_keeps_the_tensors_alive():
+    """A KeyboardInterrupt in a wait for a submission still running must not drop the
+    references the submitting thread still reads (it did: the handle released them on any
+    exception); a submission that failed does release them."""
+    import concurrent.futures
+
+    from shmckpt.checkpointer.handle import SaveHandle
+
+    class Interrupted(concurrent.futures.Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    keep = [object()]
+    h = SaveHandle(1, keep)
+    h._future = Interrupted()  # not done: the submission still runs
+    with pytest.raises(KeyboardInterrupt):
+        h._get_rust()
+    assert h._keep is keep
+
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(shmckpt.errors.IoError("submission failed"))
+    h2 = SaveHandle(2, [object()])
+    h2._future = failed
+    with pytest.raises(shmckpt.errors.IoError):
+        h2._get_rust()
+    assert h2._keep is None

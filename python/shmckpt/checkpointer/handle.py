@@ -50,8 +50,10 @@ class SaveHandle:
             except concurrent.futures.TimeoutError:
                 continue
             except BaseException:
-                # Submission failed: nothing reads the tensors any more.
-                self._release()
+                # Only a submission that failed (its future done) no longer reads the
+                # tensors; a Ctrl-C while it still runs must not drop them.
+                if fut.done():
+                    self._release()
                 raise
 
     def _release(self) -> None:
