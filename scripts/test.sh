@@ -41,9 +41,11 @@ export SHMCKPT_MOTO_PYTHON="$py"
 
 echo "== cargo test --all-features (after the venv: the S3 tests start moto from it)"
 cargo test --all-features
+cargo test --all-features -p crashfs   # not a default member (see Cargo.toml)
 # The recovery test of the Python suite runs the command line; the power-cut test
 # (python/tests/test_crashfs.py) the crashfs FUSE server (crashfs/).
-cargo build --bin shmckpt --bin crashfs
+cargo build --bin shmckpt
+cargo build -p crashfs --bin crashfs
 export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
 
 echo "== pip install ./python"
