@@ -59,13 +59,7 @@ impl Remote {
     ) -> Result<(Manifest, RemoteLoad)> {
         let t = Instant::now();
         let m = self.manifest(step)?;
-        let entry = m.file_of_rank(rank).ok_or_else(|| {
-            Error::corrupt(
-                self.display(&self.key(step, crate::manifest::MANIFEST)),
-                None,
-                format!("no file for rank {rank}"),
-            )
-        })?;
+        let entry = self.entry_of_rank(&m, step, rank)?;
         let (bytes, _) = self.read_entry(step, entry, sink)?;
         let load = RemoteLoad {
             step,
@@ -137,17 +131,23 @@ impl Remote {
         Ok(file_meta)
     }
 
-    /// The `__metadata__` of `rank`'s object of committed step `step`, from its header
-    /// (the object's size and header checked against the manifest).
-    pub fn file_metadata(&self, step: u64, rank: u32) -> Result<Metadata> {
-        let m = self.manifest(step)?;
-        let entry = m.file_of_rank(rank).ok_or_else(|| {
+    /// `rank`'s file entry in `m`, the manifest of committed step `step`; a manifest
+    /// without one is corrupt.
+    fn entry_of_rank<'m>(&self, m: &'m Manifest, step: u64, rank: u32) -> Result<&'m FileEntry> {
+        m.file_of_rank(rank).ok_or_else(|| {
             Error::corrupt(
                 self.display(&self.key(step, crate::manifest::MANIFEST)),
                 None,
                 format!("no file for rank {rank}"),
             )
-        })?;
+        })
+    }
+
+    /// The `__metadata__` of `rank`'s object of committed step `step`, from its header
+    /// (the object's size and header checked against the manifest).
+    pub fn file_metadata(&self, step: u64, rank: u32) -> Result<Metadata> {
+        let m = self.manifest(step)?;
+        let entry = self.entry_of_rank(&m, step, rank)?;
         self.block(self.read_header(&self.key(step, &entry.file), entry))
     }
 
@@ -218,13 +218,7 @@ impl Remote {
     /// `__metadata__`).
     pub fn load(&self, step: u64, rank: u32) -> Result<(Checkpoint, RemoteLoad)> {
         let m = self.manifest(step)?;
-        let entry = m.file_of_rank(rank).ok_or_else(|| {
-            Error::corrupt(
-                self.display(&self.key(step, crate::manifest::MANIFEST)),
-                None,
-                format!("no file for rank {rank}"),
-            )
-        })?;
+        let entry = self.entry_of_rank(&m, step, rank)?;
         // Sizes come from a parsed manifest (offsets contiguous, each equal to its dtype and
         // shape's size, summing to the file size): the object must have that size before
         // anything is allocated on the manifest's word.
@@ -293,13 +287,7 @@ impl Remote {
     ) -> Result<RemoteLoad> {
         let t = Instant::now();
         let m = self.manifest(step)?;
-        let entry = m.file_of_rank(rank).ok_or_else(|| {
-            Error::corrupt(
-                self.display(&self.key(step, crate::manifest::MANIFEST)),
-                None,
-                format!("no file for rank {rank}"),
-            )
-        })?;
+        let entry = self.entry_of_rank(&m, step, rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
         let order = crate::restore::match_destinations(entry, &named)?;
         let mut slots: Vec<Option<&mut [u8]>> =
@@ -339,13 +327,7 @@ impl Remote {
     ) -> Result<RemoteLoad> {
         let t = Instant::now();
         let m = self.manifest(step)?;
-        let entry = m.file_of_rank(rank).ok_or_else(|| {
-            Error::corrupt(
-                self.display(&self.key(step, crate::manifest::MANIFEST)),
-                None,
-                format!("no file for rank {rank}"),
-            )
-        })?;
+        let entry = self.entry_of_rank(&m, step, rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
         let order = crate::restore::match_destinations(entry, &named)?;
         let ordered: Vec<Option<DeviceSlice<'_>>> =
