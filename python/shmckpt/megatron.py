@@ -80,9 +80,10 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 
 from . import _shmckpt
 from ._util import _gc_paused
-from .dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter
+from .dcp import ShmckptReader, ShmckptWriter
+from .dcp.writer import write_results
 from .dcp.engines import _remove_tree, _sources
-from .dcp.storage import DESCRIPTOR, METADATA_FILE
+from .dcp.storage import METADATA_FILE
 from .errors import SaveFailed
 
 __all__ = [
@@ -212,23 +213,7 @@ class _MegatronWriter(ShmckptWriter):
         assert report is not None
         self.last_report = report
         save.file = os.path.basename(report["file"])
-        results: List[WriteResult] = []
-        for wi in self._plan.items:
-            it = save.items[wi.index]
-            results.append(
-                WriteResult(
-                    index=wi.index,
-                    size_in_bytes=it.nbytes,
-                    storage_data=ShmckptStorageInfo(
-                        relative_path=save.file,
-                        offset=0,
-                        length=it.nbytes,
-                        transform_descriptors=[DESCRIPTOR],
-                        tensor=it.name,
-                    ),
-                )
-            )
-        return results
+        return write_results(save, self._plan.items, type(self).__name__)
 
     def discard(self) -> None:
         """After a failed save: remove what this rank left of it in the spool (its file,

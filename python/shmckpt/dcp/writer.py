@@ -8,7 +8,7 @@ import os
 import pickle
 import threading
 import uuid
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -23,6 +23,38 @@ from .items import _check_target, _key, _Save
 from .staging import StagingMixin
 from .storage import _FORMAT_KEY, DESCRIPTOR, MANIFEST_FILE, METADATA_FILE, ShmckptStorageInfo
 from . import bucket as _dcp_remote
+
+
+def write_results(save: Any, items: Sequence[Any], who: str) -> List[WriteResult]:
+    """DCP's ``WriteResult`` of each planned item of ``save`` (one rank's staged save, its
+    file named): every item is a whole tensor of that file. An item the save did not
+    stage is a :class:`SaveFailed` naming ``who`` (the writer)."""
+    results = []
+    missing = []
+    for wi in items:
+        it = save.items.get(wi.index)
+        if it is None:
+            missing.append(wi.index)
+            continue
+        results.append(
+            WriteResult(
+                index=wi.index,
+                size_in_bytes=it.nbytes,
+                storage_data=ShmckptStorageInfo(
+                    relative_path=save.file,
+                    offset=0,
+                    length=it.nbytes,
+                    transform_descriptors=[DESCRIPTOR],
+                    tensor=it.name,
+                ),
+            )
+        )
+    if missing:
+        raise SaveFailed(
+            f"{who}: the save plan writes items that stage() did not stage "
+            f"(a planner other than DCP's default layout?): {missing[:5]}"
+        )
+    return results
 
 
 class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
@@ -199,31 +231,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
         self.last_report = report
         save.file = os.path.basename(report["file"])
-        results = []
-        missing = []
-        for wi in plan.items:
-            it = save.items.get(wi.index)
-            if it is None:
-                missing.append(wi.index)
-                continue
-            results.append(
-                WriteResult(
-                    index=wi.index,
-                    size_in_bytes=it.nbytes,
-                    storage_data=ShmckptStorageInfo(
-                        relative_path=save.file,
-                        offset=0,
-                        length=it.nbytes,
-                        transform_descriptors=[DESCRIPTOR],
-                        tensor=it.name,
-                    ),
-                )
-            )
-        if missing:
-            raise SaveFailed(
-                f"ShmckptWriter: the save plan writes items that stage() did not stage "
-                f"(a planner other than DCP's default layout?): {missing[:5]}"
-            )
+        results = write_results(save, plan.items, "ShmckptWriter")
         fut: Future = Future()
         fut.set_result(results)
         return fut
