@@ -105,7 +105,7 @@ pub mod flash {
 
 pub use engine::{
     Engine, LoadReport, LoadSource, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport,
-    SaveTimings, StagedReport, StepSel,
+    SaveTimings, SaveWatch, StagedReport, StepSel,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

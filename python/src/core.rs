@@ -442,11 +442,11 @@ pub fn wait_staged(h: &SaveHandle) -> Result<StagedReport> {
 }
 
 /// Order later work on each `(device, stream)` after the save's copies on that device,
-/// waiting on the host only until they are queued (`SaveHandle::hold_stream`).
+/// waiting on the host only until they are queued (`SaveWatch::hold_stream`).
 ///
 /// # Safety
 /// Every stream handle must be a live `CUstream` of its device for the duration of the call.
-pub unsafe fn hold_streams(h: &SaveHandle, streams: &[(i32, u64)]) -> Result<()> {
+pub unsafe fn hold_streams(h: &shmckpt::SaveWatch, streams: &[(i32, u64)]) -> Result<()> {
     for &(device, stream) in streams {
         // SAFETY: forwarded from this function's contract.
         h.hold_stream(unsafe { StreamRef::from_raw(stream, device) })?;

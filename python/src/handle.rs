@@ -129,10 +129,14 @@ impl PySaveHandle {
     /// device, blocking (GIL released) only until every copy is queued: work queued on those
     /// streams afterwards may change the tensors. Raises the save's error if staging failed.
     fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
-        let r = py.detach(|| match &*lock(&self.inner) {
+        // The handle's lock only to look: the wait runs on a watch of the save, so a thread
+        // asking `is_staged` with the GIL held never waits for this one (which can block
+        // for as long as the save waits for staging chunks).
+        let watch = lock(&self.inner).as_ref().map(SaveHandle::watch);
+        let r = py.detach(|| match &watch {
             // SAFETY: the Python caller passes the current streams of torch devices, which
             // stay alive for the call.
-            Some(h) => unsafe { core::hold_streams(h, &streams) },
+            Some(w) => unsafe { core::hold_streams(w, &streams) },
             None => Ok(()),
         });
         r.map_err(|e| to_py(py, e))

@@ -57,3 +57,49 @@ def test_the_guard_orders_the_optimizer_step_after_the_copies(root):
             assert torch.equal(back["p"][i], ref["p"][i])
             assert torch.equal(back["o"]["state"][i]["exp_avg"], ref["m"][i])
             assert not torch.equal(after[i], ref["p"][i])  # the step did run
+
+
+@pytest.mark.gpu
+def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(root):
+    """The guard's hold waits (GIL released) until every copy is queued, which with a
+    staging area smaller than the state lasts as long as the writers need to free chunks.
+    A thread asking ``staged()``/``done()`` meanwhile (with the GIL held) must get its
+    answer at once: before the fix the hold kept the handle's lock through its wait, so
+    that thread blocked with the GIL held until the hold returned."""
+    import threading
+    import time
+
+    g = torch.Generator(device="cuda").manual_seed(24)
+    # 4 GiB through 64 MiB of staging: the copies are queued only as the disk drains.
+    params = [torch.nn.Parameter(torch.randn(64 << 20, device="cuda", generator=g)) for _ in range(16)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    ref = [p.detach().cpu() for p in params]
+    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+        ck.prepare_cuda()
+        ck.guard(opt)
+        torch.cuda.synchronize()
+        h = ck.save(1, {"p": params}, blocking=False)
+        entered, held = threading.Event(), threading.Event()
+
+        def step() -> None:
+            entered.set()
+            opt.step()  # the guard's hold: blocks until every copy of save 1 is queued
+            held.set()
+
+        t = threading.Thread(target=step)
+        t.start()
+        assert entered.wait(10)
+        time.sleep(0.3)  # in the hold by now (it lasts as long as the drain, over a second)
+        looks = []
+        while not held.is_set() and len(looks) < 5:
+            looks.append((h.staged(), h.done(), held.is_set()))
+        t.join()
+        h.wait()
+        # Answers came while the hold still waited (before the fix the first look
+        # returned only after it).
+        assert looks and looks[0] == (False, False, False)
+        back = ck.load(1)
+        for i in range(16):
+            assert torch.equal(back["p"][i], ref[i])

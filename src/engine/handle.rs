@@ -41,7 +41,7 @@ impl SaveHandle {
     /// True once every byte is staged (or staging failed): the caller's tensors are no
     /// longer read.
     pub fn is_staged(&self) -> bool {
-        lock(&self.state.progress).staging_done
+        self.watch().is_staged()
     }
 
     /// Block until every byte is staged: from then on the caller may reuse its tensors.
@@ -65,39 +65,18 @@ impl SaveHandle {
     }
 
     /// Order `stream`'s later work after this save's copies, on the device, instead of
-    /// waiting for them on the host: blocks only until every host byte of the save is
-    /// copied and every device copy is queued (normally milliseconds after the call; longer
-    /// when the save waits for staging chunks), then makes `stream` wait for the copies of
-    /// its device (`cuStreamWaitEvent`). Work queued on `stream` afterwards may then
-    /// overwrite the tensors; work on other streams and host code must still
-    /// [`wait_staged`](Self::wait_staged). Returns at once when the save is staged
-    /// already; raises the save's error when staging failed.
+    /// waiting for them on the host; see [`SaveWatch::hold_stream`].
     pub fn hold_stream(&self, stream: crate::cuda::StreamRef<'_>) -> Result<()> {
-        let mut p = lock(&self.state.progress);
-        loop {
-            match &p.staged {
-                Some(Ok(_)) => return Ok(()),
-                Some(Err(e)) => {
-                    return Err(Error::SaveFailed {
-                        step: self.state.step,
-                        source: Arc::clone(e),
-                    });
-                }
-                None if p.queued => break,
-                None => {}
-            }
-            p = self
-                .state
-                .changed
-                .wait(p)
-                .unwrap_or_else(|e| e.into_inner());
+        self.watch().hold_stream(stream)
+    }
+
+    /// A [`SaveWatch`] of this save: it looks at the save's progress and holds streams
+    /// without the handle, so a caller that keeps the handle behind a lock can release the
+    /// lock before it blocks.
+    pub fn watch(&self) -> SaveWatch {
+        SaveWatch {
+            state: Arc::clone(&self.state),
         }
-        for (d, e) in &p.marks {
-            if *d == stream.device() {
-                e.hold(stream)?;
-            }
-        }
-        Ok(())
     }
 
     /// Ask a save started with [`SaveOptions::snapshot_on_request`](crate::SaveOptions::snapshot_on_request)
@@ -139,7 +118,7 @@ impl SaveHandle {
 
     /// True once the save is committed or has failed (`wait` then returns at once).
     pub fn is_done(&self) -> bool {
-        lock(&self.state.progress).done
+        self.watch().is_done()
     }
 
     /// Block until the checkpoint is durable and committed, or failed.
@@ -191,5 +170,70 @@ impl SaveHandle {
             }
         }
         Ok(self.wait())
+    }
+}
+
+/// A view of a save in flight that looks at its progress and orders streams after its
+/// copies, shared with the [`SaveHandle`] it came from ([`SaveHandle::watch`]). It cannot
+/// wait for the result (the handle does), and it keeps the save's bookkeeping alive while
+/// it exists: drop it once done with it.
+#[derive(Clone)]
+pub struct SaveWatch {
+    state: Arc<SaveState>,
+}
+
+impl std::fmt::Debug for SaveWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveWatch")
+            .field("step", &self.state.step)
+            .finish()
+    }
+}
+
+impl SaveWatch {
+    /// True once every byte is staged (or staging failed); as [`SaveHandle::is_staged`].
+    pub fn is_staged(&self) -> bool {
+        lock(&self.state.progress).staging_done
+    }
+
+    /// True once the save is committed or has failed; as [`SaveHandle::is_done`].
+    pub fn is_done(&self) -> bool {
+        lock(&self.state.progress).done
+    }
+
+    /// Order `stream`'s later work after this save's copies, on the device, instead of
+    /// waiting for them on the host: blocks only until every host byte of the save is
+    /// copied and every device copy is queued (normally milliseconds after the call; longer
+    /// when the save waits for staging chunks), then makes `stream` wait for the copies of
+    /// its device (`cuStreamWaitEvent`). Work queued on `stream` afterwards may then
+    /// overwrite the tensors; work on other streams and host code must still
+    /// [`SaveHandle::wait_staged`]. Returns at once when the save is staged
+    /// already; raises the save's error when staging failed.
+    pub fn hold_stream(&self, stream: crate::cuda::StreamRef<'_>) -> Result<()> {
+        let mut p = lock(&self.state.progress);
+        loop {
+            match &p.staged {
+                Some(Ok(_)) => return Ok(()),
+                Some(Err(e)) => {
+                    return Err(Error::SaveFailed {
+                        step: self.state.step,
+                        source: Arc::clone(e),
+                    });
+                }
+                None if p.queued => break,
+                None => {}
+            }
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        for (d, e) in &p.marks {
+            if *d == stream.device() {
+                e.hold(stream)?;
+            }
+        }
+        Ok(())
     }
 }

@@ -45,7 +45,7 @@ use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
 pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced};
 
-pub use handle::SaveHandle;
+pub use handle::{SaveHandle, SaveWatch};
 pub use report::{LoadReport, LoadSource, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
