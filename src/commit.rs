@@ -13,9 +13,11 @@
 //! `manifest.json` and renames the directory (two ranks racing both succeed: the rename is
 //! atomic and the loser sees the committed directory).
 //!
-//! When each rank's engine writes in a root of its own (the DCP backend), one caller
-//! that has every rank's durable part assembles them instead ([`assemble_ranks`]) and
-//! publishes the directory under its user's name ([`publish_dir`]).
+//! When each rank's engine writes in a root of its own (the DCP backend), each rank's
+//! save writes its part only ([`write_part`], `SaveOptions::part_only`), and one caller
+//! that has every rank's durable part ([`find_parts`]) assembles them instead
+//! ([`assemble_ranks`]) and publishes the directory under its user's name
+//! ([`publish_dir`]).
 //!
 //! Node-local roots (a root per machine, peer replicas): the ranks move their parts through
 //! their process group and one rank of each machine commits its root with every part
@@ -26,7 +28,7 @@
 
 mod assemble;
 mod group;
-pub use assemble::{assemble_ranks, publish_dir, publish_into};
+pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part};
 
 use std::fs::File;
@@ -312,6 +314,58 @@ pub fn abort_partial(partial: &Path, file_name: &str) {
     let _ = fsops::remove_dir(partial);
 }
 
+/// Write this rank's manifest part (`rank-K.manifest.json`, durably: a temporary name,
+/// `fsync`, `rename`, the partial directory `fsync`ed) into `partial`, next to its
+/// durable file: the first half of [`commit`] with several ranks, and all of a part-only
+/// save (`SaveOptions::part_only`). Returns the committed directory when writing failed
+/// because another rank committed the step with exactly this entry meanwhile, else
+/// `None`.
+pub fn write_part(
+    root: &Path,
+    step: u64,
+    partial: &Path,
+    entry: &FileEntry,
+) -> Result<Option<PathBuf>> {
+    let final_dir = root.join(step_dir_name(step));
+    let part = partial.join(rank_manifest_name(entry.rank));
+    let bytes = serde_json::to_vec(entry).expect("manifest parts serialize");
+    // Written under a temporary name and renamed into place: another rank reading the
+    // parts must never see a half-written one.
+    let part_tmp = partial.join(format!(
+        "{}.tmp-{}",
+        rank_manifest_name(entry.rank),
+        std::process::id()
+    ));
+    let _ = fsops::remove_file(&part_tmp);
+    let written = write_durable(&part_tmp, &bytes).and_then(|()| {
+        fsops::rename(&part_tmp, &part).map_err(|e| Error::io("rename", &part_tmp, e))
+    });
+    if let Err(e) = written {
+        // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
+        let _ = fsops::remove_file(&part_tmp);
+        // This rank's part was there already (a recovery re-committing a save whose
+        // part an earlier run wrote) and another rank merged every part and renamed
+        // the directory meanwhile: committed with exactly this entry, once that
+        // rename is durable.
+        if Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == entry)) {
+            fsync_dir(root)?;
+            return Ok(Some(final_dir));
+        }
+        return Err(e);
+    }
+    if let Err(e) = fsync_dir(partial) {
+        // Another rank may have merged every part and renamed the directory already:
+        // committed, once that rename is durable (the other rank may not have synced
+        // the root yet).
+        if final_dir.join(MANIFEST).is_file() {
+            fsync_dir(root)?;
+            return Ok(Some(final_dir));
+        }
+        return Err(e);
+    }
+    Ok(None)
+}
+
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
 /// when this call (or another rank) completed the commit, `None` when other ranks are
 /// still missing.
@@ -327,42 +381,8 @@ pub fn commit(
     let own_rank = entry.rank;
     let mut files = vec![entry];
     if world_size > 1 {
-        let part = partial.join(rank_manifest_name(files[0].rank));
-        let bytes = serde_json::to_vec(&files[0]).expect("manifest parts serialize");
-        // Written under a temporary name and renamed into place: another rank reading the
-        // parts must never see a half-written one.
-        let part_tmp = partial.join(format!(
-            "{}.tmp-{}",
-            rank_manifest_name(own_rank),
-            std::process::id()
-        ));
-        let _ = fsops::remove_file(&part_tmp);
-        let written = write_durable(&part_tmp, &bytes).and_then(|()| {
-            fsops::rename(&part_tmp, &part).map_err(|e| Error::io("rename", &part_tmp, e))
-        });
-        if let Err(e) = written {
-            // A half-written part (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = fsops::remove_file(&part_tmp);
-            // This rank's part was there already (a recovery re-committing a save whose
-            // part an earlier run wrote) and another rank merged every part and renamed
-            // the directory meanwhile: committed with exactly this entry, once that
-            // rename is durable.
-            let mine = &files[0];
-            if Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == mine)) {
-                fsync_dir(root)?;
-                return Ok(Some(final_dir));
-            }
-            return Err(e);
-        }
-        if let Err(e) = fsync_dir(partial) {
-            // Another rank may have merged every part and renamed the directory already:
-            // committed, once that rename is durable (the other rank may not have synced
-            // the root yet).
-            if final_dir.join(MANIFEST).is_file() {
-                fsync_dir(root)?;
-                return Ok(Some(final_dir));
-            }
-            return Err(e);
+        if let Some(committed) = write_part(root, step, partial, &files[0])? {
+            return Ok(Some(committed));
         }
         files.clear();
         for r in 0..world_size {

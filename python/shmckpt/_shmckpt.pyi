@@ -18,6 +18,7 @@ __all__ = [
     "__version__",
     "assemble_ranks",
     "dtypes",
+    "find_parts",
     "group_adopt_manifest",
     "group_commit",
     "group_own_part",
@@ -125,6 +126,7 @@ class Engine:
         blocking: bool,
         hold: bool = False,
         snapshot: bool = False,
+        part_only: bool = False,
     ) -> SaveHandle: ...
     def load(
         self, step: Optional[int] = None
@@ -229,9 +231,16 @@ def assemble_ranks(
     metadata: Dict[str, str],
 ) -> Tuple[int, List[Tuple[str, int, List[Tuple[str, int, int, int]]]]]:
     """Commit the ranks of one DCP save (``shmckpt::commit::assemble_ranks``): move rank
-    K's durable file from ``sources[K]`` into the new directory ``out`` and write its
+    K's durable file from ``sources[K]`` (the partial directory of its part-only save)
+    into the new directory ``out`` and write its
     ``manifest.json`` (of ``step``, or N when ``target`` is named ``step-N``). Returns
     ``(step, [(file, data_start, [(tensor, begin, end, crc32c)])])`` in rank order."""
+    ...
+
+def find_parts(dir: str, step: int) -> List[str]:
+    """The partial directories of ``step`` that part-only saves (``Engine.save(...,
+    part_only=True)``) left in the engine roots directly under ``dir``, sorted; links are
+    not followed."""
     ...
 
 def publish_dir(dir: str, files: Sequence[Tuple[str, bytes]], target: str) -> None:

@@ -229,7 +229,8 @@ unsafe fn options(after: &[After]) -> SaveOptions<'static> {
     o
 }
 
-/// Save and return once staged.
+/// Save and return once staged; with `part_only`, write the rank's part without
+/// committing the step (`SaveOptions::part_only`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], for the duration of this call.
@@ -239,9 +240,13 @@ pub unsafe fn save(
     raw: &[RawTensor],
     meta: &Metadata,
     after: &[After],
+    part_only: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
+    if part_only {
+        o = o.part_only();
+    }
     engine.save_with(step, &t, meta, &o)
 }
 

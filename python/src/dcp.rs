@@ -121,7 +121,8 @@ fn read_rank_file(
 type AssembledFile = (String, u64, Vec<(String, u64, u64, u32)>);
 
 /// Commit the ranks of one DCP save (`shmckpt::commit::assemble_ranks`): move rank K's
-/// durable file from `sources[K]` (where its engine left it) into the new directory `out`
+/// durable file from `sources[K]` (the partial directory of its part-only save) into the
+/// new directory `out`
 /// and write `out/manifest.json` (of step `step`, or N when `target` is named `step-N`).
 /// Returns `(step, [(file, data_start, [(tensor, begin, end, crc32c)])])` in rank order.
 #[pyfunction]
@@ -150,6 +151,19 @@ fn assemble_ranks(
         })
         .collect();
     Ok((m.step, files))
+}
+
+/// The partial directories of `step` that part-only saves left in the engine roots
+/// directly under `dir` (`shmckpt::commit::find_parts`; links not followed), sorted.
+#[pyfunction]
+fn find_parts(py: Python<'_>, dir: PathBuf, step: u64) -> PyResult<Vec<String>> {
+    let found = py
+        .detach(|| shmckpt::commit::find_parts(&dir, step))
+        .map_err(|e| to_py(py, e))?;
+    Ok(found
+        .into_iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect())
 }
 
 /// `(name, bytes)` pairs as the commit protocol takes them.
@@ -225,6 +239,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_rank_file, m)?)?;
     m.add_function(wrap_pyfunction!(rank_file_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(assemble_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(find_parts, m)?)?;
     m.add_function(wrap_pyfunction!(publish_dir, m)?)?;
     m.add_function(wrap_pyfunction!(publish_into, m)?)?;
     m.add_function(wrap_pyfunction!(release_device_ring, m)?)

@@ -296,7 +296,10 @@ impl PyEngine {
     /// modify the tensors. `snapshot=True` (with `blocking=False`, not `hold`): the save
     /// takes a device snapshot of what it has not copied yet when its handle's
     /// `request_snapshot()` is called (`SaveOptions::snapshot_on_request`).
-    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false))]
+    /// `part_only=True` (with `blocking=True`): write this rank's file and manifest part
+    /// in `step-N.partial/` without committing the step (`SaveOptions::part_only`; the
+    /// DCP writer commits every rank's part with `assemble_ranks`).
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -308,7 +311,14 @@ impl PyEngine {
         blocking: bool,
         hold: bool,
         snapshot: bool,
+        part_only: bool,
     ) -> PyResult<PySaveHandle> {
+        if part_only && !blocking {
+            return Err(to_py(
+                py,
+                shmckpt::Error::Config("part_only=True needs blocking=True".into()),
+            ));
+        }
         let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
         let after = afters(after)?;
@@ -320,7 +330,7 @@ impl PyEngine {
                     // every tensor and stream for the whole call, so each address range
                     // stays allocated; it passes only contiguous ranges of the tensors'
                     // storage.
-                    unsafe { core::save(&engine, step, &raw, &metadata, &after) }
+                    unsafe { core::save(&engine, step, &raw, &metadata, &after, part_only) }
                 } else {
                     // SAFETY: the Python caller keeps the tensors (and streams/events) in
                     // the returned handle until it reports staged, and orders every writer

@@ -560,3 +560,34 @@ def test_reader_reports_the_path_each_item_took_on_cpu(tmp_path):
     dcp.load(dst, storage_reader=r2)
     assert torch.equal(dst["a"], torch.ones(3)) and dst["e"].shape == (0, 3)
     assert r2.last_read == {"files": 1, "device_items": 0, "direct_host_items": 1, "host_items": 0}
+
+
+def test_a_part_only_save_commits_nothing_and_its_part_is_found(tmp_path):
+    """The DCP writer's engines save part-only (``Engine.save(..., part_only=True)``):
+    the rank's file and manifest part are durable in ``step-N.partial/`` and nothing is
+    committed, even with one rank; ``find_parts`` finds the part (and nothing for another
+    step), and the part's file holds exactly the saved bytes. Only a blocking save can be
+    part-only."""
+    from safetensors.torch import load_file
+
+    from shmckpt import _shmckpt
+
+    root = tmp_path / "rank-00000" / "77-0"
+    root.mkdir(parents=True)
+    t = torch.arange(1000, dtype=torch.int32)
+    e = _shmckpt.Engine(str(root), staging_capacity=1 << 20, chunk_size=1 << 20)
+    try:
+        with pytest.raises(errors.ConfigError, match="blocking"):
+            e.save(5, [("t", "I32", [1000], t.data_ptr(), t.numel() * 4, -1)], {}, [], False, part_only=True)
+        h = e.save(5, [("t", "I32", [1000], t.data_ptr(), t.numel() * 4, -1)], {}, [], True, part_only=True)
+        rep = h.wait()
+    finally:
+        e.close()
+    part = root / "step-5.partial"
+    assert rep["dir"] is None
+    assert rep["file"] == str(part / "rank-00000-of-00001.safetensors")
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-5.partial"]
+    assert sorted(p.name for p in part.iterdir()) == ["rank-00000-of-00001.safetensors", "rank-00000.manifest.json"]
+    assert _shmckpt.find_parts(str(tmp_path / "rank-00000"), 5) == [str(part)]
+    assert _shmckpt.find_parts(str(tmp_path / "rank-00000"), 6) == []
+    assert torch.equal(load_file(rep["file"])["t"], t)

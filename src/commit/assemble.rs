@@ -15,25 +15,18 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, rank_file_name,
-    rank_manifest_name,
+    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
+    rank_file_name, rank_manifest_name,
 };
 
-/// The manifest entry of rank `rank` in `source`: its manifest part
-/// (`rank-K.manifest.json`) with several ranks, the committed manifest's only file with
-/// one. Read without following a link, size-capped; it must name the rank and its file.
+/// The manifest entry of rank `rank` in `source`, a part-only save's partial directory
+/// ([`crate::SaveOptions::part_only`]): its manifest part (`rank-K.manifest.json`), read
+/// without following a link, size-capped; it must name the rank and its file.
 fn rank_part(source: &Path, rank: u32, world_size: u32) -> Result<FileEntry> {
-    let entry = if world_size > 1 {
-        let p = source.join(rank_manifest_name(rank));
-        let bytes = manifest::read_manifest_bytes(&p)?;
-        serde_json::from_slice::<FileEntry>(&bytes)
-            .map_err(|e| Error::corrupt(&p, None, format!("manifest part is not valid: {e}")))?
-    } else {
-        let m = Manifest::read_any_name(source)?;
-        m.files.into_iter().next().ok_or_else(|| {
-            Error::corrupt(source.join(MANIFEST), None, "the manifest lists no file")
-        })?
-    };
+    let p = source.join(rank_manifest_name(rank));
+    let bytes = manifest::read_manifest_bytes(&p)?;
+    let entry = serde_json::from_slice::<FileEntry>(&bytes)
+        .map_err(|e| Error::corrupt(&p, None, format!("manifest part is not valid: {e}")))?;
     let expected = rank_file_name(rank, world_size);
     if entry.rank != rank || entry.file != expected {
         return Err(Error::corrupt(
@@ -48,9 +41,32 @@ fn rank_part(source: &Path, rank: u32, world_size: u32) -> Result<FileEntry> {
     Ok(entry)
 }
 
+/// The partial directories of `step` left by part-only saves in the engine roots directly
+/// under `dir` (one engine root per process of a rank), sorted. Links are neither followed
+/// nor listed; a missing `dir` has none.
+pub fn find_parts(dir: &Path, step: u64) -> Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("list", dir, e)),
+    };
+    let name = partial_dir_name(step);
+    let mut found = Vec::new();
+    for e in entries {
+        let e = e.map_err(|err| Error::io("list", dir, err))?;
+        let candidate = e.path().join(&name);
+        let is_dir = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_dir());
+        if is_dir(&e.path()) && is_dir(&candidate) {
+            found.push(candidate);
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
 /// Gather every rank's durable file into the new directory `out` and write its
-/// `manifest.json`: `sources[K]` is where rank K's engine left its part (its
-/// `step-N.partial` with several ranks, its committed `step-N` with one). The manifest is
+/// `manifest.json`: `sources[K]` is where rank K's engine left its part (the partial
+/// directory of a part-only save, [`find_parts`] finds it). The manifest is
 /// of step `step`, or of step N when `name_from` (the directory it will be published as)
 /// is named `step-N`, so that it passes [`Manifest::read`] there. A leftover `out` of an
 /// attempt that failed is removed first. Returns the manifest.

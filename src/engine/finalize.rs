@@ -166,6 +166,11 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
             .collect(),
     };
     let dir = match target {
+        // The part, durable next to its file; the caller commits the step.
+        Some(_) if st.part_only => {
+            commit::write_part(&cfg.root, st.step, &st.partial, &entry)?;
+            None
+        }
         Some(_) => commit::commit(
             &cfg.root,
             st.step,

@@ -54,6 +54,7 @@ pub struct SaveOptions<'a> {
     after: Vec<(i32, After)>,
     hold: bool,
     snapshot: bool,
+    part_only: bool,
     _handles: PhantomData<&'a ()>,
 }
 
@@ -115,6 +116,19 @@ impl<'a> SaveOptions<'a> {
         self
     }
 
+    /// Write this rank's part and stop: its file and its manifest part
+    /// (`rank-K.manifest.json`) are made durable in `step-N.partial/`, and the step is not
+    /// committed, not even with one rank (nothing merges the parts, nothing is renamed,
+    /// retention does not run). The report's `dir` is `None` and its `file` lies in the
+    /// partial directory. For callers that gather every rank's part themselves and
+    /// commit them with [`crate::commit::assemble_ranks`] (the DCP writer: one engine
+    /// root per rank process). Refused with a remote tier, whose upload commits the step
+    /// in the bucket.
+    pub fn part_only(mut self) -> Self {
+        self.part_only = true;
+        self
+    }
+
     /// Copy the tensors of `event`'s device after `event` (recorded by the caller after
     /// producing them) instead of synchronizing the whole device.
     pub fn after_event(mut self, event: EventRef<'a>) -> Self {
@@ -155,7 +169,7 @@ impl Engine {
         opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
-        let state = self.begin(step, tensors, metadata)?;
+        let state = self.begin(step, tensors, metadata, opts.part_only)?;
         let jobs = self.jobs()?;
         match stage_and_finish(&state, &sources, &opts.after, &jobs, false, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
@@ -184,7 +198,7 @@ impl Engine {
         // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
-        let state = self.begin(step, tensors, metadata)?;
+        let state = self.begin(step, tensors, metadata, opts.part_only)?;
         if !opts.hold {
             let after = opts.after.clone();
             return self.spawn_staging(state, sources, after, Box::new(()), None, opts.snapshot);
@@ -221,7 +235,7 @@ impl Engine {
         // is dropped there only after staging has ended; nobody else can reach it, so it is
         // neither modified nor freed while it is read.
         let sources = unsafe { Sources::new(&views).into_static() };
-        let state = self.begin(step, &views, metadata)?;
+        let state = self.begin(step, &views, metadata, false)?;
         drop(views);
         self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None, false)
     }
@@ -274,15 +288,24 @@ impl Engine {
     }
 
     /// Validate, lay out, create the files and the descriptor slot, queue the save for
-    /// commit, and take the staging gate (released when staging ends).
+    /// commit, and take the staging gate (released when staging ends). `part_only`: see
+    /// [`SaveOptions::part_only`].
     pub(super) fn begin(
         &self,
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
+        part_only: bool,
     ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
         let cfg = &self.shared.cfg;
+        #[cfg(feature = "s3")]
+        if part_only && cfg.remote.is_some() {
+            return Err(Error::Config(
+                "a part-only save cannot be uploaded: the remote tier commits steps in the bucket"
+                    .into(),
+            ));
+        }
         let arena = &self.shared.arena;
         let cs = arena.chunk_size();
 
@@ -386,6 +409,7 @@ impl Engine {
             },
             partial,
             file_name,
+            part_only,
             slot,
             keep_seq,
             started,

@@ -60,6 +60,8 @@ pub(crate) struct SaveState {
     pub(super) file: FileSlot,
     pub(super) partial: PathBuf,
     pub(super) file_name: String,
+    /// Write the part and stop (`SaveOptions::part_only`).
+    pub(super) part_only: bool,
     pub(super) slot: u32,
     /// Sequence number from `Arena::begin_save` (flash restore).
     pub(super) keep_seq: u64,

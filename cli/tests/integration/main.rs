@@ -13,6 +13,7 @@ mod ipc;
 mod live_arena;
 mod no_gpu;
 mod odd_names;
+mod parts;
 mod recovery;
 mod recovery_arenas;
 mod remote;

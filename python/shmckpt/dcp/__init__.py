@@ -28,8 +28,8 @@ the staging and the storage:
                                           (file, offset, length, tensor name, CRC-32C)
 
 * Commit: each rank's engine writes its file and manifest part into its own root in the
-  spool ``dirname(P)/.shmckpt-dcp`` (``step-N.partial``; ``N`` is a private number the
-  ranks agree on). DCP's coordinator (``finish``) then commits through the engine's
+  spool ``dirname(P)/.shmckpt-dcp`` and commits nothing (a part-only save, in
+  ``step-N.partial``; ``N`` is a private number the ranks agree on). DCP's coordinator (``finish``) then commits through the engine's
   commit protocol in Rust: ``assemble_ranks`` moves every rank's durable file into
   ``spool/step-N`` and writes ``manifest.json``; ``publish_dir`` writes ``.metadata``
   (temporary name, ``fsync``, ``rename``, directory ``fsync``) and publishes the whole

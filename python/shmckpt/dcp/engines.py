@@ -276,13 +276,6 @@ def _rank_world(group: Any) -> Tuple[int, int]:
 
 
 def _sources(save: _Save, rank: int) -> List[str]:
-    """Where ``rank``'s engine left its file of ``save``: ``step-N.partial`` (several
-    ranks: the engine waits for the other parts, which never come to its own root) or the
-    committed ``step-N`` (one rank)."""
-    rd = _rank_dir(save.spool, rank)
-    name = f"step-{save.step}.partial" if save.world > 1 else f"step-{save.step}"
-    try:
-        roots = sorted(os.listdir(rd))
-    except FileNotFoundError:
-        return []
-    return [os.path.join(rd, r, name) for r in roots if os.path.isdir(os.path.join(rd, r, name))]
+    """Where ``rank``'s engines left their part of ``save``: the partial directories of
+    its part-only save in the rank's engine roots (``shmckpt::commit::find_parts``)."""
+    return list(_shmckpt.find_parts(_rank_dir(save.spool, rank), save.step))

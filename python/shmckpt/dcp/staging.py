@@ -154,12 +154,15 @@ class StagingMixin:
                 tuples[i] = _host_tuple(tuples[i][0], tuples[i][1], h)
                 keep[i] = [keep[i], h]
         after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
+        # A local spool: the rank's part only, committed by the coordinator with every
+        # other rank's (assemble_ranks). A bucket: the engine's remote tier commits it.
+        part_only = not _dcp_remote.is_remote(save.spool)
         try:
-            h = slot.engine.save(save.step, tuples, meta, after, True)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
             slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
-            h = slot.engine.save(save.step, tuples, meta, after, True)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
