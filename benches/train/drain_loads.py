@@ -275,8 +275,8 @@ class MembwLoad(ThreadLoad):
 
 
 class GilLoad(ThreadLoad):
-    """One thread: every 50 ms, 1 ms of pure-Python work (holding the GIL); records how
-    late each wake-up was."""
+    """One thread: every 50 ms, 1 ms of pure-Python work (holding the GIL), for the drain's
+    duration (at least two periods); records how late each wake-up was."""
 
     name = "gil"
 
@@ -284,7 +284,7 @@ class GilLoad(ThreadLoad):
         self.duration, self.period, self.work_s = duration, period, work_s
 
     def work(self, i):
-        until = self.t0 + self.duration()
+        until = self.t0 + max(self.duration(), 2 * self.period)
         late, nxt, x = [], self.t0, 0
         while True:
             nxt += self.period
