@@ -168,7 +168,7 @@ def smi_capture(tr, name, load, n_iters, out_dir, events):
     with open(path, "w") as f:
         p = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits", "-lms", "100"], stdout=f, stderr=subprocess.STDOUT)
         time.sleep(0.5)
-        wall0, t0 = time.time(), now()
+        wall0 = time.time()
         seg = run_segment(tr, f"smi:{name}", load, n_iters, -1, events)
         p.terminate()
         p.wait()
@@ -183,11 +183,14 @@ def smi_capture(tr, name, load, n_iters, out_dir, events):
             continue
         try:
             ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            nums = [float(x) for x in parts[1:]]
         except ValueError:
             continue
         rel_ms = (ts - seg.get("t_first_wall", wall0)) * 1e3
-        for k, v in zip(fields, nums):
+        for k, x in zip(fields, parts[1:]):
+            try:
+                v = float(x)
+            except ValueError:  # "[N/A]", "[Not Supported]"
+                continue
             vals[k].append(v)
             if end_ms is not None and 0 <= rel_ms < end_ms:
                 during[k].append(v)
@@ -196,7 +199,7 @@ def smi_capture(tr, name, load, n_iters, out_dir, events):
         return {"median": med(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
 
     walls = [r[1] for r in seg.get("steps", [])]
-    cap = {"csv": os.path.basename(path), "samples": len(vals[fields[0]]), "step_median_ms": med(walls), "fields": {k: stat(v) for k, v in vals.items()}, "during_load": {k: stat(v) for k, v in during.items()}, "started_at_perf": t0}
+    cap = {"csv": os.path.basename(path), "samples": len(vals[fields[0]]), "step_median_ms": med(walls), "fields": {k: stat(v) for k, v in vals.items()}, "during_load": {k: stat(v) for k, v in during.items()}}
     return seg, cap
 
 

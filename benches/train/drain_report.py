@@ -234,11 +234,17 @@ def markdown(results):
         L += ["", f"nvidia-smi ({smi.get('query')}, every 100 ms) in one extra segment each, outside the statistics:", ""]
         L += ["| capture | step median ms | samples | clocks.sm MHz | clocks.mem MHz | power W | temp C |", "|---|---|---|---|---|---|---|"]
         for name, cap in smi["captures"].items():
-            cells = []
-            for fld in ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu"):
-                v = (cap.get("fields") or {}).get(fld)
-                cells.append("-" if not v else f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})")
-            L.append(f"| {name} | {_f(cap.get('step_median_ms'))} | {cap.get('samples', 0)} | " + " | ".join(cells) + " |")
+            for label, key in ((name, "fields"), (f"{name}, during its load", "during_load")):
+                vals = cap.get(key) or {}
+                if not any(vals.values()):
+                    continue
+                cells = []
+                for fld in ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu"):
+                    v = vals.get(fld)
+                    cells.append("-" if not v else f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})")
+                n = max((v["n"] for v in vals.values() if v), default=0)
+                step = _f(cap.get("step_median_ms")) if key == "fields" else ""
+                L.append(f"| {label} | {step} | {n} | " + " | ".join(cells) + " |")
     elif smi.get("why"):
         L += ["", f"nvidia-smi: not captured ({smi['why']})."]
     if results.get("skipped"):
