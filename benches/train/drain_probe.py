@@ -98,6 +98,7 @@ def parse_args(argv=None):
     a("--raw-inflight", type=int, default=16)
     a("--raw-chunk-mib", type=int, default=8)
     a("--no-smi", action="store_true", help="skip the nvidia-smi capture")
+    a("--guard", action="store_true", help="install the shm Checkpointer's guard on the optimizer (every segment runs its hook, as in train.py)")
     a("--dir", default="/var/tmp/drainprobe", help="parent of the run's own checkpoint directory (made and removed by the run)")
     a("--out", default=None, help="results directory (default $OUT/drain, else ./drain-out)")
     a("--shmckpt-path", default=None, help="directory prepended to sys.path before `import shmckpt`")
@@ -203,30 +204,34 @@ def smi_capture(tr, name, load, n_iters, out_dir, events):
     return seg, cap
 
 
-def open_checkpointers(args, want, state_bytes, run_dir, cuda, results):
+def open_checkpointers(args, want, state_bytes, run_dir, cuda, results, cks):
     """One Checkpointer per shm variant (own root, keep_last=1, staging = state + margin),
-    registered with CUDA; returns {name: ck}."""
+    registered with CUDA, put in `cks` as soon as made (a variant that cannot be opened is
+    recorded in results["failed"] and left out)."""
     import shmckpt
 
     chunk = 1 * MiB if args.tiny else 8 * MiB
     cap = (state_bytes + chunk - 1) // chunk * chunk + (8 * chunk if args.tiny else 256 * MiB)
-    cks = {}
     for name in [v for v in SHM_VARIANTS if v in want]:
         st = os.statvfs("/dev/shm")
         if st.f_bavail * st.f_frsize < cap + (0 if args.tiny else GiB):
             results["failed"][name] = f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, needs {cap / GiB:.1f}"
             continue
         t = now()
-        ck = shmckpt.Checkpointer(os.path.join(run_dir, name), keep_last=1, staging_capacity=cap, chunk_size=chunk, **SHM_VARIANTS[name])
+        try:
+            ck = shmckpt.Checkpointer(os.path.join(run_dir, name), keep_last=1, staging_capacity=cap, chunk_size=chunk, **SHM_VARIANTS[name])
+        except Exception as e:
+            results["failed"][name] = f"Checkpointer: {type(e).__name__}: {e}"
+            log(f"  {name}: {results['failed'][name]}")
+            continue
+        cks[name] = ck  # closed at the end whatever happens next
         opened = now() - t
         if cuda:
             ck.prepare_cuda()
         ck.wait_staging_ready()
         ready = now() - t
-        cks[name] = ck
         results["meta"]["shmckpt_open"][name] = {"constructor_s": opened, "ready_s": ready, "staging_capacity": cap, "settings": SHM_VARIANTS[name]}
         log(f"  {name}: Checkpointer {SHM_VARIANTS[name] or 'defaults'} open in {opened:.2f}s, staging ready after {ready:.2f}s")
-    return cks
 
 
 # ----------------------------------------------------------------------------
@@ -286,12 +291,15 @@ class Run:
             import shmckpt
 
             m["versions"]["shmckpt"] = getattr(shmckpt, "__version__", "?") + f" ({shmckpt.__file__})"
-            self.cks = open_checkpointers(args, conds, nbytes, self.run_dir, self.cuda, self.results)
         except Exception as e:
             for v in SHM_VARIANTS:
                 if v in conds:
-                    self.results["failed"][v] = f"{type(e).__name__}: {e}"
+                    self.results["failed"][v] = f"import shmckpt: {type(e).__name__}: {e}"
             log(f"shmckpt unavailable: {e!r}")
+        else:
+            open_checkpointers(args, conds, nbytes, self.run_dir, self.cuda, self.results, self.cks)
+            if args.guard and "shm" in self.cks:
+                self.cks["shm"].guard(self.tr.opt)  # its hook runs in every segment alike
         steps = iter(range(1, 1 << 30))
         for name, ck in self.cks.items():  # warm-up: one untimed save each (first-file costs)
             self.tr.sync()
