@@ -134,6 +134,10 @@ def summarize(results):
                 "nivcsw_per_step": (sum(_col(rows, "nivcsw")) / nst) if nst else None,
                 "nvcsw_per_step": (sum(_col(rows, "nvcsw")) / nst) if nst else None,
             }
+        # drift-free: the steps during the load over those after it, in the same segment
+        dva = [_ratio(med(_col(part_rows(s, "during", skip), "wall_ms")), med(_col(part_rows(s, "after", skip), "wall_ms"))) for s in mine]
+        dva = [x for x in dva if x is not None]
+        rec["during_over_after"] = {"median": med(dva), "ci95": boot_median_ci(dva), "segments": len(dva)}
         loads = [s.get("load") or {} for s in mine]
         ends = [x["end_ms"] for x in loads if x.get("end_ms") is not None]
         rec["load"] = {
@@ -145,7 +149,14 @@ def summarize(results):
         }
         rec["system"] = _system_rates(mine)
         out["conditions"][c] = rec
-    out["slower"] = [c for c in conds if c != "baseline" and ((out["conditions"][c]["all"]["ratio"]["ci95"] or [0])[0] > 1.0 or (out["conditions"][c]["during"]["ratio"]["ci95"] or [0])[0] > 1.0)]
+    def above_one(ci):
+        return bool(ci) and ci[0] > 1.0
+
+    out["slower"] = [
+        c
+        for c in conds
+        if c != "baseline" and (above_one(out["conditions"][c]["all"]["ratio"]["ci95"]) or above_one(out["conditions"][c]["during"]["ratio"]["ci95"]) or above_one(out["conditions"][c]["during_over_after"]["ci95"]))
+    ]
     results["summary"] = out
     return out
 
@@ -193,12 +204,12 @@ def markdown(results):
         f"batch {m.get('model', {}).get('batch')}, {m.get('seg_iters')} steps per segment ({m.get('skip_first')} left out), "
         f"{m.get('rounds_done')} rounds alternated; checkpoint dir {m.get('ckpt_fs', {}).get('mount')} ({m.get('ckpt_fs', {}).get('fstype')}).",
         "Ratios: per segment, its median over the mean of the baseline medians of the adjacent rounds (same part); "
-        "median over segments with a bootstrap 95 % CI over segments. Step CI: order statistics over pooled steps "
+        "median over segments with a bootstrap 95 % CI over segments; during / after: the two parts of the same segment (no baseline, no drift). Step CI: order statistics over pooled steps "
         "(assumes independent steps: narrower than the truth). Baseline ratio = its drift against its neighbours. "
         f"Baseline during/after split at {_f((s.get('control_split_ms') or 0) / 1e3)} s (median shm drain end).",
         "",
-        "| condition | segs | steps | median ms [95 % CI] | p90 ms | x baseline [95 % CI] | during: steps, median ms, x baseline [CI] | after: steps, median ms, x baseline [CI] | GPU ms x base (all / during) | launch ms x base (all / during) | load end s | stall s | load GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| condition | segs | steps | median ms [95 % CI] | p90 ms | x baseline [95 % CI] | during: steps, median ms, x baseline [CI] | after: steps, median ms, x baseline [CI] | during / after, same segment [CI] | GPU ms x base (all / during) | launch ms x base (all / during) | load end s | stall s | load GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, r in s["conditions"].items():
         a, d, af, ld = r["all"], r["during"], r["after"], r["load"]
@@ -209,10 +220,11 @@ def markdown(results):
         L.append(
             f"| {c} | {r['segments']} | {a['steps']} | {_f(a['median_ms'])}{_ci(a['ci95_ms'])} | {_f(a['p90_ms'])} | "
             f"{_f(a['ratio']['median'], '{:.3f}')}{_ci(a['ratio']['ci95'], '{:.3f}')} | {part(d)} | {part(af)} | "
+            f"{_f(r['during_over_after']['median'], '{:.3f}')}{_ci(r['during_over_after']['ci95'], '{:.3f}')} | "
             f"{_f(a['gpu_ratio'], '{:.3f}')} / {_f(d['gpu_ratio'], '{:.3f}')} | {_f(a['launch_ratio'], '{:.3f}')} / {_f(d['launch_ratio'], '{:.3f}')} | "
             f"{_f(ld['end_s_median'])} | {_f(ld['stall_s_median'], '{:.3f}')} | {_f(ld['gbps_median'])} |"
         )
-    L += ["", "Slower than the baseline (95 % CI of the ratio above 1, all steps or during the load): " + (", ".join(s["slower"]) or "none"), ""]
+    L += ["", "Slower (95 % CI above 1 of the ratio to the baseline, all steps or during the load, or of during / after): " + (", ".join(s["slower"]) or "none"), ""]
     L += [
         "System pressure per second of segment (medians over segments): PSI stall ms/s, share of all CPUs' time, "
         "and this process's busiest threads (CPU s/s).",

@@ -57,6 +57,8 @@ def test_report_splits_at_the_load_end_and_compares_with_the_adjacent_baselines(
     assert shm["during"]["median_ms"] == 11.0 and shm["all"]["p90_ms"] == 12.0 * 1.1
     assert shm["during"]["gpu_ms_median"] == 10.0 and shm["during"]["launch_ratio"] == 1.0
     assert shm["all"]["nvcsw_per_step"] == 1.0
+    assert shm["during_over_after"]["median"] == pytest.approx(1.1) and shm["during_over_after"]["segments"] == 3
+    assert base["during_over_after"]["median"] == 1.0
     # order statistics: 24 samples, ranks 7 and 18 (1-based) of the sorted walls
     walls = sorted(r[1] for x in segs if x["cond"] == "shm" for r in x["steps"][1:])
     assert shm["all"]["ci95_ms"] == [walls[6], walls[17]] == [10.0, 12.0]
