@@ -61,8 +61,8 @@ def test_the_guard_orders_the_optimizer_step_after_the_copies(root):
 
 @pytest.mark.gpu
 def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(root):
-    """The guard's hold waits (GIL released) until every copy is queued, which with a
-    staging area smaller than the state lasts as long as the writers need to free chunks.
+    """The guard's hold waits (GIL released) until every copy is queued, which lasts as
+    long as the writers of the save before need to free its staging chunks.
     A thread asking ``staged()``/``done()`` meanwhile (with the GIL held) must get its
     answer at once: before the fix the hold kept the handle's lock through its wait, so
     that thread blocked with the GIL held until the hold returned."""
@@ -70,22 +70,24 @@ def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(ro
     import time
 
     g = torch.Generator(device="cuda").manual_seed(24)
-    # 4 GiB through 64 MiB of staging: the copies are queued only as the disk drains.
+    # 4 GiB saved twice through room for one: the second save's copies are queued only as
+    # the first one's writers free its chunks (over a second on any disk).
     params = [torch.nn.Parameter(torch.randn(64 << 20, device="cuda", generator=g)) for _ in range(16)]
     opt = torch.optim.SGD(params, lr=0.1)
     for p in params:
         p.grad = torch.ones_like(p)
     ref = [p.detach().cpu() for p in params]
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, staging_capacity=(4 << 30) + (64 << 20)) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
         torch.cuda.synchronize()
-        h = ck.save(1, {"p": params}, blocking=False)
+        first = ck.save(1, {"p": params})  # staged; its writers drain it
+        h = ck.save(2, {"p": params}, blocking=False)
         entered, held = threading.Event(), threading.Event()
 
         def step() -> None:
             entered.set()
-            opt.step()  # the guard's hold: blocks until every copy of save 1 is queued
+            opt.step()  # the guard's hold: blocks until every copy of save 2 is queued
             held.set()
 
         t = threading.Thread(target=step)
@@ -96,10 +98,11 @@ def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(ro
         while not held.is_set() and len(looks) < 5:
             looks.append((h.staged(), h.done(), held.is_set()))
         t.join()
+        first.wait()
         h.wait()
         # Answers came while the hold still waited (before the fix the first look
         # returned only after it).
         assert looks and looks[0] == (False, False, False)
-        back = ck.load(1)
+        back = ck.load(2)
         for i in range(16):
             assert torch.equal(back["p"][i], ref[i])
