@@ -96,15 +96,20 @@ class NoLoad:
 
 
 class ShmLoad(NoLoad):
-    """A blocking save (its stall is recorded), then its writers drain while training runs;
-    h.done() is polled after every step as a training loop polls."""
+    """A save (blocking by default; its stall, the call's time, is recorded), then its
+    writers drain while training runs; h.done() is polled after every step as a training
+    loop polls. `blocking=False` (with the Checkpointer's guard on the optimizer) overlaps
+    the copy with the first steps; `snapshot` is passed to save()."""
 
-    def __init__(self, ck, state, steps):
+    def __init__(self, ck, state, steps, blocking=True, snapshot=None):
         self.ck, self.state, self.steps = ck, state, steps
+        self.kw = {} if blocking else {"blocking": False}
+        if snapshot is not None:
+            self.kw["snapshot"] = snapshot
 
     def start(self):
         self.t0 = now()
-        self.h = self.ck.save(next(self.steps), self.state)
+        self.h = self.ck.save(next(self.steps), self.state, **self.kw)
         self.stall = now() - self.t0
         self.polled = None
 

@@ -16,6 +16,9 @@ own segment only:
 * ``shm``: a blocking ``Checkpointer.save`` right before the segment's first step, then
   training while its writers drain it (defaults: 2 writers, O_DIRECT);
 * ``shm-w1``: the same with ``writer_threads=1``; ``shm-buffered``: ``direct_io=False``;
+* ``shm-nb``: a non-blocking save under its Checkpointer's guard (the copy overlaps the
+  first steps: the stream-ordered hold at ``opt.step``); ``shm-snap``: the same with
+  ``snapshot="device"``;
 * ``rawdisk``: another process writes the state's bytes to a file in the same directory
   with O_DIRECT from a page-aligned buffer (``train_measure.raw_write``: 16 x 8 MiB in
   flight, fsync, then the file is deleted), no shmckpt;
@@ -70,8 +73,11 @@ from peers import elapsed, fs_type_of, log, now, set_log_file  # noqa: E402
 from train_measure import shm_used  # noqa: E402
 from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes  # noqa: E402
 
-CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
-SHM_VARIANTS = {"shm": {}, "shm-w1": {"writer_threads": 1}, "shm-buffered": {"direct_io": False}}
+CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
+SHM_VARIANTS = {"shm": {}, "shm-w1": {"writer_threads": 1}, "shm-buffered": {"direct_io": False}, "shm-nb": {}, "shm-snap": {}}
+#: How each variant saves (default: blocking); the non-blocking ones are guarded (their
+#: own Checkpointer's guard on the optimizer: the copy overlaps the segment's first steps).
+SAVE_MODES = {"shm-nb": {"blocking": False}, "shm-snap": {"blocking": False, "snapshot": "device"}}
 #: The default model: d 1536, 14 layers, 0.449 B parameters, 5.01 GiB of fp32 weights +
 #: AdamW moments (the issue's 5.07 GiB runs); its batch is calibrated to --step-ms.
 STATES = dict(SIZES, **{"5g": dict(d=1536, layers=14, heads=12, vocab=32768, seq=1024, batch=6)})
@@ -300,6 +306,9 @@ class Run:
             open_checkpointers(args, conds, nbytes, self.run_dir, self.cuda, self.results, self.cks)
             if args.guard and "shm" in self.cks:
                 self.cks["shm"].guard(self.tr.opt)  # its hook runs in every segment alike
+            for name in SAVE_MODES:
+                if name in self.cks:
+                    self.cks[name].guard(self.tr.opt)
         steps = iter(range(1, 1 << 30))
         for name, ck in self.cks.items():  # warm-up: one untimed save each (first-file costs)
             self.tr.sync()
@@ -313,7 +322,7 @@ class Run:
             self.drains.append(next(iter(m.get("warmup_committed_s", {}).values()), nbytes / 2e9))
         self.loads = {"baseline": NoLoad()}
         for name, ck in self.cks.items():
-            self.loads[name] = ShmLoad(ck, self.state, steps)
+            self.loads[name] = ShmLoad(ck, self.state, steps, **SAVE_MODES.get(name, {}))
         chunk = args.raw_chunk_mib * MiB
         if "rawdisk" in conds:
             try:

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 TRAIN = REPO / "benches" / "train"
-CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
+CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
 PART_KEYS = {"steps", "median_ms", "ci95_ms", "p90_ms", "ratio", "gpu_ms_median", "gpu_ratio", "launch_ms_median", "launch_ratio", "cpu_ms_median", "nivcsw_per_step", "nvcsw_per_step"}
 
 
