@@ -59,61 +59,74 @@ impl MultipartUpload for FailUpload {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for FailParts {
-    async fn put_opts(
-        &self,
-        location: &ObjPath,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> object_store::Result<PutResult> {
-        self.inner.put_opts(location, payload, opts).await
-    }
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjPath,
-        opts: PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        Ok(Box::new(FailUpload {
-            inner: self.inner.put_multipart_opts(location, opts).await?,
-            fail_from: Arc::clone(&self.fail_from),
-            parts: Arc::clone(&self.parts),
-        }))
-    }
-    async fn get_opts(
-        &self,
-        location: &ObjPath,
-        options: GetOptions,
-    ) -> object_store::Result<GetResult> {
-        self.inner.get_opts(location, options).await
-    }
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<ObjPath>>,
-    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
-        self.inner.delete_stream(locations)
-    }
-    fn list(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-    async fn copy_opts(
-        &self,
-        from: &ObjPath,
-        to: &ObjPath,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
+/// `impl ObjectStore for $ty` over its field `inner` (an `Arc<InMemory>`), every request
+/// passed through except `put_multipart_opts`, whose body (with `$this`, `$location` and
+/// `$opts` bound) is given: the test wrappers differ only there.
+macro_rules! multipart_wrapper {
+    ($ty:ty, |$this:ident, $location:ident, $opts:ident| $multipart:block) => {
+        #[async_trait::async_trait]
+        impl ObjectStore for $ty {
+            async fn put_opts(
+                &self,
+                location: &ObjPath,
+                payload: PutPayload,
+                opts: PutOptions,
+            ) -> object_store::Result<PutResult> {
+                self.inner.put_opts(location, payload, opts).await
+            }
+            async fn put_multipart_opts(
+                &self,
+                location: &ObjPath,
+                opts: PutMultipartOptions,
+            ) -> object_store::Result<Box<dyn MultipartUpload>> {
+                let ($this, $location, $opts) = (self, location, opts);
+                $multipart
+            }
+            async fn get_opts(
+                &self,
+                location: &ObjPath,
+                options: GetOptions,
+            ) -> object_store::Result<GetResult> {
+                self.inner.get_opts(location, options).await
+            }
+            fn delete_stream(
+                &self,
+                locations: BoxStream<'static, object_store::Result<ObjPath>>,
+            ) -> BoxStream<'static, object_store::Result<ObjPath>> {
+                self.inner.delete_stream(locations)
+            }
+            fn list(
+                &self,
+                prefix: Option<&ObjPath>,
+            ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+                self.inner.list(prefix)
+            }
+            async fn list_with_delimiter(
+                &self,
+                prefix: Option<&ObjPath>,
+            ) -> object_store::Result<ListResult> {
+                self.inner.list_with_delimiter(prefix).await
+            }
+            async fn copy_opts(
+                &self,
+                from: &ObjPath,
+                to: &ObjPath,
+                options: CopyOptions,
+            ) -> object_store::Result<()> {
+                self.inner.copy_opts(from, to, options).await
+            }
+        }
+    };
 }
+pub(super) use multipart_wrapper;
+
+multipart_wrapper!(FailParts, |this, location, opts| {
+    Ok(Box::new(FailUpload {
+        inner: this.inner.put_multipart_opts(location, opts).await?,
+        fail_from: Arc::clone(&this.fail_from),
+        parts: Arc::clone(&this.parts),
+    }))
+});
 
 pub(super) fn small(root: &std::path::Path, store: Arc<dyn ObjectStore>) -> EngineConfig {
     EngineConfig::new(root)

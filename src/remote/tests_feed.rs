@@ -14,7 +14,7 @@ use object_store::{
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
-use super::tests::{objects, small, state, tensors};
+use super::tests::{multipart_wrapper, objects, small, state, tensors};
 use super::*;
 use crate::EngineConfig;
 
@@ -67,62 +67,13 @@ impl std::fmt::Display for Gate {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for Gate {
-    async fn put_opts(
-        &self,
-        location: &ObjPath,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> object_store::Result<PutResult> {
-        self.inner.put_opts(location, payload, opts).await
+multipart_wrapper!(Gate, |this, location, opts| {
+    // Runs on the uploader's own thread (inside its `block_on`): blocking it is the point.
+    while !this.open.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
     }
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjPath,
-        opts: PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        // Runs on the uploader's own thread (inside its `block_on`): blocking it is the
-        // point.
-        while !self.open.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.inner.put_multipart_opts(location, opts).await
-    }
-    async fn get_opts(
-        &self,
-        location: &ObjPath,
-        options: GetOptions,
-    ) -> object_store::Result<GetResult> {
-        self.inner.get_opts(location, options).await
-    }
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<ObjPath>>,
-    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
-        self.inner.delete_stream(locations)
-    }
-    fn list(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-    async fn copy_opts(
-        &self,
-        from: &ObjPath,
-        to: &ObjPath,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-}
+    this.inner.put_multipart_opts(location, opts).await
+});
 
 fn object(mem: &InMemory, key: &str) -> Vec<u8> {
     let rt = runtime().unwrap();
