@@ -6,10 +6,21 @@
 //!
 //! ```text
 //! cargo build --release --features s3 --example s3_raw
-//! s3_raw put|get s3://BUCKET/KEY BYTES PART CONCURRENCY
+//! s3_raw put|get s3://BUCKET/KEY BYTES PART CONCURRENCY [OBJECTS]
 //! ```
-//! Prints one JSON line: `{"op", "bytes", "seconds", "gbps"}` (GB/s: 1e9 bytes/s). `get`
-//! reads the object `put` wrote.
+//! Prints one JSON line: `{"op", "bytes", "seconds", "gbps"}` (GB/s: 1e9 bytes/s); `put`
+//! adds `parts_seconds` (until the server acknowledged the last part) and
+//! `complete_seconds` (the CompleteMultipartUpload requests: an S3 server that stores
+//! an object as one file, like `s3s-fs`, copies every byte again there). `get` reads the
+//! object `put` wrote.
+//!
+//! `OBJECTS` (default 1, `put` only) splits the bytes into that many objects `KEY.0`,
+//! `KEY.1`, ... uploaded at once, `CONCURRENCY` parts in flight over all of them: the
+//! shape of a DCP writer with `thread_count` = `OBJECTS` (one file per thread), for
+//! telling the server's per-object costs from the client's.
+//!
+//! The tokio runtime has 2 worker threads, as the remote tier's; `S3_RAW_WORKER_THREADS`
+//! sets another number (to see whether the client's threads are the limit).
 
 use std::time::Instant;
 
@@ -20,13 +31,13 @@ use object_store::path::Path;
 use object_store::{ObjectStoreExt, WriteMultipart};
 
 fn usage() -> ! {
-    eprintln!("usage: s3_raw put|get s3://BUCKET/KEY BYTES PART CONCURRENCY");
+    eprintln!("usage: s3_raw put|get s3://BUCKET/KEY BYTES PART CONCURRENCY [OBJECTS]");
     std::process::exit(2)
 }
 
 fn main() {
     let a: Vec<String> = std::env::args().collect();
-    if a.len() != 6 {
+    if !(6..=7).contains(&a.len()) {
         usage();
     }
     let Some(rest) = a[2].strip_prefix("s3://") else {
@@ -37,6 +48,10 @@ fn main() {
     };
     let parse = |s: &str| s.parse::<usize>().unwrap_or_else(|_| usage());
     let (bytes, part, conc) = (parse(&a[3]), parse(&a[4]), parse(&a[5]));
+    let objects = a.get(6).map_or(1, |s| parse(s));
+    if part == 0 || conc == 0 || objects == 0 || (objects > 1 && a[1] != "put") {
+        usage();
+    }
     let store = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .build()
@@ -45,28 +60,52 @@ fn main() {
             std::process::exit(1)
         });
     let key = Path::from(key);
+    let threads = std::env::var("S3_RAW_WORKER_THREADS").map_or(2, |s| parse(&s));
+    if threads == 0 {
+        usage();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .expect("a tokio runtime");
     let res = rt.block_on(async {
         match a[1].as_str() {
             "put" => {
-                // One buffer, its parts handed out as zero-copy slices.
+                // One buffer, its parts handed out as zero-copy slices; object `i` gets
+                // bytes `[i * bytes / objects, (i + 1) * bytes / objects)`.
                 let data = Bytes::from(vec![0x5au8; bytes]);
                 let t = Instant::now();
-                let upload = store.put_multipart(&key).await?;
-                let mut w = WriteMultipart::new_with_chunk_size(upload, part);
-                let mut at = 0;
-                while at < bytes {
-                    w.wait_for_capacity(conc).await?;
-                    let n = (bytes - at).min(part);
-                    w.put(data.slice(at..at + n));
-                    at += n;
-                }
-                w.finish().await?;
-                Ok::<_, object_store::Error>(t.elapsed().as_secs_f64())
+                let per = conc.div_ceil(objects);
+                let uploads = (0..objects).map(|i| {
+                    let (store, data) = (&store, &data);
+                    let key = if objects == 1 {
+                        key.clone()
+                    } else {
+                        Path::from(format!("{key}.{i}"))
+                    };
+                    let (lo, hi) = (i * bytes / objects, (i + 1) * bytes / objects);
+                    async move {
+                        let upload = store.put_multipart(&key).await?;
+                        let mut w = WriteMultipart::new_with_chunk_size(upload, part);
+                        let mut at = lo;
+                        while at < hi {
+                            w.wait_for_capacity(per).await?;
+                            let n = (hi - at).min(part);
+                            w.put(data.slice(at..at + n));
+                            at += n;
+                        }
+                        // Every part acknowledged, then the complete request alone.
+                        w.wait_for_capacity(0).await?;
+                        let parts = t.elapsed().as_secs_f64();
+                        w.finish().await?;
+                        Ok::<_, object_store::Error>(parts)
+                    }
+                });
+                let parts = futures::future::try_join_all(uploads).await?;
+                let secs = t.elapsed().as_secs_f64();
+                let parts = parts.into_iter().fold(0f64, f64::max);
+                Ok::<_, object_store::Error>((secs, Some((parts, secs - parts))))
             }
             "get" => {
                 let mut out = vec![0u8; bytes];
@@ -88,16 +127,19 @@ fn main() {
                     let (at, b) = r?;
                     out[at..at + b.len()].copy_from_slice(&b);
                 }
-                Ok(t.elapsed().as_secs_f64())
+                Ok((t.elapsed().as_secs_f64(), None))
             }
             _ => usage(),
         }
     });
     match res {
-        Ok(secs) => println!(
-            "{{\"op\": \"{}\", \"bytes\": {bytes}, \"seconds\": {secs:.6}, \"gbps\": {:.4}}}",
+        Ok((secs, phases)) => println!(
+            "{{\"op\": \"{}\", \"bytes\": {bytes}, \"seconds\": {secs:.6}, \"gbps\": {:.4}{}}}",
             a[1],
-            bytes as f64 / secs / 1e9
+            bytes as f64 / secs / 1e9,
+            phases.map_or(String::new(), |(p, c)| format!(
+                ", \"objects\": {objects}, \"parts_seconds\": {p:.6}, \"complete_seconds\": {c:.6}"
+            ))
         ),
         Err(e) => {
             eprintln!("s3_raw: {e}");

@@ -25,11 +25,23 @@ save (time from the call to committed in the bucket; GB/s = bytes of the state /
                         and parts in flight, with object_store (``--raw-bin``: the
                         ``s3_raw`` example, ``cargo build --release --features s3 --example
                         s3_raw``); without it, boto3's low-level multipart (create/upload_part
-                        from a thread pool/complete) from one in-memory buffer
+                        from a thread pool/complete) from one in-memory buffer. With
+                        ``--raw-bin`` the row also has ``complete``: the seconds of the
+                        CompleteMultipartUpload request alone (``s3s-fs`` copies the whole
+                        object there, on one thread: see raw_put_split)
+  raw_put_split         the same bytes, parts and parts in flight, split into ``--concurrency``
+                        objects uploaded at once (``s3_raw put ... OBJECTS``): the shape of
+                        s3torch_dcp's output, whose ``thread_count`` files are separate
+                        objects; needs ``--raw-bin``. On a server whose complete request
+                        copies the object (``s3s-fs``, MinIO's FS mode, S3Proxy), this is
+                        faster than raw_put by the server's copy, not by the client
   s3torch_dcp           ``dcp.save`` with s3torchconnector's ``S3StorageWriter``
                         (``thread_count`` = parts in flight; its public constructor takes no
                         endpoint: the writer's ``fs`` is replaced by an ``S3FileSystem`` over
-                        ``S3Client(region, endpoint=...)`` with ``force_path_style``)
+                        ``S3Client(region, endpoint=...)`` with ``force_path_style``). DCP
+                        writes one file per thread: ``--concurrency`` objects per rank
+  s3torch_dcp_one       the same with ``thread_count=1``: one object per rank, as shmckpt and
+                        raw_put write (the CRT client still uploads its parts in parallel)
   fsspec_dcp            ``dcp.save`` with DCP's ``FsspecWriter`` on ``s3://`` (s3fs)
   boto3_file            ``torch.save`` to a local file (fsync) then boto3 ``upload_file``
                         (``TransferConfig``: same part size and concurrency); timed from the
@@ -78,7 +90,9 @@ SAVE_SYSTEMS = [
     "shmckpt_local",
     "shmckpt_stall_uploading",
     "raw_put",
+    "raw_put_split",
     "s3torch_dcp",
+    "s3torch_dcp_one",
     "fsspec_dcp",
     "boto3_file",
 ]
@@ -301,16 +315,21 @@ def run_stall_uploading(ctx: Ctx, rnd: int) -> Dict[str, float]:
     return out
 
 
-def _raw_bin(ctx: Ctx, op: str, key: str) -> float:
-    r = subprocess.run(
-        [ctx.args.raw_bin, op, f"s3://{BUCKET}/{key}", str(ctx.nbytes), str(ctx.part), str(ctx.conc)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
+def _raw_bin(ctx: Ctx, op: str, key: str, objects: int = 1) -> Dict[str, float]:
+    """``s3_raw``'s figures: ``seconds``, and for a put ``parts`` (until the last part was
+    acknowledged) and ``complete`` (the CompleteMultipartUpload requests) when the binary
+    reports them."""
+    cmd = [ctx.args.raw_bin, op, f"s3://{BUCKET}/{key}", str(ctx.nbytes), str(ctx.part), str(ctx.conc)]
+    if objects != 1:
+        cmd.append(str(objects))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"s3_raw {op}: {r.stderr.strip()}")
-    return float(json.loads(r.stdout.strip().splitlines()[-1])["seconds"])
+    j = json.loads(r.stdout.strip().splitlines()[-1])
+    out = {"seconds": float(j["seconds"])}
+    if "complete_seconds" in j:
+        out.update(parts=float(j["parts_seconds"]), complete=float(j["complete_seconds"]))
+    return out
 
 
 def _boto3(ctx: Ctx) -> Any:
@@ -336,9 +355,9 @@ _RAW_PARTS: Dict[Tuple[int, int], List[bytes]] = {}
 def run_raw_put(ctx: Ctx, rnd: int) -> Dict[str, float]:
     key = f"{ctx.prefix('raw', rnd)}/object"
     if ctx.args.raw_bin:
-        secs = _raw_bin(ctx, "put", key)
+        out = _raw_bin(ctx, "put", key)
         ctx.saved["raw"] = key
-        return {"seconds": secs}
+        return out
     c = _boto3(ctx)
     chunks = _RAW_PARTS.get((ctx.nbytes, ctx.part))
     if chunks is None:
@@ -360,12 +379,18 @@ def run_raw_put(ctx: Ctx, rnd: int) -> Dict[str, float]:
     return {"seconds": secs}
 
 
+def run_raw_put_split(ctx: Ctx, rnd: int) -> Dict[str, float]:
+    if not ctx.args.raw_bin:
+        raise Skip("needs --raw-bin (the s3_raw example)")
+    return _raw_bin(ctx, "put", f"{ctx.prefix('raw_split', rnd)}/object", objects=ctx.conc)
+
+
 def run_raw_get(ctx: Ctx, rnd: int) -> Dict[str, float]:
     key = ctx.saved.get("raw")
     if key is None:
         raise Skip("raw_put did not run in this round")
     if ctx.args.raw_bin:
-        return {"seconds": _raw_bin(ctx, "get", key)}
+        return _raw_bin(ctx, "get", key)
     c = _boto3(ctx)
     out = bytearray(ctx.nbytes)
     mv = memoryview(out)
@@ -412,18 +437,21 @@ def _s3torch(ctx: Ctx) -> Tuple[Any, Any, Any, Any]:
     return S3StorageWriter, S3StorageReader, fs, cfg
 
 
-def run_s3torch(ctx: Ctx, rnd: int) -> Dict[str, float]:
+def run_s3torch(ctx: Ctx, rnd: int, threads: Optional[int] = None) -> Dict[str, float]:
+    """``dcp.save`` with ``S3StorageWriter``: ``threads`` files (objects) per rank, default
+    ``--concurrency``; the restores read the default variant's step."""
     import torch.distributed.checkpoint as dcp
 
     W, _, fs, cfg = _s3torch(ctx)
-    url = ctx.s3url("s3torch", rnd)
+    url = ctx.s3url("s3torch" if threads is None else f"s3torch_{threads}", rnd)
     sync(ctx.args.device)
     t0 = time.perf_counter()
-    w = W(REGION, url, s3client_config=cfg, thread_count=ctx.conc)
+    w = W(REGION, url, s3client_config=cfg, thread_count=threads or ctx.conc)
     w.fs = fs()
     w.path = w.fs.init_path(url)
     dcp.save(ctx.state, storage_writer=w)
-    ctx.saved["s3torch"] = url
+    if threads is None:
+        ctx.saved["s3torch"] = url
     return {"seconds": time.perf_counter() - t0}
 
 
@@ -532,7 +560,9 @@ RUNNERS: Dict[str, Callable[[Ctx, int], Dict[str, float]]] = {
     "shmckpt_local": lambda c, r: run_shmckpt(c, "shmckpt_local", r),
     "shmckpt_stall_uploading": run_stall_uploading,
     "raw_put": run_raw_put,
+    "raw_put_split": run_raw_put_split,
     "s3torch_dcp": run_s3torch,
+    "s3torch_dcp_one": lambda c, r: run_s3torch(c, r, threads=1),
     "fsspec_dcp": run_fsspec,
     "boto3_file": run_boto3_file,
     "shmckpt_restore": run_shmckpt_restore,
@@ -553,8 +583,11 @@ def med(xs: List[float]) -> str:
 
 def report(label: str, nbytes: int, samples: Dict[str, List[Dict[str, float]]], skipped: Dict[str, str]) -> List[str]:
     lines = [f"### {label}: {nbytes / 1e9:.3f} GB", ""]
-    lines.append("| system | s to committed / loaded, median (min-max) | GB/s median | × limit | stall s (save returns) |")
-    lines.append("|---|---|---|---|---|")
+    lines.append(
+        "| system | s to committed / loaded, median (min-max) | GB/s median | × limit | stall s (save returns)"
+        " | of which CompleteMultipartUpload s |"
+    )
+    lines.append("|---|---|---|---|---|---|")
 
     def gbps(s: Dict[str, float]) -> float:
         return nbytes / s["seconds"] / 1e9
@@ -565,7 +598,7 @@ def report(label: str, nbytes: int, samples: Dict[str, List[Dict[str, float]]], 
     }
     for name in ALL:
         if name in skipped:
-            lines.append(f"| {name} | SKIP: {skipped[name]} | | | |")
+            lines.append(f"| {name} | SKIP: {skipped[name]} | | | | |")
             continue
         ss = samples.get(name)
         if not ss:
@@ -575,7 +608,8 @@ def report(label: str, nbytes: int, samples: Dict[str, List[Dict[str, float]]], 
         ratio = f"{g / lim:.2f}" if lim and name not in ("shmckpt_local", "shmckpt_stall_uploading") else "-"
         stall = med([s["stall"] for s in ss if "stall" in s])
         rate = "-" if name == "shmckpt_stall_uploading" else f"{g:.3f}"
-        lines.append(f"| {name} | {med([s['seconds'] for s in ss])} | {rate} | {ratio} | {stall} |")
+        complete = med([s["complete"] for s in ss if "complete" in s])
+        lines.append(f"| {name} | {med([s['seconds'] for s in ss])} | {rate} | {ratio} | {stall} | {complete} |")
     return lines
 
 
@@ -651,7 +685,7 @@ def main() -> None:
                     samples.setdefault(name, []).append(r)
                     log(f"round {rnd} {name}: {r['seconds']:.3f} s, {ctx.nbytes / r['seconds'] / 1e9:.3f} GB/s"
                         + "".join(f", {k} {v:.3f}" for k, v in r.items() if k not in ("seconds", "bytes")))
-                for sysname in ("raw", "s3torch", "fsspec", "boto3"):
+                for sysname in ("raw", "raw_split", "s3torch", "s3torch_1", "fsspec", "boto3"):
                     server.clear(ctx.prefix(sysname, rnd))
             for ck in ctx.cks.values():
                 ck.close()
