@@ -497,8 +497,11 @@ def _fsspec_dcp() -> Tuple[Any, Any]:
     ``torch.distributed.checkpoint.fsspec_filesystem`` in newer ones (2.11)."""
     try:
         from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
-    except ImportError:
-        from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined,no-redef]
+    except ImportError as first:
+        try:
+            from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined,no-redef]
+        except ImportError as second:  # both causes, for the SKIP line
+            raise ImportError(f"{first}; {second}") from first
     return FsspecWriter, FsspecReader
 
 
