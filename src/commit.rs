@@ -125,7 +125,8 @@ const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200)
 /// The lock file is opened relative to the root without following a link and without
 /// blocking, and must be a regular file: a planted `.shmckpt-rank-K.lock -> elsewhere`
 /// is refused ([`Error::UnsafePath`]), never created or locked through. A lock held by
-/// another is retried for [`LOCK_PATIENCE`] (a probe's shared lock is let go within it).
+/// another is retried for 200 ms (`LOCK_PATIENCE`; a probe's shared lock is let go
+/// within it).
 pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
     let name = lock_name(rank);
     let path = root.join(&name);

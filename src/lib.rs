@@ -10,7 +10,7 @@
 //!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
 //! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
 //!   inspect, each named (the staging arena, its descriptor's records, the file layout).
-//! - `s3`: the object-storage tier ([`remote`], [`EngineConfig::with_remote`]) on the
+//! - `s3`: the object-storage tier (module `remote`, `EngineConfig::with_remote`) on the
 //!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
 //!

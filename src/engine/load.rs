@@ -23,7 +23,7 @@ impl Engine {
     /// [`Engine::load`], also reporting which path served the load and, when flash restore
     /// is on but the disk served it, why.
     ///
-    /// With a remote tier ([`EngineConfig::with_remote`]), a step the disk does not hold
+    /// With a remote tier (`EngineConfig::with_remote`, feature `s3`), a step the disk does not hold
     /// (or "latest" with no step on disk) is loaded from the bucket
     /// ([`LoadSource::Remote`]).
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {

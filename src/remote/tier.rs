@@ -133,7 +133,7 @@ impl RemoteProgress {
 
     /// Block until the step is committed in the bucket (or this rank's upload failed or
     /// was skipped). With several ranks, a rank whose upload was not the last waits for
-    /// the manifest to appear, up to [`COMMIT_WAIT`]. Errors: [`Error::RemoteFailed`] (its
+    /// the manifest to appear, up to `COMMIT_WAIT` (600 s). Errors: [`Error::RemoteFailed`] (its
     /// source says why), [`Error::RemoteSkipped`] (backpressure).
     pub fn wait(&self) -> Result<RemoteReport> {
         match self.wait_timeout(None) {
