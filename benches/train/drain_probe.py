@@ -104,6 +104,7 @@ def parse_args(argv=None):
     a("--raw-inflight", type=int, default=16)
     a("--raw-chunk-mib", type=int, default=8)
     a("--no-smi", action="store_true", help="skip the nvidia-smi capture")
+    a("--sync", default="stream", choices=["stream", "device"], help="after each step wait for the trainer's stream (as loss.item() does; default) or for the whole device (torch.cuda.synchronize(): also for a checkpointer's background copies)")
     a("--guard", action="store_true", help="install the shm Checkpointer's guard on the optimizer (every segment runs its hook, as in train.py)")
     a("--dir", default="/var/tmp/drainprobe", help="parent of the run's own checkpoint directory (made and removed by the run)")
     a("--out", default=None, help="results directory (default $OUT/drain, else ./drain-out)")
@@ -272,6 +273,7 @@ class Run:
         cfg = dict(STATES[args.state])
         t = now()
         self.tr = tr = Trainer(cfg, args.device, "auto", args.seed)  # tr.cfg is cfg
+        tr.sync_mode = args.sync
         from sweep import calibrate, time_steps
 
         time_steps(tr, 3)
@@ -432,6 +434,7 @@ def main(argv=None):
         argv=sys.argv[1:],
         device=args.device,
         skip_first=args.skip_first,
+        sync=args.sync,
         host=platform.node(),
         cpus=os.cpu_count(),
         affinity=len(os.sched_getaffinity(0)),

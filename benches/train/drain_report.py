@@ -148,6 +148,7 @@ def summarize(results):
             "late_ms_p99_median": med([x.get("late_ms_p99") for x in loads]),
         }
         rec["system"] = _system_rates(mine)
+        rec["first_steps"] = _first_steps(mine, skip, base["all"])
         out["conditions"][c] = rec
     def above_one(ci):
         return bool(ci) and ci[0] > 1.0
@@ -159,6 +160,31 @@ def summarize(results):
     ]
     results["summary"] = out
     return out
+
+
+def _first_steps(segs, skip, base_all):
+    """The cost of a checkpoint that lands on the first ``skip`` steps of its segment (a
+    non-blocking save's copy): per segment, the wall and GPU time of those steps over
+    ``skip`` x the adjacent rounds' baseline median, and with the call (``stall_s``) added;
+    medians with min-max over segments."""
+    wall, gpu, total = [], [], []
+    for s in segs:
+        rows = s["steps"][:skip]
+        if len(rows) < skip or not skip:
+            continue
+        ref_w = _ref(base_all["wall_ms"], s["round"], s["cond"] == "baseline")
+        ref_g = _ref(base_all["gpu_ms"], s["round"], s["cond"] == "baseline")
+        if ref_w is not None:
+            extra = sum(r[1] for r in rows) - skip * ref_w
+            wall.append(extra)
+            total.append(extra + 1e3 * ((s.get("load") or {}).get("stall_s") or 0.0))
+        if ref_g is not None and all(r[2] is not None for r in rows):
+            gpu.append(sum(r[2] for r in rows) - skip * ref_g)
+
+    def mm(xs):
+        return {"median": med(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+    return {"extra_wall_ms": mm(wall), "extra_gpu_ms": mm(gpu), "per_checkpoint_ms": mm(total)}
 
 
 def _system_rates(segs):
@@ -225,6 +251,21 @@ def markdown(results):
             f"{_f(ld['end_s_median'])} | {_f(ld['stall_s_median'], '{:.3f}')} | {_f(ld['gbps_median'])} |"
         )
     L += ["", "Slower (95 % CI above 1 of the ratio to the baseline, all steps or during the load, or of during / after): " + (", ".join(s["slower"]) or "none"), ""]
+    L += [
+        f"Cost per checkpoint (ms; medians over segments, min-max): the first {m.get('skip_first')} steps of each segment "
+        "(left out above) over the adjacent baseline, wall and GPU time, and wall plus the save call.",
+        "",
+        "| condition | extra wall, first steps | extra GPU, first steps | call + extra wall |",
+        "|---|---|---|---|",
+    ]
+
+    def mm(v):
+        return "-" if not v else f"{v['median']:.1f} ({v['min']:.1f}..{v['max']:.1f})"
+
+    for c, r in s["conditions"].items():
+        fs = r.get("first_steps") or {}
+        L.append(f"| {c} | {mm(fs.get('extra_wall_ms'))} | {mm(fs.get('extra_gpu_ms'))} | {mm(fs.get('per_checkpoint_ms'))} |")
+    L += [""]
     L += [
         "System pressure per second of segment (medians over segments): PSI stall ms/s, share of all CPUs' time, "
         "and this process's busiest threads (CPU s/s).",

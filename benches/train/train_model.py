@@ -156,9 +156,17 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step_no += 1
 
+    #: "device": torch.cuda.synchronize() (waits for every stream, a checkpointer's
+    #: background copies included); "stream": the current stream only, as a trainer's
+    #: ``loss.item()`` does.
+    sync_mode = "device"
+
     def sync(self):
         if self.device == "cuda":
-            self.torch.cuda.synchronize()
+            if self.sync_mode == "stream":
+                self.torch.cuda.current_stream().synchronize()
+            else:
+                self.torch.cuda.synchronize()
 
     def build_state(self):
         self.state = flat_state(self.model, self.opt)

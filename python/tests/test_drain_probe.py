@@ -56,6 +56,12 @@ def test_report_splits_at_the_load_end_and_compares_with_the_adjacent_baselines(
     assert base["all"]["ratio"]["per_segment"] == pytest.approx([10.0 / 12.0, 1.2, 10.0 / 12.0])
     assert shm["during"]["median_ms"] == 11.0 and shm["all"]["p90_ms"] == 12.0 * 1.1
     assert shm["during"]["gpu_ms_median"] == 10.0 and shm["during"]["launch_ratio"] == 1.0
+    # the first (left-out) step of each segment against the adjacent baselines: 99 ms
+    # over 11, 32 / 3 and 11 ms (GPU: 98 over 10, 29 / 3 and 10)
+    fs = shm["first_steps"]
+    assert fs["extra_wall_ms"] == pytest.approx({"median": 88.0, "min": 88.0, "max": 99.0 - 32.0 / 3, "n": 3})
+    assert fs["extra_gpu_ms"] == pytest.approx({"median": 88.0, "min": 88.0, "max": 98.0 - 29.0 / 3, "n": 3})
+    assert fs["per_checkpoint_ms"] == fs["extra_wall_ms"]  # no save call in these loads
     assert shm["all"]["nvcsw_per_step"] == 1.0
     assert shm["during_over_after"]["median"] == pytest.approx(1.1) and shm["during_over_after"]["segments"] == 3
     assert base["during_over_after"]["median"] == 1.0
@@ -66,7 +72,7 @@ def test_report_splits_at_the_load_end_and_compares_with_the_adjacent_baselines(
     lo, hi = dr.boot_median_ci([1.0, 2.0, 3.0])
     assert 1.0 <= lo <= 2.0 <= hi <= 3.0
     md = dr.markdown(dict(res, summary=s, smi={"why": "not on CUDA"}))
-    assert sum(line.startswith("| shm |") for line in md.splitlines()) == 2
+    assert sum(line.startswith("| shm |") for line in md.splitlines()) == 3  # steps, system, cost
 
 
 def test_tiny_cpu_run_reports_every_condition(tmp_path):
@@ -124,4 +130,4 @@ def test_tiny_cpu_run_reports_every_condition(tmp_path):
         assert a["ratio"]["median"] > 0 and len(a["ratio"]["per_segment"]) == 2
     md = (out / "drain.md").read_text()
     for c in CONDITIONS:
-        assert sum(line.startswith(f"| {c} |") for line in md.splitlines()) == 2, c
+        assert sum(line.startswith(f"| {c} |") for line in md.splitlines()) == 3, c
