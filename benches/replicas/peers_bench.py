@@ -35,8 +35,9 @@ in an order rotated by one each round (alternated). Every system does its two ph
              validation) vs exchange; then m1's directory is removed, fresh managers (a
              restart), ``find_latest`` + ``load`` on m1's ranks timed, vs one-way. NVRx's
              ``BasicTensorAwareStateDict`` requires CUDA tensors, so it runs only with
-             ``--device cuda``; its group is ``--nvrx-backend`` (default nccl when every
-             rank has its own GPU, else gloo).
+             ``--device cuda``; its clique groups are NCCL (its retrieval sends CUDA
+             tensors point to point), so it needs a GPU per rank (else SKIP, unless
+             ``--nvrx-backend`` forces a backend).
 
 Every restored or received state is compared with the saved one by SHA-256 of every
 tensor's bytes (the sender's digests gathered): ``exact`` true/false per system. A system
@@ -169,7 +170,7 @@ def transport_round(r: Rank, state: Dict[str, Any], dig: Dict[int, Dict[str, str
     for key, both in (("exchange_s", True), ("one_way_s", False)):
         sends = both or not r.lost
         recvs = both or r.lost
-        inn = [torch.empty_like(t) for t in out] if recvs else []
+        inn = [torch.zeros_like(t) for t in out] if recvs else []  # pages touched before the clock
         dist.barrier(group=r.group)
         t0 = time.perf_counter()
         works = [dist.irecv(t, src=r.partner, group=r.group) for t in inn]
@@ -206,7 +207,7 @@ def torchft_round(r: Rank, state: Dict[str, Any], dig: Dict[int, Dict[str, str]]
     cpu_state = r.dev == "cpu"
     pre: Optional[Dict[str, Any]] = None
     if r.lost and cpu_state:
-        pre = {k: torch.empty_like(v) for k, v in state.items()}  # a live worker's own tensors
+        pre = {k: torch.zeros_like(v) for k, v in state.items()}  # a live worker's own tensors (touched)
     tr = PGTransport(r.group, timeout=to, device=torch.device("cpu"), state_dict=(lambda: pre) if pre is not None else None)
     r.sync()
     t0 = time.perf_counter()
@@ -262,8 +263,9 @@ class Shm:
                 with open(os.path.join(d, "manifest.json")) as f:
                     man = json.load(f)
                 for e in man["files"]:
-                    if int(e["rank"]) == r.me:
-                        os.unlink(os.path.join(d, e["file"]))
+                    f = os.path.join(d, e["file"])
+                    if int(e["rank"]) == r.me and os.path.lexists(f):  # an earlier loss took the older ones
+                        os.unlink(f)
             remove_replica(_shmckpt.replica_name(self.root, r.partner, self.step))
         r.dist.barrier()
         self.ck = self.open()
@@ -311,7 +313,8 @@ def shmckpt_round(r: Rank, shm: Shm, state: Dict[str, Any], dig: Dict[int, Dict[
 # ---- (a) NVRx local checkpointing ----------------------------------------------------
 
 
-def nvrx_check(device: str) -> Optional[str]:
+def nvrx_check(device: str, ngpu: int, backend: Optional[str]) -> Optional[str]:
+    """Why NVRx cannot run here, or None."""
     try:
         from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager  # noqa: F401
         from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy  # noqa: F401
@@ -320,6 +323,10 @@ def nvrx_check(device: str) -> Optional[str]:
     if device != "cuda":
         return ("needs CUDA: BasicTensorAwareStateDict asserts every tensor is on CUDA and the "
                 "retrieval sends through .cuda() (run with --device cuda)")
+    if backend is None and ngpu < WORLD:
+        return (f"its retrieval sends CUDA tensors point to point (GroupWrapper.isend_state_dict): that needs an "
+                f"NCCL group with one GPU per rank, and this box has {ngpu} GPU(s) for {WORLD} ranks (gloo's "
+                "send would hand a device pointer to its TCP transport); run on 4 GPUs, or force --nvrx-backend")
     return None
 
 
@@ -385,7 +392,8 @@ def rank_main(a: argparse.Namespace) -> None:
         if name == "torchft":
             why = torchft_check()
         elif name == "nvrx":
-            why = nvrx_check(a.device)
+            ngpu = r.torch.cuda.device_count() if a.device == "cuda" else 0
+            why = nvrx_check(a.device, ngpu, a.nvrx_backend)
         elif name == "shmckpt":
             try:
                 import shmckpt  # noqa: F401
@@ -398,8 +406,7 @@ def rank_main(a: argparse.Namespace) -> None:
     shm = Shm(r, os.path.join(a.work, "shmckpt"), image) if "shmckpt" in run else None
     nv = None
     if "nvrx" in run:
-        backend = a.nvrx_backend or ("nccl" if r.torch.cuda.device_count() >= WORLD else "gloo")
-        nv = Nvrx(r, os.path.join(a.work, "nvrx"), backend)
+        nv = Nvrx(r, os.path.join(a.work, "nvrx"), a.nvrx_backend or "nccl")
     step = 0
     for rnd in range(a.rounds + 1):  # round 0 warms up (arenas, files, connections)
         k = rnd % len(run)
@@ -499,7 +506,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per size (plus one warm-up)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where each rank's state lives")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
-    p.add_argument("--nvrx-backend", default=None, help="NVRx clique groups' backend (default: nccl if a GPU per rank, else gloo)")
+    p.add_argument("--nvrx-backend", default=None, help="NVRx clique groups' backend (default nccl, with a GPU per rank; else NVRx is skipped)")
     p.add_argument("--nvrx-dir", default="/dev/shm", help="where the NVRx machine directories go (a new directory in it)")
     p.add_argument("--root", default=None, help="where shmckpt's root goes (local disk; a new directory in it)")
     p.add_argument("--timeout", type=int, default=600, help="seconds any collective waits")
