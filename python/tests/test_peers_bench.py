@@ -59,15 +59,16 @@ def test_tiny_cpu_run_restores_every_system_exactly(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python")] + [p for p in [env.get("PYTHONPATH")] if p])
     p = subprocess.run(
-        [sys.executable, str(BENCH), "--sizes", "64MiB", "--rounds", "1", "--out", str(out),
+        # 2 rounds + the warm-up: machine m1 is lost 3 times, its older files already gone
+        [sys.executable, str(BENCH), "--sizes", "32MiB", "--rounds", "2", "--out", str(out),
          "--root", str(root), "--nvrx-dir", str(nvdir), "--timeout", "120"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "peers.json").read_text())
-    assert set(res) == {"meta", "runs"} and res["meta"]["rounds"] == 1 and res["meta"]["device"] == "cpu"
+    assert set(res) == {"meta", "runs"} and res["meta"]["rounds"] == 2 and res["meta"]["device"] == "cpu"
     (run,) = res["runs"]
-    assert run["image_bytes"] == 64 << 20 and run["size_arg"] == 64 << 20
+    assert run["image_bytes"] == 32 << 20 and run["size_arg"] == 32 << 20
     ran = set(run["samples"])
     # the transport limit and shmckpt always run here; NVRx needs CUDA
     assert {"transport", "shmckpt"} <= ran
@@ -80,13 +81,13 @@ def test_tiny_cpu_run_restores_every_system_exactly(tmp_path):
         assert run["exact"][name] is True, (name, run["exact"])
         assert set(run["samples"][name]) == MEASURES[name]
         for xs in run["samples"][name].values():
-            assert len(xs) == 1 and xs[0] > 0
+            assert len(xs) == 2 and min(xs) > 0
     for name, keys in MEASURES.items():
         for k in keys:
             assert (f"{name}.{k}" in run["summary"]) == (name in ran)
     row = run["summary"]["shmckpt.peer_restore_s"]
-    assert row["x_transport_one_way"]["median"] == pytest.approx(
-        run["samples"]["transport"]["one_way_s"][0] / run["samples"]["shmckpt"]["peer_restore_s"][0])
+    per_round = [lim / x for lim, x in zip(run["samples"]["transport"]["one_way_s"], run["samples"]["shmckpt"]["peer_restore_s"])]
+    assert row["x_transport_one_way"]["median"] == pytest.approx(sum(per_round) / 2)
     md = (out / "peers.md").read_text()
     assert "| shmckpt.save_to_k_safe_s |" in md and "| transport.exchange_s |" in md
     # the work directories it made under --root and --nvrx-dir are gone
