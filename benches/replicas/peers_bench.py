@@ -424,13 +424,17 @@ def rank_main(a: argparse.Namespace) -> None:
                 nvrx_round(r, nv, state, dig)
         if rnd == 0:
             r.samples.clear()
+    left: Dict[str, Any] = {}  # what shmckpt put in /dev/shm, all removed by close
     if shm is not None:
+        from shmckpt import _shmckpt
+
+        left = {"kept": r.gather(shm.ck.shm_name), "replica_tag": _shmckpt.replica_tag(shm.root)}
         shm.close()
     r.dist.barrier()
     if r.me == 0:
         with open(a.result, "w") as f:
             json.dump({"image_bytes": image, "samples": r.samples, "exact": r.exact, "skips": skips,
-                       "order": run}, f)
+                       "order": run, "shmckpt_shm": left}, f)
     r.dist.destroy_process_group()
 
 

@@ -90,5 +90,12 @@ def test_tiny_cpu_run_restores_every_system_exactly(tmp_path):
     assert row["x_transport_one_way"]["median"] == pytest.approx(sum(per_round) / 2)
     md = (out / "peers.md").read_text()
     assert "| shmckpt.save_to_k_safe_s |" in md and "| transport.exchange_s |" in md
-    # the work directories it made under --root and --nvrx-dir are gone
+    # the work directories it made under --root and --nvrx-dir are gone, and so are
+    # shmckpt's kept arenas and replicas of its root in the shared /dev/shm
     assert list(root.iterdir()) == [] and list(nvdir.iterdir()) == []
+    left = run["shmckpt_shm"]
+    assert len(left["kept"]) == 4 and all(n.startswith("shmckpt.keep-") for n in left["kept"])
+    assert not any(os.path.lexists(os.path.join("/dev/shm", n)) for n in left["kept"])
+    from shmckpt.replicas import list_replicas
+
+    assert [x for x in list_replicas() if x["root_tag"] == left["replica_tag"]] == []
