@@ -488,6 +488,26 @@ def markdown(runs: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def remove_shm_of(root: str) -> None:
+    """Remove shmckpt's kept arenas and replicas of ``root`` from /dev/shm (exact names; a
+    failed run leaves them, a finished one removed them already)."""
+    if not os.path.isdir(root):
+        return
+    try:
+        from shmckpt import _shmckpt
+        from shmckpt.replicas import list_replicas, remove_replica
+    except ImportError:
+        return
+    tag = _shmckpt.replica_tag(root)
+    for q in range(WORLD):
+        p = os.path.join("/dev/shm", f"shmckpt.keep-{tag}.r{q}")
+        if os.path.lexists(p):
+            os.unlink(p)
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+
+
 def launch(a: argparse.Namespace, size: int, work: str) -> Dict[str, Any]:
     result = os.path.join(work, "result.json")
     port = free_port()
@@ -540,6 +560,7 @@ def main() -> None:
         try:
             res = launch(a, size, work)
         finally:
+            remove_shm_of(os.path.join(work, "shmckpt"))
             shutil.rmtree(nvdir, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
         for name, why in res["skips"].items():
