@@ -16,7 +16,9 @@ in an order rotated by one each round (alternated). Every system does its two ph
 
   transport  the limit: ``exchange``: every rank ``isend``s its state's bytes (the pieces)
              to its partner and ``irecv``s the partner's, same group, posted at once;
-             ``one-way``: only m0's ranks send, m1's receive (what a restore moves).
+             ``one-way``: only m0's ranks send, m1's receive (what a restore moves;
+             timed, as every restore, on the receivers: a sender's clock starts when
+             it leaves the barrier, which can be well before its receiver).
   torchft    ``PGTransport`` on the same gloo group (device "cpu"): m0's ranks
              ``send_checkpoint`` their state to their partner, m1's ranks
              ``recv_checkpoint`` it (in place into preallocated tensors on CPU; for a CUDA
@@ -42,7 +44,7 @@ in an order rotated by one each round (alternated). Every system does its two ph
 Every restored or received state is compared with the saved one by SHA-256 of every
 tensor's bytes (the sender's digests gathered): ``exact`` true/false per system. A system
 that cannot run prints ``SKIP name: reason`` and has no numbers. Times are the slowest rank
-of the phase. Writes ``peers.json`` (every sample) and ``peers.md`` (medians, min-max,
+of the phase (of m1's ranks for one-way and the restores). Writes ``peers.json`` (every sample) and ``peers.md`` (medians, min-max,
 x the transport limit: limit seconds / system seconds per round) into ``--out``.
 """
 
@@ -179,7 +181,8 @@ def transport_round(r: Rank, state: Dict[str, Any], dig: Dict[int, Dict[str, str
         for w in works:
             w.wait()
         dt = time.perf_counter() - t0
-        r.put("transport", key, r.slowest(dt))
+        # one-way: the slowest receiver, as every restore is timed
+        r.put("transport", key, r.slowest(dt if recvs else None))
         if recvs:
             got = {n: hashlib.sha256(t.numpy().data).hexdigest() for n, t in zip(names, inn)}
             ok = ok and got == dig[r.partner]
