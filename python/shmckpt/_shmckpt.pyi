@@ -14,6 +14,7 @@ __all__ = [
     "Bucket",
     "Buffer",
     "Engine",
+    "ReplicaImage",
     "SaveHandle",
     "__version__",
     "assemble_ranks",
@@ -35,6 +36,8 @@ __all__ = [
     "replica_name",
     "replica_plan",
     "replica_read_committed",
+    "replica_receive",
+    "replica_receive_restore",
     "replica_remove",
     "replica_restore_file",
     "replica_store",
@@ -59,6 +62,26 @@ class Buffer:
     @property
     def __array_interface__(self) -> Dict[str, object]: ...
     def __len__(self) -> int: ...
+
+@final
+class ReplicaImage:
+    """An image received from a peer straight into its final memory: a replica arena in
+    ``/dev/shm`` (``replica_receive``) or private memory restoring a lost rank
+    (``replica_receive_restore``). numpy views it without a copy (writable while open);
+    ``seal()`` makes it read-only, checks it against the committed manifest and publishes
+    it (the replica under its name, or the rank's file written back; the memory of a
+    restore is then writable again). A failed check removes it; an unsealed image is never
+    listed or served."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+    def tensors(self) -> List[Tuple[str, str, List[int], int, int]]: ...
+    def seal(self) -> str: ...
 
 @final
 class Bucket:
@@ -263,6 +286,14 @@ def replica_read_committed(root: str, step: int, rank: int) -> Buffer:
 
 def replica_store(root: str, step: int, rank: int, data: bytes) -> str:
     """Check ``data`` as ``rank``'s image of ``step`` and store it as a replica; its name."""
+    ...
+
+def replica_receive(root: str, step: int, rank: int) -> ReplicaImage:
+    """A new replica arena in ``/dev/shm`` for ``rank``'s image of the committed ``step``."""
+    ...
+
+def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:
+    """Private memory receiving ``rank``'s image of the committed ``step`` to restore it."""
     ...
 
 def replica_load(root: str, step: int, rank: int) -> Buffer:

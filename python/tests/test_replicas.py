@@ -284,6 +284,107 @@ def test_images_are_checked_on_every_path(droot):
     assert (root / "step-9" / fname).read_bytes() == good
 
 
+def test_received_images_are_sealed_before_served(droot):
+    """Images received straight into their final memory (``replica_receive``: a replica
+    arena in /dev/shm; ``replica_receive_restore``: a lost rank's private memory) are never
+    listed, served or written back before ``seal()`` checked them against the committed
+    manifest; a sealed replica holds exactly the source file's bytes, read-only; a failed
+    check removes the arena; a sealed restore writes the file back and serves its tensors
+    bit-exactly from that memory."""
+    import torch
+
+    root = droot
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        from replica_worker import rank_state
+
+        ck.save(5, rank_state(1, 5)).wait()
+    finally:
+        ck.close()
+    entry = json.loads((root / "step-5" / "manifest.json").read_text())["files"][0]
+    fname = entry["file"]
+    good = (root / "step-5" / fname).read_bytes()
+    name = _shmckpt.replica_name(str(root), 0, 5)
+    shm = pathlib.Path("/dev/shm") / name
+    tmp = shm.parent / f"{name}.tmp{os.getpid()}"
+
+    def names():
+        return [r["name"] for r in list_replicas() if r["name"].startswith(name)]
+
+    # A replica arena: unlisted and unserved while open; sealed, exactly the file's bytes.
+    img = _shmckpt.replica_receive(str(root), 5, 0)
+    assert img.state == "open" and img.nbytes == len(good) == entry["bytes"]
+    view = np.asarray(img)
+    assert view.flags.writeable and view.size == len(good)
+    view[:] = np.frombuffer(good, dtype=np.uint8)
+    assert tmp.is_file() and not shm.exists() and names() == []
+    with pytest.raises(shmckpt.errors.IoError, match="No such file"):
+        _shmckpt.replica_load(str(root), 5, 0)
+    with pytest.raises(shmckpt.ConfigError, match="not sealed"):
+        img.tensors()
+    assert img.seal() == str(shm)
+    assert img.state == "sealed" and not tmp.exists() and names() == [name]
+    assert shm.read_bytes() == good
+    assert np.asarray(_shmckpt.replica_load(str(root), 5, 0)).tobytes() == good
+    after = np.asarray(img)
+    assert not after.flags.writeable and after.tobytes() == good
+    with pytest.raises(ValueError):
+        after[0] = 1
+    with pytest.raises(shmckpt.ConfigError, match="sealed already"):
+        img.seal()
+    del view, after, img
+    assert shm.read_bytes() == good  # the arena outlives the object that received it
+
+    # A flipped data byte or a damaged header: refused, removed, the older replica kept.
+    for at, err in ((entry["data_start"] + 5, shmckpt.ChecksumError), (10, shmckpt.CorruptError)):
+        bad = bytearray(good)
+        bad[at] ^= 0x5A
+        img = _shmckpt.replica_receive(str(root), 5, 0)
+        np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
+        with pytest.raises(err):
+            img.seal()
+        assert img.state == "refused" and not tmp.exists()
+        assert shm.read_bytes() == good and names() == [name]
+        with pytest.raises(shmckpt.ConfigError):
+            img.tensors()
+        del img
+    # An arena dropped unsealed (a transfer that failed) leaves nothing behind.
+    img = _shmckpt.replica_receive(str(root), 5, 0)
+    assert tmp.is_file()
+    del img
+    assert not tmp.exists() and names() == [name]
+    with pytest.raises(shmckpt.NotFound):
+        _shmckpt.replica_receive(str(root), 6, 0)
+
+    # A lost rank's restore: refused when damaged (its file is not written) ...
+    (root / "step-5" / fname).unlink()
+    bad = bytearray(good)
+    bad[-1] ^= 0x01
+    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
+    np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
+    with pytest.raises(shmckpt.ChecksumError):
+        img.seal()
+    assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
+    del img
+    # ... else the file is written back from memory, and the tensors served from it.
+    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
+    np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
+    assert img.seal() == str(root / "step-5" / fname)
+    assert (root / "step-5" / fname).read_bytes() == good
+    whole = np.asarray(img)
+    assert whole.flags.writeable  # the holder's memory again
+    want = rank_state(1, 5)["model"]
+    got = {}
+    for tname, dtype, shape, a, b in img.tensors():
+        t = next(t for t in entry["tensors"] if t["name"] == tname)
+        assert (dtype, shape) == (t["dtype"], t["shape"])
+        assert (a, b) == (entry["data_start"] + t["data_offsets"][0], entry["data_start"] + t["data_offsets"][1])
+        got[tname] = torch.from_numpy(whole[a:b])
+    assert sorted(got) == ["model.h", "model.i", "model.w"]
+    for k, v in want.items():  # exact bytes
+        assert got[f"model.{k}"].equal(v.contiguous().view(-1).view(torch.uint8))
+
+
 def test_replica_of_another_user_is_refused(droot):
     """A replica under the right name but owned by another user is never served, and
     `remove_replica` leaves it alone."""

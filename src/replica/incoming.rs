@@ -1,0 +1,314 @@
+//! Images received from a peer straight into their final memory: a replica arena in
+//! `/dev/shm` ([`Incoming::replica`]) or private memory for a lost rank's restore
+//! ([`Incoming::restore`]). The transport writes the bytes through [`Incoming::as_mut_ptr`];
+//! then [`Incoming::seal`] makes the mapping read-only (no write through any pointer handed
+//! out can follow), checks the image against the committed manifest of its step (the
+//! checks of [`super::verify_image`]) and only then publishes it: the replica renamed to
+//! its name in `/dev/shm`, or the rank's file written back from the memory. A failed check
+//! removes it; an image that was never sealed is never listed, served or written.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+
+use super::{
+    REPLICA_PREFIX, check_bytes, committed_entry, euid, remove_stale, tag_of, write_atomic,
+};
+use crate::error::{Error, Result};
+use crate::fsx::{self, Create};
+use crate::manifest::FileEntry;
+use crate::staging::shm::SHM_MOUNT;
+
+/// Where a sealed image goes.
+#[derive(Debug)]
+enum Target {
+    /// A replica: the temporary file `tmp` in `/dev/shm` (mapped shared), renamed to
+    /// `name` once sealed; `tag` is the root's.
+    Replica {
+        tmp: String,
+        name: String,
+        tag: String,
+    },
+    /// A lost rank's image (private anonymous memory), written back as its file once sealed.
+    Restore,
+}
+
+/// Where an [`Incoming`] stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncomingState {
+    /// Being received: writable, not checked, not published.
+    Open,
+    /// Checked and published.
+    Sealed,
+    /// Its check (or its publication) failed: removed, never served.
+    Refused,
+}
+
+/// An image being received from a peer (see the module). The mapping lives until the value
+/// drops; an unsealed replica's temporary file is removed then.
+#[derive(Debug)]
+pub struct Incoming {
+    ptr: NonNull<u8>,
+    /// Bytes mapped (the image's length).
+    map_len: usize,
+    /// The image's length (the manifest's).
+    len: usize,
+    target: Target,
+    state: IncomingState,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    entry: FileEntry,
+}
+
+// SAFETY: `Incoming` owns its mapping; the pointer is not tied to the thread that made it,
+// and Rust reads the bytes only in `seal` (`&mut self`), after the mapping is read-only.
+unsafe impl Send for Incoming {}
+
+impl Incoming {
+    /// A new replica arena for `rank`'s image of the committed `step` of `root`: a new
+    /// regular file of this user in `/dev/shm` (`<replica name>.tmp<pid>`, created without
+    /// following a link, never over an existing file), exactly the manifest's size,
+    /// allocated up front (a full `/dev/shm` is an error here, never a `SIGBUS` later) and
+    /// mapped for writing. Not listed or served until [`Incoming::seal`] publishes it.
+    pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let tag = tag_of(root)?;
+        let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
+        let tmp = format!("{name}.tmp{}", std::process::id());
+        let dir = Path::new(SHM_MOUNT);
+        let dfd = fsx::open_dir(dir)?;
+        // A temporary file of this process under that name is a leftover of an earlier
+        // receive that did not finish (this process maps one at a time per name).
+        fsx::unlink_in(dfd.as_fd(), dir, &tmp)?;
+        let path = dir.join(&tmp);
+        let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
+        let map_len = len;
+        let made = (|| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)
+                .map_err(|e| Error::io("fallocate", &path, e.into()))?;
+            // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
+            // file is this process's new file, allocated for `map_len` bytes above.
+            let raw = unsafe {
+                rustix::mm::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED,
+                    &file,
+                    0,
+                )
+            }
+            .map_err(|e| Error::io("mmap", &path, e.into()))?;
+            NonNull::new(raw.cast::<u8>())
+                .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))
+        })();
+        let ptr = match made {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = fsx::unlink_in(dfd.as_fd(), dir, &tmp);
+                return Err(e);
+            }
+        };
+        Ok(Incoming {
+            ptr,
+            map_len,
+            len,
+            target: Target::Replica { tmp, name, tag },
+            state: IncomingState::Open,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+        })
+    }
+
+    /// Private memory for `rank`'s image of the committed `step` of `root`, received from a
+    /// partner to restore a lost rank: [`Incoming::seal`] checks it and writes it back as
+    /// the rank's file; the memory then belongs to its holder (the load can serve the
+    /// tensors from it).
+    pub fn restore(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let map_len = len;
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            Error::io(
+                "mmap",
+                Path::new("(anonymous)"),
+                std::io::Error::other("null"),
+            )
+        })?;
+        Ok(Incoming {
+            ptr,
+            map_len,
+            len,
+            target: Target::Restore,
+            state: IncomingState::Open,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+        })
+    }
+
+    /// The first byte of the mapping (page aligned). Writable while [`IncomingState::Open`]
+    /// (and, for a restore, once sealed); a write to a sealed replica faults.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The image's length in bytes (the manifest's).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty (never, for a real safetensors file).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether this is a restore's private memory ([`Incoming::restore`]), not a replica.
+    pub fn is_restore(&self) -> bool {
+        matches!(self.target, Target::Restore)
+    }
+
+    /// Where the image stands.
+    pub fn state(&self) -> IncomingState {
+        self.state
+    }
+
+    /// The manifest entry the image is checked against.
+    pub fn entry(&self) -> &FileEntry {
+        &self.entry
+    }
+
+    fn protect(&self, flags: MprotectFlags) -> Result<()> {
+        // SAFETY: `ptr..ptr + map_len` is this value's own mapping, alive until drop; changing
+        // its protection invalidates no Rust reference (none is live across this call).
+        unsafe { rustix::mm::mprotect(self.ptr.as_ptr().cast::<c_void>(), self.map_len, flags) }
+            .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))
+    }
+
+    /// Check the received image and publish it (see the module): the mapping is made
+    /// read-only first, so nothing can change the bytes between the check and the
+    /// publication; then every check of [`super::verify_image`]. A replica is then renamed
+    /// to its name in `/dev/shm` (this user's older replicas of the same root and rank
+    /// removed) and its name returned; a restore's image is written back as the rank's
+    /// file (temporary name, fsync, rename, directory fsync), the memory made writable
+    /// again for its holder, and the file's path returned. On any failure nothing is
+    /// published: the replica's temporary file is removed, the state is
+    /// [`IncomingState::Refused`], and the error says why. Once only.
+    ///
+    /// The caller must have finished every write into the image (a write after this call
+    /// faults).
+    pub fn seal(&mut self) -> Result<PathBuf> {
+        if self.state != IncomingState::Open {
+            return Err(Error::Config(format!(
+                "the image of rank {} of step {} was sealed already ({:?})",
+                self.rank, self.step, self.state
+            )));
+        }
+        self.state = IncomingState::Refused;
+        let res = self.seal_inner();
+        if res.is_err()
+            && let Target::Replica { tmp, .. } = &self.target
+        {
+            let _ = remove_tmp(tmp);
+        }
+        if res.is_ok() {
+            self.state = IncomingState::Sealed;
+        }
+        res
+    }
+
+    fn seal_inner(&mut self) -> Result<PathBuf> {
+        self.protect(MprotectFlags::READ)?;
+        // SAFETY: the mapping is `map_len >= len` bytes, alive while `self` is; it is
+        // read-only now, so no pointer handed out can write it while this borrow lives (a
+        // write faults); nothing in this process maps the file again (its temporary name
+        // is this process's, created new).
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        let what = PathBuf::from(format!(
+            "<image of rank {} of step {} from a peer>",
+            self.rank, self.step
+        ));
+        check_bytes(bytes, &self.entry, &what)?;
+        match &self.target {
+            Target::Replica { tmp, name, tag } => {
+                let dir = Path::new(SHM_MOUNT);
+                let dfd = fsx::open_dir(dir)?;
+                rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
+                    .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
+                remove_stale(tag, self.rank, self.step);
+                Ok(dir.join(name))
+            }
+            Target::Restore => {
+                let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
+                if entry != self.entry {
+                    return Err(Error::corrupt(
+                        &dir,
+                        None,
+                        format!(
+                            "the manifest of step {} changed while the image was received",
+                            self.step
+                        ),
+                    ));
+                }
+                let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+                let path = write_atomic(&dir, &entry.file, &tmp, bytes, true)?;
+                // The memory is its holder's from here on: Rust never reads it again.
+                self.protect(MprotectFlags::READ | MprotectFlags::WRITE)?;
+                Ok(path)
+            }
+        }
+    }
+}
+
+/// The image's length in memory: the manifest's, never 0 (a safetensors file has a header).
+fn image_len(entry: &FileEntry) -> Result<usize> {
+    let what = Path::new(&entry.file);
+    match super::mem_len(entry.bytes, what)? {
+        0 => Err(Error::corrupt(
+            what,
+            None,
+            "the manifest says the file is empty",
+        )),
+        n => Ok(n),
+    }
+}
+
+/// Remove this process's temporary replica file `tmp` from `/dev/shm`.
+fn remove_tmp(tmp: &str) -> Result<()> {
+    let dir = Path::new(SHM_MOUNT);
+    let dfd = fsx::open_dir(dir)?;
+    fsx::unlink_in(dfd.as_fd(), dir, tmp)
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if self.state != IncomingState::Sealed
+            && let Target::Replica { tmp, .. } = &self.target
+            && let Err(e) = remove_tmp(tmp)
+        {
+            tracing::warn!(file = %tmp, error = %e, "could not remove an unsealed replica");
+        }
+        // SAFETY: the mapping is this value's own and nothing borrows it past `self`
+        // (holders of the raw pointer keep `self` alive: the binding's views own it).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.map_len) };
+    }
+}
