@@ -15,6 +15,7 @@ __all__ = [
     "Buffer",
     "Engine",
     "ReplicaImage",
+    "ReplicaSource",
     "SaveHandle",
     "__version__",
     "assemble_ranks",
@@ -39,6 +40,8 @@ __all__ = [
     "replica_receive",
     "replica_receive_restore",
     "replica_remove",
+    "replica_serve",
+    "replica_source",
     "replica_restore_file",
     "replica_store",
     "replica_tag",
@@ -82,6 +85,19 @@ class ReplicaImage:
     def __len__(self) -> int: ...
     def tensors(self) -> List[Tuple[str, str, List[int], int, int]]: ...
     def seal(self) -> str: ...
+
+@final
+class ReplicaSource:
+    """A rank's committed file, read into memory piece by piece as it is sent
+    (``read_to(end)``); numpy views the memory read-only (the read prefix holds the
+    file's bytes)."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+    def read_to(self, end: int) -> None: ...
 
 @final
 class Bucket:
@@ -294,6 +310,16 @@ def replica_receive(root: str, step: int, rank: int) -> ReplicaImage:
 
 def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:
     """Private memory receiving ``rank``'s image of the committed ``step`` to restore it."""
+    ...
+
+def replica_source(root: str, step: int, rank: int) -> ReplicaSource:
+    """``rank``'s committed file of ``step``, opened and checked (no link, regular, the
+    manifest's size, its header) to be read as it is sent."""
+    ...
+
+def replica_serve(root: str, step: int, rank: int) -> ReplicaImage:
+    """This user's replica of ``rank``'s image of ``step``, mapped read-only and checked in
+    full in place (sealed: sent without a copy)."""
     ...
 
 def replica_load(root: str, step: int, rank: int) -> Buffer:

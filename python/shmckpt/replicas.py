@@ -16,6 +16,7 @@ import socket
 import stat
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -135,11 +136,16 @@ class Replicator:
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
+        #: Why this rank's image could not be read while it was sent (the current step).
+        self._send_problem: Optional[str] = None
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
         #: ReplicaImage)``, sealed: checked and written back), until the load takes it.
         self._image: Optional[Tuple[int, Any]] = None
         #: Whether the last load was served from :attr:`_image`.
         self._served_image = False
+        #: Seconds the collective part of the last load took (who needs an image, the
+        #: transfers, the checks and the write-backs), or None.
+        self.last_fetch_seconds: Optional[float] = None
         # The replication thread: it alone uses the group while saves are queued or in
         # replication (`_drain` before any other collective on it).
         self._cv = threading.Condition()
@@ -201,17 +207,29 @@ class Replicator:
                     works.append((src, "receiving from", dist.irecv(t[a:b], src=src, group=self.group)))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
-        keep = [(dst, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
-        todo = [(dst, t, self._pieces(t.numel(), me)) for dst, t in keep]
+        with warnings.catch_warnings():  # read-only memory: only ever sent from
+            warnings.simplefilter("ignore", UserWarning)
+            keep = [(dst, buf, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
+        todo = [(dst, buf, t, self._pieces(t.numel(), me)) for dst, buf, t in keep]
         sent = 0
         bw = self.bandwidth if paced else None
-        while any(p for _, _, p in todo):
-            for dst, t, pieces in todo:
+        while any(p for _, _, _, p in todo):
+            for dst, buf, t, pieces in todo:
                 if not pieces:
                     continue
                 a, b = pieces.pop(0)
                 if dst in failed:
                     continue
+                read_to = getattr(buf, "read_to", None)
+                if read_to is not None and self._send_problem is None:
+                    # A ReplicaSource: read the file up to this piece while the pieces
+                    # before it travel. A failed read sends the rest unread (zeros): the
+                    # receiver's check refuses it, and the problem is reported.
+                    try:
+                        read_to(b)
+                    except ShmckptError as e:
+                        self._send_problem = f"rank {me} could not read its image: {e}"
+                        log.warning("%s", self._send_problem)
                 if bw is not None:
                     ahead = t0 + sent / bw - time.monotonic()
                     if ahead > 0:
@@ -342,8 +360,11 @@ class Replicator:
         root = self.ckpt.root
         problem: Optional[str] = None
         image = None
+        self._send_problem = None
         try:
-            image = _shmckpt.replica_read_committed(root, step, me)
+            # Opened and checked now (no link, size, header); read piece by piece as it is
+            # sent (the receiver checks every tensor's CRC-32C before it holds it).
+            image = _shmckpt.replica_source(root, step, me)
         except ShmckptError as e:
             problem = f"rank {me} cannot read its image of step {step}: {e}"
             log.warning("%s", problem)
@@ -377,6 +398,8 @@ class Replicator:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
             del arena  # an arena that failed its check is gone with it
+        if problem is None and self._send_problem is not None:
+            problem = self._send_problem
         everyone = self._gather((held, problems, problem), "who holds which image")
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
@@ -523,8 +546,10 @@ class Replicator:
                 f"rank {self.ckpt.rank}: its file of step {step} is missing or of the wrong size, and "
                 f"no partner can be asked: replication stopped, {self.broken}"
             )
+        t0 = time.monotonic()
         try:
             self._before_load(step)
+            self.last_fetch_seconds = time.monotonic() - t0
         except _GroupFailed as e:
             self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
             raise ReplicationError(f"load of step {step}: {e}") from None
@@ -544,7 +569,7 @@ class Replicator:
             if q == me or me not in self.plan[q]:
                 continue
             try:
-                can[q] = _shmckpt.replica_load(root, step, q)
+                can[q] = _shmckpt.replica_serve(root, step, q)  # mapped read-only, checked in place
             except ShmckptError as e:
                 log.warning("replica of rank %d, step %d not served: %s", q, step, e)
         offers = self._gather(sorted(can), "who can serve a replica")

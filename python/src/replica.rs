@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
-use shmckpt::replica::{Incoming, IncomingState};
+use shmckpt::replica::{Incoming, IncomingState, Outgoing};
 
 use crate::{PyBuffer, to_py};
 
@@ -213,6 +213,70 @@ impl PyReplicaImage {
     }
 }
 
+/// `rank`'s committed file of a step, read into memory piece by piece as it is sent
+/// (`shmckpt::replica::Outgoing`): `read_to(end)` reads up to `end` (GIL released); numpy
+/// views the memory read-only through `__array_interface__` (keeping this object, and so
+/// the memory, alive). Only the read prefix holds the file's bytes.
+#[pyclass(module = "shmckpt._shmckpt", name = "ReplicaSource", frozen)]
+pub(crate) struct PyReplicaSource {
+    inner: Mutex<Outgoing>,
+    ptr: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl PyReplicaSource {
+    /// Length in bytes (the manifest's).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// The numpy array interface: a read-only 1-D uint8 view of the image's memory.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("version", 3)?;
+        d.set_item("shape", (self.len,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.ptr, true))?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// Read the file up to byte `end` (GIL released); nothing when read already.
+    fn read_to(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .read_to(end)
+        })
+        .map_err(|e| to_py(py, e))
+    }
+}
+
+/// `rank`'s committed file of `step`, opened (checked: no link, regular, the manifest's
+/// size, its header) to be read as it is sent (see `ReplicaSource`).
+#[pyfunction]
+fn replica_source(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+) -> PyResult<PyReplicaSource> {
+    py.detach(|| Outgoing::open(&root, step, rank))
+        .map(|o| PyReplicaSource {
+            ptr: o.as_ptr() as usize,
+            len: o.len(),
+            inner: Mutex::new(o),
+        })
+        .map_err(|e| to_py(py, e))
+}
+
 /// A new replica arena for `rank`'s image of the committed `step` (see `ReplicaImage`).
 #[pyfunction]
 fn replica_receive(
@@ -237,6 +301,19 @@ fn replica_receive_restore(
 ) -> PyResult<PyReplicaImage> {
     py.detach(|| Incoming::restore(&root, step, rank))
         .map(PyReplicaImage::new)
+        .map_err(|e| to_py(py, e))
+}
+
+/// This user's replica of `rank`'s image of `step`, mapped read-only and checked in full
+/// in place (a sealed `ReplicaImage`: sent to the rank that lost it without a copy).
+#[pyfunction]
+fn replica_serve(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResult<PyReplicaImage> {
+    py.detach(|| Incoming::serve(&root, step, rank))
+        .map(|inc| {
+            let img = PyReplicaImage::new(inc);
+            img.writable.store(false, Ordering::Release);
+            img
+        })
         .map_err(|e| to_py(py, e))
 }
 
@@ -313,6 +390,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_read_committed, m)?)?;
     m.add_function(wrap_pyfunction!(replica_store, m)?)?;
     m.add_function(wrap_pyfunction!(replica_receive, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_source, m)?)?;
+    m.add_class::<PyReplicaSource>()?;
     m.add_function(wrap_pyfunction!(replica_receive_restore, m)?)?;
     m.add_class::<PyReplicaImage>()?;
     m.add_function(wrap_pyfunction!(replica_load, m)?)?;

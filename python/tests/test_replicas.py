@@ -334,6 +334,11 @@ def test_received_images_are_sealed_before_served(droot):
         img.seal()
     del view, after, img
     assert shm.read_bytes() == good  # the arena outlives the object that received it
+    # Served to a lost rank: mapped read-only, checked in place, exactly the bytes.
+    served = _shmckpt.replica_serve(str(root), 5, 0)
+    sv = np.asarray(served)
+    assert served.state == "sealed" and not sv.flags.writeable and sv.tobytes() == good
+    del sv, served
 
     # A flipped data byte or a damaged header: refused, removed, the older replica kept.
     for at, err in ((entry["data_start"] + 5, shmckpt.ChecksumError), (10, shmckpt.CorruptError)):
@@ -348,6 +353,22 @@ def test_received_images_are_sealed_before_served(droot):
         with pytest.raises(shmckpt.ConfigError):
             img.tensors()
         del img
+    # A held replica damaged in place, a link or another kind of file: never served.
+    flipped = bytearray(good)
+    flipped[entry["data_start"] + 7] ^= 0x10
+    shm.write_bytes(bytes(flipped))
+    with pytest.raises(shmckpt.ChecksumError):
+        _shmckpt.replica_serve(str(root), 5, 0)
+    shm.write_bytes(good[:-1])
+    with pytest.raises(shmckpt.Truncated):
+        _shmckpt.replica_serve(str(root), 5, 0)
+    shm.unlink()
+    (root / "elsewhere").write_bytes(good)
+    shm.symlink_to(root / "elsewhere")
+    with pytest.raises(shmckpt.UnsafePath):
+        _shmckpt.replica_serve(str(root), 5, 0)
+    shm.unlink()
+    shm.write_bytes(good)
     # An arena dropped unsealed (a transfer that failed) leaves nothing behind.
     img = _shmckpt.replica_receive(str(root), 5, 0)
     assert tmp.is_file()
@@ -355,6 +376,35 @@ def test_received_images_are_sealed_before_served(droot):
     assert not tmp.exists() and names() == [name]
     with pytest.raises(shmckpt.NotFound):
         _shmckpt.replica_receive(str(root), 6, 0)
+
+    # The sender's image: its file, opened checked, read piece by piece as it is sent.
+    src = _shmckpt.replica_source(str(root), 5, 0)
+    sv = np.asarray(src)
+    assert src.nbytes == len(good) and not sv.flags.writeable
+    src.read_to(100)
+    assert sv[:100].tobytes() == good[:100]
+    src.read_to(len(good) + 4096)  # clamped to the file
+    assert sv.tobytes() == good
+    del sv, src
+    fpath = root / "step-5" / fname
+    src = _shmckpt.replica_source(str(root), 5, 0)
+    os.truncate(fpath, len(good) // 2)  # the file shrinks under the sender: refused
+    with pytest.raises(shmckpt.Truncated):
+        src.read_to(len(good))
+    del src
+    with pytest.raises(shmckpt.Truncated):
+        _shmckpt.replica_source(str(root), 5, 0)
+    hdr = bytearray(good)
+    hdr[10] ^= 0x20
+    fpath.write_bytes(bytes(hdr))
+    with pytest.raises(shmckpt.CorruptError):
+        _shmckpt.replica_source(str(root), 5, 0)
+    fpath.unlink()
+    fpath.symlink_to(root / "elsewhere")
+    with pytest.raises(shmckpt.UnsafePath):
+        _shmckpt.replica_source(str(root), 5, 0)
+    fpath.unlink()
+    fpath.write_bytes(good)
 
     # A lost rank's restore: refused when damaged (its file is not written) ...
     (root / "step-5" / fname).unlink()

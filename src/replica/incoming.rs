@@ -35,6 +35,8 @@ enum Target {
     },
     /// A lost rank's image (private anonymous memory), written back as its file once sealed.
     Restore,
+    /// A replica this rank holds, mapped read-only to be sent ([`Incoming::serve`]).
+    Served,
 }
 
 /// Where an [`Incoming`] stands.
@@ -128,6 +130,75 @@ impl Incoming {
         })
     }
 
+    /// This user's replica of `rank`'s image of the committed `step` of `root`, to send to
+    /// the rank that lost it: the regular file of this user under its name in `/dev/shm`
+    /// (opened without following a link), exactly the manifest's size, mapped read-only
+    /// (the mapping is shared: as a kept arena taken over, this user's file is trusted not
+    /// to be truncated by another process while mapped) and checked in place against the
+    /// manifest (every check of [`super::verify_image`]). Sealed already: nothing to
+    /// publish, and nothing in this process can write it. An error when there is none or
+    /// it does not match: a replica that fails the check is never served.
+    pub fn serve(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let name = super::replica_name(root, rank, step)?;
+        let dir = Path::new(SHM_MOUNT);
+        let dfd = fsx::open_dir(dir)?;
+        let path = dir.join(&name);
+        let file = fsx::open_file(dfd.as_fd(), dir, &name, false, Create::No, Some(euid()))?;
+        let actual = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if actual != entry.bytes {
+            return Err(if actual < entry.bytes {
+                Error::Truncated {
+                    path,
+                    expected: entry.bytes,
+                    actual,
+                }
+            } else {
+                Error::corrupt(
+                    &path,
+                    None,
+                    format!("{actual} bytes, the manifest says {}", entry.bytes),
+                )
+            });
+        }
+        // SAFETY: a new read-only shared mapping with a null hint aliases no existing
+        // memory; the file is a regular file of this user of exactly `len` bytes (checked
+        // above on the open descriptor).
+        let raw = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                &file,
+                0,
+            )
+        }
+        .map_err(|e| Error::io("mmap", &path, e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))?;
+        let inc = Incoming {
+            ptr,
+            map_len: len,
+            len,
+            target: Target::Served,
+            state: IncomingState::Sealed,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+        };
+        // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
+        // this process writes it (it is mapped nowhere else writable here).
+        let bytes = unsafe { std::slice::from_raw_parts(inc.ptr.as_ptr(), len) };
+        check_bytes(bytes, &inc.entry, &path)?;
+        Ok(inc)
+    }
+
     /// Private memory for `rank`'s image of the committed `step` of `root`, received from a
     /// partner to restore a lost rank: [`Incoming::seal`] checks it and writes it back as
     /// the rank's file; the memory then belongs to its holder (the load can serve the
@@ -167,7 +238,7 @@ impl Incoming {
     }
 
     /// The first byte of the mapping (page aligned). Writable while [`IncomingState::Open`]
-    /// (and, for a restore, once sealed); a write to a sealed replica faults.
+    /// (and, for a restore, once sealed); a write to a sealed or served replica faults.
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -257,6 +328,7 @@ impl Incoming {
                 remove_stale(tag, self.rank, self.step);
                 Ok(dir.join(name))
             }
+            Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
             Target::Restore => {
                 let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
                 if entry != self.entry {
@@ -310,5 +382,139 @@ impl Drop for Incoming {
         // SAFETY: the mapping is this value's own and nothing borrows it past `self`
         // (holders of the raw pointer keep `self` alive: the binding's views own it).
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.map_len) };
+    }
+}
+
+/// `rank`'s committed file of a step, read into private memory piece by piece while the
+/// pieces already read are sent ([`Outgoing::read_to`]): the sender's read overlaps the
+/// transfer. The file is opened without following a link, must be a regular file of
+/// exactly the manifest's size with a header that passes the checks of every disk read
+/// (its CRC-32C against the manifest's); its data is checked by the receiver (every
+/// tensor's CRC-32C, [`Incoming::seal`]), which never publishes an image that fails.
+#[derive(Debug)]
+pub struct Outgoing {
+    ptr: NonNull<u8>,
+    len: usize,
+    file: std::fs::File,
+    path: PathBuf,
+    /// Bytes `[0, done)` are read.
+    done: usize,
+}
+
+// SAFETY: `Outgoing` owns its mapping and its file; nothing ties them to a thread. Rust
+// never makes a reference to the mapping's bytes (the kernel writes them, `read_to`).
+unsafe impl Send for Outgoing {}
+
+impl Outgoing {
+    /// Open `rank`'s committed file of `step` of `root` for sending (see the type).
+    pub fn open(root: &Path, step: u64, rank: u32) -> Result<Outgoing> {
+        let (dir, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let dfd = fsx::open_dir(&dir)?;
+        let path = dir.join(&entry.file);
+        let file = fsx::open_file(dfd.as_fd(), &dir, &entry.file, false, Create::No, None)?;
+        let actual = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if actual != entry.bytes {
+            return Err(Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual,
+            });
+        }
+        crate::restore::check_header(&file, &path, &entry)?;
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            Error::io(
+                "mmap",
+                Path::new("(anonymous)"),
+                std::io::Error::other("null"),
+            )
+        })?;
+        Ok(Outgoing {
+            ptr,
+            len,
+            file,
+            path,
+            done: 0,
+        })
+    }
+
+    /// The first byte of the image's memory (page aligned; `[0, read())` holds the file's
+    /// bytes).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The image's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty (never: a safetensors file has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes read so far (a prefix of the file).
+    pub fn read(&self) -> usize {
+        self.done
+    }
+
+    /// Read the file up to byte `end` (at most its length) into the memory, if not read
+    /// yet. The bytes from the current prefix on are written by the kernel (`pread` into
+    /// the mapping, no Rust reference made), so a transport reading the prefix meanwhile
+    /// is never disturbed. [`Error::Truncated`] when the file ends early (it shrank).
+    pub fn read_to(&mut self, end: usize) -> Result<()> {
+        let end = end.min(self.len);
+        while self.done < end {
+            let want = (end - self.done).min(1 << 30);
+            // SAFETY: `done + want <= len`: the range lies in this value's own mapping, alive
+            // while `self` is; it is written only by the kernel here, and nothing reads the
+            // bytes past `done` before this call returns (the transport sends a prefix).
+            let n = unsafe {
+                libc::pread(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                    self.ptr.as_ptr().add(self.done).cast::<c_void>(),
+                    want,
+                    self.done as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::io_at("read", &self.path, self.done as u64, e));
+            }
+            if n == 0 {
+                return Err(Error::Truncated {
+                    path: self.path.clone(),
+                    expected: self.len as u64,
+                    actual: self.done as u64,
+                });
+            }
+            self.done += n as usize;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this value's own; holders of its address keep `self` alive
+        // (the binding's views own it).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
     }
 }
