@@ -195,6 +195,9 @@ class Replicator:
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
+        # Received pieces of a restore's image, in order: written to its file as they
+        # arrive (`write_through`), so the write-back overlaps the transfer.
+        through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
         views = []
@@ -204,7 +207,10 @@ class Replicator:
             got[src] = buf
             for a, b in self._pieces(t.numel(), src):
                 try:
-                    works.append((src, "receiving from", dist.irecv(t[a:b], src=src, group=self.group)))
+                    w = dist.irecv(t[a:b], src=src, group=self.group)
+                    if getattr(buf, "restore", False):
+                        through[id(w)] = (buf, b)
+                    works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
         with warnings.catch_warnings():  # read-only memory: only ever sent from
@@ -244,6 +250,13 @@ class Replicator:
                 w.wait()
             except RuntimeError as e:
                 failed.setdefault(peer, f"{what} rank {peer}: {e}")
+            hook = through.pop(id(w), None)
+            if hook is not None and peer not in failed:
+                try:
+                    hook[0].write_through(hook[1])
+                except ShmckptError as e:  # seal() writes what is left, or fails
+                    log.warning("rank %d: writing the image from rank %d early failed: %s", me, peer, e)
+                    through = {k: v for k, v in through.items() if v[0] is not hook[0]}
         del keep, views
         if failed:
             got.clear()

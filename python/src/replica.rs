@@ -191,6 +191,30 @@ impl PyReplicaImage {
             .collect()
     }
 
+    /// Whether this is a restore's private memory (not a replica arena).
+    #[getter]
+    fn restore(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_restore()
+    }
+
+    /// A restore only, while open: freeze the bytes up to `end` (rounded down to a page)
+    /// read-only and write them to the rank's temporary file (GIL released), so the
+    /// write-back overlaps the transfer; `seal()` writes the rest, checks the whole image,
+    /// and only then renames the file into place. Every write into `[0, end)` must be
+    /// finished.
+    fn write_through(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .write_through(end)
+        })
+        .map_err(|e| to_py(py, e))
+    }
+
     /// Check the received image against the committed manifest and publish it (GIL
     /// released): a replica under its name in `/dev/shm` (returns its path), a restore
     /// written back as the rank's file (returns the file's path). Every write into the

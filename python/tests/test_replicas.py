@@ -416,6 +416,31 @@ def test_received_images_are_sealed_before_served(droot):
         img.seal()
     assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
     del img
+    # Written while it arrives (write_through), then refused: the early file is removed.
+    early = root / "step-5" / f".{fname}.tmp{os.getpid()}"
+    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
+    assert img.restore
+    half = len(good) // 2
+    np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
+    img.write_through(half)
+    assert early.read_bytes() == good[: half - half % 4096]  # whole pages, frozen
+    with pytest.raises(shmckpt.ChecksumError):
+        img.seal()
+    assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
+    del img
+    # Written while it arrives, then sealed: the file holds exactly the image.
+    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
+    whole = np.asarray(img)
+    whole[:half] = np.frombuffer(good[:half], dtype=np.uint8)
+    img.write_through(half)
+    assert early.read_bytes() == good[: half - half % 4096] and not (root / "step-5" / fname).exists()
+    whole[half:] = np.frombuffer(good[half:], dtype=np.uint8)
+    assert img.seal() == str(root / "step-5" / fname)
+    assert (root / "step-5" / fname).read_bytes() == good and not early.exists()
+    del whole, img
+    with pytest.raises(shmckpt.ConfigError):
+        _shmckpt.replica_receive(str(root), 5, 0).write_through(4096)
+    (root / "step-5" / fname).unlink()
     # ... else the file is written back from memory, and the tensors served from it.
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)
     np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)

@@ -65,6 +65,62 @@ pub struct Incoming {
     step: u64,
     rank: u32,
     entry: FileEntry,
+    /// A restore's file written while the image arrives ([`Incoming::write_through`]).
+    early: Option<EarlyWrite>,
+}
+
+/// The temporary file of a restore written piece by piece as the image arrives.
+#[derive(Debug)]
+struct EarlyWrite {
+    dir: PathBuf,
+    tmp: String,
+    file: std::fs::File,
+    /// Bytes `[0, written)` are frozen (read-only) and written to the file.
+    written: usize,
+}
+
+/// Write the mapping's bytes `[start, end)` at `ptr` to `file` at the same offsets.
+/// The kernel reads the memory (no Rust reference is made).
+///
+/// # Safety
+/// `ptr..ptr + end` must be mapped and readable for the whole call.
+unsafe fn pwrite_range(
+    file: &std::fs::File,
+    ptr: *const u8,
+    start: usize,
+    end: usize,
+    path: &Path,
+) -> Result<()> {
+    let mut at = start;
+    while at < end {
+        let want = (end - at).min(1 << 30);
+        // SAFETY: `at + want <= end`: readable memory by this function's contract.
+        let n = unsafe {
+            libc::pwrite(
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                ptr.add(at).cast::<c_void>(),
+                want,
+                at as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io_at("write", path, at as u64, e));
+        }
+        if n == 0 {
+            return Err(Error::io_at(
+                "write",
+                path,
+                at as u64,
+                std::io::Error::other("wrote nothing"),
+            ));
+        }
+        at += n as usize;
+    }
+    Ok(())
 }
 
 // SAFETY: `Incoming` owns its mapping; the pointer is not tied to the thread that made it,
@@ -127,6 +183,7 @@ impl Incoming {
             step,
             rank,
             entry,
+            early: None,
         })
     }
 
@@ -191,6 +248,7 @@ impl Incoming {
             step,
             rank,
             entry,
+            early: None,
         };
         // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
         // this process writes it (it is mapped nowhere else writable here).
@@ -234,6 +292,7 @@ impl Incoming {
             step,
             rank,
             entry,
+            early: None,
         })
     }
 
@@ -268,6 +327,72 @@ impl Incoming {
         &self.entry
     }
 
+    /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
+    /// page, or the whole image) read-only, and write them to the rank's temporary file in
+    /// the step's directory (created new, never through a link, on the first call), so the
+    /// write-back overlaps the transfer; [`Incoming::seal`] writes the rest, checks the
+    /// whole image and only then renames the file into place (a failure removes it). The
+    /// caller must have finished every write into `[0, end)` (a later write faults).
+    pub fn write_through(&mut self, end: usize) -> Result<()> {
+        if !self.is_restore() || self.state != IncomingState::Open {
+            return Err(Error::Config(
+                "write_through is for a restore's image being received".into(),
+            ));
+        }
+        let page = rustix::param::page_size();
+        let end = if end >= self.len {
+            self.len
+        } else {
+            end - end % page
+        };
+        if self.early.is_none() {
+            let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
+            if entry != self.entry {
+                return Err(Error::corrupt(
+                    &dir,
+                    None,
+                    format!(
+                        "the manifest of step {} changed while the image was received",
+                        self.step
+                    ),
+                ));
+            }
+            let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+            let dfd = fsx::open_dir(&dir)?;
+            fsx::unlink_in(dfd.as_fd(), &dir, &tmp)?;
+            let file = fsx::open_file(dfd.as_fd(), &dir, &tmp, true, Create::New, Some(euid()))?;
+            self.early = Some(EarlyWrite {
+                dir,
+                tmp,
+                file,
+                written: 0,
+            });
+        }
+        let start = self.early.as_ref().map_or(0, |e| e.written);
+        if end <= start {
+            return Ok(());
+        }
+        // `start` is 0 or a page boundary (or `len`, excluded above), so this range starts
+        // page aligned; its length is rounded up to whole pages by the kernel (inside the
+        // mapping: `end <= len <= map_len`).
+        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
+        // read-only invalidates no Rust reference (none is made to it).
+        unsafe {
+            rustix::mm::mprotect(
+                self.ptr.as_ptr().add(start).cast::<c_void>(),
+                end - start,
+                MprotectFlags::READ,
+            )
+        }
+        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
+        let early = self.early.as_mut().expect("made above");
+        let path = early.dir.join(&early.tmp);
+        // SAFETY: `end <= len`: mapped and readable (read-only now).
+        unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
+        early.written = end;
+        Ok(())
+    }
+
     fn protect(&self, flags: MprotectFlags) -> Result<()> {
         // SAFETY: `ptr..ptr + map_len` is this value's own mapping, alive until drop; changing
         // its protection invalidates no Rust reference (none is live across this call).
@@ -296,10 +421,11 @@ impl Incoming {
         }
         self.state = IncomingState::Refused;
         let res = self.seal_inner();
-        if res.is_err()
-            && let Target::Replica { tmp, .. } = &self.target
-        {
-            let _ = remove_tmp(tmp);
+        if res.is_err() {
+            if let Target::Replica { tmp, .. } = &self.target {
+                let _ = remove_tmp(tmp);
+            }
+            self.remove_early();
         }
         if res.is_ok() {
             self.state = IncomingState::Sealed;
@@ -341,8 +467,50 @@ impl Incoming {
                         ),
                     ));
                 }
-                let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
-                let path = write_atomic(&dir, &entry.file, &tmp, bytes, true)?;
+                let path = match self.early.take() {
+                    None => {
+                        let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+                        write_atomic(&dir, &entry.file, &tmp, bytes, true)?
+                    }
+                    Some(early) => {
+                        // The bytes before `written` are in the file already (frozen
+                        // before they were written, so they are the bytes just checked).
+                        let tmp_path = early.dir.join(&early.tmp);
+                        let done = (|| {
+                            // SAFETY: `len` bytes mapped, read-only now.
+                            unsafe {
+                                pwrite_range(
+                                    &early.file,
+                                    self.ptr.as_ptr(),
+                                    early.written,
+                                    self.len,
+                                    &tmp_path,
+                                )
+                            }?;
+                            early
+                                .file
+                                .sync_all()
+                                .map_err(|e| Error::io("fsync", &tmp_path, e))?;
+                            let dfd = fsx::open_dir(&early.dir)?;
+                            rustix::fs::renameat(
+                                dfd.as_fd(),
+                                early.tmp.as_str(),
+                                dfd.as_fd(),
+                                entry.file.as_str(),
+                            )
+                            .map_err(|e| {
+                                Error::io("rename", early.dir.join(&entry.file), e.into())
+                            })?;
+                            rustix::fs::fsync(&dfd)
+                                .map_err(|e| Error::io("fsync", &early.dir, e.into()))?;
+                            Ok(early.dir.join(&entry.file))
+                        })();
+                        if done.is_err() {
+                            self.early = Some(early);
+                        }
+                        done?
+                    }
+                };
                 // The memory is its holder's from here on: Rust never reads it again.
                 self.protect(MprotectFlags::READ | MprotectFlags::WRITE)?;
                 Ok(path)
@@ -364,6 +532,17 @@ fn image_len(entry: &FileEntry) -> Result<usize> {
     }
 }
 
+impl Incoming {
+    /// Remove a restore's temporary file written early, if any.
+    fn remove_early(&mut self) {
+        if let Some(e) = self.early.take()
+            && let Ok(dfd) = fsx::open_dir(&e.dir)
+        {
+            let _ = fsx::unlink_in(dfd.as_fd(), &e.dir, &e.tmp);
+        }
+    }
+}
+
 /// Remove this process's temporary replica file `tmp` from `/dev/shm`.
 fn remove_tmp(tmp: &str) -> Result<()> {
     let dir = Path::new(SHM_MOUNT);
@@ -373,6 +552,7 @@ fn remove_tmp(tmp: &str) -> Result<()> {
 
 impl Drop for Incoming {
     fn drop(&mut self) {
+        self.remove_early();
         if self.state != IncomingState::Sealed
             && let Target::Replica { tmp, .. } = &self.target
             && let Err(e) = remove_tmp(tmp)
