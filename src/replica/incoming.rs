@@ -579,6 +579,8 @@ pub struct Outgoing {
     path: PathBuf,
     /// Bytes `[0, done)` are read.
     done: usize,
+    /// Whether the descriptor reads with `O_DIRECT` (`None`: not tried yet).
+    direct: Option<bool>,
 }
 
 // SAFETY: `Outgoing` owns its mapping and its file; nothing ties them to a thread. Rust
@@ -628,6 +630,7 @@ impl Outgoing {
             file,
             path,
             done: 0,
+            direct: None,
         })
     }
 
@@ -653,41 +656,106 @@ impl Outgoing {
     }
 
     /// Read the file up to byte `end` (at most its length) into the memory, if not read
-    /// yet. The bytes from the current prefix on are written by the kernel (`pread` into
-    /// the mapping, no Rust reference made), so a transport reading the prefix meanwhile
-    /// is never disturbed. [`Error::Truncated`] when the file ends early (it shrank).
+    /// yet: with `O_DIRECT` when the file system takes it (whole pages; the tail past the
+    /// end of the file comes back short), in up to 4 parts read at once. The bytes from the
+    /// current prefix on are written by the kernel (`pread` into the mapping, no Rust
+    /// reference made), so a transport reading the prefix meanwhile is never disturbed.
+    /// [`Error::Truncated`] when the file ends early (it shrank).
     pub fn read_to(&mut self, end: usize) -> Result<()> {
         let end = end.min(self.len);
-        while self.done < end {
-            let want = (end - self.done).min(1 << 30);
-            // SAFETY: `done + want <= len`: the range lies in this value's own mapping, alive
-            // while `self` is; it is written only by the kernel here, and nothing reads the
-            // bytes past `done` before this call returns (the transport sends a prefix).
-            let n = unsafe {
-                libc::pread(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
-                    self.ptr.as_ptr().add(self.done).cast::<c_void>(),
-                    want,
-                    self.done as libc::off_t,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
+        if self.done >= end {
+            return Ok(());
+        }
+        let page = rustix::param::page_size();
+        if self.direct.is_none() {
+            // O_DIRECT on the open descriptor, where the file system takes it.
+            let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+            self.direct =
+                Some(rustix::fs::fcntl_setfl(&self.file, fl | rustix::fs::OFlags::DIRECT).is_ok());
+        }
+        // `done` is always a page boundary (or `len`): whole pages up to `end`, at most to
+        // the mapping's last page (mapped: the kernel maps whole pages).
+        let stop = end.div_ceil(page) * page;
+        let parts = ((stop - self.done) / (16 << 20)).clamp(1, 4);
+        let per = (stop - self.done).div_ceil(parts).div_ceil(page) * page;
+        let ranges: Vec<(usize, usize)> = (0..parts)
+            .map(|k| (self.done + k * per, (self.done + (k + 1) * per).min(stop)))
+            .filter(|(a, b)| a < b)
+            .collect();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        let base = self.ptr.as_ptr() as usize;
+        let len = self.len;
+        let read_range = |a: usize, b: usize| -> std::result::Result<(), (usize, std::io::Error)> {
+            let mut at = a;
+            while at < b.min(len) {
+                let want = (b - at).min(1 << 30);
+                // SAFETY: `at + want <= stop <= len` rounded up to a page: inside this value's
+                // mapping (whole pages), alive for the call; each range is written by one
+                // thread only, by the kernel, and nothing reads past `done` meanwhile.
+                let n =
+                    unsafe { libc::pread(fd, (base + at) as *mut c_void, want, at as libc::off_t) };
+                if n < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err((at, e));
                 }
-                return Err(Error::io_at("read", &self.path, self.done as u64, e));
+                if n == 0 {
+                    return Err((at, std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+                }
+                at += n as usize;
             }
-            if n == 0 {
-                return Err(Error::Truncated {
+            Ok(())
+        };
+        let results: Vec<_> = if ranges.len() == 1 {
+            vec![read_range(ranges[0].0, ranges[0].1)]
+        } else {
+            std::thread::scope(|scope| {
+                let hs: Vec<_> = ranges
+                    .iter()
+                    .map(|&(a, b)| scope.spawn(move || read_range(a, b)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err((0, std::io::Error::other("a read thread panicked")))
+                        })
+                    })
+                    .collect()
+            })
+        };
+        let mut first_err = None;
+        for r in results {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            None => {
+                // Read whole pages up to `stop` (or to the end of the file).
+                self.done = stop.min(self.len);
+                Ok(())
+            }
+            Some((at, e))
+                if e.raw_os_error() == Some(libc::EINVAL) && self.direct == Some(true) =>
+            {
+                // The file system refused O_DIRECT for these reads: read buffered.
+                let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+                rustix::fs::fcntl_setfl(&self.file, fl - rustix::fs::OFlags::DIRECT)
+                    .map_err(|e2| Error::io_at("read", &self.path, at as u64, e2.into()))?;
+                self.direct = Some(false);
+                self.read_to(end)
+            }
+            Some((at, e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                Err(Error::Truncated {
                     path: self.path.clone(),
                     expected: self.len as u64,
-                    actual: self.done as u64,
-                });
+                    actual: at as u64,
+                })
             }
-            self.done += n as usize;
+            Some((at, e)) => Err(Error::io_at("read", &self.path, at as u64, e)),
         }
-        Ok(())
     }
 }
 
