@@ -79,6 +79,10 @@ def droot(root):
     for rep in list_replicas():
         if rep["root_tag"] == tag:
             remove_replica(rep["name"])
+    # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`).
+    for p in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*.tmp*"):
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
 
 
 def our_replicas(root):
