@@ -24,6 +24,9 @@ use crate::manifest::{FileEntry, list_committed};
 use crate::staging::shm::SHM_MOUNT;
 use crate::tensor::AlignedBytes;
 
+mod incoming;
+pub use incoming::{Incoming, IncomingState, Outgoing};
+
 /// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena
 /// listings and recovery never take a replica for a staging arena).
 pub const REPLICA_PREFIX: &str = "shmckpt-replica.";
@@ -174,13 +177,16 @@ fn check_bytes(bytes: &[u8], entry: &FileEntry, what: &Path) -> Result<()> {
     // `check_header` proved 8 + header length == data_start and the data section's length
     // equals the header's; the offsets are still taken with checks.
     let data = &bytes[hdr_len..];
+    let mut pieces = Vec::with_capacity(entry.tensors.len());
     for t in &entry.tensors {
         let [b, e] = t.data_offsets;
         let piece = (b <= e)
             .then(|| data.get(mem_len(b, what).ok()?..mem_len(e, what).ok()?))
             .flatten()
             .ok_or_else(|| Error::corrupt(what, Some(&t.name), "lies outside the data section"))?;
-        let actual = crc32c::crc32c(piece);
+        pieces.push(piece);
+    }
+    for (t, actual) in entry.tensors.iter().zip(crcs(&pieces)) {
         if actual != t.crc32c {
             return Err(Error::Checksum {
                 path: what.to_owned(),
@@ -191,6 +197,50 @@ fn check_bytes(bytes: &[u8], entry: &FileEntry, what: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The CRC-32C of each of `pieces`, computed on up to 8 threads (each piece cut in parts of
+/// at most 64 MiB, the parts' CRCs combined).
+fn crcs(pieces: &[&[u8]]) -> Vec<u32> {
+    const PART: usize = 64 << 20;
+    let parts: Vec<(usize, &[u8])> = pieces
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            let n = p.len().div_ceil(PART).max(1);
+            (0..n).map(move |k| (i, &p[k * PART..((k + 1) * PART).min(p.len())]))
+        })
+        .collect();
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(total.div_ceil(PART).max(1));
+    let mut part_crcs = vec![0u32; parts.len()];
+    if threads <= 1 {
+        for (c, (_, p)) in part_crcs.iter_mut().zip(&parts) {
+            *c = crc32c::crc32c(p);
+        }
+    } else {
+        let per = parts.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            for (out, work) in part_crcs.chunks_mut(per).zip(parts.chunks(per)) {
+                scope.spawn(move || {
+                    for (c, (_, p)) in out.iter_mut().zip(work) {
+                        *c = crc32c::crc32c(p);
+                    }
+                });
+            }
+        });
+    }
+    let mut out: Vec<Option<u32>> = vec![None; pieces.len()];
+    for ((i, p), c) in parts.iter().zip(part_crcs) {
+        out[*i] = Some(match out[*i] {
+            None => c,
+            Some(prev) => crc32c::crc32c_combine(prev, c, p.len()),
+        });
+    }
+    out.into_iter().map(|c| c.unwrap_or(0)).collect()
 }
 
 /// Check `bytes` as `rank`'s image of the committed `step` of `root` (see the module).
@@ -291,6 +341,15 @@ pub fn store(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<String> 
         bytes,
         false,
     )?;
+    remove_stale(&tag, rank, step);
+    Ok(name)
+}
+
+/// Remove this user's older replicas of the root tagged `tag` and `rank` (any step but
+/// `step`), and temporary files of writers of them that died (`<replica name>.tmp<pid>` of
+/// a process that no longer exists). Failures are logged.
+fn remove_stale(tag: &str, rank: u32, step: u64) {
+    let pid = std::process::id();
     for old in list_names() {
         // Older replicas of this root and rank, and temporary files of writers that died
         // (`<replica name>.tmp<pid>` of a process that no longer exists).
@@ -306,7 +365,6 @@ pub fn store(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<String> 
             tracing::warn!(replica = %old, error = %e, "could not remove an older replica");
         }
     }
-    Ok(name)
 }
 
 /// This user's replica of `rank`'s image of `step` of `root`, read from `/dev/shm` and
@@ -439,6 +497,19 @@ mod tests {
             plan(&uneven, 1).unwrap(),
             vec![vec![3], vec![3], vec![3], vec![0]]
         );
+    }
+
+    #[test]
+    fn parallel_crcs_equal_whole_crcs() {
+        // Pieces larger than a part (64 MiB) are cut and their parts' CRCs combined.
+        let big: Vec<u8> = (0..(65usize << 20) + 3)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let small = b"shmckpt".to_vec();
+        let pieces: Vec<&[u8]> = vec![&big, &[], &small, &big[1..(64 << 20) + 1]];
+        let want: Vec<u32> = pieces.iter().map(|p| crc32c::crc32c(p)).collect();
+        assert_eq!(crcs(&pieces), want);
+        assert_eq!(crcs(&[]), Vec::<u32>::new());
     }
 
     #[test]

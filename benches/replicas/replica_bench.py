@@ -4,15 +4,20 @@ transport limit and against a restore from local disk, all measured in the same 
 
     python benches/replicas/replica_bench.py --world 2 --size-mib 64 --rounds 5 \
         --root /tmp/replica-bench [--bandwidth none] [--json out.json]
+    python benches/replicas/replica_bench.py --size-mib 1024,4096,8192 --rounds 3 ...
+
+``--size-mib`` takes one size or a comma-separated list: each size is a separate run (a new
+world and root), printed as its own table, then a summary of the ratios of every size.
 
 It starts ``--world`` ranks (this script, ``--role rank``) over gloo on 127.0.0.1, the
 first half on simulated machine "m0", the second on "m1" (``node=``; ``replicas=1``:
 partners i <-> i + world/2). Each rank holds ``--size-mib`` MiB of float32 tensors (pieces
-of at most 256 MiB). Every round does, in alternated order (even rounds A then B, odd
-rounds B then A):
+of at most 256 MiB). After one warm-up replication (arena, files, connections), every
+round does, in alternated order (even rounds A then B, odd rounds B then A):
 
   A  replication: ``save(step)`` (non-blocking), ``wait()`` (durable), ``wait_replicated()``
-     (k-safe: every rank's image held and CRC-checked by its partner). Reported: save to
+     (k-safe: every rank's image received straight into a replica arena in its partner's
+     /dev/shm and sealed there: CRC-checked against the manifest). Reported: save to
      k-safe (the slowest rank), durable to k-safe, and the replication bandwidth: this
      rank's image bytes / its exchange's seconds (the report's ``transfer_seconds``; the
      slowest rank).
@@ -24,16 +29,18 @@ then the restore rounds, again alternated (even rounds C then D, odd D then C), 
 last step saved:
 
   C  restore from peers: the ranks of machine m1 remove their file of the step (the lost
-     machine); the collective fetch (``before_load``: the partner reads its replica from
-     /dev/shm and checks it, sends it, the lost rank checks it and writes it back as its
-     file, fsync) is timed, then the load of the written file (every byte checked);
-     reported: fetch, and fetch + load (the slowest of the lost ranks); the bandwidth of the
-     fetch is set against B's.
+     machine) and ``load`` it (collective): the partner maps its replica read-only and
+     checks it in place, sends it, the lost rank receives it into memory, checks it, writes
+     it back as its file (fsync) and is served its tensors from that memory (source
+     ``("peer", partner)``). Reported: the fetch (the collective part:
+     ``last_fetch_seconds``) and the whole load (the slowest of the lost ranks), set against
+     B's seconds.
   D  restore from local disk: every rank loads the step from its file (``load``; source
      "disk"; the slowest rank).
 
-The checkpointer keeps nothing in memory (``keep_in_memory=False``), so C and D read
-files; the ranks share one root on local disk (``--root``, default a new temporary directory).
+The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D and the senders
+read files; the ranks share one root on local disk (``--root``, default a new temporary
+directory).
 ``--bandwidth`` is ``replica_bandwidth`` (bytes/s, or ``none``: unbounded, the default
 here, to set replication against the transport's limit; the library's default is 1 GiB/s).
 
@@ -173,15 +180,18 @@ def rank_main(a: argparse.Namespace) -> None:
             os.unlink(path)
         dist.barrier(group=group)
         t0 = time.monotonic()
-        rep.before_load(last)
-        t1 = time.monotonic()
-        assert (rep._peer == partner) if lost else (rep._peer is None), rep._peer
-        got = ck.load(last)  # its own fetch finds every file: it makes no transfer
+        got = ck.load(last)
         t2 = time.monotonic()
+        fetch = rep.last_fetch_seconds
+        assert fetch is not None
         src = ck.last_load_source
-        assert src is not None and src[0] == "disk", src
+        if lost:
+            assert src == ("peer", partner), src
+        else:
+            assert src is not None and src[0] == "disk", src
         assert all(torch.equal(got[k], v) for k, v in state.items())
-        put("peer_fetch_s", gather_lost_max(t1 - t0, lost))
+        del got
+        put("peer_fetch_s", gather_lost_max(fetch, lost))
         put("peer_restore_s", gather_lost_max(t2 - t0, lost))
 
     def from_disk() -> None:
@@ -190,17 +200,15 @@ def rank_main(a: argparse.Namespace) -> None:
         got = ck.load(last)
         t1 = time.monotonic()
         src = ck.last_load_source
-        assert src is not None and src[0] in ("disk", "peer"), src
+        assert src is not None and src[0] == "disk", src
         assert all(torch.equal(got[k], v) for k, v in state.items())
+        del got
         put("disk_restore_s", gather_lost_max(t1 - t0, lost))
 
-    for rnd in range(a.rounds + 1):
+    for rnd in range(a.rounds):  # no warm-up: the connections are up, the files written
         order = (from_peers, from_disk) if rnd % 2 == 0 else (from_disk, from_peers)
         for f in order:
             f()
-        if rnd == 0:
-            for k in ("peer_fetch_s", "peer_restore_s", "disk_restore_s"):
-                samples.pop(k, None)
 
     ck.close()
     dist.barrier()
@@ -229,24 +237,8 @@ def ratio(num: List[float], den: List[float]) -> str:
     return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="ranks (even: half on each simulated machine)")
-    p.add_argument("--size-mib", type=int, default=64, help="MiB of tensors per rank")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (plus one warm-up)")
-    p.add_argument("--root", default=None, help="checkpoint root (local disk; emptied first)")
-    p.add_argument("--bandwidth", default="none", help="replica_bandwidth in bytes/s, or none")
-    p.add_argument("--json", default=None, help="write every sample here")
-    p.add_argument("--role", default="launch", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out", default="", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.role == "rank":
-        rank_main(a)
-        return
-    if a.world < 2 or a.world % 2:
-        p.error("--world must be even and at least 2")
+def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
+    """One world at ``size_mib`` MiB per rank: its samples (and its table printed)."""
     made = a.root is None
     root = a.root or tempfile.mkdtemp(prefix="replica-bench-")
     if os.path.isdir(root):
@@ -254,14 +246,19 @@ def main() -> None:
     out = os.path.join(tempfile.mkdtemp(prefix="replica-bench-out-"), "r0.json")
     port = free_port()
     base = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--world", str(a.world),
-            "--size-mib", str(a.size_mib), "--rounds", str(a.rounds), "--root", root,
+            "--size-mib", str(size_mib), "--rounds", str(a.rounds), "--root", root,
             "--bandwidth", a.bandwidth, "--port", str(port), "--out", out]
     procs = [subprocess.Popen(base + ["--rank", str(r)]) for r in range(a.world)]
     codes = [pr.wait() for pr in procs]
     if any(codes):
-        sys.exit(f"a rank failed: exit codes {codes}")
+        sys.exit(f"a rank failed at {size_mib} MiB: exit codes {codes}")
     with open(out) as f:
         res = json.load(f)
+    shutil.rmtree(os.path.dirname(out))
+    if made:
+        shutil.rmtree(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)  # the next size's /dev/shm and disk
     n, s = int(res["image_bytes"]), res["samples"]
     print(f"world {a.world} (2 simulated machines, gloo on 127.0.0.1), image {n / (1 << 20):.1f} MiB per rank, "
           f"replica_bandwidth {a.bandwidth}, {a.rounds} rounds (alternated), median (min-max)")
@@ -275,16 +272,51 @@ def main() -> None:
     print(f"| save to k-safe | {med(s['save_to_k_safe_s'])} | | |")
     print(f"| lost ranks: fetch from peers (checked, written back) | {med(s['peer_fetch_s'])} | {rate(n, s['peer_fetch_s'])} | "
           f"{ratio(s['peer_fetch_s'], s['transport_s'])} |")
-    print(f"| lost ranks: restore from peers (fetch + load) | {med(s['peer_restore_s'])} | {rate(n, s['peer_restore_s'])} | "
+    print(f"| lost ranks: restore from peers (load: fetch + tensors) | {med(s['peer_restore_s'])} | {rate(n, s['peer_restore_s'])} | "
           f"{ratio(s['peer_restore_s'], s['transport_s'])} |")
     print(f"| restore from local disk (load) | {med(s['disk_restore_s'])} | {rate(n, s['disk_restore_s'])} | "
           f"{ratio(s['disk_restore_s'], s['transport_s'])} |")
+    print(flush=True)
+    return {"size_mib": size_mib, **res}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="ranks (even: half on each simulated machine)")
+    p.add_argument("--size-mib", default="64", help="MiB of tensors per rank; a comma-separated list runs each")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (replication: plus one warm-up)")
+    p.add_argument("--root", default=None, help="checkpoint root (local disk; emptied first)")
+    p.add_argument("--bandwidth", default="none", help="replica_bandwidth in bytes/s, or none")
+    p.add_argument("--json", default=None, help="write every sample here")
+    p.add_argument("--role", default="launch", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.role == "rank":
+        a.size_mib = int(a.size_mib)
+        rank_main(a)
+        return
+    if a.world < 2 or a.world % 2:
+        p.error("--world must be even and at least 2")
+    try:
+        sizes = [int(x) for x in str(a.size_mib).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--size-mib {a.size_mib!r}: integers separated by commas")
+    if not sizes or any(x <= 0 for x in sizes):
+        p.error("--size-mib: positive sizes")
+    runs = [run_size(a, m) for m in sizes]
+    print("summary: x the transport limit measured in the same run, median (min-max)")
+    print("| MiB per rank | replication exchange | durable to k-safe | fetch from peers | restore from peers |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in runs:
+        s = r["samples"]
+        t = s["transport_s"]
+        print(f"| {r['size_mib']} | {ratio(s['replication_exchange_s'], t)} | {ratio(s['durable_to_k_safe_s'], t)} | "
+              f"{ratio(s['peer_fetch_s'], t)} | {ratio(s['peer_restore_s'], t)} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), **res}, f, indent=1)
-    shutil.rmtree(os.path.dirname(out))
-    if made:
-        shutil.rmtree(root)
+            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ __all__ = [
     "Bucket",
     "Buffer",
     "Engine",
+    "ReplicaImage",
+    "ReplicaSource",
     "SaveHandle",
     "__version__",
     "assemble_ranks",
@@ -36,7 +38,11 @@ __all__ = [
     "replica_name",
     "replica_plan",
     "replica_read_committed",
+    "replica_receive",
+    "replica_receive_restore",
     "replica_remove",
+    "replica_serve",
+    "replica_source",
     "replica_restore_file",
     "replica_store",
     "replica_tag",
@@ -60,6 +66,42 @@ class Buffer:
     @property
     def __array_interface__(self) -> Dict[str, object]: ...
     def __len__(self) -> int: ...
+
+@final
+class ReplicaImage:
+    """An image received from a peer straight into its final memory: a replica arena in
+    ``/dev/shm`` (``replica_receive``) or private memory restoring a lost rank
+    (``replica_receive_restore``). numpy views it without a copy (writable while open);
+    ``seal()`` makes it read-only, checks it against the committed manifest and publishes
+    it (the replica under its name, or the rank's file written back; the memory of a
+    restore is then writable again). A failed check removes it; an unsealed image is never
+    listed or served."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+    @property
+    def restore(self) -> bool: ...
+    def tensors(self) -> List[Tuple[str, str, List[int], int, int]]: ...
+    def write_through(self, end: int) -> None: ...
+    def seal(self) -> str: ...
+
+@final
+class ReplicaSource:
+    """A rank's committed file, read into memory piece by piece as it is sent
+    (``read_to(end)``); numpy views the memory read-only (the read prefix holds the
+    file's bytes)."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+    def read_to(self, end: int) -> None: ...
 
 @final
 class Bucket:
@@ -272,6 +314,24 @@ def replica_read_committed(root: str, step: int, rank: int) -> Buffer:
 
 def replica_store(root: str, step: int, rank: int, data: bytes) -> str:
     """Check ``data`` as ``rank``'s image of ``step`` and store it as a replica; its name."""
+    ...
+
+def replica_receive(root: str, step: int, rank: int) -> ReplicaImage:
+    """A new replica arena in ``/dev/shm`` for ``rank``'s image of the committed ``step``."""
+    ...
+
+def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:
+    """Private memory receiving ``rank``'s image of the committed ``step`` to restore it."""
+    ...
+
+def replica_source(root: str, step: int, rank: int) -> ReplicaSource:
+    """``rank``'s committed file of ``step``, opened and checked (no link, regular, the
+    manifest's size, its header) to be read as it is sent."""
+    ...
+
+def replica_serve(root: str, step: int, rank: int) -> ReplicaImage:
+    """This user's replica of ``rank``'s image of ``step``, mapped read-only and checked in
+    full in place (sealed: sent without a copy)."""
     ...
 
 def replica_load(root: str, step: int, rank: int) -> Buffer:

@@ -16,6 +16,7 @@ import socket
 import stat
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -135,6 +136,16 @@ class Replicator:
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
+        #: Why this rank's image could not be read while it was sent (the current step).
+        self._send_problem: Optional[str] = None
+        #: The image a partner sent for the step of the last ``before_load`` (``(step,
+        #: ReplicaImage)``, sealed: checked and written back), until the load takes it.
+        self._image: Optional[Tuple[int, Any]] = None
+        #: Whether the last load was served from :attr:`_image`.
+        self._served_image = False
+        #: Seconds the collective part of the last load took (who needs an image, the
+        #: transfers, the checks and the write-backs), or None.
+        self.last_fetch_seconds: Optional[float] = None
         # The replication thread: it alone uses the group while saves are queued or in
         # replication (`_drain` before any other collective on it).
         self._cv = threading.Condition()
@@ -168,41 +179,63 @@ class Replicator:
         return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
 
     def _exchange(
-        self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, int]], paced: bool
+        self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, Any]], paced: bool
     ) -> Tuple[Dict[int, Any], int, float]:
-        """Send each ``(dst, buffer)`` and receive ``(src, nbytes)`` (receives posted first,
-        then the sends, piece by piece, one destination after the other in turn, no faster
-        than :attr:`bandwidth` when ``paced``); returns the received uint8 tensors by
-        source, the bytes sent and the seconds the exchange took. A transfer that fails (the
-        peer died, or was silent for the group's timeout) raises :class:`_GroupFailed`
-        naming the peers, once every other transfer has finished or failed."""
+        """Send each ``(dst, buffer)`` and receive each ``(src, buffer)`` (buffers: objects
+        numpy views without a copy, ``__array_interface__``: a ``ReplicaImage`` or a
+        ``Buffer``, the received ones writable; receives posted first, then the sends,
+        piece by piece, one destination after the other in turn, no faster than
+        :attr:`bandwidth` when ``paced``); returns the receive buffers by source (filled),
+        the bytes sent and the seconds the exchange took. A transfer that fails (the peer
+        died, or was silent for the group's timeout) raises :class:`_GroupFailed` naming
+        the peers, once every other transfer has finished or failed."""
         import torch
 
         dist = self._dist
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
+        # Received pieces of a restore's image, in order: written to its file as they
+        # arrive (`write_through`), so the write-back overlaps the transfer.
+        through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
-        for src, n in recvs:
-            t = torch.empty(n, dtype=torch.uint8)
-            got[src] = t
-            for a, b in self._pieces(n, src):
+        views = []
+        for src, buf in recvs:
+            t = torch.from_numpy(np.asarray(buf))
+            views.append(t)
+            got[src] = buf
+            for a, b in self._pieces(t.numel(), src):
                 try:
-                    works.append((src, "receiving from", dist.irecv(t[a:b], src=src, group=self.group)))
+                    w = dist.irecv(t[a:b], src=src, group=self.group)
+                    if getattr(buf, "restore", False):
+                        through[id(w)] = (buf, b)
+                    works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
-        keep = [(dst, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
-        todo = [(dst, t, self._pieces(t.numel(), me)) for dst, t in keep]
+        with warnings.catch_warnings():  # read-only memory: only ever sent from
+            warnings.simplefilter("ignore", UserWarning)
+            keep = [(dst, buf, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
+        todo = [(dst, buf, t, self._pieces(t.numel(), me)) for dst, buf, t in keep]
         sent = 0
         bw = self.bandwidth if paced else None
-        while any(p for _, _, p in todo):
-            for dst, t, pieces in todo:
+        while any(p for _, _, _, p in todo):
+            for dst, buf, t, pieces in todo:
                 if not pieces:
                     continue
                 a, b = pieces.pop(0)
                 if dst in failed:
                     continue
+                read_to = getattr(buf, "read_to", None)
+                if read_to is not None and self._send_problem is None:
+                    # A ReplicaSource: read the file up to this piece while the pieces
+                    # before it travel. A failed read sends the rest unread (zeros): the
+                    # receiver's check refuses it, and the problem is reported.
+                    try:
+                        read_to(b)
+                    except ShmckptError as e:
+                        self._send_problem = f"rank {me} could not read its image: {e}"
+                        log.warning("%s", self._send_problem)
                 if bw is not None:
                     ahead = t0 + sent / bw - time.monotonic()
                     if ahead > 0:
@@ -217,7 +250,14 @@ class Replicator:
                 w.wait()
             except RuntimeError as e:
                 failed.setdefault(peer, f"{what} rank {peer}: {e}")
-        del keep
+            hook = through.pop(id(w), None)
+            if hook is not None and peer not in failed:
+                try:
+                    hook[0].write_through(hook[1])
+                except ShmckptError as e:  # seal() writes what is left, or fails
+                    log.warning("rank %d: writing the image from rank %d early failed: %s", me, peer, e)
+                    through = {k: v for k, v in through.items() if v[0] is not hook[0]}
+        del keep, views
         if failed:
             got.clear()
             peers = ", ".join(f"rank {p}" for p in sorted(failed))
@@ -333,8 +373,11 @@ class Replicator:
         root = self.ckpt.root
         problem: Optional[str] = None
         image = None
+        self._send_problem = None
         try:
-            image = _shmckpt.replica_read_committed(root, step, me)
+            # Opened and checked now (no link, size, header); read piece by piece as it is
+            # sent (the receiver checks every tensor's CRC-32C before it holds it).
+            image = _shmckpt.replica_source(root, step, me)
         except ShmckptError as e:
             problem = f"rank {me} cannot read its image of step {step}: {e}"
             log.warning("%s", problem)
@@ -342,19 +385,34 @@ class Replicator:
         sizes = self._sizes(step)
         sources = [q for q in range(self.ckpt.world_size) if me in self.plan[q] and readable[q]]
         sends = [(t, image) for t in self.plan[me]] if image is not None else []
-        got, sent, transfer = self._exchange(sends, [(q, sizes[q]) for q in sources], paced=True)
-        del image
-        held: List[int] = []
+        # Each image is received straight into a new replica arena in /dev/shm, published
+        # only once `seal()` found it equal to the committed manifest.
         problems: Dict[int, str] = {}
-        for q in sorted(got):
-            data = got.pop(q).numpy().tobytes()  # the tensor freed before the store
+        recvs: List[Tuple[int, Any]] = []
+        for q in sources:
             try:
-                _shmckpt.replica_store(root, step, q, data)
+                recvs.append((q, _shmckpt.replica_receive(root, step, q)))
+            except ShmckptError as e:
+                # The bytes still come (the sender does not know): received and dropped.
+                problems[q] = f"rank {me} cannot make a replica arena for rank {q}'s image of step {step}: {e}"
+                log.warning("%s", problems[q])
+                recvs.append((q, np.empty(sizes[q], dtype=np.uint8)))
+        got, sent, transfer = self._exchange(sends, recvs, paced=True)
+        del image, recvs
+        held: List[int] = []
+        for q in sorted(got):
+            arena = got.pop(q)
+            if q in problems:
+                continue
+            try:
+                arena.seal()
                 held.append(q)
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
-            del data
+            del arena  # an arena that failed its check is gone with it
+        if problem is None and self._send_problem is not None:
+            problem = self._send_problem
         everyone = self._gather((held, problems, problem), "who holds which image")
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
@@ -488,6 +546,8 @@ class Replicator:
         the other ranks load on); the others load as without replicas. A failure of the
         group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
         self._peer = None
+        self._image = None
+        self._served_image = False
         self._drain()
         if self.broken is not None:
             # No collective on a failed group: a rank with its own file loads it; one
@@ -499,8 +559,10 @@ class Replicator:
                 f"rank {self.ckpt.rank}: its file of step {step} is missing or of the wrong size, and "
                 f"no partner can be asked: replication stopped, {self.broken}"
             )
+        t0 = time.monotonic()
         try:
             self._before_load(step)
+            self.last_fetch_seconds = time.monotonic() - t0
         except _GroupFailed as e:
             self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
             raise ReplicationError(f"load of step {step}: {e}") from None
@@ -520,7 +582,7 @@ class Replicator:
             if q == me or me not in self.plan[q]:
                 continue
             try:
-                can[q] = _shmckpt.replica_load(root, step, q)
+                can[q] = _shmckpt.replica_serve(root, step, q)  # mapped read-only, checked in place
             except ShmckptError as e:
                 log.warning("replica of rank %d, step %d not served: %s", q, step, e)
         offers = self._gather(sorted(can), "who can serve a replica")
@@ -531,20 +593,35 @@ class Replicator:
                     server[q] = r
                     break
         sends = [(q, buf) for q, buf in can.items() if server.get(q) == me]
-        recvs = []
+        recvs: List[Tuple[int, Any]] = []
+        why = "no partner holds a replica of it that passes the checks"
+        dropped = False
         if me in server:
-            recvs.append((server[me], self._sizes(step)[me]))
+            # Received straight into private memory; `seal()` checks it and writes the
+            # rank's file back from it (in Rust, GIL released), and the load then serves
+            # the tensors from that memory.
+            try:
+                recvs.append((server[me], _shmckpt.replica_receive_restore(root, step, me)))
+            except ShmckptError as e:
+                why = f"no memory to receive its image from rank {server[me]}: {e}"
+                log.warning("rank %d: %s", me, why)
+                dropped = True
+                recvs.append((server[me], np.empty(self._sizes(step)[me], dtype=np.uint8)))
         got, _, _ = self._exchange(sends, recvs, paced=False)
         can.clear()
-        why = "no partner holds a replica of it that passes the checks"
-        for src, t in got.items():
+        del recvs
+        for src, img in got.items():
+            if dropped:
+                continue
             try:
-                _shmckpt.replica_restore_file(root, step, me, t.numpy().tobytes())
+                img.seal()
                 self._peer = src
+                self._image = (step, img)
                 log.info("rank %d: step %d restored from rank %d's replica", me, step, src)
             except ShmckptError as e:
                 why = f"the image rank {src} sent was refused: {e}"
                 log.warning("rank %d: %s", me, why)
+        got.clear()
         if me in needy and self._peer is None:
             _, entry = self.ckpt._rank_entry(step)
             path = os.path.join(root, f"step-{step}", entry["file"])
@@ -552,9 +629,25 @@ class Replicator:
                 f"rank {me}: its file of step {step} ({path}) is missing or of the wrong size and {why}"
             )
 
+    def take_image(self, step: int) -> Optional[Any]:
+        """The sealed image a partner sent for ``step`` in the last :meth:`before_load` (a
+        ``ReplicaImage``: checked against the manifest, written back as this rank's file,
+        now private memory the load may serve tensors from), or None; given once."""
+        img, self._image = self._image, None
+        if img is None or img[0] != step:
+            return None
+        self._served_image = True
+        return img[1]
+
+    def discard_image(self) -> None:
+        """Free the image of the last :meth:`before_load` (``load_into`` fills the caller's
+        tensors from the written-back file instead)."""
+        self._image = None
+
     def source(self, engine_source: Optional[Tuple[str, Any]]) -> Optional[Tuple[str, Any]]:
-        """``("peer", rank)`` when the last load (or ``load_into``, which sets no source of
-        its own) read the file a partner's replica restored."""
-        if self._peer is not None and (engine_source is None or engine_source[0] == "disk"):
+        """``("peer", rank)`` when the last load was served from the image a partner sent,
+        or it (or ``load_into``, which sets no source of its own) read the file a partner's
+        replica restored."""
+        if self._peer is not None and (self._served_image or engine_source is None or engine_source[0] == "disk"):
             return ("peer", self._peer)
         return engine_source

@@ -6,8 +6,13 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyDict;
+use shmckpt::replica::{Incoming, IncomingState, Outgoing};
 
 use crate::{PyBuffer, to_py};
 
@@ -74,6 +79,265 @@ fn replica_restore_file(
 ) -> PyResult<String> {
     py.detach(|| shmckpt::replica::restore_file(&root, step, rank, &data))
         .map(|p| p.display().to_string())
+        .map_err(|e| to_py(py, e))
+}
+
+/// A tensor of a sealed image: `(name, dtype, shape, start, end)`.
+type ImageTensor = (String, String, Vec<usize>, usize, usize);
+
+/// An image received from a peer straight into its final memory (`shmckpt::replica::Incoming`):
+/// a replica arena in `/dev/shm`, or private memory restoring a lost rank. Exposed to numpy
+/// through `__array_interface__` (numpy keeps this object, and so the mapping, alive as the
+/// array's base): writable until `seal()`; a sealed replica is read-only (its mapping too:
+/// a write through an older view faults), a sealed restore is its holder's memory again.
+#[pyclass(module = "shmckpt._shmckpt", name = "ReplicaImage", frozen)]
+pub(crate) struct PyReplicaImage {
+    inner: Mutex<Incoming>,
+    /// Address and length of the mapping, taken at construction (the mapping lives as long
+    /// as `inner`, which lives as long as this object).
+    ptr: usize,
+    len: usize,
+    /// Whether views handed out now may write (updated by `seal`).
+    writable: AtomicBool,
+}
+
+impl PyReplicaImage {
+    fn new(inc: Incoming) -> Self {
+        let (ptr, len) = (inc.as_mut_ptr() as usize, inc.len());
+        PyReplicaImage {
+            inner: Mutex::new(inc),
+            ptr,
+            len,
+            writable: AtomicBool::new(true),
+        }
+    }
+}
+
+#[pymethods]
+impl PyReplicaImage {
+    /// Length in bytes (the manifest's).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// `"open"`, `"sealed"` or `"refused"`.
+    #[getter]
+    fn state(&self) -> &'static str {
+        match self.inner.lock().unwrap_or_else(|p| p.into_inner()).state() {
+            IncomingState::Open => "open",
+            IncomingState::Sealed => "sealed",
+            IncomingState::Refused => "refused",
+        }
+    }
+
+    /// The numpy array interface: a 1-D uint8 view of the image (writable while open).
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("version", 3)?;
+        d.set_item("shape", (self.len,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.ptr, !self.writable.load(Ordering::Acquire)))?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The image's tensors as the manifest entry it was checked against describes them:
+    /// `[(name, dtype, shape, start, end)]`, `start..end` the tensor's bytes in the image.
+    /// Only once sealed (`ConfigError` otherwise): the ranges were checked then.
+    fn tensors(&self, py: Python<'_>) -> PyResult<Vec<ImageTensor>> {
+        let inc = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if inc.state() != IncomingState::Sealed {
+            return Err(to_py(
+                py,
+                shmckpt::Error::Config(
+                    "the image is not sealed: its tensors are not checked".into(),
+                ),
+            ));
+        }
+        let e = inc.entry();
+        e.tensors
+            .iter()
+            .map(|t| {
+                let [b, end] = t.data_offsets;
+                let at = |o: u64| {
+                    e.data_start
+                        .checked_add(o)
+                        .and_then(|v| usize::try_from(v).ok())
+                        .filter(|&v| v <= self.len)
+                };
+                match (at(b), at(end)) {
+                    (Some(b), Some(end)) if b <= end => Ok((
+                        t.name.clone(),
+                        crate::core::dtype_name(t.dtype).to_owned(),
+                        t.shape.clone(),
+                        b,
+                        end,
+                    )),
+                    _ => Err(to_py(
+                        py,
+                        shmckpt::Error::Corrupt {
+                            path: PathBuf::from(&e.file),
+                            tensor: Some(t.name.clone()),
+                            reason: "lies outside the image".into(),
+                        },
+                    )),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether this is a restore's private memory (not a replica arena).
+    #[getter]
+    fn restore(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_restore()
+    }
+
+    /// A restore only, while open: freeze the bytes up to `end` (rounded down to a page)
+    /// read-only and write them to the rank's temporary file (GIL released), so the
+    /// write-back overlaps the transfer; `seal()` writes the rest, checks the whole image,
+    /// and only then renames the file into place. Every write into `[0, end)` must be
+    /// finished.
+    fn write_through(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .write_through(end)
+        })
+        .map_err(|e| to_py(py, e))
+    }
+
+    /// Check the received image against the committed manifest and publish it (GIL
+    /// released): a replica under its name in `/dev/shm` (returns its path), a restore
+    /// written back as the rank's file (returns the file's path). Every write into the
+    /// image must be finished. On failure nothing is published (an unsealed or refused
+    /// image is never listed or served) and the error says why.
+    fn seal(&self, py: Python<'_>) -> PyResult<String> {
+        self.writable.store(false, Ordering::Release);
+        let res = py.detach(|| {
+            let mut inc = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let res = inc.seal();
+            let restore_ok = res.is_ok() && inc.is_restore();
+            (res, restore_ok)
+        });
+        let (res, restore_ok) = res;
+        if restore_ok {
+            self.writable.store(true, Ordering::Release);
+        }
+        res.map(|p| p.display().to_string())
+            .map_err(|e| to_py(py, e))
+    }
+}
+
+/// `rank`'s committed file of a step, read into memory piece by piece as it is sent
+/// (`shmckpt::replica::Outgoing`): `read_to(end)` reads up to `end` (GIL released); numpy
+/// views the memory read-only through `__array_interface__` (keeping this object, and so
+/// the memory, alive). Only the read prefix holds the file's bytes.
+#[pyclass(module = "shmckpt._shmckpt", name = "ReplicaSource", frozen)]
+pub(crate) struct PyReplicaSource {
+    inner: Mutex<Outgoing>,
+    ptr: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl PyReplicaSource {
+    /// Length in bytes (the manifest's).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// The numpy array interface: a read-only 1-D uint8 view of the image's memory.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("version", 3)?;
+        d.set_item("shape", (self.len,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.ptr, true))?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// Read the file up to byte `end` (GIL released); nothing when read already.
+    fn read_to(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .read_to(end)
+        })
+        .map_err(|e| to_py(py, e))
+    }
+}
+
+/// `rank`'s committed file of `step`, opened (checked: no link, regular, the manifest's
+/// size, its header) to be read as it is sent (see `ReplicaSource`).
+#[pyfunction]
+fn replica_source(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+) -> PyResult<PyReplicaSource> {
+    py.detach(|| Outgoing::open(&root, step, rank))
+        .map(|o| PyReplicaSource {
+            ptr: o.as_ptr() as usize,
+            len: o.len(),
+            inner: Mutex::new(o),
+        })
+        .map_err(|e| to_py(py, e))
+}
+
+/// A new replica arena for `rank`'s image of the committed `step` (see `ReplicaImage`).
+#[pyfunction]
+fn replica_receive(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+) -> PyResult<PyReplicaImage> {
+    py.detach(|| Incoming::replica(&root, step, rank))
+        .map(PyReplicaImage::new)
+        .map_err(|e| to_py(py, e))
+}
+
+/// Private memory receiving `rank`'s image of the committed `step` to restore it (see
+/// `ReplicaImage`: `seal()` checks it and writes the rank's file back).
+#[pyfunction]
+fn replica_receive_restore(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+) -> PyResult<PyReplicaImage> {
+    py.detach(|| Incoming::restore(&root, step, rank))
+        .map(PyReplicaImage::new)
+        .map_err(|e| to_py(py, e))
+}
+
+/// This user's replica of `rank`'s image of `step`, mapped read-only and checked in full
+/// in place (a sealed `ReplicaImage`: sent to the rank that lost it without a copy).
+#[pyfunction]
+fn replica_serve(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResult<PyReplicaImage> {
+    py.detach(|| Incoming::serve(&root, step, rank))
+        .map(|inc| {
+            let img = PyReplicaImage::new(inc);
+            img.writable.store(false, Ordering::Release);
+            img
+        })
         .map_err(|e| to_py(py, e))
 }
 
@@ -149,6 +413,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_tag, m)?)?;
     m.add_function(wrap_pyfunction!(replica_read_committed, m)?)?;
     m.add_function(wrap_pyfunction!(replica_store, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_receive, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_source, m)?)?;
+    m.add_class::<PyReplicaSource>()?;
+    m.add_function(wrap_pyfunction!(replica_receive_restore, m)?)?;
+    m.add_class::<PyReplicaImage>()?;
     m.add_function(wrap_pyfunction!(replica_load, m)?)?;
     m.add_function(wrap_pyfunction!(replica_restore_file, m)?)?;
     m.add_function(wrap_pyfunction!(replica_list, m)?)?;

@@ -92,7 +92,16 @@ class LoadMixin(CheckpointerBase):
         else:
             _, entry = self._rank_entry(s)
             tree = self._skeleton(s, entry)
-        if where != "remote" and dev is None:
+        image = None
+        if where != "remote" and dev is None and self._replicator is not None:
+            # A lost rank's image a partner just sent (checked, and written back as its
+            # file): the tensors are served from that memory, not read back from disk.
+            image = self._replicator.take_image(s)
+        if image is not None:
+            whole = np.asarray(image)
+            for name, dtype, shape, a, b in image.tensors():
+                objs[name] = (dtype, shape, whole[a:b])
+        elif where != "remote" and dev is None:
             got_step, _, _, tensors = self._engine.load(s)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)

@@ -60,6 +60,7 @@ class LoadIntoMixin(LoadMixin):
         s, where = _remote.resolve(self, _step_sel(step), None)
         if self._replicator is not None and where != "remote":
             self._replicator.before_load(s)  # collective: a lost file comes from a peer
+            self._replicator.discard_image()  # filled from the written-back file
         if where == "remote":
             # The manifest's entry and the header's skeleton; the data after the planning.
             entry = _remote.rank_entry(self, s)

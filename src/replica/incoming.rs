@@ -1,0 +1,779 @@
+//! Images received from a peer straight into their final memory: a replica arena in
+//! `/dev/shm` ([`Incoming::replica`]) or private memory for a lost rank's restore
+//! ([`Incoming::restore`]). The transport writes the bytes through [`Incoming::as_mut_ptr`];
+//! then [`Incoming::seal`] makes the mapping read-only (no write through any pointer handed
+//! out can follow), checks the image against the committed manifest of its step (the
+//! checks of [`super::verify_image`]) and only then publishes it: the replica renamed to
+//! its name in `/dev/shm`, or the rank's file written back from the memory. A failed check
+//! removes it; an image that was never sealed is never listed, served or written.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+
+use super::{
+    REPLICA_PREFIX, check_bytes, committed_entry, euid, remove_stale, tag_of, write_atomic,
+};
+use crate::error::{Error, Result};
+use crate::fsx::{self, Create};
+use crate::manifest::FileEntry;
+use crate::staging::shm::SHM_MOUNT;
+
+/// Where a sealed image goes.
+#[derive(Debug)]
+enum Target {
+    /// A replica: the temporary file `tmp` in `/dev/shm` (mapped shared), renamed to
+    /// `name` once sealed; `tag` is the root's.
+    Replica {
+        tmp: String,
+        name: String,
+        tag: String,
+    },
+    /// A lost rank's image (private anonymous memory), written back as its file once sealed.
+    Restore,
+    /// A replica this rank holds, mapped read-only to be sent ([`Incoming::serve`]).
+    Served,
+}
+
+/// Where an [`Incoming`] stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncomingState {
+    /// Being received: writable, not checked, not published.
+    Open,
+    /// Checked and published.
+    Sealed,
+    /// Its check (or its publication) failed: removed, never served.
+    Refused,
+}
+
+/// An image being received from a peer (see the module). The mapping lives until the value
+/// drops; an unsealed replica's temporary file is removed then.
+#[derive(Debug)]
+pub struct Incoming {
+    ptr: NonNull<u8>,
+    /// Bytes mapped (the image's length).
+    map_len: usize,
+    /// The image's length (the manifest's).
+    len: usize,
+    target: Target,
+    state: IncomingState,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    entry: FileEntry,
+    /// A restore's file written while the image arrives ([`Incoming::write_through`]).
+    early: Option<EarlyWrite>,
+}
+
+/// The temporary file of a restore written piece by piece as the image arrives.
+#[derive(Debug)]
+struct EarlyWrite {
+    dir: PathBuf,
+    tmp: String,
+    file: std::fs::File,
+    /// Bytes `[0, written)` are frozen (read-only) and written to the file.
+    written: usize,
+}
+
+/// Write the mapping's bytes `[start, end)` at `ptr` to `file` at the same offsets.
+/// The kernel reads the memory (no Rust reference is made).
+///
+/// # Safety
+/// `ptr..ptr + end` must be mapped and readable for the whole call.
+unsafe fn pwrite_range(
+    file: &std::fs::File,
+    ptr: *const u8,
+    start: usize,
+    end: usize,
+    path: &Path,
+) -> Result<()> {
+    let mut at = start;
+    while at < end {
+        let want = (end - at).min(1 << 30);
+        // SAFETY: `at + want <= end`: readable memory by this function's contract.
+        let n = unsafe {
+            libc::pwrite(
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                ptr.add(at).cast::<c_void>(),
+                want,
+                at as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io_at("write", path, at as u64, e));
+        }
+        if n == 0 {
+            return Err(Error::io_at(
+                "write",
+                path,
+                at as u64,
+                std::io::Error::other("wrote nothing"),
+            ));
+        }
+        at += n as usize;
+    }
+    Ok(())
+}
+
+// SAFETY: `Incoming` owns its mapping; the pointer is not tied to the thread that made it,
+// and Rust reads the bytes only in `seal` (`&mut self`), after the mapping is read-only.
+unsafe impl Send for Incoming {}
+
+impl Incoming {
+    /// A new replica arena for `rank`'s image of the committed `step` of `root`: a new
+    /// regular file of this user in `/dev/shm` (`<replica name>.tmp<pid>`, created without
+    /// following a link, never over an existing file), exactly the manifest's size,
+    /// allocated up front (a full `/dev/shm` is an error here, never a `SIGBUS` later) and
+    /// mapped for writing. Not listed or served until [`Incoming::seal`] publishes it.
+    pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let tag = tag_of(root)?;
+        let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
+        let tmp = format!("{name}.tmp{}", std::process::id());
+        let dir = Path::new(SHM_MOUNT);
+        let dfd = fsx::open_dir(dir)?;
+        // A temporary file of this process under that name is a leftover of an earlier
+        // receive that did not finish (this process maps one at a time per name).
+        fsx::unlink_in(dfd.as_fd(), dir, &tmp)?;
+        let path = dir.join(&tmp);
+        let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
+        let map_len = len;
+        let made = (|| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)
+                .map_err(|e| Error::io("fallocate", &path, e.into()))?;
+            // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
+            // file is this process's new file, allocated for `map_len` bytes above.
+            let raw = unsafe {
+                rustix::mm::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED,
+                    &file,
+                    0,
+                )
+            }
+            .map_err(|e| Error::io("mmap", &path, e.into()))?;
+            NonNull::new(raw.cast::<u8>())
+                .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))
+        })();
+        let ptr = match made {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = fsx::unlink_in(dfd.as_fd(), dir, &tmp);
+                return Err(e);
+            }
+        };
+        Ok(Incoming {
+            ptr,
+            map_len,
+            len,
+            target: Target::Replica { tmp, name, tag },
+            state: IncomingState::Open,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+            early: None,
+        })
+    }
+
+    /// This user's replica of `rank`'s image of the committed `step` of `root`, to send to
+    /// the rank that lost it: the regular file of this user under its name in `/dev/shm`
+    /// (opened without following a link), exactly the manifest's size, mapped read-only
+    /// (the mapping is shared: as a kept arena taken over, this user's file is trusted not
+    /// to be truncated by another process while mapped) and checked in place against the
+    /// manifest (every check of [`super::verify_image`]). Sealed already: nothing to
+    /// publish, and nothing in this process can write it. An error when there is none or
+    /// it does not match: a replica that fails the check is never served.
+    pub fn serve(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let name = super::replica_name(root, rank, step)?;
+        let dir = Path::new(SHM_MOUNT);
+        let dfd = fsx::open_dir(dir)?;
+        let path = dir.join(&name);
+        let file = fsx::open_file(dfd.as_fd(), dir, &name, false, Create::No, Some(euid()))?;
+        let actual = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if actual != entry.bytes {
+            return Err(if actual < entry.bytes {
+                Error::Truncated {
+                    path,
+                    expected: entry.bytes,
+                    actual,
+                }
+            } else {
+                Error::corrupt(
+                    &path,
+                    None,
+                    format!("{actual} bytes, the manifest says {}", entry.bytes),
+                )
+            });
+        }
+        // SAFETY: a new read-only shared mapping with a null hint aliases no existing
+        // memory; the file is a regular file of this user of exactly `len` bytes (checked
+        // above on the open descriptor).
+        let raw = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                &file,
+                0,
+            )
+        }
+        .map_err(|e| Error::io("mmap", &path, e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))?;
+        let inc = Incoming {
+            ptr,
+            map_len: len,
+            len,
+            target: Target::Served,
+            state: IncomingState::Sealed,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+            early: None,
+        };
+        // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
+        // this process writes it (it is mapped nowhere else writable here).
+        let bytes = unsafe { std::slice::from_raw_parts(inc.ptr.as_ptr(), len) };
+        check_bytes(bytes, &inc.entry, &path)?;
+        Ok(inc)
+    }
+
+    /// Private memory for `rank`'s image of the committed `step` of `root`, received from a
+    /// partner to restore a lost rank: [`Incoming::seal`] checks it and writes it back as
+    /// the rank's file; the memory then belongs to its holder (the load can serve the
+    /// tensors from it).
+    pub fn restore(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let map_len = len;
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            Error::io(
+                "mmap",
+                Path::new("(anonymous)"),
+                std::io::Error::other("null"),
+            )
+        })?;
+        Ok(Incoming {
+            ptr,
+            map_len,
+            len,
+            target: Target::Restore,
+            state: IncomingState::Open,
+            root: root.to_owned(),
+            step,
+            rank,
+            entry,
+            early: None,
+        })
+    }
+
+    /// The first byte of the mapping (page aligned). Writable while [`IncomingState::Open`]
+    /// (and, for a restore, once sealed); a write to a sealed or served replica faults.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The image's length in bytes (the manifest's).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty (never, for a real safetensors file).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether this is a restore's private memory ([`Incoming::restore`]), not a replica.
+    pub fn is_restore(&self) -> bool {
+        matches!(self.target, Target::Restore)
+    }
+
+    /// Where the image stands.
+    pub fn state(&self) -> IncomingState {
+        self.state
+    }
+
+    /// The manifest entry the image is checked against.
+    pub fn entry(&self) -> &FileEntry {
+        &self.entry
+    }
+
+    /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
+    /// page, or the whole image) read-only, and write them to the rank's temporary file in
+    /// the step's directory (created new, never through a link, on the first call), so the
+    /// write-back overlaps the transfer; [`Incoming::seal`] writes the rest, checks the
+    /// whole image and only then renames the file into place (a failure removes it). The
+    /// caller must have finished every write into `[0, end)` (a later write faults).
+    pub fn write_through(&mut self, end: usize) -> Result<()> {
+        if !self.is_restore() || self.state != IncomingState::Open {
+            return Err(Error::Config(
+                "write_through is for a restore's image being received".into(),
+            ));
+        }
+        let page = rustix::param::page_size();
+        let end = if end >= self.len {
+            self.len
+        } else {
+            end - end % page
+        };
+        if self.early.is_none() {
+            let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
+            if entry != self.entry {
+                return Err(Error::corrupt(
+                    &dir,
+                    None,
+                    format!(
+                        "the manifest of step {} changed while the image was received",
+                        self.step
+                    ),
+                ));
+            }
+            let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+            let dfd = fsx::open_dir(&dir)?;
+            fsx::unlink_in(dfd.as_fd(), &dir, &tmp)?;
+            let file = fsx::open_file(dfd.as_fd(), &dir, &tmp, true, Create::New, Some(euid()))?;
+            self.early = Some(EarlyWrite {
+                dir,
+                tmp,
+                file,
+                written: 0,
+            });
+        }
+        let start = self.early.as_ref().map_or(0, |e| e.written);
+        if end <= start {
+            return Ok(());
+        }
+        // `start` is 0 or a page boundary (or `len`, excluded above), so this range starts
+        // page aligned; its length is rounded up to whole pages by the kernel (inside the
+        // mapping: `end <= len <= map_len`).
+        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
+        // read-only invalidates no Rust reference (none is made to it).
+        unsafe {
+            rustix::mm::mprotect(
+                self.ptr.as_ptr().add(start).cast::<c_void>(),
+                end - start,
+                MprotectFlags::READ,
+            )
+        }
+        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
+        let early = self.early.as_mut().expect("made above");
+        let path = early.dir.join(&early.tmp);
+        // SAFETY: `end <= len`: mapped and readable (read-only now).
+        unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
+        // Start writing these pages to the disk now, so the seal's fsync waits only for the
+        // rest (a hint: its failure is the fsync's to report).
+        // SAFETY: a plain system call on this value's own open file.
+        let _ = unsafe {
+            libc::sync_file_range(
+                std::os::fd::AsRawFd::as_raw_fd(&early.file),
+                start as libc::off64_t,
+                (end - start) as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
+        early.written = end;
+        Ok(())
+    }
+
+    fn protect(&self, flags: MprotectFlags) -> Result<()> {
+        // SAFETY: `ptr..ptr + map_len` is this value's own mapping, alive until drop; changing
+        // its protection invalidates no Rust reference (none is live across this call).
+        unsafe { rustix::mm::mprotect(self.ptr.as_ptr().cast::<c_void>(), self.map_len, flags) }
+            .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))
+    }
+
+    /// Check the received image and publish it (see the module): the mapping is made
+    /// read-only first, so nothing can change the bytes between the check and the
+    /// publication; then every check of [`super::verify_image`]. A replica is then renamed
+    /// to its name in `/dev/shm` (this user's older replicas of the same root and rank
+    /// removed) and its name returned; a restore's image is written back as the rank's
+    /// file (temporary name, fsync, rename, directory fsync), the memory made writable
+    /// again for its holder, and the file's path returned. On any failure nothing is
+    /// published: the replica's temporary file is removed, the state is
+    /// [`IncomingState::Refused`], and the error says why. Once only.
+    ///
+    /// The caller must have finished every write into the image (a write after this call
+    /// faults).
+    pub fn seal(&mut self) -> Result<PathBuf> {
+        if self.state != IncomingState::Open {
+            return Err(Error::Config(format!(
+                "the image of rank {} of step {} was sealed already ({:?})",
+                self.rank, self.step, self.state
+            )));
+        }
+        self.state = IncomingState::Refused;
+        let res = self.seal_inner();
+        if res.is_err() {
+            if let Target::Replica { tmp, .. } = &self.target {
+                let _ = remove_tmp(tmp);
+            }
+            self.remove_early();
+        }
+        if res.is_ok() {
+            self.state = IncomingState::Sealed;
+        }
+        res
+    }
+
+    fn seal_inner(&mut self) -> Result<PathBuf> {
+        self.protect(MprotectFlags::READ)?;
+        // SAFETY: the mapping is `map_len >= len` bytes, alive while `self` is; it is
+        // read-only now, so no pointer handed out can write it while this borrow lives (a
+        // write faults); nothing in this process maps the file again (its temporary name
+        // is this process's, created new).
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        let what = PathBuf::from(format!(
+            "<image of rank {} of step {} from a peer>",
+            self.rank, self.step
+        ));
+        check_bytes(bytes, &self.entry, &what)?;
+        match &self.target {
+            Target::Replica { tmp, name, tag } => {
+                let dir = Path::new(SHM_MOUNT);
+                let dfd = fsx::open_dir(dir)?;
+                rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
+                    .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
+                remove_stale(tag, self.rank, self.step);
+                Ok(dir.join(name))
+            }
+            Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
+            Target::Restore => {
+                let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
+                if entry != self.entry {
+                    return Err(Error::corrupt(
+                        &dir,
+                        None,
+                        format!(
+                            "the manifest of step {} changed while the image was received",
+                            self.step
+                        ),
+                    ));
+                }
+                let path = match self.early.take() {
+                    None => {
+                        let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
+                        write_atomic(&dir, &entry.file, &tmp, bytes, true)?
+                    }
+                    Some(early) => {
+                        // The bytes before `written` are in the file already (frozen
+                        // before they were written, so they are the bytes just checked).
+                        let tmp_path = early.dir.join(&early.tmp);
+                        let done = (|| {
+                            // SAFETY: `len` bytes mapped, read-only now.
+                            unsafe {
+                                pwrite_range(
+                                    &early.file,
+                                    self.ptr.as_ptr(),
+                                    early.written,
+                                    self.len,
+                                    &tmp_path,
+                                )
+                            }?;
+                            early
+                                .file
+                                .sync_all()
+                                .map_err(|e| Error::io("fsync", &tmp_path, e))?;
+                            let dfd = fsx::open_dir(&early.dir)?;
+                            rustix::fs::renameat(
+                                dfd.as_fd(),
+                                early.tmp.as_str(),
+                                dfd.as_fd(),
+                                entry.file.as_str(),
+                            )
+                            .map_err(|e| {
+                                Error::io("rename", early.dir.join(&entry.file), e.into())
+                            })?;
+                            rustix::fs::fsync(&dfd)
+                                .map_err(|e| Error::io("fsync", &early.dir, e.into()))?;
+                            Ok(early.dir.join(&entry.file))
+                        })();
+                        if done.is_err() {
+                            self.early = Some(early);
+                        }
+                        done?
+                    }
+                };
+                // The memory is its holder's from here on: Rust never reads it again.
+                self.protect(MprotectFlags::READ | MprotectFlags::WRITE)?;
+                Ok(path)
+            }
+        }
+    }
+}
+
+/// The image's length in memory: the manifest's, never 0 (a safetensors file has a header).
+fn image_len(entry: &FileEntry) -> Result<usize> {
+    let what = Path::new(&entry.file);
+    match super::mem_len(entry.bytes, what)? {
+        0 => Err(Error::corrupt(
+            what,
+            None,
+            "the manifest says the file is empty",
+        )),
+        n => Ok(n),
+    }
+}
+
+impl Incoming {
+    /// Remove a restore's temporary file written early, if any.
+    fn remove_early(&mut self) {
+        if let Some(e) = self.early.take()
+            && let Ok(dfd) = fsx::open_dir(&e.dir)
+        {
+            let _ = fsx::unlink_in(dfd.as_fd(), &e.dir, &e.tmp);
+        }
+    }
+}
+
+/// Remove this process's temporary replica file `tmp` from `/dev/shm`.
+fn remove_tmp(tmp: &str) -> Result<()> {
+    let dir = Path::new(SHM_MOUNT);
+    let dfd = fsx::open_dir(dir)?;
+    fsx::unlink_in(dfd.as_fd(), dir, tmp)
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        self.remove_early();
+        if self.state != IncomingState::Sealed
+            && let Target::Replica { tmp, .. } = &self.target
+            && let Err(e) = remove_tmp(tmp)
+        {
+            tracing::warn!(file = %tmp, error = %e, "could not remove an unsealed replica");
+        }
+        // SAFETY: the mapping is this value's own and nothing borrows it past `self`
+        // (holders of the raw pointer keep `self` alive: the binding's views own it).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.map_len) };
+    }
+}
+
+/// `rank`'s committed file of a step, read into private memory piece by piece while the
+/// pieces already read are sent ([`Outgoing::read_to`]): the sender's read overlaps the
+/// transfer. The file is opened without following a link, must be a regular file of
+/// exactly the manifest's size with a header that passes the checks of every disk read
+/// (its CRC-32C against the manifest's); its data is checked by the receiver (every
+/// tensor's CRC-32C, [`Incoming::seal`]), which never publishes an image that fails.
+#[derive(Debug)]
+pub struct Outgoing {
+    ptr: NonNull<u8>,
+    len: usize,
+    file: std::fs::File,
+    path: PathBuf,
+    /// Bytes `[0, done)` are read.
+    done: usize,
+    /// Whether the descriptor reads with `O_DIRECT` (`None`: not tried yet).
+    direct: Option<bool>,
+}
+
+// SAFETY: `Outgoing` owns its mapping and its file; nothing ties them to a thread. Rust
+// never makes a reference to the mapping's bytes (the kernel writes them, `read_to`).
+unsafe impl Send for Outgoing {}
+
+impl Outgoing {
+    /// Open `rank`'s committed file of `step` of `root` for sending (see the type).
+    pub fn open(root: &Path, step: u64, rank: u32) -> Result<Outgoing> {
+        let (dir, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let dfd = fsx::open_dir(&dir)?;
+        let path = dir.join(&entry.file);
+        let file = fsx::open_file(dfd.as_fd(), &dir, &entry.file, false, Create::No, None)?;
+        let actual = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if actual != entry.bytes {
+            return Err(Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual,
+            });
+        }
+        crate::restore::check_header(&file, &path, &entry)?;
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            Error::io(
+                "mmap",
+                Path::new("(anonymous)"),
+                std::io::Error::other("null"),
+            )
+        })?;
+        Ok(Outgoing {
+            ptr,
+            len,
+            file,
+            path,
+            done: 0,
+            direct: None,
+        })
+    }
+
+    /// The first byte of the image's memory (page aligned; `[0, read())` holds the file's
+    /// bytes).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The image's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty (never: a safetensors file has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes read so far (a prefix of the file).
+    pub fn read(&self) -> usize {
+        self.done
+    }
+
+    /// Read the file up to byte `end` (at most its length) into the memory, if not read
+    /// yet: with `O_DIRECT` when the file system takes it (whole pages; the tail past the
+    /// end of the file comes back short), in up to 4 parts read at once. The bytes from the
+    /// current prefix on are written by the kernel (`pread` into the mapping, no Rust
+    /// reference made), so a transport reading the prefix meanwhile is never disturbed.
+    /// [`Error::Truncated`] when the file ends early (it shrank).
+    pub fn read_to(&mut self, end: usize) -> Result<()> {
+        let end = end.min(self.len);
+        if self.done >= end {
+            return Ok(());
+        }
+        let page = rustix::param::page_size();
+        if self.direct.is_none() {
+            // O_DIRECT on the open descriptor, where the file system takes it.
+            let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+            self.direct =
+                Some(rustix::fs::fcntl_setfl(&self.file, fl | rustix::fs::OFlags::DIRECT).is_ok());
+        }
+        // `done` is always a page boundary (or `len`): whole pages up to `end`, at most to
+        // the mapping's last page (mapped: the kernel maps whole pages).
+        let stop = end.div_ceil(page) * page;
+        let parts = ((stop - self.done) / (16 << 20)).clamp(1, 4);
+        let per = (stop - self.done).div_ceil(parts).div_ceil(page) * page;
+        let ranges: Vec<(usize, usize)> = (0..parts)
+            .map(|k| (self.done + k * per, (self.done + (k + 1) * per).min(stop)))
+            .filter(|(a, b)| a < b)
+            .collect();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        let base = self.ptr.as_ptr() as usize;
+        let len = self.len;
+        let read_range = |a: usize, b: usize| -> std::result::Result<(), (usize, std::io::Error)> {
+            let mut at = a;
+            while at < b.min(len) {
+                let want = (b - at).min(1 << 30);
+                // SAFETY: `at + want <= stop <= len` rounded up to a page: inside this value's
+                // mapping (whole pages), alive for the call; each range is written by one
+                // thread only, by the kernel, and nothing reads past `done` meanwhile.
+                let n =
+                    unsafe { libc::pread(fd, (base + at) as *mut c_void, want, at as libc::off_t) };
+                if n < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err((at, e));
+                }
+                if n == 0 {
+                    return Err((at, std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+                }
+                at += n as usize;
+            }
+            Ok(())
+        };
+        let results: Vec<_> = if ranges.len() == 1 {
+            vec![read_range(ranges[0].0, ranges[0].1)]
+        } else {
+            std::thread::scope(|scope| {
+                let hs: Vec<_> = ranges
+                    .iter()
+                    .map(|&(a, b)| scope.spawn(move || read_range(a, b)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err((0, std::io::Error::other("a read thread panicked")))
+                        })
+                    })
+                    .collect()
+            })
+        };
+        let mut first_err = None;
+        for r in results {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            None => {
+                // Read whole pages up to `stop` (or to the end of the file).
+                self.done = stop.min(self.len);
+                Ok(())
+            }
+            Some((at, e))
+                if e.raw_os_error() == Some(libc::EINVAL) && self.direct == Some(true) =>
+            {
+                // The file system refused O_DIRECT for these reads: read buffered.
+                let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+                rustix::fs::fcntl_setfl(&self.file, fl - rustix::fs::OFlags::DIRECT)
+                    .map_err(|e2| Error::io_at("read", &self.path, at as u64, e2.into()))?;
+                self.direct = Some(false);
+                self.read_to(end)
+            }
+            Some((at, e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                Err(Error::Truncated {
+                    path: self.path.clone(),
+                    expected: self.len as u64,
+                    actual: at as u64,
+                })
+            }
+            Some((at, e)) => Err(Error::io_at("read", &self.path, at as u64, e)),
+        }
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this value's own; holders of its address keep `self` alive
+        // (the binding's views own it).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+    }
+}
