@@ -25,7 +25,9 @@ use crate::staging::shm::SHM_MOUNT;
 use crate::tensor::AlignedBytes;
 
 mod incoming;
-pub use incoming::{Incoming, IncomingState, Outgoing};
+mod outgoing;
+pub use incoming::{Incoming, IncomingState};
+pub use outgoing::Outgoing;
 
 /// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena
 /// listings and recovery never take a replica for a staging arena).

@@ -1,0 +1,218 @@
+//! The sender's side of a replica transfer: its committed file read piece by piece while
+//! the pieces already read travel.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, ProtFlags};
+
+use super::committed_entry;
+use super::incoming::image_len;
+use crate::error::{Error, Result};
+use crate::fsx::{self, Create};
+
+/// `rank`'s committed file of a step, read into private memory piece by piece while the
+/// pieces already read are sent ([`Outgoing::read_to`]): the sender's read overlaps the
+/// transfer. The file is opened without following a link, must be a regular file of
+/// exactly the manifest's size with a header that passes the checks of every disk read
+/// (its CRC-32C against the manifest's); its data is checked by the receiver (every
+/// tensor's CRC-32C, [`Incoming::seal`]), which never publishes an image that fails.
+#[derive(Debug)]
+pub struct Outgoing {
+    ptr: NonNull<u8>,
+    len: usize,
+    file: std::fs::File,
+    path: PathBuf,
+    /// Bytes `[0, done)` are read.
+    done: usize,
+    /// Whether the descriptor reads with `O_DIRECT` (`None`: not tried yet).
+    direct: Option<bool>,
+}
+
+// SAFETY: `Outgoing` owns its mapping and its file; nothing ties them to a thread. Rust
+// never makes a reference to the mapping's bytes (the kernel writes them, `read_to`).
+unsafe impl Send for Outgoing {}
+
+impl Outgoing {
+    /// Open `rank`'s committed file of `step` of `root` for sending (see the type).
+    pub fn open(root: &Path, step: u64, rank: u32) -> Result<Outgoing> {
+        let (dir, entry) = committed_entry(root, step, rank)?;
+        let len = image_len(&entry)?;
+        let dfd = fsx::open_dir(&dir)?;
+        let path = dir.join(&entry.file);
+        let file = fsx::open_file(dfd.as_fd(), &dir, &entry.file, false, Create::No, None)?;
+        let actual = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
+        if actual != entry.bytes {
+            return Err(Error::Truncated {
+                path,
+                expected: entry.bytes,
+                actual,
+            });
+        }
+        crate::restore::check_header(&file, &path, &entry)?;
+        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
+            Error::io(
+                "mmap",
+                Path::new("(anonymous)"),
+                std::io::Error::other("null"),
+            )
+        })?;
+        Ok(Outgoing {
+            ptr,
+            len,
+            file,
+            path,
+            done: 0,
+            direct: None,
+        })
+    }
+
+    /// The first byte of the image's memory (page aligned; `[0, read())` holds the file's
+    /// bytes).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The image's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty (never: a safetensors file has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes read so far (a prefix of the file).
+    pub fn read(&self) -> usize {
+        self.done
+    }
+
+    /// Read the file up to byte `end` (at most its length) into the memory, if not read
+    /// yet: with `O_DIRECT` when the file system takes it (whole pages; the tail past the
+    /// end of the file comes back short), in up to 4 parts read at once. The bytes from the
+    /// current prefix on are written by the kernel (`pread` into the mapping, no Rust
+    /// reference made), so a transport reading the prefix meanwhile is never disturbed.
+    /// [`Error::Truncated`] when the file ends early (it shrank).
+    pub fn read_to(&mut self, end: usize) -> Result<()> {
+        let end = end.min(self.len);
+        if self.done >= end {
+            return Ok(());
+        }
+        let page = rustix::param::page_size();
+        if self.direct.is_none() {
+            // O_DIRECT on the open descriptor, where the file system takes it.
+            let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+            self.direct =
+                Some(rustix::fs::fcntl_setfl(&self.file, fl | rustix::fs::OFlags::DIRECT).is_ok());
+        }
+        // `done` is always a page boundary (or `len`): whole pages up to `end`, at most to
+        // the mapping's last page (mapped: the kernel maps whole pages).
+        let stop = end.div_ceil(page) * page;
+        let parts = ((stop - self.done) / (16 << 20)).clamp(1, 4);
+        let per = (stop - self.done).div_ceil(parts).div_ceil(page) * page;
+        let ranges: Vec<(usize, usize)> = (0..parts)
+            .map(|k| (self.done + k * per, (self.done + (k + 1) * per).min(stop)))
+            .filter(|(a, b)| a < b)
+            .collect();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        let base = self.ptr.as_ptr() as usize;
+        let len = self.len;
+        let read_range = |a: usize, b: usize| -> std::result::Result<(), (usize, std::io::Error)> {
+            let mut at = a;
+            while at < b.min(len) {
+                let want = (b - at).min(1 << 30);
+                // SAFETY: `at + want <= stop <= len` rounded up to a page: inside this value's
+                // mapping (whole pages), alive for the call; each range is written by one
+                // thread only, by the kernel, and nothing reads past `done` meanwhile.
+                let n =
+                    unsafe { libc::pread(fd, (base + at) as *mut c_void, want, at as libc::off_t) };
+                if n < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err((at, e));
+                }
+                if n == 0 {
+                    return Err((at, std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+                }
+                at += n as usize;
+            }
+            Ok(())
+        };
+        let results: Vec<_> = if ranges.len() == 1 {
+            vec![read_range(ranges[0].0, ranges[0].1)]
+        } else {
+            std::thread::scope(|scope| {
+                let hs: Vec<_> = ranges
+                    .iter()
+                    .map(|&(a, b)| scope.spawn(move || read_range(a, b)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err((0, std::io::Error::other("a read thread panicked")))
+                        })
+                    })
+                    .collect()
+            })
+        };
+        let mut first_err = None;
+        for r in results {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            None => {
+                // Read whole pages up to `stop` (or to the end of the file).
+                self.done = stop.min(self.len);
+                Ok(())
+            }
+            Some((at, e))
+                if e.raw_os_error() == Some(libc::EINVAL) && self.direct == Some(true) =>
+            {
+                // The file system refused O_DIRECT for these reads: read buffered.
+                let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+                rustix::fs::fcntl_setfl(&self.file, fl - rustix::fs::OFlags::DIRECT)
+                    .map_err(|e2| Error::io_at("read", &self.path, at as u64, e2.into()))?;
+                self.direct = Some(false);
+                self.read_to(end)
+            }
+            Some((at, e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                Err(Error::Truncated {
+                    path: self.path.clone(),
+                    expected: self.len as u64,
+                    actual: at as u64,
+                })
+            }
+            Some((at, e)) => Err(Error::io_at("read", &self.path, at as u64, e)),
+        }
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this value's own; holders of its address keep `self` alive
+        // (the binding's views own it).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+    }
+}
