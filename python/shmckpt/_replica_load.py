@@ -1,0 +1,220 @@
+"""The load side of :mod:`shmckpt.replicas`: the collective before a load that agrees on
+the step and fetches a lost rank's image from its partners (a mixin of
+:class:`~shmckpt.replicas.Replicator`, which holds the state named below)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import _shmckpt
+from ._replica_net import ReplicaNet, _GroupFailed
+from .errors import ReplicationError, ShmckptError
+
+log = logging.getLogger("shmckpt.replicas")
+
+
+class ReplicaLoads(ReplicaNet):
+    """What :meth:`Checkpointer.load` asks of the replication (see
+    :class:`~shmckpt.replicas.Replicator`)."""
+
+    replicas: int
+    node: str
+    nodes: List[str]
+    node_local: bool
+    plan: List[List[int]]
+    broken: Optional[str]
+    _peer: Optional[int]
+    _image: Optional[Tuple[int, Any]]
+    _served_image: bool
+    last_fetch_seconds: Optional[float]
+
+    def _drain(self) -> None:  # pragma: no cover - Replicator's
+        raise NotImplementedError
+
+    # -- load --------------------------------------------------------------------------
+    def agree_step(self, sel: Optional[int]) -> None:
+        """Collective before a load with node-local roots (nothing otherwise): the ranks
+        agree on the step (``sel``, or the newest any machine committed), and each rank
+        whose root lacks that step's manifest (its machine was replaced) adopts a peer's
+        (``shmckpt::commit::adopt_manifest``: checked, published as ``step-N/`` holding
+        the manifest; the rank's file then comes from its partner's replica)."""
+        if not self.node_local:
+            return
+        self._drain()
+        if self.broken is not None:
+            return  # no collective on a failed group: each rank loads what its root holds
+        try:
+            self._agree_step(sel)
+        except _GroupFailed as e:
+            self.broken = f"in a load: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load: {e}") from None
+
+    def _agree_step(self, sel: Optional[int]) -> None:
+        me = self.ckpt.rank
+        mine = sel if sel is not None else self.ckpt.latest()
+        have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
+        seen = self._gather((mine, have), "the step every rank has")
+        steps = [s for s, _ in seen if s is not None]
+        if sel is not None and any(s != sel for s, _ in seen):
+            raise ReplicationError(f"the ranks load different steps: {[s for s, _ in seen]}")
+        if not steps:
+            return
+        target = max(steps)
+        holders = [r for r, (s, h) in enumerate(seen) if s == target and h]
+        if len(holders) == len(seen):
+            return
+        if not holders:
+            raise ReplicationError(f"no rank's root holds the manifest of step {target}")
+        src = holders[0]
+        obj: List[Any] = [str(self.ckpt._engine.manifest(target)).encode() if me == src else None]
+        try:
+            self._dist.broadcast_object_list(obj, src=src, group=self.group)
+        except RuntimeError as e:
+            raise _GroupFailed(f"the replication group failed while sending the manifest of step {target}: {e}") from e
+        # One rank per machine (its lowest) adopts it: the machine's ranks share its root.
+        err: Optional[str] = None
+        if me not in holders and me == min(r for r, n in enumerate(self.nodes) if n == self.node):
+            try:
+                _shmckpt.group_adopt_manifest(self.ckpt.root, target, obj[0])
+                log.info("rank %d: adopted rank %d's manifest of step %d", me, src, target)
+            except ShmckptError as e:
+                err = f"rank {me} could not adopt rank {src}'s manifest of step {target} in {self.ckpt.root}: {e}"
+                log.warning("%s", err)
+        errs = [e for e in self._gather(err, "every machine's adoption of the manifest") if e is not None]
+        if errs:
+            raise ReplicationError("; ".join(errs))
+
+    def _local_ok(self, step: int) -> bool:
+        """Whether this rank's own file of ``step`` is there: a regular file (not followed
+        through a link) of the manifest's size. The load checks every byte of it."""
+        try:
+            _, entry = self.ckpt._rank_entry(step)
+        except ShmckptError:
+            return False
+        path = os.path.join(self.ckpt.root, f"step-{step}", entry["file"])
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == int(entry["bytes"])
+
+    def before_load(self, step: int) -> None:
+        """Collective, before a load of ``step``: ranks whose own file of the step is
+        missing (or of the wrong size) get their image from a partner that holds a replica
+        that passes every check; it is checked again on arrival and written back as the
+        rank's file, which the load then reads (checked in full). A rank that needs one and
+        that no partner can serve gets :class:`~shmckpt.errors.ReplicationError` (after every collective, so
+        the other ranks load on); the others load as without replicas. A failure of the
+        group (a rank died) is a :class:`~shmckpt.errors.ReplicationError`."""
+        self._peer = None
+        self._image = None
+        self._served_image = False
+        self._drain()
+        if self.broken is not None:
+            # No collective on a failed group: a rank with its own file loads it; one
+            # without raises (no partner can be asked).
+            if self._local_ok(step):
+                log.warning("rank %d: load of step %d without peers: replication stopped, %s", self.ckpt.rank, step, self.broken)
+                return
+            raise ReplicationError(
+                f"rank {self.ckpt.rank}: its file of step {step} is missing or of the wrong size, and "
+                f"no partner can be asked: replication stopped, {self.broken}"
+            )
+        t0 = time.monotonic()
+        try:
+            self._before_load(step)
+            self.last_fetch_seconds = time.monotonic() - t0
+        except _GroupFailed as e:
+            self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load of step {step}: {e}") from None
+
+    def _before_load(self, step: int) -> None:
+        me = self.ckpt.rank
+        root = self.ckpt.root
+        steps = self._gather(step, "the step every rank loads")
+        if len(set(steps)) != 1:
+            raise ReplicationError(f"the ranks load different steps: {steps}")
+        needs = self._gather(not self._local_ok(step), "who needs a replica")
+        needy = [q for q, n in enumerate(needs) if n]
+        if not needy:
+            return
+        can: Dict[int, Any] = {}
+        for q in needy:
+            if q == me or me not in self.plan[q]:
+                continue
+            try:
+                can[q] = _shmckpt.replica_serve(root, step, q)  # mapped read-only, checked in place
+            except ShmckptError as e:
+                log.warning("replica of rank %d, step %d not served: %s", q, step, e)
+        offers = self._gather(sorted(can), "who can serve a replica")
+        server: Dict[int, int] = {}
+        for q in needy:
+            for r in self.plan[q]:
+                if q in offers[r]:
+                    server[q] = r
+                    break
+        sends = [(q, buf) for q, buf in can.items() if server.get(q) == me]
+        recvs: List[Tuple[int, Any]] = []
+        why = "no partner holds a replica of it that passes the checks"
+        dropped = False
+        if me in server:
+            # Received straight into private memory; `seal()` checks it and writes the
+            # rank's file back from it (in Rust, GIL released), and the load then serves
+            # the tensors from that memory.
+            try:
+                recvs.append((server[me], _shmckpt.replica_receive_restore(root, step, me)))
+            except ShmckptError as e:
+                why = f"no memory to receive its image from rank {server[me]}: {e}"
+                log.warning("rank %d: %s", me, why)
+                dropped = True
+                recvs.append((server[me], np.empty(self._sizes(step)[me], dtype=np.uint8)))
+        got, _, _ = self._exchange(sends, recvs, paced=False)
+        can.clear()
+        del recvs
+        for src, img in got.items():
+            if dropped:
+                continue
+            try:
+                img.seal()
+                self._peer = src
+                self._image = (step, img)
+                log.info("rank %d: step %d restored from rank %d's replica", me, step, src)
+            except ShmckptError as e:
+                why = f"the image rank {src} sent was refused: {e}"
+                log.warning("rank %d: %s", me, why)
+        got.clear()
+        if me in needy and self._peer is None:
+            _, entry = self.ckpt._rank_entry(step)
+            path = os.path.join(root, f"step-{step}", entry["file"])
+            raise ReplicationError(
+                f"rank {me}: its file of step {step} ({path}) is missing or of the wrong size and {why}"
+            )
+
+    def take_image(self, step: int) -> Optional[Any]:
+        """The sealed image a partner sent for ``step`` in the last :meth:`before_load` (a
+        ``ReplicaImage``: checked against the manifest, written back as this rank's file,
+        now private memory the load may serve tensors from), or None; given once."""
+        img, self._image = self._image, None
+        if img is None or img[0] != step:
+            return None
+        self._served_image = True
+        return img[1]
+
+    def discard_image(self) -> None:
+        """Free the image of the last :meth:`before_load` (``load_into`` fills the caller's
+        tensors from the written-back file instead)."""
+        self._image = None
+
+    def source(self, engine_source: Optional[Tuple[str, Any]]) -> Optional[Tuple[str, Any]]:
+        """``("peer", rank)`` when the last load was served from the image a partner sent,
+        or it (or ``load_into``, which sets no source of its own) read the file a partner's
+        replica restored."""
+        if self._peer is not None and (self._served_image or engine_source is None or engine_source[0] == "disk"):
+            return ("peer", self._peer)
+        return engine_source
