@@ -19,27 +19,19 @@ import pytest
 
 import shmckpt
 from shmckpt import _shmckpt
-from shmckpt.replicas import list_replicas, remove_replica
+from shmckpt.replicas import remove_replica
 
 from conftest import shmckpt_bin
+from replica_support import WORLD, droot, kept_name, our_replicas  # noqa: F401 (droot: a fixture)
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
-WORLD = 4
 
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def kept_name(root, rank):
-    """The kept arena's name of ``root`` and ``rank`` (FNV-1a 64 of the canonical root)."""
-    h = 0xCBF29CE484222325
-    for b in os.fsencode(os.path.realpath(root)):
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return f"shmckpt.keep-{h:016x}.r{rank}"
 
 
 def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, env=None, codes_want=None):
@@ -65,29 +57,6 @@ def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, en
                 p.wait()
     assert codes == (codes_want or [0] * WORLD)
     return [json.loads(o.read_text()) if o.exists() else None for o in outs]
-
-
-@pytest.fixture
-def droot(root):
-    """The test's root; at the end its kept arenas and replicas are removed (exact names)."""
-    yield root
-    for r in range(WORLD):
-        p = pathlib.Path("/dev/shm") / kept_name(root, r)
-        if p.is_file() and not p.is_symlink():
-            p.unlink()
-    tag = _shmckpt.replica_tag(str(root))
-    for rep in list_replicas():
-        if rep["root_tag"] == tag:
-            remove_replica(rep["name"])
-    # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`).
-    for p in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*.tmp*"):
-        if p.is_file() and not p.is_symlink():
-            p.unlink()
-
-
-def our_replicas(root):
-    tag = _shmckpt.replica_tag(str(root))
-    return sorted((r["source_rank"], r["step"]) for r in list_replicas() if r["root_tag"] == tag)
 
 
 def lose_machine_1(root, steps, replica_step=None):
@@ -212,256 +181,6 @@ def test_tampered_replica_is_refused(tmp_path, droot):
     assert loaded[2]["error"] == "ReplicationError"
     assert names[2] in loaded[2]["message"] and "passes the checks" in loaded[2]["message"]
     assert not (root / "step-5" / names[2]).exists()
-
-
-def test_images_are_checked_on_every_path(droot):
-    """Stored, served and written back only when size, header and every CRC-32C match the
-    committed manifest; never through a link."""
-    root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(9, rank_state(0, 9)).wait()
-    finally:
-        ck.close()
-    good = np.asarray(_shmckpt.replica_read_committed(str(root), 9, 0)).tobytes()
-    fname = json.loads((root / "step-9" / "manifest.json").read_text())["files"][0]["file"]
-    assert good == (root / "step-9" / fname).read_bytes()
-    tampered = bytearray(good)
-    tampered[len(good) // 2] ^= 0x80
-    name = _shmckpt.replica_name(str(root), 0, 9)
-    shm = pathlib.Path("/dev/shm") / name
-    with pytest.raises(shmckpt.ChecksumError):
-        _shmckpt.replica_store(str(root), 9, 0, bytes(tampered))
-    assert not shm.exists()
-    with pytest.raises(shmckpt.Truncated):
-        _shmckpt.replica_store(str(root), 9, 0, good[:-1])
-    with pytest.raises(shmckpt.CorruptError):
-        _shmckpt.replica_store(str(root), 9, 0, good + b"\0")
-    header_bad = bytearray(good)
-    header_bad[10] = ord("#")  # inside the JSON header
-    with pytest.raises(shmckpt.CorruptError):
-        _shmckpt.replica_store(str(root), 9, 0, bytes(header_bad))
-    with pytest.raises(shmckpt.NotFound):
-        _shmckpt.replica_store(str(root), 10, 0, good)
-    assert not shm.exists()
-
-    # Temporary files of writers that died are removed by the next store of that rank's
-    # replica; those of live processes (pid 1) are not.
-    dead = shm.parent / f"{name}.tmp999999999"
-    live = shm.parent / f"{name}.tmp1"
-    dead.write_bytes(b"partial")
-    live.write_bytes(b"partial")
-    try:
-        assert _shmckpt.replica_store(str(root), 9, 0, good) == name
-        assert not dead.exists() and live.read_bytes() == b"partial"
-        assert [r["name"] for r in list_replicas() if r["name"].startswith(name)] == [name]
-    finally:
-        live.unlink()
-        if dead.exists():
-            dead.unlink()
-    assert np.asarray(_shmckpt.replica_load(str(root), 9, 0)).tobytes() == good
-    # A link in the replica's place is never followed.
-    shm.unlink()
-    target = root / "elsewhere"
-    target.write_bytes(good)
-    shm.symlink_to(target)
-    try:
-        with pytest.raises(shmckpt.UnsafePath):
-            _shmckpt.replica_load(str(root), 9, 0)
-    finally:
-        shm.unlink()
-    # Nor a FIFO (opened without blocking, refused as not a regular file).
-    os.mkfifo(shm)
-    try:
-        with pytest.raises(shmckpt.UnsafePath):
-            _shmckpt.replica_load(str(root), 9, 0)
-    finally:
-        shm.unlink()
-    # A damaged image is never written back as the rank's file.
-    (root / "step-9" / fname).unlink()
-    with pytest.raises(shmckpt.ChecksumError):
-        _shmckpt.replica_restore_file(str(root), 9, 0, bytes(tampered))
-    assert sorted(p.name for p in (root / "step-9").iterdir()) == ["manifest.json"]
-    assert _shmckpt.replica_restore_file(str(root), 9, 0, good) == str(root / "step-9" / fname)
-    assert (root / "step-9" / fname).read_bytes() == good
-
-
-def test_received_images_are_sealed_before_served(droot):
-    """Images received straight into their final memory (``replica_receive``: a replica
-    arena in /dev/shm; ``replica_receive_restore``: a lost rank's private memory) are never
-    listed, served or written back before ``seal()`` checked them against the committed
-    manifest; a sealed replica holds exactly the source file's bytes, read-only; a failed
-    check removes the arena; a sealed restore writes the file back and serves its tensors
-    bit-exactly from that memory."""
-    import torch
-
-    root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(5, rank_state(1, 5)).wait()
-    finally:
-        ck.close()
-    entry = json.loads((root / "step-5" / "manifest.json").read_text())["files"][0]
-    fname = entry["file"]
-    good = (root / "step-5" / fname).read_bytes()
-    name = _shmckpt.replica_name(str(root), 0, 5)
-    shm = pathlib.Path("/dev/shm") / name
-    tmp = shm.parent / f"{name}.tmp{os.getpid()}"
-
-    def names():
-        return [r["name"] for r in list_replicas() if r["name"].startswith(name)]
-
-    # A replica arena: unlisted and unserved while open; sealed, exactly the file's bytes.
-    img = _shmckpt.replica_receive(str(root), 5, 0)
-    assert img.state == "open" and img.nbytes == len(good) == entry["bytes"]
-    view = np.asarray(img)
-    assert view.flags.writeable and view.size == len(good)
-    view[:] = np.frombuffer(good, dtype=np.uint8)
-    assert tmp.is_file() and not shm.exists() and names() == []
-    with pytest.raises(shmckpt.errors.IoError, match="No such file"):
-        _shmckpt.replica_load(str(root), 5, 0)
-    with pytest.raises(shmckpt.ConfigError, match="not sealed"):
-        img.tensors()
-    assert img.seal() == str(shm)
-    assert img.state == "sealed" and not tmp.exists() and names() == [name]
-    assert shm.read_bytes() == good
-    assert np.asarray(_shmckpt.replica_load(str(root), 5, 0)).tobytes() == good
-    after = np.asarray(img)
-    assert not after.flags.writeable and after.tobytes() == good
-    with pytest.raises(ValueError):
-        after[0] = 1
-    with pytest.raises(shmckpt.ConfigError, match="sealed already"):
-        img.seal()
-    del view, after, img
-    assert shm.read_bytes() == good  # the arena outlives the object that received it
-    # Served to a lost rank: mapped read-only, checked in place, exactly the bytes.
-    served = _shmckpt.replica_serve(str(root), 5, 0)
-    sv = np.asarray(served)
-    assert served.state == "sealed" and not sv.flags.writeable and sv.tobytes() == good
-    del sv, served
-
-    # A flipped data byte or a damaged header: refused, removed, the older replica kept.
-    for at, err in ((entry["data_start"] + 5, shmckpt.ChecksumError), (10, shmckpt.CorruptError)):
-        bad = bytearray(good)
-        bad[at] ^= 0x5A
-        img = _shmckpt.replica_receive(str(root), 5, 0)
-        np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
-        with pytest.raises(err):
-            img.seal()
-        assert img.state == "refused" and not tmp.exists()
-        assert shm.read_bytes() == good and names() == [name]
-        with pytest.raises(shmckpt.ConfigError):
-            img.tensors()
-        del img
-    # A held replica damaged in place, a link or another kind of file: never served.
-    flipped = bytearray(good)
-    flipped[entry["data_start"] + 7] ^= 0x10
-    shm.write_bytes(bytes(flipped))
-    with pytest.raises(shmckpt.ChecksumError):
-        _shmckpt.replica_serve(str(root), 5, 0)
-    shm.write_bytes(good[:-1])
-    with pytest.raises(shmckpt.Truncated):
-        _shmckpt.replica_serve(str(root), 5, 0)
-    shm.unlink()
-    (root / "elsewhere").write_bytes(good)
-    shm.symlink_to(root / "elsewhere")
-    with pytest.raises(shmckpt.UnsafePath):
-        _shmckpt.replica_serve(str(root), 5, 0)
-    shm.unlink()
-    shm.write_bytes(good)
-    # An arena dropped unsealed (a transfer that failed) leaves nothing behind.
-    img = _shmckpt.replica_receive(str(root), 5, 0)
-    assert tmp.is_file()
-    del img
-    assert not tmp.exists() and names() == [name]
-    with pytest.raises(shmckpt.NotFound):
-        _shmckpt.replica_receive(str(root), 6, 0)
-
-    # The sender's image: its file, opened checked, read piece by piece as it is sent.
-    src = _shmckpt.replica_source(str(root), 5, 0)
-    sv = np.asarray(src)
-    assert src.nbytes == len(good) and not sv.flags.writeable
-    src.read_to(100)
-    assert sv[:100].tobytes() == good[:100]
-    src.read_to(len(good) + 4096)  # clamped to the file
-    assert sv.tobytes() == good
-    del sv, src
-    fpath = root / "step-5" / fname
-    src = _shmckpt.replica_source(str(root), 5, 0)
-    os.truncate(fpath, len(good) // 2)  # the file shrinks under the sender: refused
-    with pytest.raises(shmckpt.Truncated):
-        src.read_to(len(good))
-    del src
-    with pytest.raises(shmckpt.Truncated):
-        _shmckpt.replica_source(str(root), 5, 0)
-    hdr = bytearray(good)
-    hdr[10] ^= 0x20
-    fpath.write_bytes(bytes(hdr))
-    with pytest.raises(shmckpt.CorruptError):
-        _shmckpt.replica_source(str(root), 5, 0)
-    fpath.unlink()
-    fpath.symlink_to(root / "elsewhere")
-    with pytest.raises(shmckpt.UnsafePath):
-        _shmckpt.replica_source(str(root), 5, 0)
-    fpath.unlink()
-    fpath.write_bytes(good)
-
-    # A lost rank's restore: refused when damaged (its file is not written) ...
-    (root / "step-5" / fname).unlink()
-    bad = bytearray(good)
-    bad[-1] ^= 0x01
-    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
-    np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
-    with pytest.raises(shmckpt.ChecksumError):
-        img.seal()
-    assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
-    del img
-    # Written while it arrives (write_through), then refused: the early file is removed.
-    early = root / "step-5" / f".{fname}.tmp{os.getpid()}"
-    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
-    assert img.restore
-    half = len(good) // 2
-    np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
-    img.write_through(half)
-    assert early.read_bytes() == good[: half - half % 4096]  # whole pages, frozen
-    with pytest.raises(shmckpt.ChecksumError):
-        img.seal()
-    assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
-    del img
-    # Written while it arrives, then sealed: the file holds exactly the image.
-    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
-    whole = np.asarray(img)
-    whole[:half] = np.frombuffer(good[:half], dtype=np.uint8)
-    img.write_through(half)
-    assert early.read_bytes() == good[: half - half % 4096] and not (root / "step-5" / fname).exists()
-    whole[half:] = np.frombuffer(good[half:], dtype=np.uint8)
-    assert img.seal() == str(root / "step-5" / fname)
-    assert (root / "step-5" / fname).read_bytes() == good and not early.exists()
-    del whole, img
-    with pytest.raises(shmckpt.ConfigError):
-        _shmckpt.replica_receive(str(root), 5, 0).write_through(4096)
-    (root / "step-5" / fname).unlink()
-    # ... else the file is written back from memory, and the tensors served from it.
-    img = _shmckpt.replica_receive_restore(str(root), 5, 0)
-    np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
-    assert img.seal() == str(root / "step-5" / fname)
-    assert (root / "step-5" / fname).read_bytes() == good
-    whole = np.asarray(img)
-    assert whole.flags.writeable  # the holder's memory again
-    want = rank_state(1, 5)["model"]
-    got = {}
-    for tname, dtype, shape, a, b in img.tensors():
-        t = next(t for t in entry["tensors"] if t["name"] == tname)
-        assert (dtype, shape) == (t["dtype"], t["shape"])
-        assert (a, b) == (entry["data_start"] + t["data_offsets"][0], entry["data_start"] + t["data_offsets"][1])
-        got[tname] = torch.from_numpy(whole[a:b])
-    assert sorted(got) == ["model.h", "model.i", "model.w"]
-    for k, v in want.items():  # exact bytes
-        assert got[f"model.{k}"].equal(v.contiguous().view(-1).view(torch.uint8))
 
 
 def test_replica_of_another_user_is_refused(droot):

@@ -1,0 +1,44 @@
+"""What the replica tests share (not a test module): the simulated world's size, the kept
+arena's name, the ``droot`` fixture that removes a test's arenas and replicas, and the
+replicas of a root."""
+
+import os
+import pathlib
+
+import pytest
+
+from shmckpt import _shmckpt
+from shmckpt.replicas import list_replicas, remove_replica
+
+WORLD = 4
+
+
+def kept_name(root, rank):
+    """The kept arena's name of ``root`` and ``rank`` (FNV-1a 64 of the canonical root)."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(os.path.realpath(root)):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"shmckpt.keep-{h:016x}.r{rank}"
+
+
+@pytest.fixture
+def droot(root):
+    """The test's root; at the end its kept arenas and replicas are removed (exact names)."""
+    yield root
+    for r in range(WORLD):
+        p = pathlib.Path("/dev/shm") / kept_name(root, r)
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+    tag = _shmckpt.replica_tag(str(root))
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+    # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`).
+    for p in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*.tmp*"):
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+
+
+def our_replicas(root):
+    tag = _shmckpt.replica_tag(str(root))
+    return sorted((r["source_rank"], r["step"]) for r in list_replicas() if r["root_tag"] == tag)
