@@ -20,7 +20,7 @@ use crate::fsx::{self, Create};
 /// transfer. The file is opened without following a link, must be a regular file of
 /// exactly the manifest's size with a header that passes the checks of every disk read
 /// (its CRC-32C against the manifest's); its data is checked by the receiver (every
-/// tensor's CRC-32C, [`Incoming::seal`]), which never publishes an image that fails.
+/// tensor's CRC-32C, [`super::Incoming::seal`]), which never publishes an image that fails.
 #[derive(Debug)]
 pub struct Outgoing {
     ptr: NonNull<u8>,
