@@ -44,15 +44,27 @@ impl PyBuffer {
     /// The numpy array interface: a writable 1-D uint8 view of the bytes.
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("version", 3)?;
-        d.set_item("shape", (self.len,))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.ptr, false))?;
-        Ok(d)
+        array_interface(py, self.ptr, self.len, false)
     }
 
     fn __len__(&self) -> usize {
         self.len
     }
+}
+
+/// numpy's array interface (version 3) of `len` bytes at `ptr`: a 1-D uint8 view, read-only
+/// when `readonly`. The object whose getter returns it must keep the memory alive (numpy
+/// holds that object as the array's base).
+pub(crate) fn array_interface(
+    py: Python<'_>,
+    ptr: usize,
+    len: usize,
+    readonly: bool,
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", 3)?;
+    d.set_item("shape", (len,))?;
+    d.set_item("typestr", "|u1")?;
+    d.set_item("data", (ptr, readonly))?;
+    Ok(d)
 }

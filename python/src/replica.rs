@@ -14,6 +14,7 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 use shmckpt::replica::{Incoming, IncomingState, Outgoing};
 
+use crate::buffer::array_interface;
 use crate::{PyBuffer, to_py};
 
 /// For each rank, the ranks that hold its replicas (`nodes[r]`: rank r's machine).
@@ -134,12 +135,12 @@ impl PyReplicaImage {
     /// The numpy array interface: a 1-D uint8 view of the image (writable while open).
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("version", 3)?;
-        d.set_item("shape", (self.len,))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.ptr, !self.writable.load(Ordering::Acquire)))?;
-        Ok(d)
+        array_interface(
+            py,
+            self.ptr,
+            self.len,
+            !self.writable.load(Ordering::Acquire),
+        )
     }
 
     fn __len__(&self) -> usize {
@@ -259,12 +260,7 @@ impl PyReplicaSource {
     /// The numpy array interface: a read-only 1-D uint8 view of the image's memory.
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("version", 3)?;
-        d.set_item("shape", (self.len,))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.ptr, true))?;
-        Ok(d)
+        array_interface(py, self.ptr, self.len, true)
     }
 
     fn __len__(&self) -> usize {
