@@ -252,14 +252,15 @@ pub fn verify_image(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<(
     check_bytes(bytes, &entry, &what)
 }
 
-/// Read the regular file `name` of the directory `dir` (never through a link; owned by
-/// `uid` when given), which must be exactly `entry.bytes` long, and check it.
-fn read_checked(
+/// Open the regular file `name` of the directory `dir` (never through a link; owned by
+/// `uid` when given), which must be exactly `entry.bytes` long: shorter is
+/// [`Error::Truncated`], longer is corrupt. Returns the file and its path.
+fn open_sized(
     dir: &Path,
     name: &str,
     uid: Option<u32>,
     entry: &FileEntry,
-) -> Result<AlignedBytes> {
+) -> Result<(std::fs::File, PathBuf)> {
     let dfd = fsx::open_dir(dir)?;
     let path = dir.join(name);
     let file = fsx::open_file(dfd.as_fd(), dir, name, false, Create::No, uid)?;
@@ -282,6 +283,37 @@ fn read_checked(
             )
         });
     }
+    Ok((file, path))
+}
+
+/// `len` bytes of fresh private anonymous memory, readable and writable (zero pages,
+/// faulted in on first touch); its owner unmaps it with `len`.
+#[allow(unsafe_code)]
+fn anonymous_map(len: usize) -> Result<std::ptr::NonNull<u8>> {
+    let anon = || std::path::Path::new("(anonymous)");
+    // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
+    let raw = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
+    }
+    .map_err(|e| Error::io("mmap", anon(), e.into()))?;
+    std::ptr::NonNull::new(raw.cast::<u8>())
+        .ok_or_else(|| Error::io("mmap", anon(), std::io::Error::other("null")))
+}
+
+/// Read the regular file `name` of the directory `dir` (never through a link; owned by
+/// `uid` when given), which must be exactly `entry.bytes` long, and check it.
+fn read_checked(
+    dir: &Path,
+    name: &str,
+    uid: Option<u32>,
+    entry: &FileEntry,
+) -> Result<AlignedBytes> {
+    let (file, path) = open_sized(dir, name, uid, entry)?;
     let mut out = AlignedBytes::zeroed(mem_len(entry.bytes, &path)?);
     file.read_exact_at(out.as_bytes_mut(), 0)
         .map_err(|e| Error::io_at("read", &path, 0, e))?;

@@ -16,7 +16,8 @@ use std::ptr::NonNull;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 use super::{
-    REPLICA_PREFIX, check_bytes, committed_entry, euid, remove_stale, tag_of, write_atomic,
+    REPLICA_PREFIX, check_bytes, committed_entry, euid, open_sized, remove_stale, tag_of,
+    write_atomic,
 };
 use crate::error::{Error, Result};
 use crate::fsx::{self, Create};
@@ -199,29 +200,7 @@ impl Incoming {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
         let name = super::replica_name(root, rank, step)?;
-        let dir = Path::new(SHM_MOUNT);
-        let dfd = fsx::open_dir(dir)?;
-        let path = dir.join(&name);
-        let file = fsx::open_file(dfd.as_fd(), dir, &name, false, Create::No, Some(euid()))?;
-        let actual = file
-            .metadata()
-            .map_err(|e| Error::io("stat", &path, e))?
-            .len();
-        if actual != entry.bytes {
-            return Err(if actual < entry.bytes {
-                Error::Truncated {
-                    path,
-                    expected: entry.bytes,
-                    actual,
-                }
-            } else {
-                Error::corrupt(
-                    &path,
-                    None,
-                    format!("{actual} bytes, the manifest says {}", entry.bytes),
-                )
-            });
-        }
+        let (file, path) = open_sized(Path::new(SHM_MOUNT), &name, Some(euid()), &entry)?;
         // SAFETY: a new read-only shared mapping with a null hint aliases no existing
         // memory; the file is a regular file of this user of exactly `len` bytes (checked
         // above on the open descriptor).
@@ -265,23 +244,7 @@ impl Incoming {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
         let map_len = len;
-        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
-        let raw = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                map_len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
-            Error::io(
-                "mmap",
-                Path::new("(anonymous)"),
-                std::io::Error::other("null"),
-            )
-        })?;
+        let ptr = super::anonymous_map(map_len)?;
         Ok(Incoming {
             ptr,
             map_len,

@@ -8,8 +8,6 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
-use rustix::mm::{MapFlags, ProtFlags};
-
 use super::committed_entry;
 use super::incoming::image_len;
 use crate::error::{Error, Result};
@@ -57,23 +55,7 @@ impl Outgoing {
             });
         }
         crate::restore::check_header(&file, &path, &entry)?;
-        // SAFETY: a fresh anonymous mapping with a null hint aliases no existing memory.
-        let raw = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| Error::io("mmap", Path::new("(anonymous)"), e.into()))?;
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| {
-            Error::io(
-                "mmap",
-                Path::new("(anonymous)"),
-                std::io::Error::other("null"),
-            )
-        })?;
+        let ptr = super::anonymous_map(len)?;
         Ok(Outgoing {
             ptr,
             len,
