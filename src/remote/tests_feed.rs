@@ -61,6 +61,19 @@ impl MultipartStore for Gate {
     }
 }
 
+impl Gate {
+    /// A gate over `mem` that holds every upload until the returned flag is set.
+    fn held(mem: &Arc<InMemory>) -> (Arc<Gate>, Arc<AtomicBool>) {
+        let open = Arc::new(AtomicBool::new(false));
+        let gate = Gate {
+            inner: Arc::clone(mem),
+            open: Arc::clone(&open),
+            fail_part: None,
+        };
+        (Arc::new(gate), open)
+    }
+}
+
 impl std::fmt::Display for Gate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Gate({})", self.inner)
@@ -91,13 +104,8 @@ const RANK_FILE: &str = "rank-00000-of-00001.safetensors";
 fn the_upload_comes_from_the_staging_arena_not_the_local_file() {
     let dir = tempfile::tempdir().unwrap();
     let mem = Arc::new(InMemory::new());
-    let open = Arc::new(AtomicBool::new(false));
-    let gate = Gate {
-        inner: mem.clone(),
-        open: Arc::clone(&open),
-        fail_part: None,
-    };
-    let engine = small(dir.path(), Arc::new(gate)).build().unwrap();
+    let (gate, open) = Gate::held(&mem);
+    let engine = small(dir.path(), gate).build().unwrap();
     let s = state(11);
     let h = engine.save(3, &tensors(&s), &Metadata::new()).unwrap();
     let p = h.remote().unwrap();
@@ -126,15 +134,10 @@ fn the_upload_comes_from_the_staging_arena_not_the_local_file() {
 fn staging_pressure_gives_held_chunks_back_to_the_next_save() {
     let dir = tempfile::tempdir().unwrap();
     let mem = Arc::new(InMemory::new());
-    let open = Arc::new(AtomicBool::new(false));
-    let gate = Gate {
-        inner: mem.clone(),
-        open: Arc::clone(&open),
-        fail_part: None,
-    };
+    let (gate, open) = Gate::held(&mem);
     // 16 MiB of staging, two saves of 11 MiB: the second needs chunks the first's upload
     // holds while the bucket is held back.
-    let engine = small(dir.path(), Arc::new(gate)).build().unwrap();
+    let engine = small(dir.path(), gate).build().unwrap();
     // A safety valve, so a regression hangs for 60 s and fails instead of hanging forever.
     let valve = {
         let open = Arc::clone(&open);
