@@ -51,11 +51,11 @@ pub fn find_parts(dir: &Path, step: u64) -> Result<Vec<PathBuf>> {
         Err(e) => return Err(Error::io("list", dir, e)),
     };
     let name = partial_dir_name(step);
+    let is_dir = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_dir());
     let mut found = Vec::new();
     for e in entries {
         let e = e.map_err(|err| Error::io("list", dir, err))?;
         let candidate = e.path().join(&name);
-        let is_dir = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_dir());
         if is_dir(&e.path()) && is_dir(&candidate) {
             found.push(candidate);
         }
