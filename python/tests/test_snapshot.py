@@ -135,3 +135,30 @@ def test_snapshot_mode_saves_exact_bytes_and_gives_its_device_memory_back(root, 
             assert during - before < (4 << 20)
         # ... and back on the device once the save is staged.
         assert after - before < (4 << 20)
+
+
+@pytest.mark.gpu
+def test_a_snapshot_save_is_staged_while_the_trainers_stream_is_still_busy(root):
+    # The snapshot's memory goes back in its stream's order (cuMemFreeAsync), not with a
+    # device-wide wait: before, freeing it synchronized the whole context, so the save was
+    # staged only after every kernel the trainer had queued meanwhile, here a spin of ~1 s.
+    params, opt = adamw("cuda", n=4, numel=16 << 20)
+    state = {"p": params, "o": opt.state_dict()}
+    with shmckpt.Checkpointer(root, staging_capacity=1 << 30) as ck:
+        ck.prepare_cuda()
+        ck.guard(opt)
+        ref = [p.detach().cpu() for p in params]
+        before = device_used_outside_torch()
+        h = ck.save(1, state, blocking=False, snapshot="device")
+        opt.step()  # the guard: the snapshot is taken, the step's kernels follow it
+        assert h.snapshot_bytes > 0
+        torch.cuda._sleep(2_000_000_000)  # 2e9 cycles: ~1 s of spinning on its stream
+        h.wait_staged()
+        busy = not torch.cuda.current_stream().query()
+        h.wait()
+        assert busy, "the save waited for the trainer's kernels queued after it"
+        after = device_used_outside_torch()
+        assert after - before < (4 << 20), "the snapshot's memory came back"
+        back = ck.load(1)
+        for i in range(4):
+            assert torch.equal(back["p"][i], ref[i])

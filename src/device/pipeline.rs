@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::StageJob;
-use super::cuda::{self, Context, CtxGuard, DeviceBuffer, Event, HostRegistration, Stream};
+use super::cuda::{
+    self, Context, CtxGuard, Event, HostRegistration, MemPool, Stream, StreamBuffer,
+};
 use super::snapshot::{LOOKAHEAD_BYTES, Layout};
 use crate::error::{Error, Result};
 use crate::plan::PieceSource;
@@ -25,15 +27,47 @@ pub(crate) enum After {
     Event(u64),
 }
 
-/// Per-device CUDA state: the primary context, one copy stream, reusable events.
+/// Per-device CUDA state: the primary context, one copy stream, reusable events, and the
+/// memory pool of device snapshots (made on the first one).
 #[derive(Debug)]
 pub(crate) struct DeviceState {
     pub(crate) ctx: Arc<Context>,
-    pub(crate) stream: Stream,
+    pub(crate) stream: Arc<Stream>,
     events: Mutex<Vec<Event>>,
+    pool: Mutex<Option<Arc<MemPool>>>,
 }
 
 impl DeviceState {
+    fn pool(&self) -> Result<Arc<MemPool>> {
+        let mut p = lock(&self.pool);
+        if let Some(p) = &*p {
+            return Ok(Arc::clone(p));
+        }
+        let made = MemPool::new(&self.ctx)?;
+        *p = Some(Arc::clone(&made));
+        Ok(made)
+    }
+
+    /// After a snapshot's buffer was dropped (its free queued on the stream): wait for the
+    /// stream (only the engine's copies, complete by now, and the free are on it), then
+    /// give the pool's memory back to the driver.
+    fn release_snapshot(&self) {
+        let Some(pool) = lock(&self.pool).clone() else {
+            return;
+        };
+        let res = self
+            .ctx
+            .bind()
+            .and_then(|()| self.stream.synchronize())
+            .and_then(|()| pool.trim())
+            .and_then(|()| pool.reserved());
+        match res {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(bytes = n, "device snapshot memory not given back yet"),
+            Err(e) => tracing::warn!(error = %e, "device snapshot memory not given back"),
+        }
+    }
+
     fn event(&self) -> Result<Event> {
         match lock(&self.events).pop() {
             Some(e) => Ok(e),
@@ -138,11 +172,12 @@ impl CudaStaging {
             return Ok(Arc::clone(s));
         }
         let ctx = Context::new(d)?;
-        let stream = Stream::new(&ctx)?;
+        let stream = Arc::new(Stream::new(&ctx)?);
         let st = Arc::new(DeviceState {
             ctx,
             stream,
             events: Mutex::new(Vec::new()),
+            pool: Mutex::new(None),
         });
         m.insert(d, Arc::clone(&st));
         Ok(st)
@@ -198,19 +233,23 @@ impl CudaStaging {
                 (job.queued)(marks);
                 Ok(waited)
             });
-        match res {
-            Ok(waited) => {
-                pipeline.drain(job)?;
-                // Every copy from the snapshot completed: its memory goes back now
-                // (`DeviceBuffer`'s drop synchronizes the context, then `cuMemFree`).
-                drop(snap);
-                Ok(waited)
-            }
+        // Every copy into and out of the snapshot is queued: dropping it queues its free on
+        // each device's stream, behind them (no host wait, no device-wide `cuMemFree`).
+        let snapshot = matches!(snap, SnapshotState::Taken(_));
+        drop(snap);
+        let res = match res {
+            Ok(waited) => pipeline.drain(job).map(|()| waited),
             Err(e) => {
                 pipeline.abandon();
                 Err(e)
             }
+        };
+        if snapshot {
+            for st in states.values() {
+                st.release_snapshot();
+            }
         }
+        res
     }
 
     /// One new event per device, recorded on its engine stream after every copy queued so
@@ -389,8 +428,9 @@ impl CudaStaging {
                         // holds these bytes (`locate` checked the whole range), inside
                         // the snapshot buffer of this device: written by a copy queued
                         // earlier on this same stream (so complete before this one
-                        // starts), and freed only after `drain` saw every copy complete
-                        // (`stage`; on an error, its drop synchronizes the context first).
+                        // starts), and freed in this stream's order after this copy (its
+                        // drop queues the free on the stream, after staging queued its
+                        // last copy).
                         let src = held.unwrap_or(d.ptr() + at);
                         unsafe { st.stream.copy_dtoh(base.add(p.dst), src, p.len)? };
                     }
@@ -421,8 +461,8 @@ impl CudaStaging {
 #[derive(Debug)]
 pub(crate) struct Snapshot {
     layout: Layout,
-    /// One buffer per device of `layout.totals`.
-    buffers: BTreeMap<i32, DeviceBuffer>,
+    /// One buffer per device of `layout.totals`, ordered on that device's engine stream.
+    buffers: BTreeMap<i32, StreamBuffer>,
 }
 
 /// Where a save is with its snapshot.
@@ -463,7 +503,7 @@ impl CudaStaging {
             let st = &pipe.states[&dev];
             let len = usize::try_from(total)
                 .map_err(|_| Error::Internal("snapshot larger than the address space".into()))?;
-            match DeviceBuffer::alloc(&st.ctx, len) {
+            match st.pool().and_then(|p| p.alloc(&st.stream, len)) {
                 Ok(b) => {
                     buffers.insert(dev, b);
                 }
@@ -487,9 +527,10 @@ impl CudaStaging {
             // modified until the event recorded after this copy completes (the caller's
             // writers wait for it: `queued`); the destination `offset..offset+end-from`
             // lies inside `buf` (the layout's total for this device bounds every range
-            // placed in it), a fresh allocation of this device that nothing else uses
-            // and that outlives every copy from it (`Snapshot` is dropped after `drain`);
-            // the two are different allocations, so they do not overlap.
+            // placed in it), a fresh allocation of this device that nothing else uses,
+            // ordered on this same stream (allocated before this copy, freed after every
+            // copy queued on the stream before its drop); the two are different
+            // allocations, so they do not overlap.
             unsafe {
                 st.stream.copy_dtod(
                     buf.ptr() + p.offset,

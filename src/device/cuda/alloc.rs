@@ -12,8 +12,8 @@ use super::{Stream, length_matches};
 use crate::error::{Error, Result};
 use crate::tensor::DeviceSlice;
 
-/// Device memory allocated with `cuMemAlloc` (benchmarks, tests, and the transient buffer
-/// of the opt-in device snapshot, the engine's only device memory). Freed on drop.
+/// Device memory allocated with `cuMemAlloc` (benchmarks and tests; the engine's own
+/// device memory is stream-ordered, from a pool of its own). Freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     ptr: u64,

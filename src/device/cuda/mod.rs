@@ -3,13 +3,15 @@
 //! Every call checks its `CUresult`. Nothing here runs before [`init`] has checked that
 //! `libcuda` can be loaded: cudarc panics on a missing library, we return
 //! [`Error::Cuda`] instead. The engine allocates no device memory, except the transient
-//! buffer of the opt-in device snapshot ([`crate::SaveOptions::snapshot_on_request`],
-//! a [`DeviceBuffer`]); [`DeviceBuffer`] and [`PinnedHost`] also serve benchmarks and tests.
+//! buffer of the opt-in device snapshot ([`crate::SaveOptions::snapshot_on_request`], a
+//! stream-ordered allocation from a memory pool of the engine's own, `pool.rs`); [`DeviceBuffer`] and
+//! [`PinnedHost`] serve benchmarks and tests.
 #![allow(unsafe_code)]
 
 mod alloc;
 #[cfg(feature = "ipc")]
 mod ipc;
+mod pool;
 mod register;
 mod stream;
 
@@ -18,6 +20,7 @@ pub use alloc::{DeviceBuffer, PinnedHost};
 pub use ipc::{
     IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,
 };
+pub(crate) use pool::{MemPool, StreamBuffer};
 pub use register::HostRegistration;
 pub use stream::{Event, EventRef, Stream, StreamRef};
 
