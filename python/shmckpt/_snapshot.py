@@ -4,10 +4,11 @@ A guarded non-blocking save of CUDA tensors copies them to the host while the tr
 its next forward and backward; the guard makes the optimizer step wait (on the device) for
 those copies. With ``snapshot="device"`` the engine keeps most of the copy unqueued (at most
 256 MiB ahead of completion), and the guard, when the optimizer step starts, asks it to copy
-what is left device-to-device (at device-memory speed) into a transient buffer allocated
-with ``cuMemAlloc``, outside torch's caching allocator; the optimizer's kernels then wait for
-those device-to-device copies only, and the rest goes to the host from the buffer, which is
-freed with ``cuMemFree`` as soon as its host copies completed. Its size (the peak extra
+what is left device-to-device (at device-memory speed) into a transient buffer from a
+memory pool of the engine's own, outside torch's caching allocator; the optimizer's kernels
+then wait for those device-to-device copies only, and the rest goes to the host from the
+buffer, whose memory goes back to the device (freed in stream order, the pool trimmed) as
+soon as its host copies completed. Its size (the peak extra
 device memory of the save) is ``SaveHandle.snapshot_bytes`` and ``snapshot_bytes`` in the
 staging and save reports. The default (``snapshot=None``) allocates nothing on the device.
 """

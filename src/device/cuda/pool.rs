@@ -1,10 +1,10 @@
 //! Stream-ordered device memory from a pool of the engine's own: the transient buffer of
 //! the opt-in device snapshot.
 //!
-//! `cuMemFree` waits for the whole device and holds the driver while it unmaps, so a
-//! trainer's kernel launches stall behind it; `cuMemFreeAsync` queues the free on the
-//! stream that used the memory, behind its last copy, and never blocks the calling thread
-//! or other streams. The pool is the engine's (`cuMemPoolCreate`, not the device's default
+//! `cuMemFree` synchronizes the whole device (and the buffer's drop synchronized the
+//! context before it), so a save's staging waited for every kernel the trainer queued
+//! after its snapshot; `cuMemFreeAsync` queues the free on the stream that used the memory,
+//! behind its last copy, and waits for nothing else. The pool is the engine's (`cuMemPoolCreate`, not the device's default
 //! pool that a CUDA runtime may use), with a release threshold of zero, and is trimmed to
 //! zero after each use: the memory goes back to the driver, not to a cache.
 #![allow(unsafe_code)]
