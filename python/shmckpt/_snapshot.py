@@ -5,7 +5,8 @@ its next forward and backward; the guard makes the optimizer step wait (on the d
 those copies. With ``snapshot="device"`` the engine keeps most of the copy unqueued (at most
 256 MiB ahead of completion), and the guard, when the optimizer step starts, asks it to copy
 what is left device-to-device (at device-memory speed) into a transient buffer from a
-memory pool of the engine's own, outside torch's caching allocator; the optimizer's kernels
+memory pool of the engine's own, outside torch's caching allocator, allocated for all of
+the save's device bytes when the save starts; the optimizer's kernels
 then wait for those device-to-device copies only, and the rest goes to the host from the
 buffer, whose memory goes back to the device (freed in stream order, the pool trimmed) as
 soon as its host copies completed. Its size (the peak extra

@@ -2,15 +2,16 @@
 //! back ([`crate::SaveOptions::snapshot_on_request`]).
 //!
 //! A non-blocking save of device tensors queues its device-to-host copies a bounded amount
-//! ahead (`LOOKAHEAD_BYTES`) instead of all at once. When the caller asks for a snapshot
-//! (`SaveHandle::request_snapshot`, e.g. before an optimizer step that overwrites the
-//! tensors), the staging thread copies every device byte it has not queued yet into a
-//! transient device buffer (`cuMemcpyDtoDAsync`, at device-memory speed), publishes the
-//! event after those copies as the point from which the caller's tensors are no longer
-//! read, and copies the rest to the host from the buffer. The buffer comes from a memory
-//! pool of the engine's own (outside any framework's caching allocator), allocated and
-//! freed in the order of the copy stream, and the pool is trimmed to zero as soon as its
-//! copies completed, so the memory goes back to the device.
+//! ahead (`LOOKAHEAD_BYTES`) instead of all at once, and allocates, when it starts, a
+//! transient device buffer for all of its device bytes. When the caller asks for a
+//! snapshot (`SaveHandle::request_snapshot`, e.g. before an optimizer step that overwrites
+//! the tensors), the staging thread copies every device byte it has not queued yet into
+//! the buffer (`cuMemcpyDtoDAsync`, at device-memory speed), publishes the event after
+//! those copies as the point from which the caller's tensors are no longer read, and
+//! copies the rest to the host from the buffer. The buffer comes from a memory pool of the
+//! engine's own (outside any framework's caching allocator), allocated and freed in the
+//! order of the copy stream, and the pool is trimmed to zero as soon as its copies
+//! completed, so the memory goes back to the device.
 //!
 //! This file holds the safe part: the request flag, and the layout of the remaining
 //! bytes in the buffers (one per device). The copies are in `pipeline.rs`.

@@ -103,8 +103,9 @@ impl<'a> SaveOptions<'a> {
     /// at most 256 MiB ahead of their completion instead of all at once, and
     /// [`SaveHandle::request_snapshot`] makes the staging thread copy every device byte
     /// it has not queued yet into a transient device buffer (from a memory pool of the
-    /// engine's own, allocated and freed in the order of its copy stream and given back
-    /// to the driver once its host copies completed; its size is
+    /// engine's own, allocated for all of the save's device bytes when it starts, freed
+    /// in the order of its copy stream and given back to the driver once its host copies
+    /// completed; its size is
     /// [`StagedReport::snapshot_bytes`](crate::StagedReport)), after which
     /// [`SaveHandle::hold_stream`] orders a stream after those device-to-device copies
     /// only (and the copies queued before them), not after the whole device-to-host copy.

@@ -160,6 +160,11 @@ impl StreamBuffer {
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
     }
+
+    /// Length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
 }
 
 impl Drop for StreamBuffer {
