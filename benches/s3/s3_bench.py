@@ -13,8 +13,9 @@ Systems (``--systems``, default all; a system whose package is missing prints on
 
 save (time from the call to committed in the bucket; GB/s = bytes of the state / time):
   shmckpt_local_remote  ``Checkpointer(local, remote=s3://...)``: ``save`` -> ``h.wait()``
-                        -> ``h.wait_remote()`` (local disk durable first, then uploaded from
-                        the staging arena and committed); also its stall (``save`` return)
+                        -> ``h.wait_remote()`` (uploaded from the staging arena while the
+                        local disk is written; completed and committed in the bucket after
+                        the local commit); also its stall (``save`` return)
   shmckpt_remote_only   ``Checkpointer("s3://...")``: ``save`` -> ``h.wait_remote()``
   shmckpt_local         ``Checkpointer(local)`` (no bucket): stall and time to durable, the
                         reference for the stall with the remote tier on
