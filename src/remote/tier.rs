@@ -38,7 +38,9 @@ pub struct RemoteReport {
     pub step: u64,
     /// Bytes of this rank's object.
     pub bytes: u64,
-    /// Time of this rank's upload (object and manifest part).
+    /// Time of this rank's upload (object and manifest part), from when the uploader took
+    /// the save (at its start, or once earlier uploads were done): it includes the wait for
+    /// the local commit before the object is completed.
     pub upload: Duration,
     /// From `save` to the step committed in the bucket (as seen by this rank).
     pub remote_durable: Duration,
