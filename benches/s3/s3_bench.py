@@ -13,8 +13,9 @@ Systems (``--systems``, default all; a system whose package is missing prints on
 
 save (time from the call to committed in the bucket; GB/s = bytes of the state / time):
   shmckpt_local_remote  ``Checkpointer(local, remote=s3://...)``: ``save`` -> ``h.wait()``
-                        -> ``h.wait_remote()`` (local disk durable first, then uploaded from
-                        the staging arena and committed); also its stall (``save`` return)
+                        -> ``h.wait_remote()`` (uploaded from the staging arena while the
+                        local disk is written; completed and committed in the bucket after
+                        the local commit); also its stall (``save`` return)
   shmckpt_remote_only   ``Checkpointer("s3://...")``: ``save`` -> ``h.wait_remote()``
   shmckpt_local         ``Checkpointer(local)`` (no bucket): stall and time to durable, the
                         reference for the stall with the remote tier on
@@ -55,8 +56,13 @@ its save wrote in the same round):
                         (``s3_raw get``, or boto3 ``get_object(Range=...)`` from a pool)
   s3torch_dcp_load, fsspec_dcp_load   ``dcp.load`` with the peers' readers
 
-Every round runs every system once, in an order rotated each round; objects of a round
-are removed after it (not timed). Results: medians with (min-max) over the rounds, and
+Every round runs every system once, in an order rotated each round; objects no restore
+reads are removed right after their save, the others after the round (not timed), so the
+server's disk holds a few copies of the state at a time (8 GiB states on a 64 GiB disk).
+``--sizes 1GiB:64:3,8GiB:64:1`` gives a size its own number of rounds; ``--budget-s S``
+starts no round that would end past S seconds (estimated from the slowest round so far,
+scaled by bytes; the table says which rounds were left out). The JSON and the tables are
+written after every size, so a call stopped later keeps the sizes done. Results: medians with (min-max) over the rounds, and
 each system's ratio to ``raw_put`` (save) or ``raw_get`` (restore) measured in the same
 run. Output: a table on stdout and ``--out``/s3_bench.json with every sample.
 
@@ -67,6 +73,7 @@ run. Output: a table on stdout and ``--out``/s3_bench.json with every sample.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -419,16 +426,24 @@ def _fsspec_kwargs(ctx: Ctx) -> Dict[str, Any]:
 
 
 def _fsspec_dcp() -> Tuple[Any, Any]:
-    """DCP's fsspec writer and reader: top-level exports in older torch, only in
-    ``torch.distributed.checkpoint.fsspec_filesystem`` in newer ones (2.11)."""
-    try:
-        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
-    except ImportError as first:
+    """DCP's fsspec writer and reader. Where they live depends on torch's version:
+    ``torch.distributed.checkpoint._fsspec_filesystem`` (the module since torch 2.2, still
+    there in 2.15, the one DCP itself and torchtitan import), the public
+    ``torch.distributed.checkpoint.fsspec_filesystem`` and top-level exports of some
+    versions. Each is tried; when none imports, the SKIP line names every cause (an
+    ImportError inside torch's module, e.g. of fsspec itself, shows there)."""
+    causes = []
+    for mod in (
+        "torch.distributed.checkpoint._fsspec_filesystem",
+        "torch.distributed.checkpoint.fsspec_filesystem",
+        "torch.distributed.checkpoint",
+    ):
         try:
-            from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined,no-redef]
-        except ImportError as second:  # both causes, for the SKIP line
-            raise ImportError(f"{first}; {second}") from first
-    return FsspecWriter, FsspecReader
+            m = importlib.import_module(mod)
+            return m.FsspecWriter, m.FsspecReader
+        except (ImportError, AttributeError) as e:
+            causes.append(f"{mod}: {type(e).__name__}: {e}")
+    raise ImportError("; ".join(causes))
 
 
 def run_fsspec(ctx: Ctx, rnd: int) -> Dict[str, float]:
@@ -503,6 +518,9 @@ RUNNERS: Dict[str, Callable[[Ctx, int], Dict[str, float]]] = {
 
 # -- the run ---------------------------------------------------------------------------------
 
+#: Save systems whose objects no restore reads: cleared right after the save (untimed).
+UNREAD_PREFIX = {"raw_put_split": "raw_split", "s3torch_dcp_one": "s3torch_1", "boto3_file": "boto3"}
+
 
 def med(xs: List[float]) -> str:
     if not xs:
@@ -548,8 +566,12 @@ def main() -> None:
     src.add_argument("--server", help="an s3s-fs binary: the driver starts it on --dir/server")
     src.add_argument("--endpoint", help="an S3 endpoint already running (credentials from the environment)")
     ap.add_argument("--dir", required=True, help="working directory: the server's data, local checkpoint roots")
-    ap.add_argument("--sizes", default="1GiB:64,1GiB:1000", help="comma-separated BYTES:TENSORS (e.g. 8GiB:64)")
+    ap.add_argument("--sizes", default="1GiB:64,1GiB:1000",
+                    help="comma-separated BYTES:TENSORS[:ROUNDS] (e.g. 8GiB:64:1; ROUNDS overrides --rounds)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="stop starting rounds that would end later than this many seconds after the start "
+                         "(estimated from the slowest round so far, scaled by bytes); 0: no budget")
     ap.add_argument("--systems", default=",".join(ALL))
     ap.add_argument("--raw-bin", help="the s3_raw example binary (object_store); without it raw_put/raw_get use boto3")
     ap.add_argument("--part-size", default="16MiB", help="part size of the raw and peer uploads (shmckpt's default)")
@@ -579,19 +601,41 @@ def main() -> None:
     log(f"the limit (raw_put/raw_get): {raw}; {args.part_size} B parts, {args.concurrency} in flight")
     results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "raw": raw, "sizes": {}}
     tables: List[str] = []
+    t_start = time.perf_counter()
+    #: Slowest round so far, in seconds per byte of state (for --budget-s).
+    worst_rate = 0.0
+
+    def write_results() -> None:
+        with open(os.path.join(out_dir, "s3_bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(out_dir, "s3_bench.md"), "w") as f:
+            f.write("\n".join(tables))
+
     try:
         for spec in args.sizes.split(","):
-            size_s, _, n_s = spec.partition(":")
+            size_s, _, rest = spec.partition(":")
+            n_s, _, rounds_s = rest.partition(":")
             total, n = parse_size(size_s), int(n_s or 64)
+            rounds = int(rounds_s) if rounds_s else args.rounds
             label = f"s{total >> 20}m-n{n}-{uuid.uuid4().hex[:6]}"
             state = make_state(total, n, args.device)
             ctx = Ctx(args, server, state, label)
-            log(f"== {spec}: {ctx.nbytes} bytes in {n} tensors ({label})")
+            log(f"== {spec}: {ctx.nbytes} bytes in {n} tensors, {rounds} rounds ({label})")
             samples: Dict[str, List[Dict[str, float]]] = {}
             skipped: Dict[str, str] = {}
             saves = [s for s in systems if s in SAVE_SYSTEMS]
             loads = [s for s in systems if s in LOAD_SYSTEMS]
-            for rnd in range(args.rounds):
+            for rnd in range(rounds):
+                if args.budget_s > 0 and worst_rate > 0:
+                    spent = time.perf_counter() - t_start
+                    need = worst_rate * ctx.nbytes
+                    if spent + need > args.budget_s:
+                        note = (f"budget: round {rnd} not started ({spent:.0f} s spent, ~{need:.0f} s more "
+                                f"needed, --budget-s {args.budget_s:.0f})")
+                        log(f"{spec}: {note}")
+                        skipped.setdefault("_budget", note)
+                        break
+                t_round = time.perf_counter()
                 k = rnd % max(1, len(saves))
                 order = saves[k:] + saves[:k]
                 k = rnd % max(1, len(loads))
@@ -611,26 +655,36 @@ def main() -> None:
                         skipped[name] = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                         print(f"SKIP {name}: failed:\n{traceback.format_exc()}", flush=True)
                         continue
+                    finally:
+                        # Objects no restore of this round reads go at once (untimed): the
+                        # server's disk holds a few copies of the state, not one per system
+                        # (8 GiB states on a 64 GiB disk).
+                        if name in UNREAD_PREFIX:
+                            server.clear(ctx.prefix(UNREAD_PREFIX[name], rnd))
                     samples.setdefault(name, []).append(r)
                     log(f"round {rnd} {name}: {r['seconds']:.3f} s, {ctx.nbytes / r['seconds'] / 1e9:.3f} GB/s"
                         + "".join(f", {k} {v:.3f}" for k, v in r.items() if k not in ("seconds", "bytes")))
                 for sysname in ("raw", "raw_split", "s3torch", "s3torch_1", "fsspec", "boto3"):
                     server.clear(ctx.prefix(sysname, rnd))
+                worst_rate = max(worst_rate, (time.perf_counter() - t_round) / ctx.nbytes)
             for ck in ctx.cks.values():
                 ck.close()
             server.clear(label)
             shutil.rmtree(ctx.local, ignore_errors=True)
+            budget_note = skipped.pop("_budget", None)
             t = report(f"{spec} ({n} tensors, {args.device})", ctx.nbytes, samples, skipped)
+            if budget_note:
+                t.append(f"\n{budget_note}")
             tables += t + [""]
             print("\n".join(t), flush=True)
-            results["sizes"][spec] = {"bytes": ctx.nbytes, "tensors": n, "samples": samples, "skipped": skipped}
+            results["sizes"][spec] = {"bytes": ctx.nbytes, "tensors": n, "rounds": rounds, "samples": samples,
+                                      "skipped": skipped, "budget": budget_note}
+            # Written after every size: a call stopped later still leaves these.
+            write_results()
             del state, ctx
     finally:
         server.stop()
-    with open(os.path.join(out_dir, "s3_bench.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(out_dir, "s3_bench.md"), "w") as f:
-        f.write("\n".join(tables))
+    write_results()
     log(f"wrote {out_dir}/s3_bench.json and s3_bench.md")
 
 

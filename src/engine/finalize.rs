@@ -58,47 +58,37 @@ pub(super) fn finalize(
     (result, retired)
 }
 
-/// Hand a committed save to the remote uploader (its file opened now, before retention or
-/// another rank can move it), or report a failed one on its remote progress.
+/// Tell the save's upload (started with the save, see `remote::feed`) how the save ended
+/// locally: committed (its file opened now, before retention or another rank can move it;
+/// the upload reads from it the chunks staging took back) or failed (the upload is
+/// aborted: nothing of the step reaches the bucket).
 #[cfg(feature = "s3")]
 fn remote_copy(
     st: &SaveState,
     result: &std::result::Result<SaveReport, Arc<Error>>,
     entry: Option<FileEntry>,
 ) {
-    let (Some(tier), Some(progress)) = (&st.shared.remote, &st.remote) else {
+    let (Some(feed), Some(progress)) = (&st.feed, &st.remote) else {
         return;
     };
     let (report, entry) = match (result, entry) {
         (Ok(r), Some(e)) => (r, e),
         (Err(e), _) => {
-            close_feed(st);
-            progress.fail(Error::SaveFailed {
-                step: st.step,
-                source: Arc::clone(e),
-            });
+            feed.local_failed_arc(Arc::clone(e));
             return;
         }
         (Ok(_), None) => {
-            close_feed(st);
-            progress.fail(Error::Internal(
+            feed.local_failed(Error::Internal(
                 "committed save without a file entry".into(),
             ));
             return;
         }
     };
     if st.shared.cfg.is_remote_only() {
-        // No file: the feed holds every chunk.
-        tier.submit(
-            progress.clone(),
-            None,
-            entry,
-            st.metadata.clone(),
-            st.feed.clone(),
-        );
+        // No file: the feed gets every chunk.
+        feed.local_committed(None, entry);
         return;
     }
-    // Opened for the chunks given back to staging under pressure (read from the file).
     // With several ranks, another rank may rename the partial directory at any time: the
     // file is then in the committed one.
     let committed = st
@@ -110,24 +100,13 @@ fn remote_copy(
     let opened = crate::fsx::open_path(&report.file, false)
         .or_else(|_| crate::fsx::open_path(&committed, false));
     match opened {
-        Ok(f) => tier.submit(
-            progress.clone(),
-            Some(f),
-            entry,
-            st.metadata.clone(),
-            st.feed.clone(),
-        ),
+        Ok(f) => feed.local_committed(Some(f), entry),
         Err(e) => {
-            close_feed(st);
-            progress.fail(e)
+            // Committed locally, but the upload cannot read what staging took back:
+            // reported as this save's remote failure, the upload aborted.
+            progress.fail(e);
+            feed.close();
         }
-    }
-}
-
-#[cfg(feature = "s3")]
-fn close_feed(st: &SaveState) {
-    if let Some(f) = &st.feed {
-        f.close();
     }
 }
 

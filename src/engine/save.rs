@@ -441,6 +441,19 @@ impl Engine {
             undo();
             return Err(Error::Shutdown("engine closed".into()));
         }
+        // The upload starts with the save: its parts go out as the chunks are staged and
+        // written; it completes once the commit thread reports the local commit.
+        #[cfg(feature = "s3")]
+        if let (Some(t), Some(p), Some(f)) = (&self.shared.remote, &state.remote, &state.feed) {
+            t.submit(
+                p.clone(),
+                state.metadata.clone(),
+                Arc::clone(f),
+                cfg.rank,
+                state.file_name.clone(),
+                state.plan.file_len(),
+            );
+        }
         let st = Arc::clone(&state);
         let opener = if cfg.is_remote_only() {
             // No file: the bucket is the save's only copy.

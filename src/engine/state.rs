@@ -260,8 +260,9 @@ impl WriteSink for SaveState {
 
     fn finished_lease(&self, chunk: &ChunkInfo, lease: ChunkLease, outcome: Outcome) {
         let _written = self.record(chunk, Some(lease.as_slice()), outcome);
-        // Held for the upload before the chunk counts as finished: the commit thread
-        // hands the feed to the uploader only after every chunk finished.
+        // Held for the upload (which takes it into a part at once) before the chunk counts
+        // as finished: the commit thread reports the local outcome only after every chunk
+        // finished.
         #[cfg(feature = "s3")]
         if _written && let Some(f) = &self.feed {
             f.offer(chunk.chunk, lease, chunk.len);

@@ -1,19 +1,30 @@
-//! A save's staged chunks kept for its upload: the remote tier uploads from the staging
-//! arena, not from a second read of the local file.
+//! A save's staged chunks streamed to its upload: the remote tier uploads from the staging
+//! arena, not from a second read of the local file, and starts while the save is still
+//! being written locally.
 //!
-//! Each chunk written locally is offered to its save's [`Feed`] (on the writer thread,
-//! before the save can settle) and held there, pinned, until the uploader takes it into a
-//! multipart part; the part's payload owns the lease, so the chunk returns to the arena
-//! when that part's upload ends. Under pressure ([`crate::staging::Arena::acquire`] finding
-//! no free chunk) every *spillable* feed gives its held chunks back: the upload then reads
-//! those bytes from the local file. Only the chunks inside parts in flight stay pinned
-//! (at most `(concurrency + 1) x part_size`: the parts in flight and the one being
-//! filled), so the local tier never waits on the remote one beyond that.
+//! The uploader takes a save's job when the save starts (not when it is committed
+//! locally). Each chunk written locally is offered to its save's [`Feed`] (on the writer
+//! thread, right after its write and CRC) and the uploader, waiting on the feed, cuts it
+//! into multipart parts at once: parts go to the bucket while the local writers drain the
+//! rest of the save. A part's payload owns its chunks' leases, so a chunk returns to the
+//! arena only when both its local write and its part's upload are done. The end of the
+//! upload (CompleteMultipartUpload, the manifest part, the bucket commit) waits for the
+//! save's local outcome ([`Feed::local_committed`] / [`Feed::local_failed`]): a save that
+//! fails locally aborts its upload, and nothing of it reaches the bucket.
+//!
+//! Under pressure ([`crate::staging::Arena::acquire`] finding no free chunk) every
+//! *spillable* feed gives its held chunks back: the upload then reads those bytes from the
+//! local file once the save is committed locally. Only the chunks inside parts in flight
+//! stay pinned (at most `concurrency x part_size`; the part being filled is copied out of
+//! its chunks under pressure), so the local tier never waits on the remote one beyond that.
 //! A remote-only save has no local file: its feed is not spillable, and its upload is the
 //! only drain of its chunks.
 
+use std::fs::File;
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::error::Error;
+use crate::manifest::FileEntry;
 use crate::staging::ChunkLease;
 use crate::util::lock;
 
@@ -22,19 +33,35 @@ enum Slot {
     Pending,
     /// Pinned for the upload: the lease and the chunk's bytes that belong to the file.
     Held(ChunkLease, usize),
-    /// Taken by the uploader, or given back (spilled, closed).
+    /// Given back under staging pressure: read from the local file.
+    Spilled,
+    /// Taken by the uploader, or given back at close.
     Gone,
+}
+
+/// The save's local outcome, as the commit thread reports it.
+#[derive(Clone)]
+pub(crate) enum Local {
+    /// Committed locally: its file (`None`: remote only) and its entry (CRCs).
+    Committed(Option<Arc<File>>, FileEntry),
+    /// The save failed locally: nothing of it may reach the bucket.
+    Failed(Arc<Error>),
 }
 
 struct FeedState {
     slots: Vec<Slot>,
     closed: bool,
     spilled: u64,
+    /// Times staging ran short since the feed was made (reclaim hook calls).
+    pressure: u64,
+    local: Option<Local>,
 }
 
 /// The chunks of one save held for its upload.
 pub(crate) struct Feed {
     state: Mutex<FeedState>,
+    /// Wakes the uploader waiting for a chunk or the local outcome.
+    wake: tokio::sync::Notify,
     spillable: bool,
     chunk_size: u64,
 }
@@ -57,6 +84,19 @@ impl AsRef<[u8]> for LeaseBytes {
     }
 }
 
+/// What the uploader gets for a chunk ([`Feed::next`]).
+pub(crate) enum Next {
+    /// The staged bytes (zero-copy: the bytes own the lease).
+    Held(bytes::Bytes),
+    /// Not held (given back under pressure): read it from this committed file.
+    File(Arc<File>),
+    /// Staging ran short while waiting: give back what the part being filled pins, then
+    /// ask again.
+    Pressure,
+    /// The save failed locally, or its remote copy was closed (skipped, shut down).
+    Stop(Arc<Error>),
+}
+
 impl Feed {
     /// Bytes per chunk (file chunk `k` covers `k * chunk_size ..`).
     pub(crate) fn chunk_size(&self) -> u64 {
@@ -73,35 +113,110 @@ impl Feed {
             _ => {
                 drop(g);
                 drop(lease);
+                return;
             }
         }
+        drop(g);
+        self.wake.notify_one();
     }
 
-    /// The held chunk `chunk` as bytes (zero-copy: the bytes own the lease), or `None`
-    /// when it is not held (spilled, never offered): then it is read from the file.
-    pub(crate) fn take(&self, chunk: u64) -> Option<bytes::Bytes> {
+    /// The save is committed locally (`file`: its committed file, `None` remote only).
+    pub(crate) fn local_committed(&self, file: Option<File>, entry: FileEntry) {
+        self.set_local(Local::Committed(file.map(Arc::new), entry));
+    }
+
+    /// The save failed locally (or never started): its upload must be aborted.
+    pub(crate) fn local_failed(&self, e: Error) {
+        self.local_failed_arc(Arc::new(e));
+    }
+
+    /// [`Feed::local_failed`] with the save's shared error.
+    pub(crate) fn local_failed_arc(&self, e: Arc<Error>) {
+        self.set_local(Local::Failed(e));
+    }
+
+    fn set_local(&self, l: Local) {
         let mut g = lock(&self.state);
-        let s = usize::try_from(chunk)
-            .ok()
-            .and_then(|i| g.slots.get_mut(i))?;
-        match std::mem::replace(s, Slot::Gone) {
-            Slot::Held(lease, len) => Some(bytes::Bytes::from_owner(LeaseBytes(lease, len))),
-            other => {
-                *s = other;
-                None
+        if g.local.is_none() {
+            g.local = Some(l);
+        }
+        drop(g);
+        self.wake.notify_one();
+    }
+
+    /// The local outcome, if known.
+    pub(crate) fn local(&self) -> Option<Local> {
+        lock(&self.state).local.clone()
+    }
+
+    /// Wait for the local outcome.
+    pub(crate) async fn wait_local(&self) -> Local {
+        loop {
+            let notified = self.wake.notified();
+            if let Some(l) = self.local() {
+                return l;
             }
+            notified.await;
         }
     }
 
-    /// Give every held chunk back to the arena (spillable feeds only). Returns how many.
+    /// Wait for file chunk `chunk`: its staged bytes when held, else (spilled, or never
+    /// offered by a save that ended) the committed file to read it from. `pressure`: the
+    /// caller's last seen pressure count; [`Next::Pressure`] (and the new count) when
+    /// staging ran short since.
+    pub(crate) async fn next(&self, chunk: u64, pressure: &mut u64) -> Next {
+        let i = usize::try_from(chunk).unwrap_or(usize::MAX);
+        loop {
+            let notified = self.wake.notified();
+            {
+                let mut g = lock(&self.state);
+                if g.closed {
+                    return Next::Stop(Arc::new(Error::Shutdown(
+                        "the save's remote copy was closed".into(),
+                    )));
+                }
+                if let Some(Local::Failed(e)) = &g.local {
+                    return Next::Stop(Arc::clone(e));
+                }
+                let Some(s) = g.slots.get_mut(i) else {
+                    return Next::Stop(Arc::new(Error::Internal(format!(
+                        "file chunk {chunk} is outside the save"
+                    ))));
+                };
+                match std::mem::replace(s, Slot::Gone) {
+                    Slot::Held(lease, len) => {
+                        return Next::Held(bytes::Bytes::from_owner(LeaseBytes(lease, len)));
+                    }
+                    other => *s = other,
+                }
+                // Not held: once committed, from the file.
+                if let Some(Local::Committed(file, _)) = &g.local {
+                    return match file {
+                        Some(f) => Next::File(Arc::clone(f)),
+                        None => Next::Stop(Arc::new(Error::Internal(format!(
+                            "file chunk {chunk} of a save without a local file is not staged"
+                        )))),
+                    };
+                }
+                if g.pressure != *pressure {
+                    *pressure = g.pressure;
+                    return Next::Pressure;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Staging ran short: give every held chunk back to the arena (spillable feeds only)
+    /// and tell the uploader. Returns how many chunks were given back.
     pub(crate) fn spill(&self) -> usize {
-        if !self.spillable {
-            return 0;
-        }
-        let freed = self.release_held(false);
-        if freed > 0 {
-            lock(&self.state).spilled += freed as u64;
-        }
+        lock(&self.state).pressure += 1;
+        let freed = if self.spillable {
+            self.release_held(false)
+        } else {
+            0
+        };
+        self.wake.notify_one();
         freed
     }
 
@@ -114,6 +229,7 @@ impl Feed {
     /// drop whatever is offered later.
     pub(crate) fn close(&self) {
         self.release_held(true);
+        self.wake.notify_one();
     }
 
     fn release_held(&self, close: bool) -> usize {
@@ -124,8 +240,12 @@ impl Feed {
         let mut out = Vec::new();
         for s in g.slots.iter_mut() {
             if matches!(s, Slot::Held(..)) {
-                out.push(std::mem::replace(s, Slot::Gone));
+                let to = if close { Slot::Gone } else { Slot::Spilled };
+                out.push(std::mem::replace(s, to));
             }
+        }
+        if !close {
+            g.spilled += out.len() as u64;
         }
         drop(g);
         let n = out.len();
@@ -149,7 +269,10 @@ impl Feeds {
                 slots: (0..n).map(|_| Slot::Pending).collect(),
                 closed: false,
                 spilled: 0,
+                pressure: 0,
+                local: None,
             }),
+            wake: tokio::sync::Notify::new(),
             spillable,
             chunk_size,
         });

@@ -516,19 +516,58 @@ impl Remote {
         })
     }
 
-    /// Ranged GETs of `key`, `concurrency` in flight, yielded in order.
-    fn ranges<'a>(
+    /// Ranged GETs of `key`, `concurrency` in flight, yielded in order. Each GET runs as
+    /// its own task on the runtime's workers (its body is received while the caller
+    /// handles earlier ranges), and checksums its range's pieces of `tensors` (whose
+    /// offsets start at `data_start`) there: `(tensor, CRC-32C, length)` per piece, in
+    /// order.
+    fn ranges_checked<'a>(
         &'a self,
         key: &'a ObjPath,
         ranges: Vec<Range<u64>>,
-    ) -> impl futures::Stream<Item = (Range<u64>, object_store::Result<Bytes>)> + 'a {
+        tensors: Arc<Vec<crate::manifest::TensorEntry>>,
+        data_start: u64,
+    ) -> impl futures::Stream<Item = (Range<u64>, object_store::Result<RangeRead>)> + 'a {
         futures::stream::iter(ranges)
-            .map(move |r| async move {
-                let got = self.store.get_range(key, r.clone()).await;
-                (r, got)
+            .map(move |r| {
+                let (store, key, tensors) =
+                    (Arc::clone(&self.store), key.clone(), Arc::clone(&tensors));
+                let rr = r.clone();
+                let task = self.rt.spawn(async move {
+                    let bytes = store.get_range(&key, rr.clone()).await?;
+                    let mut crcs = Vec::new();
+                    if bytes.len() as u64 == rr.end - rr.start {
+                        let _ = crate::restore::for_pieces(
+                            &tensors,
+                            rr.start - data_start,
+                            &bytes,
+                            |i, _, p| {
+                                crcs.push((i, crc32c::crc32c(p), p.len()));
+                                Ok::<_, ()>(())
+                            },
+                        );
+                    }
+                    Ok(RangeRead { bytes, crcs })
+                });
+                async move {
+                    let got = match task.await {
+                        Ok(g) => g,
+                        Err(e) => Err(object_store::Error::Generic {
+                            store: "shmckpt",
+                            source: format!("ranged read task: {e}").into(),
+                        }),
+                    };
+                    (r, got)
+                }
             })
             .buffered(self.opts.concurrency)
     }
+}
+
+/// One ranged GET's body and the CRC-32C of its pieces (`(tensor, crc, len)`).
+struct RangeRead {
+    bytes: Bytes,
+    crcs: Vec<(usize, u32, usize)>,
 }
 
 /// A typed error for an object-store failure, naming the likely cause.

@@ -172,11 +172,13 @@ impl Remote {
                     entry.data_start + b..entry.data_start + e
                 })
                 .collect();
-            let mut crcs = vec![0u32; entry.tensors.len()];
-            let mut s = std::pin::pin!(self.ranges(&key, ranges));
+            let mut crcs: Vec<Option<u32>> = vec![None; entry.tensors.len()];
+            let tensors = std::sync::Arc::new(entry.tensors.clone());
+            let mut s =
+                std::pin::pin!(self.ranges_checked(&key, ranges, tensors, entry.data_start));
             while let Some((r, got)) = s.next().await {
                 let got = got.map_err(|e| self.err("get", &e))?;
-                if got.len() as u64 != r.end - r.start {
+                if got.bytes.len() as u64 != r.end - r.start {
                     return Err(Error::corrupt(
                         &path,
                         None,
@@ -184,21 +186,27 @@ impl Remote {
                             "ranged read of {}..{} returned {} bytes",
                             r.start,
                             r.end,
-                            got.len()
+                            got.bytes.len()
                         ),
                     ));
+                }
+                // The pieces' CRCs were computed by the GET's task; combined here in order.
+                for &(i, crc, len) in &got.crcs {
+                    let c = &mut crcs[i];
+                    *c = Some(match *c {
+                        None => crc,
+                        Some(prev) => crc32c::crc32c_combine(prev, crc, len),
+                    });
                 }
                 for_pieces(
                     &entry.tensors,
                     r.start - entry.data_start,
-                    &got,
-                    |i, at, p| {
-                        crcs[i] = crc32c::crc32c_append(crcs[i], p);
-                        sink.piece(i, at, p)
-                    },
+                    &got.bytes,
+                    |i, at, p| sink.piece(i, at, p),
                 )?;
                 sink.chunk_end()?;
             }
+            let crcs: Vec<u32> = crcs.into_iter().map(|c| c.unwrap_or(0)).collect();
             for (t, &crc) in entry.tensors.iter().zip(&crcs) {
                 if crc != t.crc32c {
                     return Err(Error::Checksum {

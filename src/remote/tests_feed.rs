@@ -332,3 +332,123 @@ fn a_failed_last_part_aborts_the_upload_and_removes_its_journal() {
     assert_eq!(engine.remote().unwrap().open_uploads().unwrap(), Vec::new());
     engine.close();
 }
+
+/// An engine over `mem` (upload ids: journaled) whose local writes follow `plan`.
+#[cfg(feature = "fault-injection")]
+fn faulty(
+    root: &std::path::Path,
+    mem: &Arc<InMemory>,
+    plan: Vec<crate::io::fault::Rule>,
+) -> crate::Engine {
+    let faults = Arc::new(crate::io::fault::FaultPlan::new());
+    for r in plan {
+        faults.add(r);
+    }
+    small(root, mem.clone())
+        .with_remote_multipart_store(mem.clone(), "run1")
+        // One write at a time: a held-back write holds back no other chunk's completion.
+        .with_queue_depth(1)
+        .with_faults(faults)
+        .build()
+        .unwrap()
+}
+
+/// A local write of the file chunk at `at` (1 MiB chunks) gets `fault`, once.
+#[cfg(feature = "fault-injection")]
+fn at_chunk(at: u64, fault: crate::io::fault::Fault) -> crate::io::fault::Rule {
+    crate::io::fault::Rule {
+        kind: crate::io::OpKind::Write,
+        offsets: (at << 20)..(at << 20) + 1,
+        fault,
+        times: Some(1),
+    }
+}
+
+/// The upload starts with the save: its parts reach the bucket while the save is still
+/// being written locally (the write of the last chunk held back 5 s), and the object is
+/// the committed file byte for byte.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn parts_reach_the_bucket_before_the_local_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    // 10 MiB + 4 KiB + header: chunks 0..=10; parts 0 and 1 (5 MiB each) need chunks
+    // 0..=9 only.
+    let delay = crate::io::fault::Fault::Delay(Duration::from_secs(5));
+    let engine = faulty(dir.path(), &mem, vec![at_chunk(10, delay)]);
+    let s = state(61);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    let t = std::time::Instant::now();
+    while p.uploaded_bytes() < 10 << 20 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "parts waited for the local commit: {} bytes uploaded",
+            p.uploaded_bytes()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Two parts accepted, and the step is not committed locally yet.
+    assert_eq!(p.uploaded_bytes(), 10 << 20);
+    assert!(!dir.path().join("step-1").exists());
+    assert!(dir.path().join("step-1.partial").exists());
+    assert!(!p.is_done());
+    let local = h.wait().unwrap();
+    let rep = p.wait().unwrap();
+    assert_eq!(rep.bytes, local.bytes);
+    assert_eq!(rep.read_from_file, 0);
+    let good = std::fs::read(dir.path().join("step-1").join(RANK_FILE)).unwrap();
+    assert_eq!(good.len() as u64, local.bytes);
+    assert_eq!(object(&mem, &format!("run1/step-1/{RANK_FILE}")), good);
+    assert_eq!(engine.list_remote().unwrap(), vec![1]);
+    let (ck, _) = engine.load_remote(1).unwrap();
+    for (t, (_, d, _)) in ck.tensors.iter().zip(&s) {
+        assert_eq!(t.data.as_bytes(), &d[..], "tensor {}", t.name);
+    }
+    assert_eq!(engine.remote().unwrap().open_uploads().unwrap(), Vec::new());
+    engine.close();
+}
+
+/// A save that fails locally after some of its parts were uploaded aborts the upload:
+/// nothing of it is in the bucket (no object, no journal, no open upload), its remote
+/// copy reports the local failure, and the next save reaches the bucket.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_save_that_fails_locally_aborts_its_started_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = Arc::new(InMemory::new());
+    use crate::io::fault::Fault;
+    // Chunk 9 held back 2 s (part 0 goes meanwhile), then chunk 10's write fails.
+    let engine = faulty(
+        dir.path(),
+        &mem,
+        vec![
+            at_chunk(9, Fault::Delay(Duration::from_secs(2))),
+            at_chunk(10, Fault::Errno(libc::EIO)),
+        ],
+    );
+    let s = state(71);
+    let h = engine.save(1, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    assert!(h.wait().is_err());
+    let e = p.wait().unwrap_err();
+    match &e {
+        Error::RemoteFailed { step: 1, source } => {
+            assert!(matches!(**source, Error::SaveFailed { step: 1, .. }), "{e}")
+        }
+        _ => panic!("{e}"),
+    }
+    assert!(p.uploaded_bytes() >= 5 << 20, "{}", p.uploaded_bytes());
+    assert_eq!(objects(&mem), Vec::<String>::new());
+    assert_eq!(engine.remote().unwrap().open_uploads().unwrap(), Vec::new());
+    // The next save (no faults left) commits in the bucket; step 1 never does.
+    let h = engine.save(2, &tensors(&s), &Metadata::new()).unwrap();
+    let p = h.remote().unwrap();
+    h.wait().unwrap();
+    let rep = p.wait().unwrap();
+    assert_eq!(rep.retried, None);
+    assert_eq!(engine.list_remote().unwrap(), vec![2]);
+    let good = std::fs::read(dir.path().join("step-2").join(RANK_FILE)).unwrap();
+    assert_eq!(object(&mem, &format!("run1/step-2/{RANK_FILE}")), good);
+    engine.close();
+}

@@ -1,22 +1,24 @@
-//! The engine's remote tier: one uploader thread per engine that takes committed saves in
-//! order, uploads this rank's file, commits the step in the bucket when every rank's
-//! object is there, and applies the bucket's retention.
+//! The engine's remote tier: one uploader thread per engine that takes saves in order as
+//! they start, streams this rank's file to the bucket from the staging arena while the
+//! save is written locally, completes it once the save is committed locally, commits the
+//! step in the bucket when every rank's object is there, and applies the bucket's
+//! retention.
 //!
 //! Backpressure: at most `max_pending` saves wait for the uploader (besides the one it
-//! uploads). When a further save is committed locally while the queue is full, the oldest
-//! waiting save's remote copy is skipped (its [`RemoteProgress`] reports
-//! [`Error::RemoteSkipped`]): memory stays bounded (a waiting save holds an open file
-//! descriptor and its manifest entry, no data) and the newest steps reach the bucket
-//! first. The local tier never waits for the remote one.
+//! uploads). When a further save starts while the queue is full, the oldest waiting save's
+//! remote copy is skipped (its [`RemoteProgress`] reports [`Error::RemoteSkipped`]) and
+//! its held chunks go back to the arena: memory stays bounded (a waiting save holds only
+//! the chunks staging has not needed back, see `feed.rs`) and the newest steps reach the
+//! bucket first. The local tier never waits for the remote one beyond the staging memory
+//! of the parts in flight.
 
 use std::collections::VecDeque;
-use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Remote;
-use super::feed::{Feed, Feeds};
+use super::feed::{Feed, Feeds, Local};
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Metadata};
 use crate::util::lock;
@@ -36,7 +38,9 @@ pub struct RemoteReport {
     pub step: u64,
     /// Bytes of this rank's object.
     pub bytes: u64,
-    /// Time of this rank's upload (object and manifest part).
+    /// Time of this rank's upload (object and manifest part), from when the uploader took
+    /// the save (at its start, or once earlier uploads were done): it includes the wait for
+    /// the local commit before the object is completed.
     pub upload: Duration,
     /// From `save` to the step committed in the bucket (as seen by this rank).
     pub remote_durable: Duration,
@@ -194,12 +198,13 @@ impl RemoteProgress {
 
 struct Job {
     progress: RemoteProgress,
-    /// The committed local file (`None` for a remote-only save).
-    file: Option<File>,
-    entry: FileEntry,
     metadata: Metadata,
-    /// The save's chunks held in the staging arena.
-    feed: Option<Arc<Feed>>,
+    /// The save's chunks as they are staged, and its local outcome.
+    feed: Arc<Feed>,
+    /// This rank's file: rank, name and size.
+    rank: u32,
+    name: String,
+    total: u64,
 }
 
 /// A step whose upload failed, for the next save to retry.
@@ -277,19 +282,27 @@ impl RemoteTier {
                         .filter(|f| f.step < job.progress.step())
                         .map(|f| (f.step, retry(&r, &ctx, &f)));
                     let res = run(&r, &job, &ctx);
-                    if let Some(f) = &job.feed {
-                        f.close();
-                    }
+                    job.feed.close();
                     let res = res.map(|mut rep| {
                         rep.retried = retried;
                         rep
                     });
                     if let Err(e) = &res {
                         tracing::error!(step = job.progress.step(), error = %e, "remote copy failed; nothing of this step is visible in the bucket");
-                        if !matches!(e, Error::StepExists { .. }) {
+                        // Retried by the next save: an upload that failed after the save
+                        // was committed locally (not a local failure, nor a shutdown).
+                        if let (Some(Local::Committed(_, entry)), false) = (
+                            job.feed.local(),
+                            matches!(
+                                e,
+                                Error::StepExists { .. }
+                                    | Error::SaveFailed { .. }
+                                    | Error::Shutdown(_)
+                            ),
+                        ) {
                             failed = Some(Failed {
                                 step: job.progress.step(),
-                                entry: job.entry.clone(),
+                                entry,
                                 metadata: job.metadata.clone(),
                             });
                         }
@@ -339,23 +352,23 @@ impl RemoteTier {
         }
     }
 
-    /// Queue a locally committed save's upload (skipping the oldest waiting one when
-    /// `max_pending` are waiting).
+    /// Queue a save's upload when the save starts (skipping the oldest waiting one when
+    /// `max_pending` are waiting): its parts go out as `feed` gets its chunks, its
+    /// completion waits for the local commit ([`Feed::local_committed`]).
     pub(crate) fn submit(
         &self,
         progress: RemoteProgress,
-        file: Option<File>,
-        entry: FileEntry,
         metadata: Metadata,
-        feed: Option<Arc<Feed>>,
+        feed: Arc<Feed>,
+        rank: u32,
+        name: String,
+        total: u64,
     ) {
         let (m, cv) = &*self.queue;
         let mut g = lock(m);
         if g.closed {
             drop(g);
-            if let Some(f) = &feed {
-                f.close();
-            }
+            feed.close();
             progress.fail(Error::Shutdown("the remote uploader has stopped".into()));
             return;
         }
@@ -367,18 +380,17 @@ impl RemoteTier {
         }
         g.jobs.push_back(Job {
             progress,
-            file,
-            entry,
             metadata,
             feed,
+            rank,
+            name,
+            total,
         });
         drop(g);
         cv.notify_all();
         for old in skipped {
             let step = old.progress.step();
-            if let Some(f) = &old.feed {
-                f.close(); // its staged chunks go back to the arena at once
-            }
+            old.feed.close(); // its staged chunks go back to the arena at once
             tracing::warn!(
                 step,
                 "remote tier behind: skipping the remote copy of an intermediate step"
@@ -446,19 +458,18 @@ fn commit(remote: &Remote, step: u64, metadata: &Metadata, ctx: &Ctx) -> Result<
 fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
     let step = job.progress.step();
     let t = Instant::now();
-    let bytes = remote.upload_from(
+    let entry = remote.upload_streamed(
         step,
-        job.file.as_ref(),
-        job.feed.as_deref(),
-        &job.entry,
+        &job.feed,
+        job.rank,
+        &job.name,
+        job.total,
         ctx.session.as_deref(),
         &job.progress.t.sent,
     )?;
     let upload = t.elapsed();
-    let read_from_file = match &job.feed {
-        Some(f) => (f.spilled() * f.chunk_size()).min(bytes),
-        None => bytes,
-    };
+    let bytes = entry.bytes;
+    let read_from_file = (job.feed.spilled() * job.feed.chunk_size()).min(bytes);
     let (committed_here, retired) = commit(remote, step, &job.metadata, ctx)?;
     Ok(RemoteReport {
         step,

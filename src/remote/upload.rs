@@ -22,7 +22,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{MultipartId, MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinSet;
 
-use super::feed::Feed;
+use super::feed::{Feed, Local, Next};
 use super::{Part, Remote};
 use crate::error::{Error, Result};
 use crate::manifest::{self, FileEntry, MANIFEST};
@@ -191,6 +191,13 @@ impl Parts {
             out.push(self.cur.drain(..).collect());
         }
         out
+    }
+
+    /// Copy the part being filled out of its pieces (their arena chunks go back).
+    fn detach(&mut self) {
+        for p in &mut self.cur {
+            *p = Bytes::copy_from_slice(p);
+        }
     }
 
     fn rest(&mut self) -> Option<PutPayload> {
@@ -380,7 +387,7 @@ impl Remote {
         entry: &FileEntry,
         session: Option<&str>,
     ) -> Result<u64> {
-        self.upload_from(step, Some(file), None, entry, session, &Arc::default())
+        self.upload_from(step, file, entry, session, &Arc::default())
     }
 
     /// [`Remote::upload_rank`] counting in `sent` the bytes of the parts the server has
@@ -393,100 +400,208 @@ impl Remote {
         session: Option<&str>,
         sent: &Arc<AtomicU64>,
     ) -> Result<u64> {
-        self.upload_from(step, Some(file), None, entry, session, sent)
+        self.upload_from(step, file, entry, session, sent)
     }
 
-    /// [`Remote::upload_rank`] with the bytes taken from the staging arena where `feed`
-    /// still holds them, from `file` otherwise.
-    pub(crate) fn upload_from(
+    /// [`Remote::upload_rank`] from `file` alone.
+    fn upload_from(
         &self,
         step: u64,
-        file: Option<&std::fs::File>,
-        feed: Option<&Feed>,
+        file: &std::fs::File,
         entry: &FileEntry,
         session: Option<&str>,
         sent: &Arc<AtomicU64>,
     ) -> Result<u64> {
         let key = self.key(step, &entry.file);
         self.block(async {
-            match self.store.head(&self.key(step, MANIFEST)).await {
-                Ok(_) => {
-                    return Err(Error::StepExists {
-                        step,
-                        root: std::path::PathBuf::from(&self.url),
-                    });
-                }
-                Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(self.err("head manifest", &e)),
-            }
-            let mut up = self
-                .begin(&key, step, entry.rank, session, Arc::clone(sent))
-                .await?;
-            let res = self.send(&mut up, &key, file, feed, entry).await;
-            match res {
-                Ok(()) => self.complete(up).await?,
-                Err(e) => {
-                    self.abort(up).await;
-                    return Err(e);
-                }
-            }
-            let part = Part {
-                session: session.map(str::to_owned),
-                entry: entry.clone(),
-            };
-            let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
-            let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
-            self.store
-                .put(&pkey, PutPayload::from(part_json))
-                .await
-                .map_err(|e| self.err("put manifest part", &e))?;
+            self.upload_object(
+                step,
+                &key,
+                entry.rank,
+                entry.bytes,
+                Some(file),
+                None,
+                session,
+                sent,
+            )
+            .await?;
+            self.put_part_manifest(step, entry, session).await?;
             Ok(entry.bytes)
         })
     }
 
-    /// Every byte of the object, in order, into parts.
+    /// A save's upload streamed from its [`Feed`] while the save is written locally: the
+    /// parts start as its chunks are staged and written; the object is completed, and its
+    /// manifest part written, only once the save is committed locally (a save that fails
+    /// locally aborts the upload: [`Error::SaveFailed`]). `name`, `rank` and `total`: the
+    /// rank file's name, rank and size. Returns the committed save's entry.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn upload_streamed(
+        &self,
+        step: u64,
+        feed: &Feed,
+        rank: u32,
+        name: &str,
+        total: u64,
+        session: Option<&str>,
+        sent: &Arc<AtomicU64>,
+    ) -> Result<FileEntry> {
+        let key = self.key(step, name);
+        self.block(async {
+            let entry = self
+                .upload_object(step, &key, rank, total, None, Some(feed), session, sent)
+                .await?
+                .ok_or_else(|| Error::Internal("a streamed upload without its entry".into()))?;
+            self.put_part_manifest(step, &entry, session).await?;
+            Ok(entry)
+        })
+    }
+
+    async fn put_part_manifest(
+        &self,
+        step: u64,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<()> {
+        let part = Part {
+            session: session.map(str::to_owned),
+            entry: entry.clone(),
+        };
+        let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
+        let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
+        self.store
+            .put(&pkey, PutPayload::from(part_json))
+            .await
+            .map_err(|e| self.err("put manifest part", &e))?;
+        Ok(())
+    }
+
+    /// One rank object as a multipart upload (aborted on any failure). With a feed, the
+    /// upload completes only after the save's local commit, and returns its entry.
+    #[allow(clippy::too_many_arguments)]
+    async fn upload_object(
+        &self,
+        step: u64,
+        key: &ObjPath,
+        rank: u32,
+        total: u64,
+        file: Option<&std::fs::File>,
+        feed: Option<&Feed>,
+        session: Option<&str>,
+        sent: &Arc<AtomicU64>,
+    ) -> Result<Option<FileEntry>> {
+        let local_failed = |e: Arc<Error>| Error::SaveFailed { step, source: e };
+        if let Some(Local::Failed(e)) = feed.and_then(Feed::local) {
+            return Err(local_failed(e));
+        }
+        match self.store.head(&self.key(step, MANIFEST)).await {
+            Ok(_) => {
+                return Err(Error::StepExists {
+                    step,
+                    root: std::path::PathBuf::from(&self.url),
+                });
+            }
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(self.err("head manifest", &e)),
+        }
+        let mut up = self
+            .begin(key, step, rank, session, Arc::clone(sent))
+            .await?;
+        if let Err(e) = self.send(&mut up, key, step, total, file, feed).await {
+            self.abort(up).await;
+            return Err(e);
+        }
+        // The bytes are all in parts: the object is completed only for a save committed
+        // locally.
+        let entry = match feed {
+            None => None,
+            Some(f) => match f.wait_local().await {
+                Local::Committed(_, entry) if entry.bytes == total => Some(entry),
+                Local::Committed(_, entry) => {
+                    self.abort(up).await;
+                    return Err(Error::Internal(format!(
+                        "the committed file holds {} bytes, the upload {total}",
+                        entry.bytes
+                    )));
+                }
+                Local::Failed(e) => {
+                    self.abort(up).await;
+                    return Err(local_failed(e));
+                }
+            },
+        };
+        self.complete(up).await?;
+        Ok(entry)
+    }
+
+    /// `n` bytes at `at` of `file`, read once a part can be sent (bounded memory).
+    async fn read_piece(
+        &self,
+        up: &mut Upload,
+        key: &ObjPath,
+        file: &std::fs::File,
+        at: u64,
+        n: u64,
+    ) -> Result<Bytes> {
+        up.wait_for_capacity(self.opts.concurrency)
+            .await
+            .map_err(|e| self.err("upload part", &e))?;
+        let mut buf = vec![0u8; n as usize];
+        std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, at)
+            .map_err(|e| Error::io_at("read", self.display(key), at, e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    /// Every byte of the object, in order, into parts: from the feed's chunks as they are
+    /// staged (from the file for the chunks it gave back), else `part_size` reads of
+    /// `file`.
     async fn send(
         &self,
         up: &mut Upload,
         key: &ObjPath,
+        step: u64,
+        total: u64,
         file: Option<&std::fs::File>,
         feed: Option<&Feed>,
-        entry: &FileEntry,
     ) -> Result<()> {
-        let total = entry.bytes;
-        // Pieces: the feed's chunks, else `part_size` reads of the file.
         let step_len = feed.map_or(self.opts.part_size as u64, Feed::chunk_size);
         let mut parts = Parts {
             size: self.opts.part_size,
             cur: Vec::new(),
             len: 0,
         };
+        let mut pressure = 0u64;
         let mut at = 0u64;
         while at < total {
             let n = (total - at).min(step_len);
-            let held = feed.and_then(|f| f.take(at / f.chunk_size()));
-            let piece = match held {
-                Some(b) if b.len() as u64 == n => b,
-                Some(b) => {
-                    return Err(Error::Internal(format!(
-                        "staged chunk at {at} holds {} bytes, the file {n}",
-                        b.len()
-                    )));
-                }
+            let piece = match feed {
+                Some(f) => loop {
+                    match f.next(at / f.chunk_size(), &mut pressure).await {
+                        Next::Held(b) if b.len() as u64 == n => break b,
+                        Next::Held(b) => {
+                            return Err(Error::Internal(format!(
+                                "staged chunk at {at} holds {} bytes, the file {n}",
+                                b.len()
+                            )));
+                        }
+                        Next::File(file) => break self.read_piece(up, key, &file, at, n).await?,
+                        // Staging is short: the part being filled lets go of its chunks.
+                        Next::Pressure => parts.detach(),
+                        Next::Stop(e) => {
+                            return Err(match &*e {
+                                Error::Shutdown(m) => Error::Shutdown(m.clone()),
+                                _ => Error::SaveFailed { step, source: e },
+                            });
+                        }
+                    }
+                },
                 None => {
                     let Some(file) = file else {
-                        return Err(Error::Internal(format!(
-                            "the bytes at {at} of a save without a local file are not staged"
-                        )));
+                        return Err(Error::Internal(
+                            "an upload with neither file nor feed".into(),
+                        ));
                     };
-                    // Bounded memory: read only when a part can be sent.
-                    up.wait_for_capacity(self.opts.concurrency)
-                        .await
-                        .map_err(|e| self.err("upload part", &e))?;
-                    let mut buf = vec![0u8; n as usize];
-                    std::os::unix::fs::FileExt::read_exact_at(file, &mut buf, at)
-                        .map_err(|e| Error::io_at("read", self.display(key), at, e))?;
-                    Bytes::from(buf)
+                    self.read_piece(up, key, file, at, n).await?
                 }
             };
             for p in parts.push(piece) {

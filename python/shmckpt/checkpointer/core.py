@@ -89,13 +89,14 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     arenas. Off by default: nothing is kept.
 
     ``remote="s3://bucket/prefix"`` mirrors every committed save to a bucket (credentials
-    and endpoint from the AWS environment variables): ``handle.wait_remote()`` waits for
-    the step to be committed there, ``remote_keep_last`` is the bucket's retention,
+    and endpoint from the AWS environment variables; the upload starts with the save, from
+    the staging memory, and completes once the save is committed on disk):
+    ``handle.wait_remote()`` waits for the step to be committed there, ``remote_keep_last`` is the bucket's retention,
     ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
     oldest waiting one is skipped, ``remote_part_size`` (bytes, 5 MiB to 1 GiB, default
     16 MiB) and ``remote_concurrency`` (1 to 256, default 8) the multipart part size and
-    the parts or ranged GETs in flight (the upload pins at most ``(concurrency + 1) x
-    part_size`` of staging), ``list(remote=True)`` lists the bucket, and loads fall
+    the parts or ranged GETs in flight (under staging pressure the upload pins at most
+    ``concurrency x part_size`` of staging), ``list(remote=True)`` lists the bucket, and loads fall
     back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
 
     ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
