@@ -25,6 +25,7 @@
 
 mod extra;
 pub(crate) mod feed;
+mod journal;
 mod options;
 mod read;
 pub(crate) mod tier;
@@ -46,13 +47,13 @@ use crate::manifest::{
     self, FORMAT_VERSION, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata,
 };
 
+pub use journal::OpenUpload;
 pub(crate) use options::RemoteTarget;
 pub use options::{
     DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_RETRIES, RemoteOptions, RemoteUrl,
 };
 pub use read::RemoteLoad;
 pub use tier::{RemoteProgress, RemoteReport};
-pub use upload::OpenUpload;
 
 /// A rank's manifest part: its file entry, and the session of the run that wrote it.
 #[derive(serde::Serialize, serde::Deserialize)]
