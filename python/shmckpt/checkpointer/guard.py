@@ -65,9 +65,15 @@ class GuardMixin(CheckpointerBase):
                 continue
             for g in opt.param_groups:
                 tensors.extend(g["params"])
-            for st in opt.state.values():
-                if type(st) is dict or isinstance(st, Mapping):
-                    tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+            tensors.extend(
+                [
+                    v
+                    for st in opt.state.values()
+                    if type(st) is dict or isinstance(st, Mapping)
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor)
+                ]
+            )
         return _layout.guard_keys(tensors, _storage_key)
 
     def _guard_wait(self) -> None:
