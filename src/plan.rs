@@ -130,7 +130,19 @@ impl Plan {
         }
         let data_len = at;
 
-        let mut json = String::with_capacity(64 + tensors.len() * 96);
+        // Room for every piece without growing: names, shapes and offsets (at most 20 digits
+        // and a comma each), metadata with its escapes usually (a longer one grows it).
+        let text: usize = system
+            .iter()
+            .chain(metadata.iter())
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .chain(
+                tensors
+                    .iter()
+                    .map(|t| t.name.len() + 21 * t.shape.len() + 96),
+            )
+            .fold(64, usize::saturating_add);
+        let mut json = String::with_capacity(text.saturating_add(text / 8));
         json.push_str("{\"__metadata__\":{");
         let mut first = true;
         for (k, v) in system.iter().chain(metadata.iter()) {
@@ -154,12 +166,12 @@ impl Plan {
                 if d > 0 {
                     json.push(',');
                 }
-                json.push_str(&dim.to_string());
+                push_u64(&mut json, *dim as u64);
             }
             json.push_str("],\"data_offsets\":[");
-            json.push_str(&rel[slot].to_string());
+            push_u64(&mut json, rel[slot]);
             json.push(',');
-            json.push_str(&(rel[slot] + t.len).to_string());
+            push_u64(&mut json, rel[slot] + t.len);
             json.push_str("]}");
         }
         json.push('}');
@@ -333,9 +345,34 @@ fn truncate(s: &str) -> String {
     format!("{}…", &s[..end])
 }
 
+/// `s` as a JSON string: quoted as it is when nothing in it needs an escape (no quote,
+/// backslash or control character), else escaped by serde_json (exactly as JSON requires).
 fn push_json_str(out: &mut String, s: &str) {
-    // serde_json escapes exactly as JSON requires; a String never fails to serialize.
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
+    // A String never fails to serialize.
     out.push_str(&serde_json::to_string(s).expect("string serialization is infallible"));
+}
+
+/// `n` in decimal, without allocating.
+fn push_u64(out: &mut String, mut n: u64) {
+    let mut buf = [0u8; 20]; // u64::MAX has 20 digits
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &buf[at..] {
+        out.push(char::from(d));
+    }
 }
 
 #[cfg(test)]
@@ -443,6 +480,41 @@ mod tests {
 
     fn arb_dtype() -> impl Strategy<Value = Dtype> {
         proptest::sample::select(Dtype::ALL.to_vec())
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal() {
+        for n in [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            4096,
+            u64::from(u32::MAX),
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            let mut out = String::from("x");
+            push_u64(&mut out, n);
+            assert_eq!(out, format!("x{n}"));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        /// The unescaped fast path writes what serde_json writes, for any string (quotes,
+        /// backslashes, control characters, non-ASCII) and any number.
+        #[test]
+        fn json_strings_and_numbers_match_serde_json(s in r#"([a-z"\\\x00-\x1f\x7fé]|(?s:.)){0,40}"#, n in any::<u64>()) {
+            let mut out = String::new();
+            push_json_str(&mut out, &s);
+            prop_assert_eq!(&out, &serde_json::to_string(&s).unwrap());
+            push_u64(&mut out, n);
+            prop_assert_eq!(out, format!("{}{n}", serde_json::to_string(&s).unwrap()));
+        }
     }
 
     proptest! {

@@ -36,11 +36,12 @@ def _gc_paused() -> Any:
         gc.enable()
 
 
-def _storage_key(t: Any) -> Tuple[str, int]:
-    """Identifies the memory a tensor (or a DTensor's local shard) lives in."""
+def _storage_key(t: Any) -> Tuple[Any, int]:
+    """Identifies the memory a tensor (or a DTensor's local shard) lives in: its device
+    (a ``torch.device``) and the address of its storage."""
     if _state._is_dtensor(t):
         t = t.to_local()
-    return (str(t.device), t.untyped_storage().data_ptr())
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], int, int, int]:

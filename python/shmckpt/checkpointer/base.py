@@ -73,6 +73,7 @@ class CheckpointerBase:
     _lock: threading.Lock
     _replicator: Optional[Any]  # shmckpt.replicas.Replicator with replicas > 0
     _scratch: Optional[str]
+    _layout: Optional[Any]  # shmckpt._layout.Layout of the last save, reused when it matches
 
     def _forget(self, h: SaveHandle) -> None:
         with self._lock:

@@ -188,6 +188,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         self._pending: List[SaveHandle] = []
         self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
         self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._layout: Optional[Any] = None  # _layout.Layout of the last save (save.py)
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None
         if replicas or node_local_root:

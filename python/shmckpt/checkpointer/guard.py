@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from .._util import _storage_key
 from .base import CheckpointerBase
 from .handle import SaveHandle
-from .. import _snapshot
+from .. import _layout, _snapshot
 
 try:
     import torch
@@ -56,20 +56,25 @@ class GuardMixin(CheckpointerBase):
         self._guards = keep
 
     def _guarded_storages(self) -> set:
-        out = set()
+        """The storage keys (``_util._storage_key``) of every parameter and state tensor of
+        the guarded optimizers."""
+        tensors = []
         for ref, _ in self._guards:
             opt = ref()
             if opt is None:
                 continue
             for g in opt.param_groups:
-                for p in g["params"]:
-                    out.add(_storage_key(p))
-            for st in opt.state.values():
-                if isinstance(st, Mapping):
-                    for v in st.values():
-                        if isinstance(v, torch.Tensor):
-                            out.add(_storage_key(v))
-        return out
+                tensors.extend(g["params"])
+            tensors.extend(
+                [
+                    v
+                    for st in opt.state.values()
+                    if type(st) is dict or isinstance(st, Mapping)
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor)
+                ]
+            )
+        return _layout.guard_keys(tensors, _storage_key)
 
     def _guard_wait(self) -> None:
         """The guard's wait before an optimizer step. A save whose bytes the engine copies

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .. import _state
+from .. import _layout, _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key
 from .base import _step_int
 from .guard import GuardMixin
@@ -68,13 +68,27 @@ class SaveMixin(GuardMixin):
         # No cyclic GC while the per-tensor objects are built: the flattened tree is
         # freed (by reference counting) before collections are allowed again.
         with _gc_paused():
-            flat = _state.flatten(state)
+            # The layout of the previous save is reused when this state has the same
+            # structure and tensor metadata (_layout.py); else the state is flattened.
+            probe = _layout.probe(state)
+            lay = self._layout
+            leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
+            if lay is not None and lay.matches(probe):
+                assert probe is not None
+                skeleton = lay.skeleton
+            else:
+                flat = _state.flatten(state)
+                leaves = flat.leaves
+                skeleton = _state.encode(flat)
+                lay = self._layout = _layout.Layout.of(probe, flat, skeleton)
+                del flat
             if _state.STATE_KEY in meta:
                 raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
-            meta[_state.STATE_KEY] = _state.encode(flat)
+            meta[_state.STATE_KEY] = skeleton
             self._reap()
 
             guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            member = _layout.membership(probe, leaves, guarded, _storage_key) if guarded else None
             # A non-blocking save with no guard captures CUDA tensors by holding the
             # trainer's streams: the engine queues its copies (into its registered staging)
             # before the call returns, and the streams wait for them on the device, so the
@@ -82,73 +96,51 @@ class SaveMixin(GuardMixin):
             # the trainer's thread waits only while the copies are queued. Only when every
             # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
             # span, below, which the engine can read only after it finished).
-            hold = not blocking and not guarded and all(
-                lf.alias_of is not None
-                or lf.kind == "ndarray"
-                or lf.obj.is_cpu
-                or lf.obj.is_contiguous()
-                for lf in flat.leaves
+            hold = not blocking and not guarded and (
+                lay.holdable if lay is not None else _layout.holdable(leaves or [])
             )
             # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
-            # memory) and, at the same index, what keeps each one's memory alive.
-            entries: List[Tuple[str, str, List[int], int, int, int]] = []
+            # memory) and what keeps their memory alive.
             keep: List[Any] = []
             devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
             finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
-            add_entry = entries.append
-            add_keep = keep.append
-            for lf in flat.leaves:
-                if lf.alias_of is not None:
-                    continue  # an alias: its bytes are those of an earlier leaf
-                x = lf.obj
-                if lf.kind == "ndarray":
-                    # C-contiguous and little-endian (a big-endian array is converted: its
-                    # values are stored, never its bytes); captured at the call unless
-                    # blocking.
-                    a = _state.host_array(x, fresh=not blocking)
-                    add_entry(_host_tuple(lf.name, lf.dtype, a))
-                    add_keep(a)
-                    continue
-                if lf.lazy and x.is_cpu:
-                    # A conjugate or negative view: its memory is not its values. Store the
-                    # values (a new tensor, so nothing of the caller's is read later).
-                    x = _state.resolved(x.detach())
-                if x.is_cpu:  # (device.type == "cpu", faster)
-                    if blocking:
-                        # Contiguous: staged from the caller's tensor as it is (no detach
-                        # needed to read its address); else a contiguous copy.
-                        t = x if x.is_contiguous() else x.detach().contiguous()
-                    else:
-                        t = x.detach()
-                        if not (guarded and _storage_key(t) in guarded):
-                            t = t.clone(memory_format=torch.contiguous_format)
-                        elif not t.is_contiguous():
-                            t = t.contiguous()
-                    nbytes = t.numel() * t.element_size()
-                    add_entry(
-                        (lf.name, lf.dtype, list(t.shape), t.data_ptr() if nbytes else 0, nbytes, -1)
-                    )
-                    add_keep(t)
-                    continue
-                t = x.detach()
-                dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-                if dev not in devices:
-                    devices[dev] = torch.cuda.current_stream(dev)
-                is_guarded = bool(guarded) and _storage_key(t) in guarded
-                if t.numel() == 0:
-                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
-                    add_keep(t)
-                elif t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
-                    nbytes = t.numel() * t.element_size()
-                    add_entry((lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev))
-                    add_keep(t)
-                else:
-                    with torch.cuda.device(dev):
-                        pinned, finish = _cuda_span_copy(t)
-                    add_entry((lf.name, lf.dtype, list(t.shape), 0, 0, -1))
-                    add_keep([t, pinned])
-                    finishes.append((len(entries) - 1, finish))
-            del flat
+            key = (blocking, hold, member)
+            plan = lay.plan if lay is not None else None
+            if plan is not None and plan.key == key:
+                # Same layout, same mode: the tuples of the tensors staged from their own
+                # memory are those of the last save (their addresses were compared); the
+                # probe's storages keep that memory alive. Copies are made anew.
+                assert lay is not None and probe is not None
+                entries = list(plan.entries)
+                keep.append(probe.storages)
+                for d in plan.devices:
+                    devices[d] = torch.cuda.current_stream(d)
+                for e, i in plan.redo:
+                    lf = lay.leaf(i, probe.objs[i])
+                    entry, k, finish, _ = _capture(lf, blocking, bool(member and member[i]), hold, devices)
+                    entries[e] = entry
+                    keep.append(k)
+                    if finish is not None:
+                        finishes.append((e, finish))
+            else:
+                if leaves is None:
+                    assert lay is not None and probe is not None
+                    leaves = lay.leaves(probe.objs)
+                entries = []
+                redo: List[Tuple[int, int]] = []
+                for i, lf in enumerate(leaves):
+                    if lf.alias_of is not None:
+                        continue  # an alias: its bytes are those of an earlier leaf
+                    entry, k, finish, direct = _capture(lf, blocking, bool(member and member[i]), hold, devices)
+                    if not direct:
+                        redo.append((len(entries), i))
+                    if finish is not None:
+                        finishes.append((len(entries), finish))
+                    entries.append(entry)
+                    keep.append(k)
+                if lay is not None:
+                    lay.plan = _layout.Plan(key, list(entries), redo, sorted(devices))
+            del leaves
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
@@ -223,3 +215,55 @@ class SaveMixin(GuardMixin):
         if self._replicator is not None:
             self._replicator.enqueue(handle)
         return handle
+
+
+def _capture(
+    lf: _state.Leaf, blocking: bool, is_guarded: bool, hold: bool, devices: Dict[int, Any]
+) -> Tuple[Tuple[str, str, List[int], int, int, int], Any, Any, bool]:
+    """How ``save`` hands leaf ``lf`` (not an alias) to the engine: its engine tuple, what
+    keeps the tuple's memory alive, the ``finish`` of a pinned host copy still in flight
+    (else None), and whether the tuple addresses the leaf's own memory (then it is the same
+    at the next save of the same layout and mode; else it addresses a copy made now).
+    ``is_guarded``: the leaf's memory belongs to a guarded optimizer. Adds the current
+    stream of a CUDA leaf's device to ``devices``."""
+    x = lf.obj
+    if lf.kind == "ndarray":
+        # C-contiguous and little-endian (a big-endian array is converted: its values are
+        # stored, never its bytes); captured at the call unless blocking.
+        a = _state.host_array(x, fresh=not blocking)
+        return _host_tuple(lf.name, lf.dtype, a), a, None, False
+    own = True
+    if lf.lazy and x.is_cpu:
+        # A conjugate or negative view: its memory is not its values. Store the values (a
+        # new tensor, so nothing of the caller's is read later).
+        x = _state.resolved(x.detach())
+        own = False
+        is_guarded = False  # a new tensor: no optimizer's
+    if x.is_cpu:  # (device.type == "cpu", faster)
+        if blocking:
+            # Contiguous: staged from the caller's tensor as it is (no detach needed to
+            # read its address); else a contiguous copy.
+            if x.is_contiguous():
+                t = x
+            else:
+                t, own = x.detach().contiguous(), False
+        else:
+            t = x.detach()
+            if not is_guarded:
+                t, own = t.clone(memory_format=torch.contiguous_format), False
+            elif not t.is_contiguous():
+                t, own = t.contiguous(), False
+        nbytes = t.numel() * t.element_size()
+        return (lf.name, lf.dtype, list(t.shape), t.data_ptr() if nbytes else 0, nbytes, -1), t, None, own
+    t = x.detach()
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if dev not in devices:
+        devices[dev] = torch.cuda.current_stream(dev)
+    if t.numel() == 0:
+        return (lf.name, lf.dtype, list(t.shape), 0, 0, -1), t, None, True
+    if t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
+        nbytes = t.numel() * t.element_size()
+        return (lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev), t, None, True
+    with torch.cuda.device(dev):
+        pinned, finish = _cuda_span_copy(t)
+    return (lf.name, lf.dtype, list(t.shape), 0, 0, -1), [t, pinned], finish, False

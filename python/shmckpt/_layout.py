@@ -1,0 +1,255 @@
+"""The layout cache of ``Checkpointer.save``: a state saved again with the same structure and
+the same tensor metadata reuses what flattening it gave the save before (names, aliases,
+lazy bits, the skeleton JSON) and the engine tuples of the tensors staged from their own
+memory. A repeated save then costs one walk of the containers and a few metadata reads per
+tensor, each done for all tensors at once (``map`` over a method), instead of
+:func:`~shmckpt._state.flatten`, the JSON encoding and the capture of every tensor.
+
+What is compared (a layout is reused only when all of it is equal):
+
+* the containers, node for node: their exact types (``dict``, ``OrderedDict``, ``list``,
+  ``tuple``), their keys (exact ``str`` or ``int``, in order) and lengths;
+* the plain values: exact type and value (a ``float`` by its ``repr``, as the skeleton
+  stores it: ``-0.0`` is not ``0.0``);
+* numpy arrays: exact type ``np.ndarray`` and dtype (their bytes are captured at every save);
+* tensors: exact type (``torch.Tensor`` or ``torch.nn.Parameter``), ``_is_param``, layout,
+  nestedness, device, dtype, ``requires_grad``, shape, strides, storage offset, address,
+  conjugate and negative bits and the size of the storage. That is everything
+  :func:`~shmckpt._state.flatten` reads of a tensor (the checks of
+  :func:`~shmckpt._state.tensor_problem`, the alias key, the dtype, the Parameter flags)
+  and everything an engine tuple holds (shape, address, length, device).
+
+Anything else (a DTensor or another tensor subclass, an array subclass, a value of another
+type, nesting of :data:`~shmckpt._state.MAX_DEPTH` levels) makes a state uncacheable: it is
+flattened at every save, which raises what it raises. A metadata read that raises (e.g. the
+strides of a sparse tensor) is a miss, never an error of its own. Tensor bytes are never
+cached: the engine reads every tensor's bytes at every save, from the addresses compared
+above.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from ._state import MAX_DEPTH, Flat, Leaf
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+_T: Any = torch.Tensor if torch is not None else None
+_P: Any = torch.nn.Parameter if torch is not None else None
+_STORAGE: Any = torch.UntypedStorage if torch is not None else None
+_ND = np.ndarray
+_OD = collections.OrderedDict
+_KEY_TYPES = frozenset((str, int))
+#: The tensor attributes read in one call each (``operator.attrgetter`` over the list).
+_META = operator.attrgetter("layout", "is_nested", "device", "dtype", "requires_grad", "shape")
+
+
+class Probe:
+    """One walk of a state: its structure tokens, its leaves (tensors and arrays, in
+    :func:`~shmckpt._state.flatten`'s order), and its tensors' metadata."""
+
+    __slots__ = ("tokens", "objs", "tensor_pos", "tensors", "sig", "storages")
+
+    def __init__(self, tokens: List[Any], objs: List[Any]):
+        self.tokens = tokens
+        self.objs = objs
+        #: Index in ``objs`` of each tensor (None: every leaf is a tensor).
+        self.tensor_pos: Optional[List[int]] = None
+        self.tensors: List[Any] = objs
+        self.sig: Optional[Tuple[List[Any], ...]] = None
+        self.storages: List[Any] = []
+
+    def storage_keys(self) -> List[Tuple[Any, int]]:
+        """``_util._storage_key`` of each tensor: (device, address of its storage)."""
+        assert self.sig is not None
+        devices = [m[2] for m in self.sig[0]]
+        return list(zip(devices, map(_STORAGE.data_ptr, self.storages)))
+
+
+def probe(state: Any) -> Optional[Probe]:
+    """Walk ``state``; None when it has a node the cache does not handle (see the module
+    docstring) or a tensor whose metadata cannot be read."""
+    if torch is None:
+        return None
+    ts = type(state)
+    if ts is not dict and ts is not _OD and ts is not list and ts is not tuple:
+        return None
+    tokens: List[Any] = []
+    objs: List[Any] = []
+    tok = tokens.append
+    obj = objs.append
+    arrays = False
+
+    def walk(x: Any, depth: int) -> bool:
+        nonlocal arrays
+        t = type(x)
+        if t is _T or t is _P:
+            tok(t)
+            obj(x)
+            return True
+        if t is dict or t is _OD:
+            if depth >= MAX_DEPTH:
+                return False
+            keys = tuple(x)
+            if not _KEY_TYPES.issuperset(map(type, keys)):
+                return False
+            tok((t, keys))
+            d = depth + 1
+            for v in x.values():
+                tv = type(v)
+                if tv is _T or tv is _P:
+                    tok(tv)
+                    obj(v)
+                elif not walk(v, d):
+                    return False
+            return True
+        if t is list or t is tuple:
+            if depth >= MAX_DEPTH:
+                return False
+            tok((t, len(x)))
+            d = depth + 1
+            for v in x:
+                tv = type(v)
+                if tv is _T or tv is _P:
+                    tok(tv)
+                    obj(v)
+                elif not walk(v, d):
+                    return False
+            return True
+        if t is _ND:
+            tok((t, x.dtype))
+            obj(x)
+            arrays = True
+            return True
+        if t is float:
+            tok((t, repr(x)))
+            return True
+        if x is None or t is bool or t is int or t is str:
+            tok((t, x))
+            return True
+        return False
+
+    if not walk(state, 0):
+        return None
+    p = Probe(tokens, objs)
+    if arrays:
+        p.tensor_pos = [i for i, x in enumerate(objs) if type(x) is not _ND]
+        p.tensors = [objs[i] for i in p.tensor_pos]
+    ts_ = p.tensors
+    try:
+        meta = list(map(_META, ts_))
+        strides = list(map(_T.stride, ts_))
+        offsets = list(map(_T.storage_offset, ts_))
+        ptrs = list(map(_T.data_ptr, ts_))
+        conj = list(map(_T.is_conj, ts_))
+        neg = list(map(_T.is_neg, ts_))
+        storages = list(map(_T.untyped_storage, ts_))
+        sizes = list(map(_STORAGE.nbytes, storages))
+        params = [bool(getattr(x, "_is_param", False)) for x in ts_]
+    except Exception:
+        return None
+    p.sig = (meta, strides, offsets, ptrs, conj, neg, sizes, params)
+    p.storages = storages
+    return p
+
+
+class Plan:
+    """The engine tuples of one save mode: ``entries`` (one per stored leaf), ``redo``
+    (``(entry index, leaf index)`` of the leaves captured anew at every save: copies,
+    arrays), ``devices`` (the CUDA ordinals of the tensors)."""
+
+    __slots__ = ("key", "entries", "redo", "devices")
+
+    def __init__(self, key: Any, entries: List[Any], redo: List[Tuple[int, int]], devices: List[int]):
+        self.key = key
+        self.entries = entries
+        self.redo = redo
+        self.devices = devices
+
+
+class Layout:
+    """What flattening a state gave, and the probe it is valid for."""
+
+    __slots__ = ("tokens", "sig", "infos", "skeleton", "holdable", "plan")
+
+    def __init__(self, p: Probe, flat: Flat, skeleton: str):
+        self.tokens = p.tokens
+        self.sig = p.sig
+        #: Per leaf: (name, kind, safetensors dtype, alias_of, lazy); no reference to the
+        #: tensors (a cached layout keeps no memory alive).
+        self.infos = [(lf.name, lf.kind, lf.dtype, lf.alias_of, lf.lazy) for lf in flat.leaves]
+        self.skeleton = skeleton
+        #: Every leaf an alias, an array, a host tensor or contiguous (``save``'s ``hold``).
+        self.holdable = holdable(flat.leaves)
+        self.plan: Optional[Plan] = None
+
+    @staticmethod
+    def of(p: Optional[Probe], flat: Flat, skeleton: str) -> Optional["Layout"]:
+        """The layout of ``flat`` for probe ``p`` of the same state (None when the state is
+        uncacheable or the probe does not describe ``flat``'s leaves)."""
+        if p is None or p.sig is None or len(p.objs) != len(flat.leaves):
+            return None
+        if any(a is not lf.obj for a, lf in zip(p.objs, flat.leaves)):
+            return None
+        return Layout(p, flat, skeleton)
+
+    def matches(self, p: Optional[Probe]) -> bool:
+        """Whether probe ``p`` (of the state to save now) has this layout."""
+        return p is not None and p.tokens == self.tokens and p.sig == self.sig
+
+    def leaf(self, i: int, x: Any) -> Leaf:
+        """Leaf ``i`` of this layout, over ``x`` (a matching probe's leaf ``i``)."""
+        name, kind, dtype, alias, lazy = self.infos[i]
+        return Leaf(name, (), x, kind, dtype, alias, lazy)
+
+    def leaves(self, objs: Sequence[Any]) -> List[Leaf]:
+        """The leaves of this layout over ``objs`` (a matching probe's)."""
+        return [self.leaf(i, x) for i, x in enumerate(objs)]
+
+
+def holdable(leaves: Sequence[Leaf]) -> bool:
+    """Whether every leaf is an alias, an array, a host tensor or contiguous: a
+    non-blocking save with no guard can then hold the trainer's streams (``save``)."""
+    return all(
+        lf.alias_of is not None or lf.kind == "ndarray" or lf.obj.is_cpu or lf.obj.is_contiguous()
+        for lf in leaves
+    )
+
+
+def membership(
+    p: Optional[Probe], leaves: Optional[Sequence[Leaf]], guarded: Set[Any], key: Any
+) -> List[bool]:
+    """For each leaf: whether its memory is in ``guarded`` (storage keys); arrays are not.
+    From the probe's storages when there is one, else ``key(tensor)`` of each of
+    ``leaves``."""
+    if p is not None and p.sig is not None:
+        inside = list(map(guarded.__contains__, p.storage_keys()))
+        if p.tensor_pos is None:
+            return inside
+        out = [False] * len(p.objs)
+        for i, v in zip(p.tensor_pos, inside):
+            out[i] = v
+        return out
+    assert leaves is not None
+    return [lf.kind != "ndarray" and key(lf.obj) in guarded for lf in leaves]
+
+
+def guard_keys(tensors: List[Any], key: Any) -> Set[Tuple[Any, int]]:
+    """The storage keys (``_util._storage_key``) of ``tensors``: plain tensors and
+    Parameters at once, others (DTensors: their local shard) one by one."""
+    plain = [t for t in tensors if type(t) is _T or type(t) is _P]
+    out: Set[Tuple[Any, int]] = set(
+        zip(map(operator.attrgetter("device"), plain), map(_STORAGE.data_ptr, map(_T.untyped_storage, plain)))
+    )
+    if len(plain) != len(tensors):
+        out.update(key(t) for t in tensors if not (type(t) is _T or type(t) is _P))
+    return out
+
