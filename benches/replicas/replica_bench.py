@@ -38,9 +38,17 @@ last step saved:
   D  restore from local disk: every rank loads the step from its file (``load``; source
      "disk"; the slowest rank).
 
+  E  (with ``--s3-server``) restore from S3: once the rounds above are done, every rank
+     saves the same state once to an S3-protocol server (an ``s3s-fs`` binary started on
+     127.0.0.1, serving a directory beside ``--root``; ``Checkpointer("s3://...")``, remote
+     only, no local file), then in ``--rounds`` rounds the ranks of machine m1 load it from
+     there (``load(step, source="remote")``: ranged GETs, every CRC-32C checked; the slowest
+     of the lost ranks), set against B's seconds (the median of B over the run).
+
 The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D and the senders
 read files; the ranks share one root on local disk (``--root``, default a new temporary
-directory).
+directory) that keeps only the newest step (``keep_last=1``: at 8 GiB per rank the disk
+holds two steps at most, 32 GiB).
 ``--bandwidth`` is ``replica_bandwidth`` (bytes/s, or ``none``: unbounded, the default
 here, to set replication against the transport's limit; the library's default is 1 GiB/s).
 
@@ -101,6 +109,7 @@ def rank_main(a: argparse.Namespace) -> None:
     ck = shmckpt.Checkpointer(
         a.root,
         keep_in_memory=False,
+        keep_last=1,
         staging_capacity=nbytes + (64 << 20),
         replicas=1,
         node=f"m{me // half}",
@@ -211,6 +220,22 @@ def rank_main(a: argparse.Namespace) -> None:
             f()
 
     ck.close()
+    if a.s3_url:
+        # E: a restore of the lost ranks from S3 (remote only: no local file).
+        s3 = shmckpt.Checkpointer(a.s3_url, keep_in_memory=False, staging_capacity=nbytes + (64 << 20))
+        s3.save(1, state).wait_remote()
+        for _ in range(a.rounds):
+            dist.barrier(group=group)
+            t0 = time.monotonic()
+            got = s3.load(1, source="remote") if lost else None
+            t1 = time.monotonic()
+            if got is not None:
+                src = s3.last_load_source
+                assert src is not None and src[0] == "remote", src
+                assert all(torch.equal(got[k], v) for k, v in state.items())
+            del got
+            put("s3_restore_s", gather_lost_max(t1 - t0, lost))
+        s3.close()
     dist.barrier()
     tag = shmckpt._shmckpt.replica_tag(a.root)
     for r in list_replicas():
@@ -248,8 +273,24 @@ def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
     base = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--world", str(a.world),
             "--size-mib", str(size_mib), "--rounds", str(a.rounds), "--root", root,
             "--bandwidth", a.bandwidth, "--port", str(port), "--out", out]
-    procs = [subprocess.Popen(base + ["--rank", str(r)]) for r in range(a.world)]
-    codes = [pr.wait() for pr in procs]
+    server = None
+    env = dict(os.environ)
+    if a.s3_server:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "s3"))
+        from s3_server import ACCESS, BUCKET, REGION, SECRET, Server
+
+        s3_root = root.rstrip("/") + "-s3"
+        server = Server(a.s3_server, s3_root, None)
+        env.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_REGION=REGION,
+                   AWS_ENDPOINT_URL=server.url, AWS_ALLOW_HTTP="true", AWS_EC2_METADATA_DISABLED="true")
+        base += ["--s3-url", f"s3://{BUCKET}/replica-bench-{size_mib}"]
+    try:
+        procs = [subprocess.Popen(base + ["--rank", str(r)], env=env) for r in range(a.world)]
+        codes = [pr.wait() for pr in procs]
+    finally:
+        if server is not None:
+            server.stop()
+            shutil.rmtree(s3_root, ignore_errors=True)
     if any(codes):
         sys.exit(f"a rank failed at {size_mib} MiB: exit codes {codes}")
     with open(out) as f:
@@ -276,6 +317,10 @@ def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
           f"{ratio(s['peer_restore_s'], s['transport_s'])} |")
     print(f"| restore from local disk (load) | {med(s['disk_restore_s'])} | {rate(n, s['disk_restore_s'])} | "
           f"{ratio(s['disk_restore_s'], s['transport_s'])} |")
+    if "s3_restore_s" in s:
+        t = statistics.median(s["transport_s"])
+        print(f"| lost ranks: restore from S3 (s3s-fs on 127.0.0.1; load, source remote) | {med(s['s3_restore_s'])} | "
+              f"{rate(n, s['s3_restore_s'])} | {ratio(s['s3_restore_s'], [t] * len(s['s3_restore_s']))} (vs the median limit) |")
     print(flush=True)
     return {"size_mib": size_mib, **res}
 
@@ -288,6 +333,9 @@ def main() -> None:
     p.add_argument("--root", default=None, help="checkpoint root (local disk; emptied first)")
     p.add_argument("--bandwidth", default="none", help="replica_bandwidth in bytes/s, or none")
     p.add_argument("--json", default=None, help="write every sample here")
+    p.add_argument("--s3-server", default=None,
+                   help="an s3s-fs binary: also time a restore of the lost ranks from S3 (phase E)")
+    p.add_argument("--s3-url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--role", default="launch", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)

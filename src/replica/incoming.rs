@@ -16,8 +16,8 @@ use std::ptr::NonNull;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 use super::{
-    REPLICA_PREFIX, check_bytes, committed_entry, euid, open_sized, remove_stale, tag_of,
-    write_atomic,
+    REPLICA_PREFIX, check_bytes, check_header_bytes, committed_entry, crcs, euid, open_sized,
+    remove_stale, tag_of, write_atomic,
 };
 use crate::error::{Error, Result};
 use crate::fsx::{self, Create};
@@ -33,6 +33,8 @@ enum Target {
         tmp: String,
         name: String,
         tag: String,
+        /// The temporary file, to allocate its pages ([`Incoming::reserve`]).
+        file: std::fs::File,
     },
     /// A lost rank's image (private anonymous memory), written back as its file once sealed.
     Restore,
@@ -66,7 +68,20 @@ pub struct Incoming {
     step: u64,
     rank: u32,
     entry: FileEntry,
-    /// A restore's file written while the image arrives ([`Incoming::write_through`]).
+    /// Each tensor's bytes in the image (`data_start + data_offsets`, checked against the
+    /// image's length when the value was made).
+    ranges: Vec<(usize, usize)>,
+    /// Each tensor's CRC-32C over its bytes in `[0, frozen)`.
+    crc: Vec<u32>,
+    /// Bytes `[0, frozen)` are read-only and summed into `crc` ([`Incoming::received`]);
+    /// a page boundary, or `len`.
+    frozen: usize,
+    /// Bytes `[0, reserved)` have their memory allocated: a replica's pages are allocated
+    /// in its `/dev/shm` file piece by piece ([`Incoming::reserve`]) before the transport
+    /// may write them, so a full `/dev/shm` is an error there, never a `SIGBUS`; private
+    /// memory and served replicas: all of it.
+    reserved: usize,
+    /// A restore's file written while the image arrives ([`Incoming::received`]).
     early: Option<EarlyWrite>,
 }
 
@@ -124,6 +139,34 @@ unsafe fn pwrite_range(
     Ok(())
 }
 
+/// Each tensor's byte range in an image of `len` bytes described by `entry`: `data_start
+/// + data_offsets`, checked (no overflow, `begin <= end <= len`); corrupt otherwise.
+fn tensor_ranges(entry: &FileEntry, len: usize) -> Result<Vec<(usize, usize)>> {
+    let what = Path::new(&entry.file);
+    entry
+        .tensors
+        .iter()
+        .map(|t| {
+            let [b, e] = t.data_offsets;
+            let at = |o: u64| {
+                entry
+                    .data_start
+                    .checked_add(o)
+                    .and_then(|v| usize::try_from(v).ok())
+                    .filter(|&v| v <= len)
+            };
+            match (at(b), at(e)) {
+                (Some(b), Some(e)) if b <= e => Ok((b, e)),
+                _ => Err(Error::corrupt(
+                    what,
+                    Some(&t.name),
+                    "lies outside the data section",
+                )),
+            }
+        })
+        .collect()
+}
+
 // SAFETY: `Incoming` owns its mapping; the pointer is not tied to the thread that made it,
 // and Rust reads the bytes only in `seal` (`&mut self`), after the mapping is read-only.
 unsafe impl Send for Incoming {}
@@ -137,6 +180,7 @@ impl Incoming {
     pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
+        let ranges = tensor_ranges(&entry, len)?;
         let tag = tag_of(root)?;
         let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
         let tmp = format!("{name}.tmp{}", std::process::id());
@@ -149,10 +193,11 @@ impl Incoming {
         let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
         let map_len = len;
         let made = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)
-                .map_err(|e| Error::io("fallocate", &path, e.into()))?;
+            // Sized now, its pages allocated as the transfer goes (`reserve`).
+            rustix::fs::ftruncate(&file, len as u64)
+                .map_err(|e| Error::io("truncate", &path, e.into()))?;
             // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
-            // file is this process's new file, allocated for `map_len` bytes above.
+            // file is this process's new file, `map_len` bytes long (set above).
             let raw = unsafe {
                 rustix::mm::mmap(
                     std::ptr::null_mut(),
@@ -178,11 +223,20 @@ impl Incoming {
             ptr,
             map_len,
             len,
-            target: Target::Replica { tmp, name, tag },
+            target: Target::Replica {
+                tmp,
+                name,
+                tag,
+                file,
+            },
             state: IncomingState::Open,
             root: root.to_owned(),
             step,
             rank,
+            crc: vec![0; ranges.len()],
+            ranges,
+            frozen: 0,
+            reserved: 0,
             entry,
             early: None,
         })
@@ -199,6 +253,7 @@ impl Incoming {
     pub fn serve(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
+        let ranges = tensor_ranges(&entry, len)?;
         let name = super::replica_name(root, rank, step)?;
         let (file, path) = open_sized(Path::new(SHM_MOUNT), &name, Some(euid()), &entry)?;
         // SAFETY: a new read-only shared mapping with a null hint aliases no existing
@@ -226,6 +281,10 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
+            crc: vec![0; ranges.len()],
+            ranges,
+            frozen: len,
+            reserved: len,
             entry,
             early: None,
         };
@@ -243,6 +302,7 @@ impl Incoming {
     pub fn restore(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
+        let ranges = tensor_ranges(&entry, len)?;
         let map_len = len;
         let ptr = super::anonymous_map(map_len)?;
         Ok(Incoming {
@@ -254,6 +314,10 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
+            crc: vec![0; ranges.len()],
+            ranges,
+            frozen: 0,
+            reserved: len,
             entry,
             early: None,
         })
@@ -290,24 +354,115 @@ impl Incoming {
         &self.entry
     }
 
-    /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
-    /// page, or the whole image) read-only, and write them to the rank's temporary file in
-    /// the step's directory (created new, never through a link, on the first call), so the
-    /// write-back overlaps the transfer; [`Incoming::seal`] writes the rest, checks the
-    /// whole image and only then renames the file into place (a failure removes it). The
-    /// caller must have finished every write into `[0, end)` (a later write faults).
-    pub fn write_through(&mut self, end: usize) -> Result<()> {
-        if !self.is_restore() || self.state != IncomingState::Open {
+    /// While open: allocate the memory of the image's bytes up to `end` (a replica: its
+    /// `/dev/shm` file's pages, `fallocate`; a full `/dev/shm` is an error here). The
+    /// transport may write a range only once it is reserved; [`Incoming::received`] and
+    /// [`Incoming::seal`] refuse bytes that are not. Nothing for private memory.
+    pub fn reserve(&mut self, end: usize) -> Result<()> {
+        if self.state != IncomingState::Open {
             return Err(Error::Config(
-                "write_through is for a restore's image being received".into(),
+                "reserve() is for an image being received (not sealed)".into(),
+            ));
+        }
+        let end = end.min(self.len);
+        if end <= self.reserved {
+            return Ok(());
+        }
+        if let Target::Replica { file, tmp, .. } = &self.target {
+            let start = self.reserved as u64;
+            rustix::fs::fallocate(
+                file,
+                rustix::fs::FallocateFlags::empty(),
+                start,
+                end as u64 - start,
+            )
+            .map_err(|e| Error::io("fallocate", Path::new(SHM_MOUNT).join(tmp), e.into()))?;
+        }
+        self.reserved = end;
+        Ok(())
+    }
+
+    /// While open: the bytes up to `end` are received (every write into `[0, end)` is
+    /// finished; a later write there faults). They are frozen (made read-only; `end`
+    /// rounded down to a page, or the whole image) and summed into each tensor's CRC-32C,
+    /// so the check overlaps the transfer and [`Incoming::seal`] only sums the rest; a
+    /// restore's frozen bytes are also written to the rank's temporary file in the step's
+    /// directory (created new, never through a link, on the first call), so the write-back
+    /// overlaps the transfer too. Nothing is published here: `seal` compares the sums with
+    /// the manifest and only then publishes (a failure removes what was written).
+    pub fn received(&mut self, end: usize) -> Result<()> {
+        if self.state != IncomingState::Open || matches!(self.target, Target::Served) {
+            return Err(Error::Config(
+                "received() is for an image being received (not sealed)".into(),
             ));
         }
         let page = rustix::param::page_size();
+        if end > self.reserved {
+            return Err(Error::Config(format!(
+                "received({end}): only {} bytes of the image are reserved",
+                self.reserved
+            )));
+        }
         let end = if end >= self.len {
             self.len
         } else {
             end - end % page
         };
+        self.freeze_to(end)?;
+        if self.is_restore() {
+            self.write_early()?;
+        }
+        Ok(())
+    }
+
+    /// Make `[frozen, end)` read-only and add its bytes to the tensors' CRC-32C (`end`: a
+    /// page boundary or `len`).
+    fn freeze_to(&mut self, end: usize) -> Result<()> {
+        let start = self.frozen;
+        if end <= start {
+            return Ok(());
+        }
+        // `start` is 0 or a page boundary below `len`, so the range starts page aligned;
+        // the kernel rounds its length up to whole pages (inside the mapping: `end <= len
+        // <= map_len`, and the mapping covers whole pages).
+        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
+        // read-only invalidates no Rust reference (none is made to it).
+        unsafe {
+            rustix::mm::mprotect(
+                self.ptr.as_ptr().add(start).cast::<c_void>(),
+                end - start,
+                MprotectFlags::READ,
+            )
+        }
+        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
+        // SAFETY: `start..end` lies in the mapping, which is read-only now: nothing writes
+        // it while this borrow lives (a write through a pointer handed out faults).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(start).cast_const(), end - start)
+        };
+        let pieces: Vec<&[u8]> = self
+            .ranges
+            .iter()
+            .map(|&(b, e)| {
+                let (b, e) = (b.max(start), e.min(end));
+                if b < e {
+                    &bytes[b - start..e - start]
+                } else {
+                    &[][..]
+                }
+            })
+            .collect();
+        for ((sum, piece), c) in self.crc.iter_mut().zip(&pieces).zip(crcs(&pieces)) {
+            if !piece.is_empty() {
+                *sum = crc32c::crc32c_combine(*sum, c, piece.len());
+            }
+        }
+        self.frozen = end;
+        Ok(())
+    }
+
+    /// A restore: write the frozen bytes not written yet to the rank's temporary file.
+    fn write_early(&mut self) -> Result<()> {
         if self.early.is_none() {
             let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
             if entry != self.entry {
@@ -331,26 +486,14 @@ impl Incoming {
                 written: 0,
             });
         }
-        let start = self.early.as_ref().map_or(0, |e| e.written);
+        let end = self.frozen;
+        let early = self.early.as_mut().expect("made above");
+        let start = early.written;
         if end <= start {
             return Ok(());
         }
-        // `start` is 0 or a page boundary (or `len`, excluded above), so this range starts
-        // page aligned; its length is rounded up to whole pages by the kernel (inside the
-        // mapping: `end <= len <= map_len`).
-        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
-        // read-only invalidates no Rust reference (none is made to it).
-        unsafe {
-            rustix::mm::mprotect(
-                self.ptr.as_ptr().add(start).cast::<c_void>(),
-                end - start,
-                MprotectFlags::READ,
-            )
-        }
-        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
-        let early = self.early.as_mut().expect("made above");
         let path = early.dir.join(&early.tmp);
-        // SAFETY: `end <= len`: mapped and readable (read-only now).
+        // SAFETY: `end = frozen <= len`: mapped and read-only.
         unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
         // Start writing these pages to the disk now, so the seal's fsync waits only for the
         // rest (a hint: its failure is the fsync's to report).
@@ -367,6 +510,19 @@ impl Incoming {
         Ok(())
     }
 
+    /// A sealed replica: remove this user's older replicas of the same root and source
+    /// rank (any other step), and temporary files of receivers of them that died. Left
+    /// out of [`Incoming::seal`] so that the time to k-safe does not include freeing the
+    /// older image's pages: the caller runs it once the step is reported. Failures are
+    /// logged.
+    pub fn remove_older(&self) {
+        if self.state == IncomingState::Sealed
+            && let Target::Replica { tag, .. } = &self.target
+        {
+            remove_stale(tag, self.rank, self.step);
+        }
+    }
+
     fn protect(&self, flags: MprotectFlags) -> Result<()> {
         // SAFETY: `ptr..ptr + map_len` is this value's own mapping, alive until drop; changing
         // its protection invalidates no Rust reference (none is live across this call).
@@ -374,11 +530,12 @@ impl Incoming {
             .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))
     }
 
-    /// Check the received image and publish it (see the module): the mapping is made
-    /// read-only first, so nothing can change the bytes between the check and the
-    /// publication; then every check of [`super::verify_image`]. A replica is then renamed
-    /// to its name in `/dev/shm` (this user's older replicas of the same root and rank
-    /// removed) and its name returned; a restore's image is written back as the rank's
+    /// Check the received image and publish it (see the module): the rest of the mapping
+    /// (past what [`Incoming::received`] froze) is made read-only first, so nothing can
+    /// change the bytes between the check and the publication; then every check of
+    /// [`super::verify_image`] (the tensors' CRC-32C summed as the bytes were frozen, the
+    /// rest here). A replica is then renamed to its name in `/dev/shm` and its name
+    /// returned ([`Incoming::remove_older`] removes the older ones); a restore's image is written back as the rank's
     /// file (temporary name, fsync, rename, directory fsync), the memory made writable
     /// again for its holder, and the file's path returned. On any failure nothing is
     /// published: the replica's temporary file is removed, the state is
@@ -408,24 +565,50 @@ impl Incoming {
     }
 
     fn seal_inner(&mut self) -> Result<PathBuf> {
-        self.protect(MprotectFlags::READ)?;
+        if self.reserved < self.len {
+            // Never read memory that was not allocated (it could fault on a full /dev/shm).
+            return Err(Error::Config(format!(
+                "the image of rank {} of step {} was not received whole (only {} of {} bytes \
+                 reserved)",
+                self.rank, self.step, self.reserved, self.len
+            )));
+        }
+        // The rest made read-only: nothing can change the bytes between the check and the
+        // publication (the frozen prefix is read-only already).
+        self.freeze_to(self.len)?;
+        let what = PathBuf::from(format!(
+            "<image of rank {} of step {} from a peer>",
+            self.rank, self.step
+        ));
+        {
+            let hdr = usize::try_from(self.entry.data_start)
+                .unwrap_or(usize::MAX)
+                .min(self.len);
+            // SAFETY: `hdr <= len` bytes of the mapping, read-only now.
+            let head = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast_const(), hdr) };
+            check_header_bytes(head, self.len as u64, &self.entry, &what)?;
+        }
+        for (t, &actual) in self.entry.tensors.iter().zip(&self.crc) {
+            if actual != t.crc32c {
+                return Err(Error::Checksum {
+                    path: what,
+                    tensor: t.name.clone(),
+                    expected: t.crc32c,
+                    actual,
+                });
+            }
+        }
         // SAFETY: the mapping is `map_len >= len` bytes, alive while `self` is; it is
         // read-only now, so no pointer handed out can write it while this borrow lives (a
         // write faults); nothing in this process maps the file again (its temporary name
         // is this process's, created new).
         let bytes = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
-        let what = PathBuf::from(format!(
-            "<image of rank {} of step {} from a peer>",
-            self.rank, self.step
-        ));
-        check_bytes(bytes, &self.entry, &what)?;
         match &self.target {
-            Target::Replica { tmp, name, tag } => {
+            Target::Replica { tmp, name, .. } => {
                 let dir = Path::new(SHM_MOUNT);
                 let dfd = fsx::open_dir(dir)?;
                 rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
                     .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
-                remove_stale(tag, self.rank, self.step);
                 Ok(dir.join(name))
             }
             Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
