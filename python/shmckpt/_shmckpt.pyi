@@ -71,9 +71,8 @@ class Buffer:
 class ReplicaImage:
     """An image received from a peer straight into its final memory: a replica arena in
     ``/dev/shm`` (``replica_receive``) or private memory restoring a lost rank
-    (``replica_receive_restore``). numpy views it without a copy (writable while open;
-    ``reserve(end)`` allocates a replica's pages before anything writes them,
-    ``received(end)`` freezes and CRC-sums what arrived); ``seal()`` makes the rest read-only, checks it against the committed manifest and publishes
+    (``replica_receive_restore``). numpy views it without a copy (writable while open);
+    ``seal()`` makes it read-only, checks it against the committed manifest and publishes
     it (the replica under its name, or the rank's file written back; the memory of a
     restore is then writable again). A failed check removes it; an unsealed image is never
     listed or served."""
@@ -88,10 +87,8 @@ class ReplicaImage:
     @property
     def restore(self) -> bool: ...
     def tensors(self) -> List[Tuple[str, str, List[int], int, int]]: ...
-    def reserve(self, end: int) -> None: ...
-    def received(self, end: int) -> None: ...
+    def write_through(self, end: int) -> None: ...
     def seal(self) -> str: ...
-    def remove_older(self) -> None: ...
 
 @final
 class ReplicaSource:
