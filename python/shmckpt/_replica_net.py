@@ -23,8 +23,6 @@ _PACE_SECONDS = 0.05
 #: ...of at least this many bytes and at most this many (unbounded: the largest).
 _PIECE_MIN = 64 << 10
 _PIECE_MAX = 64 << 20
-#: Pieces of one image posted for receiving at a time (reserved just before).
-_WINDOW = 4
 
 
 class _GroupFailed(Exception):
@@ -87,73 +85,55 @@ class ReplicaNet:
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
+        # The received pieces of each image that checks as it arrives (a ReplicaImage:
+        # `received`), in order: `[buffer, [(work, end), ...]]` by source. Each completed
+        # piece is frozen and CRC-summed (a restore's also written to its file) while the
+        # next ones travel, so `seal()` only checks the rest.
+        through: Dict[int, List[Any]] = {}
+        # Works waited already (a gloo receive must be waited once: a second wait waits
+        # for another message).
+        waited: set = set()
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
-        # Each image is received in pieces, at most _WINDOW of them posted at a time: a
-        # piece's memory is reserved (`reserve`: a replica's /dev/shm pages allocated)
-        # just before its receive is posted, and each completed piece, in order, is handed
-        # to the image (`received`: frozen read-only and CRC-summed, a restore's written
-        # to its file) while the next ones travel; so allocating, checking and writing
-        # back overlap the transfer, and `seal()` only finishes. A reservation that fails
-        # (a full /dev/shm) receives the rest into scratch memory: that image is never
-        # sealed. By source: [buffer, its tensor, pieces to post, posted (work, end), pieces].
-        incoming: Dict[int, List[Any]] = {}
+        views = []
         for src, buf in recvs:
             t = torch.from_numpy(np.asarray(buf))
+            views.append(t)
             got[src] = buf
-            pieces = self._pieces(t.numel(), src)
-            incoming[src] = [buf, t, pieces, [], len(pieces)]
-        scratch: Dict[int, Any] = {}
-
-        def post(src: int) -> None:
-            buf, t, todo_, posted, count = incoming[src]
-            while todo_ and len(posted) < _WINDOW and src not in failed:
-                # The posted pieces are consecutive: their slots in scratch differ.
-                slot = (count - len(todo_)) % _WINDOW
-                a, b = todo_.pop(0)
-                into = t[a:b]
-                reserve = getattr(buf, "reserve", None)
-                if src in scratch:
-                    into = scratch[src][slot][: b - a]
-                elif reserve is not None:
-                    try:
-                        reserve(b)
-                    except ShmckptError as e:
-                        log.warning("rank %d: no memory to receive rank %d's image: %s", me, src, e)
-                        size = max(y - x for x, y in self._pieces(t.numel(), src))
-                        scratch[src] = [torch.empty(size, dtype=torch.uint8) for _ in range(_WINDOW)]
-                        into = scratch[src][slot][: b - a]
+            for a, b in self._pieces(t.numel(), src):
                 try:
-                    posted.append((dist.irecv(into, src=src, group=self.group), b))
+                    w = dist.irecv(t[a:b], src=src, group=self.group)
+                    if hasattr(buf, "received"):
+                        through.setdefault(src, [buf, []])[1].append((w, b))
+                    works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
 
         def take_received(block: bool) -> None:
             """Hand each image the prefix of its pieces that arrived (waiting for every one
-            when ``block``) and post the next ones. After a failure the pieces posted are
-            still waited (they fail fast), so nothing writes the memory once it is freed."""
-            for src in list(incoming):
-                buf, _, todo_, posted, _ = incoming[src]
-                while posted:
-                    w, end = posted[0]
+            when ``block``); a failed piece stops that image (the failure is the wait's to
+            report)."""
+            for src in list(through):
+                buf, pending = through[src]
+                while pending and src not in failed:
+                    w, end = pending[0]
                     if not block and not w.is_completed():
                         break
+                    waited.add(id(w))
                     try:
                         w.wait()
                     except RuntimeError as e:
                         failed.setdefault(src, f"receiving from rank {src}: {e}")
-                    posted.pop(0)
-                    if src not in failed and src not in scratch and hasattr(buf, "received"):
-                        try:
-                            buf.received(end)
-                        except ShmckptError as e:  # seal() checks what is left, or fails
-                            log.warning("rank %d: checking the image from rank %d as it arrived failed: %s", me, src, e)
-                    post(src)
-                if not posted and (not todo_ or src in failed):
-                    del incoming[src]
+                        break
+                    pending.pop(0)
+                    try:
+                        buf.received(end)
+                    except ShmckptError as e:  # seal() checks what is left, or fails
+                        log.warning("rank %d: checking the image from rank %d as it arrived failed: %s", me, src, e)
+                        pending.clear()
+                if not pending or src in failed:
+                    del through[src]
 
-        for src in list(incoming):
-            post(src)
         with warnings.catch_warnings():  # read-only memory: only ever sent from
             warnings.simplefilter("ignore", UserWarning)
             keep = [(dst, buf, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
@@ -187,15 +167,15 @@ class ReplicaNet:
                 except RuntimeError as e:
                     failed.setdefault(dst, f"sending to rank {dst}: {e}")
                 sent += b - a
-        while incoming:
-            take_received(block=True)
+        take_received(block=True)
         for peer, what, w in works:
+            if id(w) in waited:
+                continue
             try:
                 w.wait()
             except RuntimeError as e:
                 failed.setdefault(peer, f"{what} rank {peer}: {e}")
-        del keep
-        scratch.clear()
+        del keep, views
         if failed:
             got.clear()
             peers = ", ".join(f"rank {p}" for p in sorted(failed))

@@ -201,20 +201,6 @@ impl PyReplicaImage {
             .is_restore()
     }
 
-    /// While open: allocate the image's memory up to `end` (a replica's `/dev/shm` pages;
-    /// GIL released; a full `/dev/shm` is an error here, never a `SIGBUS` later). Nothing
-    /// may write a range before it is reserved; `received` and `seal` refuse bytes that
-    /// are not.
-    fn reserve(&self, py: Python<'_>, end: usize) -> PyResult<()> {
-        py.detach(|| {
-            self.inner
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .reserve(end)
-        })
-        .map_err(|e| to_py(py, e))
-    }
-
     /// While open: the bytes up to `end` are received (every write into `[0, end)` is
     /// finished). They are frozen read-only (`end` rounded down to a page) and summed into
     /// each tensor's CRC-32C (GIL released), so the check overlaps the transfer; a

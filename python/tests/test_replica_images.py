@@ -122,7 +122,6 @@ def test_received_images_are_sealed_before_served(droot):
     assert img.state == "open" and img.nbytes == len(good) == entry["bytes"]
     view = np.asarray(img)
     assert view.flags.writeable and view.size == len(good)
-    img.reserve(len(good))  # its /dev/shm pages allocated before anything writes them
     view[:] = np.frombuffer(good, dtype=np.uint8)
     assert tmp.is_file() and not shm.exists() and names() == []
     with pytest.raises(shmckpt.errors.IoError, match="No such file"):
@@ -152,7 +151,6 @@ def test_received_images_are_sealed_before_served(droot):
         bad = bytearray(good)
         bad[at] ^= 0x5A
         img = _shmckpt.replica_receive(str(root), 5, 0)
-        img.reserve(len(good))
         np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
         with pytest.raises(err):
             img.seal()
@@ -185,12 +183,8 @@ def test_received_images_are_sealed_before_served(droot):
             data[entry["data_start"] + 1] ^= 0x01
         img = _shmckpt.replica_receive(str(root), 5, 0)
         v = np.asarray(img)
-        img.reserve(half)
-        with pytest.raises(shmckpt.ConfigError, match="reserved"):
-            img.received(half + 1)  # never reads memory that was not allocated
         v[:half] = np.frombuffer(bytes(data[:half]), dtype=np.uint8)
         img.received(half)
-        img.reserve(len(good))
         v[half:] = np.frombuffer(bytes(data[half:]), dtype=np.uint8)
         img.received(len(good))
         if ok:
@@ -205,7 +199,6 @@ def test_received_images_are_sealed_before_served(droot):
     older.write_bytes(b"step 4")
     try:
         img = _shmckpt.replica_receive(str(root), 5, 0)
-        img.reserve(len(good))
         np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
         assert img.seal() == str(shm)
         assert older.read_bytes() == b"step 4"
@@ -215,13 +208,6 @@ def test_received_images_are_sealed_before_served(droot):
     finally:
         if older.exists():
             older.unlink()
-    # An image not reserved whole (a receive that ran out of /dev/shm) is never sealed.
-    img = _shmckpt.replica_receive(str(root), 5, 0)
-    img.reserve(half)
-    with pytest.raises(shmckpt.ConfigError, match="not received whole"):
-        img.seal()
-    assert img.state == "refused" and not tmp.exists() and shm.read_bytes() == good
-    del img
     # An arena dropped unsealed (a transfer that failed) leaves nothing behind.
     img = _shmckpt.replica_receive(str(root), 5, 0)
     assert tmp.is_file()

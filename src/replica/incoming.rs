@@ -33,8 +33,6 @@ enum Target {
         tmp: String,
         name: String,
         tag: String,
-        /// The temporary file, to allocate its pages ([`Incoming::reserve`]).
-        file: std::fs::File,
     },
     /// A lost rank's image (private anonymous memory), written back as its file once sealed.
     Restore,
@@ -76,11 +74,6 @@ pub struct Incoming {
     /// Bytes `[0, frozen)` are read-only and summed into `crc` ([`Incoming::received`]);
     /// a page boundary, or `len`.
     frozen: usize,
-    /// Bytes `[0, reserved)` have their memory allocated: a replica's pages are allocated
-    /// in its `/dev/shm` file piece by piece ([`Incoming::reserve`]) before the transport
-    /// may write them, so a full `/dev/shm` is an error there, never a `SIGBUS`; private
-    /// memory and served replicas: all of it.
-    reserved: usize,
     /// A restore's file written while the image arrives ([`Incoming::received`]).
     early: Option<EarlyWrite>,
 }
@@ -193,11 +186,10 @@ impl Incoming {
         let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
         let map_len = len;
         let made = (|| {
-            // Sized now, its pages allocated as the transfer goes (`reserve`).
-            rustix::fs::ftruncate(&file, len as u64)
-                .map_err(|e| Error::io("truncate", &path, e.into()))?;
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)
+                .map_err(|e| Error::io("fallocate", &path, e.into()))?;
             // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
-            // file is this process's new file, `map_len` bytes long (set above).
+            // file is this process's new file, allocated for `map_len` bytes above.
             let raw = unsafe {
                 rustix::mm::mmap(
                     std::ptr::null_mut(),
@@ -223,12 +215,7 @@ impl Incoming {
             ptr,
             map_len,
             len,
-            target: Target::Replica {
-                tmp,
-                name,
-                tag,
-                file,
-            },
+            target: Target::Replica { tmp, name, tag },
             state: IncomingState::Open,
             root: root.to_owned(),
             step,
@@ -236,7 +223,6 @@ impl Incoming {
             crc: vec![0; ranges.len()],
             ranges,
             frozen: 0,
-            reserved: 0,
             entry,
             early: None,
         })
@@ -284,7 +270,6 @@ impl Incoming {
             crc: vec![0; ranges.len()],
             ranges,
             frozen: len,
-            reserved: len,
             entry,
             early: None,
         };
@@ -317,7 +302,6 @@ impl Incoming {
             crc: vec![0; ranges.len()],
             ranges,
             frozen: 0,
-            reserved: len,
             entry,
             early: None,
         })
@@ -354,34 +338,6 @@ impl Incoming {
         &self.entry
     }
 
-    /// While open: allocate the memory of the image's bytes up to `end` (a replica: its
-    /// `/dev/shm` file's pages, `fallocate`; a full `/dev/shm` is an error here). The
-    /// transport may write a range only once it is reserved; [`Incoming::received`] and
-    /// [`Incoming::seal`] refuse bytes that are not. Nothing for private memory.
-    pub fn reserve(&mut self, end: usize) -> Result<()> {
-        if self.state != IncomingState::Open {
-            return Err(Error::Config(
-                "reserve() is for an image being received (not sealed)".into(),
-            ));
-        }
-        let end = end.min(self.len);
-        if end <= self.reserved {
-            return Ok(());
-        }
-        if let Target::Replica { file, tmp, .. } = &self.target {
-            let start = self.reserved as u64;
-            rustix::fs::fallocate(
-                file,
-                rustix::fs::FallocateFlags::empty(),
-                start,
-                end as u64 - start,
-            )
-            .map_err(|e| Error::io("fallocate", Path::new(SHM_MOUNT).join(tmp), e.into()))?;
-        }
-        self.reserved = end;
-        Ok(())
-    }
-
     /// While open: the bytes up to `end` are received (every write into `[0, end)` is
     /// finished; a later write there faults). They are frozen (made read-only; `end`
     /// rounded down to a page, or the whole image) and summed into each tensor's CRC-32C,
@@ -397,12 +353,6 @@ impl Incoming {
             ));
         }
         let page = rustix::param::page_size();
-        if end > self.reserved {
-            return Err(Error::Config(format!(
-                "received({end}): only {} bytes of the image are reserved",
-                self.reserved
-            )));
-        }
         let end = if end >= self.len {
             self.len
         } else {
@@ -565,14 +515,6 @@ impl Incoming {
     }
 
     fn seal_inner(&mut self) -> Result<PathBuf> {
-        if self.reserved < self.len {
-            // Never read memory that was not allocated (it could fault on a full /dev/shm).
-            return Err(Error::Config(format!(
-                "the image of rank {} of step {} was not received whole (only {} of {} bytes \
-                 reserved)",
-                self.rank, self.step, self.reserved, self.len
-            )));
-        }
         // The rest made read-only: nothing can change the bytes between the check and the
         // publication (the frozen prefix is read-only already).
         self.freeze_to(self.len)?;
