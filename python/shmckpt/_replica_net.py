@@ -85,14 +85,9 @@ class ReplicaNet:
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
-        # The received pieces of each image that checks as it arrives (a ReplicaImage:
-        # `received`), in order: `[buffer, [(work, end), ...]]` by source. Each completed
-        # piece is frozen and CRC-summed (a restore's also written to its file) while the
-        # next ones travel, so `seal()` only checks the rest.
-        through: Dict[int, List[Any]] = {}
-        # Works waited already (a gloo receive must be waited once: a second wait waits
-        # for another message).
-        waited: set = set()
+        # Received pieces of a restore's image, in order: written to its file as they
+        # arrive (`write_through`), so the write-back overlaps the transfer.
+        through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
         views = []
@@ -103,37 +98,11 @@ class ReplicaNet:
             for a, b in self._pieces(t.numel(), src):
                 try:
                     w = dist.irecv(t[a:b], src=src, group=self.group)
-                    if hasattr(buf, "received"):
-                        through.setdefault(src, [buf, []])[1].append((w, b))
+                    if getattr(buf, "restore", False):
+                        through[id(w)] = (buf, b)
                     works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
-
-        def take_received(block: bool) -> None:
-            """Hand each image the prefix of its pieces that arrived (waiting for every one
-            when ``block``); a failed piece stops that image (the failure is the wait's to
-            report)."""
-            for src in list(through):
-                buf, pending = through[src]
-                while pending and src not in failed:
-                    w, end = pending[0]
-                    if not block and not w.is_completed():
-                        break
-                    waited.add(id(w))
-                    try:
-                        w.wait()
-                    except RuntimeError as e:
-                        failed.setdefault(src, f"receiving from rank {src}: {e}")
-                        break
-                    pending.pop(0)
-                    try:
-                        buf.received(end)
-                    except ShmckptError as e:  # seal() checks what is left, or fails
-                        log.warning("rank %d: checking the image from rank %d as it arrived failed: %s", me, src, e)
-                        pending.clear()
-                if not pending or src in failed:
-                    del through[src]
-
         with warnings.catch_warnings():  # read-only memory: only ever sent from
             warnings.simplefilter("ignore", UserWarning)
             keep = [(dst, buf, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
@@ -157,7 +126,6 @@ class ReplicaNet:
                     except ShmckptError as e:
                         self._send_problem = f"rank {me} could not read its image: {e}"
                         log.warning("%s", self._send_problem)
-                take_received(block=False)
                 if bw is not None:
                     ahead = t0 + sent / bw - time.monotonic()
                     if ahead > 0:
@@ -167,14 +135,18 @@ class ReplicaNet:
                 except RuntimeError as e:
                     failed.setdefault(dst, f"sending to rank {dst}: {e}")
                 sent += b - a
-        take_received(block=True)
         for peer, what, w in works:
-            if id(w) in waited:
-                continue
             try:
                 w.wait()
             except RuntimeError as e:
                 failed.setdefault(peer, f"{what} rank {peer}: {e}")
+            hook = through.pop(id(w), None)
+            if hook is not None and peer not in failed:
+                try:
+                    hook[0].write_through(hook[1])
+                except ShmckptError as e:  # seal() writes what is left, or fails
+                    log.warning("rank %d: writing the image from rank %d early failed: %s", me, peer, e)
+                    through = {k: v for k, v in through.items() if v[0] is not hook[0]}
         del keep, views
         if failed:
             got.clear()

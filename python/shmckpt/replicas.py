@@ -139,10 +139,6 @@ class Replicator(ReplicaLoads):
         self._busy = False
         self._closing = False
         self._results: Dict[int, Any] = {}  # step -> report dict or the exception
-        #: What the step just replicated leaves to do once it is reported (the replicas
-        #: sealed: their older steps to remove; the sender's image to free), so that the
-        #: time to k-safe does not include freeing memory.
-        self._after: List[Any] = []
         self._thread: Optional[threading.Thread] = None
 
     def enqueue(self, handle: "SaveHandle") -> None:
@@ -176,22 +172,8 @@ class Replicator(ReplicaLoads):
                 self._results[int(handle.step)] = result
                 for s in sorted(self._results)[:-16]:
                     del self._results[s]
-                self._cv.notify_all()
-            self._tidy()
-            with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-
-    def _tidy(self) -> None:
-        """Once a step is reported: remove the older replicas of the ones just sealed, and
-        free the memory the step's exchange used (still "busy": `_drain` and `close` wait
-        for it)."""
-        after, self._after = self._after, []
-        for obj in after:
-            remove_older = getattr(obj, "remove_older", None)
-            if remove_older is not None:
-                remove_older()
-        del after
 
     def _drain(self) -> None:
         """Wait until the thread has replicated every queued save."""
@@ -288,8 +270,6 @@ class Replicator(ReplicaLoads):
                 log.warning("%s", problems[q])
                 recvs.append((q, np.empty(sizes[q], dtype=np.uint8)))
         got, sent, transfer = self._exchange(sends, recvs, paced=True)
-        # Freed once the step is reported (`_tidy`), not on the way to k-safe.
-        self._after.append(image)
         del image, recvs
         held: List[int] = []
         for q in sorted(got):
@@ -299,7 +279,6 @@ class Replicator(ReplicaLoads):
             try:
                 arena.seal()
                 held.append(q)
-                self._after.append(arena)  # its older replicas removed once reported
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])

@@ -201,31 +201,19 @@ impl PyReplicaImage {
             .is_restore()
     }
 
-    /// While open: the bytes up to `end` are received (every write into `[0, end)` is
-    /// finished). They are frozen read-only (`end` rounded down to a page) and summed into
-    /// each tensor's CRC-32C (GIL released), so the check overlaps the transfer; a
-    /// restore's are also written to the rank's temporary file, so the write-back overlaps
-    /// it too. `seal()` sums the rest, compares with the manifest, and only then publishes.
-    fn received(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+    /// A restore only, while open: freeze the bytes up to `end` (rounded down to a page)
+    /// read-only and write them to the rank's temporary file (GIL released), so the
+    /// write-back overlaps the transfer; `seal()` writes the rest, checks the whole image,
+    /// and only then renames the file into place. Every write into `[0, end)` must be
+    /// finished.
+    fn write_through(&self, py: Python<'_>, end: usize) -> PyResult<()> {
         py.detach(|| {
             self.inner
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .received(end)
+                .write_through(end)
         })
         .map_err(|e| to_py(py, e))
-    }
-
-    /// A sealed replica: remove this user's older replicas of the same root and source
-    /// rank (GIL released; `seal()` leaves them, so freeing their memory is not on the way
-    /// to k-safe).
-    fn remove_older(&self, py: Python<'_>) {
-        py.detach(|| {
-            self.inner
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove_older()
-        })
     }
 
     /// Check the received image against the committed manifest and publish it (GIL

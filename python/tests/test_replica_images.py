@@ -175,39 +175,6 @@ def test_received_images_are_sealed_before_served(droot):
         _shmckpt.replica_serve(str(root), 5, 0)
     shm.unlink()
     shm.write_bytes(good)
-    # Checked as it arrives (`received`: the prefix frozen and CRC-summed), sealed only
-    # when the whole matches: a byte damaged in the prefix checked early is refused ...
-    half = len(good) // 2
-    for data, ok in ((bytearray(good), True), (bytearray(good), False)):
-        if not ok:
-            data[entry["data_start"] + 1] ^= 0x01
-        img = _shmckpt.replica_receive(str(root), 5, 0)
-        v = np.asarray(img)
-        v[:half] = np.frombuffer(bytes(data[:half]), dtype=np.uint8)
-        img.received(half)
-        v[half:] = np.frombuffer(bytes(data[half:]), dtype=np.uint8)
-        img.received(len(good))
-        if ok:
-            assert img.seal() == str(shm) and shm.read_bytes() == good
-        else:
-            with pytest.raises(shmckpt.ChecksumError):
-                img.seal()
-            assert img.state == "refused" and not tmp.exists() and shm.read_bytes() == good
-        del v, img
-    # ... and the older replicas of the rank are removed by `remove_older`, not by `seal`.
-    older = shm.parent / _shmckpt.replica_name(str(root), 0, 4)
-    older.write_bytes(b"step 4")
-    try:
-        img = _shmckpt.replica_receive(str(root), 5, 0)
-        np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
-        assert img.seal() == str(shm)
-        assert older.read_bytes() == b"step 4"
-        img.remove_older()
-        assert not older.exists() and names() == [name] and shm.read_bytes() == good
-        del img
-    finally:
-        if older.exists():
-            older.unlink()
     # An arena dropped unsealed (a transfer that failed) leaves nothing behind.
     img = _shmckpt.replica_receive(str(root), 5, 0)
     assert tmp.is_file()
@@ -255,13 +222,13 @@ def test_received_images_are_sealed_before_served(droot):
         img.seal()
     assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
     del img
-    # Written while it arrives (received), then refused: the early file is removed.
+    # Written while it arrives (write_through), then refused: the early file is removed.
     early = root / "step-5" / f".{fname}.tmp{os.getpid()}"
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)
     assert img.restore
     half = len(good) // 2
     np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
-    img.received(half)
+    img.write_through(half)
     assert early.read_bytes() == good[: half - half % 4096]  # whole pages, frozen
     with pytest.raises(shmckpt.ChecksumError):
         img.seal()
@@ -271,14 +238,14 @@ def test_received_images_are_sealed_before_served(droot):
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)
     whole = np.asarray(img)
     whole[:half] = np.frombuffer(good[:half], dtype=np.uint8)
-    img.received(half)
+    img.write_through(half)
     assert early.read_bytes() == good[: half - half % 4096] and not (root / "step-5" / fname).exists()
     whole[half:] = np.frombuffer(good[half:], dtype=np.uint8)
     assert img.seal() == str(root / "step-5" / fname)
     assert (root / "step-5" / fname).read_bytes() == good and not early.exists()
-    with pytest.raises(shmckpt.ConfigError, match="not sealed"):
-        img.received(4096)  # sealed: nothing more is received
     del whole, img
+    with pytest.raises(shmckpt.ConfigError):
+        _shmckpt.replica_receive(str(root), 5, 0).write_through(4096)
     (root / "step-5" / fname).unlink()
     # ... else the file is written back from memory, and the tensors served from it.
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)

@@ -16,8 +16,8 @@ use std::ptr::NonNull;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 use super::{
-    REPLICA_PREFIX, check_bytes, check_header_bytes, committed_entry, crcs, euid, open_sized,
-    remove_stale, tag_of, write_atomic,
+    REPLICA_PREFIX, check_bytes, committed_entry, euid, open_sized, remove_stale, tag_of,
+    write_atomic,
 };
 use crate::error::{Error, Result};
 use crate::fsx::{self, Create};
@@ -66,15 +66,7 @@ pub struct Incoming {
     step: u64,
     rank: u32,
     entry: FileEntry,
-    /// Each tensor's bytes in the image (`data_start + data_offsets`, checked against the
-    /// image's length when the value was made).
-    ranges: Vec<(usize, usize)>,
-    /// Each tensor's CRC-32C over its bytes in `[0, frozen)`.
-    crc: Vec<u32>,
-    /// Bytes `[0, frozen)` are read-only and summed into `crc` ([`Incoming::received`]);
-    /// a page boundary, or `len`.
-    frozen: usize,
-    /// A restore's file written while the image arrives ([`Incoming::received`]).
+    /// A restore's file written while the image arrives ([`Incoming::write_through`]).
     early: Option<EarlyWrite>,
 }
 
@@ -132,34 +124,6 @@ unsafe fn pwrite_range(
     Ok(())
 }
 
-/// Each tensor's byte range in an image of `len` bytes described by `entry`: `data_start
-/// + data_offsets`, checked (no overflow, `begin <= end <= len`); corrupt otherwise.
-fn tensor_ranges(entry: &FileEntry, len: usize) -> Result<Vec<(usize, usize)>> {
-    let what = Path::new(&entry.file);
-    entry
-        .tensors
-        .iter()
-        .map(|t| {
-            let [b, e] = t.data_offsets;
-            let at = |o: u64| {
-                entry
-                    .data_start
-                    .checked_add(o)
-                    .and_then(|v| usize::try_from(v).ok())
-                    .filter(|&v| v <= len)
-            };
-            match (at(b), at(e)) {
-                (Some(b), Some(e)) if b <= e => Ok((b, e)),
-                _ => Err(Error::corrupt(
-                    what,
-                    Some(&t.name),
-                    "lies outside the data section",
-                )),
-            }
-        })
-        .collect()
-}
-
 // SAFETY: `Incoming` owns its mapping; the pointer is not tied to the thread that made it,
 // and Rust reads the bytes only in `seal` (`&mut self`), after the mapping is read-only.
 unsafe impl Send for Incoming {}
@@ -173,7 +137,6 @@ impl Incoming {
     pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        let ranges = tensor_ranges(&entry, len)?;
         let tag = tag_of(root)?;
         let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
         let tmp = format!("{name}.tmp{}", std::process::id());
@@ -220,9 +183,6 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
-            crc: vec![0; ranges.len()],
-            ranges,
-            frozen: 0,
             entry,
             early: None,
         })
@@ -239,7 +199,6 @@ impl Incoming {
     pub fn serve(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        let ranges = tensor_ranges(&entry, len)?;
         let name = super::replica_name(root, rank, step)?;
         let (file, path) = open_sized(Path::new(SHM_MOUNT), &name, Some(euid()), &entry)?;
         // SAFETY: a new read-only shared mapping with a null hint aliases no existing
@@ -267,9 +226,6 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
-            crc: vec![0; ranges.len()],
-            ranges,
-            frozen: len,
             entry,
             early: None,
         };
@@ -287,7 +243,6 @@ impl Incoming {
     pub fn restore(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        let ranges = tensor_ranges(&entry, len)?;
         let map_len = len;
         let ptr = super::anonymous_map(map_len)?;
         Ok(Incoming {
@@ -299,9 +254,6 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
-            crc: vec![0; ranges.len()],
-            ranges,
-            frozen: 0,
             entry,
             early: None,
         })
@@ -338,18 +290,16 @@ impl Incoming {
         &self.entry
     }
 
-    /// While open: the bytes up to `end` are received (every write into `[0, end)` is
-    /// finished; a later write there faults). They are frozen (made read-only; `end`
-    /// rounded down to a page, or the whole image) and summed into each tensor's CRC-32C,
-    /// so the check overlaps the transfer and [`Incoming::seal`] only sums the rest; a
-    /// restore's frozen bytes are also written to the rank's temporary file in the step's
-    /// directory (created new, never through a link, on the first call), so the write-back
-    /// overlaps the transfer too. Nothing is published here: `seal` compares the sums with
-    /// the manifest and only then publishes (a failure removes what was written).
-    pub fn received(&mut self, end: usize) -> Result<()> {
-        if self.state != IncomingState::Open || matches!(self.target, Target::Served) {
+    /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
+    /// page, or the whole image) read-only, and write them to the rank's temporary file in
+    /// the step's directory (created new, never through a link, on the first call), so the
+    /// write-back overlaps the transfer; [`Incoming::seal`] writes the rest, checks the
+    /// whole image and only then renames the file into place (a failure removes it). The
+    /// caller must have finished every write into `[0, end)` (a later write faults).
+    pub fn write_through(&mut self, end: usize) -> Result<()> {
+        if !self.is_restore() || self.state != IncomingState::Open {
             return Err(Error::Config(
-                "received() is for an image being received (not sealed)".into(),
+                "write_through is for a restore's image being received".into(),
             ));
         }
         let page = rustix::param::page_size();
@@ -358,61 +308,6 @@ impl Incoming {
         } else {
             end - end % page
         };
-        self.freeze_to(end)?;
-        if self.is_restore() {
-            self.write_early()?;
-        }
-        Ok(())
-    }
-
-    /// Make `[frozen, end)` read-only and add its bytes to the tensors' CRC-32C (`end`: a
-    /// page boundary or `len`).
-    fn freeze_to(&mut self, end: usize) -> Result<()> {
-        let start = self.frozen;
-        if end <= start {
-            return Ok(());
-        }
-        // `start` is 0 or a page boundary below `len`, so the range starts page aligned;
-        // the kernel rounds its length up to whole pages (inside the mapping: `end <= len
-        // <= map_len`, and the mapping covers whole pages).
-        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
-        // read-only invalidates no Rust reference (none is made to it).
-        unsafe {
-            rustix::mm::mprotect(
-                self.ptr.as_ptr().add(start).cast::<c_void>(),
-                end - start,
-                MprotectFlags::READ,
-            )
-        }
-        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
-        // SAFETY: `start..end` lies in the mapping, which is read-only now: nothing writes
-        // it while this borrow lives (a write through a pointer handed out faults).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(self.ptr.as_ptr().add(start).cast_const(), end - start)
-        };
-        let pieces: Vec<&[u8]> = self
-            .ranges
-            .iter()
-            .map(|&(b, e)| {
-                let (b, e) = (b.max(start), e.min(end));
-                if b < e {
-                    &bytes[b - start..e - start]
-                } else {
-                    &[][..]
-                }
-            })
-            .collect();
-        for ((sum, piece), c) in self.crc.iter_mut().zip(&pieces).zip(crcs(&pieces)) {
-            if !piece.is_empty() {
-                *sum = crc32c::crc32c_combine(*sum, c, piece.len());
-            }
-        }
-        self.frozen = end;
-        Ok(())
-    }
-
-    /// A restore: write the frozen bytes not written yet to the rank's temporary file.
-    fn write_early(&mut self) -> Result<()> {
         if self.early.is_none() {
             let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
             if entry != self.entry {
@@ -436,14 +331,26 @@ impl Incoming {
                 written: 0,
             });
         }
-        let end = self.frozen;
-        let early = self.early.as_mut().expect("made above");
-        let start = early.written;
+        let start = self.early.as_ref().map_or(0, |e| e.written);
         if end <= start {
             return Ok(());
         }
+        // `start` is 0 or a page boundary (or `len`, excluded above), so this range starts
+        // page aligned; its length is rounded up to whole pages by the kernel (inside the
+        // mapping: `end <= len <= map_len`).
+        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
+        // read-only invalidates no Rust reference (none is made to it).
+        unsafe {
+            rustix::mm::mprotect(
+                self.ptr.as_ptr().add(start).cast::<c_void>(),
+                end - start,
+                MprotectFlags::READ,
+            )
+        }
+        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
+        let early = self.early.as_mut().expect("made above");
         let path = early.dir.join(&early.tmp);
-        // SAFETY: `end = frozen <= len`: mapped and read-only.
+        // SAFETY: `end <= len`: mapped and readable (read-only now).
         unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
         // Start writing these pages to the disk now, so the seal's fsync waits only for the
         // rest (a hint: its failure is the fsync's to report).
@@ -460,19 +367,6 @@ impl Incoming {
         Ok(())
     }
 
-    /// A sealed replica: remove this user's older replicas of the same root and source
-    /// rank (any other step), and temporary files of receivers of them that died. Left
-    /// out of [`Incoming::seal`] so that the time to k-safe does not include freeing the
-    /// older image's pages: the caller runs it once the step is reported. Failures are
-    /// logged.
-    pub fn remove_older(&self) {
-        if self.state == IncomingState::Sealed
-            && let Target::Replica { tag, .. } = &self.target
-        {
-            remove_stale(tag, self.rank, self.step);
-        }
-    }
-
     fn protect(&self, flags: MprotectFlags) -> Result<()> {
         // SAFETY: `ptr..ptr + map_len` is this value's own mapping, alive until drop; changing
         // its protection invalidates no Rust reference (none is live across this call).
@@ -480,12 +374,11 @@ impl Incoming {
             .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))
     }
 
-    /// Check the received image and publish it (see the module): the rest of the mapping
-    /// (past what [`Incoming::received`] froze) is made read-only first, so nothing can
-    /// change the bytes between the check and the publication; then every check of
-    /// [`super::verify_image`] (the tensors' CRC-32C summed as the bytes were frozen, the
-    /// rest here). A replica is then renamed to its name in `/dev/shm` and its name
-    /// returned ([`Incoming::remove_older`] removes the older ones); a restore's image is written back as the rank's
+    /// Check the received image and publish it (see the module): the mapping is made
+    /// read-only first, so nothing can change the bytes between the check and the
+    /// publication; then every check of [`super::verify_image`]. A replica is then renamed
+    /// to its name in `/dev/shm` (this user's older replicas of the same root and rank
+    /// removed) and its name returned; a restore's image is written back as the rank's
     /// file (temporary name, fsync, rename, directory fsync), the memory made writable
     /// again for its holder, and the file's path returned. On any failure nothing is
     /// published: the replica's temporary file is removed, the state is
@@ -515,42 +408,24 @@ impl Incoming {
     }
 
     fn seal_inner(&mut self) -> Result<PathBuf> {
-        // The rest made read-only: nothing can change the bytes between the check and the
-        // publication (the frozen prefix is read-only already).
-        self.freeze_to(self.len)?;
-        let what = PathBuf::from(format!(
-            "<image of rank {} of step {} from a peer>",
-            self.rank, self.step
-        ));
-        {
-            let hdr = usize::try_from(self.entry.data_start)
-                .unwrap_or(usize::MAX)
-                .min(self.len);
-            // SAFETY: `hdr <= len` bytes of the mapping, read-only now.
-            let head = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast_const(), hdr) };
-            check_header_bytes(head, self.len as u64, &self.entry, &what)?;
-        }
-        for (t, &actual) in self.entry.tensors.iter().zip(&self.crc) {
-            if actual != t.crc32c {
-                return Err(Error::Checksum {
-                    path: what,
-                    tensor: t.name.clone(),
-                    expected: t.crc32c,
-                    actual,
-                });
-            }
-        }
+        self.protect(MprotectFlags::READ)?;
         // SAFETY: the mapping is `map_len >= len` bytes, alive while `self` is; it is
         // read-only now, so no pointer handed out can write it while this borrow lives (a
         // write faults); nothing in this process maps the file again (its temporary name
         // is this process's, created new).
         let bytes = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        let what = PathBuf::from(format!(
+            "<image of rank {} of step {} from a peer>",
+            self.rank, self.step
+        ));
+        check_bytes(bytes, &self.entry, &what)?;
         match &self.target {
-            Target::Replica { tmp, name, .. } => {
+            Target::Replica { tmp, name, tag } => {
                 let dir = Path::new(SHM_MOUNT);
                 let dfd = fsx::open_dir(dir)?;
                 rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
                     .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
+                remove_stale(tag, self.rank, self.step);
                 Ok(dir.join(name))
             }
             Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
