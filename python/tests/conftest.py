@@ -6,6 +6,7 @@ GPU tests carry the ``gpu`` marker: they are skipped without a CUDA GPU, and wit
 
 import os
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -26,6 +27,43 @@ def pytest_runtest_setup(item):
     if os.environ.get("SHMCKPT_REQUIRE_GPU") == "1":
         pytest.fail("SHMCKPT_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
     pytest.skip("no CUDA GPU (set SHMCKPT_REQUIRE_GPU=1 to make this a failure)")
+
+
+#: A staging arena's default name: ``shmckpt.<pid>.r<rank>.<n>`` (see docs/design.md).
+_STAGING = re.compile(r"^shmckpt\.(\d+)\.r\d+\.\d+$")
+
+
+def _staging_arenas():
+    try:
+        return {n for n in os.listdir("/dev/shm") if _STAGING.match(n)}
+    except OSError:
+        return set()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _no_orphan_staging_arenas():
+    """A test that kills a child trainer leaves the child's staging arena in ``/dev/shm``:
+    by design (a crashed trainer's staged bytes survive for recovery), but nothing of a
+    test's temporary root ever recovers it. Remove the arenas that appeared during the test
+    and whose process is gone, so a test run leaks no shared memory."""
+    before = _staging_arenas()
+    yield
+    for name in _staging_arenas() - before:
+        if not _alive(int(_STAGING.match(name).group(1))):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
 
 
 @pytest.fixture
