@@ -24,7 +24,9 @@ type, nesting of :data:`~shmckpt._state.MAX_DEPTH` levels) makes a state uncache
 flattened at every save, which raises what it raises. A metadata read that raises (e.g. the
 strides of a sparse tensor) is a miss, never an error of its own. Tensor bytes are never
 cached: the engine reads every tensor's bytes at every save, from the addresses compared
-above.
+above. ``save`` keeps a new layout or plan only when a second probe, taken after it
+flattened and captured the state, matches the first (a state changed meanwhile by another
+thread is not cached under the key it had before).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ held at the call (round trips compared byte for byte)."""
 
 import collections
 import gc
+import sys
 import weakref
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import shmckpt
-from shmckpt import _layout
+from shmckpt import _layout, _state
+from shmckpt.checkpointer import save as save_mod
 from shmckpt.errors import UnsupportedValue
 
 from conftest import SMALL
@@ -370,3 +372,67 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
             params[1].data = torch.randn(1 << 20, device="cuda")  # same shape, new memory
         assert not save(4)
         assert save(5)
+
+
+def save_with(ck, step, state, func, mutate, **kw):
+    """Save ``state`` as ``step`` calling ``mutate()`` once, when ``func`` is first entered
+    during the save: what another thread changing the state during that save does, at a
+    chosen point. Returns the load of the step."""
+    code, fired = func.__code__, []
+    old = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code and not fired:
+            fired.append(True)
+            mutate()
+        return None
+
+    sys.settrace(tracer)
+    try:
+        ck.save(step, state, **kw).wait()
+    finally:
+        sys.settrace(old)
+    assert fired
+    return ck.load(step)
+
+
+def test_a_layout_flattened_from_a_state_changed_meanwhile_is_not_reused(ckpt):
+    """A state changed by another thread after the probe and before ``flatten`` read it: that
+    save may store either, but its layout (the old metadata's key with the new metadata's
+    names, dtypes and skeleton) is never reused by a later save of the old metadata."""
+    state = base_state()
+    w = state["w"]
+    f32 = w.data
+
+    def to_int():
+        w.data = f32.view(torch.int32)  # same address, shape and strides; another dtype
+        state["n"]["lr"] = 0.25
+
+    save_with(ckpt, 1, state, _state.flatten, to_int)
+    w.data = f32  # back to what the save's probe saw
+    state["n"]["lr"] = 0.5
+    save_and_check(ckpt, 2, state)
+    assert load_file(file_of(ckpt.root, 2))["w"].dtype == torch.float32
+
+
+def test_a_capture_plan_made_while_the_state_changed_is_not_reused(ckpt):
+    """A guarded tensor given other memory by another thread while the save captures it:
+    the tuple of that save (the other memory's address) is never reused by a later save of
+    the tensor's own memory."""
+    p = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    own = p.data
+    other = torch.full((8,), 7.0)  # kept alive: a reuse would read it
+    opt = torch.optim.SGD([p], lr=0.1)
+    state = {"p": p}
+    save_and_check(ckpt, 1, state)  # the layout and a blocking save's plan
+    ckpt.guard(opt)
+
+    def swap():
+        p.data = other
+
+    save_with(ckpt, 2, state, save_mod._capture, swap, blocking=False)
+    p.data = own
+    with torch.no_grad():
+        p.mul_(3)
+    assert save_and_check(ckpt, 3, state, blocking=False)
+    assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)

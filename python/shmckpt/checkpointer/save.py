@@ -73,6 +73,7 @@ class SaveMixin(GuardMixin):
             probe = _layout.probe(state)
             lay = self._layout
             leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
+            new_layout = False  # cached at the end, once the state is seen unchanged
             if lay is not None and lay.matches(probe):
                 assert probe is not None
                 skeleton = lay.skeleton
@@ -80,7 +81,9 @@ class SaveMixin(GuardMixin):
                 flat = _state.flatten(state)
                 leaves = flat.leaves
                 skeleton = _state.encode(flat)
-                lay = self._layout = _layout.Layout.of(probe, flat, skeleton)
+                self._layout = None
+                lay = _layout.Layout.of(probe, flat, skeleton)
+                new_layout = lay is not None
                 del flat
             if _state.STATE_KEY in meta:
                 raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
@@ -106,6 +109,7 @@ class SaveMixin(GuardMixin):
             finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
             key = (blocking, hold, member)
             plan = lay.plan if lay is not None else None
+            new_plan: Optional[_layout.Plan] = None
             if plan is not None and plan.key == key:
                 # Same layout, same mode: the tuples of the tensors staged from their own
                 # memory are those of the last save (their addresses were compared); the
@@ -139,8 +143,18 @@ class SaveMixin(GuardMixin):
                     entries.append(entry)
                     keep.append(k)
                 if lay is not None:
-                    lay.plan = _layout.Plan(key, list(entries), redo, sorted(devices))
+                    new_plan = _layout.Plan(key, list(entries), redo, sorted(devices))
             del leaves
+            # What this save flattened and captured read the state after its probe: it is
+            # cached only if a second probe finds the state as the first did (another
+            # thread may have changed it meanwhile; a layout or tuples of the changed state
+            # under the first probe's key would make a later save of that key write other
+            # dtypes, values or addresses).
+            if (new_layout or new_plan is not None) and lay is not None and lay.matches(_layout.probe(state)):
+                if new_plan is not None:
+                    lay.plan = new_plan
+                if new_layout:
+                    self._layout = lay
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
