@@ -218,10 +218,16 @@ class Layout:
 
 
 def holdable(leaves: Sequence[Leaf]) -> bool:
-    """Whether every leaf is an alias, an array, a host tensor or contiguous: a
-    non-blocking save with no guard can then hold the trainer's streams (``save``)."""
+    """Whether every leaf is an alias, an array, a host tensor or contiguous and not a
+    conjugate or negative view: a non-blocking save with no guard can then hold the
+    trainer's streams (``save``). A lazy CUDA view is captured by a pinned copy of its
+    memory, its bits applied on the host once the copy finished: the held path, which hands
+    the engine only tensors it copies itself, cannot take it."""
     return all(
-        lf.alias_of is not None or lf.kind == "ndarray" or lf.obj.is_cpu or lf.obj.is_contiguous()
+        lf.alias_of is not None
+        or lf.kind == "ndarray"
+        or lf.obj.is_cpu
+        or (not lf.lazy and lf.obj.is_contiguous())
         for lf in leaves
     )
 

@@ -97,8 +97,9 @@ class SaveMixin(GuardMixin):
             # before the call returns, and the streams wait for them on the device, so the
             # next kernels run after them. One device-to-host copy, no pinned host copy, and
             # the trainer's thread waits only while the copies are queued. Only when every
-            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
-            # span, below, which the engine can read only after it finished).
+            # CUDA tensor is contiguous and not a conjugate or negative view (a strided or
+            # lazy one is captured by a pinned copy of its span, below, which the engine
+            # can read only after it finished).
             hold = not blocking and not guarded and (
                 lay.holdable if lay is not None else _layout.holdable(leaves or [])
             )
