@@ -217,6 +217,43 @@ class Layout:
         return [self.leaf(i, x) for i, x in enumerate(objs)]
 
 
+def fits(p: Probe, entries: Sequence[Any], own: Sequence[Tuple[int, int]]) -> bool:
+    """Whether each engine tuple ``entries[e]`` that ``save`` took from the own memory of
+    leaf ``i`` (``own``: ``(e, i)``) is what probe ``p``'s metadata gives that tensor: a
+    contiguous tensor, not a lazy view, of that shape, address, length and device (an empty
+    one: no address, host). A tuple captured from other metadata (the state changed during
+    the save and back before the second probe) is never cached: a plan's addresses are
+    always the compared ones."""
+    assert p.sig is not None
+    meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+    pos = None if p.tensor_pos is None else {i: j for j, i in enumerate(p.tensor_pos)}
+    for e, i in own:
+        j = i if pos is None else pos.get(i)
+        if j is None:
+            return False
+        device, dtype, shape = meta[j][2], meta[j][3], meta[j][5]
+        n = shape.numel()
+        nbytes = n * dtype.itemsize
+        if n and (conj[j] or neg[j] or not _contiguous(shape, strides[j])):
+            return False
+        dev = -1 if not nbytes or device.type == "cpu" else device.index
+        want = (list(shape), ptrs[j] if nbytes else 0, nbytes, dev)
+        if tuple(entries[e][2:]) != want:
+            return False
+    return True
+
+
+def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """``Tensor.is_contiguous()`` of a non-empty tensor of this shape and these strides."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
 def holdable(leaves: Sequence[Leaf]) -> bool:
     """Whether every leaf is an alias, an array, a host tensor or contiguous and not a
     conjugate or negative view: a non-blocking save with no guard can then hold the

@@ -436,3 +436,41 @@ def test_a_capture_plan_made_while_the_state_changed_is_not_reused(ckpt):
         p.mul_(3)
     assert save_and_check(ckpt, 3, state, blocking=False)
     assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)
+
+
+def test_a_capture_plan_made_while_the_state_changed_and_back_is_not_reused(ckpt):
+    """The same as above, the tensor given its own memory back before the save ends (so a
+    second probe of the state finds it unchanged): the tuple captured from the other memory
+    is still never reused."""
+    p = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    own = p.data
+    other = torch.full((8,), 7.0)
+    opt = torch.optim.SGD([p], lr=0.1)
+    state = {"p": p}
+    save_and_check(ckpt, 1, state)
+    ckpt.guard(opt)
+    code, old = save_mod._capture.__code__, sys.gettrace()
+    fired = []
+
+    def back(frame, event, arg):
+        if event == "return":
+            p.data = own  # undone once captured
+        return back
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code and not fired:
+            fired.append(True)
+            p.data = other
+            return back
+        return None
+
+    sys.settrace(tracer)
+    try:
+        ckpt.save(2, state, blocking=False).wait()
+    finally:
+        sys.settrace(old)
+    assert fired and p.data_ptr() == own.data_ptr()
+    with torch.no_grad():
+        p.mul_(3)
+    save_and_check(ckpt, 3, state, blocking=False)
+    assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)

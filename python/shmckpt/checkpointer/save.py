@@ -133,17 +133,17 @@ class SaveMixin(GuardMixin):
                     leaves = lay.leaves(probe.objs)
                 entries = []
                 redo: List[Tuple[int, int]] = []
+                own: List[Tuple[int, int]] = []
                 for i, lf in enumerate(leaves):
                     if lf.alias_of is not None:
                         continue  # an alias: its bytes are those of an earlier leaf
                     entry, k, finish, direct = _capture(lf, blocking, bool(member and member[i]), hold, devices)
-                    if not direct:
-                        redo.append((len(entries), i))
+                    (own if direct else redo).append((len(entries), i))
                     if finish is not None:
                         finishes.append((len(entries), finish))
                     entries.append(entry)
                     keep.append(k)
-                if lay is not None:
+                if lay is not None and probe is not None and _layout.fits(probe, entries, own):
                     new_plan = _layout.Plan(key, list(entries), redo, sorted(devices))
             del leaves
             # What this save flattened and captured read the state after its probe: it is
