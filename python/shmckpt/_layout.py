@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._state import MAX_DEPTH, Flat, Leaf
+from ._state import MAX_DEPTH, TORCH_TO_ST, Flat, Leaf
 
 try:
     import torch
@@ -201,6 +201,24 @@ class Layout:
             return None
         if any(a is not lf.obj for a, lf in zip(p.objs, flat.leaves)):
             return None
+        # What flatten read of each tensor is what the probe read (a tensor changed while
+        # it was flattened and back before the save's second probe is not cached): the
+        # dtype, the lazy bits and the aliases, which say how its bytes read.
+        assert p.sig is not None
+        meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+        leaves = flat.leaves if p.tensor_pos is None else [flat.leaves[i] for i in p.tensor_pos]
+        seen: dict = {}
+        for j, lf in enumerate(leaves):
+            dtype, shape = meta[j][3], meta[j][5]
+            if lf.dtype != TORCH_TO_ST.get(dtype) or lf.lazy != (conj[j] or neg[j]):
+                return None
+            alias = None
+            if shape.numel() > 0:
+                key = (meta[j][2], ptrs[j], dtype, tuple(shape), tuple(strides[j]), conj[j], neg[j])
+                alias = seen.setdefault(key, lf.name)
+                alias = None if alias == lf.name else alias
+            if lf.alias_of != alias:
+                return None
         return Layout(p, flat, skeleton)
 
     def matches(self, p: Optional[Probe]) -> bool:

@@ -374,17 +374,24 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
         assert save(5)
 
 
-def save_with(ck, step, state, func, mutate, **kw):
+def save_with(ck, step, state, func, mutate, undo=None, **kw):
     """Save ``state`` as ``step`` calling ``mutate()`` once, when ``func`` is first entered
-    during the save: what another thread changing the state during that save does, at a
-    chosen point. Returns the load of the step."""
+    during the save, and ``undo()`` (if given) when that call returns: what another thread
+    changing the state during that save does, at a chosen point. Returns the load of the
+    step."""
     code, fired = func.__code__, []
     old = sys.gettrace()
+
+    def back(frame, event, arg):
+        if event == "return":
+            undo()
+        return back
 
     def tracer(frame, event, arg):
         if event == "call" and frame.f_code is code and not fired:
             fired.append(True)
             mutate()
+            return back if undo is not None else None
         return None
 
     sys.settrace(tracer)
@@ -449,28 +456,53 @@ def test_a_capture_plan_made_while_the_state_changed_and_back_is_not_reused(ckpt
     state = {"p": p}
     save_and_check(ckpt, 1, state)
     ckpt.guard(opt)
-    code, old = save_mod._capture.__code__, sys.gettrace()
-    fired = []
 
-    def back(frame, event, arg):
-        if event == "return":
-            p.data = own  # undone once captured
-        return back
+    def swap():
+        p.data = other
 
-    def tracer(frame, event, arg):
-        if event == "call" and frame.f_code is code and not fired:
-            fired.append(True)
-            p.data = other
-            return back
-        return None
+    def swap_back():
+        p.data = own
 
-    sys.settrace(tracer)
-    try:
-        ckpt.save(2, state, blocking=False).wait()
-    finally:
-        sys.settrace(old)
-    assert fired and p.data_ptr() == own.data_ptr()
+    save_with(ckpt, 2, state, save_mod._capture, swap, swap_back, blocking=False)
+    assert p.data_ptr() == own.data_ptr()
     with torch.no_grad():
         p.mul_(3)
     save_and_check(ckpt, 3, state, blocking=False)
     assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)
+
+
+def test_leaves_flattened_while_the_state_changed_and_back_are_not_reused(ckpt):
+    """Tensors given another dtype, lazy bit or aliasing while ``flatten`` reads them, and
+    their old metadata back before the save ends: the leaves flattened meanwhile (their
+    dtypes, lazy bits, aliases) are never reused by a later save."""
+    g = torch.Generator().manual_seed(5)
+    w, z = torch.randn(4, 6, generator=g), torch.randn(3, dtype=torch.complex64, generator=g).conj()
+    c = w.clone()
+    state = {"w": w, "z": z, "c": c}
+    f32, own = w.data, c.untyped_storage()
+
+    def to_int():
+        w.data = f32.view(torch.int32)
+
+    def to_float():
+        w.data = f32
+
+    def unconj():  # read as its memory: not its values
+        torch._C._set_conj(z, False)
+
+    def conj():
+        torch._C._set_conj(z, True)
+
+    def alias():
+        c.set_(w.untyped_storage(), 0, (4, 6), (6, 1))
+
+    def apart():
+        c.set_(own, 0, (4, 6), (6, 1))
+
+    step = 0
+    for change, change_back in ((to_int, to_float), (unconj, conj), (alias, apart)):
+        state["i"] = step  # a miss: flattened
+        save_with(ckpt, step + 1, state, _state.flatten, change, change_back)
+        save_and_check(ckpt, step + 2, state)
+        assert sorted(load_file(file_of(ckpt.root, step + 2))) == ["c", "w", "z"]
+        step += 2
