@@ -506,3 +506,39 @@ def test_leaves_flattened_while_the_state_changed_and_back_are_not_reused(ckpt):
         save_and_check(ckpt, step + 2, state)
         assert sorted(load_file(file_of(ckpt.root, step + 2))) == ["c", "w", "z"]
         step += 2
+
+
+def test_a_skeleton_flattened_while_the_state_changed_and_back_is_not_reused(ckpt):
+    """A plain value, a key, a Parameter's ``requires_grad`` or an array's dtype changed
+    while ``flatten`` reads them and back before the save ends: the skeleton and names
+    flattened meanwhile are never reused by a later save."""
+    state = base_state()
+    state["p"] = torch.nn.Parameter(torch.ones(3))
+    state["a"] = np.arange(4, dtype=np.float32)
+    n, p, a = state["n"], state["p"], state["a"]
+
+    def lr(v):
+        n["lr"] = v
+
+    def rename(old, new):
+        n[new] = n.pop(old)  # the last key: the same order once back
+
+    def grad(v):
+        p.requires_grad_(v)
+
+    def dtype(v):
+        a.dtype = v  # in place, the same memory read as another dtype
+
+    scenarios = (
+        (lambda: lr(0.25), lambda: lr(0.5)),
+        (lambda: rename("name", "nm"), lambda: rename("nm", "name")),
+        (lambda: grad(False), lambda: grad(True)),
+        (lambda: dtype(np.int32), lambda: dtype(np.float32)),
+    )
+    for step, (change, change_back) in enumerate(scenarios):
+        n["step"] = step  # a miss: flattened
+        save_with(ckpt, 2 * step + 1, state, _state.flatten, change, change_back)
+        save_and_check(ckpt, 2 * step + 2, state)
+        back = ckpt.load(2 * step + 2)
+        assert list(back["n"]) == ["m", "lr", "step", "name"] and back["n"]["lr"] == 0.5
+        assert back["p"].requires_grad and back["a"].dtype == np.float32

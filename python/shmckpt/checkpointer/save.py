@@ -143,19 +143,18 @@ class SaveMixin(GuardMixin):
                         finishes.append((len(entries), finish))
                     entries.append(entry)
                     keep.append(k)
-                if lay is not None and probe is not None and _layout.fits(probe, entries, own):
+                if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
                     new_plan = _layout.Plan(key, list(entries), redo, sorted(devices))
             del leaves
-            # What this save flattened and captured read the state after its probe: it is
-            # cached only if a second probe finds the state as the first did (another
-            # thread may have changed it meanwhile; a layout or tuples of the changed state
-            # under the first probe's key would make a later save of that key write other
-            # dtypes, values or addresses).
-            if (new_layout or new_plan is not None) and lay is not None and lay.matches(_layout.probe(state)):
-                if new_plan is not None:
-                    lay.plan = new_plan
-                if new_layout:
-                    self._layout = lay
+            # What this save flattened and captured read the state after its probe (another
+            # thread may have changed it meanwhile): Layout.of and _layout.fits keep only
+            # what the probe's metadata gives, so a later save matching the probe writes
+            # what a fresh save would (never a changed state's dtypes, values or addresses).
+            if new_plan is not None:
+                assert lay is not None
+                lay.plan = new_plan
+            if new_layout:
+                self._layout = lay
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
