@@ -203,8 +203,8 @@ class Layout:
         if any(a is not lf.obj for a, lf in zip(p.objs, flat.leaves)):
             return None
         # What flatten read of each tensor is what the probe read (a tensor changed while
-        # it was flattened and back before the save's second probe is not cached): the
-        # dtype, the lazy bits and the aliases, which say how its bytes read.
+        # it was flattened, by another thread, is not cached): the dtype, the lazy bits
+        # and the aliases, which say how its bytes read.
         assert p.sig is not None
         meta, strides, _, ptrs, conj, neg, _, _ = p.sig
         leaves = flat.leaves if p.tensor_pos is None else [flat.leaves[i] for i in p.tensor_pos]
@@ -242,8 +242,8 @@ def _tree_fits(p: Probe, tree: Any) -> bool:
     """Whether skeleton ``tree`` (what flatten read) is what probe ``p``'s tokens and
     metadata give, node for node: the container types and keys (and so every name), the
     plain values, each tensor's dtype and Parameter flags, each array's dtype. A state
-    changed while it was flattened and back before the save's second probe is not cached
-    (every cached name and value is then a function of the key)."""
+    changed while it was flattened is not cached (every cached name and value is then a
+    function of the key)."""
     assert p.sig is not None
     meta, params = p.sig[0], p.sig[7]
     toks = p.tokens

@@ -446,9 +446,9 @@ def test_a_capture_plan_made_while_the_state_changed_is_not_reused(ckpt):
 
 
 def test_a_capture_plan_made_while_the_state_changed_and_back_is_not_reused(ckpt):
-    """The same as above, the tensor given its own memory back before the save ends (so a
-    second probe of the state finds it unchanged): the tuple captured from the other memory
-    is still never reused."""
+    """The same as above, the tensor given its own memory back before the save ends (the
+    state then looks unchanged): the tuple captured from the other memory is still never
+    reused."""
     p = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
     own = p.data
     other = torch.full((8,), 7.0)

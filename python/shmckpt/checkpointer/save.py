@@ -73,7 +73,7 @@ class SaveMixin(GuardMixin):
             probe = _layout.probe(state)
             lay = self._layout
             leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
-            new_layout = False  # cached at the end, once the state is seen unchanged
+            new_layout = False  # a layout made here: cached once the save is captured
             if lay is not None and lay.matches(probe):
                 assert probe is not None
                 skeleton = lay.skeleton
