@@ -367,7 +367,10 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
 
         assert not save(1)
         assert save(2)  # the step changed the values, not the layout
+        plan = ck._layout.plan
+        assert plan is not None and plan.devices == [params[0].device.index]  # CUDA tuples kept
         assert save(3)
+        assert ck._layout.plan is plan  # and reused
         with torch.no_grad():
             params[1].data = torch.randn(1 << 20, device="cuda")  # same shape, new memory
         assert not save(4)
