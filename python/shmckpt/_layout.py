@@ -24,7 +24,9 @@ type, nesting of :data:`~shmckpt._state.MAX_DEPTH` levels) makes a state uncache
 flattened at every save, which raises what it raises. A metadata read that raises (e.g. the
 strides of a sparse tensor) is a miss, never an error of its own. Tensor bytes are never
 cached: the engine reads every tensor's bytes at every save, from the addresses compared
-above.
+above. What flattening and capturing read is cached only once checked against the probe
+taken before (:meth:`Layout.of`, :func:`fits`): everything cached is then what the probe's
+key gives, even when another thread changed the state during the save and back.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._state import MAX_DEPTH, Flat, Leaf
+from . import _state
+from ._state import MAX_DEPTH, TORCH_TO_ST, Flat, Leaf
 
 try:
     import torch
@@ -188,7 +191,7 @@ class Layout:
         self.infos = [(lf.name, lf.kind, lf.dtype, lf.alias_of, lf.lazy) for lf in flat.leaves]
         self.skeleton = skeleton
         #: Every leaf an alias, an array, a host tensor or contiguous (``save``'s ``hold``).
-        self.holdable = holdable(flat.leaves)
+        self.holdable = _holdable(p, self.infos)
         self.plan: Optional[Plan] = None
 
     @staticmethod
@@ -198,6 +201,26 @@ class Layout:
         if p is None or p.sig is None or len(p.objs) != len(flat.leaves):
             return None
         if any(a is not lf.obj for a, lf in zip(p.objs, flat.leaves)):
+            return None
+        # What flatten read of each tensor is what the probe read (a tensor changed while
+        # it was flattened, by another thread, is not cached): the dtype, the lazy bits
+        # and the aliases, which say how its bytes read.
+        assert p.sig is not None
+        meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+        leaves = flat.leaves if p.tensor_pos is None else [flat.leaves[i] for i in p.tensor_pos]
+        seen: dict = {}
+        for j, lf in enumerate(leaves):
+            dtype, shape = meta[j][3], meta[j][5]
+            if lf.dtype != TORCH_TO_ST.get(dtype) or lf.lazy != (conj[j] or neg[j]):
+                return None
+            alias = None
+            if shape.numel() > 0:
+                key = (meta[j][2], ptrs[j], dtype, tuple(shape), tuple(strides[j]), conj[j], neg[j])
+                alias = seen.setdefault(key, lf.name)
+                alias = None if alias == lf.name else alias
+            if lf.alias_of != alias:
+                return None
+        if not _tree_fits(p, flat.tree):
             return None
         return Layout(p, flat, skeleton)
 
@@ -215,11 +238,131 @@ class Layout:
         return [self.leaf(i, x) for i, x in enumerate(objs)]
 
 
+def _tree_fits(p: Probe, tree: Any) -> bool:
+    """Whether skeleton ``tree`` (what flatten read) is what probe ``p``'s tokens and
+    metadata give, node for node: the container types and keys (and so every name), the
+    plain values, each tensor's dtype and Parameter flags, each array's dtype. A state
+    changed while it was flattened is not cached (every cached name and value is then a
+    function of the key)."""
+    assert p.sig is not None
+    meta, params = p.sig[0], p.sig[7]
+    toks = p.tokens
+    at = 0  # next token
+    nt = 0  # next tensor (index into the metadata)
+
+    def node(n: Any) -> bool:
+        nonlocal at, nt
+        if at >= len(toks):
+            return False
+        tok = toks[at]
+        at += 1
+        t = n["t"]
+        if tok is _T or tok is _P:
+            if t != "tensor" or nt >= len(meta):
+                return False
+            m = meta[nt]
+            param = tok is _P or params[nt]
+            nt += 1
+            if n.get("dtype") != _state.torch_dtype_name(m[3]) or n.get("param", False) != param:
+                return False
+            return not param or n.get("requires_grad") == bool(m[4])
+        typ, v = tok
+        if typ is dict or typ is _OD:
+            if t != ("odict" if typ is _OD else "dict") or len(n["v"]) != len(v):
+                return False
+            for (kind, k, child), key in zip(n["v"], v):
+                if kind != ("s" if type(key) is str else "i") or k != str(key) or not node(child):
+                    return False
+            return True
+        if typ is list or typ is tuple:
+            return t == typ.__name__ and len(n["v"]) == v and all(node(c) for c in n["v"])
+        if typ is _ND:
+            return t == "ndarray" and n["dtype"] == _state.little_endian(v).str
+        if typ is float:
+            return t == "float" and n["v"] == v  # repr, "inf" and "nan" alike
+        if typ is int:
+            return t == "int" and n["v"] == str(v)
+        if typ is bool:
+            return t == "bool" and n["v"] is v
+        if typ is str:
+            return t == "str" and n["v"] == v
+        return t == "none" and v is None
+
+    return node(tree) and at == len(toks) and nt == len(meta)
+
+
+def _holdable(p: Probe, infos: Sequence[Tuple[Any, ...]]) -> bool:
+    """:func:`holdable` of the leaves ``infos`` (a layout's) as probe ``p``'s metadata
+    describes them (not as they read later)."""
+    assert p.sig is not None
+    meta, strides, conj, neg = p.sig[0], p.sig[1], p.sig[4], p.sig[5]
+    pos = range(len(infos)) if p.tensor_pos is None else p.tensor_pos
+    for j, i in enumerate(pos):
+        device, shape = meta[j][2], meta[j][5]
+        if infos[i][3] is not None or device.type == "cpu":
+            continue  # an alias, a host tensor
+        if conj[j] or neg[j] or (shape.numel() and not _contiguous(shape, strides[j])):
+            return False
+    return True
+
+
+def fits(
+    p: Probe, lay: "Layout", entries: Sequence[Any], own: Sequence[Tuple[int, int]], devices: Sequence[int]
+) -> bool:
+    """Whether each engine tuple ``entries[e]`` that ``save`` took from the own memory of
+    leaf ``i`` (``own``: ``(e, i)``) is what probe ``p``'s metadata gives that tensor: a
+    contiguous tensor, not a lazy view, of that shape, address, length and device (an empty
+    one: no address, host), and ``devices`` the CUDA ordinals of layout ``lay``'s stored
+    tensors. A tuple captured from other metadata (the state changed during the save and
+    back) is never cached: a plan's addresses are always the compared ones."""
+    assert p.sig is not None
+    meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+    pos = None if p.tensor_pos is None else {i: j for j, i in enumerate(p.tensor_pos)}
+    cuda = {
+        m[2].index
+        for m, i in zip(meta, range(len(meta)) if p.tensor_pos is None else p.tensor_pos)
+        if m[2].type == "cuda" and lay.infos[i][3] is None
+    }
+    if sorted(cuda) != list(devices):
+        return False
+    for e, i in own:
+        j = i if pos is None else pos.get(i)
+        if j is None:
+            return False
+        device, dtype, shape = meta[j][2], meta[j][3], meta[j][5]
+        n = shape.numel()
+        nbytes = n * dtype.itemsize
+        if n and (conj[j] or neg[j] or not _contiguous(shape, strides[j])):
+            return False
+        dev = -1 if not nbytes or device.type == "cpu" else device.index
+        want = (list(shape), ptrs[j] if nbytes else 0, nbytes, dev)
+        if tuple(entries[e][2:]) != want:
+            return False
+    return True
+
+
+def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """``Tensor.is_contiguous()`` of a non-empty tensor of this shape and these strides."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
 def holdable(leaves: Sequence[Leaf]) -> bool:
-    """Whether every leaf is an alias, an array, a host tensor or contiguous: a
-    non-blocking save with no guard can then hold the trainer's streams (``save``)."""
+    """Whether every leaf is an alias, an array, a host tensor or contiguous and not a
+    conjugate or negative view: a non-blocking save with no guard can then hold the
+    trainer's streams (``save``). A lazy CUDA view is captured by a pinned copy of its
+    memory, its bits applied on the host once the copy finished: the held path, which hands
+    the engine only tensors it copies itself, cannot take it."""
     return all(
-        lf.alias_of is not None or lf.kind == "ndarray" or lf.obj.is_cpu or lf.obj.is_contiguous()
+        lf.alias_of is not None
+        or lf.kind == "ndarray"
+        or lf.obj.is_cpu
+        or (not lf.lazy and lf.obj.is_contiguous())
         for lf in leaves
     )
 

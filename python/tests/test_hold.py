@@ -106,3 +106,25 @@ def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(ro
         back = ck.load(2)
         for i in range(16):
             assert torch.equal(back["p"][i], ref[i])
+
+
+@pytest.mark.gpu
+def test_lazy_views_make_an_unguarded_non_blocking_save_not_hold(root):
+    """Contiguous conjugate and negative views on CUDA are captured by pinned copies of
+    their memory, their bits applied on the host once copied: such a state is not held (the
+    held path took them as 0-byte tuples and the engine refused the save with a size
+    mismatch); it is saved by value, at the first save and at the layout's reuse."""
+    g = torch.Generator(device="cuda").manual_seed(24)
+    z = torch.randn(1 << 12, dtype=torch.complex64, device="cuda", generator=g)
+    x = torch.randn(1 << 12, device="cuda", generator=g)
+    state = {"z": z.conj(), "x": torch._neg_view(x), "w": x}
+    want = {"z": z.conj().resolve_conj().cpu(), "x": (-x).cpu(), "w": x.cpu()}
+    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+        ck.prepare_cuda()
+        for step in (1, 2):
+            ck.save(step, state, blocking=False).wait()
+            back = ck.load(step)
+            assert sorted(back) == ["w", "x", "z"]
+            for k, v in want.items():
+                assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+                assert back[k].view(torch.uint8).tolist() == v.view(torch.uint8).tolist(), k

@@ -5,6 +5,7 @@ held at the call (round trips compared byte for byte)."""
 
 import collections
 import gc
+import sys
 import weakref
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import shmckpt
-from shmckpt import _layout
+from shmckpt import _layout, _state
+from shmckpt.checkpointer import save as save_mod
 from shmckpt.errors import UnsupportedValue
 
 from conftest import SMALL
@@ -365,8 +367,181 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
 
         assert not save(1)
         assert save(2)  # the step changed the values, not the layout
+        plan = ck._layout.plan
+        assert plan is not None and plan.devices == [params[0].device.index]  # CUDA tuples kept
         assert save(3)
+        assert ck._layout.plan is plan  # and reused
         with torch.no_grad():
             params[1].data = torch.randn(1 << 20, device="cuda")  # same shape, new memory
         assert not save(4)
         assert save(5)
+
+
+def save_with(ck, step, state, func, mutate, undo=None, **kw):
+    """Save ``state`` as ``step`` calling ``mutate()`` once, when ``func`` is first entered
+    during the save, and ``undo()`` (if given) when that call returns: what another thread
+    changing the state during that save does, at a chosen point. Returns the load of the
+    step."""
+    code, fired = func.__code__, []
+    old = sys.gettrace()
+
+    def back(frame, event, arg):
+        if event == "return":
+            undo()
+        return back
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code and not fired:
+            fired.append(True)
+            mutate()
+            return back if undo is not None else None
+        return None
+
+    sys.settrace(tracer)
+    try:
+        ck.save(step, state, **kw).wait()
+    finally:
+        sys.settrace(old)
+    assert fired
+    return ck.load(step)
+
+
+def test_a_layout_flattened_from_a_state_changed_meanwhile_is_not_reused(ckpt):
+    """A state changed by another thread after the probe and before ``flatten`` read it: that
+    save may store either, but its layout (the old metadata's key with the new metadata's
+    names, dtypes and skeleton) is never reused by a later save of the old metadata."""
+    state = base_state()
+    w = state["w"]
+    f32 = w.data
+
+    def to_int():
+        w.data = f32.view(torch.int32)  # same address, shape and strides; another dtype
+        state["n"]["lr"] = 0.25
+
+    save_with(ckpt, 1, state, _state.flatten, to_int)
+    w.data = f32  # back to what the save's probe saw
+    state["n"]["lr"] = 0.5
+    save_and_check(ckpt, 2, state)
+    assert load_file(file_of(ckpt.root, 2))["w"].dtype == torch.float32
+
+
+def test_a_capture_plan_made_while_the_state_changed_is_not_reused(ckpt):
+    """A guarded tensor given other memory by another thread while the save captures it:
+    the tuple of that save (the other memory's address) is never reused by a later save of
+    the tensor's own memory."""
+    p = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    own = p.data
+    other = torch.full((8,), 7.0)  # kept alive: a reuse would read it
+    opt = torch.optim.SGD([p], lr=0.1)
+    state = {"p": p}
+    save_and_check(ckpt, 1, state)  # the layout and a blocking save's plan
+    ckpt.guard(opt)
+
+    def swap():
+        p.data = other
+
+    save_with(ckpt, 2, state, save_mod._capture, swap, blocking=False)
+    p.data = own
+    with torch.no_grad():
+        p.mul_(3)
+    assert save_and_check(ckpt, 3, state, blocking=False)
+    assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)
+
+
+def test_a_capture_plan_made_while_the_state_changed_and_back_is_not_reused(ckpt):
+    """The same as above, the tensor given its own memory back before the save ends (the
+    state then looks unchanged): the tuple captured from the other memory is still never
+    reused."""
+    p = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    own = p.data
+    other = torch.full((8,), 7.0)
+    opt = torch.optim.SGD([p], lr=0.1)
+    state = {"p": p}
+    save_and_check(ckpt, 1, state)
+    ckpt.guard(opt)
+
+    def swap():
+        p.data = other
+
+    def swap_back():
+        p.data = own
+
+    save_with(ckpt, 2, state, save_mod._capture, swap, swap_back, blocking=False)
+    assert p.data_ptr() == own.data_ptr()
+    with torch.no_grad():
+        p.mul_(3)
+    save_and_check(ckpt, 3, state, blocking=False)
+    assert torch.equal(ckpt.load(3)["p"], torch.arange(8, dtype=torch.float32) * 3)
+
+
+def test_leaves_flattened_while_the_state_changed_and_back_are_not_reused(ckpt):
+    """Tensors given another dtype, lazy bit or aliasing while ``flatten`` reads them, and
+    their old metadata back before the save ends: the leaves flattened meanwhile (their
+    dtypes, lazy bits, aliases) are never reused by a later save."""
+    g = torch.Generator().manual_seed(5)
+    w, z = torch.randn(4, 6, generator=g), torch.randn(3, dtype=torch.complex64, generator=g).conj()
+    c = w.clone()
+    state = {"w": w, "z": z, "c": c}
+    f32, own = w.data, c.untyped_storage()
+
+    def to_int():
+        w.data = f32.view(torch.int32)
+
+    def to_float():
+        w.data = f32
+
+    def unconj():  # read as its memory: not its values
+        torch._C._set_conj(z, False)
+
+    def conj():
+        torch._C._set_conj(z, True)
+
+    def alias():
+        c.set_(w.untyped_storage(), 0, (4, 6), (6, 1))
+
+    def apart():
+        c.set_(own, 0, (4, 6), (6, 1))
+
+    step = 0
+    for change, change_back in ((to_int, to_float), (unconj, conj), (alias, apart)):
+        state["i"] = step  # a miss: flattened
+        save_with(ckpt, step + 1, state, _state.flatten, change, change_back)
+        save_and_check(ckpt, step + 2, state)
+        assert sorted(load_file(file_of(ckpt.root, step + 2))) == ["c", "w", "z"]
+        step += 2
+
+
+def test_a_skeleton_flattened_while_the_state_changed_and_back_is_not_reused(ckpt):
+    """A plain value, a key, a Parameter's ``requires_grad`` or an array's dtype changed
+    while ``flatten`` reads them and back before the save ends: the skeleton and names
+    flattened meanwhile are never reused by a later save."""
+    state = base_state()
+    state["p"] = torch.nn.Parameter(torch.ones(3))
+    state["a"] = np.arange(4, dtype=np.float32)
+    n, p, a = state["n"], state["p"], state["a"]
+
+    def lr(v):
+        n["lr"] = v
+
+    def rename(old, new):
+        n[new] = n.pop(old)  # the last key: the same order once back
+
+    def grad(v):
+        p.requires_grad_(v)
+
+    def dtype(v):
+        a.dtype = v  # in place, the same memory read as another dtype
+
+    scenarios = (
+        (lambda: lr(0.25), lambda: lr(0.5)),
+        (lambda: rename("name", "nm"), lambda: rename("nm", "name")),
+        (lambda: grad(False), lambda: grad(True)),
+        (lambda: dtype(np.int32), lambda: dtype(np.float32)),
+    )
+    for step, (change, change_back) in enumerate(scenarios):
+        n["step"] = step  # a miss: flattened
+        save_with(ckpt, 2 * step + 1, state, _state.flatten, change, change_back)
+        save_and_check(ckpt, 2 * step + 2, state)
+        back = ckpt.load(2 * step + 2)
+        assert list(back["n"]) == ["m", "lr", "step", "name"] and back["n"]["lr"] == 0.5
+        assert back["p"].requires_grad and back["a"].dtype == np.float32

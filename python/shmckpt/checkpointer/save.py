@@ -73,6 +73,7 @@ class SaveMixin(GuardMixin):
             probe = _layout.probe(state)
             lay = self._layout
             leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
+            new_layout = False  # a layout made here: cached once the save is captured
             if lay is not None and lay.matches(probe):
                 assert probe is not None
                 skeleton = lay.skeleton
@@ -80,7 +81,9 @@ class SaveMixin(GuardMixin):
                 flat = _state.flatten(state)
                 leaves = flat.leaves
                 skeleton = _state.encode(flat)
-                lay = self._layout = _layout.Layout.of(probe, flat, skeleton)
+                self._layout = None
+                lay = _layout.Layout.of(probe, flat, skeleton)
+                new_layout = lay is not None
                 del flat
             if _state.STATE_KEY in meta:
                 raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
@@ -94,8 +97,9 @@ class SaveMixin(GuardMixin):
             # before the call returns, and the streams wait for them on the device, so the
             # next kernels run after them. One device-to-host copy, no pinned host copy, and
             # the trainer's thread waits only while the copies are queued. Only when every
-            # CUDA tensor is contiguous (a strided one is captured by a pinned copy of its
-            # span, below, which the engine can read only after it finished).
+            # CUDA tensor is contiguous and not a conjugate or negative view (a strided or
+            # lazy one is captured by a pinned copy of its span, below, which the engine
+            # can read only after it finished).
             hold = not blocking and not guarded and (
                 lay.holdable if lay is not None else _layout.holdable(leaves or [])
             )
@@ -106,6 +110,7 @@ class SaveMixin(GuardMixin):
             finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
             key = (blocking, hold, member)
             plan = lay.plan if lay is not None else None
+            new_plan: Optional[_layout.Plan] = None
             if plan is not None and plan.key == key:
                 # Same layout, same mode: the tuples of the tensors staged from their own
                 # memory are those of the last save (their addresses were compared); the
@@ -128,19 +133,28 @@ class SaveMixin(GuardMixin):
                     leaves = lay.leaves(probe.objs)
                 entries = []
                 redo: List[Tuple[int, int]] = []
+                own: List[Tuple[int, int]] = []
                 for i, lf in enumerate(leaves):
                     if lf.alias_of is not None:
                         continue  # an alias: its bytes are those of an earlier leaf
                     entry, k, finish, direct = _capture(lf, blocking, bool(member and member[i]), hold, devices)
-                    if not direct:
-                        redo.append((len(entries), i))
+                    (own if direct else redo).append((len(entries), i))
                     if finish is not None:
                         finishes.append((len(entries), finish))
                     entries.append(entry)
                     keep.append(k)
-                if lay is not None:
-                    lay.plan = _layout.Plan(key, list(entries), redo, sorted(devices))
+                if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
+                    new_plan = _layout.Plan(key, list(entries), redo, sorted(devices))
             del leaves
+            # What this save flattened and captured read the state after its probe (another
+            # thread may have changed it meanwhile): Layout.of and _layout.fits keep only
+            # what the probe's metadata gives, so a later save matching the probe writes
+            # what a fresh save would (never a changed state's dtypes, values or addresses).
+            if new_plan is not None:
+                assert lay is not None
+                lay.plan = new_plan
+            if new_layout:
+                self._layout = lay
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
