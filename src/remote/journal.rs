@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::TryStreamExt;
-use object_store::ObjectStoreExt;
 use object_store::path::Path as ObjPath;
+use object_store::{ObjectMeta, ObjectStoreExt};
 
 use super::Remote;
 use crate::error::Result;
@@ -43,24 +44,34 @@ pub struct OpenUpload {
 }
 
 impl Remote {
+    /// Every journal object under the prefix.
+    async fn journals(&self) -> Result<Vec<ObjectMeta>> {
+        self.store
+            .list(Some(&self.journal_prefix()))
+            .try_collect()
+            .await
+            .map_err(|e| self.err("list upload journals", &e))
+    }
+
+    /// A journal's bytes (capped: it is untrusted); `None` when it is gone meanwhile (its
+    /// upload completed or was aborted).
+    async fn journal_bytes(&self, o: &ObjectMeta) -> Result<Option<Bytes>> {
+        match self.get_capped(&o.location, MAX_JOURNAL_LEN).await {
+            Ok(b) => Ok(Some(b)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err("get upload journal", &e)),
+        }
+    }
+
     /// The journaled multipart uploads: in progress, or left open by a stopped process
     /// (`gc` aborts those), oldest first. Unreadable journals are left out.
     pub fn open_uploads(&self) -> Result<Vec<OpenUpload>> {
         self.block(async {
             let now_ms = crate::util::unix_ms() as i64;
-            let jp = self.journal_prefix();
-            let objs: Vec<_> = self
-                .store
-                .list(Some(&jp))
-                .try_collect()
-                .await
-                .map_err(|e| self.err("list upload journals", &e))?;
             let mut out = Vec::new();
-            for o in objs {
-                let bytes = match self.get_capped(&o.location, MAX_JOURNAL_LEN).await {
-                    Ok(b) => b,
-                    Err(object_store::Error::NotFound { .. }) => continue,
-                    Err(e) => return Err(self.err("get upload journal", &e)),
+            for o in self.journals().await? {
+                let Some(bytes) = self.journal_bytes(&o).await? else {
+                    continue;
                 };
                 if let Ok(j) = serde_json::from_slice::<Journal>(&bytes) {
                     let age = now_ms.saturating_sub(o.last_modified.timestamp_millis());
@@ -85,22 +96,13 @@ impl Remote {
         };
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
-        let jp = self.journal_prefix();
-        let objs: Vec<_> = self
-            .store
-            .list(Some(&jp))
-            .try_collect()
-            .await
-            .map_err(|e| self.err("list upload journals", &e))?;
         let mut aborted = 0;
-        for o in objs {
+        for o in self.journals().await? {
             if now_ms.saturating_sub(o.last_modified.timestamp_millis()) < min_ms {
                 continue; // may be an upload in progress
             }
-            let bytes = match self.get_capped(&o.location, MAX_JOURNAL_LEN).await {
-                Ok(b) => b,
-                Err(object_store::Error::NotFound { .. }) => continue,
-                Err(e) => return Err(self.err("get upload journal", &e)),
+            let Some(bytes) = self.journal_bytes(&o).await? else {
+                continue;
             };
             let j: Option<(ObjPath, String)> = serde_json::from_slice::<Journal>(&bytes)
                 .ok()
