@@ -309,17 +309,7 @@ impl Incoming {
             end - end % page
         };
         if self.early.is_none() {
-            let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
-            if entry != self.entry {
-                return Err(Error::corrupt(
-                    &dir,
-                    None,
-                    format!(
-                        "the manifest of step {} changed while the image was received",
-                        self.step
-                    ),
-                ));
-            }
+            let (dir, entry) = self.still_committed()?;
             let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
             let dfd = fsx::open_dir(&dir)?;
             fsx::unlink_in(dfd.as_fd(), &dir, &tmp)?;
@@ -430,17 +420,7 @@ impl Incoming {
             }
             Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
             Target::Restore => {
-                let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
-                if entry != self.entry {
-                    return Err(Error::corrupt(
-                        &dir,
-                        None,
-                        format!(
-                            "the manifest of step {} changed while the image was received",
-                            self.step
-                        ),
-                    ));
-                }
+                let (dir, entry) = self.still_committed()?;
                 let path = match self.early.take() {
                     None => {
                         let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
@@ -507,6 +487,23 @@ pub(super) fn image_len(entry: &FileEntry) -> Result<usize> {
 }
 
 impl Incoming {
+    /// The step's directory and this rank's entry, committed now as when the image began
+    /// (a restore writes its file back only into the step it was received for).
+    fn still_committed(&self) -> Result<(PathBuf, FileEntry)> {
+        let (dir, entry) = committed_entry(&self.root, self.step, self.rank)?;
+        if entry != self.entry {
+            return Err(Error::corrupt(
+                &dir,
+                None,
+                format!(
+                    "the manifest of step {} changed while the image was received",
+                    self.step
+                ),
+            ));
+        }
+        Ok((dir, entry))
+    }
+
     /// Remove a restore's temporary file written early, if any.
     fn remove_early(&mut self) {
         if let Some(e) = self.early.take()
