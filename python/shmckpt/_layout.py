@@ -98,28 +98,20 @@ def probe(state: Any) -> Optional[Probe]:
             tok(t)
             obj(x)
             return True
-        if t is dict or t is _OD:
+        if t is dict or t is _OD or t is list or t is tuple:
             if depth >= MAX_DEPTH:
                 return False
-            keys = tuple(x)
-            if not _KEY_TYPES.issuperset(map(type, keys)):
-                return False
-            tok((t, keys))
-            d = depth + 1
-            for v in x.values():
-                tv = type(v)
-                if tv is _T or tv is _P:
-                    tok(tv)
-                    obj(v)
-                elif not walk(v, d):
+            if t is list or t is tuple:
+                tok((t, len(x)))
+                values = x
+            else:
+                keys = tuple(x)
+                if not _KEY_TYPES.issuperset(map(type, keys)):
                     return False
-            return True
-        if t is list or t is tuple:
-            if depth >= MAX_DEPTH:
-                return False
-            tok((t, len(x)))
+                tok((t, keys))
+                values = x.values()
             d = depth + 1
-            for v in x:
+            for v in values:
                 tv = type(v)
                 if tv is _T or tv is _P:
                     tok(tv)
