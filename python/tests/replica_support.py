@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+import shmckpt
 from shmckpt import _shmckpt
 from shmckpt.replicas import list_replicas, remove_replica
 
@@ -19,6 +20,18 @@ def kept_name(root, rank):
     for b in os.fsencode(os.path.realpath(root)):
         h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return f"shmckpt.keep-{h:016x}.r{rank}"
+
+
+def save_rank_step(root, rank, step):
+    """Commit ``step`` of ``rank``'s test state (``replica_worker.rank_state``) in ``root``,
+    one process, with a small staging arena."""
+    from replica_worker import rank_state
+
+    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    try:
+        ck.save(step, rank_state(rank, step)).wait()
+    finally:
+        ck.close()
 
 
 @pytest.fixture

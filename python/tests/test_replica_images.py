@@ -13,20 +13,14 @@ import shmckpt
 from shmckpt import _shmckpt
 from shmckpt.replicas import list_replicas
 
-from replica_support import droot  # noqa: F401 (a fixture)
+from replica_support import droot, save_rank_step  # noqa: F401 (droot: a fixture)
 
 
 def test_images_are_checked_on_every_path(droot):
     """Stored, served and written back only when size, header and every CRC-32C match the
     committed manifest; never through a link."""
     root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(9, rank_state(0, 9)).wait()
-    finally:
-        ck.close()
+    save_rank_step(root, 0, 9)
     good = np.asarray(_shmckpt.replica_read_committed(str(root), 9, 0)).tobytes()
     fname = json.loads((root / "step-9" / "manifest.json").read_text())["files"][0]["file"]
     assert good == (root / "step-9" / fname).read_bytes()
@@ -98,15 +92,10 @@ def test_received_images_are_sealed_before_served(droot):
     check removes the arena; a sealed restore writes the file back and serves its tensors
     bit-exactly from that memory."""
     import torch
+    from replica_worker import rank_state
 
     root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(5, rank_state(1, 5)).wait()
-    finally:
-        ck.close()
+    save_rank_step(root, 1, 5)
     entry = json.loads((root / "step-5" / "manifest.json").read_text())["files"][0]
     fname = entry["file"]
     good = (root / "step-5" / fname).read_bytes()

@@ -22,7 +22,7 @@ from shmckpt import _shmckpt
 from shmckpt.replicas import remove_replica
 
 from conftest import shmckpt_bin
-from replica_support import WORLD, droot, kept_name, our_replicas  # noqa: F401 (droot: a fixture)
+from replica_support import WORLD, droot, kept_name, our_replicas, save_rank_step  # noqa: F401 (droot: a fixture)
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
@@ -191,13 +191,7 @@ def test_replica_of_another_user_is_refused(droot):
             pytest.fail("SHMCKPT_REQUIRE_ROOT=1 but not root (chown needs it)")
         pytest.skip("needs root to give a file to another user (SHMCKPT_REQUIRE_ROOT=1 makes this a failure)")
     root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(2, rank_state(0, 2)).wait()
-    finally:
-        ck.close()
+    save_rank_step(root, 0, 2)
     good = np.asarray(_shmckpt.replica_read_committed(str(root), 2, 0)).tobytes()
     name = _shmckpt.replica_store(str(root), 2, 0, good)
     shm = pathlib.Path("/dev/shm") / name
@@ -244,13 +238,7 @@ def test_cli_lists_and_removes_replicas(droot):
     if exe is None:
         pytest.skip("no shmckpt binary (cargo build --bin shmckpt, or SHMCKPT_BIN)")
     root = droot
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
-    try:
-        from replica_worker import rank_state
-
-        ck.save(4, rank_state(0, 4)).wait()
-    finally:
-        ck.close()
+    save_rank_step(root, 0, 4)
     good = np.asarray(_shmckpt.replica_read_committed(str(root), 4, 0)).tobytes()
     name = _shmckpt.replica_store(str(root), 4, 0, good)
     out = subprocess.run([exe, "shm", "replicas", "--json"], capture_output=True, text=True, check=True)
