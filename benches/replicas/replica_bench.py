@@ -153,6 +153,12 @@ def rank_main(a: argparse.Namespace) -> None:
         put("save_to_k_safe_s", gather_max(t2 - t0))
         put("durable_to_k_safe_s", gather_max(t2 - t1))
         put("replication_exchange_s", gather_max(float(r["transfer_seconds"])))
+        # Each phase of the replication (the report's `phases`: seconds from the start
+        # of the step's replication), as its own duration, the slowest rank's.
+        prev = 0.0
+        for name, at in r["phases"].items():
+            put(f"phase_{name}_s", gather_max(float(at) - prev))
+            prev = float(at)
 
     def transport() -> None:
         assert image is not None
@@ -311,6 +317,8 @@ def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
     print(f"| durable to k-safe | {med(s['durable_to_k_safe_s'])} | {rate(n, s['durable_to_k_safe_s'])} | "
           f"{ratio(s['durable_to_k_safe_s'], s['transport_s'])} |")
     print(f"| save to k-safe | {med(s['save_to_k_safe_s'])} | | |")
+    for k in [k for k in s if k.startswith("phase_")]:
+        print(f"| replication phase: {k[6:-2]} (its own seconds, slowest rank) | {med(s[k])} | | |")
     print(f"| lost ranks: fetch from peers (checked, written back) | {med(s['peer_fetch_s'])} | {rate(n, s['peer_fetch_s'])} | "
           f"{ratio(s['peer_fetch_s'], s['transport_s'])} |")
     print(f"| lost ranks: restore from peers (load: fetch + tensors) | {med(s['peer_restore_s'])} | {rate(n, s['peer_restore_s'])} | "

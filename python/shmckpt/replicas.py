@@ -124,6 +124,7 @@ class Replicator(ReplicaLoads):
         self._peer: Optional[int] = None
         #: Why this rank's image could not be read while it was sent (the current step).
         self._send_problem: Optional[str] = None
+        self._durable_at = 0.0
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
         #: ReplicaImage)``, sealed: checked and written back), until the load takes it.
         self._image: Optional[Tuple[int, Any]] = None
@@ -221,6 +222,7 @@ class Replicator(ReplicaLoads):
             handle.wait()
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        self._durable_at = time.monotonic()
         if self.broken is not None:
             msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
             log.warning("%s", msg)
@@ -241,6 +243,7 @@ class Replicator(ReplicaLoads):
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
         if self.node_local:
             self._commit_through_group(step, metadata)
+        marks = [("durable", self._durable_at), ("committed", time.monotonic())]
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None
@@ -269,7 +272,9 @@ class Replicator(ReplicaLoads):
                 problems[q] = f"rank {me} cannot make a replica arena for rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
                 recvs.append((q, np.empty(sizes[q], dtype=np.uint8)))
+        marks.append(("opened", time.monotonic()))
         got, sent, transfer = self._exchange(sends, recvs, paced=True)
+        marks.append(("exchanged", time.monotonic()))
         del image, recvs
         held: List[int] = []
         for q in sorted(got):
@@ -285,7 +290,9 @@ class Replicator(ReplicaLoads):
             del arena  # an arena that failed its check is gone with it
         if problem is None and self._send_problem is not None:
             problem = self._send_problem
+        marks.append(("checked", time.monotonic()))
         everyone = self._gather((held, problems, problem), "who holds which image")
+        marks.append(("agreed", time.monotonic()))
         holders: Dict[int, List[int]] = {q: [] for q in range(self.ckpt.world_size)}
         all_problems: List[str] = []
         for r, (h, probs, p) in enumerate(everyone):
@@ -305,6 +312,11 @@ class Replicator(ReplicaLoads):
             "transfer_seconds": transfer,
             "bandwidth": self.bandwidth,
             "problems": all_problems,
+            # Seconds from the start of this step's replication to the end of each phase:
+            # this rank's save durable, every rank's outcome known (and node-local roots
+            # committed), its image opened and the arenas made, the exchange, the received
+            # images checked and published, every rank's holdings known.
+            "phases": {name: at - t0 for name, at in marks},
         }
         if not k_safe:
             short = {q: v for q, v in holders.items() if len(v) < self.replicas}

@@ -393,6 +393,13 @@ def test_partner_killed_mid_transfer(tmp_path, droot):
         # Paced: the first 64 KiB piece goes at once, the rest no faster than 256 KiB/s.
         assert rep["bytes_sent"] == size[r] and size[r] > 2 * (64 << 10)
         assert rep["transfer_seconds"] >= (size[r] - (64 << 10)) / bw
+        # The phases, in order, each ending after the one before; the exchange's phase
+        # holds the paced transfer.
+        ph = rep["phases"]
+        assert list(ph) == ["durable", "committed", "opened", "exchanged", "checked", "agreed"]
+        assert all(a <= b for a, b in zip(ph.values(), list(ph.values())[1:]))
+        assert ph["exchanged"] - ph["opened"] >= rep["transfer_seconds"] - 0.01
+        assert ph["agreed"] <= rep["seconds"]
         assert [f["step"] for f in res["failures"]] == [2, 3]
         f2, f3 = res["failures"]
         assert "step 2 is not 1-safe" in f2["message"]
