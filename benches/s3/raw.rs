@@ -52,8 +52,14 @@ fn main() {
     if part == 0 || conc == 0 || objects == 0 || (objects > 1 && a[1] != "put") {
         usage();
     }
+    // The completion of a large object takes the server long (8.6 GB on s3s-fs: 33 s, past
+    // object_store's 30 s default): the same 10 min as shmckpt's `complete_timeout`.
     let store = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
+        .with_config(
+            object_store::aws::AmazonS3ConfigKey::Client(object_store::ClientConfigKey::Timeout),
+            "600s",
+        )
         .build()
         .unwrap_or_else(|e| {
             eprintln!("s3_raw: {e}");

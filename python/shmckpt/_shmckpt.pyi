@@ -158,6 +158,8 @@ class Engine:
         remote_session: Optional[str] = None,
         remote_part_size: Optional[int] = None,
         remote_concurrency: Optional[int] = None,
+        remote_request_timeout: Optional[float] = None,
+        remote_complete_timeout: Optional[float] = None,
     ) -> "Engine": ...
     def save(
         self,

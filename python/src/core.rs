@@ -35,6 +35,10 @@ pub struct EngineOpts {
     pub remote_max_pending: Option<usize>,
     pub remote_part_size: Option<usize>,
     pub remote_concurrency: Option<usize>,
+    /// Seconds; see `RemoteOptions::request_timeout`.
+    pub remote_request_timeout: Option<f64>,
+    /// Seconds; see `RemoteOptions::complete_timeout`.
+    pub remote_complete_timeout: Option<f64>,
     pub remote_only: bool,
     pub remote_session: Option<String>,
 }
@@ -85,14 +89,20 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if let Some(n) = o.remote_max_pending {
             cfg = cfg.with_remote_max_pending(n);
         }
-        if o.remote_part_size.is_some() || o.remote_concurrency.is_some() {
-            let mut ro = shmckpt::remote::RemoteOptions::default();
-            if let Some(n) = o.remote_part_size {
-                ro.part_size = n;
-            }
-            if let Some(n) = o.remote_concurrency {
-                ro.concurrency = n;
-            }
+        let mut ro = shmckpt::remote::RemoteOptions::default();
+        if let Some(n) = o.remote_part_size {
+            ro.part_size = n;
+        }
+        if let Some(n) = o.remote_concurrency {
+            ro.concurrency = n;
+        }
+        if let Some(s) = o.remote_request_timeout {
+            ro.request_timeout = seconds("remote_request_timeout", s)?;
+        }
+        if let Some(s) = o.remote_complete_timeout {
+            ro.complete_timeout = seconds("remote_complete_timeout", s)?;
+        }
+        if ro != shmckpt::remote::RemoteOptions::default() {
             cfg = cfg.with_remote_options(ro);
         }
         cfg = cfg
@@ -580,4 +590,16 @@ pub fn remote_manifest_json(engine: &Engine, step: u64) -> Result<String> {
     })?;
     let m = r.manifest(step)?;
     Ok(serde_json::to_string(&m).expect("a manifest serializes"))
+}
+
+/// A timeout given in seconds: a positive, finite number.
+fn seconds(what: &str, s: f64) -> shmckpt::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            shmckpt::Error::Config(format!(
+                "{what} must be a positive number of seconds, not {s}"
+            ))
+        })
 }

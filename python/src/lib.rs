@@ -216,7 +216,8 @@ impl PyEngine {
         keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
         keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
         remote_max_pending=None, remote_only=false, remote_session=None,
-        remote_part_size=None, remote_concurrency=None))]
+        remote_part_size=None, remote_concurrency=None, remote_request_timeout=None,
+        remote_complete_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -242,6 +243,8 @@ impl PyEngine {
         remote_session: Option<String>,
         remote_part_size: Option<usize>,
         remote_concurrency: Option<usize>,
+        remote_request_timeout: Option<f64>,
+        remote_complete_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let auto_staging = staging_capacity.is_none();
         let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
@@ -268,6 +271,8 @@ impl PyEngine {
             remote_max_pending,
             remote_part_size,
             remote_concurrency,
+            remote_request_timeout,
+            remote_complete_timeout,
             remote_only,
             remote_session,
         };

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import shmckpt
-from shmckpt.errors import RemoteError, RemoteFailed
+from shmckpt.errors import ConfigError, RemoteError, RemoteFailed
 
 from conftest import SMALL
 
@@ -219,10 +219,24 @@ def test_bad_credentials_are_a_clear_error(root, monkeypatch):
 class FaultProxy:
     """An HTTP proxy in front of moto that fails every upload of a multipart part
     numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the
-    connection without an answer (`mode="reset"`)."""
+    connection without an answer (`mode="reset"`); and answers every
+    CompleteMultipartUpload late, or never (see `complete_delay`)."""
 
-    def __init__(self, upstream_port: int, fail_part: int, mode: str = "503", budget: Optional[int] = None):
+    def __init__(
+        self,
+        upstream_port: int,
+        fail_part: int,
+        mode: str = "503",
+        budget: Optional[int] = None,
+        complete_delay: float = 0.0,
+        complete_drop: bool = False,
+    ):
         self.fail_part = fail_part
+        # CompleteMultipartUpload: answered `complete_delay` seconds late (forwarded after
+        # the delay), or never (`complete_drop`: the connection closed after the delay).
+        self.complete_delay = complete_delay
+        self.complete_drop = complete_drop
+        self.completes = 0
         self.mode = mode
         self.budget = budget  # fail at most this many requests (None: every one)
         self.armed = True
@@ -240,6 +254,13 @@ class FaultProxy:
                 body = self.rfile.read(n) if n else None
                 q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                 part = int(q.get("partNumber", ["0"])[0])
+                if self.command == "POST" and "uploadId" in q:
+                    proxy.completes += 1
+                    time.sleep(proxy.complete_delay)
+                    if proxy.complete_drop:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                 if (
                     self.command == "PUT"
                     and proxy.armed
@@ -323,6 +344,49 @@ def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, r
             assert [k for k in keys(client, bucket) if ".shmckpt" in k] == []
     finally:
         proxy.stop()
+
+
+def test_a_slow_completion_is_waited_for_with_its_own_timeout(s3, moto, root, monkeypatch, tmp_path):
+    """The server assembles the object before it answers CompleteMultipartUpload, which for
+    a large object takes far longer than any other request (8.6 GB on the s3s-fs bench
+    server: 33 s, past object_store's 30 s request timeout, so 8 GiB saves failed). The
+    completion has its own timeout (`remote_complete_timeout`, default 10 min): a server
+    answering it 3 s late, with requests limited to 1 s, still commits the step, exact
+    bytes; with the completion's timeout at 1 s too, the copy fails clearly, nothing is
+    visible and the upload is aborted."""
+    client, bucket = s3
+    big = {"w": torch.arange(5 << 20, dtype=torch.float32)}  # two 16 MiB parts
+    proxy = FaultProxy(moto.port, fail_part=10**9, complete_delay=3.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        url = f"s3://{bucket}/slow"
+        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url,
+                                  remote_request_timeout=1.0) as ck:
+            h = ck.save(1, big)
+            h.wait()
+            rep = h.wait_remote()
+            assert rep["step"] == 1
+            assert proxy.completes == 1  # answered once, 3 s late, not retried
+            assert ck.list(remote=True) == [1]
+            assert torch.equal(ck.load(1, source="remote")["w"], big["w"])
+        proxy.complete_drop = True
+        proxy.complete_delay = 1.5
+        url = f"s3://{bucket}/never"
+        with shmckpt.Checkpointer(tmp_path / "r2", staging_capacity=64 << 20, chunk_size=1 << 20, remote=url,
+                                  remote_request_timeout=1.0, remote_complete_timeout=1.0) as ck:
+            h = ck.save(1, big)
+            h.wait()
+            with pytest.raises(RemoteFailed) as e:
+                h.wait_remote()
+            assert "complete multipart upload failed" in str(e.value), str(e.value)
+            assert ck.list(remote=True) == []
+        assert [k for k in keys(client, bucket) if k.startswith("never/")] == []
+        assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    finally:
+        proxy.stop()
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError):
+            shmckpt.Checkpointer(tmp_path / "r3", remote=f"s3://{bucket}/x", remote_complete_timeout=bad)
 
 
 @pytest.mark.parametrize("remote_only", [False, True])

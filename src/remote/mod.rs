@@ -38,9 +38,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3ConfigKey;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
+use object_store::{
+    ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+};
 
 use crate::error::{Error, Result};
 use crate::manifest::{
@@ -100,6 +103,9 @@ pub struct Remote {
     store: Arc<dyn ObjectStore>,
     /// The same store's multipart API (upload ids, journaled), when it has one.
     mp: Option<Arc<dyn MultipartStore>>,
+    /// The same bucket's multipart API with [`RemoteOptions::complete_timeout`] as its
+    /// request timeout, for `CompleteMultipartUpload` alone (`mp` when none was made).
+    completer: Option<Arc<dyn MultipartStore>>,
     prefix: ObjPath,
     url: String,
     opts: RemoteOptions,
@@ -138,9 +144,12 @@ impl Remote {
             retry_timeout: opts.retry_timeout,
             ..RetryConfig::default()
         };
+        let timeout = |d: std::time::Duration| format!("{}ms", d.as_millis().max(1));
+        let timeout_key = AmazonS3ConfigKey::Client(ClientConfigKey::Timeout);
         let mut builder = object_store::aws::AmazonS3Builder::from_env()
             .with_bucket_name(&parsed.bucket)
-            .with_retry(retry);
+            .with_retry(retry)
+            .with_config(timeout_key, timeout(opts.request_timeout));
         // `AWS_REGION` is what the AWS CLI and SDKs read; object_store reads
         // `AWS_DEFAULT_REGION` and `AWS_REGION` alike, but be explicit.
         if let Ok(region) = std::env::var("AWS_REGION") {
@@ -148,16 +157,26 @@ impl Remote {
         }
         for (k, v) in &opts.config {
             let key = k
-                .parse::<object_store::aws::AmazonS3ConfigKey>()
+                .parse::<AmazonS3ConfigKey>()
                 .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
             builder = builder.with_config(key, v);
         }
-        let store = Arc::new(
+        let built = |b: object_store::aws::AmazonS3Builder| {
+            b.build()
+                .map(Arc::new)
+                .map_err(|e| remote_err(&parsed.to_string(), "configure", &e))
+        };
+        // The same bucket, but with the completion's longer timeout (over any `timeout`
+        // of `config`: the completion's own setting is `complete_timeout`).
+        let completer = built(
             builder
-                .build()
-                .map_err(|e| remote_err(&parsed.to_string(), "configure", &e))?,
-        );
-        let remote = Remote::with_multipart_store(store, &parsed.prefix, parsed.to_string(), opts)?;
+                .clone()
+                .with_config(timeout_key, timeout(opts.complete_timeout)),
+        )?;
+        let store = built(builder)?;
+        let mut remote =
+            Remote::with_multipart_store(store, &parsed.prefix, parsed.to_string(), opts)?;
+        remote.completer = Some(completer);
         remote.check()?;
         Ok(remote)
     }
@@ -199,6 +218,7 @@ impl Remote {
         Ok(Remote {
             store,
             mp,
+            completer: None,
             prefix,
             url,
             opts,

@@ -17,6 +17,11 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 /// Default retries of one request (object_store's retry with backoff): 3.
 pub const DEFAULT_RETRIES: usize = 3;
 
+/// Default [`RemoteOptions::request_timeout`]: 30 s.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default [`RemoteOptions::complete_timeout`]: 10 minutes.
+pub const DEFAULT_COMPLETE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// How the remote tier talks to the bucket.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RemoteOptions {
@@ -30,6 +35,15 @@ pub struct RemoteOptions {
     pub retries: usize,
     /// Time after which a request is no longer retried. Default 30 s.
     pub retry_timeout: Duration,
+    /// Longest time one request (a part, a ranged read, a listing) may take before it
+    /// fails, and is retried: a hung connection is detected after this. Default 30 s
+    /// (object_store's own). A `timeout` in [`RemoteOptions::config`] overrides it.
+    pub request_timeout: Duration,
+    /// Longest time a `CompleteMultipartUpload` may take. The server assembles the whole
+    /// object before it answers, which for a large object takes far longer than a part:
+    /// S3 documents "several minutes", and a test server that copies the parts at
+    /// 0.26 GB/s needs 33 s for 8.6 GB, beyond the request timeout. Default 10 min.
+    pub complete_timeout: Duration,
     /// Settings applied over the environment's, as object_store's `AmazonS3ConfigKey`
     /// names (`aws_endpoint`, `aws_access_key_id`, `aws_secret_access_key`, `aws_region`,
     /// `aws_allow_http`, ...). Default none.
@@ -44,6 +58,8 @@ impl std::fmt::Debug for RemoteOptions {
             .field("concurrency", &self.concurrency)
             .field("retries", &self.retries)
             .field("retry_timeout", &self.retry_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("complete_timeout", &self.complete_timeout)
             .field(
                 "config",
                 &self
@@ -63,6 +79,8 @@ impl Default for RemoteOptions {
             concurrency: DEFAULT_CONCURRENCY,
             retries: DEFAULT_RETRIES,
             retry_timeout: Duration::from_secs(30),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            complete_timeout: DEFAULT_COMPLETE_TIMEOUT,
             config: Vec::new(),
         }
     }
@@ -78,6 +96,16 @@ impl RemoteOptions {
         }
         if !(1..=256).contains(&self.concurrency) {
             return Err(Error::Config("remote concurrency must be 1..=256".into()));
+        }
+        for (what, d) in [
+            ("request", self.request_timeout),
+            ("complete", self.complete_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(Error::Config(format!(
+                    "remote {what} timeout must be longer than zero"
+                )));
+            }
         }
         Ok(())
     }

@@ -264,7 +264,9 @@ impl Remote {
                 tasks,
             } => {
                 let ids: Vec<PartId> = parts.iter().flatten().cloned().collect();
-                match mp.complete_multipart(&path, &id, ids).await {
+                // The completion's own timeout (a large object takes the server long).
+                let completer = self.completer.as_ref().unwrap_or(&mp);
+                match completer.complete_multipart(&path, &id, ids).await {
                     Ok(_) => self.drop_journal(&journal).await,
                     Err(e) => {
                         let up = Upload {

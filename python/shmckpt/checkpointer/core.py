@@ -96,7 +96,10 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     oldest waiting one is skipped, ``remote_part_size`` (bytes, 5 MiB to 1 GiB, default
     16 MiB) and ``remote_concurrency`` (1 to 256, default 8) the multipart part size and
     the parts or ranged GETs in flight (under staging pressure the upload pins at most
-    ``concurrency x part_size`` of staging), ``list(remote=True)`` lists the bucket, and loads fall
+    ``concurrency x part_size`` of staging), ``remote_request_timeout`` (seconds, default 30)
+    how long one request may take before it fails and is retried, ``remote_complete_timeout``
+    (seconds, default 600) how long the server may take to assemble an object at the end of
+    its multipart upload, ``list(remote=True)`` lists the bucket, and loads fall
     back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
 
     ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
@@ -137,6 +140,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         remote_max_pending: Optional[int] = None,
         remote_part_size: Optional[int] = None,
         remote_concurrency: Optional[int] = None,
+        remote_request_timeout: Optional[float] = None,
+        remote_complete_timeout: Optional[float] = None,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -176,6 +181,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 remote_max_pending=remote_max_pending,
                 remote_part_size=remote_part_size,
                 remote_concurrency=remote_concurrency,
+                remote_request_timeout=remote_request_timeout,
+                remote_complete_timeout=remote_complete_timeout,
                 remote_only=remote_only,
                 remote_session=session,
             )
