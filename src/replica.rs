@@ -24,8 +24,11 @@ use crate::manifest::{FileEntry, list_committed};
 use crate::staging::shm::SHM_MOUNT;
 use crate::tensor::AlignedBytes;
 
+mod check;
 mod incoming;
 mod outgoing;
+
+use check::check_bytes;
 pub use incoming::{Incoming, IncomingState};
 pub use outgoing::Outgoing;
 
@@ -146,103 +149,6 @@ fn committed_entry(root: &Path, step: u64, rank: u32) -> Result<(PathBuf, FileEn
 /// The bytes of `len` as a `usize`, or why not.
 fn mem_len(len: u64, what: &Path) -> Result<usize> {
     usize::try_from(len).map_err(|_| Error::corrupt(what, None, "larger than memory"))
-}
-
-/// Check `bytes`, labelled `what` in errors, against `entry`: exactly `entry.bytes` long,
-/// a safetensors header describing exactly the manifest's tensors (the check every read
-/// from disk makes, [`crate::restore::check_header`]), every tensor's CRC-32C equal to
-/// the manifest's.
-fn check_bytes(bytes: &[u8], entry: &FileEntry, what: &Path) -> Result<()> {
-    let len = bytes.len() as u64;
-    if len < entry.bytes {
-        return Err(Error::Truncated {
-            path: what.to_owned(),
-            expected: entry.bytes,
-            actual: len,
-        });
-    }
-    if len > entry.bytes {
-        return Err(Error::corrupt(
-            what,
-            None,
-            format!("{} bytes, the manifest says {}", len, entry.bytes),
-        ));
-    }
-    // The header check reads a file: give it the header bytes in an anonymous one.
-    let hdr_len = mem_len(entry.data_start.min(len), what)?;
-    let fd = rustix::fs::memfd_create("shmckpt-replica-header", rustix::fs::MemfdFlags::CLOEXEC)
-        .map_err(|e| Error::io("memfd_create", what, e.into()))?;
-    let mut file = std::fs::File::from(fd);
-    file.write_all(&bytes[..hdr_len])
-        .map_err(|e| Error::io("write", what, e))?;
-    crate::restore::check_header(&file, what, entry)?;
-    // `check_header` proved 8 + header length == data_start and the data section's length
-    // equals the header's; the offsets are still taken with checks.
-    let data = &bytes[hdr_len..];
-    let mut pieces = Vec::with_capacity(entry.tensors.len());
-    for t in &entry.tensors {
-        let [b, e] = t.data_offsets;
-        let piece = (b <= e)
-            .then(|| data.get(mem_len(b, what).ok()?..mem_len(e, what).ok()?))
-            .flatten()
-            .ok_or_else(|| Error::corrupt(what, Some(&t.name), "lies outside the data section"))?;
-        pieces.push(piece);
-    }
-    for (t, actual) in entry.tensors.iter().zip(crcs(&pieces)) {
-        if actual != t.crc32c {
-            return Err(Error::Checksum {
-                path: what.to_owned(),
-                tensor: t.name.clone(),
-                expected: t.crc32c,
-                actual,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The CRC-32C of each of `pieces`, computed on up to 8 threads (each piece cut in parts of
-/// at most 64 MiB, the parts' CRCs combined).
-fn crcs(pieces: &[&[u8]]) -> Vec<u32> {
-    const PART: usize = 64 << 20;
-    let parts: Vec<(usize, &[u8])> = pieces
-        .iter()
-        .enumerate()
-        .flat_map(|(i, p)| {
-            let n = p.len().div_ceil(PART).max(1);
-            (0..n).map(move |k| (i, &p[k * PART..((k + 1) * PART).min(p.len())]))
-        })
-        .collect();
-    let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 8)
-        .min(total.div_ceil(PART).max(1));
-    let mut part_crcs = vec![0u32; parts.len()];
-    if threads <= 1 {
-        for (c, (_, p)) in part_crcs.iter_mut().zip(&parts) {
-            *c = crc32c::crc32c(p);
-        }
-    } else {
-        let per = parts.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            for (out, work) in part_crcs.chunks_mut(per).zip(parts.chunks(per)) {
-                scope.spawn(move || {
-                    for (c, (_, p)) in out.iter_mut().zip(work) {
-                        *c = crc32c::crc32c(p);
-                    }
-                });
-            }
-        });
-    }
-    let mut out: Vec<Option<u32>> = vec![None; pieces.len()];
-    for ((i, p), c) in parts.iter().zip(part_crcs) {
-        out[*i] = Some(match out[*i] {
-            None => c,
-            Some(prev) => crc32c::crc32c_combine(prev, c, p.len()),
-        });
-    }
-    out.into_iter().map(|c| c.unwrap_or(0)).collect()
 }
 
 /// Check `bytes` as `rank`'s image of the committed `step` of `root` (see the module).

@@ -85,8 +85,9 @@ class ReplicaNet:
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
-        # Received pieces of a restore's image, in order: written to its file as they
-        # arrive (`write_through`), so the write-back overlaps the transfer.
+        # Received pieces of an image, in order: each frozen and checked as it arrives
+        # (`received`: the header, the tensors it completes), a restore's also written to
+        # its file, so the checks and the write-back overlap the rest of the transfer.
         through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
@@ -98,7 +99,7 @@ class ReplicaNet:
             for a, b in self._pieces(t.numel(), src):
                 try:
                     w = dist.irecv(t[a:b], src=src, group=self.group)
-                    if getattr(buf, "restore", False):
+                    if hasattr(buf, "received"):
                         through[id(w)] = (buf, b)
                     works.append((src, "receiving from", w))
                 except RuntimeError as e:
@@ -143,9 +144,9 @@ class ReplicaNet:
             hook = through.pop(id(w), None)
             if hook is not None and peer not in failed:
                 try:
-                    hook[0].write_through(hook[1])
-                except ShmckptError as e:  # seal() writes what is left, or fails
-                    log.warning("rank %d: writing the image from rank %d early failed: %s", me, peer, e)
+                    hook[0].received(hook[1])
+                except ShmckptError as e:  # seal() checks (and writes) what is left, or refuses
+                    log.warning("rank %d: the image from rank %d, checked as it arrived: %s", me, peer, e)
                     through = {k: v for k, v in through.items() if v[0] is not hook[0]}
         del keep, views
         if failed:

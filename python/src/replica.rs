@@ -201,19 +201,29 @@ impl PyReplicaImage {
             .is_restore()
     }
 
-    /// A restore only, while open: freeze the bytes up to `end` (rounded down to a page)
-    /// read-only and write them to the rank's temporary file (GIL released), so the
-    /// write-back overlaps the transfer; `seal()` writes the rest, checks the whole image,
-    /// and only then renames the file into place. Every write into `[0, end)` must be
-    /// finished.
-    fn write_through(&self, py: Python<'_>, end: usize) -> PyResult<()> {
+    /// While open, every write into `[0, end)` finished: freeze those bytes read-only
+    /// (rounded down to a page), check what they complete (the header, each tensor wholly
+    /// inside) and, for a restore, write them to the rank's temporary file (GIL
+    /// released), so the check and the write-back overlap the transfer; `seal()` checks
+    /// the rest and only then publishes. Raises when the bytes do not match the
+    /// manifest (`seal()` then refuses the image) or a write failed.
+    fn received(&self, py: Python<'_>, end: usize) -> PyResult<()> {
         py.detach(|| {
             self.inner
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .write_through(end)
+                .received(end)
         })
         .map_err(|e| to_py(py, e))
+    }
+
+    /// Tensors of the image checked so far (by `received()` or `seal()`).
+    #[getter]
+    fn checked_tensors(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .checked_tensors()
     }
 
     /// Check the received image against the committed manifest and publish it (GIL

@@ -5,6 +5,9 @@ published or served, and checked on every path that reads them (exact bytes)."""
 import json
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -172,6 +175,51 @@ def test_received_images_are_sealed_before_served(droot):
     with pytest.raises(shmckpt.NotFound):
         _shmckpt.replica_receive(str(root), 6, 0)
 
+    # Checked as it arrives: received(end) freezes the bytes before `end` (whole pages) and
+    # checks what they complete (the header, each tensor wholly inside); seal() the rest.
+    # Here the header is the first page, "model.i" the next 32 bytes.
+    assert entry["data_start"] == 4096 and len(good) > 2 * 4096
+    first = next(t for t in entry["tensors"] if t["data_offsets"][0] == 0)
+    assert first["data_offsets"][1] <= 4096
+    img = _shmckpt.replica_receive(str(root), 5, 0)
+    v = np.asarray(img)
+    v[:] = np.frombuffer(good, dtype=np.uint8)
+    img.received(2 * 4096 - 1)  # rounded down to a page: the header only
+    assert img.checked_tensors == 0
+    img.received(2 * 4096)
+    assert img.checked_tensors == 1 and tmp.is_file()  # checked, not published yet
+    img.received(len(good))
+    assert img.checked_tensors == len(entry["tensors"])
+    assert img.seal() == str(shm) and shm.read_bytes() == good
+    del v, img
+    # A damaged tensor is found when it arrives, and the seal refuses the image.
+    bad = bytearray(good)
+    bad[4096 + 3] ^= 0x01
+    img = _shmckpt.replica_receive(str(root), 5, 0)
+    np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
+    with pytest.raises(shmckpt.ChecksumError, match=first["name"]):
+        img.received(2 * 4096)
+    with pytest.raises(shmckpt.ChecksumError, match=first["name"]):
+        img.seal()
+    assert img.state == "refused" and not tmp.exists() and shm.read_bytes() == good
+    del img
+    # A write into received bytes faults (they are frozen): the process dies of SIGSEGV.
+    child = subprocess.run(
+        [sys.executable, "-c", (
+            "import sys, numpy as np; from shmckpt import _shmckpt\n"
+            f"img = _shmckpt.replica_receive({str(root)!r}, 5, 0)\n"
+            f"v = np.asarray(img); v[:] = np.fromfile({str(root / 'step-5' / fname)!r}, dtype=np.uint8)\n"
+            "img.received(8192); print('frozen', flush=True)\n"
+            "v[100] = 1\nprint('wrote', flush=True)\n"
+        )],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.returncode == -signal.SIGSEGV and child.stdout == "frozen\n", (child.returncode, child.stdout, child.stderr)
+    assert shm.read_bytes() == good
+    for left in shm.parent.glob(f"{name}.tmp*"):  # the dead child's arena (exact name)
+        left.unlink()
+
     # The sender's image: its file, opened checked, read piece by piece as it is sent.
     src = _shmckpt.replica_source(str(root), 5, 0)
     sv = np.asarray(src)
@@ -211,13 +259,13 @@ def test_received_images_are_sealed_before_served(droot):
         img.seal()
     assert sorted(p.name for p in (root / "step-5").iterdir()) == ["manifest.json"]
     del img
-    # Written while it arrives (write_through), then refused: the early file is removed.
+    # Written while it arrives (received), then refused: the early file is removed.
     early = root / "step-5" / f".{fname}.tmp{os.getpid()}"
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)
     assert img.restore
     half = len(good) // 2
     np.asarray(img)[:] = np.frombuffer(bytes(bad), dtype=np.uint8)
-    img.write_through(half)
+    img.received(half)
     assert early.read_bytes() == good[: half - half % 4096]  # whole pages, frozen
     with pytest.raises(shmckpt.ChecksumError):
         img.seal()
@@ -227,14 +275,14 @@ def test_received_images_are_sealed_before_served(droot):
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)
     whole = np.asarray(img)
     whole[:half] = np.frombuffer(good[:half], dtype=np.uint8)
-    img.write_through(half)
+    img.received(half)
     assert early.read_bytes() == good[: half - half % 4096] and not (root / "step-5" / fname).exists()
     whole[half:] = np.frombuffer(good[half:], dtype=np.uint8)
     assert img.seal() == str(root / "step-5" / fname)
     assert (root / "step-5" / fname).read_bytes() == good and not early.exists()
+    with pytest.raises(shmckpt.ConfigError):  # a sealed image receives nothing more
+        img.received(4096)
     del whole, img
-    with pytest.raises(shmckpt.ConfigError):
-        _shmckpt.replica_receive(str(root), 5, 0).write_through(4096)
     (root / "step-5" / fname).unlink()
     # ... else the file is written back from memory, and the tensors served from it.
     img = _shmckpt.replica_receive_restore(str(root), 5, 0)

@@ -15,6 +15,7 @@ use std::ptr::NonNull;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
+use super::check::ImageCheck;
 use super::{
     REPLICA_PREFIX, check_bytes, committed_entry, euid, open_sized, remove_stale, tag_of,
     write_atomic,
@@ -68,6 +69,11 @@ pub struct Incoming {
     entry: FileEntry,
     /// A restore's file written while the image arrives ([`Incoming::write_through`]).
     early: Option<EarlyWrite>,
+    /// Bytes `[0, frozen)` are read-only and checked as far as they go
+    /// ([`Incoming::received`]).
+    frozen: usize,
+    /// The image's check, made as its bytes arrive.
+    check: ImageCheck,
 }
 
 /// The temporary file of a restore written piece by piece as the image arrives.
@@ -183,8 +189,10 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
+            check: ImageCheck::new(&entry),
             entry,
             early: None,
+            frozen: 0,
         })
     }
 
@@ -226,8 +234,10 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
+            check: ImageCheck::new(&entry),
             entry,
             early: None,
+            frozen: 0,
         };
         // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
         // this process writes it (it is mapped nowhere else writable here).
@@ -254,8 +264,10 @@ impl Incoming {
             root: root.to_owned(),
             step,
             rank,
+            check: ImageCheck::new(&entry),
             entry,
             early: None,
+            frozen: 0,
         })
     }
 
@@ -288,6 +300,61 @@ impl Incoming {
     /// The manifest entry the image is checked against.
     pub fn entry(&self) -> &FileEntry {
         &self.entry
+    }
+
+    /// While open, every byte before `end` received (every write into `[0, end)`
+    /// finished; a later write there faults): freeze those bytes read-only (rounded down
+    /// to a page, or the whole image), check what they complete (the header, each tensor
+    /// wholly inside: its CRC-32C against the manifest's), and for a restore write them
+    /// to its file ([`Incoming::write_through`]). So the check, and a restore's write-back,
+    /// overlap the transfer, and [`Incoming::seal`] checks only the rest. An error means
+    /// the image does not match its manifest (the seal will refuse it) or a write failed.
+    pub fn received(&mut self, end: usize) -> Result<()> {
+        if self.state != IncomingState::Open || matches!(self.target, Target::Served) {
+            return Err(Error::Config(
+                "received() is for an image being received".into(),
+            ));
+        }
+        let page = rustix::param::page_size();
+        let end = if end >= self.len {
+            self.len
+        } else {
+            end - end % page
+        };
+        if end > self.frozen {
+            // `frozen` is 0 or a page boundary (or `len`, excluded: `end > frozen`), so the
+            // range starts page aligned; the kernel rounds its length up to whole pages,
+            // inside the mapping (`end <= len <= map_len`).
+            // SAFETY: `ptr + frozen .. ptr + end` lies in this value's own mapping; making
+            // it read-only invalidates no Rust reference (none is made to it).
+            unsafe {
+                rustix::mm::mprotect(
+                    self.ptr.as_ptr().add(self.frozen).cast::<c_void>(),
+                    end - self.frozen,
+                    MprotectFlags::READ,
+                )
+            }
+            .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
+            self.frozen = end;
+        }
+        // SAFETY: `[0, frozen)` is mapped (`frozen <= len <= map_len`) and read-only in
+        // this process since the mprotect above (or an earlier call), so nothing here
+        // writes it while this borrow lives (a write faults).
+        let prefix = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.frozen) };
+        let what = PathBuf::from(format!(
+            "<image of rank {} of step {} from a peer>",
+            self.rank, self.step
+        ));
+        self.check.advance(prefix, &self.entry, &what)?;
+        if self.is_restore() {
+            self.write_through(end)?;
+        }
+        Ok(())
+    }
+
+    /// Tensors of the image checked so far ([`Incoming::received`], [`Incoming::seal`]).
+    pub fn checked_tensors(&self) -> usize {
+        self.check.checked()
     }
 
     /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
@@ -408,7 +475,7 @@ impl Incoming {
             "<image of rank {} of step {} from a peer>",
             self.rank, self.step
         ));
-        check_bytes(bytes, &self.entry, &what)?;
+        self.check.finish(bytes, &self.entry, &what)?;
         match &self.target {
             Target::Replica { tmp, name, tag } => {
                 let dir = Path::new(SHM_MOUNT);
