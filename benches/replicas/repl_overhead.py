@@ -67,6 +67,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _d in (os.path.join(_HERE, "..", "common"), os.path.join(_HERE, "..", "train"), _HERE):
@@ -280,6 +281,8 @@ class ReplRun(drain_probe.Run):
 
         self.m["versions"]["shmckpt"] = getattr(shmckpt, "__version__", "?") + f" ({shmckpt.__file__})"
         self.cks.update(open_checkpointers(self.args, self.m["state_bytes"], 0))
+        # what the run puts in /dev/shm (removed by the launcher): kept arenas, replicas
+        self.m["shm"] = {n: {"kept": ck.shm_name, "replica_tag": shmckpt._shmckpt.replica_tag(ck.root)} for n, ck in self.cks.items()}
         steps = iter(range(1, 1 << 30))
         self.loads = {"baseline": NoLoad()}
         for name, ck in self.cks.items():
@@ -376,7 +379,6 @@ def trainer_main(args):
         conditions=args.conds,
     )
     nbytes = torch.zeros(1, dtype=torch.int64)
-    ok = False
     try:
         if run.cuda and not torch.cuda.is_available():
             raise SystemExit("CUDA is not available; use --device cpu --tiny for the smoke test")
@@ -384,26 +386,46 @@ def trainer_main(args):
         why = room_problem(args, m["state_bytes"])
         if why:
             raise SystemExit(why)
-        nbytes[0] = (m["state_bytes"] + 3) // 4 * 4
-        dist.broadcast(nbytes, src=0)
+    except BaseException:
+        dist.broadcast(nbytes, src=0)  # 0: the partner stops before it opens anything
+        raise
+    nbytes[0] = (m["state_bytes"] + 3) // 4 * 4
+    dist.broadcast(nbytes, src=0)
+    try:
         run.setup_loads(args.conds)
         iters = m["seg_iters"] = segment_iters(args, run.warm, run.step_s)
         events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if run.cuda else None
         log(f"segments (steps): {iters}, ~{sum(iters.values()) * run.step_s:.0f}s a round; deadline in {run.deadline - now():.0f}s")
         run.rounds(args.conds, iters, events)
-        ok = True
-    finally:
-        if nbytes[0] == 0:
-            dist.broadcast(nbytes, src=0)  # the partner stops before it opens anything
-        elif ok:
-            run.link.command(-1, 0)
-        run.close()
+    except BaseException as e:
+        abandon(run, e, lambda: dist.isend(torch.tensor([-1, 0], dtype=torch.int64), dst=1))
+    run.link.command(-1, 0)
+    run.close()
     dist.barrier()
     dist.destroy_process_group()
     m["wall_s"] = now() - run.t_start
     write_outputs(run.results, args.out)
     log(f"done in {m['wall_s']:.0f}s ({elapsed():.0f}s since import); {os.path.join(args.out, 'repl.md')}")
     return 0
+
+
+def abandon(run, exc, stop_partner):
+    """A failure once the checkpointers are open: record it, tell the partner to stop
+    without waiting (it may be inside a collective), and leave at once (exit status 1):
+    closing a replicating Checkpointer waits for a replication that the failed peer may
+    never finish (up to the group's timeout). The launcher removes the files and arenas."""
+    run.results["failed"]["run"] = f"{type(exc).__name__}: {exc}"
+    log(f"FAILED: {run.results['failed']['run']}\n{traceback.format_exc()}")
+    try:
+        write_outputs(run.results, run.out_dir)
+    except Exception as e2:
+        log(f"(outputs not written: {e2!r})")
+    try:
+        stop_partner()
+        time.sleep(1.0)
+    finally:
+        sys.stdout.flush()
+        os._exit(1)
 
 
 # ----------------------------------------------------------------------------
@@ -422,13 +444,12 @@ def partner_main(args):
     if int(nbytes[0]) == 0:
         dist.destroy_process_group()
         return 0
-    state = make_state(1, int(nbytes[0]))
-    cks = open_checkpointers(args, int(nbytes[0]), 1)
-    names = args.conds
-    for ck in cks.values():
-        ck.wait_staging_ready()
-    cmd = torch.zeros(2, dtype=torch.int64)
+    names, cmd = args.conds, torch.zeros(2, dtype=torch.int64)
     try:
+        state = make_state(1, int(nbytes[0]))
+        cks = open_checkpointers(args, int(nbytes[0]), 1)
+        for ck in cks.values():
+            ck.wait_staging_ready()
         while True:
             dist.recv(cmd, src=0)
             index, step = int(cmd[0]), int(cmd[1])
@@ -450,9 +471,12 @@ def partner_main(args):
             except Exception as e:  # reported to the trainer (ok 0); the run stops there
                 log(f"partner: step {step} ({name}): {type(e).__name__}: {e}")
             dist.send(torch.tensor([rec[k] for k in PARTNER_FIELDS], dtype=torch.float64), dst=0)
-    finally:
-        for ck in cks.values():
-            ck.close()
+    except BaseException as e:  # the trainer died or failed: leave at once (see abandon)
+        log(f"partner: FAILED: {type(e).__name__}: {e}")
+        sys.stdout.flush()
+        os._exit(1)
+    for ck in cks.values():
+        ck.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -482,8 +506,11 @@ def launch(args, argv):
     try:
         procs = [subprocess.Popen(base + ["--role", role]) for role in ("trainer", "partner")]
         failed_at = None
-        while any(p.poll() is None for p in procs):
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = now()
             if failed_at is not None and now() - failed_at > 30:
                 for p in procs:
