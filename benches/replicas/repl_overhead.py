@@ -107,7 +107,7 @@ def parse_args(argv=None):
     a("--sync", default="stream", choices=["stream", "device"], help="after each step wait for the trainer's stream (default) or the whole device")
     a("--snapshot", action="store_true", help="the trainer's saves take a device snapshot (save(..., snapshot='device'))")
     a("--replica-bandwidth", default="default", help="replica_bandwidth of nb-repl: 'default' (the library's, 1 GiB/s), 'none' (unbounded) or bytes/s")
-    a("--timeout", type=float, default=900.0, help="seconds any collective waits (the default group and replica_timeout)")
+    a("--timeout", type=float, default=300.0, help="seconds any collective waits (the default group's timeout and replica_timeout)")
     a("--dir", default="/var/tmp/replovh", help="parent of the run's checkpoint roots (made and removed by the run; local disk)")
     a("--out", default=None, help="results directory (default $OUT/replovh, else ./replovh-out)")
     a("--seed", type=int, default=1234)
@@ -301,8 +301,9 @@ class ReplRun(drain_probe.Run):
             log(f"  {name}: warm-up save durable after {rec['durable_s']:.2f}s" + (f", k-safe after {rec['ksafe_s']:.2f}s" if "ksafe_s" in rec else ""))
 
     def reserve_s(self):
-        """Seconds kept for the closing (checkpointers, arenas, files)."""
-        return 5.0 + self.m["state_bytes"] / GiB
+        """Seconds kept for the closing (checkpointers, arenas, the roots' files: deleting
+        GiBs on a discard-mounted disk takes seconds)."""
+        return 5.0 + 2.0 * self.m["state_bytes"] / GiB
 
     def rounds(self, conds, iters, events):
         """Every condition once per round (rotated, reversed every other round) while a
