@@ -36,7 +36,8 @@ def seg(rnd, cond, walls, load=None, step_ms=10.0):
 
 def test_report_counts_the_call_the_first_steps_and_the_steps_during_the_load():
     _, rr = modules()
-    nb = {"stall_s": 0.005, "end_ms": 25.0, "committed_ms": 25.0, "end_s": 0.129, "durable_s": 0.129, "step": 3, "partner": {"durable_s": 0.13, "ksafe_s": None, "start_lag_s": 0.001}}
+    # done() first seen at 31 ms, after the commit at 25 ms: the load ends there
+    nb = {"stall_s": 0.005, "end_ms": 31.0, "committed_ms": 25.0, "end_s": 0.129, "durable_s": 0.129, "step": 3, "partner": {"durable_s": 0.13, "ksafe_s": None, "start_lag_s": 0.001}}
     repl = {
         "stall_s": 0.010, "end_ms": 45.0, "committed_ms": 25.0, "end_s": 1.0, "durable_s": 0.5, "ksafe_s": 1.0, "step": 4,
         "replication": {"k_safe": True, "transfer_seconds": 0.25},
@@ -45,8 +46,8 @@ def test_report_counts_the_call_the_first_steps_and_the_steps_during_the_load():
     segs = []
     for rnd in (0, 1):
         segs.append(seg(rnd, "baseline", [99.0, 10.0, 10.0, 10.0, 10.0]))
-        # the first step (left out of the step statistics) 30 ms, then 2 x 12 ms while it drains
-        segs.append(seg(rnd, "nb", [30.0, 12.0, 12.0, 10.0, 10.0], nb))
+        # the first step (left out of the step statistics) 30 ms, then 3 x 12 ms before its end
+        segs.append(seg(rnd, "nb", [30.0, 12.0, 12.0, 12.0, 10.0], nb))
         # durable at 25 ms, k-safe at 45 ms: steps 1-4 during the load, 3-4 during replication
         segs.append(seg(rnd, "nb-repl", [40.0, 11.0, 11.0, 13.0, 13.0, 10.0], repl))
     res = {"meta": {"conditions": CONDITIONS, "skip_first": 1}, "segments": segs}
@@ -54,11 +55,12 @@ def test_report_counts_the_call_the_first_steps_and_the_steps_during_the_load():
     assert res["summary"] is s and set(s["replication"]) == {"nb", "nb-repl"}
     a, b = s["replication"]["nb"]["per_segment"]
     assert (a["round"], b["round"]) == (0, 1) and dict(a, round=1) == b and a["ref_ms"] == 10.0
-    # call 5 + first step 30 - 10; later steps started before 25 ms: 12 + 12 over 10 each
+    # call 5 + first step 30 - 10; later steps started before 31 ms: 3 x 12 over 10 each
     assert (a["call_ms"], a["first_extra_ms"], a["cost_ms"]) == pytest.approx((5.0, 20.0, 25.0))
-    assert (a["during_steps"], a["during_extra_ms"], a["total_extra_ms"]) == pytest.approx((2, 4.0, 29.0))
-    assert a["overhead_pct"] == pytest.approx(100 * 29.0 / (129.0 - 29.0))
+    assert (a["during_steps"], a["during_extra_ms"], a["total_extra_ms"]) == pytest.approx((3, 6.0, 31.0))
+    assert a["overhead_pct"] == pytest.approx(100 * 31.0 / (129.0 - 31.0))
     assert a["cost_pct"] == pytest.approx(100 * 25.0 / (129.0 - 25.0))
+    # no replication: no steps "between durable and k-safe" (the step at 30 ms is after the commit)
     assert a["ksafe_s"] is None and a["durable_to_ksafe_s"] is None and a["repl_steps"] == 0 and a["repl_ratio"] is None
     assert a["covered"] and a["k_safe"] is None and a["partner_durable_s"] == 0.13
     r, r1 = s["replication"]["nb-repl"]["per_segment"]
