@@ -52,7 +52,7 @@ Outputs in ``--out``: repl.json (every step of every segment, every load's recor
 partner's, the summary), repl.md (the tables), repl.log.
 
 H200 (one GPU; see benches/replicas/README.md for the carried wheel):
-    python3 benches/replicas/repl_overhead.py --state 5g --budget-s 230 --out $OUT/replovh
+    python3 benches/replicas/repl_overhead.py --state 5g --budget-s 220 --out $OUT/replovh
 CPU smoke test (tiny model, 2 rounds, well under a minute):
     python3 benches/replicas/repl_overhead.py --device cpu --tiny --out /tmp/replovh
 """
@@ -98,7 +98,7 @@ def parse_args(argv=None):
     a("--step-ms", type=float, default=137.0, help="target step length for the batch calibration")
     a("--conditions", default=",".join(CONDITIONS), help="comma list of " + ",".join(CONDITIONS) + " (baseline always runs)")
     a("--rounds", type=int, default=20, help="at most this many rounds (the budget usually stops earlier)")
-    a("--budget-s", type=float, default=230.0, help="no round starts that would end (with the closing) past this many seconds from the launcher's start")
+    a("--budget-s", type=float, default=220.0, help="no round starts that would end (with the closing) past this many seconds from the launcher's start")
     a("--seg-factor", type=float, default=1.25, help="a condition's segment / its warm-up load's duration (save to durable; to k-safe)")
     a("--iters", type=int, default=None, help="steps per segment, every condition (default: from --seg-factor)")
     a("--min-iters", type=int, default=20)
@@ -525,6 +525,7 @@ def launch(args, argv):
                 p.wait()
         remove_run(run_dir)
     codes = [p.returncode for p in procs]
+    print(f"repl_overhead: {now() - t0:.0f} s from the launcher's start to the roots removed (--budget-s {args.budget_s:.0f})", flush=True)
     if any(codes):
         print(f"repl_overhead: a rank failed: exit codes (trainer, partner) {codes}", file=sys.stderr)
         return 1
