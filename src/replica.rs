@@ -29,7 +29,9 @@ mod incoming;
 mod outgoing;
 
 use check::check_bytes;
-pub use incoming::{Incoming, IncomingState};
+#[cfg(test)]
+use check::crcs;
+pub use incoming::{Incoming, IncomingState, PreparedArena};
 pub use outgoing::Outgoing;
 
 /// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena

@@ -38,6 +38,8 @@ __all__ = [
     "replica_name",
     "replica_plan",
     "replica_read_committed",
+    "PreparedArena",
+    "replica_prepare",
     "replica_receive",
     "replica_receive_restore",
     "replica_remove",
@@ -320,8 +322,21 @@ def replica_store(root: str, step: int, rank: int, data: bytes) -> str:
     """Check ``data`` as ``rank``'s image of ``step`` and store it as a replica; its name."""
     ...
 
-def replica_receive(root: str, step: int, rank: int) -> ReplicaImage:
-    """A new replica arena in ``/dev/shm`` for ``rank``'s image of the committed ``step``."""
+@final
+class PreparedArena:
+    """A replica arena made before its step is committed (``replica_prepare``)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+def replica_prepare(root: str, step: int, rank: int, len: int) -> PreparedArena:
+    """``len`` bytes of ``/dev/shm`` for ``rank``'s image of ``step``, allocated before the
+    step is committed; handed to ``replica_receive``, removed if dropped unused."""
+    ...
+
+def replica_receive(root: str, step: int, rank: int, prepared: Optional[PreparedArena] = None) -> ReplicaImage:
+    """A new replica arena in ``/dev/shm`` for ``rank``'s image of the committed ``step``
+    (``prepared``, resized to the manifest's size, when given)."""
     ...
 
 def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:

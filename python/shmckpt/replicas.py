@@ -125,6 +125,8 @@ class Replicator(ReplicaLoads):
         #: Why this rank's image could not be read while it was sent (the current step).
         self._send_problem: Optional[str] = None
         self._durable_at = 0.0
+        #: The size of the last image each source sent (the guess for the next arenas).
+        self._last_sizes: Dict[int, int] = {}
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
         #: ReplicaImage)``, sealed: checked and written back), until the load takes it.
         self._image: Optional[Tuple[int, Any]] = None
@@ -217,6 +219,7 @@ class Replicator(ReplicaLoads):
         then unusable; a hung rank stalls replication until the group's timeout)."""
         step = int(handle.step)
         t0 = time.monotonic()
+        ahead = self._prepare(step)
         failure: Optional[str] = None
         try:
             handle.wait()
@@ -228,14 +231,34 @@ class Replicator(ReplicaLoads):
             log.warning("%s", msg)
             raise ReplicationError(msg)
         try:
-            return self._replicate(step, failure, t0, dict(getattr(handle, "_metadata", {})))
+            return self._replicate(step, failure, t0, dict(getattr(handle, "_metadata", {})), ahead)
         except _GroupFailed as e:
             # The group cannot be used again (gloo): later steps are skipped, not hung on.
             self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
             log.warning("rank %d: %s", self.ckpt.rank, self.broken)
             raise ReplicationError(f"step {step} is not {self.replicas}-safe: {e}") from None
+        finally:
+            ahead.clear()  # arenas not received into are removed
 
-    def _replicate(self, step: int, failure: Optional[str], t0: float, metadata: Dict[str, str]) -> Dict[str, Any]:
+    def _prepare(self, step: int) -> Dict[int, Any]:
+        """Replica arenas for ``step``'s images from this rank's sources, each sized as that
+        source's last image, made before the step is committed: allocating an arena's pages
+        (a GiB takes a noticeable fraction of a second) then overlaps the save's drain
+        instead of delaying the exchange. An arena whose guess was wrong is resized when
+        the step is committed; one that cannot be made now is made then."""
+        out: Dict[int, Any] = {}
+        if self.broken is not None:
+            return out
+        for q, n in self._last_sizes.items():
+            try:
+                out[q] = _shmckpt.replica_prepare(self.ckpt.root, step, q, n)
+            except ShmckptError as e:
+                log.debug("rank %d: no arena made ahead for rank %d's image of step %d: %s", self.ckpt.rank, q, step, e)
+        return out
+
+    def _replicate(
+        self, step: int, failure: Optional[str], t0: float, metadata: Dict[str, str], ahead: Dict[int, Any]
+    ) -> Dict[str, Any]:
         # Every rank's file is durable once every rank's wait returned: the step is committed
         # (a shared root), or can be (node-local roots: committed here, through the group).
         failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
@@ -264,9 +287,12 @@ class Replicator(ReplicaLoads):
         # only once `seal()` found it equal to the committed manifest.
         problems: Dict[int, str] = {}
         recvs: List[Tuple[int, Any]] = []
+        for q in [q for q in ahead if q not in sources]:
+            del ahead[q]  # removed before any arena of the same name is made
+        self._last_sizes = {q: sizes[q] for q in sources}
         for q in sources:
             try:
-                recvs.append((q, _shmckpt.replica_receive(root, step, q)))
+                recvs.append((q, _shmckpt.replica_receive(root, step, q, ahead.pop(q, None))))
             except ShmckptError as e:
                 # The bytes still come (the sender does not know): received and dropped.
                 problems[q] = f"rank {me} cannot make a replica arena for rank {q}'s image of step {step}: {e}"

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
-use shmckpt::replica::{Incoming, IncomingState, Outgoing};
+use shmckpt::replica::{Incoming, IncomingState, Outgoing, PreparedArena};
 
 use crate::buffer::array_interface;
 use crate::{PyBuffer, to_py};
@@ -307,17 +307,90 @@ fn replica_source(
         .map_err(|e| to_py(py, e))
 }
 
-/// A new replica arena for `rank`'s image of the committed `step` (see `ReplicaImage`).
+/// A replica arena made before its step is committed (`replica_prepare`): `len` bytes of
+/// `/dev/shm` allocated for `rank`'s image of `step`, never listed or served; handed to
+/// `replica_receive(..., prepared=...)` once the step is committed, removed if dropped
+/// unused.
+#[pyclass(name = "PreparedArena", module = "shmckpt._shmckpt")]
+pub struct PyPreparedArena {
+    inner: Mutex<Option<PreparedArena>>,
+}
+
+#[pymethods]
+impl PyPreparedArena {
+    /// Its size in bytes (0 once handed to `replica_receive`).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, |p| p.len())
+    }
+}
+
+/// A replica arena of `len` bytes for `rank`'s image of `step` of `root`, made before the
+/// step is committed (GIL released; see `PreparedArena`).
 #[pyfunction]
+fn replica_prepare(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    len: usize,
+) -> PyResult<PyPreparedArena> {
+    py.detach(|| PreparedArena::new(&root, step, rank, len))
+        .map(|p| PyPreparedArena {
+            inner: Mutex::new(Some(p)),
+        })
+        .map_err(|e| to_py(py, e))
+}
+
+/// A new replica arena for `rank`'s image of the committed `step` (see `ReplicaImage`):
+/// `prepared` when given (made by `replica_prepare` for this step and rank, resized to the
+/// manifest's size if its guess was wrong), else a new one.
+#[pyfunction]
+#[pyo3(signature = (root, step, rank, prepared=None))]
 fn replica_receive(
     py: Python<'_>,
     root: PathBuf,
     step: u64,
     rank: u32,
+    prepared: Option<&PyPreparedArena>,
 ) -> PyResult<PyReplicaImage> {
-    py.detach(|| Incoming::replica(&root, step, rank))
-        .map(PyReplicaImage::new)
-        .map_err(|e| to_py(py, e))
+    let prep = match prepared {
+        None => None,
+        Some(p) => Some(
+            p.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .ok_or_else(|| {
+                    to_py(
+                        py,
+                        shmckpt::Error::Config("this prepared arena was used already".into()),
+                    )
+                })?,
+        ),
+    };
+    if let Some(p) = &prep
+        && (p.step(), p.rank()) != (step, rank)
+    {
+        return Err(to_py(
+            py,
+            shmckpt::Error::Config(format!(
+                "an arena prepared for rank {} of step {}, not rank {rank} of step {step}",
+                p.rank(),
+                p.step()
+            )),
+        ));
+    }
+    py.detach(|| match prep {
+        Some(p) => Incoming::replica_prepared(p, &root),
+        None => Incoming::replica(&root, step, rank),
+    })
+    .map(PyReplicaImage::new)
+    .map_err(|e| to_py(py, e))
 }
 
 /// Private memory receiving `rank`'s image of the committed `step` to restore it (see
@@ -419,6 +492,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_tag, m)?)?;
     m.add_function(wrap_pyfunction!(replica_read_committed, m)?)?;
     m.add_function(wrap_pyfunction!(replica_store, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_prepare, m)?)?;
+    m.add_class::<PyPreparedArena>()?;
     m.add_function(wrap_pyfunction!(replica_receive, m)?)?;
     m.add_function(wrap_pyfunction!(replica_serve, m)?)?;
     m.add_function(wrap_pyfunction!(replica_source, m)?)?;

@@ -220,6 +220,40 @@ def test_received_images_are_sealed_before_served(droot):
     for left in shm.parent.glob(f"{name}.tmp*"):  # the dead child's arena (exact name)
         left.unlink()
 
+    # An arena made ahead, before its step is committed (sized by a guess): unlisted, and
+    # received into once the step is committed, its size then the manifest's; the same
+    # file (made once), exact bytes once sealed.
+    for guess in (len(good), len(good) // 3, 3 * len(good)):
+        prep = _shmckpt.replica_prepare(str(root), 5, 0, guess)
+        assert prep.nbytes == guess and tmp.stat().st_size == guess and names() == [name]
+        ino = tmp.stat().st_ino
+        img = _shmckpt.replica_receive(str(root), 5, 0, prep)
+        assert prep.nbytes == 0 and img.nbytes == len(good)
+        assert tmp.stat().st_ino == ino and tmp.stat().st_size == len(good)
+        np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
+        img.received(len(good))
+        assert img.seal() == str(shm) and shm.read_bytes() == good and not tmp.exists()
+        del img
+        with pytest.raises(shmckpt.ConfigError, match="used already"):
+            _shmckpt.replica_receive(str(root), 5, 0, prep)
+    # Dropped unused, or for another step or rank, or a step never committed: removed.
+    prep = _shmckpt.replica_prepare(str(root), 5, 0, len(good))
+    assert tmp.is_file()
+    del prep
+    assert not tmp.exists()
+    prep = _shmckpt.replica_prepare(str(root), 5, 0, len(good))
+    with pytest.raises(shmckpt.ConfigError, match="prepared for rank 0 of step 5"):
+        _shmckpt.replica_receive(str(root), 5, 1, prep)
+    assert not tmp.exists()
+    tmp7 = shm.parent / f"{_shmckpt.replica_name(str(root), 0, 7)}.tmp{os.getpid()}"
+    prep = _shmckpt.replica_prepare(str(root), 7, 0, len(good))
+    assert tmp7.is_file()
+    with pytest.raises(shmckpt.NotFound):
+        _shmckpt.replica_receive(str(root), 7, 0, prep)
+    assert not tmp7.exists() and shm.read_bytes() == good and names() == [name]
+    with pytest.raises(shmckpt.ConfigError):
+        _shmckpt.replica_prepare(str(root), 5, 0, 0)
+
     # The sender's image: its file, opened checked, read piece by piece as it is sent.
     src = _shmckpt.replica_source(str(root), 5, 0)
     sv = np.asarray(src)

@@ -136,7 +136,7 @@ impl ImageCheck {
 
 /// The CRC-32C of each of `pieces`, computed on up to 8 threads (each piece cut in parts of
 /// at most 64 MiB, the parts' CRCs combined).
-fn crcs(pieces: &[&[u8]]) -> Vec<u32> {
+pub(super) fn crcs(pieces: &[&[u8]]) -> Vec<u32> {
     const PART: usize = 64 << 20;
     let parts: Vec<(usize, &[u8])> = pieces
         .iter()

@@ -143,43 +143,49 @@ impl Incoming {
     pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        let tag = tag_of(root)?;
-        let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
-        let tmp = format!("{name}.tmp{}", std::process::id());
-        let dir = Path::new(SHM_MOUNT);
-        let dfd = fsx::open_dir(dir)?;
-        // A temporary file of this process under that name is a leftover of an earlier
-        // receive that did not finish (this process maps one at a time per name).
-        fsx::unlink_in(dfd.as_fd(), dir, &tmp)?;
-        let path = dir.join(&tmp);
-        let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
+        Incoming::replica_prepared(PreparedArena::new(root, step, rank, len)?, root)
+    }
+
+    /// [`Incoming::replica`] into an arena made before the step was committed
+    /// ([`PreparedArena::new`], allocated while the step's save was still draining): its
+    /// step and rank are the arena's, its size is made the manifest's (grown and allocated,
+    /// or shrunk, when the guess was wrong).
+    pub fn replica_prepared(mut prep: PreparedArena, root: &Path) -> Result<Incoming> {
+        let (step, rank) = (prep.step, prep.rank);
+        let (_, entry) = committed_entry(root, step, rank)?;
+        if tag_of(root)? != prep.tag {
+            return Err(Error::Config(format!(
+                "a replica arena made for another root than {}",
+                root.display()
+            )));
+        }
+        let len = image_len(&entry)?;
+        let path = Path::new(SHM_MOUNT).join(&prep.tmp);
+        if len != prep.len {
+            rustix::fs::ftruncate(&prep.file, len as u64)
+                .map_err(|e| Error::io("ftruncate", &path, e.into()))?;
+            prep.len = len;
+            prep.allocate(&path)?;
+        }
         let map_len = len;
-        let made = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)
-                .map_err(|e| Error::io("fallocate", &path, e.into()))?;
-            // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
-            // file is this process's new file, allocated for `map_len` bytes above.
-            let raw = unsafe {
-                rustix::mm::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    ProtFlags::READ | ProtFlags::WRITE,
-                    MapFlags::SHARED,
-                    &file,
-                    0,
-                )
-            }
-            .map_err(|e| Error::io("mmap", &path, e.into()))?;
-            NonNull::new(raw.cast::<u8>())
-                .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))
-        })();
-        let ptr = match made {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = fsx::unlink_in(dfd.as_fd(), dir, &tmp);
-                return Err(e);
-            }
-        };
+        // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
+        // file is this process's new file (made by `PreparedArena::new`, held open since),
+        // allocated for `map_len` bytes above or there.
+        let raw = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &prep.file,
+                0,
+            )
+        }
+        .map_err(|e| Error::io("mmap", &path, e.into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))?;
+        // From here the arena's file is the `Incoming`'s (removed by its drop unless sealed).
+        let (tmp, name, tag) = prep.take();
         Ok(Incoming {
             ptr,
             map_len,
@@ -536,6 +542,106 @@ impl Incoming {
                 self.protect(MprotectFlags::READ | MprotectFlags::WRITE)?;
                 Ok(path)
             }
+        }
+    }
+}
+
+/// A replica arena made before its step is committed, sized by a guess (the source's last
+/// image): the slow part of receiving a replica, allocating its pages, then runs while the
+/// step's save still drains, not after it. A new regular file of this user in `/dev/shm`
+/// under the step's temporary replica name (`<replica name>.tmp<pid>`, created without
+/// following a link, never over an existing file), allocated up front (a full `/dev/shm`
+/// is an error here, never a `SIGBUS` later), never listed or served; removed when dropped
+/// unused. [`Incoming::replica_prepared`] receives into it.
+#[derive(Debug)]
+pub struct PreparedArena {
+    file: std::fs::File,
+    tmp: String,
+    name: String,
+    tag: String,
+    step: u64,
+    rank: u32,
+    len: usize,
+    /// Handed to an [`Incoming`] (which removes the file from then on).
+    taken: bool,
+}
+
+impl PreparedArena {
+    /// An arena of `len` bytes (at least 1) for `rank`'s image of `step` of `root`.
+    pub fn new(root: &Path, step: u64, rank: u32, len: usize) -> Result<PreparedArena> {
+        if len == 0 {
+            return Err(Error::Config("a replica arena of 0 bytes".into()));
+        }
+        let tag = tag_of(root)?;
+        let name = format!("{REPLICA_PREFIX}{tag}.r{rank}.s{step}");
+        let tmp = format!("{name}.tmp{}", std::process::id());
+        let dir = Path::new(SHM_MOUNT);
+        let dfd = fsx::open_dir(dir)?;
+        // A temporary file of this process under that name is a leftover of an earlier
+        // receive that did not finish (this process maps one at a time per name).
+        fsx::unlink_in(dfd.as_fd(), dir, &tmp)?;
+        let file = fsx::open_file(dfd.as_fd(), dir, &tmp, true, Create::New, Some(euid()))?;
+        let prep = PreparedArena {
+            file,
+            tmp,
+            name,
+            tag,
+            step,
+            rank,
+            len,
+            taken: false,
+        };
+        prep.allocate(&dir.join(&prep.tmp))?; // dropped (removed) on failure
+        Ok(prep)
+    }
+
+    /// The step it was made for.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The source rank it was made for.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never: an arena has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn allocate(&self, path: &Path) -> Result<()> {
+        rustix::fs::fallocate(
+            &self.file,
+            rustix::fs::FallocateFlags::empty(),
+            0,
+            self.len as u64,
+        )
+        .map_err(|e| Error::io("fallocate", path, e.into()))
+    }
+
+    /// Its names, handed over with the file (no longer removed by this value's drop).
+    fn take(&mut self) -> (String, String, String) {
+        self.taken = true;
+        (
+            std::mem::take(&mut self.tmp),
+            std::mem::take(&mut self.name),
+            std::mem::take(&mut self.tag),
+        )
+    }
+}
+
+impl Drop for PreparedArena {
+    fn drop(&mut self) {
+        if !self.taken
+            && let Err(e) = remove_tmp(&self.tmp)
+        {
+            tracing::warn!(file = %self.tmp, error = %e, "could not remove an unused replica arena");
         }
     }
 }
