@@ -309,6 +309,14 @@ fn remove_stale(tag: &str, rank: u32, step: u64) {
     }
 }
 
+/// Remove this user's replicas of `rank`'s images of `root` other than `step`'s, and the
+/// temporary replica files of dead processes for them (what [`Incoming::seal`] does after
+/// publishing, and [`Incoming::seal_keeping_older`] leaves to this call).
+pub fn remove_older(root: &Path, rank: u32, step: u64) -> Result<()> {
+    remove_stale(&tag_of(root)?, rank, step);
+    Ok(())
+}
+
 /// This user's replica of `rank`'s image of `step` of `root`, read from `/dev/shm` and
 /// checked in full against the committed manifest of `step` (see the module). An error when
 /// there is none or it does not match: a replica that fails the check is never served.

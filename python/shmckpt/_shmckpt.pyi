@@ -43,6 +43,7 @@ __all__ = [
     "replica_receive",
     "replica_receive_restore",
     "replica_remove",
+    "replica_remove_older",
     "replica_serve",
     "replica_source",
     "replica_restore_file",
@@ -92,7 +93,7 @@ class ReplicaImage:
     def received(self, end: int) -> None: ...
     @property
     def checked_tensors(self) -> int: ...
-    def seal(self) -> str: ...
+    def seal(self, keep_older: bool = False) -> str: ...
 
 @final
 class ReplicaSource:
@@ -337,6 +338,10 @@ def replica_prepare(root: str, step: int, rank: int, len: int) -> PreparedArena:
 def replica_receive(root: str, step: int, rank: int, prepared: Optional[PreparedArena] = None) -> ReplicaImage:
     """A new replica arena in ``/dev/shm`` for ``rank``'s image of the committed ``step``
     (``prepared``, resized to the manifest's size, when given)."""
+    ...
+
+def replica_remove_older(root: str, rank: int, step: int) -> None:
+    """Remove this user's replicas of ``rank``'s images of ``root`` other than ``step``'s."""
     ...
 
 def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:

@@ -125,6 +125,8 @@ class Replicator(ReplicaLoads):
         #: Why this rank's image could not be read while it was sent (the current step).
         self._send_problem: Optional[str] = None
         self._durable_at = 0.0
+        #: Replicas sealed by the last step, ``(source, step)``, whose older ones are removed.
+        self._older: List[Tuple[int, int]] = []
         #: The size of the last image each source sent (the guess for the next arenas).
         self._last_sizes: Dict[int, int] = {}
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
@@ -175,8 +177,21 @@ class Replicator(ReplicaLoads):
                 self._results[int(handle.step)] = result
                 for s in sorted(self._results)[:-16]:
                     del self._results[s]
+                self._cv.notify_all()  # wait_replicated() returns now...
+            self._remove_older()  # ...and _drain() / close() once this is done too
+            with self._cv:
                 self._busy = False
                 self._cv.notify_all()
+
+    def _remove_older(self) -> None:
+        """Remove the replicas older than the ones the last step sealed (after its report is
+        out: freeing a large replica's pages is not part of the time to k-safe)."""
+        older, self._older = self._older, []
+        for q, step in older:
+            try:
+                _shmckpt.replica_remove_older(self.ckpt.root, q, step)
+            except ShmckptError as e:
+                log.warning("rank %d: could not remove older replicas of rank %d: %s", self.ckpt.rank, q, e)
 
     def _drain(self) -> None:
         """Wait until the thread has replicated every queued save."""
@@ -308,8 +323,9 @@ class Replicator(ReplicaLoads):
             if q in problems:
                 continue
             try:
-                arena.seal()
+                arena.seal(keep_older=True)  # older ones removed after the report (_remove_older)
                 held.append(q)
+                self._older.append((q, step))
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])

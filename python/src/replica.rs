@@ -231,11 +231,18 @@ impl PyReplicaImage {
     /// written back as the rank's file (returns the file's path). Every write into the
     /// image must be finished. On failure nothing is published (an unsealed or refused
     /// image is never listed or served) and the error says why.
-    fn seal(&self, py: Python<'_>) -> PyResult<String> {
+    /// `keep_older`: leave this user's older replicas of the same root and rank in place
+    /// (`replica_remove_older` removes them later).
+    #[pyo3(signature = (keep_older=false))]
+    fn seal(&self, py: Python<'_>, keep_older: bool) -> PyResult<String> {
         self.writable.store(false, Ordering::Release);
         let res = py.detach(|| {
             let mut inc = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            let res = inc.seal();
+            let res = if keep_older {
+                inc.seal_keeping_older()
+            } else {
+                inc.seal()
+            };
             let restore_ok = res.is_ok() && inc.is_restore();
             (res, restore_ok)
         });
@@ -483,7 +490,16 @@ fn group_adopt_manifest(
         .map_err(|e| to_py(py, e))
 }
 
+/// Remove this user's replicas of `rank`'s images of `root` other than `step`'s (GIL
+/// released).
+#[pyfunction]
+fn replica_remove_older(py: Python<'_>, root: PathBuf, rank: u32, step: u64) -> PyResult<()> {
+    py.detach(|| shmckpt::replica::remove_older(&root, rank, step))
+        .map_err(|e| to_py(py, e))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(replica_remove_older, m)?)?;
     m.add_function(wrap_pyfunction!(group_own_part, m)?)?;
     m.add_function(wrap_pyfunction!(group_commit, m)?)?;
     m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;

@@ -335,3 +335,31 @@ def test_received_images_are_sealed_before_served(droot):
     assert sorted(got) == ["model.h", "model.i", "model.w"]
     for k, v in want.items():  # exact bytes
         assert got[f"model.{k}"].equal(v.contiguous().view(-1).view(torch.uint8))
+
+
+def test_older_replicas_are_removed_after_the_newer_one_is_sealed(droot):
+    """``seal()`` removes this user's older replicas of the same root and rank once the newer
+    one is published; ``seal(keep_older=True)`` (the replication's: freeing a large replica's
+    pages is not part of its time to k-safe) leaves them to ``replica_remove_older``."""
+    root = droot
+    tag = _shmckpt.replica_tag(str(root))
+
+    def held():
+        return sorted(r["step"] for r in list_replicas() if r["root_tag"] == tag and r["source_rank"] == 0)
+
+    for step in (1, 2, 3):
+        save_rank_step(root, 1, step)
+    for step, keep in ((1, False), (2, True), (3, False)):
+        entry = json.loads((root / f"step-{step}" / "manifest.json").read_text())["files"][0]
+        good = (root / f"step-{step}" / entry["file"]).read_bytes()
+        img = _shmckpt.replica_receive(str(root), step, 0)
+        np.asarray(img)[:] = np.frombuffer(good, dtype=np.uint8)
+        img.seal(keep_older=keep)
+        del img
+        if step == 2:
+            assert held() == [1, 2]  # kept
+            _shmckpt.replica_remove_older(str(root), 0, 2)
+            assert held() == [2]
+            shm = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 0, 2)
+            assert shm.read_bytes() == good
+    assert held() == [3]

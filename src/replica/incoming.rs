@@ -450,6 +450,18 @@ impl Incoming {
     /// The caller must have finished every write into the image (a write after this call
     /// faults).
     pub fn seal(&mut self) -> Result<PathBuf> {
+        self.seal_with(true)
+    }
+
+    /// [`Incoming::seal`], leaving this user's older replicas of the same root and rank in
+    /// place (the replication removes them with [`super::remove_older`] once the step is
+    /// known to be k-safe, out of its time to k-safe: freeing a large replica's pages
+    /// takes a while).
+    pub fn seal_keeping_older(&mut self) -> Result<PathBuf> {
+        self.seal_with(false)
+    }
+
+    fn seal_with(&mut self, remove_older: bool) -> Result<PathBuf> {
         if self.state != IncomingState::Open {
             return Err(Error::Config(format!(
                 "the image of rank {} of step {} was sealed already ({:?})",
@@ -457,7 +469,7 @@ impl Incoming {
             )));
         }
         self.state = IncomingState::Refused;
-        let res = self.seal_inner();
+        let res = self.seal_inner(remove_older);
         if res.is_err() {
             if let Target::Replica { tmp, .. } = &self.target {
                 let _ = remove_tmp(tmp);
@@ -470,7 +482,7 @@ impl Incoming {
         res
     }
 
-    fn seal_inner(&mut self) -> Result<PathBuf> {
+    fn seal_inner(&mut self, remove_older: bool) -> Result<PathBuf> {
         self.protect(MprotectFlags::READ)?;
         // SAFETY: the mapping is `map_len >= len` bytes, alive while `self` is; it is
         // read-only now, so no pointer handed out can write it while this borrow lives (a
@@ -488,7 +500,9 @@ impl Incoming {
                 let dfd = fsx::open_dir(dir)?;
                 rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
                     .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
-                remove_stale(tag, self.rank, self.step);
+                if remove_older {
+                    remove_stale(tag, self.rank, self.step);
+                }
                 Ok(dir.join(name))
             }
             Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
