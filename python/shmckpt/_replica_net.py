@@ -85,12 +85,10 @@ class ReplicaNet:
         me = self.ckpt.rank
         t0 = time.monotonic()
         works: List[Tuple[int, str, Any]] = []
-        # Received pieces of a restore's image, in order: each frozen, checked (`received`:
-        # the header, the tensors it completes) and written to its file as it arrives, so
-        # the checks and the write-back overlap the rest of the transfer. A replica arena is
-        # checked once the exchange is done (`seal`): checking each piece as it arrived
-        # slowed the two-way exchange itself to 0.67 x the transport on the H200 (from
-        # 0.96 x at 1 GiB, 0.91 x at 4 GiB), more than the checks cost after it.
+        # Received pieces of an image, in order: each frozen and checked as it arrives
+        # (`received`: the header, the tensors it completes), a restore's also written to
+        # its file, so the checks and the write-back overlap the rest of the transfer and
+        # the seal checks only what the last pieces completed.
         through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
@@ -102,7 +100,7 @@ class ReplicaNet:
             for a, b in self._pieces(t.numel(), src):
                 try:
                     w = dist.irecv(t[a:b], src=src, group=self.group)
-                    if getattr(buf, "restore", False):
+                    if hasattr(buf, "received"):
                         through[id(w)] = (buf, b)
                     works.append((src, "receiving from", w))
                 except RuntimeError as e:
