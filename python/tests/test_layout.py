@@ -1,7 +1,8 @@
 """The save's layout cache (``_layout.py``, issue 24): a state saved again with the same
-structure and tensor metadata reuses the last save's layout; any change of what flattening
-or capturing a tensor reads is detected, and every save stores exactly the values its state
-held at the call (round trips compared byte for byte)."""
+structure and tensor metadata reuses the last save's layout, also when its plain values
+changed (not their types); any change of what flattening or capturing a tensor reads is
+detected, and every save stores exactly the values its state held at the call (round trips
+compared byte for byte)."""
 
 import collections
 import gc
