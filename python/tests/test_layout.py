@@ -757,6 +757,17 @@ def test_a_plain_value_changed_while_flattened_is_not_cached(ckpt):
     state["step"] = 7
     assert not save_hit(ckpt, 6, state)
     assert ckpt._layout is not lay and type(ckpt.load(6)["step"]) is int
+    # Changed once flattened, while the layout is cut (from the tree read, not the state):
+    # that save stores the values read, the layout is theirs, and the new values are a hit.
+    ckpt._layout = None
+    want = snapshot(state)
+    assert_same(want, save_when(ckpt, 7, state, _layout._template.__code__, change))
+    assert ckpt._layout is not None and ckpt._layout.vals == [7, "0.5", "a", True]
+    assert save_hit(ckpt, 8, state)
+    assert (ckpt.load(8)["step"], ckpt.load(8)["tag"]) == (6, "b")
+    state.update(step=7, lr=0.5, tag="a", flag=True)
+    assert save_hit(ckpt, 9, state)
+    assert_same(want, ckpt.load(9))
 
 
 def test_a_plain_value_changed_during_a_hit_is_stored_as_probed(ckpt):
