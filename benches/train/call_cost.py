@@ -23,7 +23,9 @@ median per tensor (us), the median CPU time of the calling thread during the cal
 (``time.thread_time``: what the call computes, less what it waits for) and the median of
 ``opt.step()`` (the guard's hook plus AdamW); ``--json`` writes every sample.
 ``--profile`` runs cProfile over the calls of the first configuration (after the timed ones)
-and prints the functions with the most own time.
+and prints the functions with the most own time. ``--step-int`` adds a plain ``"step": n`` to
+the state, set to the call's step before each call (a trainer's counter: a plain value that
+changes at every save).
 
     python3 benches/train/call_cost.py --device cuda --states 5g,8g --calls 50
     python3 benches/train/call_cost.py --device cpu --states 5g,8g --calls 50
@@ -68,6 +70,7 @@ def parse_args(argv=None):
     a("--json", default=None, help="write every sample to this file")
     a("--profile", type=int, default=0, help="cProfile this many more calls of the first configuration")
     a("--shmckpt-path", default=None, help="directory prepended to sys.path before `import shmckpt`")
+    a("--step-int", action="store_true", help='add "step": n (an int, the call\'s step) to the state')
     return p.parse_args(argv)
 
 
@@ -95,6 +98,8 @@ class Config:
             opt.step()  # the AdamW state exists from here on
             state = flat_state(model, opt)
             nbytes = state_nbytes(state)
+            if args.step_int:
+                state["step"] = 0
             ck = shmckpt.Checkpointer(
                 os.path.join(root, state_name), keep_last=1, staging_capacity=nbytes + nbytes // 8 + (64 << 20)
             )
@@ -104,10 +109,13 @@ class Config:
             shared[state_name] = dict(model=model, opt=opt, state=state, ck=ck, bytes=nbytes)
         s = shared[state_name]
         self.opt, self.state, self.ck, self.bytes = s["opt"], s["state"], s["ck"], s["bytes"]
-        self.tensors = len(self.state)
+        self.step_int = args.step_int
+        self.tensors = len(self.state) - (1 if args.step_int else 0)
         self.calls, self.cpu, self.guard = [], [], []
 
     def one(self, step, record=True):
+        if self.step_int:
+            self.state["step"] = step
         c0 = time.thread_time()
         t0 = time.perf_counter()
         h = self.ck.save(step, self.state, **self.kw)
@@ -145,7 +153,7 @@ def main(argv=None):
         ]
         print(
             f"shmckpt {getattr(shmckpt, '__version__', '?')} from {os.path.dirname(shmckpt.__file__)}; "
-            f"torch {torch.__version__}; device {args.device}"
+            f"torch {torch.__version__}; device {args.device}; step int {args.step_int}"
             + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
             flush=True,
         )
@@ -181,12 +189,14 @@ def main(argv=None):
             )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(device=args.device, d=args.d, results=out), f)
+                json.dump(dict(device=args.device, d=args.d, step_int=args.step_int, results=out), f)
         if args.profile:
             c = configs[0]
             prof = cProfile.Profile()
             for _ in range(args.profile):
                 step += 1
+                if c.step_int:
+                    c.state["step"] = step
                 prof.enable()
                 h = c.ck.save(step, c.state, **c.kw)
                 prof.disable()

@@ -9,8 +9,14 @@ What is compared (a layout is reused only when all of it is equal):
 
 * the containers, node for node: their exact types (``dict``, ``OrderedDict``, ``list``,
   ``tuple``), their keys (exact ``str`` or ``int``, in order) and lengths;
-* the plain values: exact type and value (a ``float`` by its ``repr``, as the skeleton
-  stores it: ``-0.0`` is not ``0.0``);
+* the plain values: their exact types (``int``, ``float``, ``str``, ``bool``, ``None``: ``True``
+  is not an ``int`` here, nor ``1.0``). Not their values: a state differing from the
+  layout's only in plain values (a step counter, an epoch, a learning rate) reuses it, its
+  skeleton the layout's cut at the values (:func:`_template`) and joined with the new ones,
+  each encoded as flattening it would (:func:`_fill`; a ``float`` by its ``repr``, as the
+  skeleton stores it: ``-0.0`` is not ``0.0``). The same values: the layout's skeleton. (A
+  skeleton with a name or key that holds the marker of the cut cannot be cut: a change of
+  its values is a miss.);
 * numpy arrays: exact type ``np.ndarray`` and dtype (their bytes are captured at every save);
 * tensors: exact type (``torch.Tensor`` or ``torch.nn.Parameter``), ``_is_param``, layout,
   nestedness, device, dtype, ``requires_grad``, shape, strides, storage offset, address,
@@ -25,13 +31,16 @@ flattened at every save, which raises what it raises. A metadata read that raise
 strides of a sparse tensor) is a miss, never an error of its own. Tensor bytes are never
 cached: the engine reads every tensor's bytes at every save, from the addresses compared
 above. What flattening and capturing read is cached only once checked against the probe
-taken before (:meth:`Layout.of`, :func:`fits`): everything cached is then what the probe's
-key gives, even when another thread changed the state during the save and back.
+taken before (:meth:`Layout.of`, :func:`fits`; the skeleton node for node, plain values
+included): everything cached is then what the probe's key gives, even when another thread
+changed the state during the save and back. The plain values of a hit are the probe's, read
+once: its skeleton is built from them, and a hit changes no cached value or skeleton.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import operator
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
@@ -51,19 +60,24 @@ _STORAGE: Any = torch.UntypedStorage if torch is not None else None
 _ND = np.ndarray
 _OD = collections.OrderedDict
 _KEY_TYPES = frozenset((str, int))
+#: How ``json.dumps(..., ensure_ascii=False)`` (:func:`~shmckpt._state.encode`) encodes a str.
+_encode_str: Any = json.encoder.encode_basestring  # type: ignore[attr-defined]
 #: The tensor attributes read in one call each (``operator.attrgetter`` over the list).
 _META = operator.attrgetter("layout", "is_nested", "device", "dtype", "requires_grad", "shape")
 
 
 class Probe:
-    """One walk of a state: its structure tokens, its leaves (tensors and arrays, in
-    :func:`~shmckpt._state.flatten`'s order), and its tensors' metadata."""
+    """One walk of a state: its structure tokens (with the type of each plain value), its
+    leaves (tensors and arrays, in :func:`~shmckpt._state.flatten`'s order), its plain values
+    (``int``, ``str`` and ``bool`` as they are, a ``float`` by its ``repr``; not ``None``, which
+    its token says all of) and its tensors' metadata."""
 
-    __slots__ = ("tokens", "objs", "tensor_pos", "tensors", "sig", "storages")
+    __slots__ = ("tokens", "objs", "vals", "tensor_pos", "tensors", "sig", "storages")
 
-    def __init__(self, tokens: List[Any], objs: List[Any]):
+    def __init__(self, tokens: List[Any], objs: List[Any], vals: List[Any]):
         self.tokens = tokens
         self.objs = objs
+        self.vals = vals
         #: Index in ``objs`` of each tensor (None: every leaf is a tensor).
         self.tensor_pos: Optional[List[int]] = None
         self.tensors: List[Any] = objs
@@ -87,8 +101,10 @@ def probe(state: Any) -> Optional[Probe]:
         return None
     tokens: List[Any] = []
     objs: List[Any] = []
+    vals: List[Any] = []
     tok = tokens.append
     obj = objs.append
+    val = vals.append
     arrays = False
 
     def walk(x: Any, depth: int) -> bool:
@@ -125,16 +141,21 @@ def probe(state: Any) -> Optional[Probe]:
             arrays = True
             return True
         if t is float:
-            tok((t, repr(x)))
+            tok(t)
+            val(repr(x))
             return True
-        if x is None or t is bool or t is int or t is str:
-            tok((t, x))
+        if t is int or t is str or t is bool:
+            tok(t)
+            val(x)
+            return True
+        if x is None:
+            tok(None)
             return True
         return False
 
     if not walk(state, 0):
         return None
-    p = Probe(tokens, objs)
+    p = Probe(tokens, objs, vals)
     if arrays:
         p.tensor_pos = [i for i, x in enumerate(objs) if type(x) is not _ND]
         p.tensors = [objs[i] for i in p.tensor_pos]
@@ -173,23 +194,31 @@ class Plan:
 class Layout:
     """What flattening a state gave, and the probe it is valid for."""
 
-    __slots__ = ("tokens", "sig", "infos", "skeleton", "holdable", "plan")
+    __slots__ = ("tokens", "sig", "infos", "vals", "kinds", "parts", "skeleton", "holdable", "plan")
 
-    def __init__(self, p: Probe, flat: Flat, skeleton: str):
+    def __init__(self, p: Probe, flat: Flat, skeleton: str, kinds: List[Any], parts: Optional[List[str]]):
         self.tokens = p.tokens
         self.sig = p.sig
         #: Per leaf: (name, kind, safetensors dtype, alias_of, lazy); no reference to the
         #: tensors (a cached layout keeps no memory alive).
         self.infos = [(lf.name, lf.kind, lf.dtype, lf.alias_of, lf.lazy) for lf in flat.leaves]
+        #: The plain values the skeleton holds (the probe's) and the type of each.
+        self.vals = p.vals
+        self.kinds = kinds
+        #: The skeleton cut at its plain values (one more part than values; None when it
+        #: cannot be, see :func:`_template`): a state differing only in these values gets its
+        #: skeleton by :func:`_fill`.
+        self.parts = parts
         self.skeleton = skeleton
         #: Every leaf an alias, an array, a host tensor or contiguous (``save``'s ``hold``).
         self.holdable = _holdable(p, self.infos)
         self.plan: Optional[Plan] = None
 
     @staticmethod
-    def of(p: Optional[Probe], flat: Flat, skeleton: str) -> Optional["Layout"]:
+    def of(p: Optional[Probe], flat: Flat) -> Optional["Layout"]:
         """The layout of ``flat`` for probe ``p`` of the same state (None when the state is
-        uncacheable or the probe does not describe ``flat``'s leaves)."""
+        uncacheable or the probe does not describe ``flat``'s leaves and skeleton). Its
+        ``skeleton`` is the encoding of ``flat`` (:func:`~shmckpt._state.encode`)."""
         if p is None or p.sig is None or len(p.objs) != len(flat.leaves):
             return None
         if any(a is not lf.obj for a, lf in zip(p.objs, flat.leaves)):
@@ -212,13 +241,27 @@ class Layout:
                 alias = None if alias == lf.name else alias
             if lf.alias_of != alias:
                 return None
-        if not _tree_fits(p, flat.tree):
+        slots = _tree_fits(p, flat.tree)
+        if slots is None:
             return None
-        return Layout(p, flat, skeleton)
+        # The skeleton of the probe's values (those of the tree, just checked), cut at them.
+        kinds = [t for t in p.tokens if t is int or t is float or t is str or t is bool]
+        parts = _template(flat.tree, slots) if slots else None
+        skeleton = _state.encode(flat) if parts is None else _fill(parts, kinds, p.vals)
+        return Layout(p, flat, skeleton, kinds, parts)
 
-    def matches(self, p: Optional[Probe]) -> bool:
-        """Whether probe ``p`` (of the state to save now) has this layout."""
-        return p is not None and p.tokens == self.tokens and p.sig == self.sig
+    def skeleton_for(self, p: Optional[Probe]) -> Optional[str]:
+        """The skeleton of the state of probe ``p`` when it has this layout (the same
+        structure, the same type at each plain value, the same metadata), else None: this
+        layout's when its plain values are the same, else this layout's with ``p``'s values
+        (None when it has no parts)."""
+        if p is None or p.tokens != self.tokens or p.sig != self.sig:
+            return None
+        if p.vals == self.vals:  # the types are the tokens': == is exact (floats by repr)
+            return self.skeleton
+        if self.parts is None:
+            return None
+        return _fill(self.parts, self.kinds, p.vals)
 
     def leaf(self, i: int, x: Any) -> Leaf:
         """Leaf ``i`` of this layout, over ``x`` (a matching probe's leaf ``i``)."""
@@ -230,15 +273,63 @@ class Layout:
         return [self.leaf(i, x) for i, x in enumerate(objs)]
 
 
-def _tree_fits(p: Probe, tree: Any) -> bool:
-    """Whether skeleton ``tree`` (what flatten read) is what probe ``p``'s tokens and
+#: What stands for the plain values in the encoding cut into a template: JSON escapes its
+#: control characters, and its encoding holds no ``"`` inside, no ``:`` and no ``}`` (what
+#: precedes and follows a value in a skeleton), so it occurs once per value and elsewhere
+#: only inside another string, which :func:`_template` detects.
+_SLOT = "\x00shmckpt.value\x00"
+_SLOT_JSON = json.dumps(_SLOT)
+
+
+def _template(tree: Any, slots: List[Any]) -> Optional[List[str]]:
+    """The encoding of skeleton ``tree`` cut at the values of ``slots`` (its plain nodes
+    with a value, in order): ``len(slots) + 1`` strings, or None when a name, key or other
+    string of the skeleton holds what stands for a value."""
+    saved = [n["v"] for n in slots]
+    try:
+        for n in slots:
+            n["v"] = _SLOT
+        text = _state.encode(Flat(tree))
+    finally:
+        for n, v in zip(slots, saved):
+            n["v"] = v
+    parts = text.split(_SLOT_JSON)
+    return parts if len(parts) == len(slots) + 1 else None
+
+
+def _fill(parts: List[str], kinds: Sequence[Any], vals: Sequence[Any]) -> str:
+    """The skeleton of template ``parts`` with plain values ``vals`` of types ``kinds``
+    (a float by its ``repr``), encoded as :func:`~shmckpt._state.flatten` and
+    :func:`~shmckpt._state.encode` do: an int as the JSON string of its decimal digits
+    (``ValueError`` beyond ``sys.get_int_max_str_digits()``, as flatten), a float as the
+    JSON string of its ``repr``, a bool as ``true`` or ``false``, a str as JSON (not
+    ASCII-escaped)."""
+    out = [parts[0]]
+    add = out.append
+    for k, v, part in zip(kinds, vals, parts[1:]):
+        if k is str:
+            add(_encode_str(v))
+        elif k is bool:
+            add("true" if v else "false")
+        elif k is int:
+            add('"' + int.__repr__(v) + '"')
+        else:  # float: its repr (digits, sign, point, exponent, inf, nan)
+            add('"' + v + '"')
+        add(part)
+    return "".join(out)
+
+
+def _tree_fits(p: Probe, tree: Any) -> Optional[List[Any]]:
+    """Whether skeleton ``tree`` (what flatten read) is what probe ``p``'s tokens, values and
     metadata give, node for node: the container types and keys (and so every name), the
     plain values, each tensor's dtype and Parameter flags, each array's dtype. A state
     changed while it was flattened is not cached (every cached name and value is then a
-    function of the key)."""
+    function of the key). Returns the tree's plain nodes with a value, in order (the
+    probe's ``vals``), or None when it does not fit."""
     assert p.sig is not None
     meta, params = p.sig[0], p.sig[7]
-    toks = p.tokens
+    toks, vals = p.tokens, p.vals
+    slots: List[Any] = []
     at = 0  # next token
     nt = 0  # next tensor (index into the metadata)
 
@@ -258,6 +349,19 @@ def _tree_fits(p: Probe, tree: Any) -> bool:
             if n.get("dtype") != _state.torch_dtype_name(m[3]) or n.get("param", False) != param:
                 return False
             return not param or n.get("requires_grad") == bool(m[4])
+        if tok is None:
+            return t == "none"
+        if tok is int or tok is float or tok is str or tok is bool:
+            i = len(slots)
+            if i >= len(vals) or t != tok.__name__:
+                return False
+            v, nv = vals[i], n["v"]
+            slots.append(n)
+            if tok is int:  # the tree holds str(v): a number of at most the digits str allows
+                return type(nv) is str and nv == _int_str(v)
+            if tok is bool:
+                return nv is v
+            return type(nv) is str and nv == v  # a float by its repr, "inf" and "nan" alike
         typ, v = tok
         if typ is dict or typ is _OD:
             if t != ("odict" if typ is _OD else "dict") or len(n["v"]) != len(v):
@@ -270,17 +374,19 @@ def _tree_fits(p: Probe, tree: Any) -> bool:
             return t == typ.__name__ and len(n["v"]) == v and all(node(c) for c in n["v"])
         if typ is _ND:
             return t == "ndarray" and n["dtype"] == _state.little_endian(v).str
-        if typ is float:
-            return t == "float" and n["v"] == v  # repr, "inf" and "nan" alike
-        if typ is int:
-            return t == "int" and n["v"] == str(v)
-        if typ is bool:
-            return t == "bool" and n["v"] is v
-        if typ is str:
-            return t == "str" and n["v"] == v
-        return t == "none" and v is None
+        return False
 
-    return node(tree) and at == len(toks) and nt == len(meta)
+    if node(tree) and at == len(toks) and nt == len(meta) and len(slots) == len(vals):
+        return slots
+    return None
+
+
+def _int_str(v: int) -> Optional[str]:
+    """``str(v)``, or None for an int with more digits than ``str`` converts."""
+    try:
+        return int.__repr__(v)
+    except ValueError:
+        return None
 
 
 def _holdable(p: Probe, infos: Sequence[Tuple[Any, ...]]) -> bool:

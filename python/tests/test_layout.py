@@ -1,7 +1,8 @@
 """The save's layout cache (``_layout.py``, issue 24): a state saved again with the same
-structure and tensor metadata reuses the last save's layout; any change of what flattening
-or capturing a tensor reads is detected, and every save stores exactly the values its state
-held at the call (round trips compared byte for byte)."""
+structure and tensor metadata reuses the last save's layout, also when its plain values
+changed (not their types); any change of what flattening or capturing a tensor reads is
+detected, and every save stores exactly the values its state held at the call (round trips
+compared byte for byte)."""
 
 import collections
 import gc
@@ -16,10 +17,11 @@ from safetensors.torch import load_file
 import shmckpt
 from shmckpt import _layout, _state
 from shmckpt.checkpointer import save as save_mod
+from shmckpt.checkpointer.handle import SaveHandle
 from shmckpt.errors import UnsupportedValue
 
 from conftest import SMALL
-from test_state import assert_same, file_of, raw
+from test_state import assert_same, file_of, header, raw
 
 
 def snapshot(x):
@@ -202,27 +204,23 @@ def test_aliasing_two_tensors_is_detected(ckpt):
     assert sorted(load_file(file_of(ckpt.root, 4))) == ["b", "c", "n.m", "w"]
 
 
-def test_plain_values_and_containers_are_compared_exactly(ckpt):
+def test_plain_value_types_and_containers_are_compared_exactly(ckpt):
+    """A plain value of another type at the same place (``True`` is an ``int`` subclass and
+    ``== 1``, ``1.0 == 1``) or another container type is a miss."""
     state = base_state()
     save_and_check(ckpt, 1, state)
-    state["n"]["step"] = 4
-    assert not save_and_check(ckpt, 2, state)
-    state["n"]["lr"] = 0.0
-    assert not save_and_check(ckpt, 3, state)
-    state["n"]["lr"] = -0.0  # equal to 0.0, another value
-    assert not save_and_check(ckpt, 4, state)
-    state["n"]["lr"] = float("nan")
-    assert not save_and_check(ckpt, 5, state)
-    state["n"]["step"] = True  # == 1, another type
-    save_and_check(ckpt, 6, state)
-    state["n"]["step"] = 1
-    assert not save_and_check(ckpt, 7, state)
+    step = 2
+    for v in (True, 1, 1.0, 1, "1", None, 0, False, None, "x", 0.0, False):
+        state["n"]["step"] = v
+        assert not save_and_check(ckpt, step, state), v
+        assert type(ckpt.load(step)["n"]["step"]) is type(v)
+        step += 1
     state["n"] = collections.OrderedDict(state["n"])
-    assert not save_and_check(ckpt, 8, state)
+    assert not save_and_check(ckpt, step, state)
     state["l"] = [state.pop("b")]
-    save_and_check(ckpt, 9, state)
+    save_and_check(ckpt, step + 1, state)
     state["l"] = tuple(state["l"])
-    assert not save_and_check(ckpt, 10, state)
+    assert not save_and_check(ckpt, step + 2, state)
 
 
 def test_lazy_bits_and_parameter_flags_are_detected(ckpt):
@@ -504,7 +502,7 @@ def test_leaves_flattened_while_the_state_changed_and_back_are_not_reused(ckpt):
 
     step = 0
     for change, change_back in ((to_int, to_float), (unconj, conj), (alias, apart)):
-        state["i"] = step  # a miss: flattened
+        ckpt._layout = None  # a miss: flattened
         save_with(ckpt, step + 1, state, _state.flatten, change, change_back)
         save_and_check(ckpt, step + 2, state)
         assert sorted(load_file(file_of(ckpt.root, step + 2))) == ["c", "w", "z"]
@@ -539,9 +537,288 @@ def test_a_skeleton_flattened_while_the_state_changed_and_back_is_not_reused(ckp
         (lambda: dtype(np.int32), lambda: dtype(np.float32)),
     )
     for step, (change, change_back) in enumerate(scenarios):
-        n["step"] = step  # a miss: flattened
+        ckpt._layout = None  # a miss: flattened
         save_with(ckpt, 2 * step + 1, state, _state.flatten, change, change_back)
         save_and_check(ckpt, 2 * step + 2, state)
         back = ckpt.load(2 * step + 2)
         assert list(back["n"]) == ["m", "lr", "step", "name"] and back["n"]["lr"] == 0.5
         assert back["p"].requires_grad and back["a"].dtype == np.float32
+
+
+# -- plain values that change at every save (a step counter, an epoch, a learning rate) ---
+
+
+_FLATTEN = _state.flatten
+
+
+@pytest.fixture
+def flattens(monkeypatch):
+    """The number of times a save flattened its state (a miss; a hit flattens nothing)."""
+    calls = []
+    real = _state.flatten
+
+    def counted(state):
+        calls.append(1)
+        return real(state)
+
+    monkeypatch.setattr(_state, "flatten", counted)
+    return calls
+
+
+def skeleton_of(root, step):
+    """The skeleton JSON the file of ``step`` holds."""
+    return header(file_of(root, step))[0]["__metadata__"][_state.STATE_KEY]
+
+
+def save_hit(ck, step, state, **kw):
+    """``save_and_check``, asserting also that the skeleton written is exactly what
+    flattening and encoding the state gives (the same bytes, whether the save reused the
+    layout or not)."""
+    want = _state.encode(_FLATTEN(state))
+    hit = save_and_check(ck, step, state, **kw)
+    assert skeleton_of(ck.root, step) == want
+    return hit
+
+
+def trainer_state(step, g):
+    return {
+        "model": {"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g)},
+        "optim": {"state": {0: {"exp_avg": torch.zeros(4, 6), "step": torch.tensor(0.0)}}, "lr": 1e-3},
+        "step": step,
+        "epoch": 0,
+        "global_step": step * 8,
+        "loss": float("nan"),
+        "tag": "warmup",
+        "done": False,
+        "best": None,
+    }
+
+
+def test_a_state_whose_plain_values_change_at_every_save_reuses_the_layout(ckpt, flattens):
+    """A trainer's state with a step counter, an epoch, a learning rate, a loss, a phase name
+    and a flag that change between saves: one flatten (the first save), every later save a
+    hit, and each step loads back exactly its own values, types and bytes."""
+    g = torch.Generator().manual_seed(7)
+    state = trainer_state(0, g)
+    lay = None
+    wants = {}
+    losses = [float("nan"), 2.5, -0.0, 0.0, float("inf"), float("-inf"), 1e308, 5e-324, 0.1, -1.25e-7]
+    for i, loss in enumerate(losses):
+        step = 100 + i
+        state["step"] = step
+        state["epoch"] = i // 3
+        state["global_step"] = step * 8
+        state["optim"]["lr"] = 1e-3 * 0.5**i
+        state["loss"] = loss
+        state["tag"] = ("warmup", "train", "cooldown ❄")[i % 3]
+        state["done"] = i == len(losses) - 1
+        with torch.no_grad():
+            state["model"]["w"].add_(1.0)
+            state["optim"]["state"][0]["step"].add_(1.0)
+        wants[step] = snapshot(state)
+        assert save_hit(ckpt, step, state) == (i > 0)
+        if lay is None:
+            lay = ckpt._layout
+        assert ckpt._layout is lay
+    assert len(flattens) == 1
+    for step, want in wants.items():
+        back = ckpt.load(step)
+        assert_same(want, back)
+        for k in ("step", "epoch", "global_step", "loss", "tag", "done", "best"):
+            assert type(back[k]) is type(want[k])
+        assert back["step"] == step and back["global_step"] == step * 8
+        assert repr(back["loss"]) == repr(want["loss"])
+    assert repr(ckpt.load(102)["loss"]) == "-0.0" and ckpt.load(103)["loss"] == 0.0
+
+
+def test_plain_value_changes_are_exact_for_every_type(ckpt, flattens):
+    """Values of each plain type that compare or print alike, each a hit and stored exactly:
+    floats by their repr (signed zeros, infinities, NaN, the extremes), big ints, unicode and
+    escaped strings, bools."""
+    state = {"t": torch.arange(4.0), "i": 0, "f": 0.0, "s": "", "b": False, "n": None, "l": [1, 2.0, "3", True]}
+    save_hit(ckpt, 1, state)
+    ints = [1, -1, 2**63 - 1, -(2**63), 2**64, 2**200 + 1, -(10**4000), 10**4299, 0]
+    floats = [-0.0, 0.0, float("inf"), float("-inf"), float("nan"), 1e-320, -1.7976931348623157e308, 0.1 + 0.2, 1.0]
+    strs = ["é", "日本語", "🚀 rocket", '"quoted" \\ back', "\x00\x01\n\t\x7f", "\u2028\u2029", "é" * 1000, "a"]
+    step = 2
+    for i in range(max(len(ints), len(floats), len(strs))):
+        state["i"] = ints[i % len(ints)]
+        state["f"] = floats[i % len(floats)]
+        state["s"] = strs[i % len(strs)]
+        state["b"] = not state["b"]
+        state["l"] = [i, float(i) / 3, str(i), i % 2 == 0]
+        assert save_hit(ckpt, step, state)
+        back = ckpt.load(step)
+        assert type(back["i"]) is int and back["i"] == state["i"]
+        assert type(back["f"]) is float and repr(back["f"]) == repr(state["f"])
+        assert type(back["s"]) is str and back["s"] == state["s"]
+        assert back["b"] is state["b"] and back["n"] is None
+        step += 1
+    assert len(flattens) == 1
+
+
+def test_an_int_too_long_for_str_raises_on_a_hit_as_on_a_miss(ckpt, flattens):
+    """``str`` converts ints of at most ``sys.get_int_max_str_digits()`` digits: a longer
+    one is refused (``ValueError``) whether the save would reuse the layout or not, and the
+    layout stays usable."""
+    limit = sys.get_int_max_str_digits()
+    huge = 10 ** (limit + 1)
+    state = {"t": torch.ones(2), "step": 1}
+    save_hit(ckpt, 1, state)
+    lay = ckpt._layout
+    state["step"] = huge
+    with pytest.raises(ValueError, match="digits"):
+        ckpt.save(2, state)  # a hit's skeleton
+    assert ckpt._layout is lay
+    ckpt._layout = None
+    with pytest.raises(ValueError, match="digits"):
+        ckpt.save(2, state)  # a miss: flatten
+    state["step"] = 1
+    save_hit(ckpt, 2, state)
+    state["step"] = -(10 ** (limit - 1))
+    assert save_hit(ckpt, 3, state)
+    assert ckpt.load(3)["step"] == state["step"]
+
+
+def test_a_name_holding_the_value_marker_makes_value_changes_misses(ckpt):
+    """A key (so a name) encoded with what stands for the values in the cut skeleton (the
+    marker itself, or after an escaped quote): the layout cannot be cut; a value change is
+    then a miss, still exact. As a value it is a value like any other."""
+    t = torch.ones(2)
+    for step, key in ((1, _layout._SLOT), (10, 'a"' + _layout._SLOT)):
+        state = {key: 1, "t": t, "v": "a", "d": {key: t.clone()}}
+        assert not save_hit(ckpt, step, state)
+        assert ckpt._layout.parts is None
+        assert save_hit(ckpt, step + 1, state)  # the same values: the same skeleton
+        state["v"] = "other"
+        assert not save_hit(ckpt, step + 2, state)
+        state[key] = 2
+        assert not save_hit(ckpt, step + 3, state)
+        assert ckpt.load(step + 3)[key] == 2
+    state = {"t": t, "v": _layout._SLOT, "k" + _layout._SLOT: 5}
+    assert not save_hit(ckpt, 20, state)
+    assert ckpt._layout.parts is not None
+    state["v"], state["k" + _layout._SLOT] = "x" + _layout._SLOT, 6
+    assert save_hit(ckpt, 21, state)
+    assert ckpt.load(21)["v"] == "x" + _layout._SLOT
+
+
+def save_when(ck, step, state, code, mutate, nth=1, **kw):
+    """Save ``state`` as ``step``, calling ``mutate()`` when ``code`` is entered for the
+    ``nth`` time during the save (another thread changing the state at that point)."""
+    seen = []
+    old = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            seen.append(True)
+            if len(seen) == nth:
+                mutate()
+        return None
+
+    sys.settrace(tracer)
+    try:
+        ck.save(step, state, **kw).wait()
+    finally:
+        sys.settrace(old)
+    assert len(seen) >= nth
+    return ck.load(step)
+
+
+def test_a_plain_value_changed_while_flattened_is_not_cached(ckpt):
+    """Plain values changed by another thread after the probe, while ``flatten`` reads the
+    state (and not back): that save stores either, and the layout it flattened (the old
+    values' key, the new values' skeleton) is never reused; every later save stores its own
+    values, the old ones included."""
+    state = {"t": torch.arange(3.0), "step": 5, "lr": 0.5, "tag": "a", "flag": True}
+
+    def change():
+        state.update(step=6, lr=0.25, tag="b", flag=False)
+
+    ckpt._layout = None
+    back = save_when(ckpt, 1, state, _state.flatten.__code__, change)
+    assert back["step"] in (5, 6)
+    assert ckpt._layout is None  # the tree read is not the probe's: nothing cached
+    state.update(step=5, lr=0.5, tag="a", flag=True)  # the values the save's probe read
+    assert not save_hit(ckpt, 2, state)
+    state.update(step=6, lr=0.25, tag="b", flag=False)
+    assert save_hit(ckpt, 3, state)
+    state.update(step=5, lr=0.5, tag="a", flag=True)
+    assert save_hit(ckpt, 4, state)
+    # A type changed while flattened (an int made a float) and back.
+    lay = ckpt._layout
+
+    def to_float():
+        state["step"] = 7.0
+
+    ckpt._layout = None
+    save_with(ckpt, 5, state, _state.flatten, to_float, lambda: state.update(step=7))
+    assert ckpt._layout is None
+    state["step"] = 7
+    assert not save_hit(ckpt, 6, state)
+    assert ckpt._layout is not lay and type(ckpt.load(6)["step"]) is int
+    # Changed once flattened, while the layout is cut (from the tree read, not the state):
+    # that save stores the values read, the layout is theirs, and the new values are a hit.
+    ckpt._layout = None
+    want = snapshot(state)
+    assert_same(want, save_when(ckpt, 7, state, _layout._template.__code__, change))
+    assert ckpt._layout is not None and ckpt._layout.vals == [7, "0.5", "a", True]
+    assert save_hit(ckpt, 8, state)
+    assert (ckpt.load(8)["step"], ckpt.load(8)["tag"]) == (6, "b")
+    state.update(step=7, lr=0.5, tag="a", flag=True)
+    assert save_hit(ckpt, 9, state)
+    assert_same(want, ckpt.load(9))
+
+
+def test_a_plain_value_changed_during_a_hit_is_stored_as_probed(ckpt):
+    """Plain values changed by another thread during a save that reuses the layout (while
+    its skeleton is built from the probe's values, before or after its tensors are captured): that
+    save stores the values its probe read, the layout is not changed, and the next save
+    stores the new values."""
+    state = {"t": torch.arange(3.0), "n": {"step": 5, "lr": 0.5}, "tag": "a"}
+    save_hit(ckpt, 1, state)
+    lay = ckpt._layout
+    parts, vals, skeleton = list(lay.parts), list(lay.vals), lay.skeleton
+    codes = (_layout._fill.__code__, type(ckpt)._reap.__code__, SaveHandle.__init__.__code__)
+    for step, code in enumerate(codes, start=2):
+        state["n"]["step"] = step
+        want = snapshot(state)
+
+        def change():
+            state["n"].update(step=-1, lr=-1.0)
+            state["tag"] = "changed"
+
+        assert_same(want, save_when(ckpt, step, state, code, change))
+        assert ckpt._layout is lay
+        assert (lay.parts, lay.vals, lay.skeleton) == (parts, vals, skeleton)
+        assert save_hit(ckpt, step + 10, state)
+        state["tag"] = "a"
+        state["n"]["lr"] = 0.5
+
+
+def test_a_plain_value_changed_during_the_probe_is_never_cached_apart(ckpt):
+    """Plain values changed by another thread while the probe walks the state (the probe
+    reads a mix: the values before the change, those after it): that save stores the mix
+    or a state read later; whatever is cached, every later save stores its own values."""
+    walk = next(c for c in _layout.probe.__code__.co_consts if getattr(c, "co_name", "") == "walk")
+    inner = {"x": 1, "y": 2.5, "z": "s"}
+    state = {"a": 1, "t": torch.ones(2), "in": inner, "b": "q"}
+    for first in (True, False):  # a miss (no layout yet) and a hit
+        if first:
+            ckpt._layout = None
+        else:
+            save_hit(ckpt, 50, state)
+
+        def change():
+            state["a"] = 100  # already read
+            inner.update(x=200, y=-2.5)  # not yet read
+
+        # walk(state), walk(1), then walk(inner): change the state when inner is entered.
+        back = save_when(ckpt, 51 if first else 52, state, walk, change, nth=3)
+        assert back["in"]["x"] == 200 and back["a"] in (1, 100)
+        for step, (a, x, y) in enumerate(((1, 1, 2.5), (100, 200, -2.5), (1, 200, -2.5), (100, 1, 2.5)), start=60):
+            state["a"] = a
+            inner.update(x=x, y=y)
+            save_hit(ckpt, step + (0 if first else 10), state)
+            back = ckpt.load(step + (0 if first else 10))
+            assert (back["a"], back["in"]["x"], back["in"]["y"]) == (a, x, y)

@@ -69,20 +69,22 @@ class SaveMixin(GuardMixin):
         # freed (by reference counting) before collections are allowed again.
         with _gc_paused():
             # The layout of the previous save is reused when this state has the same
-            # structure and tensor metadata (_layout.py); else the state is flattened.
+            # structure, plain value types and tensor metadata (_layout.py), its skeleton
+            # given this state's plain values; else the state is flattened.
             probe = _layout.probe(state)
             lay = self._layout
             leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
             new_layout = False  # a layout made here: cached once the save is captured
-            if lay is not None and lay.matches(probe):
+            hit = lay.skeleton_for(probe) if lay is not None else None
+            if hit is not None:
                 assert probe is not None
-                skeleton = lay.skeleton
+                skeleton = hit
             else:
                 flat = _state.flatten(state)
                 leaves = flat.leaves
-                skeleton = _state.encode(flat)
                 self._layout = None
-                lay = _layout.Layout.of(probe, flat, skeleton)
+                lay = _layout.Layout.of(probe, flat)
+                skeleton = lay.skeleton if lay is not None else _state.encode(flat)
                 new_layout = lay is not None
                 del flat
             if _state.STATE_KEY in meta:
