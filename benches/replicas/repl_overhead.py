@@ -534,17 +534,7 @@ def launch(args, argv):
 
 def write_outputs(results, out_dir):
     """repl.json (everything) and repl.md (the tables, printed at the end of a run)."""
-    repl_report.summarize(results)
-    tmp = os.path.join(out_dir, "repl.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f, default=repr)
-    os.replace(tmp, os.path.join(out_dir, "repl.json"))
-    md = repl_report.markdown(results)
-    with open(os.path.join(out_dir, "repl.md"), "w") as f:
-        f.write(md)
-    if results["meta"].get("wall_s") is not None:
-        print(md, flush=True)
-    return 0
+    return drain_probe.write_outputs(results, out_dir, report=repl_report, name="repl")
 
 
 def main(argv=None):

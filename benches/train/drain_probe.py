@@ -468,15 +468,16 @@ def main(argv=None):
     return rc
 
 
-def write_outputs(results, out_dir):
-    """drain.json (everything) and drain.md (the tables, also printed at the end)."""
-    drain_report.summarize(results)
-    tmp = os.path.join(out_dir, "drain.json.tmp")
+def write_outputs(results, out_dir, report=drain_report, name="drain"):
+    """NAME.json (everything) and NAME.md (``report``'s tables, also printed at the end);
+    ``report`` has ``summarize(results)`` and ``markdown(results)``."""
+    report.summarize(results)
+    tmp = os.path.join(out_dir, f"{name}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(results, f, default=repr)
-    os.replace(tmp, os.path.join(out_dir, "drain.json"))
-    md = drain_report.markdown(results)
-    with open(os.path.join(out_dir, "drain.md"), "w") as f:
+    os.replace(tmp, os.path.join(out_dir, f"{name}.json"))
+    md = report.markdown(results)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(md)
     if results["meta"].get("wall_s") is not None:
         print(md, flush=True)

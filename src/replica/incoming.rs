@@ -67,7 +67,7 @@ pub struct Incoming {
     step: u64,
     rank: u32,
     entry: FileEntry,
-    /// A restore's file written while the image arrives ([`Incoming::write_through`]).
+    /// A restore's file written while the image arrives ([`Incoming::received`]).
     early: Option<EarlyWrite>,
     /// Bytes `[0, frozen)` are read-only and checked as far as they go
     /// ([`Incoming::received`]).
@@ -312,7 +312,7 @@ impl Incoming {
     /// finished; a later write there faults): freeze those bytes read-only (rounded down
     /// to a page, or the whole image), check what they complete (the header, each tensor
     /// wholly inside: its CRC-32C against the manifest's), and for a restore write them
-    /// to its file ([`Incoming::write_through`]). So the check, and a restore's write-back,
+    /// to its file. So the check, and a restore's write-back,
     /// overlap the transfer, and [`Incoming::seal`] checks only the rest. An error means
     /// the image does not match its manifest (the seal will refuse it) or a write failed.
     pub fn received(&mut self, end: usize) -> Result<()> {
@@ -363,24 +363,13 @@ impl Incoming {
         self.check.checked()
     }
 
-    /// A restore only, while open: freeze the image's bytes up to `end` (rounded down to a
-    /// page, or the whole image) read-only, and write them to the rank's temporary file in
-    /// the step's directory (created new, never through a link, on the first call), so the
-    /// write-back overlaps the transfer; [`Incoming::seal`] writes the rest, checks the
-    /// whole image and only then renames the file into place (a failure removes it). The
-    /// caller must have finished every write into `[0, end)` (a later write faults).
-    pub fn write_through(&mut self, end: usize) -> Result<()> {
-        if !self.is_restore() || self.state != IncomingState::Open {
-            return Err(Error::Config(
-                "write_through is for a restore's image being received".into(),
-            ));
-        }
-        let page = rustix::param::page_size();
-        let end = if end >= self.len {
-            self.len
-        } else {
-            end - end % page
-        };
+    /// A restore's bytes `[written, end)`, frozen already ([`Incoming::received`]: `end` is
+    /// at most `frozen`), written to the rank's temporary file in the step's directory
+    /// (created new, never through a link, on the first call), so the write-back overlaps
+    /// the transfer; [`Incoming::seal`] writes the rest, checks the whole image and only
+    /// then renames the file into place (a failure removes it).
+    fn write_through(&mut self, end: usize) -> Result<()> {
+        debug_assert!(self.is_restore() && end <= self.frozen);
         if self.early.is_none() {
             let (dir, entry) = self.still_committed()?;
             let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
@@ -394,26 +383,13 @@ impl Incoming {
                 written: 0,
             });
         }
-        let start = self.early.as_ref().map_or(0, |e| e.written);
+        let early = self.early.as_mut().expect("made above");
+        let start = early.written;
         if end <= start {
             return Ok(());
         }
-        // `start` is 0 or a page boundary (or `len`, excluded above), so this range starts
-        // page aligned; its length is rounded up to whole pages by the kernel (inside the
-        // mapping: `end <= len <= map_len`).
-        // SAFETY: `ptr + start .. ptr + end` lies in this value's own mapping; making it
-        // read-only invalidates no Rust reference (none is made to it).
-        unsafe {
-            rustix::mm::mprotect(
-                self.ptr.as_ptr().add(start).cast::<c_void>(),
-                end - start,
-                MprotectFlags::READ,
-            )
-        }
-        .map_err(|e| Error::io("mprotect", Path::new("(replica image)"), e.into()))?;
-        let early = self.early.as_mut().expect("made above");
         let path = early.dir.join(&early.tmp);
-        // SAFETY: `end <= len`: mapped and readable (read-only now).
+        // SAFETY: `end <= frozen <= len`: mapped and readable (read-only since `received`).
         unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
         // Start writing these pages to the disk now, so the seal's fsync waits only for the
         // rest (a hint: its failure is the fsync's to report).
