@@ -69,7 +69,8 @@ impl ImageCheck {
         // `check_header` proved 8 + header length == data_start and the data section's
         // length equals the header's; the offsets are still taken with checks.
         let data_len = mem_len(entry.bytes, what)? - hdr_len;
-        let have = &prefix[hdr_len..];
+        // (A shorter prefix than an earlier one, never given, has nothing new.)
+        let have = prefix.get(hdr_len..).unwrap_or_default();
         let mut ready = Vec::new();
         let mut pieces = Vec::new();
         for (i, t) in entry.tensors.iter().enumerate() {
