@@ -124,7 +124,6 @@ class Replicator(ReplicaLoads):
         self._peer: Optional[int] = None
         #: Why this rank's image could not be read while it was sent (the current step).
         self._send_problem: Optional[str] = None
-        self._durable_at = 0.0
         #: Replicas sealed by the last step, ``(source, step)``, whose older ones are removed.
         self._older: List[Tuple[int, int]] = []
         #: The size of the last image each source sent (the guess for the next arenas).
@@ -240,13 +239,13 @@ class Replicator(ReplicaLoads):
             handle.wait()
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
-        self._durable_at = time.monotonic()
+        durable = time.monotonic()
         if self.broken is not None:
             msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
             log.warning("%s", msg)
             raise ReplicationError(msg)
         try:
-            return self._replicate(step, failure, t0, dict(getattr(handle, "_metadata", {})), ahead)
+            return self._replicate(step, failure, t0, durable, dict(getattr(handle, "_metadata", {})), ahead)
         except _GroupFailed as e:
             # The group cannot be used again (gloo): later steps are skipped, not hung on.
             self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
@@ -272,8 +271,16 @@ class Replicator(ReplicaLoads):
         return out
 
     def _replicate(
-        self, step: int, failure: Optional[str], t0: float, metadata: Dict[str, str], ahead: Dict[int, Any]
+        self,
+        step: int,
+        failure: Optional[str],
+        t0: float,
+        durable: float,
+        metadata: Dict[str, str],
+        ahead: Dict[int, Any],
     ) -> Dict[str, Any]:
+        """``t0``: when this step's replication started; ``durable``: when this rank's save
+        was durable."""
         # Every rank's file is durable once every rank's wait returned: the step is committed
         # (a shared root), or can be (node-local roots: committed here, through the group).
         failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
@@ -281,7 +288,7 @@ class Replicator(ReplicaLoads):
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
         if self.node_local:
             self._commit_through_group(step, metadata)
-        marks = [("durable", self._durable_at), ("committed", time.monotonic())]
+        marks = [("durable", durable), ("committed", time.monotonic())]
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None

@@ -143,22 +143,28 @@ impl Incoming {
     pub fn replica(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        Incoming::replica_prepared(PreparedArena::new(root, step, rank, len)?, root)
+        Incoming::receive_into(PreparedArena::new(root, step, rank, len)?, root, entry)
     }
 
     /// [`Incoming::replica`] into an arena made before the step was committed
     /// ([`PreparedArena::new`], allocated while the step's save was still draining): its
     /// step and rank are the arena's, its size is made the manifest's (grown and allocated,
     /// or shrunk, when the guess was wrong).
-    pub fn replica_prepared(mut prep: PreparedArena, root: &Path) -> Result<Incoming> {
-        let (step, rank) = (prep.step, prep.rank);
-        let (_, entry) = committed_entry(root, step, rank)?;
+    pub fn replica_prepared(prep: PreparedArena, root: &Path) -> Result<Incoming> {
+        let (_, entry) = committed_entry(root, prep.step, prep.rank)?;
         if tag_of(root)? != prep.tag {
             return Err(Error::Config(format!(
                 "a replica arena made for another root than {}",
                 root.display()
             )));
         }
+        Incoming::receive_into(prep, root, entry)
+    }
+
+    /// `prep` (made for `root`, its step and rank) given the size of `entry`, that rank's
+    /// committed entry, and mapped to receive the image.
+    fn receive_into(mut prep: PreparedArena, root: &Path, entry: FileEntry) -> Result<Incoming> {
+        let (step, rank) = (prep.step, prep.rank);
         let len = image_len(&entry)?;
         let path = Path::new(SHM_MOUNT).join(&prep.tmp);
         if len != prep.len {
