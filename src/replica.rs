@@ -27,12 +27,14 @@ use crate::tensor::AlignedBytes;
 mod check;
 mod incoming;
 mod outgoing;
+mod prepared;
 
 use check::check_bytes;
 #[cfg(test)]
 use check::crcs;
-pub use incoming::{Incoming, IncomingState, PreparedArena};
+pub use incoming::{Incoming, IncomingState};
 pub use outgoing::Outgoing;
+pub use prepared::PreparedArena;
 
 /// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena
 /// listings and recovery never take a replica for a staging arena).
