@@ -99,6 +99,7 @@ pub struct EngineConfig {
     pub(crate) queue_depth: u32,
     pub(crate) copy_threads: usize,
     pub(crate) direct_io: bool,
+    pub(crate) batch_device_copies: bool,
     pub(crate) keep_last: Option<usize>,
     pub(crate) rank: u32,
     pub(crate) world_size: u32,
@@ -142,6 +143,7 @@ impl EngineConfig {
                 .map(|n| n.get().min(4))
                 .unwrap_or(1),
             direct_io: true,
+            batch_device_copies: std::env::var_os("SHMCKPT_BATCH_COPIES").is_none_or(|v| v != "0"),
             keep_last: None,
             rank: 0,
             world_size: 1,
@@ -212,6 +214,17 @@ impl EngineConfig {
     /// when the filesystem refuses it). Default true.
     pub fn with_direct_io(mut self, on: bool) -> Self {
         self.direct_io = on;
+        self
+    }
+
+    /// Queue a device snapshot's copies ([`SaveOptions::snapshot_on_request`](crate::SaveOptions::snapshot_on_request))
+    /// in one driver call per device where the driver can (`cuMemcpyBatchAsync`, CUDA
+    /// 12.8+: [`cuda::batch_copies_supported`](crate::cuda::batch_copies_supported)), not
+    /// one call per tensor. Default true, unless the environment variable
+    /// `SHMCKPT_BATCH_COPIES` is `0` when the configuration is made (a switch for
+    /// comparisons and for ruling the batch API out).
+    pub fn with_batch_device_copies(mut self, on: bool) -> Self {
+        self.batch_device_copies = on;
         self
     }
 

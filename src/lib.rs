@@ -79,8 +79,8 @@ pub(crate) mod util;
 /// ```
 pub mod cuda {
     pub use crate::device::cuda::{
-        Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef, device_count,
-        driver_present, driver_version, init,
+        Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef,
+        batch_copies_supported, device_count, driver_present, driver_version, init,
     };
     #[cfg(feature = "ipc")]
     pub use crate::device::cuda::{

@@ -118,6 +118,7 @@ class ShmLoad(NoLoad):
             self.polled = now()
 
     def finish(self):
+        staged = self.h.wait_staged() or {}
         rep = self.h.wait()
         committed = self.t0 + rep["committed"]
         return {
@@ -130,6 +131,8 @@ class ShmLoad(NoLoad):
             "bytes": rep["bytes"],
             "gbps": rep["bytes"] / rep["committed"] / 1e9 if rep["committed"] else None,
             "report": {k: rep.get(k) for k in ("staging", "durable", "committed", "backend", "direct_io", "retired")},
+            # the device snapshot's size, and whether its copies went in one driver call
+            "snapshot": {k: staged.get(k) for k in ("snapshot_bytes", "snapshot_batched")},
         }
 
 

@@ -18,7 +18,8 @@ own segment only:
 * ``shm-w1``: the same with ``writer_threads=1``; ``shm-buffered``: ``direct_io=False``;
 * ``shm-nb``: a non-blocking save under its Checkpointer's guard (the copy overlaps the
   first steps: the stream-ordered hold at ``opt.step``); ``shm-snap``: the same with
-  ``snapshot="device"``;
+  ``snapshot="device"``; ``shm-snap1``: the same with the snapshot's device-to-device copies
+  queued one per tensor (``SHMCKPT_BATCH_COPIES=0``), not in one ``cuMemcpyBatchAsync``;
 * ``rawdisk``: another process writes the state's bytes to a file in the same directory
   with O_DIRECT from a page-aligned buffer (``train_measure.raw_write``: 16 x 8 MiB in
   flight, fsync, then the file is deleted), no shmckpt;
@@ -73,11 +74,14 @@ from peers import elapsed, fs_type_of, log, now, set_log_file  # noqa: E402
 from train_measure import shm_used  # noqa: E402
 from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes  # noqa: E402
 
-CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
-SHM_VARIANTS = {"shm": {}, "shm-w1": {"writer_threads": 1}, "shm-buffered": {"direct_io": False}, "shm-nb": {}, "shm-snap": {}}
+CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "shm-snap1", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
+SHM_VARIANTS = {"shm": {}, "shm-w1": {"writer_threads": 1}, "shm-buffered": {"direct_io": False}, "shm-nb": {}, "shm-snap": {}, "shm-snap1": {}}
+#: Environment set while a variant's Checkpointer is made (read by the engine then):
+#: ``shm-snap1`` queues the snapshot's copies one per tensor, not in one batch.
+SHM_ENV = {"shm-snap1": {"SHMCKPT_BATCH_COPIES": "0"}}
 #: How each variant saves (default: blocking); the non-blocking ones are guarded (their
 #: own Checkpointer's guard on the optimizer: the copy overlaps the segment's first steps).
-SAVE_MODES = {"shm-nb": {"blocking": False}, "shm-snap": {"blocking": False, "snapshot": "device"}}
+SAVE_MODES = {"shm-nb": {"blocking": False}, "shm-snap": {"blocking": False, "snapshot": "device"}, "shm-snap1": {"blocking": False, "snapshot": "device"}}
 #: The default model: d 1536, 14 layers, 0.449 B parameters, 5.01 GiB of fp32 weights +
 #: AdamW moments (the issue's 5.07 GiB runs); its batch is calibrated to --step-ms.
 STATES = dict(SIZES, **{"5g": dict(d=1536, layers=14, heads=12, vocab=32768, seq=1024, batch=6)})
@@ -225,12 +229,21 @@ def open_checkpointers(args, want, state_bytes, run_dir, cuda, results, cks):
             results["failed"][name] = f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, needs {cap / GiB:.1f}"
             continue
         t = now()
+        env = SHM_ENV.get(name, {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             ck = shmckpt.Checkpointer(os.path.join(run_dir, name), keep_last=1, staging_capacity=cap, chunk_size=chunk, **SHM_VARIANTS[name])
         except Exception as e:
             results["failed"][name] = f"Checkpointer: {type(e).__name__}: {e}"
             log(f"  {name}: {results['failed'][name]}")
             continue
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         cks[name] = ck  # closed at the end whatever happens next
         opened = now() - t
         if cuda:

@@ -7,6 +7,8 @@
 
 #[path = "common/gpu.rs"]
 mod common;
+#[path = "gpu/snapshot.rs"]
+mod snapshot;
 
 use std::sync::Arc;
 
@@ -476,79 +478,6 @@ fn pinned_timing_copies_round_trip_exact_bytes() {
     stream.memset_async(&mut b, 0x11).unwrap();
     drop(b);
     stream.synchronize().unwrap();
-}
-
-/// The opt-in device snapshot (issue 24): a save asked for one copies the bytes it had not
-/// queued yet into a transient device buffer; a stream held after the request may
-/// overwrite the tensors at once. The checkpoint has the values at the call, the
-/// snapshot's size is reported, and its memory is back once the save is staged.
-#[test]
-#[ignore = "needs a CUDA GPU: SHMCKPT_REQUIRE_GPU=1 cargo test --test gpu -- --ignored"]
-fn gpu_snapshot_on_request_keeps_the_values_and_gives_its_memory_back() {
-    let Some(ctx) = common::gpu() else { return };
-    let layout = synthetic::mixed(1 << 30, 40);
-    let total: u64 = layout.iter().map(|e| e.len()).sum();
-    let mut bufs = upload(&ctx, &layout, 24);
-    let dir = common::gpu_test_dir("gpu-snapshot");
-    let engine = EngineConfig::new(dir.path())
-        .with_staging_capacity((1 << 30) + (256 << 20))
-        .build()
-        .unwrap();
-    engine.prepare_cuda(&[0]).unwrap();
-    let trainer = Stream::new(&ctx).unwrap();
-    // Warm-up save (the engine's reusable events), then the measured one.
-    engine
-        .save(1, &tensors(&layout, &bufs), &Metadata::new())
-        .unwrap()
-        .wait()
-        .unwrap();
-    let (free_before, _) = ctx.mem_info().unwrap();
-    let opts = SaveOptions::new()
-        .after_stream(trainer.handle())
-        .snapshot_on_request();
-    // SAFETY: `bufs` outlive the save; the only writes to them (the memsets below) are
-    // queued on `trainer` after `hold_stream`, which orders them after the last read of
-    // them (the snapshot's device-to-device copies and the copies queued before).
-    let h =
-        unsafe { engine.save_async(2, &tensors(&layout, &bufs), &Metadata::new(), &opts) }.unwrap();
-    h.request_snapshot();
-    h.hold_stream(trainer.handle()).unwrap();
-    let snap = h.snapshot_bytes();
-    let (free_during, _) = ctx.mem_info().unwrap();
-    for b in &mut bufs {
-        trainer.memset_async(b, 0xA5).unwrap();
-    }
-    let staged = h.wait_staged().unwrap();
-    h.wait().unwrap();
-    trainer.synchronize().unwrap();
-    let (free_after, _) = ctx.mem_info().unwrap();
-    eprintln!(
-        "state {total} B, snapshot {snap} B; free before {free_before}, during {free_during}, after {free_after}"
-    );
-    assert_eq!(staged.snapshot_bytes, snap);
-    // Everything but what was queued before the request (at most 256 MiB and a chunk),
-    // each tensor's range rounded up to 256 bytes.
-    assert!(
-        snap <= total + 256 * layout.len() as u64,
-        "{snap} > {total}"
-    );
-    assert!(snap + (256 << 20) + (8 << 20) >= total, "{snap} of {total}");
-    assert!(
-        free_during + snap <= free_before,
-        "the snapshot is device memory"
-    );
-    assert_eq!(free_after, free_before, "the snapshot's memory comes back");
-    let ck = engine.load(2).unwrap();
-    for (k, e) in layout.iter().enumerate() {
-        assert!(
-            ck.get(&e.name).unwrap().data.as_bytes() == &expected(&layout, k, 24)[..],
-            "{} does not hold the values at the call",
-            e.name
-        );
-    }
-    let mut host = vec![0u8; layout[0].len() as usize];
-    bufs[0].download(&mut host).unwrap();
-    assert!(host.iter().all(|&b| b == 0xA5), "the trainer's writes ran");
 }
 
 #[test]

@@ -36,6 +36,7 @@ fn staged_dict<'py>(py: Python<'py>, s: &shmckpt::StagedReport) -> PyResult<Boun
     d.set_item("backpressure", secs(s.backpressure))?;
     d.set_item("registration", secs(s.registration))?;
     d.set_item("snapshot_bytes", s.snapshot_bytes)?;
+    d.set_item("snapshot_batched", s.snapshot_batched)?;
     Ok(d)
 }
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 TRAIN = REPO / "benches" / "train"
-CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
+CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "shm-snap1", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
 PART_KEYS = {"steps", "median_ms", "ci95_ms", "p90_ms", "ratio", "gpu_ms_median", "gpu_ratio", "launch_ms_median", "launch_ratio", "cpu_ms_median", "nivcsw_per_step", "nvcsw_per_step"}
 
 
@@ -105,6 +105,8 @@ def test_tiny_cpu_run_reports_every_condition(tmp_path):
             assert len(ld["report"]["retired"]) == 1  # keep_last=1: the previous step
             if s["cond"] == "shm-buffered":
                 assert ld["report"]["direct_io"] is False
+            # host tensors: no device snapshot, whatever the variant asked
+            assert ld["snapshot"] == {"snapshot_bytes": 0, "snapshot_batched": False}
         elif s["cond"].startswith("rawdisk"):
             assert ld["bytes"] == (nbytes + 4095) // 4096 * 4096
         elif s["cond"] == "crc":

@@ -86,15 +86,20 @@ pub struct CudaStaging {
     arena: Arc<Arena>,
     devices: Mutex<BTreeMap<i32, Arc<DeviceState>>>,
     registration: Mutex<Option<HostRegistration>>,
+    /// Whether device snapshots queue their copies in one driver call per device where
+    /// the driver can (`EngineConfig::with_batch_device_copies`).
+    batch: bool,
 }
 
 impl CudaStaging {
-    /// Nothing set up yet.
-    pub fn new(arena: Arc<Arena>) -> Self {
+    /// Nothing set up yet. `batch`: queue a device snapshot's copies in one driver call
+    /// per device where the driver can.
+    pub fn new(arena: Arc<Arena>, batch: bool) -> Self {
         CudaStaging {
             arena,
             devices: Mutex::new(BTreeMap::new()),
             registration: Mutex::new(None),
+            batch,
         }
     }
 
@@ -579,32 +584,37 @@ impl CudaStaging {
                 return Ok(SnapshotState::Declined);
             }
         }
-        let mut bound = None;
+        // One list of copies per device, queued in one driver call each where the driver
+        // batches them (`copy_dtod_many`): the optimizer step waits while they are queued.
+        let mut copies: BTreeMap<i32, Vec<(u64, u64, usize)>> = BTreeMap::new();
         for (&input, p) in &layout.inputs {
             let d = job.sources.device(input).expect("device source");
-            let st = &pipe.states[&p.device];
-            if bound != Some(p.device) {
-                st.ctx.bind()?;
-                bound = Some(p.device);
-            }
             let buf = &buffers[&p.device];
-            // SAFETY: the source `from..end` lies inside the caller's device tensor (plan
+            let len = usize::try_from(p.end - p.from).map_err(|_| {
+                Error::Internal("snapshot range larger than the address space".into())
+            })?;
+            copies
+                .entry(p.device)
+                .or_default()
+                .push((buf.ptr() + p.offset, d.ptr() + p.from, len));
+        }
+        let mut batched = !copies.is_empty();
+        for (dev, list) in &copies {
+            let st = &pipe.states[dev];
+            st.ctx.bind()?;
+            // SAFETY: each source `from..end` lies inside the caller's device tensor (plan
             // offsets are bounded by its length, checked at validation), valid and not
-            // modified until the event recorded after this copy completes (the caller's
-            // writers wait for it: `queued`); the destination `offset..offset+end-from`
-            // lies inside `buf` (the layout's total for this device bounds every range
-            // placed in it, and is at most the buffer's length: checked above), an
-            // allocation of this device made for this save that nothing else uses,
-            // ordered on this same stream (allocated before this copy, freed after every
-            // copy queued on the stream before its drop); the two are different
-            // allocations, so they do not overlap.
-            unsafe {
-                st.stream.copy_dtod(
-                    buf.ptr() + p.offset,
-                    d.ptr() + p.from,
-                    (p.end - p.from) as usize,
-                )?
-            };
+            // modified until the event recorded after these copies completes (the caller's
+            // writers wait for it: `queued`); each destination lies inside this device's
+            // buffer (the layout's total bounds every range placed in it and is at most the
+            // buffer's length: checked above), an allocation made for this save that
+            // nothing else uses, ordered on this stream (allocated before these copies,
+            // freed after them); the layout gives each input its own range (destinations
+            // never overlap), and sources and destinations are different allocations.
+            batched &= unsafe { st.stream.copy_dtod_many(list, self.batch)? };
+        }
+        if let Some(req) = job.snapshot {
+            req.set_batched(batched);
         }
         tracing::debug!(
             bytes = layout.bytes(),

@@ -33,6 +33,7 @@ pub(crate) const ALIGN: u64 = 256;
 pub struct SnapshotRequest {
     requested: AtomicBool,
     bytes: AtomicU64,
+    batched: AtomicBool,
 }
 
 impl SnapshotRequest {
@@ -54,6 +55,16 @@ impl SnapshotRequest {
 
     pub(crate) fn set_bytes(&self, n: u64) {
         self.bytes.store(n, Ordering::Release);
+    }
+
+    /// Whether the snapshot queued its device-to-device copies in one driver call per
+    /// device (`cuMemcpyBatchAsync`), not one per tensor; `false` when none was taken.
+    pub fn batched(&self) -> bool {
+        self.batched.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_batched(&self, b: bool) {
+        self.batched.store(b, Ordering::Release);
     }
 }
 
@@ -213,6 +224,7 @@ mod tests {
         let r = SnapshotRequest::default();
         assert!(!r.is_requested());
         assert_eq!(r.bytes(), 0);
+        assert!(!r.batched());
         r.request();
         r.request();
         assert!(r.is_requested());

@@ -85,8 +85,12 @@ struct Shared {
 
 impl Shared {
     fn cuda(&self) -> &Arc<CudaStaging> {
-        self.cuda
-            .get_or_init(|| Arc::new(CudaStaging::new(Arc::clone(&self.arena))))
+        self.cuda.get_or_init(|| {
+            Arc::new(CudaStaging::new(
+                Arc::clone(&self.arena),
+                self.cfg.batch_device_copies,
+            ))
+        })
     }
 }
 

@@ -70,6 +70,11 @@ pub struct StagedReport {
     /// Device bytes of the save's snapshot (its peak; 0 when none was taken:
     /// [`SaveOptions::snapshot_on_request`](crate::SaveOptions::snapshot_on_request)).
     pub snapshot_bytes: u64,
+    /// Whether that snapshot queued its device-to-device copies in one driver call per
+    /// device (`cuMemcpyBatchAsync`, CUDA 12.8+; see
+    /// [`cuda::batch_copies_supported`](crate::cuda::batch_copies_supported)) rather than
+    /// one per tensor; `false` when none was taken.
+    pub snapshot_batched: bool,
 }
 
 /// Which path served a load.

@@ -530,6 +530,7 @@ pub(super) fn stage_and_finish(
                 backpressure: state.slot_wait + waited,
                 registration,
                 snapshot_bytes: state.snapshot.bytes(),
+                snapshot_batched: state.snapshot.batched(),
             };
             tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
             state.staging_finished(Ok(report));

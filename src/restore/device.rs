@@ -71,7 +71,8 @@ impl DeviceRing {
             root: PathBuf::new(),
         })?;
         Ok(DeviceRing {
-            staging: CudaStaging::new(arena),
+            // No device snapshot is ever taken here: the batch setting is unused.
+            staging: CudaStaging::new(arena, false),
             depth,
             busy: std::sync::Mutex::new(()),
         })

@@ -9,6 +9,7 @@
 #![allow(unsafe_code)]
 
 mod alloc;
+mod batch;
 #[cfg(feature = "ipc")]
 mod ipc;
 mod pool;
@@ -16,6 +17,7 @@ mod register;
 mod stream;
 
 pub use alloc::{DeviceBuffer, PinnedHost};
+pub use batch::batch_copies_supported;
 #[cfg(feature = "ipc")]
 pub use ipc::{
     IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,

@@ -118,6 +118,73 @@ impl Stream {
         )
     }
 
+    /// Queue the device-to-device copies `copies` (`(dst, src, len)` each), in one driver
+    /// call when `batched` and the driver has `cuMemcpyBatchAsync` (CUDA 12.8+, see
+    /// `batch.rs`), else one `cuMemcpyDtoDAsync` each. Returns whether they went in one
+    /// call. A batch the driver refuses is queued again copy by copy (harmless: each copy
+    /// writes the same bytes to the same place, in stream order).
+    ///
+    /// # Safety
+    /// Every copy satisfies [`Stream::copy_dtod`]'s contract, and no two copies' ranges
+    /// overlap where one of them is a destination (the batch runs them in no set order).
+    pub unsafe fn copy_dtod_many(
+        &self,
+        copies: &[(u64, u64, usize)],
+        batched: bool,
+    ) -> Result<bool> {
+        let copies: Vec<(u64, u64, usize)> = copies.iter().copied().filter(|c| c.2 > 0).collect();
+        if copies.is_empty() {
+            return Ok(batched);
+        }
+        if let Some(f) = batched.then(super::batch::batch_fn).flatten() {
+            let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.1).collect();
+            let mut sizes: Vec<usize> = copies.iter().map(|c| c.2).collect();
+            let here = super::batch::MemLocation {
+                type_: super::batch::LOCATION_DEVICE,
+                id: self.ctx.ordinal(),
+            };
+            let mut attrs = [super::batch::MemcpyAttributes {
+                src_access_order: super::batch::SRC_ACCESS_ORDER_STREAM,
+                src_loc_hint: here,
+                dst_loc_hint: here,
+                flags: 0,
+            }];
+            let mut attr_idx = [0usize];
+            let mut fail = usize::MAX;
+            // SAFETY: the three arrays have `copies.len()` entries each, and one attribute
+            // (stream-ordered reads) applies from copy 0: they and `fail` are locals that
+            // outlive the call, which reads them only during the call. Each copy satisfies
+            // `copy_dtod`'s contract (the caller's), so the batch reads and writes only
+            // what those copies would, on this stream (a stream of ours, never the legacy
+            // NULL stream, which the batch API refuses).
+            let r = unsafe {
+                f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    copies.len(),
+                    attrs.as_mut_ptr(),
+                    attr_idx.as_mut_ptr(),
+                    1,
+                    &mut fail,
+                    self.raw,
+                )
+            };
+            match check(r, "cuMemcpyBatchAsync") {
+                Ok(()) => return Ok(true),
+                Err(e) => {
+                    tracing::warn!(error = %e, copies = copies.len(), fail, "batched copies refused: queued one by one")
+                }
+            }
+        }
+        for &(dst, src, len) in &copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_dtod(dst, src, len)? };
+        }
+        Ok(false)
+    }
+
     /// Queue a host-to-device copy.
     ///
     /// # Safety
