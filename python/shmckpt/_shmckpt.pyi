@@ -22,6 +22,7 @@ __all__ = [
     "dtypes",
     "find_parts",
     "group_adopt_manifest",
+    "group_apply_retention",
     "group_commit",
     "group_own_part",
     "link_step",
@@ -384,4 +385,8 @@ def group_commit(root: str, step: int, rank: int, parts: List[bytes], metadata: 
 
 def group_adopt_manifest(root: str, step: int, manifest: bytes) -> str:
     """Publish a peer's committed manifest of ``step`` in this machine's ``root``."""
+    ...
+
+def group_apply_retention(root: str, keep: int) -> List[int]:
+    """Keep the newest ``keep`` committed steps of this machine's ``root``; the deleted steps."""
     ...

@@ -79,6 +79,7 @@ class Replicator(ReplicaLoads):
         bandwidth: Optional[float] = DEFAULT_BANDWIDTH,
         timeout: float = DEFAULT_TIMEOUT,
         node_local: bool = False,
+        keep_last: Optional[int] = None,
     ):
         import datetime
 
@@ -102,6 +103,10 @@ class Replicator(ReplicaLoads):
         self.timeout = float(timeout)
         #: Node-local roots: ``ckpt.root`` is this machine's own; steps commit through the group.
         self.node_local = bool(node_local)
+        #: The checkpointer's retention: with node-local roots, run by each machine's
+        #: committing rank once a step is committed on every machine (after its report).
+        self.keep_last = keep_last
+        self._retention_due = False
         #: Why replication stopped (the group failed: a rank died or timed out), or None.
         self.broken: Optional[str] = None
         if group is None:
@@ -178,6 +183,7 @@ class Replicator(ReplicaLoads):
                     del self._results[s]
                 self._cv.notify_all()  # wait_replicated() returns now...
             self._remove_older()  # ...and _drain() / close() once this is done too
+            self._apply_retention()
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
@@ -191,6 +197,21 @@ class Replicator(ReplicaLoads):
                 _shmckpt.replica_remove_older(self.ckpt.root, q, step)
             except ShmckptError as e:
                 log.warning("rank %d: could not remove older replicas of rank %d: %s", self.ckpt.rank, q, e)
+
+    def _apply_retention(self) -> None:
+        """Node-local roots: retention (``keep_last``) in this machine's root, by the rank
+        that committed the step there, once the step is committed on every machine (after
+        its report: deleting large files can take seconds). A shared root's retention is
+        the engine's, at its commit."""
+        if not self._retention_due or self.keep_last is None:
+            return
+        self._retention_due = False
+        try:
+            gone = _shmckpt.group_apply_retention(self.ckpt.root, int(self.keep_last))
+            if gone:
+                log.debug("rank %d: retention removed steps %s from %s", self.ckpt.rank, gone, self.ckpt.root)
+        except ShmckptError as e:
+            log.warning("rank %d: retention failed in %s; older checkpoints kept: %s", self.ckpt.rank, self.ckpt.root, e)
 
     def _drain(self) -> None:
         """Wait until the thread has replicated every queued save."""
@@ -402,3 +423,4 @@ class Replicator(ReplicaLoads):
         errs = [e for e in self._gather(err, "every machine's commit") if e is not None]
         if errs:
             raise ReplicationError(f"step {step} is not committed on every machine: " + "; ".join(errs))
+        self._retention_due = committer

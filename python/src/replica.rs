@@ -490,6 +490,16 @@ fn group_adopt_manifest(
         .map_err(|e| to_py(py, e))
 }
 
+/// Retention in this machine's `root` after a commit through the group (node-local
+/// roots): keep the newest `keep` committed steps, delete the others
+/// (`shmckpt::commit::apply_retention`, the engine's own retention); returns the deleted
+/// steps.
+#[pyfunction]
+fn group_apply_retention(py: Python<'_>, root: PathBuf, keep: usize) -> PyResult<Vec<u64>> {
+    py.detach(|| shmckpt::commit::apply_retention(&root, keep))
+        .map_err(|e| to_py(py, e))
+}
+
 /// Remove this user's replicas of `rank`'s images of `root` other than `step`'s (GIL
 /// released).
 #[pyfunction]
@@ -503,6 +513,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group_own_part, m)?)?;
     m.add_function(wrap_pyfunction!(group_commit, m)?)?;
     m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(group_apply_retention, m)?)?;
     m.add_function(wrap_pyfunction!(replica_plan, m)?)?;
     m.add_function(wrap_pyfunction!(replica_name, m)?)?;
     m.add_function(wrap_pyfunction!(replica_tag, m)?)?;

@@ -38,6 +38,11 @@ def save_rank_step(root, rank, step):
 def droot(root):
     """The test's root; at the end its kept arenas and replicas are removed (exact names)."""
     yield root
+    remove_arenas_of(root)
+
+
+def remove_arenas_of(root):
+    """Remove the kept arenas and replicas of ``root`` from /dev/shm (exact names)."""
     for r in range(WORLD):
         p = pathlib.Path("/dev/shm") / kept_name(root, r)
         if p.is_file() and not p.is_symlink():

@@ -11,7 +11,7 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         after a failed replication (no barrier after it), recording each failure;
         REPLICA_WORKER_BW / REPLICA_WORKER_TIMEOUT: replica_bandwidth / replica_timeout;
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
-        machine's number (a root per machine)
+        machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors) and compare
         it with the state saved, bit for bit (with
@@ -62,6 +62,8 @@ def open_ckpt(root, rank, replicas):
     if os.environ.get("REPLICA_WORKER_NODE_LOCAL") == "1":
         extra["node_local_root"] = True
         root = root.format(m=rank // 2)
+    if os.environ.get("REPLICA_WORKER_KEEP_LAST"):
+        extra["keep_last"] = int(os.environ["REPLICA_WORKER_KEEP_LAST"])
     if os.environ.get("REPLICA_WORKER_TIMEOUT"):
         extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     return shmckpt.Checkpointer(

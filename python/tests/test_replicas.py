@@ -22,7 +22,7 @@ from shmckpt import _shmckpt
 from shmckpt.replicas import remove_replica
 
 from conftest import shmckpt_bin
-from replica_support import WORLD, droot, kept_name, our_replicas, save_rank_step  # noqa: F401 (droot: a fixture)
+from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
@@ -480,3 +480,30 @@ def test_drill_node_local_roots(tmp_path):
     finally:
         for mach in machines:
             mach.kill()
+
+
+def test_node_local_roots_keep_the_newest_steps(tmp_path):
+    """Retention with node-local roots (``keep_last=2``): every step commits through the
+    group, and once it is committed on every machine each machine's committing rank
+    removes the steps beyond the newest 2 from its root, as the engine does for a shared
+    root. After 4 steps each machine's root holds steps 3 and 4 only (no trash left), and
+    step 4 loads bit-exactly on every rank."""
+    roots = [tmp_path / "m0" / "root", tmp_path / "m1" / "root"]
+    template = str(tmp_path / "m{m}" / "root")
+    env = {"REPLICA_WORKER_NODE_LOCAL": "1", "REPLICA_WORKER_KEEP_LAST": "2"}
+    try:
+        saved = run_world(tmp_path, template, "save", 1, 1, 2, 3, 4, env=env)
+        for res in saved:
+            assert [rep["step"] for rep in res["reports"]] == [1, 2, 3, 4]
+            assert all(rep["k_safe"] for rep in res["reports"])
+        for root in roots:
+            assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["step-3", "step-4"]
+            man = json.loads((root / "step-4" / "manifest.json").read_text())
+            assert man["step"] == 4 and [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
+        loaded = run_world(tmp_path, template, "load", 1, env=env)
+        for res in loaded:
+            assert "error" not in res, res
+            assert res["step"] == 4 and res["exact"] is True
+    finally:
+        for root in roots:
+            remove_arenas_of(root)

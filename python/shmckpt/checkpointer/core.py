@@ -210,6 +210,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                     bandwidth=replica_bandwidth,
                     timeout=replica_timeout,
                     node_local=node_local_root,
+                    keep_last=keep_last,
                 )
             except BaseException:
                 self._engine.close()
