@@ -19,10 +19,11 @@ phases; its ranks join it with ``nsenter``. The root is shared by default; with
 2. Machine 1 is lost: its namespace is killed (its ``/dev/shm`` is gone) and its ranks'
    files are removed (with ``--node-local``, its whole root); a fresh machine (a new,
    empty namespace, no root) replaces it.
-3. All 4 ranks restart and ``load("latest")`` (to ``--device``); each compares every
-   tensor with the regenerated state (dtype, shape, ``torch.equal`` and the exact bytes).
-   Ranks 0-1 must load from their own memory (``("memory", None)``), ranks 2-3 from their
-   partners' replicas (``("peer", 0)``, ``("peer", 1)``), and their files are written back.
+3. All 4 ranks restart and ``load("latest")`` (to ``--device``; ``--load-cpu``: to the
+   CPU); each compares every tensor with the regenerated state (dtype, shape,
+   ``torch.equal`` and the exact bytes). Ranks 0-1 must load from their own memory
+   (``("memory", None)``), ranks 2-3 from their partners' replicas (``("peer", 0)``,
+   ``("peer", 1)``), and their files are written back.
 
 Exit status 0 only when all of that holds (1 otherwise, with the reasons; 2 when the drill
 cannot run: not root, no ``unshare``/``nsenter``, a ``--root`` that is not empty). The last
@@ -191,7 +192,7 @@ def rank_main(a: argparse.Namespace) -> None:
     else:
         t0 = time.monotonic()
         try:
-            state = ck.load("latest", map_location=dev if dev.type == "cuda" else None)
+            state = ck.load("latest", map_location=dev if dev.type == "cuda" and not a.load_cpu else None)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             res["load_seconds"] = time.monotonic() - t0
@@ -348,9 +349,9 @@ class Drill:
             res = json.loads(out.read_text()) if out.exists() else {"rank": r}
             res["exit_status"] = p.returncode
             if p.returncode != 0 or "error" in res:
-                why = res.get("error", f"exit status {p.returncode}")
+                tail = [ln for ln in logs[r].read_text(errors="replace").splitlines() if ln.strip()][-25:]
+                why = res.get("error") or f"exit status {p.returncode}: {tail[-1] if tail else '(no output)'}"
                 self.problems.append(f"{role}: rank {r} failed: {why}")
-                tail = logs[r].read_text(errors="replace").splitlines()[-25:]
                 print(f"--- {role} rank {r} output (last lines) ---\n" + "\n".join(tail), file=sys.stderr)
             results.append(res)
         self.procs = []
@@ -428,6 +429,8 @@ class Drill:
     def check_saves(self, saved: List[Dict[str, Any]]) -> None:
         want = {str(r): [partner(r)] for r in range(WORLD)}
         for res in saved:
+            if res["exit_status"] != 0 or "error" in res:
+                continue  # already a problem
             steps = [rep["step"] for rep in res.get("reports", [])]
             if steps != list(range(1, self.a.steps + 1)):
                 self.problems.append(f"rank {res['rank']}: replicated steps {steps}")
@@ -537,6 +540,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of state per rank (default 16)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the state lives and loads to (cuda: every rank on cuda:LOCAL_RANK %% GPUs)")
+    ap.add_argument("--load-cpu", action="store_true",
+                    help="with --device cuda: load to the CPU (a peer's image served from the received memory)")
     ap.add_argument("--root", help="checkpoint root (an empty or new directory, left afterwards); "
                                    "default: in a temporary directory, removed")
     ap.add_argument("--timeout", type=float, default=300.0,
@@ -553,6 +558,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # What the ranks are given of the drill's options.
     a.forward = ["--steps", str(a.steps), "--mib", repr(a.mib), "--device", a.device, "--timeout", repr(a.timeout)]
     a.forward += ["--node-local"] if a.node_local else []
+    a.forward += ["--load-cpu"] if a.load_cpu else []
     return a
 
 
