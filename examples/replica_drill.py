@@ -282,6 +282,9 @@ def partner(rank: int) -> int:
 
 
 class Drill:
+    """One run of the drill: its machines, its roots, its rank processes, what it saw
+    (``report``) and what went wrong (``problems``)."""
+
     def __init__(self, a: argparse.Namespace):
         self.a = a
         given = Path(a.root).resolve() if a.root else None
@@ -305,6 +308,8 @@ class Drill:
         print(msg, flush=True)
 
     def shm_mib(self) -> int:
+        """Each machine's tmpfs (MiB): per rank its kept arena and two replicas of its
+        partner (a step's replica arrives while the one before is still held)."""
         per_rank = self.a.mib * 1.02 + 9  # the kept arena (rounded up) and its slack
         return self.a.shm_mib or int(LOCAL * (per_rank + 2 * (self.a.mib * 1.02 + 1)) + 64)
 
@@ -533,8 +538,7 @@ class Drill:
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--node-local", action="store_true", help="a root per machine (node_local_root=True)")
     ap.add_argument("--steps", type=int, default=3, help="steps saved in phase 1 (default 3)")
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of state per rank (default 16)")
