@@ -6,10 +6,10 @@ the replicas it held and its ranks' files under the root, each by its exact name
 arenas and replicas of each test's own root are removed at its end.
 """
 
+import hashlib
 import json
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,11 +21,12 @@ import shmckpt
 from shmckpt import _shmckpt
 from shmckpt.replicas import remove_replica
 
-from conftest import shmckpt_bin
+from conftest import REPO, shmckpt_bin
 from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
+DRILL = REPO / "examples" / "replica_drill.py"
 
 
 def free_port():
@@ -286,36 +287,6 @@ def test_replicas_zero_is_unchanged(tmp_path, droot):
     assert our_replicas(root) == []
 
 
-class Machine:
-    """A simulated machine: a process holding a mount namespace with its own tmpfs on
-    /dev/shm (``unshare --mount``), which ranks join with ``nsenter``; killing the holder
-    frees that /dev/shm and everything in it."""
-
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             "mount -t tmpfs -o size=256m tmpfs /dev/shm && echo ready && exec sleep 900"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            self.kill()
-            raise AssertionError(f"the namespace holder did not start: {line!r}")
-
-    def prefix(self):
-        return ["nsenter", "-t", str(self.proc.pid), "-m", f"--wd={os.getcwd()}", "--"]
-
-    def shm(self):
-        out = subprocess.run(self.prefix() + ["ls", "-A", "/dev/shm"], capture_output=True, text=True, check=True)
-        return sorted(out.stdout.split())
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
 def namespaces_or_skip():
     why = None
     if os.geteuid() != 0:
@@ -331,39 +302,79 @@ def namespaces_or_skip():
     pytest.skip(f"{why} (SHMCKPT_REQUIRE_NS=1 makes this a failure)")
 
 
-def test_drill_private_shm_per_machine(tmp_path, root):
-    """The failure drill with a private /dev/shm per machine: machine 1 is lost (its
-    namespace, so its /dev/shm, is gone; its ranks' files are removed) and replaced by a
-    fresh one; all 4 ranks restart and load the latest step bit-exactly."""
+def run_drill(*args):
+    """Run the failure drill (examples/replica_drill.py: each simulated machine a mount
+    namespace with its own /dev/shm) with small sizes, steps 1-3; it must exit 0, and its
+    last line is its JSON report."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(DRILL), "--steps", "3", "--mib", "0.25", "--timeout", "120", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, f"{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    report = json.loads(p.stdout.splitlines()[-1])
+    assert report["ok"] is True and report["problems"] == []
+    assert (report["namespaces"], report["world"], report["local_world_size"]) == (True, 4, 2)
+    assert "PASS: every rank loaded step 3 bit-exactly" in p.stdout
+    return report
+
+
+def assert_drill_saves_and_loads(report):
+    """Steps 1-3 1-safe on every rank with the ring's holders; after machine 1 is lost and
+    replaced (its fresh /dev/shm empty), every rank loads step 3 bit-exactly, ranks 0-1 from
+    their own memory, ranks 2-3 from their partners' replicas, whose files are written back."""
+    for r, res in enumerate(report["saved"]):
+        assert (res["rank"], res["exit_status"]) == (r, 0)
+        assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
+        for rep in res["reports"]:
+            assert rep["k_safe"] is True and rep["problems"] == []
+            assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    assert report["shm_fresh"] == []
+    for r, res in enumerate(report["loaded"]):
+        assert (res["rank"], res["exit_status"]) == (r, 0)
+        assert "error" not in res, res
+        assert res["step"] == 3 and res["exact"] is True and res["problems"] == []
+    assert [res["source"] for res in report["loaded"]] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    assert report["restored_files"] == {"2": True, "3": True}
+
+
+def entries_digest(files):
+    """The drill's digest of a manifest's entries (replica_drill.entries_digest)."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def test_drill_private_shm_per_machine(root):
+    """The failure drill with a private /dev/shm per machine, run as the script users run
+    (examples/replica_drill.py): machine 1 is lost (its namespace, so its /dev/shm, is gone;
+    its ranks' files are removed) and replaced by a fresh one; all 4 ranks restart and load
+    the latest step bit-exactly."""
     namespaces_or_skip()
-    machines = [Machine(), Machine()]
-    try:
-        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
-        saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, prefix=prefix)
-        assert all(rep["k_safe"] for res in saved for rep in res["reports"])
-        tag = _shmckpt.replica_tag(str(root))
-        rep = lambda q: f"shmckpt-replica.{tag}.r{q}.s3"  # noqa: E731
-        assert machines[0].shm() == sorted([kept_name(root, 0), kept_name(root, 1), rep(2), rep(3)])
-        assert machines[1].shm() == sorted([kept_name(root, 2), kept_name(root, 3), rep(0), rep(1)])
-        assert our_replicas(root) == []  # nothing in the host's /dev/shm
-
-        machines[1].kill()
-        m = json.loads((root / "step-3" / "manifest.json").read_text())
-        for s in (1, 2, 3):
-            for f in m["files"]:
-                if f["rank"] in (2, 3):
-                    (root / f"step-{s}" / f["file"]).unlink()
-        machines[1] = Machine()
-        assert machines[1].shm() == []
-
-        loaded = run_world(tmp_path, root, "load", 1, prefix=prefix)
-        for res in loaded:
-            assert "error" not in res, res
-            assert res["step"] == 3 and res["exact"] is True
-        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
-    finally:
-        for mach in machines:
-            mach.kill()
+    report = run_drill("--root", str(root))
+    assert report["mode"] == "shared" and report["roots"] == [str(root), str(root)]
+    assert_drill_saves_and_loads(report)
+    tag = _shmckpt.replica_tag(str(root))
+    rep = lambda q: f"shmckpt-replica.{tag}.r{q}.s3"  # noqa: E731
+    # Each machine's /dev/shm after the saves: its ranks' kept arenas, its partners' replicas.
+    assert report["shm_after_save"] == {
+        "0": sorted([kept_name(root, 0), kept_name(root, 1), rep(2), rep(3)]),
+        "1": sorted([kept_name(root, 2), kept_name(root, 3), rep(0), rep(1)]),
+    }
+    assert [res["shm_name"] for res in report["saved"]] == [kept_name(root, r) for r in range(WORLD)]
+    # Nothing in the host's /dev/shm.
+    assert our_replicas(root) == []
+    assert not any((pathlib.Path("/dev/shm") / kept_name(root, r)).exists() for r in range(WORLD))
+    # Machine 1's loss removed exactly its ranks' files of every step.
+    m = json.loads((root / "step-3" / "manifest.json").read_text())
+    names = {f["rank"]: f["file"] for f in m["files"]}
+    assert report["lost"] == {
+        "machine": 1, "ranks": [2, 3],
+        "removed": [str(root / f"step-{s}" / names[r]) for s in (1, 2, 3) for r in (2, 3)],
+    }
+    # The lost ranks' files of step 3 are back (size, header and every CRC-32C checked);
+    # those of steps 1-2 are not.
+    for f in m["files"]:
+        assert (root / "step-3" / names[f["rank"]]).stat().st_size == f["bytes"]
+        assert np.asarray(_shmckpt.replica_read_committed(str(root), 3, f["rank"])).size == f["bytes"]
+    for s in (1, 2):
+        assert not (root / f"step-{s}" / names[2]).exists() and not (root / f"step-{s}" / names[3]).exists()
 
 
 def test_partner_killed_mid_transfer(tmp_path, droot):
@@ -431,55 +442,50 @@ def test_partner_killed_mid_transfer(tmp_path, droot):
 
 
 def test_drill_node_local_roots(tmp_path):
-    """The drill with a machine's all: each simulated machine has its own /dev/shm and its
-    own root (``node_local_root=True``, no shared filesystem): every step commits through
-    the group, each machine's root holding its ranks' files and the step's manifest of all
-    4 ranks. Machine 1 is lost with its /dev/shm and its whole root; a fresh machine 1
-    restarts with an empty root; all 4 ranks load step 3 bit-exactly, ranks 2-3 from their
-    partners' replicas (their machine's root adopts the manifest from a peer)."""
+    """The drill with a machine's all (examples/replica_drill.py --node-local): each
+    simulated machine has its own /dev/shm and its own root (``node_local_root=True``, no
+    shared filesystem): every step commits through the group, each machine's root holding
+    its ranks' files and the step's manifest of all 4 ranks. Machine 1 is lost with its
+    /dev/shm and its whole root; a fresh machine 1 restarts with an empty root; all 4 ranks
+    load step 3 bit-exactly, ranks 2-3 from their partners' replicas (their machine's root
+    adopts the manifest from a peer)."""
     namespaces_or_skip()
-    roots = [tmp_path / "m0" / "root", tmp_path / "m1" / "root"]
-    template = str(tmp_path / "m{m}" / "root")
-    env = {"REPLICA_WORKER_NODE_LOCAL": "1"}
-    machines = [Machine(), Machine()]
-    try:
-        prefix = lambda r: machines[r // 2].prefix()  # noqa: E731
-        saved = run_world(tmp_path, template, "save", 1, 1, 2, 3, prefix=prefix, env=env)
-        for res in saved:
-            assert [rep["step"] for rep in res["reports"]] == [1, 2, 3]
-            assert all(rep["k_safe"] and rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]} for rep in res["reports"])
-        files = {}
-        for m, root in enumerate(roots):
-            assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-2", "step-3"]
-            for s in (1, 2, 3):
-                man = json.loads((root / f"step-{s}" / "manifest.json").read_text())
-                assert man["step"] == s and [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
-                files.setdefault(s, man["files"])
-                assert man["files"] == files[s]  # the same entries on both machines
-                mine = sorted(f["file"] for f in man["files"] if f["rank"] // 2 == m)
-                parts = [f"rank-{r:05d}.manifest.json" for r in range(4)]  # as a shared root keeps them
-                assert sorted(p.name for p in (root / f"step-{s}").iterdir()) == sorted(mine + parts + ["manifest.json"])
-        tags = [_shmckpt.replica_tag(str(r)) for r in roots]
-        rep = lambda m, q: f"shmckpt-replica.{tags[m]}.r{q}.s3"  # noqa: E731
-        assert machines[0].shm() == sorted([kept_name(roots[0], 0), kept_name(roots[0], 1), rep(0, 2), rep(0, 3)])
-        assert machines[1].shm() == sorted([kept_name(roots[1], 2), kept_name(roots[1], 3), rep(1, 0), rep(1, 1)])
-
-        machines[1].kill()
-        shutil.rmtree(tmp_path / "m1")
-        machines[1] = Machine()
-        loaded = run_world(tmp_path, template, "load", 1, prefix=prefix, env=env)
-        for res in loaded:
-            assert "error" not in res, res
-            assert res["step"] == 3 and res["exact"] is True
-        assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
-        # Machine 1's new root: step 3 with the adopted manifest and its ranks' files.
-        man = json.loads((roots[1] / "step-3" / "manifest.json").read_text())
-        assert man["files"] == files[3]
-        mine = sorted(f["file"] for f in files[3] if f["rank"] >= 2)
-        assert sorted(p.name for p in (roots[1] / "step-3").iterdir()) == sorted(mine + ["manifest.json"])
-    finally:
-        for mach in machines:
-            mach.kill()
+    base = tmp_path / "roots"
+    roots = [base / "m0", base / "m1"]
+    report = run_drill("--node-local", "--root", str(base))
+    assert report["mode"] == "node-local" and report["roots"] == [str(r) for r in roots]
+    assert_drill_saves_and_loads(report)
+    # Both roots after the saves (machine 0's is still here to read the entries from).
+    after = report["roots_after_save"]
+    assert sorted(after) == sorted(str(r) for r in roots)
+    files = {}
+    for s in (1, 2, 3):
+        man = json.loads((roots[0] / f"step-{s}" / "manifest.json").read_text())
+        assert man["step"] == s and [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
+        files[s] = man["files"]
+    for m, root in enumerate(roots):
+        listing = after[str(root)]
+        assert sorted(listing) == ["step-1", "step-2", "step-3"]
+        for s in (1, 2, 3):
+            d = listing[f"step-{s}"]
+            assert (d["manifest_step"], d["manifest_ranks"]) == (s, [0, 1, 2, 3])
+            assert d["manifest_sha256"] == entries_digest(files[s])  # the same entries on both machines
+            mine = sorted(f["file"] for f in files[s] if f["rank"] // 2 == m)
+            parts = [f"rank-{r:05d}.manifest.json" for r in range(4)]  # as a shared root keeps them
+            assert d["files"] == sorted(mine + parts + ["manifest.json"])
+    tags = [_shmckpt.replica_tag(str(r)) for r in roots]
+    rep = lambda m, q: f"shmckpt-replica.{tags[m]}.r{q}.s3"  # noqa: E731
+    assert report["shm_after_save"] == {
+        "0": sorted([kept_name(roots[0], 0), kept_name(roots[0], 1), rep(0, 2), rep(0, 3)]),
+        "1": sorted([kept_name(roots[1], 2), kept_name(roots[1], 3), rep(1, 0), rep(1, 1)]),
+    }
+    assert report["lost"] == {"machine": 1, "ranks": [2, 3], "removed": [str(roots[1])]}
+    # Machine 1's new root: step 3 with the adopted manifest and its ranks' files.
+    man = json.loads((roots[1] / "step-3" / "manifest.json").read_text())
+    assert man["files"] == files[3]
+    mine = sorted(f["file"] for f in files[3] if f["rank"] >= 2)
+    assert sorted(p.name for p in (roots[1] / "step-3").iterdir()) == sorted(mine + ["manifest.json"])
+    assert sorted(p.name for p in roots[1].iterdir() if p.name.startswith("step-")) == ["step-3"]
 
 
 def test_node_local_roots_keep_the_newest_steps(tmp_path):
