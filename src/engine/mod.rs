@@ -78,6 +78,9 @@ struct Shared {
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
     setup: Mutex<Setup>,
+    /// Committed images held for replication (`EngineConfig::with_replica_hold`), for the
+    /// arena's reclaim hook.
+    held: Arc<crate::staging::held::HeldImages>,
     /// The remote tier's uploader (`EngineConfig::with_remote`).
     #[cfg(feature = "s3")]
     remote: Option<Arc<crate::remote::tier::RemoteTier>>,
@@ -286,13 +289,20 @@ impl Engine {
         if keep {
             arena.enable_keep();
         }
-        // Chunks held for uploads are given back when staging runs out (read from the
-        // local file instead): the local tier never waits on the bucket beyond that.
-        #[cfg(feature = "s3")]
-        if let Some(t) = &remote {
-            let feeds = Arc::downgrade(t.feeds());
+        // Chunks held beyond their write (for uploads, for replication) are given back
+        // when staging runs out (read from the local file instead): the local tier never
+        // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
+        let held = Arc::new(crate::staging::held::HeldImages::default());
+        {
+            let held = Arc::downgrade(&held);
+            #[cfg(feature = "s3")]
+            let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
             arena.set_reclaim(crate::staging::Reclaim(Box::new(move || {
-                if let Some(f) = feeds.upgrade() {
+                if let Some(h) = held.upgrade() {
+                    h.spill_all();
+                }
+                #[cfg(feature = "s3")]
+                if let Some(f) = feeds.as_ref().and_then(std::sync::Weak::upgrade) {
                     f.spill_all();
                 }
             })));
@@ -344,6 +354,7 @@ impl Engine {
                 prefault,
                 threads: Vec::new(),
             }),
+            held,
             #[cfg(feature = "s3")]
             remote,
         });

@@ -9,6 +9,7 @@
 
 pub mod attach;
 pub mod descriptor;
+pub mod held;
 pub mod layout;
 mod lease;
 mod mapped;
@@ -435,15 +436,68 @@ impl Arena {
     /// The save with sequence `seq` in `slot` ended. With keeping on, a committed save
     /// that is still the latest to have begun becomes the kept image (its slot stays out
     /// of the pool until the next save begins); otherwise the slot is freed.
-    pub fn finish_slot(&self, slot: u32, seq: u64, committed: bool) {
+    pub fn finish_slot(self: &Arc<Self>, slot: u32, seq: u64, committed: bool) {
+        drop(self.finish_slot_holding(slot, seq, committed, None));
+    }
+
+    /// [`Arena::finish_slot`], and with `hold` (`(registry, the file's length)`): a
+    /// committed save whose image is whole in the arena (the condition of keeping: still
+    /// the latest save to have begun, its file chunks in distinct arena chunks) is held,
+    /// its chunks taken out of the free pool as the leases of the returned image (taken
+    /// here, under the lock [`Arena::begin_save`] takes, so no later save can have reused
+    /// them). A chunk not in the pool (a remote upload still holds it) is not held (that
+    /// piece is read from the file). `None` when the image is not whole.
+    pub fn finish_slot_holding(
+        self: &Arc<Self>,
+        slot: u32,
+        seq: u64,
+        committed: bool,
+        hold: Option<(&held::HeldImages, u64)>,
+    ) -> Option<held::HeldImage> {
         let mut k = crate::util::lock(&self.keep);
-        if k.enabled && committed && seq == k.begun && self.slot_chunks_distinct(slot) {
+        let latest = committed && seq == k.begun;
+        let whole = latest && (k.enabled || hold.is_some()) && self.slot_chunks_distinct(slot);
+        let image = match hold {
+            Some((registry, file_len)) if whole => self.hold_slot(registry, slot, file_len),
+            _ => None,
+        };
+        if k.enabled && whole {
             self.descriptor().keep(slot);
             k.slot = Some(slot);
         } else {
             drop(k);
             self.release_slot(slot);
         }
+        image
+    }
+
+    /// Take `slot`'s chunks out of the pool as a held image of `file_len` bytes (the
+    /// caller holds the keep lock and checked the image is whole).
+    fn hold_slot(
+        self: &Arc<Self>,
+        registry: &held::HeldImages,
+        slot: u32,
+        file_len: u64,
+    ) -> Option<held::HeldImage> {
+        let v = self.descriptor().slot_view(slot);
+        let cs = self.geo.chunk_size;
+        if v.file_len != file_len || v.chunks.len() as u64 != file_len.div_ceil(cs) || file_len == 0
+        {
+            return None;
+        }
+        // Only chunks in the pool are taken (indices read from the shared descriptor are
+        // never trusted beyond that).
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted: std::collections::BTreeSet<u32> = v.chunks.iter().map(|&(_, i)| i).collect();
+        let mut present = std::collections::BTreeSet::new();
+        free.retain(|i| !(wanted.contains(i) && present.insert(*i)));
+        drop(free);
+        let leases = v
+            .chunks
+            .iter()
+            .map(|&(_, i)| present.contains(&i).then(|| self.lease(i)))
+            .collect();
+        Some(held::HeldImage::new(registry, v.step, file_len, cs, leases))
     }
 
     /// Record a committed image that this process copied into `leases` (file chunk `k` in
@@ -540,5 +594,7 @@ impl Drop for Arena {
     }
 }
 
+#[cfg(test)]
+mod held_tests;
 #[cfg(test)]
 mod tests;
