@@ -288,6 +288,9 @@ impl Engine {
         };
         if keep {
             arena.enable_keep();
+        } else if cfg.replica_hold {
+            // A save must not reuse its own chunks, or its image is not whole (not held).
+            arena.take_oldest_first();
         }
         // Chunks held beyond their write (for uploads, for replication) are given back
         // when staging runs out (read from the local file instead): the local tier never

@@ -211,3 +211,37 @@ fn an_image_not_whole_in_the_arena_is_not_held() {
     assert_eq!(a.free_chunks(), 4);
     assert!(matches!(image.take(0, CS).unwrap(), HeldPiece::File));
 }
+
+#[test]
+fn taking_the_oldest_first_hands_out_consecutive_chunks() {
+    // Batches allocated before and after the switch (64 chunks of 1 MiB each, in the
+    // order the prefault threads finish them): each handed out whole, in ascending order;
+    // given back in that order, handed out so again.
+    let sp = ArenaSpec {
+        name: Some(format!("{NAME_PREFIX}unit-oldest.{}", std::process::id())),
+        capacity: 256 << 20,
+        chunk_size: 1 << 20,
+        slots: 2,
+        rank: 0,
+        world_size: 1,
+        root: "/tmp/x".into(),
+    };
+    let (a, _pf) = Arena::create_prefaulting(&sp, 2, Duration::from_millis(100)).unwrap();
+    assert!(!a.is_filled());
+    a.take_oldest_first();
+    let all: Vec<ChunkLease> = (0..256).map(|_| a.acquire().0).collect();
+    let idx: Vec<u32> = all.iter().map(ChunkLease::index).collect();
+    assert_eq!(&idx[..64], (0..64).collect::<Vec<u32>>());
+    let mut firsts: Vec<u32> = idx
+        .chunks(64)
+        .map(|run| {
+            assert!(run.windows(2).all(|w| w[1] == w[0] + 1), "{run:?}");
+            run[0]
+        })
+        .collect();
+    firsts.sort_unstable();
+    assert_eq!(firsts, [0, 64, 128, 192]);
+    drop(all);
+    let again: Vec<u32> = (0..256).map(|_| a.acquire().0.index()).collect();
+    assert_eq!(again, idx);
+}

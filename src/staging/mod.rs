@@ -414,7 +414,20 @@ impl Arena {
     /// `KEPT` in the descriptor (flash restore).
     pub fn enable_keep(&self) {
         crate::util::lock(&self.keep).enabled = true;
-        self.fifo.store(true, Ordering::Relaxed);
+        self.take_oldest_first();
+    }
+
+    /// Take free chunks from the front of the pool (the longest free) from now on, so
+    /// that a save never reuses a chunk it filled itself while other chunks are free (its
+    /// image stays whole in the arena: kept, or held for replication). The pool is put in
+    /// ascending order first, and batches allocated later join it in ascending order, so a
+    /// fresh arena hands out consecutive chunks (a held image's pieces are then zero-copy
+    /// views).
+    pub fn take_oldest_first(&self) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.fifo.swap(true, Ordering::Relaxed) {
+            free.make_contiguous().sort_unstable();
+        }
     }
 
     /// Whether the arena is kept when it closes.
