@@ -136,6 +136,9 @@ def rank_main(a: argparse.Namespace) -> None:
         return max(float(v) for v, lo in out if lo)
 
     samples: Dict[str, List[float]] = {}
+    # Where every rank's replicated bytes came from, summed over every replication (the
+    # report's ``sent_from``: staging, copies of staging, the committed file).
+    sent_from: Dict[str, int] = {"staging": 0, "copied": 0, "file": 0}
 
     def put(k: str, v: float) -> None:
         samples.setdefault(k, []).append(v)
@@ -153,6 +156,11 @@ def rank_main(a: argparse.Namespace) -> None:
         t2 = time.monotonic()
         assert r["k_safe"], r
         image = int(r["bytes_sent"])
+        out: List[Any] = [None] * world
+        dist.all_gather_object(out, r["sent_from"], group=group)
+        for d in out:
+            for k in sent_from:
+                sent_from[k] += int(d[k])
         put("save_to_k_safe_s", gather_max(t2 - t0))
         put("durable_to_k_safe_s", gather_max(t2 - t1))
         put("replication_exchange_s", gather_max(float(r["transfer_seconds"])))
@@ -252,7 +260,7 @@ def rank_main(a: argparse.Namespace) -> None:
             remove_replica(r["name"])
     if me == 0:
         with open(a.out, "w") as f:
-            json.dump({"image_bytes": image, "samples": samples}, f)
+            json.dump({"image_bytes": image, "samples": samples, "sent_from": sent_from}, f)
     dist.destroy_process_group()
 
 
@@ -332,6 +340,9 @@ def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
         t = statistics.median(s["transport_s"])
         print(f"| lost ranks: restore from S3 (s3s-fs on 127.0.0.1; load, source remote) | {med(s['s3_restore_s'])} | "
               f"{rate(n, s['s3_restore_s'])} | {ratio(s['s3_restore_s'], [t] * len(s['s3_restore_s']))} (vs the median limit) |")
+    sf = res.get("sent_from", {})
+    print(f"replicated bytes sent from (every rank, every replication): staging {sf.get('staging', 0)}, "
+          f"copied from staging {sf.get('copied', 0)}, the committed file {sf.get('file', 0)}")
     print(flush=True)
     return {"size_mib": size_mib, **res}
 
