@@ -45,8 +45,10 @@ last step saved:
      there (``load(step, source="remote")``: ranged GETs, every CRC-32C checked; the slowest
      of the lost ranks), set against B's seconds (the median of B over the run).
 
-The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D and the senders
-read files; the ranks share one root on local disk (``--root``, default a new temporary
+The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D reads files; the
+senders send from their saves' staging chunks where they are held (the output's last line
+sums the reports' ``sent_from``: staging, copied from staging, the committed file); the
+ranks share one root on local disk (``--root``, default a new temporary
 directory) that keeps only the newest step by default (``--keep-last 1``: at 8 GiB per rank
 the disk holds two steps at most, 32 GiB). Then every commit deletes the step before it
 while the senders read their new files back: the runs of 2026-12-02 with ``keep_last=1``
