@@ -300,14 +300,18 @@ impl Engine {
             let held = Arc::downgrade(&held);
             #[cfg(feature = "s3")]
             let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
-            arena.set_reclaim(crate::staging::Reclaim(Box::new(move || {
+            arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
                 }
+                // Uploads give theirs back only when nothing is free (a save reusing its
+                // own chunk costs the remote tier nothing).
                 #[cfg(feature = "s3")]
-                if let Some(f) = feeds.as_ref().and_then(std::sync::Weak::upgrade) {
+                if empty && let Some(f) = feeds.as_ref().and_then(std::sync::Weak::upgrade) {
                     f.spill_all();
                 }
+                #[cfg(not(feature = "s3"))]
+                let _ = empty;
             })));
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");

@@ -135,7 +135,7 @@ fn pressure_gives_back_what_is_not_taken_without_waiting() {
     let a = arena(4);
     let reg = Arc::new(HeldImages::default());
     let weak = Arc::downgrade(&reg);
-    a.set_reclaim(Reclaim(Box::new(move || {
+    a.set_reclaim(Reclaim(Box::new(move |_| {
         if let Some(r) = weak.upgrade() {
             r.spill_all();
         }
@@ -244,4 +244,39 @@ fn taking_the_oldest_first_hands_out_consecutive_chunks() {
     drop(all);
     let again: Vec<u32> = (0..256).map(|_| a.acquire().0.index()).collect();
     assert_eq!(again, idx);
+}
+
+#[test]
+fn a_save_takes_back_held_chunks_before_reusing_its_own() {
+    // Taking the oldest first: a save whose only free chunks are its own asks the reclaim
+    // hook first (reusing one would break its image), then takes a chunk it gave back.
+    let a = arena(4);
+    a.take_oldest_first();
+    let reg = Arc::new(HeldImages::default());
+    let weak = Arc::downgrade(&reg);
+    a.set_reclaim(Reclaim(Box::new(move |empty| {
+        assert!(!empty);
+        if let Some(r) = weak.upgrade() {
+            r.spill_all();
+        }
+    })));
+    let len = 2 * CS;
+    let (slot, seq) = stage(&a, &file_bytes(len), &[0, 1]);
+    let image = a
+        .finish_slot_holding(slot, seq, true, Some((&*reg, len)))
+        .unwrap();
+    // The next save takes chunks 2 and 3, written and given back at once.
+    a.begin_save();
+    for want in [2, 3] {
+        let (l, _) = a.acquire();
+        assert_eq!(l.index(), want);
+    }
+    assert_eq!(a.free_chunks(), 2);
+    assert_eq!(image.held_chunks(), 2);
+    // Only its own chunks are free: the held ones come back, and it takes one of them.
+    assert!(a.try_acquire().is_none());
+    let (l, waited) = a.acquire();
+    assert_eq!((l.index(), waited), (0, Duration::ZERO));
+    assert_eq!((image.held_chunks(), image.spilled_chunks()), (0, 2));
+    assert_eq!(a.try_acquire().map(|l| l.index()), Some(1));
 }
