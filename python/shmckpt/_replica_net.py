@@ -214,6 +214,27 @@ class ReplicaNet:
                 except RuntimeError as e:
                     failed.setdefault(peer, f"sending to rank {peer}: {e}")
 
+        done = 0  # works[:done]: received, and checked as they arrived
+
+        def receive(block: bool) -> None:
+            """Take the received pieces in order: all of them (``block``), or those that
+            arrived already (between sends: the checks overlap the transfer)."""
+            nonlocal done, through
+            while done < len(works) and (block or works[done][2].is_completed()):
+                peer, what, w = works[done]
+                done += 1
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    failed.setdefault(peer, f"{what} rank {peer}: {e}")
+                hook = through.pop(id(w), None)
+                if hook is not None and peer not in failed:
+                    try:
+                        hook[0].received(hook[1])
+                    except ShmckptError as e:  # seal() checks (and writes) what is left, or refuses
+                        log.warning("rank %d: the image from rank %d, checked as it arrived: %s", me, peer, e)
+                        through = {k: v for k, v in through.items() if v[0] is not hook[0]}
+
         sent = 0
         bw = self.bandwidth if paced else None
 
@@ -245,22 +266,12 @@ class ReplicaNet:
                     sent += b - a
                 inflight.append((t, posted))
                 del t
+                receive(block=False)
                 while len(inflight) > _IN_FLIGHT:
                     finish(inflight.popleft())
         while inflight:
             finish(inflight.popleft())
-        for peer, what, w in works:
-            try:
-                w.wait()
-            except RuntimeError as e:
-                failed.setdefault(peer, f"{what} rank {peer}: {e}")
-            hook = through.pop(id(w), None)
-            if hook is not None and peer not in failed:
-                try:
-                    hook[0].received(hook[1])
-                except ShmckptError as e:  # seal() checks (and writes) what is left, or refuses
-                    log.warning("rank %d: the image from rank %d, checked as it arrived: %s", me, peer, e)
-                    through = {k: v for k, v in through.items() if v[0] is not hook[0]}
+        receive(block=True)
         del todo, views
         if failed:
             got.clear()
