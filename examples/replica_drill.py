@@ -184,7 +184,7 @@ def rank_main(a: argparse.Namespace) -> None:
             except shmckpt.ReplicationError as e:
                 res["error"] = f"step {step}: ReplicationError: {e}"
                 break
-            keys = ("step", "k_safe", "seconds", "phases", "bytes_sent", "transfer_seconds", "problems")
+            keys = ("step", "k_safe", "seconds", "phases", "bytes_sent", "sent_from", "transfer_seconds", "problems")
             out = {k: rep[k] for k in keys}
             out["holders"] = {str(k): v for k, v in rep["holders"].items()}
             out["save_call_seconds"] = call
@@ -488,7 +488,9 @@ class Drill:
             ph = " ".join(f"{k} {v:.3f}" for k, v in rep["phases"].items())
             self.say(f"  step {step} rank {r}: k_safe {rep['k_safe']} in {rep['seconds']:.3f} s "
                      f"(save call {rep['save_call_seconds']:.3f} s; phases: {ph}), "
-                     f"held by {rep['holders'][str(r)]}, {rep['bytes_sent']} bytes sent")
+                     f"held by {rep['holders'][str(r)]}, {rep['bytes_sent']} bytes sent "
+                     f"(from staging {rep['sent_from']['staging']}, copied {rep['sent_from']['copied']}, "
+                     f"file {rep['sent_from']['file']})")
         self.check_saves(saved)
         self.report["shm_after_save"] = self.shm_listing()
         self.report["roots_after_save"] = self.roots_listing()

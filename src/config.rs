@@ -108,6 +108,7 @@ pub struct EngineConfig {
     pub(crate) max_inflight_saves: u32,
     pub(crate) recover_on_open: bool,
     pub(crate) keep_in_memory: bool,
+    pub(crate) replica_hold: bool,
     pub(crate) device_read: u64,
     pub(crate) device_read_depth: u32,
     pub(crate) create_root: bool,
@@ -152,6 +153,7 @@ impl EngineConfig {
             max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
             recover_on_open: false,
             keep_in_memory: false,
+            replica_hold: false,
             device_read: DEFAULT_DEVICE_READ,
             device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
             create_root: false,
@@ -307,6 +309,17 @@ impl EngineConfig {
         self
     }
 
+    /// Hold each committed save's image in its staging chunks for the replication of its
+    /// step (peer replicas, `docs/replicas.md`): when the image is whole in the arena at
+    /// commit, its chunks stay out of the free pool ([`crate::SaveHandle::held_image`]
+    /// takes them) until the replication gives them back, or staging runs short (then
+    /// every chunk not in a piece in flight comes back at once). Loads from disk then read
+    /// through private buffers (never the arena's chunks). Default off.
+    pub fn with_replica_hold(mut self, on: bool) -> Self {
+        self.replica_hold = on;
+        self
+    }
+
     /// How device loads from disk ([`crate::Engine::load_into_device`]) read: O_DIRECT
     /// reads of `bytes` each (a multiple of 4096 between 1 MiB and 1 GiB), `depth` of them
     /// in flight (1..=64), into a ring of CUDA-registered buffers of their own (`depth` + 4
@@ -443,6 +456,16 @@ impl EngineConfig {
         {
             false
         }
+    }
+
+    /// Whether committed images are held for replication ([`EngineConfig::with_replica_hold`]).
+    pub fn replica_hold(&self) -> bool {
+        self.replica_hold
+    }
+
+    /// Bytes per staging chunk ([`EngineConfig::with_chunk_size`]).
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size
     }
 
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).

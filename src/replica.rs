@@ -29,6 +29,7 @@ mod incoming;
 mod outgoing;
 mod prepared;
 
+pub use crate::staging::held::{HeldCell, HeldImage, HeldPiece, HeldView};
 use check::check_bytes;
 #[cfg(test)]
 use check::crcs;

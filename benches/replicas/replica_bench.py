@@ -45,8 +45,10 @@ last step saved:
      there (``load(step, source="remote")``: ranged GETs, every CRC-32C checked; the slowest
      of the lost ranks), set against B's seconds (the median of B over the run).
 
-The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D and the senders
-read files; the ranks share one root on local disk (``--root``, default a new temporary
+The checkpointer keeps nothing in memory (``keep_in_memory=False``), so D reads files; the
+senders send from their saves' staging chunks where they are held (the output's last line
+sums the reports' ``sent_from``: staging, copied from staging, the committed file); the
+ranks share one root on local disk (``--root``, default a new temporary
 directory) that keeps only the newest step by default (``--keep-last 1``: at 8 GiB per rank
 the disk holds two steps at most, 32 GiB). Then every commit deletes the step before it
 while the senders read their new files back: the runs of 2026-12-02 with ``keep_last=1``
@@ -136,6 +138,9 @@ def rank_main(a: argparse.Namespace) -> None:
         return max(float(v) for v, lo in out if lo)
 
     samples: Dict[str, List[float]] = {}
+    # Where every rank's replicated bytes came from, summed over every replication (the
+    # report's ``sent_from``: staging, copies of staging, the committed file).
+    sent_from: Dict[str, int] = {"staging": 0, "copied": 0, "file": 0}
 
     def put(k: str, v: float) -> None:
         samples.setdefault(k, []).append(v)
@@ -153,6 +158,11 @@ def rank_main(a: argparse.Namespace) -> None:
         t2 = time.monotonic()
         assert r["k_safe"], r
         image = int(r["bytes_sent"])
+        out: List[Any] = [None] * world
+        dist.all_gather_object(out, r["sent_from"], group=group)
+        for d in out:
+            for k in sent_from:
+                sent_from[k] += int(d[k])
         put("save_to_k_safe_s", gather_max(t2 - t0))
         put("durable_to_k_safe_s", gather_max(t2 - t1))
         put("replication_exchange_s", gather_max(float(r["transfer_seconds"])))
@@ -252,7 +262,7 @@ def rank_main(a: argparse.Namespace) -> None:
             remove_replica(r["name"])
     if me == 0:
         with open(a.out, "w") as f:
-            json.dump({"image_bytes": image, "samples": samples}, f)
+            json.dump({"image_bytes": image, "samples": samples, "sent_from": sent_from}, f)
     dist.destroy_process_group()
 
 
@@ -332,6 +342,9 @@ def run_size(a: argparse.Namespace, size_mib: int) -> Dict[str, Any]:
         t = statistics.median(s["transport_s"])
         print(f"| lost ranks: restore from S3 (s3s-fs on 127.0.0.1; load, source remote) | {med(s['s3_restore_s'])} | "
               f"{rate(n, s['s3_restore_s'])} | {ratio(s['s3_restore_s'], [t] * len(s['s3_restore_s']))} (vs the median limit) |")
+    sf = res.get("sent_from", {})
+    print(f"replicated bytes sent from (every rank, every replication): staging {sf.get('staging', 0)}, "
+          f"copied from staging {sf.get('copied', 0)}, the committed file {sf.get('file', 0)}")
     print(flush=True)
     return {"size_mib": size_mib, **res}
 

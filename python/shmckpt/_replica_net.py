@@ -4,10 +4,11 @@ the state named below)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,9 +21,86 @@ log = logging.getLogger("shmckpt.replicas")
 
 #: Pacing: a paced send is cut in pieces of this many seconds of the bandwidth...
 _PACE_SECONDS = 0.05
-#: ...of at least this many bytes and at most this many (unbounded: the largest).
+#: ...of at least this many bytes and at most this many (unbounded: the largest), rounded
+#: down to whole staging chunks of the sender (at least one).
 _PIECE_MIN = 64 << 10
 _PIECE_MAX = 64 << 20
+#: Pieces a sender has in flight at most: their staging chunks (or private copies) are
+#: pinned until their sends finished.
+_IN_FLIGHT = 4
+
+
+def _tensor(buf: Any) -> Any:
+    """A torch view of ``buf`` (``__array_interface__``), without a copy; read-only memory
+    is only ever sent from."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(buf))
+
+
+class _BufferPieces:
+    """The pieces of one buffer in memory (a served replica): slices of it."""
+
+    def __init__(self, buf: Any):
+        self._buf = buf
+        self._t = _tensor(buf)
+        self.nbytes = int(self._t.numel())
+
+    def piece(self, a: int, b: int) -> Any:
+        return self._t[a:b]
+
+    def count(self, n: int) -> None:
+        pass
+
+
+class ImagePieces:
+    """This rank's image of a step as the pieces it sends, each made when it is sent: from
+    the save's staging chunks held for replication (``held``, a ``HeldImage``: a zero-copy
+    view of consecutive chunks, else a private copy), else (given back under staging
+    pressure, or the image was not held) read from the committed file (``source``, a
+    ``ReplicaSource``, read piece by piece). :attr:`sent_from` counts the bytes sent from
+    each: ``staging``, ``copied``, ``file``."""
+
+    def __init__(self, source: Any, held: Optional[Any], rank: int):
+        self._source = source
+        self._held = held
+        self._file: Optional[Any] = None
+        self._rank = rank
+        self._kind = "file"
+        self.nbytes = int(source.nbytes)
+        self.sent_from: Dict[str, int] = {"staging": 0, "copied": 0, "file": 0}
+        #: Why the file could not be read (the rest is sent unread: the receiver refuses it).
+        self.problem: Optional[str] = None
+
+    def piece(self, a: int, b: int) -> Any:
+        """Bytes ``[a, b)`` as a tensor to send (a piece of the sender's cut)."""
+        if self._held is not None:
+            try:
+                kind, buf = self._held.piece(a, b)
+            except ShmckptError as e:  # never expected: the cut follows the chunks
+                log.warning("rank %d: piece [%d, %d) not taken from staging: %s", self._rank, a, b, e)
+                kind, buf = "file", None
+            if buf is not None:
+                self._kind = kind
+                return _tensor(buf)
+        self._kind = "file"
+        if self.problem is None:
+            # A failed read sends the rest unread (zeros): the receiver's check refuses
+            # it, and the problem is reported.
+            try:
+                self._source.read_range(a, b)
+            except ShmckptError as e:
+                self.problem = f"rank {self._rank} could not read its image: {e}"
+                log.warning("%s", self.problem)
+        if self._file is None:
+            self._file = _tensor(self._source)
+        return self._file[a:b]
+
+    def count(self, n: int) -> None:
+        """``n`` bytes of the last piece were sent to one destination."""
+        self.sent_from[self._kind] += n
 
 
 class _GroupFailed(Exception):
@@ -43,7 +121,7 @@ class ReplicaNet:
     timeout: float
     bandwidth: Optional[float]
     bandwidths: List[Optional[float]]
-    _send_problem: Optional[str]
+    chunk_sizes: List[int]
 
     # -- helpers -----------------------------------------------------------------------
     def _gather(self, obj: Any, what: str) -> List[Any]:
@@ -61,24 +139,37 @@ class ReplicaNet:
         m = self.ckpt.manifest(step)
         return {int(f["rank"]): int(f["bytes"]) for f in m["files"]}
 
-    def _pieces(self, n: int, sender: int) -> List[Tuple[int, int]]:
-        """The ``(start, end)`` pieces an image of ``n`` bytes from ``sender`` travels in
-        (from the sender's bandwidth setting, which every rank knows: both ends cut alike)."""
+    def _piece_size(self, sender: int) -> int:
+        """The size of the pieces ``sender``'s images travel in: ``sender``'s paced piece
+        (``replica_bandwidth`` x 50 ms, at least 64 KiB, at most 64 MiB; 64 MiB unbounded)
+        rounded down to whole staging chunks of ``sender`` (at least one), so that a piece
+        never straddles a chunk (every rank knows every rank's settings: both ends cut
+        alike)."""
         bw = self.bandwidths[sender]
-        size = _PIECE_MAX if bw is None else max(_PIECE_MIN, min(_PIECE_MAX, int(bw * _PACE_SECONDS)))
+        paced = _PIECE_MAX if bw is None else max(_PIECE_MIN, min(_PIECE_MAX, int(bw * _PACE_SECONDS)))
+        cs = max(1, int(self.chunk_sizes[sender]))
+        return cs * max(1, paced // cs)
+
+    def _pieces(self, n: int, sender: int) -> List[Tuple[int, int]]:
+        """The ``(start, end)`` pieces an image of ``n`` bytes from ``sender`` travels in."""
+        size = self._piece_size(sender)
         return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
 
     def _exchange(
         self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, Any]], paced: bool
     ) -> Tuple[Dict[int, Any], int, float]:
-        """Send each ``(dst, buffer)`` and receive each ``(src, buffer)`` (buffers: objects
+        """Send each ``(dst, source)`` and receive each ``(src, buffer)`` (buffers: objects
         numpy views without a copy, ``__array_interface__``: a ``ReplicaImage`` or a
-        ``Buffer``, the received ones writable; receives posted first, then the sends,
-        piece by piece, one destination after the other in turn, no faster than
-        :attr:`bandwidth` when ``paced``); returns the receive buffers by source (filled),
-        the bytes sent and the seconds the exchange took. A transfer that fails (the peer
-        died, or was silent for the group's timeout) raises :class:`_GroupFailed` naming
-        the peers, once every other transfer has finished or failed."""
+        ``Buffer``, the received ones writable; a source is such a buffer or an
+        :class:`ImagePieces`, which makes each piece when it is sent; one source given for
+        several destinations is cut once, each piece sent to all of them). Receives are
+        posted first, then the sends, piece by piece, one source after the other in turn,
+        no faster than :attr:`bandwidth` when ``paced``; at most :data:`_IN_FLIGHT` pieces
+        are in flight (a piece is dropped, its staging chunks given back, once its sends
+        finished). Returns the receive buffers by source (filled), the bytes sent and the
+        seconds the exchange took. A transfer that fails (the peer died, or was silent for
+        the group's timeout) raises :class:`_GroupFailed` naming the peers, once every
+        other transfer has finished or failed."""
         import torch
 
         dist = self._dist
@@ -105,51 +196,83 @@ class ReplicaNet:
                     works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
-        with warnings.catch_warnings():  # read-only memory: only ever sent from
-            warnings.simplefilter("ignore", UserWarning)
-            keep = [(dst, buf, torch.from_numpy(np.asarray(buf))) for dst, buf in sends]
-        todo = [(dst, buf, t, self._pieces(t.numel(), me)) for dst, buf, t in keep]
+        # Each source once, with its destinations and its pieces.
+        todo: List[Tuple[Any, List[int], List[Tuple[int, int]]]] = []
+        by_id: Dict[int, int] = {}
+        for dst, obj in sends:
+            if id(obj) not in by_id:
+                src_pieces = obj if isinstance(obj, ImagePieces) else _BufferPieces(obj)
+                by_id[id(obj)] = len(todo)
+                todo.append((src_pieces, [], self._pieces(src_pieces.nbytes, me)))
+            todo[by_id[id(obj)]][1].append(dst)
+        inflight: Deque[Tuple[Any, List[Tuple[int, Any]]]] = collections.deque()
+
+        def finish(entry: Tuple[Any, List[Tuple[int, Any]]]) -> None:
+            for peer, w in entry[1]:
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    failed.setdefault(peer, f"sending to rank {peer}: {e}")
+
+        done = 0  # works[:done]: received, and checked as they arrived
+
+        def receive(block: bool) -> None:
+            """Take the received pieces in order: all of them (``block``), or those that
+            arrived already (between sends: the checks overlap the transfer)."""
+            nonlocal done, through
+            while done < len(works) and (block or works[done][2].is_completed()):
+                peer, what, w = works[done]
+                done += 1
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    failed.setdefault(peer, f"{what} rank {peer}: {e}")
+                hook = through.pop(id(w), None)
+                if hook is not None and peer not in failed:
+                    try:
+                        hook[0].received(hook[1])
+                    except ShmckptError as e:  # seal() checks (and writes) what is left, or refuses
+                        log.warning("rank %d: the image from rank %d, checked as it arrived: %s", me, peer, e)
+                        through = {k: v for k, v in through.items() if v[0] is not hook[0]}
+
         sent = 0
         bw = self.bandwidth if paced else None
-        while any(p for _, _, _, p in todo):
-            for dst, buf, t, pieces in todo:
+
+        def pace() -> None:
+            if bw is not None:
+                ahead = t0 + sent / bw - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+
+        while any(p for _, _, p in todo):
+            for src_pieces, dsts, pieces in todo:
                 if not pieces:
                     continue
                 a, b = pieces.pop(0)
-                if dst in failed:
+                live = [d for d in dsts if d not in failed]
+                if not live:
                     continue
-                read_to = getattr(buf, "read_to", None)
-                if read_to is not None and self._send_problem is None:
-                    # A ReplicaSource: read the file up to this piece while the pieces
-                    # before it travel. A failed read sends the rest unread (zeros): the
-                    # receiver's check refuses it, and the problem is reported.
+                pace()  # before the piece is made: it pins staging chunks (or memory) from then on
+                t = src_pieces.piece(a, b)
+                posted: List[Tuple[int, Any]] = []
+                for dst in live:
+                    pace()
                     try:
-                        read_to(b)
-                    except ShmckptError as e:
-                        self._send_problem = f"rank {me} could not read its image: {e}"
-                        log.warning("%s", self._send_problem)
-                if bw is not None:
-                    ahead = t0 + sent / bw - time.monotonic()
-                    if ahead > 0:
-                        time.sleep(ahead)
-                try:
-                    works.append((dst, "sending to", dist.isend(t[a:b], dst=dst, group=self.group)))
-                except RuntimeError as e:
-                    failed.setdefault(dst, f"sending to rank {dst}: {e}")
-                sent += b - a
-        for peer, what, w in works:
-            try:
-                w.wait()
-            except RuntimeError as e:
-                failed.setdefault(peer, f"{what} rank {peer}: {e}")
-            hook = through.pop(id(w), None)
-            if hook is not None and peer not in failed:
-                try:
-                    hook[0].received(hook[1])
-                except ShmckptError as e:  # seal() checks (and writes) what is left, or refuses
-                    log.warning("rank %d: the image from rank %d, checked as it arrived: %s", me, peer, e)
-                    through = {k: v for k, v in through.items() if v[0] is not hook[0]}
-        del keep, views
+                        posted.append((dst, dist.isend(t, dst=dst, group=self.group)))
+                    except RuntimeError as e:
+                        failed.setdefault(dst, f"sending to rank {dst}: {e}")
+                        continue
+                    src_pieces.count(b - a)
+                    sent += b - a
+                inflight.append((t, posted))
+                del t
+                receive(block=False)
+                while len(inflight) > _IN_FLIGHT:
+                    finish(inflight.popleft())
+        while inflight:
+            finish(inflight.popleft())
+        receive(block=True)
+        del todo, views
         if failed:
             got.clear()
             peers = ", ".join(f"rank {p}" for p in sorted(failed))

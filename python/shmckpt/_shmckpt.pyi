@@ -6,7 +6,7 @@ non-blocking saves, unmodified) as documented on each method; use
 ``shmckpt.Checkpointer``, which does.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple, final
+from typing import Dict, List, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import TypeAlias
 
@@ -14,6 +14,8 @@ __all__ = [
     "Bucket",
     "Buffer",
     "Engine",
+    "HeldImage",
+    "HeldPiece",
     "ReplicaImage",
     "ReplicaSource",
     "SaveHandle",
@@ -108,6 +110,36 @@ class ReplicaSource:
     def __array_interface__(self) -> Dict[str, object]: ...
     def __len__(self) -> int: ...
     def read_to(self, end: int) -> None: ...
+    def read_range(self, start: int, end: int) -> None: ...
+
+@final
+class HeldPiece:
+    """Consecutive staging chunks of a held image, read-only, without a copy; the chunks
+    return to the arena when this object is dropped."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+
+@final
+class HeldImage:
+    """A committed save's image held in its staging chunks for replication
+    (``SaveHandle.take_held_image()``): ``piece(start, end)`` gives ``("staging",
+    HeldPiece)``, ``("copied", Buffer)`` or ``("file", None)`` (given back under staging
+    pressure: read it from the file); ``close()`` gives back what is not taken."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def held_chunks(self) -> int: ...
+    @property
+    def spilled_chunks(self) -> int: ...
+    def piece(self, start: int, end: int) -> Tuple[str, Optional[Union[HeldPiece, Buffer]]]: ...
+    def close(self) -> None: ...
 
 @final
 class Bucket:
@@ -136,6 +168,7 @@ class SaveHandle:
     def wait(self) -> Dict[str, object]: ...
     def wait_remote(self) -> Dict[str, object]: ...
     def is_remote_done(self) -> bool: ...
+    def take_held_image(self) -> Optional[HeldImage]: ...
 
 @final
 class Engine:
@@ -166,7 +199,10 @@ class Engine:
         remote_concurrency: Optional[int] = None,
         remote_request_timeout: Optional[float] = None,
         remote_complete_timeout: Optional[float] = None,
+        replica_hold: bool = False,
     ) -> "Engine": ...
+    @property
+    def chunk_size(self) -> int: ...
     def save(
         self,
         step: int,

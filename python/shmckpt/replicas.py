@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _shmckpt
 from ._replica_load import ReplicaLoads
-from ._replica_net import _GroupFailed
+from ._replica_net import ImagePieces, _GroupFailed
 from .errors import ConfigError, ReplicationError, ShmckptError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,15 +120,15 @@ class Replicator(ReplicaLoads):
             )
         self.node = node_of(ckpt.rank, node)
         mine: List[Any] = [None] * ckpt.world_size
-        dist.all_gather_object(mine, (self.node, self.bandwidth), group=group)
-        self.nodes: List[str] = [str(n) for n, _ in mine]
-        #: Every rank's ``replica_bandwidth`` (the pieces its images travel in follow it).
-        self.bandwidths: List[Optional[float]] = [None if b is None else float(b) for _, b in mine]
+        dist.all_gather_object(mine, (self.node, self.bandwidth, int(ckpt._engine.chunk_size)), group=group)
+        self.nodes: List[str] = [str(n) for n, _, _ in mine]
+        #: Every rank's ``replica_bandwidth`` and staging chunk size (the pieces its images
+        #: travel in follow them).
+        self.bandwidths: List[Optional[float]] = [None if b is None else float(b) for _, b, _ in mine]
+        self.chunk_sizes: List[int] = [int(c) for _, _, c in mine]
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
-        #: Why this rank's image could not be read while it was sent (the current step).
-        self._send_problem: Optional[str] = None
         #: Replicas sealed by the last step, ``(source, step)``, whose older ones are removed.
         self._older: List[Tuple[int, int]] = []
         #: The size of the last image each source sent (the guess for the next arenas).
@@ -256,17 +256,24 @@ class Replicator(ReplicaLoads):
         t0 = time.monotonic()
         ahead = self._prepare(step)
         failure: Optional[str] = None
+        held = None
         try:
             handle.wait()
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
+        # The committed image, held in its staging chunks when it was whole in the arena
+        # (the engine's replica_hold): sent from there; given back when this step's
+        # replication ends, however it ends.
+        rust = getattr(handle, "_rust", None)
+        if rust is not None:
+            held = rust.take_held_image()
         durable = time.monotonic()
-        if self.broken is not None:
-            msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
-            log.warning("%s", msg)
-            raise ReplicationError(msg)
         try:
-            return self._replicate(step, failure, t0, durable, dict(getattr(handle, "_metadata", {})), ahead)
+            if self.broken is not None:
+                msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
+                log.warning("%s", msg)
+                raise ReplicationError(msg)
+            return self._replicate(step, failure, t0, durable, dict(getattr(handle, "_metadata", {})), ahead, held)
         except _GroupFailed as e:
             # The group cannot be used again (gloo): later steps are skipped, not hung on.
             self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
@@ -274,6 +281,8 @@ class Replicator(ReplicaLoads):
             raise ReplicationError(f"step {step} is not {self.replicas}-safe: {e}") from None
         finally:
             ahead.clear()  # arenas not received into are removed
+            if held is not None:
+                held.close()  # what no piece took goes back to the arena
 
     def _prepare(self, step: int) -> Dict[int, Any]:
         """Replica arenas for ``step``'s images from this rank's sources, each sized as that
@@ -299,9 +308,11 @@ class Replicator(ReplicaLoads):
         durable: float,
         metadata: Dict[str, str],
         ahead: Dict[int, Any],
+        staged: Optional[Any] = None,
     ) -> Dict[str, Any]:
         """``t0``: when this step's replication started; ``durable``: when this rank's save
-        was durable."""
+        was durable; ``staged``: this rank's image held in staging (a ``HeldImage``), or
+        None (then read from the file)."""
         # Every rank's file is durable once every rank's wait returned: the step is committed
         # (a shared root), or can be (node-local roots: committed here, through the group).
         failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
@@ -313,12 +324,16 @@ class Replicator(ReplicaLoads):
         me = self.ckpt.rank
         root = self.ckpt.root
         problem: Optional[str] = None
-        image = None
-        self._send_problem = None
+        image: Optional[ImagePieces] = None
         try:
-            # Opened and checked now (no link, size, header); read piece by piece as it is
-            # sent (the receiver checks every tensor's CRC-32C before it holds it).
-            image = _shmckpt.replica_source(root, step, me)
+            # Opened and checked now (no link, size, header); sent piece by piece from the
+            # staging chunks held, else read from the file as it is sent (the receiver
+            # checks every tensor's CRC-32C before it holds it).
+            source = _shmckpt.replica_source(root, step, me)
+            if staged is not None and int(staged.nbytes) != int(source.nbytes):
+                staged.close()  # never expected: the held image is the committed file's
+                staged = None
+            image = ImagePieces(source, staged, me)
         except ShmckptError as e:
             problem = f"rank {me} cannot read its image of step {step}: {e}"
             log.warning("%s", problem)
@@ -344,7 +359,10 @@ class Replicator(ReplicaLoads):
         marks.append(("opened", time.monotonic()))
         got, sent, transfer = self._exchange(sends, recvs, paced=True)
         marks.append(("exchanged", time.monotonic()))
-        del image, recvs
+        sent_from = {"staging": 0, "copied": 0, "file": 0} if image is None else dict(image.sent_from)
+        if problem is None and image is not None:
+            problem = image.problem
+        del image, recvs, sends
         held: List[int] = []
         for q in sorted(got):
             arena = got.pop(q)
@@ -358,8 +376,6 @@ class Replicator(ReplicaLoads):
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
             del arena  # an arena that failed its check is gone with it
-        if problem is None and self._send_problem is not None:
-            problem = self._send_problem
         marks.append(("checked", time.monotonic()))
         everyone = self._gather((held, problems, problem), "who holds which image")
         marks.append(("agreed", time.monotonic()))
@@ -379,6 +395,10 @@ class Replicator(ReplicaLoads):
             "k_safe": k_safe,
             "seconds": time.monotonic() - t0,
             "bytes_sent": sent,
+            # Where the bytes sent came from: the staging chunks held (zero-copy), copies
+            # of held chunks that were not consecutive, the committed file (not held, or
+            # given back under staging pressure).
+            "sent_from": sent_from,
             "transfer_seconds": transfer,
             "bandwidth": self.bandwidth,
             "problems": all_problems,

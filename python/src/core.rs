@@ -41,6 +41,13 @@ pub struct EngineOpts {
     pub remote_complete_timeout: Option<f64>,
     pub remote_only: bool,
     pub remote_session: Option<String>,
+    /// `EngineConfig::with_replica_hold`.
+    pub replica_hold: bool,
+}
+
+/// Bytes per staging chunk.
+pub fn chunk_size(engine: &Engine) -> u64 {
+    engine.config().chunk_size()
 }
 
 /// Open an engine.
@@ -79,6 +86,7 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     if let Some(v) = o.keep_in_memory {
         cfg = cfg.with_keep_in_memory(v);
     }
+    cfg = cfg.with_replica_hold(o.replica_hold);
     if let Some(v) = o.create_root {
         cfg = cfg.with_create_root(v);
     }

@@ -22,6 +22,8 @@ pub(crate) struct PySaveHandle {
     pub(crate) remote: Option<shmckpt::remote::RemoteProgress>,
     /// Its result once known.
     pub(crate) remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
+    /// Where its committed image is put when held for replication (`replica_hold`).
+    pub(crate) held: std::sync::Arc<shmckpt::replica::HeldCell>,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -207,6 +209,13 @@ impl PySaveHandle {
     /// raises `RemoteFailed`/`RemoteSkipped`. May be called again.
     fn wait_remote(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         wait_remote(self, py)
+    }
+
+    /// The save's committed image held in its staging chunks for replication (engine
+    /// opened with `replica_hold=True`), once committed, when it was whole in the arena;
+    /// `None` otherwise or once taken. Close it when done (its chunks return then).
+    fn take_held_image(&self) -> Option<crate::held::PyHeldImage> {
+        self.held.take().map(crate::held::PyHeldImage::new)
     }
 
     /// True once this rank's remote copy is over (or there is no remote tier).

@@ -13,6 +13,7 @@ mod buffer;
 mod core;
 mod dcp;
 mod handle;
+mod held;
 mod links;
 mod ranged;
 mod remote;
@@ -217,7 +218,7 @@ impl PyEngine {
         keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
         remote_max_pending=None, remote_only=false, remote_session=None,
         remote_part_size=None, remote_concurrency=None, remote_request_timeout=None,
-        remote_complete_timeout=None))]
+        remote_complete_timeout=None, replica_hold=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -245,6 +246,7 @@ impl PyEngine {
         remote_concurrency: Option<usize>,
         remote_request_timeout: Option<f64>,
         remote_complete_timeout: Option<f64>,
+        replica_hold: bool,
     ) -> PyResult<Self> {
         let auto_staging = staging_capacity.is_none();
         let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
@@ -275,6 +277,7 @@ impl PyEngine {
             remote_complete_timeout,
             remote_only,
             remote_session,
+            replica_hold,
         };
         let engine = py
             .detach(|| core::open(opts.clone()))
@@ -364,6 +367,7 @@ impl PyEngine {
         Ok(PySaveHandle {
             step,
             remote: core::remote_progress(&h),
+            held: h.held_image(),
             remote_result: Mutex::new(None),
             inner: Mutex::new(Some(h)),
             result: Mutex::new(None),
@@ -611,6 +615,12 @@ impl PyEngine {
         lock(&self.inner).is_none()
     }
 
+    /// Bytes per staging chunk.
+    #[getter]
+    fn chunk_size(&self) -> PyResult<u64> {
+        Ok(core::chunk_size(&*self.get()?))
+    }
+
     /// `(shm_name, staging_capacity, backend, root)`.
     fn describe(&self) -> PyResult<(String, u64, String, String)> {
         let engine = self.get()?;
@@ -670,5 +680,6 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     links::register(m)?;
     ranged::register(m)?;
     replica::register(m)?;
+    held::register(m)?;
     Ok(())
 }

@@ -294,6 +294,19 @@ impl PyReplicaSource {
         })
         .map_err(|e| to_py(py, e))
     }
+
+    /// Read bytes `[start, end)` of the file (GIL released), never what was read before:
+    /// the bytes between the last read and `start` are skipped (left zero). A held
+    /// image's sender reads only the pieces staging gave back.
+    fn read_range(&self, py: Python<'_>, start: usize, end: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .read_range(start, end)
+        })
+        .map_err(|e| to_py(py, e))
+    }
 }
 
 /// `rank`'s committed file of `step`, opened (checked: no link, regular, the manifest's

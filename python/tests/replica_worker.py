@@ -10,6 +10,12 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         afterwards, newest step first; with REPLICA_WORKER_GOON=1 the ranks go on saving
         after a failed replication (no barrier after it), recording each failure;
         REPLICA_WORKER_BW / REPLICA_WORKER_TIMEOUT: replica_bandwidth / replica_timeout;
+        REPLICA_WORKER_CHUNK / REPLICA_WORKER_STAGING: chunk_size / staging_capacity;
+        with REPLICA_WORKER_PRESSURE=mid (steps 1 2): step 2 is saved once the first piece
+        of this rank's image of step 1 was taken (its replication still going on), its
+        ``wait()`` timed, then the replica of step 1 this rank holds compared byte for byte
+        with its source's committed file; with =before, the same, but step 2 is saved
+        (and waited for) before the replication of step 1 may begin its exchange;
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
         machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
@@ -68,8 +74,8 @@ def open_ckpt(root, rank, replicas):
         extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     return shmckpt.Checkpointer(
         root,
-        staging_capacity=8 << 20,
-        chunk_size=1 << 20,
+        staging_capacity=int(os.environ.get("REPLICA_WORKER_STAGING", 8 << 20)),
+        chunk_size=int(os.environ.get("REPLICA_WORKER_CHUNK", 1 << 20)),
         keep_in_memory=True,
         replicas=replicas,
         node=f"m{rank // 2}",
@@ -93,6 +99,71 @@ def die_mid_transfer():
     dist.isend = isend
 
 
+def first_piece_event():
+    """An event set once this rank's replication took the first piece of its image."""
+    import threading
+
+    from shmckpt import _replica_net
+
+    ev = threading.Event()
+    real = _replica_net.ImagePieces.piece
+
+    def piece(self, a, b):
+        t = real(self, a, b)
+        ev.set()
+        return t
+
+    _replica_net.ImagePieces.piece = piece
+    return ev
+
+
+def replica_matches_file(root, step, src):
+    """Whether this user's replica of ``src``'s image of ``step`` holds exactly the bytes of
+    ``src``'s committed file."""
+    from shmckpt import _shmckpt
+
+    m = json.load(open(os.path.join(root, f"step-{step}", "manifest.json")))
+    (f,) = [f for f in m["files"] if f["rank"] == src]
+    with open(os.path.join(root, f"step-{step}", f["file"]), "rb") as fh:
+        want = fh.read()
+    with open(os.path.join("/dev/shm", _shmckpt.replica_name(root, src, step)), "rb") as fh:
+        return fh.read() == want
+
+
+def pressure(ck, rank, res, mode):
+    """REPLICA_WORKER_PRESSURE=mid|before (see the module)."""
+    import threading
+
+    first = first_piece_event()
+    go = threading.Event()
+    if mode == "before":
+        real = ck._replicator._replicate
+
+        def gated(*args, **kwargs):
+            assert go.wait(60)
+            return real(*args, **kwargs)
+
+        ck._replicator._replicate = gated
+    else:
+        go.set()
+    h1 = ck.save(1, rank_state(rank, 1), blocking=False)
+    if mode == "before":
+        h1.wait()
+    else:
+        assert first.wait(60)
+    t0 = time.monotonic()
+    h2 = ck.save(2, rank_state(rank, 2), blocking=False)
+    h2.wait()
+    res["save2_seconds"] = time.monotonic() - t0
+    go.set()
+    for step, h in ((1, h1), (2, h2)):
+        rep = h.wait_replicated()
+        if step == 1:
+            res["replica1_exact"] = replica_matches_file(ck.root, 1, ck._replicator.plan.index([rank]))
+        rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+        res["reports"].append(rep)
+
+
 def main():
     mode, root, rank, world, port, out, replicas = sys.argv[1:8]
     rank, world, replicas = int(rank), int(world), int(replicas)
@@ -109,6 +180,9 @@ def main():
         res["reports"] = []
         die = os.environ.get("REPLICA_WORKER_DIE")  # "RANK:STEP": killed after its save
         steps = [int(s) for s in sys.argv[8:]]
+        if os.environ.get("REPLICA_WORKER_PRESSURE"):
+            pressure(ck, rank, res, os.environ["REPLICA_WORKER_PRESSURE"])
+            steps = []
         if os.environ.get("REPLICA_WORKER_NOWAIT") == "1":
             # Save every step without waiting, then wait for the replications, newest first.
             hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]

@@ -60,6 +60,12 @@ def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, en
     return [json.loads(o.read_text()) if o.exists() else None for o in outs]
 
 
+def file_sizes(root, step):
+    """Every rank's file size in ``step``'s manifest."""
+    m = json.loads((root / f"step-{step}" / "manifest.json").read_text())
+    return {f["rank"]: f["bytes"] for f in m["files"]}
+
+
 def lose_machine_1(root, steps, replica_step=None):
     """Machine 1 (ranks 2, 3) is gone: its kept arenas, the replicas it held (of ranks 0
     and 1, of ``replica_step``, default the last step) and its ranks' files of every step."""
@@ -111,6 +117,10 @@ def test_lost_machine_is_restored_from_peers(tmp_path, droot):
             assert rep["k_safe"] is True
             assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
             assert rep["problems"] == []
+            # Sent from the save's staging chunks, held since its commit: no file read.
+            size = file_sizes(root, rep["step"])[r]
+            assert rep["bytes_sent"] == size
+            assert rep["sent_from"] == {"staging": size, "copied": 0, "file": 0}
     # Only the newest step's replica of each rank is kept.
     assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
 
@@ -327,6 +337,9 @@ def assert_drill_saves_and_loads(report):
         for rep in res["reports"]:
             assert rep["k_safe"] is True and rep["problems"] == []
             assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            # Sent out of the save's staging memory (a view, or a copy where the arena's
+            # ring wraps), never read back from the file.
+            assert rep["sent_from"]["file"] == 0 and sum(rep["sent_from"].values()) == rep["bytes_sent"] > 0
     assert report["shm_fresh"] == []
     for r, res in enumerate(report["loaded"]):
         assert (res["rank"], res["exit_status"]) == (r, 0)
@@ -378,7 +391,7 @@ def test_drill_private_shm_per_machine(root):
 
 
 def test_partner_killed_mid_transfer(tmp_path, droot):
-    """Replication at 256 KiB/s per rank (pieces of 64 KiB) with a 5 s group timeout; rank 3
+    """Replication at 256 KiB/s per rank (pieces of 64 KiB: staging chunks of 64 KiB) with a 5 s group timeout; rank 3
     dies once the first piece of its image of step 2 is sent. Step 2 is never reported
     1-safe: rank 1 (its partner) gets a ReplicationError naming rank 3, every survivor's
     within the timeout; the survivors' save of step 3 completes and its replication is
@@ -391,7 +404,7 @@ def test_partner_killed_mid_transfer(tmp_path, droot):
     bw = 256 << 10
     saved = run_world(
         tmp_path, root, "save", 1, 1, 2, 3,
-        env={"REPLICA_WORKER_DIE": "3:2:mid", "REPLICA_WORKER_GOON": "1",
+        env={"REPLICA_WORKER_DIE": "3:2:mid", "REPLICA_WORKER_GOON": "1", "REPLICA_WORKER_CHUNK": str(64 << 10),
              "REPLICA_WORKER_BW": str(bw), "REPLICA_WORKER_TIMEOUT": "5"},
         codes_want=[0, 0, 0, -9],
     )
@@ -513,3 +526,62 @@ def test_node_local_roots_keep_the_newest_steps(tmp_path):
     finally:
         for root in roots:
             remove_arenas_of(root)
+
+
+CHUNK = 64 << 10
+
+
+def test_staging_pressure_spills_the_held_image_to_the_file(tmp_path, droot):
+    """Chunks of 64 KiB, 4 in the arena, an image of 3 (held for replication at its commit),
+    replication at 32 KiB/s (one chunk per piece, 2 s apart). Once the first piece of step
+    1 is taken, step 2 is saved: it needs 3 chunks, 1 is free, so the reclaim hook gives back
+    the 2 the replication has not taken. The save completes at once (not after the
+    replication); step 1's first piece went from staging, the rest from the file; every
+    replica of step 1 is exactly its source's file; step 2 goes wholly from staging; the
+    drill then restores machine 1 bit-exactly from step 2's replicas."""
+    root = droot
+    arena = {"REPLICA_WORKER_CHUNK": str(CHUNK), "REPLICA_WORKER_STAGING": str(4 * CHUNK)}
+    saved = run_world(
+        tmp_path, root, "save", 1,
+        env={"REPLICA_WORKER_PRESSURE": "mid", "REPLICA_WORKER_BW": str(32 << 10), **arena},
+    )
+    for r, res in enumerate(saved):
+        s1, s2 = file_sizes(root, 1)[r], file_sizes(root, 2)[r]
+        assert 2 * CHUNK < s1 <= 3 * CHUNK and 2 * CHUNK < s2 <= 3 * CHUNK
+        rep1, rep2 = res["reports"]
+        assert (rep1["step"], rep1["k_safe"], rep2["step"], rep2["k_safe"]) == (1, True, 2, True)
+        assert rep1["sent_from"] == {"staging": CHUNK, "copied": 0, "file": s1 - CHUNK}
+        assert rep2["sent_from"] == {"staging": s2, "copied": 0, "file": 0}
+        # Paced: the last piece of step 1 went 4 s after the first, while step 2 was saved.
+        assert rep1["transfer_seconds"] >= 2 * CHUNK / (32 << 10)
+        assert res["save2_seconds"] < 2.5
+        assert res["replica1_exact"] is True
+    assert our_replicas(root) == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    lose_machine_1(root, [1, 2])
+    loaded = run_world(tmp_path, root, "load", 1, env=arena)
+    assert [res["source"] for res in loaded] == [["memory", None], ["memory", None], ["peer", 0], ["peer", 1]]
+    assert all(res["step"] == 2 and res["exact"] is True for res in loaded)
+
+
+def test_held_image_given_back_before_its_replication_is_sent_from_the_file(tmp_path, droot):
+    """The arena of the test above; step 1's image is held at its commit, then step 2 is
+    saved (and committed) before step 1's replication may begin its exchange: the save
+    takes the free chunk and, through the reclaim hook, the 3 held ones, without waiting.
+    Step 1 is then sent wholly from the committed file, exactly (every replica equal to
+    its source's file). Step 2's image is held in arena chunks 3, 0, 1 (the free one, then
+    the ones given back, in order): one piece (1 GiB/s: pieces of 64 MiB at most) over
+    chunks that are not consecutive, so copied out of staging, never read from the file."""
+    root = droot
+    arena = {"REPLICA_WORKER_CHUNK": str(CHUNK), "REPLICA_WORKER_STAGING": str(4 * CHUNK)}
+    saved = run_world(tmp_path, root, "save", 1, env={"REPLICA_WORKER_PRESSURE": "before", **arena})
+    for r, res in enumerate(saved):
+        s1, s2 = file_sizes(root, 1)[r], file_sizes(root, 2)[r]
+        rep1, rep2 = res["reports"]
+        assert (rep1["step"], rep1["k_safe"], rep2["step"], rep2["k_safe"]) == (1, True, 2, True)
+        assert rep1["sent_from"] == {"staging": 0, "copied": 0, "file": s1}
+        assert rep2["sent_from"] == {"staging": 0, "copied": s2, "file": 0}
+        assert res["replica1_exact"] is True
+    lose_machine_1(root, [1, 2])
+    loaded = run_world(tmp_path, root, "load", 1, env=arena)
+    assert [res["source"][0] for res in loaded] == ["memory", "memory", "peer", "peer"]
+    assert all(res["step"] == 2 and res["exact"] is True for res in loaded)

@@ -49,9 +49,18 @@ pub(super) fn finalize(
     if result.is_err() {
         commit::abort_partial(&st.partial, &st.file_name);
     }
-    st.shared
-        .arena
-        .finish_slot(st.slot, st.keep_seq, result.is_ok());
+    // Held for replication (`with_replica_hold`) when the image is whole in the arena: its
+    // chunks are taken here, before the save is reported done.
+    let cfg = &st.shared.cfg;
+    let hold =
+        (cfg.replica_hold && !cfg.is_remote_only()).then(|| (&*st.shared.held, st.plan.file_len()));
+    if let Some(image) =
+        st.shared
+            .arena
+            .finish_slot_holding(st.slot, st.keep_seq, result.is_ok(), hold)
+    {
+        st.held.set(image);
+    }
     if let Err(e) = &result {
         tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
     }

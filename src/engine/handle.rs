@@ -116,6 +116,15 @@ impl SaveHandle {
         }
     }
 
+    /// Where the save's committed image, held in its staging chunks for replication
+    /// ([`EngineConfig::with_replica_hold`](crate::EngineConfig::with_replica_hold)), is
+    /// put at commit (before [`SaveHandle::wait`] returns), when it is whole in the arena.
+    /// Keep it to take the image after `wait` consumed the handle; the image's chunks are
+    /// given back when it drops (or under staging pressure).
+    pub fn held_image(&self) -> Arc<crate::staging::held::HeldCell> {
+        Arc::clone(&self.state.held)
+    }
+
     /// True once the save is committed or has failed (`wait` then returns at once).
     pub fn is_done(&self) -> bool {
         self.watch().is_done()

@@ -380,8 +380,11 @@ impl Engine {
             backend: self.shared.cfg.backend,
             queue_depth: self.shared.cfg.queue_depth.max(2),
             direct_io: self.shared.cfg.direct_io,
-            // A kept image lives in the arena's chunks: loads must not overwrite it.
-            arena: (!self.shared.arena.keeps()).then(|| Arc::clone(&self.shared.arena)),
+            // A kept image lives in the arena's chunks, and so does a committed image held
+            // for replication (whose chunks are free until the commit): loads must not
+            // overwrite them.
+            arena: (!self.shared.arena.keeps() && !self.shared.cfg.replica_hold)
+                .then(|| Arc::clone(&self.shared.arena)),
             any_dir_name: false,
         }
     }

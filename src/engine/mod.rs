@@ -78,6 +78,9 @@ struct Shared {
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
     setup: Mutex<Setup>,
+    /// Committed images held for replication (`EngineConfig::with_replica_hold`), for the
+    /// arena's reclaim hook.
+    held: Arc<crate::staging::held::HeldImages>,
     /// The remote tier's uploader (`EngineConfig::with_remote`).
     #[cfg(feature = "s3")]
     remote: Option<Arc<crate::remote::tier::RemoteTier>>,
@@ -289,16 +292,30 @@ impl Engine {
         };
         if keep {
             arena.enable_keep();
+        } else if cfg.replica_hold {
+            // A save must not reuse its own chunks, or its image is not whole (not held).
+            arena.take_oldest_first();
         }
-        // Chunks held for uploads are given back when staging runs out (read from the
-        // local file instead): the local tier never waits on the bucket beyond that.
-        #[cfg(feature = "s3")]
-        if let Some(t) = &remote {
-            let feeds = Arc::downgrade(t.feeds());
-            arena.set_reclaim(crate::staging::Reclaim(Box::new(move || {
-                if let Some(f) = feeds.upgrade() {
+        // Chunks held beyond their write (for uploads, for replication) are given back
+        // when staging runs out (read from the local file instead): the local tier never
+        // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
+        let held = Arc::new(crate::staging::held::HeldImages::default());
+        {
+            let held = Arc::downgrade(&held);
+            #[cfg(feature = "s3")]
+            let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
+            arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
+                if let Some(h) = held.upgrade() {
+                    h.spill_all();
+                }
+                // Uploads give theirs back only when nothing is free (a save reusing its
+                // own chunk costs the remote tier nothing).
+                #[cfg(feature = "s3")]
+                if empty && let Some(f) = feeds.as_ref().and_then(std::sync::Weak::upgrade) {
                     f.spill_all();
                 }
+                #[cfg(not(feature = "s3"))]
+                let _ = empty;
             })));
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
@@ -348,6 +365,7 @@ impl Engine {
                 prefault,
                 threads: Vec::new(),
             }),
+            held,
             #[cfg(feature = "s3")]
             remote,
         });

@@ -429,6 +429,7 @@ impl Engine {
                 .as_ref()
                 .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only())),
             snapshot: crate::device::SnapshotRequest::default(),
+            held: Arc::default(),
         });
         let queued = self
             .commit_tx

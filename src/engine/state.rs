@@ -81,6 +81,8 @@ pub(crate) struct SaveState {
     pub(super) feed: Option<Arc<crate::remote::feed::Feed>>,
     /// Its device snapshot request (`SaveOptions::snapshot_on_request`).
     pub(super) snapshot: crate::device::SnapshotRequest,
+    /// Its committed image held for replication (`EngineConfig::with_replica_hold`).
+    pub(super) held: Arc<crate::staging::held::HeldCell>,
 }
 
 impl SaveState {

@@ -82,7 +82,7 @@ impl Outgoing {
         self.len == 0
     }
 
-    /// Bytes read so far (a prefix of the file).
+    /// Bytes read or skipped so far (the position the next read starts from at least).
     pub fn read(&self) -> usize {
         self.done
     }
@@ -94,11 +94,24 @@ impl Outgoing {
     /// reference made), so a transport reading the prefix meanwhile is never disturbed.
     /// [`Error::Truncated`] when the file ends early (it shrank).
     pub fn read_to(&mut self, end: usize) -> Result<()> {
+        self.read_range(self.done, end)
+    }
+
+    /// Read bytes `[start, end)` of the file into the memory (as [`Outgoing::read_to`]),
+    /// skipping what lies before [`Outgoing::read`]: bytes are only ever read once, from
+    /// the current position on, so a transport reading what was read before is never
+    /// disturbed. Bytes between the previous position and `start` (rounded down to a page)
+    /// are skipped, never read (their memory stays zero): the sender of a held image
+    /// reads only the pieces that staging gave back. Afterwards [`Outgoing::read`] is
+    /// `end` (rounded up to a page, at most the length).
+    pub fn read_range(&mut self, start: usize, end: usize) -> Result<()> {
         let end = end.min(self.len);
-        if self.done >= end {
+        let page = rustix::param::page_size();
+        let from = (start / page * page).max(self.done);
+        if from >= end {
             return Ok(());
         }
-        let page = rustix::param::page_size();
+        self.done = from;
         if self.direct.is_none() {
             // O_DIRECT on the open descriptor, where the file system takes it.
             let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
@@ -177,7 +190,7 @@ impl Outgoing {
                 rustix::fs::fcntl_setfl(&self.file, fl - rustix::fs::OFlags::DIRECT)
                     .map_err(|e2| Error::io_at("read", &self.path, at as u64, e2.into()))?;
                 self.direct = Some(false);
-                self.read_to(end)
+                self.read_range(self.done, end)
             }
             Some((at, e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 Err(Error::Truncated {

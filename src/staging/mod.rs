@@ -9,6 +9,7 @@
 
 pub mod attach;
 pub mod descriptor;
+pub mod held;
 pub mod layout;
 mod lease;
 mod mapped;
@@ -109,6 +110,11 @@ pub struct Arena {
     /// filled itself while other chunks are free and the kept image stays whole.
     free: Mutex<std::collections::VecDeque<u32>>,
     fifo: std::sync::atomic::AtomicBool,
+    /// Per chunk: the sequence number ([`Arena::begin_save`]) of the save that last took
+    /// it, so that a save taking the oldest first can skip its own chunks.
+    taken_in: Box<[AtomicU64]>,
+    /// The sequence number of the latest save to have begun.
+    seq: AtomicU64,
     freed: Condvar,
     slots: Mutex<Vec<u32>>,
     slot_freed: Condvar,
@@ -125,10 +131,15 @@ pub struct Arena {
     /// Called by [`Arena::acquire`] before it waits for a chunk: the remote tier gives
     /// back the chunks it holds for uploads that can read them from the local file instead.
     reclaim: Mutex<Option<Reclaim>>,
+    /// Whether a reclaim hook is installed (read under the pool's lock, which must never
+    /// wait for `reclaim`'s: the hook takes the pool's lock).
+    has_reclaim: std::sync::atomic::AtomicBool,
 }
 
-/// A hook that frees chunks held beyond their write ([`Arena::set_reclaim`]).
-pub struct Reclaim(pub Box<dyn Fn() + Send + Sync>);
+/// A hook that frees chunks held beyond their write ([`Arena::set_reclaim`]). Its argument:
+/// `true` when no chunk is free, `false` when the only free chunks are the current save's
+/// own (taking the oldest first: reusing one would break the save's image).
+pub struct Reclaim(pub Box<dyn Fn(bool) + Send + Sync>);
 
 impl std::fmt::Debug for Reclaim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -251,6 +262,8 @@ impl Arena {
                 std::collections::VecDeque::new()
             }),
             fifo: std::sync::atomic::AtomicBool::new(false),
+            taken_in: (0..n_chunks).map(|_| AtomicU64::new(0)).collect(),
+            seq: AtomicU64::new(0),
             freed: Condvar::new(),
             slots: Mutex::new((0..geo.n_slots).rev().collect()),
             slot_freed: Condvar::new(),
@@ -266,6 +279,7 @@ impl Arena {
             filled: Condvar::new(),
             stop_fill: std::sync::atomic::AtomicBool::new(false),
             reclaim: Mutex::new(None),
+            has_reclaim: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -325,12 +339,14 @@ impl Arena {
     pub fn acquire(self: &Arc<Self>) -> (ChunkLease, Duration) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let mut waited = Duration::ZERO;
-        if free.is_empty() {
-            // Chunks held only for uploads come back first (they drop their leases, which
-            // takes this lock: call the hook without it).
+        let empty = free.is_empty();
+        if empty || self.only_own(&free) {
+            // Chunks held only for uploads or replication come back first (they drop their
+            // leases, which takes this lock: call the hook without it). Taking the oldest
+            // first, a save asks for them too before it would reuse a chunk of its own.
             drop(free);
             if let Some(r) = &*crate::util::lock(&self.reclaim) {
-                (r.0)();
+                (r.0)(empty);
             }
             free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         }
@@ -350,19 +366,51 @@ impl Arena {
 
     fn pop(&self, free: &mut std::collections::VecDeque<u32>) -> Option<u32> {
         if self.fifo.load(Ordering::Relaxed) {
-            free.pop_front()
+            // The oldest free chunk that the current save has not taken yet (its own come
+            // back behind the older ones, chunks given back by the reclaim hook behind
+            // those), else the oldest.
+            match free.iter().position(|&i| !self.own(i)) {
+                Some(at) => free.remove(at),
+                None => free.pop_front(),
+            }
         } else {
             free.pop_back()
         }
     }
 
-    /// Take a free chunk if one is available right now.
+    /// Whether chunk `index` was taken by the latest save to have begun (taking the oldest
+    /// first; none before the first save).
+    fn own(&self, index: u32) -> bool {
+        let seq = self.seq.load(Ordering::Relaxed);
+        seq != 0 && self.taken_in[index as usize].load(Ordering::Relaxed) == seq
+    }
+
+    /// Taking the oldest first, whether every free chunk is the current save's own (reusing
+    /// one breaks its image: the reclaim hook is asked first).
+    fn only_own(&self, free: &std::collections::VecDeque<u32>) -> bool {
+        self.fifo.load(Ordering::Relaxed)
+            && self.has_reclaim.load(Ordering::Relaxed)
+            && !free.is_empty()
+            && free.iter().all(|&i| self.own(i))
+    }
+
+    /// Take a free chunk if one is available right now (taking the oldest first with a
+    /// reclaim hook installed: `None` when the only free chunks are the current save's
+    /// own, so that [`Arena::acquire`] asks the hook first).
     pub fn try_acquire(self: &Arc<Self>) -> Option<ChunkLease> {
-        let index = self.pop(&mut self.free.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if self.only_own(&free) {
+            return None;
+        }
+        let index = self.pop(&mut free)?;
+        drop(free);
         Some(self.lease(index))
     }
 
     fn lease(self: &Arc<Self>, index: u32) -> ChunkLease {
+        if let Some(t) = self.taken_in.get(index as usize) {
+            t.store(self.seq.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
         ChunkLease {
             arena: Arc::clone(self),
             index,
@@ -385,6 +433,7 @@ impl Arena {
     /// (the arena owns it).
     pub fn set_reclaim(&self, hook: Reclaim) {
         *crate::util::lock(&self.reclaim) = Some(hook);
+        self.has_reclaim.store(true, Ordering::Relaxed);
     }
 
     /// Take a free save slot, blocking until one is released.
@@ -413,7 +462,20 @@ impl Arena {
     /// `KEPT` in the descriptor (flash restore).
     pub fn enable_keep(&self) {
         crate::util::lock(&self.keep).enabled = true;
-        self.fifo.store(true, Ordering::Relaxed);
+        self.take_oldest_first();
+    }
+
+    /// Take free chunks from the front of the pool (the longest free) from now on, so
+    /// that a save never reuses a chunk it filled itself while other chunks are free (its
+    /// image stays whole in the arena: kept, or held for replication). The pool is put in
+    /// ascending order first, and batches allocated later join it in ascending order, so a
+    /// fresh arena hands out consecutive chunks (a held image's pieces are then zero-copy
+    /// views).
+    pub fn take_oldest_first(&self) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.fifo.swap(true, Ordering::Relaxed) {
+            free.make_contiguous().sort_unstable();
+        }
     }
 
     /// Whether the arena is kept when it closes.
@@ -429,21 +491,75 @@ impl Arena {
             self.release_slot(slot);
         }
         k.begun += 1;
+        self.seq.store(k.begun, Ordering::Relaxed);
         k.begun
     }
 
     /// The save with sequence `seq` in `slot` ended. With keeping on, a committed save
     /// that is still the latest to have begun becomes the kept image (its slot stays out
     /// of the pool until the next save begins); otherwise the slot is freed.
-    pub fn finish_slot(&self, slot: u32, seq: u64, committed: bool) {
+    pub fn finish_slot(self: &Arc<Self>, slot: u32, seq: u64, committed: bool) {
+        drop(self.finish_slot_holding(slot, seq, committed, None));
+    }
+
+    /// [`Arena::finish_slot`], and with `hold` (`(registry, the file's length)`): a
+    /// committed save whose image is whole in the arena (the condition of keeping: still
+    /// the latest save to have begun, its file chunks in distinct arena chunks) is held,
+    /// its chunks taken out of the free pool as the leases of the returned image (taken
+    /// here, under the lock [`Arena::begin_save`] takes, so no later save can have reused
+    /// them). A chunk not in the pool (a remote upload still holds it) is not held (that
+    /// piece is read from the file). `None` when the image is not whole.
+    pub fn finish_slot_holding(
+        self: &Arc<Self>,
+        slot: u32,
+        seq: u64,
+        committed: bool,
+        hold: Option<(&held::HeldImages, u64)>,
+    ) -> Option<held::HeldImage> {
         let mut k = crate::util::lock(&self.keep);
-        if k.enabled && committed && seq == k.begun && self.slot_chunks_distinct(slot) {
+        let latest = committed && seq == k.begun;
+        let whole = latest && (k.enabled || hold.is_some()) && self.slot_chunks_distinct(slot);
+        let image = match hold {
+            Some((registry, file_len)) if whole => self.hold_slot(registry, slot, file_len),
+            _ => None,
+        };
+        if k.enabled && whole {
             self.descriptor().keep(slot);
             k.slot = Some(slot);
         } else {
             drop(k);
             self.release_slot(slot);
         }
+        image
+    }
+
+    /// Take `slot`'s chunks out of the pool as a held image of `file_len` bytes (the
+    /// caller holds the keep lock and checked the image is whole).
+    fn hold_slot(
+        self: &Arc<Self>,
+        registry: &held::HeldImages,
+        slot: u32,
+        file_len: u64,
+    ) -> Option<held::HeldImage> {
+        let v = self.descriptor().slot_view(slot);
+        let cs = self.geo.chunk_size;
+        if v.file_len != file_len || v.chunks.len() as u64 != file_len.div_ceil(cs) || file_len == 0
+        {
+            return None;
+        }
+        // Only chunks in the pool are taken (indices read from the shared descriptor are
+        // never trusted beyond that).
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted: std::collections::BTreeSet<u32> = v.chunks.iter().map(|&(_, i)| i).collect();
+        let mut present = std::collections::BTreeSet::new();
+        free.retain(|i| !(wanted.contains(i) && present.insert(*i)));
+        drop(free);
+        let leases = v
+            .chunks
+            .iter()
+            .map(|&(_, i)| present.contains(&i).then(|| self.lease(i)))
+            .collect();
+        Some(held::HeldImage::new(registry, v.step, file_len, cs, leases))
     }
 
     /// Record a committed image that this process copied into `leases` (file chunk `k` in
@@ -540,5 +656,7 @@ impl Drop for Arena {
     }
 }
 
+#[cfg(test)]
+mod held_tests;
 #[cfg(test)]
 mod tests;

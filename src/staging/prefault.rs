@@ -184,8 +184,13 @@ impl Arena {
         // chunk is in the pool (or in use).
         let mut fill = crate::util::lock(&self.fill);
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        // Lowest index last: `pop` takes from the back.
-        free.extend((first as u32..end as u32).rev());
+        // Lowest index first out: `pop` takes from the back, or from the front when
+        // taking the oldest first.
+        if self.fifo.load(std::sync::atomic::Ordering::Relaxed) {
+            free.extend(first as u32..end as u32);
+        } else {
+            free.extend((first as u32..end as u32).rev());
+        }
         drop(free);
         fill.batches_done += 1;
         drop(fill);

@@ -8,6 +8,7 @@ mod corruption;
 mod flash;
 mod flash_disk;
 mod fulldisk;
+mod held;
 mod hostile;
 mod ipc;
 mod live_arena;

@@ -185,6 +185,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 remote_complete_timeout=remote_complete_timeout,
                 remote_only=remote_only,
                 remote_session=session,
+                # Replication sends each committed image from its staging chunks.
+                replica_hold=bool(replicas),
             )
         except BaseException:
             if self._scratch is not None:
