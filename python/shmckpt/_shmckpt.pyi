@@ -101,15 +101,14 @@ class ReplicaImage:
 @final
 class ReplicaSource:
     """A rank's committed file, read into memory piece by piece as it is sent
-    (``read_to(end)``); numpy views the memory read-only (the read prefix holds the
-    file's bytes)."""
+    (``read_range(start, end)``); numpy views the memory read-only (the pieces read
+    hold the file's bytes)."""
 
     @property
     def nbytes(self) -> int: ...
     @property
     def __array_interface__(self) -> Dict[str, object]: ...
     def __len__(self) -> int: ...
-    def read_to(self, end: int) -> None: ...
     def read_range(self, start: int, end: int) -> None: ...
 
 @final

@@ -256,9 +256,9 @@ impl PyReplicaImage {
 }
 
 /// `rank`'s committed file of a step, read into memory piece by piece as it is sent
-/// (`shmckpt::replica::Outgoing`): `read_to(end)` reads up to `end` (GIL released); numpy
-/// views the memory read-only through `__array_interface__` (keeping this object, and so
-/// the memory, alive). Only the read prefix holds the file's bytes.
+/// (`shmckpt::replica::Outgoing`): `read_range(start, end)` reads a piece (GIL released);
+/// numpy views the memory read-only through `__array_interface__` (keeping this object, and
+/// so the memory, alive). Only the pieces read hold the file's bytes.
 #[pyclass(module = "shmckpt._shmckpt", name = "ReplicaSource", frozen)]
 pub(crate) struct PyReplicaSource {
     inner: Mutex<Outgoing>,
@@ -282,17 +282,6 @@ impl PyReplicaSource {
 
     fn __len__(&self) -> usize {
         self.len
-    }
-
-    /// Read the file up to byte `end` (GIL released); nothing when read already.
-    fn read_to(&self, py: Python<'_>, end: usize) -> PyResult<()> {
-        py.detach(|| {
-            self.inner
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .read_to(end)
-        })
-        .map_err(|e| to_py(py, e))
     }
 
     /// Read bytes `[start, end)` of the file (GIL released), never what was read before:

@@ -258,16 +258,16 @@ def test_received_images_are_sealed_before_served(droot):
     src = _shmckpt.replica_source(str(root), 5, 0)
     sv = np.asarray(src)
     assert src.nbytes == len(good) and not sv.flags.writeable
-    src.read_to(100)
+    src.read_range(0, 100)
     assert sv[:100].tobytes() == good[:100]
-    src.read_to(len(good) + 4096)  # clamped to the file
+    src.read_range(100, len(good) + 4096)  # clamped to the file
     assert sv.tobytes() == good
     del sv, src
     fpath = root / "step-5" / fname
     src = _shmckpt.replica_source(str(root), 5, 0)
     os.truncate(fpath, len(good) // 2)  # the file shrinks under the sender: refused
     with pytest.raises(shmckpt.Truncated):
-        src.read_to(len(good))
+        src.read_range(0, len(good))
     del src
     with pytest.raises(shmckpt.Truncated):
         _shmckpt.replica_source(str(root), 5, 0)

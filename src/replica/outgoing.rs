@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::fsx::{self, Create};
 
 /// `rank`'s committed file of a step, read into private memory piece by piece while the
-/// pieces already read are sent ([`Outgoing::read_to`]): the sender's read overlaps the
+/// pieces already read are sent ([`Outgoing::read_range`]): the sender's read overlaps the
 /// transfer. The file is opened without following a link, must be a regular file of
 /// exactly the manifest's size with a header that passes the checks of every disk read
 /// (its CRC-32C against the manifest's); its data is checked by the receiver (every
@@ -32,7 +32,7 @@ pub struct Outgoing {
 }
 
 // SAFETY: `Outgoing` owns its mapping and its file; nothing ties them to a thread. Rust
-// never makes a reference to the mapping's bytes (the kernel writes them, `read_to`).
+// never makes a reference to the mapping's bytes (the kernel writes them, `read_range`).
 unsafe impl Send for Outgoing {}
 
 impl Outgoing {
@@ -87,23 +87,16 @@ impl Outgoing {
         self.done
     }
 
-    /// Read the file up to byte `end` (at most its length) into the memory, if not read
-    /// yet: with `O_DIRECT` when the file system takes it (whole pages; the tail past the
-    /// end of the file comes back short), in up to 4 parts read at once. The bytes from the
-    /// current prefix on are written by the kernel (`pread` into the mapping, no Rust
-    /// reference made), so a transport reading the prefix meanwhile is never disturbed.
+    /// Read bytes `[start, end)` of the file (`end` at most its length) into the memory:
+    /// with `O_DIRECT` when the file system takes it (whole pages; the tail past the end of
+    /// the file comes back short), in up to 4 parts read at once. Bytes are only ever read
+    /// once, from the current position ([`Outgoing::read`]) on, and written by the kernel
+    /// (`pread` into the mapping, no Rust reference made), so a transport reading what was
+    /// read before is never disturbed. Bytes between the previous position and `start`
+    /// (rounded down to a page) are skipped, never read (their memory stays zero): the
+    /// sender of a held image reads only the pieces that staging gave back. Afterwards
+    /// [`Outgoing::read`] is `end` (rounded up to a page, at most the length).
     /// [`Error::Truncated`] when the file ends early (it shrank).
-    pub fn read_to(&mut self, end: usize) -> Result<()> {
-        self.read_range(self.done, end)
-    }
-
-    /// Read bytes `[start, end)` of the file into the memory (as [`Outgoing::read_to`]),
-    /// skipping what lies before [`Outgoing::read`]: bytes are only ever read once, from
-    /// the current position on, so a transport reading what was read before is never
-    /// disturbed. Bytes between the previous position and `start` (rounded down to a page)
-    /// are skipped, never read (their memory stays zero): the sender of a held image
-    /// reads only the pieces that staging gave back. Afterwards [`Outgoing::read`] is
-    /// `end` (rounded up to a page, at most the length).
     pub fn read_range(&mut self, start: usize, end: usize) -> Result<()> {
         let end = end.min(self.len);
         let page = rustix::param::page_size();
