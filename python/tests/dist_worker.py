@@ -3,6 +3,7 @@
     python dist_worker.py gloo ROOT RANK WORLD PORT OUT   # save and load over gloo (CPU)
     python dist_worker.py nccl ROOT RANK WORLD PORT OUT   # the same over NCCL, cuda:RANK
     python dist_worker.py kill ROOT STEP                  # SIGKILL itself once staged
+    python dist_worker.py resources ROOT OUT              # 100 saves; RSS, fds, /dev/shm
 """
 
 import hashlib
@@ -121,11 +122,72 @@ def kill(root, step):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def rss():
+    """Resident bytes, after returning free heap to the OS (less allocator noise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def shm_entries():
+    """This process's staging segments (other processes on the machine make their own)."""
+    mine = f"shmckpt.{os.getpid()}."
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(mine))
+
+
+def open_fds():
+    """This process's open descriptors, each as `fd -> target`."""
+    out = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            out.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass  # the descriptor listdir itself used, closed since
+    return out
+
+
+def resources(root, out):
+    """100 saves (blocking and not) with loads between, in a process of their own so that
+    no other test's objects open or close descriptors meanwhile; writes what it measured."""
+    import shmckpt
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model": {f"l{i}": torch.randn(256, 256, generator=g) for i in range(16)},  # 4 MiB
+        "optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+        "n": 0,
+    }
+    with shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=1 << 20, keep_last=2) as c:
+        for s in range(30):  # warm up: allocator pools, threads
+            c.save(s, state, blocking=bool(s % 2)).wait()
+        c.load()
+        base = {"rss": rss(), "fds": open_fds(), "shm": shm_entries()}
+        for s in range(30, 130):
+            state["n"] = s
+            c.save(s, state, blocking=bool(s % 2)).wait()
+            if s % 10 == 0:
+                c.load()
+        after = {"rss": rss(), "fds": open_fds(), "shm": shm_entries()}
+        res = {"base": base, "after": after, "list": c.list(), "name": c.shm_name}
+    res["closed_shm"] = shm_entries()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode in ("gloo", "nccl"):
         gloo(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], mode)
     elif mode == "kill":
         kill(sys.argv[2], int(sys.argv[3]))
+    elif mode == "resources":
+        resources(sys.argv[2], sys.argv[3])
     else:
         sys.exit(f"unknown mode {mode}")

@@ -89,52 +89,23 @@ def test_sigkill_after_staging_then_shmckpt_recover(root):
     assert recovered >= 1, "every kill landed after the commit: recovery was never exercised"
 
 
-def rss():
-    """Resident bytes, after returning free heap to the OS (less allocator noise)."""
-    import ctypes
-    import gc
+def test_rss_fds_and_dev_shm_flat_across_100_saves(root, tmp_path):
+    """No descriptor, staging segment or heap grows per save. The saves run in a child of
+    their own: in the pytest process, other tests' objects close descriptors meanwhile."""
+    import json
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def shm_entries():
-    """This process's staging segments (other processes on the machine make their own)."""
-    mine = f"shmckpt.{os.getpid()}."
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(mine))
-
-
-def test_rss_fds_and_dev_shm_flat_across_100_saves(root):
-    g = torch.Generator().manual_seed(0)
-    state = {
-        "model": {f"l{i}": torch.randn(256, 256, generator=g) for i in range(16)},  # 4 MiB
-        "optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
-        "n": 0,
-    }
-    with shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=1 << 20, keep_last=2) as c:
-        for s in range(30):  # warm up: allocator pools, threads
-            c.save(s, state, blocking=bool(s % 2)).wait()
-        c.load()
-        base = (rss(), len(os.listdir("/proc/self/fd")), shm_entries())
-        for s in range(30, 130):
-            state["n"] = s
-            c.save(s, state, blocking=bool(s % 2)).wait()
-            if s % 10 == 0:
-                c.load()
-        after = (rss(), len(os.listdir("/proc/self/fd")), shm_entries())
-        assert c.list() == [128, 129]
-        name = c.shm_name
-    print(f"RSS {base[0] >> 20} -> {after[0] >> 20} MiB, fds {base[1]} -> {after[1]}")
-    assert name in base[2] and name not in shm_entries()  # closed: the arena is gone
-    assert after[1] == base[1], f"fds {base[1]} -> {after[1]}"
-    assert after[2] == base[2]
-    assert after[0] - base[0] < 8 << 20, f"RSS grew by {(after[0] - base[0]) >> 20} MiB"
-    assert not [n for n in shm_entries() if n not in base[2]]
+    out = tmp_path / "resources.json"
+    p = subprocess.run([sys.executable, WORKER, "resources", str(root), str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    base, after = res["base"], res["after"]
+    print(f"RSS {base['rss'] >> 20} -> {after['rss'] >> 20} MiB, fds {len(base['fds'])} -> {len(after['fds'])}")
+    assert res["list"] == [128, 129]
+    assert res["name"] in base["shm"] and res["name"] not in res["closed_shm"]  # closed: the arena is gone
+    assert after["fds"] == base["fds"]
+    assert after["shm"] == base["shm"]
+    assert after["rss"] - base["rss"] < 8 << 20, f"RSS grew by {(after['rss'] - base['rss']) >> 20} MiB"
+    assert not [n for n in res["closed_shm"] if n not in base["shm"]]
 
 
 def test_interpreter_exit_finishes_a_non_blocking_save(root):
