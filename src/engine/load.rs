@@ -26,12 +26,32 @@ impl Engine {
     /// With a remote tier (`EngineConfig::with_remote`, feature `s3`), a step the disk does not hold
     /// (or "latest" with no step on disk) is loaded from the bucket
     /// ([`LoadSource::Remote`]).
+    ///
+    /// A step whose file on the disk is damaged (missing, short, malformed, failing a
+    /// checksum, unreadable) is loaded from the bucket too, when the bucket's manifest of
+    /// that step lists this rank's file exactly as the disk's does (the same bytes); the
+    /// report's `fallback_reason` is the disk's error.
     pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        let which = which.into();
+        self.load_tiers(which.into(), true)
+    }
+
+    /// [`Engine::load_with_report`] from memory or the disk only: never the bucket, even
+    /// for a step the disk does not hold or holds damaged.
+    pub fn load_local_with_report(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        self.load_tiers(which.into(), false)
+    }
+
+    #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
+    fn load_tiers(&self, which: StepSel, bucket: bool) -> Result<(Checkpoint, LoadReport)> {
         let info = match self.resolve(which) {
             Ok(info) => info,
             #[cfg(feature = "s3")]
-            Err(e @ Error::NotFound { .. }) => return self.load_fallback_remote(which, e),
+            Err(e @ Error::NotFound { .. }) if bucket => {
+                return self.load_fallback_remote(which, e);
+            }
             Err(e) => return Err(e),
         };
         let fallback_reason = match self.try_memory(&info)? {
@@ -46,12 +66,20 @@ impl Engine {
             }
             Memory::Not(why) => why,
         };
-        let ck = restore::load_owned_pooled(
+        let ck = match restore::load_owned_pooled(
             &info.dir,
             self.shared.cfg.rank,
             &self.read_options(),
             Some(&self.load_buffers),
-        )?;
+        ) {
+            Ok(ck) => ck,
+            // A damaged file, when the bucket holds the same step's same bytes.
+            #[cfg(feature = "s3")]
+            Err(e) if bucket && self.bucket_replaces(&info, &e) => {
+                return self.load_damaged_from_bucket(&info, e);
+            }
+            Err(e) => return Err(e),
+        };
         let report = LoadReport {
             step: info.step,
             source: LoadSource::Disk,
@@ -180,8 +208,22 @@ impl Engine {
             );
             return Ok(info.step);
         }
-        restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options())?;
-        Ok(info.step)
+        match restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options()) {
+            Ok(_) => Ok(info.step),
+            // A damaged file, when the bucket holds the same step's same bytes: every
+            // destination is written again from there.
+            #[cfg(feature = "s3")]
+            Err(e) if self.bucket_replaces(&info, &e) => {
+                match self.load_into_remote(StepSel::Step(info.step), dest) {
+                    Ok(r) => Ok(r.step),
+                    Err(r) => {
+                        tracing::warn!(step = info.step, error = %r, "the bucket's copy failed to load too");
+                        Err(e)
+                    }
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Load this rank's tensors into device buffers, by name, verifying every checksum on
@@ -232,7 +274,8 @@ impl Engine {
     }
 
     /// [`Engine::load_into_device_raw`] with the report of
-    /// [`Engine::load_into_device_with_report`].
+    /// [`Engine::load_into_device_with_report`]. As [`Engine::load_with_report`], a step
+    /// the disk does not hold, or holds damaged, is read from the bucket (the same bytes).
     ///
     /// # Safety
     /// As [`Engine::load_into_device_raw`].
@@ -242,13 +285,41 @@ impl Engine {
         which: impl Into<StepSel>,
         dest: &[(&str, DeviceSlice<'_>)],
     ) -> Result<LoadReport> {
-        let which = which.into();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.load_into_device_tiers(which.into(), dest, true) }
+    }
+
+    /// [`Engine::load_into_device_raw_with_report`] from memory or the disk only: never
+    /// the bucket.
+    ///
+    /// # Safety
+    /// As [`Engine::load_into_device_raw`].
+    #[allow(unsafe_code)]
+    pub unsafe fn load_into_device_local_raw_with_report(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &[(&str, DeviceSlice<'_>)],
+    ) -> Result<LoadReport> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.load_into_device_tiers(which.into(), dest, false) }
+    }
+
+    /// # Safety
+    /// As [`Engine::load_into_device_raw`].
+    #[allow(unsafe_code)]
+    #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
+    unsafe fn load_into_device_tiers(
+        &self,
+        which: StepSel,
+        dest: &[(&str, DeviceSlice<'_>)],
+        bucket: bool,
+    ) -> Result<LoadReport> {
         let info = match self.resolve(which) {
             Ok(info) => info,
             // Not on disk: from the bucket, with a remote tier (through registered
             // buffers, no host copy of the file).
             #[cfg(feature = "s3")]
-            Err(e @ Error::NotFound { .. }) if self.remote().is_some() => {
+            Err(e @ Error::NotFound { .. }) if bucket && self.remote().is_some() => {
                 // SAFETY: forwarded from this function's contract.
                 let got = unsafe { self.load_into_device_remote_raw(which, dest)? };
                 return Ok(LoadReport {
@@ -297,15 +368,39 @@ impl Engine {
         // and its chunks are sized for writes).
         let ring = self.device_ring()?;
         // SAFETY: forwarded from this function's contract.
-        unsafe {
+        let read = unsafe {
             ring.read_to_device(
                 &info.dir.join(&entry.file),
                 &entry,
                 ordered,
                 &self.read_options(),
                 None,
-            )?
+            )
         };
+        match read {
+            Ok(_) => {}
+            // A damaged file, when the bucket holds the same step's same bytes: every
+            // destination is written again from there.
+            #[cfg(feature = "s3")]
+            Err(e) if bucket && self.bucket_replaces(&info, &e) => {
+                // SAFETY: forwarded from this function's contract.
+                return match unsafe {
+                    self.load_into_device_remote_raw(StepSel::Step(info.step), dest)
+                } {
+                    Ok(_) => Ok(LoadReport {
+                        step: info.step,
+                        source: LoadSource::Remote,
+                        fallback_reason: Some(e.to_string()),
+                        disk_problem: None,
+                    }),
+                    Err(r) => {
+                        tracing::warn!(step = info.step, error = %r, "the bucket's copy failed to load too");
+                        Err(e)
+                    }
+                };
+            }
+            Err(e) => return Err(e),
+        }
         Ok(LoadReport {
             step: info.step,
             source: LoadSource::Disk,
@@ -357,7 +452,17 @@ impl Engine {
                 format!("the manifest has no file of rank {rank}"),
             )
         })?;
-        restore::read_file_metadata(&dir.join(&entry.file), entry)
+        match restore::read_file_metadata(&dir.join(&entry.file), entry) {
+            // A damaged header, when the bucket holds the same step's same bytes.
+            #[cfg(feature = "s3")]
+            Err(e) if self.bucket_replaces(&CheckpointInfo { step: m.step, dir }, &e) => self
+                .remote_file_metadata(StepSel::Step(m.step))
+                .map_err(|r| {
+                    tracing::warn!(step = m.step, error = %r, "the bucket's header failed too");
+                    e
+                }),
+            other => other,
+        }
     }
 
     /// The registered read buffers of device loads from disk, made at the first one.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::{Engine, LoadReport, LoadSource, StepSel};
 use crate::error::{Error, Result};
+use crate::manifest::{CheckpointInfo, Manifest};
 use crate::remote::{Remote, RemoteLoad};
 use crate::restore::Checkpoint;
 use crate::tensor::DeviceSlice;
@@ -87,6 +88,75 @@ impl Engine {
         let ring = self.device_ring()?;
         // SAFETY: forwarded from this function's contract.
         unsafe { remote.load_into_device(step, self.shared.cfg.rank, &ring, dest) }
+    }
+
+    /// Whether the bucket may serve `info`'s step after this rank's file of it on the disk
+    /// failed to load with `local`: the error is damage (a file missing, short, malformed,
+    /// a link, failing a checksum, or an I/O error reading it), the engine has a remote
+    /// tier, and the bucket's committed manifest of that step lists this rank's file
+    /// exactly as the disk's manifest does (name, size, tensors, every CRC-32C: the same
+    /// bytes, whatever run wrote the bucket). Says why in the log either way; never another
+    /// step, never for an error of the caller's (a destination that does not fit).
+    pub(super) fn bucket_replaces(&self, info: &CheckpointInfo, local: &Error) -> bool {
+        let damage = matches!(
+            local,
+            Error::Io { .. }
+                | Error::Truncated { .. }
+                | Error::Corrupt { .. }
+                | Error::Checksum { .. }
+                | Error::UnsafePath { .. }
+        );
+        let Some(remote) = self.remote().filter(|_| damage) else {
+            return false;
+        };
+        let rank = self.shared.cfg.rank;
+        let same = Manifest::read(&info.dir).and_then(|disk| {
+            let bucket = remote.manifest(info.step)?;
+            let mine = disk.files.iter().find(|f| f.rank == rank);
+            Ok(mine.is_some() && mine == bucket.files.iter().find(|f| f.rank == rank))
+        });
+        match same {
+            Ok(true) => {
+                tracing::warn!(step = info.step, rank, error = %local,
+                    "this rank's file on the disk is damaged: loading the bucket's copy");
+                true
+            }
+            Ok(false) => {
+                tracing::warn!(step = info.step, rank, error = %local,
+                    "this rank's file on the disk is damaged, and the bucket's step of that number holds other bytes");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(step = info.step, rank, error = %local, bucket = %e,
+                    "this rank's file on the disk is damaged, and the bucket cannot serve the step");
+                false
+            }
+        }
+    }
+
+    /// `info`'s step from the bucket after the disk's copy failed with `local`
+    /// ([`Engine::bucket_replaces`] said yes): the bucket's copy, or `local` if that fails
+    /// too (the bucket's error is logged).
+    pub(super) fn load_damaged_from_bucket(
+        &self,
+        info: &CheckpointInfo,
+        local: Error,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        match self.load_remote(StepSel::Step(info.step)) {
+            Ok((ck, _)) => Ok((
+                ck,
+                LoadReport {
+                    step: info.step,
+                    source: LoadSource::Remote,
+                    fallback_reason: Some(local.to_string()),
+                    disk_problem: None,
+                },
+            )),
+            Err(e) => {
+                tracing::warn!(step = info.step, error = %e, "the bucket's copy failed to load too");
+                Err(local)
+            }
+        }
     }
 
     /// The load fallback: a step the disk does not hold, from the bucket.

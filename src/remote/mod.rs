@@ -622,6 +622,8 @@ fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_damage;
+#[cfg(test)]
 mod tests_feed;
 #[cfg(test)]
 mod tests_more;
