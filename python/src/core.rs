@@ -314,8 +314,13 @@ fn served(r: &LoadReport) -> Served {
     }
 }
 
-pub fn load(engine: &Engine, step: Option<u64>) -> Result<(Checkpoint, Served)> {
-    let (ck, report) = engine.load_with_report(sel(step))?;
+/// `bucket`: false never reads the bucket (`load(..., source="local")`).
+pub fn load(engine: &Engine, step: Option<u64>, bucket: bool) -> Result<(Checkpoint, Served)> {
+    let (ck, report) = if bucket {
+        engine.load_with_report(sel(step))?
+    } else {
+        engine.load_local_with_report(sel(step))?
+    };
     Ok((ck, served(&report)))
 }
 
@@ -364,14 +369,20 @@ pub unsafe fn load_into_device(
     engine: &Engine,
     step: Option<u64>,
     dest: &[(String, u64, usize, i32)],
+    bucket: bool,
 ) -> Result<(u64, Served)> {
     let slices: Vec<(&str, DeviceSlice)> = dest
         .iter()
         // SAFETY: forwarded from this function's contract.
         .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
         .collect();
-    // SAFETY: forwarded from this function's contract.
-    let report = unsafe { engine.load_into_device_raw_with_report(sel(step), &slices) }?;
+    let report = if bucket {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { engine.load_into_device_raw_with_report(sel(step), &slices) }?
+    } else {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { engine.load_into_device_local_raw_with_report(sel(step), &slices) }?
+    };
     Ok((report.step, served(&report)))
 }
 

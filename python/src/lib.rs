@@ -376,13 +376,16 @@ impl PyEngine {
 
     /// Load this rank's tensors of `step` (`None`: the latest) into owned buffers,
     /// verifying every checksum. Returns `(step, dir, metadata, [(name, dtype, shape,
-    /// Buffer)])`.
-    #[pyo3(signature = (step=None))]
+    /// Buffer)])`. With a remote tier, a step the disk does not hold, or holds damaged
+    /// (the bucket holding the same bytes), is read from the bucket unless `bucket` is
+    /// false.
+    #[pyo3(signature = (step=None, bucket=true))]
     #[allow(clippy::type_complexity)]
     fn load(
         &self,
         py: Python<'_>,
         step: Option<u64>,
+        bucket: bool,
     ) -> PyResult<(
         u64,
         String,
@@ -391,7 +394,7 @@ impl PyEngine {
     )> {
         let engine = self.get()?;
         let (ck, served) = py
-            .detach(|| core::load(&engine, step))
+            .detach(|| core::load(&engine, step, bucket))
             .map_err(|e| to_py(py, e))?;
         *lock(&self.last_load) = Some(served);
         Ok(loaded(ck))
@@ -419,12 +422,14 @@ impl PyEngine {
 
     /// Load into device memory: `dest` lists `(name, device pointer, nbytes, device)`.
     /// The caller makes sure no queued device work uses the memory. Returns the step.
-    #[pyo3(signature = (step, dest))]
+    /// `bucket` as for `load`.
+    #[pyo3(signature = (step, dest, bucket=true))]
     fn load_into_device(
         &self,
         py: Python<'_>,
         step: Option<u64>,
         dest: Vec<(String, u64, usize, i32)>,
+        bucket: bool,
     ) -> PyResult<u64> {
         let engine = self.get()?;
         let (step, served) = py
@@ -432,7 +437,7 @@ impl PyEngine {
                 // SAFETY: the Python caller holds the destination tensors for the whole
                 // call, synchronized their streams before the call and does not use them
                 // meanwhile.
-                unsafe { core::load_into_device(&engine, step, &dest) }
+                unsafe { core::load_into_device(&engine, step, &dest, bucket) }
             })
             .map_err(|e| to_py(py, e))?;
         *lock(&self.last_load) = Some(served);

@@ -62,7 +62,11 @@ class LoadMixin(CheckpointerBase):
         ``source``: ``None`` serves the step from memory (``keep_in_memory``), else the
         local disk, else the bucket (``remote=...``; "latest" means the disk's latest when
         the disk holds any); ``"local"`` never reads the bucket; ``"remote"`` reads only
-        the bucket. :attr:`last_load_source` says which served it.
+        the bucket. With ``None``, a step whose file on the disk is damaged (missing,
+        short, malformed, a checksum error) is read from the bucket when the bucket's
+        manifest lists this rank's file with the same size, tensors and checksums;
+        otherwise the disk's error is raised. :attr:`last_load_source` says which served
+        it.
         """
         if self._replicator is not None and source != "remote":
             self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
@@ -102,7 +106,9 @@ class LoadMixin(CheckpointerBase):
             for name, dtype, shape, a, b in image.tensors():
                 objs[name] = (dtype, shape, whole[a:b])
         elif where != "remote" and dev is None:
-            got_step, _, _, tensors = self._engine.load(s)
+            # (A file damaged on the disk is read from the bucket when it holds the same
+            # bytes, unless source="local".)
+            got_step, _, _, tensors = self._engine.load(s, bucket=source != "local")
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
         elif where != "remote" and dev is not None:
@@ -124,6 +130,7 @@ class LoadMixin(CheckpointerBase):
                     (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
                     for n, x in objs.items()
                 ],
+                bucket=source != "local",
             )
 
         file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
