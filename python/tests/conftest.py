@@ -50,16 +50,43 @@ def _alive(pid):
     return True
 
 
+def _arena_roots(names):
+    """The checkpoint root recorded in each named arena, read by ``shmckpt recover --list``
+    (the one reader of arena descriptors); names it cannot read are left out."""
+    exe = shmckpt_bin()
+    if not exe or not names:
+        return {}
+    import subprocess
+
+    try:
+        out = subprocess.run([exe, "recover", "--list"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    roots = {}
+    for line in out.splitlines():
+        m = re.match(r"^(\S+)  .*  root (.+)  \[[^]]*\]$", line)
+        if m and m.group(1) in names:
+            roots[m.group(1)] = m.group(2)
+    return roots
+
+
 @pytest.fixture(autouse=True)
-def _no_orphan_staging_arenas():
+def _no_orphan_staging_arenas(tmp_path_factory):
     """A test that kills a child trainer leaves the child's staging arena in ``/dev/shm``:
     by design (a crashed trainer's staged bytes survive for recovery), but nothing of a
-    test's temporary root ever recovers it. Remove the arenas that appeared during the test
-    and whose process is gone, so a test run leaks no shared memory."""
+    test's temporary root ever recovers it. Remove the arenas that appeared during the test,
+    whose process is gone and whose recorded root lies under this session's temporary
+    directory, so a test run leaks no shared memory. Arenas of any other root (another
+    test run on the machine, whose own test may be about to recover them) are left alone."""
     before = _staging_arenas()
     yield
-    for name in _staging_arenas() - before:
-        if not _alive(int(_STAGING.match(name).group(1))):
+    dead = [n for n in _staging_arenas() - before if not _alive(int(_STAGING.match(n).group(1)))]
+    if not dead:
+        return
+    base = tmp_path_factory.getbasetemp()
+    mine = (str(base) + os.sep, os.path.realpath(base) + os.sep)
+    for name, root in _arena_roots(set(dead)).items():
+        if root.startswith(mine):
             try:
                 os.unlink(os.path.join("/dev/shm", name))
             except FileNotFoundError:
