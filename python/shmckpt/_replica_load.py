@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _shmckpt
 from ._replica_net import ReplicaNet, _GroupFailed
-from .errors import ReplicationError, ShmckptError
+from .errors import CorruptError, IoError, ReplicationError, ShmckptError
 
 log = logging.getLogger("shmckpt.replicas")
 
@@ -135,13 +135,42 @@ class ReplicaLoads(ReplicaNet):
             raise ReplicationError(f"load of step {step}: {e}") from None
 
     def _before_load(self, step: int) -> None:
-        me = self.ckpt.rank
-        root = self.ckpt.root
         steps = self._gather(step, "the step every rank loads")
         if len(set(steps)) != 1:
             raise ReplicationError(f"the ranks load different steps: {steps}")
         needs = self._gather(not self._local_ok(step), "who needs a replica")
-        needy = [q for q, n in enumerate(needs) if n]
+        self._fetch(step, [q for q, n in enumerate(needs) if n], "is missing or of the wrong size")
+
+    def after_load(self, step: int, err: Optional[BaseException]) -> bool:
+        """Collective, after every rank read ``step`` locally (``err``: what this rank's
+        read raised, or None): a rank whose file turned out damaged inside (a checksum
+        error, a short or malformed file, an I/O error reading it: what
+        :meth:`before_load`'s size check cannot see) gets its image from a partner's
+        replica as in :meth:`before_load` (checked, written back over the damaged file).
+        True when this rank got one: its load reads again. The others, and a rank whose
+        error is not damage, go on as they were (re-raising their error)."""
+        if self.broken is not None:
+            return False
+        damaged = isinstance(err, (CorruptError, IoError))
+        t0 = time.monotonic()
+        try:
+            needs = self._gather(damaged, "who read a damaged file")
+            needy = [q for q, n in enumerate(needs) if n]
+            if not needy:
+                return False
+            self._fetch(step, needy, f"is damaged ({err})" if damaged else "")
+            self.last_fetch_seconds = time.monotonic() - t0
+        except _GroupFailed as e:
+            self.broken = f"in the load of step {step}: {e} (restart the ranks to replicate again)"
+            raise ReplicationError(f"load of step {step}: {e}") from None
+        return damaged and self._peer is not None
+
+    def _fetch(self, step: int, needy: List[int], what: str) -> None:
+        """The exchange of a load: each rank in ``needy`` (whose file of ``step``
+        ``what``, as its message says) gets its image from the first partner in plan order
+        whose replica passes every check. Collective."""
+        me = self.ckpt.rank
+        root = self.ckpt.root
         if not needy:
             return
         can: Dict[int, Any] = {}
@@ -192,9 +221,7 @@ class ReplicaLoads(ReplicaNet):
         if me in needy and self._peer is None:
             _, entry = self.ckpt._rank_entry(step)
             path = os.path.join(root, f"step-{step}", entry["file"])
-            raise ReplicationError(
-                f"rank {me}: its file of step {step} ({path}) is missing or of the wrong size and {why}"
-            )
+            raise ReplicationError(f"rank {me}: its file of step {step} ({path}) {what} and {why}")
 
     def take_image(self, step: int) -> Optional[Any]:
         """The sealed image a partner sent for ``step`` in the last :meth:`before_load` (a

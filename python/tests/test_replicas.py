@@ -156,6 +156,31 @@ def test_lost_machine_load_into_from_peers(tmp_path, droot):
     assert [res["source"] for res in loaded] == [None, None, ["peer", 0], ["peer", 1]]
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_a_file_damaged_inside_is_restored_from_a_peer(tmp_path, droot, into):
+    """Rank 2's file of the step has the manifest's size but a flipped byte inside, and
+    no kept image serves it: its read fails the checksum, its partner's replica replaces
+    the file (written back, checked), and the load (or ``load_into``) is bit-exact."""
+    root = droot
+    run_world(tmp_path, root, "save", 1, 1, 2)
+    (pathlib.Path("/dev/shm") / kept_name(root, 2)).unlink()
+    m = json.loads((root / "step-2" / "manifest.json").read_text())
+    entry = {f["rank"]: f for f in m["files"]}[2]
+    path = root / "step-2" / entry["file"]
+    good = path.read_bytes()
+    raw = bytearray(good)
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    env = {"REPLICA_WORKER_LOAD_INTO": "1"} if into else None
+    loaded = run_world(tmp_path, root, "load", 1, env=env)
+    for res in loaded:
+        assert "error" not in res, res
+        assert res["step"] == 2 and res["exact"] is True
+    mem = None if into else ["memory", None]  # load_into sets no source of its own
+    assert [res["source"] for res in loaded] == [mem, mem, ["peer", 0], mem]
+    assert path.read_bytes() == good  # repaired
+
+
 def test_replication_runs_in_the_background(tmp_path, droot):
     """Saves return at once and are replicated in order by the replication thread;
     wait_replicated() of any step, in any order (newest first here), returns its report."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,8 @@ try:
     import torch
 except ImportError:  # pragma: no cover
     torch = None  # type: ignore[assignment]
+
+T = TypeVar("T")
 
 
 class LoadMixin(CheckpointerBase):
@@ -71,8 +73,6 @@ class LoadMixin(CheckpointerBase):
         if self._replicator is not None and source != "remote":
             self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), source)
-        if self._replicator is not None and where != "remote":
-            self._replicator.before_load(s)  # collective: a lost file comes from a peer
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None
@@ -94,44 +94,7 @@ class LoadMixin(CheckpointerBase):
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
         else:
-            _, entry = self._rank_entry(s)
-            tree = self._skeleton(s, entry)
-        image = None
-        if where != "remote" and dev is None and self._replicator is not None:
-            # A lost rank's image a partner just sent (checked, and written back as its
-            # file): the tensors are served from that memory, not read back from disk.
-            image = self._replicator.take_image(s)
-        if image is not None:
-            whole = np.asarray(image)
-            for name, dtype, shape, a, b in image.tensors():
-                objs[name] = (dtype, shape, whole[a:b])
-        elif where != "remote" and dev is None:
-            # (A file damaged on the disk is read from the bucket when it holds the same
-            # bytes, unless source="local".)
-            got_step, _, _, tensors = self._engine.load(s, bucket=source != "local")
-            for name, dtype, shape, buf in tensors:
-                objs[name] = (dtype, shape, buf)
-        elif where != "remote" and dev is not None:
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            dest = []
-            for t in entry["tensors"]:
-                tdt = _state.ST_TO_TORCH.get(t["dtype"])
-                if tdt is None:
-                    raise DestinationError(f"tensor {t['name']!r}: dtype {t['dtype']} has no torch dtype")
-                x = torch.empty(t["shape"], dtype=tdt, device=dev)
-                objs[t["name"]] = x
-                dest.append(x)
-            # The memory may come from blocks freed by work still queued on this stream.
-            torch.cuda.current_stream(dev).synchronize()
-            self._engine.load_into_device(
-                s,
-                [
-                    (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
-                    for n, x in objs.items()
-                ],
-                bucket=source != "local",
-            )
+            objs, tree, entry = self._with_peer_retry(s, False, lambda: self._read_local(s, dev, source))
 
         file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
 
@@ -178,6 +141,79 @@ class LoadMixin(CheckpointerBase):
                 f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
                 f"does not describe the file: {e}"
             ) from None
+
+    def _with_peer_retry(self, s: int, into: bool, read: Callable[[], T]) -> T:
+        """``read()`` of ``s`` from this rank's memory or disk. With replicas it is
+        collective before and after: a rank whose file is lost (missing, of the wrong
+        size) gets it from a partner's replica before reading; after every rank read
+        (whatever its read or that fetch raised, so that no rank waits for one that left),
+        a rank whose file turned out damaged inside gets it the same way, written back over
+        the file, and reads again (``into``: ``load_into``, which reads the written-back
+        file rather than the received image)."""
+        rep = self._replicator
+        if rep is None:
+            return read()
+        try:
+            rep.before_load(s)  # collective: a lost file comes from a peer
+            if into:
+                rep.discard_image()  # filled from the written-back file
+            got = read()
+            err: Optional[Exception] = None
+        except Exception as e:  # every rank joins the collective below, then re-raises
+            err = e
+        if rep.after_load(s, err):
+            if into:
+                rep.discard_image()
+            return read()
+        if err is not None:
+            raise err
+        return got
+
+    def _read_local(self, s: int, dev: Any, source: Optional[str]) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
+        """This rank's tensors of ``s`` from memory, the disk (a damaged file: the bucket's
+        copy unless ``source="local"``) or the image a partner just sent; to CUDA device
+        ``dev`` when given. Returns ``(tensors by name, the skeleton or None, this rank's
+        file entry)``; host tensors as ``(dtype, shape, buffer)``."""
+        objs: Dict[str, Any] = {}
+        _, entry = self._rank_entry(s)
+        tree = self._skeleton(s, entry)
+        image = None
+        if dev is None and self._replicator is not None:
+            # A lost rank's image a partner just sent (checked, and written back as its
+            # file): the tensors are served from that memory, not read back from disk.
+            image = self._replicator.take_image(s)
+        if image is not None:
+            whole = np.asarray(image)
+            for name, dtype, shape, a, b in image.tensors():
+                objs[name] = (dtype, shape, whole[a:b])
+        elif dev is None:
+            # (A file damaged on the disk is read from the bucket when it holds the same
+            # bytes, unless source="local".)
+            _, _, _, tensors = self._engine.load(s, bucket=source != "local")
+            for name, dtype, shape, buf in tensors:
+                objs[name] = (dtype, shape, buf)
+        else:
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            dest = []
+            for t in entry["tensors"]:
+                tdt = _state.ST_TO_TORCH.get(t["dtype"])
+                if tdt is None:
+                    raise DestinationError(f"tensor {t['name']!r}: dtype {t['dtype']} has no torch dtype")
+                x = torch.empty(t["shape"], dtype=tdt, device=dev)
+                objs[t["name"]] = x
+                dest.append(x)
+            # The memory may come from blocks freed by work still queued on this stream.
+            torch.cuda.current_stream(dev).synchronize()
+            self._engine.load_into_device(
+                s,
+                [
+                    (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
+                    for n, x in objs.items()
+                ],
+                bucket=source != "local",
+            )
+        return objs, tree, entry
 
 
 def _torch_dtype_for(node: Optional[Dict[str, Any]], st_dtype: str) -> Any:

@@ -58,9 +58,14 @@ class LoadIntoMixin(LoadMixin):
         if self._replicator is not None:
             self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
         s, where = _remote.resolve(self, _step_sel(step), None)
-        if self._replicator is not None and where != "remote":
-            self._replicator.before_load(s)  # collective: a lost file comes from a peer
-            self._replicator.discard_image()  # filled from the written-back file
+        if where == "remote":
+            return self._load_into_step(target, s, where, strict)
+        # With replicas, collective: a lost file, or one damaged inside, comes from a peer.
+        return self._with_peer_retry(s, True, lambda: self._load_into_step(target, s, where, strict))
+
+    def _load_into_step(self, target: Any, s: int, where: str, strict: bool) -> LoadResult:
+        """:meth:`load_into` of the resolved step ``s`` from ``where`` (``"local"`` or
+        ``"remote"``)."""
         if where == "remote":
             # The manifest's entry and the header's skeleton; the data after the planning.
             entry = _remote.rank_entry(self, s)
