@@ -38,22 +38,68 @@ class ReplicaLoads(ReplicaNet):
         raise NotImplementedError
 
     # -- load --------------------------------------------------------------------------
-    def agree_step(self, sel: Optional[int]) -> None:
-        """Collective before a load with node-local roots (nothing otherwise): the ranks
-        agree on the step (``sel``, or the newest any machine committed), and each rank
-        whose root lacks that step's manifest (its machine was replaced) adopts a peer's
-        (``shmckpt::commit::adopt_manifest``: checked, published as ``step-N/`` holding
-        the manifest; the rank's file then comes from its partner's replica)."""
-        if not self.node_local:
-            return
+    def agree_step(self, sel: Optional[int], bucket: bool = True) -> Optional[int]:
+        """Collective before a load: the step every rank loads, ``sel`` when given. For
+        "latest" (``None``) it is the newest step that every rank can load: from its own
+        file (present, of the manifest's size), from a partner's replica, or (``bucket``)
+        from the bucket. A newer step some rank cannot get (its machine was lost before
+        that step's replicas were stored) is passed over, with a warning naming it and
+        those ranks; with no step every rank can load, the newest step (whose load then
+        fails on those ranks, with the reason). Node-local roots: each rank whose root
+        lacks that step's manifest (its machine was replaced) then adopts a peer's
+        (``shmckpt::commit::adopt_manifest``: checked, published as ``step-N/`` holding the
+        manifest; the rank's file then comes from its partner's replica). A failed group
+        chooses nothing (``sel``): each rank loads what its root holds."""
         self._drain()
         if self.broken is not None:
-            return  # no collective on a failed group: each rank loads what its root holds
+            return sel  # no collective on a failed group
         try:
-            self._agree_step(sel)
+            target = sel if sel is not None else self._loadable_latest(bucket)
+            if self.node_local:
+                self._agree_step(target)
         except _GroupFailed as e:
             self.broken = f"in a load: {e} (restart the ranks to replicate again)"
             raise ReplicationError(f"load: {e}") from None
+        return target
+
+    def _loadable_latest(self, bucket: bool) -> Optional[int]:
+        """The newest step every rank can load (see :meth:`agree_step`). Collective."""
+        have = [s for s, _ in self.ckpt._engine.list()]
+        own = [s for s in have if self._local_ok(s)]
+        tag = _shmckpt.replica_tag(self.ckpt.root)
+        uid = os.geteuid()
+        held = [(src, step) for _, t, src, step, _, owner in _shmckpt.replica_list() if t == tag and owner == uid]
+        remote: List[int] = []
+        if bucket and self.ckpt.remote is not None:
+            try:
+                remote = list(self.ckpt._engine.list_remote())
+            except ShmckptError as e:
+                log.warning("rank %d: the bucket's steps are not known (%s): counted as none", self.ckpt.rank, e)
+        seen = self._gather((have, own, held, remote), "the steps every rank can load")
+        holds = {(src, step, r) for r, (_, _, hd, _) in enumerate(seen) for src, step in hd}
+
+        def cannot(s: int) -> List[int]:
+            return [
+                q
+                for q, (_, own_q, _, remote_q) in enumerate(seen)
+                if s not in own_q and s not in remote_q and not any((q, s, r) in holds for r in self.plan[q])
+            ]
+
+        steps = sorted({s for h, _, _, r in seen for s in list(h) + list(r)}, reverse=True)
+        skipped: List[str] = []
+        for s in steps:
+            short = cannot(s)
+            if not short:
+                if skipped:
+                    log.warning(
+                        "rank %d: loading step %d, the newest step every rank can load (%s)",
+                        self.ckpt.rank,
+                        s,
+                        "; ".join(skipped),
+                    )
+                return s
+            skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
+        return steps[0] if steps else None
 
     def _agree_step(self, sel: Optional[int]) -> None:
         me = self.ckpt.rank
@@ -219,9 +265,24 @@ class ReplicaLoads(ReplicaNet):
                 log.warning("rank %d: %s", me, why)
         got.clear()
         if me in needy and self._peer is None:
+            if self._bucket_has(step):
+                # The read takes the bucket's copy (the engine's fallback for a lost or
+                # damaged file, when the bucket holds the same bytes).
+                log.warning("rank %d: step %d: no partner could serve it (%s); reading the bucket's copy", me, step, why)
+                return
             _, entry = self.ckpt._rank_entry(step)
             path = os.path.join(root, f"step-{step}", entry["file"])
             raise ReplicationError(f"rank {me}: its file of step {step} ({path}) {what} and {why}")
+
+    def _bucket_has(self, step: int) -> bool:
+        """Whether this checkpointer's bucket (``remote=``) has ``step`` committed."""
+        if self.ckpt.remote is None:
+            return False
+        try:
+            return step in self.ckpt._engine.list_remote()
+        except ShmckptError as e:
+            log.warning("rank %d: the bucket's steps are not known: %s", self.ckpt.rank, e)
+            return False
 
     def take_image(self, step: int) -> Optional[Any]:
         """The sealed image a partner sent for ``step`` in the last :meth:`before_load` (a

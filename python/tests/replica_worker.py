@@ -16,11 +16,13 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         ``wait()`` timed, then the replica of step 1 this rank holds compared byte for byte
         with its source's committed file; with =before, the same, but step 2 is saved
         (and waited for) before the replication of step 1 may begin its exchange;
+        REPLICA_WORKER_REMOTE=URL: remote=URL, each step also waited for in the bucket;
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
         machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
-        load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors) and compare
-        it with the state saved, bit for bit (with
+        load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors;
+        REPLICA_WORKER_LOAD_STEP=N: load step N) and compare it with the state saved of
+        the step loaded, bit for bit (with
         REPLICA_WORKER_DIE=RANK:load that rank kills itself before loading)
 
 OUT receives a JSON report.
@@ -70,6 +72,8 @@ def open_ckpt(root, rank, replicas):
         root = root.format(m=rank // 2)
     if os.environ.get("REPLICA_WORKER_KEEP_LAST"):
         extra["keep_last"] = int(os.environ["REPLICA_WORKER_KEEP_LAST"])
+    if os.environ.get("REPLICA_WORKER_REMOTE"):
+        extra["remote"] = os.environ["REPLICA_WORKER_REMOTE"]
     if os.environ.get("REPLICA_WORKER_TIMEOUT"):
         extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     return shmckpt.Checkpointer(
@@ -221,6 +225,8 @@ def main():
                     continue
                 rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
                 res["reports"].append(rep)
+                if os.environ.get("REPLICA_WORKER_REMOTE"):
+                    h.wait_remote()
             else:
                 h.wait()
                 try:
@@ -245,10 +251,12 @@ def main():
                 state = rank_state(rank, step)
                 for t in state["model"].values():
                     t.zero_()
-                ck.load_into({"model": state["model"]})
+                step = ck.load_into({"model": state["model"]}).step
+                state["step"] = step
             else:
-                state = ck.load("latest")
-            step = ck.latest()
+                want = os.environ.get("REPLICA_WORKER_LOAD_STEP")
+                state = ck.load("latest" if want is None else int(want))
+                step = state["step"]  # "latest": the newest step every rank can load
             res["step"] = step
             res["exact"] = digest(state) == digest(rank_state(rank, step))
             src = ck.last_load_source

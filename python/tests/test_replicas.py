@@ -22,6 +22,7 @@ from shmckpt import _shmckpt
 from shmckpt.replicas import remove_replica
 
 from conftest import REPO, shmckpt_bin
+from test_remote import moto, s3  # noqa: F401  (fixtures)
 from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -245,8 +246,9 @@ def test_replica_of_another_user_is_refused(droot):
 def test_partner_killed_before_replicating(tmp_path, droot):
     """Rank 3 dies once its save of step 2 is durable, before replicating it: every other
     rank's wait_replicated() raises ReplicationError (step 2 is never reported 2-safe), the
-    replicas held stay step 1's, and after machine 1 is lost nothing of step 1 is served
-    for step 2."""
+    replicas held stay step 1's. After machine 1 is lost, "latest" is step 1, the newest
+    step every rank can load (machine 1's ranks from their partners' replicas); asked for
+    step 2, machine 1's ranks fail (nothing of step 1 is served for step 2)."""
     root = droot
     saved = run_world(
         tmp_path, root, "save", 1, 1, 2, env={"REPLICA_WORKER_DIE": "3:2"}, codes_want=[0, 0, 0, -9]
@@ -261,10 +263,36 @@ def test_partner_killed_before_replicating(tmp_path, droot):
 
     lose_machine_1(root, [1, 2], replica_step=1)
     loaded = run_world(tmp_path, root, "load", 1)
+    for res in loaded:
+        assert "error" not in res, res
+        assert res["step"] == 1 and res["exact"] is True
+    # Ranks 0-1 keep step 2 in memory: step 1 comes from their files.
+    assert [res["source"][0] for res in loaded[:2]] == ["disk", "disk"]
+    assert [res["source"] for res in loaded[2:]] == [["peer", 0], ["peer", 1]]
+    loaded = run_world(tmp_path, root, "load", 1, tag="step2", env={"REPLICA_WORKER_LOAD_STEP": "2"})
     assert [res["source"] for res in loaded[:2]] == [["memory", None], ["memory", None]]
     for res in loaded[2:]:
         assert res["error"] == "ReplicationError" and "step 2" in res["message"]
     assert our_replicas(root) == [(2, 1), (3, 1)]
+
+
+def test_a_lost_rank_without_a_replica_reads_the_bucket(tmp_path, droot, s3):
+    """Machine 1 is lost before the replicas of the last step were stored (they are
+    removed here), but the step is in the bucket: "latest" is still that step, and machine
+    1's ranks read it from the bucket (the same bytes as the committed manifest says)."""
+    _, bucket = s3
+    root = droot
+    env = {"REPLICA_WORKER_REMOTE": f"s3://{bucket}/rep"}
+    run_world(tmp_path, root, "save", 1, 1, 2, env=env)
+    lose_machine_1(root, [1, 2])
+    for src in (2, 3):
+        remove_replica(_shmckpt.replica_name(str(root), src, 2))
+    loaded = run_world(tmp_path, root, "load", 1, env=env)
+    for res in loaded:
+        assert "error" not in res, res
+        assert res["step"] == 2 and res["exact"] is True
+    assert [res["source"] for res in loaded[:2]] == [["memory", None], ["memory", None]]
+    assert [res["source"][0] for res in loaded[2:]] == ["remote", "remote"]
 
 
 def test_cli_lists_and_removes_replicas(droot):

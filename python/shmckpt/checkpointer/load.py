@@ -70,9 +70,11 @@ class LoadMixin(CheckpointerBase):
         otherwise the disk's error is raised. :attr:`last_load_source` says which served
         it.
         """
+        sel = _step_sel(step)
         if self._replicator is not None and source != "remote":
-            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
-        s, where = _remote.resolve(self, _step_sel(step), source)
+            # Collective: "latest" is the newest step every rank can load.
+            sel = self._replicator.agree_step(sel, bucket=source is None)
+        s, where = _remote.resolve(self, sel, source)
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None

@@ -55,9 +55,11 @@ class LoadIntoMixin(LoadMixin):
         collective, as :meth:`load` is: a rank whose file is lost gets it from a partner's
         replica first.
         """
+        sel = _step_sel(step)
         if self._replicator is not None:
-            self._replicator.agree_step(_step_sel(step))  # node-local roots: collective
-        s, where = _remote.resolve(self, _step_sel(step), None)
+            # Collective: "latest" is the newest step every rank can load.
+            sel = self._replicator.agree_step(sel)
+        s, where = _remote.resolve(self, sel, None)
         if where == "remote":
             return self._load_into_step(target, s, where, strict)
         # With replicas, collective: a lost file, or one damaged inside, comes from a peer.
