@@ -251,6 +251,12 @@ pub fn trash_dir_name(step: u64) -> String {
     format!("step-{step}.trash")
 }
 
+/// Name a committed step directory is set aside under (`crate::commit::set_aside`):
+/// `step-<N>.aside-<unix ms>`, never listed, loaded or cleaned.
+pub fn aside_dir_name(step: u64, unix_ms: u128) -> String {
+    format!("step-{step}.aside-{unix_ms}")
+}
+
 /// File name of `rank`'s safetensors file.
 pub fn rank_file_name(rank: u32, world_size: u32) -> String {
     format!("rank-{rank:05}-of-{world_size:05}.safetensors")

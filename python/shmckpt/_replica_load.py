@@ -97,9 +97,30 @@ class ReplicaLoads(ReplicaNet):
                         s,
                         "; ".join(skipped),
                     )
+                    self._set_aside([x for x in have if x > s])
                 return s
             skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
         return steps[0] if steps else None
+
+    def _set_aside(self, steps: List[int]) -> None:
+        """Set the committed ``steps`` this root holds aside (``shmckpt::commit::set_aside``:
+        renamed, not deleted) so that the resumed run can save their numbers again: by one
+        rank per root (the lowest of its machine with node-local roots, else rank 0), before
+        its next collective, so no rank saves before they are moved."""
+        me = self.ckpt.rank
+        if self.node_local:
+            mover = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
+        else:
+            mover = me == 0
+        if not mover:
+            return
+        for s in steps:
+            try:
+                d = _shmckpt.group_set_aside(self.ckpt.root, s)
+                if d is not None:
+                    log.warning("rank %d: step %d, which some rank cannot load, set aside as %s", me, s, d)
+            except ShmckptError as e:
+                log.warning("rank %d: step %d could not be set aside (its number cannot be saved again): %s", me, s, e)
 
     def _agree_step(self, sel: Optional[int]) -> None:
         me = self.ckpt.rank

@@ -27,6 +27,7 @@ __all__ = [
     "group_apply_retention",
     "group_commit",
     "group_own_part",
+    "group_set_aside",
     "link_step",
     "linked_step",
     "linked_steps",
@@ -424,4 +425,9 @@ def group_adopt_manifest(root: str, step: int, manifest: bytes) -> str:
 
 def group_apply_retention(root: str, keep: int) -> List[int]:
     """Keep the newest ``keep`` committed steps of this machine's ``root``; the deleted steps."""
+    ...
+
+def group_set_aside(root: str, step: int) -> Optional[str]:
+    """Set the committed ``step`` of ``root`` aside (renamed ``step-N.aside-<unix ms>``: not
+    listed or loaded, nothing deleted); the new directory, or None."""
     ...

@@ -502,6 +502,16 @@ fn group_apply_retention(py: Python<'_>, root: PathBuf, keep: usize) -> PyResult
         .map_err(|e| to_py(py, e))
 }
 
+/// Set the committed `step` of `root` aside (`shmckpt::commit::set_aside`: renamed to
+/// `step-N.aside-<unix ms>`, not listed or loaded, nothing deleted, its number free to save
+/// again); returns the new directory, or None when the step is not committed there.
+#[pyfunction]
+fn group_set_aside(py: Python<'_>, root: PathBuf, step: u64) -> PyResult<Option<String>> {
+    py.detach(|| shmckpt::commit::set_aside(&root, step))
+        .map(|d| d.map(|d| d.display().to_string()))
+        .map_err(|e| to_py(py, e))
+}
+
 /// Remove this user's replicas of `rank`'s images of `root` other than `step`'s (GIL
 /// released).
 #[pyfunction]
@@ -512,6 +522,7 @@ fn replica_remove_older(py: Python<'_>, root: PathBuf, rank: u32, step: u64) -> 
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_remove_older, m)?)?;
+    m.add_function(wrap_pyfunction!(group_set_aside, m)?)?;
     m.add_function(wrap_pyfunction!(group_own_part, m)?)?;
     m.add_function(wrap_pyfunction!(group_commit, m)?)?;
     m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;

@@ -13,8 +13,8 @@ use crate::error::{Error, Result};
 use crate::fsops;
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
-    step_dir_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, aside_dir_name, partial_dir_name,
+    rank_manifest_name, step_dir_name,
 };
 
 /// This rank's manifest part of `step` under `root` (JSON): the part its save wrote in the
@@ -172,6 +172,41 @@ pub fn adopt_manifest(root: &Path, step: u64, bytes: &[u8]) -> Result<PathBuf> {
     Ok(final_dir)
 }
 
+/// Set the committed checkpoint `step` of `root` aside: its directory is renamed to
+/// `step-<N>.aside-<unix ms>` and the root `fsync`ed. From then on the step is not listed
+/// or loaded and its number can be saved again, but nothing is deleted (no engine cleans
+/// that name: inspect it, or remove it by hand). For a step some rank can no longer load
+/// at all (a load with replicas passed over it: a machine was lost before the step's
+/// replicas were stored), whose number the resumed run will save again. `Ok(None)` when
+/// `step` is not committed in `root` (a link or a file under its name is never touched);
+/// [`Error::UnsafePath`] when the new name is taken.
+pub fn set_aside(root: &Path, step: u64) -> Result<Option<PathBuf>> {
+    let Some(c) = manifest::list_committed(root)?
+        .into_iter()
+        .find(|c| c.step == step)
+    else {
+        return Ok(None);
+    };
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let aside = root.join(aside_dir_name(step, ms));
+    if std::fs::symlink_metadata(&aside).is_ok() {
+        return Err(Error::UnsafePath {
+            path: aside,
+            reason: "the name to set the step aside under is taken; nothing was moved".into(),
+        });
+    }
+    match fsops::rename(&c.dir, &aside) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("rename", &c.dir, e)),
+    }
+    fsync_dir(root)?;
+    tracing::warn!(step, dir = %aside.display(), "committed step set aside: some rank cannot load it");
+    Ok(Some(aside))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +278,41 @@ mod tests {
         ));
         assert!(adopt_manifest(empty.path(), 7, &bytes[..bytes.len() - 2]).is_err());
         assert_eq!(std::fs::read_dir(empty.path()).unwrap().count(), 0);
+    }
+
+    /// A committed step set aside is no longer listed, keeps its files under its new name
+    /// (never cleaned at open), and its number can be committed again; a link under a
+    /// step's name, and a step not committed, are left alone.
+    #[test]
+    fn a_step_set_aside_keeps_its_files_and_frees_its_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let parts = machine0(root, 7);
+        let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        let d = commit_with_parts(root, 7, 0, &borrowed, &Metadata::new()).unwrap();
+        let before = std::fs::read(d.join(MANIFEST)).unwrap();
+        let aside = set_aside(root, 7).unwrap().unwrap();
+        let name = aside.file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(name.starts_with("step-7.aside-"), "{name}");
+        assert_eq!(std::fs::read(aside.join(MANIFEST)).unwrap(), before);
+        assert_eq!(
+            std::fs::read(aside.join(entry(0).file)).unwrap(),
+            b"0123456789"
+        );
+        assert!(manifest::list_committed(root).unwrap().is_empty());
+        assert_eq!(set_aside(root, 7).unwrap(), None); // not committed any more
+        super::super::clean_stale(root, 0).unwrap();
+        assert!(aside.is_dir(), "never cleaned");
+        // The number is free: step 7 commits again.
+        let parts = machine0(root, 7);
+        let borrowed: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        commit_with_parts(root, 7, 0, &borrowed, &Metadata::new()).unwrap();
+        assert_eq!(manifest::list_committed(root).unwrap().len(), 1);
+        // A link under a step's name is not a committed step: untouched.
+        let other = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(root.join("step-7"), other.path().join("step-7")).unwrap();
+        assert_eq!(set_aside(other.path(), 7).unwrap(), None);
+        assert!(other.path().join("step-7").is_symlink());
     }
 
     #[test]
