@@ -300,10 +300,10 @@ fn remove_stale(tag: &str, rank: u32, step: u64) {
         // (`<replica name>.tmp<pid>` of a process that no longer exists).
         let stale = match parse_replica_name(&old) {
             Some((t, r, s)) => t == tag && r == rank && s != step,
-            None => old.rsplit_once(".tmp").is_some_and(|(base, p)| {
+            None => parse_unfinished_name(&old).is_some_and(|(base, p)| {
                 parse_replica_name(base).is_some_and(|(t, r, _)| t == tag && r == rank)
-                    && p.parse::<u32>()
-                        .is_ok_and(|p| p != pid && !Path::new("/proc").join(p.to_string()).exists())
+                    && p != pid
+                    && !process_exists(p)
             }),
         };
         if stale && let Err(e) = remove_own(&old) {
@@ -392,18 +392,83 @@ pub fn list() -> Vec<ReplicaInfo> {
         .collect()
 }
 
+/// `(replica name, writer pid)` of the temporary file `<replica name>.tmp<pid>` a replica
+/// is written under before it is renamed to its name; `None` for any other name.
+pub fn parse_unfinished_name(name: &str) -> Option<(&str, u32)> {
+    let (base, pid) = name.rsplit_once(".tmp")?;
+    parse_replica_name(base)?;
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((base, pid.parse().ok()?))
+}
+
+/// Whether a process `pid` exists (in this PID namespace).
+fn process_exists(pid: u32) -> bool {
+    Path::new("/proc").join(pid.to_string()).exists()
+}
+
+/// A replica's temporary file in `/dev/shm` (`<replica name>.tmp<pid>`): a replica being
+/// written, or one whose writer died before renaming it (such a file is removed when the
+/// next replica of its root and rank is stored, or by `shmckpt shm rm`). Never served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnfinishedReplica {
+    /// Name in `/dev/shm`.
+    pub name: String,
+    /// The replica's name it was being written for.
+    pub replica: String,
+    /// The writer's process id, from the name.
+    pub writer_pid: u32,
+    /// Whether a process of that id exists (in this PID namespace).
+    pub writer_alive: bool,
+    /// Size in bytes (not followed through a link).
+    pub bytes: u64,
+    /// Owner uid.
+    pub owner_uid: u32,
+}
+
+/// Every replica's temporary file in `/dev/shm` (any user's), sorted by name.
+pub fn list_unfinished() -> Vec<UnfinishedReplica> {
+    use std::os::unix::fs::MetadataExt;
+    list_names()
+        .into_iter()
+        .filter_map(|name| {
+            let (replica, writer_pid) = parse_unfinished_name(&name)?;
+            let replica = replica.to_owned();
+            let m = std::fs::symlink_metadata(Path::new(SHM_MOUNT).join(&name)).ok()?;
+            Some(UnfinishedReplica {
+                replica,
+                writer_pid,
+                writer_alive: process_exists(writer_pid),
+                bytes: m.len(),
+                owner_uid: m.uid(),
+                name,
+            })
+        })
+        .collect()
+}
+
 /// The tag of `root` as replica names carry it (to pick one root's replicas from [`list`]).
 pub fn tag_of(root: &Path) -> Result<String> {
     Ok(root_tag(&canonical(root)?))
 }
 
-/// Remove the replica `name` from `/dev/shm`: this user's regular files only, never
-/// following a link.
+/// Remove the replica `name` from `/dev/shm`, or a replica's temporary file
+/// ([`UnfinishedReplica`]) whose writer no longer exists ([`Error::ArenaInUse`] while it
+/// does): this user's regular files only, never following a link.
 pub fn remove(name: &str) -> Result<()> {
-    if parse_replica_name(name).is_none() {
-        return Err(Error::Config(format!("{name:?} is not a replica's name")));
+    if parse_replica_name(name).is_some() {
+        return remove_own(name);
     }
-    remove_own(name)
+    match parse_unfinished_name(name) {
+        Some((_, pid)) if process_exists(pid) => Err(Error::ArenaInUse {
+            name: name.to_owned(),
+            reason: format!("its writer, process {pid}, is running"),
+        }),
+        Some(_) => remove_own(name),
+        None => Err(Error::Config(format!("{name:?} is not a replica's name"))),
+    }
 }
 
 /// Remove `/dev/shm/name` if it is a regular file of this user (never following a link).
@@ -475,6 +540,65 @@ mod tests {
             plan(&names(&["a", "b"]), 2),
             Err(Error::Config(_))
         ));
+    }
+
+    #[test]
+    fn unfinished_names_parse_and_refuse_others() {
+        let base = format!("{REPLICA_PREFIX}0123456789abcdef.r3.s42");
+        let n = format!("{base}.tmp1234");
+        assert_eq!(parse_unfinished_name(&n), Some((base.as_str(), 1234)));
+        for bad in [
+            base.clone(),
+            format!("{base}.tmp"),
+            format!("{base}.tmp+12"),
+            format!("{base}.tmp12x"),
+            format!("{base}.tmp99999999999"),
+            format!("{base}.tmp12.tmp13x"),
+            "shmckpt-replica.0123456789abcdef.r03.s42.tmp1".to_owned(),
+            ".rank-00000-of-00001.safetensors.tmp1".to_owned(),
+        ] {
+            assert_eq!(parse_unfinished_name(&bad), None, "{bad}");
+        }
+    }
+
+    /// A temporary replica file of a dead writer is listed (never as a replica) and
+    /// removed by name; one whose writer runs is refused; another user's is never removed.
+    #[test]
+    fn unfinished_replicas_are_listed_and_removed_only_when_their_writer_is_dead() {
+        let tag = format!(
+            "{:016x}",
+            0xfeed_0000_0000_0000_u64 | u64::from(std::process::id())
+        );
+        let base = format!("{REPLICA_PREFIX}{tag}.r1.s7");
+        // A pid that cannot exist (above the kernel's maximum, 2^22) names a dead writer.
+        let dead = format!("{base}.tmp{}", (1u32 << 22) + 1);
+        let alive = format!("{base}.tmp{}", std::process::id());
+        let shm = Path::new(SHM_MOUNT);
+        std::fs::write(shm.join(&dead), b"half").unwrap();
+        std::fs::write(shm.join(&alive), b"writing").unwrap();
+        let mine: Vec<UnfinishedReplica> = list_unfinished()
+            .into_iter()
+            .filter(|u| u.replica == base)
+            .collect();
+        let got: Vec<(&str, bool, u64)> = mine
+            .iter()
+            .map(|u| (u.name.as_str(), u.writer_alive, u.bytes))
+            .collect();
+        let mut want = vec![(alive.as_str(), true, 7), (dead.as_str(), false, 4)];
+        want.sort();
+        assert_eq!(got, want);
+        assert!(mine.iter().all(|u| u.owner_uid == euid()));
+        assert!(list().iter().all(|r| !r.name.starts_with(&base)));
+        assert!(matches!(remove(&alive), Err(Error::ArenaInUse { .. })));
+        assert!(shm.join(&alive).exists());
+        remove(&dead).unwrap();
+        assert!(!shm.join(&dead).exists());
+        std::fs::remove_file(shm.join(&alive)).unwrap();
+        // A link under such a name is refused, and left.
+        std::os::unix::fs::symlink("/etc/hostname", shm.join(&dead)).unwrap();
+        assert!(remove(&dead).is_err());
+        assert!(shm.join(&dead).is_symlink());
+        std::fs::remove_file(shm.join(&dead)).unwrap();
     }
 
     #[test]

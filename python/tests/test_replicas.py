@@ -301,8 +301,8 @@ def test_a_lost_rank_without_a_replica_reads_the_bucket(tmp_path, droot, s3):
 
 
 def test_cli_lists_and_removes_replicas(droot):
-    """`shmckpt shm replicas` lists a replica with its source rank and step; `shmckpt shm
-    rm NAME` removes it."""
+    """`shmckpt shm replicas` lists a replica with its source rank and step, and a dead
+    writer's temporary file as unfinished; `shmckpt shm rm NAME` removes either."""
     exe = shmckpt_bin()
     if exe is None:
         pytest.skip("no shmckpt binary (cargo build --bin shmckpt, or SHMCKPT_BIN)")
@@ -328,6 +328,27 @@ def test_cli_lists_and_removes_replicas(droot):
     assert rm.returncode == 0, rm.stderr
     assert rm.stdout.strip() == f"removed {name}"
     assert our_replicas(root) == []
+    # A temporary file left by a writer that died (pid above the kernel's maximum) is
+    # listed as unfinished, never as a replica, and removed by name.
+    tmp = f"{name}.tmp{(1 << 22) + 1}"
+    with open(f"/dev/shm/{tmp}", "wb") as f:
+        f.write(good[:100])
+    out = subprocess.run([exe, "shm", "replicas", "--json"], capture_output=True, text=True, check=True)
+    assert [r for r in json.loads(out.stdout) if r["name"] == tmp] == [
+        {
+            "name": tmp,
+            "bytes": 100,
+            "owner_uid": os.geteuid(),
+            "unfinished": True,
+            "replica": name,
+            "writer_pid": (1 << 22) + 1,
+            "writer_alive": False,
+        }
+    ]
+    assert our_replicas(root) == []
+    rm = subprocess.run([exe, "shm", "rm", tmp], capture_output=True, text=True)
+    assert rm.returncode == 0, rm.stderr
+    assert not os.path.exists(f"/dev/shm/{tmp}")
 
 
 def test_rank_dead_during_load(tmp_path, droot):

@@ -15,14 +15,17 @@ pub enum ShmCmd {
         json: bool,
     },
     /// List peer replicas (`docs/replicas.md`): name, size, owner uid, tag of the root
-    /// (FNV-1a 64 of its canonical path), source rank and step.
+    /// (FNV-1a 64 of its canonical path), source rank and step; then replicas' temporary
+    /// files (`<replica name>.tmp<pid>`: being written, or left by a writer that died),
+    /// with their writer's pid and whether it runs (JSON: `"unfinished": true`).
     Replicas {
         /// Print a JSON array.
         #[arg(long)]
         json: bool,
     },
     /// Remove kept arenas (only this user's, never following a link); a peer replica's
-    /// name (`shmckpt-replica.*`, as `replicas` shows it) removes that replica. An arena whose
+    /// name (`shmckpt-replica.*`, as `replicas` shows it) removes that replica, or that
+    /// temporary file if its writer is dead (refused while it runs). An arena whose
     /// engine is running (or may be: its header cannot be read) is refused, and left in
     /// place, unless --force; the command then fails after removing the others.
     Rm {
@@ -97,8 +100,9 @@ pub fn run(a: ShmArgs) -> CliResult {
         }
         ShmCmd::Replicas { json } => {
             let reps = shmckpt::replica::list();
+            let unfinished = shmckpt::replica::list_unfinished();
             if json {
-                let v: Vec<serde_json::Value> = reps
+                let mut v: Vec<serde_json::Value> = reps
                     .iter()
                     .map(|r| {
                         serde_json::json!({
@@ -111,11 +115,32 @@ pub fn run(a: ShmArgs) -> CliResult {
                         })
                     })
                     .collect();
+                v.extend(unfinished.iter().map(|u| {
+                    serde_json::json!({
+                        "name": u.name,
+                        "bytes": u.bytes,
+                        "owner_uid": u.owner_uid,
+                        "unfinished": true,
+                        "replica": u.replica,
+                        "writer_pid": u.writer_pid,
+                        "writer_alive": u.writer_alive,
+                    })
+                }));
                 println!("{}", serde_json::Value::Array(v));
                 return Ok(());
             }
             if reps.is_empty() {
                 println!("no replicas");
+            }
+            for u in &unfinished {
+                println!(
+                    "{}  {}  uid {}  unfinished: writer pid {} {}",
+                    u.name,
+                    human(u.bytes),
+                    u.owner_uid,
+                    u.writer_pid,
+                    if u.writer_alive { "running" } else { "dead" }
+                );
             }
             for r in &reps {
                 println!(
@@ -146,7 +171,9 @@ pub fn run(a: ShmArgs) -> CliResult {
             }
             let mut refused = 0usize;
             for n in &names {
-                let r = if shmckpt::replica::parse_replica_name(n).is_some() {
+                let r = if shmckpt::replica::parse_replica_name(n).is_some()
+                    || shmckpt::replica::parse_unfinished_name(n).is_some()
+                {
                     shmckpt::replica::remove(n)
                 } else if force {
                     shmckpt::flash::remove_kept_forced(n)
@@ -164,7 +191,7 @@ pub fn run(a: ShmArgs) -> CliResult {
             }
             if refused > 0 {
                 return Err(format!(
-                    "{refused} kept arena(s) in use left in place (--force removes them)"
+                    "{refused} name(s) in use left in place (--force removes kept arenas in use)"
                 )
                 .into());
             }
