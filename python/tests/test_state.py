@@ -288,8 +288,8 @@ def test_cpu_load_is_zero_copy(ck, monkeypatch):
         def __getattr__(self, k):
             return getattr(real, k)
 
-        def load(self, step=None):
-            out = real.load(step)
+        def load(self, step=None, **kw):
+            out = real.load(step, **kw)
             for name, _, _, buf in out[3]:
                 seen[name] = buf.address
             return out
