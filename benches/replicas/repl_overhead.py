@@ -224,7 +224,9 @@ class PeerSave(ShmLoad):
             if self.err is not None:
                 raise RuntimeError(f"step {self.step}: wait_replicated: {self.err}")
             rec["ksafe_s"] = self.ksafe_abs - self.t0
-            rec["end_abs"] = max(rec["end_abs"], self.ksafe_abs)
+            # The load ends at k-safe (wait_replicated() returned), not when a step's
+            # poll of done() (durable) happened to see the commit, which can come later.
+            rec["end_abs"] = max(rec["committed_abs"], self.ksafe_abs)
             rec["replication"] = {k: self.rep.get(k) for k in ("k_safe", "holders", "seconds", "bytes_sent", "transfer_seconds", "bandwidth", "problems", "phases")}
         rec["end_s"] = rec["end_abs"] - self.t0
         if not peer["ok"]:
