@@ -1,6 +1,8 @@
 //! Loads: from the disk, from the kept image in memory (flash restore) and into caller
 //! destinations on the host or the device; the disk copy's checks and the manifest.
 
+#[cfg(feature = "s3")]
+use super::remote_ops::bucket_or;
 use super::*;
 
 impl Engine {
@@ -214,13 +216,8 @@ impl Engine {
             // destination is written again from there.
             #[cfg(feature = "s3")]
             Err(e) if self.bucket_replaces(&info, &e) => {
-                match self.load_into_remote(StepSel::Step(info.step), dest) {
-                    Ok(r) => Ok(r.step),
-                    Err(r) => {
-                        tracing::warn!(step = info.step, error = %r, "the bucket's copy failed to load too");
-                        Err(e)
-                    }
-                }
+                let got = self.load_into_remote(StepSel::Step(info.step), dest);
+                bucket_or(info.step, e, got).map(|r| r.step)
             }
             Err(e) => Err(e),
         }
@@ -322,12 +319,7 @@ impl Engine {
             Err(e @ Error::NotFound { .. }) if bucket && self.remote().is_some() => {
                 // SAFETY: forwarded from this function's contract.
                 let got = unsafe { self.load_into_device_remote_raw(which, dest)? };
-                return Ok(LoadReport {
-                    step: got.step,
-                    source: LoadSource::Remote,
-                    fallback_reason: Some(e.to_string()),
-                    disk_problem: None,
-                });
+                return Ok(LoadReport::from_bucket(got.step, &e));
             }
             Err(e) => return Err(e),
         };
@@ -383,21 +375,11 @@ impl Engine {
             // destination is written again from there.
             #[cfg(feature = "s3")]
             Err(e) if bucket && self.bucket_replaces(&info, &e) => {
+                let report = LoadReport::from_bucket(info.step, &e);
                 // SAFETY: forwarded from this function's contract.
-                return match unsafe {
-                    self.load_into_device_remote_raw(StepSel::Step(info.step), dest)
-                } {
-                    Ok(_) => Ok(LoadReport {
-                        step: info.step,
-                        source: LoadSource::Remote,
-                        fallback_reason: Some(e.to_string()),
-                        disk_problem: None,
-                    }),
-                    Err(r) => {
-                        tracing::warn!(step = info.step, error = %r, "the bucket's copy failed to load too");
-                        Err(e)
-                    }
-                };
+                let got =
+                    unsafe { self.load_into_device_remote_raw(StepSel::Step(info.step), dest) };
+                return bucket_or(info.step, e, got).map(|_| report);
             }
             Err(e) => return Err(e),
         }
@@ -455,12 +437,9 @@ impl Engine {
         match restore::read_file_metadata(&dir.join(&entry.file), entry) {
             // A damaged header, when the bucket holds the same step's same bytes.
             #[cfg(feature = "s3")]
-            Err(e) if self.bucket_replaces(&CheckpointInfo { step: m.step, dir }, &e) => self
-                .remote_file_metadata(StepSel::Step(m.step))
-                .map_err(|r| {
-                    tracing::warn!(step = m.step, error = %r, "the bucket's header failed too");
-                    e
-                }),
+            Err(e) if self.bucket_replaces(&CheckpointInfo { step: m.step, dir }, &e) => {
+                bucket_or(m.step, e, self.remote_file_metadata(StepSel::Step(m.step)))
+            }
             other => other,
         }
     }

@@ -142,21 +142,9 @@ impl Engine {
         info: &CheckpointInfo,
         local: Error,
     ) -> Result<(Checkpoint, LoadReport)> {
-        match self.load_remote(StepSel::Step(info.step)) {
-            Ok((ck, _)) => Ok((
-                ck,
-                LoadReport {
-                    step: info.step,
-                    source: LoadSource::Remote,
-                    fallback_reason: Some(local.to_string()),
-                    disk_problem: None,
-                },
-            )),
-            Err(e) => {
-                tracing::warn!(step = info.step, error = %e, "the bucket's copy failed to load too");
-                Err(local)
-            }
-        }
+        let report = LoadReport::from_bucket(info.step, &local);
+        let (ck, _) = bucket_or(info.step, local, self.load_remote(StepSel::Step(info.step)))?;
+        Ok((ck, report))
     }
 
     /// The load fallback: a step the disk does not hold, from the bucket.
@@ -173,12 +161,28 @@ impl Engine {
             step = ck.step,
             "load served from the bucket (not on the local disk)"
         );
-        let report = LoadReport {
-            step: ck.step,
-            source: LoadSource::Remote,
-            fallback_reason: Some(local.to_string()),
-            disk_problem: None,
-        };
+        let report = LoadReport::from_bucket(ck.step, &local);
         Ok((ck, report))
+    }
+}
+
+/// What the bucket gave (`got`) in place of the disk's copy of `step`, which failed with
+/// `local`: its result, or `local` when the bucket's copy failed too (its error logged).
+pub(super) fn bucket_or<T>(step: u64, local: Error, got: Result<T>) -> Result<T> {
+    got.map_err(|r| {
+        tracing::warn!(step, error = %r, "the bucket's copy failed to load too");
+        local
+    })
+}
+
+impl LoadReport {
+    /// The report of `step` served by the bucket because the disk could not (`disk`).
+    pub(super) fn from_bucket(step: u64, disk: &Error) -> Self {
+        LoadReport {
+            step,
+            source: LoadSource::Remote,
+            fallback_reason: Some(disk.to_string()),
+            disk_problem: None,
+        }
     }
 }
