@@ -69,12 +69,7 @@ class ReplicaLoads(ReplicaNet):
         tag = _shmckpt.replica_tag(self.ckpt.root)
         uid = os.geteuid()
         held = [(src, step) for _, t, src, step, _, owner in _shmckpt.replica_list() if t == tag and owner == uid]
-        remote: List[int] = []
-        if bucket and self.ckpt.remote is not None:
-            try:
-                remote = list(self.ckpt._engine.list_remote())
-            except ShmckptError as e:
-                log.warning("rank %d: the bucket's steps are not known (%s): counted as none", self.ckpt.rank, e)
+        remote = self._bucket_steps() if bucket else []
         seen = self._gather((have, own, held, remote), "the steps every rank can load")
         holds = {(src, step, r) for r, (_, _, hd, _) in enumerate(seen) for src, step in hd}
 
@@ -108,11 +103,7 @@ class ReplicaLoads(ReplicaNet):
         rank per root (the lowest of its machine with node-local roots, else rank 0), before
         its next collective, so no rank saves before they are moved."""
         me = self.ckpt.rank
-        if self.node_local:
-            mover = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
-        else:
-            mover = me == 0
-        if not mover:
+        if not (self._leads_machine() if self.node_local else me == 0):
             return
         for s in steps:
             try:
@@ -146,7 +137,7 @@ class ReplicaLoads(ReplicaNet):
             raise _GroupFailed(f"the replication group failed while sending the manifest of step {target}: {e}") from e
         # One rank per machine (its lowest) adopts it: the machine's ranks share its root.
         err: Optional[str] = None
-        if me not in holders and me == min(r for r, n in enumerate(self.nodes) if n == self.node):
+        if me not in holders and self._leads_machine():
             try:
                 _shmckpt.group_adopt_manifest(self.ckpt.root, target, obj[0])
                 log.info("rank %d: adopted rank %d's manifest of step %d", me, src, target)
@@ -297,13 +288,23 @@ class ReplicaLoads(ReplicaNet):
 
     def _bucket_has(self, step: int) -> bool:
         """Whether this checkpointer's bucket (``remote=``) has ``step`` committed."""
+        return step in self._bucket_steps()
+
+    def _bucket_steps(self) -> List[int]:
+        """The steps committed in this checkpointer's bucket (``remote=``): none without
+        one, or when they cannot be listed (logged)."""
         if self.ckpt.remote is None:
-            return False
+            return []
         try:
-            return step in self.ckpt._engine.list_remote()
+            return list(self.ckpt._engine.list_remote())
         except ShmckptError as e:
-            log.warning("rank %d: the bucket's steps are not known: %s", self.ckpt.rank, e)
-            return False
+            log.warning("rank %d: the bucket's steps are not known (%s): counted as none", self.ckpt.rank, e)
+            return []
+
+    def _leads_machine(self) -> bool:
+        """Whether this rank is the lowest of its machine: the one that commits, adopts a
+        peer's manifest and sets steps aside in the machine's root (node-local roots)."""
+        return self.ckpt.rank == min(r for r, n in enumerate(self.nodes) if n == self.node)
 
     def take_image(self, step: int) -> Optional[Any]:
         """The sealed image a partner sent for ``step`` in the last :meth:`before_load` (a

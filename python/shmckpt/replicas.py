@@ -432,7 +432,7 @@ class Replicator(ReplicaLoads):
         missing = [p for _, p in parts if p is not None]
         if missing:
             raise ReplicationError(f"step {step} is not committed: " + "; ".join(missing))
-        committer = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
+        committer = self._leads_machine()
         err: Optional[str] = None
         if committer:
             try:
