@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::io::BackendKind;
 
 /// Default staging capacity: 2 GiB.
 pub const DEFAULT_STAGING_CAPACITY: u64 = 2 << 30;
@@ -563,30 +564,6 @@ impl EngineConfig {
             ));
         }
         Ok(())
-    }
-}
-
-/// Which write backend an engine uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BackendKind {
-    /// io_uring when it can be set up, else `pwrite` (with a logged warning).
-    #[default]
-    Auto,
-    /// io_uring only; fail if it cannot be set up.
-    IoUring,
-    /// Plain `pwrite`/`pread` system calls.
-    Pwrite,
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(BackendKind::Auto),
-            "io_uring" | "io-uring" | "uring" => Ok(BackendKind::IoUring),
-            "pwrite" => Ok(BackendKind::Pwrite),
-            _ => Err(format!("unknown backend {s:?} (auto, io_uring, pwrite)")),
-        }
     }
 }
 

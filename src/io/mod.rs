@@ -25,7 +25,29 @@ use std::os::fd::RawFd;
 /// report 512 but 4096 is always accepted).
 pub const DIRECT_ALIGN: u64 = 4096;
 
-pub use crate::config::BackendKind;
+/// Which write backend an engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// io_uring when it can be set up, else `pwrite` (with a logged warning).
+    #[default]
+    Auto,
+    /// io_uring only; fail if it cannot be set up.
+    IoUring,
+    /// Plain `pwrite`/`pread` system calls.
+    Pwrite,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(BackendKind::Auto),
+            "io_uring" | "io-uring" | "uring" => Ok(BackendKind::IoUring),
+            "pwrite" => Ok(BackendKind::Pwrite),
+            _ => Err(format!("unknown backend {s:?} (auto, io_uring, pwrite)")),
+        }
+    }
+}
 
 /// The write backend an engine runs on (what [`BackendKind::Auto`] resolved to).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
