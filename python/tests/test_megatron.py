@@ -348,3 +348,20 @@ def test_the_installed_megatron_core_is_a_supported_one():
     assert smg.MEGATRON_VERSION == package_info.__version__
     assert smg.MEGATRON_VERSION.split(".")[:2] in (["0", "16"], ["0", "19"])
     assert smg._NEW_LAYOUT is (smg.MEGATRON_VERSION.split(".")[1] == "19")
+
+
+@pytest.mark.parametrize("how", ["nvrx", "mcore", None])
+def test_the_request_is_of_the_queue_the_async_strategy_names(how):
+    """``async_strategy`` picks the AsyncRequest class: NVRx's for "nvrx" on 0.19 where
+    NVRx is installed (its persistent worker runs only its own class), Megatron's
+    otherwise; an unknown name is refused before anything is staged."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    want = AsyncRequest
+    if NEW and how == "nvrx" and mw.expected_request()[1] == "nvidia_resiliency_ext":
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest as NvrxRequest
+
+        want = NvrxRequest
+    assert smg._request_class(how) is want
+    with pytest.raises(TypeError, match="async_strategy 'bogus' is not supported"):
+        smg._request_class("bogus")
