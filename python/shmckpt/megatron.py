@@ -209,7 +209,8 @@ class _MegatronWriter(ShmckptWriter):
         self.common: Optional[bytes] = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # Megatron owns the directory (common.pt is in it already): no emptiness check.
+        # Megatron owns the directory (on 0.16 its common.pt is in it already): no
+        # emptiness check.
         self.is_coordinator = is_coordinator
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
