@@ -13,7 +13,11 @@ finalizes) drives shmckpt instead of NVRx's ``FileSystemWriterAsync``::
     ...                                        # train on: the state is already staged
     queue.maybe_finalize_async_calls()         # commits once every rank's file is durable
 
-    dist_checkpointing.load(sharded_sd, ckpt_dir)   # any parallel layout (resharding)
+    dist_checkpointing.load(sharded_sd, ckpt_dir,   # any parallel layout (resharding)
+                            sharded_strategy=shmckpt.megatron.ShmckptLoadShardedStrategy())
+
+Supported: megatron-core 0.16.x and 0.19.x (:data:`SUPPORTED_MEGATRON`); importing this
+module with another release installed raises ``ImportError`` naming it.
 
 ``ShmckptSaveShardedStrategy.async_save`` translates Megatron's ``ShardedTensor`` and
 ``ShardedObject`` values into PyTorch DCP objects and plans them exactly as Megatron's
@@ -30,10 +34,13 @@ assembles the rank files and ``manifest.json``, then DCP's ``.metadata``, into t
 checkpoint directory; Megatron's own finalize function then writes ``metadata.json``
 (backend ``shmckpt_dist``), which makes the directory a Megatron checkpoint.
 
-Importing this module registers the strategies as Megatron's defaults for the
-``shmckpt_dist`` backend, so ``dist_checkpointing.load`` (and Megatron-LM's
-``load_checkpoint``) find :class:`ShmckptLoadShardedStrategy` from the checkpoint's
-``metadata.json``. See docs/megatron.md.
+With megatron-core 0.16, importing this module registers the strategies as Megatron's
+defaults for the ``shmckpt_dist`` backend, so ``dist_checkpointing.load`` (and
+Megatron-LM's ``load_checkpoint``) find :class:`ShmckptLoadShardedStrategy` from the
+checkpoint's ``metadata.json``; 0.19 has no such registry, and its ``load`` needs
+``sharded_strategy=ShmckptLoadShardedStrategy()``. On 0.19 the common state, which
+Megatron hands to the strategy, is published as ``common.pt`` with the commit (0.19's
+``load`` reads it from there). See docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -56,11 +63,50 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _get_failure_dict, _wrap_exception
 
+#: megatron-core releases this module supports, by (major, minor): their
+#: ``dist_checkpointing`` layouts differ (0.16: ``strategies.base`` with a registry of
+#: default strategies, ``common.pt`` written by ``save``; 0.19: no registry, the common
+#: state handed to the strategy as a ``ShardedObject``, NVRx's async queue the default).
+SUPPORTED_MEGATRON = ("0.16", "0.19")
+
+
+def _megatron_version() -> Tuple[str, Tuple[int, int]]:
+    """The installed megatron-core's version string and its (major, minor); raises a
+    clear ImportError when it is missing or not a supported release."""
+    import re
+
+    try:
+        from megatron.core import package_info
+    except ImportError as e:
+        raise ImportError(
+            f"shmckpt.megatron needs megatron-core {' or '.join(v + '.x' for v in SUPPORTED_MEGATRON)} "
+            f"(pip install megatron-core): {e}"
+        ) from e
+    version = str(getattr(package_info, "__version__", "unknown"))
+    m = re.match(r"(\d+)\.(\d+)", version)
+    mm = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    if f"{mm[0]}.{mm[1]}" not in SUPPORTED_MEGATRON:
+        raise ImportError(
+            f"shmckpt.megatron supports megatron-core {' and '.join(v + '.x' for v in SUPPORTED_MEGATRON)}; "
+            f"megatron-core {version} is installed ({os.path.dirname(package_info.__file__)})"
+        )
+    return version, mm
+
+
+MEGATRON_VERSION, _MEGATRON_MM = _megatron_version()
+#: True for megatron-core 0.19's layout (no strategy registry; common state in the save).
+_NEW_LAYOUT = _MEGATRON_MM >= (0, 19)
+
 try:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, StateDict
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedStateDict,
+        ShardedTensor,
+        StateDict,
+        is_main_replica,
+    )
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
     from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreLoadPlanner,
@@ -73,9 +119,15 @@ try:
         _unwrap_pyt_sharded_tensor,
         mcore_to_pyt_state_dict,
     )
-except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+
+    if _NEW_LAYOUT:
+        from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+    else:
+        from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+except ImportError as e:  # pragma: no cover - a supported version that lacks a name
     raise ImportError(
-        f"shmckpt.megatron needs megatron-core (pip install megatron-core): {e}"
+        f"shmckpt.megatron: megatron-core {MEGATRON_VERSION} lacks a name this module uses "
+        f"(supported: {', '.join(v + '.x' for v in SUPPORTED_MEGATRON)}): {e}"
     ) from e
 
 from . import _shmckpt
@@ -89,6 +141,8 @@ from .errors import SaveFailed
 __all__ = [
     "BACKEND",
     "VERSION",
+    "MEGATRON_VERSION",
+    "SUPPORTED_MEGATRON",
     "ShmckptSaveShardedStrategy",
     "ShmckptLoadShardedStrategy",
     "register",
@@ -100,6 +154,9 @@ logger = logging.getLogger(__name__)
 BACKEND = "shmckpt_dist"
 #: The format version written with it.
 VERSION = 1
+#: Where megatron-core 0.19 looks for the common (non-sharded) state before it tries to
+#: read it through DCP's ``FileSystemReader`` (which cannot read shmckpt's files).
+COMMON_FILE = "common.pt"
 
 
 def _wait_durable(reader: Connection, writer_fd: int, pipe_id: Tuple[int, int], owner_pid: int) -> None:
@@ -147,9 +204,13 @@ class _MegatronWriter(ShmckptWriter):
         self._error: Optional[BaseException] = None
         self._reader: Optional[Connection] = None
         self._pipe: Optional[Tuple[int, Tuple[int, int]]] = None
+        #: megatron-core 0.19: the common state's ``torch.save`` bytes (on the rank that
+        #: holds its main replica), published as ``common.pt`` with the commit.
+        self.common: Optional[bytes] = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # Megatron owns the directory (common.pt is in it already): no emptiness check.
+        # Megatron owns the directory (on 0.16 its common.pt is in it already): no
+        # emptiness check.
         self.is_coordinator = is_coordinator
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
@@ -244,10 +305,14 @@ class _MegatronWriter(ShmckptWriter):
         target = self.path
         if os.path.islink(target) or not os.path.isdir(target):
             raise FileNotFoundError(f"{target}: Megatron's checkpoint directory is missing (or a symbolic link)")
-        # Into Megatron's existing directory (it holds common.pt): rank files and
-        # manifest.json, then .metadata last; stale rank files of an earlier attempt go
-        # (shmckpt::commit::publish_into).
-        _shmckpt.publish_into(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], target)
+        # Into Megatron's existing directory (0.16: it holds common.pt already): rank files
+        # and manifest.json, then (0.19) common.pt, then .metadata last; stale rank files
+        # of an earlier attempt go (shmckpt::commit::publish_into).
+        files: List[Tuple[str, bytes]] = []
+        if self.common is not None:
+            files.append((COMMON_FILE, self.common))
+        files.append((METADATA_FILE, pickle.dumps(metadata)))
+        _shmckpt.publish_into(step_dir, files, target)
         self._current = None
         for d in sources:  # the ranks' emptied partial directories
             _remove_tree(d)
@@ -331,15 +396,46 @@ class ShmckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
         #: spent its time, ``last_report`` is the engine's report once durable).
         self.last_writer: Optional[_MegatronWriter] = None
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
+    def async_save(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: Union[str, Path],
+        async_strategy: Optional[str] = None,
+    ) -> Any:
         """Plan as Megatron's ``torch_dist`` strategy does, stage this rank's items into
         shared memory, and return the ``AsyncRequest`` (wait for durability, then commit
-        in its finalize function)."""
+        in its finalize function).
+
+        ``async_strategy`` (megatron-core 0.19's ``dist_checkpointing.save`` passes it):
+        ``"nvrx"`` (0.19's default) returns NVRx's ``AsyncRequest``, for NVRx's
+        ``AsyncCallsQueue``, where nvidia-resiliency-ext is installed (Megatron's own
+        otherwise: without NVRx there is no NVRx queue to schedule it); ``"mcore"``
+        returns Megatron's, for ``megatron.core``'s queue. Nothing of NVRx's writer is
+        used either way. On 0.19, the common state Megatron passes as the
+        ``ShardedObject`` ``common_state`` is not staged with the tensors: its
+        ``torch.save`` bytes are published as ``common.pt`` with the commit, where 0.19's
+        ``dist_checkpointing.load`` reads it."""
+        request_class = _request_class(async_strategy)  # before anything is staged
+        common: Optional[bytes] = None
+        if _NEW_LAYOUT:
+            obj = sharded_state_dict.get("common_state") if isinstance(sharded_state_dict, dict) else None
+            if isinstance(obj, ShardedObject) and obj.key == "common_state":
+                sharded_state_dict = {k: v for k, v in sharded_state_dict.items() if k != "common_state"}
+                if is_main_replica(obj.replica_id):
+                    if dist.is_initialized() and dist.get_rank() != 0:
+                        raise SaveFailed(
+                            "shmckpt.megatron: the common state's main replica is on rank "
+                            f"{dist.get_rank()}, not on the coordinator (rank 0)"
+                        )
+                    buf = io.BytesIO()
+                    torch.save(obj.data, buf)
+                    common = buf.getvalue()
         sharded_state_dict, _flat, _rename = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         writer = _MegatronWriter(checkpoint_dir, spool=self.spool, **self.writer_options)
+        writer.common = common
         # Megatron's planning (local plans gathered on the coordinator, which makes the
         # global metadata), then writer.prepare_write_data: shmckpt's staging.
         ret = save_state_dict_async_plan(
@@ -360,7 +456,23 @@ class ShmckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
         def finalize_fn() -> None:
             _finalize(storage_writer, global_metadata, dist_wrapper)
 
-        return AsyncRequest(async_fn, tuple(args), [finalize_fn], preload_fn=preload_fn)
+        return request_class(
+            async_fn, tuple(args), [finalize_fn], async_fn_kwargs={}, preload_fn=preload_fn
+        )
+
+
+def _request_class(async_strategy: Optional[str]) -> Any:
+    """The ``AsyncRequest`` class of the queue ``async_strategy`` names: NVRx's for
+    ``"nvrx"`` on megatron-core 0.19 where NVRx is installed, Megatron's otherwise (its
+    persistent worker takes only its own class: ``isinstance`` on each request)."""
+    if _NEW_LAYOUT and async_strategy == "nvrx":
+        try:
+            return get_async_strategy("nvrx", module="AsyncRequest")[1]
+        except ModuleNotFoundError:
+            logger.debug("nvidia-resiliency-ext is not installed: Megatron's AsyncRequest")
+    elif async_strategy not in (None, "nvrx", "mcore"):
+        raise TypeError(f"async_strategy {async_strategy!r} is not supported (nvrx or mcore)")
+    return AsyncRequest
 
 
 class ShmckptLoadShardedStrategy(TorchDistLoadShardedStrategy):
@@ -379,9 +491,15 @@ class ShmckptLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def _reader(self, checkpoint_dir: Union[str, Path]) -> ShmckptReader:
         return ShmckptReader(checkpoint_dir, direct_io=self.direct_io)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    def load(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: Union[str, Path],
+        async_strategy: Optional[str] = None,
+    ) -> StateDict:
         """Load ``sharded_state_dict``'s shards from ``checkpoint_dir`` (Megatron's
-        ``TorchDistLoadShardedStrategy.load`` with shmckpt's reader)."""
+        ``TorchDistLoadShardedStrategy.load`` with shmckpt's reader; ``async_strategy``,
+        which megatron-core 0.19 passes, only picks Megatron's reader there: unused)."""
         flexible = [
             t
             for t in nested_values(sharded_state_dict)
@@ -438,12 +556,17 @@ class ShmckptLoadShardedStrategy(TorchDistLoadShardedStrategy):
         raise NotImplementedError("shmckpt checkpoints are immutable: remove_sharded_tensors is not supported")
 
 
-def register() -> None:
+def register() -> bool:
     """Register :class:`ShmckptSaveShardedStrategy` and :class:`ShmckptLoadShardedStrategy`
     as Megatron's default strategies for backend ``shmckpt_dist``, version 1 (done when
-    this module is imported)."""
+    this module is imported). Returns whether it did: megatron-core 0.19 has no registry
+    (its ``dist_checkpointing.load`` uses the ``sharded_strategy`` it is given, else
+    ``TorchDistLoadShardedStrategy``), so there pass ``ShmckptLoadShardedStrategy()``."""
+    if _NEW_LAYOUT:
+        return False
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ShmckptSaveShardedStrategy())
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ShmckptLoadShardedStrategy())
+    return True
 
 
 register()

@@ -27,9 +27,55 @@ warnings.filterwarnings("ignore")
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue  # noqa: E402
 
 import shmckpt.megatron as smg  # noqa: E402
+
+
+def async_queue(persistent=False):
+    """The queue a Megatron user schedules with, and the ``async_strategy`` to save with
+    (None: megatron-core 0.16, whose ``save`` has no such argument). On 0.19 with
+    nvidia-resiliency-ext installed: NVRx's ``AsyncCallsQueue`` ("nvrx", 0.19's default);
+    without it, Megatron's ("mcore")."""
+    if not smg._NEW_LAYOUT:
+        return McoreQueue(persistent=persistent), None
+    try:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue as NvrxQueue
+    except ImportError:
+        return McoreQueue(persistent=persistent), "mcore"
+    return NvrxQueue(persistent=persistent), "nvrx"
+
+
+def save(sd, d, strategy, async_strategy, **kw):
+    """``dist_checkpointing.save``, with ``async_strategy`` where megatron-core takes it."""
+    if async_strategy is not None:
+        kw["async_strategy"] = async_strategy
+    return dist_checkpointing.save(sd, d, strategy, **kw)
+
+
+def load(sd, d):
+    """``dist_checkpointing.load``: on 0.16 with the strategy Megatron finds from
+    metadata.json (shmckpt's, registered at import), on 0.19 (no registry) with
+    ``ShmckptLoadShardedStrategy`` passed."""
+    if smg._NEW_LAYOUT:
+        return dist_checkpointing.load(sd, d, sharded_strategy=smg.ShmckptLoadShardedStrategy())
+    return dist_checkpointing.load(sd, d)
+
+
+def expected_request():
+    """[async_strategy, the AsyncRequest's package] that ``async_queue`` leads to here."""
+    if not smg._NEW_LAYOUT:
+        return [None, "megatron"]
+    try:
+        import nvidia_resiliency_ext.checkpointing.async_ckpt.core  # noqa: F401
+    except ImportError:
+        return ["mcore", "megatron"]
+    return ["nvrx", "nvidia_resiliency_ext"]
+
+
+def request_module(req):
+    """Which package's AsyncRequest class ``req`` is (megatron or nvidia_resiliency_ext)."""
+    return type(req).__module__.split(".")[0]
 
 
 def _cpu_stand_ins():
@@ -110,7 +156,7 @@ def scenario_async_queue(rank, world, workdir):
     _cpu_stand_ins()
     init(rank, world, workdir, "async")
     res = {}
-    q = AsyncCallsQueue()
+    q, how = async_queue()
     strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
     dirs = [os.path.join(workdir, "ckpt", f"iter_{i:07d}") for i in (1, 2)]
     for i, d in enumerate(dirs):
@@ -118,7 +164,8 @@ def scenario_async_queue(rank, world, workdir):
             os.makedirs(d)
         dist.barrier()
         sd = sharded_state(rank, world)
-        req = dist_checkpointing.save(sd, d, strategy, async_sharded_save=True)
+        req = save(sd, d, strategy, how, async_sharded_save=True)
+        res["request"] = [how, request_module(req)]
         # Staged: the trainer may change its tensors now.
         for st in sd["model"].values():
             st.data.add_(1000 + i)
@@ -137,9 +184,9 @@ def scenario_async_queue(rank, world, workdir):
         res["metadata_json"] = json.load(f)
     for i, d in enumerate(dirs):
         target = sharded_state(rank, world, zero=True)
-        loaded = dist_checkpointing.load(target, d)
+        loaded = load(target, d)
         res[f"loaded_{i}"] = check_loaded(loaded, rank, world)
-    # The load strategy Megatron picked from metadata.json:
+    # The load strategy Megatron picks from metadata.json (0.16's registry; 0.19 has none):
     res["load_strategy"] = type(dist_checkpointing.serialization.get_default_load_sharded_strategy(dirs[0])).__name__
     dist.barrier()
     return res
@@ -156,7 +203,7 @@ def scenario_sync(rank, world, workdir):
     strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
     ret = dist_checkpointing.save(sharded_state(rank, world), d, strategy)
     res = {"returned": repr(ret), "files": sorted(os.listdir(d))}
-    loaded = dist_checkpointing.load(sharded_state(rank, world, zero=True), d)
+    loaded = load(sharded_state(rank, world, zero=True), d)
     res["loaded"] = check_loaded(loaded, rank, world)
     dist.barrier()
     return res
@@ -167,7 +214,7 @@ def scenario_reshard_load(rank, world, workdir):
     init(rank, world, workdir, f"reshard{world}")
     d = os.path.join(workdir, "ckpt", "iter_0000002")
     # A ShardedObject's key names the world it was saved with: tensors only here.
-    loaded = dist_checkpointing.load(sharded_state(rank, world, zero=True, objects=False), d)
+    loaded = load(sharded_state(rank, world, zero=True, objects=False), d)
     res = {"loaded": check_loaded(loaded, rank, world)}
     dist.barrier()
     return res
@@ -189,9 +236,9 @@ def scenario_fail(rank, world, workdir):
             raise smg.SaveFailed("injected: rank 1's file could not be written")
 
         smg._MegatronWriter.retrieve_write_results = failed
-    q = AsyncCallsQueue()
+    q, how = async_queue()
     strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
-    req = dist_checkpointing.save(sharded_state(rank, world), d, strategy, async_sharded_save=True)
+    req = save(sharded_state(rank, world), d, strategy, how, async_sharded_save=True)
     q.schedule_async_request(req)
     res = {}
     try:
@@ -245,11 +292,9 @@ def scenario_gpt_cpu(rank, world, workdir):
     if rank == 0:
         os.makedirs(d)
     dist.barrier()
-    q = AsyncCallsQueue()
+    q, how = async_queue()
     strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
-    req = dist_checkpointing.save(
-        {"model": model.sharded_state_dict(), "iteration": 5}, d, strategy, async_sharded_save=True
-    )
+    req = save({"model": model.sharded_state_dict(), "iteration": 5}, d, strategy, how, async_sharded_save=True)
     q.schedule_async_request(req)
     with torch.no_grad():
         for p in model.parameters():
@@ -257,7 +302,7 @@ def scenario_gpt_cpu(rank, world, workdir):
     q.maybe_finalize_async_calls(blocking=True)
     fresh = tiny_gpt(2, "cpu")
     res = {"differs_before_load": model_digests(fresh) != want}
-    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
+    loaded = load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
     fresh.load_state_dict(loaded["model"])
     got = model_digests(fresh)
     res["tensors"] = len(want)
@@ -305,9 +350,10 @@ def scenario_gpu_train(rank, world, workdir):
             os.makedirs(d)
     dist.barrier()
     d = dirs[3]
-    q = AsyncCallsQueue()
+    # On 0.19 with NVRx: NVRx's persistent worker (its default), the request pickled to it.
+    q, how = async_queue(persistent=smg._NEW_LAYOUT)
     strategy = smg.ShmckptSaveShardedStrategy()
-    res = {"losses": []}
+    res = {"losses": [], "queue": [type(q).__module__.split(".")[0], how, smg.MEGATRON_VERSION]}
     want = None
     for it in range(8):
         res["losses"].append(step())
@@ -319,8 +365,8 @@ def scenario_gpu_train(rank, world, workdir):
             torch.cuda.synchronize()
             reserved0, allocated0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
             t0 = time.perf_counter()
-            req = dist_checkpointing.save(
-                {"model": model.sharded_state_dict(), "iteration": it}, dirs[it], strategy, async_sharded_save=True
+            req = save(
+                {"model": model.sharded_state_dict(), "iteration": it}, dirs[it], strategy, how, async_sharded_save=True
             )
             q.schedule_async_request(req)
             res[f"save_call_s_{it}"] = time.perf_counter() - t0
@@ -350,7 +396,7 @@ def scenario_gpu_train(rank, world, workdir):
         return r
 
     smg.ShmckptLoadShardedStrategy._reader = spy
-    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
+    loaded = load({"model": fresh.sharded_state_dict(), "iteration": None}, d)
     fresh.load_state_dict(loaded["model"])
     res["bit_exact"] = model_digests(fresh) == want
     res["tensors"] = len(want)

@@ -85,6 +85,24 @@ def _expect_loaded(got, rank, world, objects=True):
     assert got == exp
 
 
+#: megatron-core 0.19's layout: no strategy registry, the common state handed to the
+#: strategy (shmckpt publishes it as common.pt with the commit, not before).
+NEW = smg._NEW_LAYOUT
+#: What is in the checkpoint directory before the sharded save commits: Megatron 0.16's
+#: common.pt (written by rank 0 before the sharded save), nothing on 0.19.
+EARLY_FILES = [] if NEW else ["common.pt"]
+#: Megatron's metadata.json (0.19 writes only the sharded backend).
+METADATA_JSON = (
+    {"sharded_backend": "shmckpt_dist", "sharded_backend_version": 1}
+    if NEW
+    else {
+        "sharded_backend": "shmckpt_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+)
+
 CKPT_FILES = [
     ".metadata",
     "common.pt",
@@ -108,18 +126,20 @@ def test_async_save_through_megatrons_queue_loads_back_bit_exact(saved):
     work, res = saved
     for rank, r in enumerate(res):
         # Nothing of the sharded save is in the directory before finalize (only
-        # Megatron's common.pt, written synchronously by rank 0).
-        assert r["files_before_finalize_0"] == ["common.pt"]
-        assert r["files_before_finalize_1"] == ["common.pt"]
-        assert r["finalized"] == [0, 1]
+        # Megatron 0.16's common.pt, written synchronously by rank 0).
+        assert r["files_before_finalize_0"] == EARLY_FILES
+        assert r["files_before_finalize_1"] == EARLY_FILES
+        # Both finalized, in order (NVRx 0.7's queue returns each request's own call_idx,
+        # which it never sets: 0 for every call).
+        assert r["finalized"] == ([0, 0] if r["request"][0] == "nvrx" else [0, 1])
         assert r["files"] == CKPT_FILES
-        assert r["metadata_json"] == {
-            "sharded_backend": "shmckpt_dist",
-            "sharded_backend_version": 1,
-            "common_backend": "torch",
-            "common_backend_version": 1,
-        }
-        assert r["load_strategy"] == "ShmckptLoadShardedStrategy"
+        assert r["metadata_json"] == METADATA_JSON
+        # The request is of the queue's class: Megatron's on 0.16, NVRx's on 0.19 with
+        # NVRx installed (its default), Megatron's on 0.19 without it.
+        assert r["request"] == mw.expected_request()
+        # 0.16 finds shmckpt's load strategy from metadata.json; 0.19 has no registry
+        # (the test passes ShmckptLoadShardedStrategy to load).
+        assert r["load_strategy"] == ("TorchDistLoadShardedStrategy" if NEW else "ShmckptLoadShardedStrategy")
         # The values at async_save, not the ones written into the tensors afterwards.
         _expect_loaded(r["loaded_0"], rank, 2)
         _expect_loaded(r["loaded_1"], rank, 2)
@@ -187,7 +207,7 @@ def test_a_failed_rank_fails_finalize_everywhere_and_commits_nothing(tmp_path):
         assert r["error"] == "CheckpointException"
         assert r["failed_ranks"] == [1]
         # Neither shmckpt's files nor Megatron's metadata.json: not a checkpoint.
-        assert r["files"] == ["common.pt"]
+        assert r["files"] == EARLY_FILES
 
 
 def test_tiny_gpt_saved_async_on_2_ranks_loads_into_a_fresh_model_bit_exact(tmp_path):
@@ -288,9 +308,60 @@ def test_load_strategy_refuses_a_torch_dist_checkpoint(tmp_path):
 
 
 def test_importing_registers_the_backend():
+    if NEW:
+        # megatron-core 0.19 has no registry of default strategies: nothing to register.
+        assert smg.register() is False
+        return
     from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
 
     save = get_default_strategy(StrategyAction.SAVE_SHARDED, "shmckpt_dist", 1)
     load = get_default_strategy(StrategyAction.LOAD_SHARDED, "shmckpt_dist", 1)
     assert type(save) is smg.ShmckptSaveShardedStrategy and (save.backend, save.version) == ("shmckpt_dist", 1)
     assert type(load) is smg.ShmckptLoadShardedStrategy
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "0.18.1rc0", "1.0.0"])
+def test_an_unsupported_megatron_core_is_refused_by_name(tmp_path, version):
+    """Another megatron-core release than 0.16.x or 0.19.x: importing shmckpt.megatron
+    raises ImportError naming the installed version (and the supported ones) instead
+    of failing later on a moved module."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text(f"__version__ = {version!r}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", "import shmckpt.megatron"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"ImportError: shmckpt.megatron supports megatron-core 0.16.x and 0.19.x; "
+        f"megatron-core {version} is installed ({core})"
+    ), out.stderr
+
+
+def test_the_installed_megatron_core_is_a_supported_one():
+    from megatron.core import package_info
+
+    assert smg.MEGATRON_VERSION == package_info.__version__
+    assert smg.MEGATRON_VERSION.split(".")[:2] in (["0", "16"], ["0", "19"])
+    assert smg._NEW_LAYOUT is (smg.MEGATRON_VERSION.split(".")[1] == "19")
+
+
+@pytest.mark.parametrize("how", ["nvrx", "mcore", None])
+def test_the_request_is_of_the_queue_the_async_strategy_names(how):
+    """``async_strategy`` picks the AsyncRequest class: NVRx's for "nvrx" on 0.19 where
+    NVRx is installed (its persistent worker runs only its own class), Megatron's
+    otherwise; an unknown name is refused before anything is staged."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    want = AsyncRequest
+    if NEW and how == "nvrx" and mw.expected_request()[1] == "nvidia_resiliency_ext":
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest as NvrxRequest
+
+        want = NvrxRequest
+    assert smg._request_class(how) is want
+    with pytest.raises(TypeError, match="async_strategy 'bogus' is not supported"):
+        smg._request_class("bogus")
