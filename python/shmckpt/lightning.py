@@ -47,13 +47,15 @@ def _split(path: Any) -> Tuple[str, str]:
 def _load_step(d: str, step: int) -> Any:
     """The nested state of committed checkpoint ``d/step-N`` (rank 0 of 1), read without an
     engine (so without the root's rank lock: every process of a DDP job can load at once),
-    header checked against the manifest and every CRC-32C verified. Tensors are CPU
-    tensors backed by the buffers read (no copy)."""
+    header checked against the manifest and every CRC-32C verified. The manifest must be
+    of ``step`` (the step the link names): a step directory replaced by a copy of another
+    step is a ``CorruptError`` naming both. Tensors are CPU tensors backed by the buffers
+    read (no copy)."""
     sdir = os.path.join(d, f"step-{step}")
     if os.path.islink(sdir) or not os.path.isdir(sdir):
         raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)")
-    file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0)
-    header = _shmckpt.rank_file_metadata(sdir, 0)
+    file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0, step=step)
+    header = _shmckpt.rank_file_metadata(sdir, 0, step=step)
     objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
     text = header.get(_state.STATE_KEY)
     import torch

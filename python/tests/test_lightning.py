@@ -236,3 +236,29 @@ def test_ddp_two_processes_resume_from_last_bit_identically(tmp_path):
     assert read("ref", 0)[1] == read("ref", 1)[1]
     # Epoch scores 0, 2, 4, 1: top-2 are epochs 1 and 2, and `last` is epoch 3.
     assert sorted(links(tmp_path / "run")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+
+
+def test_a_swapped_step_is_a_corrupt_error_naming_both_steps(tmp_path):
+    """A step directory replaced by a copy of another step (a valid checkpoint, every CRC
+    right) is refused, never loaded as the step the link names."""
+    import shutil
+
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io.save_checkpoint({"w": torch.arange(3.0), "n": 0}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.arange(4.0), "n": 1}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert os.readlink(tmp_path / "b.ckpt") == "step-1"
+    os.symlink("b.ckpt", tmp_path / "alias.ckpt")  # save_last="link" makes such links
+    shutil.rmtree(tmp_path / "step-1")
+    shutil.copytree(tmp_path / "step-0", tmp_path / "step-1")
+    for name in ("b.ckpt", "alias.ckpt"):
+        with pytest.raises(shmckpt.CorruptError, match="manifest is of step 0, the caller's link of step 1"):
+            io.load_checkpoint(tmp_path / name)
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["n"] == 0  # the real step 0 still loads
+    # The extension calls check the step they are given, whatever the directory's name.
+    with pytest.raises(shmckpt.CorruptError, match="of step 0, the caller's link of step 1"):
+        shmckpt._shmckpt.read_rank_file(str(tmp_path / "step-0"), 0, step=1)
+    with pytest.raises(shmckpt.CorruptError, match="of step 0, the caller's link of step 1"):
+        shmckpt._shmckpt.rank_file_metadata(str(tmp_path / "step-0"), 0, step=1)
+    io.teardown()
+
