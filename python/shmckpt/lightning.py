@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -40,9 +41,32 @@ __all__ = ["ShmckptCheckpointIO"]
 PATH_KEY = "lightning.path"
 
 
+#: ``scheme://`` at the start of a path: a URL (``s3://``, ``memory://``, any fsspec one).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _local(path: Any) -> str:
+    """The absolute local path of a Lightning checkpoint path. A URL is refused
+    (``ValueError`` naming it): it is never taken for a local path (``s3://b/x`` is not
+    ``./s3:/b/x``). ``file://`` URLs are local paths."""
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    m = _URL.match(p)
+    if m is not None:
+        if m.group(1).lower() != "file":
+            raise ValueError(
+                f"ShmckptCheckpointIO: {p!r} is a {m.group(1)}:// URL; this plugin saves to a "
+                "local directory only (give ModelCheckpoint a local dirpath, or use Lightning's "
+                "own CheckpointIO for remote storage)"
+            )
+        p = p[m.end() :]
+    return os.path.abspath(p)
+
+
 def _split(path: Any) -> Tuple[str, str]:
-    """(directory, name) of a Lightning checkpoint path, absolute."""
-    return os.path.split(os.path.abspath(os.fspath(path)))
+    """(directory, name) of a Lightning checkpoint path, absolute (see :func:`_local`)."""
+    return os.path.split(_local(path))
 
 
 def _load_step(d: str, step: int, reserved: Optional[str] = None) -> Any:
@@ -126,20 +150,65 @@ class ShmckptCheckpointIO(CheckpointIO):
     committed and published, closes the engines and raises the first error of a save
     (an error is also raised by the next ``save_checkpoint``).
 
-    Keyword arguments are :class:`shmckpt.Checkpointer` settings (``staging_capacity``,
-    ``chunk_size``, ``writer_threads``, ...); the checkpointer of a directory is opened on
-    its first save (rank 0 of 1: Lightning saves on global rank zero only). Loads open no
-    engine, so every rank of a DDP job loads at once.
+    Keyword arguments are the :class:`shmckpt.Checkpointer` settings of the same names,
+    checked here (any other keyword is a ``TypeError`` naming it and listing these); the
+    checkpointer of a directory is opened on its first save (rank 0 of 1: Lightning saves
+    on global rank zero only). Loads open no engine, so every rank of a DDP job loads at
+    once.
     """
 
-    def __init__(self, **settings: Any) -> None:
-        for k in ("rank", "world_size", "keep_last"):
-            if k in settings:
-                raise TypeError(
-                    f"ShmckptCheckpointIO: {k!r} is not a setting of this plugin (Lightning saves on "
-                    "rank zero and decides retention through ModelCheckpoint)"
-                )
-        self._settings = settings
+    #: The keyword arguments of the constructor: :class:`shmckpt.Checkpointer` settings.
+    SETTINGS = (
+        "staging_capacity",
+        "chunk_size",
+        "writer_threads",
+        "queue_depth",
+        "copy_threads",
+        "direct_io",
+        "max_inflight_saves",
+        "recover_on_open",
+        "keep_in_memory",
+    )
+
+    def __init__(
+        self,
+        *,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+        recover_on_open: Optional[bool] = None,
+        keep_in_memory: bool = False,
+        **unknown: Any,
+    ) -> None:
+        for k in unknown:
+            why = (
+                " (Lightning saves on rank zero and decides retention through ModelCheckpoint)"
+                if k in ("rank", "world_size", "keep_last")
+                else ""
+            )
+            raise TypeError(
+                f"ShmckptCheckpointIO: unknown setting {k!r}{why}; the settings are "
+                f"{', '.join(self.SETTINGS)}"
+            )
+        self._settings: Dict[str, Any] = {
+            k: v
+            for k, v in (
+                ("staging_capacity", staging_capacity),
+                ("chunk_size", chunk_size),
+                ("writer_threads", writer_threads),
+                ("queue_depth", queue_depth),
+                ("copy_threads", copy_threads),
+                ("direct_io", direct_io),
+                ("max_inflight_saves", max_inflight_saves),
+                ("recover_on_open", recover_on_open),
+            )
+            if v is not None
+        }
+        self._settings["keep_in_memory"] = bool(keep_in_memory)
         self._cks: Dict[str, Checkpointer] = {}
         self._next: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -218,8 +287,9 @@ class ShmckptCheckpointIO(CheckpointIO):
         once (a small regular file), and becomes a link to the committed ``step-N`` beside
         it when the checkpoint is durable (a name saved before keeps naming its earlier
         step until then). Values the shmckpt format cannot hold raise ``TypeError`` naming
-        their key path before anything is written (see ``docs/lightning.md``).
-        ``storage_options`` is not supported.
+        their key path before anything is written (see ``docs/lightning.md``). A URL
+        (``s3://``, ``memory://``) is refused (``ValueError``). ``storage_options`` is not
+        supported.
         """
         if storage_options is not None:
             raise TypeError(
@@ -253,7 +323,7 @@ class ShmckptCheckpointIO(CheckpointIO):
         opened: every process of a DDP job loads at once."""
         self._drain()
         self._raise_error()
-        p = os.path.abspath(os.fspath(path))
+        p = _local(path)
         d, name = os.path.split(p)
         if not os.path.lexists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")

@@ -397,3 +397,29 @@ def test_names_like_engine_directories_are_a_trainers_to_give(tmp_path):
             io.save_checkpoint({"w": torch.ones(1)}, tmp_path / own)
     io.teardown()
 
+
+def test_unknown_settings_and_urls_are_refused(tmp_path, monkeypatch):
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    # Settings are checked at construction: an unknown one is named, the valid ones listed.
+    with pytest.raises(TypeError, match=r"unknown setting 'keep_lst'; the settings are staging_capacity, chunk_size"):
+        ShmckptCheckpointIO(keep_lst=3)
+    with pytest.raises(TypeError, match=r"'keep_last' \(Lightning saves on rank zero"):
+        ShmckptCheckpointIO(keep_last=2)
+    # URLs are refused, never written as local paths (./s3:/bucket/...).
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for url in ("s3://bucket/run/last.ckpt", "memory://run/last.ckpt", "gcs://b/x.ckpt"):
+        scheme = url.split(":")[0]
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.save_checkpoint({"w": torch.ones(1)}, url)
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.load_checkpoint(url)
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.remove_checkpoint(url)
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == before
+    # file:// is a local path.
+    io.save_checkpoint({"w": torch.arange(3.0)}, f"file://{tmp_path}/f.ckpt")
+    assert raw(io.load_checkpoint(f"file://{tmp_path}/f.ckpt")["w"]) == raw(torch.arange(3.0))
+    io.teardown()
+    assert os.path.islink(tmp_path / "f.ckpt")
