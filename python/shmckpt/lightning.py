@@ -19,7 +19,7 @@ import concurrent.futures
 import os
 import re
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -211,6 +211,8 @@ class ShmckptCheckpointIO(CheckpointIO):
         self._settings["keep_in_memory"] = bool(keep_in_memory)
         self._cks: Dict[str, Checkpointer] = {}
         self._next: Dict[str, int] = {}
+        #: ``(directory, step)`` of the saves not published yet: never removed meanwhile.
+        self._inflight: Set[Tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued: list = []
@@ -258,26 +260,37 @@ class ShmckptCheckpointIO(CheckpointIO):
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         try:
-            handle.wait()  # durable and committed
-        except BaseException:
-            # Never committed: the name no longer reserved for it (unless published meanwhile).
-            if _shmckpt.resolve_name(d, name) == (step, name):
-                _shmckpt.unlink_name(d, name)
-            raise
-        old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
-        if old is not None and old != step and old not in _shmckpt.linked_steps(d):
             try:
-                ck.remove(old)
-            except NotFound:
-                pass
+                handle.wait()  # durable and committed
+            except BaseException:
+                # Never committed: the name no longer reserved for it (unless published meanwhile).
+                if _shmckpt.resolve_name(d, name) == (step, name):
+                    _shmckpt.unlink_name(d, name)
+                raise
+            old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
+        finally:
+            with self._lock:
+                self._inflight.discard((d, step))
+        if old is not None and old != step:
+            self._release(ck, d, old)
+
+    def _release(self, ck: Checkpointer, d: str, step: int) -> None:
+        """Remove ``step`` unless a name still names it (a link or a reservation) or a save
+        of it is still in flight (a name this worker has not published yet)."""
+        with self._lock:
+            if (d, step) in self._inflight:
+                return
+        if step in _shmckpt.linked_steps(d):
+            return
+        try:
+            ck.remove(step)
+        except NotFound:
+            pass
 
     def _remove(self, d: str, name: str) -> None:
         step = _shmckpt.unlink_name(d, name)
-        if step is not None and step not in _shmckpt.linked_steps(d):
-            try:
-                self._checkpointer(d).remove(step)
-            except NotFound:
-                pass
+        if step is not None:
+            self._release(self._checkpointer(d), d, step)
 
     # -- CheckpointIO -----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -303,6 +316,8 @@ class ShmckptCheckpointIO(CheckpointIO):
             step = self._next[d]
             self._next[d] = step + 1
         handle = ck.save(step, checkpoint, blocking=False, metadata={PATH_KEY: name})
+        with self._lock:
+            self._inflight.add((d, step))
         try:
             # The path exists from now on (ModelCheckpoint picks NAME-vN by existence).
             _shmckpt.reserve_name(d, name, step)

@@ -323,6 +323,23 @@ def test_a_new_name_exists_when_save_returns_and_an_old_one_keeps_its_step(tmp_p
     io.teardown()
 
 
+def test_a_step_in_flight_is_never_removed_when_an_earlier_save_takes_its_name(tmp_path, monkeypatch):
+    """A name emptied by the trainer (Lightning's _link_checkpoint os.remove()s its link
+    path) and saved again while the earlier save of that name is unpublished: the
+    earlier publish replaces the new reservation, and must not remove the step that
+    reservation named (committed by then, published next)."""
+    _slow_commits(monkeypatch, 0.5)
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    p = tmp_path / "last.ckpt"
+    io.save_checkpoint({"n": 0}, p)
+    os.remove(p)
+    io.save_checkpoint({"n": 1}, p)
+    assert shmckpt._shmckpt.resolve_name(str(tmp_path), "last.ckpt") == (1, "last.ckpt")
+    io.teardown()  # raises the first error of a publish
+    assert os.readlink(p) == "step-1" and io.load_checkpoint(p)["n"] == 1
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1"]
+
+
 def test_a_reservation_left_by_an_ended_process_loads_its_step_or_says_why(tmp_path):
     from shmckpt import _shmckpt
 
