@@ -167,21 +167,27 @@ impl Manifest {
     /// step N.
     pub fn read(dir: &Path) -> Result<Manifest> {
         let m = Manifest::read_any_name(dir)?;
-        let path = dir.join(MANIFEST);
         if let Some(name) = dir.file_name().and_then(|n| n.to_str())
             && let Some(step) = parse_step_dir(name)
-            && step != m.step
         {
-            return Err(Error::corrupt(
-                &path,
-                None,
-                format!(
-                    "manifest is of step {}, its directory of step {step}",
-                    m.step
-                ),
-            ));
+            m.expect_step(step, dir, "its directory")?;
         }
         Ok(m)
+    }
+
+    /// [`Error::Corrupt`] (naming both steps) unless this manifest, read from `dir`, is of
+    /// `step`, the step `whose` (the directory's name, a link, the caller) says `dir` holds:
+    /// a step directory replaced by a copy of another step is never loaded as the step asked
+    /// for.
+    pub fn expect_step(&self, step: u64, dir: &Path, whose: &str) -> Result<()> {
+        if self.step == step {
+            return Ok(());
+        }
+        Err(Error::corrupt(
+            dir.join(MANIFEST),
+            None,
+            format!("manifest is of step {}, {whose} of step {step}", self.step),
+        ))
     }
 
     /// Read and parse `dir/manifest.json` like [`Manifest::read`], without binding the

@@ -53,6 +53,8 @@ __all__ = [
     "replica_restore_file",
     "replica_store",
     "replica_tag",
+    "reserve_name",
+    "resolve_name",
     "unlink_name",
 ]
 
@@ -251,14 +253,17 @@ def link_step(root: str, name: str, step: int) -> Optional[int]: ...
 def linked_step(root: str, name: str) -> Optional[int]: ...
 def linked_steps(root: str) -> List[int]: ...
 def unlink_name(root: str, name: str) -> Optional[int]: ...
+def reserve_name(root: str, name: str, step: int) -> bool: ...
+def resolve_name(root: str, name: str) -> Optional[Tuple[int, Optional[str]]]: ...
 def publish_into(dir: str, files: Sequence[Tuple[str, bytes]], target: str) -> None:
     """Write ``files`` durably into the assembled directory ``dir``, then move its rank
     files, ``manifest.json`` and, last, ``files`` into the existing directory ``target``."""
     ...
 
-def rank_file_metadata(dir: str, rank: int) -> Dict[str, str]:
+def rank_file_metadata(dir: str, rank: int, *, step: Optional[int] = None) -> Dict[str, str]:
     """The ``__metadata__`` of ``rank``'s file of the committed step directory ``dir``,
-    read after its header is checked against the manifest (tensors, header CRC-32C)."""
+    read after its header is checked against the manifest (tensors, header CRC-32C).
+    ``step``: the manifest must be of that step (``CorruptError`` naming both if not)."""
     ...
 
 def read_rank_file(
@@ -269,6 +274,7 @@ def read_rank_file(
     queue_depth: int = 4,
     device: Optional[Sequence[Tuple[str, int, int, int]]] = None,
     host: Optional[Sequence[Tuple[str, int, int]]] = None,
+    step: Optional[int] = None,
 ) -> Tuple[str, Dict[str, str], List[Tuple[str, str, List[int], int, int, int, Optional[Buffer]]]]:
     """Read ``rank``'s file of the committed step directory ``dir`` once (used by
     ``shmckpt.dcp.ShmckptReader``): header checked against the manifest, every CRC-32C
@@ -277,7 +283,8 @@ def read_rank_file(
     (exactly their size, through registered read buffers) as the file is read; the caller
     keeps the memory alive and unused meanwhile. Returns ``(file name, metadata, [(name,
     dtype, shape, crc32c, file offset, nbytes, Buffer or None)])`` in file order, ``None``
-    for a tensor copied to a destination."""
+    for a tensor copied to a destination. ``step``: the step the caller knows ``dir``
+    holds; a manifest of another step is ``CorruptError`` naming both."""
     ...
 
 def read_rank_ranges(

@@ -156,6 +156,19 @@ def _dtensor_local(x: Any, path: Tuple[Any, ...]) -> Tuple[Any, Dict[str, Any]]:
     return local, info
 
 
+def _check_text(text: str, path: Tuple[Any, ...], what: str) -> None:
+    """:class:`UnsupportedValue` naming ``path`` unless ``text`` can be stored as UTF-8 (a
+    lone surrogate, as ``os.fsdecode`` makes of undecodable bytes, cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _unsupported(
+            path,
+            f"the {what} {text!r} is not valid Unicode text ({e.reason}: {text[e.start:e.end]!r} "
+            f"at {e.start}); only text that UTF-8 can encode is saved",
+        ) from None
+
+
 def flatten(state: Any) -> Flat:
     """Split ``state`` into tensor leaves and a JSON-able skeleton.
 
@@ -253,6 +266,8 @@ def flatten(state: Any) -> Flat:
             for k, v in x.items():
                 kt = type(k)
                 if kt is str:
+                    if not k.isascii():
+                        _check_text(k, path + (k,), "key")
                     items.append(["s", k, walk(v, path + (k,), f"{name}.{k}" if path else k)])
                 elif kt is int:
                     sk = str(k)
@@ -279,6 +294,8 @@ def flatten(state: Any) -> Flat:
         if t is float:
             return {"t": "float", "v": repr(x) if math.isfinite(x) else str(x)}
         if t is str:
+            if not x.isascii():
+                _check_text(x, path, "string")
             return {"t": "str", "v": x}
         raise _unsupported(
             path,

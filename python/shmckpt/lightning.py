@@ -7,8 +7,9 @@ Lightning's checkpoints through shmckpt.
 Each checkpoint Lightning asks for at ``DIR/NAME.ckpt`` is saved as a shmckpt checkpoint
 ``DIR/step-N/`` (committed atomically by the engine, one safetensors file and
 ``manifest.json``), and ``DIR/NAME.ckpt`` becomes a symbolic link to ``step-N`` once that
-checkpoint is committed. Lightning's ``ModelCheckpoint`` keeps deciding which paths exist
-(top-k, ``last``) and removes them through :meth:`ShmckptCheckpointIO.remove_checkpoint`,
+checkpoint is committed (until then a new name holds a small reservation file, so that the
+path exists when ``save_checkpoint`` returns). Lightning's ``ModelCheckpoint`` keeps
+deciding which paths exist (top-k, ``last``) and removes them through :meth:`ShmckptCheckpointIO.remove_checkpoint`,
 which removes the link and the step. See ``docs/lightning.md``.
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -39,21 +41,61 @@ __all__ = ["ShmckptCheckpointIO"]
 PATH_KEY = "lightning.path"
 
 
+#: ``scheme://`` at the start of a path: a URL (``s3://``, ``memory://``, any fsspec one).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _local(path: Any) -> str:
+    """The absolute local path of a Lightning checkpoint path. A URL is refused
+    (``ValueError`` naming it): it is never taken for a local path (``s3://b/x`` is not
+    ``./s3:/b/x``). ``file://`` URLs are local paths."""
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    m = _URL.match(p)
+    if m is not None:
+        if m.group(1).lower() != "file":
+            raise ValueError(
+                f"ShmckptCheckpointIO: {p!r} is a {m.group(1)}:// URL; this plugin saves to a "
+                "local directory only (give ModelCheckpoint a local dirpath, or use Lightning's "
+                "own CheckpointIO for remote storage)"
+            )
+        p = p[m.end() :]
+    return os.path.abspath(p)
+
+
 def _split(path: Any) -> Tuple[str, str]:
-    """(directory, name) of a Lightning checkpoint path, absolute."""
-    return os.path.split(os.path.abspath(os.fspath(path)))
+    """(directory, name) of a Lightning checkpoint path, absolute (see :func:`_local`)."""
+    return os.path.split(_local(path))
 
 
-def _load_step(d: str, step: int) -> Any:
+def _load_step(d: str, step: int, reserved: Optional[str] = None) -> Any:
     """The nested state of committed checkpoint ``d/step-N`` (rank 0 of 1), read without an
     engine (so without the root's rank lock: every process of a DDP job can load at once),
-    header checked against the manifest and every CRC-32C verified. Tensors are CPU
-    tensors backed by the buffers read (no copy)."""
+    header checked against the manifest and every CRC-32C verified. The manifest must be
+    of ``step`` (the step the link names): a step directory replaced by a copy of another
+    step is a ``CorruptError`` naming both. ``reserved``: the name reserved for ``step``
+    by a save that was not published; the step must exist and have been saved for that
+    name (else ``NotFound``). Tensors are CPU tensors backed by the buffers read (no copy)."""
     sdir = os.path.join(d, f"step-{step}")
     if os.path.islink(sdir) or not os.path.isdir(sdir):
-        raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)")
-    file, _meta, tensors = _shmckpt.read_rank_file(sdir, 0)
-    header = _shmckpt.rank_file_metadata(sdir, 0)
+        if reserved is not None:
+            raise NotFound(
+                f"{os.path.join(d, reserved)}: reserved for step {step} by a save that was never "
+                f"committed (its process ended before the checkpoint was durable); {sdir} does not exist",
+                path=os.path.join(d, reserved),
+                step=step,
+            )
+        raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)", path=sdir, step=step)
+    file, meta, tensors = _shmckpt.read_rank_file(sdir, 0, step=step)
+    if reserved is not None and meta.get(PATH_KEY) != reserved:
+        raise NotFound(
+            f"{os.path.join(d, reserved)}: reserved for step {step} by a save that was never committed; "
+            f"{sdir} was saved for {meta.get(PATH_KEY)!r}",
+            path=os.path.join(d, reserved),
+            step=step,
+        )
+    header = _shmckpt.rank_file_metadata(sdir, 0, step=step)
     objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
     text = header.get(_state.STATE_KEY)
     import torch
@@ -94,10 +136,13 @@ class ShmckptCheckpointIO(CheckpointIO):
     training loop: ``Trainer(plugins=[ShmckptCheckpointIO()])``.
 
     ``save_checkpoint`` captures the checkpoint dict at the call (tensors copied to host
-    memory, plain values serialized) and returns; the engine writes and commits it in the
-    background, and a worker thread of this plugin then publishes ``DIR/NAME.ckpt`` as a
-    link to the committed ``DIR/step-N`` (replacing, then removing, the step an earlier
-    save of the same name published). ``remove_checkpoint`` runs on the same worker, after
+    memory, plain values serialized), reserves ``DIR/NAME.ckpt`` when that name is new (a
+    small regular file, so that the path exists as ``ModelCheckpoint`` checks when it picks
+    a free name) and returns; the engine writes and commits it in the background, and a
+    worker thread of this plugin then publishes ``DIR/NAME.ckpt`` as a link to the
+    committed ``DIR/step-N`` (replacing the reservation, or replacing, then removing, the
+    step an earlier save of the same name published; a step some other name still names
+    is never removed). ``remove_checkpoint`` runs on the same worker, after
     every save queued before it. ``load_checkpoint`` waits for that worker, then loads the
     step the link names (every CRC-32C verified); a path that is a regular file is loaded
     with Lightning's ``TorchCheckpointIO`` (checkpoints written before the switch).
@@ -105,22 +150,69 @@ class ShmckptCheckpointIO(CheckpointIO):
     committed and published, closes the engines and raises the first error of a save
     (an error is also raised by the next ``save_checkpoint``).
 
-    Keyword arguments are :class:`shmckpt.Checkpointer` settings (``staging_capacity``,
-    ``chunk_size``, ``writer_threads``, ...); the checkpointer of a directory is opened on
-    its first save (rank 0 of 1: Lightning saves on global rank zero only). Loads open no
-    engine, so every rank of a DDP job loads at once.
+    Keyword arguments are the :class:`shmckpt.Checkpointer` settings of the same names,
+    checked here (any other keyword is a ``TypeError`` naming it and listing these); the
+    checkpointer of a directory is opened on its first save (rank 0 of 1: Lightning saves
+    on global rank zero only). Loads open no engine, so every rank of a DDP job loads at
+    once.
     """
 
-    def __init__(self, **settings: Any) -> None:
-        for k in ("rank", "world_size", "keep_last"):
-            if k in settings:
-                raise TypeError(
-                    f"ShmckptCheckpointIO: {k!r} is not a setting of this plugin (Lightning saves on "
-                    "rank zero and decides retention through ModelCheckpoint)"
-                )
-        self._settings = settings
+    #: The keyword arguments of the constructor: :class:`shmckpt.Checkpointer` settings.
+    SETTINGS = (
+        "staging_capacity",
+        "chunk_size",
+        "writer_threads",
+        "queue_depth",
+        "copy_threads",
+        "direct_io",
+        "max_inflight_saves",
+        "recover_on_open",
+        "keep_in_memory",
+    )
+
+    def __init__(
+        self,
+        *,
+        staging_capacity: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        writer_threads: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        max_inflight_saves: Optional[int] = None,
+        recover_on_open: Optional[bool] = None,
+        keep_in_memory: bool = False,
+        **unknown: Any,
+    ) -> None:
+        for k in unknown:
+            why = (
+                " (Lightning saves on rank zero and decides retention through ModelCheckpoint)"
+                if k in ("rank", "world_size", "keep_last")
+                else ""
+            )
+            raise TypeError(
+                f"ShmckptCheckpointIO: unknown setting {k!r}{why}; the settings are "
+                f"{', '.join(self.SETTINGS)}"
+            )
+        self._settings: Dict[str, Any] = {
+            k: v
+            for k, v in (
+                ("staging_capacity", staging_capacity),
+                ("chunk_size", chunk_size),
+                ("writer_threads", writer_threads),
+                ("queue_depth", queue_depth),
+                ("copy_threads", copy_threads),
+                ("direct_io", direct_io),
+                ("max_inflight_saves", max_inflight_saves),
+                ("recover_on_open", recover_on_open),
+            )
+            if v is not None
+        }
+        self._settings["keep_in_memory"] = bool(keep_in_memory)
         self._cks: Dict[str, Checkpointer] = {}
         self._next: Dict[str, int] = {}
+        #: ``(directory, step)`` of the saves not published yet: never removed meanwhile.
+        self._inflight: Set[Tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued: list = []
@@ -133,8 +225,10 @@ class ShmckptCheckpointIO(CheckpointIO):
             if ck is None:
                 ck = Checkpointer(d, rank=0, world_size=1, **self._settings)
                 self._cks[d] = ck
-                latest = ck.latest()
-                self._next[d] = 0 if latest is None else latest + 1
+                # After every committed step and every step a name still names (a
+                # reservation an earlier process left): no step is saved twice.
+                taken = [s for s in (ck.latest(), *_shmckpt.linked_steps(d)) if s is not None]
+                self._next[d] = max(taken) + 1 if taken else 0
             return ck
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
@@ -165,30 +259,50 @@ class ShmckptCheckpointIO(CheckpointIO):
         concurrent.futures.wait(queued)
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
-        handle.wait()  # durable and committed
-        old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
-        if old is not None and old != step and old not in _shmckpt.linked_steps(d):
+        try:
             try:
-                ck.remove(old)
-            except NotFound:
-                pass
+                handle.wait()  # durable and committed
+            except BaseException:
+                # Never committed: the name no longer reserved for it (unless published meanwhile).
+                if _shmckpt.resolve_name(d, name) == (step, name):
+                    _shmckpt.unlink_name(d, name)
+                raise
+            old = _shmckpt.link_step(d, name, step)  # atomic and durable (shmckpt::links)
+        finally:
+            with self._lock:
+                self._inflight.discard((d, step))
+        if old is not None and old != step:
+            self._release(ck, d, old)
+
+    def _release(self, ck: Checkpointer, d: str, step: int) -> None:
+        """Remove ``step`` unless a name still names it (a link or a reservation) or a save
+        of it is still in flight (a name this worker has not published yet)."""
+        with self._lock:
+            if (d, step) in self._inflight:
+                return
+        if step in _shmckpt.linked_steps(d):
+            return
+        try:
+            ck.remove(step)
+        except NotFound:
+            pass
 
     def _remove(self, d: str, name: str) -> None:
         step = _shmckpt.unlink_name(d, name)
-        if step is not None and step not in _shmckpt.linked_steps(d):
-            try:
-                self._checkpointer(d).remove(step)
-            except NotFound:
-                pass
+        if step is not None:
+            self._release(self._checkpointer(d), d, step)
 
     # -- CheckpointIO -----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Save Lightning's checkpoint dict as ``path`` without waiting for the disk.
 
-        Returns once the state is captured; ``path`` appears (a link to the committed
-        ``step-N`` beside it) when the checkpoint is durable. Values the shmckpt format
-        cannot hold raise ``TypeError`` naming their key path before anything is written
-        (see ``docs/lightning.md``). ``storage_options`` is not supported.
+        Returns once the state is captured, ``path`` existing: a new name is reserved at
+        once (a small regular file), and becomes a link to the committed ``step-N`` beside
+        it when the checkpoint is durable (a name saved before keeps naming its earlier
+        step until then). Values the shmckpt format cannot hold raise ``TypeError`` naming
+        their key path before anything is written (see ``docs/lightning.md``). A URL
+        (``s3://``, ``memory://``) is refused (``ValueError``). ``storage_options`` is not
+        supported.
         """
         if storage_options is not None:
             raise TypeError(
@@ -202,25 +316,34 @@ class ShmckptCheckpointIO(CheckpointIO):
             step = self._next[d]
             self._next[d] = step + 1
         handle = ck.save(step, checkpoint, blocking=False, metadata={PATH_KEY: name})
-        self._submit(self._publish, ck, d, name, step, handle)
+        with self._lock:
+            self._inflight.add((d, step))
+        try:
+            # The path exists from now on (ModelCheckpoint picks NAME-vN by existence).
+            _shmckpt.reserve_name(d, name, step)
+        finally:
+            self._submit(self._publish, ck, d, name, step, handle)
 
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
         """Load the checkpoint saved as ``path`` (after the saves queued before it are
-        published), every CRC-32C verified. A regular file
+        published), every CRC-32C verified, its manifest of the step the link names
+        (``CorruptError`` naming both otherwise). A name reserved by a save that was not
+        published (its process ended first) loads the step it was reserved for when that
+        save committed, else ``NotFound`` says so. A regular file
         is loaded by Lightning's ``TorchCheckpointIO``. ``FileNotFoundError`` when ``path``
         does not exist. Tensors come back on the CPU (Lightning moves them where the model
         is); ``map_location`` applies to ``TorchCheckpointIO`` files only. No engine is
         opened: every process of a DDP job loads at once."""
         self._drain()
         self._raise_error()
-        p = os.path.abspath(os.fspath(path))
+        p = _local(path)
         d, name = os.path.split(p)
         if not os.path.lexists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")
-        step = _shmckpt.linked_step(d, name)
-        if step is None:
+        named = _shmckpt.resolve_name(d, name)
+        if named is None:
             if os.path.isfile(p) and not os.path.islink(p):
                 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -229,7 +352,8 @@ class ShmckptCheckpointIO(CheckpointIO):
                     kw["map_location"] = map_location
                 return TorchCheckpointIO().load_checkpoint(p, **kw)
             raise UnsafePath(f"{p}: not a checkpoint of ShmckptCheckpointIO (a link to step-N) nor a file")
-        return _load_step(d, step)
+        step, reserved = named
+        return _load_step(d, step, reserved)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint saved as ``path``: the link, then its step (unless another

@@ -157,9 +157,24 @@ pub fn linked_step(root: &std::path::Path, name: &str) -> Result<Option<u64>> {
     shmckpt::links::linked_step(root, name)
 }
 
-/// Every step a link of `root` names.
+/// Every step a name of `root` names (published or reserved).
 pub fn linked_steps(root: &std::path::Path) -> Result<Vec<u64>> {
     shmckpt::links::linked_steps(root).map(|s| s.into_iter().collect())
+}
+
+/// Reserve `root/name` for the save of `step` in flight ([`shmckpt::links::reserve_name`]).
+pub fn reserve_name(root: &std::path::Path, name: &str, step: u64) -> Result<bool> {
+    shmckpt::links::reserve_name(root, name, step)
+}
+
+/// What `root/name` leads to: `(step, None)` published, `(step, reservation file name)`
+/// reserved ([`shmckpt::links::resolve_name`]).
+pub fn resolve_name(root: &std::path::Path, name: &str) -> Result<Option<(u64, Option<String>)>> {
+    use shmckpt::links::Named;
+    Ok(shmckpt::links::resolve_name(root, name)?.map(|n| match n {
+        Named::Published(s) => (s, None),
+        Named::Reserved { step, name } => (step, Some(name)),
+    }))
 }
 
 /// Remove `root/name`; the step it named.

@@ -44,9 +44,12 @@ pub(crate) fn ring() -> shmckpt::Result<Arc<DeviceRing>> {
 /// tensors are copied to that memory (exactly their size) as the file is read, the others
 /// come back in buffers of their own. Returns `(file name, metadata, [(name, dtype, shape,
 /// crc32c, file offset, nbytes, Buffer or None)])` in file order (CRC and offset as the
-/// manifest records them; `None` for a tensor copied to a destination).
+/// manifest records them; `None` for a tensor copied to a destination). `step`: the step
+/// the caller knows `dir` holds (a link or its name says so): a manifest of another step
+/// is `CorruptError` naming both (`None`: any manifest, as for a DCP checkpoint directory,
+/// which its trainer names).
 #[pyfunction]
-#[pyo3(signature = (dir, rank, *, direct_io=true, queue_depth=4, device=None, host=None))]
+#[pyo3(signature = (dir, rank, *, direct_io=true, queue_depth=4, device=None, host=None, step=None))]
 #[allow(clippy::too_many_arguments)]
 fn read_rank_file(
     py: Python<'_>,
@@ -56,6 +59,7 @@ fn read_rank_file(
     queue_depth: u32,
     device: Option<Vec<(String, u64, usize, i32)>>,
     host: Option<Vec<(String, u64, usize)>>,
+    step: Option<u64>,
 ) -> PyResult<(
     String,
     std::collections::BTreeMap<String, String>,
@@ -67,7 +71,8 @@ fn read_rank_file(
         direct_io,
         arena: None,
         // A DCP checkpoint directory is named by its trainer (`step-100`,
-        // `checkpoint-500`): its manifest's step is the writer's own number.
+        // `checkpoint-500`): its manifest's step is the writer's own number. A caller that
+        // knows the step passes it, checked against the manifest the read used (below).
         any_dir_name: true,
     };
     let device = device.unwrap_or_default();
@@ -97,6 +102,14 @@ fn read_rank_file(
             unsafe { ring.load_split(&dir, rank, &slices, &mut bufs, &opts) }
         })
         .map_err(|e| to_py(py, e))?;
+    if let Some(step) = step {
+        // The manifest the bytes were read and verified against: no window between a check
+        // and the read for a directory swapped meanwhile.
+        loaded
+            .manifest
+            .expect_step(step, &dir, "the caller's link")
+            .map_err(|e| to_py(py, e))?;
+    }
     let entry = loaded.entry;
     let mut tensors = Vec::with_capacity(entry.tensors.len());
     for (e, data) in entry.tensors.into_iter().zip(loaded.host) {
@@ -204,15 +217,21 @@ fn publish_into(
 
 /// The `__metadata__` of the file of `rank` in the committed step directory `dir`, read
 /// after its header is checked against the manifest (tensors, and the header's CRC-32C
-/// where the manifest records one). The file is opened without following a link.
+/// where the manifest records one). The file is opened without following a link. `step`
+/// as for `read_rank_file`.
 #[pyfunction]
+#[pyo3(signature = (dir, rank, *, step=None))]
 fn rank_file_metadata(
     py: Python<'_>,
     dir: PathBuf,
     rank: u32,
+    step: Option<u64>,
 ) -> PyResult<std::collections::BTreeMap<String, String>> {
     py.detach(|| {
         let m = shmckpt::Manifest::read_any_name(&dir)?;
+        if let Some(step) = step {
+            m.expect_step(step, &dir, "the caller's link")?;
+        }
         let entry =
             m.files
                 .iter()

@@ -236,3 +236,207 @@ def test_ddp_two_processes_resume_from_last_bit_identically(tmp_path):
     assert read("ref", 0)[1] == read("ref", 1)[1]
     # Epoch scores 0, 2, 4, 1: top-2 are epochs 1 and 2, and `last` is epoch 3.
     assert sorted(links(tmp_path / "run")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+
+
+def test_a_swapped_step_is_a_corrupt_error_naming_both_steps(tmp_path):
+    """A step directory replaced by a copy of another step (a valid checkpoint, every CRC
+    right) is refused, never loaded as the step the link names."""
+    import shutil
+
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io.save_checkpoint({"w": torch.arange(3.0), "n": 0}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.arange(4.0), "n": 1}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert os.readlink(tmp_path / "b.ckpt") == "step-1"
+    os.symlink("b.ckpt", tmp_path / "alias.ckpt")  # save_last="link" makes such links
+    shutil.rmtree(tmp_path / "step-1")
+    shutil.copytree(tmp_path / "step-0", tmp_path / "step-1")
+    for name in ("b.ckpt", "alias.ckpt"):
+        with pytest.raises(shmckpt.CorruptError, match="manifest is of step 0, the caller's link of step 1"):
+            io.load_checkpoint(tmp_path / name)
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["n"] == 0  # the real step 0 still loads
+    # The extension calls check the step they are given, whatever the directory's name.
+    with pytest.raises(shmckpt.CorruptError, match="of step 0, the caller's link of step 1"):
+        shmckpt._shmckpt.read_rank_file(str(tmp_path / "step-0"), 0, step=1)
+    with pytest.raises(shmckpt.CorruptError, match="of step 0, the caller's link of step 1"):
+        shmckpt._shmckpt.rank_file_metadata(str(tmp_path / "step-0"), 0, step=1)
+    io.teardown()
+
+
+def _slow_commits(monkeypatch, seconds=0.3):
+    """Every wait for a commit first sleeps: the plugin's worker publishes late, as on a
+    loaded machine, and what the trainer sees meanwhile is what a slow disk shows it."""
+    import time
+
+    orig_wait = shmckpt.SaveHandle.wait
+
+    def slow_wait(self):
+        time.sleep(seconds)
+        return orig_wait(self)
+
+    monkeypatch.setattr(shmckpt.SaveHandle, "wait", slow_wait)
+
+
+def test_model_checkpoint_versions_keep_every_save(tmp_path, monkeypatch):
+    """ModelCheckpoint picks NAME-vN by whether NAME exists: the path must exist when
+    save_checkpoint returns, or the next save reuses it and the earlier step is lost."""
+    _slow_commits(monkeypatch)
+    d = tmp_path / "ckpts"
+    mc = ModelCheckpoint(dirpath=str(d), filename="test", save_top_k=-1, monitor="epoch")
+    t = L.Trainer(
+        max_epochs=3, limit_train_batches=1, limit_val_batches=1, plugins=[ShmckptCheckpointIO()],
+        callbacks=[mc], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    t.fit(Net(), data())
+    names = ["test.ckpt", "test-v1.ckpt", "test-v2.ckpt"]
+    assert sorted(mc.best_k_models) == sorted(str(d / n) for n in names)
+    ls = links(d)
+    assert sorted(ls) == sorted(names), ls
+    io = ShmckptCheckpointIO()
+    for epoch, n in enumerate(names):
+        got = io.load_checkpoint(d / n)
+        assert got["epoch"] == epoch and got["global_step"] == epoch + 1, (n, got["epoch"])
+    assert sorted(n for n in os.listdir(d) if n.startswith("step-")) == sorted(ls.values())
+
+
+def test_a_new_name_exists_when_save_returns_and_an_old_one_keeps_its_step(tmp_path, monkeypatch):
+    _slow_commits(monkeypatch, 0.5)
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    p, q = tmp_path / "a.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint({"n": 0, "w": torch.ones(2)}, q)
+    io.teardown()
+    io.save_checkpoint({"n": 1, "w": torch.ones(2)}, p)
+    io.save_checkpoint({"n": 2, "w": torch.ones(2)}, q)
+    # Not committed yet: the new name is reserved (a regular file: os.path.exists is true
+    # as fsspec's LocalFileSystem sees it), the old one still names its committed step.
+    assert os.path.isfile(p) and not os.path.islink(p)
+    assert shmckpt._shmckpt.resolve_name(str(tmp_path), "a.ckpt") == (1, "a.ckpt")
+    assert os.readlink(q) == "step-0"
+    assert shmckpt._shmckpt.linked_steps(str(tmp_path)) == [0, 1]
+    # Loading waits for the saves queued before it.
+    assert io.load_checkpoint(p)["n"] == 1 and io.load_checkpoint(q)["n"] == 2
+    assert links(tmp_path) == {"a.ckpt": "step-1", "last.ckpt": "step-2"}
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".shmckpt-rank")) == [
+        "a.ckpt", "last.ckpt", "step-1", "step-2"
+    ]
+    io.teardown()
+
+
+def test_a_step_in_flight_is_never_removed_when_an_earlier_save_takes_its_name(tmp_path, monkeypatch):
+    """A name emptied by the trainer (Lightning's _link_checkpoint os.remove()s its link
+    path) and saved again while the earlier save of that name is unpublished: the
+    earlier publish replaces the new reservation, and must not remove the step that
+    reservation named (committed by then, published next)."""
+    _slow_commits(monkeypatch, 0.5)
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    p = tmp_path / "last.ckpt"
+    io.save_checkpoint({"n": 0}, p)
+    os.remove(p)
+    io.save_checkpoint({"n": 1}, p)
+    assert shmckpt._shmckpt.resolve_name(str(tmp_path), "last.ckpt") == (1, "last.ckpt")
+    io.teardown()  # raises the first error of a publish
+    assert os.readlink(p) == "step-1" and io.load_checkpoint(p)["n"] == 1
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1"]
+
+
+def test_a_reservation_left_by_an_ended_process_loads_its_step_or_says_why(tmp_path):
+    from shmckpt import _shmckpt
+
+    d = str(tmp_path)
+    ck = shmckpt.Checkpointer(d, rank=0, world_size=1)
+    ck.save(4, {"n": 4}, metadata={"lightning.path": "kept.ckpt"}).wait()
+    ck.close()
+    # Committed, not published (the process ended between): the step is loaded.
+    assert _shmckpt.reserve_name(d, "kept.ckpt", 4) is True
+    assert _shmckpt.reserve_name(d, "kept.ckpt", 9) is False  # an existing name is left
+    # Never committed, or committed for another name: NotFound saying so.
+    assert _shmckpt.reserve_name(d, "lost.ckpt", 7) is True
+    assert _shmckpt.reserve_name(d, "other.ckpt", 4) is True
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    assert io.load_checkpoint(tmp_path / "kept.ckpt")["n"] == 4
+    with pytest.raises(shmckpt.NotFound, match="reserved for step 7 by a save that was never committed"):
+        io.load_checkpoint(tmp_path / "lost.ckpt")
+    with pytest.raises(shmckpt.NotFound, match="was saved for 'kept.ckpt'"):
+        io.load_checkpoint(tmp_path / "other.ckpt")
+    # A new save takes a step after every step a name names (7 is still reserved).
+    io.save_checkpoint({"n": 8}, tmp_path / "new.ckpt")
+    io.teardown()
+    assert os.readlink(tmp_path / "new.ckpt") == "step-8"
+    # Removing a reserved name removes the name; step 4 stays while kept.ckpt names it.
+    io.remove_checkpoint(tmp_path / "other.ckpt")
+    io.remove_checkpoint(tmp_path / "lost.ckpt")
+    io.teardown()
+    assert not os.path.lexists(tmp_path / "other.ckpt") and not os.path.lexists(tmp_path / "lost.ckpt")
+    assert (tmp_path / "step-4").is_dir() and io.load_checkpoint(tmp_path / "kept.ckpt")["n"] == 4
+
+
+@pytest.mark.parametrize("end", ["return", "sys.exit(0)"])
+def test_a_process_that_saves_and_exits_at_once_publishes_its_save(tmp_path, end):
+    """SLURM's auto-requeue saves then ends the process: the save is committed and its
+    name published before the interpreter is gone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time, torch, shmckpt
+        from shmckpt.lightning import ShmckptCheckpointIO
+        orig = shmckpt.SaveHandle.wait
+        def slow(self):
+            time.sleep(0.5)
+            return orig(self)
+        shmckpt.SaveHandle.wait = slow
+        def main():
+            io = ShmckptCheckpointIO()
+            io.save_checkpoint({{"w": torch.arange(6.0), "epoch": 3}}, sys.argv[1])
+            {end}
+        main()
+    """)
+    p = tmp_path / "hpc_ckpt_1.ckpt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", script, str(p)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert os.readlink(p) == "step-0"
+    got = ShmckptCheckpointIO().load_checkpoint(p)
+    assert got["epoch"] == 3 and raw(got["w"]) == raw(torch.arange(6.0))
+
+
+def test_names_like_engine_directories_are_a_trainers_to_give(tmp_path):
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    # ModelCheckpoint(filename="step-{step}") makes `step-5.ckpt`: not the engine's step-5.
+    io.save_checkpoint({"w": torch.arange(2.0)}, tmp_path / "step-5.ckpt")
+    io.teardown()
+    assert os.readlink(tmp_path / "step-5.ckpt") == "step-0"
+    assert raw(io.load_checkpoint(tmp_path / "step-5.ckpt")["w"]) == raw(torch.arange(2.0))
+    for own in ("step-5", "step-5.partial", "step-5.trash", "step-5.aside-1", ".shmckpt-x"):
+        with pytest.raises(shmckpt.UnsafePath, match="shmckpt's own"):
+            io.save_checkpoint({"w": torch.ones(1)}, tmp_path / own)
+    io.teardown()
+
+
+def test_unknown_settings_and_urls_are_refused(tmp_path, monkeypatch):
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    # Settings are checked at construction: an unknown one is named, the valid ones listed.
+    with pytest.raises(TypeError, match=r"unknown setting 'keep_lst'; the settings are staging_capacity, chunk_size"):
+        ShmckptCheckpointIO(keep_lst=3)
+    with pytest.raises(TypeError, match=r"'keep_last' \(Lightning saves on rank zero"):
+        ShmckptCheckpointIO(keep_last=2)
+    # URLs are refused, never written as local paths (./s3:/bucket/...).
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for url in ("s3://bucket/run/last.ckpt", "memory://run/last.ckpt", "gcs://b/x.ckpt"):
+        scheme = url.split(":")[0]
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.save_checkpoint({"w": torch.ones(1)}, url)
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.load_checkpoint(url)
+        with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
+            io.remove_checkpoint(url)
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == before
+    # file:// is a local path.
+    io.save_checkpoint({"w": torch.arange(3.0)}, f"file://{tmp_path}/f.ckpt")
+    assert raw(io.load_checkpoint(f"file://{tmp_path}/f.ckpt")["w"]) == raw(torch.arange(3.0))
+    io.teardown()
+    assert os.path.islink(tmp_path / "f.ckpt")

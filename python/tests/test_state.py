@@ -169,6 +169,29 @@ def test_bad_input_is_a_type_error_naming_the_path_before_writing(ck, root, bad,
     assert ck.list() == [5]
 
 
+@pytest.mark.parametrize(
+    "bad,key,what",
+    [
+        # A lone surrogate (os.fsdecode makes them of undecodable bytes) in a key of a
+        # value, of a tensor, and in a string value: UTF-8 cannot encode any of them.
+        ({"a": {"x\udc80": 1}}, "state['a']['x\\udc80']", "the key 'x\\udc80'"),
+        ({"a": {"w\ud800": torch.ones(2)}}, "state['a']['w\\ud800']", "the key 'w\\ud800'"),
+        ({"a": ["ok", "é\udcff"]}, "state['a'][1]", "the string 'é\\udcff'"),
+    ],
+)
+def test_a_lone_surrogate_is_unsupported_naming_its_key(ck, root, bad, key, what):
+    before = listing(root)
+    with pytest.raises(shmckpt.UnsupportedValue) as ei:
+        ck.save(5, {"first": torch.ones(4), **bad})
+    assert ei.value.key == key
+    assert str(ei.value).startswith(f"{key}: {what} is not valid Unicode text"), str(ei.value)
+    assert listing(root) == before
+    # Valid non-ASCII text round-trips.
+    ck.save(5, {"a": {"é": "ü€😀", "😀": torch.ones(1)}}).wait()
+    back = ck.load(5)
+    assert back["a"]["é"] == "ü€😀" and torch.equal(back["a"]["😀"], torch.ones(1))
+
+
 def test_name_collision_is_an_error(ck, root):
     with pytest.raises(ValueError) as ei:
         ck.save(1, {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}})
