@@ -140,7 +140,9 @@ impl<'a> SaveOptions<'a> {
     /// step becomes visible, and with several ranks the step cannot commit (this rank's
     /// part is never written). For checks across ranks before a commit (replica
     /// divergence). Dropping the handle before confirming refuses the commit. Later saves
-    /// of the engine commit only after this one is decided (one commit thread).
+    /// of the engine commit only after this one is decided (one commit thread), and
+    /// [`Engine::flush`] and [`Engine::close`] wait for the decision: decide (or drop the
+    /// handle) before calling them.
     pub fn confirm_commit(mut self) -> Self {
         self.confirm = true;
         self
