@@ -285,6 +285,16 @@ pub enum Error {
         /// What went wrong first.
         source: Arc<Error>,
     },
+    /// The caller refused to commit the step (a save started with
+    /// `SaveOptions::confirm_commit`, e.g. because data-parallel replicas diverged):
+    /// nothing of this rank's save is kept.
+    #[error("commit of step {step} refused: {reason}")]
+    CommitRefused {
+        /// The step.
+        step: u64,
+        /// Why, as the caller gave it.
+        reason: String,
+    },
     /// Work was stopped because another part of the same save had already failed.
     #[error("stopped: {0}")]
     Cancelled(String),
@@ -452,6 +462,7 @@ impl Error {
             Error::StepExists { step, .. }
             | Error::StepOverflow { step, .. }
             | Error::SaveFailed { step, .. }
+            | Error::CommitRefused { step, .. }
             | Error::RemoteFailed { step, .. }
             | Error::RemoteSkipped { step, .. } => Some(*step),
             Error::NotFound { step, .. } => *step,

@@ -43,6 +43,7 @@ mod config;
 #[doc(hidden)]
 pub mod crashsim;
 pub(crate) mod device;
+pub mod divergence;
 mod dtype;
 mod engine;
 mod error;

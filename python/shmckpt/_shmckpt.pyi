@@ -37,6 +37,7 @@ __all__ = [
     "read_rank_file",
     "read_rank_ranges",
     "release_device_ring",
+    "replica_divergence",
     "replica_list",
     "replica_load",
     "replica_name",
@@ -63,6 +64,9 @@ TensorTuple: TypeAlias = Tuple[str, str, Sequence[int], int, int, int]
 __version__: str
 
 def dtypes() -> List[str]: ...
+def replica_divergence(
+    ranks: Sequence[Sequence[Tuple[str, str, Sequence[int], int]]],
+) -> List[Tuple[str, List[int], List[int], Optional[int]]]: ...
 
 @final
 class Buffer:
@@ -171,6 +175,8 @@ class SaveHandle:
     def wait_remote(self) -> Dict[str, object]: ...
     def is_remote_done(self) -> bool: ...
     def take_held_image(self) -> Optional[HeldImage]: ...
+    def checksums(self) -> Optional[List[Tuple[str, str, List[int], int]]]: ...
+    def confirm_commit(self, reason: Optional[str] = None) -> None: ...
 
 @final
 class Engine:
@@ -215,6 +221,7 @@ class Engine:
         hold: bool = False,
         snapshot: bool = False,
         part_only: bool = False,
+        confirm: bool = False,
     ) -> SaveHandle: ...
     def load(
         self, step: Optional[int] = None, bucket: bool = True

@@ -18,7 +18,7 @@ give one name are a ``ValueError``. Both are raised before a byte is written.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = [
     "ShmckptError",
@@ -60,6 +60,8 @@ __all__ = [
     "RemoteFailed",
     "RemoteSkipped",
     "ReplicationError",
+    "CommitRefused",
+    "ReplicaDivergence",
 ]
 
 
@@ -265,6 +267,41 @@ class RemoteSkipped(RemoteError):
 class ReplicationError(ShmckptError, RuntimeError):
     """A step is not held by as many peer replicas as asked (``replicas=``), or the ranks
     disagree on the step to load (``shmckpt.replicas``)."""
+
+
+class CommitRefused(ShmckptError, RuntimeError):
+    """The commit of a save was refused before it became visible (Rust
+    ``Error::CommitRefused``): nothing of the step was committed and this rank's file was
+    removed. With ``check_replicas``: raised by ranks whose own replicas agree when
+    another rank's save failed; the ranks holding a diverging replica raise
+    :class:`ReplicaDivergence`."""
+
+
+class ReplicaDivergence(ShmckptError, RuntimeError):
+    """Data-parallel replicas of a tensor differ (``Checkpointer(check_replicas=group)``):
+    some rank's copy is silently corrupted. ``step``; ``tensor`` and ``ranks`` (the
+    checkpointer ranks whose copy differs from the majority's, or every rank of the group
+    when no copy has a strict majority) name the first diverging tensor in name order;
+    ``crcs`` maps each rank of the group to its CRC-32C of it; ``divergences`` lists every
+    diverging tensor as ``(tensor, ranks, crcs)``; ``committed`` says whether the step was
+    committed anyway (``on_divergence="warn"`` or a callback returning True)."""
+
+    def __init__(
+        self,
+        message: str,
+        step: int,
+        divergences: List[Tuple[str, List[int], Dict[int, int]]],
+        committed: bool = False,
+    ):
+        tensor, ranks, crcs = divergences[0]
+        super().__init__(message, tensor=tensor, step=step)
+        self.ranks = list(ranks)
+        self.crcs = dict(crcs)
+        self.divergences = [(t, list(r), dict(c)) for t, r, c in divergences]
+        self.committed = committed
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.step, self.divergences, self.committed))
 
 
 def _init_kind() -> None:

@@ -263,7 +263,8 @@ unsafe fn options(after: &[After]) -> SaveOptions<'static> {
 }
 
 /// Save and return once staged; with `part_only`, write the rank's part without
-/// committing the step (`SaveOptions::part_only`).
+/// committing the step (`SaveOptions::part_only`); with `confirm`, the commit waits for
+/// the handle's decision (`SaveOptions::confirm_commit`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], for the duration of this call.
@@ -274,23 +275,28 @@ pub unsafe fn save(
     meta: &Metadata,
     after: &[After],
     part_only: bool,
+    confirm: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
     let (t, mut o) = unsafe { (tensors(raw), options(after)) };
     if part_only {
         o = o.part_only();
     }
+    if confirm {
+        o = o.confirm_commit();
+    }
     engine.save_with(step, &t, meta, &o)
 }
 
 /// Start a save and return at once (with `hold`: once every device copy is queued and
 /// the `after` streams wait for them, `SaveOptions::hold_streams`; with `snapshot`:
-/// `SaveOptions::snapshot_on_request`).
+/// `SaveOptions::snapshot_on_request`; with `confirm`: `SaveOptions::confirm_commit`).
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
 /// the returned handle reports the save staged (with `hold`, work queued afterwards on
 /// the `after` streams is ordered after the copies and may modify it).
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn save_async(
     engine: &Engine,
     step: u64,
@@ -299,11 +305,15 @@ pub unsafe fn save_async(
     after: &[After],
     hold: bool,
     snapshot: bool,
+    confirm: bool,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
     let (t, mut o) = unsafe { (tensors(raw), options(after)) };
     if hold {
         o = o.hold_streams();
+    }
+    if confirm {
+        o = o.confirm_commit();
     }
     if snapshot {
         o = o.snapshot_on_request();
@@ -555,6 +565,7 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::Remote { .. } => "RemoteError",
         E::RemoteFailed { .. } => "RemoteFailed",
         E::RemoteSkipped { .. } => "RemoteSkipped",
+        E::CommitRefused { .. } => "CommitRefused",
         _ => "ShmckptError",
     }
 }

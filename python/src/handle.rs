@@ -204,6 +204,49 @@ impl PySaveHandle {
         }
     }
 
+    /// A save started with `confirm=True`: its tensors `(name, dtype, shape, crc32c)` once
+    /// its file is durable (the commit then waits for `confirm_commit`); `None` while not
+    /// known yet. Raises the save's error when it failed first (`ConfigError` for a save
+    /// started without `confirm`, or once `wait` took the handle).
+    #[allow(clippy::type_complexity)]
+    fn checksums(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Option<Vec<(String, String, Vec<usize>, u32)>>> {
+        let r = match &*lock(&self.inner) {
+            Some(h) => h.checksums(),
+            None => Some(Err(shmckpt::Error::Config(
+                "the save's handle was already waited for".into(),
+            ))),
+        };
+        match r {
+            None => Ok(None),
+            Some(Ok(v)) => Ok(Some(
+                v.into_iter()
+                    .map(|t| {
+                        (
+                            t.name,
+                            core::dtype_name(t.dtype).to_owned(),
+                            t.shape,
+                            t.crc32c,
+                        )
+                    })
+                    .collect(),
+            )),
+            Some(Err(e)) => Err(to_py(py, e)),
+        }
+    }
+
+    /// Decide the commit of a save started with `confirm=True`: `reason=None` commits it,
+    /// a string refuses it (the save then fails with `CommitRefused` carrying it, its file
+    /// removed). The first decision counts.
+    #[pyo3(signature = (reason=None))]
+    fn confirm_commit(&self, reason: Option<String>) {
+        if let Some(h) = &*lock(&self.inner) {
+            h.confirm_commit(reason.map_or(Ok(()), Err));
+        }
+    }
+
     /// Block (GIL released, interruptible) until the step is committed in the bucket.
     /// Returns the remote report (`bytes`, `upload` and `remote_durable` seconds, ...);
     /// raises `RemoteFailed`/`RemoteSkipped`. May be called again.

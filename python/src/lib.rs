@@ -12,6 +12,7 @@ mod bucket;
 mod buffer;
 mod core;
 mod dcp;
+mod divergence;
 mod handle;
 mod held;
 mod links;
@@ -307,8 +308,10 @@ impl PyEngine {
     /// `request_snapshot()` is called (`SaveOptions::snapshot_on_request`).
     /// `part_only=True` (with `blocking=True`): write this rank's file and manifest part
     /// in `step-N.partial/` without committing the step (`SaveOptions::part_only`; the
-    /// DCP writer commits every rank's part with `assemble_ranks`).
-    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false))]
+    /// DCP writer commits every rank's part with `assemble_ranks`). `confirm=True`: the
+    /// commit waits for the handle's `confirm_commit` once its `checksums()` are known
+    /// (`SaveOptions::confirm_commit`).
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false, confirm=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -321,6 +324,7 @@ impl PyEngine {
         hold: bool,
         snapshot: bool,
         part_only: bool,
+        confirm: bool,
     ) -> PyResult<PySaveHandle> {
         if part_only && !blocking {
             return Err(to_py(
@@ -339,14 +343,18 @@ impl PyEngine {
                     // every tensor and stream for the whole call, so each address range
                     // stays allocated; it passes only contiguous ranges of the tensors'
                     // storage.
-                    unsafe { core::save(&engine, step, &raw, &metadata, &after, part_only) }
+                    unsafe {
+                        core::save(&engine, step, &raw, &metadata, &after, part_only, confirm)
+                    }
                 } else {
                     // SAFETY: the Python caller keeps the tensors (and streams/events) in
                     // the returned handle until it reports staged, and orders every writer
                     // of them after staging (guard), gives copies it owns, or (with `hold`)
                     // passes only tensors whose writers run on the held streams.
                     unsafe {
-                        core::save_async(&engine, step, &raw, &metadata, &after, hold, snapshot)
+                        core::save_async(
+                            &engine, step, &raw, &metadata, &after, hold, snapshot, confirm,
+                        )
                     }
                 };
                 match r {
@@ -682,6 +690,7 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
+    divergence::register(m)?;
     links::register(m)?;
     ranged::register(m)?;
     replica::register(m)?;

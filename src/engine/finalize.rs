@@ -153,6 +153,11 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
             })
             .collect(),
     };
+    // A commit held for its caller (`SaveOptions::confirm_commit`): refused, nothing of
+    // this rank's step is written beyond its file, which `finalize` removes.
+    if st.confirm {
+        st.await_confirmation(&entry.tensors)?;
+    }
     let dir = match target {
         // The part, durable next to its file; the caller commits the step.
         Some(_) if st.part_only => {

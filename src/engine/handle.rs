@@ -125,6 +125,65 @@ impl SaveHandle {
         Arc::clone(&self.state.held)
     }
 
+    /// A save started with [`SaveOptions::confirm_commit`](crate::SaveOptions::confirm_commit):
+    /// its tensors' manifest entries with their CRC-32Cs once its file is durable (the
+    /// commit then waits for [`confirm_commit`](Self::confirm_commit)); `None` while not
+    /// known yet; the save's error when it failed before (or [`Error::Config`] for a save
+    /// not started so).
+    pub fn checksums(&self) -> Option<Result<Vec<crate::manifest::TensorEntry>>> {
+        let p = lock(&self.state.progress);
+        self.checksums_in(&p)
+    }
+
+    fn checksums_in(
+        &self,
+        p: &super::state::Progress,
+    ) -> Option<Result<Vec<crate::manifest::TensorEntry>>> {
+        if !self.state.confirm {
+            return Some(Err(Error::Config(
+                "checksums before the commit need a save started with confirm_commit".into(),
+            )));
+        }
+        if let Some(c) = &p.checksums {
+            return Some(Ok(c.clone()));
+        }
+        if !p.done {
+            return None;
+        }
+        let source = match (&p.result, &p.error) {
+            (Some(Err(e)), _) | (None, Some(e)) => Arc::clone(e),
+            _ => Arc::new(Error::Internal("save ended without its checksums".into())),
+        };
+        Some(Err(Error::SaveFailed {
+            step: self.state.step,
+            source,
+        }))
+    }
+
+    /// [`checksums`](Self::checksums), blocking until they are known or the save failed.
+    pub fn wait_checksums(&self) -> Result<Vec<crate::manifest::TensorEntry>> {
+        let mut p = lock(&self.state.progress);
+        loop {
+            if let Some(r) = self.checksums_in(&p) {
+                return r;
+            }
+            p = self
+                .state
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Decide the commit of a save started with
+    /// [`SaveOptions::confirm_commit`](crate::SaveOptions::confirm_commit): `Ok(())`
+    /// commits it, `Err(reason)` refuses it (the save fails with [`Error::CommitRefused`]
+    /// carrying `reason`, its file removed). The first decision counts; no effect on other
+    /// saves. May be given before the checksums are known.
+    pub fn confirm_commit(&self, decision: std::result::Result<(), String>) {
+        self.state.confirm(decision);
+    }
+
     /// True once the save is committed or has failed (`wait` then returns at once).
     pub fn is_done(&self) -> bool {
         self.watch().is_done()
@@ -179,6 +238,17 @@ impl SaveHandle {
             }
         }
         Ok(self.wait())
+    }
+}
+
+impl Drop for SaveHandle {
+    /// A commit still waiting for its caller's decision is refused: nobody is left to give it.
+    fn drop(&mut self) {
+        if self.state.confirm {
+            self.state.confirm(Err(
+                "the save's handle was dropped before its commit was confirmed".into(),
+            ));
+        }
     }
 }
 

@@ -55,6 +55,7 @@ pub struct SaveOptions<'a> {
     hold: bool,
     snapshot: bool,
     part_only: bool,
+    confirm: bool,
     _handles: PhantomData<&'a ()>,
 }
 
@@ -131,6 +132,22 @@ impl<'a> SaveOptions<'a> {
         self
     }
 
+    /// Hold the commit until the caller confirms it: once the file is durable and every
+    /// tensor checksummed, the save's CRC-32Cs are published
+    /// ([`SaveHandle::checksums`]) and the commit thread waits for
+    /// [`SaveHandle::confirm_commit`] before its manifest (part) is written. Refused, the
+    /// save fails with [`Error::CommitRefused`] and its file is removed: nothing of the
+    /// step becomes visible, and with several ranks the step cannot commit (this rank's
+    /// part is never written). For checks across ranks before a commit (replica
+    /// divergence). Dropping the handle before confirming refuses the commit. Later saves
+    /// of the engine commit only after this one is decided (one commit thread), and
+    /// [`Engine::flush`] and [`Engine::close`] wait for the decision: decide (or drop the
+    /// handle) before calling them.
+    pub fn confirm_commit(mut self) -> Self {
+        self.confirm = true;
+        self
+    }
+
     /// Copy the tensors of `event`'s device after `event` (recorded by the caller after
     /// producing them) instead of synchronizing the whole device.
     pub fn after_event(mut self, event: EventRef<'a>) -> Self {
@@ -171,7 +188,7 @@ impl Engine {
         opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
-        let state = self.begin(step, tensors, metadata, opts.part_only)?;
+        let state = self.begin(step, tensors, metadata, opts.part_only, opts.confirm)?;
         let jobs = self.jobs()?;
         match stage_and_finish(&state, &sources, &opts.after, &jobs, false, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
@@ -200,7 +217,7 @@ impl Engine {
         // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
-        let state = self.begin(step, tensors, metadata, opts.part_only)?;
+        let state = self.begin(step, tensors, metadata, opts.part_only, opts.confirm)?;
         if !opts.hold {
             let after = opts.after.clone();
             return self.spawn_staging(state, sources, after, Box::new(()), None, opts.snapshot);
@@ -237,7 +254,7 @@ impl Engine {
         // is dropped there only after staging has ended; nobody else can reach it, so it is
         // neither modified nor freed while it is read.
         let sources = unsafe { Sources::new(&views).into_static() };
-        let state = self.begin(step, &views, metadata, false)?;
+        let state = self.begin(step, &views, metadata, false, false)?;
         drop(views);
         self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None, false)
     }
@@ -290,14 +307,15 @@ impl Engine {
     }
 
     /// Validate, lay out, create the files and the descriptor slot, queue the save for
-    /// commit, and take the staging gate (released when staging ends). `part_only`: see
-    /// [`SaveOptions::part_only`].
+    /// commit, and take the staging gate (released when staging ends). `part_only` and
+    /// `confirm`: see [`SaveOptions::part_only`] and [`SaveOptions::confirm_commit`].
     pub(super) fn begin(
         &self,
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
         part_only: bool,
+        confirm: bool,
     ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
         let cfg = &self.shared.cfg;
@@ -412,6 +430,7 @@ impl Engine {
             partial,
             file_name,
             part_only,
+            confirm,
             slot,
             keep_seq,
             started,

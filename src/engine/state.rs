@@ -30,6 +30,11 @@ pub(super) struct Progress {
     pub(super) queued: bool,
     /// One event per device, recorded after that device's copies of this save.
     pub(super) marks: Vec<(i32, crate::device::cuda::Event)>,
+    /// The tensors' entries with their CRC-32Cs, once the file is durable, published for
+    /// a save whose commit waits for its caller (`SaveOptions::confirm_commit`).
+    pub(super) checksums: Option<Vec<crate::manifest::TensorEntry>>,
+    /// The caller's decision on that commit: go ahead, or refuse (why).
+    pub(super) confirmed: Option<std::result::Result<(), String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,6 +67,8 @@ pub(crate) struct SaveState {
     pub(super) file_name: String,
     /// Write the part and stop (`SaveOptions::part_only`).
     pub(super) part_only: bool,
+    /// Hold the commit until the caller confirms it (`SaveOptions::confirm_commit`).
+    pub(super) confirm: bool,
     pub(super) slot: u32,
     /// Sequence number from `Arena::begin_save` (flash restore).
     pub(super) keep_seq: u64,
@@ -95,6 +102,38 @@ impl SaveState {
                 source: Arc::clone(e),
             }),
             _ => None,
+        }
+    }
+
+    /// Publish the save's checksummed tensor entries and wait for its caller's decision
+    /// (`SaveOptions::confirm_commit`): `Err(CommitRefused)` when refused.
+    pub(super) fn await_confirmation(
+        &self,
+        tensors: &[crate::manifest::TensorEntry],
+    ) -> Result<()> {
+        let mut p = lock(&self.progress);
+        p.checksums = Some(tensors.to_vec());
+        self.changed.notify_all();
+        loop {
+            match &p.confirmed {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(reason)) => {
+                    return Err(Error::CommitRefused {
+                        step: self.step,
+                        reason: reason.clone(),
+                    });
+                }
+                None => p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
+    }
+
+    /// Record the caller's decision on the commit (the first one counts).
+    pub(super) fn confirm(&self, decision: std::result::Result<(), String>) {
+        let mut p = lock(&self.progress);
+        if p.confirmed.is_none() {
+            p.confirmed = Some(decision);
+            self.changed.notify_all();
         }
     }
 

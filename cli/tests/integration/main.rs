@@ -4,6 +4,7 @@
 mod common;
 
 mod cli;
+mod confirm;
 mod corruption;
 mod flash;
 mod flash_disk;

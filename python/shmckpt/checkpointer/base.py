@@ -72,6 +72,7 @@ class CheckpointerBase:
     _submitter: Optional[concurrent.futures.ThreadPoolExecutor]
     _lock: threading.Lock
     _replicator: Optional[Any]  # shmckpt.replicas.Replicator with replicas > 0
+    _checker: Optional[Any]  # shmckpt._divergence.ReplicaCheck with check_replicas
     _scratch: Optional[str]
     _layout: Optional[Any]  # shmckpt._layout.Layout of the last save, reused when it matches
 

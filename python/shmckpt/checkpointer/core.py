@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import _shmckpt
 from .. import remote as _remote
-from ..errors import NotFound
+from ..errors import ConfigError, NotFound
 from .base import StepArg, _dist_barrier, _dist_rank_world, _step_sel
 from .handle import SaveHandle
 from .load_into import LoadIntoMixin
@@ -110,6 +110,16 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     not shared, and every step commits through the process group (in the replication
     thread: ``wait_replicated()``, not ``wait()``, says it is committed); see
     ``docs/replicas.md``.
+
+    ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
+    ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
+    the CRC-32Cs of the tensors they all hold (same name, dtype and shape); when a copy
+    differs the step is not committed and ``handle.wait()`` raises
+    :class:`~shmckpt.errors.ReplicaDivergence` naming the tensor and the ranks
+    (``on_divergence="warn"``: committed, with a warning; a callable taking the error:
+    committed when it returns True on every rank of the group). The check is a collective
+    run in ``handle.wait()``, ``wait()``, ``flush()``, ``close()`` and at the start of the
+    next ``save()``; the step commits only then. See ``docs/guarantees.md``.
     """
 
     def __init__(
@@ -142,6 +152,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         remote_concurrency: Optional[int] = None,
         remote_request_timeout: Optional[float] = None,
         remote_complete_timeout: Optional[float] = None,
+        check_replicas: Any = None,
+        on_divergence: Any = "raise",
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -200,6 +212,20 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         self._layout: Optional[Any] = None  # _layout.Layout of the last save (save.py)
         self._lock = threading.Lock()
         self._replicator: Optional[Any] = None
+        self._checker: Optional[Any] = None
+        if check_replicas is not None:
+            from .._divergence import ReplicaCheck
+
+            try:
+                if replicas or node_local_root:
+                    raise ConfigError(
+                        "check_replicas cannot be combined with replicas > 0 or node_local_root yet "
+                        "(their commits run in the replication thread)"
+                    )
+                self._checker = ReplicaCheck(self.rank, check_replicas, on_divergence)
+            except BaseException:
+                self._engine.close()
+                raise
         if replicas or node_local_root:
             from ..replicas import Replicator
 
@@ -218,6 +244,21 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 self._engine.close()
                 raise
         OPEN_CHECKPOINTERS.add(self)
+
+    def _check_all_or_refuse(self) -> None:
+        """At close: the replica check of every save not checked yet, a collective; the
+        commits of those it cannot check (the process group is gone, or failed) are
+        refused, never left waiting."""
+        checker = self._checker
+        assert checker is not None
+        dist = checker._dist
+        try:
+            if dist.is_available() and dist.is_initialized():
+                checker.check_through(None)
+        except Exception as e:
+            checker.refuse_all(f"replica check at close failed: {type(e).__name__}: {e}")
+        else:
+            checker.refuse_all("the process group was gone at close: replicas not checked")
 
     @property
     def last_load_source(self) -> Optional[Tuple[str, Any]]:
@@ -246,6 +287,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         OPEN_CHECKPOINTERS.discard(self)
         if self._replicator is not None:
             self._replicator.close()  # the queued replications finish first
+        if self._checker is not None:
+            self._check_all_or_refuse()
         for h in list(self._pending):
             try:
                 h._get_rust()
@@ -306,7 +349,10 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         self._engine.remove(operator.index(step))
 
     def flush(self) -> None:
-        """Wait for every save in flight to be committed or to fail."""
+        """Wait for every save in flight to be committed or to fail (with
+        ``check_replicas``, after the replica check of each: a collective)."""
+        if self._checker is not None:
+            self._checker.check_through(None)
         self._engine.flush()
         self._reap()
 

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..errors import ConfigError
+from ..errors import CommitRefused, ConfigError, ReplicaDivergence
 
 
 class SaveHandle:
@@ -33,6 +33,15 @@ class SaveHandle:
         self._snapshot = False  # save(..., snapshot="device"): the guard takes a snapshot
         #: Device bytes of the save's snapshot (``snapshot="device"``; 0 when none was taken).
         self.snapshot_bytes = 0
+        # check_replicas: the checkpointer's divergence check (shmckpt._divergence), whether
+        # it decided this save's commit, the divergence it found and a failure of the check.
+        self._checker: Optional[Any] = None
+        self._checked = False
+        self._divergence: Optional[ReplicaDivergence] = None
+        self._check_error: Optional[BaseException] = None
+        #: Seconds the replica check of this save took once its checksums were known
+        #: (``check_replicas``), or None before (and without) it.
+        self.replica_check_seconds: Optional[float] = None
 
     # -- internals ---------------------------------------------------------------------
     def _set_rust(self, h: Any) -> None:
@@ -110,18 +119,36 @@ class SaveHandle:
         return rep
 
     def wait(self) -> Dict[str, Any]:
-        """Block until the checkpoint is durable and committed; returns the report."""
+        """Block until the checkpoint is durable and committed; returns the report.
+
+        With ``check_replicas``: the replica check of this save (and of the earlier saves
+        not checked yet) runs here, a collective over the group;
+        :class:`~shmckpt.errors.ReplicaDivergence` when the replicas diverge and the step
+        was not committed (with ``on_divergence="warn"`` the report's
+        ``replica_divergence`` holds it)."""
+        if self._checker is not None and not self._checked:
+            self._checker.check_through(self)
         h = self._get_rust()
         if self._snapshot:
             self.snapshot_bytes = max(self.snapshot_bytes, int(h.snapshot_bytes()))
         try:
             rep = h.wait()
+        except CommitRefused as e:
+            if self._check_error is not None:
+                raise self._check_error from e
+            if self._divergence is not None:
+                raise self._divergence from None
+            raise
         except KeyboardInterrupt:
             raise
         finally:
             self._poll()
         self._release()
-        return dict(rep, snapshot_bytes=self.snapshot_bytes)
+        out = dict(rep, snapshot_bytes=self.snapshot_bytes)
+        if self._checker is not None:
+            out["replica_check"] = self.replica_check_seconds
+            out["replica_divergence"] = self._divergence
+        return out
 
     def wait_replicated(self) -> Dict[str, Any]:
         """Wait until the step, replicated in the background once committed, is held and

@@ -59,6 +59,12 @@ class SaveMixin(GuardMixin):
         step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        checker = self._checker
+        if checker is not None:
+            # The earlier saves' replica checks first (collectives in save order): at most
+            # one save's commit waits for its check at a time.
+            checker.check_through(None)
+        confirm = checker is not None
         snap = _snapshot.device_mode(snapshot, blocking, bool(self._guards))
         meta: Dict[str, str] = {}
         for k, v in (metadata or {}).items():
@@ -161,6 +167,9 @@ class SaveMixin(GuardMixin):
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
         handle._replicator = self._replicator
+        if checker is not None:
+            handle._checker = checker
+            checker.add(handle)
         handle._metadata = meta  # node-local roots: the manifest's, committed through the group
         if not finishes:
             handle._devices = sorted(devices)
@@ -178,14 +187,14 @@ class SaveMixin(GuardMixin):
                     s.synchronize()  # this stream only, not the device
                 finish_host_copies()
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, entries, meta, after, True)
+            h = self._engine.save(step, entries, meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
         elif hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, entries, meta, after, False, True)
+            h = self._engine.save(step, entries, meta, after, False, True, confirm=confirm)
             handle._set_rust(h)
             with self._lock:
                 self._pending.append(handle)
@@ -205,7 +214,7 @@ class SaveMixin(GuardMixin):
             after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
             if not finishes:
                 handle._snapshot = snap and bool(devices)
-                h = self._engine.save(step, entries, meta, after, False, False, handle._snapshot)
+                h = self._engine.save(step, entries, meta, after, False, False, handle._snapshot, confirm=confirm)
                 handle._set_rust(h)
                 with self._lock:
                     self._pending.append(handle)
@@ -219,7 +228,7 @@ class SaveMixin(GuardMixin):
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                return self._engine.save(step, entries, meta, after, False)
+                return self._engine.save(step, entries, meta, after, False, confirm=confirm)
 
             if self._submitter is None:
                 self._submitter = concurrent.futures.ThreadPoolExecutor(
