@@ -261,9 +261,12 @@ class ReplicaLoads(ReplicaNet):
                 log.warning("rank %d: %s", me, why)
                 dropped = True
                 recvs.append((server[me], np.empty(self._sizes(step)[me], dtype=np.uint8)))
-        got, _, _ = self._exchange(sends, recvs, paced=False)
+        got, refused, _, _ = self._exchange(sends, recvs, paced=False)
         can.clear()
         del recvs
+        for src, refusal in refused.items():
+            why = f"the image rank {src} was to send was refused before any byte of it came: {refusal}"
+            log.warning("rank %d: %s", me, why)
         for src, img in got.items():
             if dropped:
                 continue
