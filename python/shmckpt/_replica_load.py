@@ -115,7 +115,7 @@ class ReplicaLoads(ReplicaNet):
 
     def _agree_step(self, sel: Optional[int]) -> None:
         me = self.ckpt.rank
-        mine = sel if sel is not None else self.ckpt.latest()
+        mine = sel if sel is not None else self.ckpt._engine.latest()  # this root's own
         have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
         seen = self._gather((mine, have), "the step every rank has")
         steps = [s for s, _ in seen if s is not None]
