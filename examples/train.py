@@ -10,7 +10,9 @@ small MLP on synthetic data so the example runs anywhere in seconds; the checkpo
 what a real trainer writes. ``--loss-log FILE`` appends one line per step (``step loss`` with
 the loss as a float hex, exact) and a ``final`` line with a digest of the weights and
 optimizer state; ``--kill-at STEP`` SIGKILLs the process right after that step's save
-call (the test in python/tests/test_examples.py uses both).
+call (the test in python/tests/test_examples.py uses both). ``--remote s3://bucket/prefix``
+mirrors every checkpoint to a bucket: with the local disk lost, the same command resumes
+from the bucket's newest step.
 """
 
 import argparse
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="save every N steps")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--loss-log", help="append per-step losses and the final digest here")
+    ap.add_argument("--remote", help="also mirror every checkpoint to this bucket (s3://bucket/prefix)")
     ap.add_argument("--kill-at", type=int, help="SIGKILL this process right after saving this step")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -62,10 +65,12 @@ def main() -> None:
 
     # recover_on_open: a save that was fully staged when the previous process died is
     # committed (and its shared memory freed) before we look for the latest checkpoint.
-    ckpt = shmckpt.Checkpointer(a.ckpt, keep_last=3, recover_on_open=True)
+    ckpt = shmckpt.Checkpointer(a.ckpt, keep_last=3, recover_on_open=True, remote=a.remote)
     ckpt.guard(opt)  # opt.step() waits for a save still copying the weights
 
     start = 0
+    # latest(): the step load("latest") loads (memory, the local disk, else the bucket),
+    # so a run whose local disk was lost resumes from the bucket.
     if ckpt.latest() is not None:
         state = ckpt.load("latest")
         model.load_state_dict(state["model"])

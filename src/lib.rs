@@ -106,7 +106,7 @@ pub mod flash {
 
 pub use engine::{
     Engine, LoadReport, LoadSource, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport,
-    SaveTimings, SaveWatch, StagedReport, StepSel,
+    SaveTimings, SaveWatch, StagedReport, StepSel, Tier, Tiers,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

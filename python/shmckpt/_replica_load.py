@@ -115,7 +115,7 @@ class ReplicaLoads(ReplicaNet):
 
     def _agree_step(self, sel: Optional[int]) -> None:
         me = self.ckpt.rank
-        mine = sel if sel is not None else self.ckpt.latest()
+        mine = sel if sel is not None else self.ckpt._engine.latest()  # this root's own
         have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
         seen = self._gather((mine, have), "the step every rank has")
         steps = [s for s, _ in seen if s is not None]
@@ -261,9 +261,12 @@ class ReplicaLoads(ReplicaNet):
                 log.warning("rank %d: %s", me, why)
                 dropped = True
                 recvs.append((server[me], np.empty(self._sizes(step)[me], dtype=np.uint8)))
-        got, _, _ = self._exchange(sends, recvs, paced=False)
+        got, refused, _, _ = self._exchange(sends, recvs, paced=False)
         can.clear()
         del recvs
+        for src, refusal in refused.items():
+            why = f"the image rank {src} was to send was refused before any byte of it came: {refusal}"
+            log.warning("rank %d: %s", me, why)
         for src, img in got.items():
             if dropped:
                 continue

@@ -155,9 +155,72 @@ class ReplicaNet:
         size = self._piece_size(sender)
         return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
 
+    def _agree(
+        self, todo: Sequence[Tuple[Any, List[int]]], recvs: Sequence[Tuple[int, Any]]
+    ) -> Dict[Tuple[int, int], str]:
+        """Before any data moves: every rank announces the images it sends (to whom, how
+        many bytes, in pieces of how many) and the ones it expects (from whom, the bytes
+        its manifest says, the pieces it cuts them in), gathered on every rank. A pair
+        ``(src, dst)`` on which the two do not agree is refused on both ends alike (every
+        rank computes the same verdict from the same announcements): the receiver posts
+        no receive for it and the sender sends it nothing, so a peer announcing a size we
+        do not expect can never make a receive overflow (gloo aborts the process when a
+        message is larger than the buffer posted for it). Returns the refused pairs this
+        rank is an end of, with why."""
+        me = self.ckpt.rank
+        announced = {dst: (int(src.nbytes), self._piece_size(me)) for src, dsts in todo for dst in dsts}
+        expected = {src: (int(np.asarray(buf).nbytes), self._piece_size(src)) for src, buf in recvs}
+        everyone = self._gather((announced, expected), "the sizes of the images to exchange")
+        world = self.ckpt.world_size
+
+        def sizes(obj: Any) -> Optional[Dict[int, Tuple[int, int]]]:
+            # What a peer announced, checked: ranks in the world, sizes non-negative
+            # integers, pieces positive (anything else: the peer's pairs are refused).
+            if not isinstance(obj, dict):
+                return None
+            out: Dict[int, Tuple[int, int]] = {}
+            for k, v in obj.items():
+                if not (type(k) is int and 0 <= k < world and isinstance(v, tuple) and len(v) == 2):
+                    return None
+                n, piece = v
+                if not (type(n) is int and type(piece) is int and n >= 0 and piece > 0):
+                    return None
+                out[k] = (n, piece)
+            return out
+
+        sends: List[Optional[Dict[int, Tuple[int, int]]]] = []
+        wants: List[Optional[Dict[int, Tuple[int, int]]]] = []
+        for obj in everyone:
+            ok = isinstance(obj, tuple) and len(obj) == 2
+            sends.append(sizes(obj[0]) if ok else None)
+            wants.append(sizes(obj[1]) if ok else None)
+
+        def say(v: Tuple[int, int]) -> str:
+            return f"{v[0]} bytes in pieces of {v[1]}"
+
+        refused: Dict[Tuple[int, int], str] = {}
+        # The pairs this rank is an end of (both ends of a pair judge it from the same
+        # announcements, so alike).
+        pairs = [(me, r) for r in range(world)] + [(r, me) for r in range(world) if r != me]
+        for src, dst in pairs:
+            s, w = sends[src], wants[dst]
+            if not ((s is not None and dst in s) or (w is not None and src in w)):
+                continue  # neither end says this pair exchanges anything
+            if s is None or w is None:
+                refused[(src, dst)] = f"rank {src if s is None else dst} announced sizes that are not sizes"
+            elif dst not in s:
+                refused[(src, dst)] = f"rank {dst} expects {say(w[src])} from rank {src}, which sends it nothing"
+            elif src not in w:
+                refused[(src, dst)] = f"rank {src} announced {say(s[dst])} to rank {dst}, which expects nothing from it"
+            elif s[dst] != w[src]:
+                refused[(src, dst)] = f"rank {src} announced {say(s[dst])}, rank {dst} expects {say(w[src])}"
+        for (src, dst), why in refused.items():
+            log.warning("rank %d: the transfer of rank %d's image to rank %d is refused: %s", me, src, dst, why)
+        return refused
+
     def _exchange(
         self, sends: Sequence[Tuple[int, Any]], recvs: Sequence[Tuple[int, Any]], paced: bool
-    ) -> Tuple[Dict[int, Any], int, float]:
+    ) -> Tuple[Dict[int, Any], Dict[int, str], int, float]:
         """Send each ``(dst, source)`` and receive each ``(src, buffer)`` (buffers: objects
         numpy views without a copy, ``__array_interface__``: a ``ReplicaImage`` or a
         ``Buffer``, the received ones writable; a source is such a buffer or an
@@ -166,8 +229,11 @@ class ReplicaNet:
         posted first, then the sends, piece by piece, one source after the other in turn,
         no faster than :attr:`bandwidth` when ``paced``; at most :data:`_IN_FLIGHT` pieces
         are in flight (a piece is dropped, its staging chunks given back, once its sends
-        finished). Returns the receive buffers by source (filled), the bytes sent and the
-        seconds the exchange took. A transfer that fails (the peer died, or was silent for
+        finished). First the sizes are agreed (:meth:`_agree`): a transfer whose sender
+        announced other sizes than its receiver expects is refused on both ends, before
+        any receive is posted. Returns the receive buffers by source (filled), the
+        refused receives by source (why), the bytes sent and the seconds the exchange
+        took. A transfer that fails (the peer died, or was silent for
         the group's timeout) raises :class:`_GroupFailed` naming the peers, once every
         other transfer has finished or failed."""
         import torch
@@ -183,8 +249,24 @@ class ReplicaNet:
         through: Dict[int, Tuple[Any, int]] = {}
         failed: Dict[int, str] = {}
         got: Dict[int, Any] = {}
+        # Each source once, with its destinations and its pieces.
+        todo: List[Tuple[Any, List[int], List[Tuple[int, int]]]] = []
+        by_id: Dict[int, int] = {}
+        for dst, obj in sends:
+            if id(obj) not in by_id:
+                src_pieces = obj if isinstance(obj, ImagePieces) else _BufferPieces(obj)
+                by_id[id(obj)] = len(todo)
+                todo.append((src_pieces, [], self._pieces(src_pieces.nbytes, me)))
+            todo[by_id[id(obj)]][1].append(dst)
+        refused_pairs = self._agree([(p, d) for p, d, _ in todo], recvs)
+        for _, dsts, _ in todo:
+            dsts[:] = [d for d in dsts if (me, d) not in refused_pairs]
+        refused: Dict[int, str] = {}
         views = []
         for src, buf in recvs:
+            if (src, me) in refused_pairs:
+                refused[src] = refused_pairs[(src, me)]
+                continue  # no receive posted: nothing the sender sends can land in it
             t = torch.from_numpy(np.asarray(buf))
             views.append(t)
             got[src] = buf
@@ -196,15 +278,6 @@ class ReplicaNet:
                     works.append((src, "receiving from", w))
                 except RuntimeError as e:
                     failed.setdefault(src, f"receiving from rank {src}: {e}")
-        # Each source once, with its destinations and its pieces.
-        todo: List[Tuple[Any, List[int], List[Tuple[int, int]]]] = []
-        by_id: Dict[int, int] = {}
-        for dst, obj in sends:
-            if id(obj) not in by_id:
-                src_pieces = obj if isinstance(obj, ImagePieces) else _BufferPieces(obj)
-                by_id[id(obj)] = len(todo)
-                todo.append((src_pieces, [], self._pieces(src_pieces.nbytes, me)))
-            todo[by_id[id(obj)]][1].append(dst)
         inflight: Deque[Tuple[Any, List[Tuple[int, Any]]]] = collections.deque()
 
         def finish(entry: Tuple[Any, List[Tuple[int, Any]]]) -> None:
@@ -254,6 +327,9 @@ class ReplicaNet:
                     continue
                 pace()  # before the piece is made: it pins staging chunks (or memory) from then on
                 t = src_pieces.piece(a, b)
+                if t.numel() != b - a:  # never expected: the bytes sent are exactly the ones agreed
+                    log.warning("rank %d: piece [%d, %d) made %d bytes: zeros sent instead", me, a, b, t.numel())
+                    t = torch.zeros(b - a, dtype=torch.uint8)
                 posted: List[Tuple[int, Any]] = []
                 for dst in live:
                     pace()
@@ -281,6 +357,6 @@ class ReplicaNet:
                 f"than the group's timeout, {self.timeout:g} s by default): " + "; ".join(failed.values()),
                 peers=sorted(failed),
             )
-        return got, sent, time.monotonic() - t0
+        return got, refused, sent, time.monotonic() - t0
 
     # -- the replication thread --------------------------------------------------------

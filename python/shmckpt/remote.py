@@ -52,35 +52,21 @@ SOURCES = (None, "local", "remote")
 
 def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> Tuple[int, str]:
     """The step to load (``None``: the latest) and where from: ``"local"`` (memory or
-    disk, the engine picks) or ``"remote"``. Without ``source``, a step the local disk
-    holds is loaded locally, else from the bucket when there is one."""
+    disk, the engine picks) or ``"remote"``: the engine's one fallback order
+    (``Engine::resolve_step``; ``Checkpointer.latest`` and ``list`` follow it too).
+    Without ``source``, a step the local disk holds (the latest: the disk's newest, when it
+    holds any) is loaded locally, else from the bucket when there is one."""
+    check_source(source)
+    if source == "remote" and ck.remote is None:
+        raise ConfigError("this Checkpointer has no remote tier (remote=...)")
+    s, where = ck._engine.resolve(step, source)
+    return int(s), str(where)
+
+
+def check_source(source: Optional[str]) -> None:
+    """``ValueError`` unless ``source`` is one of :data:`SOURCES`."""
     if source not in SOURCES:
         raise ValueError(f"source must be None, 'local' or 'remote', not {source!r}")
-    has_remote = ck.remote is not None
-    if source == "remote":
-        if not has_remote:
-            raise ConfigError("this Checkpointer has no remote tier (remote=...)")
-        return _remote_step(ck, step), "remote"
-    local = ck._engine.list()
-    local_steps = [s for s, _ in local]
-    if step is None:
-        if local_steps:
-            return local_steps[-1], "local"
-    elif step in local_steps:
-        return step, "local"
-    if source == "local" or not has_remote:
-        what = "(latest)" if step is None else f"step {step}"
-        raise NotFound(f"no committed checkpoint {what} in {ck.root}", path=ck.root, step=step)
-    return _remote_step(ck, step), "remote"
-
-
-def _remote_step(ck: "Checkpointer", step: Optional[int]) -> int:
-    if step is not None:
-        return step
-    steps = ck._engine.list_remote()
-    if not steps:
-        raise NotFound(f"no committed checkpoint (latest) in {ck.remote}", path=ck.remote)
-    return steps[-1]
 
 
 def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Optional[Any]:

@@ -357,7 +357,9 @@ class Replicator(ReplicaLoads):
                 log.warning("%s", problems[q])
                 recvs.append((q, np.empty(sizes[q], dtype=np.uint8)))
         marks.append(("opened", time.monotonic()))
-        got, sent, transfer = self._exchange(sends, recvs, paced=True)
+        got, refused, sent, transfer = self._exchange(sends, recvs, paced=True)
+        for q, why in refused.items():
+            problems.setdefault(q, f"rank {me} refused rank {q}'s image of step {step} before any byte of it came: {why}")
         marks.append(("exchanged", time.monotonic()))
         sent_from = {"staging": 0, "copied": 0, "file": 0} if image is None else dict(image.sent_from)
         if problem is None and image is not None:

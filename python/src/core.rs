@@ -425,6 +425,58 @@ pub fn latest(engine: &Engine) -> Result<Option<u64>> {
     engine.latest()
 }
 
+/// `load`'s `source=` as the engine's tiers: `None` every tier, `"local"` memory or disk,
+/// `"remote"` the bucket; anything else `None` (the caller's `ValueError`).
+pub fn tiers(source: Option<&str>) -> Option<shmckpt::Tiers> {
+    match source {
+        None => Some(shmckpt::Tiers::All),
+        Some("local") => Some(shmckpt::Tiers::Local),
+        Some("remote") => Some(shmckpt::Tiers::Remote),
+        Some(_) => None,
+    }
+}
+
+/// The step a load of `step` (`None`: the latest) from `tiers` reads, and where from
+/// (`"local"`: memory or disk, `"remote"`: the bucket): the engine's one fallback order.
+pub fn resolve_step(
+    engine: &Engine,
+    step: Option<u64>,
+    tiers: shmckpt::Tiers,
+) -> Result<(u64, &'static str)> {
+    let (s, tier) = engine.resolve_step(sel(step), tiers)?;
+    Ok((
+        s,
+        match tier {
+            shmckpt::Tier::Local => "local",
+            shmckpt::Tier::Remote => "remote",
+        },
+    ))
+}
+
+/// The step a load of "latest" from `tiers` reads, or `None`.
+pub fn latest_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Option<u64>> {
+    engine.latest_in(tiers)
+}
+
+/// The committed steps a load from `tiers` can read, oldest first, with the tiers holding
+/// each (`"disk"`, `"bucket"`).
+pub fn list_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Vec<(u64, Vec<&'static str>)>> {
+    Ok(engine
+        .list_in(tiers)?
+        .into_iter()
+        .map(|(s, disk, bucket)| {
+            let mut t = Vec::new();
+            if disk {
+                t.push("disk");
+            }
+            if bucket {
+                t.push("bucket");
+            }
+            (s, t)
+        })
+        .collect())
+}
+
 /// This rank's file metadata of a committed checkpoint, its header checked against the
 /// manifest.
 pub fn file_metadata(

@@ -528,6 +528,47 @@ impl PyEngine {
             .map_err(|e| to_py(py, e))
     }
 
+    /// The step a load of `step` (`None`: the latest) with `source` (`None`, `"local"`,
+    /// `"remote"`: as `Checkpointer.load`) reads, and where from (`"local"` or
+    /// `"remote"`): the engine's one fallback order. `NotFound` when no tier asked holds it.
+    #[pyo3(signature = (step=None, source=None))]
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+        source: Option<&str>,
+    ) -> PyResult<(u64, String)> {
+        let tiers = tiers_of(source)?;
+        let engine = self.get()?;
+        py.detach(|| core::resolve_step(&engine, step, tiers))
+            .map(|(s, t)| (s, t.to_owned()))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The step a load of "latest" with `source` reads, or `None` when no tier asked holds
+    /// a committed step.
+    #[pyo3(signature = (source=None))]
+    fn latest_in(&self, py: Python<'_>, source: Option<&str>) -> PyResult<Option<u64>> {
+        let tiers = tiers_of(source)?;
+        let engine = self.get()?;
+        py.detach(|| core::latest_in(&engine, tiers))
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The committed steps a load with `source` can read, oldest first, each with the
+    /// tiers holding it: `[(step, ["disk", "bucket"])]`.
+    #[pyo3(signature = (source=None))]
+    fn list_in(&self, py: Python<'_>, source: Option<&str>) -> PyResult<Vec<(u64, Vec<String>)>> {
+        let tiers = tiers_of(source)?;
+        let engine = self.get()?;
+        let l = py
+            .detach(|| core::list_in(&engine, tiers))
+            .map_err(|e| to_py(py, e))?;
+        Ok(l.into_iter()
+            .map(|(s, t)| (s, t.into_iter().map(str::to_owned).collect()))
+            .collect())
+    }
+
     /// The `__metadata__` of this rank's file of `step` (`None`: the latest), read after
     /// its header is checked against the manifest (tensors, header CRC-32C).
     #[pyo3(signature = (step=None))]
@@ -696,4 +737,14 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     replica::register(m)?;
     held::register(m)?;
     Ok(())
+}
+
+/// `source=` (as `Checkpointer.load` takes it) as the engine's tiers, else `ValueError`.
+fn tiers_of(source: Option<&str>) -> PyResult<shmckpt::Tiers> {
+    core::tiers(source).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "source must be None, 'local' or 'remote', not {:?}",
+            source.unwrap_or_default()
+        ))
+    })
 }

@@ -18,7 +18,9 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         (and waited for) before the replication of step 1 may begin its exchange;
         REPLICA_WORKER_REMOTE=URL: remote=URL, each step also waited for in the bucket;
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
-        machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last
+        machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last;
+        REPLICA_WORKER_LIE=RANK:DELTA: that rank's images claim DELTA bytes more than the
+        committed file holds (announced, and sent: the last piece padded with zeros or cut)
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors;
         REPLICA_WORKER_LOAD_STEP=N: load step N) and compare it with the state saved of
@@ -121,6 +123,29 @@ def first_piece_event():
     return ev
 
 
+def lie_about_size(delta):
+    """This rank's images claim ``delta`` bytes more than the file holds: their size, and
+    the bytes sent (the last piece padded with zeros, or cut short)."""
+    from shmckpt import _replica_net
+
+    real_init = _replica_net.ImagePieces.__init__
+    real_piece = _replica_net.ImagePieces.piece
+
+    def init(self, source, held, rank):
+        real_init(self, source, held, rank)
+        self.true_nbytes = self.nbytes
+        self.nbytes += delta
+
+    def piece(self, a, b):
+        t = real_piece(self, a, min(b, self.true_nbytes))
+        if t.numel() < b - a:
+            t = torch.cat([t, torch.zeros(b - a - t.numel(), dtype=torch.uint8)])
+        return t
+
+    _replica_net.ImagePieces.__init__ = init
+    _replica_net.ImagePieces.piece = piece
+
+
 def replica_matches_file(root, step, src):
     """Whether this user's replica of ``src``'s image of ``step`` holds exactly the bytes of
     ``src``'s committed file."""
@@ -180,6 +205,9 @@ def main():
     res = {"rank": rank}
     ck = open_ckpt(root, rank, replicas)
     res["shm_name"] = ck.shm_name
+    lie = os.environ.get("REPLICA_WORKER_LIE", "").split(":")
+    if lie[0] == str(rank):
+        lie_about_size(int(lie[1]))
     if mode == "save":
         res["reports"] = []
         die = os.environ.get("REPLICA_WORKER_DIE")  # "RANK:STEP": killed after its save

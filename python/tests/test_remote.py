@@ -159,7 +159,7 @@ def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
     shutil.rmtree(root)
     root.mkdir()
     with open_ck(root, url) as ck:
-        assert ck.list() == [] and ck.list(remote=True) == [3]
+        assert ck.list(source="local") == [] and ck.list() == ck.list(remote=True) == [3]
         got = ck.load("latest")
         same(got, st)
         assert ck.last_load_source == ("remote", None)
@@ -180,7 +180,7 @@ def test_remote_retention_keeps_the_newest(s3, root):
             retired += h.wait_remote()["retired"]
         assert retired == [1, 2]
         assert ck.list(remote=True) == [3, 4]
-        assert ck.list() == [4]
+        assert ck.list(source="local") == [4] and ck.list() == [3, 4]
         assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-3", "step-4"}
         same(ck.load(3), state(3, 1024))
         assert ck.last_load_source == ("remote", None)
@@ -623,7 +623,7 @@ def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_pat
         assert [p.name for p in scratch_parent.iterdir()] == [os.path.basename(scratch)]
         left = sorted(os.listdir(scratch))
         assert all(n.startswith(".shmckpt-rank-") for n in left), left
-        assert ck.list() == [] and ck.list(remote=True) == [2, 3]
+        assert ck.list(source="local") == [] and ck.list() == ck.list(remote=True) == [2, 3]
         same(ck.load("latest"), state(3, 2048))
         assert ck.last_load_source == ("remote", None)
     assert list(scratch_parent.iterdir()) == []

@@ -363,3 +363,66 @@ def test_older_replicas_are_removed_after_the_newer_one_is_sealed(droot):
             shm = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 0, 2)
             assert shm.read_bytes() == good
     assert held() == [3]
+
+
+class _Net:
+    """The state :meth:`ReplicaNet._agree` reads, on rank ``rank`` of 3 (every rank's
+    pieces: 1 MiB chunks, unbounded bandwidth: 64 MiB), with ``_gather`` answering
+    ``others`` (rank -> what that rank announced) and this rank's own announcement."""
+
+    def __init__(self, rank, others):
+        from shmckpt._replica_net import ReplicaNet
+
+        class Ck:
+            world_size = 3
+
+        self.net = ReplicaNet()
+        self.net.ckpt = Ck()
+        self.net.ckpt.rank = rank
+        self.net.bandwidths = [None] * 3
+        self.net.chunk_sizes = [1 << 20] * 3
+        self.net._gather = lambda mine, what: [others.get(r, mine) if r != rank else mine for r in range(3)]
+
+
+class _Image:
+    def __init__(self, n):
+        self.nbytes = n
+
+
+def test_sizes_are_agreed_before_any_receive():
+    """`_agree` (one gather, no transfer): a pair refused when the two ends disagree on
+    the bytes or the piece size, when one end announces it and the other does not, and
+    when an announcement is not a map of ranks to sizes; both ends name the same reason."""
+    piece = 64 << 20
+    buf = np.zeros(1000, dtype=np.uint8)
+    # Rank 1 expects 1000 bytes from rank 0, which announces 1001.
+    net = _Net(1, {0: ({1: (1001, piece)}, {}), 2: ({}, {})}).net
+    assert net._agree([], [(0, buf)]) == {
+        (0, 1): f"rank 0 announced 1001 bytes in pieces of {piece}, rank 1 expects 1000 bytes in pieces of {piece}"
+    }
+    # The sender's side of the same pair, from the same announcements.
+    net = _Net(0, {1: ({}, {0: (1000, piece)}), 2: ({}, {})}).net
+    assert net._agree([(_Image(1001), [1])], []) == {
+        (0, 1): f"rank 0 announced 1001 bytes in pieces of {piece}, rank 1 expects 1000 bytes in pieces of {piece}"
+    }
+    # Agreed: nothing refused.
+    net = _Net(1, {0: ({1: (1000, piece)}, {}), 2: ({}, {})}).net
+    assert net._agree([], [(0, buf)]) == {}
+    # Another piece size (the ends would cut the image differently).
+    net = _Net(1, {0: ({1: (1000, 1 << 20)}, {}), 2: ({}, {})}).net
+    assert net._agree([], [(0, buf)]) == {
+        (0, 1): f"rank 0 announced 1000 bytes in pieces of {1 << 20}, rank 1 expects 1000 bytes in pieces of {piece}"
+    }
+    # Expected from a rank that sends nothing; sent to a rank that expects nothing.
+    net = _Net(1, {0: ({}, {}), 2: ({1: (5, piece)}, {})}).net
+    assert net._agree([], [(0, buf)]) == {
+        (0, 1): f"rank 1 expects 1000 bytes in pieces of {piece} from rank 0, which sends it nothing",
+        (2, 1): f"rank 2 announced 5 bytes in pieces of {piece} to rank 1, which expects nothing from it",
+    }
+    # Announcements that are not sizes: negative, not integers, ranks outside the world,
+    # a zero piece, not a pair.
+    for bad in [{1: (-1, piece)}, {1: (1000.0, piece)}, {7: (1000, piece)}, {1: (1000, 0)}, {1: [1000, piece]}, "x"]:
+        net = _Net(1, {0: (bad, {}), 2: ({}, {})}).net
+        assert net._agree([], [(0, buf)]) == {(0, 1): "rank 0 announced sizes that are not sizes"}, bad
+    net = _Net(1, {0: None, 2: ({}, {})}).net
+    assert net._agree([], [(0, buf)]) == {(0, 1): "rank 0 announced sizes that are not sizes"}

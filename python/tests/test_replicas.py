@@ -220,6 +220,34 @@ def test_tampered_replica_is_refused(tmp_path, droot):
     assert not (root / "step-5" / names[2]).exists()
 
 
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_partner_lying_about_its_size_is_refused(tmp_path, droot, delta):
+    """Rank 0 announces and sends one byte more (or less) than its committed file of step 1
+    holds. Its partner, rank 2, posts no receive for it (before, gloo aborted rank 2 with
+    SIGABRT on the larger message, its replica arena left in /dev/shm): every rank exits
+    normally with ReplicationError naming both sizes; the other images are held, and no
+    replica of rank 0 and no unfinished arena is left behind."""
+    root = droot
+    saved = run_world(
+        tmp_path, root, "save", 1, 1, env={"REPLICA_WORKER_LIE": f"0:{delta}", "REPLICA_WORKER_TIMEOUT": "20"}
+    )
+    n = file_sizes(root, 1)[0]
+    piece = 51 << 20  # 50 ms at the default 1 GiB/s, in whole 1 MiB staging chunks
+    why = (
+        f"rank 2 refused rank 0's image of step 1 before any byte of it came: rank 0 announced "
+        f"{n + delta} bytes in pieces of {piece}, rank 2 expects {n} bytes in pieces of {piece}"
+    )
+    for res in saved:
+        assert res["error"] == "ReplicationError" and res["failed_step"] == 1
+        (f,) = res["failures"]
+        assert f["message"] == f"step 1 is not 1-safe: held by {{0: []}}; {why}"
+    assert our_replicas(root) == [(1, 1), (2, 1), (3, 1)]
+    tag = _shmckpt.replica_tag(str(root))
+    assert sorted(pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*")) == sorted(
+        pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), q, 1) for q in (1, 2, 3)
+    )
+
+
 def test_replica_of_another_user_is_refused(droot):
     """A replica under the right name but owned by another user is never served, and
     `remove_replica` leaves it alone."""

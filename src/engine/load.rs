@@ -48,13 +48,11 @@ impl Engine {
 
     #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
     fn load_tiers(&self, which: StepSel, bucket: bool) -> Result<(Checkpoint, LoadReport)> {
-        let info = match self.resolve(which) {
-            Ok(info) => info,
+        let tiers = if bucket { Tiers::All } else { Tiers::Local };
+        let info = match self.resolve_in(which, tiers)? {
+            Resolved::Local(info) => info,
             #[cfg(feature = "s3")]
-            Err(e @ Error::NotFound { .. }) if bucket => {
-                return self.load_fallback_remote(which, e);
-            }
-            Err(e) => return Err(e),
+            Resolved::Bucket { step, disk } => return self.load_fallback_remote(step, disk),
         };
         let fallback_reason = match self.try_memory(&info)? {
             Memory::Served(ck, disk_problem) => {
@@ -184,14 +182,13 @@ impl Engine {
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
         let which = which.into();
-        let info = match self.resolve(which) {
-            Ok(info) => info,
+        let info = match self.resolve_in(which, Tiers::All)? {
+            Resolved::Local(info) => info,
             // Not on disk: from the bucket, with a remote tier.
             #[cfg(feature = "s3")]
-            Err(Error::NotFound { .. }) if self.remote().is_some() => {
-                return self.load_into_remote(which, dest).map(|r| r.step);
+            Resolved::Bucket { step, .. } => {
+                return self.load_into_remote(step, dest).map(|r| r.step);
             }
-            Err(e) => return Err(e),
         };
         if let Ok((image, _, entry, _)) = self.memory_image(&info)? {
             let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
@@ -311,17 +308,17 @@ impl Engine {
         dest: &[(&str, DeviceSlice<'_>)],
         bucket: bool,
     ) -> Result<LoadReport> {
-        let info = match self.resolve(which) {
-            Ok(info) => info,
+        let tiers = if bucket { Tiers::All } else { Tiers::Local };
+        let info = match self.resolve_in(which, tiers)? {
+            Resolved::Local(info) => info,
             // Not on disk: from the bucket, with a remote tier (through registered
             // buffers, no host copy of the file).
             #[cfg(feature = "s3")]
-            Err(e @ Error::NotFound { .. }) if bucket && self.remote().is_some() => {
+            Resolved::Bucket { step, disk } => {
                 // SAFETY: forwarded from this function's contract.
-                let got = unsafe { self.load_into_device_remote_raw(which, dest)? };
-                return Ok(LoadReport::from_bucket(got.step, &e));
+                let got = unsafe { self.load_into_device_remote_raw(step, dest)? };
+                return Ok(LoadReport::from_bucket(got.step, disk.as_ref()));
             }
-            Err(e) => return Err(e),
         };
         let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
         let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
@@ -375,7 +372,7 @@ impl Engine {
             // destination is written again from there.
             #[cfg(feature = "s3")]
             Err(e) if bucket && self.bucket_replaces(&info, &e) => {
-                let report = LoadReport::from_bucket(info.step, &e);
+                let report = LoadReport::from_bucket(info.step, Some(&e));
                 // SAFETY: forwarded from this function's contract.
                 let got =
                     unsafe { self.load_into_device_remote_raw(StepSel::Step(info.step), dest) };

@@ -21,6 +21,7 @@ mod remote_ops;
 mod report;
 mod save;
 mod state;
+mod tiers;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,6 +50,8 @@ pub use handle::{SaveHandle, SaveWatch};
 pub use report::{LoadReport, LoadSource, SaveReport, SaveTimings, StagedReport};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
+use tiers::Resolved;
+pub use tiers::{Tier, Tiers};
 
 /// Which committed checkpoint to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -26,7 +26,7 @@ impl Engine {
         self.remote_or_err()?.list()
     }
 
-    fn resolve_remote(&self, which: StepSel) -> Result<u64> {
+    pub(super) fn resolve_remote(&self, which: StepSel) -> Result<u64> {
         let r = self.remote_or_err()?;
         match which {
             StepSel::Step(s) => Ok(s),
@@ -142,26 +142,24 @@ impl Engine {
         info: &CheckpointInfo,
         local: Error,
     ) -> Result<(Checkpoint, LoadReport)> {
-        let report = LoadReport::from_bucket(info.step, &local);
+        let report = LoadReport::from_bucket(info.step, Some(&local));
         let (ck, _) = bucket_or(info.step, local, self.load_remote(StepSel::Step(info.step)))?;
         Ok((ck, report))
     }
 
-    /// The load fallback: a step the disk does not hold, from the bucket.
+    /// The load fallback: a step the disk does not hold (`disk`: the disk's error), from
+    /// the bucket ([`Engine::resolve_in`] chose it).
     pub(super) fn load_fallback_remote(
         &self,
-        which: StepSel,
-        local: Error,
+        step: u64,
+        disk: Option<Error>,
     ) -> Result<(Checkpoint, LoadReport)> {
-        if self.remote().is_none() {
-            return Err(local);
-        }
-        let (ck, _) = self.load_remote(which)?;
+        let (ck, _) = self.load_remote(step)?;
         tracing::info!(
             step = ck.step,
             "load served from the bucket (not on the local disk)"
         );
-        let report = LoadReport::from_bucket(ck.step, &local);
+        let report = LoadReport::from_bucket(ck.step, disk.as_ref());
         Ok((ck, report))
     }
 }
@@ -177,11 +175,11 @@ pub(super) fn bucket_or<T>(step: u64, local: Error, got: Result<T>) -> Result<T>
 
 impl LoadReport {
     /// The report of `step` served by the bucket because the disk could not (`disk`).
-    pub(super) fn from_bucket(step: u64, disk: &Error) -> Self {
+    pub(super) fn from_bucket(step: u64, disk: Option<&Error>) -> Self {
         LoadReport {
             step,
             source: LoadSource::Remote,
-            fallback_reason: Some(disk.to_string()),
+            fallback_reason: disk.map(|e| e.to_string()),
             disk_problem: None,
         }
     }

@@ -10,7 +10,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
 
 from .. import _shmckpt
 from .. import remote as _remote
@@ -326,15 +326,49 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         return self._engine.describe()[1]
 
     # -- queries -----------------------------------------------------------------------
-    def latest(self) -> Optional[int]:
-        """The newest committed step, or ``None``."""
-        return self._engine.latest()
+    def latest(self, *, source: Optional[str] = None) -> Optional[int]:
+        """The step ``load("latest", source=source)`` loads, or ``None`` when no tier asked
+        holds a committed step: the same rule as the load (the engine's one fallback
+        order). ``source=None``: the local disk's newest step (served from memory when the
+        kept image holds it) when the disk holds any, else the bucket's (``remote=...``),
+        so a lost local root does not hide the bucket; ``"local"``: memory or disk only;
+        ``"remote"``: the bucket only. With replicas, ``load("latest")`` is collective and
+        may pick an older step that every rank can load (or a step a partner holds for a
+        rank whose files are gone): this is the rank's own view, without a collective."""
+        _remote.check_source(source)
+        if source == "remote" and self.remote is None:
+            raise ConfigError("this Checkpointer has no remote tier (remote=...)")
+        got = self._engine.latest_in(source)
+        return None if got is None else int(got)
 
-    def list(self, remote: bool = False) -> List[int]:
-        """Committed steps, oldest first (``remote=True``: those committed in the bucket)."""
+    @overload
+    def list(self, remote: bool = ..., *, source: Optional[str] = ..., tiers: Literal[False] = ...) -> List[int]: ...
+
+    @overload
+    def list(
+        self, remote: bool = ..., *, source: Optional[str] = ..., tiers: Literal[True]
+    ) -> List[Tuple[int, List[str]]]: ...
+
+    def list(
+        self, remote: bool = False, *, source: Optional[str] = None, tiers: bool = False
+    ) -> Union[List[int], List[Tuple[int, List[str]]]]:
+        """The committed steps ``load(step, source=source)`` can load, oldest first:
+        ``source=None``, those of the local disk and of the bucket (``remote=...``), a step
+        the disk holds read from the disk; ``"local"``: the disk's; ``"remote"`` (or
+        ``remote=True``): the bucket's. ``tiers=True``: each as ``(step, tiers)``, the tiers
+        that hold it (``"disk"``, ``"bucket"``). ``latest()`` is the disk's newest when the
+        disk holds any step, even when the bucket holds newer ones (listed here)."""
         if remote:
-            return list(self._engine.list_remote())
-        return [s for s, _ in self._engine.list()]
+            if source not in (None, "remote"):
+                raise ValueError(f"remote=True lists the bucket; source={source!r} contradicts it")
+            source = "remote"
+        _remote.check_source(source)
+        if source == "remote" and self.remote is None:
+            raise ConfigError("this Checkpointer has no remote tier (remote=...)")
+        got = self._engine.list_in(source)
+        if tiers:
+            return [(int(s), list(t)) for s, t in got]
+        return [int(s) for s, _ in got]
 
     def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
         """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
