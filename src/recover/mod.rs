@@ -143,6 +143,19 @@ fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(Strin
     found.into_iter().map(|(_, n, u)| (n, u)).collect()
 }
 
+/// Steps of the saves that this user's staging arenas recorded for `root` (any rank)
+/// still hold in a slot: their partial directories hold chunks that recovery needs, and
+/// [`commit::clean_stale`] keeps them.
+pub(crate) fn staged_steps(root: &Path) -> std::collections::BTreeSet<u64> {
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    list_arenas()
+        .into_iter()
+        .filter_map(|a| a.details.ok())
+        .filter(|d| d.root == want || d.root == root)
+        .flat_map(|d| d.slots.into_iter().map(|s| s.step))
+        .collect()
+}
+
 /// Run by [`crate::Engine::open`] (with the rank's root lock held) before stale partial
 /// directories are cleaned: recover the arenas of dead engines of this root and rank, and
 /// log what happened.
