@@ -156,14 +156,27 @@ pub(crate) fn staged_steps(root: &Path) -> std::collections::BTreeSet<u64> {
         .collect()
 }
 
+/// What [`crate::Engine::open`] recovered from dead engines' arenas.
+#[derive(Debug, Default)]
+pub(crate) struct OpenRecovery {
+    /// One report per arena recovery handled.
+    pub(crate) reports: Vec<RecoveryReport>,
+    /// Arenas of dead engines of the root and rank still holding saves to recover.
+    pub(crate) unrecovered: Vec<String>,
+}
+
 /// Run by [`crate::Engine::open`] (with the rank's root lock held) before stale partial
-/// directories are cleaned: recover the arenas of dead engines of this root and rank, and
-/// log what happened.
-pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
-    let mut out = Vec::new();
+/// directories are cleaned. With `recover` on, recover the arenas of dead engines of this
+/// root and rank, and log what happened; either way, name (and log) the dead engines'
+/// arenas left holding saves to recover (recovery off, or failed for them).
+pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
+    let mut out = OpenRecovery::default();
     for (name, in_use) in arenas_of(root, Some(rank), RecoverOptions::default()) {
         if in_use {
             tracing::debug!(arena = %name, "staging arena of this root is in use; not recovering");
+            continue;
+        }
+        if !recover {
             continue;
         }
         match recover_impl(
@@ -172,11 +185,52 @@ pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
             LockPolicy::Held,
             RecoverOptions::default(),
         ) {
-            Ok(r) => out.push(r),
+            Ok(r) => out.reports.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }
     }
+    for a in arenas_of_dead(root, rank) {
+        if a.slots.iter().any(SlotInfo::recoverable) {
+            out.unrecovered.push(a.name);
+        }
+    }
+    if !out.unrecovered.is_empty() {
+        tracing::warn!(
+            root = %root.display(),
+            rank,
+            arenas = ?out.unrecovered,
+            recover_on_open = recover,
+            "staging arenas of dead engines of this root hold saves to recover; they and \
+             their partial directories are kept: run `shmckpt recover`"
+        );
+    }
     out
+}
+
+/// A staging arena of a dead (or cleanly closed) engine, as [`arenas_of_dead`] finds it.
+struct DeadArena {
+    name: String,
+    slots: Vec<SlotInfo>,
+}
+
+/// This user's staging arenas (not flash restore's kept ones) of dead or closed engines of
+/// `root` and `rank`, readable regular files only (links and other users' segments are
+/// never read: [`list_arenas`]).
+fn arenas_of_dead(root: &Path, rank: u32) -> Vec<DeadArena> {
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    list_arenas()
+        .into_iter()
+        .filter(|a| !crate::staging::is_kept_name(&a.name))
+        .filter_map(|a| {
+            let d = a.details.ok()?;
+            ((d.root == want || d.root == root) && d.rank == rank && !d.in_use()).then(|| {
+                DeadArena {
+                    name: a.name,
+                    slots: d.slots,
+                }
+            })
+        })
+        .collect()
 }
 
 fn refuse(name: &str, reason: impl Into<String>) -> Error {

@@ -271,6 +271,62 @@ fn cli_lists_without_touching_then_recovers_the_root() {
     assert!(!out.status.success(), "recover needs DIR, --shm or --list");
 }
 
+/// Issue 36, item 7: a staged save survives a crash by default. An engine opened with
+/// recovery off recovers nothing and deletes nothing recoverable (the dead arena and the
+/// partial file holding the chunks already written stay, and the engine names the arena);
+/// the next default open recovers step 2 exactly, says so, and removes the arena.
+#[test]
+fn a_default_open_recovers_and_an_opt_out_keeps_everything() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("recover-default");
+    let root = dir.path();
+    let shm = test_shm_name("default");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+    let cfg = || small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20);
+    let partial = root.join(shmckpt::manifest::partial_dir_name(2));
+    let file = partial.join(shmckpt::manifest::rank_file_name(0, 1));
+    let before = std::fs::read(&file).unwrap();
+
+    let off = Engine::open(cfg().with_recover_on_open(false)).unwrap();
+    assert!(off.recovered().is_empty() && off.recovered_steps().is_empty());
+    assert_eq!(off.unrecovered(), [shm.clone()]);
+    assert_eq!(off.latest().unwrap(), Some(1));
+    assert!(shm_exists(&shm), "the opt-out keeps the arena");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        before,
+        "and the partial file"
+    );
+    drop(off);
+
+    let on = Engine::open(cfg()).unwrap();
+    assert_eq!(on.recovered_steps(), [2]);
+    assert!(on.unrecovered().is_empty());
+    let [report] = on.recovered() else {
+        panic!("{:?}", on.recovered())
+    };
+    assert_eq!(
+        (report.arena.as_str(), report.removed),
+        (shm.as_str(), true)
+    );
+    #[cfg(feature = "fault-injection")]
+    match &report.slots[0].outcome {
+        SlotOutcome::Committed {
+            from_staging,
+            from_file,
+            ..
+        } => assert_eq!((*from_staging, *from_file), (2, 2)),
+        other => panic!("{other:?}"),
+    }
+    assert!(!shm_exists(&shm));
+    assert_eq!(on.latest().unwrap(), Some(2));
+    assert_loaded_equal(&on.load(2).unwrap(), &step_state(2));
+    assert!(partial_dirs(root).is_empty());
+}
+
 #[test]
 fn engine_recovers_on_open() {
     if run_role(ROLES) {
