@@ -24,6 +24,7 @@ mod inspect;
 mod rebuild;
 mod report;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use crate::commit;
@@ -189,9 +190,21 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }
     }
+    // What is left of dead predecessors that holds nothing to recover (recovery off, or
+    // an arena recovery could not handle as a whole) is removed: a crash leaks no
+    // `/dev/shm`.
     for a in arenas_of_dead(root, rank) {
         if a.slots.iter().any(SlotInfo::recoverable) {
             out.unrecovered.push(a.name);
+            continue;
+        }
+        match remove_dead_arena(&a.name) {
+            Ok(()) => {
+                tracing::warn!(arena = %a.name, owner_pid = a.owner_pid, "removed a dead engine's staging arena (nothing to recover)");
+            }
+            Err(e) => {
+                tracing::warn!(arena = %a.name, error = %e, "could not remove a dead engine's staging arena");
+            }
         }
     }
     if !out.unrecovered.is_empty() {
@@ -210,6 +223,7 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
 /// A staging arena of a dead (or cleanly closed) engine, as [`arenas_of_dead`] finds it.
 struct DeadArena {
     name: String,
+    owner_pid: u32,
     slots: Vec<SlotInfo>,
 }
 
@@ -223,14 +237,56 @@ fn arenas_of_dead(root: &Path, rank: u32) -> Vec<DeadArena> {
         .filter(|a| !crate::staging::is_kept_name(&a.name))
         .filter_map(|a| {
             let d = a.details.ok()?;
-            ((d.root == want || d.root == root) && d.rank == rank && !d.in_use()).then(|| {
+            ((d.root == want || d.root == root) && d.rank == rank && !d.in_use()).then_some(
                 DeadArena {
                     name: a.name,
+                    owner_pid: d.owner_pid,
                     slots: d.slots,
-                }
-            })
+                },
+            )
         })
         .collect()
+}
+
+/// Remove the staging arena `/dev/shm/<name>` of a dead engine (`shmckpt shm rm`): a
+/// `shmckpt.` segment of this user, never through a link, whose owner is dead (or closed
+/// its engine cleanly). Whatever saves it still holds are lost (`shmckpt recover` first
+/// commits them). [`Error::ArenaInUse`] when its owner may be running, or when that cannot
+/// be told (its descriptor cannot be read); [`Error::UnsafePath`] for a link, a non-regular
+/// file or another user's segment; [`Error::Config`] for a name that is not a staging
+/// arena's (flash restore's kept arenas: [`crate::flash::remove_kept`]).
+pub fn remove_dead_arena(name: &str) -> Result<()> {
+    if !name.starts_with(crate::staging::NAME_PREFIX)
+        || name.contains('/')
+        || crate::staging::is_kept_name(name)
+    {
+        return Err(Error::Config(format!(
+            "{name:?} is not a staging arena's name"
+        )));
+    }
+    let path = Path::new(crate::staging::shm::SHM_MOUNT).join(name);
+    let m = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+    if !m.file_type().is_file() || m.uid() != rustix::process::geteuid().as_raw() {
+        return Err(Error::UnsafePath {
+            path,
+            reason: "not a regular file of this user".into(),
+        });
+    }
+    let att = AttachedArena::open(name).map_err(|e| Error::ArenaInUse {
+        name: name.to_owned(),
+        reason: format!(
+            "whether its owner is running cannot be told (its descriptor cannot be read: {e})"
+        ),
+    })?;
+    let h = att.header();
+    let owner = owner_status(h.owner_pid, name);
+    if owner.is_alive() && !h.closed {
+        return Err(Error::ArenaInUse {
+            name: name.to_owned(),
+            reason: format!("its owner, pid {}, is {owner}", h.owner_pid),
+        });
+    }
+    att.unlink().map_err(|e| Error::io("remove", &path, e))
 }
 
 fn refuse(name: &str, reason: impl Into<String>) -> Error {
