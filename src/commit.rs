@@ -243,9 +243,68 @@ fn lock_root_dir(root: &Path, exclusive: bool) -> Result<RootDirLock> {
     Ok(RootDirLock { _dir: dir })
 }
 
+/// Who asks [`clean_stale_with`] to clean, which decides what a partial directory holding
+/// durable work may lose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sweep {
+    /// An engine opening the root: the partial-part rule (docs/guarantees.md). A partial
+    /// directory holding a durable part (`manifest.json` or a rank's
+    /// `rank-K.manifest.json`: written only after its rank file was made durable) is
+    /// another rank's work in progress or a crashed save awaiting its other ranks; it is
+    /// removed only when provably stale: its step or a newer one is committed in the root.
+    Open,
+    /// An explicit `shmckpt gc`: partial directories holding durable parts are removed
+    /// too.
+    Gc,
+}
+
+/// Why [`clean_stale_with`] keeps a partial directory, if it does.
+fn keep_partial(
+    dir: &Path,
+    step: u64,
+    newest_committed: Option<u64>,
+    staged: &std::collections::BTreeSet<u64>,
+    sweep: Sweep,
+) -> Option<&'static str> {
+    if newest_committed.is_some_and(|c| c >= step) {
+        return None; // provably stale: the step or a newer one is committed
+    }
+    if staged.contains(&step) {
+        // A staging arena of this root still holds the save: its partial file holds the
+        // chunks already written, which recovery needs.
+        return Some("a staging arena of this root holds the save (`shmckpt recover`)");
+    }
+    if sweep == Sweep::Gc {
+        return None;
+    }
+    let durable = std::fs::read_dir(dir).ok().is_some_and(|rd| {
+        rd.flatten().any(|e| {
+            let name = e.file_name();
+            let Some(name) = name.to_str() else {
+                return false;
+            };
+            let part = name == MANIFEST
+                || name
+                    .strip_prefix("rank-")
+                    .and_then(|r| r.strip_suffix(".manifest.json"))
+                    .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()));
+            part && e.file_type().is_ok_and(|t| t.is_file())
+        })
+    });
+    durable.then_some("it holds a durable part awaiting its other ranks (`shmckpt gc` removes it)")
+}
+
 /// Remove leftovers of interrupted saves (`*.partial`) and retention (`*.trash`), unless
-/// another engine is working on this root. Returns what was removed.
+/// another engine is working on this root, by the partial-part rule ([`Sweep::Open`]).
+/// Returns what was removed.
 pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
+    clean_stale_with(root, own_rank, Sweep::Open)
+}
+
+/// [`clean_stale`] for `sweep`. Whatever the sweep, a partial directory whose save a
+/// staging arena of this root still holds (recoverable: `shmckpt recover`) is kept unless
+/// its step or a newer one is committed.
+pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<PathBuf>> {
     let _cleaning = lock_root_dir(root, true)?;
     if other_engine_alive(root, own_rank) {
         tracing::info!(root = %root.display(), "another engine is active; not cleaning partial checkpoints");
@@ -253,16 +312,35 @@ pub fn clean_stale(root: &Path, own_rank: u32) -> Result<Vec<PathBuf>> {
     }
     let mut removed = Vec::new();
     let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+    let mut partials = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        let stale = manifest::parse_step_with_suffix(name, ".partial").is_some()
-            || manifest::parse_step_with_suffix(name, ".trash").is_some();
         // `file_type` does not follow links: only real directories are removed.
-        if stale && e.file_type().is_ok_and(|t| t.is_dir()) {
-            tracing::warn!(dir = %e.path().display(), "removing stale directory of an interrupted save");
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if let Some(step) = manifest::parse_step_with_suffix(name, ".partial") {
+            partials.push((step, e.path()));
+        } else if manifest::parse_step_with_suffix(name, ".trash").is_some() {
+            tracing::warn!(dir = %e.path().display(), "removing the leftover of an interrupted retention");
             fsops::remove_dir_all(&e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
             removed.push(e.path());
+        }
+    }
+    if !partials.is_empty() {
+        let newest = manifest::list_committed(root)
+            .ok()
+            .and_then(|c| c.last().map(|c| c.step));
+        let staged = crate::recover::staged_steps(root);
+        for (step, dir) in partials {
+            if let Some(why) = keep_partial(&dir, step, newest, &staged, sweep) {
+                tracing::info!(dir = %dir.display(), reason = why, "keeping the partial directory of an uncommitted save");
+                continue;
+            }
+            tracing::warn!(dir = %dir.display(), "removing stale directory of an interrupted save");
+            fsops::remove_dir_all(&dir).map_err(|err| Error::io("remove", &dir, err))?;
+            removed.push(dir);
         }
     }
     if !removed.is_empty() {

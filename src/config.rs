@@ -152,7 +152,7 @@ impl EngineConfig {
             backend: BackendKind::Auto,
             shm_name: None,
             max_inflight_saves: DEFAULT_MAX_INFLIGHT_SAVES,
-            recover_on_open: false,
+            recover_on_open: true,
             keep_in_memory: false,
             replica_hold: false,
             device_read: DEFAULT_DEVICE_READ,
@@ -269,9 +269,12 @@ impl EngineConfig {
     /// On open, before stale partial directories are removed, recover the staging arenas
     /// that dead engines of this root and rank left in `/dev/shm`: commit every save they
     /// had fully staged, refuse the others, remove the arenas, and log each step (see
-    /// [`crate::recover`]). Arenas of live processes are never touched. Default false:
-    /// leftovers are then kept for `shmckpt recover`, but partial files already written
-    /// are removed by the open.
+    /// [`crate::recover`]; [`crate::Engine::recovered`] reports it). Arenas of live
+    /// processes are never touched. Default true: a save that returned from `save`
+    /// survives a crash of its trainer. Off, the open recovers nothing and deletes nothing
+    /// recoverable: the dead engines' arenas that hold saves to recover, and their partial
+    /// directories, are kept for `shmckpt recover` (logged as a warning;
+    /// [`crate::Engine::unrecovered`] names them).
     pub fn with_recover_on_open(mut self, on: bool) -> Self {
         self.recover_on_open = on;
         self

@@ -138,10 +138,11 @@ pub enum Error {
         /// Rank.
         rank: u32,
     },
-    /// A kept arena was not removed: the engine that owns it (the engine of its root and
-    /// rank) is running, or whether it runs cannot be told. `remove_kept_forced` (`shmckpt
-    /// shm rm --force`) removes it anyway.
-    #[error("kept arena {name} not removed: {reason} (--force removes it anyway)")]
+    /// An arena was not removed because its owner may be running: a kept arena whose
+    /// engine (the engine of its root and rank) runs or may run (`remove_kept_forced`,
+    /// `shmckpt shm rm --force`, removes it anyway), a staging arena whose owner process
+    /// runs (`recover::remove_dead_arena`), a replica's temporary file whose writer runs.
+    #[error("arena {name} not removed: {reason}")]
     ArenaInUse {
         /// The arena's name in `/dev/shm`.
         name: String,

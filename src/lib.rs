@@ -102,6 +102,7 @@ pub mod flash {
     pub use crate::engine::{
         ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced,
     };
+    pub use crate::staging::is_kept_name;
 }
 
 pub use engine::{

@@ -45,6 +45,16 @@ pub struct EngineOpts {
     pub replica_hold: bool,
 }
 
+/// Steps committed by recovery at open.
+pub fn recovered(engine: &Engine) -> Vec<u64> {
+    engine.recovered_steps()
+}
+
+/// Dead engines' arenas left holding saves to recover.
+pub fn unrecovered(engine: &Engine) -> Vec<String> {
+    engine.unrecovered().to_vec()
+}
+
 /// Bytes per staging chunk.
 pub fn chunk_size(engine: &Engine) -> u64 {
     engine.config().chunk_size()

@@ -55,7 +55,7 @@ fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<
     d.set_item("staging", secs(r.timings.staging))?;
     d.set_item("backpressure", secs(r.timings.backpressure))?;
     d.set_item("durable", secs(r.timings.durable))?;
-    d.set_item("committed", secs(r.timings.committed))?;
+    d.set_item("committed", r.timings.committed.map(secs))?;
     d.set_item("backend", r.backend.to_string())?;
     d.set_item("direct_io", r.direct_io)?;
     d.set_item("retired", PyList::new(py, &r.retired)?)?;

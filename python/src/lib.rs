@@ -463,6 +463,20 @@ impl PyEngine {
             .map(|(s, r)| ((*s).to_owned(), r.clone()))
     }
 
+    /// The steps recovery at open committed from dead engines' staging arenas, oldest
+    /// first (`recover_on_open`, on by default).
+    fn recovered(&self) -> PyResult<Vec<u64>> {
+        let engine = self.get()?;
+        Ok(core::recovered(&engine))
+    }
+
+    /// Staging arenas of dead engines of this root and rank left holding saves to recover
+    /// (recovery at open off, or failed for them): kept for `shmckpt recover`.
+    fn unrecovered(&self) -> PyResult<Vec<String>> {
+        let engine = self.get()?;
+        Ok(core::unrecovered(&engine))
+    }
+
     /// Committed steps in the bucket of the remote tier, oldest first.
     fn list_remote(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         remote::list_remote(self, py)

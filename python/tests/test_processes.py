@@ -1,5 +1,6 @@
 """Several processes: gloo ranks, SIGKILL mid-save then `shmckpt recover`, resources."""
 
+import json
 import os
 import pathlib
 import socket
@@ -87,6 +88,62 @@ def test_sigkill_after_staging_then_shmckpt_recover(root):
         if recovered:
             break
     assert recovered >= 1, "every kill landed after the commit: recovery was never exercised"
+
+
+_CYCLE_CHILD = (
+    "import json, os, signal, sys, torch, shmckpt\n"
+    "root, step = sys.argv[1], int(sys.argv[2])\n"
+    "ck = shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1)\n"
+    "print(json.dumps({'recovered': ck.recovered, 'latest': ck.latest(), 'shm': ck.shm_name}), flush=True)\n"
+    "g = torch.Generator().manual_seed(step)\n"
+    "ck.save(step, {'w': torch.randint(-(2**31), 2**31 - 1, (2 << 20,), dtype=torch.int32, generator=g)})\n"
+    "os.kill(os.getpid(), signal.SIGKILL)\n"
+)
+
+
+def _cycle_state(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(-(2**31), 2**31 - 1, (2 << 20,), dtype=torch.int32, generator=g)
+
+
+def test_sigkill_cycles_recover_every_step_by_default_and_leave_dev_shm_flat(root):
+    """Issue 36, items 7 and 8: 10 cycles of (a default ``Checkpointer`` opens the root,
+    saves blocking, is SIGKILLed; the next one opens it). Every staged save comes back (the
+    writer's commit or recovery at open, which says which steps it recovered), with its exact
+    bytes, and no crashed trainer's staging segment is left in ``/dev/shm``."""
+    cycles = 10
+    pids, names, recovered = [], [], []
+    for step in range(1, cycles + 2):
+        p = subprocess.Popen(
+            [sys.executable, "-c", _CYCLE_CHILD, str(root), str(step)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == -9, err
+        seen = json.loads(out.splitlines()[0])
+        pids.append(p.pid)
+        names.append(seen["shm"])
+        assert seen["shm"].startswith(f"shmckpt.{p.pid}."), seen
+        # The predecessor's save of step - 1 is committed: by its writer before the kill,
+        # or by this open's recovery, which reports it.
+        assert seen["latest"] == (step - 1 if step > 1 else None), (step, seen, err)
+        assert set(seen["recovered"]) <= {step - 1}, (step, seen)
+        recovered += seen["recovered"]
+        # The predecessor's staging segment is gone.
+        if step > 1:
+            assert not os.path.exists(f"/dev/shm/{names[-2]}"), (step, names[-2])
+    with shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=64 << 10) as c:
+        assert c.recovered in ([], [cycles + 1])
+        recovered += c.recovered
+        assert c.list() == list(range(1, cycles + 2))
+        for step in c.list():
+            assert digest(c.load(step)["w"]) == digest(_cycle_state(step)), step
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"shmckpt.{pid}.") for pid in pids)]
+    assert left == [], left
+    assert recovered, "every kill landed after the commit: recovery was never exercised"
+    print(f"recovered {len(recovered)} of {cycles + 1} steps at open: {recovered}")
 
 
 def test_rss_fds_and_dev_shm_flat_across_100_saves(root, tmp_path):

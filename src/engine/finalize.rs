@@ -174,7 +174,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
         )?,
         None => None,
     };
-    let committed = st.started.elapsed();
+    let committed = dir.as_ref().map(|_| st.started.elapsed());
     let mut retired = commit::Retired::default();
     if let (Some(keep), Some(_)) = (cfg.keep_last, &dir) {
         match commit::retire_old(&cfg.root, keep) {

@@ -93,7 +93,7 @@ pub fn remove_kept(name: &str) -> Result<()> {
     let path = own_kept_path(name)?;
     let in_use = |reason: String| Error::ArenaInUse {
         name: name.to_owned(),
-        reason,
+        reason: format!("{reason} (a kept arena: --force removes it anyway)"),
     };
     let att = AttachedArena::open(name).map_err(|e| {
         in_use(format!(

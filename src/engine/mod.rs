@@ -146,6 +146,8 @@ pub struct Engine {
     load_buffers: Arc<SlabPool>,
     /// Registered read buffers of device loads from disk (made at the first one).
     device_ring: Mutex<Option<Arc<restore::DeviceRing>>>,
+    /// What the open recovered from dead engines' arenas, and what it left unrecovered.
+    recovery: crate::recover::OpenRecovery,
     _lock: RootLock,
 }
 
@@ -205,9 +207,9 @@ impl Engine {
             }
             None => None,
         };
-        if cfg.recover_on_open {
-            crate::recover::recover_on_open(&cfg.root, cfg.rank);
-        }
+        // Recovery first: the partial files of the saves it recovers must still be there,
+        // and `clean_stale` keeps those of the arenas left unrecovered.
+        let recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
         commit::clean_stale(&cfg.root, cfg.rank)?;
         let private_name = || {
             format!(
@@ -404,8 +406,38 @@ impl Engine {
             last_save: Mutex::new(None),
             load_buffers: SlabPool::new(),
             device_ring: Mutex::new(None),
+            recovery,
             _lock: lock,
         })
+    }
+
+    /// What recovery did at open (`EngineConfig::with_recover_on_open`, on by default):
+    /// one report per staging arena of a dead engine of this root and rank that it
+    /// handled. [`Engine::recovered_steps`] is the short form.
+    pub fn recovered(&self) -> &[crate::recover::RecoveryReport] {
+        &self.recovery.reports
+    }
+
+    /// The steps that recovery at open committed from dead engines' staging arenas (the
+    /// crashed trainer's saves that had returned from `save`), oldest first.
+    pub fn recovered_steps(&self) -> Vec<u64> {
+        let mut steps: Vec<u64> = self
+            .recovery
+            .reports
+            .iter()
+            .flat_map(crate::recover::RecoveryReport::committed_steps)
+            .collect();
+        steps.sort_unstable();
+        steps.dedup();
+        steps
+    }
+
+    /// Staging arenas of dead engines of this root and rank that still hold saves to
+    /// recover after the open: recovery at open was off (the arenas and their partial
+    /// directories are then kept for `shmckpt recover`), or it failed for them (the
+    /// arena is kept for a retry). Logged as a warning at open.
+    pub fn unrecovered(&self) -> &[String] {
+        &self.recovery.unrecovered
     }
 
     /// The settings.

@@ -14,8 +14,10 @@ pub struct SaveTimings {
     pub backpressure: Duration,
     /// Until the file was written and `fdatasync`ed.
     pub durable: Duration,
-    /// Until the checkpoint directory was renamed into place and the root fsynced.
-    pub committed: Duration,
+    /// Until the checkpoint directory was renamed into place and the root fsynced; `None`
+    /// when this save committed nothing (other ranks still missing, a part-only save, a
+    /// bucket-only save): a report whose `dir` is `None` carries no commit time.
+    pub committed: Option<Duration>,
 }
 
 /// What a finished save did.

@@ -74,8 +74,9 @@ pub struct IpcSaveReport {
     /// before the writer's engine started (stall minus the writer's staging) plus the
     /// writer's time to durable.
     pub durable: Duration,
-    /// Time to committed, on the same clock.
-    pub committed: Duration,
+    /// Time to committed, on the same clock; `None` when the save committed nothing
+    /// (`dir` is `None`).
+    pub committed: Option<Duration>,
     /// The staging facts.
     pub staged: IpcStaged,
 }
@@ -277,10 +278,10 @@ impl IpcSaveHandle {
                 staging: dur(w.staging_s),
                 backpressure: dur(w.backpressure_s),
                 durable: dur(w.durable_s),
-                committed: dur(w.committed_s),
+                committed: w.committed_s.map(dur),
             },
             durable: lead + dur(w.durable_s),
-            committed: lead + dur(w.committed_s),
+            committed: w.committed_s.map(|c| lead + dur(c)),
             staged: s,
         })
     }

@@ -88,7 +88,7 @@ pub(super) struct WireReport {
     pub(super) staging_s: f64,
     pub(super) backpressure_s: f64,
     pub(super) durable_s: f64,
-    pub(super) committed_s: f64,
+    pub(super) committed_s: Option<f64>,
     pub(super) backend: crate::io::Backend,
     pub(super) direct_io: bool,
     pub(super) retired: Vec<u64>,

@@ -278,7 +278,7 @@ pub(super) fn wire_report(r: &SaveReport) -> WireReport {
         staging_s: secs(r.timings.staging),
         backpressure_s: secs(r.timings.backpressure),
         durable_s: secs(r.timings.durable),
-        committed_s: secs(r.timings.committed),
+        committed_s: r.timings.committed.map(secs),
         backend: r.backend,
         direct_io: r.direct_io,
         retired: r.retired.clone(),

@@ -24,6 +24,7 @@ mod inspect;
 mod rebuild;
 mod report;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use crate::commit;
@@ -143,14 +144,40 @@ fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(Strin
     found.into_iter().map(|(_, n, u)| (n, u)).collect()
 }
 
+/// Steps of the saves that this user's staging arenas recorded for `root` (any rank)
+/// still hold in a slot: their partial directories hold chunks that recovery needs, and
+/// [`commit::clean_stale`] keeps them.
+pub(crate) fn staged_steps(root: &Path) -> std::collections::BTreeSet<u64> {
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    list_arenas()
+        .into_iter()
+        .filter_map(|a| a.details.ok())
+        .filter(|d| d.root == want || d.root == root)
+        .flat_map(|d| d.slots.into_iter().map(|s| s.step))
+        .collect()
+}
+
+/// What [`crate::Engine::open`] recovered from dead engines' arenas.
+#[derive(Debug, Default)]
+pub(crate) struct OpenRecovery {
+    /// One report per arena recovery handled.
+    pub(crate) reports: Vec<RecoveryReport>,
+    /// Arenas of dead engines of the root and rank still holding saves to recover.
+    pub(crate) unrecovered: Vec<String>,
+}
+
 /// Run by [`crate::Engine::open`] (with the rank's root lock held) before stale partial
-/// directories are cleaned: recover the arenas of dead engines of this root and rank, and
-/// log what happened.
-pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
-    let mut out = Vec::new();
+/// directories are cleaned. With `recover` on, recover the arenas of dead engines of this
+/// root and rank, and log what happened; either way, name (and log) the dead engines'
+/// arenas left holding saves to recover (recovery off, or failed for them).
+pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
+    let mut out = OpenRecovery::default();
     for (name, in_use) in arenas_of(root, Some(rank), RecoverOptions::default()) {
         if in_use {
             tracing::debug!(arena = %name, "staging arena of this root is in use; not recovering");
+            continue;
+        }
+        if !recover {
             continue;
         }
         match recover_impl(
@@ -159,11 +186,107 @@ pub(crate) fn recover_on_open(root: &Path, rank: u32) -> Vec<RecoveryReport> {
             LockPolicy::Held,
             RecoverOptions::default(),
         ) {
-            Ok(r) => out.push(r),
+            Ok(r) => out.reports.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }
     }
+    // What is left of dead predecessors that holds nothing to recover (recovery off, or
+    // an arena recovery could not handle as a whole) is removed: a crash leaks no
+    // `/dev/shm`.
+    for a in arenas_of_dead(root, rank) {
+        if a.slots.iter().any(SlotInfo::recoverable) {
+            out.unrecovered.push(a.name);
+            continue;
+        }
+        match remove_dead_arena(&a.name) {
+            Ok(()) => {
+                tracing::warn!(arena = %a.name, owner_pid = a.owner_pid, "removed a dead engine's staging arena (nothing to recover)");
+            }
+            Err(e) => {
+                tracing::warn!(arena = %a.name, error = %e, "could not remove a dead engine's staging arena");
+            }
+        }
+    }
+    if !out.unrecovered.is_empty() {
+        tracing::warn!(
+            root = %root.display(),
+            rank,
+            arenas = ?out.unrecovered,
+            recover_on_open = recover,
+            "staging arenas of dead engines of this root hold saves to recover; they and \
+             their partial directories are kept: run `shmckpt recover`"
+        );
+    }
     out
+}
+
+/// A staging arena of a dead (or cleanly closed) engine, as [`arenas_of_dead`] finds it.
+struct DeadArena {
+    name: String,
+    owner_pid: u32,
+    slots: Vec<SlotInfo>,
+}
+
+/// This user's staging arenas (not flash restore's kept ones) of dead or closed engines of
+/// `root` and `rank`, readable regular files only (links and other users' segments are
+/// never read: [`list_arenas`]).
+fn arenas_of_dead(root: &Path, rank: u32) -> Vec<DeadArena> {
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    list_arenas()
+        .into_iter()
+        .filter(|a| !crate::staging::is_kept_name(&a.name))
+        .filter_map(|a| {
+            let d = a.details.ok()?;
+            ((d.root == want || d.root == root) && d.rank == rank && !d.in_use()).then_some(
+                DeadArena {
+                    name: a.name,
+                    owner_pid: d.owner_pid,
+                    slots: d.slots,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Remove the staging arena `/dev/shm/<name>` of a dead engine (`shmckpt shm rm`): a
+/// `shmckpt.` segment of this user, never through a link, whose owner is dead (or closed
+/// its engine cleanly). Whatever saves it still holds are lost (`shmckpt recover` first
+/// commits them). [`Error::ArenaInUse`] when its owner may be running, or when that cannot
+/// be told (its descriptor cannot be read); [`Error::UnsafePath`] for a link, a non-regular
+/// file or another user's segment; [`Error::Config`] for a name that is not a staging
+/// arena's (flash restore's kept arenas: [`crate::flash::remove_kept`]).
+pub fn remove_dead_arena(name: &str) -> Result<()> {
+    if !name.starts_with(crate::staging::NAME_PREFIX)
+        || name.contains('/')
+        || crate::staging::is_kept_name(name)
+    {
+        return Err(Error::Config(format!(
+            "{name:?} is not a staging arena's name"
+        )));
+    }
+    let path = Path::new(crate::staging::shm::SHM_MOUNT).join(name);
+    let m = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+    if !m.file_type().is_file() || m.uid() != rustix::process::geteuid().as_raw() {
+        return Err(Error::UnsafePath {
+            path,
+            reason: "not a regular file of this user".into(),
+        });
+    }
+    let att = AttachedArena::open(name).map_err(|e| Error::ArenaInUse {
+        name: name.to_owned(),
+        reason: format!(
+            "whether its owner is running cannot be told (its descriptor cannot be read: {e})"
+        ),
+    })?;
+    let h = att.header();
+    let owner = owner_status(h.owner_pid, name);
+    if owner.is_alive() && !h.closed {
+        return Err(Error::ArenaInUse {
+            name: name.to_owned(),
+            reason: format!("its owner, pid {}, is {owner}", h.owner_pid),
+        });
+    }
+    att.unlink().map_err(|e| Error::io("remove", &path, e))
 }
 
 fn refuse(name: &str, reason: impl Into<String>) -> Error {

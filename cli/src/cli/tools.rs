@@ -212,7 +212,7 @@ pub fn gc(a: GcArgs) -> CliResult {
     if a.keep == 0 {
         return Err("--keep must be at least 1".into());
     }
-    let stale = shmckpt::commit::clean_stale(&a.dir, u32::MAX)?;
+    let stale = shmckpt::commit::clean_stale_with(&a.dir, u32::MAX, shmckpt::commit::Sweep::Gc)?;
     for s in &stale {
         println!("removed stale {}", s.display());
     }

@@ -10,7 +10,9 @@
 //! - `latest` is the newest listed step, and loads with exactly its bytes;
 //! - every step reported committed before the crash point is listed, unless retention had
 //!   already retired it; `latest` is at least the newest reported step;
-//! - opening the engine leaves no partial or trash directory;
+//! - opening the engine leaves no trash directory, and no partial directory but those
+//!   the partial-part rule keeps (a durable part of a step newer than every committed
+//!   one), which `gc` removes;
 //! - `gc` keeps exactly the newest `KEEP` listed steps (never a valid step newer than the
 //!   ones it retains), and they still verify;
 //! - (one rank) the trainer's next save commits on top, and is `latest` with its bytes.
@@ -232,18 +234,45 @@ fn check_state(
             "latest is {latest:?}, older than step {newest} reported committed"
         ));
     }
+    // The partial-part rule: a partial directory left by the open holds a durable part
+    // (`manifest.json` or a rank's `rank-K.manifest.json`) of a step newer than every
+    // committed one; nothing else is left.
     let leftovers: Vec<String> = std::fs::read_dir(root)
         .map_err(|e| e.to_string())?
         .flatten()
         .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-        .filter(|n| n.ends_with(".partial") || n.ends_with(".trash"))
+        .filter(|n| {
+            if n.ends_with(".trash") {
+                return true;
+            }
+            let Some(step) = shmckpt::manifest::parse_step_with_suffix(n, ".partial") else {
+                return n.ends_with(".partial");
+            };
+            let durable = std::fs::read_dir(root.join(n)).is_ok_and(|rd| {
+                rd.flatten().any(|e| {
+                    let f = e.file_name().to_string_lossy().into_owned();
+                    f == "manifest.json"
+                        || (f.starts_with("rank-") && f.ends_with(".manifest.json"))
+                })
+            });
+            !durable || latest.is_some_and(|l| l >= step)
+        })
         .collect();
     if !leftovers.is_empty() {
         return Err(format!("after open: leftovers {leftovers:?}"));
     }
     drop(engine);
-    // gc, as `shmckpt gc --keep KEEP` runs it.
-    shmckpt::commit::clean_stale(root, u32::MAX).map_err(|e| format!("gc clean: {e}"))?;
+    // gc, as `shmckpt gc --keep KEEP` runs it: it removes the partial directories too.
+    shmckpt::commit::clean_stale_with(root, u32::MAX, shmckpt::commit::Sweep::Gc)
+        .map_err(|e| format!("gc clean: {e}"))?;
+    if let Some(p) = std::fs::read_dir(root)
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.ends_with(".partial"))
+    {
+        return Err(format!("after gc: leftover {p}"));
+    }
     shmckpt::commit::apply_retention(root, KEEP).map_err(|e| format!("gc retention: {e}"))?;
     let after = listed(root)?;
     let want: Vec<u64> = steps[steps.len().saturating_sub(KEEP)..].to_vec();

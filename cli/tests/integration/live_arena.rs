@@ -83,7 +83,7 @@ fn live_arena_body() {
     assert!(!out.status.success(), "{text}");
     assert!(text.contains(&format!("removed {dead_name}")), "{text}");
     assert!(
-        text.contains(&format!("kept arena {live_name} not removed"))
+        text.contains(&format!("arena {live_name} not removed"))
             && text.contains("is running")
             && text.contains("--force"),
         "{text}"

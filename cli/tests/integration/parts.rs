@@ -97,3 +97,82 @@ fn find_parts_follows_no_link() {
     .unwrap();
     assert!(find_parts(&rank_dir, 3).unwrap().is_empty());
 }
+
+/// Issue 36, item 4: an engine opening a root never removes another rank's durable part.
+/// Rank 0 of 2 saves step 1 and closes (its report commits nothing: no `dir`, no commit
+/// time); rank 1's engine then opens the root: rank 0's file and part are still there,
+/// byte for byte, and rank 1's save of step 1 commits both. A durable part is removed once
+/// provably stale (a newer step committed), and a partial directory without one (nothing
+/// durable, no arena holding it) at once.
+#[test]
+fn opening_a_root_keeps_another_ranks_durable_part_until_it_is_stale() {
+    let dir = real_dir("parts-keep");
+    let root = dir.path();
+    let open = |rank: u32| {
+        small_config(root, BackendKind::Pwrite)
+            .with_rank(rank, 2)
+            .build()
+            .unwrap()
+    };
+    let state = |step: u64, rank: u32| step_state(10 * step + u64::from(rank));
+    let save = |e: &shmckpt::Engine, step: u64, rank: u32| {
+        e.save(step, &state(step, rank).tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap()
+    };
+    let r0 = open(0);
+    let rep = save(&r0, 1, 0);
+    assert_eq!((rep.dir.as_deref(), rep.timings.committed), (None, None));
+    r0.close();
+    let partial = root.join(partial_dir_name(1));
+    let part = partial.join(shmckpt::manifest::rank_manifest_name(0));
+    let part_bytes = std::fs::read(&part).unwrap();
+
+    let r1 = open(1);
+    assert_eq!(
+        std::fs::read(&part).unwrap(),
+        part_bytes,
+        "rank 0's part kept"
+    );
+    assert_safetensors_equal(&partial.join(rank_file_name(0, 2)), &state(1, 0));
+    let rep = save(&r1, 1, 1);
+    assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
+    assert!(rep.timings.committed.is_some());
+    r1.close();
+    assert_eq!(committed(root), [1]);
+    for rank in 0..2 {
+        assert_safetensors_equal(
+            &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
+            &state(1, rank),
+        );
+    }
+
+    // Rank 0 saves step 2 alone and closes: kept across opens until step 3 is committed.
+    let r0 = open(0);
+    save(&r0, 2, 0);
+    r0.close();
+    // A partial directory with nothing durable in it (a file, no part) is removed.
+    let bare = root.join(partial_dir_name(5));
+    std::fs::create_dir(&bare).unwrap();
+    std::fs::write(bare.join(rank_file_name(1, 2)), b"torn").unwrap();
+    let (r0, r1) = (open(0), open(1));
+    assert!(!bare.exists(), "a partial without a durable part is stale");
+    assert!(
+        root.join(partial_dir_name(2))
+            .join(rank_file_name(0, 2))
+            .is_file()
+    );
+    std::thread::scope(|s| {
+        s.spawn(|| save(&r0, 3, 0));
+        s.spawn(|| save(&r1, 3, 1));
+    });
+    r0.close();
+    r1.close();
+    assert_eq!(committed(root), [1, 3]);
+    drop(open(1));
+    assert!(
+        !root.join(partial_dir_name(2)).exists(),
+        "step 3 is committed: step 2's part is provably stale"
+    );
+}

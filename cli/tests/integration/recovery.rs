@@ -101,8 +101,23 @@ fn child_saver() {
     sigkill_self();
 }
 
+/// Child: open an engine on the root and die by SIGKILL without saving (its arena holds
+/// nothing to recover).
+fn child_idle() {
+    let root = env_path(ROOT_ENV);
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let engine = Engine::open(
+        small_config(&root, BackendKind::Auto)
+            .with_staging_capacity(1 << 20)
+            .with_shm_name(shm),
+    )
+    .unwrap();
+    std::hint::black_box(&engine);
+    sigkill_self();
+}
+
 /// The child roles of this module's tests.
-const ROLES: &[Role] = &[("child_saver", child_saver)];
+const ROLES: &[Role] = &[("child_saver", child_saver), ("child_idle", child_idle)];
 
 #[test]
 fn sigkilled_child_is_recovered_exactly() {
@@ -271,6 +286,62 @@ fn cli_lists_without_touching_then_recovers_the_root() {
     assert!(!out.status.success(), "recover needs DIR, --shm or --list");
 }
 
+/// Issue 36, item 7: a staged save survives a crash by default. An engine opened with
+/// recovery off recovers nothing and deletes nothing recoverable (the dead arena and the
+/// partial file holding the chunks already written stay, and the engine names the arena);
+/// the next default open recovers step 2 exactly, says so, and removes the arena.
+#[test]
+fn a_default_open_recovers_and_an_opt_out_keeps_everything() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("recover-default");
+    let root = dir.path();
+    let shm = test_shm_name("default");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+    let cfg = || small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20);
+    let partial = root.join(shmckpt::manifest::partial_dir_name(2));
+    let file = partial.join(shmckpt::manifest::rank_file_name(0, 1));
+    let before = std::fs::read(&file).unwrap();
+
+    let off = Engine::open(cfg().with_recover_on_open(false)).unwrap();
+    assert!(off.recovered().is_empty() && off.recovered_steps().is_empty());
+    assert_eq!(off.unrecovered(), std::slice::from_ref(&shm));
+    assert_eq!(off.latest().unwrap(), Some(1));
+    assert!(shm_exists(&shm), "the opt-out keeps the arena");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        before,
+        "and the partial file"
+    );
+    drop(off);
+
+    let on = Engine::open(cfg()).unwrap();
+    assert_eq!(on.recovered_steps(), [2]);
+    assert!(on.unrecovered().is_empty());
+    let [report] = on.recovered() else {
+        panic!("{:?}", on.recovered())
+    };
+    assert_eq!(
+        (report.arena.as_str(), report.removed),
+        (shm.as_str(), true)
+    );
+    #[cfg(feature = "fault-injection")]
+    match &report.slots[0].outcome {
+        SlotOutcome::Committed {
+            from_staging,
+            from_file,
+            ..
+        } => assert_eq!((*from_staging, *from_file), (2, 2)),
+        other => panic!("{other:?}"),
+    }
+    assert!(!shm_exists(&shm));
+    assert_eq!(on.latest().unwrap(), Some(2));
+    assert_loaded_equal(&on.load(2).unwrap(), &step_state(2));
+    assert!(partial_dirs(root).is_empty());
+}
+
 #[test]
 fn engine_recovers_on_open() {
     if run_role(ROLES) {
@@ -344,4 +415,95 @@ fn live_arena_is_listed_and_left_alone() {
     assert_loaded_equal(&engine.load(2).unwrap(), &s2);
     drop(engine);
     assert!(!shm_exists(&name), "a clean shutdown removes the arena");
+}
+
+/// Issue 36, item 8: a crash leaks no `/dev/shm`. `shm list` shows a dead trainer's staging
+/// arena (owner pid, uid, liveness, root, rank, the steps it could recover) next to a live
+/// engine's; `shm rm` refuses the live one and removes the dead one. An open of the root,
+/// even with recovery off, removes a dead predecessor's arena that holds nothing to
+/// recover (and keeps one that does: `a_default_open_recovers_and_an_opt_out_keeps_everything`).
+#[test]
+fn shm_list_shows_staging_arenas_and_dead_ones_are_removed() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("recover-shm");
+    let root = dir.path().join("dead");
+    std::fs::create_dir(&root).unwrap();
+    let shm = test_shm_name("dead");
+    let idle = test_shm_name("idle");
+    let _g = (ShmGuard(shm.clone()), ShmGuard(idle.clone()));
+    run_child("child_saver", &root, &shm);
+    let live_root = dir.path().join("live");
+    std::fs::create_dir(&live_root).unwrap();
+    let live =
+        Engine::open(small_config(&live_root, BackendKind::Auto).with_staging_capacity(1 << 20))
+            .unwrap();
+    let live_name = live.shm_name().to_owned();
+
+    let out = cli(&["shm", "list", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entry = |name: &str| {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not listed: {list}"))
+            .clone()
+    };
+    let dead = entry(&shm);
+    let me = rustix::process::geteuid().as_raw();
+    assert_eq!(dead["kind"], "staging");
+    assert_eq!(dead["owner"], "dead");
+    assert_eq!(dead["owner_uid"], me);
+    assert_eq!(dead["rank"], 0);
+    assert_eq!(dead["recoverable_steps"], serde_json::json!([2]));
+    assert_eq!(
+        dead["root"],
+        std::fs::canonicalize(&root).unwrap().to_str().unwrap()
+    );
+    let alive = entry(&live_name);
+    assert_eq!(
+        (&alive["kind"], &alive["owner"], &alive["owner_pid"]),
+        (
+            &serde_json::json!("staging"),
+            &serde_json::json!("alive"),
+            &serde_json::json!(std::process::id())
+        )
+    );
+    let plain = text(&cli(&["shm", "list"]));
+    assert!(
+        plain.lines().any(|l| l.starts_with(&shm)
+            && l.contains("  staging  ")
+            && l.contains(" dead  recoverable steps [2]")),
+        "{plain}"
+    );
+
+    // `shm rm` refuses the live arena (even with --force), removes the dead one.
+    for args in [
+        &["shm", "rm", &live_name][..],
+        &["shm", "rm", "--force", &live_name],
+    ] {
+        let out = cli(args);
+        assert!(!out.status.success(), "{}", text(&out));
+        assert!(text(&out).contains("in use"), "{}", text(&out));
+        assert!(shm_exists(&live_name));
+    }
+    let out = cli(&["shm", "rm", &shm]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!shm_exists(&shm));
+    drop(live);
+
+    // A dead predecessor's arena with nothing to recover: removed at open, recovery off.
+    run_child("child_idle", &root, &idle);
+    assert!(shm_exists(&idle));
+    let e = Engine::open(
+        small_config(&root, BackendKind::Auto)
+            .with_staging_capacity(1 << 20)
+            .with_recover_on_open(false),
+    )
+    .unwrap();
+    assert!(!shm_exists(&idle), "the open removes the dead arena");
+    assert!(e.unrecovered().is_empty() && e.recovered().is_empty());
 }

@@ -221,17 +221,18 @@ fn crafted_arenas_are_recovered_or_refused_with_reasons() {
     // Recovery removed what it created for the refused step 11; step 14's partial directory
     // is the dead trainer's and goes with the next engine open.
     assert_eq!(partial_dirs(root), ["step-14.partial"]);
-    drop(
-        Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20)).unwrap(),
-    );
-    assert!(partial_dirs(root).is_empty());
 
-    // The cleanly closed leftover is removed and reported, through the CLI.
+    // The cleanly closed leftover is removed and reported, through the CLI (before an
+    // engine of its root opens: that open would remove it too).
     let out = cli(&["recover", "--shm", &closed]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("closed cleanly"), "{}", text(&out));
     assert!(text(&out).contains("no saves staged"), "{}", text(&out));
     assert!(!shm_exists(&closed));
+    drop(
+        Engine::open(small_config(root, BackendKind::Auto).with_staging_capacity(1 << 20)).unwrap(),
+    );
+    assert!(partial_dirs(root).is_empty());
 }
 
 /// Child: one fully staged save (step 20) in an arena, then SIGKILL.

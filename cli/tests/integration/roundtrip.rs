@@ -471,23 +471,42 @@ fn partial_directories_are_never_listed_or_loaded_and_are_cleaned_on_open() {
         let state = State::new(every_dtype(), 5);
         save_committed(&engine, 1, &state);
     }
-    // Fake an interrupted save of step 2: a partial directory with a full copy of step 1
-    // (even a manifest) inside.
-    let partial = dir.path().join("step-2.partial");
-    std::fs::create_dir(&partial).unwrap();
-    for f in std::fs::read_dir(dir.path().join("step-1")).unwrap() {
-        let f = f.unwrap();
-        std::fs::copy(f.path(), partial.join(f.file_name())).unwrap();
-    }
+    // Fake interrupted saves of steps 2 and 3: partial directories with a full copy of
+    // step 1 inside, step 3's with its manifest too (durable: the partial-part rule keeps
+    // it until a step >= 3 is committed).
+    let fake = |step: u64, with_manifest: bool| {
+        let partial = dir.path().join(format!("step-{step}.partial"));
+        std::fs::create_dir(&partial).unwrap();
+        for f in std::fs::read_dir(dir.path().join("step-1")).unwrap() {
+            let f = f.unwrap();
+            if with_manifest || f.file_name() != "manifest.json" {
+                std::fs::copy(f.path(), partial.join(f.file_name())).unwrap();
+            }
+        }
+        partial
+    };
+    let (bare, durable) = (fake(2, false), fake(3, true));
     let listed = shmckpt::manifest::list_committed(dir.path()).unwrap();
     assert_eq!(listed.iter().map(|c| c.step).collect::<Vec<_>>(), [1]);
     let engine = Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto)).unwrap();
     assert!(
-        !partial.exists(),
+        !bare.exists(),
         "opening the root removes stale partial directories"
+    );
+    assert!(
+        durable.join("manifest.json").is_file(),
+        "a durable part is kept"
     );
     assert_eq!(engine.latest().unwrap(), Some(1));
     assert!(matches!(engine.load(2), Err(Error::NotFound { .. })));
+    assert!(matches!(engine.load(3), Err(Error::NotFound { .. })));
+    save_committed(&engine, 4, &State::new(every_dtype(), 6));
+    drop(engine);
+    drop(Engine::open(small_config(dir.path(), shmckpt::BackendKind::Auto)).unwrap());
+    assert!(
+        !durable.exists(),
+        "step 4 is committed: step 3's part is stale"
+    );
 }
 
 #[test]

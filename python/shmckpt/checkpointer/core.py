@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import json
+import logging
 import operator
 import os
 import threading
@@ -19,6 +20,8 @@ from .base import StepArg, _dist_barrier, _dist_rank_world, _step_sel
 from .handle import SaveHandle
 from .load_into import LoadIntoMixin
 from .save import SaveMixin
+
+_log = logging.getLogger("shmckpt")
 
 try:
     import torch
@@ -204,6 +207,22 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
             if self._scratch is not None:
                 _remote.remove_scratch(self._scratch)
             raise
+        #: The steps this checkpointer's open recovered from the staging memory of a crashed
+        #: predecessor of the same root and rank (saves that had returned from ``save`` but
+        #: were not committed), oldest first; committed now, so ``latest()`` sees them.
+        self.recovered: List[int] = self._engine.recovered()
+        if self.recovered:
+            _log.warning("shmckpt: recovered step(s) %s of %s from a crashed run's staging memory", self.recovered, self.root)
+        unrecovered = self._engine.unrecovered()
+        if unrecovered:
+            _log.warning(
+                "shmckpt: staging memory of crashed runs (%s) holds saves of %s not recovered%s; "
+                "kept, with their partial directories: run `shmckpt recover %s`",
+                ", ".join(unrecovered),
+                self.root,
+                " (recover_on_open=False)" if recover_on_open is False else "",
+                self.root,
+            )
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
         self._pending: List[SaveHandle] = []
