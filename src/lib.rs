@@ -46,6 +46,7 @@ pub(crate) mod device;
 mod dtype;
 mod engine;
 mod error;
+pub mod export;
 mod fsops;
 mod fsx;
 pub(crate) mod io;
