@@ -12,6 +12,7 @@ mod bucket;
 mod buffer;
 mod core;
 mod dcp;
+mod export;
 mod handle;
 mod held;
 mod links;
@@ -682,6 +683,7 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
+    export::register(m)?;
     links::register(m)?;
     ranged::register(m)?;
     replica::register(m)?;

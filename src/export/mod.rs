@@ -99,6 +99,20 @@ pub fn parse_size(s: &str) -> Result<u64> {
     Ok(v)
 }
 
+/// The dtype a cast names: `bf16`/`bfloat16`, `fp16`/`float16`/`half`,
+/// `fp32`/`float32`/`float`, or a safetensors name (`BF16`, `F16`, `F32`), case-insensitive.
+pub fn parse_dtype(s: &str) -> Result<Dtype> {
+    let up = s.trim().to_ascii_uppercase();
+    let name = match up.as_str() {
+        "BFLOAT16" => "BF16",
+        "FP16" | "HALF" | "FLOAT16" => "F16",
+        "FP32" | "FLOAT" | "FLOAT32" => "F32",
+        other => other,
+    };
+    name.parse::<Dtype>()
+        .map_err(|_| Error::Config(format!("unknown dtype {s:?} (bf16, fp16, fp32)")))
+}
+
 /// A renaming rule, applied to each exported name after the default selection, in the
 /// order given, each at most once per name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -545,10 +559,16 @@ impl ReadSink for WriteSink<'_> {
         };
         let whole = joined.len() as u64 / es * es;
         carry.extend_from_slice(&joined[whole as usize..]);
-        let first = start / es;
-        let out_es = out.len.checked_div(block.global_len()).unwrap_or(0);
         let file = &self.files[out.shard];
         let path = &self.paths[out.shard];
+        if !out.dtype.bits().is_multiple_of(8) {
+            // A sub-byte dtype: one whole piece, never cast; its bytes are its unit.
+            let at = out.offset + start;
+            return crate::fsops::write_all_at(file, &joined[..whole as usize], at)
+                .map_err(|e| Error::io_at("write", path, at, e));
+        }
+        let first = start / es;
+        let out_es = out.dtype.bits() / 8;
         let buf = &mut self.buf;
         block.runs(first, whole / es, |g, e, m| {
             let src = &joined[((e - first) * es) as usize..((e - first + m) * es) as usize];
@@ -628,7 +648,7 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
             name: name.clone(),
             shape: shape.clone(),
         })?;
-        if g.dtype.bits() % 8 != 0 && g.pieces.len() != 1 {
+        if !g.dtype.bits().is_multiple_of(8) && g.pieces.len() != 1 {
             return Err(Error::Config(format!(
                 "{name}: a sharded tensor of the sub-byte dtype {} cannot be exported",
                 g.dtype

@@ -363,3 +363,37 @@ fn default_names_list_the_selection() {
         Err(Error::Destination { .. })
     ));
 }
+
+#[test]
+fn dtypes_parse_by_torch_and_safetensors_names() {
+    assert_eq!(parse_dtype("bf16").unwrap(), Dtype::BF16);
+    assert_eq!(parse_dtype("bfloat16").unwrap(), Dtype::BF16);
+    assert_eq!(parse_dtype("FP16").unwrap(), Dtype::F16);
+    assert_eq!(parse_dtype("float32").unwrap(), Dtype::F32);
+    assert_eq!(parse_dtype("F32").unwrap(), Dtype::F32);
+    assert!(matches!(parse_dtype("fp8"), Err(Error::Config(_))));
+}
+
+/// A sub-byte dtype (two F4 per byte) is exported byte for byte.
+#[test]
+fn sub_byte_tensors_are_copied_whole() {
+    let state = vec![
+        (
+            "model.q",
+            Dtype::F4,
+            vec![10],
+            vec![0x12, 0x34, 0x56, 0x78, 0x9a],
+        ),
+        ("model.w", Dtype::F32, vec![3], f32_bytes(3, 9)),
+    ];
+    let dir = save(&state, Metadata::new());
+    let out = dir.path().join("hf");
+    let opts = ExportOptions {
+        dtype: Some(Dtype::BF16),
+        ..ExportOptions::default()
+    };
+    export(&dir.path().join("root"), &out, &opts).unwrap();
+    let (_, all) = read_out(&out);
+    assert_eq!(all["q"], ("F4".into(), vec![10], state[0].3.clone()));
+    assert_eq!(all["w"].0, "BF16");
+}
