@@ -397,3 +397,56 @@ fn sub_byte_tensors_are_copied_whole() {
     assert_eq!(all["q"], ("F4".into(), vec![10], state[0].3.clone()));
     assert_eq!(all["w"].0, "BF16");
 }
+
+/// Two ranks of a plain checkpoint (DDP): a tensor both hold is exported once when the
+/// replicas agree, and refused, naming it, when they differ (a shard saved without its
+/// offsets must not be exported as if it were the whole tensor).
+#[test]
+fn replicas_must_agree() {
+    let run = |second: Vec<u8>| {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let first = f32_bytes(6, 1);
+        let engines: Vec<Engine> = (0..2)
+            .map(|r| {
+                Engine::open(
+                    EngineConfig::new(&root)
+                        .with_create_root(true)
+                        .with_rank(r, 2)
+                        .with_staging_capacity(4 << 20)
+                        .with_chunk_size(1 << 20),
+                )
+                .unwrap()
+            })
+            .collect();
+        let handles: Vec<_> = engines
+            .iter()
+            .zip([&first, &second])
+            .map(|(e, b)| {
+                let t = [Tensor::host("model.w", Dtype::F32, vec![6], b)];
+                e.save(1, &t, &Metadata::new()).unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait().unwrap();
+        }
+        drop(engines);
+        let out = dir.path().join("hf");
+        let r = export(&root, &out, &ExportOptions::default());
+        (dir, out, r, first)
+    };
+    let (_d, out, r, first) = run(f32_bytes(6, 1));
+    assert_eq!(r.unwrap().tensors, 1);
+    let (_, all) = read_out(&out);
+    assert_eq!(all["w"].2, first);
+    let (d, out, r, _) = run(f32_bytes(6, 2));
+    match r {
+        Err(Error::Corrupt { tensor, reason, .. }) => {
+            assert_eq!(tensor.as_deref(), Some("model.w"));
+            assert!(reason.contains("differs from rank 0"), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    assert!(!out.exists());
+    drop(d);
+}
