@@ -47,6 +47,7 @@ pub mod divergence;
 mod dtype;
 mod engine;
 mod error;
+pub mod export;
 mod fsops;
 mod fsx;
 pub(crate) mod io;

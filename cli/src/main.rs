@@ -1,4 +1,4 @@
-//! The `shmckpt` command line: demo, bench, inspect, verify, gc, recover.
+//! The `shmckpt` command line: demo, bench, inspect, verify, gc, export, recover.
 #![deny(unsafe_code)]
 
 mod cli;
@@ -31,6 +31,9 @@ enum Cmd {
     Verify(cli::tools::VerifyArgs),
     /// Delete all but the newest N committed checkpoints and stale partial directories.
     Gc(cli::tools::GcArgs),
+    /// Write a checkpoint's model as Hugging Face safetensors shards plus
+    /// model.safetensors.index.json (docs/export.md).
+    Export(cli::export::ExportArgs),
     /// Upload a committed local checkpoint to a bucket (s3://bucket/prefix) and commit it
     /// there; progress on stderr when it is a terminal.
     Push(cli::remote::PushArgs),
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
             Some((url, _)) => cli::remote::gc(&url, &a),
             None => cli::tools::gc(a),
         },
+        Cmd::Export(a) => cli::export::run(a),
         Cmd::Push(a) => cli::remote::push(&a),
         Cmd::Recover(a) => cli::recover::run(a),
         Cmd::Shm(a) => cli::shm::run(a),

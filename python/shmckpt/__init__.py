@@ -11,11 +11,13 @@ plain values) into named tensors plus a typed JSON skeleton and drives the engin
     ckpt.guard(opt)                              # opt.step() waits for a save still staging
     state = ckpt.load("latest", map_location="cuda:0")
     ckpt.load_into({"model": model.state_dict(), "optim": opt.state_dict()})
+    shmckpt.export("/ckpt", "/hf-model")         # Hugging Face shards + index
 
 See docs/python.md in the repository.
 """
 
 from . import errors
+from ._export import ExportReport, export
 from ._state import STATE_KEY, flatten, unflatten
 from .checkpointer import Checkpointer, LoadResult, SaveHandle
 from .errors import *  # noqa: F401,F403
@@ -31,4 +33,6 @@ __all__ = [
     "flatten",
     "unflatten",
     "errors",
+    "export",
+    "ExportReport",
 ] + list(_errors_all)

@@ -6,7 +6,7 @@ non-blocking saves, unmodified) as documented on each method; use
 ``shmckpt.Checkpointer``, which does.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import TypeAlias
 
@@ -22,6 +22,8 @@ __all__ = [
     "__version__",
     "assemble_ranks",
     "dtypes",
+    "export_hf",
+    "export_names",
     "find_parts",
     "group_adopt_manifest",
     "group_apply_retention",
@@ -449,4 +451,22 @@ def group_apply_retention(root: str, keep: int) -> List[int]:
 def group_set_aside(root: str, step: int) -> Optional[str]:
     """Set the committed ``step`` of ``root`` aside (renamed ``step-N.aside-<unix ms>``: not
     listed or loaded, nothing deleted); the new directory, or None."""
+    ...
+
+def export_names(src: str, include_optimizer: bool) -> List[Tuple[str, str, List[int]]]:
+    """The tensors ``export_hf`` takes from ``src`` by default, ``[(name, dtype, shape)]``,
+    named after the default selection and before renaming."""
+    ...
+
+def export_hf(
+    src: str,
+    out: str,
+    max_shard_size: str,
+    names: Optional[Sequence[Tuple[str, str]]],
+    dtype: Optional[str],
+    include_optimizer: bool,
+    overwrite: bool,
+) -> Dict[str, Any]:
+    """Export ``src`` to the Hugging Face layout in ``out`` (``shmckpt::export``); returns
+    the report (source, step, files, tensors, bytes, bytes_read, seconds)."""
     ...

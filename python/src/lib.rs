@@ -13,6 +13,7 @@ mod buffer;
 mod core;
 mod dcp;
 mod divergence;
+mod export;
 mod handle;
 mod held;
 mod links;
@@ -746,6 +747,7 @@ fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     dcp::register(m)?;
     divergence::register(m)?;
+    export::register(m)?;
     links::register(m)?;
     ranged::register(m)?;
     replica::register(m)?;

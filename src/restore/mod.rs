@@ -28,6 +28,7 @@ pub(crate) mod sink;
 pub(crate) use completion::for_pieces;
 pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::{check_header, read_file_metadata};
+pub(crate) use ranged::read_wanted;
 pub use ranged::{
     DEFAULT_GAP, RangeDest, RangeRequest, RangedLoad, RangedOptions, RangedStats, coalesce,
     load_ranges, read_ranges,

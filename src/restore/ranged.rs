@@ -376,12 +376,62 @@ fn read_resolved(
             }
         });
     }
+    let mut sink = RangeSink {
+        by_tensor,
+        ranges: resolved.iter().map(|r| (r.begin, r.end)).collect(),
+        outs,
+        device,
+    };
+    let stats = read_wanted_from(path, &target, entry, &wanted, opts, &mut sink)?;
+    let owned = sink
+        .outs
+        .into_iter()
+        .map(|o| match o {
+            Out::Owned(a) => Some(a),
+            Out::Caller(_) | Out::Device => None,
+        })
+        .collect();
+    Ok((owned, stats))
+}
+
+/// Read only the tensors `wanted` (file order) of `path`, described by `entry`, handing
+/// each one's bytes to `sink` in file order, and verify their CRC-32C: the checks and the
+/// reads of [`read_ranges`] (file checked before any byte is trusted, wanted ranges merged
+/// across gaps of at most `opts.gap`, O_DIRECT pages, staging buffers), for a caller that
+/// consumes the bytes as they pass (the export's streaming writer). A mismatch is
+/// [`Error::Checksum`] after the sink saw the bytes: the caller discards what it made.
+pub(crate) fn read_wanted(
+    path: &Path,
+    entry: &FileEntry,
+    wanted: &[bool],
+    opts: &RangedOptions,
+    sink: &mut dyn ReadSink,
+) -> Result<RangedStats> {
+    if wanted.len() != entry.tensors.len() {
+        return Err(Error::Internal(format!(
+            "{} wanted flags for {} tensors",
+            wanted.len(),
+            entry.tensors.len()
+        )));
+    }
+    let target = open_checked(path, entry, opts.read.direct_io)?;
+    read_wanted_from(path, &target, entry, wanted, opts, sink)
+}
+
+fn read_wanted_from(
+    path: &Path,
+    target: &Arc<crate::io::file::FileTarget>,
+    entry: &FileEntry,
+    wanted: &[bool],
+    opts: &RangedOptions,
+    sink: &mut dyn ReadSink,
+) -> Result<RangedStats> {
     // The wanted tensors' ranges, in file offsets (inside the file: `open_checked` tied
     // `data_start` + every offset to the file's size), merged across small gaps.
     let ranges = entry
         .tensors
         .iter()
-        .zip(&wanted)
+        .zip(wanted)
         .filter(|(_, w)| **w)
         .map(|(t, _)| t.data_offsets);
     let mut extents = Vec::new();
@@ -403,33 +453,14 @@ fn read_resolved(
         None => super::extents::PRIVATE_CHUNK,
     };
     let chunks = chunks_of(&extents, cs);
-    let mut sink = RangeSink {
-        by_tensor,
-        ranges: resolved.iter().map(|r| (r.begin, r.end)).collect(),
-        outs,
-        device,
-    };
-    let read = read_chunks(
-        path, &target, entry, &chunks, &wanted, &opts.read, &mut sink,
-    )?;
-    check_wanted(path, entry, &wanted, &read)?;
-    let owned = sink
-        .outs
-        .into_iter()
-        .map(|o| match o {
-            Out::Owned(a) => Some(a),
-            Out::Caller(_) | Out::Device => None,
-        })
-        .collect();
-    Ok((
-        owned,
-        RangedStats {
-            bytes: read.bytes,
-            reads: chunks.len() as u64,
-            tensors: wanted.iter().filter(|w| **w).count(),
-            direct_io: target.is_direct(),
-        },
-    ))
+    let read = read_chunks(path, target, entry, &chunks, wanted, &opts.read, sink)?;
+    check_wanted(path, entry, wanted, &read)?;
+    Ok(RangedStats {
+        bytes: read.bytes,
+        reads: chunks.len() as u64,
+        tensors: wanted.iter().filter(|w| **w).count(),
+        direct_io: target.is_direct(),
+    })
 }
 
 #[cfg(test)]

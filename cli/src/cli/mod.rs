@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod demo;
 pub mod engine_args;
+pub mod export;
 pub mod guard;
 pub mod ipc_writer;
 pub mod recover;
