@@ -4,9 +4,9 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, moto[server]
-# and megatron-core if it lacks them (CPU is enough: GPU tests skip without a GPU;
-# SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, moto[server],
+# megatron-core, and ziglang and auditwheel (scripts/build_wheel.sh) if it lacks them (CPU
+# is enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,9 +48,12 @@ cargo build --bin shmckpt
 cargo build -p crashfs --bin crashfs
 export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
 
-echo "== pip install ./python"
-# maturin is in the venv: build without an isolated build environment (no download).
-"$py" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+echo "== scripts/build_wheel.sh, then pip install the wheel"
+# The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
+# by maturin in release (the same compile as `pip install ./python`) and checked by
+# auditwheel.
+wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
+"$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
 
 echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
 "$py" -m mypy --config-file python/pyproject.toml python/shmckpt

@@ -28,7 +28,7 @@
 
 mod assemble;
 mod group;
-pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_into};
+pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
 
 use std::fs::File;

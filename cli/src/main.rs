@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 
 /// shmckpt: checkpoints without stalling the trainer.
 #[derive(Debug, Parser)]
-#[command(name = "shmckpt", version, about, long_about = None)]
+#[command(name = "shmckpt", version, about, long_about = None, after_help = cli::EXIT_CODES_HELP)]
 struct Cli {
     /// More logging (-v info, -vv debug). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -50,7 +50,13 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `recover` and `gc` print every event of their run from the report the library
+    // returns; the library also logs those events (a trainer's recovery on open has no
+    // other voice), so at the default level the CLI keeps only its errors: each event is
+    // printed once. `-v` shows the library's log again.
+    let reports_events = matches!(cli.cmd, Cmd::Recover(_) | Cmd::Gc(_));
     let default = match cli.verbose {
+        0 if reports_events => "error",
         0 => "warn",
         1 => "info",
         _ => "debug",
@@ -84,10 +90,14 @@ fn main() -> ExitCode {
         Cmd::IpcWriter(a) => cli::ipc_writer::run(a),
     };
     match res {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => ExitCode::from(cli::EXIT_OK),
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+            eprintln!("shmckpt: {e}");
+            if e.downcast_ref::<cli::NotFound>().is_some() {
+                ExitCode::from(cli::EXIT_NOT_FOUND)
+            } else {
+                ExitCode::from(cli::EXIT_FAILURE)
+            }
         }
     }
 }

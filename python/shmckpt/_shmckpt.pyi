@@ -350,9 +350,13 @@ def find_parts(dir: str, step: int) -> List[str]:
     not followed."""
     ...
 
-def publish_dir(dir: str, files: Sequence[Tuple[str, bytes]], target: str) -> None:
+def publish_dir(
+    dir: str, files: Sequence[Tuple[str, bytes]], target: str, replace: Optional[str] = None
+) -> None:
     """Write ``files`` (``(name, bytes)``) durably into the assembled directory ``dir`` and
-    publish it as ``target`` (which must not exist, or be empty) with one rename."""
+    publish it as ``target`` (which must not exist, or be empty) with one rename; with
+    ``replace`` (a marker file name), a directory holding that regular file is replaced
+    atomically (``renameat2(RENAME_EXCHANGE)``, then the old tree is removed)."""
     ...
 
 def release_device_ring() -> None:

@@ -188,17 +188,22 @@ fn borrowed(files: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
 }
 
 /// Write `files` (`(name, bytes)`: DCP's `.metadata`) durably into the assembled
-/// directory `dir` and publish it as `target` with one rename
-/// (`shmckpt::commit::publish_dir`).
+/// directory `dir` and publish it as `target` with one rename; with `replace` (a marker
+/// file name), a directory holding that file is replaced atomically
+/// (`shmckpt::commit::publish_dir_replacing`).
 #[pyfunction]
+#[pyo3(signature = (dir, files, target, replace=None))]
 fn publish_dir(
     py: Python<'_>,
     dir: PathBuf,
     files: Vec<(String, Vec<u8>)>,
     target: PathBuf,
+    replace: Option<String>,
 ) -> PyResult<()> {
-    py.detach(|| shmckpt::commit::publish_dir(&dir, &borrowed(&files), &target))
-        .map_err(|e| to_py(py, e))
+    py.detach(|| {
+        shmckpt::commit::publish_dir_replacing(&dir, &borrowed(&files), &target, replace.as_deref())
+    })
+    .map_err(|e| to_py(py, e))
 }
 
 /// Write `files` durably into the assembled directory `dir`, then move its rank files,

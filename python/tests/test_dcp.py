@@ -247,6 +247,71 @@ def test_existing_target_is_refused_before_writing(tmp_path):
     assert (q / ".metadata").is_file()
 
 
+def _spool_leftovers(tmp_path):
+    spool = tmp_path / ".shmckpt-dcp"
+    return sorted(n for n in os.listdir(spool) if not n.startswith("rank-")) if spool.exists() else []
+
+
+def test_a_second_save_into_one_directory_replaces_it(tmp_path):
+    """DCP's FileSystemWriter overwrites by default; so does ShmckptWriter: the second
+    save's exact values load back, nothing of the first is left (issue 39, item 3)."""
+    p = tmp_path / "c"
+    save(p)
+    second = {"w": state()["w"] * 3 + 1, "b": state()["b"] - 2, "meta": {"epoch": 4, "tag": "second"}}
+    dcp.save(second, storage_writer=ShmckptWriter(p, chunk_size=CHUNK))
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(p))
+    assert torch.equal(dst["w"], second["w"]) and torch.equal(dst["b"], second["b"])
+    assert dst["meta"] == {"epoch": 4, "tag": "second"}
+    assert sorted(os.listdir(p)) == [".metadata", "manifest.json", "rank-00000-of-00001.safetensors"]
+    assert _spool_leftovers(tmp_path) == [], "the replaced checkpoint is removed"
+    # async_save too (DCP's fastest path through the same writer).
+    third = {"w": state()["w"] - 7, "b": state()["b"], "meta": {"epoch": 5, "tag": "third"}}
+    _result(dcp.async_save(third, storage_writer=ShmckptWriter(p, chunk_size=CHUNK)))
+    dst = zeros()
+    dcp.load(dst, storage_reader=ShmckptReader(p))
+    assert torch.equal(dst["w"], third["w"]) and dst["meta"] == {"epoch": 5, "tag": "third"}
+
+
+def test_overwrite_false_refuses_and_a_failed_second_save_keeps_the_first(tmp_path, monkeypatch):
+    p = tmp_path / "c"
+    save(p)
+    want = state()
+    second = {"w": want["w"] + 1, "b": want["b"], "meta": {"epoch": 9, "tag": "y"}}
+
+    def first_is_intact():
+        dst = zeros()
+        dcp.load(dst, storage_reader=ShmckptReader(p))
+        assert torch.equal(dst["w"], want["w"]) and torch.equal(dst["b"], want["b"])
+        assert dst["meta"] == {"epoch": 3, "tag": "x"}
+
+    with pytest.raises(FAIL) as ei:
+        dcp.save(second, storage_writer=ShmckptWriter(p, overwrite=False, chunk_size=CHUNK))
+    assert isinstance(cause(ei.value), FileExistsError) and "overwrite=False" in str(cause(ei.value))
+    first_is_intact()
+    # The second save fails after its rank's file is durable, before it is published:
+    # the first checkpoint stays, whole.
+    from shmckpt.dcp import writer as writer_mod
+
+    def boom(*a, **k):
+        raise OSError("injected: publish failed")
+
+    monkeypatch.setattr(writer_mod._shmckpt, "publish_dir", boom)
+    with pytest.raises(FAIL) as ei:
+        dcp.save(second, storage_writer=ShmckptWriter(p, chunk_size=CHUNK))
+    assert "injected" in str(cause(ei.value))
+    monkeypatch.undo()
+    first_is_intact()
+    # A directory that holds no DCP checkpoint is never replaced, overwrite or not.
+    q = tmp_path / "other"
+    q.mkdir()
+    (q / "x").write_bytes(b"1")
+    with pytest.raises(FAIL) as ei:
+        save(q)
+    assert "holds no DCP checkpoint" in str(cause(ei.value))
+    assert sorted(os.listdir(q)) == ["x"]
+
+
 def test_missing_metadata_is_a_clear_error(tmp_path):
     with pytest.raises(FAIL) as ei:
         dcp.load(zeros(), storage_reader=ShmckptReader(tmp_path / "nothing"))

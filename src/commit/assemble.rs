@@ -172,7 +172,29 @@ fn check_plain_names(files: &[(&str, &[u8])]) -> Result<()> {
 /// not exist or be an empty directory (the rename replaces it); anything else is refused
 /// and nothing is published.
 pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result<()> {
+    publish_dir_replacing(dir, files, target, None)
+}
+
+/// [`publish_dir`], and when `replace` names a marker file (DCP's `.metadata`), a
+/// non-empty directory `target` that holds a regular file of that name (a previous
+/// checkpoint) is replaced atomically: the new directory is complete and durable first,
+/// then one `renameat2(RENAME_EXCHANGE)` swaps the two (at every instant `target` is
+/// either the old checkpoint or the new one), the parents are synced, and the old tree
+/// (now at `dir`) is removed. A crash before the exchange leaves the old checkpoint in
+/// place (the new one waits at `dir`, cleaned up as a leftover); after it, the new one.
+/// A directory without the marker, a link or any other file at `target` is refused as by
+/// [`publish_dir`]; a filesystem without `RENAME_EXCHANGE` is an error (never a
+/// remove-then-rename that could leave neither).
+pub fn publish_dir_replacing(
+    dir: &Path,
+    files: &[(&str, &[u8])],
+    target: &Path,
+    replace: Option<&str>,
+) -> Result<()> {
     check_plain_names(files)?;
+    if let Some(marker) = replace {
+        check_plain_names(&[(marker, &[][..])])?;
+    }
     for (name, bytes) in files {
         write_file(dir, name, bytes)?;
     }
@@ -182,6 +204,7 @@ pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(|e| Error::io("mkdir", &parent, e))?;
+    let mut exchange = false;
     match std::fs::symlink_metadata(target) {
         Ok(m) if m.file_type().is_dir() => {
             let empty = std::fs::read_dir(target)
@@ -189,11 +212,18 @@ pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result
                 .next()
                 .is_none();
             if !empty {
-                return Err(Error::io(
-                    "publish",
-                    target,
-                    std::io::Error::from(std::io::ErrorKind::DirectoryNotEmpty),
-                ));
+                let replaceable = replace.is_some_and(|marker| {
+                    std::fs::symlink_metadata(target.join(marker))
+                        .is_ok_and(|m| m.file_type().is_file())
+                });
+                if !replaceable {
+                    return Err(Error::io(
+                        "publish",
+                        target,
+                        std::io::Error::from(std::io::ErrorKind::DirectoryNotEmpty),
+                    ));
+                }
+                exchange = true;
             }
         }
         Ok(_) => {
@@ -206,15 +236,33 @@ pub fn publish_dir(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Result
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io("stat", target, e)),
     }
-    // rename(2) replaces an empty directory and fails with ENOTEMPTY on any other: a
-    // checkpoint that appeared meanwhile is never overwritten.
-    std::fs::rename(dir, target).map_err(|e| Error::io("rename", dir, e))?;
+    if exchange {
+        rustix::fs::renameat_with(
+            rustix::fs::CWD,
+            dir,
+            rustix::fs::CWD,
+            target,
+            rustix::fs::RenameFlags::EXCHANGE,
+        )
+        .map_err(|e| Error::io("rename(RENAME_EXCHANGE)", dir, e.into()))?;
+    } else {
+        // rename(2) replaces an empty directory and fails with ENOTEMPTY on any other: a
+        // checkpoint that appeared meanwhile is never overwritten.
+        std::fs::rename(dir, target).map_err(|e| Error::io("rename", dir, e))?;
+    }
     fsync_dir(&parent)?;
     if let Some(from) = dir.parent()
         && from != parent
         && !from.as_os_str().is_empty()
     {
         fsync_dir(from)?;
+    }
+    if exchange {
+        // The old checkpoint, now at `dir` (ours: the caller's assembly directory). The new
+        // one is published and durable; a failure here leaves a leftover, not an error.
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "could not remove the replaced checkpoint");
+        }
     }
     Ok(())
 }
@@ -307,6 +355,42 @@ pub fn publish_into(dir: &Path, files: &[(&str, &[u8])], target: &Path) -> Resul
 mod tests {
     use super::*;
     use crate::manifest::partial_dir_name;
+
+    #[test]
+    fn publish_replacing_swaps_a_checkpoint_and_refuses_anything_else() {
+        let t = tempfile::tempdir().unwrap();
+        let target = t.path().join("ck");
+        let make = |name: &str, byte: u8| {
+            let d = t.path().join(name);
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join("data"), [byte; 4]).unwrap();
+            d
+        };
+        let first = make("a", 1);
+        publish_dir_replacing(&first, &[(".metadata", b"m1")], &target, Some(".metadata")).unwrap();
+        let second = make("b", 2);
+        publish_dir_replacing(&second, &[(".metadata", b"m2")], &target, Some(".metadata"))
+            .unwrap();
+        assert_eq!(std::fs::read(target.join("data")).unwrap(), [2; 4]);
+        assert_eq!(std::fs::read(target.join(".metadata")).unwrap(), b"m2");
+        assert!(!second.exists(), "the replaced checkpoint is removed");
+        // Without `replace`, or without the marker, a non-empty directory is refused and
+        // kept as it was.
+        let third = make("c", 3);
+        let e = publish_dir(&third, &[], &target).unwrap_err();
+        assert!(e.to_string().contains("not empty"), "{e}");
+        let other = t.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(other.join("x"), b"1").unwrap();
+        let e = publish_dir_replacing(&third, &[], &other, Some(".metadata")).unwrap_err();
+        assert!(e.to_string().contains("not empty"), "{e}");
+        assert_eq!(std::fs::read(other.join("x")).unwrap(), b"1");
+        // A marker that is a link does not make a directory replaceable.
+        std::os::unix::fs::symlink(target.join(".metadata"), other.join(".metadata")).unwrap();
+        assert!(publish_dir_replacing(&third, &[], &other, Some(".metadata")).is_err());
+        assert_eq!(std::fs::read(target.join("data")).unwrap(), [2; 4]);
+        assert!(third.join("data").exists());
+    }
 
     /// Two ranks' parts in roots of their own: assembled, published under a trainer's
     /// name, readable by name; a `step-N` name gives the manifest step N.

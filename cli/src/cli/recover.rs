@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use shmckpt::Error;
 use shmckpt::recover::{self, ArenaInfo, RecoverOptions, RecoveryReport, SlotOutcome};
 
-use super::{CliResult, human};
+use serde_json::{Value, json};
+
+use super::{CliResult, human, print_json};
 
 /// Arguments of `recover`.
 #[derive(Debug, clap::Args)]
@@ -26,6 +28,9 @@ pub struct RecoverArgs {
     /// root you own. Only use it for arenas you know a trusted job of that user left.
     #[arg(long)]
     pub allow_foreign: bool,
+    /// One JSON document on stdout (each arena's report) instead of text (not with --list).
+    #[arg(long, conflicts_with = "list")]
+    pub json: bool,
 }
 
 /// Exit status: success when every arena asked for was processed (saves that cannot be
@@ -48,7 +53,7 @@ pub fn run(a: RecoverArgs) -> CliResult {
             return Err("give a checkpoint root DIR, --shm NAME, or --list".into());
         }
     };
-    if results.is_empty() {
+    if results.is_empty() && !a.json {
         println!("no staging arenas recorded for this root");
         return Ok(());
     }
@@ -56,21 +61,83 @@ pub fn run(a: RecoverArgs) -> CliResult {
     for (name, r) in &results {
         match r {
             Ok(rep) => {
-                print_report(rep);
+                if !a.json {
+                    print_report(rep);
+                }
                 if rep.kept.is_some() {
                     bad += 1;
                 }
             }
             Err(e) => {
                 bad += 1;
-                println!("arena {name}: not recovered: {e}");
+                if !a.json {
+                    println!("arena {name}: not recovered: {e}");
+                }
             }
         }
+    }
+    if a.json {
+        print_json(&json!({
+            "arenas": results.iter().map(|(name, r)| match r {
+                Ok(rep) => report_json(rep),
+                Err(e) => json!({"arena": name, "error": e.to_string()}),
+            }).collect::<Vec<_>>(),
+            "not_recovered": bad,
+        }))?;
     }
     if bad > 0 {
         return Err(format!("{bad} of {} arena(s) not fully recovered", results.len()).into());
     }
     Ok(())
+}
+
+/// One arena's report as JSON (the fields of [`RecoveryReport`]; each slot's `outcome` is
+/// `committed`, `awaiting_ranks`, `already_committed`, `refused` or `failed`).
+fn report_json(r: &RecoveryReport) -> Value {
+    let slots: Vec<Value> = r
+        .slots
+        .iter()
+        .map(|s| {
+            let mut v = json!({"slot": s.slot, "step": s.step, "state": s.state.to_string()});
+            let o = match &s.outcome {
+                SlotOutcome::Committed {
+                    dir,
+                    bytes,
+                    from_staging,
+                    from_file,
+                } => {
+                    json!({"outcome": "committed", "dir": dir.display().to_string(), "bytes": bytes,
+                    "chunks_from_staging": from_staging, "chunks_from_file": from_file})
+                }
+                SlotOutcome::AwaitingRanks { partial } => {
+                    json!({"outcome": "awaiting_ranks", "partial": partial.display().to_string()})
+                }
+                SlotOutcome::AlreadyCommitted { dir } => {
+                    json!({"outcome": "already_committed", "dir": dir.display().to_string()})
+                }
+                SlotOutcome::Refused { reason } => json!({"outcome": "refused", "reason": reason}),
+                SlotOutcome::Failed { error } => {
+                    json!({"outcome": "failed", "error": error.to_string()})
+                }
+            };
+            if let (Some(v), Value::Object(o)) = (v.as_object_mut(), o) {
+                v.extend(o);
+            }
+            v
+        })
+        .collect();
+    json!({
+        "arena": r.arena,
+        "owner_pid": r.owner_pid,
+        "owner": r.owner.to_string(),
+        "closed": r.closed,
+        "rank": r.rank,
+        "world_size": r.world_size,
+        "root": r.root.display().to_string(),
+        "slots": slots,
+        "removed": r.removed,
+        "kept": r.kept,
+    })
 }
 
 fn print_report(r: &RecoveryReport) {

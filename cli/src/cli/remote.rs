@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use shmckpt::bench::gbps;
 use shmckpt::remote::{Remote, RemoteOptions, is_remote};
 
-use super::tools::{GcArgs, InspectArgs, VerifyArgs};
-use super::{CliResult, human, secs};
+use serde_json::json;
+
+use super::tools::{GcArgs, InspectArgs, Verified, VerifyArgs};
+use super::{CliResult, NotFound, human, print_json, secs};
 
 /// The URL when `dir` names a bucket root, and a step when it ends in `/step-N`.
 pub fn remote_root(dir: &Path) -> Option<(String, Option<u64>)> {
@@ -36,14 +38,28 @@ pub fn inspect(url: &str, step: Option<u64>, a: &InspectArgs) -> CliResult {
     let r = open(url)?;
     if let Some(step) = step {
         let m = r.manifest(step)?;
-        return super::tools::show_manifest(&format!("{url}/step-{step}"), &m, a.tensors);
+        return super::tools::show_manifest(&format!("{url}/step-{step}"), &m, a);
     }
     let steps = r.list()?;
-    if steps.is_empty() {
-        println!("{url}: no committed checkpoints");
-    }
     // Uploads in progress, or left open by a stopped process (`gc` aborts those).
-    for u in r.open_uploads()? {
+    let uploads = r.open_uploads()?;
+    let rows: Vec<_> = steps
+        .iter()
+        .map(|&s| (s, format!("{url}/step-{s}"), r.manifest(s)))
+        .collect();
+    if a.json {
+        return print_json(&json!({
+            "root": url,
+            "checkpoints": rows.iter().map(|(s, at, m)| super::tools::step_row_json(*s, at, m)).collect::<Vec<_>>(),
+            "open_uploads": uploads.iter().map(|u| json!({
+                "step": u.step,
+                "rank": u.rank,
+                "session": u.session,
+                "age_seconds": u.age.as_secs_f64(),
+            })).collect::<Vec<_>>(),
+        }));
+    }
+    for u in &uploads {
         println!(
             "open upload: step {} rank {}{}, journaled {} ago",
             u.step,
@@ -55,61 +71,46 @@ pub fn inspect(url: &str, step: Option<u64>, a: &InspectArgs) -> CliResult {
             secs(u.age)
         );
     }
-    println!(
-        "{:>10} {:>6} {:>9} {:>12}  prefix",
-        "step", "ranks", "tensors", "bytes"
-    );
-    for s in steps {
-        match r.manifest(s) {
-            Ok(m) => println!(
-                "{:>10} {:>6} {:>9} {:>12}  {url}/step-{s}",
-                m.step,
-                m.world_size,
-                m.tensor_count(),
-                human(m.total_bytes),
-            ),
-            Err(e) => println!("{s:>10} unreadable manifest: {e}"),
-        }
-    }
+    super::tools::print_steps(url, &rows, "prefix");
     Ok(())
 }
 
 pub fn verify(url: &str, step: Option<u64>, a: &VerifyArgs) -> CliResult {
     let r = open(url)?;
-    let steps: Vec<u64> = match (step.or(a.step), a.all) {
-        (Some(s), _) => vec![s],
-        (None, true) => r.list()?,
-        (None, false) => {
-            vec![
-                r.latest()?
-                    .ok_or_else(|| format!("{url}: no committed checkpoint (latest)"))?,
-            ]
-        }
-    };
-    let mut failed = 0;
-    for s in &steps {
-        let t = Instant::now();
-        match r.verify(*s) {
-            Ok(bytes) => println!(
-                "OK   {url}/step-{s} ({} in {}, {:.2} GB/s)",
-                human(bytes),
-                secs(t.elapsed()),
-                gbps(bytes, t.elapsed())
-            ),
-            Err(e) => {
-                failed += 1;
-                println!("FAIL {url}/step-{s}: {e}");
+    let steps: Vec<u64> =
+        match (step.or(a.step), a.all) {
+            (Some(s), _) => vec![s],
+            (None, true) => r.list()?,
+            (None, false) => {
+                vec![r.latest()?.ok_or_else(|| {
+                    NotFound(format!("no committed checkpoint (latest) in {url}"))
+                })?]
             }
+        };
+    let pb = super::progress(steps.len() as u64, "verify");
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let mut results = Vec::new();
+    for s in &steps {
+        pb.set_message(format!("step-{s}"));
+        let t = Instant::now();
+        // The size is the manifest's total (as `inspect` shows it).
+        let outcome = r
+            .manifest(*s)
+            .and_then(|m| r.verify(*s).map(|_| m.total_bytes))
+            .map_err(|e| e.to_string());
+        let v = Verified {
+            at: format!("{url}/step-{s}"),
+            outcome,
+            took: t.elapsed(),
+        };
+        if !a.json {
+            pb.suspend(|| println!("{}", super::tools::verified_line(&v)));
         }
+        results.push(v);
+        pb.inc(1);
     }
-    if failed > 0 {
-        return Err(format!(
-            "{failed} of {} checkpoints failed verification",
-            steps.len()
-        )
-        .into());
-    }
-    Ok(())
+    pb.finish_and_clear();
+    super::tools::report_verified(&results, a.json)
 }
 
 pub fn gc(url: &str, a: &GcArgs) -> CliResult {
@@ -117,7 +118,24 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
         return Err("--keep must be at least 1".into());
     }
     let r = open(url)?;
-    let rep = r.gc(Duration::from_secs(a.min_age))?;
+    let pb = super::spinner("gc");
+    let res = r
+        .gc(Duration::from_secs(a.min_age))
+        .and_then(|rep| r.apply_retention(a.keep).map(|removed| (rep, removed)));
+    pb.finish_and_clear();
+    let (rep, removed) = res?;
+    if a.json {
+        return print_json(&json!({
+            "root": url,
+            "removed_uncommitted_steps": rep.uncommitted_steps,
+            "removed_objects": rep.objects,
+            "removed_bytes": rep.bytes,
+            "aborted_uploads": rep.aborted_uploads,
+            "min_age_seconds": a.min_age,
+            "removed_steps": removed,
+            "kept": a.keep,
+        }));
+    }
     for s in &rep.uncommitted_steps {
         println!("removed uncommitted {url}/step-{s}");
     }
@@ -127,7 +145,6 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
         human(rep.bytes),
         a.min_age
     );
-    let removed = r.apply_retention(a.keep)?;
     println!(
         "removed {} checkpoint(s) {:?}; kept the newest {}",
         removed.len(),
@@ -152,6 +169,9 @@ pub struct PushArgs {
     /// Session recorded in the manifest parts (default none).
     #[arg(long)]
     pub session: Option<String>,
+    /// One JSON document on stdout (what was pushed) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Upload a committed local checkpoint to a bucket and commit it there, with progress
@@ -161,6 +181,7 @@ pub fn push(a: &PushArgs) -> CliResult {
         Some((url, None)) => url,
         _ => return Err(format!("{}: not a bucket root (s3://bucket/prefix)", a.url).into()),
     };
+    super::require_root(&a.dir)?;
     let m = shmckpt::Manifest::read(&a.dir)?;
     let r = open(&url)?;
     let sent = Arc::new(AtomicU64::new(0));
@@ -205,6 +226,13 @@ pub fn push(a: &PushArgs) -> CliResult {
     res?;
     let took = t.elapsed();
     match r.try_commit(m.step, m.world_size, &m.metadata, a.session.as_deref())? {
+        Some(_) if a.json => print_json(&json!({
+            "dir": a.dir.display().to_string(),
+            "at": format!("{url}/step-{}", m.step),
+            "step": m.step,
+            "bytes": m.total_bytes,
+            "seconds": took.as_secs_f64(),
+        }))?,
         Some(_) => println!(
             "pushed {} to {url}/step-{}: {} in {} ({:.2} GB/s)",
             a.dir.display(),

@@ -3,11 +3,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use serde_json::{Value, json};
 use shmckpt::bench::gbps;
 use shmckpt::manifest::{self, MANIFEST, Manifest};
 use shmckpt::restore::{self, ReadOptions};
 
-use super::{CliResult, human, secs};
+use super::{CliResult, NotFound, human, print_json, require_root, secs};
+
+/// Metadata values longer than this are shown truncated by `inspect` (with their length)
+/// unless `--full` is given; `--json` always carries them whole.
+pub const META_SHOWN_CHARS: usize = 200;
 
 /// Arguments of `inspect`.
 #[derive(Debug, clap::Args)]
@@ -18,6 +23,14 @@ pub struct InspectArgs {
     /// Tensors to list per file (0 for all).
     #[arg(long, default_value_t = 20)]
     pub tensors: usize,
+    /// Show metadata values whole (by default a value longer than 200 characters, such as
+    /// the Python package's state skeleton, is cut to 200 with its length).
+    #[arg(long)]
+    pub full: bool,
+    /// One JSON document on stdout (the whole manifest of a checkpoint; the steps of a
+    /// root) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `verify`.
@@ -32,6 +45,9 @@ pub struct VerifyArgs {
     /// Verify every committed checkpoint of the root.
     #[arg(long, conflicts_with = "step")]
     pub all: bool,
+    /// One JSON document on stdout (each checkpoint's outcome) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `gc`.
@@ -46,6 +62,9 @@ pub struct GcArgs {
     /// least this many seconds old (younger ones may be uploads in progress).
     #[arg(long, default_value_t = 3600)]
     pub min_age: u64,
+    /// One JSON document on stdout (what was removed) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Whether `dir` is one checkpoint (it has a `manifest.json` entry, of whatever type: a
@@ -56,37 +75,89 @@ fn is_checkpoint(dir: &Path) -> bool {
 }
 
 pub fn inspect(a: InspectArgs) -> CliResult {
+    require_root(&a.dir)?;
     if is_checkpoint(&a.dir) {
-        return show(&a.dir, a.tensors);
+        let m = Manifest::read(&a.dir)?;
+        return show_manifest(&a.dir.display().to_string(), &m, &a);
     }
     let all = manifest::list_committed(&a.dir)?;
-    if all.is_empty() {
-        println!("{}: no committed checkpoints", a.dir.display());
+    let rows: Vec<(u64, String, Result<Manifest, shmckpt::Error>)> = all
+        .iter()
+        .map(|c| (c.step, c.dir.display().to_string(), Manifest::read(&c.dir)))
+        .collect();
+    let mut uncommitted = Vec::new();
+    for e in std::fs::read_dir(&a.dir)?.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if n.ends_with(".partial") || n.ends_with(".trash") {
+            uncommitted.push(n);
+        }
+    }
+    uncommitted.sort();
+    if a.json {
+        return print_json(&json!({
+            "root": a.dir.display().to_string(),
+            "checkpoints": rows.iter().map(|(s, at, m)| step_row_json(*s, at, m)).collect::<Vec<_>>(),
+            "uncommitted": uncommitted,
+        }));
+    }
+    print_steps(&a.dir.display().to_string(), &rows, "dir");
+    for n in &uncommitted {
+        println!("(not committed: {n})");
+    }
+    Ok(())
+}
+
+/// One row of a root's listing as JSON.
+pub fn step_row_json(step: u64, at: &str, m: &Result<Manifest, shmckpt::Error>) -> Value {
+    match m {
+        Ok(m) => json!({
+            "step": m.step,
+            "at": at,
+            "world_size": m.world_size,
+            "tensors": m.tensor_count(),
+            "bytes": m.total_bytes,
+        }),
+        Err(e) => json!({ "step": step, "at": at, "error": e.to_string() }),
+    }
+}
+
+/// A root's listing as text (`rows`: step, where, its manifest).
+pub fn print_steps(
+    root: &str,
+    rows: &[(u64, String, Result<Manifest, shmckpt::Error>)],
+    col: &str,
+) {
+    if rows.is_empty() {
+        println!("{root}: no committed checkpoints");
+        return;
     }
     println!(
-        "{:>10} {:>6} {:>9} {:>12}  dir",
+        "{:>10} {:>6} {:>9} {:>12}  {col}",
         "step", "ranks", "tensors", "bytes"
     );
-    for c in &all {
-        match Manifest::read(&c.dir) {
+    for (step, at, m) in rows {
+        match m {
             Ok(m) => println!(
-                "{:>10} {:>6} {:>9} {:>12}  {}",
+                "{:>10} {:>6} {:>9} {:>12}  {at}",
                 m.step,
                 m.world_size,
                 m.tensor_count(),
                 human(m.total_bytes),
-                c.dir.display()
             ),
-            Err(e) => println!("{:>10} unreadable manifest: {e}", c.step),
+            Err(e) => println!("{step:>10} unreadable manifest: {e}"),
         }
     }
-    for e in std::fs::read_dir(&a.dir)?.flatten() {
-        let n = e.file_name().to_string_lossy().into_owned();
-        if n.ends_with(".partial") || n.ends_with(".trash") {
-            println!("(not committed: {n})");
-        }
+}
+
+/// `v` as shown by `inspect` without `--full`: at most [`META_SHOWN_CHARS`] characters, and
+/// when cut, its length.
+pub fn shown_value(v: &str, full: bool) -> String {
+    let n = v.chars().count();
+    if full || n <= META_SHOWN_CHARS {
+        return v.to_owned();
     }
-    Ok(())
+    let head: String = v.chars().take(META_SHOWN_CHARS).collect();
+    format!("{head}... ({n} chars; --full or --json shows all)")
 }
 
 /// `ms` milliseconds since the Unix epoch as a UTC ISO-8601 date and time with
@@ -118,20 +189,20 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
     (y, m, d)
 }
 
-fn show(dir: &Path, limit: usize) -> CliResult {
-    let m = Manifest::read(dir)?;
-    show_manifest(&dir.display().to_string(), &m, limit)
-}
-
-/// Print a manifest (`where` names the checkpoint: a directory or a bucket prefix).
-pub fn show_manifest(at: &str, m: &Manifest, limit: usize) -> CliResult {
+/// Print a manifest (`at` names the checkpoint: a directory or a bucket prefix), or with
+/// `--json` the whole manifest.
+pub fn show_manifest(at: &str, m: &Manifest, a: &InspectArgs) -> CliResult {
+    if a.json {
+        return print_json(&json!({ "at": at, "manifest": m }));
+    }
+    let limit = a.tensors;
     println!("checkpoint {at} (format {})", m.format_version);
     println!("  step        {}", m.step);
     println!("  world size  {}", m.world_size);
     println!("  total       {}", human(m.total_bytes));
     println!("  created     {}", utc_iso8601(m.created_unix_ms));
     for (k, v) in &m.metadata {
-        println!("  meta {k} = {v}");
+        println!("  meta {k} = {}", shown_value(v, a.full));
     }
     for f in &m.files {
         println!(
@@ -164,7 +235,56 @@ pub fn show_manifest(at: &str, m: &Manifest, limit: usize) -> CliResult {
     Ok(())
 }
 
+/// The outcome of verifying one checkpoint, as `verify` prints it (text or JSON). `bytes`
+/// is the checkpoint's size as `inspect` shows it (every rank's file: the manifest's
+/// total), so both commands report the same size of one step.
+pub struct Verified {
+    /// The checkpoint (directory or bucket prefix).
+    pub at: String,
+    /// Its size, or why it failed.
+    pub outcome: Result<u64, String>,
+    /// Time taken.
+    pub took: std::time::Duration,
+}
+
+/// Print the outcomes (text, or one JSON document) and fail when any failed.
+pub fn report_verified(results: &[Verified], json_out: bool) -> CliResult {
+    let failed = results.iter().filter(|v| v.outcome.is_err()).count();
+    if json_out {
+        print_json(&json!({
+            "checkpoints": results.iter().map(|v| match &v.outcome {
+                Ok(b) => json!({"at": v.at, "ok": true, "bytes": b, "seconds": v.took.as_secs_f64()}),
+                Err(e) => json!({"at": v.at, "ok": false, "error": e, "seconds": v.took.as_secs_f64()}),
+            }).collect::<Vec<_>>(),
+            "failed": failed,
+        }))?;
+    }
+    if failed > 0 {
+        return Err(format!(
+            "{failed} of {} checkpoints failed verification",
+            results.len()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The text line of one outcome.
+pub fn verified_line(v: &Verified) -> String {
+    match &v.outcome {
+        Ok(bytes) => format!(
+            "OK   {} ({} in {}, {:.2} GB/s)",
+            v.at,
+            human(*bytes),
+            secs(v.took),
+            gbps(*bytes, v.took)
+        ),
+        Err(e) => format!("FAIL {}: {e}", v.at),
+    }
+}
+
 pub fn verify(a: VerifyArgs) -> CliResult {
+    require_root(&a.dir)?;
     let dirs: Vec<PathBuf> = if is_checkpoint(&a.dir) {
         vec![a.dir.clone()]
     } else {
@@ -180,43 +300,69 @@ pub fn verify(a: VerifyArgs) -> CliResult {
                 .step
                 .map_or("(latest)".to_owned(), |s| format!("step {s}"));
             vec![
-                pick.ok_or_else(|| format!("{}: no committed checkpoint {what}", a.dir.display()))?
-                    .dir,
+                pick.ok_or_else(|| {
+                    NotFound(format!(
+                        "no committed checkpoint {what} in {}",
+                        a.dir.display()
+                    ))
+                })?
+                .dir,
             ]
         }
     };
-    let mut failed = 0;
+    let pb = super::progress(dirs.len() as u64, "verify");
+    pb.enable_steady_tick(std::time::Duration::from_millis(200));
+    let mut results = Vec::new();
     for d in &dirs {
+        pb.set_message(
+            d.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
         let t = Instant::now();
-        match restore::verify_dir(d, &ReadOptions::default()) {
-            Ok(bytes) => println!(
-                "OK   {} ({} in {}, {:.2} GB/s)",
-                d.display(),
-                human(bytes),
-                secs(t.elapsed()),
-                gbps(bytes, t.elapsed())
-            ),
-            Err(e) => {
-                failed += 1;
-                println!("FAIL {}: {e}", d.display());
-            }
+        // The size reported is the checkpoint's (its manifest's total, as `inspect` shows);
+        // verify_dir reads the manifest again and checks every file against it.
+        let outcome = Manifest::read(d)
+            .and_then(|m| restore::verify_dir(d, &ReadOptions::default()).map(|_| m.total_bytes))
+            .map_err(|e| e.to_string());
+        let v = Verified {
+            at: d.display().to_string(),
+            outcome,
+            took: t.elapsed(),
+        };
+        if !a.json {
+            pb.suspend(|| println!("{}", verified_line(&v)));
         }
+        results.push(v);
+        pb.inc(1);
     }
-    if failed > 0 {
-        return Err(format!("{failed} of {} checkpoints failed verification", dirs.len()).into());
-    }
-    Ok(())
+    pb.finish_and_clear();
+    report_verified(&results, a.json)
 }
 
 pub fn gc(a: GcArgs) -> CliResult {
     if a.keep == 0 {
         return Err("--keep must be at least 1".into());
     }
-    let stale = shmckpt::commit::clean_stale_with(&a.dir, u32::MAX, shmckpt::commit::Sweep::Gc)?;
+    require_root(&a.dir)?;
+    let pb = super::spinner("gc");
+    let res = shmckpt::commit::clean_stale_with(&a.dir, u32::MAX, shmckpt::commit::Sweep::Gc)
+        .and_then(|stale| {
+            shmckpt::commit::apply_retention(&a.dir, a.keep).map(|removed| (stale, removed))
+        });
+    pb.finish_and_clear();
+    let (stale, removed) = res?;
+    if a.json {
+        return print_json(&json!({
+            "root": a.dir.display().to_string(),
+            "removed_stale": stale.iter().map(|s| s.display().to_string()).collect::<Vec<_>>(),
+            "removed_steps": removed,
+            "kept": a.keep,
+        }));
+    }
     for s in &stale {
         println!("removed stale {}", s.display());
     }
-    let removed = shmckpt::commit::apply_retention(&a.dir, a.keep)?;
     println!(
         "removed {} checkpoint(s) {:?}; kept the newest {}",
         removed.len(),

@@ -295,3 +295,228 @@ fn bench_load_reports_load_and_raw_read_references() {
     // Nothing of the run is left behind.
     assert!(names(root).is_empty(), "{:?}", names(root));
 }
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json_of(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not one JSON document ({e}): {}", stdout(o)))
+}
+
+/// `inspect` and `verify` of one step report the same size (its manifest's total, in the
+/// one size convention), `--json` carries exact fields, a long metadata value is shown cut
+/// with its length unless `--full`, and nothing is written to stderr when it is not a
+/// terminal (no progress) (issue 39, item 6).
+#[test]
+fn inspect_and_verify_agree_on_size_and_speak_json() {
+    let dir = real_dir("cli-json");
+    let root = dir.path();
+    let skeleton = "s".repeat(5000);
+    let e = Engine::open(small_config(root, BackendKind::Pwrite)).unwrap();
+    let st = step_state(7);
+    let mut meta = shmckpt::Metadata::new();
+    meta.insert("skeleton".into(), skeleton.clone());
+    meta.insert("note".into(), "short".into());
+    e.save(7, &st.tensors(), &meta).unwrap().wait().unwrap();
+    e.close();
+    let step = root.join("step-7");
+    let (r, s) = (root.to_str().unwrap(), step.to_str().unwrap());
+    let m = shmckpt::Manifest::read(&step).unwrap();
+    let size = shmckpt_cli_human(m.total_bytes);
+
+    let o = shmckpt(&["inspect", s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+    let text = stdout(&o);
+    assert!(text.contains(&format!("  total       {size}\n")), "{text}");
+    assert!(text.contains("  meta note = short\n"), "{text}");
+    let cut = format!(
+        "  meta skeleton = {}... (5000 chars; --full or --json shows all)\n",
+        "s".repeat(200)
+    );
+    assert!(text.contains(&cut), "{text}");
+    let o = shmckpt(&["inspect", "--full", s]);
+    assert!(
+        stdout(&o).contains(&format!("  meta skeleton = {skeleton}\n")),
+        "{}",
+        stdout(&o)
+    );
+
+    let o = shmckpt(&["inspect", "--json", s]);
+    assert!(o.status.success());
+    let j = json_of(&o);
+    assert_eq!(j["at"], s);
+    assert_eq!(
+        j["manifest"],
+        serde_json::to_value(&m).unwrap(),
+        "--json is the whole manifest"
+    );
+    assert_eq!(j["manifest"]["metadata"]["skeleton"], skeleton.as_str());
+
+    let o = shmckpt(&["inspect", "--json", r]);
+    assert!(o.status.success());
+    assert_eq!(
+        json_of(&o),
+        serde_json::json!({
+            "root": r,
+            "checkpoints": [{
+                "step": 7, "at": s, "world_size": 1,
+                "tensors": m.tensor_count(), "bytes": m.total_bytes,
+            }],
+            "uncommitted": [],
+        })
+    );
+
+    let o = shmckpt(&["verify", r]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "", "no progress when stderr is not a terminal");
+    let line = stdout(&o);
+    assert!(
+        line.starts_with(&format!("OK   {s} ({size} in ")),
+        "verify shows the size inspect shows ({size}): {line}"
+    );
+    assert_eq!(line.lines().count(), 1, "{line}");
+
+    let o = shmckpt(&["verify", "--json", "--all", r]);
+    assert!(o.status.success());
+    let j = json_of(&o);
+    assert_eq!(j["failed"], 0);
+    let c = &j["checkpoints"].as_array().unwrap()[..];
+    assert_eq!(c.len(), 1);
+    assert_eq!(
+        (&c[0]["at"], &c[0]["ok"], &c[0]["bytes"]),
+        (
+            &serde_json::json!(s),
+            &serde_json::json!(true),
+            &serde_json::json!(m.total_bytes)
+        )
+    );
+    assert!(c[0]["seconds"].as_f64().unwrap() >= 0.0);
+
+    // A damaged tensor: one failed entry, the JSON still printed, exit status 1.
+    let file = step.join(&m.files[0].file);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = m.files[0].data_start as usize;
+    bytes[at] ^= 0xff;
+    std::fs::write(&file, &bytes).unwrap();
+    let o = shmckpt(&["verify", "--json", s]);
+    assert_eq!(o.status.code(), Some(1));
+    let j = json_of(&o);
+    assert_eq!(
+        (&j["failed"], &j["checkpoints"][0]["ok"]),
+        (&serde_json::json!(1), &serde_json::json!(false))
+    );
+    assert!(
+        j["checkpoints"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("crc"),
+        "{j}"
+    );
+    assert_eq!(
+        stderr(&o),
+        "shmckpt: 1 of 1 checkpoints failed verification\n"
+    );
+}
+
+/// The CLI's size formatting, as the binary prints it (the same function's rules).
+fn shmckpt_cli_human(bytes: u64) -> String {
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let units = ["KiB", "MiB", "GiB"];
+    let mut v = bytes as f64 / 1024.0;
+    let mut u = 0;
+    while (v * 10.0).round() / 10.0 >= 1024.0 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", units[u])
+}
+
+/// A missing root, checkpoint or step is one sentence on stderr and exit status 3, for
+/// every command that takes a root (issue 39, item 6).
+#[test]
+fn missing_roots_and_steps_are_one_sentence_and_status_3() {
+    let dir = real_dir("cli-missing");
+    let nope = dir.path().join("nope");
+    let n = nope.to_str().unwrap();
+    let want = format!("shmckpt: no checkpoint root at {n} (No such file or directory)\n");
+    for args in [
+        &["inspect", n][..],
+        &["inspect", "--json", n][..],
+        &["verify", n][..],
+        &["verify", "--all", n][..],
+        &["gc", n, "--keep", "1"][..],
+    ] {
+        let o = shmckpt(args);
+        assert_eq!(o.status.code(), Some(3), "{args:?}");
+        assert_eq!(stderr(&o), want, "{args:?}");
+        assert_eq!(stdout(&o), "", "{args:?}");
+    }
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    checkpoints(&root, &[1]);
+    let r = root.to_str().unwrap();
+    let o = shmckpt(&["verify", "--step", "9", r]);
+    assert_eq!(o.status.code(), Some(3));
+    assert_eq!(
+        stderr(&o),
+        format!("shmckpt: no committed checkpoint step 9 in {r}\n")
+    );
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let o = shmckpt(&["verify", empty.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3));
+    assert_eq!(
+        stderr(&o),
+        format!(
+            "shmckpt: no committed checkpoint (latest) in {}\n",
+            empty.display()
+        )
+    );
+    let help = stdout(&shmckpt(&["--help"]));
+    assert!(help.contains("Exit status: 0 success; 1 failure"), "{help}");
+}
+
+/// `gc` prints each removal once (the library's log of the same events stays quiet at the
+/// default level), and `--json` lists exactly what it removed (issue 39, item 6).
+#[test]
+fn gc_prints_each_event_once_and_speaks_json() {
+    let dir = real_dir("cli-gc");
+    let root = dir.path();
+    checkpoints(root, &[1, 2, 3]);
+    let stale = root.join("step-4.partial");
+    std::fs::create_dir(&stale).unwrap();
+    let r = root.to_str().unwrap();
+    let o = shmckpt(&["gc", r, "--keep", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "", "the event is printed once, on stdout");
+    assert_eq!(
+        stdout(&o),
+        format!(
+            "removed stale {}\nremoved 1 checkpoint(s) [1]; kept the newest 2\n",
+            stale.display()
+        )
+    );
+    std::fs::create_dir(&stale).unwrap();
+    let o = shmckpt(&["gc", "--json", r, "--keep", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+    assert_eq!(
+        json_of(&o),
+        serde_json::json!({
+            "root": r,
+            "removed_stale": [stale.display().to_string()],
+            "removed_steps": [2],
+            "kept": 1,
+        })
+    );
+    let left: Vec<String> = names(root)
+        .into_iter()
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(left, ["step-3"]);
+}

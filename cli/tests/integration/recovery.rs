@@ -274,6 +274,9 @@ fn cli_lists_without_touching_then_recovers_the_root() {
         said.contains("step 2: committed") || said.contains("step 2: already committed"),
         "{said}"
     );
+    // Each event once: on stdout from the report, not again from the library's log.
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "", "{said}");
+    assert_eq!(said.matches("step 2:").count(), 1, "{said}");
     assert!(said.contains(&format!("removed arena {shm}")), "{said}");
     assert!(!shm_exists(&shm));
     assert_eq!(committed(root), [1, 2]);
@@ -340,6 +343,59 @@ fn a_default_open_recovers_and_an_opt_out_keeps_everything() {
     assert_eq!(on.latest().unwrap(), Some(2));
     assert_loaded_equal(&on.load(2).unwrap(), &step_state(2));
     assert!(partial_dirs(root).is_empty());
+}
+
+/// `recover --json` prints one JSON document: each arena's report with its slots' outcomes
+/// (issue 39, item 6).
+#[test]
+fn cli_recover_speaks_json() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("recover-json");
+    let root = dir.path();
+    let shm = test_shm_name("json");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_saver", root, &shm);
+    let out = cli(&["recover", "--json", root.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["not_recovered"], 0, "{j}");
+    let arenas = j["arenas"].as_array().unwrap();
+    assert_eq!(arenas.len(), 1, "{j}");
+    let a = &arenas[0];
+    assert_eq!(a["arena"], shm.as_str());
+    assert_eq!(
+        (&a["rank"], &a["world_size"], &a["removed"], &a["kept"]),
+        (
+            &serde_json::json!(0),
+            &serde_json::json!(1),
+            &serde_json::json!(true),
+            &serde_json::Value::Null
+        ),
+        "{j}"
+    );
+    let canon = std::fs::canonicalize(root).unwrap();
+    assert_eq!(a["root"], canon.to_str().unwrap());
+    let two: Vec<&serde_json::Value> = a["slots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["step"] == 2)
+        .collect();
+    assert_eq!(two.len(), 1, "{j}");
+    let step2 = canon.join("step-2");
+    match two[0]["outcome"].as_str().unwrap() {
+        "committed" => {
+            assert_eq!(two[0]["dir"], step2.to_str().unwrap());
+            assert!(two[0]["bytes"].as_u64().unwrap() > 0, "{j}");
+        }
+        "already_committed" => assert_eq!(two[0]["dir"], step2.to_str().unwrap()),
+        o => panic!("step 2: {o}: {j}"),
+    }
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 2);
 }
 
 #[test]

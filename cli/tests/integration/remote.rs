@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use shmckpt::remote::{Remote, RemoteOptions};
 use shmckpt::{BackendKind, EngineConfig, Error, LoadSource, Metadata, StepSel};
 
-use crate::common::{State, every_dtype, real_dir, small_config};
+use crate::common::{State, every_dtype, real_dir, save_committed, small_config, step_state};
 
 struct Moto {
     child: Child,
@@ -244,4 +244,95 @@ fn a_missing_bucket_fails_the_open_with_a_clear_error() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// `push`, `inspect`, `verify` and `gc` of a bucket with `--json`: one document each, exact
+/// fields, the same size of the step everywhere (issue 39, item 6).
+#[test]
+fn cli_bucket_commands_speak_json() {
+    let Some(m) = moto("cli_bucket_commands_speak_json") else {
+        return;
+    };
+    m.create_bucket("clij");
+    let dir = real_dir("remote-cli-json");
+    let root = dir.path();
+    let e = shmckpt::Engine::open(small_config(root, BackendKind::Pwrite)).unwrap();
+    for s in [1, 2] {
+        save_committed(&e, s, &step_state(s));
+    }
+    e.close();
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_shmckpt"))
+            .args(args)
+            .env("AWS_ENDPOINT_URL", m.endpoint())
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ALLOW_HTTP", "true")
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&o.stderr), "", "{args:?}");
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let url = "s3://clij/p";
+    let mut sizes = Vec::new();
+    for s in [1u64, 2] {
+        let step = root.join(format!("step-{s}"));
+        let total = shmckpt::Manifest::read(&step).unwrap().total_bytes;
+        sizes.push(total);
+        let j = run(&["push", "--json", step.to_str().unwrap(), url]);
+        assert_eq!(j["dir"], step.to_str().unwrap());
+        assert_eq!(j["at"], format!("{url}/step-{s}").as_str());
+        assert_eq!(
+            (&j["step"], &j["bytes"]),
+            (&serde_json::json!(s), &serde_json::json!(total))
+        );
+        assert!(j["seconds"].as_f64().unwrap() >= 0.0);
+    }
+    let j = run(&["inspect", "--json", url]);
+    assert_eq!(j["root"], url);
+    assert_eq!(j["open_uploads"], serde_json::json!([]));
+    let rows = j["checkpoints"].as_array().unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r["step"].as_u64().unwrap(), r["bytes"].as_u64().unwrap()))
+            .collect::<Vec<_>>(),
+        [(1, sizes[0]), (2, sizes[1])]
+    );
+    let j = run(&["verify", "--json", "--all", url]);
+    assert_eq!(j["failed"], 0);
+    let v = j["checkpoints"].as_array().unwrap();
+    assert_eq!(
+        v.iter()
+            .map(|r| (
+                r["at"].as_str().unwrap().to_owned(),
+                r["ok"].as_bool().unwrap(),
+                r["bytes"].as_u64().unwrap()
+            ))
+            .collect::<Vec<_>>(),
+        [
+            (format!("{url}/step-1"), true, sizes[0]),
+            (format!("{url}/step-2"), true, sizes[1])
+        ],
+        "verify reports the size inspect shows"
+    );
+    let j = run(&["gc", "--json", url, "--keep", "1"]);
+    assert_eq!(
+        j,
+        serde_json::json!({
+            "root": url,
+            "removed_uncommitted_steps": [],
+            "removed_objects": 0,
+            "removed_bytes": 0,
+            "aborted_uploads": 0,
+            "min_age_seconds": 3600,
+            "removed_steps": [1],
+            "kept": 1,
+        })
+    );
 }

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from . import bucket as _dcp_remote
+from .storage import METADATA_FILE
 
 
 # -- staging ------------------------------------------------------------------------------
@@ -91,16 +92,26 @@ def _assign_owners(gathered: Sequence[Sequence[Tuple[Tuple[str, Any], int]]]) ->
     return owners
 
 
-def _check_target(path: str) -> None:
+def _check_target(path: str, overwrite: bool = False) -> None:
+    """Refuse a target the save could not publish to: a link or a file, or a non-empty
+    directory, unless ``overwrite`` and the directory is a DCP checkpoint (it has a
+    regular ``.metadata``: the publish then replaces it atomically)."""
     if _dcp_remote.is_remote(path):
         _dcp_remote.check_target(path)
         return
     if os.path.lexists(path):
-        if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
-            raise FileExistsError(
-                f"{path}: the checkpoint directory exists and is not empty; ShmckptWriter "
-                "publishes a checkpoint with one rename and never overwrites one"
-            )
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise FileExistsError(f"{path}: exists and is not a directory; ShmckptWriter never publishes over it")
+        if not os.listdir(path):
+            return
+        md = os.path.join(path, METADATA_FILE)
+        if overwrite and os.path.isfile(md) and not os.path.islink(md):
+            return
+        raise FileExistsError(
+            f"{path}: the checkpoint directory exists and is not empty"
+            + (" and holds no DCP checkpoint (.metadata)" if overwrite else " (overwrite=False)")
+            + "; ShmckptWriter never overwrites it"
+        )
 
 
 def _entry_bound(name: str, ndim: int) -> int:

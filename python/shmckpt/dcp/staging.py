@@ -41,6 +41,7 @@ class StagingMixin:
     the writer's constructor)."""
 
     path: str
+    _overwrite: bool
     _spool: Optional[str]
     _group: Any
     _opts: Dict[str, Any]
@@ -175,7 +176,7 @@ class StagingMixin:
         t0 = time.perf_counter()
         self.last_stage = {}
         if not self._path_from_reset:
-            _check_target(self.path)  # early: before anything is staged
+            _check_target(self.path, self._overwrite)  # early: before anything is staged
         # No cyclic GC while the per-item objects are built (as in Checkpointer.save):
         # collections of the trainer's whole heap would land in the caller's stall.
         with _gc_paused():

@@ -60,8 +60,14 @@ def write_results(save: Any, items: Sequence[Any], who: str) -> List[WriteResult
 class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` and ``AsyncStager`` writing through shmckpt's engine.
 
-    ``path``: the checkpoint directory (must not exist, or be empty; its parent must be
-    writable and on the same filesystem as the spool). Keyword arguments are engine
+    ``path``: the checkpoint directory (its parent must be writable and on the same
+    filesystem as the spool). ``overwrite`` (default ``True``, as DCP's
+    ``FileSystemWriter``): a save into a directory that holds a DCP checkpoint (a
+    ``.metadata``) replaces it atomically: the new checkpoint is complete and durable
+    before one ``renameat2(RENAME_EXCHANGE)`` swaps it in, so a crash leaves the old one or
+    the new one loadable, never neither; then the old one is removed. A non-empty
+    directory without ``.metadata`` is never replaced; ``overwrite=False`` refuses any
+    non-empty directory (``FileExistsError``). An ``s3://`` path never overwrites. Keyword arguments are engine
     settings (``staging_capacity``: at least this many bytes of shared-memory staging,
     default the size of the rank's file; ``chunk_size``, ``writer_threads``,
     ``queue_depth``, ``copy_threads``, ``direct_io``, ``max_inflight_saves``).
@@ -78,6 +84,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     def __init__(
         self,
         path: Union[str, os.PathLike],
+        overwrite: bool = True,
         *,
         spool: Optional[Union[str, os.PathLike]] = None,
         process_group: Any = None,
@@ -91,6 +98,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     ):
         super().__init__()
         self.path = _dcp_remote.norm(path)
+        self._overwrite = bool(overwrite)
         self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
         self._group = process_group
         self._opts = dict(
@@ -136,7 +144,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         if is_coordinator:
-            _check_target(self.path)
+            _check_target(self.path, self._overwrite)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -216,7 +224,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         save = self._take_staged(getattr(planner, "state_dict", None))
         if save is None:
             # dcp.save (no stage): resolve the planned items now and stage them.
-            _check_target(self.path)
+            _check_target(self.path, self._overwrite)
             save, rank, world = self._begin()
             objs = []
             for wi in plan.items:
@@ -254,9 +262,15 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             self._current = None
             return
         step_dir, sources = self._assemble(save, metadata, results)
-        _check_target(self.path)
+        _check_target(self.path, self._overwrite)
         # One rename makes the complete checkpoint appear at self.path.
-        _shmckpt.publish_dir(step_dir, [(METADATA_FILE, pickle.dumps(metadata))], self.path)
+        # With overwrite, a previous checkpoint there is swapped out atomically.
+        _shmckpt.publish_dir(
+            step_dir,
+            [(METADATA_FILE, pickle.dumps(metadata))],
+            self.path,
+            METADATA_FILE if self._overwrite else None,
+        )
         self._current = None
         for d in sources:  # the ranks' emptied partial directories
             _remove_tree(d)
