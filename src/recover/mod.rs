@@ -20,7 +20,7 @@
 //! `report` holds what recovery returns.
 #![forbid(unsafe_code)]
 
-mod inspect;
+pub(crate) mod inspect;
 mod rebuild;
 mod report;
 
@@ -142,19 +142,6 @@ fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(Strin
         .collect();
     found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
     found.into_iter().map(|(_, n, u)| (n, u)).collect()
-}
-
-/// Steps of the saves that this user's staging arenas recorded for `root` (any rank)
-/// still hold in a slot: their partial directories hold chunks that recovery needs, and
-/// [`commit::clean_stale`] keeps them.
-pub(crate) fn staged_steps(root: &Path) -> std::collections::BTreeSet<u64> {
-    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
-    list_arenas()
-        .into_iter()
-        .filter_map(|a| a.details.ok())
-        .filter(|d| d.root == want || d.root == root)
-        .flat_map(|d| d.slots.into_iter().map(|s| s.step))
-        .collect()
 }
 
 /// What [`crate::Engine::open`] recovered from dead engines' arenas.
