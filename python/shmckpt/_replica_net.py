@@ -15,7 +15,7 @@ import numpy as np
 from .errors import ShmckptError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer import Checkpointer
+    from ._host import CheckpointerLike
 
 log = logging.getLogger("shmckpt.replicas")
 
@@ -115,7 +115,7 @@ class _GroupFailed(Exception):
 class ReplicaNet:
     """Gathers and exchanges over :attr:`group` (see :class:`~shmckpt.replicas.Replicator`)."""
 
-    ckpt: "Checkpointer"
+    ckpt: "CheckpointerLike"
     group: Any
     _dist: Any
     timeout: float

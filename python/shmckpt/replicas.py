@@ -25,7 +25,8 @@ from ._replica_net import ImagePieces, _GroupFailed
 from .errors import ConfigError, ReplicationError, ShmckptError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer import Checkpointer, SaveHandle
+    from ._host import CheckpointerLike
+    from .checkpointer.handle import SaveHandle
 
 __all__ = ["Replicator", "node_of", "list_replicas", "remove_replica", "DEFAULT_BANDWIDTH", "DEFAULT_TIMEOUT"]
 
@@ -72,7 +73,7 @@ class Replicator(ReplicaLoads):
 
     def __init__(
         self,
-        ckpt: "Checkpointer",
+        ckpt: "CheckpointerLike",
         replicas: int,
         node: Optional[str],
         group: Any,

@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .. import _shmckpt
 from ..errors import ConfigError, CorruptError, NotFound
@@ -146,10 +146,10 @@ def check_target(url: str) -> None:
         )
 
 
-def agree_session(root: str, world: int, group: Any) -> Optional[str]:
+def agree_session(root: str, world: int, gather_group: Callable[[], Any]) -> Optional[str]:
     """The session id of this run's saves to ``root``: chosen by the group's first rank
-    and broadcast (on the writer's gloo group) at the first save of every rank; ``None``
-    on one rank."""
+    and broadcast (on the gloo group ``gather_group()`` makes: the writer's session's) at the
+    first save of every rank; ``None`` on one rank."""
     if world <= 1:
         return None
     key = (root, world)
@@ -158,9 +158,7 @@ def agree_session(root: str, world: int, group: Any) -> Optional[str]:
         return s
     import torch.distributed as dist
 
-    from .engines import SESSION
-
-    g = SESSION.gather_group(group)
+    g = gather_group()
     obj = [uuid.uuid4().hex if dist.get_rank(g) == 0 else None]
     dist.broadcast_object_list(obj, src=dist.get_global_rank(g, 0), group=g)
     s = str(obj[0])

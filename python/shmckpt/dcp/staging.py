@@ -57,7 +57,7 @@ class StagingMixin:
         if _dcp_remote.is_remote(self.path):
             # The bucket root is the engine's "spool"; the engine step is the path's N.
             spool, step = _dcp_remote.split(self.path)
-            _dcp_remote.agree_session(spool, world, self._group)
+            _dcp_remote.agree_session(spool, world, lambda: self._session.gather_group(self._group))
             save = _Save(spool, step, self.path)
             save.rank, save.world = rank, world
             return save, rank, world
