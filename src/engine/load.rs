@@ -49,6 +49,8 @@ impl Engine {
     #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
     fn load_tiers(&self, which: StepSel, bucket: bool) -> Result<(Checkpoint, LoadReport)> {
         let tiers = if bucket { Tiers::All } else { Tiers::Local };
+        // Without the `s3` feature the bucket's arm is compiled out.
+        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
         let info = match self.resolve_in(which, tiers)? {
             Resolved::Local(info) => info,
             #[cfg(feature = "s3")]
@@ -182,6 +184,8 @@ impl Engine {
         dest: &mut [(&str, &mut [u8])],
     ) -> Result<u64> {
         let which = which.into();
+        // Without the `s3` feature the bucket's arm is compiled out.
+        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
         let info = match self.resolve_in(which, Tiers::All)? {
             Resolved::Local(info) => info,
             // Not on disk: from the bucket, with a remote tier.
@@ -309,6 +313,8 @@ impl Engine {
         bucket: bool,
     ) -> Result<LoadReport> {
         let tiers = if bucket { Tiers::All } else { Tiers::Local };
+        // Without the `s3` feature the bucket's arm is compiled out.
+        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
         let info = match self.resolve_in(which, tiers)? {
             Resolved::Local(info) => info,
             // Not on disk: from the bucket, with a remote tier (through registered
