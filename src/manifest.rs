@@ -287,6 +287,33 @@ pub fn parse_step_with_suffix(name: &str, suffix: &str) -> Option<u64> {
     parse_step_dir(name.strip_suffix(suffix)?)
 }
 
+/// The step whose commit `path` is, relative to a checkpoint root (a directory or a
+/// bucket prefix): exactly `step-<N>/manifest.json` with a canonical step name. The one
+/// rule of which names can commit a step, on disk and in a bucket ([`list_committed`],
+/// the remote tier's listing); nothing deeper or otherwise named (`step-9/x/manifest.json`,
+/// `step-09/manifest.json`) ever can.
+pub fn step_of_manifest_path<'a>(path: impl IntoIterator<Item = &'a str>) -> Option<u64> {
+    let mut it = path.into_iter();
+    let step = parse_step_dir(it.next()?)?;
+    (it.next()? == MANIFEST && it.next().is_none()).then_some(step)
+}
+
+/// Whether the bytes of a step's `manifest.json`, found at `step-<step>/manifest.json`,
+/// commit that step: they parse as a manifest naming `step`. `Err` says why not (the
+/// step directory is then ignored, never listed, loaded or deleted). The listing's check,
+/// on disk and in a bucket.
+pub fn check_listed_manifest(bytes: &[u8], step: u64) -> std::result::Result<(), String> {
+    #[derive(Deserialize)]
+    struct StepOnly {
+        step: u64,
+    }
+    match serde_json::from_slice::<StepOnly>(bytes) {
+        Ok(m) if m.step == step => Ok(()),
+        Ok(m) => Err(format!("its manifest is of step {}", m.step)),
+        Err(e) => Err(format!("its manifest is not valid: {e}")),
+    }
+}
+
 /// A committed checkpoint found on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointInfo {
@@ -302,10 +329,6 @@ pub struct CheckpointInfo {
 /// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is ignored
 /// with a warning: never listed, loaded or deleted.
 pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
-    #[derive(Deserialize)]
-    struct StepOnly {
-        step: u64,
-    }
     let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
     let mut out = Vec::new();
     for entry in rd {
@@ -338,13 +361,10 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
                 continue;
             }
         };
-        match serde_json::from_slice::<StepOnly>(&bytes) {
-            Ok(m) if m.step == step => out.push(CheckpointInfo { step, dir }),
-            Ok(m) => {
-                tracing::warn!(dir = %dir.display(), manifest_step = m.step, "ignoring a step directory whose manifest is of another step");
-            }
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "ignoring a step directory whose manifest is not valid");
+        match check_listed_manifest(&bytes, step) {
+            Ok(()) => out.push(CheckpointInfo { step, dir }),
+            Err(why) => {
+                tracing::warn!(dir = %dir.display(), "ignoring a step directory: {why}");
             }
         }
     }
@@ -355,6 +375,28 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_step_n_manifest_json_commits_a_step() {
+        let f = |p: &str| step_of_manifest_path(p.split('/'));
+        assert_eq!(f("step-7/manifest.json"), Some(7));
+        for bad in [
+            "step-7/notes/manifest.json",
+            "step-07/manifest.json",
+            "step-7.partial/manifest.json",
+            "step-7/rank-00000.manifest.json",
+            "step-7",
+            "x/step-7/manifest.json",
+        ] {
+            assert_eq!(f(bad), None, "{bad}");
+        }
+        assert_eq!(check_listed_manifest(br#"{"step": 7}"#, 7), Ok(()));
+        assert_eq!(
+            check_listed_manifest(br#"{"step": 8}"#, 7),
+            Err("its manifest is of step 8".into())
+        );
+        assert!(check_listed_manifest(b"[]", 7).is_err());
+    }
 
     #[test]
     fn step_dir_names_parse_strictly() {

@@ -94,6 +94,10 @@ pub struct GcReport {
     pub aborted_uploads: usize,
     /// Bytes removed.
     pub bytes: u64,
+    /// What was left because it cannot be proven an upload's leftover: `(URL, why)` of each
+    /// object under an uncommitted step that the upload protocol does not name, and of
+    /// each step whose `manifest.json` is present but not valid (left whole).
+    pub ignored: Vec<(String, String)>,
 }
 
 /// One bucket prefix holding checkpoints: uploads, commits, listings, reads, retention.
@@ -425,36 +429,74 @@ impl Remote {
             })
     }
 
-    /// Every object under the prefix's `step-N/` names, grouped by step (steps sorted).
-    async fn objects_by_step(
+    /// `location`'s path segments below the prefix, if it is under it.
+    fn rel_parts<'a>(
         &self,
-    ) -> Result<std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>> {
-        let mut by = std::collections::BTreeMap::<u64, Vec<_>>::new();
+        location: &'a ObjPath,
+    ) -> Option<Vec<object_store::path::PathPart<'a>>> {
+        location.prefix_match(&self.prefix).map(Iterator::collect)
+    }
+
+    /// The bucket's steps by the disk's rule ([`manifest::step_of_manifest_path`],
+    /// [`manifest::check_listed_manifest`]): every object under a canonical `step-N/` name
+    /// (at any depth), grouped by step; the steps committed by exactly
+    /// `prefix/step-N/manifest.json` naming step N; and the steps whose manifest does not
+    /// (never listed, loaded or deleted), with why. Every candidate manifest is read.
+    async fn scan(&self) -> Result<Scan> {
+        let mut by = std::collections::BTreeMap::<u64, Vec<object_store::ObjectMeta>>::new();
         let mut s = self.store.list(Some(&self.prefix));
         while let Some(o) = s.try_next().await.map_err(|e| self.err("list", &e))? {
-            let step = match o.location.prefix_match(&self.prefix) {
-                Some(mut rest) => rest
-                    .next()
-                    .and_then(|first| manifest::parse_step_dir(first.as_ref())),
-                None => None,
-            };
+            let step = self
+                .rel_parts(&o.location)
+                .and_then(|p| p.first().and_then(|f| manifest::parse_step_dir(f.as_ref())));
             if let Some(step) = step {
                 by.entry(step).or_default().push(o);
             }
         }
-        Ok(by)
+        let mut committed = std::collections::BTreeSet::new();
+        let mut invalid = std::collections::BTreeMap::new();
+        for (&step, objs) in &by {
+            let has_manifest = objs.iter().any(|o| {
+                self.rel_parts(&o.location).is_some_and(|p| {
+                    manifest::step_of_manifest_path(p.iter().map(|x| x.as_ref())) == Some(step)
+                })
+            });
+            if !has_manifest {
+                continue;
+            }
+            let key = self.key(step, MANIFEST);
+            let why = match self.get_capped(&key, MAX_MANIFEST_LEN).await {
+                Ok(bytes) => manifest::check_listed_manifest(&bytes, step).err(),
+                Err(object_store::Error::NotFound { .. }) => continue, // deleted since
+                Err(object_store::Error::Generic {
+                    store: "shmckpt",
+                    source,
+                }) => Some(source.to_string()),
+                Err(e) => return Err(self.err("get manifest", &e)),
+            };
+            match why {
+                None => {
+                    committed.insert(step);
+                }
+                Some(why) => {
+                    tracing::warn!(manifest = %self.display(&key).display(), "ignoring a step in the bucket: {why}");
+                    invalid.insert(step, why);
+                }
+            }
+        }
+        Ok(Scan {
+            by,
+            committed,
+            invalid,
+        })
     }
 
-    /// Committed steps (those with a manifest), oldest first.
+    /// Committed steps, oldest first: those whose `prefix/step-N/manifest.json` is a
+    /// manifest of step N (the disk's rule, [`manifest::list_committed`]). Anything else
+    /// (a `manifest.json` deeper down, under a non-canonical name, of another step, not
+    /// valid) is ignored with a warning: never listed, loaded or deleted.
     pub fn list(&self) -> Result<Vec<u64>> {
-        self.block(async {
-            let by = self.objects_by_step().await?;
-            Ok(by
-                .into_iter()
-                .filter(|(_, objs)| objs.iter().any(|o| o.location.filename() == Some(MANIFEST)))
-                .map(|(s, _)| s)
-                .collect())
-        })
+        self.block(async { Ok(self.scan().await?.committed.into_iter().collect()) })
     }
 
     /// The newest committed step.
@@ -462,31 +504,32 @@ impl Remote {
         Ok(self.list()?.last().copied())
     }
 
-    /// Keep the newest `keep` committed steps; delete older ones (manifest first, so a
-    /// step disappears from listings before its objects go). Never deletes the newest
-    /// committed step, nor any step not older than it (uploads in progress). Returns the
-    /// deleted steps.
+    /// Keep the newest `keep` committed steps ([`Remote::list`]); delete older ones
+    /// (manifest first, so a step disappears from listings before its objects go). Never
+    /// deletes the newest committed step, nor any step not older than it (uploads in
+    /// progress), nor anything of a step that is not committed by the listing's rule.
+    /// Returns the deleted steps.
     pub fn apply_retention(&self, keep: usize) -> Result<Vec<u64>> {
         let keep = keep.max(1);
-        let committed = self.list()?;
-        if committed.len() <= keep {
-            return Ok(Vec::new());
-        }
-        let newest = *committed.last().expect("non-empty");
-        let doomed: Vec<u64> = committed[..committed.len() - keep]
-            .iter()
-            .copied()
-            .filter(|&s| s < newest)
-            .collect();
         self.block(async {
-            let by = self.objects_by_step().await?;
+            let scan = self.scan().await?;
+            let committed: Vec<u64> = scan.committed.iter().copied().collect();
+            if committed.len() <= keep {
+                return Ok(Vec::new());
+            }
+            let newest = *committed.last().expect("non-empty");
+            let doomed: Vec<u64> = committed[..committed.len() - keep]
+                .iter()
+                .copied()
+                .filter(|&s| s < newest)
+                .collect();
             for &s in &doomed {
                 self.store
                     .delete(&self.key(s, MANIFEST))
                     .await
                     .map_err(|e| self.err("delete", &e))?;
-                for o in by.get(&s).into_iter().flatten() {
-                    if o.location.filename() == Some(MANIFEST) {
+                for o in scan.by.get(&s).into_iter().flatten() {
+                    if o.location == self.key(s, MANIFEST) {
                         continue;
                     }
                     match self.store.delete(&o.location).await {
@@ -499,8 +542,11 @@ impl Remote {
         })
     }
 
-    /// Remove the objects of uncommitted steps (no manifest) whose newest object is older
-    /// than `min_age`: what an interrupted or failed upload left. A step younger than that
+    /// Remove the objects of uncommitted steps (no `manifest.json`) whose newest object is
+    /// older than `min_age`: what an interrupted or failed upload left. Only objects the
+    /// upload protocol names are removed (`step-N/rank-*` objects and manifest parts);
+    /// anything else, and every object of a step whose `manifest.json` is present but not
+    /// valid, is left and reported ([`GcReport::ignored`]). A step younger than `min_age`
     /// may be an upload in progress and is kept. Then abort the multipart uploads whose
     /// journal is at least `min_age` old (uploads a killed process left open; object_store
     /// cannot list a bucket's uploads, so the uploader journals each one: `upload.rs`).
@@ -508,10 +554,17 @@ impl Remote {
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
         self.block(async {
-            let by = self.objects_by_step().await?;
+            let scan = self.scan().await?;
             let mut rep = GcReport::default();
-            for (step, objs) in by {
-                if objs.iter().any(|o| o.location.filename() == Some(MANIFEST)) {
+            for (step, objs) in &scan.by {
+                if scan.committed.contains(step) {
+                    continue;
+                }
+                if let Some(why) = scan.invalid.get(step) {
+                    rep.ignored.push((
+                        self.display(&self.step_prefix(*step)).display().to_string(),
+                        why.clone(),
+                    ));
                     continue;
                 }
                 let newest = objs
@@ -522,15 +575,29 @@ impl Remote {
                 if now_ms.saturating_sub(newest) < min_ms {
                     continue;
                 }
-                for o in &objs {
+                let mut removed = false;
+                for o in objs {
+                    let ours = self
+                        .rel_parts(&o.location)
+                        .is_some_and(|p| p.len() == 2 && is_upload_object_name(p[1].as_ref()));
+                    if !ours {
+                        rep.ignored.push((
+                            self.display(&o.location).display().to_string(),
+                            "not an object of shmckpt's uploads".into(),
+                        ));
+                        continue;
+                    }
                     match self.store.delete(&o.location).await {
                         Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                         Err(e) => return Err(self.err("delete", &e)),
                     }
+                    removed = true;
                     rep.objects += 1;
                     rep.bytes = rep.bytes.saturating_add(o.size);
                 }
-                rep.uncommitted_steps.push(step);
+                if removed {
+                    rep.uncommitted_steps.push(*step);
+                }
             }
             rep.aborted_uploads = self.gc_uploads(min_age).await?;
             Ok(rep)
@@ -583,6 +650,32 @@ impl Remote {
             })
             .buffered(self.opts.concurrency)
     }
+}
+
+/// What [`Remote::scan`] found.
+struct Scan {
+    /// Every object under a canonical `step-N/` name, at any depth, by step.
+    by: std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>,
+    /// Steps committed by the listing's rule.
+    committed: std::collections::BTreeSet<u64>,
+    /// Steps whose `manifest.json` is present but does not commit them, with why.
+    invalid: std::collections::BTreeMap<u64, String>,
+}
+
+/// Whether `name`, directly under `step-N/`, is an object an upload writes before the
+/// commit (a rank object or a rank's manifest part): what [`Remote::gc`] may remove.
+fn is_upload_object_name(name: &str) -> bool {
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if let Some(r) = name
+        .strip_prefix("rank-")
+        .and_then(|n| n.strip_suffix(".manifest.json"))
+    {
+        return digits(r);
+    }
+    name.strip_prefix("rank-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+        .and_then(|n| n.split_once("-of-"))
+        .is_some_and(|(r, w)| digits(r) && digits(w))
 }
 
 /// One ranged GET's body and the CRC-32C of its pieces (`(tensor, crc, len)`).

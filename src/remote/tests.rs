@@ -307,7 +307,7 @@ fn retention_never_deletes_the_newest_step() {
     for step in [3u64, 9] {
         rt.block_on(mem.put(
             &ObjPath::from(format!("p/step-{step}/manifest.json")),
-            PutPayload::from("{}"),
+            PutPayload::from(format!("{{\"step\": {step}}}")),
         ))
         .unwrap();
     }
@@ -467,8 +467,12 @@ fn gc_removes_uncommitted_steps_only() {
     let mem = Arc::new(InMemory::new());
     let r = Remote::with_store(mem.clone(), "", "mem://", RemoteOptions::default()).unwrap();
     let rt = runtime().unwrap();
+    rt.block_on(mem.put(
+        &ObjPath::from("step-1/manifest.json"),
+        PutPayload::from("{\"step\":1}"),
+    ))
+    .unwrap();
     for k in [
-        "step-1/manifest.json",
         "step-1/rank-00000-of-00001.safetensors",
         "step-2/rank-00000-of-00001.safetensors",
         "step-2/rank-00000.manifest.json",
@@ -493,6 +497,72 @@ fn gc_removes_uncommitted_steps_only() {
             "step-1/rank-00000-of-00001.safetensors"
         ]
     );
+}
+
+#[test]
+fn foreign_manifests_never_commit_a_step_nor_make_retention_or_gc_delete_one() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem.clone(), "p", "mem://p", RemoteOptions::default()).unwrap();
+    let rt = runtime().unwrap();
+    let put = |k: &str, v: &str| {
+        rt.block_on(mem.put(&ObjPath::from(k), PutPayload::from(v.to_owned())))
+            .unwrap();
+    };
+    for step in [1u64, 2] {
+        put(
+            &format!("p/step-{step}/manifest.json"),
+            &format!("{{\"step\": {step}}}"),
+        );
+        put(
+            &format!("p/step-{step}/rank-00000-of-00001.safetensors"),
+            "data",
+        );
+    }
+    put("p/step-99/notes/manifest.json", "{\"step\": 99}"); // deeper: not a commit
+    put("p/step-98/manifest.json", "{\"step\": 5}"); // of another step
+    put("p/step-97/manifest.json", "not json");
+    put("p/step-096/manifest.json", "{\"step\": 96}"); // non-canonical name
+    put("p/step-50/rank-00000-of-00001.safetensors", "leftover");
+    put("p/step-50/notes.txt", "theirs");
+    assert_eq!(r.list().unwrap(), vec![1, 2]);
+    assert_eq!(r.latest().unwrap(), Some(2));
+    assert!(matches!(r.manifest(99), Err(Error::NotFound { .. })));
+    // Retention counts the two committed steps only: with keep 2 nothing goes, with keep
+    // 1 step 1 (never step 2, the newest).
+    assert_eq!(r.apply_retention(2).unwrap(), Vec::<u64>::new());
+    assert_eq!(r.apply_retention(1).unwrap(), vec![1]);
+    let rep = r.gc(std::time::Duration::ZERO).unwrap();
+    assert_eq!(rep.uncommitted_steps, vec![50]);
+    assert_eq!((rep.objects, rep.bytes), (1, 8));
+    let why_other = "not an object of shmckpt's uploads".to_owned();
+    assert_eq!(
+        rep.ignored,
+        vec![
+            ("mem://p/step-50/notes.txt".to_owned(), why_other.clone()),
+            (
+                "mem://p/step-97".to_owned(),
+                "its manifest is not valid: expected ident at line 1 column 2".to_owned()
+            ),
+            (
+                "mem://p/step-98".to_owned(),
+                "its manifest is of step 5".to_owned()
+            ),
+            ("mem://p/step-99/notes/manifest.json".to_owned(), why_other),
+        ]
+    );
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "p/step-096/manifest.json",
+            "p/step-2/manifest.json",
+            "p/step-2/rank-00000-of-00001.safetensors",
+            "p/step-50/notes.txt",
+            "p/step-97/manifest.json",
+            "p/step-98/manifest.json",
+            "p/step-99/notes/manifest.json",
+        ]
+    );
+    assert_eq!(r.list().unwrap(), vec![2]);
 }
 
 #[test]

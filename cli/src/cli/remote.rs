@@ -121,6 +121,9 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
     for s in &rep.uncommitted_steps {
         println!("removed uncommitted {url}/step-{s}");
     }
+    for (what, why) in &rep.ignored {
+        println!("left {what}: {why}");
+    }
     println!(
         "removed {} object(s), {} of uncommitted steps (older than {} s)",
         rep.objects,
