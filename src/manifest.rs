@@ -55,6 +55,13 @@ pub struct FileEntry {
     /// Absent in manifests written before it existed (nothing is checked then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header_crc32c: Option<u32>,
+    /// In a bucket's manifest: the name of the rank's object under `step-N/` when it is
+    /// not `file`. Each upload names its object apart
+    /// (`rank-R-of-W.<upload id>.safetensors`), so completing one never replaces an object
+    /// another writer's manifest names. Absent on disk and in buckets written before it
+    /// existed (the object is then `file`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<String>,
     /// Tensors in file order.
     pub tensors: Vec<TensorEntry>,
 }
@@ -72,6 +79,13 @@ pub struct TensorEntry {
     pub data_offsets: [u64; 2],
     /// CRC-32C (Castagnoli) of the tensor's bytes.
     pub crc32c: u32,
+}
+
+impl FileEntry {
+    /// The rank's object under `step-N/` in a bucket: [`FileEntry::object`], else `file`.
+    pub fn object_name(&self) -> &str {
+        self.object.as_deref().unwrap_or(&self.file)
+    }
 }
 
 impl TensorEntry {
@@ -113,6 +127,14 @@ impl Manifest {
             ));
         }
         for f in &m.files {
+            let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
+            if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!("object name {o:?} is not a plain name"),
+                ));
+            }
             if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
                 return Err(Error::corrupt(
                     path,
@@ -452,6 +474,7 @@ mod tests {
                 bytes: 0,
                 data_start: 0,
                 header_crc32c: None,
+                object: None,
                 tensors: Vec::new(),
             }],
         };
@@ -491,6 +514,7 @@ mod tests {
                 bytes: 4104,
                 data_start: 4096,
                 header_crc32c: None,
+                object: None,
                 tensors: vec![TensorEntry {
                     name: "a".into(),
                     dtype: Dtype::F32,

@@ -540,6 +540,7 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::Remote { .. } => "RemoteError",
         E::RemoteFailed { .. } => "RemoteFailed",
         E::RemoteSkipped { .. } => "RemoteSkipped",
+        E::RemoteConflict { .. } => "RemoteConflict",
         _ => "ShmckptError",
     }
 }

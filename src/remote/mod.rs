@@ -3,11 +3,15 @@
 //!
 //! Layout, mirroring the local one under the URL's prefix:
 //! ```text
-//! prefix/step-N/rank-00000-of-00002.safetensors   one object per rank (multipart upload)
-//! prefix/step-N/rank-00000.manifest.json          each rank's manifest part
-//! prefix/step-N/manifest.json                     written last: the commit
+//! prefix/step-N/rank-00000-of-00002.<id>.safetensors   one object per rank and upload
+//! prefix/step-N/rank-00000.manifest.json              each rank's manifest part
+//! prefix/step-N/manifest.json                         written last: the commit
 //! ```
-//! A step is committed in the bucket when `manifest.json` exists: it is created (with
+//! Each upload names its object apart (`<id>`, [`FileEntry::object`]), so two writers of
+//! one step never complete the same object; a rank is told its step is committed only
+//! when the manifest names its upload's object ([`Error::RemoteConflict`] otherwise).
+//! A step is committed in the bucket when exactly `prefix/step-N/manifest.json` is a
+//! manifest of step N (the disk's rule, [`Remote::list`]): it is created (with
 //! [`PutMode::Create`], `If-None-Match: *` on S3) only after every rank's object is
 //! complete and its part is present, by whichever rank sees all parts first; a rank that
 //! loses that race finds the manifest present and reports the commit. Nothing else is ever
@@ -299,34 +303,89 @@ impl Remote {
         metadata: &Metadata,
         session: Option<&str>,
     ) -> Result<Option<(Manifest, bool)>> {
+        self.commit_step(step, world_size, metadata, session, None)
+    }
+
+    /// [`Remote::try_commit`] by the rank whose upload's manifest part is `mine`: the step
+    /// counts as committed for it only when the bucket's manifest names `mine`'s object
+    /// for its rank; when it names another writer's (or this rank's part in the bucket is
+    /// another writer's), [`Error::RemoteConflict`].
+    pub(crate) fn commit_step(
+        &self,
+        step: u64,
+        world_size: u32,
+        metadata: &Metadata,
+        session: Option<&str>,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<(Manifest, bool)>> {
+        let conflict = |reason: String| Error::RemoteConflict {
+            step,
+            url: self.url.clone(),
+            reason,
+        };
+        // The committed manifest, if it is ours (names our object for our rank).
+        let ours = |m: Manifest, created: bool| -> Result<Option<(Manifest, bool)>> {
+            if let Some(mine) = mine {
+                let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
+                if theirs != Some(mine.object_name()) {
+                    return Err(conflict(format!(
+                        "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
+                        mine.rank,
+                        mine.object_name()
+                    )));
+                }
+            }
+            Ok(Some((m, created)))
+        };
         self.block(async {
             let mkey = self.key(step, MANIFEST);
             if let Some(m) = self.read_manifest_async(step).await? {
-                return Ok(Some((m, false)));
+                return ours(m, false);
             }
             let mut files = Vec::with_capacity(world_size as usize);
             for r in 0..world_size {
                 let pkey = self.key(step, &manifest::rank_manifest_name(r));
+                let mine = mine.filter(|m| m.rank == r);
                 let bytes = match self.get_capped(&pkey, 1 << 30).await {
                     Ok(b) => b,
-                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(object_store::Error::NotFound { .. }) if mine.is_none() => {
+                        return Ok(None);
+                    }
+                    Err(object_store::Error::NotFound { .. }) => {
+                        return Err(conflict(format!("this rank's manifest part {} is gone", self.display(&pkey).display())));
+                    }
                     Err(e) => return Err(self.err("get manifest part", &e)),
                 };
                 let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
                     Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
                 })?;
+                let f = part.entry;
+                if let Some(mine) = mine.filter(|m| m.object_name() != f.object_name()) {
+                    // Written after ours by another upload of this rank and step.
+                    return Err(conflict(format!(
+                        "this rank's manifest part names object {:?} of another writer, this upload's is {:?}",
+                        f.object_name(),
+                        mine.object_name()
+                    )));
+                }
                 if session.is_some() && part.session.as_deref() != session {
                     return Ok(None); // that rank's part of this run is not there yet
                 }
-                let f = part.entry;
-                if f.rank != r || f.file != manifest::rank_file_name(r, world_size) {
+                let file = manifest::rank_file_name(r, world_size);
+                if f.rank != r || f.file != file || !upload::is_object_of(f.object_name(), &file)
+                {
                     return Err(Error::corrupt(
                         self.display(&pkey),
                         None,
-                        format!("manifest part of rank {} for file {:?}", f.rank, f.file),
+                        format!(
+                            "manifest part of rank {} for file {:?} (object {:?})",
+                            f.rank,
+                            f.file,
+                            f.object_name()
+                        ),
                     ));
                 }
-                let okey = self.key(step, &f.file);
+                let okey = self.key(step, f.object_name());
                 match self.store.head(&okey).await {
                     Ok(meta) if meta.size == f.bytes => {}
                     Ok(meta) => {
@@ -358,12 +417,12 @@ impl Remote {
                 ..PutOptions::default()
             };
             match self.store.put_opts(&mkey, PutPayload::from(bytes), put).await {
-                Ok(_) => Ok(Some((m, true))),
+                Ok(_) => ours(m, true),
                 Err(object_store::Error::AlreadyExists { .. })
                 | Err(object_store::Error::Precondition { .. }) => {
-                    // Another rank committed first.
+                    // Another rank committed first (or another writer).
                     match self.read_manifest_async(step).await? {
-                        Some(m) => Ok(Some((m, false))),
+                        Some(m) => ours(m, false),
                         None => Err(Error::Remote {
                             url: self.url.clone(),
                             op: "commit",
@@ -675,7 +734,14 @@ fn is_upload_object_name(name: &str) -> bool {
     name.strip_prefix("rank-")
         .and_then(|n| n.strip_suffix(".safetensors"))
         .and_then(|n| n.split_once("-of-"))
-        .is_some_and(|(r, w)| digits(r) && digits(w))
+        .is_some_and(|(r, w)| {
+            digits(r)
+                && (digits(w)
+                    || w.get(..5).is_some_and(|w5| {
+                        digits(w5)
+                            && upload::is_object_of(name, &format!("rank-{r}-of-{w5}.safetensors"))
+                    }))
+        })
 }
 
 /// One ranged GET's body and the CRC-32C of its pieces (`(tensor, crc, len)`).
@@ -720,3 +786,5 @@ mod tests_damage;
 mod tests_feed;
 #[cfg(test)]
 mod tests_more;
+#[cfg(test)]
+mod tests_writers;

@@ -177,6 +177,21 @@ pub(super) fn objects(store: &InMemory) -> Vec<String> {
     v
 }
 
+/// The key of the one upload of rank file `file` under `step_prefix` (`run1/step-5`):
+/// `step_prefix/rank-R-of-W.<upload id>.safetensors`.
+pub(super) fn rank_object(store: &InMemory, step_prefix: &str, file: &str) -> String {
+    let found: Vec<String> = objects(store)
+        .into_iter()
+        .filter(|k| {
+            k.strip_prefix(step_prefix)
+                .and_then(|r| r.strip_prefix('/'))
+                .is_some_and(|n| n != file && super::upload::is_object_of(n, file))
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found.into_iter().next().unwrap()
+}
+
 #[test]
 fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     let dir = tempfile::tempdir().unwrap();
@@ -190,11 +205,12 @@ fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     assert_eq!(rep.step, 5);
     assert_eq!(rep.bytes, local.bytes);
     assert!(rep.committed_here);
+    let obj_key = rank_object(&mem, "run1/step-5", "rank-00000-of-00001.safetensors");
     assert_eq!(
         objects(&mem),
         vec![
             "run1/step-5/manifest.json",
-            "run1/step-5/rank-00000-of-00001.safetensors",
+            obj_key.as_str(),
             "run1/step-5/rank-00000.manifest.json",
         ]
     );
@@ -203,21 +219,27 @@ fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     let rt = runtime().unwrap();
     let obj = rt
         .block_on(async {
-            mem.get(&ObjPath::from(
-                "run1/step-5/rank-00000-of-00001.safetensors",
-            ))
-            .await
-            .unwrap()
-            .bytes()
-            .await
+            mem.get(&ObjPath::from(obj_key.as_str()))
+                .await
+                .unwrap()
+                .bytes()
+                .await
         })
         .unwrap();
     assert_eq!(&obj[..], &file[..]);
     assert_eq!(engine.list_remote().unwrap(), vec![5]);
-    // The bucket's manifest is the local one but for its commit time.
+    // The bucket's manifest is the local one but for its commit time and the object's
+    // name.
     let mut remote_m = engine.remote().unwrap().manifest(5).unwrap();
     let local_m = engine.manifest(5).unwrap();
     remote_m.created_unix_ms = local_m.created_unix_ms;
+    assert_eq!(
+        remote_m.files[0]
+            .object
+            .take()
+            .map(|o| format!("run1/step-5/{o}")),
+        Some(obj_key.clone())
+    );
     assert_eq!(remote_m, local_m);
 
     // Local copy deleted: `load` falls back to the bucket and says so.
@@ -413,7 +435,11 @@ fn hostile_bucket_contents_are_typed_errors() {
     p.wait().unwrap();
     let r = engine.remote().unwrap();
     let rt = runtime().unwrap();
-    let key = ObjPath::from("run1/step-1/rank-00000-of-00001.safetensors");
+    let key = ObjPath::from(rank_object(
+        &mem,
+        "run1/step-1",
+        "rank-00000-of-00001.safetensors",
+    ));
     let good = rt
         .block_on(async { mem.get(&key).await.unwrap().bytes().await })
         .unwrap();

@@ -156,6 +156,11 @@ impl RemoteProgress {
                 step: *step,
                 reason: reason.clone(),
             },
+            Error::RemoteConflict { step, url, reason } => Error::RemoteConflict {
+                step: *step,
+                url: url.clone(),
+                reason: reason.clone(),
+            },
             _ => Error::RemoteFailed { step, source },
         };
         let mut rep = match self.own_result(timeout)? {
@@ -437,9 +442,21 @@ struct Ctx {
 
 /// Commit `step` in the bucket if every rank's object is there; with retention when this
 /// rank committed it.
-fn commit(remote: &Remote, step: u64, metadata: &Metadata, ctx: &Ctx) -> Result<(bool, Vec<u64>)> {
+fn commit(
+    remote: &Remote,
+    step: u64,
+    metadata: &Metadata,
+    ctx: &Ctx,
+    mine: &FileEntry,
+) -> Result<(bool, Vec<u64>)> {
     Ok(
-        match remote.try_commit(step, ctx.world_size, metadata, ctx.session.as_deref())? {
+        match remote.commit_step(
+            step,
+            ctx.world_size,
+            metadata,
+            ctx.session.as_deref(),
+            Some(mine),
+        )? {
             Some((_, true)) => {
                 let retired = match ctx.keep_last {
                     Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
@@ -470,7 +487,7 @@ fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
     let upload = t.elapsed();
     let bytes = entry.bytes;
     let read_from_file = (job.feed.spilled() * job.feed.chunk_size()).min(bytes);
-    let (committed_here, retired) = commit(remote, step, &job.metadata, ctx)?;
+    let (committed_here, retired) = commit(remote, step, &job.metadata, ctx, &entry)?;
     Ok(RemoteReport {
         step,
         bytes,
@@ -505,11 +522,12 @@ fn retry(remote: &Remote, ctx: &Ctx, f: &Failed) -> std::result::Result<(), Stri
     let file = crate::fsx::open_path(&path, false)
         .map_err(|e| format!("no longer on the local disk ({e})"))?;
     tracing::info!(step, "uploading again a step whose upload failed");
-    match remote.upload_rank(step, &file, &f.entry, ctx.session.as_deref()) {
-        Ok(_) | Err(Error::StepExists { .. }) => {}
+    let mine = match remote.upload_rank_entry(step, &file, &f.entry, ctx.session.as_deref()) {
+        Ok(entry) => entry,
+        Err(Error::StepExists { .. }) => return Ok(()),
         Err(e) => return Err(format!("failed again: {e}")),
-    }
-    commit(remote, step, &f.metadata, ctx)
+    };
+    commit(remote, step, &f.metadata, ctx, &mine)
         .map(|_| ())
         .map_err(|e| format!("uploaded, but the commit failed: {e}"))
 }
