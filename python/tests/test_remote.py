@@ -261,6 +261,51 @@ def test_bad_credentials_are_a_clear_error(root, monkeypatch):
         m.stop()
 
 
+def test_an_endpoints_password_never_appears_in_errors(root, monkeypatch):
+    """``AWS_ENDPOINT_URL`` with a password in its userinfo, unreachable: the Python
+    exception and the CLI's error name the endpoint without the password or the secret
+    key."""
+    port = _free_port()  # nothing listens there
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "SECRETKEYVALUE",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://someone:S3cretPASS@127.0.0.1:{port}",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, "s3://some-bucket/x")
+    msg = str(e.value)
+    assert f"http://***@127.0.0.1:{port}/some-bucket" in msg, msg
+    assert "S3cretPASS" not in msg and "SECRETKEYVALUE" not in msg, msg
+    assert "builder error" not in msg, msg  # an http:// endpoint needs no AWS_ALLOW_HTTP
+    r = _cli("inspect", "s3://some-bucket/x")
+    assert r.returncode != 0
+    assert f"http://***@127.0.0.1:{port}/some-bucket" in r.stderr, r.stderr
+    assert "S3cretPASS" not in r.stdout + r.stderr and "SECRETKEYVALUE" not in r.stdout + r.stderr
+
+
+def test_an_http_endpoint_needs_no_allow_http(s3, root, monkeypatch):
+    """As boto3 and the AWS CLI do, an ``http://`` ``AWS_ENDPOINT_URL`` is taken as it is
+    (object_store alone refused it with "builder error")."""
+    _, bucket = s3
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    url = f"s3://{bucket}/plain"
+    with open_ck(root, url) as ck:
+        h = ck.save(1, state(1, 1024))
+        h.wait()
+        assert h.wait_remote()["committed_here"] is True
+        assert ck.list(remote=True) == [1]
+    r = _cli("inspect", url)
+    assert r.returncode == 0, r.stderr
+    # Said false explicitly: refused, and the message names the setting.
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "false")
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, url)
+    assert "AWS_ALLOW_HTTP=true" in str(e.value), str(e.value)
+
+
 class FaultProxy:
     """An HTTP proxy in front of moto that fails every upload of a multipart part
     numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the

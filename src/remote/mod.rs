@@ -57,7 +57,7 @@ use crate::manifest::{
 pub use journal::OpenUpload;
 pub(crate) use options::RemoteTarget;
 pub use options::{
-    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_RETRIES, RemoteOptions, RemoteUrl,
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_RETRIES, RemoteOptions, RemoteUrl, redact,
 };
 pub use read::RemoteLoad;
 pub use tier::{RemoteProgress, RemoteReport};
@@ -141,8 +141,9 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 impl Remote {
     /// Open `s3://bucket/prefix` with credentials, region and endpoint from the standard
     /// AWS environment variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-    /// `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL`,
-    /// `AWS_ALLOW_HTTP=true` for a plain-http endpoint), and check that the bucket can be
+    /// `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL`; an
+    /// `http://` endpoint is accepted as boto3 accepts it, unless `AWS_ALLOW_HTTP=false`),
+    /// and check that the bucket can be
     /// listed: a missing bucket or refused credentials fail here, with the server's answer.
     pub fn open(url: &str, opts: RemoteOptions) -> Result<Remote> {
         opts.validate()?;
@@ -168,6 +169,25 @@ impl Remote {
                 .parse::<AmazonS3ConfigKey>()
                 .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
             builder = builder.with_config(key, v);
+        }
+        // boto3 and the AWS CLI take an `http://` endpoint as it is; object_store refuses
+        // one ("builder error" at the first request) unless `allow_http` is set: set it
+        // for an http endpoint, unless `AWS_ALLOW_HTTP` or `config` says otherwise.
+        let allow_key = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+        let allow_given = std::env::var_os("AWS_ALLOW_HTTP").is_some()
+            || opts.config.iter().any(|(k, _)| {
+                k.parse::<AmazonS3ConfigKey>().is_ok_and(|k| {
+                    matches!(k, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+                })
+            });
+        let http_endpoint = builder
+            .get_config_value(&AmazonS3ConfigKey::Endpoint)
+            .is_some_and(|e| {
+                e.get(..7)
+                    .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+            });
+        if http_endpoint && !allow_given {
+            builder = builder.with_config(allow_key, "true");
         }
         let built = |b: object_store::aws::AmazonS3Builder| {
             b.build()
@@ -752,7 +772,9 @@ struct RangeRead {
 
 /// A typed error for an object-store failure, naming the likely cause.
 fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
-    let text = e.to_string();
+    // object_store's messages carry request URLs: the endpoint's userinfo, a presigned
+    // query's signature.
+    let text = options::redact(&e.to_string());
     let denied = matches!(
         e,
         object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
@@ -766,13 +788,16 @@ fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
     .any(|c| text.contains(c));
     let cause = if text.contains("NoSuchBucket") {
         "the bucket does not exist (check the URL and AWS_ENDPOINT_URL): "
+    } else if text.contains("builder error") {
+        "the request cannot be made (an http:// endpoint needs AWS_ALLOW_HTTP=true, or \
+         aws_allow_http in the remote settings; else check AWS_ENDPOINT_URL): "
     } else if denied {
         "access refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy): "
     } else {
         ""
     };
     Error::Remote {
-        url: url.to_owned(),
+        url: options::redact(url),
         op,
         reason: format!("{cause}{text}"),
     }

@@ -162,7 +162,13 @@ pub struct PushArgs {
 pub fn push(a: &PushArgs) -> CliResult {
     let url = match remote_root(Path::new(&a.url)) {
         Some((url, None)) => url,
-        _ => return Err(format!("{}: not a bucket root (s3://bucket/prefix)", a.url).into()),
+        _ => {
+            return Err(format!(
+                "{}: not a bucket root (s3://bucket/prefix)",
+                shmckpt::remote::redact(&a.url)
+            )
+            .into());
+        }
     };
     let m = shmckpt::Manifest::read(&a.dir)?;
     let r = open(&url)?;
