@@ -91,6 +91,10 @@ pub struct GcReport {
     /// Steps whose objects were all removed because they had no manifest (an interrupted
     /// or failed upload), oldest first.
     pub uncommitted_steps: Vec<u64>,
+    /// Rank objects of committed steps that their manifest does not name (an upload that
+    /// lost the commit to another writer, or one a crash left before a restarted run
+    /// committed the step), removed; as URLs.
+    pub stray_objects: Vec<String>,
     /// Objects removed.
     pub objects: usize,
     /// Multipart uploads aborted: those a killed process left open (their journal under
@@ -622,7 +626,9 @@ impl Remote {
     }
 
     /// Remove the objects of uncommitted steps (no `manifest.json`) whose newest object is
-    /// older than `min_age`: what an interrupted or failed upload left. Only objects the
+    /// older than `min_age`: what an interrupted or failed upload left; and the rank
+    /// objects of committed steps that their manifest does not name
+    /// ([`GcReport::stray_objects`]), as old. Only objects the
     /// upload protocol names are removed (`step-N/rank-*` objects and manifest parts);
     /// anything else, and every object of a step whose `manifest.json` is present but not
     /// valid, is left and reported ([`GcReport::ignored`]). A step younger than `min_age`
@@ -637,6 +643,7 @@ impl Remote {
             let mut rep = GcReport::default();
             for (step, objs) in &scan.by {
                 if scan.committed.contains(step) {
+                    self.gc_stray(*step, objs, now_ms, min_ms, &mut rep).await?;
                     continue;
                 }
                 if let Some(why) = scan.invalid.get(step) {
@@ -681,6 +688,66 @@ impl Remote {
             rep.aborted_uploads = self.gc_uploads(min_age).await?;
             Ok(rep)
         })
+    }
+
+    /// In committed `step`: remove the rank objects its manifest does not name (another
+    /// writer's upload that lost the commit, or one a crash left before a restarted run
+    /// committed the step) that are at least `min_ms` old.
+    async fn gc_stray(
+        &self,
+        step: u64,
+        objs: &[object_store::ObjectMeta],
+        now_ms: i64,
+        min_ms: i64,
+        rep: &mut GcReport,
+    ) -> Result<()> {
+        // Candidates: uploads' own rank objects (`rank-R-of-W.<id>.safetensors`, directly
+        // under `step-N/`), old enough.
+        let candidates: Vec<(&object_store::ObjectMeta, String)> = objs
+            .iter()
+            .filter(|o| now_ms.saturating_sub(o.last_modified.timestamp_millis()) >= min_ms)
+            .filter_map(|o| {
+                let parts = self.rel_parts(&o.location)?;
+                let name = parts.get(1)?.as_ref().to_owned();
+                let tagged = parts.len() == 2
+                    && is_upload_object_name(&name)
+                    && name.ends_with(".safetensors")
+                    && name.matches('.').count() == 2;
+                tagged.then_some((o, name))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let m = match self.read_manifest_async(step).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()), // deleted since
+            Err(e @ Error::Remote { .. }) => return Err(e),
+            Err(e) => {
+                // Listed (it names its step) but not loadable: nothing of it is removed.
+                rep.ignored.push((
+                    self.display(&self.step_prefix(step)).display().to_string(),
+                    format!("its manifest cannot be read: {e}"),
+                ));
+                return Ok(());
+            }
+        };
+        let named: std::collections::BTreeSet<&str> =
+            m.files.iter().map(FileEntry::object_name).collect();
+        for (o, name) in candidates {
+            if named.contains(name.as_str()) {
+                continue;
+            }
+            match self.store.delete(&o.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("delete", &e)),
+            }
+            rep.objects += 1;
+            rep.bytes = rep.bytes.saturating_add(o.size);
+            rep.stray_objects
+                .push(self.display(&o.location).display().to_string());
+        }
+        Ok(())
     }
 
     /// Ranged GETs of `key`, `concurrency` in flight, yielded in order. Each GET runs as

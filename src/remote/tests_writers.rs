@@ -114,6 +114,33 @@ fn a_second_writer_never_replaces_a_committed_object_and_is_told_so() {
         .filter(|k| k.starts_with("run1/step-1/rank-00000-of-00001."))
         .collect();
     assert_eq!(objs.len(), 2, "{objs:?}");
+    // gc removes B's object (not named by the committed step), when old enough.
+    let named = format!(
+        "run1/step-1/{}",
+        r.manifest(1).unwrap().files[0].object_name()
+    );
+    let stray = objs.iter().find(|k| **k != named).unwrap().clone();
+    assert!(
+        r.gc(Duration::from_secs(3600))
+            .unwrap()
+            .stray_objects
+            .is_empty()
+    );
+    let rep = r.gc(Duration::ZERO).unwrap();
+    assert_eq!(rep.stray_objects, vec![format!("InMemory/{stray}")]);
+    assert_eq!(
+        objects(&mem)
+            .into_iter()
+            .filter(|k| k.starts_with("run1/step-1/"))
+            .collect::<Vec<_>>(),
+        vec![
+            "run1/step-1/manifest.json".to_owned(),
+            named,
+            "run1/step-1/rank-00000.manifest.json".to_owned()
+        ]
+    );
+    let (ck, _) = r.load(1, 0).unwrap();
+    assert_eq!(bytes_of(&ck), expected(&sa[..3]));
     a.close();
     b.close();
 }

@@ -121,6 +121,9 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
     for s in &rep.uncommitted_steps {
         println!("removed uncommitted {url}/step-{s}");
     }
+    for o in &rep.stray_objects {
+        println!("removed {o}: not named by its committed step");
+    }
     for (what, why) in &rep.ignored {
         println!("left {what}: {why}");
     }
