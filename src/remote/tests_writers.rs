@@ -243,3 +243,56 @@ fn a_step_of_the_earlier_layout_still_loads() {
     assert_eq!(bytes_of(&ck), expected(&s));
     assert_eq!(r.verify(1).unwrap(), bytes);
 }
+
+/// Two ranks, no session: writer A's rank 0 uploads and waits for rank 1; writer B's rank
+/// 0 then uploads the same step (its manifest part replaces A's); A's rank 1 commits the
+/// step, over B's rank-0 object. A's rank 0, waiting for the manifest, is told
+/// `RemoteConflict`, not "committed"; B's rank 0, whose object the manifest names, is.
+#[test]
+fn a_rank_waiting_for_the_commit_is_told_when_it_names_another_writers_object() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mem = Arc::new(InMemory::new());
+    let engine = |d: &tempfile::TempDir, rank: u32| {
+        small(d.path(), mem.clone())
+            .with_rank(rank, 2)
+            .build()
+            .unwrap()
+    };
+    let done = |p: &RemoteProgress| {
+        let t = std::time::Instant::now();
+        while !p.is_done() {
+            assert!(t.elapsed() < Duration::from_secs(60), "upload never ended");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let s = state(6);
+    let t = tensors(&s);
+    let (a0, b0, a1) = (
+        engine(&dirs[0], 0),
+        engine(&dirs[1], 0),
+        engine(&dirs[2], 1),
+    );
+    let save = |e: &crate::Engine| {
+        let h = e.save(1, &t, &Metadata::new()).unwrap();
+        let p = h.remote().unwrap();
+        h.wait().unwrap();
+        done(&p);
+        p
+    };
+    let pa0 = save(&a0);
+    let pb0 = save(&b0);
+    let pa1 = save(&a1);
+    assert!(pa1.wait().unwrap().committed_here);
+    match pa0.wait() {
+        Err(Error::RemoteConflict {
+            step: 1, reason, ..
+        }) => {
+            assert!(reason.contains("names object"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!pb0.wait().unwrap().committed_here);
+    for e in [a0, b0, a1] {
+        e.close();
+    }
+}

@@ -67,6 +67,9 @@ struct Ticket {
     sent: Arc<std::sync::atomic::AtomicU64>,
     result: Mutex<Option<std::result::Result<RemoteReport, Arc<Error>>>>,
     changed: Condvar,
+    /// This rank's uploaded entry (with its object's name), once uploaded: the manifest
+    /// another rank commits must name it.
+    mine: Mutex<Option<FileEntry>>,
 }
 
 /// A save's remote copy in flight: wait for it with [`RemoteProgress::wait`]. Cloning
@@ -175,7 +178,23 @@ impl RemoteProgress {
         let mut nap = Duration::from_millis(20);
         loop {
             match self.t.remote.manifest(step) {
-                Ok(_) => {
+                Ok(m) => {
+                    // Committed by another rank: of this run only if it names this
+                    // rank's object (not another writer's upload of the step).
+                    if let Some(mine) = lock(&self.t.mine).as_ref() {
+                        let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
+                        if theirs != Some(mine.object_name()) {
+                            return Some(Err(Error::RemoteConflict {
+                                step,
+                                url: self.t.remote.url().to_owned(),
+                                reason: format!(
+                                    "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
+                                    mine.rank,
+                                    mine.object_name()
+                                ),
+                            }));
+                        }
+                    }
                     rep.remote_durable = self.t.started.elapsed();
                     return Some(Ok(rep));
                 }
@@ -353,6 +372,7 @@ impl RemoteTier {
                 sent: Arc::default(),
                 result: Mutex::new(None),
                 changed: Condvar::new(),
+                mine: Mutex::new(None),
             }),
         }
     }
@@ -485,6 +505,7 @@ fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
         &job.progress.t.sent,
     )?;
     let upload = t.elapsed();
+    *lock(&job.progress.t.mine) = Some(entry.clone());
     let bytes = entry.bytes;
     let read_from_file = (job.feed.spilled() * job.feed.chunk_size()).min(bytes);
     let (committed_here, retired) = commit(remote, step, &job.metadata, ctx, &entry)?;
