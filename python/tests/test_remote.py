@@ -231,6 +231,45 @@ def test_foreign_manifests_in_the_bucket_never_count_as_steps(s3, root):
     ]
 
 
+def test_a_writer_whose_object_is_not_committed_gets_remote_conflict(s3, tmp_path):
+    """Two ranks given explicitly (no session): writer A's rank 0 uploads step 1 and waits
+    for rank 1; writer B's rank 0 uploads step 1 too (its manifest part replaces A's); A's
+    rank 1 commits the step, over B's rank-0 object. A's rank 0 is told
+    ``RemoteConflict`` (a ``RemoteFailed``, with ``step``), B's rank 0 "committed"."""
+    client, bucket = s3
+    url = f"s3://{bucket}/two"
+
+    def ck(name, rank):
+        return shmckpt.Checkpointer(
+            tmp_path / name, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, rank=rank, world_size=2
+        )
+
+    def saved(c, st):
+        h = c.save(1, st)
+        h.wait()
+        deadline = time.monotonic() + 60
+        while not h._get_rust().is_remote_done():
+            assert time.monotonic() < deadline, "the upload never ended"
+            time.sleep(0.01)
+        return h
+
+    a0, b0, a1 = ck("a0", 0), ck("b0", 0), ck("a1", 1)
+    try:
+        ha0 = saved(a0, state(1, 1024))
+        hb0 = saved(b0, state(2, 1024))
+        ha1 = saved(a1, state(3, 1024))
+        assert ha1.wait_remote()["committed_here"] is True
+        with pytest.raises(shmckpt.RemoteConflict) as e:
+            ha0.wait_remote()
+        assert isinstance(e.value, RemoteFailed) and e.value.step == 1
+        assert f"remote copy of step 1 to {url} lost to another writer" in str(e.value), str(e.value)
+        assert hb0.wait_remote()["committed_here"] is False
+        same(b0.load(1, source="remote"), state(2, 1024))
+    finally:
+        for c in (a0, b0, a1):
+            c.close()
+
+
 def test_missing_bucket_is_a_clear_error(s3, root):
     _, bucket = s3
     with pytest.raises(RemoteError) as e:
