@@ -636,6 +636,7 @@ mod tests {
             bytes: 4096,
             data_start: 4096,
             header_crc32c: None,
+            object: None,
             tensors: Vec::new(),
         }
     }

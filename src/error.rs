@@ -336,6 +336,20 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Another writer's upload of the same step to the same bucket prefix (a restarted
+    /// job whose previous instance was still uploading) is the one committed there: the
+    /// step's manifest in the bucket, or this rank's manifest part, names another object
+    /// than this upload's. This upload's object is not part of the committed step (each
+    /// upload names its object apart, so it never replaced the committed one).
+    #[error("remote copy of step {step} to {url} lost to another writer: {reason}")]
+    RemoteConflict {
+        /// The step.
+        step: u64,
+        /// The bucket URL.
+        url: String,
+        /// What the bucket holds instead.
+        reason: String,
+    },
     /// A staging arena in `/dev/shm` cannot be recovered as a whole: it is not a shmckpt
     /// arena, its owner is still alive, it belongs to another user, or an engine holds its
     /// checkpoint root. Nothing was changed, and the arena was left in place.
@@ -465,7 +479,8 @@ impl Error {
             | Error::SaveFailed { step, .. }
             | Error::CommitRefused { step, .. }
             | Error::RemoteFailed { step, .. }
-            | Error::RemoteSkipped { step, .. } => Some(*step),
+            | Error::RemoteSkipped { step, .. }
+            | Error::RemoteConflict { step, .. } => Some(*step),
             Error::NotFound { step, .. } => *step,
             _ => None,
         }

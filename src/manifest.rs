@@ -55,6 +55,13 @@ pub struct FileEntry {
     /// Absent in manifests written before it existed (nothing is checked then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header_crc32c: Option<u32>,
+    /// In a bucket's manifest: the name of the rank's object under `step-N/` when it is
+    /// not `file`. Each upload names its object apart
+    /// (`rank-R-of-W.<upload id>.safetensors`), so completing one never replaces an object
+    /// another writer's manifest names. Absent on disk and in buckets written before it
+    /// existed (the object is then `file`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<String>,
     /// Tensors in file order.
     pub tensors: Vec<TensorEntry>,
 }
@@ -72,6 +79,13 @@ pub struct TensorEntry {
     pub data_offsets: [u64; 2],
     /// CRC-32C (Castagnoli) of the tensor's bytes.
     pub crc32c: u32,
+}
+
+impl FileEntry {
+    /// The rank's object under `step-N/` in a bucket: [`FileEntry::object`], else `file`.
+    pub fn object_name(&self) -> &str {
+        self.object.as_deref().unwrap_or(&self.file)
+    }
 }
 
 impl TensorEntry {
@@ -113,6 +127,14 @@ impl Manifest {
             ));
         }
         for f in &m.files {
+            let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
+            if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!("object name {o:?} is not a plain name"),
+                ));
+            }
             if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
                 return Err(Error::corrupt(
                     path,
@@ -293,6 +315,33 @@ pub fn parse_step_with_suffix(name: &str, suffix: &str) -> Option<u64> {
     parse_step_dir(name.strip_suffix(suffix)?)
 }
 
+/// The step whose commit `path` is, relative to a checkpoint root (a directory or a
+/// bucket prefix): exactly `step-<N>/manifest.json` with a canonical step name. The one
+/// rule of which names can commit a step, on disk and in a bucket ([`list_committed`],
+/// the remote tier's listing); nothing deeper or otherwise named (`step-9/x/manifest.json`,
+/// `step-09/manifest.json`) ever can.
+pub fn step_of_manifest_path<'a>(path: impl IntoIterator<Item = &'a str>) -> Option<u64> {
+    let mut it = path.into_iter();
+    let step = parse_step_dir(it.next()?)?;
+    (it.next()? == MANIFEST && it.next().is_none()).then_some(step)
+}
+
+/// Whether the bytes of a step's `manifest.json`, found at `step-<step>/manifest.json`,
+/// commit that step: they parse as a manifest naming `step`. `Err` says why not (the
+/// step directory is then ignored, never listed, loaded or deleted). The listing's check,
+/// on disk and in a bucket.
+pub fn check_listed_manifest(bytes: &[u8], step: u64) -> std::result::Result<(), String> {
+    #[derive(Deserialize)]
+    struct StepOnly {
+        step: u64,
+    }
+    match serde_json::from_slice::<StepOnly>(bytes) {
+        Ok(m) if m.step == step => Ok(()),
+        Ok(m) => Err(format!("its manifest is of step {}", m.step)),
+        Err(e) => Err(format!("its manifest is not valid: {e}")),
+    }
+}
+
 /// A committed checkpoint found on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointInfo {
@@ -308,10 +357,6 @@ pub struct CheckpointInfo {
 /// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is ignored
 /// with a warning: never listed, loaded or deleted.
 pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
-    #[derive(Deserialize)]
-    struct StepOnly {
-        step: u64,
-    }
     let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
     let mut out = Vec::new();
     for entry in rd {
@@ -344,13 +389,10 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
                 continue;
             }
         };
-        match serde_json::from_slice::<StepOnly>(&bytes) {
-            Ok(m) if m.step == step => out.push(CheckpointInfo { step, dir }),
-            Ok(m) => {
-                tracing::warn!(dir = %dir.display(), manifest_step = m.step, "ignoring a step directory whose manifest is of another step");
-            }
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "ignoring a step directory whose manifest is not valid");
+        match check_listed_manifest(&bytes, step) {
+            Ok(()) => out.push(CheckpointInfo { step, dir }),
+            Err(why) => {
+                tracing::warn!(dir = %dir.display(), "ignoring a step directory: {why}");
             }
         }
     }
@@ -361,6 +403,28 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_step_n_manifest_json_commits_a_step() {
+        let f = |p: &str| step_of_manifest_path(p.split('/'));
+        assert_eq!(f("step-7/manifest.json"), Some(7));
+        for bad in [
+            "step-7/notes/manifest.json",
+            "step-07/manifest.json",
+            "step-7.partial/manifest.json",
+            "step-7/rank-00000.manifest.json",
+            "step-7",
+            "x/step-7/manifest.json",
+        ] {
+            assert_eq!(f(bad), None, "{bad}");
+        }
+        assert_eq!(check_listed_manifest(br#"{"step": 7}"#, 7), Ok(()));
+        assert_eq!(
+            check_listed_manifest(br#"{"step": 8}"#, 7),
+            Err("its manifest is of step 8".into())
+        );
+        assert!(check_listed_manifest(b"[]", 7).is_err());
+    }
 
     #[test]
     fn step_dir_names_parse_strictly() {
@@ -416,6 +480,7 @@ mod tests {
                 bytes: 0,
                 data_start: 0,
                 header_crc32c: None,
+                object: None,
                 tensors: Vec::new(),
             }],
         };
@@ -455,6 +520,7 @@ mod tests {
                 bytes: 4104,
                 data_start: 4096,
                 header_crc32c: None,
+                object: None,
                 tensors: vec![TensorEntry {
                     name: "a".into(),
                     dtype: Dtype::F32,

@@ -59,6 +59,7 @@ __all__ = [
     "RemoteError",
     "RemoteFailed",
     "RemoteSkipped",
+    "RemoteConflict",
     "ReplicationError",
     "CommitRefused",
     "ReplicaDivergence",
@@ -262,6 +263,13 @@ class RemoteFailed(RemoteError):
 class RemoteSkipped(RemoteError):
     """A save's copy to the bucket was skipped because the uploader was behind
     (``remote_max_pending`` newer saves were waiting); newer steps go to the bucket."""
+
+
+class RemoteConflict(RemoteFailed):
+    """Another writer's upload of the same step to the same bucket prefix (a restarted job
+    whose previous instance was still uploading) is the one committed there; this upload's
+    object is not part of that step, and was not written over it. ``step`` names the step;
+    the message, the bucket URL and the object the committed manifest names."""
 
 
 class ReplicationError(ShmckptError, RuntimeError):

@@ -628,6 +628,7 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::RemoteFailed { .. } => "RemoteFailed",
         E::RemoteSkipped { .. } => "RemoteSkipped",
         E::CommitRefused { .. } => "CommitRefused",
+        E::RemoteConflict { .. } => "RemoteConflict",
         _ => "ShmckptError",
     }
 }

@@ -18,7 +18,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 from shmckpt.dcp import ShmckptReader, ShmckptWriter, release  # noqa: E402
 from shmckpt.errors import ConfigError  # noqa: E402
 
-from test_remote import Moto, _free_port, _require_moto, keys  # noqa: E402
+from test_remote import Moto, _free_port, _require_moto, keys, rank_key  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +93,9 @@ def test_two_gloo_ranks_save_to_a_bucket_and_load_exact_values(s3, tmp_path):
         assert keys(client, bucket, f"dcp/step-{s}/") == [
             f"dcp/step-{s}/.metadata",
             f"dcp/step-{s}/manifest.json",
-            f"dcp/step-{s}/rank-00000-of-00002.safetensors",
+            rank_key(client, bucket, f"dcp/step-{s}", 0),
             f"dcp/step-{s}/rank-00000.manifest.json",
-            f"dcp/step-{s}/rank-00001-of-00002.safetensors",
+            rank_key(client, bucket, f"dcp/step-{s}", 1),
             f"dcp/step-{s}/rank-00001.manifest.json",
         ]
         m = json.loads(client.get_object(Bucket=bucket, Key=f"dcp/step-{s}/manifest.json")["Body"].read())
@@ -143,7 +143,7 @@ def test_single_process_save_then_load_after_the_local_directory_is_gone(s3, tmp
     assert sorted(k.rsplit("/", 1)[1] for k in keys(client, bucket, "one/step-3/")) == [
         ".metadata",
         "manifest.json",
-        "rank-00000-of-00001.safetensors",
+        rank_key(client, bucket, "one/step-3").rsplit("/", 1)[1],
         "rank-00000.manifest.json",
     ]
 
@@ -153,7 +153,7 @@ def test_a_flipped_byte_in_the_bucket_fails_the_load(s3):
     url = f"s3://{bucket}/bad/step-1"
     sd = {"w": torch.arange(1 << 14, dtype=torch.float32)}
     dcp.save(sd, storage_writer=ShmckptWriter(url))
-    key = "bad/step-1/rank-00000-of-00001.safetensors"
+    key = rank_key(client, bucket, "bad/step-1")
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[-5] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))

@@ -9,6 +9,7 @@ import http.client
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -108,6 +109,14 @@ def keys(client, bucket, prefix=""):
     return sorted(o["Key"] for o in out.get("Contents", []))
 
 
+def rank_key(client, bucket, step_prefix: str, rank: int = 0) -> str:
+    """The key of ``rank``'s object of the committed step ``step_prefix`` (``run1/step-3``):
+    each upload names its object apart, and the step's manifest records the name."""
+    m = json.loads(client.get_object(Bucket=bucket, Key=f"{step_prefix}/manifest.json")["Body"].read())
+    f = m["files"][rank]
+    return f"{step_prefix}/{f.get('object', f['file'])}"
+
+
 def state(seed: int, n: int = 1 << 16):
     g = torch.Generator().manual_seed(seed)
     return {
@@ -141,13 +150,15 @@ def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
         assert rep["remote_durable"] >= rep["upload"] > 0
         assert h.wait_remote() == rep  # may be called again
         assert ck.list(remote=True) == [3]
+        obj_key = rank_key(client, bucket, "run1/step-3")
+        assert re.fullmatch(r"run1/step-3/rank-00000-of-00001\.[0-9a-f]{32}\.safetensors", obj_key), obj_key
         assert keys(client, bucket) == [
             "run1/step-3/manifest.json",
-            "run1/step-3/rank-00000-of-00001.safetensors",
+            obj_key,
             "run1/step-3/rank-00000.manifest.json",
         ]
         # The object is the local safetensors file, byte for byte (`aws s3 cp` gives it).
-        obj = client.get_object(Bucket=bucket, Key="run1/step-3/rank-00000-of-00001.safetensors")["Body"].read()
+        obj = client.get_object(Bucket=bucket, Key=obj_key)["Body"].read()
         assert obj == (root / "step-3" / "rank-00000-of-00001.safetensors").read_bytes()
         # Served locally while the disk has it.
         same(ck.load("latest"), st)
@@ -186,6 +197,79 @@ def test_remote_retention_keeps_the_newest(s3, root):
         assert ck.last_load_source == ("remote", None)
 
 
+def test_foreign_manifests_in_the_bucket_never_count_as_steps(s3, root):
+    """Only ``prefix/step-N/manifest.json`` of step N commits step N in the bucket (the
+    disk's rule): a ``manifest.json`` deeper down, of another step or not valid changes
+    neither the listing, nor ``load("latest")``, nor retention."""
+    client, bucket = s3
+    url = f"s3://{bucket}/for"
+    for key, body in [
+        ("for/step-99/notes/manifest.json", b'{"step": 99}'),
+        ("for/step-98/manifest.json", b'{"step": 2}'),
+        ("for/step-97/manifest.json", b"not json"),
+    ]:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    with open_ck(root, url, remote_keep_last=2) as ck:
+        retired = []
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step, 1024))
+            h.wait()
+            retired += h.wait_remote()["retired"]
+        assert retired == [1]
+        assert ck.list(remote=True) == [2, 3]
+    shutil.rmtree(root)
+    root.mkdir()
+    with open_ck(root, url) as ck:
+        same(ck.load("latest"), state(3, 1024))
+        assert ck.last_load_source == ("remote", None)
+    assert [k for k in keys(client, bucket) if k.endswith("/manifest.json")] == [
+        "for/step-2/manifest.json",
+        "for/step-3/manifest.json",
+        "for/step-97/manifest.json",
+        "for/step-98/manifest.json",
+        "for/step-99/notes/manifest.json",
+    ]
+
+
+def test_a_writer_whose_object_is_not_committed_gets_remote_conflict(s3, tmp_path):
+    """Two ranks given explicitly (no session): writer A's rank 0 uploads step 1 and waits
+    for rank 1; writer B's rank 0 uploads step 1 too (its manifest part replaces A's); A's
+    rank 1 commits the step, over B's rank-0 object. A's rank 0 is told
+    ``RemoteConflict`` (a ``RemoteFailed``, with ``step``), B's rank 0 "committed"."""
+    client, bucket = s3
+    url = f"s3://{bucket}/two"
+
+    def ck(name, rank):
+        return shmckpt.Checkpointer(
+            tmp_path / name, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, rank=rank, world_size=2
+        )
+
+    def saved(c, st):
+        h = c.save(1, st)
+        h.wait()
+        deadline = time.monotonic() + 60
+        while not h._get_rust().is_remote_done():
+            assert time.monotonic() < deadline, "the upload never ended"
+            time.sleep(0.01)
+        return h
+
+    a0, b0, a1 = ck("a0", 0), ck("b0", 0), ck("a1", 1)
+    try:
+        ha0 = saved(a0, state(1, 1024))
+        hb0 = saved(b0, state(2, 1024))
+        ha1 = saved(a1, state(3, 1024))
+        assert ha1.wait_remote()["committed_here"] is True
+        with pytest.raises(shmckpt.RemoteConflict) as e:
+            ha0.wait_remote()
+        assert isinstance(e.value, RemoteFailed) and e.value.step == 1
+        assert f"remote copy of step 1 to {url} lost to another writer" in str(e.value), str(e.value)
+        assert hb0.wait_remote()["committed_here"] is False
+        same(b0.load(1, source="remote"), state(2, 1024))
+    finally:
+        for c in (a0, b0, a1):
+            c.close()
+
+
 def test_missing_bucket_is_a_clear_error(s3, root):
     _, bucket = s3
     with pytest.raises(RemoteError) as e:
@@ -214,6 +298,51 @@ def test_bad_credentials_are_a_clear_error(root, monkeypatch):
         assert "s3://some-bucket/x" in msg and "AWS_ACCESS_KEY_ID" in msg, msg
     finally:
         m.stop()
+
+
+def test_an_endpoints_password_never_appears_in_errors(root, monkeypatch):
+    """``AWS_ENDPOINT_URL`` with a password in its userinfo, unreachable: the Python
+    exception and the CLI's error name the endpoint without the password or the secret
+    key."""
+    port = _free_port()  # nothing listens there
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "SECRETKEYVALUE",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://someone:S3cretPASS@127.0.0.1:{port}",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, "s3://some-bucket/x")
+    msg = str(e.value)
+    assert f"http://***@127.0.0.1:{port}/some-bucket" in msg, msg
+    assert "S3cretPASS" not in msg and "SECRETKEYVALUE" not in msg, msg
+    assert "builder error" not in msg, msg  # an http:// endpoint needs no AWS_ALLOW_HTTP
+    r = _cli("inspect", "s3://some-bucket/x")
+    assert r.returncode != 0
+    assert f"http://***@127.0.0.1:{port}/some-bucket" in r.stderr, r.stderr
+    assert "S3cretPASS" not in r.stdout + r.stderr and "SECRETKEYVALUE" not in r.stdout + r.stderr
+
+
+def test_an_http_endpoint_needs_no_allow_http(s3, root, monkeypatch):
+    """As boto3 and the AWS CLI do, an ``http://`` ``AWS_ENDPOINT_URL`` is taken as it is
+    (object_store alone refused it with "builder error")."""
+    _, bucket = s3
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    url = f"s3://{bucket}/plain"
+    with open_ck(root, url) as ck:
+        h = ck.save(1, state(1, 1024))
+        h.wait()
+        assert h.wait_remote()["committed_here"] is True
+        assert ck.list(remote=True) == [1]
+    r = _cli("inspect", url)
+    assert r.returncode == 0, r.stderr
+    # Said false explicitly: refused, and the message names the setting.
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "false")
+    with pytest.raises(RemoteError) as e:
+        open_ck(root, url)
+    assert "AWS_ALLOW_HTTP=true" in str(e.value), str(e.value)
 
 
 class FaultProxy:
@@ -423,9 +552,9 @@ def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path, remote_only):
         assert sorted(r["committed_here"][i] for r in res) == [False, True], res
     assert keys(client, bucket, "dist/step-6/") == [
         "dist/step-6/manifest.json",
-        "dist/step-6/rank-00000-of-00002.safetensors",
+        rank_key(client, bucket, "dist/step-6", 0),
         "dist/step-6/rank-00000.manifest.json",
-        "dist/step-6/rank-00001-of-00002.safetensors",
+        rank_key(client, bucket, "dist/step-6", 1),
         "dist/step-6/rank-00001.manifest.json",
     ]
     import json as _json
@@ -470,7 +599,7 @@ def test_cli_inspect_verify_gc_on_a_bucket(s3, root):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [l.split()[0:2] for l in r.stdout.splitlines()] == [["OK", f"{url}/step-{s}"] for s in (1, 2, 3)]
     # A flipped byte in step 2's object: verify names it and fails.
-    key = "cli/step-2/rank-00000-of-00001.safetensors"
+    key = rank_key(client, bucket, "cli/step-2")
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[-3] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
@@ -492,6 +621,34 @@ def test_cli_inspect_verify_gc_on_a_bucket(s3, root):
     assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-2", "step-3"}
 
 
+def test_cli_gc_never_deletes_a_valid_step_for_a_planted_manifest(s3, root):
+    """A ``manifest.json`` planted deeper under a step name (``step-99/notes/``): ``shmckpt
+    gc`` keeps the real newest steps, removes no object it cannot prove is an upload's
+    leftover, and says what it left."""
+    client, bucket = s3
+    url = f"s3://{bucket}/gcf"
+    with open_ck(root, url) as ck:
+        for step in (1, 2):
+            h = ck.save(step, state(step, 1024))
+            h.wait()
+            h.wait_remote()
+    client.put_object(Bucket=bucket, Key="gcf/step-99/notes/manifest.json", Body=b'{"step": 99}')
+    before = keys(client, bucket)
+    r = _cli("gc", url, "--keep", "2", "--min-age", "0")
+    assert r.returncode == 0, r.stderr
+    assert "removed 0 checkpoint(s) []; kept the newest 2" in r.stdout, r.stdout
+    assert f"left {url}/step-99/notes/manifest.json: not an object of shmckpt's uploads" in r.stdout, r.stdout
+    assert keys(client, bucket) == before
+    r = _cli("gc", url, "--keep", "1", "--min-age", "0")
+    assert r.returncode == 0, r.stderr
+    assert "removed 1 checkpoint(s) [1]; kept the newest 1" in r.stdout, r.stdout
+    assert [k for k in keys(client, bucket) if k.endswith("manifest.json")] == [
+        "gcf/step-2/manifest.json",
+        "gcf/step-2/rank-00000.manifest.json",
+        "gcf/step-99/notes/manifest.json",
+    ]
+
+
 def test_cli_push_uploads_a_local_checkpoint_and_commits_it(s3, root):
     """`shmckpt push ROOT/step-N s3://...`: every rank file uploaded byte for byte, the step
     committed in the bucket (verify passes), no journal left; a second push is refused."""
@@ -506,10 +663,11 @@ def test_cli_push_uploads_a_local_checkpoint_and_commits_it(s3, root):
     name = "rank-00000-of-00001.safetensors"
     with open(os.path.join(step_dir, name), "rb") as f:
         local = f.read()
-    assert client.get_object(Bucket=bucket, Key=f"pushed/step-4/{name}")["Body"].read() == local
+    obj_key = rank_key(client, bucket, "pushed/step-4")
+    assert client.get_object(Bucket=bucket, Key=obj_key)["Body"].read() == local
     assert keys(client, bucket, "pushed/") == [
         "pushed/step-4/manifest.json",
-        f"pushed/step-4/{name}",
+        obj_key,
         "pushed/step-4/rank-00000.manifest.json",
     ]
     r = _cli("verify", url, "--step", "4")
@@ -577,10 +735,8 @@ def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkey
         assert len(left) == 1 and left[0].startswith("kill/.shmckpt/uploads/nosession-0-1-"), left
         journal = json.loads(client.get_object(Bucket=bucket, Key=left[0])["Body"].read())
         uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-        assert [(u["Key"], u["UploadId"]) for u in uploads] == [
-            ("kill/step-1/rank-00000-of-00001.safetensors", journal["upload_id"])
-        ]
-        assert journal["object"] == "kill/step-1/rank-00000-of-00001.safetensors"
+        assert [(u["Key"], u["UploadId"]) for u in uploads] == [(journal["object"], journal["upload_id"])]
+        assert re.fullmatch(r"kill/step-1/rank-00000-of-00001\.[0-9a-f]{32}\.safetensors", journal["object"]), journal
         # gc: younger than --min-age, kept (may be in progress); with --min-age 0, aborted.
         r = _cli("gc", url, "--keep", "1")
         assert r.returncode == 0, r.stderr
@@ -683,7 +839,7 @@ def test_part_size_and_concurrency_settings(s3, root):
         h = ck.save(1, big)
         h.wait()
         assert h.wait_remote()["step"] == 1
-        key = "parts/step-1/rank-00000-of-00001.safetensors"
+        key = rank_key(client, bucket, "parts/step-1")
         local = (root / "step-1" / "rank-00000-of-00001.safetensors").read_bytes()
         assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == local
         etag = client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')

@@ -9,7 +9,7 @@ import pytest
 
 import shmckpt
 
-from test_remote import moto, open_ck, s3  # noqa: F401  (fixtures)
+from test_remote import moto, open_ck, rank_key, s3  # noqa: F401  (fixtures)
 
 torch = pytest.importorskip("torch")
 
@@ -103,7 +103,7 @@ def test_a_damaged_object_fails_a_device_load_and_the_next_load_works(s3, root):
             h = ck.save(s, st)
             h.wait()
             h.wait_remote()
-    key = "devbad/step-8/rank-00000-of-00001.safetensors"
+    key = rank_key(client, bucket, "devbad/step-8")
     obj = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     obj[-5] ^= 0x40  # a data byte (the last tensor with bytes)
     client.put_object(Bucket=bucket, Key=key, Body=bytes(obj))

@@ -313,10 +313,14 @@ def test_a_lost_rank_without_a_replica_reads_the_bucket(tmp_path, droot, s3):
     """Machine 1 is lost before the replicas of the last step were stored (they are
     removed here), but the step is in the bucket: "latest" is still that step, and machine
     1's ranks read it from the bucket (the same bytes as the committed manifest says)."""
-    _, bucket = s3
     root = droot
+    bucket = s3[1]
     env = {"REPLICA_WORKER_REMOTE": f"s3://{bucket}/rep"}
     run_world(tmp_path, root, "save", 1, 1, 2, env=env)
+    # A manifest.json planted deeper under a step name is no step (the disk's rule):
+    # "latest" stays step 2.
+    client, _ = s3
+    client.put_object(Bucket=bucket, Key="rep/step-99/notes/manifest.json", Body=b'{"step": 99}')
     lose_machine_1(root, [1, 2])
     for src in (2, 3):
         remove_replica(_shmckpt.replica_name(str(root), src, 2))

@@ -410,6 +410,7 @@ mod tests {
                 bytes: 8,
                 data_start: 8,
                 header_crc32c: None,
+                object: None,
                 tensors: Vec::new(),
             };
             std::fs::write(
@@ -510,6 +511,7 @@ mod tests {
             bytes: 4,
             data_start: 4,
             header_crc32c: None,
+            object: None,
             tensors: Vec::new(),
         };
         let out = dir.path().join("out");

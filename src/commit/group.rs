@@ -219,6 +219,7 @@ mod tests {
             bytes: 10,
             data_start: 10,
             header_crc32c: None,
+            object: None,
             tensors: Vec::new(),
         }
     }

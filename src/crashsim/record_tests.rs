@@ -56,6 +56,7 @@ fn records_a_commit_in_issue_order() {
         bytes: 10,
         data_start: 0,
         header_crc32c: None,
+        object: None,
         tensors: Vec::new(),
     };
     crate::commit::commit(root, 1, 1, &partial, entry, &Metadata::new()).unwrap();

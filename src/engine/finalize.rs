@@ -139,6 +139,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
         bytes: st.plan.file_len(),
         data_start,
         header_crc32c: Some(crc32c::crc32c(st.plan.header())),
+        object: None,
         tensors: st
             .plan
             .entries()

@@ -113,7 +113,13 @@ impl Engine {
         let same = Manifest::read(&info.dir).and_then(|disk| {
             let bucket = remote.manifest(info.step)?;
             let mine = disk.files.iter().find(|f| f.rank == rank);
-            Ok(mine.is_some() && mine == bucket.files.iter().find(|f| f.rank == rank))
+            // The bucket names its object apart (`object`); the file is the same.
+            let theirs = bucket.files.iter().find(|f| f.rank == rank).map(|f| {
+                let mut f = f.clone();
+                f.object = None;
+                f
+            });
+            Ok(mine.is_some() && mine == theirs.as_ref())
         });
         match same {
             Ok(true) => {

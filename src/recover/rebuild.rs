@@ -406,6 +406,7 @@ fn describe(
         bytes: v.file_len,
         data_start: v.data_start,
         header_crc32c: Some(crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr)),
+        object: None,
         tensors,
     };
     // The manifest built from this entry must pass the reader's own checks.

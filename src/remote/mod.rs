@@ -3,11 +3,15 @@
 //!
 //! Layout, mirroring the local one under the URL's prefix:
 //! ```text
-//! prefix/step-N/rank-00000-of-00002.safetensors   one object per rank (multipart upload)
-//! prefix/step-N/rank-00000.manifest.json          each rank's manifest part
-//! prefix/step-N/manifest.json                     written last: the commit
+//! prefix/step-N/rank-00000-of-00002.<id>.safetensors   one object per rank and upload
+//! prefix/step-N/rank-00000.manifest.json              each rank's manifest part
+//! prefix/step-N/manifest.json                         written last: the commit
 //! ```
-//! A step is committed in the bucket when `manifest.json` exists: it is created (with
+//! Each upload names its object apart (`<id>`, [`FileEntry::object`]), so two writers of
+//! one step never complete the same object; a rank is told its step is committed only
+//! when the manifest names its upload's object ([`Error::RemoteConflict`] otherwise).
+//! A step is committed in the bucket when exactly `prefix/step-N/manifest.json` is a
+//! manifest of step N (the disk's rule, [`Remote::list`]): it is created (with
 //! [`PutMode::Create`], `If-None-Match: *` on S3) only after every rank's object is
 //! complete and its part is present, by whichever rank sees all parts first; a rank that
 //! loses that race finds the manifest present and reports the commit. Nothing else is ever
@@ -53,7 +57,7 @@ use crate::manifest::{
 pub use journal::OpenUpload;
 pub(crate) use options::RemoteTarget;
 pub use options::{
-    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_RETRIES, RemoteOptions, RemoteUrl,
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_RETRIES, RemoteOptions, RemoteUrl, redact,
 };
 pub use read::RemoteLoad;
 pub use tier::{RemoteProgress, RemoteReport};
@@ -87,6 +91,10 @@ pub struct GcReport {
     /// Steps whose objects were all removed because they had no manifest (an interrupted
     /// or failed upload), oldest first.
     pub uncommitted_steps: Vec<u64>,
+    /// Rank objects of committed steps that their manifest does not name (an upload that
+    /// lost the commit to another writer, or one a crash left before a restarted run
+    /// committed the step), removed; as URLs.
+    pub stray_objects: Vec<String>,
     /// Objects removed.
     pub objects: usize,
     /// Multipart uploads aborted: those a killed process left open (their journal under
@@ -94,6 +102,10 @@ pub struct GcReport {
     pub aborted_uploads: usize,
     /// Bytes removed.
     pub bytes: u64,
+    /// What was left because it cannot be proven an upload's leftover: `(URL, why)` of each
+    /// object under an uncommitted step that the upload protocol does not name, and of
+    /// each step whose `manifest.json` is present but not valid (left whole).
+    pub ignored: Vec<(String, String)>,
 }
 
 /// One bucket prefix holding checkpoints: uploads, commits, listings, reads, retention.
@@ -133,8 +145,9 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 impl Remote {
     /// Open `s3://bucket/prefix` with credentials, region and endpoint from the standard
     /// AWS environment variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-    /// `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL`,
-    /// `AWS_ALLOW_HTTP=true` for a plain-http endpoint), and check that the bucket can be
+    /// `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL`; an
+    /// `http://` endpoint is accepted as boto3 accepts it, unless `AWS_ALLOW_HTTP=false`),
+    /// and check that the bucket can be
     /// listed: a missing bucket or refused credentials fail here, with the server's answer.
     pub fn open(url: &str, opts: RemoteOptions) -> Result<Remote> {
         opts.validate()?;
@@ -160,6 +173,25 @@ impl Remote {
                 .parse::<AmazonS3ConfigKey>()
                 .map_err(|e| Error::Config(format!("remote setting {k:?}: {e}")))?;
             builder = builder.with_config(key, v);
+        }
+        // boto3 and the AWS CLI take an `http://` endpoint as it is; object_store refuses
+        // one ("builder error" at the first request) unless `allow_http` is set: set it
+        // for an http endpoint, unless `AWS_ALLOW_HTTP` or `config` says otherwise.
+        let allow_key = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+        let allow_given = std::env::var_os("AWS_ALLOW_HTTP").is_some()
+            || opts.config.iter().any(|(k, _)| {
+                k.parse::<AmazonS3ConfigKey>().is_ok_and(|k| {
+                    matches!(k, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+                })
+            });
+        let http_endpoint = builder
+            .get_config_value(&AmazonS3ConfigKey::Endpoint)
+            .is_some_and(|e| {
+                e.get(..7)
+                    .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+            });
+        if http_endpoint && !allow_given {
+            builder = builder.with_config(allow_key, "true");
         }
         let built = |b: object_store::aws::AmazonS3Builder| {
             b.build()
@@ -295,34 +327,89 @@ impl Remote {
         metadata: &Metadata,
         session: Option<&str>,
     ) -> Result<Option<(Manifest, bool)>> {
+        self.commit_step(step, world_size, metadata, session, None)
+    }
+
+    /// [`Remote::try_commit`] by the rank whose upload's manifest part is `mine`: the step
+    /// counts as committed for it only when the bucket's manifest names `mine`'s object
+    /// for its rank; when it names another writer's (or this rank's part in the bucket is
+    /// another writer's), [`Error::RemoteConflict`].
+    pub(crate) fn commit_step(
+        &self,
+        step: u64,
+        world_size: u32,
+        metadata: &Metadata,
+        session: Option<&str>,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<(Manifest, bool)>> {
+        let conflict = |reason: String| Error::RemoteConflict {
+            step,
+            url: self.url.clone(),
+            reason,
+        };
+        // The committed manifest, if it is ours (names our object for our rank).
+        let ours = |m: Manifest, created: bool| -> Result<Option<(Manifest, bool)>> {
+            if let Some(mine) = mine {
+                let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
+                if theirs != Some(mine.object_name()) {
+                    return Err(conflict(format!(
+                        "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
+                        mine.rank,
+                        mine.object_name()
+                    )));
+                }
+            }
+            Ok(Some((m, created)))
+        };
         self.block(async {
             let mkey = self.key(step, MANIFEST);
             if let Some(m) = self.read_manifest_async(step).await? {
-                return Ok(Some((m, false)));
+                return ours(m, false);
             }
             let mut files = Vec::with_capacity(world_size as usize);
             for r in 0..world_size {
                 let pkey = self.key(step, &manifest::rank_manifest_name(r));
+                let mine = mine.filter(|m| m.rank == r);
                 let bytes = match self.get_capped(&pkey, 1 << 30).await {
                     Ok(b) => b,
-                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(object_store::Error::NotFound { .. }) if mine.is_none() => {
+                        return Ok(None);
+                    }
+                    Err(object_store::Error::NotFound { .. }) => {
+                        return Err(conflict(format!("this rank's manifest part {} is gone", self.display(&pkey).display())));
+                    }
                     Err(e) => return Err(self.err("get manifest part", &e)),
                 };
                 let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
                     Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
                 })?;
+                let f = part.entry;
+                if let Some(mine) = mine.filter(|m| m.object_name() != f.object_name()) {
+                    // Written after ours by another upload of this rank and step.
+                    return Err(conflict(format!(
+                        "this rank's manifest part names object {:?} of another writer, this upload's is {:?}",
+                        f.object_name(),
+                        mine.object_name()
+                    )));
+                }
                 if session.is_some() && part.session.as_deref() != session {
                     return Ok(None); // that rank's part of this run is not there yet
                 }
-                let f = part.entry;
-                if f.rank != r || f.file != manifest::rank_file_name(r, world_size) {
+                let file = manifest::rank_file_name(r, world_size);
+                if f.rank != r || f.file != file || !upload::is_object_of(f.object_name(), &file)
+                {
                     return Err(Error::corrupt(
                         self.display(&pkey),
                         None,
-                        format!("manifest part of rank {} for file {:?}", f.rank, f.file),
+                        format!(
+                            "manifest part of rank {} for file {:?} (object {:?})",
+                            f.rank,
+                            f.file,
+                            f.object_name()
+                        ),
                     ));
                 }
-                let okey = self.key(step, &f.file);
+                let okey = self.key(step, f.object_name());
                 match self.store.head(&okey).await {
                     Ok(meta) if meta.size == f.bytes => {}
                     Ok(meta) => {
@@ -354,12 +441,12 @@ impl Remote {
                 ..PutOptions::default()
             };
             match self.store.put_opts(&mkey, PutPayload::from(bytes), put).await {
-                Ok(_) => Ok(Some((m, true))),
+                Ok(_) => ours(m, true),
                 Err(object_store::Error::AlreadyExists { .. })
                 | Err(object_store::Error::Precondition { .. }) => {
-                    // Another rank committed first.
+                    // Another rank committed first (or another writer).
                     match self.read_manifest_async(step).await? {
-                        Some(m) => Ok(Some((m, false))),
+                        Some(m) => ours(m, false),
                         None => Err(Error::Remote {
                             url: self.url.clone(),
                             op: "commit",
@@ -425,36 +512,74 @@ impl Remote {
             })
     }
 
-    /// Every object under the prefix's `step-N/` names, grouped by step (steps sorted).
-    async fn objects_by_step(
+    /// `location`'s path segments below the prefix, if it is under it.
+    fn rel_parts<'a>(
         &self,
-    ) -> Result<std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>> {
-        let mut by = std::collections::BTreeMap::<u64, Vec<_>>::new();
+        location: &'a ObjPath,
+    ) -> Option<Vec<object_store::path::PathPart<'a>>> {
+        location.prefix_match(&self.prefix).map(Iterator::collect)
+    }
+
+    /// The bucket's steps by the disk's rule ([`manifest::step_of_manifest_path`],
+    /// [`manifest::check_listed_manifest`]): every object under a canonical `step-N/` name
+    /// (at any depth), grouped by step; the steps committed by exactly
+    /// `prefix/step-N/manifest.json` naming step N; and the steps whose manifest does not
+    /// (never listed, loaded or deleted), with why. Every candidate manifest is read.
+    async fn scan(&self) -> Result<Scan> {
+        let mut by = std::collections::BTreeMap::<u64, Vec<object_store::ObjectMeta>>::new();
         let mut s = self.store.list(Some(&self.prefix));
         while let Some(o) = s.try_next().await.map_err(|e| self.err("list", &e))? {
-            let step = match o.location.prefix_match(&self.prefix) {
-                Some(mut rest) => rest
-                    .next()
-                    .and_then(|first| manifest::parse_step_dir(first.as_ref())),
-                None => None,
-            };
+            let step = self
+                .rel_parts(&o.location)
+                .and_then(|p| p.first().and_then(|f| manifest::parse_step_dir(f.as_ref())));
             if let Some(step) = step {
                 by.entry(step).or_default().push(o);
             }
         }
-        Ok(by)
+        let mut committed = std::collections::BTreeSet::new();
+        let mut invalid = std::collections::BTreeMap::new();
+        for (&step, objs) in &by {
+            let has_manifest = objs.iter().any(|o| {
+                self.rel_parts(&o.location).is_some_and(|p| {
+                    manifest::step_of_manifest_path(p.iter().map(|x| x.as_ref())) == Some(step)
+                })
+            });
+            if !has_manifest {
+                continue;
+            }
+            let key = self.key(step, MANIFEST);
+            let why = match self.get_capped(&key, MAX_MANIFEST_LEN).await {
+                Ok(bytes) => manifest::check_listed_manifest(&bytes, step).err(),
+                Err(object_store::Error::NotFound { .. }) => continue, // deleted since
+                Err(object_store::Error::Generic {
+                    store: "shmckpt",
+                    source,
+                }) => Some(source.to_string()),
+                Err(e) => return Err(self.err("get manifest", &e)),
+            };
+            match why {
+                None => {
+                    committed.insert(step);
+                }
+                Some(why) => {
+                    tracing::warn!(manifest = %self.display(&key).display(), "ignoring a step in the bucket: {why}");
+                    invalid.insert(step, why);
+                }
+            }
+        }
+        Ok(Scan {
+            by,
+            committed,
+            invalid,
+        })
     }
 
-    /// Committed steps (those with a manifest), oldest first.
+    /// Committed steps, oldest first: those whose `prefix/step-N/manifest.json` is a
+    /// manifest of step N (the disk's rule, [`manifest::list_committed`]). Anything else
+    /// (a `manifest.json` deeper down, under a non-canonical name, of another step, not
+    /// valid) is ignored with a warning: never listed, loaded or deleted.
     pub fn list(&self) -> Result<Vec<u64>> {
-        self.block(async {
-            let by = self.objects_by_step().await?;
-            Ok(by
-                .into_iter()
-                .filter(|(_, objs)| objs.iter().any(|o| o.location.filename() == Some(MANIFEST)))
-                .map(|(s, _)| s)
-                .collect())
-        })
+        self.block(async { Ok(self.scan().await?.committed.into_iter().collect()) })
     }
 
     /// The newest committed step.
@@ -462,31 +587,32 @@ impl Remote {
         Ok(self.list()?.last().copied())
     }
 
-    /// Keep the newest `keep` committed steps; delete older ones (manifest first, so a
-    /// step disappears from listings before its objects go). Never deletes the newest
-    /// committed step, nor any step not older than it (uploads in progress). Returns the
-    /// deleted steps.
+    /// Keep the newest `keep` committed steps ([`Remote::list`]); delete older ones
+    /// (manifest first, so a step disappears from listings before its objects go). Never
+    /// deletes the newest committed step, nor any step not older than it (uploads in
+    /// progress), nor anything of a step that is not committed by the listing's rule.
+    /// Returns the deleted steps.
     pub fn apply_retention(&self, keep: usize) -> Result<Vec<u64>> {
         let keep = keep.max(1);
-        let committed = self.list()?;
-        if committed.len() <= keep {
-            return Ok(Vec::new());
-        }
-        let newest = *committed.last().expect("non-empty");
-        let doomed: Vec<u64> = committed[..committed.len() - keep]
-            .iter()
-            .copied()
-            .filter(|&s| s < newest)
-            .collect();
         self.block(async {
-            let by = self.objects_by_step().await?;
+            let scan = self.scan().await?;
+            let committed: Vec<u64> = scan.committed.iter().copied().collect();
+            if committed.len() <= keep {
+                return Ok(Vec::new());
+            }
+            let newest = *committed.last().expect("non-empty");
+            let doomed: Vec<u64> = committed[..committed.len() - keep]
+                .iter()
+                .copied()
+                .filter(|&s| s < newest)
+                .collect();
             for &s in &doomed {
                 self.store
                     .delete(&self.key(s, MANIFEST))
                     .await
                     .map_err(|e| self.err("delete", &e))?;
-                for o in by.get(&s).into_iter().flatten() {
-                    if o.location.filename() == Some(MANIFEST) {
+                for o in scan.by.get(&s).into_iter().flatten() {
+                    if o.location == self.key(s, MANIFEST) {
                         continue;
                     }
                     match self.store.delete(&o.location).await {
@@ -499,8 +625,13 @@ impl Remote {
         })
     }
 
-    /// Remove the objects of uncommitted steps (no manifest) whose newest object is older
-    /// than `min_age`: what an interrupted or failed upload left. A step younger than that
+    /// Remove the objects of uncommitted steps (no `manifest.json`) whose newest object is
+    /// older than `min_age`: what an interrupted or failed upload left; and the rank
+    /// objects of committed steps that their manifest does not name
+    /// ([`GcReport::stray_objects`]), as old. Only objects the
+    /// upload protocol names are removed (`step-N/rank-*` objects and manifest parts);
+    /// anything else, and every object of a step whose `manifest.json` is present but not
+    /// valid, is left and reported ([`GcReport::ignored`]). A step younger than `min_age`
     /// may be an upload in progress and is kept. Then abort the multipart uploads whose
     /// journal is at least `min_age` old (uploads a killed process left open; object_store
     /// cannot list a bucket's uploads, so the uploader journals each one: `upload.rs`).
@@ -508,10 +639,18 @@ impl Remote {
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
         self.block(async {
-            let by = self.objects_by_step().await?;
+            let scan = self.scan().await?;
             let mut rep = GcReport::default();
-            for (step, objs) in by {
-                if objs.iter().any(|o| o.location.filename() == Some(MANIFEST)) {
+            for (step, objs) in &scan.by {
+                if scan.committed.contains(step) {
+                    self.gc_stray(*step, objs, now_ms, min_ms, &mut rep).await?;
+                    continue;
+                }
+                if let Some(why) = scan.invalid.get(step) {
+                    rep.ignored.push((
+                        self.display(&self.step_prefix(*step)).display().to_string(),
+                        why.clone(),
+                    ));
                     continue;
                 }
                 let newest = objs
@@ -522,19 +661,93 @@ impl Remote {
                 if now_ms.saturating_sub(newest) < min_ms {
                     continue;
                 }
-                for o in &objs {
+                let mut removed = false;
+                for o in objs {
+                    let ours = self
+                        .rel_parts(&o.location)
+                        .is_some_and(|p| p.len() == 2 && is_upload_object_name(p[1].as_ref()));
+                    if !ours {
+                        rep.ignored.push((
+                            self.display(&o.location).display().to_string(),
+                            "not an object of shmckpt's uploads".into(),
+                        ));
+                        continue;
+                    }
                     match self.store.delete(&o.location).await {
                         Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                         Err(e) => return Err(self.err("delete", &e)),
                     }
+                    removed = true;
                     rep.objects += 1;
                     rep.bytes = rep.bytes.saturating_add(o.size);
                 }
-                rep.uncommitted_steps.push(step);
+                if removed {
+                    rep.uncommitted_steps.push(*step);
+                }
             }
             rep.aborted_uploads = self.gc_uploads(min_age).await?;
             Ok(rep)
         })
+    }
+
+    /// In committed `step`: remove the rank objects its manifest does not name (another
+    /// writer's upload that lost the commit, or one a crash left before a restarted run
+    /// committed the step) that are at least `min_ms` old.
+    async fn gc_stray(
+        &self,
+        step: u64,
+        objs: &[object_store::ObjectMeta],
+        now_ms: i64,
+        min_ms: i64,
+        rep: &mut GcReport,
+    ) -> Result<()> {
+        // Candidates: uploads' own rank objects (`rank-R-of-W.<id>.safetensors`, directly
+        // under `step-N/`), old enough.
+        let candidates: Vec<(&object_store::ObjectMeta, String)> = objs
+            .iter()
+            .filter(|o| now_ms.saturating_sub(o.last_modified.timestamp_millis()) >= min_ms)
+            .filter_map(|o| {
+                let parts = self.rel_parts(&o.location)?;
+                let name = parts.get(1)?.as_ref().to_owned();
+                let tagged = parts.len() == 2
+                    && is_upload_object_name(&name)
+                    && name.ends_with(".safetensors")
+                    && name.matches('.').count() == 2;
+                tagged.then_some((o, name))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let m = match self.read_manifest_async(step).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()), // deleted since
+            Err(e @ Error::Remote { .. }) => return Err(e),
+            Err(e) => {
+                // Listed (it names its step) but not loadable: nothing of it is removed.
+                rep.ignored.push((
+                    self.display(&self.step_prefix(step)).display().to_string(),
+                    format!("its manifest cannot be read: {e}"),
+                ));
+                return Ok(());
+            }
+        };
+        let named: std::collections::BTreeSet<&str> =
+            m.files.iter().map(FileEntry::object_name).collect();
+        for (o, name) in candidates {
+            if named.contains(name.as_str()) {
+                continue;
+            }
+            match self.store.delete(&o.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("delete", &e)),
+            }
+            rep.objects += 1;
+            rep.bytes = rep.bytes.saturating_add(o.size);
+            rep.stray_objects
+                .push(self.display(&o.location).display().to_string());
+        }
+        Ok(())
     }
 
     /// Ranged GETs of `key`, `concurrency` in flight, yielded in order. Each GET runs as
@@ -585,6 +798,39 @@ impl Remote {
     }
 }
 
+/// What [`Remote::scan`] found.
+struct Scan {
+    /// Every object under a canonical `step-N/` name, at any depth, by step.
+    by: std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>,
+    /// Steps committed by the listing's rule.
+    committed: std::collections::BTreeSet<u64>,
+    /// Steps whose `manifest.json` is present but does not commit them, with why.
+    invalid: std::collections::BTreeMap<u64, String>,
+}
+
+/// Whether `name`, directly under `step-N/`, is an object an upload writes before the
+/// commit (a rank object or a rank's manifest part): what [`Remote::gc`] may remove.
+fn is_upload_object_name(name: &str) -> bool {
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if let Some(r) = name
+        .strip_prefix("rank-")
+        .and_then(|n| n.strip_suffix(".manifest.json"))
+    {
+        return digits(r);
+    }
+    name.strip_prefix("rank-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+        .and_then(|n| n.split_once("-of-"))
+        .is_some_and(|(r, w)| {
+            digits(r)
+                && (digits(w)
+                    || w.get(..5).is_some_and(|w5| {
+                        digits(w5)
+                            && upload::is_object_of(name, &format!("rank-{r}-of-{w5}.safetensors"))
+                    }))
+        })
+}
+
 /// One ranged GET's body and the CRC-32C of its pieces (`(tensor, crc, len)`).
 struct RangeRead {
     bytes: Bytes,
@@ -593,7 +839,9 @@ struct RangeRead {
 
 /// A typed error for an object-store failure, naming the likely cause.
 fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
-    let text = e.to_string();
+    // object_store's messages carry request URLs: the endpoint's userinfo, a presigned
+    // query's signature.
+    let text = options::redact(&e.to_string());
     let denied = matches!(
         e,
         object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
@@ -607,13 +855,16 @@ fn remote_err(url: &str, op: &'static str, e: &object_store::Error) -> Error {
     .any(|c| text.contains(c));
     let cause = if text.contains("NoSuchBucket") {
         "the bucket does not exist (check the URL and AWS_ENDPOINT_URL): "
+    } else if text.contains("builder error") {
+        "the request cannot be made (an http:// endpoint needs AWS_ALLOW_HTTP=true, or \
+         aws_allow_http in the remote settings; else check AWS_ENDPOINT_URL): "
     } else if denied {
         "access refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy): "
     } else {
         ""
     };
     Error::Remote {
-        url: url.to_owned(),
+        url: options::redact(url),
         op,
         reason: format!("{cause}{text}"),
     }
@@ -627,3 +878,5 @@ mod tests_damage;
 mod tests_feed;
 #[cfg(test)]
 mod tests_more;
+#[cfg(test)]
+mod tests_writers;

@@ -165,7 +165,7 @@ impl RemoteUrl {
     /// Parse `s3://bucket[/prefix]`. The prefix's segments must be plain names (no `.`,
     /// `..` or empty segment).
     pub fn parse(url: &str) -> Result<RemoteUrl> {
-        let bad = |why: &str| Error::Config(format!("remote URL {url:?}: {why}"));
+        let bad = |why: &str| Error::Config(format!("remote URL {:?}: {why}", redact(url)));
         let rest = url
             .strip_prefix("s3://")
             .ok_or_else(|| bad("must start with s3://"))?;
@@ -203,5 +203,111 @@ impl std::fmt::Display for RemoteUrl {
         } else {
             write!(f, "s3://{}/{}", self.bucket, self.prefix)
         }
+    }
+}
+
+/// `text` with the credentials of every URL in it taken out: the userinfo of
+/// `scheme://user:password@host` becomes `***@`, and the value of each query parameter
+/// that looks like a credential (`X-Amz-Signature`, `X-Amz-Credential`,
+/// `X-Amz-Security-Token`, `AWSAccessKeyId`, `Signature`, and any name containing
+/// `token`, `secret`, `key`, `password` or `credential`, in any case) becomes `***`.
+/// Every URL, endpoint and object-store error text that enters an error or a log message
+/// of the remote tier passes through it.
+pub fn redact(text: &str) -> String {
+    let stop = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | '`');
+    // Userinfo: between `://` and the last `@` of the authority.
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| stop(c) || matches!(c, '/' | '?' | '#'))
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rfind('@') {
+            Some(at) => {
+                out.push_str("***");
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    // Query parameters: `?name=value` or `&name=value` (also `&amp;`-free forms only).
+    let secret = |name: &str| {
+        let n = name.to_ascii_lowercase();
+        [
+            "token",
+            "secret",
+            "key",
+            "password",
+            "credential",
+            "signature",
+        ]
+        .iter()
+        .any(|w| n.contains(w))
+    };
+    let mut red = String::with_capacity(out.len());
+    let mut rest = out.as_str();
+    while let Some(i) = rest.find(['?', '&']) {
+        let (head, tail) = rest.split_at(i + 1);
+        red.push_str(head);
+        let name_end = tail
+            .find(|c: char| stop(c) || matches!(c, '=' | '&' | '?' | '#'))
+            .unwrap_or(tail.len());
+        let name = &tail[..name_end];
+        if tail[name_end..].starts_with('=') && secret(name) {
+            red.push_str(name);
+            red.push_str("=***");
+            let value = &tail[name_end + 1..];
+            let v_end = value
+                .find(|c: char| stop(c) || matches!(c, '&' | '#' | ')' | ','))
+                .unwrap_or(value.len());
+            rest = &value[v_end..];
+        } else {
+            rest = tail;
+        }
+    }
+    red.push_str(rest);
+    red
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn credentials_are_taken_out_of_urls() {
+        assert_eq!(
+            redact("error sending request for url (http://user:PASS@host:9000/b/k?list-type=2)"),
+            "error sending request for url (http://***@host:9000/b/k?list-type=2)"
+        );
+        assert_eq!(
+            redact(
+                "GET https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abc&x=1 \
+                 and s3://u:p@b/x?sessionToken=t#f"
+            ),
+            "GET https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&x=1 \
+             and s3://***@b/x?sessionToken=***#f"
+        );
+        assert_eq!(
+            redact("http://h/p?AWSAccessKeyId=A&Signature=S&max-keys=5&a=b"),
+            "http://h/p?AWSAccessKeyId=***&Signature=***&max-keys=***&a=b"
+        );
+        // Nothing to take out; odd input never panics.
+        for t in [
+            "plain text",
+            "x://",
+            "://@",
+            "?=&=",
+            "a@b",
+            "é://é@é?é=é",
+            "",
+        ] {
+            let _ = redact(t);
+        }
+        assert_eq!(redact("plain text, a@b"), "plain text, a@b");
     }
 }

@@ -148,7 +148,7 @@ impl Remote {
     pub fn file_metadata(&self, step: u64, rank: u32) -> Result<Metadata> {
         let m = self.manifest(step)?;
         let entry = self.entry_of_rank(&m, step, rank)?;
-        self.block(self.read_header(&self.key(step, &entry.file), entry))
+        self.block(self.read_header(&self.key(step, entry.object_name()), entry))
     }
 
     /// Read one rank's object; returns its bytes and its header's `__metadata__`.
@@ -158,7 +158,7 @@ impl Remote {
         entry: &FileEntry,
         sink: &mut dyn ReadSink,
     ) -> Result<(u64, Metadata)> {
-        let key = self.key(step, &entry.file);
+        let key = self.key(step, entry.object_name());
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
         self.block(async {
@@ -230,7 +230,7 @@ impl Remote {
         // Sizes come from a parsed manifest (offsets contiguous, each equal to its dtype and
         // shape's size, summing to the file size): the object must have that size before
         // anything is allocated on the manifest's word.
-        self.block(self.check_size(&self.key(step, &entry.file), entry))?;
+        self.block(self.check_size(&self.key(step, entry.object_name()), entry))?;
         let mut sink = Owned {
             bufs: entry
                 .tensors
@@ -240,7 +240,7 @@ impl Remote {
                         .map(AlignedBytes::zeroed)
                         .map_err(|_| {
                             Error::corrupt(
-                                self.display(&self.key(step, &entry.file)),
+                                self.display(&self.key(step, entry.object_name())),
                                 Some(&t.name),
                                 "larger than the address space",
                             )

@@ -177,6 +177,21 @@ pub(super) fn objects(store: &InMemory) -> Vec<String> {
     v
 }
 
+/// The key of the one upload of rank file `file` under `step_prefix` (`run1/step-5`):
+/// `step_prefix/rank-R-of-W.<upload id>.safetensors`.
+pub(super) fn rank_object(store: &InMemory, step_prefix: &str, file: &str) -> String {
+    let found: Vec<String> = objects(store)
+        .into_iter()
+        .filter(|k| {
+            k.strip_prefix(step_prefix)
+                .and_then(|r| r.strip_prefix('/'))
+                .is_some_and(|n| n != file && super::upload::is_object_of(n, file))
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found.into_iter().next().unwrap()
+}
+
 #[test]
 fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     let dir = tempfile::tempdir().unwrap();
@@ -190,11 +205,12 @@ fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     assert_eq!(rep.step, 5);
     assert_eq!(rep.bytes, local.bytes);
     assert!(rep.committed_here);
+    let obj_key = rank_object(&mem, "run1/step-5", "rank-00000-of-00001.safetensors");
     assert_eq!(
         objects(&mem),
         vec![
             "run1/step-5/manifest.json",
-            "run1/step-5/rank-00000-of-00001.safetensors",
+            obj_key.as_str(),
             "run1/step-5/rank-00000.manifest.json",
         ]
     );
@@ -203,21 +219,27 @@ fn save_uploads_commits_and_loads_back_after_the_local_copy_is_gone() {
     let rt = runtime().unwrap();
     let obj = rt
         .block_on(async {
-            mem.get(&ObjPath::from(
-                "run1/step-5/rank-00000-of-00001.safetensors",
-            ))
-            .await
-            .unwrap()
-            .bytes()
-            .await
+            mem.get(&ObjPath::from(obj_key.as_str()))
+                .await
+                .unwrap()
+                .bytes()
+                .await
         })
         .unwrap();
     assert_eq!(&obj[..], &file[..]);
     assert_eq!(engine.list_remote().unwrap(), vec![5]);
-    // The bucket's manifest is the local one but for its commit time.
+    // The bucket's manifest is the local one but for its commit time and the object's
+    // name.
     let mut remote_m = engine.remote().unwrap().manifest(5).unwrap();
     let local_m = engine.manifest(5).unwrap();
     remote_m.created_unix_ms = local_m.created_unix_ms;
+    assert_eq!(
+        remote_m.files[0]
+            .object
+            .take()
+            .map(|o| format!("run1/step-5/{o}")),
+        Some(obj_key.clone())
+    );
     assert_eq!(remote_m, local_m);
 
     // Local copy deleted: `load` falls back to the bucket and says so.
@@ -307,7 +329,7 @@ fn retention_never_deletes_the_newest_step() {
     for step in [3u64, 9] {
         rt.block_on(mem.put(
             &ObjPath::from(format!("p/step-{step}/manifest.json")),
-            PutPayload::from("{}"),
+            PutPayload::from(format!("{{\"step\": {step}}}")),
         ))
         .unwrap();
     }
@@ -413,7 +435,11 @@ fn hostile_bucket_contents_are_typed_errors() {
     p.wait().unwrap();
     let r = engine.remote().unwrap();
     let rt = runtime().unwrap();
-    let key = ObjPath::from("run1/step-1/rank-00000-of-00001.safetensors");
+    let key = ObjPath::from(rank_object(
+        &mem,
+        "run1/step-1",
+        "rank-00000-of-00001.safetensors",
+    ));
     let good = rt
         .block_on(async { mem.get(&key).await.unwrap().bytes().await })
         .unwrap();
@@ -467,8 +493,12 @@ fn gc_removes_uncommitted_steps_only() {
     let mem = Arc::new(InMemory::new());
     let r = Remote::with_store(mem.clone(), "", "mem://", RemoteOptions::default()).unwrap();
     let rt = runtime().unwrap();
+    rt.block_on(mem.put(
+        &ObjPath::from("step-1/manifest.json"),
+        PutPayload::from("{\"step\":1}"),
+    ))
+    .unwrap();
     for k in [
-        "step-1/manifest.json",
         "step-1/rank-00000-of-00001.safetensors",
         "step-2/rank-00000-of-00001.safetensors",
         "step-2/rank-00000.manifest.json",
@@ -493,6 +523,72 @@ fn gc_removes_uncommitted_steps_only() {
             "step-1/rank-00000-of-00001.safetensors"
         ]
     );
+}
+
+#[test]
+fn foreign_manifests_never_commit_a_step_nor_make_retention_or_gc_delete_one() {
+    let mem = Arc::new(InMemory::new());
+    let r = Remote::with_store(mem.clone(), "p", "mem://p", RemoteOptions::default()).unwrap();
+    let rt = runtime().unwrap();
+    let put = |k: &str, v: &str| {
+        rt.block_on(mem.put(&ObjPath::from(k), PutPayload::from(v.to_owned())))
+            .unwrap();
+    };
+    for step in [1u64, 2] {
+        put(
+            &format!("p/step-{step}/manifest.json"),
+            &format!("{{\"step\": {step}}}"),
+        );
+        put(
+            &format!("p/step-{step}/rank-00000-of-00001.safetensors"),
+            "data",
+        );
+    }
+    put("p/step-99/notes/manifest.json", "{\"step\": 99}"); // deeper: not a commit
+    put("p/step-98/manifest.json", "{\"step\": 5}"); // of another step
+    put("p/step-97/manifest.json", "not json");
+    put("p/step-096/manifest.json", "{\"step\": 96}"); // non-canonical name
+    put("p/step-50/rank-00000-of-00001.safetensors", "leftover");
+    put("p/step-50/notes.txt", "theirs");
+    assert_eq!(r.list().unwrap(), vec![1, 2]);
+    assert_eq!(r.latest().unwrap(), Some(2));
+    assert!(matches!(r.manifest(99), Err(Error::NotFound { .. })));
+    // Retention counts the two committed steps only: with keep 2 nothing goes, with keep
+    // 1 step 1 (never step 2, the newest).
+    assert_eq!(r.apply_retention(2).unwrap(), Vec::<u64>::new());
+    assert_eq!(r.apply_retention(1).unwrap(), vec![1]);
+    let rep = r.gc(std::time::Duration::ZERO).unwrap();
+    assert_eq!(rep.uncommitted_steps, vec![50]);
+    assert_eq!((rep.objects, rep.bytes), (1, 8));
+    let why_other = "not an object of shmckpt's uploads".to_owned();
+    assert_eq!(
+        rep.ignored,
+        vec![
+            ("mem://p/step-50/notes.txt".to_owned(), why_other.clone()),
+            (
+                "mem://p/step-97".to_owned(),
+                "its manifest is not valid: expected ident at line 1 column 2".to_owned()
+            ),
+            (
+                "mem://p/step-98".to_owned(),
+                "its manifest is of step 5".to_owned()
+            ),
+            ("mem://p/step-99/notes/manifest.json".to_owned(), why_other),
+        ]
+    );
+    assert_eq!(
+        objects(&mem),
+        vec![
+            "p/step-096/manifest.json",
+            "p/step-2/manifest.json",
+            "p/step-2/rank-00000-of-00001.safetensors",
+            "p/step-50/notes.txt",
+            "p/step-97/manifest.json",
+            "p/step-98/manifest.json",
+            "p/step-99/notes/manifest.json",
+        ]
+    );
+    assert_eq!(r.list().unwrap(), vec![2]);
 }
 
 #[test]

@@ -150,7 +150,7 @@ fn a_damaged_bucket_copy_too_is_the_local_error() {
     let mem = Arc::new(InMemory::new());
     let engine = saved(dir.path(), &mem, 1);
     flip(dir.path(), -100);
-    let key = ObjPath::from(format!("run1/step-5/{FILE}"));
+    let key = ObjPath::from(super::tests::rank_object(&mem, "run1/step-5", FILE));
     let rt = runtime().unwrap();
     let mut obj = rt
         .block_on(async { mem.get(&key).await.unwrap().bytes().await })

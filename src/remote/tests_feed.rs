@@ -14,7 +14,7 @@ use object_store::{
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
-use super::tests::{multipart_wrapper, objects, small, state, tensors};
+use super::tests::{multipart_wrapper, objects, rank_object, small, state, tensors};
 use super::*;
 use crate::EngineConfig;
 
@@ -122,7 +122,10 @@ fn the_upload_comes_from_the_staging_arena_not_the_local_file() {
     open.store(true, Ordering::SeqCst);
     let rep = p.wait().unwrap();
     assert_eq!(rep.read_from_file, 0);
-    assert_eq!(object(&mem, &format!("run1/step-3/{RANK_FILE}")), good);
+    assert_eq!(
+        object(&mem, &rank_object(&mem, "run1/step-3", RANK_FILE)),
+        good
+    );
     assert_eq!(engine.remote().unwrap().verify(3).unwrap(), local.bytes);
     engine.close();
 }
@@ -172,8 +175,14 @@ fn staging_pressure_gives_held_chunks_back_to_the_next_save() {
     // Step 1's chunks were all given back: its upload read the file.
     assert_eq!(r1.read_from_file, r1.bytes);
     assert_eq!(r2.bytes, f2.len() as u64);
-    assert_eq!(object(&mem, &format!("run1/step-1/{RANK_FILE}")), f1);
-    assert_eq!(object(&mem, &format!("run1/step-2/{RANK_FILE}")), f2);
+    assert_eq!(
+        object(&mem, &rank_object(&mem, "run1/step-1", RANK_FILE)),
+        f1
+    );
+    assert_eq!(
+        object(&mem, &rank_object(&mem, "run1/step-2", RANK_FILE)),
+        f2
+    );
     assert_eq!(engine.list_remote().unwrap(), vec![1, 2]);
     engine.close();
 }
@@ -245,7 +254,7 @@ fn gc_aborts_journaled_uploads_a_dead_process_left_open() {
         objects(&mem),
         vec![
             "run1/step-1/manifest.json",
-            format!("run1/step-1/{RANK_FILE}").as_str(),
+            rank_object(&mem, "run1/step-1", RANK_FILE).as_str(),
             "run1/step-1/rank-00000.manifest.json",
         ]
     );
@@ -399,7 +408,10 @@ fn parts_reach_the_bucket_before_the_local_commit() {
     assert_eq!(rep.read_from_file, 0);
     let good = std::fs::read(dir.path().join("step-1").join(RANK_FILE)).unwrap();
     assert_eq!(good.len() as u64, local.bytes);
-    assert_eq!(object(&mem, &format!("run1/step-1/{RANK_FILE}")), good);
+    assert_eq!(
+        object(&mem, &rank_object(&mem, "run1/step-1", RANK_FILE)),
+        good
+    );
     assert_eq!(engine.list_remote().unwrap(), vec![1]);
     let (ck, _) = engine.load_remote(1).unwrap();
     for (t, (_, d, _)) in ck.tensors.iter().zip(&s) {
@@ -449,6 +461,9 @@ fn a_save_that_fails_locally_aborts_its_started_upload() {
     assert_eq!(rep.retried, None);
     assert_eq!(engine.list_remote().unwrap(), vec![2]);
     let good = std::fs::read(dir.path().join("step-2").join(RANK_FILE)).unwrap();
-    assert_eq!(object(&mem, &format!("run1/step-2/{RANK_FILE}")), good);
+    assert_eq!(
+        object(&mem, &rank_object(&mem, "run1/step-2", RANK_FILE)),
+        good
+    );
     engine.close();
 }

@@ -172,3 +172,31 @@ fn a_bucket_load_through_two_staging_chunks_gives_exact_bytes_in_file_order() {
     }
     engine.close();
 }
+
+/// An endpoint with a password in its userinfo: the error of an unreachable endpoint
+/// names it without the password, and an `http://` endpoint needs no `aws_allow_http`.
+#[test]
+fn an_endpoints_password_never_appears_in_errors() {
+    let opts = RemoteOptions {
+        retries: 0,
+        request_timeout: std::time::Duration::from_secs(5),
+        config: vec![
+            (
+                "aws_endpoint".into(),
+                "http://someone:S3cretPASS@127.0.0.1:1".into(),
+            ),
+            ("aws_access_key_id".into(), "AKIDEXAMPLE".into()),
+            ("aws_secret_access_key".into(), "SECRETKEYVALUE".into()),
+            ("aws_region".into(), "us-east-1".into()),
+        ],
+        ..RemoteOptions::default()
+    };
+    let e = Remote::open("s3://bucket/p", opts).unwrap_err();
+    let text = format!("{e} {e:?}");
+    assert!(matches!(e, Error::Remote { op: "list", .. }), "{text}");
+    assert!(!text.contains("S3cretPASS"), "{text}");
+    assert!(!text.contains("SECRETKEYVALUE"), "{text}");
+    // Refused for the closed port, not for its scheme.
+    assert!(!text.contains("builder error"), "{text}");
+    assert!(text.contains("127.0.0.1:1"), "{text}");
+}

@@ -67,6 +67,9 @@ struct Ticket {
     sent: Arc<std::sync::atomic::AtomicU64>,
     result: Mutex<Option<std::result::Result<RemoteReport, Arc<Error>>>>,
     changed: Condvar,
+    /// This rank's uploaded entry (with its object's name), once uploaded: the manifest
+    /// another rank commits must name it.
+    mine: Mutex<Option<FileEntry>>,
 }
 
 /// A save's remote copy in flight: wait for it with [`RemoteProgress::wait`]. Cloning
@@ -156,6 +159,11 @@ impl RemoteProgress {
                 step: *step,
                 reason: reason.clone(),
             },
+            Error::RemoteConflict { step, url, reason } => Error::RemoteConflict {
+                step: *step,
+                url: url.clone(),
+                reason: reason.clone(),
+            },
             _ => Error::RemoteFailed { step, source },
         };
         let mut rep = match self.own_result(timeout)? {
@@ -170,7 +178,23 @@ impl RemoteProgress {
         let mut nap = Duration::from_millis(20);
         loop {
             match self.t.remote.manifest(step) {
-                Ok(_) => {
+                Ok(m) => {
+                    // Committed by another rank: of this run only if it names this
+                    // rank's object (not another writer's upload of the step).
+                    if let Some(mine) = lock(&self.t.mine).as_ref() {
+                        let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
+                        if theirs != Some(mine.object_name()) {
+                            return Some(Err(Error::RemoteConflict {
+                                step,
+                                url: self.t.remote.url().to_owned(),
+                                reason: format!(
+                                    "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
+                                    mine.rank,
+                                    mine.object_name()
+                                ),
+                            }));
+                        }
+                    }
                     rep.remote_durable = self.t.started.elapsed();
                     return Some(Ok(rep));
                 }
@@ -348,6 +372,7 @@ impl RemoteTier {
                 sent: Arc::default(),
                 result: Mutex::new(None),
                 changed: Condvar::new(),
+                mine: Mutex::new(None),
             }),
         }
     }
@@ -437,9 +462,21 @@ struct Ctx {
 
 /// Commit `step` in the bucket if every rank's object is there; with retention when this
 /// rank committed it.
-fn commit(remote: &Remote, step: u64, metadata: &Metadata, ctx: &Ctx) -> Result<(bool, Vec<u64>)> {
+fn commit(
+    remote: &Remote,
+    step: u64,
+    metadata: &Metadata,
+    ctx: &Ctx,
+    mine: &FileEntry,
+) -> Result<(bool, Vec<u64>)> {
     Ok(
-        match remote.try_commit(step, ctx.world_size, metadata, ctx.session.as_deref())? {
+        match remote.commit_step(
+            step,
+            ctx.world_size,
+            metadata,
+            ctx.session.as_deref(),
+            Some(mine),
+        )? {
             Some((_, true)) => {
                 let retired = match ctx.keep_last {
                     Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
@@ -468,9 +505,10 @@ fn run(remote: &Remote, job: &Job, ctx: &Ctx) -> Result<RemoteReport> {
         &job.progress.t.sent,
     )?;
     let upload = t.elapsed();
+    *lock(&job.progress.t.mine) = Some(entry.clone());
     let bytes = entry.bytes;
     let read_from_file = (job.feed.spilled() * job.feed.chunk_size()).min(bytes);
-    let (committed_here, retired) = commit(remote, step, &job.metadata, ctx)?;
+    let (committed_here, retired) = commit(remote, step, &job.metadata, ctx, &entry)?;
     Ok(RemoteReport {
         step,
         bytes,
@@ -505,11 +543,12 @@ fn retry(remote: &Remote, ctx: &Ctx, f: &Failed) -> std::result::Result<(), Stri
     let file = crate::fsx::open_path(&path, false)
         .map_err(|e| format!("no longer on the local disk ({e})"))?;
     tracing::info!(step, "uploading again a step whose upload failed");
-    match remote.upload_rank(step, &file, &f.entry, ctx.session.as_deref()) {
-        Ok(_) | Err(Error::StepExists { .. }) => {}
+    let mine = match remote.upload_rank_entry(step, &file, &f.entry, ctx.session.as_deref()) {
+        Ok(entry) => entry,
+        Err(Error::StepExists { .. }) => return Ok(()),
         Err(e) => return Err(format!("failed again: {e}")),
-    }
-    commit(remote, step, &f.metadata, ctx)
+    };
+    commit(remote, step, &f.metadata, ctx, &mine)
         .map(|_| ())
         .map_err(|e| format!("uploaded, but the commit failed: {e}"))
 }

@@ -177,6 +177,46 @@ impl Parts {
     }
 }
 
+/// The object name of one upload of the rank file `file` (`rank-R-of-W.safetensors`):
+/// `rank-R-of-W.<upload id>.safetensors`, the id 32 hex digits drawn afresh for each
+/// upload, so that no two uploads (two writers of one step) ever complete the same object.
+pub(super) fn object_name(file: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let word = |salt: u64| {
+        // `RandomState::new` is seeded from the OS's randomness once per thread, then
+        // varied per call: with the time, pid and a counter mixed in, two uploads never
+        // draw the same id but by a 2^-64 chance.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(crate::util::unix_ms());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        h.write_u64(COUNT.fetch_add(1, Ordering::Relaxed));
+        h.write_u64(salt);
+        h.finish()
+    };
+    let stem = file.strip_suffix(".safetensors").unwrap_or(file);
+    format!("{stem}.{:016x}{:016x}.safetensors", word(1), word(2))
+}
+
+/// Whether `object` names an upload of rank file `file` ([`object_name`]), or is `file`
+/// itself (buckets written before uploads were named apart).
+pub(super) fn is_object_of(object: &str, file: &str) -> bool {
+    if object == file {
+        return true;
+    }
+    let stem = file.strip_suffix(".safetensors").unwrap_or(file);
+    object
+        .strip_prefix(stem)
+        .and_then(|r| r.strip_prefix('.'))
+        .and_then(|r| r.strip_suffix(".safetensors"))
+        .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 impl Remote {
     pub(super) fn journal_prefix(&self) -> ObjPath {
         let mut p = self.prefix.clone();
@@ -358,6 +398,19 @@ impl Remote {
         session: Option<&str>,
     ) -> Result<u64> {
         self.upload_from(step, file, entry, session, &Arc::default())
+            .map(|e| e.bytes)
+    }
+
+    /// [`Remote::upload_rank`] returning the entry its manifest part records (with the
+    /// upload's object name, [`FileEntry::object`]).
+    pub fn upload_rank_entry(
+        &self,
+        step: u64,
+        file: &std::fs::File,
+        entry: &FileEntry,
+        session: Option<&str>,
+    ) -> Result<FileEntry> {
+        self.upload_from(step, file, entry, session, &Arc::default())
     }
 
     /// [`Remote::upload_rank`] counting in `sent` the bytes of the parts the server has
@@ -371,6 +424,7 @@ impl Remote {
         sent: &Arc<AtomicU64>,
     ) -> Result<u64> {
         self.upload_from(step, file, entry, session, sent)
+            .map(|e| e.bytes)
     }
 
     /// [`Remote::upload_rank`] from `file` alone.
@@ -381,8 +435,10 @@ impl Remote {
         entry: &FileEntry,
         session: Option<&str>,
         sent: &Arc<AtomicU64>,
-    ) -> Result<u64> {
-        let key = self.key(step, &entry.file);
+    ) -> Result<FileEntry> {
+        let mut entry = entry.clone();
+        entry.object = Some(object_name(&entry.file));
+        let key = self.key(step, entry.object_name());
         self.block(async {
             self.upload_object(
                 step,
@@ -395,8 +451,8 @@ impl Remote {
                 sent,
             )
             .await?;
-            self.put_part_manifest(step, entry, session).await?;
-            Ok(entry.bytes)
+            self.put_part_manifest(step, &entry, session).await?;
+            Ok(entry)
         })
     }
 
@@ -416,12 +472,14 @@ impl Remote {
         session: Option<&str>,
         sent: &Arc<AtomicU64>,
     ) -> Result<FileEntry> {
-        let key = self.key(step, name);
+        let object = object_name(name);
+        let key = self.key(step, &object);
         self.block(async {
-            let entry = self
+            let mut entry = self
                 .upload_object(step, &key, rank, total, None, Some(feed), session, sent)
                 .await?
                 .ok_or_else(|| Error::Internal("a streamed upload without its entry".into()))?;
+            entry.object = Some(object);
             self.put_part_manifest(step, &entry, session).await?;
             Ok(entry)
         })

@@ -207,6 +207,7 @@ mod tests {
             bytes: 4096 + 64,
             data_start: 4096,
             header_crc32c: None,
+            object: None,
             tensors: Vec::new(),
         };
         match read_file_metadata(&path, &entry) {

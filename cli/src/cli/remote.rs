@@ -139,6 +139,12 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
     for s in &rep.uncommitted_steps {
         println!("removed uncommitted {url}/step-{s}");
     }
+    for o in &rep.stray_objects {
+        println!("removed {o}: not named by its committed step");
+    }
+    for (what, why) in &rep.ignored {
+        println!("left {what}: {why}");
+    }
     println!(
         "removed {} object(s), {} of uncommitted steps (older than {} s)",
         rep.objects,
@@ -179,7 +185,13 @@ pub struct PushArgs {
 pub fn push(a: &PushArgs) -> CliResult {
     let url = match remote_root(Path::new(&a.url)) {
         Some((url, None)) => url,
-        _ => return Err(format!("{}: not a bucket root (s3://bucket/prefix)", a.url).into()),
+        _ => {
+            return Err(format!(
+                "{}: not a bucket root (s3://bucket/prefix)",
+                shmckpt::remote::redact(&a.url)
+            )
+            .into());
+        }
     };
     super::require_root(&a.dir)?;
     let m = shmckpt::Manifest::read(&a.dir)?;

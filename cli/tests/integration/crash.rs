@@ -436,6 +436,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         bytes: 4096,
         data_start: 4096,
         header_crc32c: None,
+        object: None,
         tensors: Vec::new(),
     };
     let rec = Recording::start(root).unwrap();

@@ -325,16 +325,39 @@ fn run(bucket: &Arc<InMemory>, world: u32, steps: u64, limit: Option<usize>) -> 
     }
 }
 
-/// Every object in the bucket, as `step-N/name` strings.
+/// Every object in the bucket, as `step-N/name` strings, each upload's rank object
+/// (`rank-R-of-W.<upload id>.safetensors`) under its file's name.
 fn objects(remote_store: &Arc<InMemory>) -> BTreeSet<String> {
-    futures::executor::block_on(async {
+    let names: Vec<String> = futures::executor::block_on(async {
         remote_store
             .list(None)
             .map_ok(|m| m.location.to_string())
             .try_collect()
             .await
             .unwrap()
-    })
+    });
+    let canonical = |k: String| -> String {
+        let Some((dir, name)) = k.rsplit_once('/') else {
+            return k;
+        };
+        match name
+            .strip_suffix(".safetensors")
+            .and_then(|n| n.rsplit_once('.'))
+        {
+            Some((stem, id)) if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                format!("{dir}/{stem}.safetensors")
+            }
+            _ => k,
+        }
+    };
+    let n = names.len();
+    let set: BTreeSet<String> = names.into_iter().map(canonical).collect();
+    assert_eq!(
+        set.len(),
+        n,
+        "two objects of one rank file in one step: {set:?}"
+    );
+    set
 }
 
 /// The objects of a committed step of `world` ranks.
