@@ -71,8 +71,8 @@ def main() -> None:
     start = 0
     # latest(): the step load("latest") loads (memory, the local disk, else the bucket),
     # so a run whose local disk was lost resumes from the bucket.
-    if ckpt.latest() is not None:
-        state = ckpt.load("latest")
+    if (last := ckpt.latest()) is not None:
+        state = ckpt.load(last)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])

@@ -76,8 +76,8 @@ def main() -> None:
     ckpt.guard(opt)
 
     start = 0
-    if ckpt.latest() is not None:
-        state = ckpt.load("latest")  # this rank's file
+    if (last := ckpt.latest()) is not None:
+        state = ckpt.load(last)  # this rank's file
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])

@@ -109,3 +109,27 @@ def test_ctrl_c_while_a_submission_runs_keeps_the_tensors_alive():
     with pytest.raises(shmckpt.errors.IoError):
         h2._get_rust()
     assert h2._keep is None
+
+
+@pytest.mark.parametrize("call", ["load", "load_into", "manifest"])
+def test_an_unknown_step_string_is_a_value_error_naming_it(ck, root, call):
+    """``load("last")`` (a string other than "latest") is a ValueError naming the value
+    and the accepted forms, not a TypeError about types; a bool stays a TypeError. The
+    same for every call that takes a step (one parser, ``_step_sel``)."""
+    saved(ck, root)
+    target = {"model": {"w": torch.zeros(256, dtype=torch.int32)}}
+    fn = {
+        "load": lambda s: ck.load(s),
+        "load_into": lambda s: ck.load_into(target, s),
+        "manifest": lambda s: ck.manifest(s),
+    }[call]
+    with pytest.raises(ValueError) as ei:
+        fn("last")
+    assert type(ei.value) is ValueError
+    assert str(ei.value) == "step 'last' is not a step: give an int (a committed step) or 'latest'"
+    with pytest.raises(TypeError) as ti:
+        fn(True)
+    assert str(ti.value) == "step must be an int or 'latest', not bool True"
+    assert torch.equal(target["model"]["w"], torch.zeros(256, dtype=torch.int32))  # nothing read
+    fn("latest")  # and the accepted forms still work
+    fn(1)

@@ -51,10 +51,15 @@ def _step_int(step: Any) -> int:
 
 
 def _step_sel(step: StepArg) -> Optional[int]:
-    if step is None or step == "latest":
+    """A step argument of ``load``, ``load_into`` and ``manifest``: ``None`` for
+    ``"latest"`` (or ``None``), else the int. Any other string is a ``ValueError`` naming
+    it; a bool or a non-integer a ``TypeError``."""
+    if step is None or (isinstance(step, str) and step == "latest"):
         return None
-    if isinstance(step, (bool, np.bool_, str)):
-        raise TypeError("step must be an int or 'latest'")
+    if isinstance(step, str):
+        raise ValueError(f"step {step!r} is not a step: give an int (a committed step) or 'latest'")
+    if isinstance(step, (bool, np.bool_)):
+        raise TypeError(f"step must be an int or 'latest', not {type(step).__name__} {step!r}")
     return operator.index(step)
 
 
