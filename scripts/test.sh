@@ -12,6 +12,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
+# Each stage prints how long the one before it took, and the total at the end.
+t0=$SECONDS
+t_stage=$SECONDS
+stage() {
+    echo "== [$((SECONDS - t_stage)) s for the previous stage, $((SECONDS - t0)) s in all] $*"
+    t_stage=$SECONDS
+}
+trap 'echo "== [$((SECONDS - t_stage)) s for the last stage, $((SECONDS - t0)) s in all] done"' EXIT
+
 venv="${SHMCKPT_VENV:-$repo/.venv}"
 if [ ! -x "$venv/bin/python" ]; then
     echo "== creating $venv"
@@ -39,7 +48,7 @@ fi
 # The Rust integration tests find moto through this interpreter.
 export SHMCKPT_MOTO_PYTHON="$py"
 
-echo "== cargo test --all-features (after the venv: the S3 tests start moto from it)"
+stage "cargo test --all-features (after the venv: the S3 tests start moto from it)"
 cargo test --all-features
 cargo test --all-features -p crashfs   # not a default member (see Cargo.toml)
 # The recovery test of the Python suite runs the command line; the power-cut test
@@ -48,20 +57,20 @@ cargo build --bin shmckpt
 cargo build -p crashfs --bin crashfs
 export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
 
-echo "== scripts/build_wheel.sh, then pip install the wheel"
+stage "scripts/build_wheel.sh, then pip install the wheel"
 # The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
 # by maturin in release (the same compile as `pip install ./python`) and checked by
 # auditwheel.
 wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
 "$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
 
-echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
+stage "mypy python/shmckpt (the pure-Python package: every function typed, no error)"
 "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
 
-echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
+stage "mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
 # Run from the repository root, where `shmckpt` is the installed package (python/ would
 # shadow it with the source tree, which has no compiled module in a clean checkout).
 "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
 
-echo "== pytest python/tests"
-"$py" -m pytest python/tests -q -p no:cacheprovider "$@"
+stage "pytest python/tests"
+"$py" -m pytest python/tests -q -p no:cacheprovider --durations=15 "$@"
