@@ -30,9 +30,9 @@ mod outgoing;
 mod prepared;
 
 pub use crate::staging::held::{HeldCell, HeldImage, HeldPiece, HeldView};
-use check::check_bytes;
 #[cfg(test)]
 use check::crcs;
+use check::{check_bytes, mem_len};
 pub use incoming::{Incoming, IncomingState};
 pub use outgoing::Outgoing;
 pub use prepared::PreparedArena;
@@ -149,11 +149,6 @@ fn committed_entry(root: &Path, step: u64, rank: u32) -> Result<(PathBuf, FileEn
         })?;
     let (_, entry) = crate::restore::rank_file(&info.dir, rank)?;
     Ok((info.dir, entry))
-}
-
-/// The bytes of `len` as a `usize`, or why not.
-fn mem_len(len: u64, what: &Path) -> Result<usize> {
-    usize::try_from(len).map_err(|_| Error::corrupt(what, None, "larger than memory"))
 }
 
 /// Check `bytes` as `rank`'s image of the committed `step` of `root` (see the module).

@@ -343,7 +343,8 @@ mod tests {
             (0, 8192, 8192, 4096)
         );
         assert!(b.carve(1).is_none());
-        // SAFETY (test): r1 is the only handle to its range.
+        // SAFETY: `r1` is the only handle to its range, which is `r1.len()` writable bytes
+        // of the builder's live slab (nothing reads it until `r1` drops below).
         unsafe { r1.as_ptr().write_bytes(7, r1.len()) };
         assert!(b.bytes().is_none(), "regions alive");
         drop((r1, r2));

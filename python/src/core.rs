@@ -257,14 +257,14 @@ unsafe fn options(after: &[After]) -> SaveOptions<'static> {
     let mut o = SaveOptions::new();
     for a in after {
         o = match *a {
-            // SAFETY: forwarded from this function's contract: the stream is a live
-            // `CUstream` of `device` for as long as the save uses it.
             After::Stream { device, stream } => {
+                // SAFETY: forwarded from this function's contract: the stream is a live
+                // `CUstream` of `device` for as long as the save uses it.
                 o.after_stream(unsafe { StreamRef::from_raw(stream, device) })
             }
-            // SAFETY: forwarded from this function's contract: the event is a live
-            // `CUevent` of `device` for as long as the save uses it.
             After::Event { device, event } => {
+                // SAFETY: forwarded from this function's contract: the event is a live
+                // `CUevent` of `device` for as long as the save uses it.
                 o.after_event(unsafe { EventRef::from_raw(event, device) })
             }
         };

@@ -20,45 +20,21 @@ mod links;
 mod ranged;
 mod remote;
 mod replica;
+mod util;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use shmckpt::Engine;
 
 use crate::buffer::PyBuffer;
 use crate::core::{After, EngineOpts, Place, RawTensor};
 use crate::handle::PySaveHandle;
-
-/// How long one slice of a wait lasts before signals are checked.
-const SLICE: Duration = Duration::from_millis(50);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The `shmckpt.errors` exception for a Rust error, with the Rust message.
-fn to_py(py: Python<'_>, e: shmckpt::Error) -> PyErr {
-    let class = core::error_class(&e);
-    let msg = e.to_string();
-    let errno = e.raw_os_error();
-    let build = || -> PyResult<PyErr> {
-        let module = py.import("shmckpt.errors")?;
-        let cls = module.getattr(class)?;
-        let obj = cls.call1((msg.clone(),))?;
-        obj.setattr("kind", class)?;
-        obj.setattr("errno_code", errno)?;
-        obj.setattr("path", e.path().map(|p| p.as_os_str()))?;
-        obj.setattr("tensor", e.tensor())?;
-        obj.setattr("step", e.step())?;
-        obj.setattr("offset", e.offset())?;
-        Ok(PyErr::from_value(obj))
-    };
-    build().unwrap_or_else(|_| PyRuntimeError::new_err(msg))
-}
+// Used through `crate::` by the other modules, which `lib.rs` (`PyEngine`) imports.
+use crate::util::{SLICE, lock, to_py};
 
 fn err(e: shmckpt::Error) -> PyErr {
     Python::attach(|py| to_py(py, e))

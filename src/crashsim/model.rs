@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::path::Path;
 
-use super::{Id, Op};
+use super::ops::{Id, Op};
 
 /// A filesystem state. Directory entries and file contents are separate, as on disk: a
 /// file's bytes can be durable while the entry naming it is not (the file is then
@@ -241,5 +241,50 @@ impl Digest {
 
     pub(crate) fn finish(&self) -> u64 {
         self.0
+    }
+}
+
+/// A recorded run: the root as it was when recording started (taken as durable), and
+/// every operation since, in issue order.
+#[derive(Debug, Clone)]
+pub struct Log {
+    /// The state at the start.
+    pub base: Model,
+    /// The operations.
+    pub ops: Vec<Op>,
+}
+
+impl Log {
+    /// Steps reported committed by operations before `point`.
+    pub fn committed_before(&self, point: usize) -> std::collections::BTreeSet<u64> {
+        self.ops[..point]
+            .iter()
+            .filter_map(|o| match o {
+                Op::Committed { step } => Some(*step),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// How many operations of each kind the log holds, for reports.
+    pub fn summary(&self) -> String {
+        let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+        for o in &self.ops {
+            let k = match o {
+                Op::Mkdir { .. } => "mkdir",
+                Op::Create { .. } => "create",
+                Op::Write { .. } => "write",
+                Op::Truncate { .. } => "ftruncate",
+                Op::Fallocate { .. } => "fallocate",
+                Op::Rename { .. } => "rename",
+                Op::Unlink { .. } => "unlink",
+                Op::Rmdir { .. } => "rmdir",
+                Op::Fsync { .. } => "fsync",
+                Op::Fdatasync { .. } => "fdatasync",
+                Op::Committed { .. } => "committed",
+            };
+            *counts.entry(k).or_default() += 1;
+        }
+        format!("{} ops {counts:?}", self.ops.len())
     }
 }

@@ -440,6 +440,7 @@ impl CudaStaging {
                             let (dev, off) = s.layout.locate(input, at, p.len as u64)?;
                             Some(s.buffers.get(&dev)?.ptr() + off)
                         });
+                        let src = held.unwrap_or(d.ptr() + at);
                         // SAFETY: `dst..dst+len` lies in the leased chunk, which is not
                         // read, written or released until this copy has completed: it
                         // goes to `pending` until an event recorded after the copy
@@ -454,7 +455,6 @@ impl CudaStaging {
                         // starts), and freed in this stream's order after this copy (its
                         // drop queues the free on the stream, after staging queued its
                         // last copy).
-                        let src = held.unwrap_or(d.ptr() + at);
                         unsafe { st.stream.copy_dtoh(base.add(p.dst), src, p.len)? };
                     }
                 }

@@ -39,9 +39,9 @@ impl<'a> Sources<'a> {
                     ptr: b.as_ptr(),
                     len: b.len(),
                 },
-                // SAFETY: the same range as `d`; `Sources<'a>` keeps the borrow for `'a`
-                // (or `into_static`'s contract keeps it valid), like `d` did.
                 Source::Cuda(d) => {
+                    // SAFETY: the same range as `d`; `Sources<'a>` keeps the borrow for `'a`
+                    // (or `into_static`'s contract keeps it valid), like `d` did.
                     SrcPtr::Cuda(unsafe { DeviceSlice::new(d.ptr(), d.len(), d.device()) })
                 }
             })

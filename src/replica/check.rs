@@ -4,9 +4,13 @@
 use std::io::Write;
 use std::path::Path;
 
-use super::mem_len;
 use crate::error::{Error, Result};
 use crate::manifest::FileEntry;
+
+/// The bytes of `len` as a `usize`, or why not.
+pub(super) fn mem_len(len: u64, what: &Path) -> Result<usize> {
+    usize::try_from(len).map_err(|_| Error::corrupt(what, None, "larger than memory"))
+}
 
 /// Check `bytes`, labelled `what` in errors, against `entry`: exactly `entry.bytes` long,
 /// a safetensors header describing exactly the manifest's tensors (the check every read

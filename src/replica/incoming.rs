@@ -543,7 +543,7 @@ impl Incoming {
 /// The image's length in memory: the manifest's, never 0 (a safetensors file has a header).
 pub(super) fn image_len(entry: &FileEntry) -> Result<usize> {
     let what = Path::new(&entry.file);
-    match super::mem_len(entry.bytes, what)? {
+    match super::check::mem_len(entry.bytes, what)? {
         0 => Err(Error::corrupt(
             what,
             None,

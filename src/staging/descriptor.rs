@@ -200,9 +200,10 @@ impl<'a> Descriptor<'a> {
             }
         }
         h.created_unix_ms = crate::util::unix_ms();
-        // The magic goes last: a reader that sees it sees the fields above.
-        std::sync::atomic::fence(Ordering::Release);
-        h.magic = MAGIC;
+        // The magic goes last, with `Release`: a reader that loads it with `Acquire` (or
+        // reads the page after it, as `attach` does with `pread`, then checks every field)
+        // sees the fields above. Native-endian, so the segment holds the bytes `MAGIC`.
+        h.magic.store(u64::from_ne_bytes(MAGIC), Ordering::Release);
         // SAFETY: initialised just above; the mapping stays for `'a` (caller's contract).
         unsafe { Descriptor::from_mapping(base, geo) }
     }
@@ -387,4 +388,30 @@ impl<'a> Descriptor<'a> {
 pub(crate) fn bytes_to_path(b: &[u8]) -> std::path::PathBuf {
     use std::os::unix::ffi::OsStrExt;
     std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_publishes_the_magic_last_as_the_segment_bytes() {
+        let geo = Geometry::new(1, PAGE as u64, 1, 3).unwrap();
+        // Zero-filled, 8-byte aligned (what `ArenaHeader` needs; a segment is page aligned).
+        let mut mem = vec![0u64; geo.total_len as usize / 8];
+        let base = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: `mem` is a zero-filled, writable, 8-byte aligned buffer of
+        // `geo.total_len` bytes, made for a root of 3 bytes, used by nobody else, and it
+        // outlives the descriptor (dropped at the end of this statement).
+        let d = unsafe { Descriptor::init(base, geo, 7, 0, 1, b"/ck") };
+        // SAFETY: `init` wrote the header at `base` (aligned, inside `mem`).
+        let h = unsafe { &*base.cast::<ArenaHeader>() };
+        assert_eq!(h.magic.load(Ordering::Acquire).to_ne_bytes(), MAGIC);
+        assert_eq!(d.header_view().owner_pid, 7);
+        // SAFETY: `mem` is `total_len` initialised bytes; `d` and `h` are not used again.
+        let page = unsafe { std::slice::from_raw_parts(base, PAGE) };
+        assert_eq!(&page[..8], b"SHMCKPT1");
+        let parsed = super::super::layout::parse_header(page, geo.total_len).unwrap();
+        assert_eq!(parsed.geometry, geo);
+    }
 }

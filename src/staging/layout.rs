@@ -15,7 +15,7 @@
 #![forbid(unsafe_code)]
 
 use std::mem::offset_of;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 /// Size of the header page and of each slot header.
 pub const PAGE: usize = 4096;
@@ -40,8 +40,10 @@ pub const VERSION: u32 = 1;
 /// Header page of an arena.
 #[repr(C)]
 pub struct ArenaHeader {
-    /// [`MAGIC`].
-    pub magic: [u8; 8],
+    /// [`MAGIC`]'s bytes (`u64::from_ne_bytes(MAGIC)`, so the segment holds exactly
+    /// `MAGIC`), stored last with `Release` by `Descriptor::init` to publish the fields
+    /// written before it.
+    pub magic: AtomicU64,
     /// [`VERSION`].
     pub version: u32,
     /// Number of slots.
@@ -337,6 +339,24 @@ pub fn parse_slot(page: &[u8], geo: &Geometry) -> Result<ParsedSlot, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_header_layout_is_the_segment_format() {
+        // The magic is an `AtomicU64` in memory and the 8 bytes `MAGIC` in the segment:
+        // same offset, size and neighbours as the `[u8; 8]` it replaced.
+        assert_eq!(
+            (
+                offset_of!(ArenaHeader, magic),
+                offset_of!(ArenaHeader, version),
+                offset_of!(ArenaHeader, owner_pid),
+                offset_of!(ArenaHeader, created_unix_ms),
+                offset_of!(ArenaHeader, closed),
+                offset_of!(ArenaHeader, root),
+                size_of::<ArenaHeader>(),
+            ),
+            (0, 8, 48, 64, 72, 80, 80 + MAX_ROOT_INLINE)
+        );
+    }
 
     #[test]
     fn geometry_refuses_overflow_and_absurd_counts() {

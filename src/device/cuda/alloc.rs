@@ -82,8 +82,8 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.ctx.bind()?;
-        // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
         check(
+            // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
             unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.len) },
             "cuMemcpyHtoD",
         )
@@ -96,8 +96,8 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.ctx.bind()?;
-        // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
         check(
+            // SAFETY: both ranges are valid for `len` bytes; the call is synchronous.
             unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, self.len) },
             "cuMemcpyDtoH",
         )
@@ -109,8 +109,9 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.ctx.bind()?;
-        // SAFETY: the range is this allocation.
         check(
+            // SAFETY: `self.ptr..self.ptr + self.len` is this live device allocation (freed only
+            // in Drop), and its context is current (bound above).
             unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) },
             "cuMemsetD8",
         )?;
@@ -153,11 +154,11 @@ impl Stream {
             ));
         }
         self.context().bind()?;
-        // SAFETY: the range is `buf`'s allocation on this stream's context (same device,
-        // checked above: one primary context per device), a live allocation (borrowed
-        // here); dropping the buffer later synchronizes its context before `cuMemFree`, so
-        // the memset never runs on freed memory; `self.raw()` is this live stream.
         check(
+            // SAFETY: the range is `buf`'s allocation on this stream's context (same device,
+            // checked above: one primary context per device), a live allocation (borrowed
+            // here); dropping the buffer later synchronizes its context before `cuMemFree`, so
+            // the memset never runs on freed memory; `self.raw()` is this live stream.
             unsafe {
                 sys::cuMemsetD8Async(buf.ptr(), value, buf.len(), self.raw() as sys::CUstream)
             },
@@ -220,8 +221,9 @@ impl PinnedHost {
     pub fn alloc(ctx: &Arc<Context>, len: usize) -> Result<PinnedHost> {
         ctx.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one pointer; freed in Drop.
         check(
+            // SAFETY: `p` is a live local the driver writes one host pointer into; the context is
+            // current (bound above); the allocation is freed once, in Drop.
             unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
             "cuMemAllocHost",
         )?;

@@ -19,8 +19,9 @@ use crate::tensor::DeviceSlice;
 pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     let dev = super::device(ordinal)?;
     let mut uuid = sys::CUuuid { bytes: [0; 16] };
-    // SAFETY: writes one 16-byte `CUuuid` into our local.
     check(
+        // SAFETY: `uuid` is a live, properly aligned local `CUuuid` (16 bytes) the driver
+        // writes into; `dev` is a valid handle from `cuDeviceGet`.
         unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) },
         "cuDeviceGetUuid",
     )?;

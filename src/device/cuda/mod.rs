@@ -105,8 +105,8 @@ fn device(ordinal: i32) -> Result<sys::CUdevice> {
         ));
     }
     let mut dev = 0;
-    // SAFETY: writes one device handle into our local; the ordinal is in range.
     check(
+        // SAFETY: writes one device handle into our local; the ordinal is in range.
         unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
         "cuDeviceGet",
     )?;
@@ -117,8 +117,9 @@ fn device(ordinal: i32) -> Result<sys::CUdevice> {
 pub fn driver_version() -> Result<i32> {
     init()?;
     let mut v = 0;
-    // SAFETY: writes one int.
     check(
+        // SAFETY: `v` is a live local `c_int` the driver writes the version into; the
+        // driver is initialised (`init` above).
         unsafe { sys::cuDriverGetVersion(&mut v) },
         "cuDriverGetVersion",
     )?;
@@ -153,8 +154,9 @@ impl Context {
     pub fn new(ordinal: i32) -> Result<Arc<Context>> {
         let dev = device(ordinal)?;
         let mut ctx = std::ptr::null_mut();
-        // SAFETY: writes one context handle; released in Drop.
         check(
+            // SAFETY: `ctx` is a live local the driver writes one context handle into; `dev` is a
+            // valid handle (`device` checked the ordinal); released once, in Drop.
             unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
             "cuDevicePrimaryCtxRetain",
         )?;
@@ -183,8 +185,9 @@ impl Context {
     pub fn mem_info(&self) -> Result<(u64, u64)> {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: writes two integers; the context is current.
         check(
+            // SAFETY: `free` and `total` are live local `usize`s the driver writes into; the
+            // context is current (bound above).
             unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
             "cuMemGetInfo",
         )?;
@@ -225,8 +228,9 @@ impl CtxGuard {
     pub fn save() -> Result<CtxGuard> {
         init()?;
         let mut prev = std::ptr::null_mut();
-        // SAFETY: writes one handle (null when none is current).
         check(
+            // SAFETY: `prev` is a live local the driver writes one context handle into (null
+            // when none is current); the driver is initialised (`init` above).
             unsafe { sys::cuCtxGetCurrent(&mut prev) },
             "cuCtxGetCurrent",
         )?;

@@ -45,9 +45,9 @@ impl MemPool {
             reserved: [0; 64],
         };
         let mut raw = std::ptr::null_mut();
-        // SAFETY: `props` is a fully initialized properties struct that outlives the call;
-        // the driver writes one pool handle, destroyed in Drop.
         check(
+            // SAFETY: `props` is a fully initialized properties struct that outlives the call;
+            // the driver writes one pool handle, destroyed in Drop.
             unsafe { sys::cuMemPoolCreate(&mut raw, &props) },
             "cuMemPoolCreate",
         )?;
@@ -77,10 +77,10 @@ impl MemPool {
         self.ctx.bind()?;
         let mut ptr = 0;
         if len > 0 {
-            // SAFETY: writes one device pointer; the pool and the stream are live and of
-            // the same device (checked above); freed in `StreamBuffer`'s Drop, on the same
-            // stream.
             check(
+                // SAFETY: writes one device pointer; the pool and the stream are live and of
+                // the same device (checked above); freed in `StreamBuffer`'s Drop, on the same
+                // stream.
                 unsafe {
                     sys::cuMemAllocFromPoolAsync(
                         &mut ptr,
@@ -104,8 +104,8 @@ impl MemPool {
     /// whose stream-ordered free has not run yet stays: synchronize its stream first.
     pub(crate) fn trim(&self) -> Result<()> {
         self.ctx.bind()?;
-        // SAFETY: live pool; no pointer arguments.
         check(
+            // SAFETY: live pool; no pointer arguments.
             unsafe { sys::cuMemPoolTrimTo(self.raw, 0) },
             "cuMemPoolTrimTo",
         )
@@ -115,9 +115,9 @@ impl MemPool {
     pub(crate) fn reserved(&self) -> Result<u64> {
         self.ctx.bind()?;
         let mut v: u64 = 0;
-        // SAFETY: this attribute is a `cuuint64_t`, written into `v`, which outlives the
-        // call.
         check(
+            // SAFETY: this attribute is a `cuuint64_t`, written into `v`, which outlives the
+            // call.
             unsafe {
                 sys::cuMemPoolGetAttribute(
                     self.raw,

@@ -27,9 +27,9 @@ impl HostRegistration {
         ctx.bind()?;
         let (ptr, len) = arena.data_region();
         let t = Instant::now();
-        // SAFETY: the region is a live, page-aligned mapping owned by `arena`, which this
-        // registration keeps alive until it unregisters in Drop.
         check(
+            // SAFETY: the region is a live, page-aligned mapping owned by `arena`, which this
+            // registration keeps alive until it unregisters in Drop.
             unsafe {
                 sys::cuMemHostRegister_v2(
                     ptr.cast::<c_void>(),

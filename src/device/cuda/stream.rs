@@ -27,8 +27,9 @@ impl Stream {
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: writes one handle; destroyed in Drop.
         check(
+            // SAFETY: `raw` is a live local the driver writes one handle into; the context is
+            // current (bound above); the handle is destroyed once, in Drop.
             unsafe {
                 sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
             },
@@ -61,8 +62,8 @@ impl Stream {
 
     /// Block until everything queued has run.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: live stream.
         check(
+            // SAFETY: live stream.
             unsafe { sys::cuStreamSynchronize(self.raw) },
             "cuStreamSynchronize",
         )
@@ -70,8 +71,8 @@ impl Stream {
 
     /// Make later work on this stream wait for `event`.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        // SAFETY: live stream and event.
         check(
+            // SAFETY: live stream and event.
             unsafe { sys::cuStreamWaitEvent(self.raw, event.raw, 0) },
             "cuStreamWaitEvent",
         )
@@ -82,8 +83,8 @@ impl Stream {
     /// # Safety
     /// `event` must be a live `CUevent` of this process.
     pub unsafe fn wait_raw_event(&self, event: u64) -> Result<()> {
-        // SAFETY: the caller guarantees the event handle is live.
         check(
+            // SAFETY: the caller guarantees the event handle is live.
             unsafe { sys::cuStreamWaitEvent(self.raw, event as sys::CUevent, 0) },
             "cuStreamWaitEvent",
         )
@@ -96,8 +97,8 @@ impl Stream {
     ///   anyone else, until an event recorded after this copy has completed;
     /// - `src..src+len` is device memory of this stream's device, valid until then.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-        // SAFETY: the caller upholds the buffer contract above.
         check(
+            // SAFETY: the caller upholds the buffer contract above.
             unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, self.raw) },
             "cuMemcpyDtoHAsync",
         )
@@ -111,8 +112,8 @@ impl Stream {
     /// - `dst..dst+len` is device memory of this stream's device, not read or written by
     ///   anyone else until then, and not overlapping `src..src+len`.
     pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: the caller upholds the buffer contract above.
         check(
+            // SAFETY: the caller upholds the buffer contract above.
             unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw) },
             "cuMemcpyDtoDAsync",
         )
@@ -193,8 +194,8 @@ impl Stream {
     /// - `dst..dst+len` is device memory of this stream's device, not used by anyone else
     ///   until then.
     pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        // SAFETY: the caller upholds the buffer contract above.
         check(
+            // SAFETY: the caller upholds the buffer contract above.
             unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, self.raw) },
             "cuMemcpyHtoDAsync",
         )
@@ -226,8 +227,9 @@ impl Event {
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: writes one handle; destroyed in Drop.
         check(
+            // SAFETY: `raw` is a live local the driver writes one handle into; the context is
+            // current (bound above); the handle is destroyed once, in Drop.
             unsafe {
                 sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
             },
@@ -241,8 +243,8 @@ impl Event {
 
     /// Record on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: live event and stream of the same context.
         check(
+            // SAFETY: live event and stream of the same context.
             unsafe { sys::cuEventRecord(self.raw, stream.raw) },
             "cuEventRecord",
         )
@@ -254,8 +256,8 @@ impl Event {
     /// `stream` must be a live `CUstream` (or 0, the legacy default stream) of this
     /// event's context.
     pub unsafe fn record_raw(&self, stream: u64) -> Result<()> {
-        // SAFETY: the caller guarantees the stream handle.
         check(
+            // SAFETY: the caller guarantees the stream handle.
             unsafe { sys::cuEventRecord(self.raw, stream as sys::CUstream) },
             "cuEventRecord",
         )
@@ -267,8 +269,8 @@ impl Event {
     /// `stream` must be a live `CUstream` (or 0, the legacy default stream) of this
     /// event's context.
     pub unsafe fn hold_raw(&self, stream: u64) -> Result<()> {
-        // SAFETY: the caller guarantees the stream handle; the event is live.
         check(
+            // SAFETY: the caller guarantees the stream handle; the event is live.
             unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0) },
             "cuStreamWaitEvent",
         )
@@ -305,8 +307,8 @@ impl Event {
 
     /// Block until the work before the record has completed.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: live event.
         check(
+            // SAFETY: live event.
             unsafe { sys::cuEventSynchronize(self.raw) },
             "cuEventSynchronize",
         )
