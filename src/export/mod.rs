@@ -3,8 +3,12 @@
 //!
 //! * **Sources**: a checkpoint root (its latest committed step), one `step-N` directory,
 //!   or a DCP checkpoint written through `shmckpt.dcp.ShmckptWriter` (any directory
-//!   name). Every rank file is checked like every read (regular file, size, header against
-//!   the manifest), through [`crate::restore`].
+//!   name); `s3://bucket/prefix` (its latest committed step by the bucket's listing rule)
+//!   or `s3://bucket/prefix/step-N` (with the `s3` feature); `memory:ROOT`, the images
+//!   flash restore keeps in `/dev/shm` for ROOT's latest committed step (one per rank),
+//!   readable while their engine runs. The engine reads every source through one
+//!   abstraction (`source::RankFiles`); every rank file is checked like every read
+//!   (size, header against the manifest, CRC-32C of each tensor read).
 //! * **Tensors**: the rank files' tensors grouped by name. A DCP rank file records each
 //!   tensor's offsets in the global tensor (`DCP_SHARDING_INFO` in its header); the global
 //!   shape is the end of the farthest piece, and the pieces must tile it exactly (no
