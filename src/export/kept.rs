@@ -156,6 +156,10 @@ impl RankFiles for KeptArenas {
             self.dir.display()
         ))
     }
+    fn local_dir(&self) -> Option<&Path> {
+        // The step's directory on disk (its manifest is the one read): never a destination.
+        Some(&self.dir)
+    }
     fn path_of(&self, f: &FileEntry) -> PathBuf {
         self.image(f)
             .map(|i| i.path.clone())

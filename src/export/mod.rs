@@ -770,26 +770,35 @@ fn tmp_path(out: &Path) -> Result<PathBuf> {
 /// Refuse an `out` that is a link or not a directory, that holds a checkpoint, or the
 /// source itself, and a non-empty one without `overwrite`.
 fn check_out(out: &Path, src_dir: Option<&Path>, overwrite: bool) -> Result<()> {
-    let Ok(md) = std::fs::symlink_metadata(out) else {
-        return Ok(());
-    };
     let refuse = |reason: &str| {
         Err(Error::UnsafePath {
             path: out.to_owned(),
             reason: reason.to_owned(),
         })
     };
+    // `out` itself, or (not there yet) its parent's canonical path and its name.
+    let canon_out = std::fs::canonicalize(out).ok().or_else(|| {
+        let name = out.file_name()?;
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        Some(std::fs::canonicalize(parent).ok()?.join(name))
+    });
+    let same = match (canon_out, src_dir.map(std::fs::canonicalize)) {
+        (Some(a), Some(Ok(b))) => b.starts_with(&a) || a.starts_with(&b),
+        _ => false,
+    };
+    if same {
+        return refuse("the export's destination is the source or inside it; never written");
+    }
+    let Ok(md) = std::fs::symlink_metadata(out) else {
+        return Ok(());
+    };
     if !md.is_dir() {
         return refuse("the export's destination exists and is not a directory (or is a link)");
     }
-    let same = match (
-        std::fs::canonicalize(out),
-        src_dir.map(std::fs::canonicalize),
-    ) {
-        (Ok(a), Some(Ok(b))) => b.starts_with(&a) || a.starts_with(&b),
-        _ => false,
-    };
-    if same || std::fs::symlink_metadata(out.join(MANIFEST)).is_ok() {
+    if std::fs::symlink_metadata(out.join(MANIFEST)).is_ok() {
         return refuse(
             "the export's destination holds a checkpoint (or the source); never replaced",
         );

@@ -539,6 +539,16 @@ fn exports_from_the_kept_arena_while_the_engine_runs() {
     );
     assert_eq!(rm.bytes_read, rm.bytes);
     assert_same_dirs(&out_m, &out_d);
+    // The step's directory on disk is never a destination, not even a new directory
+    // inside it, as for a disk export.
+    let inside = root.join("step-2").join("hf");
+    for src in [&mem, &root.join("step-2")] {
+        match export(src, &inside, &opts) {
+            Err(Error::UnsafePath { .. }) => {}
+            other => panic!("expected UnsafePath, got {other:?}"),
+        }
+        assert!(!inside.exists());
+    }
 
     // A flipped byte of a tensor in the arena: a checksum error naming it.
     let (_, entry) = crate::restore::rank_file(&root.join("step-2"), 0).unwrap();
