@@ -52,7 +52,9 @@ def export(
     overwrite: bool = False,
 ) -> ExportReport:
     """Write the checkpoint ``src`` (a root: its latest step; a ``step-N`` directory; a DCP
-    checkpoint written by :class:`shmckpt.dcp.ShmckptWriter`) to ``out`` as
+    checkpoint written by :class:`shmckpt.dcp.ShmckptWriter`; ``s3://bucket/prefix`` (its
+    latest committed step) or ``s3://bucket/prefix/step-N``; ``memory:ROOT``, the images
+    flash restore keeps in ``/dev/shm`` for ROOT's latest committed step) to ``out`` as
     ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
 
     * Default selection: with a ``model`` part in the state, its tensors without the

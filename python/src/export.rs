@@ -56,7 +56,8 @@ fn export_hf(
     let mut d = BTreeMap::new();
     d.insert(
         "source".into(),
-        r.source.into_pyobject(py)?.into_any().unbind(),
+        // A str, not a pathlib.Path: `s3://...` would lose a slash in one.
+        r.source.as_os_str().into_pyobject(py)?.into_any().unbind(),
     );
     d.insert("step".into(), r.step.into_pyobject(py)?.into_any().unbind());
     d.insert(

@@ -219,3 +219,22 @@ def test_a_failed_upload_fails_the_save_and_leaves_nothing_visible(s3, moto, mon
         assert torch.equal(got["w"], sd["w"]) and got["v"] == 3
     finally:
         proxy.stop()
+
+
+def test_export_from_a_bucket_equals_the_local_export(s3, tmp_path):
+    """``shmckpt.export("s3://bucket/prefix")`` of a DCP save in the bucket (its latest
+    committed step) writes the bytes the export of the same save on disk writes."""
+    import shmckpt
+
+    client, bucket = s3
+    g = torch.Generator().manual_seed(4)
+    sd = {"model": {"w": torch.randn(300, 41, generator=g), "i": torch.arange(77)}, "optim": {"m": torch.ones(5000)}}
+    dcp.save(sd, storage_writer=ShmckptWriter(f"s3://{bucket}/ex/step-4"))
+    dcp.save(sd, storage_writer=ShmckptWriter(str(tmp_path / "local")))
+    rb = shmckpt.export(f"s3://{bucket}/ex", tmp_path / "b", max_shard_size=40_000)
+    rl = shmckpt.export(tmp_path / "local", tmp_path / "l", max_shard_size=40_000)
+    assert rb.source == f"s3://{bucket}/ex/step-4" and rb.step == 4
+    assert rb.files == rl.files and len(rb.files) == 3, rb.files
+    for f in rb.files:
+        assert (tmp_path / "b" / f).read_bytes() == (tmp_path / "l" / f).read_bytes(), f
+    assert rb.bytes == 300 * 41 * 4 + 77 * 8

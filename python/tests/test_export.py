@@ -181,3 +181,32 @@ def test_cli_exports_and_refuses_a_damaged_checkpoint(tmp_path):
         shmckpt.export(tmp_path / "ck", tmp_path / "hf2")
     assert e.value.tensor == "model.model.embed.weight"
     assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
+
+
+def test_export_from_the_kept_arena_while_training_runs(tmp_path):
+    """``memory:ROOT``: the image flash restore keeps in /dev/shm, exported while the
+    checkpointer is still open, equals the export from the disk byte for byte."""
+    root = tmp_path / "ck"
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("shmckpt.keep-")}
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.arange(9)}, "optim": {"m": torch.ones(4)}}
+    ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+    try:
+        ck.save(3, state).wait()
+        mem = shmckpt.export(f"memory:{root}", tmp_path / "m", rename=lambda n: "x." + n, max_shard_size=50_000)
+        disk = shmckpt.export(root, tmp_path / "d", rename=lambda n: "x." + n, max_shard_size=50_000)
+        assert mem.source == f"memory:{root}/step-3" and mem.step == 3
+        assert mem.files == disk.files and len(mem.files) == 3
+        for f in mem.files:
+            assert (tmp_path / "m" / f).read_bytes() == (tmp_path / "d" / f).read_bytes(), f
+        got = {k: v for f in mem.files[:-1] for k, v in load_file(str(tmp_path / "m" / f)).items()}
+        assert sorted(got) == ["x.b", "x.w"]
+        assert torch.equal(got["x.w"], state["model"]["w"]) and torch.equal(got["x.b"], state["model"]["b"])
+        ck.close()
+    finally:
+        for n in os.listdir("/dev/shm"):
+            if n.startswith("shmckpt.keep-") and n not in before:
+                os.unlink(os.path.join("/dev/shm", n))
+    with pytest.raises(errors.NotFound):
+        shmckpt.export(f"memory:{root}", tmp_path / "gone")
+    assert not (tmp_path / "gone").exists()

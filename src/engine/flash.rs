@@ -181,7 +181,11 @@ pub(crate) struct Adopted {
 
 /// The checks of a kept image's slot against this rank's manifest entry: complete, one
 /// arena chunk per file chunk, tensors inside the data section and aligned.
-fn check_slot(v: &SlotView, cs: u64, entry: &FileEntry) -> std::result::Result<(), String> {
+pub(crate) fn check_slot(
+    v: &SlotView,
+    cs: u64,
+    entry: &FileEntry,
+) -> std::result::Result<(), String> {
     if v.file_len != entry.bytes || v.data_start != entry.data_start {
         return Err(format!(
             "the kept image describes a file of {} bytes with data at {}, the manifest {} at {}",

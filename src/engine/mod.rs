@@ -44,6 +44,7 @@ use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
+pub(crate) use flash::check_slot as check_kept_slot;
 pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced};
 
 pub use handle::{SaveHandle, SaveWatch};

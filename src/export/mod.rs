@@ -3,8 +3,12 @@
 //!
 //! * **Sources**: a checkpoint root (its latest committed step), one `step-N` directory,
 //!   or a DCP checkpoint written through `shmckpt.dcp.ShmckptWriter` (any directory
-//!   name). Every rank file is checked like every read (regular file, size, header against
-//!   the manifest), through [`crate::restore`].
+//!   name); `s3://bucket/prefix` (its latest committed step by the bucket's listing rule)
+//!   or `s3://bucket/prefix/step-N` (with the `s3` feature); `memory:ROOT`, the images
+//!   flash restore keeps in `/dev/shm` for ROOT's latest committed step (one per rank),
+//!   readable while their engine runs. The engine reads every source through one
+//!   abstraction (`source::RankFiles`); every rank file is checked like every read
+//!   (size, header against the manifest, CRC-32C of each tensor read).
 //! * **Tensors**: the rank files' tensors grouped by name. A DCP rank file records each
 //!   tensor's offsets in the global tensor (`DCP_SHARDING_INFO` in its header); the global
 //!   shape is the end of the farthest piece, and the pieces must tile it exactly (no
@@ -23,8 +27,15 @@
 //!   renamed to `OUT` (exchanged with it when `overwrite` replaces a directory); on any
 //!   error the temporary directory is removed and `OUT` is untouched.
 
+#[cfg(feature = "s3")]
+mod bucket;
 mod cast;
+mod kept;
 mod layout;
+mod source;
+
+pub use source::MEMORY_PREFIX;
+use source::RankFiles;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -36,7 +47,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, MANIFEST, Manifest};
 use crate::plan::{Plan, TensorSpec};
-use crate::restore::{RangedOptions, ReadOptions, ReadSink};
+use crate::restore::{ReadOptions, ReadSink};
 
 use cast::Cast;
 use layout::Block;
@@ -223,49 +234,11 @@ struct Global {
     pieces: Vec<Piece>,
 }
 
-/// The checkpoint directory `src` names: itself when it holds a manifest (a `step-N`
-/// directory, or a DCP checkpoint of any name), else the latest committed step of the root
-/// `src`.
-fn resolve_source(src: &Path) -> Result<(PathBuf, Manifest)> {
-    let m = src.join(MANIFEST);
-    if std::fs::symlink_metadata(&m).is_ok() {
-        let named_step = src
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(crate::manifest::parse_step_dir)
-            .is_some();
-        let manifest = if named_step {
-            Manifest::read(src)?
-        } else {
-            Manifest::read_any_name(src)?
-        };
-        return Ok((src.to_owned(), manifest));
-    }
-    let md = std::fs::symlink_metadata(src).map_err(|_| Error::RootMissing {
-        path: src.to_owned(),
-    })?;
-    if !md.is_dir() {
-        return Err(Error::RootMissing {
-            path: src.to_owned(),
-        });
-    }
-    let latest = crate::manifest::list_committed(src)?
-        .into_iter()
-        .max_by_key(|c| c.step)
-        .ok_or_else(|| Error::NotFound {
-            what: "latest".into(),
-            step: None,
-            root: src.to_owned(),
-        })?;
-    let manifest = Manifest::read(&latest.dir)?;
-    Ok((latest.dir, manifest))
-}
-
 /// Each tensor's offsets in its global tensor, from a DCP rank file's header; `None` for a
 /// plain rank file.
-fn sharding_of(dir: &Path, f: &FileEntry) -> Result<Option<HashMap<String, Vec<u64>>>> {
-    let path = dir.join(&f.file);
-    let meta = crate::restore::read_file_metadata(&path, f)?;
+fn sharding_of(src: &dyn RankFiles, f: &FileEntry) -> Result<Option<HashMap<String, Vec<u64>>>> {
+    let path = src.path_of(f);
+    let meta = src.metadata(f)?;
     let Some(text) = meta.get(DCP_SHARDING_KEY) else {
         return Ok(None);
     };
@@ -286,16 +259,16 @@ fn sharding_of(dir: &Path, f: &FileEntry) -> Result<Option<HashMap<String, Vec<u
 type RawPiece = (usize, usize, Vec<u64>, Vec<u64>);
 
 /// Every global tensor of the checkpoint, in the order the rank files first name them.
-fn inventory(dir: &Path, manifest: &Manifest) -> Result<Vec<Global>> {
+fn inventory(src: &dyn RankFiles, manifest: &Manifest) -> Result<Vec<Global>> {
     let sharding: Vec<Option<HashMap<String, Vec<u64>>>> = manifest
         .files
         .iter()
-        .map(|f| sharding_of(dir, f))
+        .map(|f| sharding_of(src, f))
         .collect::<Result<_>>()?;
     let dcp = sharding.iter().any(Option::is_some);
     if dcp && sharding.iter().any(Option::is_none) {
         return Err(Error::corrupt(
-            dir.join(MANIFEST),
+            src.source().join(MANIFEST),
             None,
             format!("some rank files record {DCP_SHARDING_KEY}, others do not"),
         ));
@@ -304,7 +277,7 @@ fn inventory(dir: &Path, manifest: &Manifest) -> Result<Vec<Global>> {
     let mut found: Vec<(String, Dtype, Vec<u64>, Vec<RawPiece>)> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     for (fi, f) in manifest.files.iter().enumerate() {
-        let path = dir.join(&f.file);
+        let path = src.path_of(f);
         for (ti, t) in f.tensors.iter().enumerate() {
             let sizes: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
             let (name, offsets) = match &sharding[fi] {
@@ -406,7 +379,7 @@ fn inventory(dir: &Path, manifest: &Manifest) -> Result<Vec<Global>> {
         for (file, tensor, offsets, sizes) in raw {
             let block = Block::new(&shape, &offsets, &sizes).ok_or_else(|| {
                 Error::corrupt(
-                    dir.join(&manifest.files[file].file),
+                    src.path_of(&manifest.files[file]),
                     Some(&name),
                     "piece outside its tensor, or a shape that overflows",
                 )
@@ -427,7 +400,7 @@ fn inventory(dir: &Path, manifest: &Manifest) -> Result<Vec<Global>> {
             .any(|(i, a)| pieces[i + 1..].iter().any(|b| a.block.overlaps(&b.block)));
         if covered != Some(total) || overlap {
             return Err(Error::corrupt(
-                dir.join(MANIFEST),
+                src.source().join(MANIFEST),
                 Some(&name),
                 format!(
                     "its {} saved pieces do not tile its shape {:?} ({:?} of {total} elements{})",
@@ -477,8 +450,8 @@ fn select(names: &[String], include_optimizer: bool) -> Vec<(usize, String)> {
 /// default selection and before any renaming: what a caller renames (the Python
 /// `rename=` callable).
 pub fn default_names(src: &Path, include_optimizer: bool) -> Result<Vec<ExportTensor>> {
-    let (dir, manifest) = resolve_source(src)?;
-    let globals = inventory(&dir, &manifest)?;
+    let (files, manifest) = source::open(src, &crate::restore::ReadOptions::default())?;
+    let globals = inventory(files.as_ref(), &manifest)?;
     let names: Vec<String> = globals.iter().map(|g| g.name.clone()).collect();
     Ok(select(&names, include_optimizer)
         .into_iter()
@@ -594,9 +567,10 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
     if opts.max_shard_size == 0 {
         return Err(Error::Config("max_shard_size must be positive".into()));
     }
-    let (dir, manifest) = resolve_source(src)?;
-    check_out(out, &dir, opts.overwrite)?;
-    let globals = inventory(&dir, &manifest)?;
+    let (rank_files, manifest) = source::open(src, &opts.read)?;
+    let dir = rank_files.source();
+    check_out(out, rank_files.local_dir(), opts.overwrite)?;
+    let globals = inventory(rank_files.as_ref(), &manifest)?;
     let names: Vec<String> = globals.iter().map(|g| g.name.clone()).collect();
     let selected = select(&names, opts.include_optimizer);
     let chosen: Vec<(usize, String)> = match &opts.names {
@@ -715,10 +689,6 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
             names.push(name);
         }
         let mut read = 0u64;
-        let ropts = RangedOptions {
-            read: opts.read.clone(),
-            ..RangedOptions::default()
-        };
         for (fi, f) in manifest.files.iter().enumerate() {
             let mut targets = HashMap::new();
             let mut in_es = HashMap::new();
@@ -745,8 +715,7 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
                 buf: Vec::new(),
                 in_es,
             };
-            let path = dir.join(&f.file);
-            read += crate::restore::read_wanted(&path, f, &wanted, &ropts, &mut sink)?.bytes;
+            read += rank_files.read_wanted(f, &wanted, &mut sink)?;
         }
         let mut weight_map = BTreeMap::new();
         for o in &outs {
@@ -800,24 +769,36 @@ fn tmp_path(out: &Path) -> Result<PathBuf> {
 
 /// Refuse an `out` that is a link or not a directory, that holds a checkpoint, or the
 /// source itself, and a non-empty one without `overwrite`.
-fn check_out(out: &Path, src_dir: &Path, overwrite: bool) -> Result<()> {
-    let Ok(md) = std::fs::symlink_metadata(out) else {
-        return Ok(());
-    };
+fn check_out(out: &Path, src_dir: Option<&Path>, overwrite: bool) -> Result<()> {
     let refuse = |reason: &str| {
         Err(Error::UnsafePath {
             path: out.to_owned(),
             reason: reason.to_owned(),
         })
     };
+    // `out` itself, or (not there yet) its parent's canonical path and its name.
+    let canon_out = std::fs::canonicalize(out).ok().or_else(|| {
+        let name = out.file_name()?;
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        Some(std::fs::canonicalize(parent).ok()?.join(name))
+    });
+    let same = match (canon_out, src_dir.map(std::fs::canonicalize)) {
+        (Some(a), Some(Ok(b))) => b.starts_with(&a) || a.starts_with(&b),
+        _ => false,
+    };
+    if same {
+        return refuse("the export's destination is the source or inside it; never written");
+    }
+    let Ok(md) = std::fs::symlink_metadata(out) else {
+        return Ok(());
+    };
     if !md.is_dir() {
         return refuse("the export's destination exists and is not a directory (or is a link)");
     }
-    let same = match (std::fs::canonicalize(out), std::fs::canonicalize(src_dir)) {
-        (Ok(a), Ok(b)) => b.starts_with(&a) || a.starts_with(&b),
-        _ => false,
-    };
-    if same || std::fs::symlink_metadata(out.join(MANIFEST)).is_ok() {
+    if std::fs::symlink_metadata(out.join(MANIFEST)).is_ok() {
         return refuse(
             "the export's destination holds a checkpoint (or the source); never replaced",
         );

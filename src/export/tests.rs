@@ -450,3 +450,155 @@ fn replicas_must_agree() {
     assert!(!out.exists());
     drop(d);
 }
+
+/// Every file of `a` and `b`, by name, byte for byte.
+fn assert_same_dirs(a: &Path, b: &Path) {
+    let files = |d: &Path| -> BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().into_string().unwrap(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let (fa, fb) = (files(a), files(b));
+    assert_eq!(fa.keys().collect::<Vec<_>>(), fb.keys().collect::<Vec<_>>());
+    for (name, bytes) in &fa {
+        assert!(bytes == &fb[name], "{name} differs");
+    }
+}
+
+/// Removes a kept arena when the test ends, passed or not.
+struct KeptGuard(String);
+
+impl Drop for KeptGuard {
+    fn drop(&mut self) {
+        let _ = crate::engine::remove_kept_forced(&self.0);
+    }
+}
+
+/// `memory:ROOT` exports the image flash restore keeps in `/dev/shm` while its engine
+/// still runs, byte for byte what the export from the disk gives; a flipped byte in the
+/// arena is a checksum error with nothing visible at `out`; a root whose engine keeps
+/// nothing in memory is `NotFound`.
+#[test]
+fn exports_from_the_kept_arena_while_the_engine_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let engine = Engine::open(
+        EngineConfig::new(&root)
+            .with_create_root(true)
+            .with_staging_capacity(8 << 20)
+            .with_chunk_size(64 << 10)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    let canon = std::fs::canonicalize(&root).unwrap();
+    let _guard = KeptGuard(crate::staging::kept_name(&canon, 0));
+    let mut state = model_state();
+    // Over several arena chunks.
+    state.push((
+        "model.big",
+        Dtype::F32,
+        vec![250, 400],
+        f32_bytes(100_000, 5),
+    ));
+    let ts: Vec<Tensor<'_>> = state
+        .iter()
+        .map(|(n, d, s, b)| Tensor::host(*n, *d, s.clone(), b))
+        .collect();
+    for step in [1, 2] {
+        engine
+            .save(step, &ts, &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    let opts = ExportOptions {
+        max_shard_size: 100_000,
+        include_optimizer: true,
+        ..ExportOptions::default()
+    };
+    let mem = PathBuf::from(format!("{MEMORY_PREFIX}{}", root.display()));
+    let (out_m, out_d) = (dir.path().join("from-mem"), dir.path().join("from-disk"));
+    let rm = export(&mem, &out_m, &opts).unwrap();
+    let rd = export(&root, &out_d, &opts).unwrap();
+    assert_eq!((rm.step, rd.step), (2, 2));
+    assert_eq!(
+        rm.source,
+        PathBuf::from(format!("{MEMORY_PREFIX}{}", root.join("step-2").display()))
+    );
+    assert!(rm.files.len() > 2, "{:?}", rm.files);
+    assert_eq!(
+        (rm.files.clone(), rm.tensors, rm.bytes),
+        (rd.files.clone(), rd.tensors, rd.bytes)
+    );
+    assert_eq!(rm.bytes_read, rm.bytes);
+    assert_same_dirs(&out_m, &out_d);
+    // The step's directory on disk is never a destination, not even a new directory
+    // inside it, as for a disk export.
+    let inside = root.join("step-2").join("hf");
+    for src in [&mem, &root.join("step-2")] {
+        match export(src, &inside, &opts) {
+            Err(Error::UnsafePath { .. }) => {}
+            other => panic!("expected UnsafePath, got {other:?}"),
+        }
+        assert!(!inside.exists());
+    }
+
+    // A flipped byte of a tensor in the arena: a checksum error naming it.
+    let (_, entry) = crate::restore::rank_file(&root.join("step-2"), 0).unwrap();
+    let t = entry
+        .tensors
+        .iter()
+        .find(|t| t.name == "model.embed.weight")
+        .unwrap();
+    let name = crate::staging::kept_name(&canon, 0);
+    let att = crate::staging::AttachedArena::open(&name).unwrap();
+    let slot = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .find(|v| v.state == crate::staging::descriptor::slot_state::KEPT)
+        .unwrap();
+    let geo = att.header().geometry;
+    let off = entry.data_start + t.data_offsets[0] + 7;
+    let (_, index) = slot.chunks[(off / geo.chunk_size) as usize];
+    let at = geo.data_offset + u64::from(index) * geo.chunk_size + off % geo.chunk_size;
+    let shm = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(Path::new("/dev/shm").join(&name))
+        .unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&shm, &mut b, at).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&shm, &[b[0] ^ 0x10], at).unwrap();
+    let out = dir.path().join("damaged");
+    match export(&mem, &out, &opts) {
+        Err(Error::Checksum { tensor, path, .. }) => {
+            assert_eq!(tensor, "model.embed.weight");
+            assert_eq!(path, Path::new("/dev/shm").join(&name));
+        }
+        other => panic!("expected Checksum, got {other:?}"),
+    }
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 3, "{left:?}");
+    drop(engine);
+
+    // A root whose engine keeps nothing in memory.
+    let plain = save(&model_state(), Metadata::new());
+    let src = PathBuf::from(format!(
+        "{MEMORY_PREFIX}{}",
+        plain.path().join("root").display()
+    ));
+    match export(&src, &plain.path().join("hf"), &opts) {
+        Err(Error::NotFound { step, .. }) => assert_eq!(step, Some(1)),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+}

@@ -158,20 +158,80 @@ impl Remote {
         entry: &FileEntry,
         sink: &mut dyn ReadSink,
     ) -> Result<(u64, Metadata)> {
+        self.read_entry_wanted(step, entry, None, sink)
+    }
+
+    /// The `__metadata__` of `entry`'s object of committed step `step` (its size and
+    /// header checked against `entry`).
+    pub(crate) fn entry_metadata(&self, step: u64, entry: &FileEntry) -> Result<Metadata> {
+        self.block(self.read_header(&self.key(step, entry.object_name()), entry))
+    }
+
+    /// Read the tensors of `entry`'s object (committed step `step`) flagged in `wanted`
+    /// (all when `None`): the object's size and header checked, then only those tensors'
+    /// byte ranges fetched (runs of wanted tensors coalesced, cut into `part_size` ranged
+    /// GETs, `concurrency` in flight), each wanted tensor's CRC-32C checked. `sink` gets
+    /// the wanted tensors' pieces only, in file order. Returns the bytes fetched (header
+    /// and data) and the header's `__metadata__`.
+    pub(crate) fn read_entry_wanted(
+        &self,
+        step: u64,
+        entry: &FileEntry,
+        wanted: Option<&[bool]>,
+        sink: &mut dyn ReadSink,
+    ) -> Result<(u64, Metadata)> {
+        if wanted.is_some_and(|w| w.len() != entry.tensors.len()) {
+            return Err(Error::Internal(format!(
+                "wanted flags for {} tensors, not {}",
+                wanted.map_or(0, <[bool]>::len),
+                entry.tensors.len()
+            )));
+        }
+        let want = |i: usize| wanted.is_none_or(|w| w[i]);
         let key = self.key(step, entry.object_name());
         let path: PathBuf = self.display(&key);
         let part = self.opts.part_size as u64;
         self.block(async {
             let file_meta = self.read_header(&key, entry).await?;
-            // The data section, in order, `concurrency` ranges in flight.
+            // The data section (or the wanted tensors' runs of it), in order, `concurrency`
+            // ranges in flight.
             let data_len = entry.bytes - entry.data_start;
-            let ranges: Vec<_> = (0..data_len.div_ceil(part))
-                .map(|k| {
-                    let b = k * part;
-                    let e = (b + part).min(data_len);
-                    entry.data_start + b..entry.data_start + e
+            let runs: Vec<(u64, u64)> = match wanted {
+                None => vec![(0, data_len)],
+                Some(_) => {
+                    // Neighbouring wanted tensors (with the padding between them) are one
+                    // run; an unwanted tensor's bytes are never fetched.
+                    let mut runs: Vec<(u64, u64)> = Vec::new();
+                    let mut joins = false;
+                    for (i, t) in entry.tensors.iter().enumerate() {
+                        let [b, e] = t.data_offsets;
+                        if b == e {
+                            continue;
+                        }
+                        if !want(i) {
+                            joins = false;
+                            continue;
+                        }
+                        match runs.last_mut() {
+                            Some(r) if joins && b >= r.1 => r.1 = e,
+                            _ => runs.push((b, e)),
+                        }
+                        joins = true;
+                    }
+                    runs
+                }
+            };
+            let ranges: Vec<_> = runs
+                .iter()
+                .flat_map(|&(rb, re)| {
+                    (0..(re - rb).div_ceil(part)).map(move |k| {
+                        let b = rb + k * part;
+                        let e = (b + part).min(re);
+                        entry.data_start + b..entry.data_start + e
+                    })
                 })
                 .collect();
+            let fetched: u64 = entry.data_start + runs.iter().map(|r| r.1 - r.0).sum::<u64>();
             let mut crcs: Vec<Option<u32>> = vec![None; entry.tensors.len()];
             let tensors = std::sync::Arc::new(entry.tensors.clone());
             let mut s =
@@ -202,13 +262,19 @@ impl Remote {
                     &entry.tensors,
                     r.start - entry.data_start,
                     &got.bytes,
-                    |i, at, p| sink.piece(i, at, p),
+                    |i, at, p| {
+                        if want(i) {
+                            sink.piece(i, at, p)
+                        } else {
+                            Ok(())
+                        }
+                    },
                 )?;
                 sink.chunk_end()?;
             }
             let crcs: Vec<u32> = crcs.into_iter().map(|c| c.unwrap_or(0)).collect();
-            for (t, &crc) in entry.tensors.iter().zip(&crcs) {
-                if crc != t.crc32c {
+            for (i, (t, &crc)) in entry.tensors.iter().zip(&crcs).enumerate() {
+                if want(i) && crc != t.crc32c {
                     return Err(Error::Checksum {
                         path: path.clone(),
                         tensor: t.name.clone(),
@@ -217,7 +283,7 @@ impl Remote {
                     });
                 }
             }
-            Ok((entry.bytes, file_meta))
+            Ok((fetched, file_meta))
         })
     }
 

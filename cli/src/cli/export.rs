@@ -9,8 +9,10 @@ use super::{CliResult, human};
 /// Arguments of `export`.
 #[derive(Debug, clap::Args)]
 pub struct ExportArgs {
-    /// A checkpoint root (its latest step), a step-N directory, or a DCP checkpoint
-    /// written by ShmckptWriter.
+    /// A checkpoint root (its latest step), a step-N directory, a DCP checkpoint
+    /// written by ShmckptWriter, s3://bucket/prefix (its latest committed step) or
+    /// s3://bucket/prefix/step-N, or memory:ROOT (the images flash restore keeps in
+    /// /dev/shm for ROOT's latest committed step, readable while training runs).
     pub src: PathBuf,
     /// Output directory (created; written whole or not at all).
     pub out: PathBuf,

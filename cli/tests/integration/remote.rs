@@ -336,3 +336,129 @@ fn cli_bucket_commands_speak_json() {
         })
     );
 }
+
+/// `shmckpt export s3://bucket/prefix` (its latest committed step) and
+/// `s3://bucket/prefix/step-N` give byte for byte the shards the export of the same local
+/// step gives, fetching only the exported tensors' bytes (the optimizer's are left in the
+/// bucket); a flipped byte of an exported tensor in the bucket is a checksum error, with
+/// nothing visible at the destination.
+#[test]
+fn export_from_a_bucket_equals_the_local_export() {
+    let Some(m) = moto("export_from_a_bucket_equals_the_local_export") else {
+        return;
+    };
+    m.create_bucket("exb");
+    let dir = real_dir("remote-export");
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let e = shmckpt::Engine::open(small_config(&root, BackendKind::Pwrite)).unwrap();
+    for s in [1, 2] {
+        save_committed(&e, s, &step_state(s));
+    }
+    e.close();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_shmckpt"))
+            .args(args)
+            .env("AWS_ENDPOINT_URL", m.endpoint())
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ALLOW_HTTP", "true")
+            .output()
+            .unwrap()
+    };
+    let ok = |args: &[&str]| {
+        let o = run(args);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap_or_default()
+    };
+    let url = "s3://exb/p";
+    for s in [1, 2] {
+        let step = root.join(format!("step-{s}"));
+        ok(&["push", "--json", step.to_str().unwrap(), url]);
+    }
+    let files = |d: &std::path::Path| -> std::collections::BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let name = e.file_name().into_string().unwrap();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect()
+    };
+    let out = |name: &str| dir.path().join(name);
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let shard = ["--max-shard-size", "100000", "--json"];
+    for (src_b, src_l, step) in [
+        (url.to_owned(), s(&root), 2u64),
+        (format!("{url}/step-1"), s(&root.join("step-1")), 1),
+    ] {
+        let (ob, ol) = (out(&format!("b{step}")), out(&format!("l{step}")));
+        let jb = ok(&[&["export", &src_b, &s(&ob)][..], &shard[..]].concat());
+        let jl = ok(&[&["export", &src_l, &s(&ol)][..], &shard[..]].concat());
+        assert_eq!(jb["step"], step);
+        assert_eq!(jb["source"], format!("{url}/step-{step}").as_str());
+        assert_eq!((&jb["files"], &jb["bytes"]), (&jl["files"], &jl["bytes"]));
+        assert!(jb["files"].as_array().unwrap().len() > 2, "{jb}");
+        let (fb, fl) = (files(&ob), files(&ol));
+        assert_eq!(fb.keys().collect::<Vec<_>>(), fl.keys().collect::<Vec<_>>());
+        for (k, v) in &fb {
+            assert!(v == &fl[k], "{k} differs");
+        }
+        // Only the exported tensors' ranges (and the header) were fetched.
+        let entry = &shmckpt::Manifest::read(&root.join(format!("step-{step}")))
+            .unwrap()
+            .files[0]
+            .clone();
+        let opt = entry
+            .tensors
+            .iter()
+            .find(|t| t.name == "optimizer.step")
+            .unwrap();
+        assert_eq!(jb["bytes_read"], entry.bytes - opt.len());
+    }
+
+    // A flipped byte of an exported tensor in the bucket's object of step 2.
+    let r = Remote::open(url, m.options()).unwrap();
+    let man = r.manifest(2).unwrap();
+    let entry = &man.files[0];
+    let t = entry
+        .tensors
+        .iter()
+        .find(|t| t.name == "layer.0.weight")
+        .unwrap();
+    let at = entry.data_start + t.data_offsets[0] + 3;
+    let key = format!("p/step-2/{}", entry.object_name());
+    let code = format!(
+        "import boto3; c = boto3.client('s3', endpoint_url='{}', region_name='us-east-1', \
+         aws_access_key_id='t', aws_secret_access_key='t'); \
+         b = bytearray(c.get_object(Bucket='exb', Key='{key}')['Body'].read()); \
+         b[{at}] ^= 0x20; c.put_object(Bucket='exb', Key='{key}', Body=bytes(b))",
+        m.endpoint()
+    );
+    let st = Command::new(&m.python)
+        .args(["-c", &code])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let bad = out("bad");
+    let o = run(&["export", url, &s(&bad)]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("layer.0.weight") && err.to_lowercase().contains("checksum"),
+        "{err}"
+    );
+    assert!(!bad.exists());
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["b1", "b2", "l1", "l2", "root"]);
+}
