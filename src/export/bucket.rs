@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::source::RankFiles;
+use super::rank_files::RankFiles;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::remote::{Remote, RemoteOptions};

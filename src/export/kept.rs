@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::source::RankFiles;
+use super::rank_files::RankFiles;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::restore::header::{check_header_json, header_len};
@@ -152,7 +152,7 @@ impl RankFiles for KeptArenas {
     fn source(&self) -> PathBuf {
         PathBuf::from(format!(
             "{}{}",
-            super::source::MEMORY_PREFIX,
+            super::rank_files::MEMORY_PREFIX,
             self.dir.display()
         ))
     }

@@ -7,7 +7,7 @@
 //!   or `s3://bucket/prefix/step-N` (with the `s3` feature); `memory:ROOT`, the images
 //!   flash restore keeps in `/dev/shm` for ROOT's latest committed step (one per rank),
 //!   readable while their engine runs. The engine reads every source through one
-//!   abstraction (`source::RankFiles`); every rank file is checked like every read
+//!   abstraction (`rank_files::RankFiles`); every rank file is checked like every read
 //!   (size, header against the manifest, CRC-32C of each tensor read).
 //! * **Tensors**: the rank files' tensors grouped by name. A DCP rank file records each
 //!   tensor's offsets in the global tensor (`DCP_SHARDING_INFO` in its header); the global
@@ -32,10 +32,11 @@ mod bucket;
 mod cast;
 mod kept;
 mod layout;
+mod rank_files;
 mod source;
 
-pub use source::MEMORY_PREFIX;
-use source::RankFiles;
+pub use rank_files::MEMORY_PREFIX;
+use rank_files::RankFiles;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

@@ -1,8 +1,8 @@
-//! Where an export reads a checkpoint: the one abstraction the engine reads through
-//! ([`RankFiles`]: a rank file's header metadata, and the byte ranges of chosen tensors of
-//! a rank file, every tensor's CRC-32C checked), and its implementations: a local
-//! directory (the restore path's ranged reads), the arenas flash restore keeps in
-//! `/dev/shm` ([`super::kept`]) and, with the `s3` feature, a bucket (`super::bucket`).
+//! Where an export reads a checkpoint: [`open`] picks the implementation of the one
+//! abstraction the engine reads through ([`RankFiles`], in `rank_files.rs`) for a source:
+//! a local directory (the restore path's ranged reads, here), the arenas flash restore
+//! keeps in `/dev/shm` ([`super::kept`]) and, with the `s3` feature, a bucket
+//! (`super::bucket`).
 
 use std::path::{Path, PathBuf};
 
@@ -10,26 +10,7 @@ use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, MANIFEST, Manifest, Metadata};
 use crate::restore::{RangedOptions, ReadOptions, ReadSink};
 
-/// The prefix of a source read from the kept arenas: `memory:ROOT`.
-pub const MEMORY_PREFIX: &str = "memory:";
-
-/// A checkpoint's rank files, as the export reads them.
-pub(super) trait RankFiles {
-    /// The checkpoint, as the report and messages name it.
-    fn source(&self) -> PathBuf;
-    /// Rank file `f`, as messages name it.
-    fn path_of(&self, f: &FileEntry) -> PathBuf;
-    /// The local directory holding the rank files (the destination may not be inside it).
-    fn local_dir(&self) -> Option<&Path> {
-        None
-    }
-    /// The `__metadata__` of `f`'s header (its size and header checked against `f`).
-    fn metadata(&self, f: &FileEntry) -> Result<Metadata>;
-    /// Send the pieces of the tensors of `f` flagged in `wanted` to `sink` (file order),
-    /// reading only their byte ranges, each one's CRC-32C checked against `f`. Returns the
-    /// bytes read.
-    fn read_wanted(&self, f: &FileEntry, wanted: &[bool], sink: &mut dyn ReadSink) -> Result<u64>;
-}
+use super::rank_files::{MEMORY_PREFIX, RankFiles};
 
 /// The checkpoint `src` names and its manifest: `s3://bucket/prefix[/step-N]` (a bucket),
 /// `memory:ROOT` (the kept arenas of ROOT's latest committed step), or a local root, step
