@@ -75,6 +75,11 @@ def save(root: str, rank: int, world: int, steps: int, where: str) -> None:
     print("done", flush=True)
 
 
+def leftovers(root: str) -> list:
+    """The partial and trash directories in `root`."""
+    return sorted(n for n in os.listdir(root) if n.endswith((".partial", ".trash")))
+
+
 def same(ck: shmckpt.Checkpointer, step: object, want: dict) -> bool:
     """Whether `step` loads as exactly `want` (same names, dtypes, shapes and values)."""
     got = ck.load(step)
@@ -92,7 +97,20 @@ def restart(root: str, world: int, nxt: int, cli: str) -> dict:
         out["bad"] += [[s, r] for r, ck in enumerate(cks) if not same(ck, s, state(s, r))]
     if out["latest"] is not None and not same(cks[0], "latest", state(out["latest"], 0)):
         out["bad"].append(["latest", 0])
-    out["leftovers"] = sorted(n for n in os.listdir(root) if n.endswith((".partial", ".trash")))
+    out["leftovers"] = leftovers(root)
+    # The partial-part rule (docs/guarantees.md): an open keeps a partial directory that
+    # holds a durable part (a manifest, or a rank's part manifest) of a step newer than the
+    # newest committed one; only a newer commit or `shmckpt gc` removes it.
+    out["kept_by_rule"] = [
+        n
+        for n in out["leftovers"]
+        if n.endswith(".partial")
+        and (out["latest"] is None or int(n[len("step-") : -len(".partial")]) > out["latest"])
+        and any(
+            f == "manifest.json" or (f.startswith("rank-") and f.endswith(".manifest.json"))
+            for f in os.listdir(os.path.join(root, n))
+        )
+    ]
     for ck in cks:
         ck.close()
 
@@ -103,6 +121,7 @@ def restart(root: str, world: int, nxt: int, cli: str) -> dict:
     out["verify"] = None if v is None else [v.returncode, v.stdout + v.stderr]
     g = run("gc", root, "--keep", str(KEEP))
     out["gc"] = [g.returncode, g.stdout + g.stderr]
+    out["leftovers_after_gc"] = leftovers(root)
     cks = [open_ck(root, r, world) for r in range(world)]
     out["after_gc"] = cks[0].list()
     reps = [ck.save(nxt, state(nxt, r)).wait() for r, ck in enumerate(cks)]
