@@ -8,8 +8,6 @@ import os
 import pathlib
 import pickle
 import shutil
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -22,6 +20,7 @@ from shmckpt import errors
 from shmckpt.dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter, release
 
 from conftest import descriptors_under
+from ranks_support import run_ranks
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "dcp_worker.py"
@@ -36,27 +35,7 @@ def spawn(scenario, world, workdir, *args, timeout=240, run="0"):
     env["DCP_RUN"] = f"{scenario}-{run}"
     # The workers import the installed package, like the test process (never the source
     # tree's python/shmckpt, which has no compiled extension).
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(workdir), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} of {scenario} exited {p.returncode}:\n{out[-6000:]}"
+    run_ranks(WORKER, scenario, world, workdir, *args, env=env, timeout=timeout)
     res = []
     for r in range(world):
         with open(os.path.join(workdir, f"result-{scenario}-{r}.json")) as f:

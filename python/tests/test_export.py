@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import shmckpt
 from shmckpt import errors
 
 from conftest import shmckpt_bin
+from ranks_support import run_ranks
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "export_worker.py"
@@ -40,26 +40,7 @@ needs_transformers = pytest.mark.skipif(
 
 def spawn(scenario, world, workdir, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(workdir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} of {scenario} exited {p.returncode}:\n{out[-6000:]}"
+    run_ranks(WORKER, scenario, world, workdir, env=env, timeout=timeout)
     with open(workdir / f"result-{scenario}.json") as f:
         return json.load(f)
 

@@ -31,6 +31,7 @@ from shmckpt import errors  # noqa: E402
 from shmckpt.dcp import ShmckptReader  # noqa: E402
 
 from conftest import shmckpt_bin  # noqa: E402
+from ranks_support import run_ranks  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "megatron_worker.py"
@@ -42,28 +43,7 @@ LAYOUT_NAMES = sorted(mw.LAYOUT)
 
 def spawn(scenario, world, workdir, timeout=240):
     """Run ``world`` ranks of ``scenario``; every one must exit 0. Returns their results."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(workdir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} of {scenario} exited {p.returncode}:\n{out[-6000:]}"
+    run_ranks(WORKER, scenario, world, workdir, timeout=timeout)
     res = []
     for r in range(world):
         with open(os.path.join(workdir, f"result-{scenario}-{world}-{r}.json")) as f:
