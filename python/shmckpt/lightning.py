@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional, Set, Tuple, Type, TypeVar
 
 try:
@@ -52,6 +53,16 @@ def _split(path: Any) -> Tuple[str, str]:
 
 
 _load_step = _named.load_step
+
+
+#: Every plugin of this process: a load waits for the saves all of them have queued.
+_PLUGINS: "weakref.WeakSet[ShmckptCheckpointIO]" = weakref.WeakSet()
+
+
+def _wait_for_plugins(exclude: Optional["ShmckptCheckpointIO"] = None) -> None:
+    for io in list(_PLUGINS):
+        if io is not exclude:
+            concurrent.futures.wait(list(io._queued))
 
 
 #: The engine's lock file of rank 0 in a checkpoint root (``lock_name`` in src/commit.rs):
@@ -175,6 +186,15 @@ class ShmckptCheckpointIO(CheckpointIO):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued: list = []
         self._error: Optional[BaseException] = None
+        _PLUGINS.add(self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled as its settings (``torch.save(trainer)``, a spawned process): a copy is
+        a new plugin with the same settings, without the engines, saves or worker."""
+        return {"settings": dict(self._settings)}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(**state["settings"])  # type: ignore[misc]
 
     # -- internals ------------------------------------------------------------------------
     def _checkpointer(self, d: str) -> Checkpointer:
@@ -215,6 +235,12 @@ class ShmckptCheckpointIO(CheckpointIO):
         """Wait for everything queued on the worker (errors are kept in ``_error``)."""
         queued, self._queued = self._queued, []
         concurrent.futures.wait(queued)
+
+    def _wait_others(self) -> None:
+        """Wait for the saves and removals queued by every other plugin of this process
+        (a checkpoint saved by one Trainer and loaded by the next: it is published first;
+        their errors stay theirs)."""
+        _wait_for_plugins(exclude=self)
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         try:
@@ -285,8 +311,8 @@ class ShmckptCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
-        """Load the checkpoint saved as ``path`` (after the saves queued before it are
-        published), every CRC-32C verified, its manifest of the step the link names
+        """Load the checkpoint saved as ``path`` (after the saves queued before it, by any
+        plugin of this process, are published), every CRC-32C verified, its manifest of the step the link names
         (``CorruptError`` naming both otherwise). A name reserved by a save that was not
         published (its process ended first) loads the step it was reserved for when that
         save committed, else ``NotFound`` says so. A ``step-N`` directory beside it loads
@@ -297,6 +323,7 @@ class ShmckptCheckpointIO(CheckpointIO):
         opened: every process of a DDP job loads at once."""
         self._drain()
         self._raise_error()
+        self._wait_others()
         state = _named.load_path(path)
         if state is None:  # a regular file: a torch.save checkpoint
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -342,6 +369,7 @@ def load_from_checkpoint(cls: Type[M], path: Any, **kwargs: Any) -> M:
     ``on_load_checkpoint``) from the checkpoint streamed as ``torch.save`` bytes
     (``shmckpt.fs``); every CRC-32C is verified. Equivalent to
     ``cls.load_from_checkpoint("shmckpt://" + abspath)``."""
+    _wait_for_plugins()
     with _named.torch_stream(path) as f:
         return cls.load_from_checkpoint(f, **kwargs)  # type: ignore[attr-defined,no-any-return]
 
@@ -365,6 +393,7 @@ def to_torch_file(path: Any, out: Any) -> str:
         raise ValueError(f"to_torch_file: {dst} is the checkpoint itself; give a new file name")
     d = os.path.dirname(dst)
     tmp = os.path.join(d, f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+    _wait_for_plugins()
     with _named.torch_stream(src) as f:
         try:
             with open(tmp, "xb") as w:

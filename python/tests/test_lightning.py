@@ -616,3 +616,29 @@ def test_fit_and_teardown_leave_only_checkpoints_in_dirpath(tmp_path):
         os.close(fd)
     _remove_rank_lock(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["ckpts", "step-0", "x.ckpt"]
+
+
+def test_a_second_plugin_loads_what_the_first_is_still_publishing_and_pickling(tmp_path, monkeypatch):
+    """Lightning's own tests save with one Trainer and load with the next at once: the
+    second plugin waits for the first's publish instead of reading its reservation."""
+    import pickle
+    import time
+
+    orig_wait = shmckpt.SaveHandle.wait
+
+    def slow_wait(self):
+        time.sleep(0.5)  # the commit is slow: the name stays reserved meanwhile
+        return orig_wait(self)
+
+    monkeypatch.setattr(shmckpt.SaveHandle, "wait", slow_wait)
+    first = ShmckptCheckpointIO(chunk_size=MIB)
+    p = tmp_path / "checkpoint.ckpt"
+    first.save_checkpoint({"w": torch.arange(4.0), "n": 7}, p)
+    assert os.path.isfile(p) and not os.path.islink(p)  # reserved, not published yet
+    got = ShmckptCheckpointIO().load_checkpoint(p)
+    assert got["n"] == 7 and raw(got["w"]) == raw(torch.arange(4.0)) and os.path.islink(p)
+    # torch.save(trainer) pickles the plugin: a copy is a new plugin with its settings.
+    copy = pickle.loads(pickle.dumps(first))
+    assert copy._settings == first._settings == {"chunk_size": MIB, "keep_in_memory": False}
+    assert copy._cks == {} and copy._queued == []
+    first.teardown()
