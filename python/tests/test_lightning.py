@@ -495,6 +495,14 @@ def test_lightnings_own_loaders_read_a_plugin_checkpoint_through_shmckpt_urls(tm
     for k, v in trained.state_dict().items():
         assert torch.equal(ckpt["state_dict"][k], v), k
 
+    # Trainer.fit(ckpt_path=shmckpt://...) resumes through Lightning's own TorchCheckpointIO
+    # (fsspec exists + open), and through the plugin (a local path to it).
+    for plugins in ([], [ShmckptCheckpointIO(chunk_size=MIB)]):
+        t = trainer(tmp_path / f"resume{len(plugins)}", 3, plugins, [])
+        m = Net(lr=0.02, width=12, tag="run")
+        t.fit(m, data(), ckpt_path=f"shmckpt://{last}")
+        assert [s for s, _ in m.losses] == [8, 9, 10, 11]  # epochs 0-1 restored, epoch 2 run
+
     # The filesystem: checkpoints are files, shmckpt's own names are not listed.
     fs = fsspec.filesystem("shmckpt")
     assert isinstance(fs, ShmckptFileSystem)
