@@ -4,7 +4,8 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, moto[server],
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, cloudpickle,
+# jsonargparse, tensorboard, moto[server],
 # megatron-core, and ziglang and auditwheel (scripts/build_wheel.sh) if it lacks them (CPU
 # is enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
@@ -29,7 +30,9 @@ fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
-for mod in torch numpy safetensors pytest maturin lightning mypy; do
+# cloudpickle, jsonargparse and tensorboard: Lightning's own checkpoint tests, vendored in
+# python/tests/third_party/lightning, import them.
+for mod in torch numpy safetensors pytest maturin lightning mypy cloudpickle jsonargparse tensorboard; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
