@@ -608,3 +608,101 @@ fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
         .unwrap();
     assert!(why.contains("CRC-32C"), "{why}");
 }
+
+/// Issue 37: one `Engine::load_with(request, destination)`. Each source restricted
+/// serves alone or says why not, the fallback order is memory then disk, and a caller
+/// buffer of the wrong length is a typed error with nothing written, from every source.
+#[test]
+fn load_request_restricts_the_sources_and_keeps_one_fallback_order() {
+    use shmckpt::{Error, LoadInto, LoadRequest, Sources};
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("flash-request");
+    let root = dir.path();
+    let _guard = killed_keeper(root);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let owned = |req: LoadRequest| engine.load_with(&req, LoadInto::owned());
+
+    // Memory only: the kept image serves step 2; step 1 it does not hold (NotFound, with
+    // the reason); memory never falls back to the disk.
+    let got = owned(LoadRequest::new(2).with_sources(Sources::MEMORY)).unwrap();
+    assert_eq!(got.report.source, LoadSource::Memory, "{:?}", got.report);
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(2));
+    match owned(LoadRequest::new(1).with_sources(Sources::MEMORY)) {
+        Err(Error::NotFound { what, step, .. }) => {
+            assert_eq!(step, Some(1));
+            assert!(what.contains("holds step 2"), "{what}");
+        }
+        other => panic!("a memory-only load of step 1: {other:?}"),
+    }
+    // Disk only: the disk serves step 2 although memory holds it, with no reason to give.
+    let got = owned(LoadRequest::new(2).with_sources(Sources::DISK)).unwrap();
+    assert_eq!(
+        (got.report.source, got.report.fallback_reason.as_deref()),
+        (LoadSource::Disk, None)
+    );
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(2));
+    // The default order: memory first (step 2, also "latest"), then the disk (step 1,
+    // with why memory could not).
+    let got = owned(LoadRequest::latest()).unwrap();
+    assert_eq!(
+        (got.report.step, got.report.source),
+        (2, LoadSource::Memory)
+    );
+    let got = owned(LoadRequest::new(1)).unwrap();
+    assert_eq!(got.report.source, LoadSource::Disk);
+    assert!(got.report.fallback_reason.unwrap().contains("holds step 2"));
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(1));
+    // No source, or the bucket of an engine without a remote tier: configuration errors.
+    let none = Sources::LOCAL.with_memory(false).with_disk(false);
+    assert!(matches!(
+        owned(LoadRequest::new(2).with_sources(none)),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        owned(LoadRequest::new(2).with_sources(Sources::BUCKET)),
+        Err(Error::Config(_))
+    ));
+
+    // Caller host buffers, from memory and from the disk: exact bytes; one buffer a byte
+    // short is `Error::Destination` naming the tensor, and nothing is written.
+    let state = step_state(2);
+    for sources in [Sources::MEMORY, Sources::DISK] {
+        let mut bufs: Vec<Vec<u8>> = state.data.iter().map(|d| vec![0u8; d.len()]).collect();
+        bufs[0].pop();
+        let mut dest: Vec<(&str, &mut [u8])> = state
+            .layout
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
+            .collect();
+        let req = LoadRequest::new(2).with_sources(sources);
+        match engine.load_with(&req, LoadInto::host(&mut dest)) {
+            Err(Error::Destination { name, .. }) => assert_eq!(name, state.layout[0].name),
+            other => panic!("{sources:?}: a short buffer gave {other:?}"),
+        }
+        drop(dest);
+        assert!(
+            bufs.iter().all(|b| b.iter().all(|&x| x == 0)),
+            "{sources:?} wrote"
+        );
+        bufs[0].push(0);
+        let mut dest: Vec<(&str, &mut [u8])> = state
+            .layout
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
+            .collect();
+        let got = engine.load_with(&req, LoadInto::host(&mut dest)).unwrap();
+        assert!(got.checkpoint.is_none());
+        let want = if sources == Sources::MEMORY {
+            LoadSource::Memory
+        } else {
+            LoadSource::Disk
+        };
+        assert_eq!((got.report.step, got.report.source), (2, want));
+        drop(dest);
+        assert!(bufs == state.data, "{sources:?}: the bytes differ");
+    }
+}
