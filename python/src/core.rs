@@ -670,7 +670,11 @@ pub fn list_remote(engine: &Engine) -> Result<Vec<u64>> {
 
 /// A step of the engine's bucket, loaded into owned buffers.
 pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
-    engine.load_remote(sel(step)).map(|(ck, _)| ck)
+    let req = LoadRequest::new(sel(step)).with_sources(Sources::BUCKET);
+    let got = engine.load_with(&req, LoadInto::owned())?;
+    Ok(got
+        .checkpoint
+        .expect("a load into owned buffers returns its checkpoint"))
 }
 
 /// Load this rank's tensors of a step of the engine's bucket into device memory given as

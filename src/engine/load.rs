@@ -26,27 +26,6 @@ impl Engine {
             .expect("a load into owned buffers returns its checkpoint"))
     }
 
-    /// [`Engine::load`] with its report: shorthand of [`Engine::load_with`] kept for the
-    /// remote tier's tests (`src/remote/tests*.rs`).
-    pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        let got = self.load_with(&LoadRequest::new(which), LoadInto::owned())?;
-        let ck = got
-            .checkpoint
-            .expect("a load into owned buffers returns its checkpoint");
-        Ok((ck, got.report))
-    }
-
-    /// [`Engine::load_with`] into the caller's host buffers by name, from every source;
-    /// the step loaded. Shorthand kept for the remote tier's tests (`src/remote/tests*.rs`).
-    pub fn load_into(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<u64> {
-        let got = self.load_with(&LoadRequest::new(which), LoadInto::host(dest))?;
-        Ok(got.report.step)
-    }
-
     /// The one load: `req`'s step from `req`'s sources into `into`, every checksum
     /// verified (for device destinations, on the host before the bytes go to the device).
     ///
@@ -451,4 +430,49 @@ fn device_in_file_order<'d>(
     let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
     let order = restore::match_destinations(entry, &named)?;
     Ok(order.iter().map(|&i| Some(dest[i].1)).collect())
+}
+
+/// Shorthands of [`Engine::load_with`] for the crate's tests of the remote tier.
+#[cfg(all(test, feature = "s3"))]
+impl Engine {
+    /// Into owned buffers from every source: the checkpoint and its report.
+    pub(crate) fn load_with_report(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::owned())?;
+        Ok((got.checkpoint.expect("an owned load"), got.report))
+    }
+
+    /// Into the caller's host buffers by name from every source: the step loaded.
+    pub(crate) fn load_into(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<u64> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::host(dest))?;
+        Ok(got.report.step)
+    }
+
+    /// Into owned buffers from the bucket only, whatever the local disk holds.
+    pub(crate) fn load_remote(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, crate::remote::RemoteLoad)> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::owned())?;
+        let remote = got.remote.expect("the bucket served the load");
+        Ok((got.checkpoint.expect("an owned load"), remote))
+    }
+
+    /// Into the caller's host buffers by name from the bucket only.
+    pub(crate) fn load_into_remote(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<crate::remote::RemoteLoad> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::host(dest))?;
+        Ok(got.remote.expect("the bucket served the load"))
+    }
 }

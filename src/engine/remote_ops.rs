@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use super::{Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Sources, StepSel};
+use super::{Engine, LoadReport, LoadSource, StepSel};
 use crate::error::{Error, Result};
 use crate::manifest::{CheckpointInfo, Manifest};
-use crate::remote::{Remote, RemoteLoad};
-use crate::restore::Checkpoint;
+use crate::remote::Remote;
 
 impl Engine {
     /// The bucket of the remote tier, if the engine has one.
@@ -35,30 +34,6 @@ impl Engine {
                 root: r.url().into(),
             }),
         }
-    }
-
-    /// This rank's tensors of a step committed in the bucket, whatever the local disk
-    /// holds: [`Engine::load_with`] from [`Sources::BUCKET`], kept as a shorthand for the
-    /// remote tier's tests (`src/remote/tests*.rs`).
-    pub fn load_remote(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, RemoteLoad)> {
-        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
-        let got = self.load_with(&req, LoadInto::owned())?;
-        let ck = got
-            .checkpoint
-            .expect("a load into owned buffers returns its checkpoint");
-        Ok((ck, got.remote.expect("the bucket served the load")))
-    }
-
-    /// [`Engine::load_remote`] into caller buffers by name (each exactly its tensor's
-    /// size), kept as a shorthand for the remote tier's tests.
-    pub fn load_into_remote(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<RemoteLoad> {
-        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
-        let got = self.load_with(&req, LoadInto::host(dest))?;
-        Ok(got.remote.expect("the bucket served the load"))
     }
 
     /// The `__metadata__` of this rank's object of a step committed in the bucket, from
