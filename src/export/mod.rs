@@ -238,8 +238,15 @@ struct Global {
 /// Each tensor's offsets in its global tensor, from a DCP rank file's header; `None` for a
 /// plain rank file.
 fn sharding_of(src: &dyn RankFiles, f: &FileEntry) -> Result<Option<HashMap<String, Vec<u64>>>> {
-    let path = src.path_of(f);
-    let meta = src.metadata(f)?;
+    dcp_offsets(&src.path_of(f), &src.metadata(f)?)
+}
+
+/// Each tensor's offsets in its global tensor, from the `__metadata__` `meta` of the DCP
+/// rank file `path` (its `DCP_SHARDING_INFO`); `None` for a plain rank file.
+pub(crate) fn dcp_offsets(
+    path: &Path,
+    meta: &crate::manifest::Metadata,
+) -> Result<Option<HashMap<String, Vec<u64>>>> {
     let Some(text) = meta.get(DCP_SHARDING_KEY) else {
         return Ok(None);
     };
@@ -248,7 +255,7 @@ fn sharding_of(src: &dyn RankFiles, f: &FileEntry) -> Result<Option<HashMap<Stri
         saved_offsets: Vec<u64>,
     }
     let info: HashMap<String, Info> = serde_json::from_str(text)
-        .map_err(|e| Error::corrupt(&path, None, format!("invalid {DCP_SHARDING_KEY}: {e}")))?;
+        .map_err(|e| Error::corrupt(path, None, format!("invalid {DCP_SHARDING_KEY}: {e}")))?;
     Ok(Some(
         info.into_iter()
             .map(|(k, v)| (k, v.saved_offsets))
