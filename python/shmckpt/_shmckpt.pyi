@@ -21,6 +21,7 @@ __all__ = [
     "SaveHandle",
     "__version__",
     "assemble_ranks",
+    "crc32c_at",
     "dtypes",
     "export_hf",
     "export_names",
@@ -69,6 +70,7 @@ def dtypes() -> List[str]: ...
 def replica_divergence(
     ranks: Sequence[Sequence[Tuple[str, str, Sequence[int], int]]],
 ) -> List[Tuple[str, List[int], List[int], Optional[int]]]: ...
+def crc32c_at(address: int, nbytes: int, crc: int = 0) -> int: ...
 
 @final
 class Buffer:

@@ -42,6 +42,8 @@ class _Save:
         #: With several ranks: which rank writes each planned item (see ``_assign_owners``);
         #: this rank staged only its own. ``None``: every item of this rank was staged.
         self.owners: Optional[Dict[Tuple[str, Any], int]] = None
+        #: check_replicas: this rank's digests of the replicated items another rank writes.
+        self.replica_digests: List[Any] = []
 
     def matches(self, planned: Any) -> bool:
         """Whether DCP is saving the state this save staged: the planner's flattened

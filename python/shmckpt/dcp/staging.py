@@ -50,6 +50,7 @@ class StagingMixin:
     last_stage: Dict[str, Any]
     _path_from_reset: bool
     _session: DcpSession
+    _check: Any  # shmckpt.dcp.divergence.DcpReplicaCheck with check_replicas, else None
 
     # -- staging ---------------------------------------------------------------------------
     def _begin(self) -> Tuple[_Save, int, int]:
@@ -158,12 +159,14 @@ class StagingMixin:
         # A local spool: the rank's part only, committed by the coordinator with every
         # other rank's (assemble_ranks). A bucket: the engine's remote tier commits it.
         part_only = not _dcp_remote.is_remote(save.spool)
+        # check_replicas: the part is held until the replica check confirms it.
+        confirm = self._check is not None
         try:
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
             slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
@@ -225,6 +228,10 @@ class StagingMixin:
             gathered: List[Any] = [None] * world
             dist.all_gather_object(gathered, mine, group=self._session.gather_group(self._group))
             save.owners = _assign_owners(gathered)
+            if self._check is not None:
+                # This rank's copies of what others write, checksummed while this is the
+                # save's snapshot (check_replicas).
+                self._check.snapshot(save, [(i, d) for i, d in objs if save.owners[_key(i)] != rank])
             objs = [(i, d) for i, d in objs if save.owners[_key(i)] == rank]
         t1 = time.perf_counter()
         self._submit(save, rank, world, objs)

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import _shmckpt
-from ..errors import CorruptError, SaveFailed
+from ..errors import ConfigError, CorruptError, SaveFailed
+from .divergence import DcpReplicaCheck, local_unplanned
 from .engines import SESSION, _remove_tree, _sources
 from .items import _check_target, _key, _Save
 from .staging import StagingMixin
@@ -75,6 +76,15 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
     the default one.
 
+    ``check_replicas=group`` (a process group of data-parallel ranks) and
+    ``on_divergence`` (``"raise"``, ``"warn"`` or a callable): the Checkpointer's replica
+    divergence check for each save (``shmckpt.dcp.divergence``; docs/guarantees.md): the
+    ranks of ``group`` compare the CRC-32C of every tensor they all hold (replicated
+    items, which DCP writes on one rank only, are checksummed on the others when the
+    state is snapshotted); a divergent checkpoint is not published
+    (``ReplicaDivergence`` naming tensor and ranks, inside DCP's ``CheckpointException``)
+    unless ``on_divergence`` says so.
+
     Use ``async_checkpointer_type=THREAD`` (DCP's default): the engine already writes off
     the trainer's thread, and an engine cannot move to another process.
     """
@@ -95,9 +105,17 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         copy_threads: Optional[int] = None,
         direct_io: Optional[bool] = None,
         max_inflight_saves: Optional[int] = None,
+        check_replicas: Any = None,
+        on_divergence: Any = "raise",
     ):
         super().__init__()
         self.path = _dcp_remote.norm(path)
+        #: The replica divergence check (``check_replicas``), or None.
+        self._check: Optional[DcpReplicaCheck] = None
+        if check_replicas is not None:
+            if _dcp_remote.is_remote(self.path):
+                raise ConfigError("check_replicas is not supported for s3:// checkpoints yet")
+            self._check = DcpReplicaCheck(check_replicas, on_divergence, process_group)
         self._overwrite = bool(overwrite)
         self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
         self._group = process_group
@@ -212,6 +230,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                     self._staged.popleft()
                 stale, save = staged[:pick], staged[pick]
         for sv in stale:
+            if self._check is not None and sv.handle is not None:
+                sv.handle.confirm_commit("DCP abandoned the save before writing it")
             try:
                 sv.handle.wait()
             except Exception:  # the error of a save DCP abandoned: its files are removed below
@@ -232,8 +252,12 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 if wi.type == WriteItemType.BYTE_IO:
                     data = data.getvalue()
                 objs.append((wi.index, data))
+            if self._check is not None:
+                self._check.snapshot(save, local_unplanned(planner, plan))
             self._submit(save, rank, world, objs)
         self._current = save
+        if self._check is not None:
+            self._check.check(save)  # a collective of the group; raises on divergence
         report = save.handle.wait()  # this rank's file and manifest part are durable
         if _dcp_remote.is_remote(save.path):
             report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
