@@ -147,12 +147,18 @@ impl SaveState {
     /// space. Failures fail the save (the handle reports them).
     pub(super) fn open_file(&self) {
         let cfg = &self.shared.cfg;
-        let r = commit::prepare_partial(&cfg.root, self.step, &self.file_name, cfg.world_size)
-            .and_then(|partial| {
-                let t = FileTarget::create(&partial.join(&self.file_name), cfg.direct_io)?;
-                t.preallocate(align_up(self.plan.file_len()))?;
-                Ok(t)
-            });
+        let r = commit::prepare_partial(
+            &cfg.root,
+            self.step,
+            cfg.rank,
+            &self.file_name,
+            cfg.world_size,
+        )
+        .and_then(|partial| {
+            let t = FileTarget::create(&partial.join(&self.file_name), cfg.direct_io)?;
+            t.preallocate(align_up(self.plan.file_len()))?;
+            Ok(t)
+        });
         self.file_opened(r);
     }
 

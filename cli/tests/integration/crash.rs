@@ -451,7 +451,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         tensors: Vec::new(),
     };
     let rec = Recording::start(root).unwrap();
-    let partial = shmckpt::commit::prepare_partial(root, 7, &entry(0).file, 2).unwrap();
+    let partial = shmckpt::commit::prepare_partial(root, 7, 0, &entry(0).file, 2).unwrap();
     let part1 = serde_json::to_vec(&entry(1)).unwrap();
     shmckpt::testing::io::file::write_durable(&partial.join(rank_manifest_name(1)), &part1)
         .unwrap();
