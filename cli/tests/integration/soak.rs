@@ -268,7 +268,12 @@ fn child_trainer() {
             Ok(r) => {
                 if r.dir.is_some() {
                     emit(&format!("COMMITTED {step}"));
+                } else if world == 1 {
+                    fail(&format!(
+                        "step {step}: a one-rank save succeeded and committed nothing"
+                    ));
                 } else {
+                    // The other rank's part is missing (it failed this save, or died).
                     emit(&format!("PART {step}"));
                 }
                 if target && point == "committed" {
