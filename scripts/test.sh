@@ -60,6 +60,12 @@ cargo build --bin shmckpt
 cargo build -p crashfs --bin crashfs
 export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
 
+stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
+# SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
+# crashes; every resume compared bit for bit (docs/crash.md, section 6). Prints its seed
+# (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
+cargo test --all-features --test integration soak -- --ignored --nocapture
+
 stage "scripts/build_wheel.sh, then pip install the wheel"
 # The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
 # by maturin in release (the same compile as `pip install ./python`) and checked by

@@ -349,21 +349,32 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
     Ok(removed)
 }
 
-/// Prepare `root/step-N.partial/` for this rank's file. Fails if step N is committed.
-/// Returns the partial directory.
+/// Prepare `root/step-N.partial/` for `rank`'s file `file_name`. Fails if step N is
+/// committed. Returns the partial directory.
+///
+/// With several ranks, the directory may hold this rank's file and durable part of step N
+/// from a dead incarnation (the partial-part rule keeps them for the other ranks). Both are
+/// removed, the part first and durably, under the directory's lock: another rank merging
+/// the parts ([`commit`], which holds that lock from reading the parts to the rename) must
+/// never find one naming a file this save is about to replace, or it commits a step whose
+/// file for this rank is missing (this save fails) or torn (this save is being written).
+/// A merge that took the old part first has committed the step: [`Error::StepExists`].
 pub fn prepare_partial(
     root: &Path,
     step: u64,
+    rank: u32,
     file_name: &str,
     world_size: u32,
 ) -> Result<PathBuf> {
     // Never while another engine's `clean_stale` is deciding what is stale.
     let _creating = lock_root_dir(root, false)?;
-    if root.join(step_dir_name(step)).exists() {
-        return Err(Error::StepExists {
-            step,
-            root: root.to_owned(),
-        });
+    let final_dir = root.join(step_dir_name(step));
+    let exists = || Error::StepExists {
+        step,
+        root: root.to_owned(),
+    };
+    if final_dir.exists() {
+        return Err(exists());
     }
     let partial = root.join(partial_dir_name(step));
     match fsops::create_dir(&partial) {
@@ -375,6 +386,20 @@ pub fn prepare_partial(
                 fsops::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
                 fsops::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
             } else {
+                let _merging = match lock_root_dir(&partial, true) {
+                    Ok(l) => l,
+                    Err(_) if final_dir.exists() => return Err(exists()),
+                    Err(e) => return Err(e),
+                };
+                if final_dir.exists() {
+                    return Err(exists());
+                }
+                let part = partial.join(rank_manifest_name(rank));
+                match fsops::remove_file(&part) {
+                    Ok(()) => fsync_dir(&partial)?,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(Error::io("remove", &part, e)),
+                }
                 let stale = partial.join(file_name);
                 if stale.exists() {
                     fsops::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
@@ -459,10 +484,30 @@ pub fn commit(
     let final_dir = root.join(step_dir_name(step));
     let own_rank = entry.rank;
     let mut files = vec![entry];
+    // The partial directory's lock, held from reading the parts to the rename (below).
+    let mut _merging = None;
     if world_size > 1 {
         if let Some(committed) = write_part(root, step, partial, &files[0])? {
             return Ok(Some(committed));
         }
+        // Held from reading the parts to the rename: a rank replacing its dead
+        // incarnation's part ([`prepare_partial`]) never removes a part, or the file it
+        // names, that this merge is using. Another rank may have merged and renamed the
+        // directory meanwhile: committed with this rank's entry, once the rename is durable.
+        let committed_here =
+            || Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == &files[0]));
+        let merging = lock_root_dir(partial, true);
+        if committed_here() {
+            fsync_dir(root)?;
+            return Ok(Some(final_dir));
+        }
+        _merging = match merging {
+            Ok(l) => Some(l),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
         files.clear();
         for r in 0..world_size {
             let p = partial.join(rank_manifest_name(r));
@@ -683,7 +728,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let r = root.clone();
         let t = std::thread::spawn(move || {
-            let p = prepare_partial(&r, 7, &manifest::rank_file_name(1, 2), 2);
+            let p = prepare_partial(&r, 7, 1, &manifest::rank_file_name(1, 2), 2);
             tx.send(()).unwrap();
             p
         });
@@ -702,6 +747,50 @@ mod tests {
         assert_eq!(clean_stale(&root, 0).unwrap(), vec![partial]);
     }
 
+    /// A rank re-saving a step whose part a dead incarnation of it left waits for a merge
+    /// holding the partial directory (which may have read that part): once the merge has
+    /// renamed the directory, the re-save finds the step committed and removes nothing
+    /// of it; with no merge, it removes its old part before its old file.
+    #[test]
+    fn a_resave_waits_for_a_merge_that_may_use_its_old_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_owned();
+        let file = entry(0).file;
+        let partial = prepare_partial(&root, 7, 0, &file, 2).unwrap();
+        std::fs::write(partial.join(&file), b"0123456789").unwrap();
+        write_part(&root, 7, &partial, &entry(0)).unwrap();
+        let merging = lock_root_dir(&partial, true).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (r, f) = (root.clone(), file.clone());
+        let t = std::thread::spawn(move || {
+            let p = prepare_partial(&r, 7, 0, &f, 2);
+            tx.send(()).unwrap();
+            p
+        });
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300))
+                .is_err()
+        );
+        assert!(partial.join(rank_manifest_name(0)).is_file());
+        let final_dir = root.join(step_dir_name(7));
+        std::fs::rename(&partial, &final_dir).unwrap();
+        drop(merging);
+        assert!(matches!(
+            t.join().unwrap(),
+            Err(Error::StepExists { step: 7, .. })
+        ));
+        assert_eq!(std::fs::read(final_dir.join(&file)).unwrap(), b"0123456789");
+        assert!(final_dir.join(rank_manifest_name(0)).is_file());
+
+        // No merge: the old part and file are removed.
+        let partial = prepare_partial(&root, 8, 0, &file, 2).unwrap();
+        std::fs::write(partial.join(&file), b"0123456789").unwrap();
+        write_part(&root, 8, &partial, &entry(0)).unwrap();
+        assert_eq!(prepare_partial(&root, 8, 0, &file, 2).unwrap(), partial);
+        assert!(!partial.join(rank_manifest_name(0)).exists());
+        assert!(!partial.join(&file).exists());
+    }
+
     /// Two ranks that finish together both see every part and both merge: the one that
     /// loses the rename race must report the commit, not an error about the vanished
     /// partial directory (a flaky `open step-N.partial: ENOENT` from multi-rank saves).
@@ -711,7 +800,7 @@ mod tests {
         let root = dir.path();
         let meta = Metadata::new();
         for step in 1..=200u64 {
-            let partial = prepare_partial(root, step, &entry(0).file, 2).unwrap();
+            let partial = prepare_partial(root, step, 0, &entry(0).file, 2).unwrap();
             let barrier = std::sync::Barrier::new(2);
             let results: Vec<Result<Option<PathBuf>>> = std::thread::scope(|s| {
                 let hs: Vec<_> = (0..2u32)

@@ -230,7 +230,7 @@ mod tests {
         for r in 0..4 {
             let e = entry(r);
             if r < 2 {
-                let partial = super::super::prepare_partial(root, step, &e.file, 4).unwrap();
+                let partial = super::super::prepare_partial(root, step, r, &e.file, 4).unwrap();
                 std::fs::write(partial.join(&e.file), b"0123456789").unwrap();
                 let done =
                     super::super::commit(root, step, 4, &partial, e.clone(), &Metadata::new());

@@ -46,7 +46,7 @@ fn records_a_commit_in_issue_order() {
     let rec = Recording::start(root).unwrap();
     // Not recorded: another root.
     crate::fsops::create_dir(&other.path().join("x")).unwrap();
-    let partial = crate::commit::prepare_partial(root, 1, "f", 1).unwrap();
+    let partial = crate::commit::prepare_partial(root, 1, 0, "f", 1).unwrap();
     let t = FileTarget::create(&partial.join("f"), false).unwrap();
     t.preallocate(8192).unwrap();
     t.finish(10).unwrap();

@@ -506,6 +506,14 @@ fn check(bucket: &Arc<InMemory>, world: u32, steps: u64, k: usize, r: &Run) {
     assert_eq!(objects(bucket), want, "{}: objects after gc", ctx());
 }
 
+/// One run of `steps` saves by `world` ranks crashed at mutation `k`, checked (the chaos
+/// soak's bucket faults, `soak.rs`). Panics on a violation.
+pub(crate) fn crash_at(world: u32, steps: u64, k: usize) {
+    let bucket = Arc::new(InMemory::new());
+    let r = run(&bucket, world, steps, Some(k));
+    check(&bucket, world, steps, k, &r);
+}
+
 /// Crash at every mutation of a run of `steps` saves by `world` ranks; returns the number
 /// of crash points checked.
 fn every_crash_point(world: u32, steps: u64) -> usize {
