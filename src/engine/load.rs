@@ -31,7 +31,7 @@ impl Engine {
     ///
     /// # The fallback order
     /// This function is the only place that decides it:
-    /// 1. **Which step.** [`Engine::resolve_in`] with the sources' tiers (the same rule as
+    /// 1. **Which step.** `Engine::resolve_in` with the sources' tiers (the same rule as
     ///    [`Engine::latest_in`]): the disk's committed step when memory or the disk may
     ///    serve and the disk holds it ("latest": the disk's newest); else, with the
     ///    bucket allowed, the bucket's (then the bucket serves: steps 2 and 3 are skipped).

@@ -22,7 +22,7 @@
 //! * **Streaming**: every piece is read with ranged reads of the rank file through the
 //!   restore path's staging buffers (a few 4 MiB buffers, reads in flight ahead of the one
 //!   processed, whatever the tensor sizes), its CRC-32C verified as the bytes pass, and
-//!   handed (cast on request) to the shard writer's thread ([`writer`]: a fixed pool of
+//!   handed (cast on request) to the shard writer's thread (`writer`: a fixed pool of
 //!   buffers), which writes it at its place in the output shard and starts the shards'
 //!   write-back as it goes, so the disk writes while the rank files are read.
 //! * **Atomic**: the shards and the index are written into `OUT.tmp-<pid>`, synced, and
