@@ -5,33 +5,9 @@ use std::sync::Arc;
 
 use object_store::memory::InMemory;
 
-use super::{Engine, LoadInto, LoadRequest, LoadSource, Sources, StepSel};
+use super::tiers::tests::{engine, save};
+use super::{LoadInto, LoadRequest, LoadSource, Sources, StepSel};
 use crate::error::Error;
-use crate::manifest::Metadata;
-use crate::{Dtype, EngineConfig, Tensor};
-
-fn engine(root: &std::path::Path, store: Arc<InMemory>) -> Engine {
-    EngineConfig::new(root)
-        .with_staging_capacity(8 << 20)
-        .with_chunk_size(1 << 20)
-        .with_writer_threads(1)
-        .with_direct_io(false)
-        .with_backend(crate::BackendKind::Pwrite)
-        .with_remote_store(store, "run1")
-        .build()
-        .unwrap()
-}
-
-fn save(e: &Engine, step: u64) {
-    let data: Vec<u8> = (0..4096u32)
-        .flat_map(|i| (i ^ step as u32).to_le_bytes())
-        .collect();
-    let t = [Tensor::host("w", Dtype::F32, vec![4096], &data)];
-    let h = e.save(step, &t, &Metadata::new()).unwrap();
-    let remote = h.remote().unwrap();
-    h.wait().unwrap();
-    remote.wait().unwrap();
-}
 
 /// Issue 37: the bucket as a source of its own, and as the disk's fallback, through
 /// the one `load_with`; a wrong destination is the caller's error, never a fallback.
