@@ -38,8 +38,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
-    rank_manifest_name, step_dir_name, trash_dir_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
+    step_dir_name, trash_dir_name,
 };
 use crate::{fsops, fsx};
 
@@ -478,15 +478,8 @@ pub fn commit(
             }
         }
     }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        step,
-        world_size,
-        created_unix_ms: crate::util::unix_ms(),
-        total_bytes: files.iter().map(|f| f.bytes).sum(),
-        metadata: metadata.clone(),
-        files,
-    };
+    let manifest =
+        Manifest::from_parts(step, world_size, files, metadata, &partial.join(MANIFEST))?;
     let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
     let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
     let tmp = partial.join(&tmp_name);

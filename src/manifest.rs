@@ -82,6 +82,66 @@ pub struct TensorEntry {
 }
 
 impl FileEntry {
+    /// The checks every manifest read makes of one rank's entry: plain file and object
+    /// names, tensors back to back from the data section's start, each tensor's bytes
+    /// matching its dtype and shape, and `data_start` + data == `bytes` (checked
+    /// arithmetic). `path` names the manifest in errors ([`Error::Corrupt`]).
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let f = self;
+        let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
+        if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("object name {o:?} is not a plain name"),
+            ));
+        }
+        if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("file name {:?} is not a plain name", f.file),
+            ));
+        }
+        let mut at = 0u64;
+        for t in &f.tensors {
+            let [b, e] = t.data_offsets;
+            if b != at || e < b {
+                return Err(Error::corrupt(
+                    path,
+                    Some(&t.name),
+                    format!(
+                        "data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"
+                    ),
+                ));
+            }
+            if t.dtype.byte_len(&t.shape) != Some(e - b) {
+                return Err(Error::corrupt(
+                    path,
+                    Some(&t.name),
+                    format!(
+                        "{} bytes do not match {} with shape {:?}",
+                        e - b,
+                        t.dtype,
+                        t.shape
+                    ),
+                ));
+            }
+            at = e;
+        }
+        if f.data_start.checked_add(at) != Some(f.bytes) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "{}: data start {} + data {} != file size {}",
+                    f.file, f.data_start, at, f.bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The rank's object under `step-N/` in a bucket: [`FileEntry::object`], else `file`.
     pub fn object_name(&self) -> &str {
         self.object.as_deref().unwrap_or(&self.file)
@@ -101,6 +161,68 @@ impl TensorEntry {
 }
 
 impl Manifest {
+    /// The one manifest builder: the manifest of `step` committing `files`, every rank's
+    /// entry (its manifest part), with the user's `metadata`, stamped now. Every commit
+    /// (a shared root's, a node-local group's, assembled part-only saves', a bucket's)
+    /// builds its manifest here, from parts it did not write itself: they are checked
+    /// first. Every rank of `world_size` (at least 1) exactly once, in rank order; no two
+    /// ranks naming the same file or object; each entry passing [`FileEntry::validate`];
+    /// the total size computed with checked arithmetic. Anything else is
+    /// [`Error::Corrupt`] naming `path` (where the manifest is to be written) and nothing
+    /// is built, so a manifest built here always passes [`Manifest::parse`].
+    pub fn from_parts(
+        step: u64,
+        world_size: u32,
+        files: Vec<FileEntry>,
+        metadata: &Metadata,
+        path: &Path,
+    ) -> Result<Manifest> {
+        let ranks: Vec<u32> = files.iter().map(|f| f.rank).collect();
+        if world_size == 0 || !ranks.iter().copied().eq(0..world_size) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "step {step}: parts of ranks {ranks:?} do not cover world size {world_size} once each, in order"
+                ),
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut objects = std::collections::BTreeSet::new();
+        let mut total_bytes = 0u64;
+        for f in &files {
+            f.validate(path)?;
+            if !names.insert(f.file.as_str()) || !objects.insert(f.object_name()) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!(
+                        "step {step}: rank {} names file {:?} (object {:?}) another rank names",
+                        f.rank,
+                        f.file,
+                        f.object_name()
+                    ),
+                ));
+            }
+            total_bytes = total_bytes.checked_add(f.bytes).ok_or_else(|| {
+                Error::corrupt(
+                    path,
+                    None,
+                    format!("step {step}: the parts' sizes overflow"),
+                )
+            })?;
+        }
+        Ok(Manifest {
+            format_version: FORMAT_VERSION,
+            step,
+            world_size,
+            created_unix_ms: crate::util::unix_ms(),
+            total_bytes,
+            metadata: metadata.clone(),
+            files,
+        })
+    }
+
     /// Parse and sanity-check a manifest (offsets inside the file, sizes matching dtype and
     /// shape). `path` names the file in errors.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Manifest> {
@@ -127,57 +249,7 @@ impl Manifest {
             ));
         }
         for f in &m.files {
-            let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
-            if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!("object name {o:?} is not a plain name"),
-                ));
-            }
-            if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!("file name {:?} is not a plain name", f.file),
-                ));
-            }
-            let mut at = 0u64;
-            for t in &f.tensors {
-                let [b, e] = t.data_offsets;
-                if b != at || e < b {
-                    return Err(Error::corrupt(
-                        path,
-                        Some(&t.name),
-                        format!(
-                            "data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"
-                        ),
-                    ));
-                }
-                if t.dtype.byte_len(&t.shape) != Some(e - b) {
-                    return Err(Error::corrupt(
-                        path,
-                        Some(&t.name),
-                        format!(
-                            "{} bytes do not match {} with shape {:?}",
-                            e - b,
-                            t.dtype,
-                            t.shape
-                        ),
-                    ));
-                }
-                at = e;
-            }
-            if f.data_start.checked_add(at) != Some(f.bytes) {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!(
-                        "{}: data start {} + data {} != file size {}",
-                        f.file, f.data_start, at, f.bytes
-                    ),
-                ));
-            }
+            f.validate(path)?;
         }
         Ok(m)
     }
@@ -547,5 +619,56 @@ mod tests {
         }
         assert!(Manifest::parse(b"{not json", p).is_err());
         assert!(Manifest::parse(&[0xff, 0xfe], p).is_err());
+    }
+
+    /// The one builder refuses parts that are not every rank's once, in order, each with
+    /// its own file, valid, and of a total that fits; what it builds parses.
+    #[test]
+    fn from_parts_checks_every_part() {
+        let part = |rank: u32, bytes: u64| FileEntry {
+            rank,
+            file: rank_file_name(rank, 2),
+            bytes,
+            data_start: bytes,
+            header_crc32c: None,
+            object: None,
+            tensors: Vec::new(),
+        };
+        let p = Path::new("step-3/manifest.json");
+        let meta: Metadata = [("k".to_owned(), "v".to_owned())].into();
+        let m = Manifest::from_parts(3, 2, vec![part(0, 8), part(1, 16)], &meta, p).unwrap();
+        assert_eq!((m.step, m.world_size, m.total_bytes), (3, 2, 24));
+        assert_eq!((m.format_version, &m.metadata), (FORMAT_VERSION, &meta));
+        let bytes = serde_json::to_vec(&m).unwrap();
+        assert_eq!(Manifest::parse(&bytes, p).unwrap(), m);
+
+        let mut same_file = part(1, 16);
+        same_file.file = rank_file_name(0, 2);
+        let mut bad_entry = part(1, 16);
+        bad_entry.data_start = 4;
+        let cases: [(u32, Vec<FileEntry>, &str); 6] = [
+            (2, vec![part(1, 8), part(0, 8)], "parts of ranks [1, 0]"),
+            (2, vec![part(0, 8)], "parts of ranks [0]"),
+            (
+                2,
+                vec![part(0, 8), part(1, 8), part(1, 8)],
+                "parts of ranks [0, 1, 1]",
+            ),
+            (0, vec![], "world size 0"),
+            (2, vec![part(0, 8), same_file], "another rank names"),
+            (
+                2,
+                vec![part(0, 8), bad_entry],
+                "data start 4 + data 0 != file size 16",
+            ),
+        ];
+        for (world, parts, want) in cases {
+            let e = Manifest::from_parts(3, world, parts, &meta, p).unwrap_err();
+            assert!(matches!(e, Error::Corrupt { .. }), "{want}: {e}");
+            assert!(e.to_string().contains(want), "{want}: {e}");
+        }
+        let e =
+            Manifest::from_parts(3, 2, vec![part(0, u64::MAX), part(1, 1)], &meta, p).unwrap_err();
+        assert!(e.to_string().contains("sizes overflow"), "{e}");
     }
 }

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
-    rank_file_name, rank_manifest_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_file_name,
+    rank_manifest_name,
 };
 
 /// The manifest entry of rank `rank` in `source`, a part-only save's partial directory
@@ -86,7 +86,8 @@ pub fn assemble_ranks(
         .and_then(|n| n.to_str())
         .and_then(manifest::parse_step_dir)
         .unwrap_or(step);
-    // Every part is read and checked before anything moves.
+    // Every part is read and checked before anything moves: the manifest is built
+    // (every check of `Manifest::from_parts`: a lying part fails here) first.
     let mut files = Vec::with_capacity(sources.len());
     for (rank, source) in (0..world_size).zip(sources) {
         let entry = rank_part(source, rank, world_size)?;
@@ -104,6 +105,7 @@ pub fn assemble_ranks(
         }
         files.push(entry);
     }
+    let manifest = Manifest::from_parts(step, world_size, files, metadata, &out.join(MANIFEST))?;
     match std::fs::symlink_metadata(out) {
         Ok(m) if m.file_type().is_dir() => {
             std::fs::remove_dir_all(out).map_err(|e| Error::io("remove", out, e))?
@@ -118,23 +120,12 @@ pub fn assemble_ranks(
         Err(e) => return Err(Error::io("stat", out, e)),
     }
     std::fs::create_dir(out).map_err(|e| Error::io("mkdir", out, e))?;
-    for (source, entry) in sources.iter().zip(&files) {
+    for (source, entry) in sources.iter().zip(&manifest.files) {
         let from = source.join(&entry.file);
         std::fs::rename(&from, out.join(&entry.file)).map_err(|e| Error::io("rename", &from, e))?;
     }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        step,
-        world_size,
-        created_unix_ms: crate::util::unix_ms(),
-        total_bytes: files.iter().map(|f| f.bytes).sum(),
-        metadata: metadata.clone(),
-        files,
-    };
-    // Compact (the engine's own manifests are pretty-printed; both parse alike). The
-    // merged manifest is checked like any manifest read back: a lying part fails here.
+    // Compact (the engine's own manifests are pretty-printed; both parse alike).
     let bytes = serde_json::to_vec(&manifest).expect("manifest serializes");
-    Manifest::parse(&bytes, &out.join(MANIFEST))?;
     write_file(out, MANIFEST, &bytes)?;
     fsync_dir(out)?;
     Ok(manifest)

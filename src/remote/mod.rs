@@ -50,9 +50,7 @@ use object_store::{
 };
 
 use crate::error::{Error, Result};
-use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata,
-};
+use crate::manifest::{self, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata};
 
 pub use journal::OpenUpload;
 pub(crate) use options::RemoteTarget;
@@ -424,18 +422,9 @@ impl Remote {
                 }
                 files.push(f);
             }
-            let m = Manifest {
-                format_version: FORMAT_VERSION,
-                step,
-                world_size,
-                created_unix_ms: crate::util::unix_ms(),
-                total_bytes: files.iter().map(|f| f.bytes).sum(),
-                metadata: metadata.clone(),
-                files,
-            };
+            // Checked as any manifest read back would be (`Manifest::from_parts`).
+            let m = Manifest::from_parts(step, world_size, files, metadata, &self.display(&mkey))?;
             let bytes = serde_json::to_vec_pretty(&m).expect("manifest serializes");
-            // Checked as any manifest read back would be.
-            let m = Manifest::parse(&bytes, &self.display(&mkey))?;
             let put = PutOptions {
                 mode: PutMode::Create,
                 ..PutOptions::default()
