@@ -28,8 +28,10 @@
 
 mod assemble;
 mod group;
+pub mod store;
 pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
+pub use store::{CommitStore, LocalDir};
 
 use std::fs::File;
 use std::os::fd::AsFd;
@@ -514,12 +516,10 @@ pub fn commit(
 }
 
 /// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
-/// deletes the newest one. Returns the deleted steps.
+/// deletes the newest one. Returns the deleted steps. The one retention
+/// ([`store::retain`]) over the root's directory.
 pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
-    let retired = retire_old(root, keep)?;
-    let steps = retired.steps.clone();
-    retired.remove()?;
-    Ok(steps)
+    store::retain(&LocalDir::new(root), keep)
 }
 
 /// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
@@ -591,31 +591,12 @@ impl Retired {
 /// or loadable. Their files are deleted by [`Retired::remove`]; a crash in between leaves
 /// trash directories, which the next engine of the root removes at open.
 pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
-    let keep = keep.max(1);
-    let all = manifest::list_committed(root)?;
-    if all.len() <= keep {
-        return Ok(Retired::default());
-    }
-    let mut retired = Retired::default();
-    for c in &all[..all.len() - keep] {
-        let trash = root.join(trash_dir_name(c.step));
-        if std::fs::symlink_metadata(&trash).is_ok() {
-            // A leftover of an interrupted retention run (or a planted name): moving the
-            // checkpoint onto it could fail half-way; keep the checkpoint this time.
-            tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
-            continue;
-        }
-        match fsops::rename(&c.dir, &trash) {
-            Ok(()) => {
-                retired.steps.push(c.step);
-                retired.trash.push(trash);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it
-            Err(e) => return Err(Error::io("rename", &c.dir, e)),
-        }
-    }
-    fsync_dir(root)?;
-    Ok(retired)
+    let steps = store::retire(&LocalDir::new(root), keep)?;
+    let trash = steps
+        .iter()
+        .map(|&s| root.join(trash_dir_name(s)))
+        .collect();
+    Ok(Retired { steps, trash })
 }
 
 #[cfg(test)]

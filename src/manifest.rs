@@ -414,6 +414,149 @@ pub fn check_listed_manifest(bytes: &[u8], step: u64) -> std::result::Result<(),
     }
 }
 
+/// What the one listing rule ([`list_steps`]) reads of a checkpoint root: a local
+/// directory ([`LocalDir`]) or a bucket prefix (`crate::remote::Remote`). The commit
+/// protocol's store (`crate::commit::store::CommitStore`) builds on it.
+pub trait StepListing {
+    /// The root, for messages.
+    fn describe(&self) -> String;
+    /// The path (segments relative to the root) of every file or object under a
+    /// `step-*` name that may be a step's manifest. The rule ([`step_of_manifest_path`])
+    /// decides which are: those of any other shape are ignored with a warning.
+    fn manifest_paths(&self) -> Result<Vec<Vec<String>>>;
+    /// What `step-<step>/manifest.json` holds; `Err` when the root cannot be read at all.
+    fn manifest_bytes(&self, step: u64) -> Result<ManifestBytes>;
+}
+
+/// What a store holds at `step-N/manifest.json` ([`StepListing::manifest_bytes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ManifestBytes {
+    /// Nothing: the step is not committed (or went meanwhile).
+    Absent,
+    /// The manifest's bytes, read as a manifest may be (no link followed, size-capped).
+    Bytes(Vec<u8>),
+    /// Something that cannot be read as a manifest may be (a link, a file too large), and
+    /// why: the step is ignored.
+    Unreadable(String),
+}
+
+/// What [`list_steps`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Committed steps, oldest first.
+    pub committed: Vec<u64>,
+    /// Steps whose `step-N/manifest.json` is present but does not commit them, with why:
+    /// never listed, loaded or deleted.
+    pub ignored: BTreeMap<u64, String>,
+}
+
+/// The one rule of which steps a root has committed, on disk and in a bucket: a step N is
+/// committed when exactly `step-<N>/manifest.json` ([`step_of_manifest_path`], canonical
+/// names only) is there, readable as a manifest may be, and its bytes name step N
+/// ([`check_listed_manifest`]). Anything else named like a step's manifest
+/// (`step-9/x/manifest.json`, `step-05/manifest.json`, a manifest of another step, an
+/// unreadable one) is ignored with a warning.
+pub fn list_steps<S: StepListing + ?Sized>(store: &S) -> Result<Listing> {
+    let mut steps = std::collections::BTreeSet::new();
+    for path in store.manifest_paths()? {
+        match step_of_manifest_path(path.iter().map(String::as_str)) {
+            Some(step) => {
+                steps.insert(step);
+            }
+            None => tracing::warn!(
+                root = %store.describe(),
+                path = %path.join("/"),
+                "ignoring a name that is not a canonical step-N/manifest.json"
+            ),
+        }
+    }
+    let mut out = Listing::default();
+    for step in steps {
+        let why = match store.manifest_bytes(step)? {
+            ManifestBytes::Absent => continue, // not committed
+            ManifestBytes::Bytes(bytes) => match check_listed_manifest(&bytes, step) {
+                Ok(()) => {
+                    out.committed.push(step);
+                    continue;
+                }
+                Err(why) => why,
+            },
+            ManifestBytes::Unreadable(why) => why,
+        };
+        tracing::warn!(root = %store.describe(), step, "ignoring a step: {why}");
+        out.ignored.insert(step, why);
+    }
+    Ok(out)
+}
+
+/// A checkpoint root on a local filesystem: `root/step-N/` directories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalDir {
+    root: PathBuf,
+}
+
+impl LocalDir {
+    /// The root directory `root` (followed as given, as the root is everywhere).
+    pub fn new(root: impl Into<PathBuf>) -> LocalDir {
+        LocalDir { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+impl StepListing for LocalDir {
+    fn describe(&self) -> String {
+        self.root.display().to_string()
+    }
+
+    /// `step-*/manifest.json` of each entry named `step-*` but for partial and trash
+    /// directories (never committed steps).
+    fn manifest_paths(&self) -> Result<Vec<Vec<String>>> {
+        let root = &self.root;
+        let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io("read_dir", root, e))?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if name.starts_with("step-") && !name.ends_with(".partial") && !name.ends_with(".trash")
+            {
+                out.push(vec![name, MANIFEST.to_owned()]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Only a real (not linked) directory's regular `manifest.json`, opened without
+    /// following a link, size-capped.
+    fn manifest_bytes(&self, step: u64) -> Result<ManifestBytes> {
+        let dir = self.root.join(step_dir_name(step));
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.file_type().is_dir() => {}
+            Ok(_) => {
+                return Ok(ManifestBytes::Unreadable(
+                    "its name is not a real directory (a link or a file)".into(),
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ManifestBytes::Absent),
+            Err(e) => return Ok(ManifestBytes::Unreadable(format!("it cannot be read: {e}"))),
+        }
+        match read_manifest_bytes(&dir.join(MANIFEST)) {
+            Ok(b) => Ok(ManifestBytes::Bytes(b)),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                Ok(ManifestBytes::Absent)
+            }
+            Err(e) => Ok(ManifestBytes::Unreadable(format!(
+                "its manifest cannot be read: {e}"
+            ))),
+        }
+    }
+}
+
 /// A committed checkpoint found on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointInfo {
@@ -423,53 +566,21 @@ pub struct CheckpointInfo {
     pub dir: PathBuf,
 }
 
-/// Committed checkpoints under `root`, oldest first. Only real (not linked) directories
-/// with a canonical `step-<N>` name that hold a regular `manifest.json` of step N count;
+/// Committed checkpoints under `root`, oldest first, by the one listing rule
+/// ([`list_steps`] over [`LocalDir`]). Only real (not linked) directories with a
+/// canonical `step-<N>` name that hold a regular `manifest.json` of step N count;
 /// partial and trash directories never do. Anything else named like a step (`step-05`, a
-/// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is ignored
-/// with a warning: never listed, loaded or deleted.
+/// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is
+/// ignored with a warning: never listed, loaded or deleted.
 pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
-    let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
-    let mut out = Vec::new();
-    for entry in rd {
-        let entry = entry.map_err(|e| Error::io("read_dir", root, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
-            continue;
-        };
-        if !name.starts_with("step-") || name.ends_with(".partial") || name.ends_with(".trash") {
-            continue;
-        }
-        let dir = entry.path();
-        let Some(step) = parse_step_dir(&name) else {
-            tracing::warn!(dir = %dir.display(), "ignoring a directory entry with a non-canonical step name");
-            continue;
-        };
-        // `file_type` does not follow links.
-        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-        if !is_dir {
-            tracing::warn!(dir = %dir.display(), "ignoring a step name that is not a real directory (a link or a file)");
-            continue;
-        }
-        let path = dir.join(MANIFEST);
-        let bytes = match read_manifest_bytes(&path) {
-            Ok(b) => b,
-            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                continue; // not committed
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "ignoring a step directory whose manifest cannot be read");
-                continue;
-            }
-        };
-        match check_listed_manifest(&bytes, step) {
-            Ok(()) => out.push(CheckpointInfo { step, dir }),
-            Err(why) => {
-                tracing::warn!(dir = %dir.display(), "ignoring a step directory: {why}");
-            }
-        }
-    }
-    out.sort_by_key(|c| c.step);
-    Ok(out)
+    Ok(list_steps(&LocalDir::new(root))?
+        .committed
+        .into_iter()
+        .map(|step| CheckpointInfo {
+            step,
+            dir: root.join(step_dir_name(step)),
+        })
+        .collect())
 }
 
 #[cfg(test)]
