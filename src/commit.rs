@@ -449,7 +449,8 @@ pub fn write_part(
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
 /// when this call (or another rank) completed the commit, `None` when other ranks are
-/// still missing.
+/// still missing. The one commit protocol ([`store::commit_parts`]) with the root's
+/// partial directory as its barrier ([`store::SharedRoot`]).
 pub fn commit(
     root: &Path,
     step: u64,
@@ -458,61 +459,13 @@ pub fn commit(
     entry: FileEntry,
     metadata: &Metadata,
 ) -> Result<Option<PathBuf>> {
-    let final_dir = root.join(step_dir_name(step));
-    let own_rank = entry.rank;
-    let mut files = vec![entry];
-    if world_size > 1 {
-        if let Some(committed) = write_part(root, step, partial, &files[0])? {
-            return Ok(Some(committed));
-        }
-        files.clear();
-        for r in 0..world_size {
-            let p = partial.join(rank_manifest_name(r));
-            // Read without following a link or blocking on a FIFO, size-capped.
-            match manifest::read_manifest_bytes(&p) {
-                Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
-                    Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
-                })?),
-                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                    return Ok(None); // another rank will finish the commit
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let manifest =
-        Manifest::from_parts(step, world_size, files, metadata, &partial.join(MANIFEST))?;
-    let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
-    let tmp = partial.join(&tmp_name);
-    let merged = (|| {
-        let _ = fsops::remove_file(&tmp);
-        write_durable(&tmp, &bytes).inspect_err(|_| {
-            // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = fsops::remove_file(&tmp);
-        })?;
-        let target = partial.join(MANIFEST);
-        fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
-        fsync_dir(partial)?;
-        fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
-    })();
-    if let Err(e) = merged {
-        // With several ranks, every rank that sees all parts merges them, and all but one
-        // lose the race to rename the directory: any step above can then fail because the
-        // partial directory is gone. That is success if the step is committed.
-        if world_size > 1 && final_dir.join(MANIFEST).is_file() {
-            // A manifest written by this rank may have been carried into the committed
-            // directory by the winner's rename.
-            let _ = fsops::remove_file(&final_dir.join(&tmp_name));
-            // The winner's rename is durable only once the root is synced, which the
-            // winner may not have done yet: never report a commit a power loss can undo.
-            fsync_dir(root)?;
-            return Ok(Some(final_dir));
-        }
-        return Err(e);
-    }
-    fsync_dir(root)?;
-    Ok(Some(final_dir))
+    store::commit_parts(
+        &store::SharedRoot { root, partial },
+        step,
+        world_size,
+        metadata,
+        Some(&entry),
+    )
 }
 
 /// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never

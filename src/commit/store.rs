@@ -7,13 +7,23 @@
 //! ([`CommitStore::unpublish`]: a directory renamed to its trash name, a bucket's manifest
 //! deleted), deletes what is left of it, and sweeps what interrupted saves left.
 //! Retention ([`retire`], [`retain`]) and `gc` ([`gc`]) are written once, over the trait.
+//!
+//! A commit is one protocol too ([`commit_parts`]): every rank's part present, one
+//! manifest built from them ([`Manifest::from_parts`]), published if absent. Where the
+//! parts meet is its barrier ([`PartBarrier`]): a shared root's partial directory
+//! ([`SharedRoot`]; node-local roots' too, once `super::commit_with_parts` wrote the
+//! peers' parts there), part-only saves' roots (`super::assemble_ranks`) or
+//! a bucket prefix (`crate::remote`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::fsops;
-use crate::io::file::fsync_dir;
-use crate::manifest::{self, StepListing, step_dir_name, trash_dir_name};
+use crate::io::file::{fsync_dir, write_durable};
+use crate::manifest::{
+    self, FileEntry, MANIFEST, Manifest, Metadata, StepListing, rank_manifest_name, step_dir_name,
+    trash_dir_name,
+};
 
 pub use crate::manifest::LocalDir;
 
@@ -91,6 +101,180 @@ pub fn gc<S: CommitStore + ?Sized>(
     Ok((swept, removed))
 }
 
+/// Where the parts of one step's commit meet, and its manifest is published: the
+/// barrier that makes the one commit protocol ([`commit_parts`]) a shared root's
+/// ([`SharedRoot`], node-local roots' too), part-only saves' (`super::assemble_ranks`) or a bucket's (`crate::remote`).
+pub trait PartBarrier {
+    /// What a committed step is to the caller (a directory, a bucket's manifest).
+    type Committed;
+
+    /// Where the manifest of `step` is published, for errors.
+    fn manifest_location(&self, step: u64) -> PathBuf;
+
+    /// Make the committing rank's part (`mine`) present where the other ranks find it.
+    /// `Some` when the step is committed already (by another rank, with `mine`).
+    fn put_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<Self::Committed>>;
+
+    /// Rank `rank`'s part of `step`, checked as the barrier can (it names the rank and its
+    /// file, its data is there); `None` while it is missing (another rank will commit).
+    fn get_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        rank: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<FileEntry>>;
+
+    /// Publish `manifest` unless a manifest of its step is there already (a conditional
+    /// create: a rename of the partial directory, `If-None-Match: *`); when one is, the
+    /// committed step as the winner published it.
+    fn publish_if_absent(
+        &self,
+        manifest: Manifest,
+        mine: Option<&FileEntry>,
+    ) -> Result<Self::Committed>;
+}
+
+/// The one commit protocol: this rank's part present ([`PartBarrier::put_part`]), every
+/// rank's part read ([`PartBarrier::get_part`]; one missing: `Ok(None)`, another rank
+/// commits), the manifest built by the one builder ([`Manifest::from_parts`]) and
+/// published if absent ([`PartBarrier::publish_if_absent`]). `mine` is the committing
+/// rank's entry (`None` for a commit by a bystander, `shmckpt push`).
+pub fn commit_parts<B: PartBarrier + ?Sized>(
+    barrier: &B,
+    step: u64,
+    world_size: u32,
+    metadata: &Metadata,
+    mine: Option<&FileEntry>,
+) -> Result<Option<B::Committed>> {
+    if let Some(done) = barrier.put_part(step, world_size, mine)? {
+        return Ok(Some(done));
+    }
+    let mut files = Vec::with_capacity(world_size as usize);
+    for rank in 0..world_size {
+        match barrier.get_part(step, world_size, rank, mine)? {
+            Some(f) => files.push(f),
+            None => return Ok(None),
+        }
+    }
+    let at = barrier.manifest_location(step);
+    let manifest = Manifest::from_parts(step, world_size, files, metadata, &at)?;
+    barrier.publish_if_absent(manifest, mine).map(Some)
+}
+
+/// A shared root's partial directory `partial` of a step (`root/step-N.partial`) as the
+/// barrier: with several ranks each writes its part there (`rank-K.manifest.json`), the
+/// rank that finds every part merges them into `manifest.json` and renames the directory
+/// to `step-N` (two ranks racing both succeed: the rename is atomic and the loser sees
+/// the committed directory).
+#[derive(Debug, Clone, Copy)]
+pub struct SharedRoot<'a> {
+    /// The root.
+    pub root: &'a Path,
+    /// The step's partial directory.
+    pub partial: &'a Path,
+}
+
+impl SharedRoot<'_> {
+    fn mine(mine: Option<&FileEntry>) -> Result<&FileEntry> {
+        mine.ok_or_else(|| Error::Internal("a shared root's commit is by a rank".into()))
+    }
+}
+
+impl PartBarrier for SharedRoot<'_> {
+    /// The committed directory.
+    type Committed = PathBuf;
+
+    fn manifest_location(&self, _step: u64) -> PathBuf {
+        self.partial.join(MANIFEST)
+    }
+
+    /// With one rank, nothing (its entry is the manifest's only file); with several,
+    /// [`super::write_part`].
+    fn put_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<PathBuf>> {
+        let mine = Self::mine(mine)?;
+        if world_size > 1 {
+            return super::write_part(self.root, step, self.partial, mine);
+        }
+        Ok(None)
+    }
+
+    /// Read without following a link or blocking on a FIFO, size-capped.
+    fn get_part(
+        &self,
+        _step: u64,
+        world_size: u32,
+        rank: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<FileEntry>> {
+        if world_size == 1 {
+            return Self::mine(mine).cloned().map(Some);
+        }
+        let p = self.partial.join(rank_manifest_name(rank));
+        match manifest::read_manifest_bytes(&p) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map(Some)
+                .map_err(|e| Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                Ok(None) // another rank will finish the commit
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `manifest.json` written durably into the partial directory (temporary name,
+    /// `fsync`, `rename`, directory `fsync`), the directory renamed to `step-N`, the root
+    /// `fsync`ed.
+    fn publish_if_absent(&self, manifest: Manifest, mine: Option<&FileEntry>) -> Result<PathBuf> {
+        let (root, partial) = (self.root, self.partial);
+        let own_rank = Self::mine(mine)?.rank;
+        let world_size = manifest.world_size;
+        let final_dir = root.join(step_dir_name(manifest.step));
+        let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+        let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
+        let tmp = partial.join(&tmp_name);
+        let merged = (|| {
+            let _ = fsops::remove_file(&tmp);
+            write_durable(&tmp, &bytes).inspect_err(|_| {
+                // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
+                let _ = fsops::remove_file(&tmp);
+            })?;
+            let target = partial.join(MANIFEST);
+            fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+            fsync_dir(partial)?;
+            fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
+        })();
+        if let Err(e) = merged {
+            // With several ranks, every rank that sees all parts merges them, and all but
+            // one lose the race to rename the directory: any step above can then fail
+            // because the partial directory is gone. That is success if the step is
+            // committed.
+            if world_size > 1 && final_dir.join(MANIFEST).is_file() {
+                // A manifest written by this rank may have been carried into the committed
+                // directory by the winner's rename.
+                let _ = fsops::remove_file(&final_dir.join(&tmp_name));
+                // The winner's rename is durable only once the root is synced, which the
+                // winner may not have done yet: never report a commit a power loss can undo.
+                fsync_dir(root)?;
+                return Ok(final_dir);
+            }
+            return Err(e);
+        }
+        fsync_dir(root)?;
+        Ok(final_dir)
+    }
+}
+
 impl CommitStore for LocalDir {
     /// The engine's rank (`u32::MAX`: none, as `shmckpt gc`) and who sweeps
     /// ([`super::clean_stale_with`]).
@@ -132,7 +316,7 @@ impl CommitStore for LocalDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{MANIFEST, partial_dir_name};
+    use crate::manifest::partial_dir_name;
 
     /// A step directory holding a manifest of `step` (the listing reads the step only).
     fn committed(root: &std::path::Path, name: &str, step: u64) {
@@ -177,5 +361,91 @@ mod tests {
         assert_eq!(removed, vec![2, 3]);
         assert_eq!(manifest::list_steps(&store).unwrap().committed, vec![5]);
         assert!(root.join("step-04").is_dir() && root.join("step-6").is_dir());
+    }
+
+    /// A barrier in memory: the parts present, what `put_part` finds committed, and the
+    /// manifests published (what a conditional publish would see).
+    #[derive(Default)]
+    struct Memory {
+        parts: Vec<Option<FileEntry>>,
+        committed: Option<u64>,
+        published: std::cell::RefCell<Vec<Manifest>>,
+    }
+
+    impl PartBarrier for Memory {
+        type Committed = u64;
+        fn manifest_location(&self, step: u64) -> PathBuf {
+            PathBuf::from(format!("mem/{}/{MANIFEST}", step_dir_name(step)))
+        }
+        fn put_part(&self, _: u64, _: u32, _: Option<&FileEntry>) -> Result<Option<u64>> {
+            Ok(self.committed)
+        }
+        fn get_part(
+            &self,
+            _: u64,
+            _: u32,
+            r: u32,
+            _: Option<&FileEntry>,
+        ) -> Result<Option<FileEntry>> {
+            Ok(self.parts[r as usize].clone())
+        }
+        fn publish_if_absent(&self, m: Manifest, _: Option<&FileEntry>) -> Result<u64> {
+            let step = m.step;
+            self.published.borrow_mut().push(m);
+            Ok(step)
+        }
+    }
+
+    fn part(rank: u32, file_of: u32) -> FileEntry {
+        FileEntry {
+            rank,
+            file: manifest::rank_file_name(file_of, 2),
+            bytes: 10,
+            data_start: 10,
+            header_crc32c: None,
+            object: None,
+            tensors: Vec::new(),
+        }
+    }
+
+    /// The protocol over any barrier: committed already is that commit, unread parts are
+    /// not read; a missing part publishes nothing (`None`); a part the builder refuses (two
+    /// ranks naming one file) is `Corrupt` and publishes nothing; every part present
+    /// publishes exactly the manifest the builder made of them.
+    #[test]
+    fn commit_parts_publishes_only_what_the_builder_accepts() {
+        let md = Metadata::new();
+        let done = Memory {
+            committed: Some(4),
+            ..Memory::default()
+        };
+        assert_eq!(commit_parts(&done, 4, 2, &md, None).unwrap(), Some(4));
+        assert!(done.published.borrow().is_empty());
+
+        let missing = Memory {
+            parts: vec![Some(part(0, 0)), None],
+            ..Memory::default()
+        };
+        assert_eq!(commit_parts(&missing, 4, 2, &md, None).unwrap(), None);
+        assert!(missing.published.borrow().is_empty());
+
+        let lying = Memory {
+            parts: vec![Some(part(0, 0)), Some(part(1, 0))],
+            ..Memory::default()
+        };
+        let e = commit_parts(&lying, 4, 2, &md, None).unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+        assert!(lying.published.borrow().is_empty());
+
+        let every = Memory {
+            parts: vec![Some(part(0, 0)), Some(part(1, 1))],
+            ..Memory::default()
+        };
+        assert_eq!(commit_parts(&every, 4, 2, &md, None).unwrap(), Some(4));
+        let published = every.published.borrow();
+        assert_eq!(published.len(), 1);
+        let m = &published[0];
+        assert_eq!((m.step, m.world_size, m.total_bytes), (4, 2, 20));
+        assert_eq!(m.files, vec![part(0, 0), part(1, 1)]);
     }
 }

@@ -46,9 +46,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::aws::AmazonS3ConfigKey;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
-use object_store::{
-    ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
-};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::error::{Error, Result};
 use crate::manifest::{self, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata};
@@ -332,7 +330,9 @@ impl Remote {
     /// [`Remote::try_commit`] by the rank whose upload's manifest part is `mine`: the step
     /// counts as committed for it only when the bucket's manifest names `mine`'s object
     /// for its rank; when it names another writer's (or this rank's part in the bucket is
-    /// another writer's), [`Error::RemoteConflict`].
+    /// another writer's), [`Error::RemoteConflict`]. The one commit protocol
+    /// ([`crate::commit::store::commit_parts`]) with the prefix as its barrier
+    /// (`store::BucketParts`).
     pub(crate) fn commit_step(
         &self,
         step: u64,
@@ -341,114 +341,16 @@ impl Remote {
         session: Option<&str>,
         mine: Option<&FileEntry>,
     ) -> Result<Option<(Manifest, bool)>> {
-        let conflict = |reason: String| Error::RemoteConflict {
+        crate::commit::store::commit_parts(
+            &store::BucketParts {
+                remote: self,
+                session,
+            },
             step,
-            url: self.url.clone(),
-            reason,
-        };
-        // The committed manifest, if it is ours (names our object for our rank).
-        let ours = |m: Manifest, created: bool| -> Result<Option<(Manifest, bool)>> {
-            if let Some(mine) = mine {
-                let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
-                if theirs != Some(mine.object_name()) {
-                    return Err(conflict(format!(
-                        "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
-                        mine.rank,
-                        mine.object_name()
-                    )));
-                }
-            }
-            Ok(Some((m, created)))
-        };
-        self.block(async {
-            let mkey = self.key(step, MANIFEST);
-            if let Some(m) = self.read_manifest_async(step).await? {
-                return ours(m, false);
-            }
-            let mut files = Vec::with_capacity(world_size as usize);
-            for r in 0..world_size {
-                let pkey = self.key(step, &manifest::rank_manifest_name(r));
-                let mine = mine.filter(|m| m.rank == r);
-                let bytes = match self.get_capped(&pkey, 1 << 30).await {
-                    Ok(b) => b,
-                    Err(object_store::Error::NotFound { .. }) if mine.is_none() => {
-                        return Ok(None);
-                    }
-                    Err(object_store::Error::NotFound { .. }) => {
-                        return Err(conflict(format!("this rank's manifest part {} is gone", self.display(&pkey).display())));
-                    }
-                    Err(e) => return Err(self.err("get manifest part", &e)),
-                };
-                let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
-                    Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
-                })?;
-                let f = part.entry;
-                if let Some(mine) = mine.filter(|m| m.object_name() != f.object_name()) {
-                    // Written after ours by another upload of this rank and step.
-                    return Err(conflict(format!(
-                        "this rank's manifest part names object {:?} of another writer, this upload's is {:?}",
-                        f.object_name(),
-                        mine.object_name()
-                    )));
-                }
-                if session.is_some() && part.session.as_deref() != session {
-                    return Ok(None); // that rank's part of this run is not there yet
-                }
-                let file = manifest::rank_file_name(r, world_size);
-                if f.rank != r || f.file != file || !upload::is_object_of(f.object_name(), &file)
-                {
-                    return Err(Error::corrupt(
-                        self.display(&pkey),
-                        None,
-                        format!(
-                            "manifest part of rank {} for file {:?} (object {:?})",
-                            f.rank,
-                            f.file,
-                            f.object_name()
-                        ),
-                    ));
-                }
-                let okey = self.key(step, f.object_name());
-                match self.store.head(&okey).await {
-                    Ok(meta) if meta.size == f.bytes => {}
-                    Ok(meta) => {
-                        return Err(Error::corrupt(
-                            self.display(&okey),
-                            None,
-                            format!("object holds {} bytes, its part says {}", meta.size, f.bytes),
-                        ));
-                    }
-                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
-                    Err(e) => return Err(self.err("head", &e)),
-                }
-                files.push(f);
-            }
-            // Checked as any manifest read back would be (`Manifest::from_parts`).
-            let m = Manifest::from_parts(step, world_size, files, metadata, &self.display(&mkey))?;
-            let bytes = serde_json::to_vec_pretty(&m).expect("manifest serializes");
-            let put = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self.store.put_opts(&mkey, PutPayload::from(bytes), put).await {
-                Ok(_) => ours(m, true),
-                Err(object_store::Error::AlreadyExists { .. })
-                | Err(object_store::Error::Precondition { .. }) => {
-                    // Another rank committed first (or another writer).
-                    match self.read_manifest_async(step).await? {
-                        Some(m) => ours(m, false),
-                        None => Err(Error::Remote {
-                            url: self.url.clone(),
-                            op: "commit",
-                            reason: format!(
-                                "the manifest of step {step} exists per the server but cannot be read"
-                            ),
-                        }),
-                    }
-                }
-                Err(e) => Err(self.err("put manifest (conditional create)", &e)),
-            }
-        })
+            world_size,
+            metadata,
+            mine,
+        )
     }
 
     async fn get_capped(&self, key: &ObjPath, cap: u64) -> object_store::Result<Bytes> {
