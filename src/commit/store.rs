@@ -11,8 +11,8 @@
 //! A commit is one protocol too ([`commit_parts`]): every rank's part present, one
 //! manifest built from them ([`Manifest::from_parts`]), published if absent. Where the
 //! parts meet is its barrier ([`PartBarrier`]): a shared root's partial directory
-//! ([`SharedRoot`]; node-local roots' too, once `super::commit_with_parts` wrote the
-//! peers' parts there), part-only saves' roots (`super::assemble_ranks`) or
+//! ([`SharedRoot`]), a node-local root's whose peers' parts came through the process
+//! group (`super::commit_with_parts`), part-only saves' roots (`super::assemble_ranks`) or
 //! a bucket prefix (`crate::remote`).
 
 use std::path::{Path, PathBuf};
@@ -103,7 +103,8 @@ pub fn gc<S: CommitStore + ?Sized>(
 
 /// Where the parts of one step's commit meet, and its manifest is published: the
 /// barrier that makes the one commit protocol ([`commit_parts`]) a shared root's
-/// ([`SharedRoot`], node-local roots' too), part-only saves' (`super::assemble_ranks`) or a bucket's (`crate::remote`).
+/// ([`SharedRoot`]), a node-local group's (`super::commit_with_parts`), part-only saves'
+/// (`super::assemble_ranks`) or a bucket's (`crate::remote`).
 pub trait PartBarrier {
     /// What a committed step is to the caller (a directory, a bucket's manifest).
     type Committed;
