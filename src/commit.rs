@@ -28,8 +28,10 @@
 
 mod assemble;
 mod group;
+pub mod store;
 pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
+pub use store::{CommitStore, LocalDir};
 
 use std::fs::File;
 use std::os::fd::AsFd;
@@ -38,8 +40,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
-    rank_manifest_name, step_dir_name, trash_dir_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
+    step_dir_name, trash_dir_name,
 };
 use crate::{fsops, fsx};
 
@@ -472,7 +474,8 @@ pub fn write_part(
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
 /// when this call (or another rank) completed the commit, `None` when other ranks are
-/// still missing.
+/// still missing. The one commit protocol ([`store::commit_parts`]) with the root's
+/// partial directory as its barrier ([`store::SharedRoot`]).
 pub fn commit(
     root: &Path,
     step: u64,
@@ -481,97 +484,20 @@ pub fn commit(
     entry: FileEntry,
     metadata: &Metadata,
 ) -> Result<Option<PathBuf>> {
-    let final_dir = root.join(step_dir_name(step));
-    let own_rank = entry.rank;
-    let mut files = vec![entry];
-    // The partial directory's lock, held from reading the parts to the rename (below).
-    let mut _merging = None;
-    if world_size > 1 {
-        if let Some(committed) = write_part(root, step, partial, &files[0])? {
-            return Ok(Some(committed));
-        }
-        // Held from reading the parts to the rename: a rank replacing its dead
-        // incarnation's part ([`prepare_partial`]) never removes a part, or the file it
-        // names, that this merge is using. Another rank may have merged and renamed the
-        // directory meanwhile: committed with this rank's entry, once the rename is durable.
-        let committed_here =
-            || Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == &files[0]));
-        let merging = lock_root_dir(partial, true);
-        if committed_here() {
-            fsync_dir(root)?;
-            return Ok(Some(final_dir));
-        }
-        _merging = match merging {
-            Ok(l) => Some(l),
-            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
-        files.clear();
-        for r in 0..world_size {
-            let p = partial.join(rank_manifest_name(r));
-            // Read without following a link or blocking on a FIFO, size-capped.
-            match manifest::read_manifest_bytes(&p) {
-                Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
-                    Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
-                })?),
-                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                    return Ok(None); // another rank will finish the commit
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
+    store::commit_parts(
+        &store::SharedRoot::new(root, partial),
         step,
         world_size,
-        created_unix_ms: crate::util::unix_ms(),
-        total_bytes: files.iter().map(|f| f.bytes).sum(),
-        metadata: metadata.clone(),
-        files,
-    };
-    let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
-    let tmp = partial.join(&tmp_name);
-    let merged = (|| {
-        let _ = fsops::remove_file(&tmp);
-        write_durable(&tmp, &bytes).inspect_err(|_| {
-            // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = fsops::remove_file(&tmp);
-        })?;
-        let target = partial.join(MANIFEST);
-        fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
-        fsync_dir(partial)?;
-        fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
-    })();
-    if let Err(e) = merged {
-        // With several ranks, every rank that sees all parts merges them, and all but one
-        // lose the race to rename the directory: any step above can then fail because the
-        // partial directory is gone. That is success if the step is committed.
-        if world_size > 1 && final_dir.join(MANIFEST).is_file() {
-            // A manifest written by this rank may have been carried into the committed
-            // directory by the winner's rename.
-            let _ = fsops::remove_file(&final_dir.join(&tmp_name));
-            // The winner's rename is durable only once the root is synced, which the
-            // winner may not have done yet: never report a commit a power loss can undo.
-            fsync_dir(root)?;
-            return Ok(Some(final_dir));
-        }
-        return Err(e);
-    }
-    fsync_dir(root)?;
-    Ok(Some(final_dir))
+        metadata,
+        Some(&entry),
+    )
 }
 
 /// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
-/// deletes the newest one. Returns the deleted steps.
+/// deletes the newest one. Returns the deleted steps. The one retention
+/// ([`store::retain`]) over the root's directory.
 pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
-    let retired = retire_old(root, keep)?;
-    let steps = retired.steps.clone();
-    retired.remove()?;
-    Ok(steps)
+    store::retain(&LocalDir::new(root), keep)
 }
 
 /// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
@@ -643,31 +569,12 @@ impl Retired {
 /// or loadable. Their files are deleted by [`Retired::remove`]; a crash in between leaves
 /// trash directories, which the next engine of the root removes at open.
 pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
-    let keep = keep.max(1);
-    let all = manifest::list_committed(root)?;
-    if all.len() <= keep {
-        return Ok(Retired::default());
-    }
-    let mut retired = Retired::default();
-    for c in &all[..all.len() - keep] {
-        let trash = root.join(trash_dir_name(c.step));
-        if std::fs::symlink_metadata(&trash).is_ok() {
-            // A leftover of an interrupted retention run (or a planted name): moving the
-            // checkpoint onto it could fail half-way; keep the checkpoint this time.
-            tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
-            continue;
-        }
-        match fsops::rename(&c.dir, &trash) {
-            Ok(()) => {
-                retired.steps.push(c.step);
-                retired.trash.push(trash);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it
-            Err(e) => return Err(Error::io("rename", &c.dir, e)),
-        }
-    }
-    fsync_dir(root)?;
-    Ok(retired)
+    let steps = store::retire(&LocalDir::new(root), keep)?;
+    let trash = steps
+        .iter()
+        .map(|&s| root.join(trash_dir_name(s)))
+        .collect();
+    Ok(Retired { steps, trash })
 }
 
 #[cfg(test)]

@@ -54,7 +54,8 @@ fn records_a_commit_in_issue_order() {
         rank: 0,
         file: "f".into(),
         bytes: 10,
-        data_start: 0,
+        // A valid entry (`Manifest::from_parts` checks it): no tensors, all header.
+        data_start: 10,
         header_crc32c: None,
         object: None,
         tensors: Vec::new(),

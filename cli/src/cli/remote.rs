@@ -126,9 +126,8 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
     }
     let r = open(url)?;
     let pb = super::spinner("gc");
-    let res = r
-        .gc(Duration::from_secs(a.min_age))
-        .and_then(|rep| r.apply_retention(a.keep).map(|removed| (rep, removed)));
+    // The one gc (a directory's too): sweep what interrupted uploads left, then retention.
+    let res = shmckpt::commit::store::gc(&r, &Duration::from_secs(a.min_age), a.keep);
     pb.finish_and_clear();
     let (rep, removed) = res?;
     if a.json {

@@ -456,10 +456,12 @@ pub fn gc(a: GcArgs) -> CliResult {
     }
     require_root(&a.dir)?;
     let pb = super::spinner("gc");
-    let res = shmckpt::commit::clean_stale_with(&a.dir, u32::MAX, shmckpt::commit::Sweep::Gc)
-        .and_then(|stale| {
-            shmckpt::commit::apply_retention(&a.dir, a.keep).map(|removed| (stale, removed))
-        });
+    // The one gc (the bucket's too): sweep what interrupted saves left, then retention.
+    let res = shmckpt::commit::store::gc(
+        &shmckpt::commit::LocalDir::new(&a.dir),
+        &(u32::MAX, shmckpt::commit::Sweep::Gc),
+        a.keep,
+    );
     pb.finish_and_clear();
     let (stale, removed) = res?;
     if a.json {
