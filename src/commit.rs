@@ -341,8 +341,13 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
                 continue;
             }
             tracing::warn!(dir = %dir.display(), "removing stale directory of an interrupted save");
-            fsops::remove_dir_all(&dir).map_err(|err| Error::io("remove", &dir, err))?;
-            removed.push(dir);
+            match fsops::remove_dir_all(&dir) {
+                Ok(()) => removed.push(dir),
+                // An engine that started after the check above aborted its save (its
+                // publishing rename waits for this sweep's lock): nothing left to remove.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(Error::io("remove", &dir, err)),
+            }
         }
     }
     if !removed.is_empty() {
@@ -443,6 +448,9 @@ pub fn write_part(
         std::process::id()
     ));
     let _ = fsops::remove_file(&part_tmp);
+    // Never while another engine's `clean_stale` decides what is stale (it could be
+    // removing this partial directory).
+    let _writing = lock_root_dir(root, false)?;
     let written = write_durable(&part_tmp, &bytes).and_then(|()| {
         fsops::rename(&part_tmp, &part).map_err(|e| Error::io("rename", &part_tmp, e))
     });

@@ -278,6 +278,10 @@ impl PartBarrier for SharedRoot<'_> {
         let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
         let tmp = partial.join(&tmp_name);
         let merged = (|| {
+            // Never while another engine's `clean_stale` decides what is stale: it could
+            // be removing this partial directory (through its descriptor, whatever its
+            // name) as this rename publishes it.
+            let _publishing = super::lock_root_dir(root, false)?;
             let _ = fsops::remove_file(&tmp);
             write_durable(&tmp, &bytes).inspect_err(|_| {
                 // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
