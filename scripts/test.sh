@@ -81,5 +81,33 @@ stage "mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the i
 # shadow it with the source tree, which has no compiled module in a clean checkout).
 "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
 
-stage "pytest python/tests"
-"$py" -m pytest python/tests -q -p no:cacheprovider --durations=15 "$@"
+stage "pytest python/tests: two sessions side by side (the multi-rank files; the rest)"
+# The multi-rank files (4-process gloo groups, kills, partners' timeouts) spend most of
+# their time waiting: they run in a second pytest session beside the rest, whose output
+# follows once both are done. Tests never touch another session's arenas (they are scoped
+# by root or pid, python/tests/conftest.py).
+multi=(python/tests/test_replicas.py python/tests/test_megatron.py)
+ignore=()
+for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done
+multi_log="$repo/target/pytest-multi-rank.log"
+mkdir -p "$repo/target"
+(
+    t=$SECONDS
+    rc=0
+    "$py" -m pytest "${multi[@]}" -q -p no:cacheprovider --durations=10 "$@" >"$multi_log" 2>&1 || rc=$?
+    echo "== [$((SECONDS - t)) s] multi-rank session, exit $rc" >>"$multi_log"
+    exit $rc
+) &
+multi_pid=$!
+t_rest=$SECONDS
+rest_rc=0
+"$py" -m pytest python/tests "${ignore[@]}" -q -p no:cacheprovider --durations=15 "$@" || rest_rc=$?
+echo "== [$((SECONDS - t_rest)) s] the other files' session, exit $rest_rc"
+multi_rc=0
+wait "$multi_pid" || multi_rc=$?
+echo "== the multi-rank session's output (${multi[*]}):"
+cat "$multi_log"
+if [ "$rest_rc" -ne 0 ] || [ "$multi_rc" -ne 0 ]; then
+    echo "== pytest failed: other files exit $rest_rc, multi-rank files exit $multi_rc" >&2
+    exit 1
+fi

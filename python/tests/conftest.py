@@ -107,6 +107,31 @@ def ck(root):
     c.close()
 
 
+def shm_arenas_of(root, kind=None):
+    """The names of the shmckpt arenas in ``/dev/shm`` whose recorded root is ``root``
+    (``kind``: ``"kept"`` or ``"staging"``; any when None), as ``shmckpt shm list --json``
+    reads them. Scoped by root, never by name alone: other test runs on the machine (run
+    side by side, scripts/test.sh) have arenas of their own."""
+    import json
+    import subprocess
+
+    exe = shmckpt_bin()
+    if not exe:
+        pytest.fail("the shmckpt command line is needed to list arenas (SHMCKPT_BIN)")
+    out = subprocess.run([exe, "shm", "list", "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
+    want = {str(root), os.path.realpath(str(root))}
+    return sorted(a["name"] for a in json.loads(out) if a.get("root") in want and (kind is None or a.get("kind") == kind))
+
+
+def remove_arenas_of(root, kind=None):
+    """Remove the arenas :func:`shm_arenas_of` finds (a test's cleanup)."""
+    for n in shm_arenas_of(root, kind):
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except FileNotFoundError:
+            pass
+
+
 def shmckpt_bin():
     """The `shmckpt` command line (SHMCKPT_BIN, else target/{debug,release}/shmckpt)."""
     env = os.environ.get("SHMCKPT_BIN")

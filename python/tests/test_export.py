@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import shmckpt
 from shmckpt import errors
 
-from conftest import shmckpt_bin
+from conftest import remove_arenas_of, shmckpt_bin
 from ranks_support import run_ranks
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -168,7 +168,6 @@ def test_export_from_the_kept_arena_while_training_runs(tmp_path):
     """``memory:ROOT``: the image flash restore keeps in /dev/shm, exported while the
     checkpointer is still open, equals the export from the disk byte for byte."""
     root = tmp_path / "ck"
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("shmckpt.keep-")}
     g = torch.Generator().manual_seed(5)
     state = {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.arange(9)}, "optim": {"m": torch.ones(4)}}
     ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
@@ -185,9 +184,7 @@ def test_export_from_the_kept_arena_while_training_runs(tmp_path):
         assert torch.equal(got["x.w"], state["model"]["w"]) and torch.equal(got["x.b"], state["model"]["b"])
         ck.close()
     finally:
-        for n in os.listdir("/dev/shm"):
-            if n.startswith("shmckpt.keep-") and n not in before:
-                os.unlink(os.path.join("/dev/shm", n))
+        remove_arenas_of(root, "kept")
     with pytest.raises(errors.NotFound):
         shmckpt.export(f"memory:{root}", tmp_path / "gone")
     assert not (tmp_path / "gone").exists()

@@ -5,6 +5,7 @@ serves every load."""
 import os
 
 import torch
+from conftest import remove_arenas_of, shm_arenas_of
 
 import shmckpt
 
@@ -17,18 +18,18 @@ def _state(step):
     }
 
 
-def _kept_names():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmckpt.keep-"))
+def _kept_names(root):
+    return shm_arenas_of(root, "kept")
 
 
 def test_kept_arena_serves_the_next_load_from_memory(tmp_path):
     root = str(tmp_path)
-    before = _kept_names()
+    assert _kept_names(root) == []
     ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
     ck.save(3, _state(3)).wait()
     ck.save(4, _state(4)).wait()
     ck.close()
-    kept = [n for n in _kept_names() if n not in before]
+    kept = _kept_names(root)
     assert len(kept) == 1, kept
     try:
         ck2 = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
@@ -47,27 +48,23 @@ def test_kept_arena_serves_the_next_load_from_memory(tmp_path):
         assert torch.equal(old["model"]["w"], _state(3)["model"]["w"])
         ck2.close()
     finally:
-        for n in _kept_names():
-            if n not in before:
-                os.unlink(os.path.join("/dev/shm", n))
+        remove_arenas_of(root, "kept")
 
 
 def test_option_off_keeps_nothing_and_loads_from_disk(tmp_path):
-    before = _kept_names()
     ck = shmckpt.Checkpointer(str(tmp_path), staging_capacity=16 << 20, chunk_size=1 << 20)
     ck.save(1, _state(1)).wait()
     got = ck.load()
     assert ck.last_load_source == ("disk", None)
     assert torch.equal(got["model"]["w"], _state(1)["model"]["w"])
     ck.close()
-    assert _kept_names() == before
+    assert _kept_names(str(tmp_path)) == []
 
 
 def test_a_damaged_disk_copy_is_reported_by_a_load_from_memory(tmp_path):
     """Issue 21, item 7: the kept image serves the load (its bytes are the manifest's), and
     the truncated file on disk is reported, not hidden."""
     root = str(tmp_path)
-    before = _kept_names()
     ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
     ck.save(4, _state(4)).wait()
     ck.close()
@@ -83,6 +80,4 @@ def test_a_damaged_disk_copy_is_reported_by_a_load_from_memory(tmp_path):
         assert got["model"]["w"].numpy().tobytes() == _state(4)["model"]["w"].numpy().tobytes()
         ck2.close()
     finally:
-        for n in _kept_names():
-            if n not in before:
-                os.unlink(os.path.join("/dev/shm", n))
+        remove_arenas_of(root, "kept")

@@ -2,13 +2,12 @@
 `__metadata__` lost the skeleton (it still parses) is a `CorruptError` from disk and
 under a flash restore, never a flat dict. Helpers are `test_integrity.py`'s."""
 
-import os
-
 import pytest
 import torch
 
 import shmckpt
 
+from conftest import remove_arenas_of
 from test_integrity import CHUNK, STATE_KEY, bits, file_of
 
 
@@ -31,7 +30,6 @@ def test_a_damaged_header_skeleton_is_an_error_not_a_flat_dict(tmp_path, keep):
     and the skeleton is read only after that check, from disk and under a flash restore."""
     root = str(tmp_path / "r")
     state = {"model": {"w": torch.arange(6.0)}, "step": 5}
-    before = set(os.listdir("/dev/shm"))
     kw = dict(staging_capacity=16 << 20, chunk_size=CHUNK, keep_in_memory=keep)
     ck = shmckpt.Checkpointer(root, **kw)
     try:
@@ -49,6 +47,4 @@ def test_a_damaged_header_skeleton_is_an_error_not_a_flat_dict(tmp_path, keep):
             assert ck.last_load_source is None or ck.last_load_source[0] != "disk"
     finally:
         ck.close()
-        for n in set(os.listdir("/dev/shm")) - before:
-            if n.startswith("shmckpt."):
-                os.unlink(os.path.join("/dev/shm", n))
+        remove_arenas_of(root)
