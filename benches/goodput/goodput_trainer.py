@@ -352,14 +352,24 @@ class NVRxSystem(System):
     """NVRx ``TorchAsyncCheckpoint(persistent_queue=True).async_save(state, tmp)`` (the copy
     to the host in the trainer, ``torch.save`` in its persistent worker); every step
     ``maybe_finalize_async_calls(blocking=False, no_dist=True)``; a finalized file is fsynced
-    and renamed ``ckpt-<step>.pt`` (committed) by a helper thread. Not run on the
-    development machine (NVRx is not installed there)."""
+    and renamed ``ckpt-<step>.pt`` (committed) by a helper thread. A one-rank gloo process
+    group is made at open (NVRx reads the rank). Not run on the development machine (NVRx is
+    not installed there)."""
 
     def __init__(self, torch, root, device, keep):
         super().__init__(torch, root, device, keep)
         from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
         import concurrent.futures
+        import socket
 
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # NVRx asks for the rank in places (as train.py, one gloo rank)
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         self.ck = TorchAsyncCheckpoint(persistent_queue=True)
         self.fifo = []
         self.commits = []
