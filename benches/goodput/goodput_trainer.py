@@ -271,8 +271,10 @@ class TorchSystem(System):
 class DCPSystem(System):
     """PyTorch DCP ``async_save`` (thread executor, ``no_dist=True``) with a
     ``FileSystemWriter(sync_files=True)`` into ``tmp-<step>`` and, where the torch version
-    has it, a ``DefaultStager(StagingOptions(pinned, shared, async, non_blocking))`` (a new
-    one per save: torch 2.11 raises on a second ``stage``), its staging waited for before the
+    has it, a ``DefaultStager(StagingOptions(pinned, shared=False, async, non_blocking))``
+    (pinned, async and non-blocking on CUDA; no shared memory: the thread executor needs
+    none), a new one per save (benches/train found torch 2.11 raising on a second
+    ``stage``), its staging waited for before the
     next optimizer step; before a save, the previous upload is waited for (backpressure, as
     DCP's docs do). Once the upload is done the directory is renamed ``step-<step>`` and the
     root fsynced (committed). Load: ``dcp.load`` in place into tensors allocated on the
@@ -287,8 +289,8 @@ class DCPSystem(System):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = device == "cuda"
-            self.make_stager = lambda: DefaultStager(StagingOptions(cuda, True, cuda, cuda))
-            self.info["stager"] = f"DefaultStager(StagingOptions({cuda}, True, {cuda}, {cuda}))"
+            self.make_stager = lambda: DefaultStager(StagingOptions(cuda, False, cuda, cuda))
+            self.info["stager"] = f"DefaultStager(StagingOptions({cuda}, False, {cuda}, {cuda}))"
         except ImportError as e:
             self.make_stager = None
             self.info["stager"] = f"none ({e})"
@@ -427,12 +429,15 @@ def probe():
         out["shm-tiered"] = None if "disk_every" in params else "shmckpt.Checkpointer has no disk_every keyword (memory-only saves not in this build)"
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
         out["shm"] = out["shm-tiered"] = f"import shmckpt failed: {e!r}"
+    # found, not imported (2 s of the CPU test's start-up); a torch without async_save
+    # fails the dcp run with the reason instead
     try:
-        import torch.distributed.checkpoint as dcp
-
-        out["dcp"] = None if hasattr(dcp, "async_save") else "torch.distributed.checkpoint has no async_save"
+        found = importlib.util.find_spec("torch.distributed.checkpoint") is not None
     except Exception as e:  # noqa: BLE001
-        out["dcp"] = f"import torch.distributed.checkpoint failed: {e!r}"
+        found, why = False, repr(e)
+    else:
+        why = "no torch.distributed.checkpoint in this torch"
+    out["dcp"] = None if found else why
     if importlib.util.find_spec("nvidia_resiliency_ext") is None:
         out["nvrx"] = "nvidia_resiliency_ext is not installed"
     else:
