@@ -175,6 +175,7 @@ class Supervisor:
         t_start = next_kill = None
         kills = resumes = 0
         lf = open(logp, "ab")
+        shm_before = shm_entries()
         t_begin = time.monotonic()
 
         def new_life():
@@ -253,6 +254,8 @@ class Supervisor:
             lv["rc"] = lv.pop("_p").returncode
             lv.pop("_first")
         rec["shm_left"] = cleanup_shm(evs)
+        # recorded, not removed: on a shared machine other jobs' segments appear here too
+        rec["shm_new"] = sorted(shm_entries() - shm_before)
         shutil.rmtree(root, ignore_errors=True)
         return rec
 
@@ -271,6 +274,13 @@ def cleanup_shm(events):
             except OSError:
                 pass
     return sorted(set(left))
+
+
+def shm_entries():
+    try:
+        return {x for x in os.listdir("/dev/shm") if x.startswith("shmckpt")}
+    except OSError:
+        return set()
 
 
 def tail_of(path, n=1500):
@@ -365,7 +375,10 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    log(f"wrote {a.out}")
+    md = os.path.splitext(a.out)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(text + "\n")
+    log(f"wrote {a.out} and {md}")
     if a.plot:
         why = goodput_report.plot(result, a.plot)
         log(why if why else f"wrote {a.plot}")

@@ -199,3 +199,4 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
             for key, mtbf in (("model_at_scaled", row["mtbf_scaled_s"]), ("model_at_real", row["mtbf_scaled_s"] * scale)):
                 assert row[key] == pytest.approx(1 - c["overhead"] - (c["e_lost_s"] + c["e_restart_s"]) / mtbf)
     assert "| system | MTBF real (scaled) |" in r.stdout and "FAILED" not in r.stdout
+    assert (tmp_path / "goodput.md").read_text().startswith("T0 (failure-free step)")
