@@ -112,6 +112,11 @@ def test_analysis_of_made_up_lives():
     assert c["step_s"] == pytest.approx(0.1) and c["overhead"] == pytest.approx(0.0, abs=1e-9)
     assert c["interval_s"] == pytest.approx(0.5) and c["durable_s_median"] == pytest.approx(0.055 + 0.055)
     assert c["e_lost_s"] == pytest.approx(0.25 + 0.11) and c["e_restart_s"] == pytest.approx(1.8)
+    # a restart that loaded nothing counts only when none loaded a checkpoint
+    fresh = json.loads(json.dumps(a))
+    fresh["kills"][0]["restart"].update(fresh=True, restart_s=1.0)
+    assert gr.components([a, fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.8)
+    assert gr.components([fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.0)
     assert gr.model_goodput(c, 10.0) == pytest.approx(1 - (0.36 + 1.8) / 10)
     res = {"meta": {"t0_s": 0.1, "every": 5, "every_of": {}, "time_scale": 60.0, "size_bytes": 1 << 20, "tensors": 4, "device": "cpu"},
            "runs": [run], "skipped": {"nvrx": "not installed"}}
@@ -194,6 +199,10 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
         assert c["overhead"] == pytest.approx(1 - t0 / c["step_s"])
         ev = 1 if name == "shm-tiered" else m["every"]
         assert c["e_lost_s"] == pytest.approx(ev * c["step_s"] / 2 + c["durable_s_median"])
+        kills = [k for x in runs for k in x["analysis"]["kills"]]
+        loaded = [k["restart"]["restart_s"] for k in kills if not k["restart"]["fresh"]]
+        assert c["restarts"] == len(kills) and c["restarts_from_checkpoint"] == len(loaded) >= 1
+        assert c["e_restart_s"] == pytest.approx(sum(loaded) / len(loaded))
         for row in s["runs"]:
             assert row["kills"] >= 1 and row["violations"] == []
             for key, mtbf in (("model_at_scaled", row["mtbf_scaled_s"]), ("model_at_real", row["mtbf_scaled_s"] * scale)):
