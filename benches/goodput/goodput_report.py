@@ -22,8 +22,12 @@ Definitions (every time from ``time.monotonic()`` of the host, seconds):
   ``prepare_cuda`` there), ``load`` (latest step found and loaded onto the device),
   ``setup`` (the optimizer and shmckpt's guard), ``other`` (the rest until the first step
   starts) and ``first_extra`` (the first step over ``T0``).
-* Per save: the **call** (seconds in the save call), the **stall** (the save's step and
-  the next one over ``2 T0``: the guard's or stager's wait shows in the next step) and
+* A step's ``dt`` runs from the previous step's end to its own (its update done and
+  synchronized), so it holds the previous step's save call and poll; the step is logged
+  before its save starts (a kill during the save finds it done).
+* Per save: the **call** (seconds in the save call), the **stall** (the two steps after
+  the save over ``2 T0``: the call, then the guard's or stager's wait; one step when saving
+  every step) and
   ``durable_s`` (call to durable, as seen by the poll after each step: one step of
   resolution).
 * Per system (pooled over its runs): ``step_s`` the mean step with checkpoints (every
@@ -53,14 +57,18 @@ def _mean(xs):
 
 
 def by_life(events):
-    """{life: {"main", "resume", "steps": [ev], "dur": [(step, t)], "stop", "closed", "error"}}."""
+    """{life: {"main", "resume", "setup", "steps": [ev], "saves": [ev], "dur": [(step, t)],
+    "stop", "closed", "error"}}."""
     out = {}
     for ev in events:
-        lf = out.setdefault(ev["life"], {"steps": [], "dur": []})
+        lf = out.setdefault(ev["life"], {"steps": [], "saves": [], "dur": []})
         e = ev["e"]
         if e == "s":
             lf["steps"].append(ev)
-            lf["dur"].extend((int(s), float(t)) for s, t in ev.get("dur", []))
+        elif e == "sv":
+            lf["saves"].append(ev)
+        elif e == "d":
+            lf["dur"].extend((int(s), float(t)) for s, t in ev["dur"])
         else:
             lf[e] = ev
     return out
@@ -123,14 +131,13 @@ def analyze_run(run, t0, every):
     for life in order:
         lf = lives[life]
         dur = dict((s, t) for s, t in lf["dur"])
-        steps = lf["steps"]
-        for j, ev in enumerate(steps):
-            if "sv" not in ev:
-                continue
-            ts, call = ev["sv"]
-            rec = {"step": ev["k"], "call_s": call, "durable_s": dur[ev["k"]] - ts if ev["k"] in dur else None}
-            if j + 1 < len(steps) and steps[j + 1]["k"] == ev["k"] + 1:
-                rec["stall_s"] = ev["dt"] + steps[j + 1]["dt"] - 2 * t0
+        dts = {ev["k"]: ev["dt"] for ev in lf["steps"]}
+        n = min(2, every)  # the steps that pay for a save: its call, then the guard's or stager's wait
+        for sv in lf["saves"]:
+            k = sv["k"]
+            rec = {"step": k, "call_s": sv["call_s"], "durable_s": dur[k] - sv["t"] if k in dur else None}
+            if all(k + j in dts for j in range(1, n + 1)):
+                rec["stall_s"] = sum(dts[k + j] for j in range(1, n + 1)) - n * t0
             res["saves"].append(rec)
     res["step_dts"] = [ev["dt"] for life in order for ev in lives[life]["steps"][1:]]
     return res

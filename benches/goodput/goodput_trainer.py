@@ -595,6 +595,7 @@ def main():
 
     every = 1 if system.every_step else a.every
     k = r
+    t_prev = None
     try:
         while not _STOP and (a.steps == 0 or k - r < a.steps):
             k += 1
@@ -603,17 +604,19 @@ def main():
             system.before_update()
             opt.step(k)
             sync()
-            rec = {"e": "s", "k": k}
+            t1 = mono()
+            # the step is done (the state is at step k) before its save starts: a kill
+            # during the save finds it logged. dt runs from the previous step's end, so it
+            # holds the previous step's save call and poll.
+            emit(e="s", k=k, t=t1, dt=t1 - (t0 if t_prev is None else t_prev))
+            t_prev = t1
             if system.saves and k % every == 0:
                 ts = mono()
                 system.save(k, tensors)
-                rec["sv"] = [ts, mono() - ts]
+                emit(e="sv", k=k, t=ts, call_s=mono() - ts)
             dur = system.poll()
-            t1 = mono()
-            rec.update(t=t1, dt=t1 - t0)
             if dur:
-                rec["dur"] = dur
-            emit(**rec)
+                emit(e="d", dur=dur)
         t = mono()
         bad = check(torch, tensors, specs, k, a.device)  # the live state too, after the loop
         emit(e="stop", k=k, t=t, ok=bad is None, why=bad, check_s=mono() - t)
