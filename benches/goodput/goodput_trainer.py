@@ -124,6 +124,20 @@ def steps_in(root, prefix, suffix=""):
 # -- systems --------------------------------------------------------------------------
 
 
+def one_gloo_rank():
+    """A one-rank gloo process group (no-op when one exists)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 class System:
     """One checkpoint system. ``save`` is called after the step's update; ``poll`` after
     every step returns ``[(step, t_durable)]`` newly durable; ``before_update`` runs before
@@ -269,7 +283,8 @@ class TorchSystem(System):
 
 
 class DCPSystem(System):
-    """PyTorch DCP ``async_save`` (thread executor, ``no_dist=True``) with a
+    """PyTorch DCP ``async_save`` (thread executor, ``no_dist=True`` where the torch version
+    has it, else a one-rank gloo group) with a
     ``FileSystemWriter(sync_files=True)`` into ``tmp-<step>`` and, where the torch version
     has it, a ``DefaultStager(StagingOptions(pinned, shared=False, async, non_blocking))``
     (pinned, async and non-blocking on CUDA; no shared memory: the thread executor needs
@@ -285,6 +300,11 @@ class DCPSystem(System):
         import torch.distributed.checkpoint as dcp
 
         self.dcp = dcp
+        # no_dist where this torch has it, else a one-rank gloo group
+        self.nodist = {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters else {}
+        if not self.nodist:
+            one_gloo_rank()
+            self.info["process_group"] = "gloo, one rank"
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -305,7 +325,7 @@ class DCPSystem(System):
     def load(self, step, specs):
         torch = self.torch
         sd = {"w": {name: torch.empty(n, dtype=torch.float32, device=self.device) for name, n in specs}}
-        self.dcp.load(sd, checkpoint_id=os.path.join(self.root, f"step-{step}"), no_dist=True)
+        self.dcp.load(sd, checkpoint_id=os.path.join(self.root, f"step-{step}"), **self.nodist)
         return sd["w"]
 
     def save(self, step, tensors):
@@ -315,7 +335,7 @@ class DCPSystem(System):
         writer = self.dcp.FileSystemWriter(d, sync_files=True, overwrite=True, thread_count=4)
         stager = self.make_stager() if self.make_stager else None
         kw = {"async_stager": stager} if stager is not None else {}
-        resp = self.dcp.async_save({"w": tensors}, storage_writer=writer, no_dist=True, **kw)
+        resp = self.dcp.async_save({"w": tensors}, storage_writer=writer, **self.nodist, **kw)
         if hasattr(resp, "staging_completion"):
             self.staging = resp.staging_completion
             up = resp.upload_completion
@@ -362,16 +382,7 @@ class NVRxSystem(System):
         super().__init__(torch, root, device, keep)
         from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
         import concurrent.futures
-        import socket
-
-        import torch.distributed as dist
-
-        if not dist.is_initialized():  # NVRx asks for the rank in places (as train.py, one gloo rank)
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        one_gloo_rank()  # NVRx asks for the rank in places (as train.py does)
         self.ck = TorchAsyncCheckpoint(persistent_queue=True)
         self.fifo = []
         self.commits = []
