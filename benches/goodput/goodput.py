@@ -34,6 +34,7 @@ CPU smoke test (seconds per system, most of it importing torch):
 import argparse
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -225,7 +226,10 @@ class Supervisor:
             # the end of the run: SIGTERM, the trainer ends its step and closes the system
             cur = lives[-1]
             cur["stop_t"] = time.monotonic()
-            os.kill(cur["_p"].pid, signal.SIGTERM)
+            try:
+                os.kill(cur["_p"].pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # it exited just now: its status says how, below
             try:
                 cur["_p"].wait(timeout=max(60.0, a.life_timeout_s))
             except subprocess.TimeoutExpired:
@@ -346,6 +350,7 @@ def main():
             "mtbf_scaled_s": [m / a.time_scale for m in mtbfs], "seed": a.seed, "systems": systems, "t0_s": bl["t0_s"],
             "t0_median_s": bl["t0_median_s"], "baseline_steps": bl["steps"], "calib": bl["calib"], "torch": probe["torch"],
             "python": probe["python"], "gpu": probe["gpu"], "dir": work, "min_kills": a.min_kills, "min_resumes": a.min_resumes,
+            "host": platform.node(), "cpus": os.cpu_count(), "argv": sys.argv[1:], "budget_s": a.budget_s, "run_s": a.run_s,
         }
         log(f"baseline: T0 {bl['t0_s'] * 1e3:.2f} ms (median {bl['t0_median_s'] * 1e3:.2f}) over {bl['steps']} steps; "
             f"calibration {bl['calib']}; systems {systems}")
