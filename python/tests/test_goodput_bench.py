@@ -1,0 +1,213 @@
+"""benches/goodput (issue 38, item 3: goodput under injected failures): the analysis on
+made-up lives with known answers, the trainer's bit-exact check, and the cpu-tiny preset end
+to end in a subprocess: every available system killed, restarted and resumed bit for bit,
+unavailable ones skipped with their reason, and the goodput recomputed from the recorded
+events. No timing is asserted."""
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+BENCH = REPO / "benches" / "goodput"
+ALL_SYSTEMS = ["shm", "shm-tiered", "torch", "dcp", "nvrx"]
+
+
+def modules():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import goodput_report
+    import goodput_trainer
+
+    return goodput_report, goodput_trainer
+
+
+def test_the_check_finds_a_flipped_bit_and_a_wrong_step():
+    torch = pytest.importorskip("torch")
+    _, gt = modules()
+    for i in range(3):
+        for k in range(30):
+            assert gt.c_sum(k, i) == sum(gt.c_of(j, i) for j in range(1, k + 1))
+    specs = gt.shapes(4 * 4099, 3)
+    assert [n for _, n in specs] == [1367, 1366, 1366]
+    k = 13
+    # the loop's updates, step by step, give exactly the closed form
+    live = {name: gt.initial(torch, n, i, "cpu") for i, (name, n) in enumerate(specs)}
+    for j in range(1, k + 1):
+        for i, t in enumerate(live.values()):
+            t.add_(float(gt.c_of(j, i)))
+    assert gt.check(torch, live, specs, k, "cpu") is None
+    assert "bytes differ from step 12" in gt.check(torch, live, specs, k - 1, "cpu")
+    live["t01"].view(torch.int32)[5] ^= 1  # the lowest mantissa bit of one element
+    assert gt.check(torch, live, specs, k, "cpu") == "t01: bytes differ from step 13's (first element [[5]])"
+    live["t01"] = live["t01"].double()
+    assert gt.check(torch, live, specs, k, "cpu").startswith("t01: torch.float64")
+    del live["t02"]
+    assert gt.check(torch, live, specs, k, "cpu").startswith("names")
+
+
+def step(k, t, dt=0.1, **kw):
+    return dict(e="s", k=k, t=t, dt=dt, **kw)
+
+
+def made_up_run(durable_7=False):
+    """Life 0 (spawned at 0) trains steps 1-7 (0.1 s each, the first ending at 2.7), saves
+    step 5 (durable at 3.2), is killed at 3.35; life 1 (spawned at 3.4) resumes step 5 and
+    trains 6-10, its first step 0.15 s, and saves step 10."""
+    ev = [
+        dict(e="main", t=0.1, life=0),
+        dict(e="resume", k=0, fresh=True, t_import=1.0, t_cuda=1.5, t_open=2.0, t_load=2.5, t_check=2.5, check_s=0.0, ok=True, life=0),
+        dict(e="setup", t=2.6, life=0),
+    ]
+    for k in range(1, 8):
+        ev.append(dict(step(k, round(2.6 + 0.1 * k, 10)), life=0))
+        if k == 5:
+            ev.append(dict(e="sv", k=5, t=3.1, call_s=0.01, life=0))
+        if k == 6:
+            ev.append(dict(e="d", dur=[[5, 3.2]], life=0))
+        if k == 7 and durable_7:
+            ev.append(dict(e="sv", k=7, t=3.3, call_s=0.01, life=0))
+            ev.append(dict(e="d", dur=[[7, 3.32]], life=0))
+    ev += [
+        dict(e="main", t=3.5, life=1),
+        dict(e="resume", k=5, fresh=False, t_import=4.0, t_cuda=4.2, t_open=4.5, t_load=5.0, t_check=5.5, check_s=0.5, ok=True, life=1,
+             info={"load_source": ["disk", None]}),
+        dict(e="setup", t=5.6, life=1),
+        dict(step(6, 5.75, dt=0.15), life=1),
+    ]
+    for k in range(7, 11):
+        ev.append(dict(step(k, round(5.75 + 0.1 * (k - 6), 10)), life=1))
+    ev.append(dict(e="sv", k=10, t=6.15, call_s=0.01, life=1))
+    ev.append(dict(e="stop", k=10, t=6.2, ok=True, life=1))
+    lives = [{"life": 0, "spawn_t": 0.0, "kill_t": 3.35}, {"life": 1, "spawn_t": 3.4, "kill_t": None}]
+    return {"system": "shm", "mtbf_real_s": 600.0, "mtbf_scaled_s": 10.0, "lives": lives, "events": ev}
+
+
+def test_analysis_of_made_up_lives():
+    gr, _ = modules()
+    run = made_up_run()
+    a = gr.analyze_run(run, 0.1, 5)
+    assert (a["t_start"], a["k0"], a["k_final"], a["progress_steps"]) == (2.7, 1, 10, 9)
+    assert a["wall_s"] == pytest.approx(3.45) and a["checks_s"] == 0.5
+    assert a["goodput"] == pytest.approx(9 * 0.1 / 2.95)
+    assert a["violations"] == []
+    (kill,) = a["kills"]
+    assert (kill["k_last"], kill["resumed"], kill["lost_steps"]) == (7, 5, 2)
+    assert kill["lost_s"] == pytest.approx(3.35 - 3.1) and kill["source"] == ["disk", None]
+    rb = kill["restart"]
+    assert rb["restart_s"] == pytest.approx(5.75 - 3.35 - 0.5 - 0.1)
+    want = {"detect": 0.05, "interp": 0.1, "imports": 0.5, "cuda": 0.2, "open": 0.3, "load": 0.5, "setup": 0.1, "first_extra": 0.05, "other": 0.0}
+    assert {p: rb[p] for p in want} == pytest.approx(want, abs=1e-9)
+    assert sum(rb[p] for p in gr.RESTART_PARTS) == pytest.approx(rb["restart_s"])
+    assert a["start"]["fresh"] is True and a["start"]["imports"] == pytest.approx(0.9)
+    s5, s10 = a["saves"]
+    # the stall: steps 6 and 7 (the call, then the guard's wait) over 2 T0
+    assert (s5["step"], s5["call_s"], s5["durable_s"], s5["stall_s"]) == pytest.approx((5, 0.01, 0.1, 0.0), abs=1e-9)
+    assert s10["durable_s"] is None and "stall_s" not in s10  # the last step: none after it
+    c = gr.components([a], 0.1, 5)
+    assert c["step_s"] == pytest.approx(0.1) and c["overhead"] == pytest.approx(0.0, abs=1e-9)
+    assert c["interval_s"] == pytest.approx(0.5) and c["durable_s_median"] == pytest.approx(0.1)
+    assert c["e_lost_s"] == pytest.approx(0.25 + 0.1) and c["e_restart_s"] == pytest.approx(1.8)
+    # a restart that loaded nothing counts only when none loaded a checkpoint
+    fresh = json.loads(json.dumps(a))
+    fresh["kills"][0]["restart"].update(fresh=True, restart_s=1.0)
+    assert gr.components([a, fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.8)
+    assert gr.components([fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.0)
+    assert gr.model_goodput(c, 10.0) == pytest.approx(1 - (0.35 + 1.8) / 10)
+    res = {"meta": {"t0_s": 0.1, "every": 5, "every_of": {}, "time_scale": 60.0, "size_bytes": 1 << 20, "tensors": 4, "device": "cpu"},
+           "runs": [run], "skipped": {"nvrx": "not installed"}}
+    summ = gr.summarize(res)
+    (row,) = summ["shm"]["runs"]
+    assert row["model_at_real"] == pytest.approx(1 - 2.15 / 600) and row["goodput_measured"] == a["goodput"]
+    md = gr.table(res)
+    assert sum(x.startswith("| shm |") for x in md.splitlines()) == 2 and "nvrx: not installed" in md and "FAILED" not in md
+    # a step that was durable before the kill must be the one resumed (or a later one)
+    bad = gr.analyze_run(made_up_run(durable_7=True), 0.1, 5)
+    assert bad["violations"] == ["life 1 resumed at step 5, but step 7 was durable before the kill"]
+
+
+def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_path):
+    pytest.importorskip("torch")
+    out, ck = tmp_path / "goodput.json", tmp_path / "ck"
+    ck.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "goodput.py"), "--preset", "cpu-tiny", "--dir", str(ck), "--out", str(out), "--plot", str(tmp_path / "g.png")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert os.listdir(ck) == []  # the run's work directory is gone
+    data = json.loads(out.read_text())
+    m = data["meta"]
+    systems = m["systems"]
+    assert {"shm", "torch"} <= set(systems) and m["device"] == "cpu" and m["t0_s"] > 0
+    import shmckpt
+
+    tiered = "disk_every" in inspect.signature(shmckpt.Checkpointer).parameters
+    assert ("shm-tiered" in systems) == tiered
+    assert ("nvrx" in systems) == (importlib.util.find_spec("nvidia_resiliency_ext") is not None)
+    for s in ALL_SYSTEMS:
+        assert (s in systems) != bool(data["skipped"].get(s)), s  # run, or skipped with a reason
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "no plot" in r.stdout
+    else:
+        assert (tmp_path / "g.png").stat().st_size > 0
+    t0, scale = m["t0_s"], m["time_scale"]
+    assert [x["system"] for x in data["runs"]] == systems
+    for run in data["runs"]:
+        name = run["system"]
+        assert "error" not in run, run.get("error")
+        lives, evs = run["lives"], run["events"]
+        assert run["kills"] >= 1 and len(lives) == run["kills"] + 1 and run["resumes"] >= 1, name
+        assert all(lv["kill_t"] is not None and lv["rc"] == -9 for lv in lives[:-1]) and lives[-1]["rc"] == 0
+        assert run["shm_left"] == []
+        resumes = [e for e in evs if e["e"] == "resume"]
+        assert [e["life"] for e in resumes] == list(range(len(lives)))
+        saved = set()
+        for e in evs:
+            if e["e"] == "resume":
+                # bit-exact (exact bytes of every tensor, in the trainer) or a fresh start
+                assert e["ok"] is True and e["why"] is None
+                assert e["fresh"] or (e["k"] in saved and e["k"] > 0), (name, e["k"], sorted(saved))
+            if e["e"] == "sv":
+                saved.add(e["k"])
+        assert sum(not e["fresh"] for e in resumes) == run["resumes"]
+        (stop,) = [e for e in evs if e["e"] == "stop"]
+        assert stop["life"] == len(lives) - 1 and stop["ok"] is True
+        # the goodput, recomputed from the events
+        steps = [e for e in evs if e["e"] == "s"]
+        first, last = steps[0], steps[-1]
+        assert first["life"] == 0 and last["life"] == len(lives) - 1 and last["k"] == stop["k"]
+        checks = sum(e["check_s"] for e in resumes[1:])
+        an = run["analysis"]
+        assert an["progress_steps"] == last["k"] - first["k"] and an["wall_s"] == pytest.approx(last["t"] - first["t"])
+        assert an["goodput"] == pytest.approx((last["k"] - first["k"]) * t0 / (last["t"] - first["t"] - checks))
+        assert an["violations"] == [] and len(an["kills"]) == run["kills"]
+        for kill in an["kills"]:
+            rb = kill["restart"]
+            assert sum(rb[p] for p in ("detect", "interp", "imports", "cuda", "open", "load", "setup", "other", "first_extra")) == pytest.approx(rb["restart_s"])
+            nxt = [e for e in steps if e["life"] == kill["life"] + 1][0]
+            assert rb["restart_s"] == pytest.approx(nxt["t"] - lives[kill["life"]]["kill_t"] - rb["check"] - t0)
+            assert kill["lost_steps"] >= 0 and kill["lost_s"] > 0
+    for name, s in data["summary"].items():
+        c = s["components"]
+        runs = [x for x in data["runs"] if x["system"] == name]
+        dts = [e["dt"] for x in runs for lf in range(len(x["lives"])) for e in [e for e in x["events"] if e["e"] == "s" and e["life"] == lf][1:]]
+        assert c["steps"] == len(dts) and c["step_s"] == pytest.approx(sum(dts) / len(dts))
+        assert c["overhead"] == pytest.approx(1 - t0 / c["step_s"])
+        ev = 1 if name == "shm-tiered" else m["every"]
+        assert c["e_lost_s"] == pytest.approx(ev * c["step_s"] / 2 + c["durable_s_median"])
+        kills = [k for x in runs for k in x["analysis"]["kills"]]
+        loaded = [k["restart"]["restart_s"] for k in kills if not k["restart"]["fresh"]]
+        assert c["restarts"] == len(kills) and c["restarts_from_checkpoint"] == len(loaded) >= 1
+        assert c["e_restart_s"] == pytest.approx(sum(loaded) / len(loaded))
+        for row in s["runs"]:
+            assert row["kills"] >= 1 and row["violations"] == []
+            for key, mtbf in (("model_at_scaled", row["mtbf_scaled_s"]), ("model_at_real", row["mtbf_scaled_s"] * scale)):
+                assert row[key] == pytest.approx(1 - c["overhead"] - (c["e_lost_s"] + c["e_restart_s"]) / mtbf)
+    assert "| system | MTBF real (scaled) |" in r.stdout and "FAILED" not in r.stdout
+    assert (tmp_path / "goodput.md").read_text().startswith("T0 (failure-free step)")
