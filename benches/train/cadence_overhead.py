@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Training overhead of checkpointing to memory at the PCIe limit (issue 38, item 2).
+
+Every save lands in the memory tier (the staging arena in /dev/shm, copied from the GPU
+by a non-blocking save under the Checkpointer's guard, with the device snapshot); the disk
+takes only the saves it can sustain (``disk_every="auto"``). Goal: <= 1 % training overhead
+with an 8 GiB state saved every step at ~186 ms steps, and every 4 steps at ~57 ms steps.
+
+One process per run; for each configuration (step length, save interval) the batch is
+calibrated to the step length, then segments of ``--iters`` steps alternate, round after
+round (order reversed every other round): ``baseline`` (no checkpoint) and ``tiered``
+(a save every ``every`` steps). Every step is timed on the host with the trainer's stream
+synchronized after it (as ``loss.item()`` does). Before each segment every handle of the
+previous one is waited for (untimed), so each segment starts from an idle disk; segments
+are several disk drains long, so the disk drains during most of a tiered segment.
+
+Per configuration: the mean step of each condition, the overhead = mean(tiered) /
+mean(baseline) - 1 per round (adjacent segments), its median over rounds and a bootstrap
+95 % interval of the mean, the saves' call time (stall), and how many saves the disk took.
+
+H200 (one call, about 4 minutes with --budget-s 200):
+    python3 benches/train/cadence_overhead.py --out $OUT/cadence
+CPU smoke test (tiny model, 2 rounds):
+    python3 benches/train/cadence_overhead.py --device cpu --tiny --out /tmp/cadence
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "common"))
+sys.path.insert(0, _HERE)
+from peers import log, now  # noqa: E402
+from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--device", default="cuda", choices=["cuda", "cpu"])
+    a("--tiny", action="store_true", help="smoke test: tiny model, 2 rounds, short segments")
+    a("--state", default="8g", choices=sorted(SIZES))
+    a("--configs", default="186:1,57:4", help="comma list of STEP_MS:EVERY (a save every EVERY steps)")
+    a("--iters", type=int, default=None, help="steps per segment (default: about 8 s of steps)")
+    a("--rounds", type=int, default=30)
+    a("--budget-s", type=float, default=200.0, help="per configuration: no round starts past this")
+    a("--ck-kw", default='{"disk_every": "auto"}', help="JSON: the tiered Checkpointer's keywords")
+    a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
+    a("--snapshot", default="device", help='save(snapshot=...) ("none": no snapshot)')
+    a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
+    a("--out", default=None)
+    a("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.state, args.rounds, args.iters = "tiny", 2, args.iters or 6
+        args.configs = "5:1,5:2"
+    return args
+
+
+def bootstrap_mean_ci(xs, n=2000, seed=7):
+    if len(xs) < 2:
+        return None
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
+
+
+def run_config(tr, state, ck, step_ms, every, args, cuda):
+    from sweep import calibrate, time_steps
+
+    if cuda:
+        cal = calibrate(tr, [step_ms / 1e3], argparse.Namespace(batches=None, quick=False))
+        tr.cfg["batch"] = cal["chosen"][0]["batch"]
+    time_steps(tr, 3)
+    step_s = med(time_steps(tr, 10))
+    iters = args.iters or max(20, int(round(8.0 / max(step_s, 1e-3))))
+    snap = None if args.snapshot == "none" else args.snapshot
+    log(f"config {step_ms} ms every {every}: batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
+    rounds, stalls, disk_saves, saves = [], [], 0, 0
+    step_no = [0]
+    t_end = now() + args.budget_s
+
+    def segment(cond):
+        nonlocal disk_saves, saves
+        handles = []
+        tr.sync()
+        walls = []
+        for i in range(iters):
+            t0 = now()
+            if cond == "tiered" and i % every == 0:
+                step_no[0] += 1
+                kw = {"blocking": False}
+                if snap:
+                    kw["snapshot"] = snap
+                handles.append(ck.save(step_no[0], state, **kw))
+                stalls.append(now() - t0)
+            tr.fwd_bwd()
+            tr.step()
+            tr.sync()
+            walls.append(now() - t0)
+        for h in handles:  # untimed: the next segment starts from an idle disk
+            rep = h.wait()
+            saves += 1
+            if not rep.get("memory_only"):
+                disk_saves += 1
+        return walls
+
+    r = 0
+    while r < args.rounds and now() < t_end:
+        order = ["baseline", "tiered"] if r % 2 == 0 else ["tiered", "baseline"]
+        seg = {c: segment(c) for c in order}
+        rounds.append({c: statistics.fmean(w[1:]) for c, w in seg.items()})
+        log(f"  round {r}: baseline {rounds[-1]['baseline'] * 1e3:.2f} ms, tiered {rounds[-1]['tiered'] * 1e3:.2f} ms")
+        r += 1
+    over = [x["tiered"] / x["baseline"] - 1 for x in rounds]
+    return {
+        "step_ms_target": step_ms,
+        "every": every,
+        "batch": tr.cfg["batch"],
+        "iters_per_segment": iters,
+        "rounds": len(rounds),
+        "baseline_mean_ms": statistics.fmean(x["baseline"] for x in rounds) * 1e3,
+        "tiered_mean_ms": statistics.fmean(x["tiered"] for x in rounds) * 1e3,
+        "overhead_median": med(over),
+        "overhead_mean": statistics.fmean(over),
+        "overhead_mean_ci95": bootstrap_mean_ci(over),
+        "overhead_per_round": over,
+        "stall_ms_median": med(stalls) * 1e3 if stalls else None,
+        "stall_ms_p90": sorted(stalls)[int(0.9 * (len(stalls) - 1))] * 1e3 if stalls else None,
+        "saves": saves,
+        "disk_saves": disk_saves,
+    }
+
+
+def main(argv=None):
+    import torch
+
+    import shmckpt
+
+    args = parse_args(argv)
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "cadence")
+    os.makedirs(out, exist_ok=True)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = dict(SIZES[args.state])
+    tr = Trainer(cfg, args.device, "auto", args.seed)
+    tr.sync_mode = "stream"
+    state = tr.build_state()
+    nbytes = state_nbytes(state)
+    log(f"state {nbytes / GiB:.2f} GiB in {len(state)} tensors")
+    root = os.path.join(args.dir, f"run-{os.getpid()}")
+    kw = json.loads(args.ck_kw)
+    chunk = 1 * MiB if args.tiny else 8 * MiB
+    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "state_bytes": nbytes, "ck_kw": kw, "torch": torch.__version__}, "configs": []}
+    if cuda:
+        res["meta"]["gpu"] = torch.cuda.get_device_name(0)
+    cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
+    res["meta"]["staging_capacity"] = cap
+    ck = shmckpt.Checkpointer(root, keep_last=2, chunk_size=chunk, staging_capacity=cap, **kw)
+    try:
+        if cuda:
+            ck.prepare_cuda()
+        ck.guard(tr.opt)
+        ck.save(0, state).wait()  # warm-up: the arena sized, first-file costs
+        for c in args.configs.split(","):
+            step_ms, every = c.split(":")
+            res["configs"].append(run_config(tr, state, ck, float(step_ms), int(every), args, cuda))
+            ck.flush()
+    finally:
+        ck.close()
+        shutil.rmtree(root, ignore_errors=True)
+    with open(os.path.join(out, "cadence.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["| step (target) | save every | baseline mean | tiered mean | overhead median | mean [95 % CI] | stall median / p90 | saves (disk) | rounds |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in res["configs"]:
+        ci = c["overhead_mean_ci95"]
+        ci_s = f"[{ci[0] * 100:+.2f}, {ci[1] * 100:+.2f}] %" if ci else "-"
+        lines.append(
+            f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['baseline_mean_ms']:.1f} ms | {c['tiered_mean_ms']:.1f} ms | {c['overhead_median'] * 100:+.2f} % | {c['overhead_mean'] * 100:+.2f} % {ci_s} | {c['stall_ms_median']:.2f} / {c['stall_ms_p90']:.2f} ms | {c['saves']} ({c['disk_saves']}) | {c['rounds']} |"
+        )
+    table = "\n".join(lines)
+    with open(os.path.join(out, "cadence.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return res
+
+
+if __name__ == "__main__":
+    main()
