@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from .. import _shmckpt
 from ..errors import CorruptError, SaveFailed
-from .engines import SESSION, _remove_tree, _sources
+from .engines import SESSION, _rank_world, _remove_tree, _sources
 from .items import _check_target, _key, _Save
 from .staging import StagingMixin
 from .storage import _FORMAT_KEY, DESCRIPTOR, MANIFEST_FILE, METADATA_FILE, ShmckptStorageInfo
@@ -75,8 +75,14 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
     the default one.
 
-    Use ``async_checkpointer_type=THREAD`` (DCP's default): the engine already writes off
-    the trainer's thread, and an engine cannot move to another process.
+    Both of ``async_save``'s checkpointer types work. THREAD (DCP's default): DCP plans
+    and commits in a thread of the trainer. PROCESS: the writer is pickled to DCP's
+    checkpoint process as its configuration; ``stage()`` still copies into this
+    process's engine, whose writers write the file, and the checkpoint process receives
+    the plan view of the staged state (shapes, no bytes: see ``StagedState``), plans,
+    and commits; it opens an engine of its own (its own root in the spool, its own rank
+    lock) only for a save that was not staged by a ``ShmckptWriter``, and frees it when
+    it ends (``atexit``, or ``SIGTERM`` from the trainer's exit).
     """
 
     _synchronize_after_execute: bool = False  # stage() returns once staged
@@ -128,11 +134,30 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         # (DCP resets the writer after staging) and leaves the check to the coordinator.
         self._path_from_reset = False
 
-    def __getstate__(self) -> Any:
-        raise TypeError(
-            "ShmckptWriter cannot be pickled (its engine and staged data live in this "
-            "process): use async_save's default THREAD checkpointer type"
-        )
+    #: What a pickled writer leaves out: the state of this process (its lock, its staged
+    #: saves, the session of its engines, the process group, its last reports).
+    _NOT_PICKLED = ("_lock", "_staged", "_current", "_session", "_group", "last_report", "last_stage")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The writer's configuration only (path, overwrite, spool, engine settings): no
+        engine, descriptor, shared memory nor staged save. DCP's PROCESS checkpointer
+        pickles the writer to its checkpoint process; the saves this writer staged travel
+        with their state dicts (``StagedState``), and the process group stays behind (DCP
+        saves on that process's default group)."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._staged = collections.deque()
+        self._current = None
+        self._lock = threading.Lock()
+        self._session = SESSION
+        self._group = None
+        self.last_report = None
+        self.last_stage = {}
+        # A save this writer must stage itself (no staged state came with it) opens an
+        # engine of this process, numbered apart from the sender's saves.
+        self._role = "received"
 
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
@@ -159,10 +184,11 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             for wi in p.items:
                 planned.setdefault(_key(wi.index), wi)
         with self._lock:
-            owners = next(
-                (sv.owners for sv in self._staged if sv.owners is not None and set(sv.owners) == set(planned)),
-                None,
-            )
+            staged = list(self._staged) + list(self._session.received)
+        owners = next(
+            (sv.owners for sv in staged if sv.owners is not None and set(sv.owners) == set(planned)),
+            None,
+        )
         if owners is None or any(r >= len(plans) for r in owners.values()):
             return plans
         return [
@@ -193,10 +219,27 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         """Nothing to release per writer (the engine is shared; see ``release()``)."""
 
     # -- writing ---------------------------------------------------------------------------
+    def _take_received(self, planned: Any) -> Optional[_Save]:
+        """The save another process staged and handed over with the state dict DCP is now
+        writing (``StagedState``), if any; older received saves (their upload failed
+        before write_data) are dropped with their files."""
+        received = list(self._session.received)
+        save = next((sv for sv in reversed(received) if sv.matches(planned) or not sv.leaves), None)
+        if save is None:
+            return None
+        for sv in self._session.take_received(save):
+            if sv.error is None:
+                for d in _sources(sv, sv.rank):
+                    _remove_tree(d)
+        return save
+
     def _take_staged(self, planned: Any) -> Optional[_Save]:
         """The staged save DCP is now writing. Saves staged before it whose upload failed
         before reaching write_data (DCP raised in planning) are dropped, with their files,
         so a reused writer never publishes an older snapshot under a newer name."""
+        received = self._take_received(planned)
+        if received is not None:
+            return received
         with self._lock:
             staged = list(self._staged)
             pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
@@ -234,9 +277,20 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 objs.append((wi.index, data))
             self._submit(save, rank, world, objs)
         self._current = save
-        report = save.handle.wait()  # this rank's file and manifest part are durable
-        if _dcp_remote.is_remote(save.path):
-            report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
+        if save.handle is None:  # staged by another process, which waited for it
+            if save.error is not None or save.report is None:
+                raise SaveFailed(f"ShmckptWriter: this rank's save (staged by the trainer's engine) failed: {save.error}")
+            rank, world = _rank_world(self._group)
+            if (rank, world) != (save.rank, save.world):
+                raise SaveFailed(
+                    f"ShmckptWriter: staged as rank {save.rank} of {save.world}, written as rank {rank} "
+                    f"of {world}: async_save's PROCESS checkpointer saves on the default process group only"
+                )
+            report = save.report
+        else:
+            report = save.handle.wait()  # this rank's file and manifest part are durable
+            if _dcp_remote.is_remote(save.path):
+                report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
         self.last_report = report
         save.file = os.path.basename(report["file"])
         results = write_results(save, plan.items, "ShmckptWriter")
