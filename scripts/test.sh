@@ -74,3 +74,10 @@ stage "mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the i
 
 stage "pytest python/tests"
 "$py" -m pytest python/tests -q -p no:cacheprovider --durations=15 "$@"
+
+stage "PyTorch DCP's own tests with ShmckptWriter/ShmckptReader swapped in (scripts/dcp_peer_tests.sh)"
+if [ "${SHMCKPT_DCP_PEER_TESTS:-1}" = "0" ]; then
+    echo "== NOT RUN: DCP's own tests (SHMCKPT_DCP_PEER_TESTS=0)"
+else
+    PYTHON="$py" scripts/dcp_peer_tests.sh
+fi
