@@ -44,8 +44,10 @@ while read -r f; do
 done < "$here/FILES"
 export SHMCKPT_DCP_SWAP=1
 export PYTHONPATH="$PWD/$here/site:$PWD/$here${PYTHONPATH:+:$PYTHONPATH}"
-# torch.testing._internal (the tests' helpers, shipped in the wheel) imports expecttest.
+# torch.testing._internal (the tests' helpers, shipped in the wheel) imports expecttest;
+# DCP's ZStandard extension needs zstandard (without it its test fails before any writer).
 "$py" -c "import expecttest" 2>/dev/null || "$py" -m pip install --quiet expecttest
+"$py" -c "import zstandard" 2>/dev/null || "$py" -m pip install --quiet zstandard
 if [ $# -eq 0 ]; then
     set -- -k "not thread_count_2"
 fi
