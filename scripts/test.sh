@@ -4,7 +4,8 @@
 #   scripts/test.sh                           # venv in .venv (created on first use)
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
-# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, moto[server],
+# The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, cloudpickle,
+# jsonargparse, tensorboard, moto[server],
 # megatron-core, and ziglang and auditwheel (scripts/build_wheel.sh) if it lacks them (CPU
 # is enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
@@ -29,7 +30,9 @@ fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
-for mod in torch numpy safetensors pytest maturin lightning mypy; do
+# cloudpickle, jsonargparse and tensorboard: Lightning's own checkpoint tests, vendored in
+# python/tests/third_party/lightning, import them.
+for mod in torch numpy safetensors pytest maturin lightning mypy cloudpickle jsonargparse tensorboard; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
@@ -56,6 +59,12 @@ cargo test --all-features -p crashfs   # not a default member (see Cargo.toml)
 cargo build --bin shmckpt
 cargo build -p crashfs --bin crashfs
 export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
+
+stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
+# SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
+# crashes; every resume compared bit for bit (docs/crash.md, section 6). Prints its seed
+# (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
+cargo test --all-features --test integration soak -- --ignored --nocapture
 
 stage "scripts/build_wheel.sh, then pip install the wheel"
 # The Python suite runs against the wheel users install: the manylinux abi3 wheel, built

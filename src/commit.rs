@@ -28,8 +28,10 @@
 
 mod assemble;
 mod group;
+pub mod store;
 pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
+pub use store::{CommitStore, LocalDir};
 
 use std::fs::File;
 use std::os::fd::AsFd;
@@ -38,8 +40,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
-    rank_manifest_name, step_dir_name, trash_dir_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
+    step_dir_name, trash_dir_name,
 };
 use crate::{fsops, fsx};
 
@@ -349,21 +351,32 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
     Ok(removed)
 }
 
-/// Prepare `root/step-N.partial/` for this rank's file. Fails if step N is committed.
-/// Returns the partial directory.
+/// Prepare `root/step-N.partial/` for `rank`'s file `file_name`. Fails if step N is
+/// committed. Returns the partial directory.
+///
+/// With several ranks, the directory may hold this rank's file and durable part of step N
+/// from a dead incarnation (the partial-part rule keeps them for the other ranks). Both are
+/// removed, the part first and durably, under the directory's lock: another rank merging
+/// the parts ([`commit`], which holds that lock from reading the parts to the rename) must
+/// never find one naming a file this save is about to replace, or it commits a step whose
+/// file for this rank is missing (this save fails) or torn (this save is being written).
+/// A merge that took the old part first has committed the step: [`Error::StepExists`].
 pub fn prepare_partial(
     root: &Path,
     step: u64,
+    rank: u32,
     file_name: &str,
     world_size: u32,
 ) -> Result<PathBuf> {
     // Never while another engine's `clean_stale` is deciding what is stale.
     let _creating = lock_root_dir(root, false)?;
-    if root.join(step_dir_name(step)).exists() {
-        return Err(Error::StepExists {
-            step,
-            root: root.to_owned(),
-        });
+    let final_dir = root.join(step_dir_name(step));
+    let exists = || Error::StepExists {
+        step,
+        root: root.to_owned(),
+    };
+    if final_dir.exists() {
+        return Err(exists());
     }
     let partial = root.join(partial_dir_name(step));
     match fsops::create_dir(&partial) {
@@ -375,6 +388,20 @@ pub fn prepare_partial(
                 fsops::remove_dir_all(&partial).map_err(|e| Error::io("remove", &partial, e))?;
                 fsops::create_dir(&partial).map_err(|e| Error::io("mkdir", &partial, e))?;
             } else {
+                let _merging = match lock_root_dir(&partial, true) {
+                    Ok(l) => l,
+                    Err(_) if final_dir.exists() => return Err(exists()),
+                    Err(e) => return Err(e),
+                };
+                if final_dir.exists() {
+                    return Err(exists());
+                }
+                let part = partial.join(rank_manifest_name(rank));
+                match fsops::remove_file(&part) {
+                    Ok(()) => fsync_dir(&partial)?,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(Error::io("remove", &part, e)),
+                }
                 let stale = partial.join(file_name);
                 if stale.exists() {
                     fsops::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
@@ -447,7 +474,8 @@ pub fn write_part(
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
 /// when this call (or another rank) completed the commit, `None` when other ranks are
-/// still missing.
+/// still missing. The one commit protocol ([`store::commit_parts`]) with the root's
+/// partial directory as its barrier ([`store::SharedRoot`]).
 pub fn commit(
     root: &Path,
     step: u64,
@@ -456,77 +484,20 @@ pub fn commit(
     entry: FileEntry,
     metadata: &Metadata,
 ) -> Result<Option<PathBuf>> {
-    let final_dir = root.join(step_dir_name(step));
-    let own_rank = entry.rank;
-    let mut files = vec![entry];
-    if world_size > 1 {
-        if let Some(committed) = write_part(root, step, partial, &files[0])? {
-            return Ok(Some(committed));
-        }
-        files.clear();
-        for r in 0..world_size {
-            let p = partial.join(rank_manifest_name(r));
-            // Read without following a link or blocking on a FIFO, size-capped.
-            match manifest::read_manifest_bytes(&p) {
-                Ok(b) => files.push(serde_json::from_slice(&b).map_err(|e| {
-                    Error::corrupt(&p, None, format!("manifest part is not valid: {e}"))
-                })?),
-                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                    return Ok(None); // another rank will finish the commit
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
+    store::commit_parts(
+        &store::SharedRoot::new(root, partial),
         step,
         world_size,
-        created_unix_ms: crate::util::unix_ms(),
-        total_bytes: files.iter().map(|f| f.bytes).sum(),
-        metadata: metadata.clone(),
-        files,
-    };
-    let bytes = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    let tmp_name = format!("{MANIFEST}.tmp-{}-{own_rank}", std::process::id());
-    let tmp = partial.join(&tmp_name);
-    let merged = (|| {
-        let _ = fsops::remove_file(&tmp);
-        write_durable(&tmp, &bytes).inspect_err(|_| {
-            // A half-written manifest (e.g. ENOSPC) must not keep the partial directory alive.
-            let _ = fsops::remove_file(&tmp);
-        })?;
-        let target = partial.join(MANIFEST);
-        fsops::rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
-        fsync_dir(partial)?;
-        fsops::rename(partial, &final_dir).map_err(|e| Error::io("rename", partial, e))
-    })();
-    if let Err(e) = merged {
-        // With several ranks, every rank that sees all parts merges them, and all but one
-        // lose the race to rename the directory: any step above can then fail because the
-        // partial directory is gone. That is success if the step is committed.
-        if world_size > 1 && final_dir.join(MANIFEST).is_file() {
-            // A manifest written by this rank may have been carried into the committed
-            // directory by the winner's rename.
-            let _ = fsops::remove_file(&final_dir.join(&tmp_name));
-            // The winner's rename is durable only once the root is synced, which the
-            // winner may not have done yet: never report a commit a power loss can undo.
-            fsync_dir(root)?;
-            return Ok(Some(final_dir));
-        }
-        return Err(e);
-    }
-    fsync_dir(root)?;
-    Ok(Some(final_dir))
+        metadata,
+        Some(&entry),
+    )
 }
 
 /// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
-/// deletes the newest one. Returns the deleted steps.
+/// deletes the newest one. Returns the deleted steps. The one retention
+/// ([`store::retain`]) over the root's directory.
 pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
-    let retired = retire_old(root, keep)?;
-    let steps = retired.steps.clone();
-    retired.remove()?;
-    Ok(steps)
+    store::retain(&LocalDir::new(root), keep)
 }
 
 /// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
@@ -598,31 +569,12 @@ impl Retired {
 /// or loadable. Their files are deleted by [`Retired::remove`]; a crash in between leaves
 /// trash directories, which the next engine of the root removes at open.
 pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
-    let keep = keep.max(1);
-    let all = manifest::list_committed(root)?;
-    if all.len() <= keep {
-        return Ok(Retired::default());
-    }
-    let mut retired = Retired::default();
-    for c in &all[..all.len() - keep] {
-        let trash = root.join(trash_dir_name(c.step));
-        if std::fs::symlink_metadata(&trash).is_ok() {
-            // A leftover of an interrupted retention run (or a planted name): moving the
-            // checkpoint onto it could fail half-way; keep the checkpoint this time.
-            tracing::warn!(dir = %trash.display(), "trash name is taken; keeping this checkpoint for now");
-            continue;
-        }
-        match fsops::rename(&c.dir, &trash) {
-            Ok(()) => {
-                retired.steps.push(c.step);
-                retired.trash.push(trash);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // another rank did it
-            Err(e) => return Err(Error::io("rename", &c.dir, e)),
-        }
-    }
-    fsync_dir(root)?;
-    Ok(retired)
+    let steps = store::retire(&LocalDir::new(root), keep)?;
+    let trash = steps
+        .iter()
+        .map(|&s| root.join(trash_dir_name(s)))
+        .collect();
+    Ok(Retired { steps, trash })
 }
 
 #[cfg(test)]
@@ -683,7 +635,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let r = root.clone();
         let t = std::thread::spawn(move || {
-            let p = prepare_partial(&r, 7, &manifest::rank_file_name(1, 2), 2);
+            let p = prepare_partial(&r, 7, 1, &manifest::rank_file_name(1, 2), 2);
             tx.send(()).unwrap();
             p
         });
@@ -702,6 +654,50 @@ mod tests {
         assert_eq!(clean_stale(&root, 0).unwrap(), vec![partial]);
     }
 
+    /// A rank re-saving a step whose part a dead incarnation of it left waits for a merge
+    /// holding the partial directory (which may have read that part): once the merge has
+    /// renamed the directory, the re-save finds the step committed and removes nothing
+    /// of it; with no merge, it removes its old part before its old file.
+    #[test]
+    fn a_resave_waits_for_a_merge_that_may_use_its_old_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_owned();
+        let file = entry(0).file;
+        let partial = prepare_partial(&root, 7, 0, &file, 2).unwrap();
+        std::fs::write(partial.join(&file), b"0123456789").unwrap();
+        write_part(&root, 7, &partial, &entry(0)).unwrap();
+        let merging = lock_root_dir(&partial, true).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (r, f) = (root.clone(), file.clone());
+        let t = std::thread::spawn(move || {
+            let p = prepare_partial(&r, 7, 0, &f, 2);
+            tx.send(()).unwrap();
+            p
+        });
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300))
+                .is_err()
+        );
+        assert!(partial.join(rank_manifest_name(0)).is_file());
+        let final_dir = root.join(step_dir_name(7));
+        std::fs::rename(&partial, &final_dir).unwrap();
+        drop(merging);
+        assert!(matches!(
+            t.join().unwrap(),
+            Err(Error::StepExists { step: 7, .. })
+        ));
+        assert_eq!(std::fs::read(final_dir.join(&file)).unwrap(), b"0123456789");
+        assert!(final_dir.join(rank_manifest_name(0)).is_file());
+
+        // No merge: the old part and file are removed.
+        let partial = prepare_partial(&root, 8, 0, &file, 2).unwrap();
+        std::fs::write(partial.join(&file), b"0123456789").unwrap();
+        write_part(&root, 8, &partial, &entry(0)).unwrap();
+        assert_eq!(prepare_partial(&root, 8, 0, &file, 2).unwrap(), partial);
+        assert!(!partial.join(rank_manifest_name(0)).exists());
+        assert!(!partial.join(&file).exists());
+    }
+
     /// Two ranks that finish together both see every part and both merge: the one that
     /// loses the rename race must report the commit, not an error about the vanished
     /// partial directory (a flaky `open step-N.partial: ENOENT` from multi-rank saves).
@@ -711,7 +707,7 @@ mod tests {
         let root = dir.path();
         let meta = Metadata::new();
         for step in 1..=200u64 {
-            let partial = prepare_partial(root, step, &entry(0).file, 2).unwrap();
+            let partial = prepare_partial(root, step, 0, &entry(0).file, 2).unwrap();
             let barrier = std::sync::Barrier::new(2);
             let results: Vec<Result<Option<PathBuf>>> = std::thread::scope(|s| {
                 let hs: Vec<_> = (0..2u32)

@@ -324,7 +324,7 @@ impl EngineConfig {
         self
     }
 
-    /// How device loads from disk ([`crate::Engine::load_into_device`]) read: O_DIRECT
+    /// How device loads from disk ([`crate::Engine::load_with`] into device memory) read: O_DIRECT
     /// reads of `bytes` each (a multiple of 4096 between 1 MiB and 1 GiB), `depth` of them
     /// in flight (1..=64), into a ring of CUDA-registered buffers of their own (`depth` + 4
     /// buffers, made and registered at the first device load; the staging arena is not

@@ -107,8 +107,9 @@ pub mod flash {
 }
 
 pub use engine::{
-    Engine, LoadReport, LoadSource, OwnedData, OwnedTensor, SaveHandle, SaveOptions, SaveReport,
-    SaveTimings, SaveWatch, StagedReport, StepSel, Tier, Tiers,
+    Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Loaded, OwnedData, OwnedTensor,
+    SaveHandle, SaveOptions, SaveReport, SaveTimings, SaveWatch, Sources, StagedReport, StepSel,
+    Tier, Tiers,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

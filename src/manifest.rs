@@ -82,6 +82,66 @@ pub struct TensorEntry {
 }
 
 impl FileEntry {
+    /// The checks every manifest read makes of one rank's entry: plain file and object
+    /// names, tensors back to back from the data section's start, each tensor's bytes
+    /// matching its dtype and shape, and `data_start` + data == `bytes` (checked
+    /// arithmetic). `path` names the manifest in errors ([`Error::Corrupt`]).
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let f = self;
+        let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
+        if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("object name {o:?} is not a plain name"),
+            ));
+        }
+        if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("file name {:?} is not a plain name", f.file),
+            ));
+        }
+        let mut at = 0u64;
+        for t in &f.tensors {
+            let [b, e] = t.data_offsets;
+            if b != at || e < b {
+                return Err(Error::corrupt(
+                    path,
+                    Some(&t.name),
+                    format!(
+                        "data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"
+                    ),
+                ));
+            }
+            if t.dtype.byte_len(&t.shape) != Some(e - b) {
+                return Err(Error::corrupt(
+                    path,
+                    Some(&t.name),
+                    format!(
+                        "{} bytes do not match {} with shape {:?}",
+                        e - b,
+                        t.dtype,
+                        t.shape
+                    ),
+                ));
+            }
+            at = e;
+        }
+        if f.data_start.checked_add(at) != Some(f.bytes) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "{}: data start {} + data {} != file size {}",
+                    f.file, f.data_start, at, f.bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The rank's object under `step-N/` in a bucket: [`FileEntry::object`], else `file`.
     pub fn object_name(&self) -> &str {
         self.object.as_deref().unwrap_or(&self.file)
@@ -101,6 +161,68 @@ impl TensorEntry {
 }
 
 impl Manifest {
+    /// The one manifest builder: the manifest of `step` committing `files`, every rank's
+    /// entry (its manifest part), with the user's `metadata`, stamped now. Every commit
+    /// (a shared root's, a node-local group's, assembled part-only saves', a bucket's)
+    /// builds its manifest here, from parts it did not write itself: they are checked
+    /// first. Every rank of `world_size` (at least 1) exactly once, in rank order; no two
+    /// ranks naming the same file or object; each entry passing [`FileEntry::validate`];
+    /// the total size computed with checked arithmetic. Anything else is
+    /// [`Error::Corrupt`] naming `path` (where the manifest is to be written) and nothing
+    /// is built, so a manifest built here always passes [`Manifest::parse`].
+    pub fn from_parts(
+        step: u64,
+        world_size: u32,
+        files: Vec<FileEntry>,
+        metadata: &Metadata,
+        path: &Path,
+    ) -> Result<Manifest> {
+        let ranks: Vec<u32> = files.iter().map(|f| f.rank).collect();
+        if world_size == 0 || !ranks.iter().copied().eq(0..world_size) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "step {step}: parts of ranks {ranks:?} do not cover world size {world_size} once each, in order"
+                ),
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut objects = std::collections::BTreeSet::new();
+        let mut total_bytes = 0u64;
+        for f in &files {
+            f.validate(path)?;
+            if !names.insert(f.file.as_str()) || !objects.insert(f.object_name()) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!(
+                        "step {step}: rank {} names file {:?} (object {:?}) another rank names",
+                        f.rank,
+                        f.file,
+                        f.object_name()
+                    ),
+                ));
+            }
+            total_bytes = total_bytes.checked_add(f.bytes).ok_or_else(|| {
+                Error::corrupt(
+                    path,
+                    None,
+                    format!("step {step}: the parts' sizes overflow"),
+                )
+            })?;
+        }
+        Ok(Manifest {
+            format_version: FORMAT_VERSION,
+            step,
+            world_size,
+            created_unix_ms: crate::util::unix_ms(),
+            total_bytes,
+            metadata: metadata.clone(),
+            files,
+        })
+    }
+
     /// Parse and sanity-check a manifest (offsets inside the file, sizes matching dtype and
     /// shape). `path` names the file in errors.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Manifest> {
@@ -127,57 +249,7 @@ impl Manifest {
             ));
         }
         for f in &m.files {
-            let plain = |n: &str| !(n.contains('/') || n.is_empty() || n == "." || n == "..");
-            if let Some(o) = f.object.as_deref().filter(|o| !plain(o)) {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!("object name {o:?} is not a plain name"),
-                ));
-            }
-            if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!("file name {:?} is not a plain name", f.file),
-                ));
-            }
-            let mut at = 0u64;
-            for t in &f.tensors {
-                let [b, e] = t.data_offsets;
-                if b != at || e < b {
-                    return Err(Error::corrupt(
-                        path,
-                        Some(&t.name),
-                        format!(
-                            "data offsets [{b}, {e}] leave a hole or overlap (expected start {at})"
-                        ),
-                    ));
-                }
-                if t.dtype.byte_len(&t.shape) != Some(e - b) {
-                    return Err(Error::corrupt(
-                        path,
-                        Some(&t.name),
-                        format!(
-                            "{} bytes do not match {} with shape {:?}",
-                            e - b,
-                            t.dtype,
-                            t.shape
-                        ),
-                    ));
-                }
-                at = e;
-            }
-            if f.data_start.checked_add(at) != Some(f.bytes) {
-                return Err(Error::corrupt(
-                    path,
-                    None,
-                    format!(
-                        "{}: data start {} + data {} != file size {}",
-                        f.file, f.data_start, at, f.bytes
-                    ),
-                ));
-            }
+            f.validate(path)?;
         }
         Ok(m)
     }
@@ -342,6 +414,149 @@ pub fn check_listed_manifest(bytes: &[u8], step: u64) -> std::result::Result<(),
     }
 }
 
+/// What the one listing rule ([`list_steps`]) reads of a checkpoint root: a local
+/// directory ([`LocalDir`]) or a bucket prefix (`crate::remote::Remote`). The commit
+/// protocol's store (`crate::commit::store::CommitStore`) builds on it.
+pub trait StepListing {
+    /// The root, for messages.
+    fn describe(&self) -> String;
+    /// The path (segments relative to the root) of every file or object under a
+    /// `step-*` name that may be a step's manifest. The rule ([`step_of_manifest_path`])
+    /// decides which are: those of any other shape are ignored with a warning.
+    fn manifest_paths(&self) -> Result<Vec<Vec<String>>>;
+    /// What `step-<step>/manifest.json` holds; `Err` when the root cannot be read at all.
+    fn manifest_bytes(&self, step: u64) -> Result<ManifestBytes>;
+}
+
+/// What a store holds at `step-N/manifest.json` ([`StepListing::manifest_bytes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ManifestBytes {
+    /// Nothing: the step is not committed (or went meanwhile).
+    Absent,
+    /// The manifest's bytes, read as a manifest may be (no link followed, size-capped).
+    Bytes(Vec<u8>),
+    /// Something that cannot be read as a manifest may be (a link, a file too large), and
+    /// why: the step is ignored.
+    Unreadable(String),
+}
+
+/// What [`list_steps`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Committed steps, oldest first.
+    pub committed: Vec<u64>,
+    /// Steps whose `step-N/manifest.json` is present but does not commit them, with why:
+    /// never listed, loaded or deleted.
+    pub ignored: BTreeMap<u64, String>,
+}
+
+/// The one rule of which steps a root has committed, on disk and in a bucket: a step N is
+/// committed when exactly `step-<N>/manifest.json` ([`step_of_manifest_path`], canonical
+/// names only) is there, readable as a manifest may be, and its bytes name step N
+/// ([`check_listed_manifest`]). Anything else named like a step's manifest
+/// (`step-9/x/manifest.json`, `step-05/manifest.json`, a manifest of another step, an
+/// unreadable one) is ignored with a warning.
+pub fn list_steps<S: StepListing + ?Sized>(store: &S) -> Result<Listing> {
+    let mut steps = std::collections::BTreeSet::new();
+    for path in store.manifest_paths()? {
+        match step_of_manifest_path(path.iter().map(String::as_str)) {
+            Some(step) => {
+                steps.insert(step);
+            }
+            None => tracing::warn!(
+                root = %store.describe(),
+                path = %path.join("/"),
+                "ignoring a name that is not a canonical step-N/manifest.json"
+            ),
+        }
+    }
+    let mut out = Listing::default();
+    for step in steps {
+        let why = match store.manifest_bytes(step)? {
+            ManifestBytes::Absent => continue, // not committed
+            ManifestBytes::Bytes(bytes) => match check_listed_manifest(&bytes, step) {
+                Ok(()) => {
+                    out.committed.push(step);
+                    continue;
+                }
+                Err(why) => why,
+            },
+            ManifestBytes::Unreadable(why) => why,
+        };
+        tracing::warn!(root = %store.describe(), step, "ignoring a step: {why}");
+        out.ignored.insert(step, why);
+    }
+    Ok(out)
+}
+
+/// A checkpoint root on a local filesystem: `root/step-N/` directories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalDir {
+    root: PathBuf,
+}
+
+impl LocalDir {
+    /// The root directory `root` (followed as given, as the root is everywhere).
+    pub fn new(root: impl Into<PathBuf>) -> LocalDir {
+        LocalDir { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+impl StepListing for LocalDir {
+    fn describe(&self) -> String {
+        self.root.display().to_string()
+    }
+
+    /// `step-*/manifest.json` of each entry named `step-*` but for partial and trash
+    /// directories (never committed steps).
+    fn manifest_paths(&self) -> Result<Vec<Vec<String>>> {
+        let root = &self.root;
+        let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io("read_dir", root, e))?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if name.starts_with("step-") && !name.ends_with(".partial") && !name.ends_with(".trash")
+            {
+                out.push(vec![name, MANIFEST.to_owned()]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Only a real (not linked) directory's regular `manifest.json`, opened without
+    /// following a link, size-capped.
+    fn manifest_bytes(&self, step: u64) -> Result<ManifestBytes> {
+        let dir = self.root.join(step_dir_name(step));
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.file_type().is_dir() => {}
+            Ok(_) => {
+                return Ok(ManifestBytes::Unreadable(
+                    "its name is not a real directory (a link or a file)".into(),
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ManifestBytes::Absent),
+            Err(e) => return Ok(ManifestBytes::Unreadable(format!("it cannot be read: {e}"))),
+        }
+        match read_manifest_bytes(&dir.join(MANIFEST)) {
+            Ok(b) => Ok(ManifestBytes::Bytes(b)),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                Ok(ManifestBytes::Absent)
+            }
+            Err(e) => Ok(ManifestBytes::Unreadable(format!(
+                "its manifest cannot be read: {e}"
+            ))),
+        }
+    }
+}
+
 /// A committed checkpoint found on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointInfo {
@@ -351,53 +566,21 @@ pub struct CheckpointInfo {
     pub dir: PathBuf,
 }
 
-/// Committed checkpoints under `root`, oldest first. Only real (not linked) directories
-/// with a canonical `step-<N>` name that hold a regular `manifest.json` of step N count;
+/// Committed checkpoints under `root`, oldest first, by the one listing rule
+/// ([`list_steps`] over [`LocalDir`]). Only real (not linked) directories with a
+/// canonical `step-<N>` name that hold a regular `manifest.json` of step N count;
 /// partial and trash directories never do. Anything else named like a step (`step-05`, a
-/// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is ignored
-/// with a warning: never listed, loaded or deleted.
+/// link `step-9 -> step-4`, a manifest of another step, an unreadable manifest) is
+/// ignored with a warning: never listed, loaded or deleted.
 pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
-    let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
-    let mut out = Vec::new();
-    for entry in rd {
-        let entry = entry.map_err(|e| Error::io("read_dir", root, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
-            continue;
-        };
-        if !name.starts_with("step-") || name.ends_with(".partial") || name.ends_with(".trash") {
-            continue;
-        }
-        let dir = entry.path();
-        let Some(step) = parse_step_dir(&name) else {
-            tracing::warn!(dir = %dir.display(), "ignoring a directory entry with a non-canonical step name");
-            continue;
-        };
-        // `file_type` does not follow links.
-        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-        if !is_dir {
-            tracing::warn!(dir = %dir.display(), "ignoring a step name that is not a real directory (a link or a file)");
-            continue;
-        }
-        let path = dir.join(MANIFEST);
-        let bytes = match read_manifest_bytes(&path) {
-            Ok(b) => b,
-            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                continue; // not committed
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "ignoring a step directory whose manifest cannot be read");
-                continue;
-            }
-        };
-        match check_listed_manifest(&bytes, step) {
-            Ok(()) => out.push(CheckpointInfo { step, dir }),
-            Err(why) => {
-                tracing::warn!(dir = %dir.display(), "ignoring a step directory: {why}");
-            }
-        }
-    }
-    out.sort_by_key(|c| c.step);
-    Ok(out)
+    Ok(list_steps(&LocalDir::new(root))?
+        .committed
+        .into_iter()
+        .map(|step| CheckpointInfo {
+            step,
+            dir: root.join(step_dir_name(step)),
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -547,5 +730,56 @@ mod tests {
         }
         assert!(Manifest::parse(b"{not json", p).is_err());
         assert!(Manifest::parse(&[0xff, 0xfe], p).is_err());
+    }
+
+    /// The one builder refuses parts that are not every rank's once, in order, each with
+    /// its own file, valid, and of a total that fits; what it builds parses.
+    #[test]
+    fn from_parts_checks_every_part() {
+        let part = |rank: u32, bytes: u64| FileEntry {
+            rank,
+            file: rank_file_name(rank, 2),
+            bytes,
+            data_start: bytes,
+            header_crc32c: None,
+            object: None,
+            tensors: Vec::new(),
+        };
+        let p = Path::new("step-3/manifest.json");
+        let meta: Metadata = [("k".to_owned(), "v".to_owned())].into();
+        let m = Manifest::from_parts(3, 2, vec![part(0, 8), part(1, 16)], &meta, p).unwrap();
+        assert_eq!((m.step, m.world_size, m.total_bytes), (3, 2, 24));
+        assert_eq!((m.format_version, &m.metadata), (FORMAT_VERSION, &meta));
+        let bytes = serde_json::to_vec(&m).unwrap();
+        assert_eq!(Manifest::parse(&bytes, p).unwrap(), m);
+
+        let mut same_file = part(1, 16);
+        same_file.file = rank_file_name(0, 2);
+        let mut bad_entry = part(1, 16);
+        bad_entry.data_start = 4;
+        let cases: [(u32, Vec<FileEntry>, &str); 6] = [
+            (2, vec![part(1, 8), part(0, 8)], "parts of ranks [1, 0]"),
+            (2, vec![part(0, 8)], "parts of ranks [0]"),
+            (
+                2,
+                vec![part(0, 8), part(1, 8), part(1, 8)],
+                "parts of ranks [0, 1, 1]",
+            ),
+            (0, vec![], "world size 0"),
+            (2, vec![part(0, 8), same_file], "another rank names"),
+            (
+                2,
+                vec![part(0, 8), bad_entry],
+                "data start 4 + data 0 != file size 16",
+            ),
+        ];
+        for (world, parts, want) in cases {
+            let e = Manifest::from_parts(3, world, parts, &meta, p).unwrap_err();
+            assert!(matches!(e, Error::Corrupt { .. }), "{want}: {e}");
+            assert!(e.to_string().contains(want), "{want}: {e}");
+        }
+        let e =
+            Manifest::from_parts(3, 2, vec![part(0, u64::MAX), part(1, 1)], &meta, p).unwrap_err();
+        assert!(e.to_string().contains("sizes overflow"), "{e}");
     }
 }

@@ -120,7 +120,10 @@ class ShmLoad(NoLoad):
     def finish(self):
         staged = self.h.wait_staged() or {}
         rep = self.h.wait()
-        committed = self.t0 + rep["committed"]
+        # A rank whose file was not the step's last reports no commit time (its report's
+        # dir is None): its part of the save ended when its own file was durable.
+        done_s = rep["committed"] if rep["committed"] is not None else rep["durable"]
+        committed = self.t0 + done_s
         return {
             "stall_s": self.stall,
             # the end of the drain: done() first seen true (after the commit, the
@@ -129,7 +132,7 @@ class ShmLoad(NoLoad):
             "committed_abs": committed,
             "poll_done_abs": self.polled,
             "bytes": rep["bytes"],
-            "gbps": rep["bytes"] / rep["committed"] / 1e9 if rep["committed"] else None,
+            "gbps": rep["bytes"] / done_s / 1e9 if done_s else None,
             "report": {k: rep.get(k) for k in ("staging", "durable", "committed", "backend", "direct_io", "retired")},
             # the device snapshot's size, and whether its copies went in one driver call
             "snapshot": {k: staged.get(k) for k in ("snapshot_bytes", "snapshot_batched")},

@@ -27,7 +27,8 @@ enum Cmd {
     Bench(cli::bench::BenchArgs),
     /// Show the checkpoints of a root, or one checkpoint's manifest.
     Inspect(cli::tools::InspectArgs),
-    /// Verify a checkpoint: header against manifest, sizes and every CRC-32C.
+    /// Verify a checkpoint: header against manifest, sizes and every CRC-32C; with
+    /// --replicas, also that the rank files' copies of each replicated tensor agree.
     Verify(cli::tools::VerifyArgs),
     /// Delete all but the newest N committed checkpoints and stale partial directories.
     Gc(cli::tools::GcArgs),

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use shmckpt::cuda::{Context, DeviceBuffer, Stream};
 use shmckpt::testing::synthetic::{self, LayoutEntry};
-use shmckpt::{Dtype, EngineConfig, Metadata, SaveOptions, StepSel, Tensor};
+use shmckpt::{Dtype, EngineConfig, LoadInto, LoadRequest, Metadata, SaveOptions, Tensor};
 
 /// ≥ 4 GiB in ≥ 100 device tensors of mixed dtypes and odd sizes, random content.
 fn big_layout() -> Vec<LayoutEntry> {
@@ -117,7 +117,11 @@ fn gpu_round_trip_4gib_overwritten_after_save() {
             .zip(fresh.iter_mut())
             .collect();
         assert_eq!(
-            engine.load_into_device(StepSel::Latest, &mut dest).unwrap(),
+            engine
+                .load_with(&LoadRequest::latest(), LoadInto::device(&mut dest))
+                .unwrap()
+                .report
+                .step,
             1
         );
     }
@@ -294,7 +298,10 @@ fn gpu_restore_from_disk_and_from_memory_byte_exact() {
                 .map(|e| e.name.as_str())
                 .zip(fresh.iter_mut())
                 .collect();
-            engine.load_into_device_with_report(1, &mut dest).unwrap()
+            engine
+                .load_with(&LoadRequest::new(1), LoadInto::device(&mut dest))
+                .unwrap()
+                .report
         };
         eprintln!(
             "{bytes} bytes to the device from {:?} in {:?}",
@@ -533,8 +540,9 @@ fn gpu_load_from_the_bucket_goes_through_two_registered_buffers() {
             .zip(fresh.iter_mut())
             .collect();
         let report = engine
-            .load_into_device_with_report(StepSel::Latest, &mut dest)
-            .unwrap();
+            .load_with(&LoadRequest::latest(), LoadInto::device(&mut dest))
+            .unwrap()
+            .report;
         assert_eq!(report.step, 2);
         assert_eq!(report.source, shmckpt::LoadSource::Remote);
     }
@@ -558,7 +566,9 @@ fn gpu_load_from_the_bucket_goes_through_two_registered_buffers() {
     // SAFETY: each slice is a whole buffer of `fresh`, which nothing else uses until the
     // call returns.
     #[allow(unsafe_code)]
-    let load = unsafe { engine.load_into_device_remote_raw(2, &slices) }.unwrap();
+    let into = unsafe { shmckpt::LoadInto::device_raw(&slices) };
+    let req = LoadRequest::new(2).with_sources(shmckpt::Sources::BUCKET);
+    let load = engine.load_with(&req, into).unwrap().remote.unwrap();
     let data: u64 = sizes.iter().map(|&n| n as u64).sum();
     assert_eq!(load.staged, data);
     assert_eq!(load.staging, 8 << 20);

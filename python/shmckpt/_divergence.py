@@ -87,30 +87,50 @@ class ReplicaCheck:
             self._queue.clear()
 
     # -- one save ----------------------------------------------------------------------
+    @staticmethod
+    def wait_checksums(rust: Any) -> List[Any]:
+        """The ``(name, dtype, shape, crc32c)`` of each tensor of the save ``rust`` (an
+        engine save handle started with ``confirm=True``) once its file is durable; raises
+        the save's error when it failed first."""
+        nap = 0.0002
+        while True:
+            sums = rust.checksums()
+            if sums is not None:
+                return list(sums)
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+
     def _digests(self, handle: "SaveHandle") -> Tuple[Optional[List[Any]], str]:
         """This rank's digests of ``handle``'s save once known, or None and why not."""
         if handle._rust is None and handle._future is None:
             return None, "the save was refused when it started"
         try:
             rust = handle._get_rust()
-        except Exception as e:  # the save never started: it has no checksums
+            return self.wait_checksums(rust), ""
+        except Exception as e:  # the save never started, or failed before it was durable
             return None, f"{type(e).__name__}: {e}"
-        nap = 0.0002
-        while True:
-            try:
-                sums = rust.checksums()
-            except Exception as e:  # the save failed before its file was durable
-                return None, f"{type(e).__name__}: {e}"
-            if sums is not None:
-                return sums, ""
-            time.sleep(nap)
-            nap = min(nap * 2, 0.005)
 
     def _check(self, handle: "SaveHandle") -> None:
-        step = handle.step
         digests, why = self._digests(handle)  # Ctrl-C here: still queued, checked later
         t0 = time.perf_counter()
-        rust = handle._rust
+        try:
+            handle._divergence = self.check_step(handle.step, digests, why, handle._rust)
+        except BaseException as e:
+            handle._check_error = e
+            raise
+        finally:
+            handle._checked = True
+            self.last_seconds = handle.replica_check_seconds = time.perf_counter() - t0
+
+    def check_step(
+        self, step: int, digests: Optional[List[Any]], why: str, rust: Any, what: Optional[str] = None
+    ) -> Optional[ReplicaDivergence]:
+        """The check of one save, on every rank of the group: gather this rank's
+        ``digests`` (None: its save failed, ``why``), compare, decide, and confirm or refuse
+        the commit of ``rust`` (the engine's save handle, held by ``confirm=True``).
+        Returns the divergence found (``committed`` says whether the step was committed
+        anyway) or None; raises the group's error (the commit refused) when the check
+        itself failed. ``what`` names the checkpoint in messages (default ``step N``)."""
         try:
             n = self._dist.get_world_size(self.group)
             got: List[Any] = [None] * n
@@ -120,39 +140,35 @@ class ReplicaCheck:
             if failed:
                 reason = "; ".join(f"rank {r}'s save failed ({w})" for r, w in failed)
                 if rust is not None:
-                    rust.confirm_commit(f"replica check of step {step}: {reason}")
-                return
+                    rust.confirm_commit(f"replica check of {what or f'step {step}'}: {reason}")
+                return None
             found = _shmckpt.replica_divergence([d for _, d, _ in got])
             if not found:
                 assert rust is not None
                 rust.confirm_commit(None)
-                return
+                return None
             divs = [
                 (name, [ranks[i] for i in odd], {ranks[i]: int(c) for i, c in enumerate(crcs)})
                 for name, odd, crcs, _ in found
             ]
-            commit = self._decide(step, divs)
-            err = ReplicaDivergence(_message(step, divs, commit), step, divs, committed=commit)
-            handle._divergence = err
+            commit = self._decide(step, divs, what)
+            err = ReplicaDivergence(_message(step, divs, commit, what), step, divs, committed=commit)
             assert rust is not None
             if commit:
                 if self.on_divergence == "warn":
-                    warnings.warn(str(err), ReplicaDivergenceWarning, stacklevel=4)
+                    warnings.warn(str(err), ReplicaDivergenceWarning, stacklevel=5)
                 rust.confirm_commit(None)
             else:
                 rust.confirm_commit(str(err))
+            return err
         except BaseException as e:
             # The group failed (a rank died or timed out) or the decision raised: the step
             # is not committed (its commit is refused; the caller gets this error).
             if rust is not None:
-                rust.confirm_commit(f"replica check of step {step} failed: {type(e).__name__}: {e}")
-            handle._check_error = e
+                rust.confirm_commit(f"replica check of {what or f'step {step}'} failed: {type(e).__name__}: {e}")
             raise
-        finally:
-            handle._checked = True
-            self.last_seconds = handle.replica_check_seconds = time.perf_counter() - t0
 
-    def _decide(self, step: int, divs: List[Tuple[str, List[int], Dict[int, int]]]) -> bool:
+    def _decide(self, step: int, divs: List[Tuple[str, List[int], Dict[int, int]]], what: Optional[str] = None) -> bool:
         """Whether to commit despite ``divs``: the same answer on every rank of the group."""
         if self.on_divergence == "raise":
             return False
@@ -162,7 +178,7 @@ class ReplicaCheck:
         assert callable(cb)
         raised: Optional[Exception] = None
         try:
-            mine = bool(cb(ReplicaDivergence(_message(step, divs, False), step, divs)))
+            mine = bool(cb(ReplicaDivergence(_message(step, divs, False, what), step, divs)))
         except Exception as e:  # counts as "do not commit"; raised once every rank voted
             mine, raised = False, e
         n = self._dist.get_world_size(self.group)
@@ -173,11 +189,13 @@ class ReplicaCheck:
         return all(bool(v) for v in votes)
 
 
-def _message(step: int, divs: List[Tuple[str, List[int], Dict[int, int]]], committed: bool) -> str:
+def _message(
+    step: int, divs: List[Tuple[str, List[int], Dict[int, int]]], committed: bool, what: Optional[str] = None
+) -> str:
     parts = []
     for name, odd, crcs in divs[:8]:
         shown = ", ".join(f"rank {r}: {c:#010x}" for r, c in sorted(crcs.items()))
         parts.append(f"{name!r} differs on rank(s) {odd} ({shown})")
     more = f" and {len(divs) - 8} more tensors" if len(divs) > 8 else ""
-    what = "committed anyway" if committed else "not committed"
-    return f"replicas diverge in step {step} ({what}): " + "; ".join(parts) + more
+    done = "committed anyway" if committed else "not committed"
+    return f"replicas diverge in {what or f'step {step}'} ({done}): " + "; ".join(parts) + more

@@ -94,3 +94,21 @@ def _open_untrusted(path: str) -> Any:
         f.close()
         raise UnsafePath(f"{path}: not a regular file; refusing to read it", path=path)
     return f
+
+
+def byte_view(x: Any) -> Any:
+    """The memory of a C-contiguous destination ``x`` as a flat ``uint8`` array sharing it,
+    for the engine's ``load_into*`` (which read the memory from the object's
+    ``__array_interface__``, or ``__cuda_array_interface__`` on a CUDA device, and check it:
+    writable, contiguous, the right length): a numpy array or CPU tensor gives a numpy
+    view, a CUDA tensor a CUDA ``uint8`` tensor. Raises ``ValueError`` for a
+    non-contiguous one."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError("a load destination must be C-contiguous")
+        return x.reshape(-1).view(np.uint8)
+    d = x.detach()
+    if not d.is_contiguous():
+        raise ValueError("a load destination must be contiguous")
+    flat = d.reshape(-1).view(torch.uint8)
+    return flat if flat.device.type == "cuda" else flat.numpy()

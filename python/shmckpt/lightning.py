@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import threading
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+import weakref
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Type, TypeVar
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -28,40 +28,23 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "shmckpt.lightning needs PyTorch Lightning: pip install lightning"
     ) from e
 
-import numpy as np
-
-from . import _shmckpt, _state
+from . import _named, _shmckpt
 from .checkpointer import Checkpointer
-from .checkpointer.load import _finish_tensor, _torch_dtype_for
-from .errors import CorruptError, NotFound, UnsafePath
+from .errors import NotFound
 
-__all__ = ["ShmckptCheckpointIO"]
+__all__ = ["ShmckptCheckpointIO", "load_from_checkpoint", "to_torch_file"]
+
+M = TypeVar("M")
 
 #: Metadata key recording the Lightning file name a shmckpt step was saved for.
-PATH_KEY = "lightning.path"
-
-
-#: ``scheme://`` at the start of a path: a URL (``s3://``, ``memory://``, any fsspec one).
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+PATH_KEY = _named.PATH_KEY
 
 
 def _local(path: Any) -> str:
     """The absolute local path of a Lightning checkpoint path. A URL is refused
     (``ValueError`` naming it): it is never taken for a local path (``s3://b/x`` is not
-    ``./s3:/b/x``). ``file://`` URLs are local paths."""
-    p = os.fspath(path)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
-    m = _URL.match(p)
-    if m is not None:
-        if m.group(1).lower() != "file":
-            raise ValueError(
-                f"ShmckptCheckpointIO: {p!r} is a {m.group(1)}:// URL; this plugin saves to a "
-                "local directory only (give ModelCheckpoint a local dirpath, or use Lightning's "
-                "own CheckpointIO for remote storage)"
-            )
-        p = p[m.end() :]
-    return os.path.abspath(p)
+    ``./s3:/b/x``). ``file://`` and ``shmckpt://`` URLs are local paths."""
+    return _named.local_path(path)
 
 
 def _split(path: Any) -> Tuple[str, str]:
@@ -69,66 +52,52 @@ def _split(path: Any) -> Tuple[str, str]:
     return os.path.split(_local(path))
 
 
-def _load_step(d: str, step: int, reserved: Optional[str] = None) -> Any:
-    """The nested state of committed checkpoint ``d/step-N`` (rank 0 of 1), read without an
-    engine (so without the root's rank lock: every process of a DDP job can load at once),
-    header checked against the manifest and every CRC-32C verified. The manifest must be
-    of ``step`` (the step the link names): a step directory replaced by a copy of another
-    step is a ``CorruptError`` naming both. ``reserved``: the name reserved for ``step``
-    by a save that was not published; the step must exist and have been saved for that
-    name (else ``NotFound``). Tensors are CPU tensors backed by the buffers read (no copy)."""
-    sdir = os.path.join(d, f"step-{step}")
-    if os.path.islink(sdir) or not os.path.isdir(sdir):
-        if reserved is not None:
-            raise NotFound(
-                f"{os.path.join(d, reserved)}: reserved for step {step} by a save that was never "
-                f"committed (its process ended before the checkpoint was durable); {sdir} does not exist",
-                path=os.path.join(d, reserved),
-                step=step,
-            )
-        raise NotFound(f"{sdir}: not a checkpoint directory (a link or missing)", path=sdir, step=step)
-    file, meta, tensors = _shmckpt.read_rank_file(sdir, 0, step=step)
-    if reserved is not None and meta.get(PATH_KEY) != reserved:
-        raise NotFound(
-            f"{os.path.join(d, reserved)}: reserved for step {step} by a save that was never committed; "
-            f"{sdir} was saved for {meta.get(PATH_KEY)!r}",
-            path=os.path.join(d, reserved),
-            step=step,
-        )
-    header = _shmckpt.rank_file_metadata(sdir, 0, step=step)
-    objs = {name: (dtype, shape, buf) for name, dtype, shape, _crc, _off, _n, buf in tensors}
-    text = header.get(_state.STATE_KEY)
-    import torch
+_load_step = _named.load_step
 
-    def tensor(name: str, node: Optional[Dict[str, Any]]) -> Any:
-        if name not in objs:
-            raise ValueError(f"tensor {name!r} is not in the file")
-        dtype, shape, buf = objs[name]
-        if node is not None and node.get("t") == "ndarray":
-            ndt = np.dtype(str(node.get("dtype")))
-            if _state.NUMPY_TO_ST.get(ndt) != dtype:
-                raise ValueError(f"array {name!r}: numpy dtype {ndt} does not match the file")
-            a = np.asarray(buf) if buf is not None and len(buf) else np.empty(0, dtype=np.uint8)
-            return a.view(ndt).reshape(shape) if a.size else np.empty(shape, dtype=ndt)
-        tdt = _torch_dtype_for(node, dtype)
-        if buf is None or len(buf) == 0:
-            return torch.empty(shape, dtype=tdt)
-        return torch.from_numpy(np.asarray(buf)).view(tdt).reshape(shape)
 
-    if text is None:
-        return {name: tensor(name, None) for name in objs}
-    made: Dict[str, Any] = {}
+#: Every plugin of this process: a load waits for the saves all of them have queued.
+_PLUGINS: "weakref.WeakSet[ShmckptCheckpointIO]" = weakref.WeakSet()
 
-    def lookup(node: Dict[str, Any]) -> Any:
-        name = node.get("alias") or node["n"]
-        if name not in made:
-            made[name] = _finish_tensor(tensor(name, node), node)
-        return made[name]
 
+def _wait_for_plugins(exclude: Optional["ShmckptCheckpointIO"] = None) -> None:
+    for io in list(_PLUGINS):
+        if io is not exclude:
+            concurrent.futures.wait(list(io._queued))
+
+
+#: The engine's lock file of rank 0 in a checkpoint root (``lock_name`` in src/commit.rs):
+#: held (``flock``) by the open engine of the directory, removed by ``teardown``.
+RANK_LOCK = ".shmckpt-rank-0.lock"
+
+
+def _remove_rank_lock(d: str) -> None:
+    """Remove ``d``'s rank lock file once its engine is closed, so that Lightning's
+    directory holds only checkpoints. Done as an engine takes it: opened without following
+    a link, locked exclusively without waiting, and unlinked only while locked and only if
+    the path is still that file. Left as it is when anyone else holds it (another engine
+    of the directory, or ``shmckpt recover`` / ``shm`` probing it): it is theirs."""
+    import fcntl
+    import stat
+
+    p = os.path.join(d, RANK_LOCK)
     try:
-        return _state.unflatten(_state.decode(text), lookup)
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-        raise CorruptError(f"{sdir}: the {_state.STATE_KEY} metadata does not describe the file: {e}") from None
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # missing, or a link (never the engine's): left as it is
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        held = os.fstat(fd)
+        try:
+            now = os.lstat(p)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(held.st_mode) and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            os.unlink(p)
+    finally:
+        os.close(fd)
 
 
 class ShmckptCheckpointIO(CheckpointIO):
@@ -217,6 +186,15 @@ class ShmckptCheckpointIO(CheckpointIO):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued: list = []
         self._error: Optional[BaseException] = None
+        _PLUGINS.add(self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled as its settings (``torch.save(trainer)``, a spawned process): a copy is
+        a new plugin with the same settings, without the engines, saves or worker."""
+        return {"settings": dict(self._settings)}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(**state["settings"])  # type: ignore[misc]
 
     # -- internals ------------------------------------------------------------------------
     def _checkpointer(self, d: str) -> Checkpointer:
@@ -257,6 +235,12 @@ class ShmckptCheckpointIO(CheckpointIO):
         """Wait for everything queued on the worker (errors are kept in ``_error``)."""
         queued, self._queued = self._queued, []
         concurrent.futures.wait(queued)
+
+    def _wait_others(self) -> None:
+        """Wait for the saves and removals queued by every other plugin of this process
+        (a checkpoint saved by one Trainer and loaded by the next: it is published first;
+        their errors stay theirs)."""
+        _wait_for_plugins(exclude=self)
 
     def _publish(self, ck: Checkpointer, d: str, name: str, step: int, handle: Any) -> None:
         try:
@@ -327,33 +311,28 @@ class ShmckptCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
-        """Load the checkpoint saved as ``path`` (after the saves queued before it are
-        published), every CRC-32C verified, its manifest of the step the link names
+        """Load the checkpoint saved as ``path`` (after the saves queued before it, by any
+        plugin of this process, are published), every CRC-32C verified, its manifest of the step the link names
         (``CorruptError`` naming both otherwise). A name reserved by a save that was not
         published (its process ended first) loads the step it was reserved for when that
-        save committed, else ``NotFound`` says so. A regular file
+        save committed, else ``NotFound`` says so. A ``step-N`` directory beside it loads
+        that step. A regular file
         is loaded by Lightning's ``TorchCheckpointIO``. ``FileNotFoundError`` when ``path``
         does not exist. Tensors come back on the CPU (Lightning moves them where the model
         is); ``map_location`` applies to ``TorchCheckpointIO`` files only. No engine is
         opened: every process of a DDP job loads at once."""
         self._drain()
         self._raise_error()
-        p = _local(path)
-        d, name = os.path.split(p)
-        if not os.path.lexists(p):
-            raise FileNotFoundError(f"Checkpoint file not found: {p}")
-        named = _shmckpt.resolve_name(d, name)
-        if named is None:
-            if os.path.isfile(p) and not os.path.islink(p):
-                from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        self._wait_others()
+        state = _named.load_path(path)
+        if state is None:  # a regular file: a torch.save checkpoint
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-                kw: Dict[str, Any] = {"weights_only": weights_only}
-                if map_location is not None:
-                    kw["map_location"] = map_location
-                return TorchCheckpointIO().load_checkpoint(p, **kw)
-            raise UnsafePath(f"{p}: not a checkpoint of ShmckptCheckpointIO (a link to step-N) nor a file")
-        step, reserved = named
-        return _load_step(d, step, reserved)
+            kw: Dict[str, Any] = {"weights_only": weights_only}
+            if map_location is not None:
+                kw["map_location"] = map_location
+            return TorchCheckpointIO().load_checkpoint(_local(path), **kw)
+        return state
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint saved as ``path``: the link, then its step (unless another
@@ -372,6 +351,84 @@ class ShmckptCheckpointIO(CheckpointIO):
         with self._lock:
             cks, self._cks = self._cks, {}
             self._next.clear()
-        for ck in cks.values():
+        for d, ck in cks.items():
             ck.close()
+            _remove_rank_lock(d)
         self._raise_error()
+
+
+# -- outside a Trainer ----------------------------------------------------------------------
+
+
+def load_from_checkpoint(cls: Type[M], path: Any, **kwargs: Any) -> M:
+    """``cls.load_from_checkpoint(path, **kwargs)`` for a checkpoint the plugin saved as
+    ``path`` (``DIR/NAME.ckpt``, a ``step-N`` directory, or a ``torch.save`` file):
+    ``cls`` is a ``LightningModule`` or ``LightningDataModule`` class, ``kwargs`` those of
+    Lightning's method (``map_location``, ``strict``, ``weights_only``, hyper-parameter
+    overrides). Lightning's own method builds the object (hyper-parameters, weights,
+    ``on_load_checkpoint``) from the checkpoint streamed as ``torch.save`` bytes
+    (``shmckpt.fs``); every CRC-32C is verified. Equivalent to
+    ``cls.load_from_checkpoint("shmckpt://" + abspath)``."""
+    _wait_for_plugins()
+    with _named.torch_stream(path) as f:
+        return cls.load_from_checkpoint(f, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+def to_torch_file(path: Any, out: Any) -> str:
+    """Write the checkpoint the plugin saved as ``path`` to ``out`` as one ``torch.save``
+    file, what ``torch.load``, ``LightningModule.load_from_checkpoint`` and tools outside
+    shmckpt read (as Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` does for
+    DeepSpeed directories). Every CRC-32C of the source is verified; ``out`` is written
+    under a temporary name beside it, ``fsync``ed and renamed (its directory ``fsync``ed),
+    so it is whole or absent. ``out`` may not be a plugin checkpoint, a link or a
+    directory (``ValueError``: converting in place would replace the link the plugin
+    manages). Returns ``out``'s absolute path."""
+    dst = os.path.abspath(os.fspath(out))
+    src = _local(path)
+    if os.path.islink(dst) or os.path.isdir(dst):
+        raise ValueError(f"to_torch_file: {dst} is a link or a directory; give a new file name")
+    if os.path.exists(dst) and _named.named(dst) is not None:
+        raise ValueError(f"to_torch_file: {dst} is a checkpoint of ShmckptCheckpointIO (a reservation)")
+    if dst == src:
+        raise ValueError(f"to_torch_file: {dst} is the checkpoint itself; give a new file name")
+    d = os.path.dirname(dst)
+    tmp = os.path.join(d, f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+    _wait_for_plugins()
+    with _named.torch_stream(src) as f:
+        try:
+            with open(tmp, "xb") as w:
+                while True:
+                    b = f.read(8 << 20)
+                    if not b:
+                        break
+                    w.write(b)
+                w.flush()
+                os.fsync(w.fileno())
+            os.replace(tmp, dst)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return dst
+
+
+def _register_protocol() -> None:
+    """``shmckpt://`` for fsspec (the wheel's entry point does it too; this covers a source
+    checkout on ``PYTHONPATH``, where no entry point is installed)."""
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - Lightning depends on fsspec
+        return
+    from .fs import ShmckptFileSystem
+
+    fsspec.register_implementation("shmckpt", ShmckptFileSystem, clobber=True)
+
+
+_register_protocol()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _state
+from . import _state, _util
 from .errors import ConfigError, CorruptError, DestinationError, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,9 +94,9 @@ def rank_entry(ck: "Checkpointer", step: int) -> Dict[str, Any]:
     raise NotFound(f"{ck.remote}/step-{step} has no file of rank {ck.rank}")
 
 
-def read_into_device(ck: "Checkpointer", step: int, dest: Sequence[Tuple[str, int, int, int]]) -> None:
-    """Read ``step`` from the bucket into device ranges ``(name, pointer, nbytes,
-    device)`` (every tensor of this rank's file, each exactly its size): ranged GETs in
+def read_into_device(ck: "Checkpointer", step: int, dest: Sequence[Tuple[str, Any, int]]) -> None:
+    """Read ``step`` from the bucket into device arrays ``(name, array, device)`` (each a
+    flat ``uint8`` CUDA tensor, :func:`shmckpt._util.byte_view`; every tensor of this rank's file, each exactly its size): ranged GETs in
     parallel, each body copied into the engine's CUDA-registered staging buffers and sent
     to the device from there (no host copy of the file), every CRC-32C verified. The
     caller synchronized the destinations' streams."""
@@ -119,11 +119,7 @@ def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, A
         objs[t["name"]] = torch.empty(t["shape"], dtype=tdt, device=dev)
     # The memory may come from blocks freed by work still queued on this stream.
     torch.cuda.current_stream(dev).synchronize()
-    dest = []
-    for n, x in objs.items():
-        nb = x.numel() * x.element_size()
-        dest.append((n, int(x.data_ptr()) if nb else 0, nb, dev.index))
-    read_into_device(ck, step, dest)
+    read_into_device(ck, step, [(n, _util.byte_view(x), dev.index) for n, x in objs.items()])
     return objs, tree, entry
 
 

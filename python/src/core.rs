@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use shmckpt::cuda::{EventRef, StreamRef};
 use shmckpt::{
-    Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, LoadReport, LoadSource, Metadata, Result,
-    SaveHandle, SaveOptions, SaveReport, StagedReport, StepSel, Tensor,
+    Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, LoadInto, LoadReport, LoadRequest,
+    LoadSource, Metadata, Result, SaveHandle, SaveOptions, SaveReport, Sources, StagedReport,
+    StepSel, Tensor,
 };
 
 /// Engine settings as the Python constructor passes them (`None`: the crate's default).
@@ -349,21 +350,26 @@ fn served(r: &LoadReport) -> Served {
     }
 }
 
-/// `bucket`: false never reads the bucket (`load(..., source="local")`).
-pub fn load(engine: &Engine, step: Option<u64>, bucket: bool) -> Result<(Checkpoint, Served)> {
-    let (ck, report) = if bucket {
-        engine.load_with_report(sel(step))?
-    } else {
-        engine.load_local_with_report(sel(step))?
-    };
-    Ok((ck, served(&report)))
+/// The request of a load of `step` (`None`: the latest): every source, or with `bucket`
+/// false memory and disk only (`load(..., source="local")`).
+fn request(step: Option<u64>, bucket: bool) -> LoadRequest {
+    let sources = if bucket { Sources::ALL } else { Sources::LOCAL };
+    LoadRequest::new(sel(step)).with_sources(sources)
 }
 
-/// Load into host memory given as `(name, address, length)`.
+/// `bucket`: false never reads the bucket (`load(..., source="local")`).
+pub fn load(engine: &Engine, step: Option<u64>, bucket: bool) -> Result<(Checkpoint, Served)> {
+    let got = engine.load_with(&request(step, bucket), LoadInto::owned())?;
+    let ck = got
+        .checkpoint
+        .expect("a load into owned buffers returns its checkpoint");
+    Ok((ck, served(&got.report)))
+}
+
+/// Load into host memory given as `(name, address, length)`, from every source.
 ///
 /// # Safety
-/// Every range must be writable host memory, not accessed by anyone else during the call,
-/// and no two ranges may overlap.
+/// As [`host_slices`], for the duration of the call.
 pub unsafe fn load_into_host(
     engine: &Engine,
     step: Option<u64>,
@@ -371,7 +377,8 @@ pub unsafe fn load_into_host(
 ) -> Result<u64> {
     // SAFETY: forwarded from this function's contract.
     let mut slices = unsafe { host_slices(dest) };
-    engine.load_into(sel(step), &mut slices)
+    let got = engine.load_with(&request(step, true), LoadInto::host(&mut slices))?;
+    Ok(got.report.step)
 }
 
 /// `(name, address, nbytes)` ranges as named byte slices (an empty one for `nbytes` 0,
@@ -395,30 +402,35 @@ pub unsafe fn host_slices<'m>(dest: &[(String, u64, usize)]) -> Vec<(&str, &'m m
         .collect()
 }
 
+/// `(name, device pointer, length, device)` ranges as device slices.
+///
+/// # Safety
+/// Every range must be device memory of its device, valid for writes of its length and
+/// not accessed by anyone else while the slices are used.
+unsafe fn device_slices(dest: &[(String, u64, usize, i32)]) -> Vec<(&str, DeviceSlice<'_>)> {
+    dest.iter()
+        // SAFETY: forwarded from this function's contract.
+        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
+        .collect()
+}
+
 /// Load into device memory given as `(name, device pointer, length, device)`.
 ///
 /// # Safety
-/// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid for
-/// writes and not accessed by anyone else during the call.
+/// As [`LoadInto::device_raw`]: every range device memory of its device, valid for writes
+/// and not accessed by anyone else during the call.
 pub unsafe fn load_into_device(
     engine: &Engine,
     step: Option<u64>,
     dest: &[(String, u64, usize, i32)],
     bucket: bool,
 ) -> Result<(u64, Served)> {
-    let slices: Vec<(&str, DeviceSlice)> = dest
-        .iter()
-        // SAFETY: forwarded from this function's contract.
-        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
-        .collect();
-    let report = if bucket {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { engine.load_into_device_raw_with_report(sel(step), &slices) }?
-    } else {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { engine.load_into_device_local_raw_with_report(sel(step), &slices) }?
-    };
-    Ok((report.step, served(&report)))
+    // SAFETY: forwarded from this function's contract.
+    let slices = unsafe { device_slices(dest) };
+    // SAFETY: forwarded from this function's contract.
+    let into = unsafe { LoadInto::device_raw(&slices) };
+    let got = engine.load_with(&request(step, bucket), into)?;
+    Ok((got.report.step, served(&got.report)))
 }
 
 /// Committed steps, oldest first, with their directories.
@@ -658,7 +670,11 @@ pub fn list_remote(engine: &Engine) -> Result<Vec<u64>> {
 
 /// A step of the engine's bucket, loaded into owned buffers.
 pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
-    engine.load_remote(sel(step)).map(|(ck, _)| ck)
+    let req = LoadRequest::new(sel(step)).with_sources(Sources::BUCKET);
+    let got = engine.load_with(&req, LoadInto::owned())?;
+    Ok(got
+        .checkpoint
+        .expect("a load into owned buffers returns its checkpoint"))
 }
 
 /// Load this rank's tensors of a step of the engine's bucket into device memory given as
@@ -666,20 +682,19 @@ pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
 /// buffers (no host copy of the object).
 ///
 /// # Safety
-/// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid for
-/// writes and not accessed by anyone else during the call.
+/// As [`load_into_device`].
 pub unsafe fn load_into_device_remote(
     engine: &Engine,
     step: Option<u64>,
     dest: &[(String, u64, usize, i32)],
 ) -> Result<shmckpt::remote::RemoteLoad> {
-    let slices: Vec<(&str, DeviceSlice)> = dest
-        .iter()
-        // SAFETY: forwarded from this function's contract.
-        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
-        .collect();
     // SAFETY: forwarded from this function's contract.
-    unsafe { engine.load_into_device_remote_raw(sel(step), &slices) }
+    let slices = unsafe { device_slices(dest) };
+    // SAFETY: forwarded from this function's contract.
+    let into = unsafe { LoadInto::device_raw(&slices) };
+    let req = LoadRequest::new(sel(step)).with_sources(Sources::BUCKET);
+    let got = engine.load_with(&req, into)?;
+    Ok(got.remote.expect("the bucket served the load"))
 }
 
 /// This rank's file metadata of a step of the engine's bucket (its header checked against

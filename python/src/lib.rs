@@ -16,6 +16,7 @@ mod divergence;
 mod export;
 mod handle;
 mod held;
+mod intake;
 mod links;
 mod ranged;
 mod remote;
@@ -385,44 +386,54 @@ impl PyEngine {
         Ok(loaded(ck))
     }
 
-    /// Load into host memory: `dest` lists `(name, address, nbytes)`, one per tensor of
-    /// the checkpoint, non-overlapping, exactly the tensor's size. Returns the step.
+    /// Load into host memory: `dest` lists `(name, array)`, one per tensor of the
+    /// checkpoint, each array exposing `__array_interface__` (a numpy array; a CPU
+    /// tensor's `.numpy()` view), writable, C-contiguous, exactly the tensor's size, none
+    /// overlapping another. Returns the step.
     #[pyo3(signature = (step, dest))]
     fn load_into(
         &self,
         py: Python<'_>,
         step: Option<u64>,
-        dest: Vec<(String, u64, usize)>,
+        dest: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<u64> {
         let engine = self.get()?;
-        check_host_ranges(&dest)?;
+        // Addresses read from each array's `__array_interface__` and checked; `dest`
+        // holds the arrays (so their memory) until this method returns.
+        let ranges = intake::host_ranges(&dest)?;
         py.detach(|| {
-            // SAFETY: the Python caller holds the destination tensors for the whole call and
-            // does not use them meanwhile; the ranges were checked above not to overlap and
-            // to have non-null addresses.
-            unsafe { core::load_into_host(&engine, step, &dest) }
+            // SAFETY: each range is the whole memory of a writable, C-contiguous array,
+            // held alive by `dest` for the call, non-null when not empty, none
+            // overlapping another (checked by `host_ranges`). Exclusive use during the
+            // call is the caller's contract, as for any numpy call that releases the GIL:
+            // the Python wrapper does not touch the destinations until this returns.
+            unsafe { core::load_into_host(&engine, step, &ranges) }
         })
         .map_err(|e| to_py(py, e))
     }
 
-    /// Load into device memory: `dest` lists `(name, device pointer, nbytes, device)`.
-    /// The caller makes sure no queued device work uses the memory. Returns the step.
-    /// `bucket` as for `load`.
+    /// Load into device memory: `dest` lists `(name, array, device)`, each array exposing
+    /// `__cuda_array_interface__` (a CUDA tensor), writable, C-contiguous, exactly the
+    /// tensor's size, on CUDA device `device`. The caller makes sure no queued device
+    /// work uses the memory. Returns the step. `bucket` as for `load`.
     #[pyo3(signature = (step, dest, bucket=true))]
     fn load_into_device(
         &self,
         py: Python<'_>,
         step: Option<u64>,
-        dest: Vec<(String, u64, usize, i32)>,
+        dest: Vec<(String, Bound<'_, PyAny>, i32)>,
         bucket: bool,
     ) -> PyResult<u64> {
         let engine = self.get()?;
+        let ranges = intake::device_ranges(&dest)?;
         let (step, served) = py
             .detach(|| {
-                // SAFETY: the Python caller holds the destination tensors for the whole
-                // call, synchronized their streams before the call and does not use them
-                // meanwhile.
-                unsafe { core::load_into_device(&engine, step, &dest, bucket) }
+                // SAFETY: each range is the whole memory of a writable, C-contiguous device
+                // array, held alive by `dest` for the call, none overlapping another
+                // (checked by `device_ranges`). Exclusive use during the call is the
+                // caller's contract: the Python wrapper synchronized the destinations'
+                // streams before the call and queues no work on them until it returns.
+                unsafe { core::load_into_device(&engine, step, &ranges, bucket) }
             })
             .map_err(|e| to_py(py, e))?;
         *lock(&self.last_load) = Some(served);
@@ -474,7 +485,7 @@ impl PyEngine {
         &self,
         py: Python<'_>,
         step: Option<u64>,
-        dest: Vec<(String, u64, usize, i32)>,
+        dest: Vec<(String, Bound<'_, PyAny>, i32)>,
     ) -> PyResult<remote::DeviceLoaded> {
         remote::load_into_device_remote(self, py, step, dest)
     }

@@ -46,13 +46,19 @@ pub(crate) fn load_into_device_remote(
     e: &PyEngine,
     py: Python<'_>,
     step: Option<u64>,
-    dest: Vec<(String, u64, usize, i32)>,
+    dest: Vec<(String, Bound<'_, PyAny>, i32)>,
 ) -> PyResult<DeviceLoaded> {
     let engine = e.get()?;
+    // Pointers read from each object's `__cuda_array_interface__` and checked; `dest`
+    // holds the objects (so their memory) until this function returns.
+    let dest = crate::intake::device_ranges(&dest)?;
     let got = py
         .detach(|| {
-            // SAFETY: the Python caller holds the destination tensors for the whole call,
-            // synchronized their streams before the call and does not use them meanwhile.
+            // SAFETY: each range is the whole memory of a writable, C-contiguous device
+            // array exposing `__cuda_array_interface__`, held alive by the argument list
+            // for the call; the ranges do not overlap. Exclusive use during the call is
+            // the caller's contract (the Python wrapper synchronized the destinations'
+            // streams and queues no work on them until the call returns).
             unsafe { core::load_into_device_remote(&engine, step, &dest) }
         })
         .map_err(|err| to_py(py, err))?;

@@ -38,7 +38,11 @@ END = "<!-- signatures: end -->"
 REQUIRED = {
     "shmckpt": ["shmckpt.Checkpointer", "shmckpt.export"],
     "shmckpt.dcp": ["shmckpt.dcp.ShmckptWriter", "shmckpt.dcp.ShmckptReader", "shmckpt.dcp.prepare", "shmckpt.dcp.release"],
-    "shmckpt.lightning": ["shmckpt.lightning.ShmckptCheckpointIO"],
+    "shmckpt.lightning": [
+        "shmckpt.lightning.ShmckptCheckpointIO",
+        "shmckpt.lightning.load_from_checkpoint",
+        "shmckpt.lightning.to_torch_file",
+    ],
     "shmckpt.megatron": [
         "shmckpt.megatron.ShmckptSaveShardedStrategy",
         "shmckpt.megatron.ShmckptLoadShardedStrategy",
@@ -271,8 +275,9 @@ def test_the_torch_save_migration_resumes_bit_for_bit(tmp_path):
 
 def test_the_lightning_migration_reads_a_plugin_checkpoint_outside_a_trainer(tmp_path):
     """What docs/migration.md says of a ShmckptCheckpointIO path: load_from_checkpoint and
-    torch.load raise IsADirectoryError, and its snippet restores the model outside a
-    Trainer (hyper-parameters and weights, exactly)."""
+    torch.load of the plain path raise IsADirectoryError, and its snippet (Lightning's own
+    load_from_checkpoint given the shmckpt:// URL) restores the model outside a Trainer
+    (hyper-parameters and weights, exactly)."""
     pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install lightning)")
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -289,8 +294,8 @@ def test_the_lightning_migration_reads_a_plugin_checkpoint_outside_a_trainer(tmp
     with pytest.raises(IsADirectoryError):
         torch.load(last, weights_only=False)
     code = snippet("lightning outside a Trainer").replace("/ckpt/run1/last.ckpt", last)
-    assert last in code
-    g: Dict[str, Any] = {"MyModel": Net, "ShmckptCheckpointIO": ShmckptCheckpointIO}
+    assert f"shmckpt://{last}" in code
+    g: Dict[str, Any] = {"MyModel": Net}
     exec(compile(code, "docs/migration.md", "exec"), g)
     model = g["model"]
     assert dict(model.hparams) == {"lr": 0.01, "width": 12, "tag": "tiny"}

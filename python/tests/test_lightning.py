@@ -166,7 +166,7 @@ def test_values_the_format_cannot_hold_are_refused_naming_their_key(tmp_path):
     with pytest.raises(TypeError, match=r"state\['hyper_parameters'\]\['classes'\]"):
         io.save_checkpoint(ck, tmp_path / "x.ckpt")
     io.teardown()
-    assert sorted(os.listdir(tmp_path)) == [".shmckpt-rank-0.lock"]
+    assert sorted(os.listdir(tmp_path)) == []  # teardown removed the rank lock
 
 
 def test_overwrite_remove_and_errors(tmp_path):
@@ -440,3 +440,213 @@ def test_unknown_settings_and_urls_are_refused(tmp_path, monkeypatch):
     assert raw(io.load_checkpoint(f"file://{tmp_path}/f.ckpt")["w"]) == raw(torch.arange(3.0))
     io.teardown()
     assert os.path.islink(tmp_path / "f.ckpt")
+    # shmckpt:// (the plugin's own format, shmckpt.fs) is a local path too.
+    assert raw(io.load_checkpoint(f"shmckpt://{tmp_path}/f.ckpt")["w"]) == raw(torch.arange(3.0))
+    io.teardown()
+
+
+# -- outside a Trainer: load_from_checkpoint, torch.load, the converter ---------------------
+
+
+def trained_run(tmp_path):
+    """A Net (non-default hyper-parameters) trained 2 epochs through the plugin with
+    ModelCheckpoint(save_top_k=1, save_last=True); returns (model, dirpath)."""
+    model = Net(lr=0.02, width=12, tag="run")
+    d = tmp_path / "ckpts"
+    mc = ModelCheckpoint(dirpath=str(d), save_last=True, save_top_k=1, monitor="score", mode="max")
+    trainer(tmp_path, 2, [ShmckptCheckpointIO(chunk_size=MIB)], [mc]).fit(model, data())
+    return model, d
+
+
+def same_model(got, want):
+    assert type(got) is type(want)
+    assert dict(got.hparams) == dict(want.hparams)
+    w = want.state_dict()
+    assert list(got.state_dict()) == list(w)
+    for k, v in got.state_dict().items():
+        assert v.dtype == w[k].dtype and torch.equal(v, w[k]), k
+
+
+def test_lightnings_own_loaders_read_a_plugin_checkpoint_through_shmckpt_urls(tmp_path):
+    import fsspec
+
+    from shmckpt.fs import ShmckptFileSystem
+    from shmckpt.lightning import load_from_checkpoint
+
+    trained, d = trained_run(tmp_path)
+    last = str(d / "last.ckpt")
+    assert os.readlink(last).startswith("step-")
+    assert trained.hparams.lr == 0.02  # the defaults would not show a lost hyper-parameter
+
+    # Lightning's own LightningModule.load_from_checkpoint, unchanged, through fsspec.
+    same_model(Net.load_from_checkpoint(f"shmckpt://{last}"), trained)
+    # The helper (the same through a stream), with a hyper-parameter override.
+    same_model(load_from_checkpoint(Net, last), trained)
+    assert load_from_checkpoint(Net, last, lr=0.5).hparams.lr == 0.5
+    # The step directory itself reads too.
+    same_model(Net.load_from_checkpoint(f"shmckpt://{d}/{os.readlink(last)}"), trained)
+
+    # torch.load of the stream, weights_only=True (no pickle beyond tensors and plain values).
+    with fsspec.open(f"shmckpt://{last}", "rb") as f:
+        ckpt = torch.load(f, weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["global_step"] == 8
+    assert ckpt["hyper_parameters"] == {"lr": 0.02, "width": 12, "tag": "run"}
+    assert ckpt.keys() == ShmckptCheckpointIO().load_checkpoint(last).keys()
+    for k, v in trained.state_dict().items():
+        assert torch.equal(ckpt["state_dict"][k], v), k
+
+    # Trainer.fit(ckpt_path=shmckpt://...) resumes through Lightning's own TorchCheckpointIO
+    # (fsspec exists + open), and through the plugin (a local path to it).
+    for plugins in ([], [ShmckptCheckpointIO(chunk_size=MIB)]):
+        t = trainer(tmp_path / f"resume{len(plugins)}", 3, plugins, [])
+        m = Net(lr=0.02, width=12, tag="run")
+        t.fit(m, data(), ckpt_path=f"shmckpt://{last}")
+        assert [s for s, _ in m.losses] == [8, 9, 10, 11]  # epochs 0-1 restored, epoch 2 run
+
+    # The filesystem: checkpoints are files, shmckpt's own names are not listed.
+    fs = fsspec.filesystem("shmckpt")
+    assert isinstance(fs, ShmckptFileSystem)
+    names = sorted(os.path.basename(n) for n in fs.ls(f"shmckpt://{d}", detail=False))
+    assert names == sorted(os.listdir(d)) and not [n for n in names if n.startswith(".")]
+    info = fs.info(f"shmckpt://{last}")
+    assert info["type"] == "file" and info["step"] == int(os.readlink(last)[5:]) and info["size"] > 0
+    assert fs.exists(f"shmckpt://{last}") and not fs.exists(f"shmckpt://{d}/nope.ckpt")
+    # Read-only: never written as a local path.
+    with pytest.raises(PermissionError, match="shmckpt:// is read-only"):
+        fsspec.open(f"shmckpt://{d}/new.ckpt", "wb").open()
+    assert not os.path.lexists(d / "new.ckpt")
+    # A directory that is no checkpoint says so (not a bare IsADirectoryError).
+    with pytest.raises(IsADirectoryError, match="not a checkpoint of ShmckptCheckpointIO"):
+        Net.load_from_checkpoint(f"shmckpt://{d}")
+    with pytest.raises(FileNotFoundError):
+        load_from_checkpoint(Net, d / "nope.ckpt")
+
+
+def test_to_torch_file_converts_for_torch_load_and_plain_paths(tmp_path):
+    from shmckpt.lightning import to_torch_file
+
+    trained, d = trained_run(tmp_path)
+    last = d / "last.ckpt"
+    out = tmp_path / "export" / "model.ckpt"
+    out.parent.mkdir()
+    assert to_torch_file(last, out) == str(out)
+    assert os.path.isfile(out) and not os.path.islink(out)
+    assert sorted(os.listdir(out.parent)) == ["model.ckpt"]  # no temporary left
+    # A plain torch.save file: torch.load and load_from_checkpoint with a plain path.
+    ckpt = torch.load(out, weights_only=True)
+    for k, v in trained.state_dict().items():
+        assert torch.equal(ckpt["state_dict"][k], v), k
+    same_model(Net.load_from_checkpoint(str(out)), trained)
+    # The converted file is the same dict the plugin loads, optimizer state included.
+    same(ckpt, ShmckptCheckpointIO().load_checkpoint(last), "ckpt")
+    # Converting over the plugin's own link is refused (the link is the plugin's).
+    with pytest.raises(ValueError, match="link or a directory"):
+        to_torch_file(last, last)
+    with pytest.raises(ValueError, match="link or a directory"):
+        to_torch_file(last, d)
+    assert os.path.islink(last)
+
+
+def test_a_damaged_checkpoint_is_refused_by_load_from_checkpoint(tmp_path):
+    from shmckpt.lightning import load_from_checkpoint
+
+    trained, d = trained_run(tmp_path)
+    sdir = d / os.readlink(d / "last.ckpt")
+    (f,) = [p for p in sdir.iterdir() if p.suffix == ".safetensors"]
+    b = bytearray(f.read_bytes())
+    b[-1] ^= 0x01  # the last byte of the last tensor
+    f.write_bytes(bytes(b))
+    with pytest.raises(shmckpt.ChecksumError):
+        load_from_checkpoint(Net, d / "last.ckpt")
+    with pytest.raises(shmckpt.ChecksumError):
+        Net.load_from_checkpoint(f"shmckpt://{d}/last.ckpt")
+
+
+def test_the_wheel_registers_the_shmckpt_protocol_with_fsspec():
+    """The entry point (python/pyproject.toml, fsspec.specs): a process that never imports
+    shmckpt.lightning resolves shmckpt:// (as Lightning's get_filesystem does)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fsspec; cls = fsspec.get_filesystem_class('shmckpt'); "
+        "print(cls.__module__, cls.__name__, 'shmckpt.lightning' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["shmckpt.fs", "ShmckptFileSystem", "False"]
+
+
+def test_fit_and_teardown_leave_only_checkpoints_in_dirpath(tmp_path):
+    """After fit (Lightning tears the plugin down), dirpath holds the names
+    ModelCheckpoint kept and the steps they name: no rank lock, no reservation, no
+    temporary link. The lock exists while the engine is open, and one held by someone
+    else at teardown is left to them."""
+    import fcntl
+
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            # Lightning runs ModelCheckpoint last: epoch 0's save has not happened yet.
+            seen.append(sorted(n for n in os.listdir(d) if n.startswith(".")) if d.exists() else None)
+
+    d = tmp_path / "ckpts"
+    mc = ModelCheckpoint(dirpath=str(d), save_last=True, save_top_k=2, monitor="score", mode="max")
+    trainer(tmp_path, 3, [ShmckptCheckpointIO(chunk_size=MIB)], [mc, Look()]).fit(Net(), data())
+    assert seen == [None, [".shmckpt-rank-0.lock"], [".shmckpt-rank-0.lock"]]  # the open engine's
+    ls = links(d)
+    assert sorted(ls) == sorted(os.path.basename(p) for p in (*mc.best_k_models, mc.last_model_path))
+    assert sorted(os.listdir(d)) == sorted({*ls, *ls.values()})
+    # Lightning's own listing of the directory (fsspec) shows the same names.
+    import fsspec
+
+    assert sorted(os.path.basename(p) for p in fsspec.filesystem("file").ls(str(d), detail=False)) == sorted(
+        os.listdir(d)
+    )
+    # The removal takes the lock as an engine would: a held lock is left to its holder.
+    from shmckpt.lightning import _remove_rank_lock
+
+    lock = tmp_path / ".shmckpt-rank-0.lock"
+    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "x.ckpt")
+    io._drain()
+    _remove_rank_lock(str(tmp_path))  # the open engine holds it
+    assert lock.exists()
+    io.teardown()
+    assert not lock.exists()
+    shmckpt.Checkpointer(str(tmp_path), staging_capacity=MIB, chunk_size=MIB).close()
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe (shmckpt shm / recover)
+        _remove_rank_lock(str(tmp_path))
+        assert lock.exists()
+    finally:
+        os.close(fd)
+    _remove_rank_lock(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ckpts", "step-0", "x.ckpt"]
+
+
+def test_a_second_plugin_loads_what_the_first_is_still_publishing_and_pickling(tmp_path, monkeypatch):
+    """Lightning's own tests save with one Trainer and load with the next at once: the
+    second plugin waits for the first's publish instead of reading its reservation."""
+    import pickle
+    import time
+
+    orig_wait = shmckpt.SaveHandle.wait
+
+    def slow_wait(self):
+        time.sleep(0.5)  # the commit is slow: the name stays reserved meanwhile
+        return orig_wait(self)
+
+    monkeypatch.setattr(shmckpt.SaveHandle, "wait", slow_wait)
+    first = ShmckptCheckpointIO(chunk_size=MIB)
+    p = tmp_path / "checkpoint.ckpt"
+    first.save_checkpoint({"w": torch.arange(4.0), "n": 7}, p)
+    assert os.path.isfile(p) and not os.path.islink(p)  # reserved, not published yet
+    got = ShmckptCheckpointIO().load_checkpoint(p)
+    assert got["n"] == 7 and raw(got["w"]) == raw(torch.arange(4.0)) and os.path.islink(p)
+    # torch.save(trainer) pickles the plugin: a copy is a new plugin with its settings.
+    copy = pickle.loads(pickle.dumps(first))
+    assert copy._settings == first._settings == {"chunk_size": MIB, "keep_in_memory": False}
+    assert copy._cks == {} and copy._queued == []
+    first.teardown()

@@ -473,15 +473,88 @@ def test_host_destinations_with_a_null_address_or_overlapping_are_refused(ck, ro
     ck.save(1, {"w": torch.arange(4)}).wait()
     buf = torch.zeros(4, dtype=torch.int64)
     p = buf.data_ptr()
-    for load in (
-        lambda dest: ck._engine.load_into(1, dest),
-        lambda dest: _shmckpt.read_rank_file(str(root / "step-1"), 0, host=dest),
-    ):
-        with pytest.raises(ValueError, match='destination "w" has a null address'):
-            load([("w", 0, 32)])
-        with pytest.raises(ValueError, match="overlap in memory"):
-            load([("w", p, 32), ("v", p + 8, 8)])
+    load = lambda dest: _shmckpt.read_rank_file(str(root / "step-1"), 0, host=dest)  # noqa: E731
+    with pytest.raises(ValueError, match='destination "w" has a null address'):
+        load([("w", 0, 32)])
+    with pytest.raises(ValueError, match="overlap in memory"):
+        load([("w", p, 32), ("v", p + 8, 8)])
+    # The engine's load_into takes arrays, their memory read from __array_interface__.
+    whole = buf.numpy().view(np.uint8)
+    with pytest.raises(ValueError, match='destination "w": a null address'):
+        ck._engine.load_into(1, [("w", _FakeArray(0, 32))])
+    with pytest.raises(ValueError, match="overlap in memory"):
+        ck._engine.load_into(1, [("w", whole), ("v", whole[8:16])])
     assert buf.tolist() == [0, 0, 0, 0]  # nothing was written
+
+
+class _FakeArray:
+    """An object exposing only ``__array_interface__``, as given."""
+
+    def __init__(self, address: int, nbytes: int, **extra: object) -> None:
+        self.__array_interface__ = {
+            "version": 3,
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            **extra,
+        }
+
+
+def test_load_into_takes_checked_arrays_never_integers(ck):
+    """Host destinations of the engine's load_into are arrays, not addresses: an integer,
+    a read-only, a strided or a wrongly sized array is refused with a typed error before
+    any byte is written, and a good one is filled with the checkpoint's exact bytes."""
+    ck.save(1, {"w": torch.arange(4)}).wait()
+    name = "w"
+    dest = np.zeros(32, dtype=np.uint8)
+    with pytest.raises(ValueError, match="does not expose __array_interface__"):
+        ck._engine.load_into(1, [(name, dest.ctypes.data)])
+    ro = np.zeros(32, dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ck._engine.load_into(1, [(name, ro)])
+    strided = np.zeros(64, dtype=np.uint8)[::2]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        ck._engine.load_into(1, [(name, strided)])
+    with pytest.raises(ValueError, match="overflows"):
+        ck._engine.load_into(1, [(name, _FakeArray(dest.ctypes.data, 1, shape=(2**40, 2**40)))])
+    with pytest.raises(ValueError, match="unknown typestr"):
+        ck._engine.load_into(1, [(name, _FakeArray(dest.ctypes.data, 32, typestr="|u0"))])
+    short = np.zeros(31, dtype=np.uint8)
+    with pytest.raises(shmckpt.DestinationError):
+        ck._engine.load_into(1, [(name, short)])
+    assert not short.any() and not dest.any()
+    # A 2-D int64 array of the tensor's size: its memory, checked, is the destination.
+    two_d = np.zeros((2, 2), dtype=np.int64)
+    assert ck._engine.load_into(1, [(name, two_d)]) == 1
+    assert two_d.reshape(-1).tolist() == [0, 1, 2, 3]
+
+
+def test_device_destinations_are_checked_before_any_cuda_call(ck):
+    """Device destinations of load_into_device are objects exposing
+    __cuda_array_interface__: an integer, a read-only or strided one, or a negative device
+    ordinal is a ValueError raised by the extension before CUDA is touched (this runs
+    without a GPU)."""
+    ck.save(1, {"w": torch.arange(4)}).wait()
+
+    class Cai:
+        def __init__(self, readonly: bool = False, strides: object = None) -> None:
+            self.__cuda_array_interface__ = {
+                "version": 3,
+                "data": (1 << 40, readonly),
+                "shape": (4,),
+                "typestr": "<i8",
+                "strides": strides,
+            }
+
+    for dest, match in [
+        ([("w", 1 << 40, 0)], "does not expose __cuda_array_interface__"),
+        ([("w", Cai(readonly=True), 0)], "read-only"),
+        ([("w", Cai(strides=(16,)), 0)], "not C-contiguous"),
+        ([("w", Cai(), -1)], "not a CUDA device"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ck._engine.load_into_device(1, dest)
 
 
 def test_a_durable_save_keeps_no_descriptor_of_its_file(ck, root):

@@ -12,11 +12,12 @@
 
 use std::path::{Path, PathBuf};
 
+use super::store::{self, PartBarrier};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name,
-    rank_file_name, rank_manifest_name,
+    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_file_name,
+    rank_manifest_name,
 };
 
 /// The manifest entry of rank `rank` in `source`, a part-only save's partial directory
@@ -86,9 +87,49 @@ pub fn assemble_ranks(
         .and_then(|n| n.to_str())
         .and_then(manifest::parse_step_dir)
         .unwrap_or(step);
-    // Every part is read and checked before anything moves.
-    let mut files = Vec::with_capacity(sources.len());
-    for (rank, source) in (0..world_size).zip(sources) {
+    // Every part is read and checked before anything moves: the one commit protocol
+    // builds the manifest (every check of `Manifest::from_parts`: a lying part fails
+    // here) before it assembles anything.
+    let barrier = Assembly { sources, out };
+    store::commit_parts(&barrier, step, world_size, metadata, None)?.ok_or_else(|| {
+        Error::Internal(format!("step {step}: a part went missing while assembling"))
+    })
+}
+
+/// Part-only saves' partial directories (`sources[K]`: rank K's) as the barrier of the one
+/// commit protocol ([`store::commit_parts`]): the caller has every rank's durable part;
+/// the manifest is written with the rank files into the new directory `out`, which the
+/// caller then makes visible ([`publish_dir`], [`publish_dir_replacing`], [`publish_into`]).
+struct Assembly<'a> {
+    sources: &'a [PathBuf],
+    out: &'a Path,
+}
+
+impl PartBarrier for Assembly<'_> {
+    /// The manifest assembled in `out`.
+    type Committed = Manifest;
+
+    fn manifest_location(&self, _step: u64) -> PathBuf {
+        self.out.join(MANIFEST)
+    }
+
+    /// Each rank's part-only save wrote its part.
+    fn put_part(&self, _: u64, _: u32, _: Option<&FileEntry>) -> Result<Option<Manifest>> {
+        Ok(None)
+    }
+
+    /// The part must name the rank and its file, a regular file of the size it records.
+    fn get_part(
+        &self,
+        _step: u64,
+        world_size: u32,
+        rank: u32,
+        _mine: Option<&FileEntry>,
+    ) -> Result<Option<FileEntry>> {
+        let source = usize::try_from(rank)
+            .ok()
+            .and_then(|r| self.sources.get(r))
+            .ok_or_else(|| Error::Internal(format!("no source of rank {rank}")))?;
         let entry = rank_part(source, rank, world_size)?;
         let file = source.join(&entry.file);
         let meta = std::fs::symlink_metadata(&file).map_err(|e| Error::io("stat", &file, e))?;
@@ -102,42 +143,38 @@ pub fn assemble_ranks(
                 ),
             ));
         }
-        files.push(entry);
+        Ok(Some(entry))
     }
-    match std::fs::symlink_metadata(out) {
-        Ok(m) if m.file_type().is_dir() => {
-            std::fs::remove_dir_all(out).map_err(|e| Error::io("remove", out, e))?
+
+    /// A leftover `out` of an attempt that failed is removed; every rank's file is moved
+    /// into a new `out`, then `manifest.json` written durably (compact: the engine's own
+    /// manifests are pretty-printed; both parse alike).
+    fn publish_if_absent(&self, manifest: Manifest, _: Option<&FileEntry>) -> Result<Manifest> {
+        let out = self.out;
+        match std::fs::symlink_metadata(out) {
+            Ok(m) if m.file_type().is_dir() => {
+                std::fs::remove_dir_all(out).map_err(|e| Error::io("remove", out, e))?
+            }
+            Ok(_) => {
+                return Err(Error::UnsafePath {
+                    path: out.to_owned(),
+                    reason: "not a directory where a checkpoint is assembled".into(),
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("stat", out, e)),
         }
-        Ok(_) => {
-            return Err(Error::UnsafePath {
-                path: out.to_owned(),
-                reason: "not a directory where a checkpoint is assembled".into(),
-            });
+        std::fs::create_dir(out).map_err(|e| Error::io("mkdir", out, e))?;
+        for (source, entry) in self.sources.iter().zip(&manifest.files) {
+            let from = source.join(&entry.file);
+            std::fs::rename(&from, out.join(&entry.file))
+                .map_err(|e| Error::io("rename", &from, e))?;
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io("stat", out, e)),
+        let bytes = serde_json::to_vec(&manifest).expect("manifest serializes");
+        write_file(out, MANIFEST, &bytes)?;
+        fsync_dir(out)?;
+        Ok(manifest)
     }
-    std::fs::create_dir(out).map_err(|e| Error::io("mkdir", out, e))?;
-    for (source, entry) in sources.iter().zip(&files) {
-        let from = source.join(&entry.file);
-        std::fs::rename(&from, out.join(&entry.file)).map_err(|e| Error::io("rename", &from, e))?;
-    }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        step,
-        world_size,
-        created_unix_ms: crate::util::unix_ms(),
-        total_bytes: files.iter().map(|f| f.bytes).sum(),
-        metadata: metadata.clone(),
-        files,
-    };
-    // Compact (the engine's own manifests are pretty-printed; both parse alike). The
-    // merged manifest is checked like any manifest read back: a lying part fails here.
-    let bytes = serde_json::to_vec(&manifest).expect("manifest serializes");
-    Manifest::parse(&bytes, &out.join(MANIFEST))?;
-    write_file(out, MANIFEST, &bytes)?;
-    fsync_dir(out)?;
-    Ok(manifest)
 }
 
 /// Write `dir/name` durably: a temporary name, `fsync`, `rename`.

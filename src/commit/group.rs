@@ -3,12 +3,14 @@
 //! durable in its machine's partial directory ([`super::commit`] found the other
 //! machines' parts missing); the caller moves every rank's part ([`own_part`]) through
 //! the group, and one rank of each machine then writes the parts of the other machines'
-//! ranks into its partial directory and commits it with [`super::commit`]: the same merge,
+//! ranks into its partial directory and commits it ([`commit_with_parts`]): the one commit
+//! protocol ([`store::commit_parts`]) with the group as its barrier, the same merge,
 //! manifest and renames as a shared root. A machine that lost its root gets the committed
 //! manifest from a peer ([`adopt_manifest`]).
 
 use std::path::{Path, PathBuf};
 
+use super::store::{self, PartBarrier, SharedRoot};
 use crate::error::{Error, Result};
 use crate::fsops;
 use crate::io::file::{fsync_dir, write_durable};
@@ -72,10 +74,12 @@ fn committed_with(root: &Path, step: u64, entries: &[FileEntry]) -> bool {
 }
 
 /// Commit `step` in this machine's `root` from every rank's part (`parts[r]`: rank r's, as
-/// [`own_part`] returned it on its machine): the parts this root lacks are written
-/// (durably, under a temporary name, renamed), then [`super::commit`] merges them with
-/// `rank`'s own (which its save wrote here) and publishes `step-N`. Returns the committed
-/// directory; a step already committed here with exactly these parts is success.
+/// [`own_part`] returned it on its machine): the one commit protocol
+/// ([`store::commit_parts`]) with the process group as its barrier ([`GroupParts`]): the
+/// parts this root lacks are written (durably, under a temporary name, renamed), then
+/// merged with `rank`'s own (which its save wrote here) and `step-N` published as on a
+/// shared root. Returns the committed directory; a step already committed here with
+/// exactly these parts is success.
 pub fn commit_with_parts(
     root: &Path,
     step: u64,
@@ -90,15 +94,63 @@ pub fn commit_with_parts(
         .get(rank as usize)
         .cloned()
         .ok_or_else(|| Error::Internal(format!("rank {rank} of {world_size}")))?;
-    let final_dir = root.join(step_dir_name(step));
-    if committed_with(root, step, &entries) {
-        fsync_dir(root)?;
-        return Ok(final_dir);
-    }
     let partial = root.join(partial_dir_name(step));
-    let written = (|| {
-        for (e, bytes) in entries.iter().zip(parts) {
-            if e.rank == rank {
+    let barrier = GroupParts {
+        shared: SharedRoot::new(root, &partial),
+        entries: &entries,
+        parts,
+    };
+    match store::commit_parts(&barrier, step, world_size, metadata, Some(&own)) {
+        Ok(Some(d)) => Ok(d),
+        Ok(None) => Err(Error::Internal(format!(
+            "step {step}: a manifest part is missing in {} after every part was written",
+            partial.display()
+        ))),
+        // Another rank of this machine committed it meanwhile.
+        Err(_) if committed_with(root, step, &entries) => {
+            fsync_dir(root)?;
+            Ok(root.join(step_dir_name(step)))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A node-local root's partial directory as the barrier of the one commit protocol, the
+/// parts having met through the process group (`parts[r]`, parsed: `entries[r]`): the
+/// other machines' parts are written into the partial directory beside this machine's,
+/// which are read back and published there as on a shared root ([`SharedRoot`]).
+struct GroupParts<'a> {
+    shared: SharedRoot<'a>,
+    entries: &'a [FileEntry],
+    parts: &'a [&'a [u8]],
+}
+
+impl PartBarrier for GroupParts<'_> {
+    /// The committed directory.
+    type Committed = PathBuf;
+
+    fn manifest_location(&self, step: u64) -> PathBuf {
+        self.shared.manifest_location(step)
+    }
+
+    /// Committed here with exactly these parts already: that directory (the root
+    /// `fsync`ed). Else every part but `mine` written durably (a temporary name,
+    /// `fsync`, `rename`), the partial directory `fsync`ed, then `mine` as a shared root
+    /// writes it.
+    fn put_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<PathBuf>> {
+        let (root, partial) = (self.shared.root, self.shared.partial);
+        if committed_with(root, step, self.entries) {
+            fsync_dir(root)?;
+            return Ok(Some(root.join(step_dir_name(step))));
+        }
+        let own_rank = mine.map(|m| m.rank);
+        for (e, bytes) in self.entries.iter().zip(self.parts) {
+            if Some(e.rank) == own_rank {
                 continue;
             }
             let part = partial.join(rank_manifest_name(e.rank));
@@ -112,21 +164,22 @@ pub fn commit_with_parts(
             })?;
             fsops::rename(&tmp, &part).map_err(|err| Error::io("rename", &tmp, err))?;
         }
-        fsync_dir(&partial)?;
-        super::commit(root, step, world_size, &partial, own, metadata)
-    })();
-    match written {
-        Ok(Some(d)) => Ok(d),
-        Ok(None) => Err(Error::Internal(format!(
-            "step {step}: a manifest part is missing in {} after every part was written",
-            partial.display()
-        ))),
-        // Another rank of this machine committed it meanwhile.
-        Err(_) if committed_with(root, step, &entries) => {
-            fsync_dir(root)?;
-            Ok(final_dir)
-        }
-        Err(e) => Err(e),
+        fsync_dir(partial)?;
+        self.shared.put_part(step, world_size, mine)
+    }
+
+    fn get_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        rank: u32,
+        mine: Option<&FileEntry>,
+    ) -> Result<Option<FileEntry>> {
+        self.shared.get_part(step, world_size, rank, mine)
+    }
+
+    fn publish_if_absent(&self, manifest: Manifest, mine: Option<&FileEntry>) -> Result<PathBuf> {
+        self.shared.publish_if_absent(manifest, mine)
     }
 }
 
@@ -230,7 +283,7 @@ mod tests {
         for r in 0..4 {
             let e = entry(r);
             if r < 2 {
-                let partial = super::super::prepare_partial(root, step, &e.file, 4).unwrap();
+                let partial = super::super::prepare_partial(root, step, r, &e.file, 4).unwrap();
                 std::fs::write(partial.join(&e.file), b"0123456789").unwrap();
                 let done =
                     super::super::commit(root, step, 4, &partial, e.clone(), &Metadata::new());

@@ -46,7 +46,7 @@ fn records_a_commit_in_issue_order() {
     let rec = Recording::start(root).unwrap();
     // Not recorded: another root.
     crate::fsops::create_dir(&other.path().join("x")).unwrap();
-    let partial = crate::commit::prepare_partial(root, 1, "f", 1).unwrap();
+    let partial = crate::commit::prepare_partial(root, 1, 0, "f", 1).unwrap();
     let t = FileTarget::create(&partial.join("f"), false).unwrap();
     t.preallocate(8192).unwrap();
     t.finish(10).unwrap();
@@ -54,7 +54,8 @@ fn records_a_commit_in_issue_order() {
         rank: 0,
         file: "f".into(),
         bytes: 10,
-        data_start: 0,
+        // A valid entry (`Manifest::from_parts` checks it): no tensors, all header.
+        data_start: 10,
         header_crc32c: None,
         object: None,
         tensors: Vec::new(),

@@ -1,115 +1,256 @@
-//! Loads: from the disk, from the kept image in memory (flash restore) and into caller
-//! destinations on the host or the device; the disk copy's checks and the manifest.
+//! Loads: one request ([`LoadRequest`]), one fallback order over the sources (the image
+//! kept in memory, the local disk, the bucket), one destination per load ([`LoadInto`]:
+//! owned buffers, caller host buffers, device memory); the disk copy's checks and the
+//! manifest.
 
 #[cfg(feature = "s3")]
 use super::remote_ops::bucket_or;
+use super::request::Target;
 use super::*;
 
 impl Engine {
-    /// Load this rank's tensors of a committed checkpoint, verifying every checksum.
+    /// Load this rank's tensors of a committed checkpoint into owned buffers, verifying
+    /// every checksum: [`Engine::load_with`] with [`LoadInto::owned`]. `req` is a
+    /// [`LoadRequest`], a step number or a [`StepSel`] (then from every source).
     ///
-    /// The file's data section is read with O_DIRECT (`max(queue_depth, 16)` reads of
-    /// 4 MiB in flight) straight into one allocation, and the tensors' bytes are views of
-    /// it (no copy; checksums computed on a second thread as the reads complete). When all
-    /// tensors of a loaded checkpoint are dropped, the engine keeps that allocation (one
-    /// file's size) for its next `load`, so repeated loads do not pay the first touch of
-    /// fresh memory again; [`Engine::release_load_buffers`] frees it.
-    ///
-    /// With [`EngineConfig::with_keep_in_memory`], the step that a previous engine kept in
-    /// shared memory, adopted (copied and checked) at open, is served from this engine's
-    /// arena; [`Engine::load_with_report`] says which path served the load.
-    pub fn load(&self, which: impl Into<StepSel>) -> Result<Checkpoint> {
-        self.load_with_report(which).map(|(ck, _)| ck)
+    /// From the disk, the file's data section is read with O_DIRECT (`max(queue_depth,
+    /// 16)` reads of 4 MiB in flight) straight into one allocation, and the tensors' bytes
+    /// are views of it (no copy; checksums computed on a second thread as the reads
+    /// complete). When all tensors of a loaded checkpoint are dropped, the engine keeps
+    /// that allocation (one file's size) for its next load, so repeated loads do not pay
+    /// the first touch of fresh memory again; [`Engine::release_load_buffers`] frees it.
+    pub fn load(&self, req: impl Into<LoadRequest>) -> Result<Checkpoint> {
+        let got = self.load_with(&req.into(), LoadInto::owned())?;
+        Ok(got
+            .checkpoint
+            .expect("a load into owned buffers returns its checkpoint"))
     }
 
-    /// [`Engine::load`], also reporting which path served the load and, when flash restore
-    /// is on but the disk served it, why.
+    /// The one load: `req`'s step from `req`'s sources into `into`, every checksum
+    /// verified (for device destinations, on the host before the bytes go to the device).
     ///
-    /// With a remote tier (`EngineConfig::with_remote`, feature `s3`), a step the disk does not hold
-    /// (or "latest" with no step on disk) is loaded from the bucket
-    /// ([`LoadSource::Remote`]).
+    /// # The fallback order
+    /// This function is the only place that decides it:
+    /// 1. **Which step.** `Engine::resolve_in` with the sources' tiers (the same rule as
+    ///    [`Engine::latest_in`]): the disk's committed step when memory or the disk may
+    ///    serve and the disk holds it ("latest": the disk's newest); else, with the
+    ///    bucket allowed, the bucket's (then the bucket serves: steps 2 and 3 are skipped).
+    /// 2. **Memory** (flash restore, [`EngineConfig::with_keep_in_memory`]): the image a
+    ///    previous engine kept in shared memory, adopted and checked at open, when it holds
+    ///    exactly that step's file. Why it could not is the report's `fallback_reason`.
+    /// 3. **Disk**: this rank's file under the step's directory. A damaged file (missing,
+    ///    short, malformed, failing a checksum, unreadable) is read from the bucket instead,
+    ///    with the bucket allowed, when the bucket's manifest lists this rank's file exactly
+    ///    as the disk's does (the same bytes); the report's `fallback_reason` is the disk's
+    ///    error, and the disk's error is returned if the bucket's copy fails too. An error
+    ///    of the caller's (a destination that does not fit) never falls back.
+    /// 4. **Bucket**, with the disk not allowed and memory unable to serve: the step the
+    ///    disk lists, from the bucket.
     ///
-    /// A step whose file on the disk is damaged (missing, short, malformed, failing a
-    /// checksum, unreadable) is loaded from the bucket too, when the bucket's manifest of
-    /// that step lists this rank's file exactly as the disk's does (the same bytes); the
-    /// report's `fallback_reason` is the disk's error.
-    pub fn load_with_report(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, LoadReport)> {
-        self.load_tiers(which.into(), true)
-    }
-
-    /// [`Engine::load_with_report`] from memory or the disk only: never the bucket, even
-    /// for a step the disk does not hold or holds damaged.
-    pub fn load_local_with_report(
-        &self,
-        which: impl Into<StepSel>,
-    ) -> Result<(Checkpoint, LoadReport)> {
-        self.load_tiers(which.into(), false)
-    }
-
-    #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
-    fn load_tiers(&self, which: StepSel, bucket: bool) -> Result<(Checkpoint, LoadReport)> {
-        let tiers = if bucket { Tiers::All } else { Tiers::Local };
+    /// [`Error::NotFound`] when no source allowed holds the step (for [`Sources::MEMORY`],
+    /// when the kept image cannot serve it, with the reason); [`Error::Config`] for an
+    /// empty source set, or the bucket asked of an engine without a remote tier.
+    #[cfg_attr(not(feature = "s3"), allow(unused_mut))]
+    pub fn load_with(&self, req: &LoadRequest, into: LoadInto<'_>) -> Result<Loaded> {
+        let mut target = into.0;
+        let tiers = req
+            .sources
+            .tiers()
+            .ok_or_else(|| Error::Config("a load request needs at least one source".into()))?;
         // Without the `s3` feature the bucket's arm is compiled out.
         #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
-        let info = match self.resolve_in(which, tiers)? {
+        let info = match self.resolve_in(req.step, tiers)? {
             Resolved::Local(info) => info,
             #[cfg(feature = "s3")]
-            Resolved::Bucket { step, disk } => return self.load_fallback_remote(step, disk),
-        };
-        let fallback_reason = match self.try_memory(&info)? {
-            Memory::Served(ck, disk_problem) => {
-                let report = LoadReport {
-                    step: info.step,
-                    source: LoadSource::Memory,
-                    fallback_reason: None,
-                    disk_problem,
-                };
-                return Ok((ck, report));
+            Resolved::Bucket { step, disk } => {
+                let report = LoadReport::from_bucket(step, disk.as_ref());
+                let (checkpoint, remote) = self.read_bucket(step, &mut target)?;
+                tracing::info!(step, "load served from the bucket");
+                return Ok(Loaded {
+                    report,
+                    checkpoint,
+                    remote: Some(remote),
+                });
             }
-            Memory::Not(why) => why,
         };
-        let ck = match restore::load_owned_pooled(
-            &info.dir,
-            self.shared.cfg.rank,
-            &self.read_options(),
-            Some(&self.load_buffers),
-        ) {
-            Ok(ck) => ck,
-            // A damaged file, when the bucket holds the same step's same bytes.
-            #[cfg(feature = "s3")]
-            Err(e) if bucket && self.bucket_replaces(&info, &e) => {
-                return self.load_damaged_from_bucket(&info, e);
+        let mut fallback_reason = None;
+        if req.sources.memory() {
+            match self.read_memory(&info, &mut target)? {
+                Ok((checkpoint, disk_problem)) => {
+                    let report = LoadReport {
+                        step: info.step,
+                        source: LoadSource::Memory,
+                        fallback_reason: None,
+                        disk_problem,
+                    };
+                    return Ok(Loaded::local(report, checkpoint));
+                }
+                Err(why) => fallback_reason = why,
             }
-            Err(e) => return Err(e),
-        };
-        let report = LoadReport {
-            step: info.step,
-            source: LoadSource::Disk,
-            fallback_reason,
-            disk_problem: None,
-        };
-        Ok((ck, report))
+        }
+        if req.sources.disk() {
+            return match self.read_disk(&info, &mut target) {
+                Ok(checkpoint) => {
+                    let report = LoadReport {
+                        step: info.step,
+                        source: LoadSource::Disk,
+                        fallback_reason,
+                        disk_problem: None,
+                    };
+                    Ok(Loaded::local(report, checkpoint))
+                }
+                // A damaged file, when the bucket holds the same step's same bytes: every
+                // destination is written again from there.
+                #[cfg(feature = "s3")]
+                Err(e) if req.sources.bucket() && self.bucket_replaces(&info, &e) => {
+                    let report = LoadReport::from_bucket(info.step, Some(&e));
+                    let (checkpoint, remote) =
+                        bucket_or(info.step, e, self.read_bucket(info.step, &mut target))?;
+                    Ok(Loaded {
+                        report,
+                        checkpoint,
+                        remote: Some(remote),
+                    })
+                }
+                Err(e) => Err(e),
+            };
+        }
+        #[cfg(feature = "s3")]
+        if req.sources.bucket() {
+            let (checkpoint, remote) = self.read_bucket(info.step, &mut target)?;
+            let mut report = LoadReport::from_bucket(info.step, None);
+            report.fallback_reason = fallback_reason;
+            return Ok(Loaded {
+                report,
+                checkpoint,
+                remote: Some(remote),
+            });
+        }
+        let why = fallback_reason.unwrap_or_else(|| "flash restore is off".into());
+        Err(Error::NotFound {
+            what: format!("step {} in the kept image ({why})", info.step),
+            step: Some(info.step),
+            root: self.shared.cfg.root.clone(),
+        })
     }
 
-    /// Flash restore: `info`'s step from the adopted image, if it can serve it, with what
-    /// the cheap check of the disk copy found; else why not (`None` with the option off).
-    pub(super) fn try_memory(&self, info: &CheckpointInfo) -> Result<Memory> {
-        let (image, manifest, _, disk_problem) = match self.memory_image(info)? {
+    /// Source 1, memory: `info`'s step from the adopted image into `target`, with what the
+    /// cheap check of the disk copy found wrong; else why not (`None` with flash restore
+    /// off). A destination that does not fit is an error, not a reason to fall back.
+    #[allow(unsafe_code, clippy::type_complexity)]
+    fn read_memory(
+        &self,
+        info: &CheckpointInfo,
+        target: &mut Target<'_>,
+    ) -> Result<std::result::Result<(Option<Checkpoint>, Option<String>), Option<String>>> {
+        let (image, manifest, entry, disk_problem) = match self.memory_image(info)? {
             Ok(found) => found,
-            Err(why) => return Ok(Memory::Not(why)),
+            Err(why) => return Ok(Err(why)),
         };
         let a = image.as_ref().expect("memory_image returns a held image");
-        match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
-            Ok(ck) => {
-                tracing::info!(
-                    step = info.step,
-                    "load served from the kept image (flash restore)"
-                );
-                Ok(Memory::Served(ck, disk_problem))
+        match target {
+            Target::Owned => match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
+                Ok(ck) => {
+                    tracing::info!(
+                        step = info.step,
+                        "load served from the kept image (flash restore)"
+                    );
+                    return Ok(Ok((Some(ck), disk_problem)));
+                }
+                Err(why) => {
+                    tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+                    return Ok(Err(Some(why)));
+                }
+            },
+            Target::Host(dest) => {
+                let ordered = host_in_file_order(&entry, dest)?;
+                a.send(&mut HostSink { dest: ordered })?;
             }
-            Err(why) => {
-                tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
-                Ok(Memory::Not(Some(why)))
+            Target::Device(dest) => {
+                let ordered = device_in_file_order(&entry, dest)?;
+                // SAFETY: a `Target::Device` holds ranges valid for writes and used by
+                // nobody else during the load: `LoadInto::device` borrows whole
+                // `DeviceBuffer`s mutably for the load, `LoadInto::device_raw`'s caller
+                // promised it.
+                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+                // Every checksum was verified when the image was adopted: straight from the
+                // engine's own (CUDA-registered) arena chunks to the device, in file order;
+                // the image stays locked (its chunks untouched) until the copies finished.
+                a.send(&mut sink)?;
+            }
+        }
+        tracing::info!(
+            step = info.step,
+            "load into caller buffers served from the kept image (flash restore)"
+        );
+        Ok(Ok((None, disk_problem)))
+    }
+
+    /// Source 2, the disk: this rank's file of `info`'s step into `target`.
+    #[allow(unsafe_code)]
+    fn read_disk(
+        &self,
+        info: &CheckpointInfo,
+        target: &mut Target<'_>,
+    ) -> Result<Option<Checkpoint>> {
+        let rank = self.shared.cfg.rank;
+        match target {
+            Target::Owned => restore::load_owned_pooled(
+                &info.dir,
+                rank,
+                &self.read_options(),
+                Some(&self.load_buffers),
+            )
+            .map(Some),
+            Target::Host(dest) => {
+                restore::load_into(&info.dir, rank, dest, &self.read_options()).map(|_| None)
+            }
+            Target::Device(dest) => {
+                let (_, entry) = restore::rank_file(&info.dir, rank)?;
+                let ordered = device_in_file_order(&entry, dest)?;
+                // O_DIRECT reads into a small ring of registered buffers of their own
+                // (`EngineConfig::with_device_read`), each copied to the device as soon as
+                // it is read and checksummed (the staging arena is not used: it may hold a
+                // kept image, and its chunks are sized for writes).
+                let ring = self.device_ring()?;
+                // SAFETY: as in `read_memory`: the ranges of a `Target::Device` are valid
+                // for writes and used by nobody else during the load.
+                unsafe {
+                    ring.read_to_device(
+                        &info.dir.join(&entry.file),
+                        &entry,
+                        ordered,
+                        &self.read_options(),
+                        None,
+                    )
+                }
+                .map(|_| None)
+            }
+        }
+    }
+
+    /// Source 3, the bucket: this rank's object of `step` into `target` (ranged GETs in
+    /// parallel, every checksum verified; device destinations through the engine's
+    /// CUDA-registered device-read buffers, no host copy of the whole object).
+    #[cfg(feature = "s3")]
+    #[allow(unsafe_code)]
+    fn read_bucket(
+        &self,
+        step: u64,
+        target: &mut Target<'_>,
+    ) -> Result<(Option<Checkpoint>, crate::remote::RemoteLoad)> {
+        let rank = self.shared.cfg.rank;
+        let remote = self
+            .remote()
+            .ok_or_else(|| Error::Config("this engine has no remote tier (with_remote)".into()))?;
+        match target {
+            Target::Owned => remote.load(step, rank).map(|(ck, r)| (Some(ck), r)),
+            Target::Host(dest) => remote.load_into(step, rank, dest).map(|r| (None, r)),
+            Target::Device(dest) => {
+                let ring = self.device_ring()?;
+                // SAFETY: as in `read_memory`: the ranges of a `Target::Device` are valid
+                // for writes and used by nobody else during the load.
+                unsafe { remote.load_into_device(step, rank, &ring, dest) }.map(|r| (None, r))
             }
         }
     }
@@ -169,229 +310,6 @@ impl Engine {
     pub fn release_load_buffers(&self) {
         self.load_buffers.clear();
         lock(&self.device_ring).take();
-    }
-
-    /// Load this rank's tensors into caller buffers, by name, verifying every checksum.
-    /// Every tensor of the checkpoint must have a destination of exactly its size. Returns
-    /// the step loaded.
-    ///
-    /// With [`EngineConfig::with_keep_in_memory`], a step held by the image adopted at open
-    /// is copied from memory (verified at adoption), like [`Engine::load`]; with a remote
-    /// tier, a step not on disk is read from the bucket.
-    pub fn load_into(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<u64> {
-        let which = which.into();
-        // Without the `s3` feature the bucket's arm is compiled out.
-        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
-        let info = match self.resolve_in(which, Tiers::All)? {
-            Resolved::Local(info) => info,
-            // Not on disk: from the bucket, with a remote tier.
-            #[cfg(feature = "s3")]
-            Resolved::Bucket { step, .. } => {
-                return self.load_into_remote(step, dest).map(|r| r.step);
-            }
-        };
-        if let Ok((image, _, entry, _)) = self.memory_image(&info)? {
-            let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
-            let order = restore::match_destinations(&entry, &named)?;
-            let mut slots: Vec<Option<&mut [u8]>> =
-                dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
-            let ordered = order
-                .iter()
-                .map(|&i| slots[i].take().expect("each destination used once"))
-                .collect();
-            let a = image.as_ref().expect("memory_image returns a held image");
-            a.send(&mut HostSink { dest: ordered })?;
-            tracing::info!(
-                step = info.step,
-                "load_into served from the kept image (flash restore)"
-            );
-            return Ok(info.step);
-        }
-        match restore::load_into(&info.dir, self.shared.cfg.rank, dest, &self.read_options()) {
-            Ok(_) => Ok(info.step),
-            // A damaged file, when the bucket holds the same step's same bytes: every
-            // destination is written again from there.
-            #[cfg(feature = "s3")]
-            Err(e) if self.bucket_replaces(&info, &e) => {
-                let got = self.load_into_remote(StepSel::Step(info.step), dest);
-                bucket_or(info.step, e, got).map(|r| r.step)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Load this rank's tensors into device buffers, by name, verifying every checksum on
-    /// the host before the bytes go to the device. Every tensor needs a buffer of exactly
-    /// its size. Returns the step loaded.
-    #[allow(unsafe_code)]
-    pub fn load_into_device(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut DeviceBuffer)],
-    ) -> Result<u64> {
-        let slices: Vec<(&str, DeviceSlice<'_>)> =
-            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
-        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
-        // is valid for writes and nobody else uses it until we return.
-        unsafe { self.load_into_device_raw(which, &slices) }
-    }
-
-    /// [`Engine::load_into_device`] with raw device ranges.
-    ///
-    /// # Safety
-    /// Every range must be device memory of its device, valid for writes of its length and
-    /// not accessed by anyone else until this call returns.
-    #[allow(unsafe_code)]
-    pub unsafe fn load_into_device_raw(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &[(&str, DeviceSlice<'_>)],
-    ) -> Result<u64> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.load_into_device_raw_with_report(which, dest) }.map(|r| r.step)
-    }
-
-    /// [`Engine::load_into_device`], also reporting which path served the load (flash
-    /// restore: the image adopted at open, checked completely then, is copied to the
-    /// device straight from the engine's CUDA-registered arena).
-    #[allow(unsafe_code)]
-    pub fn load_into_device_with_report(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut DeviceBuffer)],
-    ) -> Result<LoadReport> {
-        let slices: Vec<(&str, DeviceSlice<'_>)> =
-            dest.iter().map(|(n, b)| (*n, b.slice())).collect();
-        // SAFETY: each slice is a whole `DeviceBuffer` borrowed mutably for this call, so it
-        // is valid for writes and nobody else uses it until we return.
-        unsafe { self.load_into_device_raw_with_report(which, &slices) }
-    }
-
-    /// [`Engine::load_into_device_raw`] with the report of
-    /// [`Engine::load_into_device_with_report`]. As [`Engine::load_with_report`], a step
-    /// the disk does not hold, or holds damaged, is read from the bucket (the same bytes).
-    ///
-    /// # Safety
-    /// As [`Engine::load_into_device_raw`].
-    #[allow(unsafe_code)]
-    pub unsafe fn load_into_device_raw_with_report(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &[(&str, DeviceSlice<'_>)],
-    ) -> Result<LoadReport> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.load_into_device_tiers(which.into(), dest, true) }
-    }
-
-    /// [`Engine::load_into_device_raw_with_report`] from memory or the disk only: never
-    /// the bucket.
-    ///
-    /// # Safety
-    /// As [`Engine::load_into_device_raw`].
-    #[allow(unsafe_code)]
-    pub unsafe fn load_into_device_local_raw_with_report(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &[(&str, DeviceSlice<'_>)],
-    ) -> Result<LoadReport> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.load_into_device_tiers(which.into(), dest, false) }
-    }
-
-    /// # Safety
-    /// As [`Engine::load_into_device_raw`].
-    #[allow(unsafe_code)]
-    #[cfg_attr(not(feature = "s3"), allow(unused_variables))]
-    unsafe fn load_into_device_tiers(
-        &self,
-        which: StepSel,
-        dest: &[(&str, DeviceSlice<'_>)],
-        bucket: bool,
-    ) -> Result<LoadReport> {
-        let tiers = if bucket { Tiers::All } else { Tiers::Local };
-        // Without the `s3` feature the bucket's arm is compiled out.
-        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
-        let info = match self.resolve_in(which, tiers)? {
-            Resolved::Local(info) => info,
-            // Not on disk: from the bucket, with a remote tier (through registered
-            // buffers, no host copy of the file).
-            #[cfg(feature = "s3")]
-            Resolved::Bucket { step, disk } => {
-                // SAFETY: forwarded from this function's contract.
-                let got = unsafe { self.load_into_device_remote_raw(step, dest)? };
-                return Ok(LoadReport::from_bucket(got.step, disk.as_ref()));
-            }
-        };
-        let (_, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-        let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
-        let order = restore::match_destinations(&entry, &named)?;
-        let ordered: Vec<Option<DeviceSlice<'_>>> =
-            order.iter().map(|&i| Some(dest[i].1)).collect();
-        let fallback_reason = match self.memory_image(&info)? {
-            Ok((image, _, mem_entry, disk_problem)) if mem_entry == entry => {
-                // SAFETY: forwarded from this function's contract.
-                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
-                // Every checksum was verified when the image was adopted: straight from the
-                // engine's own (CUDA-registered) arena chunks to the device, in file order;
-                // the image stays locked (its chunks untouched) until the copies finished.
-                let a = image.as_ref().expect("memory_image returns a held image");
-                a.send(&mut sink)?;
-                tracing::info!(
-                    step = info.step,
-                    "device load served from the kept image (flash restore)"
-                );
-                return Ok(LoadReport {
-                    step: info.step,
-                    source: LoadSource::Memory,
-                    fallback_reason: None,
-                    disk_problem,
-                });
-            }
-            Ok(_) => Some(format!(
-                "the manifest of step {} changed during the load",
-                info.step
-            )),
-            Err(why) => why,
-        };
-        // From disk: O_DIRECT reads into a small ring of registered buffers of their own
-        // (`EngineConfig::with_device_read`), each copied to the device as soon as it is
-        // read and checksummed (the staging arena is not used: it may hold a kept image,
-        // and its chunks are sized for writes).
-        let ring = self.device_ring()?;
-        // SAFETY: forwarded from this function's contract.
-        let read = unsafe {
-            ring.read_to_device(
-                &info.dir.join(&entry.file),
-                &entry,
-                ordered,
-                &self.read_options(),
-                None,
-            )
-        };
-        match read {
-            Ok(_) => {}
-            // A damaged file, when the bucket holds the same step's same bytes: every
-            // destination is written again from there.
-            #[cfg(feature = "s3")]
-            Err(e) if bucket && self.bucket_replaces(&info, &e) => {
-                let report = LoadReport::from_bucket(info.step, Some(&e));
-                // SAFETY: forwarded from this function's contract.
-                let got =
-                    unsafe { self.load_into_device_remote_raw(StepSel::Step(info.step), dest) };
-                return bucket_or(info.step, e, got).map(|_| report);
-            }
-            Err(e) => return Err(e),
-        }
-        Ok(LoadReport {
-            step: info.step,
-            source: LoadSource::Disk,
-            fallback_reason,
-            disk_problem: None,
-        })
     }
 
     /// Flash restore: check the disk copy of the step the adopted image holds completely,
@@ -477,10 +395,84 @@ impl Engine {
     }
 }
 
-/// What flash restore did for a load.
-pub(super) enum Memory {
-    /// Served it, with what the cheap check of the disk copy found wrong.
-    Served(Checkpoint, Option<String>),
-    /// Did not: why (`None` with the option off).
-    Not(Option<String>),
+impl Loaded {
+    /// A load that memory or the disk served.
+    fn local(report: LoadReport, checkpoint: Option<Checkpoint>) -> Self {
+        Loaded {
+            report,
+            checkpoint,
+            #[cfg(feature = "s3")]
+            remote: None,
+        }
+    }
+}
+
+/// The caller's host buffers reordered into `entry`'s file order (each tensor exactly one
+/// destination of exactly its size, else [`Error::Destination`]).
+fn host_in_file_order<'b>(
+    entry: &manifest::FileEntry,
+    dest: &'b mut [(&str, &mut [u8])],
+) -> Result<Vec<&'b mut [u8]>> {
+    let named: Vec<(&str, u64)> = dest.iter().map(|(n, b)| (*n, b.len() as u64)).collect();
+    let order = restore::match_destinations(entry, &named)?;
+    let mut slots: Vec<Option<&mut [u8]>> = dest.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+    Ok(order
+        .iter()
+        .map(|&i| slots[i].take().expect("each destination used once"))
+        .collect())
+}
+
+/// The caller's device ranges in `entry`'s file order, as [`host_in_file_order`].
+fn device_in_file_order<'d>(
+    entry: &manifest::FileEntry,
+    dest: &[(&str, DeviceSlice<'d>)],
+) -> Result<Vec<Option<DeviceSlice<'d>>>> {
+    let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
+    let order = restore::match_destinations(entry, &named)?;
+    Ok(order.iter().map(|&i| Some(dest[i].1)).collect())
+}
+
+/// Shorthands of [`Engine::load_with`] for the crate's tests of the remote tier.
+#[cfg(all(test, feature = "s3"))]
+impl Engine {
+    /// Into owned buffers from every source: the checkpoint and its report.
+    pub(crate) fn load_with_report(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::owned())?;
+        Ok((got.checkpoint.expect("an owned load"), got.report))
+    }
+
+    /// Into the caller's host buffers by name from every source: the step loaded.
+    pub(crate) fn load_into(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<u64> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::host(dest))?;
+        Ok(got.report.step)
+    }
+
+    /// Into owned buffers from the bucket only, whatever the local disk holds.
+    pub(crate) fn load_remote(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, crate::remote::RemoteLoad)> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::owned())?;
+        let remote = got.remote.expect("the bucket served the load");
+        Ok((got.checkpoint.expect("an owned load"), remote))
+    }
+
+    /// Into the caller's host buffers by name from the bucket only.
+    pub(crate) fn load_into_remote(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<crate::remote::RemoteLoad> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::host(dest))?;
+        Ok(got.remote.expect("the bucket served the load"))
+    }
 }

@@ -16,9 +16,12 @@ mod flash;
 mod handle;
 mod kept;
 mod load;
+#[cfg(all(test, feature = "s3"))]
+mod load_tests;
 #[cfg(feature = "s3")]
 mod remote_ops;
 mod report;
+mod request;
 mod save;
 mod state;
 mod tiers;
@@ -34,7 +37,6 @@ use crossbeam_channel::Sender;
 use crate::commit::{self, RootLock};
 use crate::config::EngineConfig;
 use crate::device::CudaStaging;
-use crate::device::cuda::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::io::pool::WriterPool;
 use crate::io::{Backend, BackendOptions};
@@ -49,15 +51,17 @@ pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_fo
 
 pub use handle::{SaveHandle, SaveWatch};
 pub use report::{LoadReport, LoadSource, SaveReport, SaveTimings, StagedReport};
+pub use request::{LoadInto, LoadRequest, Loaded, Sources};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 use tiers::Resolved;
 pub use tiers::{Tier, Tiers};
 
 /// Which committed checkpoint to load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum StepSel {
-    /// The newest committed step.
+    /// The newest committed step (the default).
+    #[default]
     Latest,
     /// A given step.
     Step(u64),

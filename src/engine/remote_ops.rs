@@ -6,9 +6,7 @@ use std::sync::Arc;
 use super::{Engine, LoadReport, LoadSource, StepSel};
 use crate::error::{Error, Result};
 use crate::manifest::{CheckpointInfo, Manifest};
-use crate::remote::{Remote, RemoteLoad};
-use crate::restore::Checkpoint;
-use crate::tensor::DeviceSlice;
+use crate::remote::Remote;
 
 impl Engine {
     /// The bucket of the remote tier, if the engine has one.
@@ -38,24 +36,6 @@ impl Engine {
         }
     }
 
-    /// Load this rank's tensors of a step committed in the bucket (ranged GETs in
-    /// parallel, every checksum verified), whatever the local disk holds.
-    pub fn load_remote(&self, which: impl Into<StepSel>) -> Result<(Checkpoint, RemoteLoad)> {
-        let step = self.resolve_remote(which.into())?;
-        self.remote_or_err()?.load(step, self.shared.cfg.rank)
-    }
-
-    /// [`Engine::load_remote`] into caller buffers by name (each exactly its tensor's size).
-    pub fn load_into_remote(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<RemoteLoad> {
-        let step = self.resolve_remote(which.into())?;
-        self.remote_or_err()?
-            .load_into(step, self.shared.cfg.rank, dest)
-    }
-
     /// The `__metadata__` of this rank's object of a step committed in the bucket, from
     /// its header (checked against the manifest, as a load checks it).
     pub fn remote_file_metadata(
@@ -65,29 +45,6 @@ impl Engine {
         let step = self.resolve_remote(which.into())?;
         self.remote_or_err()?
             .file_metadata(step, self.shared.cfg.rank)
-    }
-
-    /// [`Engine::load_remote`] into device ranges by name (each exactly its tensor's
-    /// size): ranged GETs in parallel, each body copied into the engine's CUDA-registered
-    /// device-read buffers (`EngineConfig::with_device_read`; two of them, one filled
-    /// while the other is copied to the device), every checksum verified on the host. No
-    /// host copy of the whole object is made ([`RemoteLoad::staged`] and
-    /// [`RemoteLoad::staging`] say what went through the registered buffers).
-    ///
-    /// # Safety
-    /// As [`Engine::load_into_device_raw`]: every range device memory of its device, valid
-    /// for writes of its length and not accessed by anyone else until this call returns.
-    #[allow(unsafe_code)]
-    pub unsafe fn load_into_device_remote_raw(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &[(&str, DeviceSlice<'_>)],
-    ) -> Result<RemoteLoad> {
-        let step = self.resolve_remote(which.into())?;
-        let remote = self.remote_or_err()?;
-        let ring = self.device_ring()?;
-        // SAFETY: forwarded from this function's contract.
-        unsafe { remote.load_into_device(step, self.shared.cfg.rank, &ring, dest) }
     }
 
     /// Whether the bucket may serve `info`'s step after this rank's file of it on the disk
@@ -138,35 +95,6 @@ impl Engine {
                 false
             }
         }
-    }
-
-    /// `info`'s step from the bucket after the disk's copy failed with `local`
-    /// ([`Engine::bucket_replaces`] said yes): the bucket's copy, or `local` if that fails
-    /// too (the bucket's error is logged).
-    pub(super) fn load_damaged_from_bucket(
-        &self,
-        info: &CheckpointInfo,
-        local: Error,
-    ) -> Result<(Checkpoint, LoadReport)> {
-        let report = LoadReport::from_bucket(info.step, Some(&local));
-        let (ck, _) = bucket_or(info.step, local, self.load_remote(StepSel::Step(info.step)))?;
-        Ok((ck, report))
-    }
-
-    /// The load fallback: a step the disk does not hold (`disk`: the disk's error), from
-    /// the bucket ([`Engine::resolve_in`] chose it).
-    pub(super) fn load_fallback_remote(
-        &self,
-        step: u64,
-        disk: Option<Error>,
-    ) -> Result<(Checkpoint, LoadReport)> {
-        let (ck, _) = self.load_remote(step)?;
-        tracing::info!(
-            step = ck.step,
-            "load served from the bucket (not on the local disk)"
-        );
-        let report = LoadReport::from_bucket(ck.step, disk.as_ref());
-        Ok((ck, report))
     }
 }
 

@@ -91,7 +91,7 @@ pub enum LoadSource {
     Remote,
 }
 
-/// What [`crate::Engine::load_with_report`] did.
+/// What a load did ([`Loaded::report`](crate::Loaded::report) of [`crate::Engine::load_with`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LoadReport {

@@ -147,12 +147,32 @@ impl SaveState {
     /// space. Failures fail the save (the handle reports them).
     pub(super) fn open_file(&self) {
         let cfg = &self.shared.cfg;
-        let r = commit::prepare_partial(&cfg.root, self.step, &self.file_name, cfg.world_size)
-            .and_then(|partial| {
-                let t = FileTarget::create(&partial.join(&self.file_name), cfg.direct_io)?;
-                t.preallocate(align_up(self.plan.file_len()))?;
-                Ok(t)
-            });
+        // With several ranks, another rank's failed save of this step removes the partial
+        // directory if its file was the only entry (`commit::abort_partial`), which can
+        // fall between the directory's creation and this rank's file's: then both are
+        // made again (each other rank fails this save at most once).
+        let mut attempts = cfg.world_size.max(1);
+        let r = loop {
+            let r = commit::prepare_partial(
+                &cfg.root,
+                self.step,
+                cfg.rank,
+                &self.file_name,
+                cfg.world_size,
+            )
+            .and_then(|partial| FileTarget::create(&partial.join(&self.file_name), cfg.direct_io));
+            match r {
+                Err(e) if attempts > 1 && e.raw_os_error() == Some(libc::ENOENT) => {
+                    attempts -= 1;
+                    tracing::debug!(step = self.step, error = %e, "the partial directory vanished; making it again");
+                }
+                r => break r,
+            }
+        }
+        .and_then(|t| {
+            t.preallocate(align_up(self.plan.file_len()))?;
+            Ok(t)
+        });
         self.file_opened(r);
     }
 

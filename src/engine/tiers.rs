@@ -128,7 +128,7 @@ impl Engine {
 }
 
 #[cfg(all(test, feature = "s3"))]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use object_store::memory::InMemory;
@@ -137,7 +137,9 @@ mod tests {
     use crate::manifest::Metadata;
     use crate::{Dtype, EngineConfig, LoadSource, Tensor};
 
-    fn engine(root: &std::path::Path, store: Arc<InMemory>) -> Engine {
+    /// An engine on `root` with `store` as its bucket (prefix `run1`); also used by
+    /// `load_tests.rs`.
+    pub(in crate::engine) fn engine(root: &std::path::Path, store: Arc<InMemory>) -> Engine {
         EngineConfig::new(root)
             .with_staging_capacity(8 << 20)
             .with_chunk_size(1 << 20)
@@ -149,7 +151,9 @@ mod tests {
             .unwrap()
     }
 
-    fn save(e: &Engine, step: u64) {
+    /// Saves `step` (one tensor whose bytes depend on the step) and waits for the disk
+    /// and the bucket.
+    pub(in crate::engine) fn save(e: &Engine, step: u64) {
         let data: Vec<u8> = (0..4096u32)
             .flat_map(|i| (i ^ step as u32).to_le_bytes())
             .collect();

@@ -20,9 +20,11 @@
 //!   tensor but those under a top-level optimizer key ([`OPTIMIZER_KEYS`]). Then the
 //!   [`Rename`] rules, or an explicit name list.
 //! * **Streaming**: every piece is read with ranged reads of the rank file through the
-//!   restore path's staging buffers (a few 4 MiB buffers, whatever the tensor sizes),
-//!   its CRC-32C verified as the bytes pass, and written (cast on request) straight to its
-//!   place in the output shard.
+//!   restore path's staging buffers (a few 4 MiB buffers, reads in flight ahead of the one
+//!   processed, whatever the tensor sizes), its CRC-32C verified as the bytes pass, and
+//!   handed (cast on request) to the shard writer's thread (`writer`: a fixed pool of
+//!   buffers), which writes it at its place in the output shard and starts the shards'
+//!   write-back as it goes, so the disk writes while the rank files are read.
 //! * **Atomic**: the shards and the index are written into `OUT.tmp-<pid>`, synced, and
 //!   renamed to `OUT` (exchanged with it when `overwrite` replaces a directory); on any
 //!   error the temporary directory is removed and `OUT` is untouched.
@@ -34,6 +36,7 @@ mod kept;
 mod layout;
 mod rank_files;
 mod source;
+mod writer;
 
 pub use rank_files::MEMORY_PREFIX;
 use rank_files::RankFiles;
@@ -52,6 +55,7 @@ use crate::restore::{ReadOptions, ReadSink};
 
 use cast::Cast;
 use layout::Block;
+use writer::ShardWriter;
 
 /// Top-level keys whose tensors are optimizer state, left out unless
 /// [`ExportOptions::include_optimizer`].
@@ -168,7 +172,10 @@ pub struct ExportOptions {
     pub include_optimizer: bool,
     /// Replace an existing non-empty `out`.
     pub overwrite: bool,
-    /// How to read the rank files.
+    /// How to read the rank files. The default reads through the page cache
+    /// (`direct_io: false`), as `cp` does: the rank files of a checkpoint just written are
+    /// usually still there, and O_DIRECT would read them from the disk again while `cp`
+    /// (the copy the export's speed is measured against) copies them from memory.
     pub read: ReadOptions,
 }
 
@@ -181,7 +188,10 @@ impl Default for ExportOptions {
             dtype: None,
             include_optimizer: false,
             overwrite: false,
-            read: ReadOptions::default(),
+            read: ReadOptions {
+                direct_io: false,
+                ..ReadOptions::default()
+            },
         }
     }
 }
@@ -238,8 +248,15 @@ struct Global {
 /// Each tensor's offsets in its global tensor, from a DCP rank file's header; `None` for a
 /// plain rank file.
 fn sharding_of(src: &dyn RankFiles, f: &FileEntry) -> Result<Option<HashMap<String, Vec<u64>>>> {
-    let path = src.path_of(f);
-    let meta = src.metadata(f)?;
+    dcp_offsets(&src.path_of(f), &src.metadata(f)?)
+}
+
+/// Each tensor's offsets in its global tensor, from the `__metadata__` `meta` of the DCP
+/// rank file `path` (its `DCP_SHARDING_INFO`); `None` for a plain rank file.
+pub(crate) fn dcp_offsets(
+    path: &Path,
+    meta: &crate::manifest::Metadata,
+) -> Result<Option<HashMap<String, Vec<u64>>>> {
     let Some(text) = meta.get(DCP_SHARDING_KEY) else {
         return Ok(None);
     };
@@ -248,7 +265,7 @@ fn sharding_of(src: &dyn RankFiles, f: &FileEntry) -> Result<Option<HashMap<Stri
         saved_offsets: Vec<u64>,
     }
     let info: HashMap<String, Info> = serde_json::from_str(text)
-        .map_err(|e| Error::corrupt(&path, None, format!("invalid {DCP_SHARDING_KEY}: {e}")))?;
+        .map_err(|e| Error::corrupt(path, None, format!("invalid {DCP_SHARDING_KEY}: {e}")))?;
     Ok(Some(
         info.into_iter()
             .map(|(k, v)| (k, v.saved_offsets))
@@ -501,21 +518,33 @@ pub fn shard_name(k: usize, n: usize) -> String {
     format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
 }
 
-/// Writes each piece's bytes, cast, at their place in the output shards.
+/// Hands each piece's bytes, cast, to the shard writer with their place in the output
+/// shards.
 struct WriteSink<'a> {
     /// Per tensor of the rank file being read: (output index, its piece's block).
     targets: HashMap<usize, (usize, &'a Block)>,
     outs: &'a [Out],
-    files: &'a [File],
-    paths: &'a [PathBuf],
+    writer: &'a mut ShardWriter,
     /// Bytes of an element split between two pieces, per tensor of the rank file.
     carry: HashMap<usize, Vec<u8>>,
-    buf: Vec<u8>,
     in_es: HashMap<usize, u64>,
 }
 
 impl ReadSink for WriteSink<'_> {
     fn piece(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
+        // At most one pool buffer's bytes per job (a bucket's ranged GETs hand larger
+        // pieces): the pool bounds the memory whatever the source.
+        let mut off = at;
+        for part in bytes.chunks(writer::BUF_BYTES) {
+            self.piece_part(tensor, off, part)?;
+            off += part.len() as u64;
+        }
+        Ok(())
+    }
+}
+
+impl WriteSink<'_> {
+    fn piece_part(&mut self, tensor: usize, at: u64, bytes: &[u8]) -> Result<()> {
         let Some(&(oi, block)) = self.targets.get(&tensor) else {
             return Ok(());
         };
@@ -533,30 +562,23 @@ impl ReadSink for WriteSink<'_> {
         };
         let whole = joined.len() as u64 / es * es;
         carry.extend_from_slice(&joined[whole as usize..]);
-        let file = &self.files[out.shard];
-        let path = &self.paths[out.shard];
+        if whole == 0 {
+            return Ok(());
+        }
+        let mut job = self.writer.job(out.shard)?;
         if !out.dtype.bits().is_multiple_of(8) {
             // A sub-byte dtype: one whole piece, never cast; its bytes are its unit.
-            let at = out.offset + start;
-            return crate::fsops::write_all_at(file, &joined[..whole as usize], at)
-                .map_err(|e| Error::io_at("write", path, at, e));
+            job.push(out.offset + start, &joined[..whole as usize]);
+            return self.writer.send(job);
         }
         let first = start / es;
         let out_es = out.dtype.bits() / 8;
-        let buf = &mut self.buf;
         block.runs(first, whole / es, |g, e, m| {
             let src = &joined[((e - first) * es) as usize..((e - first + m) * es) as usize];
-            let at = out.offset + g * out_es;
-            let data = if out.cast == Cast::Keep {
-                src
-            } else {
-                buf.clear();
-                out.cast.apply(src, buf);
-                &buf[..]
-            };
-            crate::fsops::write_all_at(file, data, at)
-                .map_err(|e| Error::io_at("write", path, at, e))
-        })
+            job.push_with(out.offset + g * out_es, |buf| out.cast.apply(src, buf));
+            Ok(())
+        })?;
+        self.writer.send(job)
     }
 }
 
@@ -689,35 +711,12 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
             paths.push(path);
             names.push(name);
         }
-        let mut read = 0u64;
-        for (fi, f) in manifest.files.iter().enumerate() {
-            let mut targets = HashMap::new();
-            let mut in_es = HashMap::new();
-            for (oi, o) in outs.iter().enumerate() {
-                for p in globals[o.global].pieces.iter().filter(|p| p.file == fi) {
-                    let t = &f.tensors[p.tensor];
-                    // Sub-byte dtypes are whole (one piece): bytes are their unit then.
-                    in_es.insert(p.tensor, (t.dtype.bits() / 8).max(1));
-                    targets.insert(p.tensor, (oi, &p.block));
-                }
-            }
-            if targets.is_empty() {
-                continue;
-            }
-            let wanted: Vec<bool> = (0..f.tensors.len())
-                .map(|i| targets.contains_key(&i))
-                .collect();
-            let mut sink = WriteSink {
-                targets,
-                outs: &outs,
-                files: &files,
-                paths: &paths,
-                carry: HashMap::new(),
-                buf: Vec::new(),
-                in_es,
-            };
-            read += rank_files.read_wanted(f, &wanted, &mut sink)?;
-        }
+        // The reads (and their checks) here, the writes on the writer's thread.
+        let read = std::thread::scope(|scope| -> Result<u64> {
+            let (mut writer, handle) = ShardWriter::start(scope, &files, &paths)?;
+            let r = read_into(rank_files.as_ref(), &manifest, &globals, &outs, &mut writer);
+            writer.finish(handle, r)
+        })?;
         let mut weight_map = BTreeMap::new();
         for o in &outs {
             weight_map.insert(o.name.clone(), names[o.shard].clone());
@@ -757,6 +756,45 @@ pub fn export(src: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRepo
         bytes_read,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Read every piece of `outs` from the rank files, in file order, and hand it to `writer`.
+/// Returns the bytes read.
+fn read_into(
+    rank_files: &dyn RankFiles,
+    manifest: &Manifest,
+    globals: &[Global],
+    outs: &[Out],
+    writer: &mut ShardWriter,
+) -> Result<u64> {
+    let mut read = 0u64;
+    for (fi, f) in manifest.files.iter().enumerate() {
+        let mut targets = HashMap::new();
+        let mut in_es = HashMap::new();
+        for (oi, o) in outs.iter().enumerate() {
+            for p in globals[o.global].pieces.iter().filter(|p| p.file == fi) {
+                let t = &f.tensors[p.tensor];
+                // Sub-byte dtypes are whole (one piece): bytes are their unit then.
+                in_es.insert(p.tensor, (t.dtype.bits() / 8).max(1));
+                targets.insert(p.tensor, (oi, &p.block));
+            }
+        }
+        if targets.is_empty() {
+            continue;
+        }
+        let wanted: Vec<bool> = (0..f.tensors.len())
+            .map(|i| targets.contains_key(&i))
+            .collect();
+        let mut sink = WriteSink {
+            targets,
+            outs,
+            writer: &mut *writer,
+            carry: HashMap::new(),
+            in_es,
+        };
+        read += rank_files.read_wanted(f, &wanted, &mut sink)?;
+    }
+    Ok(read)
 }
 
 /// `out`'s temporary sibling `OUT.tmp-<pid>`.

@@ -252,6 +252,97 @@ fn dcp_pieces_are_assembled_and_cast() {
     assert!(!out.exists());
 }
 
+/// Tensors larger than the writer's pool (40 MiB: ten 4 MiB reads for eight buffers, more
+/// than one write-back span), with left-out optimizer state between them, over two
+/// shards: every exported byte is the saved one, and cast to BF16 every element is
+/// torch's rounding; each shard file is exactly its header and its tensors.
+#[test]
+fn tensors_larger_than_the_writer_pool_stream_exactly() {
+    let big_n = 10_000_000;
+    let big = f32_bytes(big_n, 5);
+    let state = [
+        ("model.big", Dtype::F32, vec![big_n / 1000, 1000], big),
+        (
+            "optim.state.0.m",
+            Dtype::F32,
+            vec![300_000],
+            f32_bytes(300_000, 6),
+        ),
+        ("model.small", Dtype::F32, vec![3, 1001], f32_bytes(3003, 7)),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let engine = Engine::open(
+        EngineConfig::new(&root)
+            .with_create_root(true)
+            .with_staging_capacity(64 << 20)
+            .with_chunk_size(1 << 20),
+    )
+    .unwrap();
+    let ts: Vec<Tensor<'_>> = state
+        .iter()
+        .map(|(n, d, s, b)| Tensor::host(*n, *d, s.clone(), b))
+        .collect();
+    engine
+        .save(1, &ts, &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(engine);
+    let shard_files = |out: &Path| {
+        (0..2)
+            .map(|k| {
+                let bytes = std::fs::read(out.join(shard_name(k, 2))).unwrap();
+                let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+                let data: usize = meta
+                    .tensors()
+                    .values()
+                    .map(|t| t.data_offsets.1)
+                    .max()
+                    .unwrap();
+                assert_eq!(
+                    bytes.len(),
+                    8 + n + data,
+                    "shard {k} is its header and data"
+                );
+                assert_eq!((8 + n) % 4096, 0);
+            })
+            .count()
+    };
+    for dtype in [None, Some(Dtype::BF16)] {
+        let out = dir.path().join(format!("hf-{dtype:?}"));
+        let opts = ExportOptions {
+            max_shard_size: (big_n * 2) as u64,
+            dtype,
+            ..ExportOptions::default()
+        };
+        let rep = export(&root, &out, &opts).unwrap();
+        let (_, all) = read_out(&out);
+        assert_eq!(shard_files(&out), 2);
+        let keep = |(_, _, s, b): &(&str, Dtype, Vec<usize>, Vec<u8>)| match dtype {
+            None => ("F32".to_owned(), s.clone(), b.clone()),
+            Some(_) => (
+                "BF16".to_owned(),
+                s.clone(),
+                b.chunks_exact(4)
+                    .flat_map(|c| {
+                        cast::f32_to_bf16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+                    })
+                    .collect(),
+            ),
+        };
+        assert_eq!(all.len(), 2);
+        assert!(all["big"] == keep(&state[0]), "big, {dtype:?}");
+        assert!(all["small"] == keep(&state[2]), "small, {dtype:?}");
+        // Only the model's bytes were read (the optimizer state between is left out).
+        assert!(
+            rep.bytes_read < (big_n as u64 + 3003) * 4 + (64 << 10),
+            "{}",
+            rep.bytes_read
+        );
+    }
+}
+
 fn flip_byte_of(step: &Path, tensor: &str) -> PathBuf {
     let (_, entry) = crate::restore::rank_file(step, 0).unwrap();
     let t = entry.tensors.iter().find(|t| t.name == tensor).unwrap();

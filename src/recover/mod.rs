@@ -194,6 +194,20 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
             }
         }
     }
+    // A predecessor killed while creating its arena (between `shm_open` and the header's
+    // first write) left a segment of zeros, which names no root: removed by the next
+    // open of its rank once the pid in its name is gone.
+    for name in unwritten_of_dead(rank) {
+        let path = Path::new(crate::staging::shm::SHM_MOUNT).join(&name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                tracing::warn!(arena = %name, "removed a dead engine's never-written staging arena");
+            }
+            Err(e) => {
+                tracing::warn!(arena = %name, error = %e, "could not remove a dead engine's never-written staging arena");
+            }
+        }
+    }
     if !out.unrecovered.is_empty() {
         tracing::warn!(
             root = %root.display(),
@@ -203,6 +217,58 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
             "staging arenas of dead engines of this root hold saves to recover; they and \
              their partial directories are kept: run `shmckpt recover`"
         );
+    }
+    out
+}
+
+/// This user's staging arenas of `rank` (`shmckpt.<pid>.r<rank>.<n>`, regular files) whose
+/// first page is all zeros (the header was never written) and whose pid no longer exists
+/// (not merely "does not map it": a live creator maps its segment only after sizing it).
+fn unwritten_of_dead(rank: u32) -> Vec<String> {
+    use std::io::Read;
+    let me = rustix::process::geteuid().as_raw();
+    let Ok(rd) = std::fs::read_dir(crate::staging::shm::SHM_MOUNT) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix(crate::staging::NAME_PREFIX) else {
+            continue;
+        };
+        let parts: Vec<&str> = rest.split('.').collect();
+        let [pid, r, n] = parts[..] else { continue };
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let (Ok(pid), Some(Ok(r))) = (
+            pid.parse::<i32>(),
+            r.strip_prefix('r').map(str::parse::<u32>),
+        ) else {
+            continue;
+        };
+        if r != rank || !digits(n) || pid <= 0 || pid as u32 == std::process::id() {
+            continue;
+        }
+        let gone = rustix::process::Pid::from_raw(pid)
+            .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
+        if !gone {
+            continue;
+        }
+        let path = e.path();
+        let Ok(m) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !m.file_type().is_file() || m.uid() != me {
+            continue;
+        }
+        let Ok(f) = crate::fsx::open_path(&path, false) else {
+            continue;
+        };
+        let mut page = Vec::with_capacity(4096);
+        if f.take(4096).read_to_end(&mut page).is_ok() && page.iter().all(|&b| b == 0) {
+            out.push(name);
+        }
     }
     out
 }

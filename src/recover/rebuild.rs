@@ -15,8 +15,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::fsx;
 use crate::manifest::{
-    FORMAT_VERSION, FileEntry, MANIFEST, Manifest, Metadata, TensorEntry, partial_dir_name,
-    rank_file_name, step_dir_name,
+    FileEntry, MANIFEST, Metadata, TensorEntry, partial_dir_name, rank_file_name, step_dir_name,
 };
 use crate::plan::{DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_STEP, META_WORLD, RESERVED_PREFIX};
 use crate::staging::AttachedArena;
@@ -409,17 +408,9 @@ fn describe(
         object: None,
         tensors,
     };
-    // The manifest built from this entry must pass the reader's own checks.
-    let probe = Manifest {
-        format_version: FORMAT_VERSION,
-        step: v.step,
-        world_size,
-        created_unix_ms: 0,
-        total_bytes: entry.bytes,
-        metadata: user.clone(),
-        files: vec![entry.clone()],
-    };
-    let bytes = serde_json::to_vec(&probe).expect("manifests serialize");
-    Manifest::parse(&bytes, path)?;
+    // The entry must pass the reader's own checks (those of `Manifest::from_parts`, which
+    // the commit builds its manifest with). Only this rank's: a manifest probe of this
+    // entry alone would not cover the world size of a multi-rank save.
+    entry.validate(path)?;
     Ok((entry, user))
 }

@@ -32,6 +32,7 @@ pub(crate) mod feed;
 mod journal;
 mod options;
 mod read;
+mod store;
 pub(crate) mod tier;
 mod upload;
 
@@ -45,14 +46,10 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::aws::AmazonS3ConfigKey;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
-use object_store::{
-    ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
-};
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::error::{Error, Result};
-use crate::manifest::{
-    self, FORMAT_VERSION, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata,
-};
+use crate::manifest::{self, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata};
 
 pub use journal::OpenUpload;
 pub(crate) use options::RemoteTarget;
@@ -333,7 +330,9 @@ impl Remote {
     /// [`Remote::try_commit`] by the rank whose upload's manifest part is `mine`: the step
     /// counts as committed for it only when the bucket's manifest names `mine`'s object
     /// for its rank; when it names another writer's (or this rank's part in the bucket is
-    /// another writer's), [`Error::RemoteConflict`].
+    /// another writer's), [`Error::RemoteConflict`]. The one commit protocol
+    /// ([`crate::commit::store::commit_parts`]) with the prefix as its barrier
+    /// (`store::BucketParts`).
     pub(crate) fn commit_step(
         &self,
         step: u64,
@@ -342,123 +341,16 @@ impl Remote {
         session: Option<&str>,
         mine: Option<&FileEntry>,
     ) -> Result<Option<(Manifest, bool)>> {
-        let conflict = |reason: String| Error::RemoteConflict {
+        crate::commit::store::commit_parts(
+            &store::BucketParts {
+                remote: self,
+                session,
+            },
             step,
-            url: self.url.clone(),
-            reason,
-        };
-        // The committed manifest, if it is ours (names our object for our rank).
-        let ours = |m: Manifest, created: bool| -> Result<Option<(Manifest, bool)>> {
-            if let Some(mine) = mine {
-                let theirs = m.files.get(mine.rank as usize).map(FileEntry::object_name);
-                if theirs != Some(mine.object_name()) {
-                    return Err(conflict(format!(
-                        "its committed manifest names object {theirs:?} for rank {}, this upload's is {:?}",
-                        mine.rank,
-                        mine.object_name()
-                    )));
-                }
-            }
-            Ok(Some((m, created)))
-        };
-        self.block(async {
-            let mkey = self.key(step, MANIFEST);
-            if let Some(m) = self.read_manifest_async(step).await? {
-                return ours(m, false);
-            }
-            let mut files = Vec::with_capacity(world_size as usize);
-            for r in 0..world_size {
-                let pkey = self.key(step, &manifest::rank_manifest_name(r));
-                let mine = mine.filter(|m| m.rank == r);
-                let bytes = match self.get_capped(&pkey, 1 << 30).await {
-                    Ok(b) => b,
-                    Err(object_store::Error::NotFound { .. }) if mine.is_none() => {
-                        return Ok(None);
-                    }
-                    Err(object_store::Error::NotFound { .. }) => {
-                        return Err(conflict(format!("this rank's manifest part {} is gone", self.display(&pkey).display())));
-                    }
-                    Err(e) => return Err(self.err("get manifest part", &e)),
-                };
-                let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
-                    Error::corrupt(self.display(&pkey), None, format!("manifest part: {e}"))
-                })?;
-                let f = part.entry;
-                if let Some(mine) = mine.filter(|m| m.object_name() != f.object_name()) {
-                    // Written after ours by another upload of this rank and step.
-                    return Err(conflict(format!(
-                        "this rank's manifest part names object {:?} of another writer, this upload's is {:?}",
-                        f.object_name(),
-                        mine.object_name()
-                    )));
-                }
-                if session.is_some() && part.session.as_deref() != session {
-                    return Ok(None); // that rank's part of this run is not there yet
-                }
-                let file = manifest::rank_file_name(r, world_size);
-                if f.rank != r || f.file != file || !upload::is_object_of(f.object_name(), &file)
-                {
-                    return Err(Error::corrupt(
-                        self.display(&pkey),
-                        None,
-                        format!(
-                            "manifest part of rank {} for file {:?} (object {:?})",
-                            f.rank,
-                            f.file,
-                            f.object_name()
-                        ),
-                    ));
-                }
-                let okey = self.key(step, f.object_name());
-                match self.store.head(&okey).await {
-                    Ok(meta) if meta.size == f.bytes => {}
-                    Ok(meta) => {
-                        return Err(Error::corrupt(
-                            self.display(&okey),
-                            None,
-                            format!("object holds {} bytes, its part says {}", meta.size, f.bytes),
-                        ));
-                    }
-                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
-                    Err(e) => return Err(self.err("head", &e)),
-                }
-                files.push(f);
-            }
-            let m = Manifest {
-                format_version: FORMAT_VERSION,
-                step,
-                world_size,
-                created_unix_ms: crate::util::unix_ms(),
-                total_bytes: files.iter().map(|f| f.bytes).sum(),
-                metadata: metadata.clone(),
-                files,
-            };
-            let bytes = serde_json::to_vec_pretty(&m).expect("manifest serializes");
-            // Checked as any manifest read back would be.
-            let m = Manifest::parse(&bytes, &self.display(&mkey))?;
-            let put = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self.store.put_opts(&mkey, PutPayload::from(bytes), put).await {
-                Ok(_) => ours(m, true),
-                Err(object_store::Error::AlreadyExists { .. })
-                | Err(object_store::Error::Precondition { .. }) => {
-                    // Another rank committed first (or another writer).
-                    match self.read_manifest_async(step).await? {
-                        Some(m) => ours(m, false),
-                        None => Err(Error::Remote {
-                            url: self.url.clone(),
-                            op: "commit",
-                            reason: format!(
-                                "the manifest of step {step} exists per the server but cannot be read"
-                            ),
-                        }),
-                    }
-                }
-                Err(e) => Err(self.err("put manifest (conditional create)", &e)),
-            }
-        })
+            world_size,
+            metadata,
+            mine,
+        )
     }
 
     async fn get_capped(&self, key: &ObjPath, cap: u64) -> object_store::Result<Bytes> {
@@ -520,66 +412,74 @@ impl Remote {
         location.prefix_match(&self.prefix).map(Iterator::collect)
     }
 
-    /// The bucket's steps by the disk's rule ([`manifest::step_of_manifest_path`],
-    /// [`manifest::check_listed_manifest`]): every object under a canonical `step-N/` name
-    /// (at any depth), grouped by step; the steps committed by exactly
-    /// `prefix/step-N/manifest.json` naming step N; and the steps whose manifest does not
-    /// (never listed, loaded or deleted), with why. Every candidate manifest is read.
-    async fn scan(&self) -> Result<Scan> {
+    /// Every object under a canonical `step-N/` name (at any depth), grouped by step, and
+    /// the path (below the prefix) of every object named `step-*/.../manifest.json`: one
+    /// listing of the prefix.
+    #[allow(clippy::type_complexity)]
+    async fn objects(
+        &self,
+    ) -> Result<(
+        std::collections::BTreeMap<u64, Vec<object_store::ObjectMeta>>,
+        Vec<Vec<String>>,
+    )> {
         let mut by = std::collections::BTreeMap::<u64, Vec<object_store::ObjectMeta>>::new();
+        let mut manifests = Vec::new();
         let mut s = self.store.list(Some(&self.prefix));
         while let Some(o) = s.try_next().await.map_err(|e| self.err("list", &e))? {
-            let step = self
-                .rel_parts(&o.location)
-                .and_then(|p| p.first().and_then(|f| manifest::parse_step_dir(f.as_ref())));
-            if let Some(step) = step {
+            let Some(parts) = self.rel_parts(&o.location) else {
+                continue;
+            };
+            let parts: Vec<String> = parts.iter().map(|p| p.as_ref().to_owned()).collect();
+            if parts.first().is_some_and(|f| f.starts_with("step-"))
+                && parts.last().is_some_and(|l| l == MANIFEST)
+            {
+                manifests.push(parts.clone());
+            }
+            if let Some(step) = parts.first().and_then(|f| manifest::parse_step_dir(f)) {
                 by.entry(step).or_default().push(o);
             }
         }
-        let mut committed = std::collections::BTreeSet::new();
-        let mut invalid = std::collections::BTreeMap::new();
-        for (&step, objs) in &by {
-            let has_manifest = objs.iter().any(|o| {
-                self.rel_parts(&o.location).is_some_and(|p| {
-                    manifest::step_of_manifest_path(p.iter().map(|x| x.as_ref())) == Some(step)
-                })
-            });
-            if !has_manifest {
-                continue;
-            }
-            let key = self.key(step, MANIFEST);
-            let why = match self.get_capped(&key, MAX_MANIFEST_LEN).await {
-                Ok(bytes) => manifest::check_listed_manifest(&bytes, step).err(),
-                Err(object_store::Error::NotFound { .. }) => continue, // deleted since
-                Err(object_store::Error::Generic {
-                    store: "shmckpt",
-                    source,
-                }) => Some(source.to_string()),
-                Err(e) => return Err(self.err("get manifest", &e)),
-            };
-            match why {
-                None => {
-                    committed.insert(step);
-                }
-                Some(why) => {
-                    tracing::warn!(manifest = %self.display(&key).display(), "ignoring a step in the bucket: {why}");
-                    invalid.insert(step, why);
-                }
-            }
-        }
+        Ok((by, manifests))
+    }
+
+    /// What `step-<step>/manifest.json` holds, for the listing's rule.
+    async fn manifest_bytes_async(&self, step: u64) -> Result<manifest::ManifestBytes> {
+        let key = self.key(step, MANIFEST);
+        Ok(match self.get_capped(&key, MAX_MANIFEST_LEN).await {
+            Ok(bytes) => manifest::ManifestBytes::Bytes(bytes.to_vec()),
+            Err(object_store::Error::NotFound { .. }) => manifest::ManifestBytes::Absent,
+            Err(object_store::Error::Generic {
+                store: "shmckpt",
+                source,
+            }) => manifest::ManifestBytes::Unreadable(source.to_string()),
+            Err(e) => return Err(self.err("get manifest", &e)),
+        })
+    }
+
+    /// The bucket's steps by the one listing rule ([`manifest::list_steps`], over one
+    /// listing of the prefix): every object under a canonical `step-N/` name (at any
+    /// depth), grouped by step; the steps committed by exactly
+    /// `prefix/step-N/manifest.json` naming step N; and the steps whose manifest does not
+    /// (never listed, loaded or deleted), with why. Every candidate manifest is read.
+    fn scan(&self) -> Result<Scan> {
+        let (by, manifests) = self.block(self.objects())?;
+        let listing = manifest::list_steps(&store::Listed {
+            remote: self,
+            manifests,
+        })?;
         Ok(Scan {
             by,
-            committed,
-            invalid,
+            committed: listing.committed.into_iter().collect(),
+            invalid: listing.ignored,
         })
     }
 
     /// Committed steps, oldest first: those whose `prefix/step-N/manifest.json` is a
-    /// manifest of step N (the disk's rule, [`manifest::list_committed`]). Anything else
-    /// (a `manifest.json` deeper down, under a non-canonical name, of another step, not
-    /// valid) is ignored with a warning: never listed, loaded or deleted.
+    /// manifest of step N (the one listing rule, [`manifest::list_steps`], as on disk).
+    /// Anything else (a `manifest.json` deeper down, under a non-canonical name, of another
+    /// step, not valid) is ignored with a warning: never listed, loaded or deleted.
     pub fn list(&self) -> Result<Vec<u64>> {
-        self.block(async { Ok(self.scan().await?.committed.into_iter().collect()) })
+        Ok(manifest::list_steps(self)?.committed)
     }
 
     /// The newest committed step.
@@ -591,38 +491,9 @@ impl Remote {
     /// (manifest first, so a step disappears from listings before its objects go). Never
     /// deletes the newest committed step, nor any step not older than it (uploads in
     /// progress), nor anything of a step that is not committed by the listing's rule.
-    /// Returns the deleted steps.
+    /// Returns the deleted steps. The one retention ([`crate::commit::store::retain`]).
     pub fn apply_retention(&self, keep: usize) -> Result<Vec<u64>> {
-        let keep = keep.max(1);
-        self.block(async {
-            let scan = self.scan().await?;
-            let committed: Vec<u64> = scan.committed.iter().copied().collect();
-            if committed.len() <= keep {
-                return Ok(Vec::new());
-            }
-            let newest = *committed.last().expect("non-empty");
-            let doomed: Vec<u64> = committed[..committed.len() - keep]
-                .iter()
-                .copied()
-                .filter(|&s| s < newest)
-                .collect();
-            for &s in &doomed {
-                self.store
-                    .delete(&self.key(s, MANIFEST))
-                    .await
-                    .map_err(|e| self.err("delete", &e))?;
-                for o in scan.by.get(&s).into_iter().flatten() {
-                    if o.location == self.key(s, MANIFEST) {
-                        continue;
-                    }
-                    match self.store.delete(&o.location).await {
-                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => return Err(self.err("delete", &e)),
-                    }
-                }
-            }
-            Ok(doomed)
-        })
+        crate::commit::store::retain(self, keep)
     }
 
     /// Remove the objects of uncommitted steps (no `manifest.json`) whose newest object is
@@ -638,8 +509,8 @@ impl Remote {
     pub fn gc(&self, min_age: Duration) -> Result<GcReport> {
         let now_ms = crate::util::unix_ms() as i64;
         let min_ms = i64::try_from(min_age.as_millis()).unwrap_or(i64::MAX);
+        let scan = self.scan()?;
         self.block(async {
-            let scan = self.scan().await?;
             let mut rep = GcReport::default();
             for (step, objs) in &scan.by {
                 if scan.committed.contains(step) {

@@ -76,6 +76,12 @@ pub fn inspect(url: &str, step: Option<u64>, a: &InspectArgs) -> CliResult {
 }
 
 pub fn verify(url: &str, step: Option<u64>, a: &VerifyArgs) -> CliResult {
+    if a.replicas {
+        return Err(format!(
+            "{url}: --replicas compares local checkpoints only (verify a bucket without it)"
+        )
+        .into());
+    }
     let r = open(url)?;
     let steps: Vec<u64> =
         match (step.or(a.step), a.all) {
@@ -102,6 +108,7 @@ pub fn verify(url: &str, step: Option<u64>, a: &VerifyArgs) -> CliResult {
             at: format!("{url}/step-{s}"),
             outcome,
             took: t.elapsed(),
+            replicas: None,
         };
         if !a.json {
             pb.suspend(|| println!("{}", super::tools::verified_line(&v)));
@@ -119,9 +126,8 @@ pub fn gc(url: &str, a: &GcArgs) -> CliResult {
     }
     let r = open(url)?;
     let pb = super::spinner("gc");
-    let res = r
-        .gc(Duration::from_secs(a.min_age))
-        .and_then(|rep| r.apply_retention(a.keep).map(|removed| (rep, removed)));
+    // The one gc (a directory's too): sweep what interrupted uploads left, then retention.
+    let res = shmckpt::commit::store::gc(&r, &Duration::from_secs(a.min_age), a.keep);
     pb.finish_and_clear();
     let (rep, removed) = res?;
     if a.json {

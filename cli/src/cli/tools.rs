@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 use shmckpt::bench::gbps;
+use shmckpt::divergence::{self, ReplicaReport};
 use shmckpt::manifest::{self, MANIFEST, Manifest};
 use shmckpt::restore::{self, ReadOptions};
 
@@ -45,6 +46,12 @@ pub struct VerifyArgs {
     /// Verify every committed checkpoint of the root.
     #[arg(long, conflicts_with = "step")]
     pub all: bool,
+    /// Also compare data-parallel replicas: every tensor that several rank files hold
+    /// under the same name, dtype and shape (and DCP offsets) must have the same CRC-32C
+    /// in each; a divergence (which ranks hold which CRC) fails the checkpoint (exit 1).
+    /// Local checkpoints only.
+    #[arg(long)]
+    pub replicas: bool,
     /// One JSON document on stdout (each checkpoint's outcome) instead of text.
     #[arg(long)]
     pub json: bool,
@@ -245,6 +252,8 @@ pub struct Verified {
     pub outcome: Result<u64, String>,
     /// Time taken.
     pub took: std::time::Duration,
+    /// With `--replicas`: the replica comparison (or why it could not be made).
+    pub replicas: Option<Result<ReplicaReport, String>>,
 }
 
 /// Print the outcomes (text, or one JSON document) and fail when any failed.
@@ -252,9 +261,15 @@ pub fn report_verified(results: &[Verified], json_out: bool) -> CliResult {
     let failed = results.iter().filter(|v| v.outcome.is_err()).count();
     if json_out {
         print_json(&json!({
-            "checkpoints": results.iter().map(|v| match &v.outcome {
-                Ok(b) => json!({"at": v.at, "ok": true, "bytes": b, "seconds": v.took.as_secs_f64()}),
-                Err(e) => json!({"at": v.at, "ok": false, "error": e, "seconds": v.took.as_secs_f64()}),
+            "checkpoints": results.iter().map(|v| {
+                let mut o = match &v.outcome {
+                    Ok(b) => json!({"at": v.at, "ok": true, "bytes": b, "seconds": v.took.as_secs_f64()}),
+                    Err(e) => json!({"at": v.at, "ok": false, "error": e, "seconds": v.took.as_secs_f64()}),
+                };
+                if let Some(r) = &v.replicas {
+                    o["replicas"] = replicas_json(r);
+                }
+                o
             }).collect::<Vec<_>>(),
             "failed": failed,
         }))?;
@@ -269,9 +284,63 @@ pub fn report_verified(results: &[Verified], json_out: bool) -> CliResult {
     Ok(())
 }
 
+/// The `replicas` object of one checkpoint in `verify --replicas --json`: `step`,
+/// `compared` (tensors held alike by several rank files), and `divergent`, one object per
+/// diverging tensor (`tensor`, `dtype`, `shape`, `crcs`: rank -> CRC-32C of its copy,
+/// `odd`: the ranks whose copy differs from the majority's, every holder without one,
+/// `majority`: that CRC or null); or `error` when the comparison could not be made.
+pub fn replicas_json(r: &Result<ReplicaReport, String>) -> Value {
+    match r {
+        Err(e) => json!({"error": e}),
+        Ok(r) => json!({
+            "step": r.step,
+            "compared": r.compared,
+            "divergent": r.divergences.iter().map(|d| json!({
+                "tensor": d.tensor,
+                "dtype": d.dtype.as_str(),
+                "shape": d.shape,
+                "crcs": d.ranks.iter().zip(&d.crcs)
+                    .map(|(r, c)| (r.to_string(), json!(c)))
+                    .collect::<serde_json::Map<String, Value>>(),
+                "odd": d.odd,
+                "majority": d.majority,
+            })).collect::<Vec<_>>(),
+        }),
+    }
+}
+
+/// One line per diverging tensor: which ranks hold which CRC-32C.
+pub fn divergence_lines(r: &ReplicaReport) -> Vec<String> {
+    r.divergences
+        .iter()
+        .map(|d| {
+            let mut by_crc: Vec<(u32, Vec<u32>)> = Vec::new();
+            for (&rank, &crc) in d.ranks.iter().zip(&d.crcs) {
+                match by_crc.iter_mut().find(|(c, _)| *c == crc) {
+                    Some((_, rs)) => rs.push(rank),
+                    None => by_crc.push((crc, vec![rank])),
+                }
+            }
+            let held = by_crc
+                .iter()
+                .map(|(c, rs)| format!("rank(s) {rs:?} hold {c:#010x}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "     step {} tensor {:?} ({} {:?}): {held}; differs on rank(s) {:?}",
+                r.step,
+                d.tensor,
+                d.dtype.as_str(),
+                d.shape,
+                d.odd
+            )
+        })
+        .collect()
+}
+
 /// The text line of one outcome.
 pub fn verified_line(v: &Verified) -> String {
-    match &v.outcome {
+    let mut line = match &v.outcome {
         Ok(bytes) => format!(
             "OK   {} ({} in {}, {:.2} GB/s)",
             v.at,
@@ -280,7 +349,20 @@ pub fn verified_line(v: &Verified) -> String {
             gbps(*bytes, v.took)
         ),
         Err(e) => format!("FAIL {}: {e}", v.at),
+    };
+    if let Some(Ok(r)) = &v.replicas {
+        if r.divergences.is_empty() {
+            line.push_str(&format!(
+                "; replicas agree ({} tensors compared)",
+                r.compared
+            ));
+        }
+        for l in divergence_lines(r) {
+            line.push('\n');
+            line.push_str(&l);
+        }
     }
+    line
 }
 
 pub fn verify(a: VerifyArgs) -> CliResult {
@@ -322,13 +404,41 @@ pub fn verify(a: VerifyArgs) -> CliResult {
         let t = Instant::now();
         // The size reported is the checkpoint's (its manifest's total, as `inspect` shows);
         // verify_dir reads the manifest again and checks every file against it.
-        let outcome = Manifest::read(d)
+        let mut outcome = Manifest::read(d)
             .and_then(|m| restore::verify_dir(d, &ReadOptions::default()).map(|_| m.total_bytes))
             .map_err(|e| e.to_string());
+        let mut replicas = None;
+        if a.replicas {
+            let r = divergence::check_checkpoint(d).map_err(|e| e.to_string());
+            match &r {
+                Ok(rep) if !rep.divergences.is_empty() && outcome.is_ok() => {
+                    let names: Vec<&str> =
+                        rep.divergences.iter().map(|d| d.tensor.as_str()).collect();
+                    outcome = Err(format!(
+                        "replicas diverge in step {}: {} of {} replicated tensors differ ({})",
+                        rep.step,
+                        names.len(),
+                        rep.compared,
+                        names
+                            .iter()
+                            .take(8)
+                            .map(|n| format!("{n:?}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+                Err(e) if outcome.is_ok() => {
+                    outcome = Err(format!("replica comparison failed: {e}"));
+                }
+                _ => {}
+            }
+            replicas = Some(r);
+        }
         let v = Verified {
             at: d.display().to_string(),
             outcome,
             took: t.elapsed(),
+            replicas,
         };
         if !a.json {
             pb.suspend(|| println!("{}", verified_line(&v)));
@@ -346,10 +456,12 @@ pub fn gc(a: GcArgs) -> CliResult {
     }
     require_root(&a.dir)?;
     let pb = super::spinner("gc");
-    let res = shmckpt::commit::clean_stale_with(&a.dir, u32::MAX, shmckpt::commit::Sweep::Gc)
-        .and_then(|stale| {
-            shmckpt::commit::apply_retention(&a.dir, a.keep).map(|removed| (stale, removed))
-        });
+    // The one gc (the bucket's too): sweep what interrupted saves left, then retention.
+    let res = shmckpt::commit::store::gc(
+        &shmckpt::commit::LocalDir::new(&a.dir),
+        &(u32::MAX, shmckpt::commit::Sweep::Gc),
+        a.keep,
+    );
     pb.finish_and_clear();
     let (stale, removed) = res?;
     if a.json {

@@ -449,3 +449,26 @@ pub fn descriptors_under(dir: &Path) -> Vec<String> {
     }
     found
 }
+
+/// `Engine::load_with` of `req` (a step, `StepSel` or `LoadRequest`) into owned buffers:
+/// the checkpoint and how the load went.
+pub fn load_with_report(
+    engine: &shmckpt::Engine,
+    req: impl Into<shmckpt::LoadRequest>,
+) -> shmckpt::Result<(shmckpt::Checkpoint, shmckpt::LoadReport)> {
+    let got = engine.load_with(&req.into(), shmckpt::LoadInto::owned())?;
+    Ok((
+        got.checkpoint.expect("an owned load has a checkpoint"),
+        got.report,
+    ))
+}
+
+/// `Engine::load_with` of `req` into the caller's host buffers by name: the step loaded.
+pub fn load_into(
+    engine: &shmckpt::Engine,
+    req: impl Into<shmckpt::LoadRequest>,
+    dest: &mut [(&str, &mut [u8])],
+) -> shmckpt::Result<u64> {
+    let got = engine.load_with(&req.into(), shmckpt::LoadInto::host(dest))?;
+    Ok(got.report.step)
+}

@@ -78,7 +78,7 @@ fn layout(rank: u32) -> Vec<LayoutEntry> {
 
 /// What `rank` saves as `step`: different for every step and rank (made once: the checker
 /// compares with it thousands of times).
-fn state(step: u64, rank: u32) -> Arc<State> {
+pub(crate) fn state(step: u64, rank: u32) -> Arc<State> {
     static MADE: Mutex<BTreeMap<(u64, u32), Arc<State>>> = Mutex::new(BTreeMap::new());
     let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
     Arc::clone(
@@ -101,7 +101,7 @@ fn config(root: &Path, rank: u32, world: u32, backend: BackendKind) -> EngineCon
 
 /// Saves of steps `steps` by `world` ranks (one engine each, saving in parallel), under a
 /// recording of the root.
-fn record_saves(root: &Path, world: u32, backend: BackendKind, steps: &[u64]) -> Log {
+pub(crate) fn record_saves(root: &Path, world: u32, backend: BackendKind, steps: &[u64]) -> Log {
     let rec = Recording::start(root).unwrap();
     let engines: Vec<Engine> = (0..world)
         .map(|r| Engine::open(config(root, r, world, backend)).unwrap())
@@ -124,7 +124,7 @@ fn record_saves(root: &Path, world: u32, backend: BackendKind, steps: &[u64]) ->
 }
 
 /// Compare a loaded rank file with what `rank` saved as `step`.
-fn same(ck: &shmckpt::Checkpoint, step: u64, rank: u32) -> Result<(), String> {
+pub(crate) fn same(ck: &shmckpt::Checkpoint, step: u64, rank: u32) -> Result<(), String> {
     let want = state(step, rank);
     if ck.tensors.len() != want.layout.len() {
         return Err(format!(
@@ -174,7 +174,7 @@ fn read_options() -> ReadOptions {
 }
 
 /// Every rank of `dir` verifies and holds exactly what was saved as `step`.
-fn step_exact(dir: &Path, step: u64, world: u32) -> Result<(), String> {
+pub(crate) fn step_exact(dir: &Path, step: u64, world: u32) -> Result<(), String> {
     let opts = read_options();
     restore::verify_dir(dir, &opts).map_err(|e| format!("verify step {step}: {e}"))?;
     for rank in 0..world {
@@ -185,14 +185,14 @@ fn step_exact(dir: &Path, step: u64, world: u32) -> Result<(), String> {
     Ok(())
 }
 
-fn listed(root: &Path) -> Result<Vec<u64>, String> {
+pub(crate) fn listed(root: &Path) -> Result<Vec<u64>, String> {
     shmckpt::manifest::list_committed(root)
         .map(|v| v.into_iter().map(|c| c.step).collect())
         .map_err(|e| format!("list: {e}"))
 }
 
 /// Run a restarted trainer on the materialized state `root` and check the invariants.
-fn check_state(
+pub(crate) fn check_state(
     root: &Path,
     world: u32,
     saved: &BTreeSet<u64>,
@@ -451,7 +451,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         tensors: Vec::new(),
     };
     let rec = Recording::start(root).unwrap();
-    let partial = shmckpt::commit::prepare_partial(root, 7, &entry(0).file, 2).unwrap();
+    let partial = shmckpt::commit::prepare_partial(root, 7, 0, &entry(0).file, 2).unwrap();
     let part1 = serde_json::to_vec(&entry(1)).unwrap();
     shmckpt::testing::io::file::write_durable(&partial.join(rank_manifest_name(1)), &part1)
         .unwrap();

@@ -137,6 +137,69 @@ fn errno_at(offset: u64, errno: i32) -> Rule {
     }
 }
 
+/// A dead incarnation's durable part is never merged with a re-save of its rank (the chaos
+/// soak, seed 2, found it: a listed step whose rank-0 file was gone). Rank 0 of 2 saves
+/// step 1 (its file and part, kept by the partial-part rule) and is gone; its next
+/// incarnation's save of step 1 fails (EIO), which removes the file; rank 1's save must
+/// then commit nothing, where it used to merge the old part and commit a step without rank
+/// 0's file. Rank 0's next save commits both ranks' exact bytes.
+#[test]
+fn a_failed_resave_leaves_no_part_for_the_other_ranks_to_commit() {
+    use shmckpt::manifest::{partial_dir_name, rank_file_name, rank_manifest_name, step_dir_name};
+    for b in BACKENDS {
+        let dir = real_dir("faults-stale-part");
+        let root = dir.path();
+        let plan = Arc::new(FaultPlan::new());
+        let open = |rank: u32| {
+            Engine::open(
+                small_config(root, b)
+                    .with_rank(rank, 2)
+                    .with_faults(Arc::clone(&plan)),
+            )
+            .unwrap()
+        };
+        let state = |rank: u32| step_state(10 + u64::from(rank));
+        let save = |e: &Engine, rank: u32| {
+            e.save(1, &state(rank).tensors(), &Metadata::new())
+                .unwrap()
+                .wait()
+        };
+        let r0 = open(0);
+        assert_eq!(save(&r0, 0).unwrap().dir, None);
+        r0.close();
+        let part = root.join(partial_dir_name(1)).join(rank_manifest_name(0));
+        assert!(part.is_file());
+
+        let r0 = open(0);
+        plan.add(errno_at(CS, libc::EIO));
+        let err = save(&r0, 0).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{b:?}: {err}");
+        plan.clear();
+        assert!(
+            !part.exists(),
+            "{b:?}: the dead incarnation's part is removed"
+        );
+        r0.close();
+
+        let r1 = open(1);
+        let rep = save(&r1, 1).unwrap();
+        assert_eq!(rep.dir, None, "{b:?}: rank 0 has no part of step 1");
+        assert!(committed(root).is_empty(), "{b:?}: {:?}", committed(root));
+        let r0 = open(0);
+        let rep = save(&r0, 0).unwrap();
+        assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
+        assert_eq!(committed(root), [1]);
+        for rank in 0..2 {
+            assert_safetensors_equal(
+                &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
+                &state(rank),
+            );
+        }
+        r0.close();
+        r1.close();
+    }
+}
+
 #[test]
 fn enospc_on_the_first_chunk() {
     for b in BACKENDS {

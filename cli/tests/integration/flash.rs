@@ -43,7 +43,7 @@ pub(crate) fn load_exact(
     state: &State,
     source: LoadSource,
 ) -> shmckpt::LoadReport {
-    let (ck, report) = engine.load_with_report(step).unwrap();
+    let (ck, report) = load_with_report(engine, step).unwrap();
     assert_eq!(report.source, source, "{report:?}");
     assert_loaded_equal(&ck, state);
     report
@@ -104,13 +104,13 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
     let root = dir.path();
     let guard = killed_keeper(root);
     let engine = Engine::open(keep_config(root)).unwrap();
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_eq!(report.fallback_reason, None);
     assert_eq!(ck.step, 2);
     assert_loaded_equal(&ck, &step_state(2));
     // Step 1 is not in memory: the disk serves it, and says why.
-    let (ck1, r1) = engine.load_with_report(1).unwrap();
+    let (ck1, r1) = load_with_report(&engine, 1).unwrap();
     assert_eq!(r1.source, LoadSource::Disk);
     assert!(r1.fallback_reason.unwrap().contains("holds step 2"));
     assert_loaded_equal(&ck1, &step_state(1));
@@ -152,12 +152,12 @@ fn stale_kept_arena_falls_back_to_disk_with_the_reason() {
     e.close();
     let engine = Engine::open(keep_config(root)).unwrap();
     // Even asked for step 2 exactly, a stale image is never used.
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Disk);
     let why = report.fallback_reason.unwrap();
     assert!(why.contains("stale"), "{why}");
     assert_loaded_equal(&ck, &step_state(2));
-    let (ck, report) = engine.load_with_report(3).unwrap();
+    let (ck, report) = load_with_report(&engine, 3).unwrap();
     assert_eq!(report.source, LoadSource::Disk);
     assert!(report.fallback_reason.unwrap().contains("holds step 2"));
     assert_loaded_equal(&ck, &s3);
@@ -232,7 +232,7 @@ fn with_the_option_off_shared_memory_is_never_looked_at() {
     let e = Engine::open(small_config(root, BackendKind::Auto)).unwrap();
     let s1 = step_state(1);
     save_committed(&e, 1, &s1);
-    let (ck, report) = e.load_with_report(1).unwrap();
+    let (ck, report) = load_with_report(&e, 1).unwrap();
     assert_eq!(report.source, LoadSource::Disk);
     assert_eq!(report.fallback_reason, None);
     assert_loaded_equal(&ck, &s1);
@@ -299,20 +299,20 @@ fn clean_close_keeps_the_image_and_every_dtype_loads_from_memory_exactly() {
     let e = Engine::open(keep_config(root)).unwrap();
     save_committed(&e, 4, &state);
     // In the same process, the disk serves (only a previous engine's image is served).
-    let (_, r) = e.load_with_report(4).unwrap();
+    let (_, r) = load_with_report(&e, 4).unwrap();
     assert_eq!(r.source, LoadSource::Disk);
     e.close();
     let e = Engine::open(keep_config(root)).unwrap();
-    let (ck, r) = e.load_with_report(4).unwrap();
+    let (ck, r) = load_with_report(&e, 4).unwrap();
     assert_eq!(r.source, LoadSource::Memory, "{r:?}");
     assert_loaded_equal(&ck, &state);
     // Served again (the image stays until the first save), then dropped by a save.
-    let (ck2, r) = e.load_with_report(4).unwrap();
+    let (ck2, r) = load_with_report(&e, 4).unwrap();
     assert_eq!(r.source, LoadSource::Memory);
     assert_eq!(ck2, ck);
     let s5 = step_state(5);
     save_committed(&e, 5, &s5);
-    let (_, r) = e.load_with_report(5).unwrap();
+    let (_, r) = load_with_report(&e, 5).unwrap();
     assert_eq!(r.source, LoadSource::Disk);
     assert!(r.fallback_reason.unwrap().contains("a save started since"));
 }
@@ -362,11 +362,11 @@ fn adoption_frees_the_previous_segment_and_records_the_image_in_the_new_arena() 
     assert_eq!(mine[0].rank, Some(0));
     assert_eq!(mine[0].step, Some(2));
     assert_eq!(kept_owner(&guard.0), std::process::id());
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_loaded_equal(&ck, &step_state(2));
     // Loaded twice from the adopted image, byte-exact both times.
-    let (ck2, report) = engine.load_with_report(shmckpt::StepSel::Latest).unwrap();
+    let (ck2, report) = load_with_report(&engine, shmckpt::StepSel::Latest).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_eq!(ck2, ck);
 }
@@ -408,7 +408,7 @@ fn an_adopted_image_survives_a_second_crash_before_any_save() {
     assert_ne!(keeper, adopter);
     assert_eq!(kept_owner(&guard.0), adopter);
     let engine = Engine::open(keep_config(root)).unwrap();
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_eq!(report.fallback_reason, None);
     assert_loaded_equal(&ck, &step_state(2));
@@ -428,7 +428,7 @@ fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
     // save got the image's chunks back when it began.
     let cfg = || keep_config(root).with_staging_capacity(6 * (64 << 10));
     let engine = std::sync::Arc::new(Engine::open(cfg()).unwrap());
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_loaded_equal(&ck, &step_state(2));
     drop(ck);
@@ -446,7 +446,7 @@ fn a_save_after_adoption_reuses_the_image_chunks_and_is_kept_in_turn() {
         .unwrap();
     assert_step_is_exact(root, 3);
     // The image was given up by the save.
-    let (_, r) = engine.load_with_report(2).unwrap();
+    let (_, r) = load_with_report(&engine, 2).unwrap();
     assert_eq!(r.source, LoadSource::Disk);
     assert!(r.fallback_reason.unwrap().contains("a save started since"));
     std::sync::Arc::into_inner(engine).unwrap().close();
@@ -511,7 +511,7 @@ fn load_into_host_buffers_is_served_from_the_adopted_image() {
         .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
         .rev()
         .collect();
-    assert_eq!(engine.load_into(2, &mut dest).unwrap(), 2);
+    assert_eq!(load_into(&engine, 2, &mut dest).unwrap(), 2);
     drop(dest);
     for ((e, got), want) in state.layout.iter().zip(&bufs).zip(&state.data) {
         assert!(got == want, "tensor {} differs", e.name);
@@ -519,7 +519,7 @@ fn load_into_host_buffers_is_served_from_the_adopted_image() {
     // A destination of the wrong size is refused, as from disk.
     let mut short = vec![0u8; 3];
     let mut dest: Vec<(&str, &mut [u8])> = vec![(state.layout[0].name.as_str(), &mut short)];
-    assert!(engine.load_into(2, &mut dest).is_err());
+    assert!(load_into(&engine, 2, &mut dest).is_err());
 }
 
 /// (device, inode) of a segment in `/dev/shm`.
@@ -543,7 +543,7 @@ fn a_kept_arena_of_the_same_layout_is_taken_over_in_place() {
     assert_eq!(shm_inode(&guard.0), before);
     assert_eq!(deleted_segments_open(&guard.0), 0);
     assert_eq!(kept_owner(&guard.0), std::process::id());
-    let (ck, report) = engine.load_with_report(2).unwrap();
+    let (ck, report) = load_with_report(&engine, 2).unwrap();
     assert_eq!(report.source, LoadSource::Memory, "{report:?}");
     assert_loaded_equal(&ck, &step_state(2));
     // It works as a staging arena: a save gives the image up, commits, and is kept.
@@ -607,4 +607,102 @@ fn a_sparse_kept_arena_is_never_mapped_and_falls_back_to_disk() {
         .fallback_reason
         .unwrap();
     assert!(why.contains("CRC-32C"), "{why}");
+}
+
+/// Issue 37: one `Engine::load_with(request, destination)`. Each source restricted
+/// serves alone or says why not, the fallback order is memory then disk, and a caller
+/// buffer of the wrong length is a typed error with nothing written, from every source.
+#[test]
+fn load_request_restricts_the_sources_and_keeps_one_fallback_order() {
+    use shmckpt::{Error, LoadInto, LoadRequest, Sources};
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("flash-request");
+    let root = dir.path();
+    let _guard = killed_keeper(root);
+    let engine = Engine::open(keep_config(root)).unwrap();
+    let owned = |req: LoadRequest| engine.load_with(&req, LoadInto::owned());
+
+    // Memory only: the kept image serves step 2; step 1 it does not hold (NotFound, with
+    // the reason); memory never falls back to the disk.
+    let got = owned(LoadRequest::new(2).with_sources(Sources::MEMORY)).unwrap();
+    assert_eq!(got.report.source, LoadSource::Memory, "{:?}", got.report);
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(2));
+    match owned(LoadRequest::new(1).with_sources(Sources::MEMORY)) {
+        Err(Error::NotFound { what, step, .. }) => {
+            assert_eq!(step, Some(1));
+            assert!(what.contains("holds step 2"), "{what}");
+        }
+        other => panic!("a memory-only load of step 1: {other:?}"),
+    }
+    // Disk only: the disk serves step 2 although memory holds it, with no reason to give.
+    let got = owned(LoadRequest::new(2).with_sources(Sources::DISK)).unwrap();
+    assert_eq!(
+        (got.report.source, got.report.fallback_reason.as_deref()),
+        (LoadSource::Disk, None)
+    );
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(2));
+    // The default order: memory first (step 2, also "latest"), then the disk (step 1,
+    // with why memory could not).
+    let got = owned(LoadRequest::latest()).unwrap();
+    assert_eq!(
+        (got.report.step, got.report.source),
+        (2, LoadSource::Memory)
+    );
+    let got = owned(LoadRequest::new(1)).unwrap();
+    assert_eq!(got.report.source, LoadSource::Disk);
+    assert!(got.report.fallback_reason.unwrap().contains("holds step 2"));
+    assert_loaded_equal(got.checkpoint.as_ref().unwrap(), &step_state(1));
+    // No source, or the bucket of an engine without a remote tier: configuration errors.
+    let none = Sources::LOCAL.with_memory(false).with_disk(false);
+    assert!(matches!(
+        owned(LoadRequest::new(2).with_sources(none)),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        owned(LoadRequest::new(2).with_sources(Sources::BUCKET)),
+        Err(Error::Config(_))
+    ));
+
+    // Caller host buffers, from memory and from the disk: exact bytes; one buffer a byte
+    // short is `Error::Destination` naming the tensor, and nothing is written.
+    let state = step_state(2);
+    for sources in [Sources::MEMORY, Sources::DISK] {
+        let mut bufs: Vec<Vec<u8>> = state.data.iter().map(|d| vec![0u8; d.len()]).collect();
+        bufs[0].pop();
+        let mut dest: Vec<(&str, &mut [u8])> = state
+            .layout
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
+            .collect();
+        let req = LoadRequest::new(2).with_sources(sources);
+        match engine.load_with(&req, LoadInto::host(&mut dest)) {
+            Err(Error::Destination { name, .. }) => assert_eq!(name, state.layout[0].name),
+            other => panic!("{sources:?}: a short buffer gave {other:?}"),
+        }
+        drop(dest);
+        assert!(
+            bufs.iter().all(|b| b.iter().all(|&x| x == 0)),
+            "{sources:?} wrote"
+        );
+        bufs[0].push(0);
+        let mut dest: Vec<(&str, &mut [u8])> = state
+            .layout
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
+            .collect();
+        let got = engine.load_with(&req, LoadInto::host(&mut dest)).unwrap();
+        assert!(got.checkpoint.is_none());
+        let want = if sources == Sources::MEMORY {
+            LoadSource::Memory
+        } else {
+            LoadSource::Disk
+        };
+        assert_eq!((got.report.step, got.report.source), (2, want));
+        drop(dest);
+        assert!(bufs == state.data, "{sources:?}: the bytes differ");
+    }
 }

@@ -92,7 +92,7 @@ fn a_damaged_disk_copy_under_a_good_kept_image_is_reported() {
             .zip(bufs.iter_mut())
             .map(|(e, b)| (e.name.as_str(), &mut b[..]))
             .collect();
-        assert_eq!(engine.load_into(2, &mut dest).unwrap(), 2);
+        assert_eq!(load_into(&engine, 2, &mut dest).unwrap(), 2);
         assert_eq!(bufs, s2.data);
         // The full check finds every kind of damage, the data section's included.
         let err = engine.verify_disk_copy().unwrap_err();

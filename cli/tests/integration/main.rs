@@ -31,6 +31,8 @@ mod faults;
 mod kill;
 #[cfg(feature = "fault-injection")]
 mod prefault;
+#[cfg(all(feature = "fault-injection", feature = "crash-record"))]
+mod soak;
 #[cfg(feature = "fault-injection")]
 mod stress;
 

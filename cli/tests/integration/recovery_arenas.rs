@@ -436,3 +436,55 @@ fn io_failure_during_recovery_keeps_the_arena_for_a_retry() {
     assert!(report.removed && !shm_exists(&shm2));
     assert_step_is_exact(root, 20);
 }
+
+/// A trainer killed while creating its arena (after `shm_open`, before the header's first
+/// write: the chaos soak found such segments left in `/dev/shm`) leaves a segment of zeros
+/// that names no root. The next open of its rank, on any root, removes it once the pid
+/// in its name is gone; a segment of another rank, one whose first page is not all zeros,
+/// and one of a live pid stay.
+#[test]
+fn an_open_removes_a_dead_engines_never_written_arena() {
+    let dir = real_dir("unwritten-arena");
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let seg = |pid: u32, rank: u32, n: u32| {
+        Path::new("/dev/shm").join(format!("shmckpt.{pid}.r{rank}.{n}9999"))
+    };
+    let zeros = vec![0u8; 544_768];
+    let mut garbage = zeros.clone();
+    garbage[100] = 1;
+    let cases = [
+        (seg(dead, 7, 0), &zeros, false),
+        (seg(dead, 7, 1), &zeros[..0].to_vec(), false),
+        (seg(dead, 8, 0), &zeros, true),
+        (seg(dead, 7, 2), &garbage, true),
+        (seg(live.id(), 7, 0), &zeros, true),
+    ];
+    for (p, bytes, _) in &cases {
+        std::fs::write(p, bytes).unwrap();
+    }
+    let e = Engine::open(
+        small_config(dir.path(), BackendKind::Pwrite)
+            .with_staging_capacity(4 * CS)
+            .with_rank(7, 16),
+    )
+    .unwrap();
+    let left: Vec<(String, bool, bool)> = cases
+        .iter()
+        .map(|(p, _, stays)| (p.display().to_string(), p.exists(), *stays))
+        .collect();
+    for (p, _, _) in &cases {
+        let _ = std::fs::remove_file(p);
+    }
+    e.close();
+    let _ = live.kill();
+    let _ = live.wait();
+    for (p, exists, stays) in left {
+        assert_eq!(exists, stays, "{p}");
+    }
+}

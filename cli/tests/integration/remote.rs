@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use shmckpt::remote::{Remote, RemoteOptions};
 use shmckpt::{BackendKind, EngineConfig, Error, LoadSource, Metadata, StepSel};
 
-use crate::common::{State, every_dtype, real_dir, save_committed, small_config, step_state};
+use crate::common::{
+    State, every_dtype, load_with_report, real_dir, save_committed, small_config, step_state,
+};
 
 struct Moto {
     child: Child,
@@ -140,7 +142,7 @@ fn save_commits_in_the_bucket_and_loads_back_from_it() {
     assert_eq!(engine.list_remote().unwrap(), vec![8]);
     std::fs::remove_dir_all(dir.path().join("step-8")).unwrap();
     std::fs::remove_dir_all(dir.path().join("step-4")).unwrap();
-    let (ck, rep) = engine.load_with_report(StepSel::Latest).unwrap();
+    let (ck, rep) = load_with_report(&engine, StepSel::Latest).unwrap();
     assert_eq!(rep.source, LoadSource::Remote);
     assert_eq!(ck.step, 8);
     assert_same(&ck, &s);
@@ -219,7 +221,7 @@ fn ranks_without_a_shared_disk_commit_once_in_the_bucket() {
     );
     for (r, (e, s)) in engines.iter().zip(&states).enumerate() {
         assert_eq!(e.list_remote().unwrap(), vec![3]);
-        let (ck, rep) = e.load_with_report(3).unwrap();
+        let (ck, rep) = load_with_report(e, 3).unwrap();
         assert_eq!(rep.source, LoadSource::Remote, "rank {r}");
         assert_same(&ck, s);
     }

@@ -30,7 +30,7 @@ use shmckpt::remote::{Remote, RemoteOptions};
 use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, LoadSource, Metadata, StepSel};
 
-use crate::common::{State, real_dir, small_config};
+use crate::common::{State, load_with_report, real_dir, small_config};
 
 /// The crash switch shared by the wrapper and its multipart uploads.
 #[derive(Debug, Default)]
@@ -458,7 +458,7 @@ fn check(bucket: &Arc<InMemory>, world: u32, steps: u64, k: usize, r: &Run) {
         .collect();
     let next = listed.last().copied().unwrap_or(0) + 1;
     if let Some(&latest) = listed.last() {
-        let (ck, rep) = restarted[0].load_with_report(StepSel::Latest).unwrap();
+        let (ck, rep) = load_with_report(&restarted[0], StepSel::Latest).unwrap();
         assert_eq!(
             (ck.step, rep.source),
             (latest, LoadSource::Remote),
@@ -504,6 +504,14 @@ fn check(bucket: &Arc<InMemory>, world: u32, steps: u64, k: usize, r: &Run) {
     assert_eq!(remote.list().unwrap(), expect, "{}: gc", ctx());
     let want: BTreeSet<String> = expect.iter().flat_map(|&s| full_step(s, world)).collect();
     assert_eq!(objects(bucket), want, "{}: objects after gc", ctx());
+}
+
+/// One run of `steps` saves by `world` ranks crashed at mutation `k`, checked (the chaos
+/// soak's bucket faults, `soak.rs`). Panics on a violation.
+pub(crate) fn crash_at(world: u32, steps: u64, k: usize) {
+    let bucket = Arc::new(InMemory::new());
+    let r = run(&bucket, world, steps, Some(k));
+    check(&bucket, world, steps, k, &r);
 }
 
 /// Crash at every mutation of a run of `steps` saves by `world` ranks; returns the number

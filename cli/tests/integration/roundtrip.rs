@@ -78,7 +78,7 @@ fn thousands_of_small_tensors_round_trip_on_both_backends() {
             .rev()
             .map(|(e, b)| (e.name.as_str(), b.as_mut_slice()))
             .collect();
-        assert_eq!(engine.load_into(1, &mut dest).unwrap(), 1);
+        assert_eq!(load_into(&engine, 1, &mut dest).unwrap(), 1);
         assert!(bufs == state.data);
     }
 }
@@ -108,9 +108,12 @@ fn one_gibibyte_tensor_round_trips() {
     assert!(r.direct_io, "a real filesystem takes O_DIRECT");
     let mut huge = vec![0u8; 1 << 30];
     let mut tiny = [0u8; 3];
-    engine
-        .load_into(9, &mut [("huge", &mut huge[..]), ("tiny", &mut tiny[..])])
-        .unwrap();
+    load_into(
+        &engine,
+        9,
+        &mut [("huge", &mut huge[..]), ("tiny", &mut tiny[..])],
+    )
+    .unwrap();
     assert!(huge == state.data[1], "1 GiB tensor differs");
     assert_eq!(&tiny[..], &state.data[0][..]);
     drop(huge);

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from .. import _state
+from .. import _state, _util
 from .. import remote as _remote
 from ..errors import CorruptError, DestinationError, NotFound
 from .base import CheckpointerBase, StepArg, _step_sel
@@ -209,10 +209,7 @@ class LoadMixin(CheckpointerBase):
             torch.cuda.current_stream(dev).synchronize()
             self._engine.load_into_device(
                 s,
-                [
-                    (n, int(x.data_ptr()), x.numel() * x.element_size(), dev.index)
-                    for n, x in objs.items()
-                ],
+                [(n, _util.byte_view(x), dev.index) for n, x in objs.items()],
                 bucket=source != "local",
             )
         return objs, tree, entry

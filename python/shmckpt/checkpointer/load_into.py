@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _state
+from .. import _state, _util
 from .. import remote as _remote
 from ..errors import CorruptError, DestinationError
 from .base import StepArg, _step_sel
@@ -221,19 +221,10 @@ class LoadIntoMixin(LoadMixin):
                 if d is not chosen:
                     copies.append((d, chosen))
         if cuda_dev is None:
-            dest = []
-            for name, d in direct.items():
-                if isinstance(d, np.ndarray):
-                    dest.append((name, int(d.ctypes.data) if d.nbytes else 0, int(d.nbytes)))
-                else:
-                    nb = d.numel() * d.element_size()
-                    dest.append((name, int(d.data_ptr()) if nb else 0, nb))
-            self._engine.load_into(s, dest)
+            # (The engine reads each array's memory from its `__array_interface__`.)
+            self._engine.load_into(s, [(name, _util.byte_view(d)) for name, d in direct.items()])
         else:
-            device_dest: List[Tuple[str, int, int, int]] = []
-            for name, d in direct.items():
-                nb = d.numel() * d.element_size()
-                device_dest.append((name, int(d.data_ptr()) if nb else 0, nb, cuda_dev.index))
+            device_dest = [(name, _util.byte_view(d), cuda_dev.index) for name, d in direct.items()]
             torch.cuda.current_stream(cuda_dev).synchronize()
             if remote:
                 _remote.read_into_device(self, s, device_dest)

@@ -47,14 +47,19 @@ class _Save:
         #: With several ranks: which rank writes each planned item (see ``_assign_owners``);
         #: this rank staged only its own. ``None``: every item of this rank was staged.
         self.owners: Optional[Dict[Tuple[str, Any], int]] = None
+        #: check_replicas: this rank's digests of the replicated items another rank writes.
+        self.replica_digests: List[Any] = []
         #: A save handed over by another process: the engine's report, or why it failed.
         self.report: Optional[Dict[str, Any]] = None
         self.error: Optional[str] = None
 
     def __getstate__(self) -> Dict[str, Any]:
+        # Handed over once checked and durable (``_hand_off``): no handle, no leaves, and
+        # no digests (the replica check ran in the process that staged it).
         state = dict(self.__dict__)
         state["handle"] = None
         state["leaves"] = {}
+        state["replica_digests"] = []
         return state
 
     @property

@@ -53,6 +53,7 @@ class StagingMixin:
     #: ``"received"`` in a writer that came from another process (DCP's checkpoint
     #: process): its own saves number apart (``DcpSession.next_step``).
     _role: str = ""
+    _check: Any  # shmckpt.dcp.divergence.DcpReplicaCheck with check_replicas, else None
 
     # -- staging ---------------------------------------------------------------------------
     def _begin(self) -> Tuple[_Save, int, int]:
@@ -160,12 +161,14 @@ class StagingMixin:
         # A local spool: the rank's part only, committed by the coordinator with every
         # other rank's (assemble_ranks). A bucket: the engine's remote tier commits it.
         part_only = not _dcp_remote.is_remote(save.spool)
+        # check_replicas: the part is held until the replica check confirms it.
+        confirm = self._check is not None
         try:
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
             slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts, self._role)
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only)
+            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
@@ -228,6 +231,10 @@ class StagingMixin:
             gathered: List[Any] = [None] * world
             dist.all_gather_object(gathered, mine, group=self._session.gather_group(self._group))
             save.owners = _assign_owners(gathered)
+            if self._check is not None:
+                # This rank's copies of what others write, checksummed while this is the
+                # save's snapshot (check_replicas).
+                self._check.snapshot(save, [(i, d) for i, d in objs if save.owners[_key(i)] != rank])
             objs = [(i, d) for i, d in objs if save.owners[_key(i)] == rank]
         t1 = time.perf_counter()
         self._submit(save, rank, world, objs)
@@ -239,11 +246,15 @@ class StagingMixin:
         return out
 
     def _hand_off(self, save: _Save) -> None:
-        """``save`` goes to another process with its state dict: wait until this rank's
-        file is durable (committed in the bucket, for an ``s3://`` checkpoint) and keep
-        the report, or why it failed, on ``save``; this writer forgets it."""
+        """``save`` goes to another process with its state dict: run the replica check
+        (``check_replicas``: the ranks of its group hand their saves over in the same
+        order, and the engine holds the commit until it is decided), wait until this
+        rank's file is durable (committed in the bucket, for an ``s3://`` checkpoint) and
+        keep the report, or why it failed, on ``save``; this writer forgets it."""
         if save.handle is not None and save.report is None and save.error is None:
             try:
+                if self._check is not None:
+                    self._check.check(save)  # a collective of the group; raises on divergence
                 report = save.handle.wait()
                 if _dcp_remote.is_remote(save.path):
                     report = dict(report, remote=_dcp_remote.wait_committed(save.handle))

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import _shmckpt
-from ..errors import CorruptError, SaveFailed
+from ..errors import ConfigError, CorruptError, SaveFailed
+from .divergence import DcpReplicaCheck, local_unplanned
 from .engines import SESSION, _rank_world, _remove_tree, _sources
 from .items import _check_target, _key, _Save
 from .staging import StagingMixin
@@ -75,6 +76,15 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
     the default one.
 
+    ``check_replicas=group`` (a process group of data-parallel ranks) and
+    ``on_divergence`` (``"raise"``, ``"warn"`` or a callable): the Checkpointer's replica
+    divergence check for each save (``shmckpt.dcp.divergence``; docs/guarantees.md): the
+    ranks of ``group`` compare the CRC-32C of every tensor they all hold (replicated
+    items, which DCP writes on one rank only, are checksummed on the others when the
+    state is snapshotted); a divergent checkpoint is not published
+    (``ReplicaDivergence`` naming tensor and ranks, inside DCP's ``CheckpointException``)
+    unless ``on_divergence`` says so.
+
     Both of ``async_save``'s checkpointer types work. THREAD (DCP's default): DCP plans
     and commits in a thread of the trainer. PROCESS: the writer is pickled to DCP's
     checkpoint process as its configuration; ``stage()`` still copies into this
@@ -82,7 +92,10 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     the plan view of the staged state (shapes, no bytes: see ``StagedState``), plans,
     and commits; it opens an engine of its own (its own root in the spool, its own rank
     lock) only for a save that was not staged by a ``ShmckptWriter``, and frees it when
-    it ends (``atexit``, or ``SIGTERM`` from the trainer's exit).
+    it ends (``atexit``, or ``SIGTERM`` from the trainer's exit). With
+    ``check_replicas``, the check runs in the trainer when the staged state is handed
+    over (DCP's executor thread, before the file is waited for); a save the checkpoint
+    process would stage itself is refused (``SaveFailed``): the group stays behind.
     """
 
     _synchronize_after_execute: bool = False  # stage() returns once staged
@@ -101,9 +114,17 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         copy_threads: Optional[int] = None,
         direct_io: Optional[bool] = None,
         max_inflight_saves: Optional[int] = None,
+        check_replicas: Any = None,
+        on_divergence: Any = "raise",
     ):
         super().__init__()
         self.path = _dcp_remote.norm(path)
+        #: The replica divergence check (``check_replicas``), or None.
+        self._check: Optional[DcpReplicaCheck] = None
+        if check_replicas is not None:
+            if _dcp_remote.is_remote(self.path):
+                raise ConfigError("check_replicas is not supported for s3:// checkpoints yet")
+            self._check = DcpReplicaCheck(check_replicas, on_divergence, process_group)
         self._overwrite = bool(overwrite)
         self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
         self._group = process_group
@@ -135,16 +156,23 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         self._path_from_reset = False
 
     #: What a pickled writer leaves out: the state of this process (its lock, its staged
-    #: saves, the session of its engines, the process group, its last reports).
-    _NOT_PICKLED = ("_lock", "_staged", "_current", "_session", "_group", "last_report", "last_stage")
+    #: saves, the session of its engines, the process group, the replica check and its
+    #: groups, its last reports).
+    _NOT_PICKLED = ("_lock", "_staged", "_current", "_session", "_group", "_check", "last_report", "last_stage")
+    #: A writer received from another process whose ``check_replicas`` stayed behind: it
+    #: refuses to stage a save itself (that save could not be checked).
+    _check_left: bool = False
 
     def __getstate__(self) -> Dict[str, Any]:
         """The writer's configuration only (path, overwrite, spool, engine settings): no
         engine, descriptor, shared memory nor staged save. DCP's PROCESS checkpointer
         pickles the writer to its checkpoint process; the saves this writer staged travel
         with their state dicts (``StagedState``), and the process group stays behind (DCP
-        saves on that process's default group)."""
-        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        saves on that process's default group), as does the replica check (it runs in
+        this process when a staged save is handed over)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        state["_check_left"] = self._check is not None
+        return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -153,6 +181,7 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         self._lock = threading.Lock()
         self._session = SESSION
         self._group = None
+        self._check = None
         self.last_report = None
         self.last_stage = {}
         # A save this writer must stage itself (no staged state came with it) opens an
@@ -255,6 +284,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                     self._staged.popleft()
                 stale, save = staged[:pick], staged[pick]
         for sv in stale:
+            if self._check is not None and sv.handle is not None:
+                sv.handle.confirm_commit("DCP abandoned the save before writing it")
             try:
                 sv.handle.wait()
             except Exception:  # the error of a save DCP abandoned: its files are removed below
@@ -267,6 +298,12 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         save = self._take_staged(getattr(planner, "state_dict", None))
         if save is None:
             # dcp.save (no stage): resolve the planned items now and stage them.
+            if self._check_left:
+                raise SaveFailed(
+                    "ShmckptWriter(check_replicas=...): with async_save's PROCESS checkpointer the "
+                    "replica check runs in the trainer, so the stager must be the ShmckptWriter; "
+                    "this save was not staged by it (use the THREAD checkpointer)"
+                )
             _check_target(self.path, self._overwrite)
             save, rank, world = self._begin()
             objs = []
@@ -275,6 +312,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 if wi.type == WriteItemType.BYTE_IO:
                     data = data.getvalue()
                 objs.append((wi.index, data))
+            if self._check is not None:
+                self._check.snapshot(save, local_unplanned(planner, plan))
             self._submit(save, rank, world, objs)
         self._current = save
         if save.handle is None:  # staged by another process, which waited for it
@@ -288,6 +327,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 )
             report = save.report
         else:
+            if self._check is not None:
+                self._check.check(save)  # a collective of the group; raises on divergence
             report = save.handle.wait()  # this rank's file and manifest part are durable
             if _dcp_remote.is_remote(save.path):
                 report = dict(report, remote=_dcp_remote.wait_committed(save.handle))

@@ -8,6 +8,7 @@ use serde_json::json;
 use shmckpt::bench::synthetic::LayoutEntry;
 use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt::{LoadInto, LoadRequest};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};
 use crate::cli::CliResult;
@@ -81,7 +82,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let runs = super::time_loads(a.repeat, &file, |_| {
             let mut dest = device_dests(&layout, &mut bufs);
             let t = Instant::now();
-            engine.load_into_device(step, &mut dest)?;
+            engine.load_with(&LoadRequest::new(step), LoadInto::device(&mut dest))?;
             Ok(t.elapsed())
         })?;
         load_extra = super::load_keys(file_bytes, &runs);
@@ -117,7 +118,9 @@ pub fn run(a: BenchArgs) -> CliResult {
             |e| {
                 let mut dest = device_dests(&layout, &mut bufs);
                 let t = Instant::now();
-                let r = e.load_into_device_with_report(step, &mut dest)?;
+                let r = e
+                    .load_with(&LoadRequest::new(step), LoadInto::device(&mut dest))?
+                    .report;
                 Ok((t.elapsed(), r))
             },
         )?;

@@ -1,7 +1,7 @@
 //! `bench --source host`: host tensors, saves alternated with the raw O_DIRECT write.
 
 use shmckpt::bench::synthetic;
-use shmckpt::{Metadata, Tensor};
+use shmckpt::{LoadInto, LoadRequest, Metadata, Tensor};
 
 use super::{BenchArgs, Run, engine_for, load_layout, report};
 use crate::cli::CliResult;
@@ -79,10 +79,10 @@ pub fn run(a: BenchArgs) -> CliResult {
             |_| Ok(()),
             |e| {
                 let t = std::time::Instant::now();
-                let (ck, r) = e.load_with_report(step)?;
+                let got = e.load_with(&LoadRequest::new(step), LoadInto::owned())?;
                 let took = t.elapsed();
-                drop(ck);
-                Ok((took, r))
+                drop(got.checkpoint);
+                Ok((took, got.report))
             },
         )?;
         extra.extend(flash);
