@@ -143,7 +143,62 @@ def sc_unstaged(rank, world, workdir):
     dist.destroy_process_group()
 
 
-SCENARIOS = {"saves": sc_saves, "unstaged": sc_unstaged}
+def sc_checked(rank, world, workdir, flip):
+    """PROCESS saves with ``ShmckptWriter(check_replicas=group)`` (the state of
+    dcp_divergence_worker.py; rank FLIP flips a bit of its replicated ``model.w`` for the
+    divergent saves): the check runs in the trainer when the staged state is handed over,
+    and the checkpoint process raises its outcome on every rank, as THREAD does."""
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from dcp_divergence_worker import failure, state
+
+    init(rank, world, workdir)
+    mesh = init_device_mesh("cpu", (world,))
+    group = dist.new_group(backend="gloo")
+    ck = os.path.join(workdir, "ckpts")
+    out = {}
+
+    def attempt(name, flipped, on_divergence="raise", stager=None):
+        path = os.path.join(ck, name)
+        w = ShmckptWriter(path, check_replicas=group, on_divergence=on_divergence, chunk_size=CHUNK)
+        st = state(mesh, flipped and rank == int(flip))
+        kw = {} if stager is None else {"async_stager": stager}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                dcp.async_save(st, storage_writer=w, async_checkpointer_type=PROCESS, **kw).result(timeout=150)
+                got = {"ok": True}
+            except CheckpointException as e:
+                got = {"ok": False, "failures": failure(e)}
+        dist.barrier()
+        got["published"] = os.path.isfile(os.path.join(path, ".metadata"))
+        got["warnings"] = [f"{type(x.message).__name__}: {x.message}" for x in caught if "diverge" in str(x.message)]
+        out[name] = got
+        print(name, got, flush=True)
+
+    attempt("clean", False)
+    attempt("raise", True)
+    attempt("warn", True, on_divergence="warn")
+    # A save the checkpoint process would stage itself cannot be checked: refused.
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    attempt("unstaged", False, stager=stager)
+    stager.close()
+    attempt("clean_after", False)
+    dist.barrier()
+    left = []
+    for d, _dirs, files in os.walk(os.path.join(ck, ".shmckpt-dcp")):
+        left += [f for f in files if f.endswith(".safetensors")]
+    out["spool_rank_files"] = sorted(left)
+    out["listing"] = sorted(n for n in os.listdir(ck) if not n.startswith("."))
+    result(workdir, "checked", rank, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+SCENARIOS = {"saves": sc_saves, "unstaged": sc_unstaged, "checked": sc_checked}
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(float(os.environ.get("DCP_WORKER_TIMEOUT", "200")), exit=True)

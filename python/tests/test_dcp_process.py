@@ -33,11 +33,11 @@ def _no_received_saves_left():
     engines.SESSION.received.clear()
 
 
-def spawn(scenario, world, workdir, timeout=300):
+def spawn(scenario, world, workdir, *args, timeout=300):
     env = dict(os.environ)
     env["DCP_RUN"] = scenario
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    run_ranks(WORKER, scenario, world, workdir, env=env, timeout=timeout)
+    run_ranks(WORKER, scenario, world, workdir, *args, env=env, timeout=timeout)
     res = []
     for r in range(world):
         with open(os.path.join(workdir, f"result-{scenario}-{r}.json")) as f:
@@ -75,6 +75,40 @@ def test_an_unstaged_save_opens_an_engine_in_the_checkpoint_process_and_frees_it
         assert r["bg_segments"] == 1  # its own engine, while the trainer ran
         assert r["roots"] == [True]  # on a root of its own, next to none of the trainer's
         assert segments_of(r["bg_pid"]) == []  # freed at the trainer's exit (SIGTERM)
+
+
+def test_check_replicas_runs_in_the_trainer_and_raises_in_the_checkpoint_process(tmp_path):
+    """ShmckptWriter(check_replicas=group) with the PROCESS checkpointer: rank 1 flips a bit
+    of the replicated ``model.w`` (2 ranks: no majority, both named). The check runs when
+    the trainer hands the staged state over; DCP's checkpoint process raises the
+    ReplicaDivergence on every rank, nothing is published and no rank file is left; warn
+    publishes; a save the checkpoint process would stage itself is refused."""
+    res = spawn("checked", 2, tmp_path, "1", timeout=400)
+    ck = tmp_path / "ckpts"
+    for r in res:
+        for name in ("clean", "clean_after"):
+            assert r[name] == {"ok": True, "published": True, "warnings": []}, (name, r[name])
+        got = r["raise"]
+        assert (got["ok"], got["published"]) == (False, False), got
+        assert sorted(got["failures"]) == ["0", "1"]
+        for f in got["failures"].values():
+            assert f["type"] == "ReplicaDivergence", f
+            assert (f["tensor"], f["ranks"], f["divergences"]) == ("model.w", [0, 1], ["model.w"])
+            assert f["crc_ranks"] == [0, 1] and f["committed"] is False
+            assert f"replicas diverge in checkpoint {ck}/raise (not committed)" in f["message"]
+        warn = r["warn"]
+        assert (warn["ok"], warn["published"]) == (True, True), warn
+        assert len(warn["warnings"]) == 1 and warn["warnings"][0].startswith(
+            f"ReplicaDivergenceWarning: replicas diverge in checkpoint {ck}/warn (committed anyway): "
+            "'model.w' differs on rank(s) [0, 1]"
+        )
+        un = r["unstaged"]
+        assert (un["ok"], un["published"]) == (False, False), un
+        assert sorted(un["failures"]) == ["0", "1"]
+        for f in un["failures"].values():
+            assert f["type"] == "SaveFailed" and "the stager must be the ShmckptWriter" in f["message"], f
+        assert r["spool_rank_files"] == []
+        assert r["listing"] == ["clean", "clean_after", "warn"]
 
 
 def _state():

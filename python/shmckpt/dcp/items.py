@@ -52,6 +52,9 @@ class _Save:
         #: A save handed over by another process: the engine's report, or why it failed.
         self.report: Optional[Dict[str, Any]] = None
         self.error: Optional[str] = None
+        #: ... and the error itself when it is shmckpt's and pickles (``ReplicaDivergence``,
+        #: ``CommitRefused``): the receiver raises it as the staging process would have.
+        self.failure: Optional[BaseException] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         # Handed over once checked and durable (``_hand_off``): no handle, no leaves, and

@@ -261,9 +261,26 @@ class StagingMixin:
                 save.report = _plain(report)
             except Exception as e:  # the receiver raises it from write_data, on every rank
                 save.error = f"{type(e).__name__}: {e}"
+                save.failure = _portable(e)
         with self._lock:
             if save in self._staged:
                 self._staged.remove(save)
+
+
+def _portable(e: BaseException) -> Optional[BaseException]:
+    """``e`` when it is one of shmckpt's errors and survives pickling (to be raised by the
+    process the save is handed to), else None."""
+    import pickle
+
+    from ..errors import ShmckptError
+
+    if not isinstance(e, ShmckptError):
+        return None
+    try:
+        back = pickle.loads(pickle.dumps(e))
+    except Exception:
+        return None
+    return back if type(back) is type(e) else None
 
 
 def _plain(x: Any) -> Any:

@@ -317,6 +317,8 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             self._submit(save, rank, world, objs)
         self._current = save
         if save.handle is None:  # staged by another process, which waited for it
+            if save.failure is not None:
+                raise save.failure  # as the staging process raised it (ReplicaDivergence...)
             if save.error is not None or save.report is None:
                 raise SaveFailed(f"ShmckptWriter: this rank's save (staged by the trainer's engine) failed: {save.error}")
             rank, world = _rank_world(self._group)
