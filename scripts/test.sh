@@ -5,7 +5,7 @@
 #   SHMCKPT_VENV=/opt/venv-torch scripts/test.sh   # an existing venv
 #
 # The venv gets torch, numpy, safetensors, pytest, maturin, lightning, mypy, cloudpickle,
-# jsonargparse, tensorboard, moto[server],
+# jsonargparse, tensorboard, expecttest, zstandard, moto[server],
 # megatron-core, and ziglang and auditwheel (scripts/build_wheel.sh) if it lacks them (CPU
 # is enough: GPU tests skip without a GPU; SHMCKPT_REQUIRE_GPU=1 makes a missing GPU fail).
 # Exits non-zero on the first failure.
@@ -31,8 +31,10 @@ py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 missing=()
 # cloudpickle, jsonargparse and tensorboard: Lightning's own checkpoint tests, vendored in
-# python/tests/third_party/lightning, import them.
-for mod in torch numpy safetensors pytest maturin lightning mypy cloudpickle jsonargparse tensorboard; do
+# python/tests/third_party/lightning, import them; expecttest and zstandard: PyTorch DCP's,
+# vendored in python/tests/third_party/dcp (torch.testing._internal imports expecttest;
+# DCP's ZStandard extension needs zstandard).
+for mod in torch numpy safetensors pytest maturin lightning mypy cloudpickle jsonargparse tensorboard expecttest zstandard; do
     "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
@@ -83,10 +85,3 @@ stage "mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the i
 
 stage "pytest python/tests"
 "$py" -m pytest python/tests -q -p no:cacheprovider --durations=15 "$@"
-
-stage "PyTorch DCP's own tests with ShmckptWriter/ShmckptReader swapped in (scripts/dcp_peer_tests.sh)"
-if [ "${SHMCKPT_DCP_PEER_TESTS:-1}" = "0" ]; then
-    echo "== NOT RUN: DCP's own tests (SHMCKPT_DCP_PEER_TESTS=0)"
-else
-    PYTHON="$py" scripts/dcp_peer_tests.sh
-fi
