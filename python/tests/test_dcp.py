@@ -410,11 +410,6 @@ def test_reader_refuses_a_filesystemwriter_checkpoint(tmp_path):
     assert "not written by ShmckptWriter" in str(ei.value)
 
 
-def test_writer_cannot_go_to_another_process(tmp_path):
-    with pytest.raises(TypeError, match="THREAD"):
-        pickle.dumps(ShmckptWriter(tmp_path / "c"))
-
-
 def test_unsupported_dtype_is_a_type_error(tmp_path):
     st = {"c": torch.zeros(3, dtype=torch.complex128)}
     with pytest.raises(FAIL) as ei:

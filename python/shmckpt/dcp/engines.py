@@ -5,12 +5,15 @@ layout (each engine's root, the parts a save left)."""
 from __future__ import annotations
 
 import atexit
+import collections
+import fcntl
 import hashlib
 import os
 import re
+import signal
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -55,31 +58,65 @@ class DcpSession:
         self._engines: Dict[_Key, _EngineSlot] = {}
         self._seq: Dict[_Key, int] = {}
         self._gen: Dict[_Key, int] = {}
+        self._role_seq: Dict[Tuple[str, int, int, str], int] = {}
         #: ranks -> (the default group it was made under, the gloo group)
         self._gather_groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+        #: Saves another process staged and handed to this one with their state dict
+        #: (``async_save``'s PROCESS checkpointer: see ``staging.StagedState``), oldest
+        #: first, until a writer of this process takes them.
+        self.received: Deque[_Save] = collections.deque()
 
-    def next_step(self, spool: str, rank: int, world: int) -> int:
+    def next_step(self, spool: str, rank: int, world: int, role: str = "") -> int:
         """The private step number of the next save of this rank on ``spool``: the same
         on every rank of the save (a hash of the spool, the world size and how many saves
-        this process began there)."""
-        key = (spool, rank, world)
+        this process began there). ``role`` keeps the numbers of the writers that came
+        from another process (``"received"``: DCP's checkpoint process, which saves on the
+        same spool as the trainer) apart from the trainer's own."""
+        if not role:
+            key = (spool, rank, world)
+            with self._lock:
+                seq = self._seq.get(key, 0)
+                self._seq[key] = seq + 1
+            return _engine_step(spool, world, seq)
+        rkey = (spool, rank, world, role)
         with self._lock:
-            seq = self._seq.get(key, 0)
-            self._seq[key] = seq + 1
-        return _engine_step(spool, world, seq)
+            seq = self._role_seq.get(rkey, 0)
+            self._role_seq[rkey] = seq + 1
+        return _engine_step(f"{spool}\0{role}", world, seq)
+
+    def receive(self, save: _Save) -> None:
+        """Keep ``save``, staged by another process, until a writer here takes it."""
+        with self._lock:
+            self.received.append(save)
+
+    def take_received(self, save: _Save) -> List[_Save]:
+        """Take ``save`` (received) and the received saves before it; returns those
+        older ones (saves whose upload failed before DCP wrote them: stale)."""
+        with self._lock:
+            older: List[_Save] = []
+            while self.received:
+                sv = self.received.popleft()
+                if sv is save:
+                    return older
+                older.append(sv)
+            return older
 
     def generations(self) -> Dict[_Key, int]:
         """How many engines were opened for each (spool, rank, world), a copy."""
         with self._lock:
             return dict(self._gen)
 
-    def engine(self, spool: str, rank: int, world: int, need: int, opts: Dict[str, Any]) -> _EngineSlot:
+    def engine(
+        self, spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], role: str = ""
+    ) -> _EngineSlot:
         """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
 
         Each engine has its own root, ``spool/rank-KKKKK/<pid>-<generation>``: an engine
         (re)opened later never cleans up a directory another save still needs, and ranks
         never share a directory (the engine's own multi-rank commit is not used: see
-        ``ShmckptWriter.finish``)."""
+        ``ShmckptWriter.finish``). ``role``: as in :meth:`next_step`; the first engine of a
+        writer that came from another process leaves the spool's assembly directories alone
+        (the trainer may be assembling a save of its own there)."""
         key = (spool, rank, world)
         with self._lock:
             slot = self._engines.get(key)
@@ -91,7 +128,9 @@ class DcpSession:
             self._gen[key] = gen + 1
         if slot is not None:
             slot.engine.close()  # finishes its saves in flight; their files stay for finish()
-        slot = _open_engine(spool, rank, world, need, opts, gen)
+        slot = _open_engine(spool, rank, world, need, opts, gen, assembly=not role)
+        if role:
+            _release_on_sigterm()
         with self._lock:
             self._engines[key] = slot
         return slot
@@ -206,23 +245,93 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _release_on_sigterm() -> None:
+    """In a child process of ``multiprocessing`` where a writer arrived pickled (DCP's
+    checkpoint process, which opens an engine when it writes a save the trainer did not
+    stage), free the engines on
+    ``SIGTERM`` too: the trainer's interpreter ends its daemon children with ``SIGTERM``
+    at exit (``multiprocessing.util._exit_function``), where no ``atexit`` handler runs,
+    and the arena would stay in ``/dev/shm``. The handler finishes the saves in flight,
+    closes the engines, then takes the signal's default action. Installed once, from the
+    main thread, and only where ``SIGTERM`` still has its default action (a program's own
+    handler is left alone: its clean exit runs ``atexit``)."""
+    global _SIGTERM_HOOKED
+    import multiprocessing
+
+    if _SIGTERM_HOOKED or multiprocessing.parent_process() is None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        try:
+            release()
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _SIGTERM_HOOKED = True
+
+
+_SIGTERM_HOOKED = False
+
+
 def _rank_dir(spool: str, rank: int) -> str:
     return os.path.join(spool, f"rank-{rank:05d}")
 
 
-def _clean_spool(spool: str, rank: int) -> None:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _root_in_use(root: str, rank: int) -> bool:
+    """Whether an engine may own the engine root ``root`` (``<pid>-<gen>``): its process
+    is alive on this host, or a process holds its rank lock (``.shmckpt-rank-K.lock``,
+    taken by every open engine; probed with a shared non-blocking ``flock``, without
+    following a link). A root whose lock cannot be probed counts as in use."""
+    m = re.fullmatch(r"(\d+)-\d+", os.path.basename(root))
+    if m is None or _pid_alive(int(m.group(1))):
+        return True
+    try:
+        fd = os.open(os.path.join(root, f".shmckpt-rank-{rank}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK), or cannot be told
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _clean_spool(spool: str, rank: int, assembly: bool = True) -> None:
     """Leftovers of runs that died before publishing: this rank's engine roots of other
-    processes, and assembly directories. Runs once per process, at this rank's first
-    save: no rank of this run can have written anything the coordinator still needs
-    (the first save needs this rank's file before anything is assembled)."""
+    processes that are gone (``_root_in_use``: the trainer and DCP's checkpoint process
+    both have roots here), and assembly directories. Runs once per process, at this
+    rank's first save: no rank of this run can have written anything the coordinator
+    still needs (the first save needs this rank's file before anything is assembled)."""
     mine = f"{os.getpid()}-"
     rd = _rank_dir(spool, rank)
     if os.path.isdir(rd):
         for name in os.listdir(rd):
             p = os.path.join(rd, name)
-            if not name.startswith(mine) and os.path.isdir(p) and not os.path.islink(p):
+            if name.startswith(mine) or not os.path.isdir(p) or os.path.islink(p):
+                continue
+            if not _root_in_use(p, rank):
                 _remove_tree(p)
-    if rank == 0:
+    if rank == 0 and assembly:
         for name in os.listdir(spool):
             p = os.path.join(spool, name)
             if (re.fullmatch(r"step-\d+", name) or ".trash-" in name) and os.path.isdir(p) and not os.path.islink(p):
@@ -230,18 +339,19 @@ def _clean_spool(spool: str, rank: int) -> None:
 
 
 def _open_engine(
-    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], gen: int
+    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], gen: int, assembly: bool = True
 ) -> _EngineSlot:
     """Open engine number ``gen`` of this process for ``rank`` on ``spool`` (at its root
     ``spool/rank-KKKKK/<pid>-<gen>``), with at least ``need`` bytes of staging; the first
-    one (``gen`` 0) removes the leftovers of dead runs first (``_clean_spool``)."""
+    one (``gen`` 0) removes the leftovers of dead runs first (``_clean_spool``; with
+    ``assembly`` its stale assembly directories too)."""
     remote: Dict[str, Any] = {}
     if _dcp_remote.is_remote(spool):  # `spool` is a bucket root: a remote-only engine
         root, remote = _dcp_remote.engine_root(spool, world)
     else:
         if gen == 0:
             os.makedirs(spool, exist_ok=True)
-            _clean_spool(spool, rank)
+            _clean_spool(spool, rank, assembly)
         root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
         os.makedirs(root, exist_ok=True)
     chunk = opts.get("chunk_size") or (8 << 20)

@@ -26,7 +26,12 @@ class _Item:
 
 
 class _Save:
-    """One save of one rank: what the engine was given and its handle."""
+    """One save of one rank: what the engine was given and its handle.
+
+    Pickled (handed to DCP's checkpoint process with its state dict: see
+    ``staging.StagedState``), it is its description only: no handle, no tensor; the
+    sender waited for it, and ``report`` (the engine's report: this rank's file is
+    durable) or ``error`` (why the save failed) says how it ended."""
 
     def __init__(self, spool: str, step: int, path: str):
         self.spool = spool
@@ -44,6 +49,26 @@ class _Save:
         self.owners: Optional[Dict[Tuple[str, Any], int]] = None
         #: check_replicas: this rank's digests of the replicated items another rank writes.
         self.replica_digests: List[Any] = []
+        #: A save handed over by another process: the engine's report, or why it failed.
+        self.report: Optional[Dict[str, Any]] = None
+        self.error: Optional[str] = None
+        #: ... and the error itself when it is shmckpt's and pickles (``ReplicaDivergence``,
+        #: ``CommitRefused``): the receiver raises it as the staging process would have.
+        self.failure: Optional[BaseException] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # Handed over once checked and durable (``_hand_off``): no handle, no leaves, and
+        # no digests (the replica check ran in the process that staged it).
+        state = dict(self.__dict__)
+        state["handle"] = None
+        state["leaves"] = {}
+        state["replica_digests"] = []
+        return state
+
+    @property
+    def received(self) -> bool:
+        """Whether this save was staged by another process (it has no handle)."""
+        return self.handle is None and (self.report is not None or self.error is not None)
 
     def matches(self, planned: Any) -> bool:
         """Whether DCP is saving the state this save staged: the planner's flattened

@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from .. import _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple
 from ..errors import TooLarge
-from .engines import DcpSession, _rank_world
+from .engines import SESSION, DcpSession, _rank_world
 from .items import (
     _assign_owners,
     _check_target,
@@ -50,6 +50,9 @@ class StagingMixin:
     last_stage: Dict[str, Any]
     _path_from_reset: bool
     _session: DcpSession
+    #: ``"received"`` in a writer that came from another process (DCP's checkpoint
+    #: process): its own saves number apart (``DcpSession.next_step``).
+    _role: str = ""
     _check: Any  # shmckpt.dcp.divergence.DcpReplicaCheck with check_replicas, else None
 
     # -- staging ---------------------------------------------------------------------------
@@ -63,8 +66,7 @@ class StagingMixin:
             save.rank, save.world = rank, world
             return save, rank, world
         spool = self._spool or os.path.join(os.path.dirname(self.path), SPOOL_NAME)
-        key = (spool, rank, world)
-        save = _Save(spool, self._session.next_step(*key), self.path)
+        save = _Save(spool, self._session.next_step(spool, rank, world, self._role), self.path)
         save.rank, save.world = rank, world
         return save, rank, world
 
@@ -147,7 +149,7 @@ class StagingMixin:
             _FORMAT_KEY: "1",
         }
         need = _estimate_file(header, data, meta)
-        slot = self._session.engine(save.spool, rank, world, need, self._opts)
+        slot = self._session.engine(save.spool, rank, world, need, self._opts, self._role)
         if finishes:
             for s in streams.values():
                 s.synchronize()  # those streams only, not the device
@@ -165,7 +167,7 @@ class StagingMixin:
             h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
-            slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts)
+            slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts, self._role)
             h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
@@ -175,7 +177,8 @@ class StagingMixin:
         """Copy every tensor of ``state_dict`` (local shards of DTensors) into the engine's
         shared-memory arena and start writing; return once staged. Non-tensor values are
         serialized now. Returns the state dict for DCP's planning (its tensors are not read
-        again)."""
+        again), a :class:`StagedState`, whose pickled form is what DCP's PROCESS
+        checkpointer sends to its process."""
         t0 = time.perf_counter()
         self.last_stage = {}
         if not self._path_from_reset:
@@ -238,6 +241,202 @@ class StagingMixin:
         t2 = time.perf_counter()
         with self._lock:
             self._staged.append(save)
-        out = _copy_containers(state_dict)
+        out = StagedState(_copy_containers(state_dict), save, self)
         self.last_stage.update(items_s=t1 - t0, submit_s=t2 - t1, total_s=time.perf_counter() - t0)
         return out
+
+    def _hand_off(self, save: _Save) -> None:
+        """``save`` goes to another process with its state dict: run the replica check
+        (``check_replicas``: the ranks of its group hand their saves over in the same
+        order, and the engine holds the commit until it is decided), wait until this
+        rank's file is durable (committed in the bucket, for an ``s3://`` checkpoint) and
+        keep the report, or why it failed, on ``save``; this writer forgets it."""
+        if save.handle is not None and save.report is None and save.error is None:
+            try:
+                if self._check is not None:
+                    self._check.check(save)  # a collective of the group; raises on divergence
+                report = save.handle.wait()
+                if _dcp_remote.is_remote(save.path):
+                    report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
+                save.report = _plain(report)
+            except Exception as e:  # the receiver raises it from write_data, on every rank
+                save.error = f"{type(e).__name__}: {e}"
+                save.failure = _portable(e)
+        with self._lock:
+            if save in self._staged:
+                self._staged.remove(save)
+
+
+def _portable(e: BaseException) -> Optional[BaseException]:
+    """``e`` when it is one of shmckpt's errors and survives pickling (to be raised by the
+    process the save is handed to), else None."""
+    import pickle
+
+    from ..errors import ShmckptError
+
+    if not isinstance(e, ShmckptError):
+        return None
+    try:
+        back = pickle.loads(pickle.dumps(e))
+    except Exception:
+        return None
+    return back if type(back) is type(e) else None
+
+
+def _plain(x: Any) -> Any:
+    """``x`` (an engine report) as plain dicts, lists and scalars."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+class _Unread:
+    """A non-tensor value of a state dict handed to DCP's checkpoint process: already
+    serialized into the rank's file by ``stage()``, so only its place is sent."""
+
+    def __repr__(self) -> str:
+        return "<staged by ShmckptWriter>"
+
+    def __reduce__(self) -> Any:
+        return (_unread, ())
+
+
+UNREAD = _Unread()
+
+
+def _unread() -> _Unread:
+    return UNREAD
+
+
+class StagedState(Dict[str, Any]):
+    """What :meth:`ShmckptWriter.stage` returns: new containers around the state dict's
+    own leaves (DCP plans the save from it; its tensors are not read again).
+
+    Pickled, which is how DCP's PROCESS checkpointer (``async_save(...,
+    async_checkpointer_type=AsyncCheckpointerType.PROCESS)``) sends it to its checkpoint
+    process, it becomes its *plan view*: the same containers, every tensor replaced by a
+    ``meta`` tensor of its shape, strides and dtype (a DTensor by a DTensor of the same
+    mesh and placements over a ``meta`` local tensor) and every other value by a
+    placeholder, plus the description of the save (``_Save``: names, sizes, owners, and
+    the engine's report). No tensor's storage is pickled: torch's ``ForkingPickler``
+    would move a CPU tensor's storage into shared memory and send a CUDA tensor as an IPC
+    handle. Pickling waits until this rank's file is durable (DCP pickles in its executor
+    thread, after ``async_save`` returned); the receiving process's writer takes the
+    description in ``write_data`` and never opens an engine for it."""
+
+    def __init__(self, items: Dict[str, Any], save: _Save, writer: "StagingMixin"):
+        super().__init__(items)
+        self._save = save
+        self._writer = writer
+
+    def __copy__(self) -> Dict[str, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[str, Any]:
+        import copy
+
+        return copy.deepcopy(dict(self), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        problems: List[str] = []
+        view = _plan_view(dict(self), problems, "")
+        save = self._save
+        self._writer._hand_off(save)
+        if problems and save.error is None:
+            save.error = (
+                "ShmckptWriter with async_save's PROCESS checkpointer cannot plan "
+                + ", ".join(problems[:5])
+                + " in the checkpoint process; use the THREAD checkpointer"
+            )
+        return (_receive, (view, save))
+
+
+class _TensorSpec(NamedTuple):
+    """A tensor of the plan view, as sent: a ``meta`` tensor is rebuilt from it on
+    arrival (pickling meta tensors through torch's reductions costs ~0.1 ms each)."""
+
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def build(self) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+        return t.requires_grad_(True) if self.requires_grad else t
+
+
+class _DTensorSpec(NamedTuple):
+    """A DTensor of the plan view, as sent: its local tensor's spec, its mesh and
+    placements, its global shape and strides."""
+
+    local: _TensorSpec
+    mesh: Any
+    placements: Tuple[Any, ...]
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    requires_grad: bool
+
+    def build(self) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        d = DTensor.from_local(
+            self.local.build(), self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
+        )
+        return d.requires_grad_(True) if self.requires_grad else d
+
+
+def _spec(t: torch.Tensor) -> _TensorSpec:
+    return _TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, bool(t.requires_grad))
+
+
+def _plan_view(x: Any, problems: List[str], at: str) -> Any:
+    """The plan view of ``x`` as sent (see :class:`StagedState`): the same containers,
+    every tensor replaced by its spec (``_receive`` makes the ``meta`` tensors) and every
+    other leaf by ``UNREAD``; what cannot be planned elsewhere is named in ``problems``."""
+    from collections.abc import Mapping
+
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, Mapping):
+        return {k: _plan_view(v, problems, f"{at}.{k}" if at else str(k)) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plan_view(v, problems, f"{at}.{i}") for i, v in enumerate(x)]
+    if isinstance(x, ShardedTensor):
+        problems.append(f"{at!r} (a ShardedTensor)")
+        return UNREAD
+    if isinstance(x, DTensor):
+        return _DTensorSpec(
+            _spec(x.to_local()), x.device_mesh, tuple(x.placements), tuple(x.shape), tuple(x.stride()), x.requires_grad
+        )
+    if isinstance(x, torch.Tensor):
+        return _spec(x)
+    return UNREAD
+
+
+def _built(x: Any) -> Any:
+    """The plan view sent by ``_plan_view`` with its tensors made (``meta``)."""
+    if isinstance(x, dict):
+        return {k: _built(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_built(v) for v in x]
+    if isinstance(x, (_TensorSpec, _DTensorSpec)):
+        return x.build()
+    return x
+
+
+def _receive(view: Dict[str, Any], save: _Save) -> Dict[str, Any]:
+    """Unpickling a :class:`StagedState` in the checkpoint process: keep ``save`` in this
+    process's session, its leaves being the plan view's tensors (the objects DCP's planner
+    will hold), and give DCP the plan view."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    view = _built(view)
+    flat, _ = flatten_state_dict(view)
+    save.leaves = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    SESSION.receive(save)
+    return view

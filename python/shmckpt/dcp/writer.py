@@ -19,7 +19,7 @@ from torch.futures import Future
 from .. import _shmckpt
 from ..errors import ConfigError, CorruptError, SaveFailed
 from .divergence import DcpReplicaCheck, local_unplanned
-from .engines import SESSION, _remove_tree, _sources
+from .engines import SESSION, _rank_world, _remove_tree, _sources
 from .items import _check_target, _key, _Save
 from .staging import StagingMixin
 from .storage import _FORMAT_KEY, DESCRIPTOR, MANIFEST_FILE, METADATA_FILE, ShmckptStorageInfo
@@ -85,8 +85,17 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     (``ReplicaDivergence`` naming tensor and ranks, inside DCP's ``CheckpointException``)
     unless ``on_divergence`` says so.
 
-    Use ``async_checkpointer_type=THREAD`` (DCP's default): the engine already writes off
-    the trainer's thread, and an engine cannot move to another process.
+    Both of ``async_save``'s checkpointer types work. THREAD (DCP's default): DCP plans
+    and commits in a thread of the trainer. PROCESS: the writer is pickled to DCP's
+    checkpoint process as its configuration; ``stage()`` still copies into this
+    process's engine, whose writers write the file, and the checkpoint process receives
+    the plan view of the staged state (shapes, no bytes: see ``StagedState``), plans,
+    and commits; it opens an engine of its own (its own root in the spool, its own rank
+    lock) only for a save that was not staged by a ``ShmckptWriter``, and frees it when
+    it ends (``atexit``, or ``SIGTERM`` from the trainer's exit). With
+    ``check_replicas``, the check runs in the trainer when the staged state is handed
+    over (DCP's executor thread, before the file is waited for); a save the checkpoint
+    process would stage itself is refused (``SaveFailed``): the group stays behind.
     """
 
     _synchronize_after_execute: bool = False  # stage() returns once staged
@@ -146,11 +155,38 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         # (DCP resets the writer after staging) and leaves the check to the coordinator.
         self._path_from_reset = False
 
-    def __getstate__(self) -> Any:
-        raise TypeError(
-            "ShmckptWriter cannot be pickled (its engine and staged data live in this "
-            "process): use async_save's default THREAD checkpointer type"
-        )
+    #: What a pickled writer leaves out: the state of this process (its lock, its staged
+    #: saves, the session of its engines, the process group, the replica check and its
+    #: groups, its last reports).
+    _NOT_PICKLED = ("_lock", "_staged", "_current", "_session", "_group", "_check", "last_report", "last_stage")
+    #: A writer received from another process whose ``check_replicas`` stayed behind: it
+    #: refuses to stage a save itself (that save could not be checked).
+    _check_left: bool = False
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The writer's configuration only (path, overwrite, spool, engine settings): no
+        engine, descriptor, shared memory nor staged save. DCP's PROCESS checkpointer
+        pickles the writer to its checkpoint process; the saves this writer staged travel
+        with their state dicts (``StagedState``), and the process group stays behind (DCP
+        saves on that process's default group), as does the replica check (it runs in
+        this process when a staged save is handed over)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        state["_check_left"] = self._check is not None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._staged = collections.deque()
+        self._current = None
+        self._lock = threading.Lock()
+        self._session = SESSION
+        self._group = None
+        self._check = None
+        self.last_report = None
+        self.last_stage = {}
+        # A save this writer must stage itself (no staged state came with it) opens an
+        # engine of this process, numbered apart from the sender's saves.
+        self._role = "received"
 
     # -- StorageWriter ---------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
@@ -177,10 +213,11 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
             for wi in p.items:
                 planned.setdefault(_key(wi.index), wi)
         with self._lock:
-            owners = next(
-                (sv.owners for sv in self._staged if sv.owners is not None and set(sv.owners) == set(planned)),
-                None,
-            )
+            staged = list(self._staged) + list(self._session.received)
+        owners = next(
+            (sv.owners for sv in staged if sv.owners is not None and set(sv.owners) == set(planned)),
+            None,
+        )
         if owners is None or any(r >= len(plans) for r in owners.values()):
             return plans
         return [
@@ -211,10 +248,27 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         """Nothing to release per writer (the engine is shared; see ``release()``)."""
 
     # -- writing ---------------------------------------------------------------------------
+    def _take_received(self, planned: Any) -> Optional[_Save]:
+        """The save another process staged and handed over with the state dict DCP is now
+        writing (``StagedState``), if any; older received saves (their upload failed
+        before write_data) are dropped with their files."""
+        received = list(self._session.received)
+        save = next((sv for sv in reversed(received) if sv.matches(planned) or not sv.leaves), None)
+        if save is None:
+            return None
+        for sv in self._session.take_received(save):
+            if sv.error is None:
+                for d in _sources(sv, sv.rank):
+                    _remove_tree(d)
+        return save
+
     def _take_staged(self, planned: Any) -> Optional[_Save]:
         """The staged save DCP is now writing. Saves staged before it whose upload failed
         before reaching write_data (DCP raised in planning) are dropped, with their files,
         so a reused writer never publishes an older snapshot under a newer name."""
+        received = self._take_received(planned)
+        if received is not None:
+            return received
         with self._lock:
             staged = list(self._staged)
             pick = next((i for i, sv in enumerate(staged) if sv.matches(planned)), None)
@@ -244,6 +298,12 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         save = self._take_staged(getattr(planner, "state_dict", None))
         if save is None:
             # dcp.save (no stage): resolve the planned items now and stage them.
+            if self._check_left:
+                raise SaveFailed(
+                    "ShmckptWriter(check_replicas=...): with async_save's PROCESS checkpointer the "
+                    "replica check runs in the trainer, so the stager must be the ShmckptWriter; "
+                    "this save was not staged by it (use the THREAD checkpointer)"
+                )
             _check_target(self.path, self._overwrite)
             save, rank, world = self._begin()
             objs = []
@@ -256,11 +316,24 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
                 self._check.snapshot(save, local_unplanned(planner, plan))
             self._submit(save, rank, world, objs)
         self._current = save
-        if self._check is not None:
-            self._check.check(save)  # a collective of the group; raises on divergence
-        report = save.handle.wait()  # this rank's file and manifest part are durable
-        if _dcp_remote.is_remote(save.path):
-            report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
+        if save.handle is None:  # staged by another process, which waited for it
+            if save.failure is not None:
+                raise save.failure  # as the staging process raised it (ReplicaDivergence...)
+            if save.error is not None or save.report is None:
+                raise SaveFailed(f"ShmckptWriter: this rank's save (staged by the trainer's engine) failed: {save.error}")
+            rank, world = _rank_world(self._group)
+            if (rank, world) != (save.rank, save.world):
+                raise SaveFailed(
+                    f"ShmckptWriter: staged as rank {save.rank} of {save.world}, written as rank {rank} "
+                    f"of {world}: async_save's PROCESS checkpointer saves on the default process group only"
+                )
+            report = save.report
+        else:
+            if self._check is not None:
+                self._check.check(save)  # a collective of the group; raises on divergence
+            report = save.handle.wait()  # this rank's file and manifest part are durable
+            if _dcp_remote.is_remote(save.path):
+                report = dict(report, remote=_dcp_remote.wait_committed(save.handle))
         self.last_report = report
         save.file = os.path.basename(report["file"])
         results = write_results(save, plan.items, "ShmckptWriter")

@@ -1,22 +1,40 @@
-"""shmckpt's addition to Lightning's tests (not a Lightning file): every Trainer's default
-``CheckpointIO`` becomes ``shmckpt.lightning.ShmckptCheckpointIO``, and the tests that
-still differ with it are listed in ``XFAIL`` with the reason (the conftest marks them
-``xfail(strict=True)``: one that starts passing fails the run, so the list stays true).
+"""A pytest plugin that runs Lightning's own checkpoint tests (an upstream checkout of
+Lightning-AI/pytorch-lightning, ``tests/tests_pytorch``; none of their code is in this
+repository) with ``shmckpt.lightning.ShmckptCheckpointIO`` as every Trainer's default
+``CheckpointIO``. shmckpt's own file; see README.md beside it. Loaded with
+``-p shmckpt_swap`` (this directory on ``PYTHONPATH``), as
+``python/tests/test_upstream_lightning.py`` does::
 
-The swap replaces the ``TorchCheckpointIO`` that ``Strategy.checkpoint_io`` creates when
-the Trainer was given none (Lightning's default for every strategy these tests use); a
-test that passes its own ``CheckpointIO`` keeps it. After the test, every plugin made is
-torn down (what Lightning does at the end of ``fit``; a test that only calls
-``trainer.save_checkpoint`` has its saves committed and published here, and a save's error
-fails the test), before Lightning's thread check looks for threads left running.
+    PYTHONPATH=python:python/tests/third_party/lightning python -m pytest -p shmckpt_swap \
+        -p no:cacheprovider CHECKOUT/tests/tests_pytorch/checkpointing/test_model_checkpoint.py
 
-``SHMCKPT_LIGHTNING_SWAP=0`` runs the tests as Lightning ships them (no swap, no xfail):
-the baseline the differences are measured against.
+What it does (Lightning's ``tests_pytorch/conftest.py`` is used as Lightning ships it):
+
+- The swap (``shmckpt_checkpoint_io``, autouse): replaces the ``TorchCheckpointIO`` that
+  ``Strategy.checkpoint_io`` creates when the Trainer was given none (Lightning's default
+  for every strategy these tests use); a test that passes its own ``CheckpointIO`` keeps
+  it. After the test, every plugin made is torn down (what Lightning does at the end of
+  ``fit``; a test that only calls ``trainer.save_checkpoint`` has its saves committed and
+  published here, and a save's error fails the test), before Lightning's thread check
+  (the conftest's ``thread_police_duuu_daaa_duuu_daaa``) looks for threads left running.
+- ``XFAIL``: the tests that still differ with the plugin are marked
+  ``xfail(strict=True)`` with the reason: one that starts passing fails the run, so the
+  list stays true.
+- Lightning's deprecation warnings are errors in its tests (the conftest's own filter,
+  applied here too so that it holds whatever the conftest does), and the ``flaky`` marker
+  is registered (Lightning's CI reruns flaky tests with pytest-rerunfailures; here they
+  run once).
+
+The marks go to items under a ``tests_pytorch`` directory only; the fixture requests the
+conftest's thread check, so run the plugin on Lightning's tests alone. ``SHMCKPT_LIGHTNING_SWAP=0``
+runs the tests as Lightning ships them (no swap, no xfail): the baseline the differences
+are measured against.
 """
 
 import os
 import sys
-from typing import Any, Dict, Iterator, List
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -47,7 +65,8 @@ DEFAULT = (
 )
 
 #: The Lightning tests that fail with the plugin swapped in, by id relative to
-#: tests_pytorch/, and why. Every other test of the vendored files passes as it is.
+#: tests_pytorch/, and why. Every other test of ``FILES`` passes as it is (or is skipped by
+#: Lightning's own ``RunIf``).
 XFAIL: Dict[str, str] = {
     "checkpointing/test_checkpoint_callback_frequency.py::test_default_checkpoint_freq[1-1.0-1]": MOCK,
     "checkpointing/test_checkpoint_callback_frequency.py::test_default_checkpoint_freq[2-1.0-2]": MOCK,
@@ -155,11 +174,53 @@ XFAIL: Dict[str, str] = {
 #: False under ``SHMCKPT_LIGHTNING_SWAP=0``.
 SWAPPED = os.environ.get("SHMCKPT_LIGHTNING_SWAP", "1") != "0"
 
+#: Lightning's test files these lists are for, relative to ``tests/tests_pytorch`` of the
+#: checkout (tag 2.6.5). Not run: ``checkpointing/test_legacy_checkpoints.py`` (it loads
+#: ``torch.save`` checkpoints of past Lightning versions downloaded from Lightning's
+#: bucket; the plugin hands such files to ``TorchCheckpointIO`` unchanged).
+FILES = (
+    "plugins/test_checkpoint_io_plugin.py",
+    "checkpointing/test_checkpoint_callback_frequency.py",
+    "checkpointing/test_model_checkpoint.py",
+    "checkpointing/test_torch_saving.py",
+    "checkpointing/test_trainer_checkpoint.py",
+    "trainer/connectors/test_checkpoint_connector.py",
+)
+
+#: Lightning's own warning filter for its tests (its conftest adds the same).
+DEPRECATION_ERROR = "error::lightning.fabric.utilities.rank_zero.LightningDeprecationWarning"
+
+
+def lightning_id(item: Any) -> Optional[str]:
+    """``checkpointing/test_x.py::test_y[param]``: the id relative to the ``tests_pytorch``
+    directory the item's file is in; None for any other test."""
+    path = Path(str(item.path))
+    for parent in path.parents:
+        if parent.name == "tests_pytorch":
+            return path.relative_to(parent).as_posix() + "::" + item.name
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "flaky: rerun on failure in Lightning's CI (not here)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        vid = lightning_id(item)
+        if vid is None:
+            continue
+        item.add_marker(pytest.mark.filterwarnings(DEPRECATION_ERROR))
+        reason = XFAIL.get(vid) if SWAPPED else None
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
 
 @pytest.fixture(autouse=True)
 def shmckpt_checkpoint_io(monkeypatch: pytest.MonkeyPatch, thread_police_duuu_daaa_duuu_daaa: None) -> Iterator[List[Any]]:
-    # Requesting Lightning's thread check makes it start before this fixture and end after
-    # it: the plugins' worker threads are gone when it looks.
+    # Requesting Lightning's thread check (its conftest's autouse fixture) makes it start
+    # before this fixture and end after it: the plugins' worker threads are gone when it
+    # looks.
     from shmckpt.lightning import ShmckptCheckpointIO
 
     made: List[Any] = []
