@@ -334,7 +334,7 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
         let newest = manifest::list_committed(root)
             .ok()
             .and_then(|c| c.last().map(|c| c.step));
-        let staged = crate::recover::inspect::staged_steps(root);
+        let staged = crate::staging::attach::staged_steps(root);
         for (step, dir) in partials {
             if let Some(why) = keep_partial(&dir, step, newest, &staged, sweep) {
                 tracing::info!(dir = %dir.display(), reason = why, "keeping the partial directory of an uncommitted save");
