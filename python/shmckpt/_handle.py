@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..errors import CommitRefused, ConfigError, ReplicaDivergence
+from .errors import CommitRefused, ConfigError, ReplicaDivergence
 
 
 class SaveHandle:
