@@ -1,23 +1,63 @@
 #!/usr/bin/env python3
-"""Fail when the Rust sources or the Python package have an import circle between files.
+"""Fail when the Rust sources or the Python package have an import circle between modules.
 
-    scripts/check_module_cycles.py [CRATE_SRC_DIR ...]   # default: src cli/src python/src python/shmckpt
-    scripts/check_module_cycles.py --self-test           # the check on a made-up crate
-    scripts/check_module_cycles.py --with-module-tree    # also parent <-> child edges
-    scripts/check_module_cycles.py --doc[-check]         # docs/design.md's module uses
+    scripts/check_module_cycles.py [SRC_DIR ...]   # default: src cli/src python/src python/shmckpt
+    scripts/check_module_cycles.py --self-test     # the check on a made-up crate and package
+    scripts/check_module_cycles.py --doc           # rewrite docs/design.md's module uses
+    scripts/check_module_cycles.py --doc-check     # exit 1 when they are out of date
+    scripts/check_module_cycles.py --graph         # print them
 
-A file *imports* another when one of its paths (`use` declarations and qualified paths in
-code, starting with `crate::`, `super::` or `self::`) names an item defined in the other
-file. A path that names a re-export (`use`, private or `pub`) is followed to the file that
-defines the item, so `super::lock` in `engine/handle.rs` imports `util.rs` when
-`engine/mod.rs` only has `use crate::util::lock`. A circle is a set of files where each
-imports the next and the last imports the first: A -> B -> A, or A -> B -> C -> A.
+A circle is a set of modules where each imports the next and the last imports the first:
+A -> B -> A, or A -> B -> C -> A. It is printed with the lines that close it (exit 1).
+The same holds one level up, for the picture docs/design.md draws: top-level modules (a
+folder with its files, `engine/`; the root file with the inline modules written in it)
+must not use each other both ways either, through whichever of their modules (their
+test modules left out: a module's tests may drive what uses it).
 
-A `pub use child::Item` in a module file whose code does not name `Item` is the module's
-face, not an import. References between a module file and its own submodules
-(`engine/mod.rs` and `engine/state.rs`) are counted only with `--with-module-tree`; paths
-through other crates never are. Python (a directory with `__init__.py`): see `PyPackage`. Comments, strings and character literals are skipped. Exits
-1 and prints every circle with the lines that close it; exits 0 when there is none.
+Rust (a crate's source directory). The modules are the files and the inline `mod x { }`
+in them (a `#[cfg(test)] mod tests { }` is a module of its own: what its tests import is
+counted, as its edges; nothing imports a test module, so it never closes a circle through
+the code it tests). A module *imports* another when one of its paths names an item the
+other defines: `use` declarations, and paths in code that start with `crate::`, `super::`,
+`self::`, a submodule's name (`state::SaveState` in `engine/mod.rs`) or a name a `use`
+brought in (`commit::retire` after `use crate::commit;`). A path that names a re-export
+(`use`, private or `pub`) is followed to the module that defines the item, so
+`super::lock` in `engine/handle.rs` imports `util.rs` when `engine/mod.rs` only has
+`use crate::util::lock`. Comments, strings and character literals are skipped; paths
+through other crates are not imports.
+
+Parent and child modules (a file and its own submodules) are counted like any other pair,
+with one rule for the two ways a module tree is written in Rust:
+
+- A module's face is not an import: `use child::Item` (`pub` or not) in a module whose own
+  code never names `Item` only hands the name on, to the module's users or to its other
+  submodules (`super::Item`, followed to `child`).
+- A module's use of a *type* one of its ancestors defines (a `struct`, `enum`, `union`,
+  `trait` or `type` in the ancestor's own code, with its associated items and variants:
+  `super::Engine`, `impl super::IoBackend for ...`, `super::Sweep::Gc`) is not counted: a
+  child is where the parts of its parent's types live (their `impl` blocks in files of
+  their own, the types their fields hold). Everything else a child takes from an ancestor
+  is counted: its functions, constants, statics, and its re-exports of other modules
+  (followed to them). So a parent that calls into its child while the child calls the
+  parent's functions is a circle; what both need goes down into a leaf module
+  (`commit/store.rs` holds the commit entry points it implements, `cli/bench/common.rs`
+  the bench's helpers, `python/src/convert.rs` the extension's shared checks).
+
+Python (a directory with `__init__.py`): the modules are the `.py` files and the compiled
+module's stub (`.pyi`, which imports nothing of the package). Every `import` and
+`from ... import` counts wherever it stands: at module level, under `if TYPE_CHECKING:`,
+and inside a function or method (a local import is still a dependency: it runs whenever
+the function does, and a circle through it is only deferred, not gone). `from .x import
+y` imports `x` (or `x.y` when that is a submodule), `from . import x` imports the
+submodule `x` or else the package's `__init__.py`, absolute imports of the package
+(`import shmckpt.x`, `from shmckpt import y`) likewise, and a name a package's
+`__init__.py` only re-exports (`from .m import y`) is followed to `m`. A package and its
+modules are counted like any other pair: no type rule here (importing a package runs
+its `__init__.py` first, whatever is imported from it).
+
+`--doc` writes the module uses by top-level module (the library's and the Python
+package's) between `<!-- module-deps:start -->` and `<!-- module-deps:end -->` in
+docs/design.md; `--doc-check` (CI) fails when that section differs from the sources.
 """
 
 from __future__ import annotations
@@ -95,7 +135,8 @@ def module_files(src: Path) -> dict[tuple[str, ...], Path]:
 def split_use_tree(tree: str) -> list[list[str]]:
     """`a::{b, c::{d, e as f}}` -> [[a, b], [a, c, d], [a, c, e]] (renames dropped,
     `self` inside braces kept as the prefix itself)."""
-    tree = re.sub(r"\s+", "", tree)
+    tree = re.sub(r"\s+", " ", tree).strip()
+    tree = re.sub(r"\s*(::|[{},])\s*", r"\1", tree)
     out: list[list[str]] = []
 
     def walk(prefix: list[str], s: str) -> None:
@@ -117,30 +158,103 @@ def split_use_tree(tree: str) -> list[list[str]]:
                 head, rest = p.split("{", 1)
                 walk(prefix + [x for x in head.split("::") if x], rest[:-1])
             else:
-                segs = [x for x in re.sub(r"as" + IDENT + "$", "", p).split("::") if x]
-                if p.endswith(")"):
-                    continue
-                if " as " in p or re.search(r"\bas\b", p):
-                    segs = segs[:-1]
+                p = re.sub(r" as " + IDENT + "$", "", p)  # `x as y`: the path is `x`
+                segs = [x for x in p.split("::") if x]
                 if segs and segs[-1] == "self":
                     segs = segs[:-1]
                 out.append(prefix + segs)
 
-    walk([], tree.replace("asself", "as self"))
+    walk([], tree)
+    return out
+
+
+def is_test_cfg(head: str) -> bool:
+    """Whether the attributes at the end of `head` (the code just before a `mod` item)
+    compile it for tests only: a `#[cfg(...)]` naming `test`, not `not(test)`."""
+    attrs = re.search(r"((?:#\[[^\]]*\]\s*)*)$", head).group(1)
+    return any(
+        re.search(r"\btest\b", c) and "not(test" not in c
+        for c in re.findall(r"#\[cfg\((.*?)\)\]", attrs)
+    )
+
+
+def path_attributes(mods: dict[tuple[str, ...], Path]) -> dict[tuple[str, ...], Path]:
+    """`mods` with files declared `#[path = "x.rs"] mod name;` under their module path
+    (`restore/ranged_tests.rs` is `restore::ranged::tests`)."""
+    by_file = {f.resolve(): m for m, f in mods.items()}
+    out = dict(mods)
+    for m, f in mods.items():
+        for d in re.finditer(r'#\[path\s*=\s*"([^"]+)"\]\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+(' + IDENT + r")\s*;", f.read_text()):
+            target = (f.parent / d.group(1)).resolve()
+            if target in by_file:
+                out[m + (d.group(2),)] = out.pop(by_file[target])
     return out
 
 
 class Crate:
+    """A crate's modules and the paths each writes.
+
+    The unit is the module: every file, and every inline `mod name { ... }` in a file
+    (`mods` maps both to their file; `inline` holds the inline ones). Test modules
+    (`#[cfg(test)] mod x;` or `mod x { }`, and everything under them) are in `tests`."""
+
     def __init__(self, src: Path):
         self.src = src
-        self.mods = module_files(src)
-        self.code = {m: strip_code(f.read_text()) for m, f in self.mods.items()}
-        # module -> {name: (absolute path segments, line)} from its `use` declarations
-        self.uses: dict[tuple[str, ...], dict[str, list[str]]] = {}
+        self.mods = path_attributes(module_files(src))
+        self.files = dict(self.mods)
+        self.inline: dict[tuple[str, ...], int] = {}  # inline module -> line in its file
+        self.tests: set[tuple[str, ...]] = set()
+        self.code = {m: strip_code(f.read_text()) for m, f in self.files.items()}
+        for m, code in self.code.items():
+            spans = self.spans(code)
+            for s, e, path in spans:
+                self.mods.setdefault(m + path, self.files[m])
+                self.inline[m + path] = code.count("\n", 0, s) + 1
+            for d in re.finditer(r"\bmod\s+(" + IDENT + r")\s*[;{]", code):
+                outer = max((p for s, e, p in spans if s < d.start() < e), key=len, default=())
+                head = code[max(0, d.start() - 300): d.start()]
+                head = re.sub(r"\bpub\s*(\([^)]*\))?\s*$", "", head.rstrip()).rstrip()
+                if is_test_cfg(head):
+                    self.tests.add(m + outer + (d.group(1),))
+        self.tests = {m for m in self.mods if any(m[:k] in self.tests for k in range(1, len(m) + 1))}
+        # module -> {name: absolute path segments} from its `use` declarations
+        self.uses: dict[tuple[str, ...], dict[str, list[str]]] = {m: {} for m in self.mods}
         # module -> [(line, absolute path segments)] of every path it writes
-        self.refs: dict[tuple[str, ...], list[tuple[int, list[str]]]] = {}
+        self.refs: dict[tuple[str, ...], list[tuple[int, list[str]]]] = {m: [] for m in self.mods}
+        # module -> the types (struct, enum, union, trait, type alias) its own code defines
+        self.types: dict[tuple[str, ...], set[str]] = {m: set() for m in self.mods}
         for m, code in self.code.items():
             self.scan(m, code)
+
+    def label(self, m: tuple[str, ...]) -> str:
+        """`engine/mod.rs`, or `restore/reader.rs (mod tests)` for an inline module."""
+        f = str(self.mods[m].relative_to(self.src))
+        if m in self.inline:
+            f += " (mod " + "::".join(m[len(self.file_of(m)):]) + ")"
+        return f
+
+    def file_of(self, m: tuple[str, ...]) -> tuple[str, ...]:
+        """The module of the file that holds `m`."""
+        while m not in self.files:
+            m = m[:-1]
+        return m
+
+    @staticmethod
+    def spans(code: str) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Inline modules of a file's `code`: (start, end, path inside the file)."""
+        raw: list[tuple[int, int, str]] = []
+        for m in re.finditer(r"\bmod\s+(" + IDENT + r")\s*\{", code):
+            depth, j = 1, m.end()
+            while j < len(code) and depth:
+                depth += code[j] == "{"
+                depth -= code[j] == "}"
+                j += 1
+            raw.append((m.start(), j, m.group(1)))
+        out = []
+        for s, e, name in raw:
+            outer = tuple(n for s2, e2, n in raw if s2 < s and e <= e2)
+            out.append((s, e, outer + (name,)))
+        return out
 
     def absolute(self, here: tuple[str, ...], segs: list[str]) -> list[str] | None:
         """Segments of a path written in module `here`, made absolute; `None` when it
@@ -168,24 +282,14 @@ class Crate:
         return None
 
     def scan(self, file_mod: tuple[str, ...], code: str) -> None:
-        uses: dict[str, list[str]] = {}
-        refs: list[tuple[int, list[str]]] = []
-        # Inline modules (`mod tests { ... }`): the module path at each offset.
-        spans: list[tuple[int, int, tuple[str, ...]]] = []
-        for m in re.finditer(r"\bmod\s+(" + IDENT + r")\s*\{", code):
-            depth, j = 1, m.end()
-            while j < len(code) and depth:
-                depth += code[j] == "{"
-                depth -= code[j] == "}"
-                j += 1
-            spans.append((m.start(), j, (m.group(1),)))
+        spans = [(s, e, file_mod + p) for s, e, p in self.spans(code)]
 
         def module_at(pos: int) -> tuple[str, ...]:
-            inner: tuple[str, ...] = ()
-            for s, e, name in spans:
-                if s <= pos < e:
-                    inner = inner + name
-            return file_mod + inner
+            best = file_mod
+            for s, e, path in spans:
+                if s <= pos < e and len(path) > len(best):
+                    best = path
+            return best
 
         def line_of(pos: int) -> int:
             return code.count("\n", 0, pos) + 1
@@ -197,8 +301,24 @@ class Crate:
         outside = code
         for s, e in reversed(use_spans):
             outside = outside[:s] + " " * (e - s) + outside[e:]
+
+        def own_code(mod: tuple[str, ...]) -> str:
+            """The code of module `mod` alone (its inline submodules blanked), no `use`s."""
+            lo, hi = 0, len(outside)
+            for s, e, path in spans:
+                if path == mod:
+                    lo, hi = s, e
+            text = outside[lo:hi]
+            for s, e, path in spans:
+                if path != mod and lo <= s and e <= hi:
+                    text = text[: s - lo] + " " * (e - s) + text[e - lo:]
+            return text
+
+        own: dict[tuple[str, ...], str] = {}
+        for _, _, mod in [(0, 0, file_mod)] + spans:
+            own[mod] = own_code(mod)
+            self.types[mod] = set(re.findall(r"\b(?:struct|enum|union|trait|type)\s+(" + IDENT + ")", own[mod]))
         for m in decls:
-            reexport = m.group(1) is not None
             here = module_at(m.start())
             for segs in split_use_tree(m.group(2)):
                 if segs and segs[-1] == "*":
@@ -214,56 +334,71 @@ class Crate:
                     # the name the declaration brings into scope
                     alias = re.search(r"\b" + re.escape(segs[-1]) + r"\s+as\s+(" + IDENT + ")", m.group(2))
                     name = alias.group(1) if alias else absolute[-1]
-                    if here == file_mod:
-                        uses[name] = absolute
-                # A module's face: `pub use child::Item` in a module file only hands on a
-                # name of its own submodule (paths through it are followed to the file that
-                # defines the item). It is an import only where this file's code names the
+                    self.uses[here][name] = absolute
+                # A module's face: `use child::Item` (`pub` or not) in a module only hands
+                # on a name of its own submodule, to its users or to its other submodules
+                # (`super::Item`; paths through it are followed to the file that defines
+                # the item). It is an import only where the module's own code names the
                 # item too. Re-exports of other modules are imports.
-                if (
-                    reexport
-                    and name is not None
-                    and tuple(absolute[: len(file_mod) + 1]) in self.mods
-                    and len(absolute) > len(file_mod)
-                    and tuple(absolute[: len(file_mod)]) == file_mod
-                    and not re.search(r"\b" + re.escape(name) + r"\b", outside)
-                ):
-                    continue
-                refs.append((line_of(m.start()), absolute))
+                if name is not None and len(absolute) > len(here) and tuple(absolute[: len(here)]) == here:
+                    if tuple(absolute[: len(here) + 1]) in self.mods:
+                        if not re.search(r"\b" + re.escape(name) + r"\b", own[here]):
+                            continue
+                self.refs[here].append((line_of(m.start()), absolute))
         for m in re.finditer(r"(?<![A-Za-z0-9_:$])((?:crate|super|self)(?:\s*::\s*" + IDENT + r")+)", code):
             if any(s <= m.start() < e for s, e in use_spans):
                 continue
             segs = [x.strip() for x in m.group(1).split("::")]
-            absolute = self.absolute(module_at(m.start()), segs)
+            here = module_at(m.start())
+            absolute = self.absolute(here, segs)
             if absolute is not None:
-                refs.append((line_of(m.start()), absolute))
-        self.uses[file_mod] = uses
-        self.refs[file_mod] = refs
+                self.refs[here].append((line_of(m.start()), absolute))
+        # Paths in code that start at a name: a submodule of the module (`state::SaveState`
+        # in `engine/mod.rs`) or a name its `use` declarations bring in (`commit::retire`
+        # after `use crate::commit;`).
+        for m in re.finditer(r"(?<![A-Za-z0-9_:$])(" + IDENT + r")((?:\s*::\s*" + IDENT + r")+)", outside):
+            if m.group(1) in KEYWORDS:
+                continue
+            here = module_at(m.start())
+            rest = [x.strip() for x in m.group(2).split("::") if x.strip()]
+            if here + (m.group(1),) in self.mods:
+                absolute = list(here) + [m.group(1)] + rest
+            elif m.group(1) in self.uses[here]:
+                absolute = self.uses[here][m.group(1)] + rest
+            else:
+                continue
+            self.refs[here].append((line_of(m.start()), absolute))
 
-    def defining_module(self, segs: list[str], depth: int = 0) -> tuple[str, ...] | None:
-        """The module whose file defines what the absolute path `segs` names."""
+    def resolve(self, segs: list[str], depth: int = 0) -> tuple[tuple[str, ...], str | None]:
+        """The module whose file defines what the absolute path `segs` names, and the
+        name it has there (`None` when the path names a module itself)."""
         mod: tuple[str, ...] = ()
         i = 0
         while i < len(segs) and mod + (segs[i],) in self.mods:
             mod += (segs[i],)
             i += 1
         if i == len(segs):
-            return mod  # the path names a module file itself
+            return mod, None
         name = segs[i]
         target = self.uses.get(mod, {}).get(name)
         if target is not None and depth < 16:
-            resolved = self.defining_module(target + segs[i + 1:], depth + 1)
-            if resolved is not None:
-                return resolved
-        return mod
+            return self.resolve(target + segs[i + 1:], depth + 1)
+        return mod, name
+
+    def defining_module(self, segs: list[str]) -> tuple[str, ...]:
+        """The module whose file defines what the absolute path `segs` names."""
+        return self.resolve(segs)[0]
 
     def edges(self) -> dict[tuple[str, ...], dict[tuple[str, ...], int]]:
-        """Importing module -> {imported module: first line}."""
+        """Importing module -> {imported module: first line}. A module's use of a type
+        one of its ancestors defines is left out (see the script's doc)."""
         out: dict[tuple[str, ...], dict[tuple[str, ...], int]] = {m: {} for m in self.mods}
         for m, refs in self.refs.items():
             for line, segs in refs:
-                target = self.defining_module(segs)
-                if target is None or target == m:
+                target, name = self.resolve(segs)
+                if target == m:
+                    continue
+                if name is not None and m[: len(target)] == target and name in self.types[target]:
                     continue
                 out[m].setdefault(target, line)
         return out
@@ -323,6 +458,9 @@ class PyPackage:
                     target = tuple(base + (node.module.split(".") if node.module else []))
                     self.add_from(out, node.lineno, target, [a.name for a in node.names])
             self.imports[m] = out
+
+    def label(self, m: tuple[str, ...]) -> str:
+        return str(self.mods[m].relative_to(self.src))
 
     def longest(self, parts: tuple[str, ...]) -> tuple[str, ...]:
         while parts and parts not in self.mods:
@@ -397,36 +535,42 @@ def cycles(edges: dict[tuple[str, ...], dict[tuple[str, ...], int]]) -> list[lis
     return found
 
 
-def drop_module_tree(
-    edges: dict[tuple[str, ...], dict[tuple[str, ...], int]],
-) -> dict[tuple[str, ...], dict[tuple[str, ...], int]]:
-    """`edges` without those between a module and its own submodules (either way)."""
-    return {
-        m: {t: line for t, line in ts.items() if t[: len(m)] != m and m[: len(t)] != t}
-        for m, ts in edges.items()
-    }
-
-
 def self_test() -> None:
-    """The check finds a circle of three files through a re-export, a parent<->child
-    circle only with the module tree counted (and none through a module's face, `pub use
-    child::Item`), and Python circles through relative
-    imports, `TYPE_CHECKING` and function-level imports and re-exports of `__init__.py`."""
+    """The check on a made-up crate and package: a circle of three files through a
+    re-export; a parent and a child that call each other's functions (a circle), a child
+    that only uses its parent's type (none), a parent that only hands on its child's item
+    (none); a test module, its own node, importing what imports its file (none); names
+    with `as` inside; Python circles through relative imports, `TYPE_CHECKING`,
+    function-local imports, re-exports of `__init__.py` and between a package and its
+    module."""
     import tempfile
 
     files = {
-        "lib.rs": "mod a;\nmod b;\nmod c;\nmod util;\nmod e;\nmod p;\n",
+        "lib.rs": "mod a;\nmod b;\nmod c;\nmod util;\nmod e;\nmod p;\nmod t;\nmod u;\nmod x;\nmod y;\n",
+        # folders that use each other through different files: no circle of modules, one
+        # of top-level modules
+        "x/mod.rs": "mod xa;\nmod xb;\n",
+        "x/xa.rs": "pub struct XA(crate::y::Y);\n",
+        "x/xb.rs": "pub struct XB;\n",
+        "y.rs": "pub struct Y(crate::x::xb::XB);\n",
         "a.rs": "use crate::b::X; // crate::c::Z in a comment\npub struct A;\n",
         "b.rs": 'pub struct X;\nfn f() { let _ = "crate::a::A"; super::c::y(); }\n',
         "c.rs": "pub use crate::a::A as Renamed;\npub fn y() {}\n",
-        "util.rs": "pub fn lock() {}\n",
+        "util.rs": "pub fn lock() {}\npub fn has_assets() {}\n",
         "e/mod.rs": "mod f;\nuse crate::util::lock;\npub use f::F;\nfn g() { lock(); }\n",
         "e/f.rs": "pub struct F;\nfn h() { super::lock(); }\n",
-        # a parent that uses its child's item, whose child uses the parent's
-        "p/mod.rs": "mod q;\nmod r;\nuse q::Q;\npub use r::R;\npub struct P;\nfn k(_: Q) {}\n",
-        # a child that uses its parent, whose parent only re-exports it: no circle
-        "p/r.rs": "use super::P;\npub struct R(P);\n",
-        "p/q.rs": "use super::P;\npub struct Q(P);\n",
+        # a parent calling its child's function (a path in code, no `use`), the child
+        # calling the parent's: a circle
+        "p/mod.rs": "mod q;\nmod r;\nmod s;\nuse s::S;\npub struct P;\npub fn pf() {}\n"
+        "fn k() { q::helper(); let _ = r::R(P); }\n",
+        "p/q.rs": "pub fn helper() { super::pf(); }\n",
+        # a child that uses only its parent's type: no circle
+        "p/r.rs": "use super::P;\npub struct R(pub P);\n",
+        # a child whose item the parent only hands on (`use s::S` it never names): no circle
+        "p/s.rs": "pub struct S;\nfn m() { super::pf(); }\n",
+        # a test module importing what imports its file: no circle
+        "t.rs": "pub struct T;\n#[cfg(test)]\nmod tests {\n    use crate::u::U;\n}\n",
+        "u.rs": "use crate::util::{lock as l, has_assets};\npub struct U(crate::t::T);\n",
     }
     pyfiles = {
         "pkg/__init__.py": "from ._a import A\nfrom .sub import S\n",
@@ -437,6 +581,9 @@ def self_test() -> None:
         "pkg/sub/__init__.py": "from .s import S\n",
         "pkg/sub/s.py": "from .. import _c\nfrom . import t\nclass S: ...\n",
         "pkg/sub/t.py": "from pkg.sub import S\n",
+        # a package and its module importing each other (in a function: still counted)
+        "pkg/sub2/__init__.py": "from .m import M\nHELPER = 1\n",
+        "pkg/sub2/m.py": "def f():\n    from . import HELPER\n    return HELPER\nclass M: ...\n",
     }
     with tempfile.TemporaryDirectory() as d:
         for name, text in {**files, **pyfiles}.items():
@@ -444,12 +591,23 @@ def self_test() -> None:
             (Path(d) / name).write_text(text)
         crate = Crate(Path(d))
         edges = crate.edges()
-        found = [[str(crate.mods[m].relative_to(d)) for m in comp] for comp in cycles(edges)]
+        found = [[crate.label(m) for m in comp] for comp in cycles(edges)]
         assert found == [["a.rs", "b.rs", "c.rs"], ["p/mod.rs", "p/q.rs"]], found
-        found = [[crate.mods[m].name for m in comp] for comp in cycles(drop_module_tree(edges))]
-        assert found == [["a.rs", "b.rs", "c.rs"]], found
         assert edges[("e", "f")] == {("util",): 2}, edges[("e", "f")]
-        assert edges[("p",)] == {("p", "q"): 3}, edges[("p",)]
+        assert edges[("p",)] == {("p", "q"): 7, ("p", "r"): 7}, edges[("p",)]
+        assert edges[("p", "r")] == {}, edges[("p", "r")]
+        assert edges[("p", "s")] == {("p",): 2}, edges[("p", "s")]
+        assert crate.tests == {("t", "tests")}, crate.tests
+        assert crate.label(("t", "tests")) == "t.rs (mod tests)", crate.label(("t", "tests"))
+        assert edges[("t", "tests")] == {("u",): 4}, edges[("t", "tests")]
+        assert edges[("t",)] == {}, edges[("t",)]
+        assert edges[("u",)] == {("util",): 1, ("t",): 2}, edges[("u",)]
+        assert crate.refs[("u",)][:2] == [(1, ["util", "lock"]), (1, ["util", "has_assets"])], crate.refs[("u",)]
+        tops = top_level_edges(crate, "lib.rs")
+        found = [[a[0] for a in comp] for comp in cycles({a: dict.fromkeys(ts, 0) for a, ts in tops.items()})]
+        assert found == [["a", "b", "c"], ["x", "y"]], found
+        # a test module's imports are not its top-level module's
+        assert ("u",) not in tops[("t",)], tops[("t",)]
         pkg = PyPackage(Path(d) / "pkg")
         pe = pkg.edges()
         # `from pkg import A` in _b.py is followed through __init__.py to _a.py
@@ -459,8 +617,9 @@ def self_test() -> None:
         assert pe[("_ext",)] == {}, pe[("_ext",)]
         assert pe[("sub", "s")] == {("_c",): 1, ("sub", "t"): 2}, pe[("sub", "s")]
         assert pe[("sub", "t")] == {("sub", "s"): 1}, pe[("sub", "t")]
+        assert pe[("sub2", "m")] == {("sub2",): 2}, pe[("sub2", "m")]
         found = [["/".join(m) for m in comp] for comp in cycles(pe)]
-        assert found == [["_a", "_b"], ["sub/s", "sub/t"]], found
+        assert found == [["_a", "_b"], ["sub/s", "sub/t"], ["sub2", "sub2/m"]], found
     print("self-test passed")
 
 
@@ -468,28 +627,131 @@ DEPS_START = "<!-- module-deps:start -->"
 DEPS_END = "<!-- module-deps:end -->"
 
 
-def deps_section(root: Path) -> str:
-    """The library's modules (top level of src/), each with the modules its files import."""
-    crate = Crate(root / "src")
-    agg: dict[str, set[str]] = {}
-    for m, targets in crate.edges().items():
-        a = m[0] if m else "lib.rs"
-        agg.setdefault(a, set())
-        for t in targets:
-            b = t[0] if t else "lib.rs"
+def top_level(unit: "Crate | PyPackage", m: tuple[str, ...], root_name: str) -> str:
+    """The top-level module `m` belongs to (`root_name` for the root file and the inline
+    modules written in it, like lib.rs's `cuda` and `flash` faces)."""
+    if not m or (isinstance(unit, Crate) and m in unit.inline and unit.file_of(m) == ()):
+        return root_name
+    return m[0]
+
+
+def top_level_edges(
+    unit: "Crate | PyPackage", root_name: str
+) -> dict[tuple[str, ...], dict[tuple[str, ...], tuple[tuple[str, ...], int, tuple[str, ...]]]]:
+    """Top-level module -> {top-level module it imports: (a module, line, the module it
+    imports)}, tests left out."""
+    tests = unit.tests if isinstance(unit, Crate) else set()
+    out: dict[tuple[str, ...], dict[tuple[str, ...], tuple[tuple[str, ...], int, tuple[str, ...]]]] = {}
+    for m, targets in sorted(unit.edges().items()):
+        a = (top_level(unit, m, root_name),)
+        out.setdefault(a, {})
+        if m in tests:
+            continue
+        for t, line in sorted(targets.items()):
+            b = (top_level(unit, t, root_name),)
             if b != a:
-                agg[a].add(b)
-    out = [DEPS_START, "<!-- generated by scripts/check_module_cycles.py --doc; CI checks it -->", ""]
-    for a in sorted(agg):
-        used = ", ".join(f"`{b}`" for b in sorted(agg[a])) or "nothing of the crate"
-        if a == "lib.rs" and not agg[a]:
-            used = "nothing of the crate (it declares the modules and re-exports their items)"
-        out.append(f"- `{a}` uses {used}")
-    out.append(DEPS_END)
+                out[a].setdefault(b, (m, line, t))
+    return out
+
+
+def module_uses(unit: "Crate | PyPackage", root_name: str) -> list[str]:
+    """One line per top-level module of `unit`: the top-level modules its modules import,
+    then those only its tests import."""
+    tests = unit.tests if isinstance(unit, Crate) else set()
+
+    def top(m: tuple[str, ...]) -> str:
+        return top_level(unit, m, root_name)
+
+    code: dict[str, set[str]] = {}
+    test: dict[str, set[str]] = {}
+    for m, targets in unit.edges().items():
+        a = top(m)
+        code.setdefault(a, set())
+        test.setdefault(a, set())
+        for t in targets:
+            b = top(t)
+            if b != a:
+                (test if m in tests else code)[a].add(b)
+    out = []
+    for a in sorted(code):
+        nothing = "nothing of the package" if isinstance(unit, PyPackage) else "nothing of the crate"
+        line = f"- `{a}` uses " + (", ".join(f"`{b}`" for b in sorted(code[a])) or nothing)
+        extra = sorted(test[a] - code[a])
+        if extra:
+            line += "; its tests also " + ", ".join(f"`{b}`" for b in extra)
+        out.append(line)
+    return out
+
+
+def deps_section(root: Path) -> str:
+    """The library's and the Python package's module uses, by top-level module."""
+    out = [
+        DEPS_START,
+        "<!-- generated by scripts/check_module_cycles.py --doc; CI checks it with --doc-check -->",
+        "",
+        "The library (`src/`):",
+        "",
+        *module_uses(Crate(root / "src"), "lib.rs"),
+        "",
+        "The Python package (`python/shmckpt/`; `checkpointer` and `dcp` are subpackages):",
+        "",
+        *module_uses(PyPackage(root / "python" / "shmckpt"), "__init__.py"),
+        DEPS_END,
+    ]
     return "\n".join(out)
 
 
+TABLE_START = "<!-- module-table:start -->"
+TABLE_END = "<!-- module-table:end -->"
+
+
+def table_problems(root: Path, text: str) -> list[str]:
+    """What docs/design.md's module table (between `<!-- module-table:start -->` and
+    `<!-- module-table:end -->`) lacks: a row per top-level module of `src/` (and none
+    for a module that is gone), and in a directory module's row every file of it that is
+    not a test module (by name: `request.rs` or `request`)."""
+    if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
+        return [f"needs one {TABLE_START} ... {TABLE_END} section"]
+    table = text[text.index(TABLE_START): text.index(TABLE_END)]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(" + IDENT + r")`[^\n]*", table, re.M)}
+    crate = Crate(root / "src")
+    tops = {m[0] for m in crate.files if len(m) == 1}
+    problems = [f"module `{m}` has no row" for m in sorted(tops - rows.keys())]
+    problems += [f"row `{m}` names no module of src/" for m in sorted(rows.keys() - tops)]
+    def names(cell: str, m: tuple[str, ...], f: Path) -> bool:
+        stem = f.stem if f.stem != "mod" else f.parent.name
+        if f.stem == "mod" and re.search(r"`mod\.rs`", cell):
+            return True
+        return bool(
+            re.search(r"[`/]" + re.escape(stem) + r"(\.rs|/\*?)?`", cell)
+            or (len(m) > 2 and re.search(r"`" + re.escape("/".join(m[1:-1])) + r"/\*`", cell))
+        )
+
+    for m, f in sorted(crate.files.items()):
+        if m in crate.tests or not m or m[0] not in rows:
+            continue
+        cells = rows[m[0]].split(" | ")
+        if len(m) >= 2 and not names(rows[m[0]], m, f):
+            problems.append(f"row `{m[0]}` does not name `{f.relative_to(root / 'src')}`")
+        # the last column: the files that allow `unsafe` code, or `no`
+        unsafe_cell = cells[-1]
+        allows = "allow(unsafe_code)" in f.read_text()
+        if allows and not names(unsafe_cell, m, f) and not (len(m) == 1 and f"`{f.name}`" in unsafe_cell):
+            problems.append(f"row `{m[0]}`: `{f.relative_to(root / 'src')}` allows unsafe code; the unsafe column does not name it")
+        if not allows and len(m) >= 2 and f.stem != "mod" and re.search(r"`" + re.escape(f.stem) + r"(\.rs)?`", unsafe_cell):
+            problems.append(f"row `{m[0]}`: the unsafe column names `{f.relative_to(root / 'src')}`, which has no unsafe code")
+    for m0, row in rows.items():
+        any_unsafe = any(
+            "allow(unsafe_code)" in f.read_text() for m, f in crate.files.items() if m[:1] == (m0,) and m not in crate.tests
+        )
+        if any_unsafe == row.split(" | ")[-1].startswith("no"):
+            problems.append(f"row `{m0}`: the unsafe column says {'no' if any_unsafe else 'unsafe'}, the sources say otherwise")
+    return problems
+
+
 def doc(root: Path, check: bool) -> int:
+    """Write (or with `check`, compare) docs/design.md's module uses; check its module
+    table either way."""
     path = root / "docs" / "design.md"
     text = path.read_text()
     if text.count(DEPS_START) != 1 or text.count(DEPS_END) != 1:
@@ -497,28 +759,30 @@ def doc(root: Path, check: bool) -> int:
         return 1
     a, b = text.index(DEPS_START), text.index(DEPS_END) + len(DEPS_END)
     new = text[:a] + deps_section(root) + text[b:]
+    problems = table_problems(root, text)
+    for p in problems:
+        print(f"{path}: module table: {p}")
     if check:
         if new != text:
-            print(f"{path}: the module dependencies are out of date; run {Path(__file__).name} --doc")
+            print(f"{path}: the module uses are out of date; run {Path(__file__).name} --doc")
             return 1
-        print("module dependencies in docs/design.md up to date")
+        if problems:
+            return 1
+        print("module table and module uses in docs/design.md up to date")
         return 0
     path.write_text(new)
-    return 0
+    return 1 if problems else 0
 
 
 def main(argv: list[str]) -> int:
     if argv == ["--self-test"]:
         self_test()
         return 0
+    if argv == ["--graph"]:
+        print(deps_section(Path(__file__).resolve().parent.parent))
+        return 0
     if argv in (["--doc"], ["--doc-check"]):
         return doc(Path(__file__).resolve().parent.parent, argv == ["--doc-check"])
-    # The module tree (a file and its own submodules) is left out unless asked for:
-    # `--with-module-tree` also counts a parent that uses its child's items and a child
-    # that uses its parent's. (Issue 37 wants it on; the circles it still finds are listed by
-    # this flag.)
-    tree = "--with-module-tree" in argv
-    argv = [a for a in argv if a != "--with-module-tree"]
     root = Path(__file__).resolve().parent.parent
     dirs = [Path(a) for a in argv] or [
         root / "src",
@@ -531,7 +795,7 @@ def main(argv: list[str]) -> int:
         if not d.is_dir():
             continue
         unit: Crate | PyPackage = PyPackage(d) if (d / "__init__.py").is_file() else Crate(d)
-        edges = unit.edges() if tree else drop_module_tree(unit.edges())
+        edges = unit.edges()
         for comp in cycles(edges):
             bad += 1
             members = set(comp)
@@ -539,7 +803,19 @@ def main(argv: list[str]) -> int:
             for m in comp:
                 for t, line in sorted(edges[m].items()):
                     if t in members:
-                        print(f"  {unit.mods[m].relative_to(d)}:{line} imports {unit.mods[t].relative_to(d)}")
+                        print(f"  {unit.label(m)}:{line} imports {unit.label(t)}")
+        # The picture docs/design.md draws: top-level modules (folders of modules) must
+        # not use each other both ways either, through whichever of their modules.
+        root_name = "__init__.py" if isinstance(unit, PyPackage) else "crate root"
+        tops = top_level_edges(unit, root_name)
+        for comp in cycles({a: dict.fromkeys(ts, 0) for a, ts in tops.items()}):
+            bad += 1
+            members = set(comp)
+            print(f"import circle between top-level modules in {d}:")
+            for a in comp:
+                for b, (m, line, t) in sorted(tops[a].items()):
+                    if b in members:
+                        print(f"  {a[0]} -> {b[0]}: {unit.label(m)}:{line} imports {unit.label(t)}")
     if bad:
         print(f"{bad} import circle(s): move what both sides need into a module that imports neither")
         return 1

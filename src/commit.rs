@@ -31,7 +31,7 @@ mod group;
 pub mod store;
 pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
 pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
-pub use store::{CommitStore, LocalDir};
+pub use store::{CommitStore, LocalDir, apply_retention, commit, retire_old};
 
 use std::fs::File;
 use std::os::fd::AsFd;
@@ -40,8 +40,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
-    self, FileEntry, MANIFEST, Manifest, Metadata, partial_dir_name, rank_manifest_name,
-    step_dir_name, trash_dir_name,
+    self, FileEntry, MANIFEST, Manifest, partial_dir_name, rank_manifest_name, step_dir_name,
+    trash_dir_name,
 };
 use crate::{fsops, fsx};
 
@@ -334,7 +334,7 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
         let newest = manifest::list_committed(root)
             .ok()
             .and_then(|c| c.last().map(|c| c.step));
-        let staged = crate::recover::inspect::staged_steps(root);
+        let staged = crate::staging::attach::staged_steps(root);
         for (step, dir) in partials {
             if let Some(why) = keep_partial(&dir, step, newest, &staged, sweep) {
                 tracing::info!(dir = %dir.display(), reason = why, "keeping the partial directory of an uncommitted save");
@@ -480,34 +480,6 @@ pub fn write_part(
     Ok(None)
 }
 
-/// Commit this rank's file (already durable) for `step`. Returns the committed directory
-/// when this call (or another rank) completed the commit, `None` when other ranks are
-/// still missing. The one commit protocol ([`store::commit_parts`]) with the root's
-/// partial directory as its barrier ([`store::SharedRoot`]).
-pub fn commit(
-    root: &Path,
-    step: u64,
-    world_size: u32,
-    partial: &Path,
-    entry: FileEntry,
-    metadata: &Metadata,
-) -> Result<Option<PathBuf>> {
-    store::commit_parts(
-        &store::SharedRoot::new(root, partial),
-        step,
-        world_size,
-        metadata,
-        Some(&entry),
-    )
-}
-
-/// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
-/// deletes the newest one. Returns the deleted steps. The one retention
-/// ([`store::retain`]) over the root's directory.
-pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
-    store::retain(&LocalDir::new(root), keep)
-}
-
 /// Delete the committed checkpoint `step` of `root`, as retention does: its directory is
 /// renamed to its trash name and the root `fsync`ed (from then on it is not listed or
 /// loadable, even after a crash: the next engine of the root removes the trash at open),
@@ -572,22 +544,10 @@ impl Retired {
     }
 }
 
-/// Retention's quick half: move the committed checkpoints beyond the newest `keep` to
-/// trash names (a metadata operation, made durable), so that they are no longer listed
-/// or loadable. Their files are deleted by [`Retired::remove`]; a crash in between leaves
-/// trash directories, which the next engine of the root removes at open.
-pub fn retire_old(root: &Path, keep: usize) -> Result<Retired> {
-    let steps = store::retire(&LocalDir::new(root), keep)?;
-    let trash = steps
-        .iter()
-        .map(|&s| root.join(trash_dir_name(s)))
-        .collect();
-    Ok(Retired { steps, trash })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::manifest::Metadata;
 
     fn entry(rank: u32) -> FileEntry {
         FileEntry {

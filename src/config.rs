@@ -74,21 +74,6 @@ pub const DEFAULT_DEVICE_READ: u64 = 32 << 20;
 /// Default reads in flight of a device load from disk: 8 (with the ring's 4 spare
 /// buffers, 12 × 32 MiB = 384 MiB of registered host memory).
 pub const DEFAULT_DEVICE_READ_DEPTH: u32 = 8;
-/// Device-load read settings ([`EngineConfig::with_device_read`],
-/// [`crate::restore::DeviceRing::new`]): `bytes` a multiple of 4096 between 1 MiB and
-/// 1 GiB, `depth` 1..=64.
-pub(crate) fn check_device_read(bytes: u64, depth: u32) -> Result<()> {
-    if !bytes.is_multiple_of(4096) || !(1 << 20..=1 << 30).contains(&bytes) {
-        return Err(Error::Config(format!(
-            "device read size {bytes} must be a multiple of 4096 between 1 MiB and 1 GiB"
-        )));
-    }
-    if !(1..=64).contains(&depth) {
-        return Err(Error::Config("device read depth must be 1..=64".into()));
-    }
-    Ok(())
-}
-
 /// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
 /// setter's documentation gives its default.
 #[derive(Debug, Clone)]
@@ -540,7 +525,7 @@ impl EngineConfig {
                 "shm name {n:?} must be 1..200 characters without '/'"
             )));
         }
-        check_device_read(self.device_read, self.device_read_depth)?;
+        crate::restore::check_device_read(self.device_read, self.device_read_depth)?;
         #[cfg(feature = "s3")]
         if self.remote_only && self.remote.is_none() {
             return Err(Error::Config(

@@ -25,7 +25,7 @@ from . import _shmckpt
 from .errors import ConfigError, ReplicaDivergence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer.handle import SaveHandle
+    from ._handle import SaveHandle
 
 OnDivergence = Union[str, Callable[[ReplicaDivergence], bool]]
 

@@ -20,15 +20,22 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from . import _state, _util
 from .errors import ConfigError, CorruptError, DestinationError, NotFound
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer.base import CheckpointerBase as Checkpointer
+
+
+class Checkpointer(Protocol):
+    """The part of :class:`~shmckpt.Checkpointer` this module uses (declared here, so
+    that the tier does not import the checkpointer that composes it)."""
+
+    rank: int
+    remote: Optional[str]
+    _engine: Any
 
 __all__ = [
     "SOURCES",

@@ -26,7 +26,7 @@ from .errors import ConfigError, ReplicationError, ShmckptError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._host import CheckpointerLike
-    from .checkpointer.handle import SaveHandle
+    from ._handle import SaveHandle
 
 __all__ = ["Replicator", "node_of", "list_replicas", "remove_replica", "DEFAULT_BANDWIDTH", "DEFAULT_TIMEOUT"]
 

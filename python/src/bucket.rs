@@ -7,7 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use shmckpt::remote::{Remote, RemoteOptions};
 
-use crate::{remote::Loaded, to_py};
+use crate::convert::{Loaded, loaded};
+use crate::to_py;
 
 /// A bucket prefix (`s3://bucket/prefix`), credentials and endpoint from the AWS
 /// environment variables. Opening it lists the bucket once (a missing bucket or refused
@@ -66,7 +67,7 @@ impl PyBucket {
         let (ck, _) = py
             .detach(|| self.remote.load(step, rank))
             .map_err(|e| to_py(py, e))?;
-        Ok(crate::loaded(ck))
+        Ok(loaded(ck))
     }
 
     /// Create `step-N/<name>` (conditional create) beside committed step `step`; `False`

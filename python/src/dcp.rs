@@ -77,8 +77,8 @@ fn read_rank_file(
     };
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();
-    crate::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
-    crate::check_host_ranges(&host)?;
+    crate::convert::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
+    crate::convert::check_host_ranges(&host)?;
     let loaded = py
         .detach(|| {
             if device.is_empty() && host.is_empty() {

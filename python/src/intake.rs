@@ -110,7 +110,7 @@ pub(crate) fn host_ranges(
             Ok((n.clone(), p, l))
         })
         .collect::<PyResult<Vec<_>>>()?;
-    crate::check_host_ranges(&out)?;
+    crate::convert::check_host_ranges(&out)?;
     Ok(out)
 }
 
@@ -131,7 +131,7 @@ pub(crate) fn device_ranges(
             Ok((n.clone(), p, l, *d))
         })
         .collect::<PyResult<Vec<_>>>()?;
-    crate::check_disjoint(out.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
+    crate::convert::check_disjoint(out.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
     Ok(out)
 }
 

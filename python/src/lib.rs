@@ -10,6 +10,7 @@
 
 mod bucket;
 mod buffer;
+mod convert;
 mod core;
 mod dcp;
 mod divergence;
@@ -32,6 +33,7 @@ use pyo3::prelude::*;
 use shmckpt::Engine;
 
 use crate::buffer::PyBuffer;
+use crate::convert::loaded;
 use crate::core::{After, EngineOpts, Place, RawTensor};
 use crate::handle::PySaveHandle;
 // Used through `crate::` by the other modules, which `lib.rs` (`PyEngine`) imports.
@@ -39,25 +41,6 @@ use crate::util::{SLICE, lock, to_py};
 
 fn err(e: shmckpt::Error) -> PyErr {
     Python::attach(|py| to_py(py, e))
-}
-
-/// A loaded checkpoint as `load` and `load_remote` return it: `(step, dir, metadata,
-/// [(name, dtype, shape, Buffer)])`, each tensor's bytes owned by its buffer.
-fn loaded(ck: shmckpt::Checkpoint) -> remote::Loaded {
-    let tensors = ck
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let dtype = core::dtype_name(t.dtype).to_owned();
-            (t.name, dtype, t.shape, PyBuffer::new(t.data))
-        })
-        .collect();
-    (
-        ck.step,
-        ck.dir.to_string_lossy().into_owned(),
-        ck.metadata,
-        tensors,
-    )
 }
 
 /// The engine of one rank: owns the staging arena, the writers and the commit thread.
@@ -472,7 +455,7 @@ impl PyEngine {
 
     /// Load this rank's tensors of a step in the bucket (`None`: its latest), as `load`.
     #[pyo3(signature = (step=None))]
-    fn load_remote(&self, py: Python<'_>, step: Option<u64>) -> PyResult<remote::Loaded> {
+    fn load_remote(&self, py: Python<'_>, step: Option<u64>) -> PyResult<convert::Loaded> {
         remote::load_remote(self, py, step)
     }
 
@@ -683,39 +666,6 @@ impl PyEngine {
         let (n, c, b, r) = core::describe(&engine);
         Ok((n, c, b, r.to_string_lossy().into_owned()))
     }
-}
-
-/// Host destinations `(name, address, nbytes)`: none may overlap another
-/// ([`check_disjoint`]) or have a null address and bytes (`core::host_slices` makes slices
-/// of them).
-pub(crate) fn check_host_ranges(dest: &[(String, u64, usize)]) -> PyResult<()> {
-    check_disjoint(dest.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
-    if let Some((n, _, _)) = dest.iter().find(|(_, p, l)| *p == 0 && *l > 0) {
-        return Err(PyValueError::new_err(format!(
-            "destination {n:?} has a null address"
-        )));
-    }
-    Ok(())
-}
-
-/// Overlapping destinations would alias mutable memory: refuse them.
-pub(crate) fn check_disjoint<'a>(
-    ranges: impl Iterator<Item = (&'a str, u64, usize)>,
-) -> PyResult<()> {
-    let mut v: Vec<(u64, u64, &str)> = ranges
-        .filter(|(_, _, l)| *l > 0)
-        .map(|(n, p, l)| (p, p.saturating_add(l as u64), n))
-        .collect();
-    v.sort_unstable();
-    for w in v.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(PyValueError::new_err(format!(
-                "destinations {:?} and {:?} overlap in memory",
-                w[0].2, w[1].2
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The dtype names (safetensors spelling) the engine knows.

@@ -61,12 +61,12 @@ fn read_rank_ranges(
     };
     let device = device.unwrap_or_default();
     let host = host.unwrap_or_default();
-    crate::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
+    crate::convert::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
     let host_ranges: Vec<(String, u64, usize)> = host
         .iter()
         .map(|(n, p, l, _)| (n.clone(), *p, *l))
         .collect();
-    crate::check_host_ranges(&host_ranges)?;
+    crate::convert::check_host_ranges(&host_ranges)?;
     let loaded = py
         .detach(|| {
             // SAFETY: the Python caller holds the destination tensors for the whole call

@@ -7,15 +7,8 @@ use std::collections::BTreeMap;
 
 use pyo3::prelude::*;
 
-use crate::{PyBuffer, PyEngine, core, lock, to_py};
-
-/// A loaded checkpoint as `Engine.load` returns it.
-pub(crate) type Loaded = (
-    u64,
-    String,
-    BTreeMap<String, String>,
-    Vec<(String, String, Vec<usize>, PyBuffer)>,
-);
+use crate::convert::{Loaded, loaded};
+use crate::{PyEngine, core, lock, to_py};
 
 pub(crate) fn list_remote(e: &PyEngine, py: Python<'_>) -> PyResult<Vec<u64>> {
     let engine = e.get()?;
@@ -29,7 +22,7 @@ pub(crate) fn load_remote(e: &PyEngine, py: Python<'_>, step: Option<u64>) -> Py
         .detach(|| core::load_remote(&engine, step))
         .map_err(|err| to_py(py, err))?;
     *lock(&e.last_load) = Some(("remote", None));
-    Ok(crate::loaded(ck))
+    Ok(loaded(ck))
 }
 
 pub(crate) fn remote_manifest(e: &PyEngine, py: Python<'_>, step: u64) -> PyResult<String> {

@@ -351,6 +351,47 @@ impl CommitStore for LocalDir {
     }
 }
 
+/// Commit this rank's file (already durable) for `step`. Returns the committed directory
+/// when this call (or another rank) completed the commit, `None` when other ranks are
+/// still missing. The one commit protocol ([`commit_parts`]) with the root's
+/// partial directory as its barrier ([`SharedRoot`]).
+pub fn commit(
+    root: &Path,
+    step: u64,
+    world_size: u32,
+    partial: &Path,
+    entry: FileEntry,
+    metadata: &Metadata,
+) -> Result<Option<PathBuf>> {
+    commit_parts(
+        &SharedRoot::new(root, partial),
+        step,
+        world_size,
+        metadata,
+        Some(&entry),
+    )
+}
+
+/// Keep the newest `keep` committed checkpoints; delete the rest (oldest first). Never
+/// deletes the newest one. Returns the deleted steps. The one retention
+/// ([`retain`]) over the root's directory.
+pub fn apply_retention(root: &Path, keep: usize) -> Result<Vec<u64>> {
+    retain(&LocalDir::new(root), keep)
+}
+
+/// Retention's quick half: move the committed checkpoints beyond the newest `keep` to
+/// trash names (a metadata operation, made durable), so that they are no longer listed
+/// or loadable. Their files are deleted by [`Retired::remove`](super::Retired::remove); a crash in between leaves
+/// trash directories, which the next engine of the root removes at open.
+pub fn retire_old(root: &Path, keep: usize) -> Result<super::Retired> {
+    let steps = retire(&LocalDir::new(root), keep)?;
+    let trash = steps
+        .iter()
+        .map(|&s| root.join(trash_dir_name(s)))
+        .collect();
+    Ok(super::Retired { steps, trash })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

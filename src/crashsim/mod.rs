@@ -24,26 +24,3 @@ pub mod states;
 
 pub use model::Log;
 pub use ops::{Id, Op};
-
-/// The engine's filesystem funnel (recorded operations), for tests that stage a scene the
-/// recorder must see.
-pub mod fsops {
-    pub use crate::fsops::{create_dir, remove_dir_all, rename};
-}
-
-impl Log {
-    /// Steps whose committed directory retention had renamed to its trash name before
-    /// `point` (they may be gone, or still there if the rename was not durable).
-    pub fn retired_before(&self, point: usize) -> std::collections::BTreeSet<u64> {
-        self.ops[..point]
-            .iter()
-            .filter_map(|o| match o {
-                Op::Rename { from, to, .. } => {
-                    let s = crate::manifest::parse_step_dir(from)?;
-                    (crate::manifest::parse_step_with_suffix(to, ".trash") == Some(s)).then_some(s)
-                }
-                _ => None,
-            })
-            .collect()
-    }
-}

@@ -305,16 +305,3 @@ pub(super) fn owner_status(pid: u32, name: &str) -> Owner {
         Err(_) => Owner::Unverifiable,
     }
 }
-
-/// Steps of the saves that this user's staging arenas recorded for `root` (any rank)
-/// still hold in a slot: their partial directories hold chunks that recovery needs, and
-/// [`crate::commit::clean_stale`] keeps them.
-pub(crate) fn staged_steps(root: &Path) -> std::collections::BTreeSet<u64> {
-    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
-    list_arenas()
-        .into_iter()
-        .filter_map(|a| a.details.ok())
-        .filter(|d| d.root == want || d.root == root)
-        .flat_map(|d| d.slots.into_iter().map(|s| s.step))
-        .collect()
-}

@@ -12,7 +12,7 @@
 //! when the manifest names its upload's object ([`Error::RemoteConflict`] otherwise).
 //! A step is committed in the bucket when exactly `prefix/step-N/manifest.json` is a
 //! manifest of step N (the disk's rule, [`Remote::list`]): it is created (with
-//! [`PutMode::Create`], `If-None-Match: *` on S3) only after every rank's object is
+//! [`PutMode::Create`](object_store::PutMode::Create), `If-None-Match: *` on S3) only after every rank's object is
 //! complete and its part is present, by whichever rank sees all parts first; a rank that
 //! loses that race finds the manifest present and reports the commit. Nothing else is ever
 //! listed or loaded, so a failed or killed upload leaves no visible step; a failed

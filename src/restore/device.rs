@@ -56,11 +56,26 @@ pub struct SplitLoad {
     pub stats: ReadStats,
 }
 
+/// Device-load read settings ([`crate::EngineConfig::with_device_read`],
+/// [`DeviceRing::new`]): `bytes` a multiple of 4096 between 1 MiB and
+/// 1 GiB, `depth` 1..=64.
+pub(crate) fn check_device_read(bytes: u64, depth: u32) -> Result<()> {
+    if !bytes.is_multiple_of(4096) || !(1 << 20..=1 << 30).contains(&bytes) {
+        return Err(Error::Config(format!(
+            "device read size {bytes} must be a multiple of 4096 between 1 MiB and 1 GiB"
+        )));
+    }
+    if !(1..=64).contains(&depth) {
+        return Err(Error::Config("device read depth must be 1..=64".into()));
+    }
+    Ok(())
+}
+
 impl DeviceRing {
     /// A ring for reads of `read_size` bytes (a multiple of 4096, 1 MiB to 1 GiB), `depth`
     /// in flight (1 to 64).
     pub fn new(read_size: u64, depth: u32) -> Result<DeviceRing> {
-        crate::config::check_device_read(read_size, depth)?;
+        check_device_read(read_size, depth)?;
         let arena = Arena::create(&ArenaSpec {
             name: None,
             capacity: read_size * extents::buffers_needed(depth),

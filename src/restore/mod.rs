@@ -26,6 +26,7 @@ mod reader;
 pub(crate) mod sink;
 
 pub(crate) use completion::for_pieces;
+pub(crate) use device::check_device_read;
 pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::{check_header, read_file_metadata};
 pub(crate) use ranged::read_wanted;

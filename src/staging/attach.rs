@@ -299,6 +299,46 @@ impl AttachedArena {
     }
 }
 
+/// Steps of the saves that this user's staging arenas recorded for `root` (any rank) still
+/// hold in a slot (neither free nor kept): their partial directories hold chunks that
+/// recovery needs, and [`crate::commit::clean_stale`] keeps them. Nothing is written; links,
+/// non-regular files, other users' segments and arenas that cannot be read are skipped.
+pub(crate) fn staged_steps(root: &std::path::Path) -> std::collections::BTreeSet<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let want = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    let me = rustix::process::geteuid().as_raw();
+    let mut out = std::collections::BTreeSet::new();
+    let Ok(rd) = std::fs::read_dir(SHM_MOUNT) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        // `DirEntry::metadata` does not follow a link.
+        let ours = e
+            .metadata()
+            .is_ok_and(|m| m.file_type().is_file() && m.uid() == me);
+        if !name.starts_with(super::NAME_PREFIX) || !ours {
+            continue;
+        }
+        let Ok(a) = AttachedArena::open(&name) else {
+            continue;
+        };
+        let h = a.header();
+        if h.root != want && h.root != root {
+            continue;
+        }
+        out.extend(
+            (0..a.slot_count())
+                .map(|s| a.slot(s))
+                .filter(|v| v.state != slot_state::FREE && v.state != slot_state::KEPT)
+                .map(|v| v.step),
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     //! Random descriptor headers and slot tables: attaching and listing never panic, never

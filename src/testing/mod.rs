@@ -25,6 +25,12 @@ pub mod io {
     }
 }
 
+/// The engine's filesystem funnel (with `crash-record`, the operations the recorder sees),
+/// for tests that stage a scene the recorder must see.
+pub mod fsops {
+    pub use crate::fsops::{create_dir, remove_dir_all, rename};
+}
+
 /// The file layout, to build the exact image a save writes.
 pub mod plan {
     pub use crate::plan::{META_RANK, META_STEP, META_WORLD, Plan, TensorSpec};

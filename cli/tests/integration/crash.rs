@@ -25,13 +25,28 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use shmckpt::crashsim::states::{self, Variant};
-use shmckpt::crashsim::{Log, record::Recording};
+use shmckpt::crashsim::{Log, Op, record::Recording};
 use shmckpt::restore::{self, ReadOptions};
 use shmckpt::testing::staging::{Arena, ArenaSpec};
 use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, StepSel};
 
 use crate::common::{BACKENDS, State, real_dir};
+
+/// Steps whose committed directory retention had renamed to its trash name before
+/// `point` of `log` (they may be gone, or still there if the rename was not durable).
+pub(crate) fn retired_before(log: &Log, point: usize) -> BTreeSet<u64> {
+    log.ops[..point]
+        .iter()
+        .filter_map(|o| match o {
+            Op::Rename { from, to, .. } => {
+                let s = shmckpt::manifest::parse_step_dir(from)?;
+                (shmckpt::manifest::parse_step_with_suffix(to, ".trash") == Some(s)).then_some(s)
+            }
+            _ => None,
+        })
+        .collect()
+}
 
 /// Chunk size of every engine here.
 const CHUNK: u64 = 64 << 10;
@@ -350,7 +365,7 @@ fn check_log(
         tally.generated += 1;
         let model = states::crash_state(log, point, variant);
         let reported = log.committed_before(point);
-        let retired = log.retired_before(point);
+        let retired = retired_before(log, point);
         if !seen.insert((model.digest(), reported.clone(), retired.clone())) {
             continue;
         }
@@ -457,10 +472,10 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         .unwrap();
     // The other rank's committed directory, renamed into place but the root not synced.
     let other = root.join("step-7.other");
-    shmckpt::crashsim::fsops::create_dir(&other).unwrap();
+    shmckpt::testing::fsops::create_dir(&other).unwrap();
     shmckpt::testing::io::file::write_durable(&other.join("manifest.json"), b"{}").unwrap();
     shmckpt::testing::io::file::fsync_dir(&other).unwrap();
-    shmckpt::crashsim::fsops::rename(&other, &root.join("step-7")).unwrap();
+    shmckpt::testing::fsops::rename(&other, &root.join("step-7")).unwrap();
     let done = shmckpt::commit::commit(root, 7, 2, &partial, entry(0), &Metadata::new()).unwrap();
     assert_eq!(done, Some(root.join("step-7")));
     shmckpt::crashsim::record::committed(root, 7);

@@ -952,7 +952,7 @@ fn power_cuts(soak: &Soak, n: u64) {
         };
         let model = states::crash_state(log, point, variant);
         let reported = log.committed_before(point);
-        let retired = log.retired_before(point);
+        let retired = crash::retired_before(log, point);
         let root = scratch.path().join(format!("s{i}"));
         std::fs::create_dir(&root).unwrap();
         model.materialize(&root).unwrap();

@@ -10,7 +10,8 @@ use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 use shmckpt::{LoadInto, LoadRequest};
 
-use super::{BenchArgs, Run, engine_for, load_layout, report};
+use super::BenchArgs;
+use super::common::{Run, engine_for, load_layout, report};
 use crate::cli::CliResult;
 
 pub fn run(a: BenchArgs) -> CliResult {
@@ -48,7 +49,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let mut reference = None;
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
         }
         let tensors = super::variant::tensors(&layout, &bufs);
         let (free_before, _) = ctx.mem_info()?;
@@ -61,7 +62,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         direct = r.direct_io;
         last_dir = r.dir.clone();
         if swap {
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }
         runs.push(Run {
@@ -78,14 +79,14 @@ pub fn run(a: BenchArgs) -> CliResult {
         // Load the last checkpoint back into the state's own buffers (same bytes), timed
         // to the end of the device copies (`load_into_device` returns after they finished).
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let file = super::last_saved_file(&engine, step, last_dir.as_deref())?;
-        let runs = super::time_loads(a.repeat, &file, |_| {
+        let file = super::common::last_saved_file(&engine, step, last_dir.as_deref())?;
+        let runs = super::common::time_loads(a.repeat, &file, |_| {
             let mut dest = device_dests(&layout, &mut bufs);
             let t = Instant::now();
             engine.load_with(&LoadRequest::new(step), LoadInto::device(&mut dest))?;
             Ok(t.elapsed())
         })?;
-        load_extra = super::load_keys(file_bytes, &runs);
+        load_extra = super::common::load_keys(file_bytes, &runs);
         let (read, depth) = a.engine.device_read();
         load_extra.insert("device_read".into(), json!(read));
         load_extra.insert("device_read_depth".into(), json!(depth));
@@ -107,7 +108,7 @@ pub fn run(a: BenchArgs) -> CliResult {
     drop(pinned);
     if a.flash {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let flash = super::flash_loads(
+        let flash = super::common::flash_loads(
             &a,
             bytes,
             file_bytes,

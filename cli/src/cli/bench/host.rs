@@ -3,7 +3,8 @@
 use shmckpt::bench::synthetic;
 use shmckpt::{LoadInto, LoadRequest, Metadata, Tensor};
 
-use super::{BenchArgs, Run, engine_for, load_layout, report};
+use super::BenchArgs;
+use super::common::{Run, engine_for, load_layout, report};
 use crate::cli::CliResult;
 
 /// `bench --source host`.
@@ -23,7 +24,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let reference_first = i % 2 == 0;
         let mut reference = None;
         if reference_first {
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
         }
         let tensors: Vec<Tensor<'_>> = layout
             .iter()
@@ -37,7 +38,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         direct = r.direct_io;
         last_dir = r.dir.clone();
         if !reference_first {
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
         }
         runs.push(Run {
             stall: staged.staging,
@@ -49,8 +50,8 @@ pub fn run(a: BenchArgs) -> CliResult {
     let mut extra = serde_json::Map::new();
     if a.load {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let file = super::last_saved_file(&engine, step, last_dir.as_deref())?;
-        let runs = super::time_loads(a.repeat, &file, |i| {
+        let file = super::common::last_saved_file(&engine, step, last_dir.as_deref())?;
+        let runs = super::common::time_loads(a.repeat, &file, |i| {
             let t = std::time::Instant::now();
             let ck = engine.load(step)?;
             let took = t.elapsed();
@@ -66,13 +67,13 @@ pub fn run(a: BenchArgs) -> CliResult {
             drop(ck);
             Ok(took)
         })?;
-        extra = super::load_keys(file_bytes, &runs);
+        extra = super::common::load_keys(file_bytes, &runs);
     }
     let backend = engine.backend().as_str();
     engine.close();
     if a.flash {
         let step = first + (a.repeat.max(1) - 1) as u64;
-        let flash = super::flash_loads(
+        let flash = super::common::flash_loads(
             &a,
             bytes,
             file_bytes,

@@ -19,9 +19,10 @@ use shmckpt::bench::synthetic::LayoutEntry;
 use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 
+use super::common::{load_layout, peak_rss, report};
 use super::memory::memory_experiment;
 use super::variant::{IpcRun, Saver, Variant, alloc_state, check_disk, tensors};
-use super::{BenchArgs, IpcCache, Mode, load_layout, peak_rss, report};
+use super::{BenchArgs, IpcCache, Mode};
 use crate::cli::{CliResult, human};
 
 fn secs_of(v: &[Duration]) -> Vec<f64> {
@@ -215,7 +216,7 @@ pub fn run(a: BenchArgs) -> CliResult {
         let mut reference = None;
         if !swap {
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
         }
         let ts = tensors(&layout, &bufs);
         // Rotate which mode goes first, so drift hits all alike.
@@ -223,7 +224,7 @@ pub fn run(a: BenchArgs) -> CliResult {
             variants[(i + k) % n].save(&ctx, &ts)?;
         }
         if swap {
-            reference = super::write_reference(&a, bytes)?;
+            reference = super::common::write_reference(&a, bytes)?;
             d2h.push(pinned.time_dtoh(&refs, &stream)?);
         }
         references.extend(reference.map(|r| r.best()));

@@ -9,7 +9,8 @@ use shmckpt::cuda::{Context, DeviceBuffer};
 use shmckpt::ipc::{IpcConfig, IpcWriterClient};
 use shmckpt::{Engine, Metadata, Tensor};
 
-use super::{BenchArgs, Run};
+use super::BenchArgs;
+use super::common::Run;
 use crate::cli::human;
 
 pub(super) enum Saver {
@@ -52,7 +53,7 @@ pub(super) struct Variant {
 
 /// The same settings for the writer process.
 pub(super) fn ipc_config(a: &BenchArgs, dir: &Path, bytes: u64, cache: bool) -> IpcConfig {
-    IpcConfig::with_engine(super::engine_config(a, dir, bytes)).with_cache(cache)
+    IpcConfig::with_engine(super::common::engine_config(a, dir, bytes)).with_cache(cache)
 }
 
 pub(super) fn next_step(dir: &Path) -> Result<u64, shmckpt::Error> {
@@ -73,7 +74,7 @@ impl Variant {
         bytes: u64,
     ) -> Result<Variant, Box<dyn std::error::Error>> {
         crate::cli::guard::create_dir_all(&dir)?;
-        let engine = super::engine_config(a, &dir, bytes).build()?;
+        let engine = super::common::engine_config(a, &dir, bytes).build()?;
         let register = engine.prepare_cuda(&[0])?.unwrap_or_default();
         let backend = engine.backend().to_string();
         Ok(Variant {
