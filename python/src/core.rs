@@ -44,6 +44,36 @@ pub struct EngineOpts {
     pub remote_session: Option<String>,
     /// `EngineConfig::with_replica_hold`.
     pub replica_hold: bool,
+    /// `EngineConfig::with_disk_cadence`: `Every(n)`, or `None` for the default.
+    pub disk_cadence: Option<shmckpt::DiskCadence>,
+    /// Seconds; see `EngineConfig::with_disk_interval`.
+    pub disk_interval: Option<f64>,
+}
+
+/// `disk_every=` as the engine's cadence: a positive number `n` (every `n`-th save goes to
+/// disk) or `"auto"` (when the previous disk save has finished). `Err` is the message of
+/// the caller's `ValueError`.
+pub fn disk_cadence(
+    every: Option<DiskEvery>,
+) -> std::result::Result<Option<shmckpt::DiskCadence>, String> {
+    match every {
+        None => Ok(None),
+        Some(DiskEvery::N(n)) if n >= 1 => Ok(Some(shmckpt::DiskCadence::Every(n))),
+        Some(DiskEvery::N(n)) => Err(format!("disk_every must be at least 1, not {n}")),
+        Some(DiskEvery::Mode(m)) if m == "auto" => Ok(Some(shmckpt::DiskCadence::WhenIdle)),
+        Some(DiskEvery::Mode(m)) => Err(format!(
+            "disk_every must be a number >= 1 or \"auto\", not {m:?}"
+        )),
+    }
+}
+
+/// What `disk_every=` may be.
+#[derive(Debug, Clone)]
+pub enum DiskEvery {
+    /// Every `n`-th save.
+    N(u64),
+    /// A mode by name (`"auto"`).
+    Mode(String),
 }
 
 /// Steps committed by recovery at open.
@@ -98,6 +128,12 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         cfg = cfg.with_keep_in_memory(v);
     }
     cfg = cfg.with_replica_hold(o.replica_hold);
+    if let Some(c) = o.disk_cadence {
+        cfg = cfg.with_disk_cadence(c);
+    }
+    if let Some(s) = o.disk_interval {
+        cfg = cfg.with_disk_interval(Some(seconds("disk_interval_s", s)?));
+    }
     if let Some(v) = o.create_root {
         cfg = cfg.with_create_root(v);
     }
@@ -480,21 +516,24 @@ pub fn latest_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Option<u64>> 
     engine.latest_in(tiers)
 }
 
-/// The committed steps a load from `tiers` can read, oldest first, with the tiers holding
-/// each (`"disk"`, `"bucket"`).
+/// The steps a load from `tiers` can read, oldest first, with the tiers holding each
+/// (`"memory"`, `"disk"`, `"bucket"`).
 pub fn list_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Vec<(u64, Vec<&'static str>)>> {
     Ok(engine
         .list_in(tiers)?
         .into_iter()
-        .map(|(s, disk, bucket)| {
-            let mut t = Vec::new();
-            if disk {
-                t.push("disk");
+        .map(|t| {
+            let mut tiers = Vec::new();
+            if t.memory {
+                tiers.push("memory");
             }
-            if bucket {
-                t.push("bucket");
+            if t.disk {
+                tiers.push("disk");
             }
-            (s, t)
+            if t.bucket {
+                tiers.push("bucket");
+            }
+            (t.step, tiers)
         })
         .collect())
 }
