@@ -143,6 +143,7 @@ pub struct EngineConfig {
     pub(crate) create_root: bool,
     pub(crate) disk_cadence: DiskCadence,
     pub(crate) disk_interval: Option<std::time::Duration>,
+    pub(crate) remote_every: u64,
     #[cfg(feature = "s3")]
     pub(crate) remote: Option<crate::remote::RemoteTarget>,
     #[cfg(feature = "s3")]
@@ -190,6 +191,7 @@ impl EngineConfig {
             create_root: false,
             disk_cadence: DiskCadence::Every(1),
             disk_interval: None,
+            remote_every: 1,
             #[cfg(feature = "s3")]
             remote: None,
             #[cfg(feature = "s3")]
@@ -501,12 +503,13 @@ impl EngineConfig {
     /// memory-only step is held until a newer save is loadable (a newer memory-only save
     /// staged, or a newer disk save committed); [`Engine::close`](crate::Engine::close)
     /// writes it to disk. Default [`DiskCadence::Every(1)`](DiskCadence::Every): every save
-    /// goes to disk. Memory-only saves are never uploaded to the bucket nor held for
-    /// replicas: only disk saves reach those tiers. [`DiskCadence::WhenIdle`] and
+    /// goes to disk. Memory-only saves are never uploaded to the bucket: only disk saves
+    /// are ([`EngineConfig::with_remote_every`]). [`DiskCadence::WhenIdle`] and
     /// [`EngineConfig::with_disk_interval`] decide per rank, so they are refused with
     /// several ranks (ranks that disagree would never commit a step); so is any cadence
-    /// but `Every(1)` for a remote-only engine (it has no disk) or a kept arena
-    /// ([`EngineConfig::with_keep_in_memory`]).
+    /// but `Every(1)` for a remote-only engine (it has no disk), a kept arena
+    /// ([`EngineConfig::with_keep_in_memory`]) or replicas
+    /// ([`EngineConfig::with_replica_hold`]: they take every committed save).
     ///
     /// Host memory: the arena must hold the staging of the disk save draining, the newest
     /// memory-only step and the save being staged (3 × a save's file per rank, for a
@@ -522,6 +525,15 @@ impl EngineConfig {
     /// the newest durable step can get. Default `None`.
     pub fn with_disk_interval(mut self, interval: Option<std::time::Duration>) -> Self {
         self.disk_interval = interval;
+        self
+    }
+
+    /// With a remote tier: every `k`-th disk save is also uploaded to the bucket, counted
+    /// in disk saves (the engine's first disk save, then every `k`-th after the last
+    /// upload); the other disk saves stay local. Memory-only saves are never uploaded, so a
+    /// save the bucket takes is always a disk save too. Default 1: every disk save.
+    pub fn with_remote_every(mut self, k: u64) -> Self {
+        self.remote_every = k;
         self
     }
 
@@ -655,6 +667,23 @@ impl EngineConfig {
         if self.disk_interval == Some(std::time::Duration::ZERO) {
             return Err(Error::Config(
                 "disk_interval must be positive (None: no interval)".into(),
+            ));
+        }
+        if self.remote_every == 0 {
+            return Err(Error::Config(
+                "remote_every must be at least 1 (1: every disk save is uploaded)".into(),
+            ));
+        }
+        if self.remote_every > 1 && self.is_remote_only() {
+            return Err(Error::Config(
+                "a remote-only engine uploads every save: remote_every must be 1".into(),
+            ));
+        }
+        if !self.every_save_to_disk() && self.replica_hold {
+            return Err(Error::Config(
+                "replicas take every disk save; a disk cadence (disk_every) is not combined \
+                 with replicas yet"
+                    .into(),
             ));
         }
         let per_rank = self.disk_cadence == DiskCadence::WhenIdle || self.disk_interval.is_some();

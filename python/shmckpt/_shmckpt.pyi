@@ -214,6 +214,7 @@ class Engine:
         replica_hold: bool = False,
         disk_every: Union[int, str, None] = None,
         disk_interval_s: Optional[float] = None,
+        remote_every: Optional[int] = None,
     ) -> "Engine": ...
     @property
     def chunk_size(self) -> int: ...

@@ -48,6 +48,8 @@ pub struct EngineOpts {
     pub disk_cadence: Option<shmckpt::DiskCadence>,
     /// Seconds; see `EngineConfig::with_disk_interval`.
     pub disk_interval: Option<f64>,
+    /// `EngineConfig::with_remote_every`.
+    pub remote_every: Option<u64>,
 }
 
 /// `disk_every=` as the engine's cadence: a positive number `n` (every `n`-th save goes to
@@ -160,6 +162,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if ro != shmckpt::remote::RemoteOptions::default() {
             cfg = cfg.with_remote_options(ro);
         }
+        if let Some(k) = o.remote_every {
+            cfg = cfg.with_remote_every(k);
+        }
         cfg = cfg
             .with_remote_only(o.remote_only)
             .with_remote_session(o.remote_session);
@@ -181,10 +186,20 @@ pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
 /// The capacity to reopen `engine` (opened with `o`) with for a save needing `needed`
 /// bytes of staging, checked against `/dev/shm` (its arena is freed first unless kept in
 /// memory).
+///
+/// With a disk cadence (`disk_every` other than 1) the arena is sized for three saves (the
+/// disk save draining, the memory-only step held, the save being staged), or for one when
+/// `/dev/shm` cannot hold three (a save then gives the memory-only step up, logged).
 pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
     let keep = o.keep_in_memory == Some(true);
     let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
     let reclaimable = if keep { 0 } else { engine.staging_capacity() };
+    if !engine.config().disk_cadence().is_every_save()
+        && let Ok(cap) =
+            shmckpt::auto_staging_capacity(needed.saturating_mul(3), chunk, reclaimable)
+    {
+        return Ok(cap);
+    }
     shmckpt::auto_staging_capacity(needed, chunk, reclaimable)
 }
 

@@ -1,5 +1,5 @@
 //! The memory tier (`EngineConfig::with_disk_cadence`): the one decision of which tiers
-//! take a save ([`Cadence::goes_to_disk`]), and the newest memory-only save, held in the
+//! take a save ([`Cadence::decide`]), and the newest memory-only save, held in the
 //! staging arena ([`MemoryTier`]) until a newer save is loadable.
 //!
 //! A memory-only save is staged like any save and its descriptor slot marked `STAGED`
@@ -31,6 +31,8 @@ use super::{Engine, lock};
 pub(super) struct Cadence {
     /// Memory-only saves since the last disk save; `None` before the engine's first.
     memory_since_disk: Option<u64>,
+    /// Disk saves since the last upload; `None` before the engine's first.
+    disk_since_bucket: Option<u64>,
     /// When the last disk save began.
     last_disk_start: Option<Instant>,
     /// The last disk save, to ask whether it has finished (gone: it has; weak, as the
@@ -39,11 +41,22 @@ pub(super) struct Cadence {
 }
 
 impl Cadence {
-    /// The one decision of which tiers take a save: `true` for the disk (and, with them,
-    /// the bucket and the replicas), `false` for the memory tier only. `forced`: the save
-    /// must reach the disk (a part-only save, a commit held for its caller). Called under
-    /// the staging gate, so saves are decided in the order they stage.
-    pub(super) fn goes_to_disk(&self, cfg: &EngineConfig, forced: bool) -> bool {
+    /// The one decision of which tiers take a save (every save is staged in memory):
+    /// whether it goes to disk, and whether to the bucket too (only a disk save does).
+    /// `forced`: the save must reach the disk (a part-only save, a commit held for its
+    /// caller). Called under the staging gate, so saves are decided in the order they
+    /// stage.
+    pub(super) fn decide(&self, cfg: &EngineConfig, forced: bool) -> SaveTiers {
+        let disk = self.goes_to_disk(cfg, forced);
+        let bucket = disk
+            && self
+                .disk_since_bucket
+                .is_none_or(|m| m.saturating_add(1) >= cfg.remote_every);
+        SaveTiers { disk, bucket }
+    }
+
+    /// Whether a save goes to disk ([`Cadence::decide`]).
+    fn goes_to_disk(&self, cfg: &EngineConfig, forced: bool) -> bool {
         if forced || cfg.every_save_to_disk() {
             return true;
         }
@@ -59,8 +72,14 @@ impl Cadence {
         by_cadence || by_interval
     }
 
-    /// Record the decided save: a disk save restarts the count.
-    pub(super) fn record(&mut self, state: &Arc<SaveState>) {
+    /// Record the decided save: a disk save restarts the count, an upload the count of
+    /// disk saves.
+    pub(super) fn record(&mut self, state: &Arc<SaveState>, tiers: SaveTiers) {
+        if tiers.bucket {
+            self.disk_since_bucket = Some(0);
+        } else if tiers.disk {
+            self.disk_since_bucket = Some(self.disk_since_bucket.unwrap_or(0) + 1);
+        }
         if state.disk {
             self.memory_since_disk = Some(0);
             self.last_disk_start = Some(state.started);
@@ -69,6 +88,15 @@ impl Cadence {
             self.memory_since_disk = Some(self.memory_since_disk.unwrap_or(0) + 1);
         }
     }
+}
+
+/// Which tiers take a save ([`Cadence::decide`]), besides the memory it is staged in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SaveTiers {
+    /// The local disk (else memory only).
+    pub(super) disk: bool,
+    /// The bucket (with a remote tier; only ever with `disk`).
+    pub(super) bucket: bool,
 }
 
 /// The newest memory-only step, its chunks held in the arena.

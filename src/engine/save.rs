@@ -402,8 +402,9 @@ impl Engine {
         }
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
         let partial = cfg.root.join(manifest::partial_dir_name(step));
-        // Which tiers take the save: the one decision (`memory::Cadence::goes_to_disk`).
-        let disk = lock(&self.shared.cadence).goes_to_disk(cfg, part_only || confirm);
+        // Which tiers take the save: the one decision (`memory::Cadence::decide`).
+        let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm);
+        let disk = tiers.disk;
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
@@ -448,13 +449,15 @@ impl Engine {
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
-            // Only disk saves reach the bucket.
+            // Only the saves the cadence sends to the bucket (disk saves) are uploaded.
             #[cfg(feature = "s3")]
-            remote: disk
+            remote: tiers
+                .bucket
                 .then(|| self.shared.remote.as_ref().map(|t| t.progress(step)))
                 .flatten(),
             #[cfg(feature = "s3")]
-            feed: disk
+            feed: tiers
+                .bucket
                 .then(|| {
                     self.shared
                         .remote
@@ -496,7 +499,7 @@ impl Engine {
                 state.plan.file_len(),
             );
         }
-        lock(&self.shared.cadence).record(&state);
+        lock(&self.shared.cadence).record(&state, tiers);
         let st = Arc::clone(&state);
         let opener = if cfg.is_remote_only() || !disk {
             // No file: the bucket is the save's only copy, or the save is memory-only.

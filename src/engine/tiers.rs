@@ -294,6 +294,61 @@ pub(super) mod tests {
         e.close();
     }
 
+    /// `remote_every`: every second disk save is uploaded; with `disk_every`, memory-only
+    /// saves never are, and the bucket's saves are disk saves too.
+    #[test]
+    fn the_bucket_takes_every_kth_disk_save_and_never_a_memory_only_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(InMemory::new());
+        let e = EngineConfig::new(dir.path())
+            .with_staging_capacity(8 << 20)
+            .with_chunk_size(1 << 20)
+            .with_writer_threads(1)
+            .with_direct_io(false)
+            .with_backend(crate::BackendKind::Pwrite)
+            .with_remote_store(mem, "run1")
+            .with_disk_cadence(crate::DiskCadence::Every(2))
+            .with_remote_every(2)
+            .build()
+            .unwrap();
+        // Saves 1..=6: disk saves 1, 3, 5 (every second save); of those the bucket takes
+        // 1 and 5 (every second disk save).
+        for step in 1..=6u64 {
+            let data: Vec<u8> = (0..4096u32)
+                .flat_map(|i| (i ^ step as u32).to_le_bytes())
+                .collect();
+            let t = [Tensor::host("w", Dtype::F32, vec![4096], &data)];
+            let h = e.save(step, &t, &Metadata::new()).unwrap();
+            let remote = h.remote();
+            let r = h.wait().unwrap();
+            assert_eq!(r.memory_only, step % 2 == 0, "step {step}: {r:?}");
+            assert_eq!(remote.is_some(), matches!(step, 1 | 5), "step {step}");
+            if let Some(p) = remote {
+                p.wait().unwrap();
+            }
+        }
+        let listed: Vec<(u64, bool, bool, bool)> = e
+            .list_in(Tiers::All)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.step, t.memory, t.disk, t.bucket))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![
+                (1, false, true, true),
+                (3, false, true, false),
+                (5, false, true, true),
+                (6, true, false, false),
+            ]
+        );
+        assert!(matches!(
+            EngineConfig::new(dir.path()).with_remote_every(0).build(),
+            Err(Error::Config(_))
+        ));
+        e.close();
+    }
+
     #[test]
     fn without_a_remote_tier_only_the_disk_is_seen() {
         let dir = tempfile::tempdir().unwrap();

@@ -233,6 +233,11 @@ fn cadences_that_decide_per_rank_are_refused_with_several_ranks() {
         open(cadence_config(root, DiskCadence::Every(2)).with_keep_in_memory(true)),
         Err(Error::Config(_))
     ));
+    // Replicas take every disk save: not combined with a cadence yet.
+    assert!(matches!(
+        open(cadence_config(root, DiskCadence::Every(2)).with_replica_hold(true)),
+        Err(Error::Config(_))
+    ));
     // Every N decides alike on every rank.
     open(cadence_config(root, DiskCadence::Every(2)).with_rank(0, 2)).unwrap();
 }

@@ -124,7 +124,9 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     ``("memory", None)``), committed to disk by the next open after a crash of the process
     (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
     replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
-    ranks. See ``docs/python.md``.
+    ranks; a cadence is not combined with ``replicas`` yet. ``remote_every=k`` (with
+    ``remote=...``): every ``k``-th disk save is also uploaded (default 1: every disk
+    save). See ``docs/python.md``.
 
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
     ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
@@ -171,6 +173,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         on_divergence: Any = "raise",
         disk_every: Union[int, str] = 1,
         disk_interval_s: Optional[float] = None,
+        remote_every: int = 1,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -219,6 +222,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 # Which saves go to disk is decided by the engine, per save.
                 disk_every=disk_every,
                 disk_interval_s=disk_interval_s,
+                remote_every=remote_every,
             )
         except BaseException:
             if self._scratch is not None:
