@@ -354,7 +354,7 @@ impl Engine {
             return Ok(Err(Some(why)));
         };
         let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-        let latest = self.latest()?;
+        let latest = self.disk_latest()?;
         if let Err(why) = a.check(info.step, &entry, latest) {
             tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
             return Ok(Err(Some(why)));

@@ -581,8 +581,21 @@ impl Engine {
         commit::remove_step(root, step)
     }
 
-    /// The newest committed step, if any.
+    /// The newest step a local load of "latest" reads, if any: the memory-only step of
+    /// this engine when it is newer than the disk's newest committed step
+    /// ([`EngineConfig::with_disk_cadence`]), else the disk's newest committed step (with
+    /// the default cadence, always the latter). [`Engine::latest_in`] with
+    /// [`Tiers::Local`]; [`Engine::list_in`] says which tiers hold each step.
     pub fn latest(&self) -> Result<Option<u64>> {
+        let disk = self.disk_latest()?;
+        Ok(match (self.memory_step(), disk) {
+            (Some(m), d) if d.is_none_or(|d| m > d) => Some(m),
+            (_, d) => d,
+        })
+    }
+
+    /// The disk's newest committed step, if any.
+    pub(crate) fn disk_latest(&self) -> Result<Option<u64>> {
         Ok(self.list()?.last().map(|c| c.step))
     }
 

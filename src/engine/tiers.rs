@@ -81,7 +81,7 @@ impl Engine {
             && let Some(m) = self.memory_step()
         {
             let newest = match which {
-                StepSel::Latest => self.latest()?.is_none_or(|d| m > d),
+                StepSel::Latest => self.disk_latest()?.is_none_or(|d| m > d),
                 StepSel::Step(s) => s == m,
             };
             if newest {

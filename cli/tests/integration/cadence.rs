@@ -45,6 +45,7 @@ fn save_step(e: &Engine, step: u64) -> shmckpt::SaveReport {
 
 fn assert_latest_from(e: &Engine, step: u64, source: LoadSource) {
     assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(step));
+    assert_eq!(e.latest().unwrap(), Some(step));
     let (ck, report) = load_with_report(e, StepSel::Latest).unwrap();
     assert_eq!((report.step, report.source), (step, source));
     assert_eq!(ck.step, step);
@@ -206,6 +207,24 @@ fn staging_too_small_for_two_saves_gives_the_memory_step_up_instead_of_waiting()
     e.close();
     assert_eq!(committed(root), [1, 3]);
     assert_step_is_exact(root, 3);
+}
+
+#[test]
+fn a_disk_interval_sends_a_save_to_disk_once_the_last_disk_save_is_that_old() {
+    let dir = real_dir("cadence-interval");
+    let root = dir.path();
+    let cfg = cadence_config(root, DiskCadence::Every(1000))
+        .with_disk_interval(Some(Duration::from_millis(1500)));
+    let e = Engine::open(cfg).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    std::thread::sleep(Duration::from_millis(1600));
+    let r3 = save_step(&e, 3);
+    assert!(!r3.memory_only && r3.dir.is_some(), "{r3:?}");
+    assert!(save_step(&e, 4).memory_only);
+    assert_eq!(committed(root), [1, 3]);
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
 }
 
 #[test]
