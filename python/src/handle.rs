@@ -312,7 +312,11 @@ pub(crate) fn wait_remote(h: &PySaveHandle, py: Python<'_>) -> PyResult<Py<PyDic
     let Some(p) = &h.remote else {
         return Err(to_py(
             py,
-            shmckpt::Error::Config("this checkpointer has no remote tier (remote=...)".into()),
+            shmckpt::Error::Config(
+                "this save has no remote copy: the checkpointer has no remote tier (remote=...), \
+                 or its cadence kept the save off the bucket (disk_every, remote_every)"
+                    .into(),
+            ),
         ));
     };
     loop {
