@@ -331,13 +331,23 @@ impl Engine {
         // Every chunk is dispatched before the commit thread sees the save (it finalizes a
         // save once every dispatched chunk finished).
         let cs = self.shared.arena.chunk_size();
+        let mut gone = false;
         for (k, lease) in m.image.into_leases().into_iter().enumerate() {
+            if gone {
+                // The writers are gone (the save fails): the descriptor must not name a
+                // chunk that goes back to the pool.
+                state
+                    .shared
+                    .arena
+                    .descriptor()
+                    .chunk_lost(state.slot, k as u64);
+                drop(lease);
+                continue;
+            }
             let len = state.plan.chunk_range(k as u64, cs);
             let len = (len.end - len.start) as usize;
             let write_len = state.write_len(len);
-            if SaveState::dispatch(&state, &jobs, lease, k as u64, len, write_len).is_err() {
-                break;
-            }
+            gone = SaveState::dispatch(&state, &jobs, lease, k as u64, len, write_len).is_err();
         }
         *lock(&self.last_save) = Some(Arc::clone(&state));
         if tx.send(Arc::clone(&state)).is_err() {
