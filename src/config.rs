@@ -74,6 +74,34 @@ pub const DEFAULT_DEVICE_READ: u64 = 32 << 20;
 /// Default reads in flight of a device load from disk: 8 (with the ring's 4 spare
 /// buffers, 12 × 32 MiB = 384 MiB of registered host memory).
 pub const DEFAULT_DEVICE_READ_DEPTH: u32 = 8;
+/// Which saves go to the local disk ([`EngineConfig::with_disk_cadence`]); the others stay
+/// in the memory tier only (staged in the shared-memory arena, recoverable after a crash
+/// of the process, written to disk by no one while the process lives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DiskCadence {
+    /// Every `n`-th save goes to disk, counted in saves since the last disk save: the
+    /// engine's first save, then every `n`-th after the previous disk save. `Every(1)` (the
+    /// default) sends every save to disk, as without this setting.
+    Every(u64),
+    /// A save goes to disk when the previous disk save has finished (committed or failed),
+    /// else it stays in memory only: the disk takes every save it can sustain.
+    WhenIdle,
+}
+
+impl Default for DiskCadence {
+    fn default() -> Self {
+        DiskCadence::Every(1)
+    }
+}
+
+impl DiskCadence {
+    /// Whether every save goes to disk (the default, no memory-only save ever).
+    pub fn is_every_save(self) -> bool {
+        self == DiskCadence::Every(1)
+    }
+}
+
 /// Engine settings. Build with [`EngineConfig::new`] and the `with_*` setters; every
 /// setter's documentation gives its default.
 #[derive(Debug, Clone)]
@@ -98,6 +126,9 @@ pub struct EngineConfig {
     pub(crate) device_read: u64,
     pub(crate) device_read_depth: u32,
     pub(crate) create_root: bool,
+    pub(crate) disk_cadence: DiskCadence,
+    pub(crate) disk_interval: Option<std::time::Duration>,
+    pub(crate) remote_every: u64,
     #[cfg(feature = "s3")]
     pub(crate) remote: Option<crate::remote::RemoteTarget>,
     #[cfg(feature = "s3")]
@@ -143,6 +174,9 @@ impl EngineConfig {
             device_read: DEFAULT_DEVICE_READ,
             device_read_depth: DEFAULT_DEVICE_READ_DEPTH,
             create_root: false,
+            disk_cadence: DiskCadence::Every(1),
+            disk_interval: None,
+            remote_every: 1,
             #[cfg(feature = "s3")]
             remote: None,
             #[cfg(feature = "s3")]
@@ -447,6 +481,57 @@ impl EngineConfig {
         }
     }
 
+    /// Which saves go to the local disk; the others are **memory-only**: staged into the
+    /// shared-memory arena and marked complete in its descriptor (so recovery after a crash
+    /// of the process commits them, as it commits any staged save), served to loads of this
+    /// engine from the arena, but not written to disk while the process lives. The newest
+    /// memory-only step is held until a newer save is loadable (a newer memory-only save
+    /// staged, or a newer disk save committed); [`Engine::close`](crate::Engine::close)
+    /// writes it to disk. Default [`DiskCadence::Every(1)`](DiskCadence::Every): every save
+    /// goes to disk. Memory-only saves are never uploaded to the bucket: only disk saves
+    /// are ([`EngineConfig::with_remote_every`]). [`DiskCadence::WhenIdle`] and
+    /// [`EngineConfig::with_disk_interval`] decide per rank, so they are refused with
+    /// several ranks (ranks that disagree would never commit a step); so is any cadence
+    /// but `Every(1)` for a remote-only engine (it has no disk), a kept arena
+    /// ([`EngineConfig::with_keep_in_memory`]) or replicas
+    /// ([`EngineConfig::with_replica_hold`]: they take every committed save).
+    ///
+    /// Host memory: the arena must hold the staging of the disk save draining, the newest
+    /// memory-only step and the save being staged (3 × a save's file per rank, for a
+    /// trainer whose disk saves drain while it saves again); when staging runs out, the
+    /// held memory-only step is given up (logged) rather than waiting forever.
+    pub fn with_disk_cadence(mut self, cadence: DiskCadence) -> Self {
+        self.disk_cadence = cadence;
+        self
+    }
+
+    /// A save also goes to disk when at least `interval` has passed since the last disk
+    /// save began (whatever [`EngineConfig::with_disk_cadence`] says): a bound on how old
+    /// the newest durable step can get. Default `None`.
+    pub fn with_disk_interval(mut self, interval: Option<std::time::Duration>) -> Self {
+        self.disk_interval = interval;
+        self
+    }
+
+    /// With a remote tier: every `k`-th disk save is also uploaded to the bucket, counted
+    /// in disk saves (the engine's first disk save, then every `k`-th after the last
+    /// upload); the other disk saves stay local. Memory-only saves are never uploaded, so a
+    /// save the bucket takes is always a disk save too. Default 1: every disk save.
+    pub fn with_remote_every(mut self, k: u64) -> Self {
+        self.remote_every = k;
+        self
+    }
+
+    /// The disk cadence ([`EngineConfig::with_disk_cadence`]).
+    pub fn disk_cadence(&self) -> DiskCadence {
+        self.disk_cadence
+    }
+
+    /// Whether every save goes to disk (the default cadence and no interval).
+    pub(crate) fn every_save_to_disk(&self) -> bool {
+        self.disk_cadence.is_every_save() && self.disk_interval.is_none()
+    }
+
     /// Whether committed images are held for replication ([`EngineConfig::with_replica_hold`]).
     pub fn replica_hold(&self) -> bool {
         self.replica_hold
@@ -549,6 +634,60 @@ impl EngineConfig {
         if self.keep_last == Some(0) {
             return Err(Error::Config(
                 "keep_last must be at least 1 (None keeps all)".into(),
+            ));
+        }
+        self.validate_cadence()?;
+        Ok(())
+    }
+}
+
+impl EngineConfig {
+    /// The disk cadence's checks ([`EngineConfig::with_disk_cadence`]).
+    fn validate_cadence(&self) -> Result<()> {
+        if self.disk_cadence == DiskCadence::Every(0) {
+            return Err(Error::Config(
+                "disk_every must be at least 1 (1: every save goes to disk)".into(),
+            ));
+        }
+        if self.disk_interval == Some(std::time::Duration::ZERO) {
+            return Err(Error::Config(
+                "disk_interval must be positive (None: no interval)".into(),
+            ));
+        }
+        if self.remote_every == 0 {
+            return Err(Error::Config(
+                "remote_every must be at least 1 (1: every disk save is uploaded)".into(),
+            ));
+        }
+        if self.remote_every > 1 && self.is_remote_only() {
+            return Err(Error::Config(
+                "a remote-only engine uploads every save: remote_every must be 1".into(),
+            ));
+        }
+        if !self.every_save_to_disk() && self.replica_hold {
+            return Err(Error::Config(
+                "replicas take every disk save; a disk cadence (disk_every) is not combined \
+                 with replicas yet"
+                    .into(),
+            ));
+        }
+        let per_rank = self.disk_cadence == DiskCadence::WhenIdle || self.disk_interval.is_some();
+        if per_rank && self.world_size > 1 {
+            return Err(Error::Config(
+                "disk_every=\"auto\" and disk_interval decide per rank: with several ranks a \
+                 step could go to disk on one rank and stay in memory on another, and never \
+                 commit; use disk_every=N"
+                    .into(),
+            ));
+        }
+        if !self.every_save_to_disk() && self.is_remote_only() {
+            return Err(Error::Config(
+                "a remote-only engine has no disk: disk_every must be 1".into(),
+            ));
+        }
+        if !self.every_save_to_disk() && self.keep_in_memory {
+            return Err(Error::Config(
+                "keep_in_memory keeps the last disk save's arena: use it with disk_every=1".into(),
             ));
         }
         Ok(())

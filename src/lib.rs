@@ -94,7 +94,7 @@ pub mod cuda {
 pub use config::{
     AUTO_STAGING_INITIAL, DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH,
     DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
-    DEFAULT_WRITER_THREADS, EngineConfig, auto_staging_capacity,
+    DEFAULT_WRITER_THREADS, DiskCadence, EngineConfig, auto_staging_capacity,
 };
 pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):
@@ -109,7 +109,7 @@ pub mod flash {
 pub use engine::{
     Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Loaded, OwnedData, OwnedTensor,
     SaveHandle, SaveOptions, SaveReport, SaveTimings, SaveWatch, Sources, StagedReport, StepSel,
-    Tier, Tiers,
+    StepTiers, Tier, Tiers,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

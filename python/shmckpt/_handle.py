@@ -15,7 +15,10 @@ class SaveHandle:
 
     ``wait_staged()``: every byte is copied out of the caller's tensors (they may then
     change). ``wait()``: the checkpoint is durable and committed; returns the save report
-    (a dict of sizes and timings in seconds). ``done()``: committed or failed. All waits
+    (a dict of sizes and timings in seconds). A memory-only save (``disk_every``) is done
+    once staged: its report says ``memory_only: True``, ``tiers: ["memory"]``, ``dir:
+    None``; it is not durable (it survives a crash of the process, not of the machine).
+    ``done()``: committed or failed. All waits
     release the GIL and are interruptible (Ctrl-C raises ``KeyboardInterrupt``; the save
     itself carries on and can be waited for again).
     """
@@ -119,7 +122,9 @@ class SaveHandle:
         return rep
 
     def wait(self) -> Dict[str, Any]:
-        """Block until the checkpoint is durable and committed; returns the report.
+        """Block until the checkpoint is durable and committed; returns the report. A
+        memory-only save (``disk_every``) returns once staged, its report's ``memory_only``
+        true and ``tiers`` ``["memory"]``: not durable.
 
         With ``check_replicas``: the replica check of this save (and of the earlier saves
         not checked yet) runs here, a collective over the group;

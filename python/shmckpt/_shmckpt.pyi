@@ -212,6 +212,9 @@ class Engine:
         remote_request_timeout: Optional[float] = None,
         remote_complete_timeout: Optional[float] = None,
         replica_hold: bool = False,
+        disk_every: Union[int, str, None] = None,
+        disk_interval_s: Optional[float] = None,
+        remote_every: Optional[int] = None,
     ) -> "Engine": ...
     @property
     def chunk_size(self) -> int: ...

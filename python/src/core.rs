@@ -44,6 +44,38 @@ pub struct EngineOpts {
     pub remote_session: Option<String>,
     /// `EngineConfig::with_replica_hold`.
     pub replica_hold: bool,
+    /// `EngineConfig::with_disk_cadence`: `Every(n)`, or `None` for the default.
+    pub disk_cadence: Option<shmckpt::DiskCadence>,
+    /// Seconds; see `EngineConfig::with_disk_interval`.
+    pub disk_interval: Option<f64>,
+    /// `EngineConfig::with_remote_every`.
+    pub remote_every: Option<u64>,
+}
+
+/// `disk_every=` as the engine's cadence: a positive number `n` (every `n`-th save goes to
+/// disk) or `"auto"` (when the previous disk save has finished). `Err` is the message of
+/// the caller's `ValueError`.
+pub fn disk_cadence(
+    every: Option<DiskEvery>,
+) -> std::result::Result<Option<shmckpt::DiskCadence>, String> {
+    match every {
+        None => Ok(None),
+        Some(DiskEvery::N(n)) if n >= 1 => Ok(Some(shmckpt::DiskCadence::Every(n))),
+        Some(DiskEvery::N(n)) => Err(format!("disk_every must be at least 1, not {n}")),
+        Some(DiskEvery::Mode(m)) if m == "auto" => Ok(Some(shmckpt::DiskCadence::WhenIdle)),
+        Some(DiskEvery::Mode(m)) => Err(format!(
+            "disk_every must be a number >= 1 or \"auto\", not {m:?}"
+        )),
+    }
+}
+
+/// What `disk_every=` may be.
+#[derive(Debug, Clone)]
+pub enum DiskEvery {
+    /// Every `n`-th save.
+    N(u64),
+    /// A mode by name (`"auto"`).
+    Mode(String),
 }
 
 /// Steps committed by recovery at open.
@@ -98,6 +130,12 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         cfg = cfg.with_keep_in_memory(v);
     }
     cfg = cfg.with_replica_hold(o.replica_hold);
+    if let Some(c) = o.disk_cadence {
+        cfg = cfg.with_disk_cadence(c);
+    }
+    if let Some(s) = o.disk_interval {
+        cfg = cfg.with_disk_interval(Some(seconds("disk_interval_s", s)?));
+    }
     if let Some(v) = o.create_root {
         cfg = cfg.with_create_root(v);
     }
@@ -124,6 +162,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if ro != shmckpt::remote::RemoteOptions::default() {
             cfg = cfg.with_remote_options(ro);
         }
+        if let Some(k) = o.remote_every {
+            cfg = cfg.with_remote_every(k);
+        }
         cfg = cfg
             .with_remote_only(o.remote_only)
             .with_remote_session(o.remote_session);
@@ -145,10 +186,20 @@ pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
 /// The capacity to reopen `engine` (opened with `o`) with for a save needing `needed`
 /// bytes of staging, checked against `/dev/shm` (its arena is freed first unless kept in
 /// memory).
+///
+/// With a disk cadence (`disk_every` other than 1) the arena is sized for three saves (the
+/// disk save draining, the memory-only step held, the save being staged), or for one when
+/// `/dev/shm` cannot hold three (a save then gives the memory-only step up, logged).
 pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
     let keep = o.keep_in_memory == Some(true);
     let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
     let reclaimable = if keep { 0 } else { engine.staging_capacity() };
+    if !engine.config().disk_cadence().is_every_save()
+        && let Ok(cap) =
+            shmckpt::auto_staging_capacity(needed.saturating_mul(3), chunk, reclaimable)
+    {
+        return Ok(cap);
+    }
     shmckpt::auto_staging_capacity(needed, chunk, reclaimable)
 }
 
@@ -480,21 +531,24 @@ pub fn latest_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Option<u64>> 
     engine.latest_in(tiers)
 }
 
-/// The committed steps a load from `tiers` can read, oldest first, with the tiers holding
-/// each (`"disk"`, `"bucket"`).
+/// The steps a load from `tiers` can read, oldest first, with the tiers holding each
+/// (`"memory"`, `"disk"`, `"bucket"`).
 pub fn list_in(engine: &Engine, tiers: shmckpt::Tiers) -> Result<Vec<(u64, Vec<&'static str>)>> {
     Ok(engine
         .list_in(tiers)?
         .into_iter()
-        .map(|(s, disk, bucket)| {
-            let mut t = Vec::new();
-            if disk {
-                t.push("disk");
+        .map(|t| {
+            let mut tiers = Vec::new();
+            if t.memory {
+                tiers.push("memory");
             }
-            if bucket {
-                t.push("bucket");
+            if t.disk {
+                tiers.push("disk");
             }
-            (s, t)
+            if t.bucket {
+                tiers.push("bucket");
+            }
+            (t.step, tiers)
         })
         .collect())
 }

@@ -58,6 +58,14 @@ fn report_dict<'py>(py: Python<'py>, r: &shmckpt::SaveReport) -> PyResult<Bound<
     d.set_item("committed", r.timings.committed.map(secs))?;
     d.set_item("backend", r.backend.to_string())?;
     d.set_item("direct_io", r.direct_io)?;
+    // A memory-only save (`disk_every`): staged in shared memory, not durable.
+    d.set_item("memory_only", r.memory_only)?;
+    let tiers: &[&str] = if r.memory_only {
+        &["memory"]
+    } else {
+        &["disk"]
+    };
+    d.set_item("tiers", PyList::new(py, tiers)?)?;
     d.set_item("retired", PyList::new(py, &r.retired)?)?;
     Ok(d)
 }
@@ -304,7 +312,11 @@ pub(crate) fn wait_remote(h: &PySaveHandle, py: Python<'_>) -> PyResult<Py<PyDic
     let Some(p) = &h.remote else {
         return Err(to_py(
             py,
-            shmckpt::Error::Config("this checkpointer has no remote tier (remote=...)".into()),
+            shmckpt::Error::Config(
+                "this save has no remote copy: the checkpointer has no remote tier (remote=...), \
+                 or its cadence kept the save off the bucket (disk_every, remote_every)"
+                    .into(),
+            ),
         ));
     };
     loop {

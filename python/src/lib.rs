@@ -123,6 +123,25 @@ impl PyEngine {
 
 type TensorTuple = (String, String, Vec<usize>, u64, usize, i32);
 
+/// `disk_every=`: an int or a string.
+struct DiskEveryArg(core::DiskEvery);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for DiskEveryArg {
+    type Error = PyErr;
+
+    fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(n) = ob.extract::<u64>() {
+            return Ok(DiskEveryArg(core::DiskEvery::N(n)));
+        }
+        if let Ok(s) = ob.extract::<String>() {
+            return Ok(DiskEveryArg(core::DiskEvery::Mode(s)));
+        }
+        Err(PyValueError::new_err(
+            "disk_every must be a number >= 1 or \"auto\"",
+        ))
+    }
+}
+
 /// The tensors of a save. A null address with bytes is refused (`core::tensors` makes
 /// slices of host ranges, and a null one would be undefined behaviour): the Python package
 /// never passes one (it refuses tensors with no data in memory), this is the last check.
@@ -180,7 +199,7 @@ impl PyEngine {
         keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
         remote_max_pending=None, remote_only=false, remote_session=None,
         remote_part_size=None, remote_concurrency=None, remote_request_timeout=None,
-        remote_complete_timeout=None, replica_hold=false))]
+        remote_complete_timeout=None, replica_hold=false, disk_every=None, disk_interval_s=None, remote_every=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -209,7 +228,12 @@ impl PyEngine {
         remote_request_timeout: Option<f64>,
         remote_complete_timeout: Option<f64>,
         replica_hold: bool,
+        disk_every: Option<DiskEveryArg>,
+        disk_interval_s: Option<f64>,
+        remote_every: Option<u64>,
     ) -> PyResult<Self> {
+        let disk_cadence =
+            core::disk_cadence(disk_every.map(|d| d.0)).map_err(PyValueError::new_err)?;
         let auto_staging = staging_capacity.is_none();
         let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
             keep_in_memory == Some(true),
@@ -240,6 +264,9 @@ impl PyEngine {
             remote_only,
             remote_session,
             replica_hold,
+            disk_cadence,
+            disk_interval: disk_interval_s,
+            remote_every,
         };
         let engine = py
             .detach(|| core::open(opts.clone()))

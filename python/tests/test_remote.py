@@ -197,6 +197,29 @@ def test_remote_retention_keeps_the_newest(s3, root):
         assert ck.last_load_source == ("remote", None)
 
 
+def test_remote_every_uploads_every_kth_disk_save_and_no_memory_only_one(s3, root):
+    """Issue 38: with ``disk_every=2`` saves 1, 3, 5 go to disk; with ``remote_every=2``
+    the bucket takes every second of those (1, 5); memory-only saves are never uploaded."""
+    client, bucket = s3
+    url = f"s3://{bucket}/every"
+    with open_ck(root, url, disk_every=2, remote_every=2) as ck:
+        for step in range(1, 7):
+            h = ck.save(step, state(step, 1024))
+            rep = h.wait()
+            assert rep["memory_only"] == (step % 2 == 0), (step, rep)
+            if step in (1, 5):
+                assert h.wait_remote()["step"] == step
+            else:
+                with pytest.raises(shmckpt.ConfigError, match="no remote copy"):
+                    h.wait_remote()
+        assert ck.list(tiers=True) == [(1, ["disk", "bucket"]), (3, ["disk"]), (5, ["disk", "bucket"]), (6, ["memory"])]
+        assert ck.list(remote=True) == [1, 5]
+        assert {k.split("/")[1] for k in keys(client, bucket)} == {"step-1", "step-5"}
+        same(ck.load("latest"), state(6, 1024))
+        assert ck.last_load_source == ("memory", None)
+        same(ck.load(5, source="remote"), state(5, 1024))
+
+
 def test_foreign_manifests_in_the_bucket_never_count_as_steps(s3, root):
     """Only ``prefix/step-N/manifest.json`` of step N commits step N in the bucket (the
     disk's rule): a ``manifest.json`` deeper down, of another step or not valid changes

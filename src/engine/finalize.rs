@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::commit::{self};
 use crate::error::{Error, Result};
 use crate::io::pool::WriteSink;
-use crate::manifest::{FileEntry, TensorEntry};
+use crate::manifest::FileEntry;
 
 use super::lock;
 use super::report::{SaveReport, SaveTimings};
@@ -63,6 +63,10 @@ pub(super) fn finalize(
     }
     if let Err(e) = &result {
         tracing::error!(step = st.step, error = %e, "save failed; nothing committed");
+    }
+    // A newer step is on disk: the memory tier's older step is given up.
+    if result.as_ref().is_ok_and(|r| r.dir.is_some()) {
+        st.shared.memory.committed(&st.shared.arena, st.keep_seq);
     }
     (result, retired)
 }
@@ -131,29 +135,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
         Some(t)
     };
     let durable = st.started.elapsed();
-    let crcs = st.tensor_crcs();
-    let data_start = st.plan.data_start();
-    let entry = FileEntry {
-        rank: cfg.rank,
-        file: st.file_name.clone(),
-        bytes: st.plan.file_len(),
-        data_start,
-        header_crc32c: Some(crc32c::crc32c(st.plan.header())),
-        object: None,
-        tensors: st
-            .plan
-            .entries()
-            .iter()
-            .zip(&crcs)
-            .map(|(e, &crc)| TensorEntry {
-                name: e.name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                data_offsets: e.data_offsets(data_start),
-                crc32c: crc,
-            })
-            .collect(),
-    };
+    let entry = st.file_entry(&st.tensor_crcs());
     // A commit held for its caller (`SaveOptions::confirm_commit`): refused, nothing of
     // this rank's step is written beyond its file, which `finalize` removes.
     if st.confirm {
@@ -205,6 +187,7 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
         },
         backend: st.shared.backend,
         direct_io: target.as_ref().is_some_and(|t| t.is_direct()),
+        memory_only: false,
         retired: retired.steps.clone(),
     };
     Ok((report, retired, entry))

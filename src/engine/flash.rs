@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::manifest::{FileEntry, Manifest};
+use crate::manifest::FileEntry;
 use crate::restore::{Checkpoint, ReadSink, for_pieces};
 use crate::slab::{SlabBuilder, SlabPool};
 use crate::staging::descriptor::{SaveRecord, SlotView, chunk_state, slot_state};
@@ -497,6 +497,37 @@ pub(crate) struct NotTaken {
 }
 
 impl Adopted {
+    /// A memory-only save of this engine (`super::memory`), file chunk `k` in `leases[k]`:
+    /// served like an adopted image. Its `entry` carries no checksums (0): the bytes never
+    /// left this process's memory, and a memory-only step's checksums are computed when it
+    /// goes to disk.
+    pub(crate) fn in_memory(
+        leases: Vec<ChunkLease>,
+        step: u64,
+        data_start: u64,
+        chunk_size: u64,
+        entry: FileEntry,
+    ) -> Adopted {
+        Adopted {
+            leases,
+            step,
+            file_len: entry.bytes,
+            data_start,
+            chunk_size,
+            entry,
+        }
+    }
+
+    /// The leases, file chunk `k` in entry `k` (a memory-only step going to disk).
+    pub(crate) fn into_leases(self) -> Vec<ChunkLease> {
+        self.leases
+    }
+
+    /// This rank's manifest entry of the image.
+    pub(crate) fn entry(&self) -> &FileEntry {
+        &self.entry
+    }
+
     /// Whether the image can serve `step` (whose manifest entry of this rank is `entry`):
     /// the same step, still the disk's `latest`, and the same entry it was checked against
     /// at adoption. The error is why not.
@@ -610,12 +641,12 @@ impl Adopted {
     }
 
     /// The image's tensors copied into one slab (several threads), as a checkpoint of
-    /// `dir` with `manifest`'s metadata. The bytes were verified at adoption. The error is
-    /// why it cannot (no memory).
+    /// `dir` with `metadata`. The bytes were verified at adoption. The error is why it
+    /// cannot (no memory).
     pub(crate) fn to_checkpoint(
         &self,
         dir: &Path,
-        manifest: &Manifest,
+        metadata: &crate::manifest::Metadata,
         pool: &Arc<SlabPool>,
     ) -> std::result::Result<Checkpoint, String> {
         let len = usize::try_from(self.file_len - self.data_start)
@@ -666,7 +697,7 @@ impl Adopted {
         Ok(Checkpoint {
             step: self.step,
             dir: dir.to_owned(),
-            metadata: manifest.metadata.clone(),
+            metadata: metadata.clone(),
             tensors,
         })
     }

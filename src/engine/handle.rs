@@ -111,7 +111,9 @@ impl SaveHandle {
         match &self.state.remote {
             Some(p) => p.wait(),
             None => Err(Error::Config(
-                "this engine has no remote tier (with_remote)".into(),
+                "this save has no remote copy: the engine has no remote tier (with_remote), or \
+                 its cadence kept the save off the bucket (with_disk_cadence, with_remote_every)"
+                    .into(),
             )),
         }
     }

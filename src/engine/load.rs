@@ -59,7 +59,25 @@ impl Engine {
             .ok_or_else(|| Error::Config("a load request needs at least one source".into()))?;
         // Without the `s3` feature the bucket's arm is compiled out.
         #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
-        let info = match self.resolve_in(req.step, tiers)? {
+        let info = match self.resolve_with(req.step, tiers, req.sources.memory())? {
+            Resolved::Memory(step) => {
+                return match self.read_memory_tier(step, &mut target)? {
+                    Some(checkpoint) => Ok(Loaded::local(
+                        LoadReport {
+                            step,
+                            source: LoadSource::Memory,
+                            fallback_reason: None,
+                            disk_problem: None,
+                        },
+                        checkpoint,
+                    )),
+                    None => Err(Error::NotFound {
+                        what: format!("step {step} (its memory-only save was given up meanwhile)"),
+                        step: Some(step),
+                        root: self.shared.cfg.root.clone(),
+                    }),
+                };
+            }
             Resolved::Local(info) => info,
             #[cfg(feature = "s3")]
             Resolved::Bucket { step, disk } => {
@@ -149,19 +167,21 @@ impl Engine {
         };
         let a = image.as_ref().expect("memory_image returns a held image");
         match target {
-            Target::Owned => match a.to_checkpoint(&info.dir, &manifest, &self.load_buffers) {
-                Ok(ck) => {
-                    tracing::info!(
-                        step = info.step,
-                        "load served from the kept image (flash restore)"
-                    );
-                    return Ok(Ok((Some(ck), disk_problem)));
+            Target::Owned => {
+                match a.to_checkpoint(&info.dir, &manifest.metadata, &self.load_buffers) {
+                    Ok(ck) => {
+                        tracing::info!(
+                            step = info.step,
+                            "load served from the kept image (flash restore)"
+                        );
+                        return Ok(Ok((Some(ck), disk_problem)));
+                    }
+                    Err(why) => {
+                        tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
+                        return Ok(Err(Some(why)));
+                    }
                 }
-                Err(why) => {
-                    tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
-                    return Ok(Err(Some(why)));
-                }
-            },
+            }
             Target::Host(dest) => {
                 let ordered = host_in_file_order(&entry, dest)?;
                 a.send(&mut HostSink { dest: ordered })?;
@@ -184,6 +204,52 @@ impl Engine {
             "load into caller buffers served from the kept image (flash restore)"
         );
         Ok(Ok((None, disk_problem)))
+    }
+
+    /// Source 1, memory, for a memory-only step of this engine (`super::memory`): `step`
+    /// from the memory tier into `target` (`Some(checkpoint or None for caller buffers)`),
+    /// or `None` when the tier no longer holds it. The bytes never left this process's
+    /// memory: they are served without a checksum (computed when the step goes to disk).
+    #[allow(unsafe_code)]
+    fn read_memory_tier(
+        &self,
+        step: u64,
+        target: &mut Target<'_>,
+    ) -> Result<Option<Option<Checkpoint>>> {
+        let g = self.shared.memory.lock();
+        let Some(m) = g.as_ref().filter(|m| m.step == step) else {
+            return Ok(None);
+        };
+        let a = &m.image;
+        let entry = a.entry();
+        let dir = self.shared.cfg.root.join(manifest::step_dir_name(step));
+        let got = match target {
+            Target::Owned => {
+                let ck = a
+                    .to_checkpoint(&dir, &m.metadata, &self.load_buffers)
+                    .map_err(|why| Error::Internal(format!("memory-only step {step}: {why}")))?;
+                Some(ck)
+            }
+            Target::Host(dest) => {
+                let ordered = host_in_file_order(entry, dest)?;
+                a.send(&mut HostSink { dest: ordered })?;
+                None
+            }
+            Target::Device(dest) => {
+                let ordered = device_in_file_order(entry, dest)?;
+                // SAFETY: as in `read_memory`: the ranges of a `Target::Device` are valid
+                // for writes and used by nobody else during the load.
+                let mut sink = unsafe { DeviceSink::new(self.shared.cuda(), ordered)? };
+                // The tier stays locked (its chunks untouched) until the copies finished.
+                a.send(&mut sink)?;
+                None
+            }
+        };
+        tracing::info!(
+            step,
+            "load served from the memory tier (a memory-only step)"
+        );
+        Ok(Some(got))
     }
 
     /// Source 2, the disk: this rank's file of `info`'s step into `target`.
@@ -288,7 +354,7 @@ impl Engine {
             return Ok(Err(Some(why)));
         };
         let (manifest, entry) = restore::rank_file(&info.dir, self.shared.cfg.rank)?;
-        let latest = self.latest()?;
+        let latest = self.disk_latest()?;
         if let Err(why) = a.check(info.step, &entry, latest) {
             tracing::warn!(step = info.step, reason = %why, "flash restore not possible; loading from disk");
             return Ok(Err(Some(why)));
@@ -335,9 +401,23 @@ impl Engine {
         Ok(Some(step))
     }
 
-    /// Manifest of a committed checkpoint.
+    /// Manifest of a committed checkpoint, or of a memory-only step of this engine
+    /// (`EngineConfig::with_disk_cadence`; this rank's file alone, checksums 0): the step
+    /// a load of `which` reads from memory or the disk.
     pub fn manifest(&self, which: impl Into<StepSel>) -> Result<Manifest> {
-        Manifest::read(&self.resolve(which.into())?.dir)
+        let which = which.into();
+        if let Some((m, _)) = self.memory_resolved(which)? {
+            return Ok(m);
+        }
+        Manifest::read(&self.resolve(which)?.dir)
+    }
+
+    /// The memory tier's manifest and header metadata when `which` resolves to its step.
+    fn memory_resolved(&self, which: StepSel) -> Result<Option<(Manifest, manifest::Metadata)>> {
+        match self.resolve_with(which, Tiers::Local, true) {
+            Ok(Resolved::Memory(step)) => Ok(self.memory_manifest(step)),
+            _ => Ok(None),
+        }
     }
 
     /// The `__metadata__` of this rank's file of a committed checkpoint, read from the
@@ -345,7 +425,11 @@ impl Engine {
     /// its CRC-32C where the manifest records one): each rank's own metadata, which the
     /// manifest (the committing rank's) does not hold for the other ranks.
     pub fn file_metadata(&self, which: impl Into<StepSel>) -> Result<manifest::Metadata> {
-        let dir = self.resolve(which.into())?.dir;
+        let which = which.into();
+        if let Some((_, meta)) = self.memory_resolved(which)? {
+            return Ok(meta);
+        }
+        let dir = self.resolve(which)?.dir;
         let m = Manifest::read(&dir)?;
         let rank = self.shared.cfg.rank;
         let entry = m.files.iter().find(|f| f.rank == rank).ok_or_else(|| {

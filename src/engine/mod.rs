@@ -18,6 +18,7 @@ mod kept;
 mod load;
 #[cfg(all(test, feature = "s3"))]
 mod load_tests;
+mod memory;
 #[cfg(feature = "s3")]
 mod remote_ops;
 mod report;
@@ -55,7 +56,7 @@ pub use request::{LoadInto, LoadRequest, Loaded, Sources};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
 use tiers::Resolved;
-pub use tiers::{Tier, Tiers};
+pub use tiers::{StepTiers, Tier, Tiers};
 
 /// Which committed checkpoint to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -92,6 +93,10 @@ struct Shared {
     /// The remote tier's uploader (`EngineConfig::with_remote`).
     #[cfg(feature = "s3")]
     remote: Option<Arc<crate::remote::tier::RemoteTier>>,
+    /// The newest memory-only save (`EngineConfig::with_disk_cadence`).
+    memory: Arc<memory::MemoryTier>,
+    /// What decides which saves go to disk.
+    cadence: Mutex<memory::Cadence>,
 }
 
 impl Shared {
@@ -145,6 +150,7 @@ pub struct Engine {
     pool: WriterPool,
     commit_tx: Option<Sender<Arc<SaveState>>>,
     commit_thread: Option<JoinHandle<()>>,
+    /// The last disk save started (`flush` waits for it).
     last_save: Mutex<Option<Arc<SaveState>>>,
     /// The allocation of the last loaded checkpoint, given back when its tensors were
     /// dropped, for the next `load`.
@@ -310,13 +316,24 @@ impl Engine {
         // when staging runs out (read from the local file instead): the local tier never
         // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
         let held = Arc::new(crate::staging::held::HeldImages::default());
+        let memory = Arc::new(memory::MemoryTier::default());
         {
             let held = Arc::downgrade(&held);
+            let mem = Arc::downgrade(&memory);
+            let arena_ref = Arc::downgrade(&arena);
             #[cfg(feature = "s3")]
             let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
             arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
+                }
+                // The memory tier's step is given up rather than waited for (the save
+                // being staged is newer).
+                if empty
+                    && let (Some(m), Some(a)) = (mem.upgrade(), arena_ref.upgrade())
+                    && let Some(step) = m.give_up(&a)
+                {
+                    tracing::warn!(step, "staging ran out of chunks: the memory-only step is given up (staging_capacity holds fewer saves than the disk cadence needs)");
                 }
                 // Uploads give theirs back only when nothing is free (a save reusing its
                 // own chunk costs the remote tier nothing).
@@ -378,6 +395,8 @@ impl Engine {
             held,
             #[cfg(feature = "s3")]
             remote,
+            memory,
+            cadence: Mutex::new(memory::Cadence::default()),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
@@ -542,6 +561,16 @@ impl Engine {
     /// refused ([`Error::NotFound`], nothing touched); wait for its handle first.
     pub fn remove(&self, step: u64) -> Result<()> {
         let root = &self.shared.cfg.root;
+        // A memory-only step (`EngineConfig::with_disk_cadence`) is given up.
+        if self.memory_step() == Some(step) {
+            self.shared.gate.enter();
+            let gone = self.memory_step() == Some(step)
+                && self.shared.memory.give_up(&self.shared.arena).is_some();
+            self.shared.gate.leave();
+            if gone {
+                return Ok(());
+            }
+        }
         if lock(&self.shared.inflight).contains(&step) {
             return Err(Error::NotFound {
                 what: format!("step {step} (its save is still in flight)"),
@@ -552,8 +581,21 @@ impl Engine {
         commit::remove_step(root, step)
     }
 
-    /// The newest committed step, if any.
+    /// The newest step a local load of "latest" reads, if any: the memory-only step of
+    /// this engine when it is newer than the disk's newest committed step
+    /// ([`EngineConfig::with_disk_cadence`]), else the disk's newest committed step (with
+    /// the default cadence, always the latter). [`Engine::latest_in`] with
+    /// [`Tiers::Local`]; [`Engine::list_in`] says which tiers hold each step.
     pub fn latest(&self) -> Result<Option<u64>> {
+        let disk = self.disk_latest()?;
+        Ok(match (self.memory_step(), disk) {
+            (Some(m), d) if d.is_none_or(|d| m > d) => Some(m),
+            (_, d) => d,
+        })
+    }
+
+    /// The disk's newest committed step, if any.
+    pub(crate) fn disk_latest(&self) -> Result<Option<u64>> {
         Ok(self.list()?.last().map(|c| c.step))
     }
 
@@ -600,6 +642,12 @@ impl Engine {
 
     fn shutdown(&mut self) {
         self.shared.gate.wait_idle();
+        // Nothing saved is lost on a clean exit: the newest memory-only step goes to disk.
+        if self.commit_tx.is_some()
+            && let Err(e) = self.persist_memory()
+        {
+            tracing::error!(error = %e, "could not write the newest memory-only step to disk at close");
+        }
         self.commit_tx = None;
         if let Some(h) = self.commit_thread.take()
             && h.join().is_err()

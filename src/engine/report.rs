@@ -41,6 +41,12 @@ pub struct SaveReport {
     pub backend: crate::io::Backend,
     /// Whether the file was written with O_DIRECT.
     pub direct_io: bool,
+    /// A memory-only save (`EngineConfig::with_disk_cadence`): staged in the shared-memory
+    /// arena and recoverable after a crash of the process, **not durable**: nothing was
+    /// written to disk, `dir` is `None`, `file` is empty and the timings' `durable` is
+    /// zero. Loads of this engine read it from memory; `Engine::close` writes the newest
+    /// such step to disk.
+    pub memory_only: bool,
     /// Steps retired by this commit's retention (`keep_last`): no longer listed or
     /// loadable when the save is reported committed; their files are deleted right after
     /// (by the time [`crate::Engine::close`] returns).
@@ -85,7 +91,8 @@ pub struct StagedReport {
 pub enum LoadSource {
     /// The checkpoint files on disk.
     Disk,
-    /// The arena a previous engine kept in shared memory (flash restore).
+    /// Shared memory: the arena a previous engine kept (flash restore), or a memory-only
+    /// save of this engine (`EngineConfig::with_disk_cadence`).
     Memory,
     /// The bucket of the remote tier (a step not on the local disk).
     Remote,

@@ -12,7 +12,7 @@ use crossbeam_channel::Sender;
 use crate::device::cuda::{DeviceBuffer, EventRef, StreamRef};
 use crate::device::{After, Sources, StageJob, host};
 use crate::error::{Error, Result};
-use crate::io::pool::{ChunkInfo, Outcome, WriteJob, WriteSink};
+use crate::io::pool::{WriteJob, WriteSink};
 use crate::manifest::{self, Metadata};
 use crate::plan::{self, Plan, TensorSpec};
 use crate::staging::ChunkLease;
@@ -300,7 +300,7 @@ impl Engine {
     }
 
     /// The writers' job queue, or `Shutdown` once the engine is closed.
-    fn jobs(&self) -> Result<Sender<WriteJob>> {
+    pub(super) fn jobs(&self) -> Result<Sender<WriteJob>> {
         self.pool
             .sender()
             .ok_or_else(|| Error::Shutdown("engine closed".into()))
@@ -393,8 +393,18 @@ impl Engine {
                 root: cfg.root.clone(),
             });
         }
+        if self.memory_step() == Some(step) {
+            undo();
+            return Err(Error::StepExists {
+                step,
+                root: cfg.root.clone(),
+            });
+        }
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
         let partial = cfg.root.join(manifest::partial_dir_name(step));
+        // Which tiers take the save: the one decision (`memory::Cadence::decide`).
+        let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm);
+        let disk = tiers.disk;
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
@@ -439,22 +449,37 @@ impl Engine {
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+            // Only the saves the cadence sends to the bucket (disk saves) are uploaded.
             #[cfg(feature = "s3")]
-            remote: self.shared.remote.as_ref().map(|t| t.progress(step)),
+            remote: tiers
+                .bucket
+                .then(|| self.shared.remote.as_ref().map(|t| t.progress(step)))
+                .flatten(),
             #[cfg(feature = "s3")]
-            feed: self
-                .shared
-                .remote
-                .as_ref()
-                .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only())),
+            feed: tiers
+                .bucket
+                .then(|| {
+                    self.shared
+                        .remote
+                        .as_ref()
+                        .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only()))
+                })
+                .flatten(),
             snapshot: crate::device::SnapshotRequest::default(),
             held: Arc::default(),
+            disk,
+            memory: Mutex::new(if disk {
+                Vec::new()
+            } else {
+                (0..n_chunks).map(|_| None).collect()
+            }),
         });
-        let queued = self
-            .commit_tx
-            .as_ref()
-            .map(|tx| tx.send(Arc::clone(&state)).is_ok())
-            .unwrap_or(false);
+        // A memory-only save ends on its staging thread; a disk save on the commit thread.
+        let queued = match &self.commit_tx {
+            Some(_) if !disk => true,
+            Some(tx) => tx.send(Arc::clone(&state)).is_ok(),
+            None => false,
+        };
         if !queued {
             // No commit thread to clean up: do it here.
             arena.release_slot(slot);
@@ -474,9 +499,10 @@ impl Engine {
                 state.plan.file_len(),
             );
         }
+        lock(&self.shared.cadence).record(&state, tiers);
         let st = Arc::clone(&state);
-        let opener = if cfg.is_remote_only() {
-            // No file: the bucket is the save's only copy.
+        let opener = if cfg.is_remote_only() || !disk {
+            // No file: the bucket is the save's only copy, or the save is memory-only.
             state.no_file_opened();
             Ok(())
         } else {
@@ -490,7 +516,10 @@ impl Engine {
                 "cannot spawn the file-opening thread: {e}"
             ))));
         }
-        *lock(&self.last_save) = Some(Arc::clone(&state));
+        if disk {
+            // `flush` waits for the last disk save (the commit thread takes them in order).
+            *lock(&self.last_save) = Some(Arc::clone(&state));
+        }
         Ok(state)
     }
 }
@@ -508,7 +537,7 @@ pub(super) fn stage_and_finish(
 ) -> std::result::Result<(), ()> {
     let step = state.step;
     let dispatch = |lease: ChunkLease, chunk: u64, len: usize, write_len: usize| {
-        dispatch(state, jobs, lease, chunk, len, write_len)
+        SaveState::dispatch(state, jobs, lease, chunk, len, write_len)
     };
     let devices = sources.devices();
     let mut registration = Duration::ZERO;
@@ -542,6 +571,7 @@ pub(super) fn stage_and_finish(
     };
     match staged {
         Ok(waited) => {
+            // A memory-only save is complete in the arena from here: recovery commits it.
             state.shared.arena.descriptor().staged(state.slot);
             let report = StagedReport {
                 step,
@@ -553,8 +583,16 @@ pub(super) fn stage_and_finish(
                 snapshot_batched: state.snapshot.batched(),
             };
             tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
-            state.staging_finished(Ok(report));
+            if state.disk {
+                state.staging_finished(Ok(report));
+            } else {
+                super::memory::staged(state, report);
+            }
             Ok(())
+        }
+        Err(e) if !state.disk => {
+            super::memory::failed(state, e);
+            Err(())
         }
         Err(e) => {
             state.staging_finished(Err(e));
@@ -563,41 +601,6 @@ pub(super) fn stage_and_finish(
             Err(())
         }
     }
-}
-
-/// Record file chunk `chunk` as staged and queue its write.
-fn dispatch(
-    state: &Arc<SaveState>,
-    jobs: &Sender<WriteJob>,
-    lease: ChunkLease,
-    chunk: u64,
-    len: usize,
-    write_len: usize,
-) -> Result<()> {
-    let cs = state.shared.arena.chunk_size();
-    state
-        .shared
-        .arena
-        .descriptor()
-        .chunk_staged(state.slot, chunk, lease.index());
-    lock(&state.progress).dispatched += 1;
-    let job = WriteJob {
-        sink: Arc::clone(state) as Arc<dyn WriteSink>,
-        lease,
-        info: ChunkInfo {
-            chunk,
-            offset: chunk * cs,
-            len,
-            write_len,
-        },
-    };
-    if let Err(e) = jobs.send(job) {
-        let job = e.0;
-        let err = Error::Shutdown("writer pool is gone".into());
-        job.sink.finished(&job.info, None, Outcome::Failed(err));
-        return Err(Error::Shutdown("writer pool is gone".into()));
-    }
-    Ok(())
 }
 
 /// The error of a save whose staging failed: the one its commit reports (the first error,

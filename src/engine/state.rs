@@ -90,6 +90,12 @@ pub(crate) struct SaveState {
     pub(super) snapshot: crate::device::SnapshotRequest,
     /// Its committed image held for replication (`EngineConfig::with_replica_hold`).
     pub(super) held: Arc<crate::staging::held::HeldCell>,
+    /// Whether the save goes to disk (`EngineConfig::with_disk_cadence`); a memory-only
+    /// save keeps its chunks in `memory` instead of handing them to the writers.
+    pub(super) disk: bool,
+    /// A memory-only save's staged chunks, file chunk `k` in entry `k`, until the memory
+    /// tier takes them (`super::memory`).
+    pub(super) memory: Mutex<Vec<Option<ChunkLease>>>,
 }
 
 impl SaveState {
@@ -270,6 +276,38 @@ impl SaveState {
         let _ = self.file_target();
     }
 
+    /// Whether the save has ended (committed or failed; a memory-only save once staged).
+    pub(super) fn is_done(&self) -> bool {
+        lock(&self.progress).done
+    }
+
+    /// This rank's manifest entry of the save's file, with the tensors' CRC-32Cs `crcs`
+    /// (in the plan's order).
+    pub(super) fn file_entry(&self, crcs: &[u32]) -> crate::manifest::FileEntry {
+        let data_start = self.plan.data_start();
+        crate::manifest::FileEntry {
+            rank: self.shared.cfg.rank,
+            file: self.file_name.clone(),
+            bytes: self.plan.file_len(),
+            data_start,
+            header_crc32c: Some(crc32c::crc32c(self.plan.header())),
+            object: None,
+            tensors: self
+                .plan
+                .entries()
+                .iter()
+                .zip(crcs)
+                .map(|(e, &crc)| crate::manifest::TensorEntry {
+                    name: e.name.clone(),
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                    data_offsets: e.data_offsets(data_start),
+                    crc32c: crc,
+                })
+                .collect(),
+        }
+    }
+
     pub(super) fn wait_done(&self) {
         let mut p = lock(&self.progress);
         while !p.done {
@@ -298,6 +336,52 @@ impl SaveState {
             }
         }
         acc.into_iter().map(|c| c.unwrap_or(0)).collect()
+    }
+}
+
+impl SaveState {
+    /// Record file chunk `chunk` as staged and queue its write (a memory-only save keeps
+    /// the chunk instead: the memory tier takes them all once staged).
+    pub(super) fn dispatch(
+        state: &Arc<SaveState>,
+        jobs: &crossbeam_channel::Sender<crate::io::pool::WriteJob>,
+        lease: ChunkLease,
+        chunk: u64,
+        len: usize,
+        write_len: usize,
+    ) -> Result<()> {
+        let cs = state.shared.arena.chunk_size();
+        state
+            .shared
+            .arena
+            .descriptor()
+            .chunk_staged(state.slot, chunk, lease.index());
+        if !state.disk {
+            let mut held = lock(&state.memory);
+            match held.get_mut(chunk as usize) {
+                Some(slot) => *slot = Some(lease),
+                None => return Err(Error::Internal(format!("file chunk {chunk} out of range"))),
+            }
+            return Ok(());
+        }
+        lock(&state.progress).dispatched += 1;
+        let job = crate::io::pool::WriteJob {
+            sink: Arc::clone(state) as Arc<dyn WriteSink>,
+            lease,
+            info: ChunkInfo {
+                chunk,
+                offset: chunk * cs,
+                len,
+                write_len,
+            },
+        };
+        if let Err(e) = jobs.send(job) {
+            let job = e.0;
+            let err = Error::Shutdown("writer pool is gone".into());
+            job.sink.finished(&job.info, None, Outcome::Failed(err));
+            return Err(Error::Shutdown("writer pool is gone".into()));
+        }
+        Ok(())
     }
 }
 

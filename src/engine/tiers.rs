@@ -2,7 +2,7 @@
 //! [`Engine::latest_in`] and of [`Engine::list_in`], so that "the latest step" is the same
 //! step whoever asks.
 
-use super::{Engine, StepSel};
+use super::{Engine, StepSel, lock};
 use crate::error::{Error, Result};
 use crate::manifest::CheckpointInfo;
 
@@ -28,9 +28,27 @@ pub enum Tier {
     Remote,
 }
 
-/// Where a load reads: the disk's committed step, or the bucket's step (`disk`: why the
+/// A step [`Engine::list_in`] lists, with the tiers that hold it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StepTiers {
+    /// The step.
+    pub step: u64,
+    /// In shared memory: a memory-only save of this engine
+    /// ([`EngineConfig::with_disk_cadence`](crate::EngineConfig::with_disk_cadence)), or
+    /// the image flash restore adopted at open.
+    pub memory: bool,
+    /// Committed on the local disk.
+    pub disk: bool,
+    /// Committed in the bucket (the remote tier).
+    pub bucket: bool,
+}
+
+/// Where a load reads: the memory tier's step, the disk's committed step, or the bucket's step (`disk`: why the
 /// disk could not serve it, `None` when only the bucket was asked).
 pub(super) enum Resolved {
+    /// A memory-only step of this engine (`super::memory`), not on the disk.
+    Memory(u64),
     Local(CheckpointInfo),
     #[cfg(feature = "s3")]
     Bucket {
@@ -46,6 +64,30 @@ impl Engine {
     /// the bucket holds a newer one), else, with [`Tiers::All`] and a remote tier, the
     /// bucket's. [`Error::NotFound`] when no tier asked holds it.
     pub(super) fn resolve_in(&self, which: StepSel, tiers: Tiers) -> Result<Resolved> {
+        self.resolve_with(which, tiers, true)
+    }
+
+    /// [`Engine::resolve_in`]; with `memory` and [`Tiers::All`] or [`Tiers::Local`], first
+    /// the memory tier's step (a memory-only save of this engine): "latest" when it is
+    /// newer than the disk's newest, or the step asked for.
+    pub(super) fn resolve_with(
+        &self,
+        which: StepSel,
+        tiers: Tiers,
+        memory: bool,
+    ) -> Result<Resolved> {
+        if memory
+            && tiers != Tiers::Remote
+            && let Some(m) = self.memory_step()
+        {
+            let newest = match which {
+                StepSel::Latest => self.disk_latest()?.is_none_or(|d| m > d),
+                StepSel::Step(s) => s == m,
+            };
+            if newest {
+                return Ok(Resolved::Memory(m));
+            }
+        }
         if tiers == Tiers::Remote {
             #[cfg(feature = "s3")]
             return Ok(Resolved::Bucket {
@@ -75,6 +117,7 @@ impl Engine {
     /// [`Error::Config`] for [`Tiers::Remote`] without a remote tier.
     pub fn resolve_step(&self, which: impl Into<StepSel>, tiers: Tiers) -> Result<(u64, Tier)> {
         Ok(match self.resolve_in(which.into(), tiers)? {
+            Resolved::Memory(step) => (step, Tier::Local),
             Resolved::Local(info) => (info.step, Tier::Local),
             #[cfg(feature = "s3")]
             Resolved::Bucket { step, .. } => (step, Tier::Remote),
@@ -92,11 +135,12 @@ impl Engine {
         }
     }
 
-    /// The committed steps a load from `tiers` can read, oldest first, each with the tiers
-    /// that hold it: `(step, on the local disk, in the bucket)`. [`Tiers::All`]: the disk's
-    /// steps and the bucket's (a load of a step reads the disk's copy when the disk holds
-    /// it). [`Error::Config`] for [`Tiers::Remote`] without a remote tier.
-    pub fn list_in(&self, tiers: Tiers) -> Result<Vec<(u64, bool, bool)>> {
+    /// The steps a load from `tiers` can read, oldest first, each with the tiers that hold
+    /// it ([`StepTiers`]). [`Tiers::All`]: the memory tier's step, the disk's steps and the
+    /// bucket's (a load of a step reads memory, then the disk, then the bucket);
+    /// [`Tiers::Local`]: memory and the disk. [`Error::Config`] for [`Tiers::Remote`]
+    /// without a remote tier.
+    pub fn list_in(&self, tiers: Tiers) -> Result<Vec<StepTiers>> {
         let disk: Vec<u64> = if tiers == Tiers::Remote {
             Vec::new()
         } else {
@@ -116,14 +160,29 @@ impl Engine {
         } else {
             Vec::new()
         };
-        let mut all: std::collections::BTreeMap<u64, (bool, bool)> = Default::default();
-        for s in disk {
-            all.entry(s).or_default().0 = true;
+        let mut memory = Vec::new();
+        if tiers != Tiers::Remote {
+            memory.extend(self.memory_step());
+            memory.extend(lock(&self.shared.adopted).as_ref().map(|a| a.step()));
         }
-        for s in bucket {
-            all.entry(s).or_default().1 = true;
+        let mut all: std::collections::BTreeMap<u64, StepTiers> = Default::default();
+        let sets = [(memory, 0), (disk, 1), (bucket, 2)];
+        for (steps, tier) in sets {
+            for step in steps {
+                let e = all.entry(step).or_insert(StepTiers {
+                    step,
+                    memory: false,
+                    disk: false,
+                    bucket: false,
+                });
+                match tier {
+                    0 => e.memory = true,
+                    1 => e.disk = true,
+                    _ => e.bucket = true,
+                }
+            }
         }
-        Ok(all.into_iter().map(|(s, (d, b))| (s, d, b)).collect())
+        Ok(all.into_values().collect())
     }
 }
 
@@ -149,6 +208,16 @@ pub(super) mod tests {
             .with_remote_store(store, "run1")
             .build()
             .unwrap()
+    }
+
+    /// `(step, on disk, in the bucket)` of each listed step (none in memory here).
+    fn tuples(list: Vec<StepTiers>) -> Vec<(u64, bool, bool)> {
+        list.into_iter()
+            .map(|t| {
+                assert!(!t.memory, "{t:?}");
+                (t.step, t.disk, t.bucket)
+            })
+            .collect()
     }
 
     /// Saves `step` (one tensor whose bytes depend on the step) and waits for the disk
@@ -178,7 +247,7 @@ pub(super) mod tests {
             (2, Tier::Local)
         );
         assert_eq!(
-            e.list_in(Tiers::All).unwrap(),
+            tuples(e.list_in(Tiers::All).unwrap()),
             vec![(1, true, true), (2, true, true)]
         );
         e.close();
@@ -203,12 +272,12 @@ pub(super) mod tests {
         let (ck, report) = e.load_with_report(StepSel::Latest).unwrap();
         assert_eq!((ck.step, report.source), (2, LoadSource::Remote));
         assert_eq!(
-            e.list_in(Tiers::All).unwrap(),
+            tuples(e.list_in(Tiers::All).unwrap()),
             vec![(1, false, true), (2, false, true)]
         );
-        assert_eq!(e.list_in(Tiers::Local).unwrap(), vec![]);
+        assert_eq!(tuples(e.list_in(Tiers::Local).unwrap()), vec![]);
         assert_eq!(
-            e.list_in(Tiers::Remote).unwrap(),
+            tuples(e.list_in(Tiers::Remote).unwrap()),
             vec![(1, false, true), (2, false, true)]
         );
         // A step saved again on the disk: the disk's newest is the latest.
@@ -219,9 +288,64 @@ pub(super) mod tests {
             (3, Tier::Local)
         );
         assert_eq!(
-            e.list_in(Tiers::All).unwrap().last(),
+            tuples(e.list_in(Tiers::All).unwrap()).last(),
             Some(&(3, true, true))
         );
+        e.close();
+    }
+
+    /// `remote_every`: every second disk save is uploaded; with `disk_every`, memory-only
+    /// saves never are, and the bucket's saves are disk saves too.
+    #[test]
+    fn the_bucket_takes_every_kth_disk_save_and_never_a_memory_only_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(InMemory::new());
+        let e = EngineConfig::new(dir.path())
+            .with_staging_capacity(8 << 20)
+            .with_chunk_size(1 << 20)
+            .with_writer_threads(1)
+            .with_direct_io(false)
+            .with_backend(crate::BackendKind::Pwrite)
+            .with_remote_store(mem, "run1")
+            .with_disk_cadence(crate::DiskCadence::Every(2))
+            .with_remote_every(2)
+            .build()
+            .unwrap();
+        // Saves 1..=6: disk saves 1, 3, 5 (every second save); of those the bucket takes
+        // 1 and 5 (every second disk save).
+        for step in 1..=6u64 {
+            let data: Vec<u8> = (0..4096u32)
+                .flat_map(|i| (i ^ step as u32).to_le_bytes())
+                .collect();
+            let t = [Tensor::host("w", Dtype::F32, vec![4096], &data)];
+            let h = e.save(step, &t, &Metadata::new()).unwrap();
+            let remote = h.remote();
+            let r = h.wait().unwrap();
+            assert_eq!(r.memory_only, step % 2 == 0, "step {step}: {r:?}");
+            assert_eq!(remote.is_some(), matches!(step, 1 | 5), "step {step}");
+            if let Some(p) = remote {
+                p.wait().unwrap();
+            }
+        }
+        let listed: Vec<(u64, bool, bool, bool)> = e
+            .list_in(Tiers::All)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.step, t.memory, t.disk, t.bucket))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![
+                (1, false, true, true),
+                (3, false, true, false),
+                (5, false, true, true),
+                (6, true, false, false),
+            ]
+        );
+        assert!(matches!(
+            EngineConfig::new(dir.path()).with_remote_every(0).build(),
+            Err(Error::Config(_))
+        ));
         e.close();
     }
 
@@ -242,7 +366,10 @@ pub(super) mod tests {
         let t = [Tensor::host("w", Dtype::U8, vec![64], &data)];
         e.save(4, &t, &Metadata::new()).unwrap().wait().unwrap();
         assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(4));
-        assert_eq!(e.list_in(Tiers::All).unwrap(), vec![(4, true, false)]);
+        assert_eq!(
+            tuples(e.list_in(Tiers::All).unwrap()),
+            vec![(4, true, false)]
+        );
         e.close();
     }
 }

@@ -98,6 +98,7 @@ impl IpcSaveReport {
             },
             backend: self.backend,
             direct_io: self.direct_io,
+            memory_only: false,
             retired: self.retired.clone(),
         }
     }

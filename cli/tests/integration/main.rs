@@ -3,6 +3,7 @@
 
 mod common;
 
+mod cadence;
 mod cli;
 mod confirm;
 mod corruption;

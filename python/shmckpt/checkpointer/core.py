@@ -114,6 +114,20 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     thread: ``wait_replicated()``, not ``wait()``, says it is committed); see
     ``docs/replicas.md``.
 
+    ``disk_every=N`` (default 1: every save) sends every ``N``-th save to disk (the first
+    save, then every ``N``-th after the last disk save); ``disk_every="auto"``: a save goes
+    to disk when the previous disk save has finished, so the disk takes every save it can
+    sustain. ``disk_interval_s``: a save also goes to disk when that many seconds have
+    passed since the last disk save began. The other saves are **memory-only**: staged in
+    shared memory (``handle.wait()`` returns once staged, its report's ``memory_only``
+    true), loadable in this process (``load("latest")``, ``last_load_source`` is
+    ``("memory", None)``), committed to disk by the next open after a crash of the process
+    (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
+    replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
+    ranks; a cadence is not combined with ``replicas`` yet. ``remote_every=k`` (with
+    ``remote=...``): every ``k``-th disk save is also uploaded (default 1: every disk
+    save). See ``docs/python.md``.
+
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
     ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
     the CRC-32Cs of the tensors they all hold (same name, dtype and shape); when a copy
@@ -157,6 +171,9 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         remote_complete_timeout: Optional[float] = None,
         check_replicas: Any = None,
         on_divergence: Any = "raise",
+        disk_every: Union[int, str] = 1,
+        disk_interval_s: Optional[float] = None,
+        remote_every: int = 1,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -202,6 +219,10 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 remote_session=session,
                 # Replication sends each committed image from its staging chunks.
                 replica_hold=bool(replicas),
+                # Which saves go to disk is decided by the engine, per save.
+                disk_every=disk_every,
+                disk_interval_s=disk_interval_s,
+                remote_every=remote_every,
             )
         except BaseException:
             if self._scratch is not None:
@@ -295,8 +316,9 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the saves in flight, then release the staging memory. Idempotent (also
-        done at interpreter exit for checkpointers still open).
+        """Wait for the saves in flight, write the newest memory-only step (``disk_every``)
+        to disk, then release the staging memory. Idempotent (also done at interpreter exit
+        for checkpointers still open).
 
         Safe to call while another thread uses this checkpointer: the engine's ``close``
         returns only once every save it started is committed or failed (it waits for a
@@ -375,8 +397,10 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         ``source=None``, those of the local disk and of the bucket (``remote=...``), a step
         the disk holds read from the disk; ``"local"``: the disk's; ``"remote"`` (or
         ``remote=True``): the bucket's. ``tiers=True``: each as ``(step, tiers)``, the tiers
-        that hold it (``"disk"``, ``"bucket"``). ``latest()`` is the disk's newest when the
-        disk holds any step, even when the bucket holds newer ones (listed here)."""
+        that hold it (``"memory"``: a memory-only step of ``disk_every`` or the kept image,
+        ``"disk"``, ``"bucket"``). ``latest()`` is the memory-only step when it is the
+        newest, else the disk's newest when the disk holds any step, even when the bucket
+        holds newer ones (listed here)."""
         if remote:
             if source not in (None, "remote"):
                 raise ValueError(f"remote=True lists the bucket; source={source!r} contradicts it")
@@ -403,7 +427,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
 
     def flush(self) -> None:
         """Wait for every save in flight to be committed or to fail (with
-        ``check_replicas``, after the replica check of each: a collective)."""
+        ``check_replicas``, after the replica check of each: a collective). A memory-only
+        step (``disk_every``) stays in memory: ``close()`` writes it to disk."""
         if self._checker is not None:
             self._checker.check_through(None)
         self._engine.flush()
@@ -443,7 +468,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         sel = _step_sel(step)
         if sel is not None:
             return sel
-        latest = self._engine.latest()
+        # Memory or disk, as a local load of "latest" (a memory-only step when newest).
+        latest = self._engine.latest_in("local")
         if latest is None:
             raise NotFound(f"no committed checkpoint (latest) in {self.root}", path=self.root)
         return latest

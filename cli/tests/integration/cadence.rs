@@ -1,0 +1,371 @@
+//! A cadence per tier (`EngineConfig::with_disk_cadence`): which saves go to disk, the
+//! memory-only saves served from the arena in the same process, recovered after a SIGKILL,
+//! listed with their tiers and written to disk by `close`.
+
+use crate::common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use shmckpt::{
+    BackendKind, DiskCadence, Engine, EngineConfig, Error, LoadSource, Metadata, StepSel, Tiers,
+};
+
+use crate::recovery::{ROOT_ENV, SHM_ENV, env_path, run_child};
+
+const CS: u64 = 64 << 10;
+
+fn cadence_config(root: &Path, cadence: DiskCadence) -> EngineConfig {
+    small_config(root, BackendKind::Auto)
+        .with_direct_io(false)
+        .with_disk_cadence(cadence)
+}
+
+/// `(step, memory, disk, bucket)` of every step `list_in(All)` lists.
+fn tiers(e: &Engine) -> Vec<(u64, bool, bool, bool)> {
+    e.list_in(Tiers::All)
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.step, t.memory, t.disk, t.bucket))
+        .collect()
+}
+
+/// Save `step` (its [`step_state`]), overwrite the caller's buffers at once, and return
+/// whether the save was memory-only (after waiting for its handle).
+fn save_step(e: &Engine, step: u64) -> shmckpt::SaveReport {
+    let mut s = step_state(step);
+    let h = e.save(step, &s.tensors(), &Metadata::new()).unwrap();
+    // The engine holds its own copy from here on.
+    for d in &mut s.data {
+        d.fill(0xA5);
+    }
+    h.wait().unwrap()
+}
+
+fn assert_latest_from(e: &Engine, step: u64, source: LoadSource) {
+    assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(step));
+    assert_eq!(e.latest().unwrap(), Some(step));
+    let (ck, report) = load_with_report(e, StepSel::Latest).unwrap();
+    assert_eq!((report.step, report.source), (step, source));
+    assert_eq!(ck.step, step);
+    assert_loaded_equal(&ck, &step_state(step));
+}
+
+#[test]
+fn every_third_save_goes_to_disk_and_the_others_are_served_from_memory() {
+    let dir = real_dir("cadence-every");
+    let root = dir.path();
+    let e = Engine::open(cadence_config(root, DiskCadence::Every(3))).unwrap();
+
+    // The first save goes to disk.
+    let r1 = save_step(&e, 1);
+    assert!(!r1.memory_only && r1.dir.is_some(), "{r1:?}");
+    assert_eq!(tiers(&e), [(1, false, true, false)]);
+
+    // Memory-only: staged, never durable, loadable here with its exact bytes.
+    let r2 = save_step(&e, 2);
+    assert!(r2.memory_only, "{r2:?}");
+    assert_eq!(r2.dir, None);
+    assert_eq!(r2.file, Path::new(""));
+    assert_eq!(r2.timings.committed, None);
+    assert_eq!(committed(root), [1]);
+    assert!(partial_dirs(root).is_empty(), "{:?}", partial_dirs(root));
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (2, true, false, false)]
+    );
+    assert_latest_from(&e, 2, LoadSource::Memory);
+    // The disk's own step is still read from the disk.
+    let (ck, report) = load_with_report(&e, 1).unwrap();
+    assert_eq!(report.source, LoadSource::Disk);
+    assert_loaded_equal(&ck, &step_state(1));
+    // A step that is in memory is not saved twice.
+    assert!(matches!(
+        e.save(2, &step_state(2).tensors(), &Metadata::new()),
+        Err(Error::StepExists { step: 2, .. })
+    ));
+
+    // The next memory-only save replaces it.
+    assert!(save_step(&e, 3).memory_only);
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (3, true, false, false)]
+    );
+    assert!(matches!(
+        load_with_report(&e, 2),
+        Err(Error::NotFound { step: Some(2), .. })
+    ));
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    // Into caller buffers too, and its manifest and file metadata as a load reads them.
+    let want = step_state(3);
+    let mut bufs: Vec<Vec<u8>> = want.data.iter().map(|d| vec![0u8; d.len()]).collect();
+    let mut dest: Vec<(&str, &mut [u8])> = want
+        .layout
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(l, b)| (l.name.as_str(), b.as_mut_slice()))
+        .collect();
+    assert_eq!(load_into(&e, StepSel::Latest, &mut dest).unwrap(), 3);
+    assert!(bufs == want.data, "caller buffers differ from step 3");
+    let m = e.manifest(StepSel::Latest).unwrap();
+    assert_eq!((m.step, m.files.len()), (3, 1));
+    assert_eq!(
+        e.file_metadata(3)
+            .unwrap()
+            .get("shmckpt.step")
+            .map(String::as_str),
+        Some("3")
+    );
+    // Memory only: a load from the disk alone does not see it.
+    let disk_only = shmckpt::LoadRequest::new(StepSel::Latest).with_sources(shmckpt::Sources::DISK);
+    assert_eq!(load_with_report(&e, disk_only).unwrap().1.step, 1);
+
+    // The third save after the disk's goes to disk; once committed, memory gives its step up.
+    let r4 = save_step(&e, 4);
+    assert!(!r4.memory_only && r4.dir.is_some(), "{r4:?}");
+    assert_eq!(committed(root), [1, 4]);
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (4, false, true, false)]
+    );
+    assert_latest_from(&e, 4, LoadSource::Disk);
+
+    // Close writes the newest memory-only step to disk: nothing saved is lost.
+    assert!(save_step(&e, 5).memory_only);
+    assert_eq!(committed(root), [1, 4]);
+    e.close();
+    assert_eq!(committed(root), [1, 4, 5]);
+    for s in [1, 4, 5] {
+        assert_step_is_exact(root, s);
+    }
+}
+
+#[test]
+fn persist_memory_writes_the_newest_memory_only_step() {
+    let dir = real_dir("cadence-persist");
+    let root = dir.path();
+    let e =
+        Engine::open(cadence_config(root, DiskCadence::Every(10)).with_keep_last(Some(2))).unwrap();
+    save_step(&e, 1);
+    assert_eq!(e.persist_memory().unwrap(), None, "nothing in memory yet");
+    assert!(save_step(&e, 2).memory_only);
+    let r = e.persist_memory().unwrap().expect("step 2 was in memory");
+    assert!(!r.memory_only && r.dir.is_some(), "{r:?}");
+    assert_eq!(committed(root), [1, 2]);
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (2, false, true, false)]
+    );
+    assert_step_is_exact(root, 2);
+    // Removing a memory-only step gives it up.
+    assert!(save_step(&e, 3).memory_only);
+    e.remove(3).unwrap();
+    assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(2));
+    e.close();
+    assert_eq!(committed(root), [1, 2]);
+}
+
+#[test]
+fn the_default_cadence_sends_every_save_to_disk() {
+    let dir = real_dir("cadence-default");
+    let root = dir.path();
+    let cfg = small_config(root, BackendKind::Auto).with_direct_io(false);
+    assert_eq!(cfg.disk_cadence(), DiskCadence::Every(1));
+    let e = Engine::open(cfg).unwrap();
+    for s in 1..=3 {
+        let r = save_step(&e, s);
+        assert!(!r.memory_only && r.dir.is_some(), "{r:?}");
+    }
+    assert_eq!(committed(root), [1, 2, 3]);
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (2, false, true, false),
+            (3, false, true, false)
+        ]
+    );
+    e.close();
+}
+
+#[test]
+fn staging_too_small_for_two_saves_gives_the_memory_step_up_instead_of_waiting() {
+    let dir = real_dir("cadence-small");
+    let root = dir.path();
+    // Room for exactly one save (four chunks).
+    let cfg = cadence_config(root, DiskCadence::Every(5)).with_staging_capacity(4 * CS);
+    let e = Engine::open(cfg).unwrap();
+    save_step(&e, 1);
+    assert!(save_step(&e, 2).memory_only);
+    assert!(save_step(&e, 3).memory_only);
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (3, true, false, false)]
+    );
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    e.close();
+    assert_eq!(committed(root), [1, 3]);
+    assert_step_is_exact(root, 3);
+}
+
+#[test]
+fn a_disk_interval_sends_a_save_to_disk_once_the_last_disk_save_is_that_old() {
+    let dir = real_dir("cadence-interval");
+    let root = dir.path();
+    let cfg = cadence_config(root, DiskCadence::Every(1000))
+        .with_disk_interval(Some(Duration::from_millis(1500)));
+    let e = Engine::open(cfg).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    std::thread::sleep(Duration::from_millis(1600));
+    let r3 = save_step(&e, 3);
+    assert!(!r3.memory_only && r3.dir.is_some(), "{r3:?}");
+    assert!(save_step(&e, 4).memory_only);
+    assert_eq!(committed(root), [1, 3]);
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
+}
+
+#[test]
+fn cadences_that_decide_per_rank_are_refused_with_several_ranks() {
+    let dir = real_dir("cadence-config");
+    let root = dir.path();
+    let open = |cfg: EngineConfig| Engine::open(cfg).map(drop);
+    assert!(matches!(
+        open(cadence_config(root, DiskCadence::Every(0))),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        open(cadence_config(root, DiskCadence::WhenIdle).with_rank(0, 2)),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        open(
+            cadence_config(root, DiskCadence::Every(1))
+                .with_disk_interval(Some(Duration::from_secs(1)))
+                .with_rank(0, 2)
+        ),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        open(cadence_config(root, DiskCadence::Every(2)).with_keep_in_memory(true)),
+        Err(Error::Config(_))
+    ));
+    // Replicas take every disk save: not combined with a cadence yet.
+    assert!(matches!(
+        open(cadence_config(root, DiskCadence::Every(2)).with_replica_hold(true)),
+        Err(Error::Config(_))
+    ));
+    // Every N decides alike on every rank.
+    open(cadence_config(root, DiskCadence::Every(2)).with_rank(0, 2)).unwrap();
+}
+
+/// With a writer slowed down, "auto" sends a save to disk only when the previous disk save
+/// has finished.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn when_idle_skips_the_disk_while_a_save_drains() {
+    use shmckpt::testing::io::OpKind;
+    use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+    use std::sync::Arc;
+
+    let dir = real_dir("cadence-idle");
+    let root = dir.path();
+    let plan = Arc::new(FaultPlan::new());
+    plan.add(Rule {
+        kind: OpKind::Write,
+        offsets: 0..u64::MAX,
+        fault: Fault::Delay(Duration::from_millis(300)),
+        times: None,
+    });
+    let e =
+        Engine::open(cadence_config(root, DiskCadence::WhenIdle).with_faults(Arc::clone(&plan)))
+            .unwrap();
+    let s1 = step_state(1);
+    let h1 = e.save(1, &s1.tensors(), &Metadata::new()).unwrap();
+    // Step 1 drains (four chunks at 300 ms each): 2 and 3 stay in memory.
+    for s in [2, 3] {
+        let st = step_state(s);
+        let r = e
+            .save(s, &st.tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(
+            r.memory_only,
+            "step {s} went to disk while step 1 drained: {r:?}"
+        );
+    }
+    assert!(
+        !h1.is_done(),
+        "the slow writer finished step 1 early: nothing was tested"
+    );
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    let r1 = h1.wait().unwrap();
+    assert!(!r1.memory_only && r1.dir.is_some());
+    // Step 3 is newer than the disk's step 1: still the latest, from memory.
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    plan.clear();
+    // The disk is idle again: the next save goes to disk, and memory gives step 3 up.
+    let r4 = save_step(&e, 4);
+    assert!(!r4.memory_only && r4.dir.is_some(), "{r4:?}");
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (4, false, true, false)]
+    );
+    e.close();
+    assert_eq!(committed(root), [1, 4]);
+    assert_step_is_exact(root, 4);
+}
+
+/// Child: step 1 to disk, step 2 memory-only, then death by SIGKILL.
+fn child_memory_only() {
+    let root = env_path(ROOT_ENV);
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(2))
+            .with_staging_capacity(1 << 20)
+            .with_shm_name(shm),
+    )
+    .unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    let s2 = step_state(2);
+    let r = e
+        .save(2, &s2.tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(r.memory_only);
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box(&e);
+    sigkill_self();
+}
+
+const ROLES: &[Role] = &[("child_memory_only", child_memory_only)];
+
+#[test]
+fn a_memory_only_step_is_recovered_after_sigkill() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-kill");
+    let root = dir.path();
+    let shm = test_shm_name("cadence");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_memory_only", root, &shm);
+    assert_eq!(
+        committed(root),
+        [1],
+        "nothing wrote step 2 before the crash"
+    );
+    assert!(shm_exists(&shm), "the arena survives the crash");
+    // The next open recovers step 2 from the dead engine's arena and commits it.
+    let e = Engine::open(cadence_config(root, DiskCadence::Every(2))).unwrap();
+    assert_eq!(e.recovered_steps(), [2]);
+    assert!(!shm_exists(&shm), "recovery removes the arena");
+    assert_latest_from(&e, 2, LoadSource::Disk);
+    e.close();
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 2);
+}

@@ -1,0 +1,392 @@
+//! The memory tier (`EngineConfig::with_disk_cadence`): the one decision of which tiers
+//! take a save ([`Cadence::decide`]), and the newest memory-only save, held in the
+//! staging arena ([`MemoryTier`]) until a newer save is loadable.
+//!
+//! A memory-only save is staged like any save and its descriptor slot marked `STAGED`
+//! (recovery after a crash of the process commits it from the arena), but its chunks are
+//! kept by the save instead of going to the writers. Once staged, they become the memory
+//! tier's image ([`flash::Adopted::in_memory`], served by loads like a kept image); the
+//! previous memory-only step is given up then (slot freed in the descriptor first, then
+//! its chunks back to the pool). A disk save gives it up once committed (a newer step is
+//! then on disk), and so does the arena when staging runs out of chunks (the reclaim hook:
+//! staging never waits for the memory tier). [`Engine::persist_memory`] (run by
+//! [`Engine::close`]) writes the newest memory-only step to disk from those chunks.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::config::{DiskCadence, EngineConfig};
+use crate::error::{Error, Result};
+use crate::manifest::{self, Manifest, Metadata};
+use crate::plan::Plan;
+use crate::staging::{Arena, ChunkLease};
+
+use super::flash::Adopted;
+use super::report::{SaveReport, SaveTimings, StagedReport};
+use super::state::{FileSlot, Progress, SaveState};
+use super::{Engine, lock};
+
+/// What decides the disk cadence: the saves since the last disk save and that save.
+#[derive(Default)]
+pub(super) struct Cadence {
+    /// Memory-only saves since the last disk save; `None` before the engine's first.
+    memory_since_disk: Option<u64>,
+    /// Disk saves since the last upload; `None` before the engine's first.
+    disk_since_bucket: Option<u64>,
+    /// When the last disk save began.
+    last_disk_start: Option<Instant>,
+    /// The last disk save, to ask whether it has finished (gone: it has; weak, as the
+    /// engine's shared state holds the cadence and each save holds the shared state).
+    last_disk: std::sync::Weak<SaveState>,
+}
+
+impl Cadence {
+    /// The one decision of which tiers take a save (every save is staged in memory):
+    /// whether it goes to disk, and whether to the bucket too (only a disk save does).
+    /// `forced`: the save must reach the disk (a part-only save, a commit held for its
+    /// caller). Called under the staging gate, so saves are decided in the order they
+    /// stage.
+    pub(super) fn decide(&self, cfg: &EngineConfig, forced: bool) -> SaveTiers {
+        let disk = self.goes_to_disk(cfg, forced);
+        let bucket = disk
+            && self
+                .disk_since_bucket
+                .is_none_or(|m| m.saturating_add(1) >= cfg.remote_every);
+        SaveTiers { disk, bucket }
+    }
+
+    /// Whether a save goes to disk ([`Cadence::decide`]).
+    fn goes_to_disk(&self, cfg: &EngineConfig, forced: bool) -> bool {
+        if forced || cfg.every_save_to_disk() {
+            return true;
+        }
+        let by_cadence = match cfg.disk_cadence {
+            DiskCadence::Every(n) => self
+                .memory_since_disk
+                .is_none_or(|m| m.saturating_add(1) >= n),
+            DiskCadence::WhenIdle => self.last_disk.upgrade().is_none_or(|s| s.is_done()),
+        };
+        let by_interval = cfg
+            .disk_interval
+            .is_some_and(|iv| self.last_disk_start.is_none_or(|t| t.elapsed() >= iv));
+        by_cadence || by_interval
+    }
+
+    /// Record the decided save: a disk save restarts the count, an upload the count of
+    /// disk saves.
+    pub(super) fn record(&mut self, state: &Arc<SaveState>, tiers: SaveTiers) {
+        if tiers.bucket {
+            self.disk_since_bucket = Some(0);
+        } else if tiers.disk {
+            self.disk_since_bucket = Some(self.disk_since_bucket.unwrap_or(0) + 1);
+        }
+        if state.disk {
+            self.memory_since_disk = Some(0);
+            self.last_disk_start = Some(state.started);
+            self.last_disk = Arc::downgrade(state);
+        } else {
+            self.memory_since_disk = Some(self.memory_since_disk.unwrap_or(0) + 1);
+        }
+    }
+}
+
+/// Which tiers take a save ([`Cadence::decide`]), besides the memory it is staged in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SaveTiers {
+    /// The local disk (else memory only).
+    pub(super) disk: bool,
+    /// The bucket (with a remote tier; only ever with `disk`).
+    pub(super) bucket: bool,
+}
+
+/// The newest memory-only step, its chunks held in the arena.
+pub(super) struct MemoryStep {
+    pub(super) step: u64,
+    /// The save's sequence number (`Arena::begin_save`): saves begun later are newer.
+    seq: u64,
+    /// Its descriptor slot (`STAGED`: recovery commits it after a crash).
+    slot: u32,
+    plan: Plan,
+    pub(super) metadata: Metadata,
+    staged: StagedReport,
+    /// File chunk `k` in its `k`-th lease, served like a kept image.
+    pub(super) image: Adopted,
+}
+
+/// The memory tier of an engine: at most one memory-only step.
+#[derive(Default)]
+pub(super) struct MemoryTier {
+    newest: Mutex<Option<MemoryStep>>,
+}
+
+impl MemoryTier {
+    /// The held step, locked: loads copy from it while the guard lives (a save that gives
+    /// it up waits for them; loads never wait for saves).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Option<MemoryStep>> {
+        lock(&self.newest)
+    }
+
+    /// The step held, if any.
+    pub(super) fn step(&self) -> Option<u64> {
+        self.lock().as_ref().map(|m| m.step)
+    }
+
+    /// Hold `m` as the newest memory-only step, giving up the one held before.
+    fn install(&self, arena: &Arena, m: MemoryStep) {
+        let old = self.lock().replace(m);
+        if let Some(old) = old {
+            tracing::debug!(
+                step = old.step,
+                "memory-only step given up: a newer save is staged"
+            );
+            release(arena, old);
+        }
+    }
+
+    /// A disk save begun as `seq` committed: the memory-only step held, if older, is given
+    /// up (a newer step is on disk).
+    pub(super) fn committed(&self, arena: &Arena, seq: u64) {
+        let mut g = self.lock();
+        if g.as_ref().is_some_and(|m| m.seq < seq) {
+            let old = g.take().expect("checked");
+            drop(g);
+            tracing::debug!(
+                step = old.step,
+                "memory-only step given up: a newer step is committed"
+            );
+            release(arena, old);
+        }
+    }
+
+    /// Give the held step up, whatever it is (staging ran out of chunks, or the step was
+    /// removed). Returns its step.
+    pub(super) fn give_up(&self, arena: &Arena) -> Option<u64> {
+        let old = self.lock().take()?;
+        let step = old.step;
+        release(arena, old);
+        Some(step)
+    }
+
+    /// Take the held step out to write it to disk (its slot stays taken).
+    fn take(&self) -> Option<MemoryStep> {
+        self.lock().take()
+    }
+}
+
+/// Free a memory-only step: the descriptor slot first (recovery no longer names its
+/// chunks), then the chunks back to the pool.
+fn release(arena: &Arena, m: MemoryStep) {
+    arena.release_slot(m.slot);
+    drop(m.image);
+}
+
+/// A memory-only save ended staging successfully: its chunks become the memory tier's
+/// newest step, then the save is reported staged and done (memory only, not durable).
+pub(super) fn staged(state: &Arc<SaveState>, report: StagedReport) {
+    let leases: Option<Vec<ChunkLease>> = std::mem::take(&mut *lock(&state.memory))
+        .into_iter()
+        .collect();
+    let Some(leases) = leases else {
+        failed(
+            state,
+            Error::Internal("a memory-only save was staged with chunks missing".into()),
+        );
+        return;
+    };
+    let cs = state.shared.arena.chunk_size();
+    let entry = state.file_entry(&vec![0; state.plan.entries().len()]);
+    let image = Adopted::in_memory(leases, state.step, state.plan.data_start(), cs, entry);
+    let m = MemoryStep {
+        step: state.step,
+        seq: state.keep_seq,
+        slot: state.slot,
+        plan: state.plan.clone(),
+        metadata: state.metadata.clone(),
+        staged: report,
+        image,
+    };
+    state.shared.memory.install(&state.shared.arena, m);
+    let result = SaveReport {
+        step: state.step,
+        dir: None,
+        file: std::path::PathBuf::new(),
+        bytes: state.plan.file_len(),
+        tensors: state.plan.entries().len(),
+        timings: SaveTimings {
+            staging: report.staging,
+            backpressure: report.backpressure,
+            durable: Duration::ZERO,
+            committed: None,
+        },
+        backend: state.shared.backend,
+        direct_io: false,
+        memory_only: true,
+        retired: Vec::new(),
+    };
+    tracing::debug!(step = state.step, "memory-only save staged");
+    state.staging_finished(Ok(report));
+    state.complete(Ok(result));
+}
+
+/// A memory-only save failed while staging: its slot freed (before its chunks return to
+/// the pool), the failure reported. No commit thread is involved.
+pub(super) fn failed(state: &Arc<SaveState>, e: Error) {
+    state.shared.arena.release_slot(state.slot);
+    lock(&state.memory).clear();
+    state.staging_finished(Err(e));
+    let err = lock(&state.progress)
+        .error
+        .clone()
+        .unwrap_or_else(|| Arc::new(Error::Internal("memory-only save failed".into())));
+    state.complete(Err(err));
+}
+
+impl Engine {
+    /// Write the newest memory-only step ([`EngineConfig::with_disk_cadence`]) to disk
+    /// from its staging chunks, as a disk save of that step (file, `fdatasync`, manifest,
+    /// commit, retention), and wait for the commit. `Ok(None)` when no memory-only step is
+    /// held. [`Engine::close`] calls it, so a clean exit loses no step that was saved. The
+    /// bucket and the replicas do not take it.
+    pub fn persist_memory(&self) -> Result<Option<SaveReport>> {
+        // Saves are decided and staged one at a time: none stages while this one starts.
+        self.shared.gate.enter();
+        let started = self.persist_start();
+        self.shared.gate.leave();
+        match started? {
+            None => Ok(None),
+            Some(state) => {
+                state.wait_done();
+                let r = lock(&state.progress).result.clone();
+                match r {
+                    Some(Ok(rep)) => Ok(Some(rep)),
+                    Some(Err(e)) => Err(Error::SaveFailed {
+                        step: state.step,
+                        source: e,
+                    }),
+                    None => Err(Error::Internal("a save ended without a result".into())),
+                }
+            }
+        }
+    }
+
+    /// With the gate held: hand the held memory-only step to the writers and the commit
+    /// thread, as a disk save whose bytes are staged already.
+    fn persist_start(&self) -> Result<Option<Arc<SaveState>>> {
+        let Some(tx) = self.commit_tx.as_ref() else {
+            return Err(Error::Shutdown("engine closed".into()));
+        };
+        let jobs = self.jobs()?;
+        let Some(m) = self.shared.memory.take() else {
+            return Ok(None);
+        };
+        let cfg = &self.shared.cfg;
+        let step = m.step;
+        lock(&self.shared.inflight).insert(step);
+        let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
+        let partial = cfg.root.join(manifest::partial_dir_name(step));
+        let n_chunks = m.plan.chunk_count(self.shared.arena.chunk_size());
+        let state = Arc::new(SaveState {
+            shared: Arc::clone(&self.shared),
+            step,
+            plan: m.plan,
+            metadata: m.metadata,
+            file: FileSlot {
+                path: partial.join(&file_name),
+                ..FileSlot::default()
+            },
+            partial,
+            file_name,
+            part_only: false,
+            confirm: false,
+            slot: m.slot,
+            keep_seq: m.seq,
+            started: Instant::now(),
+            slot_wait: Duration::ZERO,
+            failed: std::sync::atomic::AtomicBool::new(false),
+            progress: Mutex::new(Progress {
+                staging_done: true,
+                staged: Some(Ok(m.staged)),
+                ..Progress::default()
+            }),
+            changed: Condvar::new(),
+            crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
+            #[cfg(feature = "s3")]
+            remote: None,
+            #[cfg(feature = "s3")]
+            feed: None,
+            snapshot: crate::device::SnapshotRequest::default(),
+            held: Arc::default(),
+            disk: true,
+            memory: Mutex::new(Vec::new()),
+        });
+        let st = Arc::clone(&state);
+        if let Err(e) = std::thread::Builder::new()
+            .name("shmckpt-open".into())
+            .spawn(move || st.open_file())
+        {
+            state.file_opened(Err(Error::Shutdown(format!(
+                "cannot spawn the file-opening thread: {e}"
+            ))));
+        }
+        // Every chunk is dispatched before the commit thread sees the save (it finalizes a
+        // save once every dispatched chunk finished).
+        let cs = self.shared.arena.chunk_size();
+        let mut gone = false;
+        for (k, lease) in m.image.into_leases().into_iter().enumerate() {
+            if gone {
+                // The writers are gone (the save fails): the descriptor must not name a
+                // chunk that goes back to the pool.
+                state
+                    .shared
+                    .arena
+                    .descriptor()
+                    .chunk_lost(state.slot, k as u64);
+                drop(lease);
+                continue;
+            }
+            let len = state.plan.chunk_range(k as u64, cs);
+            let len = (len.end - len.start) as usize;
+            let write_len = state.write_len(len);
+            gone = SaveState::dispatch(&state, &jobs, lease, k as u64, len, write_len).is_err();
+        }
+        *lock(&self.last_save) = Some(Arc::clone(&state));
+        if tx.send(Arc::clone(&state)).is_err() {
+            return Err(Error::Shutdown("engine closed".into()));
+        }
+        tracing::info!(step, "writing the newest memory-only step to disk");
+        Ok(Some(state))
+    }
+
+    /// The memory-only step held, if any.
+    pub(super) fn memory_step(&self) -> Option<u64> {
+        self.shared.memory.step()
+    }
+
+    /// The manifest a memory-only step would have with this rank alone (its tensors'
+    /// checksums are 0: computed when the step goes to disk).
+    pub(super) fn memory_manifest(&self, step: u64) -> Option<(Manifest, Metadata)> {
+        let g = self.shared.memory.lock();
+        let m = g.as_ref().filter(|m| m.step == step)?;
+        let entry = m.image.entry().clone();
+        let mut header_meta = m.metadata.clone();
+        let cfg = &self.shared.cfg;
+        header_meta.insert(crate::plan::META_STEP.to_owned(), step.to_string());
+        header_meta.insert(crate::plan::META_RANK.to_owned(), cfg.rank.to_string());
+        header_meta.insert(
+            crate::plan::META_WORLD.to_owned(),
+            cfg.world_size.to_string(),
+        );
+        Some((
+            Manifest {
+                format_version: manifest::FORMAT_VERSION,
+                step,
+                world_size: cfg.world_size,
+                created_unix_ms: crate::util::unix_ms(),
+                total_bytes: entry.bytes,
+                metadata: m.metadata.clone(),
+                files: vec![entry],
+            },
+            header_meta,
+        ))
+    }
+}
