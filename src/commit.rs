@@ -234,6 +234,12 @@ struct RootDirLock {
     _dir: std::os::fd::OwnedFd,
 }
 
+/// Whether the committed directory `final_dir` holds a manifest naming `entry` (a rank's
+/// part committed by whichever rank merged the parts).
+fn committed_naming(final_dir: &Path, entry: &FileEntry) -> bool {
+    Manifest::read(final_dir).is_ok_and(|m| m.files.iter().any(|f| f == entry))
+}
+
 fn lock_root_dir(root: &Path, exclusive: bool) -> Result<RootDirLock> {
     let dir = fsx::open_dir(root)?;
     let op = if exclusive {
@@ -461,7 +467,7 @@ pub fn write_part(
         // part an earlier run wrote) and another rank merged every part and renamed
         // the directory meanwhile: committed with exactly this entry, once that
         // rename is durable.
-        if Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == entry)) {
+        if committed_naming(&final_dir, entry) {
             fsync_dir(root)?;
             return Ok(Some(final_dir));
         }

@@ -227,7 +227,7 @@ impl PartBarrier for SharedRoot<'_> {
         // this rank's entry, once the rename is durable.
         let final_dir = self.root.join(step_dir_name(step));
         let merging = super::lock_root_dir(self.partial, true);
-        if Manifest::read(&final_dir).is_ok_and(|m| m.files.iter().any(|f| f == mine)) {
+        if super::committed_naming(&final_dir, mine) {
             fsync_dir(self.root)?;
             return Ok(Some(final_dir));
         }
