@@ -498,8 +498,9 @@ impl EngineConfig {
     ///
     /// Host memory: the arena must hold the staging of the disk save draining, the newest
     /// memory-only step and the save being staged (3 × a save's file per rank, for a
-    /// trainer whose disk saves drain while it saves again); when staging runs out, the
-    /// held memory-only step is given up (logged) rather than waiting forever.
+    /// trainer whose disk saves drain while it saves again); when the arena cannot hold
+    /// the memory-only step and the next save, that step goes to disk first (logged) and
+    /// the save waits for its chunks: it is never given up before a newer step is.
     pub fn with_disk_cadence(mut self, cadence: DiskCadence) -> Self {
         self.disk_cadence = cadence;
         self

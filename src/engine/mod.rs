@@ -319,22 +319,14 @@ impl Engine {
         let memory = Arc::new(memory::MemoryTier::default());
         {
             let held = Arc::downgrade(&held);
-            let mem = Arc::downgrade(&memory);
-            let arena_ref = Arc::downgrade(&arena);
             #[cfg(feature = "s3")]
             let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
             arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
                 }
-                // The memory tier's step is given up rather than waited for (the save
-                // being staged is newer).
-                if empty
-                    && let (Some(m), Some(a)) = (mem.upgrade(), arena_ref.upgrade())
-                    && let Some(step) = m.give_up(&a)
-                {
-                    tracing::warn!(step, "staging ran out of chunks: the memory-only step is given up (staging_capacity holds fewer saves than the disk cadence needs)");
-                }
+                // The memory tier's step is not given up here: it stays recoverable until a
+                // newer step is, and the save path made room for it (`make_room_for`).
                 // Uploads give theirs back only when nothing is free (a save reusing its
                 // own chunk costs the remote tier nothing).
                 #[cfg(feature = "s3")]

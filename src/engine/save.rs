@@ -405,6 +405,11 @@ impl Engine {
         // Which tiers take the save: the one decision (`memory::Cadence::decide`).
         let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm);
         let disk = tiers.disk;
+        let n_chunks = plan.chunk_count(cs);
+        if let Err(e) = self.make_room_for(n_chunks) {
+            undo();
+            return Err(e);
+        }
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
@@ -416,7 +421,6 @@ impl Engine {
         drop(lock(&self.shared.adopted).take());
         let slot = arena.acquire_slot();
         let slot_wait = t_slot.elapsed() + gate_wait;
-        let n_chunks = plan.chunk_count(cs);
         arena.descriptor().begin(
             slot,
             &SaveRecord {
