@@ -209,3 +209,6 @@ pub(crate) trait RankFiles {
     /// bytes read.
     fn read_wanted(&self, f: &FileEntry, wanted: &[bool], sink: &mut dyn ReadSink) -> Result<u64>;
 }
+
+#[cfg(test)]
+mod tests;
