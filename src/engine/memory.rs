@@ -319,10 +319,7 @@ impl Engine {
             }),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
-            #[cfg(feature = "s3")]
-            remote: None,
-            #[cfg(feature = "s3")]
-            feed: None,
+            upload: None,
             snapshot: crate::device::SnapshotRequest::default(),
             held: Arc::default(),
             disk: true,

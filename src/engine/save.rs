@@ -319,8 +319,7 @@ impl Engine {
     ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
         let cfg = &self.shared.cfg;
-        #[cfg(feature = "s3")]
-        if part_only && cfg.remote.is_some() {
+        if part_only && self.shared.remote.is_some() {
             return Err(Error::Config(
                 "a part-only save cannot be uploaded: the remote tier commits steps in the bucket"
                     .into(),
@@ -454,19 +453,13 @@ impl Engine {
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
             // Only the saves the cadence sends to the bucket (disk saves) are uploaded.
-            #[cfg(feature = "s3")]
-            remote: tiers
-                .bucket
-                .then(|| self.shared.remote.as_ref().map(|t| t.progress(step)))
-                .flatten(),
-            #[cfg(feature = "s3")]
-            feed: tiers
+            upload: tiers
                 .bucket
                 .then(|| {
                     self.shared
                         .remote
                         .as_ref()
-                        .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only()))
+                        .map(|t| t.begin_save(step, n_chunks, cs))
                 })
                 .flatten(),
             snapshot: crate::device::SnapshotRequest::default(),
@@ -492,20 +485,17 @@ impl Engine {
         }
         // The upload starts with the save: its parts go out as the chunks are staged and
         // written; it completes once the commit thread reports the local commit.
-        #[cfg(feature = "s3")]
-        if let (Some(t), Some(p), Some(f)) = (&self.shared.remote, &state.remote, &state.feed) {
-            t.submit(
-                p.clone(),
-                state.metadata.clone(),
-                Arc::clone(f),
+        if let Some(u) = &state.upload {
+            u.start(
+                &state.metadata,
                 cfg.rank,
-                state.file_name.clone(),
+                &state.file_name,
                 state.plan.file_len(),
             );
         }
         lock(&self.shared.cadence).record(&state, tiers);
         let st = Arc::clone(&state);
-        let opener = if cfg.is_remote_only() || !disk {
+        let opener = if !self.shared.files || !disk {
             // No file: the bucket is the save's only copy, or the save is memory-only.
             state.no_file_opened();
             Ok(())
