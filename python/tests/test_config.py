@@ -186,3 +186,21 @@ def test_the_checkpointer_is_one_class_with_grouped_parameters():
         "shm_name",
         "legacy",
     ]
+
+
+def test_the_integrations_take_one_tuning(tmp_path):
+    pytest.importorskip("torch.distributed.checkpoint")
+    from shmckpt.dcp import ShmckptWriter
+
+    t = Tuning(chunk_size=1 << 20, writer_threads=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped = ShmckptWriter(tmp_path / "a", tuning=t)
+    with pytest.warns(DeprecationWarning, match=r"ShmckptWriter: flat keyword arguments are deprecated"):
+        flat = ShmckptWriter(tmp_path / "b", chunk_size=1 << 20, writer_threads=3)
+    assert grouped._opts == flat._opts == t
+    with pytest.raises(TypeError, match=r"'chunk_sizes' \(did you mean 'chunk_size'\?\)"):
+        ShmckptWriter(tmp_path / "c", chunk_sizes=1)
+    lightning = pytest.importorskip("shmckpt.lightning")
+    io = lightning.ShmckptCheckpointIO(tuning=t, keep_in_memory=True)
+    assert io._settings == {"chunk_size": 1 << 20, "writer_threads": 3, "keep_in_memory": True}
