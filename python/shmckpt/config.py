@@ -286,8 +286,8 @@ def apply_legacy(
     valid one (``valid`` plus the flat names); each flat keyword used warns once
     (``DeprecationWarning``, naming the new spelling). A flat keyword of a group that was
     given as its dataclass is a ``ConfigError`` (one place for each setting); a tier's
-    flat setting without the tier (``remote_keep_last`` without ``remote``) is refused
-    unless it is the default."""
+    flat setting without the tier (``remote_keep_last`` without ``remote``) has no effect,
+    as before, and warns unless it is the default."""
     valid = list(valid)
     for k in legacy:
         if k not in LEGACY or LEGACY[k][0] not in groups:
@@ -348,12 +348,17 @@ def apply_legacy(
 
 
 def _refuse_without(group: str, tier: str, extra: Mapping[str, Any], legacy: Mapping[str, Any]) -> None:
-    """A flat setting of ``tier`` given without the tier: refused unless the default."""
+    """A flat setting of ``tier`` given without the tier: it has no effect (as in earlier
+    versions, which ignored it); said by a warning unless it is the default."""
     for f, v in extra.items():
         d = _default(group, f)
         if v is not d and v != d:
             k = next(n for n, (g, ff) in LEGACY.items() if g == group and ff == f and n in legacy)
-            raise ConfigError(f"{k}={v!r} needs {tier}=... (it sets the {tier} tier, which is off)")
+            warnings.warn(
+                f"{k}={v!r} has no effect: the {tier} tier is off ({tier}=... not given)",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def engine_settings(

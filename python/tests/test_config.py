@@ -150,8 +150,11 @@ def test_groups_check_their_fields_when_built():
 def test_one_place_for_each_setting(root):
     with pytest.raises(ConfigError, match=r"chunk_size= and tuning=Tuning\(\.\.\.\) both given"):
         shmckpt.Checkpointer(root, tuning=Tuning(writer_threads=2), chunk_size=1 << 20)
-    with pytest.raises(ConfigError, match=r"remote_keep_last=3 needs remote=\.\.\."):
-        shmckpt.Checkpointer(root, remote_keep_last=3)
+    # A tier's flat setting without the tier had no effect: still has none, said.
+    with pytest.warns(UserWarning, match=r"remote_keep_last=3 has no effect: the remote tier is off"):
+        c = shmckpt.Checkpointer(root, tuning=Tuning(staging_capacity=SMALL), remote_keep_last=3)
+    assert c.remote is None
+    c.close()
     # A flat setting at its default, without its tier, was accepted before: still is.
     shmckpt.Checkpointer(root, tuning=Tuning(staging_capacity=SMALL), remote_every=1, node_local_root=False).close()
 
