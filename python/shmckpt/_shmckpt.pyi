@@ -215,6 +215,7 @@ class Engine:
         disk_every: Union[int, str, None] = None,
         disk_interval_s: Optional[float] = None,
         remote_every: Optional[int] = None,
+        memory_steps: Optional[int] = None,
     ) -> "Engine": ...
     @property
     def chunk_size(self) -> int: ...

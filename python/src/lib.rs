@@ -199,7 +199,7 @@ impl PyEngine {
         keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
         remote_max_pending=None, remote_only=false, remote_session=None,
         remote_part_size=None, remote_concurrency=None, remote_request_timeout=None,
-        remote_complete_timeout=None, replica_hold=false, disk_every=None, disk_interval_s=None, remote_every=None))]
+        remote_complete_timeout=None, replica_hold=false, disk_every=None, disk_interval_s=None, remote_every=None, memory_steps=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -231,6 +231,7 @@ impl PyEngine {
         disk_every: Option<DiskEveryArg>,
         disk_interval_s: Option<f64>,
         remote_every: Option<u64>,
+        memory_steps: Option<usize>,
     ) -> PyResult<Self> {
         let disk_cadence =
             core::disk_cadence(disk_every.map(|d| d.0)).map_err(PyValueError::new_err)?;
@@ -267,6 +268,7 @@ impl PyEngine {
             disk_cadence,
             disk_interval: disk_interval_s,
             remote_every,
+            memory_steps,
         };
         let engine = py
             .detach(|| core::open(opts.clone()))

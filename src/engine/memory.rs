@@ -1,16 +1,18 @@
 //! The memory tier (`EngineConfig::with_disk_cadence`): the one decision of which tiers
-//! take a save ([`Cadence::decide`]), and the newest memory-only save, held in the
-//! staging arena ([`MemoryTier`]) until a newer save is loadable.
+//! take a save ([`Cadence::decide`]), and the newest memory-only saves (at most
+//! `EngineConfig::with_memory_steps`, default 1), held in the staging arena
+//! ([`MemoryTier`]) until a newer save is durable.
 //!
 //! A memory-only save is staged like any save and its descriptor slot marked `STAGED`
 //! (recovery after a crash of the process commits it from the arena), but its chunks are
 //! kept by the save instead of going to the writers. Once staged, they become the memory
 //! tier's image ([`flash::Adopted::in_memory`], served by loads like a kept image); the
-//! previous memory-only step is given up then (slot freed in the descriptor first, then
-//! its chunks back to the pool). A disk save gives it up once committed (a newer step is
-//! then on disk), and so does the arena when staging runs out of chunks (the reclaim hook:
-//! staging never waits for the memory tier). [`Engine::persist_memory`] (run by
-//! [`Engine::close`]) writes the newest memory-only step to disk from those chunks.
+//! oldest memory-only step beyond the limit is given up then (slot freed in the descriptor
+//! first, then its chunks back to the pool). A disk save gives up the older ones once
+//! committed (a newer step is then on disk), and the arena the oldest when staging runs out
+//! of chunks (the reclaim hook: staging never waits for the memory tier).
+//! [`Engine::persist_memory`] (run by [`Engine::close`]) writes the held steps to disk from
+//! those chunks, oldest first.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -113,43 +115,70 @@ pub(super) struct MemoryStep {
     pub(super) image: Adopted,
 }
 
-/// The memory tier of an engine: at most one memory-only step.
-#[derive(Default)]
+/// The memory tier of an engine: at most `memory_steps` memory-only steps
+/// ([`EngineConfig::with_memory_steps`]), oldest first.
 pub(super) struct MemoryTier {
-    newest: Mutex<Option<MemoryStep>>,
+    held: Mutex<Vec<MemoryStep>>,
+    limit: usize,
 }
 
 impl MemoryTier {
-    /// The held step, locked: loads copy from it while the guard lives (a save that gives
-    /// it up waits for them; loads never wait for saves).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Option<MemoryStep>> {
-        lock(&self.newest)
+    /// A tier holding at most `limit` steps (at least 1).
+    pub(super) fn new(limit: usize) -> MemoryTier {
+        MemoryTier {
+            held: Mutex::new(Vec::new()),
+            limit: limit.max(1),
+        }
     }
 
-    /// The step held, if any.
-    pub(super) fn step(&self) -> Option<u64> {
-        self.lock().as_ref().map(|m| m.step)
+    /// The held steps, oldest first, locked: loads copy from them while the guard lives (a
+    /// save that gives one up waits for them; loads never wait for saves).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Vec<MemoryStep>> {
+        lock(&self.held)
     }
 
-    /// Hold `m` as the newest memory-only step, giving up the one held before.
+    /// The newest step held, if any.
+    pub(super) fn newest(&self) -> Option<u64> {
+        self.lock().last().map(|m| m.step)
+    }
+
+    /// The steps held, oldest first.
+    pub(super) fn steps(&self) -> Vec<u64> {
+        self.lock().iter().map(|m| m.step).collect()
+    }
+
+    /// Whether `step` is held.
+    pub(super) fn holds(&self, step: u64) -> bool {
+        self.lock().iter().any(|m| m.step == step)
+    }
+
+    /// Hold `m` as the newest memory-only step, giving up the oldest beyond the limit.
     fn install(&self, arena: &Arena, m: MemoryStep) {
-        let old = self.lock().replace(m);
-        if let Some(old) = old {
+        let gone: Vec<MemoryStep> = {
+            let mut g = self.lock();
+            g.push(m);
+            let over = g.len().saturating_sub(self.limit);
+            g.drain(..over).collect()
+        };
+        for old in gone {
             tracing::debug!(
                 step = old.step,
-                "memory-only step given up: a newer save is staged"
+                limit = self.limit,
+                "memory-only step given up: newer memory-only saves are staged"
             );
             release(arena, old);
         }
     }
 
-    /// A disk save begun as `seq` committed: the memory-only step held, if older, is given
-    /// up (a newer step is on disk).
+    /// A disk save begun as `seq` committed: the memory-only steps held that are older are
+    /// given up (a newer step is on disk).
     pub(super) fn committed(&self, arena: &Arena, seq: u64) {
-        let mut g = self.lock();
-        if g.as_ref().is_some_and(|m| m.seq < seq) {
-            let old = g.take().expect("checked");
-            drop(g);
+        let gone: Vec<MemoryStep> = {
+            let mut g = self.lock();
+            let older = g.iter().take_while(|m| m.seq < seq).count();
+            g.drain(..older).collect()
+        };
+        for old in gone {
             tracing::debug!(
                 step = old.step,
                 "memory-only step given up: a newer step is committed"
@@ -158,18 +187,37 @@ impl MemoryTier {
         }
     }
 
-    /// Give the held step up, whatever it is (staging ran out of chunks, or the step was
-    /// removed). Returns its step.
-    pub(super) fn give_up(&self, arena: &Arena) -> Option<u64> {
-        let old = self.lock().take()?;
+    /// Give the oldest held step up (staging ran out of chunks). Returns its step.
+    pub(super) fn give_up_oldest(&self, arena: &Arena) -> Option<u64> {
+        let old = {
+            let mut g = self.lock();
+            if g.is_empty() {
+                return None;
+            }
+            g.remove(0)
+        };
         let step = old.step;
         release(arena, old);
         Some(step)
     }
 
-    /// Take the held step out to write it to disk (its slot stays taken).
-    fn take(&self) -> Option<MemoryStep> {
-        self.lock().take()
+    /// Give held step `step` up (the step was removed). Whether it was held.
+    pub(super) fn give_up(&self, arena: &Arena, step: u64) -> bool {
+        let old = {
+            let mut g = self.lock();
+            let Some(at) = g.iter().position(|m| m.step == step) else {
+                return false;
+            };
+            g.remove(at)
+        };
+        release(arena, old);
+        true
+    }
+
+    /// Take the oldest held step out to write it to disk (its slot stays taken).
+    fn take_oldest(&self) -> Option<MemoryStep> {
+        let mut g = self.lock();
+        (!g.is_empty()).then(|| g.remove(0))
     }
 }
 
@@ -242,12 +290,23 @@ pub(super) fn failed(state: &Arc<SaveState>, e: Error) {
 }
 
 impl Engine {
-    /// Write the newest memory-only step ([`EngineConfig::with_disk_cadence`]) to disk
-    /// from its staging chunks, as a disk save of that step (file, `fdatasync`, manifest,
-    /// commit, retention), and wait for the commit. `Ok(None)` when no memory-only step is
-    /// held. [`Engine::close`] calls it, so a clean exit loses no step that was saved. The
-    /// bucket and the replicas do not take it.
-    pub fn persist_memory(&self) -> Result<Option<SaveReport>> {
+    /// Write the held memory-only steps ([`EngineConfig::with_disk_cadence`],
+    /// [`EngineConfig::with_memory_steps`]) to disk from their staging chunks, oldest
+    /// first, each as a disk save of that step (file, `fdatasync`, manifest, commit,
+    /// retention), waiting for each commit; their reports, oldest first (empty when none
+    /// is held). The first failure stops it (the steps not yet written stay held).
+    /// [`Engine::close`] calls it, so a clean exit loses no step that was saved. The
+    /// bucket and the replicas do not take them.
+    pub fn persist_memory(&self) -> Result<Vec<SaveReport>> {
+        let mut reports = Vec::new();
+        while let Some(r) = self.persist_oldest()? {
+            reports.push(r);
+        }
+        Ok(reports)
+    }
+
+    /// Write the oldest held memory-only step to disk ([`Engine::persist_memory`]).
+    fn persist_oldest(&self) -> Result<Option<SaveReport>> {
         // Saves are decided and staged one at a time: none stages while this one starts.
         self.shared.gate.enter();
         let started = self.persist_start();
@@ -269,14 +328,14 @@ impl Engine {
         }
     }
 
-    /// With the gate held: hand the held memory-only step to the writers and the commit
+    /// With the gate held: hand the oldest held memory-only step to the writers and the commit
     /// thread, as a disk save whose bytes are staged already.
     fn persist_start(&self) -> Result<Option<Arc<SaveState>>> {
         let Some(tx) = self.commit_tx.as_ref() else {
             return Err(Error::Shutdown("engine closed".into()));
         };
         let jobs = self.jobs()?;
-        let Some(m) = self.shared.memory.take() else {
+        let Some(m) = self.shared.memory.take_oldest() else {
             return Ok(None);
         };
         let cfg = &self.shared.cfg;
@@ -357,16 +416,16 @@ impl Engine {
         Ok(Some(state))
     }
 
-    /// The memory-only step held, if any.
+    /// The newest memory-only step held, if any.
     pub(super) fn memory_step(&self) -> Option<u64> {
-        self.shared.memory.step()
+        self.shared.memory.newest()
     }
 
     /// The manifest a memory-only step would have with this rank alone (its tensors'
     /// checksums are 0: computed when the step goes to disk).
     pub(super) fn memory_manifest(&self, step: u64) -> Option<(Manifest, Metadata)> {
         let g = self.shared.memory.lock();
-        let m = g.as_ref().filter(|m| m.step == step)?;
+        let m = g.iter().find(|m| m.step == step)?;
         let entry = m.image.entry().clone();
         let mut header_meta = m.metadata.clone();
         let cfg = &self.shared.cfg;

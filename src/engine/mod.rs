@@ -255,7 +255,7 @@ impl Engine {
             name: Some(name),
             capacity: cfg.staging_capacity,
             chunk_size: cfg.chunk_size,
-            slots: cfg.max_inflight_saves,
+            slots: cfg.arena_slots(),
             rank: cfg.rank,
             world_size: cfg.world_size,
             root: root_abs.clone(),
@@ -316,7 +316,7 @@ impl Engine {
         // when staging runs out (read from the local file instead): the local tier never
         // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
         let held = Arc::new(crate::staging::held::HeldImages::default());
-        let memory = Arc::new(memory::MemoryTier::default());
+        let memory = Arc::new(memory::MemoryTier::new(cfg.memory_steps));
         {
             let held = Arc::downgrade(&held);
             let mem = Arc::downgrade(&memory);
@@ -327,13 +327,13 @@ impl Engine {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
                 }
-                // The memory tier's step is given up rather than waited for (the save
-                // being staged is newer).
+                // The memory tier's oldest step is given up rather than waited for (the
+                // save being staged is newer); the next time staging runs out, the next.
                 if empty
                     && let (Some(m), Some(a)) = (mem.upgrade(), arena_ref.upgrade())
-                    && let Some(step) = m.give_up(&a)
+                    && let Some(step) = m.give_up_oldest(&a)
                 {
-                    tracing::warn!(step, "staging ran out of chunks: the memory-only step is given up (staging_capacity holds fewer saves than the disk cadence needs)");
+                    tracing::warn!(step, "staging ran out of chunks: the oldest memory-only step is given up (staging_capacity holds fewer saves than the disk cadence and memory_steps need)");
                 }
                 // Uploads give theirs back only when nothing is free (a save reusing its
                 // own chunk costs the remote tier nothing).
@@ -562,10 +562,9 @@ impl Engine {
     pub fn remove(&self, step: u64) -> Result<()> {
         let root = &self.shared.cfg.root;
         // A memory-only step (`EngineConfig::with_disk_cadence`) is given up.
-        if self.memory_step() == Some(step) {
+        if self.shared.memory.holds(step) {
             self.shared.gate.enter();
-            let gone = self.memory_step() == Some(step)
-                && self.shared.memory.give_up(&self.shared.arena).is_some();
+            let gone = self.shared.memory.give_up(&self.shared.arena, step);
             self.shared.gate.leave();
             if gone {
                 return Ok(());
@@ -642,11 +641,11 @@ impl Engine {
 
     fn shutdown(&mut self) {
         self.shared.gate.wait_idle();
-        // Nothing saved is lost on a clean exit: the newest memory-only step goes to disk.
+        // Nothing saved is lost on a clean exit: the held memory-only steps go to disk.
         if self.commit_tx.is_some()
             && let Err(e) = self.persist_memory()
         {
-            tracing::error!(error = %e, "could not write the newest memory-only step to disk at close");
+            tracing::error!(error = %e, "could not write the held memory-only steps to disk at close");
         }
         self.commit_tx = None;
         if let Some(h) = self.commit_thread.take()

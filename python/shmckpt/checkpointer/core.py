@@ -124,9 +124,15 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     ``("memory", None)``), committed to disk by the next open after a crash of the process
     (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
     replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
-    ranks; a cadence is not combined with ``replicas`` yet. ``remote_every=k`` (with
+    ranks. With ``replicas``, ``replicate_every=k`` (default 1) replicates every ``k``-th
+    disk save (counted in disk saves: the first, then every ``k``-th after the last
+    replicated one); memory-only saves are not replicated (see ``docs/replicas.md``). ``remote_every=k`` (with
     ``remote=...``): every ``k``-th disk save is also uploaded (default 1: every disk
-    save). See ``docs/python.md``.
+    save). ``memory_steps=n`` (default 1): the memory tier holds the ``n`` newest
+    memory-only steps saved since the last disk save (each loadable and listed, each
+    recovered after a crash, all written to disk by ``close()``); staging holds
+    ``(2 + n)`` saves for none to be given up, else the oldest is given up first. See
+    ``docs/python.md``.
 
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
     ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
@@ -174,6 +180,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         disk_every: Union[int, str] = 1,
         disk_interval_s: Optional[float] = None,
         remote_every: int = 1,
+        memory_steps: int = 1,
+        replicate_every: int = 1,
     ):
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
@@ -223,6 +231,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                 disk_every=disk_every,
                 disk_interval_s=disk_interval_s,
                 remote_every=remote_every,
+                memory_steps=memory_steps,
             )
         except BaseException:
             if self._scratch is not None:
@@ -279,6 +288,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
                     timeout=replica_timeout,
                     node_local=node_local_root,
                     keep_last=keep_last,
+                    replicate_every=replicate_every,
+                    disk_every=disk_every,
                 )
             except BaseException:
                 self._engine.close()
