@@ -696,3 +696,44 @@ def test_held_image_given_back_before_its_replication_is_sent_from_the_file(tmp_
     loaded = run_world(tmp_path, root, "load", 1, env=arena)
     assert [res["source"][0] for res in loaded] == ["memory", "memory", "peer", "peer"]
     assert all(res["step"] == 2 and res["exact"] is True for res in loaded)
+
+
+def test_disk_every_replicates_the_disk_saves(tmp_path, droot):
+    """disk_every=2 with replicas=1: the disk saves (1, 3) are replicated, the memory-only
+    ones (2, 4) are not; "latest" is the memory-only step 4 while every rank holds it.
+    close() writes step 4 to disk (not replicated): once machine 1 is lost, "latest" is
+    step 3, the newest step every rank can load, its lost files from the peers (step 4 is
+    set aside)."""
+    root = droot
+    env = {"REPLICA_WORKER_DISK_EVERY": "2", "REPLICA_WORKER_LOAD_AFTER": "1"}
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, 4, env=env)
+    for r, res in enumerate(saved):
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert sorted(reps) == [1, 2, 3, 4]
+        for s in (1, 3):
+            assert (reps[s]["replicated"], reps[s]["k_safe"]) == (True, True), reps[s]
+            assert reps[s]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            assert reps[s]["bytes_sent"] == file_sizes(root, s)[r]
+        for s in (2, 4):
+            assert (reps[s]["replicated"], reps[s]["skipped"], reps[s]["bytes_sent"]) == (
+                False,
+                "memory-only (disk_every)",
+                0,
+            ), reps[s]
+        assert res["after"] == {"step": 4, "exact": True, "source": ["memory", None]}, res
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    # Step 2 was given up once step 3 committed; close() wrote step 4.
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3", "step-4"]
+    # Machine 1 is lost: the replicas it held, its ranks' files of every step.
+    for src in (0, 1):
+        remove_replica(_shmckpt.replica_name(str(root), src, 3))
+    for s in (1, 3, 4):
+        names = {f["rank"]: f["file"] for f in json.loads((root / f"step-{s}" / "manifest.json").read_text())["files"]}
+        for r in (2, 3):
+            (root / f"step-{s}" / names[r]).unlink()
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert (res["step"], res["exact"]) == (3, True), res
+    assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
+    assert not (root / "step-4").exists()
