@@ -737,3 +737,40 @@ def test_disk_every_replicates_the_disk_saves(tmp_path, droot):
         assert (res["step"], res["exact"]) == (3, True), res
     assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
     assert not (root / "step-4").exists()
+
+
+def test_replicate_every_counts_disk_saves_alike_on_every_rank():
+    """The decision of which saves are replicated (``Replicator._skip_reason``, run on
+    every rank with every rank's outcome): memory-only steps never, every 2nd disk save
+    with replicate_every=2; ranks that disagree on the disk raise."""
+    from shmckpt.replicas import Replicator
+
+    rep = object.__new__(Replicator)
+    rep.replicate_every, rep._disk_since_replica = 2, None
+    seen = [rep._skip_reason(s, m) for s, m in enumerate([[0, 0], [1, 1], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]], 1)]
+    assert seen == [
+        None,
+        "memory-only (disk_every)",
+        "replicate_every=2",
+        "memory-only (disk_every)",
+        None,
+        "replicate_every=2",
+        None,
+    ]
+    with pytest.raises(shmckpt.ReplicationError, match=r"memory-only on ranks \[1\] only"):
+        rep._skip_reason(8, [False, True])
+
+
+def test_refused_cadence_replication_settings(root):
+    """replicate_every < 1, and a cadence with node-local roots, are ConfigErrors."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        kw = dict(staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
+        with pytest.raises(shmckpt.ConfigError, match="replicate_every must be"):
+            shmckpt.Checkpointer(root, replicate_every=0, **kw)
+        with pytest.raises(shmckpt.ConfigError, match="disk_every and replicate_every must be 1"):
+            shmckpt.Checkpointer(root, disk_every=2, node_local_root=True, **kw)
+    finally:
+        dist.destroy_process_group()
