@@ -101,7 +101,7 @@ pub(super) struct SaveTiers {
     pub(super) bucket: bool,
 }
 
-/// The newest memory-only step, its chunks held in the arena.
+/// A memory-only step, its chunks held in the arena.
 pub(super) struct MemoryStep {
     pub(super) step: u64,
     /// The save's sequence number (`Arena::begin_save`): saves begun later are newer.
@@ -412,7 +412,7 @@ impl Engine {
         if tx.send(Arc::clone(&state)).is_err() {
             return Err(Error::Shutdown("engine closed".into()));
         }
-        tracing::info!(step, "writing the newest memory-only step to disk");
+        tracing::info!(step, "writing a held memory-only step to disk");
         Ok(Some(state))
     }
 

@@ -93,7 +93,7 @@ struct Shared {
     /// The remote tier's uploader (`EngineConfig::with_remote`).
     #[cfg(feature = "s3")]
     remote: Option<Arc<crate::remote::tier::RemoteTier>>,
-    /// The newest memory-only save (`EngineConfig::with_disk_cadence`).
+    /// The newest memory-only saves (`EngineConfig::with_disk_cadence`, `with_memory_steps`).
     memory: Arc<memory::MemoryTier>,
     /// What decides which saves go to disk.
     cadence: Mutex<memory::Cadence>,

@@ -327,8 +327,8 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the saves in flight, write the newest memory-only step (``disk_every``)
-        to disk, then release the staging memory. Idempotent (also done at interpreter exit
+        """Wait for the saves in flight, write the held memory-only steps (``disk_every``,
+        ``memory_steps``) to disk, then release the staging memory. Idempotent (also done at interpreter exit
         for checkpointers still open).
 
         Safe to call while another thread uses this checkpointer: the engine's ``close``
