@@ -344,9 +344,21 @@ class Replicator(ReplicaLoads):
         skipped = self._skip_reason(step, [bool(m) for _, m in outcomes])
         if skipped is not None:
             log.debug("rank %d: step %d not replicated: %s", self.ckpt.rank, step, skipped)
-            return {"step": step, "replicas": self.replicas, "replicated": False, "skipped": skipped,
-                    "holders": {}, "k_safe": False, "seconds": time.monotonic() - t0, "bytes_sent": 0,
-                    "problems": []}
+            return {
+                "step": step,
+                "replicas": self.replicas,
+                "replicated": False,
+                "skipped": skipped,
+                "holders": {},
+                "k_safe": False,
+                "seconds": time.monotonic() - t0,
+                "bytes_sent": 0,
+                "sent_from": {"staging": 0, "copied": 0, "file": 0},
+                "transfer_seconds": 0.0,
+                "bandwidth": self.bandwidth,
+                "problems": [],
+                "phases": {},
+            }
         if self.node_local:
             self._commit_through_group(step, metadata)
         marks = [("durable", durable), ("committed", time.monotonic())]
