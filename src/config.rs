@@ -129,6 +129,7 @@ pub struct EngineConfig {
     pub(crate) disk_cadence: DiskCadence,
     pub(crate) disk_interval: Option<std::time::Duration>,
     pub(crate) remote_every: u64,
+    pub(crate) memory_steps: usize,
     /// The tier beyond memory and disk (the object-storage tier: `EngineConfig::with_remote`
     /// and its setters, feature `s3`), a plug-in (`crate::tier`).
     pub(crate) remote: Option<Box<dyn crate::tier::TierSpec>>,
@@ -168,6 +169,7 @@ impl EngineConfig {
             disk_cadence: DiskCadence::Every(1),
             disk_interval: None,
             remote_every: 1,
+            memory_steps: 1,
             remote: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
@@ -359,21 +361,24 @@ impl EngineConfig {
     /// of the process commits them, as it commits any staged save), served to loads of this
     /// engine from the arena, but not written to disk while the process lives. The newest
     /// memory-only step is held until a newer save is loadable (a newer memory-only save
-    /// staged, or a newer disk save committed); [`Engine::close`](crate::Engine::close)
-    /// writes it to disk. Default [`DiskCadence::Every(1)`](DiskCadence::Every): every save
+    /// staged, or a newer disk save committed); [`EngineConfig::with_memory_steps`] holds
+    /// the `n` newest instead. [`Engine::close`](crate::Engine::close) writes the held
+    /// steps to disk. Default [`DiskCadence::Every(1)`](DiskCadence::Every): every save
     /// goes to disk. Memory-only saves are never uploaded to the bucket: only disk saves
     /// are ([`EngineConfig::with_remote_every`]). [`DiskCadence::WhenIdle`] and
     /// [`EngineConfig::with_disk_interval`] decide per rank, so they are refused with
     /// several ranks (ranks that disagree would never commit a step); so is any cadence
-    /// but `Every(1)` for a remote-only engine (it has no disk), a kept arena
-    /// ([`EngineConfig::with_keep_in_memory`]) or replicas
-    /// ([`EngineConfig::with_replica_hold`]: they take every committed save).
+    /// but `Every(1)` for a remote-only engine (it has no disk) or a kept arena
+    /// ([`EngineConfig::with_keep_in_memory`]). With
+    /// [`EngineConfig::with_replica_hold`], disk saves hold their images for replication as
+    /// always; a memory-only save holds none (replicas take disk saves only).
     ///
-    /// Host memory: the arena must hold the staging of the disk save draining, the newest
-    /// memory-only step and the save being staged (3 × a save's file per rank, for a
-    /// trainer whose disk saves drain while it saves again); when the arena cannot hold
-    /// the memory-only step and the next save, that step goes to disk first (logged) and
-    /// the save waits for its chunks: it is never given up before a newer step is.
+    /// Host memory: the arena must hold the staging of the disk save draining, the held
+    /// memory-only steps and the save being staged ((2 + `memory_steps`) × a save's file
+    /// per rank, for a trainer whose disk saves drain while it saves again); when staging
+    /// runs out, an older held memory-only step is given up (logged), never the newest:
+    /// when the arena cannot hold it and the next save, it goes to disk first (logged) and
+    /// the save waits for its chunks.
     pub fn with_disk_cadence(mut self, cadence: DiskCadence) -> Self {
         self.disk_cadence = cadence;
         self
@@ -394,6 +399,39 @@ impl EngineConfig {
     pub fn with_remote_every(mut self, k: u64) -> Self {
         self.remote_every = k;
         self
+    }
+
+    /// With a disk cadence: how many memory-only steps the memory tier holds at most, the
+    /// newest ones saved since the last disk save committed (a committed disk save gives
+    /// up the older ones: a newer step is durable). Each is served to loads of this engine,
+    /// listed by [`Engine::list_in`](crate::Engine::list_in), committed by recovery after a
+    /// crash of the process (every one held: each keeps its descriptor slot), and written
+    /// to disk, oldest first, by [`Engine::close`](crate::Engine::close). A newer
+    /// memory-only save beyond `n` gives the oldest held step up; so does staging when it
+    /// runs out of chunks (saves never wait on the memory tier), oldest first, one step per
+    /// time it runs out. The arena gets `n` descriptor slots beyond
+    /// [`EngineConfig::with_max_inflight_saves`]. Default 1; at least 1, at most 256.
+    ///
+    /// Host memory per rank: staging must hold the disk save draining, the `n` held steps
+    /// and the save being staged, `(n + 2) ×` a save's file, for none to be given up.
+    pub fn with_memory_steps(mut self, n: usize) -> Self {
+        self.memory_steps = n;
+        self
+    }
+
+    /// Memory-only steps held at most ([`EngineConfig::with_memory_steps`]).
+    pub fn memory_steps(&self) -> usize {
+        self.memory_steps
+    }
+
+    /// Descriptor slots of the staging arena: the saves in flight, and with a disk cadence
+    /// the memory-only steps held ([`EngineConfig::with_memory_steps`]).
+    pub(crate) fn arena_slots(&self) -> u32 {
+        if self.every_save_to_disk() {
+            self.max_inflight_saves
+        } else {
+            self.max_inflight_saves + self.memory_steps as u32
+        }
     }
 
     /// The disk cadence ([`EngineConfig::with_disk_cadence`]).
@@ -511,6 +549,11 @@ impl EngineConfig {
                 "disk_interval must be positive (None: no interval)".into(),
             ));
         }
+        if !(1..=256).contains(&self.memory_steps) {
+            return Err(Error::Config(
+                "memory_steps must be 1..=256 (1: the newest memory-only step)".into(),
+            ));
+        }
         if self.remote_every == 0 {
             return Err(Error::Config(
                 "remote_every must be at least 1 (1: every disk save is uploaded)".into(),
@@ -519,13 +562,6 @@ impl EngineConfig {
         if self.remote_every > 1 && !self.has_disk_tier() {
             return Err(Error::Config(
                 "a remote-only engine uploads every save: remote_every must be 1".into(),
-            ));
-        }
-        if !self.every_save_to_disk() && self.replica_hold {
-            return Err(Error::Config(
-                "replicas take every disk save; a disk cadence (disk_every) is not combined \
-                 with replicas yet"
-                    .into(),
             ));
         }
         let per_rank = self.disk_cadence == DiskCadence::WhenIdle || self.disk_interval.is_some();

@@ -62,10 +62,19 @@ class ReplicaLoads(ReplicaNet):
             raise ReplicationError(f"load: {e}") from None
         return target
 
+    def _memory_steps(self) -> List[int]:
+        """The memory-only steps this rank's engine holds (``disk_every``): loadable by this
+        rank alone, from its staging memory."""
+        return [int(s) for s, tiers in self.ckpt.engine.list_in("local") if "memory" in tiers and "disk" not in tiers]
+
     def _loadable_latest(self, bucket: bool) -> Optional[int]:
-        """The newest step every rank can load (see :meth:`agree_step`). Collective."""
-        have = [s for s, _ in self.ckpt.engine.list()]
-        own = [s for s in have if self._local_ok(s)]
+        """The newest step every rank can load (see :meth:`agree_step`). Collective. A
+        memory-only step (``disk_every``) counts as this rank's own while its engine holds
+        it; one newer than the step chosen is given up (its number can be saved again)."""
+        disk = [s for s, _ in self.ckpt.engine.list()]
+        memory = self._memory_steps()
+        have = sorted(set(disk) | set(memory))
+        own = [s for s in disk if self._local_ok(s)] + memory
         tag = _shmckpt.replica_tag(self.ckpt.root)
         uid = os.geteuid()
         held = [(src, step) for _, t, src, step, _, owner in _shmckpt.replica_list() if t == tag and owner == uid]
@@ -92,10 +101,21 @@ class ReplicaLoads(ReplicaNet):
                         s,
                         "; ".join(skipped),
                     )
-                    self._set_aside([x for x in have if x > s])
+                    self._set_aside([x for x in disk if x > s])
+                self._give_up_memory([x for x in memory if x > s])
                 return s
             skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
         return steps[0] if steps else None
+
+    def _give_up_memory(self, steps: List[int]) -> None:
+        """Give up this rank's memory-only ``steps`` (newer than the step every rank
+        loads: the resumed run saves their numbers again)."""
+        for s in steps:
+            try:
+                self.ckpt.engine.remove(s)
+                log.warning("rank %d: memory-only step %d, which some rank cannot load, given up", self.ckpt.rank, s)
+            except ShmckptError as e:
+                log.warning("rank %d: memory-only step %d could not be given up: %s", self.ckpt.rank, s, e)
 
     def _set_aside(self, steps: List[int]) -> None:
         """Set the committed ``steps`` this root holds aside (``shmckpt::commit::set_aside``:
@@ -150,7 +170,10 @@ class ReplicaLoads(ReplicaNet):
 
     def _local_ok(self, step: int) -> bool:
         """Whether this rank's own file of ``step`` is there: a regular file (not followed
-        through a link) of the manifest's size. The load checks every byte of it."""
+        through a link) of the manifest's size, or a memory-only step its engine holds
+        (``disk_every``). The load checks every byte of a file."""
+        if step in self._memory_steps():
+            return True
         try:
             _, entry = self.ckpt.rank_entry(step)
         except ShmckptError:

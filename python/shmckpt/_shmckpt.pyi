@@ -214,6 +214,7 @@ class EngineSettings(TypedDict, total=False):
     disk_every: Union[int, str, None]
     disk_interval_s: Optional[float]
     remote_every: Optional[int]
+    memory_steps: Optional[int]
 
 @final
 class Engine:

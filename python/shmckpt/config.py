@@ -177,8 +177,9 @@ class Replicas:
     1 GiB/s; ``None`` unbounded). ``timeout``: seconds a replication step waits for a peer
     (default 300). ``node_local_root=True``: ``root`` is this machine's own disk, not
     shared, and every step commits through the process group (``k`` may then be 0).
-    ``every``: the replication cadence (every ``every``-th committed save is replicated);
-    only 1 (every save) is supported yet."""
+    ``every``: the replication cadence, counted in disk saves (the first, then every
+    ``every``-th after the last replicated one; memory-only saves of a ``Cadence`` are
+    never replicated); default 1: every disk save.
 
     k: int = 1
     node: Optional[str] = None
@@ -196,12 +197,7 @@ class Replicas:
             _set(self, "bandwidth", _seconds("Replicas", "bandwidth", self.bandwidth))
         _set(self, "timeout", _seconds("Replicas", "timeout", self.timeout, none=False))
         _bool("Replicas", "node_local_root", self.node_local_root, none=False)
-        every = _int("Replicas", "every", self.every)
-        if every not in (None, 1):
-            raise ConfigError(
-                f"Replicas.every={every} is not supported yet: every committed save is replicated (every=1)"
-            )
-        _set(self, "every", every)
+        _set(self, "every", _int("Replicas", "every", self.every))
 
     @property
     def active(self) -> bool:
@@ -218,10 +214,15 @@ class Cadence:
     the last disk save; ``"auto"``: a save goes to disk when the previous disk save has
     finished. ``disk_interval_s``: a save also goes to disk when that many seconds have
     passed since the last disk save began. ``"auto"`` and ``disk_interval_s`` decide per
-    rank: refused with several ranks."""
+    rank: refused with several ranks. ``memory_steps`` (1 to 256, default 1): how many of
+    the newest memory-only steps the memory tier holds (each loadable, listed, recovered
+    after a crash and written to disk by ``close()``); staging holds ``2 + memory_steps``
+    saves for none to be given up early (an older one is given up first, never the
+    newest)."""
 
     disk_every: Union[int, str] = 1
     disk_interval_s: Optional[float] = None
+    memory_steps: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.disk_every, str):
@@ -230,6 +231,7 @@ class Cadence:
         else:
             _set(self, "disk_every", _int("Cadence", "disk_every", self.disk_every, none=False))
         _set(self, "disk_interval_s", _seconds("Cadence", "disk_interval_s", self.disk_interval_s))
+        _set(self, "memory_steps", _int("Cadence", "memory_steps", self.memory_steps, hi=256, none=False))
 
 
 # -- the flat keyword arguments of earlier versions -------------------------------------
@@ -251,6 +253,8 @@ LEGACY: Dict[str, Tuple[str, str]] = {
     "node_local_root": ("replicas", "node_local_root"),
     "disk_every": ("cadence", "disk_every"),
     "disk_interval_s": ("cadence", "disk_interval_s"),
+    "memory_steps": ("cadence", "memory_steps"),
+    "replicate_every": ("replicas", "every"),
 }
 
 _CLASSES: Dict[str, Any] = {"tuning": Tuning, "remote": RemoteTier, "replicas": Replicas, "cadence": Cadence}
@@ -383,7 +387,11 @@ def engine_settings(
             remote_every=remote.every,
         )
     if cadence is not None:
-        out.update(disk_every=cadence.disk_every, disk_interval_s=cadence.disk_interval_s)
+        out.update(
+            disk_every=cadence.disk_every,
+            disk_interval_s=cadence.disk_interval_s,
+            memory_steps=cadence.memory_steps,
+        )
     out.update(more)
     return {k: v for k, v in out.items() if v is not None}
 

@@ -81,6 +81,8 @@ class Replicator(ReplicaLoads):
         timeout: float = DEFAULT_TIMEOUT,
         node_local: bool = False,
         keep_last: Optional[int] = None,
+        replicate_every: int = 1,
+        disk_every: Any = 1,
     ):
         import datetime
 
@@ -94,9 +96,21 @@ class Replicator(ReplicaLoads):
             raise ConfigError(f"replica_bandwidth must be a positive number of bytes per second or None, not {bandwidth!r}")
         if not (float(timeout) > 0):
             raise ConfigError(f"replica_timeout must be a positive number of seconds, not {timeout!r}")
+        if isinstance(replicate_every, bool) or not isinstance(replicate_every, int) or replicate_every < 1:
+            raise ConfigError(f"replicate_every must be an int >= 1 (1: every disk save), not {replicate_every!r}")
+        if node_local and (disk_every != 1 or replicate_every != 1):
+            raise ConfigError(
+                "node_local_root=True commits every step through the replication: disk_every and "
+                "replicate_every must be 1"
+            )
         self._dist = dist
         self.ckpt = ckpt
         self.replicas = int(replicas)
+        #: Every ``replicate_every``-th disk save is replicated (memory-only saves never are).
+        self.replicate_every = int(replicate_every)
+        #: Disk saves since the last replicated one (None before the first): every rank
+        #: counts the same saves, each decided from every rank's outcome (`_replicate`).
+        self._disk_since_replica: Optional[int] = None
         #: Bytes per second this rank sends replicas at, at most (None: unbounded).
         self.bandwidth: Optional[float] = None if bandwidth is None else float(bandwidth)
         #: Seconds any step of the replication exchange may wait for a peer (the timeout of
@@ -258,8 +272,9 @@ class Replicator(ReplicaLoads):
         ahead = self._prepare(step)
         failure: Optional[str] = None
         held = None
+        memory_only = False
         try:
-            handle.wait()
+            memory_only = bool(handle.wait().get("memory_only", False))
         except ShmckptError as e:
             failure = f"rank {self.ckpt.rank}: the save of step {step} failed: {e}"
         # The committed image, held in its staging chunks when it was whole in the arena
@@ -274,7 +289,9 @@ class Replicator(ReplicaLoads):
                 msg = f"step {step} is not replicated (skipped): replication stopped, {self.broken}"
                 log.warning("%s", msg)
                 raise ReplicationError(msg)
-            return self._replicate(step, failure, t0, durable, dict(getattr(handle, "_metadata", {})), ahead, held)
+            return self._replicate(
+                step, failure, t0, durable, dict(getattr(handle, "_metadata", {})), ahead, held, memory_only
+            )
         except _GroupFailed as e:
             # The group cannot be used again (gloo): later steps are skipped, not hung on.
             self.broken = f"since step {step}: {e} (restart the ranks to replicate again)"
@@ -310,15 +327,38 @@ class Replicator(ReplicaLoads):
         metadata: Dict[str, str],
         ahead: Dict[int, Any],
         staged: Optional[Any] = None,
+        memory_only: bool = False,
     ) -> Dict[str, Any]:
         """``t0``: when this step's replication started; ``durable``: when this rank's save
         was durable; ``staged``: this rank's image held in staging (a ``HeldImage``), or
-        None (then read from the file)."""
+        None (then read from the file); ``memory_only``: this rank's save stayed in memory
+        (``disk_every``)."""
         # Every rank's file is durable once every rank's wait returned: the step is committed
         # (a shared root), or can be (node-local roots: committed here, through the group).
-        failures = [f for f in self._gather(failure, "the outcome of every rank's save") if f is not None]
+        outcomes = self._gather((failure, memory_only), "the outcome of every rank's save")
+        failures = [f for f, _ in outcomes if f is not None]
         if failures:
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
+        # Whether the step is replicated: decided alike on every rank, from every rank's
+        # outcome (a memory-only step has no committed file to send).
+        skipped = self._skip_reason(step, [bool(m) for _, m in outcomes])
+        if skipped is not None:
+            log.debug("rank %d: step %d not replicated: %s", self.ckpt.rank, step, skipped)
+            return {
+                "step": step,
+                "replicas": self.replicas,
+                "replicated": False,
+                "skipped": skipped,
+                "holders": {},
+                "k_safe": False,
+                "seconds": time.monotonic() - t0,
+                "bytes_sent": 0,
+                "sent_from": {"staging": 0, "copied": 0, "file": 0},
+                "transfer_seconds": 0.0,
+                "bandwidth": self.bandwidth,
+                "problems": [],
+                "phases": {},
+            }
         if self.node_local:
             self._commit_through_group(step, metadata)
         marks = [("durable", durable), ("committed", time.monotonic())]
@@ -394,6 +434,8 @@ class Replicator(ReplicaLoads):
         report = {
             "step": step,
             "replicas": self.replicas,
+            "replicated": True,
+            "skipped": None,
             "holders": holders,
             "k_safe": k_safe,
             "seconds": time.monotonic() - t0,
@@ -417,6 +459,23 @@ class Replicator(ReplicaLoads):
                 f"step {step} is not {self.replicas}-safe: held by {short}; " + "; ".join(all_problems)
             )
         return report
+
+    def _skip_reason(self, step: int, memory_only: List[bool]) -> Optional[str]:
+        """Why ``step`` is not replicated, or None when it is (and it is counted):
+        memory-only on every rank (``disk_every``), or not the ``replicate_every``-th disk
+        save. Ranks that disagree on the disk (never with ``disk_every=N``) raise
+        :class:`~shmckpt.errors.ReplicationError`."""
+        if any(memory_only):
+            if not all(memory_only):
+                ranks = [r for r, m in enumerate(memory_only) if m]
+                raise ReplicationError(f"step {step} is not replicated: memory-only on ranks {ranks} only")
+            return "memory-only (disk_every)"
+        since = self._disk_since_replica
+        if since is None or since + 1 >= self.replicate_every:
+            self._disk_since_replica = 0
+            return None
+        self._disk_since_replica = since + 1
+        return f"replicate_every={self.replicate_every}"
 
     def _commit_through_group(self, step: int, metadata: Dict[str, str]) -> None:
         """Node-local roots: every rank's file of ``step`` is durable on its machine; the

@@ -63,6 +63,7 @@ pub const KEYS: &[&str] = &[
     "disk_every",
     "disk_interval_s",
     "remote_every",
+    "memory_steps",
 ];
 
 /// The `TypeError` of a key `Engine(root, config)` does not read.
@@ -144,6 +145,7 @@ pub fn engine_opts(
             "disk_every" => disk_every = Some(v.extract().map_err(named)?),
             "disk_interval_s" => some!(o.disk_interval),
             "remote_every" => some!(o.remote_every),
+            "memory_steps" => some!(o.memory_steps),
             _ => return Err(unknown(&key)),
         }
     }

@@ -50,6 +50,8 @@ pub struct EngineOpts {
     pub disk_interval: Option<f64>,
     /// `EngineConfig::with_remote_every`.
     pub remote_every: Option<u64>,
+    /// `EngineConfig::with_memory_steps`.
+    pub memory_steps: Option<usize>,
 }
 
 /// `disk_every=` as the engine's cadence: a positive number `n` (every `n`-th save goes to
@@ -136,6 +138,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     if let Some(s) = o.disk_interval {
         cfg = cfg.with_disk_interval(Some(seconds("disk_interval_s", s)?));
     }
+    if let Some(n) = o.memory_steps {
+        cfg = cfg.with_memory_steps(n);
+    }
     if let Some(v) = o.create_root {
         cfg = cfg.with_create_root(v);
     }
@@ -187,17 +192,18 @@ pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
 /// bytes of staging, checked against `/dev/shm` (its arena is freed first unless kept in
 /// memory).
 ///
-/// With a disk cadence (`disk_every` other than 1) the arena is sized for three saves (the
-/// disk save draining, the memory-only step held, the save being staged), or for one when
-/// `/dev/shm` cannot hold three (the memory-only step then goes to disk before the next
-/// save stages, logged).
+/// With a disk cadence (`disk_every` other than 1) the arena is sized for `2 + memory_steps`
+/// saves (the disk save draining, the memory-only steps held, the save being staged), or
+/// for one when `/dev/shm` cannot hold them (the memory-only step then goes to disk before
+/// the next save stages, logged).
 pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
     let keep = o.keep_in_memory == Some(true);
     let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);
     let reclaimable = if keep { 0 } else { engine.staging_capacity() };
+    let saves = 2 + engine.config().memory_steps() as u64;
     if !engine.config().disk_cadence().is_every_save()
         && let Ok(cap) =
-            shmckpt::auto_staging_capacity(needed.saturating_mul(3), chunk, reclaimable)
+            shmckpt::auto_staging_capacity(needed.saturating_mul(saves), chunk, reclaimable)
     {
         return Ok(cap);
     }

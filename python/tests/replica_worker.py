@@ -20,7 +20,9 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         REPLICA_WORKER_NODE_LOCAL=1: node_local_root=True, and ROOT's "{m}" is the
         machine's number (a root per machine); REPLICA_WORKER_KEEP_LAST: keep_last;
         REPLICA_WORKER_LIE=RANK:DELTA: that rank's images claim DELTA bytes more than the
-        committed file holds (announced, and sent: the last piece padded with zeros or cut)
+        committed file holds (announced, and sent: the last piece padded with zeros or cut);
+        REPLICA_WORKER_DISK_EVERY=N: disk_every=N (no kept arena), and with
+        REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close)
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors;
         REPLICA_WORKER_LOAD_STEP=N: load step N) and compare it with the state saved of
@@ -78,11 +80,15 @@ def open_ckpt(root, rank, replicas):
         extra["remote"] = os.environ["REPLICA_WORKER_REMOTE"]
     if os.environ.get("REPLICA_WORKER_TIMEOUT"):
         extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
+    keep = True
+    if os.environ.get("REPLICA_WORKER_DISK_EVERY"):
+        extra["disk_every"] = int(os.environ["REPLICA_WORKER_DISK_EVERY"])
+        keep = False
     return shmckpt.Checkpointer(
         root,
         staging_capacity=int(os.environ.get("REPLICA_WORKER_STAGING", 8 << 20)),
         chunk_size=int(os.environ.get("REPLICA_WORKER_CHUNK", 1 << 20)),
-        keep_in_memory=True,
+        keep_in_memory=keep,
         replicas=replicas,
         node=f"m{rank // 2}",
         **extra,
@@ -269,6 +275,14 @@ def main():
             with open(out, "w") as f:
                 json.dump(res, f)
             os._exit(0)
+        if os.environ.get("REPLICA_WORKER_LOAD_AFTER") == "1":
+            state = ck.load("latest")
+            src = ck.last_load_source
+            res["after"] = {
+                "step": state["step"],
+                "exact": digest(state) == digest(rank_state(rank, state["step"])),
+                "source": None if src is None else [src[0], src[1]],
+            }
     else:
         if os.environ.get("REPLICA_WORKER_DIE") == f"{rank}:load":
             os.kill(os.getpid(), 9)

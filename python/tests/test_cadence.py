@@ -148,3 +148,50 @@ def test_bad_cadences_are_refused(root):
         opened(root, disk_interval_s=5.0, rank=0, world_size=2)
     with pytest.raises(ConfigError):
         opened(root, disk_every=2, keep_in_memory=True)
+
+
+_KILLED_STEPS_CHILD = (
+    "import json, os, signal, sys\n"
+    "sys.path.insert(0, sys.argv[2])\n"
+    "import shmckpt, test_cadence as t\n"
+    "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=32 << 20, chunk_size=1 << 20, disk_every=10, memory_steps=2)\n"
+    "mem = [ck.save(s, t.state(s)).wait()['memory_only'] for s in (1, 2, 3, 4)]\n"
+    "print(json.dumps({'mem': mem, 'list': ck.list(tiers=True)}), flush=True)\n"
+    "os.kill(os.getpid(), signal.SIGKILL)\n"
+)
+
+
+def test_memory_steps_holds_the_newest_and_all_are_recovered_after_sigkill(root):
+    # In process: the two newest memory-only steps are held, each loadable.
+    live = root / "live"
+    with opened(live, disk_every=10, memory_steps=2) as ck:
+        assert [save(ck, s)["memory_only"] for s in (1, 2, 3, 4)] == [False, True, True, True]
+        assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory"]), (4, ["memory"])]
+        assert_state(ck.load(3), 3)
+        assert ck.last_load_source == ("memory", None)
+        assert_state(ck.load("latest"), 4)
+        assert ck.last_load_source == ("memory", None)
+        with pytest.raises(shmckpt.errors.NotFound):
+            ck.load(2)
+    # close() wrote both held steps to disk.
+    with opened(live) as again:
+        assert again.list(tiers=True) == [(1, ["disk"]), (3, ["disk"]), (4, ["disk"])]
+        assert_state(again.load(3), 3)
+        assert_state(again.load(4), 4)
+    # After a SIGKILL, the next open recovers every held step.
+    killed = root / "killed"
+    here = str(__import__("pathlib").Path(__file__).resolve().parent)
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED_STEPS_CHILD, str(killed), here], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == -9, p.stderr
+    seen = json.loads(p.stdout.splitlines()[0])
+    assert seen == {"mem": [False, True, True, True], "list": [[1, ["disk"]], [3, ["memory"]], [4, ["memory"]]]}, seen
+    with opened(killed) as ck:
+        assert ck.recovered == [3, 4]
+        assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["disk"]), (4, ["disk"])]
+        assert_state(ck.load(3), 3)
+        assert_state(ck.load("latest"), 4)
+        assert ck.last_load_source[0] == "disk"
+    with pytest.raises(ConfigError):
+        opened(root / "bad", disk_every=2, memory_steps=0)

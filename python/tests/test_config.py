@@ -134,7 +134,9 @@ def test_groups_check_their_fields_when_built():
         (lambda: RemoteTier("s3://b/p", complete_timeout=float("nan")), "RemoteTier.complete_timeout must be a positive"),
         (lambda: Replicas(k=-1), "Replicas.k must be at least 0, not -1"),
         (lambda: Replicas(timeout=0), "Replicas.timeout must be a positive"),
-        (lambda: Replicas(every=2), r"Replicas.every=2 is not supported yet"),
+        (lambda: Replicas(every=0), "Replicas.every must be at least 1, not 0"),
+        (lambda: Cadence(memory_steps=0), "Cadence.memory_steps must be between 1 and 256, not 0"),
+        (lambda: Cadence(memory_steps=257), "Cadence.memory_steps must be between 1 and 256, not 257"),
         (lambda: Cadence(disk_every=0), "Cadence.disk_every must be at least 1, not 0"),
         (lambda: Cadence(disk_every="sometimes"), "Cadence.disk_every must be a number >= 1 or \"auto\""),
     ]

@@ -696,3 +696,81 @@ def test_held_image_given_back_before_its_replication_is_sent_from_the_file(tmp_
     loaded = run_world(tmp_path, root, "load", 1, env=arena)
     assert [res["source"][0] for res in loaded] == ["memory", "memory", "peer", "peer"]
     assert all(res["step"] == 2 and res["exact"] is True for res in loaded)
+
+
+def test_disk_every_replicates_the_disk_saves(tmp_path, droot):
+    """disk_every=2 with replicas=1: the disk saves (1, 3) are replicated, the memory-only
+    ones (2, 4) are not; "latest" is the memory-only step 4 while every rank holds it.
+    close() writes step 4 to disk (not replicated): once machine 1 is lost, "latest" is
+    step 3, the newest step every rank can load, its lost files from the peers (step 4 is
+    set aside)."""
+    root = droot
+    env = {"REPLICA_WORKER_DISK_EVERY": "2", "REPLICA_WORKER_LOAD_AFTER": "1"}
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, 4, env=env)
+    for r, res in enumerate(saved):
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert sorted(reps) == [1, 2, 3, 4]
+        for s in (1, 3):
+            assert (reps[s]["replicated"], reps[s]["k_safe"]) == (True, True), reps[s]
+            assert reps[s]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            assert reps[s]["bytes_sent"] == file_sizes(root, s)[r]
+        for s in (2, 4):
+            assert (reps[s]["replicated"], reps[s]["skipped"], reps[s]["bytes_sent"]) == (
+                False,
+                "memory-only (disk_every)",
+                0,
+            ), reps[s]
+        assert res["after"] == {"step": 4, "exact": True, "source": ["memory", None]}, res
+    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    # Step 2 was given up once step 3 committed; close() wrote step 4.
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3", "step-4"]
+    # Machine 1 is lost: the replicas it held, its ranks' files of every step.
+    for src in (0, 1):
+        remove_replica(_shmckpt.replica_name(str(root), src, 3))
+    for s in (1, 3, 4):
+        names = {f["rank"]: f["file"] for f in json.loads((root / f"step-{s}" / "manifest.json").read_text())["files"]}
+        for r in (2, 3):
+            (root / f"step-{s}" / names[r]).unlink()
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert (res["step"], res["exact"]) == (3, True), res
+    assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
+    assert not (root / "step-4").exists()
+
+
+def test_replicate_every_counts_disk_saves_alike_on_every_rank():
+    """The decision of which saves are replicated (``Replicator._skip_reason``, run on
+    every rank with every rank's outcome): memory-only steps never, every 2nd disk save
+    with replicate_every=2; ranks that disagree on the disk raise."""
+    from shmckpt.replicas import Replicator
+
+    rep = object.__new__(Replicator)
+    rep.replicate_every, rep._disk_since_replica = 2, None
+    seen = [rep._skip_reason(s, m) for s, m in enumerate([[0, 0], [1, 1], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]], 1)]
+    assert seen == [
+        None,
+        "memory-only (disk_every)",
+        "replicate_every=2",
+        "memory-only (disk_every)",
+        None,
+        "replicate_every=2",
+        None,
+    ]
+    with pytest.raises(shmckpt.ReplicationError, match=r"memory-only on ranks \[1\] only"):
+        rep._skip_reason(8, [False, True])
+
+
+def test_refused_cadence_replication_settings(root):
+    """replicate_every < 1, and a cadence with node-local roots, are ConfigErrors."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        kw = dict(staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
+        with pytest.raises(shmckpt.ConfigError, match="replicate_every must be"):
+            shmckpt.Checkpointer(root, replicate_every=0, **kw)
+        with pytest.raises(shmckpt.ConfigError, match="disk_every and replicate_every must be 1"):
+            shmckpt.Checkpointer(root, disk_every=2, node_local_root=True, **kw)
+    finally:
+        dist.destroy_process_group()

@@ -210,7 +210,7 @@ impl Engine {
         target: &mut Target<'_>,
     ) -> Result<Option<Option<Checkpoint>>> {
         let g = self.shared.memory.lock();
-        let Some(m) = g.as_ref().filter(|m| m.step == step) else {
+        let Some(m) = g.iter().find(|m| m.step == step) else {
             return Ok(None);
         };
         let a = &m.image;

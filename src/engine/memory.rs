@@ -1,17 +1,20 @@
 //! The memory tier (`EngineConfig::with_disk_cadence`): the one decision of which tiers
-//! take a save ([`Cadence::decide`]), and the newest memory-only save, held in the
-//! staging arena ([`MemoryTier`]) until a newer save is loadable.
+//! take a save ([`Cadence::decide`]), and the newest memory-only saves (at most
+//! `EngineConfig::with_memory_steps`, default 1), held in the staging arena
+//! ([`MemoryTier`]) until a newer save is durable.
 //!
 //! A memory-only save is staged like any save and its descriptor slot marked `STAGED`
 //! (recovery after a crash of the process commits it from the arena), but its chunks are
 //! kept by the save instead of going to the writers. Once staged, they become the memory
 //! tier's image ([`flash::Adopted::in_memory`], served by loads like a kept image); the
-//! previous memory-only step is given up then (slot freed in the descriptor first, then
-//! its chunks back to the pool). A disk save gives it up once committed (a newer step is
-//! then on disk). It is never given up before a newer step is loadable: when the arena
-//! cannot hold it and the next save, it is written to disk first
+//! oldest memory-only step beyond the limit is given up then (slot freed in the descriptor
+//! first, then its chunks back to the pool). A disk save gives up the older ones once
+//! committed (a newer step is then on disk), and the arena the oldest when staging runs out
+//! of chunks (the reclaim hook), but never the newest: a memory-only step whose save
+//! reported it staged is never given up before a newer step is loadable. When the arena
+//! cannot hold the newest and the next save, the newest is written to disk first
 //! ([`Engine::make_room_for`]). [`Engine::persist_memory`] (run by [`Engine::close`])
-//! writes the newest memory-only step to disk from those chunks.
+//! writes the held steps to disk from those chunks, oldest first.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -100,7 +103,7 @@ pub(super) struct SaveTiers {
     pub(super) bucket: bool,
 }
 
-/// The newest memory-only step, its chunks held in the arena.
+/// A memory-only step, its chunks held in the arena.
 pub(super) struct MemoryStep {
     pub(super) step: u64,
     /// The save's sequence number (`Arena::begin_save`): saves begun later are newer.
@@ -114,50 +117,78 @@ pub(super) struct MemoryStep {
     pub(super) image: Adopted,
 }
 
-/// The memory tier of an engine: at most one memory-only step.
-#[derive(Default)]
+/// The memory tier of an engine: at most `memory_steps` memory-only steps
+/// ([`EngineConfig::with_memory_steps`]), oldest first.
 pub(super) struct MemoryTier {
-    newest: Mutex<Option<MemoryStep>>,
+    held: Mutex<Vec<MemoryStep>>,
+    limit: usize,
 }
 
 impl MemoryTier {
-    /// The held step, locked: loads copy from it while the guard lives (a save that gives
-    /// it up waits for them; loads never wait for saves).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Option<MemoryStep>> {
-        lock(&self.newest)
+    /// A tier holding at most `limit` steps (at least 1).
+    pub(super) fn new(limit: usize) -> MemoryTier {
+        MemoryTier {
+            held: Mutex::new(Vec::new()),
+            limit: limit.max(1),
+        }
     }
 
-    /// The step held, if any.
-    pub(super) fn step(&self) -> Option<u64> {
-        self.lock().as_ref().map(|m| m.step)
+    /// The held steps, oldest first, locked: loads copy from them while the guard lives (a
+    /// save that gives one up waits for them; loads never wait for saves).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Vec<MemoryStep>> {
+        lock(&self.held)
     }
 
-    /// The staging chunks the held step occupies (0 when none is held).
+    /// The staging chunks the held steps occupy (0 when none is held).
     pub(super) fn chunks(&self, chunk_size: u64) -> u64 {
         self.lock()
-            .as_ref()
-            .map_or(0, |m| m.plan.chunk_count(chunk_size))
+            .iter()
+            .map(|m| m.plan.chunk_count(chunk_size))
+            .fold(0, u64::saturating_add)
     }
 
-    /// Hold `m` as the newest memory-only step, giving up the one held before.
+    /// The newest step held, if any.
+    pub(super) fn newest(&self) -> Option<u64> {
+        self.lock().last().map(|m| m.step)
+    }
+
+    /// The steps held, oldest first.
+    pub(super) fn steps(&self) -> Vec<u64> {
+        self.lock().iter().map(|m| m.step).collect()
+    }
+
+    /// Whether `step` is held.
+    pub(super) fn holds(&self, step: u64) -> bool {
+        self.lock().iter().any(|m| m.step == step)
+    }
+
+    /// Hold `m` as the newest memory-only step, giving up the oldest beyond the limit.
     fn install(&self, arena: &Arena, m: MemoryStep) {
-        let old = self.lock().replace(m);
-        if let Some(old) = old {
+        let gone: Vec<MemoryStep> = {
+            let mut g = self.lock();
+            g.push(m);
+            let over = g.len().saturating_sub(self.limit);
+            g.drain(..over).collect()
+        };
+        for old in gone {
             tracing::debug!(
                 step = old.step,
-                "memory-only step given up: a newer save is staged"
+                limit = self.limit,
+                "memory-only step given up: newer memory-only saves are staged"
             );
             release(arena, old);
         }
     }
 
-    /// A disk save begun as `seq` committed: the memory-only step held, if older, is given
-    /// up (a newer step is on disk).
+    /// A disk save begun as `seq` committed: the memory-only steps held that are older are
+    /// given up (a newer step is on disk).
     pub(super) fn committed(&self, arena: &Arena, seq: u64) {
-        let mut g = self.lock();
-        if g.as_ref().is_some_and(|m| m.seq < seq) {
-            let old = g.take().expect("checked");
-            drop(g);
+        let gone: Vec<MemoryStep> = {
+            let mut g = self.lock();
+            let older = g.iter().take_while(|m| m.seq < seq).count();
+            g.drain(..older).collect()
+        };
+        for old in gone {
             tracing::debug!(
                 step = old.step,
                 "memory-only step given up: a newer step is committed"
@@ -166,19 +197,40 @@ impl MemoryTier {
         }
     }
 
-    /// Give the held step up, whatever it is (the step was removed). Returns its step.
-    /// Never because staging ran short: a memory-only step whose save reported it staged
-    /// stays recoverable until a newer step is ([`Engine::make_room_for`]).
-    pub(super) fn give_up(&self, arena: &Arena) -> Option<u64> {
-        let old = self.lock().take()?;
+    /// Give the oldest held step up when a newer one is held (staging ran out of chunks, or
+    /// the arena cannot hold the held steps and the next save). Returns its step. Never the
+    /// newest: a memory-only step whose save reported it staged stays recoverable until a
+    /// newer step is ([`Engine::make_room_for`]).
+    pub(super) fn give_up_superseded(&self, arena: &Arena) -> Option<u64> {
+        let old = {
+            let mut g = self.lock();
+            if g.len() < 2 {
+                return None;
+            }
+            g.remove(0)
+        };
         let step = old.step;
         release(arena, old);
         Some(step)
     }
 
-    /// Take the held step out to write it to disk (its slot stays taken).
-    fn take(&self) -> Option<MemoryStep> {
-        self.lock().take()
+    /// Give held step `step` up (the step was removed). Whether it was held.
+    pub(super) fn give_up(&self, arena: &Arena, step: u64) -> bool {
+        let old = {
+            let mut g = self.lock();
+            let Some(at) = g.iter().position(|m| m.step == step) else {
+                return false;
+            };
+            g.remove(at)
+        };
+        release(arena, old);
+        true
+    }
+
+    /// Take the oldest held step out to write it to disk (its slot stays taken).
+    fn take_oldest(&self) -> Option<MemoryStep> {
+        let mut g = self.lock();
+        (!g.is_empty()).then(|| g.remove(0))
     }
 }
 
@@ -251,12 +303,23 @@ pub(super) fn failed(state: &Arc<SaveState>, e: Error) {
 }
 
 impl Engine {
-    /// Write the newest memory-only step ([`EngineConfig::with_disk_cadence`]) to disk
-    /// from its staging chunks, as a disk save of that step (file, `fdatasync`, manifest,
-    /// commit, retention), and wait for the commit. `Ok(None)` when no memory-only step is
-    /// held. [`Engine::close`] calls it, so a clean exit loses no step that was saved. The
-    /// bucket and the replicas do not take it.
-    pub fn persist_memory(&self) -> Result<Option<SaveReport>> {
+    /// Write the held memory-only steps ([`EngineConfig::with_disk_cadence`],
+    /// [`EngineConfig::with_memory_steps`]) to disk from their staging chunks, oldest
+    /// first, each as a disk save of that step (file, `fdatasync`, manifest, commit,
+    /// retention), waiting for each commit; their reports, oldest first (empty when none
+    /// is held). The first failure stops it (the steps not yet written stay held).
+    /// [`Engine::close`] calls it, so a clean exit loses no step that was saved. The
+    /// bucket and the replicas do not take them.
+    pub fn persist_memory(&self) -> Result<Vec<SaveReport>> {
+        let mut reports = Vec::new();
+        while let Some(r) = self.persist_oldest()? {
+            reports.push(r);
+        }
+        Ok(reports)
+    }
+
+    /// Write the oldest held memory-only step to disk ([`Engine::persist_memory`]).
+    fn persist_oldest(&self) -> Result<Option<SaveReport>> {
         // Saves are decided and staged one at a time: none stages while this one starts.
         self.shared.gate.enter();
         let started = self.persist_start();
@@ -278,14 +341,14 @@ impl Engine {
         }
     }
 
-    /// With the gate held: hand the held memory-only step to the writers and the commit
+    /// With the gate held: hand the oldest held memory-only step to the writers and the commit
     /// thread, as a disk save whose bytes are staged already.
     fn persist_start(&self) -> Result<Option<Arc<SaveState>>> {
         let Some(tx) = self.commit_tx.as_ref() else {
             return Err(Error::Shutdown("engine closed".into()));
         };
         let jobs = self.jobs()?;
-        let Some(m) = self.shared.memory.take() else {
+        let Some(m) = self.shared.memory.take_oldest() else {
             return Ok(None);
         };
         let cfg = &self.shared.cfg;
@@ -359,39 +422,47 @@ impl Engine {
         if tx.send(Arc::clone(&state)).is_err() {
             return Err(Error::Shutdown("engine closed".into()));
         }
-        tracing::info!(step, "writing the newest memory-only step to disk");
+        tracing::info!(step, "writing a held memory-only step to disk");
         Ok(Some(state))
     }
 
     /// With the gate held, before a save of `n_chunks` chunks is staged: when the arena
-    /// cannot hold the memory-only step and that save at once, the memory-only step is
+    /// cannot hold the held memory-only steps and that save at once, the older held steps
+    /// are given up (the newest supersedes them) and, if it still cannot, the newest is
     /// written to disk first (its chunks return to the pool as they are written, and the
-    /// new save's staging waits for them, as for any disk save draining). Giving the step
+    /// new save's staging waits for them, as for any disk save draining). Giving the newest
     /// up instead would leave nothing newer than the last disk step recoverable until the
     /// new save is staged, although its save reported it staged.
     pub(super) fn make_room_for(&self, n_chunks: u64) -> Result<()> {
         let arena = &self.shared.arena;
-        let held = self.shared.memory.chunks(arena.chunk_size());
-        if held == 0 || held.saturating_add(n_chunks) <= arena.chunk_count() {
-            return Ok(());
+        let fits = || {
+            let held = self.shared.memory.chunks(arena.chunk_size());
+            held == 0 || held.saturating_add(n_chunks) <= arena.chunk_count()
+        };
+        while !fits() {
+            if self.shared.memory.give_up_superseded(arena).is_some() {
+                continue;
+            }
+            tracing::warn!(
+                step = ?self.memory_step(),
+                "staging_capacity cannot hold the memory-only step and the next save: the memory-only step goes to disk first (give staging_capacity room for two saves to keep memory-only saves from waiting for the disk)"
+            );
+            self.persist_start()?;
+            break;
         }
-        tracing::warn!(
-            step = ?self.memory_step(),
-            "staging_capacity cannot hold the memory-only step and the next save: the memory-only step goes to disk first (give staging_capacity room for two saves to keep memory-only saves from waiting for the disk)"
-        );
-        self.persist_start().map(drop)
+        Ok(())
     }
 
-    /// The memory-only step held, if any.
+    /// The newest memory-only step held, if any.
     pub(super) fn memory_step(&self) -> Option<u64> {
-        self.shared.memory.step()
+        self.shared.memory.newest()
     }
 
     /// The manifest a memory-only step would have with this rank alone (its tensors'
     /// checksums are 0: computed when the step goes to disk).
     pub(super) fn memory_manifest(&self, step: u64) -> Option<(Manifest, Metadata)> {
         let g = self.shared.memory.lock();
-        let m = g.as_ref().filter(|m| m.step == step)?;
+        let m = g.iter().find(|m| m.step == step)?;
         let entry = m.image.entry().clone();
         let mut header_meta = m.metadata.clone();
         let cfg = &self.shared.cfg;

@@ -94,7 +94,7 @@ struct Shared {
     /// Whether saves write a local file (false: the tier beyond the disk holds every
     /// save's only copy, "remote only").
     files: bool,
-    /// The newest memory-only save (`EngineConfig::with_disk_cadence`).
+    /// The newest memory-only saves (`EngineConfig::with_disk_cadence`, `with_memory_steps`).
     memory: Arc<memory::MemoryTier>,
     /// What decides which saves go to disk.
     cadence: Mutex<memory::Cadence>,
@@ -249,7 +249,7 @@ impl Engine {
             name: Some(name),
             capacity: cfg.staging_capacity,
             chunk_size: cfg.chunk_size,
-            slots: cfg.max_inflight_saves,
+            slots: cfg.arena_slots(),
             rank: cfg.rank,
             world_size: cfg.world_size,
             root: root_abs.clone(),
@@ -310,16 +310,25 @@ impl Engine {
         // when staging runs out (read from the local file instead): the local tier never
         // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
         let held = Arc::new(crate::staging::held::HeldImages::default());
-        let memory = Arc::new(memory::MemoryTier::default());
+        let memory = Arc::new(memory::MemoryTier::new(cfg.memory_steps));
         {
             let held = Arc::downgrade(&held);
+            let mem = Arc::downgrade(&memory);
+            let arena_ref = Arc::downgrade(&arena);
             let tier = remote.as_ref().map(Arc::downgrade);
             arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
                 }
-                // The memory tier's step is not given up here: it stays recoverable until a
-                // newer step is, and the save path made room for it (`make_room_for`).
+                // The memory tier's oldest step is given up rather than waited for when a
+                // newer one is held (the newest never: it stays recoverable until a newer
+                // step is, and the save path made room for it, `make_room_for`).
+                if empty
+                    && let (Some(m), Some(a)) = (mem.upgrade(), arena_ref.upgrade())
+                    && let Some(step) = m.give_up_superseded(&a)
+                {
+                    tracing::warn!(step, "staging ran out of chunks: an older memory-only step is given up (staging_capacity holds fewer saves than the disk cadence and memory_steps need)");
+                }
                 // Uploads give theirs back only when nothing is free (a save reusing its
                 // own chunk costs the remote tier nothing).
                 if empty && let Some(t) = tier.as_ref().and_then(std::sync::Weak::upgrade) {
@@ -544,10 +553,9 @@ impl Engine {
     pub fn remove(&self, step: u64) -> Result<()> {
         let root = &self.shared.cfg.root;
         // A memory-only step (`EngineConfig::with_disk_cadence`) is given up.
-        if self.memory_step() == Some(step) {
+        if self.shared.memory.holds(step) {
             self.shared.gate.enter();
-            let gone = self.memory_step() == Some(step)
-                && self.shared.memory.give_up(&self.shared.arena).is_some();
+            let gone = self.shared.memory.give_up(&self.shared.arena, step);
             self.shared.gate.leave();
             if gone {
                 return Ok(());
@@ -624,11 +632,11 @@ impl Engine {
 
     fn shutdown(&mut self) {
         self.shared.gate.wait_idle();
-        // Nothing saved is lost on a clean exit: the newest memory-only step goes to disk.
+        // Nothing saved is lost on a clean exit: the held memory-only steps go to disk.
         if self.commit_tx.is_some()
             && let Err(e) = self.persist_memory()
         {
-            tracing::error!(error = %e, "could not write the newest memory-only step to disk at close");
+            tracing::error!(error = %e, "could not write the held memory-only steps to disk at close");
         }
         self.commit_tx = None;
         if let Some(h) = self.commit_thread.take()

@@ -392,7 +392,7 @@ impl Engine {
                 root: cfg.root.clone(),
             });
         }
-        if self.memory_step() == Some(step) {
+        if self.shared.memory.holds(step) {
             undo();
             return Err(Error::StepExists {
                 step,

@@ -79,12 +79,14 @@ impl Engine {
             && tiers != Tiers::Remote
             && let Some(m) = self.memory_step()
         {
-            let newest = match which {
-                StepSel::Latest => self.disk_latest()?.is_none_or(|d| m > d),
-                StepSel::Step(s) => s == m,
-            };
-            if newest {
-                return Ok(Resolved::Memory(m));
+            match which {
+                StepSel::Latest if self.disk_latest()?.is_none_or(|d| m > d) => {
+                    return Ok(Resolved::Memory(m));
+                }
+                StepSel::Step(s) if self.shared.memory.holds(s) => {
+                    return Ok(Resolved::Memory(s));
+                }
+                _ => {}
             }
         }
         if tiers == Tiers::Remote {
@@ -147,7 +149,7 @@ impl Engine {
         };
         let mut memory = Vec::new();
         if tiers != Tiers::Remote {
-            memory.extend(self.memory_step());
+            memory.extend(self.shared.memory.steps());
             memory.extend(lock(&self.shared.adopted).as_ref().map(|a| a.step()));
         }
         let mut all: std::collections::BTreeMap<u64, StepTiers> = Default::default();

@@ -148,9 +148,12 @@ fn persist_memory_writes_the_newest_memory_only_step() {
     let e =
         Engine::open(cadence_config(root, DiskCadence::Every(10)).with_keep_last(Some(2))).unwrap();
     save_step(&e, 1);
-    assert_eq!(e.persist_memory().unwrap(), None, "nothing in memory yet");
+    assert_eq!(e.persist_memory().unwrap(), [], "nothing in memory yet");
     assert!(save_step(&e, 2).memory_only);
-    let r = e.persist_memory().unwrap().expect("step 2 was in memory");
+    let r = e.persist_memory().unwrap();
+    assert_eq!(r.len(), 1, "step 2 was in memory: {r:?}");
+    let r = &r[0];
+    assert_eq!(r.step, 2);
     assert!(!r.memory_only && r.dir.is_some(), "{r:?}");
     assert_eq!(committed(root), [1, 2]);
     assert_eq!(
@@ -164,6 +167,190 @@ fn persist_memory_writes_the_newest_memory_only_step() {
     assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(2));
     e.close();
     assert_eq!(committed(root), [1, 2]);
+}
+
+/// `memory_steps(3)`: the three newest memory-only steps are held, each loadable with its
+/// exact bytes; a fourth gives the oldest up, a committed disk save all older ones, and
+/// close writes the held ones to disk, oldest first.
+#[test]
+fn memory_steps_holds_the_n_newest_memory_only_steps() {
+    let dir = real_dir("cadence-steps");
+    let root = dir.path();
+    let cfg = cadence_config(root, DiskCadence::Every(6)).with_memory_steps(3);
+    assert_eq!(cfg.memory_steps(), 3);
+    let e = Engine::open(cfg).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    for s in 2..=4 {
+        assert!(save_step(&e, s).memory_only);
+    }
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (2, true, false, false),
+            (3, true, false, false),
+            (4, true, false, false)
+        ]
+    );
+    assert_latest_from(&e, 4, LoadSource::Memory);
+    for s in [2, 3] {
+        let (ck, report) = load_with_report(&e, s).unwrap();
+        assert_eq!((report.step, report.source), (s, LoadSource::Memory));
+        assert_loaded_equal(&ck, &step_state(s));
+        assert_eq!(e.manifest(s).unwrap().step, s);
+    }
+    // A held step is not saved twice, whichever it is.
+    assert!(matches!(
+        e.save(2, &step_state(2).tensors(), &Metadata::new()),
+        Err(Error::StepExists { step: 2, .. })
+    ));
+    // A fourth memory-only step: the oldest held one is given up.
+    assert!(save_step(&e, 5).memory_only);
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, true, false, false),
+            (4, true, false, false),
+            (5, true, false, false)
+        ]
+    );
+    assert!(matches!(
+        load_with_report(&e, 2),
+        Err(Error::NotFound { step: Some(2), .. })
+    ));
+    // Removing a held step in the middle gives that one up only.
+    e.remove(4).unwrap();
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, true, false, false),
+            (5, true, false, false)
+        ]
+    );
+    assert_latest_from(&e, 5, LoadSource::Memory);
+    // The sixth save after the disk's goes to disk: once committed, every older held step
+    // is given up.
+    assert!(save_step(&e, 6).memory_only);
+    let r7 = save_step(&e, 7);
+    assert!(!r7.memory_only && r7.dir.is_some(), "{r7:?}");
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (7, false, true, false)]
+    );
+    // Close writes every held step to disk, oldest first.
+    for s in 8..=9 {
+        assert!(save_step(&e, s).memory_only);
+    }
+    let reports = e.persist_memory().unwrap();
+    let written: Vec<u64> = reports.iter().map(|r| r.step).collect();
+    assert_eq!(written, [8, 9]);
+    assert!(reports.iter().all(|r| !r.memory_only && r.dir.is_some()));
+    assert!(save_step(&e, 10).memory_only);
+    e.close();
+    assert_eq!(committed(root), [1, 7, 8, 9, 10]);
+    for s in [1, 7, 8, 9, 10] {
+        assert_step_is_exact(root, s);
+    }
+}
+
+/// Staging with room for three saves and `memory_steps(3)`: two memory-only steps fit
+/// beside the save being staged; the third one staged gives the oldest up instead of
+/// waiting, and so on, oldest first.
+#[test]
+fn staging_runs_out_and_gives_the_oldest_memory_step_up() {
+    let dir = real_dir("cadence-steps-small");
+    let root = dir.path();
+    // Room for exactly three saves (four chunks each).
+    let cfg = cadence_config(root, DiskCadence::Every(100))
+        .with_memory_steps(3)
+        .with_staging_capacity(12 * CS);
+    let e = Engine::open(cfg).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    for s in 2..=4 {
+        assert!(save_step(&e, s).memory_only);
+    }
+    assert_eq!(e.list_in(Tiers::Local).unwrap().len(), 4);
+    // Steps 2, 3 and 4 hold every chunk: step 5 takes step 2's.
+    assert!(save_step(&e, 5).memory_only);
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, true, false, false),
+            (4, true, false, false),
+            (5, true, false, false)
+        ]
+    );
+    assert!(save_step(&e, 6).memory_only);
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (4, true, false, false),
+            (5, true, false, false),
+            (6, true, false, false)
+        ]
+    );
+    for s in 4..=6 {
+        let (ck, report) = load_with_report(&e, s).unwrap();
+        assert_eq!((report.step, report.source), (s, LoadSource::Memory));
+        assert_loaded_equal(&ck, &step_state(s));
+    }
+    e.close();
+    assert_eq!(committed(root), [1, 4, 5, 6]);
+    for s in [4, 5, 6] {
+        assert_step_is_exact(root, s);
+    }
+}
+
+/// A disk cadence with replicas (`with_replica_hold`): each disk save holds its committed
+/// image for replication, a memory-only save holds none (replicas take disk saves only)
+/// and is still served from memory.
+#[test]
+fn with_replica_hold_only_disk_saves_hold_an_image() {
+    let dir = real_dir("cadence-held");
+    let root = dir.path();
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(2))
+            .with_replica_hold(true)
+            .with_memory_steps(2),
+    )
+    .unwrap();
+    for step in 1..=4 {
+        let st = step_state(step);
+        let h = e.save(step, &st.tensors(), &Metadata::new()).unwrap();
+        let cell = h.held_image();
+        let r = h.wait().unwrap();
+        let image = cell.take();
+        if step % 2 == 1 {
+            assert!(!r.memory_only, "step {step}: {r:?}");
+            let image = image.expect("a disk save's committed image is held");
+            let file = std::fs::read(&r.file).unwrap();
+            assert_eq!((image.step(), image.len()), (step, file.len() as u64));
+        } else {
+            assert!(r.memory_only, "step {step}: {r:?}");
+            assert!(
+                image.is_none(),
+                "step {step}: a memory-only save holds no image"
+            );
+        }
+    }
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, false, true, false),
+            (4, true, false, false)
+        ]
+    );
+    assert_latest_from(&e, 4, LoadSource::Memory);
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
+    for s in [1, 3, 4] {
+        assert_step_is_exact(root, s);
+    }
 }
 
 #[test]
@@ -262,11 +449,11 @@ fn cadences_that_decide_per_rank_are_refused_with_several_ranks() {
         open(cadence_config(root, DiskCadence::Every(2)).with_keep_in_memory(true)),
         Err(Error::Config(_))
     ));
-    // Replicas take every disk save: not combined with a cadence yet.
     assert!(matches!(
-        open(cadence_config(root, DiskCadence::Every(2)).with_replica_hold(true)),
+        open(cadence_config(root, DiskCadence::Every(2)).with_memory_steps(0)),
         Err(Error::Config(_))
     ));
+
     // Every N decides alike on every rank.
     open(cadence_config(root, DiskCadence::Every(2)).with_rank(0, 2)).unwrap();
 }
@@ -352,7 +539,39 @@ fn child_memory_only() {
     sigkill_self();
 }
 
-const ROLES: &[Role] = &[("child_memory_only", child_memory_only)];
+/// Child: step 1 to disk, steps 2, 3 and 4 memory-only with `memory_steps(2)` (step 2 given
+/// up), then death by SIGKILL.
+fn child_memory_steps() {
+    let root = env_path(ROOT_ENV);
+    let shm = std::env::var(SHM_ENV).unwrap();
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(10))
+            .with_memory_steps(2)
+            .with_staging_capacity(1 << 20)
+            .with_shm_name(shm),
+    )
+    .unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    for s in 2..=4 {
+        assert!(save_step(&e, s).memory_only);
+    }
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, true, false, false),
+            (4, true, false, false)
+        ]
+    );
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box(&e);
+    sigkill_self();
+}
+
+const ROLES: &[Role] = &[
+    ("child_memory_only", child_memory_only),
+    ("child_memory_steps", child_memory_steps),
+];
 
 #[test]
 fn a_memory_only_step_is_recovered_after_sigkill() {
@@ -378,4 +597,32 @@ fn a_memory_only_step_is_recovered_after_sigkill() {
     e.close();
     assert_eq!(committed(root), [1, 2]);
     assert_step_is_exact(root, 2);
+}
+
+/// Every held memory-only step is recovered after a SIGKILL (each keeps its descriptor
+/// slot), not only the newest; the one given up before the crash is not.
+#[test]
+fn every_held_memory_only_step_is_recovered_after_sigkill() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-kill-steps");
+    let root = dir.path();
+    let shm = test_shm_name("cadence-steps");
+    let _g = ShmGuard(shm.clone());
+    run_child("child_memory_steps", root, &shm);
+    assert_eq!(
+        committed(root),
+        [1],
+        "nothing wrote steps 3, 4 before the crash"
+    );
+    let e = Engine::open(cadence_config(root, DiskCadence::Every(10))).unwrap();
+    assert_eq!(e.recovered_steps(), [3, 4]);
+    assert!(!shm_exists(&shm), "recovery removes the arena");
+    assert_latest_from(&e, 4, LoadSource::Disk);
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
+    for s in [1, 3, 4] {
+        assert_step_is_exact(root, s);
+    }
 }

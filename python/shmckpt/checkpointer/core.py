@@ -140,7 +140,14 @@ class Checkpointer:
     ``("memory", None)``), committed to disk by the next open after a crash of the
     process (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
     replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
-    ranks; a cadence is not combined with ``replicas`` yet. See ``docs/python.md``.
+    ranks. ``Cadence(memory_steps=n)`` (default 1): the memory tier holds the ``n`` newest
+    memory-only steps saved since the last disk save (each loadable and listed, each
+    recovered after a crash, all written to disk by ``close()``); staging holds ``(2 + n)``
+    saves for none to be given up (an older one is given up first, never the newest).
+    With ``replicas``, ``Replicas(every=k)`` (default 1) replicates every ``k``-th disk
+    save (counted in disk saves: the first, then every ``k``-th after the last replicated
+    one); memory-only saves are not replicated (see ``docs/replicas.md``). See
+    ``docs/python.md``.
 
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
     ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
@@ -285,6 +292,8 @@ class Checkpointer:
                     timeout=reps.timeout,
                     node_local=reps.node_local_root,
                     keep_last=keep_last,
+                    replicate_every=reps.every or 1,
+                    disk_every=groups["cadence"].disk_every if groups["cadence"] is not None else 1,
                 )
         except BaseException:
             engine.close()
@@ -346,8 +355,8 @@ class Checkpointer:
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the saves in flight, write the newest memory-only step (``disk_every``)
-        to disk, then release the staging memory. Idempotent (also done at interpreter exit
+        """Wait for the saves in flight, write the held memory-only steps (``disk_every``,
+        ``memory_steps``) to disk, then release the staging memory. Idempotent (also done at interpreter exit
         for checkpointers still open).
 
         Safe to call while another thread uses this checkpointer: the engine's ``close``
