@@ -179,7 +179,7 @@ class Replicas:
     shared, and every step commits through the process group (``k`` may then be 0).
     ``every``: the replication cadence, counted in disk saves (the first, then every
     ``every``-th after the last replicated one; memory-only saves of a ``Cadence`` are
-    never replicated); default 1: every disk save.
+    never replicated); default 1: every disk save."""
 
     k: int = 1
     node: Optional[str] = None

@@ -40,6 +40,8 @@ def test_every_flat_keyword_maps_onto_its_group_with_a_deprecation_warning():
         "node_local_root": True,
         "disk_every": 3,
         "disk_interval_s": 30.0,
+        "memory_steps": 2,
+        "replicate_every": 4,
     }
     assert set(flat) == set(LEGACY)
     with pytest.warns(DeprecationWarning, match=r"chunk_size= -> Tuning\(chunk_size=\.\.\.\)") as rec:
@@ -66,9 +68,9 @@ def test_every_flat_keyword_maps_onto_its_group_with_a_deprecation_warning():
             every=2,
         ),
         "replicas": Replicas(
-            k=2, node="m7", group="the-group", bandwidth=1e6, timeout=42.0, node_local_root=True
+            k=2, node="m7", group="the-group", bandwidth=1e6, timeout=42.0, node_local_root=True, every=4
         ),
-        "cadence": Cadence(disk_every=3, disk_interval_s=30.0),
+        "cadence": Cadence(disk_every=3, disk_interval_s=30.0, memory_steps=2),
     }
     # The engine's one dict: the groups flattened to its keys.
     assert engine_settings(got["tuning"], got["remote"], got["cadence"], rank=1) == {
@@ -89,6 +91,7 @@ def test_every_flat_keyword_maps_onto_its_group_with_a_deprecation_warning():
         "remote_every": 2,
         "disk_every": 3,
         "disk_interval_s": 30.0,
+        "memory_steps": 2,
         "rank": 1,
     }
 
