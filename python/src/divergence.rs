@@ -47,7 +47,7 @@ fn crc32c_of(py: Python<'_>, data: Bound<'_, PyAny>, crc: u32) -> PyResult<u32> 
     if data.is_none() {
         return Ok(crc);
     }
-    let m = Memory::take(&data, "crc32c_of")?;
+    let m = Memory::take(&data, || "crc32c_of".to_owned())?;
     if m.place() != Place::Host {
         return Err(PyValueError::new_err(format!(
             "crc32c_of: not host memory ({:?}); pass a CPU tensor or array",

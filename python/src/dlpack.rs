@@ -249,15 +249,16 @@ fn packed(sizes: &[u64], strides: &[i64]) -> bool {
 }
 
 impl Memory {
-    /// Take the memory of `obj`, a DLPack capsule not consumed yet, for `what` (a name for
-    /// error messages): checked, then consumed and owned (see the module's documentation).
+    /// Take the memory of `obj`, a DLPack capsule not consumed yet, for `what` (what error
+    /// messages name it, made only for one): checked, then consumed and owned (see the module's documentation).
     /// `TypeError` for anything but a DLPack capsule, `ValueError` for a tensor that fails a
     /// check (the capsule is then left unconsumed).
-    pub(crate) fn take(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Memory> {
+    pub(crate) fn take(obj: &Bound<'_, PyAny>, what: impl Fn() -> String) -> PyResult<Memory> {
         let not_capsule = || {
             PyTypeError::new_err(format!(
-                "{what}: expected a DLPack capsule (torch.utils.dlpack.to_dlpack(t), \
+                "{}: expected a DLPack capsule (torch.utils.dlpack.to_dlpack(t), \
                  t.__dlpack__() or a numpy array's __dlpack__()), not {}",
+                what(),
                 obj.get_type()
                     .name()
                     .map_or_else(|_| "?".to_owned(), |n| n.to_string())
@@ -282,12 +283,13 @@ impl Memory {
             true
         } else if name == USED_LEGACY || name == USED_VERSIONED {
             return Err(PyValueError::new_err(format!(
-                "{what}: this DLPack capsule was consumed already (make one per call)"
+                "{}: this DLPack capsule was consumed already (make one per call)",
+                what()
             )));
         } else {
             return Err(not_capsule());
         };
-        let bad = |why: String| PyValueError::new_err(format!("{what}: {why}"));
+        let bad = |why: String| PyValueError::new_err(format!("{}: {why}", what()));
         let want = if versioned { VERSIONED } else { LEGACY };
         // SAFETY: `raw` is a capsule named `want` (checked); the GIL is held.
         let p = unsafe { ffi::PyCapsule_GetPointer(raw, want.as_ptr()) };

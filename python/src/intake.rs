@@ -19,7 +19,7 @@ pub(crate) fn host_dest(dest: &[(String, Bound<'_, PyAny>)]) -> PyResult<Vec<(St
     let out = dest
         .iter()
         .map(|(n, obj)| {
-            let m = Memory::take(obj, &format!("destination {n:?}"))?;
+            let m = Memory::take(obj, || format!("destination {n:?}"))?;
             writable_host(n, &m)?;
             Ok((n.clone(), m))
         })
@@ -41,7 +41,7 @@ pub(crate) fn device_dest(
                     "destination {n:?}: device ordinal {d} is not a CUDA device"
                 )));
             }
-            let m = Memory::take(obj, &format!("destination {n:?}"))?;
+            let m = Memory::take(obj, || format!("destination {n:?}"))?;
             writable_device(n, &m, *d)?;
             Ok((n.clone(), m))
         })

@@ -162,7 +162,7 @@ fn raw_tensors(list: Vec<TensorTuple<'_>>) -> PyResult<Vec<RawTensor>> {
                 }
                 None
             } else {
-                let m = Memory::take(&obj, &format!("tensor {name:?}"))?;
+                let m = Memory::take(&obj, || format!("tensor {name:?}"))?;
                 let place = if device < 0 {
                     Place::Host
                 } else {
