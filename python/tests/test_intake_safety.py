@@ -257,3 +257,66 @@ def test_a_non_blocking_save_keeps_the_memory_when_everything_else_is_dropped(pr
                 assert np.asarray(buf).tobytes() == expect, step
         finally:
             e.close()
+
+
+# -- CUDA memory (skipped without a GPU) -----------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_a_device_save_and_load_through_capsules_give_the_exact_bytes(engine):
+    """CUDA tensors go in and come back as kDLCUDA capsules: the engine's own save and
+    device load (the raw extension calls), bf16 included, byte for byte."""
+    src = _values(torch.bfloat16, 4099, 7).cuda()
+    n = src.numel() * 2
+    engine.save(1, [("w", "BF16", [4099], cap(src), n, src.device.index)], {}, [], True).wait()
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    assert engine.load_into_device(1, [("w", cap(dst.view(torch.uint8)), dst.device.index)], False) == 1
+    torch.cuda.synchronize()
+    assert bits(dst.cpu()) == bits(src.cpu())
+
+
+@pytest.mark.gpu
+def test_device_capsules_of_the_wrong_place_or_layout_are_refused(engine):
+    """A CUDA capsule named with another ordinal, given as host memory, strided, or taken
+    as a host destination or a crc32c input is refused before any copy."""
+    src = torch.arange(16, dtype=torch.float32, device="cuda")
+    dev = src.device.index
+    with pytest.raises(ValueError, match=r"its memory is 64 bytes on Cuda"):
+        engine.save(1, [("w", "F32", [16], cap(src), 64, -1)], {}, [], True)
+    with pytest.raises(ValueError, match=r"its memory is 64 bytes on Cuda"):
+        engine.save(1, [("w", "F32", [16], cap(src), 64, dev + 1)], {}, [], True)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        engine.save(1, [("w", "F32", [4, 4], cap(src.reshape(4, 4).t()), 64, dev)], {}, [], True)
+    engine.save(1, [("w", "F32", [16], cap(src), 64, dev)], {}, [], True).wait()
+    dst = torch.zeros(16, dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match=f"not memory of CUDA device {dev + 1}"):
+        engine.load_into_device(1, [("w", cap(dst), dev + 1)], False)
+    with pytest.raises(ValueError, match="not host memory"):
+        engine.load_into(1, [("w", cap(dst))])
+    with pytest.raises(ValueError, match="not host memory"):
+        _shmckpt.crc32c_of(cap(dst))
+    torch.cuda.synchronize()
+    assert not dst.any()
+
+
+@pytest.mark.gpu
+def test_a_dropped_non_blocking_device_save_keeps_its_memory(root):
+    """A non-blocking save of CUDA memory whose handle and tensor are dropped at once: the
+    handle's release thread keeps the tensor until staged; the bytes are exact."""
+    n = 64 << 20
+    e = _shmckpt.Engine(str(root), staging_capacity=96 << 20, chunk_size=1 << 20)
+    try:
+        for step in range(3):
+            t = torch.full((n,), step + 1, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            h = e.save(step, [("w", "U8", [n], cap(t), n, t.device.index)], {}, [], False)
+            del t, h
+            junk = torch.full((n,), 0xEE, dtype=torch.uint8, device="cuda")  # reuses freed blocks
+            del junk
+        e.flush()
+        for step in range(3):
+            ((_, _, _, buf),) = e.load(step)[3]
+            assert np.asarray(buf).tobytes() == bytes([step + 1]) * n, step
+    finally:
+        e.close()
