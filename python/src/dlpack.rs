@@ -250,9 +250,9 @@ fn packed(sizes: &[u64], strides: &[i64]) -> bool {
 
 impl Memory {
     /// Take the memory of `obj`, a DLPack capsule not consumed yet, for `what` (what error
-    /// messages name it, made only for one): checked, then consumed and owned (see the module's documentation).
-    /// `TypeError` for anything but a DLPack capsule, `ValueError` for a tensor that fails a
-    /// check (the capsule is then left unconsumed).
+    /// messages name it, made only for one): checked, then consumed and owned (see the
+    /// module's documentation). `TypeError` for anything but a DLPack capsule, `ValueError`
+    /// for a tensor that fails a check (the capsule is then left unconsumed).
     pub(crate) fn take(obj: &Bound<'_, PyAny>, what: impl Fn() -> String) -> PyResult<Memory> {
         let not_capsule = || {
             PyTypeError::new_err(format!(

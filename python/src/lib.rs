@@ -3,9 +3,10 @@
 //! Tensors arrive as `(name, dtype, shape, DLPack capsule, nbytes, device)` tuples, never
 //! as addresses (`dlpack.rs`): the extension owns each capsule's tensor, so its memory stays
 //! allocated for as long as the engine reads or writes it; the Python package
-//! (`shmckpt/*.py`) keeps the tensors unmodified for as long as this module says. Every blocking call releases the GIL; waits run in short
-//! slices with `check_signals` between them, so Ctrl-C raises `KeyboardInterrupt` while
-//! the engine carries on (a save in flight still finishes or fails cleanly).
+//! (`shmckpt/*.py`) keeps the tensors unmodified for as long as this module says. Every
+//! blocking call releases the GIL; waits run in short slices with `check_signals` between
+//! them, so Ctrl-C raises `KeyboardInterrupt` while the engine carries on (a save in flight
+//! still finishes or fails cleanly).
 //!
 //! All calls into the `shmckpt` crate are in `core.rs`.
 
