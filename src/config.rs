@@ -129,18 +129,9 @@ pub struct EngineConfig {
     pub(crate) disk_cadence: DiskCadence,
     pub(crate) disk_interval: Option<std::time::Duration>,
     pub(crate) remote_every: u64,
-    #[cfg(feature = "s3")]
-    pub(crate) remote: Option<crate::remote::RemoteTarget>,
-    #[cfg(feature = "s3")]
-    pub(crate) remote_keep_last: Option<usize>,
-    #[cfg(feature = "s3")]
-    pub(crate) remote_options: crate::remote::RemoteOptions,
-    #[cfg(feature = "s3")]
-    pub(crate) remote_max_pending: usize,
-    #[cfg(feature = "s3")]
-    pub(crate) remote_only: bool,
-    #[cfg(feature = "s3")]
-    pub(crate) remote_session: Option<String>,
+    /// The tier beyond memory and disk (the object-storage tier: `EngineConfig::with_remote`
+    /// and its setters, feature `s3`), a plug-in (`crate::tier`).
+    pub(crate) remote: Option<Box<dyn crate::tier::TierSpec>>,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: Option<Arc<crate::io::fault::FaultPlan>>,
     #[cfg(feature = "fault-injection")]
@@ -177,18 +168,7 @@ impl EngineConfig {
             disk_cadence: DiskCadence::Every(1),
             disk_interval: None,
             remote_every: 1,
-            #[cfg(feature = "s3")]
             remote: None,
-            #[cfg(feature = "s3")]
-            remote_keep_last: None,
-            #[cfg(feature = "s3")]
-            remote_options: crate::remote::RemoteOptions::default(),
-            #[cfg(feature = "s3")]
-            remote_max_pending: crate::remote::tier::DEFAULT_MAX_PENDING,
-            #[cfg(feature = "s3")]
-            remote_only: false,
-            #[cfg(feature = "s3")]
-            remote_session: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
             #[cfg(feature = "fault-injection")]
@@ -368,117 +348,10 @@ impl EngineConfig {
         self
     }
 
-    /// Mirror every committed save to object storage at `url` (`s3://bucket/prefix`,
-    /// feature `s3`): after the save is committed locally, this rank's file is uploaded to
-    /// `prefix/step-N/` (a multipart upload), and the step is committed in the bucket by a
-    /// conditionally created `manifest.json` once every rank's object is there
-    /// ([`crate::remote`]). Credentials and endpoint come from the standard AWS
-    /// environment variables; the engine checks the bucket when it opens. Loads fall back
-    /// to the bucket for steps not on disk. Default: no remote tier.
-    #[cfg(feature = "s3")]
-    pub fn with_remote(mut self, url: impl Into<String>) -> Self {
-        self.remote = Some(crate::remote::RemoteTarget::Url(url.into()));
-        self
-    }
-
-    /// [`EngineConfig::with_remote`] on any `object_store` store (another cloud, a local
-    /// directory, `InMemory` in tests), under key prefix `prefix` (may be empty); the
-    /// store is not checked at open.
-    #[cfg(feature = "s3")]
-    pub fn with_remote_store(
-        mut self,
-        store: std::sync::Arc<dyn object_store::ObjectStore>,
-        prefix: impl Into<String>,
-    ) -> Self {
-        self.remote = Some(crate::remote::RemoteTarget::Store {
-            store,
-            mp: None,
-            prefix: prefix.into(),
-        });
-        self
-    }
-
-    /// [`EngineConfig::with_remote_store`] on a store with multipart upload ids (S3,
-    /// GCS, Azure, `InMemory`): each upload is journaled in the bucket so that `gc` can
-    /// abort the ones a killed process left open (`with_remote` does this for S3).
-    #[cfg(feature = "s3")]
-    pub fn with_remote_multipart_store<S>(
-        mut self,
-        store: std::sync::Arc<S>,
-        prefix: impl Into<String>,
-    ) -> Self
-    where
-        S: object_store::ObjectStore + object_store::multipart::MultipartStore,
-    {
-        let mp: std::sync::Arc<dyn object_store::multipart::MultipartStore> = store.clone();
-        self.remote = Some(crate::remote::RemoteTarget::Store {
-            store,
-            mp: Some(mp),
-            prefix: prefix.into(),
-        });
-        self
-    }
-
-    /// Keep only the newest `n` committed steps in the bucket (`None`: keep all); a step
-    /// not older than the newest committed one is never deleted. Default `None`.
-    #[cfg(feature = "s3")]
-    pub fn with_remote_keep_last(mut self, n: Option<usize>) -> Self {
-        self.remote_keep_last = n;
-        self
-    }
-
-    /// Part size, parallelism and retries of the remote tier's requests
-    /// ([`crate::remote::RemoteOptions`]; default 16 MiB parts, 8 in flight, 3 retries).
-    #[cfg(feature = "s3")]
-    pub fn with_remote_options(mut self, opts: crate::remote::RemoteOptions) -> Self {
-        self.remote_options = opts;
-        self
-    }
-
-    /// Saves that may wait for the remote uploader besides the one it uploads; when a
-    /// further save is committed locally, the oldest waiting one's remote copy is skipped
-    /// (its [`crate::remote::RemoteProgress`] reports [`Error::RemoteSkipped`]). At least 1.
-    /// Default 2.
-    #[cfg(feature = "s3")]
-    pub fn with_remote_max_pending(mut self, n: usize) -> Self {
-        self.remote_max_pending = n;
-        self
-    }
-
-    /// An identity shared by every rank of one run (e.g. a random id that rank 0
-    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`). It is
-    /// recorded in each rank's manifest part in the bucket, and a part of another session
-    /// does not count toward a commit: a step number re-used after an interrupted upload
-    /// never commits with a rank's stale object from the earlier run. Default `None`: any
-    /// part counts.
-    #[cfg(feature = "s3")]
-    pub fn with_remote_session(mut self, session: Option<String>) -> Self {
-        self.remote_session = session;
-        self
-    }
-
-    /// Remote only: the root is this rank's private directory (it holds the engine's lock
-    /// file), not a checkpoint tier. Saves write no file: each staged chunk is checksummed
-    /// and uploaded from the staging arena, whose chunks the upload alone releases (a save
-    /// waits for staging memory that earlier uploads still hold); loads come from the
-    /// bucket. Needs [`EngineConfig::with_remote`]. Default false.
-    #[cfg(feature = "s3")]
-    pub fn with_remote_only(mut self, on: bool) -> Self {
-        self.remote_only = on;
-        self
-    }
-
-    /// Whether saves write no local file (remote only; always false without the `s3`
-    /// feature).
-    pub(crate) fn is_remote_only(&self) -> bool {
-        #[cfg(feature = "s3")]
-        {
-            self.remote_only
-        }
-        #[cfg(not(feature = "s3"))]
-        {
-            false
-        }
+    /// Whether saves write a local file: false when the tier beyond the disk holds every
+    /// save's only copy (remote only, `EngineConfig::with_remote_only`).
+    pub(crate) fn has_disk_tier(&self) -> bool {
+        !self.remote.as_ref().is_some_and(|t| t.replaces_disk())
     }
 
     /// Which saves go to the local disk; the others are **memory-only**: staged into the
@@ -498,8 +371,9 @@ impl EngineConfig {
     ///
     /// Host memory: the arena must hold the staging of the disk save draining, the newest
     /// memory-only step and the save being staged (3 × a save's file per rank, for a
-    /// trainer whose disk saves drain while it saves again); when staging runs out, the
-    /// held memory-only step is given up (logged) rather than waiting forever.
+    /// trainer whose disk saves drain while it saves again); when the arena cannot hold
+    /// the memory-only step and the next save, that step goes to disk first (logged) and
+    /// the save waits for its chunks: it is never given up before a newer step is.
     pub fn with_disk_cadence(mut self, cadence: DiskCadence) -> Self {
         self.disk_cadence = cadence;
         self
@@ -611,25 +485,8 @@ impl EngineConfig {
             )));
         }
         crate::restore::check_device_read(self.device_read, self.device_read_depth)?;
-        #[cfg(feature = "s3")]
-        if self.remote_only && self.remote.is_none() {
-            return Err(Error::Config(
-                "remote_only needs a remote (with_remote)".into(),
-            ));
-        }
-        #[cfg(feature = "s3")]
-        if self.remote.is_some() {
-            if self.remote_keep_last == Some(0) {
-                return Err(Error::Config(
-                    "remote_keep_last must be at least 1 (None keeps all)".into(),
-                ));
-            }
-            if self.remote_max_pending == 0 {
-                return Err(Error::Config(
-                    "remote_max_pending must be at least 1".into(),
-                ));
-            }
-            self.remote_options.validate()?;
+        if let Some(t) = &self.remote {
+            t.validate()?;
         }
         if self.keep_last == Some(0) {
             return Err(Error::Config(
@@ -659,7 +516,7 @@ impl EngineConfig {
                 "remote_every must be at least 1 (1: every disk save is uploaded)".into(),
             ));
         }
-        if self.remote_every > 1 && self.is_remote_only() {
+        if self.remote_every > 1 && !self.has_disk_tier() {
             return Err(Error::Config(
                 "a remote-only engine uploads every save: remote_every must be 1".into(),
             ));
@@ -680,7 +537,7 @@ impl EngineConfig {
                     .into(),
             ));
         }
-        if !self.every_save_to_disk() && self.is_remote_only() {
+        if !self.every_save_to_disk() && !self.has_disk_tier() {
             return Err(Error::Config(
                 "a remote-only engine has no disk: disk_every must be 1".into(),
             ));

@@ -57,7 +57,6 @@ pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
 pub mod recover;
-#[cfg(feature = "s3")]
 pub mod remote;
 pub mod replica;
 pub mod restore;
@@ -67,6 +66,7 @@ mod tensor;
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub mod testing;
+pub(crate) mod tier;
 pub(crate) mod util;
 
 /// The CUDA façade: device memory, streams and events as typed values.

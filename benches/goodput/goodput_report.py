@@ -140,6 +140,14 @@ def analyze_run(run, t0, every):
                 rec["stall_s"] = sum(dts[k + j] for j in range(1, n + 1)) - n * t0
             res["saves"].append(rec)
     res["step_dts"] = [ev["dt"] for life in order for ev in lives[life]["steps"][1:]]
+    # A save call that no step of its life followed (the trainer was stopped or killed
+    # after it returned) is in no step's dt: its time still counts against training.
+    res["calls_after_last_step_s"] = [
+        sv["call_s"]
+        for life in order
+        for sv in lives[life]["saves"]
+        if sv["k"] + 1 not in {ev["k"] for ev in lives[life]["steps"]}
+    ]
     return res
 
 
@@ -167,7 +175,10 @@ def components(analyses, t0, every):
     saves = [s for a in analyses for s in a["saves"]]
     kills = [k for a in analyses for k in a["kills"]]
     loaded = [k for k in kills if not k["restart"]["fresh"]]
-    step_s = _mean(dts)
+    # The time of each step, its save call included (a step's dt holds the call before
+    # it; the calls no step followed are added here).
+    unfollowed = [c for a in analyses for c in a.get("calls_after_last_step_s", [])]
+    step_s = None if not dts else (sum(dts) + sum(unfollowed)) / len(dts)
     durs = [s["durable_s"] for s in saves if s["durable_s"] is not None]
     comp = {
         "t0_s": t0, "every": every, "steps": len(dts), "step_s": step_s,

@@ -209,7 +209,10 @@ class ShmSystem(System):
 
         kw = dict(keep_last=keep, staging_capacity=size_bytes + (256 << 20))
         if tiered:
+            # Staging for three saves (docs/python.md, "Host memory per rank"): the disk
+            # save draining, the memory-only step held and the save being staged.
             kw["disk_every"] = "auto"
+            kw["staging_capacity"] = 3 * size_bytes + (256 << 20)
             self.every_step = True
         self.ck = shmckpt.Checkpointer(root, **kw)
         self.info["shm_name"] = self.ck.shm_name

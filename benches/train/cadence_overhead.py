@@ -153,13 +153,19 @@ def main(argv=None):
     cfg = dict(SIZES[args.state])
     tr = Trainer(cfg, args.device, "auto", args.seed)
     tr.sync_mode = "stream"
+    # A few steps first: AdamW makes its moments at its first step, and the checkpointed
+    # state is weights and moments (8g: 8.2 GiB; built before any step it held the
+    # weights alone, 2.73 GiB).
+    from sweep import time_steps
+
+    time_steps(tr, 3)
     state = tr.build_state()
     nbytes = state_nbytes(state)
     log(f"state {nbytes / GiB:.2f} GiB in {len(state)} tensors")
     root = os.path.join(args.dir, f"run-{os.getpid()}")
     kw = json.loads(args.ck_kw)
     chunk = 1 * MiB if args.tiny else 8 * MiB
-    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "state_bytes": nbytes, "ck_kw": kw, "torch": torch.__version__}, "configs": []}
+    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "state_bytes": nbytes, "tensors": len(state), "ck_kw": kw, "torch": torch.__version__}, "configs": []}
     if cuda:
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
     cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk

@@ -505,7 +505,7 @@ fn gpu_load_from_the_bucket_goes_through_two_registered_buffers() {
         .collect();
     let names: Vec<String> = (0..sizes.len()).map(|k| format!("t{k}")).collect();
     let dir = common::gpu_test_dir("gpu-remote");
-    let engine = shmckpt::testing::remote::with_memory_bucket(
+    let engine = shmckpt::remote::testing::with_memory_bucket(
         EngineConfig::new(dir.path())
             .with_staging_capacity(64 << 20)
             .with_device_read(4 << 20, 2),

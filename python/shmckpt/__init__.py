@@ -5,7 +5,8 @@ files with io_uring; this package flattens nested state (model, optimizer, sched
 plain values) into named tensors plus a typed JSON skeleton and drives the engine.
 
     import shmckpt
-    ckpt = shmckpt.Checkpointer("/ckpt", keep_last=3)
+    ckpt = shmckpt.Checkpointer("/ckpt", keep_last=3)   # remote="s3://b/run", replicas=1
+    ckpt = shmckpt.Checkpointer("/ckpt", keep_last=3, tuning=shmckpt.Tuning(writer_threads=8))
     ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
     h = ckpt.save(step, state, blocking=False)   # h.wait_staged(), h.wait(), h.done()
     ckpt.guard(opt)                              # opt.step() waits for a save still staging
@@ -20,6 +21,7 @@ from . import errors
 from ._export import ExportReport, export
 from ._state import STATE_KEY, flatten, unflatten
 from .checkpointer import Checkpointer, LoadResult, SaveHandle
+from .config import Cadence, RemoteTier, Replicas, Tuning
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 
@@ -29,6 +31,10 @@ __all__ = [
     "Checkpointer",
     "SaveHandle",
     "LoadResult",
+    "Tuning",
+    "RemoteTier",
+    "Replicas",
+    "Cadence",
     "STATE_KEY",
     "flatten",
     "unflatten",

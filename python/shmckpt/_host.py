@@ -1,5 +1,6 @@
 """What the replication collaborator of a :class:`~shmckpt.Checkpointer` uses of it, as a
-structural type: the replicator is given its checkpointer and never imports the
+structural type: the replicator is given the state the checkpointer's collaborators share
+(``checkpointer.base.Shared``: identity, engine, manifests) and never imports the
 ``checkpointer`` package (which builds it), so that no module of the package imports one
 that imports it back."""
 
@@ -9,15 +10,15 @@ from typing import Any, Dict, Optional, Protocol, Tuple, Union
 
 
 class CheckpointerLike(Protocol):
-    """The part of :class:`~shmckpt.Checkpointer` that :mod:`shmckpt.replicas` uses."""
+    """What :mod:`shmckpt.replicas` uses of a checkpointer (its ``Shared`` state)."""
 
     root: str
     rank: int
     world_size: int
     remote: Optional[str]
-    _engine: Any
+    engine: Any
 
     def manifest(self, step: Union[int, str, None] = "latest") -> Dict[str, Any]: ...
 
-    def _rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]: ...
+    def rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]: ...
 

@@ -64,7 +64,7 @@ class ReplicaLoads(ReplicaNet):
 
     def _loadable_latest(self, bucket: bool) -> Optional[int]:
         """The newest step every rank can load (see :meth:`agree_step`). Collective."""
-        have = [s for s, _ in self.ckpt._engine.list()]
+        have = [s for s, _ in self.ckpt.engine.list()]
         own = [s for s in have if self._local_ok(s)]
         tag = _shmckpt.replica_tag(self.ckpt.root)
         uid = os.geteuid()
@@ -115,7 +115,7 @@ class ReplicaLoads(ReplicaNet):
 
     def _agree_step(self, sel: Optional[int]) -> None:
         me = self.ckpt.rank
-        mine = sel if sel is not None else self.ckpt._engine.latest()  # this root's own
+        mine = sel if sel is not None else self.ckpt.engine.latest()  # this root's own
         have = mine is not None and os.path.isfile(os.path.join(self.ckpt.root, f"step-{mine}", "manifest.json"))
         seen = self._gather((mine, have), "the step every rank has")
         steps = [s for s, _ in seen if s is not None]
@@ -130,7 +130,7 @@ class ReplicaLoads(ReplicaNet):
         if not holders:
             raise ReplicationError(f"no rank's root holds the manifest of step {target}")
         src = holders[0]
-        obj: List[Any] = [str(self.ckpt._engine.manifest(target)).encode() if me == src else None]
+        obj: List[Any] = [str(self.ckpt.engine.manifest(target)).encode() if me == src else None]
         try:
             self._dist.broadcast_object_list(obj, src=src, group=self.group)
         except RuntimeError as e:
@@ -152,7 +152,7 @@ class ReplicaLoads(ReplicaNet):
         """Whether this rank's own file of ``step`` is there: a regular file (not followed
         through a link) of the manifest's size. The load checks every byte of it."""
         try:
-            _, entry = self.ckpt._rank_entry(step)
+            _, entry = self.ckpt.rank_entry(step)
         except ShmckptError:
             return False
         path = os.path.join(self.ckpt.root, f"step-{step}", entry["file"])
@@ -285,7 +285,7 @@ class ReplicaLoads(ReplicaNet):
                 # damaged file, when the bucket holds the same bytes).
                 log.warning("rank %d: step %d: no partner could serve it (%s); reading the bucket's copy", me, step, why)
                 return
-            _, entry = self.ckpt._rank_entry(step)
+            _, entry = self.ckpt.rank_entry(step)
             path = os.path.join(root, f"step-{step}", entry["file"])
             raise ReplicationError(f"rank {me}: its file of step {step} ({path}) {what} and {why}")
 
@@ -299,7 +299,7 @@ class ReplicaLoads(ReplicaNet):
         if self.ckpt.remote is None:
             return []
         try:
-            return list(self.ckpt._engine.list_remote())
+            return list(self.ckpt.engine.list_remote())
         except ShmckptError as e:
             log.warning("rank %d: the bucket's steps are not known (%s): counted as none", self.ckpt.rank, e)
             return []

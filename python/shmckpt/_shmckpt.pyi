@@ -9,7 +9,7 @@ unmodified (for non-blocking saves, until staged) as documented on each method; 
 ``shmckpt.Checkpointer``, which does.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union, final
 
 from typing_extensions import TypeAlias
 
@@ -189,40 +189,42 @@ class SaveHandle:
     def checksums(self) -> Optional[List[Tuple[str, str, List[int], int]]]: ...
     def confirm_commit(self, reason: Optional[str] = None) -> None: ...
 
+class EngineSettings(TypedDict, total=False):
+    """The settings of ``Engine(root, config)``, one dict converted once in Rust
+    (``python/src/config.rs``); a missing key or ``None`` takes the default, another key
+    is a ``TypeError``. ``shmckpt.config.engine_settings`` builds it from the groups."""
+
+    rank: int
+    world_size: int
+    staging_capacity: Optional[int]
+    chunk_size: Optional[int]
+    writer_threads: Optional[int]
+    queue_depth: Optional[int]
+    copy_threads: Optional[int]
+    direct_io: Optional[bool]
+    keep_last: Optional[int]
+    shm_name: Optional[str]
+    max_inflight_saves: Optional[int]
+    recover_on_open: Optional[bool]
+    keep_in_memory: Optional[bool]
+    create_root: Optional[bool]
+    remote: Optional[str]
+    remote_keep_last: Optional[int]
+    remote_max_pending: Optional[int]
+    remote_only: Optional[bool]
+    remote_session: Optional[str]
+    remote_part_size: Optional[int]
+    remote_concurrency: Optional[int]
+    remote_request_timeout: Optional[float]
+    remote_complete_timeout: Optional[float]
+    replica_hold: Optional[bool]
+    disk_every: Union[int, str, None]
+    disk_interval_s: Optional[float]
+    remote_every: Optional[int]
+
 @final
 class Engine:
-    def __new__(
-        cls,
-        root: str,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        staging_capacity: Optional[int] = None,
-        chunk_size: Optional[int] = None,
-        writer_threads: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        copy_threads: Optional[int] = None,
-        direct_io: Optional[bool] = None,
-        keep_last: Optional[int] = None,
-        shm_name: Optional[str] = None,
-        max_inflight_saves: Optional[int] = None,
-        recover_on_open: Optional[bool] = None,
-        keep_in_memory: Optional[bool] = None,
-        create_root: Optional[bool] = None,
-        remote: Optional[str] = None,
-        remote_keep_last: Optional[int] = None,
-        remote_max_pending: Optional[int] = None,
-        remote_only: bool = False,
-        remote_session: Optional[str] = None,
-        remote_part_size: Optional[int] = None,
-        remote_concurrency: Optional[int] = None,
-        remote_request_timeout: Optional[float] = None,
-        remote_complete_timeout: Optional[float] = None,
-        replica_hold: bool = False,
-        disk_every: Union[int, str, None] = None,
-        disk_interval_s: Optional[float] = None,
-        remote_every: Optional[int] = None,
-    ) -> "Engine": ...
+    def __new__(cls, root: str, config: Optional[Mapping[str, Any]] = None) -> "Engine": ...
     @property
     def chunk_size(self) -> int: ...
     def save(

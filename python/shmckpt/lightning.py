@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from . import _named, _shmckpt
 from .checkpointer import Checkpointer
+from .config import TUNING_FIELDS, Tuning, tuning_of
 from .errors import NotFound
 
 __all__ = ["ShmckptCheckpointIO", "load_from_checkpoint", "to_torch_file"]
@@ -119,41 +120,30 @@ class ShmckptCheckpointIO(CheckpointIO):
     committed and published, closes the engines and raises the first error of a save
     (an error is also raised by the next ``save_checkpoint``).
 
-    Keyword arguments are the :class:`shmckpt.Checkpointer` settings of the same names,
-    checked here (any other keyword is a ``TypeError`` naming it and listing these); the
+    ``tuning`` (a :class:`shmckpt.Tuning`), ``recover_on_open`` and ``keep_in_memory``
+    are the :class:`shmckpt.Checkpointer` settings of the same names, checked here (any
+    other keyword is a ``TypeError`` naming it and listing these); the
     checkpointer of a directory is opened on its first save (rank 0 of 1: Lightning saves
     on global rank zero only). Loads open no engine, so every rank of a DDP job loads at
     once.
     """
 
-    #: The keyword arguments of the constructor: :class:`shmckpt.Checkpointer` settings.
-    SETTINGS = (
-        "staging_capacity",
-        "chunk_size",
-        "writer_threads",
-        "queue_depth",
-        "copy_threads",
-        "direct_io",
-        "max_inflight_saves",
-        "recover_on_open",
-        "keep_in_memory",
-    )
+    #: The keyword arguments of the constructor: :class:`shmckpt.Checkpointer` settings
+    #: (the :class:`shmckpt.Tuning` fields as flat keywords are those of earlier versions,
+    #: accepted with a ``DeprecationWarning``).
+    SETTINGS = TUNING_FIELDS + ("recover_on_open", "keep_in_memory", "tuning")
 
     def __init__(
         self,
         *,
-        staging_capacity: Optional[int] = None,
-        chunk_size: Optional[int] = None,
-        writer_threads: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        copy_threads: Optional[int] = None,
-        direct_io: Optional[bool] = None,
-        max_inflight_saves: Optional[int] = None,
+        tuning: Optional[Tuning] = None,
         recover_on_open: Optional[bool] = None,
         keep_in_memory: bool = False,
         **unknown: Any,
     ) -> None:
         for k in unknown:
+            if k in TUNING_FIELDS:
+                continue
             why = (
                 " (Lightning saves on rank zero and decides retention through ModelCheckpoint)"
                 if k in ("rank", "world_size", "keep_last")
@@ -163,21 +153,15 @@ class ShmckptCheckpointIO(CheckpointIO):
                 f"ShmckptCheckpointIO: unknown setting {k!r}{why}; the settings are "
                 f"{', '.join(self.SETTINGS)}"
             )
-        self._settings: Dict[str, Any] = {
-            k: v
-            for k, v in (
-                ("staging_capacity", staging_capacity),
-                ("chunk_size", chunk_size),
-                ("writer_threads", writer_threads),
-                ("queue_depth", queue_depth),
-                ("copy_threads", copy_threads),
-                ("direct_io", direct_io),
-                ("max_inflight_saves", max_inflight_saves),
-                ("recover_on_open", recover_on_open),
-            )
-            if v is not None
-        }
-        self._settings["keep_in_memory"] = bool(keep_in_memory)
+        #: The engine settings of its checkpointers.
+        self._tuning = tuning_of("ShmckptCheckpointIO", tuning, unknown, self.SETTINGS)
+        self._recover_on_open = recover_on_open
+        self._keep_in_memory = bool(keep_in_memory)
+        #: The settings given, flat (what ``repr`` and the tests compare).
+        self._settings: Dict[str, Any] = dict(self._tuning.given())
+        if recover_on_open is not None:
+            self._settings["recover_on_open"] = recover_on_open
+        self._settings["keep_in_memory"] = self._keep_in_memory
         self._cks: Dict[str, Checkpointer] = {}
         self._next: Dict[str, int] = {}
         #: ``(directory, step)`` of the saves not published yet: never removed meanwhile.
@@ -191,17 +175,31 @@ class ShmckptCheckpointIO(CheckpointIO):
     def __getstate__(self) -> Dict[str, Any]:
         """Pickled as its settings (``torch.save(trainer)``, a spawned process): a copy is
         a new plugin with the same settings, without the engines, saves or worker."""
-        return {"settings": dict(self._settings)}
+        return {
+            "tuning": self._tuning,
+            "recover_on_open": self._recover_on_open,
+            "keep_in_memory": self._keep_in_memory,
+        }
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(**state["settings"])  # type: ignore[misc]
+        if "settings" in state:  # pickled by an earlier version: flat settings
+            self.__init__(**state["settings"])  # type: ignore[misc]
+        else:
+            self.__init__(**state)  # type: ignore[misc]
 
     # -- internals ------------------------------------------------------------------------
     def _checkpointer(self, d: str) -> Checkpointer:
         with self._lock:
             ck = self._cks.get(d)
             if ck is None:
-                ck = Checkpointer(d, rank=0, world_size=1, **self._settings)
+                ck = Checkpointer(
+                    d,
+                    rank=0,
+                    world_size=1,
+                    tuning=self._tuning,
+                    recover_on_open=self._recover_on_open,
+                    keep_in_memory=self._keep_in_memory,
+                )
                 self._cks[d] = ck
                 # After every committed step and every step a name still names (a
                 # reservation an earlier process left): no step is saved twice.

@@ -132,6 +132,7 @@ except ImportError as e:  # pragma: no cover - a supported version that lacks a 
 
 from . import _shmckpt
 from ._util import _gc_paused
+from .config import Tuning, tuning_of
 from .dcp import ShmckptReader, ShmckptWriter
 from .dcp.writer import write_results
 from .dcp.engines import _remove_tree, _sources
@@ -361,9 +362,10 @@ class ShmckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     ``spool``: where the engines write before the commit (default
     ``dirname(checkpoint_dir)/.shmckpt-dcp``, which must be on the checkpoint's
-    filesystem). The other keyword arguments are engine settings, as for
+    filesystem). ``tuning``: the engine settings (a :class:`shmckpt.Tuning`), as for
     :class:`shmckpt.dcp.ShmckptWriter` (``staging_capacity`` sets a minimum; the arena
-    is sized to the rank's file and reused by every later save in this process).
+    is sized to the rank's file and reused by every later save in this process); the
+    flat tuning keywords of earlier versions are accepted, deprecated.
     """
 
     def __init__(
@@ -373,24 +375,17 @@ class ShmckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
         keep_only_main_replica: bool = True,
         *,
         spool: Optional[Union[str, os.PathLike]] = None,
-        staging_capacity: Optional[int] = None,
-        chunk_size: Optional[int] = None,
-        writer_threads: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        copy_threads: Optional[int] = None,
-        direct_io: Optional[bool] = None,
-        max_inflight_saves: Optional[int] = None,
+        tuning: Optional[Tuning] = None,
+        **legacy: Any,
     ):
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
         self.spool = spool
-        self.writer_options: Dict[str, Any] = dict(
-            staging_capacity=staging_capacity,
-            chunk_size=chunk_size,
-            writer_threads=writer_threads,
-            queue_depth=queue_depth,
-            copy_threads=copy_threads,
-            direct_io=direct_io,
-            max_inflight_saves=max_inflight_saves,
+        #: The engine settings of its writers (:class:`shmckpt.Tuning`).
+        self.tuning = tuning_of(
+            "ShmckptSaveShardedStrategy",
+            tuning,
+            legacy,
+            ("backend", "version", "keep_only_main_replica", "spool", "tuning"),
         )
         #: The writer of the last ``async_save`` (its ``last_stage`` says where staging
         #: spent its time, ``last_report`` is the engine's report once durable).
@@ -434,7 +429,7 @@ class ShmckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        writer = _MegatronWriter(checkpoint_dir, spool=self.spool, **self.writer_options)
+        writer = _MegatronWriter(checkpoint_dir, spool=self.spool, tuning=self.tuning)
         writer.common = common
         # Megatron's planning (local plans gathered on the coordinator, which makes the
         # global metadata), then writer.prepare_write_data: shmckpt's staging.

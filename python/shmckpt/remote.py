@@ -28,14 +28,14 @@ from . import _state, _util
 from .errors import ConfigError, CorruptError, DestinationError, NotFound
 
 
-
 class Checkpointer(Protocol):
-    """The part of :class:`~shmckpt.Checkpointer` this module uses (declared here, so
-    that the tier does not import the checkpointer that composes it)."""
+    """What this module uses of a :class:`~shmckpt.Checkpointer`: the state its
+    collaborators share (``checkpointer.base.Shared``), declared here, so that the tier
+    does not import the checkpointer that composes it."""
 
     rank: int
     remote: Optional[str]
-    _engine: Any
+    engine: Any
 
 __all__ = [
     "SOURCES",
@@ -66,7 +66,7 @@ def resolve(ck: "Checkpointer", step: Optional[int], source: Optional[str]) -> T
     check_source(source)
     if source == "remote" and ck.remote is None:
         raise ConfigError("this Checkpointer has no remote tier (remote=...)")
-    s, where = ck._engine.resolve(step, source)
+    s, where = ck.engine.resolve(step, source)
     return int(s), str(where)
 
 
@@ -94,7 +94,7 @@ def skeleton(ck: "Checkpointer", step: int, file_meta: Dict[str, str]) -> Option
 def rank_entry(ck: "Checkpointer", step: int) -> Dict[str, Any]:
     """This rank's file entry (names, dtypes, shapes, in file order) of ``step``'s manifest
     in the bucket (parsed and checked by the engine)."""
-    m = json.loads(ck._engine.remote_manifest(step))
+    m = json.loads(ck.engine.remote_manifest(step))
     for f in m["files"]:
         if f["rank"] == ck.rank:
             return dict(f)
@@ -108,7 +108,7 @@ def read_into_device(ck: "Checkpointer", step: int, dest: Sequence[Tuple[str, An
     parallel, each body copied into the engine's CUDA-registered staging buffers and sent
     to the device from there (no host copy of the file), every CRC-32C verified. The
     caller synchronized the destinations' streams."""
-    ck._engine.load_into_device_remote(step, [(n, _util.dest_capsule(x), d) for n, x, d in dest])
+    ck.engine.load_into_device_remote(step, [(n, _util.dest_capsule(x), d) for n, x, d in dest])
 
 
 def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
@@ -118,7 +118,7 @@ def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, A
     import torch
 
     entry = rank_entry(ck, step)
-    tree = skeleton(ck, step, ck._engine.remote_file_metadata(step))
+    tree = skeleton(ck, step, ck.engine.remote_file_metadata(step))
     objs: Dict[str, Any] = {}
     for t in entry["tensors"]:
         tdt = _state.ST_TO_TORCH.get(t["dtype"])

@@ -121,7 +121,7 @@ class Replicator(ReplicaLoads):
             )
         self.node = node_of(ckpt.rank, node)
         mine: List[Any] = [None] * ckpt.world_size
-        dist.all_gather_object(mine, (self.node, self.bandwidth, int(ckpt._engine.chunk_size)), group=group)
+        dist.all_gather_object(mine, (self.node, self.bandwidth, int(ckpt.engine.chunk_size)), group=group)
         self.nodes: List[str] = [str(n) for n, _, _ in mine]
         #: Every rank's ``replica_bandwidth`` and staging chunk size (the pieces its images
         #: travel in follow them).

@@ -190,7 +190,8 @@ pub fn auto_initial_capacity(keep_in_memory: bool) -> u64 {
 ///
 /// With a disk cadence (`disk_every` other than 1) the arena is sized for three saves (the
 /// disk save draining, the memory-only step held, the save being staged), or for one when
-/// `/dev/shm` cannot hold three (a save then gives the memory-only step up, logged).
+/// `/dev/shm` cannot hold three (the memory-only step then goes to disk before the next
+/// save stages, logged).
 pub fn auto_capacity(engine: &Engine, o: &EngineOpts, needed: u64) -> Result<u64> {
     let keep = o.keep_in_memory == Some(true);
     let chunk = o.chunk_size.unwrap_or(shmckpt::DEFAULT_CHUNK_SIZE);

@@ -12,6 +12,7 @@
 
 mod bucket;
 mod buffer;
+mod config;
 mod convert;
 mod core;
 mod dcp;
@@ -127,25 +128,6 @@ impl PyEngine {
 
 type TensorTuple<'py> = (String, String, Vec<usize>, Bound<'py, PyAny>, usize, i32);
 
-/// `disk_every=`: an int or a string.
-struct DiskEveryArg(core::DiskEvery);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for DiskEveryArg {
-    type Error = PyErr;
-
-    fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if let Ok(n) = ob.extract::<u64>() {
-            return Ok(DiskEveryArg(core::DiskEvery::N(n)));
-        }
-        if let Ok(s) = ob.extract::<String>() {
-            return Ok(DiskEveryArg(core::DiskEvery::Mode(s)));
-        }
-        Err(PyValueError::new_err(
-            "disk_every must be a number >= 1 or \"auto\"",
-        ))
-    }
-}
-
 /// The tensors of a save: each tuple's memory taken from its DLPack capsule (`None` for a
 /// tensor of no bytes) and checked against the tuple's byte length and device (-1: host
 /// memory). An integer, or any object but a capsule, is a `TypeError`.
@@ -204,86 +186,19 @@ fn afters(list: Vec<(i32, String, u64)>) -> PyResult<Vec<After>> {
 #[pymethods]
 impl PyEngine {
     /// Open an engine for checkpoints under `root` (an existing, writable directory, or
-    /// one it creates with `create_root=True`). `None` settings take the Rust defaults,
-    /// except `staging_capacity=None`: the arena then opens at `AUTO_STAGING_INITIAL`
-    /// (64 MiB; the 2 GiB default with `keep_in_memory`) and a save that needs more
-    /// reopens the engine with an arena sized from that save.
+    /// one it creates with `create_root: True`), with the settings of `config`, one dict
+    /// (`config::KEYS`; missing keys and `None` take the Rust defaults), converted once in
+    /// `config::engine_opts`. Without `staging_capacity` the arena opens at
+    /// `AUTO_STAGING_INITIAL` (64 MiB; the 2 GiB default with `keep_in_memory`) and a save
+    /// that needs more reopens the engine with an arena sized from that save.
     #[new]
-    #[pyo3(signature = (root, *, rank=0, world_size=1, staging_capacity=None, chunk_size=None,
-        writer_threads=None, queue_depth=None, copy_threads=None, direct_io=None,
-        keep_last=None, shm_name=None, max_inflight_saves=None, recover_on_open=None,
-        keep_in_memory=None, create_root=None, remote=None, remote_keep_last=None,
-        remote_max_pending=None, remote_only=false, remote_session=None,
-        remote_part_size=None, remote_concurrency=None, remote_request_timeout=None,
-        remote_complete_timeout=None, replica_hold=false, disk_every=None, disk_interval_s=None, remote_every=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (root, config=None))]
     fn new(
         py: Python<'_>,
         root: std::path::PathBuf,
-        rank: u32,
-        world_size: u32,
-        staging_capacity: Option<u64>,
-        chunk_size: Option<u64>,
-        writer_threads: Option<usize>,
-        queue_depth: Option<u32>,
-        copy_threads: Option<usize>,
-        direct_io: Option<bool>,
-        keep_last: Option<usize>,
-        shm_name: Option<String>,
-        max_inflight_saves: Option<u32>,
-        recover_on_open: Option<bool>,
-        keep_in_memory: Option<bool>,
-        create_root: Option<bool>,
-        remote: Option<String>,
-        remote_keep_last: Option<usize>,
-        remote_max_pending: Option<usize>,
-        remote_only: bool,
-        remote_session: Option<String>,
-        remote_part_size: Option<usize>,
-        remote_concurrency: Option<usize>,
-        remote_request_timeout: Option<f64>,
-        remote_complete_timeout: Option<f64>,
-        replica_hold: bool,
-        disk_every: Option<DiskEveryArg>,
-        disk_interval_s: Option<f64>,
-        remote_every: Option<u64>,
+        config: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<Self> {
-        let disk_cadence =
-            core::disk_cadence(disk_every.map(|d| d.0)).map_err(PyValueError::new_err)?;
-        let auto_staging = staging_capacity.is_none();
-        let staging_capacity = staging_capacity.or(Some(core::auto_initial_capacity(
-            keep_in_memory == Some(true),
-        )));
-        let opts = EngineOpts {
-            root,
-            staging_capacity,
-            chunk_size,
-            writer_threads,
-            queue_depth,
-            copy_threads,
-            direct_io,
-            keep_last,
-            rank,
-            world_size,
-            shm_name,
-            max_inflight_saves,
-            recover_on_open,
-            keep_in_memory,
-            create_root,
-            remote,
-            remote_keep_last,
-            remote_max_pending,
-            remote_part_size,
-            remote_concurrency,
-            remote_request_timeout,
-            remote_complete_timeout,
-            remote_only,
-            remote_session,
-            replica_hold,
-            disk_cadence,
-            disk_interval: disk_interval_s,
-            remote_every,
-        };
+        let (opts, auto_staging) = config::engine_opts(root, config)?;
         let engine = py
             .detach(|| core::open(opts.clone()))
             .map_err(|e| to_py(py, e))?;

@@ -102,7 +102,7 @@ def root(tmp_path):
 
 @pytest.fixture
 def ck(root):
-    c = shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20)
+    c = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20))
     yield c
     c.close()
 

@@ -614,7 +614,7 @@ def test_a_part_only_save_commits_nothing_and_its_part_is_found(tmp_path):
     root = tmp_path / "rank-00000" / "77-0"
     root.mkdir(parents=True)
     t = torch.arange(1000, dtype=torch.int32)
-    e = _shmckpt.Engine(str(root), staging_capacity=1 << 20, chunk_size=1 << 20)
+    e = _shmckpt.Engine(str(root), dict(staging_capacity=1 << 20, chunk_size=1 << 20))
     try:
         with pytest.raises(errors.ConfigError, match="blocking"):
             e.save(5, [("t", "I32", [1000], t.__dlpack__(), t.numel() * 4, -1)], {}, [], False, part_only=True)

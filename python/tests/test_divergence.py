@@ -155,7 +155,7 @@ def test_cli_verify_replicas_names_the_odd_rank(tmp_path):
     root = tmp_path / "ck"
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     engines = [
-        _shmckpt.Engine(str(root), rank=r, world_size=3, staging_capacity=8 << 20, chunk_size=1 << 20, create_root=True)
+        _shmckpt.Engine(str(root), dict(rank=r, world_size=3, staging_capacity=8 << 20, chunk_size=1 << 20, create_root=True))
         for r in range(3)
     ]
     keep = []

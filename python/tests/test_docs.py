@@ -36,7 +36,14 @@ END = "<!-- signatures: end -->"
 #: The public callables each module must document, besides every public method of the
 #: classes in CLASSES_WITH_METHODS (found by inspection, so a new method must be added).
 REQUIRED = {
-    "shmckpt": ["shmckpt.Checkpointer", "shmckpt.export"],
+    "shmckpt": [
+        "shmckpt.Checkpointer",
+        "shmckpt.export",
+        "shmckpt.Tuning",
+        "shmckpt.RemoteTier",
+        "shmckpt.Replicas",
+        "shmckpt.Cadence",
+    ],
     "shmckpt.dcp": ["shmckpt.dcp.ShmckptWriter", "shmckpt.dcp.ShmckptReader", "shmckpt.dcp.prepare", "shmckpt.dcp.release"],
     "shmckpt.lightning": [
         "shmckpt.lightning.ShmckptCheckpointIO",

@@ -110,21 +110,25 @@ def test_analysis_of_made_up_lives():
     # the stall: steps 6 and 7 (the call, then the guard's wait) over 2 T0
     assert (s5["step"], s5["call_s"], s5["durable_s"], s5["stall_s"]) == pytest.approx((5, 0.01, 0.1, 0.0), abs=1e-9)
     assert s10["durable_s"] is None and "stall_s" not in s10  # the last step: none after it
+    # step 10's call: no step followed it (the trainer stopped), so no dt holds it
+    assert a["calls_after_last_step_s"] == [0.01]
     c = gr.components([a], 0.1, 5)
-    assert c["step_s"] == pytest.approx(0.1) and c["overhead"] == pytest.approx(0.0, abs=1e-9)
-    assert c["interval_s"] == pytest.approx(0.5) and c["durable_s_median"] == pytest.approx(0.1)
-    assert c["e_lost_s"] == pytest.approx(0.25 + 0.1) and c["e_restart_s"] == pytest.approx(1.8)
+    assert c["steps"] == 10  # each life's steps after its first: 2-7, then 7-10
+    assert c["step_s"] == pytest.approx((10 * 0.1 + 0.01) / 10)
+    assert c["overhead"] == pytest.approx(1 - 0.1 / 0.101)
+    assert c["interval_s"] == pytest.approx(0.505) and c["durable_s_median"] == pytest.approx(0.1)
+    assert c["e_lost_s"] == pytest.approx(0.2525 + 0.1) and c["e_restart_s"] == pytest.approx(1.8)
     # a restart that loaded nothing counts only when none loaded a checkpoint
     fresh = json.loads(json.dumps(a))
     fresh["kills"][0]["restart"].update(fresh=True, restart_s=1.0)
     assert gr.components([a, fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.8)
     assert gr.components([fresh], 0.1, 5)["e_restart_s"] == pytest.approx(1.0)
-    assert gr.model_goodput(c, 10.0) == pytest.approx(1 - (0.35 + 1.8) / 10)
+    assert gr.model_goodput(c, 10.0) == pytest.approx(1 - (1 - 0.1 / 0.101) - (0.3525 + 1.8) / 10)
     res = {"meta": {"t0_s": 0.1, "every": 5, "every_of": {}, "time_scale": 60.0, "size_bytes": 1 << 20, "tensors": 4, "device": "cpu"},
            "runs": [run], "skipped": {"nvrx": "not installed"}}
     summ = gr.summarize(res)
     (row,) = summ["shm"]["runs"]
-    assert row["model_at_real"] == pytest.approx(1 - 2.15 / 600) and row["goodput_measured"] == a["goodput"]
+    assert row["model_at_real"] == pytest.approx(1 - (1 - 0.1 / 0.101) - 2.1525 / 600) and row["goodput_measured"] == a["goodput"]
     md = gr.table(res)
     assert sum(x.startswith("| shm |") for x in md.splitlines()) == 2 and "nvrx: not installed" in md and "FAILED" not in md
     # a step that was durable before the kill must be the one resumed (or a later one)
@@ -197,7 +201,13 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
         c = s["components"]
         runs = [x for x in data["runs"] if x["system"] == name]
         dts = [e["dt"] for x in runs for lf in range(len(x["lives"])) for e in [e for e in x["events"] if e["e"] == "s" and e["life"] == lf][1:]]
-        assert c["steps"] == len(dts) and c["step_s"] == pytest.approx(sum(dts) / len(dts))
+        # the save calls that no step of their life followed count too
+        unfollowed = []
+        for x in runs:
+            for lf in range(len(x["lives"])):
+                ks = {e["k"] for e in x["events"] if e["e"] == "s" and e["life"] == lf}
+                unfollowed += [e["call_s"] for e in x["events"] if e["e"] == "sv" and e["life"] == lf and e["k"] + 1 not in ks]
+        assert c["steps"] == len(dts) and c["step_s"] == pytest.approx((sum(dts) + sum(unfollowed)) / len(dts))
         assert c["overhead"] == pytest.approx(1 - t0 / c["step_s"])
         ev = 1 if name == "shm-tiered" else m["every"]
         assert c["e_lost_s"] == pytest.approx(ev * c["step_s"] / 2 + c["durable_s_median"])

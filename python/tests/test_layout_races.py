@@ -218,7 +218,7 @@ def test_a_plain_value_changed_during_a_hit_is_stored_as_probed(ckpt):
     save_hit(ckpt, 1, state)
     lay = ckpt._layout
     parts, vals, skeleton = list(lay.parts), list(lay.vals), lay.skeleton
-    codes = (_layout._fill.__code__, type(ckpt)._reap.__code__, SaveHandle.__init__.__code__)
+    codes = (_layout._fill.__code__, type(ckpt._shared).reap.__code__, SaveHandle.__init__.__code__)
     for step, code in enumerate(codes, start=2):
         state["n"]["step"] = step
         want = snapshot(state)

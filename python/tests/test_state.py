@@ -293,7 +293,7 @@ def test_foreign_checkpoint_loads_flat(root):
     # Written by the engine without the Python skeleton (e.g. from Rust): a flat dict.
     from shmckpt import _shmckpt
 
-    e = _shmckpt.Engine(str(root), staging_capacity=SMALL, chunk_size=1 << 20)
+    e = _shmckpt.Engine(str(root), dict(staging_capacity=SMALL, chunk_size=1 << 20))
     data = np.arange(6, dtype=np.float32)
     e.save(4, [("w", "F32", [2, 3], data.__dlpack__(), data.nbytes, -1)], {}, [], True).wait()
     e.close()

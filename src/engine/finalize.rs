@@ -8,6 +8,7 @@ use crate::commit::{self};
 use crate::error::{Error, Result};
 use crate::io::pool::WriteSink;
 use crate::manifest::FileEntry;
+use crate::tier::LocalOutcome;
 
 use super::lock;
 use super::report::{SaveReport, SaveTimings};
@@ -38,10 +39,7 @@ pub(super) fn finalize(
             Err(e) => (Err(Arc::new(e)), commit::Retired::default(), None),
         },
     };
-    #[cfg(feature = "s3")]
     remote_copy(st, &result, entry);
-    #[cfg(not(feature = "s3"))]
-    let _ = entry;
     // Closed before anything is reported (and before a failed save's file is removed):
     // deleting the checkpoint later frees its blocks in the deleting thread, never in a
     // later save of this engine.
@@ -53,7 +51,7 @@ pub(super) fn finalize(
     // chunks are taken here, before the save is reported done.
     let cfg = &st.shared.cfg;
     let hold =
-        (cfg.replica_hold && !cfg.is_remote_only()).then(|| (&*st.shared.held, st.plan.file_len()));
+        (cfg.replica_hold && st.shared.files).then(|| (&*st.shared.held, st.plan.file_len()));
     if let Some(image) =
         st.shared
             .arena
@@ -71,61 +69,45 @@ pub(super) fn finalize(
     (result, retired)
 }
 
-/// Tell the save's upload (started with the save, see `remote::feed`) how the save ended
-/// locally: committed (its file opened now, before retention or another rank can move it;
-/// the upload reads from it the chunks staging took back) or failed (the upload is
-/// aborted: nothing of the step reaches the bucket).
-#[cfg(feature = "s3")]
+/// Tell the save's copy to the tier beyond the disk (started with the save) how the save
+/// ended locally: committed, with where its file is (the tier opens it now, before
+/// retention or another rank can move it), or failed (nothing of the step may reach the
+/// tier).
 fn remote_copy(
     st: &SaveState,
     result: &std::result::Result<SaveReport, Arc<Error>>,
     entry: Option<FileEntry>,
 ) {
-    let (Some(feed), Some(progress)) = (&st.feed, &st.remote) else {
+    let Some(upload) = &st.upload else {
         return;
     };
-    let (report, entry) = match (result, entry) {
-        (Ok(r), Some(e)) => (r, e),
-        (Err(e), _) => {
-            feed.local_failed_arc(Arc::clone(e));
-            return;
-        }
-        (Ok(_), None) => {
-            feed.local_failed(Error::Internal(
-                "committed save without a file entry".into(),
-            ));
-            return;
-        }
+    let outcome = match (result, entry) {
+        (Ok(report), Some(entry)) => LocalOutcome::Committed {
+            entry,
+            // With several ranks, another rank may rename the partial directory at any
+            // time: the file is then in the committed one.
+            file: st.shared.files.then(|| {
+                [
+                    report.file.clone(),
+                    st.shared
+                        .cfg
+                        .root
+                        .join(crate::manifest::step_dir_name(st.step))
+                        .join(&st.file_name),
+                ]
+            }),
+        },
+        (Err(e), _) => LocalOutcome::Failed(Arc::clone(e)),
+        (Ok(_), None) => LocalOutcome::Failed(Arc::new(Error::Internal(
+            "committed save without a file entry".into(),
+        ))),
     };
-    if st.shared.cfg.is_remote_only() {
-        // No file: the feed gets every chunk.
-        feed.local_committed(None, entry);
-        return;
-    }
-    // With several ranks, another rank may rename the partial directory at any time: the
-    // file is then in the committed one.
-    let committed = st
-        .shared
-        .cfg
-        .root
-        .join(crate::manifest::step_dir_name(st.step))
-        .join(&st.file_name);
-    let opened = crate::fsx::open_path(&report.file, false)
-        .or_else(|_| crate::fsx::open_path(&committed, false));
-    match opened {
-        Ok(f) => feed.local_committed(Some(f), entry),
-        Err(e) => {
-            // Committed locally, but the upload cannot read what staging took back:
-            // reported as this save's remote failure, the upload aborted.
-            progress.fail(e);
-            feed.close();
-        }
-    }
+    upload.local_outcome(outcome);
 }
 
 fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
     let cfg = &st.shared.cfg;
-    let target = if cfg.is_remote_only() {
+    let target = if !st.shared.files {
         None // no file: every chunk is checksummed and held for the upload
     } else {
         let t = st

@@ -96,26 +96,14 @@ impl SaveHandle {
         self.state.snapshot.bytes()
     }
 
-    /// The save's remote copy (`None` without a remote tier): keep it to wait for the
-    /// bucket after [`SaveHandle::wait`] consumed the handle.
-    #[cfg(feature = "s3")]
-    pub fn remote(&self) -> Option<crate::remote::RemoteProgress> {
-        self.state.remote.clone()
-    }
-
-    /// Block until the step is committed in the bucket (after the local commit); returns
-    /// the remote report, or [`Error::RemoteFailed`] / a config error without a remote
-    /// tier.
-    #[cfg(feature = "s3")]
-    pub fn wait_remote(&self) -> Result<crate::remote::RemoteReport> {
-        match &self.state.remote {
-            Some(p) => p.wait(),
-            None => Err(Error::Config(
-                "this save has no remote copy: the engine has no remote tier (with_remote), or \
-                 its cadence kept the save off the bucket (with_disk_cadence, with_remote_every)"
-                    .into(),
-            )),
-        }
+    /// The save's copy to the tier beyond the disk, when that tier takes it (its public
+    /// API, `SaveHandle::remote`, is the tier's: `crate::remote`).
+    #[allow(
+        dead_code,
+        reason = "called by the tiers' public API: none in a build without `s3`"
+    )]
+    pub(crate) fn tier_save(&self) -> Option<&Arc<dyn crate::tier::TierSave>> {
+        self.state.upload.as_ref()
     }
 
     /// Where the save's committed image, held in its staging chunks for replication

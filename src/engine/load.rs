@@ -3,7 +3,6 @@
 //! owned buffers, caller host buffers, device memory); the disk copy's checks and the
 //! manifest.
 
-#[cfg(feature = "s3")]
 use super::remote_ops::bucket_or;
 use super::request::Target;
 use super::*;
@@ -50,15 +49,12 @@ impl Engine {
     /// [`Error::NotFound`] when no source allowed holds the step (for [`Sources::MEMORY`],
     /// when the kept image cannot serve it, with the reason); [`Error::Config`] for an
     /// empty source set, or the bucket asked of an engine without a remote tier.
-    #[cfg_attr(not(feature = "s3"), allow(unused_mut))]
     pub fn load_with(&self, req: &LoadRequest, into: LoadInto<'_>) -> Result<Loaded> {
         let mut target = into.0;
         let tiers = req
             .sources
             .tiers()
             .ok_or_else(|| Error::Config("a load request needs at least one source".into()))?;
-        // Without the `s3` feature the bucket's arm is compiled out.
-        #[cfg_attr(not(feature = "s3"), allow(clippy::infallible_destructuring_match))]
         let info = match self.resolve_with(req.step, tiers, req.sources.memory())? {
             Resolved::Memory(step) => {
                 return match self.read_memory_tier(step, &mut target)? {
@@ -79,7 +75,6 @@ impl Engine {
                 };
             }
             Resolved::Local(info) => info,
-            #[cfg(feature = "s3")]
             Resolved::Bucket { step, disk } => {
                 let report = LoadReport::from_bucket(step, disk.as_ref());
                 let (checkpoint, remote) = self.read_bucket(step, &mut target)?;
@@ -119,7 +114,6 @@ impl Engine {
                 }
                 // A damaged file, when the bucket holds the same step's same bytes: every
                 // destination is written again from there.
-                #[cfg(feature = "s3")]
                 Err(e) if req.sources.bucket() && self.bucket_replaces(&info, &e) => {
                     let report = LoadReport::from_bucket(info.step, Some(&e));
                     let (checkpoint, remote) =
@@ -133,7 +127,6 @@ impl Engine {
                 Err(e) => Err(e),
             };
         }
-        #[cfg(feature = "s3")]
         if req.sources.bucket() {
             let (checkpoint, remote) = self.read_bucket(info.step, &mut target)?;
             let mut report = LoadReport::from_bucket(info.step, None);
@@ -295,32 +288,6 @@ impl Engine {
         }
     }
 
-    /// Source 3, the bucket: this rank's object of `step` into `target` (ranged GETs in
-    /// parallel, every checksum verified; device destinations through the engine's
-    /// CUDA-registered device-read buffers, no host copy of the whole object).
-    #[cfg(feature = "s3")]
-    #[allow(unsafe_code)]
-    fn read_bucket(
-        &self,
-        step: u64,
-        target: &mut Target<'_>,
-    ) -> Result<(Option<Checkpoint>, crate::remote::RemoteLoad)> {
-        let rank = self.shared.cfg.rank;
-        let remote = self
-            .remote()
-            .ok_or_else(|| Error::Config("this engine has no remote tier (with_remote)".into()))?;
-        match target {
-            Target::Owned => remote.load(step, rank).map(|(ck, r)| (Some(ck), r)),
-            Target::Host(dest) => remote.load_into(step, rank, dest).map(|r| (None, r)),
-            Target::Device(dest) => {
-                let ring = self.device_ring()?;
-                // SAFETY: as in `read_memory`: the ranges of a `Target::Device` are valid
-                // for writes and used by nobody else during the load.
-                unsafe { remote.load_into_device(step, rank, &ring, dest) }.map(|r| (None, r))
-            }
-        }
-    }
-
     /// Flash restore: the adopted image, locked (a save waits to give it up until the
     /// caller is done with its chunks), with `info`'s manifest, this rank's entry and what
     /// the cheap check of the disk copy found wrong (logged as an error), if it can serve
@@ -441,9 +408,8 @@ impl Engine {
         })?;
         match restore::read_file_metadata(&dir.join(&entry.file), entry) {
             // A damaged header, when the bucket holds the same step's same bytes.
-            #[cfg(feature = "s3")]
             Err(e) if self.bucket_replaces(&CheckpointInfo { step: m.step, dir }, &e) => {
-                bucket_or(m.step, e, self.remote_file_metadata(StepSel::Step(m.step)))
+                bucket_or(m.step, e, self.tier_file_metadata(StepSel::Step(m.step)))
             }
             other => other,
         }
@@ -485,7 +451,6 @@ impl Loaded {
         Loaded {
             report,
             checkpoint,
-            #[cfg(feature = "s3")]
             remote: None,
         }
     }
@@ -514,49 +479,4 @@ fn device_in_file_order<'d>(
     let named: Vec<(&str, u64)> = dest.iter().map(|(n, d)| (*n, d.len() as u64)).collect();
     let order = restore::match_destinations(entry, &named)?;
     Ok(order.iter().map(|&i| Some(dest[i].1)).collect())
-}
-
-/// Shorthands of [`Engine::load_with`] for the crate's tests of the remote tier.
-#[cfg(all(test, feature = "s3"))]
-impl Engine {
-    /// Into owned buffers from every source: the checkpoint and its report.
-    pub(crate) fn load_with_report(
-        &self,
-        which: impl Into<StepSel>,
-    ) -> Result<(Checkpoint, LoadReport)> {
-        let got = self.load_with(&LoadRequest::new(which), LoadInto::owned())?;
-        Ok((got.checkpoint.expect("an owned load"), got.report))
-    }
-
-    /// Into the caller's host buffers by name from every source: the step loaded.
-    pub(crate) fn load_into(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<u64> {
-        let got = self.load_with(&LoadRequest::new(which), LoadInto::host(dest))?;
-        Ok(got.report.step)
-    }
-
-    /// Into owned buffers from the bucket only, whatever the local disk holds.
-    pub(crate) fn load_remote(
-        &self,
-        which: impl Into<StepSel>,
-    ) -> Result<(Checkpoint, crate::remote::RemoteLoad)> {
-        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
-        let got = self.load_with(&req, LoadInto::owned())?;
-        let remote = got.remote.expect("the bucket served the load");
-        Ok((got.checkpoint.expect("an owned load"), remote))
-    }
-
-    /// Into the caller's host buffers by name from the bucket only.
-    pub(crate) fn load_into_remote(
-        &self,
-        which: impl Into<StepSel>,
-        dest: &mut [(&str, &mut [u8])],
-    ) -> Result<crate::remote::RemoteLoad> {
-        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
-        let got = self.load_with(&req, LoadInto::host(dest))?;
-        Ok(got.remote.expect("the bucket served the load"))
-    }
 }

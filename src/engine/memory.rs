@@ -8,9 +8,10 @@
 //! tier's image ([`flash::Adopted::in_memory`], served by loads like a kept image); the
 //! previous memory-only step is given up then (slot freed in the descriptor first, then
 //! its chunks back to the pool). A disk save gives it up once committed (a newer step is
-//! then on disk), and so does the arena when staging runs out of chunks (the reclaim hook:
-//! staging never waits for the memory tier). [`Engine::persist_memory`] (run by
-//! [`Engine::close`]) writes the newest memory-only step to disk from those chunks.
+//! then on disk). It is never given up before a newer step is loadable: when the arena
+//! cannot hold it and the next save, it is written to disk first
+//! ([`Engine::make_room_for`]). [`Engine::persist_memory`] (run by [`Engine::close`])
+//! writes the newest memory-only step to disk from those chunks.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -131,6 +132,13 @@ impl MemoryTier {
         self.lock().as_ref().map(|m| m.step)
     }
 
+    /// The staging chunks the held step occupies (0 when none is held).
+    pub(super) fn chunks(&self, chunk_size: u64) -> u64 {
+        self.lock()
+            .as_ref()
+            .map_or(0, |m| m.plan.chunk_count(chunk_size))
+    }
+
     /// Hold `m` as the newest memory-only step, giving up the one held before.
     fn install(&self, arena: &Arena, m: MemoryStep) {
         let old = self.lock().replace(m);
@@ -158,8 +166,9 @@ impl MemoryTier {
         }
     }
 
-    /// Give the held step up, whatever it is (staging ran out of chunks, or the step was
-    /// removed). Returns its step.
+    /// Give the held step up, whatever it is (the step was removed). Returns its step.
+    /// Never because staging ran short: a memory-only step whose save reported it staged
+    /// stays recoverable until a newer step is ([`Engine::make_room_for`]).
     pub(super) fn give_up(&self, arena: &Arena) -> Option<u64> {
         let old = self.lock().take()?;
         let step = old.step;
@@ -310,10 +319,7 @@ impl Engine {
             }),
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
-            #[cfg(feature = "s3")]
-            remote: None,
-            #[cfg(feature = "s3")]
-            feed: None,
+            upload: None,
             snapshot: crate::device::SnapshotRequest::default(),
             held: Arc::default(),
             disk: true,
@@ -355,6 +361,25 @@ impl Engine {
         }
         tracing::info!(step, "writing the newest memory-only step to disk");
         Ok(Some(state))
+    }
+
+    /// With the gate held, before a save of `n_chunks` chunks is staged: when the arena
+    /// cannot hold the memory-only step and that save at once, the memory-only step is
+    /// written to disk first (its chunks return to the pool as they are written, and the
+    /// new save's staging waits for them, as for any disk save draining). Giving the step
+    /// up instead would leave nothing newer than the last disk step recoverable until the
+    /// new save is staged, although its save reported it staged.
+    pub(super) fn make_room_for(&self, n_chunks: u64) -> Result<()> {
+        let arena = &self.shared.arena;
+        let held = self.shared.memory.chunks(arena.chunk_size());
+        if held == 0 || held.saturating_add(n_chunks) <= arena.chunk_count() {
+            return Ok(());
+        }
+        tracing::warn!(
+            step = ?self.memory_step(),
+            "staging_capacity cannot hold the memory-only step and the next save: the memory-only step goes to disk first (give staging_capacity room for two saves to keep memory-only saves from waiting for the disk)"
+        );
+        self.persist_start().map(drop)
     }
 
     /// The memory-only step held, if any.

@@ -16,10 +16,7 @@ mod flash;
 mod handle;
 mod kept;
 mod load;
-#[cfg(all(test, feature = "s3"))]
-mod load_tests;
 mod memory;
-#[cfg(feature = "s3")]
 mod remote_ops;
 mod report;
 mod request;
@@ -47,6 +44,7 @@ use crate::restore::{self, Checkpoint};
 use crate::slab::SlabPool;
 use crate::staging::{Arena, ArenaSpec, NAME_PREFIX, Prefault};
 use crate::tensor::DeviceSlice;
+use crate::tier::{RemoteTier, TierContext};
 pub(crate) use flash::check_slot as check_kept_slot;
 pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced};
 
@@ -90,9 +88,12 @@ struct Shared {
     /// Committed images held for replication (`EngineConfig::with_replica_hold`), for the
     /// arena's reclaim hook.
     held: Arc<crate::staging::held::HeldImages>,
-    /// The remote tier's uploader (`EngineConfig::with_remote`).
-    #[cfg(feature = "s3")]
-    remote: Option<Arc<crate::remote::tier::RemoteTier>>,
+    /// The tier beyond memory and disk (`EngineConfig::with_remote`), a plug-in
+    /// (`crate::tier`): told of the saves it takes, asked for the steps it holds.
+    remote: Option<Arc<dyn RemoteTier>>,
+    /// Whether saves write a local file (false: the tier beyond the disk holds every
+    /// save's only copy, "remote only").
+    files: bool,
     /// The newest memory-only save (`EngineConfig::with_disk_cadence`).
     memory: Arc<memory::MemoryTier>,
     /// What decides which saves go to disk.
@@ -203,21 +204,14 @@ impl Engine {
         let lock = commit::lock_root(&cfg.root, cfg.rank)?;
         // The bucket is checked before anything else is set up: a missing bucket or
         // refused credentials fail the open.
-        #[cfg(feature = "s3")]
         let remote = match &cfg.remote {
-            Some(target) => {
-                let r = Arc::new(target.open(cfg.remote_options.clone())?);
-                Some(Arc::new(crate::remote::tier::RemoteTier::start(
-                    r,
-                    cfg.world_size,
-                    cfg.remote_keep_last,
-                    cfg.remote_max_pending,
-                    cfg.remote_session.clone(),
-                    (!cfg.is_remote_only()).then(|| cfg.root.clone()),
-                )?))
-            }
+            Some(spec) => spec.open(&TierContext {
+                world_size: cfg.world_size,
+                root: cfg.root.clone(),
+            })?,
             None => None,
         };
+        let files = remote.as_ref().is_none_or(|t| !t.replaces_disk());
         // Recovery first: the partial files of the saves it recovers must still be there,
         // and `clean_stale` keeps those of the arenas left unrecovered.
         let recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
@@ -319,30 +313,18 @@ impl Engine {
         let memory = Arc::new(memory::MemoryTier::default());
         {
             let held = Arc::downgrade(&held);
-            let mem = Arc::downgrade(&memory);
-            let arena_ref = Arc::downgrade(&arena);
-            #[cfg(feature = "s3")]
-            let feeds = remote.as_ref().map(|t| Arc::downgrade(t.feeds()));
+            let tier = remote.as_ref().map(Arc::downgrade);
             arena.set_reclaim(crate::staging::Reclaim(Box::new(move |empty| {
                 if let Some(h) = held.upgrade() {
                     h.spill_all();
                 }
-                // The memory tier's step is given up rather than waited for (the save
-                // being staged is newer).
-                if empty
-                    && let (Some(m), Some(a)) = (mem.upgrade(), arena_ref.upgrade())
-                    && let Some(step) = m.give_up(&a)
-                {
-                    tracing::warn!(step, "staging ran out of chunks: the memory-only step is given up (staging_capacity holds fewer saves than the disk cadence needs)");
-                }
+                // The memory tier's step is not given up here: it stays recoverable until a
+                // newer step is, and the save path made room for it (`make_room_for`).
                 // Uploads give theirs back only when nothing is free (a save reusing its
                 // own chunk costs the remote tier nothing).
-                #[cfg(feature = "s3")]
-                if empty && let Some(f) = feeds.as_ref().and_then(std::sync::Weak::upgrade) {
-                    f.spill_all();
+                if empty && let Some(t) = tier.as_ref().and_then(std::sync::Weak::upgrade) {
+                    t.reclaim();
                 }
-                #[cfg(not(feature = "s3"))]
-                let _ = empty;
             })));
         }
         tracing::debug!(name = ?arena.name(), bytes = arena.capacity(), elapsed = ?t.elapsed(), "staging arena ready");
@@ -393,8 +375,8 @@ impl Engine {
                 threads: Vec::new(),
             }),
             held,
-            #[cfg(feature = "s3")]
             remote,
+            files,
             memory,
             cadence: Mutex::new(memory::Cadence::default()),
         });
@@ -671,7 +653,6 @@ impl Engine {
         }
         // Uploads hold arena chunks (leases keep the mapping alive) or read committed
         // files: finished after the writers, before the arena is marked closed.
-        #[cfg(feature = "s3")]
         if let Some(r) = &self.shared.remote {
             r.close();
         }

@@ -1,26 +1,30 @@
-//! The engine's side of the remote tier: listing, loading and verifying the bucket's
-//! steps (`EngineConfig::with_remote`).
+//! The engine's side of the tier beyond the disk (`crate::tier`, the bucket of
+//! `EngineConfig::with_remote`): listing it, loading from it, and whether it may replace a
+//! damaged disk copy. Without such a tier (or without the `s3` feature) each of these is
+//! an [`Error::Config`] or finds nothing.
 
 use std::sync::Arc;
 
 use super::{Engine, LoadReport, LoadSource, StepSel};
 use crate::error::{Error, Result};
 use crate::manifest::{CheckpointInfo, Manifest};
-use crate::remote::Remote;
+use crate::restore::Checkpoint;
+use crate::tier::{RemoteLoad, RemoteTier, Target};
 
 impl Engine {
-    /// The bucket of the remote tier, if the engine has one.
-    pub fn remote(&self) -> Option<&Arc<Remote>> {
-        self.shared.remote.as_ref().map(|t| t.remote())
+    /// The tier beyond memory and disk, if the engine has one (its public API,
+    /// `crate::remote`, asks it for its own type).
+    pub(crate) fn remote_tier(&self) -> Option<&Arc<dyn RemoteTier>> {
+        self.shared.remote.as_ref()
     }
 
-    fn remote_or_err(&self) -> Result<&Arc<Remote>> {
-        self.remote()
+    fn remote_or_err(&self) -> Result<&Arc<dyn RemoteTier>> {
+        self.remote_tier()
             .ok_or_else(|| Error::Config("this engine has no remote tier (with_remote)".into()))
     }
 
     /// Committed steps in the bucket, oldest first.
-    pub fn list_remote(&self) -> Result<Vec<u64>> {
+    pub(crate) fn tier_list(&self) -> Result<Vec<u64>> {
         self.remote_or_err()?.list()
     }
 
@@ -38,13 +42,21 @@ impl Engine {
 
     /// The `__metadata__` of this rank's object of a step committed in the bucket, from
     /// its header (checked against the manifest, as a load checks it).
-    pub fn remote_file_metadata(
-        &self,
-        which: impl Into<StepSel>,
-    ) -> Result<crate::manifest::Metadata> {
-        let step = self.resolve_remote(which.into())?;
+    pub(crate) fn tier_file_metadata(&self, which: StepSel) -> Result<crate::manifest::Metadata> {
+        let step = self.resolve_remote(which)?;
         self.remote_or_err()?
             .file_metadata(step, self.shared.cfg.rank)
+    }
+
+    /// Source 3, the bucket: this rank's object of `step` into `target`, every checksum
+    /// verified.
+    pub(super) fn read_bucket(
+        &self,
+        step: u64,
+        target: &mut Target<'_>,
+    ) -> Result<(Option<Checkpoint>, RemoteLoad)> {
+        self.remote_or_err()?
+            .read(step, self.shared.cfg.rank, target, &|| self.device_ring())
     }
 
     /// Whether the bucket may serve `info`'s step after this rank's file of it on the disk
@@ -63,7 +75,7 @@ impl Engine {
                 | Error::Checksum { .. }
                 | Error::UnsafePath { .. }
         );
-        let Some(remote) = self.remote().filter(|_| damage) else {
+        let Some(remote) = self.remote_tier().filter(|_| damage) else {
             return false;
         };
         let rank = self.shared.cfg.rank;

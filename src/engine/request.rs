@@ -181,14 +181,7 @@ impl From<StepSel> for LoadRequest {
 #[derive(Debug)]
 pub struct LoadInto<'a>(pub(super) Target<'a>);
 
-#[derive(Debug)]
-pub(super) enum Target<'a> {
-    Owned,
-    Host(Vec<(&'a str, &'a mut [u8])>),
-    /// Device ranges valid for writes, used by nobody else while the load runs (the
-    /// contract of [`LoadInto::device_raw`]; [`LoadInto::device`] borrows whole buffers).
-    Device(Vec<(&'a str, DeviceSlice<'a>)>),
-}
+pub(super) use crate::tier::Target;
 
 impl<'a> LoadInto<'a> {
     /// New buffers owned by the returned [`Checkpoint`] ([`Loaded::checkpoint`]).
@@ -231,7 +224,7 @@ pub struct Loaded {
     pub report: LoadReport,
     /// The checkpoint, for [`LoadInto::owned`]; `None` for caller destinations.
     pub checkpoint: Option<Checkpoint>,
-    /// What the read from the bucket did, when the bucket served the load.
-    #[cfg(feature = "s3")]
-    pub remote: Option<crate::remote::RemoteLoad>,
+    /// What the read from the bucket did, when the bucket served the load (always `None`
+    /// without the `s3` feature).
+    pub remote: Option<crate::tier::RemoteLoad>,
 }

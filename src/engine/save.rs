@@ -319,8 +319,7 @@ impl Engine {
     ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
         let cfg = &self.shared.cfg;
-        #[cfg(feature = "s3")]
-        if part_only && cfg.remote.is_some() {
+        if part_only && self.shared.remote.is_some() {
             return Err(Error::Config(
                 "a part-only save cannot be uploaded: the remote tier commits steps in the bucket"
                     .into(),
@@ -405,6 +404,11 @@ impl Engine {
         // Which tiers take the save: the one decision (`memory::Cadence::decide`).
         let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm);
         let disk = tiers.disk;
+        let n_chunks = plan.chunk_count(cs);
+        if let Err(e) = self.make_room_for(n_chunks) {
+            undo();
+            return Err(e);
+        }
 
         // 3. A descriptor slot, so a crash from here on is recoverable.
         let t_slot = Instant::now();
@@ -416,7 +420,6 @@ impl Engine {
         drop(lock(&self.shared.adopted).take());
         let slot = arena.acquire_slot();
         let slot_wait = t_slot.elapsed() + gate_wait;
-        let n_chunks = plan.chunk_count(cs);
         arena.descriptor().begin(
             slot,
             &SaveRecord {
@@ -450,19 +453,13 @@ impl Engine {
             changed: Condvar::new(),
             crcs: Mutex::new(vec![Vec::new(); n_chunks as usize]),
             // Only the saves the cadence sends to the bucket (disk saves) are uploaded.
-            #[cfg(feature = "s3")]
-            remote: tiers
-                .bucket
-                .then(|| self.shared.remote.as_ref().map(|t| t.progress(step)))
-                .flatten(),
-            #[cfg(feature = "s3")]
-            feed: tiers
+            upload: tiers
                 .bucket
                 .then(|| {
                     self.shared
                         .remote
                         .as_ref()
-                        .map(|t| t.feed(n_chunks, cs, !cfg.is_remote_only()))
+                        .map(|t| t.begin_save(step, n_chunks, cs))
                 })
                 .flatten(),
             snapshot: crate::device::SnapshotRequest::default(),
@@ -488,20 +485,17 @@ impl Engine {
         }
         // The upload starts with the save: its parts go out as the chunks are staged and
         // written; it completes once the commit thread reports the local commit.
-        #[cfg(feature = "s3")]
-        if let (Some(t), Some(p), Some(f)) = (&self.shared.remote, &state.remote, &state.feed) {
-            t.submit(
-                p.clone(),
-                state.metadata.clone(),
-                Arc::clone(f),
+        if let Some(u) = &state.upload {
+            u.start(
+                &state.metadata,
                 cfg.rank,
-                state.file_name.clone(),
+                &state.file_name,
                 state.plan.file_len(),
             );
         }
         lock(&self.shared.cadence).record(&state, tiers);
         let st = Arc::clone(&state);
-        let opener = if cfg.is_remote_only() || !disk {
+        let opener = if !self.shared.files || !disk {
             // No file: the bucket is the save's only copy, or the save is memory-only.
             state.no_file_opened();
             Ok(())

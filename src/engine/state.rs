@@ -80,12 +80,9 @@ pub(crate) struct SaveState {
     pub(super) changed: Condvar,
     /// Per file chunk: (entry, crc32c, length) of each tensor piece in it.
     pub(super) crcs: Mutex<Vec<Vec<(u32, u32, u64)>>>,
-    /// The save's remote copy (remote tier on).
-    #[cfg(feature = "s3")]
-    pub(super) remote: Option<crate::remote::RemoteProgress>,
-    /// Its staged chunks, held for the upload (remote tier on).
-    #[cfg(feature = "s3")]
-    pub(super) feed: Option<Arc<crate::remote::feed::Feed>>,
+    /// The save's copy to the tier beyond the disk (`crate::tier`), when that tier takes
+    /// it: offered its written chunks, told its local outcome.
+    pub(super) upload: Option<Arc<dyn crate::tier::TierSave>>,
     /// Its device snapshot request (`SaveOptions::snapshot_on_request`).
     pub(super) snapshot: crate::device::SnapshotRequest,
     /// Its committed image held for replication (`EngineConfig::with_replica_hold`).
@@ -404,19 +401,18 @@ impl WriteSink for SaveState {
     }
 
     fn finished_lease(&self, chunk: &ChunkInfo, lease: ChunkLease, outcome: Outcome) {
-        let _written = self.record(chunk, Some(lease.as_slice()), outcome);
+        let written = self.record(chunk, Some(lease.as_slice()), outcome);
         // Held for the upload (which takes it into a part at once) before the chunk counts
         // as finished: the commit thread reports the local outcome only after every chunk
         // finished.
-        #[cfg(feature = "s3")]
-        if _written && let Some(f) = &self.feed {
-            f.offer(chunk.chunk, lease, chunk.len);
+        if written && let Some(u) = &self.upload {
+            u.offer(chunk.chunk, lease, chunk.len);
         }
         self.count_finished();
     }
 
     fn no_file(&self) -> bool {
-        self.shared.cfg.is_remote_only()
+        !self.shared.files
     }
 }
 

@@ -29,8 +29,6 @@
 //!   renamed to `OUT` (exchanged with it when `overwrite` replaces a directory); on any
 //!   error the temporary directory is removed and `OUT` is untouched.
 
-#[cfg(feature = "s3")]
-mod bucket;
 mod cast;
 mod kept;
 mod layout;

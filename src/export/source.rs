@@ -2,7 +2,7 @@
 //! abstraction the engine reads through ([`RankFiles`], in `rank_files.rs`) for a source:
 //! a local directory (the restore path's ranged reads, here), the arenas flash restore
 //! keeps in `/dev/shm` ([`super::kept`]) and, with the `s3` feature, a bucket
-//! (`super::bucket`).
+//! (`crate::remote`).
 
 use std::path::{Path, PathBuf};
 
@@ -37,17 +37,9 @@ pub(super) fn open(src: &Path, read: &ReadOptions) -> Result<(Box<dyn RankFiles>
     Ok((Box::new(local), manifest))
 }
 
-#[cfg(feature = "s3")]
+/// A bucket's step (`crate::remote`; an error without the `s3` feature).
 fn bucket(url: &str) -> Result<(Box<dyn RankFiles>, Manifest)> {
-    let (b, m) = super::bucket::BucketStep::open(url)?;
-    Ok((Box::new(b), m))
-}
-
-#[cfg(not(feature = "s3"))]
-fn bucket(url: &str) -> Result<(Box<dyn RankFiles>, Manifest)> {
-    Err(Error::Config(format!(
-        "{url}: this build of shmckpt has no bucket support (the `s3` feature)"
-    )))
+    crate::remote::export_source(url)
 }
 
 /// The checkpoint directory `src` names: itself when it holds a manifest (a `step-N`

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::sink::{DeviceSink, Staged};
+use super::sink::DeviceSink;
 use super::{ReadOptions, ReadSink, ReadStats, extents, read_file, reader};
 use crate::device::pipeline::CudaStaging;
 use crate::error::{Error, Result};
@@ -26,9 +26,9 @@ use crate::tensor::{AlignedBytes, DeviceSlice};
 /// touching the driver: a machine without CUDA can build one, and its loads then fail with
 /// [`Error::Cuda`], as do loads to device memory anywhere else.
 pub struct DeviceRing {
-    pub(super) staging: CudaStaging,
+    pub(crate) staging: CudaStaging,
     pub(super) depth: u32,
-    pub(super) busy: std::sync::Mutex<()>,
+    pub(crate) busy: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for DeviceRing {
@@ -145,39 +145,6 @@ impl DeviceRing {
         }
     }
 
-    #[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
-    /// A sink for bytes that arrive in memory of any kind (the bodies of ranged GETs):
-    /// tensor `i` (file order) goes to `dest[i]` (exactly its size), each piece copied
-    /// into one of two of the ring's CUDA-registered buffers and sent to the device from
-    /// there ([`Staged`]: one buffer is filled while the other one's copies run). The
-    /// ring serves no other load until the sink is dropped; call [`Staged::finish`] on
-    /// [`RingSink::sink`] once every byte was given.
-    ///
-    /// # Safety
-    /// Every destination must be device memory of its device, valid for writes of its
-    /// length, and not accessed by anyone else until the returned sink is dropped.
-    pub(crate) unsafe fn staged_sink(
-        &self,
-        entry: &FileEntry,
-        dest: Vec<Option<DeviceSlice<'_>>>,
-    ) -> Result<RingSink<'_>> {
-        check_device_dest(entry, &dest)?;
-        let busy = crate::util::lock(&self.busy);
-        // SAFETY: forwarded from this function's contract (the sink lives no longer than
-        // the returned value, which the caller keeps the destinations valid for).
-        let device = unsafe { DeviceSink::new(&self.staging, dest)? };
-        let arena = self.staging.arena();
-        let (Some(a), Some(b)) = (arena.try_acquire(), arena.try_acquire()) else {
-            return Err(Error::Config(
-                "the device read buffers are in use by another load".into(),
-            ));
-        };
-        Ok(RingSink {
-            sink: Staged::new(device, [a, b])?,
-            _busy: busy,
-        })
-    }
-
     /// Read `rank`'s file of the committed step directory `dir` once: each tensor named
     /// in `device` is copied to its device range straight from the registered ring, each
     /// tensor named in `host` into its caller buffer, each range exactly the tensor's size;
@@ -272,17 +239,8 @@ impl DeviceRing {
     }
 }
 
-#[cfg_attr(not(feature = "s3"), allow(dead_code))] // used by the remote tier only
-/// [`DeviceRing::staged_sink`]'s sink, holding the ring (dropped after the sink, which
-/// waits for its copies).
-pub(crate) struct RingSink<'r> {
-    /// The sink.
-    pub(crate) sink: Staged<DeviceSink>,
-    _busy: std::sync::MutexGuard<'r, ()>,
-}
-
 /// Each device destination is exactly its tensor's size.
-fn check_device_dest(entry: &FileEntry, dest: &[Option<DeviceSlice<'_>>]) -> Result<()> {
+pub(crate) fn check_device_dest(entry: &FileEntry, dest: &[Option<DeviceSlice<'_>>]) -> Result<()> {
     if dest.len() != entry.tensors.len() {
         return Err(Error::Destination {
             name: String::new(),

@@ -18,7 +18,7 @@ use crate::staging::Arena;
 use crate::tensor::LoadedTensor;
 
 mod completion;
-mod device;
+pub(crate) mod device;
 mod extents;
 pub(crate) mod header;
 mod ranged;

@@ -2,7 +2,7 @@
 //! (`EngineConfig::with_replica_hold`, `docs/replicas.md`): the replica sender sends the
 //! image from the arena instead of reading the committed file back.
 //!
-//! The pattern is the remote tier's (`remote::feed`): at commit, when the image is whole in
+//! The pattern is the remote tier's (`remote::s3::feed`): at commit, when the image is whole in
 //! the arena (the latest save to have begun, its file chunks in distinct arena chunks, all
 //! free again after their writes), its chunks are taken out of the free pool as leases
 //! ([`Arena::finish_slot_holding`](super::Arena::finish_slot_holding)). The sender takes

@@ -44,25 +44,3 @@ pub mod staging {
         pub use crate::staging::descriptor::{SaveRecord, chunk_state, slot_state};
     }
 }
-
-/// The remote tier over object_store's in-memory store.
-#[cfg(feature = "s3")]
-pub mod remote {
-    /// `cfg` with a remote tier on a fresh in-memory bucket under `prefix` (parts of
-    /// `part_size` bytes, 4 in flight).
-    pub fn with_memory_bucket(
-        cfg: crate::EngineConfig,
-        prefix: &str,
-        part_size: usize,
-    ) -> crate::EngineConfig {
-        cfg.with_remote_store(
-            std::sync::Arc::new(object_store::memory::InMemory::new()),
-            prefix,
-        )
-        .with_remote_options(crate::remote::RemoteOptions {
-            part_size,
-            concurrency: 4,
-            ..crate::remote::RemoteOptions::default()
-        })
-    }
-}

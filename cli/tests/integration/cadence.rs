@@ -190,7 +190,7 @@ fn the_default_cadence_sends_every_save_to_disk() {
 }
 
 #[test]
-fn staging_too_small_for_two_saves_gives_the_memory_step_up_instead_of_waiting() {
+fn staging_too_small_for_two_saves_writes_the_memory_step_to_disk_before_the_next() {
     let dir = real_dir("cadence-small");
     let root = dir.path();
     // Room for exactly one save (four chunks).
@@ -198,14 +198,24 @@ fn staging_too_small_for_two_saves_gives_the_memory_step_up_instead_of_waiting()
     let e = Engine::open(cfg).unwrap();
     save_step(&e, 1);
     assert!(save_step(&e, 2).memory_only);
+    // Step 3 cannot be staged beside step 2: step 2, reported staged, is never given up
+    // (a crash while step 3 stages would leave nothing newer than step 1): it goes to
+    // disk first, and step 3 stages in its chunks once they are written.
     assert!(save_step(&e, 3).memory_only);
+    e.flush().unwrap();
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 2);
     assert_eq!(
         tiers(&e),
-        [(1, false, true, false), (3, true, false, false)]
+        [
+            (1, false, true, false),
+            (2, false, true, false),
+            (3, true, false, false)
+        ]
     );
     assert_latest_from(&e, 3, LoadSource::Memory);
     e.close();
-    assert_eq!(committed(root), [1, 3]);
+    assert_eq!(committed(root), [1, 2, 3]);
     assert_step_is_exact(root, 3);
 }
 

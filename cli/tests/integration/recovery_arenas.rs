@@ -335,6 +335,9 @@ fn child_reuser() {
     });
     let s2 = step_state(2);
     let h2 = engine.save(2, &s2.tensors(), &Metadata::new()).unwrap();
+    // Step 2 wholly staged before the kill (recovery must commit it), however loaded the
+    // machine (without this wait, a busy machine killed the child mid-staging).
+    h2.wait_staged().unwrap();
     std::hint::black_box((&h1, &h2));
     sigkill_self();
 }

@@ -1,8 +1,9 @@
 """``Checkpointer``: save and restore nested PyTorch training state through the engine.
 
-The class is assembled from mixins, one module each: ``core`` (constructor, lifecycle,
-queries), ``save``, ``guard``, ``load``, ``load_into``; ``handle`` holds ``SaveHandle`` and
-``LoadResult``, ``base`` the state they share."""
+One class (``core``: constructor, lifecycle, queries) whose methods delegate to plain
+collaborators, one module each, built by its constructor with explicit arguments:
+``save.Saver``, ``guard.Guard``, ``load.Loader``, ``load_into.InPlaceLoad``; ``base.Shared``
+is the state they are all given, ``handle`` holds ``SaveHandle`` and ``LoadResult``."""
 
 from .core import Checkpointer
 from .handle import LoadResult, SaveHandle

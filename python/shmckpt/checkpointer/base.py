@@ -1,16 +1,17 @@
 """What the parts of ``Checkpointer`` share: step arguments, the rank and world size from
-``torch.distributed``, and :class:`CheckpointerBase`, the state the constructor sets (in
-``core.py``) that the save, guard and load mixins read."""
+``torch.distributed``, and :class:`Shared`, the state its collaborators (``Saver``,
+``Guard``, ``Loader``) are given by its constructor (in ``core.py``)."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import json
 import operator
 import threading
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ..errors import NotFound
 from .handle import SaveHandle
 
 try:
@@ -63,46 +64,83 @@ def _step_sel(step: StepArg) -> Optional[int]:
     return operator.index(step)
 
 
-class CheckpointerBase:
-    """The attributes of a :class:`~shmckpt.Checkpointer` (set by its constructor) and the
-    bookkeeping of the saves in flight, which the save, guard and load mixins share."""
+class Shared:
+    """What the collaborators of one :class:`~shmckpt.Checkpointer` share (its saver,
+    guard and loader, its replicator and the bucket helpers of :mod:`shmckpt.remote`):
+    the rank's identity, its engine, and the bookkeeping of the saves in flight. Given to
+    each explicitly, so that none reaches into the checkpointer (it satisfies
+    :class:`shmckpt._host.CheckpointerLike`)."""
 
-    rank: int
-    world_size: int
-    root: str
-    remote: Optional[str]
-    _engine: Any  # shmckpt._shmckpt.Engine
-    _pending: List[SaveHandle]
-    _guards: List[Tuple[Any, Any]]  # (weakref to optimizer, hook handle)
-    _submitter: Optional[concurrent.futures.ThreadPoolExecutor]
-    _lock: threading.Lock
-    _replicator: Optional[Any]  # shmckpt.replicas.Replicator with replicas > 0
-    _checker: Optional[Any]  # shmckpt._divergence.ReplicaCheck with check_replicas
-    _scratch: Optional[str]
-    _layout: Optional[Any]  # shmckpt._layout.Layout of the last save, reused when it matches
+    def __init__(self, root: str, rank: int, world_size: int, remote: Optional[str], engine: Any) -> None:
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
+        self.remote = remote
+        #: The ``shmckpt._shmckpt.Engine`` (replaced only by tests, through the checkpointer).
+        self.engine: Any = engine
+        self.pending: List[SaveHandle] = []
+        self.lock = threading.Lock()
+        #: ``shmckpt.replicas.Replicator`` with ``replicas > 0``, else None.
+        self.replicator: Optional[Any] = None
+        #: ``shmckpt._divergence.ReplicaCheck`` with ``check_replicas``, else None.
+        self.checker: Optional[Any] = None
 
-    def _forget(self, h: SaveHandle) -> None:
-        with self._lock:
-            self._pending = [p for p in self._pending if p is not h]
+    def forget(self, h: SaveHandle) -> None:
+        with self.lock:
+            self.pending = [p for p in self.pending if p is not h]
 
-    def _wait_all(self, wait: Callable[[SaveHandle], Any]) -> None:
+    def track(self, h: SaveHandle) -> None:
+        """A save in flight: waited for by ``wait``, ``flush`` and ``close``; replicated
+        once committed (with replicas)."""
+        with self.lock:
+            self.pending.append(h)
+        if self.replicator is not None:
+            self.replicator.enqueue(h)
+
+    def wait_all(self, wait: Callable[[SaveHandle], Any]) -> None:
         """``wait`` on every save in flight; a failed save raises its error once (and is
         then forgotten), a Ctrl-C leaves the saves pending."""
-        for h in list(self._pending):
+        for h in list(self.pending):
             try:
                 wait(h)
             except KeyboardInterrupt:
                 raise
             except BaseException:
-                self._forget(h)
+                self.forget(h)
                 raise
-        self._reap()
+        self.reap()
 
-    def _reap(self) -> None:
-        with self._lock:
+    def reap(self) -> None:
+        with self.lock:
             keep = []
-            for h in self._pending:
+            for h in self.pending:
                 h._poll()
                 if not (h.staged() and h.done()):
                     keep.append(h)
-            self._pending = keep
+            self.pending = keep
+
+    def resolve(self, step: StepArg) -> int:
+        """A step argument as a committed step: ``"latest"`` the newest of memory or disk
+        (a memory-only step when newest), as a local load of it."""
+        sel = _step_sel(step)
+        if sel is not None:
+            return sel
+        latest = self.engine.latest_in("local")
+        if latest is None:
+            raise NotFound(f"no committed checkpoint (latest) in {self.root}", path=self.root)
+        return int(latest)
+
+    def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
+        """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
+        return json.loads(self.engine.manifest(self.resolve(step)))
+
+    def rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """The manifest of committed ``step`` and this rank's file entry in it."""
+        m = json.loads(self.engine.manifest(step))
+        for f in m["files"]:
+            if f["rank"] == self.rank:
+                return m, f
+        raise NotFound(
+            f"checkpoint step {step} in {self.root} has no file of rank {self.rank}", path=self.root, step=step
+        )

@@ -1,5 +1,6 @@
 """``Checkpointer``: its constructor, lifecycle and queries. Saving, the optimizer guard and
-loading are the mixins of ``save.py``, ``guard.py``, ``load.py`` and ``load_into.py``."""
+loading are its collaborators (``save.Saver``, ``guard.Guard``, ``load.Loader``,
+``load_into.InPlaceLoad``), to which its methods delegate."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
 
 from .. import _shmckpt
 from .. import remote as _remote
-from ..errors import ConfigError, NotFound
-from .base import StepArg, _dist_barrier, _dist_rank_world, _step_sel
-from .handle import SaveHandle
-from .load_into import LoadIntoMixin
-from .save import SaveMixin
+from ..config import Cadence, RemoteTier, Replicas, Tuning, apply_legacy, engine_settings
+from ..errors import ConfigError
+from .base import Shared, StepArg, _dist_barrier, _dist_rank_world
+from .guard import Guard
+from .handle import LoadResult, SaveHandle
+from .load import Loader
+from .load_into import InPlaceLoad
+from .save import Saver
 
 _log = logging.getLogger("shmckpt")
 
@@ -65,68 +69,78 @@ class _OpenCheckpointers:
 OPEN_CHECKPOINTERS = _OpenCheckpointers()
 atexit.register(OPEN_CHECKPOINTERS.close_all)
 
+#: The keyword arguments of ``Checkpointer`` (the flat ones of earlier versions aside).
+_VALID = (
+    "keep_last",
+    "rank",
+    "world_size",
+    "keep_in_memory",
+    "recover_on_open",
+    "remote",
+    "replicas",
+    "cadence",
+    "tuning",
+    "check_replicas",
+    "on_divergence",
+    "shm_name",
+)
 
-class Checkpointer(SaveMixin, LoadIntoMixin):
+
+class Checkpointer:
     """Checkpoints of one rank under ``root``.
 
     ``root`` is a writable directory (shared by all ranks), created with its missing parents
     when it does not exist (``RootCreateFailed`` says why when it cannot be). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
     give them; with ``torch.distributed``, every rank must then build its checkpointer, as
-    the constructor ends with a barrier). Other keyword arguments are the engine settings
-    (``keep_last``: retention, default keep all; see ``docs/python.md``).
+    the constructor ends with a barrier). ``keep_last``: retention, default keep all.
 
-    ``staging_capacity``: bytes of shared-memory staging, the largest checkpoint file this
-    rank can write. Not given (``None``), it sizes itself: the arena starts at 64 MiB and the
-    first save that needs more reopens the engine with an arena of that save's size plus
-    1/16 (after the saves in flight are committed), bounded by the free space of
-    ``/dev/shm`` (``ShmTooSmall``, naming ``staging_capacity``, when that cannot hold the
-    save). Give it to reserve the arena here instead of in the first save.
+    The other settings come in groups, each a frozen dataclass of :mod:`shmckpt.config`
+    checked when built (``ConfigError`` naming the field), the common case a shorthand::
 
-    ``keep_in_memory=True`` turns on flash restore: the staging arena (as large as
-    ``staging_capacity``, in ``/dev/shm``) outlives the process, a crash included, holding
-    the last committed checkpoint; the next ``Checkpointer`` of the same root and rank loads
-    that step from memory when it is still the newest on disk and every CRC-32C matches the
-    committed manifest, else from disk (the reason is logged). :attr:`last_load_source`
-    says which path served a load. ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept
-    arenas. Off by default: nothing is kept.
+        Checkpointer("/ckpt", keep_last=3, remote="s3://bucket/run", replicas=1)
 
-    ``remote="s3://bucket/prefix"`` mirrors every committed save to a bucket (credentials
-    and endpoint from the AWS environment variables; the upload starts with the save, from
-    the staging memory, and completes once the save is committed on disk):
-    ``handle.wait_remote()`` waits for the step to be committed there, ``remote_keep_last`` is the bucket's retention,
-    ``remote_max_pending`` (default 2) the saves that may wait for the uploader before the
-    oldest waiting one is skipped, ``remote_part_size`` (bytes, 5 MiB to 1 GiB, default
-    16 MiB) and ``remote_concurrency`` (1 to 256, default 8) the multipart part size and
-    the parts or ranged GETs in flight (under staging pressure the upload pins at most
-    ``concurrency x part_size`` of staging), ``remote_request_timeout`` (seconds, default 30)
-    how long one request may take before it fails and is retried, ``remote_complete_timeout``
-    (seconds, default 600) how long the server may take to assemble an object at the end of
-    its multipart upload, ``list(remote=True)`` lists the bucket, and loads fall
-    back to it. A root of ``s3://...`` keeps no checkpoint on disk. See ``docs/remote.md``.
+    ``tuning=Tuning(...)``: how the engine stages and writes (``staging_capacity``,
+    ``chunk_size``, ``writer_threads``, ``queue_depth``, ``copy_threads``, ``direct_io``,
+    ``max_inflight_saves``). Without ``staging_capacity`` the staging sizes itself: the
+    arena starts at 64 MiB and the first save that needs more reopens the engine with an
+    arena of that save's size plus 1/16 (after the saves in flight are committed),
+    bounded by the free space of ``/dev/shm`` (``ShmTooSmall``, naming
+    ``staging_capacity``, when that cannot hold the save). Give it to reserve the arena
+    here instead of in the first save.
 
-    ``replicas=k`` (with ``node``, ``replica_group``, ``replica_bandwidth``: bytes per
-    second each rank sends replicas at, at most, default 1 GiB/s, ``None`` unbounded;
-    ``replica_timeout``: seconds a replication step waits for a peer, default 300) keeps
-    each rank's committed file in the memory of ``k`` ranks on other machines;
-    ``node_local_root=True`` (with ``replicas > 0``): ``root`` is this machine's own disk,
-    not shared, and every step commits through the process group (in the replication
-    thread: ``wait_replicated()``, not ``wait()``, says it is committed); see
-    ``docs/replicas.md``.
+    ``keep_in_memory=True`` turns on flash restore: the staging arena (in ``/dev/shm``)
+    outlives the process, a crash included, holding the last committed checkpoint; the
+    next ``Checkpointer`` of the same root and rank loads that step from memory when it is
+    still the newest on disk and every CRC-32C matches the committed manifest, else from
+    disk (the reason is logged). :attr:`last_load_source` says which path served a load.
+    ``shmckpt shm list`` / ``shmckpt shm rm`` manage kept arenas. Off by default.
+    ``recover_on_open`` (default on): commit what a crashed predecessor's staging memory
+    holds. ``shm_name``: the staging segment's name in ``/dev/shm``.
 
-    ``disk_every=N`` (default 1: every save) sends every ``N``-th save to disk (the first
-    save, then every ``N``-th after the last disk save); ``disk_every="auto"``: a save goes
-    to disk when the previous disk save has finished, so the disk takes every save it can
-    sustain. ``disk_interval_s``: a save also goes to disk when that many seconds have
-    passed since the last disk save began. The other saves are **memory-only**: staged in
-    shared memory (``handle.wait()`` returns once staged, its report's ``memory_only``
-    true), loadable in this process (``load("latest")``, ``last_load_source`` is
-    ``("memory", None)``), committed to disk by the next open after a crash of the process
-    (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
+    ``remote="s3://bucket/prefix"`` (or ``RemoteTier(url, keep_last=..., max_pending=...,
+    part_size=..., concurrency=..., request_timeout=..., complete_timeout=...,
+    every=...)``) mirrors every committed save to a bucket (credentials and endpoint from
+    the AWS environment variables; the upload starts with the save, from the staging
+    memory, and completes once the save is committed on disk): ``handle.wait_remote()``
+    waits for the step to be committed there, ``list(remote=True)`` lists the bucket, and
+    loads fall back to it. A root of ``s3://...`` keeps no checkpoint on disk (its
+    ``RemoteTier``, when given, names the same URL). See ``docs/remote.md``.
+
+    ``replicas=k`` (or ``Replicas(k, node=..., group=..., bandwidth=..., timeout=...,
+    node_local_root=...)``) keeps each rank's committed file in the memory of ``k`` ranks
+    on other machines; with ``node_local_root=True`` ``root`` is this machine's own disk
+    and every step commits through the process group (in the replication thread:
+    ``wait_replicated()``, not ``wait()``, says it is committed); see ``docs/replicas.md``.
+
+    ``cadence=Cadence(disk_every=N, disk_interval_s=...)`` sends every ``N``-th save to
+    disk (``"auto"``: when the previous disk save has finished); the other saves are
+    **memory-only**: staged in shared memory (``handle.wait()`` returns once staged, its
+    report's ``memory_only`` true), loadable in this process (``last_load_source`` is
+    ``("memory", None)``), committed to disk by the next open after a crash of the
+    process (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
     replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
-    ranks; a cadence is not combined with ``replicas`` yet. ``remote_every=k`` (with
-    ``remote=...``): every ``k``-th disk save is also uploaded (default 1: every disk
-    save). See ``docs/python.md``.
+    ranks; a cadence is not combined with ``replicas`` yet. See ``docs/python.md``.
 
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
     ranks, e.g. a gloo group): before a step is committed, the ranks of the group compare
@@ -137,6 +151,17 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     committed when it returns True on every rank of the group). The check is a collective
     run in ``handle.wait()``, ``wait()``, ``flush()``, ``close()`` and at the start of the
     next ``save()``; the step commits only then. See ``docs/guarantees.md``.
+
+    The flat keyword arguments of earlier versions (``chunk_size=``,
+    ``remote_keep_last=``, ``replica_group=``, ``disk_every=``, ...) are still accepted,
+    with a ``DeprecationWarning`` naming the grouped spelling
+    (:func:`shmckpt.config.apply_legacy`); any other keyword is a ``TypeError`` naming the
+    closest valid one.
+
+    The class delegates to collaborators built here: a :class:`~.save.Saver`, a
+    :class:`~.guard.Guard`, a :class:`~.load.Loader` (with the in-place
+    :class:`~.load_into.InPlaceLoad`), the replicator and the replica check, all given one
+    :class:`~.base.Shared` state (identity, engine, saves in flight).
     """
 
     def __init__(
@@ -146,95 +171,83 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         keep_last: Optional[int] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
-        staging_capacity: Optional[int] = None,
-        chunk_size: Optional[int] = None,
-        writer_threads: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        copy_threads: Optional[int] = None,
-        direct_io: Optional[bool] = None,
-        max_inflight_saves: Optional[int] = None,
-        recover_on_open: Optional[bool] = None,
-        shm_name: Optional[str] = None,
         keep_in_memory: bool = False,
-        replicas: int = 0,
-        node: Optional[str] = None,
-        replica_group: Any = None,
-        replica_bandwidth: Optional[float] = float(1 << 30),
-        replica_timeout: float = 300.0,
-        node_local_root: bool = False,
-        remote: Optional[str] = None,
-        remote_keep_last: Optional[int] = None,
-        remote_max_pending: Optional[int] = None,
-        remote_part_size: Optional[int] = None,
-        remote_concurrency: Optional[int] = None,
-        remote_request_timeout: Optional[float] = None,
-        remote_complete_timeout: Optional[float] = None,
+        recover_on_open: Optional[bool] = None,
+        remote: Union[str, RemoteTier, None] = None,
+        replicas: Union[int, Replicas, None] = None,
+        cadence: Optional[Cadence] = None,
+        tuning: Optional[Tuning] = None,
         check_replicas: Any = None,
         on_divergence: Any = "raise",
-        disk_every: Union[int, str] = 1,
-        disk_interval_s: Optional[float] = None,
-        remote_every: int = 1,
+        shm_name: Optional[str] = None,
+        **legacy: Any,
     ):
+        root = os.fspath(root)
+        # A remote-only root (``s3://...``) is its own remote tier: flat remote settings
+        # of earlier versions apply to it.
+        bucket_root = isinstance(root, str) and root.startswith("s3://")
+        tier_arg: Union[str, RemoteTier, None] = remote
+        if bucket_root and remote is None:
+            tier_arg = root
+        elif bucket_root and isinstance(remote, RemoteTier) and remote.url == root:
+            remote = None  # the root's own tier, with its settings
+        groups = apply_legacy(
+            "Checkpointer",
+            {"tuning": tuning, "remote": tier_arg, "replicas": replicas, "cadence": cadence},
+            legacy,
+            _VALID,
+        )
+        tier: Optional[RemoteTier] = groups["remote"]
+        reps: Optional[Replicas] = groups["replicas"]
+        if reps is not None and not reps.active:
+            reps = None  # Replicas(k=0): no replication tier
         r, w = _dist_rank_world()
         self.rank = r if rank is None else int(rank)
         self.world_size = w if world_size is None else int(world_size)
-        self.root = os.fspath(root)
+        self.root = root
         #: The bucket every committed save is mirrored to (``s3://bucket/prefix``), or None.
-        self.remote = remote
+        self.remote: Optional[str] = tier.url if tier is not None else None
         # Remote only (`Checkpointer("s3://...")`): a private scratch directory as the
         # engine's root, emptied after each upload started (see shmckpt.remote).
-        self._scratch, engine_root, remote_only = _remote.scratch_for(self.root, remote)
-        if remote_only:
-            self.remote = self.root
+        self._scratch, engine_root, remote_only = _remote.scratch_for(
+            self.root, remote.url if isinstance(remote, RemoteTier) else remote
+        )
         # Ranks of one run share a session id, so that a rank's upload of an earlier run
         # of the same step number never counts toward a commit in the bucket.
         session = None
         if self.remote is not None and self.world_size > 1 and rank is None and world_size is None:
             session = _remote.shared_session()
+        settings = engine_settings(
+            groups["tuning"],
+            tier,
+            groups["cadence"],
+            rank=self.rank,
+            world_size=self.world_size,
+            keep_last=keep_last,
+            shm_name=shm_name,
+            recover_on_open=recover_on_open,
+            keep_in_memory=bool(keep_in_memory),
+            create_root=True,
+            remote_only=remote_only,
+            remote_session=session,
+            # Replication sends each committed image from its staging chunks.
+            replica_hold=reps is not None and reps.k > 0,
+        )
         try:
-            self._engine = _shmckpt.Engine(
-                engine_root,
-                rank=self.rank,
-                world_size=self.world_size,
-                staging_capacity=staging_capacity,
-                chunk_size=chunk_size,
-                writer_threads=writer_threads,
-                queue_depth=queue_depth,
-                copy_threads=copy_threads,
-                direct_io=direct_io,
-                keep_last=keep_last,
-                shm_name=shm_name,
-                max_inflight_saves=max_inflight_saves,
-                recover_on_open=recover_on_open,
-                keep_in_memory=bool(keep_in_memory),
-                create_root=True,
-                remote=self.remote,
-                remote_keep_last=remote_keep_last,
-                remote_max_pending=remote_max_pending,
-                remote_part_size=remote_part_size,
-                remote_concurrency=remote_concurrency,
-                remote_request_timeout=remote_request_timeout,
-                remote_complete_timeout=remote_complete_timeout,
-                remote_only=remote_only,
-                remote_session=session,
-                # Replication sends each committed image from its staging chunks.
-                replica_hold=bool(replicas),
-                # Which saves go to disk is decided by the engine, per save.
-                disk_every=disk_every,
-                disk_interval_s=disk_interval_s,
-                remote_every=remote_every,
-            )
+            engine = _shmckpt.Engine(engine_root, settings)
         except BaseException:
             if self._scratch is not None:
                 _remote.remove_scratch(self._scratch)
             raise
+        shared = Shared(self.root, self.rank, self.world_size, self.remote, engine)
+        self._shared = shared
         #: The steps this checkpointer's open recovered from the staging memory of a crashed
         #: predecessor of the same root and rank (saves that had returned from ``save`` but
         #: were not committed), oldest first; committed now, so ``latest()`` sees them.
-        self.recovered: List[int] = self._engine.recovered()
+        self.recovered: List[int] = engine.recovered()
         if self.recovered:
             _log.warning("shmckpt: recovered step(s) %s of %s from a crashed run's staging memory", self.recovered, self.root)
-        unrecovered = self._engine.unrecovered()
+        unrecovered = engine.unrecovered()
         if unrecovered:
             _log.warning(
                 "shmckpt: staging memory of crashed runs (%s) holds saves of %s not recovered%s; "
@@ -246,50 +259,67 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
             )
         if rank is None and world_size is None and self.world_size > 1:
             _dist_barrier()
-        self._pending: List[SaveHandle] = []
-        self._guards: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
-        self._submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._layout: Optional[Any] = None  # _layout.Layout of the last save (save.py)
-        self._lock = threading.Lock()
-        self._replicator: Optional[Any] = None
-        self._checker: Optional[Any] = None
-        if check_replicas is not None:
-            from .._divergence import ReplicaCheck
+        self._guard = Guard(shared)
+        self._saver = Saver(shared, self._guard)
+        self._loader = Loader(shared)
+        self._in_place = InPlaceLoad(self._loader)
+        try:
+            if check_replicas is not None:
+                from .._divergence import ReplicaCheck
 
-            try:
-                if replicas or node_local_root:
+                if reps is not None:
                     raise ConfigError(
                         "check_replicas cannot be combined with replicas > 0 or node_local_root yet "
                         "(their commits run in the replication thread)"
                     )
-                self._checker = ReplicaCheck(self.rank, check_replicas, on_divergence)
-            except BaseException:
-                self._engine.close()
-                raise
-        if replicas or node_local_root:
-            from ..replicas import Replicator
+                shared.checker = ReplicaCheck(self.rank, check_replicas, on_divergence)
+            if reps is not None:
+                from ..replicas import Replicator
 
-            try:
-                self._replicator = Replicator(
-                    self,
-                    replicas,
-                    node,
-                    replica_group,
-                    bandwidth=replica_bandwidth,
-                    timeout=replica_timeout,
-                    node_local=node_local_root,
+                shared.replicator = Replicator(
+                    shared,
+                    reps.k,
+                    reps.node,
+                    reps.group,
+                    bandwidth=reps.bandwidth,
+                    timeout=reps.timeout,
+                    node_local=reps.node_local_root,
                     keep_last=keep_last,
                 )
-            except BaseException:
-                self._engine.close()
-                raise
+        except BaseException:
+            engine.close()
+            raise
         OPEN_CHECKPOINTERS.add(self)
+
+    # -- what tests and benchmarks reach: the collaborators' state, by its old names --
+    @property
+    def _engine(self) -> Any:
+        return self._shared.engine
+
+    @_engine.setter
+    def _engine(self, engine: Any) -> None:
+        self._shared.engine = engine
+
+    @property
+    def _layout(self) -> Optional[Any]:
+        return self._saver.layout
+
+    @_layout.setter
+    def _layout(self, layout: Optional[Any]) -> None:
+        self._saver.layout = layout
+
+    @property
+    def _replicator(self) -> Optional[Any]:
+        return self._shared.replicator
+
+    def _rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        return self._shared.rank_entry(step)
 
     def _check_all_or_refuse(self) -> None:
         """At close: the replica check of every save not checked yet, a collective; the
         commits of those it cannot check (the process group is gone, or failed) are
         refused, never left waiting."""
-        checker = self._checker
+        checker = self._shared.checker
         assert checker is not None
         dist = checker._dist
         try:
@@ -309,9 +339,9 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         load's bytes are right, but a load from disk would fail (``shmckpt verify`` checks
         every byte). ``None`` before the first load. With ``replicas > 0``: ``("peer", rank)``
         when this rank's file was restored from that rank's replica for the load."""
-        src = self._engine.last_load_source()
-        if self._replicator is not None:
-            return self._replicator.source(src)
+        src = self._shared.engine.last_load_source()
+        if self._shared.replicator is not None:
+            return self._shared.replicator.source(src)
         return src
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -326,24 +356,21 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         so the tensors kept for non-blocking saves are dropped only when nothing reads
         them any more. Calls that begin after it raise ``ShutdownError``."""
         OPEN_CHECKPOINTERS.discard(self)
-        if self._replicator is not None:
-            self._replicator.close()  # the queued replications finish first
-        if self._checker is not None:
+        if self._shared.replicator is not None:
+            self._shared.replicator.close()  # the queued replications finish first
+        if self._shared.checker is not None:
             self._check_all_or_refuse()
-        for h in list(self._pending):
+        shared = self._shared
+        for h in list(shared.pending):
             try:
                 h._get_rust()
             except Exception:
                 pass  # a submission that failed: its handle reports the error
-        if self._submitter is not None:
-            self._submitter.shutdown(wait=True)
-            self._submitter = None
-        for _, hook in self._guards:
-            hook.remove()
-        self._guards.clear()
-        self._engine.close()
-        with self._lock:
-            pending, self._pending = self._pending, []
+        self._saver.close()
+        self._guard.remove_all()
+        shared.engine.close()
+        with shared.lock:
+            pending, shared.pending = shared.pending, []
         for h in pending:
             h._release()
         if self._scratch is not None:
@@ -359,12 +386,12 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
     @property
     def shm_name(self) -> str:
         """Name of this engine's staging segment in ``/dev/shm``."""
-        return self._engine.describe()[0]
+        return self._shared.engine.describe()[0]
 
     @property
     def staging_capacity(self) -> int:
         """Largest checkpoint file (bytes) a save can stage."""
-        return self._engine.describe()[1]
+        return self._shared.engine.describe()[1]
 
     # -- queries -----------------------------------------------------------------------
     def latest(self, *, source: Optional[str] = None) -> Optional[int]:
@@ -379,7 +406,7 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         _remote.check_source(source)
         if source == "remote" and self.remote is None:
             raise ConfigError("this Checkpointer has no remote tier (remote=...)")
-        got = self._engine.latest_in(source)
+        got = self._shared.engine.latest_in(source)
         return None if got is None else int(got)
 
     @overload
@@ -408,14 +435,14 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         _remote.check_source(source)
         if source == "remote" and self.remote is None:
             raise ConfigError("this Checkpointer has no remote tier (remote=...)")
-        got = self._engine.list_in(source)
+        got = self._shared.engine.list_in(source)
         if tiers:
             return [(int(s), list(t)) for s, t in got]
         return [int(s) for s, _ in got]
 
     def manifest(self, step: StepArg = "latest") -> Dict[str, Any]:
         """The manifest of a committed checkpoint (files, tensors, offsets, CRC-32C)."""
-        return json.loads(self._engine.manifest(self._resolve(step)))
+        return self._shared.manifest(step)
 
     def remove(self, step: int) -> None:
         """Delete committed checkpoint ``step`` (all ranks' files): it leaves the listing at
@@ -423,16 +450,16 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         when it is not committed, or when its save is still in flight (wait for that
         handle first). For retention driven by the caller (``keep_last`` does it
         automatically otherwise)."""
-        self._engine.remove(operator.index(step))
+        self._shared.engine.remove(operator.index(step))
 
     def flush(self) -> None:
         """Wait for every save in flight to be committed or to fail (with
         ``check_replicas``, after the replica check of each: a collective). A memory-only
         step (``disk_every``) stays in memory: ``close()`` writes it to disk."""
-        if self._checker is not None:
-            self._checker.check_through(None)
-        self._engine.flush()
-        self._reap()
+        if self._shared.checker is not None:
+            self._shared.checker.check_through(None)
+        self._shared.engine.flush()
+        self._shared.reap()
 
     def prepare_cuda(
         self, devices: Optional[Sequence[int]] = None, *, background: bool = False
@@ -449,27 +476,61 @@ class Checkpointer(SaveMixin, LoadIntoMixin):
         if devices is None:
             devices = [torch.cuda.current_device()]
         if background:
-            self._engine.prepare_cuda_background(list(devices))
+            self._shared.engine.prepare_cuda_background(list(devices))
             return None
-        return self._engine.prepare_cuda(list(devices))
+        return self._shared.engine.prepare_cuda(list(devices))
 
     def staging_ready(self) -> bool:
         """True once the staging memory is wholly allocated (the constructor allocates it
         in the background) and no background CUDA registration is running: a save then
         pays no one-time cost."""
-        return self._engine.staging_ready()
+        return self._shared.engine.staging_ready()
 
     def wait_staging_ready(self) -> None:
         """Wait until the staging memory is wholly allocated and registered. Raises
         ``ShmTooSmall`` if ``/dev/shm`` filled up before it was."""
-        self._engine.wait_staging_ready()
+        self._shared.engine.wait_staging_ready()
 
-    def _resolve(self, step: StepArg) -> int:
-        sel = _step_sel(step)
-        if sel is not None:
-            return sel
-        # Memory or disk, as a local load of "latest" (a memory-only step when newest).
-        latest = self._engine.latest_in("local")
-        if latest is None:
-            raise NotFound(f"no committed checkpoint (latest) in {self.root}", path=self.root)
-        return latest
+    # -- saving, the guard and loading: the collaborators' -----------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        blocking: bool = True,
+        metadata: Optional[Mapping[str, str]] = None,
+        snapshot: Optional[str] = None,
+    ) -> SaveHandle:
+        return self._saver.save(step, state, blocking=blocking, metadata=metadata, snapshot=snapshot)
+
+    save.__doc__ = Saver.save.__doc__
+
+    def wait_staged(self) -> None:
+        self._saver.wait_staged()
+
+    wait_staged.__doc__ = Saver.wait_staged.__doc__
+
+    def wait(self) -> None:
+        self._saver.wait()
+
+    wait.__doc__ = Saver.wait.__doc__
+
+    def guard(self, optimizer: Any) -> None:
+        self._guard.guard(optimizer)
+
+    guard.__doc__ = Guard.guard.__doc__
+
+    def unguard(self, optimizer: Any) -> None:
+        self._guard.unguard(optimizer)
+
+    unguard.__doc__ = Guard.unguard.__doc__
+
+    def load(self, step: StepArg = "latest", *, map_location: Any = None, source: Optional[str] = None) -> Any:
+        return self._loader.load(step, map_location=map_location, source=source)
+
+    load.__doc__ = Loader.load.__doc__
+
+    def load_into(self, target: Any, step: StepArg = "latest", *, strict: bool = True) -> LoadResult:
+        return self._in_place.run(target, step, strict=strict)
+
+    load_into.__doc__ = InPlaceLoad.run.__doc__

@@ -1,12 +1,13 @@
-"""``Checkpointer.guard``: an optimizer's ``step()`` waits for the saves still staging."""
+"""``Checkpointer.guard``: an optimizer's ``step()`` waits for the saves still staging.
+:class:`Guard` holds the hooks; the saver asks it which storages are guarded."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Tuple
 
 from .._util import _storage_key
-from .base import CheckpointerBase
+from .base import Shared
 from .handle import SaveHandle
 from .. import _layout, _snapshot
 
@@ -16,8 +17,24 @@ except ImportError:  # pragma: no cover
     torch = None  # type: ignore[assignment]
 
 
-class GuardMixin(CheckpointerBase):
-    """The guard methods of :class:`~shmckpt.Checkpointer`."""
+class Guard:
+    """The optimizer guards of one :class:`~shmckpt.Checkpointer`: its ``guard`` and
+    ``unguard`` delegate here, and its saver asks :meth:`storages` which memory a guard
+    protects."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.hooks: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
+
+    def active(self) -> bool:
+        """Whether some optimizer is guarded."""
+        return bool(self.hooks)
+
+    def remove_all(self) -> None:
+        """Remove every guard (``close``)."""
+        for _, hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
 
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
@@ -38,28 +55,28 @@ class GuardMixin(CheckpointerBase):
         me = weakref.ref(self)
 
         def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
-            ck = me()
-            if ck is not None:
-                ck._guard_wait()
+            g = me()
+            if g is not None:
+                g.wait()
 
         hook = optimizer.register_step_pre_hook(pre_hook)
-        self._guards.append((ref, hook))
+        self.hooks.append((ref, hook))
 
     def unguard(self, optimizer: Any) -> None:
         """Remove the guard of ``optimizer``."""
         keep = []
-        for ref, hook in self._guards:
+        for ref, hook in self.hooks:
             if ref() is optimizer:
                 hook.remove()
             else:
                 keep.append((ref, hook))
-        self._guards = keep
+        self.hooks = keep
 
-    def _guarded_storages(self) -> set:
+    def storages(self) -> set:
         """The storage keys (``_util._storage_key``) of every parameter and state tensor of
         the guarded optimizers."""
         tensors = []
-        for ref, _ in self._guards:
+        for ref, _ in self.hooks:
             opt = ref()
             if opt is None:
                 continue
@@ -76,7 +93,7 @@ class GuardMixin(CheckpointerBase):
             )
         return _layout.guard_keys(tensors, _storage_key)
 
-    def _guard_wait(self) -> None:
+    def wait(self) -> None:
         """The guard's wait before an optimizer step. A save whose bytes the engine copies
         itself from CUDA tensors is waited for on the device: once its host bytes are copied
         and its device copies queued (normally milliseconds after the call), the current
@@ -93,4 +110,4 @@ class GuardMixin(CheckpointerBase):
             h._poll()
             return None
 
-        self._wait_all(wait)
+        self.shared.wait_all(wait)

@@ -1,8 +1,8 @@
-"""``Checkpointer.load``: a checkpoint back as the nested state it was saved as."""
+"""``Checkpointer.load``: a checkpoint back as the nested state it was saved as
+(:class:`Loader`; the in-place load is ``load_into.py``'s)."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
@@ -11,7 +11,7 @@ import numpy as np
 from .. import _state, _util
 from .. import remote as _remote
 from ..errors import CorruptError, DestinationError, NotFound
-from .base import CheckpointerBase, StepArg, _step_sel
+from .base import Shared, StepArg, _step_sel
 
 try:
     import torch
@@ -21,24 +21,19 @@ except ImportError:  # pragma: no cover
 T = TypeVar("T")
 
 
-class LoadMixin(CheckpointerBase):
-    """The load methods of :class:`~shmckpt.Checkpointer`."""
+class Loader:
+    """The loads of one :class:`~shmckpt.Checkpointer`: its ``load`` and ``load_into``
+    delegate here."""
 
-    def _rank_entry(self, step: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        m = json.loads(self._engine.manifest(step))
-        for f in m["files"]:
-            if f["rank"] == self.rank:
-                return m, f
-        raise NotFound(
-            f"checkpoint step {step} in {self.root} has no file of rank {self.rank}", path=self.root, step=step
-        )
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
 
-    def _skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
-        d = os.path.join(self.root, f"step-{step}")
+    def skeleton(self, step: int, entry: Dict[str, Any]) -> Optional[Any]:
+        d = os.path.join(self.shared.root, f"step-{step}")
         path = os.path.join(d, entry["file"])
         # Read by the engine after the header is checked against the manifest (its tensors
         # and its CRC-32C): a damaged header is an error, never a skeleton read wrongly.
-        meta = self._engine.file_metadata(step)
+        meta = self.shared.engine.file_metadata(step)
         text = meta.get(_state.STATE_KEY)
         if text is None:
             return None
@@ -71,10 +66,10 @@ class LoadMixin(CheckpointerBase):
         it.
         """
         sel = _step_sel(step)
-        if self._replicator is not None and source != "remote":
+        if self.shared.replicator is not None and source != "remote":
             # Collective: "latest" is the newest step every rank can load.
-            sel = self._replicator.agree_step(sel, bucket=source is None)
-        s, where = _remote.resolve(self, sel, source)
+            sel = self.shared.replicator.agree_step(sel, bucket=source is None)
+        s, where = _remote.resolve(self.shared, sel, source)
         dev = None
         if map_location is not None:
             dev = torch.device(map_location) if torch is not None else None
@@ -87,16 +82,16 @@ class LoadMixin(CheckpointerBase):
             # Bucket -> registered staging buffers -> device (no host copy of the file).
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
-            objs, tree, entry = _remote.load_to_device(self, s, dev)
+            objs, tree, entry = _remote.load_to_device(self.shared, s, dev)
         elif where == "remote":
             # Read into host buffers (checked); the skeleton is the rank file's header's.
-            _, _, file_meta, tensors = self._engine.load_remote(s)
-            tree = _remote.skeleton(self, s, file_meta)
+            _, _, file_meta, tensors = self.shared.engine.load_remote(s)
+            tree = _remote.skeleton(self.shared, s, file_meta)
             entry = _remote.entry_of(tensors)
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
         else:
-            objs, tree, entry = self._with_peer_retry(s, False, lambda: self._read_local(s, dev, source))
+            objs, tree, entry = self.with_peer_retry(s, False, lambda: self.read_local(s, dev, source))
 
         file_dtype = {t["name"]: t["dtype"] for t in entry["tensors"]}
 
@@ -140,11 +135,11 @@ class LoadMixin(CheckpointerBase):
             return _state.unflatten(tree, lookup)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
             raise CorruptError(
-                f"step {s} of {self.root}, rank {self.rank}: the {_state.STATE_KEY} metadata "
+                f"step {s} of {self.shared.root}, rank {self.shared.rank}: the {_state.STATE_KEY} metadata "
                 f"does not describe the file: {e}"
             ) from None
 
-    def _with_peer_retry(self, s: int, into: bool, read: Callable[[], T]) -> T:
+    def with_peer_retry(self, s: int, into: bool, read: Callable[[], T]) -> T:
         """``read()`` of ``s`` from this rank's memory or disk. With replicas it is
         collective before and after: a rank whose file is lost (missing, of the wrong
         size) gets it from a partner's replica before reading; after every rank read
@@ -152,7 +147,7 @@ class LoadMixin(CheckpointerBase):
         a rank whose file turned out damaged inside gets it the same way, written back over
         the file, and reads again (``into``: ``load_into``, which reads the written-back
         file rather than the received image)."""
-        rep = self._replicator
+        rep = self.shared.replicator
         if rep is None:
             return read()
         try:
@@ -171,19 +166,19 @@ class LoadMixin(CheckpointerBase):
             raise err
         return got
 
-    def _read_local(self, s: int, dev: Any, source: Optional[str]) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
+    def read_local(self, s: int, dev: Any, source: Optional[str]) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
         """This rank's tensors of ``s`` from memory, the disk (a damaged file: the bucket's
         copy unless ``source="local"``) or the image a partner just sent; to CUDA device
         ``dev`` when given. Returns ``(tensors by name, the skeleton or None, this rank's
         file entry)``; host tensors as ``(dtype, shape, buffer)``."""
         objs: Dict[str, Any] = {}
-        _, entry = self._rank_entry(s)
-        tree = self._skeleton(s, entry)
+        _, entry = self.shared.rank_entry(s)
+        tree = self.skeleton(s, entry)
         image = None
-        if dev is None and self._replicator is not None:
+        if dev is None and self.shared.replicator is not None:
             # A lost rank's image a partner just sent (checked, and written back as its
             # file): the tensors are served from that memory, not read back from disk.
-            image = self._replicator.take_image(s)
+            image = self.shared.replicator.take_image(s)
         if image is not None:
             whole = np.asarray(image)
             for name, dtype, shape, a, b in image.tensors():
@@ -191,7 +186,7 @@ class LoadMixin(CheckpointerBase):
         elif dev is None:
             # (A file damaged on the disk is read from the bucket when it holds the same
             # bytes, unless source="local".)
-            _, _, _, tensors = self._engine.load(s, bucket=source != "local")
+            _, _, _, tensors = self.shared.engine.load(s, bucket=source != "local")
             for name, dtype, shape, buf in tensors:
                 objs[name] = (dtype, shape, buf)
         else:
@@ -207,7 +202,7 @@ class LoadMixin(CheckpointerBase):
                 dest.append(x)
             # The memory may come from blocks freed by work still queued on this stream.
             torch.cuda.current_stream(dev).synchronize()
-            self._engine.load_into_device(
+            self.shared.engine.load_into_device(
                 s,
                 [(n, _util.dest_capsule(x), dev.index) for n, x in objs.items()],
                 bucket=source != "local",

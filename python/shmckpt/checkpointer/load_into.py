@@ -1,4 +1,5 @@
-"""``Checkpointer.load_into``: a checkpoint read in place into the caller's tensors."""
+"""``Checkpointer.load_into``: a checkpoint read in place into the caller's tensors
+(:class:`InPlaceLoad`, which the checkpointer's :class:`~.load.Loader` runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .. import remote as _remote
 from ..errors import CorruptError, DestinationError
 from .base import StepArg, _step_sel
 from .handle import LoadResult
-from .load import LoadMixin
+from .load import Loader
 
 try:
     import torch
@@ -26,10 +27,15 @@ def _canonical(name: str) -> str:
     return ".".join(parts)
 
 
-class LoadIntoMixin(LoadMixin):
-    """The in-place load of :class:`~shmckpt.Checkpointer`."""
+class InPlaceLoad:
+    """The in-place load of one :class:`~shmckpt.Checkpointer` (``load_into``), over its
+    :class:`~.load.Loader` (the peer retry, the skeleton) and their shared state."""
 
-    def load_into(
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+        self.shared = loader.shared
+
+    def run(
         self,
         target: Any,
         step: StepArg = "latest",
@@ -56,25 +62,25 @@ class LoadIntoMixin(LoadMixin):
         replica first.
         """
         sel = _step_sel(step)
-        if self._replicator is not None:
+        if self.shared.replicator is not None:
             # Collective: "latest" is the newest step every rank can load.
-            sel = self._replicator.agree_step(sel)
-        s, where = _remote.resolve(self, sel, None)
+            sel = self.shared.replicator.agree_step(sel)
+        s, where = _remote.resolve(self.shared, sel, None)
         if where == "remote":
             return self._load_into_step(target, s, where, strict)
         # With replicas, collective: a lost file, or one damaged inside, comes from a peer.
-        return self._with_peer_retry(s, True, lambda: self._load_into_step(target, s, where, strict))
+        return self.loader.with_peer_retry(s, True, lambda: self._load_into_step(target, s, where, strict))
 
     def _load_into_step(self, target: Any, s: int, where: str, strict: bool) -> LoadResult:
         """:meth:`load_into` of the resolved step ``s`` from ``where`` (``"local"`` or
         ``"remote"``)."""
         if where == "remote":
             # The manifest's entry and the header's skeleton; the data after the planning.
-            entry = _remote.rank_entry(self, s)
-            tree = _remote.skeleton(self, s, self._engine.remote_file_metadata(s))
+            entry = _remote.rank_entry(self.shared, s)
+            tree = _remote.skeleton(self.shared, s, self.shared.engine.remote_file_metadata(s))
         else:
-            _, entry = self._rank_entry(s)
-            tree = self._skeleton(s, entry)
+            _, entry = self.shared.rank_entry(s)
+            tree = self.loader.skeleton(s, entry)
         aliases: Dict[str, str] = {}
         if tree is not None:
             for node in _state.tensor_nodes(tree):
@@ -128,7 +134,7 @@ class LoadIntoMixin(LoadMixin):
             ignored = _unnamed_subtrees(tree, target)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CorruptError(
-                f"step {s} of {self.root}, rank {self.rank}: malformed {_state.STATE_KEY} "
+                f"step {s} of {self.shared.root}, rank {self.shared.rank}: malformed {_state.STATE_KEY} "
                 f"metadata: {e}"
             ) from None
         unexpected = sorted({n for n in ck_names if n not in used and n not in ignored})
@@ -137,7 +143,7 @@ class LoadIntoMixin(LoadMixin):
             problems += [f"{n}: in the checkpoint, not in the destination" for n in unexpected]
         if problems:
             raise DestinationError(
-                f"cannot load step {s} of {self.root} into the given state "
+                f"cannot load step {s} of {self.shared.root} into the given state "
                 f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
         on_cuda = any(
@@ -146,7 +152,7 @@ class LoadIntoMixin(LoadMixin):
             for _, d in dests
         )
         if where == "remote" and not on_cuda:
-            _, _, _, remote_tensors = self._engine.load_remote(s)
+            _, _, _, remote_tensors = self.shared.engine.load_remote(s)
             _remote.copy_into(remote_tensors, plan)
         else:
             # (CUDA destinations from the bucket: through the registered staging buffers.)
@@ -222,14 +228,14 @@ class LoadIntoMixin(LoadMixin):
                     copies.append((d, chosen))
         if cuda_dev is None:
             # (The engine takes each destination's memory as a DLPack capsule.)
-            self._engine.load_into(s, [(name, _util.dest_capsule(d)) for name, d in direct.items()])
+            self.shared.engine.load_into(s, [(name, _util.dest_capsule(d)) for name, d in direct.items()])
         else:
             device_dest = [(name, d, cuda_dev.index) for name, d in direct.items()]
             torch.cuda.current_stream(cuda_dev).synchronize()
             if remote:
-                _remote.read_into_device(self, s, device_dest)
+                _remote.read_into_device(self.shared, s, device_dest)
             else:
-                self._engine.load_into_device(s, [(n, _util.dest_capsule(d), i) for n, d, i in device_dest])
+                self.shared.engine.load_into_device(s, [(n, _util.dest_capsule(d), i) for n, d, i in device_dest])
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):

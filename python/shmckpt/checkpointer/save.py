@@ -1,4 +1,4 @@
-"""``Checkpointer.save``: flatten the state and hand its tensors to the engine."""
+"""``Checkpointer.save``: flatten the state and hand its tensors to the engine (:class:`Saver`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key, engine_tuples
-from .base import _step_int
-from .guard import GuardMixin
+from .base import Shared, _step_int
+from .guard import Guard
 from .handle import SaveHandle
 from .. import _snapshot
 
@@ -18,17 +18,33 @@ except ImportError:  # pragma: no cover
     torch = None  # type: ignore[assignment]
 
 
-class SaveMixin(GuardMixin):
-    """The save and wait methods of :class:`~shmckpt.Checkpointer`."""
+class Saver:
+    """The saves of one :class:`~shmckpt.Checkpointer`: its ``save``, ``wait`` and
+    ``wait_staged`` delegate here. Holds the layout of the last save (reused when the next
+    state matches, ``_layout.py``) and the thread that submits saves whose host copies of
+    device tensors are still in flight."""
+
+    def __init__(self, shared: Shared, guard: Guard) -> None:
+        self.shared = shared
+        self.guard = guard
+        #: ``_layout.Layout`` of the last save, reused when it matches.
+        self.layout: Optional[Any] = None
+        self.submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def close(self) -> None:
+        """Stop the submitting thread once its submissions ran (``close``)."""
+        if self.submitter is not None:
+            self.submitter.shutdown(wait=True)
+            self.submitter = None
 
     def wait_staged(self) -> None:
         """Wait until every save in flight has copied its bytes. A failed save raises its
         error here once (and is then forgotten)."""
-        self._wait_all(SaveHandle.wait_staged)
+        self.shared.wait_all(SaveHandle.wait_staged)
 
     def wait(self) -> None:
         """Wait until every save in flight is committed (raises the first error, once)."""
-        self._wait_all(SaveHandle.wait)
+        self.shared.wait_all(SaveHandle.wait)
 
     # -- save --------------------------------------------------------------------------
     def save(
@@ -59,13 +75,13 @@ class SaveMixin(GuardMixin):
         step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        checker = self._checker
+        checker = self.shared.checker
         if checker is not None:
             # The earlier saves' replica checks first (collectives in save order): at most
             # one save's commit waits for its check at a time.
             checker.check_through(None)
         confirm = checker is not None
-        snap = _snapshot.device_mode(snapshot, blocking, bool(self._guards))
+        snap = _snapshot.device_mode(snapshot, blocking, self.guard.active())
         meta: Dict[str, str] = {}
         for k, v in (metadata or {}).items():
             if not isinstance(k, str) or not isinstance(v, str):
@@ -78,7 +94,7 @@ class SaveMixin(GuardMixin):
             # structure, plain value types and tensor metadata (_layout.py), its skeleton
             # given this state's plain values; else the state is flattened.
             probe = _layout.probe(state)
-            lay = self._layout
+            lay = self.layout
             leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
             new_layout = False  # a layout made here: cached once the save is captured
             hit = lay.skeleton_for(probe) if lay is not None else None
@@ -88,7 +104,7 @@ class SaveMixin(GuardMixin):
             else:
                 flat = _state.flatten(state)
                 leaves = flat.leaves
-                self._layout = None
+                self.layout = None
                 lay = _layout.Layout.of(probe, flat)
                 skeleton = lay.skeleton if lay is not None else _state.encode(flat)
                 new_layout = lay is not None
@@ -96,9 +112,9 @@ class SaveMixin(GuardMixin):
             if _state.STATE_KEY in meta:
                 raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
             meta[_state.STATE_KEY] = skeleton
-            self._reap()
+            self.shared.reap()
 
-            guarded = self._guarded_storages() if (not blocking and self._guards) else set()
+            guarded = self.guard.storages() if (not blocking and self.guard.active()) else set()
             member = _layout.membership(probe, leaves, guarded, _storage_key) if guarded else None
             # A non-blocking save with no guard captures CUDA tensors by holding the
             # trainer's streams: the engine queues its copies (into its registered staging)
@@ -169,11 +185,11 @@ class SaveMixin(GuardMixin):
                 assert lay is not None
                 lay.plan = new_plan
             if new_layout:
-                self._layout = lay
+                self.layout = lay
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
-        handle._replicator = self._replicator
+        handle._replicator = self.shared.replicator
         if checker is not None:
             handle._checker = checker
             checker.add(handle)
@@ -194,19 +210,16 @@ class SaveMixin(GuardMixin):
                     s.synchronize()  # this stream only, not the device
                 finish_host_copies()
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
+            h = self.shared.engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
         elif hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self._engine.save(step, engine_tuples(entries), meta, after, False, True, confirm=confirm)
+            h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, True, confirm=confirm)
             handle._set_rust(h)
-            with self._lock:
-                self._pending.append(handle)
-            if self._replicator is not None:
-                self._replicator.enqueue(handle)
+            self.shared.track(handle)
             return handle
         else:
             # Order the device copies after the work queued at this call: an event recorded
@@ -221,12 +234,9 @@ class SaveMixin(GuardMixin):
             after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
             if not finishes:
                 handle._snapshot = snap and bool(devices)
-                h = self._engine.save(step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm)
+                h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm)
                 handle._set_rust(h)
-                with self._lock:
-                    self._pending.append(handle)
-                if self._replicator is not None:
-                    self._replicator.enqueue(handle)
+                self.shared.track(handle)
                 return handle
 
             # Host copies of device tensors are in flight on the trainer's streams: wait for
@@ -235,17 +245,14 @@ class SaveMixin(GuardMixin):
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                return self._engine.save(step, engine_tuples(entries), meta, after, False, confirm=confirm)
+                return self.shared.engine.save(step, engine_tuples(entries), meta, after, False, confirm=confirm)
 
-            if self._submitter is None:
-                self._submitter = concurrent.futures.ThreadPoolExecutor(
+            if self.submitter is None:
+                self.submitter = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="shmckpt-submit"
                 )
-            handle._future = self._submitter.submit(submit)
-        with self._lock:
-            self._pending.append(handle)
-        if self._replicator is not None:
-            self._replicator.enqueue(handle)
+            handle._future = self.submitter.submit(submit)
+        self.shared.track(handle)
         return handle
 
 

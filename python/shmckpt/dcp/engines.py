@@ -22,6 +22,7 @@ from .. import _shmckpt
 from .items import _Save
 from .storage import SPOOL_NAME
 from . import bucket as _dcp_remote
+from ..config import Tuning, tuning_of
 from ..errors import ConfigError
 
 
@@ -107,7 +108,7 @@ class DcpSession:
             return dict(self._gen)
 
     def engine(
-        self, spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], role: str = ""
+        self, spool: str, rank: int, world: int, need: int, opts: Tuning, role: str = ""
     ) -> _EngineSlot:
         """This rank's engine for ``spool``, with at least ``need`` bytes of staging.
 
@@ -179,12 +180,8 @@ def prepare(
     devices: Optional[Sequence[int]] = None,
     spool: Optional[Union[str, os.PathLike]] = None,
     process_group: Any = None,
-    chunk_size: Optional[int] = None,
-    writer_threads: Optional[int] = None,
-    queue_depth: Optional[int] = None,
-    copy_threads: Optional[int] = None,
-    direct_io: Optional[bool] = None,
-    max_inflight_saves: Optional[int] = None,
+    tuning: Optional[Tuning] = None,
+    **legacy: Any,
 ) -> Dict[str, Any]:
     """Open this rank's engine for checkpoints published under ``parent`` now, at start-up,
     instead of in the first save: create and pre-fault its shared-memory arena of
@@ -194,24 +191,20 @@ def prepare(
     ``path`` is in ``parent`` (same ``spool`` and process group) reuses it, so no save
     pays these costs (seconds for many GiB: the first save of a process otherwise stalls
     that much longer). Call it on every rank, with the same arguments ``ShmckptWriter``
-    gets. Returns ``{"open_s", "cuda_registration_s", "staging_capacity", "shm_name"}``.
-    A save that needs more staging than this still reopens a larger engine."""
+    gets (``tuning``: a :class:`shmckpt.Tuning`, whose ``staging_capacity`` this one
+    raises; the flat tuning keywords of earlier versions are accepted, deprecated).
+    Returns ``{"open_s", "cuda_registration_s", "staging_capacity", "shm_name"}``. A save
+    that needs more staging than this still reopens a larger engine."""
     import time
 
+    opts = tuning_of(
+        "prepare", tuning, legacy, ("staging_capacity", "devices", "spool", "process_group", "tuning")
+    ).with_staging_at_least(staging_capacity)
     if _dcp_remote.is_remote(parent):
         raise ConfigError(f"prepare({parent!r}): an s3:// checkpoint's engine opens at its first save")
     rank, world = _rank_world(process_group)
     parent_abs = os.path.abspath(os.fspath(parent))
     sp = os.path.abspath(os.fspath(spool)) if spool is not None else os.path.join(parent_abs, SPOOL_NAME)
-    opts = dict(
-        staging_capacity=staging_capacity,
-        chunk_size=chunk_size,
-        writer_threads=writer_threads,
-        queue_depth=queue_depth,
-        copy_threads=copy_threads,
-        direct_io=direct_io,
-        max_inflight_saves=max_inflight_saves,
-    )
     t = time.perf_counter()
     slot = SESSION.engine(sp, rank, world, int(staging_capacity), opts)
     open_s = time.perf_counter() - t
@@ -339,7 +332,7 @@ def _clean_spool(spool: str, rank: int, assembly: bool = True) -> None:
 
 
 def _open_engine(
-    spool: str, rank: int, world: int, need: int, opts: Dict[str, Any], gen: int, assembly: bool = True
+    spool: str, rank: int, world: int, need: int, opts: Tuning, gen: int, assembly: bool = True
 ) -> _EngineSlot:
     """Open engine number ``gen`` of this process for ``rank`` on ``spool`` (at its root
     ``spool/rank-KKKKK/<pid>-<gen>``), with at least ``need`` bytes of staging; the first
@@ -354,23 +347,10 @@ def _open_engine(
             _clean_spool(spool, rank, assembly)
         root = os.path.join(_rank_dir(spool, rank), f"{os.getpid()}-{gen}")
         os.makedirs(root, exist_ok=True)
-    chunk = opts.get("chunk_size") or (8 << 20)
-    cap = opts.get("staging_capacity") or 0
-    cap = max(cap, -(-need // chunk) * chunk)
-    engine = _shmckpt.Engine(
-        root,
-        rank=rank,
-        world_size=world,
-        staging_capacity=cap,
-        chunk_size=opts.get("chunk_size"),
-        writer_threads=opts.get("writer_threads"),
-        queue_depth=opts.get("queue_depth"),
-        copy_threads=opts.get("copy_threads"),
-        direct_io=opts.get("direct_io"),
-        keep_last=None,
-        max_inflight_saves=opts.get("max_inflight_saves"),
-        **remote,
-    )
+    chunk = opts.chunk_size or (8 << 20)
+    cap = max(opts.staging_capacity or 0, -(-need // chunk) * chunk)
+    settings = dict(opts.given(), rank=rank, world_size=world, staging_capacity=cap, **remote)
+    engine = _shmckpt.Engine(root, settings)
     return _EngineSlot(engine, int(engine.describe()[1]), root)
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from ..config import Tuning
 from .. import _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple, engine_tuples
 from ..errors import TooLarge
@@ -44,7 +45,7 @@ class StagingMixin:
     _overwrite: bool
     _spool: Optional[str]
     _group: Any
-    _opts: Dict[str, Any]
+    _opts: Tuning
     _staged: Deque[_Save]
     _lock: threading.Lock
     last_stage: Dict[str, Any]

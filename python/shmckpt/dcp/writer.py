@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import _shmckpt
+from ..config import Tuning, tuning_of
 from ..errors import ConfigError, CorruptError, SaveFailed
 from .divergence import DcpReplicaCheck, local_unplanned
 from .engines import SESSION, _rank_world, _remove_tree, _sources
@@ -58,6 +59,10 @@ def write_results(save: Any, items: Sequence[Any], who: str) -> List[WriteResult
     return results
 
 
+#: The keyword arguments of ``ShmckptWriter`` (the flat tuning ones of earlier versions aside).
+_WRITER_KEYWORDS = ("overwrite", "spool", "process_group", "tuning", "check_replicas", "on_divergence")
+
+
 class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` and ``AsyncStager`` writing through shmckpt's engine.
 
@@ -68,10 +73,11 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
     before one ``renameat2(RENAME_EXCHANGE)`` swaps it in, so a crash leaves the old one or
     the new one loadable, never neither; then the old one is removed. A non-empty
     directory without ``.metadata`` is never replaced; ``overwrite=False`` refuses any
-    non-empty directory (``FileExistsError``). An ``s3://`` path never overwrites. Keyword arguments are engine
-    settings (``staging_capacity``: at least this many bytes of shared-memory staging,
-    default the size of the rank's file; ``chunk_size``, ``writer_threads``,
-    ``queue_depth``, ``copy_threads``, ``direct_io``, ``max_inflight_saves``).
+    non-empty directory (``FileExistsError``). An ``s3://`` path never overwrites.
+    ``tuning``: the engine settings, a :class:`shmckpt.Tuning` (its ``staging_capacity``:
+    at least this many bytes of shared-memory staging, default the size of the rank's
+    file); the flat tuning keywords of earlier versions (``chunk_size=``, ...) are
+    accepted, deprecated.
     ``spool``: where the engines write before publishing (default
     ``dirname(path)/.shmckpt-dcp``). ``process_group``: the group given to DCP, when not
     the default one.
@@ -107,17 +113,14 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         *,
         spool: Optional[Union[str, os.PathLike]] = None,
         process_group: Any = None,
-        staging_capacity: Optional[int] = None,
-        chunk_size: Optional[int] = None,
-        writer_threads: Optional[int] = None,
-        queue_depth: Optional[int] = None,
-        copy_threads: Optional[int] = None,
-        direct_io: Optional[bool] = None,
-        max_inflight_saves: Optional[int] = None,
+        tuning: Optional[Tuning] = None,
         check_replicas: Any = None,
         on_divergence: Any = "raise",
+        **legacy: Any,
     ):
         super().__init__()
+        #: The engine settings (:class:`shmckpt.Tuning`; its ``staging_capacity`` a minimum).
+        self._opts = tuning_of("ShmckptWriter", tuning, legacy, _WRITER_KEYWORDS)
         self.path = _dcp_remote.norm(path)
         #: The replica divergence check (``check_replicas``), or None.
         self._check: Optional[DcpReplicaCheck] = None
@@ -128,15 +131,6 @@ class ShmckptWriter(StagingMixin, StorageWriter, AsyncStager):
         self._overwrite = bool(overwrite)
         self._spool = os.path.abspath(os.fspath(spool)) if spool is not None else None
         self._group = process_group
-        self._opts = dict(
-            staging_capacity=staging_capacity,
-            chunk_size=chunk_size,
-            writer_threads=writer_threads,
-            queue_depth=queue_depth,
-            copy_threads=copy_threads,
-            direct_io=direct_io,
-            max_inflight_saves=max_inflight_saves,
-        )
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self._staged: Deque[_Save] = collections.deque()

@@ -140,8 +140,8 @@ fn calls_from_inside_a_tokio_runtime_are_an_error_not_a_panic() {
 
 #[test]
 fn a_bucket_load_through_two_staging_chunks_gives_exact_bytes_in_file_order() {
-    use crate::restore::sink::Staged;
-    use crate::restore::sink::tests::{ByRef, Checked, assert_from_chunks, chunks};
+    use super::staged::Staged;
+    use super::staged::tests::{ByRef, Checked, assert_from_chunks, chunks};
     let dir = tempfile::tempdir().unwrap();
     let mem = Arc::new(InMemory::new());
     let engine = small(dir.path(), mem.clone()).build().unwrap();

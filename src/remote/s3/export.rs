@@ -1,18 +1,18 @@
-//! The bucket source: a committed step of `s3://bucket/prefix` ([`crate::remote::Remote`]'s
+//! The export's bucket source (`crate::export`): a committed step of `s3://bucket/prefix` ([`crate::remote::Remote`]'s
 //! listing rule picks the latest, or `s3://bucket/prefix/step-N` names one), read with
 //! ranged GETs of the chosen tensors only, every object's size and header and every
 //! tensor's CRC-32C checked by the remote tier's reader.
 
 use std::path::PathBuf;
 
-use super::rank_files::RankFiles;
+use super::{Remote, RemoteOptions};
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Manifest, Metadata};
-use crate::remote::{Remote, RemoteOptions};
 use crate::restore::ReadSink;
+use crate::tier::RankFiles;
 
 /// One committed step of a bucket prefix.
-pub(super) struct BucketStep {
+pub(crate) struct BucketStep {
     remote: Remote,
     step: u64,
 }
@@ -20,7 +20,7 @@ pub(super) struct BucketStep {
 impl BucketStep {
     /// Open `url`: `s3://bucket/prefix` (its latest committed step) or
     /// `s3://bucket/prefix/step-N` (step N, which must be committed).
-    pub(super) fn open(url: &str) -> Result<(BucketStep, Manifest)> {
+    pub(crate) fn open(url: &str) -> Result<(BucketStep, Manifest)> {
         let trimmed = url.trim_end_matches('/');
         let named = trimmed
             .rsplit_once('/')

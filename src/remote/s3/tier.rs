@@ -244,25 +244,27 @@ struct Queue {
     closed: bool,
 }
 
-/// The uploader of one engine.
-pub(crate) struct RemoteTier {
+/// The uploader of one engine: the engine's [`crate::tier::RemoteTier`] (`engine.rs`).
+pub(crate) struct BucketTier {
     remote: Arc<Remote>,
     feeds: Arc<Feeds>,
     world_size: u32,
     max_pending: usize,
+    /// No local file: the bucket holds every save's only copy.
+    remote_only: bool,
     queue: Arc<(Mutex<Queue>, Condvar)>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl std::fmt::Debug for RemoteTier {
+impl std::fmt::Debug for BucketTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RemoteTier")
+        f.debug_struct("BucketTier")
             .field("remote", &self.remote)
             .finish()
     }
 }
 
-impl RemoteTier {
+impl BucketTier {
     /// Start the uploader thread. `root`: the local checkpoint root, where a failed
     /// step's file is read again by the next save (`None`: remote only, nothing to retry).
     pub(crate) fn start(
@@ -272,7 +274,8 @@ impl RemoteTier {
         max_pending: usize,
         session: Option<String>,
         root: Option<std::path::PathBuf>,
-    ) -> Result<RemoteTier> {
+    ) -> Result<BucketTier> {
+        let remote_only = root.is_none();
         let queue: Arc<(Mutex<Queue>, Condvar)> = Arc::default();
         let q = Arc::clone(&queue);
         let r = Arc::clone(&remote);
@@ -335,11 +338,12 @@ impl RemoteTier {
                 }
             })
             .map_err(|e| Error::Config(format!("cannot spawn the remote uploader: {e}")))?;
-        Ok(RemoteTier {
+        Ok(BucketTier {
             remote,
             feeds: Arc::default(),
             world_size,
             max_pending: max_pending.max(1),
+            remote_only,
             queue,
             thread: Mutex::new(Some(thread)),
         })
@@ -355,40 +359,72 @@ impl RemoteTier {
         &self.feeds
     }
 
-    /// A new save's feed: its staged chunks held for the upload (`spillable`: they may be
-    /// given back under staging pressure and read from the local file instead).
-    pub(crate) fn feed(&self, n_chunks: u64, chunk_size: u64, spillable: bool) -> Arc<Feed> {
-        self.feeds.feed(n_chunks, chunk_size, spillable)
+    /// Whether the bucket holds every save's only copy (no local file).
+    pub(crate) fn remote_only(&self) -> bool {
+        self.remote_only
     }
 
-    /// A new save's remote progress (reported when the uploader is done with it).
-    pub(crate) fn progress(&self, step: u64) -> RemoteProgress {
-        RemoteProgress {
-            t: Arc::new(Ticket {
-                step,
-                started: Instant::now(),
-                world_size: self.world_size,
-                remote: Arc::clone(&self.remote),
-                sent: Arc::default(),
-                result: Mutex::new(None),
-                changed: Condvar::new(),
-                mine: Mutex::new(None),
-            }),
+    /// A new save's upload: its feed (its staged chunks held for the upload; with a
+    /// local file they may be given back under staging pressure and read from the file
+    /// instead) and its remote progress (reported when the uploader is done with it).
+    pub(crate) fn begin(&self, step: u64, n_chunks: u64, chunk_size: u64) -> Upload {
+        Upload {
+            queue: Arc::clone(&self.queue),
+            max_pending: self.max_pending,
+            feed: self.feeds.feed(n_chunks, chunk_size, !self.remote_only),
+            progress: RemoteProgress {
+                t: Arc::new(Ticket {
+                    step,
+                    started: Instant::now(),
+                    world_size: self.world_size,
+                    remote: Arc::clone(&self.remote),
+                    sent: Arc::default(),
+                    result: Mutex::new(None),
+                    changed: Condvar::new(),
+                    mine: Mutex::new(None),
+                }),
+            },
         }
     }
 
-    /// Queue a save's upload when the save starts (skipping the oldest waiting one when
-    /// `max_pending` are waiting): its parts go out as `feed` gets its chunks, its
+    /// Finish the queued uploads and stop the thread.
+    pub(crate) fn close(&self) {
+        {
+            let (m, cv) = &*self.queue;
+            lock(m).closed = true;
+            cv.notify_all();
+        }
+        if let Some(h) = lock(&self.thread).take()
+            && h.join().is_err()
+        {
+            tracing::error!("remote uploader panicked");
+        }
+    }
+}
+
+impl Drop for BucketTier {
+    /// An engine whose open failed after the tier started never calls `close`.
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// One save's upload (the engine's [`crate::tier::TierSave`], `engine.rs`).
+pub(crate) struct Upload {
+    queue: Arc<(Mutex<Queue>, Condvar)>,
+    max_pending: usize,
+    /// The save's chunks as they are staged, and its local outcome.
+    pub(crate) feed: Arc<Feed>,
+    /// What the save's handle reports.
+    pub(crate) progress: RemoteProgress,
+}
+
+impl Upload {
+    /// Queue the upload when the save starts (skipping the oldest waiting one when
+    /// `max_pending` are waiting): its parts go out as the feed gets its chunks, its
     /// completion waits for the local commit ([`Feed::local_committed`]).
-    pub(crate) fn submit(
-        &self,
-        progress: RemoteProgress,
-        metadata: Metadata,
-        feed: Arc<Feed>,
-        rank: u32,
-        name: String,
-        total: u64,
-    ) {
+    pub(crate) fn submit(&self, metadata: Metadata, rank: u32, name: String, total: u64) {
+        let (progress, feed) = (self.progress.clone(), Arc::clone(&self.feed));
         let (m, cv) = &*self.queue;
         let mut g = lock(m);
         if g.closed {
@@ -428,27 +464,6 @@ impl RemoteTier {
                 ),
             });
         }
-    }
-
-    /// Finish the queued uploads and stop the thread.
-    pub(crate) fn close(&self) {
-        {
-            let (m, cv) = &*self.queue;
-            lock(m).closed = true;
-            cv.notify_all();
-        }
-        if let Some(h) = lock(&self.thread).take()
-            && h.join().is_err()
-        {
-            tracing::error!("remote uploader panicked");
-        }
-    }
-}
-
-impl Drop for RemoteTier {
-    /// An engine whose open failed after the tier started never calls `close`.
-    fn drop(&mut self) {
-        self.close();
     }
 }
 

@@ -1,13 +1,15 @@
-//! Tests of [`Engine::load_with`](super::Engine::load_with) against a bucket (issue 37):
+//! Tests of [`Engine::load_with`] against a bucket (issue 37):
 //! the bucket as a source of its own and as the damaged disk's fallback.
 
 use std::sync::Arc;
 
 use object_store::memory::InMemory;
 
-use super::tiers::tests::{engine, save};
-use super::{LoadInto, LoadRequest, LoadSource, Sources, StepSel};
-use crate::error::Error;
+use super::tests_tiers::{engine, save};
+use crate::Checkpoint;
+use crate::engine::{Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Sources, StepSel};
+use crate::error::{Error, Result};
+use crate::tier::RemoteLoad;
 
 /// Issue 37: the bucket as a source of its own, and as the disk's fallback, through
 /// the one `load_with`; a wrong destination is the caller's error, never a fallback.
@@ -55,7 +57,7 @@ fn load_request_reads_the_bucket_alone_or_after_a_damaged_disk() {
 
     // This rank's file damaged on the disk: the disk alone fails, every source falls
     // back to the bucket (the same bytes) and says why.
-    let info = e.resolve(StepSel::Step(1)).unwrap();
+    let info = e.list().unwrap().into_iter().find(|c| c.step == 1).unwrap();
     let (_, entry) = crate::restore::rank_file(&info.dir, 0).unwrap();
     let path = info.dir.join(&entry.file);
     let mut file = std::fs::read(&path).unwrap();
@@ -88,4 +90,48 @@ fn load_request_reads_the_bucket_alone_or_after_a_damaged_disk() {
     );
     assert_eq!(buf, want);
     e.close();
+}
+
+/// Shorthands of [`Engine::load_with`] for the crate's tests of the remote tier.
+impl Engine {
+    /// Into owned buffers from every source: the checkpoint and its report.
+    pub(crate) fn load_with_report(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, LoadReport)> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::owned())?;
+        Ok((got.checkpoint.expect("an owned load"), got.report))
+    }
+
+    /// Into the caller's host buffers by name from every source: the step loaded.
+    pub(crate) fn load_into(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<u64> {
+        let got = self.load_with(&LoadRequest::new(which), LoadInto::host(dest))?;
+        Ok(got.report.step)
+    }
+
+    /// Into owned buffers from the bucket only, whatever the local disk holds.
+    pub(crate) fn load_remote(
+        &self,
+        which: impl Into<StepSel>,
+    ) -> Result<(Checkpoint, RemoteLoad)> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::owned())?;
+        let remote = got.remote.expect("the bucket served the load");
+        Ok((got.checkpoint.expect("an owned load"), remote))
+    }
+
+    /// Into the caller's host buffers by name from the bucket only.
+    pub(crate) fn load_into_remote(
+        &self,
+        which: impl Into<StepSel>,
+        dest: &mut [(&str, &mut [u8])],
+    ) -> Result<RemoteLoad> {
+        let req = LoadRequest::new(which).with_sources(Sources::BUCKET);
+        let got = self.load_with(&req, LoadInto::host(dest))?;
+        Ok(got.remote.expect("the bucket served the load"))
+    }
 }

@@ -125,12 +125,8 @@ impl Feed {
         self.set_local(Local::Committed(file.map(Arc::new), entry));
     }
 
-    /// The save failed locally (or never started): its upload must be aborted.
-    pub(crate) fn local_failed(&self, e: Error) {
-        self.local_failed_arc(Arc::new(e));
-    }
-
-    /// [`Feed::local_failed`] with the save's shared error.
+    /// The save failed locally (or never started), with the save's shared error: its
+    /// upload must be aborted.
     pub(crate) fn local_failed_arc(&self, e: Arc<Error>) {
         self.set_local(Local::Failed(e));
     }

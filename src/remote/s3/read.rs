@@ -3,7 +3,7 @@
 //! tensor), never trusting what the bucket returns.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
@@ -14,24 +14,7 @@ use crate::manifest::{FileEntry, Manifest, Metadata};
 use crate::restore::header::{check_header_json, header_len};
 use crate::restore::{Checkpoint, DeviceRing, Discard, ReadSink, for_pieces};
 use crate::tensor::{AlignedBytes, DeviceSlice, LoadedTensor};
-
-/// What a read from the bucket did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RemoteLoad {
-    /// Step read.
-    pub step: u64,
-    /// Bytes read (header and data).
-    pub bytes: u64,
-    /// Time taken.
-    pub elapsed: Duration,
-    /// Data bytes sent to the device through registered staging buffers (loads into
-    /// device memory; 0 for loads into host memory).
-    pub staged: u64,
-    /// Registered staging memory the load held (its two buffers; 0 for loads into host
-    /// memory): with `concurrency` ranged GETs of `part_size` in flight, the most host
-    /// memory a device load holds for data, never a copy of the whole object.
-    pub staging: u64,
-}
+use crate::tier::RemoteLoad;
 
 /// Fills one owned buffer per tensor.
 struct Owned {
