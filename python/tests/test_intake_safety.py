@@ -31,7 +31,7 @@ def bits(t):
 
 @pytest.fixture
 def engine(root):
-    e = _shmckpt.Engine(str(root), staging_capacity=SMALL, chunk_size=1 << 20)
+    e = _shmckpt.Engine(str(root), dict(staging_capacity=SMALL, chunk_size=1 << 20))
     yield e
     e.close()
 
@@ -234,7 +234,7 @@ def test_a_non_blocking_save_keeps_the_memory_when_everything_else_is_dropped(pr
     n = 48 << 20
     expect = None
     with tempfile.TemporaryDirectory() as d:
-        e = _shmckpt.Engine(d, staging_capacity=64 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1)
+        e = _shmckpt.Engine(d, dict(staging_capacity=64 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1))
         try:
             for step in range(3):
                 if producer == "torch":
@@ -305,7 +305,7 @@ def test_a_dropped_non_blocking_device_save_keeps_its_memory(root):
     """A non-blocking save of CUDA memory whose handle and tensor are dropped at once: the
     handle's release thread keeps the tensor until staged; the bytes are exact."""
     n = 64 << 20
-    e = _shmckpt.Engine(str(root), staging_capacity=96 << 20, chunk_size=1 << 20)
+    e = _shmckpt.Engine(str(root), dict(staging_capacity=96 << 20, chunk_size=1 << 20))
     try:
         for step in range(3):
             t = torch.full((n,), step + 1, dtype=torch.uint8, device="cuda")
