@@ -29,8 +29,8 @@ Anything else (a DTensor or another tensor subclass, an array subclass, a value 
 type, nesting of :data:`~shmckpt._state.MAX_DEPTH` levels) makes a state uncacheable: it is
 flattened at every save, which raises what it raises. A metadata read that raises (e.g. the
 strides of a sparse tensor) is a miss, never an error of its own. Tensor bytes are never
-cached: the engine reads every tensor's bytes at every save, from the addresses compared
-above. What flattening and capturing read is cached only once checked against the probe
+cached: the engine reads every tensor's bytes at every save, from the tensors compared
+above (a DLPack capsule of each, made at the call). What flattening and capturing read is cached only once checked against the probe
 taken before (:meth:`Layout.of`, :func:`fits`; the skeleton node for node, plain values
 included): everything cached is then what the probe's key gives, even when another thread
 changed the state during the save and back. The plain values of a hit are the probe's, read
@@ -178,17 +178,33 @@ def probe(state: Any) -> Optional[Probe]:
 
 
 class Plan:
-    """The engine tuples of one save mode: ``entries`` (one per stored leaf), ``redo``
-    (``(entry index, leaf index)`` of the leaves captured anew at every save: copies,
-    arrays), ``devices`` (the CUDA ordinals of the tensors)."""
+    """The engine tuples of one save mode: ``entries`` (one per stored leaf, holding no
+    memory: :func:`templates`), ``redo`` (``(entry index, leaf index)`` of the leaves
+    captured anew at every save: copies, arrays), ``devices`` (the CUDA ordinals of the
+    tensors), ``own`` (``(entry index, leaf index)`` of the leaves staged from their own
+    memory: each entry gets its leaf as the memory at every save)."""
 
-    __slots__ = ("key", "entries", "redo", "devices")
+    __slots__ = ("key", "entries", "redo", "devices", "own")
 
-    def __init__(self, key: Any, entries: List[Any], redo: List[Tuple[int, int]], devices: List[int]):
+    def __init__(
+        self,
+        key: Any,
+        entries: List[Any],
+        redo: List[Tuple[int, int]],
+        devices: List[int],
+        own: List[Tuple[int, int]],
+    ):
         self.key = key
         self.entries = entries
         self.redo = redo
         self.devices = devices
+        self.own = own
+
+
+def templates(entries: Sequence[Any]) -> List[Any]:
+    """Engine tuples without their memory (``None``): what a plan keeps (no tensor kept
+    alive by the cache)."""
+    return [(e[0], e[1], e[2], None, e[4], e[5]) for e in entries]
 
 
 class Layout:
@@ -409,10 +425,10 @@ def fits(
 ) -> bool:
     """Whether each engine tuple ``entries[e]`` that ``save`` took from the own memory of
     leaf ``i`` (``own``: ``(e, i)``) is what probe ``p``'s metadata gives that tensor: a
-    contiguous tensor, not a lazy view, of that shape, address, length and device (an empty
-    one: no address, host), and ``devices`` the CUDA ordinals of layout ``lay``'s stored
-    tensors. A tuple captured from other metadata (the state changed during the save and
-    back) is never cached: a plan's addresses are always the compared ones."""
+    contiguous tensor, not a lazy view, of that shape, length and device, its memory the
+    leaf's (an empty one: no memory, host), and ``devices`` the CUDA ordinals of layout
+    ``lay``'s stored tensors. A tuple captured from other metadata (the state changed during
+    the save and back) is never cached: a plan's tuples are always the compared ones."""
     assert p.sig is not None
     meta, strides, _, ptrs, conj, neg, _, _ = p.sig
     pos = None if p.tensor_pos is None else {i: j for j, i in enumerate(p.tensor_pos)}
@@ -433,8 +449,11 @@ def fits(
         if n and (conj[j] or neg[j] or not _contiguous(shape, strides[j])):
             return False
         dev = -1 if not nbytes or device.type == "cpu" else device.index
-        want = (list(shape), ptrs[j] if nbytes else 0, nbytes, dev)
-        if tuple(entries[e][2:]) != want:
+        en = entries[e]
+        if (en[2], en[4], en[5]) != (list(shape), nbytes, dev):
+            return False
+        mem = en[3]
+        if nbytes and (mem is None or mem.data_ptr() != ptrs[j]):
             return False
     return True
 

@@ -1,8 +1,11 @@
 """Type stub of the compiled extension ``shmckpt._shmckpt`` (bytes-level engine calls).
 
-Tensors are passed as ``(name, dtype, shape, address, nbytes, device)`` with ``device`` -1
-for host memory, else the CUDA ordinal. The caller keeps that memory alive (and, for
-non-blocking saves, unmodified) as documented on each method; use
+Tensors are passed as ``(name, dtype, shape, memory, nbytes, device)``: ``memory`` a DLPack
+capsule of the tensor's contiguous bytes (``torch.utils.dlpack.to_dlpack(t)``, a numpy
+array's ``__dlpack__()``; ``None`` when ``nbytes`` is 0), ``device`` -1 for host memory,
+else the CUDA ordinal. No call takes an address: the extension consumes each capsule and
+keeps its tensor's memory allocated for as long as it uses it. The caller keeps the memory
+unmodified (for non-blocking saves, until staged) as documented on each method; use
 ``shmckpt.Checkpointer``, which does.
 """
 
@@ -21,7 +24,7 @@ __all__ = [
     "SaveHandle",
     "__version__",
     "assemble_ranks",
-    "crc32c_at",
+    "crc32c_of",
     "dtypes",
     "export_hf",
     "export_names",
@@ -62,15 +65,19 @@ __all__ = [
     "unlink_name",
 ]
 
-# (name, dtype, shape, address, nbytes, device): a type of this stub, not a runtime name.
-TensorTuple: TypeAlias = Tuple[str, str, Sequence[int], int, int, int]
+# (name, dtype, shape, DLPack capsule or None, nbytes, device): a type of this stub, not a
+# runtime name.
+TensorTuple: TypeAlias = Tuple[str, str, Sequence[int], Any, int, int]
 __version__: str
 
 def dtypes() -> List[str]: ...
 def replica_divergence(
     ranks: Sequence[Sequence[Tuple[str, str, Sequence[int], int]]],
 ) -> List[Tuple[str, List[int], List[int], Optional[int]]]: ...
-def crc32c_at(address: int, nbytes: int, crc: int = 0) -> int: ...
+def crc32c_of(data: Any, crc: int = 0) -> int:
+    """CRC-32C of the host memory of DLPack capsule ``data`` (``None``: no bytes),
+    continuing from ``crc``."""
+    ...
 
 @final
 class Buffer:
@@ -294,16 +301,17 @@ def read_rank_file(
     *,
     direct_io: bool = True,
     queue_depth: int = 4,
-    device: Optional[Sequence[Tuple[str, int, int, int]]] = None,
-    host: Optional[Sequence[Tuple[str, int, int]]] = None,
+    device: Optional[Sequence[Tuple[str, Any, int]]] = None,
+    host: Optional[Sequence[Tuple[str, Any]]] = None,
     step: Optional[int] = None,
 ) -> Tuple[str, Dict[str, str], List[Tuple[str, str, List[int], int, int, int, Optional[Buffer]]]]:
     """Read ``rank``'s file of the committed step directory ``dir`` once (used by
     ``shmckpt.dcp.ShmckptReader``): header checked against the manifest, every CRC-32C
-    verified. ``device`` lists ``(tensor name, device pointer, nbytes, device)`` and
-    ``host`` ``(tensor name, address, nbytes)``: those tensors are copied into that memory
-    (exactly their size, through registered read buffers) as the file is read; the caller
-    keeps the memory alive and unused meanwhile. Returns ``(file name, metadata, [(name,
+    verified. ``device`` lists ``(tensor name, capsule, device)`` and ``host`` ``(tensor
+    name, capsule)``, each a DLPack capsule of a writable, contiguous CUDA tensor of that
+    device or host tensor: those tensors are copied into that memory (exactly their size,
+    through registered read buffers) as the file is read; the caller leaves the memory
+    unused meanwhile. Returns ``(file name, metadata, [(name,
     dtype, shape, crc32c, file offset, nbytes, Buffer or None)])`` in file order, ``None``
     for a tensor copied to a destination. ``step``: the step the caller knows ``dir``
     holds; a manifest of another step is ``CorruptError`` naming both."""
@@ -317,18 +325,18 @@ def read_rank_ranges(
     direct_io: bool = True,
     queue_depth: int = 4,
     gap: Optional[int] = None,
-    device: Optional[Sequence[Tuple[str, int, int, int]]] = None,
-    host: Optional[Sequence[Tuple[str, int, int, int]]] = None,
+    device: Optional[Sequence[Tuple[str, Any, int]]] = None,
+    host: Optional[Sequence[Tuple[str, Any, int]]] = None,
 ) -> Tuple[
     str, Dict[str, str], List[Tuple[str, str, List[int], int, int, int, Optional[Buffer]]], Dict[str, int]
 ]:
     """Read only the requested tensors of ``rank``'s file of the committed checkpoint
     directory ``dir`` (used by ``shmckpt.dcp.ShmckptReader``): ``names`` come back in
-    buffers of their own; ``host`` lists ``(tensor name, address, nbytes, begin)``: bytes
-    ``[begin, begin + nbytes)`` of the tensor are copied to that writable host memory;
-    ``device`` lists ``(tensor name, device pointer, nbytes, device)``: the whole tensor is
-    copied to that device memory (through registered read buffers). The caller keeps the
-    memory alive and unused meanwhile; ranges must not overlap. Each requested tensor is
+    buffers of their own; ``host`` lists ``(tensor name, capsule, begin)``: bytes ``[begin,
+    begin + nbytes)`` of the tensor are copied to the writable host memory of the DLPack
+    capsule (``nbytes`` its length); ``device`` lists ``(tensor name, capsule, device)``:
+    the whole tensor is copied to that CUDA tensor's memory (through registered read
+    buffers). The caller leaves the memory unused meanwhile; destinations must not overlap. Each requested tensor is
     read whole, once, its CRC-32C verified against the manifest (a sub-range cannot be
     verified alone); tensors at most ``gap`` bytes apart (``None``: 128 KiB) are read
     together. A tensor the file does not hold is a ``DestinationError``. Returns ``(file

@@ -44,15 +44,49 @@ def _storage_key(t: Any) -> Tuple[Any, int]:
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], int, int, int]:
-    """The engine tuple of a contiguous CPU tensor or array (the caller keeps ``t``)."""
+def _host_tuple(name: str, st_dtype: str, t: Any) -> Tuple[str, str, List[int], Any, int, int]:
+    """The engine tuple of a contiguous CPU tensor or array: ``t`` itself as the memory
+    (``None`` for no bytes; :func:`engine_tuples` makes it a DLPack capsule at the call)."""
     if isinstance(t, np.ndarray):
         nbytes = int(t.nbytes)
-        ptr = int(t.ctypes.data) if nbytes else 0
-        return (name, st_dtype, list(t.shape), ptr, nbytes, -1)
+        return (name, st_dtype, list(t.shape), t if nbytes else None, nbytes, -1)
     nbytes = t.numel() * t.element_size()
-    ptr = int(t.data_ptr()) if nbytes else 0
-    return (name, st_dtype, list(t.shape), ptr, nbytes, -1)
+    return (name, st_dtype, list(t.shape), t if nbytes else None, nbytes, -1)
+
+
+#: ``torch.utils.dlpack.to_dlpack``: a DLPack capsule of a tensor (no stream ordering: the
+#: engine orders its device copies itself, after the streams and events it is given).
+_to_dlpack: Any = torch.utils.dlpack.to_dlpack if torch is not None else None
+
+
+def _array_capsule(a: Any) -> Any:
+    """A DLPack capsule of the bytes of C-contiguous array ``a`` (a flat ``uint8`` view, so
+    that every dtype exports): DLPack 1.x (read-only marked as such) where numpy has it; a
+    read-only array on an older numpy is copied (only read)."""
+    b = a.reshape(-1).view(np.uint8)
+    try:
+        return b.__dlpack__(max_version=(1, 0))
+    except TypeError:  # numpy < 2.1: DLPack 0.x, which cannot say read-only
+        return (b if b.flags.writeable else b.copy()).__dlpack__()
+
+
+def capsule(x: Any) -> Any:
+    """A DLPack capsule of the memory of a contiguous tensor or C-contiguous array ``x``: how
+    the engine takes memory (never an address). A tensor whose dtype this torch cannot
+    export through DLPack is exported as its bytes (a ``uint8`` view)."""
+    if isinstance(x, np.ndarray):
+        return _array_capsule(x)
+    try:
+        return _to_dlpack(x)
+    except (RuntimeError, BufferError, TypeError):
+        return _to_dlpack(x.detach().reshape(-1).view(torch.uint8))
+
+
+def engine_tuples(entries: List[Any]) -> List[Any]:
+    """``entries`` (engine tuples holding each tensor or array, or ``None``, as the memory)
+    with each memory made a DLPack capsule, for one ``Engine.save`` call (a capsule is
+    consumed by the call that takes it: a retry makes new ones)."""
+    return [(n, d, s, None if m is None else capsule(m), b, dev) for n, d, s, m, b, dev in entries]
 
 
 def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:
@@ -97,12 +131,9 @@ def _open_untrusted(path: str) -> Any:
 
 
 def byte_view(x: Any) -> Any:
-    """The memory of a C-contiguous destination ``x`` as a flat ``uint8`` array sharing it,
-    for the engine's ``load_into*`` (which read the memory from the object's
-    ``__array_interface__``, or ``__cuda_array_interface__`` on a CUDA device, and check it:
-    writable, contiguous, the right length): a numpy array or CPU tensor gives a numpy
-    view, a CUDA tensor a CUDA ``uint8`` tensor. Raises ``ValueError`` for a
-    non-contiguous one."""
+    """The memory of a C-contiguous destination ``x`` as a flat ``uint8`` array sharing it:
+    a numpy array or CPU tensor gives a numpy view, a CUDA tensor a CUDA ``uint8`` tensor.
+    Raises ``ValueError`` for a non-contiguous one."""
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             raise ValueError("a load destination must be C-contiguous")
@@ -112,3 +143,15 @@ def byte_view(x: Any) -> Any:
         raise ValueError("a load destination must be contiguous")
     flat = d.reshape(-1).view(torch.uint8)
     return flat if flat.device.type == "cuda" else flat.numpy()
+
+
+def dest_capsule(x: Any) -> Any:
+    """A DLPack capsule of the memory of load destination ``x`` (:func:`byte_view`), for the
+    engine's ``load_into*`` and the DCP reads, which check it (writable, contiguous, the
+    right device and length). Raises ``ValueError`` for a non-contiguous or read-only one."""
+    v = byte_view(x)
+    if isinstance(v, np.ndarray):
+        if not v.flags.writeable:
+            raise ValueError("a load destination must be writable")
+        return v.__dlpack__()
+    return _to_dlpack(v)

@@ -102,12 +102,13 @@ def rank_entry(ck: "Checkpointer", step: int) -> Dict[str, Any]:
 
 
 def read_into_device(ck: "Checkpointer", step: int, dest: Sequence[Tuple[str, Any, int]]) -> None:
-    """Read ``step`` from the bucket into device arrays ``(name, array, device)`` (each a
-    flat ``uint8`` CUDA tensor, :func:`shmckpt._util.byte_view`; every tensor of this rank's file, each exactly its size): ranged GETs in
+    """Read ``step`` from the bucket into device tensors ``(name, tensor, device)`` (each
+    contiguous, handed over as a DLPack capsule, :func:`shmckpt._util.dest_capsule`; every
+    tensor of this rank's file, each exactly its size): ranged GETs in
     parallel, each body copied into the engine's CUDA-registered staging buffers and sent
     to the device from there (no host copy of the file), every CRC-32C verified. The
     caller synchronized the destinations' streams."""
-    ck.engine.load_into_device_remote(step, list(dest))
+    ck.engine.load_into_device_remote(step, [(n, _util.dest_capsule(x), d) for n, x, d in dest])
 
 
 def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, Any], Optional[Any], Dict[str, Any]]:
@@ -126,7 +127,7 @@ def load_to_device(ck: "Checkpointer", step: int, dev: Any) -> Tuple[Dict[str, A
         objs[t["name"]] = torch.empty(t["shape"], dtype=tdt, device=dev)
     # The memory may come from blocks freed by work still queued on this stream.
     torch.cuda.current_stream(dev).synchronize()
-    read_into_device(ck, step, [(n, _util.byte_view(x), dev.index) for n, x in objs.items()])
+    read_into_device(ck, step, [(n, x, dev.index) for n, x in objs.items()])
     return objs, tree, entry
 
 

@@ -1,5 +1,5 @@
 //! What the extension's modules hand to Python and check of what Python hands them: a
-//! loaded checkpoint's tuple, host and device destination ranges. In a file of their own
+//! loaded checkpoint's tuple, destinations that must not overlap. In a file of their own
 //! (as `util.rs`) so that the modules `lib.rs` imports do not import `lib.rs`.
 
 use std::collections::BTreeMap;
@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 
 use crate::buffer::PyBuffer;
 use crate::core;
+use crate::dlpack::Memory;
 
 /// A loaded checkpoint as `Engine.load` returns it.
 pub(crate) type Loaded = (
@@ -37,26 +38,13 @@ pub(crate) fn loaded(ck: shmckpt::Checkpoint) -> Loaded {
     )
 }
 
-/// Host destinations `(name, address, nbytes)`: none may overlap another
-/// ([`check_disjoint`]) or have a null address and bytes (`core::host_slices` makes slices
-/// of them).
-pub(crate) fn check_host_ranges(dest: &[(String, u64, usize)]) -> PyResult<()> {
-    check_disjoint(dest.iter().map(|(n, p, l)| (n.as_str(), *p, *l)))?;
-    if let Some((n, _, _)) = dest.iter().find(|(_, p, l)| *p == 0 && *l > 0) {
-        return Err(PyValueError::new_err(format!(
-            "destination {n:?} has a null address"
-        )));
-    }
-    Ok(())
-}
-
 /// Overlapping destinations would alias mutable memory: refuse them.
 pub(crate) fn check_disjoint<'a>(
-    ranges: impl Iterator<Item = (&'a str, u64, usize)>,
+    dest: impl Iterator<Item = (&'a str, &'a Memory)>,
 ) -> PyResult<()> {
-    let mut v: Vec<(u64, u64, &str)> = ranges
-        .filter(|(_, _, l)| *l > 0)
-        .map(|(n, p, l)| (p, p.saturating_add(l as u64), n))
+    let mut v: Vec<(u64, u64, &str)> = dest
+        .filter(|(_, m)| m.len() > 0)
+        .map(|(n, m)| (m.addr(), m.addr().saturating_add(m.len() as u64), n))
         .collect();
     v.sort_unstable();
     for w in v.windows(2) {

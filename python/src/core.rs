@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::dlpack::{Memory, Place};
 use shmckpt::cuda::{EventRef, StreamRef};
 use shmckpt::{
     Checkpoint, DeviceSlice, Dtype, Engine, EngineConfig, LoadInto, LoadReport, LoadRequest,
@@ -256,22 +257,14 @@ pub fn staging_capacity(engine: &Engine) -> u64 {
     engine.staging_capacity()
 }
 
-/// The device that a raw tensor's bytes are on: host memory or a CUDA ordinal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Place {
-    Host,
-    Cuda(i32),
-}
-
-/// One tensor as the Python side describes it: an address and a length, no ownership.
-#[derive(Debug, Clone)]
+/// One tensor of a save as the Python side hands it over: its memory taken from a DLPack
+/// capsule and owned (kept allocated) by this value, `None` for a tensor of no bytes.
+#[derive(Debug)]
 pub struct RawTensor {
     pub name: String,
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    pub ptr: u64,
-    pub len: usize,
-    pub place: Place,
+    pub mem: Option<Memory>,
 }
 
 /// What device copies are ordered after: a `CUstream` or a `CUevent` of a device.
@@ -281,31 +274,28 @@ pub enum After {
     Event { device: i32, event: u64 },
 }
 
-/// Build the crate's tensor list over raw memory.
+/// Build the crate's tensor list over the tensors' memory (kept allocated by `raw`, which
+/// the result borrows).
 ///
 /// # Safety
-/// Every host tensor's `ptr..ptr + len` must be readable host memory and every CUDA
-/// tensor's range device memory of its device, for as long as the returned tensors (and
-/// any save that receives them) use them.
+/// Nobody may write any tensor's memory while the returned tensors (and any save that
+/// receives them) read it.
 unsafe fn tensors(raw: &[RawTensor]) -> Vec<Tensor<'_>> {
     raw.iter()
-        .map(|t| match t.place {
-            Place::Host => {
-                let bytes: &[u8] = if t.len == 0 {
-                    &[]
-                } else {
-                    // SAFETY: the caller guarantees `ptr..ptr + len` is readable host memory
-                    // for the lifetime of the result; `len > 0` so `ptr` is not dangling.
-                    unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.len) }
-                };
-                Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), bytes)
-            }
-            Place::Cuda(device) => {
-                // SAFETY: the caller guarantees the range is device memory of `device` that
-                // stays allocated while it is used.
-                let slice = unsafe { DeviceSlice::new(t.ptr, t.len, device) };
-                Tensor::cuda(t.name.as_str(), t.dtype, t.shape.clone(), slice)
-            }
+        .map(|t| match &t.mem {
+            None => Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), &[]),
+            Some(m) => match m.place() {
+                Place::Host => {
+                    // SAFETY: forwarded from this function's contract (no writer meanwhile).
+                    let bytes = unsafe { m.host_bytes() };
+                    Tensor::host(t.name.as_str(), t.dtype, t.shape.clone(), bytes)
+                }
+                Place::Cuda(_) => {
+                    // SAFETY: forwarded from this function's contract (no writer meanwhile).
+                    let slice = unsafe { m.device_slice() }.expect("CUDA memory");
+                    Tensor::cuda(t.name.as_str(), t.dtype, t.shape.clone(), slice)
+                }
+            },
         })
         .collect()
 }
@@ -362,9 +352,10 @@ pub unsafe fn save(
 /// `SaveOptions::snapshot_on_request`; with `confirm`: `SaveOptions::confirm_commit`).
 ///
 /// # Safety
-/// As [`tensors`] and [`options`], and the memory must stay valid and unmodified until
-/// the returned handle reports the save staged (with `hold`, work queued afterwards on
-/// the `after` streams is ordered after the copies and may modify it).
+/// As [`tensors`] and [`options`], and `raw` (which keeps the memory allocated) must live,
+/// and the memory stay unmodified, until the returned handle reports the save staged
+/// (with `hold`, work queued afterwards on the `after` streams is ordered after the
+/// copies and may modify it).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn save_async(
     engine: &Engine,
@@ -424,14 +415,14 @@ pub fn load(engine: &Engine, step: Option<u64>, bucket: bool) -> Result<(Checkpo
     Ok((ck, served(&got.report)))
 }
 
-/// Load into host memory given as `(name, address, length)`, from every source.
+/// Load into host memory given as `(name, memory)`, from every source.
 ///
 /// # Safety
 /// As [`host_slices`], for the duration of the call.
 pub unsafe fn load_into_host(
     engine: &Engine,
     step: Option<u64>,
-    dest: &[(String, u64, usize)],
+    dest: &mut [(String, Memory)],
 ) -> Result<u64> {
     // SAFETY: forwarded from this function's contract.
     let mut slices = unsafe { host_slices(dest) };
@@ -439,48 +430,45 @@ pub unsafe fn load_into_host(
     Ok(got.report.step)
 }
 
-/// `(name, address, nbytes)` ranges as named byte slices (an empty one for `nbytes` 0,
-/// whatever its address).
+/// `(name, memory)` host destinations as named byte slices (an empty one for a CUDA
+/// memory or no bytes).
 ///
 /// # Safety
-/// Every range of non-zero length must be writable host memory at a non-null address,
-/// valid for the slices' lifetime `'m` (the caller picks it: the memory is not `dest`'s),
-/// not accessed by anyone else meanwhile, and no two ranges may overlap.
-pub unsafe fn host_slices<'m>(dest: &[(String, u64, usize)]) -> Vec<(&str, &'m mut [u8])> {
-    dest.iter()
-        .map(|(n, p, l)| {
-            let s: &mut [u8] = if *l == 0 {
-                &mut []
-            } else {
-                // SAFETY: the caller guarantees an exclusive, writable, non-overlapping range.
-                unsafe { std::slice::from_raw_parts_mut(*p as *mut u8, *l) }
-            };
+/// No one else may access the memory while the slices are used, and no two destinations
+/// may overlap.
+pub unsafe fn host_slices(dest: &mut [(String, Memory)]) -> Vec<(&str, &mut [u8])> {
+    dest.iter_mut()
+        .map(|(n, m)| {
+            // SAFETY: forwarded from this function's contract (exclusive, non-overlapping).
+            let s = unsafe { m.host_bytes_mut() };
             (n.as_str(), s)
         })
         .collect()
 }
 
-/// `(name, device pointer, length, device)` ranges as device slices.
+/// `(name, memory)` device destinations as device slices (host memory is left out: the
+/// callers checked every one is CUDA memory).
 ///
 /// # Safety
-/// Every range must be device memory of its device, valid for writes of its length and
-/// not accessed by anyone else while the slices are used.
-unsafe fn device_slices(dest: &[(String, u64, usize, i32)]) -> Vec<(&str, DeviceSlice<'_>)> {
+/// No one else may access the memory while the slices are used.
+unsafe fn device_slices(dest: &[(String, Memory)]) -> Vec<(&str, DeviceSlice<'_>)> {
     dest.iter()
-        // SAFETY: forwarded from this function's contract.
-        .map(|(n, p, l, d)| (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) }))
+        .filter_map(|(n, m)| {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { m.device_slice() }.map(|s| (n.as_str(), s))
+        })
         .collect()
 }
 
-/// Load into device memory given as `(name, device pointer, length, device)`.
+/// Load into device memory given as `(name, memory)`.
 ///
 /// # Safety
-/// As [`LoadInto::device_raw`]: every range device memory of its device, valid for writes
-/// and not accessed by anyone else during the call.
+/// As [`LoadInto::device_raw`]: the memory not accessed by anyone else during the call
+/// (that it is device memory of its device, allocated, is `Memory`'s guarantee).
 pub unsafe fn load_into_device(
     engine: &Engine,
     step: Option<u64>,
-    dest: &[(String, u64, usize, i32)],
+    dest: &[(String, Memory)],
     bucket: bool,
 ) -> Result<(u64, Served)> {
     // SAFETY: forwarded from this function's contract.
@@ -739,7 +727,7 @@ pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
 }
 
 /// Load this rank's tensors of a step of the engine's bucket into device memory given as
-/// `(name, device pointer, length, device)`, through the engine's registered device-read
+/// `(name, memory)`, through the engine's registered device-read
 /// buffers (no host copy of the object).
 ///
 /// # Safety
@@ -747,7 +735,7 @@ pub fn load_remote(engine: &Engine, step: Option<u64>) -> Result<Checkpoint> {
 pub unsafe fn load_into_device_remote(
     engine: &Engine,
     step: Option<u64>,
-    dest: &[(String, u64, usize, i32)],
+    dest: &[(String, Memory)],
 ) -> Result<shmckpt::remote::RemoteLoad> {
     // SAFETY: forwarded from this function's contract.
     let slices = unsafe { device_slices(dest) };

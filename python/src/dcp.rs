@@ -40,8 +40,10 @@ pub(crate) fn ring() -> shmckpt::Result<Arc<DeviceRing>> {
 
 /// Read the file of `rank` in the committed step directory `dir` once, verifying the
 /// header against the manifest and every tensor's CRC-32C. `device` lists `(tensor name,
-/// device pointer, nbytes, device)` and `host` `(tensor name, address, nbytes)`: those
-/// tensors are copied to that memory (exactly their size) as the file is read, the others
+/// capsule, device)` and `host` `(tensor name, capsule)`, each capsule a DLPack capsule of
+/// a writable, C-contiguous CUDA tensor of that device or CPU tensor (as
+/// `Engine.load_into_device` and `Engine.load_into` take them): those tensors are copied to
+/// that memory (exactly their size) as the file is read, the others
 /// come back in buffers of their own. Returns `(file name, metadata, [(name, dtype, shape,
 /// crc32c, file offset, nbytes, Buffer or None)])` in file order (CRC and offset as the
 /// manifest records them; `None` for a tensor copied to a destination). `step`: the step
@@ -57,8 +59,8 @@ fn read_rank_file(
     rank: u32,
     direct_io: bool,
     queue_depth: u32,
-    device: Option<Vec<(String, u64, usize, i32)>>,
-    host: Option<Vec<(String, u64, usize)>>,
+    device: Option<Vec<(String, Bound<'_, PyAny>, i32)>>,
+    host: Option<Vec<(String, Bound<'_, PyAny>)>>,
     step: Option<u64>,
 ) -> PyResult<(
     String,
@@ -75,33 +77,32 @@ fn read_rank_file(
         // knows the step passes it, checked against the manifest the read used (below).
         any_dir_name: true,
     };
-    let device = device.unwrap_or_default();
-    let host = host.unwrap_or_default();
-    crate::convert::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
-    crate::convert::check_host_ranges(&host)?;
-    let loaded = py
-        .detach(|| {
-            if device.is_empty() && host.is_empty() {
-                return shmckpt::restore::load_split_host(&dir, rank, &opts);
-            }
-            let ring = ring()?;
-            let slices: Vec<(&str, DeviceSlice<'_>)> = device
-                .iter()
-                .map(|(n, p, l, d)| {
-                    // SAFETY: the Python caller holds the destination tensors for the
-                    // whole call, synchronized their streams before it and does not use
-                    // them meanwhile; the ranges were checked not to overlap above.
-                    (n.as_str(), unsafe { DeviceSlice::new(*p, *l, *d) })
-                })
-                .collect();
-            // SAFETY: as for the device ranges: live host memory of the caller's tensors,
-            // each at a non-null address (checked above), not overlapping, used by nobody
-            // else until the call returns.
-            let mut bufs = unsafe { core::host_slices(&host) };
-            // SAFETY: as above, for every range in `slices`.
-            unsafe { ring.load_split(&dir, rank, &slices, &mut bufs, &opts) }
-        })
-        .map_err(|e| to_py(py, e))?;
+    // Each capsule's tensor, checked and owned (its memory allocated) until it drops.
+    let device = crate::intake::device_dest(&device.unwrap_or_default())?;
+    let mut host = crate::intake::host_dest(&host.unwrap_or_default())?;
+    let loaded = py.detach(|| {
+        if device.is_empty() && host.is_empty() {
+            return shmckpt::restore::load_split_host(&dir, rank, &opts);
+        }
+        let ring = ring()?;
+        let slices: Vec<(&str, DeviceSlice<'_>)> = device
+            .iter()
+            .filter_map(|(n, m)| {
+                // SAFETY: CUDA memory kept allocated by `device` (checked by
+                // `device_dest`: of its device, not overlapping another); the Python
+                // caller synchronized the tensors' streams before the call and does not
+                // use them meanwhile.
+                unsafe { m.device_slice() }.map(|s| (n.as_str(), s))
+            })
+            .collect();
+        // SAFETY: host memory kept allocated by `host` (checked by `host_dest`: writable,
+        // not overlapping another), used by nobody else until the call returns.
+        let mut bufs = unsafe { core::host_slices(&mut host) };
+        // SAFETY: as above, for every range in `slices`.
+        unsafe { ring.load_split(&dir, rank, &slices, &mut bufs, &opts) }
+    });
+    drop((device, host)); // (GIL held: a producer's deleter may take it)
+    let loaded = loaded.map_err(|e| to_py(py, e))?;
     if let Some(step) = step {
         // The manifest the bytes were read and verified against: no window between a check
         // and the read for a directory swapped meanwhile.

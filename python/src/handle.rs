@@ -24,6 +24,10 @@ pub(crate) struct PySaveHandle {
     pub(crate) remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
     /// Where its committed image is put when held for replication (`replica_hold`).
     pub(crate) held: std::sync::Arc<shmckpt::replica::HeldCell>,
+    /// The tensors of a save started with `blocking=False`: they own the memory the engine
+    /// reads (DLPack tensors), kept allocated until the save is staged ([`Self::release`];
+    /// a handle dropped before leaves them to a thread that waits for it, see `Drop`).
+    pub(crate) keep: Mutex<Option<Vec<core::RawTensor>>>,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -79,6 +83,51 @@ impl PySaveHandle {
             None => true,
         }
     }
+
+    /// Give the tensors' memory back to its producers once the save is staged (the engine
+    /// no longer reads it). Called with the GIL held (a producer's deleter may take it).
+    fn release(&self) {
+        if self.looks(core::is_staged) {
+            let kept = lock(&self.keep).take();
+            drop(kept);
+        }
+    }
+}
+
+impl Drop for PySaveHandle {
+    /// A save dropped before it is staged still reads its tensors: their memory is given
+    /// back by a thread that waits until it is staged (or, if no thread can be started,
+    /// never: leaked rather than freed under the engine's copies).
+    fn drop(&mut self) {
+        let kept = self
+            .keep
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let Some(kept) = kept else { return };
+        let watch = match self.inner.get_mut().unwrap_or_else(|p| p.into_inner()) {
+            Some(h) if !h.is_staged() => h.watch(),
+            _ => return drop(kept),
+        };
+        // Shared with the thread, so that a thread that cannot be started (its closure
+        // then dropped) does not free them: they are leaked instead.
+        let slot = std::sync::Arc::new(Mutex::new(Some(kept)));
+        let theirs = std::sync::Arc::clone(&slot);
+        let spawned = std::thread::Builder::new()
+            .name("shmckpt-release".into())
+            .spawn(move || {
+                while !watch.is_staged() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let kept = lock(&theirs).take();
+                drop(kept);
+            });
+        if spawned.is_err()
+            && let Some(kept) = lock(&slot).take()
+        {
+            std::mem::forget(kept);
+        }
+    }
 }
 
 /// Poll `ready` for at most one [`SLICE`], napping 20 µs at first, then up to 500 µs,
@@ -108,7 +157,11 @@ impl PySaveHandle {
 
     /// True once every byte is staged (or staging failed): the tensors are no longer read.
     fn is_staged(&self) -> bool {
-        self.looks(core::is_staged)
+        let staged = self.looks(core::is_staged);
+        if staged {
+            self.release();
+        }
+        staged
     }
 
     /// True once the save is committed or failed.
@@ -122,6 +175,7 @@ impl PySaveHandle {
         while !py.detach(|| poll_slice(|| self.looks(core::is_staged))) {
             py.check_signals()?;
         }
+        self.release();
         // Staged: `wait_staged` returns at once. No Python code runs under the lock (it
         // could switch threads to one that waits for the lock with the GIL held).
         let staged = lock(&self.inner).as_ref().map(core::wait_staged);
@@ -173,6 +227,7 @@ impl PySaveHandle {
     /// Returns the save report (a dict); raises the save's error. May be called again.
     fn wait(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         loop {
+            self.release();
             if let Some(r) = &*lock(&self.result) {
                 return match r {
                     Ok(d) => Ok(d.clone_ref(py)),

@@ -1,10 +1,12 @@
 //! `shmckpt._shmckpt`: the bytes-level Python extension over the Rust engine.
 //!
-//! Tensors arrive as `(name, dtype, shape, address, nbytes, device)` tuples; the Python
-//! package (`shmckpt/*.py`) owns the torch objects and keeps them alive and unmodified for
-//! as long as this module says. Every blocking call releases the GIL; waits run in short
-//! slices with `check_signals` between them, so Ctrl-C raises `KeyboardInterrupt` while
-//! the engine carries on (a save in flight still finishes or fails cleanly).
+//! Tensors arrive as `(name, dtype, shape, DLPack capsule, nbytes, device)` tuples, never
+//! as addresses (`dlpack.rs`): the extension owns each capsule's tensor, so its memory stays
+//! allocated for as long as the engine reads or writes it; the Python package
+//! (`shmckpt/*.py`) keeps the tensors unmodified for as long as this module says. Every
+//! blocking call releases the GIL; waits run in short slices with `check_signals` between
+//! them, so Ctrl-C raises `KeyboardInterrupt` while the engine carries on (a save in flight
+//! still finishes or fails cleanly).
 //!
 //! All calls into the `shmckpt` crate are in `core.rs`.
 
@@ -15,6 +17,7 @@ mod convert;
 mod core;
 mod dcp;
 mod divergence;
+mod dlpack;
 mod export;
 mod handle;
 mod held;
@@ -35,7 +38,8 @@ use shmckpt::Engine;
 
 use crate::buffer::PyBuffer;
 use crate::convert::loaded;
-use crate::core::{After, EngineOpts, Place, RawTensor};
+use crate::core::{After, EngineOpts, RawTensor};
+use crate::dlpack::{Memory, Place};
 use crate::handle::PySaveHandle;
 // Used through `crate::` by the other modules, which `lib.rs` (`PyEngine`) imports.
 use crate::util::{SLICE, lock, to_py};
@@ -122,34 +126,46 @@ impl PyEngine {
     }
 }
 
-type TensorTuple = (String, String, Vec<usize>, u64, usize, i32);
+type TensorTuple<'py> = (String, String, Vec<usize>, Bound<'py, PyAny>, usize, i32);
 
-/// The tensors of a save. A null address with bytes is refused (`core::tensors` makes
-/// slices of host ranges, and a null one would be undefined behaviour): the Python package
-/// never passes one (it refuses tensors with no data in memory), this is the last check.
-fn raw_tensors(list: Vec<TensorTuple>) -> PyResult<Vec<RawTensor>> {
+/// The tensors of a save: each tuple's memory taken from its DLPack capsule (`None` for a
+/// tensor of no bytes) and checked against the tuple's byte length and device (-1: host
+/// memory). An integer, or any object but a capsule, is a `TypeError`.
+fn raw_tensors(list: Vec<TensorTuple<'_>>) -> PyResult<Vec<RawTensor>> {
     list.into_iter()
-        .map(|(name, dtype, shape, ptr, len, device)| {
+        .map(|(name, dtype, shape, obj, len, device)| {
             let dt = core::dtype(&dtype).ok_or_else(|| {
                 PyValueError::new_err(format!("tensor {name:?}: unknown dtype {dtype:?}"))
             })?;
-            if ptr == 0 && len > 0 {
-                return Err(PyValueError::new_err(format!(
-                    "tensor {name:?} has a null address"
-                )));
-            }
-            let place = if device < 0 {
-                Place::Host
+            let mem = if obj.is_none() {
+                if len > 0 {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name:?}: {len} bytes and no memory (None)"
+                    )));
+                }
+                None
             } else {
-                Place::Cuda(device)
+                let m = Memory::take(&obj, || format!("tensor {name:?}"))?;
+                let place = if device < 0 {
+                    Place::Host
+                } else {
+                    Place::Cuda(device)
+                };
+                if m.len() != len || m.place() != place {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name:?}: the tuple says {len} bytes on {place:?}, its memory \
+                         is {} bytes on {:?}",
+                        m.len(),
+                        m.place()
+                    )));
+                }
+                Some(m)
             };
             Ok(RawTensor {
                 name,
                 dtype: dt,
                 shape,
-                ptr,
-                len,
-                place,
+                mem,
             })
         })
         .collect()
@@ -196,14 +212,16 @@ impl PyEngine {
         })
     }
 
-    /// Save `tensors` (tuples `(name, dtype, shape, address, nbytes, device)`, device -1
+    /// Save `tensors` (tuples `(name, dtype, shape, memory, nbytes, device)`: `memory` a
+    /// DLPack capsule of the tensor's contiguous bytes, `None` when `nbytes` is 0; device -1
     /// for host memory) as `step`, with string `metadata`. `after` lists
     /// `(device, "stream" | "event", handle)`: each device's copies start after that
     /// stream's queued work or that event.
     ///
     /// `blocking=True` returns once every byte is staged. `blocking=False` returns at
-    /// once: the caller must keep every tensor alive and unmodified, and every stream or
-    /// event alive, until the handle reports the save staged. `hold=True` (with
+    /// once: the handle keeps the capsules' tensors (so their memory) until the save is
+    /// staged; the caller must keep every tensor unmodified, and every stream or event
+    /// alive, until the handle reports the save staged. `hold=True` (with
     /// `blocking=False`) returns once every device copy is queued and the `"stream"`
     /// streams of `after` wait for them on the device: work queued there afterwards may
     /// modify the tensors. `snapshot=True` (with `blocking=False`, not `hold`): the save
@@ -220,7 +238,7 @@ impl PyEngine {
         &self,
         py: Python<'_>,
         step: u64,
-        tensors: Vec<TensorTuple>,
+        tensors: Vec<TensorTuple<'_>>,
         metadata: BTreeMap<String, String>,
         after: Vec<(i32, String, u64)>,
         blocking: bool,
@@ -242,18 +260,19 @@ impl PyEngine {
             let mut grown = false;
             loop {
                 let r = if blocking {
-                    // SAFETY: the Python caller (shmckpt.checkpointer) holds a reference to
-                    // every tensor and stream for the whole call, so each address range
-                    // stays allocated; it passes only contiguous ranges of the tensors'
-                    // storage.
+                    // SAFETY: `raw` owns every tensor's memory (DLPack) for the whole call;
+                    // the Python caller (shmckpt.checkpointer) holds every stream for the
+                    // call and does not write the tensors until it returns.
                     unsafe {
                         core::save(&engine, step, &raw, &metadata, &after, part_only, confirm)
                     }
                 } else {
-                    // SAFETY: the Python caller keeps the tensors (and streams/events) in
-                    // the returned handle until it reports staged, and orders every writer
-                    // of them after staging (guard), gives copies it owns, or (with `hold`)
-                    // passes only tensors whose writers run on the held streams.
+                    // SAFETY: `raw` goes into the returned handle, which keeps it until the
+                    // save is staged (also when dropped before: `PySaveHandle`'s `Drop`).
+                    // The Python caller keeps the streams/events until staged, and orders
+                    // every writer of the tensors after staging (guard), gives copies it
+                    // owns, or (with `hold`) passes only tensors whose writers run on the
+                    // held streams.
                     unsafe {
                         core::save_async(
                             &engine, step, &raw, &metadata, &after, hold, snapshot, confirm,
@@ -275,7 +294,15 @@ impl PyEngine {
             }
         });
         let h = res.map_err(|e| to_py(py, e))?;
+        // A blocking save is staged: its memory is given back here (GIL held).
+        let keep = if blocking {
+            drop(raw);
+            None
+        } else {
+            Some(raw)
+        };
         Ok(PySaveHandle {
+            keep: Mutex::new(keep),
             step,
             remote: core::remote_progress(&h),
             held: h.held_image(),
@@ -311,10 +338,10 @@ impl PyEngine {
         Ok(loaded(ck))
     }
 
-    /// Load into host memory: `dest` lists `(name, array)`, one per tensor of the
-    /// checkpoint, each array exposing `__array_interface__` (a numpy array; a CPU
-    /// tensor's `.numpy()` view), writable, C-contiguous, exactly the tensor's size, none
-    /// overlapping another. Returns the step.
+    /// Load into host memory: `dest` lists `(name, capsule)`, one per tensor of the
+    /// checkpoint, each a DLPack capsule (`torch.utils.dlpack.to_dlpack` of a CPU tensor, a
+    /// numpy array's `__dlpack__()`) of writable, C-contiguous host memory of exactly the
+    /// tensor's size, none overlapping another. Returns the step.
     #[pyo3(signature = (step, dest))]
     fn load_into(
         &self,
@@ -323,24 +350,25 @@ impl PyEngine {
         dest: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<u64> {
         let engine = self.get()?;
-        // Addresses read from each array's `__array_interface__` and checked; `dest`
-        // holds the arrays (so their memory) until this method returns.
-        let ranges = intake::host_ranges(&dest)?;
-        py.detach(|| {
-            // SAFETY: each range is the whole memory of a writable, C-contiguous array,
-            // held alive by `dest` for the call, non-null when not empty, none
-            // overlapping another (checked by `host_ranges`). Exclusive use during the
-            // call is the caller's contract, as for any numpy call that releases the GIL:
-            // the Python wrapper does not touch the destinations until this returns.
-            unsafe { core::load_into_host(&engine, step, &ranges) }
-        })
-        .map_err(|e| to_py(py, e))
+        // Each capsule's tensor, checked and owned (its memory allocated) until it drops.
+        let mut dest = intake::host_dest(&dest)?;
+        let r = py.detach(|| {
+            // SAFETY: each destination is the memory of a writable, C-contiguous host
+            // tensor, kept allocated by `dest`, none overlapping another (checked by
+            // `host_dest`). Exclusive use during the call is the caller's contract, as for
+            // any numpy call that releases the GIL: the Python wrapper does not touch the
+            // destinations until this returns.
+            unsafe { core::load_into_host(&engine, step, &mut dest) }
+        });
+        drop(dest); // (GIL held: a producer's deleter may take it)
+        r.map_err(|e| to_py(py, e))
     }
 
-    /// Load into device memory: `dest` lists `(name, array, device)`, each array exposing
-    /// `__cuda_array_interface__` (a CUDA tensor), writable, C-contiguous, exactly the
-    /// tensor's size, on CUDA device `device`. The caller makes sure no queued device
-    /// work uses the memory. Returns the step. `bucket` as for `load`.
+    /// Load into device memory: `dest` lists `(name, capsule, device)`, each a DLPack
+    /// capsule (`torch.utils.dlpack.to_dlpack` of a CUDA tensor) of writable,
+    /// C-contiguous memory of CUDA device `device`, exactly the tensor's size. The caller
+    /// makes sure no queued device work uses the memory. Returns the step. `bucket` as for
+    /// `load`.
     #[pyo3(signature = (step, dest, bucket=true))]
     fn load_into_device(
         &self,
@@ -350,17 +378,17 @@ impl PyEngine {
         bucket: bool,
     ) -> PyResult<u64> {
         let engine = self.get()?;
-        let ranges = intake::device_ranges(&dest)?;
-        let (step, served) = py
-            .detach(|| {
-                // SAFETY: each range is the whole memory of a writable, C-contiguous device
-                // array, held alive by `dest` for the call, none overlapping another
-                // (checked by `device_ranges`). Exclusive use during the call is the
-                // caller's contract: the Python wrapper synchronized the destinations'
-                // streams before the call and queues no work on them until it returns.
-                unsafe { core::load_into_device(&engine, step, &ranges, bucket) }
-            })
-            .map_err(|e| to_py(py, e))?;
+        let dest = intake::device_dest(&dest)?;
+        let r = py.detach(|| {
+            // SAFETY: each destination is the memory of a writable, C-contiguous CUDA
+            // tensor of its device, kept allocated by `dest`, none overlapping another
+            // (checked by `device_dest`). Exclusive use during the call is the caller's
+            // contract: the Python wrapper synchronized the destinations' streams before
+            // the call and queues no work on them until it returns.
+            unsafe { core::load_into_device(&engine, step, &dest, bucket) }
+        });
+        drop(dest);
+        let (step, served) = r.map_err(|e| to_py(py, e))?;
         *lock(&self.last_load) = Some(served);
         Ok(step)
     }

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
+use shmckpt::BackendKind;
 use shmckpt::restore::{RangeDest, RangeRequest, RangedOptions, ReadOptions};
-use shmckpt::{BackendKind, DeviceSlice};
 
 use crate::{PyBuffer, core, to_py};
 
@@ -25,9 +25,10 @@ type RangesRead = (
 
 /// Read only the tensors requested of the file of `rank` in the committed checkpoint
 /// directory `dir`: `names` come back in buffers of their own; `host` lists `(tensor name,
-/// address, nbytes, begin)`: bytes `[begin, begin + nbytes)` of the tensor go to that host
-/// memory; `device` lists `(tensor name, device pointer, nbytes, device)`: the whole tensor
-/// goes to that device memory (through the registered read ring). Each tensor is read
+/// capsule, begin)`: bytes `[begin, begin + nbytes)` of the tensor go to the host memory of
+/// the DLPack capsule (a writable, C-contiguous CPU tensor of `nbytes` bytes); `device`
+/// lists `(tensor name, capsule, device)`: the whole tensor goes to that CUDA tensor's
+/// memory (through the registered read ring). Each tensor is read
 /// whole, once, and its CRC-32C verified against the manifest; neighbouring tensors at
 /// most `gap` bytes apart (`None`: `shmckpt::restore::DEFAULT_GAP`, 128 KiB) are read
 /// together. Returns `(file name, metadata, [(name, dtype,
@@ -44,8 +45,8 @@ fn read_rank_ranges(
     direct_io: bool,
     queue_depth: u32,
     gap: Option<u64>,
-    device: Option<Vec<(String, u64, usize, i32)>>,
-    host: Option<Vec<(String, u64, usize, u64)>>,
+    device: Option<Vec<(String, Bound<'_, PyAny>, i32)>>,
+    host: Option<Vec<(String, Bound<'_, PyAny>, u64)>>,
 ) -> PyResult<RangesRead> {
     let opts = RangedOptions {
         read: ReadOptions {
@@ -59,31 +60,31 @@ fn read_rank_ranges(
         },
         gap: gap.unwrap_or(shmckpt::restore::DEFAULT_GAP),
     };
-    let device = device.unwrap_or_default();
+    // Each capsule's tensor, checked and owned (its memory allocated) until it drops.
+    let device = crate::intake::device_dest(&device.unwrap_or_default())?;
     let host = host.unwrap_or_default();
-    crate::convert::check_disjoint(device.iter().map(|(n, p, l, _)| (n.as_str(), *p, *l)))?;
-    let host_ranges: Vec<(String, u64, usize)> = host
-        .iter()
-        .map(|(n, p, l, _)| (n.clone(), *p, *l))
-        .collect();
-    crate::convert::check_host_ranges(&host_ranges)?;
+    let begins: Vec<u64> = host.iter().map(|(_, _, b)| *b).collect();
+    let host_objs: Vec<(String, Bound<'_, PyAny>)> =
+        host.into_iter().map(|(n, o, _)| (n, o)).collect();
+    let mut host_dest = crate::intake::host_dest(&host_objs)?;
     let loaded = py
         .detach(|| {
-            // SAFETY: the Python caller holds the destination tensors for the whole call
-            // and does not use them meanwhile; each host range is writable memory at a
-            // non-null address (checked above), and no two ranges overlap (checked above).
-            let mut bufs = unsafe { core::host_slices(&host_ranges) };
+            // SAFETY: host memory kept allocated by `host_dest` (checked by `host_dest`:
+            // writable, not overlapping another); the Python caller does not use the
+            // destination tensors until the call returns.
+            let mut bufs = unsafe { core::host_slices(&mut host_dest) };
             let mut requests: Vec<RangeRequest<'_>> = names
                 .iter()
                 .map(|n| RangeRequest::owned(n.as_str()))
                 .collect();
-            for ((name, buf), (_, _, len, begin)) in bufs.iter_mut().zip(&host) {
-                let end = begin
-                    .checked_add(*len as u64)
-                    .ok_or(shmckpt::Error::Destination {
-                        name: (*name).to_owned(),
-                        reason: "byte range overflows".into(),
-                    })?;
+            for ((name, buf), begin) in bufs.iter_mut().zip(&begins) {
+                let end =
+                    begin
+                        .checked_add(buf.len() as u64)
+                        .ok_or(shmckpt::Error::Destination {
+                            name: (*name).to_owned(),
+                            reason: "byte range overflows".into(),
+                        })?;
                 requests.push(RangeRequest {
                     name,
                     range: Some((*begin, end)),
@@ -93,16 +94,17 @@ fn read_rank_ranges(
             if device.is_empty() {
                 return shmckpt::restore::load_ranges(&dir, rank, &mut requests, &opts);
             }
-            for (n, p, l, d) in &device {
-                // SAFETY: the Python caller holds the destination tensors for the whole
-                // call, synchronized their streams before it and does not use them
-                // meanwhile; the ranges were checked not to overlap above.
-                let slice = unsafe { DeviceSlice::new(*p, *l, *d) };
-                requests.push(RangeRequest {
-                    name: n.as_str(),
-                    range: None,
-                    dest: RangeDest::Device(slice),
-                });
+            for (n, m) in &device {
+                // SAFETY: CUDA memory kept allocated by `device` (checked by `device_dest`:
+                // of its device, not overlapping another); the Python caller synchronized
+                // the tensors' streams before the call and does not use them meanwhile.
+                if let Some(slice) = unsafe { m.device_slice() } {
+                    requests.push(RangeRequest {
+                        name: n.as_str(),
+                        range: None,
+                        dest: RangeDest::Device(slice),
+                    });
+                }
             }
             let ring = crate::dcp::ring()?;
             // SAFETY: as above, for every device range.
@@ -119,8 +121,8 @@ fn read_rank_ranges(
     let asked: std::collections::BTreeSet<&str> = names
         .iter()
         .map(String::as_str)
-        .chain(host.iter().map(|(n, ..)| n.as_str()))
-        .chain(device.iter().map(|(n, ..)| n.as_str()))
+        .chain(host_dest.iter().map(|(n, _)| n.as_str()))
+        .chain(device.iter().map(|(n, _)| n.as_str()))
         .collect();
     let entry = loaded.entry;
     let mut tensors = Vec::with_capacity(asked.len());

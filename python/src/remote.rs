@@ -42,19 +42,18 @@ pub(crate) fn load_into_device_remote(
     dest: Vec<(String, Bound<'_, PyAny>, i32)>,
 ) -> PyResult<DeviceLoaded> {
     let engine = e.get()?;
-    // Pointers read from each object's `__cuda_array_interface__` and checked; `dest`
-    // holds the objects (so their memory) until this function returns.
-    let dest = crate::intake::device_ranges(&dest)?;
-    let got = py
-        .detach(|| {
-            // SAFETY: each range is the whole memory of a writable, C-contiguous device
-            // array exposing `__cuda_array_interface__`, held alive by the argument list
-            // for the call; the ranges do not overlap. Exclusive use during the call is
-            // the caller's contract (the Python wrapper synchronized the destinations'
-            // streams and queues no work on them until the call returns).
-            unsafe { core::load_into_device_remote(&engine, step, &dest) }
-        })
-        .map_err(|err| to_py(py, err))?;
+    // Each capsule's tensor, checked and owned (its memory allocated) until it drops.
+    let dest = crate::intake::device_dest(&dest)?;
+    let got = py.detach(|| {
+        // SAFETY: each destination is the memory of a writable, C-contiguous CUDA tensor of
+        // its device, kept allocated by `dest` for the call; none overlapping another.
+        // Exclusive use during the call is the caller's contract (the Python wrapper
+        // synchronized the destinations' streams and queues no work on them until the call
+        // returns).
+        unsafe { core::load_into_device_remote(&engine, step, &dest) }
+    });
+    drop(dest);
+    let got = got.map_err(|err| to_py(py, err))?;
     *lock(&e.last_load) = Some(("remote", None));
     let r = (
         got.step,

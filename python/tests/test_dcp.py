@@ -617,8 +617,8 @@ def test_a_part_only_save_commits_nothing_and_its_part_is_found(tmp_path):
     e = _shmckpt.Engine(str(root), dict(staging_capacity=1 << 20, chunk_size=1 << 20))
     try:
         with pytest.raises(errors.ConfigError, match="blocking"):
-            e.save(5, [("t", "I32", [1000], t.data_ptr(), t.numel() * 4, -1)], {}, [], False, part_only=True)
-        h = e.save(5, [("t", "I32", [1000], t.data_ptr(), t.numel() * 4, -1)], {}, [], True, part_only=True)
+            e.save(5, [("t", "I32", [1000], t.__dlpack__(), t.numel() * 4, -1)], {}, [], False, part_only=True)
+        h = e.save(5, [("t", "I32", [1000], t.__dlpack__(), t.numel() * 4, -1)], {}, [], True, part_only=True)
         rep = h.wait()
     finally:
         e.close()

@@ -95,7 +95,7 @@ def test_read_rank_ranges_reads_the_requested_bytes_only(tmp_path):
     a, b, c = names["a"], names["b"], names["c"]
     part = np.zeros(40, dtype=np.uint8)
     file, _meta, tensors, stats = _shmckpt.read_rank_ranges(
-        str(p), 0, [a], direct_io=False, gap=0, host=[(b, int(part.ctypes.data), 40, 400)]
+        str(p), 0, [a], direct_io=False, gap=0, host=[(b, part.__dlpack__(), 400)]
     )
     assert file == "rank-00000-of-00001.safetensors"
     # One tuple per requested tensor, in file order; a's bytes in a buffer of its own, b
@@ -114,11 +114,15 @@ def test_read_rank_ranges_refuses_bad_requests(tmp_path):
     with pytest.raises(errors.DestinationError, match="nope"):
         _shmckpt.read_rank_ranges(str(p), 0, [names["a"], "nope"])
     buf = np.zeros(64, dtype=np.uint8)
-    addr = int(buf.ctypes.data)
     with pytest.raises(ValueError, match="overlap"):
-        _shmckpt.read_rank_ranges(str(p), 0, [], host=[(names["a"], addr, 40, 0), (names["b"], addr + 8, 40, 0)])
+        _shmckpt.read_rank_ranges(
+            str(p), 0, [], host=[(names["a"], buf[:40].__dlpack__(), 0), (names["b"], buf[8:48].__dlpack__(), 0)]
+        )
     with pytest.raises(errors.DestinationError, match="outside the tensor"):
-        _shmckpt.read_rank_ranges(str(p), 0, [], host=[(names["c"], addr, 64, 1990)])
+        _shmckpt.read_rank_ranges(str(p), 0, [], host=[(names["c"], buf.__dlpack__(), 1990)])
+    # An address is no destination.
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
+        _shmckpt.read_rank_ranges(str(p), 0, [], host=[(names["c"], int(buf.ctypes.data), 0)])
     assert not buf.any()
 
 

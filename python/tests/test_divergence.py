@@ -164,8 +164,8 @@ def test_cli_verify_replicas_names_the_odd_rank(tmp_path):
         rng = np.full(16, r, dtype=np.uint8)
         keep += [w, rng]
         tensors = [
-            ("model.w", "F32", [64, 32], int(w.ctypes.data), w.nbytes, -1),
-            (f"rng.{r}", "U8", [16], int(rng.ctypes.data), rng.nbytes, -1),
+            ("model.w", "F32", [64, 32], w.__dlpack__(), w.nbytes, -1),
+            (f"rng.{r}", "U8", [16], rng.__dlpack__(), rng.nbytes, -1),
         ]
         handles.append(e.save(5, tensors, {}, [], True))
     for h in handles:
@@ -194,7 +194,7 @@ def test_cli_verify_replicas_names_the_odd_rank(tmp_path):
     path.write_bytes(bytes(data))
     good = t["crc32c"]
     a = np.frombuffer(bytes(data[b:e]), dtype=np.uint8)
-    t["crc32c"] = bad = _shmckpt.crc32c_at(int(a.ctypes.data), a.nbytes)
+    t["crc32c"] = bad = _shmckpt.crc32c_of(a.copy().__dlpack__())
     assert bad != good
     os.chmod(manifest_path, 0o644)
     manifest_path.write_text(json.dumps(manifest))

@@ -679,14 +679,16 @@ def test_cuda_lazy_views_through_the_dcp_writer(tmp_path):
             assert bits(on_disk[k]) == bits(e), (mode, k)
 
 
-def test_the_extension_refuses_a_null_address_with_bytes_in_a_save(ck, root):
-    """The last check under the package's own refusals: the extension makes byte slices of
-    host tensors, and a null address with bytes (what a freed tensor gave before) is
-    refused, not read."""
+def test_the_extension_refuses_an_address_or_no_memory_with_bytes_in_a_save(ck, root):
+    """The last check under the package's own refusals: the extension takes a tensor's
+    memory only as a DLPack capsule; an address (a null one included: what a freed tensor
+    gave before) is a TypeError and no memory with bytes a ValueError, nothing read."""
     before = listing(root)
     for dev in (-1, 0):
-        with pytest.raises(ValueError, match='tensor "w" has a null address'):
+        with pytest.raises(TypeError, match='tensor "w": expected a DLPack capsule'):
             ck._engine.save(1, [("w", "F32", [4], 0, 16, dev)], {}, [], True)
+        with pytest.raises(ValueError, match='tensor "w": 16 bytes and no memory'):
+            ck._engine.save(1, [("w", "F32", [4], None, 16, dev)], {}, [], True)
     assert listing(root) == before
-    ck._engine.save(1, [("w", "F32", [0], 0, 0, -1)], {}, [], True).wait()  # empty: fine
+    ck._engine.save(1, [("w", "F32", [0], None, 0, -1)], {}, [], True).wait()  # empty: fine
     assert ck.list() == [1]

@@ -295,7 +295,7 @@ def test_foreign_checkpoint_loads_flat(root):
 
     e = _shmckpt.Engine(str(root), dict(staging_capacity=SMALL, chunk_size=1 << 20))
     data = np.arange(6, dtype=np.float32)
-    e.save(4, [("w", "F32", [2, 3], data.ctypes.data, data.nbytes, -1)], {}, [], True).wait()
+    e.save(4, [("w", "F32", [2, 3], data.__dlpack__(), data.nbytes, -1)], {}, [], True).wait()
     e.close()
     with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c:
         back = c.load()
@@ -464,31 +464,32 @@ def test_a_fifo_in_place_of_the_rank_file_is_refused_without_blocking(ck, root):
         signal.signal(signal.SIGALRM, old)
 
 
-def test_host_destinations_with_a_null_address_or_overlapping_are_refused(ck, root):
-    """The extension makes byte slices of host destinations: a null address with bytes,
-    or two ranges sharing memory, is refused before anything is read, by the engine's
-    load_into and by the DCP reader's read_rank_file alike."""
+def test_host_destinations_that_overlap_or_are_addresses_are_refused(ck, root):
+    """The extension makes byte slices of host destinations: an address (an integer, a null
+    one included) is a TypeError, two capsules sharing memory a ValueError, before anything
+    is read, by the engine's load_into and by the DCP reader's read_rank_file alike."""
     from shmckpt import _shmckpt
 
     ck.save(1, {"w": torch.arange(4)}).wait()
     buf = torch.zeros(4, dtype=torch.int64)
-    p = buf.data_ptr()
+    u8 = buf.view(torch.uint8)
+    cap = torch.utils.dlpack.to_dlpack
     load = lambda dest: _shmckpt.read_rank_file(str(root / "step-1"), 0, host=dest)  # noqa: E731
-    with pytest.raises(ValueError, match='destination "w" has a null address'):
-        load([("w", 0, 32)])
+    for addr in (0, buf.data_ptr()):
+        with pytest.raises(TypeError, match='destination "w": expected a DLPack capsule'):
+            load([("w", addr)])
+        with pytest.raises(TypeError, match='destination "w": expected a DLPack capsule'):
+            ck._engine.load_into(1, [("w", addr)])
     with pytest.raises(ValueError, match="overlap in memory"):
-        load([("w", p, 32), ("v", p + 8, 8)])
-    # The engine's load_into takes arrays, their memory read from __array_interface__.
-    whole = buf.numpy().view(np.uint8)
-    with pytest.raises(ValueError, match='destination "w": a null address'):
-        ck._engine.load_into(1, [("w", _FakeArray(0, 32))])
+        load([("w", cap(u8)), ("v", cap(u8[8:16]))])
     with pytest.raises(ValueError, match="overlap in memory"):
-        ck._engine.load_into(1, [("w", whole), ("v", whole[8:16])])
+        ck._engine.load_into(1, [("w", cap(u8)), ("v", cap(u8[8:16]))])
     assert buf.tolist() == [0, 0, 0, 0]  # nothing was written
 
 
 class _FakeArray:
-    """An object exposing only ``__array_interface__``, as given."""
+    """An object exposing only ``__array_interface__``, as given: pure Python can name any
+    address this way, so the extension never reads one."""
 
     def __init__(self, address: int, nbytes: int, **extra: object) -> None:
         self.__array_interface__ = {
@@ -500,61 +501,66 @@ class _FakeArray:
         }
 
 
-def test_load_into_takes_checked_arrays_never_integers(ck):
-    """Host destinations of the engine's load_into are arrays, not addresses: an integer,
-    a read-only, a strided or a wrongly sized array is refused with a typed error before
-    any byte is written, and a good one is filled with the checkpoint's exact bytes."""
+def test_load_into_takes_checked_capsules_never_integers(ck):
+    """Host destinations of the engine's load_into are DLPack capsules, not addresses nor
+    objects describing one: an integer or an ``__array_interface__`` object is a TypeError;
+    a read-only, a strided or a wrongly sized array is refused with a typed error before any
+    byte is written, and a good one is filled with the checkpoint's exact bytes."""
     ck.save(1, {"w": torch.arange(4)}).wait()
     name = "w"
     dest = np.zeros(32, dtype=np.uint8)
-    with pytest.raises(ValueError, match="does not expose __array_interface__"):
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
         ck._engine.load_into(1, [(name, dest.ctypes.data)])
+    with pytest.raises(TypeError, match="expected a DLPack capsule.*not _FakeArray"):
+        ck._engine.load_into(1, [(name, _FakeArray(dest.ctypes.data, 1, shape=(2**40, 2**40)))])
+    with pytest.raises(TypeError, match="expected a DLPack capsule.*not ndarray"):
+        ck._engine.load_into(1, [(name, dest)])  # the array itself: its capsule is asked for
     ro = np.zeros(32, dtype=np.uint8)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        ck._engine.load_into(1, [(name, ro)])
+        ck._engine.load_into(1, [(name, ro.__dlpack__(max_version=(1, 0)))])
     strided = np.zeros(64, dtype=np.uint8)[::2]
     with pytest.raises(ValueError, match="not C-contiguous"):
-        ck._engine.load_into(1, [(name, strided)])
-    with pytest.raises(ValueError, match="overflows"):
-        ck._engine.load_into(1, [(name, _FakeArray(dest.ctypes.data, 1, shape=(2**40, 2**40)))])
-    with pytest.raises(ValueError, match="unknown typestr"):
-        ck._engine.load_into(1, [(name, _FakeArray(dest.ctypes.data, 32, typestr="|u0"))])
+        ck._engine.load_into(1, [(name, strided.__dlpack__())])
     short = np.zeros(31, dtype=np.uint8)
     with pytest.raises(shmckpt.DestinationError):
-        ck._engine.load_into(1, [(name, short)])
-    assert not short.any() and not dest.any()
+        ck._engine.load_into(1, [(name, short.__dlpack__())])
+    assert not short.any() and not dest.any() and not strided.any()
     # A 2-D int64 array of the tensor's size: its memory, checked, is the destination.
     two_d = np.zeros((2, 2), dtype=np.int64)
-    assert ck._engine.load_into(1, [(name, two_d)]) == 1
+    assert ck._engine.load_into(1, [(name, two_d.__dlpack__())]) == 1
     assert two_d.reshape(-1).tolist() == [0, 1, 2, 3]
 
 
 def test_device_destinations_are_checked_before_any_cuda_call(ck):
-    """Device destinations of load_into_device are objects exposing
-    __cuda_array_interface__: an integer, a read-only or strided one, or a negative device
-    ordinal is a ValueError raised by the extension before CUDA is touched (this runs
-    without a GPU)."""
+    """Device destinations of load_into_device are DLPack capsules of CUDA memory: an
+    integer or an object exposing __cuda_array_interface__ is a TypeError, host memory or a
+    negative device ordinal a ValueError, raised by the extension before CUDA is touched
+    (this runs without a GPU)."""
     ck.save(1, {"w": torch.arange(4)}).wait()
 
     class Cai:
-        def __init__(self, readonly: bool = False, strides: object = None) -> None:
+        def __init__(self) -> None:
             self.__cuda_array_interface__ = {
                 "version": 3,
-                "data": (1 << 40, readonly),
+                "data": (1 << 40, False),
                 "shape": (4,),
                 "typestr": "<i8",
-                "strides": strides,
+                "strides": None,
             }
 
-    for dest, match in [
-        ([("w", 1 << 40, 0)], "does not expose __cuda_array_interface__"),
-        ([("w", Cai(readonly=True), 0)], "read-only"),
-        ([("w", Cai(strides=(16,)), 0)], "not C-contiguous"),
-        ([("w", Cai(), -1)], "not a CUDA device"),
+    host = torch.zeros(4, dtype=torch.int64)
+    for dest, err, match in [
+        (lambda: [("w", 1 << 40, 0)], TypeError, "expected a DLPack capsule.*not int"),
+        (lambda: [("w", Cai(), 0)], TypeError, "expected a DLPack capsule.*not Cai"),
+        (lambda: [("w", torch.utils.dlpack.to_dlpack(host), 0)], ValueError, "not memory of CUDA device 0"),
+        (lambda: [("w", torch.utils.dlpack.to_dlpack(host), -1)], ValueError, "not a CUDA device"),
     ]:
-        with pytest.raises(ValueError, match=match):
-            ck._engine.load_into_device(1, dest)
+        with pytest.raises(err, match=match):
+            ck._engine.load_into_device(1, dest())
+        with pytest.raises(err, match=match):
+            ck._engine.load_into_device_remote(1, dest())
+    assert host.tolist() == [0, 0, 0, 0]
 
 
 def test_a_durable_save_keeps_no_descriptor_of_its_file(ck, root):

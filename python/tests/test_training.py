@@ -246,7 +246,7 @@ def test_gil_is_released_while_staging_and_waiting(root):
 
     e = _shmckpt.Engine(str(root), dict(staging_capacity=160 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1))
     w = torch.ones(32 << 20, dtype=torch.int32)  # 128 MiB
-    tensors = [("w", "I32", [w.numel()], w.data_ptr(), w.numel() * 4, -1)]
+    tensors = [("w", "I32", [w.numel()], w.__dlpack__(), w.numel() * 4, -1)]
     ticks = [0]
     stop = threading.Event()
 

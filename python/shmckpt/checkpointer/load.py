@@ -204,7 +204,7 @@ class Loader:
             torch.cuda.current_stream(dev).synchronize()
             self.shared.engine.load_into_device(
                 s,
-                [(n, _util.byte_view(x), dev.index) for n, x in objs.items()],
+                [(n, _util.dest_capsule(x), dev.index) for n, x in objs.items()],
                 bucket=source != "local",
             )
         return objs, tree, entry

@@ -227,15 +227,15 @@ class InPlaceLoad:
                 if d is not chosen:
                     copies.append((d, chosen))
         if cuda_dev is None:
-            # (The engine reads each array's memory from its `__array_interface__`.)
-            self.shared.engine.load_into(s, [(name, _util.byte_view(d)) for name, d in direct.items()])
+            # (The engine takes each destination's memory as a DLPack capsule.)
+            self.shared.engine.load_into(s, [(name, _util.dest_capsule(d)) for name, d in direct.items()])
         else:
-            device_dest = [(name, _util.byte_view(d), cuda_dev.index) for name, d in direct.items()]
+            device_dest = [(name, d, cuda_dev.index) for name, d in direct.items()]
             torch.cuda.current_stream(cuda_dev).synchronize()
             if remote:
                 _remote.read_into_device(self.shared, s, device_dest)
             else:
-                self.shared.engine.load_into_device(s, device_dest)
+                self.shared.engine.load_into_device(s, [(n, _util.dest_capsule(d), i) for n, d, i in device_dest])
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             for d, src in copies:
                 if isinstance(d, np.ndarray):

@@ -6,7 +6,7 @@ import concurrent.futures
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
-from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key
+from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key, engine_tuples
 from .base import Shared, _step_int
 from .guard import Guard
 from .handle import SaveHandle
@@ -127,8 +127,9 @@ class Saver:
             hold = not blocking and not guarded and (
                 lay.holdable if lay is not None else _layout.holdable(leaves or [])
             )
-            # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
-            # memory) and what keeps their memory alive.
+            # Engine tuples (name, dtype, shape, memory, nbytes, device; the memory a tensor
+            # or array, made a DLPack capsule at the call, None for no bytes; device -1 for
+            # host memory) and what keeps their memory alive.
             keep: List[Any] = []
             devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
             finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
@@ -137,10 +138,16 @@ class Saver:
             new_plan: Optional[_layout.Plan] = None
             if plan is not None and plan.key == key:
                 # Same layout, same mode: the tuples of the tensors staged from their own
-                # memory are those of the last save (their addresses were compared); the
-                # probe's storages keep that memory alive. Copies are made anew.
+                # memory are those of the last save (their metadata and addresses were
+                # compared), each given its tensor now (the plan keeps none); the probe's
+                # storages keep that memory alive. Copies are made anew.
                 assert lay is not None and probe is not None
                 entries = list(plan.entries)
+                objs = probe.objs
+                for e, i in plan.own:
+                    en = entries[e]
+                    if en[4]:
+                        entries[e] = (en[0], en[1], en[2], objs[i], en[4], en[5])
                 keep.append(probe.storages)
                 for d in plan.devices:
                     devices[d] = torch.cuda.current_stream(d)
@@ -168,7 +175,7 @@ class Saver:
                     entries.append(entry)
                     keep.append(k)
                 if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
-                    new_plan = _layout.Plan(key, list(entries), redo, sorted(devices))
+                    new_plan = _layout.Plan(key, _layout.templates(entries), redo, sorted(devices), own)
             del leaves
             # What this save flattened and captured read the state after its probe (another
             # thread may have changed it meanwhile): Layout.of and _layout.fits keep only
@@ -203,14 +210,14 @@ class Saver:
                     s.synchronize()  # this stream only, not the device
                 finish_host_copies()
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self.shared.engine.save(step, entries, meta, after, True, confirm=confirm)
+            h = self.shared.engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
         elif hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
             after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
-            h = self.shared.engine.save(step, entries, meta, after, False, True, confirm=confirm)
+            h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, True, confirm=confirm)
             handle._set_rust(h)
             self.shared.track(handle)
             return handle
@@ -227,7 +234,7 @@ class Saver:
             after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
             if not finishes:
                 handle._snapshot = snap and bool(devices)
-                h = self.shared.engine.save(step, entries, meta, after, False, False, handle._snapshot, confirm=confirm)
+                h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm)
                 handle._set_rust(h)
                 self.shared.track(handle)
                 return handle
@@ -238,7 +245,7 @@ class Saver:
                 for ev in events.values():
                     ev.synchronize()
                 finish_host_copies()
-                return self.shared.engine.save(step, entries, meta, after, False, confirm=confirm)
+                return self.shared.engine.save(step, engine_tuples(entries), meta, after, False, confirm=confirm)
 
             if self.submitter is None:
                 self.submitter = concurrent.futures.ThreadPoolExecutor(
@@ -251,7 +258,7 @@ class Saver:
 
 def _capture(
     lf: _state.Leaf, blocking: bool, is_guarded: bool, hold: bool, devices: Dict[int, Any]
-) -> Tuple[Tuple[str, str, List[int], int, int, int], Any, Any, bool]:
+) -> Tuple[Tuple[str, str, List[int], Any, int, int], Any, Any, bool]:
     """How ``save`` hands leaf ``lf`` (not an alias) to the engine: its engine tuple, what
     keeps the tuple's memory alive, the ``finish`` of a pinned host copy still in flight
     (else None), and whether the tuple addresses the leaf's own memory (then it is the same
@@ -286,16 +293,16 @@ def _capture(
             elif not t.is_contiguous():
                 t, own = t.contiguous(), False
         nbytes = t.numel() * t.element_size()
-        return (lf.name, lf.dtype, list(t.shape), t.data_ptr() if nbytes else 0, nbytes, -1), t, None, own
+        return (lf.name, lf.dtype, list(t.shape), t if nbytes else None, nbytes, -1), t, None, own
     t = x.detach()
     dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if dev not in devices:
         devices[dev] = torch.cuda.current_stream(dev)
     if t.numel() == 0:
-        return (lf.name, lf.dtype, list(t.shape), 0, 0, -1), t, None, True
+        return (lf.name, lf.dtype, list(t.shape), None, 0, -1), t, None, True
     if t.is_contiguous() and (blocking or is_guarded or hold) and not lf.lazy:
         nbytes = t.numel() * t.element_size()
-        return (lf.name, lf.dtype, list(t.shape), int(t.data_ptr()), nbytes, dev), t, None, True
+        return (lf.name, lf.dtype, list(t.shape), t, nbytes, dev), t, None, True
     with torch.cuda.device(dev):
         pinned, finish = _cuda_span_copy(t)
-    return (lf.name, lf.dtype, list(t.shape), 0, 0, -1), [t, pinned], finish, False
+    return (lf.name, lf.dtype, list(t.shape), None, 0, -1), [t, pinned], finish, False

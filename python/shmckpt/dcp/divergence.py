@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .. import _shmckpt, _state
+from .. import _shmckpt, _state, _util
 from .._divergence import OnDivergence, ReplicaCheck
 from ..errors import CommitRefused, ReplicaDivergence
 from .items import _key, _offsets_of, _Save
@@ -70,7 +70,7 @@ def tensor_digest(name: str, t: torch.Tensor) -> Optional[Digest]:
         h = _state.resolved(h)
     h = h.contiguous()
     nbytes = h.numel() * h.element_size()
-    crc = _shmckpt.crc32c_at(int(h.data_ptr()) if nbytes else 0, nbytes)
+    crc = _shmckpt.crc32c_of(_util.capsule(h) if nbytes else None)
     return (name, st, list(h.shape), int(crc))
 
 

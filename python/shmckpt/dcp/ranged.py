@@ -11,9 +11,9 @@ into it; the others come back in buffers of their own.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .. import _shmckpt
+from .. import _shmckpt, _util
 from ..errors import CorruptError, DestinationError
 
 #: ``(name, dtype, shape, crc32c, file offset, nbytes, Buffer or None)``, as
@@ -25,17 +25,17 @@ def read_plan_items(
     path: str,
     rank: int,
     tensors: Iterable[str],
-    device: Sequence[Tuple[str, int, int, int]],
-    host: Sequence[Tuple[str, int, int]],
+    device: Sequence[Tuple[str, Any, int]],
+    host: Sequence[Tuple[str, Any]],
     *,
     direct_io: bool = True,
     totals: Optional[Dict[str, int]] = None,
 ) -> Tuple[str, List[ReadTensor]]:
     """Read the tensors ``tensors`` (names; repeats allowed) of ``rank``'s file of the DCP
-    checkpoint directory ``path`` and nothing else. ``device`` lists ``(name, device
-    pointer, nbytes, device)`` and ``host`` ``(name, address, nbytes)``: those whole tensors
-    are copied into that memory as the file is read (the caller keeps it alive and unused
-    meanwhile); every other tensor named comes back in a buffer of its own. Returns
+    checkpoint directory ``path`` and nothing else. ``device`` lists ``(name, CUDA tensor,
+    device)`` and ``host`` ``(name, CPU tensor or array)``, each contiguous (handed over as
+    DLPack capsules, :func:`shmckpt._util.dest_capsule`): those whole tensors are copied into
+    that memory as the file is read (the caller leaves it unused meanwhile); every other tensor named comes back in a buffer of its own. Returns
     ``(file name, [(name, dtype, shape, crc32c, file offset, nbytes, Buffer or None)])``,
     one tuple per tensor read, in file order. ``totals`` (when given) gets the bytes read
     and reads issued added to its ``"bytes"`` and ``"reads"``.
@@ -51,8 +51,8 @@ def read_plan_items(
             rank,
             own,
             direct_io=direct_io,
-            device=list(device) or None,
-            host=[(n, p, nb, 0) for n, p, nb in host] or None,
+            device=[(n, _util.dest_capsule(t), d) for n, t, d in device] or None,
+            host=[(n, _util.dest_capsule(t), 0) for n, t in host] or None,
         )
     except DestinationError as e:
         raise CorruptError(f"{path}: the DCP metadata disagrees with the manifest of rank {rank}'s file: {e}") from e

@@ -176,8 +176,8 @@ class ShmckptReader(StorageReader):
             # back in buffers of its own and is copied into place below.
             targets: Dict[int, torch.Tensor] = {}
             direct: Dict[str, Tuple[Any, torch.Tensor]] = {}
-            device: List[Tuple[str, int, int, int]] = []
-            host: List[Tuple[str, int, int]] = []
+            device: List[Tuple[str, torch.Tensor, int]] = []
+            host: List[Tuple[str, torch.Tensor]] = []
             for k, req in enumerate(reqs):
                 if req.type == LoadItemType.BYTE_IO:
                     continue
@@ -186,11 +186,10 @@ class ShmckptReader(StorageReader):
                 tname = self.storage_data[req.storage_index].tensor
                 if tname not in direct and self._direct(req, target):
                     direct[tname] = (req, target)
-                    nb = target.numel() * target.element_size()
                     if target.is_cuda:
-                        device.append((tname, int(target.data_ptr()), nb, target.device.index))
+                        device.append((tname, target, target.device.index))
                     else:
-                        host.append((tname, int(target.data_ptr()), nb))
+                        host.append((tname, target))
             if device:
                 for dev in {d for *_, d in device}:
                     torch.cuda.current_stream(dev).synchronize()  # queued work on the targets

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from ..config import Tuning
 from .. import _state
-from .._util import _cuda_span_copy, _gc_paused, _host_tuple
+from .._util import _cuda_span_copy, _gc_paused, _host_tuple, engine_tuples
 from ..errors import TooLarge
 from .engines import SESSION, DcpSession, _rank_world
 from .items import (
@@ -77,9 +77,10 @@ class StagingMixin:
         header's sharding entries and the file estimate (the caller's stall)."""
         names: Dict[str, MetadataIndex] = {}
         sharding: Dict[str, Any] = {}
-        # Engine tuples (name, dtype, shape, address, nbytes, device; device -1 for host
+        # Engine tuples (name, dtype, shape, memory, nbytes, device; the memory a tensor or
+        # array, made a DLPack capsule at each call, None for no bytes; device -1 for host
         # memory) and, at the same index, what keeps each one's memory alive.
-        tuples: List[Tuple[str, str, List[int], int, int, int]] = []
+        tuples: List[Tuple[str, str, List[int], Any, int, int]] = []
         keep: List[Any] = []
         streams: Dict[int, Any] = {}
         finishes: List[Tuple[int, Any]] = []  # (index in tuples, finish) for host copies
@@ -128,17 +129,17 @@ class StagingMixin:
                 if dev not in streams:
                     streams[dev] = torch.cuda.current_stream(dev)
                 if nbytes == 0:
-                    tuples.append((name, st, shape, 0, 0, -1))
+                    tuples.append((name, st, shape, None, 0, -1))
                     keep.append(t)
                 elif t.is_contiguous() and not lazy:
-                    tuples.append((name, st, shape, int(t.data_ptr()), nbytes, dev))
+                    tuples.append((name, st, shape, t, nbytes, dev))
                     keep.append(t)
                 else:
                     # A strided or lazy view: copy its storage span to pinned host memory
                     # (no device memory), then gather (and apply the bits) on the host.
                     with torch.cuda.device(dev):
                         pinned, fin = _cuda_span_copy(t)
-                    tuples.append((name, st, shape, 0, 0, -1))
+                    tuples.append((name, st, shape, None, 0, -1))
                     keep.append([t, pinned])
                     finishes.append((len(tuples) - 1, fin))
             else:
@@ -165,11 +166,11 @@ class StagingMixin:
         # check_replicas: the part is held until the replica check confirms it.
         confirm = self._check is not None
         try:
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
+            h = slot.engine.save(save.step, engine_tuples(tuples), meta, after, True, part_only=part_only, confirm=confirm)
         except TooLarge:
             # The header estimate was short: reopen with twice the room and retry once.
             slot = self._session.engine(save.spool, rank, world, 2 * need + (16 << 20), self._opts, self._role)
-            h = slot.engine.save(save.step, tuples, meta, after, True, part_only=part_only, confirm=confirm)
+            h = slot.engine.save(save.step, engine_tuples(tuples), meta, after, True, part_only=part_only, confirm=confirm)
         # save() returned: every byte is staged, `keep` (our references) may go.
         save.handle = h
         self.last_stage["engine"] = h.wait_staged()  # returns at once: staged already
