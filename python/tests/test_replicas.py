@@ -768,7 +768,8 @@ def test_refused_cadence_replication_settings(root):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         kw = dict(staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
-        with pytest.raises(shmckpt.ConfigError, match="replicate_every must be"):
+        # The flat keyword maps onto Replicas(every=...), which checks it.
+        with pytest.raises(shmckpt.ConfigError, match="Replicas.every must be at least 1, not 0"):
             shmckpt.Checkpointer(root, replicate_every=0, **kw)
         with pytest.raises(shmckpt.ConfigError, match="disk_every and replicate_every must be 1"):
             shmckpt.Checkpointer(root, disk_every=2, node_local_root=True, **kw)
