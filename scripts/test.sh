@@ -47,7 +47,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # The object-storage tests run against moto's S3 server (python/tests/test_remote.py,
-# tests/integration/remote.rs).
+# cli/tests/integration/remote.rs).
 if ! "$py" -c "import moto.server, boto3" 2>/dev/null; then
     echo "== installing moto[server] into $venv"
     "$py" -m pip install --quiet 'moto[server]'

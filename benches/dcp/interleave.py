@@ -1,7 +1,7 @@
 """DCP async_save through ShmckptWriter interleaved with native Checkpointer saves of the
 same GPU state (4 GiB in 600 fp32 tensors), printing each call's time and whether the
 writer's engine is reused: a diagnostic of the training benchmark's slow first DCP save
-per segment (docs/benchmarks-journal.md). One GPU:
+per segment (benches/JOURNAL.md). One GPU:
 
     python3 benches/dcp/interleave.py
 """

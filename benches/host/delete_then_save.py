@@ -7,7 +7,7 @@ default) four times, each durable before the next; after each save, per --mode: 
 blocking time (the stall). Found with benches/dcp/idle_stall.py: until 54acafb a save
 right after a deletion paid for it (the engine held the deleted file's last descriptor,
 and closing it in save() trimmed the freed blocks synchronously on a `discard` mount);
-kept as the check that it does not come back (docs/benchmarks-journal.md).
+kept as the check that it does not come back (benches/JOURNAL.md).
 
 python3 benches/host/delete_then_save.py --dir DIR [--gib 2] --mode delete
 """

@@ -4,8 +4,7 @@
 
 use crate::common;
 
-use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,12 +14,6 @@ use shmckpt::recover::{self, Owner, SlotOutcome, SlotState};
 use shmckpt::{BackendKind, Engine, Error, Metadata};
 
 pub(crate) const CS: u64 = 64 << 10;
-pub(crate) const ROOT_ENV: &str = "SHMCKPT_TEST_ROOT";
-pub(crate) const SHM_ENV: &str = "SHMCKPT_TEST_SHM";
-
-pub(crate) fn env_path(k: &str) -> PathBuf {
-    PathBuf::from(std::env::var(k).unwrap())
-}
 
 /// Poll `cond` every millisecond for at most `limit`; true if it became true.
 #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
@@ -41,26 +34,6 @@ pub(crate) fn slot_of(name: &str, step: u64) -> Option<recover::SlotInfo> {
     let info = recover::inspect_arena(name);
     let d = info.details.ok()?;
     d.slots.into_iter().find(|s| s.step == step)
-}
-
-pub(crate) fn assert_sigkilled(out: &Output) {
-    assert_eq!(
-        out.status.signal(),
-        Some(libc::SIGKILL),
-        "the child should have died by SIGKILL: {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-pub(crate) fn run_child(name: &str, root: &Path, shm: &str) {
-    let out = child_command(name)
-        .env(ROOT_ENV, root)
-        .env(SHM_ENV, shm)
-        .output()
-        .unwrap();
-    assert_sigkilled(&out);
 }
 
 /// Child: commit step 1, stage step 2, and die by SIGKILL as soon as `save` returned. With

@@ -5,7 +5,7 @@
 //! failure during recovery keeps the arena for a retry. (Moved out of `recovery.rs`.)
 
 use crate::common;
-use crate::recovery::{CS, ROOT_ENV, SHM_ENV, cli, env_path, run_child, text};
+use crate::recovery::{CS, cli, text};
 #[cfg(feature = "fault-injection")]
 use crate::recovery::{slot_of, wait_for};
 

@@ -12,7 +12,7 @@ fn device_tensor_without_driver_is_a_clear_error() {
     if cuda::driver_present() {
         common::skip(
             common::REQUIRE_NO_GPU,
-            "a CUDA driver is present; tests/gpu.rs covers this machine",
+            "a CUDA driver is present; cli/tests/gpu.rs covers this machine",
         );
         return;
     }
@@ -156,7 +156,7 @@ fn split_load_refuses_bad_device_destinations_before_any_device_call() {
     if cuda::driver_present() {
         common::skip(
             common::REQUIRE_NO_GPU,
-            "the driver check: a CUDA driver is present; tests/gpu.rs covers it",
+            "the driver check: a CUDA driver is present; cli/tests/gpu.rs covers it",
         );
         return;
     }

@@ -12,8 +12,6 @@ use shmckpt::{
     BackendKind, DiskCadence, Engine, EngineConfig, Error, LoadSource, Metadata, StepSel, Tiers,
 };
 
-use crate::recovery::{ROOT_ENV, SHM_ENV, env_path, run_child};
-
 const CS: u64 = 64 << 10;
 
 fn cadence_config(root: &Path, cadence: DiskCadence) -> EngineConfig {

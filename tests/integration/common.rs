@@ -140,6 +140,7 @@ pub const CHILD_ENV: &str = "SHMCKPT_TEST_CHILD";
 pub type Role = (&'static str, fn());
 
 /// Whether this process was started by [`child_command`] to run the role `name`.
+#[allow(dead_code)] // used by the command line's tests only (cli/tests/integration)
 pub fn is_child(name: &str) -> bool {
     std::env::var(CHILD_ENV).is_ok_and(|v| v == name)
 }
@@ -208,6 +209,7 @@ pub fn sigkill_self() -> ! {
 /// in it) a failure. `.ci/run` sets it.
 pub const REQUIRE_NS: &str = "SHMCKPT_REQUIRE_NS";
 /// Switch that makes not running as root a failure. `.ci/run` sets it when it runs as root.
+#[allow(dead_code)] // used by the command line's tests only (cli/tests/integration)
 pub const REQUIRE_ROOT: &str = "SHMCKPT_REQUIRE_ROOT";
 /// Switch that makes a missing ext4 image on a loop device (`mkfs.ext4`, `losetup`, loop
 /// devices) a failure. `.ci/run` sets it.
@@ -332,6 +334,7 @@ pub fn partial_dirs(root: &Path) -> Vec<String> {
 
 /// The exact safetensors file image the engine writes for `state` as `step` of rank 0 of 1
 /// with no user metadata: (bytes, data start).
+#[allow(dead_code)] // used by the command line's tests only (cli/tests/integration)
 pub fn file_image(step: u64, state: &State) -> (Vec<u8>, u64) {
     use shmckpt::testing::plan::{self, Plan, TensorSpec};
     let specs: Vec<TensorSpec> = state
@@ -471,4 +474,36 @@ pub fn load_into(
 ) -> shmckpt::Result<u64> {
     let got = engine.load_with(&req.into(), shmckpt::LoadInto::host(dest))?;
     Ok(got.report.step)
+}
+
+// -- Children killed by SIGKILL (the recovery and cadence tests) ----------------------------
+
+/// The child's root directory and arena name, passed through the environment.
+pub const ROOT_ENV: &str = "SHMCKPT_TEST_ROOT";
+pub const SHM_ENV: &str = "SHMCKPT_TEST_SHM";
+
+pub fn env_path(k: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(std::env::var(k).unwrap())
+}
+
+pub fn assert_sigkilled(out: &std::process::Output) {
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "the child should have died by SIGKILL: {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs test role `name` with the root and arena in its environment; it must die by SIGKILL.
+pub fn run_child(name: &str, root: &Path, shm: &str) {
+    let out = child_command(name)
+        .env(ROOT_ENV, root)
+        .env(SHM_ENV, shm)
+        .output()
+        .unwrap();
+    assert_sigkilled(&out);
 }
