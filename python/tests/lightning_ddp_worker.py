@@ -61,6 +61,12 @@ def main():
         for s, v in model.losses:
             f.write(f"{s} {v}\n")
         f.write(f"final {h.hexdigest()}\n")
+    # Gloo's worker threads must stop before the interpreter does: a process group left
+    # alive at exit can abort in its destructor ("terminate called without an active
+    # exception", pytorch/pytorch#190489), which failed CI once.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
