@@ -71,7 +71,10 @@ def bootstrap_mean_ci(xs, n=2000, seed=7):
     return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
 
 
-def run_config(tr, state, ck, step_ms, every, args, cuda):
+def run_config(tr, state, ck, step_ms, every, args, cuda, step_no):
+    """``step_no``: ``[last step saved]``, shared by the configurations: the checkpointer
+    and its root are the same for all of them, so step numbers keep increasing (the
+    second configuration restarted at 1 and would have hit steps kept on disk)."""
     from sweep import calibrate, time_steps
 
     if cuda:
@@ -83,7 +86,7 @@ def run_config(tr, state, ck, step_ms, every, args, cuda):
     snap = None if args.snapshot == "none" else args.snapshot
     log(f"config {step_ms} ms every {every}: batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
     rounds, stalls, disk_saves, saves = [], [], 0, 0
-    step_no = [0]
+    first_step = step_no[0] + 1
     t_end = now() + args.budget_s
 
     def segment(cond):
@@ -135,6 +138,7 @@ def run_config(tr, state, ck, step_ms, every, args, cuda):
         "stall_ms_p90": sorted(stalls)[int(0.9 * (len(stalls) - 1))] * 1e3 if stalls else None,
         "saves": saves,
         "disk_saves": disk_saves,
+        "steps": [first_step, step_no[0]],
     }
 
 
@@ -176,9 +180,10 @@ def main(argv=None):
             ck.prepare_cuda()
         ck.guard(tr.opt)
         ck.save(0, state).wait()  # warm-up: the arena sized, first-file costs
+        step_no = [0]
         for c in args.configs.split(","):
             step_ms, every = c.split(":")
-            res["configs"].append(run_config(tr, state, ck, float(step_ms), int(every), args, cuda))
+            res["configs"].append(run_config(tr, state, ck, float(step_ms), int(every), args, cuda, step_no))
             ck.flush()
     finally:
         ck.close()

@@ -44,4 +44,9 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
         # Every save was waited for (a tiered segment per round); the disk took some.
         assert c["saves"] == 2 * -(-4 // c["every"])
         assert 1 <= c["disk_saves"] <= c["saves"]
+    # One checkpointer for both configurations: step numbers go on (1 after the warm-up's
+    # 0), never restart into steps the root still holds.
+    a, b = (c["steps"] for c in res["configs"])
+    assert a == [1, a[0] + res["configs"][0]["saves"] - 1]
+    assert b == [a[1] + 1, a[1] + res["configs"][1]["saves"]]
     assert torch is not None
