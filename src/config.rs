@@ -307,8 +307,16 @@ impl EngineConfig {
     /// one is freed before `open` returns). Disk reads
     /// of `load_into` and `load_into_device` go through private buffers, so that they never
     /// overwrite the kept image. A save gives the kept image up when it starts; a crash
-    /// during a save leaves nothing to restore from memory (the disk still has the last
-    /// committed step).
+    /// during a disk save leaves nothing to restore from memory (the disk still has the
+    /// last committed step).
+    ///
+    /// With a disk cadence ([`EngineConfig::with_disk_cadence`]) the memory-only steps
+    /// live in this arena too: after a crash, recovery at open commits them from it and
+    /// makes the newest its kept image (its bytes are all there), so the next engine
+    /// serves that step from memory instead of reading back the file recovery wrote; a
+    /// clean [`Engine::close`](crate::Engine::close) writes the held steps to disk and
+    /// keeps the newest. With recovery at open off, a kept arena holding a staged save is
+    /// left untouched for `shmckpt recover` (this engine then keeps nothing).
     pub fn with_keep_in_memory(mut self, on: bool) -> Self {
         self.keep_in_memory = on;
         self
@@ -576,11 +584,6 @@ impl EngineConfig {
         if !self.every_save_to_disk() && !self.has_disk_tier() {
             return Err(Error::Config(
                 "a remote-only engine has no disk: disk_every must be 1".into(),
-            ));
-        }
-        if !self.every_save_to_disk() && self.keep_in_memory {
-            return Err(Error::Config(
-                "keep_in_memory keeps the last disk save's arena: use it with disk_every=1".into(),
             ));
         }
         Ok(())

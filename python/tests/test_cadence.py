@@ -146,8 +146,49 @@ def test_bad_cadences_are_refused(root):
         opened(root, disk_every="auto", rank=0, world_size=2)
     with pytest.raises(ConfigError):
         opened(root, disk_interval_s=5.0, rank=0, world_size=2)
-    with pytest.raises(ConfigError):
-        opened(root, disk_every=2, keep_in_memory=True)
+
+
+_KILLED_KEEP_CHILD = (
+    "import json, os, signal, sys\n"
+    "sys.path.insert(0, sys.argv[2])\n"
+    "import shmckpt, test_cadence as t\n"
+    "ck = shmckpt.Checkpointer(sys.argv[1], keep_in_memory=True, cadence=shmckpt.Cadence(disk_every=10),\n"
+    "    tuning=shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=1 << 20))\n"
+    "mem = [ck.save(s, t.state(s)).wait()['memory_only'] for s in (1, 2, 3)]\n"
+    "print(json.dumps({'mem': mem, 'list': ck.list(tiers=True)}), flush=True)\n"
+    "os.kill(os.getpid(), signal.SIGKILL)\n"
+)
+
+
+def test_flash_restore_serves_the_memory_only_step_recovered_after_sigkill(root):
+    """keep_in_memory with a disk cadence: after a SIGKILL, recovery at open commits the
+    memory-only step from the kept arena and keeps it there as the arena's image, so the
+    next checkpointer's load of it is served from memory (checked against the manifest
+    recovery wrote), byte-exact, instead of reading the file back."""
+    from conftest import remove_arenas_of, shm_arenas_of
+
+    here = str(__import__("pathlib").Path(__file__).resolve().parent)
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", _KILLED_KEEP_CHILD, str(root), here], capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode == -9, p.stderr
+        seen = json.loads(p.stdout.splitlines()[0])
+        assert seen == {"mem": [False, True, True], "list": [[1, ["disk"]], [3, ["memory"]]]}, seen
+        assert len(shm_arenas_of(root, "kept")) == 1
+        tuning = shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=1 << 20)
+        with shmckpt.Checkpointer(root, keep_in_memory=True, cadence=shmckpt.Cadence(disk_every=10), tuning=tuning) as ck:
+            assert ck.recovered == [3]
+            # Step 3 is on disk (recovery wrote it) and in memory (the kept image).
+            assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory", "disk"])]
+            assert_state(ck.load("latest"), 3)
+            assert ck.last_load_source == ("memory", None)
+            assert_state(ck.load(1), 1)
+            assert ck.last_load_source[0] == "disk"
+        # Recovery wrote step 3 to disk as well: durable, not only kept in memory.
+        assert sorted(q.name for q in root.iterdir() if q.name.startswith("step-")) == ["step-1", "step-3"]
+    finally:
+        remove_arenas_of(root, "kept")
 
 
 _KILLED_STEPS_CHILD = (

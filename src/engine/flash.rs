@@ -90,6 +90,7 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
         None
     };
     let mut image = None;
+    let mut unrecovered = None;
     let reason = reason.or_else(|| {
         let mut best: Option<SlotView> = None;
         for s in 0..att.slot_count() {
@@ -99,6 +100,7 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
                         best = Some(v);
                     }
                 }
+                Ok(v) if v.state == slot_state::STAGED => unrecovered = Some(v.step),
                 Ok(_) => {}
                 Err(e) => return Some(format!("kept arena {name}: {e}")),
             }
@@ -113,6 +115,18 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
             )),
         }
     });
+    if let Some(step) = unrecovered {
+        // A staged save nobody recovered (recovery at open is off, or failed for it): the
+        // arena is left as it is for `shmckpt recover`; taking it over would wipe its
+        // descriptor, and removing it the save.
+        let why = format!(
+            "kept arena {name} holds step {step} staged and not recovered (recover_on_open is \
+             off, or recovery failed): left for `shmckpt recover`; this engine keeps nothing \
+             in memory"
+        );
+        tracing::warn!("{why}");
+        return none(why, false);
+    }
     match (image, reason) {
         (Some(slot), None) => {
             // The name stays: the engine takes the segment over under it, or frees it

@@ -440,6 +440,11 @@ fn recover_impl(
         .iter()
         .filter(|s| matches!(s.outcome, SlotOutcome::Failed { .. }))
         .count();
+    let kept_step = if failed == 0 && crate::staging::is_kept_name(name) {
+        keep_newest_recovered(&att, name, &slots, &report)
+    } else {
+        None
+    };
     if failed > 0 {
         let why = format!(
             "{failed} save(s) failed (I/O errors or unsafe entries in the way); the arena is kept: \
@@ -451,7 +456,12 @@ fn recover_impl(
     } else if crate::staging::is_kept_name(name) {
         // Flash restore's arena: its committed image stays for the next engine (`shmckpt
         // shm rm` removes it).
-        report.kept = Some("kept for flash restore (`shmckpt shm rm` removes it)".into());
+        report.kept = Some(match kept_step {
+            Some(step) => format!(
+                "kept for flash restore, with recovered step {step} as its image (`shmckpt shm rm` removes it)"
+            ),
+            None => "kept for flash restore (`shmckpt shm rm` removes it)".into(),
+        });
     } else {
         match att.unlink() {
             Ok(()) => {
@@ -474,6 +484,61 @@ fn recover_impl(
         }
     }
     Ok(report)
+}
+
+/// Flash restore's arena `name`, every save in it recovered: the newest step committed from
+/// it whose bytes are all still in the arena (a memory-only save's) becomes its kept image
+/// ([`AttachedArena::keep_recovered`]), replacing an older one, so the next engine of the
+/// root and rank serves that step from memory (checked by CRC-32C against the manifest
+/// recovery just wrote) instead of reading the file back. `views`: the recovered slots as
+/// read before recovery, in the order of `report.slots`. Returns the step kept.
+fn keep_newest_recovered(
+    att: &AttachedArena,
+    name: &str,
+    views: &[crate::staging::descriptor::SlotView],
+    report: &RecoveryReport,
+) -> Option<u64> {
+    use crate::staging::descriptor::{chunk_state, slot_state};
+    let v = report
+        .slots
+        .iter()
+        .zip(views)
+        .filter(|(r, v)| {
+            matches!(
+                r.outcome,
+                SlotOutcome::Committed { .. } | SlotOutcome::AlreadyCommitted { .. }
+            ) && r.slot == v.slot
+                && !v.chunks.is_empty()
+                && v.chunks.iter().all(|&(s, _)| s == chunk_state::STAGED)
+        })
+        .map(|(_, v)| v)
+        .max_by_key(|v| v.step)?;
+    // The image kept before (an older disk save's): given up for the newer one; a newer
+    // one (never written by an engine, whose saves are newer than its kept image) wins.
+    let mut older = Vec::new();
+    for s in 0..att.slot_count() {
+        match att.try_slot(s) {
+            Ok(k) if k.state == slot_state::KEPT && k.step > v.step => return None,
+            Ok(k) if k.state == slot_state::KEPT => older.push(s),
+            _ => {}
+        }
+    }
+    for s in older {
+        if let Err(e) = att.release_slot(s) {
+            tracing::warn!(arena = %name, slot = s, error = %e, "could not give the older kept image up");
+            return None;
+        }
+    }
+    match att.keep_recovered(v) {
+        Ok(()) => {
+            tracing::info!(arena = %name, step = v.step, "recovered step kept in the arena for flash restore");
+            Some(v.step)
+        }
+        Err(e) => {
+            tracing::warn!(arena = %name, step = v.step, error = %e, "recovered step not kept for flash restore");
+            None
+        }
+    }
 }
 
 fn log_outcome(arena: &str, step: u64, o: &SlotOutcome) {

@@ -15,7 +15,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
-use super::descriptor::{HeaderView, SlotView, bytes_to_path, slot_state};
+use super::descriptor::{HeaderView, SlotView, bytes_to_path, chunk_state, slot_state};
 use super::layout::{self, Geometry, PAGE, ParsedHeader};
 use super::shm::{SHM_MOUNT, open_existing};
 use crate::error::{Error, Result};
@@ -257,6 +257,67 @@ impl AttachedArena {
         let at = off + layout::SLOT_STATE_OFFSET;
         self.file
             .write_all_at(&slot_state::FREE.to_ne_bytes(), at)
+            .map_err(|e| Error::io_at("write", &path, at, e))
+    }
+
+    /// Make `v`, a slot recovery committed from this arena whose every file chunk is still
+    /// `STAGED` in it (a memory-only save's, or a save none of whose chunks had been
+    /// written), the arena's kept image for flash restore: its chunk-map entries become
+    /// `WRITTEN` (the bytes are the committed file's), then its state `KEPT`, as a
+    /// committed save of a keeping engine leaves its slot. The slot must read free already
+    /// (recovery marks a recovered slot free first), so a crash in between leaves a free
+    /// slot, which nothing reads. The next engine's flash restore checks every tensor's
+    /// CRC-32C against the manifest before it serves a byte, as for any kept image.
+    ///
+    /// Needs an arena opened for writing; refuses a view whose chunks are not all `STAGED`
+    /// or whose chunk count is not the slot's.
+    pub fn keep_recovered(&self, v: &SlotView) -> Result<()> {
+        let path = self.path();
+        let refuse = |reason: String| Error::Recovery {
+            arena: self.name.clone(),
+            reason,
+        };
+        if !self.writable {
+            return Err(refuse("opened read-only".into()));
+        }
+        if v.chunks.is_empty() || v.chunks.iter().any(|&(s, _)| s != chunk_state::STAGED) {
+            return Err(refuse(format!(
+                "slot {} does not hold step {} whole in the arena",
+                v.slot, v.step
+            )));
+        }
+        let (Some(off), Some(map_at)) = (
+            self.geo().slot_offset(v.slot),
+            self.geo().entry_offset(v.slot, 0),
+        ) else {
+            return Err(refuse(format!("slot {} out of range", v.slot)));
+        };
+        // The slot's own count, re-read: the view must describe this slot as it is now.
+        let mut page = vec![0u8; PAGE];
+        self.file
+            .read_exact_at(&mut page, off)
+            .map_err(|e| Error::io_at("read", &path, off, e))?;
+        let s = layout::parse_slot(&page, self.geo()).map_err(refuse)?;
+        if s.state != slot_state::FREE
+            || s.step != v.step
+            || s.n_file_chunks != v.chunks.len() as u64
+        {
+            return Err(refuse(format!(
+                "slot {} changed since it was recovered",
+                v.slot
+            )));
+        }
+        let map: Vec<u8> = v
+            .chunks
+            .iter()
+            .flat_map(|&(_, index)| ((chunk_state::WRITTEN << 30) | index).to_ne_bytes())
+            .collect();
+        self.file
+            .write_all_at(&map, map_at)
+            .map_err(|e| Error::io_at("write", &path, map_at, e))?;
+        let at = off + layout::SLOT_STATE_OFFSET;
+        self.file
+            .write_all_at(&slot_state::KEPT.to_ne_bytes(), at)
             .map_err(|e| Error::io_at("write", &path, at, e))
     }
 

@@ -444,10 +444,6 @@ fn cadences_that_decide_per_rank_are_refused_with_several_ranks() {
         Err(Error::Config(_))
     ));
     assert!(matches!(
-        open(cadence_config(root, DiskCadence::Every(2)).with_keep_in_memory(true)),
-        Err(Error::Config(_))
-    ));
-    assert!(matches!(
         open(cadence_config(root, DiskCadence::Every(2)).with_memory_steps(0)),
         Err(Error::Config(_))
     ));
@@ -566,10 +562,132 @@ fn child_memory_steps() {
     sigkill_self();
 }
 
+/// Child: flash restore on, step 1 to disk, steps 2 and 3 memory-only (3 held), then death
+/// by SIGKILL. Its arena is the root's kept arena (stable name).
+fn child_keep_memory_only() {
+    let root = env_path(ROOT_ENV);
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(10))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    assert!(save_step(&e, 3).memory_only);
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box(&e);
+    sigkill_self();
+}
+
 const ROLES: &[Role] = &[
     ("child_memory_only", child_memory_only),
     ("child_memory_steps", child_memory_steps),
+    ("child_keep_memory_only", child_keep_memory_only),
 ];
+
+/// The kept arena of `root` (rank 0), removed when dropped.
+struct KeptGuard(std::path::PathBuf);
+
+impl KeptGuard {
+    fn of(root: &Path) -> KeptGuard {
+        let canon = std::fs::canonicalize(root).unwrap();
+        KeptGuard(Path::new("/dev/shm").join(shmckpt::testing::staging::kept_name(&canon, 0)))
+    }
+}
+
+impl Drop for KeptGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Flash restore with a disk cadence: recovery at open commits the memory-only step from
+/// the kept arena and keeps it there as the arena's image, so the next engine serves it
+/// from memory (checked against the manifest recovery wrote), byte-exact.
+#[test]
+fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-kill");
+    let root = dir.path();
+    let kept = KeptGuard::of(root);
+    run_child("child_keep_memory_only", root, "unused");
+    assert_eq!(
+        committed(root),
+        [1],
+        "nothing wrote step 3 before the crash"
+    );
+    assert!(kept.0.exists(), "the kept arena survives the crash");
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(10))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    assert_eq!(e.recovered_steps(), [3]);
+    assert_eq!(committed(root), [1, 3], "recovery made step 3 durable");
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    let (ck, report) = load_with_report(&e, StepSel::Step(1)).unwrap();
+    assert_eq!((report.step, report.source), (1, LoadSource::Disk));
+    assert_loaded_equal(&ck, &step_state(1));
+    e.close();
+    assert_step_is_exact(root, 3);
+}
+
+/// Flash restore with a disk cadence, clean exit: `close` writes the held memory-only step
+/// to disk and keeps it as the arena's image; the next engine serves it from memory.
+#[test]
+fn close_keeps_the_memory_only_step_it_writes_for_flash_restore() {
+    let dir = real_dir("cadence-keep-close");
+    let root = dir.path();
+    let _kept = KeptGuard::of(root);
+    let config = || {
+        cadence_config(root, DiskCadence::Every(10))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true)
+    };
+    let e = Engine::open(config()).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    e.close();
+    assert_eq!(committed(root), [1, 2]);
+    let e = Engine::open(config()).unwrap();
+    assert!(e.recovered_steps().is_empty());
+    assert_latest_from(&e, 2, LoadSource::Memory);
+    e.close();
+}
+
+/// With recovery at open off, a kept arena holding a staged memory-only step is left as it
+/// is (taking it over would wipe its descriptor): the engine keeps nothing, serves the
+/// disk, and `recover_root` commits the step afterwards, byte-exact.
+#[test]
+fn recovery_off_leaves_the_kept_arena_and_its_staged_step_for_recover() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-norecover");
+    let root = dir.path();
+    let kept = KeptGuard::of(root);
+    run_child("child_keep_memory_only", root, "unused");
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(10))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true)
+            .with_recover_on_open(false),
+    )
+    .unwrap();
+    assert!(e.recovered_steps().is_empty());
+    assert_latest_from(&e, 1, LoadSource::Disk);
+    e.close();
+    assert!(kept.0.exists(), "the kept arena is left for recovery");
+    let name = kept.0.file_name().unwrap().to_str().unwrap().to_owned();
+    let report = shmckpt::recover::recover_arena(&name, None).unwrap();
+    assert_eq!(report.committed_steps(), [3]);
+    assert_eq!(committed(root), [1, 3]);
+    assert_step_is_exact(root, 3);
+}
 
 #[test]
 fn a_memory_only_step_is_recovered_after_sigkill() {
