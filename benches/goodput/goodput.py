@@ -257,7 +257,7 @@ class Supervisor:
         for lv in lives:
             lv["rc"] = lv.pop("_p").returncode
             lv.pop("_first")
-        rec["shm_left"] = cleanup_shm(evs)
+        rec["shm_left"], rec["shm_kept"] = cleanup_shm(evs)
         # recorded, not removed: on a shared machine other jobs' segments appear here too
         rec["shm_new"] = sorted(shm_entries() - shm_before)
         shutil.rmtree(root, ignore_errors=True)
@@ -265,19 +265,21 @@ class Supervisor:
 
 
 def cleanup_shm(events):
-    """Remove the shmckpt staging segments the run's lives reported that are still in
-    /dev/shm (a segment of a killed life is recovered and removed by the next open; the last
-    life closes its own); returns the names that were left."""
-    left = []
+    """Remove the shmckpt segments the run's lives reported that are still in /dev/shm (a
+    staging segment of a killed life is recovered and removed by the next open; the last
+    life closes its own; a kept arena of flash restore, ``shmckpt.keep-*``, outlives every
+    life by design). Returns (the staging segments that were left: a leak, the kept arenas
+    removed)."""
+    left, kept = [], []
     for e in events:
         name = (e.get("info") or {}).get("shm_name") if e["e"] == "resume" else None
         if name and os.path.exists(os.path.join("/dev/shm", name)):
-            left.append(name)
+            (kept if name.startswith("shmckpt.keep-") else left).append(name)
             try:
                 os.remove(os.path.join("/dev/shm", name))
             except OSError:
                 pass
-    return sorted(set(left))
+    return sorted(set(left)), sorted(set(kept))
 
 
 def shm_entries():

@@ -207,14 +207,18 @@ class ShmSystem(System):
         super().__init__(torch, root, device, keep)
         import shmckpt
 
-        kw = dict(keep_last=keep, staging_capacity=size_bytes + (256 << 20))
+        kw = dict(keep_last=keep)
+        staging = size_bytes + (256 << 20)
         if tiered:
             # Staging for three saves (docs/python.md, "Host memory per rank"): the disk
-            # save draining, the memory-only step held and the save being staged.
-            kw["disk_every"] = "auto"
-            kw["staging_capacity"] = 3 * size_bytes + (256 << 20)
+            # save draining, the memory-only step held and the save being staged. Flash
+            # restore on: after a kill, recovery keeps the memory-only step it commits in
+            # the arena and the restart loads it from there (benches/goodput/restart.py).
+            kw["cadence"] = shmckpt.Cadence(disk_every="auto")
+            kw["keep_in_memory"] = True
+            staging = 3 * size_bytes + (256 << 20)
             self.every_step = True
-        self.ck = shmckpt.Checkpointer(root, **kw)
+        self.ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=staging), **kw)
         self.info["shm_name"] = self.ck.shm_name
         self.info["recovered"] = list(getattr(self.ck, "recovered", []) or [])
         if device == "cuda":
@@ -439,8 +443,7 @@ def probe():
         import shmckpt
 
         out["shm"] = None
-        params = inspect.signature(shmckpt.Checkpointer).parameters
-        out["shm-tiered"] = None if "disk_every" in params else "shmckpt.Checkpointer has no disk_every keyword (memory-only saves not in this build)"
+        out["shm-tiered"] = None if hasattr(shmckpt, "Cadence") else "shmckpt has no Cadence (memory-only saves not in this build)"
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
         out["shm"] = out["shm-tiered"] = f"import shmckpt failed: {e!r}"
     # found, not imported (2 s of the CPU test's start-up); a torch without async_save

@@ -5,7 +5,6 @@ unavailable ones skipped with their reason, and the goodput recomputed from the 
 events. No timing is asserted."""
 
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -151,8 +150,9 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
     assert {"shm", "torch"} <= set(systems) and m["device"] == "cpu" and m["t0_s"] > 0
     import shmckpt
 
-    tiered = "disk_every" in inspect.signature(shmckpt.Checkpointer).parameters
-    assert ("shm-tiered" in systems) == tiered
+    # This build has the memory tier: shm-tiered runs (it was skipped, silently, while
+    # this test mirrored the bench's probe of a keyword the redesign removed).
+    assert hasattr(shmckpt, "Cadence") and "shm-tiered" in systems
     assert ("nvrx" in systems) == (importlib.util.find_spec("nvidia_resiliency_ext") is not None)
     for s in ALL_SYSTEMS:
         assert (s in systems) != bool(data["skipped"].get(s)), s  # run, or skipped with a reason
@@ -169,6 +169,8 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
         assert run["kills"] >= 1 and len(lives) == run["kills"] + 1 and run["resumes"] >= 1, name
         assert all(lv["kill_t"] is not None and lv["rc"] == -9 for lv in lives[:-1]) and lives[-1]["rc"] == 0
         assert run["shm_left"] == []
+        # shm-tiered runs with flash restore: its kept arena outlives the run (removed).
+        assert len(run["shm_kept"]) == (1 if name == "shm-tiered" else 0), (name, run["shm_kept"])
         resumes = [e for e in evs if e["e"] == "resume"]
         assert [e["life"] for e in resumes] == list(range(len(lives)))
         saved = set()
