@@ -26,14 +26,20 @@
 //! exactly its bytes. At the end every rank's engine is opened once
 //! more, every listed step is verified, and no segment of ours is left in `/dev/shm`.
 //!
+//! A third lane is tiered: one rank with a disk cadence (every third save to disk, the
+//! others memory-only) and flash restore in half of its incarnations. There a memory-only
+//! step reported staged must survive any kill but a machine loss: the next incarnation's
+//! `latest` is at least the newest step reported staged (recovery at open commits it, and
+//! with flash restore serves it from the kept arena), and its bytes are exact.
+//!
 //! In the same run: power cuts (the crash states of `crash.rs`, drawn at random from a
 //! recording of 1- and 2-rank saves) and bucket faults (`remote_crash.rs`'s crashing
 //! in-memory store, at a random request).
 //!
 //! `SHMCKPT_SOAK_SEED` replays a seed (printed first; default: a new one per run; the
 //! kills' timing is not replayable exactly, the choices are), `SHMCKPT_SOAK_FAULTS` sets
-//! the number of faults (default 1,000), `SHMCKPT_SOAK_WORLDS` the kill lanes' world sizes
-//! (default `1,2`). Run by its own stage of scripts/test.sh:
+//! the number of faults (default 1,000), `SHMCKPT_SOAK_WORLDS` the kill lanes (default
+//! `1,2,1t`: world sizes, `t` for the tiered lane). Run by its own stage of scripts/test.sh:
 //! `cargo test --all-features --test integration soak -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -50,7 +56,7 @@ use shmckpt::manifest::{partial_dir_name, step_dir_name};
 use shmckpt::testing::io::OpKind;
 use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
 use shmckpt::testing::staging::NAME_PREFIX;
-use shmckpt::{BackendKind, Engine, EngineConfig, Metadata, StepSel};
+use shmckpt::{BackendKind, DiskCadence, Engine, EngineConfig, LoadSource, Metadata, StepSel};
 
 use crate::common::{Role, child_command_of, current_test, real_dir, run_role, sigkill_self};
 use crate::crash;
@@ -157,6 +163,10 @@ fn child_trainer() {
         "uring" => BackendKind::IoUring,
         _ => BackendKind::Pwrite,
     };
+    // The tiered lane: every `SOAK_CADENCE`-th save to disk (the others memory-only), and
+    // flash restore when `SOAK_KEEP` is 1.
+    let cadence: u64 = var("SOAK_CADENCE").parse().unwrap();
+    let keep = var("SOAK_KEEP") == "1";
     let slow_rule = Rule {
         kind: OpKind::Write,
         offsets: 0..u64::MAX,
@@ -170,9 +180,13 @@ fn child_trainer() {
     if point == "open" {
         kill_after(delay);
     }
-    let engine = match Engine::open(
-        trainer_config(&root, rank, world, backend).with_faults(Arc::clone(&plan)),
-    ) {
+    let mut config = trainer_config(&root, rank, world, backend).with_faults(Arc::clone(&plan));
+    if cadence > 1 {
+        config = config
+            .with_disk_cadence(DiskCadence::Every(cadence))
+            .with_keep_in_memory(keep);
+    }
+    let engine = match Engine::open(config) {
         Ok(e) => e,
         Err(e) => fail(&format!("Engine::open: {e}")),
     };
@@ -190,15 +204,22 @@ fn child_trainer() {
         kill_after(delay);
     }
     if let Some(l) = latest {
-        match engine.load(l) {
-            Ok(ck) => {
+        let source = match engine.load_with(&StepSel::Step(l).into(), shmckpt::LoadInto::owned()) {
+            Ok(got) => {
+                let ck = got.checkpoint.expect("an owned load has a checkpoint");
                 if let Err(why) = crash::same(&ck, l, rank) {
                     fail(&format!("WRONG BYTES {why}"));
                 }
+                got.report.source
             }
             Err(e) => fail(&format!("load({l}) of the latest step: {e}")),
-        }
-        emit(&format!("VERIFIED {l}"));
+        };
+        let source = if source == LoadSource::Memory {
+            "memory"
+        } else {
+            "disk"
+        };
+        emit(&format!("VERIFIED {l} {source}"));
     }
     // Where the job goes on: agreed by every rank (the parent takes the newest `latest`).
     let start: u64 = if world > 1 {
@@ -266,7 +287,10 @@ fn child_trainer() {
                 r.dir
             )),
             Ok(r) => {
-                if r.dir.is_some() {
+                if r.memory_only {
+                    // Staged, held in the arena: recovery must find it after a kill.
+                    emit(&format!("MEMORY {step}"));
+                } else if r.dir.is_some() {
                     emit(&format!("COMMITTED {step}"));
                 } else if world == 1 {
                     fail(&format!(
@@ -386,6 +410,12 @@ struct Tally {
     /// Saves that found their step committed by the other rank (with the part a dead
     /// incarnation of theirs left), its bytes checked.
     found_committed: u64,
+    /// The tiered lane: memory-only saves reported staged, resumes at a step no trainer
+    /// had reported committed (a memory-only step recovered after the kill), and resumes
+    /// served from memory (flash restore of the kept arena).
+    memory_saves: u64,
+    memory_resumes: u64,
+    flash_resumes: u64,
     /// Where the parent's random kills found the trainers (their last marker).
     landed: BTreeMap<&'static str, u64>,
     /// Every process started (their segments must be gone at the end).
@@ -449,6 +479,11 @@ struct Lane {
     root: PathBuf,
     /// Newest step some trainer reported committed.
     hwm: Option<u64>,
+    /// The tiered lane (a disk cadence, memory-only saves, flash restore in some
+    /// incarnations): the newest step some trainer reported staged or committed, which
+    /// the next incarnation must resume at or after unless the machine was lost.
+    tiered: bool,
+    mem_hwm: Option<u64>,
     /// Steps whose save failed, never re-saved since.
     failed: BTreeSet<u64>,
     /// Every process this lane started (their segments must be gone at the end).
@@ -501,7 +536,9 @@ fn phase(markers: &[String]) -> &'static str {
         Some("VERIFIED") => "before saving",
         Some("SAVING") => "staging",
         Some("STAGED") => "drain/commit",
-        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("EXISTS") => "between saves",
+        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("EXISTS") | Some("MEMORY") => {
+            "between saves"
+        }
         Some(_) => "other",
     }
 }
@@ -520,6 +557,12 @@ fn landed(class: Class, markers: &[String], at_step: Option<u64>) -> bool {
 }
 
 impl Lane {
+    /// The kept arena of this lane's root (rank 0; the tiered lane has one rank).
+    fn kept_arena(&self) -> PathBuf {
+        let canon = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
+        Path::new("/dev/shm").join(shmckpt::testing::staging::kept_name(&canon, 0))
+    }
+
     fn check_disk(&self, when: &str) -> Result<Option<u64>, String> {
         let listed = crash::listed(&self.root)?;
         let newest = listed.last().copied();
@@ -546,7 +589,17 @@ impl Lane {
     fn spawn(&mut self, class: Class, tx: &Sender<Ev>) -> (Vec<Kid>, Option<u32>, Option<u64>) {
         let aimed_rank =
             (class.point() != "none").then(|| rand(&mut self.rng, self.world as u64) as u32);
-        let at = 1 + rand(&mut self.rng, 3);
+        // The tiered lane's disk saves are its 1st, 4th, 7th...: a point only a disk save
+        // reaches (the drain, the commit) aims at one of them, or it would never land.
+        let at = if self.tiered
+            && matches!(
+                class,
+                Class::KillDrain | Class::KillCommit | Class::KillCommitted
+            ) {
+            1 + 3 * rand(&mut self.rng, 2)
+        } else {
+            1 + rand(&mut self.rng, 3)
+        };
         // Per-point delay windows (microseconds), about the length of the phase.
         let delay = match class {
             Class::KillOpen => rand(&mut self.rng, 6000),
@@ -560,6 +613,13 @@ impl Lane {
             "uring"
         } else {
             "pwrite"
+        };
+        // The tiered lane: every third save to disk; flash restore in half of the
+        // incarnations (an incarnation without it recovers the kept arena like any other).
+        let (cadence, keep) = if self.tiered {
+            (3, rand(&mut self.rng, 2))
+        } else {
+            (1, 0)
         };
         let mut kids = Vec::new();
         for rank in 0..self.world {
@@ -583,6 +643,8 @@ impl Lane {
                 .env("SOAK_IOERR", ioerr.to_string())
                 .env("SOAK_SLOW_US", slow.to_string())
                 .env("SOAK_BACKEND", backend)
+                .env("SOAK_CADENCE", cadence.to_string())
+                .env("SOAK_KEEP", keep.to_string())
                 .env("SOAK_SEED", splitmix(&mut self.rng).to_string())
                 .env("RUST_LOG", "error")
                 .stdin(Stdio::piped())
@@ -699,6 +761,12 @@ impl Lane {
                             self.failed.remove(&s);
                             soak.tally.lock().unwrap().found_committed += 1;
                         }
+                        ("MEMORY", Some(s)) => {
+                            let s = s as u64;
+                            self.mem_hwm = Some(self.mem_hwm.map_or(s, |h| h.max(s)));
+                            self.failed.remove(&s);
+                            soak.tally.lock().unwrap().memory_saves += 1;
+                        }
                         ("SAVING", Some(s)) => {
                             // Re-saved: a previous failure no longer counts.
                             self.failed.remove(&(s as u64));
@@ -723,13 +791,35 @@ impl Lane {
                                     "rank {rank}: latest is step {l}, whose save failed"
                                 ));
                             }
+                            // A memory-only step reported staged survives a process kill:
+                            // recovery at open commits it.
+                            if let Some(m) = self.mem_hwm
+                                && l.is_none_or(|l| l < m)
+                            {
+                                return Err(format!(
+                                    "rank {rank}: latest is {l:?} after step {m} was reported staged (memory-only)"
+                                ));
+                            }
+                            if self.tiered
+                                && let Some(l) = l
+                            {
+                                // Committed by recovery if it was memory-only: durable now.
+                                if self.hwm.is_none_or(|h| h < l) {
+                                    soak.tally.lock().unwrap().memory_resumes += 1;
+                                }
+                                self.hwm = Some(self.hwm.map_or(l, |h| h.max(l)));
+                            }
                             seen_start =
                                 Some(seen_start.map_or(l.map_or(1, |l| l + 1), |s| {
                                     s.max(l.map_or(1, |l| l + 1))
                                 }));
                         }
                         ("VERIFIED", Some(_)) => {
-                            soak.tally.lock().unwrap().resumes_verified += 1;
+                            let mut t = soak.tally.lock().unwrap();
+                            t.resumes_verified += 1;
+                            if m.ends_with(" memory") {
+                                t.flash_resumes += 1;
+                            }
                         }
                         _ => {}
                     }
@@ -818,11 +908,16 @@ impl Lane {
             }
         }
         if class == Class::MachineLoss {
-            // The machine is gone: so is its shared memory.
+            // The machine is gone: so is its shared memory, the kept arena included, and
+            // with it every step that was only staged.
             let pids: BTreeSet<u32> = kids.iter().map(|k| k.pid).collect();
             for s in our_segments(&pids) {
                 let _ = std::fs::remove_file(Path::new("/dev/shm").join(s));
             }
+            if self.tiered {
+                let _ = std::fs::remove_file(self.kept_arena());
+            }
+            self.mem_hwm = self.hwm;
         }
         if matches!(class, Class::KillRandom | Class::MachineLoss) {
             let mut t = soak.tally.lock().unwrap();
@@ -872,17 +967,35 @@ impl Lane {
             crash::step_exact(&self.root.join(step_dir_name(s)), s, self.world)?;
         }
         drop(engines);
+        if self.tiered {
+            // Recovered by the final open (a kept arena stays by design): removed, as
+            // `shmckpt shm rm` does, and it must be gone.
+            let kept = self.kept_arena();
+            if kept.exists() {
+                let name = kept.file_name().unwrap().to_string_lossy().into_owned();
+                shmckpt::flash::remove_kept(&name)
+                    .map_err(|e| format!("final: removing the kept arena {name}: {e}"))?;
+            }
+            if kept.exists() {
+                return Err(format!(
+                    "final: the kept arena {} is still there",
+                    kept.display()
+                ));
+            }
+        }
         Ok(())
     }
 }
 
-fn lane(soak: &Soak, test: String, id: usize, world: u32) {
+fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
     let dir = real_dir(&format!("soak{id}"));
     let mut lane = Lane {
         id,
         world,
         root: dir.path().join("root"),
         hwm: None,
+        tiered,
+        mem_hwm: None,
         failed: BTreeSet::new(),
         pids: Vec::new(),
         rng: soak.seed ^ (0x1000 * (id as u64 + 1)),
@@ -902,6 +1015,9 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32) {
             let pids: BTreeSet<u32> = lane.pids.iter().copied().collect();
             for seg in our_segments(&pids) {
                 let _ = std::fs::remove_file(Path::new("/dev/shm").join(seg));
+            }
+            if lane.tiered {
+                let _ = std::fs::remove_file(lane.kept_arena());
             }
             return;
         }
@@ -1012,13 +1128,19 @@ fn chaos_soak() {
     let target = env_u64("SHMCKPT_SOAK_FAULTS").unwrap_or(DEFAULT_FAULTS);
     // One kill lane per world size (default 1 and 2 ranks); `SHMCKPT_SOAK_WORLDS=2`
     // isolates a lane when replaying a seed.
-    let worlds: Vec<u32> = std::env::var("SHMCKPT_SOAK_WORLDS")
-        .unwrap_or_else(|_| "1,2".into())
+    // A world size, `t` for the tiered lane (one rank, a disk cadence, flash restore).
+    let worlds: Vec<(u32, bool)> = std::env::var("SHMCKPT_SOAK_WORLDS")
+        .unwrap_or_else(|_| "1,2,1t".into())
         .split(',')
         .map(|w| {
-            w.trim()
+            let w = w.trim();
+            let tiered = w.ends_with('t');
+            let n = w
+                .trim_end_matches('t')
                 .parse()
-                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2")
+                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2,1t");
+            assert!(!tiered || n == 1, "the tiered lane has one rank");
+            (n, tiered)
         })
         .collect();
     println!(
@@ -1040,9 +1162,9 @@ fn chaos_soak() {
     power_cuts(&soak, cuts);
     bucket_faults(&soak, buckets);
     std::thread::scope(|s| {
-        for (id, &world) in worlds.iter().enumerate() {
+        for (id, &(world, tiered)) in worlds.iter().enumerate() {
             let (soak, test) = (&soak, test.clone());
-            s.spawn(move || lane(soak, test, id, world));
+            s.spawn(move || lane(soak, test, id, world, tiered));
         }
     });
     let wall = t.elapsed();
@@ -1075,6 +1197,10 @@ fn chaos_soak() {
     println!(
         "soak: where the random kills found the trainers: {:?}",
         tally.landed
+    );
+    println!(
+        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore)",
+        tally.memory_saves, tally.memory_resumes, tally.flash_resumes
     );
     // `/dev/shm` is flat: no segment of the soak's processes (the trainers, this one) is
     // left. Other test processes of the machine may come and go meanwhile: the listing is
