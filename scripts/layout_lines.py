@@ -188,9 +188,10 @@ def main() -> int:
     rows.append(("cli/src (Rust)", "product subcommands", lines_of(["cli/src"], (".rs",), CLI_TOOLS)))
     rows.append(("cli/src (Rust)", "tools: bench subcommands, IPC writer",
                  lines_of(CLI_TOOLS, (".rs",))))
-    tool_crates = sorted(p.name for p in (ROOT / "tools").iterdir()) if (ROOT / "tools").is_dir() else []
-    for c in tool_crates:
-        rows.append((f"tools/{c} (Rust)", "tool crate", lines_of([f"tools/{c}"], (".rs",))))
+    # The tools' own crates beside the library (crates/*, each on its public API).
+    for d in sorted(p for p in (ROOT / "crates").glob("*") if p.is_dir()):
+        c = d.relative_to(ROOT).as_posix()
+        rows.append((f"{c} (Rust)", "tool crate", lines_of([c], (".rs",))))
     rows.append(("integration tests (Rust)", "tests/", lines_of(["tests"], (".rs",))))
     rows.append(("integration tests (Rust)", "cli/tests/", lines_of(["cli/tests"], (".rs",))))
     rows.append(("benches/", "Rust", lines_of(["benches"], (".rs",))))

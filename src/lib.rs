@@ -5,7 +5,6 @@
 //! # Features
 //! No feature is on by default: a plain dependency gets the public API below and nothing
 //! else.
-//! - `ipc`: the CUDA IPC writer process, the `--mode ipc` baseline.
 //! - `bench` (hidden): synthetic workloads and the raw-write reference for the `shmckpt`
 //!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
 //! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
@@ -51,8 +50,6 @@ pub mod export;
 mod fsops;
 mod fsx;
 pub(crate) mod io;
-#[cfg(feature = "ipc")]
-pub mod ipc;
 pub mod links;
 pub mod manifest;
 pub(crate) mod plan;
@@ -83,10 +80,6 @@ pub mod cuda {
     pub use crate::device::cuda::{
         Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef,
         batch_copies_supported, device_count, driver_present, driver_version, init,
-    };
-    #[cfg(feature = "ipc")]
-    pub use crate::device::cuda::{
-        IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,
     };
     pub use crate::tensor::DeviceSlice;
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use shmckpt::bench::synthetic::{self, LayoutEntry};
 use shmckpt::cuda::{Context, DeviceBuffer};
-use shmckpt::ipc::{IpcConfig, IpcWriterClient};
 use shmckpt::{Engine, Metadata, Tensor};
+use shmckpt_ipc::{IpcConfig, IpcWriterClient};
 
 use super::BenchArgs;
 use super::common::Run;
