@@ -31,6 +31,7 @@ CRATES = [
     ("cli/", "shmckpt-cli"),
     ("python/", "shmckpt-python"),
     ("crashfs/", "crashfs"),
+    ("crates/shmckpt-bench/", "shmckpt-bench"),
     ("crates/shmckpt-ipc/", "shmckpt-ipc"),
 ]
 

@@ -5,10 +5,8 @@
 //! # Features
 //! No feature is on by default: a plain dependency gets the public API below and nothing
 //! else.
-//! - `bench` (hidden): synthetic workloads and the raw-write reference for the `shmckpt`
-//!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
-//! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
-//!   inspect, each named (the staging arena, its descriptor's records, the file layout).
+//! - `testing` (hidden, for the tests only): the few internals the tests inspect, each
+//!   named (the staging arena, its descriptor's records, the file layout).
 //! - `s3`: the object-storage tier (module `remote`, `EngineConfig::with_remote`) on the
 //!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
@@ -33,9 +31,6 @@
 //! use shmckpt::testing::io::queue::LeaseQueue;
 //! ```
 
-#[cfg(feature = "bench")]
-#[doc(hidden)]
-pub mod bench;
 pub mod commit;
 mod config;
 #[cfg(feature = "crash-record")]

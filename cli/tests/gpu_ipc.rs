@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use shmckpt::cuda::{Context, DeviceBuffer, Stream};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 use shmckpt_ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
 
 /// The writer executable: `$SHMCKPT_EXE`, else the one cargo built.

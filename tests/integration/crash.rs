@@ -28,8 +28,8 @@ use shmckpt::crashsim::states::{self, Variant};
 use shmckpt::crashsim::{Log, Op, record::Recording};
 use shmckpt::restore::{self, ReadOptions};
 use shmckpt::testing::staging::{Arena, ArenaSpec};
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, StepSel};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 use crate::common::{BACKENDS, State, real_dir};
 
