@@ -10,7 +10,7 @@ The library's sources (src/) are split into:
     `#[cfg(test)] mod x;`);
   * tools: the directories of the tool modules (src/bench, src/ipc, src/crashsim,
     src/testing) and, elsewhere, the items gated on a tool feature (`bench`, `ipc`,
-    `testing`, `crash-record`, `fault-injection`): the attribute and the item after it,
+    `testing`, `crash-record`, `fs-observer`, `fault-injection`): the attribute and the item after it,
     brace-matched (an approximation: a gated statement inside a function counts up to
     its `;`, a gated `mod x;` counts x's file).
 The command line (cli/src) is split into its product subcommands and its tools (the
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL_FEATURES = {"bench", "ipc", "testing", "crash-record", "fault-injection"}
+TOOL_FEATURES = {"bench", "ipc", "testing", "crash-record", "fs-observer", "fault-injection"}
 TOOL_DIRS = ["src/bench", "src/ipc", "src/crashsim", "src/testing"]
 CLI_TOOLS = ["cli/src/cli/bench", "cli/src/cli/ipc_writer.rs"]
 

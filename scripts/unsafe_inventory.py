@@ -32,6 +32,7 @@ CRATES = [
     ("python/", "shmckpt-python"),
     ("crashfs/", "crashfs"),
     ("crates/shmckpt-bench/", "shmckpt-bench"),
+    ("crates/shmckpt-crashsim/", "shmckpt-crashsim"),
     ("crates/shmckpt-ipc/", "shmckpt-ipc"),
 ]
 

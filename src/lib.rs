@@ -10,6 +10,8 @@
 //! - `s3`: the object-storage tier (module `remote`, `EngineConfig::with_remote`) on the
 //!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
+//! - `fs-observer`: every filesystem mutation the engine makes in a root, shown to an
+//!   observer (module `observe`; the power-loss recorder of crate `shmckpt-crashsim`).
 //!
 //! `testing` never re-exports a whole module: the segment mapping, the CUDA staging
 //! pipeline and the I/O queues stay unreachable with every feature on:
@@ -33,9 +35,6 @@
 
 pub mod commit;
 mod config;
-#[cfg(feature = "crash-record")]
-#[doc(hidden)]
-pub mod crashsim;
 pub(crate) mod device;
 pub mod divergence;
 mod dtype;
@@ -47,6 +46,8 @@ mod fsx;
 pub(crate) mod io;
 pub mod links;
 pub mod manifest;
+#[cfg(feature = "fs-observer")]
+pub mod observe;
 pub(crate) mod plan;
 pub mod recover;
 pub mod remote;

@@ -18,10 +18,12 @@ pub mod io {
     }
 }
 
-/// The engine's filesystem funnel (with `crash-record`, the operations the recorder sees),
-/// for tests that stage a scene the recorder must see.
+/// The engine's filesystem funnel (with `fs-observer`, the operations the observer sees),
+/// for tests that stage a scene the power-loss recorder must see.
 pub mod fsops {
-    pub use crate::fsops::{create_dir, remove_dir_all, rename};
+    pub use crate::fsops::{
+        create_dir, create_new_file, fallocate, fdatasync_file, remove_dir_all, rename, set_len,
+    };
 }
 
 /// The file layout, to build the exact image a save writes.

@@ -926,7 +926,7 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32) {
 /// Power cuts: random crash states of recorded saves (1 and 2 ranks), each checked as
 /// `crash.rs` checks them.
 fn power_cuts(soak: &Soak, n: u64) {
-    use shmckpt::crashsim::states::{self, Variant};
+    use shmckpt_crashsim::states::{self, Variant};
     let mut rng = soak.seed ^ 0xc0de;
     let scratch = tempfile::Builder::new()
         .prefix("soak-cuts-")
