@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fail when the Rust sources or the Python package have an import circle between modules.
 
-    scripts/check_module_cycles.py [SRC_DIR ...]   # default: src cli/src python/src python/shmckpt
+    scripts/check_module_cycles.py [SRC_DIR ...]   # default: src cli/src python/src python/shmckpt crates/*/src
     scripts/check_module_cycles.py --self-test     # the check on a made-up crate and package
     scripts/check_module_cycles.py --doc           # rewrite docs/design.md's module uses
     scripts/check_module_cycles.py --doc-check     # exit 1 when they are out of date
@@ -789,6 +789,8 @@ def main(argv: list[str]) -> int:
         root / "cli" / "src",
         root / "python" / "src",
         root / "python" / "shmckpt",
+        # The tools' crates beside the library (crates/*/src).
+        *sorted(root.glob("crates/*/src")),
     ]
     bad = 0
     for d in dirs:

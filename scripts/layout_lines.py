@@ -10,7 +10,7 @@ The library's sources (src/) are split into:
     `#[cfg(test)] mod x;`);
   * tools: the directories of the tool modules (src/bench, src/ipc, src/crashsim,
     src/testing) and, elsewhere, the items gated on a tool feature (`bench`, `ipc`,
-    `testing`, `crash-record`, `fault-injection`): the attribute and the item after it,
+    `testing`, `crash-record`, `fs-observer`, `fault-injection`): the attribute and the item after it,
     brace-matched (an approximation: a gated statement inside a function counts up to
     its `;`, a gated `mod x;` counts x's file).
 The command line (cli/src) is split into its product subcommands and its tools (the
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL_FEATURES = {"bench", "ipc", "testing", "crash-record", "fault-injection"}
+TOOL_FEATURES = {"bench", "ipc", "testing", "crash-record", "fs-observer", "fault-injection"}
 TOOL_DIRS = ["src/bench", "src/ipc", "src/crashsim", "src/testing"]
 CLI_TOOLS = ["cli/src/cli/bench", "cli/src/cli/ipc_writer.rs"]
 
@@ -188,9 +188,10 @@ def main() -> int:
     rows.append(("cli/src (Rust)", "product subcommands", lines_of(["cli/src"], (".rs",), CLI_TOOLS)))
     rows.append(("cli/src (Rust)", "tools: bench subcommands, IPC writer",
                  lines_of(CLI_TOOLS, (".rs",))))
-    tool_crates = sorted(p.name for p in (ROOT / "tools").iterdir()) if (ROOT / "tools").is_dir() else []
-    for c in tool_crates:
-        rows.append((f"tools/{c} (Rust)", "tool crate", lines_of([f"tools/{c}"], (".rs",))))
+    # The tools' own crates beside the library (crates/*, each on its public API).
+    for d in sorted(p for p in (ROOT / "crates").glob("*") if p.is_dir()):
+        c = d.relative_to(ROOT).as_posix()
+        rows.append((f"{c} (Rust)", "tool crate", lines_of([c], (".rs",))))
     rows.append(("integration tests (Rust)", "tests/", lines_of(["tests"], (".rs",))))
     rows.append(("integration tests (Rust)", "cli/tests/", lines_of(["cli/tests"], (".rs",))))
     rows.append(("benches/", "Rust", lines_of(["benches"], (".rs",))))

@@ -58,6 +58,7 @@ export SHMCKPT_MOTO_PYTHON="$py"
 stage "cargo test --all-features (after the venv: the S3 tests start moto from it)"
 cargo test --all-features
 cargo test --all-features -p crashfs   # not a default member (see Cargo.toml)
+cargo test -p shmckpt-crashsim         # nor is the power-loss harness
 # The recovery test of the Python suite runs the command line; the power-cut test
 # (python/tests/test_crashfs.py) the crashfs FUSE server (crashfs/).
 cargo build --bin shmckpt

@@ -5,7 +5,7 @@
     scripts/unsafe_inventory.py --check   # exit 1 when that section is out of date
     scripts/unsafe_inventory.py --print   # print the section
 
-Counts, in every `.rs` file of the workspace (the library, cli/, python/, crashfs/, their
+Counts, in every `.rs` file of the workspace (the library, cli/, python/, crashfs/, crates/, their
 tests, benches and examples; not target/), the `unsafe` blocks, the `unsafe fn`s (and
 function pointer types) and the `unsafe impl`s and `unsafe trait`s, with comments,
 strings and character literals skipped (the same reading as check_module_cycles.py).
@@ -27,7 +27,14 @@ DOC = ROOT / "docs" / "design.md"
 START = "<!-- unsafe-inventory:start -->"
 END = "<!-- unsafe-inventory:end -->"
 # Workspace crates by directory (first match wins); the rest belongs to the library.
-CRATES = [("cli/", "shmckpt-cli"), ("python/", "shmckpt-python"), ("crashfs/", "crashfs")]
+CRATES = [
+    ("cli/", "shmckpt-cli"),
+    ("python/", "shmckpt-python"),
+    ("crashfs/", "crashfs"),
+    ("crates/shmckpt-bench/", "shmckpt-bench"),
+    ("crates/shmckpt-crashsim/", "shmckpt-crashsim"),
+    ("crates/shmckpt-ipc/", "shmckpt-ipc"),
+]
 
 BLOCK = re.compile(r"\bunsafe\s*\{")
 FN = re.compile(r"\bunsafe\s+(?:extern\s+)?fn\b")

@@ -462,6 +462,51 @@ impl EngineConfig {
         self.chunk_size
     }
 
+    /// Staging arena bytes ([`EngineConfig::with_staging_capacity`]).
+    pub fn staging_capacity(&self) -> u64 {
+        self.staging_capacity
+    }
+
+    /// Writer threads ([`EngineConfig::with_writer_threads`]).
+    pub fn writer_threads(&self) -> usize {
+        self.writer_threads
+    }
+
+    /// I/O queue depth per writer thread ([`EngineConfig::with_queue_depth`]).
+    pub fn queue_depth(&self) -> u32 {
+        self.queue_depth
+    }
+
+    /// Host-copy threads ([`EngineConfig::with_copy_threads`]).
+    pub fn copy_threads(&self) -> usize {
+        self.copy_threads
+    }
+
+    /// Whether files are written with O_DIRECT ([`EngineConfig::with_direct_io`]).
+    pub fn direct_io(&self) -> bool {
+        self.direct_io
+    }
+
+    /// Committed steps kept, `None` for all ([`EngineConfig::with_keep_last`]).
+    pub fn keep_last(&self) -> Option<usize> {
+        self.keep_last
+    }
+
+    /// This process's rank and the world size ([`EngineConfig::with_rank`]).
+    pub fn rank(&self) -> (u32, u32) {
+        (self.rank, self.world_size)
+    }
+
+    /// The write backend asked for ([`EngineConfig::with_backend`]).
+    pub fn backend(&self) -> BackendKind {
+        self.backend
+    }
+
+    /// Saves in flight at most ([`EngineConfig::with_max_inflight_saves`]).
+    pub fn max_inflight_saves(&self) -> u32 {
+        self.max_inflight_saves
+    }
+
     /// Whether flash restore is on ([`EngineConfig::with_keep_in_memory`]).
     pub fn keep_in_memory(&self) -> bool {
         self.keep_in_memory

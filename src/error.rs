@@ -302,10 +302,6 @@ pub enum Error {
     /// A broken internal invariant or a panicked thread (a bug in shmckpt: please report).
     #[error("internal error: {0}")]
     Internal(String),
-    /// The IPC writer process (`--mode ipc`) could not be started, broke the protocol,
-    /// exited, or reported an error (its message, with the writer's pid).
-    #[error("IPC writer: {0}")]
-    Ipc(String),
     /// An object-store request failed (the remote tier, `s3://` roots): a missing bucket,
     /// refused credentials, an unreachable endpoint or a server error that outlasted the
     /// retries. `reason` is the server's answer with a hint.
@@ -376,19 +372,6 @@ impl Error {
             call: call.into(),
             code: None,
             detail: detail.into(),
-        }
-    }
-
-    /// Add context to a CUDA error's detail (other errors are returned unchanged).
-    #[cfg_attr(not(feature = "ipc"), allow(dead_code))]
-    pub(crate) fn with_cuda_context(self, context: &str) -> Self {
-        match self {
-            Error::Cuda { call, code, detail } => Error::Cuda {
-                call,
-                code,
-                detail: format!("{detail} ({context})"),
-            },
-            e => e,
         }
     }
 

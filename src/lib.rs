@@ -5,14 +5,13 @@
 //! # Features
 //! No feature is on by default: a plain dependency gets the public API below and nothing
 //! else.
-//! - `ipc`: the CUDA IPC writer process, the `--mode ipc` baseline.
-//! - `bench` (hidden): synthetic workloads and the raw-write reference for the `shmckpt`
-//!   command line (crate `shmckpt-cli`) and the benches. It exposes no internals.
-//! - `testing` (hidden, for the tests only): `bench`, plus the few internals the tests
-//!   inspect, each named (the staging arena, its descriptor's records, the file layout).
+//! - `testing` (hidden, for the tests only): the few internals the tests inspect, each
+//!   named (the staging arena, its descriptor's records, the file layout).
 //! - `s3`: the object-storage tier (module `remote`, `EngineConfig::with_remote`) on the
 //!   `object_store` crate (on in the command line and the Python extension).
 //! - `fault-injection` (tests only): I/O fault injection in the write backend.
+//! - `fs-observer`: every filesystem mutation the engine makes in a root, shown to an
+//!   observer (module `observe`; the power-loss recorder of crate `shmckpt-crashsim`).
 //!
 //! `testing` never re-exports a whole module: the segment mapping, the CUDA staging
 //! pipeline and the I/O queues stay unreachable with every feature on:
@@ -34,14 +33,8 @@
 //! use shmckpt::testing::io::queue::LeaseQueue;
 //! ```
 
-#[cfg(feature = "bench")]
-#[doc(hidden)]
-pub mod bench;
 pub mod commit;
 mod config;
-#[cfg(feature = "crash-record")]
-#[doc(hidden)]
-pub mod crashsim;
 pub(crate) mod device;
 pub mod divergence;
 mod dtype;
@@ -51,10 +44,10 @@ pub mod export;
 mod fsops;
 mod fsx;
 pub(crate) mod io;
-#[cfg(feature = "ipc")]
-pub mod ipc;
 pub mod links;
 pub mod manifest;
+#[cfg(feature = "fs-observer")]
+pub mod observe;
 pub(crate) mod plan;
 pub mod recover;
 pub mod remote;
@@ -83,10 +76,6 @@ pub mod cuda {
     pub use crate::device::cuda::{
         Context, DeviceBuffer, Event, EventRef, PinnedHost, Stream, StreamRef,
         batch_copies_supported, device_count, driver_present, driver_version, init,
-    };
-    #[cfg(feature = "ipc")]
-    pub use crate::device::cuda::{
-        IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,
     };
     pub use crate::tensor::DeviceSlice;
 }

@@ -35,8 +35,8 @@ impl Source<'_> {
 ///
 /// Safe code gets one only from an owner that outlives it
 /// ([`DeviceBuffer::slice`](crate::cuda::DeviceBuffer::slice),
-/// `IpcMapping::slice` with feature `ipc`), so a slice cannot outlive its
-/// buffer:
+/// or, outside the crate, `shmckpt_ipc::cuda::IpcMapping::slice`), so a slice cannot
+/// outlive its buffer:
 ///
 /// ```compile_fail,E0505
 /// # fn f(ctx: &std::sync::Arc<shmckpt::cuda::Context>) -> shmckpt::Result<()> {

@@ -13,8 +13,8 @@ mod snapshot;
 use std::sync::Arc;
 
 use shmckpt::cuda::{Context, DeviceBuffer, Stream};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, EngineConfig, LoadInto, LoadRequest, Metadata, SaveOptions, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 /// ≥ 4 GiB in ≥ 100 device tensors of mixed dtypes and odd sizes, random content.
 fn big_layout() -> Vec<LayoutEntry> {

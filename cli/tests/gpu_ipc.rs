@@ -12,10 +12,10 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use shmckpt::cuda::{self, Context, DeviceBuffer, Stream};
-use shmckpt::ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
+use shmckpt::cuda::{Context, DeviceBuffer, Stream};
 use shmckpt::{DeviceSlice, Dtype, Engine, EngineConfig, Metadata, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
+use shmckpt_ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
 
 /// The writer executable: `$SHMCKPT_EXE`, else the one cargo built.
 fn exe() -> PathBuf {
@@ -390,17 +390,17 @@ fn ipc_reallocated_buffer_and_the_stale_cache_failure_mode() {
     let dir = common::gpu_test_dir("ipc-stale");
     let len = 8 << 20;
     let c = client(dir.path(), true, 64 << 20);
-    let uuid = cuda::device_uuid(0).unwrap();
+    let uuid = shmckpt_ipc::cuda::device_uuid(0).unwrap();
 
     let mut old = DeviceBuffer::alloc(&ctx, len).unwrap();
     old.memset(0x11).unwrap();
     let old_ptr = old.ptr();
-    let old_handle = cuda::ipc_export(&ctx, old.ptr()).unwrap();
+    let old_handle = shmckpt_ipc::cuda::ipc_export(&ctx, old.ptr()).unwrap();
     save_all(&c, 1, std::slice::from_ref(&old));
     drop(old); // the trainer frees the tensor and allocates a new one
     let mut new = DeviceBuffer::alloc(&ctx, len).unwrap();
     new.memset(0x22).unwrap();
-    let new_handle = cuda::ipc_export(&ctx, new.ptr()).unwrap();
+    let new_handle = shmckpt_ipc::cuda::ipc_export(&ctx, new.ptr()).unwrap();
     eprintln!(
         "address reused: {}, handle changed: {}",
         new.ptr() == old_ptr,

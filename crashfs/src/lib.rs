@@ -6,7 +6,7 @@
 //! - every inode has a **live** state (what the running system reads) and a **durable**
 //!   one (what survives a power loss);
 //! - a file's data and size become durable at its `fsync`/`fdatasync` (all of them: no
-//!   tearing, no reordering here; the simulated harness in `src/crashsim/` covers those);
+//!   tearing, no reordering here; the simulated harness, crate `shmckpt-crashsim`, covers those);
 //!   a file created and never synced is durable as an empty file, if its name is;
 //! - a directory's entries (create, mkdir, rename, unlink, rmdir) become durable at the
 //!   directory's own `fsync` (all of them at once, as a journal commit); a file's `fsync`

@@ -47,7 +47,6 @@ __all__ = [
     "DestinationError",
     "CudaError",
     "ShutdownError",
-    "IpcError",
     "RecoveryError",
     "SaveFailed",
     "Cancelled",
@@ -239,10 +238,6 @@ class UnsupportedValue(ShmckptError, TypeError):
     def __reduce__(self) -> Any:
         # (DCP sends a rank's exception to the others pickled: keep ``key`` and the fields.)
         return (type(self), (str(self), self.key), dict(self.__dict__))
-
-
-class IpcError(ShmckptError, RuntimeError):
-    """The IPC writer process failed."""
 
 
 class RecoveryError(ShmckptError):

@@ -683,7 +683,6 @@ pub fn error_class(e: &shmckpt::Error) -> &'static str {
         E::UnsafePath { .. } => "UnsafePath",
         E::StepOverflow { .. } => "StepOverflow",
         E::RootTooLong { .. } => "RootTooLong",
-        E::Ipc(_) => "IpcError",
         E::Recovery { .. } => "RecoveryError",
         E::Remote { .. } => "RemoteError",
         E::RemoteFailed { .. } => "RemoteFailed",

@@ -396,12 +396,13 @@ impl Engine {
                 for st in rx {
                     st.wait_settled();
                     let (res, retired) = finalize::finalize(&st);
-                    // Power-loss tests: the report's place among the recorded operations.
-                    #[cfg(feature = "crash-record")]
+                    // The filesystem observer: the report's place among the operations.
+                    #[cfg(feature = "fs-observer")]
                     if let Ok(r) = &res
                         && r.dir.is_some()
+                        && let Some(o) = crate::observe::observer()
                     {
-                        crate::crashsim::record::committed(&st.shared.cfg.root, st.step);
+                        o.committed(&st.shared.cfg.root, st.step);
                     }
                     st.complete(res);
                     // The save is reported committed first: deleting the retired

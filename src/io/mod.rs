@@ -15,7 +15,7 @@ pub mod uring;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
-#[cfg(feature = "crash-record")]
+#[cfg(feature = "fs-observer")]
 pub mod record;
 
 use std::io;
@@ -183,8 +183,8 @@ pub(crate) fn open_backend(opts: &BackendOptions) -> io::Result<Box<dyn IoBacken
             }
         },
     };
-    // Recording sees what reaches the file: faults wrap it (an injected error never does).
-    #[cfg(feature = "crash-record")]
+    // The observer sees what reaches the file: faults wrap it (an injected error never does).
+    #[cfg(feature = "fs-observer")]
     let base: Box<dyn IoBackend> = Box::new(record::RecordingBackend::new(base));
     #[cfg(feature = "fault-injection")]
     if let Some(plan) = &opts.faults {

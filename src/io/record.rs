@@ -1,6 +1,6 @@
-//! Power-loss recording for tests (feature `crash-record`): wraps a backend and reports
-//! every completed write, with the bytes it transferred, to `crate::crashsim::record`
-//! (which keeps it only when the file belongs to a recorded root).
+//! Write observation (feature `fs-observer`): wraps a backend and reports every completed
+//! write, with the bytes it transferred, to the installed filesystem observer
+//! ([`FsObserver::written`](crate::observe::FsObserver::written)), while it tracks writes.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -47,7 +47,8 @@ impl IoBackend for RecordingBackend {
     /// The contract of [`IoBackend::push`]: the buffer stays valid (and untouched by
     /// others) and the fd open until this request's completion is returned by `wait`.
     unsafe fn push(&mut self, op: IoOp) -> io::Result<()> {
-        let tracked = op.kind == OpKind::Write && crate::crashsim::record::active();
+        let tracked = op.kind == OpKind::Write
+            && crate::observe::observer().is_some_and(|o| o.tracking_writes());
         if tracked {
             let p = Pending {
                 fd: op.fd,
@@ -82,7 +83,9 @@ impl IoBackend for RecordingBackend {
             let data = unsafe { std::slice::from_raw_parts(op.buf as *const u8, n) };
             // SAFETY: `push`'s contract keeps `op.fd` open until then too.
             let fd = unsafe { BorrowedFd::borrow_raw(op.fd) };
-            crate::crashsim::record::written(fd, op.offset, data);
+            if let Some(o) = crate::observe::observer() {
+                o.written(fd, op.offset, data);
+            }
         }
         Ok(())
     }

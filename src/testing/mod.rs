@@ -1,14 +1,7 @@
 //! Support for the crate's own tests (feature `testing`, hidden from the documentation):
-//! the benchmark support of [`crate::bench`] under its old names, and the few internals
-//! the tests inspect, each named (no glob re-exports: nothing reaches the internals but
-//! these items). Not part of the stable API.
-
-pub use crate::bench::{reference, synthetic};
-
-/// Small helpers.
-pub mod util {
-    pub use crate::bench::{gbps, median};
-}
+//! the few internals the tests inspect, each named (no glob re-exports: nothing reaches
+//! the internals but these items). Not part of the stable API. The synthetic workloads
+//! the tests save are the crate `shmckpt-bench`'s.
 
 /// The write backend's operation kinds, the durable-write helpers the crash tests stage
 /// files with and, with `fault-injection`, its fault plans.
@@ -25,10 +18,12 @@ pub mod io {
     }
 }
 
-/// The engine's filesystem funnel (with `crash-record`, the operations the recorder sees),
-/// for tests that stage a scene the recorder must see.
+/// The engine's filesystem funnel (with `fs-observer`, the operations the observer sees),
+/// for tests that stage a scene the power-loss recorder must see.
 pub mod fsops {
-    pub use crate::fsops::{create_dir, remove_dir_all, rename};
+    pub use crate::fsops::{
+        create_dir, create_new_file, fallocate, fdatasync_file, remove_dir_all, rename, set_len,
+    };
 }
 
 /// The file layout, to build the exact image a save writes.

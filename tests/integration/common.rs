@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{BackendKind, Dtype, EngineConfig, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 /// A fresh directory on the real filesystem that holds `target/` (not tmpfs: O_DIRECT and
 /// io_uring must meet a real block device). Removed on drop.

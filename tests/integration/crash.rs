@@ -1,6 +1,6 @@
 //! Power loss (docs/crash.md): record every filesystem operation of real saves (1 and 4
 //! ranks, with retention, and a recovery), generate the states a power loss at any point
-//! could leave (`shmckpt::crashsim::states`), materialize each one and run what a
+//! could leave (`shmckpt_crashsim::states`), materialize each one and run what a
 //! restarted trainer runs: `Engine::open` with recovery, `load(latest)`, `verify`, `gc`.
 //!
 //! Invariants checked in every state:
@@ -24,12 +24,12 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use shmckpt::crashsim::states::{self, Variant};
-use shmckpt::crashsim::{Log, Op, record::Recording};
 use shmckpt::restore::{self, ReadOptions};
 use shmckpt::testing::staging::{Arena, ArenaSpec};
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, EngineConfig, Metadata, StepSel};
+use shmckpt_bench::synthetic::LayoutEntry;
+use shmckpt_crashsim::states::{self, Variant};
+use shmckpt_crashsim::{Log, Op, record::Recording};
 
 use crate::common::{BACKENDS, State, real_dir};
 
@@ -391,8 +391,8 @@ fn check_log(
     tally
 }
 
-fn short(op: &shmckpt::crashsim::Op) -> String {
-    use shmckpt::crashsim::Op;
+fn short(op: &shmckpt_crashsim::Op) -> String {
+    use shmckpt_crashsim::Op;
     match op {
         Op::Write { id, offset, data } => format!("write #{id} @{offset} +{}", data.len()),
         other => format!("{other:?}"),
@@ -478,7 +478,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
     shmckpt::testing::fsops::rename(&other, &root.join("step-7")).unwrap();
     let done = shmckpt::commit::commit(root, 7, 2, &partial, entry(0), &Metadata::new()).unwrap();
     assert_eq!(done, Some(root.join("step-7")));
-    shmckpt::crashsim::record::committed(root, 7);
+    shmckpt_crashsim::record::committed(root, 7);
     let log = rec.finish();
     // Right after the report, with nothing but what was made durable:
     let state = states::crash_state(&log, log.ops.len(), Variant::Durable);
@@ -575,7 +575,7 @@ fn recovery_and_later_saves_survive_every_crash_state() {
     let engine = Engine::open(config(root, 0, 1, BackendKind::Auto)).unwrap();
     // The recovery's report: open returned with step 3 committed.
     assert_eq!(engine.latest().unwrap(), Some(3));
-    shmckpt::crashsim::record::committed(root, 3);
+    shmckpt_crashsim::record::committed(root, 3);
     for step in [4, 5] {
         let st = state(step, 0);
         engine

@@ -12,8 +12,8 @@ use std::time::Duration;
 use common::*;
 use shmckpt::testing::io::OpKind;
 use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, Error, Metadata};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 const CS: u64 = 64 << 10;
 /// Staging chunks of the engines here.

@@ -11,8 +11,8 @@ use crate::common;
 use std::path::Path;
 
 use common::*;
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, Metadata};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 const MIB: u64 = 1 << 20;
 

@@ -132,7 +132,7 @@ fn child_trainer() {
 /// splitmix64 step.
 fn next(rng: &mut u64) -> u64 {
     *rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    shmckpt::testing::synthetic::splitmix64(*rng)
+    shmckpt_bench::synthetic::splitmix64(*rng)
 }
 
 /// Where the dead child was, judged from what it left.

@@ -19,7 +19,7 @@ mod remote_crash;
 mod roundtrip;
 mod small_shm;
 
-#[cfg(feature = "crash-record")]
+#[cfg(feature = "fs-observer")]
 mod crash;
 #[cfg(feature = "fault-injection")]
 mod faults;
@@ -27,7 +27,7 @@ mod faults;
 mod kill;
 #[cfg(feature = "fault-injection")]
 mod prefault;
-#[cfg(all(feature = "fault-injection", feature = "crash-record"))]
+#[cfg(all(feature = "fault-injection", feature = "fs-observer"))]
 mod soak;
 #[cfg(feature = "fault-injection")]
 mod stress;

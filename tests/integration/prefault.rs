@@ -8,8 +8,8 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, Engine, Error, StepSel};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 fn big_layout() -> Vec<LayoutEntry> {
     vec![

@@ -27,8 +27,8 @@ use object_store::{
     ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
 };
 use shmckpt::remote::{Remote, RemoteOptions};
-use shmckpt::testing::synthetic::LayoutEntry;
 use shmckpt::{BackendKind, Dtype, LoadSource, Metadata, StepSel};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 use crate::common::{State, load_with_report, real_dir, small_config};
 

@@ -4,8 +4,8 @@
 use crate::common;
 
 use common::*;
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, Engine, Error, Metadata, StepSel};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 #[test]
 fn every_dtype_scalar_and_zero_size_round_trip_on_both_backends() {

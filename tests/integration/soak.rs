@@ -128,7 +128,7 @@ fn kill_at_commit(root: PathBuf, step: u64) {
 
 fn splitmix(rng: &mut u64) -> u64 {
     *rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    shmckpt::testing::synthetic::splitmix64(*rng)
+    shmckpt_bench::synthetic::splitmix64(*rng)
 }
 
 fn trainer_config(root: &Path, rank: u32, world: u32, backend: BackendKind) -> EngineConfig {
@@ -1042,7 +1042,7 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
 /// Power cuts: random crash states of recorded saves (1 and 2 ranks), each checked as
 /// `crash.rs` checks them.
 fn power_cuts(soak: &Soak, n: u64) {
-    use shmckpt::crashsim::states::{self, Variant};
+    use shmckpt_crashsim::states::{self, Variant};
     let mut rng = soak.seed ^ 0xc0de;
     let scratch = tempfile::Builder::new()
         .prefix("soak-cuts-")
@@ -1123,7 +1123,7 @@ fn chaos_soak() {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap();
-        shmckpt::testing::synthetic::splitmix64(t.as_nanos() as u64 ^ u64::from(std::process::id()))
+        shmckpt_bench::synthetic::splitmix64(t.as_nanos() as u64 ^ u64::from(std::process::id()))
     });
     let target = env_u64("SHMCKPT_SOAK_FAULTS").unwrap_or(DEFAULT_FAULTS);
     // One kill lane per world size (default 1 and 2 ranks); `SHMCKPT_SOAK_WORLDS=2`

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use shmckpt::testing::io::OpKind;
 use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, Engine, Metadata, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 const SAVES: u64 = 200;
 const CS: u64 = 64 << 10;

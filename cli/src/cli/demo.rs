@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use shmckpt::bench::gbps;
-use shmckpt::bench::synthetic::{self, LayoutEntry};
 use shmckpt::{EngineConfig, Metadata, StepSel, Tensor};
+use shmckpt_bench::gbps;
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 use super::{CliResult, guard, human, progress, secs};
 

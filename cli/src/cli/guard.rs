@@ -6,7 +6,7 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use shmckpt::bench::synthetic::LayoutEntry;
+use shmckpt_bench::synthetic::LayoutEntry;
 
 /// Largest `--layout` file read (a layout of a million tensors is far below this).
 pub const MAX_LAYOUT_FILE: u64 = 64 << 20;

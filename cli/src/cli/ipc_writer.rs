@@ -1,11 +1,11 @@
 //! `shmckpt ipc-writer` (hidden): the writer process of the IPC baseline, spawned by
-//! [`shmckpt::ipc::IpcWriterClient`]. Its arguments are exactly what
-//! [`shmckpt::ipc::IpcConfig::writer_args`] produces.
+//! [`shmckpt_ipc::IpcWriterClient`]. Its arguments are exactly what
+//! [`shmckpt_ipc::IpcConfig::writer_args`] produces.
 
 use std::path::PathBuf;
 
 use shmckpt::EngineConfig;
-use shmckpt::ipc::{self, WriterOptions};
+use shmckpt_ipc::{self as ipc, WriterOptions};
 
 use super::{CliResult, parse_size};
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use shmckpt::bench::gbps;
 use shmckpt::remote::{Remote, RemoteOptions, is_remote};
+use shmckpt_bench::gbps;
 
 use serde_json::json;
 

@@ -4,10 +4,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde_json::{Value, json};
-use shmckpt::bench::gbps;
 use shmckpt::divergence::{self, ReplicaReport};
 use shmckpt::manifest::{self, MANIFEST, Manifest};
 use shmckpt::restore::{self, ReadOptions};
+use shmckpt_bench::gbps;
 
 use super::{CliResult, NotFound, human, print_json, require_root, secs};
 

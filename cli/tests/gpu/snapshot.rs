@@ -1,8 +1,8 @@
 //! The opt-in device snapshot (issue 24), in the `gpu` test binary (`gpu.rs`).
 
 use shmckpt::cuda::{Stream, batch_copies_supported, driver_version};
-use shmckpt::testing::synthetic::{self, LayoutEntry};
 use shmckpt::{Dtype, EngineConfig, Metadata, SaveOptions};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
 
 use super::{common, expected, tensors, upload};
 

@@ -11,9 +11,10 @@ use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shmckpt::cuda::{self, IpcMemHandle};
-use shmckpt::ipc::{IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
+use shmckpt::cuda;
 use shmckpt::{DeviceSlice, Dtype, Engine, EngineConfig, Error, Metadata, Tensor};
+use shmckpt_ipc::cuda::IpcMemHandle;
+use shmckpt_ipc::{Error as IpcError, IpcAllocation, IpcConfig, IpcTensor, IpcWriterClient};
 
 /// The writer executable: `$SHMCKPT_EXE`, else the one cargo built.
 fn exe() -> std::path::PathBuf {
@@ -209,7 +210,7 @@ fn save_without_a_cuda_driver_is_a_clear_error() {
             )
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Cuda { call, code: None, detail }
+            matches!(&err, IpcError::Shmckpt(Error::Cuda { call, code: None, detail })
                 if call == "cuInit" && detail.contains("no CUDA driver")),
             "{err:?}"
         );
@@ -233,14 +234,17 @@ fn save_without_a_cuda_driver_is_a_clear_error() {
             .save_exported(1, &[alloc], &[t], &Metadata::new())
             .unwrap_err();
         match &err {
-            Error::Cuda { call, detail, .. } => {
+            IpcError::Shmckpt(Error::Cuda { call, detail, .. }) => {
                 assert!(call.contains("IPC writer"), "{call}");
                 assert!(detail.contains("no CUDA driver"), "{detail}");
             }
             other => panic!("unexpected {other:?}"),
         }
         let err = client.prepare(&[0]).unwrap_err();
-        assert!(matches!(&err, Error::Cuda { .. }), "{err:?}");
+        assert!(
+            matches!(&err, IpcError::Shmckpt(Error::Cuda { .. })),
+            "{err:?}"
+        );
 
         // The writer is still there and well; a host tensor is refused on this side.
         assert_eq!(client.stats().unwrap().cached_mappings, 0);
@@ -253,7 +257,7 @@ fn save_without_a_cuda_driver_is_a_clear_error() {
             )
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Config(m) if m.contains("host memory")),
+            matches!(&err, IpcError::Shmckpt(Error::Config(m)) if m.contains("host memory")),
             "{err:?}"
         );
 
@@ -270,7 +274,10 @@ fn save_without_a_cuda_driver_is_a_clear_error() {
         assert!(r.dir.is_some() && r.durable >= r.writer.durable);
         // The same step again: the writer's typed error comes back typed.
         let err = client.save(1, &empty, &meta).map(|_| ()).unwrap_err();
-        assert!(matches!(err, Error::StepExists { step: 1, .. }), "{err:?}");
+        assert!(
+            matches!(err, IpcError::Shmckpt(Error::StepExists { step: 1, .. })),
+            "{err:?}"
+        );
         client.shutdown().unwrap();
 
         let engine = Engine::open(EngineConfig::new(&root)).unwrap();
@@ -295,14 +302,17 @@ fn spawn_failures_are_clear_errors() {
         let dir = common::real_dir("ipc-spawn");
         // No such root: refused before spawning.
         let err = config(&dir.path().join("missing")).spawn().unwrap_err();
-        assert!(matches!(err, Error::RootMissing { .. }), "{err:?}");
+        assert!(
+            matches!(err, IpcError::Shmckpt(Error::RootMissing { .. })),
+            "{err:?}"
+        );
         // No such executable.
         let err = config(dir.path())
             .with_exe(dir.path().join("no-such-shmckpt"))
             .spawn()
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Ipc(m) if m.contains("cannot run")),
+            matches!(&err, IpcError::Ipc(m) if m.contains("cannot run")),
             "{err:?}"
         );
         // The writer's engine refuses its settings: the writer reports it and exits.
@@ -311,7 +321,7 @@ fn spawn_failures_are_clear_errors() {
             .spawn()
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Config(m) if m.contains("chunk_size")),
+            matches!(&err, IpcError::Shmckpt(Error::Config(m)) if m.contains("chunk_size")),
             "{err:?}"
         );
         // A root locked by another engine of the same rank.
@@ -323,7 +333,7 @@ fn spawn_failures_are_clear_errors() {
         .unwrap();
         let err = config(dir.path()).spawn().unwrap_err();
         assert!(
-            matches!(&err, Error::Ipc(m) if m.contains("lock")),
+            matches!(&err, IpcError::Ipc(m) if m.contains("lock")),
             "{err:?}"
         );
         drop(engine);
@@ -333,7 +343,7 @@ fn spawn_failures_are_clear_errors() {
             .spawn()
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Ipc(m) if m.contains("exited")),
+            matches!(&err, IpcError::Ipc(m) if m.contains("exited")),
             "{err:?}"
         );
         let c = config(dir.path()).spawn().unwrap();
@@ -365,12 +375,12 @@ fn writer_dies_when_the_socket_closes_without_shutdown() {
             }
         };
         assert!(
-            matches!(&err, Error::Ipc(m) if m.contains("gone")),
+            matches!(&err, IpcError::Ipc(m) if m.contains("gone")),
             "{err:?}"
         );
         let shm = client.shm_name().to_owned();
         let err = client.shutdown().unwrap_err();
-        assert!(matches!(err, Error::Ipc(_)), "{err:?}");
+        assert!(matches!(err, IpcError::Ipc(_)), "{err:?}");
         assert_eq!(proc_state(pid), None);
         remove_shm(&shm);
     });

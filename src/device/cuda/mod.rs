@@ -10,18 +10,12 @@
 
 mod alloc;
 mod batch;
-#[cfg(feature = "ipc")]
-mod ipc;
 mod pool;
 mod register;
 mod stream;
 
 pub use alloc::{DeviceBuffer, PinnedHost};
 pub use batch::batch_copies_supported;
-#[cfg(feature = "ipc")]
-pub use ipc::{
-    IpcMapping, IpcMemHandle, allocation_range, device_uuid, ipc_export, ordinal_of_uuid,
-};
 pub(crate) use pool::{MemPool, StreamBuffer};
 pub use register::HostRegistration;
 pub use stream::{Event, EventRef, Stream, StreamRef};

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::json;
-use shmckpt::bench::reference::{RawTimes, raw_direct_reads};
-use shmckpt::bench::synthetic::{self, LayoutEntry};
-use shmckpt::bench::{gbps, median};
 use shmckpt::{Dtype, Engine, EngineConfig};
+use shmckpt_bench::reference::{RawTimes, raw_direct_reads};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
+use shmckpt_bench::{gbps, median};
 
 use super::BenchArgs;
 use crate::cli::{CliResult, guard, human};
@@ -118,7 +118,7 @@ pub fn write_reference(
     if a.no_reference {
         return Ok(None);
     }
-    Ok(Some(shmckpt::bench::reference::raw_direct_writes(
+    Ok(Some(shmckpt_bench::reference::raw_direct_writes(
         &a.dir, bytes,
     )?))
 }

@@ -5,10 +5,10 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use shmckpt::bench::synthetic::LayoutEntry;
-use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
 use shmckpt::{LoadInto, LoadRequest};
+use shmckpt_bench::synthetic::LayoutEntry;
+use shmckpt_bench::{gbps, median};
 
 use super::BenchArgs;
 use super::common::{Run, engine_for, load_layout, report};

@@ -1,7 +1,7 @@
 //! `bench --source host`: host tensors, saves alternated with the raw O_DIRECT write.
 
-use shmckpt::bench::synthetic;
 use shmckpt::{LoadInto, LoadRequest, Metadata, Tensor};
+use shmckpt_bench::synthetic;
 
 use super::BenchArgs;
 use super::common::{Run, engine_for, load_layout, report};

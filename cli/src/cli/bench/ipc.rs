@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
-use shmckpt::bench::reference::RawTimes;
-use shmckpt::bench::synthetic::LayoutEntry;
-use shmckpt::bench::{gbps, median};
 use shmckpt::cuda::{self, Context, DeviceBuffer, PinnedHost, Stream};
+use shmckpt_bench::reference::RawTimes;
+use shmckpt_bench::synthetic::LayoutEntry;
+use shmckpt_bench::{gbps, median};
 
 use super::common::{load_layout, peak_rss, report};
 use super::memory::memory_experiment;

@@ -4,8 +4,8 @@
 use std::time::Instant;
 
 use serde_json::{Value, json};
-use shmckpt::bench::synthetic::LayoutEntry;
 use shmckpt::cuda::{Context, DeviceBuffer};
+use shmckpt_bench::synthetic::LayoutEntry;
 
 use super::variant::{Variant, free, tensors};
 

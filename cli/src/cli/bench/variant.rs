@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use shmckpt::bench::synthetic::{self, LayoutEntry};
 use shmckpt::cuda::{Context, DeviceBuffer};
-use shmckpt::ipc::{IpcConfig, IpcWriterClient};
 use shmckpt::{Engine, Metadata, Tensor};
+use shmckpt_bench::synthetic::{self, LayoutEntry};
+use shmckpt_ipc::{IpcConfig, IpcWriterClient};
 
 use super::BenchArgs;
 use super::common::Run;

@@ -1,10 +1,10 @@
-//! Unit tests of the recorder (`record.rs`), a sibling of it rather than its submodule:
-//! they drive the commit protocol, which itself reports to the recorder.
+//! The recorder (`src/record.rs`) on the library's commit protocol, which reports to it
+//! through the filesystem observer hook.
 
-use super::Op;
-use super::record::*;
-use crate::io::file::FileTarget;
-use crate::manifest::{FileEntry, Metadata};
+use shmckpt::manifest::{FileEntry, Metadata};
+use shmckpt::testing::fsops;
+use shmckpt_crashsim::Op;
+use shmckpt_crashsim::record::*;
 
 fn shape(op: &Op) -> String {
     match op {
@@ -45,11 +45,12 @@ fn records_a_commit_in_issue_order() {
     std::fs::create_dir(root.join("old")).unwrap();
     let rec = Recording::start(root).unwrap();
     // Not recorded: another root.
-    crate::fsops::create_dir(&other.path().join("x")).unwrap();
-    let partial = crate::commit::prepare_partial(root, 1, 0, "f", 1).unwrap();
-    let t = FileTarget::create(&partial.join("f"), false).unwrap();
-    t.preallocate(8192).unwrap();
-    t.finish(10).unwrap();
+    fsops::create_dir(&other.path().join("x")).unwrap();
+    let partial = shmckpt::commit::prepare_partial(root, 1, 0, "f", 1).unwrap();
+    let t = fsops::create_new_file(&partial.join("f")).unwrap();
+    fsops::fallocate(std::os::fd::AsFd::as_fd(&t), 8192).unwrap();
+    fsops::set_len(&t, 10).unwrap();
+    fsops::fdatasync_file(&t).unwrap();
     let entry = FileEntry {
         rank: 0,
         file: "f".into(),
@@ -60,11 +61,11 @@ fn records_a_commit_in_issue_order() {
         object: None,
         tensors: Vec::new(),
     };
-    crate::commit::commit(root, 1, 1, &partial, entry, &Metadata::new()).unwrap();
+    shmckpt::commit::commit(root, 1, 1, &partial, entry, &Metadata::new()).unwrap();
     committed(root, 1);
-    let retired = crate::commit::retire_old(root, 1).unwrap();
+    let retired = shmckpt::commit::retire_old(root, 1).unwrap();
     assert!(retired.steps.is_empty());
-    crate::fsops::remove_dir_all(&root.join("old")).unwrap();
+    fsops::remove_dir_all(&root.join("old")).unwrap();
     let log = rec.finish();
     let manifest_len = std::fs::metadata(root.join("step-1/manifest.json"))
         .unwrap()

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::dtype::Dtype;
+use shmckpt::Dtype;
 
 /// The splitmix64 finalizer (Steele, Lea, Flood 2014).
 pub const fn splitmix64(x: u64) -> u64 {

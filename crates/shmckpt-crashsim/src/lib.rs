@@ -1,8 +1,12 @@
-//! Power-loss simulation for tests (feature `crash-record`; docs/crash.md).
+//! Power-loss simulation for shmckpt's tests (docs/crash.md).
+//!
+//! A tool beside the library, not part of it: it sees the engine through the library's
+//! filesystem observer hook ([`shmckpt::observe`], feature `fs-observer`) and its public
+//! API only.
 //!
 //! 1. [`record`]: while a [`record::Recording`] of a root is active, every filesystem
-//!    mutation and sync the engine issues on that root (through `crate::fsops` and the
-//!    write backends) is appended to one log, in issue order: data writes (io_uring and
+//!    mutation and sync the engine issues on that root (through the library's funnel and
+//!    its write backends) is appended to one log, in issue order: data writes (io_uring and
 //!    `pwrite` alike, with their bytes), `fdatasync`/`fsync` of files and directories,
 //!    `mkdir`, file creation, `rename`, `unlink`, `rmdir`, `fallocate`, `ftruncate`, and a
 //!    marker each time a save is reported committed to its caller.
@@ -15,11 +19,12 @@
 //! Files and directories are identified by [`Id`]s that the recorder gives to inodes
 //! (a reused inode number gets a new id), so renames and unlinks are followed exactly.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
 pub mod model;
 mod ops;
 pub mod record;
-#[cfg(test)]
-mod record_tests;
 pub mod states;
 
 pub use model::Log;

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use shmckpt::bench::synthetic;
 use shmckpt::{Dtype, EngineConfig, Metadata, Tensor};
+use shmckpt_bench::synthetic;
 
 const BYTES: u64 = 256 << 20;
 

@@ -4,8 +4,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::EngineConfig;
-use crate::io::BackendKind;
+use shmckpt::BackendKind;
+use shmckpt::EngineConfig;
 
 use super::{EXE_ENV, WRITER_SUBCOMMAND};
 
@@ -122,37 +122,37 @@ impl IpcConfig {
             "--socket".into(),
             socket.into(),
             "--dir".into(),
-            e.root.clone().into(),
+            e.root().into(),
             "--parent-pid".into(),
             parent_pid.to_string().into(),
             "--staging-capacity".into(),
-            e.staging_capacity.to_string().into(),
+            e.staging_capacity().to_string().into(),
             "--chunk-size".into(),
-            e.chunk_size.to_string().into(),
+            e.chunk_size().to_string().into(),
             "--writer-threads".into(),
-            e.writer_threads.to_string().into(),
+            e.writer_threads().to_string().into(),
             "--queue-depth".into(),
-            e.queue_depth.to_string().into(),
+            e.queue_depth().to_string().into(),
             "--copy-threads".into(),
-            e.copy_threads.to_string().into(),
+            e.copy_threads().to_string().into(),
             "--backend".into(),
-            match e.backend {
+            match e.backend() {
                 BackendKind::Auto => "auto",
                 BackendKind::IoUring => "io_uring",
                 BackendKind::Pwrite => "pwrite",
             }
             .into(),
             "--max-inflight-saves".into(),
-            e.max_inflight_saves.to_string().into(),
+            e.max_inflight_saves().to_string().into(),
             "--rank".into(),
-            e.rank.to_string().into(),
+            e.rank().0.to_string().into(),
             "--world-size".into(),
-            e.world_size.to_string().into(),
+            e.rank().1.to_string().into(),
         ];
-        if let Some(n) = e.keep_last {
+        if let Some(n) = e.keep_last() {
             v.extend(["--keep-last".into(), n.to_string().into()]);
         }
-        if !e.direct_io {
+        if !e.direct_io() {
             v.push("--no-direct-io".into());
         }
         v

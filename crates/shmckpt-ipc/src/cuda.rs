@@ -1,30 +1,82 @@
-//! CUDA IPC: exporting device allocations and mapping another process's (feature `ipc`).
+//! CUDA IPC: exporting device allocations and mapping another process's.
+//!
+//! The library's CUDA façade ([`shmckpt::cuda`]) has no IPC: the few driver calls the
+//! baseline needs are made here, through cudarc like the library's own, on its public
+//! [`Context`] (retained primary context, `bind`) and [`DeviceSlice::new`].
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
 
-use cudarc::driver::sys;
+use cudarc::driver::result as driver;
+use cudarc::driver::{DriverError, sys};
+use shmckpt::DeviceSlice;
+use shmckpt::cuda::{Context, device_count};
 
-use super::device_count;
-use super::{Context, check};
 use crate::error::{Error, Result};
-use crate::tensor::DeviceSlice;
 
-// ---------------------------------------------------------------------------------------
-// CUDA IPC (the `--mode ipc` baseline: NVRx / Megatron's persistent writer process).
-// ---------------------------------------------------------------------------------------
+pub(crate) use shmckpt::cuda::init;
+
+/// `Ok` for `CUDA_SUCCESS`, else the library's CUDA error naming `what` and the result.
+fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    r.result().map_err(|e| driver_error(e, what))
+}
+
+/// The library's CUDA error for a failed driver call `what`.
+fn driver_error(e: DriverError, what: &str) -> Error {
+    shmckpt::Error::Cuda {
+        call: what.to_owned(),
+        code: Some(e.0 as i32),
+        detail: e.error_name().map_or_else(
+            |_| format!("{:?}", e.0),
+            |n| n.to_string_lossy().into_owned(),
+        ),
+    }
+    .into()
+}
+
+/// The driver's handle of device `ordinal`, or an error naming the number of devices.
+fn device(ordinal: i32) -> Result<sys::CUdevice> {
+    init()?;
+    let n = device_count()?;
+    if ordinal < 0 || ordinal >= n {
+        return Err(Error::cuda(
+            "cuDeviceGet",
+            format!("device {ordinal} does not exist ({n} devices)"),
+        ));
+    }
+    driver::device::get(ordinal).map_err(|e| driver_error(e, "cuDeviceGet"))
+}
+
+/// Restores the calling thread's previous current context on drop, so that exporting
+/// handles does not change the trainer's CUDA state.
+#[derive(Debug)]
+pub(crate) struct CtxGuard {
+    prev: sys::CUcontext,
+}
+
+impl CtxGuard {
+    /// Remember the current context.
+    pub(crate) fn save() -> Result<CtxGuard> {
+        init()?;
+        let prev = driver::ctx::get_current()
+            .map_err(|e| driver_error(e, "cuCtxGetCurrent"))?
+            .unwrap_or(std::ptr::null_mut());
+        Ok(CtxGuard { prev })
+    }
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        // SAFETY: `prev` was current on this thread (or null, which unbinds).
+        let _ = unsafe { sys::cuCtxSetCurrent(self.prev) };
+    }
+}
 
 /// The 16-byte UUID of device `ordinal` (stable across processes, unlike ordinals, which
 /// depend on `CUDA_VISIBLE_DEVICES`).
 pub fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
-    let dev = super::device(ordinal)?;
-    let mut uuid = sys::CUuuid { bytes: [0; 16] };
-    check(
-        // SAFETY: `uuid` is a live, properly aligned local `CUuuid` (16 bytes) the driver
-        // writes into; `dev` is a valid handle from `cuDeviceGet`.
-        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) },
-        "cuDeviceGetUuid",
-    )?;
+    let dev = device(ordinal)?;
+    let uuid = driver::device::get_uuid(dev).map_err(|e| driver_error(e, "cuDeviceGetUuid"))?;
     Ok(uuid.bytes.map(|b| b as u8))
 }
 
@@ -115,7 +167,7 @@ pub fn ipc_export(ctx: &Context, base: u64) -> Result<IpcMemHandle> {
 /// may still be saved:
 ///
 /// ```compile_fail,E0505
-/// # fn f(mapping: shmckpt::cuda::IpcMapping) -> shmckpt::Result<()> {
+/// # fn f(mapping: shmckpt_ipc::cuda::IpcMapping) -> shmckpt_ipc::Result<()> {
 /// let slice = mapping.slice(0, 16, 16)?;
 /// drop(mapping); // error: `mapping` is still borrowed by `slice`
 /// let _ = slice.len();

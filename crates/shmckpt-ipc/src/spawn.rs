@@ -27,7 +27,10 @@ pub(super) fn socket_dir() -> Result<PathBuf> {
         "shmckpt-ipc-{}-{}-{}",
         std::process::id(),
         SOCKET_COUNTER.fetch_add(1, Ordering::Relaxed),
-        crate::util::unix_ms() % 1_000_000
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+            % 1_000_000
     );
     let mut base = std::env::temp_dir();
     if base.as_os_str().len() + name.len() + 16 > 100 {
@@ -45,9 +48,10 @@ impl IpcWriterClient {
     /// Spawn the writer process (once), wait for it to connect and open its engine.
     pub fn spawn(cfg: IpcConfig) -> Result<IpcWriterClient> {
         if !cfg.root().is_dir() {
-            return Err(Error::RootMissing {
+            return Err(shmckpt::Error::RootMissing {
                 path: cfg.root().to_owned(),
-            });
+            }
+            .into());
         }
         let dir = socket_dir()?;
         let res = Self::spawn_in(cfg, &dir);

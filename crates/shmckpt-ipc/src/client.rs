@@ -7,10 +7,11 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::device::cuda::{self, Context, CtxGuard};
+use crate::cuda::{self, CtxGuard};
 use crate::error::{Error, Result};
-use crate::manifest::Metadata;
-use crate::tensor::{Source, Tensor};
+use shmckpt::Metadata;
+use shmckpt::cuda::Context;
+use shmckpt::{Source, Tensor};
 
 use super::config::IpcConfig;
 use super::conn::Inner;
@@ -27,7 +28,7 @@ impl IpcConfig {
 }
 
 /// The trainer's side of the IPC baseline: owns the writer process (see the
-/// [module documentation](crate::ipc)). `Send + Sync`; requests are serialized.
+/// [module documentation](crate)). `Send + Sync`; requests are serialized.
 pub struct IpcWriterClient {
     pub(super) inner: Arc<Inner>,
     pub(super) cfg: IpcConfig,
@@ -37,7 +38,7 @@ pub struct IpcWriterClient {
     pub(super) stream: UnixStream,
     pub(super) shm_name: String,
     pub(super) staging_bytes: u64,
-    pub(super) backend: crate::io::Backend,
+    pub(super) backend: shmckpt::Backend,
     pub(super) contexts: Mutex<BTreeMap<i32, DeviceCtx>>,
 }
 
@@ -71,7 +72,7 @@ impl IpcWriterClient {
     }
 
     /// The writer's write backend (`io_uring` or `pwrite`).
-    pub fn backend(&self) -> crate::io::Backend {
+    pub fn backend(&self) -> shmckpt::Backend {
         self.backend
     }
 
@@ -172,7 +173,7 @@ impl IpcWriterClient {
             if let Source::Host(b) = t.source
                 && !b.is_empty()
             {
-                return Err(Error::Config(format!(
+                return Err(Error::config(format!(
                     "tensor {:?} is in host memory: IPC mode saves device tensors only",
                     t.name
                 )));
@@ -213,7 +214,7 @@ impl IpcWriterClient {
                         let (base, size) = cuda::allocation_range(ctx, d.ptr())?;
                         let offset = d.ptr().saturating_sub(base);
                         if offset + d.len() as u64 > size as u64 {
-                            return Err(Error::Config(format!(
+                            return Err(Error::config(format!(
                                 "tensor {:?} ({} bytes at {:#x}) extends past the end of its \
                                  allocation ({size} bytes at {base:#x})",
                                 tensor.name,

@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::EngineConfig;
-use crate::device::cuda::{self, Context, IpcMapping, IpcMemHandle};
-use crate::engine::{Engine, SaveHandle, SaveReport};
+use crate::cuda::{self, IpcMapping, IpcMemHandle};
 use crate::error::{Error, Result};
-use crate::manifest::Metadata;
-use crate::tensor::Tensor;
+use shmckpt::EngineConfig;
+use shmckpt::Metadata;
+use shmckpt::Tensor;
+use shmckpt::cuda::Context;
+use shmckpt::{Engine, SaveHandle, SaveReport};
 
 use super::PROTOCOL_VERSION;
 use super::wire::{
@@ -21,7 +22,7 @@ use super::wire::{
 };
 
 /// How the writer process runs (built by the `ipc-writer` subcommand from
-/// [`IpcConfig::writer_args`](crate::ipc::IpcConfig::writer_args)).
+/// [`IpcConfig::writer_args`](crate::IpcConfig::writer_args)).
 #[derive(Debug, Clone)]
 pub struct WriterOptions {
     /// The trainer's listening socket.
@@ -207,9 +208,11 @@ impl Writer {
             });
         }
         let h = self.engine.save(step, &list, metadata)?;
-        let s = h
-            .staged()
-            .ok_or_else(|| Error::Internal("save returned before staging".into()))?;
+        let s = h.staged().ok_or_else(|| {
+            Error::from(shmckpt::Error::Internal(
+                "save returned before staging".into(),
+            ))
+        })?;
         Ok((
             Reply::Staged {
                 id: 0,
@@ -317,6 +320,7 @@ pub fn run_writer(opts: WriterOptions) -> Result<()> {
     let engine = match Engine::open(opts.engine) {
         Ok(e) => e,
         Err(e) => {
+            let e = Error::from(e);
             let _ = send(
                 &out,
                 &Reply::Failed {
@@ -367,7 +371,7 @@ pub fn run_writer(opts: WriterOptions) -> Result<()> {
                         },
                         Err(e) => Reply::DurableFailed {
                             id,
-                            error: to_wire(&e),
+                            error: to_wire(&e.into()),
                         },
                     };
                     if let Err(e) = send(&out, &msg) {

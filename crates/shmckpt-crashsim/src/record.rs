@@ -1,6 +1,7 @@
-//! The recorder. `crate::fsops` (every mutation of a checkpoint root) and the write
-//! backends call the hooks below; while no [`Recording`] is active they only check one
-//! atomic counter. While one is active, each hook holds one global lock across the system
+//! The recorder: the library's filesystem observer ([`shmckpt::observe`], installed by the
+//! first [`Recording::start`]). The library's funnel of every mutation of a checkpoint
+//! root and its write backends show each call to it; while no [`Recording`] is active it
+//! only checks one atomic counter. While one is active, each hook holds one global lock across the system
 //! call and its record, so the log's order is an order in which the calls really happened,
 //! across every thread of the process.
 //!
@@ -18,9 +19,65 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rustix::fs::AtFlags;
 
-use super::model::Model;
-use super::{Id, Log, Op};
-use crate::util::lock;
+use shmckpt::observe::{FsObserver, FsOp};
+
+use crate::model::Model;
+use crate::{Id, Log, Op};
+
+/// Lock `m`, ignoring poisoning (a panicked test thread left plain data behind).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The recorder as the library's filesystem observer: each call goes to its hook below.
+struct Recorder;
+
+impl FsObserver for Recorder {
+    fn around(&self, op: &FsOp<'_>, run: &mut dyn FnMut() -> bool) {
+        let mut f = || if run() { Ok(()) } else { Err(()) };
+        let _ = match *op {
+            FsOp::Create { path, dir } => create_path(path, dir, f),
+            FsOp::CreateAt { parent, name, dir } => create_at(parent, name, dir, f),
+            FsOp::Remove { path } => remove_path(path, f),
+            FsOp::RemoveAt { parent, name } => remove_at(parent, name, f),
+            FsOp::RemoveTree { path } => remove_tree(path, f),
+            FsOp::Rename { from, to } => rename(from, to, f),
+            FsOp::Sync { fd, data_only } => sync_fd(fd, data_only, f),
+            FsOp::Truncate { fd, len } => truncate_fd(fd, len, f),
+            FsOp::Fallocate { fd, offset, len } => fallocate_fd(fd, offset, len, f),
+            FsOp::Write { fd, offset, data } => write_fd(fd, offset, data, f),
+            // A mutation this recorder does not know: made, not recorded.
+            _ => f(),
+        };
+    }
+
+    fn tracking_writes(&self) -> bool {
+        active()
+    }
+
+    fn written(&self, fd: BorrowedFd<'_>, offset: u64, data: &[u8]) {
+        written(fd, offset, data);
+    }
+
+    fn committed(&self, root: &Path, step: u64) {
+        committed(root, step);
+    }
+}
+
+static RECORDER: Recorder = Recorder;
+
+/// Install the recorder as the process's filesystem observer (once); an error when
+/// another observer was installed first.
+fn install() -> io::Result<()> {
+    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *INSTALLED.get_or_init(|| shmckpt::observe::install(&RECORDER)) {
+        Ok(())
+    } else {
+        Err(io::Error::other(
+            "another filesystem observer is installed: nothing would be recorded",
+        ))
+    }
+}
 
 type Key = (u64, u64);
 
@@ -47,7 +104,7 @@ static TOKEN: AtomicU64 = AtomicU64::new(1);
 static STATE: Mutex<Vec<Active>> = Mutex::new(Vec::new());
 
 /// Whether any recording is active (the backends skip all bookkeeping otherwise).
-pub(crate) fn active() -> bool {
+fn active() -> bool {
     ACTIVE.load(Ordering::SeqCst) > 0
 }
 
@@ -66,6 +123,7 @@ impl Recording {
     /// Start recording every operation on the tree under `root`; what it holds now is the
     /// log's durable base.
     pub fn start(root: &Path) -> io::Result<Recording> {
+        install()?;
         let token = TOKEN.fetch_add(1, Ordering::Relaxed);
         let mut st = lock(&STATE);
         let mut ids = HashMap::new();
@@ -206,11 +264,7 @@ fn record_removed(st: &mut [Active], parent: Option<Key>, k: Key, name: String, 
 }
 
 /// Create `path` (a directory when `dir`) with `f`; recorded when `f` created it.
-pub(crate) fn create_path<T, E>(
-    path: &Path,
-    dir: bool,
-    f: impl FnOnce() -> Result<T, E>,
-) -> Result<T, E> {
+fn create_path<T, E>(path: &Path, dir: bool, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
     let Some(mut st) = guard() else { return f() };
     let existed = key_path(path, false).is_some();
     let r = f();
@@ -226,7 +280,7 @@ pub(crate) fn create_path<T, E>(
 
 /// Create `name` in `dir` (a directory when `is_dir`) with `f`; recorded when `f`
 /// created it.
-pub(crate) fn create_at<T, E>(
+fn create_at<T, E>(
     dir: BorrowedFd<'_>,
     name: &str,
     is_dir: bool,
@@ -243,7 +297,7 @@ pub(crate) fn create_at<T, E>(
 }
 
 /// Remove the entry `path` (file or empty directory) with `f`; recorded when it did.
-pub(crate) fn remove_path<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+fn remove_path<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
     let Some(mut st) = guard() else { return f() };
     let before = rustix::fs::lstat(path).ok();
     let r = f();
@@ -258,7 +312,7 @@ pub(crate) fn remove_path<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -
 }
 
 /// Remove the entry `name` of `dir` with `f`; recorded when it did.
-pub(crate) fn remove_at<T, E>(
+fn remove_at<T, E>(
     dir: BorrowedFd<'_>,
     name: &str,
     f: impl FnOnce() -> Result<T, E>,
@@ -276,7 +330,7 @@ pub(crate) fn remove_at<T, E>(
 
 /// Remove the tree `path` with `f` (which does not follow links); every entry it removed
 /// is recorded, children before their directory.
-pub(crate) fn remove_tree<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+fn remove_tree<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
     let Some(mut st) = guard() else { return f() };
     // (parent, entry, name, is_dir), children first.
     let mut entries = Vec::new();
@@ -304,11 +358,7 @@ pub(crate) fn remove_tree<T, E>(path: &Path, f: impl FnOnce() -> Result<T, E>) -
 }
 
 /// Rename `from` to `to` with `f`; recorded when it did.
-pub(crate) fn rename<T, E>(
-    from: &Path,
-    to: &Path,
-    f: impl FnOnce() -> Result<T, E>,
-) -> Result<T, E> {
+fn rename<T, E>(from: &Path, to: &Path, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
     let Some(mut st) = guard() else { return f() };
     let before = key_path(from, false);
     let r = f();
@@ -341,7 +391,7 @@ fn record_fd(fd: BorrowedFd<'_>, st: &mut [Active], op: impl FnOnce(Id) -> Op) {
 }
 
 /// `fsync` (`data_only`: `fdatasync`) of `fd` with `f`; recorded when it succeeded.
-pub(crate) fn sync_fd<T, E>(
+fn sync_fd<T, E>(
     fd: BorrowedFd<'_>,
     data_only: bool,
     f: impl FnOnce() -> Result<T, E>,
@@ -361,7 +411,7 @@ pub(crate) fn sync_fd<T, E>(
 }
 
 /// `ftruncate(fd, len)` with `f`; recorded when it succeeded.
-pub(crate) fn truncate_fd<T, E>(
+fn truncate_fd<T, E>(
     fd: BorrowedFd<'_>,
     len: u64,
     f: impl FnOnce() -> Result<T, E>,
@@ -375,7 +425,7 @@ pub(crate) fn truncate_fd<T, E>(
 }
 
 /// `fallocate(fd, 0, offset, len)` with `f`; recorded when it succeeded.
-pub(crate) fn fallocate_fd<T, E>(
+fn fallocate_fd<T, E>(
     fd: BorrowedFd<'_>,
     offset: u64,
     len: u64,
@@ -390,7 +440,7 @@ pub(crate) fn fallocate_fd<T, E>(
 }
 
 /// Write all of `data` at `offset` of `fd` with `f`; recorded when it succeeded.
-pub(crate) fn write_fd<T, E>(
+fn write_fd<T, E>(
     fd: BorrowedFd<'_>,
     offset: u64,
     data: &[u8],
@@ -409,7 +459,7 @@ pub(crate) fn write_fd<T, E>(
 }
 
 /// A write that a backend completed: `data` reached `fd` at `offset`.
-pub(crate) fn written(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) {
+fn written(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) {
     if let Some(mut st) = guard() {
         record_fd(fd, &mut st, |id| Op::Write {
             id,

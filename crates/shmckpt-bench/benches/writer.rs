@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use shmckpt::bench::synthetic;
 use shmckpt::{BackendKind, Dtype, EngineConfig, Metadata, Tensor};
+use shmckpt_bench::synthetic;
 
 const BYTES: u64 = 512 << 20;
 
@@ -27,7 +27,7 @@ fn writer(c: &mut Criterion) {
     g.bench_function("raw_o_direct_reference", |b| {
         b.iter_custom(|iters| {
             (0..iters)
-                .map(|_| shmckpt::bench::reference::raw_direct_write(dir.path(), BYTES).unwrap())
+                .map(|_| shmckpt_bench::reference::raw_direct_write(dir.path(), BYTES).unwrap())
                 .sum()
         })
     });

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::dtype::Dtype;
 use crate::error::Error;
-use crate::manifest::Metadata;
+use shmckpt::Dtype;
+use shmckpt::Metadata;
 
 use super::MAX_FRAME;
 
@@ -89,7 +89,7 @@ pub(super) struct WireReport {
     pub(super) backpressure_s: f64,
     pub(super) durable_s: f64,
     pub(super) committed_s: Option<f64>,
-    pub(super) backend: crate::io::Backend,
+    pub(super) backend: shmckpt::Backend,
     pub(super) direct_io: bool,
     pub(super) retired: Vec<u64>,
 }
@@ -102,7 +102,7 @@ pub(super) enum Reply {
         pid: u32,
         shm_name: String,
         staging_bytes: u64,
-        backend: crate::io::Backend,
+        backend: shmckpt::Backend,
     },
     Prepared {
         id: u64,
@@ -166,7 +166,7 @@ impl Reply {
     }
 }
 
-/// The writer process's own view of itself ([`IpcWriterClient::stats`](crate::ipc::IpcWriterClient::stats)).
+/// The writer process's own view of itself ([`IpcWriterClient::stats`](crate::IpcWriterClient::stats)).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WriterStats {
     /// Writer pid.
@@ -283,21 +283,21 @@ pub(super) fn to_wire(e: &Error) -> WireError {
         needed: None,
         capacity: None,
     };
-    match e {
-        Error::Cuda { .. } => {
+    match e.as_shmckpt() {
+        Some(shmckpt::Error::Cuda { .. }) => {
             w.kind = "cuda".into();
             w.message = e.to_string();
         }
-        Error::Config(m) => {
+        Some(shmckpt::Error::Config(m)) => {
             w.kind = "config".into();
             w.message = m.clone();
         }
-        Error::StepExists { step, root } => {
+        Some(shmckpt::Error::StepExists { step, root }) => {
             w.kind = "step_exists".into();
             w.step = Some(*step);
             w.root = Some(root.clone());
         }
-        Error::TooLarge { needed, capacity } => {
+        Some(shmckpt::Error::TooLarge { needed, capacity }) => {
             w.kind = "too_large".into();
             w.needed = Some(*needed);
             w.capacity = Some(*capacity);
@@ -310,9 +310,13 @@ pub(super) fn to_wire(e: &Error) -> WireError {
 pub(super) fn from_wire(w: WireError, pid: u32) -> Error {
     match (w.kind.as_str(), w.step, w.root, w.needed, w.capacity) {
         ("cuda", ..) => Error::cuda(format!("IPC writer (pid {pid})"), w.message),
-        ("config", ..) => Error::Config(w.message),
-        ("step_exists", Some(step), Some(root), ..) => Error::StepExists { step, root },
-        ("too_large", _, _, Some(needed), Some(capacity)) => Error::TooLarge { needed, capacity },
+        ("config", ..) => Error::config(w.message),
+        ("step_exists", Some(step), Some(root), ..) => {
+            shmckpt::Error::StepExists { step, root }.into()
+        }
+        ("too_large", _, _, Some(needed), Some(capacity)) => {
+            shmckpt::Error::TooLarge { needed, capacity }.into()
+        }
         _ => Error::Ipc(format!("writer (pid {pid}): {}", w.message)),
     }
 }
@@ -325,7 +329,10 @@ pub(super) fn dur(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()
 }
 
-pub(super) use crate::util::lock;
+/// Lock `m`, ignoring poisoning (a panicked holder left plain data behind).
+pub(super) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// `VmHWM`, `VmRSS` and `RssShmem` of a process, in bytes (zeros when unreadable).
 pub fn process_memory(pid: u32) -> (u64, u64, u64) {

@@ -8,7 +8,7 @@
 //! allocation holding a tensor (`cuMemGetAddressRange` + `cuIpcGetMemHandle`) and sends the
 //! handles with each tensor's offset inside its allocation. The writer maps the handles
 //! (`cuIpcOpenMemHandle`, the "rebuild"), copies device to host into its own pinned staging
-//! arena with its own [`Engine`](crate::Engine), and writes and commits the checkpoint exactly like
+//! arena with its own [`Engine`](shmckpt::Engine), and writes and commits the checkpoint exactly like
 //! shmckpt (same writer pool, file format and commit). The trainer's `save` returns when
 //! the writer reports its device-to-host copies done; [`IpcSaveHandle::wait`] returns when
 //! the writer reports the checkpoint committed.
@@ -22,7 +22,7 @@
 //! # Ordering
 //! The writer copies on its own stream in its own context, which cannot wait on the
 //! trainer's streams. The trainer therefore synchronizes every device it saves from
-//! (`cuCtxSynchronize` of the primary context, as [`Engine::save`](crate::Engine::save) does) before it exports
+//! (`cuCtxSynchronize` of the primary context, as [`Engine::save`](shmckpt::Engine::save) does) before it exports
 //! the handles: every write queued before `save` has completed when the writer's copies
 //! start. The trainer must not write the tensors until `save` returns (the writer's copies
 //! have completed by then). Work queued in a context other than the device's primary
@@ -41,11 +41,19 @@
 //! object tagged by `"op"`). The writer speaks first (`ready`, or `failed` with id 0 when
 //! it cannot start). Requests carry an `id`; the writer answers each in order, and sends
 //! `durable` / `durable_failed` for a save's id later, when its commit finished.
-#![forbid(unsafe_code)]
+//!
+//! # Layout
+//! This crate is a tool beside the library, not part of it: it uses only `shmckpt`'s
+//! public API. Its errors are [`Error`] (the library's, or [`Error::Ipc`]); the few CUDA
+//! IPC driver calls are in [`cuda`], the one module with `unsafe` code.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 mod client;
 mod config;
 mod conn;
+pub mod cuda;
+mod error;
 mod handle;
 mod spawn;
 mod wire;
@@ -53,6 +61,7 @@ mod writer;
 
 pub use client::IpcWriterClient;
 pub use config::IpcConfig;
+pub use error::{Error, Result};
 pub use handle::{
     IpcAllocation, IpcPrepared, IpcReleased, IpcSaveHandle, IpcSaveReport, IpcStaged, IpcTensor,
 };

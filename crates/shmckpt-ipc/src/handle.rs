@@ -4,15 +4,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::device::cuda::IpcMemHandle;
-use crate::dtype::Dtype;
-use crate::engine::{SaveReport, SaveTimings};
+use crate::cuda::IpcMemHandle;
 use crate::error::{Error, Result};
+use shmckpt::Dtype;
 
 use super::conn::Inner;
 use super::wire::{WireAlloc, WireError, WireReport, dur, from_wire, hex, lock};
 
-/// What is known when [`IpcWriterClient::save`](crate::ipc::IpcWriterClient::save) returns.
+/// What is known when [`IpcWriterClient::save`](crate::IpcWriterClient::save) returns.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct IpcStaged {
     /// Step.
@@ -63,13 +62,13 @@ pub struct IpcSaveReport {
     /// Tensors saved.
     pub tensors: usize,
     /// Backend the writer used.
-    pub backend: crate::io::Backend,
+    pub backend: shmckpt::Backend,
     /// Whether the file was written with O_DIRECT.
     pub direct_io: bool,
     /// Steps deleted by retention after this commit.
     pub retired: Vec<u64>,
     /// The writer engine's timings, from its `save` call.
-    pub writer: SaveTimings,
+    pub writer: WriterTimings,
     /// Time to durable on the trainer's clock, from its `save` call: the trainer's time
     /// before the writer's engine started (stall minus the writer's staging) plus the
     /// writer's time to durable.
@@ -81,30 +80,21 @@ pub struct IpcSaveReport {
     pub staged: IpcStaged,
 }
 
-impl IpcSaveReport {
-    /// The report as the engine's [`SaveReport`] (timings on the trainer's clock).
-    pub fn to_save_report(&self) -> SaveReport {
-        SaveReport {
-            step: self.step,
-            dir: self.dir.clone(),
-            file: self.file.clone(),
-            bytes: self.bytes,
-            tensors: self.tensors,
-            timings: SaveTimings {
-                staging: self.staged.stall,
-                backpressure: self.staged.backpressure,
-                durable: self.durable,
-                committed: self.committed,
-            },
-            backend: self.backend,
-            direct_io: self.direct_io,
-            memory_only: false,
-            retired: self.retired.clone(),
-        }
-    }
+/// The writer engine's timings of a save (its [`SaveTimings`](shmckpt::SaveTimings), on
+/// the writer's clock).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WriterTimings {
+    /// Time the writer's `save` took to stage (its device-to-host copies).
+    pub staging: Duration,
+    /// Part of `staging` spent waiting for staging space.
+    pub backpressure: Duration,
+    /// Time to durable.
+    pub durable: Duration,
+    /// Time to committed (`None` when the save committed nothing).
+    pub committed: Option<Duration>,
 }
 
-/// What [`IpcWriterClient::prepare`](crate::ipc::IpcWriterClient::prepare) did.
+/// What [`IpcWriterClient::prepare`](crate::IpcWriterClient::prepare) did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IpcPrepared {
     /// Device ordinals in the writer.
@@ -115,7 +105,7 @@ pub struct IpcPrepared {
     pub took: Duration,
 }
 
-/// What [`IpcWriterClient::release`](crate::ipc::IpcWriterClient::release) did.
+/// What [`IpcWriterClient::release`](crate::IpcWriterClient::release) did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IpcReleased {
     /// Mappings closed.
@@ -128,7 +118,7 @@ pub struct IpcReleased {
     pub took: Duration,
 }
 
-/// A tensor already exported by the caller, for [`IpcWriterClient::save_exported`](crate::ipc::IpcWriterClient::save_exported).
+/// A tensor already exported by the caller, for [`IpcWriterClient::save_exported`](crate::IpcWriterClient::save_exported).
 #[derive(Debug, Clone)]
 pub struct IpcTensor {
     /// Name.
@@ -145,7 +135,7 @@ pub struct IpcTensor {
     pub offset: u64,
 }
 
-/// An allocation already exported by the caller, for [`IpcWriterClient::save_exported`](crate::ipc::IpcWriterClient::save_exported).
+/// An allocation already exported by the caller, for [`IpcWriterClient::save_exported`](crate::IpcWriterClient::save_exported).
 #[derive(Debug, Clone)]
 pub struct IpcAllocation {
     /// Device ordinal in the caller's process.
@@ -275,7 +265,7 @@ impl IpcSaveHandle {
             backend: w.backend,
             direct_io: w.direct_io,
             retired: w.retired,
-            writer: SaveTimings {
+            writer: WriterTimings {
                 staging: dur(w.staging_s),
                 backpressure: dur(w.backpressure_s),
                 durable: dur(w.durable_s),
