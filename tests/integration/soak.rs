@@ -500,17 +500,24 @@ fn rand(rng: &mut u64, n: u64) -> u64 {
 }
 
 /// Our segments in `/dev/shm`: named `shmckpt.<pid>.` after a process of `pids`.
+///
+/// A trainer opens one engine, so its arena is `shmckpt.<pid>.r<rank>.0`; a segment named
+/// after a dead trainer's pid with a later counter belongs to another process that reused
+/// the pid (another test suite on the machine: one soak failed on `shmckpt.4286.r0.9115`,
+/// the 9,116th engine of a long-running test process). This process's own segments count
+/// whatever their counter.
 fn our_segments(pids: &BTreeSet<u32>) -> Vec<String> {
     let Ok(rd) = std::fs::read_dir("/dev/shm") else {
         return Vec::new();
     };
+    let me = std::process::id();
     rd.flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| {
-            n.strip_prefix(NAME_PREFIX)
-                .and_then(|r| r.split('.').next())
-                .and_then(|p| p.parse::<u32>().ok())
-                .is_some_and(|p| pids.contains(&p))
+            let mut parts = n.strip_prefix(NAME_PREFIX).unwrap_or("").split('.');
+            let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
+            let counter = parts.nth(1);
+            pid.is_some_and(|p| pids.contains(&p) && (p == me || counter == Some("0")))
         })
         .collect()
 }
@@ -1032,9 +1039,16 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
     soak.tally.lock().unwrap().pids.extend(&pids);
     let left = our_segments(&pids);
     if !left.is_empty() {
+        // What each holds, and whose root: the lead to why the final open kept it.
+        let what: Vec<String> = left
+            .iter()
+            .map(|n| format!("{n}: {:?}", shmckpt::recover::inspect_arena(n)))
+            .collect();
         soak.violation(format!(
-            "lane {}: segments left in /dev/shm: {left:?}",
-            lane.id
+            "lane {} (root {}): segments left in /dev/shm: {}",
+            lane.id,
+            lane.root.display(),
+            what.join("; ")
         ));
     }
 }
