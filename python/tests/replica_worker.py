@@ -22,7 +22,9 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         REPLICA_WORKER_LIE=RANK:DELTA: that rank's images claim DELTA bytes more than the
         committed file holds (announced, and sent: the last piece padded with zeros or cut);
         REPLICA_WORKER_DISK_EVERY=N: disk_every=N (no kept arena), and with
-        REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close)
+        REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close);
+        REPLICA_WORKER_GATE=1: no replication begins its exchange before every STEP is
+        saved (and waited for); then each step's wait_replicated(), in order
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors;
         REPLICA_WORKER_LOAD_STEP=N: load step N) and compare it with the state saved of
@@ -221,6 +223,26 @@ def main():
         if os.environ.get("REPLICA_WORKER_PRESSURE"):
             pressure(ck, rank, res, os.environ["REPLICA_WORKER_PRESSURE"])
             steps = []
+        if os.environ.get("REPLICA_WORKER_GATE") == "1":
+            import threading
+
+            go = threading.Event()
+            real = ck._replicator._replicate
+
+            def gated(*args, **kwargs):
+                assert go.wait(60)
+                return real(*args, **kwargs)
+
+            ck._replicator._replicate = gated
+            hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]
+            for h in hs:
+                h.wait()
+            go.set()
+            steps = []
+            for h in hs:
+                rep = h.wait_replicated()
+                rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+                res["reports"].append(rep)
         if os.environ.get("REPLICA_WORKER_NOWAIT") == "1":
             # Save every step without waiting, then wait for the replications, newest first.
             hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]
