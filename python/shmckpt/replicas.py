@@ -368,6 +368,7 @@ class Replicator(ReplicaLoads):
             try:
                 source, entry = _shmckpt.replica_memory_source(self.ckpt.engine, step)
                 image = ImagePieces(source, None, me)
+                del source  # the copy lives as long as `image` (freed after the exchange)
             except ShmckptError as e:
                 problem = f"rank {me} no longer holds memory-only step {step}: {e}"
                 log.info("%s", problem)
@@ -406,11 +407,16 @@ class Replicator(ReplicaLoads):
         keep = self._newest_committed(step) if memory else None
         for q in sources:
             try:
-                if memory:
-                    arena = _shmckpt.replica_receive_memory(root, step, q, str(entries[q]), ahead.pop(q, None))
-                else:
-                    arena = _shmckpt.replica_receive(root, step, q, ahead.pop(q, None))
-                recvs.append((q, arena))
+                # (No local name holds the arena: one refused must go with `recvs`, its
+                # unsealed file removed, even while a raised error keeps this frame.)
+                recvs.append(
+                    (
+                        q,
+                        _shmckpt.replica_receive_memory(root, step, q, str(entries[q]), ahead.pop(q, None))
+                        if memory
+                        else _shmckpt.replica_receive(root, step, q, ahead.pop(q, None)),
+                    )
+                )
             except ShmckptError as e:
                 # The bytes still come (the sender does not know): received and dropped.
                 problems[q] = f"rank {me} cannot make a replica arena for rank {q}'s image of step {step}: {e}"

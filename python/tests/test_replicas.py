@@ -785,6 +785,35 @@ def test_a_memory_only_step_given_up_before_its_replication_is_skipped(tmp_path,
         assert shm_bytes(root, r, 1) == rank_file_bytes(root, 1, r)
 
 
+def test_a_memory_only_step_given_up_mid_replication_is_sent_exactly(tmp_path, droot):
+    """disk_every=3, memory_steps=1, chunks of 64 KiB sent at 32 KiB/s: once the first
+    piece of the memory-only step 2 is taken, step 3 is saved, which gives step 2 up (its
+    chunks back to the pool, free for step 3). Step 2's replication goes on from the copy
+    it made and is k-safe; every replica of it holds exactly its source's tensors of step
+    2; step 3 is replicated too, exactly its file once close() writes it."""
+    root = droot
+    env = {
+        "REPLICA_WORKER_DISK_EVERY": "3",
+        "REPLICA_WORKER_GIVEUP_MID": "1",
+        "REPLICA_WORKER_BW": str(32 << 10),
+        "REPLICA_WORKER_CHUNK": str(CHUNK),
+    }
+    saved = run_world(tmp_path, root, "save", 1, env=env)
+    for r, res in enumerate(saved):
+        # Step 2 was given up by step 3's save, while its replication was sending it.
+        assert res["held_after_3"] == [[1, ["disk"]], [3, ["memory"]]], res
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert sorted(reps) == [1, 2, 3]
+        for s, mem in ((1, False), (2, True), (3, True)):
+            assert (reps[s]["replicated"], reps[s]["k_safe"], reps[s]["memory_only"]) == (True, True, mem), reps[s]
+            assert reps[s]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+        assert reps[2]["transfer_seconds"] >= CHUNK / (32 << 10)
+        assert res["replica2_exact"] is True
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3"]
+    for r in range(WORLD):
+        assert shm_bytes(root, r, 3) == rank_file_bytes(root, 3, r)
+
+
 def test_replicate_every_counts_every_save_alike_on_every_rank():
     """The decision of which saves are replicated (``Replicator._skip_reason``, run on
     every rank with every rank's outcome): every 2nd save with replicate_every=2, disk or

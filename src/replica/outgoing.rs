@@ -22,6 +22,7 @@ use crate::manifest::FileEntry;
 /// exactly the manifest's size with a header that passes the checks of every disk read
 /// (its CRC-32C against the manifest's); its data is checked by the receiver (every
 /// tensor's CRC-32C, [`super::Incoming::seal`]), which never publishes an image that fails.
+/// Or a held memory-only step, copied whole at once ([`Outgoing::memory_step`]).
 #[derive(Debug)]
 pub struct Outgoing {
     ptr: NonNull<u8>,
