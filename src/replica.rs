@@ -281,20 +281,20 @@ pub fn store(root: &Path, step: u64, rank: u32, bytes: &[u8]) -> Result<String> 
         bytes,
         false,
     )?;
-    remove_stale(&tag, rank, step);
+    remove_stale(&tag, rank, step, None);
     Ok(name)
 }
 
 /// Remove this user's older replicas of the root tagged `tag` and `rank` (any step but
 /// `step`), and temporary files of writers of them that died (`<replica name>.tmp<pid>` of
 /// a process that no longer exists). Failures are logged.
-fn remove_stale(tag: &str, rank: u32, step: u64) {
+fn remove_stale(tag: &str, rank: u32, step: u64, keep: Option<u64>) {
     let pid = std::process::id();
     for old in list_names() {
         // Older replicas of this root and rank, and temporary files of writers that died
         // (`<replica name>.tmp<pid>` of a process that no longer exists).
         let stale = match parse_replica_name(&old) {
-            Some((t, r, s)) => t == tag && r == rank && s != step,
+            Some((t, r, s)) => t == tag && r == rank && s != step && Some(s) != keep,
             None => parse_unfinished_name(&old).is_some_and(|(base, p)| {
                 parse_replica_name(base).is_some_and(|(t, r, _)| t == tag && r == rank)
                     && p != pid
@@ -311,7 +311,15 @@ fn remove_stale(tag: &str, rank: u32, step: u64) {
 /// temporary replica files of dead processes for them (what [`Incoming::seal`] does after
 /// publishing, and [`Incoming::seal_keeping_older`] leaves to this call).
 pub fn remove_older(root: &Path, rank: u32, step: u64) -> Result<()> {
-    remove_stale(&tag_of(root)?, rank, step);
+    remove_stale(&tag_of(root)?, rank, step, None);
+    Ok(())
+}
+
+/// [`remove_older`], keeping the replica of step `keep` too when given: a memory-only
+/// step's replica does not replace the replica of the newest committed step, which stays
+/// the one a lost rank can load until the memory-only step is committed.
+pub fn remove_older_keeping(root: &Path, rank: u32, step: u64, keep: Option<u64>) -> Result<()> {
+    remove_stale(&tag_of(root)?, rank, step, keep);
     Ok(())
 }
 

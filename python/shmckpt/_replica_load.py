@@ -77,7 +77,14 @@ class ReplicaLoads(ReplicaNet):
         own = [s for s in disk if self._local_ok(s)] + memory
         tag = _shmckpt.replica_tag(self.ckpt.root)
         uid = os.geteuid()
-        held = [(src, step) for _, t, src, step, _, owner in _shmckpt.replica_list() if t == tag and owner == uid]
+        # A replica of a memory-only step counts once its step is committed (checked
+        # against that manifest when served): one of a step that reached no disk cannot be.
+        committed = set(disk)
+        held = [
+            (src, step)
+            for _, t, src, step, _, owner in _shmckpt.replica_list()
+            if t == tag and owner == uid and step in committed
+        ]
         remote = self._bucket_steps() if bucket else []
         seen = self._gather((have, own, held, remote), "the steps every rank can load")
         holds = {(src, step, r) for r, (_, _, hd, _) in enumerate(seen) for src, step in hd}

@@ -52,11 +52,13 @@ __all__ = [
     "PreparedArena",
     "replica_prepare",
     "replica_receive",
+    "replica_receive_memory",
     "replica_receive_restore",
     "replica_remove",
     "replica_remove_older",
     "replica_serve",
     "replica_source",
+    "replica_memory_source",
     "replica_restore_file",
     "replica_store",
     "replica_tag",
@@ -418,8 +420,17 @@ def replica_receive(root: str, step: int, rank: int, prepared: Optional[Prepared
     (``prepared``, resized to the manifest's size, when given)."""
     ...
 
-def replica_remove_older(root: str, rank: int, step: int) -> None:
-    """Remove this user's replicas of ``rank``'s images of ``root`` other than ``step``'s."""
+def replica_remove_older(root: str, rank: int, step: int, keep: Optional[int] = None) -> None:
+    """Remove this user's replicas of ``rank``'s images of ``root`` other than ``step``'s
+    (and ``keep``'s, when given)."""
+    ...
+
+def replica_receive_memory(
+    root: str, step: int, rank: int, entry: str, prepared: Optional[PreparedArena] = None
+) -> ReplicaImage:
+    """A new replica arena in ``/dev/shm`` for ``rank``'s image of the memory-only ``step``,
+    checked by ``seal()`` against ``entry`` (the JSON manifest entry its sender computed,
+    ``replica_memory_source``) instead of a committed manifest."""
     ...
 
 def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:
@@ -429,6 +440,12 @@ def replica_receive_restore(root: str, step: int, rank: int) -> ReplicaImage:
 def replica_source(root: str, step: int, rank: int) -> ReplicaSource:
     """``rank``'s committed file of ``step``, opened and checked (no link, regular, the
     manifest's size, its header) to be read as it is sent."""
+    ...
+
+def replica_memory_source(engine: Engine, step: int) -> Tuple[ReplicaSource, str]:
+    """The held memory-only ``step`` of ``engine`` as a replica source: its image copied out
+    of staging (under the memory tier's lock), and this rank's manifest entry with the
+    checksums computed from that copy, as JSON. ``NotFoundError`` when it is not held."""
     ...
 
 def replica_serve(root: str, step: int, rank: int) -> ReplicaImage:

@@ -177,9 +177,11 @@ class Replicas:
     1 GiB/s; ``None`` unbounded). ``timeout``: seconds a replication step waits for a peer
     (default 300). ``node_local_root=True``: ``root`` is this machine's own disk, not
     shared, and every step commits through the process group (``k`` may then be 0).
-    ``every``: the replication cadence, counted in disk saves (the first, then every
-    ``every``-th after the last replicated one; memory-only saves of a ``Cadence`` are
-    never replicated); default 1: every disk save."""
+    ``every``: the replication cadence, counted in saves, disk and memory-only saves of a
+    ``Cadence`` alike (the first, then every ``every``-th after the last replicated one);
+    default 1: every save. A memory-only step is sent from a copy of its staging chunks,
+    with every tensor's CRC-32C computed from the copy, and serves a lost rank once it is
+    committed (``close()`` writes it)."""
 
     k: int = 1
     node: Optional[str] = None

@@ -1,5 +1,6 @@
-"""Peer replicas: each rank's committed checkpoint file held in the shared memory of ranks
-on other machines, moved over ``torch.distributed`` (``docs/replicas.md``).
+"""Peer replicas: each rank's committed checkpoint file (or memory-only step of a
+``Cadence``) held in the shared memory of ranks on other machines, moved over
+``torch.distributed`` (``docs/replicas.md``).
 
 The protocol (partner plan, replica names, the checks of every image against the committed
 manifest) is the Rust crate's (``shmckpt::replica``); this module is the transport: a
@@ -10,6 +11,7 @@ it is committed, and by :meth:`Checkpointer.load` once that thread is idle.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -97,7 +99,7 @@ class Replicator(ReplicaLoads):
         if not (float(timeout) > 0):
             raise ConfigError(f"replica_timeout must be a positive number of seconds, not {timeout!r}")
         if isinstance(replicate_every, bool) or not isinstance(replicate_every, int) or replicate_every < 1:
-            raise ConfigError(f"replicate_every must be an int >= 1 (1: every disk save), not {replicate_every!r}")
+            raise ConfigError(f"replicate_every must be an int >= 1 (1: every save), not {replicate_every!r}")
         if node_local and (disk_every != 1 or replicate_every != 1):
             raise ConfigError(
                 "node_local_root=True commits every step through the replication: disk_every and "
@@ -106,11 +108,12 @@ class Replicator(ReplicaLoads):
         self._dist = dist
         self.ckpt = ckpt
         self.replicas = int(replicas)
-        #: Every ``replicate_every``-th disk save is replicated (memory-only saves never are).
+        #: Every ``replicate_every``-th save is replicated, disk or memory-only alike (the
+        #: first, then every ``replicate_every``-th after the last replicated one).
         self.replicate_every = int(replicate_every)
-        #: Disk saves since the last replicated one (None before the first): every rank
-        #: counts the same saves, each decided from every rank's outcome (`_replicate`).
-        self._disk_since_replica: Optional[int] = None
+        #: Saves since the last replicated one (None before the first): every rank counts
+        #: the same saves, each decided from every rank's outcome (`_replicate`).
+        self._since_replica: Optional[int] = None
         #: Bytes per second this rank sends replicas at, at most (None: unbounded).
         self.bandwidth: Optional[float] = None if bandwidth is None else float(bandwidth)
         #: Seconds any step of the replication exchange may wait for a peer (the timeout of
@@ -144,8 +147,10 @@ class Replicator(ReplicaLoads):
         #: ``plan[r]``: the ranks that hold rank r's replicas, in the order loads ask them.
         self.plan: List[List[int]] = [list(p) for p in _shmckpt.replica_plan(self.nodes, self.replicas)]
         self._peer: Optional[int] = None
-        #: Replicas sealed by the last step, ``(source, step)``, whose older ones are removed.
-        self._older: List[Tuple[int, int]] = []
+        #: Replicas sealed by the last step, ``(source, step, keep)``, whose older ones are
+        #: removed (but ``keep``'s: a memory-only step's replica keeps the newest committed
+        #: step's, which a lost rank can load until the memory-only step is committed).
+        self._older: List[Tuple[int, int, Optional[int]]] = []
         #: The size of the last image each source sent (the guess for the next arenas).
         self._last_sizes: Dict[int, int] = {}
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
@@ -207,9 +212,9 @@ class Replicator(ReplicaLoads):
         """Remove the replicas older than the ones the last step sealed (after its report is
         out: freeing a large replica's pages is not part of the time to k-safe)."""
         older, self._older = self._older, []
-        for q, step in older:
+        for q, step, keep in older:
             try:
-                _shmckpt.replica_remove_older(self.ckpt.root, q, step)
+                _shmckpt.replica_remove_older(self.ckpt.root, q, step, keep)
             except ShmckptError as e:
                 log.warning("rank %d: could not remove older replicas of rank %d: %s", self.ckpt.rank, q, e)
 
@@ -261,7 +266,8 @@ class Replicator(ReplicaLoads):
     # -- replication -------------------------------------------------------------------
     def _replicate_handle(self, handle: "SaveHandle") -> Dict[str, Any]:
         """Collective on the group (the replication thread only): wait for ``handle``'s
-        step to be committed, send this rank's image to its partners, store (checked) the
+        step to be committed (or staged, memory-only), send this rank's image to its
+        partners, store (checked) the
         images sent to this rank, and return the step's replication report once every
         rank's image is held by ``replicas`` ranks on other machines. Raises
         :class:`~shmckpt.errors.ReplicationError` (on every rank) when some image is not,
@@ -341,24 +347,10 @@ class Replicator(ReplicaLoads):
             raise ReplicationError(f"step {step} is not replicated: " + "; ".join(failures))
         # Whether the step is replicated: decided alike on every rank, from every rank's
         # outcome (a memory-only step has no committed file to send).
+        memory = all(bool(m) for _, m in outcomes)
         skipped = self._skip_reason(step, [bool(m) for _, m in outcomes])
         if skipped is not None:
-            log.debug("rank %d: step %d not replicated: %s", self.ckpt.rank, step, skipped)
-            return {
-                "step": step,
-                "replicas": self.replicas,
-                "replicated": False,
-                "skipped": skipped,
-                "holders": {},
-                "k_safe": False,
-                "seconds": time.monotonic() - t0,
-                "bytes_sent": 0,
-                "sent_from": {"staging": 0, "copied": 0, "file": 0},
-                "transfer_seconds": 0.0,
-                "bandwidth": self.bandwidth,
-                "problems": [],
-                "phases": {},
-            }
+            return self._skipped(step, skipped, t0, memory)
         if self.node_local:
             self._commit_through_group(step, metadata)
         marks = [("durable", durable), ("committed", time.monotonic())]
@@ -366,20 +358,43 @@ class Replicator(ReplicaLoads):
         root = self.ckpt.root
         problem: Optional[str] = None
         image: Optional[ImagePieces] = None
-        try:
-            # Opened and checked now (no link, size, header); sent piece by piece from the
-            # staging chunks held, else read from the file as it is sent (the receiver
-            # checks every tensor's CRC-32C before it holds it).
-            source = _shmckpt.replica_source(root, step, me)
-            if staged is not None and int(staged.nbytes) != int(source.nbytes):
-                staged.close()  # never expected: the held image is the committed file's
-                staged = None
-            image = ImagePieces(source, staged, me)
-        except ShmckptError as e:
-            problem = f"rank {me} cannot read its image of step {step}: {e}"
-            log.warning("%s", problem)
-        readable = self._gather(image is not None, "who can send its image")
-        sizes = self._sizes(step)
+        entries: List[Optional[str]] = []
+        if memory:
+            # A memory-only step: its image copied out of the staging chunks (the memory
+            # tier's lock held for the copy: it cannot be given up mid-copy), every
+            # tensor's CRC-32C computed from the copy (in Rust, GIL released); the
+            # receivers check the image against that entry.
+            entry: Optional[str] = None
+            try:
+                source, entry = _shmckpt.replica_memory_source(self.ckpt.engine, step)
+                image = ImagePieces(source, None, me)
+                del source  # the copy lives as long as `image` (freed after the exchange)
+            except ShmckptError as e:
+                problem = f"rank {me} no longer holds memory-only step {step}: {e}"
+                log.info("%s", problem)
+            entries = self._gather(entry, "every rank's entry of the memory-only step")
+            gone = [r for r, e in enumerate(entries) if e is None]
+            if gone:
+                # Given up before it was copied (a newer save superseded it): nothing is
+                # sent on any rank, never bytes of another step.
+                return self._skipped(step, f"memory-only step given up before it was sent (ranks {gone})", t0, True)
+            readable = [True] * self.ckpt.world_size
+            sizes = {q: int(json.loads(str(e))["bytes"]) for q, e in enumerate(entries)}
+        else:
+            try:
+                # Opened and checked now (no link, size, header); sent piece by piece from
+                # the staging chunks held, else read from the file as it is sent (the
+                # receiver checks every tensor's CRC-32C before it holds it).
+                source = _shmckpt.replica_source(root, step, me)
+                if staged is not None and int(staged.nbytes) != int(source.nbytes):
+                    staged.close()  # never expected: the held image is the committed file's
+                    staged = None
+                image = ImagePieces(source, staged, me)
+            except ShmckptError as e:
+                problem = f"rank {me} cannot read its image of step {step}: {e}"
+                log.warning("%s", problem)
+            readable = self._gather(image is not None, "who can send its image")
+            sizes = self._sizes(step)
         sources = [q for q in range(self.ckpt.world_size) if me in self.plan[q] and readable[q]]
         sends = [(t, image) for t in self.plan[me]] if image is not None else []
         # Each image is received straight into a new replica arena in /dev/shm, published
@@ -389,9 +404,19 @@ class Replicator(ReplicaLoads):
         for q in [q for q in ahead if q not in sources]:
             del ahead[q]  # removed before any arena of the same name is made
         self._last_sizes = {q: sizes[q] for q in sources}
+        keep = self._newest_committed(step) if memory else None
         for q in sources:
             try:
-                recvs.append((q, _shmckpt.replica_receive(root, step, q, ahead.pop(q, None))))
+                # (No local name holds the arena: one refused must go with `recvs`, its
+                # unsealed file removed, even while a raised error keeps this frame.)
+                recvs.append(
+                    (
+                        q,
+                        _shmckpt.replica_receive_memory(root, step, q, str(entries[q]), ahead.pop(q, None))
+                        if memory
+                        else _shmckpt.replica_receive(root, step, q, ahead.pop(q, None)),
+                    )
+                )
             except ShmckptError as e:
                 # The bytes still come (the sender does not know): received and dropped.
                 problems[q] = f"rank {me} cannot make a replica arena for rank {q}'s image of step {step}: {e}"
@@ -414,7 +439,7 @@ class Replicator(ReplicaLoads):
             try:
                 arena.seal(keep_older=True)  # older ones removed after the report (_remove_older)
                 held.append(q)
-                self._older.append((q, step))
+                self._older.append((q, step, keep))
             except ShmckptError as e:
                 problems[q] = f"rank {me} refused rank {q}'s image of step {step}: {e}"
                 log.warning("%s", problems[q])
@@ -436,6 +461,7 @@ class Replicator(ReplicaLoads):
             "replicas": self.replicas,
             "replicated": True,
             "skipped": None,
+            "memory_only": memory,
             "holders": holders,
             "k_safe": k_safe,
             "seconds": time.monotonic() - t0,
@@ -461,21 +487,45 @@ class Replicator(ReplicaLoads):
         return report
 
     def _skip_reason(self, step: int, memory_only: List[bool]) -> Optional[str]:
-        """Why ``step`` is not replicated, or None when it is (and it is counted):
-        memory-only on every rank (``disk_every``), or not the ``replicate_every``-th disk
-        save. Ranks that disagree on the disk (never with ``disk_every=N``) raise
+        """Why ``step`` is not replicated, or None when it is (and it is counted): not the
+        ``replicate_every``-th save (every save counts, disk or memory-only). Ranks that
+        disagree on the disk (never with ``disk_every=N``) raise
         :class:`~shmckpt.errors.ReplicationError`."""
-        if any(memory_only):
-            if not all(memory_only):
-                ranks = [r for r, m in enumerate(memory_only) if m]
-                raise ReplicationError(f"step {step} is not replicated: memory-only on ranks {ranks} only")
-            return "memory-only (disk_every)"
-        since = self._disk_since_replica
+        if any(memory_only) and not all(memory_only):
+            ranks = [r for r, m in enumerate(memory_only) if m]
+            raise ReplicationError(f"step {step} is not replicated: memory-only on ranks {ranks} only")
+        since = self._since_replica
         if since is None or since + 1 >= self.replicate_every:
-            self._disk_since_replica = 0
+            self._since_replica = 0
             return None
-        self._disk_since_replica = since + 1
+        self._since_replica = since + 1
         return f"replicate_every={self.replicate_every}"
+
+    def _skipped(self, step: int, why: str, t0: float, memory: bool) -> Dict[str, Any]:
+        """The report of ``step`` not replicated, and why (decided alike on every rank)."""
+        log.debug("rank %d: step %d not replicated: %s", self.ckpt.rank, step, why)
+        return {
+            "step": step,
+            "replicas": self.replicas,
+            "replicated": False,
+            "skipped": why,
+            "memory_only": memory,
+            "holders": {},
+            "k_safe": False,
+            "seconds": time.monotonic() - t0,
+            "bytes_sent": 0,
+            "sent_from": {"staging": 0, "copied": 0, "file": 0},
+            "transfer_seconds": 0.0,
+            "bandwidth": self.bandwidth,
+            "problems": [],
+            "phases": {},
+        }
+
+    def _newest_committed(self, step: int) -> Optional[int]:
+        """The newest step committed in this root before ``step``, or None: its replicas
+        stay when a memory-only ``step``'s are stored."""
+        older = [int(s) for s, _ in self.ckpt.engine.list() if int(s) < step]
+        return max(older) if older else None
 
     def _commit_through_group(self, step: int, metadata: Dict[str, str]) -> None:
         """Node-local roots: every rank's file of ``step`` is durable on its machine; the

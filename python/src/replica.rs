@@ -316,6 +316,59 @@ fn replica_source(
         .map_err(|e| to_py(py, e))
 }
 
+/// The held memory-only step `step` of `engine` as a replica source (see `ReplicaSource`):
+/// its image copied out of staging (GIL released; `shmckpt::replica::Outgoing::memory_step`)
+/// and this rank's manifest entry with the checksums computed from that copy, as JSON (the
+/// receivers check the image against it). `NotFoundError` when the step is not held.
+#[pyfunction]
+fn replica_memory_source(
+    py: Python<'_>,
+    engine: PyRef<'_, crate::PyEngine>,
+    step: u64,
+) -> PyResult<(PyReplicaSource, String)> {
+    let engine = engine.get()?;
+    let o = py
+        .detach(|| Outgoing::memory_step(&engine, step))
+        .map_err(|e| to_py(py, e))?;
+    let entry = serde_json::to_string(o.entry().expect("a memory-only step's entry"))
+        .map_err(|e| to_py(py, shmckpt::Error::Internal(format!("entry to JSON: {e}"))))?;
+    Ok((
+        PyReplicaSource {
+            ptr: o.as_ptr() as usize,
+            len: o.len(),
+            inner: Mutex::new(o),
+        },
+        entry,
+    ))
+}
+
+/// A new replica arena for `rank`'s image of the memory-only `step` (see `ReplicaImage`),
+/// checked by `seal()` against `entry`, the JSON manifest entry its sender computed
+/// (`replica_memory_source`); `prepared` when given (made for this step and rank).
+#[pyfunction]
+#[pyo3(signature = (root, step, rank, entry, prepared=None))]
+fn replica_receive_memory(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    entry: &str,
+    prepared: Option<&PyPreparedArena>,
+) -> PyResult<PyReplicaImage> {
+    let entry: shmckpt::manifest::FileEntry = serde_json::from_str(entry).map_err(|e| {
+        to_py(
+            py,
+            shmckpt::Error::Config(format!(
+                "rank {rank}'s entry of memory-only step {step} is not a manifest entry: {e}"
+            )),
+        )
+    })?;
+    let prep = prepared.and_then(|p| p.inner.lock().unwrap_or_else(|p| p.into_inner()).take());
+    py.detach(|| Incoming::replica_of_memory_step(&root, step, rank, entry, prep))
+        .map(PyReplicaImage::new)
+        .map_err(|e| to_py(py, e))
+}
+
 /// A replica arena made before its step is committed (`replica_prepare`): `len` bytes of
 /// `/dev/shm` allocated for `rank`'s image of `step`, never listed or served; handed to
 /// `replica_receive(..., prepared=...)` once the step is committed, removed if dropped
@@ -514,9 +567,18 @@ fn group_set_aside(py: Python<'_>, root: PathBuf, step: u64) -> PyResult<Option<
 
 /// Remove this user's replicas of `rank`'s images of `root` other than `step`'s (GIL
 /// released).
+/// With `keep`, that step's replica stays too (a memory-only step's replica does not
+/// replace the newest committed step's).
 #[pyfunction]
-fn replica_remove_older(py: Python<'_>, root: PathBuf, rank: u32, step: u64) -> PyResult<()> {
-    py.detach(|| shmckpt::replica::remove_older(&root, rank, step))
+#[pyo3(signature = (root, rank, step, keep=None))]
+fn replica_remove_older(
+    py: Python<'_>,
+    root: PathBuf,
+    rank: u32,
+    step: u64,
+    keep: Option<u64>,
+) -> PyResult<()> {
+    py.detach(|| shmckpt::replica::remove_older_keeping(&root, rank, step, keep))
         .map_err(|e| to_py(py, e))
 }
 
@@ -537,6 +599,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_receive, m)?)?;
     m.add_function(wrap_pyfunction!(replica_serve, m)?)?;
     m.add_function(wrap_pyfunction!(replica_source, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_memory_source, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_receive_memory, m)?)?;
     m.add_class::<PyReplicaSource>()?;
     m.add_function(wrap_pyfunction!(replica_receive_restore, m)?)?;
     m.add_class::<PyReplicaImage>()?;

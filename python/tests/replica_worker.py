@@ -22,7 +22,13 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         REPLICA_WORKER_LIE=RANK:DELTA: that rank's images claim DELTA bytes more than the
         committed file holds (announced, and sent: the last piece padded with zeros or cut);
         REPLICA_WORKER_DISK_EVERY=N: disk_every=N (no kept arena), and with
-        REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close)
+        REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close);
+        REPLICA_WORKER_GATE=1: no replication begins its exchange before every STEP is
+        saved (and waited for); then each step's wait_replicated(), in order;
+        REPLICA_WORKER_GIVEUP_MID=1 (steps 1 2 3, disk_every=3, memory_steps=1): step 3 is
+        saved once the first piece of this rank's image of the memory-only step 2 was
+        taken (staging it gives step 2 up, its chunks back to the pool), then the replica
+        of step 2 this rank holds is compared tensor by tensor with its source's state
     python replica_worker.py load ROOT RANK WORLD PORT OUT REPLICAS
         load "latest" (REPLICA_WORKER_LOAD_INTO=1: load_into zeroed tensors;
         REPLICA_WORKER_LOAD_STEP=N: load step N) and compare it with the state saved of
@@ -199,6 +205,48 @@ def pressure(ck, rank, res, mode):
         res["reports"].append(rep)
 
 
+def give_up_mid(ck, rank, res):
+    """REPLICA_WORKER_GIVEUP_MID=1 (see the module)."""
+    import threading
+
+    import safetensors.torch
+
+    from shmckpt import _shmckpt
+
+    first = first_piece_event()
+    go3 = threading.Event()
+    real = ck._replicator._replicate
+
+    def gated(step, *args, **kwargs):
+        if step == 3:
+            assert go3.wait(60)
+        return real(step, *args, **kwargs)
+
+    ck._replicator._replicate = gated
+    hs = [ck.save(1, rank_state(rank, 1), blocking=False)]
+    hs[0].wait_replicated()
+    first.clear()
+    hs.append(ck.save(2, rank_state(rank, 2), blocking=False))
+    hs[1].wait()
+    assert first.wait(60)  # step 2's image is being sent
+    hs.append(ck.save(3, rank_state(rank, 3), blocking=False))
+    hs[2].wait()
+    res["held_after_3"] = [[int(s), list(t)] for s, t in ck.list(tiers=True)]
+    hs[1].wait_replicated()
+    src = ck._replicator.plan.index([rank])
+    with open(os.path.join("/dev/shm", _shmckpt.replica_name(ck.root, src, 2)), "rb") as f:
+        got = safetensors.torch.load(f.read())
+    want = rank_state(src, 2)["model"]
+    res["replica2_exact"] = sorted(got) == [f"model.{k}" for k in sorted(want)] and all(
+        torch.equal(got[f"model.{k}"].view(torch.uint8), t.contiguous().view(torch.uint8)) for k, t in want.items()
+    )
+    go3.set()
+    for h in hs:
+        rep = h.wait_replicated()
+        rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+        res["reports"].append(rep)
+
+
 def main():
     mode, root, rank, world, port, out, replicas = sys.argv[1:8]
     rank, world, replicas = int(rank), int(world), int(replicas)
@@ -221,6 +269,29 @@ def main():
         if os.environ.get("REPLICA_WORKER_PRESSURE"):
             pressure(ck, rank, res, os.environ["REPLICA_WORKER_PRESSURE"])
             steps = []
+        if os.environ.get("REPLICA_WORKER_GIVEUP_MID") == "1":
+            give_up_mid(ck, rank, res)
+            steps = []
+        if os.environ.get("REPLICA_WORKER_GATE") == "1":
+            import threading
+
+            go = threading.Event()
+            real = ck._replicator._replicate
+
+            def gated(*args, **kwargs):
+                assert go.wait(60)
+                return real(*args, **kwargs)
+
+            ck._replicator._replicate = gated
+            hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]
+            for h in hs:
+                h.wait()
+            go.set()
+            steps = []
+            for h in hs:
+                rep = h.wait_replicated()
+                rep["holders"] = {str(k): v for k, v in rep["holders"].items()}
+                res["reports"].append(rep)
         if os.environ.get("REPLICA_WORKER_NOWAIT") == "1":
             # Save every step without waiting, then wait for the replications, newest first.
             hs = [ck.save(step, rank_state(rank, step), blocking=False) for step in steps]

@@ -698,35 +698,52 @@ def test_held_image_given_back_before_its_replication_is_sent_from_the_file(tmp_
     assert all(res["step"] == 2 and res["exact"] is True for res in loaded)
 
 
-def test_disk_every_replicates_the_disk_saves(tmp_path, droot):
-    """disk_every=2 with replicas=1: the disk saves (1, 3) are replicated, the memory-only
-    ones (2, 4) are not; "latest" is the memory-only step 4 while every rank holds it.
-    close() writes step 4 to disk (not replicated): once machine 1 is lost, "latest" is
-    step 3, the newest step every rank can load, its lost files from the peers (step 4 is
-    set aside)."""
+def shm_bytes(root, src, step):
+    """The bytes of this user's replica of ``src``'s image of ``step`` of ``root``."""
+    return (pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), src, step)).read_bytes()
+
+
+def rank_file_bytes(root, step, rank):
+    """The bytes of ``rank``'s committed file of ``step``."""
+    m = json.loads((root / f"step-{step}" / "manifest.json").read_text())
+    (f,) = [f for f in m["files"] if f["rank"] == rank]
+    return (root / f"step-{step}" / f["file"]).read_bytes()
+
+
+def test_disk_every_replicates_every_save_and_a_lost_machine_loads_the_memory_only_step(tmp_path, droot):
+    """disk_every=2 with replicas=1: every save is replicated, the disk saves (1, 3) and
+    the memory-only ones (2, 4: sent from a copy of the staging chunks, with the checksums
+    computed then); "latest" is the memory-only step 4 while every rank holds it. A
+    memory-only step's replica keeps the newest committed step's (3). close() writes step
+    4 to disk, byte for byte what the partners hold. Then machine 1 is lost (the replicas
+    it held, its ranks' files of every step): "latest" is still step 4, its lost ranks'
+    images from the partners' replicas of the memory-only step, exactly."""
     root = droot
     env = {"REPLICA_WORKER_DISK_EVERY": "2", "REPLICA_WORKER_LOAD_AFTER": "1"}
     saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, 4, env=env)
     for r, res in enumerate(saved):
         reps = {rep["step"]: rep for rep in res["reports"]}
         assert sorted(reps) == [1, 2, 3, 4]
+        for s in (1, 2, 3, 4):
+            rep = reps[s]
+            assert (rep["replicated"], rep["k_safe"], rep["skipped"], rep["memory_only"]) == (True, True, None, s % 2 == 0), rep
+            assert rep["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+            assert rep["problems"] == []
         for s in (1, 3):
-            assert (reps[s]["replicated"], reps[s]["k_safe"]) == (True, True), reps[s]
-            assert reps[s]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
             assert reps[s]["bytes_sent"] == file_sizes(root, s)[r]
-        for s in (2, 4):
-            assert (reps[s]["replicated"], reps[s]["skipped"], reps[s]["bytes_sent"]) == (
-                False,
-                "memory-only (disk_every)",
-                0,
-            ), reps[s]
         assert res["after"] == {"step": 4, "exact": True, "source": ["memory", None]}, res
-    assert our_replicas(root) == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    # Step 4's replicas keep step 3's (committed); step 2's went once step 3's were stored.
+    assert our_replicas(root) == sorted((q, s) for q in range(WORLD) for s in (3, 4))
     # Step 2 was given up once step 3 committed; close() wrote step 4.
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3", "step-4"]
+    for r, res in enumerate(saved):
+        # What the partners received of the memory-only step is its file, exactly.
+        assert res["reports"][3]["bytes_sent"] == file_sizes(root, 4)[r]
+        assert shm_bytes(root, r, 4) == rank_file_bytes(root, 4, r)
     # Machine 1 is lost: the replicas it held, its ranks' files of every step.
     for src in (0, 1):
-        remove_replica(_shmckpt.replica_name(str(root), src, 3))
+        for s in (3, 4):
+            remove_replica(_shmckpt.replica_name(str(root), src, s))
     for s in (1, 3, 4):
         names = {f["rank"]: f["file"] for f in json.loads((root / f"step-{s}" / "manifest.json").read_text())["files"]}
         for r in (2, 3):
@@ -734,25 +751,83 @@ def test_disk_every_replicates_the_disk_saves(tmp_path, droot):
     loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
     for res in loaded:
         assert "error" not in res, res
-        assert (res["step"], res["exact"]) == (3, True), res
+        assert (res["step"], res["exact"]) == (4, True), res
     assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
-    assert not (root / "step-4").exists()
+    # The lost ranks' files are back, exactly the replicas.
+    for r in (2, 3):
+        assert rank_file_bytes(root, 4, r) == shm_bytes(root, r, 4)
 
 
-def test_replicate_every_counts_disk_saves_alike_on_every_rank():
+def test_a_memory_only_step_given_up_before_its_replication_is_skipped(tmp_path, droot):
+    """disk_every=3, memory_steps=1: steps 1 (disk), 2 and 3 (memory-only) are saved before
+    any replication may begin; staging step 3 gave step 2 up on every rank. Step 2's
+    replication is skipped on every rank, with the reason, and nothing of it is stored;
+    step 3 is replicated from its staging chunks, exactly its later file."""
+    root = droot
+    env = {"REPLICA_WORKER_DISK_EVERY": "3", "REPLICA_WORKER_GATE": "1"}
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, env=env)
+    for r, res in enumerate(saved):
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert sorted(reps) == [1, 2, 3]
+        assert (reps[1]["replicated"], reps[1]["k_safe"], reps[1]["memory_only"]) == (True, True, False)
+        assert (reps[2]["replicated"], reps[2]["skipped"], reps[2]["bytes_sent"], reps[2]["holders"]) == (
+            False,
+            "memory-only step given up before it was sent (ranks [0, 1, 2, 3])",
+            0,
+            {},
+        ), reps[2]
+        assert (reps[3]["replicated"], reps[3]["k_safe"], reps[3]["memory_only"]) == (True, True, True), reps[3]
+        assert reps[3]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    assert our_replicas(root) == sorted((q, s) for q in range(WORLD) for s in (1, 3))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3"]
+    for r in range(WORLD):
+        assert shm_bytes(root, r, 3) == rank_file_bytes(root, 3, r)
+        assert shm_bytes(root, r, 1) == rank_file_bytes(root, 1, r)
+
+
+def test_a_memory_only_step_given_up_mid_replication_is_sent_exactly(tmp_path, droot):
+    """disk_every=3, memory_steps=1, chunks of 64 KiB sent at 32 KiB/s: once the first
+    piece of the memory-only step 2 is taken, step 3 is saved, which gives step 2 up (its
+    chunks back to the pool, free for step 3). Step 2's replication goes on from the copy
+    it made and is k-safe; every replica of it holds exactly its source's tensors of step
+    2; step 3 is replicated too, exactly its file once close() writes it."""
+    root = droot
+    env = {
+        "REPLICA_WORKER_DISK_EVERY": "3",
+        "REPLICA_WORKER_GIVEUP_MID": "1",
+        "REPLICA_WORKER_BW": str(32 << 10),
+        "REPLICA_WORKER_CHUNK": str(CHUNK),
+    }
+    saved = run_world(tmp_path, root, "save", 1, env=env)
+    for r, res in enumerate(saved):
+        # Step 2 was given up by step 3's save, while its replication was sending it.
+        assert res["held_after_3"] == [[1, ["disk"]], [3, ["memory"]]], res
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert sorted(reps) == [1, 2, 3]
+        for s, mem in ((1, False), (2, True), (3, True)):
+            assert (reps[s]["replicated"], reps[s]["k_safe"], reps[s]["memory_only"]) == (True, True, mem), reps[s]
+            assert reps[s]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+        assert reps[2]["transfer_seconds"] >= CHUNK / (32 << 10)
+        assert res["replica2_exact"] is True
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3"]
+    for r in range(WORLD):
+        assert shm_bytes(root, r, 3) == rank_file_bytes(root, 3, r)
+
+
+def test_replicate_every_counts_every_save_alike_on_every_rank():
     """The decision of which saves are replicated (``Replicator._skip_reason``, run on
-    every rank with every rank's outcome): memory-only steps never, every 2nd disk save
-    with replicate_every=2; ranks that disagree on the disk raise."""
+    every rank with every rank's outcome): every 2nd save with replicate_every=2, disk or
+    memory-only alike; ranks that disagree on the disk raise."""
     from shmckpt.replicas import Replicator
 
     rep = object.__new__(Replicator)
-    rep.replicate_every, rep._disk_since_replica = 2, None
-    seen = [rep._skip_reason(s, m) for s, m in enumerate([[0, 0], [1, 1], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]], 1)]
+    rep.replicate_every, rep._since_replica = 2, None
+    seen = [rep._skip_reason(s, m) for s, m in enumerate([[0, 0], [1, 1], [0, 0], [1, 1], [1, 1], [0, 0], [0, 0]], 1)]
     assert seen == [
         None,
-        "memory-only (disk_every)",
         "replicate_every=2",
-        "memory-only (disk_every)",
+        None,
+        "replicate_every=2",
         None,
         "replicate_every=2",
         None,

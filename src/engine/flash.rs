@@ -537,6 +537,39 @@ impl Adopted {
         self.leases
     }
 
+    /// The whole image (`dst` exactly its length) copied from its chunks, on up to 8
+    /// threads. [`Error::Internal`] when `dst` is not the image's length.
+    pub(crate) fn copy_to(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() as u64 != self.file_len {
+            return Err(Error::Internal(format!(
+                "an image of {} bytes copied into {} bytes",
+                self.file_len,
+                dst.len()
+            )));
+        }
+        let cs = self.chunk_size as usize;
+        let mut jobs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(self.leases.len());
+        for (mine, l) in dst.chunks_mut(cs.max(1)).zip(&self.leases) {
+            let n = mine.len();
+            jobs.push((mine, &l.as_slice()[..n]));
+        }
+        let threads = copy_threads(jobs.len());
+        let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, j) in jobs.into_iter().enumerate() {
+            lanes[i % threads].push(j);
+        }
+        std::thread::scope(|scope| {
+            for lane in lanes {
+                scope.spawn(move || {
+                    for (d, s) in lane {
+                        d.copy_from_slice(s);
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
+
     /// This rank's manifest entry of the image.
     pub(crate) fn entry(&self) -> &FileEntry {
         &self.entry

@@ -453,6 +453,43 @@ impl Engine {
         Ok(())
     }
 
+    /// This rank's manifest entry of the held memory-only step `step` (its tensors'
+    /// checksums 0: see [`Engine::copy_memory_image`]), or `None` when it is not held.
+    pub fn memory_entry(&self, step: u64) -> Option<crate::manifest::FileEntry> {
+        let g = self.shared.memory.lock();
+        g.iter()
+            .find(|m| m.step == step)
+            .map(|m| m.image.entry().clone())
+    }
+
+    /// Copy the image of the held memory-only step `step` into `dst` (exactly its length),
+    /// under the memory tier's lock: no save can give the step up (and its chunks back to
+    /// the pool) while its bytes are copied; a save that would give one up waits for the
+    /// copy (at memory bandwidth, on up to 8 threads), a save that gives none up never
+    /// does. `entry` is what [`Engine::memory_entry`] returned: if the step was given up
+    /// since (or saved again under the same number, with another layout), nothing is
+    /// copied and the error says so ([`Error::NotFound`]), so a copy is always of the step
+    /// `entry` describes. The peer replicas send memory-only steps from such a copy
+    /// (`shmckpt::replica::Outgoing::memory_step`).
+    pub fn copy_memory_image(
+        &self,
+        step: u64,
+        entry: &crate::manifest::FileEntry,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let g = self.shared.memory.lock();
+        let gone = || Error::NotFound {
+            what: format!("memory-only step {step} (given up)"),
+            step: Some(step),
+            root: self.shared.cfg.root.clone(),
+        };
+        let m = g.iter().find(|m| m.step == step).ok_or_else(gone)?;
+        if m.image.entry() != entry {
+            return Err(gone());
+        }
+        m.image.copy_to(dst)
+    }
+
     /// The newest memory-only step held, if any.
     pub(super) fn memory_step(&self) -> Option<u64> {
         self.shared.memory.newest()

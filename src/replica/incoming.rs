@@ -159,6 +159,43 @@ impl Incoming {
         Incoming::receive_into(prep, root, entry)
     }
 
+    /// A new replica arena for `rank`'s image of the memory-only `step` of `root`, which
+    /// has no committed manifest yet: checked against `entry` instead, the entry its
+    /// sender computed from the bytes it sends ([`super::Outgoing::memory_step`], received
+    /// from the peer: its size and layout bound what is received, and the seal checks the
+    /// header and every tensor's CRC-32C against it exactly as against a committed
+    /// manifest). Into `prep` when given (made for this step and rank, resized to
+    /// `entry`'s size). Once sealed it is a replica like any: served and loaded only once
+    /// the step is committed, checked again against that manifest ([`Incoming::serve`],
+    /// [`super::load`]).
+    pub fn replica_of_memory_step(
+        root: &Path,
+        step: u64,
+        rank: u32,
+        entry: FileEntry,
+        prep: Option<PreparedArena>,
+    ) -> Result<Incoming> {
+        if entry.rank != rank {
+            return Err(Error::Config(format!(
+                "the entry of rank {}'s image given for rank {rank}'s",
+                entry.rank
+            )));
+        }
+        let prep = match prep {
+            Some(p) => {
+                if tag_of(root)? != p.tag || (p.step, p.rank) != (step, rank) {
+                    return Err(Error::Config(format!(
+                        "a replica arena made for another root, step or rank than {}, step {step}, rank {rank}",
+                        root.display()
+                    )));
+                }
+                p
+            }
+            None => PreparedArena::new(root, step, rank, image_len(&entry)?)?,
+        };
+        Incoming::receive_into(prep, root, entry)
+    }
+
     /// `prep` (made for `root`, its step and rank) given the size of `entry`, that rank's
     /// committed entry, and mapped to receive the image.
     fn receive_into(mut prep: PreparedArena, root: &Path, entry: FileEntry) -> Result<Incoming> {
@@ -481,7 +518,7 @@ impl Incoming {
                 rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
                     .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
                 if remove_older {
-                    remove_stale(tag, self.rank, self.step);
+                    remove_stale(tag, self.rank, self.step, None);
                 }
                 Ok(dir.join(name))
             }

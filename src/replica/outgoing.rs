@@ -1,5 +1,6 @@
 //! The sender's side of a replica transfer: its committed file read piece by piece while
-//! the pieces already read travel.
+//! the pieces already read travel, or a held memory-only step copied out of staging with
+//! its checksums computed ([`Outgoing::memory_step`]).
 
 #![allow(unsafe_code)]
 
@@ -8,10 +9,12 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
+use super::check::crcs;
 use super::committed_entry;
 use super::incoming::image_len;
 use crate::error::{Error, Result};
 use crate::fsx::{self, Create};
+use crate::manifest::FileEntry;
 
 /// `rank`'s committed file of a step, read into private memory piece by piece while the
 /// pieces already read are sent ([`Outgoing::read_range`]): the sender's read overlaps the
@@ -19,12 +22,16 @@ use crate::fsx::{self, Create};
 /// exactly the manifest's size with a header that passes the checks of every disk read
 /// (its CRC-32C against the manifest's); its data is checked by the receiver (every
 /// tensor's CRC-32C, [`super::Incoming::seal`]), which never publishes an image that fails.
+/// Or a held memory-only step, copied whole at once ([`Outgoing::memory_step`]).
 #[derive(Debug)]
 pub struct Outgoing {
     ptr: NonNull<u8>,
     len: usize,
-    file: std::fs::File,
+    /// The committed file read from; `None` for a memory-only step, copied whole.
+    file: Option<std::fs::File>,
     path: PathBuf,
+    /// A memory-only step's manifest entry, its checksums computed from the copy.
+    entry: Option<FileEntry>,
     /// Bytes `[0, done)` are read.
     done: usize,
     /// Whether the descriptor reads with `O_DIRECT` (`None`: not tried yet).
@@ -59,11 +66,77 @@ impl Outgoing {
         Ok(Outgoing {
             ptr,
             len,
-            file,
+            file: Some(file),
             path,
+            entry: None,
             done: 0,
             direct: None,
         })
+    }
+
+    /// The held memory-only step `step` of `engine` (`EngineConfig::with_disk_cadence`), to
+    /// send to its partners: its image copied out of the staging chunks into private
+    /// memory under the memory tier's lock ([`crate::Engine::copy_memory_image`]: the
+    /// step cannot be given up mid-copy, and the copy is the step's bytes whatever
+    /// happens to it afterwards), then, off that lock, every tensor's CRC-32C and the
+    /// header's computed from the copy ([`Outgoing::entry`]: the entry the step's manifest
+    /// will have once it goes to disk, as the writers compute the same checksums from the
+    /// same bytes). The receiver checks the image against that entry
+    /// ([`super::Incoming::replica_of_memory_step`]). [`Error::NotFound`] when the step is
+    /// not held (given up before the copy): nothing is sent. Costs the image's size in
+    /// private memory while the value lives.
+    pub fn memory_step(engine: &crate::Engine, step: u64) -> Result<Outgoing> {
+        let what = || PathBuf::from(format!("<memory-only step {step}>"));
+        let mut entry = engine.memory_entry(step).ok_or_else(|| Error::NotFound {
+            what: format!("memory-only step {step}"),
+            step: Some(step),
+            root: engine.config().root().to_owned(),
+        })?;
+        let len = image_len(&entry)?;
+        let ptr = super::anonymous_map(len)?;
+        let mut out = Outgoing {
+            ptr,
+            len,
+            file: None,
+            path: what(),
+            entry: None,
+            done: len,
+            direct: None,
+        };
+        // SAFETY: the mapping is this value's own, `len` bytes, fresh (no other reference
+        // to it exists); the borrow ends before the value is handed out.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.as_ptr(), len) };
+        engine.copy_memory_image(step, &entry, dst)?;
+        let bytes: &[u8] = dst;
+        let data_start = super::check::mem_len(entry.data_start, &what())?;
+        let (header, data) = bytes
+            .split_at_checked(data_start)
+            .ok_or_else(|| Error::corrupt(what(), None, "the data section starts past the end"))?;
+        let mut pieces = Vec::with_capacity(entry.tensors.len());
+        for t in &entry.tensors {
+            let [b, e] = t.data_offsets;
+            let (b, e) = (
+                super::check::mem_len(b, &what())?,
+                super::check::mem_len(e, &what())?,
+            );
+            let piece = data.get(b..e).ok_or_else(|| {
+                Error::corrupt(what(), Some(&t.name), "lies outside the data section")
+            })?;
+            pieces.push(piece);
+        }
+        let sums = crcs(&pieces);
+        for (t, c) in entry.tensors.iter_mut().zip(sums) {
+            t.crc32c = c;
+        }
+        entry.header_crc32c = Some(crc32c::crc32c(header));
+        out.entry = Some(entry);
+        Ok(out)
+    }
+
+    /// A memory-only step's manifest entry with its checksums ([`Outgoing::memory_step`]);
+    /// `None` for a committed file (the receiver has its manifest).
+    pub fn entry(&self) -> Option<&FileEntry> {
+        self.entry.as_ref()
     }
 
     /// The first byte of the image's memory (page aligned; `[0, read())` holds the file's
@@ -98,6 +171,17 @@ impl Outgoing {
     /// [`Outgoing::read`] is `end` (rounded up to a page, at most the length).
     /// [`Error::Truncated`] when the file ends early (it shrank).
     pub fn read_range(&mut self, start: usize, end: usize) -> Result<()> {
+        // A memory-only step is copied whole (`done == len`): nothing to read.
+        let Some(file) = self.file.take() else {
+            return Ok(());
+        };
+        let r = self.read_file_range(&file, start, end);
+        self.file = Some(file);
+        r
+    }
+
+    /// [`Outgoing::read_range`] from `file`, the committed file.
+    fn read_file_range(&mut self, file: &std::fs::File, start: usize, end: usize) -> Result<()> {
         let end = end.min(self.len);
         let page = rustix::param::page_size();
         let from = (start / page * page).max(self.done);
@@ -107,9 +191,9 @@ impl Outgoing {
         self.done = from;
         if self.direct.is_none() {
             // O_DIRECT on the open descriptor, where the file system takes it.
-            let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
+            let fl = rustix::fs::fcntl_getfl(file).unwrap_or(rustix::fs::OFlags::empty());
             self.direct =
-                Some(rustix::fs::fcntl_setfl(&self.file, fl | rustix::fs::OFlags::DIRECT).is_ok());
+                Some(rustix::fs::fcntl_setfl(file, fl | rustix::fs::OFlags::DIRECT).is_ok());
         }
         // `done` is always a page boundary (or `len`): whole pages up to `end`, at most to
         // the mapping's last page (mapped: the kernel maps whole pages).
@@ -120,7 +204,7 @@ impl Outgoing {
             .map(|k| (self.done + k * per, (self.done + (k + 1) * per).min(stop)))
             .filter(|(a, b)| a < b)
             .collect();
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.file);
+        let fd = std::os::fd::AsRawFd::as_raw_fd(file);
         let base = self.ptr.as_ptr() as usize;
         let len = self.len;
         let read_range = |a: usize, b: usize| -> std::result::Result<(), (usize, std::io::Error)> {
@@ -179,11 +263,11 @@ impl Outgoing {
                 if e.raw_os_error() == Some(libc::EINVAL) && self.direct == Some(true) =>
             {
                 // The file system refused O_DIRECT for these reads: read buffered.
-                let fl = rustix::fs::fcntl_getfl(&self.file).unwrap_or(rustix::fs::OFlags::empty());
-                rustix::fs::fcntl_setfl(&self.file, fl - rustix::fs::OFlags::DIRECT)
+                let fl = rustix::fs::fcntl_getfl(file).unwrap_or(rustix::fs::OFlags::empty());
+                rustix::fs::fcntl_setfl(file, fl - rustix::fs::OFlags::DIRECT)
                     .map_err(|e2| Error::io_at("read", &self.path, at as u64, e2.into()))?;
                 self.direct = Some(false);
-                self.read_range(self.done, end)
+                self.read_file_range(file, self.done, end)
             }
             Some((at, e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 Err(Error::Truncated {

@@ -742,3 +742,80 @@ fn every_held_memory_only_step_is_recovered_after_sigkill() {
         assert_step_is_exact(root, s);
     }
 }
+
+/// A held memory-only step as a replica source (`Outgoing::memory_step`): its bytes copied
+/// out of staging and its checksums computed then are exactly the file and the manifest
+/// entry the writers make when the step goes to disk; a peer's replica arena takes them
+/// (`Incoming::replica_of_memory_step`) and refuses them with one byte changed; once the
+/// step is given up (written to disk here), it is no source any more (nothing copied).
+#[test]
+fn a_memory_only_step_is_a_replica_source_with_the_checksums_of_its_disk_copy() {
+    use shmckpt::replica::{self, Incoming, IncomingState, Outgoing};
+    let dir = real_dir("cadence-replica-source");
+    let root = dir.path();
+    let e = Engine::open(cadence_config(root, DiskCadence::Every(2))).unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+
+    let out = Outgoing::memory_step(&e, 2).unwrap();
+    // SAFETY: the source's memory, `len()` bytes, read-only from here, alive below.
+    #[allow(unsafe_code)]
+    let bytes = unsafe { std::slice::from_raw_parts(out.as_ptr(), out.len()) }.to_vec();
+    let entry = out.entry().expect("a memory-only step's entry").clone();
+    assert_eq!(entry.bytes, bytes.len() as u64);
+    assert_eq!(out.read(), out.len(), "copied whole");
+
+    // A peer stores it, checked against that entry.
+    let receive = |image: &[u8]| {
+        let mut inc = Incoming::replica_of_memory_step(root, 2, 0, entry.clone(), None).unwrap();
+        assert_eq!(inc.len(), image.len());
+        // SAFETY: the arena is `len()` bytes, writable while open.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy_nonoverlapping(image.as_ptr(), inc.as_mut_ptr(), image.len())
+        };
+        let r = inc.seal();
+        (r, inc.state())
+    };
+    let mut bad = bytes.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x40;
+    let (r, state) = receive(&bad);
+    assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
+    assert_eq!(state, IncomingState::Refused);
+    let (r, state) = receive(&bytes);
+    let stored = r.unwrap();
+    assert_eq!(state, IncomingState::Sealed);
+    assert_eq!(std::fs::read(&stored).unwrap(), bytes);
+
+    // Written to disk: the writers' file and checksums are the ones sent.
+    let held_entry = e.memory_entry(2).unwrap();
+    assert_eq!(e.persist_memory().unwrap().len(), 1);
+    let m: shmckpt::manifest::Manifest =
+        serde_json::from_slice(&std::fs::read(root.join("step-2").join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(m.files, std::slice::from_ref(&entry));
+    assert!(entry.tensors.iter().any(|t| t.crc32c != 0));
+    assert_eq!(
+        std::fs::read(root.join("step-2").join(&entry.file)).unwrap(),
+        bytes
+    );
+    // Committed now: the replica stored is served like any, checked against the manifest.
+    assert_eq!(replica::load(root, 2, 0).unwrap().as_bytes(), &bytes[..]);
+
+    // Given up (no longer held): nothing is copied.
+    assert!(e.memory_entry(2).is_none());
+    assert!(matches!(
+        Outgoing::memory_step(&e, 2),
+        Err(Error::NotFound { .. })
+    ));
+    let mut buf = vec![0u8; bytes.len()];
+    assert!(matches!(
+        e.copy_memory_image(2, &held_entry, &mut buf),
+        Err(Error::NotFound { .. })
+    ));
+    assert!(buf.iter().all(|&b| b == 0));
+    replica::remove(&replica::replica_name(root, 0, 2).unwrap()).unwrap();
+    drop(out);
+    e.close();
+}

@@ -138,15 +138,17 @@ class Checkpointer:
     **memory-only**: staged in shared memory (``handle.wait()`` returns once staged, its
     report's ``memory_only`` true), loadable in this process (``last_load_source`` is
     ``("memory", None)``), committed to disk by the next open after a crash of the
-    process (``recover_on_open``), and written to disk by ``close()``; not uploaded, not
-    replicated. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
+    process (``recover_on_open``), and written to disk by ``close()``; not uploaded, but
+    replicated with ``replicas``. ``"auto"`` and ``disk_interval_s`` decide per rank: refused with several
     ranks. ``Cadence(memory_steps=n)`` (default 1): the memory tier holds the ``n`` newest
     memory-only steps saved since the last disk save (each loadable and listed, each
     recovered after a crash, all written to disk by ``close()``); staging holds ``(2 + n)``
     saves for none to be given up (an older one is given up first, never the newest).
-    With ``replicas``, ``Replicas(every=k)`` (default 1) replicates every ``k``-th disk
-    save (counted in disk saves: the first, then every ``k``-th after the last replicated
-    one); memory-only saves are not replicated (see ``docs/replicas.md``). See
+    With ``replicas``, ``Replicas(every=k)`` (default 1) replicates every ``k``-th save
+    (counted in saves, disk and memory-only alike: the first, then every ``k``-th after
+    the last replicated one); a memory-only step is sent from a copy of its staging
+    chunks with the checksums computed then, and its replicas serve a lost rank once the
+    step is committed (``close()`` writes it; see ``docs/replicas.md``). See
     ``docs/python.md``.
 
     ``check_replicas=group`` (a ``torch.distributed`` process group of data-parallel
