@@ -73,15 +73,29 @@ venv_log="$repo/target/test-venv.log"
         echo "== creating $venv"
         python3 -m venv "$venv"
     fi
-    missing=()
-    for mod in torch numpy safetensors pytest maturin lightning mypy ziglang auditwheel; do
-        "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
-    done
-    # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
-    "$py" -c "import megatron.core" 2>/dev/null || missing+=("megatron-core")
-    # The object-storage tests run against moto's S3 server (python/tests/test_remote.py,
-    # cli/tests/integration/remote.rs).
-    "$py" -c "import moto.server, boto3" 2>/dev/null || missing+=("moto[server]")
+    # The packages whose module the venv cannot find, in one interpreter that imports
+    # none of them (importing torch, lightning and megatron to check them cost 14 CPU-s):
+    # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo);
+    # moto's S3 server for the object-storage tests (python/tests/test_remote.py,
+    # cli/tests/integration/remote.rs); ziglang and auditwheel for scripts/build_wheel.sh.
+    read -r -a missing <<<"$("$py" - <<'EOF'
+import importlib.util
+
+need = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "pytest": "pytest",
+        "maturin": "maturin", "lightning": "lightning", "mypy": "mypy", "ziglang": "ziglang",
+        "auditwheel": "auditwheel", "megatron.core": "megatron-core",
+        "moto.server": "moto[server]", "boto3": "moto[server]"}
+missing = []
+for mod, pkg in need.items():
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ImportError:   # a parent package is missing
+        found = False
+    if not found and pkg not in missing:
+        missing.append(pkg)
+print(" ".join(missing))
+EOF
+)"
     if [ ${#missing[@]} -gt 0 ]; then
         echo "== installing ${missing[*]} into $venv"
         "$py" -m pip install --quiet "${missing[@]}"
