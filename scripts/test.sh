@@ -154,14 +154,14 @@ cargo test --all-features
 cargo test --all-features -p crashfs
 cargo test -p shmckpt-crashsim
 
+stage "waiting for the wheel lane (the soak runs alone, as before: its kills are timed)"
+join "$wheel_pid" "$wheel_log" wheel
+
 stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
 # SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
 # crashes; every resume compared bit for bit (docs/crash.md, section 6). Prints its seed
 # (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
 cargo test --all-features --test integration soak -- --ignored --nocapture
-
-stage "waiting for the wheel lane"
-join "$wheel_pid" "$wheel_log" wheel
 
 export SHMCKPT_BIN="$bins/shmckpt" CRASHFS_BIN="$bins/crashfs"
 
