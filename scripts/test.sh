@@ -26,44 +26,136 @@ stage() {
     echo "== [$((SECONDS - t_stage)) s for the previous stage, $((SECONDS - t0)) s in all] $*"
     t_stage=$SECONDS
 }
-trap 'echo "== [$((SECONDS - t_stage)) s for the last stage, $((SECONDS - t0)) s in all] done"' EXIT
 
 venv="${SHMCKPT_VENV:-$repo/.venv}"
-if [ ! -x "$venv/bin/python" ]; then
-    echo "== creating $venv"
-    python3 -m venv "$venv"
-fi
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
-missing=()
-for mod in torch numpy safetensors pytest maturin lightning mypy; do
-    "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
-done
-# megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo).
-"$py" -c "import megatron.core" 2>/dev/null || missing+=("megatron-core")
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "== installing ${missing[*]} into $venv"
-    "$py" -m pip install --quiet "${missing[@]}"
-fi
-
-# The object-storage tests run against moto's S3 server (python/tests/test_remote.py,
-# cli/tests/integration/remote.rs).
-if ! "$py" -c "import moto.server, boto3" 2>/dev/null; then
-    echo "== installing moto[server] into $venv"
-    "$py" -m pip install --quiet 'moto[server]'
-fi
 # The Rust integration tests find moto through this interpreter.
 export SHMCKPT_MOTO_PYTHON="$py"
+mkdir -p "$repo/target"
 
-stage "cargo test --all-features (after the venv: the S3 tests start moto from it)"
-cargo test --all-features
-cargo test --all-features -p crashfs   # not a default member (see Cargo.toml)
-cargo test -p shmckpt-crashsim         # nor is the power-loss harness
-# The recovery test of the Python suite runs the command line; the power-cut test
-# (python/tests/test_crashfs.py) the crashfs FUSE server (crashfs/).
+# The stages overlap where one waits (on the network) or leaves a core idle: the venv's
+# installs and mypy run beside the first compile, and the wheel's release build and
+# stubtest beside the Rust tests. A background lane writes its output to a log under
+# target/, printed (with the lane's own time) when the script waits for it; a failure in
+# a lane fails the script there, and a script that stops early ends the lanes it started.
+lanes=()
+kill_tree() {   # a lane's subshell and every process below it, deepest first
+    local p
+    for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do kill_tree "$p"; done
+    kill "$1" 2>/dev/null || true
+}
+finish() {
+    local p
+    for p in "${lanes[@]}"; do kill_tree "$p"; done
+    echo "== [$((SECONDS - t_stage)) s for the last stage, $((SECONDS - t0)) s in all] done"
+}
+trap finish EXIT
+# join PID LOG NAME: waits for a lane, prints its log, fails if it failed.
+join() {
+    local rc=0
+    wait "$1" || rc=$?
+    local p rest=()
+    for p in "${lanes[@]}"; do [ "$p" = "$1" ] || rest+=("$p"); done
+    lanes=("${rest[@]}")
+    echo "== the $3 lane's output:"
+    cat "$2"
+    if [ "$rc" -ne 0 ]; then
+        echo "== the $3 lane failed (exit $rc)" >&2
+        exit "$rc"
+    fi
+}
+
+venv_log="$repo/target/test-venv.log"
+(
+    t=$SECONDS
+    if [ ! -x "$py" ]; then
+        echo "== creating $venv"
+        python3 -m venv "$venv"
+    fi
+    # The packages whose module the venv cannot find, in one interpreter that imports
+    # none of them (importing torch, lightning and megatron to check them cost 14 CPU-s):
+    # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo);
+    # moto's S3 server for the object-storage tests (python/tests/test_remote.py,
+    # cli/tests/integration/remote.rs); ziglang and auditwheel for scripts/build_wheel.sh.
+    read -r -a missing <<<"$("$py" - <<'EOF'
+import importlib.util
+
+need = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "pytest": "pytest",
+        "maturin": "maturin", "lightning": "lightning", "mypy": "mypy", "ziglang": "ziglang",
+        "auditwheel": "auditwheel", "megatron.core": "megatron-core",
+        "moto.server": "moto[server]", "boto3": "moto[server]"}
+missing = []
+for mod, pkg in need.items():
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ImportError:   # a parent package is missing
+        found = False
+    if not found and pkg not in missing:
+        missing.append(pkg)
+print(" ".join(missing))
+EOF
+)"
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "== installing ${missing[*]} into $venv"
+        "$py" -m pip install --quiet "${missing[@]}"
+    fi
+    echo "== [$((SECONDS - t)) s] venv ready"
+    t=$SECONDS
+    echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
+    "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
+    echo "== [$((SECONDS - t)) s] mypy"
+) >"$venv_log" 2>&1 &
+lanes+=($!)
+venv_pid=$!
+
+stage "cargo build, cargo test --no-run (the debug builds, while the venv lane installs, then runs mypy)"
+# The recovery tests of the Python suite run the command line as users get it (default
+# features); `cargo test` then builds it again with the tests' features (`testing`,
+# `fault-injection`) to the same path, target/debug/shmckpt, which the command line's own
+# tests run: the Python suite's copy is kept in target/test-bin/.
+bins="$repo/target/test-bin"
+mkdir -p "$bins"
 cargo build --bin shmckpt
-cargo build -p crashfs --bin crashfs
-export SHMCKPT_BIN="$repo/target/debug/shmckpt" CRASHFS_BIN="$repo/target/debug/crashfs"
+cp target/debug/shmckpt "$bins/shmckpt"
+cargo test --all-features --no-run
+# crashfs is not a default member (see Cargo.toml). Its tests build its binary too, as
+# `cargo build -p crashfs --bin crashfs` would (the same code; only dependencies' features
+# differ): the FUSE server of the Python suite's power-cut test (python/tests/test_crashfs.py).
+cargo test --all-features -p crashfs --no-run
+cp target/debug/crashfs "$bins/crashfs"
+cargo test -p shmckpt-crashsim --no-run   # nor is the power-loss harness
+
+stage "waiting for the venv lane (the S3 tests start moto from it)"
+join "$venv_pid" "$venv_log" venv
+
+stage "cargo test --all-features, beside the wheel lane (scripts/build_wheel.sh, pip install, stubtest)"
+# The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
+# by maturin in release (the same compile as `pip install ./python`) and checked by
+# auditwheel. Release and debug builds take separate locks of target/, so the wheel
+# compiles while the debug test binaries run.
+wheel_log="$repo/target/test-wheel.log"
+(
+    t=$SECONDS
+    echo "== scripts/build_wheel.sh, then pip install the wheel"
+    wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
+    "$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
+    echo "== [$((SECONDS - t)) s] wheel built and installed"
+    t=$SECONDS
+    echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
+    # Run from the repository root, where `shmckpt` is the installed package (python/ would
+    # shadow it with the source tree, which has no compiled module in a clean checkout).
+    "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
+    echo "== [$((SECONDS - t)) s] stubtest"
+) >"$wheel_log" 2>&1 &
+lanes+=($!)
+wheel_pid=$!
+cargo test --all-features
+cargo test --all-features -p crashfs
+cargo test -p shmckpt-crashsim
+
+stage "waiting for the wheel lane (the soak runs alone, as before: its kills are timed)"
+join "$wheel_pid" "$wheel_log" wheel
 
 stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
 # SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
@@ -71,20 +163,7 @@ stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the coun
 # (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
 cargo test --all-features --test integration soak -- --ignored --nocapture
 
-stage "scripts/build_wheel.sh, then pip install the wheel"
-# The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
-# by maturin in release (the same compile as `pip install ./python`) and checked by
-# auditwheel.
-wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
-"$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
-
-stage "mypy python/shmckpt (the pure-Python package: every function typed, no error)"
-"$py" -m mypy --config-file python/pyproject.toml python/shmckpt
-
-stage "mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
-# Run from the repository root, where `shmckpt` is the installed package (python/ would
-# shadow it with the source tree, which has no compiled module in a clean checkout).
-"$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
+export SHMCKPT_BIN="$bins/shmckpt" CRASHFS_BIN="$bins/crashfs"
 
 stage "pytest python/tests: two sessions side by side (the multi-rank files; the rest)"
 # The multi-rank files (4-process gloo groups, kills, partners' timeouts) spend most of
