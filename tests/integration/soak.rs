@@ -49,7 +49,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use shmckpt::manifest::{partial_dir_name, step_dir_name};
@@ -501,26 +501,48 @@ fn rand(rng: &mut u64, n: u64) -> u64 {
 
 /// Our segments in `/dev/shm`: named `shmckpt.<pid>.` after a process of `pids`.
 ///
-/// A trainer opens one engine, so its arena is `shmckpt.<pid>.r<rank>.0`; a segment named
-/// after a dead trainer's pid with a later counter belongs to another process that reused
-/// the pid (another test suite on the machine: one soak failed on `shmckpt.4286.r0.9115`,
-/// the 9,116th engine of a long-running test process). This process's own segments count
-/// whatever their counter.
+/// Pids are reused, and other processes' segments may carry a trainer's pid: a trainer
+/// opens one engine, so its arena is `shmckpt.<pid>.r<rank>.0` and records a lane's root
+/// (one soak failed on `shmckpt.4286.r0.9115`, the 9,116th engine of another test process
+/// that had reused a dead trainer's pid; another on `shmckpt.30600.r0.0` of root
+/// `/tmp/tmpspv2ygug`, left in `/dev/shm` by a process that died before the soak began).
+/// So a segment is a trainer's when it was not there when the soak began, its counter is
+/// 0 and its root is a lane's (or its descriptor cannot be read: a trainer killed while
+/// creating it). This process's own segments count whatever their counter and root.
 fn our_segments(pids: &BTreeSet<u32>) -> Vec<String> {
     let Ok(rd) = std::fs::read_dir("/dev/shm") else {
         return Vec::new();
     };
     let me = std::process::id();
+    let before = BEFORE.get();
+    let roots = LANE_ROOTS.lock().unwrap().clone();
     rd.flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| {
             let mut parts = n.strip_prefix(NAME_PREFIX).unwrap_or("").split('.');
             let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
             let counter = parts.nth(1);
-            pid.is_some_and(|p| pids.contains(&p) && (p == me || counter == Some("0")))
+            let Some(p) = pid.filter(|p| pids.contains(p)) else {
+                return false;
+            };
+            if p == me {
+                return true;
+            }
+            if counter != Some("0") || before.is_some_and(|b| b.contains(n)) {
+                return false;
+            }
+            match shmckpt::recover::inspect_arena(n).details {
+                Ok(d) => roots.iter().any(|r| d.root.starts_with(r)),
+                Err(_) => true,
+            }
         })
         .collect()
 }
+
+/// The `shmckpt.*` segments in `/dev/shm` when the soak began (never ours).
+static BEFORE: OnceLock<BTreeSet<String>> = OnceLock::new();
+/// Every lane's root, canonical and as given (the trainers' arenas record one of them).
+static LANE_ROOTS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 fn prefixed_segments() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
@@ -1011,6 +1033,13 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
         test,
     };
     std::fs::create_dir(&lane.root).unwrap();
+    {
+        let mut roots = LANE_ROOTS.lock().unwrap();
+        roots.push(lane.root.clone());
+        if let Ok(c) = std::fs::canonicalize(&lane.root) {
+            roots.push(c);
+        }
+    }
     while !soak.done() {
         let _ = std::fs::remove_file(&lane.stderr);
         if let Err(e) = lane.trial(soak) {
@@ -1162,6 +1191,7 @@ fn chaos_soak() {
     );
     let test = current_test();
     let before = prefixed_segments();
+    let _ = BEFORE.set(before.clone());
     let soak = Soak {
         seed,
         target,
