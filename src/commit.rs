@@ -426,9 +426,24 @@ pub fn prepare_partial(
 
 /// Remove this rank's traces of a failed save: its file, and the partial directory if that
 /// leaves it empty (other ranks' files keep it).
-pub fn abort_partial(partial: &Path, file_name: &str) {
-    let _ = fsops::remove_file(&partial.join(file_name));
+pub fn abort_partial(partial: &Path, rank: u32, file_name: &str) {
+    withdraw_rank(partial, rank, file_name);
     let _ = fsops::remove_dir(partial);
+}
+
+/// Take `rank`'s failed save out of the partial directory `partial`: its durable part
+/// (`rank-K.manifest.json`, written when the failure came after it, e.g. in the merge)
+/// first and durably, then its file `file_name`, under the directory's lock, which a rank
+/// merging the parts holds from reading them to the rename ([`commit`]). Otherwise a part
+/// naming a removed file stays, and the next rank (or recovery) to find every part commits
+/// the step without this rank's file. Best effort: a directory already gone (renamed by a
+/// commit, removed by a sweep) is left alone.
+pub fn withdraw_rank(partial: &Path, rank: u32, file_name: &str) {
+    let _merging = lock_root_dir(partial, true).ok();
+    if fsops::remove_file(&partial.join(rank_manifest_name(rank))).is_ok() {
+        let _ = fsync_dir(partial);
+    }
+    let _ = fsops::remove_file(&partial.join(file_name));
 }
 
 /// Write this rank's manifest part (`rank-K.manifest.json`, durably: a temporary name,

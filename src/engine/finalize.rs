@@ -45,7 +45,7 @@ pub(super) fn finalize(
     // later save of this engine.
     st.close_file();
     if result.is_err() {
-        commit::abort_partial(&st.partial, &st.file_name);
+        commit::abort_partial(&st.partial, st.shared.cfg.rank, &st.file_name);
     }
     // Held for replication (`with_replica_hold`) when the image is whole in the arena: its
     // chunks are taken here, before the save is reported done.

@@ -166,10 +166,12 @@ pub(super) fn recover_slot(
     let outcome = rebuild_and_commit(att, h, root, v, &info, &partial, &path);
     if matches!(outcome, SlotOutcome::Refused { .. }) {
         // Leave no trace of a save that cannot be restored where there was none.
+        // A refusal after the commit wrote this rank's part (the merge failed) must take
+        // the part out before the file it names (`commit::withdraw_rank`).
         if made_dir {
-            commit::abort_partial(&partial, &file_name);
+            commit::abort_partial(&partial, h.rank, &file_name);
         } else if made_file {
-            let _ = crate::fsops::remove_file(&path);
+            commit::withdraw_rank(&partial, h.rank, &file_name);
         }
     }
     outcome

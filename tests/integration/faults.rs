@@ -200,6 +200,65 @@ fn a_failed_resave_leaves_no_part_for_the_other_ranks_to_commit() {
     }
 }
 
+/// Two ranks on one root: rank 1's save of step 1 writes its file and durable part, then
+/// fails in the merge (rank 0's part there is damaged). The failed save must take its part
+/// out with its file: rank 0's next save of step 1 then commits nothing, where it used to
+/// merge rank 1's leftover part and commit a step whose file for rank 1 was gone. Rank 1's
+/// next save commits both ranks' exact bytes.
+#[test]
+fn a_save_that_fails_after_its_part_takes_the_part_out() {
+    use shmckpt::manifest::{partial_dir_name, rank_file_name, rank_manifest_name, step_dir_name};
+    let dir = real_dir("faults-part-after");
+    let root = dir.path();
+    let open = |rank: u32| {
+        Engine::open(small_config(root, BackendKind::Pwrite).with_rank(rank, 2)).unwrap()
+    };
+    let state = |rank: u32| step_state(20 + u64::from(rank));
+    let save = |e: &Engine, rank: u32| {
+        e.save(1, &state(rank).tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+    };
+    let partial = root.join(partial_dir_name(1));
+    std::fs::create_dir(&partial).unwrap();
+    std::fs::write(
+        partial.join(rank_manifest_name(0)),
+        b"{ not a manifest part",
+    )
+    .unwrap();
+
+    let r1 = open(1);
+    let err = save(&r1, 1).unwrap_err();
+    assert!(
+        matches!(err, Error::SaveFailed { .. } | Error::Corrupt { .. }),
+        "{err:?}"
+    );
+    assert!(
+        !partial.join(rank_manifest_name(1)).exists(),
+        "the failed save's part is taken out"
+    );
+    assert!(!partial.join(rank_file_name(1, 2)).exists());
+    r1.close();
+
+    let r0 = open(0);
+    let rep = save(&r0, 0).unwrap();
+    assert_eq!(rep.dir, None, "rank 1 has no part of step 1");
+    assert!(committed(root).is_empty(), "{:?}", committed(root));
+    r0.close();
+
+    let r1 = open(1);
+    let rep = save(&r1, 1).unwrap();
+    assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
+    assert_eq!(committed(root), [1]);
+    for rank in 0..2 {
+        assert_safetensors_equal(
+            &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
+            &state(rank),
+        );
+    }
+    r1.close();
+}
+
 #[test]
 fn enospc_on_the_first_chunk() {
     for b in BACKENDS {
