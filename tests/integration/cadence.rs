@@ -586,22 +586,6 @@ const ROLES: &[Role] = &[
     ("child_keep_memory_only", child_keep_memory_only),
 ];
 
-/// The kept arena of `root` (rank 0), removed when dropped.
-struct KeptGuard(std::path::PathBuf);
-
-impl KeptGuard {
-    fn of(root: &Path) -> KeptGuard {
-        let canon = std::fs::canonicalize(root).unwrap();
-        KeptGuard(Path::new("/dev/shm").join(shmckpt::testing::staging::kept_name(&canon, 0)))
-    }
-}
-
-impl Drop for KeptGuard {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Flash restore with a disk cadence: recovery at open commits the memory-only step from
 /// the kept arena and keeps it there as the arena's image, so the next engine serves it
 /// from memory (checked against the manifest recovery wrote), byte-exact.
@@ -612,14 +596,14 @@ fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
     }
     let dir = real_dir("cadence-keep-kill");
     let root = dir.path();
-    let kept = KeptGuard::of(root);
+    let kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_memory_only", root, "unused");
     assert_eq!(
         committed(root),
         [1],
         "nothing wrote step 3 before the crash"
     );
-    assert!(kept.0.exists(), "the kept arena survives the crash");
+    assert!(shm_exists(&kept.0), "the kept arena survives the crash");
     let e = Engine::open(
         cadence_config(root, DiskCadence::Every(10))
             .with_staging_capacity(1 << 20)
@@ -642,7 +626,7 @@ fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
 fn close_keeps_the_memory_only_step_it_writes_for_flash_restore() {
     let dir = real_dir("cadence-keep-close");
     let root = dir.path();
-    let _kept = KeptGuard::of(root);
+    let _kept = ShmGuard(kept_arena_name(root));
     let config = || {
         cadence_config(root, DiskCadence::Every(10))
             .with_staging_capacity(1 << 20)
@@ -669,7 +653,7 @@ fn recovery_off_leaves_the_kept_arena_and_its_staged_step_for_recover() {
     }
     let dir = real_dir("cadence-keep-norecover");
     let root = dir.path();
-    let kept = KeptGuard::of(root);
+    let kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_memory_only", root, "unused");
     let e = Engine::open(
         cadence_config(root, DiskCadence::Every(10))
@@ -681,9 +665,8 @@ fn recovery_off_leaves_the_kept_arena_and_its_staged_step_for_recover() {
     assert!(e.recovered_steps().is_empty());
     assert_latest_from(&e, 1, LoadSource::Disk);
     e.close();
-    assert!(kept.0.exists(), "the kept arena is left for recovery");
-    let name = kept.0.file_name().unwrap().to_str().unwrap().to_owned();
-    let report = shmckpt::recover::recover_arena(&name, None).unwrap();
+    assert!(shm_exists(&kept.0), "the kept arena is left for recovery");
+    let report = shmckpt::recover::recover_arena(&kept.0, None).unwrap();
     assert_eq!(report.committed_steps(), [3]);
     assert_eq!(committed(root), [1, 3]);
     assert_step_is_exact(root, 3);

@@ -240,6 +240,13 @@ pub fn shm_exists(name: &str) -> bool {
     Path::new("/dev/shm").join(name).exists()
 }
 
+/// The name of the arena flash restore keeps for `root` and rank 0 (its canonical path:
+/// as the engine names it); `root` as given when it cannot be resolved.
+pub fn kept_arena_name(root: &Path) -> String {
+    let canon = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+    shmckpt::testing::staging::kept_name(&canon, 0)
+}
+
 /// A unique arena name for a test.
 pub fn test_shm_name(tag: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};

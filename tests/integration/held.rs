@@ -66,10 +66,8 @@ fn a_committed_image_is_held_with_exactly_the_files_bytes() {
         }
         engine.close();
         if keep {
-            let canon = std::fs::canonicalize(root).unwrap();
             std::fs::remove_file(
-                std::path::Path::new("/dev/shm")
-                    .join(shmckpt::testing::staging::kept_name(&canon, 0)),
+                std::path::Path::new("/dev/shm").join(crate::common::kept_arena_name(root)),
             )
             .unwrap();
         }

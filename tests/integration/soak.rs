@@ -588,8 +588,7 @@ fn landed(class: Class, markers: &[String], at_step: Option<u64>) -> bool {
 impl Lane {
     /// The kept arena of this lane's root (rank 0; the tiered lane has one rank).
     fn kept_arena(&self) -> PathBuf {
-        let canon = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
-        Path::new("/dev/shm").join(shmckpt::testing::staging::kept_name(&canon, 0))
+        Path::new("/dev/shm").join(crate::common::kept_arena_name(&self.root))
     }
 
     fn check_disk(&self, when: &str) -> Result<Option<u64>, String> {
