@@ -241,23 +241,31 @@ impl AttachedArena {
     /// Mark slot `slot` free (its save was recovered or found committed), so that a retry
     /// skips it. Needs an arena opened for writing.
     pub fn release_slot(&self, slot: u32) -> Result<()> {
-        let path = self.path();
-        if !self.writable {
-            return Err(Error::Recovery {
-                arena: self.name.clone(),
-                reason: "opened read-only".into(),
-            });
-        }
-        let Some(off) = self.geo().slot_offset(slot) else {
-            return Err(Error::Recovery {
-                arena: self.name.clone(),
-                reason: format!("slot {slot} out of range"),
-            });
+        let off = self.writable_slot(slot)?;
+        self.write_slot_state(off, slot_state::FREE)
+    }
+
+    /// The offset of slot `slot`'s header, for a write: the arena must be opened for
+    /// writing and the slot in range.
+    fn writable_slot(&self, slot: u32) -> Result<u64> {
+        let refuse = |reason: String| Error::Recovery {
+            arena: self.name.clone(),
+            reason,
         };
+        if !self.writable {
+            return Err(refuse("opened read-only".into()));
+        }
+        self.geo()
+            .slot_offset(slot)
+            .ok_or_else(|| refuse(format!("slot {slot} out of range")))
+    }
+
+    /// Write `state` into the slot header at `off` ([`Self::writable_slot`]).
+    fn write_slot_state(&self, off: u64, state: u32) -> Result<()> {
         let at = off + layout::SLOT_STATE_OFFSET;
         self.file
-            .write_all_at(&slot_state::FREE.to_ne_bytes(), at)
-            .map_err(|e| Error::io_at("write", &path, at, e))
+            .write_all_at(&state.to_ne_bytes(), at)
+            .map_err(|e| Error::io_at("write", self.path(), at, e))
     }
 
     /// Make `v`, a slot recovery committed from this arena whose every file chunk is still
@@ -277,21 +285,14 @@ impl AttachedArena {
             arena: self.name.clone(),
             reason,
         };
-        if !self.writable {
-            return Err(refuse("opened read-only".into()));
-        }
+        let off = self.writable_slot(v.slot)?;
         if v.chunks.is_empty() || v.chunks.iter().any(|&(s, _)| s != chunk_state::STAGED) {
             return Err(refuse(format!(
                 "slot {} does not hold step {} whole in the arena",
                 v.slot, v.step
             )));
         }
-        let (Some(off), Some(map_at)) = (
-            self.geo().slot_offset(v.slot),
-            self.geo().entry_offset(v.slot, 0),
-        ) else {
-            return Err(refuse(format!("slot {} out of range", v.slot)));
-        };
+        let map_at = off + PAGE as u64;
         // The slot's own count, re-read: the view must describe this slot as it is now.
         let mut page = vec![0u8; PAGE];
         self.file
@@ -315,10 +316,7 @@ impl AttachedArena {
         self.file
             .write_all_at(&map, map_at)
             .map_err(|e| Error::io_at("write", &path, map_at, e))?;
-        let at = off + layout::SLOT_STATE_OFFSET;
-        self.file
-            .write_all_at(&slot_state::KEPT.to_ne_bytes(), at)
-            .map_err(|e| Error::io_at("write", &path, at, e))
+        self.write_slot_state(off, slot_state::KEPT)
     }
 
     /// Copy `out.len()` bytes of arena chunk `index`, starting `at` bytes into the chunk,
