@@ -245,6 +245,25 @@ fn copy_threads(jobs: usize) -> usize {
         .min(jobs.max(1))
 }
 
+/// Each `(dst, src)` of `jobs` (equal lengths) copied, the jobs dealt round-robin to
+/// [`copy_threads`] threads.
+fn copy_in_lanes(jobs: Vec<(&mut [u8], &[u8])>) {
+    let threads = copy_threads(jobs.len());
+    let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, j) in jobs.into_iter().enumerate() {
+        lanes[i % threads].push(j);
+    }
+    std::thread::scope(|scope| {
+        for lane in lanes {
+            scope.spawn(move || {
+                for (dst, src) in lane {
+                    dst.copy_from_slice(src);
+                }
+            });
+        }
+    });
+}
+
 /// The disk's latest committed step must be the image's: this rank's manifest entry of it.
 fn latest_entry(v: &SlotView, root: &Path, rank: u32) -> std::result::Result<FileEntry, String> {
     let step = v.step;
@@ -553,20 +572,7 @@ impl Adopted {
             let n = mine.len();
             jobs.push((mine, &l.as_slice()[..n]));
         }
-        let threads = copy_threads(jobs.len());
-        let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
-        for (i, j) in jobs.into_iter().enumerate() {
-            lanes[i % threads].push(j);
-        }
-        std::thread::scope(|scope| {
-            for lane in lanes {
-                scope.spawn(move || {
-                    for (d, s) in lane {
-                        d.copy_from_slice(s);
-                    }
-                });
-            }
-        });
+        copy_in_lanes(jobs);
         Ok(())
     }
 
@@ -707,20 +713,7 @@ impl Adopted {
                 rest = tail;
                 jobs.push((mine, src));
             }
-            let threads = copy_threads(jobs.len());
-            let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
-            for (i, j) in jobs.into_iter().enumerate() {
-                lanes[i % threads].push(j);
-            }
-            std::thread::scope(|scope| {
-                for lane in lanes {
-                    scope.spawn(move || {
-                        for (dst, src) in lane {
-                            dst.copy_from_slice(src);
-                        }
-                    });
-                }
-            });
+            copy_in_lanes(jobs);
         }
         let ranges: Vec<(usize, usize)> = self
             .entry
