@@ -407,16 +407,7 @@ pub fn prepare_partial(
                 if final_dir.exists() {
                     return Err(exists());
                 }
-                let part = partial.join(rank_manifest_name(rank));
-                match fsops::remove_file(&part) {
-                    Ok(()) => fsync_dir(&partial)?,
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(Error::io("remove", &part, e)),
-                }
-                let stale = partial.join(file_name);
-                if stale.exists() {
-                    fsops::remove_file(&stale).map_err(|e| Error::io("remove", &stale, e))?;
-                }
+                remove_rank(&partial, rank, file_name)?;
             }
         }
         Err(e) => return Err(Error::io("mkdir", &partial, e)),
@@ -440,10 +431,29 @@ pub fn abort_partial(partial: &Path, rank: u32, file_name: &str) {
 /// commit, removed by a sweep) is left alone.
 pub fn withdraw_rank(partial: &Path, rank: u32, file_name: &str) {
     let _merging = lock_root_dir(partial, true).ok();
-    if fsops::remove_file(&partial.join(rank_manifest_name(rank))).is_ok() {
-        let _ = fsync_dir(partial);
+    if let Err(e) = remove_rank(partial, rank, file_name) {
+        tracing::warn!(dir = %partial.display(), rank, error = %e, "a failed save's traces stay");
     }
-    let _ = fsops::remove_file(&partial.join(file_name));
+}
+
+/// Remove `rank`'s durable part (`rank-K.manifest.json`) from `partial`, durably (the
+/// directory `fsync`ed), then its file `file_name`: the one order [`prepare_partial`] and
+/// [`withdraw_rank`] share, so no part ever names a removed file. Either one missing is no
+/// error; when the part cannot be removed the file stays. The caller holds the directory's
+/// lock.
+fn remove_rank(partial: &Path, rank: u32, file_name: &str) -> Result<()> {
+    let part = partial.join(rank_manifest_name(rank));
+    match fsops::remove_file(&part) {
+        Ok(()) => fsync_dir(partial)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("remove", &part, e)),
+    }
+    let file = partial.join(file_name);
+    match fsops::remove_file(&file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove", &file, e)),
+    }
 }
 
 /// Write this rank's manifest part (`rank-K.manifest.json`, durably: a temporary name,
