@@ -45,10 +45,11 @@ def device_mode(snapshot: Optional[str], blocking: bool, guarded: bool) -> bool:
     return True
 
 
-def hold(rust: Any, snapshot: bool, streams: Sequence[Tuple[int, int]]) -> int:
-    """The guard's device wait for one save: with ``snapshot``, ask the engine for the
-    snapshot first, so the streams wait only for its device-to-device copies (and the few
-    device-to-host copies queued before it); then hold the streams. Returns the snapshot's
+def hold(rust: Any, snapshot: bool, streams: Sequence[Tuple[int, Any]]) -> int:
+    """The guard's device wait for one save (``streams``: ``(device, torch.cuda.Stream)``,
+    never an integer handle): with ``snapshot``, ask the engine for the snapshot first, so
+    the streams wait only for its device-to-device copies (and the few device-to-host
+    copies queued before it); then hold the streams. Returns the snapshot's
     device bytes (0 without one)."""
     if snapshot:
         rust.request_snapshot()

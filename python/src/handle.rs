@@ -24,10 +24,19 @@ pub(crate) struct PySaveHandle {
     pub(crate) remote_result: Mutex<Option<Result<Py<PyDict>, PyErr>>>,
     /// Where its committed image is put when held for replication (`replica_hold`).
     pub(crate) held: std::sync::Arc<shmckpt::replica::HeldCell>,
-    /// The tensors of a save started with `blocking=False`: they own the memory the engine
-    /// reads (DLPack tensors), kept allocated until the save is staged ([`Self::release`];
+    /// The tensors of a save started with `blocking=False` (they own the memory the engine
+    /// reads, DLPack tensors) and its torch streams and events, kept until it is staged ([`Self::release`];
     /// a handle dropped before leaves them to a thread that waits for it, see `Drop`).
-    pub(crate) keep: Mutex<Option<Vec<core::RawTensor>>>,
+    pub(crate) keep: Mutex<Option<Kept>>,
+}
+
+/// What a save started with `blocking=False` reads until it is staged: the tensors that
+/// own the memory it copies, and the `torch.cuda.Stream`s and `Event`s its copies are
+/// ordered after (torch keeps their handles valid while the objects live).
+#[allow(dead_code, reason = "held only to be dropped once the save is staged")]
+pub(crate) struct Kept {
+    pub(crate) tensors: Vec<core::RawTensor>,
+    pub(crate) order: Vec<Py<PyAny>>,
 }
 
 fn secs(d: Duration) -> f64 {
@@ -193,14 +202,19 @@ impl PySaveHandle {
     /// Make each `(device, stream)` wait, on the device, for this save's copies on that
     /// device, blocking (GIL released) only until every copy is queued: work queued on those
     /// streams afterwards may change the tensors. Raises the save's error if staging failed.
-    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, u64)>) -> PyResult<()> {
+    /// Each stream exactly a `torch.cuda.Stream` of its device (never an integer handle).
+    fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, Bound<'_, PyAny>)>) -> PyResult<()> {
+        let streams = streams
+            .iter()
+            .map(|(d, s)| Ok((*d, crate::torch_cuda_handle(s, "stream", *d)?)))
+            .collect::<PyResult<Vec<(i32, u64)>>>()?;
         // The handle's lock only to look: the wait runs on a watch of the save, so a thread
         // asking `is_staged` with the GIL held never waits for this one (which can block
         // for as long as the save waits for staging chunks).
         let watch = lock(&self.inner).as_ref().map(SaveHandle::watch);
         let r = py.detach(|| match &watch {
-            // SAFETY: the Python caller passes the current streams of torch devices, which
-            // stay alive for the call.
+            // SAFETY: each handle is the `CUstream` of a `torch.cuda.Stream` of its device
+            // (`torch_cuda_handle`), which `streams` keeps alive for the call.
             Some(w) => unsafe { core::hold_streams(w, &streams) },
             None => Ok(()),
         });

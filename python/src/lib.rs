@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use shmckpt::Engine;
 
@@ -40,7 +40,7 @@ use crate::buffer::PyBuffer;
 use crate::convert::loaded;
 use crate::core::{After, EngineOpts, RawTensor};
 use crate::dlpack::{Memory, Place};
-use crate::handle::PySaveHandle;
+use crate::handle::{Kept, PySaveHandle};
 // Used through `crate::` by the other modules, which `lib.rs` (`PyEngine`) imports.
 use crate::util::{SLICE, lock, to_py};
 
@@ -171,16 +171,61 @@ fn raw_tensors(list: Vec<TensorTuple<'_>>) -> PyResult<Vec<RawTensor>> {
         .collect()
 }
 
-fn afters(list: Vec<(i32, String, u64)>) -> PyResult<Vec<After>> {
-    list.into_iter()
-        .map(|(device, kind, h)| match kind.as_str() {
-            "stream" => Ok(After::Stream { device, stream: h }),
-            "event" => Ok(After::Event { device, event: h }),
-            k => Err(PyValueError::new_err(format!(
+/// The driver handle of `obj`, which must be exactly a `torch.cuda.Stream` (`kind`
+/// "stream", of device `device`) or a recorded `torch.cuda.Event` ("event"): objects whose
+/// handle torch made and keeps valid while they live (the caller keeps them alive for as
+/// long as the save uses the handle). Never an integer nor a subclass: a handle made up
+/// in Python would reach the driver.
+pub(crate) fn torch_cuda_handle(obj: &Bound<'_, PyAny>, kind: &str, device: i32) -> PyResult<u64> {
+    let (class, attr) = match kind {
+        "stream" => ("Stream", "cuda_stream"),
+        "event" => ("Event", "cuda_event"),
+        k => {
+            return Err(PyValueError::new_err(format!(
                 "ordering kind must be 'stream' or 'event', not {k:?}"
-            ))),
-        })
-        .collect()
+            )));
+        }
+    };
+    let want = obj.py().import("torch.cuda")?.getattr(class)?;
+    let ty = obj.get_type();
+    if !ty.is(&want) {
+        return Err(PyTypeError::new_err(format!(
+            "a save's {kind} must be a torch.cuda.{class} (not a subclass), not {}",
+            ty.name()?
+        )));
+    }
+    if kind == "stream" {
+        let d: i64 = obj.getattr("device_index")?.extract()?;
+        if d != i64::from(device) {
+            return Err(PyValueError::new_err(format!(
+                "a save's stream for device {device} is of device {d}"
+            )));
+        }
+    }
+    let h: u64 = obj.getattr(attr)?.extract()?;
+    if kind == "event" && h == 0 {
+        return Err(PyValueError::new_err(
+            "a save's event must be recorded (torch creates its CUevent at the first record)",
+        ));
+    }
+    Ok(h)
+}
+
+/// `(device, "stream" | "event", torch.cuda.Stream | torch.cuda.Event)` to the orderings,
+/// with the objects to keep alive while the save uses their handles.
+fn afters(list: Vec<(i32, String, Bound<'_, PyAny>)>) -> PyResult<(Vec<After>, Vec<Py<PyAny>>)> {
+    let mut after = Vec::with_capacity(list.len());
+    let mut objs = Vec::with_capacity(list.len());
+    for (device, kind, obj) in list {
+        let h = torch_cuda_handle(&obj, &kind, device)?;
+        after.push(if kind == "stream" {
+            After::Stream { device, stream: h }
+        } else {
+            After::Event { device, event: h }
+        });
+        objs.push(obj.unbind());
+    }
+    Ok((after, objs))
 }
 
 #[pymethods]
@@ -215,13 +260,14 @@ impl PyEngine {
     /// Save `tensors` (tuples `(name, dtype, shape, memory, nbytes, device)`: `memory` a
     /// DLPack capsule of the tensor's contiguous bytes, `None` when `nbytes` is 0; device -1
     /// for host memory) as `step`, with string `metadata`. `after` lists
-    /// `(device, "stream" | "event", handle)`: each device's copies start after that
-    /// stream's queued work or that event.
+    /// `(device, "stream" | "event", torch.cuda.Stream | torch.cuda.Event)` (exactly those
+    /// types, the event recorded; kept until the save is staged): each device's copies
+    /// start after that stream's queued work or that event.
     ///
     /// `blocking=True` returns once every byte is staged. `blocking=False` returns at
     /// once: the handle keeps the capsules' tensors (so their memory) until the save is
     /// staged; the caller must keep every tensor unmodified, and every stream or event
-    /// alive, until the handle reports the save staged. `hold=True` (with
+    /// alive (the handle keeps them), until the handle reports the save staged. `hold=True` (with
     /// `blocking=False`) returns once every device copy is queued and the `"stream"`
     /// streams of `after` wait for them on the device: work queued there afterwards may
     /// modify the tensors. `snapshot=True` (with `blocking=False`, not `hold`): the save
@@ -240,7 +286,7 @@ impl PyEngine {
         step: u64,
         tensors: Vec<TensorTuple<'_>>,
         metadata: BTreeMap<String, String>,
-        after: Vec<(i32, String, u64)>,
+        after: Vec<(i32, String, Bound<'_, PyAny>)>,
         blocking: bool,
         hold: bool,
         snapshot: bool,
@@ -255,21 +301,23 @@ impl PyEngine {
         }
         let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
-        let after = afters(after)?;
+        let (after, order) = afters(after)?;
         let res = py.detach(|| {
             let mut grown = false;
             loop {
                 let r = if blocking {
                     // SAFETY: `raw` owns every tensor's memory (DLPack) for the whole call;
-                    // the Python caller (shmckpt.checkpointer) holds every stream for the
-                    // call and does not write the tensors until it returns.
+                    // every stream or event is the handle of a torch object (`afters`) that
+                    // `order` keeps alive for the call; the Python caller
+                    // (shmckpt.checkpointer) does not write the tensors until it returns.
                     unsafe {
                         core::save(&engine, step, &raw, &metadata, &after, part_only, confirm)
                     }
                 } else {
-                    // SAFETY: `raw` goes into the returned handle, which keeps it until the
-                    // save is staged (also when dropped before: `PySaveHandle`'s `Drop`).
-                    // The Python caller keeps the streams/events until staged, and orders
+                    // SAFETY: `raw` and `order` (the torch streams and events whose handles
+                    // `after` holds, `afters`) go into the returned handle, which keeps them
+                    // until the save is staged (also when dropped before: `PySaveHandle`'s
+                    // `Drop`). The Python caller orders
                     // every writer of the tensors after staging (guard), gives copies it
                     // owns, or (with `hold`) passes only tensors whose writers run on the
                     // held streams.
@@ -299,7 +347,10 @@ impl PyEngine {
             drop(raw);
             None
         } else {
-            Some(raw)
+            Some(Kept {
+                tensors: raw,
+                order,
+            })
         };
         Ok(PySaveHandle {
             keep: Mutex::new(keep),

@@ -51,6 +51,40 @@ def test_a_save_refuses_an_address_whatever_the_length(engine, root):
     assert listing(root) == before
 
 
+def test_a_save_and_a_hold_refuse_stream_and_event_handles_that_are_not_torch_objects(engine, root):
+    """A CUDA stream or event handle made up in Python (an int, an object with a
+    ``cuda_stream`` attribute, a subclass of torch's class overriding it) would
+    reach the driver: a save's ``after`` and a handle's ``hold_streams`` take exactly a
+    ``torch.cuda.Stream`` or ``torch.cuda.Event`` (the type itself, not a subclass), and
+    refuse anything else before a byte is staged."""
+
+    class Fake:
+        cuda_stream = 0x1234
+        cuda_event = 0x1234
+        device_index = 0
+
+    w = torch.arange(4, dtype=torch.float32)
+    before = listing(root)
+    bad = [
+        ((0, "stream", 0x1234), TypeError, r"stream must be a torch\.cuda\.Stream \(not a subclass\), not int"),
+        ((0, "event", 0x1234), TypeError, r"event must be a torch\.cuda\.Event \(not a subclass\), not int"),
+        ((0, "stream", Fake()), TypeError, r"not Fake"),
+        ((0, "event", Fake()), TypeError, r"not Fake"),
+        ((0, "queue", Fake()), ValueError, r"ordering kind must be 'stream' or 'event', not \"queue\""),
+    ]
+    for after, exc, match in bad:
+        for blocking in (True, False):
+            with pytest.raises(exc, match=match):
+                engine.save(1, [("w", "F32", [4], cap(w), 16, -1)], {}, [after], blocking)
+    assert listing(root) == before
+    h = engine.save(1, [("w", "F32", [4], cap(w), 16, -1)], {}, [], False)
+    for streams, match in [([(0, 0x1234)], r"not int"), ([(0, Fake())], r"not Fake")]:
+        with pytest.raises(TypeError, match=match):
+            h.hold_streams(streams)
+    h.wait()
+    assert load_file(file_of(root, 1))["w"].equal(w)
+
+
 def test_a_capsule_larger_or_smaller_than_the_tuple_says_is_refused(engine, root):
     """The length comes from the capsule: a tuple claiming more (or fewer) bytes than the
     tensor has, or another device, is a ValueError naming both."""

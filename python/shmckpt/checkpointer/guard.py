@@ -104,7 +104,7 @@ class Guard:
         def wait(h: SaveHandle) -> Any:
             if not h._devices or h._future is not None or h._keep is None:
                 return h.wait_staged()
-            streams = [(d, torch.cuda.current_stream(d).cuda_stream) for d in h._devices]
+            streams = [(d, torch.cuda.current_stream(d)) for d in h._devices]
             n = _snapshot.hold(h._get_rust(), h._snapshot, streams)
             h.snapshot_bytes = max(h.snapshot_bytes, n)
             h._poll()

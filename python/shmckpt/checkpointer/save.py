@@ -209,14 +209,14 @@ class Saver:
                 for s in devices.values():
                     s.synchronize()  # this stream only, not the device
                 finish_host_copies()
-            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            after = [(d, "stream", s) for d, s in devices.items()]
             h = self.shared.engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
         elif hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
-            after = [(d, "stream", s.cuda_stream) for d, s in devices.items()]
+            after = [(d, "stream", s) for d, s in devices.items()]
             h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, True, confirm=confirm)
             handle._set_rust(h)
             self.shared.track(handle)
@@ -231,7 +231,7 @@ class Saver:
                 ev.record(s)
                 events[d] = ev
             keep.extend(events.values())
-            after = [(d, "event", int(ev.cuda_event)) for d, ev in events.items()]
+            after = [(d, "event", ev) for d, ev in events.items()]
             if not finishes:
                 handle._snapshot = snap and bool(devices)
                 h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm)

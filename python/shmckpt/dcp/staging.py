@@ -159,7 +159,7 @@ class StagingMixin:
                 h = fin()
                 tuples[i] = _host_tuple(tuples[i][0], tuples[i][1], h)
                 keep[i] = [keep[i], h]
-        after = [(d, "stream", s.cuda_stream) for d, s in streams.items()]
+        after = [(d, "stream", s) for d, s in streams.items()]
         # A local spool: the rank's part only, committed by the coordinator with every
         # other rank's (assemble_ranks). A bucket: the engine's remote tier commits it.
         part_only = not _dcp_remote.is_remote(save.spool)
