@@ -818,16 +818,26 @@ def test_a_lost_machine_completes_the_commit_of_a_memory_only_step(tmp_path, dro
         assert rank_file_bytes(root, 4, q) == images[q]
 
 
-def test_a_lost_part_without_a_replica_falls_back_to_the_committed_step(tmp_path, droot):
-    """As above, but no partner holds the lost ranks' images of step 4 (their replicas of
-    the memory-only step removed too): step 4 cannot be completed, so "latest" is step 3 on
-    every rank, bit-exact (ranks 2-3 from their partners' replicas of step 3); step 4 stays
-    a partial directory holding only the survivors' parts and files, never committed."""
+@pytest.mark.parametrize("how", ["removed", "tampered"])
+def test_a_lost_part_without_a_replica_falls_back_to_the_committed_step(tmp_path, droot, how):
+    """As above, but no partner holds the lost ranks' images of step 4 (``removed``: their
+    replicas of the memory-only step removed too), or rank 2's replica has one data byte
+    flipped (``tampered``: refused by its check against the entry kept beside it, while
+    rank 3's is good): step 4 cannot be completed, so "latest" is step 3 on every rank,
+    bit-exact (ranks 2-3 from their partners' replicas of step 3); step 4 stays a partial
+    directory holding only the survivors' parts and files (rank 3's never written),
+    never committed."""
     root = droot
     arenas = kill_after_memory_only_step(tmp_path, root)
     lose_machine_1_uncommitted(root, arenas)
-    for src in (2, 3):
-        remove_replica(_shmckpt.replica_name(str(root), src, 4))
+    if how == "removed":
+        for src in (2, 3):
+            remove_replica(_shmckpt.replica_name(str(root), src, 4))
+    else:
+        path = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 2, 4)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
     loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
     for res in loaded:
         assert "error" not in res, res
