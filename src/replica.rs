@@ -23,6 +23,7 @@ use crate::fsx::{self, Create};
 use crate::manifest::{FileEntry, list_committed};
 use crate::staging::shm::SHM_MOUNT;
 use crate::tensor::AlignedBytes;
+use std::io::Read;
 
 mod check;
 mod incoming;
@@ -40,6 +41,97 @@ pub use prepared::PreparedArena;
 /// Prefix of every replica's name in `/dev/shm` (not under `shmckpt.`, so that arena
 /// listings and recovery never take a replica for a staging arena).
 pub const REPLICA_PREFIX: &str = "shmckpt-replica.";
+
+/// Suffix of the file beside a memory-only step's replica that holds its sender's manifest
+/// entry (`<replica name>.entry`): what a load needs to complete that step's commit for a
+/// lost rank ([`memory_entry`]). Not a replica's name: never listed or served as one.
+pub const ENTRY_SUFFIX: &str = ".entry";
+
+/// The largest entry file read back ([`memory_entry`]): anything longer is refused.
+const MAX_ENTRY_BYTES: u64 = 64 << 20;
+
+/// The name of the entry file beside the replica `replica` ([`ENTRY_SUFFIX`]).
+pub fn entry_name(replica: &str) -> String {
+    format!("{replica}{ENTRY_SUFFIX}")
+}
+
+/// `(replica name, writer pid)` of an entry file (`<replica>.entry`, pid `None`) or of its
+/// temporary file (`<replica>.entry.tmp<pid>`); `None` for any other name.
+fn parse_entry_name(name: &str) -> Option<(&str, Option<u32>)> {
+    let (base, pid) = match name.rsplit_once(".tmp") {
+        Some((b, p)) if b.ends_with(ENTRY_SUFFIX) => {
+            if p.is_empty() || !p.bytes().all(|c| c.is_ascii_digit()) {
+                return None;
+            }
+            (b, Some(p.parse().ok()?))
+        }
+        _ => (name, None),
+    };
+    let replica = base.strip_suffix(ENTRY_SUFFIX)?;
+    parse_replica_name(replica)?;
+    Some((replica, pid))
+}
+
+/// Write `entry`, the entry a memory-only step's replica `name` was checked against, beside
+/// it in `/dev/shm` (a new temporary file of this user, never through a link, renamed to
+/// `<name>.entry`).
+fn write_memory_entry(name: &str, entry: &FileEntry) -> Result<()> {
+    let bytes = serde_json::to_vec(entry).map_err(|e| Error::Internal(format!("entry: {e}")))?;
+    let ename = entry_name(name);
+    let tmp = format!("{ename}.tmp{}", std::process::id());
+    write_atomic(Path::new(SHM_MOUNT), &ename, &tmp, &bytes, false).map(|_| ())
+}
+
+/// The entry kept beside this user's replica of `rank`'s image of the memory-only `step`
+/// of `root` (its sender's: names, dtypes, shapes, offsets, CRC-32Cs, size), read back
+/// and checked: a regular file of this user (never through a link) of at most 64 MiB, a
+/// manifest entry of `rank` that passes the checks of every manifest's entries. Nothing
+/// here says the replica matches it: [`Incoming::serve_memory`] checks the image against
+/// it in full before it is sent.
+pub fn memory_entry(root: &Path, step: u64, rank: u32) -> Result<FileEntry> {
+    let name = replica_name(root, rank, step)?;
+    read_memory_entry(&name, rank)
+}
+
+fn read_memory_entry(name: &str, rank: u32) -> Result<FileEntry> {
+    let dir = Path::new(SHM_MOUNT);
+    let ename = entry_name(name);
+    let path = dir.join(&ename);
+    let dfd = fsx::open_dir(dir)?;
+    let file = fsx::open_file(dfd.as_fd(), dir, &ename, false, Create::No, Some(euid()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_ENTRY_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read", &path, e))?;
+    if bytes.len() as u64 > MAX_ENTRY_BYTES {
+        return Err(Error::corrupt(&path, None, "longer than an entry can be"));
+    }
+    let entry: FileEntry = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::corrupt(&path, None, format!("not a manifest entry: {e}")))?;
+    check_pending_entry(&entry, rank, &path)?;
+    Ok(entry)
+}
+
+/// Check `entry` as `rank`'s entry of a step not committed yet (from a peer or from
+/// `/dev/shm`): of that rank, passing every manifest entry's checks, not empty.
+fn check_pending_entry(entry: &FileEntry, rank: u32, what: &Path) -> Result<()> {
+    if entry.rank != rank {
+        return Err(Error::corrupt(
+            what,
+            None,
+            format!("the entry is rank {}'s, not rank {rank}'s", entry.rank),
+        ));
+    }
+    entry.validate(what)?;
+    if mem_len(entry.bytes, what)? == 0 {
+        return Err(Error::corrupt(
+            what,
+            None,
+            "the entry says the file is empty",
+        ));
+    }
+    Ok(())
+}
 
 /// Which ranks hold each rank's image: `plan(nodes, k)[r]` lists the `k` ranks that
 /// hold rank `r`'s replicas, in the order a load asks them.
@@ -295,6 +387,19 @@ fn remove_stale(tag: &str, rank: u32, step: u64, keep: Option<u64>) {
         // (`<replica name>.tmp<pid>` of a process that no longer exists).
         let stale = match parse_replica_name(&old) {
             Some((t, r, s)) => t == tag && r == rank && s != step && Some(s) != keep,
+            // Entry files of those replicas, and temporary entry files of dead writers.
+            None if parse_entry_name(&old).is_some() => {
+                parse_entry_name(&old).is_some_and(|(base, p)| {
+                    parse_replica_name(base).is_some_and(|(t, r, s)| {
+                        t == tag
+                            && r == rank
+                            && match p {
+                                None => s != step && Some(s) != keep,
+                                Some(p) => p != pid && !process_exists(p),
+                            }
+                    })
+                })
+            }
             None => parse_unfinished_name(&old).is_some_and(|(base, p)| {
                 parse_replica_name(base).is_some_and(|(t, r, _)| t == tag && r == rank)
                     && p != pid
@@ -462,7 +567,10 @@ pub fn tag_of(root: &Path) -> Result<String> {
 /// does): this user's regular files only, never following a link.
 pub fn remove(name: &str) -> Result<()> {
     if parse_replica_name(name).is_some() {
-        return remove_own(name);
+        remove_own(name)?;
+        // The entry beside a memory-only step's replica goes with it.
+        let _ = remove_own(&entry_name(name));
+        return Ok(());
     }
     match parse_unfinished_name(name) {
         Some((_, pid)) if process_exists(pid) => Err(Error::ArenaInUse {
@@ -602,6 +710,53 @@ mod tests {
         assert!(remove(&dead).is_err());
         assert!(shm.join(&dead).is_symlink());
         std::fs::remove_file(shm.join(&dead)).unwrap();
+    }
+
+    #[test]
+    fn entry_names_parse_and_are_no_replicas() {
+        let base = format!("{REPLICA_PREFIX}0123456789abcdef.r3.s42");
+        let e = entry_name(&base);
+        assert_eq!(parse_entry_name(&e), Some((base.as_str(), None)));
+        let t = format!("{e}.tmp77");
+        assert_eq!(parse_entry_name(&t), Some((base.as_str(), Some(77))));
+        assert_eq!(parse_replica_name(&e), None);
+        assert_eq!(parse_unfinished_name(&e), None);
+        assert_eq!(parse_unfinished_name(&t), None);
+        for bad in [
+            base.clone(),
+            format!("{base}.tmp5"),
+            format!("{e}.tmp"),
+            format!("{e}.tmp5x"),
+            format!("{e}x"),
+            format!("{REPLICA_PREFIX}0123.r3.s42.entry"),
+        ] {
+            assert_eq!(parse_entry_name(&bad), None, "{bad}");
+        }
+    }
+
+    /// A replica's entry goes with it: when a newer replica of its root and rank replaces
+    /// it, and a dead writer's temporary entry file too; the current one's stays.
+    #[test]
+    fn stale_entries_are_removed_with_their_replicas() {
+        let tag = format!(
+            "{:016x}",
+            0xbeef_0000_0000_0000_u64 | u64::from(std::process::id())
+        );
+        let shm = Path::new(SHM_MOUNT);
+        let old = format!("{REPLICA_PREFIX}{tag}.r0.s1");
+        let new = format!("{REPLICA_PREFIX}{tag}.r0.s2");
+        let dead_tmp = format!("{}.tmp{}", entry_name(&new), (1u32 << 22) + 1);
+        for n in [&old, &entry_name(&old), &new, &entry_name(&new), &dead_tmp] {
+            std::fs::write(shm.join(n), b"x").unwrap();
+        }
+        remove_stale(&tag, 0, 2, None);
+        assert!(!shm.join(&old).exists());
+        assert!(!shm.join(entry_name(&old)).exists());
+        assert!(!shm.join(&dead_tmp).exists());
+        assert!(shm.join(entry_name(&new)).exists());
+        remove(&new).unwrap();
+        assert!(!shm.join(&new).exists());
+        assert!(!shm.join(entry_name(&new)).exists());
     }
 
     #[test]

@@ -4,8 +4,10 @@ the step and fetches a lost rank's image from its partners (a mixin of
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import stat
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,6 +33,7 @@ class ReplicaLoads(ReplicaNet):
     broken: Optional[str]
     _peer: Optional[int]
     _image: Optional[Tuple[int, Any]]
+    _completed: Optional[Tuple[int, int, Any]]
     _served_image: bool
     last_fetch_seconds: Optional[float]
 
@@ -70,36 +73,79 @@ class ReplicaLoads(ReplicaNet):
     def _loadable_latest(self, bucket: bool) -> Optional[int]:
         """The newest step every rank can load (see :meth:`agree_step`). Collective. A
         memory-only step (``disk_every``) counts as this rank's own while its engine holds
-        it; one newer than the step chosen is given up (its number can be saved again)."""
+        it; one newer than the step chosen is given up (its number can be saved again).
+
+        A step not committed whose partial directory holds the parts of some ranks
+        (recovered from their arenas after every trainer died) and whose other ranks'
+        images are held by their partners as replicas of the memory-only step (each with
+        its sender's entry) is completed first (:meth:`_complete`): the lost ranks' files
+        and parts written, the step committed with the one commit protocol. A step that
+        cannot be completed is passed over; the replicas of uncommitted steps newer than
+        the step chosen are removed (their numbers are saved again)."""
         disk = [s for s, _ in self.ckpt.engine.list()]
         memory = self._memory_steps()
+        committed = set(disk)
+        parts = [] if self.node_local else self._pending_parts(committed)
         have = sorted(set(disk) | set(memory))
         own = [s for s in disk if self._local_ok(s)] + memory
         tag = _shmckpt.replica_tag(self.ckpt.root)
         uid = os.geteuid()
-        # A replica of a memory-only step counts once its step is committed (checked
-        # against that manifest when served): one of a step that reached no disk cannot be.
-        committed = set(disk)
-        held = [
-            (src, step)
-            for _, t, src, step, _, owner in _shmckpt.replica_list()
-            if t == tag and owner == uid and step in committed
+        ours = [
+            (src, step) for _, t, src, step, _, owner in _shmckpt.replica_list() if t == tag and owner == uid
         ]
+        # A replica of a memory-only step counts once its step is committed (checked
+        # against that manifest when served); one of a step not committed counts to
+        # complete that step's commit, with the entry kept beside it.
+        held = [(src, step) for src, step in ours if step in committed]
+        pending: List[Tuple[int, int]] = []
+        if not self.node_local:
+            for src, step in ours:
+                if step in committed:
+                    continue
+                try:
+                    _shmckpt.replica_memory_entry(self.ckpt.root, step, src)
+                    pending.append((src, step))
+                except ShmckptError as e:
+                    log.info("rank %d: replica of rank %d, step %d cannot complete its commit: %s", self.ckpt.rank, src, step, e)
         remote = self._bucket_steps() if bucket else []
-        seen = self._gather((have, own, held, remote), "the steps every rank can load")
-        holds = {(src, step, r) for r, (_, _, hd, _) in enumerate(seen) for src, step in hd}
+        seen = self._gather((have, own, held, remote, parts, pending, disk), "the steps every rank can load")
+        holds = {(src, step, r) for r, v in enumerate(seen) for src, step in v[2]}
+        pend = {(src, step, r) for r, v in enumerate(seen) for src, step in v[5]}
 
         def cannot(s: int) -> List[int]:
             return [
                 q
-                for q, (_, own_q, _, remote_q) in enumerate(seen)
+                for q, (_, own_q, _, remote_q, *_rest) in enumerate(seen)
                 if s not in own_q and s not in remote_q and not any((q, s, r) in holds for r in self.plan[q])
             ]
 
-        steps = sorted({s for h, _, _, r in seen for s in list(h) + list(r)}, reverse=True)
+        def completable(s: int) -> Optional[Dict[int, int]]:
+            """The partner serving each rank without a part of the uncommitted step ``s``,
+            when every rank has its part or such a partner (and some rank a part)."""
+            if any(s in v[6] for v in seen):
+                return None  # committed somewhere: the rules above
+            servers: Dict[int, int] = {}
+            for q, v in enumerate(seen):
+                if s in v[4]:
+                    continue
+                r = next((r for r in self.plan[q] if (q, s, r) in pend), None)
+                if r is None:
+                    return None
+                servers[q] = r
+            return servers if servers and len(servers) < len(seen) else None
+
+        steps = sorted({s for v in seen for s in list(v[0]) + list(v[3]) + list(v[4])}, reverse=True)
         skipped: List[str] = []
         for s in steps:
             short = cannot(s)
+            servers = completable(s) if short else None
+            if servers is not None:
+                why = self._complete(s, servers)
+                if why is None:
+                    short = []
+                else:
+                    skipped.append(f"step {s}: not committed, and its commit could not be completed: {why}")
+                    continue
             if not short:
                 if skipped:
                     log.warning(
@@ -110,9 +156,134 @@ class ReplicaLoads(ReplicaNet):
                     )
                     self._set_aside([x for x in disk if x > s])
                 self._give_up_memory([x for x in memory if x > s])
+                self._drop_pending([(src, x) for src, x in pending if x > s])
                 return s
             skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
-        return steps[0] if steps else None
+        # (A step no rank has but as a part of an uncommitted save is never loaded.)
+        newest = sorted({s for v in seen for s in list(v[0]) + list(v[3])}, reverse=True)
+        return newest[0] if newest else None
+
+    def _pending_parts(self, committed: Any) -> List[int]:
+        """The steps not committed whose partial directory holds this rank's durable part
+        and the file it names, of its size (a regular file, not followed through a link):
+        a save recovered from this rank's arena after its trainer died, awaiting the other
+        ranks' parts."""
+        me = self.ckpt.rank
+        out: List[int] = []
+        try:
+            names = os.listdir(self.ckpt.root)
+        except OSError:
+            return out
+        for name in names:
+            m = re.fullmatch(r"step-(0|[1-9][0-9]*)\.partial", name)
+            if m is None or int(m.group(1)) in committed:
+                continue
+            d = os.path.join(self.ckpt.root, name)
+            try:
+                fd = os.open(os.path.join(d, f"rank-{me:05d}.manifest.json"), os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f:
+                    part = json.loads(f.read(64 << 20))
+                st = os.lstat(os.path.join(d, os.path.basename(str(part["file"]))))
+                if stat.S_ISREG(st.st_mode) and st.st_size == int(part["bytes"]) and int(part["rank"]) == me:
+                    out.append(int(m.group(1)))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _drop_pending(self, replicas: List[Tuple[int, int]]) -> None:
+        """Remove this rank's replicas ``(source, step)`` of steps not committed that are
+        newer than the step every rank loads: their numbers are saved again, and a replica
+        of an earlier save of that number must never complete the later one's commit."""
+        for src, step in replicas:
+            try:
+                _shmckpt.replica_remove(_shmckpt.replica_name(self.ckpt.root, src, step))
+                log.warning("rank %d: replica of rank %d's uncommitted step %d, passed over, removed", self.ckpt.rank, src, step)
+            except ShmckptError as e:
+                log.warning("rank %d: replica of rank %d, step %d could not be removed: %s", self.ckpt.rank, src, step, e)
+
+    def _complete(self, step: int, servers: Dict[int, int]) -> Optional[str]:
+        """Complete the commit of the uncommitted ``step`` (collective): each rank ``q`` in
+        ``servers`` gets its image from rank ``servers[q]``'s replica of the memory-only
+        step, served checked against the entry kept beside it, which travels with the
+        offer. The rank checks the image against that entry and its header's step, rank
+        and world size, writes it durably as its file in ``step-N.partial``
+        (``replica_receive_pending``, ``seal``); once every such rank has, each writes its
+        part and the step is committed with the one commit protocol
+        (``commit_pending``). Returns None once the step is committed on every rank, else
+        why not (then no rank's file or part written here is left)."""
+        me = self.ckpt.rank
+        root = self.ckpt.root
+        can: Dict[int, Any] = {}
+        entries: Dict[int, str] = {}
+        for q, r in servers.items():
+            if r != me:
+                continue
+            try:
+                can[q] = _shmckpt.replica_serve_memory(root, step, q)  # checked in place
+                entries[q] = _shmckpt.replica_memory_entry(root, step, q)
+            except ShmckptError as e:
+                can.pop(q, None)
+                log.warning("rank %d: replica of rank %d, step %d not served: %s", me, q, step, e)
+        offers = self._gather(entries, "the entries of the replicas that complete the step")
+        missing = [q for q, r in servers.items() if not isinstance(offers[r], dict) or not isinstance(offers[r].get(q), str)]
+        if missing:
+            return f"no partner could serve ranks {missing} a replica that passes the checks"
+        recvs: List[Tuple[int, Any]] = []
+        err: Optional[str] = None
+        if me in servers:
+            try:
+                img = _shmckpt.replica_receive_pending(root, step, me, self.ckpt.world_size, offers[servers[me]][me])
+                recvs.append((servers[me], img))
+                del img
+            except ShmckptError as e:
+                # No receive posted: the agreement refuses the sender's image on both ends.
+                err = f"rank {me} cannot receive its image from rank {servers[me]}: {e}"
+        got, refused, _, _ = self._exchange(list(can.items()), recvs, paced=False)
+        can.clear()
+        del recvs
+        mine: Optional[Any] = None
+        if me in servers and err is None:
+            src = servers[me]
+            if src in refused:
+                err = f"rank {me} refused rank {src}'s image before any byte of it came: {refused[src]}"
+            else:
+                try:
+                    got[src].seal()  # checked, written durably into step-N.partial
+                    mine = got[src]
+                except ShmckptError as e:
+                    err = f"rank {me} refused the image rank {src} sent: {e}"
+        got.clear()
+        if err is not None:
+            log.warning("rank %d: step %d: %s", me, step, err)
+        errs = [e for e in self._gather(err, "who wrote its file of the step") if e is not None]
+        if errs:
+            if mine is not None:
+                mine.withdraw_pending()
+            return "; ".join(errs)
+        # Every lost rank's file is durable: the parts, and the commit.
+        cerr: Optional[str] = None
+        if mine is not None:
+            try:
+                mine.commit_pending()
+            except ShmckptError as e:
+                cerr = f"rank {me} could not commit its part: {e}"
+                log.warning("rank %d: step %d: %s", me, step, cerr)
+        cerrs = [c for c in self._gather(cerr, "every lost rank's part of the step") if c is not None]
+        # Every part written (the rank that found them all merged them): committed now.
+        done = os.path.isfile(os.path.join(root, f"step-{step}", "manifest.json"))
+        if all(self._gather(done, "whether the step is committed")):
+            if mine is not None:
+                self._completed = (step, servers[me], mine)
+            log.warning(
+                "rank %d: step %d, not committed, completed: ranks %s from their partners' replicas",
+                me,
+                step,
+                sorted(servers),
+            )
+            return None
+        if mine is not None:
+            mine.withdraw_pending()
+        return "; ".join(cerrs) or "the step is not committed on every rank"
 
     def _give_up_memory(self, steps: List[int]) -> None:
         """Give up this rank's memory-only ``steps`` (newer than the step every rank
@@ -203,6 +374,11 @@ class ReplicaLoads(ReplicaNet):
         self._peer = None
         self._image = None
         self._served_image = False
+        done, self._completed = self._completed, None
+        if done is not None and done[0] == step:
+            # This rank's image of the step whose commit the agreement completed: served
+            # from that memory (checked, and written as its file).
+            self._peer, self._image = done[1], (step, done[2])
         self._drain()
         if self.broken is not None:
             # No collective on a failed group: a rank with its own file loads it; one

@@ -57,6 +57,9 @@ __all__ = [
     "replica_remove",
     "replica_remove_older",
     "replica_serve",
+    "replica_serve_memory",
+    "replica_memory_entry",
+    "replica_receive_pending",
     "replica_source",
     "replica_memory_source",
     "replica_restore_file",
@@ -117,6 +120,8 @@ class ReplicaImage:
     @property
     def checked_tensors(self) -> int: ...
     def seal(self, keep_older: bool = False) -> str: ...
+    def commit_pending(self) -> Optional[str]: ...
+    def withdraw_pending(self) -> None: ...
 
 @final
 class ReplicaSource:
@@ -451,6 +456,23 @@ def replica_memory_source(engine: Engine, step: int) -> Tuple[ReplicaSource, str
 def replica_serve(root: str, step: int, rank: int) -> ReplicaImage:
     """This user's replica of ``rank``'s image of ``step``, mapped read-only and checked in
     full in place (sealed: sent without a copy)."""
+    ...
+
+def replica_serve_memory(root: str, step: int, rank: int) -> ReplicaImage:
+    """This user's replica of ``rank``'s image of the memory-only ``step`` (not committed),
+    mapped read-only and checked in full in place against the entry kept beside it."""
+    ...
+
+def replica_memory_entry(root: str, step: int, rank: int) -> str:
+    """The entry kept beside this user's replica of ``rank``'s image of the memory-only
+    ``step`` (JSON), read back and checked."""
+    ...
+
+def replica_receive_pending(root: str, step: int, rank: int, world_size: int, entry: str) -> ReplicaImage:
+    """Private memory receiving ``rank``'s image of the uncommitted ``step`` from a
+    partner's replica of the memory-only step, checked against ``entry`` (the partner's):
+    ``seal()`` writes the rank's file into the step's partial directory,
+    ``commit_pending()`` its part, committing the step once every part is there."""
     ...
 
 def replica_load(root: str, step: int, rank: int) -> Buffer:

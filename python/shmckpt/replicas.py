@@ -156,6 +156,10 @@ class Replicator(ReplicaLoads):
         #: The image a partner sent for the step of the last ``before_load`` (``(step,
         #: ReplicaImage)``, sealed: checked and written back), until the load takes it.
         self._image: Optional[Tuple[int, Any]] = None
+        #: The image a partner sent to complete the commit of an uncommitted step (issue
+        #: 38: ``(step, source rank, ReplicaImage)``, sealed and committed), handed to the
+        #: next ``before_load`` of that step.
+        self._completed: Optional[Tuple[int, int, Any]] = None
         #: Whether the last load was served from :attr:`_image`.
         self._served_image = False
         #: Seconds the collective part of the last load took (who needs an image, the

@@ -253,6 +253,27 @@ impl PyReplicaImage {
         res.map(|p| p.display().to_string())
             .map_err(|e| to_py(py, e))
     }
+
+    /// A sealed pending restore (`replica_receive_pending`): write its part beside its file
+    /// in the step's partial directory and commit the step when every part is there (the
+    /// one commit protocol). Returns the committed directory, or None while a part is
+    /// missing; on failure its part and file are taken out again.
+    fn commit_pending(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        py.detach(|| {
+            let inc = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            inc.commit_pending()
+        })
+        .map(|d| d.map(|p| p.display().to_string()))
+        .map_err(|e| to_py(py, e))
+    }
+
+    /// Take a sealed pending restore's file (and part) out of the partial directory again.
+    fn withdraw_pending(&self, py: Python<'_>) {
+        py.detach(|| {
+            let inc = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            inc.withdraw_pending();
+        });
+    }
 }
 
 /// `rank`'s committed file of a step, read into memory piece by piece as it is sent
@@ -482,6 +503,60 @@ fn replica_serve(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResul
         .map_err(|e| to_py(py, e))
 }
 
+/// This user's replica of `rank`'s image of the memory-only `step`, not committed yet,
+/// mapped read-only and checked in full in place against the entry kept beside it (a sealed
+/// `ReplicaImage`, sent to the rank that lost it so the step's commit can be completed).
+#[pyfunction]
+fn replica_serve_memory(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+) -> PyResult<PyReplicaImage> {
+    py.detach(|| Incoming::serve_memory(&root, step, rank))
+        .map(|inc| {
+            let img = PyReplicaImage::new(inc);
+            img.writable.store(false, Ordering::Release);
+            img
+        })
+        .map_err(|e| to_py(py, e))
+}
+
+/// The entry kept beside this user's replica of `rank`'s image of the memory-only `step`
+/// (JSON), read back and checked (`shmckpt::replica::memory_entry`).
+#[pyfunction]
+fn replica_memory_entry(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResult<String> {
+    py.detach(|| shmckpt::replica::memory_entry(&root, step, rank))
+        .map(|e| serde_json::to_string(&e).expect("manifest entries serialize"))
+        .map_err(|e| to_py(py, e))
+}
+
+/// Private memory receiving `rank`'s image of the uncommitted `step` (world of
+/// `world_size`) from a partner's replica of the memory-only step, checked against
+/// `entry` (the partner's, JSON): `seal()` checks it and writes the rank's file into the
+/// step's partial directory; `commit_pending()` then writes its part and commits.
+#[pyfunction]
+fn replica_receive_pending(
+    py: Python<'_>,
+    root: PathBuf,
+    step: u64,
+    rank: u32,
+    world_size: u32,
+    entry: &str,
+) -> PyResult<PyReplicaImage> {
+    let entry: shmckpt::manifest::FileEntry = serde_json::from_str(entry).map_err(|e| {
+        to_py(
+            py,
+            shmckpt::Error::Config(format!(
+                "rank {rank}'s entry of step {step} is not a manifest entry: {e}"
+            )),
+        )
+    })?;
+    py.detach(|| Incoming::restore_pending(&root, step, rank, world_size, entry))
+        .map(PyReplicaImage::new)
+        .map_err(|e| to_py(py, e))
+}
+
 /// Every replica in `/dev/shm`: `(name, root tag, source rank, step, bytes, owner uid)`.
 #[pyfunction]
 fn replica_list() -> Vec<(String, String, u32, u64, u64, u32)> {
@@ -598,6 +673,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPreparedArena>()?;
     m.add_function(wrap_pyfunction!(replica_receive, m)?)?;
     m.add_function(wrap_pyfunction!(replica_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_serve_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_memory_entry, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_receive_pending, m)?)?;
     m.add_function(wrap_pyfunction!(replica_source, m)?)?;
     m.add_function(wrap_pyfunction!(replica_memory_source, m)?)?;
     m.add_function(wrap_pyfunction!(replica_receive_memory, m)?)?;

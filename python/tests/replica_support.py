@@ -51,8 +51,10 @@ def remove_arenas_of(root):
     for rep in list_replicas():
         if rep["root_tag"] == tag:
             remove_replica(rep["name"])
-    # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`).
-    for p in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*.tmp*"):
+    # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`), and the
+    # entries kept beside memory-only steps' replicas (removed with them, but for a kill).
+    shm = pathlib.Path("/dev/shm")
+    for p in [*shm.glob(f"shmckpt-replica.{tag}.*.tmp*"), *shm.glob(f"shmckpt-replica.{tag}.*.entry")]:
         if p.is_file() and not p.is_symlink():
             p.unlink()
 

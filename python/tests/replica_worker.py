@@ -23,6 +23,9 @@ over gloo on one host, ranks 0-1 on simulated machine "m0" and 2-3 on "m1" (``no
         committed file holds (announced, and sent: the last piece padded with zeros or cut);
         REPLICA_WORKER_DISK_EVERY=N: disk_every=N (no kept arena), and with
         REPLICA_WORKER_LOAD_AFTER=1 "latest" is loaded after the saves (before close);
+        REPLICA_WORKER_KILL_AFTER=1: once every step is saved and replicated, the report is
+        written and the rank SIGKILLs itself (no close(): a memory-only step stays in its
+        staging arena, for recovery at the next open);
         REPLICA_WORKER_GATE=1: no replication begins its exchange before every STEP is
         saved (and waited for); then each step's wait_replicated(), in order;
         REPLICA_WORKER_GIVEUP_MID=1 (steps 1 2 3, disk_every=3, memory_steps=1): step 3 is
@@ -346,6 +349,10 @@ def main():
             with open(out, "w") as f:
                 json.dump(res, f)
             os._exit(0)
+        if os.environ.get("REPLICA_WORKER_KILL_AFTER") == "1":
+            with open(out, "w") as f:
+                json.dump(res, f)
+            os.kill(os.getpid(), 9)
         if os.environ.get("REPLICA_WORKER_LOAD_AFTER") == "1":
             state = ck.load("latest")
             src = ck.last_load_source

@@ -758,6 +758,100 @@ def test_disk_every_replicates_every_save_and_a_lost_machine_loads_the_memory_on
         assert rank_file_bytes(root, 4, r) == shm_bytes(root, r, 4)
 
 
+def kill_after_memory_only_step(tmp_path, root):
+    """disk_every=2, replicas=1: steps 1-4 saved and replicated (2 and 4 memory-only), then
+    every rank SIGKILLed: close() never writes step 4. Returns each rank's staging arena."""
+    env = {"REPLICA_WORKER_DISK_EVERY": "2", "REPLICA_WORKER_KILL_AFTER": "1"}
+    saved = run_world(tmp_path, root, "save", 1, 1, 2, 3, 4, env=env, codes_want=[-9] * WORLD)
+    for res in saved:
+        reps = {rep["step"]: rep for rep in res["reports"]}
+        assert (reps[4]["replicated"], reps[4]["k_safe"], reps[4]["memory_only"]) == (True, True, True), reps[4]
+        assert reps[4]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3"]
+    # Step 4's replicas keep step 3's; each of step 4 has its sender's entry beside it.
+    assert our_replicas(root) == sorted((q, s) for q in range(WORLD) for s in (3, 4))
+    for q in range(WORLD):
+        entry = json.loads(_shmckpt.replica_memory_entry(str(root), 4, q))
+        assert (entry["rank"], entry["bytes"]) == (q, len(shm_bytes(root, q, 4)))
+    return [res["shm_name"] for res in saved]
+
+
+def lose_machine_1_uncommitted(root, arenas):
+    """Machine 1 (ranks 2, 3) is lost after the kill: its ranks' staging arenas (holding
+    step 4), the replicas it held (ranks 0-1's of steps 3 and 4) and its ranks' files."""
+    for r in (2, 3):
+        (pathlib.Path("/dev/shm") / arenas[r]).unlink()
+    for src in (0, 1):
+        for s in (3, 4):
+            remove_replica(_shmckpt.replica_name(str(root), src, s))
+    for s in (1, 3):
+        names = {f["rank"]: f["file"] for f in json.loads((root / f"step-{s}" / "manifest.json").read_text())["files"]}
+        for r in (2, 3):
+            (root / f"step-{s}" / names[r]).unlink()
+
+
+def test_a_lost_machine_completes_the_commit_of_a_memory_only_step(tmp_path, droot):
+    """Issue 38: disk_every=2 with replicas=1, every rank SIGKILLed once the memory-only
+    step 4 is replicated (close() never wrote it), then machine 1 is lost with its staging
+    arenas, the replicas it held and its ranks' files. On restart ranks 0-1 recover their
+    part of step 4 from their arenas into step-4.partial; the load completes the commit:
+    ranks 2-3 receive their image from the partners' replicas of the memory-only step
+    (checked against the entry kept beside each), write their files and parts, and step 4
+    is committed with the one protocol. "latest" is step 4 on every rank, bit-exact, ranks
+    2-3 served from the images their partners sent; the committed manifest holds the
+    entries the partners kept, and the lost ranks' files are exactly the replicas."""
+    root = droot
+    arenas = kill_after_memory_only_step(tmp_path, root)
+    entries = {q: json.loads(_shmckpt.replica_memory_entry(str(root), 4, q)) for q in (2, 3)}
+    images = {q: shm_bytes(root, q, 4) for q in (2, 3)}
+    lose_machine_1_uncommitted(root, arenas)
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert (res["step"], res["exact"]) == (4, True), res
+    assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3", "step-4"]
+    m = json.loads((root / "step-4" / "manifest.json").read_text())
+    assert (m["step"], [f["rank"] for f in m["files"]]) == (4, [0, 1, 2, 3])
+    for q in (2, 3):
+        assert m["files"][q] == entries[q]
+        assert rank_file_bytes(root, 4, q) == images[q]
+
+
+@pytest.mark.parametrize("how", ["removed", "tampered"])
+def test_a_lost_part_without_a_replica_falls_back_to_the_committed_step(tmp_path, droot, how):
+    """As above, but no partner holds the lost ranks' images of step 4 (``removed``: their
+    replicas of the memory-only step removed too), or rank 2's replica has one data byte
+    flipped (``tampered``: refused by its check against the entry kept beside it, while
+    rank 3's is good): step 4 cannot be completed, so "latest" is step 3 on every rank,
+    bit-exact (ranks 2-3 from their partners' replicas of step 3); step 4 stays a partial
+    directory holding only the survivors' parts and files (rank 3's never written),
+    never committed."""
+    root = droot
+    arenas = kill_after_memory_only_step(tmp_path, root)
+    lose_machine_1_uncommitted(root, arenas)
+    if how == "removed":
+        for src in (2, 3):
+            remove_replica(_shmckpt.replica_name(str(root), src, 4))
+    else:
+        path = pathlib.Path("/dev/shm") / _shmckpt.replica_name(str(root), 2, 4)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    loaded = run_world(tmp_path, root, "load", 1, env={"REPLICA_WORKER_DISK_EVERY": "2"})
+    for res in loaded:
+        assert "error" not in res, res
+        assert (res["step"], res["exact"]) == (3, True), res
+    assert [res["source"] for res in loaded] == [["disk", None], ["disk", None], ["peer", 0], ["peer", 1]]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-3", "step-4.partial"]
+    assert sorted(p.name for p in (root / "step-4.partial").iterdir()) == [
+        "rank-00000-of-00004.safetensors",
+        "rank-00000.manifest.json",
+        "rank-00001-of-00004.safetensors",
+        "rank-00001.manifest.json",
+    ]
+
+
 def test_a_memory_only_step_given_up_before_its_replication_is_skipped(tmp_path, droot):
     """disk_every=3, memory_steps=1: steps 1 (disk), 2 and 3 (memory-only) are saved before
     any replication may begin; staging step 3 gave step 2 up on every rank. Step 2's

@@ -32,7 +32,15 @@ enum Target {
         tmp: String,
         name: String,
         tag: String,
+        /// A memory-only step's replica: its entry is written beside it when sealed
+        /// ([`super::memory_entry`]).
+        keep_entry: bool,
     },
+    /// A lost rank's image of a step not committed yet (its partial directory holds the
+    /// other ranks' parts), from a partner's replica of the memory-only step: written as
+    /// the rank's file in the partial directory once sealed, then committed
+    /// ([`Incoming::commit_pending`]).
+    Pending { world_size: u32 },
     /// A lost rank's image (private anonymous memory), written back as its file once sealed.
     Restore,
     /// A replica this rank holds, mapped read-only to be sent ([`Incoming::serve`]).
@@ -72,6 +80,8 @@ pub struct Incoming {
     frozen: usize,
     /// The image's check, made as its bytes arrive.
     check: ImageCheck,
+    /// A pending restore's user metadata, from its checked header once sealed.
+    user_meta: Option<crate::manifest::Metadata>,
 }
 
 /// The temporary file of a restore written piece by piece as the image arrives.
@@ -193,7 +203,11 @@ impl Incoming {
             }
             None => PreparedArena::new(root, step, rank, image_len(&entry)?)?,
         };
-        Incoming::receive_into(prep, root, entry)
+        let mut inc = Incoming::receive_into(prep, root, entry)?;
+        if let Target::Replica { keep_entry, .. } = &mut inc.target {
+            *keep_entry = true;
+        }
+        Ok(inc)
     }
 
     /// `prep` (made for `root`, its step and rank) given the size of `entry`, that rank's
@@ -231,7 +245,12 @@ impl Incoming {
             ptr,
             map_len,
             len,
-            target: Target::Replica { tmp, name, tag },
+            target: Target::Replica {
+                tmp,
+                name,
+                tag,
+                keep_entry: false,
+            },
             state: IncomingState::Open,
             root: root.to_owned(),
             step,
@@ -240,6 +259,7 @@ impl Incoming {
             entry,
             early: None,
             frozen: 0,
+            user_meta: None,
         })
     }
 
@@ -253,6 +273,31 @@ impl Incoming {
     /// it does not match: a replica that fails the check is never served.
     pub fn serve(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
+        Incoming::serve_against(root, step, rank, entry)
+    }
+
+    /// This user's replica of `rank`'s image of the memory-only `step` of `root`, which is
+    /// not committed, to send to the rank that lost it so that the step can be committed:
+    /// as [`Incoming::serve`], checked in place against the entry kept beside it
+    /// ([`super::memory_entry`]: its sender's, which it was checked against when stored)
+    /// instead of a committed manifest. [`Error::StepExists`] once the step is committed
+    /// (then [`Incoming::serve`] checks it against that manifest).
+    pub fn serve_memory(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
+        if root
+            .join(crate::manifest::step_dir_name(step))
+            .symlink_metadata()
+            .is_ok()
+        {
+            return Err(Error::StepExists {
+                step,
+                root: root.to_owned(),
+            });
+        }
+        let entry = super::memory_entry(root, step, rank)?;
+        Incoming::serve_against(root, step, rank, entry)
+    }
+
+    fn serve_against(root: &Path, step: u64, rank: u32, entry: FileEntry) -> Result<Incoming> {
         let len = image_len(&entry)?;
         let name = super::replica_name(root, rank, step)?;
         let (file, path) = open_sized(Path::new(SHM_MOUNT), &name, Some(euid()), &entry)?;
@@ -285,6 +330,7 @@ impl Incoming {
             entry,
             early: None,
             frozen: 0,
+            user_meta: None,
         };
         // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
         // this process writes it (it is mapped nowhere else writable here).
@@ -315,7 +361,96 @@ impl Incoming {
             entry,
             early: None,
             frozen: 0,
+            user_meta: None,
         })
+    }
+
+    /// Private memory for `rank`'s image of `step` of `root`, a step not committed yet
+    /// whose partial directory holds the other ranks' parts (recovered from their arenas),
+    /// received from a partner's replica of the memory-only step to complete its commit.
+    /// `entry` is the partner's entry of it ([`super::memory_entry`], sent with the
+    /// offer: not trusted, it must be `rank`'s, of its file name in a world of
+    /// `world_size`, and pass every manifest entry's checks). [`Incoming::seal`] checks the
+    /// image against it (size, header, every CRC-32C) and against the header's own
+    /// metadata (this step, rank and world size), then writes it durably as the rank's
+    /// file in the partial directory; [`Incoming::commit_pending`] then writes its part
+    /// and commits the step with the one commit protocol.
+    pub fn restore_pending(
+        root: &Path,
+        step: u64,
+        rank: u32,
+        world_size: u32,
+        entry: FileEntry,
+    ) -> Result<Incoming> {
+        let what = PathBuf::from(format!("<entry of rank {rank}, step {step} from a peer>"));
+        super::check_pending_entry(&entry, rank, &what)?;
+        if rank >= world_size || entry.file != crate::manifest::rank_file_name(rank, world_size) {
+            return Err(Error::corrupt(
+                &what,
+                None,
+                format!(
+                    "names file {:?}, not rank {rank} of {world_size}'s",
+                    entry.file
+                ),
+            ));
+        }
+        pending_dir(root, step)?;
+        let len = image_len(&entry)?;
+        let ptr = super::anonymous_map(len)?;
+        Ok(Incoming {
+            ptr,
+            map_len: len,
+            len,
+            target: Target::Pending { world_size },
+            state: IncomingState::Open,
+            root: root.to_owned(),
+            step,
+            rank,
+            check: ImageCheck::new(&entry),
+            entry,
+            early: None,
+            frozen: 0,
+            user_meta: None,
+        })
+    }
+
+    /// A sealed pending restore ([`Incoming::restore_pending`]): its part written beside
+    /// its file in the step's partial directory and the step committed if every part is
+    /// there ([`crate::commit::commit`], the one commit protocol: the rank finding every
+    /// part merges them and publishes `step-N`). Returns the committed directory, or
+    /// `None` while some rank's part is missing. On failure this rank's part and file are
+    /// taken out of the partial directory ([`crate::commit::withdraw_rank`]), so no part
+    /// names a file that is not there.
+    pub fn commit_pending(&self) -> Result<Option<PathBuf>> {
+        let (Target::Pending { world_size }, IncomingState::Sealed, Some(meta)) =
+            (&self.target, self.state, &self.user_meta)
+        else {
+            return Err(Error::Config(
+                "commit_pending() is for a sealed pending restore".into(),
+            ));
+        };
+        let partial = pending_dir(&self.root, self.step)?;
+        let res = crate::commit::commit(
+            &self.root,
+            self.step,
+            *world_size,
+            &partial,
+            self.entry.clone(),
+            meta,
+        );
+        if res.is_err() {
+            self.withdraw_pending();
+        }
+        res
+    }
+
+    /// Take a sealed pending restore's file (and its part, if written) out of the step's
+    /// partial directory again: the step could not be completed on every rank.
+    pub fn withdraw_pending(&self) {
+        if matches!(self.target, Target::Pending { .. }) {
+            let partial = self.root.join(crate::manifest::partial_dir_name(self.step));
+            crate::commit::withdraw_rank(&partial, self.rank, &self.entry.file);
+        }
     }
 
     /// The first byte of the mapping (page aligned). Writable while [`IncomingState::Open`]
@@ -334,9 +469,10 @@ impl Incoming {
         self.len == 0
     }
 
-    /// Whether this is a restore's private memory ([`Incoming::restore`]), not a replica.
+    /// Whether this is a restore's private memory ([`Incoming::restore`],
+    /// [`Incoming::restore_pending`]), not a replica.
     pub fn is_restore(&self) -> bool {
-        matches!(self.target, Target::Restore)
+        matches!(self.target, Target::Restore | Target::Pending { .. })
     }
 
     /// Where the image stands.
@@ -393,7 +529,7 @@ impl Incoming {
             self.rank, self.step
         ));
         self.check.advance(prefix, &self.entry, &what)?;
-        if self.is_restore() {
+        if matches!(self.target, Target::Restore) {
             self.write_through(end)?;
         }
         Ok(())
@@ -410,7 +546,7 @@ impl Incoming {
     /// the transfer; [`Incoming::seal`] writes the rest, checks the whole image and only
     /// then renames the file into place (a failure removes it).
     fn write_through(&mut self, end: usize) -> Result<()> {
-        debug_assert!(self.is_restore() && end <= self.frozen);
+        debug_assert!(matches!(self.target, Target::Restore) && end <= self.frozen);
         if self.early.is_none() {
             let (dir, entry) = self.still_committed()?;
             let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
@@ -512,17 +648,42 @@ impl Incoming {
         ));
         self.check.finish(bytes, &self.entry, &what)?;
         match &self.target {
-            Target::Replica { tmp, name, tag } => {
+            Target::Replica {
+                tmp,
+                name,
+                tag,
+                keep_entry,
+            } => {
                 let dir = Path::new(SHM_MOUNT);
                 let dfd = fsx::open_dir(dir)?;
+                if *keep_entry {
+                    // Beside the replica before it is published under its name: a load
+                    // completing the step's commit needs both (each checked).
+                    super::write_memory_entry(name, &self.entry)?;
+                }
                 rustix::fs::renameat(dfd.as_fd(), tmp.as_str(), dfd.as_fd(), name.as_str())
-                    .map_err(|e| Error::io("rename", dir.join(name), e.into()))?;
+                    .map_err(|e| {
+                        if *keep_entry {
+                            let _ = fsx::unlink_in(dfd.as_fd(), dir, &super::entry_name(name));
+                        }
+                        Error::io("rename", dir.join(name), e.into())
+                    })?;
                 if remove_older {
                     remove_stale(tag, self.rank, self.step, None);
                 }
                 Ok(dir.join(name))
             }
             Target::Served => Err(Error::Config("a served replica is not sealed again".into())),
+            Target::Pending { world_size } => {
+                let meta = header_metadata(bytes, &self.entry, self.step, *world_size, &what)?;
+                let dir = pending_dir(&self.root, self.step)?;
+                let tmp = format!(".{}.tmp{}", self.entry.file, std::process::id());
+                let path = write_atomic(&dir, &self.entry.file, &tmp, bytes, true)?;
+                self.user_meta = Some(meta);
+                // The memory is its holder's from here on: Rust never reads it again.
+                self.protect(MprotectFlags::READ | MprotectFlags::WRITE)?;
+                Ok(path)
+            }
             Target::Restore => {
                 let (dir, entry) = self.still_committed()?;
                 let path = match self.early.take() {
@@ -575,6 +736,64 @@ impl Incoming {
             }
         }
     }
+}
+
+/// `root/step-N.partial` of a step that is not committed (nothing named `step-N`): a real
+/// directory (never through a link). [`Error::StepExists`] once committed.
+fn pending_dir(root: &Path, step: u64) -> Result<PathBuf> {
+    let rfd = fsx::open_dir(root)?;
+    if fsx::entry_kind(rfd.as_fd(), root, &crate::manifest::step_dir_name(step))?.is_some() {
+        return Err(Error::StepExists {
+            step,
+            root: root.to_owned(),
+        });
+    }
+    let name = crate::manifest::partial_dir_name(step);
+    fsx::open_subdir(rfd.as_fd(), root, &name)?;
+    Ok(root.join(name))
+}
+
+/// The user metadata of `bytes`' header (checked already against `entry`: its length and
+/// CRC-32C), which must name `entry`'s rank, `step` and `world_size` as every save's
+/// header does (a peer's image of another step or world is refused).
+fn header_metadata(
+    bytes: &[u8],
+    entry: &FileEntry,
+    step: u64,
+    world_size: u32,
+    what: &Path,
+) -> Result<crate::manifest::Metadata> {
+    use crate::plan::{META_RANK, META_STEP, META_WORLD, RESERVED_PREFIX};
+    let start = super::check::mem_len(entry.data_start, what)?;
+    let json = bytes
+        .get(8..start)
+        .ok_or_else(|| Error::corrupt(what, None, "the header is shorter than 8 bytes"))?;
+    #[derive(serde::Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__", default)]
+        metadata: Option<std::collections::BTreeMap<String, String>>,
+    }
+    // Trailing padding spaces are JSON whitespace; tensors' fields are ignored here.
+    let h: Header = serde_json::from_slice(json)
+        .map_err(|e| Error::corrupt(what, None, format!("the header is not valid: {e}")))?;
+    let system = h.metadata.unwrap_or_default();
+    for (k, want) in [
+        (META_STEP, step.to_string()),
+        (META_RANK, entry.rank.to_string()),
+        (META_WORLD, world_size.to_string()),
+    ] {
+        if system.get(k) != Some(&want) {
+            return Err(Error::corrupt(
+                what,
+                None,
+                format!("the header says {k} = {:?}, not {want:?}", system.get(k)),
+            ));
+        }
+    }
+    Ok(system
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with(RESERVED_PREFIX))
+        .collect())
 }
 
 /// The image's length in memory: the manifest's, never 0 (a safetensors file has a header).

@@ -802,3 +802,155 @@ fn a_memory_only_step_is_a_replica_source_with_the_checksums_of_its_disk_copy() 
     drop(out);
     e.close();
 }
+
+/// Issue 38: a memory-only step whose rank 1 was lost before any disk held it. Rank 1's
+/// image went to a partner as a replica of the memory-only step, its sender's entry kept
+/// beside it (`replica::memory_entry`); rank 0's part is in the step's partial directory.
+/// A tampered entry, a tampered replica, a link, an entry of another rank or that is not
+/// an entry are refused (nothing served); an image for the wrong file name or damaged is
+/// never written; the good image is written as rank 1's file in the partial directory,
+/// and its part completes the commit with the one protocol: step 2 committed with exactly
+/// both ranks' entries and bytes. Then the replica is served only as a committed one.
+#[test]
+fn a_lost_ranks_memory_only_step_is_committed_from_its_replica_and_entry() {
+    use shmckpt::replica::{self, Incoming, IncomingState, Outgoing};
+    let dir = real_dir("cadence-pending");
+    let root = dir.path();
+    let shm = Path::new("/dev/shm");
+    let e0 = Engine::open(cadence_config(root, DiskCadence::Every(2)).with_rank(0, 2)).unwrap();
+    let e1 = Engine::open(cadence_config(root, DiskCadence::Every(2)).with_rank(1, 2)).unwrap();
+    for e in [&e0, &e1] {
+        assert!(!save_step(e, 1).memory_only);
+    }
+    for e in [&e0, &e1] {
+        assert!(save_step(e, 2).memory_only);
+    }
+    assert_eq!(committed(root), [1]);
+
+    // Rank 1's image and entry, as its partner stores them.
+    let out = Outgoing::memory_step(&e1, 2).unwrap();
+    // SAFETY: the source's memory, `len()` bytes, read-only from here, alive below.
+    #[allow(unsafe_code)]
+    let bytes = unsafe { std::slice::from_raw_parts(out.as_ptr(), out.len()) }.to_vec();
+    let entry = out.entry().unwrap().clone();
+    drop(out);
+    let mut inc = Incoming::replica_of_memory_step(root, 2, 1, entry.clone(), None).unwrap();
+    // SAFETY: the arena is `len()` bytes, writable while open.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), inc.as_mut_ptr(), bytes.len())
+    };
+    let stored = inc.seal().unwrap();
+    drop(inc);
+    let name = replica::replica_name(root, 1, 2).unwrap();
+    let ename = replica::entry_name(&name);
+    assert_eq!(replica::memory_entry(root, 2, 1).unwrap(), entry);
+    assert!(
+        replica::list().iter().all(|r| r.name != ename),
+        "an entry is no replica"
+    );
+
+    // Rank 1 is lost (its step given up, never written); rank 0's goes to the partial
+    // directory (as recovery from its arena writes it).
+    e1.remove(2).unwrap();
+    drop(e1);
+    assert_eq!(e0.persist_memory().unwrap().len(), 1);
+    assert_eq!(committed(root), [1]);
+    let partial = root.join("step-2.partial");
+    assert!(partial.join("rank-00000.manifest.json").is_file());
+    assert!(!partial.join(&entry.file).exists());
+
+    // A tampered entry (one CRC-32C changed) is refused: the replica does not match it.
+    let good = std::fs::read(shm.join(&ename)).unwrap();
+    let mut t = entry.clone();
+    t.tensors[0].crc32c ^= 1;
+    std::fs::write(shm.join(&ename), serde_json::to_vec(&t).unwrap()).unwrap();
+    let r = Incoming::serve_memory(root, 2, 1);
+    assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
+    // Another rank's entry, or not an entry, or a link: refused before the image is read.
+    let mut other = entry.clone();
+    other.rank = 0;
+    std::fs::write(shm.join(&ename), serde_json::to_vec(&other).unwrap()).unwrap();
+    assert!(matches!(
+        replica::memory_entry(root, 2, 1),
+        Err(Error::Corrupt { .. })
+    ));
+    std::fs::write(shm.join(&ename), b"{\"rank\": 1, \"file\": ").unwrap();
+    assert!(matches!(
+        replica::memory_entry(root, 2, 1),
+        Err(Error::Corrupt { .. })
+    ));
+    std::fs::remove_file(shm.join(&ename)).unwrap();
+    assert!(
+        Incoming::serve_memory(root, 2, 1).is_err(),
+        "no entry, nothing served"
+    );
+    std::os::unix::fs::symlink(&stored, shm.join(&ename)).unwrap();
+    assert!(matches!(
+        replica::memory_entry(root, 2, 1),
+        Err(Error::UnsafePath { .. })
+    ));
+    std::fs::remove_file(shm.join(&ename)).unwrap();
+    std::fs::write(shm.join(&ename), &good).unwrap();
+    // A tampered replica (one data byte flipped) is refused.
+    let mut bad = bytes.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x10;
+    std::fs::write(&stored, &bad).unwrap();
+    let r = Incoming::serve_memory(root, 2, 1);
+    assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
+    std::fs::write(&stored, &bytes).unwrap();
+
+    let served = Incoming::serve_memory(root, 2, 1).unwrap();
+    assert_eq!(served.entry(), &entry);
+    drop(served);
+    let receive = |image: &[u8], entry: &shmckpt::manifest::FileEntry| {
+        let mut inc = Incoming::restore_pending(root, 2, 1, 2, entry.clone())?;
+        // SAFETY: the memory is `len()` bytes, writable while open.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy_nonoverlapping(image.as_ptr(), inc.as_mut_ptr(), image.len())
+        };
+        inc.seal().map(|_| inc)
+    };
+    // An entry naming rank 0's file is refused before anything is received.
+    let mut renamed = entry.clone();
+    renamed.file = "rank-00000-of-00002.safetensors".into();
+    assert!(matches!(
+        receive(&bytes, &renamed),
+        Err(Error::Corrupt { .. })
+    ));
+    // A damaged image is never written.
+    assert!(matches!(receive(&bad, &entry), Err(Error::Checksum { .. })));
+    assert!(!partial.join(&entry.file).exists());
+    assert_eq!(committed(root), [1]);
+
+    let inc = receive(&bytes, &entry).unwrap();
+    assert_eq!(inc.state(), IncomingState::Sealed);
+    assert_eq!(std::fs::read(partial.join(&entry.file)).unwrap(), bytes);
+    assert_eq!(committed(root), [1], "no part yet: not committed");
+    let dir2 = inc.commit_pending().unwrap().expect("every part is there");
+    assert_eq!(dir2, root.join("step-2"));
+    assert_eq!(committed(root), [1, 2]);
+    let m: shmckpt::manifest::Manifest =
+        serde_json::from_slice(&std::fs::read(dir2.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m.files[1], entry);
+    assert_eq!(m.files[0].rank, 0);
+    assert_eq!(std::fs::read(dir2.join(&entry.file)).unwrap(), bytes);
+    drop(inc);
+    // Committed: served as any replica, against the manifest; not as a pending one.
+    assert!(matches!(
+        Incoming::serve_memory(root, 2, 1),
+        Err(Error::StepExists { .. })
+    ));
+    assert_eq!(replica::load(root, 2, 1).unwrap().as_bytes(), &bytes[..]);
+    let e1 = Engine::open(cadence_config(root, DiskCadence::Every(2)).with_rank(1, 2)).unwrap();
+    let (ck, report) = load_with_report(&e1, StepSel::Latest).unwrap();
+    assert_eq!((report.step, report.source), (2, LoadSource::Disk));
+    assert_loaded_equal(&ck, &step_state(2));
+    // Removing the replica removes its entry.
+    replica::remove(&name).unwrap();
+    assert!(!shm.join(&ename).exists());
+    e1.close();
+    e0.close();
+}
