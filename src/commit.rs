@@ -30,7 +30,7 @@ mod assemble;
 mod group;
 pub mod store;
 pub use assemble::{assemble_ranks, find_parts, publish_dir, publish_dir_replacing, publish_into};
-pub use group::{adopt_manifest, commit_with_parts, own_part, set_aside};
+pub use group::{adopt_manifest, commit_with_parts, own_part, pending_steps, set_aside};
 pub use store::{CommitStore, LocalDir, apply_retention, commit, retire_old};
 
 use std::fs::File;

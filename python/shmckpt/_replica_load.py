@@ -4,10 +4,8 @@ the step and fetches a lost rank's image from its partners (a mixin of
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import stat
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -165,30 +163,14 @@ class ReplicaLoads(ReplicaNet):
 
     def _pending_parts(self, committed: Any) -> List[int]:
         """The steps not committed whose partial directory holds this rank's durable part
-        and the file it names, of its size (a regular file, not followed through a link):
-        a save recovered from this rank's arena after its trainer died, awaiting the other
-        ranks' parts."""
-        me = self.ckpt.rank
-        out: List[int] = []
+        and the file it names (``_shmckpt.pending_steps``): a save recovered from this
+        rank's arena after its trainer died, awaiting the other ranks' parts."""
         try:
-            names = os.listdir(self.ckpt.root)
-        except OSError:
-            return out
-        for name in names:
-            m = re.fullmatch(r"step-(0|[1-9][0-9]*)\.partial", name)
-            if m is None or int(m.group(1)) in committed:
-                continue
-            d = os.path.join(self.ckpt.root, name)
-            try:
-                fd = os.open(os.path.join(d, f"rank-{me:05d}.manifest.json"), os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as f:
-                    part = json.loads(f.read(64 << 20))
-                st = os.lstat(os.path.join(d, os.path.basename(str(part["file"]))))
-                if stat.S_ISREG(st.st_mode) and st.st_size == int(part["bytes"]) and int(part["rank"]) == me:
-                    out.append(int(m.group(1)))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return out
+            steps = _shmckpt.pending_steps(self.ckpt.root, self.ckpt.rank)
+        except ShmckptError as e:
+            log.info("rank %d: no pending parts read: %s", self.ckpt.rank, e)
+            return []
+        return [s for s in steps if s not in committed]
 
     def _drop_pending(self, replicas: List[Tuple[int, int]]) -> None:
         """Remove this rank's replicas ``(source, step)`` of steps not committed that are

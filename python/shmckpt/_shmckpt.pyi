@@ -19,6 +19,7 @@ __all__ = [
     "Engine",
     "HeldImage",
     "HeldPiece",
+    "PreparedArena",
     "ReplicaImage",
     "ReplicaSource",
     "SaveHandle",
@@ -37,6 +38,7 @@ __all__ = [
     "link_step",
     "linked_step",
     "linked_steps",
+    "pending_steps",
     "publish_dir",
     "publish_into",
     "rank_file_metadata",
@@ -46,23 +48,22 @@ __all__ = [
     "replica_divergence",
     "replica_list",
     "replica_load",
+    "replica_memory_entry",
+    "replica_memory_source",
     "replica_name",
     "replica_plan",
-    "replica_read_committed",
-    "PreparedArena",
     "replica_prepare",
+    "replica_read_committed",
     "replica_receive",
     "replica_receive_memory",
+    "replica_receive_pending",
     "replica_receive_restore",
     "replica_remove",
     "replica_remove_older",
+    "replica_restore_file",
     "replica_serve",
     "replica_serve_memory",
-    "replica_memory_entry",
-    "replica_receive_pending",
     "replica_source",
-    "replica_memory_source",
-    "replica_restore_file",
     "replica_store",
     "replica_tag",
     "reserve_name",
@@ -493,6 +494,11 @@ def replica_remove(name: str) -> None:
 
 def group_own_part(root: str, step: int, rank: int) -> bytes:
     """This rank's manifest part of ``step`` (JSON), for a commit through the group."""
+    ...
+
+def pending_steps(root: str, rank: int) -> List[int]:
+    """The steps not committed whose partial directory holds this rank's durable part and
+    its file (a regular file of this user, of the part's size)."""
     ...
 
 def group_commit(root: str, step: int, rank: int, parts: List[bytes], metadata: Dict[str, str]) -> str:

@@ -589,6 +589,14 @@ fn group_own_part(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResu
         .map_err(|e| to_py(py, e))
 }
 
+/// The steps not committed whose partial directory holds this rank's durable part and
+/// its file (`shmckpt::commit::pending_steps`).
+#[pyfunction]
+fn pending_steps(py: Python<'_>, root: PathBuf, rank: u32) -> PyResult<Vec<u64>> {
+    py.detach(|| shmckpt::commit::pending_steps(&root, rank))
+        .map_err(|e| to_py(py, e))
+}
+
 /// Commit `step` in this machine's `root` from every rank's part
 /// (`shmckpt::commit::commit_with_parts`); returns the committed directory.
 #[pyfunction]
@@ -661,6 +669,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replica_remove_older, m)?)?;
     m.add_function(wrap_pyfunction!(group_set_aside, m)?)?;
     m.add_function(wrap_pyfunction!(group_own_part, m)?)?;
+    m.add_function(wrap_pyfunction!(pending_steps, m)?)?;
     m.add_function(wrap_pyfunction!(group_commit, m)?)?;
     m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(group_apply_retention, m)?)?;

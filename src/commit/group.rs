@@ -8,6 +8,7 @@
 //! manifest and renames as a shared root. A machine that lost its root gets the committed
 //! manifest from a peer ([`adopt_manifest`]).
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::store::{self, PartBarrier, SharedRoot};
@@ -39,6 +40,49 @@ pub fn own_part(root: &Path, step: u64, rank: u32) -> Result<Vec<u8>> {
         )
     })?;
     Ok(serde_json::to_vec(entry).expect("manifest entries serialize"))
+}
+
+/// The steps under `root` not committed whose partial directory holds `rank`'s durable
+/// part, valid and of that rank, and the file it names: a regular file of this user (no
+/// link followed) of exactly the part's size. A save recovered from this rank's arena after its trainer
+/// died, awaiting the other ranks' parts (a load may complete the step's commit from
+/// their replicas). Anything else in the root is passed over; ascending.
+pub fn pending_steps(root: &Path, rank: u32) -> Result<Vec<u64>> {
+    let committed: std::collections::BTreeSet<u64> = manifest::list_committed(root)?
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    let dir = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+    let mut out = Vec::new();
+    for ent in dir.flatten() {
+        let name = ent.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| manifest::parse_step_with_suffix(n, ".partial"))
+        else {
+            continue;
+        };
+        if committed.contains(&step) {
+            continue;
+        }
+        let partial = root.join(partial_dir_name(step));
+        let part = partial.join(rank_manifest_name(rank));
+        let entry = manifest::read_manifest_bytes(&part).and_then(|b| {
+            serde_json::from_slice::<FileEntry>(&b)
+                .map_err(|e| Error::corrupt(&part, None, format!("not a manifest part: {e}")))
+        });
+        let Ok(entry) = entry else { continue };
+        if entry.rank != rank || entry.validate(&part).is_err() {
+            continue;
+        }
+        let me = rustix::process::geteuid().as_raw();
+        let file = std::fs::symlink_metadata(partial.join(&entry.file));
+        if file.is_ok_and(|m| m.file_type().is_file() && m.uid() == me && m.len() == entry.bytes) {
+            out.push(step);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
 }
 
 /// Parse every rank's part (`parts[r]`: rank r's), refusing one that is not valid or not
@@ -292,6 +336,60 @@ mod tests {
             parts.push(serde_json::to_vec(&e).unwrap());
         }
         parts
+    }
+
+    /// `pending_steps` lists exactly the uncommitted steps whose partial directory holds
+    /// this rank's part and its file of the part's size: not a committed step, a file of
+    /// another size, a link in the file's place, another rank's part under this rank's
+    /// name, a part that is not JSON, nor a foreign name.
+    #[test]
+    fn pending_steps_are_the_partials_holding_this_ranks_part_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        machine0(root, 3); // ranks 0-1 durable, the step not committed
+        machine0(root, 5);
+        for r in 0..4 {
+            let e = entry(r);
+            let partial = root.join(partial_dir_name(5));
+            if r >= 2 {
+                std::fs::write(partial.join(&e.file), b"0123456789").unwrap();
+                let done = super::super::commit(root, 5, 4, &partial, e, &Metadata::new());
+                assert_eq!(done.unwrap().is_some(), r == 3); // the last part commits it
+            }
+        }
+        let e = entry(0);
+        // Step 6: rank 0's file one byte short. Step 7: a link in its place.
+        for (step, how) in [(6, "short"), (7, "link"), (8, "other"), (9, "junk")] {
+            let partial = root.join(partial_dir_name(step));
+            std::fs::create_dir(&partial).unwrap();
+            let part = partial.join(rank_manifest_name(0));
+            match how {
+                "short" => {
+                    std::fs::write(partial.join(&e.file), b"012345678").unwrap();
+                    std::fs::write(&part, serde_json::to_vec(&e).unwrap()).unwrap();
+                }
+                "link" => {
+                    std::fs::write(root.join("elsewhere"), b"0123456789").unwrap();
+                    std::os::unix::fs::symlink(root.join("elsewhere"), partial.join(&e.file))
+                        .unwrap();
+                    std::fs::write(&part, serde_json::to_vec(&e).unwrap()).unwrap();
+                }
+                "other" => {
+                    let o = entry(1);
+                    std::fs::write(partial.join(&o.file), b"0123456789").unwrap();
+                    std::fs::write(&part, serde_json::to_vec(&o).unwrap()).unwrap();
+                }
+                _ => {
+                    std::fs::write(partial.join(&e.file), b"0123456789").unwrap();
+                    std::fs::write(&part, b"{not json").unwrap();
+                }
+            }
+        }
+        std::fs::create_dir(root.join("step-x.partial")).unwrap();
+        assert!(root.join(step_dir_name(5)).exists());
+        assert_eq!(pending_steps(root, 0).unwrap(), vec![3]);
+        assert_eq!(pending_steps(root, 1).unwrap(), vec![3]);
+        assert_eq!(pending_steps(root, 2).unwrap(), Vec::<u64>::new());
     }
 
     #[test]
