@@ -206,7 +206,7 @@ impl PySaveHandle {
     fn hold_streams(&self, py: Python<'_>, streams: Vec<(i32, Bound<'_, PyAny>)>) -> PyResult<()> {
         let streams = streams
             .iter()
-            .map(|(d, s)| Ok((*d, crate::torch_cuda_handle(s, "stream", *d)?)))
+            .map(|(d, s)| Ok((*d, crate::order::torch_cuda_handle(s, "stream", *d)?)))
             .collect::<PyResult<Vec<(i32, u64)>>>()?;
         // The handle's lock only to look: the wait runs on a watch of the save, so a thread
         // asking `is_staged` with the GIL held never waits for this one (which can block
