@@ -11,7 +11,7 @@ memory, bit for bit. Runs on one host, as root:
 2 machines of 2 ranks. Each machine has its own ``/dev/shm``: a mount namespace holding a
 tmpfs on ``/dev/shm`` (``unshare --mount``), kept alive by a holder process between the
 phases; its ranks join it with ``nsenter``. The root is shared by default; with
-``--node-local`` each machine has its own (``node_local_root=True``).
+``--node-local`` each machine has its own (``Replicas(node_local_root=True)``).
 
 1. Every rank builds ``Checkpointer(root, keep_in_memory=True, replicas=1)`` and saves
    ``--steps`` steps of a deterministic state (seeded tensors of several dtypes, ``--mib``
@@ -163,11 +163,8 @@ def rank_main(a: argparse.Namespace) -> None:
     ck = shmckpt.Checkpointer(
         a.rank_root,
         keep_in_memory=True,
-        replicas=1,
-        node_local_root=a.node_local,
-        staging_capacity=staging,
-        chunk_size=MiB if staging < 64 * MiB else None,
-        replica_timeout=a.timeout,
+        replicas=shmckpt.Replicas(k=1, node_local_root=a.node_local, timeout=a.timeout),
+        tuning=shmckpt.Tuning(staging_capacity=staging, chunk_size=MiB if staging < 64 * MiB else None),
     )
     res: Dict[str, Any] = {"rank": rank, "shm_name": ck.shm_name, "state_bytes": nbytes}
     if a.role == "save":
@@ -541,7 +538,7 @@ class Drill:
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--node-local", action="store_true", help="a root per machine (node_local_root=True)")
+    ap.add_argument("--node-local", action="store_true", help="a root per machine (Replicas(node_local_root=True))")
     ap.add_argument("--steps", type=int, default=3, help="steps saved in phase 1 (default 3)")
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of state per rank (default 16)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -115,7 +115,7 @@ def bench_mode(mode, args, sd, rank):
     if mode == "native":
         import shmckpt
 
-        ck = shmckpt.Checkpointer(base, keep_last=1, staging_capacity=int(args.gib * (1 << 30) / args.world) + (256 << 20))
+        ck = shmckpt.Checkpointer(base, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=int(args.gib * (1 << 30) / args.world) + (256 << 20)))
     for i in range(args.saves):
         path = os.path.join(base, f"step-{i}")
         sd["step"] = i

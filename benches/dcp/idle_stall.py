@@ -91,7 +91,7 @@ def main():
     t = time.perf_counter()
     prep = prepare(os.path.join(base, "dcp"), staging_capacity=cap)
     os.makedirs(os.path.join(base, "native"))
-    ck = shmckpt.Checkpointer(os.path.join(base, "native"), staging_capacity=cap, keep_last=1)
+    ck = shmckpt.Checkpointer(os.path.join(base, "native"), tuning=shmckpt.Tuning(staging_capacity=cap), keep_last=1)
     if a.device == "cuda":
         ck.prepare_cuda()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
@@ -101,7 +101,7 @@ def main():
 
     def dcp_save(phase):
         seq[0] += 1
-        w = ShmckptWriter(os.path.join(base, "dcp", f"s{seq[0]}"), staging_capacity=cap)
+        w = ShmckptWriter(os.path.join(base, "dcp", f"s{seq[0]}"), tuning=shmckpt.Tuning(staging_capacity=cap))
         sync()
         p0 = probe()
         t0 = time.perf_counter()

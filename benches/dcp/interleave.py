@@ -21,7 +21,7 @@ orig = session.engine
 def wrapped(*a, **k):
     t = time.perf_counter(); r = orig(*a, **k); print(f"    engine {time.perf_counter()-t:.3f}s need={a[3]} cap={r.capacity} gen={session.generations()}", flush=True); return r
 session.engine = wrapped
-os.makedirs(os.path.join(D, "ck")); ck = shmckpt.Checkpointer(os.path.join(D, "ck"), keep_last=1, staging_capacity=nbytes + (256 << 20)); ck.prepare_cuda()
+os.makedirs(os.path.join(D, "ck")); ck = shmckpt.Checkpointer(os.path.join(D, "ck"), keep_last=1, tuning=shmckpt.Tuning(staging_capacity=nbytes + (256 << 20))); ck.prepare_cuda()
 step = 0
 def native():
     global step; step += 1
@@ -29,7 +29,7 @@ def native():
 def dshm():
     global step; step += 1
     torch.cuda.synchronize(); t = time.perf_counter()
-    resp = dcp.async_save(state, storage_writer=ShmckptWriter(os.path.join(D, "d", f"step-{step:08d}"), staging_capacity=nbytes + (256 << 20)))
+    resp = dcp.async_save(state, storage_writer=ShmckptWriter(os.path.join(D, "d", f"step-{step:08d}"), tuning=shmckpt.Tuning(staging_capacity=nbytes + (256 << 20))))
     r = time.perf_counter() - t
     (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
     print(f"dcp-shm save {r:.3f}s  total {time.perf_counter()-t:.3f}s", flush=True)

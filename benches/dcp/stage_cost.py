@@ -32,7 +32,7 @@ def main() -> None:
     times = []
     try:
         for i in range(21):
-            w = ShmckptWriter(f"{root}/s{i}", staging_capacity=64 << 20)
+            w = ShmckptWriter(f"{root}/s{i}", tuning=shmckpt.Tuning(staging_capacity=64 << 20))
             t = time.perf_counter()
             w.stage(state)
             times.append(time.perf_counter() - t)

@@ -41,7 +41,7 @@ def worker(a, rank):
     for mode in ("off", "on"):
         root = os.path.join(a.root, f"run-{a.port}", mode)  # a fresh root per run
         kw = {"check_replicas": group} if mode == "on" else {}
-        cks[mode] = shmckpt.Checkpointer(root, keep_last=2, staging_capacity=(a.total_mib + 64) << 20, **kw)
+        cks[mode] = shmckpt.Checkpointer(root, keep_last=2, tuning=shmckpt.Tuning(staging_capacity=(a.total_mib + 64) << 20), **kw)
     step = {"off": 0, "on": 0}
     times = {"off": [], "on": []}
     in_save = {"off": [], "on": []}  # per round: seconds inside save() calls

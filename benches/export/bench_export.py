@@ -40,7 +40,7 @@ def main():
     os.makedirs(a.dir)
     per = (a.size_mib << 20) // a.tensors // 4
     state = {"model": {f"layers.{i}.weight": torch.randn(per) for i in range(a.tensors)}}
-    with shmckpt.Checkpointer(root, staging_capacity=(a.size_mib + 64) << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=(a.size_mib + 64) << 20)) as ck:
         ck.save(1, state).wait()
     del state
     step = os.path.join(root, "step-1")

@@ -25,7 +25,7 @@ One process, one GPU. A state like a trainer's (fp32 weights plus fused-AdamW mo
 Each save is waited for (durable) before the next variant, so the disk never overlaps a
 timed copy. Prints a table of medians (min-max) and writes every sample to ``--out``.
 
-Start-up (``--startup``): ``Checkpointer(staging_capacity=--cap-gb GB)`` construction,
+Start-up (``--startup``): ``Checkpointer(tuning=Tuning(staging_capacity=--cap-gb GB))`` construction,
 ``prepare_cuda``, the time until the staging memory is ready (where the build has
 ``wait_staging_ready``), and the stall of the first saves, first right after start-up, then
 after a pause.
@@ -135,7 +135,7 @@ def main() -> None:
             root = os.path.join(args.dir, "startup-" + phase)
             os.makedirs(root)
             t0 = time.perf_counter()
-            ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=int(args.cap_gb * 1e9))
+            ck = shmckpt.Checkpointer(root, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=int(args.cap_gb * 1e9)))
             su[phase + "_ctor_s"] = time.perf_counter() - t0
             t = time.perf_counter()
             if new_api:
@@ -165,7 +165,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     root = os.path.join(args.dir, "rate")
     os.makedirs(root)
-    ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=nbytes + (256 << 20))
+    ck = shmckpt.Checkpointer(root, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=nbytes + (256 << 20)))
     ck.prepare_cuda()
     if hasattr(ck, "wait_staging_ready"):
         ck.wait_staging_ready()

@@ -34,7 +34,7 @@ def main():
     state = {f"l{i}": torch.randn(per).to(torch.bfloat16) for i in range(a.tensors)}
     cap = sum(t.numel() * 2 for t in state.values()) + (256 << 20)
     base = tempfile.mkdtemp(dir=a.dir)
-    ck = shmckpt.Checkpointer(base, staging_capacity=cap)
+    ck = shmckpt.Checkpointer(base, tuning=shmckpt.Tuning(staging_capacity=cap))
     out = []
     try:
         for i in range(1, a.saves + 1):

@@ -169,7 +169,7 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
             t = time.perf_counter()
-            st["ckpt"] = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=st["nbytes"] + 64 * MiB + 8 * MiB)
+            st["ckpt"] = shmckpt.Checkpointer(root, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=st["nbytes"] + 64 * MiB + 8 * MiB))
             srec.setdefault("checkpointer_open_s", []).append(time.perf_counter() - t)
             st.update(next_step=1, last_step=None, last_file=None, dirty=False)
             res.flush()

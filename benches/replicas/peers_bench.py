@@ -24,8 +24,8 @@ in an order rotated by one each round (alternated). Every system does its two ph
              ``recv_checkpoint`` it (in place into preallocated tensors on CPU; for a CUDA
              state into fresh CPU tensors then copied to the GPU, inside the time). Compared
              against one-way (torchft has no replication phase: it is a live peer's state).
-  shmckpt    ``Checkpointer(root, keep_in_memory=True, replicas=1, node=m0/m1,
-             replica_bandwidth=None)``: ``save(blocking=False)`` to ``wait_replicated()``
+  shmckpt    ``Checkpointer(root, keep_in_memory=True, replicas=Replicas(k=1,
+             node=m0/m1, bandwidth=None))``: ``save(blocking=False)`` to ``wait_replicated()``
              (k-safe: durable on disk, replica CRC-checked in the partner's /dev/shm), vs
              exchange; then machine m1 is lost: every rank closes its checkpointer, m1's
              ranks remove their kept arena, their files of every step and the replicas
@@ -242,9 +242,10 @@ class Shm:
         import shmckpt
 
         return shmckpt.Checkpointer(
-            self.root, keep_in_memory=True, replicas=1, node=f"m{self.r.me // HALF}",
-            staging_capacity=self.nbytes + (64 << 20), replica_bandwidth=None,
-            replica_timeout=float(self.r.a.timeout),
+            self.root,
+            keep_in_memory=True,
+            replicas=shmckpt.Replicas(k=1, node=f"m{self.r.me // HALF}", bandwidth=None, timeout=float(self.r.a.timeout)),
+            tuning=shmckpt.Tuning(staging_capacity=self.nbytes + (64 << 20)),
         )
 
     def lose_machine_1(self) -> None:

@@ -133,9 +133,10 @@ def parse_args(argv=None):
 
 
 def replica_bandwidth(arg):
+    """``--replica-bandwidth`` as ``shmckpt.Replicas`` keywords (``default``: none)."""
     if arg == "default":
         return {}
-    return {"replica_bandwidth": None if arg == "none" else float(arg)}
+    return {"bandwidth": None if arg == "none" else float(arg)}
 
 
 def staging_for(nbytes, tiny):
@@ -152,9 +153,11 @@ def open_checkpointers(args, nbytes, rank):
     cap, chunk = staging_for(nbytes, args.tiny)
     cks = {}
     for name in [c for c in args.conds if c in REPLICAS]:
-        kw = dict(keep_in_memory=True, keep_last=1, staging_capacity=cap, chunk_size=chunk)
+        kw = dict(keep_in_memory=True, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=cap, chunk_size=chunk))
         if REPLICAS[name]:
-            kw.update(replicas=REPLICAS[name], node=NODES[rank], replica_timeout=args.timeout, **replica_bandwidth(args.replica_bandwidth))
+            kw["replicas"] = shmckpt.Replicas(
+                k=REPLICAS[name], node=NODES[rank], timeout=args.timeout, **replica_bandwidth(args.replica_bandwidth)
+            )
         t = now()
         cks[name] = shmckpt.Checkpointer(os.path.join(args.run_dir, name), **kw)
         log(f"  rank {rank} {name}: Checkpointer open in {now() - t:.2f}s (staging {cap / GiB:.2f} GiB)")

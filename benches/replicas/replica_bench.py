@@ -10,7 +10,7 @@ transport limit and against a restore from local disk, all measured in the same 
 world and root), printed as its own table, then a summary of the ratios of every size.
 
 It starts ``--world`` ranks (this script, ``--role rank``) over gloo on 127.0.0.1, the
-first half on simulated machine "m0", the second on "m1" (``node=``; ``replicas=1``:
+first half on simulated machine "m0", the second on "m1" (``Replicas(k=1, node=...)``:
 partners i <-> i + world/2). Each rank holds ``--size-mib`` MiB of float32 tensors (pieces
 of at most 256 MiB). After one warm-up replication (arena, files, connections), every
 round does, in alternated order (even rounds A then B, odd rounds B then A):
@@ -115,11 +115,8 @@ def rank_main(a: argparse.Namespace) -> None:
         a.root,
         keep_in_memory=False,
         keep_last=a.keep_last,
-        staging_capacity=nbytes + (64 << 20),
-        replicas=1,
-        node=f"m{me // half}",
-        replica_bandwidth=bw,
-        replica_timeout=600.0,
+        replicas=shmckpt.Replicas(k=1, node=f"m{me // half}", bandwidth=bw, timeout=600.0),
+        tuning=shmckpt.Tuning(staging_capacity=nbytes + (64 << 20)),
     )
     rep = ck._replicator
     assert rep is not None
@@ -241,7 +238,7 @@ def rank_main(a: argparse.Namespace) -> None:
     ck.close()
     if a.s3_url:
         # E: a restore of the lost ranks from S3 (remote only: no local file).
-        s3 = shmckpt.Checkpointer(a.s3_url, keep_in_memory=False, staging_capacity=nbytes + (64 << 20))
+        s3 = shmckpt.Checkpointer(a.s3_url, keep_in_memory=False, tuning=shmckpt.Tuning(staging_capacity=nbytes + (64 << 20)))
         s3.save(1, state).wait_remote()
         for _ in range(a.rounds):
             dist.barrier(group=group)
@@ -355,7 +352,7 @@ def main() -> None:
     p.add_argument("--size-mib", default="64", help="MiB of tensors per rank; a comma-separated list runs each")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (replication: plus one warm-up)")
     p.add_argument("--root", default=None, help="checkpoint root (local disk; emptied first)")
-    p.add_argument("--bandwidth", default="none", help="replica_bandwidth in bytes/s, or none")
+    p.add_argument("--bandwidth", default="none", help="Replicas.bandwidth in bytes/s, or none")
     p.add_argument("--keep-last", type=int, default=1, help="the root's keep_last (1: every commit deletes the step before; see the docstring)")
     p.add_argument("--json", default=None, help="write every sample here")
     p.add_argument("--s3-server", default=None,

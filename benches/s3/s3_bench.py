@@ -160,8 +160,9 @@ class Ctx:
         self.local = os.path.join(args.dir, "local", label)
         self.part = args.part_size
         self.conc = args.concurrency
-        #: shmckpt's remote settings: the same part size and concurrency as the others.
-        self.shm_remote = dict(remote_part_size=args.part_size, remote_concurrency=args.concurrency)
+        #: shmckpt's remote settings (``RemoteTier``'s): the same part size and concurrency
+        #: as the others.
+        self.shm_remote = dict(part_size=args.part_size, concurrency=args.concurrency)
         self.cks: Dict[str, Any] = {}
         self.step = 0
         #: What each save of a round left for the restores: system -> (url or key, step)
@@ -185,12 +186,15 @@ def _checkpointer(ctx: Ctx, kind: str) -> Any:
     root = os.path.join(ctx.local, kind)
     os.makedirs(root, exist_ok=True)
     url = f"s3://{BUCKET}/{ctx.label}/{kind}"
+    tuning = shmckpt.Tuning(staging_capacity=cap)
     if kind == "shmckpt_local":
-        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap)
+        ck = shmckpt.Checkpointer(root, keep_last=1, tuning=tuning)
     elif kind == "shmckpt_local_remote":
-        ck = shmckpt.Checkpointer(root, keep_last=1, staging_capacity=cap, remote=url, remote_keep_last=1, **ctx.shm_remote)
+        tier = shmckpt.RemoteTier(url, keep_last=1, **ctx.shm_remote)
+        ck = shmckpt.Checkpointer(root, keep_last=1, remote=tier, tuning=tuning)
     else:
-        ck = shmckpt.Checkpointer(url, staging_capacity=cap, remote_keep_last=1, **ctx.shm_remote)
+        # Remote only: the root's own tier, with its settings.
+        ck = shmckpt.Checkpointer(url, remote=shmckpt.RemoteTier(url, keep_last=1, **ctx.shm_remote), tuning=tuning)
     if ctx.args.device.startswith("cuda"):
         ck.prepare_cuda()
     ctx.cks[kind] = ck

@@ -56,7 +56,7 @@ def parse_args(argv=None):
     a("--iters", type=int, default=None, help="steps per segment (default: about 8 s of steps)")
     a("--rounds", type=int, default=30)
     a("--budget-s", type=float, default=200.0, help="per configuration: no round starts past this")
-    a("--ck-kw", default='{"disk_every": "auto"}', help="JSON: the tiered Checkpointer's keywords")
+    a("--ck-kw", default='{"cadence": {"disk_every": "auto"}}', help='JSON: the tiered Checkpointer\'s keywords, its groups as objects ({"cadence": {"disk_every": 4}, "tuning": {"writer_threads": 8}}; see checkpointer_kw)')
     a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
     a("--snapshot", default="device", help='save(snapshot=...) of a configuration that names none ("none": no snapshot)')
     a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
@@ -75,6 +75,39 @@ def bootstrap_mean_ci(xs, n=2000, seed=7):
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
     return [means[int(0.025 * n)], means[int(0.975 * n) - 1]]
+
+
+def checkpointer_kw(kw, **tuning):
+    """The Checkpointer keywords of ``--ck-kw`` (JSON): its groups ``"cadence"``,
+    ``"tuning"``, ``"replicas"``, ``"remote"`` given as objects become ``shmckpt.Cadence``,
+    ``Tuning``, ``Replicas``, ``RemoteTier`` (the shorthands ``"replicas": 1`` and
+    ``"remote": "s3://..."`` are passed on as they are); a flat cadence or tuning keyword of earlier versions
+    (``"disk_every": "auto"``, the old default) goes into its group, as the Checkpointer
+    would put it, without its deprecation warning; any other keyword is passed on (a flat
+    remote or replica keyword too: it needs its tier, and the Checkpointer warns).
+    ``tuning``: the bench's own ``Tuning`` fields (the chunk size and the staging it
+    sized), which ``--ck-kw`` may not set."""
+    import shmckpt
+    from shmckpt.config import LEGACY
+
+    classes = {"cadence": shmckpt.Cadence, "tuning": shmckpt.Tuning, "replicas": shmckpt.Replicas, "remote": shmckpt.RemoteTier}
+    out, groups = {}, {g: {} for g in classes}
+    for k, v in kw.items():
+        if k in LEGACY and LEGACY[k][0] in ("cadence", "tuning"):
+            g, f = LEGACY[k]
+            groups[g][f] = v
+        elif k in classes and isinstance(v, dict):
+            groups[k].update(v)
+        else:
+            out[k] = v
+    both = sorted(set(groups["tuning"]) & set(tuning))
+    if both:
+        raise SystemExit(f"cadence_overhead: --ck-kw sets {both}, which the bench sizes itself")
+    groups["tuning"].update(tuning)
+    for g, fields in groups.items():
+        if fields:
+            out[g] = classes[g](**fields)
+    return out
 
 
 def run_config(tr, state, ck, step_ms, every, snapshot, args, cuda, step_no):
@@ -181,7 +214,7 @@ def main(argv=None):
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
     cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
     res["meta"]["staging_capacity"] = cap
-    ck = shmckpt.Checkpointer(root, keep_last=2, chunk_size=chunk, staging_capacity=cap, **kw)
+    ck = shmckpt.Checkpointer(root, keep_last=2, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))
     try:
         if cuda:
             ck.prepare_cuda()

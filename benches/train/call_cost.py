@@ -101,7 +101,9 @@ class Config:
             if args.step_int:
                 state["step"] = 0
             ck = shmckpt.Checkpointer(
-                os.path.join(root, state_name), keep_last=1, staging_capacity=nbytes + nbytes // 8 + (64 << 20)
+                os.path.join(root, state_name),
+                keep_last=1,
+                tuning=shmckpt.Tuning(staging_capacity=nbytes + nbytes // 8 + (64 << 20)),
             )
             ck.guard(opt)
             if args.device == "cuda":

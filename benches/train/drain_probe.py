@@ -233,7 +233,7 @@ def open_checkpointers(args, want, state_bytes, run_dir, cuda, results, cks):
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            ck = shmckpt.Checkpointer(os.path.join(run_dir, name), keep_last=1, staging_capacity=cap, chunk_size=chunk, **SHM_VARIANTS[name])
+            ck = shmckpt.Checkpointer(os.path.join(run_dir, name), keep_last=1, tuning=shmckpt.Tuning(staging_capacity=cap, chunk_size=chunk, **SHM_VARIANTS[name]))
         except Exception as e:
             results["failed"][name] = f"Checkpointer: {type(e).__name__}: {e}"
             log(f"  {name}: {results['failed'][name]}")

@@ -124,7 +124,7 @@ def main():
     n = 64
     state = {f"t{i}": np.random.default_rng(i).random((args.mib << 20) // n // 8) for i in range(n)}
     res = {"argv": vars(args), "switch_interval_s": __import__("sys").getswitchinterval(), "cpus": os.cpu_count(), "rounds": []}
-    with shmckpt.Checkpointer(args.dir, keep_last=1, staging_capacity=(args.mib + 64) << 20) as ck:
+    with shmckpt.Checkpointer(args.dir, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=(args.mib + 64) << 20)) as ck:
         t = time.perf_counter()
         ck.save(0, state, blocking=False).wait()  # warm: arena filled, first file
         drain_s = time.perf_counter() - t

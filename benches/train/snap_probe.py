@@ -153,7 +153,7 @@ def main():
     import shutil
 
     shutil.rmtree(args.dir, ignore_errors=True)
-    ck = shmckpt.Checkpointer(args.dir, keep_last=1, staging_capacity=nbytes + (256 << 20))
+    ck = shmckpt.Checkpointer(args.dir, keep_last=1, tuning=shmckpt.Tuning(staging_capacity=nbytes + (256 << 20)))
     ck.prepare_cuda()
     ck.guard(opt)
     rows = {m: [] for m in ("none", "nb", "snap")}

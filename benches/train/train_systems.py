@@ -313,7 +313,7 @@ class SysDCPShm(SysDCP):
         self.prepared = prepare(self.base, staging_capacity=self.capacity)
         self.api = (
             f"shmckpt.dcp.prepare(dir, staging_capacity={self.capacity}) at start-up; "
-            f"dcp.async_save(state, storage_writer=ShmckptWriter(dir/step, staging_capacity={self.capacity})) "
+            f"dcp.async_save(state, storage_writer=ShmckptWriter(dir/step, tuning=shmckpt.Tuning(staging_capacity={self.capacity}))) "
             "(DCP's default THREAD checkpointer; ShmckptWriter is the AsyncStager: the call returns once staged); "
             "before the next async_save: the previous upload_completion.result()"
         )
@@ -326,13 +326,14 @@ class SysDCPShm(SysDCP):
 
     def save(self, step, state, rec):
         import torch.distributed.checkpoint as dcp
+        from shmckpt import Tuning
         from shmckpt.dcp import ShmckptWriter
 
         w = {}
         sd = dcp_state(self.ctx, state)
 
         def call(d):
-            w["writer"] = ShmckptWriter(d, staging_capacity=self.capacity)
+            w["writer"] = ShmckptWriter(d, tuning=Tuning(staging_capacity=self.capacity))
             return dcp.async_save(sd, storage_writer=w["writer"], planner=dcp_planner(self.ctx))
 
         self._save_with(step, rec, call)
@@ -532,7 +533,9 @@ class ShmShared:
         # staging_capacity: the largest file a save can stage (default 2 GiB); the whole
         # state goes in one file per rank, so: state + 256 MiB for the header and alignment
         self.staging_capacity = ctx.args.shm_staging_bytes or (ctx.state_bytes + 256 * MiB)
-        self.kwargs = {"keep_last": ctx.keep_last, "staging_capacity": int(self.staging_capacity)}
+        self.kwargs = {"keep_last": ctx.keep_last, "tuning": shmckpt.Tuning(staging_capacity=int(self.staging_capacity))}
+        #: The call, as the rows' ``api`` says it.
+        self.call = f"shmckpt.Checkpointer(root, keep_last={ctx.keep_last}, tuning=shmckpt.Tuning(staging_capacity={int(self.staging_capacity)}))"
         t = now()
         self.ck = shmckpt.Checkpointer(self.root, **self.kwargs)
         self.open_s = now() - t
@@ -557,7 +560,7 @@ class _Shm(System):
         super().__init__(ctx)
         self.shared = ctx.get_shm()
         self.api = (
-            f"ckpt = shmckpt.Checkpointer(root, **{self.shared.kwargs}); ckpt.guard(opt) once; "
+            f"ckpt = {self.shared.call}; ckpt.guard(opt) once; "
             + ("h = ckpt.save(step, state)" if self.blocking else "h = ckpt.save(step, state, blocking=False" + (f", snapshot={self.snapshot!r})" if self.snapshot else ")"))
             + "; every iteration h.done(); at the end h.wait()"
         )
