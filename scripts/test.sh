@@ -170,8 +170,10 @@ stage "pytest python/tests: two sessions side by side (the multi-rank files; the
 # their time waiting: they run in a second pytest session beside the rest, whose output
 # follows once both are done. Tests never touch another session's arenas (they are scoped
 # by root or pid, python/tests/conftest.py).
-# test_dcp.py (4-rank DCP groups, ~110 CPU-s) joins them: the other session was the
-# critical path (518 s against 360 s in the last clean-clone run).
+# test_dcp.py (4-rank DCP groups) joins them: the other session was the critical path
+# (518 s against 360 s in the last clean-clone run). Each session's worker processes fork
+# from a server that imported torch and shmckpt once (python/tests/zygote.py): a fresh
+# interpreter per worker cost ~2.5 CPU-s; the suite took 969 CPU-s with them, 473 without.
 multi=(python/tests/test_replicas.py python/tests/test_megatron.py python/tests/test_dcp.py)
 ignore=()
 for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done

@@ -13,6 +13,7 @@ import shmckpt
 from shmckpt.errors import ConfigError
 
 from conftest import SMALL
+import zygote
 
 
 def state(step, n=1 << 16):
@@ -126,7 +127,7 @@ _KILLED_CHILD = (
 
 def test_a_memory_only_step_is_recovered_after_sigkill(root):
     here = str(__import__("pathlib").Path(__file__).resolve().parent)
-    p = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(root), here], capture_output=True, text=True, timeout=120)
+    p = zygote.run([sys.executable, "-c", _KILLED_CHILD, str(root), here], capture_output=True, text=True, timeout=120)
     assert p.returncode == -9, p.stderr
     seen = json.loads(p.stdout.splitlines()[0])
     assert seen == {"r1": False, "r2": True, "list": [[1, ["disk"]], [2, ["memory"]]]}, seen
@@ -169,7 +170,7 @@ def test_flash_restore_serves_the_memory_only_step_recovered_after_sigkill(root)
 
     here = str(__import__("pathlib").Path(__file__).resolve().parent)
     try:
-        p = subprocess.run(
+        p = zygote.run(
             [sys.executable, "-c", _KILLED_KEEP_CHILD, str(root), here], capture_output=True, text=True, timeout=120
         )
         assert p.returncode == -9, p.stderr
@@ -222,7 +223,7 @@ def test_memory_steps_holds_the_newest_and_all_are_recovered_after_sigkill(root)
     # After a SIGKILL, the next open recovers every held step.
     killed = root / "killed"
     here = str(__import__("pathlib").Path(__file__).resolve().parent)
-    p = subprocess.run(
+    p = zygote.run(
         [sys.executable, "-c", _KILLED_STEPS_CHILD, str(killed), here], capture_output=True, text=True, timeout=120
     )
     assert p.returncode == -9, p.stderr

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shmckpt import _shmckpt, errors
 from shmckpt.dcp import ShmckptReader, ShmckptWriter
+import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "dcp_ranged_worker.py"
@@ -27,7 +28,7 @@ def test_a_2_rank_load_reads_only_the_tensors_of_its_plan(tmp_path):
     world = 2
     env = dict(os.environ, DCP_RUN="ranged", OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen(
+        zygote.spawn(
             [sys.executable, str(WORKER), str(r), str(world), str(tmp_path)],
             env=env,
             stdout=subprocess.PIPE,

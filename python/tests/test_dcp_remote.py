@@ -19,6 +19,7 @@ from shmckpt.dcp import ShmckptReader, ShmckptWriter, release  # noqa: E402
 from shmckpt.errors import ConfigError  # noqa: E402
 
 from test_remote import Moto, _free_port, _require_moto, keys, rank_key  # noqa: E402
+import zygote
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def _ranks(mode: str, url: str, world: int, tmp_path, env=None):
     outs = [tmp_path / f"{mode}-{r}.json" for r in range(world)]
     worker = os.path.join(os.path.dirname(__file__), "dcp_remote_worker.py")
     procs = [
-        subprocess.Popen(
+        zygote.spawn(
             [sys.executable, worker, mode, url, str(r), str(world), str(port), str(outs[r])],
             env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(sys.path)},
         )

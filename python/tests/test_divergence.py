@@ -15,6 +15,7 @@ import pytest
 
 import shmckpt
 from shmckpt import _shmckpt
+import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "divergence_worker.py")
@@ -30,7 +31,7 @@ def run_world(tmp_path, world, flip):
     port = str(free_port())
     outs = [tmp_path / f"rank{r}.json" for r in range(world)]
     procs = [
-        subprocess.Popen([sys.executable, WORKER, str(tmp_path / "ck"), str(r), str(world), port, str(outs[r]), str(flip)])
+        zygote.spawn([sys.executable, WORKER, str(tmp_path / "ck"), str(r), str(world), port, str(outs[r]), str(flip)])
         for r in range(world)
     ]
     try:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
+import zygote
 
 EXAMPLES = REPO / "examples"
 
@@ -34,7 +35,7 @@ def read_log(path):
 
 
 def run(args, **kw):
-    return subprocess.run(args, capture_output=True, text=True, env=env(), timeout=300, **kw)
+    return zygote.run(args, capture_output=True, text=True, env=env(), timeout=300, **kw)
 
 
 def test_single_process_example_resumes_bit_identically_after_sigkill(tmp_path):
@@ -46,7 +47,7 @@ def test_single_process_example_resumes_bit_identically_after_sigkill(tmp_path):
     assert sorted(ref_losses) == list(range(30)) and ref_final
 
     args = [sys.executable, script, "--ckpt", str(tmp_path / "run"), "--loss-log", str(tmp_path / "run.log")] + common
-    killed = subprocess.Popen(args + ["--kill-at", "15"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    killed = zygote.spawn(args + ["--kill-at", "15"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
     out, err = killed.communicate(timeout=300)
     assert killed.returncode == -9, err
     losses, final = read_log(tmp_path / "run.log")

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import shmckpt  # noqa: E402
 from shmckpt.lightning import ShmckptCheckpointIO  # noqa: E402
+import zygote  # noqa: E402
 
 MIB = 1 << 20
 
@@ -213,7 +214,7 @@ def test_ddp_two_processes_resume_from_last_bit_identically(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
 
     def torchrun(*args):
-        p = subprocess.run(
+        p = zygote.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, *args],
             capture_output=True, text=True, env=env, timeout=300,
         )
@@ -395,7 +396,7 @@ def test_a_process_that_saves_and_exits_at_once_publishes_its_save(tmp_path, end
     """)
     p = tmp_path / "hpc_ckpt_1.ckpt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", script, str(p)], capture_output=True, text=True, env=env, timeout=120)
+    r = zygote.run([sys.executable, "-c", script, str(p)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert os.readlink(p) == "step-0"
     got = ShmckptCheckpointIO().load_checkpoint(p)

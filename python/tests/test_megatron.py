@@ -35,6 +35,13 @@ from ranks_support import run_ranks  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "megatron_worker.py"
+#: What megatron_worker.py imports at its top (~3.5 CPU-s a process): its ranks fork from a
+#: server that imported these once (zygote.py).
+MEGATRON = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "shmckpt.megatron",
+)
 sys.path.insert(0, str(HERE))
 import megatron_worker as mw  # noqa: E402
 
@@ -43,7 +50,7 @@ LAYOUT_NAMES = sorted(mw.LAYOUT)
 
 def spawn(scenario, world, workdir, timeout=240):
     """Run ``world`` ranks of ``scenario``; every one must exit 0. Returns their results."""
-    run_ranks(WORKER, scenario, world, workdir, timeout=timeout)
+    run_ranks(WORKER, scenario, world, workdir, timeout=timeout, preload=MEGATRON)
     res = []
     for r in range(world):
         with open(os.path.join(workdir, f"result-{scenario}-{world}-{r}.json")) as f:

@@ -16,6 +16,7 @@ import shmckpt
 
 from conftest import shmckpt_bin
 from dist_worker import big_state, digest, rank_state
+import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
@@ -38,7 +39,7 @@ def test_gloo_ranks_save_and_load(root, tmp_path, world):
     port = free_port()
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
     procs = [
-        subprocess.Popen([sys.executable, WORKER, "gloo", str(root), str(r), str(world), str(port), str(outs[r])])
+        zygote.spawn([sys.executable, WORKER, "gloo", str(root), str(r), str(world), str(port), str(outs[r])])
         for r in range(world)
     ]
     try:
@@ -69,7 +70,7 @@ def test_sigkill_after_staging_then_shmckpt_recover(root):
     assert exe, "the shmckpt binary is missing: run `cargo build` or set SHMCKPT_BIN"
     recovered = 0
     for attempt, step in enumerate((2, 3, 4)):
-        p = subprocess.run([sys.executable, WORKER, "kill", str(root), str(step)], capture_output=True, text=True, timeout=120)
+        p = zygote.run([sys.executable, WORKER, "kill", str(root), str(step)], capture_output=True, text=True, timeout=120)
         assert p.returncode == -9, p.stderr
         shm = p.stdout.strip()
         assert shm.startswith("shmckpt."), p.stdout
@@ -114,7 +115,7 @@ def test_sigkill_cycles_recover_every_step_by_default_and_leave_dev_shm_flat(roo
     cycles = 10
     pids, names, recovered = [], [], []
     for step in range(1, cycles + 2):
-        p = subprocess.Popen(
+        p = zygote.spawn(
             [sys.executable, "-c", _CYCLE_CHILD, str(root), str(step)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -27,6 +27,7 @@ import shmckpt
 from shmckpt.errors import ConfigError, RemoteError, RemoteFailed
 
 from conftest import SMALL
+import zygote
 
 torch = pytest.importorskip("torch")
 
@@ -555,7 +556,7 @@ def test_two_gloo_ranks_commit_each_step_once(s3, root, tmp_path, remote_only):
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
     worker = str(os.path.join(os.path.dirname(__file__), "remote_worker.py"))
     procs = [
-        subprocess.Popen(
+        zygote.spawn(
             [sys.executable, worker, "-" if remote_only else str(root), url, str(r), str(world), str(port), str(outs[r])]
         )
         for r in range(world)
@@ -738,7 +739,7 @@ def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkey
     proxy.server.RequestHandlerClass.do_PUT = held
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     url = f"s3://{bucket}/kill"
-    child = subprocess.Popen(
+    child = zygote.spawn(
         [sys.executable, "-c", KILL_CHILD, str(root), url],
         stdout=subprocess.PIPE,
         text=True,

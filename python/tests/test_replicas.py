@@ -24,6 +24,7 @@ from shmckpt.replicas import remove_replica
 from conftest import REPO, shmckpt_bin
 from test_remote import moto, s3  # noqa: F401  (fixtures)
 from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
+import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
@@ -42,7 +43,7 @@ def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, en
     port = str(free_port())
     outs = [tmp_path / f"{tag}-{mode}-{r}.json" for r in range(WORLD)]
     procs = [
-        subprocess.Popen(
+        zygote.spawn(
             (prefix(r) if prefix else [])
             + [sys.executable, WORKER, mode, str(root), str(r), str(WORLD), port, str(outs[r]), str(replicas)]
             + [str(s) for s in steps],
