@@ -271,11 +271,13 @@ class MembwLoad(ThreadLoad):
         blk = min(BLOCK, len(self.src))
         offs = list(range(0, len(self.src) - blk + 1, blk))
         k, nb = i, 0
-        while now() < self.until:
+        while True:  # one block at least: a thread started after the deadline still loads
             o = offs[k % len(offs)]
             np.copyto(self.dst[o : o + blk], self.src[o : o + blk])
             nb += blk
             k += self.n
+            if now() >= self.until:
+                break
         with self.lock:
             self.rec["bytes"] = self.rec.get("bytes", 0) + nb
 
