@@ -49,7 +49,80 @@ impl Engine {
     /// [`Error::NotFound`] when no source allowed holds the step (for [`Sources::MEMORY`],
     /// when the kept image cannot serve it, with the reason); [`Error::Config`] for an
     /// empty source set, or the bucket asked of an engine without a remote tier.
+    ///
+    /// # A resume
+    /// A load before this engine's first save is a resume from its step: this rank's parts
+    /// of uncommitted steps newer than it are withdrawn ([`Engine::withdraw_stale_parts`]).
     pub fn load_with(&self, req: &LoadRequest, into: LoadInto<'_>) -> Result<Loaded> {
+        let got = self.load_from_sources(req, into)?;
+        self.withdraw_stale_parts(got.report.step);
+        Ok(got)
+    }
+
+    /// Before this engine's first save (a resume from `loaded`), withdraw this rank's
+    /// parts (and their files) of the steps newer than `loaded` that are not committed
+    /// ([`commit::withdraw_rank`]): they are a dead incarnation's (its recovery's
+    /// included), the run saves those steps again, and another rank's new save of one must
+    /// never merge with this rank's stale part: it would commit a step whose files come
+    /// from two runs, and this rank's own save of the step would then fail
+    /// ([`Error::StepExists`]). Nothing with one rank (its save replaces the whole partial
+    /// directory), nor once this engine began a save (its own parts are never touched).
+    /// Best effort: what cannot be withdrawn is logged. Returns the steps withdrawn.
+    pub fn withdraw_stale_parts(&self, loaded: u64) -> Vec<u64> {
+        let cfg = &self.shared.cfg;
+        let began = || {
+            self.shared
+                .began_saving
+                .load(std::sync::atomic::Ordering::Acquire)
+        };
+        if cfg.world_size < 2 || !self.shared.files || began() {
+            return Vec::new();
+        }
+        let committed: BTreeSet<u64> = match manifest::list_committed(&cfg.root) {
+            Ok(c) => c.iter().map(|c| c.step).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "stale parts not withdrawn: the root cannot be listed");
+                return Vec::new();
+            }
+        };
+        let Ok(dir) = std::fs::read_dir(&cfg.root) else {
+            return Vec::new();
+        };
+        let mut steps: Vec<u64> = dir
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| manifest::parse_step_with_suffix(n, ".partial"))
+            })
+            .filter(|s| *s > loaded && !committed.contains(s))
+            .collect();
+        steps.sort_unstable();
+        let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
+        let mut withdrawn = Vec::new();
+        // No save begins while the gate is held (a save takes it before it marks
+        // `began_saving`): none of this engine's parts is touched.
+        self.shared.gate.enter();
+        if began() {
+            self.shared.gate.leave();
+            return withdrawn;
+        }
+        for step in steps {
+            let partial = cfg.root.join(manifest::partial_dir_name(step));
+            let part = partial.join(manifest::rank_manifest_name(cfg.rank));
+            // A link or anything else in the part's place is not this rank's part.
+            if !std::fs::symlink_metadata(&part).is_ok_and(|m| m.file_type().is_file()) {
+                continue;
+            }
+            tracing::warn!(step, loaded, dir = %partial.display(), "resuming from an older step: withdrawing this rank's part of an uncommitted save of a dead run");
+            commit::withdraw_rank(&partial, cfg.rank, &file_name);
+            withdrawn.push(step);
+        }
+        self.shared.gate.leave();
+        withdrawn
+    }
+
+    fn load_from_sources(&self, req: &LoadRequest, into: LoadInto<'_>) -> Result<Loaded> {
         let mut target = into.0;
         let tiers = req
             .sources

@@ -81,6 +81,9 @@ struct Shared {
     /// Why there is no adopted image to serve from (flash restore on).
     kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
+    /// Whether this engine began a save: until then every part of this rank in a partial
+    /// directory is a dead incarnation's (`Engine::withdraw_stale_parts`).
+    began_saving: std::sync::atomic::AtomicBool,
     backend: Backend,
     gate: Gate,
     cuda: OnceLock<Arc<CudaStaging>>,
@@ -377,6 +380,7 @@ impl Engine {
             adopted: Mutex::new(adopted),
             kept_note,
             inflight: Mutex::new(BTreeSet::new()),
+            began_saving: std::sync::atomic::AtomicBool::new(false),
             gate: Gate::default(),
             cuda: OnceLock::new(),
             setup: Mutex::new(Setup {

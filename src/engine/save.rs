@@ -369,6 +369,9 @@ impl Engine {
 
         // One save stages at a time.
         let gate_wait = self.shared.gate.enter();
+        self.shared
+            .began_saving
+            .store(true, std::sync::atomic::Ordering::Release);
         if !lock(&self.shared.inflight).insert(step) {
             self.shared.gate.leave();
             return Err(Error::StepExists {

@@ -229,12 +229,6 @@ pub(crate) fn check_state(
     if latest != steps.last().copied() {
         return Err(format!("latest is {latest:?}, listed {steps:?}"));
     }
-    if let Some(l) = latest {
-        let ck = engine
-            .load(StepSel::Latest)
-            .map_err(|e| format!("load(latest = {l}): {e}"))?;
-        same(&ck, l, 0)?;
-    }
     for r in reported.difference(retired) {
         if !steps.contains(r) {
             return Err(format!(
@@ -275,6 +269,29 @@ pub(crate) fn check_state(
         .collect();
     if !leftovers.is_empty() {
         return Err(format!("after open: leftovers {leftovers:?}"));
+    }
+    // The load, a resume: rank 0's parts of the uncommitted newer steps are withdrawn
+    // (another rank's new save must never merge with them).
+    if let Some(l) = latest {
+        let ck = engine
+            .load(StepSel::Latest)
+            .map_err(|e| format!("load(latest = {l}): {e}"))?;
+        same(&ck, l, 0)?;
+    }
+    let part0 = shmckpt::manifest::rank_manifest_name(0);
+    for e in std::fs::read_dir(root)
+        .map_err(|e| e.to_string())?
+        .flatten()
+    {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if let Some(step) = shmckpt::manifest::parse_step_with_suffix(&n, ".partial")
+            && latest.is_some_and(|l| step > l)
+            && root.join(&n).join(&part0).exists()
+        {
+            return Err(format!(
+                "after the load of {latest:?}: rank 0's part of step {step} is left"
+            ));
+        }
     }
     drop(engine);
     // gc, as `shmckpt gc --keep KEEP` runs it: it removes the partial directories too.

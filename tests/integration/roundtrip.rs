@@ -578,6 +578,89 @@ fn two_ranks_commit_one_directory() {
     assert!(matches!(err, Error::RootLocked { rank: 1, .. }), "{err:?}");
 }
 
+/// A run resumed from an older step never commits a step mixing two runs: rank 0 of a dead
+/// run left its durable part of step 4 (rank 1 died before its save of 4 was staged). The
+/// new run resumes from step 3 on both ranks; rank 0's load withdraws its stale part, so
+/// the new rank 1's save of step 4 does not merge with it (before: committed at once with
+/// the dead run's file of rank 0, and the new rank 0's save of 4 failed with StepExists),
+/// and step 4 holds exactly the new run's bytes of both ranks.
+#[test]
+fn a_resume_withdraws_the_dead_runs_parts_of_newer_steps() {
+    let dir = real_dir("resume-parts");
+    let root = dir.path();
+    let cfg = |r| small_config(root, shmckpt::BackendKind::Auto).with_rank(r, 2);
+    let old = [
+        State::new(synthetic::uniform(1 << 20, 3, Dtype::F32), 40),
+        State::new(synthetic::uniform(1 << 19, 5, Dtype::I8), 41),
+    ];
+    let new = [
+        State::new(synthetic::uniform(1 << 20, 3, Dtype::F32), 50),
+        State::new(synthetic::uniform(1 << 19, 5, Dtype::I8), 51),
+    ];
+    {
+        let (e0, e1) = (Engine::open(cfg(0)).unwrap(), Engine::open(cfg(1)).unwrap());
+        e0.save(3, &old[0].tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        save_committed(&e1, 3, &old[1]);
+        // The dead run: rank 0's part of step 4 is durable, rank 1's save never came.
+        let r0 = e0
+            .save(4, &old[0].tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(r0.dir.is_none());
+        e0.close();
+        e1.close();
+    }
+    assert!(
+        root.join("step-4.partial")
+            .join("rank-00000.manifest.json")
+            .exists()
+    );
+    let (e0, e1) = (Engine::open(cfg(0)).unwrap(), Engine::open(cfg(1)).unwrap());
+    assert_eq!(
+        (e0.latest().unwrap(), e1.latest().unwrap()),
+        (Some(3), Some(3))
+    );
+    assert_loaded_equal(&e0.load(3).unwrap(), &old[0]);
+    assert_loaded_equal(&e1.load(3).unwrap(), &old[1]);
+    assert!(
+        !root
+            .join("step-4.partial")
+            .join("rank-00000.manifest.json")
+            .exists()
+    );
+    // The new run saves step 4: rank 1 first, then rank 0, which commits it.
+    let r1 = e1
+        .save(4, &new[1].tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(
+        r1.dir.is_none(),
+        "rank 1 must not commit with the dead run's part of rank 0"
+    );
+    let r0 = save_committed(&e0, 4, &new[0]);
+    assert_eq!(r0.dir.unwrap(), root.join("step-4"));
+    assert_loaded_equal(&e0.load(4).unwrap(), &new[0]);
+    assert_loaded_equal(&e1.load(4).unwrap(), &new[1]);
+    // Once an engine saved, a load of an older step leaves the newer steps' parts alone.
+    let h = e1
+        .save(5, &new[1].tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(h.dir.is_none());
+    assert_loaded_equal(&e1.load(3).unwrap(), &old[1]);
+    assert!(
+        root.join("step-5.partial")
+            .join("rank-00001.manifest.json")
+            .exists()
+    );
+}
+
 #[test]
 fn owned_async_save_stages_in_the_background_and_flush_reports_success() {
     let dir = real_dir("owned");
