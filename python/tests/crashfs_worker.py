@@ -93,24 +93,35 @@ def restart(root: str, world: int, nxt: int, cli: str) -> dict:
     process: a fresh Checkpointer per rank, torch imported once)."""
     cks = [open_ck(root, r, world) for r in range(world)]
     out: dict = {"list": cks[0].list(), "latest": cks[0].latest(), "bad": []}
+
+    def newer_with_parts(merged: bool = True) -> list:
+        """The partial directories of steps newer than the newest committed one that hold
+        a durable part: a rank's part manifest, or (``merged``) the merged manifest."""
+        return [
+            n
+            for n in leftovers(root)
+            if n.endswith(".partial")
+            and (out["latest"] is None or int(n[len("step-") : -len(".partial")]) > out["latest"])
+            and any(
+                (merged and f == "manifest.json") or (f.startswith("rank-") and f.endswith(".manifest.json"))
+                for f in os.listdir(os.path.join(root, n))
+            )
+        ]
+
+    # The partial-part rule (docs/guarantees.md): an open keeps a partial directory that
+    # holds a durable part of a step newer than the newest committed one; only a newer
+    # commit or `shmckpt gc` removes it. (Checked before the loads: a load before a save
+    # is a resume, which withdraws its rank's parts of newer steps.)
+    out["leftovers"] = leftovers(root)
+    out["kept_by_rule"] = newer_with_parts()
     for s in out["list"]:
         out["bad"] += [[s, r] for r, ck in enumerate(cks) if not same(ck, s, state(s, r))]
     if out["latest"] is not None and not same(cks[0], "latest", state(out["latest"], 0)):
         out["bad"].append(["latest", 0])
-    out["leftovers"] = leftovers(root)
-    # The partial-part rule (docs/guarantees.md): an open keeps a partial directory that
-    # holds a durable part (a manifest, or a rank's part manifest) of a step newer than the
-    # newest committed one; only a newer commit or `shmckpt gc` removes it.
-    out["kept_by_rule"] = [
-        n
-        for n in out["leftovers"]
-        if n.endswith(".partial")
-        and (out["latest"] is None or int(n[len("step-") : -len(".partial")]) > out["latest"])
-        and any(
-            f == "manifest.json" or (f.startswith("rank-") and f.endswith(".manifest.json"))
-            for f in os.listdir(os.path.join(root, n))
-        )
-    ]
+    # Every rank loaded (resumed) when a step is committed: no rank's part of a newer step
+    # is left (a merged manifest that was never renamed is no rank's part: a new commit of
+    # the step writes its own).
+    out["parts_after_resume"] = newer_with_parts(merged=False) if out["list"] else None
     for ck in cks:
         ck.close()
 

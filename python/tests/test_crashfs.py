@@ -156,6 +156,10 @@ def check(res: dict, reported: List[int], what: str) -> None:
     # An open removes every partial directory but those the partial-part rule keeps (a
     # durable part of a step newer than the newest committed); gc removes those too.
     assert res["leftovers"] == res["kept_by_rule"], (what, res)
+    # Every rank loaded a committed step before saving (a resume): each withdrew its parts
+    # of the newer uncommitted steps, so no new save can merge with them.
+    if listed:
+        assert res["parts_after_resume"] == [], (what, res)
     assert res["leftovers_after_gc"] == [], (what, res)
     if listed:
         assert res["verify"][0] == 0, (what, res)
