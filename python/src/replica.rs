@@ -112,6 +112,13 @@ impl PyReplicaImage {
             writable: AtomicBool::new(true),
         }
     }
+
+    /// A replica served to the rank that lost it: checked in place, read-only.
+    fn sealed(inc: Incoming) -> Self {
+        let img = Self::new(inc);
+        img.writable.store(false, Ordering::Release);
+        img
+    }
 }
 
 #[pymethods]
@@ -495,11 +502,7 @@ fn replica_receive_restore(
 #[pyfunction]
 fn replica_serve(py: Python<'_>, root: PathBuf, step: u64, rank: u32) -> PyResult<PyReplicaImage> {
     py.detach(|| Incoming::serve(&root, step, rank))
-        .map(|inc| {
-            let img = PyReplicaImage::new(inc);
-            img.writable.store(false, Ordering::Release);
-            img
-        })
+        .map(PyReplicaImage::sealed)
         .map_err(|e| to_py(py, e))
 }
 
@@ -514,11 +517,7 @@ fn replica_serve_memory(
     rank: u32,
 ) -> PyResult<PyReplicaImage> {
     py.detach(|| Incoming::serve_memory(&root, step, rank))
-        .map(|inc| {
-            let img = PyReplicaImage::new(inc);
-            img.writable.store(false, Ordering::Release);
-            img
-        })
+        .map(PyReplicaImage::sealed)
         .map_err(|e| to_py(py, e))
 }
 
