@@ -588,6 +588,7 @@ mod tests {
             data_start: 4096,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         }
     }

@@ -130,6 +130,7 @@ pub struct EngineConfig {
     pub(crate) disk_interval: Option<std::time::Duration>,
     pub(crate) remote_every: u64,
     pub(crate) memory_steps: usize,
+    pub(crate) session: Option<String>,
     /// The tier beyond memory and disk (the object-storage tier: `EngineConfig::with_remote`
     /// and its setters, feature `s3`), a plug-in (`crate::tier`).
     pub(crate) remote: Option<Box<dyn crate::tier::TierSpec>>,
@@ -170,6 +171,7 @@ impl EngineConfig {
             disk_interval: None,
             remote_every: 1,
             memory_steps: 1,
+            session: None,
             remote: None,
             #[cfg(feature = "fault-injection")]
             faults: None,
@@ -244,6 +246,22 @@ impl EngineConfig {
     pub fn with_rank(mut self, rank: u32, world_size: u32) -> Self {
         self.rank = rank;
         self.world_size = world_size;
+        self
+    }
+
+    /// An id every rank of one run shares, new for each run (e.g. a random id that rank 0
+    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`): 1 to
+    /// 128 ASCII letters, digits, `-`, `_` or `.`. It is recorded in the header of each
+    /// file this engine saves and in its manifest part (on disk and in a bucket), and a
+    /// part of another session does not count toward a commit
+    /// ([`crate::commit::store::commit_parts`]): after a crash, a rank's part of a step
+    /// the dead run never committed is never merged with another rank's save of the same
+    /// step number by the new run (a step whose files would come from two runs). A
+    /// recovery commits a crashed save under the session that saved it. Default `None`:
+    /// any part without a session counts, as before sessions existed; every multi-rank
+    /// run should set one.
+    pub fn with_session(mut self, session: Option<String>) -> Self {
+        self.session = session;
         self
     }
 
@@ -551,6 +569,16 @@ impl EngineConfig {
             return Err(Error::Config(format!(
                 "staging_capacity {} is smaller than one chunk ({cs})",
                 self.staging_capacity
+            )));
+        }
+        if let Some(id) = self
+            .session
+            .as_deref()
+            .filter(|id| !crate::manifest::is_session_id(id))
+        {
+            return Err(Error::Config(format!(
+                "session {id:?} must be 1 to {} ASCII letters, digits, '-', '_' or '.'",
+                crate::manifest::MAX_SESSION_LEN
             )));
         }
         if self.world_size == 0 || self.rank >= self.world_size {

@@ -311,6 +311,7 @@ mod tests {
             data_start: 0,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: tensors
                 .iter()
                 .map(|&(name, dtype, shape, crc32c)| TensorEntry {

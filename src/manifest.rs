@@ -62,8 +62,27 @@ pub struct FileEntry {
     /// existed (the object is then `file`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub object: Option<String>,
+    /// The session of the run that wrote the file: an id every rank of one run shares
+    /// ([`crate::EngineConfig::with_session`]), also in the file's header
+    /// (metadata key `shmckpt.session`). A rank's part counts toward a commit only when its
+    /// session is the committing writer's ([`crate::commit::store::commit_parts`]), so a
+    /// dead run's part never commits beside a new run's save of the same step number.
+    /// Absent when the writer had none (and in entries written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     /// Tensors in file order.
     pub tensors: Vec<TensorEntry>,
+}
+
+/// The longest session id ([`FileEntry::session`]).
+pub const MAX_SESSION_LEN: usize = 128;
+
+/// Whether `s` can be a session id: 1 to [`MAX_SESSION_LEN`] bytes of ASCII letters,
+/// digits, `-`, `_` and `.` (it names objects in a bucket's upload journal).
+pub fn is_session_id(s: &str) -> bool {
+    (1..=MAX_SESSION_LEN).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// One tensor of a file.
@@ -94,6 +113,13 @@ impl FileEntry {
                 path,
                 None,
                 format!("object name {o:?} is not a plain name"),
+            ));
+        }
+        if let Some(id) = f.session.as_deref().filter(|id| !is_session_id(id)) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("session {id:?} is not a session id"),
             ));
         }
         if f.file.contains('/') || f.file.is_empty() || f.file == ".." {
@@ -664,6 +690,7 @@ mod tests {
                 data_start: 0,
                 header_crc32c: None,
                 object: None,
+                session: None,
                 tensors: Vec::new(),
             }],
         };
@@ -704,6 +731,7 @@ mod tests {
                 data_start: 4096,
                 header_crc32c: None,
                 object: None,
+                session: None,
                 tensors: vec![TensorEntry {
                     name: "a".into(),
                     dtype: Dtype::F32,
@@ -743,6 +771,7 @@ mod tests {
             data_start: bytes,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         };
         let p = Path::new("step-3/manifest.json");

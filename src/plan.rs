@@ -32,6 +32,9 @@ pub const META_STEP: &str = "shmckpt.step";
 pub const META_RANK: &str = "shmckpt.rank";
 /// Metadata key holding the world size.
 pub const META_WORLD: &str = "shmckpt.world_size";
+/// Metadata key holding the writer's session ([`crate::manifest::FileEntry::session`]),
+/// when it has one: a recovery commits the file under the session that saved it.
+pub const META_SESSION: &str = "shmckpt.session";
 
 /// What the planner needs to know about one tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]

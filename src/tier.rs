@@ -68,6 +68,9 @@ pub(crate) struct TierContext {
     /// The engine's root (the local checkpoint tier, or with a tier that replaces the
     /// disk, the rank's private directory).
     pub(crate) root: PathBuf,
+    /// The run's session ([`crate::EngineConfig::with_session`]): a part of another
+    /// session does not count toward a commit.
+    pub(crate) session: Option<String>,
 }
 
 /// A tier's settings, held by [`EngineConfig`](crate::EngineConfig) (set through the

@@ -220,7 +220,7 @@ class EngineSettings(TypedDict, total=False):
     remote_keep_last: Optional[int]
     remote_max_pending: Optional[int]
     remote_only: Optional[bool]
-    remote_session: Optional[str]
+    session: Optional[str]
     remote_part_size: Optional[int]
     remote_concurrency: Optional[int]
     remote_request_timeout: Optional[float]

@@ -174,7 +174,9 @@ def copy_into(tensors: Sequence[Tuple[str, str, List[int], Any]], plan: Dict[str
 
 def shared_session() -> str:
     """A random id chosen by rank 0 and broadcast to every rank (``torch.distributed``
-    must be initialized): the remote session of this run's checkpointers."""
+    must be initialized): the session of this run's checkpointers (the engine's
+    ``session``: a manifest part of another session never counts toward a commit, on
+    disk or in the bucket)."""
     import uuid
 
     import torch.distributed as dist

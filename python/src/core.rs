@@ -42,7 +42,8 @@ pub struct EngineOpts {
     /// Seconds; see `RemoteOptions::complete_timeout`.
     pub remote_complete_timeout: Option<f64>,
     pub remote_only: bool,
-    pub remote_session: Option<String>,
+    /// `EngineConfig::with_session`.
+    pub session: Option<String>,
     /// `EngineConfig::with_replica_hold`.
     pub replica_hold: bool,
     /// `EngineConfig::with_disk_cadence`: `Every(n)`, or `None` for the default.
@@ -132,7 +133,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     if let Some(v) = o.keep_in_memory {
         cfg = cfg.with_keep_in_memory(v);
     }
-    cfg = cfg.with_replica_hold(o.replica_hold);
+    cfg = cfg
+        .with_replica_hold(o.replica_hold)
+        .with_session(o.session);
     if let Some(c) = o.disk_cadence {
         cfg = cfg.with_disk_cadence(c);
     }
@@ -171,9 +174,7 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
         if let Some(k) = o.remote_every {
             cfg = cfg.with_remote_every(k);
         }
-        cfg = cfg
-            .with_remote_only(o.remote_only)
-            .with_remote_session(o.remote_session);
+        cfg = cfg.with_remote_only(o.remote_only);
     }
     cfg.build()
 }

@@ -4,6 +4,7 @@
     python dist_worker.py nccl ROOT RANK WORLD PORT OUT   # the same over NCCL, cuda:RANK
     python dist_worker.py kill ROOT STEP                  # SIGKILL itself once staged
     python dist_worker.py resources ROOT OUT              # 100 saves; RSS, fds, /dev/shm
+    python dist_worker.py session ROOT RANK WORLD PORT OUT dead|new   # a run's session
 """
 
 import hashlib
@@ -181,6 +182,44 @@ def resources(root, out):
         json.dump(res, f)
 
 
+def session(root, rank, world, port, out, phase):
+    """Two runs of two gloo ranks on one root, no load in between (nothing is committed).
+    ``dead``: only rank 1 saves step 3 (its part is durable; rank 0 "died" first).
+    ``new``: rank 0 saves step 3 first, then (after a barrier) rank 1; records whether
+    rank 0's save alone committed the step, what each rank loads, and the sessions the
+    manifest names."""
+    import torch.distributed as dist
+
+    import shmckpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
+    seed = 3 if phase == "dead" else 30
+    res = {"latest_at_open": ck.latest()}
+    if phase == "dead":
+        if rank == 1:
+            ck.save(3, rank_state(rank, world, seed)).wait()
+        dist.barrier()
+    else:
+        if rank == 0:
+            ck.save(3, rank_state(rank, world, seed)).wait()
+            res["committed_by_rank_0_alone"] = ck.list()
+        dist.barrier()
+        if rank == 1:
+            ck.save(3, rank_state(rank, world, seed)).wait()
+        dist.barrier()
+        want = rank_state(rank, world, seed)
+        got = ck.load(3)
+        res["loaded_exact"] = digest(got["model"]["w"]) == digest(want["model"]["w"]) and got["who"] == want["who"]
+        res["sessions"] = [f.get("session") for f in ck.manifest(3)["files"]]
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode in ("gloo", "nccl"):
@@ -189,5 +228,7 @@ if __name__ == "__main__":
         kill(sys.argv[2], int(sys.argv[3]))
     elif mode == "resources":
         resources(sys.argv[2], sys.argv[3])
+    elif mode == "session":
+        session(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
     else:
         sys.exit(f"unknown mode {mode}")

@@ -28,6 +28,45 @@ def free_port():
         return s.getsockname()[1]
 
 
+def _session_run(root, tmp_path, phase):
+    port = free_port()
+    outs = [tmp_path / f"{phase}{r}.json" for r in range(2)]
+    procs = [
+        zygote.spawn([sys.executable, WORKER, "session", str(root), str(r), "2", str(port), str(outs[r]), phase])
+        for r in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_a_new_run_never_commits_a_step_with_a_dead_runs_part(root, tmp_path):
+    """The ranks of a run share a session (rank 0's, broadcast by the constructor): a dead
+    run left rank 1's durable part of step 3 and nothing committed, so the new run loads
+    nothing and nothing withdraws that part. Rank 0 of the new run saves step 3 first: it
+    does not commit (before sessions, it committed step 3 with rank 1's file of the dead
+    run, and rank 1's save then failed with StepExists); rank 1's save commits it, every
+    rank loads its own new bytes, and both files name the new run's session."""
+    dead = _session_run(root, tmp_path, "dead")
+    assert [r["latest_at_open"] for r in dead] == [None, None]
+    part = json.loads((root / "step-3.partial" / "rank-00001.manifest.json").read_text())
+    old_session = part["session"]
+    assert isinstance(old_session, str) and len(old_session) == 32
+    new = _session_run(root, tmp_path, "new")
+    assert [r["latest_at_open"] for r in new] == [None, None]
+    assert new[0]["committed_by_rank_0_alone"] == []
+    assert [r["loaded_exact"] for r in new] == [True, True]
+    assert new[0]["sessions"] == new[1]["sessions"]
+    s0, s1 = new[0]["sessions"]
+    assert s0 == s1 and isinstance(s0, str) and len(s0) == 32 and s0 != old_session
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-3"]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_save_and_load(root, tmp_path, world):
     """Each rank saves its own state (blocking, non-blocking, a DTensor shard) and loads it.

@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::store::{self, PartBarrier};
+use super::store::{self, Committer, PartBarrier};
 use crate::error::{Error, Result};
 use crate::io::file::{fsync_dir, write_durable};
 use crate::manifest::{
@@ -91,9 +91,12 @@ pub fn assemble_ranks(
     // builds the manifest (every check of `Manifest::from_parts`: a lying part fails
     // here) before it assembles anything.
     let barrier = Assembly { sources, out };
-    store::commit_parts(&barrier, step, world_size, metadata, None)?.ok_or_else(|| {
-        Error::Internal(format!("step {step}: a part went missing while assembling"))
-    })
+    store::commit_parts(&barrier, step, world_size, metadata, Committer::Bystander(None))?
+        .ok_or_else(|| {
+            Error::Internal(format!(
+                "step {step}: a part went missing while assembling, or the parts are of different sessions (runs)"
+            ))
+        })
 }
 
 /// Part-only saves' partial directories (`sources[K]`: rank K's) as the barrier of the one
@@ -448,6 +451,7 @@ mod tests {
                 data_start: 8,
                 header_crc32c: None,
                 object: None,
+                session: None,
                 tensors: Vec::new(),
             };
             std::fs::write(
@@ -549,6 +553,7 @@ mod tests {
             data_start: 4,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         };
         let out = dir.path().join("out");

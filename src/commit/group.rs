@@ -11,7 +11,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::store::{self, PartBarrier, SharedRoot};
+use super::store::{self, Committer, PartBarrier, SharedRoot};
 use crate::error::{Error, Result};
 use crate::fsops;
 use crate::io::file::{fsync_dir, write_durable};
@@ -144,10 +144,10 @@ pub fn commit_with_parts(
         entries: &entries,
         parts,
     };
-    match store::commit_parts(&barrier, step, world_size, metadata, Some(&own)) {
+    match store::commit_parts(&barrier, step, world_size, metadata, Committer::Rank(&own)) {
         Ok(Some(d)) => Ok(d),
         Ok(None) => Err(Error::Internal(format!(
-            "step {step}: a manifest part is missing in {} after every part was written",
+            "step {step}: a manifest part is missing in {}, or of another session, after every part was written",
             partial.display()
         ))),
         // Another rank of this machine committed it meanwhile.
@@ -317,6 +317,7 @@ mod tests {
             data_start: 10,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         }
     }

@@ -141,18 +141,54 @@ pub trait PartBarrier {
     ) -> Result<Self::Committed>;
 }
 
+/// Who commits a step ([`commit_parts`]): the session its parts must carry.
+#[derive(Debug, Clone, Copy)]
+pub enum Committer<'a> {
+    /// A rank, whose part is this entry: every part must carry its session
+    /// ([`FileEntry::session`]; none: parts without one).
+    Rank(&'a FileEntry),
+    /// A bystander (`shmckpt push`, the assembly of part-only saves): every part must
+    /// carry this session, or with `None`, one session they share.
+    Bystander(Option<&'a str>),
+}
+
+impl<'a> Committer<'a> {
+    /// The committing rank's entry, if a rank commits.
+    pub fn mine(self) -> Option<&'a FileEntry> {
+        match self {
+            Committer::Rank(e) => Some(e),
+            Committer::Bystander(_) => None,
+        }
+    }
+
+    /// The session every part must carry: `None` when the parts decide (a bystander
+    /// without one: the first rank's).
+    fn session(self) -> Option<Option<&'a str>> {
+        match self {
+            Committer::Rank(e) => Some(e.session.as_deref()),
+            Committer::Bystander(s) => s.map(Some),
+        }
+    }
+}
+
 /// The one commit protocol: this rank's part present ([`PartBarrier::put_part`]), every
 /// rank's part read ([`PartBarrier::get_part`]; one missing: `Ok(None)`, another rank
 /// commits), the manifest built by the one builder ([`Manifest::from_parts`]) and
-/// published if absent ([`PartBarrier::publish_if_absent`]). `mine` is the committing
-/// rank's entry (`None` for a commit by a bystander, `shmckpt push`).
+/// published if absent ([`PartBarrier::publish_if_absent`]).
+///
+/// A part counts only when it carries the committer's session ([`FileEntry::session`],
+/// [`Committer`]): a part of another session is a dead run's (a rank's save of a step
+/// number its run never committed, still kept for a recovery) and counts as missing, so a
+/// step is never committed with files of two runs; the rank whose part it is replaces it
+/// when it saves the step ([`super::prepare_partial`]) and commits then.
 pub fn commit_parts<B: PartBarrier + ?Sized>(
     barrier: &B,
     step: u64,
     world_size: u32,
     metadata: &Metadata,
-    mine: Option<&FileEntry>,
+    by: Committer<'_>,
 ) -> Result<Option<B::Committed>> {
+    let mine = by.mine();
     if let Some(done) = barrier.put_part(step, world_size, mine)? {
         return Ok(Some(done));
     }
@@ -162,6 +198,19 @@ pub fn commit_parts<B: PartBarrier + ?Sized>(
             Some(f) => files.push(f),
             None => return Ok(None),
         }
+    }
+    let want = by
+        .session()
+        .unwrap_or_else(|| files.first().and_then(|f| f.session.as_deref()));
+    if let Some(f) = files.iter().find(|f| f.session.as_deref() != want) {
+        tracing::info!(
+            step,
+            rank = f.rank,
+            part = ?f.session,
+            commit = ?want,
+            "a manifest part of another session (a dead run's) does not count toward this commit"
+        );
+        return Ok(None);
     }
     let at = barrier.manifest_location(step);
     let manifest = Manifest::from_parts(step, world_size, files, metadata, &at)?;
@@ -368,7 +417,7 @@ pub fn commit(
         step,
         world_size,
         metadata,
-        Some(&entry),
+        Committer::Rank(&entry),
     )
 }
 
@@ -483,6 +532,7 @@ mod tests {
             data_start: 10,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         }
     }
@@ -498,21 +548,27 @@ mod tests {
             committed: Some(4),
             ..Memory::default()
         };
-        assert_eq!(commit_parts(&done, 4, 2, &md, None).unwrap(), Some(4));
+        assert_eq!(
+            commit_parts(&done, 4, 2, &md, Committer::Bystander(None)).unwrap(),
+            Some(4)
+        );
         assert!(done.published.borrow().is_empty());
 
         let missing = Memory {
             parts: vec![Some(part(0, 0)), None],
             ..Memory::default()
         };
-        assert_eq!(commit_parts(&missing, 4, 2, &md, None).unwrap(), None);
+        assert_eq!(
+            commit_parts(&missing, 4, 2, &md, Committer::Bystander(None)).unwrap(),
+            None
+        );
         assert!(missing.published.borrow().is_empty());
 
         let lying = Memory {
             parts: vec![Some(part(0, 0)), Some(part(1, 0))],
             ..Memory::default()
         };
-        let e = commit_parts(&lying, 4, 2, &md, None).unwrap_err();
+        let e = commit_parts(&lying, 4, 2, &md, Committer::Bystander(None)).unwrap_err();
         assert!(matches!(e, Error::Corrupt { .. }), "{e}");
         assert!(lying.published.borrow().is_empty());
 
@@ -520,11 +576,75 @@ mod tests {
             parts: vec![Some(part(0, 0)), Some(part(1, 1))],
             ..Memory::default()
         };
-        assert_eq!(commit_parts(&every, 4, 2, &md, None).unwrap(), Some(4));
+        assert_eq!(
+            commit_parts(&every, 4, 2, &md, Committer::Bystander(None)).unwrap(),
+            Some(4)
+        );
         let published = every.published.borrow();
         assert_eq!(published.len(), 1);
         let m = &published[0];
         assert_eq!((m.step, m.world_size, m.total_bytes), (4, 2, 20));
         assert_eq!(m.files, vec![part(0, 0), part(1, 1)]);
+    }
+
+    /// A part of another session counts as missing, whoever commits: a rank (its own
+    /// entry's session, none included), a bystander with a session, a bystander without
+    /// one (the parts must share theirs). Parts of the committer's session publish.
+    #[test]
+    fn a_part_of_another_session_counts_as_missing() {
+        let md = Metadata::new();
+        let of = |rank: u32, session: Option<&str>| FileEntry {
+            session: session.map(str::to_owned),
+            ..part(rank, rank)
+        };
+        let parts = |a: Option<&str>, b: Option<&str>| Memory {
+            parts: vec![Some(of(0, a)), Some(of(1, b))],
+            ..Memory::default()
+        };
+        let new = of(0, Some("new"));
+        let none = of(0, None);
+        for (barrier, by) in [
+            (parts(Some("new"), Some("dead")), Committer::Rank(&new)),
+            (parts(Some("new"), None), Committer::Rank(&new)),
+            (parts(None, Some("dead")), Committer::Rank(&none)),
+            (
+                parts(Some("new"), Some("dead")),
+                Committer::Bystander(Some("new")),
+            ),
+            (
+                parts(Some("new"), Some("new")),
+                Committer::Bystander(Some("dead")),
+            ),
+            (parts(Some("new"), Some("dead")), Committer::Bystander(None)),
+            (parts(None, Some("dead")), Committer::Bystander(None)),
+        ] {
+            assert_eq!(
+                commit_parts(&barrier, 4, 2, &md, by).unwrap(),
+                None,
+                "{by:?}"
+            );
+            assert!(barrier.published.borrow().is_empty(), "{by:?}");
+        }
+        for (barrier, by) in [
+            (parts(Some("new"), Some("new")), Committer::Rank(&new)),
+            (parts(None, None), Committer::Rank(&none)),
+            (
+                parts(Some("new"), Some("new")),
+                Committer::Bystander(Some("new")),
+            ),
+            (parts(Some("new"), Some("new")), Committer::Bystander(None)),
+            (parts(None, None), Committer::Bystander(None)),
+        ] {
+            assert_eq!(
+                commit_parts(&barrier, 4, 2, &md, by).unwrap(),
+                Some(4),
+                "{by:?}"
+            );
+            let published = barrier.published.borrow();
+            assert_eq!(
+                published[0].files,
+                barrier.parts.iter().flatten().cloned().collect::<Vec<_>>()
+            );
+        }
     }
 }

@@ -211,6 +211,7 @@ impl Engine {
             Some(spec) => spec.open(&TierContext {
                 world_size: cfg.world_size,
                 root: cfg.root.clone(),
+                session: cfg.session.clone(),
             })?,
             None => None,
         };

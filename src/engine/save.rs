@@ -338,12 +338,15 @@ impl Engine {
                 len: t.source.len(),
             })
             .collect();
-        let system: Metadata = [
+        let mut system: Metadata = [
             (plan::META_STEP.to_owned(), step.to_string()),
             (plan::META_RANK.to_owned(), cfg.rank.to_string()),
             (plan::META_WORLD.to_owned(), cfg.world_size.to_string()),
         ]
         .into();
+        if let Some(session) = &cfg.session {
+            system.insert(plan::META_SESSION.to_owned(), session.clone());
+        }
         let plan = Plan::new(&specs, &system, metadata)?;
         if let Some(e) = arena.fill_error() {
             // Allocating the arena in the background failed (`/dev/shm` filled up).

@@ -289,6 +289,7 @@ impl SaveState {
             data_start,
             header_crc32c: Some(crc32c::crc32c(self.plan.header())),
             object: None,
+            session: self.shared.cfg.session.clone(),
             tensors: self
                 .plan
                 .entries()

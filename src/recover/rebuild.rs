@@ -17,7 +17,9 @@ use crate::fsx;
 use crate::manifest::{
     FileEntry, MANIFEST, Metadata, TensorEntry, partial_dir_name, rank_file_name, step_dir_name,
 };
-use crate::plan::{DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_STEP, META_WORLD, RESERVED_PREFIX};
+use crate::plan::{
+    DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_SESSION, META_STEP, META_WORLD, RESERVED_PREFIX,
+};
 use crate::staging::AttachedArena;
 use crate::staging::descriptor::{HeaderView, SlotView, chunk_state};
 
@@ -370,6 +372,8 @@ fn describe(
             ));
         }
     }
+    // The session that saved the file (its commit counts only its own session's parts).
+    let session = system.get(META_SESSION).cloned();
     let user: Metadata = system
         .into_iter()
         .filter(|(k, _)| !k.starts_with(RESERVED_PREFIX))
@@ -408,6 +412,7 @@ fn describe(
         data_start: v.data_start,
         header_crc32c: Some(crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr)),
         object: None,
+        session,
         tensors,
     };
     // The entry must pass the reader's own checks (those of `Manifest::from_parts`, which

@@ -208,6 +208,7 @@ mod tests {
             data_start: 4096,
             header_crc32c: None,
             object: None,
+            session: None,
             tensors: Vec::new(),
         };
         match read_file_metadata(&path, &entry) {

@@ -480,6 +480,7 @@ fn a_rank_that_loses_the_commit_race_reports_only_a_durable_commit() {
         data_start: 4096,
         header_crc32c: None,
         object: None,
+        session: None,
         tensors: Vec::new(),
     };
     let rec = Recording::start(root).unwrap();

@@ -287,7 +287,7 @@ fn run(bucket: &Arc<InMemory>, world: u32, steps: u64, limit: Option<usize>) -> 
                     .with_remote_store(store, "job")
                     .with_remote_options(opts())
                     .with_remote_keep_last(Some(KEEP))
-                    .with_remote_session(Some("run-1".into()))
+                    .with_session(Some("run-1".into()))
                     .build()
                     .unwrap();
                 for step in 1..=steps {
@@ -451,7 +451,7 @@ fn check(bucket: &Arc<InMemory>, world: u32, steps: u64, k: usize, r: &Run) {
                 .with_remote_store(Arc::clone(bucket) as Arc<dyn ObjectStore>, "job")
                 .with_remote_options(opts())
                 .with_remote_keep_last(Some(KEEP))
-                .with_remote_session(Some("run-2".into()))
+                .with_session(Some("run-2".into()))
                 .build()
                 .unwrap()
         })

@@ -661,6 +661,97 @@ fn a_resume_withdraws_the_dead_runs_parts_of_newer_steps() {
     );
 }
 
+/// A new run that saves a step number its dead predecessor left uncommitted, before (or
+/// without) any load: with sessions, a rank's save never commits with the dead run's part
+/// of another rank. The dead run (session "dead"): rank 1's part of step 4 is durable,
+/// rank 0's save never came; nothing is committed, so the new run (session "new") loads
+/// nothing and nothing withdraws that part. Rank 0 saves step 4 first: not committed (it
+/// was, with rank 1's file of the dead run, and rank 1's own save then failed with
+/// StepExists). Rank 1's save commits it; step 4 holds exactly the new run's bytes, and
+/// its manifest and files name the new session.
+#[test]
+fn a_new_runs_save_never_commits_with_a_dead_runs_part() {
+    let dir = real_dir("session-parts");
+    let root = dir.path();
+    let cfg = |r, session: &str| {
+        small_config(root, shmckpt::BackendKind::Auto)
+            .with_rank(r, 2)
+            .with_session(Some(session.to_owned()))
+    };
+    let old = State::new(synthetic::uniform(1 << 19, 5, Dtype::I8), 41);
+    let new = [
+        State::new(synthetic::uniform(1 << 20, 3, Dtype::F32), 50),
+        State::new(synthetic::uniform(1 << 19, 5, Dtype::I8), 51),
+    ];
+    {
+        let (e0, e1) = (
+            Engine::open(cfg(0, "dead")).unwrap(),
+            Engine::open(cfg(1, "dead")).unwrap(),
+        );
+        let r1 = e1
+            .save(4, &old.tensors(), &Metadata::new())
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(r1.dir.is_none());
+        e0.close();
+        e1.close();
+    }
+    let stale = root.join("step-4.partial").join("rank-00001.manifest.json");
+    let part: shmckpt::manifest::FileEntry =
+        serde_json::from_slice(&std::fs::read(&stale).unwrap()).unwrap();
+    assert_eq!(part.session.as_deref(), Some("dead"));
+    let (e0, e1) = (
+        Engine::open(cfg(0, "new")).unwrap(),
+        Engine::open(cfg(1, "new")).unwrap(),
+    );
+    assert_eq!((e0.latest().unwrap(), e1.latest().unwrap()), (None, None));
+    let r0 = e0
+        .save(4, &new[0].tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(
+        r0.dir.is_none(),
+        "rank 0 must not commit with the dead run's part of rank 1"
+    );
+    assert_eq!(committed(root), Vec::<u64>::new());
+    let r1 = save_committed(&e1, 4, &new[1]);
+    assert_eq!(r1.dir.unwrap(), root.join("step-4"));
+    assert_loaded_equal(&e0.load(4).unwrap(), &new[0]);
+    assert_loaded_equal(&e1.load(4).unwrap(), &new[1]);
+    let m = e0.manifest(4).unwrap();
+    let sessions: Vec<_> = m.files.iter().map(|f| f.session.as_deref()).collect();
+    assert_eq!(sessions, [Some("new"), Some("new")]);
+    for f in &m.files {
+        let bytes = std::fs::read(root.join("step-4").join(&f.file)).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let system = meta.metadata().clone().unwrap();
+        assert_eq!(
+            system.get("shmckpt.session").map(String::as_str),
+            Some("new")
+        );
+    }
+}
+
+/// A session is 1 to 128 ASCII letters, digits, `-`, `_` or `.`: anything else is refused
+/// when the engine opens, before anything is created.
+#[test]
+fn a_malformed_session_is_refused_at_open() {
+    let dir = real_dir("session-bad");
+    for bad in ["", "a/b", "s p", "é", &"x".repeat(129)] {
+        let cfg =
+            small_config(dir.path(), shmckpt::BackendKind::Auto).with_session(Some(bad.to_owned()));
+        match Engine::open(cfg) {
+            Err(shmckpt::Error::Config(msg)) => assert!(msg.contains("session"), "{msg}"),
+            other => panic!("session {bad:?}: {:?}", other.map(|_| ())),
+        }
+    }
+    let ok = small_config(dir.path(), shmckpt::BackendKind::Auto)
+        .with_session(Some(format!("{}-_.Z9", "a".repeat(123))));
+    Engine::open(ok).unwrap().close();
+}
+
 #[test]
 fn owned_async_save_stages_in_the_background_and_flush_reports_success() {
     let dir = real_dir("owned");

@@ -59,6 +59,7 @@ fn records_a_commit_in_issue_order() {
         data_start: 10,
         header_crc32c: None,
         object: None,
+        session: None,
         tensors: Vec::new(),
     };
     shmckpt::commit::commit(root, 1, 1, &partial, entry, &Metadata::new()).unwrap();

@@ -221,10 +221,13 @@ class Checkpointer:
         self._scratch, engine_root, remote_only = _remote.scratch_for(
             self.root, remote.url if isinstance(remote, RemoteTier) else remote
         )
-        # Ranks of one run share a session id, so that a rank's upload of an earlier run
-        # of the same step number never counts toward a commit in the bucket.
+        # Ranks of one run share a session id (rank 0's, broadcast), recorded in every
+        # file's header and manifest part: a part of a dead run (a rank's save of a step
+        # the run never committed) never counts toward this run's commit of that step
+        # number, on disk or in the bucket. Without torch.distributed there is nobody to
+        # agree with: no session (`session=` of the engine, docs/guarantees.md).
         session = None
-        if self.remote is not None and self.world_size > 1 and rank is None and world_size is None:
+        if self.world_size > 1 and rank is None and world_size is None:
             session = _remote.shared_session()
         settings = engine_settings(
             groups["tuning"],
@@ -238,7 +241,7 @@ class Checkpointer:
             keep_in_memory=bool(keep_in_memory),
             create_root=True,
             remote_only=remote_only,
-            remote_session=session,
+            session=session,
             # Replication sends each committed image from its staging chunks.
             replica_hold=reps is not None and reps.k > 0,
         )

@@ -170,7 +170,7 @@ def engine_root(root: str, world: int) -> Tuple[str, Dict[str, Any]]:
     """A new scratch directory for a remote-only engine of bucket root ``root``, and the
     engine's remote settings."""
     scratch = BUCKETS.new_scratch()
-    return scratch, dict(remote=root, remote_only=True, remote_session=BUCKETS.session((root, world)))
+    return scratch, dict(remote=root, remote_only=True, session=BUCKETS.session((root, world)))
 
 
 atexit.register(BUCKETS.remove_scratch)  # registered before dcp.release: runs after it

@@ -25,7 +25,6 @@ pub(crate) struct S3Spec {
     options: RemoteOptions,
     max_pending: usize,
     remote_only: bool,
-    session: Option<String>,
 }
 
 impl Default for S3Spec {
@@ -36,7 +35,6 @@ impl Default for S3Spec {
             options: RemoteOptions::default(),
             max_pending: DEFAULT_MAX_PENDING,
             remote_only: false,
-            session: None,
         }
     }
 }
@@ -78,7 +76,7 @@ impl TierSpec for S3Spec {
             ctx.world_size,
             self.keep_last,
             self.max_pending,
-            self.session.clone(),
+            ctx.session.clone(),
             (!self.remote_only).then(|| ctx.root.clone()),
         )?;
         Ok(Some(Arc::new(tier)))
@@ -179,17 +177,6 @@ impl EngineConfig {
     /// Default 2.
     pub fn with_remote_max_pending(mut self, n: usize) -> Self {
         self.s3().max_pending = n;
-        self
-    }
-
-    /// An identity shared by every rank of one run (e.g. a random id that rank 0
-    /// broadcasts; the Python `Checkpointer` does this under `torch.distributed`). It is
-    /// recorded in each rank's manifest part in the bucket, and a part of another session
-    /// does not count toward a commit: a step number re-used after an interrupted upload
-    /// never commits with a rank's stale object from the earlier run. Default `None`: any
-    /// part counts.
-    pub fn with_remote_session(mut self, session: Option<String>) -> Self {
-        self.s3().session = session;
         self
     }
 

@@ -38,15 +38,6 @@ pub use options::{
 };
 pub use tier::{RemoteProgress, RemoteReport};
 
-/// A rank's manifest part: its file entry, and the session of the run that wrote it.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Part {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    session: Option<String>,
-    #[serde(flatten)]
-    entry: FileEntry,
-}
-
 /// Whether `root` names a bucket (`s3://...`) rather than a directory.
 pub fn is_remote(root: &str) -> bool {
     root.starts_with("s3://")
@@ -320,15 +311,16 @@ impl Remote {
         session: Option<&str>,
         mine: Option<&FileEntry>,
     ) -> Result<Option<(Manifest, bool)>> {
+        let by = match mine {
+            Some(m) => crate::commit::store::Committer::Rank(m),
+            None => crate::commit::store::Committer::Bystander(session),
+        };
         crate::commit::store::commit_parts(
-            &store::BucketParts {
-                remote: self,
-                session,
-            },
+            &store::BucketParts { remote: self },
             step,
             world_size,
             metadata,
-            mine,
+            by,
         )
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
-use super::{GcReport, Part, Remote, upload};
+use super::{GcReport, Remote, upload};
 use crate::commit::store::{CommitStore, PartBarrier};
 use crate::error::{Error, Result};
 use crate::manifest::{self, FileEntry, MANIFEST, Manifest, ManifestBytes, StepListing};
@@ -106,11 +106,10 @@ impl CommitStore for Remote {
 /// ([`crate::commit::store::commit_parts`], [`Remote::commit_step`]): each rank's upload
 /// put its object and its part (`step-N/rank-K.manifest.json`) there; the manifest is
 /// published with a conditional create ([`PutMode::Create`], `If-None-Match: *` on S3).
-/// With a `session`, a part recorded by another session (a rank's upload of an earlier
-/// run that used the same step number) counts as missing.
+/// A part of another session (a rank's upload of an earlier run that used the same step
+/// number) counts as missing, by the protocol's rule.
 pub(super) struct BucketParts<'a> {
     pub(super) remote: &'a Remote,
-    pub(super) session: Option<&'a str>,
 }
 
 impl BucketParts<'_> {
@@ -198,10 +197,9 @@ impl PartBarrier for BucketParts<'_> {
                 }
                 Err(e) => return Err(remote.err("get manifest part", &e)),
             };
-            let part: Part = serde_json::from_slice(&bytes).map_err(|e| {
+            let f: FileEntry = serde_json::from_slice(&bytes).map_err(|e| {
                 Error::corrupt(remote.display(&pkey), None, format!("manifest part: {e}"))
             })?;
-            let f = part.entry;
             if let Some(mine) = mine.filter(|m| m.object_name() != f.object_name()) {
                 // Written after ours by another upload of this rank and step.
                 return Err(self.conflict(
@@ -212,9 +210,6 @@ impl PartBarrier for BucketParts<'_> {
                         mine.object_name()
                     ),
                 ));
-            }
-            if self.session.is_some() && part.session.as_deref() != self.session {
-                return Ok(None); // that rank's part of this run is not there yet
             }
             let file = manifest::rank_file_name(r, world_size);
             if f.rank != r || f.file != file || !upload::is_object_of(f.object_name(), &file) {

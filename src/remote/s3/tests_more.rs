@@ -85,7 +85,7 @@ fn a_stale_part_of_an_earlier_run_never_commits() {
     let open = |rank: u32, session: &str| {
         small(dirs[rank as usize].path(), mem.clone())
             .with_rank(rank, 2)
-            .with_remote_session(Some(session.to_owned()))
+            .with_session(Some(session.to_owned()))
             .build()
             .unwrap()
     };

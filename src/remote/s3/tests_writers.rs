@@ -68,11 +68,11 @@ fn a_second_writer_never_replaces_a_committed_object_and_is_told_so() {
         reached: Arc::clone(&reached),
     });
     let b = small(db.path(), held)
-        .with_remote_session(Some("B".into()))
+        .with_session(Some("B".into()))
         .build()
         .unwrap();
     let a = small(da.path(), mem.clone())
-        .with_remote_session(Some("A".into()))
+        .with_session(Some("A".into()))
         .build()
         .unwrap();
     // B's state is larger: were its object completed over A's, A's manifest would read

@@ -20,9 +20,9 @@ use object_store::path::Path as ObjPath;
 use object_store::{MultipartId, MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinSet;
 
+use super::Remote;
 use super::feed::{Feed, Local, Next};
 use super::journal::Journal;
-use super::{Part, Remote};
 use crate::error::{Error, Result};
 use crate::manifest::{self, FileEntry, MANIFEST};
 
@@ -388,7 +388,7 @@ impl Remote {
     /// A step already committed in the bucket is never written to
     /// ([`Error::StepExists`]): its objects would no longer match its manifest.
     ///
-    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_remote_session`])
+    /// `session` (shared by the ranks of one run, [`crate::EngineConfig::with_session`])
     /// is recorded in the manifest part.
     pub fn upload_rank(
         &self,
@@ -438,6 +438,7 @@ impl Remote {
     ) -> Result<FileEntry> {
         let mut entry = entry.clone();
         entry.object = Some(object_name(&entry.file));
+        entry.session = session.map(str::to_owned);
         let key = self.key(step, entry.object_name());
         self.block(async {
             self.upload_object(
@@ -451,7 +452,7 @@ impl Remote {
                 sent,
             )
             .await?;
-            self.put_part_manifest(step, &entry, session).await?;
+            self.put_part_manifest(step, &entry).await?;
             Ok(entry)
         })
     }
@@ -480,22 +481,16 @@ impl Remote {
                 .await?
                 .ok_or_else(|| Error::Internal("a streamed upload without its entry".into()))?;
             entry.object = Some(object);
-            self.put_part_manifest(step, &entry, session).await?;
+            entry.session = session.map(str::to_owned);
+            self.put_part_manifest(step, &entry).await?;
             Ok(entry)
         })
     }
 
-    async fn put_part_manifest(
-        &self,
-        step: u64,
-        entry: &FileEntry,
-        session: Option<&str>,
-    ) -> Result<()> {
-        let part = Part {
-            session: session.map(str::to_owned),
-            entry: entry.clone(),
-        };
-        let part_json = serde_json::to_vec(&part).expect("manifest parts serialize");
+    /// The rank's manifest part: its entry, with the upload's session
+    /// ([`FileEntry::session`]).
+    async fn put_part_manifest(&self, step: u64, entry: &FileEntry) -> Result<()> {
+        let part_json = serde_json::to_vec(entry).expect("manifest parts serialize");
         let pkey = self.key(step, &manifest::rank_manifest_name(entry.rank));
         self.store
             .put(&pkey, PutPayload::from(part_json))
