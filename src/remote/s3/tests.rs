@@ -619,7 +619,10 @@ fn urls_are_parsed_strictly() {
 
 /// Backpressure: with one save allowed to wait behind a slow upload, a burst of saves
 /// skips the intermediate steps (reported on their progress), uploads the first and the
-/// newest, and the local tier commits all of them without waiting.
+/// newest, and the local tier commits all of them without waiting: steps 2 and 3 can be
+/// skipped only if saves 3 and 4 were committed locally while step 1's upload (at least
+/// four puts of 1 s each) was still running. No wall-clock bound is asserted (a loaded
+/// machine, e.g. CI's wheel build beside this test, made one flaky).
 #[test]
 fn a_slow_bucket_skips_intermediate_steps() {
     use object_store::throttle::{ThrottleConfig, ThrottledStore};
@@ -628,7 +631,7 @@ fn a_slow_bucket_skips_intermediate_steps() {
     let slow = ThrottledStore::new(
         Arc::clone(&mem),
         ThrottleConfig {
-            wait_put_per_call: std::time::Duration::from_millis(400),
+            wait_put_per_call: std::time::Duration::from_secs(1),
             ..ThrottleConfig::default()
         },
     );
@@ -637,20 +640,13 @@ fn a_slow_bucket_skips_intermediate_steps() {
         .build()
         .unwrap();
     let s = state(9);
-    let t = std::time::Instant::now();
     let mut progress = Vec::new();
     for step in 1..=4 {
         let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
         progress.push(h.remote().unwrap());
-        h.wait().unwrap();
+        assert!(h.wait().unwrap().dir.is_some(), "step {step} committed locally");
     }
-    // The local tier did not wait for the bucket (one upload takes >= 4 throttled puts).
-    let local = t.elapsed();
     let results: Vec<_> = progress.iter().map(|p| p.wait()).collect();
-    assert!(
-        local < std::time::Duration::from_millis(1600),
-        "local saves took {local:?}"
-    );
     assert_eq!(results[0].as_ref().unwrap().step, 1);
     for (i, r) in results.iter().enumerate().take(3).skip(1) {
         match r {
