@@ -319,23 +319,16 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
         return Ok(Vec::new());
     }
     let mut removed = Vec::new();
-    let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
-    let mut partials = Vec::new();
-    for e in rd.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        // `file_type` does not follow links: only real directories are removed.
-        if !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        if let Some(step) = manifest::parse_step_with_suffix(name, ".partial") {
-            partials.push((step, e.path()));
-        } else if manifest::parse_step_with_suffix(name, ".trash").is_some() {
-            tracing::warn!(dir = %e.path().display(), "removing the leftover of an interrupted retention");
-            fsops::remove_dir_all(&e.path()).map_err(|err| Error::io("remove", e.path(), err))?;
-            removed.push(e.path());
-        }
+    for step in manifest::list_trash(root)? {
+        let dir = root.join(manifest::trash_dir_name(step));
+        tracing::warn!(dir = %dir.display(), "removing the leftover of an interrupted retention");
+        fsops::remove_dir_all(&dir).map_err(|err| Error::io("remove", &dir, err))?;
+        removed.push(dir);
     }
+    let partials: Vec<(u64, PathBuf)> = manifest::list_partial(root)?
+        .into_iter()
+        .map(|step| (step, root.join(partial_dir_name(step))))
+        .collect();
     if !partials.is_empty() {
         let newest = manifest::list_committed(root)
             .ok()

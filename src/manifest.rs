@@ -609,6 +609,35 @@ pub fn list_committed(root: &Path) -> Result<Vec<CheckpointInfo>> {
         .collect())
 }
 
+/// The leftovers of saves not committed under `root`: the steps of its `step-<N>.partial`
+/// directories, ascending. Only real directories with a canonical name count (`file_type`
+/// does not follow links): a link or a file under such a name is never listed, so nothing
+/// reads, completes or removes anything through it. The one lister of partial directories
+/// (the open's sweep, a resume's withdrawal, the completion of a memory-only step).
+pub fn list_partial(root: &Path) -> Result<Vec<u64>> {
+    list_suffixed(root, ".partial")
+}
+
+/// [`list_partial`] for the leftovers of an interrupted retention (`step-<N>.trash`).
+pub fn list_trash(root: &Path) -> Result<Vec<u64>> {
+    list_suffixed(root, ".trash")
+}
+
+fn list_suffixed(root: &Path, suffix: &str) -> Result<Vec<u64>> {
+    let rd = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
+    let mut steps: Vec<u64> = rd
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| parse_step_with_suffix(n, suffix))
+        })
+        .collect();
+    steps.sort_unstable();
+    Ok(steps)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,16 +52,8 @@ pub fn pending_steps(root: &Path, rank: u32) -> Result<Vec<u64>> {
         .iter()
         .map(|c| c.step)
         .collect();
-    let dir = std::fs::read_dir(root).map_err(|e| Error::io("read_dir", root, e))?;
     let mut out = Vec::new();
-    for ent in dir.flatten() {
-        let name = ent.file_name();
-        let Some(step) = name
-            .to_str()
-            .and_then(|n| manifest::parse_step_with_suffix(n, ".partial"))
-        else {
-            continue;
-        };
+    for step in manifest::list_partial(root)? {
         if committed.contains(&step) {
             continue;
         }
@@ -81,7 +73,6 @@ pub fn pending_steps(root: &Path, rank: u32) -> Result<Vec<u64>> {
             out.push(step);
         }
     }
-    out.sort_unstable();
     Ok(out)
 }
 

@@ -85,19 +85,16 @@ impl Engine {
                 return Vec::new();
             }
         };
-        let Ok(dir) = std::fs::read_dir(&cfg.root) else {
-            return Vec::new();
+        let steps: Vec<u64> = match manifest::list_partial(&cfg.root) {
+            Ok(p) => p
+                .into_iter()
+                .filter(|s| *s > loaded && !committed.contains(s))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "stale parts not withdrawn: the root cannot be listed");
+                return Vec::new();
+            }
         };
-        let mut steps: Vec<u64> = dir
-            .flatten()
-            .filter_map(|e| {
-                e.file_name()
-                    .to_str()
-                    .and_then(|n| manifest::parse_step_with_suffix(n, ".partial"))
-            })
-            .filter(|s| *s > loaded && !committed.contains(s))
-            .collect();
-        steps.sort_unstable();
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
         let mut withdrawn = Vec::new();
         // No save begins while the gate is held (a save takes it before it marks

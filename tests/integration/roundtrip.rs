@@ -734,6 +734,63 @@ fn a_new_runs_save_never_commits_with_a_dead_runs_part() {
     }
 }
 
+/// A link named like a partial directory is never followed (it is foreign): a resume's
+/// withdrawal and the listing of steps a load could complete pass over
+/// `step-4.partial -> elsewhere`, whose valid part and file of rank 0 stay byte for byte.
+/// The withdrawal listed partial directories by name and checked the part through the
+/// link: it deleted both.
+#[test]
+fn a_resume_never_withdraws_through_a_linked_partial_directory() {
+    let dir = real_dir("linked-partial");
+    let root = dir.path();
+    let cfg = |r| small_config(root, shmckpt::BackendKind::Auto).with_rank(r, 2);
+    let st = [
+        State::new(synthetic::uniform(1 << 19, 3, Dtype::F32), 60),
+        State::new(synthetic::uniform(1 << 19, 3, Dtype::F32), 61),
+    ];
+    {
+        let (e0, e1) = (Engine::open(cfg(0)).unwrap(), Engine::open(cfg(1)).unwrap());
+        let h = e0.save(3, &st[0].tensors(), &Metadata::new()).unwrap();
+        save_committed(&e1, 3, &st[1]);
+        h.wait().unwrap();
+        e0.close();
+        e1.close();
+    }
+    let other = real_dir("linked-partial-target");
+    let elsewhere = other.path();
+    let m = shmckpt::manifest::Manifest::parse(
+        &std::fs::read(root.join("step-3/manifest.json")).unwrap(),
+        &root.join("step-3/manifest.json"),
+    )
+    .unwrap();
+    let entry = &m.files[0];
+    let part_bytes = serde_json::to_vec(entry).unwrap();
+    let file_bytes = std::fs::read(root.join("step-3").join(&entry.file)).unwrap();
+    let part = elsewhere.join("rank-00000.manifest.json");
+    std::fs::write(&part, &part_bytes).unwrap();
+    std::fs::write(elsewhere.join(&entry.file), &file_bytes).unwrap();
+    std::os::unix::fs::symlink(elsewhere, root.join("step-4.partial")).unwrap();
+
+    let e0 = Engine::open(cfg(0)).unwrap();
+    assert_loaded_equal(&e0.load(3).unwrap(), &st[0]);
+    assert_eq!(
+        shmckpt::commit::pending_steps(root, 0).unwrap(),
+        Vec::<u64>::new()
+    );
+    e0.close();
+    assert!(
+        std::fs::symlink_metadata(root.join("step-4.partial"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(std::fs::read(&part).unwrap(), part_bytes);
+    assert_eq!(
+        std::fs::read(elsewhere.join(&entry.file)).unwrap(),
+        file_bytes
+    );
+}
+
 /// A session is 1 to 128 ASCII letters, digits, `-`, `_` or `.`: anything else is refused
 /// when the engine opens, before anything is created.
 #[test]

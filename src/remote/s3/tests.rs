@@ -644,7 +644,10 @@ fn a_slow_bucket_skips_intermediate_steps() {
     for step in 1..=4 {
         let h = engine.save(step, &tensors(&s), &Metadata::new()).unwrap();
         progress.push(h.remote().unwrap());
-        assert!(h.wait().unwrap().dir.is_some(), "step {step} committed locally");
+        assert!(
+            h.wait().unwrap().dir.is_some(),
+            "step {step} committed locally"
+        );
     }
     let results: Vec<_> = progress.iter().map(|p| p.wait()).collect();
     assert_eq!(results[0].as_ref().unwrap().step, 1);
