@@ -11,6 +11,10 @@ import pytest
 
 import zygote
 
+# Without the fork server (SHMCKPT_TEST_FORK_SERVER=0, or PYTHONPATH set: zygote._enabled)
+# both sides would be subprocess.run: nothing would be compared. A skip, shown as one.
+pytestmark = pytest.mark.skipif(not zygote._enabled(), reason="the fork server is off (zygote._enabled)")
+
 SCRIPT = textwrap.dedent("""\
     import atexit, os, sys
     print("argv", sys.argv[1:], "cwd", os.getcwd(), "X", os.environ.get("X"), "Y" in os.environ)

@@ -176,6 +176,13 @@ _lock = threading.Lock()
 
 
 def _enabled():
+    """On unless ``SHMCKPT_TEST_FORK_SERVER=0``, or ``PYTHONPATH`` is set: the server
+    imports its modules from the site directories only (a worker whose ``PYTHONPATH``
+    would find another copy is refused), so a run that finds ``shmckpt`` through
+    ``PYTHONPATH`` (a source tree with its compiled module, as on the GPU machine) gets
+    fresh interpreters instead of a server that cannot start."""
+    if os.environ.get("PYTHONPATH"):
+        return False
     return os.environ.get("SHMCKPT_TEST_FORK_SERVER", "1") != "0"
 
 
