@@ -143,6 +143,35 @@ unsafe fn pwrite_range(
 unsafe impl Send for Incoming {}
 
 impl Incoming {
+    /// The image of `len` bytes mapped at `ptr` (the whole mapping), of rank `at.2`'s file
+    /// of step `at.1` of root `at.0`, described by `entry`: every constructor's one
+    /// literal.
+    fn mapped(
+        ptr: NonNull<u8>,
+        len: usize,
+        target: Target,
+        state: IncomingState,
+        at: (&Path, u64, u32),
+        entry: FileEntry,
+    ) -> Incoming {
+        let (root, step, rank) = at;
+        Incoming {
+            ptr,
+            map_len: len,
+            len,
+            target,
+            state,
+            root: root.to_owned(),
+            step,
+            rank,
+            check: ImageCheck::new(&entry),
+            entry,
+            early: None,
+            frozen: 0,
+            user_meta: None,
+        }
+    }
+
     /// A new replica arena for `rank`'s image of the committed `step` of `root`: a new
     /// regular file of this user in `/dev/shm` (`<replica name>.tmp<pid>`, created without
     /// following a link, never over an existing file), exactly the manifest's size,
@@ -222,14 +251,13 @@ impl Incoming {
             prep.len = len;
             prep.allocate(&path)?;
         }
-        let map_len = len;
         // SAFETY: a new shared mapping with a null hint aliases no existing memory; the
         // file is this process's new file (made by `PreparedArena::new`, held open since),
-        // allocated for `map_len` bytes above or there.
+        // allocated for `len` bytes above or there.
         let raw = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
-                map_len,
+                len,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED,
                 &prep.file,
@@ -241,26 +269,19 @@ impl Incoming {
             .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))?;
         // From here the arena's file is the `Incoming`'s (removed by its drop unless sealed).
         let (tmp, name, tag) = prep.take();
-        Ok(Incoming {
+        Ok(Incoming::mapped(
             ptr,
-            map_len,
             len,
-            target: Target::Replica {
+            Target::Replica {
                 tmp,
                 name,
                 tag,
                 keep_entry: false,
             },
-            state: IncomingState::Open,
-            root: root.to_owned(),
-            step,
-            rank,
-            check: ImageCheck::new(&entry),
+            IncomingState::Open,
+            (root, step, rank),
             entry,
-            early: None,
-            frozen: 0,
-            user_meta: None,
-        })
+        ))
     }
 
     /// This user's replica of `rank`'s image of the committed `step` of `root`, to send to
@@ -317,21 +338,14 @@ impl Incoming {
         .map_err(|e| Error::io("mmap", &path, e.into()))?;
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| Error::io("mmap", &path, std::io::Error::other("null")))?;
-        let inc = Incoming {
+        let inc = Incoming::mapped(
             ptr,
-            map_len: len,
             len,
-            target: Target::Served,
-            state: IncomingState::Sealed,
-            root: root.to_owned(),
-            step,
-            rank,
-            check: ImageCheck::new(&entry),
+            Target::Served,
+            IncomingState::Sealed,
+            (root, step, rank),
             entry,
-            early: None,
-            frozen: 0,
-            user_meta: None,
-        };
+        );
         // SAFETY: the mapping is `len` bytes, read-only, alive while `inc` is; nothing in
         // this process writes it (it is mapped nowhere else writable here).
         let bytes = unsafe { std::slice::from_raw_parts(inc.ptr.as_ptr(), len) };
@@ -346,23 +360,15 @@ impl Incoming {
     pub fn restore(root: &Path, step: u64, rank: u32) -> Result<Incoming> {
         let (_, entry) = committed_entry(root, step, rank)?;
         let len = image_len(&entry)?;
-        let map_len = len;
-        let ptr = super::anonymous_map(map_len)?;
-        Ok(Incoming {
+        let ptr = super::anonymous_map(len)?;
+        Ok(Incoming::mapped(
             ptr,
-            map_len,
             len,
-            target: Target::Restore,
-            state: IncomingState::Open,
-            root: root.to_owned(),
-            step,
-            rank,
-            check: ImageCheck::new(&entry),
+            Target::Restore,
+            IncomingState::Open,
+            (root, step, rank),
             entry,
-            early: None,
-            frozen: 0,
-            user_meta: None,
-        })
+        ))
     }
 
     /// Private memory for `rank`'s image of `step` of `root`, a step not committed yet
@@ -397,21 +403,14 @@ impl Incoming {
         pending_dir(root, step)?;
         let len = image_len(&entry)?;
         let ptr = super::anonymous_map(len)?;
-        Ok(Incoming {
+        Ok(Incoming::mapped(
             ptr,
-            map_len: len,
             len,
-            target: Target::Pending { world_size },
-            state: IncomingState::Open,
-            root: root.to_owned(),
-            step,
-            rank,
-            check: ImageCheck::new(&entry),
+            Target::Pending { world_size },
+            IncomingState::Open,
+            (root, step, rank),
             entry,
-            early: None,
-            frozen: 0,
-            user_meta: None,
-        })
+        ))
     }
 
     /// A sealed pending restore ([`Incoming::restore_pending`]): its part written beside
