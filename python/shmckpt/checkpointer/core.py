@@ -93,7 +93,11 @@ class Checkpointer:
     when it does not exist (``RootCreateFailed`` says why when it cannot be). The rank and
     world size come from ``torch.distributed`` when it is initialized, else 0 of 1 (or
     give them; with ``torch.distributed``, every rank must then build its checkpointer, as
-    the constructor ends with a barrier). ``keep_last``: retention, default keep all.
+    the constructor is a collective: rank 0 broadcasts the run's session id, recorded in
+    every file and manifest part so that a dead run's part never counts toward this
+    run's commit of the same step number, and it ends with a barrier; ranks given
+    explicitly have no session, docs/guarantees.md). ``keep_last``: retention, default
+    keep all.
 
     The other settings come in groups, each a frozen dataclass of :mod:`shmckpt.config`
     checked when built (``ConfigError`` naming the field), the common case a shorthand::
