@@ -145,7 +145,7 @@ fn errno_at(offset: u64, errno: i32) -> Rule {
 /// 0's file. Rank 0's next save commits both ranks' exact bytes.
 #[test]
 fn a_failed_resave_leaves_no_part_for_the_other_ranks_to_commit() {
-    use shmckpt::manifest::{partial_dir_name, rank_file_name, rank_manifest_name, step_dir_name};
+    use shmckpt::manifest::{partial_dir_name, rank_manifest_name};
     for b in BACKENDS {
         let dir = real_dir("faults-stale-part");
         let root = dir.path();
@@ -186,17 +186,27 @@ fn a_failed_resave_leaves_no_part_for_the_other_ranks_to_commit() {
         assert_eq!(rep.dir, None, "{b:?}: rank 0 has no part of step 1");
         assert!(committed(root).is_empty(), "{b:?}: {:?}", committed(root));
         let r0 = open(0);
-        let rep = save(&r0, 0).unwrap();
-        assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
-        assert_eq!(committed(root), [1]);
-        for rank in 0..2 {
-            assert_safetensors_equal(
-                &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
-                &state(rank),
-            );
-        }
+        assert_commits_step_1_of_both(&save(&r0, 0).unwrap(), root, state);
         r0.close();
         r1.close();
+    }
+}
+
+/// `rep`, the last rank's save of step 1, committed it, the root's only step, with both
+/// ranks' exact bytes (`state(rank)`).
+fn assert_commits_step_1_of_both(
+    rep: &shmckpt::SaveReport,
+    root: &std::path::Path,
+    state: impl Fn(u32) -> State,
+) {
+    use shmckpt::manifest::{rank_file_name, step_dir_name};
+    assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
+    assert_eq!(committed(root), [1]);
+    for rank in 0..2 {
+        assert_safetensors_equal(
+            &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
+            &state(rank),
+        );
     }
 }
 
@@ -207,7 +217,7 @@ fn a_failed_resave_leaves_no_part_for_the_other_ranks_to_commit() {
 /// next save commits both ranks' exact bytes.
 #[test]
 fn a_save_that_fails_after_its_part_takes_the_part_out() {
-    use shmckpt::manifest::{partial_dir_name, rank_file_name, rank_manifest_name, step_dir_name};
+    use shmckpt::manifest::{partial_dir_name, rank_file_name, rank_manifest_name};
     let dir = real_dir("faults-part-after");
     let root = dir.path();
     let open = |rank: u32| {
@@ -247,15 +257,7 @@ fn a_save_that_fails_after_its_part_takes_the_part_out() {
     r0.close();
 
     let r1 = open(1);
-    let rep = save(&r1, 1).unwrap();
-    assert_eq!(rep.dir.as_deref(), Some(&*root.join(step_dir_name(1))));
-    assert_eq!(committed(root), [1]);
-    for rank in 0..2 {
-        assert_safetensors_equal(
-            &root.join(step_dir_name(1)).join(rank_file_name(rank, 2)),
-            &state(rank),
-        );
-    }
+    assert_commits_step_1_of_both(&save(&r1, 1).unwrap(), root, state);
     r1.close();
 }
 
