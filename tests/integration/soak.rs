@@ -13,9 +13,10 @@
 //! the fault plan: the save must fail with that errno and the step must not be listed. Two
 //! ranks are two processes on one root, the job torn down together when one dies. Some
 //! kills lose the machine: the dead trainers' `/dev/shm` segments are removed before the
-//! restart (recovery from the disk alone). A rank whose save finds its step committed (the
-//! other rank merged the durable part a dead incarnation of this one left, which the
-//! partial-part rule keeps for that) checks that the step holds exactly its bytes.
+//! restart (recovery from the disk alone). The ranks of one incarnation share a session
+//! (`EngineConfig::with_session`), the next incarnation has another: a rank whose save
+//! finds its step committed by the other rank with the durable part a dead incarnation of
+//! this one left (which the partial-part rule keeps for a recovery) is a violation.
 //!
 //! Checked after every fault: each process died by SIGKILL (a child that finds a wrong
 //! byte, an untyped failure or a listed failed step exits with a message instead); right
@@ -180,7 +181,12 @@ fn child_trainer() {
     if point == "open" {
         kill_after(delay);
     }
-    let mut config = trainer_config(&root, rank, world, backend).with_faults(Arc::clone(&plan));
+    // The job's session: every rank of this incarnation shares it, the next one has
+    // another, so no save of this incarnation commits with a dead one's part.
+    let session = std::env::var("SOAK_SESSION").unwrap();
+    let mut config = trainer_config(&root, rank, world, backend)
+        .with_faults(Arc::clone(&plan))
+        .with_session(Some(session.clone()));
     if cadence > 1 {
         config = config
             .with_disk_cadence(DiskCadence::Every(cadence))
@@ -253,14 +259,20 @@ fn child_trainer() {
             });
         }
         let fired = plan.fired();
-        // A durable part of this step and rank that a dead incarnation left (the
-        // partial-part rule keeps it): named in the marker, for the failure messages.
-        let part = root
-            .join(partial_dir_name(step))
-            .join(shmckpt::manifest::rank_manifest_name(rank));
-        let dead_part = world > 1 && part.exists();
+        // Another rank's durable part of this step that a dead incarnation left (the
+        // partial-part rule keeps it; with nothing committed, no load withdrew it): this
+        // save must not commit with it (sessions). Named in the marker, and counted.
+        let dead_part = (0..world).filter(|&r| r != rank).any(|r| {
+            let part = root
+                .join(partial_dir_name(step))
+                .join(shmckpt::manifest::rank_manifest_name(r));
+            std::fs::read(&part)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<shmckpt::manifest::FileEntry>(&b).ok())
+                .is_some_and(|e| e.session.as_deref() != Some(session.as_str()))
+        });
         if dead_part {
-            emit(&format!("SAVING {step} over-a-dead-part"));
+            emit(&format!("SAVING {step} beside-a-dead-part"));
         } else {
             emit(&format!("SAVING {step}"));
         }
@@ -320,23 +332,11 @@ fn child_trainer() {
                 emit(&format!("IOERR {step} {errno}"));
             }
             // Two ranks: the other rank committed this step with the durable part a dead
-            // incarnation of this rank left (the partial-part rule keeps it for that). The
-            // step must then hold exactly this rank's bytes.
-            Err(e @ shmckpt::Error::StepExists { .. }) if world > 1 => {
-                match engine.load(step) {
-                    Ok(ck) => {
-                        if let Err(why) = crash::same(&ck, step, rank) {
-                            fail(&format!(
-                                "WRONG BYTES in step {step} (committed by the other rank: {e}): {why}"
-                            ));
-                        }
-                    }
-                    Err(le) => fail(&format!(
-                        "step {step}: save failed with {e}, and its load with {le}"
-                    )),
-                }
-                emit(&format!("EXISTS {step}"));
-            }
+            // incarnation of this rank left (the partial-part rule keeps it for a
+            // recovery). Sessions make that impossible: a violation.
+            Err(e @ shmckpt::Error::StepExists { .. }) if world > 1 => fail(&format!(
+                "step {step}: committed by the other rank with this rank's part of a dead incarnation (another session): {e}"
+            )),
             Err(e) => fail(&format!(
                 "step {step}: the save failed with no fault injected: {e}"
             )),
@@ -407,9 +407,9 @@ struct Tally {
     resumes_verified: u64,
     steps_committed: u64,
     opens_with_arena: u64,
-    /// Saves that found their step committed by the other rank (with the part a dead
-    /// incarnation of theirs left), its bytes checked.
-    found_committed: u64,
+    /// Saves of a step whose partial directory held another rank's part of a dead
+    /// incarnation (another session): never committed with it.
+    beside_dead_part: u64,
     /// The tiered lane: memory-only saves reported staged, resumes at a step no trainer
     /// had reported committed (a memory-only step recovered after the kill), and resumes
     /// served from memory (flash restore of the kept arena).
@@ -565,9 +565,7 @@ fn phase(markers: &[String]) -> &'static str {
         Some("VERIFIED") => "before saving",
         Some("SAVING") => "staging",
         Some("STAGED") => "drain/commit",
-        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("EXISTS") | Some("MEMORY") => {
-            "between saves"
-        }
+        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("MEMORY") => "between saves",
         Some(_) => "other",
     }
 }
@@ -649,6 +647,7 @@ impl Lane {
         } else {
             (1, 0)
         };
+        let session = format!("soak-{:016x}", splitmix(&mut self.rng));
         let mut kids = Vec::new();
         for rank in 0..self.world {
             let point = if Some(rank) == aimed_rank {
@@ -674,6 +673,7 @@ impl Lane {
                 .env("SOAK_CADENCE", cadence.to_string())
                 .env("SOAK_KEEP", keep.to_string())
                 .env("SOAK_SEED", splitmix(&mut self.rng).to_string())
+                .env("SOAK_SESSION", &session)
                 .env("RUST_LOG", "error")
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -783,12 +783,6 @@ impl Lane {
                             self.failed.remove(&s);
                             soak.tally.lock().unwrap().steps_committed += 1;
                         }
-                        ("EXISTS", Some(s)) => {
-                            let s = s as u64;
-                            self.hwm = Some(self.hwm.map_or(s, |h| h.max(s)));
-                            self.failed.remove(&s);
-                            soak.tally.lock().unwrap().found_committed += 1;
-                        }
                         ("MEMORY", Some(s)) => {
                             let s = s as u64;
                             self.mem_hwm = Some(self.mem_hwm.map_or(s, |h| h.max(s)));
@@ -798,6 +792,9 @@ impl Lane {
                         ("SAVING", Some(s)) => {
                             // Re-saved: a previous failure no longer counts.
                             self.failed.remove(&(s as u64));
+                            if m.ends_with(" beside-a-dead-part") {
+                                soak.tally.lock().unwrap().beside_dead_part += 1;
+                            }
                         }
                         ("IOERR", Some(s)) => {
                             failed_now.push(s as u64);
@@ -1225,11 +1222,11 @@ fn chaos_soak() {
     }
     println!("| **total** | **{}** |", tally.faults.values().sum::<u64>());
     println!(
-        "soak: {} trainer processes SIGKILLed, {} resumes loaded and compared bit for bit, {} saves reported committed, {} found their step committed by the other rank (bytes checked), {} kills during an open with a dead arena present; self-kills that missed their point (counted as random): {:?}",
+        "soak: {} trainer processes SIGKILLed, {} resumes loaded and compared bit for bit, {} saves reported committed, {} saves beside another rank's part of a dead incarnation (never merged with it: sessions), {} kills during an open with a dead arena present; self-kills that missed their point (counted as random): {:?}",
         tally.processes_killed,
         tally.resumes_verified,
         tally.steps_committed,
-        tally.found_committed,
+        tally.beside_dead_part,
         tally.opens_with_arena,
         tally
             .missed
