@@ -32,8 +32,7 @@ def open_ck(root: str, rank: int, world: int) -> shmckpt.Checkpointer:
         world_size=world,
         keep_last=KEEP,
         recover_on_open=True,
-        staging_capacity=4 << 20,
-        chunk_size=64 << 10,
+        tuning=shmckpt.Tuning(staging_capacity=4 << 20, chunk_size=64 << 10),
     )
 
 

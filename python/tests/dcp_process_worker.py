@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
+from shmckpt import Tuning
 from shmckpt.dcp import ShmckptReader, ShmckptWriter
 
 from dcp_worker import CHUNK, compare, init, make_state, result, same, zero_state
@@ -55,7 +56,9 @@ def sc_saves(rank, world, workdir):
         ref["step"] = i
         t = time.perf_counter()
         fut = dcp.async_save(
-            src, storage_writer=ShmckptWriter(os.path.join(ck, name), chunk_size=CHUNK), async_checkpointer_type=kind
+            src,
+            storage_writer=ShmckptWriter(os.path.join(ck, name), tuning=Tuning(chunk_size=CHUNK)),
+            async_checkpointer_type=kind,
         )
         call_s = time.perf_counter() - t
         # Staged: changing the state now must not change the checkpoint.
@@ -80,7 +83,7 @@ def sc_saves(rank, world, workdir):
         with open(os.path.join(bad, "x"), "wb") as f:
             f.write(b"1")
     dist.barrier()
-    w = ShmckptWriter(os.path.join(ck, "unused"), chunk_size=CHUNK)
+    w = ShmckptWriter(os.path.join(ck, "unused"), tuning=Tuning(chunk_size=CHUNK))
     first = make_state(mesh, seed_shift=7.0)
     fut = dcp.async_save(first, checkpoint_id=bad, storage_writer=w, async_checkpointer_type=PROCESS)
     try:
@@ -125,7 +128,7 @@ def sc_unstaged(rank, world, workdir):
     for i in range(2):
         src = make_state(mesh, seed_shift=float(i))
         ref = make_state(mesh, seed_shift=float(i))
-        w = ShmckptWriter(os.path.join(ck, f"u{i}"), chunk_size=CHUNK)
+        w = ShmckptWriter(os.path.join(ck, f"u{i}"), tuning=Tuning(chunk_size=CHUNK))
         dcp.async_save(src, storage_writer=w, async_stager=stager, async_checkpointer_type=PROCESS).result()
         dist.barrier()
         dst = zero_state(mesh)
@@ -163,7 +166,7 @@ def sc_checked(rank, world, workdir, flip):
 
     def attempt(name, flipped, on_divergence="raise", stager=None):
         path = os.path.join(ck, name)
-        w = ShmckptWriter(path, check_replicas=group, on_divergence=on_divergence, chunk_size=CHUNK)
+        w = ShmckptWriter(path, check_replicas=group, on_divergence=on_divergence, tuning=Tuning(chunk_size=CHUNK))
         st = state(mesh, flipped and rank == int(flip))
         kw = {} if stager is None else {"async_stager": stager}
         with warnings.catch_warnings(record=True) as caught:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_worker import global_tensor, init, result, same
+from shmckpt import Tuning
 from shmckpt.dcp import ShmckptReader, ShmckptWriter, release
 
 warnings.filterwarnings("ignore")
@@ -65,7 +66,7 @@ def main(rank, world, workdir):
     mesh = init_device_mesh("cpu", (world,))
     path = os.path.join(workdir, "ckpt", "c")
     src = state(mesh)
-    dcp.save(src, storage_writer=ShmckptWriter(path, chunk_size=1 << 20))
+    dcp.save(src, storage_writer=ShmckptWriter(path, tuning=Tuning(chunk_size=1 << 20)))
     out = {}
     for label, direct_io in (("buffered", False), ("direct", True)):
         dst = state(mesh, zero=True)

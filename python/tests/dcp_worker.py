@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from shmckpt import Tuning
 from shmckpt.dcp import ShmckptReader, ShmckptWriter, release
 
 warnings.filterwarnings("ignore")
@@ -143,12 +144,12 @@ def sc_roundtrip(rank, world, workdir):
     src = make_state(mesh)
     out = {}
     ck = os.path.join(workdir, "ckpt")
-    dcp.save(src, storage_writer=ShmckptWriter(os.path.join(ck, "sync"), chunk_size=CHUNK))
+    dcp.save(src, storage_writer=ShmckptWriter(os.path.join(ck, "sync"), tuning=Tuning(chunk_size=CHUNK)))
     src2 = make_state(mesh, seed_shift=1.0)
     src2["step"] = 2000
     src2_ref = make_state(mesh, seed_shift=1.0)  # (collectives: not while a save uploads)
     src2_ref["step"] = 2000
-    fut = dcp.async_save(src2, storage_writer=ShmckptWriter(os.path.join(ck, "async"), chunk_size=CHUNK))
+    fut = dcp.async_save(src2, storage_writer=ShmckptWriter(os.path.join(ck, "async"), tuning=Tuning(chunk_size=CHUNK)))
     # Staged: changing the state now must not change the checkpoint.
     for v in src2["model"].values():
         v.to_local().zero_()
@@ -198,7 +199,8 @@ def sc_reshard_save(rank, world, workdir):
     init(rank, world, workdir)
     mesh = init_device_mesh("cpu", (world,))
     src = make_state(mesh)
-    r = dcp.async_save(src, storage_writer=ShmckptWriter(os.path.join(workdir, "ckpt", "r"), chunk_size=CHUNK))
+    w = ShmckptWriter(os.path.join(workdir, "ckpt", "r"), tuning=Tuning(chunk_size=CHUNK))
+    r = dcp.async_save(src, storage_writer=w)
     (r.upload_completion if hasattr(r, "upload_completion") else r).result()
     rows = {k: v.to_local().shape[0] for k, v in src["model"].items()}
     fsdp2 = fsdp2_save(rank, world, workdir)
@@ -253,7 +255,7 @@ def sc_flat(rank, world, workdir, saves="100"):
     t0 = time.monotonic()
     for i in range(int(saves)):
         path = os.path.join(ck, f"s{i}")
-        r = dcp.async_save(src, storage_writer=ShmckptWriter(path, chunk_size=CHUNK))
+        r = dcp.async_save(src, storage_writer=ShmckptWriter(path, tuning=Tuning(chunk_size=CHUNK)))
         (r.upload_completion if hasattr(r, "upload_completion") else r).result()
         dist.barrier()
         if rank == 0 and prev is not None:
@@ -367,7 +369,8 @@ def fsdp2_save(rank, world, workdir):
         opt.zero_grad()
     ref = full_state(model, opt)  # (collectives: before the save uploads)
     msd, osd = get_state_dict(model, opt)
-    r = dcp.async_save({"model": msd, "optim": osd}, storage_writer=ShmckptWriter(os.path.join(workdir, "ckpt", "fsdp2"), chunk_size=CHUNK))
+    w = ShmckptWriter(os.path.join(workdir, "ckpt", "fsdp2"), tuning=Tuning(chunk_size=CHUNK))
+    r = dcp.async_save({"model": msd, "optim": osd}, storage_writer=w)
     (r.upload_completion if hasattr(r, "upload_completion") else r).result()
     if rank == 0:
         torch.save(ref, os.path.join(workdir, "fsdp2-ref.pt"))
@@ -430,7 +433,7 @@ def sc_plan_cache(rank, world, workdir, saves="3"):
         ref["step"] = 1000 + i
         path = os.path.join(ck, f"s{i}")
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        r = dcp.async_save(src, storage_writer=ShmckptWriter(path, chunk_size=CHUNK), planner=planner)
+        r = dcp.async_save(src, storage_writer=ShmckptWriter(path, tuning=Tuning(chunk_size=CHUNK)), planner=planner)
         (r.upload_completion if hasattr(r, "upload_completion") else r).result()
         dist.barrier()
         dst = zero_state(mesh)
@@ -462,7 +465,7 @@ def sc_dirnames(rank, world, workdir):
     checks = {}
     for i, name in enumerate(DIR_NAMES):
         src = make_state(mesh, seed_shift=float(i))
-        w = ShmckptWriter(os.path.join(ck, name), chunk_size=CHUNK)
+        w = ShmckptWriter(os.path.join(ck, name), tuning=Tuning(chunk_size=CHUNK))
         if name == "plain":
             dcp.save(src, storage_writer=w)
         else:
@@ -513,7 +516,7 @@ def sc_failed_load(rank, world, workdir):
     ck = os.path.join(workdir, "ckpt")
     good, bad = os.path.join(ck, "step-1"), os.path.join(ck, "step-2")
     for path, shift in ((good, 1.0), (bad, 2.0)):
-        dcp.save(_sharded_only(mesh, shift), storage_writer=ShmckptWriter(path, chunk_size=CHUNK))
+        dcp.save(_sharded_only(mesh, shift), storage_writer=ShmckptWriter(path, tuning=Tuning(chunk_size=CHUNK)))
     dist.barrier()
     if rank == 0:
         f = os.path.join(bad, f"rank-00001-of-{world:05d}.safetensors")

@@ -52,7 +52,7 @@ def gloo(root, rank, world, port, out, backend="gloo"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist.init_process_group(backend, rank=rank, world_size=world)
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
     assert (ck.rank, ck.world_size) == (rank, world)
     ck.save(5, to(rank_state(rank, world, 5), device)).wait()
     h = ck.save(6, to(rank_state(rank, world, 6), device), blocking=False)
@@ -113,7 +113,7 @@ def kill(root, step):
     import shmckpt
 
     ck = shmckpt.Checkpointer(
-        root, staging_capacity=160 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1
+        root, tuning=shmckpt.Tuning(staging_capacity=160 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1)
     )
     if not ck.list():
         ck.save(1, {"w": torch.arange(10), "step": 1}).wait()
@@ -165,7 +165,9 @@ def resources(root, out):
         "optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
         "n": 0,
     }
-    with shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=1 << 20, keep_last=2) as c:
+    with shmckpt.Checkpointer(
+        root, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20), keep_last=2
+    ) as c:
         for s in range(30):  # warm up: allocator pools, threads
             c.save(s, state, blocking=bool(s % 2)).wait()
         c.load()

@@ -65,7 +65,7 @@ def main(root, rank, world, port, out, flip):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
-    kw = dict(staging_capacity=8 << 20, chunk_size=1 << 20, check_replicas=group)
+    kw = dict(tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20), check_replicas=group)
     res = {}
 
     # on_divergence="raise" (the default).

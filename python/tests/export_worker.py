@@ -91,7 +91,7 @@ def sc_ddp(rank, world, workdir):
     ddp = DDP(model)
     opt = train(ddp, rank)
     root = os.path.join(workdir, "ckpt")
-    ck = shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20))
     ck.save(3, {"model": ddp.module.state_dict(), "optim": opt.state_dict(), "step": 3}).wait()
     dist.barrier()
     if rank == 0:

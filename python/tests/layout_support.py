@@ -51,7 +51,7 @@ def base_state():
 
 @pytest.fixture
 def ckpt(root):
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as c:
         yield c
 
 

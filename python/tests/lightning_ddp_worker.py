@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from shmckpt import Tuning
 from shmckpt.lightning import ShmckptCheckpointIO
 
 
@@ -45,7 +46,7 @@ def main():
     model = Net()
     trainer = L.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=2, strategy="ddp", deterministic=True,
-        plugins=[ShmckptCheckpointIO(chunk_size=1 << 20)],
+        plugins=[ShmckptCheckpointIO(tuning=Tuning(chunk_size=1 << 20))],
         callbacks=[ModelCheckpoint(dirpath=d, monitor="score", mode="max", save_top_k=2, save_last=True)],
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=d,
     )

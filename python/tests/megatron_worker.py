@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor  # noq
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue  # noqa: E402
 
 import shmckpt.megatron as smg  # noqa: E402
+from shmckpt import Tuning  # noqa: E402
 
 
 def async_queue(persistent=False):
@@ -157,7 +158,7 @@ def scenario_async_queue(rank, world, workdir):
     init(rank, world, workdir, "async")
     res = {}
     q, how = async_queue()
-    strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
+    strategy = smg.ShmckptSaveShardedStrategy(tuning=Tuning(chunk_size=1 << 20))
     dirs = [os.path.join(workdir, "ckpt", f"iter_{i:07d}") for i in (1, 2)]
     for i, d in enumerate(dirs):
         if rank == 0:
@@ -200,7 +201,7 @@ def scenario_sync(rank, world, workdir):
     if rank == 0:
         os.makedirs(d)
     dist.barrier()
-    strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
+    strategy = smg.ShmckptSaveShardedStrategy(tuning=Tuning(chunk_size=1 << 20))
     ret = dist_checkpointing.save(sharded_state(rank, world), d, strategy)
     res = {"returned": repr(ret), "files": sorted(os.listdir(d))}
     loaded = load(sharded_state(rank, world, zero=True), d)
@@ -237,7 +238,7 @@ def scenario_fail(rank, world, workdir):
 
         smg._MegatronWriter.retrieve_write_results = failed
     q, how = async_queue()
-    strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
+    strategy = smg.ShmckptSaveShardedStrategy(tuning=Tuning(chunk_size=1 << 20))
     req = save(sharded_state(rank, world), d, strategy, how, async_sharded_save=True)
     q.schedule_async_request(req)
     res = {}
@@ -293,7 +294,7 @@ def scenario_gpt_cpu(rank, world, workdir):
         os.makedirs(d)
     dist.barrier()
     q, how = async_queue()
-    strategy = smg.ShmckptSaveShardedStrategy(chunk_size=1 << 20)
+    strategy = smg.ShmckptSaveShardedStrategy(tuning=Tuning(chunk_size=1 << 20))
     req = save({"model": model.sharded_state_dict(), "iteration": 5}, d, strategy, how, async_sharded_save=True)
     q.schedule_async_request(req)
     with torch.no_grad():

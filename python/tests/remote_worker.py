@@ -19,9 +19,9 @@ def main(root, url, rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if root == "-":
-        ck = shmckpt.Checkpointer(url, staging_capacity=8 << 20, chunk_size=1 << 20)
+        ck = shmckpt.Checkpointer(url, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
     else:
-        ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, remote=url)
+        ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20), remote=url)
     res = {"committed_here": [], "ok": []}
     for step in (5, 6):
         h = ck.save(step, rank_state(rank, world, step))

@@ -27,7 +27,7 @@ def save_rank_step(root, rank, step):
     one process, with a small staging arena."""
     from replica_worker import rank_state
 
-    ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
     try:
         ck.save(step, rank_state(rank, step)).wait()
     finally:

@@ -77,29 +77,31 @@ def open_ckpt(root, rank, replicas):
     import shmckpt
 
     extra = {}
+    reps = {"node": f"m{rank // 2}"}
     if os.environ.get("REPLICA_WORKER_BW"):
         bw = os.environ["REPLICA_WORKER_BW"]
-        extra["replica_bandwidth"] = None if bw == "none" else float(bw)
+        reps["bandwidth"] = None if bw == "none" else float(bw)
     if os.environ.get("REPLICA_WORKER_NODE_LOCAL") == "1":
-        extra["node_local_root"] = True
+        reps["node_local_root"] = True
         root = root.format(m=rank // 2)
     if os.environ.get("REPLICA_WORKER_KEEP_LAST"):
         extra["keep_last"] = int(os.environ["REPLICA_WORKER_KEEP_LAST"])
     if os.environ.get("REPLICA_WORKER_REMOTE"):
         extra["remote"] = os.environ["REPLICA_WORKER_REMOTE"]
     if os.environ.get("REPLICA_WORKER_TIMEOUT"):
-        extra["replica_timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
+        reps["timeout"] = float(os.environ["REPLICA_WORKER_TIMEOUT"])
     keep = True
     if os.environ.get("REPLICA_WORKER_DISK_EVERY"):
-        extra["disk_every"] = int(os.environ["REPLICA_WORKER_DISK_EVERY"])
+        extra["cadence"] = shmckpt.Cadence(disk_every=int(os.environ["REPLICA_WORKER_DISK_EVERY"]))
         keep = False
     return shmckpt.Checkpointer(
         root,
-        staging_capacity=int(os.environ.get("REPLICA_WORKER_STAGING", 8 << 20)),
-        chunk_size=int(os.environ.get("REPLICA_WORKER_CHUNK", 1 << 20)),
+        tuning=shmckpt.Tuning(
+            staging_capacity=int(os.environ.get("REPLICA_WORKER_STAGING", 8 << 20)),
+            chunk_size=int(os.environ.get("REPLICA_WORKER_CHUNK", 1 << 20)),
+        ),
         keep_in_memory=keep,
-        replicas=replicas,
-        node=f"m{rank // 2}",
+        replicas=shmckpt.Replicas(k=replicas, **reps),
         **extra,
     )
 

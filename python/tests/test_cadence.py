@@ -33,7 +33,7 @@ def assert_state(got, step, n=1 << 16):
 
 
 def opened(root, **kw):
-    return shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20, **kw)
+    return shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20), **kw)
 
 
 def save(ck, step, **kw):
@@ -44,7 +44,7 @@ def save(ck, step, **kw):
 
 
 def test_every_third_save_goes_to_disk_and_the_rest_is_served_from_memory(root):
-    ck = opened(root, disk_every=3)
+    ck = opened(root, cadence=shmckpt.Cadence(disk_every=3))
     r1 = save(ck, 1)
     assert (r1["memory_only"], r1["tiers"]) == (False, ["disk"]) and r1["dir"] is not None
     r2 = save(ck, 2)
@@ -93,7 +93,9 @@ def test_the_default_sends_every_save_to_disk(root):
 def test_auto_skips_the_disk_while_a_large_save_drains(root):
     n = 32 << 20  # 128 MiB of int32: one writer, one request in flight
     with shmckpt.Checkpointer(
-        root, staging_capacity=512 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1, disk_every="auto"
+        root,
+        tuning=shmckpt.Tuning(staging_capacity=512 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1),
+        cadence=shmckpt.Cadence(disk_every="auto"),
     ) as ck:
         h1 = ck.save(1, state(1, n))
         h2 = ck.save(2, state(2))
@@ -117,7 +119,8 @@ _KILLED_CHILD = (
     "import json, os, signal, sys\n"
     "sys.path.insert(0, sys.argv[2])\n"
     "import shmckpt, test_cadence as t\n"
-    "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=32 << 20, chunk_size=1 << 20, disk_every=2)\n"
+    "ck = shmckpt.Checkpointer(sys.argv[1], cadence=shmckpt.Cadence(disk_every=2),\n"
+    "    tuning=shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=1 << 20))\n"
     "r1 = ck.save(1, t.state(1)).wait()\n"
     "r2 = ck.save(2, t.state(2)).wait()\n"
     "print(json.dumps({'r1': r1['memory_only'], 'r2': r2['memory_only'], 'list': ck.list(tiers=True)}), flush=True)\n"
@@ -142,11 +145,11 @@ def test_a_memory_only_step_is_recovered_after_sigkill(root):
 def test_bad_cadences_are_refused(root):
     for bad in (0, -1, "sometimes"):
         with pytest.raises(ValueError):
-            opened(root, disk_every=bad)
+            opened(root, cadence=shmckpt.Cadence(disk_every=bad))
     with pytest.raises(ConfigError):
-        opened(root, disk_every="auto", rank=0, world_size=2)
+        opened(root, cadence=shmckpt.Cadence(disk_every="auto"), rank=0, world_size=2)
     with pytest.raises(ConfigError):
-        opened(root, disk_interval_s=5.0, rank=0, world_size=2)
+        opened(root, cadence=shmckpt.Cadence(disk_interval_s=5.0), rank=0, world_size=2)
 
 
 _KILLED_KEEP_CHILD = (
@@ -196,7 +199,8 @@ _KILLED_STEPS_CHILD = (
     "import json, os, signal, sys\n"
     "sys.path.insert(0, sys.argv[2])\n"
     "import shmckpt, test_cadence as t\n"
-    "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=32 << 20, chunk_size=1 << 20, disk_every=10, memory_steps=2)\n"
+    "ck = shmckpt.Checkpointer(sys.argv[1], cadence=shmckpt.Cadence(disk_every=10, memory_steps=2),\n"
+    "    tuning=shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=1 << 20))\n"
     "mem = [ck.save(s, t.state(s)).wait()['memory_only'] for s in (1, 2, 3, 4)]\n"
     "print(json.dumps({'mem': mem, 'list': ck.list(tiers=True)}), flush=True)\n"
     "os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -206,7 +210,7 @@ _KILLED_STEPS_CHILD = (
 def test_memory_steps_holds_the_newest_and_all_are_recovered_after_sigkill(root):
     # In process: the two newest memory-only steps are held, each loadable.
     live = root / "live"
-    with opened(live, disk_every=10, memory_steps=2) as ck:
+    with opened(live, cadence=shmckpt.Cadence(disk_every=10, memory_steps=2)) as ck:
         assert [save(ck, s)["memory_only"] for s in (1, 2, 3, 4)] == [False, True, True, True]
         assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory"]), (4, ["memory"])]
         assert_state(ck.load(3), 3)
@@ -236,4 +240,4 @@ def test_memory_steps_holds_the_newest_and_all_are_recovered_after_sigkill(root)
         assert_state(ck.load("latest"), 4)
         assert ck.last_load_source[0] == "disk"
     with pytest.raises(ConfigError):
-        opened(root / "bad", disk_every=2, memory_steps=0)
+        opened(root / "bad", cadence=shmckpt.Cadence(disk_every=2, memory_steps=0))

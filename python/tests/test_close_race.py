@@ -52,7 +52,9 @@ def test_close_while_another_thread_saves_flushes_and_loads(tmp_path):
     for i in range(ROUNDS):
         root = tmp_path / f"r{i}"
         root.mkdir()
-        ck = shmckpt.Checkpointer(root, staging_capacity=1 << 20, chunk_size=1 << 16, writer_threads=1)
+        ck = shmckpt.Checkpointer(
+            root, tuning=shmckpt.Tuning(staging_capacity=1 << 20, chunk_size=1 << 16, writer_threads=1)
+        )
         shm = "/dev/shm/" + ck.shm_name
         ck.save(0, {"w": torch.full((N,), 0.0)})
         handles: list = []
@@ -90,7 +92,9 @@ def test_two_threads_closing_both_return_after_the_engine_closed(tmp_path):
     for i in range(50):
         root = tmp_path / f"r{i}"
         root.mkdir()
-        ck = shmckpt.Checkpointer(root, staging_capacity=1 << 20, chunk_size=1 << 16, writer_threads=1)
+        ck = shmckpt.Checkpointer(
+            root, tuning=shmckpt.Tuning(staging_capacity=1 << 20, chunk_size=1 << 16, writer_threads=1)
+        )
         shm = "/dev/shm/" + ck.shm_name
         h = ck.save(1, {"w": torch.full((N,), 1.0)}, blocking=False)
         seen = []
@@ -114,7 +118,9 @@ def test_handle_queries_do_not_wait_for_a_thread_waiting_on_the_handle(tmp_path)
     wait, so `done()`/`staged()` on another thread (GIL held) blocked up to 50 ms, about
     20 times a second. Now the lock is taken only to look. Counted: calls of `done()` over
     20 ms, against the same count for a no-op in the same loop (scheduling noise)."""
-    ck = shmckpt.Checkpointer(tmp_path, staging_capacity=80 << 20, chunk_size=1 << 16, writer_threads=1, queue_depth=1)
+    ck = shmckpt.Checkpointer(
+        tmp_path, tuning=shmckpt.Tuning(staging_capacity=80 << 20, chunk_size=1 << 16, writer_threads=1, queue_depth=1)
+    )
     try:
         state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 64 MiB
         waited = slow = noise = 0.0

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shmckpt import errors
+from shmckpt import Tuning, errors
 from shmckpt.dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter, release
 
 from conftest import descriptors_under
@@ -181,7 +181,7 @@ def cause(e):
 
 
 def save(path, **kw):
-    dcp.save(state(), storage_writer=ShmckptWriter(path, chunk_size=CHUNK, **kw))
+    dcp.save(state(), storage_writer=ShmckptWriter(path, tuning=Tuning(chunk_size=CHUNK), **kw))
 
 
 def test_single_process_roundtrip_and_layout(tmp_path):
@@ -237,7 +237,7 @@ def test_a_second_save_into_one_directory_replaces_it(tmp_path):
     p = tmp_path / "c"
     save(p)
     second = {"w": state()["w"] * 3 + 1, "b": state()["b"] - 2, "meta": {"epoch": 4, "tag": "second"}}
-    dcp.save(second, storage_writer=ShmckptWriter(p, chunk_size=CHUNK))
+    dcp.save(second, storage_writer=ShmckptWriter(p, tuning=Tuning(chunk_size=CHUNK)))
     dst = zeros()
     dcp.load(dst, storage_reader=ShmckptReader(p))
     assert torch.equal(dst["w"], second["w"]) and torch.equal(dst["b"], second["b"])
@@ -246,7 +246,7 @@ def test_a_second_save_into_one_directory_replaces_it(tmp_path):
     assert _spool_leftovers(tmp_path) == [], "the replaced checkpoint is removed"
     # async_save too (DCP's fastest path through the same writer).
     third = {"w": state()["w"] - 7, "b": state()["b"], "meta": {"epoch": 5, "tag": "third"}}
-    _result(dcp.async_save(third, storage_writer=ShmckptWriter(p, chunk_size=CHUNK)))
+    _result(dcp.async_save(third, storage_writer=ShmckptWriter(p, tuning=Tuning(chunk_size=CHUNK))))
     dst = zeros()
     dcp.load(dst, storage_reader=ShmckptReader(p))
     assert torch.equal(dst["w"], third["w"]) and dst["meta"] == {"epoch": 5, "tag": "third"}
@@ -265,7 +265,7 @@ def test_overwrite_false_refuses_and_a_failed_second_save_keeps_the_first(tmp_pa
         assert dst["meta"] == {"epoch": 3, "tag": "x"}
 
     with pytest.raises(FAIL) as ei:
-        dcp.save(second, storage_writer=ShmckptWriter(p, overwrite=False, chunk_size=CHUNK))
+        dcp.save(second, storage_writer=ShmckptWriter(p, overwrite=False, tuning=Tuning(chunk_size=CHUNK)))
     assert isinstance(cause(ei.value), FileExistsError) and "overwrite=False" in str(cause(ei.value))
     first_is_intact()
     # The second save fails after its rank's file is durable, before it is published:
@@ -277,7 +277,7 @@ def test_overwrite_false_refuses_and_a_failed_second_save_keeps_the_first(tmp_pa
 
     monkeypatch.setattr(writer_mod._shmckpt, "publish_dir", boom)
     with pytest.raises(FAIL) as ei:
-        dcp.save(second, storage_writer=ShmckptWriter(p, chunk_size=CHUNK))
+        dcp.save(second, storage_writer=ShmckptWriter(p, tuning=Tuning(chunk_size=CHUNK)))
     assert "injected" in str(cause(ei.value))
     monkeypatch.undo()
     first_is_intact()
@@ -413,7 +413,7 @@ def test_reader_refuses_a_filesystemwriter_checkpoint(tmp_path):
 def test_unsupported_dtype_is_a_type_error(tmp_path):
     st = {"c": torch.zeros(3, dtype=torch.complex128)}
     with pytest.raises(FAIL) as ei:
-        dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
+        dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "c", tuning=Tuning(chunk_size=CHUNK)))
     assert "complex128" in str(ei.value)
     assert not (tmp_path / "c").exists()
 
@@ -423,7 +423,7 @@ def _result(resp):
 
 
 def test_checkpoint_id_given_to_async_save_is_where_it_is_published(tmp_path):
-    w = ShmckptWriter(tmp_path / "ctor", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "ctor", tuning=Tuning(chunk_size=CHUNK))
     _result(dcp.async_save(state(), checkpoint_id=tmp_path / "a", storage_writer=w))
     # The same writer again, for another checkpoint.
     _result(dcp.async_save(state(), checkpoint_id=tmp_path / "b", storage_writer=w))
@@ -438,10 +438,10 @@ def test_overlapping_async_saves_each_keep_their_own_snapshot(tmp_path):
     """A second async_save while the first one still uploads; each checkpoint holds the
     values at its own call."""
     s = state()
-    r1 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "one", chunk_size=CHUNK))
+    r1 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "one", tuning=Tuning(chunk_size=CHUNK)))
     s["w"].add_(1.0)
     s["meta"]["epoch"] = 4
-    r2 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "two", chunk_size=CHUNK))
+    r2 = dcp.async_save(s, storage_writer=ShmckptWriter(tmp_path / "two", tuning=Tuning(chunk_size=CHUNK)))
     s["w"].add_(1.0)
     _result(r1)
     _result(r2)
@@ -455,9 +455,9 @@ def test_overlapping_async_saves_each_keep_their_own_snapshot(tmp_path):
 
 def test_a_larger_state_grows_the_arena_and_older_files_survive(tmp_path):
     small = state()
-    r1 = dcp.async_save(small, storage_writer=ShmckptWriter(tmp_path / "small", chunk_size=CHUNK))
+    r1 = dcp.async_save(small, storage_writer=ShmckptWriter(tmp_path / "small", tuning=Tuning(chunk_size=CHUNK)))
     big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: needs a bigger arena
-    r2 = dcp.async_save(big, storage_writer=ShmckptWriter(tmp_path / "big", chunk_size=CHUNK))
+    r2 = dcp.async_save(big, storage_writer=ShmckptWriter(tmp_path / "big", tuning=Tuning(chunk_size=CHUNK)))
     _result(r1)
     _result(r2)
     dst = zeros()
@@ -474,7 +474,7 @@ def test_a_reused_writer_never_publishes_an_older_snapshot(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x").write_bytes(b"1")
-    w = ShmckptWriter(tmp_path / "unused", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "unused", tuning=Tuning(chunk_size=CHUNK))
     first = state()
     with pytest.raises(FAIL):
         _result(dcp.async_save(first, checkpoint_id=bad, storage_writer=w))
@@ -531,14 +531,14 @@ def test_prepare_opens_the_engine_every_later_writer_reuses(tmp_path):
     from shmckpt.dcp import prepare
 
     assert _arenas_of_this_process() == []
-    info = prepare(tmp_path, staging_capacity=8 << 20, devices=[], chunk_size=CHUNK)
+    info = prepare(tmp_path, staging_capacity=8 << 20, devices=[], tuning=Tuning(chunk_size=CHUNK))
     assert info["cuda_registration_s"] is None
     assert info["staging_capacity"] == 8 << 20
     assert info["open_s"] > 0
     assert _arenas_of_this_process() == [info["shm_name"]]
     src = state()
     dcp.save(src, storage_writer=ShmckptWriter(tmp_path / "a"))
-    w = ShmckptWriter(tmp_path / "b", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "b", tuning=Tuning(chunk_size=CHUNK))
     _result(dcp.async_save(src, storage_writer=w))
     # stage() said where its time went; the prepared arena needed no registration.
     st = w.last_stage
@@ -556,7 +556,7 @@ def test_prepare_opens_the_engine_every_later_writer_reuses(tmp_path):
     # Another parent directory is another spool, hence another engine.
     other = tmp_path / "other"
     other.mkdir()
-    dcp.save(src, storage_writer=ShmckptWriter(other / "c", chunk_size=CHUNK))
+    dcp.save(src, storage_writer=ShmckptWriter(other / "c", tuning=Tuning(chunk_size=CHUNK)))
     assert len(_arenas_of_this_process()) == 2
     release()
     assert _arenas_of_this_process() == []
@@ -565,7 +565,7 @@ def test_prepare_opens_the_engine_every_later_writer_reuses(tmp_path):
 def test_prepare_too_small_is_grown_by_the_first_save_that_needs_more(tmp_path):
     from shmckpt.dcp import prepare
 
-    info = prepare(tmp_path, staging_capacity=1 << 20, devices=[], chunk_size=CHUNK)
+    info = prepare(tmp_path, staging_capacity=1 << 20, devices=[], tuning=Tuning(chunk_size=CHUNK))
     big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB
     dcp.save(big, storage_writer=ShmckptWriter(tmp_path / "big"))
     arenas = _arenas_of_this_process()
@@ -593,7 +593,9 @@ def test_reader_reports_the_path_each_item_took_on_cpu(tmp_path):
     assert reader.last_read == {"files": 1, "device_items": 0, "direct_host_items": 0, "host_items": 4}
     # DCP plans no read for an empty tensor.
     q = tmp_path / "e"
-    dcp.save({"a": torch.ones(3), "e": torch.empty(0, 3)}, storage_writer=ShmckptWriter(q, chunk_size=CHUNK))
+    dcp.save(
+        {"a": torch.ones(3), "e": torch.empty(0, 3)}, storage_writer=ShmckptWriter(q, tuning=Tuning(chunk_size=CHUNK))
+    )
     dst = {"a": torch.zeros(3), "e": torch.empty(0, 3)}
     r2 = ShmckptReader(q)
     dcp.load(dst, storage_reader=r2)

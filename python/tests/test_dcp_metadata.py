@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shmckpt import errors
+from shmckpt import Tuning, errors
 from shmckpt.dcp import ShmckptReader, ShmckptStorageInfo, ShmckptWriter
 
 from test_dcp import CHUNK, FAIL, save, state, zeros
@@ -150,7 +150,7 @@ def test_real_dcp_metadata_of_this_torch_still_loads(tmp_path):
     st["nested"] = {"cl": torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last), "i": torch.arange(5)}
     st["empty"] = torch.empty(0, 3)
     dcp.save(st, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")))
-    dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "shm", chunk_size=CHUNK))
+    dcp.save(st, storage_writer=ShmckptWriter(tmp_path / "shm", tuning=Tuning(chunk_size=CHUNK)))
     for name in ("fs", "shm"):
         f = tmp_path / name / ".metadata"
         with open(f, "rb") as fh:

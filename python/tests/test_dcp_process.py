@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan
 
 import shmckpt.dcp.engines as engines
-from shmckpt import errors
+from shmckpt import Tuning, errors
 from shmckpt.dcp import ShmckptWriter
 from shmckpt.dcp.items import _Save
 from shmckpt.dcp.staging import UNREAD, StagedState
@@ -121,7 +121,9 @@ def _state():
 
 
 def test_a_pickled_writer_is_its_configuration(tmp_path):
-    w = ShmckptWriter(tmp_path / "c", overwrite=False, spool=tmp_path / "sp", chunk_size=CHUNK, writer_threads=3)
+    w = ShmckptWriter(
+        tmp_path / "c", overwrite=False, spool=tmp_path / "sp", tuning=Tuning(chunk_size=CHUNK, writer_threads=3)
+    )
     w.stage(_state())
     data = pickle.dumps(w)
     assert len(data) < 2048 and b"Engine" not in data and b"_staged" not in data
@@ -133,7 +135,7 @@ def test_a_pickled_writer_is_its_configuration(tmp_path):
 
 def test_a_staged_state_pickles_to_its_plan_view_without_tensor_bytes(tmp_path):
     st = _state()
-    w = ShmckptWriter(tmp_path / "c", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "c", tuning=Tuning(chunk_size=CHUNK))
     staged = w.stage(st)
     assert isinstance(staged, StagedState) and staged["w"] is st["w"]
     assert len(w._staged) == 1
@@ -166,7 +168,7 @@ class _Planner:
 def test_a_save_that_failed_in_the_trainer_raises_from_write_data_in_the_receiver(tmp_path):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    w = ShmckptWriter(tmp_path / "c", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "c", tuning=Tuning(chunk_size=CHUNK))
     save = _Save(str(tmp_path / ".shmckpt-dcp"), 7, str(tmp_path / "c"))
     save.handle = _FailingHandle()
     w._staged.append(save)
@@ -185,7 +187,7 @@ def test_the_thread_checkpointer_never_pickles(tmp_path):
     from shmckpt.dcp import ShmckptReader
 
     st = _state()
-    w = ShmckptWriter(tmp_path / "c", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "c", tuning=Tuning(chunk_size=CHUNK))
     dcp.async_save(st, storage_writer=w).result()
     dst = {k: v for k, v in _state().items()}
     dst["w"] = torch.zeros(1024, 1024)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shmckpt import _shmckpt, errors
+from shmckpt import Tuning, _shmckpt, errors
 from shmckpt.dcp import ShmckptReader, ShmckptWriter
 import zygote
 
@@ -85,7 +85,7 @@ def saved(tmp_path):
         "b": torch.arange(3000, dtype=torch.float32) * 2,
         "c": torch.arange(500, dtype=torch.float32) * 3,
     }
-    dcp.save(st, storage_writer=ShmckptWriter(p, chunk_size=1 << 20))
+    dcp.save(st, storage_writer=ShmckptWriter(p, tuning=Tuning(chunk_size=1 << 20)))
     md = ShmckptReader(p).read_metadata()
     names = {idx.fqn: info.tensor for idx, info in md.storage_data.items()}
     return p, {names[k]: v.numpy().tobytes() for k, v in st.items()}, names

@@ -136,7 +136,7 @@ def test_single_process_save_then_load_after_the_local_directory_is_gone(s3, tmp
     dcp.load(got, storage_reader=ShmckptReader(url))
     assert torch.equal(got["w"], sd["w"]) and torch.equal(got["i"], sd["i"]) and got["v"] == {"x": [1, "a"]}
     scratch.mkdir()  # a Checkpointer keeps its scratch directory there
-    with shmckpt.Checkpointer(f"s3://{bucket}/one", staging_capacity=8 << 20) as ck:
+    with shmckpt.Checkpointer(f"s3://{bucket}/one", tuning=shmckpt.Tuning(staging_capacity=8 << 20)) as ck:
         assert ck.list(remote=True) == [3]
     # A second save to the same step is refused before anything is written.
     err = _dcp_error(lambda: dcp.save(sd, storage_writer=ShmckptWriter(url)))

@@ -49,7 +49,7 @@ def test_not_found_names_the_step_and_the_root(ck, root):
         assert fields(ei.value) == ("NotFound", str(root), None, 7, None, None), str(ei.value)
     # "latest" of an empty root names no step.
     empty = root / "empty"
-    with shmckpt.Checkpointer(empty, staging_capacity=8 << 20, chunk_size=1 << 20) as ck2:
+    with shmckpt.Checkpointer(empty, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)) as ck2:
         with pytest.raises(errors.NotFound) as ei:
             ck2.manifest()
     assert (ei.value.step, ei.value.path) == (None, str(empty))

@@ -83,7 +83,9 @@ def _special_floats():
 def test_casts_match_torch_bit_for_bit(tmp_path, dtype, torch_dtype):
     x = _special_floats()
     ids = torch.arange(7, dtype=torch.int64)
-    with shmckpt.Checkpointer(tmp_path / "ck", staging_capacity=8 << 20, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(
+        tmp_path / "ck", tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)
+    ) as ck:
         ck.save(1, {"model": {"w": x, "ids": ids}, "optim": {"m": x}}).wait()
     rep = shmckpt.export(tmp_path / "ck", tmp_path / "hf", dtype=dtype)
     assert rep.tensors == 2 and rep.files == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
@@ -102,7 +104,9 @@ def test_casts_match_torch_bit_for_bit(tmp_path, dtype, torch_dtype):
 
 def test_rename_callable_and_errors(tmp_path):
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    with shmckpt.Checkpointer(tmp_path / "ck", staging_capacity=8 << 20, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(
+        tmp_path / "ck", tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)
+    ) as ck:
         ck.save(2, {"model": {"a.weight": w, "b.bias": w[0].clone()}, "optimizer": {"m": w + 1}}).wait()
     names = []
 
@@ -132,7 +136,9 @@ def test_cli_exports_and_refuses_a_damaged_checkpoint(tmp_path):
     if exe is None:
         pytest.skip("no shmckpt command line (cargo build --bin shmckpt, or SHMCKPT_BIN)")
     w = torch.randn(64, 32)
-    with shmckpt.Checkpointer(tmp_path / "ck", staging_capacity=8 << 20, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(
+        tmp_path / "ck", tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)
+    ) as ck:
         ck.save(4, {"model": {"model.embed.weight": w}, "optim": {"m": w}}).wait()
     out = tmp_path / "hf"
     p = subprocess.run(
@@ -170,7 +176,9 @@ def test_export_from_the_kept_arena_while_training_runs(tmp_path):
     root = tmp_path / "ck"
     g = torch.Generator().manual_seed(5)
     state = {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.arange(9)}, "optim": {"m": torch.ones(4)}}
-    ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(
+        root, keep_in_memory=True, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20)
+    )
     try:
         ck.save(3, state).wait()
         mem = shmckpt.export(f"memory:{root}", tmp_path / "m", rename=lambda n: "x." + n, max_shard_size=50_000)

@@ -35,12 +35,12 @@ def randbytes(n, seed):
 
 def test_missing_root_and_parents_are_created(tmp_path):
     root = tmp_path / "runs" / "a" / "b"
-    with shmckpt.Checkpointer(root, staging_capacity=8 * MIB, chunk_size=MIB) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 * MIB, chunk_size=MIB)) as ck:
         assert root.is_dir()
         ck.save(1, {"w": torch.arange(6.0)}).wait()
         assert raw(ck.load(1)["w"]) == raw(torch.arange(6.0))
     # An existing root is used as it is.
-    with shmckpt.Checkpointer(root, staging_capacity=8 * MIB, chunk_size=MIB) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 * MIB, chunk_size=MIB)) as ck:
         assert ck.list() == [1]
 
 
@@ -48,14 +48,14 @@ def test_root_that_cannot_be_created_is_a_clear_error(tmp_path):
     f = tmp_path / "file"
     f.write_bytes(b"x")
     with pytest.raises(shmckpt.RootCreateFailed) as ei:
-        shmckpt.Checkpointer(f / "sub", staging_capacity=8 * MIB, chunk_size=MIB)
+        shmckpt.Checkpointer(f / "sub", tuning=shmckpt.Tuning(staging_capacity=8 * MIB, chunk_size=MIB))
     e = ei.value
     assert isinstance(e, shmckpt.RootMissing) and isinstance(e, shmckpt.ShmckptError)
     assert e.kind == "RootCreateFailed" and e.errno_code == errno.ENOTDIR
     assert str(e).startswith(f"cannot create checkpoint root {f / 'sub'}: "), str(e)
     # A file where the root should be.
     with pytest.raises(shmckpt.RootCreateFailed) as ei:
-        shmckpt.Checkpointer(f, staging_capacity=8 * MIB, chunk_size=MIB)
+        shmckpt.Checkpointer(f, tuning=shmckpt.Tuning(staging_capacity=8 * MIB, chunk_size=MIB))
     assert ei.value.errno_code == errno.EEXIST
     assert f.read_bytes() == b"x" and sorted(os.listdir(tmp_path)) == ["file"]
 
@@ -70,7 +70,7 @@ def expected_capacity(file_bytes, chunk):
 
 def test_staging_capacity_sizes_itself_from_the_saves(root):
     chunk = MIB
-    ck = shmckpt.Checkpointer(root, chunk_size=chunk)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(chunk_size=chunk))
     try:
         assert ck.staging_capacity == 64 * MIB  # the first arena
         small = {"w": randbytes(4 * MIB, 0)}
@@ -107,7 +107,7 @@ def test_staging_capacity_sizes_itself_from_the_saves(root):
 
 
 def test_an_explicit_staging_capacity_does_not_grow(root):
-    with shmckpt.Checkpointer(root, staging_capacity=8 * MIB, chunk_size=MIB) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 * MIB, chunk_size=MIB)) as ck:
         with pytest.raises(shmckpt.TooLarge, match="raise staging_capacity"):
             ck.save(1, {"w": randbytes(9 * MIB, 0)})
         assert ck.staging_capacity == 8 * MIB and ck.list() == []
@@ -118,7 +118,7 @@ CHILD_SMALL_SHM = textwrap.dedent(
     import os, sys, torch, shmckpt
     assert os.listdir("/dev/shm") == []
     root = sys.argv[1]
-    ck = shmckpt.Checkpointer(root, chunk_size=1 << 20)   # a 64 MiB arena in a 80 MiB tmpfs
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(chunk_size=1 << 20))   # a 64 MiB arena in a 80 MiB tmpfs
     try:
         ck.save(1, {"w": torch.zeros(100 << 18)})          # needs 100 MiB of staging
     except shmckpt.ShmTooSmall as e:

@@ -25,14 +25,18 @@ def _kept_names(root):
 def test_kept_arena_serves_the_next_load_from_memory(tmp_path):
     root = str(tmp_path)
     assert _kept_names(root) == []
-    ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(
+        root, keep_in_memory=True, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20)
+    )
     ck.save(3, _state(3)).wait()
     ck.save(4, _state(4)).wait()
     ck.close()
     kept = _kept_names(root)
     assert len(kept) == 1, kept
     try:
-        ck2 = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+        ck2 = shmckpt.Checkpointer(
+            root, keep_in_memory=True, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20)
+        )
         assert ck2.last_load_source is None
         got = ck2.load()
         assert ck2.last_load_source == ("memory", None)
@@ -52,7 +56,7 @@ def test_kept_arena_serves_the_next_load_from_memory(tmp_path):
 
 
 def test_option_off_keeps_nothing_and_loads_from_disk(tmp_path):
-    ck = shmckpt.Checkpointer(str(tmp_path), staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(str(tmp_path), tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20))
     ck.save(1, _state(1)).wait()
     got = ck.load()
     assert ck.last_load_source == ("disk", None)
@@ -65,14 +69,18 @@ def test_a_damaged_disk_copy_is_reported_by_a_load_from_memory(tmp_path):
     """Issue 21, item 7: the kept image serves the load (its bytes are the manifest's), and
     the truncated file on disk is reported, not hidden."""
     root = str(tmp_path)
-    ck = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(
+        root, keep_in_memory=True, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20)
+    )
     ck.save(4, _state(4)).wait()
     ck.close()
     try:
         path = os.path.join(root, "step-4", "rank-00000-of-00001.safetensors")
         size = os.path.getsize(path)
         os.truncate(path, size - 1)
-        ck2 = shmckpt.Checkpointer(root, keep_in_memory=True, staging_capacity=16 << 20, chunk_size=1 << 20)
+        ck2 = shmckpt.Checkpointer(
+            root, keep_in_memory=True, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=1 << 20)
+        )
         got = ck2.load()
         source, problem = ck2.last_load_source
         assert source == "memory", (source, problem)

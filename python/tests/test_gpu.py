@@ -59,7 +59,7 @@ def test_transformer_adamw_non_blocking_under_guard_restores_bit_identical(root)
     g = torch.Generator(device="cuda").manual_seed(0)
     model = Block().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         ck.guard(opt)
         for _ in range(3):
             step(model, opt, g)
@@ -88,7 +88,7 @@ def test_save_allocates_no_device_memory(root):
     x = torch.randn(1024, 1024, device="cuda")
     state = {"a": x, "t": x.t(), "slice": x[::3, 5:9], "b": torch.ones(7, device="cuda", dtype=torch.bfloat16)}
     torch.cuda.synchronize()
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         ck.prepare_cuda([torch.cuda.current_device()])
         before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         ck.save(1, state).wait()
@@ -105,7 +105,7 @@ def test_save_allocates_no_device_memory(root):
 def test_copies_are_ordered_after_the_current_stream(root):
     s = torch.cuda.Stream()
     x = torch.zeros(4 << 20, device="cuda")
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         with torch.cuda.stream(s):
             y = torch.randn(2048, 2048, device="cuda")
             for _ in range(20):  # keep the stream busy
@@ -118,7 +118,7 @@ def test_copies_are_ordered_after_the_current_stream(root):
 def test_interchange_with_safetensors_on_cuda(root):
     torch.manual_seed(0)
     model = Block().cuda()
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         ck.save(1, {"model": model.state_dict()}).wait()
     files = load_file(file_of(root, 1), device="cuda")
     for k, v in model.state_dict().items():
@@ -132,7 +132,7 @@ def test_mixed_cpu_and_cuda_load_into(root):
         "n": torch.arange(3),
         "empty": torch.empty(0, 3, device="cuda"),
     }
-    with shmckpt.Checkpointer(root, staging_capacity=16 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=16 << 20)) as ck:
         ck.save(1, state).wait()
         dest = {
             "w": torch.zeros(4, 3, device="cuda").t(),

@@ -15,7 +15,7 @@ def test_kernels_after_an_unguarded_non_blocking_save_do_not_change_it(root):
     x = torch.randn(64 << 20, device="cuda", generator=g)  # 256 MiB: the copy takes a while
     y = torch.randint(0, 255, (5, 1 << 20), device="cuda", dtype=torch.uint8, generator=g)
     ref = {"x": x.cpu(), "y": y.cpu()}
-    with shmckpt.Checkpointer(root, staging_capacity=512 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=512 << 20)) as ck:
         ck.prepare_cuda()
         torch.cuda.synchronize()
         host_before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
@@ -41,7 +41,7 @@ def test_the_guard_orders_the_optimizer_step_after_the_copies(root):
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    with shmckpt.Checkpointer(root, staging_capacity=512 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=512 << 20)) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
         state = {"p": params, "o": opt.state_dict()}
@@ -77,7 +77,7 @@ def test_a_guard_waiting_for_staging_chunks_never_blocks_another_threads_look(ro
     for p in params:
         p.grad = torch.ones_like(p)
     ref = [p.detach().cpu() for p in params]
-    with shmckpt.Checkpointer(root, staging_capacity=(4 << 30) + (64 << 20)) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=(4 << 30) + (64 << 20))) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
         torch.cuda.synchronize()
@@ -119,7 +119,7 @@ def test_lazy_views_make_an_unguarded_non_blocking_save_not_hold(root):
     x = torch.randn(1 << 12, device="cuda", generator=g)
     state = {"z": z.conj(), "x": torch._neg_view(x), "w": x}
     want = {"z": z.conj().resolve_conj().cpu(), "x": (-x).cpu(), "w": x.cpu()}
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         ck.prepare_cuda()
         for step in (1, 2):
             ck.save(step, state, blocking=False).wait()

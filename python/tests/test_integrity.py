@@ -292,7 +292,7 @@ def test_dcp_writer_stores_lazy_views_by_value(tmp_path):
     for mode in ("save", "async_save"):
         p = tmp_path / mode
         st = {"z": z, "zc": z.conj(), "fn": torch._neg_view(f), "zcn": torch._neg_view(z.conj())}
-        w = ShmckptWriter(p, chunk_size=CHUNK)
+        w = ShmckptWriter(p, tuning=shmckpt.Tuning(chunk_size=CHUNK))
         if mode == "save":
             dcp.save(st, storage_writer=w)
         else:
@@ -313,7 +313,7 @@ def test_dcp_reader_fills_lazy_views_with_the_checkpoints_values(tmp_path):
 
     z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
     f = torch.arange(5.0) + 1
-    dcp.save({"z": z, "f": f}, storage_writer=ShmckptWriter(tmp_path / "c", chunk_size=CHUNK))
+    dcp.save({"z": z, "f": f}, storage_writer=ShmckptWriter(tmp_path / "c", tuning=shmckpt.Tuning(chunk_size=CHUNK)))
     zmem, fmem = torch.zeros(4, dtype=torch.complex64), torch.zeros(5)
     out = {"z": zmem.conj(), "f": torch._neg_view(fmem)}
     dcp.load(out, storage_reader=ShmckptReader(tmp_path / "c"))
@@ -339,7 +339,7 @@ class Rewrap(Wrapper):
 )
 def test_dcp_writer_refuses_tensors_without_their_values_in_memory(tmp_path, make, what):
     st = {"ok": torch.ones(4), "x": make()}
-    w = ShmckptWriter(tmp_path / "c", chunk_size=CHUNK)
+    w = ShmckptWriter(tmp_path / "c", tuning=shmckpt.Tuning(chunk_size=CHUNK))
     with pytest.raises(BaseException) as ei:
         w.stage(st)
     assert isinstance(ei.value, shmckpt.UnsupportedValue), repr(ei.value)
@@ -635,7 +635,7 @@ def test_cuda_lazy_views_are_saved_by_value_with_no_device_memory(root):
     state = cuda_lazy_state()
     expect = {k: _state.resolved(v).cpu() for k, v in state.items()}
     torch.cuda.synchronize()
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
         ck.prepare_cuda([torch.cuda.current_device()])
         # Garbage of earlier tests (CUDA tensors in reference cycles) would be freed by a
         # collection during the saves and move the counters: collect it first.
@@ -668,7 +668,7 @@ def test_cuda_lazy_views_through_the_dcp_writer(tmp_path):
     torch.cuda.synchronize()
     for mode in ("save", "async_save"):
         p = tmp_path / mode
-        w = ShmckptWriter(p, chunk_size=CHUNK)
+        w = ShmckptWriter(p, tuning=shmckpt.Tuning(chunk_size=CHUNK))
         if mode == "save":
             dcp.save(state, storage_writer=w)
         else:

@@ -312,7 +312,7 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
         p.grad = torch.randn_like(p)
     opt.step()
     state = {"p": params, "o": opt.state_dict()["state"]}
-    with shmckpt.Checkpointer(root, staging_capacity=256 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=256 << 20)) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
 

@@ -69,7 +69,7 @@ def test_topk_last_and_resume_continue_bit_identically(tmp_path):
 
     # Interrupted after 3 epochs, checkpointed every epoch through shmckpt.
     d = tmp_path / "ckpts"
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     waits = []
     orig_wait = shmckpt.SaveHandle.wait
 
@@ -98,7 +98,7 @@ def test_topk_last_and_resume_continue_bit_identically(tmp_path):
     b = Net(lr=0.05)
     torch.manual_seed(1234)  # a different init, overwritten by the checkpoint
     b.body[0].weight.data.normal_()
-    io2 = ShmckptCheckpointIO(chunk_size=MIB)
+    io2 = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     mc2 = ModelCheckpoint(dirpath=str(d), monitor="score", mode="max", save_top_k=2, save_last=True)
     trainer(tmp_path, 6, [io2], [mc2]).fit(b, data(), ckpt_path="last")
     ref_losses = dict((s, raw(v)) for s, v in ref.losses)
@@ -128,7 +128,7 @@ def test_checkpoint_dict_round_trips_with_its_types_and_no_pickle(tmp_path):
             saved[os.path.basename(path)] = copy.deepcopy(checkpoint)
             super().save_checkpoint(checkpoint, path, storage_options)
 
-    io = Capture(chunk_size=MIB)
+    io = Capture(tuning=shmckpt.Tuning(chunk_size=MIB))
     d = tmp_path / "ck"
     trainer(tmp_path, 2, [io], [ModelCheckpoint(dirpath=str(d), save_top_k=-1)]).fit(Net(tag="x"), data())
     assert sorted(saved) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
@@ -162,7 +162,7 @@ def same(a, b, path):
 
 
 def test_values_the_format_cannot_hold_are_refused_naming_their_key(tmp_path):
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     ck = {"state_dict": collections.OrderedDict(w=torch.ones(2)), "hyper_parameters": {"classes": {"a", "b"}}}
     with pytest.raises(TypeError, match=r"state\['hyper_parameters'\]\['classes'\]"):
         io.save_checkpoint(ck, tmp_path / "x.ckpt")
@@ -171,7 +171,7 @@ def test_values_the_format_cannot_hold_are_refused_naming_their_key(tmp_path):
 
 
 def test_overwrite_remove_and_errors(tmp_path):
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     p = tmp_path / "last.ckpt"
     io.save_checkpoint({"w": torch.arange(3.0), "n": 1}, p)
     io.save_checkpoint({"w": torch.arange(4.0), "n": 2}, p)  # overwrites: the first step goes
@@ -244,7 +244,7 @@ def test_a_swapped_step_is_a_corrupt_error_naming_both_steps(tmp_path):
     right) is refused, never loaded as the step the link names."""
     import shutil
 
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     io.save_checkpoint({"w": torch.arange(3.0), "n": 0}, tmp_path / "a.ckpt")
     io.save_checkpoint({"w": torch.arange(4.0), "n": 1}, tmp_path / "b.ckpt")
     io.teardown()
@@ -303,7 +303,7 @@ def test_model_checkpoint_versions_keep_every_save(tmp_path, monkeypatch):
 
 def test_a_new_name_exists_when_save_returns_and_an_old_one_keeps_its_step(tmp_path, monkeypatch):
     _slow_commits(monkeypatch, 0.5)
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     p, q = tmp_path / "a.ckpt", tmp_path / "last.ckpt"
     io.save_checkpoint({"n": 0, "w": torch.ones(2)}, q)
     io.teardown()
@@ -330,7 +330,7 @@ def test_a_step_in_flight_is_never_removed_when_an_earlier_save_takes_its_name(t
     earlier publish replaces the new reservation, and must not remove the step that
     reservation named (committed by then, published next)."""
     _slow_commits(monkeypatch, 0.5)
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     p = tmp_path / "last.ckpt"
     io.save_checkpoint({"n": 0}, p)
     os.remove(p)
@@ -354,7 +354,7 @@ def test_a_reservation_left_by_an_ended_process_loads_its_step_or_says_why(tmp_p
     # Never committed, or committed for another name: NotFound saying so.
     assert _shmckpt.reserve_name(d, "lost.ckpt", 7) is True
     assert _shmckpt.reserve_name(d, "other.ckpt", 4) is True
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     assert io.load_checkpoint(tmp_path / "kept.ckpt")["n"] == 4
     with pytest.raises(shmckpt.NotFound, match="reserved for step 7 by a save that was never committed"):
         io.load_checkpoint(tmp_path / "lost.ckpt")
@@ -404,7 +404,7 @@ def test_a_process_that_saves_and_exits_at_once_publishes_its_save(tmp_path, end
 
 
 def test_names_like_engine_directories_are_a_trainers_to_give(tmp_path):
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     # ModelCheckpoint(filename="step-{step}") makes `step-5.ckpt`: not the engine's step-5.
     io.save_checkpoint({"w": torch.arange(2.0)}, tmp_path / "step-5.ckpt")
     io.teardown()
@@ -417,7 +417,7 @@ def test_names_like_engine_directories_are_a_trainers_to_give(tmp_path):
 
 
 def test_unknown_settings_and_urls_are_refused(tmp_path, monkeypatch):
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     # Settings are checked at construction: an unknown one is named, the valid ones listed.
     with pytest.raises(TypeError, match=r"unknown setting 'keep_lst'; the settings are staging_capacity, chunk_size"):
         ShmckptCheckpointIO(keep_lst=3)
@@ -455,7 +455,7 @@ def trained_run(tmp_path):
     model = Net(lr=0.02, width=12, tag="run")
     d = tmp_path / "ckpts"
     mc = ModelCheckpoint(dirpath=str(d), save_last=True, save_top_k=1, monitor="score", mode="max")
-    trainer(tmp_path, 2, [ShmckptCheckpointIO(chunk_size=MIB)], [mc]).fit(model, data())
+    trainer(tmp_path, 2, [ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))], [mc]).fit(model, data())
     return model, d
 
 
@@ -498,7 +498,7 @@ def test_lightnings_own_loaders_read_a_plugin_checkpoint_through_shmckpt_urls(tm
 
     # Trainer.fit(ckpt_path=shmckpt://...) resumes through Lightning's own TorchCheckpointIO
     # (fsspec exists + open), and through the plugin (a local path to it).
-    for plugins in ([], [ShmckptCheckpointIO(chunk_size=MIB)]):
+    for plugins in ([], [ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))]):
         t = trainer(tmp_path / f"resume{len(plugins)}", 3, plugins, [])
         m = Net(lr=0.02, width=12, tag="run")
         t.fit(m, data(), ckpt_path=f"shmckpt://{last}")
@@ -593,7 +593,7 @@ def test_fit_and_teardown_leave_only_checkpoints_in_dirpath(tmp_path):
 
     d = tmp_path / "ckpts"
     mc = ModelCheckpoint(dirpath=str(d), save_last=True, save_top_k=2, monitor="score", mode="max")
-    trainer(tmp_path, 3, [ShmckptCheckpointIO(chunk_size=MIB)], [mc, Look()]).fit(Net(), data())
+    trainer(tmp_path, 3, [ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))], [mc, Look()]).fit(Net(), data())
     assert seen == [None, [".shmckpt-rank-0.lock"], [".shmckpt-rank-0.lock"]]  # the open engine's
     ls = links(d)
     assert sorted(ls) == sorted(os.path.basename(p) for p in (*mc.best_k_models, mc.last_model_path))
@@ -608,14 +608,14 @@ def test_fit_and_teardown_leave_only_checkpoints_in_dirpath(tmp_path):
     from shmckpt.lightning import _remove_rank_lock
 
     lock = tmp_path / ".shmckpt-rank-0.lock"
-    io = ShmckptCheckpointIO(chunk_size=MIB)
+    io = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "x.ckpt")
     io._drain()
     _remove_rank_lock(str(tmp_path))  # the open engine holds it
     assert lock.exists()
     io.teardown()
     assert not lock.exists()
-    shmckpt.Checkpointer(str(tmp_path), staging_capacity=MIB, chunk_size=MIB).close()
+    shmckpt.Checkpointer(str(tmp_path), tuning=shmckpt.Tuning(staging_capacity=MIB, chunk_size=MIB)).close()
     fd = os.open(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe (shmckpt shm / recover)
@@ -640,7 +640,7 @@ def test_a_second_plugin_loads_what_the_first_is_still_publishing_and_pickling(t
         return orig_wait(self)
 
     monkeypatch.setattr(shmckpt.SaveHandle, "wait", slow_wait)
-    first = ShmckptCheckpointIO(chunk_size=MIB)
+    first = ShmckptCheckpointIO(tuning=shmckpt.Tuning(chunk_size=MIB))
     p = tmp_path / "checkpoint.ckpt"
     first.save_checkpoint({"w": torch.arange(4.0), "n": 7}, p)
     assert os.path.isfile(p) and not os.path.islink(p)  # reserved, not published yet

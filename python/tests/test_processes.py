@@ -120,7 +120,7 @@ def test_sigkill_after_staging_then_shmckpt_recover(root):
         assert not os.path.exists(f"/dev/shm/{shm}")
         if not committed_before:
             recovered += 1
-        with shmckpt.Checkpointer(root, staging_capacity=1 << 20, chunk_size=64 << 10) as c:
+        with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=1 << 20, chunk_size=64 << 10)) as c:
             assert step in c.list() and 1 in c.list()
             back = c.load(step)
             assert back["step"] == step and digest(back["w"]) == digest(big_state(step)["w"])
@@ -133,7 +133,8 @@ def test_sigkill_after_staging_then_shmckpt_recover(root):
 _CYCLE_CHILD = (
     "import json, os, signal, sys, torch, shmckpt\n"
     "root, step = sys.argv[1], int(sys.argv[2])\n"
-    "ck = shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1)\n"
+    "tuning = shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=64 << 10, writer_threads=1, queue_depth=1)\n"
+    "ck = shmckpt.Checkpointer(root, tuning=tuning)\n"
     "print(json.dumps({'recovered': ck.recovered, 'latest': ck.latest(), 'shm': ck.shm_name}), flush=True)\n"
     "g = torch.Generator().manual_seed(step)\n"
     "ck.save(step, {'w': torch.randint(-(2**31), 2**31 - 1, (2 << 20,), dtype=torch.int32, generator=g)})\n"
@@ -174,7 +175,7 @@ def test_sigkill_cycles_recover_every_step_by_default_and_leave_dev_shm_flat(roo
         # The predecessor's staging segment is gone.
         if step > 1:
             assert not os.path.exists(f"/dev/shm/{names[-2]}"), (step, names[-2])
-    with shmckpt.Checkpointer(root, staging_capacity=16 << 20, chunk_size=64 << 10) as c:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=64 << 10)) as c:
         assert c.recovered in ([], [cycles + 1])
         recovered += c.recovered
         assert c.list() == list(range(1, cycles + 2))
@@ -208,7 +209,7 @@ def test_rss_fds_and_dev_shm_flat_across_100_saves(root, tmp_path):
 def test_interpreter_exit_finishes_a_non_blocking_save(root):
     code = (
         "import sys, torch, shmckpt\n"
-        "ck = shmckpt.Checkpointer(sys.argv[1], staging_capacity=64 << 20, chunk_size=1 << 20)\n"
+        "ck = shmckpt.Checkpointer(sys.argv[1], tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20))\n"
         "ck.save(3, {'w': torch.arange(4 << 20, dtype=torch.int32)}, blocking=False)\n"
         "print(ck.shm_name)\n"
     )
@@ -216,6 +217,6 @@ def test_interpreter_exit_finishes_a_non_blocking_save(root):
     assert p.returncode == 0, p.stderr
     shm = p.stdout.strip()
     assert shm.startswith("shmckpt.") and not os.path.exists(f"/dev/shm/{shm}")
-    with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20) as c:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20)) as c:
         assert c.list() == [3]
         assert digest(c.load(3)["w"]) == digest(torch.arange(4 << 20, dtype=torch.int32))

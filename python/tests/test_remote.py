@@ -134,8 +134,9 @@ def same(a, b):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
-def open_ck(root, url, **kw):
-    return shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, **kw)
+def open_ck(root, remote, **kw):
+    tuning = shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)
+    return shmckpt.Checkpointer(root, tuning=tuning, remote=remote, **kw)
 
 
 def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
@@ -184,7 +185,7 @@ def test_save_wait_remote_list_and_load_after_local_dir_is_deleted(s3, root):
 def test_remote_retention_keeps_the_newest(s3, root):
     client, bucket = s3
     url = f"s3://{bucket}/ret"
-    with open_ck(root, url, keep_last=1, remote_keep_last=2) as ck:
+    with open_ck(root, shmckpt.RemoteTier(url, keep_last=2), keep_last=1) as ck:
         retired = []
         for step in range(1, 5):
             h = ck.save(step, state(step, 1024))
@@ -203,7 +204,7 @@ def test_remote_every_uploads_every_kth_disk_save_and_no_memory_only_one(s3, roo
     the bucket takes every second of those (1, 5); memory-only saves are never uploaded."""
     client, bucket = s3
     url = f"s3://{bucket}/every"
-    with open_ck(root, url, disk_every=2, remote_every=2) as ck:
+    with open_ck(root, shmckpt.RemoteTier(url, every=2), cadence=shmckpt.Cadence(disk_every=2)) as ck:
         for step in range(1, 7):
             h = ck.save(step, state(step, 1024))
             rep = h.wait()
@@ -233,7 +234,7 @@ def test_foreign_manifests_in_the_bucket_never_count_as_steps(s3, root):
         ("for/step-97/manifest.json", b"not json"),
     ]:
         client.put_object(Bucket=bucket, Key=key, Body=body)
-    with open_ck(root, url, remote_keep_last=2) as ck:
+    with open_ck(root, shmckpt.RemoteTier(url, keep_last=2)) as ck:
         retired = []
         for step in (1, 2, 3):
             h = ck.save(step, state(step, 1024))
@@ -265,7 +266,11 @@ def test_a_writer_whose_object_is_not_committed_gets_remote_conflict(s3, tmp_pat
 
     def ck(name, rank):
         return shmckpt.Checkpointer(
-            tmp_path / name, staging_capacity=SMALL, chunk_size=1 << 20, remote=url, rank=rank, world_size=2
+            tmp_path / name,
+            tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20),
+            remote=url,
+            rank=rank,
+            world_size=2,
         )
 
     def saved(c, st):
@@ -470,7 +475,9 @@ def test_server_errors_leave_no_visible_step_and_the_next_save_works(s3, moto, r
         url = f"s3://{bucket}/f"
         # 20 MiB of float32: two 16 MiB parts, the second refused.
         big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
-        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+        with shmckpt.Checkpointer(
+            root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20), remote=url
+        ) as ck:
             h = ck.save(1, big)
             h.wait()  # the local tier is not held back
             with pytest.raises(RemoteFailed) as e:
@@ -513,8 +520,11 @@ def test_a_slow_completion_is_waited_for_with_its_own_timeout(s3, moto, root, mo
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     try:
         url = f"s3://{bucket}/slow"
-        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url,
-                                  remote_request_timeout=1.0) as ck:
+        with shmckpt.Checkpointer(
+            root,
+            tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20),
+            remote=shmckpt.RemoteTier(url, request_timeout=1.0),
+        ) as ck:
             h = ck.save(1, big)
             h.wait()
             rep = h.wait_remote()
@@ -525,8 +535,11 @@ def test_a_slow_completion_is_waited_for_with_its_own_timeout(s3, moto, root, mo
         proxy.complete_drop = True
         proxy.complete_delay = 1.5
         url = f"s3://{bucket}/never"
-        with shmckpt.Checkpointer(tmp_path / "r2", staging_capacity=64 << 20, chunk_size=1 << 20, remote=url,
-                                  remote_request_timeout=1.0, remote_complete_timeout=1.0) as ck:
+        with shmckpt.Checkpointer(
+            tmp_path / "r2",
+            tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20),
+            remote=shmckpt.RemoteTier(url, request_timeout=1.0, complete_timeout=1.0),
+        ) as ck:
             h = ck.save(1, big)
             h.wait()
             with pytest.raises(RemoteFailed) as e:
@@ -539,7 +552,7 @@ def test_a_slow_completion_is_waited_for_with_its_own_timeout(s3, moto, root, mo
         proxy.stop()
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ConfigError):
-            shmckpt.Checkpointer(tmp_path / "r3", remote=f"s3://{bucket}/x", remote_complete_timeout=bad)
+            shmckpt.Checkpointer(tmp_path / "r3", remote=shmckpt.RemoteTier(f"s3://{bucket}/x", complete_timeout=bad))
 
 
 @pytest.mark.parametrize("remote_only", [False, True])
@@ -678,7 +691,7 @@ def test_cli_push_uploads_a_local_checkpoint_and_commits_it(s3, root):
     committed in the bucket (verify passes), no journal left; a second push is refused."""
     client, bucket = s3
     url = f"s3://{bucket}/pushed"
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as ck:
         ck.save(4, state(4, 3 << 20)).wait()
     step_dir = os.path.join(root, "step-4")
     r = _cli("push", step_dir, url)
@@ -707,7 +720,7 @@ def test_cli_push_uploads_a_local_checkpoint_and_commits_it(s3, root):
 KILL_CHILD = r"""
 import sys, torch, shmckpt
 root, url = sys.argv[1], sys.argv[2]
-ck = shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url)
+ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20), remote=url)
 h = ck.save(1, {"w": torch.arange(5 << 20, dtype=torch.float32)})
 h.wait()
 print("committed", flush=True)
@@ -772,7 +785,9 @@ def test_trainer_killed_mid_upload_leaves_nothing_visible(s3, moto, root, monkey
         assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
         assert keys(client, bucket, "kill/") == []
         # The next trainer: the local step 1 exists, so it saves step 2, which commits.
-        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+        with shmckpt.Checkpointer(
+            root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20), remote=url
+        ) as ck:
             assert ck.list() == [1] and ck.list(remote=True) == []
             h = ck.save(2, {"w": torch.ones(1 << 20)})
             h.wait()
@@ -793,7 +808,11 @@ def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_pat
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
     url = f"s3://{bucket}/only"
-    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20, remote_keep_last=2) as ck:
+    with shmckpt.Checkpointer(
+        url,
+        tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20),
+        remote=shmckpt.RemoteTier(url, keep_last=2),
+    ) as ck:
         assert ck.remote == url
         for step in (1, 2, 3):
             h = ck.save(step, state(step, 2048))
@@ -807,7 +826,7 @@ def test_remote_only_checkpointer_keeps_nothing_on_disk(s3, monkeypatch, tmp_pat
         same(ck.load("latest"), state(3, 2048))
         assert ck.last_load_source == ("remote", None)
     assert list(scratch_parent.iterdir()) == []
-    with shmckpt.Checkpointer(url, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(url, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as ck:
         same(ck.load(2), state(2, 2048))
     with pytest.raises(shmckpt.ConfigError):
         shmckpt.Checkpointer(url, remote=url)
@@ -841,7 +860,9 @@ def test_transient_server_errors_are_retried(s3, moto, root, monkeypatch, mode):
     try:
         url = f"s3://{bucket}/t"
         big = {"w": torch.arange(5 << 20, dtype=torch.float32)}
-        with shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20, remote=url) as ck:
+        with shmckpt.Checkpointer(
+            root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20), remote=url
+        ) as ck:
             h = ck.save(1, big)
             h.wait()
             assert h.wait_remote()["step"] == 1
@@ -859,7 +880,7 @@ def test_part_size_and_concurrency_settings(s3, root):
     client, bucket = s3
     url = f"s3://{bucket}/parts"
     big = {"w": torch.arange(3 * (5 << 20) // 4 + 1000, dtype=torch.float32)}  # ~15 MiB + 4 kB
-    with open_ck(root, url, remote_part_size=5 << 20, remote_concurrency=2) as ck:
+    with open_ck(root, shmckpt.RemoteTier(url, part_size=5 << 20, concurrency=2)) as ck:
         h = ck.save(1, big)
         h.wait()
         assert h.wait_remote()["step"] == 1
@@ -869,6 +890,6 @@ def test_part_size_and_concurrency_settings(s3, root):
         etag = client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
         assert etag.endswith(f"-{-(-len(local) // (5 << 20))}"), etag  # parts in the ETag
         assert torch.equal(ck.load(1, source="remote")["w"], big["w"])
-    for bad in (dict(remote_part_size=1 << 20), dict(remote_concurrency=0), dict(remote_concurrency=257)):
+    for bad in (dict(part_size=1 << 20), dict(concurrency=0), dict(concurrency=257)):
         with pytest.raises(shmckpt.ConfigError):
-            open_ck(root, url, **bad)
+            open_ck(root, shmckpt.RemoteTier(url, **bad))

@@ -58,7 +58,7 @@ def test_a_damaged_local_file_is_loaded_from_the_bucket(s3, root, damage):
         assert torch.equal(dest["model"]["w"], st["model"]["w"]) and torch.equal(dest["model"]["b"], st["model"]["b"])
     # The disk's file is left as it was (loads do not repair it): without a bucket the
     # damage is still the error.
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as ck:
         with pytest.raises(want):
             ck.load(5)
 
@@ -72,7 +72,8 @@ def test_another_runs_step_in_the_bucket_is_never_served(s3, root, tmp_path):
         h = ck.save(5, state(1))
         h.wait()
         h.wait_remote()
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as ck:  # no bucket: disk only
+    # No bucket: disk only.
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as ck:
         ck.save(5, state(2)).wait()
     flip(root, 5, -64)
     with open_ck(root, url) as ck:

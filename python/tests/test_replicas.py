@@ -101,8 +101,12 @@ def test_refused_replication_settings_close_the_engine(root):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(shmckpt.ConfigError, match="needs at least 2 machines") as held:
-            shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
-        ck = shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20)
+            shmckpt.Checkpointer(
+                root,
+                tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20),
+                replicas=shmckpt.Replicas(k=1, node="only"),
+            )
+        ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
         ck.close()
         del held
     finally:
@@ -932,11 +936,16 @@ def test_refused_cadence_replication_settings(root):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        kw = dict(staging_capacity=8 << 20, chunk_size=1 << 20, replicas=1, node="only")
-        # The flat keyword maps onto Replicas(every=...), which checks it.
+        tuning = shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)
+        # replicate_every < 1: Replicas checks every= when it is built.
         with pytest.raises(shmckpt.ConfigError, match="Replicas.every must be at least 1, not 0"):
-            shmckpt.Checkpointer(root, replicate_every=0, **kw)
+            shmckpt.Checkpointer(root, tuning=tuning, replicas=shmckpt.Replicas(k=1, node="only", every=0))
         with pytest.raises(shmckpt.ConfigError, match="disk_every and replicate_every must be 1"):
-            shmckpt.Checkpointer(root, disk_every=2, node_local_root=True, **kw)
+            shmckpt.Checkpointer(
+                root,
+                tuning=tuning,
+                cadence=shmckpt.Cadence(disk_every=2),
+                replicas=shmckpt.Replicas(k=1, node="only", node_local_root=True),
+            )
     finally:
         dist.destroy_process_group()

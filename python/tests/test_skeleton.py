@@ -30,7 +30,7 @@ def test_a_damaged_header_skeleton_is_an_error_not_a_flat_dict(tmp_path, keep):
     and the skeleton is read only after that check, from disk and under a flash restore."""
     root = str(tmp_path / "r")
     state = {"model": {"w": torch.arange(6.0)}, "step": 5}
-    kw = dict(staging_capacity=16 << 20, chunk_size=CHUNK, keep_in_memory=keep)
+    kw = dict(tuning=shmckpt.Tuning(staging_capacity=16 << 20, chunk_size=CHUNK), keep_in_memory=keep)
     ck = shmckpt.Checkpointer(root, **kw)
     try:
         ck.save(5, state).wait()

@@ -106,7 +106,7 @@ def test_snapshot_mode_saves_exact_bytes_and_gives_its_device_memory_back(root, 
     state = {"p": params, "o": opt.state_dict()}
     tensors = params + [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq", "step")]
     device_bytes = sum(aligned(t.numel() * t.element_size()) for t in tensors)
-    with shmckpt.Checkpointer(root, staging_capacity=2 << 30) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=2 << 30)) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
         ref = [p.detach().cpu() for p in params]
@@ -144,7 +144,7 @@ def test_a_snapshot_save_is_staged_while_the_trainers_stream_is_still_busy(root)
     # staged only after every kernel the trainer had queued meanwhile, here a spin of ~1 s.
     params, opt = adamw("cuda", n=4, numel=16 << 20)
     state = {"p": params, "o": opt.state_dict()}
-    with shmckpt.Checkpointer(root, staging_capacity=1 << 30) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=1 << 30)) as ck:
         ck.prepare_cuda()
         ck.guard(opt)
         ref = [p.detach().cpu() for p in params]

@@ -13,7 +13,7 @@ import shmckpt
 
 def test_a_save_right_after_the_constructor_is_exact_and_ready_follows(root):
     # 512 MiB in 1 MiB chunks: 8 allocation batches of 64 MiB, 7 of them in the background.
-    ck = shmckpt.Checkpointer(root, staging_capacity=512 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=512 << 20, chunk_size=1 << 20))
     name = ck.shm_name
     g = torch.Generator().manual_seed(24)
     state = {
@@ -35,7 +35,7 @@ def test_a_save_right_after_the_constructor_is_exact_and_ready_follows(root):
 
 
 def test_close_right_after_the_constructor_removes_the_arena(root):
-    ck = shmckpt.Checkpointer(root, staging_capacity=1 << 30, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=1 << 30, chunk_size=1 << 20))
     name = ck.shm_name
     ck.close()
     assert not os.path.exists(os.path.join("/dev/shm", name))
@@ -43,7 +43,7 @@ def test_close_right_after_the_constructor_removes_the_arena(root):
 
 @pytest.mark.gpu
 def test_prepare_cuda_in_the_background_then_a_device_save_is_exact(root):
-    ck = shmckpt.Checkpointer(root, staging_capacity=512 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=512 << 20, chunk_size=1 << 20))
     assert ck.prepare_cuda(background=True) is None
     x = torch.randn(1 << 20, device="cuda")
     y = torch.randint(0, 255, (3, 1 << 20), device="cuda", dtype=torch.uint8)

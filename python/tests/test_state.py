@@ -297,7 +297,7 @@ def test_foreign_checkpoint_loads_flat(root):
     data = np.arange(6, dtype=np.float32)
     e.save(4, [("w", "F32", [2, 3], data.__dlpack__(), data.nbytes, -1)], {}, [], True).wait()
     e.close()
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as c:
         back = c.load()
     assert list(back) == ["w"] and raw(back["w"]) == data.tobytes() and back["w"].shape == (2, 3)
 
@@ -344,11 +344,11 @@ def test_errors_mirror_the_engine(ck, root):
     with open(os.path.join(root, "afile"), "wb"):
         pass
     with pytest.raises(shmckpt.RootMissing):
-        shmckpt.Checkpointer(os.path.join(root, "afile", "nope"), staging_capacity=SMALL)
+        shmckpt.Checkpointer(os.path.join(root, "afile", "nope"), tuning=shmckpt.Tuning(staging_capacity=SMALL))
     with pytest.raises(shmckpt.RootLocked):
-        shmckpt.Checkpointer(root, staging_capacity=SMALL)
+        shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL))
     with pytest.raises(shmckpt.ConfigError):
-        shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1000, rank=3, world_size=4)
+        shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1000), rank=3, world_size=4)
 
 
 def test_corrupted_file_is_a_checksum_error(ck, root):
@@ -428,7 +428,7 @@ def test_span_copy_of_non_contiguous_views_gives_the_logical_contents(make):
 
 
 def test_closed_checkpointer_is_a_shutdown_error(root):
-    c = shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20)
+    c = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20))
     name = c.shm_name
     assert os.path.exists(f"/dev/shm/{name}")
     c.save(1, {"a": torch.ones(2)}, blocking=False)
@@ -437,7 +437,7 @@ def test_closed_checkpointer_is_a_shutdown_error(root):
     assert not os.path.exists(f"/dev/shm/{name}")
     with pytest.raises(shmckpt.ShutdownError, match="closed"):
         c.save(2, {"a": torch.ones(2)})
-    with shmckpt.Checkpointer(root, staging_capacity=SMALL, chunk_size=1 << 20) as c2:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as c2:
         assert c2.list() == [1] and raw(c2.load(1)["a"]) == raw(torch.ones(2))
 
 

@@ -48,7 +48,7 @@ def test_latest_and_list_agree_with_load_after_the_local_root_is_lost(s3, root):
 
 
 def test_latest_and_list_without_a_bucket(root):
-    with shmckpt.Checkpointer(root, staging_capacity=8 << 20, chunk_size=1 << 20) as ck:
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)) as ck:
         assert ck.latest() is None and ck.list() == [] and ck.list(tiers=True) == []
         with pytest.raises(shmckpt.NotFound):
             ck.load("latest")

@@ -169,7 +169,7 @@ def test_non_blocking_save_under_guard_is_a_consistent_snapshot(root):
     """BatchNorm running statistics change in the forward pass, before opt.step: they are
     captured at the call; the parameters (guarded) are copied in the background and
     opt.step waits for them."""
-    ck = shmckpt.Checkpointer(root, staging_capacity=64 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20, chunk_size=1 << 20))
     torch.manual_seed(0)
     model = Net()
     model.big = torch.nn.Linear(1024, 2048)  # 8 MiB of guarded parameters (+16 MiB of state)
@@ -216,7 +216,9 @@ def test_failed_non_blocking_save_releases_and_raises(ck):
 
 
 def test_ctrl_c_during_wait_leaves_the_save_intact(root):
-    with shmckpt.Checkpointer(root, staging_capacity=288 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1) as c:
+    with shmckpt.Checkpointer(
+        root, tuning=shmckpt.Tuning(staging_capacity=288 << 20, chunk_size=1 << 20, writer_threads=1, queue_depth=1)
+    ) as c:
         g = torch.Generator().manual_seed(5)
         state = {"w": torch.randint(0, 2**31 - 1, (64 << 20,), dtype=torch.int32, generator=g)}
         old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -311,14 +313,16 @@ def test_documented_loop_resumes_bit_exact_after_a_restart(root):
 
     # Run 1: dies after step 17 (last checkpoint: step 15).
     m1, o1, s1 = fresh(0)
-    ck = shmckpt.Checkpointer(root, keep_last=2, staging_capacity=8 << 20, chunk_size=1 << 20)
+    ck = shmckpt.Checkpointer(root, keep_last=2, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20))
     ck.guard(o1)
     run_loop(ck, 0, 18, 5, m1, o1, s1)
     ck.close()
 
     # Run 2: fresh objects, resume from the newest committed checkpoint.
     m2, o2, s2 = fresh(99)
-    with shmckpt.Checkpointer(root, keep_last=2, staging_capacity=8 << 20, chunk_size=1 << 20) as ck2:
+    with shmckpt.Checkpointer(
+        root, keep_last=2, tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20)
+    ) as ck2:
         assert ck2.list() == [10, 15]
         state = ck2.load("latest")
         m2.load_state_dict(state["model"])

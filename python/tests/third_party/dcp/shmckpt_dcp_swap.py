@@ -53,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._storage_utils as storage_utils
 import torch.distributed.checkpoint.filesystem as filesystem
 
+from shmckpt import Tuning
 from shmckpt.dcp import ShmckptReader, ShmckptWriter
 
 #: Set by the fixture for the duration of a test: the file each writer and reader made
@@ -103,8 +104,7 @@ class SwappedWriter(ShmckptWriter):
             path,
             overwrite=overwrite,
             spool=os.environ.get(SPOOL_ENV) or None,
-            chunk_size=1 << 20,
-            writer_threads=max(1, int(thread_count)),
+            tuning=Tuning(chunk_size=1 << 20, writer_threads=max(1, int(thread_count))),
         )
 
 
