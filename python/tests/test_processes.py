@@ -28,21 +28,26 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _session_run(root, tmp_path, phase):
+def _run_ranks(tmp_path, tag, world, worker_args):
+    """Run ``world`` dist_worker.py ranks, ``worker_args(rank, port, out)`` each, to the
+    end (killed past 120 s); every rank must exit 0. Returns each rank's JSON output."""
     port = free_port()
-    outs = [tmp_path / f"{phase}{r}.json" for r in range(2)]
-    procs = [
-        zygote.spawn([sys.executable, WORKER, "session", str(root), str(r), "2", str(port), str(outs[r]), phase])
-        for r in range(2)
-    ]
+    outs = [tmp_path / f"{tag}{r}.json" for r in range(world)]
+    procs = [zygote.spawn([sys.executable, WORKER, *worker_args(r, port, outs[r])]) for r in range(world)]
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0]
+    assert codes == [0] * world
     return [json.loads(o.read_text()) for o in outs]
+
+
+def _session_run(root, tmp_path, phase):
+    return _run_ranks(
+        tmp_path, phase, 2, lambda r, port, out: ["session", str(root), str(r), "2", str(port), str(out), phase]
+    )
 
 
 def test_a_new_run_never_commits_a_step_with_a_dead_runs_part(root, tmp_path):
@@ -75,23 +80,10 @@ def test_gloo_ranks_save_and_load(root, tmp_path, world):
     directory another rank has just renamed into place fails with `IoError: open
     step-N.partial`); it passes reliably with the fix to `commit::commit` that treats a
     missing partial directory as success when the step is committed."""
-    port = free_port()
-    outs = [tmp_path / f"out{r}.json" for r in range(world)]
-    procs = [
-        zygote.spawn([sys.executable, WORKER, "gloo", str(root), str(r), str(world), str(port), str(outs[r])])
-        for r in range(world)
-    ]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * world
-    import json
-
-    for r in range(world):
-        res = json.loads(outs[r].read_text())
+    results = _run_ranks(
+        tmp_path, "out", world, lambda r, port, out: ["gloo", str(root), str(r), str(world), str(port), str(out)]
+    )
+    for r, res in enumerate(results):
         assert res["latest"] == 6 and res["list"] == [5, 6]
         assert res["ok"] == [True] * 4, (r, res)
         assert res["world_in_manifest"] == world
