@@ -28,6 +28,7 @@ use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreExt, RetryConfig};
 
+use crate::commit::store::Committer;
 use crate::error::{Error, Result};
 use crate::manifest::{self, FileEntry, MANIFEST, MAX_MANIFEST_LEN, Manifest, Metadata};
 
@@ -294,27 +295,22 @@ impl Remote {
         metadata: &Metadata,
         session: Option<&str>,
     ) -> Result<Option<(Manifest, bool)>> {
-        self.commit_step(step, world_size, metadata, session, None)
+        self.commit_step(step, world_size, metadata, Committer::Bystander(session))
     }
 
-    /// [`Remote::try_commit`] by the rank whose upload's manifest part is `mine`: the step
-    /// counts as committed for it only when the bucket's manifest names `mine`'s object
-    /// for its rank; when it names another writer's (or this rank's part in the bucket is
-    /// another writer's), [`Error::RemoteConflict`]. The one commit protocol
-    /// ([`crate::commit::store::commit_parts`]) with the prefix as its barrier
-    /// (`store::BucketParts`).
+    /// [`Remote::try_commit`] by `by`: a rank (`Committer::Rank`, its upload's manifest
+    /// part), for which the step counts as committed only when the bucket's manifest names
+    /// that part's object for its rank (when it names another writer's, or this rank's
+    /// part in the bucket is another writer's, [`Error::RemoteConflict`]), or a bystander
+    /// of a session. The one commit protocol ([`crate::commit::store::commit_parts`]) with
+    /// the prefix as its barrier (`store::BucketParts`).
     pub(crate) fn commit_step(
         &self,
         step: u64,
         world_size: u32,
         metadata: &Metadata,
-        session: Option<&str>,
-        mine: Option<&FileEntry>,
+        by: Committer<'_>,
     ) -> Result<Option<(Manifest, bool)>> {
-        let by = match mine {
-            Some(m) => crate::commit::store::Committer::Rank(m),
-            None => crate::commit::store::Committer::Bystander(session),
-        };
         crate::commit::store::commit_parts(
             &store::BucketParts { remote: self },
             step,

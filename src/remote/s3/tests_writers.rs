@@ -178,7 +178,7 @@ fn of_two_uploads_only_the_one_whose_part_is_in_the_bucket_commits() {
     }
     assert_ne!(mine[0].object, mine[1].object);
     let md = Metadata::new();
-    match r.commit_step(1, 1, &md, None, Some(&mine[0])) {
+    match r.commit_step(1, 1, &md, Committer::Rank(&mine[0])) {
         Err(Error::RemoteConflict {
             step: 1, reason, ..
         }) => {
@@ -187,14 +187,14 @@ fn of_two_uploads_only_the_one_whose_part_is_in_the_bucket_commits() {
         other => panic!("{other:?}"),
     }
     let (m, created) = r
-        .commit_step(1, 1, &md, None, Some(&mine[1]))
+        .commit_step(1, 1, &md, Committer::Rank(&mine[1]))
         .unwrap()
         .unwrap();
     assert!(created);
     assert_eq!(m.files[0].object, mine[1].object);
     // A, asking again, is still refused: the manifest names B's object.
     assert!(matches!(
-        r.commit_step(1, 1, &md, None, Some(&mine[0])),
+        r.commit_step(1, 1, &md, Committer::Rank(&mine[0])),
         Err(Error::RemoteConflict { step: 1, .. })
     ));
     let (ck, _) = r.load(1, 0).unwrap();

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::Remote;
 use super::feed::{Feed, Feeds, Local};
+use crate::commit::store::Committer;
 use crate::error::{Error, Result};
 use crate::manifest::{FileEntry, Metadata};
 use crate::util::lock;
@@ -485,13 +486,7 @@ fn commit(
     mine: &FileEntry,
 ) -> Result<(bool, Vec<u64>)> {
     Ok(
-        match remote.commit_step(
-            step,
-            ctx.world_size,
-            metadata,
-            ctx.session.as_deref(),
-            Some(mine),
-        )? {
+        match remote.commit_step(step, ctx.world_size, metadata, Committer::Rank(mine))? {
             Some((_, true)) => {
                 let retired = match ctx.keep_last {
                     Some(k) => remote.apply_retention(k).unwrap_or_else(|e| {
