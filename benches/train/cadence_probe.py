@@ -8,7 +8,9 @@ blocks of ``--steps`` consecutive steps (the forward and backward a spin kernel 
 ``loss.item()`` would), one block per snapshot mode, alternated over ``--rounds``, and
 times per step:
 
-- ``call``: the ``save`` call (host), and inside it ``engine``: the engine's ``save``;
+- ``call``: the ``save`` call (host), and ``engine``: the engine's ``save`` (inside the
+  call, or on the submitting thread when the capture is deferred; mode ``at-call`` turns
+  the deferral off);
 - ``hook``: the guard's wait at ``opt.step()`` (host);
 - ``step``: the whole step (host, synchronized); mode ``off`` saves nothing (the
   baseline);
@@ -31,7 +33,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
-from train_model import SIZES, build_model, build_optimizer, flat_state, state_nbytes  # noqa: E402
+from train_model import SIZES, build_model, build_optimizer, flat_state, spinner, state_nbytes  # noqa: E402
 
 
 def spread(xs):
@@ -42,7 +44,9 @@ def spread(xs):
 
 
 class TimedEngine:
-    """The Checkpointer's engine with its ``save`` timed (everything else passed on)."""
+    """The Checkpointer's engine with its ``save`` timed per step (everything else passed
+    on): on the caller's thread inside the save call, or on the submitting thread for a
+    deferred capture (the guard's wait at the optimizer step waits for it)."""
 
     def __init__(self, engine, times):
         self._engine = engine
@@ -56,7 +60,7 @@ class TimedEngine:
         try:
             return self._engine.save(*a, **kw)
         finally:
-            self._times.append((time.perf_counter() - t) * 1e3)
+            self._times[a[0]] = (time.perf_counter() - t) * 1e3
 
 
 def main(argv=None):
@@ -66,7 +70,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12, help="consecutive steps per block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window-ms", type=float, default=160.0, help="forward+backward (spin kernel)")
-    p.add_argument("--modes", default="off,none,device", help="snapshot modes, alternated (off: no save, the baseline)")
+    p.add_argument(
+        "--modes",
+        default="off,none,device",
+        help="snapshot modes, alternated (off: no save, the baseline; at-call: none, captured at the call)",
+    )
     p.add_argument("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes")
     p.add_argument("--ck-kw", default="{}", help='JSON: Cadence fields, e.g. {"disk_every": 4}')
     p.add_argument("--dir", default="/var/tmp/cprobe")
@@ -88,20 +96,7 @@ def main(argv=None):
     nbytes = state_nbytes(sd)
     print(f"state {nbytes / 2**30:.2f} GiB in {len(sd)} tensors", flush=True)
 
-    if cuda:
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(10_000_000)
-        b.record()
-        b.synchronize()
-        cycles_per_ms = 10_000_000 / a.elapsed_time(b)
-
-    def spin():
-        if cuda:
-            torch.cuda._sleep(int(cycles_per_ms * args.window_ms))
-        else:
-            time.sleep(args.window_ms / 1e3)
+    spin = spinner(args.device, args.window_ms)
 
     def sync():
         if cuda:
@@ -116,7 +111,7 @@ def main(argv=None):
     )
     if cuda:
         ck.prepare_cuda()
-    engine_times = []
+    engine_times = {}  # step -> ms in the engine's save
     ck._shared.engine = TimedEngine(ck._shared.engine, engine_times)
     ck.guard(opt)
     modes = args.modes.split(",")
@@ -130,9 +125,11 @@ def main(argv=None):
             handles = []
             for _ in range(args.steps):
                 step += 1
-                engine_times.clear()
                 t0 = time.perf_counter()
-                h = None if mode == "off" else ck.save(step, sd, blocking=False, snapshot=None if mode == "none" else mode)
+                if mode == "at-call":
+                    ck._saver.deferrable = None  # the capture at the call (no deferred capture)
+                snap = None if mode in ("none", "at-call") else mode
+                h = None if mode == "off" else ck.save(step, sd, blocking=False, snapshot=snap)
                 t1 = time.perf_counter()
                 spin()
                 t2 = time.perf_counter()
@@ -146,7 +143,7 @@ def main(argv=None):
                     saved = h is not None
                     rows[mode].append(dict(
                         call=(t1 - t0) * 1e3 if saved else None,
-                        engine=sum(engine_times) if saved else None,
+                        engine=engine_times.pop(step, None) if saved else None,
                         hook=(t3 - t2) * 1e3,
                         step=(t4 - t0) * 1e3,
                     ))

@@ -4,6 +4,7 @@ trainer.  Imported by train.py after it puts benches/common and this directory o
 
 import math
 import statistics
+import time
 
 from peers import log
 
@@ -17,6 +18,8 @@ COLOCATED_ORDER = ["none", "shm-async", "nvrx-fswa", "nvrx", "dcp", "dcp-shm", "
 # model sizes: state = 12 bytes/param (fp32 weights, exp_avg, exp_avg_sq) + AdamW step scalars
 SIZES = {
     "tiny": dict(d=64, layers=2, heads=2, vocab=512, seq=64, batch=2),
+    # 8g's tensor count (1,168 with AdamW's moments) in a few MiB: the save call's cost on a CPU.
+    "many": dict(d=64, layers=24, heads=2, vocab=512, seq=64, batch=2),
     "8g": dict(d=1536, layers=24, heads=12, vocab=32768, seq=1024, batch=4),
     "16g": dict(d=2048, layers=27, heads=16, vocab=32768, seq=1024, batch=4),
 }
@@ -118,6 +121,24 @@ def flat_state(model, opt):
             if hasattr(v, "detach"):
                 sd[f"optim.{i}.{k}"] = v.detach()
     return sd
+
+
+def spinner(device, window_ms):
+    """The probes' forward and backward: a function that spends ``window_ms`` of device
+    time on a CUDA ``device`` (a spin kernel, its cycles per ms calibrated here once), or
+    sleeps that long on a CPU (the trainer's thread idle, as while a GPU computes)."""
+    import torch
+
+    if device != "cuda":
+        return lambda: time.sleep(window_ms / 1e3)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    b.synchronize()
+    cycles = int(10_000_000 / a.elapsed_time(b) * window_ms)
+    return lambda: torch.cuda._sleep(cycles)
 
 
 def state_nbytes(sd):

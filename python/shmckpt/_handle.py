@@ -34,6 +34,10 @@ class SaveHandle:
         # CUDA devices whose copies the engine queues itself (guard: stream-ordered wait).
         self._devices: List[int] = []
         self._snapshot = False  # save(..., snapshot="device"): the guard takes a snapshot
+        # A save captured on the submitting thread (its future gives the engine's handle):
+        # the guard waits for the capture, then on the device as for a save captured at
+        # the call; a failed capture is reported by the next save or wait, not the guard.
+        self._deferred = False
         #: Device bytes of the save's snapshot (``snapshot="device"``; 0 when none was taken).
         self.snapshot_bytes = 0
         # check_replicas: the checkpointer's divergence check (shmckpt._divergence), whether
@@ -67,6 +71,12 @@ class SaveHandle:
                 if fut.done():
                     self._release()
                 raise
+
+    def _unreported(self) -> bool:
+        """A deferred save whose capture failed: kept among the saves in flight until the
+        next save or wait raises its error."""
+        f = self._future
+        return self._deferred and f is not None and f.done() and f.exception() is not None
 
     def _release(self) -> None:
         with self._lock:

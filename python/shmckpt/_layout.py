@@ -94,6 +94,15 @@ class Probe:
 def probe(state: Any) -> Optional[Probe]:
     """Walk ``state``; None when it has a node the cache does not handle (see the module
     docstring) or a tensor whose metadata cannot be read."""
+    p = walk(state)
+    return None if p is None else read_meta(p)
+
+
+def walk(state: Any) -> Optional[Probe]:
+    """The first half of :func:`probe`: the containers of ``state``, its leaves and plain
+    values, without the tensors' metadata (:func:`read_meta` reads it). Everything a later
+    change of the containers could change is in it: ``save``'s deferred capture walks at
+    the call and reads the metadata later."""
     if torch is None:
         return None
     ts = type(state)
@@ -107,7 +116,7 @@ def probe(state: Any) -> Optional[Probe]:
     val = vals.append
     arrays = False
 
-    def walk(x: Any, depth: int) -> bool:
+    def go(x: Any, depth: int) -> bool:
         nonlocal arrays
         t = type(x)
         if t is _T or t is _P:
@@ -132,7 +141,7 @@ def probe(state: Any) -> Optional[Probe]:
                 if tv is _T or tv is _P:
                     tok(tv)
                     obj(v)
-                elif not walk(v, d):
+                elif not go(v, d):
                     return False
             return True
         if t is _ND:
@@ -153,12 +162,52 @@ def probe(state: Any) -> Optional[Probe]:
             return True
         return False
 
-    if not walk(state, 0):
+    if not go(state, 0):
         return None
     p = Probe(tokens, objs, vals)
     if arrays:
         p.tensor_pos = [i for i, x in enumerate(objs) if type(x) is not _ND]
         p.tensors = [objs[i] for i in p.tensor_pos]
+    return p
+
+
+def rebuild(p: Probe) -> Any:
+    """The state :func:`walk` read into ``p``: new containers of the same types, keys and
+    lengths, over the same leaves, with the same plain values (a float from its ``repr``,
+    which gives it back exactly)."""
+    toks, objs, vals = p.tokens, p.objs, p.vals
+    at = obj = val = 0
+
+    def node() -> Any:
+        nonlocal at, obj, val
+        tok = toks[at]
+        at += 1
+        if tok is _T or tok is _P:
+            obj += 1
+            return objs[obj - 1]
+        if tok is None:
+            return None
+        if tok is int or tok is str or tok is bool or tok is float:
+            val += 1
+            v = vals[val - 1]
+            return float(v) if tok is float else v
+        typ, arg = tok
+        if typ is _ND:
+            obj += 1
+            return objs[obj - 1]
+        if typ is list or typ is tuple:
+            return typ(node() for _ in range(arg))
+        out = typ()
+        for k in arg:
+            out[k] = node()
+        return out
+
+    return node()
+
+
+def read_meta(p: Probe) -> Optional[Probe]:
+    """The second half of :func:`probe`: ``p`` (of :func:`walk`) with its tensors' metadata,
+    or None when some cannot be read."""
     ts_ = p.tensors
     try:
         meta = list(map(_META, ts_))

@@ -239,7 +239,7 @@ def test_a_plain_value_changed_during_the_probe_is_never_cached_apart(ckpt):
     """Plain values changed by another thread while the probe walks the state (the probe
     reads a mix: the values before the change, those after it): that save stores the mix
     or a state read later; whatever is cached, every later save stores its own values."""
-    walk = next(c for c in _layout.probe.__code__.co_consts if getattr(c, "co_name", "") == "walk")
+    walk = next(c for c in _layout.walk.__code__.co_consts if getattr(c, "co_name", "") == "go")
     inner = {"x": 1, "y": 2.5, "z": "s"}
     state = {"a": 1, "t": torch.ones(2), "in": inner, "b": "q"}
     for first in (True, False):  # a miss (no layout yet) and a hit
@@ -252,7 +252,7 @@ def test_a_plain_value_changed_during_the_probe_is_never_cached_apart(ckpt):
             state["a"] = 100  # already read
             inner.update(x=200, y=-2.5)  # not yet read
 
-        # walk(state), walk(1), then walk(inner): change the state when inner is entered.
+        # go(state), go(1), then go(inner): change the state when inner is entered.
         back = save_traced(ckpt, 51 if first else 52, state, walk, change, nth=3)
         assert back["in"]["x"] == 200 and back["a"] in (1, 100)
         for step, (a, x, y) in enumerate(((1, 1, 2.5), (100, 200, -2.5), (1, 200, -2.5), (100, 1, 2.5)), start=60):

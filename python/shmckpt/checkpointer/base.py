@@ -116,7 +116,7 @@ class Shared:
             keep = []
             for h in self.pending:
                 h._poll()
-                if not (h.staged() and h.done()):
+                if not (h.staged() and h.done()) or h._unreported():
                     keep.append(h)
             self.pending = keep
 

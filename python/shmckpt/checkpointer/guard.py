@@ -72,6 +72,21 @@ class Guard:
                 keep.append((ref, hook))
         self.hooks = keep
 
+    def fingerprint(self) -> Tuple[Any, ...]:
+        """What changes when the set of guarded tensors may have: a guard added or removed,
+        an optimizer's ``state`` or ``param_groups`` replaced (``load_state_dict``) or grown
+        (a parameter's first step, ``add_param_group``). Cheap (no tensor is read): a save
+        is deferred only while it is the last deferrable save's (``Saver.save``)."""
+        out: List[Any] = []
+        for ref, hook in self.hooks:
+            opt = ref()
+            if opt is None:
+                out.append(None)
+                continue
+            st, groups = opt.state, opt.param_groups
+            out.append((id(hook), id(opt), id(st), len(st), id(groups), len(groups)))
+        return tuple(out)
+
     def storages(self) -> set:
         """The storage keys (``_util._storage_key``) of every parameter and state tensor of
         the guarded optimizers."""
@@ -102,7 +117,12 @@ class Guard:
         saves are waited for on the host (``wait_staged``)."""
 
         def wait(h: SaveHandle) -> Any:
-            if not h._devices or h._future is not None or h._keep is None:
+            if h._deferred:
+                try:
+                    h._get_rust()  # the capture (milliseconds after the call)
+                except Exception:
+                    return None  # nothing reads the tensors; the next save or wait raises it
+            if not h._devices or (h._future is not None and not h._deferred) or h._keep is None:
                 return h.wait_staged()
             streams = [(d, torch.cuda.current_stream(d)) for d in h._devices]
             n = _snapshot.hold(h._get_rust(), h._snapshot, streams)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
 from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key, engine_tuples
+from ..errors import SaveFailed
 from .base import Shared, _step_int
 from .guard import Guard
 from .handle import SaveHandle
@@ -30,6 +32,9 @@ class Saver:
         #: ``_layout.Layout`` of the last save, reused when it matches.
         self.layout: Optional[Any] = None
         self.submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        #: Set by a non-blocking save whose tensors were all guarded and read in place: the
+        #: next save of the very same tensors is deferred (``_defer``).
+        self.deferrable: Optional[_Again] = None
 
     def close(self) -> None:
         """Stop the submitting thread once its submissions ran (``close``)."""
@@ -71,121 +76,244 @@ class Saver:
         being copied when the optimizer step starts is snapshotted device-to-device into a
         transient buffer outside torch's allocator, freed once copied
         (``handle.snapshot_bytes``; docs/python.md). The default allocates no device memory.
+
+        Under a guard, a non-blocking save of the very same tensors as the previous save,
+        all guarded, is captured off the caller's thread: the call reads only the
+        containers (their plain values included); its capture errors are raised by the
+        next ``save`` or wait (docs/python.md, "Non-blocking saves and guard").
         """
         step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        self._raise_deferred_failure()
         checker = self.shared.checker
         if checker is not None:
             # The earlier saves' replica checks first (collectives in save order): at most
             # one save's commit waits for its check at a time.
             checker.check_through(None)
-        confirm = checker is not None
         snap = _snapshot.device_mode(snapshot, blocking, self.guard.active())
         meta: Dict[str, str] = {}
         for k, v in (metadata or {}).items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
             meta[k] = v
-        # No cyclic GC while the per-tensor objects are built: the flattened tree is
-        # freed (by reference counting) before collections are allowed again.
+        if _state.STATE_KEY in meta:
+            raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
+        walked: Optional[_layout.Probe] = None
+        again = self.deferrable
+        if (
+            again is not None
+            and not blocking
+            and checker is None
+            and self.guard.active()
+            and again.guard == self.guard.fingerprint()
+        ):
+            # The same tensors as the last save, every one guarded: only the containers are
+            # read now (a later change of them is not this save's); the tensors' metadata,
+            # the plan and the engine's call follow on the submitting thread while the
+            # trainer goes on (the guard's wait before the optimizer step waits for them).
+            with _gc_paused():
+                walked = _layout.walk(state)
+            if walked is not None and again.matches(walked):
+                return self._defer(step, walked, meta, snap, again)
+        self._join_deferred()
         with _gc_paused():
-            # The layout of the previous save is reused when this state has the same
-            # structure, plain value types and tensor metadata (_layout.py), its skeleton
-            # given this state's plain values; else the state is flattened.
-            probe = _layout.probe(state)
-            lay = self.layout
-            leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
-            new_layout = False  # a layout made here: cached once the save is captured
-            hit = lay.skeleton_for(probe) if lay is not None else None
-            if hit is not None:
-                assert probe is not None
-                skeleton = hit
-            else:
-                flat = _state.flatten(state)
-                leaves = flat.leaves
-                self.layout = None
-                lay = _layout.Layout.of(probe, flat)
-                skeleton = lay.skeleton if lay is not None else _state.encode(flat)
-                new_layout = lay is not None
-                del flat
-            if _state.STATE_KEY in meta:
-                raise ValueError(f"metadata key {_state.STATE_KEY!r} is reserved")
-            meta[_state.STATE_KEY] = skeleton
+            probe = _layout.probe(state) if walked is None else _layout.read_meta(walked)
+            return self._capture_state(step, state, probe, blocking, meta, snap, checker, None)
+
+    def _raise_deferred_failure(self) -> None:
+        """Raise (once) the error of a deferred save whose capture failed: it is reported
+        at the next ``save`` or wait, never inside the optimizer's step."""
+        for h in list(self.shared.pending):
+            if h._unreported():
+                self.shared.forget(h)
+                assert h._future is not None
+                err = h._future.exception()
+                assert err is not None
+                raise err
+
+    def _join_deferred(self) -> None:
+        """Wait until the deferred captures still running have run (they set the layout this
+        thread is about to use); their errors are reported by their handles."""
+        futures = [h._future for h in list(self.shared.pending) if h._deferred and h._future is not None]
+        if futures:
+            concurrent.futures.wait(futures)
+
+    def _defer(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, again: "_Again") -> SaveHandle:
+        """A save whose capture runs on the submitting thread (``save``): the events of the
+        trainer's current streams are recorded now, so the engine's copies run after what
+        was queued before this call, as a save captured at the call would."""
+        streams = {d: torch.cuda.current_stream(d) for d in again.devices}
+        events = {}
+        for d, st in streams.items():
+            ev = torch.cuda.Event()
+            ev.record(st)
+            events[d] = ev
+        keep: List[Any] = [walked.objs, list(streams.values()), list(events.values())]
+        handle = SaveHandle(step, keep)
+        handle._deferred = True
+        handle._devices = list(again.devices)
+        handle._replicator = self.shared.replicator
+        handle._metadata = meta
+        self.shared.reap()
+        pinned = _Pinned(streams, events, keep, handle)
+
+        def capture() -> Any:
+            with _gc_paused():
+                probe = _layout.read_meta(walked)
+                return self._capture_state(step, walked, probe, False, meta, snap, None, pinned)
+
+        if self.submitter is None:
+            self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmckpt-submit")
+        handle._future = self.submitter.submit(capture)
+        self.shared.track(handle)
+        return handle
+
+    def _capture_state(
+        self,
+        step: int,
+        state: Any,
+        probe: Optional[_layout.Probe],
+        blocking: bool,
+        meta: Dict[str, str],
+        snap: bool,
+        checker: Any,
+        pinned: Optional["_Pinned"],
+    ) -> Any:
+        """Flatten (or match the layout of) the state, capture its tensors and hand them to
+        the engine. On the caller's thread (``pinned`` None): returns the save's handle. A
+        deferred capture (``pinned``: the streams and events recorded at the call;
+        ``state``: the call's walk, ``_layout.walk``): returns
+        the engine's handle, or raises ``SaveFailed`` when the state no longer is what let
+        the save be deferred."""
+        confirm = checker is not None
+        # The layout of the previous save is reused when this state has the same
+        # structure, plain value types and tensor metadata (_layout.py), its skeleton
+        # given this state's plain values; else the state is flattened.
+        lay = self.layout
+        leaves: Optional[List[_state.Leaf]] = None  # built on a hit only when needed
+        new_layout = False  # a layout made here: cached once the save is captured
+        hit = lay.skeleton_for(probe) if lay is not None else None
+        if hit is not None:
+            assert probe is not None
+            skeleton = hit
+        else:
+            # A deferred capture flattens the containers as its call walked them (``state``
+            # is that walk), not as they are now.
+            flat = _state.flatten(_layout.rebuild(state) if pinned is not None else state)
+            leaves = flat.leaves
+            self.layout = None
+            lay = _layout.Layout.of(probe, flat)
+            skeleton = lay.skeleton if lay is not None else _state.encode(flat)
+            new_layout = lay is not None
+            del flat
+        meta[_state.STATE_KEY] = skeleton
+        if pinned is None:
             self.shared.reap()
 
-            guarded = self.guard.storages() if (not blocking and self.guard.active()) else set()
-            member = _layout.membership(probe, leaves, guarded, _storage_key) if guarded else None
-            # A non-blocking save with no guard captures CUDA tensors by holding the
-            # trainer's streams: the engine queues its copies (into its registered staging)
-            # before the call returns, and the streams wait for them on the device, so the
-            # next kernels run after them. One device-to-host copy, no pinned host copy, and
-            # the trainer's thread waits only while the copies are queued. Only when every
-            # CUDA tensor is contiguous and not a conjugate or negative view (a strided or
-            # lazy one is captured by a pinned copy of its span, below, which the engine
-            # can read only after it finished).
-            hold = not blocking and not guarded and (
-                lay.holdable if lay is not None else _layout.holdable(leaves or [])
+        # The guard's fingerprint before its tensors are read (what a deferral relies on).
+        fp = self.guard.fingerprint() if (not blocking and self.guard.active()) else ()
+        guarded = self.guard.storages() if fp else set()
+        member = _layout.membership(probe, leaves, guarded, _storage_key) if guarded else None
+        # A non-blocking save with no guard captures CUDA tensors by holding the trainer's
+        # streams: the engine queues its copies (into its registered staging) before the
+        # call returns, and the streams wait for them on the device, so the next kernels
+        # run after them. One device-to-host copy, no pinned host copy, and the trainer's
+        # thread waits only while the copies are queued. Only when every CUDA tensor is
+        # contiguous and not a conjugate or negative view (a strided or lazy one is
+        # captured by a pinned copy of its span, below, which the engine can read only
+        # after it finished).
+        hold = not blocking and not guarded and (lay.holdable if lay is not None else _layout.holdable(leaves or []))
+        if pinned is not None and (hold or not member or not all(member)):
+            raise SaveFailed(
+                f"save of step {step}: a tensor of the state is no longer in a guarded optimizer "
+                "(it was at the previous save); its bytes may have changed since the call",
+                step=step,
             )
-            # Engine tuples (name, dtype, shape, memory, nbytes, device; the memory a tensor
-            # or array, made a DLPack capsule at the call, None for no bytes; device -1 for
-            # host memory) and what keeps their memory alive.
-            keep: List[Any] = []
-            devices: Dict[int, Any] = {}  # cuda ordinal -> current stream at the call
-            finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
-            key = (blocking, hold, member)
-            plan = lay.plan if lay is not None else None
-            new_plan: Optional[_layout.Plan] = None
-            if plan is not None and plan.key == key:
-                # Same layout, same mode: the tuples of the tensors staged from their own
-                # memory are those of the last save (their metadata and addresses were
-                # compared), each given its tensor now (the plan keeps none); the probe's
-                # storages keep that memory alive. Copies are made anew.
+        # Engine tuples (name, dtype, shape, memory, nbytes, device; the memory a tensor or
+        # array, made a DLPack capsule at the call, None for no bytes; device -1 for host
+        # memory) and what keeps their memory alive.
+        keep: List[Any] = [] if pinned is None else pinned.keep
+        devices: Dict[int, Any] = {} if pinned is None else dict(pinned.streams)
+        finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+        key = (blocking, hold, member)
+        plan = lay.plan if lay is not None else None
+        new_plan: Optional[_layout.Plan] = None
+        if plan is not None and plan.key == key:
+            # Same layout, same mode: the tuples of the tensors staged from their own memory
+            # are those of the last save (their metadata and addresses were compared), each
+            # given its tensor now (the plan keeps none); the probe's storages keep that
+            # memory alive. Copies are made anew.
+            assert lay is not None and probe is not None
+            entries = list(plan.entries)
+            objs = probe.objs
+            for e, i in plan.own:
+                en = entries[e]
+                if en[4]:
+                    entries[e] = (en[0], en[1], en[2], objs[i], en[4], en[5])
+            keep.append(probe.storages)
+            for d in plan.devices:
+                if d not in devices:
+                    devices[d] = _current_stream(d, pinned, step)
+            for e, i in plan.redo:
+                lf = lay.leaf(i, probe.objs[i])
+                entry, k, finish, _ = _capture(lf, blocking, bool(member and member[i]), hold, devices)
+                entries[e] = entry
+                keep.append(k)
+                if finish is not None:
+                    finishes.append((e, finish))
+        else:
+            if leaves is None:
                 assert lay is not None and probe is not None
-                entries = list(plan.entries)
-                objs = probe.objs
-                for e, i in plan.own:
-                    en = entries[e]
-                    if en[4]:
-                        entries[e] = (en[0], en[1], en[2], objs[i], en[4], en[5])
-                keep.append(probe.storages)
-                for d in plan.devices:
-                    devices[d] = torch.cuda.current_stream(d)
-                for e, i in plan.redo:
-                    lf = lay.leaf(i, probe.objs[i])
-                    entry, k, finish, _ = _capture(lf, blocking, bool(member and member[i]), hold, devices)
-                    entries[e] = entry
-                    keep.append(k)
-                    if finish is not None:
-                        finishes.append((e, finish))
-            else:
-                if leaves is None:
-                    assert lay is not None and probe is not None
-                    leaves = lay.leaves(probe.objs)
-                entries = []
-                redo: List[Tuple[int, int]] = []
-                own: List[Tuple[int, int]] = []
-                for i, lf in enumerate(leaves):
-                    if lf.alias_of is not None:
-                        continue  # an alias: its bytes are those of an earlier leaf
-                    entry, k, finish, direct = _capture(lf, blocking, bool(member and member[i]), hold, devices)
-                    (own if direct else redo).append((len(entries), i))
-                    if finish is not None:
-                        finishes.append((len(entries), finish))
-                    entries.append(entry)
-                    keep.append(k)
-                if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
-                    new_plan = _layout.Plan(key, _layout.templates(entries), redo, sorted(devices), own)
-            del leaves
-            # What this save flattened and captured read the state after its probe (another
-            # thread may have changed it meanwhile): Layout.of and _layout.fits keep only
-            # what the probe's metadata gives, so a later save matching the probe writes
-            # what a fresh save would (never a changed state's dtypes, values or addresses).
-            if new_plan is not None:
-                assert lay is not None
-                lay.plan = new_plan
-            if new_layout:
-                self.layout = lay
+                leaves = lay.leaves(probe.objs)
+            entries = []
+            redo: List[Tuple[int, int]] = []
+            own: List[Tuple[int, int]] = []
+            for i, lf in enumerate(leaves):
+                if lf.alias_of is not None:
+                    continue  # an alias: its bytes are those of an earlier leaf
+                entry, k, finish, direct = _capture(lf, blocking, bool(member and member[i]), hold, devices)
+                (own if direct else redo).append((len(entries), i))
+                if finish is not None:
+                    finishes.append((len(entries), finish))
+                entries.append(entry)
+                keep.append(k)
+            if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
+                new_plan = _layout.Plan(key, _layout.templates(entries), redo, sorted(devices), own)
+        del leaves
+        # What this save flattened and captured read the state after its probe (another
+        # thread may have changed it meanwhile): Layout.of and _layout.fits keep only what
+        # the probe's metadata gives, so a later save matching the probe writes what a
+        # fresh save would (never a changed state's dtypes, values or addresses).
+        if new_plan is not None:
+            assert lay is not None
+            lay.plan = new_plan
+        if new_layout:
+            self.layout = lay
+        # The next non-blocking save of the same tensors may be deferred when this one had
+        # every tensor guarded and read in place (no host copy, no array, no copy made now).
+        again = None
+        if not blocking and not hold and member and all(member) and not finishes and lay is not None:
+            cur = lay.plan
+            if cur is not None and cur.key == key and not cur.redo and probe is not None and probe.tensor_pos is None:
+                prev = self.deferrable
+                if prev is not None and prev.matches(probe) and prev.guard == fp:
+                    again = prev
+                else:
+                    again = _Again(probe, cur.devices, fp)
+        self.deferrable = again
+
+        if pinned is not None:
+            if finishes or sorted(devices) != sorted(pinned.streams):
+                raise SaveFailed(
+                    f"save of step {step}: the state's tensors moved to other devices since the call", step=step
+                )
+            handle = pinned.handle
+            handle._snapshot = snap and bool(devices)
+            after = [(d, "event", ev) for d, ev in pinned.events.items()]
+            return self.shared.engine.save(
+                step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=False
+            )
 
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
@@ -206,17 +334,17 @@ class Saver:
 
         if blocking:
             if finishes:
-                for s in devices.values():
-                    s.synchronize()  # this stream only, not the device
+                for st in devices.values():
+                    st.synchronize()  # this stream only, not the device
                 finish_host_copies()
-            after = [(d, "stream", s) for d, s in devices.items()]
+            after = [(d, "stream", st) for d, st in devices.items()]
             h = self.shared.engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
         elif hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
-            after = [(d, "stream", s) for d, s in devices.items()]
+            after = [(d, "stream", st) for d, st in devices.items()]
             h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, True, confirm=confirm)
             handle._set_rust(h)
             self.shared.track(handle)
@@ -226,15 +354,17 @@ class Saver:
             # now on each device's current stream. (A stream handed to the engine would be
             # recorded by its staging thread, later, after the trainer's next kernels.)
             events = {}
-            for d, s in devices.items():
+            for d, st in devices.items():
                 ev = torch.cuda.Event()
-                ev.record(s)
+                ev.record(st)
                 events[d] = ev
             keep.extend(events.values())
             after = [(d, "event", ev) for d, ev in events.items()]
             if not finishes:
                 handle._snapshot = snap and bool(devices)
-                h = self.shared.engine.save(step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm)
+                h = self.shared.engine.save(
+                    step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=confirm
+                )
                 handle._set_rust(h)
                 self.shared.track(handle)
                 return handle
@@ -254,6 +384,50 @@ class Saver:
             handle._future = self.submitter.submit(submit)
         self.shared.track(handle)
         return handle
+
+
+class _Again:
+    """What lets the next non-blocking save be deferred (``save``): the tensors of the last
+    save, each guarded and staged from its own memory (weak references: nothing is kept
+    alive), the containers' tokens, the CUDA devices and the guard's fingerprint (the
+    guarded tensors were read before it was taken: ``Guard.fingerprint``)."""
+
+    __slots__ = ("refs", "tokens", "devices", "guard")
+
+    def __init__(self, probe: _layout.Probe, devices: List[int], guard: Tuple[Any, ...]) -> None:
+        self.refs = [weakref.ref(x) for x in probe.objs]
+        self.tokens = probe.tokens
+        self.devices = list(devices)
+        self.guard = guard
+
+    def matches(self, p: _layout.Probe) -> bool:
+        """Whether walk ``p`` has the same containers and the very same tensor objects."""
+        return (
+            p.tokens == self.tokens
+            and len(p.objs) == len(self.refs)
+            and all(r() is x for r, x in zip(self.refs, p.objs))
+        )
+
+
+class _Pinned:
+    """A deferred save's call: the trainer's current stream and an event recorded on it per
+    device, the handle's keep list and the handle."""
+
+    __slots__ = ("streams", "events", "keep", "handle")
+
+    def __init__(self, streams: Dict[int, Any], events: Dict[int, Any], keep: List[Any], handle: SaveHandle) -> None:
+        self.streams = streams
+        self.events = events
+        self.keep = keep
+        self.handle = handle
+
+
+def _current_stream(d: int, pinned: Optional[_Pinned], step: int) -> Any:
+    """The current stream of CUDA device ``d`` at the save's call; a deferred capture
+    (``pinned``) has only the streams recorded at the call."""
+    if pinned is None:
+        return torch.cuda.current_stream(d)
+    raise SaveFailed(f"save of step {step}: the state's tensors moved to other devices since the call", step=step)
 
 
 def _capture(

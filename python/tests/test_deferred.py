@@ -1,0 +1,226 @@
+"""Deferred capture (issue 38, the save call's cost): a non-blocking save of the very same
+tensors as the last one, all of them in a guarded optimizer, reads only the containers at
+the call; the tensors' metadata, the layout and the engine's call follow on the submitting
+thread. Every save still stores exactly the state of its call (round trips compared byte
+for byte), its errors are raised by the next save or wait (never by the optimizer's step),
+and any change of what made the deferral safe (the guard, the optimizer's state, the tensor
+objects) makes the next save a capture at the call again."""
+
+import collections
+import threading
+
+import pytest
+import torch
+
+import shmckpt
+from shmckpt.errors import StepExists
+
+from layout_support import ckpt, snapshot  # noqa: F401 (ckpt: fixture)
+from test_state import assert_same, raw
+
+
+def trainer(n=6, seed=38):
+    """A model, its AdamW optimizer after one step (its state exists) and the state a
+    trainer saves at every step: references to the parameters and moments."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        model(torch.randn(3, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    state = {"model": dict(model.named_parameters()), "optim": {}, "epoch": 0}
+    for i, st in enumerate(opt.state.values()):
+        state["optim"][str(i)] = dict(st)
+    return model, opt, step, state
+
+
+def test_a_repeated_guarded_save_stores_the_state_of_its_call(ckpt):
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    first = ckpt.save(1, state, blocking=False)
+    assert not first._deferred  # nothing to compare with yet
+    first.wait()
+    for s in range(2, 6):
+        state["epoch"] = s  # a plain value: read at the call
+        want = snapshot(state)
+        gate = threading.Event()
+        if ckpt._saver.submitter is not None:  # from step 3: the capture surely runs late
+            ckpt._saver.submitter.submit(gate.wait)
+        h = ckpt.save(s, state, blocking=False)
+        assert h._deferred
+        # The containers change right after the call, before the capture ran: not this
+        # save's. The optimizer's step waits for the capture, then changes every tensor in
+        # place.
+        state["epoch"] = -1
+        state["late"] = torch.ones(3)
+        state["optim"]["0"] = {"replaced": torch.zeros(2)}
+        gate.set()
+        step()
+        h.wait()
+        assert_same(want, ckpt.load(s))
+        del state["late"]
+        state["optim"]["0"] = dict(opt.state[next(iter(opt.state))])
+
+
+def test_a_frozen_parameter_is_saved_as_frozen(ckpt):
+    """A change of a tensor's metadata on the same object (``requires_grad_``) is read by
+    the deferred capture: the skeleton follows it."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    p = state["model"]["0.weight"]
+    p.requires_grad_(False)
+    want = snapshot(state)
+    h = ckpt.save(2, state, blocking=False)
+    assert h._deferred
+    step()
+    h.wait()
+    back = ckpt.load(2)
+    assert_same(want, back)
+    assert isinstance(back["model"]["0.weight"], torch.nn.Parameter)
+    assert back["model"]["0.weight"].requires_grad is False
+    assert back["model"]["0.bias"].requires_grad is True
+
+
+def test_a_failed_deferred_save_is_raised_by_the_next_save_not_the_optimizer_step(ckpt):
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    ckpt.save(2, state, blocking=False).wait()
+    h = ckpt.save(2, state, blocking=False)  # committed already: the engine refuses it
+    assert h._deferred
+    step()  # the guard waits for the capture and does not raise its error
+    with pytest.raises(StepExists):
+        ckpt.save(3, state, blocking=False)  # reported once, here; nothing saved
+    want = snapshot(state)
+    h3 = ckpt.save(3, state, blocking=False)
+    step()
+    h3.wait()
+    assert_same(want, ckpt.load(3))
+    with pytest.raises(StepExists):
+        h.wait()  # the handle keeps its error
+    ckpt.wait()  # reported already: nothing left to raise
+
+
+def test_a_failed_deferred_save_is_raised_by_wait(ckpt):
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    ckpt.save(1, state, blocking=False)
+    with pytest.raises(StepExists):
+        ckpt.wait()
+    ckpt.wait()
+
+
+def test_what_made_the_deferral_safe_changes_and_the_save_is_captured_at_the_call(ckpt):
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    assert ckpt.save(2, state, blocking=False)._deferred
+    step()
+    ckpt.wait()
+    # A tensor object replaced in the containers (the same values): not the last save's.
+    state["model"]["0.bias"] = state["model"]["0.bias"].detach()
+    assert not ckpt.save(3, state, blocking=False)._deferred
+    ckpt.wait()
+    # The optimizer's state replaced (load_state_dict makes new tensors): the state's old
+    # moments are no longer guarded, so they are copied at the call.
+    opt.load_state_dict(opt.state_dict())
+    want = snapshot(state)
+    h = ckpt.save(4, state, blocking=False)
+    assert not h._deferred
+    step()
+    h.wait()
+    assert_same(want, ckpt.load(4))
+    # A guard removed: every tensor copied at the call.
+    ckpt.unguard(opt)
+    want = snapshot(state)
+    h = ckpt.save(5, state, blocking=False)
+    assert not h._deferred
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    h.wait()
+    assert_same(want, ckpt.load(5))
+
+
+def test_a_state_with_an_unguarded_tensor_is_never_deferred(ckpt):
+    model, opt, step, state = trainer()
+    state["buffer"] = torch.arange(4.0)  # not the optimizer's
+    ckpt.guard(opt)
+    for s in (1, 2, 3):
+        want = snapshot(state)
+        h = ckpt.save(s, state, blocking=False)
+        assert not h._deferred
+        state["buffer"].add_(1.0)  # right after the call: not this save's
+        step()
+        h.wait()
+        assert_same(want, ckpt.load(s))
+
+
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict, list, tuple])
+def test_the_call_time_containers_are_rebuilt_exactly(ckpt, kind):
+    """A layout miss in a deferred capture (a tensor's metadata changed since the last save)
+    flattens the containers as the call's walk read them: every container type, key order
+    and plain value type (-0.0, big ints, bools, None, str)."""
+    model, opt, step, state = trainer(n=2)
+    ps = list(model.parameters())
+    values = [-0.0, 2**70, True, None, "s", 1.5, float("inf")]
+    if kind in (list, tuple):
+        inner = kind(ps + values)
+    else:
+        inner = kind((f"k{i}", v) for i, v in enumerate(ps + values))
+    state = {"x": inner, 7: {"nested": kind([ps[0]]) if kind in (list, tuple) else kind(a=ps[0])}}
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    ps[1].requires_grad_(False)  # a miss at the next capture
+    want = snapshot(state)
+    h = ckpt.save(2, state, blocking=False)
+    assert h._deferred
+    step()
+    h.wait()
+    assert_same(want, ckpt.load(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("snapshot_mode", [None, "device"])
+def test_a_deferred_cuda_save_copies_after_the_work_queued_before_its_call(root, snapshot_mode):
+    """The capture runs later on another thread, but the engine's copies are ordered by
+    events recorded on the trainer's stream at the call: an in-place update queued behind a
+    long kernel before the call is in the checkpoint, the optimizer's step after it is not
+    (the guard makes it wait on the device)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(1 << 20, device="cuda")) for _ in range(8)]
+    opt = torch.optim.SGD(ps, lr=0.5, momentum=0.9)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()  # the momentum buffers exist
+    state = {"p": ps, "m": [opt.state[p]["momentum_buffer"] for p in ps]}
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=256 << 20)) as ck:
+        ck.prepare_cuda([torch.cuda.current_device()])
+        ck.guard(opt)
+        ck.save(1, state, blocking=False, snapshot=snapshot_mode).wait()
+        for s in (2, 3, 4):
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds of device time
+            with torch.no_grad():
+                for p in ps:
+                    p.add_(float(s))  # queued behind the kernel, before the call
+            want = [t.detach().cpu() for t in state["p"]]  # synchronizes: the expected values
+            torch.cuda._sleep(50_000_000)
+            with torch.no_grad():
+                for p in ps:
+                    p.mul_(3.0)  # queued before the call too
+            want = [w * 3.0 for w in want]
+            wm = [t.detach().cpu() for t in state["m"]]
+            torch.cuda._sleep(50_000_000)  # the device is busy at the call
+            h = ck.save(s, state, blocking=False, snapshot=snapshot_mode)
+            assert h._deferred
+            opt.step()  # after the guard's wait: not in the checkpoint
+            h.wait()
+            back = ck.load(s)
+            assert [raw(t) for t in back["p"]] == [raw(w) for w in want]
+            assert [raw(t) for t in back["m"]] == [raw(w) for w in wm]
