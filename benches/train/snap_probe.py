@@ -33,7 +33,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
-from train_model import SIZES, build_model, build_optimizer, flat_state, state_nbytes  # noqa: E402
+from train_model import SIZES, build_model, build_optimizer, flat_state, spinner, state_nbytes  # noqa: E402
 
 
 def med(xs):
@@ -105,17 +105,7 @@ def main():
     nbytes = state_nbytes(sd)
     print(f"state {nbytes / 2**30:.2f} GiB in {len(sd)} tensors", flush=True)
 
-    # Cycles per ms of the spin kernel, calibrated.
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(10_000_000)
-    b.record()
-    b.synchronize()
-    cycles_per_ms = 10_000_000 / a.elapsed_time(b)
-
-    def spin():
-        torch.cuda._sleep(int(cycles_per_ms * args.window_ms))
+    spin = spinner("cuda", args.window_ms)
 
     # Time the guard's two calls (request, hold) by wrapping the module's hold.
     phases = {}
