@@ -10,7 +10,8 @@ times per step:
 
 - ``call``: the ``save`` call (host), and ``engine``: the engine's ``save`` (inside the
   call, or on the submitting thread when the capture is deferred; mode ``at-call`` turns
-  the deferral off);
+  the deferral off, mode ``state-dict`` saves ``model.state_dict()`` and
+  ``opt.state_dict()`` made in the call instead of the persistent dict of references);
 - ``hook``: the guard's wait at ``opt.step()`` (host);
 - ``step``: the whole step (host, synchronized); mode ``off`` saves nothing (the
   baseline);
@@ -73,7 +74,8 @@ def main(argv=None):
     p.add_argument(
         "--modes",
         default="off,none,device",
-        help="snapshot modes, alternated (off: no save, the baseline; at-call: none, captured at the call)",
+        help="snapshot modes, alternated (off: no save, the baseline; at-call: none, captured at the call;"
+        " state-dict: none, the state made by model.state_dict() and opt.state_dict() at each call)",
     )
     p.add_argument("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes")
     p.add_argument("--ck-kw", default="{}", help='JSON: Cadence fields, e.g. {"disk_every": 4}')
@@ -128,8 +130,11 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 if mode == "at-call":
                     ck._saver.deferrable = None  # the capture at the call (no deferred capture)
-                snap = None if mode in ("none", "at-call") else mode
-                h = None if mode == "off" else ck.save(step, sd, blocking=False, snapshot=snap)
+                state = sd
+                if mode == "state-dict":  # made anew at each save, inside the timed call
+                    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                snap = None if mode in ("none", "at-call", "state-dict") else mode
+                h = None if mode == "off" else ck.save(step, state, blocking=False, snapshot=snap)
                 t1 = time.perf_counter()
                 spin()
                 t2 = time.perf_counter()

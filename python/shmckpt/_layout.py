@@ -226,6 +226,19 @@ def read_meta(p: Probe) -> Optional[Probe]:
     return p
 
 
+def storage_addresses(p: Probe) -> Optional[List[int]]:
+    """The address of the storage of each leaf of ``p`` (every leaf a tensor: else None),
+    from its metadata when read, else read now (None when a tensor has no readable
+    storage)."""
+    if p.tensor_pos is not None:
+        return None
+    try:
+        storages = p.storages if p.sig is not None else list(map(_T.untyped_storage, p.objs))
+        return list(map(_STORAGE.data_ptr, storages))
+    except Exception:
+        return None
+
+
 class Plan:
     """The engine tuples of one save mode: ``entries`` (one per stored leaf, holding no
     memory: :func:`templates`), ``redo`` (``(entry index, leaf index)`` of the leaves

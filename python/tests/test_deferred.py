@@ -1,10 +1,10 @@
-"""Deferred capture (issue 38, the save call's cost): a non-blocking save of the very same
-tensors as the last one, all of them in a guarded optimizer, reads only the containers at
+"""Deferred capture (issue 38, the save call's cost): a non-blocking save of the same tensors
+(the same storages) as the last one, all of them in a guarded optimizer, reads only the containers at
 the call; the tensors' metadata, the layout and the engine's call follow on the submitting
 thread. Every save still stores exactly the state of its call (round trips compared byte
 for byte), its errors are raised by the next save or wait (never by the optimizer's step),
-and any change of what made the deferral safe (the guard, the optimizer's state, the tensor
-objects) makes the next save a capture at the call again."""
+and any change of what made the deferral safe (the guard, the optimizer's state, the
+tensors' storages) makes the next save a capture at the call again."""
 
 import collections
 import threading
@@ -66,6 +66,27 @@ def test_a_repeated_guarded_save_stores_the_state_of_its_call(ckpt):
         state["optim"]["0"] = dict(opt.state[next(iter(opt.state))])
 
 
+def test_a_state_dict_made_anew_at_every_save_is_deferred(ckpt):
+    """``model.state_dict()`` gives new detached tensors at every call and
+    ``opt.state_dict()`` new containers: the same storages as the last save, so the save
+    is deferred, and stores the values of its call."""
+    model, opt, step, _ = trainer()
+    ckpt.guard(opt)
+
+    def state(epoch):
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": epoch}
+
+    ckpt.save(1, state(1), blocking=False).wait()
+    for s in (2, 3, 4):
+        sd = state(s)
+        want = snapshot(sd)
+        h = ckpt.save(s, sd, blocking=False)
+        assert h._deferred
+        step()
+        h.wait()
+        assert_same(want, ckpt.load(s))
+
+
 def test_a_frozen_parameter_is_saved_as_frozen(ckpt):
     """A change of a tensor's metadata on the same object (``requires_grad_``) is read by
     the deferred capture: the skeleton follows it."""
@@ -123,10 +144,15 @@ def test_what_made_the_deferral_safe_changes_and_the_save_is_captured_at_the_cal
     assert ckpt.save(2, state, blocking=False)._deferred
     step()
     ckpt.wait()
-    # A tensor object replaced in the containers (the same values): not the last save's.
-    state["model"]["0.bias"] = state["model"]["0.bias"].detach()
-    assert not ckpt.save(3, state, blocking=False)._deferred
-    ckpt.wait()
+    # A tensor replaced in the containers by a copy (other memory): not the last save's.
+    state["model"]["0.bias"] = state["model"]["0.bias"].detach().clone()
+    want = snapshot(state)
+    h = ckpt.save(3, state, blocking=False)
+    assert not h._deferred
+    state["model"]["0.bias"].add_(1.0)  # not the optimizer's: copied at the call
+    h.wait()
+    assert_same(want, ckpt.load(3))
+    state["model"]["0.bias"] = model[0].bias
     # The optimizer's state replaced (load_state_dict makes new tensors): the state's old
     # moments are no longer guarded, so they are copied at the call.
     opt.load_state_dict(opt.state_dict())

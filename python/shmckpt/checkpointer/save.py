@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
@@ -77,10 +76,10 @@ class Saver:
         transient buffer outside torch's allocator, freed once copied
         (``handle.snapshot_bytes``; docs/python.md). The default allocates no device memory.
 
-        Under a guard, a non-blocking save of the very same tensors as the previous save,
-        all guarded, is captured off the caller's thread: the call reads only the
-        containers (their plain values included); its capture errors are raised by the
-        next ``save`` or wait (docs/python.md, "Non-blocking saves and guard").
+        Under a guard, a non-blocking save of the same tensors (the same storages) as the
+        previous save, all guarded, is captured off the caller's thread: the call reads
+        only the containers (their plain values included); its capture errors are raised
+        by the next ``save`` or wait (docs/python.md, "Non-blocking saves and guard").
         """
         step = _step_int(step)
         if step < 0:
@@ -108,8 +107,8 @@ class Saver:
             and self.guard.active()
             and again.guard == self.guard.fingerprint()
         ):
-            # The same tensors as the last save, every one guarded: only the containers are
-            # read now (a later change of them is not this save's); the tensors' metadata,
+            # The same tensors (storages) as the last save, every one guarded: only the
+            # containers and the storages' addresses are read now (a later change of them is not this save's); the tensors' metadata,
             # the plan and the engine's call follow on the submitting thread while the
             # trainer goes on (the guard's wait before the optimizer step waits for them).
             with _gc_paused():
@@ -296,11 +295,7 @@ class Saver:
         if not blocking and not hold and member and all(member) and not finishes and lay is not None:
             cur = lay.plan
             if cur is not None and cur.key == key and not cur.redo and probe is not None and probe.tensor_pos is None:
-                prev = self.deferrable
-                if prev is not None and prev.matches(probe) and prev.guard == fp:
-                    again = prev
-                else:
-                    again = _Again(probe, cur.devices, fp)
+                again = _Again(probe, cur.devices, fp)
         self.deferrable = again
 
         if pinned is not None:
@@ -387,26 +382,29 @@ class Saver:
 
 
 class _Again:
-    """What lets the next non-blocking save be deferred (``save``): the tensors of the last
-    save, each guarded and staged from its own memory (weak references: nothing is kept
-    alive), the containers' tokens, the CUDA devices and the guard's fingerprint (the
-    guarded tensors were read before it was taken: ``Guard.fingerprint``)."""
+    """What lets the next non-blocking save be deferred (``save``): the address of the
+    storage of each tensor of the last save (each guarded and staged from its own memory;
+    plain ints: nothing is kept alive), the containers' tokens, the CUDA devices and the
+    guard's fingerprint, taken before the guarded storages were read
+    (``Guard.fingerprint``)."""
 
-    __slots__ = ("refs", "tokens", "devices", "guard")
+    __slots__ = ("storages", "tokens", "devices", "guard")
 
     def __init__(self, probe: _layout.Probe, devices: List[int], guard: Tuple[Any, ...]) -> None:
-        self.refs = [weakref.ref(x) for x in probe.objs]
+        storages = _layout.storage_addresses(probe)
+        assert storages is not None  # every leaf a tensor, its metadata read
+        self.storages = storages
         self.tokens = probe.tokens
         self.devices = list(devices)
         self.guard = guard
 
     def matches(self, p: _layout.Probe) -> bool:
-        """Whether walk ``p`` has the same containers and the very same tensor objects."""
-        return (
-            p.tokens == self.tokens
-            and len(p.objs) == len(self.refs)
-            and all(r() is x for r, x in zip(self.refs, p.objs))
-        )
+        """Whether walk ``p`` has the same containers and, at each leaf, a tensor of the
+        same storage: the same tensor objects, or new views of the same memory (what
+        ``model.state_dict()`` gives at every call). Only the storages are read."""
+        if p.tokens != self.tokens or len(p.objs) != len(self.storages):
+            return False
+        return _layout.storage_addresses(p) == self.storages
 
 
 class _Pinned:
