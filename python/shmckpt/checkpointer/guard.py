@@ -49,7 +49,9 @@ class Guard:
         other tensor of the state (buffers such as BatchNorm running statistics, tensors of
         unguarded optimizers, numpy arrays) is captured at the call. Parameters and state of
         a guarded optimizer must not be changed other than by its ``step()`` (or after the
-        handle's ``wait_staged()``).
+        handle's ``wait_staged()``). A save of the same guarded tensors as the previous
+        save is also captured off the caller's thread, and ``step()`` first waits for that
+        capture (docs/python.md, "Non-blocking saves and guard").
         """
         ref = weakref.ref(optimizer)
         me = weakref.ref(self)
