@@ -177,7 +177,9 @@ wheel_pid=$!
 # (its own tests need `testing` and `s3`), which only adds hooks that stay off unless a
 # test turns them on. Three separately built `cargo test`s rebuilt the library and the
 # crates below it whose features differ, ~50 s of the last clean-clone CI run.
-rust=(--all-features --workspace --exclude shmckpt-python)
+# The profile `suite` (Cargo.toml: dev with line tables only as debug info, built in
+# target/suite/).
+rust=(--profile suite --all-features --workspace --exclude shmckpt-python)
 
 stage "debug builds: the Python suite's binaries, then every test (beside the venv and wheel lanes)"
 # The Python suite's recovery tests run the command line as users get it (default
@@ -185,12 +187,12 @@ stage "debug builds: the Python suite's binaries, then every test (beside the ve
 # crashfs: one `cargo build`, whose dependencies' features are then those of the test
 # build below (crashfs's unify libc's: else each build compiles libc and everything
 # above it once more). `cargo test` then builds the command line again with the tests'
-# features (`testing`, `fault-injection`) to the same path, target/debug/shmckpt, which
+# features (`testing`, `fault-injection`) to the same path, target/suite/shmckpt, which
 # the command line's own tests run: the Python suite's copies are kept in target/test-bin/.
 bins="$repo/target/test-bin"
 mkdir -p "$bins"
-cargo build -p shmckpt-cli -p crashfs --bins
-cp target/debug/shmckpt target/debug/crashfs "$bins/"
+cargo build --profile suite -p shmckpt-cli -p crashfs --bins
+cp target/suite/shmckpt target/suite/crashfs "$bins/"
 cargo test "${rust[@]}" --no-run
 
 stage "waiting for the venv's packages (the S3 tests start moto from it)"
