@@ -34,11 +34,15 @@ export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 export SHMCKPT_MOTO_PYTHON="$py"
 mkdir -p "$repo/target"
 
-# The stages overlap where one waits (on the network) or leaves a core idle: the venv's
-# installs and mypy run beside the first compile, and the wheel's release build and
-# stubtest beside the Rust tests. A background lane writes its output to a log under
-# target/, printed (with the lane's own time) when the script waits for it; a failure in
-# a lane fails the script there, and a script that stops early ends the lanes it started.
+# The stages overlap where one waits (on the network) or leaves a core idle. Two lanes
+# run in the background from the start: the venv lane installs what the venv lacks (the
+# wheel's build tools first, then the rest) and runs mypy; the wheel lane builds the
+# release wheel (scripts/build_wheel.sh) as soon as the build tools are there, beside the
+# debug builds and the Rust tests, then installs it and runs stubtest. The Rust tests
+# wait for the venv's packages (the S3 tests start moto from it), the soak and pytest for
+# both lanes. A lane writes its output to a log under target/, printed (with the lane's
+# own times) when the script waits for it; a failure in a lane fails the script there,
+# and a script that stops early ends the lanes it started.
 lanes=()
 kill_tree() {   # a lane's subshell and every process below it, deepest first
     local p
@@ -65,6 +69,21 @@ join() {
         exit "$rc"
     fi
 }
+# A lane marks the points it reached with files under $marks. wait_mark NAME PID: waits
+# for the mark NAME; fails (status 1) if lane PID ended without writing it.
+marks="$repo/target/test-marks"
+rm -rf "$marks"
+mkdir -p "$marks"
+wait_mark() {
+    until [ -e "$marks/$1" ]; do
+        if ! kill -0 "$2" 2>/dev/null; then
+            [ -e "$marks/$1" ] && return 0
+            echo "== the lane that marks '$1' ended without it" >&2
+            return 1
+        fi
+        sleep 1
+    done
+}
 
 venv_log="$repo/target/test-venv.log"
 (
@@ -77,30 +96,47 @@ venv_log="$repo/target/test-venv.log"
     # none of them (importing torch, lightning and megatron to check them cost 14 CPU-s):
     # megatron-core (module megatron.core) for python/tests/test_megatron.py (CPU, gloo);
     # moto's S3 server for the object-storage tests (python/tests/test_remote.py,
-    # cli/tests/integration/remote.rs); ziglang and auditwheel for scripts/build_wheel.sh.
-    read -r -a missing <<<"$("$py" - <<'EOF'
+    # cli/tests/integration/remote.rs); maturin, ziglang and auditwheel for
+    # scripts/build_wheel.sh (the first line printed: installed first, so that the
+    # wheel's release build starts beside the large installs).
+    mapfile -t missing < <("$py" - <<'PY'
 import importlib.util
 
+tools = {"maturin": "maturin", "ziglang": "ziglang", "auditwheel": "auditwheel"}
 need = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "pytest": "pytest",
-        "maturin": "maturin", "lightning": "lightning", "mypy": "mypy", "ziglang": "ziglang",
-        "auditwheel": "auditwheel", "megatron.core": "megatron-core",
+        "lightning": "lightning", "mypy": "mypy", "megatron.core": "megatron-core",
         "moto.server": "moto[server]", "boto3": "moto[server]"}
-missing = []
-for mod, pkg in need.items():
-    try:
-        found = importlib.util.find_spec(mod) is not None
-    except ImportError:   # a parent package is missing
-        found = False
-    if not found and pkg not in missing:
-        missing.append(pkg)
-print(" ".join(missing))
-EOF
-)"
-    if [ ${#missing[@]} -gt 0 ]; then
-        echo "== installing ${missing[*]} into $venv"
-        "$py" -m pip install --quiet "${missing[@]}"
+
+
+def missing(mods):
+    out = []
+    for mod, pkg in mods.items():
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ImportError:   # a parent package is missing
+            found = False
+        if not found and pkg not in out:
+            out.append(pkg)
+    return " ".join(out)
+
+
+print(missing(tools))
+print(missing(need))
+PY
+)
+    read -r -a tools <<<"${missing[0]:-}"
+    read -r -a rest <<<"${missing[1]:-}"
+    if [ ${#tools[@]} -gt 0 ]; then
+        echo "== installing ${tools[*]} into $venv"
+        "$py" -m pip install --quiet "${tools[@]}"
+    fi
+    touch "$marks/tools"
+    if [ ${#rest[@]} -gt 0 ]; then
+        echo "== installing ${rest[*]} into $venv"
+        "$py" -m pip install --quiet "${rest[@]}"
     fi
     echo "== [$((SECONDS - t)) s] venv ready"
+    touch "$marks/venv"
     t=$SECONDS
     echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
     "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
@@ -109,38 +145,21 @@ EOF
 lanes+=($!)
 venv_pid=$!
 
-stage "cargo build, cargo test --no-run (the debug builds, while the venv lane installs, then runs mypy)"
-# The recovery tests of the Python suite run the command line as users get it (default
-# features); `cargo test` then builds it again with the tests' features (`testing`,
-# `fault-injection`) to the same path, target/debug/shmckpt, which the command line's own
-# tests run: the Python suite's copy is kept in target/test-bin/.
-bins="$repo/target/test-bin"
-mkdir -p "$bins"
-cargo build --bin shmckpt
-cp target/debug/shmckpt "$bins/shmckpt"
-cargo test --all-features --no-run
-# crashfs is not a default member (see Cargo.toml). Its tests build its binary too, as
-# `cargo build -p crashfs --bin crashfs` would (the same code; only dependencies' features
-# differ): the FUSE server of the Python suite's power-cut test (python/tests/test_crashfs.py).
-cargo test --all-features -p crashfs --no-run
-cp target/debug/crashfs "$bins/crashfs"
-cargo test -p shmckpt-crashsim --no-run   # nor is the power-loss harness
-
-stage "waiting for the venv lane (the S3 tests start moto from it)"
-join "$venv_pid" "$venv_log" venv
-
-stage "cargo test --all-features, beside the wheel lane (scripts/build_wheel.sh, pip install, stubtest)"
 # The Python suite runs against the wheel users install: the manylinux abi3 wheel, built
 # by maturin in release (the same compile as `pip install ./python`) and checked by
-# auditwheel. Release and debug builds take separate locks of target/, so the wheel
-# compiles while the debug test binaries run.
+# auditwheel. Release and debug builds take separate locks of target/ (the wheel's is
+# under target/x86_64-unknown-linux-gnu/), so the wheel compiles beside the debug builds.
 wheel_log="$repo/target/test-wheel.log"
 (
+    wait_mark tools "$venv_pid"
     t=$SECONDS
-    echo "== scripts/build_wheel.sh, then pip install the wheel"
+    echo "== scripts/build_wheel.sh"
     wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
+    echo "== [$((SECONDS - t)) s] wheel built"
+    wait_mark venv "$venv_pid"   # one pip at a time in the venv
+    t=$SECONDS
     "$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
-    echo "== [$((SECONDS - t)) s] wheel built and installed"
+    echo "== [$((SECONDS - t)) s] wheel installed"
     t=$SECONDS
     echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
     # Run from the repository root, where `shmckpt` is the installed package (python/ would
@@ -150,18 +169,51 @@ wheel_log="$repo/target/test-wheel.log"
 ) >"$wheel_log" 2>&1 &
 lanes+=($!)
 wheel_pid=$!
-cargo test --all-features
-cargo test --all-features -p crashfs
-cargo test -p shmckpt-crashsim
 
-stage "waiting for the wheel lane (the soak runs alone, as before: its kills are timed)"
+# The workspace's packages with Rust tests: every member but the Python extension (built
+# by maturin, tested by pytest), crashfs and the power-loss harness (not default members,
+# see Cargo.toml) included. One `cargo test` of them all builds each crate once, with the
+# features unified: crashfs's and the harness's tests get the library with every feature
+# (its own tests need `testing` and `s3`), which only adds hooks that stay off unless a
+# test turns them on. Three separately built `cargo test`s rebuilt the library and the
+# crates below it whose features differ, ~50 s of the last clean-clone CI run.
+# The profile `suite` (Cargo.toml: dev with line tables only as debug info, built in
+# target/suite/).
+rust=(--profile suite --all-features --workspace --exclude shmckpt-python)
+
+stage "debug builds: the Python suite's binaries, then every test (beside the venv and wheel lanes)"
+# The Python suite's recovery tests run the command line as users get it (default
+# features), and its power-cut test (python/tests/test_crashfs.py) the FUSE server
+# crashfs: one `cargo build`, whose dependencies' features are then those of the test
+# build below (crashfs's unify libc's: else each build compiles libc and everything
+# above it once more). `cargo test` then builds the command line again with the tests'
+# features (`testing`, `fault-injection`) to the same path, target/suite/shmckpt, which
+# the command line's own tests run: the Python suite's copies are kept in target/test-bin/.
+bins="$repo/target/test-bin"
+mkdir -p "$bins"
+cargo build --profile suite -p shmckpt-cli -p crashfs --bins
+cp target/suite/shmckpt target/suite/crashfs "$bins/"
+cargo test "${rust[@]}" --no-run
+
+stage "waiting for the venv's packages (the S3 tests start moto from it)"
+wait_mark venv "$venv_pid" || join "$venv_pid" "$venv_log" venv
+
+stage "Rust tests, fast tier: unit tests and doctests of every package (the wheel lane beside)"
+cargo test "${rust[@]}" --lib --bins
+cargo test "${rust[@]}" --doc
+
+stage "Rust tests: the integration tests of every package (crash:: checks a seeded sample, docs/crash.md)"
+cargo test "${rust[@]}" --test '*'
+
+stage "waiting for the venv lane (mypy) and the wheel lane (the soak runs alone, as before: its kills are timed)"
+join "$venv_pid" "$venv_log" venv
 join "$wheel_pid" "$wheel_log" wheel
 
 stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
 # SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
 # crashes; every resume compared bit for bit (docs/crash.md, section 6). Prints its seed
 # (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
-cargo test --all-features --test integration soak -- --ignored --nocapture
+cargo test "${rust[@]}" --test integration soak -- --ignored --nocapture
 
 export SHMCKPT_BIN="$bins/shmckpt" CRASHFS_BIN="$bins/crashfs"
 
@@ -174,7 +226,11 @@ stage "pytest python/tests: two sessions side by side (the multi-rank files; the
 # (518 s against 360 s in the last clean-clone run). Each session's worker processes fork
 # from a server that imported torch and shmckpt once (python/tests/zygote.py): a fresh
 # interpreter per worker cost ~2.5 CPU-s; the suite took 969 CPU-s with them, 473 without.
-multi=(python/tests/test_replicas.py python/tests/test_megatron.py python/tests/test_dcp.py)
+# test_crashfs.py (2 ranks, power cuts through FUSE) and test_goodput_bench.py (trainers
+# killed and restarted) join them too: the other session was the critical path again
+# (426 s against 237 s in the last clean-clone run; they took 51 s and 46 s of it).
+multi=(python/tests/test_replicas.py python/tests/test_megatron.py python/tests/test_dcp.py
+       python/tests/test_crashfs.py python/tests/test_goodput_bench.py)
 ignore=()
 for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done
 multi_log="$repo/target/pytest-multi-rank.log"
