@@ -301,7 +301,9 @@ class Saver:
         if pinned is not None:
             if finishes or sorted(devices) != sorted(pinned.streams):
                 raise SaveFailed(
-                    f"save of step {step}: the state's tensors moved to other devices since the call", step=step
+                    f"save of step {step}: the state's tensors changed since the call (moved to another "
+                    "device, or now read through a pinned host copy); nothing of the step was saved",
+                    step=step,
                 )
             handle = pinned.handle
             handle._snapshot = snap and bool(devices)
@@ -425,7 +427,11 @@ def _current_stream(d: int, pinned: Optional[_Pinned], step: int) -> Any:
     (``pinned``) has only the streams recorded at the call."""
     if pinned is None:
         return torch.cuda.current_stream(d)
-    raise SaveFailed(f"save of step {step}: the state's tensors moved to other devices since the call", step=step)
+    raise SaveFailed(
+        f"save of step {step}: the state's tensors moved to another device since the call; nothing of the "
+        "step was saved",
+        step=step,
+    )
 
 
 def _capture(
