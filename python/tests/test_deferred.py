@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shmckpt
-from shmckpt.errors import StepExists
+from shmckpt.errors import SaveFailed, StepExists
 
 from layout_support import ckpt, snapshot  # noqa: F401 (ckpt: fixture)
 from test_state import assert_same, raw
@@ -172,6 +172,37 @@ def test_what_made_the_deferral_safe_changes_and_the_save_is_captured_at_the_cal
             p.add_(1.0)
     h.wait()
     assert_same(want, ckpt.load(5))
+
+
+def test_a_tensor_found_unguarded_at_the_capture_fails_that_save_only(ckpt):
+    """The guard's fingerprint misses a parameter given other memory (``p.data = ...``): a
+    view of its old memory in the state still matches the last save's storage, so the save
+    is deferred, and its capture finds that memory no longer guarded (the next forward may
+    change it): ``SaveFailed`` at the next save, never wrong bytes; that save and the
+    following ones are captured at their call."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    p = model[0].weight
+    state["model"]["0.weight"] = p.detach()  # a view of the parameter's memory
+    ckpt.save(2, state, blocking=False).wait()
+    with torch.no_grad():
+        p.data = p.data.clone()  # the parameter's memory replaced; the view keeps the old
+    h = ckpt.save(3, state, blocking=False)
+    assert h._deferred
+    step()  # the guard does not raise the capture's error
+    with pytest.raises(SaveFailed, match="no longer in a guarded optimizer") as e:
+        ckpt.save(4, state, blocking=False)
+    assert e.value.step == 3
+    for s in (4, 5):
+        want = snapshot(state)
+        h = ckpt.save(s, state, blocking=False)
+        assert not h._deferred
+        state["model"]["0.weight"].add_(1.0)  # unguarded: copied at the call
+        step()
+        h.wait()
+        assert_same(want, ckpt.load(s))
+    assert 3 not in ckpt.list()
 
 
 def test_a_state_with_an_unguarded_tensor_is_never_deferred(ckpt):

@@ -158,9 +158,13 @@ class Saver:
         pinned = _Pinned(streams, events, keep, handle)
 
         def capture() -> Any:
-            with _gc_paused():
-                probe = _layout.read_meta(walked)
-                return self._capture_state(step, walked, probe, False, meta, snap, None, pinned)
+            try:
+                with _gc_paused():
+                    probe = _layout.read_meta(walked)
+                    return self._capture_state(step, walked, probe, False, meta, snap, None, pinned)
+            except BaseException:
+                self.deferrable = None  # the next save is captured at its call
+                raise
 
         if self.submitter is None:
             self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmckpt-submit")
