@@ -32,7 +32,7 @@ class Saver:
         self.layout: Optional[Any] = None
         self.submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         #: Set by a non-blocking save whose tensors were all guarded and read in place: the
-        #: next save of the very same tensors is deferred (``_defer``).
+        #: next save of tensors of the same storages is deferred (``_defer``).
         self.deferrable: Optional[_Again] = None
 
     def close(self) -> None:
@@ -108,9 +108,10 @@ class Saver:
             and again.guard == self.guard.fingerprint()
         ):
             # The same tensors (storages) as the last save, every one guarded: only the
-            # containers and the storages' addresses are read now (a later change of them is not this save's); the tensors' metadata,
-            # the plan and the engine's call follow on the submitting thread while the
-            # trainer goes on (the guard's wait before the optimizer step waits for them).
+            # containers and the storages' addresses are read now (a later change of them
+            # is not this save's); the tensors' metadata, the plan and the engine's call
+            # follow on the submitting thread while the trainer goes on (the guard's wait
+            # before the optimizer step waits for them).
             with _gc_paused():
                 walked = _layout.walk(state)
             if walked is not None and again.matches(walked):
@@ -256,8 +257,8 @@ class Saver:
                     entries[e] = (en[0], en[1], en[2], objs[i], en[4], en[5])
             keep.append(probe.storages)
             for d in plan.devices:
-                if d not in devices:
-                    devices[d] = _current_stream(d, pinned, step)
+                if d not in devices:  # a deferred capture keeps the streams of its call
+                    devices[d] = torch.cuda.current_stream(d)
             for e, i in plan.redo:
                 lf = lay.leaf(i, probe.objs[i])
                 entry, k, finish, _ = _capture(lf, blocking, bool(member and member[i]), hold, devices)
@@ -424,18 +425,6 @@ class _Pinned:
         self.events = events
         self.keep = keep
         self.handle = handle
-
-
-def _current_stream(d: int, pinned: Optional[_Pinned], step: int) -> Any:
-    """The current stream of CUDA device ``d`` at the save's call; a deferred capture
-    (``pinned``) has only the streams recorded at the call."""
-    if pinned is None:
-        return torch.cuda.current_stream(d)
-    raise SaveFailed(
-        f"save of step {step}: the state's tensors moved to another device since the call; nothing of the "
-        "step was saved",
-        step=step,
-    )
 
 
 def _capture(
