@@ -6,8 +6,9 @@
 //! called in `/dev/shm` ([`replica_name`]), and the checks every image passes before it is
 //! stored, served or written back ([`verify_image`]: exactly the size the committed
 //! manifest of its step says, a safetensors header describing exactly the manifest's
-//! tensors, every tensor's CRC-32C equal to the manifest's). The transport
-//! (torch.distributed) is the Python package's (`shmckpt/replicas.py`).
+//! tensors, every tensor's CRC-32C equal to the manifest's), and the step every rank loads
+//! for "latest" once the ranks told each other what they can load ([`agree`]). The
+//! transport (torch.distributed) is the Python package's (`shmckpt/replicas.py`).
 //!
 //! Nothing read from `/dev/shm` or received from a peer is trusted: replica files are
 //! opened without following a link, must be regular files of this user of exactly the
@@ -25,6 +26,7 @@ use crate::staging::shm::SHM_MOUNT;
 use crate::tensor::AlignedBytes;
 use std::io::Read;
 
+pub mod agree;
 mod check;
 mod incoming;
 mod outgoing;

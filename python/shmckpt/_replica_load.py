@@ -107,59 +107,32 @@ class ReplicaLoads(ReplicaNet):
                     log.info("rank %d: replica of rank %d, step %d cannot complete its commit: %s", self.ckpt.rank, src, step, e)
         remote = self._bucket_steps() if bucket else []
         seen = self._gather((have, own, held, remote, parts, pending, disk), "the steps every rank can load")
-        holds = {(src, step, r) for r, v in enumerate(seen) for src, step in v[2]}
-        pend = {(src, step, r) for r, v in enumerate(seen) for src, step in v[5]}
-
-        def cannot(s: int) -> List[int]:
-            return [
-                q
-                for q, (_, own_q, _, remote_q, *_rest) in enumerate(seen)
-                if s not in own_q and s not in remote_q and not any((q, s, r) in holds for r in self.plan[q])
-            ]
-
-        def completable(s: int) -> Optional[Dict[int, int]]:
-            """The partner serving each rank without a part of the uncommitted step ``s``,
-            when every rank has its part or such a partner (and some rank a part)."""
-            if any(s in v[6] for v in seen):
-                return None  # committed somewhere: the rules above
-            servers: Dict[int, int] = {}
-            for q, v in enumerate(seen):
-                if s in v[4]:
-                    continue
-                r = next((r for r in self.plan[q] if (q, s, r) in pend), None)
-                if r is None:
-                    return None
-                servers[q] = r
-            return servers if servers and len(servers) < len(seen) else None
-
-        steps = sorted({s for v in seen for s in list(v[0]) + list(v[3]) + list(v[4])}, reverse=True)
+        # The rule is the crate's (shmckpt::replica::agree), evaluated by every rank on the
+        # same gathered views: the same step everywhere without another exchange.
+        candidates, newest = _shmckpt.replica_latest(seen, self.plan)
         skipped: List[str] = []
-        for s in steps:
-            short = cannot(s)
-            servers = completable(s) if short else None
-            if servers is not None:
-                why = self._complete(s, servers)
-                if why is None:
-                    short = []
-                else:
+        for s, kind, servers, short in candidates:
+            if kind == "short":
+                skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
+                continue
+            if kind == "complete":
+                why = self._complete(s, dict(servers))
+                if why is not None:
                     skipped.append(f"step {s}: not committed, and its commit could not be completed: {why}")
                     continue
-            if not short:
-                if skipped:
-                    log.warning(
-                        "rank %d: loading step %d, the newest step every rank can load (%s)",
-                        self.ckpt.rank,
-                        s,
-                        "; ".join(skipped),
-                    )
-                    self._set_aside([x for x in disk if x > s])
-                self._give_up_memory([x for x in memory if x > s])
-                self._drop_pending([(src, x) for src, x in pending if x > s])
-                return s
-            skipped.append(f"step {s}: ranks {short} have neither their file nor a replica of it")
+            if skipped:
+                log.warning(
+                    "rank %d: loading step %d, the newest step every rank can load (%s)",
+                    self.ckpt.rank,
+                    s,
+                    "; ".join(skipped),
+                )
+                self._set_aside([x for x in disk if x > s])
+            self._give_up_memory([x for x in memory if x > s])
+            self._drop_pending([(src, x) for src, x in pending if x > s])
+            return int(s)
         # (A step no rank has but as a part of an uncommitted save is never loaded.)
-        newest = sorted({s for v in seen for s in list(v[0]) + list(v[3])}, reverse=True)
-        return newest[0] if newest else None
+        return newest
 
     def _pending_parts(self, committed: Any) -> List[int]:
         """The steps not committed whose partial directory holds this rank's durable part

@@ -46,6 +46,7 @@ __all__ = [
     "read_rank_ranges",
     "release_device_ring",
     "replica_divergence",
+    "replica_latest",
     "replica_list",
     "replica_load",
     "replica_memory_entry",
@@ -391,6 +392,28 @@ def release_device_ring() -> None:
 def replica_plan(nodes: Sequence[str], replicas: int) -> List[List[int]]:
     """For each rank, the ranks on other machines that hold its replicas (``nodes[r]``:
     rank r's machine). ``ConfigError`` when ``replicas`` is not below the machine count."""
+    ...
+
+def replica_latest(
+    views: Sequence[
+        Tuple[
+            Sequence[int],
+            Sequence[int],
+            Sequence[Tuple[int, int]],
+            Sequence[int],
+            Sequence[int],
+            Sequence[Tuple[int, int]],
+            Sequence[int],
+        ]
+    ],
+    plan: Sequence[Sequence[int]],
+) -> Tuple[List[Tuple[int, str, List[Tuple[int, int]], List[int]]], Optional[int]]:
+    """The step every rank loads for "latest" (``shmckpt::replica::agree``). ``views[q]``:
+    rank ``q``'s ``(known, own, held, bucket, parts, pending, committed)``. Returns the
+    candidates, newest first up to the first every rank can load, as ``(step, kind,
+    servers, short)`` with kind ``"load"``, ``"complete"`` (``servers``: the ``(rank,
+    partner)`` pairs of the commit to complete) or ``"short"`` (``short``: the ranks that
+    cannot load it), and the newest step any rank knows of."""
     ...
 
 def replica_name(root: str, rank: int, step: int) -> str:

@@ -23,6 +23,59 @@ fn replica_plan(py: Python<'_>, nodes: Vec<String>, replicas: u32) -> PyResult<V
     shmckpt::replica::plan(&nodes, replicas).map_err(|e| to_py(py, e))
 }
 
+/// One rank's view before a load of "latest" (`shmckpt::replica::agree::LoadView`), in the
+/// order `shmckpt.replicas` gathers it: `(known, own, held, bucket, parts, pending,
+/// committed)`.
+type ViewTuple = (
+    Vec<u64>,
+    Vec<u64>,
+    Vec<(u32, u64)>,
+    Vec<u64>,
+    Vec<u64>,
+    Vec<(u32, u64)>,
+    Vec<u64>,
+);
+
+/// One candidate step: `(step, "load" | "complete" | "short", servers, short)`, with the
+/// `(rank, partner)` pairs of a commit to complete, or the ranks that cannot load it.
+type CandidateTuple = (u64, &'static str, Vec<(u32, u32)>, Vec<u32>);
+
+/// The step every rank loads for "latest" (`shmckpt::replica::agree`): the candidates,
+/// newest first up to the first every rank can load, and the newest step any rank knows
+/// of (what is asked for when no candidate is loadable).
+#[pyfunction]
+fn replica_latest(
+    py: Python<'_>,
+    views: Vec<ViewTuple>,
+    plan: Vec<Vec<u32>>,
+) -> PyResult<(Vec<CandidateTuple>, Option<u64>)> {
+    use shmckpt::replica::agree::{Choice, LoadView, candidates, newest_known};
+    let views: Vec<LoadView> = views
+        .into_iter()
+        .map(
+            |(known, own, held, bucket, parts, pending, committed)| LoadView {
+                known,
+                own,
+                held,
+                bucket,
+                parts,
+                pending,
+                committed,
+            },
+        )
+        .collect();
+    let cands = candidates(&views, &plan).map_err(|e| to_py(py, e))?;
+    let out = cands
+        .into_iter()
+        .map(|c| match c.choice {
+            Choice::Load => (c.step, "load", Vec::new(), Vec::new()),
+            Choice::Complete(servers) => (c.step, "complete", servers, Vec::new()),
+            Choice::Short(ranks) => (c.step, "short", Vec::new(), ranks),
+        })
+        .collect();
+    Ok((out, newest_known(&views)))
+}
+
 /// The `/dev/shm` name of the replica of `rank`'s image of `step` of `root`.
 #[pyfunction]
 fn replica_name(py: Python<'_>, root: PathBuf, rank: u32, step: u64) -> PyResult<String> {
@@ -673,6 +726,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group_adopt_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(group_apply_retention, m)?)?;
     m.add_function(wrap_pyfunction!(replica_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(replica_latest, m)?)?;
     m.add_function(wrap_pyfunction!(replica_name, m)?)?;
     m.add_function(wrap_pyfunction!(replica_tag, m)?)?;
     m.add_function(wrap_pyfunction!(replica_read_committed, m)?)?;
