@@ -33,6 +33,12 @@
 //! `latest` is at least the newest step reported staged (recovery at open commits it, and
 //! with flash restore serves it from the kept arena), and its bytes are exact.
 //!
+//! A fourth lane is the bucket lane: every committed save uploaded to a bucket in a local
+//! directory (`object_store`'s `LocalFileSystem`, which outlives the killed trainers), some
+//! kills aimed at an upload in flight. After every fault the bucket's newest committed step
+//! is at least the newest one a trainer reported uploaded, and every listed step loads
+//! through the remote tier with exactly its bytes.
+//!
 //! In the same run: power cuts (the crash states of `crash.rs`, drawn at random from a
 //! recording of 1- and 2-rank saves) and bucket faults (`remote_crash.rs`'s crashing
 //! in-memory store, at a random request).
@@ -40,7 +46,7 @@
 //! `SHMCKPT_SOAK_SEED` replays a seed (printed first; default: a new one per run; the
 //! kills' timing is not replayable exactly, the choices are), `SHMCKPT_SOAK_FAULTS` sets
 //! the number of faults (default 1,000), `SHMCKPT_SOAK_WORLDS` the kill lanes (default
-//! `1,2,1t`: world sizes, `t` for the tiered lane). Run by its own stage of scripts/test.sh:
+//! `1,2,1t,1b`: world sizes, `t` for the tiered lane, `b` for the bucket lane). Run by its own stage of scripts/test.sh:
 //! `cargo test --all-features --test integration soak -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -145,6 +151,36 @@ fn trainer_config(root: &Path, rank: u32, world: u32, backend: BackendKind) -> E
         .with_keep_last(Some(KEEP))
 }
 
+/// The bucket lane's bucket: `dir` through `object_store`'s local-directory store (every
+/// trainer and the parent's checks see the same objects), keys under `soak/`, retention
+/// [`KEEP`] steps there too.
+fn with_bucket(config: EngineConfig, dir: &Path) -> EngineConfig {
+    config
+        .with_remote_store(bucket_store(dir), "soak")
+        .with_remote_keep_last(Some(KEEP))
+}
+
+fn bucket_store(dir: &Path) -> Arc<dyn object_store::ObjectStore> {
+    Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap())
+}
+
+/// The bucket lane, after the local commit of `step`: wait for its upload (`UPLOADING`
+/// while it runs) and report it (`UPLOADED`); with `kill`, die `delay` us into the wait (an
+/// upload over before the wait began, or before the kill, misses its point). A failed
+/// upload is a violation: no fault is injected into the bucket.
+fn wait_upload(p: &shmckpt::remote::RemoteProgress, step: u64, kill: bool, delay: u64) {
+    if !p.is_done() {
+        emit(&format!("UPLOADING {step}"));
+        if kill {
+            kill_after(delay);
+        }
+    }
+    match p.wait() {
+        Ok(_) => emit(&format!("UPLOADED {step}")),
+        Err(e) => fail(&format!("step {step}: the upload failed: {e}")),
+    }
+}
+
 /// The trainer (a child process). Environment: `SOAK_ROOT`, `SOAK_RANK`, `SOAK_WORLD`,
 /// `SOAK_POINT` (where it kills itself: `none`, `open`, `load`, `staged`, `drain`,
 /// `commit`, `committed`), `SOAK_AT` (which save of this incarnation, from 1),
@@ -168,6 +204,8 @@ fn child_trainer() {
     // flash restore when `SOAK_KEEP` is 1.
     let cadence: u64 = var("SOAK_CADENCE").parse().unwrap();
     let keep = var("SOAK_KEEP") == "1";
+    // The bucket lane: every committed save uploaded to a bucket in a local directory.
+    let bucket = var("SOAK_BUCKET");
     let slow_rule = Rule {
         kind: OpKind::Write,
         offsets: 0..u64::MAX,
@@ -191,6 +229,9 @@ fn child_trainer() {
         config = config
             .with_disk_cadence(DiskCadence::Every(cadence))
             .with_keep_in_memory(keep);
+    }
+    if !bucket.is_empty() {
+        config = with_bucket(config, Path::new(&bucket));
     }
     let engine = match Engine::open(config) {
         Ok(e) => e,
@@ -277,6 +318,7 @@ fn child_trainer() {
             emit(&format!("SAVING {step}"));
         }
         let h = engine.save(step, &st.tensors(), &Metadata::new());
+        let mut upload = None;
         let res = match h {
             Ok(h) => {
                 emit(&format!("STAGED {step}"));
@@ -288,6 +330,7 @@ fn child_trainer() {
                         _ => {}
                     }
                 }
+                upload = h.remote();
                 h.wait()
             }
             Err(e) => Err(e),
@@ -304,6 +347,12 @@ fn child_trainer() {
                     emit(&format!("MEMORY {step}"));
                 } else if r.dir.is_some() {
                     emit(&format!("COMMITTED {step}"));
+                    if target && point == "committed" {
+                        sigkill_self(); // before the upload's wait: the upload is in flight
+                    }
+                    if let Some(p) = upload.as_ref().filter(|_| !bucket.is_empty()) {
+                        wait_upload(p, step, target && point == "upload", delay);
+                    }
                 } else if world == 1 {
                     fail(&format!(
                         "step {step}: a one-rank save succeeded and committed nothing"
@@ -360,6 +409,7 @@ enum Class {
     KillDrain,
     KillCommit,
     KillCommitted,
+    KillUpload,
     MachineLoss,
     IoError,
     PowerCut,
@@ -376,6 +426,7 @@ impl Class {
             Class::KillDrain => "SIGKILL while the writers drain",
             Class::KillCommit => "SIGKILL during commit/rename",
             Class::KillCommitted => "SIGKILL right after commit (retention)",
+            Class::KillUpload => "SIGKILL during upload (bucket lane)",
             Class::MachineLoss => "machine loss (kill + /dev/shm gone)",
             Class::IoError => "write error EIO/ENOSPC (fault plan)",
             Class::PowerCut => "power cut (crashsim state)",
@@ -392,6 +443,7 @@ impl Class {
             Class::KillDrain => "drain",
             Class::KillCommit => "commit",
             Class::KillCommitted => "committed",
+            Class::KillUpload => "upload",
             _ => "none",
         }
     }
@@ -416,6 +468,8 @@ struct Tally {
     memory_saves: u64,
     memory_resumes: u64,
     flash_resumes: u64,
+    /// The bucket lane: uploads reported committed in the bucket.
+    uploads: u64,
     /// Where the parent's random kills found the trainers (their last marker).
     landed: BTreeMap<&'static str, u64>,
     /// Every process started (their segments must be gone at the end).
@@ -484,6 +538,10 @@ struct Lane {
     /// the next incarnation must resume at or after unless the machine was lost.
     tiered: bool,
     mem_hwm: Option<u64>,
+    /// The bucket lane: its bucket's directory (every committed save uploaded there), and
+    /// the newest step some trainer reported uploaded (committed in the bucket).
+    bucket: Option<PathBuf>,
+    up_hwm: Option<u64>,
     /// Steps whose save failed, never re-saved since.
     failed: BTreeSet<u64>,
     /// Every process this lane started (their segments must be gone at the end).
@@ -493,6 +551,18 @@ struct Lane {
     stderr: PathBuf,
     /// The libtest name of the soak (its trainers re-run the binary with it).
     test: String,
+}
+
+/// What a kill lane runs besides its ranks' disk saves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaneKind {
+    /// Every save to disk.
+    Plain,
+    /// A disk cadence: memory-only saves between disk saves, flash restore in some
+    /// incarnations (`t`).
+    Tiered,
+    /// Every committed save uploaded to a bucket in a local directory (`b`).
+    Bucket,
 }
 
 fn rand(rng: &mut u64, n: u64) -> u64 {
@@ -565,7 +635,10 @@ fn phase(markers: &[String]) -> &'static str {
         Some("VERIFIED") => "before saving",
         Some("SAVING") => "staging",
         Some("STAGED") => "drain/commit",
-        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("MEMORY") => "between saves",
+        Some("UPLOADING") => "upload",
+        Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("MEMORY") | Some("UPLOADED") => {
+            "between saves"
+        }
         Some(_) => "other",
     }
 }
@@ -579,6 +652,7 @@ fn landed(class: Class, markers: &[String], at_step: Option<u64>) -> bool {
         Class::KillLoad => last.starts_with("LATEST") && !last.ends_with("-1"),
         Class::KillStaged | Class::KillDrain | Class::KillCommit => step_is("STAGED"),
         Class::KillCommitted => step_is("COMMITTED"),
+        Class::KillUpload => step_is("UPLOADING"),
         _ => true,
     }
 }
@@ -611,6 +685,48 @@ impl Lane {
         Ok(newest)
     }
 
+    /// The bucket lane's bucket, through the remote tier's own listing and loads: the
+    /// newest committed step is at least the newest one a trainer reported uploaded, no
+    /// failed step is listed, and every listed step holds exactly its bytes on every rank.
+    fn check_bucket(&self, when: &str) -> Result<(), String> {
+        let Some(dir) = &self.bucket else {
+            return Ok(());
+        };
+        let remote = shmckpt::remote::Remote::with_store(
+            bucket_store(dir),
+            "soak",
+            "soak-bucket",
+            shmckpt::remote::RemoteOptions::default(),
+        )
+        .map_err(|e| format!("{when}: the bucket: {e}"))?;
+        let listed = remote
+            .list()
+            .map_err(|e| format!("{when}: listing the bucket: {e}"))?;
+        if let Some(h) = self.up_hwm
+            && listed.last().is_none_or(|&n| n < h)
+        {
+            return Err(format!(
+                "{when}: step {h} was reported uploaded, the bucket's newest is {:?} (listed {listed:?})",
+                listed.last()
+            ));
+        }
+        if let Some(f) = listed.iter().find(|s| self.failed.contains(s)) {
+            return Err(format!(
+                "{when}: step {f} failed to save and the bucket lists it"
+            ));
+        }
+        for &n in &listed {
+            for rank in 0..self.world {
+                let (ck, _) = remote
+                    .load(n, rank)
+                    .map_err(|e| format!("{when}: the bucket's step {n}, rank {rank}: {e}"))?;
+                crash::same(&ck, n, rank)
+                    .map_err(|e| format!("{when}: the bucket's step {n}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Spawn the job's trainers for one incarnation.
     fn spawn(&mut self, class: Class, tx: &Sender<Ev>) -> (Vec<Kid>, Option<u32>, Option<u64>) {
         let aimed_rank =
@@ -631,6 +747,7 @@ impl Lane {
             Class::KillOpen => rand(&mut self.rng, 6000),
             Class::KillLoad => rand(&mut self.rng, 3000),
             Class::KillDrain => rand(&mut self.rng, 3000),
+            Class::KillUpload => rand(&mut self.rng, 2000),
             _ => 0,
         };
         let ioerr = if rand(&mut self.rng, 4) == 0 { 400 } else { 0 };
@@ -672,6 +789,10 @@ impl Lane {
                 .env("SOAK_BACKEND", backend)
                 .env("SOAK_CADENCE", cadence.to_string())
                 .env("SOAK_KEEP", keep.to_string())
+                .env(
+                    "SOAK_BUCKET",
+                    self.bucket.as_deref().unwrap_or(Path::new("")),
+                )
                 .env("SOAK_SEED", splitmix(&mut self.rng).to_string())
                 .env("SOAK_SESSION", &session)
                 .env("RUST_LOG", "error")
@@ -714,6 +835,9 @@ impl Lane {
             40..50 => Class::KillLoad,
             50..60 => Class::KillStaged,
             60..72 => Class::KillDrain,
+            // The bucket lane: these kills wait for the upload (the commit's are in the
+            // others).
+            72..84 if self.bucket.is_some() => Class::KillUpload,
             72..84 => Class::KillCommit,
             84..92 => Class::KillCommitted,
             _ => Class::MachineLoss,
@@ -782,6 +906,11 @@ impl Lane {
                             self.hwm = Some(self.hwm.map_or(s, |h| h.max(s)));
                             self.failed.remove(&s);
                             soak.tally.lock().unwrap().steps_committed += 1;
+                        }
+                        ("UPLOADED", Some(s)) => {
+                            let s = s as u64;
+                            self.up_hwm = Some(self.up_hwm.map_or(s, |h| h.max(s)));
+                            soak.tally.lock().unwrap().uploads += 1;
                         }
                         ("MEMORY", Some(s)) => {
                             let s = s as u64;
@@ -951,13 +1080,15 @@ impl Lane {
             }
         }
         // Right after the fault, before any recovery: nothing committed was lost, and the
-        // newest committed step holds exactly its bytes.
-        self.check_disk("after the kill").map_err(|e| {
+        // newest committed step holds exactly its bytes; in the bucket too.
+        let with_markers = |e: String| {
             format!(
                 "{e}\n  class {class:?}; markers per rank: {:?}",
                 kids.iter().map(|k| &k.markers).collect::<Vec<_>>()
             )
-        })?;
+        };
+        self.check_disk("after the kill").map_err(with_markers)?;
+        self.check_bucket("after the kill").map_err(with_markers)?;
         Ok(())
     }
 
@@ -992,6 +1123,7 @@ impl Lane {
             crash::step_exact(&self.root.join(step_dir_name(s)), s, self.world)?;
         }
         drop(engines);
+        self.check_bucket("final")?;
         if self.tiered {
             // Recovered by the final open (a kept arena stays by design): removed, as
             // `shmckpt shm rm` does, and it must be gone.
@@ -1012,15 +1144,17 @@ impl Lane {
     }
 }
 
-fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
+fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
     let dir = real_dir(&format!("soak{id}"));
     let mut lane = Lane {
         id,
         world,
         root: dir.path().join("root"),
         hwm: None,
-        tiered,
+        tiered: kind == LaneKind::Tiered,
         mem_hwm: None,
+        bucket: (kind == LaneKind::Bucket).then(|| dir.path().join("bucket")),
+        up_hwm: None,
         failed: BTreeSet::new(),
         pids: Vec::new(),
         rng: soak.seed ^ (0x1000 * (id as u64 + 1)),
@@ -1029,6 +1163,9 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, tiered: bool) {
         test,
     };
     std::fs::create_dir(&lane.root).unwrap();
+    if let Some(b) = &lane.bucket {
+        std::fs::create_dir(b).unwrap();
+    }
     {
         let mut roots = LANE_ROOTS.lock().unwrap();
         roots.push(lane.root.clone());
@@ -1167,19 +1304,29 @@ fn chaos_soak() {
     let target = env_u64("SHMCKPT_SOAK_FAULTS").unwrap_or(DEFAULT_FAULTS);
     // One kill lane per world size (default 1 and 2 ranks); `SHMCKPT_SOAK_WORLDS=2`
     // isolates a lane when replaying a seed.
-    // A world size, `t` for the tiered lane (one rank, a disk cadence, flash restore).
-    let worlds: Vec<(u32, bool)> = std::env::var("SHMCKPT_SOAK_WORLDS")
-        .unwrap_or_else(|_| "1,2,1t".into())
+    // A world size, `t` for the tiered lane (one rank, a disk cadence, flash restore), `b`
+    // for the bucket lane (every committed save uploaded).
+    let worlds: Vec<(u32, LaneKind)> = std::env::var("SHMCKPT_SOAK_WORLDS")
+        .unwrap_or_else(|_| "1,2,1t,1b".into())
         .split(',')
         .map(|w| {
             let w = w.trim();
-            let tiered = w.ends_with('t');
+            let kind = if w.ends_with('t') {
+                LaneKind::Tiered
+            } else if w.ends_with('b') {
+                LaneKind::Bucket
+            } else {
+                LaneKind::Plain
+            };
             let n = w
-                .trim_end_matches('t')
+                .trim_end_matches(['t', 'b'])
                 .parse()
-                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2,1t");
-            assert!(!tiered || n == 1, "the tiered lane has one rank");
-            (n, tiered)
+                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2,1t,1b");
+            assert!(
+                kind != LaneKind::Tiered || n == 1,
+                "the tiered lane has one rank"
+            );
+            (n, kind)
         })
         .collect();
     println!(
@@ -1202,9 +1349,9 @@ fn chaos_soak() {
     power_cuts(&soak, cuts);
     bucket_faults(&soak, buckets);
     std::thread::scope(|s| {
-        for (id, &(world, tiered)) in worlds.iter().enumerate() {
+        for (id, &(world, kind)) in worlds.iter().enumerate() {
             let (soak, test) = (&soak, test.clone());
-            s.spawn(move || lane(soak, test, id, world, tiered));
+            s.spawn(move || lane(soak, test, id, world, kind));
         }
     });
     let wall = t.elapsed();
@@ -1241,6 +1388,10 @@ fn chaos_soak() {
     println!(
         "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore)",
         tally.memory_saves, tally.memory_resumes, tally.flash_resumes
+    );
+    println!(
+        "soak: bucket lane: {} uploads reported committed in the bucket; after every fault its listed steps loaded through the remote tier and compared bit for bit",
+        tally.uploads
     );
     // `/dev/shm` is flat: no segment of the soak's processes (the trainers, this one) is
     // left. Other test processes of the machine may come and go meanwhile: the listing is
