@@ -184,13 +184,30 @@ class Saver:
         checker: Any,
         pinned: Optional["_Pinned"],
     ) -> Any:
-        """Flatten (or match the layout of) the state, capture its tensors and hand them to
-        the engine. On the caller's thread (``pinned`` None): returns the save's handle. A
-        deferred capture (``pinned``: the streams and events recorded at the call;
-        ``state``: the call's walk, ``_layout.walk``): returns
-        the engine's handle, or raises ``SaveFailed`` when the state no longer is what let
-        the save be deferred."""
-        confirm = checker is not None
+        """Capture the state's tensors (:meth:`_capture_tensors`) and hand them to the
+        engine. On the caller's thread (``pinned`` None): returns the save's handle
+        (:meth:`_submit`). A deferred capture (``pinned``: the streams and events recorded
+        at the call; ``state``: the call's walk, ``_layout.walk``): returns the engine's
+        handle (:meth:`_submit_deferred`), or raises ``SaveFailed`` when the state no
+        longer is what let the save be deferred."""
+        cap = self._capture_tensors(step, state, probe, blocking, meta, pinned)
+        if pinned is not None:
+            return self._submit_deferred(step, cap, meta, snap, pinned)
+        return self._submit(step, cap, blocking, meta, snap, checker)
+
+    def _capture_tensors(
+        self,
+        step: int,
+        state: Any,
+        probe: Optional[_layout.Probe],
+        blocking: bool,
+        meta: Dict[str, str],
+        pinned: Optional["_Pinned"],
+    ) -> "_Captured":
+        """Flatten (or match the layout of) the state, put its skeleton in ``meta``, and
+        capture each tensor as the engine takes it (``_capture``): read in place, held on
+        the trainer's streams, or copied. Caches the layout and its plan for the next save
+        and decides whether the next save may be deferred (``self.deferrable``)."""
         # The layout of the previous save is reused when this state has the same
         # structure, plain value types and tensor metadata (_layout.py), its skeleton
         # given this state's plain values; else the state is flattened.
@@ -237,9 +254,12 @@ class Saver:
         # Engine tuples (name, dtype, shape, memory, nbytes, device; the memory a tensor or
         # array, made a DLPack capsule at the call, None for no bytes; device -1 for host
         # memory) and what keeps their memory alive.
-        keep: List[Any] = [] if pinned is None else pinned.keep
-        devices: Dict[int, Any] = {} if pinned is None else dict(pinned.streams)
-        finishes: List[Tuple[int, Any]] = []  # (index in entries, finish) for host copies
+        cap = _Captured(
+            keep=[] if pinned is None else pinned.keep,
+            devices={} if pinned is None else dict(pinned.streams),
+            hold=hold,
+        )
+        keep, devices, finishes = cap.keep, cap.devices, cap.finishes
         key = (blocking, hold, member)
         plan = lay.plan if lay is not None else None
         new_plan: Optional[_layout.Plan] = None
@@ -285,6 +305,7 @@ class Saver:
             if lay is not None and probe is not None and _layout.fits(probe, lay, entries, own, sorted(devices)):
                 new_plan = _layout.Plan(key, _layout.templates(entries), redo, sorted(devices), own)
         del leaves
+        cap.entries = entries
         # What this save flattened and captured read the state after its probe (another
         # thread may have changed it meanwhile): Layout.of and _layout.fits keep only what
         # the probe's metadata gives, so a later save matching the probe writes what a
@@ -302,21 +323,34 @@ class Saver:
             if cur is not None and cur.key == key and not cur.redo and probe is not None and probe.tensor_pos is None:
                 again = _Again(probe, cur.devices, fp)
         self.deferrable = again
+        return cap
 
-        if pinned is not None:
-            if finishes or sorted(devices) != sorted(pinned.streams):
-                raise SaveFailed(
-                    f"save of step {step}: the state's tensors changed since the call (moved to another "
-                    "device, or now read through a pinned host copy); nothing of the step was saved",
-                    step=step,
-                )
-            handle = pinned.handle
-            handle._snapshot = snap and bool(devices)
-            after = [(d, "event", ev) for d, ev in pinned.events.items()]
-            return self.shared.engine.save(
-                step, engine_tuples(entries), meta, after, False, False, handle._snapshot, confirm=False
+    def _submit_deferred(self, step: int, cap: "_Captured", meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> Any:
+        """A deferred capture's hand-off: the engine's copies ordered after the events its
+        call recorded. ``SaveFailed`` when the capture needs what the call could not give
+        (a pinned host copy, another device)."""
+        if cap.finishes or sorted(cap.devices) != sorted(pinned.streams):
+            raise SaveFailed(
+                f"save of step {step}: the state's tensors changed since the call (moved to another "
+                "device, or now read through a pinned host copy); nothing of the step was saved",
+                step=step,
             )
+        handle = pinned.handle
+        handle._snapshot = snap and bool(cap.devices)
+        after = [(d, "event", ev) for d, ev in pinned.events.items()]
+        return self.shared.engine.save(
+            step, engine_tuples(cap.entries), meta, after, False, False, handle._snapshot, confirm=False
+        )
 
+    def _submit(
+        self, step: int, cap: "_Captured", blocking: bool, meta: Dict[str, str], snap: bool, checker: Any
+    ) -> SaveHandle:
+        """Hand a save captured at its call to the engine, the way its mode needs: blocking
+        (after its host copies), holding the trainer's streams, after events recorded now,
+        or (host copies of device tensors in flight) from the submitting thread once they
+        are done. Returns the save's handle, tracked unless blocking."""
+        confirm = checker is not None
+        entries, keep, devices, finishes = cap.entries, cap.keep, cap.devices, cap.finishes
         keep.extend(devices.values())
         handle = SaveHandle(step, keep)
         handle._replicator = self.shared.replicator
@@ -343,7 +377,7 @@ class Saver:
             h = self.shared.engine.save(step, engine_tuples(entries), meta, after, True, confirm=confirm)
             handle._set_rust(h)
             handle._release()
-        elif hold:
+        elif cap.hold:
             # The engine records each stream when it starts (it returns only once its copies
             # are queued and the streams wait for them, so nothing was queued after the call).
             after = [(d, "stream", st) for d, st in devices.items()]
@@ -386,6 +420,22 @@ class Saver:
             handle._future = self.submitter.submit(submit)
         self.shared.track(handle)
         return handle
+
+
+class _Captured:
+    """A save's tensors as the engine takes them (``Saver._capture_tensors``): the engine
+    tuples, what keeps their memory alive, the CUDA devices and their streams, the pinned
+    host copies still in flight (index in ``entries``, finish), and whether the trainer's
+    streams are held."""
+
+    __slots__ = ("entries", "keep", "devices", "finishes", "hold")
+
+    def __init__(self, keep: List[Any], devices: Dict[int, Any], hold: bool) -> None:
+        self.entries: List[Tuple[str, str, List[int], Any, int, int]] = []
+        self.keep = keep
+        self.devices = devices
+        self.finishes: List[Tuple[int, Any]] = []
+        self.hold = hold
 
 
 class _Again:
