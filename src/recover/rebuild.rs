@@ -25,6 +25,60 @@ use crate::staging::descriptor::{HeaderView, SlotView, chunk_state};
 
 /// Bytes copied or read per call while rebuilding and checksumming a file.
 const IO_PIECE: usize = 4 << 20;
+/// The most threads that copy staged chunks into the file, or checksum it.
+const MAX_LANES: usize = 8;
+/// Bytes of one tensor checksummed as one job (the pieces are combined in file order).
+const CRC_SEGMENT: u64 = 64 << 20;
+
+/// Threads for `jobs` independent jobs: the machine's cores, at most [`MAX_LANES`], at
+/// most one per job, at least one.
+fn lanes(jobs: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_LANES)
+        .min(jobs)
+        .max(1)
+}
+
+/// Run `job` on every item of `items`, dealt round-robin to [`lanes`] threads; the first
+/// error by item order (a failed job stops the others' remaining items), else `Ok`.
+fn in_lanes<T: Sync, E: Send>(
+    items: &[T],
+    job: impl Fn(&T, &mut Vec<u8>) -> std::result::Result<(), E> + Sync,
+    panicked: impl Fn() -> E,
+) -> std::result::Result<(), E> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let threads = lanes(items.len());
+    let stop = AtomicBool::new(false);
+    let (job, stop) = (&job, &stop);
+    let errors: Vec<Option<(usize, E)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    let mut buf = Vec::new();
+                    for (i, item) in items.iter().enumerate().skip(t).step_by(threads) {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        if let Err(e) = job(item, &mut buf) {
+                            stop.store(true, Ordering::Relaxed);
+                            return Some((i, e));
+                        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Some((0, panicked()))))
+            .collect()
+    });
+    match errors.into_iter().flatten().min_by_key(|(i, _)| *i) {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
+    }
+}
 
 fn refused(reason: impl Into<String>) -> SlotOutcome {
     SlotOutcome::Refused {
@@ -261,27 +315,41 @@ fn rebuild_and_commit(
         }
     }
 
-    // Write what only staging holds, then make the file exact and durable.
-    let mut buf = vec![0u8; IO_PIECE.min(cs as usize)];
-    for (k, &(s, idx)) in v.chunks.iter().enumerate() {
-        if s != chunk_state::STAGED {
-            continue;
-        }
-        let start = k as u64 * cs;
-        let len = chunk_end(k as u64) - start;
-        let mut at = 0u64;
-        while at < len {
-            let n = (len - at).min(buf.len() as u64) as usize;
-            if att.read_chunk(idx, at, &mut buf[..n]).is_none() {
-                return refused(format!("arena chunk {idx} cannot be read"));
+    // Write what only staging holds (chunks dealt to several threads: a restart waits for
+    // this), then make the file exact and durable.
+    let staged: Vec<(u64, u32)> = v
+        .chunks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.0 == chunk_state::STAGED)
+        .map(|(k, &(_, idx))| (k as u64, idx))
+        .collect();
+    let piece = IO_PIECE.min(cs as usize);
+    let copied = in_lanes(
+        &staged,
+        |&(k, idx), buf| {
+            buf.resize(piece, 0);
+            let start = k * cs;
+            let len = chunk_end(k) - start;
+            let mut at = 0u64;
+            while at < len {
+                let n = (len - at).min(piece as u64) as usize;
+                if att.read_chunk(idx, at, &mut buf[..n]).is_none() {
+                    return Err(refused(format!("arena chunk {idx} cannot be read")));
+                }
+                if let Err(e) = crate::fsops::write_all_at(&file, &buf[..n], start + at) {
+                    return Err(SlotOutcome::Failed {
+                        error: Error::io_at("write", path, start + at, e),
+                    });
+                }
+                at += n as u64;
             }
-            if let Err(e) = crate::fsops::write_all_at(&file, &buf[..n], start + at) {
-                return SlotOutcome::Failed {
-                    error: Error::io_at("write", path, start + at, e),
-                };
-            }
-            at += n as u64;
-        }
+            Ok(())
+        },
+        || refused("a thread copying staged chunks panicked"),
+    );
+    if let Err(outcome) = copied {
+        return outcome;
     }
     if let Err(e) = crate::fsops::set_len(&file, v.file_len) {
         return SlotOutcome::Failed {
@@ -312,6 +380,72 @@ fn rebuild_and_commit(
         },
         Err(e) => classify(e),
     }
+}
+
+/// Every tensor's CRC-32C, read back from the rebuilt file: each tensor cut into segments
+/// of [`CRC_SEGMENT`] bytes, checksummed on several threads and combined in file order.
+fn checksum(file: &File, path: &Path, data_start: u64, tensors: &mut [TensorEntry]) -> Result<()> {
+    checksum_in(file, path, data_start, tensors, CRC_SEGMENT)
+}
+
+/// [`checksum`] with segments of `segment` bytes.
+fn checksum_in(
+    file: &File,
+    path: &Path,
+    data_start: u64,
+    tensors: &mut [TensorEntry],
+    segment: u64,
+) -> Result<()> {
+    // (tensor, segment start, segment end), file offsets.
+    let mut segments = Vec::new();
+    for (t, te) in tensors.iter().enumerate() {
+        let [b, e] = te.data_offsets;
+        let (mut at, end) = (data_start + b, data_start + e);
+        while at < end {
+            let to = at.saturating_add(segment.max(1)).min(end);
+            segments.push((t, at, to));
+            at = to;
+        }
+    }
+    let crcs: Vec<std::sync::atomic::AtomicU32> = (0..segments.len())
+        .map(|_| std::sync::atomic::AtomicU32::new(0))
+        .collect();
+    let jobs: Vec<(usize, u64, u64)> = segments
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, b, e))| (i, b, e))
+        .collect();
+    in_lanes(
+        &jobs,
+        |&(i, b, e), buf| {
+            buf.resize(IO_PIECE, 0);
+            let mut crc = 0u32;
+            let mut at = b;
+            while at < e {
+                let k = (e - at).min(IO_PIECE as u64) as usize;
+                file.read_exact_at(&mut buf[..k], at)
+                    .map_err(|err| Error::io_at("read", path, at, err))?;
+                crc = crc32c::crc32c_append(crc, &buf[..k]);
+                at += k as u64;
+            }
+            crcs[i].store(crc, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        },
+        || Error::Internal("a checksum thread panicked".into()),
+    )?;
+    // The scope joined every thread: their stores are visible here.
+    let mut acc: Vec<Option<u32>> = vec![None; tensors.len()];
+    for (&(t, b, e), c) in segments.iter().zip(&crcs) {
+        let c = c.load(std::sync::atomic::Ordering::Relaxed);
+        acc[t] = Some(match acc[t] {
+            None => c,
+            Some(prev) => crc32c::crc32c_combine(prev, c, (e - b) as usize),
+        });
+    }
+    for (te, c) in tensors.iter_mut().zip(acc) {
+        te.crc32c = c.unwrap_or(0);
+    }
+    Ok(())
 }
 
 /// Read the rebuilt file back: parse its safetensors header (it was staged with the data),
@@ -380,31 +514,21 @@ fn describe(
         .collect();
 
     let mut tensors = Vec::new();
-    let mut buf = vec![0u8; IO_PIECE];
     for name in meta.offset_keys() {
         let info = meta.info(&name).expect("offset_keys names known tensors");
         let dtype: Dtype = format!("{:?}", info.dtype)
             .parse()
             .map_err(|e| Error::corrupt(path, Some(&name), format!("{e}")))?;
         let [b, e] = [info.data_offsets.0 as u64, info.data_offsets.1 as u64];
-        let mut crc = 0u32;
-        let mut at = v.data_start + b;
-        let end = v.data_start + e;
-        while at < end {
-            let k = (end - at).min(buf.len() as u64) as usize;
-            file.read_exact_at(&mut buf[..k], at)
-                .map_err(|err| Error::io_at("read", path, at, err))?;
-            crc = crc32c::crc32c_append(crc, &buf[..k]);
-            at += k as u64;
-        }
         tensors.push(TensorEntry {
             name,
             dtype,
             shape: info.shape.clone(),
             data_offsets: [b, e],
-            crc32c: crc,
+            crc32c: 0,
         });
     }
+    checksum(file, path, v.data_start, &mut tensors)?;
     let entry = FileEntry {
         rank,
         file: v.file_name.clone(),
@@ -420,4 +544,89 @@ fn describe(
     // entry alone would not cover the world size of a multi-rank save.
     entry.validate(path)?;
     Ok((entry, user))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, b: u64, e: u64) -> TensorEntry {
+        TensorEntry {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape: vec![(e - b) as usize],
+            data_offsets: [b, e],
+            crc32c: 0,
+        }
+    }
+
+    #[test]
+    fn checksums_in_segments_on_several_threads_equal_the_whole_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data_start = 24u64;
+        let bytes: Vec<u8> = (0..100_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        let spans = [
+            (0u64, 0u64),
+            (0, 1),
+            (1, 4_096),
+            (4_096, 50_001),
+            (50_001, 99_976),
+        ];
+        for segment in [1u64, 7, 4_096, 1 << 20] {
+            let mut tensors: Vec<TensorEntry> = spans
+                .iter()
+                .enumerate()
+                .map(|(i, &(b, e))| entry(&format!("t{i}"), b, e))
+                .collect();
+            checksum_in(&file, &path, data_start, &mut tensors, segment).unwrap();
+            for (t, &(b, e)) in tensors.iter().zip(&spans) {
+                let want =
+                    crc32c::crc32c(&bytes[(data_start + b) as usize..(data_start + e) as usize]);
+                assert_eq!(t.crc32c, want, "{} with segments of {segment}", t.name);
+            }
+        }
+        // A range past the end of the file is an error, not a checksum.
+        let mut past = vec![entry("past", 99_970, 99_990)];
+        assert!(checksum_in(&file, &path, data_start, &mut past, 7).is_err());
+    }
+
+    #[test]
+    fn in_lanes_runs_every_item_and_reports_the_first_failure_by_order() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let items: Vec<u64> = (0..100).collect();
+        let sum = AtomicU64::new(0);
+        let ok: std::result::Result<(), String> = in_lanes(
+            &items,
+            |&i, _| {
+                sum.fetch_add(i, Ordering::Relaxed);
+                Ok(())
+            },
+            || "panic".into(),
+        );
+        assert_eq!(ok, Ok(()));
+        assert_eq!(sum.load(Ordering::Relaxed), 4950);
+        let err = in_lanes(
+            &items,
+            |&i, _| {
+                if i == 3 || i == 90 {
+                    Err(format!("item {i}"))
+                } else {
+                    Ok(())
+                }
+            },
+            || "panic".to_string(),
+        );
+        // Item 90 may fail first on another thread; item 3 is reported when it ran too.
+        let err = err.as_ref().map_err(String::as_str);
+        assert!(matches!(err, Err("item 3") | Err("item 90")), "{err:?}");
+        assert_eq!(
+            in_lanes(&[] as &[u64], |_, _| Err("never"), || "panic"),
+            Ok(())
+        );
+    }
 }
