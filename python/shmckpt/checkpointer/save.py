@@ -119,7 +119,8 @@ class Saver:
         self._join_deferred()
         with _gc_paused():
             probe = _layout.probe(state) if walked is None else _layout.read_meta(walked)
-            return self._capture_state(step, state, probe, blocking, meta, snap, checker, None)
+            cap = self._capture_tensors(step, state, probe, blocking, meta, None)
+            return self._submit(step, cap, blocking, meta, snap, checker)
 
     def _raise_deferred_failure(self) -> None:
         """Raise (once) the error of a deferred save whose capture failed: it is reported
@@ -162,7 +163,8 @@ class Saver:
             try:
                 with _gc_paused():
                     probe = _layout.read_meta(walked)
-                    return self._capture_state(step, walked, probe, False, meta, snap, None, pinned)
+                    cap = self._capture_tensors(step, walked, probe, False, meta, pinned)
+                    return self._submit_deferred(step, cap, meta, snap, pinned)
             except BaseException:
                 self.deferrable = None  # the next save is captured at its call
                 raise
@@ -172,28 +174,6 @@ class Saver:
         handle._future = self.submitter.submit(capture)
         self.shared.track(handle)
         return handle
-
-    def _capture_state(
-        self,
-        step: int,
-        state: Any,
-        probe: Optional[_layout.Probe],
-        blocking: bool,
-        meta: Dict[str, str],
-        snap: bool,
-        checker: Any,
-        pinned: Optional["_Pinned"],
-    ) -> Any:
-        """Capture the state's tensors (:meth:`_capture_tensors`) and hand them to the
-        engine. On the caller's thread (``pinned`` None): returns the save's handle
-        (:meth:`_submit`). A deferred capture (``pinned``: the streams and events recorded
-        at the call; ``state``: the call's walk, ``_layout.walk``): returns the engine's
-        handle (:meth:`_submit_deferred`), or raises ``SaveFailed`` when the state no
-        longer is what let the save be deferred."""
-        cap = self._capture_tensors(step, state, probe, blocking, meta, pinned)
-        if pinned is not None:
-            return self._submit_deferred(step, cap, meta, snap, pinned)
-        return self._submit(step, cap, blocking, meta, snap, checker)
 
     def _capture_tensors(
         self,
@@ -207,7 +187,11 @@ class Saver:
         """Flatten (or match the layout of) the state, put its skeleton in ``meta``, and
         capture each tensor as the engine takes it (``_capture``): read in place, held on
         the trainer's streams, or copied. Caches the layout and its plan for the next save
-        and decides whether the next save may be deferred (``self.deferrable``)."""
+        and decides whether the next save may be deferred (``self.deferrable``). On the
+        caller's thread ``pinned`` is None (then :meth:`_submit` follows); a deferred
+        capture (:meth:`_defer`) passes its call's streams and events, ``state`` is the
+        call's walk (``_layout.walk``), and ``SaveFailed`` is raised when the state no
+        longer is what let the save be deferred (then :meth:`_submit_deferred`)."""
         # The layout of the previous save is reused when this state has the same
         # structure, plain value types and tensor metadata (_layout.py), its skeleton
         # given this state's plain values; else the state is flattened.
