@@ -19,20 +19,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
-# Each stage prints how long the one before it took, and the total at the end.
-t0=$SECONDS
-t_stage=$SECONDS
-stage() {
-    echo "== [$((SECONDS - t_stage)) s for the previous stage, $((SECONDS - t0)) s in all] $*"
-    t_stage=$SECONDS
-}
-
 venv="${SHMCKPT_VENV:-$repo/.venv}"
 py="$venv/bin/python"
 export PATH="$venv/bin:$PATH"   # the build backend runs the venv's `maturin`
 # The Rust integration tests find moto through this interpreter.
 export SHMCKPT_MOTO_PYTHON="$py"
 mkdir -p "$repo/target"
+
+# Each stage prints how long the one before it took, in seconds and in CPU-seconds (user +
+# system) of the processes the script waited for during it (a lane's CPU counts in the
+# stage that joins it; on 2 cores one stage's CPU slows the others), and the totals at the
+# end. cpu sets cpu_s to that count so far in the shell that calls it (a lane counts its
+# own): `times` reports the calling shell's children, so it is called directly, not in $(...).
+cpu_s=0
+cpu() {
+    local f="$repo/target/test-cpu.$BASHPID"
+    times >"$f"
+    cpu_s=$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$f")
+}
+t0=$SECONDS
+t_stage=$SECONDS
+c_stage=0
+stage() {
+    cpu
+    echo "== [$((SECONDS - t_stage)) s, $((cpu_s - c_stage)) CPU-s for the previous stage, $((SECONDS - t0)) s, $cpu_s CPU-s in all] $*"
+    t_stage=$SECONDS
+    c_stage=$cpu_s
+}
 
 # The stages overlap where one waits (on the network) or leaves a core idle. Two lanes
 # run in the background from the start: the venv lane installs what the venv lacks (the
@@ -52,7 +65,8 @@ kill_tree() {   # a lane's subshell and every process below it, deepest first
 finish() {
     local p
     for p in "${lanes[@]}"; do kill_tree "$p"; done
-    echo "== [$((SECONDS - t_stage)) s for the last stage, $((SECONDS - t0)) s in all] done"
+    cpu
+    echo "== [$((SECONDS - t_stage)) s, $((cpu_s - c_stage)) CPU-s for the last stage, $((SECONDS - t0)) s, $cpu_s CPU-s in all] done"
 }
 trap finish EXIT
 # join PID LOG NAME: waits for a lane, prints its log, fails if it failed.
@@ -85,9 +99,23 @@ wait_mark() {
     done
 }
 
+# In a lane: lap_start starts a count, lap TEXT prints the time and CPU since then (or since
+# the last lap) before TEXT.
+lap_start() {
+    cpu
+    t_lap=$SECONDS
+    c_lap=$cpu_s
+}
+lap() {
+    cpu
+    echo "== [$((SECONDS - t_lap)) s, $((cpu_s - c_lap)) CPU-s] $*"
+    t_lap=$SECONDS
+    c_lap=$cpu_s
+}
+
 venv_log="$repo/target/test-venv.log"
 (
-    t=$SECONDS
+    lap_start
     if [ ! -x "$py" ]; then
         echo "== creating $venv"
         python3 -m venv "$venv"
@@ -135,12 +163,11 @@ PY
         echo "== installing ${rest[*]} into $venv"
         "$py" -m pip install --quiet "${rest[@]}"
     fi
-    echo "== [$((SECONDS - t)) s] venv ready"
+    lap "venv ready"
     touch "$marks/venv"
-    t=$SECONDS
     echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
     "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
-    echo "== [$((SECONDS - t)) s] mypy"
+    lap "mypy"
 ) >"$venv_log" 2>&1 &
 lanes+=($!)
 venv_pid=$!
@@ -152,20 +179,19 @@ venv_pid=$!
 wheel_log="$repo/target/test-wheel.log"
 (
     wait_mark tools "$venv_pid"
-    t=$SECONDS
+    lap_start
     echo "== scripts/build_wheel.sh"
     wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
-    echo "== [$((SECONDS - t)) s] wheel built"
+    lap "wheel built"
     wait_mark venv "$venv_pid"   # one pip at a time in the venv
-    t=$SECONDS
+    lap_start
     "$py" -m pip install --quiet --force-reinstall --no-deps "$wheel"
-    echo "== [$((SECONDS - t)) s] wheel installed"
-    t=$SECONDS
+    lap "wheel installed"
     echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
     # Run from the repository root, where `shmckpt` is the installed package (python/ would
     # shadow it with the source tree, which has no compiled module in a clean checkout).
     "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
-    echo "== [$((SECONDS - t)) s] stubtest"
+    lap "stubtest"
 ) >"$wheel_log" 2>&1 &
 lanes+=($!)
 wheel_pid=$!
@@ -236,17 +262,17 @@ for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done
 multi_log="$repo/target/pytest-multi-rank.log"
 mkdir -p "$repo/target"
 (
-    t=$SECONDS
+    lap_start
     rc=0
     "$py" -m pytest "${multi[@]}" -q -p no:cacheprovider --durations=10 "$@" >"$multi_log" 2>&1 || rc=$?
-    echo "== [$((SECONDS - t)) s] multi-rank session, exit $rc" >>"$multi_log"
+    lap "multi-rank session, exit $rc" >>"$multi_log"
     exit $rc
 ) &
 multi_pid=$!
-t_rest=$SECONDS
+lap_start
 rest_rc=0
 "$py" -m pytest python/tests "${ignore[@]}" -q -p no:cacheprovider --durations=15 "$@" || rest_rc=$?
-echo "== [$((SECONDS - t_rest)) s] the other files' session, exit $rest_rc"
+lap "the other files' session, exit $rest_rc"
 multi_rc=0
 wait "$multi_pid" || multi_rc=$?
 echo "== the multi-rank session's output (${multi[*]}):"
