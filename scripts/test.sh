@@ -271,8 +271,12 @@ stage "pytest python/tests: two sessions side by side (the multi-rank files; the
 # test_crashfs.py (2 ranks, power cuts through FUSE) and test_goodput_bench.py (trainers
 # killed and restarted) join them too: the other session was the critical path again
 # (426 s against 237 s in the last clean-clone run; they took 51 s and 46 s of it).
+# test_drain_probe.py and test_repl_overhead_bench.py (a trainer beside save loads, and a
+# trainer and a partner rank over gloo: timed steps, waits) join them too: the other session
+# was the longer one again (317 s against 269 s; they took ~14 s and ~11 s of it).
 multi=(python/tests/test_replicas.py python/tests/test_megatron.py python/tests/test_dcp.py
-       python/tests/test_crashfs.py python/tests/test_goodput_bench.py)
+       python/tests/test_crashfs.py python/tests/test_goodput_bench.py
+       python/tests/test_drain_probe.py python/tests/test_repl_overhead_bench.py)
 ignore=()
 for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done
 multi_log="$repo/target/pytest-multi-rank.log"
