@@ -52,7 +52,13 @@ stage() {
 # run in the background from the start: the venv lane installs what the venv lacks (the
 # wheel's build tools first, then the rest) and runs mypy; the wheel lane builds the
 # release wheel (scripts/build_wheel.sh) as soon as the build tools are there, beside the
-# debug builds and the Rust tests, then installs it and runs stubtest. The Rust tests
+# debug builds and the Rust tests, then installs it and runs stubtest. Until the Rust
+# tests are done, the lanes' builds and checks run at the lowest CPU priority (nice 19):
+# the debug builds and the Rust tests after them are the longer chain, and the Rust tests
+# leave most of a core idle, which the release build then takes (it took half the cores
+# from the debug builds otherwise: both ended together and the Rust tests then ran with a
+# core idle). After them the lanes go back to the normal priority (unnice, as root: on a
+# machine shared with other work a lane at nice 19 would wait for all of it). The Rust tests
 # wait for the venv's packages (the S3 tests start moto from it), the soak and pytest for
 # both lanes. A lane writes its output to a log under target/, printed (with the lane's
 # own times) when the script waits for it; a failure in a lane fails the script there,
@@ -70,6 +76,18 @@ finish() {
     echo "== [$((SECONDS - t_stage)) s, $((cpu_s - c_stage)) CPU-s for the last stage, $((SECONDS - t0)) s, $cpu_s CPU-s in all] done"
 }
 trap finish EXIT
+# low CMD...: a lane's command at nice 19 until the Rust tests are done (the mark unnice).
+low() {
+    if [ -e "$marks/unnice" ]; then "$@"; else nice -n 19 "$@"; fi
+}
+# unnice PID: a lane and every process below it back to nice 0, each parent before its
+# children (a child started meanwhile inherits the parent's priority). Only root may
+# lower a niceness: otherwise they stay at 19, which only makes them slower.
+unnice() {
+    local p
+    renice --priority 0 -p "$1" >/dev/null 2>&1 || true
+    for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do unnice "$p"; done
+}
 # join PID LOG NAME: waits for a lane, prints its log, fails if it failed.
 join() {
     local rc=0
@@ -182,7 +200,7 @@ PY
     lap "venv ready"
     touch "$marks/venv"
     echo "== mypy python/shmckpt (the pure-Python package: every function typed, no error)"
-    "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
+    low "$py" -m mypy --config-file python/pyproject.toml python/shmckpt
     lap "mypy"
 ) >"$venv_log" 2>&1 &
 lanes+=($!)
@@ -197,7 +215,7 @@ wheel_log="$repo/target/test-wheel.log"
     wait_mark tools "$venv_pid"
     lap_start
     echo "== scripts/build_wheel.sh"
-    wheel=$(SHMCKPT_VENV="$venv" scripts/build_wheel.sh)
+    wheel=$(SHMCKPT_VENV="$venv" low scripts/build_wheel.sh)
     lap "wheel built"
     wait_mark venv "$venv_pid"   # one installer at a time in the venv
     lap_start
@@ -206,7 +224,7 @@ wheel_log="$repo/target/test-wheel.log"
     echo "== mypy.stubtest shmckpt._shmckpt (the compiled module's stub, against the installed build)"
     # Run from the repository root, where `shmckpt` is the installed package (python/ would
     # shadow it with the source tree, which has no compiled module in a clean checkout).
-    "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
+    low "$py" -m mypy.stubtest shmckpt._shmckpt --allowlist python/stubtest-allowlist.txt
     lap "stubtest"
 ) >"$wheel_log" 2>&1 &
 lanes+=($!)
@@ -248,6 +266,8 @@ stage "Rust tests: the integration tests of every package (crash:: checks a seed
 cargo test "${rust[@]}" --test '*'
 
 stage "waiting for the venv lane (mypy) and the wheel lane (the soak runs alone, as before: its kills are timed)"
+touch "$marks/unnice"
+for p in "${lanes[@]}"; do unnice "$p"; done
 join "$venv_pid" "$venv_log" venv
 join "$wheel_pid" "$wheel_log" wheel
 
