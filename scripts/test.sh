@@ -175,10 +175,12 @@ PY
     read -r -a rest <<<"${missing[1]:-}"
     # uv installs them (the same packages from the same registry, resolved to the same
     # versions): pip took 130 s and 108 CPU-s for the large ones on the 2-core machine (359 s
-    # in the last clean-clone CI run, beside the two builds), uv 19 s and 24 CPU-s. It
-    # downloads in parallel, unpacks each wheel once into its cache and hard-links the files,
-    # and compiles no bytecode up front (Python compiles what a test imports, once). uv
-    # comes from the venv's pip (2 s) unless one is on PATH; pip's index settings apply.
+    # in a clean-clone CI run, beside the two builds), uv 66 s and 60 CPU-s. It downloads in
+    # parallel, unpacks each wheel once into its cache and hard-links the files. Bytecode is
+    # compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (as on the
+    # development machine) every interpreter compiled torch's modules again at each start
+    # (the pytest stage took 912 CPU-s so, ~470 with pip's compiled venv). uv comes from the venv's pip
+    # (2 s) unless one is on PATH; pip's index settings apply.
     if [ ${#tools[@]} -gt 0 ] || [ ${#rest[@]} -gt 0 ]; then
         if ! command -v uv >/dev/null; then
             echo "== installing uv into $venv"
@@ -190,12 +192,12 @@ PY
     fi
     if [ ${#tools[@]} -gt 0 ]; then
         echo "== installing ${tools[*]} into $venv"
-        uv pip install --quiet --python "$py" "${tools[@]}"
+        uv pip install --quiet --compile-bytecode --python "$py" "${tools[@]}"
     fi
     touch "$marks/tools"
     if [ ${#rest[@]} -gt 0 ]; then
         echo "== installing ${rest[*]} into $venv"
-        uv pip install --quiet --python "$py" "${rest[@]}"
+        uv pip install --quiet --compile-bytecode --python "$py" "${rest[@]}"
     fi
     lap "venv ready"
     touch "$marks/venv"
