@@ -28,10 +28,11 @@ export SHMCKPT_MOTO_PYTHON="$py"
 mkdir -p "$repo/target"
 
 # Each stage prints how long the one before it took, in seconds and in CPU-seconds (user +
-# system) of the processes the script waited for during it (a lane's CPU counts in the
-# stage that joins it; on 2 cores one stage's CPU slows the others), and the totals at the
-# end. cpu sets cpu_s to that count so far in the shell that calls it (a lane counts its
-# own): `times` reports the calling shell's children, so it is called directly, not in $(...).
+# system) of the processes that ended during it (bash reaps a lane when it ends: its CPU
+# counts in the stage it ends in; on 2 cores one stage's CPU slows the others), and the
+# totals at the end. cpu sets cpu_s to that count so far in the shell that calls it (a
+# lane counts its own): `times` reports the calling shell's children, so it is called
+# directly, not in $(...).
 cpu_s=0
 cpu() {
     local f="$repo/target/test-cpu.$BASHPID"
@@ -311,10 +312,14 @@ mkdir -p "$repo/target"
     exit $rc
 ) &
 multi_pid=$!
-lap_start
 rest_rc=0
-"$py" -m pytest python/tests "${ignore[@]}" -q -p no:cacheprovider --durations=15 "$@" || rest_rc=$?
-lap "the other files' session, exit $rest_rc"
+(   # a subshell: its lap counts this session alone, not the other one if that ends first
+    lap_start
+    rc=0
+    "$py" -m pytest python/tests "${ignore[@]}" -q -p no:cacheprovider --durations=15 "$@" || rc=$?
+    lap "the other files' session, exit $rc"
+    exit $rc
+) || rest_rc=$?
 multi_rc=0
 wait "$multi_pid" || multi_rc=$?
 echo "== the multi-rank session's output (${multi[*]}):"
