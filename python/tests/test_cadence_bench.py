@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO
+import zygote
 
 BENCH = REPO / "benches" / "train"
 
@@ -22,7 +23,7 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
     args = ["--device", "cpu", "--tiny", "--iters", "4", "--out", str(out), "--dir", str(tmp_path / "ck")]
     # The interpreter's own path (the installed package, as the other bench tests do).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, str(BENCH / "cadence_overhead.py"), *args], check=True, env=env, timeout=300)
+    zygote.run([sys.executable, str(BENCH / "cadence_overhead.py"), *args], check=True, env=env, timeout=300)
     res = json.loads((out / "cadence.json").read_text())
 
     paths = [str(BENCH), str(REPO / "benches" / "common")]

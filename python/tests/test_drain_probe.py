@@ -4,12 +4,12 @@ subprocess (every condition, its loads' records, the outputs, nothing left on di
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+import zygote
 
 TRAIN = REPO / "benches" / "train"
 CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "shm-snap1", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
@@ -81,7 +81,7 @@ def test_tiny_cpu_run_reports_every_condition(tmp_path):
     ckdir.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(TRAIN / "drain_probe.py"), "--device", "cpu", "--tiny", "--out", str(out), "--dir", str(ckdir)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = zygote.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert os.listdir(ckdir) == []  # the run's checkpoint directory is gone
     data = json.loads((out / "drain.json").read_text())

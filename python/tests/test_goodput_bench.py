@@ -7,12 +7,12 @@ events. No timing is asserted."""
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+import zygote
 
 BENCH = REPO / "benches" / "goodput"
 ALL_SYSTEMS = ["shm", "shm-tiered", "torch", "dcp", "nvrx"]
@@ -141,7 +141,7 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
     ck.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(BENCH / "goodput.py"), "--preset", "cpu-tiny", "--dir", str(ck), "--out", str(out), "--plot", str(tmp_path / "g.png")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    r = zygote.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert os.listdir(ck) == []  # the run's work directory is gone
     data = json.loads(out.read_text())

@@ -6,12 +6,12 @@ that did not is a printed ``SKIP``, nothing left in the directories it was given
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+import zygote
 
 BENCH = REPO / "benches" / "replicas" / "peers_bench.py"
 MEASURES = {
@@ -61,7 +61,7 @@ def test_tiny_cpu_run_restores_every_system_exactly(tmp_path):
     # source tree with a dev build here): a source tree without its extension would make
     # shmckpt a SKIP, which this test refuses.
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    p = subprocess.run(
+    p = zygote.run(
         # 2 rounds + the warm-up: machine m1 is lost 3 times, its older files already gone
         [sys.executable, str(BENCH), "--sizes", "32MiB", "--rounds", "2", "--out", str(out),
          "--root", str(root), "--nvrx-dir", str(nvdir), "--timeout", "120"],

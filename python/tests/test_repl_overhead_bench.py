@@ -7,12 +7,12 @@ replicated step k-safe on both ranks, nothing left on disk or in /dev/shm."""
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+import zygote
 
 BENCH = REPO / "benches" / "replicas" / "repl_overhead.py"
 CONDITIONS = ["baseline", "nb", "nb-repl"]
@@ -99,7 +99,7 @@ def test_tiny_cpu_run_measures_every_condition_and_replicates_every_step(tmp_pat
     ckdir.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--out", str(out), "--dir", str(ckdir)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    r = zygote.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert os.listdir(ckdir) == []  # the run's roots are gone
     data = json.loads((out / "repl.json").read_text())
