@@ -14,7 +14,7 @@
 //! atomic and the loser sees the committed directory).
 //!
 //! When each rank's engine writes in a root of its own (the DCP backend), each rank's
-//! save writes its part only ([`write_part`], `SaveOptions::part_only`), and one caller
+//! save writes its part only (`write_part`, `SaveOptions::part_only`), and one caller
 //! that has every rank's durable part ([`find_parts`]) assembles them instead
 //! ([`assemble_ranks`]) and publishes the directory under its user's name
 //! ([`publish_dir`]).
@@ -53,7 +53,7 @@ pub(crate) fn lock_name(rank: u32) -> String {
 /// An exclusive `flock` on `root/.shmckpt-rank-K.lock`, held for an engine's lifetime: two
 /// engines of the same rank cannot share a root, and cleanup knows who is alive.
 #[derive(Debug)]
-pub struct RootLock {
+pub(crate) struct RootLock {
     _file: File,
 }
 
@@ -79,7 +79,7 @@ pub fn create_root(root: &Path) -> Result<()> {
 /// The probe file is created with `O_CREAT | O_EXCL | O_NOFOLLOW` relative to the root, so
 /// a link or file planted under the probe's name is never followed, truncated or removed
 /// (another name is tried instead).
-pub fn check_root(root: &Path) -> Result<()> {
+pub(crate) fn check_root(root: &Path) -> Result<()> {
     if !root.is_dir() {
         return Err(Error::RootMissing {
             path: root.to_owned(),
@@ -129,7 +129,7 @@ const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200)
 /// is refused ([`Error::UnsafePath`]), never created or locked through. A lock held by
 /// another is retried for 200 ms (`LOCK_PATIENCE`; a probe's shared lock is let go
 /// within it).
-pub fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
+pub(crate) fn lock_root(root: &Path, rank: u32) -> Result<RootLock> {
     let name = lock_name(rank);
     let path = root.join(&name);
     let dir = fsx::open_dir(root)?;
@@ -410,7 +410,7 @@ pub fn prepare_partial(
 
 /// Remove this rank's traces of a failed save: its file, and the partial directory if that
 /// leaves it empty (other ranks' files keep it).
-pub fn abort_partial(partial: &Path, rank: u32, file_name: &str) {
+pub(crate) fn abort_partial(partial: &Path, rank: u32, file_name: &str) {
     withdraw_rank(partial, rank, file_name);
     let _ = fsops::remove_dir(partial);
 }
@@ -422,7 +422,7 @@ pub fn abort_partial(partial: &Path, rank: u32, file_name: &str) {
 /// naming a removed file stays, and the next rank (or recovery) to find every part commits
 /// the step without this rank's file. Best effort: a directory already gone (renamed by a
 /// commit, removed by a sweep) is left alone.
-pub fn withdraw_rank(partial: &Path, rank: u32, file_name: &str) {
+pub(crate) fn withdraw_rank(partial: &Path, rank: u32, file_name: &str) {
     let _merging = lock_root_dir(partial, true).ok();
     if let Err(e) = remove_rank(partial, rank, file_name) {
         tracing::warn!(dir = %partial.display(), rank, error = %e, "a failed save's traces stay");
@@ -455,7 +455,7 @@ fn remove_rank(partial: &Path, rank: u32, file_name: &str) -> Result<()> {
 /// save (`SaveOptions::part_only`). Returns the committed directory when writing failed
 /// because another rank committed the step with exactly this entry meanwhile, else
 /// `None`.
-pub fn write_part(
+pub(crate) fn write_part(
     root: &Path,
     step: u64,
     partial: &Path,
@@ -510,7 +510,7 @@ pub fn write_part(
 /// then its files are deleted. [`Error::NotFound`] when `step` is not a committed
 /// checkpoint (a link or a file under its name is never touched); [`Error::UnsafePath`]
 /// when its trash name is taken.
-pub fn remove_step(root: &Path, step: u64) -> Result<()> {
+pub(crate) fn remove_step(root: &Path, step: u64) -> Result<()> {
     let all = manifest::list_committed(root)?;
     let Some(c) = all.into_iter().find(|c| c.step == step) else {
         return Err(Error::NotFound {

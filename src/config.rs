@@ -254,7 +254,7 @@ impl EngineConfig {
     /// 128 ASCII letters, digits, `-`, `_` or `.`. It is recorded in the header of each
     /// file this engine saves and in its manifest part (on disk and in a bucket), and a
     /// part of another session does not count toward a commit
-    /// ([`crate::commit::store::commit_parts`]): after a crash, a rank's part of a step
+    /// (`crate::commit::store::commit_parts`): after a crash, a rank's part of a step
     /// the dead run never committed is never merged with another rank's save of the same
     /// step number by the new run (a step whose files would come from two runs). A
     /// recovery commits a crashed save under the session that saved it. Default `None`:

@@ -65,7 +65,7 @@ pub struct FileEntry {
     /// The session of the run that wrote the file: an id every rank of one run shares
     /// ([`crate::EngineConfig::with_session`]), also in the file's header
     /// (metadata key `shmckpt.session`). A rank's part counts toward a commit only when its
-    /// session is the committing writer's ([`crate::commit::store::commit_parts`]), so a
+    /// session is the committing writer's (`crate::commit::store::commit_parts`), so a
     /// dead run's part never commits beside a new run's save of the same step number.
     /// Absent when the writer had none (and in entries written before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]

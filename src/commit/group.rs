@@ -110,7 +110,7 @@ fn committed_with(root: &Path, step: u64, entries: &[FileEntry]) -> bool {
 
 /// Commit `step` in this machine's `root` from every rank's part (`parts[r]`: rank r's, as
 /// [`own_part`] returned it on its machine): the one commit protocol
-/// ([`store::commit_parts`]) with the process group as its barrier (`GroupParts`): the
+/// (`store::commit_parts`) with the process group as its barrier (`GroupParts`): the
 /// parts this root lacks are written (durably, under a temporary name, renamed), then
 /// merged with `rank`'s own (which its save wrote here) and `step-N` published as on a
 /// shared root. Returns the committed directory; a step already committed here with

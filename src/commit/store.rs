@@ -6,12 +6,12 @@
 //! [`StepListing`] half), takes a committed step out of the listing atomically
 //! ([`CommitStore::unpublish`]: a directory renamed to its trash name, a bucket's manifest
 //! deleted), deletes what is left of it, and sweeps what interrupted saves left.
-//! Retention ([`retire`], [`retain`]) and `gc` ([`gc`]) are written once, over the trait.
+//! Retention (`retire`, [`retain`]) and `gc` ([`gc`]) are written once, over the trait.
 //!
-//! A commit is one protocol too ([`commit_parts`]): every rank's part present, one
+//! A commit is one protocol too (`commit_parts`): every rank's part present, one
 //! manifest built from them ([`Manifest::from_parts`]), published if absent. Where the
 //! parts meet is its barrier ([`PartBarrier`]): a shared root's partial directory
-//! ([`SharedRoot`]), a node-local root's whose peers' parts came through the process
+//! (`SharedRoot`), a node-local root's whose peers' parts came through the process
 //! group (`super::commit_with_parts`), part-only saves' roots (`super::assemble_ranks`) or
 //! a bucket prefix (`crate::remote`).
 
@@ -56,7 +56,7 @@ pub trait CommitStore: StepListing {
 /// Retention's quick half: take the committed steps beyond the newest `keep` (at least 1)
 /// out of the listing, oldest first, and make that durable. Never the newest committed
 /// step. Returns the steps taken out, whose data [`delete_retired`] deletes.
-pub fn retire<S: CommitStore + ?Sized>(store: &S, keep: usize) -> Result<Vec<u64>> {
+pub(crate) fn retire<S: CommitStore + ?Sized>(store: &S, keep: usize) -> Result<Vec<u64>> {
     let keep = keep.max(1);
     let committed = manifest::list_steps(store)?.committed;
     if committed.len() <= keep {
@@ -73,15 +73,15 @@ pub fn retire<S: CommitStore + ?Sized>(store: &S, keep: usize) -> Result<Vec<u64
 }
 
 /// Delete the data of steps [`retire`] took out.
-pub fn delete_retired<S: CommitStore + ?Sized>(store: &S, steps: &[u64]) -> Result<()> {
+pub(crate) fn delete_retired<S: CommitStore + ?Sized>(store: &S, steps: &[u64]) -> Result<()> {
     for &step in steps {
         store.delete_unpublished(step)?;
     }
     Ok(())
 }
 
-/// Keep the newest `keep` committed steps; delete the rest (oldest first): [`retire`],
-/// then [`delete_retired`]. Returns the deleted steps.
+/// Keep the newest `keep` committed steps; delete the rest (oldest first): `retire`,
+/// then `delete_retired`. Returns the deleted steps.
 pub fn retain<S: CommitStore + ?Sized>(store: &S, keep: usize) -> Result<Vec<u64>> {
     let retired = retire(store, keep)?;
     delete_retired(store, &retired)?;
@@ -102,8 +102,8 @@ pub fn gc<S: CommitStore + ?Sized>(
 }
 
 /// Where the parts of one step's commit meet, and its manifest is published: the
-/// barrier that makes the one commit protocol ([`commit_parts`]) a shared root's
-/// ([`SharedRoot`]), a node-local group's (`super::commit_with_parts`), part-only saves'
+/// barrier that makes the one commit protocol (`commit_parts`) a shared root's
+/// (`SharedRoot`), a node-local group's (`super::commit_with_parts`), part-only saves'
 /// (`super::assemble_ranks`) or a bucket's (`crate::remote`).
 pub trait PartBarrier {
     /// What a committed step is to the caller (a directory, a bucket's manifest).
@@ -141,7 +141,7 @@ pub trait PartBarrier {
     ) -> Result<Self::Committed>;
 }
 
-/// Who commits a step ([`commit_parts`]): the session its parts must carry.
+/// Who commits a step (`commit_parts`): the session its parts must carry.
 #[derive(Debug, Clone, Copy)]
 pub enum Committer<'a> {
     /// A rank, whose part is this entry: every part must carry its session
@@ -181,7 +181,7 @@ impl<'a> Committer<'a> {
 /// number its run never committed, still kept for a recovery) and counts as missing, so a
 /// step is never committed with files of two runs; the rank whose part it is replaces it
 /// when it saves the step ([`super::prepare_partial`]) and commits then.
-pub fn commit_parts<B: PartBarrier + ?Sized>(
+pub(crate) fn commit_parts<B: PartBarrier + ?Sized>(
     barrier: &B,
     step: u64,
     world_size: u32,
@@ -222,7 +222,7 @@ pub fn commit_parts<B: PartBarrier + ?Sized>(
 /// rank that finds every part merges them into `manifest.json` and renames the directory
 /// to `step-N` (two ranks racing both succeed: the rename is atomic and the loser sees
 /// the committed directory).
-pub struct SharedRoot<'a> {
+pub(crate) struct SharedRoot<'a> {
     /// The root.
     pub root: &'a Path,
     /// The step's partial directory.
@@ -402,8 +402,8 @@ impl CommitStore for LocalDir {
 
 /// Commit this rank's file (already durable) for `step`. Returns the committed directory
 /// when this call (or another rank) completed the commit, `None` when other ranks are
-/// still missing. The one commit protocol ([`commit_parts`]) with the root's
-/// partial directory as its barrier ([`SharedRoot`]).
+/// still missing. The one commit protocol (`commit_parts`) with the root's
+/// partial directory as its barrier (`SharedRoot`).
 pub fn commit(
     root: &Path,
     step: u64,

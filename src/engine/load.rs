@@ -61,7 +61,7 @@ impl Engine {
 
     /// Before this engine's first save (a resume from `loaded`), withdraw this rank's
     /// parts (and their files) of the steps newer than `loaded` that are not committed
-    /// ([`commit::withdraw_rank`]): they are a dead incarnation's (its recovery's
+    /// (`commit::withdraw_rank`): they are a dead incarnation's (its recovery's
     /// included), the run saves those steps again, and another rank's new save of one must
     /// never merge with this rank's stale part: it would commit a step whose files come
     /// from two runs, and this rank's own save of the step would then fail

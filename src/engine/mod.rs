@@ -553,7 +553,7 @@ impl Engine {
         manifest::list_committed(&self.shared.cfg.root)
     }
 
-    /// Delete committed checkpoint `step` ([`commit::remove_step`]: renamed out of the
+    /// Delete committed checkpoint `step` (`commit::remove_step`: renamed out of the
     /// listing durably, then its files deleted). A step this engine is still saving is
     /// refused ([`Error::NotFound`], nothing touched); wait for its handle first.
     pub fn remove(&self, step: u64) -> Result<()> {

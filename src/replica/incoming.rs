@@ -418,7 +418,7 @@ impl Incoming {
     /// there ([`crate::commit::commit`], the one commit protocol: the rank finding every
     /// part merges them and publishes `step-N`). Returns the committed directory, or
     /// `None` while some rank's part is missing. On failure this rank's part and file are
-    /// taken out of the partial directory ([`crate::commit::withdraw_rank`]), so no part
+    /// taken out of the partial directory (`crate::commit::withdraw_rank`), so no part
     /// names a file that is not there.
     pub fn commit_pending(&self) -> Result<Option<PathBuf>> {
         let (Target::Pending { world_size }, IncomingState::Sealed, Some(meta)) =
