@@ -9,6 +9,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Threads for `jobs` independent jobs of copying or checksumming memory: the machine's
+/// cores, at most 8, at most one per job, at least one.
+pub(crate) fn threads_for(jobs: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(jobs.max(1))
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms() -> u64 {
     SystemTime::now()

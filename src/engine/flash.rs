@@ -237,18 +237,10 @@ pub(crate) fn check_slot(
     Ok(())
 }
 
-/// How many threads copy `jobs` chunks (at most 8).
-fn copy_threads(jobs: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 8)
-        .min(jobs.max(1))
-}
-
 /// Each `(dst, src)` of `jobs` (equal lengths) copied, the jobs dealt round-robin to
-/// [`copy_threads`] threads.
+/// [`crate::util::threads_for`] threads.
 fn copy_in_lanes(jobs: Vec<(&mut [u8], &[u8])>) {
-    let threads = copy_threads(jobs.len());
+    let threads = crate::util::threads_for(jobs.len());
     let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
     for (i, j) in jobs.into_iter().enumerate() {
         lanes[i % threads].push(j);
@@ -296,7 +288,7 @@ fn fill_and_verify(
     header_crc: Option<u32>,
     fill: &FillChunk<'_>,
 ) -> std::result::Result<(), String> {
-    let threads = copy_threads(leases.len());
+    let threads = crate::util::threads_for(leases.len());
     let mut lanes: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
     for (k, lease) in leases.iter_mut().enumerate() {
         lanes[k % threads].push((k, lease));

@@ -25,30 +25,19 @@ use crate::staging::descriptor::{HeaderView, SlotView, chunk_state};
 
 /// Bytes copied or read per call while rebuilding and checksumming a file.
 const IO_PIECE: usize = 4 << 20;
-/// The most threads that copy staged chunks into the file, or checksum it.
-const MAX_LANES: usize = 8;
 /// Bytes of one tensor checksummed as one job (the pieces are combined in file order).
 const CRC_SEGMENT: u64 = 64 << 20;
 
-/// Threads for `jobs` independent jobs: the machine's cores, at most [`MAX_LANES`], at
-/// most one per job, at least one.
-fn lanes(jobs: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_LANES)
-        .min(jobs)
-        .max(1)
-}
-
-/// Run `job` on every item of `items`, dealt round-robin to [`lanes`] threads; the first
-/// error by item order (a failed job stops the others' remaining items), else `Ok`.
+/// Run `job` on every item of `items`, dealt round-robin to [`crate::util::threads_for`]
+/// threads; the first error by item order (a failed job stops the others' remaining
+/// items), else `Ok`.
 fn in_lanes<T: Sync, E: Send>(
     items: &[T],
     job: impl Fn(&T, &mut Vec<u8>) -> std::result::Result<(), E> + Sync,
     panicked: impl Fn() -> E,
 ) -> std::result::Result<(), E> {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let threads = lanes(items.len());
+    let threads = crate::util::threads_for(items.len());
     let stop = AtomicBool::new(false);
     let (job, stop) = (&job, &stop);
     let errors: Vec<Option<(usize, E)>> = std::thread::scope(|scope| {

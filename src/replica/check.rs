@@ -152,10 +152,7 @@ pub(super) fn crcs(pieces: &[&[u8]]) -> Vec<u32> {
         })
         .collect();
     let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 8)
-        .min(total.div_ceil(PART).max(1));
+    let threads = crate::util::threads_for(total.div_ceil(PART));
     let mut part_crcs = vec![0u32; parts.len()];
     if threads <= 1 {
         for (c, (_, p)) in part_crcs.iter_mut().zip(&parts) {
