@@ -145,11 +145,7 @@ class Saver:
         trainer's current streams are recorded now, so the engine's copies run after what
         was queued before this call, as a save captured at the call would."""
         streams = {d: torch.cuda.current_stream(d) for d in again.devices}
-        events = {}
-        for d, st in streams.items():
-            ev = torch.cuda.Event()
-            ev.record(st)
-            events[d] = ev
+        events = _record_events(streams)
         keep: List[Any] = [walked.objs, list(streams.values()), list(events.values())]
         handle = SaveHandle(step, keep)
         handle._deferred = True
@@ -169,11 +165,16 @@ class Saver:
                 self.deferrable = None  # the next save is captured at its call
                 raise
 
-        if self.submitter is None:
-            self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmckpt-submit")
-        handle._future = self.submitter.submit(capture)
+        handle._future = self._on_submitter(capture)
         self.shared.track(handle)
         return handle
+
+    def _on_submitter(self, fn: Any) -> "concurrent.futures.Future[Any]":
+        """Run ``fn`` on the checkpointer's submitting thread (started at first use; one
+        thread, so submissions run in save order)."""
+        if self.submitter is None:
+            self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmckpt-submit")
+        return self.submitter.submit(fn)
 
     def _capture_tensors(
         self,
@@ -373,11 +374,7 @@ class Saver:
             # Order the device copies after the work queued at this call: an event recorded
             # now on each device's current stream. (A stream handed to the engine would be
             # recorded by its staging thread, later, after the trainer's next kernels.)
-            events = {}
-            for d, st in devices.items():
-                ev = torch.cuda.Event()
-                ev.record(st)
-                events[d] = ev
+            events = _record_events(devices)
             keep.extend(events.values())
             after = [(d, "event", ev) for d, ev in events.items()]
             if not finishes:
@@ -397,11 +394,7 @@ class Saver:
                 finish_host_copies()
                 return self.shared.engine.save(step, engine_tuples(entries), meta, after, False, confirm=confirm)
 
-            if self.submitter is None:
-                self.submitter = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="shmckpt-submit"
-                )
-            handle._future = self.submitter.submit(submit)
+            handle._future = self._on_submitter(submit)
         self.shared.track(handle)
         return handle
 
@@ -420,6 +413,17 @@ class _Captured:
         self.devices = devices
         self.finishes: List[Tuple[int, Any]] = []
         self.hold = hold
+
+
+def _record_events(streams: Dict[int, Any]) -> Dict[int, Any]:
+    """A CUDA event recorded now on each device's stream: what the engine's copies wait
+    for, so they run after the work queued before the save's call."""
+    events = {}
+    for d, st in streams.items():
+        ev = torch.cuda.Event()
+        ev.record(st)
+        events[d] = ev
+    return events
 
 
 class _Again:
