@@ -96,9 +96,9 @@ pub mod flash {
 }
 
 pub use engine::{
-    Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Loaded, OwnedData, OwnedTensor,
-    SaveHandle, SaveOptions, SaveReport, SaveTimings, SaveWatch, Sources, StagedReport, StepSel,
-    StepTiers, Tier, Tiers,
+    Engine, LoadInto, LoadReport, LoadRequest, LoadSource, Loaded, OpenTimings, OwnedData,
+    OwnedTensor, SaveHandle, SaveOptions, SaveReport, SaveTimings, SaveWatch, Sources,
+    StagedReport, StepSel, StepTiers, Tier, Tiers,
 };
 pub use error::{Error, Result};
 pub use io::{Backend, BackendKind};

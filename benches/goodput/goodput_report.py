@@ -127,6 +127,8 @@ def analyze_run(run, t0, every):
             "life": life, "kill_t": kill_t, "k_last": k_last, "resumed": r, "lost_steps": k_last - r,
             "lost_s": None if t_from is None else kill_t - t_from, "restart": rb,
             "source": nxt["resume"].get("info", {}).get("load_source"),
+            "open_phases": nxt["resume"].get("info", {}).get("open_timings"),
+            "prepare_cuda_s": nxt["resume"].get("info", {}).get("prepare_cuda_s"),
         })
     for life in order:
         lf = lives[life]

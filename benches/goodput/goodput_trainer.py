@@ -221,8 +221,11 @@ class ShmSystem(System):
         self.ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=staging), **kw)
         self.info["shm_name"] = self.ck.shm_name
         self.info["recovered"] = list(getattr(self.ck, "recovered", []) or [])
+        self.info["open_timings"] = getattr(self.ck, "open_timings", None)
         if device == "cuda":
+            t = time.monotonic()
             self.ck.prepare_cuda()
+            self.info["prepare_cuda_s"] = time.monotonic() - t
         self.pending = []
 
     def latest(self):

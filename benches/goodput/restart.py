@@ -10,6 +10,7 @@ process, the restart, imports shmckpt and torch (untimed), then times
 - ``open``: ``Checkpointer(...)``, which recovers step 2 from the dead engine's arena
   (writes it to disk, fdatasync, commit) and builds its own arena (``plain``), or takes the
   kept arena over with step 2 as its image, checked by CRC-32C (``flash``);
+  (``Checkpointer.open_timings`` splits it: recovery, the arena, the writers);
 - ``load``: ``load("latest")`` into host memory (``plain``: read back from the file;
   ``flash``: copied from the kept image),
 
@@ -72,7 +73,7 @@ ck.close()
 if sys.argv[2] == "flash":
     import os
     os.unlink(os.path.join("/dev/shm", name))  # the kept arena outlives the close by design
-print(json.dumps({"open_s": t1 - t0, "load_s": t2 - t1, "source": source[0]}))
+print(json.dumps({"open_s": t1 - t0, "load_s": t2 - t1, "source": source[0], "phases": ck.open_timings}))
 """
 
 
@@ -141,7 +142,8 @@ def main():
         for mode in order:
             o = one(mode, args, here)
             runs[mode].append(o)
-            print(f"round {i} {mode}: open {o['open_s']:.3f} s, load {o['load_s']:.3f} s", flush=True)
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in o["phases"].items())
+            print(f"round {i} {mode}: open {o['open_s']:.3f} s ({ph}), load {o['load_s']:.3f} s", flush=True)
     res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "size_bytes": args.size_mib << 20, "rounds": args.rounds}, "modes": {}}
     for mode, rs in runs.items():
         tot = [r["open_s"] + r["load_s"] for r in rs]
@@ -150,17 +152,19 @@ def main():
             "load_s": statistics.median(r["load_s"] for r in rs),
             "total_s": statistics.median(tot),
             "total_range_s": [min(tot), max(tot)],
+            "phases_s": {k: statistics.median(r["phases"][k] for r in rs) for k in rs[0]["phases"]},
             "runs": rs,
         }
     p, f = res["modes"]["plain"], res["modes"]["flash"]
     res["plain_over_flash"] = p["total_s"] / f["total_s"]
     md = [
-        f"| mode | open (recovery + arena) | load latest | sum, median [min, max] |",
-        "|---|---|---|---|",
+        "| mode | open (recovery + arena) | of it recovery / arena / writers | load latest | sum, median [min, max] |",
+        "|---|---|---|---|---|",
     ]
     for mode in ("plain", "flash"):
         m = res["modes"][mode]
-        md.append(f"| {mode} | {m['open_s']:.3f} s | {m['load_s']:.3f} s | {m['total_s']:.3f} s [{m['total_range_s'][0]:.3f}, {m['total_range_s'][1]:.3f}] |")
+        ph = m["phases_s"]
+        md.append(f"| {mode} | {m['open_s']:.3f} s | {ph['recovery']:.3f} / {ph['arena']:.3f} / {ph['writers']:.3f} s | {m['load_s']:.3f} s | {m['total_s']:.3f} s [{m['total_range_s'][0]:.3f}, {m['total_range_s'][1]:.3f}] |")
     md.append(f"\nplain / flash: {res['plain_over_flash']:.2f}x over {args.rounds} alternated rounds, {args.size_mib} MiB")
     print("\n".join(md))
     if args.out:

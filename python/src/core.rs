@@ -87,6 +87,18 @@ pub fn recovered(engine: &Engine) -> Vec<u64> {
     engine.recovered_steps()
 }
 
+/// Where the open spent its time, in seconds by phase.
+pub fn open_timings(engine: &Engine) -> Vec<(&'static str, f64)> {
+    let t = engine.open_timings();
+    vec![
+        ("recovery", t.recovery.as_secs_f64()),
+        ("clean", t.clean.as_secs_f64()),
+        ("arena", t.arena.as_secs_f64()),
+        ("writers", t.writers.as_secs_f64()),
+        ("total", t.total.as_secs_f64()),
+    ]
+}
+
 /// Dead engines' arenas left holding saves to recover.
 pub fn unrecovered(engine: &Engine) -> Vec<String> {
     engine.unrecovered().to_vec()

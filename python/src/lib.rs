@@ -407,6 +407,13 @@ impl PyEngine {
         Ok(core::recovered(&engine))
     }
 
+    /// Where the open spent its time: seconds per phase (`recovery`, `clean`, `arena`,
+    /// `writers`, `total`), in that order.
+    fn open_timings(&self) -> PyResult<Vec<(&'static str, f64)>> {
+        let engine = self.get()?;
+        Ok(core::open_timings(&engine))
+    }
+
     /// Staging arenas of dead engines of this root and rank left holding saves to recover
     /// (recovery at open off, or failed for them): kept for `shmckpt recover`.
     fn unrecovered(&self) -> PyResult<Vec<String>> {

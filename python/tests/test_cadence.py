@@ -137,6 +137,12 @@ def test_a_memory_only_step_is_recovered_after_sigkill(root):
     assert not (root / "step-2").exists()
     with opened(root) as ck:
         assert ck.recovered == [2]
+        # Where the open went: the recovery of step 2 (a write, fdatasync and commit) is
+        # inside it, and the phases are parts of the whole.
+        ph = ck.open_timings
+        assert list(ph) == ["recovery", "clean", "arena", "writers", "total"], ph
+        assert ph["recovery"] > 0 and all(v >= 0 for v in ph.values()), ph
+        assert ph["recovery"] + ph["clean"] + ph["arena"] + ph["writers"] <= ph["total"], ph
         assert ck.list(tiers=True) == [(1, ["disk"]), (2, ["disk"])]
         assert_state(ck.load("latest"), 2)
         assert ck.last_load_source[0] == "disk"

@@ -49,7 +49,7 @@ pub(crate) use flash::check_slot as check_kept_slot;
 pub use kept::{ArenaOwner, KeptArenaInfo, list_kept, remove_kept, remove_kept_forced};
 
 pub use handle::{SaveHandle, SaveWatch};
-pub use report::{LoadReport, LoadSource, SaveReport, SaveTimings, StagedReport};
+pub use report::{LoadReport, LoadSource, OpenTimings, SaveReport, SaveTimings, StagedReport};
 pub use request::{LoadInto, LoadRequest, Loaded, Sources};
 pub use save::{OwnedData, OwnedTensor, SaveOptions};
 use state::SaveState;
@@ -163,6 +163,8 @@ pub struct Engine {
     device_ring: Mutex<Option<Arc<restore::DeviceRing>>>,
     /// What the open recovered from dead engines' arenas, and what it left unrecovered.
     recovery: crate::recover::OpenRecovery,
+    /// Where the open spent its time.
+    open_timings: OpenTimings,
     _lock: RootLock,
 }
 
@@ -199,6 +201,7 @@ impl Engine {
     /// [`EngineConfig::with_create_root`]), take the rank lock, remove stale partial
     /// directories, create the staging arena and start the writers.
     pub fn open(cfg: EngineConfig) -> Result<Engine> {
+        let t_open = Instant::now();
         cfg.validate()?;
         if cfg.create_root {
             commit::create_root(&cfg.root)?;
@@ -218,8 +221,14 @@ impl Engine {
         let files = remote.as_ref().is_none_or(|t| !t.replaces_disk());
         // Recovery first: the partial files of the saves it recovers must still be there,
         // and `clean_stale` keeps those of the arenas left unrecovered.
+        let mut timings = OpenTimings::default();
+        let t = Instant::now();
         let recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
+        timings.recovery = t.elapsed();
+        let t = Instant::now();
         commit::clean_stale(&cfg.root, cfg.rank)?;
+        timings.clean = t.elapsed();
+        let t_arena = Instant::now();
         let private_name = || {
             format!(
                 "{NAME_PREFIX}{}.r{}.{}",
@@ -366,6 +375,8 @@ impl Engine {
                 tracing::error!(step = a.step(), problem = %why, "the disk copy of the kept image's step is damaged: a load from disk would fail (`shmckpt verify` checks every byte)");
             }
         }
+        timings.arena = t_arena.elapsed();
+        let t = Instant::now();
         let opts = BackendOptions {
             kind: cfg.backend,
             queue_depth: cfg.queue_depth,
@@ -374,6 +385,7 @@ impl Engine {
             faults: cfg.faults.clone(),
         };
         let pool = WriterPool::start(cfg.writer_threads, &opts)?;
+        timings.writers = t.elapsed();
         let shared = Arc::new(Shared {
             backend: pool.backend(),
             cfg,
@@ -428,6 +440,10 @@ impl Engine {
             load_buffers: SlabPool::new(),
             device_ring: Mutex::new(None),
             recovery,
+            open_timings: OpenTimings {
+                total: t_open.elapsed(),
+                ..timings
+            },
             _lock: lock,
         })
     }
@@ -437,6 +453,11 @@ impl Engine {
     /// handled. [`Engine::recovered_steps`] is the short form.
     pub fn recovered(&self) -> &[crate::recover::RecoveryReport] {
         &self.recovery.reports
+    }
+
+    /// Where [`Engine::open`] spent its time.
+    pub fn open_timings(&self) -> &OpenTimings {
+        &self.open_timings
     }
 
     /// The steps that recovery at open committed from dead engines' staging arenas (the

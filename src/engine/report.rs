@@ -20,6 +20,27 @@ pub struct SaveTimings {
     pub committed: Option<Duration>,
 }
 
+/// Where [`crate::Engine::open`] spent its time, phase by phase, to tell a slow restart's
+/// cause (recovering a crashed predecessor's saves, setting up the arena, the writers).
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpenTimings {
+    /// Recovering dead engines' staging arenas of this root and rank: rebuilding, writing
+    /// (`fdatasync` included) and committing their staged saves, and removing what they
+    /// left (`EngineConfig::with_recover_on_open`).
+    pub recovery: Duration,
+    /// Removing stale partial directories.
+    pub clean: Duration,
+    /// Setting up this engine's staging arena: taking the kept arena over and checking its
+    /// image (flash restore), or creating a new one (its pages are allocated in the
+    /// background), and adopting a kept image into it by copying.
+    pub arena: Duration,
+    /// Starting the writers (io_uring rings and their registered buffers).
+    pub writers: Duration,
+    /// The whole open.
+    pub total: Duration,
+}
+
 /// What a finished save did.
 #[non_exhaustive]
 #[derive(Debug, Clone, PartialEq)]

@@ -611,6 +611,12 @@ fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
     )
     .unwrap();
     assert_eq!(e.recovered_steps(), [3]);
+    let t = e.open_timings();
+    assert!(
+        t.recovery > std::time::Duration::ZERO
+            && t.recovery + t.clean + t.arena + t.writers <= t.total,
+        "the open's phases are parts of it, recovery among them: {t:?}"
+    );
     assert_eq!(committed(root), [1, 3], "recovery made step 3 durable");
     assert_latest_from(&e, 3, LoadSource::Memory);
     let (ck, report) = load_with_report(&e, StepSel::Step(1)).unwrap();

@@ -261,6 +261,11 @@ class Checkpointer:
         #: predecessor of the same root and rank (saves that had returned from ``save`` but
         #: were not committed), oldest first; committed now, so ``latest()`` sees them.
         self.recovered: List[int] = engine.recovered()
+        #: Where opening spent its time, in seconds per phase: ``recovery`` (committing a
+        #: crashed predecessor's staged saves), ``clean`` (stale partial directories),
+        #: ``arena`` (taking the kept arena over and checking its image, or creating a new
+        #: one), ``writers`` (the io_uring rings) and ``total``.
+        self.open_timings: Dict[str, float] = dict(engine.open_timings())
         if self.recovered:
             _log.warning("shmckpt: recovered step(s) %s of %s from a crashed run's staging memory", self.recovered, self.root)
         unrecovered = engine.unrecovered()
