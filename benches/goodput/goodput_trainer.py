@@ -200,7 +200,8 @@ def _remove(paths):
 
 class ShmSystem(System):
     """shmckpt: ``save(step, state, blocking=False)`` under ``guard(opt)`` (its best mode at
-    these step lengths; docs/benchmarks.md), ``prepare_cuda()`` at open, ``keep_last``.
+    these step lengths; docs/benchmarks.md), ``prepare_cuda(background=True)`` at open,
+    ``keep_last``.
     ``tiered``: the same with ``disk_every="auto"``, saving every step."""
 
     def __init__(self, torch, root, device, keep, size_bytes, tiered=False):
@@ -223,8 +224,11 @@ class ShmSystem(System):
         self.info["recovered"] = list(getattr(self.ck, "recovered", []) or [])
         self.info["open_timings"] = getattr(self.ck, "open_timings", None)
         if device == "cuda":
+            # In the background, as docs/python.md advises at start-up: the arena's
+            # allocation and registration overlap the load and the first steps (a save
+            # issued before they end waits for them).
             t = time.monotonic()
-            self.ck.prepare_cuda()
+            self.ck.prepare_cuda(background=True)
             self.info["prepare_cuda_s"] = time.monotonic() - t
         self.pending = []
 
