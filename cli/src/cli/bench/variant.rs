@@ -14,7 +14,7 @@ use super::common::Run;
 use crate::cli::human;
 
 pub(super) enum Saver {
-    Shm(Engine),
+    Shm(Box<Engine>),
     Ipc(Box<IpcWriterClient>),
 }
 
@@ -80,7 +80,7 @@ impl Variant {
         Ok(Variant {
             name: "shm",
             next_step: next_step(&dir)?,
-            saver: Saver::Shm(engine),
+            saver: Saver::Shm(Box::new(engine)),
             runs: Vec::new(),
             ipc: Vec::new(),
             register,
