@@ -71,6 +71,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12, help="consecutive steps per block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window-ms", type=float, default=160.0, help="forward+backward (spin kernel)")
+    p.add_argument("--launch-bound", action="store_true", help="the forward+backward: tiny ops launched from the trainer's thread for --window-ms (calibrated), not one spin kernel or a sleep")
     p.add_argument(
         "--modes",
         default="off,none,device",
@@ -98,7 +99,7 @@ def main(argv=None):
     nbytes = state_nbytes(sd)
     print(f"state {nbytes / 2**30:.2f} GiB in {len(sd)} tensors", flush=True)
 
-    spin = spinner(args.device, args.window_ms)
+    spin = spinner(args.device, args.window_ms, args.launch_bound)
 
     def sync():
         if cuda:
@@ -165,7 +166,7 @@ def main(argv=None):
     lines = [
         f"# Saves every step, back to back ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {dev})",
         "",
-        f"State {nbytes / 2**30:.2f} GiB in {len(sd)} tensors; forward+backward {args.window_ms:.0f} ms (spin);"
+        f"State {nbytes / 2**30:.2f} GiB in {len(sd)} tensors; forward+backward {args.window_ms:.0f} ms ({'launches' if args.launch_bound else 'spin'});"
         f" {args.rounds} rounds x {args.steps} steps per mode; staging {args.staging_factor} x state;"
         f" cadence {args.ck_kw}; median (min..max), ms.",
         "",

@@ -123,12 +123,36 @@ def flat_state(model, opt):
     return sd
 
 
-def spinner(device, window_ms):
+def spinner(device, window_ms, launch_bound=False):
     """The probes' forward and backward: a function that spends ``window_ms`` of device
     time on a CUDA ``device`` (a spin kernel, its cycles per ms calibrated here once), or
-    sleeps that long on a CPU (the trainer's thread idle, as while a GPU computes)."""
+    sleeps that long on a CPU (the trainer's thread idle, as while a GPU computes).
+
+    ``launch_bound``: instead, a fixed number of tiny in-place ops (calibrated here to take
+    ``window_ms`` on an idle interpreter), issued from the trainer's thread: a forward whose
+    thread is busy launching kernels, so that anything else holding the interpreter's lock
+    lengthens it (on a GPU the step then waits for its launches)."""
     import torch
 
+    if launch_bound:
+        x = torch.zeros(16, device=device)
+        for _ in range(200):  # warm-up
+            x.add_(1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        n, t = 2000, time.perf_counter()
+        for _ in range(n):
+            x.add_(1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        per_op = (time.perf_counter() - t) / n
+        ops = max(1, int(window_ms / 1e3 / per_op))
+
+        def launch():
+            for _ in range(ops):
+                x.add_(1.0)
+
+        return launch
     if device != "cuda":
         return lambda: time.sleep(window_ms / 1e3)
     torch.cuda.synchronize()

@@ -55,12 +55,13 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
 
 def test_the_probe_times_every_step_of_each_mode_on_cpu(tmp_path):
     """benches/train/cadence_probe.py: the tiny CPU configuration, two modes, one kept
-    round of three steps: one row per step of each mode, one report per save (none for
+    round of three steps, the forward a calibrated run of tiny ops (``--launch-bound``):
+    one row per step of each mode, one report per save (none for
     the baseline ``off``), its table in the markdown. No timing is asserted."""
     pytest.importorskip("torch")
     out = tmp_path / "out"
     args = ["--device", "cpu", "--state", "tiny", "--steps", "3", "--rounds", "1", "--modes", "off,none,at-call",
-            "--window-ms", "2", "--dir", str(tmp_path / "ck"), "--out", str(out)]
+            "--window-ms", "2", "--launch-bound", "--dir", str(tmp_path / "ck"), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-W", "error::DeprecationWarning", str(BENCH / "cadence_probe.py"), *args],
                    check=True, env=env, timeout=300)
@@ -73,5 +74,6 @@ def test_the_probe_times_every_step_of_each_mode_on_cpu(tmp_path):
     assert all(r["engine"] > 0 and r["call"] >= r["engine"] for r in res["rows"]["at-call"])
     assert all(s["staging"] >= s["backpressure"] >= 0 for m in ("none", "at-call") for s in res["saves"][m])
     table = (out / "cadence_probe.md").read_text().splitlines()
+    assert any("forward+backward 2 ms (launches)" in line for line in table), table[:4]
     modes = [line.split("|")[1].strip() for line in table if line.startswith(("| o", "| n", "| a"))]
     assert modes == ["off", "none", "at-call"]
