@@ -223,7 +223,7 @@ impl Engine {
         // and `clean_stale` keeps those of the arenas left unrecovered.
         let mut timings = OpenTimings::default();
         let t = Instant::now();
-        let recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
+        let mut recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
         timings.recovery = t.elapsed();
         let t = Instant::now();
         commit::clean_stale(&cfg.root, cfg.rank)?;
@@ -296,6 +296,13 @@ impl Engine {
         let create = |spec: &ArenaSpec| {
             Arena::create_prefaulting(spec, crate::staging::prefault_threads(), pause)
         };
+        // The dead arenas recovery removed are freed in the background; a new arena needs
+        // the room they take when `/dev/shm` has too little without it.
+        if taken_over.is_none()
+            && crate::staging::shm::shm_available() < spec.capacity.saturating_add(64 << 20)
+        {
+            recovery.wait_freed();
+        }
         let made = match taken_over {
             Some(a) => Ok((a, Prefault::default())),
             None => create(&spec),

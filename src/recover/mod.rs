@@ -76,7 +76,7 @@ pub fn recover_arena_with(
     root_override: Option<&Path>,
     opts: RecoverOptions,
 ) -> Result<RecoveryReport> {
-    recover_impl(name, root_override, LockPolicy::Take, opts)
+    recover_impl(name, root_override, LockPolicy::Take, opts, None)
 }
 
 /// Recover every arena recorded for checkpoint root `root` (and `rank`, when given) whose
@@ -102,7 +102,7 @@ pub fn recover_root_with(
                     reason: "its owner is alive and uses it".into(),
                 })
             } else {
-                recover_impl(&name, Some(root), LockPolicy::Take, opts)
+                recover_impl(&name, Some(root), LockPolicy::Take, opts, None)
             };
             (name, r)
         })
@@ -151,6 +151,31 @@ pub(crate) struct OpenRecovery {
     pub(crate) reports: Vec<RecoveryReport>,
     /// Arenas of dead engines of the root and rank still holding saves to recover.
     pub(crate) unrecovered: Vec<String>,
+    /// Threads freeing the memory of the dead arenas removed (names already unlinked):
+    /// freeing a 12 GiB segment's pages takes ~1 s, which the open need not wait for.
+    pub(crate) freeing: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl OpenRecovery {
+    /// Wait until the removed arenas' memory is free (before an arena is created where
+    /// `/dev/shm` lacks room for it while they are freed).
+    pub(crate) fn wait_freed(&mut self) {
+        for h in self.freeing.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Drop `att`, an arena whose name is unlinked already, on a thread of its own pushed to
+/// `freeing` (the memory is freed when its last descriptor closes); inline when no thread
+/// can be started.
+fn free_behind(att: AttachedArena, freeing: &mut Vec<std::thread::JoinHandle<()>>) {
+    if let Ok(h) = std::thread::Builder::new()
+        .name("shmckpt-free-arena".into())
+        .spawn(move || drop(att))
+    {
+        freeing.push(h);
+    }
 }
 
 /// Run by [`crate::Engine::open`] (with the rank's root lock held) before stale partial
@@ -172,6 +197,7 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
             Some(root),
             LockPolicy::Held,
             RecoverOptions::default(),
+            Some(&mut out.freeing),
         ) {
             Ok(r) => out.reports.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
@@ -185,8 +211,9 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
             out.unrecovered.push(a.name);
             continue;
         }
-        match remove_dead_arena(&a.name) {
-            Ok(()) => {
+        match remove_dead(&a.name) {
+            Ok(att) => {
+                free_behind(att, &mut out.freeing);
                 tracing::warn!(arena = %a.name, owner_pid = a.owner_pid, "removed a dead engine's staging arena (nothing to recover)");
             }
             Err(e) => {
@@ -309,6 +336,12 @@ fn arenas_of_dead(root: &Path, rank: u32) -> Vec<DeadArena> {
 /// file or another user's segment; [`Error::Config`] for a name that is not a staging
 /// arena's (flash restore's kept arenas: [`crate::flash::remove_kept`]).
 pub fn remove_dead_arena(name: &str) -> Result<()> {
+    remove_dead(name).map(drop)
+}
+
+/// [`remove_dead_arena`], returning the arena attached (its name unlinked): its memory is
+/// freed when the caller drops it.
+fn remove_dead(name: &str) -> Result<AttachedArena> {
     if !name.starts_with(crate::staging::NAME_PREFIX)
         || name.contains('/')
         || crate::staging::is_kept_name(name)
@@ -339,7 +372,8 @@ pub fn remove_dead_arena(name: &str) -> Result<()> {
             reason: format!("its owner, pid {}, is {owner}", h.owner_pid),
         });
     }
-    att.unlink().map_err(|e| Error::io("remove", &path, e))
+    att.unlink().map_err(|e| Error::io("remove", &path, e))?;
+    Ok(att)
 }
 
 fn refuse(name: &str, reason: impl Into<String>) -> Error {
@@ -349,11 +383,14 @@ fn refuse(name: &str, reason: impl Into<String>) -> Error {
     }
 }
 
+/// `freeing`: where the open keeps the threads freeing a removed arena's memory (`None`:
+/// freed before returning).
 fn recover_impl(
     name: &str,
     root_override: Option<&Path>,
     lock: LockPolicy,
     opts: RecoverOptions,
+    freeing: Option<&mut Vec<std::thread::JoinHandle<()>>>,
 ) -> Result<RecoveryReport> {
     let att = AttachedArena::open_with(
         name,
@@ -482,6 +519,11 @@ fn recover_impl(
                 report.kept = Some(why);
             }
         }
+    }
+    if report.removed
+        && let Some(freeing) = freeing
+    {
+        free_behind(att, freeing);
     }
     Ok(report)
 }
