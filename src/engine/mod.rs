@@ -293,16 +293,19 @@ impl Engine {
         // A new arena's pages are allocated in the background (`prefault`); a save takes
         // only chunks already backed.
         let pause = cfg.prefault_pause();
-        let create = |spec: &ArenaSpec| {
-            Arena::create_prefaulting(spec, crate::staging::prefault_threads(), pause)
+        // The dead arenas recovery removed are freed in the background: a new arena that
+        // does not fit in `/dev/shm` waits for the room they take and is tried again.
+        let mut create = |spec: &ArenaSpec| {
+            let make =
+                || Arena::create_prefaulting(spec, crate::staging::prefault_threads(), pause);
+            match make() {
+                Err(Error::ShmTooSmall { .. }) if recovery.is_freeing() => {
+                    recovery.wait_freed();
+                    make()
+                }
+                r => r,
+            }
         };
-        // The dead arenas recovery removed are freed in the background; a new arena needs
-        // the room they take when `/dev/shm` has too little without it.
-        if taken_over.is_none()
-            && crate::staging::shm::shm_available() < spec.capacity.saturating_add(64 << 20)
-        {
-            recovery.wait_freed();
-        }
         let made = match taken_over {
             Some(a) => Ok((a, Prefault::default())),
             None => create(&spec),

@@ -157,8 +157,13 @@ pub(crate) struct OpenRecovery {
 }
 
 impl OpenRecovery {
-    /// Wait until the removed arenas' memory is free (before an arena is created where
-    /// `/dev/shm` lacks room for it while they are freed).
+    /// Whether removed arenas' memory may still be being freed.
+    pub(crate) fn is_freeing(&self) -> bool {
+        !self.freeing.is_empty()
+    }
+
+    /// Wait until the removed arenas' memory is free (an arena that did not fit in
+    /// `/dev/shm` while they were freed is then tried again).
     pub(crate) fn wait_freed(&mut self) {
         for h in self.freeing.drain(..) {
             let _ = h.join();
