@@ -28,12 +28,12 @@ const IO_PIECE: usize = 4 << 20;
 /// Bytes of one tensor checksummed as one job (the pieces are combined in file order).
 const CRC_SEGMENT: u64 = 64 << 20;
 
-/// Run `job` on every item of `items`, dealt round-robin to [`crate::util::threads_for`]
-/// threads; the first error by item order (a failed job stops the others' remaining
-/// items), else `Ok`.
+/// Run `job(index, item, buffer)` on every item of `items`, dealt round-robin to
+/// [`crate::util::threads_for`] threads (a buffer per thread); the first error by item
+/// order (a failed job stops the others' remaining items), else `Ok`.
 fn in_lanes<T: Sync, E: Send>(
     items: &[T],
-    job: impl Fn(&T, &mut Vec<u8>) -> std::result::Result<(), E> + Sync,
+    job: impl Fn(usize, &T, &mut Vec<u8>) -> std::result::Result<(), E> + Sync,
     panicked: impl Fn() -> E,
 ) -> std::result::Result<(), E> {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,7 +49,7 @@ fn in_lanes<T: Sync, E: Send>(
                         if stop.load(Ordering::Relaxed) {
                             break;
                         }
-                        if let Err(e) = job(item, &mut buf) {
+                        if let Err(e) = job(i, item, &mut buf) {
                             stop.store(true, Ordering::Relaxed);
                             return Some((i, e));
                         }
@@ -316,7 +316,7 @@ fn rebuild_and_commit(
     let piece = IO_PIECE.min(cs as usize);
     let copied = in_lanes(
         &staged,
-        |&(k, idx), buf| {
+        |_, &(k, idx), buf| {
             buf.resize(piece, 0);
             let start = k * cs;
             let len = chunk_end(k) - start;
@@ -399,14 +399,9 @@ fn checksum_in(
     let crcs: Vec<std::sync::atomic::AtomicU32> = (0..segments.len())
         .map(|_| std::sync::atomic::AtomicU32::new(0))
         .collect();
-    let jobs: Vec<(usize, u64, u64)> = segments
-        .iter()
-        .enumerate()
-        .map(|(i, &(_, b, e))| (i, b, e))
-        .collect();
     in_lanes(
-        &jobs,
-        |&(i, b, e), buf| {
+        &segments,
+        |i, &(_, b, e), buf| {
             buf.resize(IO_PIECE, 0);
             let mut crc = 0u32;
             let mut at = b;
@@ -591,7 +586,8 @@ mod tests {
         let sum = AtomicU64::new(0);
         let ok: std::result::Result<(), String> = in_lanes(
             &items,
-            |&i, _| {
+            |k, &i, _| {
+                assert_eq!(k as u64, i, "each job is given its item's index");
                 sum.fetch_add(i, Ordering::Relaxed);
                 Ok(())
             },
@@ -601,7 +597,7 @@ mod tests {
         assert_eq!(sum.load(Ordering::Relaxed), 4950);
         let err = in_lanes(
             &items,
-            |&i, _| {
+            |_, &i, _| {
                 if i == 3 || i == 90 {
                     Err(format!("item {i}"))
                 } else {
@@ -614,7 +610,7 @@ mod tests {
         let err = err.as_ref().map_err(String::as_str);
         assert!(matches!(err, Err("item 3") | Err("item 90")), "{err:?}");
         assert_eq!(
-            in_lanes(&[] as &[u64], |_, _| Err("never"), || "panic"),
+            in_lanes(&[] as &[u64], |_, _, _| Err("never"), || "panic"),
             Ok(())
         );
     }
