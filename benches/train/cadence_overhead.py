@@ -69,6 +69,11 @@ def parse_args(argv=None):
     return args
 
 
+def p90(xs):
+    """The 90th percentile of ``xs`` (nearest rank below)."""
+    return sorted(xs)[int(0.9 * (len(xs) - 1))]
+
+
 def bootstrap_mean_ci(xs, n=2000, seed=7):
     if len(xs) < 2:
         return None
@@ -178,9 +183,9 @@ def run_config(tr, state, ck, step_ms, every, snapshot, args, cuda, step_no):
         "overhead_mean_ci95": bootstrap_mean_ci(over),
         "overhead_per_round": over,
         "stall_ms_median": med(stalls) * 1e3 if stalls else None,
-        "stall_ms_p90": sorted(stalls)[int(0.9 * (len(stalls) - 1))] * 1e3 if stalls else None,
+        "stall_ms_p90": p90(stalls) * 1e3 if stalls else None,
         "staging_ms_median": med(staged) * 1e3 if staged else None,
-        "staging_ms_p90": sorted(staged)[int(0.9 * (len(staged) - 1))] * 1e3 if staged else None,
+        "staging_ms_p90": p90(staged) * 1e3 if staged else None,
         "step_s_alone": step_s,
         "saves": saves,
         "disk_saves": disk_saves,
