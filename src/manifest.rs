@@ -383,6 +383,26 @@ pub fn aside_dir_name(step: u64, unix_ms: u128) -> String {
     format!("step-{step}.aside-{unix_ms}")
 }
 
+/// Prefix of the hidden names stale directories are moved to before they are removed
+/// behind an engine's open (`crate::commit::clean_stale`): outside the step namespace.
+const REMOVING_PREFIX: &str = ".shmckpt-removing.";
+
+/// The hidden name the stale directory `name` (`step-<N>.partial`, `step-<N>.trash`) is
+/// moved to before its removal: `.shmckpt-removing.<name>.<pid>.<unix ns>`. Never listed,
+/// loaded or committed (no `step-` prefix); removed by the next sweep if a crash
+/// interrupts its removal.
+pub fn removing_dir_name(name: &str) -> String {
+    let ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{REMOVING_PREFIX}{name}.{}.{ns}", std::process::id())
+}
+
+/// Whether `name` is one of [`removing_dir_name`]'s.
+pub fn is_removing_dir_name(name: &str) -> bool {
+    name.starts_with(REMOVING_PREFIX)
+}
+
 /// File name of `rank`'s safetensors file.
 pub fn rank_file_name(rank: u32, world_size: u32) -> String {
     format!("rank-{rank:05}-of-{world_size:05}.safetensors")

@@ -173,7 +173,8 @@ pub struct Engine {
 struct Setup {
     /// The threads allocating the arena's pages, until they are done (stopped at close).
     prefault: Prefault,
-    /// Registration threads ([`Engine::prepare_cuda_background`]), joined at close.
+    /// Registration threads ([`Engine::prepare_cuda_background`]) and the removal of stale
+    /// directories (`commit::clean_stale_behind`), joined at close.
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -198,8 +199,9 @@ impl EngineConfig {
 
 impl Engine {
     /// Open an engine: check the root (creating it first with
-    /// [`EngineConfig::with_create_root`]), take the rank lock, remove stale partial
-    /// directories, create the staging arena and start the writers.
+    /// [`EngineConfig::with_create_root`]), take the rank lock, move stale partial
+    /// directories out of the way (removed behind the open), create the staging arena and
+    /// start the writers.
     pub fn open(cfg: EngineConfig) -> Result<Engine> {
         let t_open = Instant::now();
         cfg.validate()?;
@@ -226,7 +228,9 @@ impl Engine {
         let mut recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
         timings.recovery = t.elapsed();
         let t = Instant::now();
-        commit::clean_stale(&cfg.root, cfg.rank)?;
+        // Stale directories leave the step namespace here; their files are removed behind
+        // the open (joined at close).
+        let (_, cleaning) = commit::clean_stale_behind(&cfg.root, cfg.rank)?;
         timings.clean = t.elapsed();
         let t_arena = Instant::now();
         let private_name = || {
@@ -408,7 +412,7 @@ impl Engine {
             cuda: OnceLock::new(),
             setup: Mutex::new(Setup {
                 prefault,
-                threads: Vec::new(),
+                threads: cleaning.into_iter().collect(),
             }),
             held,
             remote,

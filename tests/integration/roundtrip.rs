@@ -945,3 +945,82 @@ fn load_views_are_exact_aligned_disjoint_and_their_memory_is_reused() {
         assert_loaded_equal(&ck, &s2);
     }
 }
+
+/// The open's sweep moves stale directories out of the step namespace and removes them
+/// behind the open: right after the open, the stale partial and trash names are free (a
+/// save of the stale step commits exactly), the committed step is untouched; a hidden
+/// directory an interrupted earlier sweep left is removed too; a link or a file under a
+/// hidden name is never followed or removed; once the engine is closed nothing hidden of
+/// ours is left.
+#[test]
+fn stale_directories_are_moved_aside_at_open_and_removed_behind_it() {
+    let dir = real_dir("clean-behind");
+    let root = dir.path();
+    let state = |step: u64| step_state(step);
+    let engine = Engine::open(small_config(root, shmckpt::BackendKind::Pwrite)).unwrap();
+    engine
+        .save(2, &state(2).tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close();
+    let stale = root.join(shmckpt::manifest::partial_dir_name(5));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(
+        stale.join("rank-00000-of-00001.safetensors"),
+        vec![7u8; 1 << 20],
+    )
+    .unwrap();
+    let trash = root.join(shmckpt::manifest::trash_dir_name(1));
+    std::fs::create_dir_all(trash.join("sub")).unwrap();
+    std::fs::write(trash.join("sub").join("x"), b"old").unwrap();
+    let earlier = root.join(".shmckpt-removing.step-9.partial.1.2");
+    std::fs::create_dir(&earlier).unwrap();
+    std::fs::write(earlier.join("f"), b"left by a crashed sweep").unwrap();
+    let outside = real_dir("clean-behind-outside");
+    std::fs::write(outside.path().join("keep"), b"not ours").unwrap();
+    let link = root.join(".shmckpt-removing.link");
+    std::os::unix::fs::symlink(outside.path(), &link).unwrap();
+    let file = root.join(".shmckpt-removing.file");
+    std::fs::write(&file, b"a file, not a directory").unwrap();
+
+    let engine = Engine::open(small_config(root, shmckpt::BackendKind::Pwrite)).unwrap();
+    assert!(
+        !stale.exists() && !trash.exists(),
+        "the stale names are free"
+    );
+    assert_eq!(committed(root), [2]);
+    let rep = engine
+        .save(5, &state(5).tensors(), &Metadata::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(rep.dir.as_deref(), Some(&*root.join("step-5")));
+    engine.close();
+    assert_eq!(committed(root), [2, 5]);
+    for step in [2, 5] {
+        assert_safetensors_equal(
+            &root
+                .join(format!("step-{step}"))
+                .join("rank-00000-of-00001.safetensors"),
+            &state(step),
+        );
+    }
+    let mut hidden: Vec<String> = std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".shmckpt-removing."))
+        .collect();
+    hidden.sort();
+    assert_eq!(
+        hidden,
+        [".shmckpt-removing.file", ".shmckpt-removing.link"],
+        "every moved directory removed; the link and the file untouched"
+    );
+    assert_eq!(
+        std::fs::read(outside.path().join("keep")).unwrap(),
+        b"not ours"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"a file, not a directory");
+}
