@@ -337,6 +337,7 @@ fn euid() -> u32 {
 /// so `name` never holds a partial image.
 fn write_atomic(dir: &Path, name: &str, tmp: &str, bytes: &[u8], durable: bool) -> Result<PathBuf> {
     let dfd = fsx::open_dir(dir)?;
+    remove_dead_tmps(dfd.as_fd(), dir, name);
     fsx::unlink_in(dfd.as_fd(), dir, tmp)?;
     let path = dir.join(tmp);
     let res = (|| {
@@ -357,6 +358,31 @@ fn write_atomic(dir: &Path, name: &str, tmp: &str, bytes: &[u8], durable: bool) 
         let _ = fsx::unlink_in(dfd.as_fd(), dir, tmp);
     }
     res
+}
+
+/// Remove the temporary files `.<file>.tmp<pid>` that writers of `file` in `dir` left when
+/// they died (a restore killed before its rename; nothing else removes them from a
+/// committed step's directory): names of a pid that is not this process and no longer
+/// exists, unlinked without following a link. Failures are logged.
+pub(crate) fn remove_dead_tmps(dfd: std::os::fd::BorrowedFd<'_>, dir: &Path, file: &str) {
+    let prefix = format!(".{file}.tmp");
+    let me = std::process::id();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        let dead = name
+            .strip_prefix(&prefix)
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<u32>().ok())
+            .is_some_and(|pid| pid != me && !process_exists(pid));
+        if dead && let Err(err) = fsx::unlink_in(dfd, dir, &name) {
+            tracing::warn!(file = %dir.join(&name).display(), error = %err, "could not remove a dead writer's temporary file");
+        }
+    }
 }
 
 /// Store `bytes`, received from a peer as `rank`'s image of `step` of `root`, as a replica
@@ -712,6 +738,39 @@ mod tests {
         assert!(remove(&dead).is_err());
         assert!(shm.join(&dead).is_symlink());
         std::fs::remove_file(shm.join(&dead)).unwrap();
+    }
+
+    /// A restore killed before its rename leaves `.<file>.tmp<pid>` in the step's directory:
+    /// the next write of that file removes a dead writer's, never a live writer's, another
+    /// file's, or a name that only looks alike; a link is removed as a name, never followed.
+    #[test]
+    fn dead_writers_temporary_files_are_removed_by_the_next_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let file = "rank-00000-of-00001.safetensors";
+        let dead = format!(".{file}.tmp{}", (1u32 << 22) + 1);
+        let alive = format!(".{file}.tmp1");
+        let other = format!(".rank-00001-of-00002.safetensors.tmp{}", (1u32 << 22) + 1);
+        let alike = format!(".{file}.tmp{}x", (1u32 << 22) + 1);
+        let link = format!(".{file}.tmp{}", (1u32 << 22) + 2);
+        for n in [&dead, &alive, &other, &alike] {
+            std::fs::write(d.join(n), b"half").unwrap();
+        }
+        let target = tempfile::NamedTempFile::new().unwrap();
+        std::os::unix::fs::symlink(target.path(), d.join(&link)).unwrap();
+        let tmp = format!(".{file}.tmp{}", std::process::id());
+        write_atomic(d, file, &tmp, b"image", true).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = vec![file.to_owned(), alive, other, alike];
+        want.sort();
+        assert_eq!(left, want);
+        assert_eq!(std::fs::read(d.join(file)).unwrap(), b"image");
+        assert!(target.path().exists(), "a link's target is never touched");
     }
 
     #[test]

@@ -550,6 +550,7 @@ impl Incoming {
             let (dir, entry) = self.still_committed()?;
             let tmp = format!(".{}.tmp{}", entry.file, std::process::id());
             let dfd = fsx::open_dir(&dir)?;
+            super::remove_dead_tmps(dfd.as_fd(), &dir, &entry.file);
             fsx::unlink_in(dfd.as_fd(), &dir, &tmp)?;
             let file = fsx::open_file(dfd.as_fd(), &dir, &tmp, true, Create::New, Some(euid()))?;
             self.early = Some(EarlyWrite {

@@ -39,6 +39,15 @@
 //! is at least the newest one a trainer reported uploaded, and every listed step loads
 //! through the remote tier with exactly its bytes.
 //!
+//! A fifth lane is the replica lane: every committed save replicated into a replica arena in
+//! `/dev/shm` piece by piece (the crate's sender and receiver, the trainer as transport),
+//! kills aimed at a piece of the transfer or either side of the seal; its machine losses
+//! also take the rank's file of the newest replicated step (a node-local disk), which the
+//! next incarnation restores from the replica at open (kills aimed at that restore too).
+//! After every fault every replica of a listed step loads with exactly its file's bytes,
+//! the newest is at least the newest step reported replicated, and no temporary file is
+//! left beside a file in place; at the end no replica or temporary file is left.
+//!
 //! In the same run: power cuts (the crash states of `crash.rs`, drawn at random from a
 //! recording of 1- and 2-rank saves) and bucket faults (`remote_crash.rs`'s crashing
 //! in-memory store, at a random request).
@@ -46,7 +55,8 @@
 //! `SHMCKPT_SOAK_SEED` replays a seed (printed first; default: a new one per run; the
 //! kills' timing is not replayable exactly, the choices are), `SHMCKPT_SOAK_FAULTS` sets
 //! the number of faults (default 1,000), `SHMCKPT_SOAK_WORLDS` the kill lanes (default
-//! `1,2,1t,1b`: world sizes, `t` for the tiered lane, `b` for the bucket lane). Run by its own stage of scripts/test.sh:
+//! `1,2,1t,1b,1r`: world sizes, `t` for the tiered lane, `b` for the bucket lane, `r` for
+//! the replica lane). Run by its own stage of scripts/test.sh:
 //! `cargo test --all-features --test integration soak -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -181,11 +191,104 @@ fn wait_upload(p: &shmckpt::remote::RemoteProgress, step: u64, kill: bool, delay
     }
 }
 
+/// Bytes per piece of a replica transfer: a rank file (~70 KiB) is about five pieces.
+const PIECE: usize = 16 << 10;
+
+/// Copy `out`'s bytes into `inc` piece by piece, as the transport does (each piece read,
+/// copied, then reported received), and seal it; with `stop_at`, die after that many
+/// pieces (`pieces`: right before the seal, `pieces + 1`: right after it).
+fn transfer(
+    mut read: impl FnMut(usize, usize) -> shmckpt::Result<()>,
+    src: *const u8,
+    inc: &mut shmckpt::replica::Incoming,
+    stop_at: Option<usize>,
+) -> shmckpt::Result<PathBuf> {
+    let len = inc.len();
+    let pieces = len.div_ceil(PIECE);
+    for i in 0..pieces {
+        if stop_at == Some(i) {
+            sigkill_self();
+        }
+        let (a, b) = (i * PIECE, ((i + 1) * PIECE).min(len));
+        read(a, b)?;
+        // SAFETY: `src` holds `len` readable bytes, `[a, b)` read above; the image's memory
+        // is `len` bytes, writable below what `received` froze (`a` and beyond).
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(a), inc.as_mut_ptr().add(a), b - a)
+        };
+        inc.received(b)?;
+    }
+    if stop_at == Some(pieces) {
+        sigkill_self();
+    }
+    let sealed = inc.seal()?;
+    if stop_at == Some(pieces + 1) {
+        sigkill_self();
+    }
+    Ok(sealed)
+}
+
+/// The replica lane, after the commit of `step`: replicate the rank's file into a replica
+/// arena in `/dev/shm` (the partner's, on another machine; here the same process is the
+/// transport), `REPLICATING` while it runs, `REPLICATED` once sealed. With `stop`, die at
+/// that piece (see [`transfer`]).
+fn replicate(root: &Path, step: u64, stop: Option<usize>) {
+    use shmckpt::replica::{Incoming, Outgoing};
+    emit(&format!("REPLICATING {step}"));
+    let r = (|| {
+        let mut out = Outgoing::open(root, step, 0)?;
+        let mut inc = Incoming::replica(root, step, 0)?;
+        let src = out.as_ptr();
+        transfer(|a, b| out.read_range(a, b), src, &mut inc, stop)
+    })();
+    match r {
+        Ok(_) => emit(&format!("REPLICATED {step}")),
+        Err(e) => fail(&format!("step {step}: replication failed: {e}")),
+    }
+}
+
+/// The replica lane after a machine loss took the rank's files: every committed step whose
+/// rank file is missing is restored from the replica (served, checked in place, received
+/// piece by piece, checked again and written back as the file), `RESTORING` while it runs,
+/// `RESTORED` once written. With `stop`, die at that piece of the first restore. An error
+/// when a missing file has no replica that restores it.
+fn repair(root: &Path, stop: Option<usize>, say: bool) -> Result<Vec<u64>, String> {
+    use shmckpt::replica::Incoming;
+    let mut restored = Vec::new();
+    for step in crash::listed(root)? {
+        let file = root
+            .join(step_dir_name(step))
+            .join(shmckpt::manifest::rank_file_name(0, 1));
+        if file.exists() {
+            continue;
+        }
+        if say {
+            emit(&format!("RESTORING {step}"));
+        }
+        let r = (|| {
+            let served = Incoming::serve(root, step, 0)?;
+            let mut inc = Incoming::restore(root, step, 0)?;
+            let src = served.as_mut_ptr().cast_const();
+            transfer(|_, _| Ok(()), src, &mut inc, stop)
+        })();
+        r.map_err(|e| format!("step {step}: its file is lost and no replica restores it: {e}"))?;
+        if say {
+            emit(&format!("RESTORED {step}"));
+        }
+        restored.push(step);
+    }
+    Ok(restored)
+}
+
 /// The trainer (a child process). Environment: `SOAK_ROOT`, `SOAK_RANK`, `SOAK_WORLD`,
 /// `SOAK_POINT` (where it kills itself: `none`, `open`, `load`, `staged`, `drain`,
-/// `commit`, `committed`), `SOAK_AT` (which save of this incarnation, from 1),
-/// `SOAK_DELAY_US` (for `open`, `load`, `drain`), `SOAK_IOERR` (per mille of saves that get
-/// a write error), `SOAK_SLOW_US` (delay of every write), `SOAK_BACKEND`, `SOAK_SEED`.
+/// `commit`, `committed`, `upload`, `replicate`, `restore`), `SOAK_AT` (which save of this
+/// incarnation, from 1), `SOAK_DELAY_US` (for `open`, `load`, `drain`, `upload`; the piece
+/// for `replicate` and `restore`), `SOAK_IOERR` (per mille of saves that get a write
+/// error), `SOAK_SLOW_US` (delay of every write), `SOAK_BACKEND`, `SOAK_SEED`,
+/// `SOAK_CADENCE`/`SOAK_KEEP` (tiered lane), `SOAK_BUCKET` (bucket lane), `SOAK_REPLICA`
+/// (replica lane).
 fn child_trainer() {
     let root = PathBuf::from(var("SOAK_ROOT"));
     let rank: u32 = var("SOAK_RANK").parse().unwrap();
@@ -206,6 +309,8 @@ fn child_trainer() {
     let keep = var("SOAK_KEEP") == "1";
     // The bucket lane: every committed save uploaded to a bucket in a local directory.
     let bucket = var("SOAK_BUCKET");
+    // The replica lane: every committed save replicated; lost files restored at open.
+    let replica = var("SOAK_REPLICA") == "1";
     let slow_rule = Rule {
         kind: OpKind::Write,
         offsets: 0..u64::MAX,
@@ -238,6 +343,12 @@ fn child_trainer() {
         Err(e) => fail(&format!("Engine::open: {e}")),
     };
     emit(&format!("OPENED {:?}", engine.recovered_steps()));
+    if replica {
+        let stop = (point == "restore").then_some(delay as usize);
+        if let Err(e) = repair(&root, stop, true) {
+            fail(&e);
+        }
+    }
     if world > 1 {
         // Every rank has opened (and recovered) before any looks at `latest`.
         assert_eq!(read_line(), "go");
@@ -353,6 +464,10 @@ fn child_trainer() {
                     if let Some(p) = upload.as_ref().filter(|_| !bucket.is_empty()) {
                         wait_upload(p, step, target && point == "upload", delay);
                     }
+                    if replica {
+                        let stop = (target && point == "replicate").then_some(delay as usize);
+                        replicate(&root, step, stop);
+                    }
                 } else if world == 1 {
                     fail(&format!(
                         "step {step}: a one-rank save succeeded and committed nothing"
@@ -410,6 +525,8 @@ enum Class {
     KillCommit,
     KillCommitted,
     KillUpload,
+    KillReplicate,
+    KillRestore,
     MachineLoss,
     IoError,
     PowerCut,
@@ -427,6 +544,8 @@ impl Class {
             Class::KillCommit => "SIGKILL during commit/rename",
             Class::KillCommitted => "SIGKILL right after commit (retention)",
             Class::KillUpload => "SIGKILL during upload (bucket lane)",
+            Class::KillReplicate => "SIGKILL during replication (replica lane)",
+            Class::KillRestore => "SIGKILL during a restore from a replica (replica lane)",
             Class::MachineLoss => "machine loss (kill + /dev/shm gone)",
             Class::IoError => "write error EIO/ENOSPC (fault plan)",
             Class::PowerCut => "power cut (crashsim state)",
@@ -444,6 +563,8 @@ impl Class {
             Class::KillCommit => "commit",
             Class::KillCommitted => "committed",
             Class::KillUpload => "upload",
+            Class::KillReplicate => "replicate",
+            Class::KillRestore => "restore",
             _ => "none",
         }
     }
@@ -470,6 +591,11 @@ struct Tally {
     flash_resumes: u64,
     /// The bucket lane: uploads reported committed in the bucket.
     uploads: u64,
+    /// The replica lane: replicas reported sealed, machine losses that took the rank's
+    /// file of the newest replicated step, files restored from a replica.
+    replications: u64,
+    files_lost: u64,
+    restores: u64,
     /// Where the parent's random kills found the trainers (their last marker).
     landed: BTreeMap<&'static str, u64>,
     /// Every process started (their segments must be gone at the end).
@@ -542,6 +668,12 @@ struct Lane {
     /// the newest step some trainer reported uploaded (committed in the bucket).
     bucket: Option<PathBuf>,
     up_hwm: Option<u64>,
+    /// The replica lane: every committed save replicated; the newest step some trainer
+    /// reported replicated, and the step whose rank file a machine loss took (restored
+    /// from its replica by the next open).
+    replica: bool,
+    rep_hwm: Option<u64>,
+    lost: Option<u64>,
     /// Steps whose save failed, never re-saved since.
     failed: BTreeSet<u64>,
     /// Every process this lane started (their segments must be gone at the end).
@@ -563,6 +695,8 @@ enum LaneKind {
     Tiered,
     /// Every committed save uploaded to a bucket in a local directory (`b`).
     Bucket,
+    /// Every committed save replicated; machine losses take the rank's files (`r`).
+    Replica,
 }
 
 fn rand(rng: &mut u64, n: u64) -> u64 {
@@ -636,6 +770,10 @@ fn phase(markers: &[String]) -> &'static str {
         Some("SAVING") => "staging",
         Some("STAGED") => "drain/commit",
         Some("UPLOADING") => "upload",
+        Some("REPLICATING") => "replication",
+        Some("RESTORING") => "restore",
+        Some("RESTORED") => "barrier",
+        Some("REPLICATED") => "between saves",
         Some("COMMITTED") | Some("PART") | Some("IOERR") | Some("MEMORY") | Some("UPLOADED") => {
             "between saves"
         }
@@ -653,6 +791,8 @@ fn landed(class: Class, markers: &[String], at_step: Option<u64>) -> bool {
         Class::KillStaged | Class::KillDrain | Class::KillCommit => step_is("STAGED"),
         Class::KillCommitted => step_is("COMMITTED"),
         Class::KillUpload => step_is("UPLOADING"),
+        Class::KillReplicate => step_is("REPLICATING"),
+        Class::KillRestore => last.starts_with("RESTORING "),
         _ => true,
     }
 }
@@ -679,8 +819,24 @@ impl Lane {
         // Every listed step (retention keeps a few), not only the newest: a torn rank file
         // in an older one would be loaded by a user going back.
         for &n in &listed {
-            crash::step_exact(&self.root.join(step_dir_name(n)), n, self.world)
-                .map_err(|e| format!("{when}: {e}"))?;
+            let dir = self.root.join(step_dir_name(n));
+            let file = dir.join(shmckpt::manifest::rank_file_name(0, self.world));
+            if self.lost == Some(n) && !file.exists() {
+                continue; // taken by a machine loss, not restored yet
+            }
+            crash::step_exact(&dir, n, self.world).map_err(|e| format!("{when}: {e}"))?;
+            // A restore killed before its rename leaves its temporary file in the step's
+            // directory; the restore that writes the file removes it: none is left beside
+            // a file in place.
+            let hidden: Vec<String> = std::fs::read_dir(&dir)
+                .map_err(|e| format!("{when}: {}: {e}", dir.display()))?
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with('.'))
+                .collect();
+            if !hidden.is_empty() {
+                return Err(format!("{when}: step {n} holds temporary files {hidden:?}"));
+            }
         }
         Ok(newest)
     }
@@ -727,6 +883,48 @@ impl Lane {
         Ok(())
     }
 
+    /// The replica lane's replicas in `/dev/shm`: every one of a step still committed
+    /// loads (checked against its manifest: size, header, every CRC-32C) with exactly the
+    /// bytes of the step's file; the newest is at least the newest step a trainer reported
+    /// replicated (a sealed replica is only ever replaced by a newer one). Returns the
+    /// newest replica's step.
+    fn check_replicas(&self, when: &str) -> Result<Option<u64>, String> {
+        if !self.replica {
+            return Ok(None);
+        }
+        let tag = shmckpt::replica::tag_of(&self.root).map_err(|e| e.to_string())?;
+        let steps: Vec<u64> = shmckpt::replica::list()
+            .into_iter()
+            .filter(|r| r.root_tag == tag && r.source_rank == 0)
+            .map(|r| r.step)
+            .collect();
+        let newest = steps.iter().copied().max();
+        if let Some(h) = self.rep_hwm
+            && newest.is_none_or(|n| n < h)
+        {
+            return Err(format!(
+                "{when}: step {h} was reported replicated, the newest replica is {newest:?}"
+            ));
+        }
+        let listed = crash::listed(&self.root)?;
+        for s in steps.iter().filter(|s| listed.contains(s)) {
+            let got = shmckpt::replica::load(&self.root, *s, 0)
+                .map_err(|e| format!("{when}: the replica of step {s}: {e}"))?;
+            let file = self
+                .root
+                .join(step_dir_name(*s))
+                .join(shmckpt::manifest::rank_file_name(0, 1));
+            if let Ok(want) = std::fs::read(&file)
+                && got.as_bytes() != &want[..]
+            {
+                return Err(format!(
+                    "{when}: the replica of step {s} differs from its file"
+                ));
+            }
+        }
+        Ok(newest)
+    }
+
     /// Spawn the job's trainers for one incarnation.
     fn spawn(&mut self, class: Class, tx: &Sender<Ev>) -> (Vec<Kid>, Option<u32>, Option<u64>) {
         let aimed_rank =
@@ -748,6 +946,9 @@ impl Lane {
             Class::KillLoad => rand(&mut self.rng, 3000),
             Class::KillDrain => rand(&mut self.rng, 3000),
             Class::KillUpload => rand(&mut self.rng, 2000),
+            // The piece of the transfer to die at (see `transfer`: ~5 pieces, then the
+            // seal's two sides).
+            Class::KillReplicate | Class::KillRestore => rand(&mut self.rng, 7),
             _ => 0,
         };
         let ioerr = if rand(&mut self.rng, 4) == 0 { 400 } else { 0 };
@@ -793,6 +994,7 @@ impl Lane {
                     "SOAK_BUCKET",
                     self.bucket.as_deref().unwrap_or(Path::new("")),
                 )
+                .env("SOAK_REPLICA", if self.replica { "1" } else { "0" })
                 .env("SOAK_SEED", splitmix(&mut self.rng).to_string())
                 .env("SOAK_SESSION", &session)
                 .env("RUST_LOG", "error")
@@ -828,8 +1030,25 @@ impl Lane {
     /// One incarnation of the job, ended by a fault; returns the class counted.
     fn trial(&mut self, soak: &Soak) -> Result<(), String> {
         self.trial += 1;
+        // A lost file restored by a trainer killed before it said so: restored (and
+        // checked exactly with its step after every fault).
+        if let Some(s) = self.lost
+            && self
+                .root
+                .join(step_dir_name(s))
+                .join(shmckpt::manifest::rank_file_name(0, 1))
+                .exists()
+        {
+            self.lost = None;
+        }
         let r = rand(&mut self.rng, 100);
         let class = match r {
+            // The replica lane, a file lost: every other time, a kill in its restore.
+            _ if self.lost.is_some() && rand(&mut self.rng, 2) == 0 => Class::KillRestore,
+            // The replica lane: its own points instead of the drain's and the commit's
+            // (the other lanes have those), and more machine losses (they take files).
+            60..84 if self.replica => Class::KillReplicate,
+            84.. if self.replica => Class::MachineLoss,
             0..30 => Class::KillRandom,
             30..40 => Class::KillOpen,
             40..50 => Class::KillLoad,
@@ -906,6 +1125,17 @@ impl Lane {
                             self.hwm = Some(self.hwm.map_or(s, |h| h.max(s)));
                             self.failed.remove(&s);
                             soak.tally.lock().unwrap().steps_committed += 1;
+                        }
+                        ("REPLICATED", Some(s)) => {
+                            let s = s as u64;
+                            self.rep_hwm = Some(self.rep_hwm.map_or(s, |h| h.max(s)));
+                            soak.tally.lock().unwrap().replications += 1;
+                        }
+                        ("RESTORED", Some(s)) => {
+                            if self.lost == Some(s as u64) {
+                                self.lost = None;
+                            }
+                            soak.tally.lock().unwrap().restores += 1;
                         }
                         ("UPLOADED", Some(s)) => {
                             let s = s as u64;
@@ -1089,12 +1319,35 @@ impl Lane {
         };
         self.check_disk("after the kill").map_err(with_markers)?;
         self.check_bucket("after the kill").map_err(with_markers)?;
+        let newest_replica = self
+            .check_replicas("after the kill")
+            .map_err(with_markers)?;
+        if class == Class::MachineLoss
+            && let Some(s) = newest_replica
+            && self.lost.is_none()
+        {
+            // The machine's disk went with it (a node-local root): the rank's file of the
+            // newest replicated step is gone, which its replica on the partner restores.
+            let file = self
+                .root
+                .join(step_dir_name(s))
+                .join(shmckpt::manifest::rank_file_name(0, 1));
+            if std::fs::remove_file(&file).is_ok() {
+                self.lost = Some(s);
+                soak.tally.lock().unwrap().files_lost += 1;
+            }
+        }
         Ok(())
     }
 
     /// The end: every rank's engine opened once more (recovering what the last kill left),
     /// `latest` loaded and compared, every listed step verified, segments gone.
     fn finish(&mut self) -> Result<(), String> {
+        if self.replica {
+            // What the last fault took and no trainer restored.
+            repair(&self.root, None, false).map_err(|e| format!("final: {e}"))?;
+            self.lost = None;
+        }
         let engines: Vec<Engine> = (0..self.world)
             .map(|r| {
                 Engine::open(trainer_config(
@@ -1124,6 +1377,28 @@ impl Lane {
         }
         drop(engines);
         self.check_bucket("final")?;
+        if self.replica {
+            self.check_replicas("final")?;
+            // The replicas go (as `shmckpt shm rm` does), with the temporary files of
+            // killed receivers: none may be left.
+            let tag = shmckpt::replica::tag_of(&self.root).map_err(|e| e.to_string())?;
+            shmckpt::replica::remove_older(&self.root, 0, u64::MAX)
+                .map_err(|e| format!("final: removing the replicas: {e}"))?;
+            let left: Vec<String> = shmckpt::replica::list()
+                .into_iter()
+                .filter(|r| r.root_tag == tag)
+                .map(|r| r.name)
+                .chain(
+                    shmckpt::replica::list_unfinished()
+                        .into_iter()
+                        .filter(|u| u.replica.contains(&tag))
+                        .map(|u| u.name),
+                )
+                .collect();
+            if !left.is_empty() {
+                return Err(format!("final: replicas left in /dev/shm: {left:?}"));
+            }
+        }
         if self.tiered {
             // Recovered by the final open (a kept arena stays by design): removed, as
             // `shmckpt shm rm` does, and it must be gone.
@@ -1155,6 +1430,9 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
         mem_hwm: None,
         bucket: (kind == LaneKind::Bucket).then(|| dir.path().join("bucket")),
         up_hwm: None,
+        replica: kind == LaneKind::Replica,
+        rep_hwm: None,
+        lost: None,
         failed: BTreeSet::new(),
         pids: Vec::new(),
         rng: soak.seed ^ (0x1000 * (id as u64 + 1)),
@@ -1305,9 +1583,10 @@ fn chaos_soak() {
     // One kill lane per world size (default 1 and 2 ranks); `SHMCKPT_SOAK_WORLDS=2`
     // isolates a lane when replaying a seed.
     // A world size, `t` for the tiered lane (one rank, a disk cadence, flash restore), `b`
-    // for the bucket lane (every committed save uploaded).
+    // for the bucket lane (every committed save uploaded), `r` for the replica lane (one
+    // rank, every committed save replicated, files lost and restored).
     let worlds: Vec<(u32, LaneKind)> = std::env::var("SHMCKPT_SOAK_WORLDS")
-        .unwrap_or_else(|_| "1,2,1t,1b".into())
+        .unwrap_or_else(|_| "1,2,1t,1b,1r".into())
         .split(',')
         .map(|w| {
             let w = w.trim();
@@ -1315,16 +1594,18 @@ fn chaos_soak() {
                 LaneKind::Tiered
             } else if w.ends_with('b') {
                 LaneKind::Bucket
+            } else if w.ends_with('r') {
+                LaneKind::Replica
             } else {
                 LaneKind::Plain
             };
             let n = w
-                .trim_end_matches(['t', 'b'])
+                .trim_end_matches(['t', 'b', 'r'])
                 .parse()
-                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2,1t,1b");
+                .expect("SHMCKPT_SOAK_WORLDS: world sizes, e.g. 1,2,1t,1b,1r");
             assert!(
-                kind != LaneKind::Tiered || n == 1,
-                "the tiered lane has one rank"
+                !matches!(kind, LaneKind::Tiered | LaneKind::Replica) || n == 1,
+                "the tiered and replica lanes have one rank"
             );
             (n, kind)
         })
@@ -1392,6 +1673,10 @@ fn chaos_soak() {
     println!(
         "soak: bucket lane: {} uploads reported committed in the bucket; after every fault its listed steps loaded through the remote tier and compared bit for bit",
         tally.uploads
+    );
+    println!(
+        "soak: replica lane: {} replicas reported sealed, {} machine losses took the rank file of the newest replicated step, {} files restored from a replica; after every fault every replica loaded and compared with its step's file",
+        tally.replications, tally.files_lost, tally.restores
     );
     // `/dev/shm` is flat: no segment of the soak's processes (the trainers, this one) is
     // left. Other test processes of the machine may come and go meanwhile: the listing is
