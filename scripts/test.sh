@@ -297,9 +297,12 @@ stage "pytest python/tests: two sessions side by side (the multi-rank files; the
 # test_drain_probe.py and test_repl_overhead_bench.py (a trainer beside save loads, and a
 # trainer and a partner rank over gloo: timed steps, waits) join them too: the other session
 # was the longer one again (317 s against 269 s; they took ~14 s and ~11 s of it).
+# test_gloo_soak.py (2 gloo ranks with replicas killed again and again, ~60 s on the VM)
+# joins them: it waits on its trainers most of the time.
 multi=(python/tests/test_replicas.py python/tests/test_megatron.py python/tests/test_dcp.py
        python/tests/test_crashfs.py python/tests/test_goodput_bench.py
-       python/tests/test_drain_probe.py python/tests/test_repl_overhead_bench.py)
+       python/tests/test_drain_probe.py python/tests/test_repl_overhead_bench.py
+       python/tests/test_gloo_soak.py)
 ignore=()
 for f in "${multi[@]}"; do ignore+=("--ignore=$f"); done
 multi_log="$repo/target/pytest-multi-rank.log"

@@ -1,0 +1,118 @@
+"""Child process of test_gloo_soak.py (not a test module): one rank of a 2-rank job over
+gloo on one host, each rank on a simulated machine of its own (``node="m<rank>"``), with
+``replicas=1`` (each rank's images held by the other) and ``Cadence(disk_every=2)``
+(every other save memory-only), ``keep_last=3``.
+
+    python gloo_soak_worker.py ROOT RANK WORLD PORT LOG [STEPS]
+
+It loads "latest" (a collective: recovery, the completion of a memory-only step from a
+partner's replica, restores of lost files), compares it bit for bit with the state saved
+of that step, then saves the following steps one after another, each waited for
+(``wait()``) and replicated (``wait_replicated()``), until it is killed (or STEPS steps
+are saved: then it closes and exits 0). With ``GLOO_SOAK_DIE_AT=N`` it SIGKILLs itself at
+its N-th ``isend`` (the middle of a replica transfer over torch.distributed); with
+``GLOO_SOAK_HOLD_MEMORY=1`` it stops once a memory-only step is replicated (``holding``),
+to be killed there.
+
+Every stage is appended to LOG as one JSON line, in one ``write`` (a kill leaves whole
+lines), with its ``time.monotonic()``: ``opened`` (with the staging arena's name),
+``resumed`` (step, exact, source), ``saved`` (step), ``replicated`` (step, k_safe,
+memory_only), ``holding``, ``dying`` (the self-kill), ``error`` (type, message: then it waits to be
+killed, as a rank whose partner died waits for its supervisor).
+"""
+
+import json
+import os
+import sys
+import time
+
+from replica_worker import digest, rank_state
+
+
+def main():
+    root, rank, world, port, log = sys.argv[1:6]
+    steps = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    rank, world = int(rank), int(world)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(**ev):
+        ev["t"] = time.monotonic()
+        os.write(fd, (json.dumps(ev) + "\n").encode())
+
+    die_at = int(os.environ.get("GLOO_SOAK_DIE_AT", "0"))
+    import torch.distributed as dist
+
+    import shmckpt
+
+    if die_at:
+        real = dist.isend
+        calls = []
+
+        def isend(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == die_at:
+                emit(e="dying", where="isend", n=die_at)
+                os.kill(os.getpid(), 9)
+            return real(*args, **kwargs)
+
+        dist.isend = isend
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(root, rank, steps, emit, shmckpt, dist)
+    except Exception as e:  # noqa: BLE001 - reported; the parent decides whether it may happen
+        # A partner died (the soak kills it): its collectives fail here. The job is torn
+        # down by the parent, as a supervisor does; the error is judged there.
+        emit(e="error", type=type(e).__name__, msg=str(e)[:500])
+        while True:
+            time.sleep(1)
+
+
+def run(root, rank, steps, emit, shmckpt, dist):
+    ck = shmckpt.Checkpointer(
+        root,
+        tuning=shmckpt.Tuning(staging_capacity=8 << 20, chunk_size=1 << 20),
+        replicas=shmckpt.Replicas(k=1, node=f"m{rank}", timeout=60.0),
+        cadence=shmckpt.Cadence(disk_every=2),
+        keep_last=3,
+    )
+    emit(e="opened", shm=ck.shm_name)
+    try:
+        state = ck.load("latest")
+    except shmckpt.NotFound:
+        state = None
+    if state is None:
+        start = 0
+        emit(e="resumed", step=None, exact=True, source=None)
+    else:
+        start = state["step"]
+        src = ck.last_load_source
+        emit(
+            e="resumed",
+            step=start,
+            exact=digest(state) == digest(rank_state(rank, start)),
+            source=None if src is None else [src[0], src[1]],
+        )
+    step = start
+    while steps is None or step < start + steps:
+        step += 1
+        h = ck.save(step, rank_state(rank, step), blocking=False)
+        h.wait()
+        emit(e="saved", step=step)
+        rep = h.wait_replicated()
+        emit(e="replicated", step=step, k_safe=bool(rep["k_safe"]), memory_only=bool(rep["memory_only"]))
+        if rep["memory_only"] and os.environ.get("GLOO_SOAK_HOLD_MEMORY") == "1":
+            # Aimed: the job is killed (and a machine lost) while a replicated memory-only
+            # step is the newest, before the next save.
+            emit(e="holding", step=step)
+            while True:
+                time.sleep(1)
+        dist.barrier()
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    emit(e="closed")
+
+
+if __name__ == "__main__":
+    main()
