@@ -25,8 +25,6 @@ use crate::staging::descriptor::{HeaderView, SlotView, chunk_state};
 
 /// Bytes copied or read per call while rebuilding and checksumming a file.
 const IO_PIECE: usize = 4 << 20;
-/// Bytes of one tensor checksummed as one job (the pieces are combined in file order).
-const CRC_SEGMENT: u64 = 64 << 20;
 
 /// Run `job(index, item, buffer)` on every item of `items`, dealt round-robin to
 /// [`crate::util::threads_for`] threads (a buffer per thread); the first error by item
@@ -304,35 +302,73 @@ fn rebuild_and_commit(
         }
     }
 
-    // Write what only staging holds (chunks dealt to several threads: a restart waits for
-    // this), then make the file exact and durable.
-    let staged: Vec<(u64, u32)> = v
+    // The staged header first (from staging, or from the file for chunks written before
+    // the crash): the tensors it lays out are checksummed while their bytes are copied.
+    let source = Source {
+        att,
+        file: &file,
+        path,
+        v,
+        cs,
+    };
+    let described = match source
+        .header()
+        .and_then(|hdr| parse_header(&hdr, path, v, h.rank, h.world_size))
+    {
+        Ok(d) => d,
+        Err(e) => return classify(e),
+    };
+    // Write what only staging holds, and checksum every data byte on the way: the staged
+    // chunks from the buffer just written, the chunks written before the crash read back
+    // from the file (chunks dealt to several threads: a restart waits for this). Then the
+    // file is made exact and durable.
+    let jobs: Vec<(u64, Option<u32>)> = v
         .chunks
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.0 == chunk_state::STAGED)
-        .map(|(k, &(_, idx))| (k as u64, idx))
+        .map(|(k, &(state, idx))| (k as u64, (state == chunk_state::STAGED).then_some(idx)))
         .collect();
     let piece = IO_PIECE.min(cs as usize);
+    let tensors = &described.entry.tensors;
+    let data_start = v.data_start;
+    let found: Vec<std::sync::Mutex<Vec<Piece>>> = jobs
+        .iter()
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
     let copied = in_lanes(
-        &staged,
-        |_, &(k, idx), buf| {
+        &jobs,
+        |i, &(k, staged), buf| {
             buf.resize(piece, 0);
             let start = k * cs;
             let len = chunk_end(k) - start;
+            let mut out = Vec::new();
             let mut at = 0u64;
             while at < len {
                 let n = (len - at).min(piece as u64) as usize;
-                if att.read_chunk(idx, at, &mut buf[..n]).is_none() {
-                    return Err(refused(format!("arena chunk {idx} cannot be read")));
+                let off = start + at;
+                match staged {
+                    Some(idx) => {
+                        if att.read_chunk(idx, at, &mut buf[..n]).is_none() {
+                            return Err(refused(format!("arena chunk {idx} cannot be read")));
+                        }
+                        if let Err(e) = crate::fsops::write_all_at(&file, &buf[..n], off) {
+                            return Err(SlotOutcome::Failed {
+                                error: Error::io_at("write", path, off, e),
+                            });
+                        }
+                    }
+                    None => {
+                        if let Err(e) = file.read_exact_at(&mut buf[..n], off) {
+                            return Err(SlotOutcome::Failed {
+                                error: Error::io_at("read", path, off, e),
+                            });
+                        }
+                    }
                 }
-                if let Err(e) = crate::fsops::write_all_at(&file, &buf[..n], start + at) {
-                    return Err(SlotOutcome::Failed {
-                        error: Error::io_at("write", path, start + at, e),
-                    });
-                }
+                out.extend(data_crcs(tensors, data_start, off, &buf[..n]));
                 at += n as u64;
             }
+            *found[i].lock().unwrap_or_else(|e| e.into_inner()) = out;
             Ok(())
         },
         || refused("a thread copying staged chunks panicked"),
@@ -350,10 +386,21 @@ fn rebuild_and_commit(
             error: Error::io("fdatasync", path, e),
         };
     }
-    let (entry, metadata) = match describe(&file, path, v, h.rank, h.world_size) {
-        Ok(x) => x,
-        Err(e) => return classify(e),
-    };
+    // The chunks in file order, each one's pieces in order: every tensor's CRC-32C.
+    let pieces = found
+        .into_iter()
+        .flat_map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let Described {
+        mut entry,
+        metadata,
+    } = described;
+    let crcs = combine(entry.tensors.len(), pieces);
+    for (te, crc) in entry.tensors.iter_mut().zip(crcs) {
+        te.crc32c = crc;
+    }
+    if let Err(e) = entry.validate(path) {
+        return classify(e);
+    }
     let from_file = info.written;
     let from_staging = info.staged;
     let bytes = entry.bytes;
@@ -371,80 +418,111 @@ fn rebuild_and_commit(
     }
 }
 
-/// Every tensor's CRC-32C, read back from the rebuilt file: each tensor cut into segments
-/// of [`CRC_SEGMENT`] bytes, checksummed on several threads and combined in file order.
-fn checksum(file: &File, path: &Path, data_start: u64, tensors: &mut [TensorEntry]) -> Result<()> {
-    checksum_in(file, path, data_start, tensors, CRC_SEGMENT)
-}
+/// A tensor's CRC-32C over one piece of its bytes: `(tensor, crc, bytes)`.
+type Piece = (usize, u32, u64);
 
-/// [`checksum`] with segments of `segment` bytes.
-fn checksum_in(
-    file: &File,
-    path: &Path,
-    data_start: u64,
-    tensors: &mut [TensorEntry],
-    segment: u64,
-) -> Result<()> {
-    // (tensor, segment start, segment end), file offsets.
-    let mut segments = Vec::new();
-    for (t, te) in tensors.iter().enumerate() {
-        let [b, e] = te.data_offsets;
-        let (mut at, end) = (data_start + b, data_start + e);
-        while at < end {
-            let to = at.saturating_add(segment.max(1)).min(end);
-            segments.push((t, at, to));
-            at = to;
-        }
+/// The CRC-32C of each tensor's part in the file bytes `buf` found at file offset `off`
+/// (the header's bytes, before `data_start`, are none), in tensor order.
+fn data_crcs(tensors: &[TensorEntry], data_start: u64, off: u64, buf: &[u8]) -> Vec<Piece> {
+    let end = off + buf.len() as u64;
+    if end <= data_start {
+        return Vec::new();
     }
-    let crcs: Vec<std::sync::atomic::AtomicU32> = (0..segments.len())
-        .map(|_| std::sync::atomic::AtomicU32::new(0))
-        .collect();
-    in_lanes(
-        &segments,
-        |i, &(_, b, e), buf| {
-            buf.resize(IO_PIECE, 0);
-            let mut crc = 0u32;
-            let mut at = b;
-            while at < e {
-                let k = (e - at).min(IO_PIECE as u64) as usize;
-                file.read_exact_at(&mut buf[..k], at)
-                    .map_err(|err| Error::io_at("read", path, at, err))?;
-                crc = crc32c::crc32c_append(crc, &buf[..k]);
-                at += k as u64;
-            }
-            crcs[i].store(crc, std::sync::atomic::Ordering::Relaxed);
+    let skip = data_start.saturating_sub(off);
+    let mut out = Vec::new();
+    let _ = crate::restore::for_pieces::<()>(
+        tensors,
+        off + skip - data_start,
+        &buf[skip as usize..],
+        |i, _, piece| {
+            out.push((i, crc32c::crc32c(piece), piece.len() as u64));
             Ok(())
         },
-        || Error::Internal("a checksum thread panicked".into()),
-    )?;
-    // The scope joined every thread: their stores are visible here.
-    let mut acc: Vec<Option<u32>> = vec![None; tensors.len()];
-    for (&(t, b, e), c) in segments.iter().zip(&crcs) {
-        let c = c.load(std::sync::atomic::Ordering::Relaxed);
-        acc[t] = Some(match acc[t] {
-            None => c,
-            Some(prev) => crc32c::crc32c_combine(prev, c, (e - b) as usize),
-        });
-    }
-    for (te, c) in tensors.iter_mut().zip(acc) {
-        te.crc32c = c.unwrap_or(0);
-    }
-    Ok(())
+    );
+    out
 }
 
-/// Read the rebuilt file back: parse its safetensors header (it was staged with the data),
-/// check it belongs to this save, and checksum every tensor. Returns the manifest entry and
-/// the user metadata.
-fn describe(
-    file: &File,
+/// The tensors' CRC-32Cs from their pieces in file order (`n` tensors; one with no
+/// piece, an empty tensor, has 0).
+fn combine(n: usize, pieces: impl IntoIterator<Item = Piece>) -> Vec<u32> {
+    let mut acc: Vec<Option<u32>> = vec![None; n];
+    for (t, crc, len) in pieces {
+        acc[t] = Some(match acc[t] {
+            None => crc,
+            Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
+        });
+    }
+    acc.into_iter().map(|c| c.unwrap_or(0)).collect()
+}
+
+/// Where a save's file bytes are: each chunk in its staging chunk (`STAGED`) or already in
+/// the partial file (`WRITTEN`).
+struct Source<'a> {
+    att: &'a AttachedArena,
+    file: &'a File,
+    path: &'a Path,
+    v: &'a SlotView,
+    cs: u64,
+}
+
+impl Source<'_> {
+    /// The file's first `data_start` bytes (the length prefix and the JSON header), each
+    /// chunk's part read from where it is.
+    fn header(&self) -> Result<Vec<u8>> {
+        let v = self.v;
+        if v.data_start > MAX_HEADER_LEN + 8 || v.data_start > v.file_len {
+            return Err(Error::corrupt(
+                self.path,
+                None,
+                format!("recorded data start {} is not a header's end", v.data_start),
+            ));
+        }
+        let mut out = vec![0u8; v.data_start as usize];
+        let mut at = 0u64;
+        while at < v.data_start {
+            let k = at / self.cs;
+            let to = ((k + 1) * self.cs).min(v.data_start);
+            let buf = &mut out[at as usize..to as usize];
+            match v.chunks.get(k as usize) {
+                Some(&(state, idx)) if state == chunk_state::STAGED => self
+                    .att
+                    .read_chunk(idx, at - k * self.cs, buf)
+                    .ok_or_else(|| Error::Recovery {
+                        arena: self.att.name().to_owned(),
+                        reason: format!("arena chunk {idx} cannot be read"),
+                    })?,
+                _ => self
+                    .file
+                    .read_exact_at(buf, at)
+                    .map_err(|e| Error::io_at("read", self.path, at, e))?,
+            }
+            at = to;
+        }
+        Ok(out)
+    }
+}
+
+/// What the staged header says, checked: the manifest entry (checksums to be filled in)
+/// and the user metadata.
+struct Described {
+    entry: FileEntry,
+    metadata: Metadata,
+}
+
+/// Parse the staged header `hdr` (the file's first `data_start` bytes), check it belongs to
+/// this save (its step, rank and world size; its data length the save's), and describe its
+/// tensors in file order.
+fn parse_header(
+    hdr: &[u8],
     path: &Path,
     v: &SlotView,
     rank: u32,
     world_size: u32,
-) -> Result<(FileEntry, Metadata)> {
-    let mut n8 = [0u8; 8];
-    file.read_exact_at(&mut n8, 0)
-        .map_err(|e| Error::io_at("read", path, 0, e))?;
+) -> Result<Described> {
+    let n8: [u8; 8] = hdr
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| Error::corrupt(path, None, "staged header shorter than its length"))?;
     let n = u64::from_le_bytes(n8);
     if n > MAX_HEADER_LEN || 8 + n != v.data_start {
         return Err(Error::corrupt(
@@ -456,10 +534,8 @@ fn describe(
             ),
         ));
     }
-    let mut hdr = vec![0u8; n as usize];
-    file.read_exact_at(&mut hdr, 8)
-        .map_err(|e| Error::io_at("read", path, 8, e))?;
-    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&hdr)
+    let json = &hdr[8..];
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(json)
         .map_err(|e| Error::corrupt(path, None, format!("staged header is not valid: {e}")))?;
     if meta.data_len() as u64 != v.file_len - v.data_start {
         return Err(Error::corrupt(
@@ -512,22 +588,20 @@ fn describe(
             crc32c: 0,
         });
     }
-    checksum(file, path, v.data_start, &mut tensors)?;
     let entry = FileEntry {
         rank,
         file: v.file_name.clone(),
         bytes: v.file_len,
         data_start: v.data_start,
-        header_crc32c: Some(crc32c::crc32c_append(crc32c::crc32c(&n8), &hdr)),
+        header_crc32c: Some(crc32c::crc32c(hdr)),
         object: None,
         session,
         tensors,
     };
-    // The entry must pass the reader's own checks (those of `Manifest::from_parts`, which
-    // the commit builds its manifest with). Only this rank's: a manifest probe of this
-    // entry alone would not cover the world size of a multi-rank save.
-    entry.validate(path)?;
-    Ok((entry, user))
+    Ok(Described {
+        entry,
+        metadata: user,
+    })
 }
 
 #[cfg(test)]
@@ -544,16 +618,15 @@ mod tests {
         }
     }
 
+    /// The file cut into pieces of any size (the header's bytes first, pieces straddling
+    /// tensors and the header's end), each piece's tensor parts checksummed and combined
+    /// in file order: exactly each whole tensor's CRC-32C (0 for an empty one).
     #[test]
-    fn checksums_in_segments_on_several_threads_equal_the_whole_tensors() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
+    fn piece_checksums_combined_in_file_order_equal_the_whole_tensors() {
         let data_start = 24u64;
         let bytes: Vec<u8> = (0..100_000u32)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
-        std::fs::write(&path, &bytes).unwrap();
-        let file = File::open(&path).unwrap();
         let spans = [
             (0u64, 0u64),
             (0, 1),
@@ -561,22 +634,31 @@ mod tests {
             (4_096, 50_001),
             (50_001, 99_976),
         ];
-        for segment in [1u64, 7, 4_096, 1 << 20] {
-            let mut tensors: Vec<TensorEntry> = spans
-                .iter()
+        let tensors: Vec<TensorEntry> = spans
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, e))| entry(&format!("t{i}"), b, e))
+            .collect();
+        let want: Vec<u32> = spans
+            .iter()
+            .map(|&(b, e)| {
+                if b == e {
+                    0
+                } else {
+                    crc32c::crc32c(&bytes[(data_start + b) as usize..(data_start + e) as usize])
+                }
+            })
+            .collect();
+        for piece in [1usize, 7, 23, 24, 25, 4_096, 1 << 20] {
+            let pieces = bytes
+                .chunks(piece)
                 .enumerate()
-                .map(|(i, &(b, e))| entry(&format!("t{i}"), b, e))
-                .collect();
-            checksum_in(&file, &path, data_start, &mut tensors, segment).unwrap();
-            for (t, &(b, e)) in tensors.iter().zip(&spans) {
-                let want =
-                    crc32c::crc32c(&bytes[(data_start + b) as usize..(data_start + e) as usize]);
-                assert_eq!(t.crc32c, want, "{} with segments of {segment}", t.name);
-            }
+                .flat_map(|(k, buf)| data_crcs(&tensors, data_start, (k * piece) as u64, buf))
+                .collect::<Vec<_>>();
+            assert_eq!(combine(tensors.len(), pieces), want, "pieces of {piece}");
         }
-        // A range past the end of the file is an error, not a checksum.
-        let mut past = vec![entry("past", 99_970, 99_990)];
-        assert!(checksum_in(&file, &path, data_start, &mut past, 7).is_err());
+        // Only the header: no tensor's bytes.
+        assert!(data_crcs(&tensors, data_start, 0, &bytes[..24]).is_empty());
     }
 
     #[test]
