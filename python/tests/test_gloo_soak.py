@@ -262,6 +262,13 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
         for r, ev in enumerate(resumed):
             assert ev["exact"] and (need is None or ev["step"] >= need), f"seed {seed}, last incarnation, rank {r}: {ev}"
         shm_names.update(ev["shm"] for r in range(WORLD) for ev in job.events(r, "opened"))
+    except BaseException:
+        # A failed run leaks nothing either: its dead ranks' staging arenas go too.
+        for name in shm_names:
+            p = pathlib.Path("/dev/shm") / name
+            if p.is_file() and not p.is_symlink():
+                p.unlink()
+        raise
     finally:
         remove_all(root)
     wall = time.monotonic() - t_start

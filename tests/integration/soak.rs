@@ -1466,6 +1466,10 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
             if lane.tiered {
                 let _ = std::fs::remove_file(lane.kept_arena());
             }
+            if lane.replica {
+                // Its replicas and the temporary files of killed receivers too.
+                let _ = shmckpt::replica::remove_older(&lane.root, 0, u64::MAX);
+            }
             return;
         }
     }
