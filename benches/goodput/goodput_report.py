@@ -20,7 +20,8 @@ Definitions (every time from ``time.monotonic()`` of the host, seconds):
   script's first line), ``imports`` (torch and the system's module), ``cuda`` (CUDA
   context), ``open`` (the checkpoint system constructed: shmckpt's recovery and
   ``prepare_cuda`` there), ``load`` (latest step found and loaded onto the device),
-  ``setup`` (the optimizer and shmckpt's guard), ``other`` (the rest until the first step
+  ``setup`` (the optimizer and shmckpt's guard; ``setup_parts`` splits it into the
+  optimizer made, the calibration read and the system attached), ``other`` (the rest until the first step
   starts) and ``first_extra`` (the first step over ``T0``).
 * A step's ``dt`` runs from the previous step's end to its own (its update done and
   synchronized), so it holds the previous step's save call and poll; the step is logged
@@ -160,6 +161,12 @@ def boot(lf, spawn_t):
         "interp": lf["main"]["t"] - spawn_t, "imports": rs["t_import"] - lf["main"]["t"], "cuda": rs["t_cuda"] - rs["t_import"],
         "open": rs["t_open"] - rs["t_cuda"], "load": rs["t_load"] - rs["t_open"], "check": rs["check_s"],
         "setup": lf["setup"]["t"] - rs["t_check"], "resumed": rs["k"],
+        # The set-up split, where the trainer reports it: optimizer, calibration, attach.
+        "setup_parts": None if "t_opt" not in lf["setup"] else {
+            "optimizer": lf["setup"]["t_opt"] - rs["t_check"],
+            "calibration": lf["setup"]["t_calib"] - lf["setup"]["t_opt"],
+            "attach": lf["setup"]["t"] - lf["setup"]["t_calib"],
+        },
         "fresh": rs["fresh"],
     }
 
@@ -202,6 +209,8 @@ def components(analyses, t0, every):
     comp["restart_parts_mean"] = {
         p: _mean([k["restart"][p] for k in (loaded or kills)]) for p in RESTART_PARTS + ("check",)
     }
+    split = [k["restart"]["setup_parts"] for k in (loaded or kills) if k["restart"].get("setup_parts")]
+    comp["setup_parts_mean"] = {p: _mean([x[p] for x in split]) for p in ("optimizer", "calibration", "attach")} if split else None
     return comp
 
 

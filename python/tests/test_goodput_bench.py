@@ -77,7 +77,7 @@ def made_up_run(durable_7=False):
         dict(e="main", t=3.5, life=1),
         dict(e="resume", k=5, fresh=False, t_import=4.0, t_cuda=4.2, t_open=4.5, t_load=5.0, t_check=5.5, check_s=0.5, ok=True, life=1,
              info={"load_source": ["disk", None]}),
-        dict(e="setup", t=5.6, life=1),
+        dict(e="setup", t=5.6, t_opt=5.52, t_calib=5.53, life=1),
         dict(step(6, 5.75, dt=0.15), life=1),
     ]
     for k in range(7, 11):
@@ -104,6 +104,9 @@ def test_analysis_of_made_up_lives():
     want = {"detect": 0.05, "interp": 0.1, "imports": 0.5, "cuda": 0.2, "open": 0.3, "load": 0.5, "setup": 0.1, "first_extra": 0.05, "other": 0.0}
     assert {p: rb[p] for p in want} == pytest.approx(want, abs=1e-9)
     assert sum(rb[p] for p in gr.RESTART_PARTS) == pytest.approx(rb["restart_s"])
+    # the set-up split: optimizer 0.02, calibration read 0.01, the system attached 0.07
+    assert rb["setup_parts"] == pytest.approx({"optimizer": 0.02, "calibration": 0.01, "attach": 0.07}, abs=1e-9)
+    assert a["start"]["setup_parts"] is None  # life 0 reported no split
     assert a["start"]["fresh"] is True and a["start"]["imports"] == pytest.approx(0.9)
     s5, s10 = a["saves"]
     # the stall: steps 6 and 7 (the call, then the guard's wait) over 2 T0
@@ -117,6 +120,7 @@ def test_analysis_of_made_up_lives():
     assert c["overhead"] == pytest.approx(1 - 0.1 / 0.101)
     assert c["interval_s"] == pytest.approx(0.505) and c["durable_s_median"] == pytest.approx(0.1)
     assert c["e_lost_s"] == pytest.approx(0.2525 + 0.1) and c["e_restart_s"] == pytest.approx(1.8)
+    assert c["setup_parts_mean"] == pytest.approx({"optimizer": 0.02, "calibration": 0.01, "attach": 0.07}, abs=1e-9)
     # a restart that loaded nothing counts only when none loaded a checkpoint
     fresh = json.loads(json.dumps(a))
     fresh["kills"][0]["restart"].update(fresh=True, restart_s=1.0)
