@@ -145,6 +145,21 @@ def state(step: int) -> dict:
     return {"w": torch.randn(n, generator=g), "b": torch.randint(0, 1 << 30, (step % 7 + 1,), generator=g), "step": step}
 
 
+def settled(fn, counter: dict):
+    """``fn()`` with the proxy passing everything: a request may still fail once on a
+    connection the faults left broken (seen in CI: a listing failed in 0.2 ms with "error
+    sending request", which object_store does not retry), so up to 5 attempts; anything
+    but a ``RemoteError`` (wrong bytes included) fails at once."""
+    for attempt in range(5):
+        try:
+            return fn()
+        except RemoteError:
+            if attempt == 4:
+                raise
+            counter["retried"] += 1
+            time.sleep(0.1)
+
+
 def same(got: dict, step: int) -> bool:
     want = state(step)
     return (
@@ -158,11 +173,13 @@ def test_bucket_faults_through_a_real_s3_server(s3, moto, root, monkeypatch, cap
     client, bucket = s3
     target = int(os.environ.get("SHMCKPT_REMOTE_SOAK_FAULTS", "100"))
     seed = int(os.environ.get("SHMCKPT_REMOTE_SOAK_SEED", str(random.SystemRandom().randrange(1 << 32))))
+    print(f"bucket soak: seed {seed} (SHMCKPT_REMOTE_SOAK_SEED={seed} replays the proxy's choices)")
     proxy = RandomFaultProxy(moto.port, p=0.12, seed=seed)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     uploaded: list = []
     failed: list = []
     loads = {"exact": 0, "refused": 0}
+    checks = {"retried": 0}
     outages = 0
     t0 = time.monotonic()
     try:
@@ -199,13 +216,14 @@ def test_bucket_faults_through_a_real_s3_server(s3, moto, root, monkeypatch, cap
                     except ShmckptError:
                         loads["refused"] += 1
                 proxy.armed = False
-                listed = ck.list(remote=True)
+                listed = settled(lambda: ck.list(remote=True), checks)
                 if uploaded:
                     assert listed and listed[-1] >= uploaded[-1], (
                         f"seed {seed}: step {uploaded[-1]} was reported uploaded, the bucket lists {listed}"
                     )
                 for s in listed:
-                    assert same(ck.load(s, source="remote"), s), f"seed {seed}: the bucket's step {s} differs"
+                    got = settled(lambda: ck.load(s, source="remote"), checks)  # noqa: B023
+                    assert same(got, s), f"seed {seed}: the bucket's step {s} differs"
     finally:
         proxy.stop()
     wall = time.monotonic() - t0
@@ -215,7 +233,8 @@ def test_bucket_faults_through_a_real_s3_server(s3, moto, root, monkeypatch, cap
             f"\nbucket soak: seed {seed} (SHMCKPT_REMOTE_SOAK_SEED replays the proxy's choices), {proxy.total()} "
             f"injected faults in {wall:.1f} s over {step} saves ({outages} in an outage): {proxy.faults}; by request {proxy.by_request}; "
             f"{len(uploaded)} uploads reported, {len(failed)} failed; loads "
-            f"through the faults {loads}; multipart uploads left in the bucket {stray}"
+            f"through the faults {loads}; checks tried again after a broken connection {checks['retried']}; "
+            f"multipart uploads left in the bucket {stray}"
         )
     assert uploaded, f"seed {seed}: no upload succeeded"
     assert not outages or failed, f"seed {seed}: {outages} outages and no upload failed"
