@@ -374,6 +374,67 @@ def test_an_http_endpoint_needs_no_allow_http(s3, root, monkeypatch):
     assert "AWS_ALLOW_HTTP=true" in str(e.value), str(e.value)
 
 
+class ProxyHandler(http.server.BaseHTTPRequestHandler):
+    """What the test proxies in front of moto share: the request's body read, the request
+    forwarded and its answer relayed, a 503 ``SlowDown``, a dropped connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def read_body(self) -> Optional[bytes]:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else None
+
+    def forward(self, upstream_port: int, body: Optional[bytes]):
+        """Send the request upstream: ``(status, headers, data)`` of its answer."""
+        c = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+        headers = {k: v for k, v in self.headers.items()}
+        c.request(self.command, self.path, body=body, headers=headers)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, r.getheaders(), data
+
+    def answer(self, status: int, headers, data: bytes) -> None:
+        """Relay an upstream answer (``data`` replaces its body)."""
+        self.send_response(status)
+        head = self.command == "HEAD"
+        for k, v in headers:
+            # A HEAD answer keeps the object's length; other answers carry `data`.
+            if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                self.send_header(k, v)
+        if not head:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+
+    def slow_down(self) -> None:
+        msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(msg)))
+        self.end_headers()
+        self.wfile.write(msg)
+
+    def drop(self) -> None:
+        """Close the connection without an answer."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def serve(handler: type):
+    """A threading HTTP server of ``handler`` on a free port, serving in the background:
+    ``(server, port)``."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
 class FaultProxy:
     """An HTTP proxy in front of moto that fails every upload of a multipart part
     numbered `fail_part` or more, while armed: with a 503 (`mode="503"`) or by closing the
@@ -401,23 +462,16 @@ class FaultProxy:
         self.failed = 0
         proxy = self
 
-        class H(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class H(ProxyHandler):
             def _any(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
+                body = self.read_body()
                 q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                 part = int(q.get("partNumber", ["0"])[0])
                 if self.command == "POST" and "uploadId" in q:
                     proxy.completes += 1
                     time.sleep(proxy.complete_delay)
                     if proxy.complete_drop:
-                        self.close_connection = True
-                        self.connection.shutdown(socket.SHUT_RDWR)
+                        self.drop()
                         return
                 if (
                     self.command == "PUT"
@@ -427,39 +481,15 @@ class FaultProxy:
                 ):
                     proxy.failed += 1
                     if proxy.mode == "reset":
-                        self.close_connection = True
-                        self.connection.shutdown(socket.SHUT_RDWR)
+                        self.drop()
                         return
-                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
+                    self.slow_down()
                     return
-                c = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items()}
-                c.request(self.command, self.path, body=body, headers=headers)
-                r = c.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                head = self.command == "HEAD"
-                for k, v in r.getheaders():
-                    # A HEAD answer keeps the object's length; other answers carry `data`.
-                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
-                        self.send_header(k, v)
-                if not head:
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data)
-                c.close()
+                self.answer(*self.forward(upstream_port, body))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server, self.port = serve(H)
 
     def stop(self):
         self.server.shutdown()

@@ -21,11 +21,8 @@ choices (not the timing).
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import os
 import random
-import socket
 import threading
 import time
 import urllib.parse
@@ -35,7 +32,7 @@ import pytest
 import shmckpt
 from shmckpt.errors import RemoteError, ShmckptError
 
-from test_remote import keys, moto, s3  # noqa: F401  (fixtures)
+from test_remote import ProxyHandler, moto, s3, serve  # noqa: F401  (fixtures)
 
 torch = pytest.importorskip("torch")
 
@@ -55,15 +52,9 @@ class RandomFaultProxy:
         self.by_request: dict = {}
         proxy = self
 
-        class H(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class H(ProxyHandler):
             def _any(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
+                body = self.read_body()
                 q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query, keep_blank_values=True)
                 what = self.command + (
                     " part" if "partNumber" in q else
@@ -82,51 +73,23 @@ class RandomFaultProxy:
                         proxy.faults[kind] += 1
                         proxy.by_request[what] = proxy.by_request.get(what, 0) + 1
                 if kind == "503":
-                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
+                    self.slow_down()
                     return
                 if kind == "reset":
-                    self._drop()
+                    self.drop()
                     return
-                c = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items()}
-                c.request(self.command, self.path, body=body, headers=headers)
-                r = c.getresponse()
-                data = r.read()
-                c.close()
+                status, headers, data = self.forward(upstream_port, body)
                 if kind == "lost":  # applied upstream; the answer never comes
-                    self._drop()
+                    self.drop()
                     return
                 if kind == "corrupt" and data:  # one bit of the answer flipped in transit
                     i = len(data) // 2
                     data = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1 :]
-                self.send_response(r.status)
-                head = self.command == "HEAD"
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
-                        self.send_header(k, v)
-                if not head:
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data)
-
-            def _drop(self):
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self.answer(status, headers, data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server, self.port = serve(H)
 
     def total(self) -> int:
         with self.lock:
