@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::manifest::FileEntry;
-use crate::restore::{Checkpoint, ReadSink, for_pieces};
+use crate::restore::{Checkpoint, CrcPiece, ReadSink, combine_crcs, file_crc_pieces, for_pieces};
 use crate::slab::{SlabBuilder, SlabPool};
 use crate::staging::descriptor::{SaveRecord, SlotView, chunk_state, slot_state};
 use crate::staging::shm::SHM_MOUNT;
@@ -305,13 +305,7 @@ fn fill_and_verify(
                         let fe = (fs + cs).min(file_len);
                         let buf = &mut lease.as_mut_slice()[..(fe - fs) as usize];
                         fill(k, buf)?;
-                        let s = fs.max(data_start);
-                        let crcs = if s < fe {
-                            crc_pieces(tensors, s - data_start, &buf[(s - fs) as usize..])
-                        } else {
-                            Vec::new()
-                        };
-                        out.push((k, crcs));
+                        out.push((k, file_crc_pieces(tensors, data_start, fs, buf)));
                     }
                     Ok(out)
                 })
@@ -330,13 +324,7 @@ fn fill_and_verify(
         by_chunk.extend(r?);
     }
     by_chunk.sort_by_key(|(k, _)| *k);
-    let mut crcs: Vec<Option<u32>> = vec![None; tensors.len()];
-    for (t, crc, len) in by_chunk.into_iter().flat_map(|(_, p)| p) {
-        crcs[t] = Some(match crcs[t] {
-            None => crc,
-            Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
-        });
-    }
+    let crcs = combine_crcs(tensors.len(), by_chunk.into_iter().flat_map(|(_, p)| p));
     if let Some(want) = header_crc {
         let mut have = 0u32;
         for (k, lease) in leases.iter().enumerate() {
@@ -354,7 +342,6 @@ fn fill_and_verify(
         }
     }
     for (t, crc) in tensors.iter().zip(crcs) {
-        let crc = crc.unwrap_or(0);
         if crc != t.crc32c {
             return Err(format!(
                 "tensor {:?}: CRC-32C {crc:08x} in memory, {:08x} in the manifest (damaged image)",
@@ -735,19 +722,5 @@ impl Adopted {
     }
 }
 
-/// A file chunk's index and the CRC-32C of each tensor piece in it, `(tensor, crc, len)`.
-type ChunkCrcs = (usize, Vec<(usize, u32, u64)>);
-
-/// The CRC-32C of each tensor piece in `buf`, which holds data-section bytes from `dst`.
-fn crc_pieces(
-    tensors: &[crate::manifest::TensorEntry],
-    dst: u64,
-    buf: &[u8],
-) -> Vec<(usize, u32, u64)> {
-    let mut out = Vec::new();
-    let _ = for_pieces::<()>(tensors, dst, buf, |i, _, piece| {
-        out.push((i, crc32c::crc32c(piece), piece.len() as u64));
-        Ok(())
-    });
-    out
-}
+/// A file chunk's index and the CRC-32C of each tensor piece in it.
+type ChunkCrcs = (usize, Vec<CrcPiece>);

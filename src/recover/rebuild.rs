@@ -20,6 +20,7 @@ use crate::manifest::{
 use crate::plan::{
     DATA_ALIGN, MAX_HEADER_LEN, META_RANK, META_SESSION, META_STEP, META_WORLD, RESERVED_PREFIX,
 };
+use crate::restore::{CrcPiece, combine_crcs, file_crc_pieces};
 use crate::staging::AttachedArena;
 use crate::staging::descriptor::{HeaderView, SlotView, chunk_state};
 
@@ -304,15 +305,7 @@ fn rebuild_and_commit(
 
     // The staged header first (from staging, or from the file for chunks written before
     // the crash): the tensors it lays out are checksummed while their bytes are copied.
-    let source = Source {
-        att,
-        file: &file,
-        path,
-        v,
-        cs,
-    };
-    let described = match source
-        .header()
+    let described = match read_header(att, &file, path, v, cs)
         .and_then(|hdr| parse_header(&hdr, path, v, h.rank, h.world_size))
     {
         Ok(d) => d,
@@ -331,7 +324,7 @@ fn rebuild_and_commit(
     let piece = IO_PIECE.min(cs as usize);
     let tensors = &described.entry.tensors;
     let data_start = v.data_start;
-    let found: Vec<std::sync::Mutex<Vec<Piece>>> = jobs
+    let found: Vec<std::sync::Mutex<Vec<CrcPiece>>> = jobs
         .iter()
         .map(|_| std::sync::Mutex::new(Vec::new()))
         .collect();
@@ -365,7 +358,7 @@ fn rebuild_and_commit(
                         }
                     }
                 }
-                out.extend(data_crcs(tensors, data_start, off, &buf[..n]));
+                out.extend(file_crc_pieces(tensors, data_start, off, &buf[..n]));
                 at += n as u64;
             }
             *found[i].lock().unwrap_or_else(|e| e.into_inner()) = out;
@@ -394,7 +387,7 @@ fn rebuild_and_commit(
         mut entry,
         metadata,
     } = described;
-    let crcs = combine(entry.tensors.len(), pieces);
+    let crcs = combine_crcs(entry.tensors.len(), pieces);
     for (te, crc) in entry.tensors.iter_mut().zip(crcs) {
         te.crc32c = crc;
     }
@@ -418,88 +411,43 @@ fn rebuild_and_commit(
     }
 }
 
-/// A tensor's CRC-32C over one piece of its bytes: `(tensor, crc, bytes)`.
-type Piece = (usize, u32, u64);
-
-/// The CRC-32C of each tensor's part in the file bytes `buf` found at file offset `off`
-/// (the header's bytes, before `data_start`, are none), in tensor order.
-fn data_crcs(tensors: &[TensorEntry], data_start: u64, off: u64, buf: &[u8]) -> Vec<Piece> {
-    let end = off + buf.len() as u64;
-    if end <= data_start {
-        return Vec::new();
-    }
-    let skip = data_start.saturating_sub(off);
-    let mut out = Vec::new();
-    let _ = crate::restore::for_pieces::<()>(
-        tensors,
-        off + skip - data_start,
-        &buf[skip as usize..],
-        |i, _, piece| {
-            out.push((i, crc32c::crc32c(piece), piece.len() as u64));
-            Ok(())
-        },
-    );
-    out
-}
-
-/// The tensors' CRC-32Cs from their pieces in file order (`n` tensors; one with no
-/// piece, an empty tensor, has 0).
-fn combine(n: usize, pieces: impl IntoIterator<Item = Piece>) -> Vec<u32> {
-    let mut acc: Vec<Option<u32>> = vec![None; n];
-    for (t, crc, len) in pieces {
-        acc[t] = Some(match acc[t] {
-            None => crc,
-            Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
-        });
-    }
-    acc.into_iter().map(|c| c.unwrap_or(0)).collect()
-}
-
-/// Where a save's file bytes are: each chunk in its staging chunk (`STAGED`) or already in
-/// the partial file (`WRITTEN`).
-struct Source<'a> {
-    att: &'a AttachedArena,
-    file: &'a File,
-    path: &'a Path,
-    v: &'a SlotView,
+/// The file's first `data_start` bytes (the length prefix and the JSON header), each
+/// chunk's part read from where it is: its staging chunk (`STAGED`, in `att`) or the
+/// partial file (`WRITTEN` before the crash).
+fn read_header(
+    att: &AttachedArena,
+    file: &File,
+    path: &Path,
+    v: &SlotView,
     cs: u64,
-}
-
-impl Source<'_> {
-    /// The file's first `data_start` bytes (the length prefix and the JSON header), each
-    /// chunk's part read from where it is.
-    fn header(&self) -> Result<Vec<u8>> {
-        let v = self.v;
-        if v.data_start > MAX_HEADER_LEN + 8 || v.data_start > v.file_len {
-            return Err(Error::corrupt(
-                self.path,
-                None,
-                format!("recorded data start {} is not a header's end", v.data_start),
-            ));
-        }
-        let mut out = vec![0u8; v.data_start as usize];
-        let mut at = 0u64;
-        while at < v.data_start {
-            let k = at / self.cs;
-            let to = ((k + 1) * self.cs).min(v.data_start);
-            let buf = &mut out[at as usize..to as usize];
-            match v.chunks.get(k as usize) {
-                Some(&(state, idx)) if state == chunk_state::STAGED => self
-                    .att
-                    .read_chunk(idx, at - k * self.cs, buf)
-                    .ok_or_else(|| Error::Recovery {
-                        arena: self.att.name().to_owned(),
-                        reason: format!("arena chunk {idx} cannot be read"),
-                    })?,
-                _ => self
-                    .file
-                    .read_exact_at(buf, at)
-                    .map_err(|e| Error::io_at("read", self.path, at, e))?,
-            }
-            at = to;
-        }
-        Ok(out)
+) -> Result<Vec<u8>> {
+    if v.data_start > MAX_HEADER_LEN + 8 || v.data_start > v.file_len {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("recorded data start {} is not a header's end", v.data_start),
+        ));
     }
+    let mut out = vec![0u8; v.data_start as usize];
+    let mut at = 0u64;
+    while at < v.data_start {
+        let k = at / cs;
+        let to = ((k + 1) * cs).min(v.data_start);
+        let buf = &mut out[at as usize..to as usize];
+        match v.chunks.get(k as usize) {
+            Some(&(state, idx)) if state == chunk_state::STAGED => att
+                .read_chunk(idx, at - k * cs, buf)
+                .ok_or_else(|| Error::Recovery {
+                    arena: att.name().to_owned(),
+                    reason: format!("arena chunk {idx} cannot be read"),
+                })?,
+            _ => file
+                .read_exact_at(buf, at)
+                .map_err(|e| Error::io_at("read", path, at, e))?,
+        }
+        at = to;
+    }
+    Ok(out)
 }
 
 /// What the staged header says, checked: the manifest entry (checksums to be filled in)
@@ -653,12 +601,16 @@ mod tests {
             let pieces = bytes
                 .chunks(piece)
                 .enumerate()
-                .flat_map(|(k, buf)| data_crcs(&tensors, data_start, (k * piece) as u64, buf))
+                .flat_map(|(k, buf)| file_crc_pieces(&tensors, data_start, (k * piece) as u64, buf))
                 .collect::<Vec<_>>();
-            assert_eq!(combine(tensors.len(), pieces), want, "pieces of {piece}");
+            assert_eq!(
+                combine_crcs(tensors.len(), pieces),
+                want,
+                "pieces of {piece}"
+            );
         }
         // Only the header: no tensor's bytes.
-        assert!(data_crcs(&tensors, data_start, 0, &bytes[..24]).is_empty());
+        assert!(file_crc_pieces(&tensors, data_start, 0, &bytes[..24]).is_empty());
     }
 
     #[test]

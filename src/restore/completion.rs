@@ -91,6 +91,49 @@ pub(super) fn completions<B>(
     }
 }
 
+/// A tensor's CRC-32C over one piece of its bytes: `(tensor, crc, bytes)`.
+pub(crate) type CrcPiece = (usize, u32, u64);
+
+/// The CRC-32C of each tensor's part in the file bytes `buf` found at file offset `off` of
+/// a file whose data section starts at `data_start` (the header's bytes are no tensor's),
+/// in tensor order.
+pub(crate) fn file_crc_pieces(
+    tensors: &[crate::manifest::TensorEntry],
+    data_start: u64,
+    off: u64,
+    buf: &[u8],
+) -> Vec<CrcPiece> {
+    let end = off + buf.len() as u64;
+    if end <= data_start {
+        return Vec::new();
+    }
+    let skip = data_start.saturating_sub(off);
+    let mut out = Vec::new();
+    let _ = for_pieces::<()>(
+        tensors,
+        off + skip - data_start,
+        &buf[skip as usize..],
+        |i, _, piece| {
+            out.push((i, crc32c::crc32c(piece), piece.len() as u64));
+            Ok(())
+        },
+    );
+    out
+}
+
+/// The CRC-32C of each of `n` tensors from its pieces in file order (0 for a tensor
+/// without a piece: an empty one).
+pub(crate) fn combine_crcs(n: usize, pieces: impl IntoIterator<Item = CrcPiece>) -> Vec<u32> {
+    let mut acc: Vec<Option<u32>> = vec![None; n];
+    for (t, crc, len) in pieces {
+        acc[t] = Some(match acc[t] {
+            None => crc,
+            Some(prev) => crc32c::crc32c_combine(prev, crc, len as usize),
+        });
+    }
+    acc.into_iter().map(|c| c.unwrap_or(0)).collect()
+}
+
 /// Call `f(tensor, offset in the tensor, piece)` for each non-empty tensor piece in `buf`,
 /// which holds data-section bytes from `dst` (tensors sorted by offset, as in a manifest).
 pub(crate) fn for_pieces<E>(

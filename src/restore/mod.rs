@@ -25,7 +25,7 @@ mod ranged;
 mod reader;
 pub(crate) mod sink;
 
-pub(crate) use completion::for_pieces;
+pub(crate) use completion::{CrcPiece, combine_crcs, file_crc_pieces, for_pieces};
 pub(crate) use device::check_device_read;
 pub use device::{DeviceRing, SplitLoad, load_split_host};
 pub use header::{check_header, read_file_metadata};
