@@ -316,12 +316,8 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
     let (_cleaning, doomed) = stale_dirs(root, own_rank, sweep)?;
     let mut removed = Vec::new();
     for dir in doomed {
-        match fsops::remove_dir_all(&dir) {
-            Ok(()) => removed.push(dir),
-            // An engine that started after the check aborted its save (its publishing
-            // rename waits for the sweep's lock), or another rank removed it: nothing left.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => return Err(Error::io("remove", &dir, err)),
+        if remove_stale_dir(&dir)? {
+            removed.push(dir);
         }
     }
     if !removed.is_empty() {
@@ -335,62 +331,62 @@ pub fn clean_stale_with(root: &Path, own_rank: u32, sweep: Sweep) -> Result<Vec<
     Ok(removed)
 }
 
+/// Remove the stale directory `dir`; `false` when it is gone already (an engine that
+/// started after the sweep's check aborted its save, its publishing rename waiting for the
+/// sweep's lock, or another rank removed it).
+fn remove_stale_dir(dir: &Path) -> Result<bool> {
+    match fsops::remove_dir_all(dir) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(err) => Err(Error::io("remove", dir, err)),
+    }
+}
+
 /// [`clean_stale`] for an opening engine, its removals behind it: every stale directory is
 /// renamed out of the step namespace (a hidden `.shmckpt-removing.*` name, never listed,
 /// loaded or committed; the renames made durable) under the sweep's lock, and a thread
-/// removes the moved directories, with any an earlier sweep left, after the open has
+/// removes the hidden directories (those an earlier sweep left too) after the open has
 /// returned (removing a 4 GiB rank file took 2.3 s of an H200 host's open). A crash
-/// before the removal ends leaves hidden directories the next sweep removes. Returns what
-/// was moved and the removing thread (`None`: nothing to remove, or removed inline when no
-/// thread could be started).
+/// before the removal ends leaves hidden directories the next sweep removes. Returns the
+/// removing thread (`None`: nothing to remove, or removed inline when no thread could be
+/// started).
 pub(crate) fn clean_stale_behind(
     root: &Path,
     own_rank: u32,
-) -> Result<(Vec<PathBuf>, Option<std::thread::JoinHandle<()>>)> {
+) -> Result<Option<std::thread::JoinHandle<()>>> {
     let (cleaning, doomed) = stale_dirs(root, own_rank, Sweep::Open)?;
-    let mut cleaned = Vec::new();
-    let mut moved = Vec::new();
+    let mut cleaned = false;
     for dir in doomed {
-        let Some(name) = dir.file_name().and_then(|n| n.to_str()).map(str::to_owned) else {
+        let Some(name) = dir.file_name().and_then(|n| n.to_str()) else {
             continue;
         };
-        let aside = root.join(manifest::removing_dir_name(&name));
-        match fsops::rename(&dir, &aside) {
-            Ok(()) => {
-                cleaned.push(dir);
-                moved.push(aside);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        let aside = root.join(manifest::removing_dir_name(name));
+        cleaned |= match fsops::rename(&dir, &aside) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
             // The hidden name is taken (an earlier process's, same pid and time): removed
             // here instead.
-            Err(_) => match fsops::remove_dir_all(&dir) {
-                Ok(()) => cleaned.push(dir),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(err) => return Err(Error::io("remove", &dir, err)),
-            },
-        }
+            Err(_) => remove_stale_dir(&dir)?,
+        };
     }
-    if !cleaned.is_empty() {
+    if cleaned {
         fsync_dir(root)?;
     }
     drop(cleaning);
-    let earlier: Vec<PathBuf> = moved_aside(root)
-        .into_iter()
-        .filter(|d| !moved.contains(d))
-        .collect();
-    moved.extend(earlier);
+    // The directories just moved and those an earlier sweep left.
+    let moved = moved_aside(root);
     if moved.is_empty() {
-        return Ok((cleaned, None));
+        return Ok(None);
     }
     let work = moved.clone();
     match std::thread::Builder::new()
         .name("shmckpt-clean".into())
         .spawn(move || work.iter().for_each(|d| remove_moved(d)))
     {
-        Ok(h) => Ok((cleaned, Some(h))),
+        Ok(h) => Ok(Some(h)),
         Err(_) => {
             moved.iter().for_each(|d| remove_moved(d));
-            Ok((cleaned, None))
+            Ok(None)
         }
     }
 }

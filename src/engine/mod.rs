@@ -230,7 +230,7 @@ impl Engine {
         let t = Instant::now();
         // Stale directories leave the step namespace here; their files are removed behind
         // the open (joined at close).
-        let (_, cleaning) = commit::clean_stale_behind(&cfg.root, cfg.rank)?;
+        let cleaning = commit::clean_stale_behind(&cfg.root, cfg.rank)?;
         timings.clean = t.elapsed();
         let t_arena = Instant::now();
         let private_name = || {
