@@ -61,12 +61,7 @@ pub fn entry_name(replica: &str) -> String {
 /// temporary file (`<replica>.entry.tmp<pid>`); `None` for any other name.
 fn parse_entry_name(name: &str) -> Option<(&str, Option<u32>)> {
     let (base, pid) = match name.rsplit_once(".tmp") {
-        Some((b, p)) if b.ends_with(ENTRY_SUFFIX) => {
-            if p.is_empty() || !p.bytes().all(|c| c.is_ascii_digit()) {
-                return None;
-            }
-            (b, Some(p.parse().ok()?))
-        }
+        Some((b, p)) if b.ends_with(ENTRY_SUFFIX) => (b, Some(parse_pid(p)?)),
         _ => (name, None),
     };
     let replica = base.strip_suffix(ENTRY_SUFFIX)?;
@@ -376,8 +371,7 @@ pub(crate) fn remove_dead_tmps(dfd: std::os::fd::BorrowedFd<'_>, dir: &Path, fil
         };
         let dead = name
             .strip_prefix(&prefix)
-            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|p| p.parse::<u32>().ok())
+            .and_then(parse_pid)
             .is_some_and(|pid| pid != me && !process_exists(pid));
         if dead && let Err(err) = fsx::unlink_in(dfd, dir, &name) {
             tracing::warn!(file = %dir.join(&name).display(), error = %err, "could not remove a dead writer's temporary file");
@@ -533,10 +527,16 @@ pub fn list() -> Vec<ReplicaInfo> {
 pub fn parse_unfinished_name(name: &str) -> Option<(&str, u32)> {
     let (base, pid) = name.rsplit_once(".tmp")?;
     parse_replica_name(base)?;
-    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+    Some((base, parse_pid(pid)?))
+}
+
+/// The writer's pid a temporary name ends with (`<name>.tmp<pid>`): decimal digits only
+/// (no sign, not empty), within `u32`.
+fn parse_pid(digits: &str) -> Option<u32> {
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    Some((base, pid.parse().ok()?))
+    digits.parse().ok()
 }
 
 /// Whether a process `pid` exists (in this PID namespace).
