@@ -248,6 +248,12 @@ fn replicate(root: &Path, step: u64, stop: Option<usize>) {
     }
 }
 
+/// The one-rank replica lane's file of committed `step`.
+fn rank_file(root: &Path, step: u64) -> PathBuf {
+    root.join(step_dir_name(step))
+        .join(shmckpt::manifest::rank_file_name(0, 1))
+}
+
 /// The replica lane after a machine loss took the rank's files: every committed step whose
 /// rank file is missing is restored from the replica (served, checked in place, received
 /// piece by piece, checked again and written back as the file), `RESTORING` while it runs,
@@ -257,10 +263,7 @@ fn repair(root: &Path, stop: Option<usize>, say: bool) -> Result<Vec<u64>, Strin
     use shmckpt::replica::Incoming;
     let mut restored = Vec::new();
     for step in crash::listed(root)? {
-        let file = root
-            .join(step_dir_name(step))
-            .join(shmckpt::manifest::rank_file_name(0, 1));
-        if file.exists() {
+        if rank_file(root, step).exists() {
             continue;
         }
         if say {
@@ -820,8 +823,8 @@ impl Lane {
         // in an older one would be loaded by a user going back.
         for &n in &listed {
             let dir = self.root.join(step_dir_name(n));
-            let file = dir.join(shmckpt::manifest::rank_file_name(0, self.world));
-            if self.lost == Some(n) && !file.exists() {
+            // `lost` is only ever set in the one-rank replica lane.
+            if self.lost == Some(n) && !rank_file(&self.root, n).exists() {
                 continue; // taken by a machine loss, not restored yet
             }
             crash::step_exact(&dir, n, self.world).map_err(|e| format!("{when}: {e}"))?;
@@ -910,11 +913,7 @@ impl Lane {
         for s in steps.iter().filter(|s| listed.contains(s)) {
             let got = shmckpt::replica::load(&self.root, *s, 0)
                 .map_err(|e| format!("{when}: the replica of step {s}: {e}"))?;
-            let file = self
-                .root
-                .join(step_dir_name(*s))
-                .join(shmckpt::manifest::rank_file_name(0, 1));
-            if let Ok(want) = std::fs::read(&file)
+            if let Ok(want) = std::fs::read(rank_file(&self.root, *s))
                 && got.as_bytes() != &want[..]
             {
                 return Err(format!(
@@ -1033,11 +1032,7 @@ impl Lane {
         // A lost file restored by a trainer killed before it said so: restored (and
         // checked exactly with its step after every fault).
         if let Some(s) = self.lost
-            && self
-                .root
-                .join(step_dir_name(s))
-                .join(shmckpt::manifest::rank_file_name(0, 1))
-                .exists()
+            && rank_file(&self.root, s).exists()
         {
             self.lost = None;
         }
@@ -1328,11 +1323,7 @@ impl Lane {
         {
             // The machine's disk went with it (a node-local root): the rank's file of the
             // newest replicated step is gone, which its replica on the partner restores.
-            let file = self
-                .root
-                .join(step_dir_name(s))
-                .join(shmckpt::manifest::rank_file_name(0, 1));
-            if std::fs::remove_file(&file).is_ok() {
+            if std::fs::remove_file(rank_file(&self.root, s)).is_ok() {
                 self.lost = Some(s);
                 soak.tally.lock().unwrap().files_lost += 1;
             }
