@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from replica_worker import digest, rank_state
+from replica_worker import die_mid_transfer, digest, rank_state
 
 
 def main():
@@ -45,17 +45,7 @@ def main():
     import shmckpt
 
     if die_at:
-        real = dist.isend
-        calls = []
-
-        def isend(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == die_at:
-                emit(e="dying", where="isend", n=die_at)
-                os.kill(os.getpid(), 9)
-            return real(*args, **kwargs)
-
-        dist.isend = isend
+        die_mid_transfer(die_at, lambda: emit(e="dying", where="isend", n=die_at))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

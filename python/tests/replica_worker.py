@@ -106,8 +106,9 @@ def open_ckpt(root, rank, replicas):
     )
 
 
-def die_mid_transfer():
-    """Kill this process at its second ``isend`` (after the first piece of its image went)."""
+def die_mid_transfer(n=2, before=None):
+    """Kill this process at its ``n``-th ``isend`` (by default the second: after the first
+    piece of its image went), calling ``before()`` first when given."""
     import torch.distributed as dist
 
     real = dist.isend
@@ -115,7 +116,9 @@ def die_mid_transfer():
 
     def isend(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == n:
+            if before is not None:
+                before()
             os.kill(os.getpid(), 9)
         return real(*args, **kwargs)
 
