@@ -332,7 +332,15 @@ fn euid() -> u32 {
 /// so `name` never holds a partial image.
 fn write_atomic(dir: &Path, name: &str, tmp: &str, bytes: &[u8], durable: bool) -> Result<PathBuf> {
     let dfd = fsx::open_dir(dir)?;
-    remove_dead_tmps(dfd.as_fd(), dir, name);
+    // A rank file's temporary (`.<file>.tmp<pid>`, in a step's directory): those of dead
+    // writers go first. Not for the `/dev/shm` names (`<name>.tmp<pid>`), which
+    // `remove_stale` sweeps: no listing of `/dev/shm` on every store.
+    if tmp
+        .strip_prefix('.')
+        .is_some_and(|t| t.starts_with(&format!("{name}.tmp")))
+    {
+        remove_dead_tmps(dfd.as_fd(), dir, name);
+    }
     fsx::unlink_in(dfd.as_fd(), dir, tmp)?;
     let path = dir.join(tmp);
     let res = (|| {
