@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 
 import pytest
 
@@ -15,6 +16,13 @@ import shmckpt
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMALL = 32 << 20  # staging capacity of most tests (the default 2 GiB is pre-faulted)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for a process group, a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pytest_runtest_setup(item):

@@ -7,7 +7,6 @@ per rank) are never compared."""
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -16,15 +15,10 @@ import pytest
 import shmckpt
 from shmckpt import _shmckpt
 import zygote
+from conftest import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "divergence_worker.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(tmp_path, world, flip):

@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import random
-import socket
 import sys
 import time
 
@@ -34,17 +33,12 @@ from shmckpt import _shmckpt
 from shmckpt.replicas import list_replicas, remove_replica
 
 import zygote
+from conftest import free_port
 
 WORKER = str(pathlib.Path(__file__).with_name("gloo_soak_worker.py"))
 WORLD = 2
 #: Seconds an incarnation may take to resume before the job counts as hung.
 HANG = 120.0
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_log(path):

@@ -3,7 +3,6 @@
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,12 @@ from safetensors.torch import load_file
 
 import shmckpt
 
-from conftest import shmckpt_bin
+from conftest import free_port, shmckpt_bin
 from dist_worker import big_state, digest, rank_state
 import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_ranks(tmp_path, tag, world, worker_args):

@@ -26,7 +26,7 @@ import pytest
 import shmckpt
 from shmckpt.errors import ConfigError, RemoteError, RemoteFailed
 
-from conftest import SMALL
+from conftest import SMALL, free_port as _free_port
 import zygote
 
 torch = pytest.importorskip("torch")
@@ -40,12 +40,6 @@ def _require_moto():
         if os.environ.get("SHMCKPT_REQUIRE_S3") == "1":
             pytest.fail(f"SHMCKPT_REQUIRE_S3=1 but moto[server] is not installed: {e}")
         pytest.skip(f"moto[server] is not installed ({e}); set SHMCKPT_REQUIRE_S3=1 to fail instead")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Moto:

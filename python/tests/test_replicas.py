@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ import shmckpt
 from shmckpt import _shmckpt
 from shmckpt.replicas import remove_replica
 
-from conftest import REPO, shmckpt_bin
+from conftest import REPO, free_port, shmckpt_bin
 from test_remote import moto, s3  # noqa: F401  (fixtures)
 from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
 import zygote
@@ -29,12 +28,6 @@ import zygote
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = str(HERE / "replica_worker.py")
 DRILL = REPO / "examples" / "replica_drill.py"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(tmp_path, root, mode, replicas, *steps, tag="run", prefix=None, env=None, codes_want=None):
