@@ -217,6 +217,63 @@ impl Plan {
         })
     }
 
+    /// The plan of a file already laid out: its `header` (the length prefix, the JSON and
+    /// its padding, as staged) and its tensors in file order, `data_offsets` relative to
+    /// the data section, which ends at `file_len`. Used to take over a memory-only save
+    /// that a dead engine staged (`crate::recover`): nothing in it is trusted, so the
+    /// layout is checked: the data section aligned, every tensor's length its dtype and
+    /// shape's, the tensors in order without overlap, inside the file.
+    /// [`Error::Internal`] names what is wrong.
+    pub fn from_layout(
+        header: Vec<u8>,
+        tensors: &[crate::manifest::TensorEntry],
+        file_len: u64,
+    ) -> Result<Plan> {
+        let bad = |why: String| Err(Error::Internal(format!("staged layout: {why}")));
+        let data_start = header.len() as u64;
+        if data_start < 8 || !data_start.is_multiple_of(DATA_ALIGN) || data_start > file_len {
+            return bad(format!(
+                "a header of {data_start} bytes in a file of {file_len}"
+            ));
+        }
+        let mut entries = Vec::with_capacity(tensors.len());
+        let mut end = data_start;
+        for (i, t) in tensors.iter().enumerate() {
+            let [b, e] = t.data_offsets;
+            let (Some(ab), Some(ae)) = (data_start.checked_add(b), data_start.checked_add(e))
+            else {
+                return bad(format!("tensor {:?} lies past the address space", t.name));
+            };
+            if b > e || ab < end || ae > file_len {
+                return bad(format!(
+                    "tensor {:?} at [{b}, {e}) overlaps another or lies outside the data section",
+                    t.name
+                ));
+            }
+            if t.dtype.byte_len(&t.shape) != Some(e - b) {
+                return bad(format!(
+                    "tensor {:?} holds {} bytes, not its dtype and shape's",
+                    t.name,
+                    e - b
+                ));
+            }
+            end = ae;
+            entries.push(Entry {
+                input: i,
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: ab,
+                len: e - b,
+            });
+        }
+        Ok(Plan {
+            header,
+            entries,
+            file_len,
+        })
+    }
+
     /// Header bytes: the 8-byte length, the JSON and its padding. Its length is the offset
     /// of the data section.
     pub fn header(&self) -> &[u8] {

@@ -9,13 +9,15 @@ process, the restart, imports shmckpt and torch (untimed), then times
 
 - ``open``: ``Checkpointer(...)``, which recovers step 2 from the dead engine's arena
   (writes it to disk, fdatasync, commit) and builds its own arena (``plain``), or takes the
-  kept arena over with step 2 as its image, checked by CRC-32C (``flash``);
+  kept arena over in place with step 2 still staged in it and holds step 2 as its own
+  memory-only step, nothing written (``flash``; before 2026-12-05 recovery committed step 2
+  first and the take-over checked it by CRC-32C as the kept image);
   (``Checkpointer.open_timings`` splits it: recovery, the arena, the writers);
 - ``load``: ``load("latest")`` into host memory (``plain``: read back from the file;
   ``flash``: copied from the kept image),
 
-checks every byte of the loaded state against the closed form and that step 2 is on disk,
-and closes. Output: per mode the medians of open, load and their sum, with the spread
+checks every byte of the loaded state against the closed form and that steps 1 and 2 are
+listed (on disk, or held in memory), and closes (``flash``: writing step 2 to disk). Output: per mode the medians of open, load and their sum, with the spread
 (min-max) over the rounds, and the ratio plain / flash of the sums, as JSON and a Markdown
 table.
 

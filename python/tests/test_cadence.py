@@ -170,11 +170,11 @@ _KILLED_KEEP_CHILD = (
 )
 
 
-def test_flash_restore_serves_the_memory_only_step_recovered_after_sigkill(root):
-    """keep_in_memory with a disk cadence: after a SIGKILL, recovery at open commits the
-    memory-only step from the kept arena and keeps it there as the arena's image, so the
-    next checkpointer's load of it is served from memory (checked against the manifest
-    recovery wrote), byte-exact, instead of reading the file back."""
+def test_flash_restore_holds_the_memory_only_step_of_a_sigkilled_checkpointer(root):
+    """keep_in_memory with a disk cadence, same settings: after a SIGKILL, the next
+    checkpointer takes the kept arena over with its memory-only step in place and holds it
+    as its own memory-only step (nothing written at open), served from memory byte-exact;
+    closing writes it to disk."""
     from conftest import remove_arenas_of, shm_arenas_of
 
     here = str(__import__("pathlib").Path(__file__).resolve().parent)
@@ -189,14 +189,20 @@ def test_flash_restore_serves_the_memory_only_step_recovered_after_sigkill(root)
         tuning = shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=1 << 20)
         with shmckpt.Checkpointer(root, keep_in_memory=True, cadence=shmckpt.Cadence(disk_every=10), tuning=tuning) as ck:
             assert ck.recovered == [3]
-            # Step 3 is on disk (recovery wrote it) and in memory (the kept image).
-            assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory", "disk"])]
+            # Step 3 is held in memory, as the dead checkpointer held it: not written yet.
+            assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory"])]
+            assert sorted(q.name for q in root.iterdir() if q.name.startswith("step-")) == ["step-1"]
             assert_state(ck.load("latest"), 3)
             assert ck.last_load_source == ("memory", None)
             assert_state(ck.load(1), 1)
             assert ck.last_load_source[0] == "disk"
-        # Recovery wrote step 3 to disk as well: durable, not only kept in memory.
+        # Closing wrote step 3 to disk: durable, and kept in memory for the next one.
         assert sorted(q.name for q in root.iterdir() if q.name.startswith("step-")) == ["step-1", "step-3"]
+        with shmckpt.Checkpointer(root, keep_in_memory=True, cadence=shmckpt.Cadence(disk_every=10), tuning=tuning) as ck:
+            assert ck.recovered == []
+            assert ck.list(tiers=True) == [(1, ["disk"]), (3, ["memory", "disk"])]
+            assert_state(ck.load("latest"), 3)
+            assert ck.last_load_source == ("memory", None)
     finally:
         remove_arenas_of(root, "kept")
 

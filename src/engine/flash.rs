@@ -25,11 +25,21 @@ use crate::staging::shm::SHM_MOUNT;
 use crate::staging::{Arena, AttachedArena, ChunkLease};
 use crate::tensor::{AlignedBytes, LoadedTensor};
 
-/// A previous engine's committed image, attached read-only, until [`adopt`] consumes it.
+/// A previous engine's committed image, attached read-only, until [`adopt`] consumes it;
+/// or, with `staged`, its newest save that recovery left staged for this engine to hold
+/// in memory ([`crate::recover::Deferred`]), until [`take_over`] takes it.
 #[derive(Debug)]
 pub(crate) struct KeptImage {
     att: AttachedArena,
     slot: SlotView,
+    staged: Option<crate::recover::StagedStep>,
+}
+
+impl KeptImage {
+    /// Whether this is a staged save to hold in memory (not a committed image).
+    pub(crate) fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
 }
 
 /// What [`take_kept`] found.
@@ -43,8 +53,15 @@ pub(crate) struct Taken {
     pub name_free: bool,
 }
 
-/// Look at the kept arena `name` of `root` (canonical) and `rank`.
-pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
+/// Look at the kept arena `name` of `root` (canonical) and `rank`. `deferred`: the save
+/// recovery left staged in it for this engine ([`crate::recover::on_open`]): found there
+/// unchanged, it is the image to take over (the committed image, older, is then given up).
+pub(crate) fn take_kept(
+    name: &str,
+    root: &Path,
+    rank: u32,
+    deferred: Option<&crate::recover::Deferred>,
+) -> Taken {
     let path = Path::new(SHM_MOUNT).join(name);
     let none = |reason: String, name_free: bool| Taken {
         image: None,
@@ -91,6 +108,8 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
     };
     let mut image = None;
     let mut unrecovered = None;
+    let mut staged: Option<crate::recover::StagedStep> = None;
+    let mut staged_view = None;
     let reason = reason.or_else(|| {
         let mut best: Option<SlotView> = None;
         for s in 0..att.slot_count() {
@@ -100,12 +119,20 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
                         best = Some(v);
                     }
                 }
+                Ok(v)
+                    if v.state == slot_state::STAGED
+                        && deferred.is_some_and(|d| d.name == name && d.view == v) =>
+                {
+                    staged = deferred.map(|d| d.staged.clone());
+                    staged_view = Some(v);
+                }
                 Ok(v) if v.state == slot_state::STAGED => unrecovered = Some(v.step),
                 Ok(_) => {}
                 Err(e) => return Some(format!("kept arena {name}: {e}")),
             }
         }
-        match best {
+        // The save left staged for this engine wins over the committed image (older).
+        match staged_view.take().or(best) {
             Some(slot) => {
                 image = Some(slot);
                 None
@@ -131,9 +158,9 @@ pub(crate) fn take_kept(name: &str, root: &Path, rank: u32) -> Taken {
         (Some(slot), None) => {
             // The name stays: the engine takes the segment over under it, or frees it
             // (`KeptImage::release_name`) to copy the image into a new arena.
-            tracing::info!(arena = %name, step = slot.step, "kept arena attached for flash restore");
+            tracing::info!(arena = %name, step = slot.step, staged = staged.is_some(), "kept arena attached for flash restore");
             Taken {
-                image: Some(KeptImage { att, slot }),
+                image: Some(KeptImage { att, slot, staged }),
                 reason: None,
                 name_free: true,
             }
@@ -460,6 +487,9 @@ pub(crate) fn take_over(
     rank: u32,
 ) -> std::result::Result<TakenOver, Box<NotTaken>> {
     let not = |image, why: String| Box::new(NotTaken { image, why });
+    if image.is_staged() {
+        return take_over_staged(image, spec);
+    }
     // The descriptor `take_kept` opened for writing after its checks (the same inode).
     let file = match image.att.writable_file() {
         Ok(f) => f,
@@ -491,7 +521,131 @@ pub(crate) fn take_over(
         )?;
         record(&arena, leases, v, cs, entry, "taken over in place")
     })();
-    Ok(TakenOver { arena, adopted })
+    Ok(TakenOver {
+        arena,
+        adopted,
+        held: None,
+    })
+}
+
+/// [`take_over`] of a kept arena whose newest save recovery left staged for this engine
+/// (`image.staged`): the arena is taken over with that save's slot kept `STAGED` in place
+/// ([`Arena::take_over_keeping`]: at no instant is the save in no descriptor), its chunks
+/// taken out of the pool, and it becomes [`TakenOver::held`], which the engine holds as
+/// its memory-only step. The committed image the arena may also hold (an older step) is
+/// given up.
+fn take_over_staged(
+    image: KeptImage,
+    spec: &crate::staging::ArenaSpec,
+) -> std::result::Result<TakenOver, Box<NotTaken>> {
+    let file = match image.att.writable_file() {
+        Ok(f) => f,
+        Err(e) => {
+            return Err(Box::new(NotTaken {
+                image,
+                why: format!("cannot open it for writing: {e}"),
+            }));
+        }
+    };
+    let geo = image.att.header().geometry;
+    let arena = match Arena::take_over_keeping(spec, geo, file, image.slot.slot) {
+        Ok(a) => a,
+        Err(e) => {
+            return Err(Box::new(NotTaken {
+                image,
+                why: e.to_string(),
+            }));
+        }
+    };
+    arena.enable_keep();
+    let KeptImage {
+        slot: v, staged, ..
+    } = image;
+    let held = match staged {
+        Some(st) => hold_staged(&arena, &v, st),
+        None => Err("no staged save".into()),
+    };
+    if let Err(why) = &held {
+        // Unreachable after `staged_step`'s checks, short of another process of this user
+        // writing the segment: the save is refused, its slot freed before its chunks.
+        tracing::error!(step = v.step, reason = %why, "the staged save taken over cannot be held: it is lost");
+    }
+    Ok(TakenOver {
+        arena,
+        adopted: Err("its newest save is held in memory instead".into()),
+        held: Some(held),
+    })
+}
+
+/// The chunks of staged slot `v` of `arena` (just taken over) out of the pool, its header
+/// compared with the one checked before the take-over, and the plan of its file: the save
+/// to hold in memory. On error the slot is freed (then the chunks go back to the pool).
+fn hold_staged(
+    arena: &Arc<Arena>,
+    v: &SlotView,
+    st: crate::recover::StagedStep,
+) -> std::result::Result<StagedTaken, String> {
+    let cs = arena.chunk_size();
+    let mut leases = Vec::with_capacity(v.chunks.len());
+    let mut problem = None;
+    for &(_, index) in &v.chunks {
+        match arena.take_chunk(index) {
+            Some(l) => leases.push(l),
+            None => {
+                problem = Some(format!("arena chunk {index} is not free"));
+                break;
+            }
+        }
+    }
+    if problem.is_none() {
+        let mut have = Vec::with_capacity(st.header.len());
+        for l in &leases {
+            let n = (st.header.len() - have.len()).min(cs as usize);
+            if n == 0 {
+                break;
+            }
+            have.extend_from_slice(&l.as_slice()[..n]);
+        }
+        if have != st.header {
+            problem = Some("the staged header changed since it was checked".into());
+        }
+    }
+    let plan = match problem {
+        None => crate::plan::Plan::from_layout(st.header, &st.entry.tensors, v.file_len)
+            .map_err(|e| e.to_string()),
+        Some(p) => Err(p),
+    };
+    match plan {
+        Ok(plan) => {
+            tracing::info!(
+                step = v.step,
+                chunks = leases.len(),
+                "a dead engine's staged save is held in memory (taken over in place)"
+            );
+            Ok(StagedTaken {
+                step: v.step,
+                slot: v.slot,
+                plan,
+                metadata: st.metadata,
+                image: Adopted::in_memory(leases, v.step, v.data_start, cs, st.entry),
+            })
+        }
+        Err(why) => {
+            arena.release_slot(v.slot);
+            drop(leases);
+            Err(why)
+        }
+    }
+}
+
+/// A dead engine's fully staged save, taken over in place: the engine holds it as its
+/// memory-only step, in descriptor slot `slot` (`STAGED`).
+pub(crate) struct StagedTaken {
+    pub step: u64,
+    pub slot: u32,
+    pub plan: crate::plan::Plan,
+    pub metadata: crate::manifest::Metadata,
+    pub image: Adopted,
 }
 
 /// A kept arena taken over by [`take_over`].
@@ -500,6 +654,8 @@ pub(crate) struct TakenOver {
     pub arena: Arc<Arena>,
     /// Its image, adopted, or why not.
     pub adopted: std::result::Result<Adopted, String>,
+    /// With a staged save taken over: that save to hold in memory, or why it could not be.
+    pub held: Option<std::result::Result<StagedTaken, String>>,
 }
 
 /// Why [`take_over`] could not, with the image given back.

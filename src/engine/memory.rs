@@ -180,6 +180,34 @@ impl MemoryTier {
         }
     }
 
+    /// A dead engine's staged save, taken over with its arena at open
+    /// ([`super::flash::take_over`]): held as this engine's memory-only step, older than
+    /// every save of this engine (sequence 0; saves begin at 1), so the first disk save to
+    /// commit gives it up, as it would have in the dead engine.
+    pub(super) fn hold_adopted(&self, arena: &Arena, t: super::flash::StagedTaken) {
+        let staged = StagedReport {
+            step: t.step,
+            bytes: t.plan.file_len(),
+            staging: Duration::ZERO,
+            backpressure: Duration::ZERO,
+            registration: Duration::ZERO,
+            snapshot_bytes: 0,
+            snapshot_batched: false,
+        };
+        self.install(
+            arena,
+            MemoryStep {
+                step: t.step,
+                seq: 0,
+                slot: t.slot,
+                plan: t.plan,
+                metadata: t.metadata,
+                staged,
+                image: t.image,
+            },
+        );
+    }
+
     /// A disk save begun as `seq` committed: the memory-only steps held that are older are
     /// given up (a newer step is on disk).
     pub(super) fn committed(&self, arena: &Arena, seq: u64) {

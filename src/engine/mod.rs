@@ -224,8 +224,32 @@ impl Engine {
         // Recovery first: the partial files of the saves it recovers must still be there,
         // and `clean_stale` keeps those of the arenas left unrecovered.
         let mut timings = OpenTimings::default();
+        let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
+        let mut spec = ArenaSpec {
+            name: None,
+            capacity: cfg.staging_capacity,
+            chunk_size: cfg.chunk_size,
+            slots: cfg.arena_slots(),
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            root: root_abs.clone(),
+        };
+        // With flash restore, the newest save of the dead engine's kept arena may be held in
+        // memory by this engine (taken over in place below) instead of written to disk
+        // before the open returns.
+        let adopt = if cfg.keep_in_memory && cfg.recover_on_open {
+            Some(crate::recover::AdoptSpec {
+                name: crate::staging::kept_name(&root_abs, cfg.rank),
+                geometry: Arena::geometry(&spec)?,
+                world_size: cfg.world_size,
+                session: cfg.session.clone(),
+            })
+        } else {
+            None
+        };
         let t = Instant::now();
-        let mut recovery = crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open);
+        let mut recovery =
+            crate::recover::on_open(&cfg.root, cfg.rank, cfg.recover_on_open, adopt.as_ref());
         timings.recovery = t.elapsed();
         let t = Instant::now();
         // Stale directories leave the step namespace here; their files are removed behind
@@ -241,14 +265,45 @@ impl Engine {
                 ARENA_COUNTER.fetch_add(1, Ordering::Relaxed)
             )
         };
-        let root_abs = std::fs::canonicalize(&cfg.root).unwrap_or_else(|_| cfg.root.clone());
         // Flash restore: take over what a previous engine of this root and rank kept.
         let mut keep = false;
         let mut kept_image = None;
         let mut kept_note = None;
+        let mut taken_over = None;
+        let mut held_step = None;
         let name = if cfg.keep_in_memory {
             let stable = crate::staging::kept_name(&root_abs, cfg.rank);
-            let taken = flash::take_kept(&stable, &root_abs, cfg.rank);
+            let mut taken =
+                flash::take_kept(&stable, &root_abs, cfg.rank, recovery.deferred.as_ref());
+            if recovery.deferred.is_some() {
+                // The save recovery left staged is taken over now, in place, or committed
+                // as recovery would have (then the arena is looked at again).
+                let over = match taken.image.take() {
+                    Some(image) if image.is_staged() => {
+                        let mut named = spec.clone();
+                        named.name = Some(stable.clone());
+                        match flash::take_over(image, &named, &root_abs, cfg.rank) {
+                            Ok(t) => Some(t),
+                            Err(not) => {
+                                tracing::warn!(reason = %not.why, "the dead engine's arena cannot be taken over: its staged save is recovered to disk");
+                                None
+                            }
+                        }
+                    }
+                    _ => None,
+                };
+                match over {
+                    Some(t) => {
+                        taken_over = Some(t.arena);
+                        held_step = t.held;
+                        recovery.deferred = None;
+                    }
+                    None => {
+                        recovery.recover_deferred(&cfg.root);
+                        taken = flash::take_kept(&stable, &root_abs, cfg.rank, None);
+                    }
+                }
+            }
             kept_image = taken.image;
             kept_note = taken.reason;
             if taken.name_free {
@@ -262,19 +317,10 @@ impl Engine {
             cfg.shm_name.clone().unwrap_or_else(private_name)
         };
         let t = Instant::now();
-        let mut spec = ArenaSpec {
-            name: Some(name),
-            capacity: cfg.staging_capacity,
-            chunk_size: cfg.chunk_size,
-            slots: cfg.arena_slots(),
-            rank: cfg.rank,
-            world_size: cfg.world_size,
-            root: root_abs.clone(),
-        };
+        spec.name = Some(name);
         // A kept arena of this engine's layout becomes this engine's arena, image in place;
         // otherwise its image is copied into a new arena below.
         let mut adoption = None;
-        let mut taken_over = None;
         if let Some(image) = kept_image.take() {
             match flash::take_over(image, &spec, &root_abs, cfg.rank) {
                 Ok(t) => {
@@ -338,6 +384,14 @@ impl Engine {
         // waits on the bucket or on a partner beyond the chunks in flight. One hook for both.
         let held = Arc::new(crate::staging::held::HeldImages::default());
         let memory = Arc::new(memory::MemoryTier::new(cfg.memory_steps));
+        match held_step {
+            Some(Ok(step)) => {
+                recovery.held = Some(step.step);
+                memory.hold_adopted(&arena, step);
+            }
+            Some(Err(why)) => kept_note = Some(why),
+            None => {}
+        }
         {
             let held = Arc::downgrade(&held);
             let mem = Arc::downgrade(&memory);
@@ -475,13 +529,17 @@ impl Engine {
     }
 
     /// The steps that recovery at open committed from dead engines' staging arenas (the
-    /// crashed trainer's saves that had returned from `save`), oldest first.
+    /// crashed trainer's saves that had returned from `save`), and the one this engine took
+    /// over in memory instead (flash restore, [`crate::recover::SlotOutcome::Adopted`]:
+    /// held as its memory-only step, on disk with its next disk save or at close), oldest
+    /// first.
     pub fn recovered_steps(&self) -> Vec<u64> {
         let mut steps: Vec<u64> = self
             .recovery
             .reports
             .iter()
             .flat_map(crate::recover::RecoveryReport::committed_steps)
+            .chain(self.recovery.held)
             .collect();
         steps.sort_unstable();
         steps.dedup();

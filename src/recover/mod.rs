@@ -38,6 +38,7 @@ pub use inspect::{
 pub use report::{RecoveryReport, SlotOutcome, SlotRecovery};
 
 use inspect::{details_of, owner_status, used_slots};
+pub(crate) use rebuild::StagedStep;
 use rebuild::recover_slot;
 
 /// Options of [`recover_arena_with`] and [`recover_root_with`].
@@ -76,7 +77,7 @@ pub fn recover_arena_with(
     root_override: Option<&Path>,
     opts: RecoverOptions,
 ) -> Result<RecoveryReport> {
-    recover_impl(name, root_override, LockPolicy::Take, opts, None)
+    recover_impl(name, root_override, LockPolicy::Take, opts, None, None)
 }
 
 /// Recover every arena recorded for checkpoint root `root` (and `rank`, when given) whose
@@ -102,7 +103,7 @@ pub fn recover_root_with(
                     reason: "its owner is alive and uses it".into(),
                 })
             } else {
-                recover_impl(&name, Some(root), LockPolicy::Take, opts, None)
+                recover_impl(&name, Some(root), LockPolicy::Take, opts, None, None)
             };
             (name, r)
         })
@@ -144,9 +145,38 @@ fn arenas_of(root: &Path, rank: Option<u32>, opts: RecoverOptions) -> Vec<(Strin
     found.into_iter().map(|(_, n, u)| (n, u)).collect()
 }
 
+/// What an engine being opened can take over from its dead predecessor ([`on_open`]):
+/// flash restore's arena `name` of its root and rank, when its layout is the one the
+/// engine would create and it saved for the same world size and session. Its newest save,
+/// when fully staged and newer than every other save in it, is then left staged
+/// ([`SlotOutcome::Adopted`]) for the engine to hold as its memory-only step instead of
+/// being written to disk before the open returns.
+#[derive(Debug, Clone)]
+pub(crate) struct AdoptSpec {
+    pub(crate) name: String,
+    pub(crate) geometry: crate::staging::descriptor::Geometry,
+    pub(crate) world_size: u32,
+    pub(crate) session: Option<String>,
+}
+
+/// A save [`on_open`] left staged in arena `name` for the engine to adopt: its slot as read
+/// then, and its layout, read and checked.
+#[derive(Debug, Clone)]
+pub(crate) struct Deferred {
+    pub(crate) name: String,
+    pub(crate) view: crate::staging::descriptor::SlotView,
+    pub(crate) staged: StagedStep,
+}
+
 /// What [`crate::Engine::open`] recovered from dead engines' arenas.
 #[derive(Debug, Default)]
 pub(crate) struct OpenRecovery {
+    /// A save left staged for the engine to adopt (its report's outcome
+    /// [`SlotOutcome::Adopted`]); [`OpenRecovery::recover_deferred`] commits it instead
+    /// when the engine cannot take it over.
+    pub(crate) deferred: Option<Deferred>,
+    /// The step the engine took over and holds in memory (the deferred save, held).
+    pub(crate) held: Option<u64>,
     /// One report per arena recovery handled.
     pub(crate) reports: Vec<RecoveryReport>,
     /// Arenas of dead engines of the root and rank still holding saves to recover.
@@ -160,6 +190,46 @@ impl OpenRecovery {
     /// Whether removed arenas' memory may still be being freed.
     pub(crate) fn is_freeing(&self) -> bool {
         !self.freeing.is_empty()
+    }
+
+    /// The deferred save could not be taken over: recover its arena now, as without
+    /// adoption (its newest recovered step becomes the kept image), and report the slot's
+    /// real outcome in place of [`SlotOutcome::Adopted`].
+    pub(crate) fn recover_deferred(&mut self, root: &Path) {
+        let Some(d) = self.deferred.take() else {
+            return;
+        };
+        let r = recover_impl(
+            &d.name,
+            Some(root),
+            LockPolicy::Held,
+            RecoverOptions::default(),
+            Some(&mut self.freeing),
+            None,
+        );
+        let Some(prev) = self.reports.iter_mut().find(|r| r.arena == d.name) else {
+            return;
+        };
+        match r {
+            Ok(r) => {
+                for s in r.slots {
+                    match prev.slots.iter_mut().find(|p| p.slot == s.slot) {
+                        Some(p) => p.outcome = s.outcome,
+                        None => prev.slots.push(s),
+                    }
+                }
+                prev.kept = r.kept;
+                prev.removed = r.removed;
+            }
+            Err(e) => {
+                tracing::warn!(arena = %d.name, error = %e, "staging arena not recovered");
+                for p in prev.slots.iter_mut().filter(|p| p.slot == d.view.slot) {
+                    p.outcome = SlotOutcome::Refused {
+                        reason: format!("not taken over, and not recovered: {e}"),
+                    };
+                }
+            }
+        }
     }
 
     /// Wait until the removed arenas' memory is free (an arena that did not fit in
@@ -187,7 +257,15 @@ fn free_behind(att: AttachedArena, freeing: &mut Vec<std::thread::JoinHandle<()>
 /// directories are cleaned. With `recover` on, recover the arenas of dead engines of this
 /// root and rank, and log what happened; either way, name (and log) the dead engines'
 /// arenas left holding saves to recover (recovery off, or failed for them).
-pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
+///
+/// With `adopt`, the newest save of that kept arena may be left staged for the engine
+/// ([`AdoptSpec`], [`OpenRecovery::deferred`]).
+pub(crate) fn on_open(
+    root: &Path,
+    rank: u32,
+    recover: bool,
+    adopt: Option<&AdoptSpec>,
+) -> OpenRecovery {
     let mut out = OpenRecovery::default();
     for (name, in_use) in arenas_of(root, Some(rank), RecoverOptions::default()) {
         if in_use {
@@ -197,13 +275,22 @@ pub(crate) fn on_open(root: &Path, rank: u32, recover: bool) -> OpenRecovery {
         if !recover {
             continue;
         }
-        match recover_impl(
+        let mut deferred = None;
+        let defer = adopt
+            .filter(|a| a.name == name && out.deferred.is_none())
+            .map(|a| (a, &mut deferred));
+        let r = recover_impl(
             &name,
             Some(root),
             LockPolicy::Held,
             RecoverOptions::default(),
             Some(&mut out.freeing),
-        ) {
+            defer,
+        );
+        if deferred.is_some() {
+            out.deferred = deferred;
+        }
+        match r {
             Ok(r) => out.reports.push(r),
             Err(e) => tracing::warn!(arena = %name, error = %e, "staging arena not recovered"),
         }
@@ -389,13 +476,15 @@ fn refuse(name: &str, reason: impl Into<String>) -> Error {
 }
 
 /// `freeing`: where the open keeps the threads freeing a removed arena's memory (`None`:
-/// freed before returning).
+/// freed before returning). `defer`: the save an opening engine can adopt is left staged
+/// and described there ([`adoptable`]).
 fn recover_impl(
     name: &str,
     root_override: Option<&Path>,
     lock: LockPolicy,
     opts: RecoverOptions,
     freeing: Option<&mut Vec<std::thread::JoinHandle<()>>>,
+    defer: Option<(&AdoptSpec, &mut Option<Deferred>)>,
 ) -> Result<RecoveryReport> {
     let att = AttachedArena::open_with(
         name,
@@ -455,7 +544,27 @@ fn recover_impl(
                 Err(e) => return Err(e),
             },
         };
+        let adopted = defer.and_then(|(spec, out)| {
+            let (view, staged) = adoptable(&att, &h, &root, &slots, spec)?;
+            let slot = view.slot;
+            *out = Some(Deferred {
+                name: name.to_owned(),
+                view,
+                staged,
+            });
+            Some(slot)
+        });
         for v in &slots {
+            if adopted == Some(v.slot) {
+                tracing::info!(arena = %name, step = v.step, "staged save left for the opening engine to hold in memory");
+                report.slots.push(SlotRecovery {
+                    slot: v.slot,
+                    step: v.step,
+                    state: SlotState::from_raw(v.state),
+                    outcome: SlotOutcome::Adopted,
+                });
+                continue;
+            }
             let outcome = recover_slot(&att, &h, &root, v);
             log_outcome(name, v.step, &outcome);
             if matches!(
@@ -482,7 +591,11 @@ fn recover_impl(
         .iter()
         .filter(|s| matches!(s.outcome, SlotOutcome::Failed { .. }))
         .count();
-    let kept_step = if failed == 0 && crate::staging::is_kept_name(name) {
+    let adopting = report
+        .slots
+        .iter()
+        .any(|s| matches!(s.outcome, SlotOutcome::Adopted));
+    let kept_step = if failed == 0 && !adopting && crate::staging::is_kept_name(name) {
         keep_newest_recovered(&att, name, &slots, &report)
     } else {
         None
@@ -499,6 +612,9 @@ fn recover_impl(
         // Flash restore's arena: its committed image stays for the next engine (`shmckpt
         // shm rm` removes it).
         report.kept = Some(match kept_step {
+            None if adopting => {
+                "taken over by the opening engine, its newest save held in memory".into()
+            }
             Some(step) => format!(
                 "kept for flash restore, with recovered step {step} as its image (`shmckpt shm rm` removes it)"
             ),
@@ -531,6 +647,47 @@ fn recover_impl(
         free_behind(att, freeing);
     }
     Ok(report)
+}
+
+/// The save of `slots` (the used slots of `att`, header `h`, sorted by step) an opening
+/// engine can hold in memory instead of recovery committing it ([`AdoptSpec`]): the arena
+/// is `spec`'s (layout, world size); the newest slot is the only one of its step, fully
+/// staged and checked ([`rebuild::staged_step`]), of `spec`'s session, and nothing exists
+/// under its step's name in `root` (a committed step is recovery's to report).
+fn adoptable(
+    att: &AttachedArena,
+    h: &crate::staging::descriptor::HeaderView,
+    root: &Path,
+    slots: &[crate::staging::descriptor::SlotView],
+    spec: &AdoptSpec,
+) -> Option<(crate::staging::descriptor::SlotView, StagedStep)> {
+    if h.geometry != spec.geometry || h.world_size != spec.world_size {
+        return None;
+    }
+    let v = slots.last()?;
+    if slots.iter().filter(|x| x.step == v.step).count() != 1 {
+        return None;
+    }
+    let why = match rebuild::staged_step(att, h, v).and_then(|st| {
+        crate::plan::Plan::from_layout(st.header.clone(), &st.entry.tensors, v.file_len)
+            .map(|_| st)
+            .map_err(|e| e.to_string())
+    }) {
+        Ok(st) if st.entry.session == spec.session => {
+            let name = crate::manifest::step_dir_name(v.step);
+            let free = crate::fsx::open_dir(root)
+                .and_then(|d| crate::fsx::entry_kind(std::os::fd::AsFd::as_fd(&d), root, &name))
+                .is_ok_and(|k| k.is_none());
+            if free {
+                return Some((v.clone(), st));
+            }
+            format!("{name} exists")
+        }
+        Ok(_) => "saved by another session".into(),
+        Err(why) => why,
+    };
+    tracing::debug!(step = v.step, reason = %why, "staged save not adoptable: recovered to disk");
+    None
 }
 
 /// Flash restore's arena `name`, every save in it recovered: the newest step committed from
@@ -603,6 +760,13 @@ fn log_outcome(arena: &str, step: u64, o: &SlotOutcome) {
         }
         SlotOutcome::AlreadyCommitted { dir } => {
             tracing::info!(arena, step, dir = %dir.display(), "step was already committed")
+        }
+        SlotOutcome::Adopted => {
+            tracing::info!(
+                arena,
+                step,
+                "staged save held in memory by the opening engine"
+            )
         }
         SlotOutcome::Refused { reason } => {
             tracing::warn!(arena, step, reason = %reason, "staged save cannot be recovered")

@@ -221,6 +221,69 @@ pub(super) fn recover_slot(
     outcome
 }
 
+/// A fully staged save read from a dead engine's arena, checked, for an engine that takes
+/// the arena over and holds the save as its memory-only step instead of committing it
+/// (`crate::recover::Deferred`).
+#[derive(Debug, Clone)]
+pub(crate) struct StagedStep {
+    /// The file's first `data_start` bytes, as staged.
+    pub(crate) header: Vec<u8>,
+    /// This rank's manifest entry (checksums 0: computed when the step goes to disk).
+    pub(crate) entry: FileEntry,
+    /// The user metadata of the save.
+    pub(crate) metadata: Metadata,
+}
+
+/// Slot `v` of `att` (header `h`), read and checked as [`recover_slot`] checks a slot, for
+/// a take-over: `STAGED` with every chunk still in staging (`STAGED`, none written: a
+/// memory-only save, or a disk save whose writes had not begun), each in its own arena
+/// chunk of range, the descriptor consistent, the staged header this save's. The error
+/// says why not (recovery then commits the slot as usual).
+pub(crate) fn staged_step(
+    att: &AttachedArena,
+    h: &HeaderView,
+    v: &SlotView,
+) -> std::result::Result<StagedStep, String> {
+    let cs = h.geometry.chunk_size;
+    if v.state != crate::staging::descriptor::slot_state::STAGED {
+        return Err(format!("slot {} is not staged", v.slot));
+    }
+    if h.world_size == 0
+        || h.rank >= h.world_size
+        || v.partial_dir != partial_dir_name(v.step)
+        || v.file_name != rank_file_name(h.rank, h.world_size)
+        || v.chunks.is_empty()
+        || v.chunks.len() as u64 != v.file_len.div_ceil(cs)
+        || v.data_start < 8
+        || v.data_start > v.file_len
+        || !v.data_start.is_multiple_of(DATA_ALIGN)
+    {
+        return Err(format!("the descriptor of step {} is inconsistent", v.step));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for &(state, idx) in &v.chunks {
+        if state != chunk_state::STAGED {
+            return Err(format!("step {} had chunks written to disk", v.step));
+        }
+        if u64::from(idx) >= h.geometry.n_chunks || !seen.insert(idx) {
+            return Err(format!(
+                "step {} names arena chunk {idx} twice or past the arena",
+                v.step
+            ));
+        }
+    }
+    let path = Path::new(crate::staging::shm::SHM_MOUNT).join(att.name());
+    // Every chunk is staged: the header is read from the arena alone.
+    let header = read_header(att, None, &path, v, cs).map_err(|e| e.to_string())?;
+    let d = parse_header(&header, &path, v, h.rank, h.world_size).map_err(|e| e.to_string())?;
+    d.entry.validate(&path).map_err(|e| e.to_string())?;
+    Ok(StagedStep {
+        header,
+        entry: d.entry,
+        metadata: d.metadata,
+    })
+}
+
 /// Write what staging holds into the partial file, make it exact and durable, describe it
 /// and commit it.
 fn rebuild_and_commit(
@@ -305,7 +368,7 @@ fn rebuild_and_commit(
 
     // The staged header first (from staging, or from the file for chunks written before
     // the crash): the tensors it lays out are checksummed while their bytes are copied.
-    let described = match read_header(att, &file, path, v, cs)
+    let described = match read_header(att, Some(&file), path, v, cs)
         .and_then(|hdr| parse_header(&hdr, path, v, h.rank, h.world_size))
     {
         Ok(d) => d,
@@ -416,7 +479,7 @@ fn rebuild_and_commit(
 /// partial file (`WRITTEN` before the crash).
 fn read_header(
     att: &AttachedArena,
-    file: &File,
+    file: Option<&File>,
     path: &Path,
     v: &SlotView,
     cs: u64,
@@ -441,9 +504,17 @@ fn read_header(
                     arena: att.name().to_owned(),
                     reason: format!("arena chunk {idx} cannot be read"),
                 })?,
-            _ => file
-                .read_exact_at(buf, at)
-                .map_err(|e| Error::io_at("read", path, at, e))?,
+            _ => match file {
+                Some(file) => file
+                    .read_exact_at(buf, at)
+                    .map_err(|e| Error::io_at("read", path, at, e))?,
+                None => {
+                    return Err(Error::Recovery {
+                        arena: att.name().to_owned(),
+                        reason: format!("header chunk {k} is not staged"),
+                    });
+                }
+            },
         }
         at = to;
     }

@@ -37,6 +37,12 @@ pub enum SlotOutcome {
         /// Why.
         reason: String,
     },
+    /// Left staged for the engine being opened (flash restore with
+    /// `EngineConfig::with_keep_in_memory`), which takes the arena over and holds the save
+    /// as its memory-only step, as the dead engine did: loads serve it from memory, a
+    /// crash leaves it staged for the next open, and it reaches the disk with the engine's
+    /// next disk save (which supersedes it) or at close. Only an engine's open reports it.
+    Adopted,
     /// An I/O error, or an entry in the way that recovery never writes through (a link, a
     /// FIFO, a file where a directory belongs: [`Error::UnsafePath`]), stopped recovery of
     /// this save; the arena is kept so it can be retried once the cause is removed.
@@ -90,6 +96,16 @@ impl RecoveryReport {
         self.slots
             .iter()
             .filter(|s| matches!(s.outcome, SlotOutcome::Committed { .. }))
+            .map(|s| s.step)
+            .collect()
+    }
+
+    /// The steps left staged for the opening engine, which holds them in memory
+    /// ([`SlotOutcome::Adopted`]).
+    pub fn adopted_steps(&self) -> Vec<u64> {
+        self.slots
+            .iter()
+            .filter(|s| matches!(s.outcome, SlotOutcome::Adopted))
             .map(|s| s.step)
             .collect()
     }

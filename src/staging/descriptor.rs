@@ -267,6 +267,16 @@ impl<'a> Descriptor<'a> {
         }
     }
 
+    /// Make this process the owner of a dead engine's arena taken over with its saves in
+    /// place (`Mapped::take_over_keeping`): the owner's pid stored first (a crash from here
+    /// on leaves an arena whose owner is dead, which recovery handles as any), the clean
+    /// close mark cleared.
+    pub fn claim(&self, pid: u32) {
+        let h = self.header();
+        h.owner_pid.store(pid, Ordering::Release);
+        h.closed.store(0, Ordering::Release);
+    }
+
     /// Mark the arena as cleanly closed.
     pub fn mark_closed(&self) {
         self.header().closed.store(1, Ordering::Release);

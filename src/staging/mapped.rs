@@ -44,6 +44,39 @@ impl Mapped {
         Mapped::describe(seg, geo, rank, world_size, root, true)
     }
 
+    /// Take over `seg`, a dead engine's kept arena of this user whose geometry, rank, world
+    /// size and root are `geo`, `rank`, `world_size` and `root` (checked by the caller
+    /// against its descriptor and size), keeping the save in slot `keep` exactly where it
+    /// is: unlike [`Mapped::take_over`] nothing is zeroed (the save stays `STAGED` in the
+    /// descriptor at every instant, so a crash during the take-over leaves it recoverable);
+    /// the descriptor is claimed for this process (`Descriptor::claim`) and every other
+    /// slot marked free. The same conditions on the previous owner as for
+    /// [`Mapped::take_over`].
+    pub fn take_over_keeping(
+        seg: Segment,
+        geo: Geometry,
+        root: &[u8],
+        keep: u32,
+    ) -> Result<Mapped> {
+        if (seg.mapped_len() as u64) < geo.total_len
+            || geo.root_len != root.len() as u64
+            || keep >= geo.n_slots
+        {
+            return Err(Error::Config(format!(
+                "segment of {} bytes does not fit geometry {:?} (slot {keep})",
+                seg.mapped_len(),
+                geo
+            )));
+        }
+        let map = Mapped { seg, geo };
+        let d = map.descriptor();
+        d.claim(std::process::id());
+        for s in (0..geo.n_slots).filter(|&s| s != keep) {
+            d.free(s);
+        }
+        Ok(map)
+    }
+
     /// Check that `seg` fits `geo` and `root`, zero its descriptor region when `zero` (a
     /// segment taken over; a new one is zero-filled already), and initialise it.
     fn describe(
@@ -92,8 +125,10 @@ impl Mapped {
 
     /// The descriptor, borrowed from the mapping.
     pub fn descriptor(&self) -> Descriptor<'_> {
-        // SAFETY: `init` initialised the descriptor at the start of the segment with
-        // `self.geo`; the segment stays mapped while `self` lives, which the returned value
+        // SAFETY: the descriptor at the start of the segment was initialised with
+        // `self.geo`: by `init`/`take_over`, or, for `take_over_keeping`, by the dead engine
+        // whose header the caller parsed and checked (magic, version, this geometry) before
+        // mapping it; the segment stays mapped while `self` lives, which the returned value
         // borrows.
         unsafe { Descriptor::from_mapping(self.seg.as_ptr(), self.geo) }
     }

@@ -200,8 +200,42 @@ impl Arena {
         Ok(Arena::from_mapped(map, geo, spec, true))
     }
 
+    /// [`Arena::take_over`], keeping the save in descriptor slot `keep` (a dead engine's
+    /// fully staged save, which the engine holds as its memory-only step): nothing of the
+    /// descriptor is zeroed, the slot stays `STAGED` and out of the slot pool (the caller
+    /// takes its chunks out of the chunk pool with [`Arena::take_chunk`] and gives the
+    /// slot back with [`Arena::release_slot`]); every other slot is freed
+    /// (`Mapped::take_over_keeping`). The caller checked that `spec`'s rank, world size and
+    /// root are the arena's.
+    pub fn take_over_keeping(
+        spec: &ArenaSpec,
+        kept: Geometry,
+        file: std::fs::File,
+        keep: u32,
+    ) -> Result<Arc<Arena>> {
+        let geo = Arena::geometry(spec)?;
+        if geo != kept {
+            return Err(Error::Config(format!(
+                "the kept arena's layout {kept:?} is not this engine's {geo:?}"
+            )));
+        }
+        let name = spec
+            .name
+            .as_deref()
+            .ok_or_else(|| Error::Config("only a named arena can be taken over".into()))?;
+        let seg = Segment::map_existing(name, file, geo.total_len as usize)?;
+        let map = Mapped::take_over_keeping(seg, geo, root_bytes(spec), keep)?;
+        let arena = Arena::from_mapped(map, geo, spec, true);
+        arena
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|&s| s != keep);
+        Ok(arena)
+    }
+
     /// The layout `spec` asks for, checked.
-    fn geometry(spec: &ArenaSpec) -> Result<Geometry> {
+    pub(crate) fn geometry(spec: &ArenaSpec) -> Result<Geometry> {
         if spec.chunk_size == 0 || !spec.chunk_size.is_multiple_of(descriptor::PAGE as u64) {
             return Err(Error::Config(format!(
                 "chunk size {} is not a positive multiple of 4096",

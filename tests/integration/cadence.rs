@@ -580,17 +580,37 @@ fn child_keep_memory_only() {
     sigkill_self();
 }
 
+/// Child: flash restore on, after `child_keep_memory_only` died: the open takes the dead
+/// engine's memory-only step 3 over (held in memory, not written), then death by SIGKILL
+/// before anything else.
+fn child_adopt_then_die() {
+    let root = env_path(ROOT_ENV);
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(10))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    assert_eq!(e.recovered_steps(), [3]);
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box(&e);
+    sigkill_self();
+}
+
 const ROLES: &[Role] = &[
     ("child_memory_only", child_memory_only),
     ("child_memory_steps", child_memory_steps),
     ("child_keep_memory_only", child_keep_memory_only),
+    ("child_adopt_then_die", child_adopt_then_die),
 ];
 
-/// Flash restore with a disk cadence: recovery at open commits the memory-only step from
-/// the kept arena and keeps it there as the arena's image, so the next engine serves it
-/// from memory (checked against the manifest recovery wrote), byte-exact.
+/// Flash restore with a disk cadence, of the same layout: the open takes the dead engine's
+/// kept arena over with its memory-only step in place and holds it as its own memory-only
+/// step (nothing written before the open returns), served from memory byte-exact; a
+/// SIGKILL right after that open leaves it staged for the next one, which takes it over
+/// again; `close` writes it to disk.
 #[test]
-fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
+fn flash_restore_holds_the_memory_only_step_of_a_sigkilled_engine_in_memory() {
     if run_role(ROLES) {
         return;
     }
@@ -604,12 +624,17 @@ fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
         "nothing wrote step 3 before the crash"
     );
     assert!(shm_exists(&kept.0), "the kept arena survives the crash");
-    let e = Engine::open(
-        cadence_config(root, DiskCadence::Every(10))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    // Killed again right after an open that took step 3 over.
+    run_child("child_adopt_then_die", root, "unused");
+    let open = || {
+        Engine::open(
+            cadence_config(root, DiskCadence::Every(10))
+                .with_staging_capacity(1 << 20)
+                .with_keep_in_memory(true),
+        )
+        .unwrap()
+    };
+    let e = open();
     assert_eq!(e.recovered_steps(), [3]);
     let t = e.open_timings();
     assert!(
@@ -617,11 +642,53 @@ fn flash_restore_serves_the_memory_only_step_recovered_after_sigkill() {
             && t.recovery + t.clean + t.arena + t.writers <= t.total,
         "the open's phases are parts of it, recovery among them: {t:?}"
     );
-    assert_eq!(committed(root), [1, 3], "recovery made step 3 durable");
+    assert_eq!(committed(root), [1], "step 3 stays in memory");
+    assert_eq!(
+        tiers(&e),
+        [(1, false, true, false), (3, true, false, false)]
+    );
     assert_latest_from(&e, 3, LoadSource::Memory);
     let (ck, report) = load_with_report(&e, StepSel::Step(1)).unwrap();
     assert_eq!((report.step, report.source), (1, LoadSource::Disk));
     assert_loaded_equal(&ck, &step_state(1));
+    e.close();
+    assert_eq!(committed(root), [1, 3], "close wrote the held step");
+    assert_step_is_exact(root, 3);
+    // The next engine serves step 3 from the kept arena (the committed image now).
+    let e = open();
+    assert!(e.recovered_steps().is_empty());
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    // The next save goes to disk (the first of an engine) and supersedes it.
+    let r4 = save_step(&e, 4);
+    assert!(!r4.memory_only, "{r4:?}");
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
+    assert_step_is_exact(root, 4);
+}
+
+/// Flash restore with a disk cadence, an engine of another layout (a larger arena): the
+/// dead engine's arena cannot be taken over in place, so recovery at open commits its
+/// memory-only step and keeps it as the kept arena's image, which the new engine copies
+/// into its own arena (checked against the manifest recovery wrote), byte-exact.
+#[test]
+fn flash_restore_of_another_layout_commits_the_memory_only_step_and_serves_it() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-kill-layout");
+    let root = dir.path();
+    let _kept = ShmGuard(kept_arena_name(root));
+    run_child("child_keep_memory_only", root, "unused");
+    assert_eq!(committed(root), [1]);
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(10))
+            .with_staging_capacity(2 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    assert_eq!(e.recovered_steps(), [3]);
+    assert_eq!(committed(root), [1, 3], "recovery made step 3 durable");
+    assert_latest_from(&e, 3, LoadSource::Memory);
     e.close();
     assert_step_is_exact(root, 3);
 }

@@ -345,7 +345,17 @@ fn child_trainer() {
         Ok(e) => e,
         Err(e) => fail(&format!("Engine::open: {e}")),
     };
-    emit(&format!("OPENED {:?}", engine.recovered_steps()));
+    // The step the open took over from the dead engine's kept arena and holds in memory
+    // (not durable: a machine loss takes it).
+    let held: Vec<u64> = engine
+        .recovered()
+        .iter()
+        .flat_map(shmckpt::recover::RecoveryReport::adopted_steps)
+        .collect();
+    emit(&format!(
+        "OPENED {:?} held {held:?}",
+        engine.recovered_steps()
+    ));
     if replica {
         let stop = (point == "restore").then_some(delay as usize);
         if let Err(e) = repair(&root, stop, true) {
@@ -592,6 +602,9 @@ struct Tally {
     memory_saves: u64,
     memory_resumes: u64,
     flash_resumes: u64,
+    /// The tiered lane: opens that took the dead trainer's memory-only step over in
+    /// memory (flash restore, the same session) instead of committing it.
+    held_opens: u64,
     /// The bucket lane: uploads reported committed in the bucket.
     uploads: u64,
     /// The replica lane: replicas reported sealed, machine losses that took the rank's
@@ -667,6 +680,9 @@ struct Lane {
     /// the next incarnation must resume at or after unless the machine was lost.
     tiered: bool,
     mem_hwm: Option<u64>,
+    /// The step the current incarnation's open took over in memory, not durable (the
+    /// tiered lane with flash restore and the same session: `SlotOutcome::Adopted`).
+    held: Option<u64>,
     /// The bucket lane: its bucket's directory (every committed save uploaded there), and
     /// the newest step some trainer reported uploaded (committed in the bucket).
     bucket: Option<PathBuf>,
@@ -964,7 +980,13 @@ impl Lane {
         } else {
             (1, 0)
         };
-        let session = format!("soak-{:016x}", splitmix(&mut self.rng));
+        // One rank: no other rank's part to keep apart, and the tiered lane keeps one
+        // session, so flash restore takes a dead trainer's memory-only step over in place.
+        let session = if self.tiered && self.world == 1 {
+            "soak-tiered".to_owned()
+        } else {
+            format!("soak-{:016x}", splitmix(&mut self.rng))
+        };
         let mut kids = Vec::new();
         for rank in 0..self.world {
             let point = if Some(rank) == aimed_rank {
@@ -1154,6 +1176,14 @@ impl Lane {
                             failed_now.push(s as u64);
                             soak.add(Class::IoError, 1);
                         }
+                        ("OPENED", _) => {
+                            self.held = m
+                                .split_once(" held [")
+                                .and_then(|(_, r)| r.trim_end_matches(']').parse::<u64>().ok());
+                            if self.held.is_some() {
+                                soak.tally.lock().unwrap().held_opens += 1;
+                            }
+                        }
                         ("LATEST", Some(l)) => {
                             let l = (l >= 0).then_some(l as u64);
                             if let Some(h) = self.hwm
@@ -1182,11 +1212,15 @@ impl Lane {
                             if self.tiered
                                 && let Some(l) = l
                             {
-                                // Committed by recovery if it was memory-only: durable now.
                                 if self.hwm.is_none_or(|h| h < l) {
                                     soak.tally.lock().unwrap().memory_resumes += 1;
                                 }
-                                self.hwm = Some(self.hwm.map_or(l, |h| h.max(l)));
+                                // Committed by recovery if it was memory-only: durable now;
+                                // unless the open holds it in memory (a machine loss takes
+                                // it, as it would have the dead trainer's).
+                                if self.held != Some(l) {
+                                    self.hwm = Some(self.hwm.map_or(l, |h| h.max(l)));
+                                }
                             }
                             seen_start =
                                 Some(seen_start.map_or(l.map_or(1, |l| l + 1), |s| {
@@ -1419,6 +1453,7 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
         hwm: None,
         tiered: kind == LaneKind::Tiered,
         mem_hwm: None,
+        held: None,
         bucket: (kind == LaneKind::Bucket).then(|| dir.path().join("bucket")),
         up_hwm: None,
         replica: kind == LaneKind::Replica,
@@ -1662,8 +1697,8 @@ fn chaos_soak() {
         tally.landed
     );
     println!(
-        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore)",
-        tally.memory_saves, tally.memory_resumes, tally.flash_resumes
+        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore), {} opens that held the dead trainer's memory-only step in memory (taken over in place)",
+        tally.memory_saves, tally.memory_resumes, tally.flash_resumes, tally.held_opens
     );
     println!(
         "soak: bucket lane: {} uploads reported committed in the bucket; after every fault its listed steps loaded through the remote tier and compared bit for bit",

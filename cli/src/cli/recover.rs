@@ -92,7 +92,8 @@ pub fn run(a: RecoverArgs) -> CliResult {
 }
 
 /// One arena's report as JSON (the fields of [`RecoveryReport`]; each slot's `outcome` is
-/// `committed`, `awaiting_ranks`, `already_committed`, `refused` or `failed`).
+/// `committed`, `awaiting_ranks`, `already_committed`, `adopted`, `refused` or
+/// `failed`).
 fn report_json(r: &RecoveryReport) -> Value {
     let slots: Vec<Value> = r
         .slots
@@ -115,6 +116,7 @@ fn report_json(r: &RecoveryReport) -> Value {
                 SlotOutcome::AlreadyCommitted { dir } => {
                     json!({"outcome": "already_committed", "dir": dir.display().to_string()})
                 }
+                SlotOutcome::Adopted => json!({"outcome": "adopted"}),
                 SlotOutcome::Refused { reason } => json!({"outcome": "refused", "reason": reason}),
                 SlotOutcome::Failed { error } => {
                     json!({"outcome": "failed", "error": error.to_string()})
@@ -174,6 +176,9 @@ fn print_report(r: &RecoveryReport) {
             ),
             SlotOutcome::AlreadyCommitted { dir } => {
                 println!("  step {}: already committed ({})", s.step, dir.display())
+            }
+            SlotOutcome::Adopted => {
+                println!("  step {}: held in memory by the opening engine", s.step)
             }
             SlotOutcome::Refused { reason } => {
                 println!("  step {}: NOT recovered ({}): {reason}", s.step, s.state)
