@@ -27,12 +27,14 @@ use crate::tensor::{AlignedBytes, LoadedTensor};
 
 /// A previous engine's committed image, attached read-only, until [`adopt`] consumes it;
 /// or, with `staged`, its newest save that recovery left staged for this engine to hold
-/// in memory ([`crate::recover::Deferred`]), until [`take_over`] takes it.
+/// in memory ([`crate::recover::Deferred`]), until [`take_over`] takes it, with the older
+/// saves left for this engine to recover behind its open (`behind`).
 #[derive(Debug)]
 pub(crate) struct KeptImage {
     att: AttachedArena,
     slot: SlotView,
     staged: Option<crate::recover::StagedStep>,
+    behind: Vec<SlotView>,
 }
 
 impl KeptImage {
@@ -126,6 +128,10 @@ pub(crate) fn take_kept(
                     staged = deferred.map(|d| d.staged.clone());
                     staged_view = Some(v);
                 }
+                // An older save left for this engine to recover behind its open.
+                Ok(v)
+                    if v.state == slot_state::STAGED
+                        && deferred.is_some_and(|d| d.name == name && d.behind.contains(&v)) => {}
                 Ok(v) if v.state == slot_state::STAGED => unrecovered = Some(v.step),
                 Ok(_) => {}
                 Err(e) => return Some(format!("kept arena {name}: {e}")),
@@ -159,8 +165,17 @@ pub(crate) fn take_kept(
             // The name stays: the engine takes the segment over under it, or frees it
             // (`KeptImage::release_name`) to copy the image into a new arena.
             tracing::info!(arena = %name, step = slot.step, staged = staged.is_some(), "kept arena attached for flash restore");
+            let behind = match (&staged, deferred) {
+                (Some(_), Some(d)) => d.behind.clone(),
+                _ => Vec::new(),
+            };
             Taken {
-                image: Some(KeptImage { att, slot, staged }),
+                image: Some(KeptImage {
+                    att,
+                    slot,
+                    staged,
+                    behind,
+                }),
                 reason: None,
                 name_free: true,
             }
@@ -525,6 +540,7 @@ pub(crate) fn take_over(
         arena,
         adopted,
         held: None,
+        behind: None,
     })
 }
 
@@ -548,7 +564,10 @@ fn take_over_staged(
         }
     };
     let geo = image.att.header().geometry;
-    let arena = match Arena::take_over_keeping(spec, geo, file, image.slot.slot) {
+    let keep: Vec<u32> = std::iter::once(image.slot.slot)
+        .chain(image.behind.iter().map(|b| b.slot))
+        .collect();
+    let arena = match Arena::take_over_keeping(spec, geo, file, &keep) {
         Ok(a) => a,
         Err(e) => {
             return Err(Box::new(NotTaken {
@@ -559,7 +578,10 @@ fn take_over_staged(
     };
     arena.enable_keep();
     let KeptImage {
-        slot: v, staged, ..
+        att,
+        slot: v,
+        staged,
+        behind,
     } = image;
     let held = match staged {
         Some(st) => hold_staged(&arena, &v, st),
@@ -570,11 +592,61 @@ fn take_over_staged(
         // writing the segment: the save is refused, its slot freed before its chunks.
         tracing::error!(step = v.step, reason = %why, "the staged save taken over cannot be held: it is lost");
     }
+    let mut saves = Vec::new();
+    for b in behind {
+        let mut leases = Vec::new();
+        for &(state, index) in &b.chunks {
+            if state != chunk_state::STAGED {
+                continue;
+            }
+            match arena.take_chunk(index) {
+                Some(l) => leases.push(l),
+                None => {
+                    // Unreachable (`recoverable_behind` checked the chunks distinct and in
+                    // range): the descriptor must not name chunks back in the pool.
+                    tracing::error!(
+                        step = b.step,
+                        index,
+                        "a staged save left to recover behind the open names a chunk that is not free: it is lost"
+                    );
+                    arena.release_slot(b.slot);
+                    leases.clear();
+                    break;
+                }
+            }
+        }
+        if b.chunks.iter().all(|&(s, _)| s != chunk_state::STAGED) || !leases.is_empty() {
+            saves.push(BehindSave { view: b, leases });
+        }
+    }
+    let behind = (!saves.is_empty()).then(|| Behind {
+        header: att.header(),
+        att,
+        saves,
+    });
     Ok(TakenOver {
         arena,
         adopted: Err("its newest save is held in memory instead".into()),
         held: Some(held),
+        behind,
     })
+}
+
+/// The older saves of a kept arena taken over with its newest save held
+/// ([`take_over_staged`]), which the engine recovers on a thread behind its open
+/// (`crate::recover::recover_behind`), each slot `STAGED` in the descriptor and its staged
+/// chunks held out of the pool until its recovery ends; `att` reads them (`pread`), with
+/// the arena's header as it was before the take-over.
+pub(crate) struct Behind {
+    pub att: AttachedArena,
+    pub header: crate::staging::descriptor::HeaderView,
+    pub saves: Vec<BehindSave>,
+}
+
+/// One save of [`Behind`]: its slot as read before the take-over, and its staged chunks.
+pub(crate) struct BehindSave {
+    pub view: SlotView,
+    pub leases: Vec<ChunkLease>,
 }
 
 /// The chunks of staged slot `v` of `arena` (just taken over) out of the pool, its header
@@ -656,6 +728,8 @@ pub(crate) struct TakenOver {
     pub adopted: std::result::Result<Adopted, String>,
     /// With a staged save taken over: that save to hold in memory, or why it could not be.
     pub held: Option<std::result::Result<StagedTaken, String>>,
+    /// With it, the older saves to recover behind the open.
+    pub behind: Option<Behind>,
 }
 
 /// Why [`take_over`] could not, with the image given back.

@@ -156,6 +156,8 @@ pub struct Engine {
     commit_thread: Option<JoinHandle<()>>,
     /// The last disk save started (`flush` waits for it).
     last_save: Mutex<Option<Arc<SaveState>>>,
+    /// The recovery the open left behind it ([`Engine::wait_recovery`]).
+    behind: Mutex<Behind>,
     /// The allocation of the last loaded checkpoint, given back when its tensors were
     /// dropped, for the next `load`.
     load_buffers: Arc<SlabPool>,
@@ -166,6 +168,47 @@ pub struct Engine {
     /// Where the open spent its time.
     open_timings: OpenTimings,
     _lock: RootLock,
+}
+
+/// The recovery of a dead engine's older saves after the open returned (flash restore with
+/// its newest save held: `crate::recover::SlotOutcome::Behind`).
+#[derive(Default)]
+struct Behind {
+    /// The thread, until joined; it returns each step's outcome and the staged chunks of
+    /// the saves whose recovery failed (held out of the pool while the descriptor names
+    /// them, so the next open can retry).
+    thread: Option<JoinHandle<BehindDone>>,
+    /// Once joined: each step's outcome.
+    outcomes: Vec<(u64, crate::recover::SlotOutcome)>,
+    /// Once joined: the chunks of the saves whose recovery failed.
+    stuck: Vec<crate::staging::ChunkLease>,
+}
+
+type BehindDone = (
+    Vec<(u64, crate::recover::SlotOutcome)>,
+    Vec<crate::staging::ChunkLease>,
+);
+
+/// Recover `b`'s saves into `shared`'s root, oldest first: each slot freed (before its
+/// chunks return to the pool) once its recovery ended, except after an I/O error
+/// (`Failed`: the slot stays `STAGED` and its chunks are returned, held, for the next open
+/// to retry); each step out of `inflight` then.
+fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
+    let flash::Behind { att, header, saves } = b;
+    let mut outcomes = Vec::new();
+    let mut stuck = Vec::new();
+    for s in saves {
+        let outcome = crate::recover::recover_behind(&att, &header, &shared.cfg.root, &s.view);
+        if matches!(outcome, crate::recover::SlotOutcome::Failed { .. }) {
+            stuck.extend(s.leases);
+        } else {
+            shared.arena.release_slot(s.view.slot);
+            drop(s.leases);
+        }
+        lock(&shared.inflight).remove(&s.view.step);
+        outcomes.push((s.view.step, outcome));
+    }
+    (outcomes, stuck)
 }
 
 /// Set-up running in the background after `Engine::open`.
@@ -271,6 +314,7 @@ impl Engine {
         let mut kept_note = None;
         let mut taken_over = None;
         let mut held_step = None;
+        let mut behind = None;
         let name = if cfg.keep_in_memory {
             let stable = crate::staging::kept_name(&root_abs, cfg.rank);
             let mut taken =
@@ -296,6 +340,7 @@ impl Engine {
                     Some(t) => {
                         taken_over = Some(t.arena);
                         held_step = t.held;
+                        behind = t.behind;
                         recovery.deferred = None;
                     }
                     None => {
@@ -474,6 +519,20 @@ impl Engine {
             memory,
             cadence: Mutex::new(memory::Cadence::default()),
         });
+        // The dead engine's older saves left staged: recovered on a thread, a save of their
+        // step refused meanwhile (`StepExists`).
+        let behind = match behind {
+            Some(b) => {
+                crate::util::lock(&shared.inflight).extend(b.saves.iter().map(|s| s.view.step));
+                let sh = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name("shmckpt-recover".into())
+                    .spawn(move || recover_behind(&sh, b))
+                    .map_err(|e| Error::Config(format!("cannot spawn the recovery thread: {e}")))
+                    .map(Some)?
+            }
+            None => None,
+        };
         let (tx, rx) = crossbeam_channel::unbounded::<Arc<SaveState>>();
         let commit_thread = std::thread::Builder::new()
             .name("shmckpt-commit".into())
@@ -505,6 +564,10 @@ impl Engine {
             commit_tx: Some(tx),
             commit_thread: Some(commit_thread),
             last_save: Mutex::new(None),
+            behind: Mutex::new(Behind {
+                thread: behind,
+                ..Behind::default()
+            }),
             load_buffers: SlabPool::new(),
             device_ring: Mutex::new(None),
             recovery,
@@ -729,7 +792,28 @@ impl Engine {
         self.shutdown();
     }
 
+    /// Wait until the recovery this engine's open left behind it has ended (flash restore
+    /// that held the dead engine's newest save in memory recovers its older saves, e.g. a
+    /// disk save that was in flight, on a thread: `crate::recover::SlotOutcome::Behind`),
+    /// and return each such step's outcome, oldest first, to the first call after it ended
+    /// (later calls, and an engine that had none, get an empty list). `close` waits for it
+    /// too.
+    pub fn wait_recovery(&self) -> Vec<(u64, crate::recover::SlotOutcome)> {
+        let mut b = lock(&self.behind);
+        if let Some(h) = b.thread.take() {
+            match h.join() {
+                Ok((outcomes, stuck)) => {
+                    b.outcomes = outcomes;
+                    b.stuck = stuck;
+                }
+                Err(_) => tracing::error!("the recovery thread panicked"),
+            }
+        }
+        std::mem::take(&mut b.outcomes)
+    }
+
     fn shutdown(&mut self) {
+        self.wait_recovery();
         self.shared.gate.wait_idle();
         // Nothing saved is lost on a clean exit: the held memory-only steps go to disk.
         if self.commit_tx.is_some()

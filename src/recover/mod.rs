@@ -160,12 +160,14 @@ pub(crate) struct AdoptSpec {
 }
 
 /// A save [`on_open`] left staged in arena `name` for the engine to adopt: its slot as read
-/// then, and its layout, read and checked.
+/// then, and its layout, read and checked; and the older saves of the arena left staged
+/// for the engine to recover behind its open ([`SlotOutcome::Behind`]), as read then.
 #[derive(Debug, Clone)]
 pub(crate) struct Deferred {
     pub(crate) name: String,
     pub(crate) view: crate::staging::descriptor::SlotView,
     pub(crate) staged: StagedStep,
+    pub(crate) behind: Vec<crate::staging::descriptor::SlotView>,
 }
 
 /// What [`crate::Engine::open`] recovered from dead engines' arenas.
@@ -544,24 +546,34 @@ fn recover_impl(
                 Err(e) => return Err(e),
             },
         };
+        let mut behind = Vec::new();
         let adopted = defer.and_then(|(spec, out)| {
             let (view, staged) = adoptable(&att, &h, &root, &slots, spec)?;
             let slot = view.slot;
+            behind = recoverable_behind(&h, &slots, &view);
             *out = Some(Deferred {
                 name: name.to_owned(),
                 view,
                 staged,
+                behind: behind.clone(),
             });
             Some(slot)
         });
         for v in &slots {
-            if adopted == Some(v.slot) {
-                tracing::info!(arena = %name, step = v.step, "staged save left for the opening engine to hold in memory");
+            let left = if adopted == Some(v.slot) {
+                Some(SlotOutcome::Adopted)
+            } else if behind.iter().any(|b| b.slot == v.slot) {
+                Some(SlotOutcome::Behind)
+            } else {
+                None
+            };
+            if let Some(outcome) = left {
+                tracing::info!(arena = %name, step = v.step, ?outcome, "staged save left for the opening engine");
                 report.slots.push(SlotRecovery {
                     slot: v.slot,
                     step: v.step,
                     state: SlotState::from_raw(v.state),
-                    outcome: SlotOutcome::Adopted,
+                    outcome,
                 });
                 continue;
             }
@@ -594,7 +606,7 @@ fn recover_impl(
     let adopting = report
         .slots
         .iter()
-        .any(|s| matches!(s.outcome, SlotOutcome::Adopted));
+        .any(|s| matches!(s.outcome, SlotOutcome::Adopted | SlotOutcome::Behind));
     let kept_step = if failed == 0 && !adopting && crate::staging::is_kept_name(name) {
         keep_newest_recovered(&att, name, &slots, &report)
     } else {
@@ -690,6 +702,64 @@ fn adoptable(
     None
 }
 
+/// The other saves of `slots` (used slots of an arena with header `h`) an opening engine
+/// that adopts `adopted` recovers behind its open: those older than it, `STAGED`, every
+/// chunk staged or written, the staged ones in distinct in-range arena chunks that are
+/// none of `adopted`'s (the engine holds them out of its pool until their recovery ends).
+/// The others are recovered at once.
+fn recoverable_behind(
+    h: &crate::staging::descriptor::HeaderView,
+    slots: &[crate::staging::descriptor::SlotView],
+    adopted: &crate::staging::descriptor::SlotView,
+) -> Vec<crate::staging::descriptor::SlotView> {
+    use crate::staging::descriptor::{chunk_state, slot_state};
+    let mut taken: std::collections::BTreeSet<u32> =
+        adopted.chunks.iter().map(|&(_, i)| i).collect();
+    let mut out = Vec::new();
+    for v in slots {
+        if v.slot == adopted.slot || v.step >= adopted.step || v.state != slot_state::STAGED {
+            continue;
+        }
+        let staged: Vec<u32> = v
+            .chunks
+            .iter()
+            .filter(|c| c.0 == chunk_state::STAGED)
+            .map(|c| c.1)
+            .collect();
+        let sound = v
+            .chunks
+            .iter()
+            .all(|c| c.0 == chunk_state::STAGED || c.0 == chunk_state::WRITTEN)
+            && staged.iter().all(|&i| u64::from(i) < h.geometry.n_chunks)
+            && {
+                let mut mine = std::collections::BTreeSet::new();
+                staged
+                    .iter()
+                    .all(|&i| mine.insert(i) && !taken.contains(&i))
+            };
+        if sound {
+            taken.extend(staged);
+            out.push(v.clone());
+        }
+    }
+    out
+}
+
+/// Recover slot `v` of `att` (header `h`, read before the arena was taken over) into
+/// `root`, as recovery at open would: for an engine that took the arena over and recovers
+/// its older saves behind its open ([`SlotOutcome::Behind`]). The caller holds the slot's
+/// staged chunks out of its pool meanwhile.
+pub(crate) fn recover_behind(
+    att: &AttachedArena,
+    h: &crate::staging::descriptor::HeaderView,
+    root: &Path,
+    v: &crate::staging::descriptor::SlotView,
+) -> SlotOutcome {
+    let outcome = recover_slot(att, h, root, v);
+    log_outcome(att.name(), v.step, &outcome);
+    outcome
+}
+
 /// Flash restore's arena `name`, every save in it recovered: the newest step committed from
 /// it whose bytes are all still in the arena (a memory-only save's) becomes its kept image
 /// ([`AttachedArena::keep_recovered`]), replacing an older one, so the next engine of the
@@ -767,6 +837,9 @@ fn log_outcome(arena: &str, step: u64, o: &SlotOutcome) {
                 step,
                 "staged save held in memory by the opening engine"
             )
+        }
+        SlotOutcome::Behind => {
+            tracing::info!(arena, step, "staged save recovered behind the open")
         }
         SlotOutcome::Refused { reason } => {
             tracing::warn!(arena, step, reason = %reason, "staged save cannot be recovered")

@@ -43,6 +43,13 @@ pub enum SlotOutcome {
     /// crash leaves it staged for the next open, and it reaches the disk with the engine's
     /// next disk save (which supersedes it) or at close. Only an engine's open reports it.
     Adopted,
+    /// Left staged for the engine being opened (with [`SlotOutcome::Adopted`], for an older
+    /// save of the same arena: a disk save that was in flight), which takes the arena over
+    /// with it in place and recovers it on a thread after the open returns, with the same
+    /// protocol (its outcome is logged; until it ends a save of that step is refused with
+    /// `StepExists`; a crash before leaves it staged for the next open). Only an engine's
+    /// open reports it.
+    Behind,
     /// An I/O error, or an entry in the way that recovery never writes through (a link, a
     /// FIFO, a file where a directory belongs: [`Error::UnsafePath`]), stopped recovery of
     /// this save; the arena is kept so it can be retried once the cause is removed.

@@ -44,11 +44,11 @@ impl Mapped {
         Mapped::describe(seg, geo, rank, world_size, root, true)
     }
 
-    /// Take over `seg`, a dead engine's kept arena of this user whose geometry, rank, world
-    /// size and root are `geo`, `rank`, `world_size` and `root` (checked by the caller
-    /// against its descriptor and size), keeping the save in slot `keep` exactly where it
-    /// is: unlike [`Mapped::take_over`] nothing is zeroed (the save stays `STAGED` in the
-    /// descriptor at every instant, so a crash during the take-over leaves it recoverable);
+    /// Take over `seg`, a dead engine's kept arena of this user whose geometry and root are
+    /// `geo` and `root` (checked by the caller against its descriptor and size), keeping
+    /// the saves in slots `keep` exactly where they are: unlike [`Mapped::take_over`]
+    /// nothing is zeroed (each stays `STAGED` in the descriptor at every instant, so a
+    /// crash during the take-over leaves it recoverable);
     /// the descriptor is claimed for this process (`Descriptor::claim`) and every other
     /// slot marked free. The same conditions on the previous owner as for
     /// [`Mapped::take_over`].
@@ -56,14 +56,14 @@ impl Mapped {
         seg: Segment,
         geo: Geometry,
         root: &[u8],
-        keep: u32,
+        keep: &[u32],
     ) -> Result<Mapped> {
         if (seg.mapped_len() as u64) < geo.total_len
             || geo.root_len != root.len() as u64
-            || keep >= geo.n_slots
+            || keep.iter().any(|&k| k >= geo.n_slots)
         {
             return Err(Error::Config(format!(
-                "segment of {} bytes does not fit geometry {:?} (slot {keep})",
+                "segment of {} bytes does not fit geometry {:?} (slots {keep:?})",
                 seg.mapped_len(),
                 geo
             )));
@@ -71,7 +71,7 @@ impl Mapped {
         let map = Mapped { seg, geo };
         let d = map.descriptor();
         d.claim(std::process::id());
-        for s in (0..geo.n_slots).filter(|&s| s != keep) {
+        for s in (0..geo.n_slots).filter(|s| !keep.contains(s)) {
             d.free(s);
         }
         Ok(map)

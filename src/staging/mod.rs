@@ -200,18 +200,18 @@ impl Arena {
         Ok(Arena::from_mapped(map, geo, spec, true))
     }
 
-    /// [`Arena::take_over`], keeping the save in descriptor slot `keep` (a dead engine's
-    /// fully staged save, which the engine holds as its memory-only step): nothing of the
-    /// descriptor is zeroed, the slot stays `STAGED` and out of the slot pool (the caller
-    /// takes its chunks out of the chunk pool with [`Arena::take_chunk`] and gives the
-    /// slot back with [`Arena::release_slot`]); every other slot is freed
+    /// [`Arena::take_over`], keeping the saves in descriptor slots `keep` (a dead engine's
+    /// saves the engine holds in memory or recovers behind its open): nothing of the
+    /// descriptor is zeroed, those slots stay `STAGED` and out of the slot pool (the
+    /// caller takes their staged chunks out of the chunk pool with [`Arena::take_chunk`]
+    /// and gives each slot back with [`Arena::release_slot`]); every other slot is freed
     /// (`Mapped::take_over_keeping`). The caller checked that `spec`'s rank, world size and
     /// root are the arena's.
     pub fn take_over_keeping(
         spec: &ArenaSpec,
         kept: Geometry,
         file: std::fs::File,
-        keep: u32,
+        keep: &[u32],
     ) -> Result<Arc<Arena>> {
         let geo = Arena::geometry(spec)?;
         if geo != kept {
@@ -230,7 +230,7 @@ impl Arena {
             .slots
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|&s| s != keep);
+            .retain(|s| !keep.contains(s));
         Ok(arena)
     }
 

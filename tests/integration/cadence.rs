@@ -597,12 +597,136 @@ fn child_adopt_then_die() {
     sigkill_self();
 }
 
+/// Child: flash restore on, every second save to disk: step 1 to disk, 2 memory-only, 3 to
+/// disk with its writes past the first chunk held back (2 s each), 4 memory-only (held),
+/// then death by SIGKILL while step 3 drains (its first chunk written, the others staged).
+fn child_keep_disk_save_in_flight() {
+    use shmckpt::testing::io::OpKind;
+    use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+    use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
+    let root = env_path(ROOT_ENV);
+    let plan = std::sync::Arc::new(FaultPlan::new());
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(2))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true)
+            .with_faults(std::sync::Arc::clone(&plan)),
+    )
+    .unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    plan.add(Rule {
+        kind: OpKind::Write,
+        offsets: (64 << 10)..u64::MAX,
+        fault: Fault::Delay(Duration::from_secs(2)),
+        times: None,
+    });
+    let s3 = step_state(3);
+    let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
+    h3.wait_staged().unwrap();
+    assert!(save_step(&e, 4).memory_only);
+    // Until step 3's first chunk is written (its descriptor says so).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(&root)).unwrap();
+        let first_written = (0..att.slot_count()).any(|s| {
+            let v = att.slot(s);
+            v.step == 3
+                && v.state == slot_state::STAGED
+                && v.chunks
+                    .first()
+                    .is_some_and(|c| c.0 == chunk_state::WRITTEN)
+        });
+        if first_written {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "step 3's first chunk was not written"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box((&e, &h3));
+    sigkill_self();
+}
+
 const ROLES: &[Role] = &[
     ("child_memory_only", child_memory_only),
     ("child_memory_steps", child_memory_steps),
     ("child_keep_memory_only", child_keep_memory_only),
     ("child_adopt_then_die", child_adopt_then_die),
+    (
+        "child_keep_disk_save_in_flight",
+        child_keep_disk_save_in_flight,
+    ),
 ];
+
+/// Flash restore with a disk cadence, a disk save in flight at the crash: the open holds
+/// the newest (memory-only) step in memory and recovers the older disk save on a thread
+/// behind it (its first chunks from the partial file, the rest from the arena), which
+/// commits it byte-exact; `wait_recovery` reports it.
+#[test]
+fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-behind");
+    let root = dir.path();
+    let _kept = ShmGuard(kept_arena_name(root));
+    run_child("child_keep_disk_save_in_flight", root, "unused");
+    assert_eq!(committed(root), [1]);
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(2))
+            .with_staging_capacity(1 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    let outcomes: Vec<(u64, String)> = e
+        .recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .map(|s| (s.step, format!("{:?}", s.outcome)))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [(3, "Behind".to_owned()), (4, "Adopted".to_owned())],
+        "{:?}",
+        e.recovered()
+    );
+    // Step 3's save is refused while its recovery may still run.
+    let behind = e.wait_recovery();
+    assert_eq!(behind.len(), 1, "{behind:?}");
+    match &behind[0] {
+        (
+            3,
+            shmckpt::recover::SlotOutcome::Committed {
+                from_staging,
+                from_file,
+                ..
+            },
+        ) => assert!(
+            *from_file >= 1 && *from_staging >= 1,
+            "chunks from the file and from the arena: {from_file} and {from_staging}"
+        ),
+        other => panic!("step 3: {other:?}"),
+    }
+    assert!(e.wait_recovery().is_empty(), "reported once");
+    assert_eq!(committed(root), [1, 3]);
+    assert_step_is_exact(root, 3);
+    assert_eq!(
+        tiers(&e),
+        [
+            (1, false, true, false),
+            (3, false, true, false),
+            (4, true, false, false)
+        ]
+    );
+    assert_latest_from(&e, 4, LoadSource::Memory);
+    e.close();
+    assert_eq!(committed(root), [1, 3, 4]);
+    assert_step_is_exact(root, 4);
+}
 
 /// Flash restore with a disk cadence, of the same layout: the open takes the dead engine's
 /// kept arena over with its memory-only step in place and holds it as its own memory-only

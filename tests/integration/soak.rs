@@ -352,8 +352,16 @@ fn child_trainer() {
         .iter()
         .flat_map(shmckpt::recover::RecoveryReport::adopted_steps)
         .collect();
+    // And the older saves it recovers on a thread behind the open.
+    let behind: Vec<u64> = engine
+        .recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .filter(|s| matches!(s.outcome, shmckpt::recover::SlotOutcome::Behind))
+        .map(|s| s.step)
+        .collect();
     emit(&format!(
-        "OPENED {:?} held {held:?}",
+        "OPENED {:?} held {held:?} behind {behind:?}",
         engine.recovered_steps()
     ));
     if replica {
@@ -605,6 +613,8 @@ struct Tally {
     /// The tiered lane: opens that took the dead trainer's memory-only step over in
     /// memory (flash restore, the same session) instead of committing it.
     held_opens: u64,
+    /// ... and older saves of the dead trainer those opens recovered behind them.
+    behind_saves: u64,
     /// The bucket lane: uploads reported committed in the bucket.
     uploads: u64,
     /// The replica lane: replicas reported sealed, machine losses that took the rank's
@@ -1177,12 +1187,19 @@ impl Lane {
                             soak.add(Class::IoError, 1);
                         }
                         ("OPENED", _) => {
-                            self.held = m
-                                .split_once(" held [")
-                                .and_then(|(_, r)| r.trim_end_matches(']').parse::<u64>().ok());
-                            if self.held.is_some() {
-                                soak.tally.lock().unwrap().held_opens += 1;
-                            }
+                            let list = |tag: &str| -> Vec<u64> {
+                                m.split_once(tag)
+                                    .and_then(|(_, r)| r.split_once(']'))
+                                    .map(|(l, _)| {
+                                        l.split(", ").filter_map(|x| x.parse().ok()).collect()
+                                    })
+                                    .unwrap_or_default()
+                            };
+                            self.held = list(" held [").first().copied();
+                            let behind = list(" behind [").len() as u64;
+                            let mut t = soak.tally.lock().unwrap();
+                            t.held_opens += u64::from(self.held.is_some());
+                            t.behind_saves += behind;
                         }
                         ("LATEST", Some(l)) => {
                             let l = (l >= 0).then_some(l as u64);
@@ -1697,8 +1714,12 @@ fn chaos_soak() {
         tally.landed
     );
     println!(
-        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore), {} opens that held the dead trainer's memory-only step in memory (taken over in place)",
-        tally.memory_saves, tally.memory_resumes, tally.flash_resumes, tally.held_opens
+        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore), {} opens that held the dead trainer's memory-only step in memory (taken over in place) and recovered {} older saves behind them",
+        tally.memory_saves,
+        tally.memory_resumes,
+        tally.flash_resumes,
+        tally.held_opens,
+        tally.behind_saves
     );
     println!(
         "soak: bucket lane: {} uploads reported committed in the bucket; after every fault its listed steps loaded through the remote tier and compared bit for bit",

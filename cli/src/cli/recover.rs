@@ -92,8 +92,8 @@ pub fn run(a: RecoverArgs) -> CliResult {
 }
 
 /// One arena's report as JSON (the fields of [`RecoveryReport`]; each slot's `outcome` is
-/// `committed`, `awaiting_ranks`, `already_committed`, `adopted`, `refused` or
-/// `failed`).
+/// `committed`, `awaiting_ranks`, `already_committed`, `adopted`, `behind`, `refused`
+/// or `failed`).
 fn report_json(r: &RecoveryReport) -> Value {
     let slots: Vec<Value> = r
         .slots
@@ -117,6 +117,7 @@ fn report_json(r: &RecoveryReport) -> Value {
                     json!({"outcome": "already_committed", "dir": dir.display().to_string()})
                 }
                 SlotOutcome::Adopted => json!({"outcome": "adopted"}),
+                SlotOutcome::Behind => json!({"outcome": "behind"}),
                 SlotOutcome::Refused { reason } => json!({"outcome": "refused", "reason": reason}),
                 SlotOutcome::Failed { error } => {
                     json!({"outcome": "failed", "error": error.to_string()})
@@ -179,6 +180,12 @@ fn print_report(r: &RecoveryReport) {
             }
             SlotOutcome::Adopted => {
                 println!("  step {}: held in memory by the opening engine", s.step)
+            }
+            SlotOutcome::Behind => {
+                println!(
+                    "  step {}: recovered by the opening engine after its open",
+                    s.step
+                )
             }
             SlotOutcome::Refused { reason } => {
                 println!("  step {}: NOT recovered ({}): {reason}", s.step, s.state)
