@@ -271,8 +271,11 @@ impl Engine {
 
     /// Source 1, memory, for a memory-only step of this engine (`super::memory`): `step`
     /// from the memory tier into `target` (`Some(checkpoint or None for caller buffers)`),
-    /// or `None` when the tier no longer holds it. The bytes never left this process's
-    /// memory: they are served without a checksum (computed when the step goes to disk).
+    /// or `None` when the tier no longer holds it. The bytes never left shared memory
+    /// (this engine's arena; for a step taken over at open, the dead engine's arena this
+    /// engine took over, its layout checked as recovery checks it): they are served
+    /// without a checksum (computed when the step goes to disk), as recovery would have
+    /// committed them.
     #[allow(unsafe_code)]
     fn read_memory_tier(
         &self,

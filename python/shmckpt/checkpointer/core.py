@@ -259,7 +259,10 @@ class Checkpointer:
         self._shared = shared
         #: The steps this checkpointer's open recovered from the staging memory of a crashed
         #: predecessor of the same root and rank (saves that had returned from ``save`` but
-        #: were not committed), oldest first; committed now, so ``latest()`` sees them.
+        #: were not committed), oldest first; committed now, or (flash restore with a disk
+        #: cadence, the same settings) the newest held in memory as this checkpointer's
+        #: memory-only step, so ``latest()`` sees them. Older saves of a taken-over kept
+        #: arena are committed by a thread after the open (not listed here).
         self.recovered: List[int] = engine.recovered()
         #: Where opening spent its time, in seconds per phase: ``recovery`` (committing a
         #: crashed predecessor's staged saves), ``clean`` (stale partial directories),
