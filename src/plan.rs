@@ -218,15 +218,15 @@ impl Plan {
     }
 
     /// The plan of a file already laid out: its `header` (the length prefix, the JSON and
-    /// its padding, as staged) and its tensors in file order, `data_offsets` relative to
-    /// the data section, which ends at `file_len`. Used to take over a memory-only save
+    /// its padding, as staged) and its tensors in file order (name, dtype, shape and
+    /// `data_offsets` relative to the data section, which ends at `file_len`). Used to take over a memory-only save
     /// that a dead engine staged (`crate::recover`): nothing in it is trusted, so the
     /// layout is checked: the data section aligned, every tensor's length its dtype and
     /// shape's, the tensors in order without overlap, inside the file.
     /// [`Error::Internal`] names what is wrong.
-    pub fn from_layout(
+    pub fn from_layout<'a>(
         header: Vec<u8>,
-        tensors: &[crate::manifest::TensorEntry],
+        tensors: impl IntoIterator<Item = (&'a str, Dtype, &'a [usize], [u64; 2])>,
         file_len: u64,
     ) -> Result<Plan> {
         let bad = |why: String| Err(Error::Internal(format!("staged layout: {why}")));
@@ -236,33 +236,30 @@ impl Plan {
                 "a header of {data_start} bytes in a file of {file_len}"
             ));
         }
-        let mut entries = Vec::with_capacity(tensors.len());
+        let mut entries = Vec::new();
         let mut end = data_start;
-        for (i, t) in tensors.iter().enumerate() {
-            let [b, e] = t.data_offsets;
+        for (i, (name, dtype, shape, [b, e])) in tensors.into_iter().enumerate() {
             let (Some(ab), Some(ae)) = (data_start.checked_add(b), data_start.checked_add(e))
             else {
-                return bad(format!("tensor {:?} lies past the address space", t.name));
+                return bad(format!("tensor {name:?} lies past the address space"));
             };
             if b > e || ab < end || ae > file_len {
                 return bad(format!(
-                    "tensor {:?} at [{b}, {e}) overlaps another or lies outside the data section",
-                    t.name
+                    "tensor {name:?} at [{b}, {e}) overlaps another or lies outside the data section"
                 ));
             }
-            if t.dtype.byte_len(&t.shape) != Some(e - b) {
+            if dtype.byte_len(shape) != Some(e - b) {
                 return bad(format!(
-                    "tensor {:?} holds {} bytes, not its dtype and shape's",
-                    t.name,
+                    "tensor {name:?} holds {} bytes, not its dtype and shape's",
                     e - b
                 ));
             }
             end = ae;
             entries.push(Entry {
                 input: i,
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
+                name: name.to_owned(),
+                dtype,
+                shape: shape.to_vec(),
                 offset: ab,
                 len: e - b,
             });
@@ -447,6 +444,66 @@ mod tests {
             shape: shape.to_vec(),
             len: dtype.byte_len(shape).unwrap(),
         }
+    }
+
+    /// A plan rebuilt from its own header and file-order layout equals it (entries, file
+    /// length, header, pieces); layouts that overlap, leave the file, disagree with their
+    /// dtype and shape, or start the data unaligned are refused.
+    #[test]
+    fn from_layout_rebuilds_a_plan_and_refuses_bad_layouts() {
+        let tensors = [
+            spec("a", Dtype::F32, &[3, 5]),
+            spec("b", Dtype::BF16, &[7]),
+            spec("c", Dtype::I64, &[2]),
+        ];
+        let p = Plan::new(&tensors, &BTreeMap::new(), &BTreeMap::new()).unwrap();
+        let ds = p.data_start();
+        let layout: Vec<(String, Dtype, Vec<usize>, [u64; 2])> = p
+            .entries()
+            .iter()
+            .map(|e| (e.name.clone(), e.dtype, e.shape.clone(), e.data_offsets(ds)))
+            .collect();
+        let of = |l: &[(String, Dtype, Vec<usize>, [u64; 2])], header: Vec<u8>, len: u64| {
+            Plan::from_layout(
+                header,
+                l.iter()
+                    .map(|(n, d, s, o)| (n.as_str(), *d, s.as_slice(), *o)),
+                len,
+            )
+        };
+        let q = of(&layout, p.header().to_vec(), p.file_len()).unwrap();
+        assert_eq!(q.header(), p.header());
+        assert_eq!(q.file_len(), p.file_len());
+        let strip = |x: &Plan| {
+            x.entries()
+                .iter()
+                .map(|e| (e.name.clone(), e.offset, e.len))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(strip(&q), strip(&p));
+        for k in 0..p.chunk_count(64) {
+            assert_eq!(
+                q.pieces(q.chunk_range(k, 64)),
+                p.pieces(p.chunk_range(k, 64))
+            );
+        }
+        // Overlap: the second tensor starts inside the first.
+        let mut bad = layout.clone();
+        bad[1].3 = [
+            bad[0].3[1] - 4,
+            bad[0].3[1] - 4 + (bad[1].3[1] - bad[1].3[0]),
+        ];
+        assert!(of(&bad, p.header().to_vec(), p.file_len()).is_err());
+        // Past the file's end.
+        assert!(of(&layout, p.header().to_vec(), p.file_len() - 1).is_err());
+        // A length that is not the dtype and shape's.
+        let mut bad = layout.clone();
+        bad[2].2 = vec![3];
+        assert!(of(&bad, p.header().to_vec(), p.file_len()).is_err());
+        // A header whose end is not aligned.
+        let mut short = p.header().to_vec();
+        short.pop();
+        assert!(of(&layout, short, p.file_len()).is_err());
     }
 
     fn no_meta() -> BTreeMap<String, String> {

@@ -683,8 +683,7 @@ fn hold_staged(
         }
     }
     let plan = match problem {
-        None => crate::plan::Plan::from_layout(st.header, &st.entry.tensors, v.file_len)
-            .map_err(|e| e.to_string()),
+        None => st.plan(v.file_len).map_err(|e| e.to_string()),
         Some(p) => Err(p),
     };
     match plan {

@@ -680,11 +680,9 @@ fn adoptable(
     if slots.iter().filter(|x| x.step == v.step).count() != 1 {
         return None;
     }
-    let why = match rebuild::staged_step(att, h, v).and_then(|st| {
-        crate::plan::Plan::from_layout(st.header.clone(), &st.entry.tensors, v.file_len)
-            .map(|_| st)
-            .map_err(|e| e.to_string())
-    }) {
+    let why = match rebuild::staged_step(att, h, v)
+        .and_then(|st| st.plan(v.file_len).map(|_| st).map_err(|e| e.to_string()))
+    {
         Ok(st) if st.entry.session == spec.session => {
             let name = crate::manifest::step_dir_name(v.step);
             let free = crate::fsx::open_dir(root)

@@ -234,6 +234,20 @@ pub(crate) struct StagedStep {
     pub(crate) metadata: Metadata,
 }
 
+impl StagedStep {
+    /// The plan of its file (`file_len` bytes), checked ([`crate::plan::Plan::from_layout`]).
+    pub(crate) fn plan(&self, file_len: u64) -> Result<crate::plan::Plan> {
+        crate::plan::Plan::from_layout(
+            self.header.clone(),
+            self.entry
+                .tensors
+                .iter()
+                .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)),
+            file_len,
+        )
+    }
+}
+
 /// Slot `v` of `att` (header `h`), read and checked as [`recover_slot`] checks a slot, for
 /// a take-over: `STAGED` with every chunk still in staging (`STAGED`, none written: a
 /// memory-only save, or a disk save whose writes had not begun), each in its own arena
