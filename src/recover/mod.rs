@@ -31,6 +31,7 @@ use crate::commit;
 use crate::error::{Error, Result};
 use crate::staging::AttachedArena;
 use crate::staging::attach::AttachOptions;
+use crate::staging::descriptor::slot_state;
 
 pub use inspect::{
     ArenaDetails, ArenaInfo, Owner, SlotInfo, SlotState, inspect_arena, list_arenas,
@@ -676,8 +677,16 @@ fn adoptable(
     if h.geometry != spec.geometry || h.world_size != spec.world_size {
         return None;
     }
-    let v = slots.last()?;
-    if slots.iter().filter(|x| x.step == v.step).count() != 1 {
+    // The newest save that returned from `save` (`STAGED`): a save still `STAGING` at the
+    // crash never did, recovery refuses it whatever its step (a trainer that saves every
+    // step is killed inside the next save's staging most of the time), and its chunks are
+    // none of the staged saves' (those were out of the pool while it staged).
+    let v = slots.iter().rfind(|x| x.state == slot_state::STAGED)?;
+    let alone = slots
+        .iter()
+        .filter(|x| x.slot != v.slot && x.step >= v.step)
+        .all(|x| x.step > v.step && x.state == slot_state::STAGING);
+    if !alone {
         return None;
     }
     let why = match rebuild::staged_step(att, h, v)

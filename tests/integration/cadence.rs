@@ -598,8 +598,9 @@ fn child_adopt_then_die() {
 }
 
 /// Child: flash restore on, every second save to disk: step 1 to disk, 2 memory-only, 3 to
-/// disk with its writes past the first chunk held back (2 s each), 4 memory-only (held),
-/// then death by SIGKILL while step 3 drains (its first chunk written, the others staged).
+/// disk with the write of its last chunk held back (10 s), 4 memory-only (held), then death
+/// by SIGKILL while step 3 drains (its first chunks written unless the writes were merged,
+/// the last one staged).
 fn child_keep_disk_save_in_flight() {
     use shmckpt::testing::io::OpKind;
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
@@ -615,18 +616,21 @@ fn child_keep_disk_save_in_flight() {
     .unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
+    // The last chunk's write (from 192 KiB: the file has 4 chunks of 64 KiB) is held back,
+    // and any write merged with it.
     plan.add(Rule {
         kind: OpKind::Write,
-        offsets: (64 << 10)..u64::MAX,
-        fault: Fault::Delay(Duration::from_secs(2)),
+        offsets: (192 << 10)..u64::MAX,
+        fault: Fault::Delay(Duration::from_secs(10)),
         times: None,
     });
     let s3 = step_state(3);
     let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
     h3.wait_staged().unwrap();
     assert!(save_step(&e, 4).memory_only);
-    // Until step 3's first chunk is written (its descriptor says so).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    // Until step 3's first chunk is written (its descriptor says so), or for 1 s (its
+    // writes were merged into one, held back).
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
     loop {
         let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(&root)).unwrap();
         let first_written = (0..att.slot_count()).any(|s| {
@@ -637,18 +641,62 @@ fn child_keep_disk_save_in_flight() {
                     .first()
                     .is_some_and(|c| c.0 == chunk_state::WRITTEN)
         });
-        if first_written {
+        if first_written || std::time::Instant::now() >= deadline {
             break;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "step 3's first chunk was not written"
-        );
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(committed(&root), [1]);
     std::hint::black_box((&e, &h3));
     sigkill_self();
+}
+
+/// Child: flash restore on, 64 MiB of staging: step 1 to disk, 2 and 3 memory-only (3
+/// held), then death by SIGKILL while step 4 (48 MiB) is being staged (its descriptor slot
+/// `STAGING`: a trainer that saves every step dies inside the next save most of the time).
+fn child_keep_killed_while_staging() {
+    use shmckpt::testing::staging::descriptor::slot_state;
+    use shmckpt_bench::synthetic::LayoutEntry;
+    let root = env_path(ROOT_ENV);
+    let e = Engine::open(
+        cadence_config(&root, DiskCadence::Every(10))
+            .with_staging_capacity(64 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    e.wait_staging_ready().unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    assert!(save_step(&e, 3).memory_only);
+    let big = State::new(
+        vec![LayoutEntry {
+            name: "big".into(),
+            dtype: shmckpt::Dtype::U8,
+            shape: vec![48 << 20],
+        }],
+        4,
+    );
+    let name = kept_arena_name(&root);
+    std::thread::spawn(move || {
+        let att = shmckpt::testing::staging::AttachedArena::open(&name).unwrap();
+        loop {
+            let staging = (0..att.slot_count()).any(|s| {
+                let v = att.slot(s);
+                v.step == 4 && v.state == slot_state::STAGING
+            });
+            if staging {
+                sigkill_self();
+            }
+        }
+    });
+    for _ in 0..50 {
+        let _ = e
+            .save(4, &big.tensors(), &Metadata::new())
+            .and_then(|h| h.wait());
+        let _ = e.remove(4);
+    }
+    // Every attempt staged before the watcher saw it: the parent tries again.
+    std::process::exit(3);
 }
 
 const ROLES: &[Role] = &[
@@ -660,12 +708,62 @@ const ROLES: &[Role] = &[
         "child_keep_disk_save_in_flight",
         child_keep_disk_save_in_flight,
     ),
+    (
+        "child_keep_killed_while_staging",
+        child_keep_killed_while_staging,
+    ),
 ];
+
+/// Flash restore with a disk cadence, killed while the next save was being staged: that
+/// save (`STAGING`, never returned) is refused as recovery refuses it, and the newest staged
+/// one, memory-only step 3, is still held in memory by the next open, byte-exact.
+#[test]
+fn flash_restore_holds_the_newest_staged_step_when_killed_inside_the_next_save() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-staging");
+    let root = dir.path();
+    let _kept = ShmGuard(kept_arena_name(root));
+    let killed = (0..5).any(|_| {
+        use std::os::unix::process::ExitStatusExt;
+        let out = child_command("child_keep_killed_while_staging")
+            .env(ROOT_ENV, root)
+            .env(SHM_ENV, "unused")
+            .output()
+            .unwrap();
+        out.status.signal() == Some(9)
+    });
+    assert!(killed, "no child was killed while staging step 4");
+    let e = Engine::open(
+        cadence_config(root, DiskCadence::Every(10))
+            .with_staging_capacity(64 << 20)
+            .with_keep_in_memory(true),
+    )
+    .unwrap();
+    let outcomes: Vec<(u64, bool)> = e
+        .recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .map(|s| {
+            (
+                s.step,
+                matches!(s.outcome, shmckpt::recover::SlotOutcome::Adopted),
+            )
+        })
+        .collect();
+    assert_eq!(outcomes, [(3, true), (4, false)], "{:?}", e.recovered());
+    assert_eq!(committed(root), [1], "nothing written at open");
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    e.close();
+    assert_eq!(committed(root), [1, 3]);
+    assert_step_is_exact(root, 3);
+}
 
 /// Flash restore with a disk cadence, a disk save in flight at the crash: the open holds
 /// the newest (memory-only) step in memory and recovers the older disk save on a thread
-/// behind it (its first chunks from the partial file, the rest from the arena), which
-/// commits it byte-exact; `wait_recovery` reports it.
+/// behind it (the chunks written before the crash from the partial file, the rest from
+/// the arena), which commits it byte-exact; `wait_recovery` reports it.
 #[test]
 fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
     if run_role(ROLES) {
@@ -706,8 +804,8 @@ fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
                 ..
             },
         ) => assert!(
-            *from_file >= 1 && *from_staging >= 1,
-            "chunks from the file and from the arena: {from_file} and {from_staging}"
+            *from_staging >= 1 && from_file + from_staging == 4,
+            "4 chunks, the last from the arena: {from_file} from the file, {from_staging} from the arena"
         ),
         other => panic!("step 3: {other:?}"),
     }
