@@ -58,14 +58,11 @@ impl Mapped {
         root: &[u8],
         keep: &[u32],
     ) -> Result<Mapped> {
-        if (seg.mapped_len() as u64) < geo.total_len
-            || geo.root_len != root.len() as u64
-            || keep.iter().any(|&k| k >= geo.n_slots)
-        {
+        Mapped::check_fits(&seg, geo, root)?;
+        if let Some(k) = keep.iter().find(|&&k| k >= geo.n_slots) {
             return Err(Error::Config(format!(
-                "segment of {} bytes does not fit geometry {:?} (slots {keep:?})",
-                seg.mapped_len(),
-                geo
+                "slot {k} to keep is past the arena's {} slots",
+                geo.n_slots
             )));
         }
         let map = Mapped { seg, geo };
@@ -75,6 +72,18 @@ impl Mapped {
             d.free(s);
         }
         Ok(map)
+    }
+
+    /// That `seg` is at least `geo`'s length and `geo` was made for `root`.
+    fn check_fits(seg: &Segment, geo: Geometry, root: &[u8]) -> Result<()> {
+        if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
+            return Err(Error::Config(format!(
+                "segment of {} bytes does not fit geometry {:?}",
+                seg.mapped_len(),
+                geo
+            )));
+        }
+        Ok(())
     }
 
     /// Check that `seg` fits `geo` and `root`, zero its descriptor region when `zero` (a
@@ -87,13 +96,7 @@ impl Mapped {
         root: &[u8],
         zero: bool,
     ) -> Result<Mapped> {
-        if (seg.mapped_len() as u64) < geo.total_len || geo.root_len != root.len() as u64 {
-            return Err(Error::Config(format!(
-                "segment of {} bytes does not fit geometry {:?}",
-                seg.mapped_len(),
-                geo
-            )));
-        }
+        Mapped::check_fits(&seg, geo, root)?;
         if zero {
             // SAFETY: `data_offset <= total_len <= mapped_len` (checked above, and by
             // `Geometry`); the mapping is writable and stays alive for this call.

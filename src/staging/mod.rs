@@ -185,6 +185,19 @@ impl Arena {
     /// engine, its only caller, holds the root and rank lock that every engine of a kept
     /// arena's name holds.
     pub fn take_over(spec: &ArenaSpec, kept: Geometry, file: std::fs::File) -> Result<Arc<Arena>> {
+        let (seg, geo) = Arena::map_kept(spec, kept, file)?;
+        let map = Mapped::take_over(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
+        Ok(Arena::from_mapped(map, geo, spec, true))
+    }
+
+    /// The kept arena `file` (named `spec.name`) mapped for a take-over, when its geometry
+    /// `kept` is exactly the one `spec` asks for ([`Arena::take_over`],
+    /// [`Arena::take_over_keeping`]).
+    fn map_kept(
+        spec: &ArenaSpec,
+        kept: Geometry,
+        file: std::fs::File,
+    ) -> Result<(Segment, Geometry)> {
         let geo = Arena::geometry(spec)?;
         if geo != kept {
             return Err(Error::Config(format!(
@@ -195,9 +208,10 @@ impl Arena {
             .name
             .as_deref()
             .ok_or_else(|| Error::Config("only a named arena can be taken over".into()))?;
-        let seg = Segment::map_existing(name, file, geo.total_len as usize)?;
-        let map = Mapped::take_over(seg, geo, spec.rank, spec.world_size, root_bytes(spec))?;
-        Ok(Arena::from_mapped(map, geo, spec, true))
+        Ok((
+            Segment::map_existing(name, file, geo.total_len as usize)?,
+            geo,
+        ))
     }
 
     /// [`Arena::take_over`], keeping the saves in descriptor slots `keep` (a dead engine's
@@ -213,17 +227,7 @@ impl Arena {
         file: std::fs::File,
         keep: &[u32],
     ) -> Result<Arc<Arena>> {
-        let geo = Arena::geometry(spec)?;
-        if geo != kept {
-            return Err(Error::Config(format!(
-                "the kept arena's layout {kept:?} is not this engine's {geo:?}"
-            )));
-        }
-        let name = spec
-            .name
-            .as_deref()
-            .ok_or_else(|| Error::Config("only a named arena can be taken over".into()))?;
-        let seg = Segment::map_existing(name, file, geo.total_len as usize)?;
+        let (seg, geo) = Arena::map_kept(spec, kept, file)?;
         let map = Mapped::take_over_keeping(seg, geo, root_bytes(spec), keep)?;
         let arena = Arena::from_mapped(map, geo, spec, true);
         arena
