@@ -496,21 +496,32 @@ pub(crate) fn adopt(
 /// then an empty arena like a new one). [`NotTaken`] gives the image back, untouched, with
 /// why the arena could not be taken over.
 pub(crate) fn take_over(
-    image: KeptImage,
+    mut image: KeptImage,
     spec: &crate::staging::ArenaSpec,
     root: &Path,
     rank: u32,
 ) -> std::result::Result<TakenOver, Box<NotTaken>> {
     let not = |image, why: String| Box::new(NotTaken { image, why });
-    if image.is_staged() {
-        return take_over_staged(image, spec);
-    }
     // The descriptor `take_kept` opened for writing after its checks (the same inode).
     let file = match image.att.writable_file() {
         Ok(f) => f,
         Err(e) => return Err(not(image, format!("cannot open it for writing: {e}"))),
     };
-    let arena = match Arena::take_over(spec, image.att.header().geometry, file) {
+    let geo = image.att.header().geometry;
+    if let Some(st) = image.staged.take() {
+        // The staged save's slot, and those to recover behind the open, stay `STAGED`.
+        let keep: Vec<u32> = std::iter::once(image.slot.slot)
+            .chain(image.behind.iter().map(|b| b.slot))
+            .collect();
+        return match Arena::take_over_keeping(spec, geo, file, &keep) {
+            Ok(arena) => Ok(take_staged(arena, image, st)),
+            Err(e) => {
+                image.staged = Some(st);
+                Err(not(image, e.to_string()))
+            }
+        };
+    }
+    let arena = match Arena::take_over(spec, geo, file) {
         Ok(a) => a,
         Err(e) => return Err(not(image, e.to_string())),
     };
@@ -521,11 +532,9 @@ pub(crate) fn take_over(
         let cs = arena.chunk_size();
         check_slot(v, cs, &entry)?;
         let mut leases = Vec::with_capacity(v.chunks.len());
-        for &(_, index) in &v.chunks {
-            leases.push(arena.take_chunk(index).ok_or_else(|| {
-                format!("the kept image names arena chunk {index}, which the arena does not have")
-            })?);
-        }
+        take_chunks(&arena, v.chunks.iter().map(|c| c.1), &mut leases).map_err(|index| {
+            format!("the kept image names arena chunk {index}, which the arena does not have")
+        })?;
         fill_and_verify(
             &mut leases,
             v,
@@ -545,48 +554,21 @@ pub(crate) fn take_over(
 }
 
 /// [`take_over`] of a kept arena whose newest save recovery left staged for this engine
-/// (`image.staged`): the arena is taken over with that save's slot kept `STAGED` in place
-/// ([`Arena::take_over_keeping`]: at no instant is the save in no descriptor), its chunks
-/// taken out of the pool, and it becomes [`TakenOver::held`], which the engine holds as
-/// its memory-only step. The committed image the arena may also hold (an older step) is
-/// given up.
-fn take_over_staged(
-    image: KeptImage,
-    spec: &crate::staging::ArenaSpec,
-) -> std::result::Result<TakenOver, Box<NotTaken>> {
-    let file = match image.att.writable_file() {
-        Ok(f) => f,
-        Err(e) => {
-            return Err(Box::new(NotTaken {
-                image,
-                why: format!("cannot open it for writing: {e}"),
-            }));
-        }
-    };
-    let geo = image.att.header().geometry;
-    let keep: Vec<u32> = std::iter::once(image.slot.slot)
-        .chain(image.behind.iter().map(|b| b.slot))
-        .collect();
-    let arena = match Arena::take_over_keeping(spec, geo, file, &keep) {
-        Ok(a) => a,
-        Err(e) => {
-            return Err(Box::new(NotTaken {
-                image,
-                why: e.to_string(),
-            }));
-        }
-    };
+/// (`st`, read from `image`'s slot), `arena` the segment taken over with that save's slot
+/// and those of `image.behind` kept `STAGED` in place ([`Arena::take_over_keeping`]: at no
+/// instant is a save in no descriptor): the save's chunks are taken out of the pool and it
+/// becomes [`TakenOver::held`], which the engine holds as its memory-only step; the older
+/// saves' staged chunks are taken out too, for [`TakenOver::behind`]. The committed image
+/// the arena may also hold (an older step) is given up.
+fn take_staged(arena: Arc<Arena>, image: KeptImage, st: crate::recover::StagedStep) -> TakenOver {
     arena.enable_keep();
     let KeptImage {
         att,
         slot: v,
-        staged,
         behind,
+        ..
     } = image;
-    let held = match staged {
-        Some(st) => hold_staged(&arena, &v, st),
-        None => Err("no staged save".into()),
-    };
+    let held = hold_staged(&arena, &v, st);
     if let Err(why) = &held {
         // Unreachable after `staged_step`'s checks, short of another process of this user
         // writing the segment: the save is refused, its slot freed before its chunks.
@@ -595,51 +577,55 @@ fn take_over_staged(
     let mut saves = Vec::new();
     for b in behind {
         let mut leases = Vec::new();
-        for &(state, index) in &b.chunks {
-            if state != chunk_state::STAGED {
-                continue;
-            }
-            match arena.take_chunk(index) {
-                Some(l) => leases.push(l),
-                None => {
-                    // Unreachable (`recoverable_behind` checked the chunks distinct and in
-                    // range): the descriptor must not name chunks back in the pool.
-                    tracing::error!(
-                        step = b.step,
-                        index,
-                        "a staged save left to recover behind the open names a chunk that is not free: it is lost"
-                    );
-                    arena.release_slot(b.slot);
-                    leases.clear();
-                    break;
-                }
-            }
+        let staged = b
+            .chunks
+            .iter()
+            .filter(|c| c.0 == chunk_state::STAGED)
+            .map(|c| c.1);
+        if let Err(index) = take_chunks(&arena, staged, &mut leases) {
+            // Unreachable (`recoverable_behind` checked the chunks distinct and in range):
+            // the descriptor must not name chunks back in the pool.
+            tracing::error!(
+                step = b.step,
+                index,
+                "a staged save left to recover behind the open names a chunk that is not free: it is lost"
+            );
+            arena.release_slot(b.slot);
+            drop(leases);
+            continue;
         }
-        if b.chunks.iter().all(|&(s, _)| s != chunk_state::STAGED) || !leases.is_empty() {
-            saves.push(BehindSave { view: b, leases });
-        }
+        saves.push(BehindSave { view: b, leases });
     }
-    let behind = (!saves.is_empty()).then(|| Behind {
-        header: att.header(),
-        att,
-        saves,
-    });
-    Ok(TakenOver {
+    let behind = (!saves.is_empty()).then_some(Behind { att, saves });
+    TakenOver {
         arena,
         adopted: Err("its newest save is held in memory instead".into()),
         held: Some(held),
         behind,
-    })
+    }
+}
+
+/// Take arena chunks `indices` out of `arena`'s pool into `leases`, in order; `Err` with
+/// the first index that is not free (the leases taken before it stay in `leases`, for the
+/// caller to drop once no descriptor slot names them).
+fn take_chunks(
+    arena: &Arc<Arena>,
+    indices: impl IntoIterator<Item = u32>,
+    leases: &mut Vec<ChunkLease>,
+) -> std::result::Result<(), u32> {
+    for index in indices {
+        leases.push(arena.take_chunk(index).ok_or(index)?);
+    }
+    Ok(())
 }
 
 /// The older saves of a kept arena taken over with its newest save held
 /// ([`take_over_staged`]), which the engine recovers on a thread behind its open
 /// (`crate::recover::recover_behind`), each slot `STAGED` in the descriptor and its staged
-/// chunks held out of the pool until its recovery ends; `att` reads them (`pread`), with
-/// the arena's header as it was before the take-over.
+/// chunks held out of the pool until its recovery ends; `att` reads them (`pread`; its
+/// header is the arena's as it was attached, before the take-over).
 pub(crate) struct Behind {
     pub att: AttachedArena,
-    pub header: crate::staging::descriptor::HeaderView,
     pub saves: Vec<BehindSave>,
 }
 
@@ -659,16 +645,9 @@ fn hold_staged(
 ) -> std::result::Result<StagedTaken, String> {
     let cs = arena.chunk_size();
     let mut leases = Vec::with_capacity(v.chunks.len());
-    let mut problem = None;
-    for &(_, index) in &v.chunks {
-        match arena.take_chunk(index) {
-            Some(l) => leases.push(l),
-            None => {
-                problem = Some(format!("arena chunk {index} is not free"));
-                break;
-            }
-        }
-    }
+    let mut problem = take_chunks(arena, v.chunks.iter().map(|c| c.1), &mut leases)
+        .err()
+        .map(|index| format!("arena chunk {index} is not free"));
     if problem.is_none() {
         let mut have = Vec::with_capacity(st.header.len());
         for l in &leases {

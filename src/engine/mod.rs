@@ -194,7 +194,8 @@ type BehindDone = (
 /// (`Failed`: the slot stays `STAGED` and its chunks are returned, held, for the next open
 /// to retry); each step out of `inflight` then.
 fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
-    let flash::Behind { att, header, saves } = b;
+    let flash::Behind { att, saves } = b;
+    let header = att.header();
     let mut outcomes = Vec::new();
     let mut stuck = Vec::new();
     for s in saves {
