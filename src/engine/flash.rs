@@ -648,25 +648,22 @@ fn hold_staged(
     let mut problem = take_chunks(arena, v.chunks.iter().map(|c| c.1), &mut leases)
         .err()
         .map(|index| format!("arena chunk {index} is not free"));
+    let header = st.plan.header();
     if problem.is_none() {
-        let mut have = Vec::with_capacity(st.header.len());
+        let mut have = Vec::with_capacity(header.len());
         for l in &leases {
-            let n = (st.header.len() - have.len()).min(cs as usize);
+            let n = (header.len() - have.len()).min(cs as usize);
             if n == 0 {
                 break;
             }
             have.extend_from_slice(&l.as_slice()[..n]);
         }
-        if have != st.header {
+        if have != header {
             problem = Some("the staged header changed since it was checked".into());
         }
     }
-    let plan = match problem {
-        None => st.plan(v.file_len).map_err(|e| e.to_string()),
-        Some(p) => Err(p),
-    };
-    match plan {
-        Ok(plan) => {
+    match problem {
+        None => {
             tracing::info!(
                 step = v.step,
                 chunks = leases.len(),
@@ -675,12 +672,12 @@ fn hold_staged(
             Ok(StagedTaken {
                 step: v.step,
                 slot: v.slot,
-                plan,
+                plan: st.plan,
                 metadata: st.metadata,
                 image: Adopted::in_memory(leases, v.step, v.data_start, cs, st.entry),
             })
         }
-        Err(why) => {
+        Some(why) => {
             arena.release_slot(v.slot);
             drop(leases);
             Err(why)

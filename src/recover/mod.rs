@@ -689,9 +689,7 @@ fn adoptable(
     if !alone {
         return None;
     }
-    let why = match rebuild::staged_step(att, h, v)
-        .and_then(|st| st.plan(v.file_len).map(|_| st).map_err(|e| e.to_string()))
-    {
+    let why = match rebuild::staged_step(att, h, v) {
         Ok(st) if st.entry.session == spec.session => {
             let name = crate::manifest::step_dir_name(v.step);
             let free = crate::fsx::open_dir(root)

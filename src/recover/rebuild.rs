@@ -117,17 +117,8 @@ pub(super) fn recover_slot(
         }
         SlotState::Unknown(s) => return refused(format!("unknown slot state {s}")),
     }
-    let cs = h.geometry.chunk_size;
     let file_name = rank_file_name(h.rank, h.world_size);
-    if h.world_size == 0
-        || h.rank >= h.world_size
-        || v.partial_dir != partial_dir_name(v.step)
-        || v.file_name != file_name
-        || v.chunks.len() as u64 != v.file_len.div_ceil(cs)
-        || v.data_start < 8
-        || v.data_start > v.file_len
-        || !v.data_start.is_multiple_of(DATA_ALIGN)
-    {
+    if !descriptor_consistent(h, v) {
         return refused(format!(
             "the descriptor is inconsistent (step {}, {:?}/{:?}, {} bytes, data at {}, {} chunk entries)",
             v.step,
@@ -221,31 +212,33 @@ pub(super) fn recover_slot(
     outcome
 }
 
+/// Whether slot `v`'s record agrees with the arena's header `h` and with itself: a rank
+/// inside the world, the partial directory and file names of its step and rank, one
+/// chunk entry per chunk of the file, the data section starting after a length prefix,
+/// aligned, inside the file.
+fn descriptor_consistent(h: &HeaderView, v: &SlotView) -> bool {
+    h.world_size != 0
+        && h.rank < h.world_size
+        && v.partial_dir == partial_dir_name(v.step)
+        && v.file_name == rank_file_name(h.rank, h.world_size)
+        && v.chunks.len() as u64 == v.file_len.div_ceil(h.geometry.chunk_size)
+        && v.data_start >= 8
+        && v.data_start <= v.file_len
+        && v.data_start.is_multiple_of(DATA_ALIGN)
+}
+
 /// A fully staged save read from a dead engine's arena, checked, for an engine that takes
 /// the arena over and holds the save as its memory-only step instead of committing it
 /// (`crate::recover::Deferred`).
 #[derive(Debug, Clone)]
 pub(crate) struct StagedStep {
-    /// The file's first `data_start` bytes, as staged.
-    pub(crate) header: Vec<u8>,
+    /// The plan of its file: the staged header (the file's first `data_start` bytes) and
+    /// the tensors it lays out, checked ([`crate::plan::Plan::from_layout`]).
+    pub(crate) plan: crate::plan::Plan,
     /// This rank's manifest entry (checksums 0: computed when the step goes to disk).
     pub(crate) entry: FileEntry,
     /// The user metadata of the save.
     pub(crate) metadata: Metadata,
-}
-
-impl StagedStep {
-    /// The plan of its file (`file_len` bytes), checked ([`crate::plan::Plan::from_layout`]).
-    pub(crate) fn plan(&self, file_len: u64) -> Result<crate::plan::Plan> {
-        crate::plan::Plan::from_layout(
-            self.header.clone(),
-            self.entry
-                .tensors
-                .iter()
-                .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)),
-            file_len,
-        )
-    }
 }
 
 /// Slot `v` of `att` (header `h`), read and checked as [`recover_slot`] checks a slot, for
@@ -262,16 +255,7 @@ pub(crate) fn staged_step(
     if v.state != crate::staging::descriptor::slot_state::STAGED {
         return Err(format!("slot {} is not staged", v.slot));
     }
-    if h.world_size == 0
-        || h.rank >= h.world_size
-        || v.partial_dir != partial_dir_name(v.step)
-        || v.file_name != rank_file_name(h.rank, h.world_size)
-        || v.chunks.is_empty()
-        || v.chunks.len() as u64 != v.file_len.div_ceil(cs)
-        || v.data_start < 8
-        || v.data_start > v.file_len
-        || !v.data_start.is_multiple_of(DATA_ALIGN)
-    {
+    if !descriptor_consistent(h, v) || v.chunks.is_empty() {
         return Err(format!("the descriptor of step {} is inconsistent", v.step));
     }
     let mut seen = std::collections::BTreeSet::new();
@@ -291,8 +275,15 @@ pub(crate) fn staged_step(
     let header = read_header(att, None, &path, v, cs).map_err(|e| e.to_string())?;
     let d = parse_header(&header, &path, v, h.rank, h.world_size).map_err(|e| e.to_string())?;
     d.entry.validate(&path).map_err(|e| e.to_string())?;
+    let tensors = d
+        .entry
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets));
+    let plan =
+        crate::plan::Plan::from_layout(header, tensors, v.file_len).map_err(|e| e.to_string())?;
     Ok(StagedStep {
-        header,
+        plan,
         entry: d.entry,
         metadata: d.metadata,
     })
