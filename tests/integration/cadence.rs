@@ -21,6 +21,15 @@ fn cadence_config(root: &Path, cadence: DiskCadence) -> EngineConfig {
 }
 
 /// `(step, memory, disk, bucket)` of every step `list_in(All)` lists.
+/// Flash restore with a disk cadence of every `every`-th save and `staging` bytes of
+/// staging: a child and the engine opened after it share this layout (the take-over in
+/// place needs the same one).
+fn flash_config(root: &Path, every: u64, staging: u64) -> EngineConfig {
+    cadence_config(root, DiskCadence::Every(every))
+        .with_staging_capacity(staging)
+        .with_keep_in_memory(true)
+}
+
 fn tiers(e: &Engine) -> Vec<(u64, bool, bool, bool)> {
     e.list_in(Tiers::All)
         .unwrap()
@@ -566,12 +575,7 @@ fn child_memory_steps() {
 /// by SIGKILL. Its arena is the root's kept arena (stable name).
 fn child_keep_memory_only() {
     let root = env_path(ROOT_ENV);
-    let e = Engine::open(
-        cadence_config(&root, DiskCadence::Every(10))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(&root, 10, 1 << 20)).unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
     assert!(save_step(&e, 3).memory_only);
@@ -585,12 +589,7 @@ fn child_keep_memory_only() {
 /// before anything else.
 fn child_adopt_then_die() {
     let root = env_path(ROOT_ENV);
-    let e = Engine::open(
-        cadence_config(&root, DiskCadence::Every(10))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(&root, 10, 1 << 20)).unwrap();
     assert_eq!(e.recovered_steps(), [3]);
     assert_eq!(committed(&root), [1]);
     std::hint::black_box(&e);
@@ -607,13 +606,8 @@ fn child_keep_disk_save_in_flight() {
     use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
     let root = env_path(ROOT_ENV);
     let plan = std::sync::Arc::new(FaultPlan::new());
-    let e = Engine::open(
-        cadence_config(&root, DiskCadence::Every(2))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true)
-            .with_faults(std::sync::Arc::clone(&plan)),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(&root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
+        .unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
     // The last chunk's write (from 192 KiB: the file has 4 chunks of 64 KiB) is held back,
@@ -658,12 +652,7 @@ fn child_keep_killed_while_staging() {
     use shmckpt::testing::staging::descriptor::slot_state;
     use shmckpt_bench::synthetic::LayoutEntry;
     let root = env_path(ROOT_ENV);
-    let e = Engine::open(
-        cadence_config(&root, DiskCadence::Every(10))
-            .with_staging_capacity(64 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(&root, 10, 64 << 20)).unwrap();
     e.wait_staging_ready().unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
@@ -735,12 +724,7 @@ fn flash_restore_holds_the_newest_staged_step_when_killed_inside_the_next_save()
         out.status.signal() == Some(9)
     });
     assert!(killed, "no child was killed while staging step 4");
-    let e = Engine::open(
-        cadence_config(root, DiskCadence::Every(10))
-            .with_staging_capacity(64 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(root, 10, 64 << 20)).unwrap();
     let outcomes: Vec<(u64, bool)> = e
         .recovered()
         .iter()
@@ -774,12 +758,7 @@ fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
     let _kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_disk_save_in_flight", root, "unused");
     assert_eq!(committed(root), [1]);
-    let e = Engine::open(
-        cadence_config(root, DiskCadence::Every(2))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(root, 2, 1 << 20)).unwrap();
     let outcomes: Vec<(u64, String)> = e
         .recovered()
         .iter()
@@ -792,7 +771,6 @@ fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
         "{:?}",
         e.recovered()
     );
-    // Step 3's save is refused while its recovery may still run.
     let behind = e.wait_recovery();
     assert_eq!(behind.len(), 1, "{behind:?}");
     match &behind[0] {
@@ -848,14 +826,7 @@ fn flash_restore_holds_the_memory_only_step_of_a_sigkilled_engine_in_memory() {
     assert!(shm_exists(&kept.0), "the kept arena survives the crash");
     // Killed again right after an open that took step 3 over.
     run_child("child_adopt_then_die", root, "unused");
-    let open = || {
-        Engine::open(
-            cadence_config(root, DiskCadence::Every(10))
-                .with_staging_capacity(1 << 20)
-                .with_keep_in_memory(true),
-        )
-        .unwrap()
-    };
+    let open = || Engine::open(flash_config(root, 10, 1 << 20)).unwrap();
     let e = open();
     assert_eq!(e.recovered_steps(), [3]);
     let t = e.open_timings();
@@ -902,12 +873,7 @@ fn flash_restore_of_another_layout_commits_the_memory_only_step_and_serves_it() 
     let _kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_memory_only", root, "unused");
     assert_eq!(committed(root), [1]);
-    let e = Engine::open(
-        cadence_config(root, DiskCadence::Every(10))
-            .with_staging_capacity(2 << 20)
-            .with_keep_in_memory(true),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(root, 10, 2 << 20)).unwrap();
     assert_eq!(e.recovered_steps(), [3]);
     assert_eq!(committed(root), [1, 3], "recovery made step 3 durable");
     assert_latest_from(&e, 3, LoadSource::Memory);
@@ -922,11 +888,7 @@ fn close_keeps_the_memory_only_step_it_writes_for_flash_restore() {
     let dir = real_dir("cadence-keep-close");
     let root = dir.path();
     let _kept = ShmGuard(kept_arena_name(root));
-    let config = || {
-        cadence_config(root, DiskCadence::Every(10))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true)
-    };
+    let config = || flash_config(root, 10, 1 << 20);
     let e = Engine::open(config()).unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
@@ -950,13 +912,7 @@ fn recovery_off_leaves_the_kept_arena_and_its_staged_step_for_recover() {
     let root = dir.path();
     let kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_memory_only", root, "unused");
-    let e = Engine::open(
-        cadence_config(root, DiskCadence::Every(10))
-            .with_staging_capacity(1 << 20)
-            .with_keep_in_memory(true)
-            .with_recover_on_open(false),
-    )
-    .unwrap();
+    let e = Engine::open(flash_config(root, 10, 1 << 20).with_recover_on_open(false)).unwrap();
     assert!(e.recovered_steps().is_empty());
     assert_latest_from(&e, 1, LoadSource::Disk);
     e.close();
