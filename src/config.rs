@@ -60,6 +60,9 @@ pub(crate) fn auto_capacity_within(needed: u64, chunk_size: u64, room: u64) -> R
 
 /// Default chunk size: 8 MiB.
 pub const DEFAULT_CHUNK_SIZE: u64 = 8 << 20;
+/// Default bytes of device-to-host copies a save keeps queued ahead of their completion:
+/// 256 MiB (about 5 ms of copies at 55 GB/s; `EngineConfig::with_copy_ahead`).
+pub const DEFAULT_COPY_AHEAD: u64 = 256 << 20;
 /// Default number of writer threads.
 pub const DEFAULT_WRITER_THREADS: usize = 2;
 /// Default requests in flight per writer.
@@ -114,6 +117,7 @@ pub struct EngineConfig {
     pub(crate) copy_threads: usize,
     pub(crate) direct_io: bool,
     pub(crate) batch_device_copies: bool,
+    pub(crate) copy_ahead: u64,
     pub(crate) keep_last: Option<usize>,
     pub(crate) rank: u32,
     pub(crate) world_size: u32,
@@ -155,6 +159,7 @@ impl EngineConfig {
                 .unwrap_or(1),
             direct_io: true,
             batch_device_copies: std::env::var_os("SHMCKPT_BATCH_COPIES").is_none_or(|v| v != "0"),
+            copy_ahead: DEFAULT_COPY_AHEAD,
             keep_last: None,
             rank: 0,
             world_size: 1,
@@ -231,6 +236,24 @@ impl EngineConfig {
     /// comparisons and for ruling the batch API out).
     pub fn with_batch_device_copies(mut self, on: bool) -> Self {
         self.batch_device_copies = on;
+        self
+    }
+
+    /// Bytes of a save's device-to-host copies queued ahead of their completion; 0 queues
+    /// every copy at once. Default [`DEFAULT_COPY_AHEAD`] (256 MiB).
+    ///
+    /// The copies go to the driver in the order of the checkpoint file, one per tensor
+    /// piece of each staging chunk, and each chunk's copies are queued once the copies
+    /// this many bytes before it have completed. Queueing all of them at once (thousands
+    /// for a state of thousands of tensors) fills the driver's queue, where the trainer's
+    /// own kernel launches then wait behind the engine's calls while the copy runs
+    /// (docs/benchmarks.md, "Memory tier at the PCIe limit"). A save that holds the
+    /// trainer's streams ([`SaveOptions::hold_streams`](crate::SaveOptions::hold_streams))
+    /// queues every copy before it returns, whatever this is; a snapshot-mode save keeps
+    /// its copies at most this far ahead (at most [`DEFAULT_COPY_AHEAD`] when this is 0), so
+    /// that a snapshot finds most bytes not queued yet.
+    pub fn with_copy_ahead(mut self, bytes: u64) -> Self {
+        self.copy_ahead = bytes;
         self
     }
 
@@ -473,6 +496,11 @@ impl EngineConfig {
     /// Whether committed images are held for replication ([`EngineConfig::with_replica_hold`]).
     pub fn replica_hold(&self) -> bool {
         self.replica_hold
+    }
+
+    /// Bytes of device copies queued ahead ([`EngineConfig::with_copy_ahead`]).
+    pub fn copy_ahead(&self) -> u64 {
+        self.copy_ahead
     }
 
     /// Bytes per staging chunk ([`EngineConfig::with_chunk_size`]).

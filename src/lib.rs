@@ -81,9 +81,10 @@ pub mod cuda {
 }
 
 pub use config::{
-    AUTO_STAGING_INITIAL, DEFAULT_CHUNK_SIZE, DEFAULT_DEVICE_READ, DEFAULT_DEVICE_READ_DEPTH,
-    DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH, DEFAULT_STAGING_CAPACITY,
-    DEFAULT_WRITER_THREADS, DiskCadence, EngineConfig, auto_staging_capacity,
+    AUTO_STAGING_INITIAL, DEFAULT_CHUNK_SIZE, DEFAULT_COPY_AHEAD, DEFAULT_DEVICE_READ,
+    DEFAULT_DEVICE_READ_DEPTH, DEFAULT_MAX_INFLIGHT_SAVES, DEFAULT_QUEUE_DEPTH,
+    DEFAULT_STAGING_CAPACITY, DEFAULT_WRITER_THREADS, DiskCadence, EngineConfig,
+    auto_staging_capacity,
 };
 pub use dtype::Dtype;
 /// Flash restore's arenas kept in `/dev/shm` (`EngineConfig::with_keep_in_memory`):

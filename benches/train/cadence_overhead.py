@@ -59,6 +59,7 @@ def parse_args(argv=None):
     a("--ck-kw", default='{"cadence": {"disk_every": "auto"}}', help='JSON: the tiered Checkpointer\'s keywords, its groups as objects ({"cadence": {"disk_every": 4}, "tuning": {"writer_threads": 8}}; see checkpointer_kw)')
     a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
     a("--snapshot", default="device", help='save(snapshot=...) of a configuration that names none ("none": no snapshot)')
+    a("--compare-copy-ahead", type=int, default=None, metavar="BYTES", help="also alternate segments saving through a second checkpointer whose Tuning.copy_ahead is BYTES (0: every device copy queued at once), reported as 'compare'")
     a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
     a("--out", default=None)
     a("--seed", type=int, default=1234)
@@ -115,10 +116,12 @@ def checkpointer_kw(kw, **tuning):
     return out
 
 
-def run_config(tr, state, ck, step_ms, every, snapshot, args, cuda, step_no):
-    """``step_no``: ``[last step saved]``, shared by the configurations: the checkpointer
-    and its root are the same for all of them, so step numbers keep increasing (the
-    second configuration restarted at 1 and would have hit steps kept on disk)."""
+def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
+    """``cks``: the checkpointer of each saving condition (``tiered``, and ``compare`` with
+    ``--compare-copy-ahead``). ``step_no``: ``[last step saved]``, shared by the
+    configurations: the checkpointers and their roots are the same for all of them, so
+    step numbers keep increasing (the second configuration restarted at 1 and would have
+    hit steps kept on disk)."""
     from sweep import calibrate, time_steps
 
     if cuda:
@@ -129,67 +132,85 @@ def run_config(tr, state, ck, step_ms, every, snapshot, args, cuda, step_no):
     iters = args.iters or max(20, int(round(8.0 / max(step_s, 1e-3))))
     snap = None if snapshot == "none" else snapshot
     log(f"config {step_ms} ms every {every} (snapshot {snapshot}): batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
-    rounds, stalls, disk_saves, saves, staged = [], [], 0, 0, []
+    conds = ["baseline", *cks]
+    rounds = []
+    stalls = {c: [] for c in cks}
+    staged = {c: [] for c in cks}
+    disk_saves = {c: 0 for c in cks}
+    saves = {c: 0 for c in cks}
     first_step = step_no[0] + 1
     t_end = now() + args.budget_s
 
     def segment(cond):
-        nonlocal disk_saves, saves
+        ck = cks.get(cond)
         handles = []
         tr.sync()
         walls = []
         for i in range(iters):
             t0 = now()
-            if cond == "tiered" and i % every == 0:
+            if ck is not None and i % every == 0:
                 step_no[0] += 1
                 kw = {"blocking": False}
                 if snap:
                     kw["snapshot"] = snap
                 handles.append(ck.save(step_no[0], state, **kw))
-                stalls.append(now() - t0)
+                stalls[cond].append(now() - t0)
             tr.fwd_bwd()
             tr.step()
             tr.sync()
             walls.append(now() - t0)
         for h in handles:  # untimed: the next segment starts from an idle disk
             rep = h.wait()
-            saves += 1
+            saves[cond] += 1
             # From the call until every byte was in staging: longer than the forward and
             # backward after the call, and the optimizer step waited for the copy.
-            staged.append(rep.get("timings", rep)["staging"])
+            staged[cond].append(rep.get("timings", rep)["staging"])
             if not rep.get("memory_only"):
-                disk_saves += 1
+                disk_saves[cond] += 1
         return walls
 
     r = 0
     while r < args.rounds and now() < t_end:
-        order = ["baseline", "tiered"] if r % 2 == 0 else ["tiered", "baseline"]
+        order = conds if r % 2 == 0 else conds[::-1]
         seg = {c: segment(c) for c in order}
         rounds.append({c: statistics.fmean(w[1:]) for c, w in seg.items()})
-        log(f"  round {r}: baseline {rounds[-1]['baseline'] * 1e3:.2f} ms, tiered {rounds[-1]['tiered'] * 1e3:.2f} ms")
+        log(f"  round {r}: " + ", ".join(f"{c} {rounds[-1][c] * 1e3:.2f} ms" for c in conds))
         r += 1
-    over = [x["tiered"] / x["baseline"] - 1 for x in rounds]
+    res = summary(rounds, "tiered", stalls, staged)
+    res.update(
+        step_ms_target=step_ms,
+        every=every,
+        snapshot=snapshot,
+        batch=tr.cfg["batch"],
+        iters_per_segment=iters,
+        rounds=len(rounds),
+        baseline_mean_ms=statistics.fmean(x["baseline"] for x in rounds) * 1e3,
+        step_s_alone=step_s,
+        saves=saves["tiered"],
+        disk_saves=disk_saves["tiered"],
+        steps=[first_step, step_no[0]],
+    )
+    if "compare" in cks:
+        res["compare"] = summary(rounds, "compare", stalls, staged)
+        res["compare"].update(copy_ahead=args.compare_copy_ahead, saves=saves["compare"], disk_saves=disk_saves["compare"])
+    return res
+
+
+def summary(rounds, cond, stalls, staged):
+    """Condition ``cond``'s overhead against the baseline of the same rounds, its save
+    calls (``stall``) and staging times."""
+    over = [x[cond] / x["baseline"] - 1 for x in rounds]
+    st, sg = stalls[cond], staged[cond]
     return {
-        "step_ms_target": step_ms,
-        "every": every,
-        "snapshot": snapshot,
-        "batch": tr.cfg["batch"],
-        "iters_per_segment": iters,
-        "rounds": len(rounds),
-        "baseline_mean_ms": statistics.fmean(x["baseline"] for x in rounds) * 1e3,
-        "tiered_mean_ms": statistics.fmean(x["tiered"] for x in rounds) * 1e3,
+        "tiered_mean_ms": statistics.fmean(x[cond] for x in rounds) * 1e3,
         "overhead_median": med(over),
         "overhead_mean": statistics.fmean(over),
         "overhead_mean_ci95": bootstrap_mean_ci(over),
         "overhead_per_round": over,
-        "stall_ms_median": med(stalls) * 1e3 if stalls else None,
-        "stall_ms_p90": p90(stalls) * 1e3 if stalls else None,
-        "staging_ms_median": med(staged) * 1e3 if staged else None,
-        "staging_ms_p90": p90(staged) * 1e3 if staged else None,
-        "step_s_alone": step_s,
-        "saves": saves,
-        "disk_saves": disk_saves,
-        "steps": [first_step, step_no[0]],
+        "stall_ms_median": med(st) * 1e3 if st else None,
+        "stall_ms_p90": p90(st) * 1e3 if st else None,
+        "staging_ms_median": med(sg) * 1e3 if sg else None,
+        "staging_ms_p90": p90(sg) * 1e3 if sg else None,
     }
 
 
@@ -225,32 +246,43 @@ def main(argv=None):
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
     cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
     res["meta"]["staging_capacity"] = cap
-    ck = shmckpt.Checkpointer(root, keep_last=2, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))
+    cks = {"tiered": shmckpt.Checkpointer(root, keep_last=2, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))}
+    if args.compare_copy_ahead is not None:
+        res["meta"]["compare_copy_ahead"] = args.compare_copy_ahead
+        tuning = dict(chunk_size=chunk, staging_capacity=cap, copy_ahead=args.compare_copy_ahead)
+        cks["compare"] = shmckpt.Checkpointer(root + "-compare", keep_last=2, **checkpointer_kw(kw, **tuning))
     try:
-        if cuda:
-            ck.prepare_cuda()
-        ck.guard(tr.opt)
-        ck.save(0, state).wait()  # warm-up: the arena sized, first-file costs
+        for ck in cks.values():
+            if cuda:
+                ck.prepare_cuda()
+            ck.guard(tr.opt)
+            ck.save(0, state).wait()  # warm-up: the arena sized, first-file costs
         step_no = [0]
         for c in args.configs.split(","):
             step_ms, every, *snap = c.split(":")
             snapshot = snap[0] if snap else args.snapshot
             if snapshot not in ("none", "device"):
                 raise SystemExit(f"cadence_overhead: snapshot {snapshot!r} in {c!r}: none or device")
-            res["configs"].append(run_config(tr, state, ck, float(step_ms), int(every), snapshot, args, cuda, step_no))
-            ck.flush()
+            res["configs"].append(run_config(tr, state, cks, float(step_ms), int(every), snapshot, args, cuda, step_no))
+            for ck in cks.values():
+                ck.flush()
     finally:
-        ck.close()
+        for ck in cks.values():
+            ck.close()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root + "-compare", ignore_errors=True)
     with open(os.path.join(out, "cadence.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = ["| step (target) | save every | snapshot | baseline mean | tiered mean | overhead median | mean [95 % CI] | stall median / p90 | staging median / p90 | saves (disk) | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
-        ci = c["overhead_mean_ci95"]
-        ci_s = f"[{ci[0] * 100:+.2f}, {ci[1] * 100:+.2f}] %" if ci else "-"
-        lines.append(
-            f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['snapshot']} | {c['baseline_mean_ms']:.1f} ms | {c['tiered_mean_ms']:.1f} ms | {c['overhead_median'] * 100:+.2f} % | {c['overhead_mean'] * 100:+.2f} % {ci_s} | {c['stall_ms_median']:.2f} / {c['stall_ms_p90']:.2f} ms | {c['staging_ms_median']:.1f} / {c['staging_ms_p90']:.1f} ms | {c['saves']} ({c['disk_saves']}) | {c['rounds']} |"
-        )
+        for label, v in [("", c), (f" (copy_ahead {args.compare_copy_ahead})", c.get("compare"))]:
+            if v is None:
+                continue
+            ci = v["overhead_mean_ci95"]
+            ci_s = f"[{ci[0] * 100:+.2f}, {ci[1] * 100:+.2f}] %" if ci else "-"
+            lines.append(
+                f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['snapshot']}{label} | {c['baseline_mean_ms']:.1f} ms | {v['tiered_mean_ms']:.1f} ms | {v['overhead_median'] * 100:+.2f} % | {v['overhead_mean'] * 100:+.2f} % {ci_s} | {v['stall_ms_median']:.2f} / {v['stall_ms_p90']:.2f} ms | {v['staging_ms_median']:.1f} / {v['staging_ms_p90']:.1f} ms | {v['saves']} ({v['disk_saves']}) | {c['rounds']} |"
+            )
     table = "\n".join(lines)
     with open(os.path.join(out, "cadence.md"), "w") as f:
         f.write(table + "\n")

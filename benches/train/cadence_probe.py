@@ -11,7 +11,9 @@ times per step:
 - ``call``: the ``save`` call (host), and ``engine``: the engine's ``save`` (inside the
   call, or on the submitting thread when the capture is deferred; mode ``at-call`` turns
   the deferral off, mode ``state-dict`` saves ``model.state_dict()`` and
-  ``opt.state_dict()`` made in the call instead of the persistent dict of references);
+  ``opt.state_dict()`` made in the call instead of the persistent dict of references,
+  mode ``all-queued`` saves through a second checkpointer whose device copies are all
+  queued at the save's start, ``Tuning(copy_ahead=0)``, instead of 256 MiB ahead);
 - ``hook``: the guard's wait at ``opt.step()`` (host);
 - ``step``: the whole step (host, synchronized); mode ``off`` saves nothing (the
   baseline);
@@ -76,7 +78,8 @@ def main(argv=None):
         "--modes",
         default="off,none,device",
         help="snapshot modes, alternated (off: no save, the baseline; at-call: none, captured at the call;"
-        " state-dict: none, the state made by model.state_dict() and opt.state_dict() at each call)",
+        " state-dict: none, the state made by model.state_dict() and opt.state_dict() at each call;"
+        " all-queued: none, through a checkpointer with Tuning(copy_ahead=0))",
     )
     p.add_argument("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes")
     p.add_argument("--ck-kw", default="{}", help='JSON: Cadence fields, e.g. {"disk_every": 4}')
@@ -105,37 +108,45 @@ def main(argv=None):
         if cuda:
             torch.cuda.current_stream().synchronize()
 
-    shutil.rmtree(args.dir, ignore_errors=True)
-    ck = shmckpt.Checkpointer(
-        args.dir,
-        keep_last=1,
-        cadence=shmckpt.Cadence(**{"disk_every": "auto", **json.loads(args.ck_kw)}),
-        tuning=shmckpt.Tuning(staging_capacity=int(args.staging_factor * nbytes) + (256 << 20)),
-    )
-    if cuda:
-        ck.prepare_cuda()
-    engine_times = {}  # step -> ms in the engine's save
-    ck._shared.engine = TimedEngine(ck._shared.engine, engine_times)
-    ck.guard(opt)
     modes = args.modes.split(",")
+    engine_times = {}  # step -> ms in the engine's save
+
+    def checkpointer(root, **tuning):
+        shutil.rmtree(root, ignore_errors=True)
+        c = shmckpt.Checkpointer(
+            root,
+            keep_last=1,
+            cadence=shmckpt.Cadence(**{"disk_every": "auto", **json.loads(args.ck_kw)}),
+            tuning=shmckpt.Tuning(staging_capacity=int(args.staging_factor * nbytes) + (256 << 20), **tuning),
+        )
+        if cuda:
+            c.prepare_cuda()
+        c._shared.engine = TimedEngine(c._shared.engine, engine_times)
+        c.guard(opt)
+        return c
+
+    ck = checkpointer(args.dir)
+    # Mode all-queued: the same saves through a checkpointer queueing every device copy at once.
+    ck_all = checkpointer(args.dir + "-all-queued", copy_ahead=0) if "all-queued" in modes else None
     rows = {m: [] for m in modes}
     saves = {m: [] for m in modes}
     step = 0
     for rnd in range(args.rounds + 1):  # round 0: warm-up, not kept
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            ck.wait()
+            c = ck_all if mode == "all-queued" else ck
+            c.wait()
             sync()
             handles = []
             for _ in range(args.steps):
                 step += 1
                 t0 = time.perf_counter()
                 if mode == "at-call":
-                    ck._saver.deferrable = None  # the capture at the call (no deferred capture)
+                    c._saver.deferrable = None  # the capture at the call (no deferred capture)
                 state = sd
                 if mode == "state-dict":  # made anew at each save, inside the timed call
                     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-                snap = None if mode in ("none", "at-call", "state-dict") else mode
-                h = None if mode == "off" else ck.save(step, state, blocking=False, snapshot=snap)
+                snap = None if mode in ("none", "at-call", "state-dict", "all-queued") else mode
+                h = None if mode == "off" else c.save(step, state, blocking=False, snapshot=snap)
                 t1 = time.perf_counter()
                 spin()
                 t2 = time.perf_counter()
@@ -159,8 +170,11 @@ def main(argv=None):
                     t = r.get("timings", r)
                     saves[mode].append(dict(staging=t["staging"] * 1e3, backpressure=t["backpressure"] * 1e3))
         print(f"round {rnd} done", flush=True)
-    ck.close()
+    for c in (ck, ck_all):
+        if c is not None:
+            c.close()
     shutil.rmtree(args.dir, ignore_errors=True)
+    shutil.rmtree(args.dir + "-all-queued", ignore_errors=True)
 
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     lines = [

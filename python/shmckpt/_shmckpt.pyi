@@ -210,6 +210,7 @@ class EngineSettings(TypedDict, total=False):
     writer_threads: Optional[int]
     queue_depth: Optional[int]
     copy_threads: Optional[int]
+    copy_ahead: Optional[int]
     direct_io: Optional[bool]
     keep_last: Optional[int]
     shm_name: Optional[str]
@@ -237,6 +238,8 @@ class Engine:
     def __new__(cls, root: str, config: Optional[Mapping[str, Any]] = None) -> "Engine": ...
     @property
     def chunk_size(self) -> int: ...
+    @property
+    def copy_ahead(self) -> int: ...
     def save(
         self,
         step: int,

@@ -95,7 +95,10 @@ class Tuning:
     of 4096 between 64 KiB and 1 GiB). ``writer_threads`` (1..256), ``queue_depth``
     (io_uring entries per writer, 1..4096), ``copy_threads`` (threads copying into
     staging), ``direct_io`` (``O_DIRECT`` writes where the filesystem allows),
-    ``max_inflight_saves`` (1..256)."""
+    ``max_inflight_saves`` (1..256), ``copy_ahead`` (bytes of a save's device-to-host
+    copies queued ahead of their completion, default 256 MiB; 0 queues them all at once,
+    whose thousands of driver calls can delay the trainer's kernel launches while the copy
+    runs: docs/python.md)."""
 
     staging_capacity: Optional[int] = None
     chunk_size: Optional[int] = None
@@ -104,6 +107,7 @@ class Tuning:
     copy_threads: Optional[int] = None
     direct_io: Optional[bool] = None
     max_inflight_saves: Optional[int] = None
+    copy_ahead: Optional[int] = None
 
     def __post_init__(self) -> None:
         _set(self, "staging_capacity", _int("Tuning", "staging_capacity", self.staging_capacity))
@@ -113,6 +117,7 @@ class Tuning:
         _set(self, "copy_threads", _int("Tuning", "copy_threads", self.copy_threads, 1))
         _set(self, "direct_io", _bool("Tuning", "direct_io", self.direct_io))
         _set(self, "max_inflight_saves", _int("Tuning", "max_inflight_saves", self.max_inflight_saves, 1, 256))
+        _set(self, "copy_ahead", _int("Tuning", "copy_ahead", self.copy_ahead, 0))
 
     def given(self) -> Dict[str, Any]:
         """The fields set (not ``None``), by name: the engine's settings of the same names."""
@@ -240,7 +245,8 @@ class Cadence:
 
 #: Each flat keyword of earlier versions: ``(group, field)``.
 LEGACY: Dict[str, Tuple[str, str]] = {
-    **{name: ("tuning", name) for name in TUNING_FIELDS},
+    # Every Tuning field but those added since the groups (``copy_ahead``).
+    **{name: ("tuning", name) for name in TUNING_FIELDS if name != "copy_ahead"},
     "remote_keep_last": ("remote", "keep_last"),
     "remote_max_pending": ("remote", "max_pending"),
     "remote_part_size": ("remote", "part_size"),

@@ -23,6 +23,7 @@ pub struct EngineOpts {
     pub writer_threads: Option<usize>,
     pub queue_depth: Option<u32>,
     pub copy_threads: Option<usize>,
+    pub copy_ahead: Option<u64>,
     pub direct_io: Option<bool>,
     pub keep_last: Option<usize>,
     pub rank: u32,
@@ -126,6 +127,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     }
     if let Some(v) = o.copy_threads {
         cfg = cfg.with_copy_threads(v);
+    }
+    if let Some(v) = o.copy_ahead {
+        cfg = cfg.with_copy_ahead(v);
     }
     if let Some(v) = o.direct_io {
         cfg = cfg.with_direct_io(v);

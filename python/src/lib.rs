@@ -633,6 +633,12 @@ impl PyEngine {
         Ok(core::chunk_size(&*self.get()?))
     }
 
+    /// Bytes of a save's device copies queued ahead of their completion (0: all at once).
+    #[getter]
+    fn copy_ahead(&self) -> PyResult<u64> {
+        Ok(self.get()?.config().copy_ahead())
+    }
+
     /// `(shm_name, staging_capacity, backend, root)`.
     fn describe(&self) -> PyResult<(String, u64, String, String)> {
         let engine = self.get()?;

@@ -132,6 +132,7 @@ def test_groups_check_their_fields_when_built():
         (lambda: Tuning(writer_threads=0), "Tuning.writer_threads must be between 1 and 256, not 0"),
         (lambda: Tuning(chunk_size=True), "Tuning.chunk_size must be an int, not True"),
         (lambda: Tuning(direct_io=1), "Tuning.direct_io must be True or False, not 1"),
+        (lambda: Tuning(copy_ahead=-1), "Tuning.copy_ahead must be at least 0, not -1"),
         (lambda: RemoteTier("s3://b/p", concurrency=257), "RemoteTier.concurrency must be between 1 and 256, not 257"),
         (lambda: RemoteTier("s3://b/p", part_size=1 << 20), "RemoteTier.part_size must be between"),
         (lambda: RemoteTier("s3://b/p", complete_timeout=float("nan")), "RemoteTier.complete_timeout must be a positive"),
@@ -170,8 +171,13 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
     e = _shmckpt.Engine(str(root), {"staging_capacity": SMALL, "chunk_size": 1 << 20, "keep_last": None})
     try:
         assert e.describe()[1] == SMALL and e.chunk_size == 1 << 20
+        assert e.copy_ahead == 256 << 20  # the default
     finally:
         e.close()
+    # Tuning.copy_ahead reaches the engine, 0 (every copy queued at once) included.
+    for ahead in (0, 3 << 20):
+        with shmckpt.Checkpointer(root / f"ahead{ahead}", tuning=Tuning(staging_capacity=SMALL, copy_ahead=ahead)) as c:
+            assert c._shared.engine.copy_ahead == ahead
     assert list(inspect.signature(_shmckpt.Engine).parameters) == ["root", "config"]
 
 

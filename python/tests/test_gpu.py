@@ -115,6 +115,34 @@ def test_copies_are_ordered_after_the_current_stream(root):
         assert torch.all(ck.load(1)["x"] == 7.0)
 
 
+@pytest.mark.parametrize("copy_ahead", [0, 128 << 10, None])
+def test_guarded_saves_of_many_tensors_keep_their_bytes_whatever_the_copies_queued_ahead(root, copy_ahead):
+    """Guarded non-blocking saves of 300 tensors over ~110 staging chunks of 64 KiB, the
+    optimizer stepping right after each call: each save holds the state of its call, with
+    the device copies all queued at once (0), two chunks ahead (128 KiB) or the default
+    (256 MiB). The optimizer's step waits for the copies queued last."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1 + 37 * i, device="cuda")) for i in range(300)]
+    opt = torch.optim.SGD(params, lr=0.5)
+    tuning = shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=64 << 10, copy_ahead=copy_ahead)
+    with shmckpt.Checkpointer(root, tuning=tuning) as ck:
+        ck.guard(opt)
+        snaps = {}
+        for step_no in range(1, 5):
+            for p in params:
+                p.grad = torch.full_like(p, float(step_no))
+            state = {f"p{i}": p for i, p in enumerate(params)}
+            snaps[step_no] = cpu_copy(state)
+            ck.save(step_no, state, blocking=False)
+            opt.step()  # overwrites every tensor of the save once its copies are done
+        ck.wait()
+        for step_no, snap in snaps.items():
+            back = ck.load(step_no)
+            assert sorted(back) == sorted(snap)
+            for k, v in snap.items():
+                assert raw(back[k]) == raw(v), (step_no, k)
+
+
 def test_interchange_with_safetensors_on_cuda(root):
     torch.manual_seed(0)
     model = Block().cuda()

@@ -89,17 +89,22 @@ pub struct CudaStaging {
     /// Whether device snapshots queue their copies in one driver call per device where
     /// the driver can (`EngineConfig::with_batch_device_copies`).
     batch: bool,
+    /// Bytes of device copies queued ahead of their completion; 0: no bound
+    /// (`EngineConfig::with_copy_ahead`).
+    copy_ahead: u64,
 }
 
 impl CudaStaging {
     /// Nothing set up yet. `batch`: queue a device snapshot's copies in one driver call
-    /// per device where the driver can.
-    pub fn new(arena: Arc<Arena>, batch: bool) -> Self {
+    /// per device where the driver can. `copy_ahead`: bytes of device copies a save keeps
+    /// queued ahead of their completion (0: all at once).
+    pub fn new(arena: Arc<Arena>, batch: bool, copy_ahead: u64) -> Self {
         CudaStaging {
             arena,
             devices: Mutex::new(BTreeMap::new()),
             registration: Mutex::new(None),
             batch,
+            copy_ahead,
         }
     }
 
@@ -300,7 +305,6 @@ impl CudaStaging {
     ) -> Result<Duration> {
         let cs = self.arena.chunk_size();
         let n = job.plan.chunk_count(cs);
-        let lookahead = (LOOKAHEAD_BYTES / cs.max(1)).max(2) as usize;
         let mut waited = Duration::ZERO;
         for c in 0..n {
             if (job.failed)() {
@@ -321,16 +325,16 @@ impl CudaStaging {
                     (job.queued)(marks);
                 }
             }
-            if job.snapshot.is_some() && !matches!(snap, SnapshotState::Declined) {
-                // Keep the copies a bounded amount ahead of completion (waiting for our own
-                // copies here is not backpressure: not counted). Before a snapshot: most
-                // device bytes stay unqueued, for a snapshot asked for later. After it: the
-                // trainer runs on while the rest is copied out of the snapshot buffer, and
-                // a burst of thousands of queued copies would fill the driver's queue,
-                // where its kernel launches wait behind the engine's calls (measured on an
-                // H200: the step after a snapshot of 8.5 GB took 35 ms longer, its
-                // launching thread blocked ~350 times).
-                while pipe.pending.len() >= lookahead {
+            // Keep the copies a bounded amount ahead of completion (waiting for our own
+            // copies here is not backpressure: not counted). Before a snapshot: most device
+            // bytes stay unqueued, for a snapshot asked for later. Otherwise: the trainer
+            // runs on while the copies run, and a burst of thousands of queued copies would
+            // fill the driver's queue, where its kernel launches wait behind the engine's
+            // calls (measured on an H200: the step after a snapshot of 8.5 GB took 35 ms
+            // longer, its launching thread blocked ~350 times).
+            let snapshot = job.snapshot.is_some() && !matches!(snap, SnapshotState::Declined);
+            if let Some(ahead) = chunks_ahead(self.copy_ahead, job.hold, snapshot, cs) {
+                while pipe.pending.len() >= ahead {
                     pipe.complete_front(job)?;
                 }
             }
@@ -478,6 +482,31 @@ impl CudaStaging {
         }
         Ok((write_len, events))
     }
+}
+
+/// How many staged chunks (`Pipeline::pending`) may wait for their copies before the next
+/// chunk's are queued, or `None` for no bound. A save holding the trainer's streams
+/// (`hold`) queues everything before it returns (none); a snapshot-mode save (`snapshot`:
+/// its buffers allocated) is always bounded, at most by `LOOKAHEAD_BYTES`, so that most
+/// device bytes are still unqueued when a snapshot is asked for; any other save by
+/// `copy_ahead` (`EngineConfig::with_copy_ahead`; 0: none). At least 2 chunks of `cs`
+/// bytes, so that one chunk's copies run while the next chunk's are queued.
+fn chunks_ahead(copy_ahead: u64, hold: bool, snapshot: bool, cs: u64) -> Option<usize> {
+    let bytes = if snapshot {
+        match copy_ahead {
+            0 => LOOKAHEAD_BYTES,
+            b => b.min(LOOKAHEAD_BYTES),
+        }
+    } else if hold || copy_ahead == 0 {
+        return None;
+    } else {
+        copy_ahead
+    };
+    Some(
+        usize::try_from(bytes / cs.max(1))
+            .unwrap_or(usize::MAX)
+            .max(2),
+    )
 }
 
 /// A save's device snapshot ([`super::snapshot`]).
@@ -694,5 +723,30 @@ impl Pipeline<'_> {
                 std::mem::forget(p.lease);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LOOKAHEAD_BYTES, chunks_ahead};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn copies_are_queued_copy_ahead_bytes_ahead_unless_the_streams_are_held() {
+        // The default: 256 MiB of 8 MiB chunks.
+        assert_eq!(chunks_ahead(256 * MIB, false, false, 8 * MIB), Some(32));
+        // Holding the trainer's streams: everything is queued before the save returns.
+        assert_eq!(chunks_ahead(256 * MIB, true, false, 8 * MIB), None);
+        // 0: every copy at once.
+        assert_eq!(chunks_ahead(0, false, false, 8 * MIB), None);
+        // Never fewer than two chunks: one copying while the next is queued.
+        assert_eq!(chunks_ahead(MIB, false, false, 8 * MIB), Some(2));
+        assert_eq!(chunks_ahead(u64::MAX, false, false, 1), Some(usize::MAX));
+        // A snapshot-mode save is bounded, at most by LOOKAHEAD_BYTES, even at 0.
+        let snap = usize::try_from(LOOKAHEAD_BYTES / (8 * MIB)).unwrap();
+        assert_eq!(chunks_ahead(0, false, true, 8 * MIB), Some(snap));
+        assert_eq!(chunks_ahead(4096 * MIB, false, true, 8 * MIB), Some(snap));
+        assert_eq!(chunks_ahead(64 * MIB, false, true, 8 * MIB), Some(8));
     }
 }

@@ -109,6 +109,7 @@ impl Shared {
             Arc::new(CudaStaging::new(
                 Arc::clone(&self.arena),
                 self.cfg.batch_device_copies,
+                self.cfg.copy_ahead,
             ))
         })
     }

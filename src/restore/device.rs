@@ -86,8 +86,9 @@ impl DeviceRing {
             root: PathBuf::new(),
         })?;
         Ok(DeviceRing {
-            // No device snapshot is ever taken here: the batch setting is unused.
-            staging: CudaStaging::new(arena, false),
+            // Only its registration and streams are used (no save is staged here): the
+            // batch and copy-ahead settings are unused.
+            staging: CudaStaging::new(arena, false, crate::DEFAULT_COPY_AHEAD),
             depth,
             busy: std::sync::Mutex::new(()),
         })

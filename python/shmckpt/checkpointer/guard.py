@@ -39,10 +39,12 @@ class Guard:
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` first wait until every save of this checkpointer has
-        copied its bytes. For saves of CUDA tensors the wait is on the device: the hook
-        returns once the engine has queued its copies, and the current stream of each
-        device waits for them, so the optimizer's kernels run after the copies while the
-        trainer's thread goes on; other saves are waited for on the host (``wait_staged``).
+        copied its bytes. For saves of CUDA tensors the wait ends on the device: the hook
+        returns once the engine has queued its last copies (it keeps them at most
+        ``Tuning.copy_ahead`` bytes ahead of their completion), and the current stream of
+        each device waits for them, so the optimizer's kernels run after the copies while
+        the trainer's thread goes on; other saves are waited for on the host
+        (``wait_staged``).
 
         With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
         state in the background while the trainer runs its next forward and backward; every
@@ -113,7 +115,8 @@ class Guard:
     def wait(self) -> None:
         """The guard's wait before an optimizer step. A save whose bytes the engine copies
         itself from CUDA tensors is waited for on the device: once its host bytes are copied
-        and its device copies queued (normally milliseconds after the call), the current
+        and its last device copies queued (at most ``Tuning.copy_ahead`` bytes before the
+        copy's end; ``copy_ahead=0``: milliseconds after the call), the current
         stream of each of its devices waits for those copies (``cuStreamWaitEvent``), and
         the trainer's thread goes on queueing the optimizer step and the next forward. Other
         saves are waited for on the host (``wait_staged``)."""
