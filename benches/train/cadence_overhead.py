@@ -59,11 +59,15 @@ def parse_args(argv=None):
     a("--ck-kw", default='{"cadence": {"disk_every": "auto"}}', help='JSON: the tiered Checkpointer\'s keywords, its groups as objects ({"cadence": {"disk_every": 4}, "tuning": {"writer_threads": 8}}; see checkpointer_kw)')
     a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
     a("--snapshot", default="device", help='save(snapshot=...) of a configuration that names none ("none": no snapshot)')
-    a("--compare-copy-ahead", type=int, default=None, metavar="BYTES", help="also alternate segments saving through a second checkpointer whose Tuning.copy_ahead is BYTES (0: every device copy queued at once), reported as 'compare'")
+    a("--compare-tuning", default=None, metavar="JSON", help='also alternate segments saving through a second checkpointer with these Tuning fields over the bench\'s, e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"')
+    a("--compare-raw", action="store_true", help='also alternate segments that copy the state\'s bytes as one device-to-host copy (cudaMemcpyAsync of one buffer of the same size into pinned memory, on a side stream the optimizer step waits for): the physical cost of the copy beside the step, reported as "raw"')
+    a("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval for the whole run (how long a thread holding the interpreter keeps it while another waits; Python's default 5 ms)")
     a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
     a("--out", default=None)
     a("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    if args.compare_raw and args.device != "cuda":
+        p.error("--compare-raw copies device memory to the host: it needs --device cuda")
     if args.tiny:
         args.state, args.rounds, args.iters = "tiny", 2, args.iters or 6
         args.configs = "5:1:none,5:2"
@@ -122,6 +126,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     configurations: the checkpointers and their roots are the same for all of them, so
     step numbers keep increasing (the second configuration restarted at 1 and would have
     hit steps kept on disk)."""
+    import torch
     from sweep import calibrate, time_steps
 
     if cuda:
@@ -132,10 +137,15 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     iters = args.iters or max(20, int(round(8.0 / max(step_s, 1e-3))))
     snap = None if snapshot == "none" else snapshot
     log(f"config {step_ms} ms every {every} (snapshot {snapshot}): batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
-    conds = ["baseline", *cks]
+    conds = ["baseline", *cks] + (["raw"] if args.compare_raw else [])
+    raws = None
+    if args.compare_raw:
+        nbytes = state_nbytes(state)
+        raws = (torch.cuda.Stream(), torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        raws[1].fill_(1)
     rounds = []
-    stalls = {c: [] for c in cks}
-    staged = {c: [] for c in cks}
+    stalls = {c: [] for c in conds}
+    staged = {c: [] for c in conds}
     disk_saves = {c: 0 for c in cks}
     saves = {c: 0 for c in cks}
     first_step = step_no[0] + 1
@@ -143,6 +153,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
 
     def segment(cond):
         ck = cks.get(cond)
+        raw = raws if cond == "raw" else None
         handles = []
         tr.sync()
         walls = []
@@ -155,7 +166,14 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
                     kw["snapshot"] = snap
                 handles.append(ck.save(step_no[0], state, **kw))
                 stalls[cond].append(now() - t0)
+            if raw is not None and i % every == 0:
+                side, src, dst = raw
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    dst.copy_(src, non_blocking=True)
             tr.fwd_bwd()
+            if raw is not None:
+                torch.cuda.current_stream().wait_stream(raw[0])  # as the guard's wait
             tr.step()
             tr.sync()
             walls.append(now() - t0)
@@ -192,7 +210,11 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     )
     if "compare" in cks:
         res["compare"] = summary(rounds, "compare", stalls, staged)
-        res["compare"].update(copy_ahead=args.compare_copy_ahead, saves=saves["compare"], disk_saves=disk_saves["compare"])
+        res["compare"].update(tuning=args.compare_tuning, saves=saves["compare"], disk_saves=disk_saves["compare"])
+    if raws is not None:
+        res["raw"] = summary(rounds, "raw", stalls, staged)
+        res["raw"].update(saves=0, disk_saves=0, stall_ms_median=0.0, stall_ms_p90=0.0, staging_ms_median=0.0, staging_ms_p90=0.0)
+        del raws
     return res
 
 
@@ -220,6 +242,8 @@ def main(argv=None):
     import shmckpt
 
     args = parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     out = args.out or os.path.join(os.environ.get("OUT", "."), "cadence")
     os.makedirs(out, exist_ok=True)
     cuda = args.device == "cuda"
@@ -241,15 +265,15 @@ def main(argv=None):
     root = os.path.join(args.dir, f"run-{os.getpid()}")
     kw = json.loads(args.ck_kw)
     chunk = 1 * MiB if args.tiny else 8 * MiB
-    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "state_bytes": nbytes, "tensors": len(state), "ck_kw": kw, "torch": torch.__version__}, "configs": []}
+    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "switch_interval_s": sys.getswitchinterval(), "state_bytes": nbytes, "tensors": len(state), "ck_kw": kw, "torch": torch.__version__}, "configs": []}
     if cuda:
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
     cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
     res["meta"]["staging_capacity"] = cap
     cks = {"tiered": shmckpt.Checkpointer(root, keep_last=2, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))}
-    if args.compare_copy_ahead is not None:
-        res["meta"]["compare_copy_ahead"] = args.compare_copy_ahead
-        tuning = dict(chunk_size=chunk, staging_capacity=cap, copy_ahead=args.compare_copy_ahead)
+    if args.compare_tuning is not None:
+        res["meta"]["compare_tuning"] = json.loads(args.compare_tuning)
+        tuning = {"chunk_size": chunk, "staging_capacity": cap, **res["meta"]["compare_tuning"]}
         cks["compare"] = shmckpt.Checkpointer(root + "-compare", keep_last=2, **checkpointer_kw(kw, **tuning))
     try:
         for ck in cks.values():
@@ -275,7 +299,7 @@ def main(argv=None):
         json.dump(res, f, indent=1)
     lines = ["| step (target) | save every | snapshot | baseline mean | tiered mean | overhead median | mean [95 % CI] | stall median / p90 | staging median / p90 | saves (disk) | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
-        for label, v in [("", c), (f" (copy_ahead {args.compare_copy_ahead})", c.get("compare"))]:
+        for label, v in [("", c), (f" ({args.compare_tuning})", c.get("compare")), (" (raw copy)", c.get("raw"))]:
             if v is None:
                 continue
             ci = v["overhead_mean_ci95"]

@@ -13,7 +13,8 @@ times per step:
   the deferral off, mode ``state-dict`` saves ``model.state_dict()`` and
   ``opt.state_dict()`` made in the call instead of the persistent dict of references,
   mode ``all-queued`` saves through a second checkpointer whose device copies are all
-  queued at the save's start, ``Tuning(copy_ahead=0)``, instead of 256 MiB ahead);
+  queued at the save's start, ``Tuning(copy_ahead=0)``, instead of 256 MiB ahead, and
+  mode ``alt`` through a checkpointer with the ``Tuning`` fields of ``--alt-tuning``);
 - ``hook``: the guard's wait at ``opt.step()`` (host);
 - ``step``: the whole step (host, synchronized); mode ``off`` saves nothing (the
   baseline);
@@ -79,8 +80,9 @@ def main(argv=None):
         default="off,none,device",
         help="snapshot modes, alternated (off: no save, the baseline; at-call: none, captured at the call;"
         " state-dict: none, the state made by model.state_dict() and opt.state_dict() at each call;"
-        " all-queued: none, through a checkpointer with Tuning(copy_ahead=0))",
+        " all-queued: none, through a checkpointer with Tuning(copy_ahead=0); alt: none, through a checkpointer with --alt-tuning)",
     )
+    p.add_argument("--alt-tuning", default="{}", help='JSON: Tuning fields of mode alt\'s checkpointer, e.g. {"chunk_size": 67108864}')
     p.add_argument("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes")
     p.add_argument("--ck-kw", default="{}", help='JSON: Cadence fields, e.g. {"disk_every": 4}')
     p.add_argument("--dir", default="/var/tmp/cprobe")
@@ -128,12 +130,13 @@ def main(argv=None):
     ck = checkpointer(args.dir)
     # Mode all-queued: the same saves through a checkpointer queueing every device copy at once.
     ck_all = checkpointer(args.dir + "-all-queued", copy_ahead=0) if "all-queued" in modes else None
+    ck_alt = checkpointer(args.dir + "-alt", **json.loads(args.alt_tuning)) if "alt" in modes else None
     rows = {m: [] for m in modes}
     saves = {m: [] for m in modes}
     step = 0
     for rnd in range(args.rounds + 1):  # round 0: warm-up, not kept
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            c = ck_all if mode == "all-queued" else ck
+            c = {"all-queued": ck_all, "alt": ck_alt}.get(mode, ck)
             c.wait()
             sync()
             handles = []
@@ -145,7 +148,7 @@ def main(argv=None):
                 state = sd
                 if mode == "state-dict":  # made anew at each save, inside the timed call
                     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-                snap = None if mode in ("none", "at-call", "state-dict", "all-queued") else mode
+                snap = None if mode in ("none", "at-call", "state-dict", "all-queued", "alt") else mode
                 h = None if mode == "off" else c.save(step, state, blocking=False, snapshot=snap)
                 t1 = time.perf_counter()
                 spin()
@@ -170,11 +173,11 @@ def main(argv=None):
                     t = r.get("timings", r)
                     saves[mode].append(dict(staging=t["staging"] * 1e3, backpressure=t["backpressure"] * 1e3))
         print(f"round {rnd} done", flush=True)
-    for c in (ck, ck_all):
+    for c in (ck, ck_all, ck_alt):
         if c is not None:
             c.close()
-    shutil.rmtree(args.dir, ignore_errors=True)
-    shutil.rmtree(args.dir + "-all-queued", ignore_errors=True)
+    for suffix in ("", "-all-queued", "-alt"):
+        shutil.rmtree(args.dir + suffix, ignore_errors=True)
 
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     lines = [
@@ -182,7 +185,7 @@ def main(argv=None):
         "",
         f"State {nbytes / 2**30:.2f} GiB in {len(sd)} tensors; forward+backward {args.window_ms:.0f} ms ({'launches' if args.launch_bound else 'spin'});"
         f" {args.rounds} rounds x {args.steps} steps per mode; staging {args.staging_factor} x state;"
-        f" cadence {args.ck_kw}; median (min..max), ms.",
+        f" cadence {args.ck_kw}; alt tuning {args.alt_tuning}; median (min..max), ms.",
         "",
         "| snapshot | call | engine save | hook | step | staging | backpressure |",
         "|---|---|---|---|---|---|---|",

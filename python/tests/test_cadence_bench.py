@@ -20,7 +20,8 @@ BENCH = REPO / "benches" / "train"
 def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
     torch = pytest.importorskip("torch")
     out = tmp_path / "out"
-    args = ["--device", "cpu", "--tiny", "--iters", "4", "--out", str(out), "--dir", str(tmp_path / "ck")]
+    args = ["--device", "cpu", "--tiny", "--iters", "4", "--out", str(out), "--dir", str(tmp_path / "ck"),
+            "--compare-tuning", '{"copy_ahead": 0}']
     # The interpreter's own path (the installed package, as the other bench tests do).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     zygote.run([sys.executable, str(BENCH / "cadence_overhead.py"), *args], check=True, env=env, timeout=300)
@@ -40,16 +41,24 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
     assert res["meta"]["tensors"] == 4 * len(params)
     assert res["meta"]["state_bytes"] == 3 * weights + 4 * len(params)
     assert [(c["step_ms_target"], c["every"]) for c in res["configs"]] == [(5.0, 1), (5.0, 2)]
+    assert res["meta"]["compare_tuning"] == {"copy_ahead": 0}
     for c in res["configs"]:
         assert c["rounds"] == 2
         # Every save was waited for (a tiered segment per round); the disk took some.
         assert c["saves"] == 2 * -(-4 // c["every"])
         assert 1 <= c["disk_saves"] <= c["saves"]
+        # The second checkpointer (every device copy queued at once) saved as often, in
+        # the same rounds, into its own root (its steps numbered with the first's).
+        cmp = c["compare"]
+        assert cmp["saves"] == c["saves"] and 1 <= cmp["disk_saves"] <= cmp["saves"]
+        assert len(cmp["overhead_per_round"]) == len(c["overhead_per_round"]) == 2
     # One checkpointer for both configurations: step numbers go on (1 after the warm-up's
     # 0), never restart into steps the root still holds.
     a, b = (c["steps"] for c in res["configs"])
-    assert a == [1, a[0] + res["configs"][0]["saves"] - 1]
-    assert b == [a[1] + 1, a[1] + res["configs"][1]["saves"]]
+    assert a == [1, a[0] + 2 * res["configs"][0]["saves"] - 1]
+    assert b == [a[1] + 1, a[1] + 2 * res["configs"][1]["saves"]]
+    table = (out / "cadence.md").read_text()
+    assert table.count('({"copy_ahead": 0})') == 2, table
     assert torch is not None
 
 
@@ -60,20 +69,20 @@ def test_the_probe_times_every_step_of_each_mode_on_cpu(tmp_path):
     the baseline ``off``), its table in the markdown. No timing is asserted."""
     pytest.importorskip("torch")
     out = tmp_path / "out"
-    args = ["--device", "cpu", "--state", "tiny", "--steps", "3", "--rounds", "1", "--modes", "off,none,at-call",
+    args = ["--device", "cpu", "--state", "tiny", "--steps", "3", "--rounds", "1", "--modes", "off,none,at-call,all-queued",
             "--window-ms", "2", "--launch-bound", "--dir", str(tmp_path / "ck"), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-W", "error::DeprecationWarning", str(BENCH / "cadence_probe.py"), *args],
                    check=True, env=env, timeout=300)
     res = json.loads((out / "cadence_probe.json").read_text())
-    assert {m: len(r) for m, r in res["rows"].items()} == {"off": 3, "none": 3, "at-call": 3}
-    assert {m: len(s) for m, s in res["saves"].items()} == {"off": 0, "none": 3, "at-call": 3}
+    assert {m: len(r) for m, r in res["rows"].items()} == {"off": 3, "none": 3, "at-call": 3, "all-queued": 3}
+    assert {m: len(s) for m, s in res["saves"].items()} == {"off": 0, "none": 3, "at-call": 3, "all-queued": 3}
     assert all(r["call"] is None and r["engine"] is None for r in res["rows"]["off"])
     # Every save's engine call is timed, deferred or not; at the call it is inside it.
     assert all(r["engine"] > 0 and r["call"] > 0 for r in res["rows"]["none"])
     assert all(r["engine"] > 0 and r["call"] >= r["engine"] for r in res["rows"]["at-call"])
-    assert all(s["staging"] >= s["backpressure"] >= 0 for m in ("none", "at-call") for s in res["saves"][m])
+    assert all(s["staging"] >= s["backpressure"] >= 0 for m in ("none", "at-call", "all-queued") for s in res["saves"][m])
     table = (out / "cadence_probe.md").read_text().splitlines()
     assert any("forward+backward 2 ms (launches)" in line for line in table), table[:4]
     modes = [line.split("|")[1].strip() for line in table if line.startswith(("| o", "| n", "| a"))]
-    assert modes == ["off", "none", "at-call"]
+    assert modes == ["off", "none", "at-call", "all-queued"]
