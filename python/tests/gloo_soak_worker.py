@@ -4,6 +4,12 @@ gloo on one host, each rank on a simulated machine of its own (``node="m<rank>"`
 (every other save memory-only), ``keep_last=3``.
 
     python gloo_soak_worker.py ROOT RANK WORLD PORT LOG [STEPS]
+    python gloo_soak_worker.py --clean ROOT
+
+With ``GLOO_SOAK_MNT_NS=/proc/PID/ns/mnt`` it first joins that mount namespace: its
+machine's, with a /dev/shm of its own (the namespace holder of ``test_gloo_soak.py``).
+``--clean`` (in a machine's namespace) removes the replicas of ROOT held there, through
+``shmckpt.replicas``, and prints the names left in that /dev/shm as one JSON line.
 
 It loads "latest" (a collective: recovery, the completion of a memory-only step from a
 partner's replica, restores of lost files), compares it bit for bit with the state saved
@@ -15,7 +21,8 @@ its N-th ``isend`` (the middle of a replica transfer over torch.distributed); wi
 to be killed there.
 
 Every stage is appended to LOG as one JSON line, in one ``write`` (a kill leaves whole
-lines), with its ``time.monotonic()``: ``opened`` (with the staging arena's name),
+lines), with its ``time.monotonic()``: ``opened`` (with the staging arena's name and the
+mount namespace it runs in),
 ``resumed`` (step, exact, source), ``saved`` (step), ``replicated`` (step, k_safe,
 memory_only), ``holding``, ``dying`` (the self-kill), ``error`` (type, message: then it waits to be
 killed, as a rank whose partner died waits for its supervisor).
@@ -26,10 +33,50 @@ import os
 import sys
 import time
 
-from replica_worker import die_mid_transfer, digest, rank_state
+
+def enter_machine():
+    """Join the mount namespace ``GLOO_SOAK_MNT_NS`` names, if any: first thing, before
+    an import starts a thread (``setns`` refuses a process sharing its filesystem
+    attributes with other threads; torch's import may start some) or anything of ours
+    opens a segment. The working directory is kept."""
+    ns = os.environ.get("GLOO_SOAK_MNT_NS")
+    if not ns:
+        return
+    import ctypes
+
+    cwd = os.getcwd()
+    fd = os.open(ns, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({ns}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.chdir(cwd)
+
+
+enter_machine()
+
+from replica_worker import die_mid_transfer, digest, rank_state  # noqa: E402  (after the setns)
+
+
+def clean(root):
+    """``--clean ROOT``: remove ROOT's replicas held in this machine's /dev/shm and print
+    what is left there."""
+    from shmckpt import _shmckpt
+    from shmckpt.replicas import list_replicas, remove_replica
+
+    tag = _shmckpt.replica_tag(root)
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+    print(json.dumps(sorted(os.listdir("/dev/shm"))), flush=True)
 
 
 def main():
+    if sys.argv[1] == "--clean":
+        clean(sys.argv[2])
+        return
     root, rank, world, port, log = sys.argv[1:6]
     steps = int(sys.argv[6]) if len(sys.argv) > 6 else None
     rank, world = int(rank), int(world)
@@ -66,7 +113,7 @@ def run(root, rank, steps, emit, shmckpt, dist):
         cadence=shmckpt.Cadence(disk_every=2),
         keep_last=3,
     )
-    emit(e="opened", shm=ck.shm_name)
+    emit(e="opened", shm=ck.shm_name, mnt_ns=os.readlink("/proc/self/ns/mnt"))
     try:
         state = ck.load("latest")
     except shmckpt.NotFound:

@@ -3,7 +3,15 @@ of ``Checkpointer``s with peer replicas over torch.distributed (``replicas=1``, 
 on a simulated machine of its own) and a disk cadence (``disk_every=2``), killed again and
 again: at a random time, in the middle of a replica transfer (a rank killed at an
 ``isend``), or with a machine loss (rank 1's machine: its staging arena, the replicas it
-held and its files of every committed step). Every incarnation's ``load("latest")`` (the
+held and its files of every committed step).
+
+Each machine is a mount namespace with a /dev/shm of its own (a holder process, as the
+failure drill ``examples/replica_drill.py`` makes them; each rank's process, forked from
+the test's server, joins its machine's namespace first): a machine loss kills the holder,
+so everything in that /dev/shm goes, whatever its name, and the machine comes back with
+an empty one. Where mount namespaces cannot be made (not root, no ``unshare``) the machine
+loss removes the segments it knows of from the shared /dev/shm instead, and the summary
+says so; ``SHMCKPT_REQUIRE_NS=1`` (CI) makes that a failure. Every incarnation's ``load("latest")`` (the
 collective: recovery, completion of a memory-only step from a partner's replica, restore
 of lost files) is compared bit for bit with the state saved of that step, and must be at
 least:
@@ -33,12 +41,70 @@ from shmckpt import _shmckpt
 from shmckpt.replicas import list_replicas, remove_replica
 
 import zygote
-from conftest import free_port
+from conftest import REPO, free_port
 
 WORKER = str(pathlib.Path(__file__).with_name("gloo_soak_worker.py"))
 WORLD = 2
 #: Seconds an incarnation may take to resume before the job counts as hung.
 HANG = 120.0
+
+
+class Machines:
+    """Each rank's machine: a mount namespace with its own /dev/shm (``Machine`` of
+    ``examples/replica_drill.py``, one implementation), or ``None`` where none can be made
+    (then the machines share the host's /dev/shm)."""
+
+    SHM_MIB = 256
+
+    def __init__(self):
+        sys.path.insert(0, str(REPO / "examples"))
+        try:
+            from replica_drill import Machine
+        finally:
+            sys.path.remove(str(REPO / "examples"))
+        self.make = lambda: Machine(self.SHM_MIB)
+        self.held = [self.make() for _ in range(WORLD)]
+
+    @staticmethod
+    def available():
+        """``None`` when mount namespaces can be made here, else why not."""
+        import shutil
+        import subprocess
+
+        if os.geteuid() != 0:
+            return "mount namespaces need root"
+        if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+            return "`unshare` or `nsenter` is not installed"
+        if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode:
+            return "`unshare --mount` is not permitted"
+        return None
+
+    def namespace(self, r):
+        """Machine ``r``'s mount namespace, as ``readlink /proc/PID/ns/mnt`` names it."""
+        return os.readlink(f"/proc/{self.held[r].proc.pid}/ns/mnt")
+
+    def env(self, r):
+        """What makes rank ``r``'s process join its machine (gloo_soak_worker.py)."""
+        return {"GLOO_SOAK_MNT_NS": f"/proc/{self.held[r].proc.pid}/ns/mnt"}
+
+    def lose(self, r):
+        """Machine ``r`` is gone (its holder killed: its /dev/shm with it) and replaced by
+        a fresh one with an empty /dev/shm."""
+        self.held[r].kill()
+        self.held[r] = self.make()
+        assert self.held[r].shm() == [], "a fresh machine's /dev/shm is not empty"
+
+    def clean(self, r, root):
+        """Remove ``root``'s replicas held on machine ``r`` (``shmckpt.replicas``, inside
+        its namespace) and return the names left in its /dev/shm."""
+        env = dict(os.environ, **self.env(r))
+        p = zygote.run([sys.executable, WORKER, "--clean", str(root)], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+        return json.loads(p.stdout.splitlines()[-1])
+
+    def close(self):
+        for m in self.held:
+            m.kill()
 
 
 def read_log(path):
@@ -59,13 +125,19 @@ def committed_steps(root):
 class Job:
     """One incarnation: both ranks started, their logs read back."""
 
-    def __init__(self, root, logdir, n, die_rank=None, die_at=0, steps=None, hold=False):
+    def __init__(self, root, logdir, n, die_rank=None, die_at=0, steps=None, hold=False, machines=None):
         self.logs = [logdir / f"inc{n}-rank{r}.jsonl" for r in range(WORLD)]
         self.kill_t = None
+        # The mount namespace each rank must run in: its machine's, or the test's own.
+        self.namespaces = [
+            machines.namespace(r) if machines is not None else os.readlink("/proc/self/ns/mnt") for r in range(WORLD)
+        ]
         port = str(free_port())
         self.procs = []
         for r in range(WORLD):
             env = dict(os.environ)
+            if machines is not None:
+                env.update(machines.env(r))
             if r == die_rank:
                 env["GLOO_SOAK_DIE_AT"] = str(die_at)
             if hold:
@@ -91,6 +163,9 @@ class Job:
             if time.monotonic() - t0 > HANG:
                 raise AssertionError(f"the job did not resume in {HANG} s: logs {self.tails()}")
             time.sleep(0.02)
+        for r in range(WORLD):
+            got = self.events(r, "opened")[0]["mnt_ns"]
+            assert got == self.namespaces[r], f"rank {r} runs in mount namespace {got}, not its machine's {self.namespaces[r]}"
         return [self.events(r, "resumed")[0] for r in range(WORLD)]
 
     def kill(self):
@@ -131,6 +206,11 @@ def lose_machine_1(root, shm_name):
     for q in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.r0.*"):
         if q.is_file() and not q.is_symlink():
             q.unlink()
+    return lose_files_of_rank_1(root)
+
+
+def lose_files_of_rank_1(root):
+    """Rank 1's files of every committed step (its machine's disk) are gone; how many."""
     lost = 0
     for s in committed_steps(root):
         m = json.loads((root / f"step-{s}" / "manifest.json").read_text())
@@ -150,6 +230,18 @@ def remove_all(root):
 
 
 def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path, capsys):
+    why_not = Machines.available()
+    if why_not is not None and os.environ.get("SHMCKPT_REQUIRE_NS") == "1":
+        pytest.fail(f"SHMCKPT_REQUIRE_NS=1 but {why_not}: the machines cannot have their own /dev/shm")
+    machines = Machines() if why_not is None else None
+    try:
+        soak(tmp_path, capsys, machines, why_not)
+    finally:
+        if machines is not None:
+            machines.close()
+
+
+def soak(tmp_path, capsys, machines, why_not):
     faults = int(os.environ.get("SHMCKPT_GLOO_SOAK_FAULTS", "18"))
     seed = int(os.environ.get("SHMCKPT_GLOO_SOAK_SEED", str(random.SystemRandom().randrange(1 << 32))))
     rng = random.Random(seed)
@@ -177,7 +269,7 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
             # replicated on both ranks (the ranks hold there): its completion from the
             # partner's replica is then what the resume needs.
             hold = cls == "machine loss with its files" and rng.random() < 0.5
-            job = Job(root, logdir, n, die_rank=die_rank, die_at=rng.randrange(2, 9), hold=hold)
+            job = Job(root, logdir, n, die_rank=die_rank, die_at=rng.randrange(2, 9), hold=hold, machines=machines)
             try:
                 resumed = job.wait_resumed()
                 in_load = resumed is None
@@ -236,8 +328,12 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
                 need = max(floor) if floor else None
                 continue
             newest_committed = max(committed_steps(root), default=None)
-            opened = job.events(1, "opened")
-            files_lost += lose_machine_1(root, opened[0]["shm"]) if opened else 0
+            if machines is not None:
+                machines.lose(1)
+                files_lost += lose_files_of_rank_1(root)
+            else:
+                opened = job.events(1, "opened")
+                files_lost += lose_machine_1(root, opened[0]["shm"]) if opened else 0
             # What survives the loss: the replicated steps; a memory-only one only while
             # no newer step was committed (that gives it up).
             floor = [disk_safe] if disk_safe is not None else []
@@ -245,7 +341,7 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
                 floor.append(mem_safe)
             need = max(floor) if floor else None
         # The end: one more incarnation saves two steps and closes.
-        job = Job(root, logdir, faults, steps=2)
+        job = Job(root, logdir, faults, steps=2, machines=machines)
         try:
             resumed = job.wait_resumed()
             codes = [p.wait(timeout=HANG) for p in job.procs]
@@ -257,24 +353,32 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
             assert ev["exact"] and (need is None or ev["step"] >= need), f"seed {seed}, last incarnation, rank {r}: {ev}"
         shm_names.update(ev["shm"] for r in range(WORLD) for ev in job.events(r, "opened"))
     except BaseException:
-        # A failed run leaks nothing either: its dead ranks' staging arenas go too.
-        for name in shm_names:
-            p = pathlib.Path("/dev/shm") / name
-            if p.is_file() and not p.is_symlink():
-                p.unlink()
+        # A failed run leaks nothing either: its dead ranks' staging arenas go too (with
+        # the machines' namespaces, when their holders are killed).
+        if machines is None:
+            for name in shm_names:
+                p = pathlib.Path("/dev/shm") / name
+                if p.is_file() and not p.is_symlink():
+                    p.unlink()
+            remove_all(root)
         raise
-    finally:
-        remove_all(root)
     wall = time.monotonic() - t_start
     tag = _shmckpt.replica_tag(str(root))
-    left = [p.name for p in pathlib.Path("/dev/shm").glob(f"shmckpt-replica.{tag}.*")]
+    if machines is not None:
+        # Each machine's /dev/shm once its replicas of the root are removed.
+        shm_left = {n for r in range(WORLD) for n in machines.clean(r, root)}
+    else:
+        remove_all(root)
+        shm_left = set(os.listdir("/dev/shm"))
+    left = sorted(n for n in shm_left if n.startswith(f"shmckpt-replica.{tag}."))
     assert left == [], f"seed {seed}: replicas or temporary files left: {left}"
-    arenas = [s for s in shm_names if (pathlib.Path("/dev/shm") / s).exists()]
+    arenas = sorted(shm_names & shm_left)
     assert arenas == [], f"seed {seed}: staging arenas left: {arenas}"
     with capsys.disabled():
         print(
             f"\ngloo soak: seed {seed} (SHMCKPT_GLOO_SOAK_SEED replays its choices), {sum(counts.values())} faults in {wall:.1f} s: "
             f"{counts} ({load_kills} of the mid-transfer kills in the load's transfers, {held} machine losses right "
             f"after a replicated memory-only step); resumes by source {resumes}; "
-            f"{files_lost} rank files lost with machine 1"
+            f"{files_lost} rank files lost with machine 1; "
+            + ("machines: mount namespaces, each with its own /dev/shm" if machines is not None else f"machines share /dev/shm ({why_not})")
         )
