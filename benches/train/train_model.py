@@ -155,13 +155,21 @@ def spinner(device, window_ms, launch_bound=False):
         return launch
     if device != "cuda":
         return lambda: time.sleep(window_ms / 1e3)
+    # The spin counts clock cycles: calibrated on an idle GPU, whose clocks are still low,
+    # it ran 51 ms instead of 192 at full clocks (H200, 2026-12-05). Raise the clocks first
+    # (~0.5 s of spinning), then take the median rate of three timed spins.
+    for _ in range(5):
+        torch.cuda._sleep(100_000_000)
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(10_000_000)
-    b.record()
-    b.synchronize()
-    cycles = int(10_000_000 / a.elapsed_time(b) * window_ms)
+    rates = []
+    for _ in range(3):
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        b.synchronize()
+        rates.append(20_000_000 / a.elapsed_time(b))
+    cycles = int(sorted(rates)[1] * window_ms)
     return lambda: torch.cuda._sleep(cycles)
 
 
