@@ -133,8 +133,31 @@ fn kept_arena_survives_sigkill_and_serves_the_next_load_exactly() {
         Some(std::fs::canonicalize(root).unwrap().as_path())
     );
     engine.close();
-    shmckpt::flash::remove_kept(&guard.0).unwrap();
+    remove_kept_after_close(&guard.0);
     assert!(!shm_exists(&guard.0));
+}
+
+/// `remove_kept` of the arena of an engine this process just closed. The closed engine's
+/// rank lock is released at `close` (the engine owns the lock's only file), but a child
+/// forked in that instant by another test's thread holds a copy of that file until it
+/// execs, and the lock belongs to the open file, which the fork shares: `remove_kept` then
+/// rightly sees the lock held. A clean-clone CI run (2 busy cores) failed here once with
+/// "its engine ... is running", most likely so. Retried for up to 10 s while that is the
+/// reason.
+fn remove_kept_after_close(name: &str) {
+    let start = std::time::Instant::now();
+    loop {
+        match shmckpt::flash::remove_kept(name) {
+            Ok(()) => return,
+            Err(shmckpt::Error::ArenaInUse { reason, .. })
+                if reason.contains("is running")
+                    && start.elapsed() < std::time::Duration::from_secs(10) =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => panic!("remove_kept({name}): {e}"),
+        }
+    }
 }
 
 #[test]
