@@ -24,7 +24,7 @@ least:
 
 At the end one more incarnation saves two steps and closes; its resume is checked too,
 then the replicas are removed and none, nor any receiver's temporary file, may be left.
-``SHMCKPT_GLOO_SOAK_FAULTS`` sets the number of faults (default 18),
+``SHMCKPT_GLOO_SOAK_FAULTS`` sets the number of faults (default 40),
 ``SHMCKPT_GLOO_SOAK_SEED`` replays a run's choices (not the kills' timing).
 """
 
@@ -242,7 +242,7 @@ def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path,
 
 
 def soak(tmp_path, capsys, machines, why_not):
-    faults = int(os.environ.get("SHMCKPT_GLOO_SOAK_FAULTS", "18"))
+    faults = int(os.environ.get("SHMCKPT_GLOO_SOAK_FAULTS", "40"))
     seed = int(os.environ.get("SHMCKPT_GLOO_SOAK_SEED", str(random.SystemRandom().randrange(1 << 32))))
     rng = random.Random(seed)
     root = tmp_path / "root"
