@@ -63,13 +63,9 @@ from replica_worker import die_mid_transfer, digest, rank_state  # noqa: E402  (
 def clean(root):
     """``--clean ROOT``: remove ROOT's replicas held in this machine's /dev/shm and print
     what is left there."""
-    from shmckpt import _shmckpt
-    from shmckpt.replicas import list_replicas, remove_replica
+    from replica_support import remove_replicas_of
 
-    tag = _shmckpt.replica_tag(root)
-    for rep in list_replicas():
-        if rep["root_tag"] == tag:
-            remove_replica(rep["name"])
+    remove_replicas_of(root)
     print(json.dumps(sorted(os.listdir("/dev/shm"))), flush=True)
 
 

@@ -4,6 +4,8 @@ replicas of a root."""
 
 import os
 import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -47,16 +49,35 @@ def remove_arenas_of(root):
         p = pathlib.Path("/dev/shm") / kept_name(root, r)
         if p.is_file() and not p.is_symlink():
             p.unlink()
-    tag = _shmckpt.replica_tag(str(root))
-    for rep in list_replicas():
-        if rep["root_tag"] == tag:
-            remove_replica(rep["name"])
+    tag = remove_replicas_of(root)
     # Replica arenas a killed rank was receiving into (`<replica name>.tmp<pid>`), and the
     # entries kept beside memory-only steps' replicas (removed with them, but for a kill).
     shm = pathlib.Path("/dev/shm")
     for p in [*shm.glob(f"shmckpt-replica.{tag}.*.tmp*"), *shm.glob(f"shmckpt-replica.{tag}.*.entry")]:
         if p.is_file() and not p.is_symlink():
             p.unlink()
+
+
+def remove_replicas_of(root):
+    """Remove the replicas of ``root`` listed in this /dev/shm (``shmckpt.replicas``);
+    returns the root's replica tag."""
+    tag = _shmckpt.replica_tag(str(root))
+    for rep in list_replicas():
+        if rep["root_tag"] == tag:
+            remove_replica(rep["name"])
+    return tag
+
+
+def namespaces_missing():
+    """``None`` when a mount namespace with its own /dev/shm can be made here (root,
+    ``unshare --mount`` permitted, ``nsenter`` installed), else why not."""
+    if os.geteuid() != 0:
+        return "mount namespaces need root"
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "`unshare` or `nsenter` is not installed"
+    if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode != 0:
+        return "`unshare --mount` is not permitted"
+    return None
 
 
 def our_replicas(root):

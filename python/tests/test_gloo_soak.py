@@ -42,6 +42,7 @@ from shmckpt.replicas import list_replicas, remove_replica
 
 import zygote
 from conftest import REPO, free_port
+from replica_support import namespaces_missing, remove_replicas_of
 
 WORKER = str(pathlib.Path(__file__).with_name("gloo_soak_worker.py"))
 WORLD = 2
@@ -65,27 +66,17 @@ class Machines:
         self.make = lambda: Machine(self.SHM_MIB)
         self.held = [self.make() for _ in range(WORLD)]
 
-    @staticmethod
-    def available():
-        """``None`` when mount namespaces can be made here, else why not."""
-        import shutil
-        import subprocess
-
-        if os.geteuid() != 0:
-            return "mount namespaces need root"
-        if shutil.which("unshare") is None or shutil.which("nsenter") is None:
-            return "`unshare` or `nsenter` is not installed"
-        if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode:
-            return "`unshare --mount` is not permitted"
-        return None
+    def ns_path(self, r):
+        """Machine ``r``'s mount namespace (its holder's)."""
+        return f"/proc/{self.held[r].proc.pid}/ns/mnt"
 
     def namespace(self, r):
         """Machine ``r``'s mount namespace, as ``readlink /proc/PID/ns/mnt`` names it."""
-        return os.readlink(f"/proc/{self.held[r].proc.pid}/ns/mnt")
+        return os.readlink(self.ns_path(r))
 
     def env(self, r):
         """What makes rank ``r``'s process join its machine (gloo_soak_worker.py)."""
-        return {"GLOO_SOAK_MNT_NS": f"/proc/{self.held[r].proc.pid}/ns/mnt"}
+        return {"GLOO_SOAK_MNT_NS": self.ns_path(r)}
 
     def lose(self, r):
         """Machine ``r`` is gone (its holder killed: its /dev/shm with it) and replaced by
@@ -194,8 +185,9 @@ def newest_on_both(job, kind, pred=lambda ev: True):
 
 
 def lose_machine_1(root, shm_name):
-    """Rank 1's machine is gone: its staging arena, the replicas it held (rank 0's images,
-    with their entries and any being received) and its files of every committed step."""
+    """Rank 1's machine is gone, where the machines share /dev/shm: its staging arena, the
+    replicas it held (rank 0's images, with their entries and any being received) and its
+    files of every committed step."""
     p = pathlib.Path("/dev/shm") / shm_name
     if p.is_file() and not p.is_symlink():
         p.unlink()
@@ -221,16 +213,8 @@ def lose_files_of_rank_1(root):
     return lost
 
 
-def remove_all(root):
-    """Every replica and staging arena of ``root``'s ranks left after the soak."""
-    tag = _shmckpt.replica_tag(str(root))
-    for rep in list_replicas():
-        if rep["root_tag"] == tag:
-            remove_replica(rep["name"])
-
-
 def test_two_gloo_ranks_with_replicas_survive_kills_and_machine_losses(tmp_path, capsys):
-    why_not = Machines.available()
+    why_not = namespaces_missing()
     if why_not is not None and os.environ.get("SHMCKPT_REQUIRE_NS") == "1":
         pytest.fail(f"SHMCKPT_REQUIRE_NS=1 but {why_not}: the machines cannot have their own /dev/shm")
     machines = Machines() if why_not is None else None
@@ -360,7 +344,7 @@ def soak(tmp_path, capsys, machines, why_not):
                 p = pathlib.Path("/dev/shm") / name
                 if p.is_file() and not p.is_symlink():
                     p.unlink()
-            remove_all(root)
+            remove_replicas_of(root)
         raise
     wall = time.monotonic() - t_start
     tag = _shmckpt.replica_tag(str(root))
@@ -368,7 +352,7 @@ def soak(tmp_path, capsys, machines, why_not):
         # Each machine's /dev/shm once its replicas of the root are removed.
         shm_left = {n for r in range(WORLD) for n in machines.clean(r, root)}
     else:
-        remove_all(root)
+        remove_replicas_of(root)
         shm_left = set(os.listdir("/dev/shm"))
     left = sorted(n for n in shm_left if n.startswith(f"shmckpt-replica.{tag}."))
     assert left == [], f"seed {seed}: replicas or temporary files left: {left}"

@@ -22,7 +22,7 @@ from shmckpt.replicas import remove_replica
 
 from conftest import REPO, free_port, shmckpt_bin
 from test_remote import moto, s3  # noqa: F401  (fixtures)
-from replica_support import WORLD, droot, kept_name, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
+from replica_support import WORLD, droot, kept_name, namespaces_missing, our_replicas, remove_arenas_of, save_rank_step  # noqa: F401 (droot: a fixture)
 import zygote
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -407,13 +407,7 @@ def test_replicas_zero_is_unchanged(tmp_path, droot):
 
 
 def namespaces_or_skip():
-    why = None
-    if os.geteuid() != 0:
-        why = "mount namespaces need root"
-    elif subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], stderr=subprocess.DEVNULL).returncode != 0:
-        why = "`unshare --mount` is not available or not permitted"
-    elif subprocess.run(["nsenter", "--version"], capture_output=True).returncode != 0:
-        why = "nsenter is not available"
+    why = namespaces_missing()
     if why is None:
         return
     if os.environ.get("SHMCKPT_REQUIRE_NS") == "1":
