@@ -122,7 +122,7 @@ def checkpointer_kw(kw, **tuning):
 
 def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     """``cks``: the checkpointer of each saving condition (``tiered``, and ``compare`` with
-    ``--compare-copy-ahead``). ``step_no``: ``[last step saved]``, shared by the
+    ``--compare-tuning``); condition ``raw`` with ``--compare-raw``. ``step_no``: ``[last step saved]``, shared by the
     configurations: the checkpointers and their roots are the same for all of them, so
     step numbers keep increasing (the second configuration restarted at 1 and would have
     hit steps kept on disk)."""
@@ -213,8 +213,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
         res["compare"].update(tuning=args.compare_tuning, saves=saves["compare"], disk_saves=disk_saves["compare"])
     if raws is not None:
         res["raw"] = summary(rounds, "raw", stalls, staged)
-        res["raw"].update(saves=0, disk_saves=0, stall_ms_median=0.0, stall_ms_p90=0.0, staging_ms_median=0.0, staging_ms_p90=0.0)
-        del raws
+        res["raw"].update(saves=0, disk_saves=0)
     return res
 
 
@@ -304,8 +303,11 @@ def main(argv=None):
                 continue
             ci = v["overhead_mean_ci95"]
             ci_s = f"[{ci[0] * 100:+.2f}, {ci[1] * 100:+.2f}] %" if ci else "-"
+            # The raw copy makes no save call and stages nothing: "-".
+            stall = "-" if v["stall_ms_median"] is None else f"{v['stall_ms_median']:.2f} / {v['stall_ms_p90']:.2f} ms"
+            staging = "-" if v["staging_ms_median"] is None else f"{v['staging_ms_median']:.1f} / {v['staging_ms_p90']:.1f} ms"
             lines.append(
-                f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['snapshot']}{label} | {c['baseline_mean_ms']:.1f} ms | {v['tiered_mean_ms']:.1f} ms | {v['overhead_median'] * 100:+.2f} % | {v['overhead_mean'] * 100:+.2f} % {ci_s} | {v['stall_ms_median']:.2f} / {v['stall_ms_p90']:.2f} ms | {v['staging_ms_median']:.1f} / {v['staging_ms_p90']:.1f} ms | {v['saves']} ({v['disk_saves']}) | {c['rounds']} |"
+                f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['snapshot']}{label} | {c['baseline_mean_ms']:.1f} ms | {v['tiered_mean_ms']:.1f} ms | {v['overhead_median'] * 100:+.2f} % | {v['overhead_mean'] * 100:+.2f} % {ci_s} | {stall} | {staging} | {v['saves']} ({v['disk_saves']}) | {c['rounds']} |"
             )
     table = "\n".join(lines)
     with open(os.path.join(out, "cadence.md"), "w") as f:

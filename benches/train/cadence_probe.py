@@ -127,16 +127,17 @@ def main(argv=None):
         c.guard(opt)
         return c
 
+    # The modes that save through a checkpointer of their own, and its Tuning fields
+    # (all-queued: every device copy queued at once).
+    own = {"all-queued": {"copy_ahead": 0}, "alt": json.loads(args.alt_tuning)}
+    cks = {m: checkpointer(f"{args.dir}-{m}", **own[m]) for m in modes if m in own}
     ck = checkpointer(args.dir)
-    # Mode all-queued: the same saves through a checkpointer queueing every device copy at once.
-    ck_all = checkpointer(args.dir + "-all-queued", copy_ahead=0) if "all-queued" in modes else None
-    ck_alt = checkpointer(args.dir + "-alt", **json.loads(args.alt_tuning)) if "alt" in modes else None
     rows = {m: [] for m in modes}
     saves = {m: [] for m in modes}
     step = 0
     for rnd in range(args.rounds + 1):  # round 0: warm-up, not kept
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            c = {"all-queued": ck_all, "alt": ck_alt}.get(mode, ck)
+            c = cks.get(mode, ck)
             c.wait()
             sync()
             handles = []
@@ -148,7 +149,7 @@ def main(argv=None):
                 state = sd
                 if mode == "state-dict":  # made anew at each save, inside the timed call
                     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-                snap = None if mode in ("none", "at-call", "state-dict", "all-queued", "alt") else mode
+                snap = None if mode in ("none", "at-call", "state-dict", *own) else mode
                 h = None if mode == "off" else c.save(step, state, blocking=False, snapshot=snap)
                 t1 = time.perf_counter()
                 spin()
@@ -173,11 +174,10 @@ def main(argv=None):
                     t = r.get("timings", r)
                     saves[mode].append(dict(staging=t["staging"] * 1e3, backpressure=t["backpressure"] * 1e3))
         print(f"round {rnd} done", flush=True)
-    for c in (ck, ck_all, ck_alt):
-        if c is not None:
-            c.close()
-    for suffix in ("", "-all-queued", "-alt"):
-        shutil.rmtree(args.dir + suffix, ignore_errors=True)
+    for c in (ck, *cks.values()):
+        c.close()
+    for m in ("", *(f"-{m}" for m in cks)):
+        shutil.rmtree(args.dir + m, ignore_errors=True)
 
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     lines = [

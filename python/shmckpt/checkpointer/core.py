@@ -106,10 +106,10 @@ class Checkpointer:
 
     ``tuning=Tuning(...)``: how the engine stages and writes (``staging_capacity``,
     ``chunk_size``, ``writer_threads``, ``queue_depth``, ``copy_threads``, ``direct_io``,
-    ``max_inflight_saves``, ``copy_ahead``). Without ``staging_capacity`` the staging sizes itself: the
-    arena starts at 64 MiB and the first save that needs more reopens the engine with an
-    arena of that save's size plus 1/16 (after the saves in flight are committed),
-    bounded by the free space of ``/dev/shm`` (``ShmTooSmall``, naming
+    ``max_inflight_saves``, ``copy_ahead``). Without ``staging_capacity`` the staging sizes
+    itself: the arena starts at 64 MiB and the first save that needs more reopens the
+    engine with an arena of that save's size plus 1/16 (after the saves in flight are
+    committed), bounded by the free space of ``/dev/shm`` (``ShmTooSmall``, naming
     ``staging_capacity``, when that cannot hold the save). Give it to reserve the arena
     here instead of in the first save.
 
