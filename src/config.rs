@@ -118,6 +118,7 @@ pub struct EngineConfig {
     pub(crate) direct_io: bool,
     pub(crate) batch_device_copies: bool,
     pub(crate) copy_ahead: u64,
+    pub(crate) stream_latches: bool,
     pub(crate) keep_last: Option<usize>,
     pub(crate) rank: u32,
     pub(crate) world_size: u32,
@@ -160,6 +161,7 @@ impl EngineConfig {
             direct_io: true,
             batch_device_copies: std::env::var_os("SHMCKPT_BATCH_COPIES").is_none_or(|v| v != "0"),
             copy_ahead: DEFAULT_COPY_AHEAD,
+            stream_latches: true,
             keep_last: None,
             rank: 0,
             world_size: 1,
@@ -254,6 +256,27 @@ impl EngineConfig {
     /// that a snapshot finds most bytes not queued yet.
     pub fn with_copy_ahead(mut self, bytes: u64) -> Self {
         self.copy_ahead = bytes;
+        self
+    }
+
+    /// Whether [`SaveWatch::hold_stream`](crate::SaveWatch::hold_stream) returns at once
+    /// while a save's copies are still being queued, the stream waiting on the device for a
+    /// latch the engine opens behind the last copies; default on. Off: it blocks its thread
+    /// until every copy is queued, then makes the stream wait for an event.
+    ///
+    /// A latch is a 32-bit cell in pinned host memory: `cuStreamWaitValue32` on the
+    /// caller's stream, `cuStreamWriteValue32` on the engine's stream behind the copies, or
+    /// a store from the host when staging ends without (a latch is never left shut). It is
+    /// used only for a device whose copies are ordered after an event recorded at the call
+    /// ([`SaveOptions::after_event`](crate::SaveOptions::after_event), as the Python
+    /// package's non-blocking saves do): ordered after a stream, the engine would record
+    /// on it when staging starts, behind the latch, and wait for itself. Where the driver
+    /// refuses stream memory operations, the blocking wait is used. With a save every step
+    /// the optimizer step's hook blocked its thread until about 5 ms before the copy's end
+    /// (`with_copy_ahead`); a trainer whose thread launches kernels all step long lost that
+    /// time (docs/benchmarks.md).
+    pub fn with_stream_latches(mut self, on: bool) -> Self {
+        self.stream_latches = on;
         self
     }
 
@@ -501,6 +524,11 @@ impl EngineConfig {
     /// Bytes of device copies queued ahead ([`EngineConfig::with_copy_ahead`]).
     pub fn copy_ahead(&self) -> u64 {
         self.copy_ahead
+    }
+
+    /// Whether held streams wait on latches ([`EngineConfig::with_stream_latches`]).
+    pub fn stream_latches(&self) -> bool {
+        self.stream_latches
     }
 
     /// Bytes per staging chunk ([`EngineConfig::with_chunk_size`]).

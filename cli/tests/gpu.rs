@@ -7,6 +7,8 @@
 
 #[path = "common/gpu.rs"]
 mod common;
+#[path = "gpu/latch.rs"]
+mod latch;
 #[path = "gpu/snapshot.rs"]
 mod snapshot;
 

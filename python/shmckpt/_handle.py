@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .errors import CommitRefused, ConfigError, ReplicaDivergence
+from .errors import CommitRefused, ConfigError, ReplicaDivergence, ShmckptError
 
 
 class SaveHandle:
@@ -145,6 +145,12 @@ class SaveHandle:
             self._checker.check_through(self)
         h = self._get_rust()
         if self._snapshot:
+            # Known once staged: the guard's hook returns before the snapshot is taken
+            # (``Tuning.stream_latches``). A staging error is raised by ``wait`` below.
+            try:
+                h.wait_staged()
+            except ShmckptError:
+                pass
             self.snapshot_bytes = max(self.snapshot_bytes, int(h.snapshot_bytes()))
         try:
             rep = h.wait()

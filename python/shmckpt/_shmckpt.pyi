@@ -211,6 +211,7 @@ class EngineSettings(TypedDict, total=False):
     queue_depth: Optional[int]
     copy_threads: Optional[int]
     copy_ahead: Optional[int]
+    stream_latches: Optional[bool]
     direct_io: Optional[bool]
     keep_last: Optional[int]
     shm_name: Optional[str]
@@ -240,6 +241,8 @@ class Engine:
     def chunk_size(self) -> int: ...
     @property
     def copy_ahead(self) -> int: ...
+    @property
+    def stream_latches(self) -> bool: ...
     def save(
         self,
         step: int,

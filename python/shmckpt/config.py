@@ -98,7 +98,9 @@ class Tuning:
     ``max_inflight_saves`` (1..256), ``copy_ahead`` (bytes of a save's device-to-host
     copies queued ahead of their completion, default 256 MiB; 0 queues them all at once,
     whose thousands of driver calls can delay the trainer's kernel launches while the copy
-    runs: docs/python.md)."""
+    runs: docs/python.md), ``stream_latches`` (default on: a guarded optimizer step waits
+    for a save's device copies on the device, its thread going on at once; off: its thread
+    waits until the last copies are queued: docs/python.md)."""
 
     staging_capacity: Optional[int] = None
     chunk_size: Optional[int] = None
@@ -108,6 +110,7 @@ class Tuning:
     direct_io: Optional[bool] = None
     max_inflight_saves: Optional[int] = None
     copy_ahead: Optional[int] = None
+    stream_latches: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _set(self, "staging_capacity", _int("Tuning", "staging_capacity", self.staging_capacity))
@@ -118,6 +121,7 @@ class Tuning:
         _set(self, "direct_io", _bool("Tuning", "direct_io", self.direct_io))
         _set(self, "max_inflight_saves", _int("Tuning", "max_inflight_saves", self.max_inflight_saves, 1, 256))
         _set(self, "copy_ahead", _int("Tuning", "copy_ahead", self.copy_ahead, 0))
+        _set(self, "stream_latches", _bool("Tuning", "stream_latches", self.stream_latches))
 
     def given(self) -> Dict[str, Any]:
         """The fields set (not ``None``), by name: the engine's settings of the same names."""
@@ -245,8 +249,8 @@ class Cadence:
 
 #: Each flat keyword of earlier versions: ``(group, field)``.
 LEGACY: Dict[str, Tuple[str, str]] = {
-    # Every Tuning field but those added since the groups (``copy_ahead``).
-    **{name: ("tuning", name) for name in TUNING_FIELDS if name != "copy_ahead"},
+    # Every Tuning field but those added since the groups (``copy_ahead``, ``stream_latches``).
+    **{name: ("tuning", name) for name in TUNING_FIELDS if name not in ("copy_ahead", "stream_latches")},
     "remote_keep_last": ("remote", "keep_last"),
     "remote_max_pending": ("remote", "max_pending"),
     "remote_part_size": ("remote", "part_size"),

@@ -24,6 +24,7 @@ pub struct EngineOpts {
     pub queue_depth: Option<u32>,
     pub copy_threads: Option<usize>,
     pub copy_ahead: Option<u64>,
+    pub stream_latches: Option<bool>,
     pub direct_io: Option<bool>,
     pub keep_last: Option<usize>,
     pub rank: u32,
@@ -130,6 +131,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     }
     if let Some(v) = o.copy_ahead {
         cfg = cfg.with_copy_ahead(v);
+    }
+    if let Some(v) = o.stream_latches {
+        cfg = cfg.with_stream_latches(v);
     }
     if let Some(v) = o.direct_io {
         cfg = cfg.with_direct_io(v);

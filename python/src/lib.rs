@@ -639,6 +639,13 @@ impl PyEngine {
         Ok(self.get()?.config().copy_ahead())
     }
 
+    /// Whether a guarded optimizer step waits for a save's device copies on a stream latch
+    /// (its thread going on at once) instead of on the host until they are queued.
+    #[getter]
+    fn stream_latches(&self) -> PyResult<bool> {
+        Ok(self.get()?.config().stream_latches())
+    }
+
     /// `(shm_name, staging_capacity, backend, root)`.
     fn describe(&self) -> PyResult<(String, u64, String, String)> {
         let engine = self.get()?;

@@ -133,6 +133,7 @@ def test_groups_check_their_fields_when_built():
         (lambda: Tuning(chunk_size=True), "Tuning.chunk_size must be an int, not True"),
         (lambda: Tuning(direct_io=1), "Tuning.direct_io must be True or False, not 1"),
         (lambda: Tuning(copy_ahead=-1), "Tuning.copy_ahead must be at least 0, not -1"),
+        (lambda: Tuning(stream_latches=0), "Tuning.stream_latches must be True or False, not 0"),
         (lambda: RemoteTier("s3://b/p", concurrency=257), "RemoteTier.concurrency must be between 1 and 256, not 257"),
         (lambda: RemoteTier("s3://b/p", part_size=1 << 20), "RemoteTier.part_size must be between"),
         (lambda: RemoteTier("s3://b/p", complete_timeout=float("nan")), "RemoteTier.complete_timeout must be a positive"),
@@ -172,12 +173,16 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
     try:
         assert e.describe()[1] == SMALL and e.chunk_size == 1 << 20
         assert e.copy_ahead == 256 << 20  # the default
+        assert e.stream_latches is True  # the default
     finally:
         e.close()
     # Tuning.copy_ahead reaches the engine, 0 (every copy queued at once) included.
     for ahead in (0, 3 << 20):
         with shmckpt.Checkpointer(root / f"ahead{ahead}", tuning=Tuning(staging_capacity=SMALL, copy_ahead=ahead)) as c:
             assert c._shared.engine.copy_ahead == ahead
+    # Tuning.stream_latches reaches the engine.
+    with shmckpt.Checkpointer(root / "latches", tuning=Tuning(staging_capacity=SMALL, stream_latches=False)) as c:
+        assert c._shared.engine.stream_latches is False
     assert list(inspect.signature(_shmckpt.Engine).parameters) == ["root", "config"]
 
 

@@ -25,6 +25,11 @@ pub(crate) use pipeline::{After, CudaStaging};
 pub use snapshot::SnapshotRequest;
 pub use sources::Sources;
 
+/// One event per device, recorded after that device's copies of a save.
+pub(crate) type Marks = Vec<(i32, cuda::Event)>;
+/// Latches by device (`cuda::Latch`).
+pub(crate) type Latches = Vec<(i32, cuda::Latch)>;
+
 /// What staging needs from the engine.
 pub struct StageJob<'a> {
     /// The file image.
@@ -42,8 +47,11 @@ pub struct StageJob<'a> {
     pub hold: bool,
     /// Called once every host byte is copied and every device copy is queued (with
     /// `hold`: and the streams wait for them), with one event per device recorded after
-    /// that device's copies; for host-only saves when staging ended (no events).
-    pub queued: &'a (dyn Fn(Vec<(i32, cuda::Event)>) + Sync),
+    /// that device's copies; for host-only saves when staging ended (no events). Returns
+    /// the latches the trainer's streams wait on (`SaveWatch::hold_stream`): the pipeline
+    /// opens each on its device's engine stream, behind the copies (dropped unopened: opened
+    /// from the host).
+    pub queued: &'a (dyn Fn(Marks) -> Latches + Sync),
     /// Snapshot mode ([`crate::SaveOptions::snapshot_on_request`]; not with `hold`):
     /// device copies are queued at most [`snapshot::LOOKAHEAD_BYTES`] ahead, and once the
     /// request is set the bytes not queued yet are copied into a transient device buffer;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use super::StageJob;
 use super::cuda::{
-    self, Context, CtxGuard, Event, HostRegistration, MemPool, Stream, StreamBuffer,
+    self, Context, CtxGuard, Event, HostRegistration, Latch, LatchPool, MemPool, Stream,
+    StreamBuffer,
 };
 use super::snapshot::{LOOKAHEAD_BYTES, Layout};
 use crate::error::{Error, Result};
@@ -35,6 +36,8 @@ pub(crate) struct DeviceState {
     pub(crate) stream: Arc<Stream>,
     events: Mutex<Vec<Event>>,
     pool: Mutex<Option<Arc<MemPool>>>,
+    /// The latches the trainer's streams wait on (`SaveWatch::hold_stream`).
+    latches: Arc<LatchPool>,
 }
 
 impl DeviceState {
@@ -66,6 +69,11 @@ impl DeviceState {
             Ok(n) => tracing::warn!(bytes = n, "device snapshot memory not given back yet"),
             Err(e) => tracing::warn!(error = %e, "device snapshot memory not given back"),
         }
+    }
+
+    /// A shut latch on this device.
+    pub(crate) fn latch(&self) -> Result<Latch> {
+        self.latches.take()
     }
 
     fn event(&self) -> Result<Event> {
@@ -183,11 +191,13 @@ impl CudaStaging {
         }
         let ctx = Context::new(d)?;
         let stream = Arc::new(Stream::new(&ctx)?);
+        let latches = LatchPool::new(&ctx);
         let st = Arc::new(DeviceState {
             ctx,
             stream,
             events: Mutex::new(Vec::new()),
             pool: Mutex::new(None),
+            latches,
         });
         m.insert(d, Arc::clone(&st));
         Ok(st)
@@ -243,7 +253,7 @@ impl CudaStaging {
                 if job.hold {
                     self.hold(&marks, after)?;
                 }
-                (job.queued)(marks);
+                Self::open_latches((job.queued)(marks), &states)?;
                 Ok(waited)
             });
         // Every copy into and out of the snapshot is queued: dropping it queues its free on
@@ -279,6 +289,29 @@ impl CudaStaging {
             marks.push((d, e));
         }
         Ok(marks)
+    }
+
+    /// Open each latch on its device's engine stream, behind every copy queued there so far.
+    /// A latch of a device without copies of this save is dropped: opened from the host.
+    /// One whose open could not be queued is opened from the host once that stream's copies
+    /// have run; if the stream cannot be waited for, it is opened all the same (a latch left
+    /// shut would stall the trainer's stream forever) and the error fails the save, whose
+    /// bytes the trainer may then change under its copies.
+    fn open_latches(
+        latches: Vec<(i32, Latch)>,
+        states: &BTreeMap<i32, Arc<DeviceState>>,
+    ) -> Result<()> {
+        let mut res = Ok(());
+        for (d, mut l) in latches {
+            let Some(st) = states.get(&d) else { continue };
+            if let Err(e) = l.open_after(&st.stream) {
+                tracing::warn!(error = %e, device = d, "latch opened from the host");
+                if let Err(e) = st.stream.synchronize() {
+                    res = res.and(Err(e));
+                }
+            }
+        }
+        res
     }
 
     /// Make every `After::Stream` stream wait for its device's mark.
@@ -322,7 +355,7 @@ impl CudaStaging {
                 if let SnapshotState::Taken(s) = &*snap {
                     req.set_bytes(s.allocated());
                     let marks = self.mark(pipe.states)?;
-                    (job.queued)(marks);
+                    Self::open_latches((job.queued)(marks), pipe.states)?;
                 }
             }
             // Keep the copies a bounded amount ahead of completion (waiting for our own

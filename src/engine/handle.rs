@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 
 use super::lock;
 use super::report::{SaveReport, StagedReport};
-use super::state::SaveState;
+use super::state::{Progress, SaveState};
 
 /// A save in flight. Dropping it does not cancel the save.
 pub struct SaveHandle {
@@ -260,6 +260,38 @@ impl std::fmt::Debug for SaveWatch {
 }
 
 impl SaveWatch {
+    /// Make `stream` wait on the device for this save's latch on its device (taken now if
+    /// none yet; the progress lock held, so staging cannot take the latches meanwhile).
+    /// False where the driver refuses (no latch is used for this save's device from then).
+    fn latch(&self, p: &mut Progress, stream: crate::cuda::StreamRef<'_>) -> Result<bool> {
+        // The caller's thread (the trainer's) keeps its current context.
+        let _restore = crate::device::cuda::CtxGuard::save()?;
+        let d = stream.device();
+        let res = match p.latches.iter().position(|(dev, _)| *dev == d) {
+            Some(i) => p.latches[i].1.hold(stream),
+            None => self
+                .state
+                .shared
+                .cuda()
+                .device(d)
+                .and_then(|st| st.latch())
+                .and_then(|mut l| {
+                    let r = l.hold(stream);
+                    // Held or not, the latch goes with the others: opened behind the copies.
+                    p.latches.push((d, l));
+                    r
+                }),
+        };
+        match res {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                tracing::warn!(error = %e, device = d, "stream latch refused; waiting on the host");
+                p.latchable.retain(|dev| *dev != d);
+                Ok(false)
+            }
+        }
+    }
+
     /// True once every byte is staged (or staging failed); as [`SaveHandle::is_staged`].
     pub fn is_staged(&self) -> bool {
         lock(&self.state.progress).staging_done
@@ -291,6 +323,9 @@ impl SaveWatch {
                 }
                 None if p.queued => break,
                 None => {}
+            }
+            if p.latchable.contains(&stream.device()) && self.latch(&mut p, stream)? {
+                return Ok(());
             }
             p = self
                 .state

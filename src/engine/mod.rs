@@ -104,6 +104,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether the CUDA side exists and its arena is registered.
+    fn cuda_registered(&self) -> bool {
+        self.cuda
+            .get()
+            .is_some_and(|c| c.registration_time().is_some())
+    }
+
     fn cuda(&self) -> &Arc<CudaStaging> {
         self.cuda.get_or_init(|| {
             Arc::new(CudaStaging::new(

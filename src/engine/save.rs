@@ -274,6 +274,17 @@ impl Engine {
         snapshot: bool,
     ) -> Result<SaveHandle> {
         let jobs = self.jobs()?;
+        if queued.is_none() && self.shared.cfg.stream_latches && self.shared.cuda_registered() {
+            // Ordered after events recorded at the call: staging never waits for work the
+            // caller queues later (as a latch held on its stream). Once the arena is
+            // registered: registering it, the first save's staging is not one the driver
+            // documents as free of implicit synchronization.
+            lock(&state.progress).latchable = after
+                .iter()
+                .filter(|(_, a)| matches!(a, After::Event(_)))
+                .map(|(d, _)| *d)
+                .collect();
+        }
         let st = Arc::clone(&state);
         let spawned = std::thread::Builder::new()
             .name("shmckpt-stage".into())
@@ -544,8 +555,9 @@ pub(super) fn stage_and_finish(
     let write_len = |len: usize| state.write_len(len);
     let failed = || state.failed();
     let queued = |marks: Vec<(i32, crate::device::cuda::Event)>| {
-        state.copies_queued(marks);
+        let latches = state.copies_queued(marks);
         queued();
+        latches
     };
     let job = StageJob {
         plan: &state.plan,
@@ -569,6 +581,8 @@ pub(super) fn stage_and_finish(
             Err(e) => Err(e),
         }
     };
+    // Every copy queued has completed (or staging failed): no latch stays shut.
+    state.open_latches();
     match staged {
         Ok(waited) => {
             // A memory-only save is complete in the arena from here: recovery commits it.

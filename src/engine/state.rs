@@ -30,6 +30,12 @@ pub(super) struct Progress {
     pub(super) queued: bool,
     /// One event per device, recorded after that device's copies of this save.
     pub(super) marks: Vec<(i32, crate::device::cuda::Event)>,
+    /// Devices whose copies are ordered after an event recorded at the call: a stream of
+    /// theirs may wait on a latch before the copies are queued (`SaveWatch::hold_stream`).
+    pub(super) latchable: Vec<i32>,
+    /// The latches streams wait on until the copies are queued; opened behind them, or
+    /// from the host when staging ends without (`stage_and_finish`).
+    pub(super) latches: Vec<(i32, crate::device::cuda::Latch)>,
     /// The tensors' entries with their CRC-32Cs, once the file is durable, published for
     /// a save whose commit waits for its caller (`SaveOptions::confirm_commit`).
     pub(super) checksums: Option<Vec<crate::manifest::TensorEntry>>,
@@ -234,12 +240,28 @@ impl SaveState {
     }
 
     /// Every host byte is copied and every device copy queued; `marks` complete with them.
-    pub(super) fn copies_queued(&self, marks: Vec<(i32, crate::device::cuda::Event)>) {
+    /// Returns the latches to open behind the copies (no stream waits on a new one now).
+    pub(super) fn copies_queued(
+        &self,
+        marks: Vec<(i32, crate::device::cuda::Event)>,
+    ) -> Vec<(i32, crate::device::cuda::Latch)> {
         let mut p = lock(&self.progress);
         p.queued = true;
         p.marks = marks;
+        let latches = std::mem::take(&mut p.latches);
         drop(p);
         self.changed.notify_all();
+        latches
+    }
+
+    /// Staging ended: open every latch still shut, from the host (the copies queued have
+    /// completed, or the save failed), and take no new one.
+    pub(super) fn open_latches(&self) {
+        let mut p = lock(&self.progress);
+        p.latchable.clear();
+        let latches = std::mem::take(&mut p.latches);
+        drop(p);
+        drop(latches);
     }
 
     pub(super) fn staging_finished(&self, r: std::result::Result<StagedReport, Error>) {

@@ -10,12 +10,14 @@
 
 mod alloc;
 mod batch;
+mod latch;
 mod pool;
 mod register;
 mod stream;
 
 pub use alloc::{DeviceBuffer, PinnedHost};
 pub use batch::batch_copies_supported;
+pub(crate) use latch::{Latch, LatchPool};
 pub(crate) use pool::{MemPool, StreamBuffer};
 pub use register::HostRegistration;
 pub use stream::{Event, EventRef, Stream, StreamRef};
