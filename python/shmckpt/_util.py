@@ -8,7 +8,9 @@ import contextlib
 import gc
 import os
 import stat
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple, TypeVar
+
+_T = TypeVar("_T")
 
 import numpy as np
 
@@ -32,6 +34,24 @@ def _gc_paused() -> Any:
     gc.disable()
     try:
         yield
+    finally:
+        gc.enable()
+
+
+def _gc_paused_call(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with the cyclic GC paused, as :func:`_gc_paused`, but resumed only
+    once ``fn``'s frame is gone: the objects it made and dropped are freed by then. Resumed
+    inside a ``with`` block instead, the collection that the pause had put off runs at
+    once, while every temporary of the block is still referenced, and promotes them all
+    towards the oldest generation; a save every step that way (~3,000 objects of a
+    1,168-tensor capture) made CPython's full collection of the trainer's whole heap run
+    every ~20 saves (369 ms each for 338,000 objects on a 2-core VM), on the thread
+    holding the interpreter lock."""
+    if not gc.isenabled():
+        return fn(*args)
+    gc.disable()
+    try:
+        return fn(*args)
     finally:
         gc.enable()
 

@@ -6,7 +6,7 @@ import concurrent.futures
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
-from .._util import _cuda_span_copy, _gc_paused, _host_tuple, _storage_key, engine_tuples
+from .._util import _cuda_span_copy, _gc_paused, _gc_paused_call, _host_tuple, _storage_key, engine_tuples
 from ..errors import SaveFailed
 from .base import Shared, _step_int
 from .guard import Guard
@@ -117,10 +117,15 @@ class Saver:
             if walked is not None and again.matches(walked):
                 return self._defer(step, walked, meta, snap, again)
         self._join_deferred()
-        with _gc_paused():
-            probe = _layout.probe(state) if walked is None else _layout.read_meta(walked)
-            cap = self._capture_tensors(step, state, probe, blocking, meta, None)
-            return self._submit(step, cap, blocking, meta, snap, checker)
+        return _gc_paused_call(self._capture_and_submit, step, state, walked, blocking, meta, snap, checker)
+
+    def _capture_and_submit(
+        self, step: int, state: Any, walked: Optional[_layout.Probe], blocking: bool, meta: Dict[str, str], snap: bool, checker: Any
+    ) -> SaveHandle:
+        """A save captured at its call (``save``, collections paused)."""
+        probe = _layout.probe(state) if walked is None else _layout.read_meta(walked)
+        cap = self._capture_tensors(step, state, probe, blocking, meta, None)
+        return self._submit(step, cap, blocking, meta, snap, checker)
 
     def _raise_deferred_failure(self) -> None:
         """Raise (once) the error of a deferred save whose capture failed: it is reported
@@ -157,10 +162,7 @@ class Saver:
 
         def capture() -> Any:
             try:
-                with _gc_paused():
-                    probe = _layout.read_meta(walked)
-                    cap = self._capture_tensors(step, walked, probe, False, meta, pinned)
-                    return self._submit_deferred(step, cap, meta, snap, pinned)
+                return _gc_paused_call(self._capture_deferred, step, walked, meta, snap, pinned)
             except BaseException:
                 self.deferrable = None  # the next save is captured at its call
                 raise
@@ -168,6 +170,12 @@ class Saver:
         handle._future = self._on_submitter(capture)
         self.shared.track(handle)
         return handle
+
+    def _capture_deferred(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> Any:
+        """A deferred save's capture and hand-off (``_defer``, collections paused)."""
+        probe = _layout.read_meta(walked)
+        cap = self._capture_tensors(step, walked, probe, False, meta, pinned)
+        return self._submit_deferred(step, cap, meta, snap, pinned)
 
     def _on_submitter(self, fn: Any) -> "concurrent.futures.Future[Any]":
         """Run ``fn`` on the checkpointer's submitting thread (started at first use; one
