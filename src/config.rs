@@ -161,7 +161,7 @@ impl EngineConfig {
             direct_io: true,
             batch_device_copies: std::env::var_os("SHMCKPT_BATCH_COPIES").is_none_or(|v| v != "0"),
             copy_ahead: DEFAULT_COPY_AHEAD,
-            stream_latches: true,
+            stream_latches: false,
             keep_last: None,
             rank: 0,
             world_size: 1,
@@ -261,8 +261,11 @@ impl EngineConfig {
 
     /// Whether [`SaveWatch::hold_stream`](crate::SaveWatch::hold_stream) returns at once
     /// while a save's copies are still being queued, the stream waiting on the device for a
-    /// latch the engine opens behind the last copies; default on. Off: it blocks its thread
-    /// until every copy is queued, then makes the stream wait for an event.
+    /// latch the engine opens behind the last copies; default off: it blocks its thread
+    /// until every copy is queued, then makes the stream wait for an event. Off by default
+    /// because on an H100 a save of 8.18 GiB every ~184 ms step of the decoder bench cost
+    /// more with latches (+5.05 % against +3.91 %, 5 alternated rounds,
+    /// docs/benchmarks.md): that trainer's thread has nothing to launch while it waits.
     ///
     /// A latch is a 32-bit cell in pinned host memory: `cuStreamWaitValue32` on the
     /// caller's stream, `cuStreamWriteValue32` on the engine's stream behind the copies, or
@@ -271,10 +274,10 @@ impl EngineConfig {
     /// ([`SaveOptions::after_event`](crate::SaveOptions::after_event), as the Python
     /// package's non-blocking saves do): ordered after a stream, the engine would record
     /// on it when staging starts, behind the latch, and wait for itself. Where the driver
-    /// refuses stream memory operations, the blocking wait is used. With a save every step
-    /// the optimizer step's hook blocked its thread until about 5 ms before the copy's end
-    /// (`with_copy_ahead`); a trainer whose thread launches kernels all step long lost that
-    /// time (docs/benchmarks.md).
+    /// refuses stream memory operations, the blocking wait is used. Without latches the
+    /// optimizer step's hook blocks its thread until about 5 ms before the copy's end
+    /// (`with_copy_ahead`), time a trainer whose thread launches kernels all step long
+    /// loses.
     pub fn with_stream_latches(mut self, on: bool) -> Self {
         self.stream_latches = on;
         self

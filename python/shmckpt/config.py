@@ -98,9 +98,9 @@ class Tuning:
     ``max_inflight_saves`` (1..256), ``copy_ahead`` (bytes of a save's device-to-host
     copies queued ahead of their completion, default 256 MiB; 0 queues them all at once,
     whose thousands of driver calls can delay the trainer's kernel launches while the copy
-    runs: docs/python.md), ``stream_latches`` (default on: a guarded optimizer step waits
-    for a save's device copies on the device, its thread going on at once; off: its thread
-    waits until the last copies are queued: docs/python.md)."""
+    runs: docs/python.md), ``stream_latches`` (default off: a guarded optimizer step's thread
+    waits until a save's last device copies are queued; on: the step waits for them on the
+    device and its thread goes on at once: docs/python.md)."""
 
     staging_capacity: Optional[int] = None
     chunk_size: Optional[int] = None

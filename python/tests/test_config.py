@@ -173,7 +173,7 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
     try:
         assert e.describe()[1] == SMALL and e.chunk_size == 1 << 20
         assert e.copy_ahead == 256 << 20  # the default
-        assert e.stream_latches is True  # the default
+        assert e.stream_latches is False  # the default
     finally:
         e.close()
     # Tuning.copy_ahead reaches the engine, 0 (every copy queued at once) included.
@@ -181,8 +181,8 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
         with shmckpt.Checkpointer(root / f"ahead{ahead}", tuning=Tuning(staging_capacity=SMALL, copy_ahead=ahead)) as c:
             assert c._shared.engine.copy_ahead == ahead
     # Tuning.stream_latches reaches the engine.
-    with shmckpt.Checkpointer(root / "latches", tuning=Tuning(staging_capacity=SMALL, stream_latches=False)) as c:
-        assert c._shared.engine.stream_latches is False
+    with shmckpt.Checkpointer(root / "latches", tuning=Tuning(staging_capacity=SMALL, stream_latches=True)) as c:
+        assert c._shared.engine.stream_latches is True
     assert list(inspect.signature(_shmckpt.Engine).parameters) == ["root", "config"]
 
 

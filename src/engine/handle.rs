@@ -303,13 +303,19 @@ impl SaveWatch {
     }
 
     /// Order `stream`'s later work after this save's copies, on the device, instead of
-    /// waiting for them on the host: blocks only until every host byte of the save is
-    /// copied and every device copy is queued (normally milliseconds after the call; longer
-    /// when the save waits for staging chunks), then makes `stream` wait for the copies of
-    /// its device (`cuStreamWaitEvent`). Work queued on `stream` afterwards may then
-    /// overwrite the tensors; work on other streams and host code must still
-    /// [`SaveHandle::wait_staged`]. Returns at once when the save is staged
-    /// already; raises the save's error when staging failed.
+    /// waiting for them on the host. Where the save's copies on `stream`'s device are
+    /// ordered after an event recorded at the call
+    /// ([`SaveOptions::after_event`](crate::SaveOptions::after_event)) and
+    /// [`EngineConfig::with_stream_latches`](crate::EngineConfig::with_stream_latches) is on,
+    /// returns at once: `stream` waits on the device for a latch the engine
+    /// opens behind the save's last copies (or from the host if staging ends without).
+    /// Otherwise blocks until every host byte of the save is copied and every device copy
+    /// is queued (up to [`EngineConfig::with_copy_ahead`](crate::EngineConfig::with_copy_ahead)
+    /// bytes before the copies' end; longer when the save waits for staging chunks), then
+    /// makes `stream` wait for the copies of its device (`cuStreamWaitEvent`). Work queued
+    /// on `stream` afterwards may then overwrite the tensors; work on other streams and
+    /// host code must still [`SaveHandle::wait_staged`]. Returns at once when the save is
+    /// staged already; raises the save's error when staging failed.
     pub fn hold_stream(&self, stream: crate::cuda::StreamRef<'_>) -> Result<()> {
         let mut p = lock(&self.state.progress);
         loop {

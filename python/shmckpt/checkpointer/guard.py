@@ -39,13 +39,13 @@ class Guard:
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
         """Make ``optimizer.step()`` first wait until every save of this checkpointer has
-        copied its bytes. For saves of CUDA tensors the wait is on the device: the current
-        stream of each device waits on a latch the engine opens behind the save's last
-        copies, and the hook returns at once, so the optimizer's kernels run after the
-        copies while the trainer's thread goes on (``Tuning(stream_latches=False)``: the
-        hook returns once the engine has queued its last copies, which it keeps at most
-        ``Tuning.copy_ahead`` bytes ahead of their completion); other saves are waited for
-        on the host (``wait_staged``).
+        copied its bytes. For saves of CUDA tensors the wait ends on the device: the hook
+        returns once the engine has queued its last copies (it keeps them at most
+        ``Tuning.copy_ahead`` bytes ahead of their completion), and the current stream of
+        each device waits for them, so the optimizer's kernels run after the copies while
+        the trainer's thread goes on (``Tuning(stream_latches=True)``: the streams wait on a
+        latch the engine opens behind its last copies, and the hook returns at once); other
+        saves are waited for on the host (``wait_staged``).
 
         With a guard, ``save(..., blocking=False)`` copies the optimizer's parameters and
         state in the background while the trainer runs its next forward and backward; every
@@ -115,15 +115,15 @@ class Guard:
 
     def wait(self) -> None:
         """The guard's wait before an optimizer step. A save whose bytes the engine copies
-        itself from CUDA tensors is waited for on the device: the current stream of each of
-        its devices waits on the save's latch (``cuStreamWaitValue32``), which the engine
-        opens behind its last copies (or from the host if the save fails first), and the
-        trainer's thread goes on queueing the optimizer step and the next forward at once.
-        With ``Tuning(stream_latches=False)``, or where the driver refuses stream memory
-        operations, the hook first waits on the host until the last copies are queued (at
-        most ``Tuning.copy_ahead`` bytes before the copy's end), then the streams wait for
-        them (``cuStreamWaitEvent``). Other saves are waited for on the host
-        (``wait_staged``)."""
+        itself from CUDA tensors is waited for on the device: once its host bytes are copied
+        and its last device copies queued (at most ``Tuning.copy_ahead`` bytes before the
+        copy's end), the current stream of each of its devices waits for those copies
+        (``cuStreamWaitEvent``), and the trainer's thread goes on queueing the optimizer
+        step and the next forward. With ``Tuning(stream_latches=True)`` (where the driver
+        allows stream memory operations) the hook does not wait on the host: the streams
+        wait on the save's latch (``cuStreamWaitValue32``), which the engine opens behind
+        its last copies (or from the host if the save fails first). Other saves are waited
+        for on the host (``wait_staged``)."""
 
         def wait(h: SaveHandle) -> Any:
             if h._deferred:
