@@ -86,3 +86,32 @@ def test_the_probe_times_every_step_of_each_mode_on_cpu(tmp_path):
     assert any("forward+backward 2 ms (launches)" in line for line in table), table[:4]
     modes = [line.split("|")[1].strip() for line in table if line.startswith(("| o", "| n", "| a"))]
     assert modes == ["off", "none", "at-call", "all-queued"]
+
+
+def test_the_trace_reports_each_step_with_its_host_ranges(tmp_path):
+    """benches/train/cadence_trace.py on CPU (tiny model, 2 rounds of 2 steps per mode): one
+    row per traced step, in the order the rounds ran them (round 0 without saves first,
+    round 1 with them), each step's host ranges read back from the profiler's trace (a
+    CPU trace has no kernels or copies); only the steps with a save have a save call, and
+    the guard's wait ran inside the optimizer step. No timing is asserted."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--state", "tiny", "--steps", "2", "--rounds", "2", "--out", str(out), "--dir", str(tmp_path / "ck")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    zygote.run([sys.executable, str(BENCH / "cadence_trace.py"), *args], check=True, env=env, timeout=300)
+    res = json.loads((out / "trace_steps.json").read_text())
+    order = [(r["round"], r["step"]) for r in res["rows"]]
+    assert order == [
+        (0, "step:none:0"), (0, "step:none:1"), (0, "step:save:0"), (0, "step:save:1"),
+        (1, "step:save:0"), (1, "step:save:1"), (1, "step:none:0"), (1, "step:none:1"),
+    ]
+    for r in res["rows"]:
+        saved = r["step"].startswith("step:save:")
+        assert ("save_call_ms" in r) == saved, r
+        for name in ("fwd_bwd", "opt_step", "guard_wait", "sync"):
+            assert r[f"{name}_ms"] >= 0, (name, r)
+        # Inside the step, in the loop's order.
+        assert 0 <= r["fwd_bwd_at_ms"] <= r["opt_step_at_ms"] <= r["guard_wait_at_ms"] <= r["sync_at_ms"] <= r["host_ms"], r
+        assert "kernels_from_ms" not in r and "copies" not in r, r
+    assert set(res["summary"]) == {"none", "save"} and "save_call_ms" in res["summary"]["save"]
+    assert "save_call_ms" not in res["summary"]["none"]
