@@ -47,13 +47,8 @@ def _gc_paused_call(fn: Callable[..., _T], *args: Any) -> _T:
     1,168-tensor capture) made CPython's full collection of the trainer's whole heap run
     every ~20 saves (369 ms each for 338,000 objects on a 2-core VM), on the thread
     holding the interpreter lock."""
-    if not gc.isenabled():
+    with _gc_paused():
         return fn(*args)
-    gc.disable()
-    try:
-        return fn(*args)
-    finally:
-        gc.enable()
 
 
 def _storage_key(t: Any) -> Tuple[Any, int]:

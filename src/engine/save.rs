@@ -554,7 +554,7 @@ pub(super) fn stage_and_finish(
     let mut registration = Duration::ZERO;
     let write_len = |len: usize| state.write_len(len);
     let failed = || state.failed();
-    let queued = |marks: Vec<(i32, crate::device::cuda::Event)>| {
+    let queued = |marks: crate::device::Marks| {
         let latches = state.copies_queued(marks);
         queued();
         latches

@@ -6,6 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::commit::{self};
+use crate::device::{Latches, Marks};
 use crate::error::{Error, Result};
 use crate::io::align_up;
 use crate::io::file::FileTarget;
@@ -29,13 +30,13 @@ pub(super) struct Progress {
     /// Every host byte copied and every device copy queued (`SaveHandle::hold_stream`).
     pub(super) queued: bool,
     /// One event per device, recorded after that device's copies of this save.
-    pub(super) marks: Vec<(i32, crate::device::cuda::Event)>,
+    pub(super) marks: Marks,
     /// Devices whose copies are ordered after an event recorded at the call: a stream of
     /// theirs may wait on a latch before the copies are queued (`SaveWatch::hold_stream`).
     pub(super) latchable: Vec<i32>,
     /// The latches streams wait on until the copies are queued; opened behind them, or
     /// from the host when staging ends without (`stage_and_finish`).
-    pub(super) latches: Vec<(i32, crate::device::cuda::Latch)>,
+    pub(super) latches: Latches,
     /// The tensors' entries with their CRC-32Cs, once the file is durable, published for
     /// a save whose commit waits for its caller (`SaveOptions::confirm_commit`).
     pub(super) checksums: Option<Vec<crate::manifest::TensorEntry>>,
@@ -241,10 +242,7 @@ impl SaveState {
 
     /// Every host byte is copied and every device copy queued; `marks` complete with them.
     /// Returns the latches to open behind the copies (no stream waits on a new one now).
-    pub(super) fn copies_queued(
-        &self,
-        marks: Vec<(i32, crate::device::cuda::Event)>,
-    ) -> Vec<(i32, crate::device::cuda::Latch)> {
+    pub(super) fn copies_queued(&self, marks: Marks) -> Latches {
         let mut p = lock(&self.progress);
         p.queued = true;
         p.marks = marks;

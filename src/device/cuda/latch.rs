@@ -259,7 +259,7 @@ impl Latch {
     }
 
     /// Open the latch from the host, now.
-    pub(crate) fn open_now(&mut self) {
+    fn open_now(&mut self) {
         self.cell().store(1, Ordering::Release);
         self.open = true;
     }
