@@ -212,6 +212,7 @@ class EngineSettings(TypedDict, total=False):
     copy_threads: Optional[int]
     copy_ahead: Optional[int]
     stream_latches: Optional[bool]
+    blocking_sync: Optional[bool]
     direct_io: Optional[bool]
     keep_last: Optional[int]
     shm_name: Optional[str]
@@ -243,6 +244,8 @@ class Engine:
     def copy_ahead(self) -> int: ...
     @property
     def stream_latches(self) -> bool: ...
+    @property
+    def blocking_sync(self) -> bool: ...
     def save(
         self,
         step: int,

@@ -100,7 +100,9 @@ class Tuning:
     whose thousands of driver calls can delay the trainer's kernel launches while the copy
     runs: docs/python.md), ``stream_latches`` (default off: a guarded optimizer step's thread
     waits until a save's last device copies are queued; on: the step waits for them on the
-    device and its thread goes on at once: docs/python.md)."""
+    device and its thread goes on at once: docs/python.md), ``blocking_sync`` (default off:
+    the engine's staging thread spins on a core while it waits for its device copies; on:
+    it sleeps: docs/python.md)."""
 
     staging_capacity: Optional[int] = None
     chunk_size: Optional[int] = None
@@ -111,6 +113,7 @@ class Tuning:
     max_inflight_saves: Optional[int] = None
     copy_ahead: Optional[int] = None
     stream_latches: Optional[bool] = None
+    blocking_sync: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _set(self, "staging_capacity", _int("Tuning", "staging_capacity", self.staging_capacity))
@@ -122,6 +125,7 @@ class Tuning:
         _set(self, "max_inflight_saves", _int("Tuning", "max_inflight_saves", self.max_inflight_saves, 1, 256))
         _set(self, "copy_ahead", _int("Tuning", "copy_ahead", self.copy_ahead, 0))
         _set(self, "stream_latches", _bool("Tuning", "stream_latches", self.stream_latches))
+        _set(self, "blocking_sync", _bool("Tuning", "blocking_sync", self.blocking_sync))
 
     def given(self) -> Dict[str, Any]:
         """The fields set (not ``None``), by name: the engine's settings of the same names."""
@@ -249,8 +253,9 @@ class Cadence:
 
 #: Each flat keyword of earlier versions: ``(group, field)``.
 LEGACY: Dict[str, Tuple[str, str]] = {
-    # Every Tuning field but those added since the groups (``copy_ahead``, ``stream_latches``).
-    **{name: ("tuning", name) for name in TUNING_FIELDS if name not in ("copy_ahead", "stream_latches")},
+    # Every Tuning field but those added since the groups (``copy_ahead``, ``stream_latches``,
+    # ``blocking_sync``).
+    **{name: ("tuning", name) for name in TUNING_FIELDS if name not in ("copy_ahead", "stream_latches", "blocking_sync")},
     "remote_keep_last": ("remote", "keep_last"),
     "remote_max_pending": ("remote", "max_pending"),
     "remote_part_size": ("remote", "part_size"),

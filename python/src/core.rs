@@ -25,6 +25,7 @@ pub struct EngineOpts {
     pub copy_threads: Option<usize>,
     pub copy_ahead: Option<u64>,
     pub stream_latches: Option<bool>,
+    pub blocking_sync: Option<bool>,
     pub direct_io: Option<bool>,
     pub keep_last: Option<usize>,
     pub rank: u32,
@@ -134,6 +135,9 @@ pub fn open(o: EngineOpts) -> Result<Engine> {
     }
     if let Some(v) = o.stream_latches {
         cfg = cfg.with_stream_latches(v);
+    }
+    if let Some(v) = o.blocking_sync {
+        cfg = cfg.with_blocking_sync(v);
     }
     if let Some(v) = o.direct_io {
         cfg = cfg.with_direct_io(v);

@@ -646,6 +646,13 @@ impl PyEngine {
         Ok(self.get()?.config().stream_latches())
     }
 
+    /// Whether the staging thread sleeps while it waits for device copies instead of
+    /// spinning.
+    #[getter]
+    fn blocking_sync(&self) -> PyResult<bool> {
+        Ok(self.get()?.config().blocking_sync())
+    }
+
     /// `(shm_name, staging_capacity, backend, root)`.
     fn describe(&self) -> PyResult<(String, u64, String, String)> {
         let engine = self.get()?;

@@ -134,6 +134,7 @@ def test_groups_check_their_fields_when_built():
         (lambda: Tuning(direct_io=1), "Tuning.direct_io must be True or False, not 1"),
         (lambda: Tuning(copy_ahead=-1), "Tuning.copy_ahead must be at least 0, not -1"),
         (lambda: Tuning(stream_latches=0), "Tuning.stream_latches must be True or False, not 0"),
+        (lambda: Tuning(blocking_sync="yes"), "Tuning.blocking_sync must be True or False, not 'yes'"),
         (lambda: RemoteTier("s3://b/p", concurrency=257), "RemoteTier.concurrency must be between 1 and 256, not 257"),
         (lambda: RemoteTier("s3://b/p", part_size=1 << 20), "RemoteTier.part_size must be between"),
         (lambda: RemoteTier("s3://b/p", complete_timeout=float("nan")), "RemoteTier.complete_timeout must be a positive"),
@@ -174,6 +175,7 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
         assert e.describe()[1] == SMALL and e.chunk_size == 1 << 20
         assert e.copy_ahead == 256 << 20  # the default
         assert e.stream_latches is False  # the default
+        assert e.blocking_sync is False  # the default
     finally:
         e.close()
     # Tuning.copy_ahead reaches the engine, 0 (every copy queued at once) included.
@@ -183,6 +185,9 @@ def test_the_engine_takes_one_dict_and_refuses_unknown_keys(root):
     # Tuning.stream_latches reaches the engine.
     with shmckpt.Checkpointer(root / "latches", tuning=Tuning(staging_capacity=SMALL, stream_latches=True)) as c:
         assert c._shared.engine.stream_latches is True
+    # Tuning.blocking_sync reaches the engine.
+    with shmckpt.Checkpointer(root / "blocking", tuning=Tuning(staging_capacity=SMALL, blocking_sync=True)) as c:
+        assert c._shared.engine.blocking_sync is True
     assert list(inspect.signature(_shmckpt.Engine).parameters) == ["root", "config"]
 
 

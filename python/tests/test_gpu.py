@@ -115,20 +115,26 @@ def test_copies_are_ordered_after_the_current_stream(root):
         assert torch.all(ck.load(1)["x"] == 7.0)
 
 
-@pytest.mark.parametrize("copy_ahead,latches", [(0, None), (128 << 10, None), (None, None), (0, True), (128 << 10, True), (None, True)])
-def test_guarded_saves_of_many_tensors_keep_their_bytes_whatever_the_copies_queued_ahead(root, copy_ahead, latches):
+@pytest.mark.parametrize(
+    "copy_ahead,latches,blocking",
+    [(0, None, None), (128 << 10, None, None), (None, None, None), (0, True, None), (128 << 10, True, None), (None, True, None), (128 << 10, None, True), (None, True, True)],
+)
+def test_guarded_saves_of_many_tensors_keep_their_bytes_whatever_the_copies_queued_ahead(root, copy_ahead, latches, blocking):
     """Guarded non-blocking saves of 300 tensors over ~110 staging chunks of 64 KiB, the
     optimizer stepping right after each call and the state read back on the host right
     after the step (the interpreter's lock held while the device waits): each save holds
     the state of its call, with the device copies all queued at once (0), two chunks ahead
     (128 KiB) or the default (256 MiB), the step waiting for them on the host until the
-    last ones are queued (the default) or on a stream latch (``stream_latches=True``)."""
+    last ones are queued (the default) or on a stream latch (``stream_latches=True``), the
+    engine's waits for its copies spinning (the default) or sleeping
+    (``blocking_sync=True``)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1 + 37 * i, device="cuda")) for i in range(300)]
     opt = torch.optim.SGD(params, lr=0.5)
-    tuning = shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=64 << 10, copy_ahead=copy_ahead, stream_latches=latches)
+    tuning = shmckpt.Tuning(staging_capacity=32 << 20, chunk_size=64 << 10, copy_ahead=copy_ahead, stream_latches=latches, blocking_sync=blocking)
     with shmckpt.Checkpointer(root, tuning=tuning) as ck:
         assert ck._shared.engine.stream_latches is (latches is True)
+        assert ck._shared.engine.blocking_sync is (blocking is True)
         ck.guard(opt)
         snaps = {}
         for step_no in range(1, 5):

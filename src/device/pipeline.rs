@@ -38,6 +38,9 @@ pub(crate) struct DeviceState {
     pool: Mutex<Option<Arc<MemPool>>>,
     /// The latches the trainer's streams wait on (`SaveWatch::hold_stream`).
     latches: Arc<LatchPool>,
+    /// Whether waits for this device's events sleep instead of spinning
+    /// (`EngineConfig::with_blocking_sync`).
+    blocking_sync: bool,
 }
 
 impl DeviceState {
@@ -79,7 +82,7 @@ impl DeviceState {
     fn event(&self) -> Result<Event> {
         match lock(&self.events).pop() {
             Some(e) => Ok(e),
-            None => Event::new(&self.ctx),
+            None => Event::with_sync(&self.ctx, self.blocking_sync),
         }
     }
 
@@ -100,19 +103,24 @@ pub struct CudaStaging {
     /// Bytes of device copies queued ahead of their completion; 0: no bound
     /// (`EngineConfig::with_copy_ahead`).
     copy_ahead: u64,
+    /// Whether the staging thread sleeps in its waits for copies instead of spinning
+    /// (`EngineConfig::with_blocking_sync`).
+    blocking_sync: bool,
 }
 
 impl CudaStaging {
     /// Nothing set up yet. `batch`: queue a device snapshot's copies in one driver call
     /// per device where the driver can. `copy_ahead`: bytes of device copies a save keeps
-    /// queued ahead of their completion (0: all at once).
-    pub fn new(arena: Arc<Arena>, batch: bool, copy_ahead: u64) -> Self {
+    /// queued ahead of their completion (0: all at once). `blocking_sync`: waits for the
+    /// copies sleep instead of spinning.
+    pub fn new(arena: Arc<Arena>, batch: bool, copy_ahead: u64, blocking_sync: bool) -> Self {
         CudaStaging {
             arena,
             devices: Mutex::new(BTreeMap::new()),
             registration: Mutex::new(None),
             batch,
             copy_ahead,
+            blocking_sync,
         }
     }
 
@@ -198,6 +206,7 @@ impl CudaStaging {
             events: Mutex::new(Vec::new()),
             pool: Mutex::new(None),
             latches,
+            blocking_sync: self.blocking_sync,
         });
         m.insert(d, Arc::clone(&st));
         Ok(st)
@@ -284,7 +293,7 @@ impl CudaStaging {
         let mut marks = Vec::with_capacity(states.len());
         for (&d, st) in states {
             st.ctx.bind()?;
-            let e = Event::new(&st.ctx)?;
+            let e = Event::with_sync(&st.ctx, st.blocking_sync)?;
             e.record(&st.stream)?;
             marks.push((d, e));
         }

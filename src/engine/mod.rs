@@ -117,6 +117,7 @@ impl Shared {
                 Arc::clone(&self.arena),
                 self.cfg.batch_device_copies,
                 self.cfg.copy_ahead,
+                self.cfg.blocking_sync,
             ))
         })
     }

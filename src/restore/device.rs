@@ -88,7 +88,7 @@ impl DeviceRing {
         Ok(DeviceRing {
             // Only its registration and streams are used (no save is staged here): the
             // batch and copy-ahead settings are unused.
-            staging: CudaStaging::new(arena, false, 0),
+            staging: CudaStaging::new(arena, false, 0, false),
             depth,
             busy: std::sync::Mutex::new(()),
         })

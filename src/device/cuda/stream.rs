@@ -223,16 +223,24 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// A new event on `ctx`.
+    /// A new event on `ctx`; [`Event::synchronize`] spins on it (the driver's default).
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_sync(ctx, false)
+    }
+
+    /// A new event on `ctx`. `blocking`: [`Event::synchronize`] puts its thread to sleep
+    /// until the event completes (`CU_EVENT_BLOCKING_SYNC`) instead of spinning on a core.
+    pub fn with_sync(ctx: &Arc<Context>, blocking: bool) -> Result<Event> {
         ctx.bind()?;
+        let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        if blocking {
+            flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        }
         let mut raw = std::ptr::null_mut();
         check(
             // SAFETY: `raw` is a live local the driver writes one handle into; the context is
             // current (bound above); the handle is destroyed once, in Drop.
-            unsafe {
-                sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
+            unsafe { sys::cuEventCreate(&mut raw, flags) },
             "cuEventCreate",
         )?;
         Ok(Event {
