@@ -57,9 +57,11 @@ def parse_args(argv=None):
     a("--rounds", type=int, default=30)
     a("--budget-s", type=float, default=200.0, help="per configuration: no round starts past this")
     a("--ck-kw", default='{"cadence": {"disk_every": "auto"}}', help='JSON: the tiered Checkpointer\'s keywords, its groups as objects ({"cadence": {"disk_every": 4}, "tuning": {"writer_threads": 8}}; see checkpointer_kw)')
+    a("--keep-last", type=int, default=2, help="committed checkpoints each checkpointer keeps on disk (each condition has its own root: with several --compare-tuning, 1 keeps a 64 GiB disk from filling at 8 GiB)")
     a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
     a("--snapshot", default="device", help='save(snapshot=...) of a configuration that names none ("none": no snapshot)')
-    a("--compare-tuning", default=None, metavar="JSON", help='also alternate segments saving through a second checkpointer with these Tuning fields over the bench\'s, e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"')
+    a("--compare-tuning", action="append", default=None, metavar="JSON", help='also alternate segments saving through another checkpointer with these Tuning fields over the bench\'s, e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"; repeat for more checkpointers ("compare2", "compare3", ...; each has its own staging: --staging-factor x the state)')
+    a("--compare-engine", action="store_true", help='also alternate segments saving through a checkpointer with the bench\'s tuning, but straight into its engine from the trainer\'s thread (Engine.save with engine tuples built once, ordered after an event recorded at the call, the streams held before the optimizer step): the save without the package\'s Python capture, reported as "engine"')
     a("--compare-raw", action="store_true", help='also alternate segments that copy the state\'s bytes as one device-to-host copy (cudaMemcpyAsync of one buffer of the same size into pinned memory, on a side stream the optimizer step waits for): the physical cost of the copy beside the step, reported as "raw"')
     a("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval for the whole run (how long a thread holding the interpreter keeps it while another waits; Python's default 5 ms)")
     a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
@@ -120,13 +122,26 @@ def checkpointer_kw(kw, **tuning):
     return out
 
 
-def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
-    """``cks``: the checkpointer of each saving condition (``tiered``, and ``compare`` with
-    ``--compare-tuning``); condition ``raw`` with ``--compare-raw``. ``step_no``: ``[last step saved]``, shared by the
+def engine_entries(state):
+    """The engine tuples of flat state ``state`` (name, safetensors dtype, shape, tensor,
+    bytes, CUDA ordinal or -1), built once for ``--compare-engine`` (each save makes their
+    capsules anew: ``engine_tuples``)."""
+    from shmckpt._state import TORCH_TO_ST
+
+    return [(k, TORCH_TO_ST[t.dtype], list(t.shape), t, t.numel() * t.element_size(), t.device.index if t.is_cuda else -1) for k, t in state.items()]
+
+
+def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, engines=None):
+    """``cks``: the checkpointer of each saving condition (``tiered``, and ``compare``,
+    ``compare2``, ... with ``--compare-tuning``); condition ``raw`` with ``--compare-raw``. ``step_no``: ``[last step saved]``, shared by the
     configurations: the checkpointers and their roots are the same for all of them, so
     step numbers keep increasing (the second configuration restarted at 1 and would have
-    hit steps kept on disk)."""
+    hit steps kept on disk). ``engines``: ``{"engine": (Engine, entries)}`` with
+    ``--compare-engine``."""
     import torch
+    from shmckpt._util import engine_tuples
+
+    engines = engines or {}
     from sweep import calibrate, time_steps
 
     if cuda:
@@ -137,7 +152,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     iters = args.iters or max(20, int(round(8.0 / max(step_s, 1e-3))))
     snap = None if snapshot == "none" else snapshot
     log(f"config {step_ms} ms every {every} (snapshot {snapshot}): batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
-    conds = ["baseline", *cks] + (["raw"] if args.compare_raw else [])
+    conds = ["baseline", *cks] + (["engine"] if "engine" in engines else []) + (["raw"] if args.compare_raw else [])
     raws = None
     if args.compare_raw:
         nbytes = state_nbytes(state)
@@ -146,13 +161,14 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
     rounds = []
     stalls = {c: [] for c in conds}
     staged = {c: [] for c in conds}
-    disk_saves = {c: 0 for c in cks}
-    saves = {c: 0 for c in cks}
+    disk_saves = {c: 0 for c in [*cks, *engines]}
+    saves = {c: 0 for c in [*cks, *engines]}
     first_step = step_no[0] + 1
     t_end = now() + args.budget_s
 
     def segment(cond):
         ck = cks.get(cond)
+        eng = engines.get(cond)
         raw = raws if cond == "raw" else None
         handles = []
         tr.sync()
@@ -166,12 +182,29 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
                     kw["snapshot"] = snap
                 handles.append(ck.save(step_no[0], state, **kw))
                 stalls[cond].append(now() - t0)
+            held = None
+            if eng is not None and i % every == 0:
+                step_no[0] += 1
+                engine, entries = eng
+                after = []
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    after = [(0, "event", ev)]
+                held = engine.save(step_no[0], engine_tuples(entries), {}, after, False)
+                handles.append(held)
+                stalls[cond].append(now() - t0)
             if raw is not None and i % every == 0:
                 side, src, dst = raw
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     dst.copy_(src, non_blocking=True)
             tr.fwd_bwd()
+            if held is not None:  # as the guard's hook
+                if cuda:
+                    held.hold_streams([(0, torch.cuda.current_stream())])
+                else:
+                    held.wait_staged()
             if raw is not None:
                 torch.cuda.current_stream().wait_stream(raw[0])  # as the guard's wait
             tr.step()
@@ -208,13 +241,22 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no):
         disk_saves=disk_saves["tiered"],
         steps=[first_step, step_no[0]],
     )
-    if "compare" in cks:
-        res["compare"] = summary(rounds, "compare", stalls, staged)
-        res["compare"].update(tuning=args.compare_tuning, saves=saves["compare"], disk_saves=disk_saves["compare"])
+    for i, tuning in enumerate(args.compare_tuning or []):
+        name = compare_name(i)
+        res[name] = summary(rounds, name, stalls, staged)
+        res[name].update(tuning=tuning, saves=saves[name], disk_saves=disk_saves[name])
+    if "engine" in engines:
+        res["engine"] = summary(rounds, "engine", stalls, staged)
+        res["engine"].update(saves=saves["engine"], disk_saves=disk_saves["engine"])
     if raws is not None:
         res["raw"] = summary(rounds, "raw", stalls, staged)
         res["raw"].update(saves=0, disk_saves=0)
     return res
+
+
+def compare_name(i):
+    """The condition of the ``i``-th ``--compare-tuning``: ``compare``, ``compare2``, ..."""
+    return "compare" if i == 0 else f"compare{i + 1}"
 
 
 def summary(rounds, cond, stalls, staged):
@@ -269,16 +311,24 @@ def main(argv=None):
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
     cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
     res["meta"]["staging_capacity"] = cap
-    cks = {"tiered": shmckpt.Checkpointer(root, keep_last=2, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))}
-    if args.compare_tuning is not None:
-        res["meta"]["compare_tuning"] = json.loads(args.compare_tuning)
-        tuning = {"chunk_size": chunk, "staging_capacity": cap, **res["meta"]["compare_tuning"]}
-        cks["compare"] = shmckpt.Checkpointer(root + "-compare", keep_last=2, **checkpointer_kw(kw, **tuning))
+    cks = {"tiered": shmckpt.Checkpointer(root, keep_last=args.keep_last, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))}
+    compares = [json.loads(t) for t in args.compare_tuning or []]
+    if compares:
+        res["meta"]["compare_tuning"] = compares[0] if len(compares) == 1 else compares
+    for i, fields in enumerate(compares):
+        tuning = {"chunk_size": chunk, "staging_capacity": cap, **fields}
+        name = compare_name(i)
+        cks[name] = shmckpt.Checkpointer(f"{root}-{name}", keep_last=args.keep_last, **checkpointer_kw(kw, **tuning))
+    engines = {}
+    if args.compare_engine:
+        ek = shmckpt.Checkpointer(f"{root}-engine", keep_last=args.keep_last, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))
+        engines["engine"] = (ek._shared.engine, engine_entries(state))
     try:
-        for ck in cks.values():
+        for ck in [*cks.values(), *([ek] if engines else [])]:
             if cuda:
                 ck.prepare_cuda()
-            ck.guard(tr.opt)
+            if ck in cks.values():  # the engine's saves hold the streams themselves
+                ck.guard(tr.opt)
             ck.save(0, state).wait()  # warm-up: the arena sized, first-file costs
         step_no = [0]
         for c in args.configs.split(","):
@@ -286,19 +336,22 @@ def main(argv=None):
             snapshot = snap[0] if snap else args.snapshot
             if snapshot not in ("none", "device"):
                 raise SystemExit(f"cadence_overhead: snapshot {snapshot!r} in {c!r}: none or device")
-            res["configs"].append(run_config(tr, state, cks, float(step_ms), int(every), snapshot, args, cuda, step_no))
+            res["configs"].append(run_config(tr, state, cks, float(step_ms), int(every), snapshot, args, cuda, step_no, engines))
             for ck in cks.values():
                 ck.flush()
     finally:
-        for ck in cks.values():
+        for ck in [*cks.values(), *([ek] if engines else [])]:
             ck.close()
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(root + "-compare", ignore_errors=True)
+        shutil.rmtree(f"{root}-engine", ignore_errors=True)
+        for i in range(len(compares)):
+            shutil.rmtree(f"{root}-{compare_name(i)}", ignore_errors=True)
     with open(os.path.join(out, "cadence.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = ["| step (target) | save every | snapshot | baseline mean | tiered mean | overhead median | mean [95 % CI] | stall median / p90 | staging median / p90 | saves (disk) | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
-        for label, v in [("", c), (f" ({args.compare_tuning})", c.get("compare")), (" (raw copy)", c.get("raw"))]:
+        labelled = [("", c)] + [(f" ({t})", c.get(compare_name(i))) for i, t in enumerate(args.compare_tuning or [])]
+        for label, v in labelled + [(" (engine only)", c.get("engine")), (" (raw copy)", c.get("raw"))]:
             if v is None:
                 continue
             ci = v["overhead_mean_ci95"]

@@ -21,7 +21,7 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
     torch = pytest.importorskip("torch")
     out = tmp_path / "out"
     args = ["--device", "cpu", "--tiny", "--iters", "4", "--out", str(out), "--dir", str(tmp_path / "ck"),
-            "--compare-tuning", '{"copy_ahead": 0}']
+            "--compare-tuning", '{"copy_ahead": 0}', "--compare-tuning", '{"blocking_sync": true}', "--compare-engine"]
     # The interpreter's own path (the installed package, as the other bench tests do).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     zygote.run([sys.executable, str(BENCH / "cadence_overhead.py"), *args], check=True, env=env, timeout=300)
@@ -41,24 +41,33 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
     assert res["meta"]["tensors"] == 4 * len(params)
     assert res["meta"]["state_bytes"] == 3 * weights + 4 * len(params)
     assert [(c["step_ms_target"], c["every"]) for c in res["configs"]] == [(5.0, 1), (5.0, 2)]
-    assert res["meta"]["compare_tuning"] == {"copy_ahead": 0}
+    assert res["meta"]["compare_tuning"] == [{"copy_ahead": 0}, {"blocking_sync": True}]
     for c in res["configs"]:
         assert c["rounds"] == 2
         # Every save was waited for (a tiered segment per round); the disk took some.
         assert c["saves"] == 2 * -(-4 // c["every"])
         assert 1 <= c["disk_saves"] <= c["saves"]
-        # The second checkpointer (every device copy queued at once) saved as often, in
-        # the same rounds, into its own root (its steps numbered with the first's).
-        cmp = c["compare"]
-        assert cmp["saves"] == c["saves"] and 1 <= cmp["disk_saves"] <= cmp["saves"]
-        assert len(cmp["overhead_per_round"]) == len(c["overhead_per_round"]) == 2
-    # One checkpointer for both configurations: step numbers go on (1 after the warm-up's
-    # 0), never restart into steps the root still holds.
+        # The other checkpointers (every device copy queued at once; blocking waits) saved
+        # as often, in the same rounds, each into its own root (their steps numbered with
+        # the first's).
+        for name, tuning in (("compare", '{"copy_ahead": 0}'), ("compare2", '{"blocking_sync": true}')):
+            cmp = c[name]
+            assert cmp["tuning"] == tuning
+            assert cmp["saves"] == c["saves"] and 1 <= cmp["disk_saves"] <= cmp["saves"]
+            assert len(cmp["overhead_per_round"]) == len(c["overhead_per_round"]) == 2
+        # The engine-only saves (tuples built once, straight into Engine.save) too.
+        eng = c["engine"]
+        assert eng["saves"] == c["saves"] and 1 <= eng["disk_saves"] <= eng["saves"]
+        assert len(eng["overhead_per_round"]) == 2 and eng["stall_ms_median"] is not None
+    # The same checkpointers for both configurations: step numbers go on (1 after the
+    # warm-up's 0), never restart into steps the roots still hold.
     a, b = (c["steps"] for c in res["configs"])
-    assert a == [1, a[0] + 2 * res["configs"][0]["saves"] - 1]
-    assert b == [a[1] + 1, a[1] + 2 * res["configs"][1]["saves"]]
+    assert a == [1, a[0] + 4 * res["configs"][0]["saves"] - 1]
+    assert b == [a[1] + 1, a[1] + 4 * res["configs"][1]["saves"]]
     table = (out / "cadence.md").read_text()
     assert table.count('({"copy_ahead": 0})') == 2, table
+    assert table.count('({"blocking_sync": true})') == 2, table
+    assert table.count("(engine only)") == 2, table
     assert torch is not None
 
 
