@@ -27,6 +27,13 @@ and prints the functions with the most own time. ``--step-int`` adds a plain ``"
 the state, set to the call's step before each call (a trainer's counter: a plain value that
 changes at every save).
 
+``--capture`` also times, per call, the CPU time of the deferred capture on the submitting
+thread (``Saver._capture_deferred``: the tensors' metadata, the plan's match, the DLPack
+capsules and ``Engine.save``; ``time.thread_time`` on that thread), what a GPU trainer's
+thread loses to it right after the call (the column ``capture ms``: median of the calls
+that were deferred; ``deferred`` counts them). ``--profile`` with ``--capture`` profiles
+that capture instead of the call.
+
     python3 benches/train/call_cost.py --device cuda --states 5g,8g --calls 50
     python3 benches/train/call_cost.py --device cpu --states 5g,8g --calls 50
 """
@@ -71,6 +78,7 @@ def parse_args(argv=None):
     a("--profile", type=int, default=0, help="cProfile this many more calls of the first configuration")
     a("--shmckpt-path", default=None, help="directory prepended to sys.path before `import shmckpt`")
     a("--step-int", action="store_true", help='add "step": n (an int, the call\'s step) to the state')
+    a("--capture", action="store_true", help="time the deferred capture on the submitting thread")
     return p.parse_args(argv)
 
 
@@ -113,7 +121,7 @@ class Config:
         self.opt, self.state, self.ck, self.bytes = s["opt"], s["state"], s["ck"], s["bytes"]
         self.step_int = args.step_int
         self.tensors = len(self.state) - (1 if args.step_int else 0)
-        self.calls, self.cpu, self.guard = [], [], []
+        self.calls, self.cpu, self.guard, self.capture = [], [], [], []
 
     def one(self, step, record=True):
         if self.step_int:
@@ -130,6 +138,43 @@ class Config:
             self.calls.append(t1 - t0)
             self.cpu.append(c1 - c0)
             self.guard.append(t2 - t1)
+            if CAPTURED:
+                self.capture.append(CAPTURED.pop())
+        CAPTURED.clear()
+
+
+#: The submitting thread's CPU time of each deferred capture (``--capture``).
+CAPTURED = []
+#: The profiler of the deferred captures (``--capture --profile``), enabled on that thread.
+CAPTURE_PROFILE = []
+
+
+def time_captures(shmckpt):
+    """Wrap ``Saver._capture_deferred`` to record its thread's CPU time in ``CAPTURED``."""
+    saver = shmckpt.checkpointer.save.Saver
+    inner = saver._capture_deferred
+
+    def timed(self, *args):
+        prof = CAPTURE_PROFILE[0] if CAPTURE_PROFILE else None
+        c0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        try:
+            return inner(self, *args)
+        finally:
+            if prof is not None:
+                prof.disable()
+            CAPTURED.append(time.thread_time() - c0)
+
+    saver._capture_deferred = timed
+
+
+def capture_columns(xs):
+    """The ``--capture`` columns: median, p10 and p90 (ms) and the count of deferred calls."""
+    if not xs:
+        return f" {'-':>10} {'-':>6} {'-':>6} {0:>8}"
+    s = stats(xs)
+    return f" {s['median'] * 1e3:>10.2f} {s['p10'] * 1e3:>6.2f} {s['p90'] * 1e3:>6.2f} {len(xs):>8}"
 
 
 def main(argv=None):
@@ -138,7 +183,10 @@ def main(argv=None):
         sys.path.insert(0, args.shmckpt_path)
     import torch
     import shmckpt
+    import shmckpt.checkpointer.save
 
+    if args.capture:
+        time_captures(shmckpt)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
     modes = (args.modes or ("snap,nb" if args.device == "cuda" else "nb")).split(",")
@@ -175,6 +223,7 @@ def main(argv=None):
         print(
             f"{'config':<12} {'tensors':>7} {'median ms':>10} {'p10':>7} {'p90':>7} {'min':>7} {'max':>7} "
             f"{'us/tensor':>9} {'cpu ms':>7} {'guard ms':>8}"
+            + (f" {'capture ms':>10} {'p10':>6} {'p90':>6} {'deferred':>8}" if args.capture else "")
         )
         out = []
         for c in configs:
@@ -185,9 +234,18 @@ def main(argv=None):
                 f"{c.name:<12} {c.tensors:>7} {s['median'] * 1e3:>10.2f} {s['p10'] * 1e3:>7.2f} {s['p90'] * 1e3:>7.2f} "
                 f"{s['min'] * 1e3:>7.2f} {s['max'] * 1e3:>7.2f} {s['median'] / c.tensors * 1e6:>9.1f} "
                 f"{cpu['median'] * 1e3:>7.2f} {g['median'] * 1e3:>8.2f}"
+                + (capture_columns(c.capture) if args.capture else "")
             )
             out.append(
-                dict(config=c.name, tensors=c.tensors, bytes=c.bytes, call_s=c.calls, call_cpu_s=c.cpu, guard_s=c.guard)
+                dict(
+                    config=c.name,
+                    tensors=c.tensors,
+                    bytes=c.bytes,
+                    call_s=c.calls,
+                    call_cpu_s=c.cpu,
+                    guard_s=c.guard,
+                    capture_cpu_s=c.capture,
+                )
             )
         if args.json:
             with open(args.json, "w") as f:
@@ -195,15 +253,20 @@ def main(argv=None):
         if args.profile:
             c = configs[0]
             prof = cProfile.Profile()
+            if args.capture:
+                CAPTURE_PROFILE.append(prof)
             for _ in range(args.profile):
                 step += 1
                 if c.step_int:
                     c.state["step"] = step
-                prof.enable()
+                if not args.capture:
+                    prof.enable()
                 h = c.ck.save(step, c.state, **c.kw)
-                prof.disable()
+                if not args.capture:
+                    prof.disable()
                 c.opt.step()
                 h.wait()
+            CAPTURE_PROFILE.clear()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             print(f"cProfile of {args.profile} calls of {c.name}:\n{buf.getvalue()}")
