@@ -63,17 +63,22 @@ _OD = collections.OrderedDict
 _KEY_TYPES = frozenset((str, int))
 #: How ``json.dumps(..., ensure_ascii=False)`` (:func:`~shmckpt._state.encode`) encodes a str.
 _encode_str: Any = json.encoder.encode_basestring  # type: ignore[attr-defined]
-#: The tensor attributes read in one call each (``operator.attrgetter`` over the list).
-_META = operator.attrgetter("layout", "is_nested", "device", "dtype", "requires_grad", "shape")
+#: The tensor attributes read in one call each (``operator.attrgetter`` over the list); the
+#: shape is read apart (:func:`read_meta`), converted to a plain tuple.
+_META = operator.attrgetter("layout", "is_nested", "device", "dtype", "requires_grad")
+_SHAPE = operator.attrgetter("shape")
+#: The device of each tensor's metadata (``Probe.sig[0]``).
+_DEVICE = operator.itemgetter(2)
 
 
 class Probe:
     """One walk of a state: its structure tokens (with the type of each plain value), its
     leaves (tensors and arrays, in :func:`~shmckpt._state.flatten`'s order), its plain values
     (``int``, ``str`` and ``bool`` as they are, a ``float`` by its ``repr``; not ``None``, which
-    its token says all of) and its tensors' metadata."""
+    its token says all of) and its tensors' metadata: ``sig`` (what a layout compares:
+    :func:`read_meta`), the tensors' storages and the address of each, read with it."""
 
-    __slots__ = ("tokens", "objs", "vals", "tensor_pos", "tensors", "sig", "storages")
+    __slots__ = ("tokens", "objs", "vals", "tensor_pos", "tensors", "sig", "storages", "addresses")
 
     def __init__(self, tokens: List[Any], objs: List[Any], vals: List[Any]):
         self.tokens = tokens
@@ -84,12 +89,13 @@ class Probe:
         self.tensors: List[Any] = objs
         self.sig: Optional[Tuple[List[Any], ...]] = None
         self.storages: List[Any] = []
+        self.addresses: List[int] = []
 
     def storage_keys(self) -> List[Tuple[Any, int]]:
-        """``_util._storage_key`` of each tensor: (device, address of its storage)."""
+        """``_util._storage_key`` of each tensor: (device, address of its storage), as
+        :func:`read_meta` read them."""
         assert self.sig is not None
-        devices = [m[2] for m in self.sig[0]]
-        return list(zip(devices, map(_STORAGE.data_ptr, self.storages)))
+        return list(zip(map(_DEVICE, self.sig[0]), self.addresses))
 
 
 def probe(state: Any) -> Optional[Probe]:
@@ -208,15 +214,24 @@ def rebuild(p: Probe) -> Any:
 
 def read_meta(p: Probe) -> Optional[Probe]:
     """The second half of :func:`probe`: ``p`` (of :func:`walk`) with its tensors' metadata,
-    or None when some cannot be read."""
+    or None when some cannot be read.
+
+    ``p.sig`` is ``(meta, shapes, strides, offsets, ptrs, conj, neg, sizes, params)``, one
+    list each, one item per tensor: ``meta`` the tuple (layout, is_nested, device, dtype,
+    requires_grad), then the shape, strides, storage offset, address, conjugate and
+    negative bits, the size of the storage and ``_is_param``. Each is read for all tensors
+    at once (``map`` over a method: no Python code per tensor). ``p.addresses`` (the address
+    of each storage, read with the rest) is not compared: what a storage key, a deferral
+    and membership need (``save``)."""
     ts_ = p.tensors
     try:
+        meta = list(map(_META, ts_))
         # Shapes as plain tuples of ints: a probe lives until the next save, and CPython
         # stops tracking a tuple of untracked values at its first collection, where a
         # ``torch.Size`` (and the tuple holding it) stays tracked and is promoted to the
         # oldest generation with the probe (~2,300 objects per save of 1,168 tensors, which
         # made a full collection of the trainer's heap run every ~20 saves).
-        meta = [m[:5] + (tuple(m[5]),) for m in map(_META, ts_)]
+        shapes = list(map(tuple, map(_SHAPE, ts_)))
         strides = list(map(_T.stride, ts_))
         offsets = list(map(_T.storage_offset, ts_))
         ptrs = list(map(_T.data_ptr, ts_))
@@ -224,23 +239,26 @@ def read_meta(p: Probe) -> Optional[Probe]:
         neg = list(map(_T.is_neg, ts_))
         storages = list(map(_T.untyped_storage, ts_))
         sizes = list(map(_STORAGE.nbytes, storages))
+        addresses = list(map(_STORAGE.data_ptr, storages))
         params = [bool(getattr(x, "_is_param", False)) for x in ts_]
     except Exception:
         return None
-    p.sig = (meta, strides, offsets, ptrs, conj, neg, sizes, params)
+    p.sig = (meta, shapes, strides, offsets, ptrs, conj, neg, sizes, params)
     p.storages = storages
+    p.addresses = addresses
     return p
 
 
 def storage_addresses(p: Probe) -> Optional[List[int]]:
-    """The address of the storage of each leaf of ``p`` (every leaf a tensor: else None),
-    from its metadata when read, else read now (None when a tensor has no readable
-    storage)."""
+    """The address of the storage of each leaf of ``p`` (every leaf a tensor: else None):
+    those :func:`read_meta` read with its metadata when it did, else read now (None when a
+    tensor has no readable storage)."""
     if p.tensor_pos is not None:
         return None
+    if p.sig is not None:
+        return p.addresses
     try:
-        storages = p.storages if p.sig is not None else list(map(_T.untyped_storage, p.objs))
-        return list(map(_STORAGE.data_ptr, storages))
+        return list(map(_STORAGE.data_ptr, map(_T.untyped_storage, p.objs)))
     except Exception:
         return None
 
@@ -250,9 +268,10 @@ class Plan:
     memory: :func:`templates`), ``redo`` (``(entry index, leaf index)`` of the leaves
     captured anew at every save: copies, arrays), ``devices`` (the CUDA ordinals of the
     tensors), ``own`` (``(entry index, leaf index)`` of the leaves staged from their own
-    memory: each entry gets its leaf as the memory at every save)."""
+    memory: each entry gets its leaf as the memory at every save). :meth:`tuples` gives a
+    save's tuples."""
 
-    __slots__ = ("key", "entries", "redo", "devices", "own")
+    __slots__ = ("key", "entries", "redo", "devices", "own", "columns", "fill", "dense")
 
     def __init__(
         self,
@@ -267,6 +286,29 @@ class Plan:
         self.redo = redo
         self.devices = devices
         self.own = own
+        #: ``entries`` by column (name, dtype, shape, memory, nbytes, device), zipped anew at
+        #: every save with its memories (:meth:`tuples`).
+        self.columns: List[Tuple[Any, ...]] = [tuple(c) for c in zip(*entries)] if entries else [()] * 6
+        #: The pairs of ``own`` whose entry has bytes (an empty tensor's has no memory),
+        #: as (entry indices, leaf indices), and whether those entries are all of them, in
+        #: order (then the memories are the leaves at the leaf indices, in that order).
+        pairs = [(e, i) for e, i in own if entries[e][4]]
+        self.fill = ([e for e, _ in pairs], [i for _, i in pairs])
+        self.dense = self.fill[0] == list(range(len(entries)))
+
+    def tuples(self, objs: Sequence[Any]) -> List[Any]:
+        """The engine tuples of a save whose leaves are ``objs`` (a probe's that matched this
+        plan's layout and metadata): ``entries`` with each ``own`` leaf of bytes as its
+        memory (the redo entries left for ``save`` to capture), built by C loops (``map``,
+        ``zip``), no Python code per tensor when ``dense``."""
+        names, dtypes, shapes, _, nbytes, devices = self.columns
+        if self.dense:
+            mems: List[Any] = list(map(objs.__getitem__, self.fill[1]))
+        else:
+            mems = [None] * len(self.entries)
+            for e, i in zip(*self.fill):
+                mems[e] = objs[i]
+        return list(zip(names, dtypes, shapes, mems, nbytes, devices))
 
 
 def templates(entries: Sequence[Any]) -> List[Any]:
@@ -311,11 +353,11 @@ class Layout:
         # it was flattened, by another thread, is not cached): the dtype, the lazy bits
         # and the aliases, which say how its bytes read.
         assert p.sig is not None
-        meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+        meta, shapes, strides, _, ptrs, conj, neg, _, _ = p.sig
         leaves = flat.leaves if p.tensor_pos is None else [flat.leaves[i] for i in p.tensor_pos]
         seen: dict = {}
         for j, lf in enumerate(leaves):
-            dtype, shape = meta[j][3], meta[j][5]
+            dtype, shape = meta[j][3], shapes[j]
             if lf.dtype != TORCH_TO_ST.get(dtype) or lf.lazy != (conj[j] or neg[j]):
                 return None
             alias = None
@@ -411,7 +453,7 @@ def _tree_fits(p: Probe, tree: Any) -> Optional[List[Any]]:
     function of the key). Returns the tree's plain nodes with a value, in order (the
     probe's ``vals``), or None when it does not fit."""
     assert p.sig is not None
-    meta, params = p.sig[0], p.sig[7]
+    meta, params = p.sig[0], p.sig[8]
     toks, vals = p.tokens, p.vals
     slots: List[Any] = []
     at = 0  # next token
@@ -477,10 +519,10 @@ def _holdable(p: Probe, infos: Sequence[Tuple[Any, ...]]) -> bool:
     """:func:`holdable` of the leaves ``infos`` (a layout's) as probe ``p``'s metadata
     describes them (not as they read later)."""
     assert p.sig is not None
-    meta, strides, conj, neg = p.sig[0], p.sig[1], p.sig[4], p.sig[5]
+    meta, shapes, strides, conj, neg = p.sig[0], p.sig[1], p.sig[2], p.sig[5], p.sig[6]
     pos = range(len(infos)) if p.tensor_pos is None else p.tensor_pos
     for j, i in enumerate(pos):
-        device, shape = meta[j][2], meta[j][5]
+        device, shape = meta[j][2], shapes[j]
         if infos[i][3] is not None or device.type == "cpu":
             continue  # an alias, a host tensor
         if conj[j] or neg[j] or (math.prod(shape) and not _contiguous(shape, strides[j])):
@@ -498,7 +540,7 @@ def fits(
     ``lay``'s stored tensors. A tuple captured from other metadata (the state changed during
     the save and back) is never cached: a plan's tuples are always the compared ones."""
     assert p.sig is not None
-    meta, strides, _, ptrs, conj, neg, _, _ = p.sig
+    meta, shapes, strides, _, ptrs, conj, neg, _, _ = p.sig
     pos = None if p.tensor_pos is None else {i: j for j, i in enumerate(p.tensor_pos)}
     cuda = {
         m[2].index
@@ -511,7 +553,7 @@ def fits(
         j = i if pos is None else pos.get(i)
         if j is None:
             return False
-        device, dtype, shape = meta[j][2], meta[j][3], meta[j][5]
+        device, dtype, shape = meta[j][2], meta[j][3], shapes[j]
         n = math.prod(shape)
         nbytes = n * dtype.itemsize
         if n and (conj[j] or neg[j] or not _contiguous(shape, strides[j])):
@@ -559,7 +601,9 @@ def membership(
     From the probe's storages when there is one, else ``key(tensor)`` of each of
     ``leaves``."""
     if p is not None and p.sig is not None:
-        inside = list(map(guarded.__contains__, p.storage_keys()))
+        keys = p.storage_keys()
+        # All inside (what a deferred save needs): one set operation; else each key.
+        inside = [True] * len(keys) if guarded.issuperset(keys) else list(map(guarded.__contains__, keys))
         if p.tensor_pos is None:
             return inside
         out = [False] * len(p.objs)

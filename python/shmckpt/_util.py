@@ -8,7 +8,7 @@ import contextlib
 import gc
 import os
 import stat
-from typing import Any, Callable, List, Tuple, TypeVar
+from typing import Any, Callable, List, Sequence, Tuple, TypeVar
 
 _T = TypeVar("_T")
 
@@ -100,8 +100,30 @@ def capsule(x: Any) -> Any:
 def engine_tuples(entries: List[Any]) -> List[Any]:
     """``entries`` (engine tuples holding each tensor or array, or ``None``, as the memory)
     with each memory made a DLPack capsule, for one ``Engine.save`` call (a capsule is
-    consumed by the call that takes it: a retry makes new ones)."""
-    return [(n, d, s, None if m is None else capsule(m), b, dev) for n, d, s, m, b, dev in entries]
+    consumed by the call that takes it: a retry makes new ones). Column by column (``zip``):
+    no Python code per tuple."""
+    if not entries:
+        return []
+    names, dtypes, shapes, mems, nbytes, devices = zip(*entries)
+    return list(zip(names, dtypes, shapes, capsules(mems), nbytes, devices))
+
+
+#: The exact types whose memory :func:`capsules` exports in one ``map``.
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter)) if torch is not None else frozenset()
+
+
+def capsules(mems: Sequence[Any]) -> List[Any]:
+    """:func:`capsule` of each memory (None for None). When every memory is a plain tensor
+    (the common case) the capsules are made by one ``map`` of ``to_dlpack``, which is what
+    :func:`capsule` calls first for each; when one raises what :func:`capsule` falls back
+    on, the capsules made are dropped (unconsumed: freed by their producer) and each memory
+    goes through :func:`capsule`, as without the fast path."""
+    if _PLAIN_TENSORS.issuperset(map(type, mems)):
+        try:
+            return list(map(_to_dlpack, mems))
+        except (RuntimeError, BufferError, TypeError):
+            pass
+    return [None if m is None else capsule(m) for m in mems]
 
 
 def _cuda_span_copy(t: Any) -> Tuple[Any, Any]:

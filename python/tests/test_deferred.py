@@ -281,3 +281,168 @@ def test_a_deferred_cuda_save_copies_after_the_work_queued_before_its_call(root,
             back = ck.load(s)
             assert [raw(t) for t in back["p"]] == [raw(w) for w in want]
             assert [raw(t) for t in back["m"]] == [raw(w) for w in wm]
+
+
+def _shrink(v):
+    v.resize_(v.shape[0] - 1, v.shape[1])  # same storage and address, fewer rows
+
+
+def _other_dtype(v):
+    v.data = v.view(torch.int32)  # same storage, address and shape, another dtype
+
+
+def _other_offset(v):
+    v.set_(v.untyped_storage(), 8, (v.shape[0] - 1, v.shape[1]), v.stride())  # same storage
+
+
+def _transposed(v):
+    v.t_()  # same storage and address, other shape and strides
+
+
+def _requires_grad(v):
+    v.requires_grad_(True)
+
+
+@pytest.mark.parametrize("change", [_shrink, _other_dtype, _other_offset, _transposed, _requires_grad])
+def test_a_deferred_capture_rereads_every_tensor_changed_in_place(ckpt, change):
+    """A view of a guarded parameter changed in place between two saves keeps its storage:
+    the save is still deferred (the call compares only the storages), and its capture reads
+    the tensors' metadata, finds the change (shape, dtype, offset, strides, requires_grad)
+    and does not reuse the layout or its plan: the checkpoint holds exactly the view's
+    values, dtype and shape at the call. The next save reuses the new layout; it is deferred
+    again unless the view is no longer contiguous (then copied at its call)."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    view = model[0].weight.detach()  # a view of guarded memory
+    state["model"]["0.weight"] = view
+    ckpt.save(1, state, blocking=False).wait()
+    h = ckpt.save(2, state, blocking=False)
+    assert h._deferred
+    h.wait()
+    lay, plan = ckpt._layout, ckpt._layout.plan
+    assert plan is not None
+    step()
+    change(view)
+    want = snapshot(state)
+    h = ckpt.save(3, state, blocking=False)
+    assert h._deferred
+    step()  # waits for the capture, then changes the parameters
+    h.wait()
+    got = ckpt.load(3)
+    assert_same(want, got)
+    assert got["model"]["0.weight"].dtype == view.dtype and tuple(got["model"]["0.weight"].shape) == tuple(view.shape)
+    assert ckpt._layout is not lay and ckpt._layout.plan is not plan
+    want = snapshot(state)
+    lay, plan = ckpt._layout, ckpt._layout.plan
+    h = ckpt.save(4, state, blocking=False)
+    assert h._deferred is view.is_contiguous()
+    step()
+    h.wait()
+    assert_same(want, ckpt.load(4))
+    assert ckpt._layout is lay  # same metadata: reused
+    if view.is_contiguous():
+        assert ckpt._layout.plan is plan
+
+
+def test_a_negative_view_of_guarded_memory_is_stored_by_value(ckpt):
+    """A negative view of a guarded parameter (its storage: the save is deferred) has the
+    parameter's memory but not its values: the capture reads the negative bit, does not
+    reuse the plan, and stores the negated values."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    w = model[0].weight
+    state["model"]["0.weight"] = w.detach()  # a plain tensor, as the negative view
+    ckpt.save(1, state, blocking=False).wait()
+    assert ckpt.save(2, state, blocking=False)._deferred
+    ckpt.wait()
+    state["model"]["0.weight"] = torch._neg_view(w.detach())
+    assert state["model"]["0.weight"].is_neg()
+    want = snapshot(state)
+    h = ckpt.save(3, state, blocking=False)
+    assert h._deferred
+    step()
+    h.wait()
+    got = ckpt.load(3)
+    assert_same(want, got)
+    assert raw(got["model"]["0.weight"]) == raw(-want["model"]["0.weight"].neg())
+
+
+def test_a_tensor_given_another_guarded_storage_is_captured_at_its_call(ckpt):
+    """A view given the memory of another guarded tensor (``set_``) between two saves: the
+    same containers, but not the last save's storages (the addresses the call compares):
+    captured at its call, with the bytes of its new memory (now an alias of that tensor)."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    a = model[0].bias.detach()
+    b = model[1].bias
+    state["model"]["0.bias"] = a
+    ckpt.save(1, state, blocking=False).wait()
+    assert ckpt.save(2, state, blocking=False)._deferred
+    ckpt.wait()
+    a.set_(b.untyped_storage(), b.storage_offset(), b.shape, b.stride())
+    want = raw(b.detach().clone())
+    h = ckpt.save(3, state, blocking=False)
+    assert not h._deferred  # another storage at the call
+    step()
+    h.wait()
+    got = ckpt.load(3)["model"]
+    assert got["0.bias"].dtype == torch.float32 and tuple(got["0.bias"].shape) == (8,)
+    assert raw(got["0.bias"]) == want and raw(got["1.bias"]) == want
+
+
+def test_empty_and_aliased_tensors_are_deferred_and_stored_exactly(ckpt):
+    """A plan whose tuples are not all the leaves' own memory in order (an empty parameter:
+    no memory; the same parameter twice: an alias, no tuple) is reused by deferred saves,
+    each storing exactly its call's values."""
+    torch.manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.empty(0, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+    def step():
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+    step()
+    state = {"p": list(ps), "again": ps[0], "m": [opt.state[p]["momentum_buffer"] for p in ps], "epoch": 0}
+    ckpt.guard(opt)
+    ckpt.save(1, state, blocking=False).wait()
+    plans = set()
+    for s in (2, 3, 4):
+        state["epoch"] = s
+        want = snapshot(state)
+        h = ckpt.save(s, state, blocking=False)
+        assert h._deferred
+        step()
+        h.wait()
+        assert_same(want, ckpt.load(s))
+        plan = ckpt._layout.plan
+        assert plan is not None and not plan.dense  # the empty tensor has no memory
+        plans.add(id(plan))
+    assert len(plans) == 1
+
+
+def test_capsules_fall_back_per_tensor_when_a_dtype_cannot_be_exported(ckpt, monkeypatch):
+    """``_util.capsules`` makes every capsule in one ``map`` and, when one dtype cannot be
+    exported (here bfloat16, refused by a patched ``to_dlpack`` as an older torch would),
+    makes each capsule as ``capsule`` does (that one as its bytes): the same bytes stored."""
+    from shmckpt import _util
+
+    real = _util._to_dlpack
+    refused = []
+
+    def to_dlpack(x):
+        if x.dtype == torch.bfloat16:
+            refused.append(x.shape)
+            raise BufferError("bfloat16 is not supported")
+        return real(x)
+
+    monkeypatch.setattr(_util, "_to_dlpack", to_dlpack)
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(4, generator=g), "h": torch.randn(6, generator=g).to(torch.bfloat16), "b": torch.randn(2, 3, generator=g)}
+    for s in (1, 2):
+        want = snapshot(state)
+        ckpt.save(s, state, blocking=False).wait()
+        assert_same(want, ckpt.load(s))
+        state["h"].add_(1.0)
+    assert refused  # the fallback ran

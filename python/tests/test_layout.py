@@ -337,3 +337,26 @@ def test_cuda_layouts_are_revalidated_under_snapshot_saves(root):
         assert not save(4)
         assert save(5)
 
+
+
+def test_a_probe_reads_each_storage_once_and_membership_is_per_tensor():
+    """``read_meta`` reads each storage's address with the metadata (``Probe.addresses``,
+    what storage keys, membership and a deferral use: never read again); ``membership`` is
+    exact per tensor whether all, some or none are guarded (its all-inside fast path)."""
+    big = torch.arange(12.0)
+    state = {"a": big[:4], "b": big[4:].view(2, 4), "c": torch.zeros(3, dtype=torch.int16), "d": torch.empty(0)}
+    p = _layout.probe(state)
+    assert p is not None and p.sig is not None
+    ts = list(state.values())
+    assert p.addresses == [t.untyped_storage().data_ptr() for t in ts]
+    assert p.storage_keys() == [(t.device, t.untyped_storage().data_ptr()) for t in ts]
+    assert _layout.storage_addresses(p) is p.addresses
+    meta, shapes, strides, offsets, ptrs, conj, neg, sizes, params = p.sig
+    assert shapes == [(4,), (2, 4), (3,), (0,)] and all(type(s) is tuple for s in shapes)
+    assert [m[3] for m in meta] == [torch.float32, torch.float32, torch.int16, torch.float32]
+    assert offsets == [0, 4, 0, 0] and sizes == [48, 48, 6, 0]
+    keys = p.storage_keys()
+    assert _layout.membership(p, None, set(keys), None) == [True] * 4
+    assert _layout.membership(p, None, {keys[0]}, None) == [True, True, False, False]  # a and b: one storage
+    assert _layout.membership(p, None, {keys[2], ("cpu", 1)}, None) == [False, False, True, False]
+    assert _layout.membership(p, None, set(), None) == [False] * 4

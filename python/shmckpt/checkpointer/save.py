@@ -262,12 +262,7 @@ class Saver:
             # given its tensor now (the plan keeps none); the probe's storages keep that
             # memory alive. Copies are made anew.
             assert lay is not None and probe is not None
-            entries = list(plan.entries)
-            objs = probe.objs
-            for e, i in plan.own:
-                en = entries[e]
-                if en[4]:
-                    entries[e] = (en[0], en[1], en[2], objs[i], en[4], en[5])
+            entries = plan.tuples(probe.objs)
             keep.append(probe.storages)
             for d in plan.devices:
                 if d not in devices:  # a deferred capture keeps the streams of its call
