@@ -25,6 +25,74 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use shmckpt::DeviceSlice;
 
+/// What a capsule's tensor says its elements are: the `DLDataType` (code, bits, lanes) and
+/// the shape (sizes >= 0, checked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Elements {
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
+    pub(crate) shape: Vec<u64>,
+}
+
+/// `kDLInt`, `kDLUInt`, `kDLFloat`, `kDLBfloat`, `kDLComplex`, `kDLBool` (dlpack.h).
+pub(crate) const KDL_INT: u8 = 0;
+pub(crate) const KDL_UINT: u8 = 1;
+pub(crate) const KDL_FLOAT: u8 = 2;
+pub(crate) const KDL_BFLOAT: u8 = 4;
+pub(crate) const KDL_COMPLEX: u8 = 5;
+pub(crate) const KDL_BOOL: u8 = 6;
+
+impl Elements {
+    /// Whether these are the elements of a tensor of `dtype` and `shape` (what an engine
+    /// tuple says of its memory): the DLPack type of `dtype` (a `BOOL` also as one-byte
+    /// unsigned integers, as some producers export it) and the same shape; or, whatever
+    /// the tuple's dtype, a one-dimensional array of bytes (`kDLUInt`, 8 bits: how the
+    /// package hands over a tensor whose dtype DLPack cannot carry). A dtype without a
+    /// standard DLPack type (the 4-, 6- and 8-bit floats) is not compared here: only its
+    /// byte length is, by the caller. So a tuple whose dtype or shape was taken from other
+    /// metadata than the tensor's (a stale cache) is refused instead of labelling the bytes
+    /// wrongly, even when the byte lengths agree.
+    pub(crate) fn fit(&self, dtype: shmckpt::Dtype, shape: &[usize]) -> bool {
+        use shmckpt::Dtype as D;
+        if self.lanes != 1 {
+            return false;
+        }
+        let same_shape = || {
+            self.shape.len() == shape.len()
+                && self.shape.iter().zip(shape).all(|(&a, &b)| a == b as u64)
+        };
+        let bytes = self.code == KDL_UINT && self.bits == 8 && self.shape.len() == 1;
+        let want: &[(u8, u8)] = match dtype {
+            D::BOOL => &[(KDL_BOOL, 8), (KDL_UINT, 8)],
+            D::U8 => &[(KDL_UINT, 8)],
+            D::I8 => &[(KDL_INT, 8)],
+            D::I16 => &[(KDL_INT, 16)],
+            D::U16 => &[(KDL_UINT, 16)],
+            D::F16 => &[(KDL_FLOAT, 16)],
+            D::BF16 => &[(KDL_BFLOAT, 16)],
+            D::I32 => &[(KDL_INT, 32)],
+            D::U32 => &[(KDL_UINT, 32)],
+            D::F32 => &[(KDL_FLOAT, 32)],
+            D::C64 => &[(KDL_COMPLEX, 64)],
+            D::F64 => &[(KDL_FLOAT, 64)],
+            D::I64 => &[(KDL_INT, 64)],
+            D::U64 => &[(KDL_UINT, 64)],
+            D::F4
+            | D::F6_E2M3
+            | D::F6_E3M2
+            | D::F8_E5M2
+            | D::F8_E4M3
+            | D::F8_E8M0
+            | D::F8_E4M3FNUZ
+            | D::F8_E5M2FNUZ => return true,
+            // A dtype added to the core later: no DLPack type known here yet.
+            _ => return true,
+        };
+        bytes || (want.contains(&(self.code, self.bits)) && same_shape())
+    }
+}
+
 /// The device that a tensor's bytes are on: host memory or a CUDA ordinal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Place {
@@ -111,6 +179,7 @@ pub(crate) struct Memory {
     len: usize,
     place: Place,
     readonly: bool,
+    elements: Elements,
 }
 
 // SAFETY: `Memory` holds the address of a managed tensor that no one else owns (the capsule
@@ -160,8 +229,8 @@ impl std::fmt::Debug for Memory {
     }
 }
 
-/// What a checked `DLTensor` gives: address, byte length, place.
-fn extent(t: &DLTensor) -> Result<(u64, usize, Place), String> {
+/// What a checked `DLTensor` gives: address, byte length, place, elements.
+fn extent(t: &DLTensor) -> Result<(u64, usize, Place, Elements), String> {
     let place = match t.device.device_type {
         KDL_CPU | KDL_CUDA_HOST => Place::Host,
         KDL_CUDA if t.device.device_id >= 0 => Place::Cuda(t.device.device_id),
@@ -232,7 +301,13 @@ fn extent(t: &DLTensor) -> Result<(u64, usize, Place), String> {
     if addr.checked_add(len as u64).is_none() {
         return Err("the memory wraps around the address space".into());
     }
-    Ok((addr, len, place))
+    let elements = Elements {
+        code: t.dtype.code,
+        bits: t.dtype.bits,
+        lanes: t.dtype.lanes,
+        shape: sizes,
+    };
+    Ok((addr, len, place, elements))
 }
 
 /// Whether `strides` (in elements) are the packed row-major strides of `sizes` (dimensions
@@ -318,7 +393,7 @@ impl Memory {
             let t = unsafe { &(*m.as_ptr()).dl_tensor };
             (Owner::Legacy(m), t, false)
         };
-        let (addr, len, place) = extent(tensor).map_err(bad)?;
+        let (addr, len, place, elements) = extent(tensor).map_err(bad)?;
         let used = if versioned {
             USED_VERSIONED
         } else {
@@ -336,6 +411,7 @@ impl Memory {
             len,
             place,
             readonly,
+            elements,
         })
     }
 
@@ -353,6 +429,11 @@ impl Memory {
     /// Host memory or a CUDA device's.
     pub(crate) fn place(&self) -> Place {
         self.place
+    }
+
+    /// The element type and shape the capsule's tensor had.
+    pub(crate) fn elements(&self) -> &Elements {
+        &self.elements
     }
 
     /// Whether the producer marked the memory read-only (DLPack 1.x only: a 0.x capsule

@@ -131,8 +131,9 @@ impl PyEngine {
 type TensorTuple<'py> = (String, String, Vec<usize>, Bound<'py, PyAny>, usize, i32);
 
 /// The tensors of a save: each tuple's memory taken from its DLPack capsule (`None` for a
-/// tensor of no bytes) and checked against the tuple's byte length and device (-1: host
-/// memory). An integer, or any object but a capsule, is a `TypeError`.
+/// tensor of no bytes) and checked against the tuple's byte length, device (-1: host
+/// memory), dtype and shape (`Elements::fit`). An integer, or any object but a capsule, is
+/// a `TypeError`.
 fn raw_tensors(list: Vec<TensorTuple<'_>>) -> PyResult<Vec<RawTensor>> {
     list.into_iter()
         .map(|(name, dtype, shape, obj, len, device)| {
@@ -159,6 +160,14 @@ fn raw_tensors(list: Vec<TensorTuple<'_>>) -> PyResult<Vec<RawTensor>> {
                          is {} bytes on {:?}",
                         m.len(),
                         m.place()
+                    )));
+                }
+                let e = m.elements();
+                if !e.fit(dt, &shape) {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name:?}: the tuple says {dtype} {shape:?}, its memory holds \
+                         DLPack type (code {}, {} bits, {} lanes) of shape {:?}",
+                        e.code, e.bits, e.lanes, e.shape
                     )));
                 }
                 Some(m)

@@ -100,9 +100,55 @@ def test_a_capsule_larger_or_smaller_than_the_tuple_says_is_refused(engine, root
 
 
 def test_the_engine_sizes_the_save_from_the_capsule_and_checks_the_shape(engine):
-    """A shape that does not fit the capsule's bytes is the engine's SizeMismatch."""
-    with pytest.raises(shmckpt.errors.SizeMismatch):
+    """A shape that is not the capsule's is refused at intake, naming both."""
+    with pytest.raises(ValueError, match=r'tensor "w": the tuple says F32 \[1073741824\], its memory holds DLPack type \(code 2, 32 bits, 1 lanes\) of shape \[4\]'):
         engine.save(1, [("w", "F32", [1 << 30], cap(torch.arange(4.0)), 16, -1)], {}, [], True)
+
+
+def test_a_tuple_whose_dtype_or_shape_is_not_its_tensors_is_refused(engine, root):
+    """The bytes of an engine tuple are labelled with its dtype and shape: a tuple that
+    says another dtype or shape than its capsule's tensor (what a stale layout cache would
+    give), with the same byte length, is a ValueError before anything is written, never
+    bytes saved under the wrong label."""
+    w = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    before = listing(root)
+    bad = [
+        ("F32", [3, 4], r"says F32 \[3, 4\], its memory holds DLPack type \(code 0, 32 bits, 1 lanes\) of shape \[3, 4\]"),
+        ("U32", [3, 4], r"says U32 \[3, 4\].*code 0, 32 bits"),
+        ("I32", [4, 3], r"says I32 \[4, 3\].*of shape \[3, 4\]"),
+        ("I32", [12], r"says I32 \[12\].*of shape \[3, 4\]"),
+        ("I16", [3, 8], r"says I16 \[3, 8\].*code 0, 32 bits"),
+        ("BF16", [3, 8], r"says BF16 \[3, 8\].*code 0, 32 bits"),
+    ]
+    for dtype, shape, match in bad:
+        for blocking in (True, False):
+            with pytest.raises(ValueError, match=match):
+                engine.save(1, [("w", dtype, shape, cap(w), 48, -1)], {}, [], blocking)
+    assert listing(root) == before
+    # The right tuple, a 0-d tensor, bool, bf16, and a tensor handed over as its bytes (a
+    # one-dimensional uint8 view: how the package passes a dtype DLPack cannot carry).
+    b = torch.tensor([True, False, True])
+    h16 = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    s = torch.tensor(7.5, dtype=torch.float64)
+    raw8 = torch.arange(8, dtype=torch.uint8)
+    tuples = [
+        ("w", "I32", [3, 4], cap(w), 48, -1),
+        ("b", "BOOL", [3], cap(b), 3, -1),
+        ("h", "BF16", [2, 3], cap(h16), 12, -1),
+        ("s", "F64", [], cap(s), 8, -1),
+        ("f8", "F8_E4M3", [2, 4], cap(raw8), 8, -1),
+        ("asbytes", "F32", [3, 4], cap(w.reshape(-1).view(torch.uint8)), 48, -1),
+        ("arr", "U16", [2, 2], np.arange(4, dtype=np.uint16).reshape(2, 2).__dlpack__(), 8, -1),
+    ]
+    engine.save(1, tuples, {}, [], True).wait()
+    back = load_file(file_of(root, 1))
+    assert bits(back["w"]) == bits(w) and back["w"].dtype == torch.int32 and back["w"].shape == (3, 4)
+    assert back["b"].tolist() == [True, False, True]
+    assert bits(back["h"]) == bits(h16) and back["h"].dtype == torch.bfloat16
+    assert back["s"].item() == 7.5 and back["s"].shape == ()
+    assert bits(back["f8"]) == bits(raw8) and back["f8"].dtype == torch.float8_e4m3fn
+    assert bits(back["asbytes"]) == bits(w) and back["asbytes"].dtype == torch.float32
+    assert back["arr"].tolist() == [[0, 1], [2, 3]]
 
 
 def test_objects_describing_memory_are_not_capsules(engine):

@@ -294,7 +294,7 @@ def test_foreign_checkpoint_loads_flat(root):
     from shmckpt import _shmckpt
 
     e = _shmckpt.Engine(str(root), dict(staging_capacity=SMALL, chunk_size=1 << 20))
-    data = np.arange(6, dtype=np.float32)
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
     e.save(4, [("w", "F32", [2, 3], data.__dlpack__(), data.nbytes, -1)], {}, [], True).wait()
     e.close()
     with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=SMALL, chunk_size=1 << 20)) as c:
