@@ -525,7 +525,63 @@ pub(crate) fn writable_device(name: &str, m: &Memory, device: i32) -> PyResult<(
 
 #[cfg(test)]
 mod tests {
-    use super::packed;
+    use super::{
+        Elements, KDL_BFLOAT, KDL_BOOL, KDL_COMPLEX, KDL_FLOAT, KDL_INT, KDL_UINT, packed,
+    };
+    use shmckpt::Dtype;
+
+    fn el(code: u8, bits: u8, lanes: u16, shape: &[u64]) -> Elements {
+        Elements {
+            code,
+            bits,
+            lanes,
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_tuple_fits_only_its_tensors_type_and_shape_or_its_bytes() {
+        // The DLPack type of each dtype with a standard one, with the same shape.
+        let typed = [
+            (Dtype::BOOL, KDL_BOOL, 8),
+            (Dtype::BOOL, KDL_UINT, 8),
+            (Dtype::U8, KDL_UINT, 8),
+            (Dtype::I8, KDL_INT, 8),
+            (Dtype::I16, KDL_INT, 16),
+            (Dtype::U16, KDL_UINT, 16),
+            (Dtype::F16, KDL_FLOAT, 16),
+            (Dtype::BF16, KDL_BFLOAT, 16),
+            (Dtype::I32, KDL_INT, 32),
+            (Dtype::U32, KDL_UINT, 32),
+            (Dtype::F32, KDL_FLOAT, 32),
+            (Dtype::C64, KDL_COMPLEX, 64),
+            (Dtype::F64, KDL_FLOAT, 64),
+            (Dtype::I64, KDL_INT, 64),
+            (Dtype::U64, KDL_UINT, 64),
+        ];
+        for (dt, code, bits) in typed {
+            assert!(el(code, bits, 1, &[2, 3]).fit(dt, &[2, 3]), "{dt:?}");
+            assert!(el(code, bits, 1, &[]).fit(dt, &[]), "{dt:?} 0-d");
+            // Another shape of the same size, another rank, two lanes.
+            assert!(!el(code, bits, 1, &[3, 2]).fit(dt, &[2, 3]), "{dt:?}");
+            assert!(!el(code, bits, 1, &[6]).fit(dt, &[2, 3]) || (code, bits) == (KDL_UINT, 8));
+            assert!(!el(code, bits, 2, &[2, 3]).fit(dt, &[2, 3]), "{dt:?} lanes");
+        }
+        // Another type of the same width: signedness, float against int, bf16 against f16.
+        assert!(!el(KDL_INT, 32, 1, &[4]).fit(Dtype::F32, &[4]));
+        assert!(!el(KDL_UINT, 32, 1, &[4]).fit(Dtype::I32, &[4]));
+        assert!(!el(KDL_FLOAT, 16, 1, &[4]).fit(Dtype::BF16, &[4]));
+        assert!(!el(KDL_INT, 8, 1, &[4]).fit(Dtype::BOOL, &[4]));
+        // Any dtype as a one-dimensional array of bytes (the package's fallback); not as
+        // bytes of another rank.
+        assert!(el(KDL_UINT, 8, 1, &[24]).fit(Dtype::F32, &[2, 3]));
+        assert!(!el(KDL_UINT, 8, 1, &[4, 6]).fit(Dtype::F32, &[2, 3]));
+        assert!(!el(KDL_INT, 8, 1, &[24]).fit(Dtype::F32, &[2, 3]));
+        // No standard DLPack type: not compared (the byte length is, by the caller).
+        for dt in [Dtype::F8_E4M3, Dtype::F8_E5M2, Dtype::F4, Dtype::F6_E2M3] {
+            assert!(el(KDL_FLOAT, 8, 1, &[7]).fit(dt, &[2, 3]), "{dt:?}");
+        }
+    }
 
     #[test]
     fn packed_strides_are_row_major() {
