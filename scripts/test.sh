@@ -233,16 +233,17 @@ wheel_log="$repo/target/test-wheel.log"
 lanes+=($!)
 wheel_pid=$!
 
-# The workspace's packages with Rust tests: every member but the Python extension (built
-# by maturin, tested by pytest), crashfs and the power-loss harness (not default members,
-# see Cargo.toml) included. One `cargo test` of them all builds each crate once, with the
+# The workspace's packages with Rust tests: every member, the Python extension's unit tests
+# (its DLPack intake checks; the extension itself is built by maturin and tested by
+# pytest), crashfs and the power-loss harness (not default members, see Cargo.toml)
+# included. One `cargo test` of them all builds each crate once, with the
 # features unified: crashfs's and the harness's tests get the library with every feature
 # (its own tests need `testing` and `s3`), which only adds hooks that stay off unless a
 # test turns them on. Three separately built `cargo test`s rebuilt the library and the
 # crates below it whose features differ, ~50 s of the last clean-clone CI run.
 # The profile `suite` (Cargo.toml: dev with line tables only as debug info, built in
 # target/suite/).
-rust=(--profile suite --all-features --workspace --exclude shmckpt-python)
+rust=(--profile suite --all-features --workspace)
 
 stage "debug builds: the Python suite's binaries, then every test (beside the venv and wheel lanes)"
 # The Python suite's recovery tests run the command line as users get it (default
