@@ -6,12 +6,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::StageJob;
 use super::cuda::{
     self, Context, CtxGuard, Event, HostRegistration, Latch, LatchPool, MemPool, Stream,
     StreamBuffer,
 };
 use super::snapshot::{LOOKAHEAD_BYTES, Layout};
+use super::{Latches, Marks, StageJob};
 use crate::error::{Error, Result};
 use crate::plan::PieceSource;
 use crate::staging::{Arena, ChunkLease};
@@ -289,7 +289,7 @@ impl CudaStaging {
 
     /// One new event per device, recorded on its engine stream after every copy queued so
     /// far: whoever waits for it waits for the save's copies on that device.
-    fn mark(&self, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<Vec<(i32, Event)>> {
+    fn mark(&self, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<Marks> {
         let mut marks = Vec::with_capacity(states.len());
         for (&d, st) in states {
             st.ctx.bind()?;
@@ -306,10 +306,7 @@ impl CudaStaging {
     /// have run; if the stream cannot be waited for, it is opened all the same (a latch left
     /// shut would stall the trainer's stream forever) and the error fails the save, whose
     /// bytes the trainer may then change under its copies.
-    fn open_latches(
-        latches: Vec<(i32, Latch)>,
-        states: &BTreeMap<i32, Arc<DeviceState>>,
-    ) -> Result<()> {
+    fn open_latches(latches: Latches, states: &BTreeMap<i32, Arc<DeviceState>>) -> Result<()> {
         let mut res = Ok(());
         for (d, mut l) in latches {
             let Some(st) = states.get(&d) else { continue };
