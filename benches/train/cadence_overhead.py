@@ -43,7 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
 from peers import log, now  # noqa: E402
-from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes  # noqa: E402
+from train_model import GiB, MiB, SIZES, cadence_trainer, med, staging_capacity, state_nbytes  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -288,18 +288,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.environ.get("OUT", "."), "cadence")
     os.makedirs(out, exist_ok=True)
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = dict(SIZES[args.state])
-    tr = Trainer(cfg, args.device, "auto", args.seed)
-    tr.sync_mode = "stream"
-    # A few steps first: AdamW makes its moments at its first step, and the checkpointed
-    # state is weights and moments (8g: 8.2 GiB; built before any step it held the
-    # weights alone, 2.73 GiB).
-    from sweep import time_steps
-
-    time_steps(tr, 3)
+    tr = cadence_trainer(args.device, args.state, args.seed)
     state = tr.build_state()
     nbytes = state_nbytes(state)
     log(f"state {nbytes / GiB:.2f} GiB in {len(state)} tensors")
@@ -309,7 +298,7 @@ def main(argv=None):
     res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv, "switch_interval_s": sys.getswitchinterval(), "state_bytes": nbytes, "tensors": len(state), "ck_kw": kw, "torch": torch.__version__}, "configs": []}
     if cuda:
         res["meta"]["gpu"] = torch.cuda.get_device_name(0)
-    cap = (int(nbytes * args.staging_factor) + chunk - 1) // chunk * chunk + 8 * chunk
+    cap = staging_capacity(nbytes, chunk, args.staging_factor)
     res["meta"]["staging_capacity"] = cap
     cks = {"tiered": shmckpt.Checkpointer(root, keep_last=args.keep_last, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))}
     compares = [json.loads(t) for t in args.compare_tuning or []]

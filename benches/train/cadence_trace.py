@@ -33,7 +33,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
 from peers import log  # noqa: E402
-from train_model import GiB, MiB, SIZES, Trainer, state_nbytes  # noqa: E402
+from train_model import GiB, MiB, SIZES, cadence_trainer, staging_capacity, state_nbytes  # noqa: E402
 
 RANGES = ("save_call", "fwd_bwd", "guard_wait", "opt_step", "sync")
 
@@ -116,25 +116,20 @@ def main(argv=None):
 
     import shmckpt
     from shmckpt.checkpointer.guard import Guard
-    from sweep import calibrate, time_steps
+    from sweep import calibrate
 
     args = parse_args(argv)
     out = args.out or os.path.join(os.environ.get("OUT", "."), "trace")
     os.makedirs(out, exist_ok=True)
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    tr = Trainer(dict(SIZES[args.state]), args.device, "auto", 1234)
-    tr.sync_mode = "stream"
-    time_steps(tr, 3)
+    tr = cadence_trainer(args.device, args.state, 1234)
     if cuda:
         cal = calibrate(tr, [args.step_ms / 1e3], argparse.Namespace(batches=None, quick=False))
         tr.cfg["batch"] = cal["chosen"][0]["batch"]
     state = tr.build_state()
     nbytes = state_nbytes(state)
     chunk = 8 * MiB if cuda else MiB
-    cap = (nbytes * 3 + chunk - 1) // chunk * chunk + 8 * chunk
+    cap = staging_capacity(nbytes, chunk, 3)
     tuning = {"chunk_size": chunk, "staging_capacity": cap, **json.loads(args.tuning)}
     log(f"state {nbytes / GiB:.2f} GiB in {len(state)} tensors, batch {tr.cfg['batch']}, tuning {tuning}")
     root = os.path.join(args.dir, f"run-{os.getpid()}")

@@ -173,6 +173,30 @@ def spinner(device, window_ms, launch_bound=False):
     return lambda: torch.cuda._sleep(cycles)
 
 
+def cadence_trainer(device, state, seed):
+    """The trainer of the cadence benches (``cadence_overhead.py``, ``cadence_trace.py``):
+    the ``state`` size on ``device`` (CUDA: device 0, TF32 matmuls), each step synchronized
+    on its stream, three steps taken first (AdamW makes its moments at its first step, and
+    the checkpointed state is weights and moments: 8g 8.2 GiB; built before any step it
+    held the weights alone, 2.73 GiB)."""
+    import torch
+    from sweep import time_steps
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tr = Trainer(dict(SIZES[state]), device, "auto", seed)
+    tr.sync_mode = "stream"
+    time_steps(tr, 3)
+    return tr
+
+
+def staging_capacity(nbytes, chunk, factor):
+    """The cadence benches' staging: ``factor`` x a state of ``nbytes`` (a disk save
+    draining, the held memory-only step, the save being staged), in whole chunks, plus 8."""
+    return (int(nbytes * factor) + chunk - 1) // chunk * chunk + 8 * chunk
+
+
 def state_nbytes(sd):
     return sum(t.numel() * t.element_size() for t in sd.values())
 
