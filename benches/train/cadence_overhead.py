@@ -309,11 +309,13 @@ def main(argv=None):
         name = compare_name(i)
         cks[name] = shmckpt.Checkpointer(f"{root}-{name}", keep_last=args.keep_last, **checkpointer_kw(kw, **tuning))
     engines = {}
+    opened = list(cks.values())  # every checkpointer, the engine condition's included
     if args.compare_engine:
         ek = shmckpt.Checkpointer(f"{root}-engine", keep_last=args.keep_last, **checkpointer_kw(kw, chunk_size=chunk, staging_capacity=cap))
         engines["engine"] = (ek._shared.engine, engine_entries(state))
+        opened.append(ek)
     try:
-        for ck in [*cks.values(), *([ek] if engines else [])]:
+        for ck in opened:
             if cuda:
                 ck.prepare_cuda()
             if ck in cks.values():  # the engine's saves hold the streams themselves
@@ -329,7 +331,7 @@ def main(argv=None):
             for ck in cks.values():
                 ck.flush()
     finally:
-        for ck in [*cks.values(), *([ek] if engines else [])]:
+        for ck in opened:
             ck.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(f"{root}-engine", ignore_errors=True)
