@@ -10,8 +10,6 @@ import os
 import stat
 from typing import Any, Callable, List, Sequence, Tuple, TypeVar
 
-_T = TypeVar("_T")
-
 import numpy as np
 
 from . import _state
@@ -21,6 +19,8 @@ try:
     import torch
 except ImportError:  # pragma: no cover
     torch = None  # type: ignore[assignment]
+
+_T = TypeVar("_T")
 
 
 @contextlib.contextmanager
