@@ -257,6 +257,7 @@ class Engine:
         snapshot: bool = False,
         part_only: bool = False,
         confirm: bool = False,
+        provisional: bool = False,
     ) -> SaveHandle: ...
     def load(
         self, step: Optional[int] = None, bucket: bool = True

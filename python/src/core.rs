@@ -346,9 +346,33 @@ unsafe fn options(after: &[After]) -> SaveOptions<'static> {
     o
 }
 
-/// Save and return once staged; with `part_only`, write the rank's part without
-/// committing the step (`SaveOptions::part_only`); with `confirm`, the commit waits for
-/// the handle's decision (`SaveOptions::confirm_commit`).
+/// How a save commits: `part_only` writes the rank's part without committing the step
+/// (`SaveOptions::part_only`); `confirm` makes the commit wait for the handle's decision
+/// (`SaveOptions::confirm_commit`); `provisional` lets no tier take the save before that
+/// decision (`SaveOptions::provisional`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Commit {
+    pub part_only: bool,
+    pub confirm: bool,
+    pub provisional: bool,
+}
+
+impl Commit {
+    fn apply(self, mut o: SaveOptions<'_>) -> SaveOptions<'_> {
+        if self.part_only {
+            o = o.part_only();
+        }
+        if self.confirm {
+            o = o.confirm_commit();
+        }
+        if self.provisional {
+            o = o.provisional();
+        }
+        o
+    }
+}
+
+/// Save and return once staged, committing as `commit` says.
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], for the duration of this call.
@@ -358,23 +382,16 @@ pub unsafe fn save(
     raw: &[RawTensor],
     meta: &Metadata,
     after: &[After],
-    part_only: bool,
-    confirm: bool,
+    commit: Commit,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
-    if part_only {
-        o = o.part_only();
-    }
-    if confirm {
-        o = o.confirm_commit();
-    }
-    engine.save_with(step, &t, meta, &o)
+    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    engine.save_with(step, &t, meta, &commit.apply(o))
 }
 
 /// Start a save and return at once (with `hold`: once every device copy is queued and
 /// the `after` streams wait for them, `SaveOptions::hold_streams`; with `snapshot`:
-/// `SaveOptions::snapshot_on_request`; with `confirm`: `SaveOptions::confirm_commit`).
+/// `SaveOptions::snapshot_on_request`), committing as `commit` says.
 ///
 /// # Safety
 /// As [`tensors`] and [`options`], and `raw` (which keeps the memory allocated) must live,
@@ -390,15 +407,13 @@ pub unsafe fn save_async(
     after: &[After],
     hold: bool,
     snapshot: bool,
-    confirm: bool,
+    commit: Commit,
 ) -> Result<SaveHandle> {
     // SAFETY: forwarded from this function's contract.
-    let (t, mut o) = unsafe { (tensors(raw), options(after)) };
+    let (t, o) = unsafe { (tensors(raw), options(after)) };
+    let mut o = commit.apply(o);
     if hold {
         o = o.hold_streams();
-    }
-    if confirm {
-        o = o.confirm_commit();
     }
     if snapshot {
         o = o.snapshot_on_request();

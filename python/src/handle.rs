@@ -314,9 +314,9 @@ impl PySaveHandle {
         }
     }
 
-    /// Decide the commit of a save started with `confirm=True`: `reason=None` commits it,
-    /// a string refuses it (the save then fails with `CommitRefused` carrying it, its file
-    /// removed). The first decision counts.
+    /// Decide the commit of a save started with `confirm=True` or `provisional=True`:
+    /// `reason=None` commits it, a string refuses it (the save then fails with
+    /// `CommitRefused` carrying it, its file removed). The first decision counts.
     #[pyo3(signature = (reason=None))]
     fn confirm_commit(&self, reason: Option<String>) {
         if let Some(h) = &*lock(&self.inner) {

@@ -231,8 +231,10 @@ impl PyEngine {
     /// in `step-N.partial/` without committing the step (`SaveOptions::part_only`; the
     /// DCP writer commits every rank's part with `assemble_ranks`). `confirm=True`: the
     /// commit waits for the handle's `confirm_commit` once its `checksums()` are known
-    /// (`SaveOptions::confirm_commit`).
-    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false, confirm=false))]
+    /// (`SaveOptions::confirm_commit`). `provisional=True`: no tier takes the save (it is
+    /// not listed, loadable or recoverable) until the handle's `confirm_commit` confirms
+    /// it; refused, it fails with `CommitRefused` (`SaveOptions::provisional`).
+    #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false, confirm=false, provisional=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -246,6 +248,7 @@ impl PyEngine {
         snapshot: bool,
         part_only: bool,
         confirm: bool,
+        provisional: bool,
     ) -> PyResult<PySaveHandle> {
         if part_only && !blocking {
             return Err(to_py(
@@ -253,6 +256,11 @@ impl PyEngine {
                 shmckpt::Error::Config("part_only=True needs blocking=True".into()),
             ));
         }
+        let commit = core::Commit {
+            part_only,
+            confirm,
+            provisional,
+        };
         let mut engine = self.get()?;
         let raw = raw_tensors(tensors)?;
         let (after, order) = afters(after)?;
@@ -264,9 +272,7 @@ impl PyEngine {
                     // every stream or event is the handle of a torch object (`afters`) that
                     // `order` keeps alive for the call; the Python caller
                     // (shmckpt.checkpointer) does not write the tensors until it returns.
-                    unsafe {
-                        core::save(&engine, step, &raw, &metadata, &after, part_only, confirm)
-                    }
+                    unsafe { core::save(&engine, step, &raw, &metadata, &after, commit) }
                 } else {
                     // SAFETY: `raw` and `order` (the torch streams and events whose handles
                     // `after` holds, `afters`) go into the returned handle, which keeps them
@@ -277,7 +283,7 @@ impl PyEngine {
                     // held streams.
                     unsafe {
                         core::save_async(
-                            &engine, step, &raw, &metadata, &after, hold, snapshot, confirm,
+                            &engine, step, &raw, &metadata, &after, hold, snapshot, commit,
                         )
                     }
                 };

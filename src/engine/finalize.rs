@@ -120,8 +120,18 @@ fn persist(st: &SaveState) -> Result<(SaveReport, commit::Retired, FileEntry)> {
     let entry = st.file_entry(&st.tensor_crcs());
     // A commit held for its caller (`SaveOptions::confirm_commit`): refused, nothing of
     // this rank's step is written beyond its file, which `finalize` removes.
-    if st.confirm {
+    if st.confirm || st.provisional {
         st.await_confirmation(&entry.tensors)?;
+    }
+    if st.provisional {
+        // Confirmed: recoverable from here, when every chunk of its map is staged or
+        // written (a failed write marks its chunk lost and the save failed).
+        if st.failed() {
+            return Err(Error::Internal(
+                "a write of the save failed while its commit was decided".into(),
+            ));
+        }
+        st.shared.arena.descriptor().staged(st.slot);
     }
     let dir = match target {
         // The part, durable next to its file; the caller commits the step.

@@ -234,7 +234,7 @@ impl SaveHandle {
 impl Drop for SaveHandle {
     /// A commit still waiting for its caller's decision is refused: nobody is left to give it.
     fn drop(&mut self) {
-        if self.state.confirm {
+        if self.state.confirm || self.state.provisional {
             self.state.confirm(Err(
                 "the save's handle was dropped before its commit was confirmed".into(),
             ));

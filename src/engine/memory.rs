@@ -162,11 +162,14 @@ impl MemoryTier {
         self.lock().iter().any(|m| m.step == step)
     }
 
-    /// Hold `m` as the newest memory-only step, giving up the oldest beyond the limit.
+    /// Hold `m` among the memory-only steps in the order their saves began (the newest
+    /// last: a provisional save confirmed after a later save was taken goes before it),
+    /// giving up the oldest beyond the limit.
     fn install(&self, arena: &Arena, m: MemoryStep) {
         let gone: Vec<MemoryStep> = {
             let mut g = self.lock();
-            g.push(m);
+            let at = g.partition_point(|h| h.seq < m.seq);
+            g.insert(at, m);
             let over = g.len().saturating_sub(self.limit);
             g.drain(..over).collect()
         };
@@ -272,15 +275,39 @@ fn release(arena: &Arena, m: MemoryStep) {
 /// A memory-only save ended staging successfully: its chunks become the memory tier's
 /// newest step, then the save is reported staged and done (memory only, not durable).
 pub(super) fn staged(state: &Arc<SaveState>, report: StagedReport) {
+    match hold(state, report) {
+        Ok(result) => {
+            tracing::debug!(step = state.step, "memory-only save staged");
+            state.staging_finished(Ok(report));
+            state.complete(Ok(result));
+        }
+        Err(e) => failed(state, e),
+    }
+}
+
+/// A provisional memory-only save, reported staged before, confirmed by its caller
+/// (`SaveOptions::provisional`): its chunks become the memory tier's newest step, then
+/// the save is done.
+pub(super) fn take(state: &Arc<SaveState>, report: StagedReport) {
+    match hold(state, report) {
+        Ok(result) => {
+            tracing::debug!(step = state.step, "provisional memory-only save confirmed");
+            state.complete(Ok(result));
+        }
+        Err(e) => drop_staged(state, e),
+    }
+}
+
+/// Install a staged memory-only save's chunks as the memory tier's newest step; its
+/// report. Fails (nothing installed) when a chunk is missing.
+fn hold(state: &Arc<SaveState>, report: StagedReport) -> Result<SaveReport> {
     let leases: Option<Vec<ChunkLease>> = std::mem::take(&mut *lock(&state.memory))
         .into_iter()
         .collect();
     let Some(leases) = leases else {
-        failed(
-            state,
-            Error::Internal("a memory-only save was staged with chunks missing".into()),
-        );
-        return;
+        return Err(Error::Internal(
+            "a memory-only save was staged with chunks missing".into(),
+        ));
     };
     let cs = state.shared.arena.chunk_size();
     let entry = state.file_entry(&vec![0; state.plan.entries().len()]);
@@ -295,7 +322,7 @@ pub(super) fn staged(state: &Arc<SaveState>, report: StagedReport) {
         image,
     };
     state.shared.memory.install(&state.shared.arena, m);
-    let result = SaveReport {
+    Ok(SaveReport {
         step: state.step,
         dir: None,
         file: std::path::PathBuf::new(),
@@ -311,10 +338,7 @@ pub(super) fn staged(state: &Arc<SaveState>, report: StagedReport) {
         direct_io: false,
         memory_only: true,
         retired: Vec::new(),
-    };
-    tracing::debug!(step = state.step, "memory-only save staged");
-    state.staging_finished(Ok(report));
-    state.complete(Ok(result));
+    })
 }
 
 /// A memory-only save failed while staging: its slot freed (before its chunks return to
@@ -328,6 +352,16 @@ pub(super) fn failed(state: &Arc<SaveState>, e: Error) {
         .clone()
         .unwrap_or_else(|| Arc::new(Error::Internal("memory-only save failed".into())));
     state.complete(Err(err));
+}
+
+/// A memory-only save reported staged that no tier takes (a provisional save refused,
+/// `SaveOptions::provisional`): its slot freed (before its chunks return to the pool),
+/// the save done with `e`.
+pub(super) fn drop_staged(state: &Arc<SaveState>, e: Error) {
+    state.shared.arena.release_slot(state.slot);
+    lock(&state.memory).clear();
+    tracing::debug!(step = state.step, error = %e, "memory-only save dropped");
+    state.complete(Err(Arc::new(e)));
 }
 
 impl Engine {
@@ -398,6 +432,7 @@ impl Engine {
             file_name,
             part_only: false,
             confirm: false,
+            provisional: false,
             slot: m.slot,
             keep_seq: m.seq,
             started: Instant::now(),

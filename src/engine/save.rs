@@ -56,6 +56,7 @@ pub struct SaveOptions<'a> {
     snapshot: bool,
     part_only: bool,
     confirm: bool,
+    provisional: bool,
     _handles: PhantomData<&'a ()>,
 }
 
@@ -148,6 +149,26 @@ impl<'a> SaveOptions<'a> {
         self
     }
 
+    /// Start the save before the caller has finished checking what it saves, and let no
+    /// tier take it until the caller decides with [`SaveHandle::confirm_commit`]. It is
+    /// staged (and, when the cadence sends it to disk, written) like any save, but until
+    /// confirmed its descriptor slot is not marked `STAGED` (recovery after a crash drops
+    /// it), a memory-only save is not held by the memory tier (not listed, not loadable)
+    /// and a disk save's manifest is not written. Refused, or its handle dropped
+    /// undecided, it fails with [`Error::CommitRefused`] and nothing of it is visible; its
+    /// step may then be saved again once it is done ([`SaveHandle::wait`]). Unlike
+    /// [`confirm_commit`](Self::confirm_commit) it does not send the save to disk nor
+    /// publish its checksums, and the cadence counts it as the save it was decided to be
+    /// (refused or not). The staging report comes at the end of staging as for any save
+    /// (the tensors may change then). A disk save's commit waits for the decision
+    /// ([`Engine::flush`] and [`Engine::close`] with it); a memory-only save undecided when
+    /// the engine closes is dropped. For the Python package's speculative start of a
+    /// deferred save (`docs/python.md`).
+    pub fn provisional(mut self) -> Self {
+        self.provisional = true;
+        self
+    }
+
     /// Copy the tensors of `event`'s device after `event` (recorded by the caller after
     /// producing them) instead of synchronizing the whole device.
     pub fn after_event(mut self, event: EventRef<'a>) -> Self {
@@ -188,7 +209,14 @@ impl Engine {
         opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
-        let state = self.begin(step, tensors, metadata, opts.part_only, opts.confirm)?;
+        let state = self.begin(
+            step,
+            tensors,
+            metadata,
+            opts.part_only,
+            opts.confirm,
+            opts.provisional,
+        )?;
         let jobs = self.jobs()?;
         match stage_and_finish(&state, &sources, &opts.after, &jobs, false, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
@@ -217,7 +245,14 @@ impl Engine {
         // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
-        let state = self.begin(step, tensors, metadata, opts.part_only, opts.confirm)?;
+        let state = self.begin(
+            step,
+            tensors,
+            metadata,
+            opts.part_only,
+            opts.confirm,
+            opts.provisional,
+        )?;
         if !opts.hold {
             let after = opts.after.clone();
             return self.spawn_staging(state, sources, after, Box::new(()), None, opts.snapshot);
@@ -254,7 +289,7 @@ impl Engine {
         // is dropped there only after staging has ended; nobody else can reach it, so it is
         // neither modified nor freed while it is read.
         let sources = unsafe { Sources::new(&views).into_static() };
-        let state = self.begin(step, &views, metadata, false, false)?;
+        let state = self.begin(step, &views, metadata, false, false, false)?;
         drop(views);
         self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None, false)
     }
@@ -318,8 +353,9 @@ impl Engine {
     }
 
     /// Validate, lay out, create the files and the descriptor slot, queue the save for
-    /// commit, and take the staging gate (released when staging ends). `part_only` and
-    /// `confirm`: see [`SaveOptions::part_only`] and [`SaveOptions::confirm_commit`].
+    /// commit, and take the staging gate (released when staging ends). `part_only`,
+    /// `confirm` and `provisional`: see [`SaveOptions::part_only`],
+    /// [`SaveOptions::confirm_commit`] and [`SaveOptions::provisional`].
     pub(super) fn begin(
         &self,
         step: u64,
@@ -327,6 +363,7 @@ impl Engine {
         metadata: &Metadata,
         part_only: bool,
         confirm: bool,
+        provisional: bool,
     ) -> Result<Arc<SaveState>> {
         let started = Instant::now();
         let cfg = &self.shared.cfg;
@@ -461,6 +498,7 @@ impl Engine {
             file_name,
             part_only,
             confirm,
+            provisional,
             slot,
             keep_seq,
             started,
@@ -585,8 +623,6 @@ pub(super) fn stage_and_finish(
     state.open_latches();
     match staged {
         Ok(waited) => {
-            // A memory-only save is complete in the arena from here: recovery commits it.
-            state.shared.arena.descriptor().staged(state.slot);
             let report = StagedReport {
                 step,
                 bytes: state.plan.file_len(),
@@ -597,6 +633,13 @@ pub(super) fn stage_and_finish(
                 snapshot_batched: state.snapshot.batched(),
             };
             tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
+            if state.provisional {
+                // Recoverable and taken by its tier only once its caller confirms it.
+                super::state::provisional_staged(state, report);
+                return Ok(());
+            }
+            // A memory-only save is complete in the arena from here: recovery commits it.
+            state.shared.arena.descriptor().staged(state.slot);
             if state.disk {
                 state.staging_finished(Ok(report));
             } else {

@@ -42,6 +42,9 @@ pub(super) struct Progress {
     pub(super) checksums: Option<Vec<crate::manifest::TensorEntry>>,
     /// The caller's decision on that commit: go ahead, or refuse (why).
     pub(super) confirmed: Option<std::result::Result<(), String>>,
+    /// A provisional memory-only save staged before its caller decided it
+    /// (`SaveOptions::provisional`): its staging report, until the decision.
+    pub(super) parked: Option<StagedReport>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -76,6 +79,8 @@ pub(crate) struct SaveState {
     pub(super) part_only: bool,
     /// Hold the commit until the caller confirms it (`SaveOptions::confirm_commit`).
     pub(super) confirm: bool,
+    /// Taken by its tier only once the caller confirms it (`SaveOptions::provisional`).
+    pub(super) provisional: bool,
     pub(super) slot: u32,
     /// Sequence number from `Arena::begin_save` (flash restore).
     pub(super) keep_seq: u64,
@@ -138,12 +143,44 @@ impl SaveState {
         }
     }
 
-    /// Record the caller's decision on the commit (the first one counts).
-    pub(super) fn confirm(&self, decision: std::result::Result<(), String>) {
-        let mut p = lock(&self.progress);
-        if p.confirmed.is_none() {
-            p.confirmed = Some(decision);
+    /// Record the caller's decision on the commit (the first one counts): the commit
+    /// thread waiting for it goes on, and a provisional memory-only save staged meanwhile
+    /// is taken by the memory tier or dropped (`provisional_staged`).
+    pub(super) fn confirm(self: &Arc<Self>, decision: std::result::Result<(), String>) {
+        let parked = {
+            let mut p = lock(&self.progress);
+            if p.confirmed.is_some() {
+                return;
+            }
+            p.confirmed = Some(decision.clone());
             self.changed.notify_all();
+            p.parked.take()
+        };
+        if let Some(report) = parked {
+            self.provisional_decided(report, decision);
+        }
+    }
+
+    /// A provisional memory-only save, staged and decided (`SaveOptions::provisional`):
+    /// confirmed, it is marked `STAGED` (recovery commits it from here) and becomes the
+    /// memory tier's newest step; refused, it fails and its chunks go back.
+    fn provisional_decided(
+        self: &Arc<Self>,
+        report: StagedReport,
+        decision: std::result::Result<(), String>,
+    ) {
+        match decision {
+            Ok(()) => {
+                self.shared.arena.descriptor().staged(self.slot);
+                super::memory::take(self, report);
+            }
+            Err(reason) => super::memory::drop_staged(
+                self,
+                Error::CommitRefused {
+                    step: self.step,
+                    reason,
+                },
+            ),
         }
     }
 
@@ -496,5 +533,26 @@ impl SaveState {
             }
         }
         ok && !self.failed()
+    }
+}
+
+/// A provisional save's staging ended with `report` (`SaveOptions::provisional`): reported
+/// staged (its tensors may change), then taken by its tier once its caller decides. A disk
+/// save goes on to the commit thread, which waits for the decision (`finalize::persist`);
+/// a memory-only one waits here, parked, unless the decision came first.
+pub(super) fn provisional_staged(state: &Arc<SaveState>, report: StagedReport) {
+    state.staging_finished(Ok(report));
+    if state.disk {
+        return;
+    }
+    let decided = {
+        let mut p = lock(&state.progress);
+        if p.confirmed.is_none() {
+            p.parked = Some(report);
+        }
+        p.confirmed.clone()
+    };
+    if let Some(decision) = decided {
+        state.provisional_decided(report, decision);
     }
 }

@@ -15,6 +15,7 @@ mod fulldisk;
 mod held;
 mod no_gpu;
 mod parts;
+mod provisional;
 mod remote_crash;
 mod roundtrip;
 mod small_shm;
