@@ -236,6 +236,16 @@ class EngineSettings(TypedDict, total=False):
     memory_steps: Optional[int]
 
 @final
+class PreparedTensors:
+    """A save's tensors checked and taken from their capsules ahead of it
+    (``Engine.prepare``), for one later ``Engine.save``, which takes them."""
+
+    def __len__(self) -> int: ...
+    @property
+    def taken(self) -> bool: ...
+    def release(self) -> None: ...
+
+@final
 class Engine:
     def __new__(cls, root: str, config: Optional[Mapping[str, Any]] = None) -> "Engine": ...
     @property
@@ -246,10 +256,11 @@ class Engine:
     def stream_latches(self) -> bool: ...
     @property
     def blocking_sync(self) -> bool: ...
+    def prepare(self, tensors: Sequence[TensorTuple]) -> PreparedTensors: ...
     def save(
         self,
         step: int,
-        tensors: Sequence[TensorTuple],
+        tensors: Union[Sequence[TensorTuple], PreparedTensors],
         metadata: Dict[str, str],
         after: Sequence[Tuple[int, str, Any]],
         blocking: bool,

@@ -24,6 +24,7 @@ mod held;
 mod intake;
 mod links;
 mod order;
+mod prepared;
 mod ranged;
 mod remote;
 mod replica;
@@ -43,6 +44,7 @@ use crate::core::{EngineOpts, RawTensor};
 use crate::dlpack::{Memory, Place};
 use crate::handle::{Kept, PySaveHandle};
 use crate::order::afters;
+use crate::prepared::PyPrepared;
 // Used through `crate::` by the other modules, which `lib.rs` (`PyEngine`) imports.
 use crate::util::{SLICE, lock, to_py};
 
@@ -234,13 +236,16 @@ impl PyEngine {
     /// (`SaveOptions::confirm_commit`). `provisional=True`: no tier takes the save (it is
     /// not listed, loadable or recoverable) until the handle's `confirm_commit` confirms
     /// it; refused, it fails with `CommitRefused` (`SaveOptions::provisional`).
+    ///
+    /// `tensors` may also be a `PreparedTensors` (`prepare`): the save takes them (started
+    /// or not) and reads no tuple.
     #[pyo3(signature = (step, tensors, metadata, after, blocking, hold=false, snapshot=false, part_only=false, confirm=false, provisional=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         py: Python<'_>,
         step: u64,
-        tensors: Vec<TensorTuple<'_>>,
+        tensors: &Bound<'_, PyAny>,
         metadata: BTreeMap<String, String>,
         after: Vec<(i32, String, Bound<'_, PyAny>)>,
         blocking: bool,
@@ -261,8 +266,11 @@ impl PyEngine {
             confirm,
             provisional,
         };
+        let raw = match tensors.cast::<PyPrepared>() {
+            Ok(p) => p.get().take()?,
+            Err(_) => raw_tensors(tensors.extract()?)?,
+        };
         let mut engine = self.get()?;
-        let raw = raw_tensors(tensors)?;
         let (after, order) = afters(after)?;
         let res = py.detach(|| {
             let mut grown = false;
@@ -321,6 +329,14 @@ impl PyEngine {
             inner: Mutex::new(Some(h)),
             result: Mutex::new(None),
         })
+    }
+
+    /// Check `tensors` (engine tuples, as `save` takes them) as `save` does and take their
+    /// memory from their capsules, for one later `save(step, prepared, ...)`, whose call
+    /// then only starts the save. Nothing is saved or started here; the memory stays
+    /// referenced until that save has staged it (or `release()`).
+    fn prepare(&self, tensors: Vec<TensorTuple<'_>>) -> PyResult<PyPrepared> {
+        Ok(PyPrepared::new(raw_tensors(tensors)?))
     }
 
     /// Load this rank's tensors of `step` (`None`: the latest) into owned buffers,
@@ -686,6 +702,7 @@ fn dtypes() -> Vec<&'static str> {
 fn _shmckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PySaveHandle>()?;
+    m.add_class::<PyPrepared>()?;
     m.add_class::<PyBuffer>()?;
     m.add_class::<bucket::PyBucket>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
