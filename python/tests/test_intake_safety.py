@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import shmckpt
 from shmckpt import _shmckpt, _util
+from shmckpt.errors import StepExists
 
 from conftest import SMALL, listing
 
@@ -149,6 +150,39 @@ def test_a_tuple_whose_dtype_or_shape_is_not_its_tensors_is_refused(engine, root
     assert bits(back["f8"]) == bits(raw8) and back["f8"].dtype == torch.float8_e4m3fn
     assert bits(back["asbytes"]) == bits(w) and back["asbytes"].dtype == torch.float32
     assert back["arr"].tolist() == [[0, 1], [2, 3]]
+
+
+def test_prepared_tensors_are_checked_at_prepare_and_taken_by_one_save(engine, root):
+    """``Engine.prepare`` checks the tuples as ``save`` does (a lying tuple is refused
+    there, naming both); a save takes the prepared tensors, started or not (a second use,
+    or a use after ``release``, is a ValueError, nothing written), and stores their exact
+    bytes."""
+    w = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    with pytest.raises(ValueError, match=r"says F32 \[3, 4\], its memory holds DLPack type \(code 0, 32 bits"):
+        engine.prepare([("w", "F32", [3, 4], cap(w), 48, -1)])
+    with pytest.raises(TypeError, match="expected a DLPack capsule"):
+        engine.prepare([("w", "I32", [3, 4], w, 48, -1)])
+    before = listing(root)
+    p = engine.prepare([("w", "I32", [3, 4], cap(w), 48, -1), ("e", "F32", [0], None, 0, -1)])
+    assert len(p) == 2 and not p.taken
+    p.release()
+    assert p.taken
+    with pytest.raises(ValueError, match="taken by a save or released"):
+        engine.save(1, p, {}, [], True)
+    assert listing(root) == before
+    p = engine.prepare([("w", "I32", [3, 4], cap(w), 48, -1)])
+    h = engine.save(1, p, {}, [], False)
+    assert p.taken
+    h.wait()
+    with pytest.raises(ValueError, match="taken by a save or released"):
+        engine.save(2, p, {}, [], False)
+    back = load_file(file_of(root, 1))
+    assert bits(back["w"]) == bits(w) and back["w"].dtype == torch.int32 and back["w"].shape == (3, 4)
+    # Taken by a save that fails (the step exists): gone all the same.
+    p = engine.prepare([("w", "I32", [3, 4], cap(w), 48, -1)])
+    with pytest.raises(StepExists):
+        engine.save(1, p, {}, [], True)
+    assert p.taken
 
 
 def test_objects_describing_memory_are_not_capsules(engine):
