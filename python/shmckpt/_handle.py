@@ -38,6 +38,11 @@ class SaveHandle:
         # the guard waits for the capture, then on the device as for a save captured at
         # the call; a failed capture is reported by the next save or wait, not the guard.
         self._deferred = False
+        # A deferred save started speculatively at its call (``Saver._speculate``): what
+        # checks it and gives its future a result (run once, by the first of the guard's
+        # wait, a wait, ``done`` or the next save).
+        self._settle: Optional[Any] = None
+        self._settle_lock = threading.Lock()
         #: Device bytes of the save's snapshot (``snapshot="device"``; 0 when none was taken).
         self.snapshot_bytes = 0
         # check_replicas: the checkpointer's divergence check (shmckpt._divergence), whether
@@ -54,9 +59,20 @@ class SaveHandle:
     def _set_rust(self, h: Any) -> None:
         self._rust = h
 
+    def _settled(self) -> None:
+        """Check a speculative save (``_settle``) if not done yet; a second caller waits
+        for the first's check."""
+        if self._settle is None:
+            return
+        with self._settle_lock:
+            settle, self._settle = self._settle, None
+            if settle is not None:
+                settle()
+
     def _get_rust(self) -> Any:
         if self._rust is not None:
             return self._rust
+        self._settled()
         fut = self._future
         assert fut is not None
         while True:
@@ -105,6 +121,7 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True once the checkpoint is committed or the save failed."""
+        self._settled()
         if self._rust is None and self._future is not None:
             if not self._future.done():
                 return False

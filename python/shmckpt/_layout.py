@@ -383,11 +383,17 @@ class Layout:
         (None when it has no parts)."""
         if p is None or p.tokens != self.tokens or p.sig != self.sig:
             return None
-        if p.vals == self.vals:  # the types are the tokens': == is exact (floats by repr)
+        return self.skeleton_of(p.vals)
+
+    def skeleton_of(self, vals: List[Any]) -> Optional[str]:
+        """The skeleton of a state of this layout whose plain values are ``vals`` (a probe's
+        or a walk's with this layout's tokens: the same type at each value): this layout's
+        when they are its values, else filled in (None when it has no parts)."""
+        if vals == self.vals:  # the types are the tokens': == is exact (floats by repr)
             return self.skeleton
         if self.parts is None:
             return None
-        return _fill(self.parts, self.kinds, p.vals)
+        return _fill(self.parts, self.kinds, vals)
 
     def leaf(self, i: int, x: Any) -> Leaf:
         """Leaf ``i`` of this layout, over ``x`` (a matching probe's leaf ``i``)."""

@@ -446,3 +446,189 @@ def test_capsules_fall_back_per_tensor_when_a_dtype_cannot_be_exported(ckpt, mon
         assert_same(want, ckpt.load(s))
         state["h"].add_(1.0)
     assert refused  # the fallback ran
+
+
+class _Recorder:
+    """The checkpointer's engine, recording each ``save`` call: (step, provisional, the
+    calling thread's name, the error it raised or None)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def save(self, step, *args, **kw):
+        who = (step, kw.get("provisional", False), threading.current_thread().name)
+        try:
+            h = self._engine.save(step, *args, **kw)
+        except Exception as e:
+            self.calls.append(who + (type(e).__name__,))
+            raise
+        self.calls.append(who + (None,))
+        return h
+
+
+@pytest.mark.parametrize("cadence", [None, shmckpt.Cadence(disk_every=3)], ids=["disk", "memory"])
+def test_a_deferred_save_starts_at_its_call_and_commits_once_checked(root, cadence):
+    """From the third save on, a deferred save is handed to the engine at its call, on the
+    caller's thread, as a provisional save of the last save's plan; the guard's wait checks
+    it and confirms it: one engine save per step, committed (to disk or the memory tier)
+    with the values of its call, and not listed before the check."""
+    model, opt, step, state = trainer()
+    kw = {} if cadence is None else {"cadence": cadence}
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20), **kw) as ck:
+        ck.guard(opt)
+        ck.save(1, state, blocking=False).wait()
+        ck.save(2, state, blocking=False).wait()
+        rec = _Recorder(ck._engine)
+        ck._engine = rec
+        for s in range(3, 9):
+            state["epoch"] = s
+            want = snapshot(state)
+            h = ck.save(s, state, blocking=False)
+            assert h._deferred and h._settle is not None
+            assert rec.calls[-1] == (s, True, threading.current_thread().name, None)
+            assert s not in [t for t, _ in ck.list(tiers=True)], "listed before its check"
+            step()  # the guard checks and confirms it, then the step changes the tensors
+            assert h._settle is None
+            rep = h.wait()
+            assert rep["memory_only"] == (cadence is not None and (s - 1) % 3 != 0)  # disk: 1, 4, 7
+            assert_same(want, ck.load(s))
+        assert [c[0] for c in rec.calls] == list(range(3, 9)), rec.calls
+
+
+def test_a_speculative_save_whose_metadata_changed_is_refused_and_saved_again(ckpt):
+    """A change the engine cannot see at the call (the bytes, dtype and shape are the
+    plan's, the Parameter's ``requires_grad`` is not) is found by the check: the
+    provisional save is refused and the capture saved in its place, once: the step holds
+    the state of the call, frozen parameter included, and is committed once."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    for s in (1, 2):
+        ckpt.save(s, state, blocking=False).wait()
+        step()
+    rec = _Recorder(ckpt._engine)
+    ckpt._engine = rec
+    state["model"]["0.weight"].requires_grad_(False)
+    want = snapshot(state)
+    h = ckpt.save(3, state, blocking=False)
+    assert h._settle is not None  # started from the plan
+    step()
+    h.wait()
+    assert [(c[0], c[1], c[3]) for c in rec.calls] == [(3, True, None), (3, False, None)]
+    back = ckpt.load(3)
+    assert_same(want, back)
+    assert back["model"]["0.weight"].requires_grad is False
+    assert ckpt.list() == [1, 2, 3]
+    # The next save starts from the new layout's plan and is confirmed.
+    want = snapshot(state)
+    h = ckpt.save(4, state, blocking=False)
+    assert h._settle is not None
+    step()
+    h.wait()
+    assert [(c[0], c[1]) for c in rec.calls[2:]] == [(4, True)]
+    assert_same(want, ckpt.load(4))
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["tuples", "prepared"])
+def test_a_tensor_the_plan_no_longer_describes_is_never_saved_as_the_plan_says(ckpt, prepared):
+    """A guarded view reshaped in place (``resize_`` to fewer elements: the same storage)
+    no longer has the plan's shape. Built at the call, its tuple is refused by the engine
+    (nothing started) and the save is captured on the submitting thread. Prepared by the
+    last save's check (its capsule taken before the change), the provisional save starts,
+    its check finds the change, refuses it and saves the capture in its place. Either way
+    the step holds the view as it is at the call, committed once."""
+    model, opt, step, state = trainer()
+    ckpt.guard(opt)
+    view = model[0].weight.detach()
+    state["model"]["0.weight"] = view
+    for s in (1, 2, 3):
+        ckpt.save(s, state, blocking=False).wait()
+        step()
+    assert (ckpt._saver.prepared is not None) is True
+    if not prepared:
+        ckpt._saver.drop_prepared()
+    rec = _Recorder(ckpt._engine)
+    ckpt._engine = rec
+    view.resize_(4, 8)
+    want = snapshot(state)
+    h = ckpt.save(4, state, blocking=False)
+    assert h._deferred and (h._settle is not None) is prepared
+    step()
+    h.wait()
+    if prepared:
+        assert [(c[0], c[1], c[3]) for c in rec.calls] == [(4, True, None), (4, False, None)]
+        assert rec.calls[1][2] == threading.current_thread().name  # in the guard's hook
+    else:
+        assert [(c[0], c[1], c[3]) for c in rec.calls] == [(4, True, "ValueError"), (4, False, None)]
+        assert rec.calls[1][2].startswith("shmckpt-submit")
+    assert ckpt.list() == [1, 2, 3, 4]
+    got = ckpt.load(4)
+    assert_same(want, got)
+    assert tuple(got["model"]["0.weight"].shape) == (4, 8)
+
+
+def test_an_unchecked_speculative_save_is_checked_by_the_next_save_wait_or_close(root):
+    """With no optimizer step after the call, the check runs at the next save (which reads
+    the layout it sets), at ``wait``, or at ``close``: each step is committed with the
+    state of its call."""
+    model, opt, step, state = trainer()
+    ck = shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20))
+    ck.guard(opt)
+    for s in (1, 2):
+        ck.save(s, state, blocking=False).wait()
+        step()
+    want3 = snapshot(state)
+    h3 = ck.save(3, state, blocking=False)
+    assert h3._settle is not None
+    h4 = ck.save(4, state, blocking=False)  # checks step 3 first
+    assert h3._settle is None and h4._settle is not None
+    h4.wait()
+    h3.wait()
+    step()
+    want5 = snapshot(state)
+    h5 = ck.save(5, state, blocking=False)
+    assert h5._settle is not None
+    ck.close()
+    assert h5._settle is None
+    with shmckpt.Checkpointer(root) as again:
+        assert again.list() == [1, 2, 3, 4, 5]
+        assert_same(want3, again.load(3))
+        assert_same(want3, again.load(4))
+        assert_same(want5, again.load(5))
+
+
+def test_prepared_tensors_are_dropped_when_the_guard_changes(root):
+    """The tensors prepared for the next deferred save keep its storages referenced: they
+    are given back by ``unguard``, by the guarded optimizer's ``load_state_dict`` or end,
+    by a save that does not use them and by ``close``."""
+    def setup(ck):
+        model, opt, step, state = trainer()
+        ck.guard(opt)
+        for s in (1, 2, 3):
+            ck.save(ck.latest() + 1 if ck.latest() is not None else s, state, blocking=False).wait()
+            step()
+        prepared = ck._saver.prepared
+        assert prepared is not None and not prepared[1].taken
+        return model, opt, step, state, prepared[1]
+
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
+        model, opt, step, state, p = setup(ck)
+        ck.unguard(opt)
+        assert p.taken and ck._saver.prepared is None
+        model, opt, step, state, p = setup(ck)
+        opt.load_state_dict(opt.state_dict())
+        assert p.taken and ck._saver.prepared is None
+        model, opt, step, state, p = setup(ck)
+        del opt, step
+        import gc
+
+        gc.collect()
+        assert p.taken and ck._saver.prepared is None
+        model, opt, step, state, p = setup(ck)
+        ck.save(ck.latest() + 1, {"other": torch.ones(2)}, blocking=False).wait()
+        assert p.taken and ck._saver.prepared is None
+        model, opt, step, state, p = setup(ck)
+    assert p.taken

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Mapping, Tuple
+from typing import Any, Callable, List, Mapping, Tuple
 
 from .._util import _storage_key
 from .base import Shared
@@ -24,7 +24,16 @@ class Guard:
 
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
-        self.hooks: List[Tuple[Any, Any]] = []  # (weakref to optimizer, hook handle)
+        # (weakref to optimizer, step pre-hook, load_state_dict pre-hook, finalizer)
+        self.hooks: List[Tuple[Any, Any, Any, Any]] = []
+        #: Called when what a guard protects may change (a guard added or removed, a
+        #: guarded optimizer's ``load_state_dict`` or its end): the saver drops what it
+        #: prepared for the next save (``Saver.drop_prepared``).
+        self.changed: List[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        for fn in list(self.changed):
+            fn()
 
     def active(self) -> bool:
         """Whether some optimizer is guarded."""
@@ -32,9 +41,10 @@ class Guard:
 
     def remove_all(self) -> None:
         """Remove every guard (``close``)."""
-        for _, hook in self.hooks:
-            hook.remove()
+        for entry in self.hooks:
+            _remove(entry)
         self.hooks.clear()
+        self._changed()
 
     # -- guard -------------------------------------------------------------------------
     def guard(self, optimizer: Any) -> None:
@@ -64,18 +74,27 @@ class Guard:
             if g is not None:
                 g.wait()
 
+        def changed(*_: Any) -> None:
+            g = me()
+            if g is not None:
+                g._changed()
+
         hook = optimizer.register_step_pre_hook(pre_hook)
-        self.hooks.append((ref, hook))
+        loading = optimizer.register_load_state_dict_pre_hook(changed)
+        gone = weakref.finalize(optimizer, changed)
+        self.hooks.append((ref, hook, loading, gone))
+        self._changed()
 
     def unguard(self, optimizer: Any) -> None:
         """Remove the guard of ``optimizer``."""
         keep = []
-        for ref, hook in self.hooks:
-            if ref() is optimizer:
-                hook.remove()
+        for entry in self.hooks:
+            if entry[0]() is optimizer:
+                _remove(entry)
             else:
-                keep.append((ref, hook))
+                keep.append(entry)
         self.hooks = keep
+        self._changed()
 
     def fingerprint(self) -> Tuple[Any, ...]:
         """What changes when the set of guarded tensors may have: a guard added or removed,
@@ -83,7 +102,7 @@ class Guard:
         (a parameter's first step, ``add_param_group``). Cheap (no tensor is read): a save
         is deferred only while it is the last deferrable save's (``Saver.save``)."""
         out: List[Any] = []
-        for ref, hook in self.hooks:
+        for ref, hook, _, _ in self.hooks:
             opt = ref()
             if opt is None:
                 out.append(None)
@@ -96,7 +115,7 @@ class Guard:
         """The storage keys (``_util._storage_key``) of every parameter and state tensor of
         the guarded optimizers."""
         tensors = []
-        for ref, _ in self.hooks:
+        for ref, _, _, _ in self.hooks:
             opt = ref()
             if opt is None:
                 continue
@@ -140,3 +159,11 @@ class Guard:
             return None
 
         self.shared.wait_all(wait)
+
+
+def _remove(entry: Tuple[Any, Any, Any, Any]) -> None:
+    """Remove one guard's hooks (``Guard.hooks``): its finalizer is detached, not run."""
+    _, hook, loading, gone = entry
+    hook.remove()
+    loading.remove()
+    gone.detach()

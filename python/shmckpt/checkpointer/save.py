@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _layout, _state
 from .._util import _cuda_span_copy, _gc_paused, _gc_paused_call, _host_tuple, _storage_key, engine_tuples
-from ..errors import SaveFailed
+from ..errors import CommitRefused, SaveFailed
 from .base import Shared, _step_int
 from .guard import Guard
 from .handle import SaveHandle
@@ -34,12 +35,27 @@ class Saver:
         #: Set by a non-blocking save whose tensors were all guarded and read in place: the
         #: next save of tensors of the same storages is deferred (``_defer``).
         self.deferrable: Optional[_Again] = None
+        #: The next deferred save's tensors, prepared by the check of the last one in the
+        #: guard's hook (``_prepare_next``): (the plan they are the tuples of, the engine's
+        #: ``PreparedTensors``). They keep the guarded storages referenced until the next
+        #: save, ``close`` or a change of the guard (``drop_prepared``).
+        self.prepared: Optional[Tuple[_layout.Plan, Any]] = None
+        guard.changed.append(self.drop_prepared)
 
     def close(self) -> None:
         """Stop the submitting thread once its submissions ran (``close``)."""
+        self.drop_prepared()
         if self.submitter is not None:
             self.submitter.shutdown(wait=True)
             self.submitter = None
+
+    def drop_prepared(self) -> None:
+        """Give the prepared tensors of the next deferred save back (their storages are
+        referenced no more): the next save does not use them, the checkpointer closes, or
+        the guard changes (``Guard.changed``)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            prepared[1].release()
 
     def wait_staged(self) -> None:
         """Wait until every save in flight has copied its bytes. A failed save raises its
@@ -84,6 +100,10 @@ class Saver:
         step = _step_int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        # A speculative save not checked yet (no optimizer step since its call) is checked
+        # now: its check sets what this save reads (the layout, ``deferrable``).
+        for h in list(self.shared.pending):
+            h._settled()
         self._raise_deferred_failure()
         checker = self.shared.checker
         if checker is not None:
@@ -116,6 +136,7 @@ class Saver:
                 walked = _layout.walk(state)
             if walked is not None and again.matches(walked):
                 return self._defer(step, walked, meta, snap, again)
+        self.drop_prepared()
         self._join_deferred()
         return _gc_paused_call(self._capture_and_submit, step, state, walked, blocking, meta, snap, checker)
 
@@ -159,6 +180,9 @@ class Saver:
         handle._metadata = meta
         self.shared.reap()
         pinned = _Pinned(streams, events, keep, handle)
+        if self._speculate(step, walked, meta, snap, pinned):
+            self.shared.track(handle)
+            return handle
 
         def capture() -> Any:
             try:
@@ -170,6 +194,135 @@ class Saver:
         handle._future = self._on_submitter(capture)
         self.shared.track(handle)
         return handle
+
+    def _speculate(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> bool:
+        """Start a deferred save at its call (``_defer``) from the last save's plan: the
+        plan's tuples over the call's tensors, the layout's skeleton with the call's plain
+        values, copies ordered after the call's events. The engine takes it provisionally
+        (``provisional=True``: no tier takes it before :meth:`_settle` confirms it) and
+        refuses a tensor whose dtype, shape, length or device is not its tuple's. What the
+        deferred capture would check (each tensor's metadata against the layout, the
+        guarded storages) is checked by :meth:`_settle`, run by the guard's wait before
+        the optimizer step (or by the first wait, ``done`` or the next save): the
+        interpreter's lock is then not taken from the trainer's thread while it queues the
+        step's first kernels, and the copies start at the call. False (nothing started)
+        when the last save left no plan this call can use; the save is then captured on
+        the submitting thread."""
+        prepared, self.prepared = self.prepared, None
+        try:
+            return self._speculate_with(step, walked, meta, snap, pinned, prepared)
+        finally:
+            if prepared is not None:
+                prepared[1].release()  # (a no-op once a save took them)
+
+    def _speculate_with(
+        self,
+        step: int,
+        walked: _layout.Probe,
+        meta: Dict[str, str],
+        snap: bool,
+        pinned: "_Pinned",
+        prepared: Optional[Tuple[_layout.Plan, Any]],
+    ) -> bool:
+        """:meth:`_speculate`, given the tensors the last check prepared (``_prepare_next``;
+        used when they are the tuples of the plan this save starts from: their memory is
+        then the storages of this call's tensors, which its check compares)."""
+        lay = self.layout
+        plan = lay.plan if lay is not None else None
+        if lay is None or plan is None or plan.redo or plan.key[0] or plan.key[1]:
+            return False
+        if lay.tokens != walked.tokens or sorted(pinned.streams) != plan.devices:
+            return False
+        if any(h._deferred and h._future is not None and not h._future.done() for h in list(self.shared.pending)):
+            return False  # a capture still running on the submitting thread sets the layout
+        skeleton = lay.skeleton_of(walked.vals)
+        if skeleton is None:
+            return False
+        spec_meta = dict(meta)
+        spec_meta[_state.STATE_KEY] = skeleton
+        snapshot = snap and bool(plan.devices)
+        after = [(d, "event", ev) for d, ev in pinned.events.items()]
+        if prepared is not None and prepared[0] is plan and not prepared[1].taken:
+            tensors = prepared[1]
+        else:
+            tensors = engine_tuples(plan.tuples(walked.objs))
+        try:
+            rust = self.shared.engine.save(step, tensors, spec_meta, after, False, False, snapshot, provisional=True)
+        except Exception:
+            # A tensor the plan no longer describes (the engine refused its tuple), or an
+            # error the capture meets again and reports: captured as any deferred save.
+            return False
+        handle = pinned.handle
+        handle._snapshot = snapshot
+        fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        handle._future = fut
+        handle._settle = functools.partial(self._settle, step, walked, meta, snap, pinned, plan, skeleton, rust, fut)
+        return True
+
+    def _settle(
+        self,
+        step: int,
+        walked: _layout.Probe,
+        meta: Dict[str, str],
+        snap: bool,
+        pinned: "_Pinned",
+        plan: _layout.Plan,
+        skeleton: str,
+        rust: Any,
+        fut: "concurrent.futures.Future[Any]",
+    ) -> None:
+        """Check a save :meth:`_speculate` started: capture the call's walk as a deferred
+        save would (``_capture_tensors``: the tensors' metadata read now, the layout and
+        plan compared, the guarded storages checked). When that capture is the plan the
+        save was started from and the same skeleton, the engine's save is exactly the
+        capture's: its commit is confirmed. Else it is refused, and once it has ended the
+        capture is saved as the deferred save (its copies after the call's events; the
+        guard's wait then waits for them). ``fut`` gets the engine's handle of the save
+        that stands, or the error (reported by the next save or wait, as a deferred
+        capture's)."""
+        try:
+            probe = _layout.read_meta(walked)
+            cap = _gc_paused_call(self._capture_tensors, step, walked, probe, False, meta, pinned)
+            if (
+                cap.plan is plan
+                and meta[_state.STATE_KEY] == skeleton
+                and not cap.finishes
+                and sorted(cap.devices) == plan.devices
+            ):
+                rust.confirm_commit(None)
+                fut.set_result(rust)
+            else:
+                rust.confirm_commit("the state changed between the save's call and its check; it is saved again")
+                try:
+                    rust.wait()
+                except CommitRefused:
+                    pass
+                fut.set_result(self._submit_deferred(step, cap, meta, snap, pinned))
+        except BaseException as e:
+            self.deferrable = None  # the next save is captured at its call
+            rust.confirm_commit(f"the save's check failed: {e}")
+            fut.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._prepare_next(walked)
+
+    def _prepare_next(self, walked: _layout.Probe) -> None:
+        """After a check in the guard's hook (:meth:`_settle`), while the device still runs
+        the step's queued work: when the next save may be deferred, check its tensors and
+        take their capsules now (``Engine.prepare``: the plan's tuples over this save's
+        tensors, whose storages the next deferred save has), so that its call only starts
+        the engine's save. Nothing is prepared when that fails (the next save builds them)."""
+        again, lay = self.deferrable, self.layout
+        plan = lay.plan if lay is not None else None
+        if again is None or plan is None or plan.redo or plan.key[0] or plan.key[1] or again.devices != plan.devices:
+            return
+        try:
+            prepared = self.shared.engine.prepare(engine_tuples(plan.tuples(walked.objs)))
+        except Exception:
+            return
+        self.drop_prepared()
+        self.prepared = (plan, prepared)
 
     def _capture_deferred(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> Any:
         """A deferred save's capture and hand-off (``_defer``, collections paused)."""
@@ -263,6 +416,7 @@ class Saver:
             # memory alive. Copies are made anew.
             assert lay is not None and probe is not None
             entries = plan.tuples(probe.objs)
+            cap.plan = plan
             keep.append(probe.storages)
             for d in plan.devices:
                 if d not in devices:  # a deferred capture keeps the streams of its call
@@ -405,10 +559,10 @@ class Saver:
 class _Captured:
     """A save's tensors as the engine takes them (``Saver._capture_tensors``): the engine
     tuples, what keeps their memory alive, the CUDA devices and their streams, the pinned
-    host copies still in flight (index in ``entries``, finish), and whether the trainer's
-    streams are held."""
+    host copies still in flight (index in ``entries``, finish), whether the trainer's
+    streams are held, and the plan the tuples came from."""
 
-    __slots__ = ("entries", "keep", "devices", "finishes", "hold")
+    __slots__ = ("entries", "keep", "devices", "finishes", "hold", "plan")
 
     def __init__(self, keep: List[Any], devices: Dict[int, Any], hold: bool) -> None:
         self.entries: List[Tuple[str, str, List[int], Any, int, int]] = []
@@ -416,6 +570,8 @@ class _Captured:
         self.devices = devices
         self.finishes: List[Tuple[int, Any]] = []
         self.hold = hold
+        #: The cached plan whose tuples these are (a layout and plan hit), else None.
+        self.plan: Optional[_layout.Plan] = None
 
 
 def _record_events(streams: Dict[int, Any]) -> Dict[int, Any]:
