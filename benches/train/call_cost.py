@@ -27,12 +27,14 @@ and prints the functions with the most own time. ``--step-int`` adds a plain ``"
 the state, set to the call's step before each call (a trainer's counter: a plain value that
 changes at every save).
 
-``--capture`` also times, per call, the CPU time of the deferred capture on the submitting
+``--capture`` also times, per call, the CPU time of the deferred capture: on the submitting
 thread (``Saver._capture_deferred``: the tensors' metadata, the plan's match, the DLPack
-capsules and ``Engine.save``; ``time.thread_time`` on that thread), what a GPU trainer's
-thread loses to it right after the call (the column ``capture ms``: median of the calls
-that were deferred; ``deferred`` counts them). ``--profile`` with ``--capture`` profiles
-that capture instead of the call.
+capsules and ``Engine.save``), what a GPU trainer's thread loses to it right after the
+call; or, for a save started at its call from the last save's plan, its check in the
+guard's hook (``Saver._settle``: the same capture, the engine's call replaced by the
+commit's confirmation). ``time.thread_time`` on the thread that runs it; the column
+``capture ms``: median of the calls that were deferred; ``deferred`` counts them.
+``--profile`` with ``--capture`` profiles that capture instead of the call.
 
     python3 benches/train/call_cost.py --device cuda --states 5g,8g --calls 50
     python3 benches/train/call_cost.py --device cpu --states 5g,8g --calls 50
@@ -150,23 +152,29 @@ CAPTURE_PROFILE = []
 
 
 def time_captures(shmckpt):
-    """Wrap ``Saver._capture_deferred`` to record its thread's CPU time in ``CAPTURED``."""
+    """Wrap ``Saver._capture_deferred`` and ``Saver._settle`` (a deferred save's capture,
+    or its check when it started at its call) to record the CPU time of the thread running
+    them in ``CAPTURED``."""
     saver = shmckpt.checkpointer.save.Saver
-    inner = saver._capture_deferred
 
-    def timed(self, *args):
-        prof = CAPTURE_PROFILE[0] if CAPTURE_PROFILE else None
-        c0 = time.thread_time()
-        if prof is not None:
-            prof.enable()
-        try:
-            return inner(self, *args)
-        finally:
+    def timer(inner):
+        def timed(self, *args):
+            prof = CAPTURE_PROFILE[0] if CAPTURE_PROFILE else None
+            c0 = time.thread_time()
             if prof is not None:
-                prof.disable()
-            CAPTURED.append(time.thread_time() - c0)
+                prof.enable()
+            try:
+                return inner(self, *args)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                CAPTURED.append(time.thread_time() - c0)
 
-    saver._capture_deferred = timed
+        return timed
+
+    saver._capture_deferred = timer(saver._capture_deferred)
+    if hasattr(saver, "_settle"):  # (a version without speculative starts has none)
+        saver._settle = timer(saver._settle)
 
 
 def capture_columns(xs):
