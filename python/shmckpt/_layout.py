@@ -61,6 +61,8 @@ _STORAGE: Any = torch.UntypedStorage if torch is not None else None
 _ND = np.ndarray
 _OD = collections.OrderedDict
 _KEY_TYPES = frozenset((str, int))
+#: The tensor types a walk takes as leaves (exact types: no subclass).
+_TENSOR_TYPES = frozenset((_T, _P)) if torch is not None else frozenset()
 #: How ``json.dumps(..., ensure_ascii=False)`` (:func:`~shmckpt._state.encode`) encodes a str.
 _encode_str: Any = json.encoder.encode_basestring  # type: ignore[attr-defined]
 #: The tensor attributes read in one call each (``operator.attrgetter`` over the list); the
@@ -142,9 +144,15 @@ def walk(state: Any) -> Optional[Probe]:
                     return False
                 tok((t, keys))
                 values = x.values()
+            vs = values if t is tuple else list(values)
+            types = list(map(type, vs))
+            if _TENSOR_TYPES.issuperset(types):
+                # Every value a tensor (a model's or an optimizer state's dict): by C loops.
+                tokens.extend(types)
+                objs.extend(vs)
+                return True
             d = depth + 1
-            for v in values:
-                tv = type(v)
+            for v, tv in zip(vs, types):
                 if tv is _T or tv is _P:
                     tok(tv)
                     obj(v)
