@@ -171,7 +171,7 @@ impl SaveHandle {
     /// carrying `reason`, its file removed). The first decision counts; no effect on other
     /// saves. May be given before the checksums are known.
     pub fn confirm_commit(&self, decision: std::result::Result<(), String>) {
-        self.state.confirm(decision);
+        super::provisional::decide(&self.state, decision);
     }
 
     /// True once the save is committed or has failed (`wait` then returns at once).
@@ -235,9 +235,10 @@ impl Drop for SaveHandle {
     /// A commit still waiting for its caller's decision is refused: nobody is left to give it.
     fn drop(&mut self) {
         if self.state.confirm || self.state.provisional {
-            self.state.confirm(Err(
-                "the save's handle was dropped before its commit was confirmed".into(),
-            ));
+            super::provisional::decide(
+                &self.state,
+                Err("the save's handle was dropped before its commit was confirmed".into()),
+            );
         }
     }
 }

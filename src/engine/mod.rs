@@ -17,6 +17,7 @@ mod handle;
 mod kept;
 mod load;
 mod memory;
+mod provisional;
 mod remote_ops;
 mod report;
 mod request;

@@ -635,7 +635,7 @@ pub(super) fn stage_and_finish(
             tracing::debug!(step, staging = ?report.staging, backpressure = ?report.backpressure, "save staged");
             if state.provisional {
                 // Recoverable and taken by its tier only once its caller confirms it.
-                super::state::provisional_staged(state, report);
+                super::provisional::staged(state, report);
                 return Ok(());
             }
             // A memory-only save is complete in the arena from here: recovery commits it.

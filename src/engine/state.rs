@@ -143,45 +143,31 @@ impl SaveState {
         }
     }
 
-    /// Record the caller's decision on the commit (the first one counts): the commit
-    /// thread waiting for it goes on, and a provisional memory-only save staged meanwhile
-    /// is taken by the memory tier or dropped (`provisional_staged`).
-    pub(super) fn confirm(self: &Arc<Self>, decision: std::result::Result<(), String>) {
-        let parked = {
-            let mut p = lock(&self.progress);
-            if p.confirmed.is_some() {
-                return;
-            }
-            p.confirmed = Some(decision.clone());
-            self.changed.notify_all();
-            p.parked.take()
-        };
-        if let Some(report) = parked {
-            self.provisional_decided(report, decision);
+    /// Record the caller's decision on the commit (the first one counts; the commit thread
+    /// waiting for it goes on). Returns the staging report of a provisional memory-only
+    /// save staged before it (`park`), for the caller to act on the decision
+    /// (`super::provisional::decide`).
+    pub(super) fn confirm(
+        &self,
+        decision: std::result::Result<(), String>,
+    ) -> Option<StagedReport> {
+        let mut p = lock(&self.progress);
+        if p.confirmed.is_some() {
+            return None;
         }
+        p.confirmed = Some(decision);
+        self.changed.notify_all();
+        p.parked.take()
     }
 
-    /// A provisional memory-only save, staged and decided (`SaveOptions::provisional`):
-    /// confirmed, it is marked `STAGED` (recovery commits it from here) and becomes the
-    /// memory tier's newest step; refused, it fails and its chunks go back.
-    fn provisional_decided(
-        self: &Arc<Self>,
-        report: StagedReport,
-        decision: std::result::Result<(), String>,
-    ) {
-        match decision {
-            Ok(()) => {
-                self.shared.arena.descriptor().staged(self.slot);
-                super::memory::take(self, report);
-            }
-            Err(reason) => super::memory::drop_staged(
-                self,
-                Error::CommitRefused {
-                    step: self.step,
-                    reason,
-                },
-            ),
+    /// A provisional memory-only save's staging ended with `report`: the caller's decision
+    /// when it came first, else `None` with the report parked for `confirm`.
+    pub(super) fn park(&self, report: StagedReport) -> Option<std::result::Result<(), String>> {
+        let mut p = lock(&self.progress);
+        if p.confirmed.is_none() {
+            p.parked = Some(report);
         }
+        p.confirmed.clone()
     }
 
     /// Staged chunks are always zero-padded to 4096; the writer writes the padding only
@@ -533,26 +519,5 @@ impl SaveState {
             }
         }
         ok && !self.failed()
-    }
-}
-
-/// A provisional save's staging ended with `report` (`SaveOptions::provisional`): reported
-/// staged (its tensors may change), then taken by its tier once its caller decides. A disk
-/// save goes on to the commit thread, which waits for the decision (`finalize::persist`);
-/// a memory-only one waits here, parked, unless the decision came first.
-pub(super) fn provisional_staged(state: &Arc<SaveState>, report: StagedReport) {
-    state.staging_finished(Ok(report));
-    if state.disk {
-        return;
-    }
-    let decided = {
-        let mut p = lock(&state.progress);
-        if p.confirmed.is_none() {
-            p.parked = Some(report);
-        }
-        p.confirmed.clone()
-    };
-    if let Some(decision) = decided {
-        state.provisional_decided(report, decision);
     }
 }
