@@ -209,14 +209,7 @@ impl Engine {
         opts: &SaveOptions<'_>,
     ) -> Result<SaveHandle> {
         let sources = Sources::new(tensors);
-        let state = self.begin(
-            step,
-            tensors,
-            metadata,
-            opts.part_only,
-            opts.confirm,
-            opts.provisional,
-        )?;
+        let state = self.begin(step, tensors, metadata, opts)?;
         let jobs = self.jobs()?;
         match stage_and_finish(&state, &sources, &opts.after, &jobs, false, false, &|| {}) {
             Ok(()) => Ok(SaveHandle { state }),
@@ -245,14 +238,7 @@ impl Engine {
         // SAFETY: this function's contract: the caller keeps every tensor's memory valid and
         // unmodified until the handle reports the save staged.
         let sources = unsafe { Sources::new(tensors).into_static() };
-        let state = self.begin(
-            step,
-            tensors,
-            metadata,
-            opts.part_only,
-            opts.confirm,
-            opts.provisional,
-        )?;
+        let state = self.begin(step, tensors, metadata, opts)?;
         if !opts.hold {
             let after = opts.after.clone();
             return self.spawn_staging(state, sources, after, Box::new(()), None, opts.snapshot);
@@ -289,7 +275,7 @@ impl Engine {
         // is dropped there only after staging has ended; nobody else can reach it, so it is
         // neither modified nor freed while it is read.
         let sources = unsafe { Sources::new(&views).into_static() };
-        let state = self.begin(step, &views, metadata, false, false, false)?;
+        let state = self.begin(step, &views, metadata, &SaveOptions::default())?;
         drop(views);
         self.spawn_staging(state, sources, Vec::new(), Box::new(tensors), None, false)
     }
@@ -353,18 +339,17 @@ impl Engine {
     }
 
     /// Validate, lay out, create the files and the descriptor slot, queue the save for
-    /// commit, and take the staging gate (released when staging ends). `part_only`,
-    /// `confirm` and `provisional`: see [`SaveOptions::part_only`],
-    /// [`SaveOptions::confirm_commit`] and [`SaveOptions::provisional`].
+    /// commit, and take the staging gate (released when staging ends). Of `opts`, what
+    /// decides the commit: [`SaveOptions::part_only`], [`SaveOptions::confirm_commit`] and
+    /// [`SaveOptions::provisional`].
     pub(super) fn begin(
         &self,
         step: u64,
         tensors: &[Tensor<'_>],
         metadata: &Metadata,
-        part_only: bool,
-        confirm: bool,
-        provisional: bool,
+        opts: &SaveOptions<'_>,
     ) -> Result<Arc<SaveState>> {
+        let (part_only, confirm, provisional) = (opts.part_only, opts.confirm, opts.provisional);
         let started = Instant::now();
         let cfg = &self.shared.cfg;
         if part_only && self.shared.remote.is_some() {
