@@ -20,6 +20,7 @@ __all__ = [
     "HeldImage",
     "HeldPiece",
     "PreparedArena",
+    "PreparedTensors",
     "ReplicaImage",
     "ReplicaSource",
     "SaveHandle",
