@@ -179,14 +179,14 @@ class Saver:
         handle._replicator = self.shared.replicator
         handle._metadata = meta
         self.shared.reap()
-        pinned = _Pinned(streams, events, keep, handle)
-        if self._speculate(step, walked, meta, snap, pinned):
+        pinned = _Pinned(step, walked, meta, snap, streams, events, keep, handle)
+        if self._speculate(pinned):
             self.shared.track(handle)
             return handle
 
         def capture() -> Any:
             try:
-                return _gc_paused_call(self._capture_deferred, step, walked, meta, snap, pinned)
+                return _gc_paused_call(self._capture_deferred, pinned)
             except BaseException:
                 self.deferrable = None  # the next save is captured at its call
                 raise
@@ -195,7 +195,7 @@ class Saver:
         self.shared.track(handle)
         return handle
 
-    def _speculate(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> bool:
+    def _speculate(self, pinned: "_Pinned") -> bool:
         """Start a deferred save at its call (``_defer``) from the last save's plan: the
         plan's tuples over the call's tensors, the layout's skeleton with the call's plain
         values, copies ordered after the call's events. The engine takes it provisionally
@@ -210,23 +210,16 @@ class Saver:
         the submitting thread."""
         prepared, self.prepared = self.prepared, None
         try:
-            return self._speculate_with(step, walked, meta, snap, pinned, prepared)
+            return self._speculate_with(pinned, prepared)
         finally:
             if prepared is not None:
                 prepared[1].release()  # (a no-op once a save took them)
 
-    def _speculate_with(
-        self,
-        step: int,
-        walked: _layout.Probe,
-        meta: Dict[str, str],
-        snap: bool,
-        pinned: "_Pinned",
-        prepared: Optional[Tuple[_layout.Plan, Any]],
-    ) -> bool:
+    def _speculate_with(self, pinned: "_Pinned", prepared: Optional[Tuple[_layout.Plan, Any]]) -> bool:
         """:meth:`_speculate`, given the tensors the last check prepared (``_prepare_next``;
         used when they are the tuples of the plan this save starts from: their memory is
         then the storages of this call's tensors, which its check compares)."""
+        step, walked, meta = pinned.step, pinned.walked, pinned.meta
         lay = self.layout
         plan = lay.plan if lay is not None else None
         if lay is None or plan is None or plan.redo or plan.key[0] or plan.key[1]:
@@ -240,7 +233,7 @@ class Saver:
             return False
         spec_meta = dict(meta)
         spec_meta[_state.STATE_KEY] = skeleton
-        snapshot = snap and bool(plan.devices)
+        snapshot = pinned.snap and bool(plan.devices)
         after = [(d, "event", ev) for d, ev in pinned.events.items()]
         if prepared is not None and prepared[0] is plan and not prepared[1].taken:
             tensors = prepared[1]
@@ -256,15 +249,11 @@ class Saver:
         handle._snapshot = snapshot
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         handle._future = fut
-        handle._settle = functools.partial(self._settle, step, walked, meta, snap, pinned, plan, skeleton, rust, fut)
+        handle._settle = functools.partial(self._settle, pinned, plan, skeleton, rust, fut)
         return True
 
     def _settle(
         self,
-        step: int,
-        walked: _layout.Probe,
-        meta: Dict[str, str],
-        snap: bool,
         pinned: "_Pinned",
         plan: _layout.Plan,
         skeleton: str,
@@ -280,6 +269,7 @@ class Saver:
         guard's wait then waits for them). ``fut`` gets the engine's handle of the save
         that stands, or the error (reported by the next save or wait, as a deferred
         capture's)."""
+        step, walked, meta = pinned.step, pinned.walked, pinned.meta
         try:
             probe = _layout.read_meta(walked)
             cap = _gc_paused_call(self._capture_tensors, step, walked, probe, False, meta, pinned)
@@ -297,7 +287,7 @@ class Saver:
                     rust.wait()
                 except CommitRefused:
                     pass
-                fut.set_result(self._submit_deferred(step, cap, meta, snap, pinned))
+                fut.set_result(self._submit_deferred(cap, pinned))
         except BaseException as e:
             self.deferrable = None  # the next save is captured at its call
             rust.confirm_commit(f"the save's check failed: {e}")
@@ -324,11 +314,11 @@ class Saver:
         self.drop_prepared()
         self.prepared = (plan, prepared)
 
-    def _capture_deferred(self, step: int, walked: _layout.Probe, meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> Any:
+    def _capture_deferred(self, pinned: "_Pinned") -> Any:
         """A deferred save's capture and hand-off (``_defer``, collections paused)."""
-        probe = _layout.read_meta(walked)
-        cap = self._capture_tensors(step, walked, probe, False, meta, pinned)
-        return self._submit_deferred(step, cap, meta, snap, pinned)
+        probe = _layout.read_meta(pinned.walked)
+        cap = self._capture_tensors(pinned.step, pinned.walked, probe, False, pinned.meta, pinned)
+        return self._submit_deferred(cap, pinned)
 
     def _on_submitter(self, fn: Any) -> "concurrent.futures.Future[Any]":
         """Run ``fn`` on the checkpointer's submitting thread (started at first use; one
@@ -467,10 +457,11 @@ class Saver:
         self.deferrable = again
         return cap
 
-    def _submit_deferred(self, step: int, cap: "_Captured", meta: Dict[str, str], snap: bool, pinned: "_Pinned") -> Any:
+    def _submit_deferred(self, cap: "_Captured", pinned: "_Pinned") -> Any:
         """A deferred capture's hand-off: the engine's copies ordered after the events its
         call recorded. ``SaveFailed`` when the capture needs what the call could not give
         (a pinned host copy, another device)."""
+        step = pinned.step
         if cap.finishes or sorted(cap.devices) != sorted(pinned.streams):
             raise SaveFailed(
                 f"save of step {step}: the state's tensors changed since the call (moved to another "
@@ -478,10 +469,10 @@ class Saver:
                 step=step,
             )
         handle = pinned.handle
-        handle._snapshot = snap and bool(cap.devices)
+        handle._snapshot = pinned.snap and bool(cap.devices)
         after = [(d, "event", ev) for d, ev in pinned.events.items()]
         return self.shared.engine.save(
-            step, engine_tuples(cap.entries), meta, after, False, False, handle._snapshot, confirm=False
+            step, engine_tuples(cap.entries), pinned.meta, after, False, False, handle._snapshot, confirm=False
         )
 
     def _submit(
@@ -612,12 +603,28 @@ class _Again:
 
 
 class _Pinned:
-    """A deferred save's call: the trainer's current stream and an event recorded on it per
-    device, the handle's keep list and the handle."""
+    """A deferred save's call: its step, the walk of its state (``_layout.walk``), its
+    metadata (the skeleton added by its capture), whether it asked for a device snapshot,
+    the trainer's current stream and an event recorded on it per device, the handle's keep
+    list and the handle."""
 
-    __slots__ = ("streams", "events", "keep", "handle")
+    __slots__ = ("step", "walked", "meta", "snap", "streams", "events", "keep", "handle")
 
-    def __init__(self, streams: Dict[int, Any], events: Dict[int, Any], keep: List[Any], handle: SaveHandle) -> None:
+    def __init__(
+        self,
+        step: int,
+        walked: _layout.Probe,
+        meta: Dict[str, str],
+        snap: bool,
+        streams: Dict[int, Any],
+        events: Dict[int, Any],
+        keep: List[Any],
+        handle: SaveHandle,
+    ) -> None:
+        self.step = step
+        self.walked = walked
+        self.meta = meta
+        self.snap = snap
         self.streams = streams
         self.events = events
         self.keep = keep
