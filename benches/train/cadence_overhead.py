@@ -43,7 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
 from peers import log, now  # noqa: E402
-from train_model import GiB, MiB, SIZES, cadence_trainer, med, staging_capacity, state_nbytes  # noqa: E402
+from train_model import GiB, MiB, SIZES, cadence_trainer, med, staging_capacity, state_nbytes, time_steps  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -142,7 +142,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
     from shmckpt._util import engine_tuples
 
     engines = engines or {}
-    from sweep import calibrate, time_steps
+    from sweep import calibrate
 
     if cuda:
         cal = calibrate(tr, [step_ms / 1e3], argparse.Namespace(batches=None, quick=False))

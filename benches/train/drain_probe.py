@@ -72,7 +72,7 @@ import drain_report  # noqa: E402
 from drain_loads import CrcLoad, GilLoad, MembwLoad, NoLoad, RawChild, RawThreadLoad, ShmLoad, delta, snapshot  # noqa: E402
 from peers import elapsed, fs_type_of, log, now, set_log_file  # noqa: E402
 from train_measure import shm_used  # noqa: E402
-from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes  # noqa: E402
+from train_model import GiB, MiB, SIZES, Trainer, med, state_nbytes, time_steps  # noqa: E402
 
 CONDITIONS = ["baseline", "shm", "shm-w1", "shm-buffered", "shm-nb", "shm-snap", "shm-snap1", "rawdisk", "rawdisk-thread", "crc", "membw", "gil"]
 SHM_VARIANTS = {"shm": {}, "shm-w1": {"writer_threads": 1}, "shm-buffered": {"direct_io": False}, "shm-nb": {}, "shm-snap": {}, "shm-snap1": {}}
@@ -287,7 +287,7 @@ class Run:
         t = now()
         self.tr = tr = Trainer(cfg, args.device, "auto", args.seed)  # tr.cfg is cfg
         tr.sync_mode = args.sync
-        from sweep import calibrate, time_steps
+        from sweep import calibrate
 
         time_steps(tr, 3)
         self.state = tr.build_state()

@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, _HERE)
 from peers import elapsed, free_port, fs_type_of, log, now, pkg_version, raise_nofile, set_log_file  # noqa: E402
 from train_measure import raw_write  # noqa: E402
-from train_model import GiB, MiB, SYSTEMS, Trainer, mean, med, state_nbytes  # noqa: E402
+from train_model import GiB, MiB, SYSTEMS, Trainer, mean, med, state_nbytes, time_steps  # noqa: E402
 from train_run import Ctx, run_segment  # noqa: E402
 from train_systems import SYSTEM_CLASSES  # noqa: E402
 
@@ -151,17 +151,6 @@ def interleaved(n):
             out.append(hi)
         lo, hi = lo + 1, hi - 1
     return out
-
-
-def time_steps(tr, n):
-    dts = []
-    for _ in range(n):
-        t = now()
-        tr.fwd_bwd()
-        tr.step()
-        tr.sync()
-        dts.append(now() - t)
-    return dts
 
 
 def calibrate(tr, targets_s, args):

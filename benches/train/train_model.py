@@ -6,7 +6,7 @@ import math
 import statistics
 import time
 
-from peers import log
+from peers import log, now
 
 
 GiB = 1 << 30
@@ -173,6 +173,19 @@ def spinner(device, window_ms, launch_bound=False):
     return lambda: torch.cuda._sleep(cycles)
 
 
+def time_steps(tr, n):
+    """The wall time of each of ``n`` steps of trainer ``tr`` (forward, backward, optimizer
+    step, then ``tr.sync()``), in seconds."""
+    dts = []
+    for _ in range(n):
+        t = now()
+        tr.fwd_bwd()
+        tr.step()
+        tr.sync()
+        dts.append(now() - t)
+    return dts
+
+
 def cadence_trainer(device, state, seed):
     """The trainer of the cadence benches (``cadence_overhead.py``, ``cadence_trace.py``):
     the ``state`` size on ``device`` (CUDA: device 0, TF32 matmuls), each step synchronized
@@ -180,7 +193,6 @@ def cadence_trainer(device, state, seed):
     the checkpointed state is weights and moments: 8g 8.2 GiB; built before any step it
     held the weights alone, 2.73 GiB)."""
     import torch
-    from sweep import time_steps
 
     if device == "cuda":
         torch.cuda.set_device(0)
