@@ -221,8 +221,8 @@ class Saver:
         then the storages of this call's tensors, which its check compares)."""
         step, walked, meta = pinned.step, pinned.walked, pinned.meta
         lay = self.layout
-        plan = lay.plan if lay is not None else None
-        if lay is None or plan is None or plan.redo or plan.key[0] or plan.key[1]:
+        plan = _startable(lay)
+        if lay is None or plan is None:
             return False
         if lay.tokens != walked.tokens or sorted(pinned.streams) != plan.devices:
             return False
@@ -249,22 +249,23 @@ class Saver:
         handle._snapshot = snapshot
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         handle._future = fut
-        handle._settle = functools.partial(self._settle, pinned, plan, skeleton, rust, fut)
+        handle._settle = functools.partial(self._settle, pinned, plan, rust, fut)
         return True
 
     def _settle(
         self,
         pinned: "_Pinned",
         plan: _layout.Plan,
-        skeleton: str,
         rust: Any,
         fut: "concurrent.futures.Future[Any]",
     ) -> None:
         """Check a save :meth:`_speculate` started: capture the call's walk as a deferred
         save would (``_capture_tensors``: the tensors' metadata read now, the layout and
-        plan compared, the guarded storages checked). When that capture is the plan the
-        save was started from and the same skeleton, the engine's save is exactly the
-        capture's: its commit is confirmed. Else it is refused, and once it has ended the
+        plan compared, the guarded storages checked). When that capture is a hit of the plan
+        the save was started from, the engine's save is exactly the capture's: the same
+        layout (so the same skeleton for the walk's values), the same tuples over the same
+        tensors, no copy made anew (the plan has none to redo) and the call's devices: its
+        commit is confirmed. Else it is refused, and once it has ended the
         capture is saved as the deferred save (its copies after the call's events; the
         guard's wait then waits for them). ``fut`` gets the engine's handle of the save
         that stands, or the error (reported by the next save or wait, as a deferred
@@ -273,12 +274,7 @@ class Saver:
         try:
             probe = _layout.read_meta(walked)
             cap = _gc_paused_call(self._capture_tensors, step, walked, probe, False, meta, pinned)
-            if (
-                cap.plan is plan
-                and meta[_state.STATE_KEY] == skeleton
-                and not cap.finishes
-                and sorted(cap.devices) == plan.devices
-            ):
+            if cap.plan is plan:
                 rust.confirm_commit(None)
                 fut.set_result(rust)
             else:
@@ -303,9 +299,8 @@ class Saver:
         take their capsules now (``Engine.prepare``: the plan's tuples over this save's
         tensors, whose storages the next deferred save has), so that its call only starts
         the engine's save. Nothing is prepared when that fails (the next save builds them)."""
-        again, lay = self.deferrable, self.layout
-        plan = lay.plan if lay is not None else None
-        if again is None or plan is None or plan.redo or plan.key[0] or plan.key[1] or again.devices != plan.devices:
+        again, plan = self.deferrable, _startable(self.layout)
+        if again is None or plan is None or again.devices != plan.devices:
             return
         try:
             prepared = self.shared.engine.prepare(engine_tuples(plan.tuples(walked.objs)))
@@ -563,6 +558,17 @@ class _Captured:
         self.hold = hold
         #: The cached plan whose tuples these are (a layout and plan hit), else None.
         self.plan: Optional[_layout.Plan] = None
+
+
+def _startable(lay: Optional[_layout.Layout]) -> Optional[_layout.Plan]:
+    """The plan of layout ``lay`` that a deferred save can start from at its call
+    (``Saver._speculate``) and prepare for (``Saver._prepare_next``): a non-blocking save's
+    that did not hold the trainer's streams and captures nothing anew (every tuple is a
+    tensor's own memory); else None."""
+    plan = lay.plan if lay is not None else None
+    if plan is None or plan.redo or plan.key[0] or plan.key[1]:
+        return None
+    return plan
 
 
 def _record_events(streams: Dict[int, Any]) -> Dict[int, Any]:
