@@ -7,6 +7,7 @@ and any change of what made the deferral safe (the guard, the optimizer's state,
 tensors' storages) makes the next save a capture at the call again."""
 
 import collections
+import itertools
 import threading
 
 import pytest
@@ -604,11 +605,13 @@ def test_prepared_tensors_are_dropped_when_the_guard_changes(root):
     """The tensors prepared for the next deferred save keep its storages referenced: they
     are given back by ``unguard``, by the guarded optimizer's ``load_state_dict`` or end,
     by a save that does not use them and by ``close``."""
+    steps = itertools.count(1)
+
     def setup(ck):
         model, opt, step, state = trainer()
         ck.guard(opt)
-        for s in (1, 2, 3):
-            ck.save(ck.latest() + 1 if ck.latest() is not None else s, state, blocking=False).wait()
+        for _ in range(3):
+            ck.save(next(steps), state, blocking=False).wait()
             step()
         prepared = ck._saver.prepared
         assert prepared is not None and not prepared[1].taken
@@ -628,7 +631,7 @@ def test_prepared_tensors_are_dropped_when_the_guard_changes(root):
         gc.collect()
         assert p.taken and ck._saver.prepared is None
         model, opt, step, state, p = setup(ck)
-        ck.save(ck.latest() + 1, {"other": torch.ones(2)}, blocking=False).wait()
+        ck.save(next(steps), {"other": torch.ones(2)}, blocking=False).wait()
         assert p.taken and ck._saver.prepared is None
         model, opt, step, state, p = setup(ck)
     assert p.taken
