@@ -140,9 +140,9 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
     ``--compare-engine``."""
     import torch
     from shmckpt._util import engine_tuples
+    from sweep import calibrate
 
     engines = engines or {}
-    from sweep import calibrate
 
     if cuda:
         cal = calibrate(tr, [step_ms / 1e3], argparse.Namespace(batches=None, quick=False))
