@@ -317,11 +317,18 @@ impl PySaveHandle {
     /// Decide the commit of a save started with `confirm=True` or `provisional=True`:
     /// `reason=None` commits it, a string refuses it (the save then fails with
     /// `CommitRefused` carrying it, its file removed). The first decision counts.
+    ///
+    /// Runs without the interpreter's lock: confirming a memory-only save whose staging
+    /// ended installs it into the memory tier, which can wait for a load copying from
+    /// that tier. The handle's lock is taken and released inside (no thread waits for it
+    /// while holding the interpreter's lock and being waited for).
     #[pyo3(signature = (reason=None))]
-    fn confirm_commit(&self, reason: Option<String>) {
-        if let Some(h) = &*lock(&self.inner) {
-            h.confirm_commit(reason.map_or(Ok(()), Err));
-        }
+    fn confirm_commit(&self, py: Python<'_>, reason: Option<String>) {
+        py.detach(|| {
+            if let Some(h) = &*lock(&self.inner) {
+                h.confirm_commit(reason.map_or(Ok(()), Err));
+            }
+        });
     }
 
     /// Block (GIL released, interruptible) until the step is committed in the bucket.
