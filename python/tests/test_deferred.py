@@ -456,6 +456,7 @@ class _Recorder:
     def __init__(self, engine):
         self._engine = engine
         self.calls = []
+        self.handles = []  # the engine's handles of the saves that started
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -468,15 +469,22 @@ class _Recorder:
             self.calls.append(who + (type(e).__name__,))
             raise
         self.calls.append(who + (None,))
+        self.handles.append(h)
         return h
+
+
+def submitted(ck):
+    """Wait until what the checkpointer's submitting thread was given so far has run (it
+    runs its work in order)."""
+    ck._saver.submitter.submit(lambda: None).result()
 
 
 @pytest.mark.parametrize("cadence", [None, shmckpt.Cadence(disk_every=3)], ids=["disk", "memory"])
 def test_a_deferred_save_starts_at_its_call_and_commits_once_checked(root, cadence):
     """From the third save on, a deferred save is handed to the engine at its call, on the
-    caller's thread, as a provisional save of the last save's plan; the guard's wait checks
-    it and confirms it: one engine save per step, committed (to disk or the memory tier)
-    with the values of its call, and not listed before the check."""
+    submitting thread, as a provisional save of the last save's plan; the guard's wait
+    checks it and confirms it: one engine save per step, committed (to disk or the memory
+    tier) with the values of its call, and not listed before the check (though staged)."""
     model, opt, step, state = trainer()
     kw = {} if cadence is None else {"cadence": cadence}
     with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20), **kw) as ck:
@@ -490,7 +498,10 @@ def test_a_deferred_save_starts_at_its_call_and_commits_once_checked(root, caden
             want = snapshot(state)
             h = ck.save(s, state, blocking=False)
             assert h._deferred and h._settle is not None
-            assert rec.calls[-1] == (s, True, threading.current_thread().name, None)
+            submitted(ck)
+            assert rec.calls[-1][:2] == (s, True) and rec.calls[-1][3] is None, rec.calls
+            assert rec.calls[-1][2].startswith("shmckpt-submit")
+            rec.handles[-1].wait_staged()  # (the engine's handle: no check runs)
             assert s not in [t for t, _ in ck.list(tiers=True)], "listed before its check"
             step()  # the guard checks and confirms it, then the step changes the tensors
             assert h._settle is None
@@ -536,11 +547,11 @@ def test_a_speculative_save_whose_metadata_changed_is_refused_and_saved_again(ck
 @pytest.mark.parametrize("prepared", [False, True], ids=["tuples", "prepared"])
 def test_a_tensor_the_plan_no_longer_describes_is_never_saved_as_the_plan_says(ckpt, prepared):
     """A guarded view reshaped in place (``resize_`` to fewer elements: the same storage)
-    no longer has the plan's shape. Built at the call, its tuple is refused by the engine
-    (nothing started) and the save is captured on the submitting thread. Prepared by the
-    last save's check (its capsule taken before the change), the provisional save starts,
-    its check finds the change, refuses it and saves the capture in its place. Either way
-    the step holds the view as it is at the call, committed once."""
+    no longer has the plan's shape. Built at the call's start, its tuple is refused by the
+    engine (nothing started). Prepared by the last save's check (its capsule taken before
+    the change), the provisional save starts, and its check finds the change and refuses
+    it. Either way the check (in the guard's hook) saves its capture in its place: the
+    step holds the view as it is at the call, committed once."""
     model, opt, step, state = trainer()
     ckpt.guard(opt)
     view = model[0].weight.detach()
@@ -556,15 +567,13 @@ def test_a_tensor_the_plan_no_longer_describes_is_never_saved_as_the_plan_says(c
     view.resize_(4, 8)
     want = snapshot(state)
     h = ckpt.save(4, state, blocking=False)
-    assert h._deferred and (h._settle is not None) is prepared
+    assert h._deferred and h._settle is not None
     step()
     h.wait()
-    if prepared:
-        assert [(c[0], c[1], c[3]) for c in rec.calls] == [(4, True, None), (4, False, None)]
-        assert rec.calls[1][2] == threading.current_thread().name  # in the guard's hook
-    else:
-        assert [(c[0], c[1], c[3]) for c in rec.calls] == [(4, True, "ValueError"), (4, False, None)]
-        assert rec.calls[1][2].startswith("shmckpt-submit")
+    refused = None if prepared else "ValueError"
+    assert [(c[0], c[1], c[3]) for c in rec.calls] == [(4, True, refused), (4, False, None)]
+    assert rec.calls[0][2].startswith("shmckpt-submit")
+    assert rec.calls[1][2] == threading.current_thread().name  # in the guard's hook
     assert ckpt.list() == [1, 2, 3, 4]
     got = ckpt.load(4)
     assert_same(want, got)

@@ -198,28 +198,30 @@ class Saver:
     def _speculate(self, pinned: "_Pinned") -> bool:
         """Start a deferred save at its call (``_defer``) from the last save's plan: the
         plan's tuples over the call's tensors, the layout's skeleton with the call's plain
-        values, copies ordered after the call's events. The engine takes it provisionally
-        (``provisional=True``: no tier takes it before :meth:`_settle` confirms it) and
-        refuses a tensor whose dtype, shape, length or device is not its tuple's. What the
-        deferred capture would check (each tensor's metadata against the layout, the
-        guarded storages) is checked by :meth:`_settle`, run by the guard's wait before
-        the optimizer step (or by the first wait, ``done`` or the next save): the
-        interpreter's lock is then not taken from the trainer's thread while it queues the
-        step's first kernels, and the copies start at the call. False (nothing started)
-        when the last save left no plan this call can use; the save is then captured on
-        the submitting thread."""
+        values, copies ordered after the call's events. The engine's call runs on the
+        submitting thread (:meth:`_start`), which holds the interpreter's lock only to
+        pass the prepared tensors (or build the tuples) and the metadata: its work (the
+        plan, the files, the staging thread) runs while the trainer queues the step's
+        first kernels. The engine takes the save provisionally (``provisional=True``: no
+        tier takes it before :meth:`_settle` confirms it) and refuses a tensor whose
+        dtype, shape, length or device is not its tuple's. What the deferred capture would
+        check (each tensor's metadata against the layout, the guarded storages) is checked
+        by :meth:`_settle`, run by the guard's wait before the optimizer step (or by the
+        first wait, ``done`` or the next save). False (nothing started) when the last save
+        left no plan this call can use; the save is then captured on the submitting
+        thread."""
         prepared, self.prepared = self.prepared, None
-        try:
-            return self._speculate_with(pinned, prepared)
-        finally:
-            if prepared is not None:
-                prepared[1].release()  # (a no-op once a save took them)
+        if not self._speculate_with(pinned, prepared) and prepared is not None:
+            prepared[1].release()
+            return False
+        return True
 
     def _speculate_with(self, pinned: "_Pinned", prepared: Optional[Tuple[_layout.Plan, Any]]) -> bool:
         """:meth:`_speculate`, given the tensors the last check prepared (``_prepare_next``;
         used when they are the tuples of the plan this save starts from: their memory is
-        then the storages of this call's tensors, which its check compares)."""
-        step, walked, meta = pinned.step, pinned.walked, pinned.meta
+        then the storages of this call's tensors, which its check compares). True once the
+        start is queued: the start then owns ``prepared``."""
+        walked, meta = pinned.walked, pinned.meta
         lay = self.layout
         plan = _startable(lay)
         if lay is None or plan is None:
@@ -234,29 +236,49 @@ class Saver:
         spec_meta = dict(meta)
         spec_meta[_state.STATE_KEY] = skeleton
         snapshot = pinned.snap and bool(plan.devices)
-        after = [(d, "event", ev) for d, ev in pinned.events.items()]
-        if prepared is not None and prepared[0] is plan and not prepared[1].taken:
-            tensors = prepared[1]
-        else:
-            tensors = engine_tuples(plan.tuples(walked.objs))
-        try:
-            rust = self.shared.engine.save(step, tensors, spec_meta, after, False, False, snapshot, provisional=True)
-        except Exception:
-            # A tensor the plan no longer describes (the engine refused its tuple), or an
-            # error the capture meets again and reports: captured as any deferred save.
-            return False
+        usable = prepared if prepared is not None and prepared[0] is plan else None
+        if prepared is not None and usable is None:
+            prepared[1].release()
+        started = self._on_submitter(functools.partial(self._start, pinned, plan, usable, spec_meta, snapshot))
         handle = pinned.handle
         handle._snapshot = snapshot
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         handle._future = fut
-        handle._settle = functools.partial(self._settle, pinned, plan, rust, fut)
+        handle._settle = functools.partial(self._settle, pinned, plan, started, fut)
         return True
+
+    def _start(
+        self,
+        pinned: "_Pinned",
+        plan: _layout.Plan,
+        prepared: Optional[Tuple[_layout.Plan, Any]],
+        spec_meta: Dict[str, str],
+        snapshot: bool,
+    ) -> Any:
+        """On the submitting thread: the engine's provisional save of a speculative start
+        (:meth:`_speculate`), from the prepared tensors when given, else from the plan's
+        tuples over the call's tensors. The engine's handle, or None when the engine
+        refused the save (a tensor the plan no longer describes) or it could not start:
+        nothing was started, and its check captures the save (:meth:`_settle`)."""
+        after = [(d, "event", ev) for d, ev in pinned.events.items()]
+        try:
+            tensors: Any
+            if prepared is not None and not prepared[1].taken:
+                tensors = prepared[1]
+            else:
+                tensors = engine_tuples(plan.tuples(pinned.walked.objs))
+            return self.shared.engine.save(pinned.step, tensors, spec_meta, after, False, False, snapshot, provisional=True)
+        except Exception:
+            return None
+        finally:
+            if prepared is not None:
+                prepared[1].release()  # (a no-op once the save took them)
 
     def _settle(
         self,
         pinned: "_Pinned",
         plan: _layout.Plan,
-        rust: Any,
+        started: "concurrent.futures.Future[Any]",
         fut: "concurrent.futures.Future[Any]",
     ) -> None:
         """Check a save :meth:`_speculate` started: capture the call's walk as a deferred
@@ -265,28 +287,32 @@ class Saver:
         the save was started from, the engine's save is exactly the capture's: the same
         layout (so the same skeleton for the walk's values), the same tuples over the same
         tensors, no copy made anew (the plan has none to redo) and the call's devices: its
-        commit is confirmed. Else it is refused, and once it has ended the
-        capture is saved as the deferred save (its copies after the call's events; the
-        guard's wait then waits for them). ``fut`` gets the engine's handle of the save
-        that stands, or the error (reported by the next save or wait, as a deferred
-        capture's)."""
+        commit is confirmed. Else it is refused, and once it has ended the capture is saved
+        as the deferred save (its copies after the call's events; the guard's wait then
+        waits for them); so is the capture when the start (:meth:`_start`, waited for
+        here) started nothing. ``fut`` gets the engine's handle of the save that stands,
+        or the error (reported by the next save or wait, as a deferred capture's)."""
         step, walked, meta = pinned.step, pinned.walked, pinned.meta
+        rust: Any = None
         try:
+            rust = started.result()
             probe = _layout.read_meta(walked)
             cap = _gc_paused_call(self._capture_tensors, step, walked, probe, False, meta, pinned)
-            if cap.plan is plan:
+            if rust is not None and cap.plan is plan:
                 rust.confirm_commit(None)
                 fut.set_result(rust)
             else:
-                rust.confirm_commit("the state changed between the save's call and its check; it is saved again")
-                try:
-                    rust.wait()
-                except CommitRefused:
-                    pass
+                if rust is not None:
+                    rust.confirm_commit("the state changed between the save's call and its check; it is saved again")
+                    try:
+                        rust.wait()
+                    except CommitRefused:
+                        pass
                 fut.set_result(self._submit_deferred(cap, pinned))
         except BaseException as e:
             self.deferrable = None  # the next save is captured at its call
-            rust.confirm_commit(f"the save's check failed: {e}")
+            if rust is not None:
+                rust.confirm_commit(f"the save's check failed: {e}")
             fut.set_exception(e)
             if not isinstance(e, Exception):
                 raise
