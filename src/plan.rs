@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -106,49 +107,141 @@ pub struct Piece {
 #[derive(Debug, Clone)]
 pub struct Plan {
     header: Vec<u8>,
-    entries: Vec<Entry>,
+    /// Shared with the next plan of the same tensors ([`PlanCache`]) when its data section
+    /// starts at the same offset.
+    entries: Arc<[Entry]>,
     file_len: u64,
 }
 
-impl Plan {
-    /// Validate `tensors` and lay them out. `metadata` goes into `__metadata__` after the
-    /// keys shmckpt adds (`shmckpt.step`, ...), which are passed in `system`.
-    pub fn new(
-        tensors: &[TensorSpec],
-        system: &BTreeMap<String, String>,
-        metadata: &BTreeMap<String, String>,
-    ) -> Result<Plan> {
-        validate(tensors, metadata)?;
+/// One tensor as the planner sees it, borrowed from the caller ([`PlanCache::plan`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SpecRef<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// Bytes the caller provides.
+    pub len: u64,
+}
+
+impl SpecRef<'_> {
+    fn is(&self, t: &TensorSpec) -> bool {
+        self.name == t.name && self.dtype == t.dtype && self.shape == t.shape && self.len == t.len
+    }
+
+    fn to_spec(self) -> TensorSpec {
+        TensorSpec {
+            name: self.name.to_owned(),
+            dtype: self.dtype,
+            shape: self.shape.to_vec(),
+            len: self.len,
+        }
+    }
+}
+
+/// What a plan is made of apart from the keys shmckpt adds (`system`, which change at
+/// every save): the tensors' layout and JSON and the caller's metadata's JSON, made once
+/// per distinct list of tensors and metadata ([`PlanCache`]).
+#[derive(Debug)]
+struct Layout {
+    /// `,"key":"value"` per pair of the caller's metadata.
+    metadata_json: String,
+    /// `}` (closing `__metadata__`), then `,"name":{...}` per tensor in file order, then
+    /// `}`.
+    tensors_json: String,
+    /// The tensors in file order, `offset` relative to the data section.
+    entries: Vec<Entry>,
+    /// Bytes of the data section.
+    data_len: u64,
+}
+
+impl Layout {
+    /// Lay out `tensors` (validated) and render their JSON and `metadata`'s.
+    fn of(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<Layout> {
         let mut order: Vec<usize> = (0..tensors.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].dtype.alignment()));
 
-        // Data-relative offsets first; the header length depends on them.
-        let mut rel = Vec::with_capacity(tensors.len());
+        // Data-relative offsets first: the JSON holds them.
+        let mut entries = Vec::with_capacity(tensors.len());
         let mut at = 0u64;
         for &i in &order {
-            rel.push(at);
-            at = at.checked_add(tensors[i].len).ok_or(Error::SizeOverflow {
+            let t = &tensors[i];
+            entries.push(Entry {
+                input: i,
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: at,
+                len: t.len,
+            });
+            at = at.checked_add(t.len).ok_or(Error::SizeOverflow {
                 what: "the total size of the tensors",
             })?;
         }
-        let data_len = at;
 
-        // Room for every piece without growing: names, shapes and offsets (at most 20 digits
-        // and a comma each), metadata with its escapes usually (a longer one grows it).
-        let text: usize = system
+        let mut metadata_json = String::with_capacity(
+            metadata
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .fold(0, usize::saturating_add),
+        );
+        for (k, v) in metadata {
+            metadata_json.push(',');
+            push_json_str(&mut metadata_json, k);
+            metadata_json.push(':');
+            push_json_str(&mut metadata_json, v);
+        }
+        // Room for every piece without growing: names, shapes and offsets (at most 20
+        // digits and a comma each).
+        let text: usize = tensors
             .iter()
-            .chain(metadata.iter())
-            .map(|(k, v)| k.len() + v.len() + 8)
-            .chain(
-                tensors
-                    .iter()
-                    .map(|t| t.name.len() + 21 * t.shape.len() + 96),
-            )
-            .fold(64, usize::saturating_add);
-        let mut json = String::with_capacity(text.saturating_add(text / 8));
+            .map(|t| t.name.len() + 21 * t.shape.len() + 96)
+            .fold(8, usize::saturating_add);
+        let mut json = String::with_capacity(text);
+        json.push('}');
+        for e in &entries {
+            json.push(',');
+            push_json_str(&mut json, &e.name);
+            json.push_str(":{\"dtype\":\"");
+            json.push_str(e.dtype.as_str());
+            json.push_str("\",\"shape\":[");
+            for (d, dim) in e.shape.iter().enumerate() {
+                if d > 0 {
+                    json.push(',');
+                }
+                push_u64(&mut json, *dim as u64);
+            }
+            json.push_str("],\"data_offsets\":[");
+            push_u64(&mut json, e.offset);
+            json.push(',');
+            push_u64(&mut json, e.offset + e.len);
+            json.push_str("]}");
+        }
+        json.push('}');
+        Ok(Layout {
+            metadata_json,
+            tensors_json: json,
+            entries,
+            data_len: at,
+        })
+    }
+
+    /// The header with `system`'s keys first in `__metadata__`, padded so that the data
+    /// section starts at a multiple of [`DATA_ALIGN`].
+    fn header(&self, system: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+        let mut json = String::with_capacity(
+            system
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .fold(32, usize::saturating_add)
+                .saturating_add(self.metadata_json.len())
+                .saturating_add(self.tensors_json.len()),
+        );
         json.push_str("{\"__metadata__\":{");
         let mut first = true;
-        for (k, v) in system.iter().chain(metadata.iter()) {
+        for (k, v) in system {
             if !first {
                 json.push(',');
             }
@@ -157,27 +250,10 @@ impl Plan {
             json.push(':');
             push_json_str(&mut json, v);
         }
-        json.push('}');
-        for (slot, &i) in order.iter().enumerate() {
-            let t = &tensors[i];
-            json.push(',');
-            push_json_str(&mut json, &t.name);
-            json.push_str(":{\"dtype\":\"");
-            json.push_str(t.dtype.as_str());
-            json.push_str("\",\"shape\":[");
-            for (d, dim) in t.shape.iter().enumerate() {
-                if d > 0 {
-                    json.push(',');
-                }
-                push_u64(&mut json, *dim as u64);
-            }
-            json.push_str("],\"data_offsets\":[");
-            push_u64(&mut json, rel[slot]);
-            json.push(',');
-            push_u64(&mut json, rel[slot] + t.len);
-            json.push_str("]}");
-        }
-        json.push('}');
+        // Each pair of the caller's starts with a comma: not the first one's.
+        let skip = usize::from(first && !self.metadata_json.is_empty());
+        json.push_str(&self.metadata_json[skip..]);
+        json.push_str(&self.tensors_json);
 
         let unpadded = 8 + json.len() as u64;
         let data_start = unpadded.div_ceil(DATA_ALIGN) * DATA_ALIGN;
@@ -192,29 +268,111 @@ impl Plan {
         header.extend_from_slice(&n.to_le_bytes());
         header.extend_from_slice(json.as_bytes());
         header.resize(data_start as usize, b' ');
+        Ok(header)
+    }
 
-        let entries = order
+    /// The entries with the data section at `data_start`.
+    fn placed(&self, data_start: u64) -> Arc<[Entry]> {
+        self.entries
             .iter()
-            .zip(&rel)
-            .map(|(&i, &r)| Entry {
-                input: i,
-                name: tensors[i].name.clone(),
-                dtype: tensors[i].dtype,
-                shape: tensors[i].shape.clone(),
-                offset: data_start + r,
-                len: tensors[i].len,
+            .map(|e| Entry {
+                offset: data_start + e.offset,
+                ..e.clone()
             })
-            .collect();
-        let file_len = data_start
-            .checked_add(data_len)
-            .ok_or(Error::SizeOverflow {
-                what: "the checkpoint file size",
-            })?;
+            .collect()
+    }
+
+    /// The plan with `header` ([`Layout::header`]) and the entries placed after it.
+    fn plan(&self, header: Vec<u8>, entries: Arc<[Entry]>) -> Result<Plan> {
+        let file_len =
+            (header.len() as u64)
+                .checked_add(self.data_len)
+                .ok_or(Error::SizeOverflow {
+                    what: "the checkpoint file size",
+                })?;
         Ok(Plan {
             header,
             entries,
             file_len,
         })
+    }
+}
+
+/// The last layout an engine made, reused by its next save of the same tensors (the same
+/// names, dtypes, shapes and lengths in the same order) with the same metadata: only the
+/// keys shmckpt adds (the step, ...) are rendered again, and the entries are shared while
+/// the data section starts at the same offset. A plan made through it is the plan
+/// [`Plan::new`] makes, byte for byte (test `a_cached_layout_makes_the_plan_plan_new_makes`).
+#[derive(Debug, Default)]
+pub struct PlanCache {
+    last: Option<Cached>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    /// What the layout was made for (validated).
+    specs: Vec<TensorSpec>,
+    metadata: BTreeMap<String, String>,
+    layout: Layout,
+    /// The entries of the last plan, and where its data section started.
+    placed: (u64, Arc<[Entry]>),
+}
+
+impl PlanCache {
+    /// [`Plan::new`] of `tensors`, reusing the last layout when `tensors` and `metadata`
+    /// are those it was made for. A list that fails validation leaves the cache as it was.
+    pub fn plan<'a, I>(
+        &mut self,
+        tensors: I,
+        system: &BTreeMap<String, String>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Plan>
+    where
+        I: ExactSizeIterator<Item = SpecRef<'a>> + Clone,
+    {
+        if let Some(c) = &mut self.last {
+            let same = c.specs.len() == tensors.len()
+                && tensors.clone().zip(&c.specs).all(|(r, t)| r.is(t))
+                && c.metadata == *metadata;
+            if same {
+                let header = c.layout.header(system)?;
+                let data_start = header.len() as u64;
+                if c.placed.0 != data_start {
+                    c.placed = (data_start, c.layout.placed(data_start));
+                }
+                return c.layout.plan(header, Arc::clone(&c.placed.1));
+            }
+        }
+        let specs: Vec<TensorSpec> = tensors.map(SpecRef::to_spec).collect();
+        validate(&specs, metadata)?;
+        let layout = Layout::of(&specs, metadata)?;
+        let header = layout.header(system)?;
+        let data_start = header.len() as u64;
+        let entries = layout.placed(data_start);
+        let plan = layout.plan(header, Arc::clone(&entries))?;
+        self.last = Some(Cached {
+            specs,
+            metadata: metadata.clone(),
+            layout,
+            placed: (data_start, entries),
+        });
+        Ok(plan)
+    }
+}
+
+impl Plan {
+    /// Validate `tensors` and lay them out. `metadata` goes into `__metadata__` after the
+    /// keys shmckpt adds (`shmckpt.step`, ...), which are passed in `system`.
+    pub fn new(
+        tensors: &[TensorSpec],
+        system: &BTreeMap<String, String>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Plan> {
+        validate(tensors, metadata)?;
+        let layout = Layout::of(tensors, metadata)?;
+        let header = layout.header(system)?;
+        let entries = layout.placed(header.len() as u64);
+        layout.plan(header, entries)
     }
 
     /// The plan of a file already laid out: its `header` (the length prefix, the JSON and
@@ -266,7 +424,7 @@ impl Plan {
         }
         Ok(Plan {
             header,
-            entries,
+            entries: entries.into(),
             file_len,
         })
     }
@@ -508,6 +666,93 @@ mod tests {
 
     fn no_meta() -> BTreeMap<String, String> {
         BTreeMap::new()
+    }
+
+    fn refs(ts: &[TensorSpec]) -> impl ExactSizeIterator<Item = SpecRef<'_>> + Clone {
+        ts.iter().map(|t| SpecRef {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            len: t.len,
+        })
+    }
+
+    type Meta = BTreeMap<String, String>;
+
+    fn meta(pairs: &[(&str, &str)]) -> Meta {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// Through the cache, every plan is `Plan::new`'s, byte for byte, whether its layout is
+    /// reused (same tensors and metadata, another step, a step long enough to move the
+    /// data section) or made anew (a shape, a name, a dtype or the metadata changed), with
+    /// or without system keys; a list that fails validation fails as `Plan::new` fails and
+    /// leaves the cache to the last valid list.
+    #[test]
+    fn a_cached_layout_makes_the_plan_plan_new_makes() {
+        let base = vec![
+            spec("a", Dtype::BF16, &[3, 5]),
+            spec("b\"q", Dtype::F32, &[7]),
+            spec("c", Dtype::I64, &[2]),
+            spec("e", Dtype::U8, &[0]),
+        ];
+        // A value sized so that a longer step pushes the JSON past 4096 - 8 bytes.
+        let step = |n: &str| meta(&[("shmckpt.step", n), ("shmckpt.rank", "0")]);
+        let probe = Plan::new(&base, &step("1"), &meta(&[("m", "")])).unwrap();
+        let json_len = u64::from_le_bytes(probe.header()[..8].try_into().unwrap()) as usize;
+        let trimmed = probe.header()[8..8 + json_len]
+            .iter()
+            .rposition(|&b| b != b' ')
+            .unwrap()
+            + 1;
+        let fill = "x".repeat(4096 - 8 - trimmed - 2);
+        let mut shape2 = base.clone();
+        shape2[0] = spec("a", Dtype::BF16, &[5, 3]);
+        let mut renamed = base.clone();
+        renamed[2] = spec("d", Dtype::I64, &[2]);
+        let mut retyped = base.clone();
+        retyped[1] = spec("b\"q", Dtype::I32, &[7]);
+        let dup = vec![spec("a", Dtype::F32, &[1]), spec("a", Dtype::F32, &[1])];
+        let cases: Vec<(&[TensorSpec], Meta, Meta)> = vec![
+            (&base, step("1"), meta(&[("m", &fill)])),
+            (&base, step("2"), meta(&[("m", &fill)])),
+            (&base, step("100000"), meta(&[("m", &fill)])), // the data section moves
+            (&base, step("3"), meta(&[("m", &fill)])),      // and back
+            (&shape2, step("4"), meta(&[("m", &fill)])),
+            (&shape2, step("5"), meta(&[("m", "other \"value\"\n")])),
+            (&renamed, step("6"), meta(&[("m", "other \"value\"\n")])),
+            (&retyped, step("7"), no_meta()),
+            (&retyped, no_meta(), meta(&[("k", "v"), ("l", "w")])),
+            (&retyped, no_meta(), no_meta()),
+            (&dup, step("8"), no_meta()),
+            (&retyped, step("9"), no_meta()),
+            (&retyped, step("10"), meta(&[("shmckpt.x", "reserved")])),
+            (&retyped, step("11"), no_meta()),
+        ];
+        let mut cache = PlanCache::default();
+        let mut starts = Vec::new();
+        for (i, (ts, system, metadata)) in cases.iter().enumerate() {
+            let want = Plan::new(ts, system, metadata);
+            let got = cache.plan(refs(ts), system, metadata);
+            match (want, got) {
+                (Ok(w), Ok(g)) => {
+                    assert_eq!(g.header(), w.header(), "case {i}");
+                    assert_eq!(g.entries(), w.entries(), "case {i}");
+                    assert_eq!(g.file_len(), w.file_len(), "case {i}");
+                    starts.push(w.data_start());
+                }
+                (Err(w), Err(g)) => assert_eq!(g.to_string(), w.to_string(), "case {i}"),
+                (w, g) => panic!("case {i}: Plan::new {w:?}, cached {g:?}"),
+            }
+        }
+        assert_eq!(
+            starts[..4],
+            [4096, 4096, 8192, 4096],
+            "the data section moves and back"
+        );
     }
 
     #[test]

@@ -82,6 +82,8 @@ struct Shared {
     /// Why there is no adopted image to serve from (flash restore on).
     kept_note: Option<String>,
     inflight: Mutex<BTreeSet<u64>>,
+    /// The last save's layout, reused by the next save of the same tensors and metadata.
+    plans: Mutex<crate::plan::PlanCache>,
     /// Whether this engine began a save: until then every part of this rank in a partial
     /// directory is a dead incarnation's (`Engine::withdraw_stale_parts`).
     began_saving: std::sync::atomic::AtomicBool,
@@ -517,6 +519,7 @@ impl Engine {
             adopted: Mutex::new(adopted),
             kept_note,
             inflight: Mutex::new(BTreeSet::new()),
+            plans: Mutex::default(),
             began_saving: std::sync::atomic::AtomicBool::new(false),
             gate: Gate::default(),
             cuda: OnceLock::new(),

@@ -14,7 +14,7 @@ use crate::device::{After, Sources, StageJob, host};
 use crate::error::{Error, Result};
 use crate::io::pool::{WriteJob, WriteSink};
 use crate::manifest::{self, Metadata};
-use crate::plan::{self, Plan, TensorSpec};
+use crate::plan::{self, SpecRef};
 use crate::staging::ChunkLease;
 use crate::staging::descriptor::SaveRecord;
 use crate::tensor::{Source, Tensor};
@@ -362,15 +362,6 @@ impl Engine {
         let cs = arena.chunk_size();
 
         // 1. Validate and lay out: nothing is touched before this succeeds.
-        let specs: Vec<TensorSpec> = tensors
-            .iter()
-            .map(|t| TensorSpec {
-                name: t.name.to_string(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                len: t.source.len(),
-            })
-            .collect();
         let mut system: Metadata = [
             (plan::META_STEP.to_owned(), step.to_string()),
             (plan::META_RANK.to_owned(), cfg.rank.to_string()),
@@ -380,7 +371,17 @@ impl Engine {
         if let Some(session) = &cfg.session {
             system.insert(plan::META_SESSION.to_owned(), session.clone());
         }
-        let plan = Plan::new(&specs, &system, metadata)?;
+        // The last save's layout when this one's tensors and metadata are the same.
+        let plan = lock(&self.shared.plans).plan(
+            tensors.iter().map(|t| SpecRef {
+                name: &t.name,
+                dtype: t.dtype,
+                shape: &t.shape,
+                len: t.source.len(),
+            }),
+            &system,
+            metadata,
+        )?;
         if let Some(e) = arena.fill_error() {
             // Allocating the arena in the background failed (`/dev/shm` filled up).
             return Err(e);
