@@ -158,6 +158,21 @@ struct Layout {
 }
 
 impl Layout {
+    /// Validate `tensors` and lay them out: the layout (what [`PlanCache`] keeps) and the
+    /// plan with `system`'s keys ([`Plan::new`]).
+    fn with_plan(
+        tensors: &[TensorSpec],
+        system: &BTreeMap<String, String>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(Layout, Plan)> {
+        validate(tensors, metadata)?;
+        let layout = Layout::of(tensors, metadata)?;
+        let header = layout.header(system)?;
+        let entries = layout.placed(header.len() as u64);
+        let plan = layout.plan(header, entries)?;
+        Ok((layout, plan))
+    }
+
     /// Lay out `tensors` (validated) and render their JSON and `metadata`'s.
     fn of(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<Layout> {
         let mut order: Vec<usize> = (0..tensors.len()).collect();
@@ -187,12 +202,7 @@ impl Layout {
                 .map(|(k, v)| k.len() + v.len() + 8)
                 .fold(0, usize::saturating_add),
         );
-        for (k, v) in metadata {
-            metadata_json.push(',');
-            push_json_str(&mut metadata_json, k);
-            metadata_json.push(':');
-            push_json_str(&mut metadata_json, v);
-        }
+        push_pairs(&mut metadata_json, metadata);
         // Room for every piece without growing: names, shapes and offsets (at most 20
         // digits and a comma each).
         let text: usize = tensors
@@ -239,20 +249,16 @@ impl Layout {
                 .saturating_add(self.metadata_json.len())
                 .saturating_add(self.tensors_json.len()),
         );
-        json.push_str("{\"__metadata__\":{");
-        let mut first = true;
-        for (k, v) in system {
-            if !first {
-                json.push(',');
-            }
-            first = false;
-            push_json_str(&mut json, k);
-            json.push(':');
-            push_json_str(&mut json, v);
+        json.push_str("{\"__metadata__\":");
+        let pairs = json.len();
+        push_pairs(&mut json, system);
+        json.push_str(&self.metadata_json);
+        // Every pair starts with a comma: the first one's opens the object instead.
+        if json.len() == pairs {
+            json.push('{');
+        } else {
+            json.replace_range(pairs..pairs + 1, "{");
         }
-        // Each pair of the caller's starts with a comma: not the first one's.
-        let skip = usize::from(first && !self.metadata_json.is_empty());
-        json.push_str(&self.metadata_json[skip..]);
         json.push_str(&self.tensors_json);
 
         let unpadded = 8 + json.len() as u64;
@@ -344,17 +350,12 @@ impl PlanCache {
             }
         }
         let specs: Vec<TensorSpec> = tensors.map(SpecRef::to_spec).collect();
-        validate(&specs, metadata)?;
-        let layout = Layout::of(&specs, metadata)?;
-        let header = layout.header(system)?;
-        let data_start = header.len() as u64;
-        let entries = layout.placed(data_start);
-        let plan = layout.plan(header, Arc::clone(&entries))?;
+        let (layout, plan) = Layout::with_plan(&specs, system, metadata)?;
         self.last = Some(Cached {
             specs,
             metadata: metadata.clone(),
             layout,
-            placed: (data_start, entries),
+            placed: (plan.data_start(), Arc::clone(&plan.entries)),
         });
         Ok(plan)
     }
@@ -368,11 +369,7 @@ impl Plan {
         system: &BTreeMap<String, String>,
         metadata: &BTreeMap<String, String>,
     ) -> Result<Plan> {
-        validate(tensors, metadata)?;
-        let layout = Layout::of(tensors, metadata)?;
-        let header = layout.header(system)?;
-        let entries = layout.placed(header.len() as u64);
-        layout.plan(header, entries)
+        Layout::with_plan(tensors, system, metadata).map(|(_, plan)| plan)
     }
 
     /// The plan of a file already laid out: its `header` (the length prefix, the JSON and
@@ -571,6 +568,16 @@ fn push_json_str(out: &mut String, s: &str) {
     }
     // A String never fails to serialize.
     out.push_str(&serde_json::to_string(s).expect("string serialization is infallible"));
+}
+
+/// `,"key":"value"` for each pair of `pairs`, in order.
+fn push_pairs(out: &mut String, pairs: &BTreeMap<String, String>) {
+    for (k, v) in pairs {
+        out.push(',');
+        push_json_str(out, k);
+        out.push(':');
+        push_json_str(out, v);
+    }
 }
 
 /// `n` in decimal, without allocating.
