@@ -260,7 +260,7 @@ class Saver:
         tuples over the call's tensors. The engine's handle, or None when the engine
         refused the save (a tensor the plan no longer describes) or it could not start:
         nothing was started, and its check captures the save (:meth:`_settle`)."""
-        after = [(d, "event", ev) for d, ev in pinned.events.items()]
+        after = _after_events(pinned.events)
         try:
             tensors: Any
             if prepared is not None and not prepared[1].taken:
@@ -491,7 +491,7 @@ class Saver:
             )
         handle = pinned.handle
         handle._snapshot = pinned.snap and bool(cap.devices)
-        after = [(d, "event", ev) for d, ev in pinned.events.items()]
+        after = _after_events(pinned.events)
         return self.shared.engine.save(
             step, engine_tuples(cap.entries), pinned.meta, after, False, False, handle._snapshot, confirm=False
         )
@@ -545,7 +545,7 @@ class Saver:
             # recorded by its staging thread, later, after the trainer's next kernels.)
             events = _record_events(devices)
             keep.extend(events.values())
-            after = [(d, "event", ev) for d, ev in events.items()]
+            after = _after_events(events)
             if not finishes:
                 handle._snapshot = snap and bool(devices)
                 h = self.shared.engine.save(
@@ -606,6 +606,11 @@ def _record_events(streams: Dict[int, Any]) -> Dict[int, Any]:
         ev.record(st)
         events[d] = ev
     return events
+
+
+def _after_events(events: Dict[int, Any]) -> List[Tuple[int, str, Any]]:
+    """The engine's ``after`` for copies ordered after ``events`` (:func:`_record_events`)."""
+    return [(d, "event", ev) for d, ev in events.items()]
 
 
 class _Again:
