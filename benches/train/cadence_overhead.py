@@ -16,7 +16,12 @@ One process per run; for each configuration (step length, save interval) the bat
 calibrated to the step length, then segments of ``--iters`` steps alternate, round after
 round (order reversed every other round): ``baseline`` (no checkpoint) and ``tiered``
 (a save every ``every`` steps). Every step is timed on the host with the trainer's stream
-synchronized after it (as ``loss.item()`` does). Before each segment every handle of the
+synchronized after it (as ``loss.item()`` does). Each step calls ``save`` at its start,
+after the previous step's synchronization, with the device idle (``--call-at start``, the
+default: the call's time is the step's), or at its end, after its optimizer step is queued
+and before its synchronization (``--call-at end``: the call runs while the device runs the
+optimizer step, and the save holds the state after it; the raw copy and the engine's save
+are placed the same way). Before each segment every handle of the
 previous one is waited for (untimed), so each segment starts from an idle disk; segments
 are several disk drains long, so the disk drains during most of a tiered segment.
 
@@ -63,6 +68,7 @@ def parse_args(argv=None):
     a("--compare-tuning", action="append", default=None, metavar="JSON", help='also alternate segments saving through another checkpointer with these Tuning fields over the bench\'s, e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"; repeat for more checkpointers ("compare2", "compare3", ...; each has its own staging: --staging-factor x the state)')
     a("--compare-engine", action="store_true", help='also alternate segments saving through a checkpointer with the bench\'s tuning, but straight into its engine from the trainer\'s thread (Engine.save with engine tuples built once, ordered after an event recorded at the call, the streams held before the optimizer step): the save without the package\'s Python capture, reported as "engine"')
     a("--compare-raw", action="store_true", help='also alternate segments that copy the state\'s bytes as one device-to-host copy (cudaMemcpyAsync of one buffer of the same size into pinned memory, on a side stream the optimizer step waits for): the physical cost of the copy beside the step, reported as "raw"')
+    a("--call-at", default="start", choices=["start", "end"], help="where each step calls save: at its start, after the previous step's synchronization (the device idle: the call's time is the step's; default), or at its end, after the optimizer step is queued and before the step's synchronization (the call runs while the device runs the optimizer step; the save holds the state after that step)")
     a("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval for the whole run (how long a thread holding the interpreter keeps it while another waits; Python's default 5 ms)")
     a("--dir", default="/var/tmp/cadence", help="parent of the run's checkpoint root")
     a("--out", default=None)
@@ -151,6 +157,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
     step_s = med(time_steps(tr, 10))
     iters = args.iters or max(20, int(round(8.0 / max(step_s, 1e-3))))
     snap = None if snapshot == "none" else snapshot
+    at_end = args.call_at == "end"
     log(f"config {step_ms} ms every {every} (snapshot {snapshot}): batch {tr.cfg['batch']}, step {step_s * 1e3:.1f} ms, {iters} steps per segment")
     conds = ["baseline", *cks] + (["engine"] if "engine" in engines else []) + (["raw"] if args.compare_raw else [])
     raws = None
@@ -171,9 +178,10 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
         eng = engines.get(cond)
         raw = raws if cond == "raw" else None
         handles = []
-        tr.sync()
-        walls = []
-        for i in range(iters):
+        held = []  # the engine's saves not yet held before an optimizer step
+        copied = []  # the raw copies not yet waited for before an optimizer step
+
+        def save(i):
             t0 = now()
             if ck is not None and i % every == 0:
                 step_no[0] += 1
@@ -182,7 +190,6 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
                     kw["snapshot"] = snap
                 handles.append(ck.save(step_no[0], state, **kw))
                 stalls[cond].append(now() - t0)
-            held = None
             if eng is not None and i % every == 0:
                 step_no[0] += 1
                 engine, entries = eng
@@ -191,25 +198,43 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
                     ev = torch.cuda.Event()
                     ev.record()
                     after = [(0, "event", ev)]
-                held = engine.save(step_no[0], engine_tuples(entries), {}, after, False)
-                handles.append(held)
+                h = engine.save(step_no[0], engine_tuples(entries), {}, after, False)
+                handles.append(h)
+                held.append(h)
                 stalls[cond].append(now() - t0)
             if raw is not None and i % every == 0:
                 side, src, dst = raw
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     dst.copy_(src, non_blocking=True)
-            tr.fwd_bwd()
-            if held is not None:  # as the guard's hook
+                copied.append(side)
+
+        def before_step():
+            # As the guard's hook does for a checkpointer: the optimizer step waits for
+            # the copies of the saves made since the last one.
+            while held:
+                h = held.pop()
                 if cuda:
-                    held.hold_streams([(0, torch.cuda.current_stream())])
+                    h.hold_streams([(0, torch.cuda.current_stream())])
                 else:
-                    held.wait_staged()
-            if raw is not None:
-                torch.cuda.current_stream().wait_stream(raw[0])  # as the guard's wait
+                    h.wait_staged()
+            while copied:
+                torch.cuda.current_stream().wait_stream(copied.pop())  # as the guard's wait
+
+        tr.sync()
+        walls = []
+        for i in range(iters):
+            t0 = now()
+            if not at_end:
+                save(i)
+            tr.fwd_bwd()
+            before_step()
             tr.step()
+            if at_end:
+                save(i)
             tr.sync()
             walls.append(now() - t0)
+        before_step()  # (--call-at end: the last save's copies, untimed)
         for h in handles:  # untimed: the next segment starts from an idle disk
             rep = h.wait()
             saves[cond] += 1
@@ -231,6 +256,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
     res.update(
         step_ms_target=step_ms,
         every=every,
+        call_at=args.call_at,
         snapshot=snapshot,
         batch=tr.cfg["batch"],
         iters_per_segment=iters,
@@ -351,7 +377,7 @@ def main(argv=None):
             stall = "-" if v["stall_ms_median"] is None else f"{v['stall_ms_median']:.2f} / {v['stall_ms_p90']:.2f} ms"
             staging = "-" if v["staging_ms_median"] is None else f"{v['staging_ms_median']:.1f} / {v['staging_ms_p90']:.1f} ms"
             lines.append(
-                f"| {c['step_ms_target']:.0f} ms | {c['every']} | {c['snapshot']}{label} | {c['baseline_mean_ms']:.1f} ms | {v['tiered_mean_ms']:.1f} ms | {v['overhead_median'] * 100:+.2f} % | {v['overhead_mean'] * 100:+.2f} % {ci_s} | {stall} | {staging} | {v['saves']} ({v['disk_saves']}) | {c['rounds']} |"
+                f"| {c['step_ms_target']:.0f} ms | {c['every']}{' (called at the step end)' if c.get('call_at') == 'end' else ''} | {c['snapshot']}{label} | {c['baseline_mean_ms']:.1f} ms | {v['tiered_mean_ms']:.1f} ms | {v['overhead_median'] * 100:+.2f} % | {v['overhead_mean'] * 100:+.2f} % {ci_s} | {stall} | {staging} | {v['saves']} ({v['disk_saves']}) | {c['rounds']} |"
             )
     table = "\n".join(lines)
     with open(os.path.join(out, "cadence.md"), "w") as f:

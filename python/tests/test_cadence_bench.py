@@ -124,3 +124,23 @@ def test_the_trace_reports_each_step_with_its_host_ranges(tmp_path):
         assert "kernels_from_ms" not in r and "copies" not in r, r
     assert set(res["summary"]) == {"none", "save"} and "save_call_ms" in res["summary"]["save"]
     assert "save_call_ms" not in res["summary"]["none"]
+
+
+def test_the_tiny_run_calls_save_at_the_step_end(tmp_path):
+    """``--call-at end``: each save is called after its step's optimizer step is queued
+    (before the step's synchronization); every save is still made, waited for and counted,
+    the engine-only condition's too, and the placement is recorded."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--tiny", "--iters", "4", "--call-at", "end", "--compare-engine",
+            "--out", str(out), "--dir", str(tmp_path / "ck")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    zygote.run([sys.executable, str(BENCH / "cadence_overhead.py"), *args], check=True, env=env, timeout=300)
+    res = json.loads((out / "cadence.json").read_text())
+    assert [(c["every"], c["call_at"]) for c in res["configs"]] == [(1, "end"), (2, "end")]
+    for c in res["configs"]:
+        assert c["rounds"] == 2
+        assert c["saves"] == 2 * -(-4 // c["every"])
+        assert 1 <= c["disk_saves"] <= c["saves"]
+        assert c["engine"]["saves"] == c["saves"]
+        assert len(c["overhead_per_round"]) == len(c["engine"]["overhead_per_round"]) == 2
