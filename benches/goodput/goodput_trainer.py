@@ -19,6 +19,15 @@ state after the step. On start the process resumes from the system's latest chec
 Every event goes to ``--events`` as one JSON line (``os.write`` on an ``O_APPEND`` file: a
 SIGKILL never leaves half a line), with ``time.monotonic()`` times (one clock for every
 process of the host). SIGTERM stops the loop after the current step and closes the system.
+
+``--spare`` (``goodput.py --restart warm``): a spare started ahead of a failure. It runs the
+start that touches neither the checkpoint root nor a dead trainer's resources (the
+interpreter, the imports of torch and of the system's modules, the CUDA context, one
+construction and step of the optimizer class on a one-element dummy tensor, which imports
+what the first ``torch.optim`` construction imports), writes one JSON line to
+``--ready-fd`` (spare-ready: its times and host memory) and blocks reading ``go <life>``
+from stdin. Its events are held until then and written with that life; it then records
+``go`` and goes on as a cold start does from the system's open on. EOF on stdin ends it.
 """
 
 import argparse
@@ -39,11 +48,23 @@ import traceback  # noqa: E402
 _FD = None
 _LIFE = -1
 _STOP = False
+_HELD = None  # a spare's events, held until ``go`` gives them a life
 
 
 def emit(**kw):
+    if _HELD is not None:
+        _HELD.append(kw)
+        return
     kw["life"] = _LIFE
     os.write(_FD, (json.dumps(kw, separators=(",", ":")) + "\n").encode())
+
+
+def release(life):
+    """A spare becomes life ``life``: its held events are written with that life."""
+    global _HELD, _LIFE
+    held, _HELD, _LIFE = _HELD, None, life
+    for kw in held or ():
+        emit(**kw)
 
 
 def mono():
@@ -474,6 +495,17 @@ def probe():
     return out
 
 
+#: What a system imports beyond torch (a spare imports it before the failure).
+SYSTEM_MODULES = {
+    "none": (),
+    "torch": (),
+    "shm": ("shmckpt",),
+    "shm-tiered": ("shmckpt",),
+    "dcp": ("torch.distributed.checkpoint", "torch.distributed.checkpoint.staging"),
+    "nvrx": ("nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt",),
+}
+
+
 def make_system(name, torch, root, device, keep, size_bytes):
     if name == "none":
         return NoSystem(torch, root, device, keep)
@@ -522,8 +554,46 @@ def calibrate(torch, device, step_ms, tensors, opt):
     return out
 
 
-def main():
-    global _FD, _LIFE, _STOP
+_ADD_OPT = None
+
+
+def add_opt(torch):
+    """The trainer's optimizer class (one class object per process: a spare's warm-up
+    constructs the very class the life uses)."""
+    global _ADD_OPT
+    if _ADD_OPT is None:
+
+        class AddOpt(torch.optim.Optimizer):
+            def __init__(self, params):
+                super().__init__(params, {})
+
+            @torch.no_grad()
+            def step(self, k):  # noqa: D401 - the deterministic update of step k
+                for i, p in enumerate(self.param_groups[0]["params"]):
+                    p.add_(float(c_of(k, i)))
+
+        _ADD_OPT = AddOpt
+    return _ADD_OPT
+
+
+def host_memory():
+    """This process's host memory in bytes, from /proc: ``rss`` (the library pages it
+    shares with the trainer included) and ``anon`` (its anonymous pages: its own heap, what
+    it adds to the host); {} elsewhere."""
+    fields = {"Rss": "rss_bytes", "Anonymous": "anon_bytes"}
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in fields:
+                    out[fields[key]] = out.get(fields[key], 0) + int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system", required=True)
     ap.add_argument("--root", required=True)
@@ -538,11 +608,15 @@ def main():
     ap.add_argument("--calib", required=True, help="JSON file: written by the baseline, read by every other run")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (the baseline); 0: until SIGTERM")
     ap.add_argument("--probe", action="store_true", help="after the steps, report which systems can run")
-    a = ap.parse_args()
-    _LIFE = a.life
-    _FD = os.open(a.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    signal.signal(signal.SIGTERM, lambda *_: globals().__setitem__("_STOP", True))
-    emit(e="main", t=T_MAIN, pid=os.getpid())
+    ap.add_argument("--spare", action="store_true", help="start ahead, report ready on --ready-fd, wait for 'go <life>' on stdin")
+    ap.add_argument("--ready-fd", type=int, help="--spare: where to write the spare-ready line")
+    ap.add_argument("--meter", action="store_true",
+                    help="after the steps (CUDA): the device's free memory, then again after a line on stdin (a spare ready beside)")
+    return ap.parse_args()
+
+
+def start(a):
+    """Imports torch and makes the CUDA context (no state): (torch, t_import, t_cuda)."""
     import torch
 
     t_import = mono()
@@ -551,7 +625,74 @@ def main():
         torch.empty(1, device="cuda")
         torch.cuda.synchronize()
     torch.set_num_threads(1 if a.device == "cpu" else max(1, min(4, os.cpu_count() or 1)))
-    t_cuda = mono()
+    return torch, t_import, mono()
+
+
+def warm_up(a, torch):
+    """A spare's start beyond ``start``: the system's modules imported, and the optimizer
+    class constructed once and stepped on a one-element dummy tensor (the first
+    ``torch.optim`` construction imports torch._dynamo and more)."""
+    import importlib
+
+    for name in SYSTEM_MODULES.get(a.system, ()):
+        importlib.import_module(name)
+    dummy = torch.zeros(1, device=a.device)
+    add_opt(torch)([dummy]).step(1)
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    del dummy
+
+
+def wait_for_go(a, t_import, t_cuda):
+    """spare-ready on ``--ready-fd`` (one JSON line), then ``go <life>`` from stdin: the
+    spare becomes that life (its held events written with it). Returns the go's time;
+    EOF on stdin (the supervisor is gone or done with it) ends the process."""
+    t_ready = mono()
+    ready = dict(t=t_ready, t_main=T_MAIN, t_import=t_import, t_cuda=t_cuda, pid=os.getpid(), **host_memory())
+    if a.ready_fd is not None:
+        os.write(a.ready_fd, (json.dumps(ready) + "\n").encode())
+        os.close(a.ready_fd)
+    line = sys.stdin.readline()
+    t_go = mono()
+    if not line.strip():
+        os._exit(0)
+    word, life = line.split()
+    if word != "go":
+        raise SystemExit(f"goodput_trainer: spare got {line!r}, not 'go <life>'")
+    release(int(life))
+    emit(e="go", t=t_go, t_ready=t_ready)
+    return t_go
+
+
+def meter(torch):
+    """The device's free memory (the driver's count, every process), now and again after a
+    line on stdin (the supervisor's: a spare is ready beside this process)."""
+    free, total = torch.cuda.mem_get_info()
+    emit(e="mem", spare=False, free=free, total=total, t=mono())
+    sys.stdin.readline()
+    free, total = torch.cuda.mem_get_info()
+    emit(e="mem", spare=True, free=free, total=total, t=mono())
+
+
+def main():
+    global _FD, _LIFE, _HELD
+    a = parse_args()
+    _LIFE = a.life
+    if a.spare:
+        _HELD = []
+    _FD = os.open(a.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    signal.signal(signal.SIGTERM, lambda *_: globals().__setitem__("_STOP", True))
+    emit(e="main", t=T_MAIN, pid=os.getpid())
+    torch, t_import, t_cuda = start(a)
+    if a.spare:
+        warm_up(a, torch)
+        wait_for_go(a, t_import, t_cuda)
+    train(a, torch, t_import, t_cuda)
+
+
+def train(a, torch, t_import, t_cuda):
+    """A life from the system's open on: open, load, check, set up, train until SIGTERM
+    (or ``--steps``), check the live state, close."""
     os.makedirs(a.root, exist_ok=True)
     try:
         system = make_system(a.system, torch, a.root, a.device, a.keep, a.size_bytes)
@@ -573,16 +714,6 @@ def main():
     bad = None if fresh else check(torch, tensors, specs, r, a.device)
     sync()
     t_check = mono()
-
-    class AddOpt(torch.optim.Optimizer):
-        def __init__(self, params):
-            super().__init__(params, {})
-
-        @torch.no_grad()
-        def step(self, k):  # noqa: D401 - the deterministic update of step k
-            for i, p in enumerate(self.param_groups[0]["params"]):
-                p.add_(float(c_of(k, i)))
-
     emit(
         e="resume", k=r, fresh=fresh, t_import=t_import, t_cuda=t_cuda, t_open=t_open, t_load=t_load,
         t_check=t_check, check_s=t_check - t_load, ok=bad is None, why=bad, info=system.info,
@@ -590,7 +721,7 @@ def main():
     if bad is not None:
         sys.stderr.write(f"goodput_trainer: resume of step {r} is not bit-exact: {bad}\n")
         os._exit(3)
-    opt = AddOpt(list(tensors.values()))
+    opt = add_opt(torch)(list(tensors.values()))
     t_opt = mono()
     if a.calib and os.path.exists(a.calib):
         with open(a.calib) as f:
@@ -654,6 +785,8 @@ def main():
         if a.probe:
             emit(e="probe", systems=probe(), torch=torch.__version__, python=sys.version.split()[0],
                  gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
+        if a.meter and a.device == "cuda":
+            meter(torch)
         t = mono()
         system.close()
         emit(e="closed", close_s=mono() - t)
