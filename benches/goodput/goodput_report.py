@@ -23,6 +23,16 @@ Definitions (every time from ``time.monotonic()`` of the host, seconds):
   ``setup`` (the optimizer and shmckpt's guard; ``setup_parts`` splits it into the
   optimizer made, the calibration read and the system attached), ``other`` (the rest until the first step
   starts) and ``first_extra`` (the first step over ``T0``).
+* A **warm** restart (``--restart warm``: the next life is a spare, started ahead, sent
+  ``go`` at the kill) is measured the same way, from the kill; its ``detect`` runs from the
+  kill to the go sent, ``spare_wait`` is what was left of the spare's own start when the go
+  was sent (0 when it was ready; a restart that found it not ready counts in
+  ``spare_not_ready``), ``go`` the go's way through the pipe (from the go sent, or from the
+  spare ready if later, to the go read), ``open`` runs from the go read; ``interp``,
+  ``imports`` and ``cuda`` are 0 (they ran before the failure). A cold restart has
+  ``spare_wait`` and ``go`` 0. The spare's own start-up (spawn to spare-ready: interpreter,
+  imports, CUDA, the system's modules and the optimizer's warm-up) is reported apart
+  (``spare_start_s_mean``, ``spare_parts_mean``), with its host memory when ready.
 * A step's ``dt`` runs from the previous step's end to its own (its update done and
   synchronized), so it holds the previous step's save call and poll; the step is logged
   before its save starts (a kill during the save finds it done).
@@ -46,7 +56,15 @@ import statistics
 
 
 #: The parts of a restart, in order; they sum to ``restart_s``.
-RESTART_PARTS = ("detect", "interp", "imports", "cuda", "open", "load", "setup", "other", "first_extra")
+RESTART_PARTS = ("detect", "spare_wait", "go", "interp", "imports", "cuda", "open", "load", "setup", "other", "first_extra")
+#: Those a table shows, per launcher mode (the others are 0 there).
+SHOWN_PARTS = {
+    "cold": ("detect", "interp", "imports", "cuda", "open", "load", "setup", "other", "first_extra"),
+    "warm": ("detect", "spare_wait", "go", "open", "load", "setup", "other", "first_extra"),
+}
+#: A spare's start-up, spawn to spare-ready (``warm_up``: the system's modules and the
+#: optimizer's warm-up).
+SPARE_PARTS = ("interp", "imports", "cuda", "warm_up")
 
 
 def _med(xs):
@@ -93,8 +111,8 @@ def analyze_run(run, t0, every):
         "goodput": progress * t0 / (wall - checks) if wall > checks else None,
         "kills": [], "violations": [], "saves": [],
     }
-    b = boot(lives[order[0]], sup[order[0]]["spawn_t"])
-    res["start"] = b
+    res["start"] = boot(lives[order[0]], sup[order[0]])
+    res["spares"] = [spare_start(sp) for sp in run.get("spares", []) if sp.get("ready")]
     durable_by = []  # (t, step) of every durable save seen so far
     for n, life in enumerate(order):
         lf, sp = lives[life], sup[life]
@@ -118,12 +136,7 @@ def analyze_run(run, t0, every):
             res["violations"].append(f"life {life + 1} resumed at step {r}, but step {newest_durable} was durable before the kill")
         if r > k_last:
             res["violations"].append(f"life {life + 1} resumed at step {r}, never reached before the kill (last {k_last})")
-        rb = boot(nxt, sup[order[n + 1]]["spawn_t"])
-        fs = nxt["steps"][0]
-        rb["detect"] = sup[order[n + 1]]["spawn_t"] - kill_t
-        rb["first_extra"] = fs["dt"] - t0
-        rb["restart_s"] = fs["t"] - kill_t - rb["check"] - t0
-        rb["other"] = rb["restart_s"] - sum(rb[x] for x in ("detect", "interp", "imports", "cuda", "open", "load", "setup", "first_extra"))
+        rb = restart(nxt, sup[order[n + 1]], kill_t, t0)
         res["kills"].append({
             "life": life, "kill_t": kill_t, "k_last": k_last, "resumed": r, "lost_steps": k_last - r,
             "lost_s": None if t_from is None else kill_t - t_from, "restart": rb,
@@ -154,12 +167,34 @@ def analyze_run(run, t0, every):
     return res
 
 
-def boot(lf, spawn_t):
-    """A life's start, phase by phase (seconds)."""
+def restart(lf, sp, kill_t, t0):
+    """The restart that life ``lf`` (the supervisor's record ``sp``) made after the kill at
+    ``kill_t``: its parts (``RESTART_PARTS``, summing to ``restart_s``) and ``check``."""
+    rb = boot(lf, sp)
+    fs = lf["steps"][0]
+    rb["detect"] = (sp["go_t"] if rb["warm"] else sp["spawn_t"]) - kill_t
+    rb["first_extra"] = fs["dt"] - t0
+    rb["restart_s"] = fs["t"] - kill_t - rb["check"] - t0
+    rb["other"] = rb["restart_s"] - sum(rb[x] for x in RESTART_PARTS if x != "other")
+    return rb
+
+
+def boot(lf, sp):
+    """A life's start, phase by phase (seconds): a cold one's from its spawn (interpreter,
+    imports, CUDA, then the open); a warm one's (a spare sent go: ``sp["go_t"]``) from the
+    go, its interpreter, imports and CUDA 0 (they ran before)."""
     rs = lf["resume"]
+    go = lf.get("go")
+    if go is None:
+        t_open_from = rs["t_cuda"]
+        head = {"interp": lf["main"]["t"] - sp["spawn_t"], "imports": rs["t_import"] - lf["main"]["t"],
+                "cuda": rs["t_cuda"] - rs["t_import"], "spare_wait": 0.0, "go": 0.0, "warm": False}
+    else:
+        t_open_from = go["t"]
+        head = {"interp": 0.0, "imports": 0.0, "cuda": 0.0, "spare_wait": max(0.0, go["t_ready"] - sp["go_t"]),
+                "go": go["t"] - max(sp["go_t"], go["t_ready"]), "warm": True}
     return {
-        "interp": lf["main"]["t"] - spawn_t, "imports": rs["t_import"] - lf["main"]["t"], "cuda": rs["t_cuda"] - rs["t_import"],
-        "open": rs["t_open"] - rs["t_cuda"], "load": rs["t_load"] - rs["t_open"], "check": rs["check_s"],
+        **head, "open": rs["t_open"] - t_open_from, "load": rs["t_load"] - rs["t_open"], "check": rs["check_s"],
         "setup": lf["setup"]["t"] - rs["t_check"], "resumed": rs["k"],
         # The set-up split, where the trainer reports it: optimizer, calibration, attach.
         "setup_parts": None if "t_opt" not in lf["setup"] else {
@@ -168,6 +203,17 @@ def boot(lf, spawn_t):
             "attach": lf["setup"]["t"] - lf["setup"]["t_calib"],
         },
         "fresh": rs["fresh"],
+    }
+
+
+def spare_start(sp):
+    """A spare's start-up from the supervisor's record of it (spawned, its spare-ready line):
+    ``start_s`` (spawn to ready), its parts (``SPARE_PARTS``), its host memory when ready."""
+    rd = sp["ready"]
+    return {
+        "start_s": rd["t"] - sp["spawn_t"], "interp": rd["t_main"] - sp["spawn_t"], "imports": rd["t_import"] - rd["t_main"],
+        "cuda": rd["t_cuda"] - rd["t_import"], "warm_up": rd["t"] - rd["t_cuda"], "used": sp.get("life") is not None,
+        "rss_bytes": rd.get("rss_bytes"), "anon_bytes": rd.get("anon_bytes"),
     }
 
 
@@ -211,7 +257,24 @@ def components(analyses, t0, every):
     }
     split = [k["restart"]["setup_parts"] for k in (loaded or kills) if k["restart"].get("setup_parts")]
     comp["setup_parts_mean"] = {p: _mean([x[p] for x in split]) for p in ("optimizer", "calibration", "attach")} if split else None
+    comp.update(spare_components(analyses, kills))
     return comp
+
+
+def spare_components(analyses, kills):
+    """Warm restarts: how many, how many found the spare not ready, and the spares' own
+    start-up (every spare that became ready, used or not) and host memory, pooled."""
+    spares = [sp for a in analyses for sp in a.get("spares", [])]
+    warm = [k for k in kills if k["restart"].get("warm")]
+    return {
+        "restarts_warm": len(warm),
+        "spare_not_ready": sum(k["restart"]["spare_wait"] > 0 for k in warm),
+        "spares_ready": len(spares),
+        "spare_start_s_mean": _mean([sp["start_s"] for sp in spares]),
+        "spare_parts_mean": {p: _mean([sp[p] for sp in spares]) for p in SPARE_PARTS} if spares else None,
+        "spare_rss_bytes_mean": _mean([sp["rss_bytes"] for sp in spares if sp.get("rss_bytes") is not None]),
+        "spare_anon_bytes_mean": _mean([sp["anon_bytes"] for sp in spares if sp.get("anon_bytes") is not None]),
+    }
 
 
 def summarize(result):
@@ -250,10 +313,13 @@ def _f(x, fmt="{:.3f}"):
 def table(result):
     """The results as markdown tables (also printed by goodput.py)."""
     meta = result["meta"]
+    mode = meta.get("restart", "cold")
     lines = [
         f"T0 (failure-free step) {meta['t0_s'] * 1e3:.1f} ms, state {meta['size_bytes'] / 2**30:.3f} GiB in {meta['tensors']} fp32 tensors "
         f"on {meta['device']}, checkpoint every {meta['every']} steps; time scale x{meta['time_scale']:g} "
-        f"(a real MTBF of M s is injected as M / {meta['time_scale']:g} s of running time)",
+        f"(a real MTBF of M s is injected as M / {meta['time_scale']:g} s of running time); "
+        + ("restart **warm** (a spare started ahead is sent go at the kill)" if mode == "warm"
+           else "restart **cold** (a new trainer process per failure, as torchrun's agent)"),
         "",
         "| system | MTBF real (scaled) | kills | goodput measured (scaled MTBF) | model at scaled | **model at real MTBF** |",
         "|---|---|---|---|---|---|",
@@ -264,20 +330,24 @@ def table(result):
                 f"| {name} | {r['mtbf_real_s'] / 60:g} min ({r['mtbf_scaled_s']:g} s) | {r['kills']} | {_f(r['goodput_measured'])} | "
                 f"{_f(r['model_at_scaled'])} | **{_f(r['model_at_real'])}** |"
             )
+    shown = SHOWN_PARTS[mode]
     lines += [
         "",
-        "| system | step s | overhead | call s (median) | stall s (median) | durable s (median) | E[lost] s model (measured) | E[restart] s | restart: detect / interp / imports / cuda / open / load / setup / other / first step | restarts (from a checkpoint) |",
+        "| system | step s | overhead | call s (median) | stall s (median) | durable s (median) | E[lost] s model (measured) | E[restart] s | "
+        f"{mode} restart: {' / '.join(_PART_NAMES.get(x, x) for x in shown)} | restarts (from a checkpoint) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in result["summary"].items():
         c = s["components"]
         p = c["restart_parts_mean"]
-        parts = " / ".join(_f(p[x], "{:.2f}") for x in RESTART_PARTS)
+        parts = " / ".join(_f(p.get(x), "{:.2f}") for x in shown)
         lines.append(
             f"| {name} | {_f(c['step_s'], '{:.4f}')} | {_f(c['overhead'], '{:.2%}')} | {_f(c['call_s_median'], '{:.4f}')} | "
             f"{_f(c['stall_s_median'], '{:.4f}')} | {_f(c['durable_s_median'], '{:.2f}')} | {_f(c['e_lost_s'], '{:.2f}')} "
             f"({_f(c['e_lost_measured_s'], '{:.2f}')}) | {_f(c['e_restart_s'], '{:.2f}')} | {parts} | {c['restarts']} ({c['restarts_from_checkpoint']}) |"
         )
+    if mode == "warm":
+        lines += spare_table(result)
     if result.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items())]
     bad = [(r["system"], r["mtbf_real_s"], r["error"]) for r in result["runs"] if r.get("error")]
@@ -285,6 +355,35 @@ def table(result):
     if bad:
         lines += ["", "FAILED: " + "; ".join(f"{n} at {m / 60:g} min: {e}" for n, m, e in bad)]
     return "\n".join(lines)
+
+
+_PART_NAMES = {"spare_wait": "spare wait", "first_extra": "first step"}
+
+
+def spare_table(result):
+    """The warm launcher's spares: their start-up (before the failure, off the restart's
+    clock), the restarts that found one not ready, their memory."""
+    lines = [
+        "",
+        "| system | warm restarts | spare not ready | spare start-up s (spawn to ready) | spare: interp / imports / cuda / warm-up | "
+        "spares ready | spare host RSS MiB (anonymous) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in result["summary"].items():
+        c = s["components"]
+        p = c.get("spare_parts_mean") or {}
+        mib = "{:.0f}"
+        lines.append(
+            f"| {name} | {c['restarts_warm']} | {c['spare_not_ready']} | {_f(c['spare_start_s_mean'], '{:.2f}')} | "
+            f"{' / '.join(_f(p.get(x), '{:.2f}') for x in SPARE_PARTS)} | {c['spares_ready']} | "
+            f"{_f(None if c['spare_rss_bytes_mean'] is None else c['spare_rss_bytes_mean'] / 2**20, mib)} "
+            f"({_f(None if c['spare_anon_bytes_mean'] is None else c['spare_anon_bytes_mean'] / 2**20, mib)}) |"
+        )
+    g = result["meta"].get("spare_gpu")
+    if g is not None:
+        lines += ["", f"A ready spare's device memory (the driver's count, `mem_get_info` read by the baseline trainer without and "
+                      f"with a spare ready beside it): {g['bytes'] / 2**20:.0f} MiB of {g['total'] / 2**30:.1f} GiB"]
+    return lines
 
 
 def plot(result, path):

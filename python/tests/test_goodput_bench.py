@@ -139,6 +139,89 @@ def test_analysis_of_made_up_lives():
     assert bad["violations"] == ["life 1 resumed at step 5, but step 7 was durable before the kill"]
 
 
+def made_up_warm_run(ready=True):
+    """made_up_run with life 1 a warm life: a spare spawned at 0.5 (its first line at 0.6,
+    torch imported at 2.0, CUDA at 2.1, ready at 2.9, or at 3.6 when not ``ready``), sent
+    go at 3.4 (the kill at 3.35), the go read 0.01 s after the later of the two; then as a
+    cold life from the open: the open done at 3.71, load 0.5 s, check 0.5, setup 0.1, the
+    first step 0.15 s. A second spare (spawned at 3.4, ready at 5.4) is never used."""
+    run = made_up_run()
+    ev = [e for e in run["events"] if e["life"] == 0]
+    t_ready = 2.9 if ready else 3.6
+    ev += [
+        dict(e="main", t=0.6, life=1),
+        dict(e="go", t=round(max(3.4, t_ready) + 0.01, 10), t_ready=t_ready, life=1),
+        dict(e="resume", k=5, fresh=False, t_import=2.0, t_cuda=2.1, t_open=3.71, t_load=4.21, t_check=4.71, check_s=0.5, ok=True, life=1,
+             info={"load_source": ["disk", None]}),
+        dict(e="setup", t=4.81, t_opt=4.73, t_calib=4.74, life=1),
+        dict(step(6, 4.96, dt=0.15), life=1),
+    ]
+    for k in range(7, 11):
+        ev.append(dict(step(k, round(4.96 + 0.1 * (k - 6), 10)), life=1))
+    ev.append(dict(e="sv", k=10, t=5.36, call_s=0.01, life=1))
+    ev.append(dict(e="stop", k=10, t=5.4, ok=True, life=1))
+    run["events"] = ev
+    run["restart"] = "warm"
+    run["lives"][1] = {"life": 1, "spawn_t": 0.5, "go_t": 3.4, "spare": True, "ready_at_go": ready, "kill_t": None}
+    mib = 1 << 20
+    run["spares"] = [
+        {"spawn_t": 0.5, "go_t": 3.4, "life": 1,
+         "ready": {"t": t_ready, "t_main": 0.6, "t_import": 2.0, "t_cuda": 2.1, "rss_bytes": 700 * mib, "anon_bytes": 300 * mib}},
+        {"spawn_t": 3.4, "go_t": None, "life": None,
+         "ready": {"t": 5.4, "t_main": 3.5, "t_import": 4.9, "t_cuda": 5.0, "rss_bytes": 600 * mib, "anon_bytes": 200 * mib}},
+    ]
+    return run
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_analysis_of_a_made_up_warm_restart(ready):
+    gr, _ = modules()
+    run = made_up_warm_run(ready)
+    a = gr.analyze_run(run, 0.1, 5)
+    assert a["violations"] == [] and a["start"]["warm"] is False  # the first life: the job's cold start
+    assert a["start"]["imports"] == pytest.approx(0.9)
+    (kill,) = a["kills"]
+    assert (kill["k_last"], kill["resumed"], kill["lost_steps"]) == (7, 5, 2)
+    rb = kill["restart"]
+    assert rb["warm"] is True
+    # from the kill to the end of the first step, less the check and T0: as a cold restart
+    assert rb["restart_s"] == pytest.approx(4.96 - 3.35 - 0.5 - 0.1)
+    # the spare's interpreter, imports and CUDA ran before the failure: 0 on the restart's
+    # clock; a spare not ready at the go puts the rest of its start there (spare_wait)
+    want = {"detect": 0.05, "spare_wait": 0.0 if ready else 0.2, "go": 0.01, "interp": 0.0, "imports": 0.0, "cuda": 0.0,
+            "open": 0.3 if ready else 0.1, "load": 0.5, "setup": 0.1, "other": 0.0, "first_extra": 0.05}
+    assert {p: rb[p] for p in gr.RESTART_PARTS} == pytest.approx(want, abs=1e-9)
+    assert sum(rb[p] for p in gr.RESTART_PARTS) == pytest.approx(rb["restart_s"])
+    assert rb["setup_parts"] == pytest.approx({"optimizer": 0.02, "calibration": 0.01, "attach": 0.07}, abs=1e-9)
+    # the spares' own start-up, apart: spawn to ready, every spare that got ready
+    first_start = 2.4 if ready else 3.1
+    sp0, sp1 = a["spares"]
+    assert sp0 == pytest.approx({"start_s": first_start, "interp": 0.1, "imports": 1.4, "cuda": 0.1, "warm_up": first_start - 1.6,
+                                 "used": True, "rss_bytes": 700 << 20, "anon_bytes": 300 << 20}, abs=1e-9)
+    assert sp1["start_s"] == pytest.approx(2.0) and sp1["used"] is False
+    c = gr.components([a], 0.1, 5)
+    assert (c["restarts_warm"], c["spare_not_ready"], c["spares_ready"]) == (1, 0 if ready else 1, 2)
+    assert c["spare_start_s_mean"] == pytest.approx((first_start + 2.0) / 2)
+    assert c["spare_parts_mean"] == pytest.approx(
+        {"interp": 0.1, "imports": 1.4, "cuda": 0.1, "warm_up": (first_start - 1.6 + 0.4) / 2}, abs=1e-9)
+    assert (c["spare_rss_bytes_mean"], c["spare_anon_bytes_mean"]) == (650 << 20, 250 << 20)
+    assert c["e_restart_s"] == pytest.approx(1.01)
+    assert c["restart_parts_mean"]["imports"] == 0.0 and c["restart_parts_mean"]["detect"] == pytest.approx(0.05)
+    res = {"meta": {"t0_s": 0.1, "every": 5, "every_of": {}, "time_scale": 60.0, "size_bytes": 1 << 20, "tensors": 4, "device": "cpu",
+                    "restart": "warm", "spare_gpu": {"bytes": 531 << 20, "total": 80 << 30}},
+           "runs": [run], "skipped": {}}
+    gr.summarize(res)
+    md = gr.table(res)
+    assert "restart **warm**" in md and "warm restart: detect / spare wait / go / open / load / setup / other / first step" in md
+    row = next(x for x in md.splitlines() if x.startswith("| shm | 1 |"))  # the spares' table
+    assert row.startswith(f"| shm | 1 | {0 if ready else 1} | {(first_start + 2.0) / 2:.2f} | 0.10 / 1.40 / 0.10 /")
+    assert row.endswith("| 2 | 650 (250) |")
+    assert "device memory" in md and "531 MiB of 80.0 GiB" in md
+    # a cold made-up run: the warm-only parts are 0 and the table says cold
+    cold = gr.analyze_run(made_up_run(), 0.1, 5)["kills"][0]["restart"]
+    assert (cold["warm"], cold["spare_wait"], cold["go"]) == (False, 0.0, 0.0)
+
+
 def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_path):
     pytest.importorskip("torch")
     out, ck = tmp_path / "goodput.json", tmp_path / "ck"
