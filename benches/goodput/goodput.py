@@ -14,6 +14,14 @@ SIGTERM (it finishes its step and closes the system). One run per (system, MTBF)
 system sees the same sequence of failure times for a given MTBF (one seed). A baseline run
 without checkpoints and failures measures the failure-free step time first.
 
+``--restart warm`` (default ``cold``: a new process per failure, as torchrun's agent does):
+the supervisor keeps one spare trainer started ahead (``goodput_trainer.py --spare``: its
+interpreter, imports, CUDA context and optimizer warm-up done, blocked reading stdin); at a
+kill it waits for the killed group's leader to exit, sends the spare ``go <life>`` (it goes
+on from the system's open) and starts the next spare at once. The first life of a run is a
+cold start; the baseline has no spare; every system gets the same launcher. On CUDA the
+baseline trainer reads the device's free memory without and with a ready spare beside it.
+
 The failure clock runs while the trainer trains: it starts at the end of each life's first
 step, so every kill interrupts training and every restart is measured whole (a real job
 also fails during restarts; at a real MTBF of minutes against restarts of seconds that is
@@ -27,7 +35,8 @@ steps lost; per save the call, the stall and the time to durable.
 
 H200 (one call, ~8 minutes; every system available there):
     python3 benches/goodput/goodput.py --preset h200 --out $OUT/goodput.json --plot $OUT/goodput.png
-CPU smoke test (seconds per system, most of it importing torch):
+CPU smoke test (seconds per system, most of it importing torch; add --restart warm for the
+spare):
     PYTHONPATH=python python3 benches/goodput/goodput.py --preset cpu-tiny --out /tmp/goodput.json
 """
 
@@ -105,12 +114,86 @@ class Tail:
         return [json.loads(x) for x in lines if x.strip()]
 
 
+def killpg(p, sig):
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Spare:
+    """A trainer started ahead of a failure (``--restart warm``): the life's command with
+    ``--spare``, in its own process group, stdin a pipe (``go <life>``), spare-ready read
+    from a pipe of its own (one JSON line: its times and host memory)."""
+
+    def __init__(self, cmd, logf):
+        r, w = os.pipe()
+        self.spawn_t = time.monotonic()
+        try:
+            self.p = subprocess.Popen(cmd + ["--spare", "--ready-fd", str(w)], stdout=logf, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.PIPE, pass_fds=(w,), start_new_session=True)
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        os.set_blocking(r, False)
+        self.rfd, self.buf, self.ready, self.go_t, self.life = r, b"", None, None, None
+
+    def poll_ready(self):
+        """The spare-ready line once it came (a dict), else None."""
+        while self.ready is None and self.rfd is not None:
+            try:
+                data = os.read(self.rfd, 4096)
+            except BlockingIOError:
+                break
+            if data:
+                self.buf += data
+                if b"\n" in self.buf:
+                    self.ready = json.loads(self.buf.split(b"\n", 1)[0])
+            if not data or self.ready is not None:  # EOF (exited) or read
+                os.close(self.rfd)
+                self.rfd = None
+        return self.ready
+
+    def go(self, life):
+        """Sends ``go <life>`` (the spare proceeds at once, or once it is ready); returns
+        whether it was ready when sent."""
+        ready = self.poll_ready() is not None
+        self.go_t, self.life = time.monotonic(), life
+        self.p.stdin.write(f"go {life}\n".encode())
+        self.p.stdin.flush()
+        self.p.stdin.close()
+        return ready
+
+    def record(self):
+        """What the run records of it: spawned, ready (its line), sent go, the life it became."""
+        self.poll_ready()
+        if self.rfd is not None:
+            os.close(self.rfd)
+            self.rfd = None
+        return {"spawn_t": self.spawn_t, "ready": self.ready, "go_t": self.go_t, "life": self.life, "pid": self.p.pid}
+
+    def kill(self):
+        """SIGKILL to its process group, reaped, its pipes closed."""
+        killpg(self.p, signal.SIGKILL)
+        self.p.wait()
+        if self.p.stdin is not None and not self.p.stdin.closed:
+            try:
+                self.p.stdin.close()
+            except BrokenPipeError:
+                pass
+        if self.rfd is not None:
+            os.close(self.rfd)
+            self.rfd = None
+
+
 class Supervisor:
     def __init__(self, a, work):
         self.a, self.work = a, work
         self.calib = os.path.join(work, "calib.json")
 
-    def cmd(self, system, root, events, life, steps=0, probe=False):
+    def cmd(self, system, root, events, life, steps=0, probe=False, meter=False):
         a = self.a
         c = [sys.executable, TRAINER, "--system", system, "--root", root, "--events", events, "--life", str(life),
              "--device", a.device, "--size-bytes", str(a.size_bytes), "--tensors", str(a.tensors), "--step-ms", str(a.step_ms),
@@ -119,19 +202,14 @@ class Supervisor:
             c += ["--steps", str(steps)]
         if probe:
             c.append("--probe")
+        if meter:
+            c.append("--meter")
         return c
 
-    def spawn(self, cmd, logf):
+    def spawn(self, cmd, logf, stdin=subprocess.DEVNULL):
         t = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=stdin, start_new_session=True)
         return p, t
-
-    @staticmethod
-    def killpg(p, sig):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def baseline(self):
         """No checkpoint, no failure: the failure-free step time, the calibration of the
@@ -139,14 +217,25 @@ class Supervisor:
         root = os.path.join(self.work, "baseline")
         events = os.path.join(self.work, "events-baseline.jsonl")
         logp = os.path.join(self.work, "trainer-baseline.log")
+        meter = self.a.restart == "warm" and self.a.device == "cuda"
+        gpu = None
         with open(logp, "ab") as lf:
-            p, _ = self.spawn(self.cmd("none", root, events, 0, steps=self.a.baseline_steps, probe=True), lf)
+            cmd = self.cmd("none", root, events, 0, steps=self.a.baseline_steps, probe=True, meter=meter)
+            p, _ = self.spawn(cmd, lf, stdin=subprocess.PIPE if meter else subprocess.DEVNULL)
             try:
+                if meter:
+                    gpu = self.spare_memory(p, root, events, lf)
                 rc = p.wait(timeout=self.a.life_timeout_s + 60)
             except subprocess.TimeoutExpired:
-                self.killpg(p, signal.SIGKILL)
-                p.wait()
                 rc = "timeout"
+            except RuntimeError as e:
+                rc = str(e)
+            finally:
+                if p.poll() is None:
+                    killpg(p, signal.SIGKILL)
+                    p.wait()
+                if p.stdin is not None and not p.stdin.closed:
+                    p.stdin.close()
         evs = Tail(events).read()
         shutil.rmtree(root, ignore_errors=True)
         if rc != 0:
@@ -155,12 +244,49 @@ class Supervisor:
         dts = [e["dt"] for e in steps[3:]] or [e["dt"] for e in steps]
         probe = next(e for e in evs if e["e"] == "probe")
         cal = next((e for e in evs if e["e"] == "calib"), None)
-        return {"t0_s": sum(dts) / len(dts), "t0_median_s": sorted(dts)[len(dts) // 2], "steps": len(steps), "probe": probe, "calib": cal}
+        return {"t0_s": sum(dts) / len(dts), "t0_median_s": sorted(dts)[len(dts) // 2], "steps": len(steps), "probe": probe, "calib": cal,
+                "spare_gpu": gpu}
+
+    def spare_memory(self, p, root, events, lf):
+        """The device memory a ready spare holds, counted by the driver: the baseline
+        trainer ``p`` (its state on the GPU, its steps done) reads the device's free memory
+        (``mem_get_info``: every process) with no spare alive, then again once a spare
+        (of the system ``none``: the systems' imports allocate nothing on the device) is
+        ready beside it. The spare is killed and reaped before this returns."""
+        tail, mems = Tail(events), []
+        deadline = time.monotonic() + self.a.life_timeout_s + 60
+
+        def wait_for(done, what):
+            while not done():
+                if p.poll() is not None:
+                    raise RuntimeError(f"exited with status {p.returncode} {what}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out {what}")
+                mems.extend(e for e in tail.read() if e["e"] == "mem")
+                time.sleep(0.01)
+
+        wait_for(lambda: len(mems) >= 1, "before its memory reading without a spare")
+        spare = Spare(self.cmd("none", root, events, -1), lf)
+        try:
+            wait_for(lambda: spare.poll_ready() is not None or spare.p.poll() is not None, "while a spare started")
+            if spare.ready is None:
+                raise RuntimeError(f"its spare exited with status {spare.p.returncode} before it was ready")
+            p.stdin.write(b"spare ready\n")
+            p.stdin.flush()
+            wait_for(lambda: len(mems) >= 2, "before its memory reading with a spare")
+        finally:
+            spare.kill()
+        without, with_ = mems[0], mems[1]
+        return {"free_without_spare": without["free"], "free_with_spare": with_["free"], "total": without["total"],
+                "bytes": without["free"] - with_["free"], "spare_ready": spare.ready}
 
     def run(self, system, mtbf_real, mtbf_idx, run_s):
         """One run: lives of the trainer, killed at exponential running times, until
-        ``run_s`` seconds after the first step and ``--min-kills`` kills."""
+        ``run_s`` seconds after the first step and ``--min-kills`` kills. ``--restart
+        warm``: a spare is started with the first life and after every go; at a kill it is
+        sent go and becomes the next life."""
         a = self.a
+        warm = a.restart == "warm"
         mtbf = mtbf_real / a.time_scale
         tag = f"{system}-{int(mtbf_real)}"
         root = os.path.join(self.work, tag)
@@ -171,8 +297,9 @@ class Supervisor:
         logp = os.path.join(self.work, f"trainer-{tag}.log")
         rng = random.Random(a.seed * 1000 + mtbf_idx)  # the same failure times for every system
         tail = Tail(events)
-        evs, lives = [], []
-        rec = {"system": system, "mtbf_real_s": mtbf_real, "mtbf_scaled_s": mtbf, "run_s": run_s, "lives": lives, "events": evs}
+        evs, lives, spares = [], [], []
+        rec = {"system": system, "restart": a.restart, "mtbf_real_s": mtbf_real, "mtbf_scaled_s": mtbf, "run_s": run_s,
+               "lives": lives, "events": evs}
         t_start = next_kill = None
         kills = resumes = 0
         lf = open(logp, "ab")
@@ -183,7 +310,23 @@ class Supervisor:
             p, t = self.spawn(self.cmd(system, root, events, len(lives)), lf)
             lives.append({"life": len(lives), "spawn_t": t, "pid": p.pid, "kill_t": None, "_p": p, "_first": None})
 
+        def new_spare():
+            spares.append(Spare(self.cmd(system, root, events, -1), lf))
+
+        def spare_life():
+            """The spare becomes the next life (sent go), and a new spare starts at once."""
+            sp = spares[-1]
+            try:
+                ready = sp.go(len(lives))
+            except BrokenPipeError:
+                raise RuntimeError(f"the spare exited with status {sp.p.wait()} before go: {tail_of(logp)}") from None
+            lives.append({"life": len(lives), "spawn_t": sp.spawn_t, "go_t": sp.go_t, "spare": True, "ready_at_go": ready,
+                          "pid": sp.p.pid, "kill_t": None, "_p": sp.p, "_first": None})
+            new_spare()
+
         new_life()
+        if warm:
+            new_spare()
         try:
             while True:
                 for e in tail.read():
@@ -201,8 +344,10 @@ class Supervisor:
                 now = time.monotonic()
                 if p.poll() is not None:
                     raise RuntimeError(f"life {cur['life']} exited with status {p.returncode}: {tail_of(logp)}")
+                if warm and spares[-1].p.poll() is not None:
+                    raise RuntimeError(f"the spare exited with status {spares[-1].p.returncode}: {tail_of(logp)}")
                 if cur["_first"] is None:
-                    if now - cur["spawn_t"] > a.life_timeout_s:
+                    if now - cur.get("go_t", cur["spawn_t"]) > a.life_timeout_s:
                         raise RuntimeError(f"life {cur['life']} took no step in {a.life_timeout_s:g} s: {tail_of(logp)}")
                     time.sleep(0.005)
                     continue
@@ -216,40 +361,35 @@ class Supervisor:
                     break
                 if now >= next_kill:
                     cur["kill_t"] = time.monotonic()
-                    self.killpg(p, signal.SIGKILL)
-                    p.wait()
+                    killpg(p, signal.SIGKILL)
+                    p.wait()  # detection: the group's leader has exited
                     kills += 1
                     next_kill = None
-                    new_life()
+                    if warm:
+                        spare_life()
+                    else:
+                        new_life()
                     continue
                 time.sleep(0.005)
-            # the end of the run: SIGTERM, the trainer ends its step and closes the system
-            cur = lives[-1]
-            cur["stop_t"] = time.monotonic()
-            try:
-                os.kill(cur["_p"].pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass  # it exited just now: its status says how, below
-            try:
-                cur["_p"].wait(timeout=max(60.0, a.life_timeout_s))
-            except subprocess.TimeoutExpired:
-                rec["close_timeout"] = True
-            self.killpg(cur["_p"], signal.SIGKILL)  # whatever the trainer left (workers)
-            cur["_p"].wait()
-            evs.extend(tail.read())
-            stop = next((e for e in evs if e["e"] == "stop" and e["life"] == cur["life"]), None)
-            if stop is not None and not stop["ok"]:
-                raise RuntimeError(f"life {cur['life']}: the state after step {stop['k']} is wrong: {stop['why']}")
-            if cur["_p"].returncode != 0 and not rec.get("close_timeout"):
-                raise RuntimeError(f"the last life exited with status {cur['_p'].returncode} after SIGTERM: {tail_of(logp)}")
+            if warm:
+                spares[-1].kill()  # the run's last spare: never used
+            self.stop(cur, rec, tail, evs, logp)
         except RuntimeError as e:
             rec["error"] = str(e)
             log(f"  {tag}: FAILED: {e}")
             for lv in lives:
-                self.killpg(lv["_p"], signal.SIGKILL)
+                killpg(lv["_p"], signal.SIGKILL)
                 lv["_p"].wait()
             evs.extend(tail.read())
         finally:
+            # no process outlives its run, whatever ended it
+            for sp in spares:
+                if sp.life is None:
+                    sp.kill()
+            for lv in lives:
+                if lv["_p"].poll() is None:
+                    killpg(lv["_p"], signal.SIGKILL)
+                    lv["_p"].wait()
             lf.close()
         rec["seconds"] = time.monotonic() - t_begin
         rec["kills"] = kills
@@ -257,11 +397,35 @@ class Supervisor:
         for lv in lives:
             lv["rc"] = lv.pop("_p").returncode
             lv.pop("_first")
+        if warm:
+            rec["spares"] = [sp.record() for sp in spares]
+            rec["spares_not_ready"] = sum(not lv["ready_at_go"] for lv in lives if lv.get("spare"))
         rec["shm_left"], rec["shm_kept"] = cleanup_shm(evs)
         # recorded, not removed: on a shared machine other jobs' segments appear here too
         rec["shm_new"] = sorted(shm_entries() - shm_before)
         shutil.rmtree(root, ignore_errors=True)
         return rec
+
+    def stop(self, cur, rec, tail, evs, logp):
+        """The end of the run: SIGTERM, the trainer ends its step and closes the system."""
+        a = self.a
+        cur["stop_t"] = time.monotonic()
+        try:
+            os.kill(cur["_p"].pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # it exited just now: its status says how, below
+        try:
+            cur["_p"].wait(timeout=max(60.0, a.life_timeout_s))
+        except subprocess.TimeoutExpired:
+            rec["close_timeout"] = True
+        killpg(cur["_p"], signal.SIGKILL)  # whatever the trainer left (workers)
+        cur["_p"].wait()
+        evs.extend(tail.read())
+        stop = next((e for e in evs if e["e"] == "stop" and e["life"] == cur["life"]), None)
+        if stop is not None and not stop["ok"]:
+            raise RuntimeError(f"life {cur['life']}: the state after step {stop['k']} is wrong: {stop['why']}")
+        if cur["_p"].returncode != 0 and not rec.get("close_timeout"):
+            raise RuntimeError(f"the last life exited with status {cur['_p'].returncode} after SIGTERM: {tail_of(logp)}")
 
 
 def cleanup_shm(events):
@@ -316,6 +480,8 @@ def main():
     ap.add_argument("--min-resumes", type=int, help="... and this many resumes from a checkpoint")
     ap.add_argument("--baseline-steps", type=int)
     ap.add_argument("--life-timeout-s", type=float)
+    ap.add_argument("--restart", choices=["cold", "warm"], default="cold",
+                    help="cold: a new trainer process per failure (torchrun's agent); warm: a spare started ahead is sent go")
     ap.add_argument("--seed", type=int, default=38)
     ap.add_argument("--dir", help="where checkpoints are written (a run-<pid> directory in it, removed at the end)")
     ap.add_argument("--out", required=True, help="result JSON")
@@ -332,7 +498,7 @@ def main():
     work = tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base)
     sup = Supervisor(a, work)
     log(f"preset {a.preset}: {a.size_bytes / 2**30:.3f} GiB in {a.tensors} tensors on {a.device}, {a.step_ms:g} ms steps, "
-        f"every {a.every}, MTBF {mtbfs} s real / {a.time_scale:g}; work dir {work}")
+        f"every {a.every}, MTBF {mtbfs} s real / {a.time_scale:g}, restart {a.restart}; work dir {work}")
     result = {"meta": {}, "runs": [], "skipped": {}}
     try:
         bl = sup.baseline()
@@ -353,9 +519,14 @@ def main():
             "t0_median_s": bl["t0_median_s"], "baseline_steps": bl["steps"], "calib": bl["calib"], "torch": probe["torch"],
             "python": probe["python"], "gpu": probe["gpu"], "dir": work, "min_kills": a.min_kills, "min_resumes": a.min_resumes,
             "host": platform.node(), "cpus": os.cpu_count(), "argv": sys.argv[1:], "budget_s": a.budget_s, "run_s": a.run_s,
+            "restart": a.restart,
         }
         log(f"baseline: T0 {bl['t0_s'] * 1e3:.2f} ms (median {bl['t0_median_s'] * 1e3:.2f}) over {bl['steps']} steps; "
             f"calibration {bl['calib']}; systems {systems}")
+        if bl["spare_gpu"] is not None:
+            g = result["meta"]["spare_gpu"] = bl["spare_gpu"]
+            log(f"a ready spare holds {g['bytes'] / 2**20:.0f} MiB of device memory (the driver's count: free "
+                f"{g['free_without_spare'] / 2**30:.2f} GiB without it, {g['free_with_spare'] / 2**30:.2f} GiB with it, of {g['total'] / 2**30:.2f})")
         plan = []
         for j, m in enumerate(mtbfs):
             order = systems if j % 2 == 0 else systems[::-1]
@@ -372,7 +543,8 @@ def main():
             result["runs"].append(rec)
             if not rec.get("error"):
                 overhead_est = max(overhead_est * 0.5, rec["seconds"] - run_s)
-            log(f"  {s}: {rec['kills']} kills, {rec['resumes']} resumes from a checkpoint, {rec['seconds']:.1f} s")
+            spare = f", the spare not ready at {rec['spares_not_ready']} of them" if a.restart == "warm" else ""
+            log(f"  {s}: {rec['kills']} kills{spare}, {rec['resumes']} resumes from a checkpoint, {rec['seconds']:.1f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["meta"]["wall_s"] = time.monotonic() - t_call

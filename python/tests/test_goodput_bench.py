@@ -222,6 +222,70 @@ def test_analysis_of_a_made_up_warm_restart(ready):
     assert (cold["warm"], cold["spare_wait"], cold["go"]) == (False, 0.0, 0.0)
 
 
+def processes_with(text):
+    """The pids whose command line holds ``text``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def test_cpu_tiny_warm_restarts_use_the_spare_and_leave_no_process(tmp_path):
+    """``--restart warm``: every restart after the first life is the spare sent go, resumed
+    bit for bit (the bench fails otherwise), with no interpreter, import or CUDA time on the
+    restart's clock; no trainer or spare outlives the call. No timing is asserted."""
+    pytest.importorskip("torch")
+    out, ck = tmp_path / "goodput.json", tmp_path / "ck"
+    ck.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    systems = ["shm", "shm-tiered", "torch"]
+    cmd = [sys.executable, str(BENCH / "goodput.py"), "--preset", "cpu-tiny", "--systems", ",".join(systems), "--restart", "warm",
+           "--dir", str(ck), "--out", str(out)]
+    r = zygote.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert os.listdir(ck) == [] and processes_with(str(ck)) == []  # no trainer, no spare left
+    data = json.loads(out.read_text())
+    assert data["meta"]["restart"] == "warm" and data["meta"]["systems"] == systems
+    assert "spare_gpu" not in data["meta"]  # on the CPU: no device memory to count
+    t0 = data["meta"]["t0_s"]
+    for run in data["runs"]:
+        name = run["system"]
+        assert "error" not in run, run.get("error")
+        assert run["restart"] == "warm"
+        lives, evs = run["lives"], run["events"]
+        assert run["kills"] >= 1 and len(lives) == run["kills"] + 1 and run["resumes"] >= 1, name
+        assert all(lv["rc"] == -9 for lv in lives[:-1]) and lives[-1]["rc"] == 0
+        # the first life is the job's cold start; every later one is a spare sent go
+        assert "spare" not in lives[0] and all(lv["spare"] is True for lv in lives[1:])
+        assert [e["life"] for e in evs if e["e"] == "go"] == list(range(1, len(lives)))
+        # each spare's events (its first line's included) carry the life it became
+        assert [e["life"] for e in evs if e["e"] == "main"] == list(range(len(lives)))
+        spares = run["spares"]
+        assert [sp["life"] for sp in spares] == list(range(1, len(lives))) + [None]  # the last one unused
+        assert [sp["pid"] for sp in spares[:-1]] == [lv["pid"] for lv in lives[1:]]
+        for e in evs:
+            if e["e"] == "resume":
+                assert e["ok"] is True and e["why"] is None
+        an = run["analysis"]
+        assert an["violations"] == [] and len(an["kills"]) == run["kills"] and an["start"]["warm"] is False
+        for kill in an["kills"]:
+            rb = kill["restart"]
+            assert rb["warm"] is True and rb["interp"] == rb["imports"] == rb["cuda"] == 0
+            assert sum(rb[p] for p in ("detect", "spare_wait", "go", "open", "load", "setup", "other", "first_extra")) == pytest.approx(rb["restart_s"])
+            nxt = [e for e in evs if e["e"] == "s" and e["life"] == kill["life"] + 1][0]
+            assert rb["restart_s"] == pytest.approx(nxt["t"] - lives[kill["life"]]["kill_t"] - rb["check"] - t0)
+        c = data["summary"][name]["components"]
+        assert c["restarts_warm"] == c["restarts"] == run["kills"] and 0 <= c["spare_not_ready"] <= c["restarts"]
+        assert c["spares_ready"] >= 1 and c["spare_start_s_mean"] > 0
+    assert "restart **warm**" in r.stdout and "| system | warm restarts |" in r.stdout and "FAILED" not in r.stdout
+
+
 def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_path):
     pytest.importorskip("torch")
     out, ck = tmp_path / "goodput.json", tmp_path / "ck"
