@@ -55,6 +55,16 @@ def step(k, t, dt=0.1, **kw):
     return dict(e="s", k=k, t=t, dt=dt, **kw)
 
 
+def trained_to_10(t6, t_stop):
+    """Life 1 after its setup: step 6 (0.15 s, ending at ``t6``), steps 7-10 (0.1 s each),
+    a save of step 10 when step 10 ends, and the stop at ``t_stop``."""
+    ev = [dict(step(6, t6, dt=0.15), life=1)]
+    ev += [dict(step(k, round(t6 + 0.1 * (k - 6), 10)), life=1) for k in range(7, 11)]
+    ev.append(dict(e="sv", k=10, t=round(t6 + 0.4, 10), call_s=0.01, life=1))
+    ev.append(dict(e="stop", k=10, t=t_stop, ok=True, life=1))
+    return ev
+
+
 def made_up_run(durable_7=False):
     """Life 0 (spawned at 0) trains steps 1-7 (0.1 s each, the first ending at 2.7), saves
     step 5 (durable at 3.2), is killed at 3.35; life 1 (spawned at 3.4) resumes step 5 and
@@ -78,12 +88,8 @@ def made_up_run(durable_7=False):
         dict(e="resume", k=5, fresh=False, t_import=4.0, t_cuda=4.2, t_open=4.5, t_load=5.0, t_check=5.5, check_s=0.5, ok=True, life=1,
              info={"load_source": ["disk", None]}),
         dict(e="setup", t=5.6, t_opt=5.52, t_calib=5.53, life=1),
-        dict(step(6, 5.75, dt=0.15), life=1),
     ]
-    for k in range(7, 11):
-        ev.append(dict(step(k, round(5.75 + 0.1 * (k - 6), 10)), life=1))
-    ev.append(dict(e="sv", k=10, t=6.15, call_s=0.01, life=1))
-    ev.append(dict(e="stop", k=10, t=6.2, ok=True, life=1))
+    ev += trained_to_10(5.75, 6.2)
     lives = [{"life": 0, "spawn_t": 0.0, "kill_t": 3.35}, {"life": 1, "spawn_t": 3.4, "kill_t": None}]
     return {"system": "shm", "mtbf_real_s": 600.0, "mtbf_scaled_s": 10.0, "lives": lives, "events": ev}
 
@@ -154,12 +160,8 @@ def made_up_warm_run(ready=True):
         dict(e="resume", k=5, fresh=False, t_import=2.0, t_cuda=2.1, t_open=3.71, t_load=4.21, t_check=4.71, check_s=0.5, ok=True, life=1,
              info={"load_source": ["disk", None]}),
         dict(e="setup", t=4.81, t_opt=4.73, t_calib=4.74, life=1),
-        dict(step(6, 4.96, dt=0.15), life=1),
     ]
-    for k in range(7, 11):
-        ev.append(dict(step(k, round(4.96 + 0.1 * (k - 6), 10)), life=1))
-    ev.append(dict(e="sv", k=10, t=5.36, call_s=0.01, life=1))
-    ev.append(dict(e="stop", k=10, t=5.4, ok=True, life=1))
+    ev += trained_to_10(4.96, 5.4)
     run["events"] = ev
     run["restart"] = "warm"
     run["lives"][1] = {"life": 1, "spawn_t": 0.5, "go_t": 3.4, "spare": True, "ready_at_go": ready, "kill_t": None}
