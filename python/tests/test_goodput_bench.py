@@ -208,12 +208,19 @@ def test_analysis_of_a_made_up_warm_restart(ready):
         {"interp": 0.1, "imports": 1.4, "cuda": 0.1, "warm_up": (first_start - 1.6 + 0.4) / 2}, abs=1e-9)
     assert (c["spare_rss_bytes_mean"], c["spare_anon_bytes_mean"]) == (650 << 20, 250 << 20)
     assert c["e_restart_s"] == pytest.approx(1.01)
+    # with the spare ready (as at a real MTBF of minutes): the spare's wait taken out
+    assert c["e_restart_ready_s"] == pytest.approx(1.01 - (0.0 if ready else 0.2))
     assert c["restart_parts_mean"]["imports"] == 0.0 and c["restart_parts_mean"]["detect"] == pytest.approx(0.05)
     res = {"meta": {"t0_s": 0.1, "every": 5, "every_of": {}, "time_scale": 60.0, "size_bytes": 1 << 20, "tensors": 4, "device": "cpu",
                     "restart": "warm", "spare_gpu": {"bytes": 531 << 20, "total": 80 << 30}},
            "runs": [run], "skipped": {}}
-    gr.summarize(res)
+    summ = gr.summarize(res)
+    (r0,) = summ["shm"]["runs"]
+    c = summ["shm"]["components"]
+    assert r0["model_at_real_spare_ready"] == pytest.approx(
+        1 - c["overhead"] - (c["e_lost_s"] + c["e_restart_ready_s"]) / (run["mtbf_scaled_s"] * 60.0))
     md = gr.table(res)
+    assert "model at real MTBF, the spare ready |" in md
     assert "restart **warm**" in md and "warm restart: detect / spare wait / go / open / load / setup / other / first step" in md
     row = next(x for x in md.splitlines() if x.startswith("| shm | 1 |"))  # the spares' table
     assert row.startswith(f"| shm | 1 | {0 if ready else 1} | {(first_start + 2.0) / 2:.2f} | 0.10 / 1.40 / 0.10 /")
