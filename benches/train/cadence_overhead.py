@@ -171,6 +171,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
     disk_saves = {c: 0 for c in [*cks, *engines]}
     saves = {c: 0 for c in [*cks, *engines]}
     first_step = step_no[0] + 1
+    segments = {c: [] for c in conds}
     t_end = now() + args.budget_s
 
     def segment(cond):
@@ -235,14 +236,21 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
             tr.sync()
             walls.append(now() - t0)
         before_step()  # (--call-at end: the last save's copies, untimed)
+        per_save = []
         for h in handles:  # untimed: the next segment starts from an idle disk
             rep = h.wait()
             saves[cond] += 1
+            tm = rep.get("timings", rep)
             # From the call until every byte was in staging: longer than the forward and
             # backward after the call, and the optimizer step waited for the copy.
-            staged[cond].append(rep.get("timings", rep)["staging"])
-            if not rep.get("memory_only"):
+            staged[cond].append(tm["staging"])
+            disk = not rep.get("memory_only")
+            if disk:
                 disk_saves[cond] += 1
+            per_save.append({"disk": disk, "staging_ms": tm["staging"] * 1e3, "backpressure_ms": tm.get("backpressure", 0.0) * 1e3})
+        # Every step's time and every save's, per segment: which steps of a slow round were
+        # slow, and whether a disk save or a wait for staging room came with them.
+        segments[cond].append({"round": len(rounds), "steps_ms": [w * 1e3 for w in walls], "saves": per_save})
         return walls
 
     r = 0
@@ -266,6 +274,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
         saves=saves["tiered"],
         disk_saves=disk_saves["tiered"],
         steps=[first_step, step_no[0]],
+        segments=segments,
     )
     for i, tuning in enumerate(args.compare_tuning or []):
         name = compare_name(i)

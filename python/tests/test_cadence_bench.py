@@ -144,3 +144,14 @@ def test_the_tiny_run_calls_save_at_the_step_end(tmp_path):
         assert 1 <= c["disk_saves"] <= c["saves"]
         assert c["engine"]["saves"] == c["saves"]
         assert len(c["overhead_per_round"]) == len(c["engine"]["overhead_per_round"]) == 2
+        # Every step and save of every segment, per condition: one segment per round.
+        seg = c["segments"]
+        assert sorted(seg) == ["baseline", "engine", "tiered"]
+        for cond, segs in seg.items():
+            assert [x["round"] for x in segs] == [0, 1]
+            assert all(len(x["steps_ms"]) == 4 and all(t > 0 for t in x["steps_ms"]) for x in segs)
+            want = 0 if cond == "baseline" else -(-4 // c["every"])
+            assert [len(x["saves"]) for x in segs] == [want, want]
+        tiered = [sv for x in seg["tiered"] for sv in x["saves"]]
+        assert sum(sv["disk"] for sv in tiered) == c["disk_saves"]
+        assert all(sv["staging_ms"] >= 0 and sv["backpressure_ms"] >= 0 for sv in tiered)
