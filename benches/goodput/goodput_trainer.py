@@ -180,6 +180,11 @@ class System:
     def poll(self):
         return []
 
+    def reports(self):
+        """What the system reported of the saves ``poll`` found done, since the last call
+        (``saved`` events): none but shmckpt's."""
+        return []
+
     def close(self):
         pass
 
@@ -252,6 +257,7 @@ class ShmSystem(System):
             self.ck.prepare_cuda(background=True)
             self.info["prepare_cuda_s"] = time.monotonic() - t
         self.pending = []
+        self.done = []
 
     def latest(self):
         return self.ck.latest()
@@ -273,11 +279,20 @@ class ShmSystem(System):
         out, keep = [], []
         for step, h in self.pending:
             if h.done():
-                h.wait()  # raises if the save failed
+                rep = h.wait()  # raises if the save failed
                 out.append((step, mono()))
+                tm = rep.get("timings", rep)
+                # How long its staging took and waited for room, and which tier took it:
+                # what a slow step after a restart is made of.
+                self.done.append({"k": step, "memory_only": bool(rep.get("memory_only")), "staging_s": tm.get("staging"),
+                                  "backpressure_s": tm.get("backpressure")})
             else:
                 keep.append((step, h))
         self.pending = keep
+        return out
+
+    def reports(self):
+        out, self.done = self.done, []
         return out
 
     def close(self):
@@ -776,6 +791,8 @@ def train(a, torch, t_import, t_cuda):
             dur = system.poll()
             if dur:
                 emit(e="d", dur=dur)
+            for rep in system.reports():
+                emit(e="saved", **rep)
         t = mono()
         bad = check(torch, tensors, specs, k, a.device)  # the live state too, after the loop
         emit(e="stop", k=k, t=t, ok=bad is None, why=bad, check_s=mono() - t)

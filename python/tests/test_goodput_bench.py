@@ -342,6 +342,18 @@ def test_cpu_tiny_preset_kills_restarts_and_resumes_every_system_bit_exact(tmp_p
             if e["e"] == "sv":
                 saved.add(e["k"])
         assert sum(not e["fresh"] for e in resumes) == run["resumes"]
+        # shmckpt's saves report their staging, its wait for room and their tier; each is
+        # of a save made and durable in its life
+        reps = [e for e in evs if e["e"] == "saved"]
+        if name.startswith("shm"):
+            assert reps and all(e["staging_s"] >= 0 and e["backpressure_s"] >= 0 for e in reps), name
+            made = {(x["life"], x["k"]) for x in evs if x["e"] == "sv"}
+            durable = {(x["life"], k) for x in evs if x["e"] == "d" for k, _ in x["dur"]}
+            assert all((e["life"], e["k"]) in made & durable for e in reps), name
+            if name == "shm":  # no cadence: every save goes to disk
+                assert not any(e["memory_only"] for e in reps)
+        else:
+            assert reps == [], name
         (stop,) = [e for e in evs if e["e"] == "stop"]
         assert stop["life"] == len(lives) - 1 and stop["ok"] is True
         # the goodput, recomputed from the events
