@@ -27,7 +27,9 @@ are several disk drains long, so the disk drains during most of a tiered segment
 
 Per configuration: the mean step of each condition, the overhead = mean(tiered) /
 mean(baseline) - 1 per round (adjacent segments), its median over rounds and a bootstrap
-95 % interval of the mean, the saves' call time (stall), and how many saves the disk took.
+95 % interval of the mean, the saves' call time (stall), and how many saves the disk took;
+in the JSON also, per condition and segment, every step's time and every save's tier,
+staging time and backpressure (``segments``).
 
 H200 (one call, about 4 minutes with --budget-s 200):
     python3 benches/train/cadence_overhead.py --out $OUT/cadence
