@@ -48,7 +48,13 @@ Definitions (every time from ``time.monotonic()`` of the host, seconds):
   follows is durable), ``E[restart]`` the mean restart (of those that loaded a checkpoint,
   when any did: a restart killed before its first durable save loads nothing); the
   **model** goodput at MTBF
-  ``M`` is ``1 - overhead - (E[lost] + E[restart]) / M`` (first order in 1 / M).
+  ``M`` is ``1 - overhead - (E[lost] + E[restart]) / M`` (first order in 1 / M). With a
+  warm launcher also ``E[restart]`` with the spare ready (``e_restart_ready_s``: every
+  restart less its ``spare_wait``) and the model at the real MTBF with it: time-scaled,
+  the next kill often comes before the spare has started, which at a real MTBF of
+  minutes it rarely does. The overhead still holds whatever a restart leaves in the steps
+  after its first (a wait for staging room, say), which the time scaling weighs as often
+  as the kills.
 """
 
 import json
