@@ -31,7 +31,7 @@ use crate::commit;
 use crate::error::{Error, Result};
 use crate::staging::AttachedArena;
 use crate::staging::attach::AttachOptions;
-use crate::staging::descriptor::slot_state;
+use crate::staging::descriptor::{chunk_state, slot_state};
 
 pub use inspect::{
     ArenaDetails, ArenaInfo, Owner, SlotInfo, SlotState, inspect_arena, list_arenas,
@@ -665,8 +665,10 @@ fn recover_impl(
 /// The save of `slots` (the used slots of `att`, header `h`, sorted by step) an opening
 /// engine can hold in memory instead of recovery committing it ([`AdoptSpec`]): the arena
 /// is `spec`'s (layout, world size); the newest slot is the only one of its step, fully
-/// staged and checked ([`rebuild::staged_step`]), of `spec`'s session, and nothing exists
-/// under its step's name in `root` (a committed step is recovery's to report).
+/// staged (the chunks a disk save in flight had written read back from its file first,
+/// [`rebuild::restage_written`]) and checked ([`rebuild::staged_step`]), of `spec`'s
+/// session, and nothing exists under its step's name in `root` (a committed step is
+/// recovery's to report).
 fn adoptable(
     att: &AttachedArena,
     h: &crate::staging::descriptor::HeaderView,
@@ -689,17 +691,36 @@ fn adoptable(
     if !alone {
         return None;
     }
-    let why = match rebuild::staged_step(att, h, v) {
-        Ok(st) if st.entry.session == spec.session => {
-            let name = crate::manifest::step_dir_name(v.step);
-            let free = crate::fsx::open_dir(root)
-                .and_then(|d| crate::fsx::entry_kind(std::os::fd::AsFd::as_fd(&d), root, &name))
-                .is_ok_and(|k| k.is_none());
-            if free {
-                return Some((v.clone(), st));
+    let name = crate::manifest::step_dir_name(v.step);
+    let free = crate::fsx::open_dir(root)
+        .and_then(|d| crate::fsx::entry_kind(std::os::fd::AsFd::as_fd(&d), root, &name))
+        .is_ok_and(|k| k.is_none());
+    if !free {
+        tracing::debug!(
+            step = v.step,
+            "staged save not adoptable ({name} exists): recovered to disk"
+        );
+        return None;
+    }
+    // A disk save in flight at the crash had chunks written already: they are read back
+    // from its file into the arena, so the save is whole in memory again.
+    let restaged;
+    let v = if v.chunks.iter().any(|c| c.0 == chunk_state::WRITTEN) {
+        match rebuild::restage_written(att, h, root, v) {
+            Ok(now) => {
+                restaged = now;
+                &restaged
             }
-            format!("{name} exists")
+            Err(why) => {
+                tracing::info!(step = v.step, reason = %why, "staged save not read back into staging: recovered to disk");
+                return None;
+            }
         }
+    } else {
+        v
+    };
+    let why = match rebuild::staged_step(att, h, v) {
+        Ok(st) if st.entry.session == spec.session => return Some((v.clone(), st)),
         Ok(_) => "saved by another session".into(),
         Err(why) => why,
     };

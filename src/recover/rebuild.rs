@@ -289,6 +289,143 @@ pub(crate) fn staged_step(
     })
 }
 
+/// Slot `v` of `att` (header `h`, its owner dead), a `STAGED` save some of whose chunks
+/// were written to its partial file before the crash (a disk save in flight): read those
+/// chunks back from the file into the arena chunks the descriptor names for them, each
+/// marked `STAGED` once its bytes are whole ([`AttachedArena::restaged`]), so the save is
+/// whole in the arena again and an opening engine can hold it in memory ([`staged_step`])
+/// instead of committing it before its open returns.
+///
+/// The file is opened as recovery opens it (no link followed, a regular file) and must be
+/// this user's and reach every written chunk. The slot's chunks must be distinct and in
+/// range, and no arena chunk another slot still needs (a `STAGED` entry of another staged
+/// save, any entry of a kept image) is written. A crash midway leaves each entry `WRITTEN`
+/// (the file, still there, holds its bytes) or `STAGED` (its bytes whole): recovery reads
+/// either. The bytes read back are the ones recovery would commit from the file.
+///
+/// Returns the slot as it is now, every chunk `STAGED`; or why not (recovery then commits
+/// the slot as usual).
+pub(crate) fn restage_written(
+    att: &AttachedArena,
+    h: &HeaderView,
+    root: &Path,
+    v: &SlotView,
+) -> std::result::Result<SlotView, String> {
+    use crate::staging::descriptor::slot_state;
+    let cs = h.geometry.chunk_size;
+    if v.state != slot_state::STAGED || !descriptor_consistent(h, v) || v.chunks.is_empty() {
+        return Err(format!("slot {} is not a consistent staged save", v.slot));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for &(state, idx) in &v.chunks {
+        if (state != chunk_state::STAGED && state != chunk_state::WRITTEN)
+            || u64::from(idx) >= h.geometry.n_chunks
+            || !seen.insert(idx)
+        {
+            return Err(format!(
+                "step {} names arena chunk {idx} twice, past the arena or in no state to read",
+                v.step
+            ));
+        }
+    }
+    let written: Vec<(u64, u32)> = v
+        .chunks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.0 == chunk_state::WRITTEN)
+        .map(|(k, c)| (k as u64, c.1))
+        .collect();
+    let wanted: std::collections::BTreeSet<u32> = written.iter().map(|w| w.1).collect();
+    for s in (0..att.slot_count()).filter(|&s| s != v.slot) {
+        let other = att.try_slot(s).map_err(|e| e.to_string())?;
+        let needed = match other.state {
+            slot_state::STAGED => other
+                .chunks
+                .iter()
+                .any(|c| c.0 == chunk_state::STAGED && wanted.contains(&c.1)),
+            slot_state::KEPT => other.chunks.iter().any(|c| wanted.contains(&c.1)),
+            _ => false,
+        };
+        if needed {
+            return Err(format!(
+                "an arena chunk step {} was written from holds step {}'s bytes now",
+                v.step, other.step
+            ));
+        }
+    }
+    let chunk_end = |k: u64| ((k + 1) * cs).min(v.file_len);
+    let partial = root.join(&v.partial_dir);
+    let path = partial.join(&v.file_name);
+    let uid = rustix::process::geteuid().as_raw();
+    let file = fsx::open_dir(root)
+        .and_then(|r| fsx::open_subdir(r.as_fd(), root, &v.partial_dir))
+        .and_then(|d| {
+            fsx::open_file(
+                d.as_fd(),
+                &partial,
+                &v.file_name,
+                false,
+                fsx::Create::No,
+                Some(uid),
+            )
+        })
+        .map_err(|e| e.to_string())?;
+    let need = written
+        .iter()
+        .map(|&(k, _)| chunk_end(k))
+        .max()
+        .unwrap_or(0);
+    match file.metadata() {
+        Ok(m) if m.len() >= need => {}
+        Ok(m) => {
+            return Err(format!(
+                "{} holds {} bytes, but chunks written before the crash reach byte {need}",
+                path.display(),
+                m.len()
+            ));
+        }
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    }
+    let piece = IO_PIECE.min(cs as usize);
+    in_lanes(
+        &written,
+        |_, &(k, idx), buf| {
+            buf.resize(piece, 0);
+            let start = k * cs;
+            let len = chunk_end(k) - start;
+            let mut at = 0u64;
+            while at < len {
+                let n = (len - at).min(piece as u64) as usize;
+                file.read_exact_at(&mut buf[..n], start + at)
+                    .map_err(|e| format!("{}: read at {}: {e}", path.display(), start + at))?;
+                att.write_chunk(idx, at, &buf[..n])
+                    .map_err(|e| e.to_string())?;
+                at += n as u64;
+            }
+            att.restaged(v.slot, v.step, k, idx)
+                .map_err(|e| e.to_string())
+        },
+        || "a thread reading written chunks back panicked".to_owned(),
+    )?;
+    let now = att.try_slot(v.slot).map_err(|e| e.to_string())?;
+    let whole = now.state == slot_state::STAGED
+        && now.step == v.step
+        && now.chunks.len() == v.chunks.len()
+        && now.chunks.iter().all(|c| c.0 == chunk_state::STAGED);
+    if !whole {
+        return Err(format!(
+            "slot {} changed while step {} was restaged",
+            v.slot, v.step
+        ));
+    }
+    tracing::info!(
+        step = v.step,
+        chunks = written.len(),
+        "chunks written before the crash read back into staging: the save is whole in memory"
+    );
+    Ok(now)
+}
+
 /// Write what staging holds into the partial file, make it exact and durable, describe it
 /// and commit it.
 fn rebuild_and_commit(

@@ -337,6 +337,70 @@ impl AttachedArena {
         self.file.read_exact_at(out, off).ok()
     }
 
+    /// Put `data` into arena chunk `index`, from byte `at` of the chunk: the counterpart of
+    /// [`Self::read_chunk`], for a save's bytes read back from its file
+    /// (`crate::recover::rebuild::restage_written`). Needs an arena opened for writing whose
+    /// owner is dead (nobody else writes the chunk), and the range inside the chunk.
+    pub(crate) fn write_chunk(&self, index: u32, at: u64, data: &[u8]) -> Result<()> {
+        let refuse = |reason: String| Error::Recovery {
+            arena: self.name.clone(),
+            reason,
+        };
+        if !self.writable {
+            return Err(refuse("opened read-only".into()));
+        }
+        let off = self
+            .geo()
+            .chunk_range(u64::from(index), at, data.len() as u64)
+            .filter(|off| {
+                off.checked_add(data.len() as u64)
+                    .is_some_and(|e| e <= self.len)
+            })
+            .ok_or_else(|| refuse(format!("chunk {index} has no bytes {at}+{}", data.len())))?;
+        self.file
+            .write_all_at(data, off)
+            .map_err(|e| Error::io_at("write", self.path(), off, e))
+    }
+
+    /// File chunk `k` of `STAGED` slot `slot` (step `step`), recorded `WRITTEN` in arena
+    /// chunk `index`, is whole in that arena chunk again ([`Self::write_chunk`] wrote it):
+    /// its entry becomes `STAGED` (the descriptor's rule 2: after the bytes). The slot is
+    /// read again first and must still be that step's, `STAGED`, with that entry.
+    pub(crate) fn restaged(&self, slot: u32, step: u64, k: u64, index: u32) -> Result<()> {
+        let refuse = |reason: String| Error::Recovery {
+            arena: self.name.clone(),
+            reason,
+        };
+        let off = self.writable_slot(slot)?;
+        let path = self.path();
+        let mut page = vec![0u8; PAGE];
+        self.file
+            .read_exact_at(&mut page, off)
+            .map_err(|e| Error::io_at("read", &path, off, e))?;
+        let s = layout::parse_slot(&page, self.geo()).map_err(refuse)?;
+        let at = self
+            .geo()
+            .entry_offset(slot, k)
+            .filter(|_| k < s.n_file_chunks)
+            .ok_or_else(|| refuse(format!("chunk {k} of slot {slot} out of range")))?;
+        let mut raw = [0u8; 4];
+        self.file
+            .read_exact_at(&mut raw, at)
+            .map_err(|e| Error::io_at("read", &path, at, e))?;
+        if s.state != slot_state::STAGED
+            || s.step != step
+            || u32::from_ne_bytes(raw) != (chunk_state::WRITTEN << 30) | index
+        {
+            return Err(refuse(format!(
+                "slot {slot} changed: chunk {k} of step {step} is no longer written to arena chunk {index}"
+            )));
+        }
+        let entry = (chunk_state::STAGED << 30) | index;
+        self.file
+            .write_all_at(&entry.to_ne_bytes(), at)
+            .map_err(|e| Error::io_at("write", &path, at, e))
+    }
+
     /// Remove the name from `/dev/shm`, if it still names the segment that was opened.
     pub fn unlink(&self) -> std::io::Result<()> {
         use std::os::unix::fs::MetadataExt;

@@ -603,7 +603,6 @@ fn child_adopt_then_die() {
 fn child_keep_disk_save_in_flight() {
     use shmckpt::testing::io::OpKind;
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-    use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
     let root = env_path(ROOT_ENV);
     let plan = std::sync::Arc::new(FaultPlan::new());
     let e = Engine::open(flash_config(&root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
@@ -622,27 +621,83 @@ fn child_keep_disk_save_in_flight() {
     let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
     h3.wait_staged().unwrap();
     assert!(save_step(&e, 4).memory_only);
-    // Until step 3's first chunk is written (its descriptor says so), or for 1 s (its
-    // writes were merged into one, held back).
+    let _ = wait_first_chunk_written(&root, 3);
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box((&e, &h3));
+    sigkill_self();
+}
+
+/// Child: flash restore on, every second save to disk: step 1 to disk, 2 memory-only, 3 to
+/// disk with the write of its last chunk held back (10 s), then death by SIGKILL while
+/// step 3 drains (its first chunks written unless the writes were merged): the newest
+/// staged save is a disk save partly written.
+fn child_keep_newest_disk_save_in_flight() {
+    use shmckpt::testing::io::OpKind;
+    use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
+    let root = env_path(ROOT_ENV);
+    let plan = std::sync::Arc::new(FaultPlan::new());
+    let e = Engine::open(flash_config(&root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
+        .unwrap();
+    assert!(!save_step(&e, 1).memory_only);
+    assert!(save_step(&e, 2).memory_only);
+    plan.add(Rule {
+        kind: OpKind::Write,
+        offsets: (192 << 10)..u64::MAX,
+        fault: Fault::Delay(Duration::from_secs(10)),
+        times: None,
+    });
+    let s3 = step_state(3);
+    let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
+    h3.wait_staged().unwrap();
+    if !wait_first_chunk_written(&root, 3) {
+        // The writes were merged into one, held back: the parent tries again.
+        std::process::exit(3);
+    }
+    assert_eq!(committed(&root), [1]);
+    std::hint::black_box((&e, &h3));
+    sigkill_self();
+}
+
+/// Until the first chunk of staged step `step` of `root`'s kept arena is written (its
+/// descriptor says so: `true`), or for 1 s (the writes were merged into one, held back).
+fn wait_first_chunk_written(root: &Path, step: u64) -> bool {
+    use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
     let deadline = std::time::Instant::now() + Duration::from_secs(1);
     loop {
-        let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(&root)).unwrap();
+        let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(root)).unwrap();
         let first_written = (0..att.slot_count()).any(|s| {
             let v = att.slot(s);
-            v.step == 3
+            v.step == step
                 && v.state == slot_state::STAGED
                 && v.chunks
                     .first()
                     .is_some_and(|c| c.0 == chunk_state::WRITTEN)
         });
         if first_written || std::time::Instant::now() >= deadline {
-            break;
+            return first_written;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(committed(&root), [1]);
-    std::hint::black_box((&e, &h3));
-    sigkill_self();
+}
+
+/// A root (and the guard of its kept arena) left by `child_keep_newest_disk_save_in_flight`
+/// killed with step 3's first chunks written (tried up to 8 times, in a new root each).
+fn killed_with_step_3_partly_written(tag: &str) -> (tempfile::TempDir, ShmGuard) {
+    use std::os::unix::process::ExitStatusExt;
+    for _ in 0..8 {
+        let dir = real_dir(tag);
+        let kept = ShmGuard(kept_arena_name(dir.path()));
+        let out = child_command("child_keep_newest_disk_save_in_flight")
+            .env(ROOT_ENV, dir.path())
+            .env(SHM_ENV, "unused")
+            .output()
+            .unwrap();
+        if out.status.signal() == Some(9) {
+            return (dir, kept);
+        }
+        assert_eq!(out.status.code(), Some(3), "{out:?}");
+    }
+    panic!("no child was killed with step 3 partly written");
 }
 
 /// Child: flash restore on, 64 MiB of staging: step 1 to disk, 2 and 3 memory-only (3
@@ -700,6 +755,10 @@ const ROLES: &[Role] = &[
     (
         "child_keep_killed_while_staging",
         child_keep_killed_while_staging,
+    ),
+    (
+        "child_keep_newest_disk_save_in_flight",
+        child_keep_newest_disk_save_in_flight,
     ),
 ];
 
@@ -802,6 +861,194 @@ fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
     e.close();
     assert_eq!(committed(root), [1, 3, 4]);
     assert_step_is_exact(root, 4);
+}
+
+/// The chunks of step 3 of `root` that the dead engine's kept arena records `WRITTEN`.
+fn written_chunks(root: &Path, step: u64) -> usize {
+    use shmckpt::testing::staging::descriptor::chunk_state;
+    let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(root)).unwrap();
+    (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .filter(|v| v.step == step)
+        .map(|v| {
+            v.chunks
+                .iter()
+                .filter(|c| c.0 == chunk_state::WRITTEN)
+                .count()
+        })
+        .sum()
+}
+
+/// Overwrite the arena chunks of `root`'s kept arena that step `step` records `WRITTEN`
+/// with 0xEE, as a later save reusing them would.
+fn scribble_written_chunks(root: &Path, step: u64) {
+    use shmckpt::testing::staging::descriptor::chunk_state;
+    use std::os::unix::fs::FileExt;
+    let name = kept_arena_name(root);
+    let att = shmckpt::testing::staging::AttachedArena::open(&name).unwrap();
+    let geo = att.header().geometry;
+    let seg = std::fs::OpenOptions::new()
+        .write(true)
+        .open(Path::new("/dev/shm").join(&name))
+        .unwrap();
+    let junk = vec![0xEE; geo.chunk_size as usize];
+    for v in (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .filter(|v| v.step == step)
+    {
+        for &(_, index) in v.chunks.iter().filter(|c| c.0 == chunk_state::WRITTEN) {
+            let at = geo.data_offset + u64::from(index) * geo.chunk_size;
+            seg.write_all_at(&junk, at).unwrap();
+        }
+    }
+}
+
+/// Flash restore with a disk cadence, killed while the newest save, a disk save, drained:
+/// the open reads the chunks already written back from its partial file into the arena and
+/// holds the step in memory (nothing written before the open returns), byte-exact, and
+/// recovers the older memory-only step behind the open.
+#[test]
+fn flash_restore_holds_a_disk_save_killed_while_draining_in_memory() {
+    if run_role(ROLES) {
+        return;
+    }
+    let (dir, _kept) = killed_with_step_3_partly_written("cadence-keep-restage");
+    let root = dir.path();
+    assert_eq!(committed(root), [1]);
+    let written = written_chunks(root, 3);
+    assert!((1..4).contains(&written), "{written} of 4 chunks written");
+    // The arena chunks those were written from may hold other bytes by now (a chunk goes
+    // back to the pool once written): here, all of them.
+    scribble_written_chunks(root, 3);
+    let e = Engine::open(flash_config(root, 2, 1 << 20)).unwrap();
+    let outcomes: Vec<(u64, String)> = e
+        .recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .map(|s| (s.step, format!("{:?}", s.outcome)))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [(2, "Behind".to_owned()), (3, "Adopted".to_owned())],
+        "{:?}",
+        e.recovered()
+    );
+    assert_eq!(e.recovered_steps(), [3]);
+    assert_eq!(committed(root), [1], "nothing written at open");
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    let behind = e.wait_recovery();
+    assert!(
+        matches!(
+            behind.as_slice(),
+            [(
+                2,
+                shmckpt::recover::SlotOutcome::Committed {
+                    from_staging: 4,
+                    from_file: 0,
+                    ..
+                }
+            )]
+        ),
+        "{behind:?}"
+    );
+    assert_eq!(committed(root), [1, 2]);
+    assert_step_is_exact(root, 2);
+    assert_latest_from(&e, 3, LoadSource::Memory);
+    e.close();
+    assert_eq!(committed(root), [1, 2, 3]);
+    assert_step_is_exact(root, 3);
+}
+
+/// The rank file in `root`'s partial directory of step 3.
+fn partial_file_of_step_3(root: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(root.join("step-3.partial"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .unwrap()
+}
+
+/// Open after `child_keep_newest_disk_save_in_flight` died, with `spoil` applied to step 3's
+/// partial file first: step 3 is never held (its outcome must match `step_3`), the older
+/// memory-only step 2 is recovered at once, and `latest` is step 2, byte-exact, from disk
+/// (the slot left in the arena for `shmckpt recover` keeps the arena from being taken over).
+fn open_with_partial_file_spoiled(
+    tag: &str,
+    spoil: impl FnOnce(&Path),
+    step_3: fn(&shmckpt::recover::SlotOutcome) -> bool,
+) {
+    let (dir, _kept) = killed_with_step_3_partly_written(tag);
+    let root = dir.path();
+    assert!(written_chunks(root, 3) >= 1);
+    spoil(&partial_file_of_step_3(root));
+    let e = Engine::open(flash_config(root, 2, 1 << 20)).unwrap();
+    let outcomes: Vec<(u64, bool)> = e
+        .recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .map(|s| {
+            let ok = match s.step {
+                2 => matches!(s.outcome, shmckpt::recover::SlotOutcome::Committed { .. }),
+                _ => step_3(&s.outcome),
+            };
+            (s.step, ok)
+        })
+        .collect();
+    assert_eq!(outcomes, [(2, true), (3, true)], "{:?}", e.recovered());
+    assert_eq!(e.recovered_steps(), [2]);
+    assert_eq!(committed(root), [1, 2]);
+    assert_latest_from(&e, 2, LoadSource::Disk);
+    e.close();
+    assert_step_is_exact(root, 2);
+}
+
+/// The same crash, with the partial file of the disk save in flight cut short before the
+/// open: nothing is read back from it (the chunks it lacks are nowhere), and the step is
+/// refused as recovery refuses it.
+#[test]
+fn a_disk_save_whose_written_chunks_are_gone_is_never_held() {
+    if run_role(ROLES) {
+        return;
+    }
+    open_with_partial_file_spoiled(
+        "cadence-keep-restage-short",
+        |file| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(file)
+                .unwrap()
+                .set_len(4096)
+                .unwrap();
+        },
+        |o| matches!(o, shmckpt::recover::SlotOutcome::Refused { .. }),
+    );
+}
+
+/// The same crash, with the partial file replaced by a link to a copy of it: the link is
+/// never followed (nothing is read back through it, nothing written through it), and the
+/// step's recovery fails as recovery fails on a link (the arena kept for a retry).
+#[test]
+fn a_link_in_place_of_the_partial_file_is_never_read_back() {
+    if run_role(ROLES) {
+        return;
+    }
+    open_with_partial_file_spoiled(
+        "cadence-keep-restage-link",
+        |file| {
+            let copy = file.with_extension("copy");
+            std::fs::copy(file, &copy).unwrap();
+            std::fs::remove_file(file).unwrap();
+            std::os::unix::fs::symlink(&copy, file).unwrap();
+        },
+        |o| {
+            matches!(
+                o,
+                shmckpt::recover::SlotOutcome::Failed {
+                    error: Error::UnsafePath { .. }
+                }
+            )
+        },
+    );
 }
 
 /// Flash restore with a disk cadence, of the same layout: the open takes the dead engine's
