@@ -18,6 +18,29 @@ pub(crate) fn threads_for(jobs: usize) -> usize {
         .min(jobs.max(1))
 }
 
+/// `sync_file_range(file, begin, len, flags)`: start (`SYNC_FILE_RANGE_WRITE`) or wait for
+/// (`SYNC_FILE_RANGE_WAIT_*`) the write-back of those bytes of `file`'s page cache. With
+/// `WAIT_BEFORE | WRITE | WAIT_AFTER` the range's pages are on the device when it returns
+/// `Ok` (not flushed from its cache: no `fdatasync`), and a write-back error is returned.
+#[allow(unsafe_code)]
+pub(crate) fn sync_file_range(
+    file: &std::fs::File,
+    begin: u64,
+    len: u64,
+    flags: libc::c_uint,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(len)) = (libc::off64_t::try_from(begin), libc::off64_t::try_from(len)) else {
+        return Err(std::io::ErrorKind::InvalidInput.into());
+    };
+    // SAFETY: a system call on a file this function borrows (open for its whole duration);
+    // it takes no pointer, and its only effect is on the file's page-cache write-back.
+    match unsafe { libc::sync_file_range(file.as_raw_fd(), off, len, flags) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms() -> u64 {
     SystemTime::now()

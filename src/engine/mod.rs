@@ -201,22 +201,47 @@ type BehindDone = (
     Vec<crate::staging::ChunkLease>,
 );
 
-/// Recover `b`'s saves into `shared`'s root, oldest first: each slot freed (before its
-/// chunks return to the pool) once its recovery ended, except after an I/O error
-/// (`Failed`: the slot stays `STAGED` and its chunks are returned, held, for the next open
-/// to retry); each step out of `inflight` then.
+/// Recover `b`'s saves into `shared`'s root, oldest first: each staged chunk recorded
+/// `WRITTEN` and given back to the pool once it is on the device (as a drain gives its
+/// chunks back: a restart's first saves need the room), each slot freed (before its
+/// remaining chunks return to the pool) once its recovery ended, except after an I/O error
+/// (`Failed`: the slot stays `STAGED` and its chunks not yet written are returned, held,
+/// for the next open to retry, the others read from the file then); each step out of
+/// `inflight` then.
 fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
     let flash::Behind { att, saves } = b;
     let header = att.header();
     let mut outcomes = Vec::new();
     let mut stuck = Vec::new();
     for s in saves {
-        let outcome = crate::recover::recover_behind(&att, &header, &shared.cfg.root, &s.view);
+        let slot = s.view.slot;
+        let leases: std::collections::BTreeMap<u32, Mutex<Option<crate::staging::ChunkLease>>> = s
+            .leases
+            .into_iter()
+            .map(|l| (l.index(), Mutex::new(Some(l))))
+            .collect();
+        let written = |k: u64, index: u32| {
+            if let Some(held) = leases.get(&index) {
+                // `WRITTEN` before the chunk can be reused (the descriptor's rule 2).
+                shared.arena.descriptor().chunk_written(slot, k);
+                drop(lock(held).take());
+            }
+        };
+        let outcome = crate::recover::recover_behind(
+            &att,
+            &header,
+            &shared.cfg.root,
+            &s.view,
+            Some(&written),
+        );
+        let rest = leases
+            .into_values()
+            .filter_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()));
         if matches!(outcome, crate::recover::SlotOutcome::Failed { .. }) {
-            stuck.extend(s.leases);
+            stuck.extend(rest);
         } else {
-            shared.arena.release_slot(s.view.slot);
-            drop(s.leases);
+            shared.arena.release_slot(slot);
+            drop(rest.collect::<Vec<_>>());
         }
         lock(&shared.inflight).remove(&s.view.step);
         outcomes.push((s.view.step, outcome));

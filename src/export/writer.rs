@@ -20,7 +20,6 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::thread::{Scope, ScopedJoinHandle};
 
@@ -232,15 +231,7 @@ fn start_writeback(file: &File, p: &mut Progress) {
 /// `sync_file_range(file, begin, end - begin, flags)`, a hint: its error is left to the
 /// `fsync` that makes the file durable.
 fn sync_file_range(file: &File, (begin, end): (u64, u64), flags: libc::c_uint) {
-    let (Ok(off), Ok(len)) = (
-        libc::off64_t::try_from(begin),
-        libc::off64_t::try_from(end.saturating_sub(begin)),
-    ) else {
-        return;
-    };
-    // SAFETY: a system call on a file this function borrows (open for its whole duration);
-    // it takes no pointer, and its only effect is on the file's page-cache write-back.
-    let _ = unsafe { libc::sync_file_range(file.as_raw_fd(), off, len, flags) };
+    let _ = crate::util::sync_file_range(file, begin, end.saturating_sub(begin), flags);
 }
 
 #[cfg(test)]

@@ -774,14 +774,16 @@ fn recoverable_behind(
 /// Recover slot `v` of `att` (header `h`, read before the arena was taken over) into
 /// `root`, as recovery at open would: for an engine that took the arena over and recovers
 /// its older saves behind its open ([`SlotOutcome::Behind`]). The caller holds the slot's
-/// staged chunks out of its pool meanwhile.
+/// staged chunks out of its pool meanwhile, each until `on_written` says it is on the
+/// device (then the caller records it `WRITTEN` and may give it back).
 pub(crate) fn recover_behind(
     att: &AttachedArena,
     h: &crate::staging::descriptor::HeaderView,
     root: &Path,
     v: &crate::staging::descriptor::SlotView,
+    on_written: Option<rebuild::OnWritten<'_>>,
 ) -> SlotOutcome {
-    let outcome = recover_slot(att, h, root, v);
+    let outcome = rebuild::recover_slot_with(att, h, root, v, on_written);
     log_outcome(att.name(), v.step, &outcome);
     outcome
 }

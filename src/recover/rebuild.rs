@@ -99,11 +99,27 @@ fn classify(e: Error) -> SlotOutcome {
     }
 }
 
+/// Called by [`recover_slot_with`] once file chunk `k`, staged in arena chunk `index`, is
+/// written to the file and its pages are on the device (`sync_file_range` waited for
+/// them, and reported no error): a chunk the caller may record `WRITTEN` and give back.
+pub(crate) type OnWritten<'a> = &'a (dyn Fn(u64, u32) + Sync);
+
 pub(super) fn recover_slot(
     att: &AttachedArena,
     h: &HeaderView,
     root: &Path,
     v: &SlotView,
+) -> SlotOutcome {
+    recover_slot_with(att, h, root, v, None)
+}
+
+/// [`recover_slot`], calling `on_written` for each staged chunk once it is on the device.
+pub(super) fn recover_slot_with(
+    att: &AttachedArena,
+    h: &HeaderView,
+    root: &Path,
+    v: &SlotView,
+    on_written: Option<OnWritten<'_>>,
 ) -> SlotOutcome {
     let info = SlotInfo::from_view(v);
     match info.state {
@@ -198,7 +214,7 @@ pub(super) fn recover_slot(
             Ok(k) => k.is_none(),
             Err(e) => return classify(e),
         };
-    let outcome = rebuild_and_commit(att, h, root, v, &info, &partial, &path);
+    let outcome = rebuild_and_commit(att, h, root, v, &info, (&partial, &path), on_written);
     if matches!(outcome, SlotOutcome::Refused { .. }) {
         // Leave no trace of a save that cannot be restored where there was none.
         // A refusal after the commit wrote this rank's part (the merge failed) must take
@@ -434,8 +450,8 @@ fn rebuild_and_commit(
     root: &Path,
     v: &SlotView,
     info: &SlotInfo,
-    partial: &Path,
-    path: &Path,
+    (partial, path): (&Path, &Path),
+    on_written: Option<OnWritten<'_>>,
 ) -> SlotOutcome {
     let cs = h.geometry.chunk_size;
     let chunk_end = |k: u64| ((k + 1) * cs).min(v.file_len);
@@ -565,6 +581,19 @@ fn rebuild_and_commit(
                 }
                 out.extend(file_crc_pieces(tensors, data_start, off, &buf[..n]));
                 at += n as u64;
+            }
+            if let (Some(idx), Some(f)) = (staged, on_written) {
+                // The chunk's pages on the device before the caller may give its staged
+                // copy up: a failed `fdatasync` later cannot lose them.
+                let all = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                    | libc::SYNC_FILE_RANGE_WRITE
+                    | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+                if let Err(e) = crate::util::sync_file_range(&file, start, len, all) {
+                    return Err(SlotOutcome::Failed {
+                        error: Error::io_at("sync_file_range", path, start, e),
+                    });
+                }
+                f(k, idx);
             }
             *found[i].lock().unwrap_or_else(|e| e.into_inner()) = out;
             Ok(())

@@ -570,15 +570,12 @@ impl Incoming {
         unsafe { pwrite_range(&early.file, self.ptr.as_ptr(), start, end, &path) }?;
         // Start writing these pages to the disk now, so the seal's fsync waits only for the
         // rest (a hint: its failure is the fsync's to report).
-        // SAFETY: a plain system call on this value's own open file.
-        let _ = unsafe {
-            libc::sync_file_range(
-                std::os::fd::AsRawFd::as_raw_fd(&early.file),
-                start as libc::off64_t,
-                (end - start) as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            )
-        };
+        let _ = crate::util::sync_file_range(
+            &early.file,
+            start as u64,
+            (end - start) as u64,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
         early.written = end;
         Ok(())
     }

@@ -700,6 +700,88 @@ fn killed_with_step_3_partly_written(tag: &str) -> (tempfile::TempDir, ShmGuard)
     panic!("no child was killed with step 3 partly written");
 }
 
+/// The `fdatasync` of a rank file under `step-3.partial` blocks until [`RELEASE`] is set
+/// (for at most 20 s), with [`BLOCKED`] set meanwhile.
+struct BlockStep3Sync;
+static BLOCKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static RELEASE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl shmckpt::observe::FsObserver for BlockStep3Sync {
+    fn around(&self, op: &shmckpt::observe::FsOp<'_>, run: &mut dyn FnMut() -> bool) {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        if let shmckpt::observe::FsOp::Sync {
+            fd,
+            data_only: true,
+        } = op
+        {
+            let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+            if target.is_ok_and(|t| t.to_string_lossy().contains("step-3.partial/")) {
+                BLOCKED.store(true, Ordering::SeqCst);
+                let until = std::time::Instant::now() + Duration::from_secs(20);
+                while !RELEASE.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                BLOCKED.store(false, Ordering::SeqCst);
+            }
+        }
+        run();
+    }
+
+    fn tracking_writes(&self) -> bool {
+        false
+    }
+
+    fn written(&self, _: std::os::fd::BorrowedFd<'_>, _: u64, _: &[u8]) {}
+
+    fn committed(&self, _: &Path, _: u64) {}
+}
+
+/// Child, after `child_keep_disk_save_in_flight` died: the open holds step 4 and recovers
+/// step 3 behind it, whose final `fdatasync` is held back; meanwhile every chunk of step 3
+/// is recorded `WRITTEN` in the arena's descriptor (given back to the pool), before its
+/// recovery ended. Then the recovery ends and commits step 3 byte-exact.
+fn child_behind_gives_chunks_back() {
+    use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
+    use std::sync::atomic::Ordering;
+    assert!(shmckpt::observe::install(&BlockStep3Sync));
+    let root = env_path(ROOT_ENV);
+    let e = Engine::open(flash_config(&root, 2, 1 << 20)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !BLOCKED.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the recovery behind the open never reached its fdatasync"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let att = shmckpt::testing::staging::AttachedArena::open(&kept_arena_name(&root)).unwrap();
+    let step3: Vec<_> = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .filter(|v| v.step == 3 && v.state == slot_state::STAGED)
+        .collect();
+    assert_eq!(step3.len(), 1, "{step3:?}");
+    assert!(
+        step3[0].chunks.iter().all(|c| c.0 == chunk_state::WRITTEN),
+        "step 3's chunks while its recovery waits for fdatasync: {:?}",
+        step3[0].chunks
+    );
+    assert!(BLOCKED.load(Ordering::SeqCst), "still in its fdatasync");
+    RELEASE.store(true, Ordering::SeqCst);
+    let behind = e.wait_recovery();
+    assert!(
+        matches!(
+            behind.as_slice(),
+            [(3, shmckpt::recover::SlotOutcome::Committed { .. })]
+        ),
+        "{behind:?}"
+    );
+    assert_step_is_exact(&root, 3);
+    assert_latest_from(&e, 4, LoadSource::Memory);
+    std::hint::black_box(&e);
+    sigkill_self();
+}
+
 /// Child: flash restore on, 64 MiB of staging: step 1 to disk, 2 and 3 memory-only (3
 /// held), then death by SIGKILL while step 4 (48 MiB) is being staged (its descriptor slot
 /// `STAGING`: a trainer that saves every step dies inside the next save most of the time).
@@ -759,6 +841,10 @@ const ROLES: &[Role] = &[
     (
         "child_keep_newest_disk_save_in_flight",
         child_keep_newest_disk_save_in_flight,
+    ),
+    (
+        "child_behind_gives_chunks_back",
+        child_behind_gives_chunks_back,
     ),
 ];
 
@@ -1049,6 +1135,22 @@ fn a_link_in_place_of_the_partial_file_is_never_read_back() {
             )
         },
     );
+}
+
+/// The recovery behind the open gives each chunk back once it is on the device, as a
+/// drain does, not at its end: a restart's first saves get the room at the disk's pace.
+#[test]
+fn the_recovery_behind_the_open_gives_chunks_back_as_it_writes_them() {
+    if run_role(ROLES) {
+        return;
+    }
+    let dir = real_dir("cadence-keep-behind-gives");
+    let root = dir.path();
+    let _kept = ShmGuard(kept_arena_name(root));
+    run_child("child_keep_disk_save_in_flight", root, "unused");
+    run_child("child_behind_gives_chunks_back", root, "unused");
+    assert_eq!(committed(root), [1, 3]);
+    assert_step_is_exact(root, 3);
 }
 
 /// Flash restore with a disk cadence, of the same layout: the open takes the dead engine's
