@@ -88,7 +88,9 @@ pub enum DiskCadence {
     /// default) sends every save to disk, as without this setting.
     Every(u64),
     /// A save goes to disk when the previous disk save has finished (committed or failed),
-    /// else it stays in memory only: the disk takes every save it can sustain.
+    /// else it stays in memory only: the disk takes every save it can sustain. A dead
+    /// engine's saves this engine recovers behind its open (flash restore) count as such a
+    /// save until their recovery ends: they write to the same disk.
     WhenIdle,
 }
 

@@ -227,7 +227,8 @@ class Cadence:
 
     ``disk_every=N`` (default 1: every save): the first save, then every ``N``-th after
     the last disk save; ``"auto"``: a save goes to disk when the previous disk save has
-    finished. ``disk_interval_s``: a save also goes to disk when that many seconds have
+    finished (a dead trainer's saves recovered behind the open count as one until they
+    are committed). ``disk_interval_s``: a save also goes to disk when that many seconds have
     passed since the last disk save began. ``"auto"`` and ``disk_interval_s`` decide per
     rank: refused with several ranks. ``memory_steps`` (1 to 256, default 1): how many of
     the newest memory-only steps the memory tier holds (each loadable, listed, recovered

@@ -48,10 +48,11 @@ impl Cadence {
     /// The one decision of which tiers take a save (every save is staged in memory):
     /// whether it goes to disk, and whether to the bucket too (only a disk save does).
     /// `forced`: the save must reach the disk (a part-only save, a commit held for its
-    /// caller). Called under the staging gate, so saves are decided in the order they
-    /// stage.
-    pub(super) fn decide(&self, cfg: &EngineConfig, forced: bool) -> SaveTiers {
-        let disk = self.goes_to_disk(cfg, forced);
+    /// caller). `recovering`: a dead engine's saves are being recovered behind the open
+    /// (their writes take the disk, as a disk save in flight would). Called under the
+    /// staging gate, so saves are decided in the order they stage.
+    pub(super) fn decide(&self, cfg: &EngineConfig, forced: bool, recovering: bool) -> SaveTiers {
+        let disk = self.goes_to_disk(cfg, forced, recovering);
         let bucket = disk
             && self
                 .disk_since_bucket
@@ -60,7 +61,7 @@ impl Cadence {
     }
 
     /// Whether a save goes to disk ([`Cadence::decide`]).
-    fn goes_to_disk(&self, cfg: &EngineConfig, forced: bool) -> bool {
+    fn goes_to_disk(&self, cfg: &EngineConfig, forced: bool, recovering: bool) -> bool {
         if forced || cfg.every_save_to_disk() {
             return true;
         }
@@ -68,7 +69,9 @@ impl Cadence {
             DiskCadence::Every(n) => self
                 .memory_since_disk
                 .is_none_or(|m| m.saturating_add(1) >= n),
-            DiskCadence::WhenIdle => self.last_disk.upgrade().is_none_or(|s| s.is_done()),
+            DiskCadence::WhenIdle => {
+                !recovering && self.last_disk.upgrade().is_none_or(|s| s.is_done())
+            }
         };
         let by_interval = cfg
             .disk_interval

@@ -26,7 +26,7 @@ mod state;
 mod tiers;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -104,6 +104,9 @@ struct Shared {
     memory: Arc<memory::MemoryTier>,
     /// What decides which saves go to disk.
     cadence: Mutex<memory::Cadence>,
+    /// Whether the recovery behind the open is still writing (`DiskCadence::WhenIdle`
+    /// counts it as a disk save in flight).
+    recovering: AtomicBool,
 }
 
 impl Shared {
@@ -246,6 +249,7 @@ fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
         lock(&shared.inflight).remove(&s.view.step);
         outcomes.push((s.view.step, outcome));
     }
+    shared.recovering.store(false, Ordering::Release);
     (outcomes, stuck)
 }
 
@@ -557,6 +561,7 @@ impl Engine {
             files,
             memory,
             cadence: Mutex::new(memory::Cadence::default()),
+            recovering: AtomicBool::new(behind.is_some()),
         });
         // The dead engine's older saves left staged: recovered on a thread, a save of their
         // step refused meanwhile (`StepExists`).

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -442,7 +442,8 @@ impl Engine {
         let file_name = manifest::rank_file_name(cfg.rank, cfg.world_size);
         let partial = cfg.root.join(manifest::partial_dir_name(step));
         // Which tiers take the save: the one decision (`memory::Cadence::decide`).
-        let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm);
+        let recovering = self.shared.recovering.load(Ordering::Acquire);
+        let tiers = lock(&self.shared.cadence).decide(cfg, part_only || confirm, recovering);
         let disk = tiers.disk;
         let n_chunks = plan.chunk_count(cs);
         if let Err(e) = self.make_room_for(n_chunks) {

@@ -737,16 +737,21 @@ impl shmckpt::observe::FsObserver for BlockStep3Sync {
     fn committed(&self, _: &Path, _: u64) {}
 }
 
-/// Child, after `child_keep_disk_save_in_flight` died: the open holds step 4 and recovers
-/// step 3 behind it, whose final `fdatasync` is held back; meanwhile every chunk of step 3
-/// is recorded `WRITTEN` in the arena's descriptor (given back to the pool), before its
-/// recovery ended. Then the recovery ends and commits step 3 byte-exact.
+/// Child, after `child_keep_disk_save_in_flight` died, with `disk_every="auto"`
+/// (`WhenIdle`): the open holds step 4 and recovers step 3 behind it, whose final
+/// `fdatasync` is held back; meanwhile every chunk of step 3 is recorded `WRITTEN` in the
+/// arena's descriptor (given back to the pool), before its recovery ended, and a save
+/// stays in memory (the recovery takes the disk, as a disk save in flight would). Then the
+/// recovery ends and commits step 3 byte-exact, and the next save goes to disk.
 fn child_behind_gives_chunks_back() {
     use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
     use std::sync::atomic::Ordering;
     assert!(shmckpt::observe::install(&BlockStep3Sync));
     let root = env_path(ROOT_ENV);
-    let e = Engine::open(flash_config(&root, 2, 1 << 20)).unwrap();
+    let auto = cadence_config(&root, DiskCadence::WhenIdle)
+        .with_staging_capacity(1 << 20)
+        .with_keep_in_memory(true);
+    let e = Engine::open(auto).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !BLOCKED.load(Ordering::SeqCst) {
         assert!(
@@ -766,6 +771,10 @@ fn child_behind_gives_chunks_back() {
         "step 3's chunks while its recovery waits for fdatasync: {:?}",
         step3[0].chunks
     );
+    assert!(
+        save_step(&e, 5).memory_only,
+        "the disk is not idle while the recovery writes"
+    );
     assert!(BLOCKED.load(Ordering::SeqCst), "still in its fdatasync");
     RELEASE.store(true, Ordering::SeqCst);
     let behind = e.wait_recovery();
@@ -777,7 +786,9 @@ fn child_behind_gives_chunks_back() {
         "{behind:?}"
     );
     assert_step_is_exact(&root, 3);
-    assert_latest_from(&e, 4, LoadSource::Memory);
+    assert_latest_from(&e, 5, LoadSource::Memory);
+    assert!(!save_step(&e, 6).memory_only, "the disk is idle again");
+    assert_eq!(committed(&root), [1, 3, 6]);
     std::hint::black_box(&e);
     sigkill_self();
 }
@@ -1138,7 +1149,8 @@ fn a_link_in_place_of_the_partial_file_is_never_read_back() {
 }
 
 /// The recovery behind the open gives each chunk back once it is on the device, as a
-/// drain does, not at its end: a restart's first saves get the room at the disk's pace.
+/// drain does, not at its end: a restart's first saves get the room at the disk's pace;
+/// and `disk_every="auto"` keeps saves in memory while it writes.
 #[test]
 fn the_recovery_behind_the_open_gives_chunks_back_as_it_writes_them() {
     if run_role(ROLES) {
@@ -1149,8 +1161,9 @@ fn the_recovery_behind_the_open_gives_chunks_back_as_it_writes_them() {
     let _kept = ShmGuard(kept_arena_name(root));
     run_child("child_keep_disk_save_in_flight", root, "unused");
     run_child("child_behind_gives_chunks_back", root, "unused");
-    assert_eq!(committed(root), [1, 3]);
+    assert_eq!(committed(root), [1, 3, 6]);
     assert_step_is_exact(root, 3);
+    assert_step_is_exact(root, 6);
 }
 
 /// Flash restore with a disk cadence, of the same layout: the open takes the dead engine's
