@@ -116,6 +116,24 @@ fn read_line() -> String {
 }
 
 /// SIGKILL this process after `us` microseconds, from a thread of its own.
+/// The step of the newest `STAGED` slot of `root`'s kept arena of `rank`, when some of its
+/// chunks are `WRITTEN` (read before the open, which may read them back into the arena).
+fn newest_staged_partly_written(root: &Path, rank: u32) -> Option<u64> {
+    use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
+    let canon = std::fs::canonicalize(root).ok()?;
+    let name = shmckpt::testing::staging::kept_name(&canon, rank);
+    let att = shmckpt::testing::staging::AttachedArena::open(&name).ok()?;
+    let newest = (0..att.slot_count())
+        .map(|s| att.slot(s))
+        .filter(|v| v.state == slot_state::STAGED)
+        .max_by_key(|v| v.step)?;
+    newest
+        .chunks
+        .iter()
+        .any(|c| c.0 == chunk_state::WRITTEN)
+        .then_some(newest.step)
+}
+
 fn kill_after(us: u64) {
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_micros(us));
@@ -341,6 +359,14 @@ fn child_trainer() {
     if !bucket.is_empty() {
         config = with_bucket(config, Path::new(&bucket));
     }
+    // The tiered lane with flash restore: the newest staged save of the dead trainer's kept
+    // arena when some of its chunks were written to its file already (a disk save killed
+    // while draining), which the open reads back and holds in memory.
+    let partly = if keep && cadence > 1 {
+        newest_staged_partly_written(&root, rank)
+    } else {
+        None
+    };
     let engine = match Engine::open(config) {
         Ok(e) => e,
         Err(e) => fail(&format!("Engine::open: {e}")),
@@ -360,8 +386,9 @@ fn child_trainer() {
         .filter(|s| matches!(s.outcome, shmckpt::recover::SlotOutcome::Behind))
         .map(|s| s.step)
         .collect();
+    let partly: Vec<u64> = partly.into_iter().collect();
     emit(&format!(
-        "OPENED {:?} held {held:?} behind {behind:?}",
+        "OPENED {:?} held {held:?} behind {behind:?} partly {partly:?}",
         engine.recovered_steps()
     ));
     if replica {
@@ -615,6 +642,11 @@ struct Tally {
     held_opens: u64,
     /// ... and older saves of the dead trainer those opens recovered behind them.
     behind_saves: u64,
+    /// Opens that found the dead trainer's newest staged save partly written to its file
+    /// (a disk save killed while draining) ...
+    partly_opens: u64,
+    /// ... and held it in memory (its written chunks read back).
+    partly_held: u64,
     /// The bucket lane: uploads reported committed in the bucket.
     uploads: u64,
     /// The replica lane: replicas reported sealed, machine losses that took the rank's
@@ -1197,9 +1229,12 @@ impl Lane {
                             };
                             self.held = list(" held [").first().copied();
                             let behind = list(" behind [").len() as u64;
+                            let partly = list(" partly [").first().copied();
                             let mut t = soak.tally.lock().unwrap();
                             t.held_opens += u64::from(self.held.is_some());
                             t.behind_saves += behind;
+                            t.partly_opens += u64::from(partly.is_some());
+                            t.partly_held += u64::from(partly.is_some() && partly == self.held);
                         }
                         ("LATEST", Some(l)) => {
                             let l = (l >= 0).then_some(l as u64);
@@ -1714,12 +1749,14 @@ fn chaos_soak() {
         tally.landed
     );
     println!(
-        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore), {} opens that held the dead trainer's memory-only step in memory (taken over in place) and recovered {} older saves behind them",
+        "soak: tiered lane: {} memory-only saves reported staged, {} resumes at a step no trainer had reported committed (a memory-only step recovered), {} resumes served from memory (flash restore), {} opens that held the dead trainer's memory-only step in memory (taken over in place) and recovered {} older saves behind them; {} opens found the newest staged save partly written to its file (a disk save killed while draining), {} of them held it (its written chunks read back)",
         tally.memory_saves,
         tally.memory_resumes,
         tally.flash_resumes,
         tally.held_opens,
-        tally.behind_saves
+        tally.behind_saves,
+        tally.partly_opens,
+        tally.partly_held
     );
     println!(
         "soak: bucket lane: {} uploads reported committed in the bucket; after every fault its listed steps loaded through the remote tier and compared bit for bit",
