@@ -596,21 +596,19 @@ fn child_adopt_then_die() {
     sigkill_self();
 }
 
-/// Child: flash restore on, every second save to disk: step 1 to disk, 2 memory-only, 3 to
-/// disk with the write of its last chunk held back (10 s), 4 memory-only (held), then death
-/// by SIGKILL while step 3 drains (its first chunks written unless the writes were merged,
-/// the last one staged).
-fn child_keep_disk_save_in_flight() {
+/// Flash restore on, every second save to disk: step 1 to disk, 2 memory-only, then step 3
+/// (to disk) staged with the write of its last chunk held back (10 s), and any write merged
+/// with it. Returns the engine and step 3's handle and state, kept alive by the caller
+/// until it dies.
+fn disk_save_3_draining(root: &Path) -> (Engine, shmckpt::SaveHandle, State) {
     use shmckpt::testing::io::OpKind;
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
-    let root = env_path(ROOT_ENV);
     let plan = std::sync::Arc::new(FaultPlan::new());
-    let e = Engine::open(flash_config(&root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
+    let e = Engine::open(flash_config(root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
         .unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
-    // The last chunk's write (from 192 KiB: the file has 4 chunks of 64 KiB) is held back,
-    // and any write merged with it.
+    // The last chunk's write (from 192 KiB: the file has 4 chunks of 64 KiB) is held back.
     plan.add(Rule {
         kind: OpKind::Write,
         offsets: (192 << 10)..u64::MAX,
@@ -620,41 +618,33 @@ fn child_keep_disk_save_in_flight() {
     let s3 = step_state(3);
     let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
     h3.wait_staged().unwrap();
+    (e, h3, s3)
+}
+
+/// Child: `disk_save_3_draining`, 4 memory-only (held), then death by SIGKILL while step 3
+/// drains (its first chunks written unless the writes were merged, the last one staged).
+fn child_keep_disk_save_in_flight() {
+    let root = env_path(ROOT_ENV);
+    let (e, h3, s3) = disk_save_3_draining(&root);
     assert!(save_step(&e, 4).memory_only);
     let _ = wait_first_chunk_written(&root, 3);
     assert_eq!(committed(&root), [1]);
-    std::hint::black_box((&e, &h3));
+    std::hint::black_box((&e, &h3, &s3));
     sigkill_self();
 }
 
-/// Child: flash restore on, every second save to disk: step 1 to disk, 2 memory-only, 3 to
-/// disk with the write of its last chunk held back (10 s), then death by SIGKILL while
-/// step 3 drains (its first chunks written unless the writes were merged): the newest
-/// staged save is a disk save partly written.
+/// Child: `disk_save_3_draining`, then death by SIGKILL while step 3 drains (its first
+/// chunks written unless the writes were merged): the newest staged save is a disk save
+/// partly written.
 fn child_keep_newest_disk_save_in_flight() {
-    use shmckpt::testing::io::OpKind;
-    use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
     let root = env_path(ROOT_ENV);
-    let plan = std::sync::Arc::new(FaultPlan::new());
-    let e = Engine::open(flash_config(&root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
-        .unwrap();
-    assert!(!save_step(&e, 1).memory_only);
-    assert!(save_step(&e, 2).memory_only);
-    plan.add(Rule {
-        kind: OpKind::Write,
-        offsets: (192 << 10)..u64::MAX,
-        fault: Fault::Delay(Duration::from_secs(10)),
-        times: None,
-    });
-    let s3 = step_state(3);
-    let h3 = e.save(3, &s3.tensors(), &Metadata::new()).unwrap();
-    h3.wait_staged().unwrap();
+    let (e, h3, s3) = disk_save_3_draining(&root);
     if !wait_first_chunk_written(&root, 3) {
         // The writes were merged into one, held back: the parent tries again.
         std::process::exit(3);
     }
     assert_eq!(committed(&root), [1]);
-    std::hint::black_box((&e, &h3));
+    std::hint::black_box((&e, &h3, &s3));
     sigkill_self();
 }
 
