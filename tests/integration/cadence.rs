@@ -50,6 +50,15 @@ fn save_step(e: &Engine, step: u64) -> shmckpt::SaveReport {
     h.wait().unwrap()
 }
 
+/// Each slot recovery reported at `e`'s open: its step and outcome (as `Debug` prints it).
+fn slot_outcomes(e: &Engine) -> Vec<(u64, String)> {
+    e.recovered()
+        .iter()
+        .flat_map(|r| r.slots.iter())
+        .map(|s| (s.step, format!("{:?}", s.outcome)))
+        .collect()
+}
+
 fn assert_latest_from(e: &Engine, step: u64, source: LoadSource) {
     assert_eq!(e.latest_in(Tiers::All).unwrap(), Some(step));
     assert_eq!(e.latest().unwrap(), Some(step));
@@ -905,14 +914,8 @@ fn flash_restore_recovers_an_older_disk_save_in_flight_behind_the_open() {
     run_child("child_keep_disk_save_in_flight", root, "unused");
     assert_eq!(committed(root), [1]);
     let e = Engine::open(flash_config(root, 2, 1 << 20)).unwrap();
-    let outcomes: Vec<(u64, String)> = e
-        .recovered()
-        .iter()
-        .flat_map(|r| r.slots.iter())
-        .map(|s| (s.step, format!("{:?}", s.outcome)))
-        .collect();
     assert_eq!(
-        outcomes,
+        slot_outcomes(&e),
         [(3, "Behind".to_owned()), (4, "Adopted".to_owned())],
         "{:?}",
         e.recovered()
@@ -1008,14 +1011,8 @@ fn flash_restore_holds_a_disk_save_killed_while_draining_in_memory() {
     // back to the pool once written): here, all of them.
     scribble_written_chunks(root, 3);
     let e = Engine::open(flash_config(root, 2, 1 << 20)).unwrap();
-    let outcomes: Vec<(u64, String)> = e
-        .recovered()
-        .iter()
-        .flat_map(|r| r.slots.iter())
-        .map(|s| (s.step, format!("{:?}", s.outcome)))
-        .collect();
     assert_eq!(
-        outcomes,
+        slot_outcomes(&e),
         [(2, "Behind".to_owned()), (3, "Adopted".to_owned())],
         "{:?}",
         e.recovered()
