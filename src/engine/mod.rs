@@ -212,6 +212,15 @@ type BehindDone = (
 /// for the next open to retry, the others read from the file then); each step out of
 /// `inflight` then.
 fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
+    /// Clears `Shared::recovering` when the recovery ends, however it ends (a panic
+    /// included: the cadence must not wait for it forever).
+    struct Ended<'a>(&'a AtomicBool);
+    impl Drop for Ended<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::Release);
+        }
+    }
+    let _ended = Ended(&shared.recovering);
     let flash::Behind { att, saves } = b;
     let header = att.header();
     let mut outcomes = Vec::new();
@@ -249,7 +258,6 @@ fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
         lock(&shared.inflight).remove(&s.view.step);
         outcomes.push((s.view.step, outcome));
     }
-    shared.recovering.store(false, Ordering::Release);
     (outcomes, stuck)
 }
 
