@@ -606,15 +606,18 @@ fn child_adopt_then_die() {
 }
 
 /// Flash restore on, every second save to disk: step 1 to disk, 2 memory-only, then step 3
-/// (to disk) staged with the write of its last chunk held back (10 s), and any write merged
-/// with it. Returns the engine and step 3's handle and state, kept alive by the caller
-/// until it dies.
+/// (to disk) staged with the write of its last chunk held back (10 s). Returns the engine
+/// and step 3's handle and state, kept alive by the caller until it dies.
 fn disk_save_3_draining(root: &Path) -> (Engine, shmckpt::SaveHandle, State) {
     use shmckpt::testing::io::OpKind;
     use shmckpt::testing::io::fault::{Fault, FaultPlan, Rule};
     let plan = std::sync::Arc::new(FaultPlan::new());
-    let e = Engine::open(flash_config(root, 2, 1 << 20).with_faults(std::sync::Arc::clone(&plan)))
-        .unwrap();
+    // One write in flight per writer thread: a write is never pushed in the same batch as
+    // the held-back one (whose delay runs before the batch is submitted).
+    let config = flash_config(root, 2, 1 << 20)
+        .with_queue_depth(1)
+        .with_faults(std::sync::Arc::clone(&plan));
+    let e = Engine::open(config).unwrap();
     assert!(!save_step(&e, 1).memory_only);
     assert!(save_step(&e, 2).memory_only);
     // The last chunk's write (from 192 KiB: the file has 4 chunks of 64 KiB) is held back.
@@ -631,7 +634,7 @@ fn disk_save_3_draining(root: &Path) -> (Engine, shmckpt::SaveHandle, State) {
 }
 
 /// Child: `disk_save_3_draining`, 4 memory-only (held), then death by SIGKILL while step 3
-/// drains (its first chunks written unless the writes were merged, the last one staged).
+/// drains (its first chunks written, the last one staged).
 fn child_keep_disk_save_in_flight() {
     let root = env_path(ROOT_ENV);
     let (e, h3, s3) = disk_save_3_draining(&root);
@@ -643,13 +646,12 @@ fn child_keep_disk_save_in_flight() {
 }
 
 /// Child: `disk_save_3_draining`, then death by SIGKILL while step 3 drains (its first
-/// chunks written unless the writes were merged): the newest staged save is a disk save
-/// partly written.
+/// chunks written): the newest staged save is a disk save partly written.
 fn child_keep_newest_disk_save_in_flight() {
     let root = env_path(ROOT_ENV);
     let (e, h3, s3) = disk_save_3_draining(&root);
     if !wait_first_chunk_written(&root, 3) {
-        // The writes were merged into one, held back: the parent tries again.
+        // The first chunk's write did not end within 1 s: the parent tries again.
         std::process::exit(3);
     }
     assert_eq!(committed(&root), [1]);
@@ -658,7 +660,7 @@ fn child_keep_newest_disk_save_in_flight() {
 }
 
 /// Until the first chunk of staged step `step` of `root`'s kept arena is written (its
-/// descriptor says so: `true`), or for 1 s (the writes were merged into one, held back).
+/// descriptor says so: `true`), or for 1 s.
 fn wait_first_chunk_written(root: &Path, step: u64) -> bool {
     use shmckpt::testing::staging::descriptor::{chunk_state, slot_state};
     let deadline = std::time::Instant::now() + Duration::from_secs(1);
