@@ -253,7 +253,7 @@ fn recover_behind(shared: &Shared, b: flash::Behind) -> BehindDone {
             stuck.extend(rest);
         } else {
             shared.arena.release_slot(slot);
-            drop(rest.collect::<Vec<_>>());
+            rest.for_each(drop);
         }
         lock(&shared.inflight).remove(&s.view.step);
         outcomes.push((s.view.step, outcome));

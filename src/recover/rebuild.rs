@@ -305,6 +305,33 @@ pub(crate) fn staged_step(
     })
 }
 
+/// The end of file chunk `k` of slot `v` (chunks of `cs` bytes, the last one short).
+fn chunk_end(v: &SlotView, cs: u64, k: u64) -> u64 {
+    ((k + 1) * cs).min(v.file_len)
+}
+
+/// The byte the chunks of `v` written to its file before the crash reach, if any.
+fn written_end(v: &SlotView, cs: u64) -> Option<u64> {
+    v.chunks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.0 == chunk_state::WRITTEN)
+        .map(|(k, _)| chunk_end(v, cs, k as u64))
+        .max()
+}
+
+/// Why `file` (at `path`) cannot hold the chunks written before the crash, which reach byte
+/// `need`: it is shorter (`Ok(Some(why))`), or cannot be looked at (`Err`).
+fn short_of(file: &File, path: &Path, need: u64) -> io::Result<Option<String>> {
+    let len = file.metadata()?.len();
+    Ok((len < need).then(|| {
+        format!(
+            "{} holds {len} bytes, but chunks written before the crash reach byte {need}",
+            path.display()
+        )
+    }))
+}
+
 /// Slot `v` of `att` (header `h`, its owner dead), a `STAGED` save some of whose chunks
 /// were written to its partial file before the crash (a disk save in flight): read those
 /// chunks back from the file into the arena chunks the descriptor names for them, each
@@ -369,7 +396,6 @@ pub(crate) fn restage_written(
             ));
         }
     }
-    let chunk_end = |k: u64| ((k + 1) * cs).min(v.file_len);
     let partial = root.join(&v.partial_dir);
     let path = partial.join(&v.file_name);
     let uid = rustix::process::geteuid().as_raw();
@@ -386,20 +412,10 @@ pub(crate) fn restage_written(
             )
         })
         .map_err(|e| e.to_string())?;
-    let need = written
-        .iter()
-        .map(|&(k, _)| chunk_end(k))
-        .max()
-        .unwrap_or(0);
-    match file.metadata() {
-        Ok(m) if m.len() >= need => {}
-        Ok(m) => {
-            return Err(format!(
-                "{} holds {} bytes, but chunks written before the crash reach byte {need}",
-                path.display(),
-                m.len()
-            ));
-        }
+    let need = written_end(v, cs).unwrap_or(0);
+    match short_of(&file, &path, need) {
+        Ok(None) => {}
+        Ok(Some(why)) => return Err(why),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     }
     let piece = IO_PIECE.min(cs as usize);
@@ -408,7 +424,7 @@ pub(crate) fn restage_written(
         |_, &(k, idx), buf| {
             buf.resize(piece, 0);
             let start = k * cs;
-            let len = chunk_end(k) - start;
+            let len = chunk_end(v, cs, k) - start;
             let mut at = 0u64;
             while at < len {
                 let n = (len - at).min(piece as u64) as usize;
@@ -454,14 +470,7 @@ fn rebuild_and_commit(
     on_written: Option<OnWritten<'_>>,
 ) -> SlotOutcome {
     let cs = h.geometry.chunk_size;
-    let chunk_end = |k: u64| ((k + 1) * cs).min(v.file_len);
-    let written_end = v
-        .chunks
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.0 == chunk_state::WRITTEN)
-        .map(|(k, _)| chunk_end(k as u64))
-        .max();
+    let written_end = written_end(v, cs);
     let root_fd = match fsx::open_dir(root) {
         Ok(fd) => fd,
         Err(e) => return classify(e),
@@ -507,15 +516,9 @@ fn rebuild_and_commit(
         Err(e) => return classify(e),
     };
     if let Some(need) = written_end {
-        match file.metadata() {
-            Ok(m) if m.len() >= need => {}
-            Ok(m) => {
-                return refused(format!(
-                    "{} holds {} bytes, but chunks written before the crash reach byte {need}",
-                    path.display(),
-                    m.len()
-                ));
-            }
+        match short_of(&file, path, need) {
+            Ok(None) => {}
+            Ok(Some(why)) => return refused(why),
             Err(e) => {
                 return SlotOutcome::Failed {
                     error: Error::io("stat", path, e),
@@ -554,7 +557,7 @@ fn rebuild_and_commit(
         |i, &(k, staged), buf| {
             buf.resize(piece, 0);
             let start = k * cs;
-            let len = chunk_end(k) - start;
+            let len = chunk_end(v, cs, k) - start;
             let mut out = Vec::new();
             let mut at = 0u64;
             while at < len {

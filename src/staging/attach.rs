@@ -159,6 +159,23 @@ impl AttachedArena {
         &self.header.geometry
     }
 
+    /// A refusal of this arena, with why.
+    fn refusal(&self, reason: String) -> Error {
+        Error::Recovery {
+            arena: self.name.clone(),
+            reason,
+        }
+    }
+
+    /// The header of the slot at `off`, read now and parsed.
+    fn slot_header(&self, off: u64) -> Result<layout::ParsedSlot> {
+        let mut page = vec![0u8; PAGE];
+        self.file
+            .read_exact_at(&mut page, off)
+            .map_err(|e| Error::io_at("read", self.path(), off, e))?;
+        layout::parse_slot(&page, self.geo()).map_err(|reason| self.refusal(reason))
+    }
+
     /// The segment name.
     pub fn name(&self) -> &str {
         &self.name
@@ -196,19 +213,9 @@ impl AttachedArena {
     pub fn try_slot(&self, slot: u32) -> Result<SlotView> {
         let path = self.path();
         let Some(off) = self.geo().slot_offset(slot) else {
-            return Err(Error::Recovery {
-                arena: self.name.clone(),
-                reason: format!("slot {slot} out of range"),
-            });
+            return Err(self.refusal(format!("slot {slot} out of range")));
         };
-        let mut page = vec![0u8; PAGE];
-        self.file
-            .read_exact_at(&mut page, off)
-            .map_err(|e| Error::io_at("read", &path, off, e))?;
-        let s = layout::parse_slot(&page, self.geo()).map_err(|reason| Error::Recovery {
-            arena: self.name.clone(),
-            reason,
-        })?;
+        let s = self.slot_header(off)?;
         let mut chunks = Vec::new();
         if s.state != slot_state::FREE && s.n_file_chunks > 0 {
             // `n_file_chunks <= n_chunks`, and the chunk map lies inside the segment and is
@@ -248,16 +255,12 @@ impl AttachedArena {
     /// The offset of slot `slot`'s header, for a write: the arena must be opened for
     /// writing and the slot in range.
     fn writable_slot(&self, slot: u32) -> Result<u64> {
-        let refuse = |reason: String| Error::Recovery {
-            arena: self.name.clone(),
-            reason,
-        };
         if !self.writable {
-            return Err(refuse("opened read-only".into()));
+            return Err(self.refusal("opened read-only".into()));
         }
         self.geo()
             .slot_offset(slot)
-            .ok_or_else(|| refuse(format!("slot {slot} out of range")))
+            .ok_or_else(|| self.refusal(format!("slot {slot} out of range")))
     }
 
     /// Write `state` into the slot header at `off` ([`Self::writable_slot`]).
@@ -281,32 +284,21 @@ impl AttachedArena {
     /// or whose chunk count is not the slot's.
     pub fn keep_recovered(&self, v: &SlotView) -> Result<()> {
         let path = self.path();
-        let refuse = |reason: String| Error::Recovery {
-            arena: self.name.clone(),
-            reason,
-        };
         let off = self.writable_slot(v.slot)?;
         if v.chunks.is_empty() || v.chunks.iter().any(|&(s, _)| s != chunk_state::STAGED) {
-            return Err(refuse(format!(
+            return Err(self.refusal(format!(
                 "slot {} does not hold step {} whole in the arena",
                 v.slot, v.step
             )));
         }
         let map_at = off + PAGE as u64;
         // The slot's own count, re-read: the view must describe this slot as it is now.
-        let mut page = vec![0u8; PAGE];
-        self.file
-            .read_exact_at(&mut page, off)
-            .map_err(|e| Error::io_at("read", &path, off, e))?;
-        let s = layout::parse_slot(&page, self.geo()).map_err(refuse)?;
+        let s = self.slot_header(off)?;
         if s.state != slot_state::FREE
             || s.step != v.step
             || s.n_file_chunks != v.chunks.len() as u64
         {
-            return Err(refuse(format!(
-                "slot {} changed since it was recovered",
-                v.slot
-            )));
+            return Err(self.refusal(format!("slot {} changed since it was recovered", v.slot)));
         }
         let map: Vec<u8> = v
             .chunks
@@ -342,12 +334,8 @@ impl AttachedArena {
     /// (`crate::recover::rebuild::restage_written`). Needs an arena opened for writing whose
     /// owner is dead (nobody else writes the chunk), and the range inside the chunk.
     pub(crate) fn write_chunk(&self, index: u32, at: u64, data: &[u8]) -> Result<()> {
-        let refuse = |reason: String| Error::Recovery {
-            arena: self.name.clone(),
-            reason,
-        };
         if !self.writable {
-            return Err(refuse("opened read-only".into()));
+            return Err(self.refusal("opened read-only".into()));
         }
         let off = self
             .geo()
@@ -356,7 +344,9 @@ impl AttachedArena {
                 off.checked_add(data.len() as u64)
                     .is_some_and(|e| e <= self.len)
             })
-            .ok_or_else(|| refuse(format!("chunk {index} has no bytes {at}+{}", data.len())))?;
+            .ok_or_else(|| {
+                self.refusal(format!("chunk {index} has no bytes {at}+{}", data.len()))
+            })?;
         self.file
             .write_all_at(data, off)
             .map_err(|e| Error::io_at("write", self.path(), off, e))
@@ -367,22 +357,14 @@ impl AttachedArena {
     /// its entry becomes `STAGED` (the descriptor's rule 2: after the bytes). The slot is
     /// read again first and must still be that step's, `STAGED`, with that entry.
     pub(crate) fn restaged(&self, slot: u32, step: u64, k: u64, index: u32) -> Result<()> {
-        let refuse = |reason: String| Error::Recovery {
-            arena: self.name.clone(),
-            reason,
-        };
         let off = self.writable_slot(slot)?;
         let path = self.path();
-        let mut page = vec![0u8; PAGE];
-        self.file
-            .read_exact_at(&mut page, off)
-            .map_err(|e| Error::io_at("read", &path, off, e))?;
-        let s = layout::parse_slot(&page, self.geo()).map_err(refuse)?;
+        let s = self.slot_header(off)?;
         let at = self
             .geo()
             .entry_offset(slot, k)
             .filter(|_| k < s.n_file_chunks)
-            .ok_or_else(|| refuse(format!("chunk {k} of slot {slot} out of range")))?;
+            .ok_or_else(|| self.refusal(format!("chunk {k} of slot {slot} out of range")))?;
         let mut raw = [0u8; 4];
         self.file
             .read_exact_at(&mut raw, at)
@@ -391,7 +373,7 @@ impl AttachedArena {
             || s.step != step
             || u32::from_ne_bytes(raw) != (chunk_state::WRITTEN << 30) | index
         {
-            return Err(refuse(format!(
+            return Err(self.refusal(format!(
                 "slot {slot} changed: chunk {k} of step {step} is no longer written to arena chunk {index}"
             )));
         }
