@@ -11,9 +11,26 @@
 //! the writers drain it, once its commit has begun, right after it is reported committed).
 //! Some incarnations also get write errors (EIO, ENOSPC) injected into random saves through
 //! the fault plan: the save must fail with that errno and the step must not be listed. Two
-//! ranks are two processes on one root, the job torn down together when one dies. Some
-//! kills lose the machine: the dead trainers' `/dev/shm` segments are removed before the
-//! restart (recovery from the disk alone). The ranks of one incarnation share a session
+//! ranks are two processes on one root, the job torn down together when one dies.
+//!
+//! Each kill lane is one machine: a mount namespace with a tmpfs of its own on `/dev/shm`,
+//! kept alive by a holder process (`unshare --mount --propagation private`, as
+//! `examples/replica_drill.py` makes them). The lane's trainers are started inside it, and
+//! the parent's checks of their shared memory (the arenas a kill leaves, the tiered lane's
+//! kept arena, the final opens that recover them, the end's leak check) enter it on a
+//! thread of their own (`unshare(CLONE_FS)` + `setns`); every trainer is checked to run in
+//! its lane's namespace right after its start. The disk (the lane's root), the bucket and
+//! the replica lane's replicas are not on it: the replicas are on the partner's machine,
+//! the parent's (the host's) namespace, which the replica lane's trainer enters for the
+//! receiving side of a transfer and the serving side of a restore. Some kills lose the
+//! machine: the trainers and the holder are killed, no task is left in the namespace
+//! (checked), so its `/dev/shm` is gone whatever the names in it, and the next incarnation
+//! runs on a fresh machine whose `/dev/shm` is empty (checked): recovery from the disk
+//! alone. Where namespaces cannot be made (not root, no `unshare`), all lanes share the
+//! host's `/dev/shm` and a machine loss removes the dead trainers' segments by name (the
+//! summary says so; `SHMCKPT_REQUIRE_NS=1`, set by CI, makes it a failure).
+//!
+//! The ranks of one incarnation share a session
 //! (`EngineConfig::with_session`), the next incarnation has another: a rank whose save
 //! finds its step committed by the other rank with the durable part a dead incarnation of
 //! this one left (which the partial-part rule keeps for a recovery) is a violation.
@@ -25,7 +42,8 @@
 //! trainer's `latest` is too, and its load equals the deterministic bytes exactly; no
 //! step whose save failed is ever listed; every listed step (not only the newest) holds
 //! exactly its bytes. At the end every rank's engine is opened once
-//! more, every listed step is verified, and no segment of ours is left in `/dev/shm`.
+//! more, every listed step is verified, no segment of ours is left in `/dev/shm` (the
+//! host's), and every machine's `/dev/shm` is empty.
 //!
 //! A third lane is tiered: one rank with a disk cadence (every third save to disk, the
 //! others memory-only) and flash restore in half of its incarnations. There a memory-only
@@ -86,6 +104,185 @@ const KEEP: usize = 3;
 const CHUNK: u64 = 64 << 10;
 /// A trainer or job still alive this long after its start is hung: a violation.
 const HANG: Duration = Duration::from_secs(30);
+
+// ---- Machines: mount namespaces, each with a `/dev/shm` of its own ----
+
+/// Move the calling thread into the mount namespace `ns` (an open `/proc/PID/ns/mnt`).
+/// A thread shares its root and working directory with the process's other threads, and
+/// `setns` refuses to move a thread whose are shared: the thread gets copies of its own
+/// first (`unshare(CLONE_FS)`). Only for a thread made for it ([`in_ns`]).
+fn enter_mnt_ns(ns: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `unshare(CLONE_FS)` and `setns(fd, CLONE_NEWNS)` take no pointers: the first
+    // gives the calling thread its own copy of its root, working directory and umask, the
+    // second moves it (and the threads it makes later) into the mount namespace of `ns`,
+    // an open descriptor borrowed for the call. No other thread's state changes, and no
+    // memory of this process is touched; the only caller is a thread made for it.
+    #[allow(unsafe_code)]
+    let r = unsafe {
+        if libc::unshare(libc::CLONE_FS) != 0 {
+            -1
+        } else {
+            libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS)
+        }
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Run `f` inside the mount namespace `ns` (on a thread of its own that enters it; the
+/// processes and threads `f` starts are in it too), or here when `ns` is `None`.
+fn in_ns<R: Send>(ns: Option<&std::fs::File>, f: impl FnOnce() -> R + Send) -> Result<R, String> {
+    let Some(ns) = ns else { return Ok(f()) };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter_mnt_ns(ns).map_err(|e| format!("entering a mount namespace (setns): {e}"))?;
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// The names in `/dev/shm` of the calling thread's mount namespace.
+fn shm_names() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A machine of a kill lane: a mount namespace with a tmpfs of its own on `/dev/shm`,
+/// kept alive by a holder process (`unshare --mount --propagation private`, as
+/// `examples/replica_drill.py`'s `Machine` makes them). The lane's trainers are started
+/// inside it and the parent's checks of their shared memory enter it ([`in_ns`]). A
+/// machine loss kills the holder: with the trainers dead, nothing holds the namespace any
+/// more and its `/dev/shm` goes, whatever the names in it.
+struct Machine {
+    holder: Child,
+    /// `/proc/<holder>/ns/mnt`, open.
+    ns: Arc<std::fs::File>,
+    /// The namespace as `readlink /proc/PID/ns/mnt` names it (`mnt:[4026532...]`).
+    id: String,
+}
+
+impl Machine {
+    /// Start a machine; an error when mount namespaces cannot be made here (not root, no
+    /// `unshare`), or its `/dev/shm` is not a fresh, empty tmpfs of its own.
+    fn start() -> Result<Machine, String> {
+        // The holder waits on its stdin: it also ends when this process dies.
+        let mut holder = std::process::Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mount -t tmpfs -o size=256m tmpfs /dev/shm && echo ready && read x",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("`unshare` cannot be run: {e}"))?;
+        let mut line = String::new();
+        let out = holder.stdout.take().expect("piped");
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        if line.trim() != "ready" {
+            let _ = holder.kill();
+            let _ = holder.wait();
+            let mut err = String::new();
+            if let Some(mut e) = holder.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            return Err(format!(
+                "`unshare --mount` and a tmpfs on /dev/shm: {:?} {}",
+                line.trim(),
+                err.trim()
+            ));
+        }
+        let pid = holder.id();
+        let m = Machine {
+            ns: Arc::new(
+                std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+                    .map_err(|e| format!("/proc/{pid}/ns/mnt: {e}"))?,
+            ),
+            id: ns_of(pid).map_err(|e| format!("/proc/{pid}/ns/mnt: {e}"))?,
+            holder,
+        };
+        // Its own tmpfs (not the host's `/dev/shm`), empty, seen from inside.
+        use std::os::unix::fs::MetadataExt;
+        let host = std::fs::metadata("/dev/shm")
+            .map_err(|e| e.to_string())?
+            .dev();
+        let (dev, names) = in_ns(Some(&m.ns), || {
+            (std::fs::metadata("/dev/shm").map(|m| m.dev()), shm_names())
+        })?;
+        let dev = dev.map_err(|e| format!("the machine's /dev/shm: {e}"))?;
+        if dev == host {
+            return Err("the machine's /dev/shm is the host's".into());
+        }
+        if !names.is_empty() {
+            return Err(format!("a new machine's /dev/shm is not empty: {names:?}"));
+        }
+        Ok(m)
+    }
+
+    /// The machine is lost: its holder killed (its trainers are dead already).
+    fn lose(mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+/// The mount namespace of process `pid` (`mnt:[...]`).
+fn ns_of(pid: u32) -> std::io::Result<String> {
+    std::fs::read_link(format!("/proc/{pid}/ns/mnt")).map(|p| p.to_string_lossy().into_owned())
+}
+
+/// The tasks (`pid/tid`) of this machine that are still in the mount namespace `id`.
+fn tasks_in_ns(id: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for p in procs.flatten() {
+        let pid = p.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            if std::fs::read_link(t.path().join("ns/mnt")).is_ok_and(|l| l.to_string_lossy() == id)
+            {
+                let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+                let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                found.push(format!(
+                    "{pid}/{} ({}: {})",
+                    t.file_name().to_string_lossy(),
+                    comm.trim(),
+                    cmd.trim()
+                ));
+            }
+        }
+    }
+    found
+}
 
 // ---- The child: a trainer ----
 
@@ -302,14 +499,15 @@ fn repair(root: &Path, stop: Option<usize>, say: bool) -> Result<Vec<u64>, Strin
     Ok(restored)
 }
 
-/// The trainer (a child process). Environment: `SOAK_ROOT`, `SOAK_RANK`, `SOAK_WORLD`,
+/// The trainer (a child process, in its lane's machine). Environment: `SOAK_ROOT`, `SOAK_RANK`, `SOAK_WORLD`,
 /// `SOAK_POINT` (where it kills itself: `none`, `open`, `load`, `staged`, `drain`,
 /// `commit`, `committed`, `upload`, `replicate`, `restore`), `SOAK_AT` (which save of this
 /// incarnation, from 1), `SOAK_DELAY_US` (for `open`, `load`, `drain`, `upload`; the piece
 /// for `replicate` and `restore`), `SOAK_IOERR` (per mille of saves that get a write
 /// error), `SOAK_SLOW_US` (delay of every write), `SOAK_BACKEND`, `SOAK_SEED`,
 /// `SOAK_CADENCE`/`SOAK_KEEP` (tiered lane), `SOAK_BUCKET` (bucket lane), `SOAK_REPLICA`
-/// (replica lane).
+/// (replica lane), `SOAK_PARTNER_NS` (the replica lane's partner machine: a
+/// `/proc/PID/ns/mnt`, empty when the machines are simulated).
 fn child_trainer() {
     let root = PathBuf::from(var("SOAK_ROOT"));
     let rank: u32 = var("SOAK_RANK").parse().unwrap();
@@ -332,6 +530,17 @@ fn child_trainer() {
     let bucket = var("SOAK_BUCKET");
     // The replica lane: every committed save replicated; lost files restored at open.
     let replica = var("SOAK_REPLICA") == "1";
+    // The partner's machine, where the replicas live (the parent's mount namespace), when
+    // this trainer's machine is a namespace of its own: the transfers' receiving side and
+    // the restores' serving side run there (`in_ns`).
+    let partner = match var("SOAK_PARTNER_NS").as_str() {
+        "" => None,
+        p => match std::fs::File::open(p) {
+            Ok(f) => Some(f),
+            Err(e) => fail(&format!("the partner's namespace {p}: {e}")),
+        },
+    };
+    let partner = partner.as_ref();
     let slow_rule = Rule {
         kind: OpKind::Write,
         offsets: 0..u64::MAX,
@@ -393,7 +602,7 @@ fn child_trainer() {
     ));
     if replica {
         let stop = (point == "restore").then_some(delay as usize);
-        if let Err(e) = repair(&root, stop, true) {
+        if let Err(e) = in_ns(partner, || repair(&root, stop, true)).and_then(|r| r) {
             fail(&e);
         }
     }
@@ -514,7 +723,9 @@ fn child_trainer() {
                     }
                     if replica {
                         let stop = (target && point == "replicate").then_some(delay as usize);
-                        replicate(&root, step, stop);
+                        if let Err(e) = in_ns(partner, || replicate(&root, step, stop)) {
+                            fail(&e);
+                        }
                     }
                 } else if world == 1 {
                     fail(&format!(
@@ -658,11 +869,20 @@ struct Tally {
     landed: BTreeMap<&'static str, u64>,
     /// Every process started (their segments must be gone at the end).
     pids: BTreeSet<u32>,
+    /// Machines as mount namespaces: trainers found running in their lane's namespace
+    /// (`/proc/PID/ns/mnt` read right after the start; one that died first is not read),
+    /// machines lost (holder killed, a fresh one started with an empty `/dev/shm`), and
+    /// machines found empty at the end of their lane.
+    ns_checked: u64,
+    machines_lost: u64,
+    machines_empty_at_end: u64,
     violations: Vec<String>,
 }
 
 struct Soak {
     seed: u64,
+    /// Why the machines are simulated (no mount namespaces here); `None`: namespaces.
+    simulated: Option<String>,
     target: u64,
     total: AtomicU64,
     stop: AtomicBool,
@@ -739,6 +959,12 @@ struct Lane {
     failed: BTreeSet<u64>,
     /// Every process this lane started (their segments must be gone at the end).
     pids: Vec<u32>,
+    /// The lane's machine: a mount namespace with a `/dev/shm` of its own, where its
+    /// trainers run (`None`: simulated, every lane in the host's `/dev/shm`).
+    machine: Option<Machine>,
+    /// The working directory the trainers start in (entering a namespace moves a thread's
+    /// to its root).
+    cwd: PathBuf,
     rng: u64,
     trial: u64,
     stderr: PathBuf,
@@ -859,9 +1085,16 @@ fn landed(class: Class, markers: &[String], at_step: Option<u64>) -> bool {
 }
 
 impl Lane {
-    /// The kept arena of this lane's root (rank 0; the tiered lane has one rank).
+    /// The kept arena of this lane's root (rank 0; the tiered lane has one rank), in the
+    /// `/dev/shm` of the calling thread's namespace (the lane's machine: [`Lane::ns`]).
     fn kept_arena(&self) -> PathBuf {
         Path::new("/dev/shm").join(crate::common::kept_arena_name(&self.root))
+    }
+
+    /// The lane's machine's mount namespace, for [`in_ns`] (`None`: simulated machines,
+    /// the host's).
+    fn ns(&self) -> Option<Arc<std::fs::File>> {
+        self.machine.as_ref().map(|m| Arc::clone(&m.ns))
     }
 
     fn check_disk(&self, when: &str) -> Result<Option<u64>, String> {
@@ -982,8 +1215,42 @@ impl Lane {
         Ok(newest)
     }
 
-    /// Spawn the job's trainers for one incarnation.
-    fn spawn(&mut self, class: Class, tx: &Sender<Ev>) -> (Vec<Kid>, Option<u32>, Option<u64>) {
+    /// Spawn the job's trainers for one incarnation, in the lane's machine; checks that
+    /// they run in its namespace.
+    #[allow(clippy::type_complexity)]
+    fn spawn(
+        &mut self,
+        class: Class,
+        tx: &Sender<Ev>,
+        soak: &Soak,
+    ) -> Result<(Vec<Kid>, Option<u32>, Option<u64>), String> {
+        let ns = self.ns();
+        let r = in_ns(ns.as_deref(), || self.spawn_here(class, tx))?;
+        if let Some(m) = &self.machine {
+            for k in &r.0 {
+                // A trainer that died already cannot be read (not counted).
+                if let Ok(got) = ns_of(k.pid) {
+                    if got != m.id {
+                        return Err(format!(
+                            "trainer pid {} runs in mount namespace {got}, not its machine's {} (holder pid {})",
+                            k.pid,
+                            m.id,
+                            m.holder.id()
+                        ));
+                    }
+                    soak.tally.lock().unwrap().ns_checked += 1;
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// [`Lane::spawn`], in the calling thread's namespace.
+    fn spawn_here(
+        &mut self,
+        class: Class,
+        tx: &Sender<Ev>,
+    ) -> (Vec<Kid>, Option<u32>, Option<u64>) {
         let aimed_rank =
             (class.point() != "none").then(|| rand(&mut self.rng, self.world as u64) as u32);
         // The tiered lane's disk saves are its 1st, 4th, 7th...: a point only a disk save
@@ -1029,6 +1296,12 @@ impl Lane {
         } else {
             format!("soak-{:016x}", splitmix(&mut self.rng))
         };
+        // The replica lane's partner machine: the parent's namespace (the host's).
+        let partner = if self.machine.is_some() {
+            format!("/proc/{}/ns/mnt", std::process::id())
+        } else {
+            String::new()
+        };
         let mut kids = Vec::new();
         for rank in 0..self.world {
             let point = if Some(rank) == aimed_rank {
@@ -1058,6 +1331,8 @@ impl Lane {
                     self.bucket.as_deref().unwrap_or(Path::new("")),
                 )
                 .env("SOAK_REPLICA", if self.replica { "1" } else { "0" })
+                .env("SOAK_PARTNER_NS", &partner)
+                .current_dir(&self.cwd)
                 .env("SOAK_SEED", splitmix(&mut self.rng).to_string())
                 .env("SOAK_SESSION", &session)
                 .env("RUST_LOG", "error")
@@ -1120,10 +1395,12 @@ impl Lane {
             84..92 => Class::KillCommitted,
             _ => Class::MachineLoss,
         };
-        // Whether a dead engine's arena waits for this open's recovery.
-        let arenas = our_segments(&self.pids.iter().copied().collect());
+        // Whether a dead engine's arena waits for this open's recovery (in the machine's
+        // `/dev/shm`).
+        let pids: BTreeSet<u32> = self.pids.iter().copied().collect();
+        let arenas = in_ns(self.ns().as_deref(), || our_segments(&pids))?;
         let (tx, rx): (Sender<Ev>, Receiver<Ev>) = channel();
-        let (mut kids, aimed, at) = self.spawn(class, &tx);
+        let (mut kids, aimed, at) = self.spawn(class, &tx, soak)?;
         drop(tx);
         let t0 = Instant::now();
         // The parent's own kill: at a random time for the random classes; a generous
@@ -1372,9 +1649,37 @@ impl Lane {
                 t.opens_with_arena += 1;
             }
         }
-        if class == Class::MachineLoss {
-            // The machine is gone: so is its shared memory, the kept arena included, and
-            // with it every step that was only staged.
+        if class == Class::MachineLoss
+            && let Some(m) = self.machine.take()
+        {
+            // The machine is gone: its trainers are dead, its holder goes now, and with
+            // them the last task in its namespace; so its `/dev/shm` goes, whatever the
+            // names in it (the kept arena included, and with it every step that was only
+            // staged). The machine comes back with an empty one (checked by `start`).
+            let old = m.id.clone();
+            m.lose();
+            // No task is left in the lost namespace (the dead trainers' output readers end
+            // a moment after their last line). Before the next machine starts: a new
+            // namespace may take the number of one that is gone.
+            let t = Instant::now();
+            loop {
+                let held = tasks_in_ns(&old);
+                if held.is_empty() {
+                    break;
+                }
+                if t.elapsed() > Duration::from_secs(5) {
+                    return Err(format!(
+                        "the lost machine's namespace {old} is still held by tasks {held:?}"
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            self.machine = Some(Machine::start().map_err(|e| format!("a new machine: {e}"))?);
+            soak.tally.lock().unwrap().machines_lost += 1;
+            self.mem_hwm = self.hwm;
+        } else if class == Class::MachineLoss {
+            // Simulated (no namespaces): the dead trainers' segments are removed from the
+            // shared `/dev/shm` by name, the kept arena too.
             let pids: BTreeSet<u32> = kids.iter().map(|k| k.pid).collect();
             for s in our_segments(&pids) {
                 let _ = std::fs::remove_file(Path::new("/dev/shm").join(s));
@@ -1421,10 +1726,43 @@ impl Lane {
     /// `latest` loaded and compared, every listed step verified, segments gone.
     fn finish(&mut self) -> Result<(), String> {
         if self.replica {
-            // What the last fault took and no trainer restored.
+            // What the last fault took and no trainer restored (the replicas are on the
+            // partner's machine: the host's namespace, where this thread runs).
             repair(&self.root, None, false).map_err(|e| format!("final: {e}"))?;
             self.lost = None;
         }
+        // The engines, and the kept arena, on the lane's machine (its `/dev/shm` holds the
+        // dead trainers' arenas they recover).
+        let ns = self.ns();
+        in_ns(ns.as_deref(), || self.finish_on_machine())??;
+        self.check_bucket("final")?;
+        if self.replica {
+            self.check_replicas("final")?;
+            // The replicas go (as `shmckpt shm rm` does), with the temporary files of
+            // killed receivers: none may be left.
+            let tag = shmckpt::replica::tag_of(&self.root).map_err(|e| e.to_string())?;
+            shmckpt::replica::remove_older(&self.root, 0, u64::MAX)
+                .map_err(|e| format!("final: removing the replicas: {e}"))?;
+            let left: Vec<String> = shmckpt::replica::list()
+                .into_iter()
+                .filter(|r| r.root_tag == tag)
+                .map(|r| r.name)
+                .chain(
+                    shmckpt::replica::list_unfinished()
+                        .into_iter()
+                        .filter(|u| u.replica.contains(&tag))
+                        .map(|u| u.name),
+                )
+                .collect();
+            if !left.is_empty() {
+                return Err(format!("final: replicas left in /dev/shm: {left:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Lane::finish`]'s part on the lane's machine (call it inside its namespace).
+    fn finish_on_machine(&self) -> Result<(), String> {
         let engines: Vec<Engine> = (0..self.world)
             .map(|r| {
                 Engine::open(trainer_config(
@@ -1453,29 +1791,6 @@ impl Lane {
             crash::step_exact(&self.root.join(step_dir_name(s)), s, self.world)?;
         }
         drop(engines);
-        self.check_bucket("final")?;
-        if self.replica {
-            self.check_replicas("final")?;
-            // The replicas go (as `shmckpt shm rm` does), with the temporary files of
-            // killed receivers: none may be left.
-            let tag = shmckpt::replica::tag_of(&self.root).map_err(|e| e.to_string())?;
-            shmckpt::replica::remove_older(&self.root, 0, u64::MAX)
-                .map_err(|e| format!("final: removing the replicas: {e}"))?;
-            let left: Vec<String> = shmckpt::replica::list()
-                .into_iter()
-                .filter(|r| r.root_tag == tag)
-                .map(|r| r.name)
-                .chain(
-                    shmckpt::replica::list_unfinished()
-                        .into_iter()
-                        .filter(|u| u.replica.contains(&tag))
-                        .map(|u| u.name),
-                )
-                .collect();
-            if !left.is_empty() {
-                return Err(format!("final: replicas left in /dev/shm: {left:?}"));
-            }
-        }
         if self.tiered {
             // Recovered by the final open (a kept arena stays by design): removed, as
             // `shmckpt shm rm` does, and it must be gone.
@@ -1513,6 +1828,8 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
         lost: None,
         failed: BTreeSet::new(),
         pids: Vec::new(),
+        machine: None,
+        cwd: std::env::current_dir().unwrap(),
         rng: soak.seed ^ (0x1000 * (id as u64 + 1)),
         trial: 0,
         stderr: dir.path().join("stderr.log"),
@@ -1529,6 +1846,15 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
             roots.push(c);
         }
     }
+    if soak.simulated.is_none() {
+        match Machine::start() {
+            Ok(m) => lane.machine = Some(m),
+            Err(e) => {
+                soak.violation(format!("lane {id}: its machine: {e}"));
+                return;
+            }
+        }
+    }
     while !soak.done() {
         let _ = std::fs::remove_file(&lane.stderr);
         if let Err(e) = lane.trial(soak) {
@@ -1536,13 +1862,18 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
                 "lane {} ({} rank(s)), trial {}: {e}",
                 lane.id, lane.world, lane.trial
             ));
-            // The dead trainers' arenas go with the root (a failed run leaks no segment).
-            let pids: BTreeSet<u32> = lane.pids.iter().copied().collect();
-            for seg in our_segments(&pids) {
-                let _ = std::fs::remove_file(Path::new("/dev/shm").join(seg));
-            }
-            if lane.tiered {
-                let _ = std::fs::remove_file(lane.kept_arena());
+            // The dead trainers' arenas go with the root (a failed run leaks no segment):
+            // with the machine, or by name from the shared `/dev/shm`.
+            if let Some(m) = lane.machine.take() {
+                m.lose();
+            } else {
+                let pids: BTreeSet<u32> = lane.pids.iter().copied().collect();
+                for seg in our_segments(&pids) {
+                    let _ = std::fs::remove_file(Path::new("/dev/shm").join(seg));
+                }
+                if lane.tiered {
+                    let _ = std::fs::remove_file(lane.kept_arena());
+                }
             }
             if lane.replica {
                 // Its replicas and the temporary files of killed receivers too.
@@ -1559,19 +1890,36 @@ fn lane(soak: &Soak, test: String, id: usize, world: u32, kind: LaneKind) {
     }
     let pids: BTreeSet<u32> = lane.pids.iter().copied().collect();
     soak.tally.lock().unwrap().pids.extend(&pids);
-    let left = our_segments(&pids);
-    if !left.is_empty() {
+    // The machine's `/dev/shm` (or the shared one): no segment of the lane's processes is
+    // left; a machine's must be empty altogether (it holds nothing but the lane's).
+    let left = in_ns(lane.ns().as_deref(), || {
+        let left = our_segments(&pids);
         // What each holds, and whose root: the lead to why the final open kept it.
         let what: Vec<String> = left
             .iter()
             .map(|n| format!("{n}: {:?}", shmckpt::recover::inspect_arena(n)))
             .collect();
+        (what, shm_names())
+    });
+    let (what, names) = left.unwrap_or_else(|e| (vec![e], Vec::new()));
+    if !what.is_empty() {
         soak.violation(format!(
             "lane {} (root {}): segments left in /dev/shm: {}",
             lane.id,
             lane.root.display(),
             what.join("; ")
         ));
+    }
+    if let Some(m) = lane.machine.take() {
+        if names.is_empty() {
+            soak.tally.lock().unwrap().machines_empty_at_end += 1;
+        } else {
+            soak.violation(format!(
+                "lane {}: its machine's /dev/shm (namespace {}) is not empty at the end: {names:?}",
+                lane.id, m.id
+            ));
+        }
+        m.lose();
     }
 }
 
@@ -1698,8 +2046,22 @@ fn chaos_soak() {
     let test = current_test();
     let before = prefixed_segments();
     let _ = BEFORE.set(before.clone());
+    // Each kill lane's machine is a mount namespace with a `/dev/shm` of its own where
+    // they can be made (root, `unshare`); elsewhere machine loss is simulated in the
+    // shared `/dev/shm`, which `SHMCKPT_REQUIRE_NS=1` (CI) makes a failure.
+    let simulated = Machine::start().err();
+    if let Some(why) = &simulated {
+        assert!(
+            std::env::var("SHMCKPT_REQUIRE_NS").as_deref() != Ok("1"),
+            "SHMCKPT_REQUIRE_NS=1 but no mount namespace with its own /dev/shm can be made: {why}"
+        );
+        println!(
+            "soak: SKIPPED real machines (no mount namespace: {why}); machine loss is simulated in the shared /dev/shm (SHMCKPT_REQUIRE_NS=1 makes this a failure)"
+        );
+    }
     let soak = Soak {
         seed,
+        simulated,
         target,
         total: AtomicU64::new(0),
         stop: AtomicBool::new(false),
@@ -1766,6 +2128,15 @@ fn chaos_soak() {
         "soak: replica lane: {} replicas reported sealed, {} machine losses took the rank file of the newest replicated step, {} files restored from a replica; after every fault every replica loaded and compared with its step's file",
         tally.replications, tally.files_lost, tally.restores
     );
+    match &soak.simulated {
+        None => println!(
+            "soak: machines: mount namespaces, each kill lane's with its own /dev/shm; {} trainers checked to run in their lane's namespace; {} machine losses killed the holder (no task left in the lost namespace, checked) and started a fresh machine (empty /dev/shm, checked); {} machines' /dev/shm empty at the end",
+            tally.ns_checked, tally.machines_lost, tally.machines_empty_at_end
+        ),
+        Some(why) => println!(
+            "soak: machines SIMULATED (no mount namespace: {why}): machine loss removed the dead trainers' segments from the shared /dev/shm by name"
+        ),
+    }
     // `/dev/shm` is flat: no segment of the soak's processes (the trainers, this one) is
     // left. Other test processes of the machine may come and go meanwhile: the listing is
     // compared by owner.
@@ -1785,6 +2156,12 @@ fn chaos_soak() {
         ours.is_empty(),
         "SOAK FAILED (seed {seed}): segments left in /dev/shm: {ours:?}"
     );
+    if soak.simulated.is_none() {
+        assert!(
+            tally.ns_checked > 0 || !tally.violations.is_empty(),
+            "SOAK FAILED (seed {seed}): no trainer was seen running in its machine's namespace"
+        );
+    }
     assert!(
         tally.violations.is_empty(),
         "SOAK FAILED (seed {seed}; rerun with SHMCKPT_SOAK_SEED={seed}): {} violation(s):\n{}",
