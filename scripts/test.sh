@@ -276,8 +276,10 @@ join "$venv_pid" "$venv_log" venv
 join "$wheel_pid" "$wheel_log" wheel
 
 stage "chaos soak (issue 38: >= 1,000 injected faults of mixed classes; the count per class)"
-# SIGKILLs at named and random points, machine loss, write errors, power cuts, bucket
-# crashes; every resume compared bit for bit (docs/crash.md, section 6). Prints its seed
+# SIGKILLs at named and random points, machine loss (mount namespaces: SHMCKPT_REQUIRE_NS),
+# write errors, power cuts (crashsim states, and crashfs cuts through FUSE:
+# SHMCKPT_REQUIRE_FUSE), bucket crashes; every resume compared bit for bit (docs/crash.md,
+# section 6). Prints its seed
 # (SHMCKPT_SOAK_SEED replays it) and a table of faults per class; fails on any violation.
 cargo test "${rust[@]}" --test integration soak -- --ignored --nocapture
 

@@ -67,8 +67,12 @@
 //! left beside a file in place; at the end no replica or temporary file is left.
 //!
 //! In the same run: power cuts (the crash states of `crash.rs`, drawn at random from a
-//! recording of 1- and 2-rank saves) and bucket faults (`remote_crash.rs`'s crashing
-//! in-memory store, at a random request).
+//! recording of 1- and 2-rank saves), real power cuts through crashfs (a one-rank engine
+//! in this process saving on a FUSE mount, on a machine of its own, the power cut at a
+//! random mutating request; the durable state mounted again on a fresh machine and
+//! checked, and the next incarnation goes on from it; skipped visibly without FUSE,
+//! a failure under `SHMCKPT_REQUIRE_FUSE=1`) and bucket faults (`remote_crash.rs`'s
+//! crashing in-memory store, at a random request).
 //!
 //! `SHMCKPT_SOAK_SEED` replays a seed (printed first; default: a new one per run; the
 //! kills' timing is not replayable exactly, the choices are), `SHMCKPT_SOAK_FAULTS` sets
@@ -789,6 +793,7 @@ enum Class {
     MachineLoss,
     IoError,
     PowerCut,
+    PowerCutFs,
     Bucket,
 }
 
@@ -808,6 +813,7 @@ impl Class {
             Class::MachineLoss => "machine loss (kill + /dev/shm gone)",
             Class::IoError => "write error EIO/ENOSPC (fault plan)",
             Class::PowerCut => "power cut (crashsim state)",
+            Class::PowerCutFs => "power cut (crashfs)",
             Class::Bucket => "bucket crash (in-memory store)",
         }
     }
@@ -876,6 +882,15 @@ struct Tally {
     ns_checked: u64,
     machines_lost: u64,
     machines_empty_at_end: u64,
+    /// The crashfs power cuts: those that fired at their mutating request (the others cut
+    /// on command once the incarnation's saves were done), requests per incarnation (the
+    /// most seen), saves reported committed before the cuts, resumes checked after them.
+    fs_fired: u64,
+    fs_requests: u64,
+    fs_reported: u64,
+    fs_resumes: u64,
+    /// Why the crashfs cuts did not run (no FUSE), when they did not.
+    fs_skipped: Option<String>,
     violations: Vec<String>,
 }
 
@@ -1969,6 +1984,262 @@ fn power_cuts(soak: &Soak, n: u64) {
     }
 }
 
+/// Saves of one crashfs incarnation (each ~70 KiB, two chunks).
+const FS_SAVES: u64 = 3;
+
+/// What one incarnation on crashfs did before its power cut.
+struct FsRun {
+    /// What a reboot finds.
+    image: crashfs::Image,
+    /// Whether the cut came at its request (not on command after the last save).
+    fired: bool,
+    mutations: u64,
+    /// Steps reported committed (durable) before the cut.
+    reported: Vec<u64>,
+}
+
+/// One incarnation of a one-rank trainer (an engine in this process, on the calling
+/// thread's machine) on a crashfs mount of `image` at `mnt`: open (recovery on open),
+/// [`FS_SAVES`] saves after `latest`, the power cut at the `cut_at`-th mutating request
+/// (or on command after the last save). An error: something failed with the power on.
+fn fs_incarnation(
+    image: crashfs::Image,
+    mnt: &Path,
+    cut_at: u64,
+    backend: BackendKind,
+) -> Result<FsRun, String> {
+    let m = crashfs::Mounted::mount(image, mnt).map_err(|e| format!("mounting crashfs: {e}"))?;
+    m.power().cut_at_mutation(cut_at);
+    let mut reported = Vec::new();
+    let on = |e: &dyn std::fmt::Display, what: &str| -> Result<(), String> {
+        if m.power().is_cut() {
+            Ok(())
+        } else {
+            Err(format!("{what} failed with the power on: {e}"))
+        }
+    };
+    let r = (|| -> Result<(), String> {
+        let engine = match Engine::open(trainer_config(mnt, 0, 1, backend)) {
+            Ok(e) => e,
+            Err(e) => return on(&e, "Engine::open"),
+        };
+        let latest = match engine.latest() {
+            Ok(l) => l,
+            Err(e) => return on(&e, "latest"),
+        };
+        let start = latest.map_or(1, |l| l + 1);
+        for step in start..start + FS_SAVES {
+            let st = crash::state(step, 0);
+            match engine
+                .save(step, &st.tensors(), &Metadata::new())
+                .and_then(|h| h.wait())
+            {
+                Ok(r) if r.dir.is_some() => reported.push(step),
+                Ok(_) => return Err(format!("step {step}: a one-rank save committed nothing")),
+                Err(e) => return on(&e, &format!("the save of step {step}")),
+            }
+        }
+        Ok(())
+    })();
+    let fired = m.power().is_cut();
+    let mutations = m.power().mutations();
+    // Every descriptor of the mount is closed (the engine is gone): what a reboot finds.
+    let image = m.crash();
+    r?;
+    Ok(FsRun {
+        image,
+        fired,
+        mutations,
+        reported,
+    })
+}
+
+/// After a crashfs power cut, on the rebooted filesystem (a clean mount of `image`, the
+/// power on): every listed step verifies with exactly its bytes; the newest is at least
+/// `hwm`, the newest step ever reported committed, and every step `run` reported is listed
+/// unless [`KEEP`] newer ones are (retention); the next open leaves no partial or trash
+/// directory and its `latest` is the newest listed and loads exactly. Returns the image
+/// as that open left it (a clean unmount), for the next incarnation.
+fn fs_check(
+    image: crashfs::Image,
+    mnt: &Path,
+    hwm: Option<u64>,
+    run: &FsRun,
+) -> Result<crashfs::Image, String> {
+    let m = crashfs::Mounted::mount(image, mnt).map_err(|e| format!("mounting crashfs: {e}"))?;
+    let r = (|| -> Result<(), String> {
+        let listed = crash::listed(mnt)?;
+        for &n in &listed {
+            crash::step_exact(&mnt.join(step_dir_name(n)), n, 1)?;
+        }
+        if let Some(h) = hwm
+            && listed.last().is_none_or(|&n| n < h)
+        {
+            return Err(format!(
+                "step {h} was reported committed, the newest committed step is {:?} (listed {listed:?})",
+                listed.last()
+            ));
+        }
+        for &r in &run.reported {
+            if !listed.contains(&r) && listed.iter().filter(|&&l| l > r).count() < KEEP {
+                return Err(format!(
+                    "step {r} was reported committed and is gone (listed {listed:?})"
+                ));
+            }
+        }
+        let engine = Engine::open(trainer_config(mnt, 0, 1, BackendKind::Pwrite))
+            .map_err(|e| format!("Engine::open after the cut: {e}"))?;
+        let left: Vec<String> = std::fs::read_dir(mnt)
+            .map_err(|e| e.to_string())?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".partial") || n.ends_with(".trash"))
+            .collect();
+        if !left.is_empty() {
+            return Err(format!("after Engine::open: {left:?}"));
+        }
+        let listed = crash::listed(mnt)?;
+        let latest = engine.latest().map_err(|e| format!("latest: {e}"))?;
+        if latest != listed.last().copied() {
+            return Err(format!("latest {latest:?}, listed {listed:?}"));
+        }
+        if let Some(l) = latest {
+            let ck = engine
+                .load(StepSel::Latest)
+                .map_err(|e| format!("load(latest = {l}): {e}"))?;
+            crash::same(&ck, l, 0)?;
+        }
+        Ok(())
+    })();
+    let image = m.unmount();
+    r.map(|()| image)
+}
+
+/// Power cuts through the kernel: a one-rank trainer (an engine in this process, random
+/// backend) saves on a crashfs mount (docs/crash.md section 4), the power cut at a random
+/// mutating request; the filesystem is brought back as a reboot finds it and checked
+/// ([`fs_check`]); the next incarnation goes on from there. Each incarnation runs on a
+/// machine of its own (a mount namespace, the FUSE mount inside it) lost with the power:
+/// its `/dev/shm` goes with it. Without namespaces, the engine's arenas are removed by name.
+/// Skipped (said in the summary) without FUSE; `SHMCKPT_REQUIRE_FUSE=1` fails instead.
+fn crashfs_cuts(soak: &Soak, n: u64) {
+    if let Err(why) = crashfs::can_mount() {
+        assert!(
+            std::env::var("SHMCKPT_REQUIRE_FUSE").as_deref() != Ok("1"),
+            "SHMCKPT_REQUIRE_FUSE=1 but no FUSE mount can be made: {why}"
+        );
+        println!(
+            "soak: SKIPPED power cuts through crashfs (no FUSE mount: {why}; SHMCKPT_REQUIRE_FUSE=1 makes this a failure)"
+        );
+        soak.tally.lock().unwrap().fs_skipped = Some(why);
+        return;
+    }
+    let mut rng = soak.seed ^ 0xf5e;
+    let dir = real_dir("soak-crashfs");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut image = crashfs::Image::empty();
+    let mut hwm: Option<u64> = None;
+    // Requests per incarnation, as the first one counts them (it is cut on command).
+    let mut requests: Option<u64> = None;
+    for i in 0..n {
+        if soak.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let cut_at = requests.map_or(u64::MAX, |m| rand(&mut rng, m + m / 4 + 1));
+        let backend = if rand(&mut rng, 2) == 0 {
+            BackendKind::IoUring
+        } else {
+            BackendKind::Pwrite
+        };
+        let machine = match soak.simulated {
+            None => match Machine::start() {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    soak.violation(format!("crashfs power cut {i}: a machine: {e}"));
+                    return;
+                }
+            },
+            Some(_) => None,
+        };
+        let ns = machine.as_ref().map(|m| Arc::clone(&m.ns));
+        let img = std::mem::take(&mut image);
+        let run =
+            in_ns(ns.as_deref(), || fs_incarnation(img, &mnt, cut_at, backend)).and_then(|r| r);
+        // The power is off: the machine goes, its `/dev/shm` with it.
+        match machine {
+            Some(m) => m.lose(),
+            None => {
+                let me: BTreeSet<u32> = [std::process::id()].into();
+                for seg in our_segments(&me) {
+                    let root = shmckpt::recover::inspect_arena(&seg)
+                        .details
+                        .map(|d| d.root);
+                    if root.is_ok_and(|r| r.starts_with(&mnt)) {
+                        let _ = std::fs::remove_file(Path::new("/dev/shm").join(seg));
+                    }
+                }
+            }
+        }
+        let run = match run {
+            Ok(r) => r,
+            Err(e) => {
+                soak.violation(format!(
+                    "crashfs power cut {i} (cut at request {cut_at}, {backend:?}): {e}"
+                ));
+                return;
+            }
+        };
+        // The reboot: a fresh machine, the durable state mounted again.
+        let machine = match soak.simulated {
+            None => match Machine::start() {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    soak.violation(format!("crashfs power cut {i}: a machine: {e}"));
+                    return;
+                }
+            },
+            Some(_) => None,
+        };
+        let ns = machine.as_ref().map(|m| Arc::clone(&m.ns));
+        let prev = hwm;
+        let checked = in_ns(ns.as_deref(), || {
+            fs_check(run.image.clone(), &mnt, prev, &run)
+        })
+        .and_then(|r| r);
+        let names = in_ns(ns.as_deref(), shm_names).unwrap_or_default();
+        drop(machine);
+        hwm = run.reported.iter().copied().max().max(hwm);
+        match checked {
+            Ok(img) => image = img,
+            Err(e) => {
+                soak.violation(format!(
+                    "crashfs power cut {i}: cut at request {cut_at} of ~{requests:?} ({backend:?}), after {} requests, steps reported {:?}: {e}",
+                    run.mutations, run.reported
+                ));
+                return;
+            }
+        }
+        if soak.simulated.is_none() && !names.is_empty() {
+            soak.violation(format!(
+                "crashfs power cut {i}: the check's machine kept {names:?} in /dev/shm"
+            ));
+            return;
+        }
+        if requests.is_none() {
+            requests = Some(run.mutations);
+        }
+        {
+            let mut t = soak.tally.lock().unwrap();
+            t.fs_fired += u64::from(run.fired);
+            t.fs_requests = t.fs_requests.max(run.mutations);
+            t.fs_reported += run.reported.len() as u64;
+            t.fs_resumes += 1;
+        }
+        soak.add(Class::PowerCutFs, 1);
+    }
+}
+
 /// Bucket faults: the remote tier's crash harness at random requests.
 fn bucket_faults(soak: &Soak, n: u64) {
     let mut rng = soak.seed ^ 0xb0c7;
@@ -2070,8 +2341,10 @@ fn chaos_soak() {
     let t = Instant::now();
     // The in-process classes first (a fixed share), then the kill lanes until the total.
     let cuts = (target / 8).max(1);
+    let fs_cuts = (target / 40).max(1);
     let buckets = (target / 250).max(1);
     power_cuts(&soak, cuts);
+    crashfs_cuts(&soak, fs_cuts);
     bucket_faults(&soak, buckets);
     std::thread::scope(|s| {
         for (id, &(world, kind)) in worlds.iter().enumerate() {
@@ -2128,6 +2401,17 @@ fn chaos_soak() {
         "soak: replica lane: {} replicas reported sealed, {} machine losses took the rank file of the newest replicated step, {} files restored from a replica; after every fault every replica loaded and compared with its step's file",
         tally.replications, tally.files_lost, tally.restores
     );
+    match &tally.fs_skipped {
+        None => println!(
+            "soak: crashfs: {} power cuts of a one-rank trainer on a FUSE mount ({} at a random mutating request of up to {} per incarnation, the others on command after its {FS_SAVES} saves), {} saves reported committed before them, {} reboots checked (every listed step exact, nothing reported lost, the next open's latest loaded exactly)",
+            tally.faults.get(&Class::PowerCutFs).copied().unwrap_or(0),
+            tally.fs_fired,
+            tally.fs_requests,
+            tally.fs_reported,
+            tally.fs_resumes
+        ),
+        Some(why) => println!("soak: crashfs power cuts SKIPPED (no FUSE mount: {why})"),
+    }
     match &soak.simulated {
         None => println!(
             "soak: machines: mount namespaces, each kill lane's with its own /dev/shm; {} trainers checked to run in their lane's namespace; {} machine losses killed the holder (no task left in the lost namespace, checked) and started a fresh machine (empty /dev/shm, checked); {} machines' /dev/shm empty at the end",
