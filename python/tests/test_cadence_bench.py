@@ -122,8 +122,29 @@ def test_the_trace_reports_each_step_with_its_host_ranges(tmp_path):
         # Inside the step, in the loop's order.
         assert 0 <= r["fwd_bwd_at_ms"] <= r["opt_step_at_ms"] <= r["guard_wait_at_ms"] <= r["sync_at_ms"] <= r["host_ms"], r
         assert "kernels_from_ms" not in r and "copies" not in r, r
-    assert set(res["summary"]) == {"none", "save"} and "save_call_ms" in res["summary"]["save"]
-    assert "save_call_ms" not in res["summary"]["none"]
+    assert set(res["summary"]) == {"none@0", "save@0"} and "save_call_ms" in res["summary"]["save@0"]
+    assert "save_call_ms" not in res["summary"]["none@0"]
+
+
+def test_the_trace_saves_every_n_steps_at_the_step_end(tmp_path):
+    """``--every 2 --call-at end``: in a saving block only every second step calls save,
+    after its optimizer step (the guard's wait of the next step then holds the save); the
+    summary has one entry per position in the cycle, the save's call only at position 0."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--state", "tiny", "--steps", "4", "--rounds", "1", "--every", "2", "--call-at", "end",
+            "--out", str(out), "--dir", str(tmp_path / "ck")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    zygote.run([sys.executable, str(BENCH / "cadence_trace.py"), *args], check=True, env=env, timeout=300)
+    res = json.loads((out / "trace_steps.json").read_text())
+    assert (res["meta"]["every"], res["meta"]["call_at"], res["meta"]["snapshot"]) == (2, "end", "none")
+    saving = [r for r in res["rows"] if r["step"].startswith("step:save:")]
+    assert [r["step"] for r in saving] == [f"step:save:{i}" for i in range(4)]
+    assert ["save_call_ms" in r for r in saving] == [True, False, True, False]
+    for r in saving[::2]:
+        assert r["opt_step_at_ms"] <= r["save_call_at_ms"] <= r["sync_at_ms"], r
+    assert set(res["summary"]) == {"none@0", "none@1", "save@0", "save@1"}
+    assert "save_call_ms" in res["summary"]["save@0"] and "save_call_ms" not in res["summary"]["save@1"]
 
 
 def test_the_tiny_run_calls_save_at_the_step_end(tmp_path):
