@@ -67,7 +67,7 @@ def parse_args(argv=None):
     a("--keep-last", type=int, default=2, help="committed checkpoints each checkpointer keeps on disk (each condition has its own root: with several --compare-tuning, 1 keeps a 64 GiB disk from filling at 8 GiB)")
     a("--staging-factor", type=float, default=3.0, help="staging capacity / state bytes (a disk save draining, the held memory-only step and the save being staged)")
     a("--snapshot", default="device", help='save(snapshot=...) of a configuration that names none ("none": no snapshot)')
-    a("--compare-tuning", action="append", default=None, metavar="JSON", help='also alternate segments saving through another checkpointer with these Tuning fields over the bench\'s, e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"; repeat for more checkpointers ("compare2", "compare3", ...; each has its own staging: --staging-factor x the state)')
+    a("--compare-tuning", action="append", default=None, metavar="JSON", help='also alternate segments saving through another checkpointer with these Tuning fields over the bench\'s (a field with a leading underscore sets the saver\'s attribute: {"_early_snapshot": false}), e.g. {"copy_ahead": 0} (every device copy queued at once), reported as "compare"; repeat for more checkpointers ("compare2", "compare3", ...; each has its own staging: --staging-factor x the state)')
     a("--compare-engine", action="store_true", help='also alternate segments saving through a checkpointer with the bench\'s tuning, but straight into its engine from the trainer\'s thread (Engine.save with engine tuples built once, ordered after an event recorded at the call, the streams held before the optimizer step): the save without the package\'s Python capture, reported as "engine"')
     a("--compare-raw", action="store_true", help='also alternate segments that copy the state\'s bytes as one device-to-host copy (cudaMemcpyAsync of one buffer of the same size into pinned memory, on a side stream the optimizer step waits for): the physical cost of the copy beside the step, reported as "raw"')
     a("--call-at", default="start", choices=["start", "end"], help="where each step calls save: at its start, after the previous step's synchronization (the device idle: the call's time is the step's; default), or at its end, after the optimizer step is queued and before the step's synchronization (the call runs while the device runs the optimizer step; the save holds the state after that step)")
@@ -342,9 +342,16 @@ def main(argv=None):
     if compares:
         res["meta"]["compare_tuning"] = compares[0] if len(compares) == 1 else compares
     for i, fields in enumerate(compares):
-        tuning = {"chunk_size": chunk, "staging_capacity": cap, **fields}
+        # A field with a leading underscore is the checkpointer's saver's attribute, not a
+        # Tuning field: an A/B of its Python side (e.g. {"_early_snapshot": false}).
+        saver = {k[1:]: v for k, v in fields.items() if k.startswith("_")}
+        tuning = {"chunk_size": chunk, "staging_capacity": cap, **{k: v for k, v in fields.items() if not k.startswith("_")}}
         name = compare_name(i)
         cks[name] = shmckpt.Checkpointer(f"{root}-{name}", keep_last=args.keep_last, **checkpointer_kw(kw, **tuning))
+        for k, v in saver.items():
+            if not hasattr(cks[name]._saver, k):
+                raise SystemExit(f"cadence_overhead: --compare-tuning {k!r}: the saver has no attribute {k[1:]!r}")
+            setattr(cks[name]._saver, k, v)
     engines = {}
     opened = list(cks.values())  # every checkpointer, the engine condition's included
     if args.compare_engine:

@@ -43,6 +43,10 @@ class SaveHandle:
         # wait, a wait, ``done`` or the next save).
         self._settle: Optional[Any] = None
         self._settle_lock = threading.Lock()
+        # A speculative start's future of the engine's provisional handle (None when it
+        # started nothing): with a snapshot, the guard asks it for the snapshot before the
+        # check, so the device copies run while the check does (``_snapshot.request_early``).
+        self._started: Optional[concurrent.futures.Future] = None
         #: Device bytes of the save's snapshot (``snapshot="device"``; 0 when none was taken).
         self.snapshot_bytes = 0
         # check_replicas: the checkpointer's divergence check (shmckpt._divergence), whether

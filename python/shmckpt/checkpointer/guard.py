@@ -146,6 +146,8 @@ class Guard:
 
         def wait(h: SaveHandle) -> Any:
             if h._deferred:
+                if h._snapshot:
+                    _snapshot.request_early(h._started)
                 try:
                     h._get_rust()  # the capture (milliseconds after the call)
                 except Exception:

@@ -32,6 +32,10 @@ class Saver:
         #: ``_layout.Layout`` of the last save, reused when it matches.
         self.layout: Optional[Any] = None
         self.submitter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        #: A speculative start with a snapshot is asked for it before its check in the
+        #: guard's wait (``_snapshot.request_early``); off: after the check, as before
+        #: (for benches that compare the two).
+        self.early_snapshot = True
         #: Set by a non-blocking save whose tensors were all guarded and read in place: the
         #: next save of tensors of the same storages is deferred (``_defer``).
         self.deferrable: Optional[_Again] = None
@@ -245,6 +249,8 @@ class Saver:
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         handle._future = fut
         handle._settle = functools.partial(self._settle, pinned, plan, started, fut)
+        if self.early_snapshot:
+            handle._started = started
         return True
 
     def _start(
