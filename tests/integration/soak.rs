@@ -2122,6 +2122,21 @@ fn fs_check(
 /// machine of its own (a mount namespace, the FUSE mount inside it) lost with the power:
 /// its `/dev/shm` goes with it. Without namespaces, the engine's arenas are removed by name.
 /// Skipped (said in the summary) without FUSE; `SHMCKPT_REQUIRE_FUSE=1` fails instead.
+/// A fresh machine for crashfs power cut `i`, or none where machines are simulated; `None`
+/// once a machine could not start (a violation, reported).
+fn cut_machine(soak: &Soak, i: u64) -> Option<Option<Machine>> {
+    if soak.simulated.is_some() {
+        return Some(None);
+    }
+    match Machine::start() {
+        Ok(m) => Some(Some(m)),
+        Err(e) => {
+            soak.violation(format!("crashfs power cut {i}: a machine: {e}"));
+            None
+        }
+    }
+}
+
 fn crashfs_cuts(soak: &Soak, n: u64) {
     if let Err(why) = crashfs::can_mount() {
         assert!(
@@ -2152,15 +2167,8 @@ fn crashfs_cuts(soak: &Soak, n: u64) {
         } else {
             BackendKind::Pwrite
         };
-        let machine = match soak.simulated {
-            None => match Machine::start() {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    soak.violation(format!("crashfs power cut {i}: a machine: {e}"));
-                    return;
-                }
-            },
-            Some(_) => None,
+        let Some(machine) = cut_machine(soak, i) else {
+            return;
         };
         let ns = machine.as_ref().map(|m| Arc::clone(&m.ns));
         let img = std::mem::take(&mut image);
@@ -2191,15 +2199,8 @@ fn crashfs_cuts(soak: &Soak, n: u64) {
             }
         };
         // The reboot: a fresh machine, the durable state mounted again.
-        let machine = match soak.simulated {
-            None => match Machine::start() {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    soak.violation(format!("crashfs power cut {i}: a machine: {e}"));
-                    return;
-                }
-            },
-            Some(_) => None,
+        let Some(machine) = cut_machine(soak, i) else {
+            return;
         };
         let ns = machine.as_ref().map(|m| Arc::clone(&m.ns));
         let prev = hwm;
