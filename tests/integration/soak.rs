@@ -1791,16 +1791,7 @@ impl Lane {
             .collect::<Result<_, _>>()?;
         let listed = crash::listed(&self.root)?;
         for (r, e) in engines.iter().enumerate() {
-            let l = e.latest().map_err(|e| e.to_string())?;
-            if l != listed.last().copied() {
-                return Err(format!("final: rank {r} latest {l:?}, listed {listed:?}"));
-            }
-            if let Some(l) = l {
-                let ck = e
-                    .load(StepSel::Latest)
-                    .map_err(|e| format!("final load: {e}"))?;
-                crash::same(&ck, l, r as u32)?;
-            }
+            latest_is_newest_and_exact(e, &listed, r as u32).map_err(|e| format!("final: {e}"))?;
         }
         for &s in &listed {
             crash::step_exact(&self.root.join(step_dir_name(s)), s, self.world)?;
@@ -2098,18 +2089,7 @@ fn fs_check(
         if !left.is_empty() {
             return Err(format!("after Engine::open: {left:?}"));
         }
-        let listed = crash::listed(mnt)?;
-        let latest = engine.latest().map_err(|e| format!("latest: {e}"))?;
-        if latest != listed.last().copied() {
-            return Err(format!("latest {latest:?}, listed {listed:?}"));
-        }
-        if let Some(l) = latest {
-            let ck = engine
-                .load(StepSel::Latest)
-                .map_err(|e| format!("load(latest = {l}): {e}"))?;
-            crash::same(&ck, l, 0)?;
-        }
-        Ok(())
+        latest_is_newest_and_exact(&engine, &crash::listed(mnt)?, 0)
     })();
     let image = m.unmount();
     r.map(|()| image)
@@ -2122,6 +2102,22 @@ fn fs_check(
 /// machine of its own (a mount namespace, the FUSE mount inside it) lost with the power:
 /// its `/dev/shm` goes with it. Without namespaces, the engine's arenas are removed by name.
 /// Skipped (said in the summary) without FUSE; `SHMCKPT_REQUIRE_FUSE=1` fails instead.
+/// `e`'s `latest` is the newest step of `listed`, and loads with exactly rank `rank`'s
+/// bytes of it.
+fn latest_is_newest_and_exact(e: &Engine, listed: &[u64], rank: u32) -> Result<(), String> {
+    let l = e.latest().map_err(|e| format!("rank {rank} latest: {e}"))?;
+    if l != listed.last().copied() {
+        return Err(format!("rank {rank} latest {l:?}, listed {listed:?}"));
+    }
+    if let Some(l) = l {
+        let ck = e
+            .load(StepSel::Latest)
+            .map_err(|e| format!("rank {rank} load(latest = {l}): {e}"))?;
+        crash::same(&ck, l, rank)?;
+    }
+    Ok(())
+}
+
 /// A fresh machine for crashfs power cut `i`, or none where machines are simulated; `None`
 /// once a machine could not start (a violation, reported).
 fn cut_machine(soak: &Soak, i: u64) -> Option<Option<Machine>> {
