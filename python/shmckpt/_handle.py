@@ -70,6 +70,9 @@ class SaveHandle:
             return
         with self._settle_lock:
             settle, self._settle = self._settle, None
+            # (Asked for the snapshot before the check or not at all: a refused start's
+            # handle is not kept past it.)
+            self._started = None
             if settle is not None:
                 settle()
 

@@ -135,8 +135,10 @@ def test_the_guard_asks_a_speculative_start_for_its_snapshot_before_the_check():
     from shmckpt.checkpointer.guard import Guard
 
     r = StagedRust(0)
-    Guard.wait(type("G", (), {"shared": Recorder(speculative_handle(r, early=True))})())
+    h = speculative_handle(r, early=True)
+    Guard.wait(type("G", (), {"shared": Recorder(h)})())
     assert r.calls == ["request_snapshot", "check", "wait_staged"]
+    assert h._started is None  # the start's future is not kept past the check
     r = StagedRust(0)
     Guard.wait(type("G", (), {"shared": Recorder(speculative_handle(r, early=False))})())
     assert r.calls == ["check", "wait_staged"]
