@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import stat
+import threading
 from typing import Any, Callable, List, Sequence, Tuple, TypeVar
 
 import numpy as np
@@ -23,19 +24,36 @@ except ImportError:  # pragma: no cover
 _T = TypeVar("_T")
 
 
+#: Threads inside :func:`_gc_paused`, and whether the first of them disabled the GC (it
+#: was enabled): the last one out enables it again.
+_pause_lock = threading.RLock()  # a signal handler that saves may enter on the same thread
+_pauses = 0
+_reenable = False
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Any:
     """No cyclic garbage collection inside: flattening a large state allocates a few
     objects per tensor, all kept, which otherwise triggers repeated collections (of the
-    whole heap, tensors included) costing more than the flattening itself."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    whole heap, tensors included) costing more than the flattening itself. The pause is
+    the process's (the GC is): several threads may be inside at once (the trainer's check
+    and the submitting thread's start of the next save), and collections resume when the
+    last one leaves, not when the first does, while the others' objects are still alive.
+    A GC the caller disabled stays disabled."""
+    global _pauses, _reenable
+    with _pause_lock:
+        if _pauses == 0:
+            _reenable = gc.isenabled()
+            if _reenable:
+                gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _reenable:
+                gc.enable()
 
 
 def _gc_paused_call(fn: Callable[..., _T], *args: Any) -> _T:

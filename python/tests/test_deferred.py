@@ -644,3 +644,117 @@ def test_prepared_tensors_are_dropped_when_the_guard_changes(root):
         assert p.taken and ck._saver.prepared is None
         model, opt, step, state, p = setup(ck)
     assert p.taken
+
+
+def test_the_gc_pause_ends_when_the_last_thread_leaves_it():
+    """``_gc_paused`` is entered by the trainer's thread (the guard's check) and the
+    submitting thread (the next save's start) at once: collections resume when the last
+    one leaves, not the first (the other's objects still alive would be promoted), and a
+    GC its caller disabled stays disabled."""
+    import gc
+
+    from shmckpt._util import _gc_paused
+
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with _gc_paused():
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=other)
+    with _gc_paused():
+        assert not gc.isenabled()
+        t.start()
+        assert inside.wait(30)
+    assert not gc.isenabled()  # the other thread is still inside
+    leave.set()
+    t.join(30)
+    assert gc.isenabled()
+    # Both the other way round: the first in leaves last.
+    inside.clear(), leave.clear()
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(30)
+    with _gc_paused():
+        assert not gc.isenabled()
+        leave.set()
+        t.join(30)
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def _promoted_to_oldest(run):
+    """Objects ``run()`` left in CPython's oldest generation after a collection of the
+    middle one moved them there (each such collection, ~1 per save here without the pause,
+    promotes what the young generations hold at that moment)."""
+    import gc
+
+    young: list = []
+    promoted = collections.Counter()
+
+    def on_gc(phase, info):
+        if info["generation"] != 1:
+            return
+        if phase == "start":
+            young[:] = gc.get_objects(0) + gc.get_objects(1)
+        else:
+            old = {id(o) for o in gc.get_objects(2)}
+            promoted.update(type(o).__name__ for o in young if id(o) in old)
+            young.clear()
+
+    gc.collect()
+    gc.callbacks.append(on_gc)
+    try:
+        run()
+    finally:
+        gc.callbacks.remove(on_gc)
+    return promoted
+
+
+def test_preparing_the_next_save_promotes_nothing_to_the_oldest_generation(root):
+    """The guard's hook prepares the next deferred save's engine tuples (a few objects per
+    tensor, dropped once the engine took them) with the cyclic GC paused. Collected while
+    they lived, ~2.6 objects per tensor per save were promoted to the oldest generation,
+    and CPython then collected the trainer's whole heap every ~20 saves, holding the
+    interpreter (155 ms for 337,000 objects on the development VM)."""
+    torch.manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(400)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    state = {"model": {str(i): p for i, p in enumerate(params)}, "optim": opt.state_dict()}
+    tensors = len(params) * 4  # each parameter, its two moments and its step
+    steps = itertools.count(1)
+    with shmckpt.Checkpointer(root, tuning=shmckpt.Tuning(staging_capacity=64 << 20)) as ck:
+        ck.guard(opt)
+        for _ in range(4):
+            ck.save(next(steps), state, blocking=False)
+            opt.step()
+        assert ck._saver.prepared is not None  # the hook prepares from here on
+
+        def saves():
+            for _ in range(20):
+                ck.save(next(steps), state, blocking=False)
+                opt.step()
+            ck.wait()
+
+        promoted = _promoted_to_oldest(saves)
+        assert ck._saver.prepared is not None
+        want = snapshot(state)
+        last = next(steps)
+        h = ck.save(last, state, blocking=False)
+        opt.step()
+        h.wait()
+        assert_same(want, ck.load(last))
+    # Before the pause: ~40,000 in these 20 saves, 1,600 tuples at each collection.
+    assert sum(promoted.values()) < tensors, promoted.most_common(5)
