@@ -176,3 +176,24 @@ def test_the_tiny_run_calls_save_at_the_step_end(tmp_path):
         tiered = [sv for x in seg["tiered"] for sv in x["saves"]]
         assert sum(sv["disk"] for sv in tiered) == c["disk_saves"]
         assert all(sv["staging_ms"] >= 0 and sv["backpressure_ms"] >= 0 for sv in tiered)
+
+
+def test_the_gc_probe_counts_collections_and_times_every_iteration(tmp_path):
+    """benches/train/gc_probe.py end to end, small: every round reports the collections of
+    the three generations over its iterations and their times. The probe's point (no
+    collection of the oldest generation from the saves) is asserted by
+    ``test_deferred.py::test_preparing_the_next_save_promotes_nothing_to_the_oldest_generation``;
+    no timing is asserted."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    args = ["--params", "40", "--iters", "12", "--warmup", "4", "--rounds", "2", "--disk-every", "3",
+            "--dir", str(tmp_path / "ck"), "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    zygote.run([sys.executable, str(BENCH / "gc_probe.py"), *args], check=True, env=env, timeout=300)
+    res = json.loads((out / "gc_probe.json").read_text())
+    assert res["args"]["iters"] == 12 and len(res["rounds"]) == 2
+    for r in res["rounds"]:
+        assert len(r["collections"]) == 3 and all(c >= 0 for c in r["collections"])
+        assert 0 < r["iter_ms_median"] <= r["iter_ms_p99"] <= r["iter_ms_max"]
+        assert 0 <= r["iters_over_100ms"] <= 12
+    assert not (tmp_path / "ck").exists()  # each round's root removed
