@@ -446,11 +446,17 @@ impl WriteSink for SaveState {
 
     fn finished_lease(&self, chunk: &ChunkInfo, lease: ChunkLease, outcome: Outcome) {
         let written = self.record(chunk, Some(lease.as_slice()), outcome);
-        // Held for the upload (which takes it into a part at once) before the chunk counts
-        // as finished: the commit thread reports the local outcome only after every chunk
-        // finished.
-        if written && let Some(u) = &self.upload {
-            u.offer(chunk.chunk, lease, chunk.len);
+        match &self.upload {
+            // Held for the upload (which takes it into a part at once) before the chunk
+            // counts as finished: the commit thread reports the local outcome only after
+            // every chunk finished.
+            Some(u) if written => u.offer(chunk.chunk, lease, chunk.len),
+            // Back in the arena's pool before the chunk counts as finished: the commit
+            // holds the image for replication by taking its chunks out of the pool
+            // (`Arena::finish_slot_holding`), and a chunk still leased here then is read
+            // back from the file instead (seen on a loaded 2-core VM: a whole image sent
+            // from the file).
+            _ => drop(lease),
         }
         self.count_finished();
     }
