@@ -29,7 +29,8 @@ Per configuration: the mean step of each condition, the overhead = mean(tiered) 
 mean(baseline) - 1 per round (adjacent segments), its median over rounds and a bootstrap
 95 % interval of the mean, the saves' call time (stall), and how many saves the disk took;
 in the JSON also, per condition and segment, every step's time and every save's tier,
-staging time and backpressure (``segments``).
+staging time and backpressure, and every collection of CPython's oldest generation (its
+step, length and thread) with the collections per generation (``segments``).
 
 H200 (one call, about 4 minutes with --budget-s 200):
     python3 benches/train/cadence_overhead.py --out $OUT/cadence
@@ -38,12 +39,14 @@ CPU smoke test (tiny model, 2 rounds):
 """
 
 import argparse
+import gc
 import json
 import os
 import random
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,17 +229,37 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
 
         tr.sync()
         walls = []
-        for i in range(iters):
-            t0 = now()
-            if not at_end:
-                save(i)
-            tr.fwd_bwd()
-            before_step()
-            tr.step()
-            if at_end:
-                save(i)
-            tr.sync()
-            walls.append(now() - t0)
+        # Every collection of CPython's oldest generation during the segment (a walk of
+        # the whole heap, holding the interpreter): the step it fell in, its length and
+        # its thread; and the collections of each generation.
+        full, begun, at = [], [0.0], [0]
+
+        def on_gc(phase, info):
+            if info["generation"] != 2:
+                return
+            if phase == "start":
+                begun[0] = now()
+            else:
+                full.append({"step": at[0], "ms": (now() - begun[0]) * 1e3, "thread": threading.current_thread().name})
+
+        counts0 = [g["collections"] for g in gc.get_stats()]
+        gc.callbacks.append(on_gc)
+        try:
+            for i in range(iters):
+                at[0] = i
+                t0 = now()
+                if not at_end:
+                    save(i)
+                tr.fwd_bwd()
+                before_step()
+                tr.step()
+                if at_end:
+                    save(i)
+                tr.sync()
+                walls.append(now() - t0)
+        finally:
+            gc.callbacks.remove(on_gc)
+        gc_counts = [g["collections"] - c for g, c in zip(gc.get_stats(), counts0)]
         before_step()  # (--call-at end: the last save's copies, untimed)
         per_save = []
         for h in handles:  # untimed: the next segment starts from an idle disk
@@ -252,7 +275,7 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
             per_save.append({"disk": disk, "staging_ms": tm["staging"] * 1e3, "backpressure_ms": tm.get("backpressure", 0.0) * 1e3})
         # Every step's time and every save's, per segment: which steps of a slow round were
         # slow, and whether a disk save or a wait for staging room came with them.
-        segments[cond].append({"round": len(rounds), "steps_ms": [w * 1e3 for w in walls], "saves": per_save})
+        segments[cond].append({"round": len(rounds), "steps_ms": [w * 1e3 for w in walls], "saves": per_save, "gc_full": full, "gc_collections": gc_counts})
         return walls
 
     r = 0
@@ -262,6 +285,10 @@ def run_config(tr, state, cks, step_ms, every, snapshot, args, cuda, step_no, en
         rounds.append({c: statistics.fmean(w[1:]) for c, w in seg.items()})
         log(f"  round {r}: " + ", ".join(f"{c} {rounds[-1][c] * 1e3:.2f} ms" for c in conds))
         r += 1
+    for c in conds:  # collections of the whole heap per condition (the steps' tail)
+        fl = [f for sg in segments[c] for f in sg["gc_full"]]
+        tail = f": median {med([f['ms'] for f in fl]):.1f} ms, max {max(f['ms'] for f in fl):.1f} ms" if fl else ""
+        log(f"  {c}: {len(fl)} full collections of the heap in {sum(len(sg['steps_ms']) for sg in segments[c])} steps{tail}")
     res = summary(rounds, "tiered", stalls, staged)
     res.update(
         step_ms_target=step_ms,

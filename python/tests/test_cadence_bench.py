@@ -59,6 +59,15 @@ def test_the_tiny_run_checkpoints_weights_and_moments(tmp_path):
         eng = c["engine"]
         assert eng["saves"] == c["saves"] and 1 <= eng["disk_saves"] <= eng["saves"]
         assert len(eng["overhead_per_round"]) == 2 and eng["stall_ms_median"] is not None
+        # Per segment: every step timed, and the GC's collections counted (each of the
+        # oldest generation with its step, length and thread).
+        for cond in ("baseline", "tiered", "compare", "compare2", "engine"):
+            segs = c["segments"][cond]
+            assert len(segs) == 2 and all(len(sg["steps_ms"]) == 4 for sg in segs)
+            for sg in segs:
+                assert len(sg["gc_collections"]) == 3 and min(sg["gc_collections"]) >= 0
+                assert len(sg["gc_full"]) <= sg["gc_collections"][2]
+                assert all(0 <= f["step"] < 4 and f["ms"] >= 0 and f["thread"] for f in sg["gc_full"])
     # The same checkpointers for both configurations: step numbers go on (1 after the
     # warm-up's 0), never restart into steps the roots still hold.
     a, b = (c["steps"] for c in res["configs"])
