@@ -323,7 +323,7 @@ class Saver:
         try:
             rust = started.result()
             probe = _layout.read_meta(walked)
-            cap = _gc_paused_call(self._capture_tensors, step, walked, probe, False, meta, pinned)
+            cap = self._capture_tensors(step, walked, probe, False, meta, pinned)  # (paused: _settle)
             if rust is not None and cap.plan is plan:
                 rust.confirm_commit(None)
                 fut.set_result(rust)
